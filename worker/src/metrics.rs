@@ -1,0 +1,93 @@
+//! Prometheus metrics of the worker, served on `--metrics-addr` by the owner only.
+//!
+//! One registry, no globals: every component gets the [`Metrics`] handle it counts into.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabel {
+    /// lock_wait, bind, fd_passing, reconcile, first_serve
+    pub phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TypeLabel {
+    pub type_url: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CniLabel {
+    pub op: String,
+    pub result: String,
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
+    pub generation: Gauge,
+    pub worker_respawns: Gauge,
+    pub xds_pushes: Family<TypeLabel, Counter>,
+    pub xds_acks: Family<TypeLabel, Counter>,
+    pub xds_nacks: Family<TypeLabel, Counter>,
+    pub xds_streams: Gauge,
+    pub cni_requests: Family<CniLabel, Counter>,
+    pub cni_ack_timeouts: Counter,
+    pub storage_quarantined: Counter,
+    pub registry_reload_errors: Counter,
+}
+
+fn phase_histogram() -> Histogram {
+    // 10 µs to ~10 s: the takeover steps are microseconds, the lock wait can be minutes.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-5, 4.0, 11))
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let mut m = Self {
+            registry: Registry::with_prefix("aether"),
+            takeover_phase_seconds: Family::new_with_constructor(phase_histogram),
+            generation: Gauge::default(),
+            worker_respawns: Gauge::default(),
+            xds_pushes: Family::default(),
+            xds_acks: Family::default(),
+            xds_nacks: Family::default(),
+            xds_streams: Gauge::default(),
+            cni_requests: Family::default(),
+            cni_ack_timeouts: Counter::default(),
+            storage_quarantined: Counter::default(),
+            registry_reload_errors: Counter::default(),
+        };
+        let r = &mut m.registry;
+        r.register("takeover_phase_seconds", "Duration of each takeover phase", m.takeover_phase_seconds.clone());
+        r.register("generation", "Node generation this agent owns (0 while standby)", m.generation.clone());
+        r.register("worker_respawns", "Times the supervisor respawned a worker of this generation", m.worker_respawns.clone());
+        r.register("xds_pushes", "xDS responses sent, by type", m.xds_pushes.clone());
+        r.register("xds_acks", "xDS ACKs received, by type", m.xds_acks.clone());
+        r.register("xds_nacks", "xDS NACKs received, by type", m.xds_nacks.clone());
+        r.register("xds_streams", "Open ADS streams", m.xds_streams.clone());
+        r.register("cni_requests", "CNI API calls, by operation and result", m.cni_requests.clone());
+        r.register("cni_ack_timeouts", "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)", m.cni_ack_timeouts.clone());
+        r.register("storage_quarantined", "Pod records moved to quarantine", m.storage_quarantined.clone());
+        r.register("registry_reload_errors", "Registry or capture file reloads rejected", m.registry_reload_errors.clone());
+        Arc::new(m)
+    }
+
+    pub fn observe_phase(&self, phase: &str, seconds: f64) {
+        self.takeover_phase_seconds.get_or_create(&PhaseLabel { phase: phase.to_string() }).observe(seconds);
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
