@@ -1,1 +1,16 @@
+//! Messages shared by the Aether processes.
+//!
+//! - [`control`]: the closed protocol between the supervisor and its worker, and between
+//!   an owning supervisor and a standby supervisor (the generation handoff).
+//! - [`fdpass`]: one message per `SOCK_SEQPACKET` datagram with its file descriptors
+//!   attached over `SCM_RIGHTS`, received with `MSG_CMSG_CLOEXEC`, truncation rejected.
+//! - `cni` (feature `cni-api`): the CNI gRPC API between `aether-cni` and the worker.
+//!
+//! `unsafe` in this crate lives only in [`fdpass`], around `recvmsg(2)` and the control
+//! message walk, where `nix` cannot hand back the descriptors of a truncated message.
 
+pub mod control;
+pub mod fdcheck;
+pub mod fdpass;
+#[cfg(feature = "cni-api")]
+pub mod cni;

@@ -1,1 +1,91 @@
-fn main() {}
+//! `aether-supervisor`: the privileged half of the Aether node agent.
+//!
+//! Small, synchronous and auditable: it holds the node lock, binds and holds the node
+//! sockets, spawns the worker without privileges, and speaks a closed control protocol
+//! with it. It never parses xDS, CNI or registry payloads. See SECURITY.md for the whole
+//! surface, and `sys/` for every raw syscall.
+
+mod config;
+mod handoff;
+mod monitor;
+mod supervise;
+mod sys;
+
+use clap::Parser;
+
+use config::Config;
+use sys::spawn::os_str_arg;
+
+fn main() {
+    let cfg = Config::parse();
+    init_logging(&cfg.log_format);
+    match run(cfg) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "supervisor failed");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
+fn run(cfg: Config) -> anyhow::Result<i32> {
+    // Files and sockets are created no more open than 0700; each gets its exact mode
+    // right after. Set before any thread exists, as umask is per process.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    // Signals are blocked before the lock thread starts, so that they reach the signalfd.
+    let signals = sys::signals::block_and_open()?;
+    let root = nix::unistd::geteuid().is_root();
+    let worker_owner = root.then_some(cfg.worker_user);
+    supervise::prepare_dir(&cfg.run_dir, None, 0o755)?;
+    supervise::prepare_dir(&cfg.state_dir, worker_owner, 0o700)?;
+    supervise::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
+    let args = worker_args(&cfg);
+    let env: Vec<(String, String)> = ["RUST_LOG", "RUST_BACKTRACE"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+        .collect();
+    let sup = supervise::Supervisor::new(cfg, signals, args, env)?;
+    Ok(sup.run())
+}
+
+/// The worker's command line: everything it needs, nothing from the environment.
+fn worker_args(cfg: &Config) -> Vec<String> {
+    let node = cfg.node_name.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+    });
+    let pod = cfg.pod_name.clone().unwrap_or_else(|| format!("aether-agent-{}", std::process::id()));
+    let mut a = vec![
+        "aether-worker".to_string(),
+        "--control-fd=3".into(),
+        format!("--run-dir={}", os_str_arg(&cfg.run_dir)),
+        format!("--state-dir={}", os_str_arg(&cfg.state_dir)),
+        format!("--health-dir={}", os_str_arg(&cfg.health_dir)),
+        format!("--node-name={node}"),
+        format!("--pod-name={pod}"),
+        format!("--log-format={}", cfg.log_format),
+        format!("--metrics-addr={}", cfg.metrics_addr.map_or("off".to_string(), |a| a.to_string())),
+    ];
+    if let Some(p) = &cfg.registry_file {
+        a.push(format!("--registry-file={}", os_str_arg(p)));
+    }
+    if let Some(p) = &cfg.capture_file {
+        a.push(format!("--capture-file={}", os_str_arg(p)));
+    }
+    if let Some(r) = &cfg.registrar {
+        a.push(format!("--registrar={r}"));
+    }
+    if let Some(s) = &cfg.spiffe_endpoint {
+        a.push(format!("--spiffe-endpoint={s}"));
+    }
+    a
+}

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+pub mod bootstrap;
 pub mod capture;
 pub mod cni;
 pub mod config;

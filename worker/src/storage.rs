@@ -1,24 +1,612 @@
-//! Pod storage: one JSON record per pod in `<state-dir>/pods/`, written atomically;
-//! `reload()` returns what changed since the records the caller built from.
+//! Pod storage: one JSON record per pod in `<state-dir>/pods/<uid>.json`, written
+//! atomically; `reload()` returns what changed since the records the caller built from.
 //!
 //! INTERFACE STUB (owned by the pod-lifecycle work): keep `Storage::open` and
 //! `Storage::pods` with these signatures; the agent driver calls them.
+//!
+//! Invariants:
+//! - A record file is only ever created by `rename(2)` of a fsynced temp file in the same
+//!   folder, followed by a fsync of the folder, so a reader sees a whole record or none.
+//! - Bad data is data: a record that does not decode is moved to
+//!   `<state-dir>/pods-quarantine/`, logged with its path and counted; it never stops the
+//!   agent.
+//! - Temp files left by a writer that crashed mid-write are removed. `open` runs while
+//!   another generation may still own the node and write, so it removes only temp files
+//!   older than [`STALE_TEMP_AGE`]; `reload` runs at takeover, when this process owns the
+//!   node and no other writer exists, so it removes them all.
+//! - [`Storage`] keeps the view it last loaded or wrote; `reload` diffs the folder against
+//!   that view, which is exactly what the caller built its snapshot inputs from.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
 
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::Metrics;
 use crate::snapshot::Pod;
 
-pub struct Storage {}
+/// The record layout written by this version.
+pub const SCHEMA: u32 = 1;
+
+/// A temp file at least this old cannot belong to a live writer (a write takes
+/// milliseconds), so `open` may remove it even while another generation owns the node.
+pub const STALE_TEMP_AGE: Duration = Duration::from_secs(30);
+
+/// Longest accepted pod uid (Kubernetes uids are 36 bytes).
+const MAX_UID_LEN: usize = 128;
+
+/// Records are small; anything bigger is not one of ours.
+const MAX_RECORD_BYTES: u64 = 64 * 1024;
+
+const TEMP_MARKER: &str = ".tmp.";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("pod uid {0:?} is not a safe file name (1-128 of [A-Za-z0-9_.-], no \"..\", not starting with '.')")]
+    InvalidUid(String),
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why a record file did not decode. Public for the fuzz target.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordError {
+    #[error("record is {0} bytes, over the {MAX_RECORD_BYTES}-byte limit")]
+    TooLarge(u64),
+    #[error("not a pod record: {0}")]
+    Json(String),
+    #[error("schema {0} is not a known record schema (this version writes {SCHEMA})")]
+    Schema(u32),
+    #[error("uid {0:?} is not a safe file name")]
+    InvalidUid(String),
+    #[error("record uid {found:?} does not match its file name {expected:?}")]
+    UidMismatch { expected: String, found: String },
+}
+
+/// The on-disk layout: the pod's fields next to a schema version.
+#[derive(Serialize, Deserialize)]
+struct Record {
+    schema: u32,
+    #[serde(flatten)]
+    pod: Pod,
+}
+
+/// Whether `uid` can be used as a file name: `[A-Za-z0-9_.-]`, 1 to 128 bytes, no `..`,
+/// not starting with `.` (which would also collide with temp file names).
+pub fn valid_uid(uid: &str) -> bool {
+    !uid.is_empty()
+        && uid.len() <= MAX_UID_LEN
+        && !uid.starts_with('.')
+        && !uid.contains("..")
+        && uid.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// Encodes a pod as its record file contents.
+pub fn encode_record(pod: &Pod) -> Vec<u8> {
+    let mut out = serde_json::to_vec_pretty(&RecordRef { schema: SCHEMA, pod }).unwrap_or_default();
+    out.push(b'\n');
+    out
+}
+
+#[derive(Serialize)]
+struct RecordRef<'a> {
+    schema: u32,
+    #[serde(flatten)]
+    pod: &'a Pod,
+}
+
+/// Decodes a record file's contents. Records of a newer schema are read as far as this
+/// version understands them: fields are only ever added, and a rollback must not drop
+/// pods the newer agent stored.
+pub fn decode_record(bytes: &[u8]) -> Result<Pod, RecordError> {
+    if bytes.len() as u64 > MAX_RECORD_BYTES {
+        return Err(RecordError::TooLarge(bytes.len() as u64));
+    }
+    let record: Record = serde_json::from_slice(bytes).map_err(|e| RecordError::Json(e.to_string()))?;
+    if record.schema == 0 {
+        return Err(RecordError::Schema(0));
+    }
+    if !valid_uid(&record.pod.uid) {
+        return Err(RecordError::InvalidUid(record.pod.uid));
+    }
+    Ok(record.pod)
+}
+
+/// A pod whose record was rewritten: the value the caller built from and the new one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Updated {
+    pub old: Pod,
+    pub new: Pod,
+}
+
+/// What `reload` found changed since the view the caller built from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Diff {
+    pub added: Vec<Pod>,
+    pub updated: Vec<Updated>,
+    /// The removed pods, each with the value the caller built from.
+    pub removed: Vec<Pod>,
+}
+
+impl Diff {
+    pub fn len(&self) -> usize {
+        self.added.len() + self.updated.len() + self.removed.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub struct Storage {
+    pods_dir: PathBuf,
+    quarantine_dir: PathBuf,
+    metrics: Arc<Metrics>,
+    /// The last loaded or written records, by uid. The lock also serialises writers so
+    /// the view and the folder never disagree.
+    view: Mutex<BTreeMap<String, Pod>>,
+}
+
+/// Which temp files a scan removes.
+#[derive(Clone, Copy)]
+enum Temps {
+    /// Only those older than [`STALE_TEMP_AGE`]: another generation may be writing.
+    Stale,
+    /// All: this process owns the node, so every temp file is a crash's leftover.
+    All,
+}
 
 impl Storage {
     /// Opens (creating) `<state_dir>/pods` and loads every valid record.
     pub fn open(state_dir: &Path, metrics: std::sync::Arc<crate::metrics::Metrics>) -> anyhow::Result<Self> {
-        let _ = (state_dir, metrics);
-        Ok(Self {})
+        let storage = Self {
+            pods_dir: state_dir.join("pods"),
+            quarantine_dir: state_dir.join("pods-quarantine"),
+            metrics,
+            view: Mutex::new(BTreeMap::new()),
+        };
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&storage.pods_dir)
+            .map_err(|source| StorageError::Io { op: "creating", path: storage.pods_dir.clone(), source })?;
+        let loaded = storage.scan(Temps::Stale)?;
+        *storage.lock() = loaded;
+        Ok(storage)
     }
 
     /// The pods loaded by `open` or the last `reload`.
     pub fn pods(&self) -> Vec<Pod> {
-        Vec::new()
+        self.lock().values().cloned().collect()
+    }
+
+    /// The pod with this uid in the current view.
+    pub fn get(&self, uid: &str) -> Option<Pod> {
+        self.lock().get(uid).cloned()
+    }
+
+    /// The folder holding the records.
+    pub fn dir(&self) -> &Path {
+        &self.pods_dir
+    }
+
+    /// Writes the pod's record atomically. Returns false (and writes nothing) when the
+    /// stored record is already identical.
+    pub fn put(&self, pod: &Pod) -> Result<bool, StorageError> {
+        if !valid_uid(&pod.uid) {
+            return Err(StorageError::InvalidUid(pod.uid.clone()));
+        }
+        let mut view = self.lock();
+        if view.get(&pod.uid) == Some(pod) {
+            return Ok(false);
+        }
+        let path = self.record_path(&pod.uid);
+        let tmp = self.temp_path(&pod.uid);
+        let result = write_atomically(&tmp, &path, &encode_record(pod), &self.pods_dir);
+        if result.is_err() {
+            // Best effort: a leftover temp file is also removed by the next open or reload.
+            let _ = fs::remove_file(&tmp);
+        }
+        result?;
+        view.insert(pod.uid.clone(), pod.clone());
+        Ok(true)
+    }
+
+    /// Removes the pod's record. Returns the removed value, or None when there was none.
+    pub fn remove(&self, uid: &str) -> Result<Option<Pod>, StorageError> {
+        if !valid_uid(uid) {
+            return Err(StorageError::InvalidUid(uid.to_string()));
+        }
+        let mut view = self.lock();
+        let path = self.record_path(uid);
+        match fs::remove_file(&path) {
+            Ok(()) => sync_dir(&self.pods_dir)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(StorageError::Io { op: "removing", path, source }),
+        }
+        Ok(view.remove(uid))
+    }
+
+    /// Re-reads the folder and returns what changed since the view the caller built from
+    /// (the records `open`, the last `reload`, `put` and `remove` left), then adopts the
+    /// folder as the new view. Call it only while this process owns the node: it removes
+    /// every temp file as a crash's leftover.
+    pub fn reload(&self) -> Result<Diff, StorageError> {
+        let mut view = self.lock();
+        let now = self.scan(Temps::All)?;
+        let mut diff = Diff::default();
+        for (uid, old) in view.iter() {
+            match now.get(uid) {
+                None => diff.removed.push(old.clone()),
+                Some(new) if new != old => diff.updated.push(Updated { old: old.clone(), new: new.clone() }),
+                Some(_) => {}
+            }
+        }
+        for (uid, new) in now.iter() {
+            if !view.contains_key(uid) {
+                diff.added.push(new.clone());
+            }
+        }
+        *view = now;
+        Ok(diff)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Pod>> {
+        // The view is plain data, rewritten whole by each scan; a panic mid-update cannot
+        // leave it half-changed in a way the next scan does not repair.
+        self.view.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record_path(&self, uid: &str) -> PathBuf {
+        self.pods_dir.join(format!("{uid}.json"))
+    }
+
+    fn temp_path(&self, uid: &str) -> PathBuf {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        self.pods_dir.join(format!(".{uid}.json{TEMP_MARKER}{}.{seq}", std::process::id()))
+    }
+
+    /// Reads every record in the folder; quarantines bad ones and removes temp files.
+    fn scan(&self, temps: Temps) -> Result<BTreeMap<String, Pod>, StorageError> {
+        let io = |op, source| StorageError::Io { op, path: self.pods_dir.clone(), source };
+        let mut pods = BTreeMap::new();
+        for entry in fs::read_dir(&self.pods_dir).map_err(|e| io("reading", e))? {
+            let entry = entry.map_err(|e| io("reading", e))?;
+            let path = entry.path();
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+                tracing::warn!(path = %path.display(), "ignoring a file with a non-UTF-8 name in the pod records folder");
+                continue;
+            };
+            if name.starts_with('.') && name.contains(TEMP_MARKER) {
+                self.remove_temp(&path, temps);
+                continue;
+            }
+            let Some(uid) = name.strip_suffix(".json") else {
+                tracing::warn!(path = %path.display(), "ignoring a file that is not a pod record (no .json suffix)");
+                continue;
+            };
+            if !entry.file_type().map_err(|e| io("reading", e))?.is_file() {
+                tracing::warn!(path = %path.display(), "ignoring a non-file entry in the pod records folder");
+                continue;
+            }
+            match read_record(&path, uid) {
+                Ok(pod) => {
+                    pods.insert(pod.uid.clone(), pod);
+                }
+                Err(ReadError::Vanished) => {}
+                Err(ReadError::Bad(why)) => self.quarantine(&path, &name, &why),
+                Err(ReadError::Io(source)) => return Err(StorageError::Io { op: "reading", path, source }),
+            }
+        }
+        Ok(pods)
+    }
+
+    fn remove_temp(&self, path: &Path, temps: Temps) {
+        if let Temps::Stale = temps {
+            let age = fs::symlink_metadata(path)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| SystemTime::now().duration_since(t).ok());
+            // Unknown age (clock skew, metadata error) counts as fresh: leave it for reload.
+            if age.is_none_or(|a| a < STALE_TEMP_AGE) {
+                return;
+            }
+        }
+        match fs::remove_file(path) {
+            Ok(()) => tracing::info!(path = %path.display(), "removed a temp file left by an interrupted record write"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "could not remove a leftover temp file"),
+        }
+    }
+
+    fn quarantine(&self, path: &Path, name: &str, why: &RecordError) {
+        self.metrics.storage_quarantined.inc();
+        let stamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let target = self.quarantine_dir.join(format!("{name}.{stamp}"));
+        let moved = fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.quarantine_dir)
+            .and_then(|()| fs::rename(path, &target))
+            .and_then(|()| sync_dir_io(&self.pods_dir));
+        match moved {
+            Ok(()) => tracing::error!(
+                path = %path.display(), quarantined = %target.display(), error = %why,
+                "pod record is corrupt; moved it to quarantine"
+            ),
+            Err(e) => tracing::error!(
+                path = %path.display(), error = %why, move_error = %e,
+                "pod record is corrupt and could not be moved to quarantine; ignoring it"
+            ),
+        }
+    }
+}
+
+enum ReadError {
+    /// Removed between listing and reading (the owner deleted the pod): not an error.
+    Vanished,
+    Bad(RecordError),
+    Io(std::io::Error),
+}
+
+fn read_record(path: &Path, uid: &str) -> Result<Pod, ReadError> {
+    let file = fs::File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ReadError::Vanished,
+        _ => ReadError::Io(e),
+    })?;
+    let mut bytes = Vec::new();
+    use std::io::Read;
+    file.take(MAX_RECORD_BYTES + 1).read_to_end(&mut bytes).map_err(ReadError::Io)?;
+    if !valid_uid(uid) {
+        return Err(ReadError::Bad(RecordError::InvalidUid(uid.to_string())));
+    }
+    let pod = decode_record(&bytes).map_err(ReadError::Bad)?;
+    if pod.uid != uid {
+        return Err(ReadError::Bad(RecordError::UidMismatch { expected: uid.to_string(), found: pod.uid }));
+    }
+    Ok(pod)
+}
+
+fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path) -> Result<(), StorageError> {
+    let io = |op, path: &Path, source| StorageError::Io { op, path: path.to_path_buf(), source };
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(tmp)
+        .map_err(|e| io("creating", tmp, e))?;
+    file.write_all(bytes).map_err(|e| io("writing", tmp, e))?;
+    file.sync_all().map_err(|e| io("syncing", tmp, e))?;
+    drop(file);
+    fs::rename(tmp, path).map_err(|e| io("renaming into place", path, e))?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StorageError> {
+    sync_dir_io(dir).map_err(|source| StorageError::Io { op: "syncing", path: dir.to_path_buf(), source })
+}
+
+fn sync_dir_io(dir: &Path) -> std::io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::IpAddr;
+
+    pub(crate) fn pod(uid: &str, ip: &str) -> Pod {
+        Pod {
+            uid: uid.to_string(),
+            namespace: "default".into(),
+            name: format!("pod-{uid}"),
+            container_id: format!("c-{uid}"),
+            netns: format!("/var/run/netns/{uid}"),
+            ifname: "eth0".into(),
+            ips: vec![ip.parse::<IpAddr>().unwrap()],
+        }
+    }
+
+    fn open(dir: &Path) -> (Storage, Arc<Metrics>) {
+        let metrics = Metrics::new();
+        (Storage::open(dir, metrics.clone()).unwrap(), metrics)
+    }
+
+    /// A second writer: what the other generation does to the folder during the overlap.
+    fn other_writer(dir: &Path) -> Storage {
+        Storage::open(dir, Metrics::new()).unwrap()
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<_> = fs::read_dir(dir)
+            .map(|r| r.map(|e| e.unwrap().file_name().into_string().unwrap()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn put_then_open_round_trips_with_schema() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        assert!(s.put(&pod("a", "10.0.0.1")).unwrap());
+        assert!(!s.put(&pod("a", "10.0.0.1")).unwrap(), "identical record is not rewritten");
+        let text = fs::read_to_string(dir.path().join("pods/a.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(json["schema"], SCHEMA);
+        assert_eq!(json["uid"], "a");
+        let (s2, _) = open(dir.path());
+        assert_eq!(s2.pods(), vec![pod("a", "10.0.0.1")]);
+        assert_eq!(names(&dir.path().join("pods")), vec!["a.json"], "no temp file left");
+    }
+
+    /// One table for reload: what the other generation did, and the diff expected.
+    #[test]
+    fn reload_reports_added_updated_removed() {
+        struct Case {
+            name: &'static str,
+            before: Vec<Pod>,
+            change: fn(&Storage),
+            expected: Diff,
+        }
+        let cases = [
+            Case {
+                name: "added",
+                before: vec![pod("a", "10.0.0.1")],
+                change: |o| {
+                    o.put(&pod("b", "10.0.0.2")).unwrap();
+                },
+                expected: Diff { added: vec![pod("b", "10.0.0.2")], ..Default::default() },
+            },
+            Case {
+                name: "updated",
+                before: vec![pod("a", "10.0.0.1")],
+                change: |o| {
+                    o.put(&pod("a", "10.0.0.9")).unwrap();
+                },
+                expected: Diff {
+                    updated: vec![Updated { old: pod("a", "10.0.0.1"), new: pod("a", "10.0.0.9") }],
+                    ..Default::default()
+                },
+            },
+            Case {
+                name: "removed",
+                before: vec![pod("a", "10.0.0.1"), pod("b", "10.0.0.2")],
+                change: |o| {
+                    o.remove("a").unwrap();
+                },
+                expected: Diff { removed: vec![pod("a", "10.0.0.1")], ..Default::default() },
+            },
+            Case {
+                name: "all three",
+                before: vec![pod("a", "10.0.0.1"), pod("b", "10.0.0.2")],
+                change: |o| {
+                    o.remove("a").unwrap();
+                    o.put(&pod("b", "10.0.0.3")).unwrap();
+                    o.put(&pod("c", "10.0.0.4")).unwrap();
+                },
+                expected: Diff {
+                    added: vec![pod("c", "10.0.0.4")],
+                    updated: vec![Updated { old: pod("b", "10.0.0.2"), new: pod("b", "10.0.0.3") }],
+                    removed: vec![pod("a", "10.0.0.1")],
+                },
+            },
+            Case { name: "nothing", before: vec![pod("a", "10.0.0.1")], change: |_| {}, expected: Diff::default() },
+        ];
+        for case in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let (s, _) = open(dir.path());
+            for p in &case.before {
+                s.put(p).unwrap();
+            }
+            (case.change)(&other_writer(dir.path()));
+            let diff = s.reload().unwrap();
+            assert_eq!(diff, case.expected, "case {}", case.name);
+            assert!(s.reload().unwrap().is_empty(), "case {}: a second reload finds nothing new", case.name);
+        }
+    }
+
+    #[test]
+    fn corrupt_and_truncated_records_are_quarantined_not_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        s.put(&pod("good", "10.0.0.1")).unwrap();
+        let pods = dir.path().join("pods");
+        let full = String::from_utf8(encode_record(&pod("trunc", "10.0.0.2"))).unwrap();
+        fs::write(pods.join("trunc.json"), &full[..full.len() / 2]).unwrap();
+        fs::write(pods.join("garbage.json"), b"\x00\xffnot json").unwrap();
+        fs::write(pods.join("mismatch.json"), encode_record(&pod("other", "10.0.0.3"))).unwrap();
+        fs::write(pods.join("noschema.json"), br#"{"uid":"noschema"}"#).unwrap();
+
+        let diff = s.reload().unwrap();
+        assert!(diff.is_empty(), "bad records are not pods: {diff:?}");
+        assert_eq!(s.pods(), vec![pod("good", "10.0.0.1")]);
+        assert_eq!(names(&pods), vec!["good.json"]);
+        let quarantined = names(&dir.path().join("pods-quarantine"));
+        assert_eq!(quarantined.len(), 4, "{quarantined:?}");
+        for name in ["garbage.json.", "mismatch.json.", "noschema.json.", "trunc.json."] {
+            assert!(quarantined.iter().any(|q| q.starts_with(name)), "{name} in {quarantined:?}");
+        }
+        assert_eq!(s.metrics.storage_quarantined.get(), 4);
+
+        // The same at open: counted, the good record still loads.
+        fs::write(pods.join("late.json"), b"{").unwrap();
+        let (s2, m2) = open(dir.path());
+        assert_eq!(s2.pods(), vec![pod("good", "10.0.0.1")]);
+        assert_eq!(m2.storage_quarantined.get(), 1);
+    }
+
+    #[test]
+    fn temp_file_left_by_a_crash_mid_write_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        let pods = dir.path().join("pods");
+        // A crash between create and rename leaves a partial temp file behind.
+        let crashed = pods.join(".b.json.tmp.4242.0");
+        fs::write(&crashed, b"{\"schema\":1,\"uid\":\"b\",\"na").unwrap();
+
+        // open, while another generation may be writing, keeps a fresh one...
+        let (s2, _) = open(dir.path());
+        assert!(crashed.exists(), "a fresh temp file may be another writer's");
+        assert_eq!(s2.pods(), vec![pod("a", "10.0.0.1")]);
+        // ...and removes a stale one.
+        let old = SystemTime::now() - STALE_TEMP_AGE - Duration::from_secs(1);
+        fs::File::options().write(true).open(&crashed).unwrap().set_modified(old).unwrap();
+        let (s3, _) = open(dir.path());
+        assert!(!crashed.exists());
+        assert_eq!(s3.pods(), vec![pod("a", "10.0.0.1")]);
+
+        // reload (this process owns the node) removes any temp file, and it is no pod.
+        fs::write(&crashed, b"{").unwrap();
+        assert!(s.reload().unwrap().is_empty());
+        assert_eq!(names(&pods), vec!["a.json"]);
+        assert_eq!(s.metrics.storage_quarantined.get(), 0, "a temp file is not a corrupt record");
+    }
+
+    #[test]
+    fn unsafe_uids_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        for uid in ["", "..", "../x", "a/b", ".hidden", "a..b", "a b", "é", &"x".repeat(129)] {
+            let mut p = pod("ok", "10.0.0.1");
+            p.uid = uid.to_string();
+            assert!(matches!(s.put(&p), Err(StorageError::InvalidUid(_))), "{uid:?}");
+            assert!(matches!(s.remove(uid), Err(StorageError::InvalidUid(_))), "{uid:?}");
+        }
+        for uid in ["6f1c2d3e-0000-4000-8000-000000000001", "a.b_c-D"] {
+            assert!(valid_uid(uid), "{uid}");
+        }
+        assert_eq!(names(&dir.path().join("pods")), Vec::<String>::new());
+    }
+
+    #[test]
+    fn remove_of_unknown_pod_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        assert_eq!(s.remove("nope").unwrap(), None);
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        assert_eq!(s.remove("a").unwrap(), Some(pod("a", "10.0.0.1")));
+        assert_eq!(s.get("a"), None);
+    }
+
+    #[test]
+    fn newer_schema_with_extra_fields_still_loads() {
+        let mut json: serde_json::Value = serde_json::from_slice(&encode_record(&pod("a", "10.0.0.1"))).unwrap();
+        json["schema"] = 2.into();
+        json["added_later"] = "x".into();
+        assert_eq!(decode_record(&serde_json::to_vec(&json).unwrap()), Ok(pod("a", "10.0.0.1")));
     }
 }

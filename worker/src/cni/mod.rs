@@ -1,16 +1,90 @@
 //! The CNI API service (`aether.cni.v1`): Add, Del and Check, served on the `cni.sock`
-//! listening fd handed over at takeover.
+//! listening fd handed over at takeover, and the takeover reconcile.
 //!
 //! INTERFACE STUB (owned by the pod-lifecycle work): keep `serve` and `reconcile` with
 //! these signatures; the agent driver calls them.
+//!
+//! Ordering: Add, Del and [`reconcile`] each change storage and the node inside the node's
+//! lifecycle lock, so the folder and the snapshot inputs move together and the takeover
+//! diff never interleaves with a call. An Add's ACK wait happens after the lock is
+//! released. The change itself runs in a task of its own, so a caller that hangs up
+//! mid-call cannot leave a record written but not in the snapshot.
+//!
+//! Graceful stop: on shutdown the server stops accepting, lets in-flight calls (with their
+//! ACK wait) finish within [`DRAIN_BOUND`], then fences: it takes the lifecycle lock and
+//! marks the service drained, so any call still queued is turned away as `Unavailable`
+//! (the plugin retries against the next owner) instead of writing half a change.
+
+mod service;
 
 use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use shared_proto::cni::cni_server::CniServer;
+use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::metrics::Metrics;
 use crate::node::Node;
-use crate::storage::Storage;
+use crate::snapshot::Snapshot;
+use crate::storage::{Diff, Storage};
 use crate::xds::Acks;
+
+pub use service::CniService;
+
+/// How long an Add waits for the proxy to ACK a snapshot holding the pod. Best effort:
+/// past it the Add answers success anyway, and the timeout is logged and counted.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a draining server lets in-flight calls run after shutdown: an Add's ACK wait
+/// plus its storage write, with room to spare.
+pub const DRAIN_BOUND: Duration = Duration::from_secs(5);
+
+/// Where an Add learns that the proxy serves the pod. [`Acks`] in production; tests and
+/// the benchmark use other sources.
+pub trait AckSource: Send + Sync + 'static {
+    /// Resolves true once the proxy has ACKed a snapshot holding `uid` with `ips`, false
+    /// after `timeout`.
+    fn wait_for_pod<'a>(
+        &'a self,
+        uid: &'a str,
+        ips: &'a [IpAddr],
+        timeout: Duration,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
+}
+
+impl AckSource for Acks {
+    fn wait_for_pod<'a>(
+        &'a self,
+        uid: &'a str,
+        ips: &'a [IpAddr],
+        timeout: Duration,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
+        Box::pin(self.wait_until(move |s: &Snapshot| s.holds_pod(uid, ips), timeout))
+    }
+}
+
+/// An ACK source standing in for a proxy that ACKs every snapshot the moment the node
+/// publishes it. For tests and the ADD latency benchmark, where no Envoy runs.
+pub struct PublishedAcks(pub Arc<Node>);
+
+impl AckSource for PublishedAcks {
+    fn wait_for_pod<'a>(
+        &'a self,
+        uid: &'a str,
+        ips: &'a [IpAddr],
+        timeout: Duration,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
+        Box::pin(async move {
+            let mut rx = self.0.subscribe();
+            let wait = rx.wait_for(|s| s.holds_pod(uid, ips));
+            matches!(tokio::time::timeout(timeout, wait).await, Ok(Ok(_)))
+        })
+    }
+}
 
 /// Serves the CNI API on `listener` until `shutdown` resolves, then lets in-flight calls
 /// finish (bounded) before returning.
@@ -22,15 +96,109 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let _ = (listener, node, storage, acks, metrics);
-    shutdown.await;
-    Ok(())
+    let service = CniService::new(node, storage, Arc::new(acks), metrics);
+    serve_with(listener, service, shutdown, DRAIN_BOUND).await
+}
+
+/// [`serve`] with any service configuration and drain bound.
+pub async fn serve_with(
+    listener: tokio::net::UnixListener,
+    service: CniService,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_bound: Duration,
+) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        // An error means the sender is gone without sending: it only drops after sending.
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let fence = service.clone();
+    let server = tonic::transport::Server::builder()
+        .add_service(CniServer::new(service))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stopped(stop_rx.clone()));
+    let drain_expired = async {
+        stopped(stop_rx).await;
+        tracing::info!(bound = ?drain_bound, "CNI API draining: no new calls, finishing in-flight ones");
+        tokio::time::sleep(drain_bound).await;
+    };
+    let result = tokio::select! {
+        r = server => r.context("serving the CNI API"),
+        () = drain_expired => {
+            tracing::warn!(bound = ?drain_bound, "in-flight CNI calls did not finish within the drain bound; abandoning them");
+            Ok(())
+        }
+    };
+    fence.fence().await;
+    result
+}
+
+/// Loads the stored pods into the node and opens the `storage_loaded` gate: the view the
+/// takeover diff is against. Call it once, right after [`Storage::open`], before the
+/// first snapshot is served. Returns how many pods it loaded.
+pub fn load(node: &Node, storage: &Storage) -> usize {
+    let pods = storage.pods();
+    let n = pods.len();
+    node.update(|inputs| {
+        for pod in pods {
+            inputs.pods.insert(pod.uid.clone(), pod);
+        }
+    });
+    node.set_gate(|g| g.storage_loaded = true);
+    tracing::info!(pods = n, "loaded pods from storage");
+    n
 }
 
 /// The takeover reconcile: applies the storage diff (what the previous owner added,
 /// rewrote or removed during the overlap) to the node, under the lifecycle lock.
 /// Returns how many pods changed.
+///
+/// It first waits for the `storage_loaded` gate ([`load`]): the diff is against the view
+/// the node was built from. It reads the folder inline: a takeover step runs before
+/// either socket is served, and the folder holds one small file per local pod.
 pub async fn reconcile(node: &Node, storage: &Storage) -> anyhow::Result<usize> {
-    let _ = (node, storage);
-    Ok(0)
+    node.gates()
+        .wait_for(|g| g.storage_loaded)
+        .await
+        .context("waiting for pods to load from storage before the takeover reconcile")?;
+    let _lifecycle = node.lifecycle().await;
+    let diff = storage.reload().context("reloading pod storage for the takeover reconcile")?;
+    if diff.is_empty() {
+        return Ok(0);
+    }
+    log_diff(&diff);
+    node.update(|inputs| apply(inputs, &diff));
+    Ok(diff.len())
 }
+
+/// Applies a storage diff to the snapshot inputs.
+fn apply(inputs: &mut crate::snapshot::Inputs, diff: &Diff) {
+    for pod in &diff.removed {
+        inputs.pods.remove(&pod.uid);
+    }
+    for pod in &diff.added {
+        inputs.pods.insert(pod.uid.clone(), pod.clone());
+    }
+    for u in &diff.updated {
+        inputs.pods.insert(u.new.uid.clone(), u.new.clone());
+    }
+}
+
+fn log_diff(diff: &Diff) {
+    for p in &diff.added {
+        tracing::info!(uid = %p.uid, pod = %format!("{}/{}", p.namespace, p.name), "reconcile: pod added during the overlap");
+    }
+    for u in &diff.updated {
+        tracing::info!(uid = %u.new.uid, pod = %format!("{}/{}", u.new.namespace, u.new.name), "reconcile: pod rewritten during the overlap");
+    }
+    for p in &diff.removed {
+        tracing::info!(uid = %p.uid, pod = %format!("{}/{}", p.namespace, p.name), "reconcile: pod removed during the overlap");
+    }
+}
+
+#[cfg(test)]
+mod tests;

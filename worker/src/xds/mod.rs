@@ -1,17 +1,37 @@
 //! The ADS server (state of the world) for LDS, RDS, CDS and EDS, served on the
 //! `xds.sock` listening fd handed over at takeover.
 //!
+//! One task per stream runs a [`stream::StreamState`]: it answers requests, pushes every
+//! new snapshot from the node's watch channel, logs and counts ACKs and NACKs, and
+//! publishes to [`Acks`] each snapshot the proxy has fully ACKed. Protobuf types stay in
+//! this module ([`convert`] turns model resources into them).
+//!
 //! INTERFACE STUB (owned by the xDS work): keep `Acks`, `Acks::wait_until` and `serve`
 //! with these signatures; the agent driver and the CNI service call them.
 
+pub mod convert;
+pub mod stream;
+
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use futures::Stream;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tonic::{Request, Response, Status, Streaming};
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, TypeLabel};
 use crate::snapshot::Snapshot;
+use stream::{Event, StreamState};
 
 /// What the proxy has ACKed, shared by every stream: the CNI ADD waits on it.
 #[derive(Clone)]
@@ -34,9 +54,34 @@ impl Acks {
         let wait = rx.wait_for(|s| s.as_deref().is_some_and(&holds));
         matches!(tokio::time::timeout(timeout, wait).await, Ok(Ok(_)))
     }
+
+    /// The newest fully ACKed snapshot, if any.
+    pub fn latest(&self) -> Option<Arc<Snapshot>> {
+        self.acked.borrow().clone()
+    }
+
+    /// Every fully ACKed snapshot from now on.
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Snapshot>>> {
+        self.acked.subscribe()
+    }
+
+    fn publish(&self, s: &Arc<Snapshot>) {
+        self.acked.send_if_modified(|cur| {
+            if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, s)) {
+                false
+            } else {
+                *cur = Some(s.clone());
+                true
+            }
+        });
+    }
 }
 
 /// Serves ADS on `listener` until `shutdown` resolves.
+///
+/// After `shutdown` no new connection is accepted, but open streams are kept: the proxy
+/// keeps its control plane until this process exits (see the design's takeover), so this
+/// returns only once the proxy has closed them too.
 pub async fn serve(
     listener: tokio::net::UnixListener,
     snapshots: watch::Receiver<Arc<Snapshot>>,
@@ -44,7 +89,139 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let _ = (listener, snapshots, acks, metrics);
-    shutdown.await;
+    let ads = Ads { snapshots, acks, metrics, streams: AtomicU64::new(0) };
+    tonic::transport::Server::builder()
+        // ADS requests are small; a full snapshot of 1,000 endpoints is well under this.
+        .add_service(AggregatedDiscoveryServiceServer::new(ads).max_decoding_message_size(16 << 20))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await?;
     Ok(())
+}
+
+struct Ads {
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+    streams: AtomicU64,
+}
+
+type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = ResponseStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = ResponseStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(run_stream(
+            id,
+            request.into_inner(),
+            tx,
+            self.snapshots.clone(),
+            self.acks.clone(),
+            self.metrics.clone(),
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        Err(Status::unimplemented("delta xDS is not served; use api_type GRPC (state of the world)"))
+    }
+}
+
+/// Decrements the open-streams gauge however the stream task ends.
+struct StreamGauge(Arc<Metrics>);
+
+impl Drop for StreamGauge {
+    fn drop(&mut self) {
+        self.0.xds_streams.dec();
+    }
+}
+
+async fn run_stream(
+    id: u64,
+    mut inbound: Streaming<DiscoveryRequest>,
+    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    mut snapshots: watch::Receiver<Arc<Snapshot>>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+) {
+    metrics.xds_streams.inc();
+    let _gauge = StreamGauge(metrics.clone());
+    let mut st = StreamState::new(snapshots.borrow_and_update().clone());
+    let mut snapshots_open = true;
+    let mut node_id = String::new();
+    tracing::info!(stream = id, "ADS stream opened");
+    loop {
+        tokio::select! {
+            msg = inbound.message() => match msg {
+                Ok(Some(req)) => {
+                    if let Some(node) = &req.node {
+                        node_id = node.id.clone();
+                    }
+                    record(id, &node_id, st.on_request(&req), &metrics);
+                }
+                Ok(None) => {
+                    tracing::info!(stream = id, node = %node_id, "ADS stream closed by the proxy");
+                    return;
+                }
+                Err(status) => {
+                    tracing::info!(stream = id, node = %node_id, %status, "ADS stream ended");
+                    return;
+                }
+            },
+            changed = snapshots.changed(), if snapshots_open => match changed {
+                Ok(()) => st.set_snapshot(snapshots.borrow_and_update().clone()),
+                // The node is gone; keep serving what the proxy has.
+                Err(_) => snapshots_open = false,
+            },
+            () = tx.closed() => {
+                tracing::info!(stream = id, node = %node_id, "ADS stream dropped");
+                return;
+            }
+        }
+        for resp in st.pending() {
+            tracing::debug!(stream = id, type_url = %resp.type_url, version = %resp.version_info,
+                nonce = %resp.nonce, resources = resp.resources.len(), "push");
+            metrics.xds_pushes.get_or_create(&TypeLabel { type_url: resp.type_url.clone() }).inc();
+            if tx.send(Ok(resp)).await.is_err() {
+                return;
+            }
+        }
+        if st.acked_current() {
+            acks.publish(st.current());
+        }
+    }
+}
+
+fn record(id: u64, node: &str, ev: Event, metrics: &Metrics) {
+    let label = |k: stream::Kind| TypeLabel { type_url: k.type_url().to_string() };
+    match ev {
+        Event::Subscribe { kind, version } => {
+            tracing::debug!(stream = id, node, type_url = kind.type_url(), held_version = %version, "subscribe")
+        }
+        Event::Ack { kind, version, nonce } => {
+            metrics.xds_acks.get_or_create(&label(kind)).inc();
+            tracing::debug!(stream = id, node, type_url = kind.type_url(), %version, %nonce, "ACK");
+        }
+        Event::Nack { kind, rejected_version, nonce, message } => {
+            metrics.xds_nacks.get_or_create(&label(kind)).inc();
+            tracing::warn!(stream = id, node, type_url = kind.type_url(), %nonce, %rejected_version,
+                error_detail = %message, "NACK: the proxy rejected {} and keeps its last good config", kind.short());
+        }
+        Event::Stale { kind, nonce } => {
+            tracing::debug!(stream = id, node, type_url = kind.type_url(), %nonce, "stale nonce, ignored")
+        }
+        Event::UnknownType { type_url } => {
+            tracing::debug!(stream = id, node, %type_url, "request for a type not served, ignored")
+        }
+    }
 }

@@ -1,0 +1,127 @@
+//! The plugin's one conversation with the agent: connect to `agentSocket` and make one
+//! call.
+//!
+//! During a takeover the socket path can be briefly missing (ENOENT) or refuse
+//! (ECONNREFUSED), and the old owner can turn a call away while it drains (gRPC
+//! `Unavailable`). All three are retried every ~10 ms for a bounded time, so that the
+//! runtime never sees the switch; past the bound the answer is CNI code 11 (try again
+//! later). Every call is idempotent on the agent side, so retrying a whole call is safe.
+
+use std::io;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use hyper_util::rt::TokioIo;
+use shared_proto::cni::cni_client::CniClient;
+use tokio::net::UnixStream;
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::input::Command;
+use crate::{CniError, Invocation, Timeouts, code};
+
+/// Makes the invocation's call, retrying a takeover in progress within `timeouts`.
+pub async fn call(inv: &Invocation, timeouts: Timeouts) -> Result<(), CniError> {
+    let socket = inv.config.agent_socket.as_path();
+    let deadline = Instant::now() + timeouts.connect;
+    loop {
+        let attempt = async {
+            let channel = connect(socket, deadline, timeouts).await?;
+            let mut client = CniClient::new(channel);
+            let request = inv.request.clone();
+            let answer = match inv.command {
+                Command::Add => client.add(request).await.map(|_| ()),
+                Command::Del => client.del(request).await.map(|_| ()),
+                Command::Check => match client.check(request).await {
+                    Ok(r) if r.get_ref().holds => Ok(()),
+                    Ok(r) => {
+                        return Err(Attempt::Fatal(CniError::new(
+                            code::UNKNOWN_CONTAINER,
+                            format!("the agent does not hold the pod: {}", r.get_ref().reason),
+                        )));
+                    }
+                    Err(s) => Err(s),
+                },
+                Command::Version => Ok(()),
+            };
+            answer.map_err(|status| classify(inv.command, status))
+        };
+        let result = match tokio::time::timeout(timeouts.call, attempt).await {
+            Ok(r) => r,
+            Err(_) => {
+                return Err(CniError::new(
+                    code::TRY_AGAIN_LATER,
+                    format!("agent at {} did not answer {} within {:?}", socket.display(), inv.command.as_str(), timeouts.call),
+                ));
+            }
+        };
+        match result {
+            Ok(()) => return Ok(()),
+            Err(Attempt::Fatal(e)) => return Err(e),
+            Err(Attempt::Retry(e)) => {
+                if Instant::now() + timeouts.retry_every > deadline {
+                    return Err(e);
+                }
+                tokio::time::sleep(timeouts.retry_every).await;
+            }
+        }
+    }
+}
+
+enum Attempt {
+    /// Worth another try within the bound; carries the error to report past it.
+    Retry(CniError),
+    Fatal(CniError),
+}
+
+fn classify(command: Command, status: tonic::Status) -> Attempt {
+    use tonic::Code;
+    let msg = format!("agent answered {}: {:?}: {}", command.as_str(), status.code(), status.message());
+    match status.code() {
+        // The old owner is draining or a connection broke mid-call: the next owner answers.
+        Code::Unavailable => Attempt::Retry(CniError::new(code::TRY_AGAIN_LATER, msg)),
+        Code::ResourceExhausted | Code::DeadlineExceeded | Code::Aborted => {
+            Attempt::Fatal(CniError::new(code::TRY_AGAIN_LATER, msg))
+        }
+        Code::InvalidArgument => Attempt::Fatal(CniError::new(code::INVALID_CONFIG, msg)),
+        _ => Attempt::Fatal(CniError::new(code::AGENT_ERROR, msg)),
+    }
+}
+
+/// Connects to the unix socket, retrying ENOENT and ECONNREFUSED until `deadline`.
+async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result<Channel, Attempt> {
+    let stream = loop {
+        match UnixStream::connect(socket).await {
+            Ok(s) => break s,
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) => {
+                if Instant::now() + timeouts.retry_every > deadline {
+                    return Err(Attempt::Fatal(
+                        CniError::new(
+                            code::TRY_AGAIN_LATER,
+                            format!("agentSocket {} is unreachable: no agent answered within {:?}", socket.display(), timeouts.connect),
+                        )
+                        .with_details(e.to_string()),
+                    ));
+                }
+                tokio::time::sleep(timeouts.retry_every).await;
+            }
+            Err(e) => {
+                return Err(Attempt::Fatal(CniError::new(
+                    code::IO_FAILURE,
+                    format!("connecting to agentSocket {}: {e}", socket.display()),
+                )));
+            }
+        }
+    };
+    // tonic dials through a connector; hand it the stream already connected above, so the
+    // retry policy stays in one place. The URI is required by the API and never resolved.
+    let slot = Arc::new(Mutex::new(Some(stream)));
+    let connector = tower::service_fn(move |_: Uri| {
+        let stream = slot.lock().ok().and_then(|mut s| s.take());
+        async move { stream.map(TokioIo::new).ok_or_else(|| io::Error::other("agent connection already used")) }
+    });
+    Endpoint::from_static("http://aether-agent.invalid")
+        .connect_with_connector(connector)
+        .await
+        .map_err(|e| Attempt::Retry(CniError::new(code::TRY_AGAIN_LATER, format!("HTTP/2 handshake with agentSocket {}: {e}", socket.display()))))
+}

@@ -1,0 +1,43 @@
+# shellcheck shell=bash
+# Shared helpers for the scripts in this folder. Source it; it sets no shell options and
+# defines only AETHER_-prefixed variables and the functions below, so a caller's own
+# names (root, venv, ...) are left alone.
+#
+#   AETHER_ROOT   the workspace root (the folder holding Cargo.toml and scripts/)
+#   AETHER_VENV   the project virtualenv, <root>/.venv unless already set
+#   AETHER_TOOLS  project-local tools, <root>/.tools (git-ignored); binaries in bin/
+#
+# ensure_venv            create AETHER_VENV with `python3 -m venv` if it has no python
+# venv_pip_install ARGS  `pip install ARGS` into AETHER_VENV, one installer at a time
+#
+# Several scripts (install-tools.sh, install-envoy.sh) install into the same .venv and may
+# run at the same time; both helpers serialise on an flock so that two `python3 -m venv`
+# or two pip runs never interleave in one environment.
+
+AETHER_ROOT="${AETHER_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+AETHER_VENV="${AETHER_VENV:-$AETHER_ROOT/.venv}"
+AETHER_TOOLS="${AETHER_TOOLS:-$AETHER_ROOT/.tools}"
+
+# Each helper runs in a subshell holding an exclusive flock on <tools>/venv.lock (the lock
+# file lives in the git-ignored tools folder). Without flock(1) it runs unlocked.
+
+ensure_venv() {
+  mkdir -p "$AETHER_TOOLS" || return
+  (
+    if command -v flock >/dev/null 2>&1; then flock 9 || exit; fi
+    if [[ -x "$AETHER_VENV/bin/python" ]]; then
+      echo "venv: reusing $AETHER_VENV"
+    else
+      echo "venv: creating $AETHER_VENV"
+      python3 -m venv "$AETHER_VENV" || exit
+    fi
+  ) 9>"$AETHER_TOOLS/venv.lock"
+}
+
+venv_pip_install() {
+  mkdir -p "$AETHER_TOOLS" || return
+  (
+    if command -v flock >/dev/null 2>&1; then flock 9 || exit; fi
+    "$AETHER_VENV/bin/python" -m pip install --disable-pip-version-check "$@"
+  ) 9>"$AETHER_TOOLS/venv.lock"
+}

@@ -1,0 +1,116 @@
+//! Command-line flags of `aether-supervisor`, each also read from its environment
+//! variable. Parsed once at start; nothing reads the environment later.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "aether-supervisor",
+    version,
+    about = "Privileged half of the Aether node agent",
+    long_about = "Holds the node lock (<run-dir>/agent.lock), owns the node sockets \
+(xds.sock, cni.sock) and runs the unprivileged aether-worker with no capabilities.\n\n\
+A second supervisor started beside a running one is a warm standby: its worker builds \
+everything, it binds nothing, and it takes the node over the instant the first one's \
+generation is gone. With only --run-dir, --state-dir and --health-dir pointed at writable \
+folders it runs as an ordinary user: embedded registry, no identity, no Kubernetes."
+)]
+pub struct Config {
+    /// Folder of agent.lock, xds.sock, cni.sock and handoff.sock, shared by generations.
+    #[arg(long, env = "AETHER_RUN_DIR", default_value = "/run/aether")]
+    pub run_dir: PathBuf,
+    /// Folder of the pod records and persisted state, shared by generations.
+    #[arg(long, env = "AETHER_STATE_DIR", default_value = "/var/lib/aether")]
+    pub state_dir: PathBuf,
+    /// Folder of the worker's agent-health.sock; private to this generation (the pod's /tmp).
+    #[arg(long, env = "AETHER_HEALTH_DIR", default_value = "/tmp")]
+    pub health_dir: PathBuf,
+    /// Worker executable [default: aether-worker beside this binary].
+    #[arg(long, env = "AETHER_WORKER_BIN")]
+    pub worker_bin: Option<PathBuf>,
+    /// uid:gid the worker runs as when the supervisor runs as root.
+    #[arg(long, env = "AETHER_WORKER_USER", default_value = "65532:65532", value_parser = parse_user)]
+    pub worker_user: (u32, u32),
+    /// Node name [default: the hostname].
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Instance key of this agent [default: aether-agent-<pid>].
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// Registrar gRPC endpoint [default: none, the embedded local registry].
+    #[arg(long, env = "AETHER_REGISTRAR")]
+    pub registrar: Option<String>,
+    /// Embedded registry: services and endpoints as JSON, reloaded on change.
+    #[arg(long, env = "AETHER_REGISTRY_FILE")]
+    pub registry_file: Option<PathBuf>,
+    /// Capture projection override as JSON, reloaded on change.
+    #[arg(long, env = "AETHER_CAPTURE_FILE")]
+    pub capture_file: Option<PathBuf>,
+    /// SPIFFE Workload API socket [default: no workload identity].
+    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET")]
+    pub spiffe_endpoint: Option<String>,
+    /// CNI conf folder whose conflist the owner re-asserts [default: none].
+    #[arg(long, env = "AETHER_CNI_CONF_DIR")]
+    pub cni_conf_dir: Option<PathBuf>,
+    /// Prometheus metrics address, bound by the owner only; "off" disables them.
+    #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Log format of both processes: text or json.
+    #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+fn parse_user(s: &str) -> Result<(u32, u32), String> {
+    let (u, g) = s.split_once(':').ok_or_else(|| format!("worker user {s:?} is not uid:gid"))?;
+    let uid = u.parse().map_err(|_| format!("worker user {s:?}: uid {u:?} is not a number"))?;
+    let gid = g.parse().map_err(|_| format!("worker user {s:?}: gid {g:?} is not a number"))?;
+    if uid == 0 {
+        return Err(format!("worker user {s:?}: the worker must not run as uid 0"));
+    }
+    Ok((uid, gid))
+}
+
+fn parse_metrics(s: &str) -> Result<Option<SocketAddr>, String> {
+    if s == "off" {
+        return Ok(None);
+    }
+    s.parse().map(Some).map_err(|e| format!("metrics address {s:?}: {e}"))
+}
+
+impl Config {
+    pub fn lock_path(&self) -> PathBuf {
+        self.run_dir.join("agent.lock")
+    }
+    pub fn xds_path(&self) -> PathBuf {
+        self.run_dir.join("xds.sock")
+    }
+    pub fn cni_path(&self) -> PathBuf {
+        self.run_dir.join("cni.sock")
+    }
+    pub fn handoff_path(&self) -> PathBuf {
+        self.run_dir.join("handoff.sock")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_user_parsing() {
+        assert_eq!(parse_user("65532:65532"), Ok((65532, 65532)));
+        for bad in ["65532", "a:1", "1:b", "0:0", ""] {
+            let err = parse_user(bad).expect_err(bad);
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+
+    #[test]
+    fn metrics_off() {
+        assert_eq!(parse_metrics("off"), Ok(None));
+        assert!(parse_metrics("nope").is_err());
+    }
+}

@@ -1,0 +1,103 @@
+//! The node sockets: checking a path for a live server, binding a fresh listener, and
+//! checking that a listener handed over by the previous generation is still the one
+//! bound at its path.
+//!
+//! A path is replaced only when `lstat` shows a socket file whose server is gone; a
+//! symlink, a regular file or anything else is refused and left untouched. Modes and
+//! owners are set explicitly after bind, and the process umask is 0077 from start, so
+//! the file is never more open than asked, even for an instant.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket};
+
+/// Connects queue here while no worker accepts (a respawn, a takeover in progress).
+pub const BACKLOG: i32 = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("refusing to replace {path}: it is a {kind}, not a socket; remove it by hand if it is stale")]
+    NotASocket { path: PathBuf, kind: &'static str },
+    #[error("{path}: a live server still answers there (a predecessor that holds no lock?)")]
+    LiveServer { path: PathBuf },
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: io::Error },
+}
+
+/// A bound, listening socket and the identity of its path.
+pub struct Bound {
+    pub fd: OwnedFd,
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// Whether a server accepts on `path`. A refused dial (a stale file of a dead server) or
+/// a missing path means no.
+pub fn live_server(path: &Path) -> Result<bool, ListenError> {
+    match UnixStream::connect(path) {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED) | Some(libc::ENOENT)) => Ok(false),
+        Err(source) => Err(ListenError::Io { what: "dial", path: path.to_owned(), source }),
+    }
+}
+
+/// What is at `path`: nothing, a socket file (replaceable), or something we refuse.
+fn check_replaceable(path: &Path) -> Result<bool, ListenError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(ListenError::Io { what: "lstat", path: path.to_owned(), source }),
+        Ok(m) => {
+            let t = m.file_type();
+            if t.is_socket() {
+                return Ok(true);
+            }
+            let kind = if t.is_symlink() {
+                "symlink"
+            } else if t.is_file() {
+                "regular file"
+            } else if t.is_dir() {
+                "directory"
+            } else {
+                "special file"
+            };
+            Err(ListenError::NotASocket { path: path.to_owned(), kind })
+        }
+    }
+}
+
+/// Binds a fresh listening socket at `path` with exactly `mode` and `owner`, replacing a
+/// stale socket file. `kind` is the socket type (stream for the node sockets, seqpacket
+/// for the handoff socket). The caller has checked that no live server answers there.
+pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> Result<Bound, ListenError> {
+    let io_err = |what, source| ListenError::Io { what, path: path.to_owned(), source };
+    if check_replaceable(path)? {
+        // Only a socket file reaches here; unlink does not follow symlinks anyway.
+        std::fs::remove_file(path).map_err(|e| io_err("remove stale socket", e))?;
+    }
+    let fd = socket(AddressFamily::Unix, kind, SockFlag::SOCK_CLOEXEC, None)
+        .map_err(|e| io_err("socket", e.into()))?;
+    let addr = UnixAddr::new(path).map_err(|e| io_err("socket address", e.into()))?;
+    bind(fd.as_raw_fd(), &addr).map_err(|e| io_err("bind", e.into()))?;
+    std::os::unix::fs::chown(path, Some(owner.0), Some(owner.1)).map_err(|e| io_err("chown", e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| io_err("chmod", e))?;
+    listen(&fd, Backlog::new(BACKLOG).expect("backlog within SOMAXCONN range"))
+        .map_err(|e| io_err("listen", e.into()))?;
+    let m = std::fs::symlink_metadata(path).map_err(|e| io_err("lstat", e))?;
+    Ok(Bound { fd, dev: m.dev(), ino: m.ino() })
+}
+
+/// Checks a listener handed over by the previous generation: it is a listening stream
+/// socket bound to `path`, and `path` still names the file it was bound to (`dev`/`ino`
+/// as the previous owner recorded them at bind).
+pub fn verify_held(fd: &OwnedFd, path: &Path, dev: u64, ino: u64) -> Result<(), String> {
+    shared_proto::fdcheck::check_listener("held listener", fd, path).map_err(|e| e.to_string())?;
+    let m = std::fs::symlink_metadata(path).map_err(|e| format!("lstat {}: {e}", path.display()))?;
+    if !m.file_type().is_socket() || m.dev() != dev || m.ino() != ino {
+        return Err(format!("{} was replaced since the handoff (inode {} now, {} then)", path.display(), m.ino(), ino));
+    }
+    Ok(())
+}

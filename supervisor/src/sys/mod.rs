@@ -1,0 +1,8 @@
+//! Every privileged or raw syscall of the supervisor, one family a file. `unsafe` in
+//! this crate lives only here, and each block says why it is sound.
+
+pub mod caps;
+pub mod listen;
+pub mod lock;
+pub mod signals;
+pub mod spawn;

@@ -1,0 +1,200 @@
+//! Model resources to Envoy protobuf: the one place that knows both.
+
+use std::net::{IpAddr, SocketAddr};
+
+use envoy_types::pb::envoy::config::cluster::v3 as cluster;
+use envoy_types::pb::envoy::config::core::v3 as core;
+use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
+use envoy_types::pb::envoy::config::listener::v3 as listener;
+use envoy_types::pb::envoy::config::route::v3 as route;
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
+use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
+use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
+use envoy_types::util::pack_any;
+
+use crate::snapshot;
+
+fn socket_address(a: SocketAddr) -> core::Address {
+    core::Address {
+        address: Some(core::address::Address::SocketAddress(core::SocketAddress {
+            address: a.ip().to_string(),
+            port_specifier: Some(core::socket_address::PortSpecifier::PortValue(u32::from(a.port()))),
+            ..Default::default()
+        })),
+    }
+}
+
+fn ads() -> core::ConfigSource {
+    core::ConfigSource {
+        resource_api_version: core::ApiVersion::V3 as i32,
+        config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(core::AggregatedConfigSource {})),
+        ..Default::default()
+    }
+}
+
+fn host_prefix(ip: IpAddr) -> core::CidrRange {
+    let len = if ip.is_ipv4() { 32 } else { 128 };
+    core::CidrRange { address_prefix: ip.to_string(), prefix_len: Some(UInt32Value { value: len }) }
+}
+
+pub fn listener(l: &snapshot::Listener) -> Any {
+    let (direction, filter_chains, listener_filters) = match &l.kind {
+        snapshot::ListenerKind::HttpOutbound { route_config } => {
+            let manager = hcm::HttpConnectionManager {
+                stat_prefix: l.name.clone(),
+                codec_type: hcm::http_connection_manager::CodecType::Auto as i32,
+                route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(hcm::Rds {
+                    config_source: Some(ads()),
+                    route_config_name: route_config.clone(),
+                })),
+                http_filters: vec![hcm::HttpFilter {
+                    name: "envoy.filters.http.router".into(),
+                    config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(Router::default()))),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            let chain = listener::FilterChain {
+                filters: vec![listener::Filter {
+                    name: "envoy.filters.network.http_connection_manager".into(),
+                    config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
+                }],
+                ..Default::default()
+            };
+            (core::TrafficDirection::Outbound, vec![chain], vec![])
+        }
+        snapshot::ListenerKind::Inbound { chains } => {
+            let chains = chains
+                .iter()
+                .map(|c| listener::FilterChain {
+                    name: c.pod_uid.clone(),
+                    filter_chain_match: Some(listener::FilterChainMatch {
+                        prefix_ranges: c.ips.iter().map(|ip| host_prefix(*ip)).collect(),
+                        ..Default::default()
+                    }),
+                    filters: vec![listener::Filter {
+                        name: "envoy.filters.network.tcp_proxy".into(),
+                        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(tcp::TcpProxy {
+                            stat_prefix: c.cluster.clone(),
+                            cluster_specifier: Some(tcp::tcp_proxy::ClusterSpecifier::Cluster(c.cluster.clone())),
+                            ..Default::default()
+                        }))),
+                    }],
+                    ..Default::default()
+                })
+                .collect();
+            // Redirected connections carry the pod's address as their original
+            // destination; the filter restores it so the chains can match on it.
+            let original_dst = listener::ListenerFilter {
+                name: "envoy.filters.listener.original_dst".into(),
+                config_type: Some(listener::listener_filter::ConfigType::TypedConfig(pack_any(OriginalDst::default()))),
+                ..Default::default()
+            };
+            (core::TrafficDirection::Inbound, chains, vec![original_dst])
+        }
+    };
+    pack_any(listener::Listener {
+        name: l.name.clone(),
+        address: Some(socket_address(l.address)),
+        filter_chains,
+        listener_filters,
+        traffic_direction: direction as i32,
+        ..Default::default()
+    })
+}
+
+pub fn route_config(r: &snapshot::RouteConfig) -> Any {
+    let virtual_hosts = r
+        .virtual_hosts
+        .iter()
+        .map(|v| route::VirtualHost {
+            name: v.name.clone(),
+            domains: v.domains.clone(),
+            routes: v
+                .routes
+                .iter()
+                .map(|rt| route::Route {
+                    r#match: Some(route::RouteMatch {
+                        path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
+                        headers: rt
+                            .authority_port
+                            .map(|p| route::HeaderMatcher {
+                                name: ":authority".into(),
+                                header_match_specifier: Some(route::header_matcher::HeaderMatchSpecifier::StringMatch(
+                                    matcher::StringMatcher {
+                                        match_pattern: Some(matcher::string_matcher::MatchPattern::Suffix(format!(":{p}"))),
+                                        ..Default::default()
+                                    },
+                                )),
+                                ..Default::default()
+                            })
+                            .into_iter()
+                            .collect(),
+                        ..Default::default()
+                    }),
+                    action: Some(route::route::Action::Route(route::RouteAction {
+                        cluster_specifier: Some(route::route_action::ClusterSpecifier::Cluster(rt.cluster.clone())),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    pack_any(route::RouteConfiguration { name: r.name.clone(), virtual_hosts, ..Default::default() })
+}
+
+pub fn cluster(c: &snapshot::Cluster) -> Any {
+    let mut out = cluster::Cluster {
+        name: c.name.clone(),
+        connect_timeout: Some(Duration { seconds: 1, nanos: 0 }),
+        ..Default::default()
+    };
+    match &c.kind {
+        snapshot::ClusterKind::Eds => {
+            out.cluster_discovery_type =
+                Some(cluster::cluster::ClusterDiscoveryType::Type(cluster::cluster::DiscoveryType::Eds as i32));
+            out.eds_cluster_config =
+                Some(cluster::cluster::EdsClusterConfig { eds_config: Some(ads()), service_name: c.name.clone() });
+        }
+        snapshot::ClusterKind::Static { endpoints } => {
+            out.cluster_discovery_type =
+                Some(cluster::cluster::ClusterDiscoveryType::Type(cluster::cluster::DiscoveryType::Static as i32));
+            out.load_assignment = Some(load_assignment_of(
+                &c.name,
+                endpoints.iter().map(|a| snapshot::LbEndpoint { address: *a, draining: false }),
+            ));
+        }
+    }
+    pack_any(out)
+}
+
+pub fn load_assignment(a: &snapshot::LoadAssignment) -> Any {
+    pack_any(load_assignment_of(&a.cluster, a.endpoints.iter().cloned()))
+}
+
+fn load_assignment_of(name: &str, eps: impl Iterator<Item = snapshot::LbEndpoint>) -> endpoint::ClusterLoadAssignment {
+    let lb_endpoints = eps
+        .map(|e| endpoint::LbEndpoint {
+            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(endpoint::Endpoint {
+                address: Some(socket_address(e.address)),
+                ..Default::default()
+            })),
+            health_status: if e.draining { core::HealthStatus::Draining } else { core::HealthStatus::Healthy } as i32,
+            ..Default::default()
+        })
+        .collect::<Vec<_>>();
+    endpoint::ClusterLoadAssignment {
+        cluster_name: name.to_string(),
+        endpoints: if lb_endpoints.is_empty() {
+            vec![]
+        } else {
+            vec![endpoint::LocalityLbEndpoints { lb_endpoints, ..Default::default() }]
+        },
+        ..Default::default()
+    }
+}

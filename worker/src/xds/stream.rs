@@ -1,0 +1,351 @@
+//! The state of one ADS stream (state of the world), per resource type: what the proxy
+//! subscribed to, what was sent under which nonce, what it ACKed. No I/O: the server
+//! feeds it requests and snapshots and sends what [`StreamState::pending`] returns.
+//!
+//! Rules:
+//! - A request with an empty nonce subscribes (first request, or a reconnect that
+//!   carries the version the proxy holds: not an ACK) and is always answered.
+//! - A request whose nonce is not the last one sent for its type is stale and ignored.
+//! - `error_detail` set: a NACK of the last response. The proxy keeps its last good
+//!   config; so do we: the rejected version is not resent, the next snapshot is.
+//! - Otherwise an ACK of the last response.
+//! - A type is (re)sent when the snapshot's version for it differs from the last sent,
+//!   or, for EDS and RDS, when the requested names change. Order of a push: CDS, EDS,
+//!   LDS, RDS, so clusters exist before the listeners and routes that use them.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::protobuf::Any;
+
+use super::convert;
+use crate::snapshot::Snapshot;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Cluster,
+    Endpoint,
+    Listener,
+    Route,
+}
+
+/// Push order.
+pub const KINDS: [Kind; 4] = [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route];
+
+impl Kind {
+    pub fn type_url(self) -> &'static str {
+        match self {
+            Kind::Cluster => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            Kind::Endpoint => "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            Kind::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
+            Kind::Route => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+        }
+    }
+
+    pub fn from_type_url(url: &str) -> Option<Self> {
+        KINDS.into_iter().find(|k| k.type_url() == url)
+    }
+
+    /// LDS and CDS are wildcard subscriptions: every response carries the full set.
+    fn wildcard(self) -> bool {
+        matches!(self, Kind::Cluster | Kind::Listener)
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn short(self) -> &'static str {
+        match self {
+            Kind::Cluster => "CDS",
+            Kind::Endpoint => "EDS",
+            Kind::Listener => "LDS",
+            Kind::Route => "RDS",
+        }
+    }
+}
+
+fn version(s: &Snapshot, k: Kind) -> &str {
+    match k {
+        Kind::Cluster => &s.clusters.version,
+        Kind::Endpoint => &s.endpoints.version,
+        Kind::Listener => &s.listeners.version,
+        Kind::Route => &s.routes.version,
+    }
+}
+
+fn names(s: &Snapshot, k: Kind) -> BTreeSet<String> {
+    match k {
+        Kind::Cluster => s.clusters.items.keys().cloned().collect(),
+        Kind::Endpoint => s.endpoints.items.keys().cloned().collect(),
+        Kind::Listener => s.listeners.items.keys().cloned().collect(),
+        Kind::Route => s.routes.items.keys().cloned().collect(),
+    }
+}
+
+fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<String>) -> Vec<Any> {
+    let pick = |n: &String| names.contains(n);
+    match k {
+        Kind::Cluster => s.clusters.items.iter().filter(|(n, _)| pick(n)).map(|(_, c)| convert::cluster(c)).collect(),
+        Kind::Endpoint => {
+            s.endpoints.items.iter().filter(|(n, _)| pick(n)).map(|(_, a)| convert::load_assignment(a)).collect()
+        }
+        Kind::Listener => s.listeners.items.iter().filter(|(n, _)| pick(n)).map(|(_, l)| convert::listener(l)).collect(),
+        Kind::Route => s.routes.items.iter().filter(|(n, _)| pick(n)).map(|(_, r)| convert::route_config(r)).collect(),
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Sent {
+    nonce: String,
+    version: String,
+    names: BTreeSet<String>,
+}
+
+#[derive(Debug, Default)]
+struct TypeState {
+    subscribed: bool,
+    /// Requested names (EDS, RDS); unused for wildcard types.
+    requested: BTreeSet<String>,
+    /// Answer the next `pending` even if nothing changed: a fresh subscription.
+    answer: bool,
+    sent: Option<Sent>,
+    acked: Option<Sent>,
+}
+
+/// What a request meant, for logs and metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// First request for a type on this stream; `version` is what the proxy holds.
+    Subscribe { kind: Kind, version: String },
+    Ack { kind: Kind, version: String, nonce: String },
+    Nack { kind: Kind, rejected_version: String, nonce: String, message: String },
+    /// A request answering an older response; superseded, ignored.
+    Stale { kind: Kind, nonce: String },
+    UnknownType { type_url: String },
+}
+
+pub struct StreamState {
+    current: Arc<Snapshot>,
+    nonce: u64,
+    types: [TypeState; 4],
+}
+
+impl StreamState {
+    pub fn new(current: Arc<Snapshot>) -> Self {
+        Self { current, nonce: 0, types: Default::default() }
+    }
+
+    pub fn current(&self) -> &Arc<Snapshot> {
+        &self.current
+    }
+
+    pub fn set_snapshot(&mut self, s: Arc<Snapshot>) {
+        self.current = s;
+    }
+
+    pub fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
+        let Some(kind) = Kind::from_type_url(&req.type_url) else {
+            return Event::UnknownType { type_url: req.type_url.clone() };
+        };
+        let t = &mut self.types[kind.index()];
+        let requested: BTreeSet<String> = req.resource_names.iter().cloned().collect();
+        if req.response_nonce.is_empty() {
+            t.subscribed = true;
+            t.requested = requested;
+            t.answer = true;
+            return Event::Subscribe { kind, version: req.version_info.clone() };
+        }
+        let Some(sent) = t.sent.clone().filter(|s| s.nonce == req.response_nonce) else {
+            return Event::Stale { kind, nonce: req.response_nonce.clone() };
+        };
+        t.subscribed = true;
+        t.requested = requested;
+        match &req.error_detail {
+            Some(status) => Event::Nack {
+                kind,
+                rejected_version: sent.version,
+                nonce: sent.nonce,
+                message: status.message.clone(),
+            },
+            None => {
+                t.acked = Some(sent.clone());
+                Event::Ack { kind, version: sent.version, nonce: sent.nonce }
+            }
+        }
+    }
+
+    /// The responses owed to the proxy now, in push order; marks them sent.
+    pub fn pending(&mut self) -> Vec<DiscoveryResponse> {
+        let mut out = Vec::new();
+        for kind in KINDS {
+            let t = &mut self.types[kind.index()];
+            if !t.subscribed {
+                continue;
+            }
+            let mut to_send = names(&self.current, kind);
+            if !kind.wildcard() {
+                to_send.retain(|n| t.requested.contains(n));
+            }
+            let v = version(&self.current, kind);
+            let changed = match &t.sent {
+                None => true,
+                Some(s) => s.version != v || s.names != to_send,
+            };
+            if !(changed || t.answer) {
+                continue;
+            }
+            t.answer = false;
+            self.nonce += 1;
+            let nonce = self.nonce.to_string();
+            out.push(DiscoveryResponse {
+                version_info: v.to_string(),
+                resources: encode(&self.current, kind, &to_send),
+                type_url: kind.type_url().to_string(),
+                nonce: nonce.clone(),
+                ..Default::default()
+            });
+            t.sent = Some(Sent { nonce, version: v.to_string(), names: to_send });
+        }
+        out
+    }
+
+    /// Whether the proxy has ACKed everything of the current snapshot that it uses:
+    /// LDS and CDS in full, and the EDS and RDS resources the snapshot's clusters and
+    /// listeners refer to.
+    pub fn acked_current(&self) -> bool {
+        let s = &*self.current;
+        KINDS.into_iter().all(|kind| {
+            let t = &self.types[kind.index()];
+            let acked_version = t.acked.as_ref().is_some_and(|a| a.version == version(s, kind));
+            match kind {
+                Kind::Listener | Kind::Cluster => acked_version,
+                Kind::Endpoint | Kind::Route => {
+                    let needed: Vec<&str> = match kind {
+                        Kind::Endpoint => s.eds_cluster_names().collect(),
+                        _ => s.rds_names().collect(),
+                    };
+                    needed.is_empty()
+                        || (acked_version && t.acked.as_ref().is_some_and(|a| needed.iter().all(|n| a.names.contains(*n))))
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::{Endpoint, EndpointState, RegistryView, Service};
+    use crate::snapshot::{Inputs, build};
+    use envoy_types::pb::google::rpc::Status;
+
+    fn snap(endpoints: usize) -> Arc<Snapshot> {
+        let eps = (0..endpoints)
+            .map(|i| Endpoint {
+                address: format!("10.0.0.{}", i + 1).parse().unwrap(),
+                port: 8080,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: EndpointState::Healthy,
+            })
+            .collect();
+        let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
+        Arc::new(build(&Inputs { registry: RegistryView { services: vec![svc] }, ..Default::default() }))
+    }
+
+    const CLA: &str = "outbound|80||web.d";
+
+    fn req(kind: Kind, version: &str, nonce: &str, names: &[&str], error: Option<&str>) -> DiscoveryRequest {
+        DiscoveryRequest {
+            version_info: version.into(),
+            type_url: kind.type_url().into(),
+            response_nonce: nonce.into(),
+            resource_names: names.iter().map(|s| s.to_string()).collect(),
+            error_detail: error.map(|m| Status { code: 13, message: m.into(), details: vec![] }),
+            ..Default::default()
+        }
+    }
+
+    /// (type, version, nonce, resource count) of each pending response.
+    fn sent(st: &mut StreamState) -> Vec<(&'static str, String, String, usize)> {
+        st.pending()
+            .into_iter()
+            .map(|r| (Kind::from_type_url(&r.type_url).unwrap().short(), r.version_info, r.nonce, r.resources.len()))
+            .collect()
+    }
+
+    #[test]
+    fn subscribe_ack_push_nack_and_reconnect() {
+        let s1 = snap(1);
+        let mut st = StreamState::new(s1.clone());
+        assert!(sent(&mut st).is_empty(), "nothing before a subscription");
+
+        assert!(matches!(st.on_request(&req(Kind::Cluster, "", "", &[], None)), Event::Subscribe { .. }));
+        assert!(matches!(st.on_request(&req(Kind::Listener, "", "", &[], None)), Event::Subscribe { .. }));
+        let cv1 = s1.clusters.version.clone();
+        let lv1 = s1.listeners.version.clone();
+        assert_eq!(sent(&mut st), vec![("CDS", cv1.clone(), "1".into(), 1), ("LDS", lv1.clone(), "2".into(), 1)]);
+        assert!(sent(&mut st).is_empty(), "nothing twice");
+
+        assert!(matches!(st.on_request(&req(Kind::Cluster, &cv1, "1", &[], None)), Event::Ack { .. }));
+        assert!(matches!(st.on_request(&req(Kind::Listener, &lv1, "2", &[], None)), Event::Ack { .. }));
+        assert!(!st.acked_current(), "EDS and RDS still owed");
+        st.on_request(&req(Kind::Endpoint, "", "", &[CLA], None));
+        st.on_request(&req(Kind::Route, "", "", &["outbound"], None));
+        let ev1 = s1.endpoints.version.clone();
+        let rv1 = s1.routes.version.clone();
+        assert_eq!(sent(&mut st), vec![("EDS", ev1.clone(), "3".into(), 1), ("RDS", rv1.clone(), "4".into(), 1)]);
+        st.on_request(&req(Kind::Endpoint, &ev1, "3", &[CLA], None));
+        assert!(!st.acked_current());
+        st.on_request(&req(Kind::Route, &rv1, "4", &["outbound"], None));
+        assert!(st.acked_current());
+
+        // An endpoint change pushes EDS only; a stale ACK of the old nonce is ignored.
+        let s2 = snap(2);
+        st.set_snapshot(s2.clone());
+        assert!(!st.acked_current());
+        let ev2 = s2.endpoints.version.clone();
+        assert_eq!(sent(&mut st), vec![("EDS", ev2.clone(), "5".into(), 1)]);
+        assert!(matches!(st.on_request(&req(Kind::Endpoint, &ev1, "3", &[CLA], None)), Event::Stale { .. }));
+
+        // NACK: nothing resent, not acked; the next snapshot goes out.
+        let ev = st.on_request(&req(Kind::Endpoint, &ev1, "5", &[CLA], Some("bad endpoint")));
+        assert_eq!(ev, Event::Nack { kind: Kind::Endpoint, rejected_version: ev2, nonce: "5".into(), message: "bad endpoint".into() });
+        assert!(sent(&mut st).is_empty());
+        assert!(!st.acked_current());
+        let s3 = snap(3);
+        st.set_snapshot(s3.clone());
+        assert_eq!(sent(&mut st), vec![("EDS", s3.endpoints.version.clone(), "6".into(), 1)]);
+        st.on_request(&req(Kind::Endpoint, &s3.endpoints.version, "6", &[CLA], None));
+        assert!(st.acked_current());
+
+        // Back to an already-acked snapshot's versions: acked at once.
+        st.set_snapshot(s1.clone());
+        assert_eq!(sent(&mut st).len(), 1);
+        st.set_snapshot(s3.clone());
+        assert_eq!(sent(&mut st).len(), 1);
+
+        // A new stream (reconnect) that carries versions but no nonce: not an ACK, answered.
+        let mut st = StreamState::new(s3.clone());
+        let ev = st.on_request(&req(Kind::Cluster, &s3.clusters.version, "", &[], None));
+        assert!(matches!(ev, Event::Subscribe { .. }));
+        assert!(!st.acked_current());
+        assert_eq!(sent(&mut st).len(), 1);
+    }
+
+    #[test]
+    fn eds_sends_only_requested_names_and_resends_on_name_change() {
+        let mut st = StreamState::new(snap(1));
+        st.on_request(&req(Kind::Endpoint, "", "", &["nope"], None));
+        assert_eq!(sent(&mut st)[0].3, 0);
+        st.on_request(&req(Kind::Endpoint, "x", "1", &["nope", CLA], None));
+        assert_eq!(sent(&mut st)[0].3, 1);
+        st.on_request(&req(Kind::Endpoint, "x", "2", &["nope", CLA], None));
+        assert!(sent(&mut st).is_empty());
+        let unknown = DiscoveryRequest { type_url: "type.googleapis.com/bogus".into(), ..Default::default() };
+        assert!(matches!(st.on_request(&unknown), Event::UnknownType { .. }));
+    }
+}
