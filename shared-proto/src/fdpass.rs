@@ -184,3 +184,24 @@ pub fn send_control(sock: BorrowedFd<'_>, body: Body, fds: &[BorrowedFd<'_>]) ->
 pub fn send_handoff(sock: BorrowedFd<'_>, body: HandoffBody, fds: &[BorrowedFd<'_>]) -> Result<(), Error> {
     send(sock, &HandoffEnvelope { body: Some(body) }, fds)
 }
+
+/// Takes ownership of the control socket a process inherited at `fd` (the worker's fd 3),
+/// after checking that it is an open `SOCK_SEQPACKET` socket. It is marked close-on-exec.
+pub fn take_inherited(fd: RawFd) -> Result<OwnedFd, Error> {
+    // F_GETFD fails with EBADF when nothing is open at `fd`; only then could taking
+    // ownership below alias nothing, so check first.
+    nix::fcntl::fcntl(
+        // SAFETY: the borrow lives only for this call, and `fd` is checked open by it.
+        unsafe { BorrowedFd::borrow_raw(fd) },
+        nix::fcntl::FcntlArg::F_GETFD,
+    )?;
+    // SAFETY: `fd` is open (checked above) and was handed to this process at exec for it
+    // to own; nothing else in the process refers to it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let kind = nix::sys::socket::getsockopt(&owned, nix::sys::socket::sockopt::SockType)?;
+    if kind != nix::sys::socket::SockType::SeqPacket {
+        return Err(Error::Io(Errno::ENOTSOCK));
+    }
+    nix::fcntl::fcntl(&owned, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))?;
+    Ok(owned)
+}

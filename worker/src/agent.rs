@@ -1,1 +1,246 @@
-//! (being written)
+//! The driver: performs what the pure [`takeover`] state machine decides.
+//!
+//! Start-up is the same for a standby and a lone agent: load storage, start the
+//! registry and capture feeds, answer health, say Hello to the supervisor. The node is
+//! touched only after a `Takeover`: its descriptors are checked, the storage diff is
+//! reconciled when the start was contended, and then both sockets are served.
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use tokio::sync::{oneshot, watch};
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::control::{Command, Control};
+use crate::health::{self, TakeoverTimes};
+use crate::metrics::Metrics;
+use crate::node::Node;
+use crate::snapshot::Inputs;
+use crate::storage::Storage;
+use crate::takeover::{self, Action, Event, Gate, Phase, State};
+use crate::{capture, cni, fdcheck, httpmini, registry, xds};
+
+const REGISTRY_GATE: Duration = Duration::from_secs(15);
+const CAPTURE_GATE: Duration = Duration::from_secs(10);
+
+fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Everything the owner needs once it serves.
+struct Owned {
+    fds: fdcheck::TakeoverFds,
+    generation: u64,
+    received: Instant,
+    times: TakeoverTimes,
+    /// Wall clock at which the supervisor acquired the lock, in µs.
+    lock_acquired_us: u64,
+}
+
+pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
+    let metrics = Metrics::new();
+    let storage = Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
+    let pods: BTreeMap<_, _> = storage.pods().into_iter().map(|p| (p.uid.clone(), p)).collect();
+    info!(pods = pods.len(), dir = %cfg.state_dir.display(), "loaded pods from storage");
+    let node = Node::new(Inputs { pods, ..Inputs::default() });
+    node.set_gate(|g| g.storage_loaded = true);
+    let _registry = registry::spawn_embedded(cfg.registry_file.clone(), node.clone(), metrics.clone());
+    let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
+
+    let status = watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name));
+    let health_listener = health::bind(&cfg.health_dir)?;
+    tokio::spawn(health::serve(health_listener, status.subscribe()));
+
+    let mut control = Control::new(control_fd)?;
+    let acks = xds::Acks::default();
+    let mut state = State::default();
+    let mut gates = node.gates();
+    let mut owned: Option<Owned> = None;
+    let (timeout_tx, mut timeout_rx) = tokio::sync::mpsc::channel::<Gate>(2);
+    let (reconciled_tx, mut reconciled_rx) = tokio::sync::mpsc::channel::<Duration>(1);
+    let mut drain_tx: Option<oneshot::Sender<()>> = None;
+    let (drained_tx, mut drained_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut pending = vec![Event::Gates(*gates.borrow_and_update())];
+
+    loop {
+        for event in pending.drain(..) {
+            let (next, actions) = takeover::step(state, event);
+            state = next;
+            for action in actions {
+                match action {
+                    Action::Report(phase) => {
+                        control.report(phase)?;
+                        info!(phase = phase.as_str(), owner = state.owner, "phase");
+                    }
+                    Action::ArmGateTimers => {
+                        for (gate, after) in [(Gate::Registry, REGISTRY_GATE), (Gate::Capture, CAPTURE_GATE)] {
+                            let tx = timeout_tx.clone();
+                            tokio::spawn(async move {
+                                tokio::time::sleep(after).await;
+                                let _ = tx.send(gate).await;
+                            });
+                        }
+                    }
+                    Action::Reconcile => {
+                        let (node, storage, tx) = (node.clone(), storage.clone(), reconciled_tx.clone());
+                        tokio::spawn(async move {
+                            let start = Instant::now();
+                            match cni::reconcile(&node, &storage).await {
+                                Ok(n) => info!(changed = n, "takeover reconcile applied the storage diff"),
+                                Err(e) => error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start"),
+                            }
+                            let _ = tx.send(start.elapsed()).await;
+                        });
+                    }
+                    Action::Serve => {
+                        let o = owned.as_mut().expect("Serve follows a takeover");
+                        let (tx, rx) = oneshot::channel();
+                        drain_tx = Some(tx);
+                        serve(&cfg, o, &node, &storage, &acks, &metrics, rx, drained_tx.clone())?;
+                    }
+                    Action::Drain => {
+                        match drain_tx.take() {
+                            Some(tx) => {
+                                let _ = tx.send(());
+                            }
+                            // Nothing served: nothing in flight.
+                            None => return Ok(0),
+                        }
+                    }
+                }
+            }
+            status.send_modify(|s| {
+                s.role = if state.owner { "owner" } else { "standby" };
+                s.phase = state.phase.as_str();
+                s.ready = state.ready();
+                if let Some(o) = &owned {
+                    s.generation = o.generation;
+                    s.takeover = Some(o.times);
+                }
+            });
+        }
+
+        tokio::select! {
+            changed = gates.changed() => {
+                if changed.is_ok() {
+                    pending.push(Event::Gates(*gates.borrow_and_update()));
+                }
+            }
+            Some(gate) = timeout_rx.recv() => {
+                let g = *gates.borrow();
+                let passed = match gate { Gate::Registry => g.registry_loaded, Gate::Capture => g.capture_landed };
+                if !passed && state.phase != Phase::Serving {
+                    warn!(gate = ?gate, "first-serve gate timed out; a lone owner serves without it");
+                }
+                pending.push(Event::GateTimedOut(gate));
+            }
+            Some(took) = reconciled_rx.recv() => {
+                if let Some(o) = &mut owned {
+                    o.times.reconcile_us = took.as_micros() as u64;
+                }
+                pending.push(Event::ReconcileDone);
+            }
+            Some(()) = drained_rx.recv() => {
+                info!("in-flight CNI calls finished; exiting");
+                return Ok(0);
+            }
+            command = control.next() => match command {
+                Ok(Command::Drain) => pending.push(Event::Drain),
+                Ok(Command::Takeover(t, fds)) => {
+                    let fds = fdcheck::check(&cfg.run_dir, fds).context("checking the Takeover descriptors")?;
+                    let fd_passing_us = now_us().saturating_sub(t.sent_at_us);
+                    info!(generation = t.generation, handed_off = t.handed_off, respawn = t.respawn, uncontended = t.uncontended,
+                        lock_wait_us = t.lock_wait_us, bind_us = t.bind_us, fd_passing_us, "takeover received");
+                    metrics.generation.set(t.generation as i64);
+                    metrics.worker_respawns.set(t.respawns as i64);
+                    metrics.observe_phase("lock_wait", t.lock_wait_us as f64 / 1e6);
+                    metrics.observe_phase("bind", t.bind_us as f64 / 1e6);
+                    metrics.observe_phase("fd_passing", fd_passing_us as f64 / 1e6);
+                    owned = Some(Owned {
+                        fds,
+                        generation: t.generation,
+                        received: Instant::now(),
+                        times: TakeoverTimes {
+                            lock_wait_us: t.lock_wait_us,
+                            bind_us: t.bind_us,
+                            fd_passing_us,
+                            handed_off: t.handed_off,
+                            respawn: t.respawn,
+                            ..TakeoverTimes::default()
+                        },
+                        lock_acquired_us: t.sent_at_us.saturating_sub(t.bind_us),
+                    });
+                    pending.push(Event::Takeover { reconcile: !t.uncontended && !t.respawn });
+                }
+                Err(e) => {
+                    error!(error = %e, "control channel to the supervisor ended");
+                    return Ok(1);
+                }
+            },
+        }
+    }
+}
+
+/// Starts serving both sockets and the metrics listener.
+#[allow(clippy::too_many_arguments)]
+fn serve(
+    cfg: &Config,
+    o: &mut Owned,
+    node: &Arc<Node>,
+    storage: &Arc<Storage>,
+    acks: &xds::Acks,
+    metrics: &Arc<Metrics>,
+    drain: oneshot::Receiver<()>,
+    drained: tokio::sync::mpsc::Sender<()>,
+) -> anyhow::Result<()> {
+    let listener = |fd: &OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
+        let std_l = std::os::unix::net::UnixListener::from(fd.try_clone()?);
+        std_l.set_nonblocking(true)?;
+        Ok(tokio::net::UnixListener::from_std(std_l)?)
+    };
+    let xds_l = listener(&o.fds.xds)?;
+    let cni_l = listener(&o.fds.cni)?;
+    // The proxy keeps its stream until this process exits, so xDS never shuts down early.
+    tokio::spawn(xds::serve(xds_l, node.subscribe(), acks.clone(), metrics.clone(), std::future::pending()));
+    let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
+    tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = drain.await;
+        };
+        if let Err(e) = cni::serve(cni_l, node, storage, acks, m, shutdown).await {
+            error!(error = %format!("{e:#}"), "CNI API stopped");
+        }
+        let _ = drained.send(()).await;
+    });
+    if let Some(addr) = cfg.metrics_addr()? {
+        match std::net::TcpListener::bind(addr) {
+            Ok(l) => {
+                l.set_nonblocking(true)?;
+                let l = tokio::net::TcpListener::from_std(l)?;
+                let m = metrics.clone();
+                tokio::spawn(async move {
+                    loop {
+                        let Ok((conn, _)) = l.accept().await else { continue };
+                        let text = m.encode();
+                        tokio::spawn(httpmini::serve_one(conn, move |path| match path {
+                            "/metrics" => httpmini::Response { status: 200, content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8", body: text },
+                            _ => httpmini::Response { status: 404, content_type: "text/plain", body: "try /metrics\n".into() },
+                        }));
+                    }
+                });
+            }
+            Err(e) => warn!(addr = %addr, error = %e, "cannot bind the metrics address; metrics disabled"),
+        }
+    }
+    let first_serve = o.received.elapsed();
+    o.times.first_serve_us = first_serve.as_micros() as u64;
+    o.times.total_us = now_us().saturating_sub(o.lock_acquired_us);
+    metrics.observe_phase("reconcile", o.times.reconcile_us as f64 / 1e6);
+    metrics.observe_phase("first_serve", first_serve.as_secs_f64());
+    info!(generation = o.generation, total_us = o.times.total_us, first_serve_us = o.times.first_serve_us, reconcile_us = o.times.reconcile_us, "serving the node");
+    Ok(())
+}

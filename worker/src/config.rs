@@ -1,1 +1,48 @@
-//! (being written)
+//! The worker's command line. The supervisor builds it; nothing here reads the
+//! environment, which the supervisor clears.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "aether-worker", version, about = "Unprivileged half of the Aether node agent; started by aether-supervisor, not by hand")]
+pub struct Config {
+    /// The inherited control socket (SOCK_SEQPACKET) to the supervisor.
+    #[arg(long, default_value_t = 3)]
+    pub control_fd: i32,
+    /// Used only to check that handed-over sockets are bound where expected.
+    #[arg(long)]
+    pub run_dir: PathBuf,
+    #[arg(long)]
+    pub state_dir: PathBuf,
+    #[arg(long)]
+    pub health_dir: PathBuf,
+    #[arg(long, default_value = "localhost")]
+    pub node_name: String,
+    #[arg(long, default_value = "aether-agent")]
+    pub pod_name: String,
+    #[arg(long)]
+    pub registry_file: Option<PathBuf>,
+    #[arg(long)]
+    pub capture_file: Option<PathBuf>,
+    #[arg(long)]
+    pub registrar: Option<String>,
+    #[arg(long)]
+    pub spiffe_endpoint: Option<String>,
+    /// "off" or an address; bound only once this worker owns the node.
+    #[arg(long, default_value = "off")]
+    pub metrics_addr: String,
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+impl Config {
+    pub fn metrics_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
+        if self.metrics_addr == "off" {
+            return Ok(None);
+        }
+        Ok(Some(self.metrics_addr.parse().map_err(|e| anyhow::anyhow!("--metrics-addr {:?}: {e}", self.metrics_addr))?))
+    }
+}

@@ -1,1 +1,108 @@
-//! (being written)
+//! Health over HTTP/1.0 on `<health-dir>/agent-health.sock`, for `agent-ready`.
+//!
+//! Each generation has its own health dir (each pod its own /tmp), so kubelet's probe is
+//! never answered by the other generation: a worker refuses, with a clear error, to
+//! replace a health socket that still answers.
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+
+use crate::httpmini::{self, Response};
+use crate::takeover::Phase;
+
+pub const SOCKET_NAME: &str = "agent-health.sock";
+
+/// What `/ready` and `/live` report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub role: &'static str,
+    pub phase: &'static str,
+    pub generation: u64,
+    pub ready: bool,
+    pub node: String,
+    pub pod: String,
+    pub pid: u32,
+    /// Takeover timings in microseconds, once this worker took the node over.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub takeover: Option<TakeoverTimes>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct TakeoverTimes {
+    pub lock_wait_us: u64,
+    pub bind_us: u64,
+    pub fd_passing_us: u64,
+    pub reconcile_us: u64,
+    pub first_serve_us: u64,
+    /// Lock acquired to serving on the passed descriptors.
+    pub total_us: u64,
+    pub handed_off: bool,
+    pub respawn: bool,
+}
+
+impl Status {
+    pub fn new(node: &str, pod: &str) -> Self {
+        Self {
+            role: "standby",
+            phase: Phase::Building.as_str(),
+            generation: 0,
+            ready: false,
+            node: node.into(),
+            pod: pod.into(),
+            pid: std::process::id(),
+            takeover: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HealthError {
+    #[error("{path}: another agent's health server still answers there; each generation needs its own --health-dir")]
+    Live { path: PathBuf },
+    #[error("{path} exists and is not a socket; refusing to replace it")]
+    NotASocket { path: PathBuf },
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+}
+
+/// Binds the health socket, replacing only a stale socket file.
+pub fn bind(dir: &Path) -> Result<UnixListener, HealthError> {
+    let path = dir.join(SOCKET_NAME);
+    let io = |what, source| HealthError::Io { what, path: path.clone(), source };
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+                return Err(HealthError::Live { path });
+            }
+            std::fs::remove_file(&path).map_err(|e| io("remove stale socket", e))?;
+        }
+        Ok(_) => return Err(HealthError::NotASocket { path }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("lstat", e)),
+    }
+    let l = UnixListener::bind(&path).map_err(|e| io("bind", e))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|e| io("chmod", e))?;
+    Ok(l)
+}
+
+pub fn respond(status: &Status, path: &str) -> Response {
+    let body = serde_json::to_string(status).unwrap_or_else(|_| "{}".into()) + "\n";
+    match path {
+        "/ready" => Response { status: if status.ready { 200 } else { 503 }, content_type: "application/json", body },
+        "/live" => Response { status: 200, content_type: "application/json", body },
+        _ => Response { status: 404, content_type: "text/plain", body: format!("no such path {path:?}; try /ready or /live\n") },
+    }
+}
+
+/// Answers health requests until the process exits.
+pub async fn serve(listener: UnixListener, status: watch::Receiver<Status>) {
+    loop {
+        let Ok((conn, _)) = listener.accept().await else { continue };
+        let snapshot = status.borrow().clone();
+        tokio::spawn(httpmini::serve_one(conn, move |path| respond(&snapshot, path)));
+    }
+}

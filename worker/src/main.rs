@@ -1,1 +1,39 @@
-fn main() {}
+//! `aether-worker`: the unprivileged half of the Aether node agent, started by
+//! `aether-supervisor` with its control socket at fd 3, no capabilities and no_new_privs.
+
+use clap::Parser;
+
+use aether_worker::config::Config;
+
+fn main() {
+    let cfg = Config::parse();
+    init_logging(&cfg.log_format);
+    // Take the inherited control socket before anything else can open a descriptor.
+    let control = match shared_proto::fdpass::take_inherited(cfg.control_fd) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::error!(fd = cfg.control_fd, error = %e, "no control socket from the supervisor; aether-worker is started by aether-supervisor");
+            std::process::exit(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    let code = match runtime.block_on(aether_worker::agent::run(cfg, control)) {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "worker failed");
+            1
+        }
+    };
+    // Do not wait for detached tasks (the proxy's ADS stream ends with the process).
+    std::process::exit(code);
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,1 +1,243 @@
-//! (being written)
+//! The role and phase state machine of one worker. Pure: `step(state, event)` returns
+//! the next state and the actions the driver in [`crate::agent`] performs, so every
+//! rule here is tested without sockets, clocks or root.
+//!
+//! Phases: Building → StandbyComplete → Reconciling → Serving → Draining.
+//! - A standby is complete only when its gates really passed (no timeouts).
+//! - An owner (Takeover received) serves once its gates passed or, for the registry and
+//!   capture gates, timed out: nobody else serves the node then, so the first serve
+//!   proceeds. Storage has no timeout; it is local.
+//! - A takeover after a contended start reconciles with storage first; an uncontended
+//!   start or a respawn runs no takeover step.
+
+use crate::node::Gates;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Building,
+    StandbyComplete,
+    Reconciling,
+    Serving,
+    Draining,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Building => "building",
+            Phase::StandbyComplete => "standby-complete",
+            Phase::Reconciling => "reconciling",
+            Phase::Serving => "serving",
+            Phase::Draining => "draining",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    Registry,
+    Capture,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    Gates(Gates),
+    /// A lone owner's first-serve gate timed out (registry 15 s, capture 10 s).
+    GateTimedOut(Gate),
+    Takeover { reconcile: bool },
+    ReconcileDone,
+    Drain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Tell the supervisor the new phase.
+    Report(Phase),
+    /// Arm the lone owner's gate timers.
+    ArmGateTimers,
+    /// Apply the storage diff to the node.
+    Reconcile,
+    /// Accept on both sockets, start the owner-only writers and the metrics listener.
+    Serve,
+    /// Stop taking new CNI calls, finish in-flight ones, exit.
+    Drain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    pub phase: Phase,
+    pub owner: bool,
+    gates: Gates,
+    registry_timed_out: bool,
+    capture_timed_out: bool,
+    /// The takeover asked for a reconcile that has not run yet.
+    reconcile: bool,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self { phase: Phase::Building, owner: false, gates: Gates::default(), registry_timed_out: false, capture_timed_out: false, reconcile: false }
+    }
+}
+
+impl State {
+    /// Standby completeness: every gate really passed.
+    pub fn complete(&self) -> bool {
+        self.gates.registry_loaded && self.gates.capture_landed && self.gates.storage_loaded
+    }
+
+    /// An owner's first serve: gates passed or, where allowed, timed out.
+    fn may_first_serve(&self) -> bool {
+        self.gates.storage_loaded
+            && (self.gates.registry_loaded || self.registry_timed_out)
+            && (self.gates.capture_landed || self.capture_timed_out)
+    }
+
+    /// `GET /ready`: a complete standby, or an owner that serves.
+    pub fn ready(&self) -> bool {
+        matches!(self.phase, Phase::StandbyComplete | Phase::Serving)
+    }
+}
+
+/// Advances the state machine by one event.
+pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
+    let mut actions = Vec::new();
+    match event {
+        Event::Gates(g) => s.gates = g,
+        Event::GateTimedOut(Gate::Registry) => s.registry_timed_out = true,
+        Event::GateTimedOut(Gate::Capture) => s.capture_timed_out = true,
+        Event::Takeover { reconcile } => {
+            if s.owner || s.phase == Phase::Draining {
+                return (s, actions);
+            }
+            s.owner = true;
+            s.reconcile = reconcile;
+            actions.push(Action::ArmGateTimers);
+        }
+        Event::ReconcileDone if s.phase == Phase::Reconciling => {
+            s.reconcile = false;
+            s.phase = Phase::Serving;
+            actions.extend([Action::Serve, Action::Report(Phase::Serving)]);
+            return (s, actions);
+        }
+        Event::ReconcileDone => {}
+        Event::Drain => {
+            if s.phase != Phase::Draining {
+                s.phase = Phase::Draining;
+                actions.extend([Action::Report(Phase::Draining), Action::Drain]);
+            }
+            return (s, actions);
+        }
+    }
+    // Progress the phase as far as the state allows.
+    match s.phase {
+        Phase::Building | Phase::StandbyComplete if s.owner => {
+            if s.may_first_serve() {
+                if s.reconcile {
+                    s.phase = Phase::Reconciling;
+                    actions.extend([Action::Report(Phase::Reconciling), Action::Reconcile]);
+                } else {
+                    s.phase = Phase::Serving;
+                    actions.extend([Action::Serve, Action::Report(Phase::Serving)]);
+                }
+            }
+        }
+        Phase::Building if s.complete() => {
+            s.phase = Phase::StandbyComplete;
+            actions.push(Action::Report(Phase::StandbyComplete));
+        }
+        _ => {}
+    }
+    (s, actions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_gates() -> Gates {
+        Gates { registry_loaded: true, capture_landed: true, storage_loaded: true }
+    }
+
+    /// Feeds `events` from the default state; checks the final phase and every action.
+    fn check(events: &[Event], phase: Phase, actions: &[Action]) {
+        let mut s = State::default();
+        let mut all = Vec::new();
+        for e in events {
+            let (next, a) = step(s, *e);
+            s = next;
+            all.extend(a);
+        }
+        assert_eq!(s.phase, phase, "events {events:?}");
+        assert_eq!(all, actions, "events {events:?}");
+    }
+
+    #[test]
+    fn standby_completes_only_when_every_gate_passed() {
+        let partial = Gates { registry_loaded: true, capture_landed: true, storage_loaded: false };
+        check(&[Event::Gates(partial)], Phase::Building, &[]);
+        check(&[Event::GateTimedOut(Gate::Registry), Event::GateTimedOut(Gate::Capture)], Phase::Building, &[]);
+        check(&[Event::Gates(all_gates())], Phase::StandbyComplete, &[Action::Report(Phase::StandbyComplete)]);
+    }
+
+    #[test]
+    fn complete_standby_takes_over_with_reconcile() {
+        check(
+            &[Event::Gates(all_gates()), Event::Takeover { reconcile: true }, Event::ReconcileDone],
+            Phase::Serving,
+            &[
+                Action::Report(Phase::StandbyComplete),
+                Action::ArmGateTimers,
+                Action::Report(Phase::Reconciling),
+                Action::Reconcile,
+                Action::Serve,
+                Action::Report(Phase::Serving),
+            ],
+        );
+    }
+
+    #[test]
+    fn uncontended_start_runs_no_takeover_step() {
+        check(
+            &[Event::Takeover { reconcile: false }, Event::Gates(all_gates())],
+            Phase::Serving,
+            &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
+        );
+    }
+
+    #[test]
+    fn lone_owner_serves_after_gate_timeouts_but_not_before_storage() {
+        let storage_only = Gates { storage_loaded: true, ..Gates::default() };
+        check(
+            &[Event::Takeover { reconcile: false }, Event::Gates(storage_only), Event::GateTimedOut(Gate::Capture)],
+            Phase::Building,
+            &[Action::ArmGateTimers],
+        );
+        check(
+            &[Event::Takeover { reconcile: false }, Event::Gates(storage_only), Event::GateTimedOut(Gate::Capture), Event::GateTimedOut(Gate::Registry)],
+            Phase::Serving,
+            &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
+        );
+    }
+
+    #[test]
+    fn drain_is_final_and_blocks_takeover() {
+        check(
+            &[Event::Gates(all_gates()), Event::Drain, Event::Takeover { reconcile: true }, Event::Drain],
+            Phase::Draining,
+            &[Action::Report(Phase::StandbyComplete), Action::Report(Phase::Draining), Action::Drain],
+        );
+    }
+
+    #[test]
+    fn second_takeover_is_ignored_and_ready_follows_phase() {
+        let (s, _) = step(State::default(), Event::Gates(all_gates()));
+        assert!(s.ready() && !s.owner);
+        let (s, _) = step(s, Event::Takeover { reconcile: false });
+        assert!(s.ready() && s.owner && s.phase == Phase::Serving);
+        let (s2, a) = step(s, Event::Takeover { reconcile: true });
+        assert_eq!((s2, a), (s, vec![]));
+        let (s, _) = step(s, Event::Drain);
+        assert!(!s.ready());
+    }
+}

@@ -42,3 +42,29 @@ app.kubernetes.io/component: {{ .component }}
 {{/* The agent's run folder: a contract (DESIGN.md), shared with the proxy, not a value. */}}
 {{- define "aether-agent.runDir" -}}/run/aether{{- end -}}
 {{- define "aether-agent.stateDir" -}}/var/lib/aether{{- end -}}
+
+{{/*
+The Envoy bootstrap: the project's one template, deploy/envoy/bootstrap.yaml.tmpl (linked
+as files/envoy-bootstrap.yaml.tmpl), whose envsubst-style placeholders are filled here. Its
+full-line comments (the placeholder list) are dropped. ENVOY_NODE_ID gets a stand-in: one
+ConfigMap serves every node, and the proxy container sets the real id, the node name, with
+--service-node $(NODE_NAME), which overrides node.id. Rendering fails if the template
+grows a placeholder this chart does not fill.
+*/}}
+{{- define "aether-agent.envoyBootstrap" -}}
+{{- $t := .Files.Get "files/envoy-bootstrap.yaml.tmpl" -}}
+{{- if not $t -}}
+{{- fail "files/envoy-bootstrap.yaml.tmpl is missing or empty (a link to deploy/envoy/bootstrap.yaml.tmpl)" -}}
+{{- end -}}
+{{- $admin := printf "{ socket_address: { address: 127.0.0.1, port_value: %d } }" (int .Values.proxy.adminPort) -}}
+{{- $t = regexReplaceAll "(?m)^[ \t]*#.*\n" $t "" -}}
+{{- $t = $t | replace "${AETHER_RUN_DIR}" (include "aether-agent.runDir" .) -}}
+{{- $t = $t | replace "${ENVOY_ADMIN_ADDRESS}" $admin -}}
+{{- $t = $t | replace "${ENVOY_NODE_ID}" "set-by-service-node-flag" -}}
+{{- $t = $t | replace "${ADS_BACKOFF_BASE}" .Values.proxy.backoff.base -}}
+{{- $t = $t | replace "${ADS_BACKOFF_MAX}" .Values.proxy.backoff.max -}}
+{{- if contains "${" $t -}}
+{{- fail (printf "the Envoy bootstrap template has a placeholder this chart does not fill:\n%s" $t) -}}
+{{- end -}}
+{{- $t -}}
+{{- end -}}

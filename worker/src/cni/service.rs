@@ -1,0 +1,276 @@
+//! The tonic service behind the CNI API: validates each request, converts it to the
+//! model's [`Pod`] at the boundary, and changes storage and the node.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use shared_proto::cni::cni_server::Cni;
+use shared_proto::cni::{AddResponse, CheckResponse, CniRequest, DelResponse};
+use tonic::{Request, Response, Status};
+
+use super::{ACK_TIMEOUT, AckSource};
+use crate::metrics::{CniLabel, Metrics};
+use crate::node::Node;
+use crate::snapshot::Pod;
+use crate::storage::{self, Storage};
+
+/// Longest pod namespace or name (a DNS subdomain).
+const MAX_NAME: usize = 253;
+const MAX_CONTAINER_ID: usize = 1024;
+const MAX_NETNS: usize = 4096;
+const MAX_IFNAME: usize = 15;
+
+#[derive(Clone)]
+pub struct CniService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    node: Arc<Node>,
+    storage: Arc<Storage>,
+    acks: Arc<dyn AckSource>,
+    metrics: Arc<Metrics>,
+    ack_timeout: Duration,
+    /// Set under the lifecycle lock once the server has drained: from then on no call
+    /// changes anything.
+    drained: AtomicBool,
+}
+
+impl CniService {
+    pub fn new(node: Arc<Node>, storage: Arc<Storage>, acks: Arc<dyn AckSource>, metrics: Arc<Metrics>) -> Self {
+        Self::with_ack_timeout(node, storage, acks, metrics, ACK_TIMEOUT)
+    }
+
+    pub fn with_ack_timeout(
+        node: Arc<Node>,
+        storage: Arc<Storage>,
+        acks: Arc<dyn AckSource>,
+        metrics: Arc<Metrics>,
+        ack_timeout: Duration,
+    ) -> Self {
+        Self { inner: Arc::new(Inner { node, storage, acks, metrics, ack_timeout, drained: AtomicBool::new(false) }) }
+    }
+
+    /// Waits for any change in progress, then refuses every later one.
+    pub(super) async fn fence(&self) {
+        let _lifecycle = self.inner.node.lifecycle().await;
+        self.inner.drained.store(true, Ordering::SeqCst);
+    }
+
+    fn count<T>(&self, op: &str, r: &Result<T, Status>) {
+        let result = match r {
+            Ok(_) => "ok",
+            Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
+            Err(s) if s.code() == tonic::Code::Unavailable => "unavailable",
+            Err(_) => "error",
+        };
+        self.inner.metrics.cni_requests.get_or_create(&CniLabel { op: op.into(), result: result.into() }).inc();
+    }
+}
+
+#[tonic::async_trait]
+impl Cni for CniService {
+    async fn add(&self, request: Request<CniRequest>) -> Result<Response<AddResponse>, Status> {
+        let r = self.inner.clone().add(request.into_inner()).await;
+        self.count("add", &r);
+        r.map(Response::new)
+    }
+
+    async fn del(&self, request: Request<CniRequest>) -> Result<Response<DelResponse>, Status> {
+        let r = self.inner.clone().del(request.into_inner()).await;
+        self.count("del", &r);
+        r.map(Response::new)
+    }
+
+    async fn check(&self, request: Request<CniRequest>) -> Result<Response<CheckResponse>, Status> {
+        let r = self.inner.check(request.into_inner());
+        self.count("check", &r);
+        r.map(Response::new)
+    }
+}
+
+impl Inner {
+    async fn add(self: Arc<Self>, req: CniRequest) -> Result<AddResponse, Status> {
+        let pod = pod_from_add(&req)?;
+        // Its own task: a caller hanging up drops this handler, and must not cancel the
+        // change between the storage write and the snapshot update.
+        let change = tokio::spawn({
+            let this = self.clone();
+            let pod = pod.clone();
+            async move { this.apply_add(pod).await }
+        });
+        change.await.map_err(|e| Status::internal(format!("ADD of pod uid {}: {e}", pod.uid)))??;
+
+        let acked = self.acks.wait_for_pod(&pod.uid, &pod.ips, self.ack_timeout).await;
+        if !acked {
+            self.metrics.cni_ack_timeouts.inc();
+            tracing::warn!(
+                uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, timeout = ?self.ack_timeout,
+                "proxy did not ACK a snapshot holding the pod in time; answering ADD anyway"
+            );
+        }
+        Ok(AddResponse { acked })
+    }
+
+    async fn apply_add(&self, pod: Pod) -> Result<(), Status> {
+        let _lifecycle = self.node.lifecycle().await;
+        self.check_not_drained()?;
+        let storage = self.storage.clone();
+        let record = pod.clone();
+        let written = tokio::task::spawn_blocking(move || storage.put(&record))
+            .await
+            .map_err(|e| Status::internal(format!("writing the record of pod uid {}: {e}", pod.uid)))?
+            .map_err(|e| Status::internal(format!("writing the record of pod uid {}: {e}", pod.uid)))?;
+        tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, written, "CNI ADD");
+        self.node.update(|inputs| {
+            inputs.pods.insert(pod.uid.clone(), pod);
+        });
+        Ok(())
+    }
+
+    async fn del(self: Arc<Self>, req: CniRequest) -> Result<DelResponse, Status> {
+        check_container_id(&req.container_id)?;
+        if !req.pod_uid.is_empty() && !storage::valid_uid(&req.pod_uid) {
+            return Err(Status::invalid_argument(format!("pod_uid {:?} is not a valid pod uid", req.pod_uid)));
+        }
+        let change = tokio::spawn({
+            let this = self.clone();
+            async move { this.apply_del(req).await }
+        });
+        change.await.map_err(|e| Status::internal(format!("DEL: {e}")))?
+    }
+
+    async fn apply_del(&self, req: CniRequest) -> Result<DelResponse, Status> {
+        let _lifecycle = self.node.lifecycle().await;
+        self.check_not_drained()?;
+        let known = if req.pod_uid.is_empty() {
+            self.storage.pods().into_iter().find(|p| p.container_id == req.container_id)
+        } else {
+            self.storage.get(&req.pod_uid).or_else(|| self.node.inputs().pods.get(&req.pod_uid).cloned())
+        };
+        let Some(pod) = known else {
+            tracing::info!(uid = %req.pod_uid, container_id = %req.container_id, "CNI DEL of a pod the agent does not know");
+            return Ok(DelResponse { found: false });
+        };
+        if pod.container_id != req.container_id {
+            // A late DEL for a sandbox the pod has since replaced: the runtime can retry
+            // the old sandbox's DEL after the new sandbox's ADD. Removing would drop the
+            // live pod.
+            tracing::info!(
+                uid = %pod.uid, container_id = %req.container_id, current = %pod.container_id,
+                "CNI DEL for a replaced sandbox; keeping the pod"
+            );
+            return Ok(DelResponse { found: false });
+        }
+        let storage = self.storage.clone();
+        let uid = pod.uid.clone();
+        tokio::task::spawn_blocking(move || storage.remove(&uid))
+            .await
+            .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?
+            .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?;
+        self.node.update(|inputs| {
+            inputs.pods.remove(&pod.uid);
+        });
+        tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), "CNI DEL");
+        Ok(DelResponse { found: true })
+    }
+
+    fn check(&self, req: CniRequest) -> Result<CheckResponse, Status> {
+        check_container_id(&req.container_id)?;
+        let uid = pod_uid(&req)?;
+        let ips = parse_ips(&req.ips)?;
+        let snapshot = self.node.snapshot();
+        if snapshot.holds_pod(&uid, &ips) {
+            return Ok(CheckResponse { holds: true, reason: String::new() });
+        }
+        let reason = match self.node.inputs().pods.get(&uid) {
+            None => format!("pod_uid {uid} is not known to the agent"),
+            Some(p) if p.container_id != req.container_id => {
+                format!("pod_uid {uid} belongs to container_id {}, not {}", p.container_id, req.container_id)
+            }
+            Some(p) if !same_set(&p.ips, &ips) => format!("pod_uid {uid} holds ips {:?}, not {:?}", p.ips, ips),
+            Some(_) => format!("pod_uid {uid} is stored but the snapshot does not serve it: {:?}", snapshot.rejects),
+        };
+        Ok(CheckResponse { holds: false, reason })
+    }
+
+    fn check_not_drained(&self) -> Result<(), Status> {
+        if self.drained.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("agent is draining; retry against the next owner"));
+        }
+        Ok(())
+    }
+}
+
+fn same_set(a: &[IpAddr], b: &[IpAddr]) -> bool {
+    a.len() == b.len() && a.iter().all(|ip| b.contains(ip))
+}
+
+/// The pod's key: its Kubernetes uid, or the container id for a runtime that passes none.
+fn pod_uid(req: &CniRequest) -> Result<String, Status> {
+    let uid = if req.pod_uid.is_empty() { &req.container_id } else { &req.pod_uid };
+    if !storage::valid_uid(uid) {
+        return Err(Status::invalid_argument(format!(
+            "pod_uid {:?} is not a valid pod uid (1-128 of [A-Za-z0-9_.-], no \"..\")",
+            uid
+        )));
+    }
+    Ok(uid.clone())
+}
+
+fn check_container_id(id: &str) -> Result<(), Status> {
+    let valid = id.len() <= MAX_CONTAINER_ID
+        && id.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        && !id.contains("..");
+    if valid {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!("container_id {id:?} is not a valid container id")))
+    }
+}
+
+fn parse_ips(ips: &[String]) -> Result<Vec<IpAddr>, Status> {
+    if ips.is_empty() {
+        return Err(Status::invalid_argument("ips is empty: the pod has no address"));
+    }
+    let mut out = Vec::with_capacity(ips.len());
+    for (i, ip) in ips.iter().enumerate() {
+        let ip: IpAddr = ip
+            .parse()
+            .map_err(|_| Status::invalid_argument(format!("ips[{i}] {ip:?} is not an IP address")))?;
+        if !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    Ok(out)
+}
+
+/// Validates an Add and converts it to the model.
+fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
+    check_container_id(&req.container_id)?;
+    let uid = pod_uid(req)?;
+    let ips = parse_ips(&req.ips)?;
+    if req.netns.is_empty() || !req.netns.starts_with('/') || req.netns.len() > MAX_NETNS {
+        return Err(Status::invalid_argument(format!("netns {:?} is not an absolute path", req.netns)));
+    }
+    if req.ifname.is_empty() || req.ifname.len() > MAX_IFNAME || req.ifname.contains('/') {
+        return Err(Status::invalid_argument(format!("ifname {:?} is not a valid interface name", req.ifname)));
+    }
+    for (field, value) in [("pod_namespace", &req.pod_namespace), ("pod_name", &req.pod_name)] {
+        if value.len() > MAX_NAME || value.chars().any(|c| c.is_control()) {
+            return Err(Status::invalid_argument(format!("{field} {value:?} is not a valid Kubernetes name")));
+        }
+    }
+    Ok(Pod {
+        uid,
+        namespace: req.pod_namespace.clone(),
+        name: req.pod_name.clone(),
+        container_id: req.container_id.clone(),
+        netns: req.netns.clone(),
+        ifname: req.ifname.clone(),
+        ips,
+    })
+}

@@ -1,0 +1,225 @@
+//! The service's handlers called directly (no transport), on tokio's paused clock. The
+//! transport, the real plugin binary and the graceful stop are exercised in
+//! `cni-plugin/tests/`.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shared_proto::cni::CniRequest;
+use shared_proto::cni::cni_server::Cni;
+use tonic::{Code, Request};
+
+use super::*;
+use crate::snapshot::{Inputs, Pod};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    node: Arc<Node>,
+    storage: Arc<Storage>,
+    metrics: Arc<Metrics>,
+    service: CniService,
+}
+
+/// A service whose proxy never ACKs (`Acks` nobody publishes to), or one that ACKs each
+/// snapshot as soon as it is published.
+fn fixture(acking: bool) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Metrics::new();
+    let storage = Arc::new(Storage::open(dir.path(), metrics.clone()).unwrap());
+    let node = Node::new(Inputs::default());
+    load(&node, &storage);
+    let acks: Arc<dyn AckSource> = if acking { Arc::new(PublishedAcks(node.clone())) } else { Arc::new(Acks::default()) };
+    let service = CniService::new(node.clone(), storage.clone(), acks, metrics.clone());
+    Fixture { _dir: dir, node, storage, metrics, service }
+}
+
+fn req(uid: &str, container: &str, ips: &[&str]) -> CniRequest {
+    CniRequest {
+        container_id: container.into(),
+        netns: format!("/var/run/netns/{container}"),
+        ifname: "eth0".into(),
+        pod_namespace: "default".into(),
+        pod_name: format!("pod-{uid}"),
+        pod_uid: uid.into(),
+        ips: ips.iter().map(|s| s.to_string()).collect(),
+        cni_args: String::new(),
+        prev_result: Vec::new(),
+    }
+}
+
+fn ips(v: &[&str]) -> Vec<IpAddr> {
+    v.iter().map(|s| s.parse().unwrap()).collect()
+}
+
+fn stored(dir: &Path) -> Vec<String> {
+    let mut v: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(start_paused = true)]
+async fn add_answers_success_after_the_ack_timeout_and_counts_it() {
+    let f = fixture(false);
+    let start = tokio::time::Instant::now();
+    let resp = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap().into_inner();
+    assert!(!resp.acked);
+    assert!(start.elapsed() >= ACK_TIMEOUT, "waited {:?}", start.elapsed());
+    assert_eq!(f.metrics.cni_ack_timeouts.get(), 1);
+    assert_eq!(stored(f.storage.dir()), vec!["u1.json"]);
+    assert!(f.node.snapshot().holds_pod("u1", &ips(&["10.1.0.5"])), "the pod is served even without an ACK");
+}
+
+#[tokio::test(start_paused = true)]
+async fn add_acked_answers_at_once() {
+    let f = fixture(true);
+    let start = tokio::time::Instant::now();
+    let resp = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5", "fd00::5"]))).await.unwrap().into_inner();
+    assert!(resp.acked);
+    assert!(start.elapsed() < Duration::from_millis(1));
+    assert_eq!(f.metrics.cni_ack_timeouts.get(), 0);
+    assert_eq!(f.storage.get("u1").unwrap().ips, ips(&["10.1.0.5", "fd00::5"]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn invalid_adds_write_nothing() {
+    let f = fixture(true);
+    let cases: Vec<(CniRequest, &str)> = vec![
+        (req("../x", "c1", &["10.0.0.1"]), "pod_uid"),
+        (req("u1", "c..1", &["10.0.0.1"]), "container_id"),
+        (req("u1", "", &["10.0.0.1"]), "container_id"),
+        (req("u1", "c1", &[]), "ips is empty"),
+        (req("u1", "c1", &["10.0.0.1/24"]), "ips[0]"),
+        (CniRequest { netns: "rel".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "netns"),
+        (CniRequest { ifname: "0123456789abcdef".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "ifname"),
+    ];
+    for (r, field) in cases {
+        let err = f.service.add(Request::new(r)).await.expect_err(field);
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}");
+        assert!(err.message().contains(field), "{field:?} not in {:?}", err.message());
+    }
+    assert!(stored(f.storage.dir()).is_empty());
+    assert!(f.node.inputs().pods.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn del_removes_record_and_pod_and_tolerates_unknown_and_stale() {
+    let f = fixture(true);
+    let unknown = f.service.del(Request::new(req("nobody", "c0", &[]))).await.unwrap().into_inner();
+    assert!(!unknown.found);
+
+    f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap();
+    // The sandbox was replaced (new container id); a late DEL of the old one keeps the pod.
+    f.service.add(Request::new(req("u1", "c2", &["10.1.0.6"]))).await.unwrap();
+    let stale = f.service.del(Request::new(req("u1", "c1", &[]))).await.unwrap().into_inner();
+    assert!(!stale.found);
+    assert!(f.node.snapshot().holds_pod("u1", &ips(&["10.1.0.6"])));
+
+    let del = f.service.del(Request::new(req("u1", "c2", &[]))).await.unwrap().into_inner();
+    assert!(del.found);
+    assert!(stored(f.storage.dir()).is_empty());
+    assert!(!f.node.inputs().pods.contains_key("u1"));
+
+    // Without a uid (a runtime passing no K8S_POD_UID), the container id finds the pod.
+    f.service.add(Request::new(req("", "c3", &["10.1.0.7"]))).await.unwrap();
+    assert!(f.storage.get("c3").is_some());
+    assert!(f.service.del(Request::new(req("", "c3", &[]))).await.unwrap().into_inner().found);
+    assert!(f.storage.pods().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn check_answers_whether_the_pod_is_held_with_those_ips() {
+    let f = fixture(true);
+    let check = |r| f.service.check(Request::new(r));
+    let unknown = check(req("u1", "c1", &["10.1.0.5"])).await.unwrap().into_inner();
+    assert!(!unknown.holds);
+    assert!(unknown.reason.contains("not known"), "{}", unknown.reason);
+
+    f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap();
+    assert!(check(req("u1", "c1", &["10.1.0.5"])).await.unwrap().into_inner().holds);
+    let other = check(req("u1", "c1", &["10.1.0.9"])).await.unwrap().into_inner();
+    assert!(!other.holds);
+    assert!(other.reason.contains("holds ips"), "{}", other.reason);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lifecycle_lock_orders_adds() {
+    let f = fixture(true);
+    let held = f.node.lifecycle().await;
+    let add = tokio::spawn({
+        let s = f.service.clone();
+        async move { s.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(stored(f.storage.dir()).is_empty(), "nothing is written while the lock is held");
+    drop(held);
+    assert!(add.await.unwrap().unwrap().into_inner().acked);
+    assert_eq!(stored(f.storage.dir()), vec!["u1.json"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_the_fence_calls_change_nothing() {
+    let f = fixture(true);
+    f.service.fence().await;
+    let err = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert!(stored(f.storage.dir()).is_empty());
+    assert!(f.node.inputs().pods.is_empty());
+}
+
+fn pod(uid: &str, ip: &str) -> Pod {
+    Pod {
+        uid: uid.into(),
+        namespace: "default".into(),
+        name: format!("pod-{uid}"),
+        container_id: format!("c-{uid}"),
+        netns: format!("/var/run/netns/{uid}"),
+        ifname: "eth0".into(),
+        ips: ips(&[ip]),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconcile_applies_what_the_previous_owner_did() {
+    let dir = tempfile::tempdir().unwrap();
+    // The previous owner's storage before the overlap.
+    let old = Storage::open(dir.path(), Metrics::new()).unwrap();
+    old.put(&pod("a", "10.0.0.1")).unwrap();
+    old.put(&pod("b", "10.0.0.2")).unwrap();
+
+    // The standby builds from it, but has not opened the storage gate yet...
+    let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+    let node = Node::new(Inputs::default());
+    node.update(|i| {
+        for p in storage.pods() {
+            i.pods.insert(p.uid.clone(), p);
+        }
+    });
+    let pending = tokio::spawn({
+        let (node, storage) = (node.clone(), storage.clone());
+        async move { reconcile(&node, &storage).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!pending.is_finished(), "reconcile waits for the storage gate");
+
+    // ...while the old owner serves ADD, DEL and a rewrite during the overlap.
+    old.remove("a").unwrap();
+    old.put(&pod("b", "10.0.0.3")).unwrap();
+    old.put(&pod("c", "10.0.0.4")).unwrap();
+
+    node.set_gate(|g| g.storage_loaded = true);
+    assert_eq!(pending.await.unwrap().unwrap(), 3);
+    let pods = node.inputs().pods;
+    assert_eq!(pods.keys().collect::<Vec<_>>(), vec!["b", "c"]);
+    assert_eq!(pods["b"], pod("b", "10.0.0.3"));
+    assert!(node.snapshot().holds_pod("c", &ips(&["10.0.0.4"])));
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconcile_with_nothing_changed_is_zero() {
+    let f = fixture(true);
+    f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap();
+    assert_eq!(reconcile(&f.node, &f.storage).await.unwrap(), 0);
+    assert!(f.node.inputs().pods.contains_key("u1"));
+}
