@@ -158,16 +158,16 @@ mutations=(
   'grace-period|templates/daemonset.yaml|terminationGracePeriodSeconds: 30|terminationGracePeriodSeconds: 5||--surge false|terminationGracePeriodSeconds 30'
   'cni-not-atomic|templates/daemonset.yaml|mv -f "\$tmp"|cp "$tmp"||--surge false|install-cni copies to a temp name'
   'rbac-write|templates/rbac.yaml|resources: \["services"\]\n    verbs: \["get", "list", "watch"\]|resources: ["services"]\n    verbs: ["get", "list", "watch", "patch"]||--surge false|ClusterRole: get/list/watch'
-  'proxy-backoff|files/envoy-bootstrap.yaml|max_interval: \{\{ \.Values\.proxy\.backoff\.max \}\}|max_interval: 30s|proxy.enabled=true|--surge false --proxy true|bootstrap backoff'
-  'proxy-http1|files/envoy-bootstrap.yaml|http2_protocol_options: \{\}|http_protocol_options: {}|proxy.enabled=true|--surge false --proxy true|speaks HTTP/2'
-  'proxy-pipe|files/envoy-bootstrap.yaml|(pipe:\n\s+path: [^\n]*)/xds\.sock|\g<1>/cni.sock|proxy.enabled=true|--surge false --proxy true|endpoint is the pipe'
+  'proxy-backoff|files/envoy-bootstrap.yaml.tmpl|max_interval: \$\{ADS_BACKOFF_MAX\}|max_interval: 30s|proxy.enabled=true|--surge false --proxy true|bootstrap backoff'
+  'proxy-http1|files/envoy-bootstrap.yaml.tmpl|http2_protocol_options: \{\}|http_protocol_options: {}|proxy.enabled=true|--surge false --proxy true|speaks HTTP/2'
+  'proxy-pipe|files/envoy-bootstrap.yaml.tmpl|(pipe: \{ path: [^ ]*)/xds\.sock|\g<1>/cni.sock|proxy.enabled=true|--surge false --proxy true|endpoint is the pipe'
   'proxy-node-id|templates/proxy-daemonset.yaml|- \$\(NODE_NAME\)|- node|proxy.enabled=true|--surge false --proxy true|node id is the node name'
 )
 for m in "${mutations[@]}"; do
   IFS='|' read -r name file pattern replacement sets expect want <<<"$m"
   copy="$work/mut-$name/aether-agent"
   mkdir -p "$(dirname "$copy")"
-  cp -r "$chart" "$copy"
+  cp -rL "$chart" "$copy" # -L: files/envoy-bootstrap.yaml.tmpl is a link out of the chart
   "$py" - "$copy/$file" "$pattern" "$replacement" <<'EOF' || fail "mutation $name: pattern not found in $file"
 import re, sys
 path, pattern, replacement = sys.argv[1:]
@@ -190,6 +190,19 @@ EOF
   fi
   pass "mutation $name -> $(grep '^FAIL' "$out.log" | head -1 | cut -c1-110)"
 done
+
+# The bootstrap template is shared (deploy/envoy/bootstrap.yaml.tmpl): a placeholder the
+# chart does not fill must stop the rendering instead of reaching Envoy.
+copy="$work/mut-new-placeholder/aether-agent"
+mkdir -p "$(dirname "$copy")"
+cp -rL "$chart" "$copy"
+printf 'layered_runtime: ${ENVOY_NEW_PLACEHOLDER}\n' >>"$copy/files/envoy-bootstrap.yaml.tmpl"
+if render "$copy" "$work/mut-new-placeholder.yaml" "proxy.enabled=true" 2>"$work/mut-new-placeholder.log"; then
+  fail "mutation new-placeholder: helm template rendered a bootstrap with an unfilled placeholder"
+fi
+grep -q "placeholder this chart does not fill" "$work/mut-new-placeholder.log" \
+  || { cat "$work/mut-new-placeholder.log"; fail "mutation new-placeholder: helm failed for another reason"; }
+pass "mutation new-placeholder -> helm template fails: unfilled placeholder in the bootstrap template"
 
 step "systemd unit"
 unit="$root/deploy/systemd/aether-agent.service"

@@ -57,7 +57,7 @@ pub struct Config {
     pub cni_conf_dir: Option<PathBuf>,
     /// Prometheus metrics address, bound by the owner only; "off" disables them.
     #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
-    pub metrics_addr: Option<SocketAddr>,
+    pub metrics_addr: MetricsAddr,
     /// Log format of both processes: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -73,11 +73,24 @@ fn parse_user(s: &str) -> Result<(u32, u32), String> {
     Ok((uid, gid))
 }
 
-fn parse_metrics(s: &str) -> Result<Option<SocketAddr>, String> {
-    if s == "off" {
-        return Ok(None);
+/// A metrics address, or none ("off").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsAddr(pub Option<SocketAddr>);
+
+impl std::fmt::Display for MetricsAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(a) => write!(f, "{a}"),
+            None => f.write_str("off"),
+        }
     }
-    s.parse().map(Some).map_err(|e| format!("metrics address {s:?}: {e}"))
+}
+
+fn parse_metrics(s: &str) -> Result<MetricsAddr, String> {
+    if s == "off" {
+        return Ok(MetricsAddr(None));
+    }
+    s.parse().map(|a| MetricsAddr(Some(a))).map_err(|e| format!("metrics address {s:?}: {e}"))
 }
 
 impl Config {
@@ -110,7 +123,7 @@ mod tests {
 
     #[test]
     fn metrics_off() {
-        assert_eq!(parse_metrics("off"), Ok(None));
+        assert_eq!(parse_metrics("off"), Ok(MetricsAddr(None)));
         assert!(parse_metrics("nope").is_err());
     }
 }

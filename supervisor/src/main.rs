@@ -73,7 +73,7 @@ fn worker_args(cfg: &Config) -> Vec<String> {
         format!("--node-name={node}"),
         format!("--pod-name={pod}"),
         format!("--log-format={}", cfg.log_format),
-        format!("--metrics-addr={}", cfg.metrics_addr.map_or("off".to_string(), |a| a.to_string())),
+        format!("--metrics-addr={}", cfg.metrics_addr),
     ];
     if let Some(p) = &cfg.registry_file {
         a.push(format!("--registry-file={}", os_str_arg(p)));

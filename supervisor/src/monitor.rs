@@ -29,6 +29,8 @@ pub enum Notice {
     Serving,
     Draining,
     Pong(u64),
+    /// A status that crossed our Takeover or Drain on the wire; nothing to do.
+    Crossed,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -80,6 +82,10 @@ impl Monitor {
                         Ok(Notice::Serving)
                     }
                     (Draining, Phase::Draining) => Ok(Notice::Draining),
+                    // A status sent before our Takeover or Drain reached the worker: the
+                    // messages crossed. Accepted, and the phase stays where we moved it.
+                    (TakeoverSent, Phase::StandbyComplete) => Ok(Notice::StandbyComplete),
+                    (Draining, Phase::StandbyComplete | Phase::Reconciling | Phase::Serving) => Ok(Notice::Crossed),
                     (phase, to) => deny(phase, format!("status {to:?} not permitted")),
                 }
             }
@@ -157,6 +163,20 @@ mod tests {
             ("send_takeover", None, false),
             ("send_drain", None, true),
             ("draining", Some(status(Phase::Draining)), true),
+        ]);
+    }
+
+    #[test]
+    fn crossing_messages_are_tolerated() {
+        check(&[
+            ("hello", Some(hello()), true),
+            ("send_takeover", None, true),
+            ("complete, sent before takeover arrived", Some(status(Phase::StandbyComplete)), true),
+            ("serving", Some(status(Phase::Serving)), true),
+            ("send_drain", None, true),
+            ("serving again, crossed the drain", Some(status(Phase::Serving)), true),
+            ("draining", Some(status(Phase::Draining)), true),
+            ("hello in drain", Some(hello()), false),
         ]);
     }
 

@@ -62,6 +62,8 @@ struct Owned {
     lock_wait: Duration,
     bind: Duration,
     handoff: Option<OwnedFd>,
+    /// A worker has been sent the node already.
+    taken_over: bool,
 }
 
 pub struct Supervisor {
@@ -373,14 +375,14 @@ impl Supervisor {
         match n {
             Notice::Hello => {
                 if self.owned.is_some() && self.drain_deadline.is_none() {
-                    self.send_takeover(true);
+                    self.send_takeover();
                 }
             }
             Notice::StandbyComplete => {
                 info!("worker is a complete standby");
                 notify(&[sd_notify::NotifyState::Status("standby: complete, waiting for the node lock")]);
             }
-            Notice::Reconciling => {}
+            Notice::Reconciling | Notice::Crossed => {}
             Notice::Serving => {
                 let generation = self.owned.as_ref().map_or(0, |o| o.generation);
                 info!(generation, "worker serves the node");
@@ -487,9 +489,10 @@ impl Supervisor {
             lock_wait: held_lock.waited,
             bind,
             handoff,
+            taken_over: false,
         });
         if self.worker.as_ref().is_some_and(|w| w.monitor.may_send_takeover()) {
-            self.send_takeover(false);
+            self.send_takeover();
         }
     }
 
@@ -504,13 +507,15 @@ impl Supervisor {
         Ok((x.fd, c.fd, [(x.dev, x.ino), (c.dev, c.ino)], false))
     }
 
-    fn send_takeover(&mut self, respawn: bool) {
-        let Some(o) = &self.owned else { return };
+    fn send_takeover(&mut self) {
+        let Some(o) = &mut self.owned else { return };
         let Some(w) = &mut self.worker else { return };
         if !w.monitor.may_send_takeover() {
             return;
         }
         w.monitor.takeover_sent();
+        // A worker after the first that served this ownership is a respawn.
+        let respawn = std::mem::replace(&mut o.taken_over, true);
         let sent_at_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, micros);
         let msg = Takeover {
             generation: o.generation,

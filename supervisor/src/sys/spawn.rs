@@ -187,6 +187,13 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         if libc::dup2(control, 3) < 0 {
             fail(2);
         }
+        // Nothing beyond fds 0-3 survives the exec, whatever the supervisor inherited
+        // without close-on-exec from whoever started it.
+        if libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
+            for fd in 4..4096 {
+                libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+            }
+        }
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
