@@ -571,9 +571,18 @@ pub fn prepare_dir(dir: &std::path::Path, owner: Option<(u32, u32)>, mode: u32) 
     if !m.is_dir() {
         anyhow::bail!("{} is not a directory (a symlink?); refusing to prepare it for the worker", dir.display());
     }
+    use std::os::unix::fs::MetadataExt;
+    // chmod of a file owned by another uid needs CAP_FOWNER, which the supervisor does
+    // not hold: set the mode while the folder is ours, then give it away.
+    if m.mode() & 0o7777 != mode {
+        if m.uid() != nix::unistd::geteuid().as_raw() {
+            let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+            std::os::unix::fs::lchown(dir, Some(me.0), Some(me.1)).map_err(|e| anyhow::anyhow!("chown {}: {e}", dir.display()))?;
+        }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(|e| anyhow::anyhow!("chmod {}: {e}", dir.display()))?;
+    }
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::lchown(dir, Some(uid), Some(gid)).map_err(|e| anyhow::anyhow!("chown {}: {e}", dir.display()))?;
     }
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(|e| anyhow::anyhow!("chmod {}: {e}", dir.display()))?;
     Ok(())
 }

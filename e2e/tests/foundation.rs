@@ -1,0 +1,198 @@
+//! The supervisor/worker pair, the node lock, the warm standby and the takeover, run as
+//! real processes over real sockets in temp dirs.
+
+use std::os::unix::net::UnixListener;
+use std::time::{Duration, Instant};
+
+use aether_e2e::testing::{LocalNode, accepts, is_root, proc_status, wait_for};
+use nix::sys::signal::Signal;
+
+const T: Duration = Duration::from_secs(10);
+
+#[test]
+fn lone_agent_owns_the_node_and_both_sockets_accept() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    let ready = a.wait_role("owner", T);
+    assert_eq!(ready["phase"], "serving");
+    assert_eq!(ready["generation"], 1);
+    assert!(accepts(&node.xds_sock()), "xds.sock does not accept");
+    assert!(accepts(&node.cni_sock()), "cni.sock does not accept");
+    let lock = std::fs::read_to_string(node.run_dir.join("agent.lock")).expect("lock file");
+    assert_eq!(lock.trim(), "1", "generation recorded in the lock file");
+}
+
+#[test]
+fn second_agent_is_a_complete_standby_and_binds_nothing() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let inodes = node.socket_inodes();
+    let b = node.start_agent();
+    let ready = b.wait_role("standby", T);
+    assert_eq!(ready["phase"], "standby-complete");
+    assert_eq!(node.socket_inodes(), inodes, "a standby replaced a node socket");
+    assert_eq!(a.ready().expect("owner answers").1["role"], "owner");
+    assert!(!b.log().contains("owns the node"), "standby log claims the node:\n{}", b.log());
+}
+
+fn takeover_after(sig: Signal) {
+    let mut node = LocalNode::new();
+    let mut a = node.start_agent();
+    a.wait_role("owner", T);
+    let b = node.start_agent();
+    b.wait_role("standby", T);
+    let start = Instant::now();
+    if sig == Signal::SIGKILL {
+        a.kill_generation();
+    } else {
+        a.signal(sig);
+        assert!(a.wait_exit(T).success(), "owner exits cleanly after SIGTERM:\n{}", a.log());
+    }
+    let ready = b.wait_role("owner", T);
+    eprintln!("{sig}: standby to owner in {:?} (seen from outside)", start.elapsed());
+    assert_eq!(ready["generation"], 2);
+    assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()));
+}
+
+#[test]
+fn sigkill_of_the_owner_generation_hands_the_node_to_the_standby() {
+    takeover_after(Signal::SIGKILL);
+}
+
+#[test]
+fn sigterm_of_the_owner_hands_the_node_to_the_standby() {
+    takeover_after(Signal::SIGTERM);
+}
+
+#[test]
+fn a_lockless_server_on_xds_sock_keeps_a_new_agent_from_binding() {
+    let mut node = LocalNode::new();
+    std::fs::create_dir_all(&node.run_dir).expect("run dir");
+    let squatter = UnixListener::bind(node.xds_sock()).expect("bind squatter");
+    let inode = LocalNode::inode(&node.xds_sock());
+    let a = node.start_agent();
+    a.wait_log("a server without the node lock still answers", T);
+    assert_eq!(LocalNode::inode(&node.xds_sock()), inode, "agent replaced a live server's socket");
+    assert_ne!(a.ready().map(|(_, v)| v["role"].clone()), Some("owner".into()));
+    drop(squatter); // The predecessor goes away; its file stays, as a stale socket.
+    a.wait_role("owner", T);
+    assert_ne!(LocalNode::inode(&node.xds_sock()), inode, "stale socket file was not replaced");
+}
+
+#[test]
+fn a_stale_socket_file_does_not_stop_a_new_agent() {
+    let mut node = LocalNode::new();
+    std::fs::create_dir_all(&node.run_dir).expect("run dir");
+    for p in [node.xds_sock(), node.cni_sock()] {
+        drop(UnixListener::bind(&p).expect("bind")); // Dropping leaves the file behind.
+        assert!(p.exists());
+    }
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()));
+}
+
+#[test]
+fn a_symlink_or_regular_file_at_a_socket_path_is_refused_and_left_untouched() {
+    for kind in ["symlink", "regular file"] {
+        let mut node = LocalNode::new();
+        std::fs::create_dir_all(&node.run_dir).expect("run dir");
+        let victim = node.root.path().join("victim");
+        std::fs::write(&victim, b"precious").expect("victim");
+        if kind == "symlink" {
+            std::os::unix::fs::symlink(&victim, node.xds_sock()).expect("symlink");
+        } else {
+            std::fs::write(node.xds_sock(), b"not a socket").expect("file");
+        }
+        let mut a = node.start_agent();
+        let status = a.wait_exit(T);
+        assert!(!status.success(), "agent must refuse a {kind}");
+        let log = a.log();
+        assert!(log.contains(&format!("it is a {kind}, not a socket")) && log.contains("xds.sock"), "log must name the path and kind:\n{log}");
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
+        let meta = std::fs::symlink_metadata(node.xds_sock()).expect("still there");
+        assert_eq!(meta.file_type().is_symlink(), kind == "symlink");
+    }
+}
+
+#[test]
+fn worker_runs_without_privileges() {
+    if !is_root() {
+        eprintln!("SKIPPED worker_runs_without_privileges: needs root to show the uid switch and the dropped capability sets (CI runs as root)");
+        return;
+    }
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let status = proc_status(a.worker_pid());
+    let get = |k: &str| status.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_default();
+    for cap in ["CapEff", "CapPrm", "CapBnd", "CapAmb", "CapInh"] {
+        assert_eq!(get(cap), "0000000000000000", "{cap} of the worker");
+    }
+    assert_eq!(get("NoNewPrivs"), "1");
+    let uids: Vec<&str> = get("Uid").split_whitespace().map(|_| "").collect();
+    assert_eq!(uids.len(), 4);
+    assert!(get("Uid").split_whitespace().all(|u| u == "65532"), "Uid: {}", get("Uid"));
+    assert!(get("Gid").split_whitespace().all(|g| g == "65532"), "Gid: {}", get("Gid"));
+    assert_eq!(get("Groups"), "", "supplementary groups");
+    // Nothing but stdio and the control socket crosses the exec: the worker's own
+    // descriptors are all opened after it starts, so fd 3 is its only inherited socket.
+    let fd3 = std::fs::read_link(format!("/proc/{}/fd/3", a.worker_pid())).expect("fd 3");
+    assert!(fd3.to_string_lossy().starts_with("socket:"), "fd 3 is {fd3:?}");
+}
+
+#[test]
+fn a_standby_deleted_before_takeover_exits_without_binding() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let inodes = node.socket_inodes();
+    let mut b = node.start_agent();
+    b.wait_role("standby", T);
+    b.signal(Signal::SIGTERM);
+    assert!(b.wait_exit(T).success(), "standby exits cleanly:\n{}", b.log());
+    assert!(!b.log().contains("owns the node"));
+    assert_eq!(node.socket_inodes(), inodes);
+    assert_eq!(a.ready().expect("owner").1["role"], "owner");
+}
+
+#[test]
+fn a_standby_whose_owner_never_exits_stays_a_ready_standby() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    // The owner is stuck terminating: stopped, lock still held.
+    let worker = a.worker_pid();
+    a.signal(Signal::SIGSTOP);
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(worker), Signal::SIGSTOP);
+    let b = node.start_agent();
+    b.wait_role("standby", T);
+    // Observe for a while: the standby keeps answering 200 as a standby, never owns.
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        let (status, body) = b.ready().expect("standby answers");
+        assert_eq!((status, body["role"].as_str()), (200, Some("standby")));
+    }
+    a.signal(Signal::SIGCONT);
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(worker), Signal::SIGCONT);
+}
+
+#[test]
+fn takeover_generation_is_recorded_and_shown() {
+    let mut node = LocalNode::new();
+    let mut a = node.start_agent();
+    a.wait_role("owner", T);
+    for expected in 2..=3 {
+        let b = node.start_agent();
+        b.wait_role("standby", T);
+        a.signal(Signal::SIGTERM);
+        a.wait_exit(T);
+        let ready = b.wait_role("owner", T);
+        assert_eq!(ready["generation"], expected);
+        let lock = std::fs::read_to_string(node.run_dir.join("agent.lock")).expect("lock");
+        assert_eq!(lock.trim(), expected.to_string());
+        a = b;
+    }
+    wait_for("a log line with the generation", T, || a.log().contains("generation=3").then_some(()));
+}
