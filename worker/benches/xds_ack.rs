@@ -94,6 +94,18 @@ async fn main() {
         envoy.display()
     );
 
+    // The pure part alone: parse the file and build the snapshot.
+    let mut pure = Vec::new();
+    let inputs0 = h.node.inputs();
+    let json0 = reg.json();
+    for _ in 0..50 {
+        let t = Instant::now();
+        let mut inputs = inputs0.clone();
+        inputs.registry = registry::parse(Path::new("bench"), json0.as_bytes()).unwrap();
+        std::hint::black_box(snapshot::build(&inputs));
+        pure.push(t.elapsed());
+    }
+
     let mut total = Vec::new();
     let mut to_snapshot = Vec::new();
     let mut by_kind: [Vec<Duration>; 3] = Default::default();
@@ -125,6 +137,7 @@ async fn main() {
         by_kind[kind].push(acked);
     }
 
+    summary("parse + build (in-process)", &mut pure);
     summary("file change -> snapshot published", &mut to_snapshot);
     summary("file change -> Envoy ACK (all)", &mut total);
     summary("  endpoint draining toggle (EDS)", &mut by_kind[0]);
