@@ -30,7 +30,9 @@ const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 const HEARTBEAT_DEADLINE: Duration = Duration::from_secs(5);
 const RESPAWN_MIN: Duration = Duration::from_millis(100);
 const RESPAWN_MAX: Duration = Duration::from_secs(5);
-/// A worker that ran this long resets the respawn backoff.
+/// A worker that ran this long resets the respawn backoff (as does one that reached
+/// StandbyComplete or Serving): the backoff only grows for a worker that keeps dying
+/// before it gets anywhere.
 const HEALTHY_RESET: Duration = Duration::from_secs(60);
 const BIND_RETRY: Duration = Duration::from_millis(20);
 const HANDOFF_RETRY: Duration = Duration::from_millis(200);
@@ -379,11 +381,15 @@ impl Supervisor {
                 }
             }
             Notice::StandbyComplete => {
+                // A worker that reached its goal is not a crash loop: the next respawn
+                // starts from the shortest delay again.
+                self.backoff = RESPAWN_MIN;
                 info!("worker is a complete standby");
                 notify(&[sd_notify::NotifyState::Status("standby: complete, waiting for the node lock")]);
             }
             Notice::Reconciling | Notice::Crossed => {}
             Notice::Serving => {
+                self.backoff = RESPAWN_MIN;
                 let generation = self.owned.as_ref().map_or(0, |o| o.generation);
                 info!(generation, "worker serves the node");
                 notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("owner: generation {generation}, serving"))]);

@@ -1,0 +1,211 @@
+//! Socket continuity without a proxy: the node sockets survive rolls and worker crashes,
+//! a hung worker is replaced, and the handoff protocol refuses bad peers.
+//! The same properties with a real Envoy connected are in worker/tests and the harness.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+use aether_e2e::testing::{LocalNode, accepts, is_root, wait_for};
+use nix::sys::signal::{Signal, kill};
+use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept, bind, listen, socket};
+use nix::unistd::Pid;
+use shared_proto::control::{HANDOFF_VERSION, HandoffBody, HandoffHello, HandoffOffer};
+use shared_proto::fdpass;
+
+const T: Duration = Duration::from_secs(10);
+
+fn fd_count(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+}
+
+#[test]
+fn surge_rolls_keep_the_socket_inodes() {
+    let mut node = LocalNode::new();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let inodes = node.socket_inodes();
+    for _ in 0..5 {
+        let next = node.start_agent();
+        next.wait_role("standby", T);
+        owner.signal(Signal::SIGTERM);
+        owner.wait_exit(T);
+        let ready = next.wait_role("owner", T);
+        assert_eq!(ready["takeover"]["handed_off"], true, "takeover did not use the handed-off sockets:\n{}", next.log());
+        assert_eq!(node.socket_inodes(), inodes, "a roll replaced a node socket");
+        owner = next;
+    }
+}
+
+#[test]
+fn killing_the_whole_owner_generation_takes_the_fallback_bind_when_nothing_was_handed_off() {
+    let mut node = LocalNode::new();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    // The owner predates the handoff: no handoff.sock to fetch from.
+    std::fs::remove_file(node.run_dir.join("handoff.sock")).expect("remove handoff.sock");
+    let inodes = node.socket_inodes();
+    let next = node.start_agent();
+    next.wait_role("standby", T);
+    owner.kill_generation();
+    assert!(!next.log().contains("holding the owner's node sockets"), "{}", next.log());
+    let ready = next.wait_role("owner", T);
+    assert_eq!(ready["takeover"]["handed_off"], false, "nothing was handed off, so the sockets were bound fresh");
+    let _ = inodes; // Inode numbers are reused by the filesystem; handed_off tells the path.
+    assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()));
+}
+
+#[test]
+fn a_killed_worker_is_respawned_with_the_same_sockets() {
+    let mut node = LocalNode::new();
+    let owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let inodes = node.socket_inodes();
+    for i in 1..=10 {
+        let old = owner.worker_pid();
+        kill(Pid::from_raw(old), Signal::SIGKILL).expect("kill worker");
+        let ready = wait_for("a respawned worker serving", T, || {
+            owner.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["pid"].as_i64() != Some(old as i64)).map(|(_, v)| v)
+        });
+        assert_eq!(ready["takeover"]["respawn"], true);
+        assert_eq!(node.socket_inodes(), inodes, "respawn {i} replaced a node socket");
+        assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()));
+    }
+    assert!(owner.log().contains("worker exited unexpectedly; respawning"));
+}
+
+#[test]
+fn a_worker_that_stops_answering_is_killed_and_replaced() {
+    let mut node = LocalNode::new();
+    let owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let old = owner.worker_pid();
+    let start = Instant::now();
+    kill(Pid::from_raw(old), Signal::SIGSTOP).expect("stop worker");
+    wait_for("a replacement worker", Duration::from_secs(15), || {
+        owner.ready().filter(|(s, v)| *s == 200 && v["pid"].as_i64() != Some(old as i64)).map(|_| ())
+    });
+    let took = start.elapsed();
+    eprintln!("hung worker replaced after {took:?}");
+    // 5 s heartbeat deadline, checked each 1 s heartbeat, plus the respawn backoff.
+    assert!(took >= Duration::from_secs(4) && took < Duration::from_secs(8), "replaced after {took:?}");
+    assert!(owner.log().contains("missed heartbeats"));
+}
+
+/// A standby's handshake as an arbitrary peer would do it.
+fn dial(path: &std::path::Path) -> OwnedFd {
+    let s = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).expect("socket");
+    nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&s), &UnixAddr::new(path).expect("addr")).expect("connect handoff.sock");
+    s
+}
+
+#[test]
+fn the_owner_refuses_bad_handoff_peers_and_leaks_nothing() {
+    let mut node = LocalNode::new();
+    let owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let handoff = node.run_dir.join("handoff.sock");
+    let before = fd_count(owner.pid());
+    let devnull = || File::open("/dev/null").expect("/dev/null");
+    // Garbage, a hello with descriptors attached, a hello of another version.
+    {
+        let s = dial(&handoff);
+        nix::sys::socket::send(std::os::fd::AsRawFd::as_raw_fd(&s), b"\x00garbage\xff", nix::sys::socket::MsgFlags::empty()).expect("send");
+        owner.wait_log("handoff refused", T);
+    }
+    let refusals = |a: &aether_e2e::testing::Agent| a.log().matches("handoff refused").count();
+    {
+        let s = dial(&handoff);
+        let (f1, f2) = (devnull(), devnull());
+        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION }), &[f1.as_fd(), f2.as_fd()]).expect("send");
+        wait_for("second refusal", T, || (refusals(&owner) >= 2).then_some(()));
+    }
+    {
+        let s = dial(&handoff);
+        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: 99 }), &[]).expect("send");
+        wait_for("third refusal", T, || (refusals(&owner) >= 3).then_some(()));
+    }
+    let log = owner.log();
+    assert!(log.contains("undecodable message") && log.contains("HandoffHello carries 2 descriptors") && log.contains("version 99"), "{log}");
+    assert_eq!(fd_count(owner.pid()), before, "the owner leaked descriptors");
+    assert_eq!(owner.ready().expect("owner").1["role"], "owner");
+}
+
+#[test]
+fn the_owner_refuses_a_peer_of_another_uid() {
+    if !is_root() {
+        eprintln!("SKIPPED the_owner_refuses_a_peer_of_another_uid: needs root to connect as another uid (CI runs as root)");
+        return;
+    }
+    let mut node = LocalNode::new();
+    let owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let handoff = node.run_dir.join("handoff.sock");
+    // Open the path so the connect itself succeeds and SO_PEERCRED is what refuses.
+    std::fs::set_permissions(&handoff, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    let script = format!(
+        "import socket;s=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET);s.connect({:?});s.send(b'\\x0a\\x02\\x08\\x01');print(repr(s.recv(4096)))",
+        handoff.display().to_string()
+    );
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &script])
+        .output()
+        .expect("run setpriv (util-linux)");
+    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "b''", "the owner answered a foreign uid");
+    owner.wait_log("runs as uid 65534", T);
+}
+
+#[test]
+fn a_standby_refuses_bad_offers_then_binds_fresh_sockets() {
+    let mut node = LocalNode::new();
+    std::fs::create_dir_all(&node.run_dir).expect("run dir");
+    // The test holds the node lock and plays a misbehaving owner on handoff.sock.
+    let lock = File::options().read(true).write(true).create(true).truncate(false).open(node.run_dir.join("agent.lock")).expect("lock");
+    lock.lock().expect("flock");
+    let handoff = node.run_dir.join("handoff.sock");
+    let l = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).expect("socket");
+    bind(std::os::fd::AsRawFd::as_raw_fd(&l), &UnixAddr::new(&handoff).expect("addr")).expect("bind");
+    listen(&l, Backlog::new(8).expect("backlog")).expect("listen");
+    let standby = node.start_agent();
+    standby.wait_role("standby", T);
+    let offer = HandoffOffer { version: HANDOFF_VERSION, generation: 9, ..Default::default() };
+    let files: Vec<File> = (0..6).map(|_| File::open("/dev/null").expect("/dev/null")).collect();
+    let bad: Vec<(&str, Box<dyn Fn(&OwnedFd)>)> = vec![
+        ("garbage", Box::new(|c: &OwnedFd| {
+            nix::sys::socket::send(std::os::fd::AsRawFd::as_raw_fd(c), b"\xff\xff", nix::sys::socket::MsgFlags::empty()).expect("send");
+        })),
+        ("wrong-typed fds", Box::new(|c: &OwnedFd| {
+            fdpass::send_handoff(c.as_fd(), HandoffBody::Offer(offer.clone()), &[files[0].as_fd(), files[1].as_fd()]).expect("send");
+        })),
+        ("too many fds", Box::new(|c: &OwnedFd| {
+            let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
+            fdpass::send_handoff(c.as_fd(), HandoffBody::Offer(offer.clone()), &fds).expect("send");
+        })),
+    ];
+    let mut fds_after_first = None;
+    for (i, (what, answer)) in bad.iter().enumerate() {
+        let c = accept(&l).expect("standby dials");
+        let mut hello = [0u8; 64];
+        let _ = nix::sys::socket::recv(std::os::fd::AsRawFd::as_raw_fd(&c), &mut hello, nix::sys::socket::MsgFlags::empty());
+        answer(&c);
+        drop(c);
+        wait_for(&format!("refusal {i} ({what})"), T, || (standby.log().matches("handoff from the owner failed").count() > i).then_some(()));
+        let n = fd_count(standby.pid());
+        match fds_after_first {
+            None => fds_after_first = Some(n),
+            Some(first) => assert_eq!(n, first, "standby supervisor leaked descriptors after {what}"),
+        }
+    }
+    let log = standby.log();
+    assert!(log.contains("not a socket") && log.contains("control data truncated"), "{log}");
+    // The owner goes away; the standby binds fresh sockets.
+    drop(l);
+    drop(lock);
+    let ready = standby.wait_role("owner", T);
+    assert_eq!(ready["takeover"]["handed_off"], false);
+    let _ = std::io::stderr().flush();
+}
+
