@@ -5,3 +5,4 @@
 //! is one generation (a supervisor, its worker, its own health dir).
 
 pub mod testing;
+pub mod harness;

@@ -99,12 +99,24 @@ impl LocalNode {
     }
 
     pub fn start_agent_with(&mut self, extra: &[&str]) -> Agent {
+        self.start_agent_wrapped(&[], extra)
+    }
+
+    /// Starts the next generation under `wrapper` (e.g. `setpriv ...`), with `extra` flags.
+    pub fn start_agent_wrapped(&mut self, wrapper: &[&str], extra: &[&str]) -> Agent {
         self.next += 1;
         let name = format!("gen{}", self.next);
         let health_dir = self.root.path().join(format!("health-{name}"));
         let log_path = self.root.path().join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).expect("log file");
-        let mut cmd = Command::new(bin("aether-supervisor"));
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin("aether-supervisor"));
+                c
+            }
+            None => Command::new(bin("aether-supervisor")),
+        };
         cmd.arg("--run-dir")
             .arg(&self.run_dir)
             .arg("--state-dir")
@@ -218,4 +230,24 @@ pub fn proc_status(pid: i32) -> Vec<(String, String)> {
         .lines()
         .filter_map(|l| l.split_once(':').map(|(k, v)| (k.to_string(), v.trim().to_string())))
         .collect()
+}
+
+impl Agent {
+    /// Like [`Agent::wait_exit`], but an error instead of a panic on timeout.
+    pub fn wait_exit_timeout(&mut self, timeout: Duration) -> anyhow::Result<ExitStatus> {
+        if let Some(s) = self.exited {
+            return Ok(s);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                self.exited = Some(s);
+                return Ok(s);
+            }
+            if Instant::now() >= deadline {
+                anyhow::bail!("{} did not exit within {timeout:?}; log:\n{}", self.name, self.log());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }

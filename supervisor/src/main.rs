@@ -38,6 +38,16 @@ fn init_logging(format: &str) {
     }
 }
 
+/// What the supervisor needs when it runs as root, and why: the chart grants exactly
+/// these (charts/aether-agent/templates/daemonset.yaml).
+const REQUIRED_CAPS: &[(caps::Capability, &str)] = &[
+    (caps::Capability::CAP_CHOWN, "chown(2) of the state and health folders and xds.sock's group"),
+    (caps::Capability::CAP_SETUID, "setresuid(2) to the worker user before exec"),
+    (caps::Capability::CAP_SETGID, "setgroups(2)/setresgid(2) to the worker group before exec"),
+    (caps::Capability::CAP_SETPCAP, "PR_CAPBSET_DROP to empty the worker's bounding set"),
+    (caps::Capability::CAP_KILL, "kill(2) of the worker, which runs under another uid"),
+];
+
 fn run(cfg: Config) -> anyhow::Result<i32> {
     // Files and sockets are created no more open than 0700; each gets its exact mode
     // right after. Set before any thread exists, as umask is per process.
@@ -46,7 +56,10 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     let signals = sys::signals::block_and_open()?;
     let root = nix::unistd::geteuid().is_root();
     let worker_owner = root.then_some(cfg.worker_user);
-    supervise::prepare_dir(&cfg.run_dir, None, 0o755)?;
+    if root {
+        sys::caps::require(REQUIRED_CAPS)?;
+    }
+    supervise::prepare_run_dir(&cfg.run_dir)?;
     supervise::prepare_dir(&cfg.state_dir, worker_owner, 0o700)?;
     supervise::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
     let args = worker_args(&cfg);

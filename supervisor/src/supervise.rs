@@ -508,8 +508,11 @@ impl Supervisor {
                 return Err(ListenError::LiveServer { path: p.clone() });
             }
         }
-        let x = listen::bind_fresh(xds_path, SockType::Stream, 0o660, self.owner)?;
-        let c = listen::bind_fresh(cni_path, SockType::Stream, 0o660, self.owner)?;
+        // xds.sock: the proxy connects as a member of the worker's group (the chart gives
+        // Envoy that supplementary group). cni.sock: only the runtime's CNI plugin, root.
+        let xds_group = self.plan.drop_to.map_or(self.owner.1, |(_, gid)| gid);
+        let x = listen::bind_fresh(xds_path, SockType::Stream, 0o660, (self.owner.0, xds_group))?;
+        let c = listen::bind_fresh(cni_path, SockType::Stream, 0o600, self.owner)?;
         Ok((x.fd, c.fd, [(x.dev, x.ino), (c.dev, c.ino)], false))
     }
 
@@ -571,6 +574,16 @@ impl Supervisor {
 
 /// Makes `dir` (creating it) owned by `owner` with `mode`, for the worker.
 pub fn prepare_dir(dir: &std::path::Path, owner: Option<(u32, u32)>, mode: u32) -> anyhow::Result<()> {
+    prepare_dir_checked(dir, owner, mode, false)
+}
+
+/// The run dir: ours, or refused. Replacing stale sockets in it is safe only while no
+/// other uid can write there.
+pub fn prepare_run_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    prepare_dir_checked(dir, None, 0o755, true)
+}
+
+fn prepare_dir_checked(dir: &std::path::Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("create {}: {e}", dir.display()))?;
     let m = std::fs::symlink_metadata(dir).map_err(|e| anyhow::anyhow!("lstat {}: {e}", dir.display()))?;
@@ -578,6 +591,14 @@ pub fn prepare_dir(dir: &std::path::Path, owner: Option<(u32, u32)>, mode: u32) 
         anyhow::bail!("{} is not a directory (a symlink?); refusing to prepare it for the worker", dir.display());
     }
     use std::os::unix::fs::MetadataExt;
+    if m.mode() & 0o1002 == 0o1002 {
+        // A shared sticky folder such as the host's /tmp: never chmod or give it away.
+        // The worker can create its own socket there.
+        return Ok(());
+    }
+    if must_be_ours && m.uid() != nix::unistd::geteuid().as_raw() {
+        anyhow::bail!("{} is owned by uid {}, not by this supervisor (uid {}); refusing to manage node sockets there", dir.display(), m.uid(), nix::unistd::geteuid());
+    }
     // chmod of a file owned by another uid needs CAP_FOWNER, which the supervisor does
     // not hold: set the mode while the folder is ours, then give it away.
     if m.mode() & 0o7777 != mode {

@@ -275,9 +275,12 @@ pub(crate) async fn watch_file(
     }
 }
 
-/// inotify on a file's directory: any event there may be the file changing.
+/// inotify on a file's directory, reporting events that may change the file: on its
+/// name, or on a `..`-prefixed name (a Kubernetes ConfigMap swaps its `..data` symlink).
+/// Other names (a writer's temp file) do not wake the reload.
 struct DirEvents {
     fd: tokio::io::unix::AsyncFd<InotifyFd>,
+    name: std::ffi::OsString,
 }
 
 struct InotifyFd(nix::sys::inotify::Inotify);
@@ -291,6 +294,7 @@ impl AsRawFd for InotifyFd {
 impl DirEvents {
     fn new(file: &Path) -> Option<Self> {
         use nix::sys::inotify::{AddWatchFlags as F, InitFlags, Inotify};
+        let name = file.file_name()?.to_owned();
         let dir = match file.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
@@ -304,23 +308,30 @@ impl DirEvents {
         // it and lives inside the `AsyncFd`. This crate forbids unsafe, so keep `new`.
         #[allow(deprecated)]
         let fd = tokio::io::unix::AsyncFd::new(InotifyFd(ino)).ok()?;
-        Some(Self { fd })
+        Some(Self { fd, name })
     }
 
-    /// Returns after the next batch of events in the directory, or after `max`.
+    /// Returns after the next relevant event, or after `max`.
     async fn next(&mut self, max: Duration) {
+        use nix::sys::inotify::AddWatchFlags as F;
+        let relevant = |e: &nix::sys::inotify::InotifyEvent| {
+            e.mask.contains(F::IN_Q_OVERFLOW)
+                || e.name.as_ref().is_none_or(|n| *n == self.name || n.as_encoded_bytes().starts_with(b".."))
+        };
         let wait = async {
             loop {
                 let Ok(mut guard) = self.fd.readable().await else { return };
-                match guard.get_inner().0.read_events() {
-                    Ok(ev) if !ev.is_empty() => {
-                        // Drain what else is queued so one burst is one reload.
-                        while matches!(guard.get_inner().0.read_events(), Ok(ev) if !ev.is_empty()) {}
-                        guard.clear_ready();
-                        return;
+                let mut hit = false;
+                loop {
+                    match guard.get_inner().0.read_events() {
+                        Ok(ev) if !ev.is_empty() => hit |= ev.iter().any(relevant),
+                        Ok(_) | Err(nix::errno::Errno::EAGAIN) => break,
+                        Err(_) => return,
                     }
-                    Ok(_) | Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
-                    Err(_) => return,
+                }
+                guard.clear_ready();
+                if hit {
+                    return;
                 }
             }
         };

@@ -68,16 +68,27 @@ pub struct Inputs {
     pub capture: CaptureProjection,
 }
 
-/// The resources of one type, keyed by resource name, with the content hash of them all.
+/// The resources of one type, keyed by resource name, with the content hash of each and
+/// the version of them all (a hash over the names and those hashes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resources<T> {
     pub version: String,
     pub items: BTreeMap<String, T>,
+    /// Content hash of each item, by name: lets the xDS adapter send only what changed
+    /// for the types requested by name (EDS, RDS).
+    pub hashes: BTreeMap<String, u64>,
 }
 
 impl<T: Serialize> Resources<T> {
     fn new(items: BTreeMap<String, T>) -> Self {
-        Self { version: version_of(&items), items }
+        let hashes: BTreeMap<String, u64> = items.iter().map(|(k, v)| (k.clone(), content_hash(v))).collect();
+        let mut all = Fnv::new();
+        for (name, h) in &hashes {
+            all.write(name.as_bytes());
+            all.write(&[0]);
+            all.write(&h.to_le_bytes());
+        }
+        Self { version: format!("{:016x}", all.0), items, hashes }
     }
 }
 
@@ -350,22 +361,46 @@ pub fn build(inputs: &Inputs) -> Snapshot {
     }
 }
 
-/// FNV-1a 64 over the canonical JSON of the resources. Stable across Rust releases and
-/// runs (unlike `DefaultHasher`): two agents of different builds agree on versions, which
-/// is what makes a takeover to an identical snapshot a no-op for Envoy.
-fn version_of<T: Serialize>(items: &BTreeMap<String, T>) -> String {
-    // Serializing plain data with string keys into memory cannot fail.
-    let bytes = serde_json::to_vec(items).expect("model types serialize");
-    format!("{:016x}", fnv1a64(&bytes))
+/// FNV-1a 64 over the canonical JSON of a resource. Stable across Rust releases and runs
+/// (unlike `DefaultHasher`): two agents of different builds agree on versions, which is
+/// what makes a takeover to an identical snapshot a no-op for Envoy.
+fn content_hash<T: Serialize>(item: &T) -> u64 {
+    let mut h = Fnv::new();
+    // Serializing plain data into a writer that cannot fail cannot fail.
+    serde_json::to_writer(&mut h, item).expect("model types serialize");
+    h.0
 }
 
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    let mut h = Fnv::new();
+    h.write(bytes);
+    h.0
+}
+
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
     }
-    h
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+impl std::io::Write for Fnv {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        Fnv::write(self, buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -556,7 +591,10 @@ mod tests {
         assert_eq!(a, build(&base.clone()));
         // Pinned: a change here changes every version a running Envoy holds, so a rolled
         // agent would push a full update instead of a no-op. Change it deliberately.
-        assert_eq!(a.clusters.version, build(&base).clusters.version);
+        assert_eq!(
+            [&a.listeners.version, &a.routes.version, &a.clusters.version, &a.endpoints.version],
+            ["546b037b656f980c", "6a22535df4155941", "ded4fae22f691cd8", "5c261e5ed4702cea"]
+        );
 
         // Endpoint change: only EDS.
         let mut b_in = base.clone();

@@ -70,3 +70,14 @@ pub fn clear_ambient() -> i32 {
 
 /// CAP_SETPCAP from <linux/capability.h>.
 pub const CAP_SETPCAP: u32 = 8;
+
+/// Fails, naming each missing capability and what it is for, unless the effective set
+/// holds every one of `needed`.
+pub fn require(needed: &[(Capability, &str)]) -> anyhow::Result<()> {
+    let effective = caps::read(None, CapSet::Effective).map_err(|e| anyhow::anyhow!("reading capabilities: {e}"))?;
+    let missing: Vec<String> = needed.iter().filter(|(c, _)| !effective.contains(c)).map(|(c, why)| format!("{c} ({why})")).collect();
+    if !missing.is_empty() {
+        anyhow::bail!("running as root without required capabilities: {}", missing.join(", "));
+    }
+    Ok(())
+}

@@ -9,11 +9,15 @@
 //! - `error_detail` set: a NACK of the last response. The proxy keeps its last good
 //!   config; so do we: the rejected version is not resent, the next snapshot is.
 //! - Otherwise an ACK of the last response.
-//! - A type is (re)sent when the snapshot's version for it differs from the last sent,
-//!   or, for EDS and RDS, when the requested names change. Order of a push: CDS, EDS,
-//!   LDS, RDS, so clusters exist before the listeners and routes that use them.
+//! - LDS and CDS (wildcard) are resent in full whenever their version changes: a SotW
+//!   response for them is the whole set.
+//! - EDS and RDS (requested by name) carry only the requested resources whose content
+//!   changed, or that were newly requested: in SotW the proxy keeps a named resource that
+//!   a response omits. With 100 clusters, one endpoint change sends one load assignment.
+//! - Order of a push: CDS, EDS, LDS, RDS, so clusters exist before the listeners and
+//!   routes that use them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
@@ -75,16 +79,16 @@ fn version(s: &Snapshot, k: Kind) -> &str {
     }
 }
 
-fn names(s: &Snapshot, k: Kind) -> BTreeSet<String> {
+fn hashes(s: &Snapshot, k: Kind) -> &BTreeMap<String, u64> {
     match k {
-        Kind::Cluster => s.clusters.items.keys().cloned().collect(),
-        Kind::Endpoint => s.endpoints.items.keys().cloned().collect(),
-        Kind::Listener => s.listeners.items.keys().cloned().collect(),
-        Kind::Route => s.routes.items.keys().cloned().collect(),
+        Kind::Cluster => &s.clusters.hashes,
+        Kind::Endpoint => &s.endpoints.hashes,
+        Kind::Listener => &s.listeners.hashes,
+        Kind::Route => &s.routes.hashes,
     }
 }
 
-fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<String>) -> Vec<Any> {
+fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
     let pick = |n: &String| names.contains(n);
     match k {
         Kind::Cluster => s.clusters.items.iter().filter(|(n, _)| pick(n)).map(|(_, c)| convert::cluster(c)).collect(),
@@ -96,11 +100,14 @@ fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<String>) -> Vec<Any> {
     }
 }
 
+/// A response and the state the proxy holds once it applies it.
 #[derive(Debug, Clone)]
 struct Sent {
     nonce: String,
     version: String,
-    names: BTreeSet<String>,
+    /// Content hash of every resource of the type the proxy holds after this response
+    /// (for EDS and RDS: the requested ones, including those sent earlier).
+    holds: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Default)]
@@ -184,18 +191,32 @@ impl StreamState {
             if !t.subscribed {
                 continue;
             }
-            let mut to_send = names(&self.current, kind);
-            if !kind.wildcard() {
-                to_send.retain(|n| t.requested.contains(n));
-            }
+            let current = hashes(&self.current, kind);
             let v = version(&self.current, kind);
-            let changed = match &t.sent {
-                None => true,
-                Some(s) => s.version != v || s.names != to_send,
+            let (holds, to_send): (BTreeMap<String, u64>, BTreeSet<&String>) = if kind.wildcard() {
+                let changed = t.sent.as_ref().is_none_or(|s| s.version != v);
+                if !(changed || t.answer) {
+                    continue;
+                }
+                (current.clone(), current.keys().collect())
+            } else {
+                let holds: BTreeMap<String, u64> =
+                    current.iter().filter(|(n, _)| t.requested.contains(*n)).map(|(n, h)| (n.clone(), *h)).collect();
+                let before = t.sent.as_ref().map(|s| &s.holds);
+                let to_send: BTreeSet<&String> = current
+                    .iter()
+                    .filter(|(n, h)| t.requested.contains(*n) && (t.answer || before.and_then(|b| b.get(*n)) != Some(*h)))
+                    .map(|(n, _)| n)
+                    .collect();
+                if to_send.is_empty() && !t.answer {
+                    // Nothing the proxy asked for changed; forget what it stopped asking for.
+                    if let Some(s) = t.sent.as_mut() {
+                        s.holds = holds;
+                    }
+                    continue;
+                }
+                (holds, to_send)
             };
-            if !(changed || t.answer) {
-                continue;
-            }
             t.answer = false;
             self.nonce += 1;
             let nonce = self.nonce.to_string();
@@ -206,7 +227,7 @@ impl StreamState {
                 nonce: nonce.clone(),
                 ..Default::default()
             });
-            t.sent = Some(Sent { nonce, version: v.to_string(), names: to_send });
+            t.sent = Some(Sent { nonce, version: v.to_string(), holds });
         }
         out
     }
@@ -217,17 +238,16 @@ impl StreamState {
     pub fn acked_current(&self) -> bool {
         let s = &*self.current;
         KINDS.into_iter().all(|kind| {
-            let t = &self.types[kind.index()];
-            let acked_version = t.acked.as_ref().is_some_and(|a| a.version == version(s, kind));
+            let acked = self.types[kind.index()].acked.as_ref();
             match kind {
-                Kind::Listener | Kind::Cluster => acked_version,
+                Kind::Listener | Kind::Cluster => acked.is_some_and(|a| a.version == version(s, kind)),
                 Kind::Endpoint | Kind::Route => {
                     let needed: Vec<&str> = match kind {
                         Kind::Endpoint => s.eds_cluster_names().collect(),
                         _ => s.rds_names().collect(),
                     };
-                    needed.is_empty()
-                        || (acked_version && t.acked.as_ref().is_some_and(|a| needed.iter().all(|n| a.names.contains(*n))))
+                    let current = hashes(s, kind);
+                    needed.iter().all(|n| acked.is_some_and(|a| a.holds.get(*n).is_some() && a.holds.get(*n) == current.get(*n)))
                 }
             }
         })
@@ -334,6 +354,51 @@ mod tests {
         assert!(matches!(ev, Event::Subscribe { .. }));
         assert!(!st.acked_current());
         assert_eq!(sent(&mut st).len(), 1);
+    }
+
+    #[test]
+    fn eds_and_rds_send_only_changed_resources() {
+        let two = |draining: bool| {
+            let ep = |a: &str, d: bool| Endpoint {
+                address: a.parse().unwrap(),
+                port: 80,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: if d { EndpointState::Draining } else { EndpointState::Healthy },
+            };
+            let svc = |n: &str, e: Endpoint| Service { name: n.into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: vec![e] };
+            let registry = RegistryView { services: vec![svc("a", ep("10.0.0.1", false)), svc("b", ep("10.0.0.2", draining))] };
+            Arc::new(build(&Inputs { registry, ..Default::default() }))
+        };
+        let names = ["outbound|80||a.d", "outbound|80||b.d"];
+        let s1 = two(false);
+        let mut st = StreamState::new(s1.clone());
+        for k in [Kind::Cluster, Kind::Listener] {
+            st.on_request(&req(k, "", "", &[], None));
+        }
+        st.on_request(&req(Kind::Endpoint, "", "", &names, None));
+        st.on_request(&req(Kind::Route, "", "", &["outbound"], None));
+        let first = sent(&mut st);
+        assert_eq!(first.iter().map(|r| (r.0, r.3)).collect::<Vec<_>>(), vec![("CDS", 2), ("EDS", 2), ("LDS", 1), ("RDS", 1)]);
+        for (k, (_, v, n, _)) in [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route].into_iter().zip(first) {
+            let names: &[&str] = match k { Kind::Endpoint => &names, Kind::Route => &["outbound"], _ => &[] };
+            st.on_request(&req(k, &v, &n, names, None));
+        }
+        assert!(st.acked_current());
+
+        // One endpoint of b drains: one load assignment goes, and acked only once ACKed.
+        let s2 = two(true);
+        st.set_snapshot(s2.clone());
+        let push = sent(&mut st);
+        assert_eq!(push, vec![("EDS", s2.endpoints.version.clone(), "5".into(), 1)]);
+        assert!(!st.acked_current());
+        st.on_request(&req(Kind::Endpoint, &s2.endpoints.version, "5", &names, None));
+        assert!(st.acked_current());
+
+        // A reconnect-style re-subscription is answered in full.
+        st.on_request(&req(Kind::Endpoint, &s2.endpoints.version, "", &names, None));
+        assert_eq!(sent(&mut st)[0].3, 2);
     }
 
     #[test]

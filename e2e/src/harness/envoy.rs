@@ -1,0 +1,386 @@
+//! A real Envoy started from the project's bootstrap template, its admin endpoint over a
+//! pipe, and the stats poller that times each roll.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use aether_worker::bootstrap::{self, Admin};
+
+/// The workspace root, as built.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e is inside the workspace").to_path_buf()
+}
+
+/// `ENVOY_BIN`, else the binary `scripts/install-envoy.sh` puts in the project's .venv.
+pub fn envoy_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    let venv = workspace_root().join(".venv");
+    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
+        for lib in libs.flatten() {
+            let p = lib.path().join("site-packages/envoy/_bin/envoy");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    Some(venv.join("bin/envoy")).filter(|p| p.is_file())
+}
+
+pub struct Envoy {
+    child: Child,
+    pub admin: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Envoy {
+    /// Renders the bootstrap into `dir` and starts Envoy against `run_dir`'s xds.sock.
+    pub fn start(bin: &Path, dir: &Path, run_dir: &Path, base: Duration, max: Duration) -> std::io::Result<Envoy> {
+        let admin = dir.join("envoy-admin.sock");
+        let config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max);
+        let config_path = dir.join("envoy.yaml");
+        std::fs::write(&config_path, config)?;
+        let log = dir.join("envoy.log");
+        let out = std::fs::File::create(&log)?;
+        let child = Command::new(bin)
+            .arg("-c")
+            .arg(&config_path)
+            .args(["--disable-hot-restart", "--concurrency", "2", "--log-level", "info"])
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()?;
+        Ok(Envoy { child, admin, log })
+    }
+
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().ok().flatten().is_none()
+    }
+
+    pub fn get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        admin_get(&self.admin, path)
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// GET from Envoy's admin over its pipe: (status, body). HTTP/1.1 with
+/// `Connection: close` (Envoy's admin answers HTTP/1.0 with 426).
+pub fn admin_get(sock: &Path, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = UnixStream::connect(sock)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+/// Percent-encodes a query value.
+pub fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
+}
+
+pub const CONNECTED: &str = "control_plane.connected_state";
+/// The xDS cluster of the template (`deploy/envoy/bootstrap.yaml.tmpl`).
+pub const CONNECT_FAIL: &str = "cluster.xds_cluster.upstream_cx_connect_fail";
+/// "Envoy accepted a config update": the sum of CDS and LDS `update_success`.
+///
+/// Checked live (`ARG_DEBUG_STATS=1` prints what a roll moves): a clean surge roll with
+/// no pod change moves `update_attempt` by 2 (the failure below, then the new stream's
+/// response), `update_failure` by 1 and `update_success` by 1, for CDS and LDS alike.
+/// So `update_success` does count a response whose contents equal what Envoy holds (the
+/// agent answers every new stream in full: an empty nonce is always answered, see
+/// worker/src/xds/stream.rs), while `update_attempt` also counts failures and would
+/// mark the stream's end as an "update". CDS is the first type the agent pushes and LDS
+/// the second, so the sum moves at the first response of a new stream.
+pub const UPDATES: [&str; 2] = ["cluster_manager.cds.update_success", "listener_manager.lds.update_success"];
+/// Envoy counts a CDS `update_failure` each time the ADS stream ends or a connect attempt
+/// fails (a ConnectionFailure reported to every subscription). It marks a stream's end
+/// even when the disconnected stretch was shorter than a poll and `connected_state` was
+/// never seen at 0.
+pub const STREAM_FAILURES: &str = "cluster_manager.cds.update_failure";
+
+pub fn stats_filter() -> String {
+    let names = [CONNECTED, CONNECT_FAIL, UPDATES[0], UPDATES[1], STREAM_FAILURES];
+    let re = format!("^({})$", names.iter().map(|n| n.replace('.', "\\.")).collect::<Vec<_>>().join("|"));
+    format!("/stats?filter={}", encode(&re))
+}
+
+/// Parses Envoy's text stats (`name: value` lines).
+pub fn parse_stats(text: &str) -> Vec<(String, u64)> {
+    text.lines()
+        .filter_map(|l| l.split_once(": "))
+        .filter_map(|(k, v)| v.trim().parse().ok().map(|v| (k.trim().to_string(), v)))
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Midpoint of the admin request that read these values.
+    pub t: Instant,
+    /// Midpoint of the poll before this one.
+    pub prev_t: Instant,
+    pub connected: bool,
+    pub updates: u64,
+    pub failures: u64,
+    pub connect_fail: u64,
+}
+
+impl Sample {
+    fn values(&self) -> (bool, u64, u64, u64) {
+        (self.connected, self.updates, self.failures, self.connect_fail)
+    }
+}
+
+#[derive(Default)]
+struct PollState {
+    /// Every sample whose values differ from the one before, plus the first.
+    changes: Vec<Sample>,
+    last: Option<Sample>,
+    polls: u64,
+    max_interval: Duration,
+    errors: u64,
+}
+
+const PERIOD: Duration = Duration::from_millis(2);
+
+/// Polls the admin stats in a dedicated thread about every 2 ms (one poll takes a
+/// fraction of a millisecond over the pipe while Envoy's main thread is idle).
+pub struct Poller {
+    state: Arc<Mutex<PollState>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Poller {
+    pub fn start(admin: PathBuf) -> Poller {
+        let state = Arc::new(Mutex::new(PollState::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st, sp) = (state.clone(), stop.clone());
+        let path = stats_filter();
+        let thread = std::thread::Builder::new()
+            .name("admin-poller".into())
+            .spawn(move || {
+                let mut prev: Option<Instant> = None;
+                while !sp.load(Ordering::Relaxed) {
+                    let t0 = Instant::now();
+                    let got = admin_get(&admin, &path);
+                    let t1 = Instant::now();
+                    let t = t0 + (t1 - t0) / 2;
+                    let mut s = st.lock().unwrap();
+                    match got {
+                        Ok((200, body)) => {
+                            let stats = parse_stats(&body);
+                            let get = |n: &str| stats.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap_or(0);
+                            let sample = Sample {
+                                t,
+                                prev_t: prev.unwrap_or(t),
+                                connected: get(CONNECTED) == 1,
+                                updates: UPDATES.iter().map(|n| get(n)).sum(),
+                                failures: get(STREAM_FAILURES),
+                                connect_fail: get(CONNECT_FAIL),
+                            };
+                            let changed = s.last.is_none_or(|l| l.values() != sample.values());
+                            if changed {
+                                s.changes.push(sample);
+                            }
+                            s.last = Some(sample);
+                            s.polls += 1;
+                            if let Some(p) = prev {
+                                s.max_interval = s.max_interval.max(t - p);
+                            }
+                            prev = Some(t);
+                        }
+                        _ => s.errors += 1,
+                    }
+                    drop(s);
+                    // About one poll per 2 ms; never back to back, so the poller does
+                    // not itself keep Envoy's main thread busy.
+                    let spent = t0.elapsed();
+                    std::thread::sleep(PERIOD.saturating_sub(spent).max(Duration::from_micros(200)));
+                }
+            })
+            .expect("spawn poller");
+        Poller { state, stop, thread: Some(thread) }
+    }
+
+    pub fn last(&self) -> Option<Sample> {
+        self.state.lock().unwrap().last
+    }
+
+    /// Resets the worst poll interval (call once measurements start).
+    pub fn reset_interval(&self) {
+        self.state.lock().unwrap().max_interval = Duration::ZERO;
+    }
+
+    pub fn max_interval(&self) -> Duration {
+        self.state.lock().unwrap().max_interval
+    }
+
+    pub fn polls_and_errors(&self) -> (u64, u64) {
+        let s = self.state.lock().unwrap();
+        (s.polls, s.errors)
+    }
+
+    /// Changes recorded at or after `since`, with the last sample before it first.
+    pub fn since(&self, since: Instant) -> (Option<Sample>, Vec<Sample>) {
+        let s = self.state.lock().unwrap();
+        let idx = s.changes.partition_point(|x| x.t < since);
+        (idx.checked_sub(1).map(|i| s.changes[i]), s.changes[idx..].to_vec())
+    }
+
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Poller {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One roll as seen from Envoy's stats.
+#[derive(Debug, Clone, Copy)]
+pub struct RollTimes {
+    /// When the old stream ended: the first sample showing `connected_state` 0, or, when
+    /// the disconnected stretch fell between two polls, the poll before the one that
+    /// counted the failure (so the gap is then an upper bound, one poll interval).
+    pub down: Instant,
+    /// First sample connected again after the last disconnected one.
+    pub up: Instant,
+    /// First sample whose update counter moved after the old stream's end.
+    pub served: Instant,
+    /// Whether `connected_state` 0 was seen at all.
+    pub observed: bool,
+    /// Stream ends and failed connects Envoy counted (1 for a clean roll).
+    pub stream_failures: u64,
+    pub connect_fail: u64,
+}
+
+/// Reads a roll from the changes since the roll began (`before`: the last change before
+/// it): Some once Envoy has lost its stream, regained it, taken a config update on the
+/// new one, and is connected now.
+pub fn analyze(before: Option<Sample>, changes: &[Sample]) -> Option<RollTimes> {
+    let base = before.or_else(|| changes.first().copied())?;
+    let first_end = changes.iter().position(|s| !s.connected || s.failures > base.failures)?;
+    let end = changes[first_end];
+    let prev = if first_end > 0 { changes[first_end - 1] } else { base };
+    // Updates seen together with the end came from the old stream when connected_state
+    // shows 0 (nothing is applied without a stream); when it does not, the new stream is
+    // already up in that sample and its updates count as served.
+    let (down, base_updates, observed) =
+        if end.connected { (end.prev_t, prev.updates, false) } else { (end.t, end.updates, true) };
+    let up = match changes.iter().rposition(|s| !s.connected) {
+        Some(last_down) if last_down >= first_end => changes[last_down + 1..].iter().find(|s| s.connected)?.t,
+        _ => end.t,
+    };
+    let served = changes[first_end..].iter().find(|s| s.updates > base_updates)?.t;
+    let last = changes.last()?;
+    if !last.connected {
+        return None;
+    }
+    Some(RollTimes {
+        down,
+        up,
+        served,
+        observed,
+        stream_failures: last.failures.saturating_sub(base.failures),
+        connect_fail: last.connect_fail.saturating_sub(base.connect_fail),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(vals: &[(u64, bool, u64, u64)]) -> Vec<Sample> {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        vals.iter()
+            .map(|&(ms, connected, updates, failures)| Sample {
+                t: at(ms),
+                prev_t: at(ms.saturating_sub(2)),
+                connected,
+                updates,
+                failures,
+                connect_fail: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn observed_gap_and_served_gap() {
+        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (150, true, 10, 1), (152, true, 12, 1)]);
+        let r = analyze(Some(s[0]), &s[1..]).unwrap();
+        assert!(r.observed);
+        assert_eq!((r.up - r.down).as_millis(), 50);
+        assert_eq!((r.served - r.down).as_millis(), 52);
+        assert_eq!(r.stream_failures, 1);
+    }
+
+    #[test]
+    fn gap_between_two_polls_is_bounded_by_the_interval() {
+        let s = seq(&[(0, true, 10, 0), (100, true, 11, 1)]);
+        let r = analyze(Some(s[0]), &s[1..]).unwrap();
+        assert!(!r.observed);
+        assert_eq!((r.up - r.down).as_millis(), 2);
+        assert_eq!((r.served - r.down).as_millis(), 2);
+    }
+
+    #[test]
+    fn incomplete_until_served_and_connected() {
+        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (150, true, 10, 1)]);
+        assert!(analyze(Some(s[0]), &s[1..]).is_none());
+        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (150, true, 10, 1), (160, false, 10, 2)]);
+        assert!(analyze(Some(s[0]), &s[1..]).is_none());
+        let s = seq(&[(0, true, 10, 0), (5, true, 11, 0)]);
+        assert!(analyze(Some(s[0]), &s[1..]).is_none(), "an update on the old stream is no roll");
+    }
+
+    #[test]
+    fn failed_connects_end_at_the_last_disconnect() {
+        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (140, true, 10, 1), (142, false, 10, 2), (300, true, 10, 2), (303, true, 12, 2)]);
+        let r = analyze(Some(s[0]), &s[1..]).unwrap();
+        assert_eq!((r.up - r.down).as_millis(), 200);
+        assert_eq!((r.served - r.down).as_millis(), 203);
+        assert_eq!(r.stream_failures, 2);
+    }
+}

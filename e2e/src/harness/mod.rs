@@ -1,0 +1,723 @@
+//! The agent-restart-gap harness: a local node (shared run and state dirs, a health dir
+//! per generation), a registry of loopback HTTP services, a real Envoy from the project's
+//! bootstrap template, steady load through it, pod churn through the real `aether-cni`
+//! during every roll's overlap, and Envoy's admin stats polled every few milliseconds.
+//!
+//! See `e2e/agent-restart-gap.sh` for the environment it reads.
+
+pub mod churn;
+pub mod envoy;
+pub mod load;
+pub mod report;
+pub mod upstream;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+
+use crate::testing::{Agent, LocalNode, bin};
+use churn::{Churn, Cni, Pods};
+use envoy::{Envoy, Poller, RollTimes};
+
+/// The seed's cluster figures for delete-then-create (Proposal 041).
+pub const SEED_RECREATE: &str = "seed, delete-then-create on kind: median 6.30 s, p99 10.22 s";
+pub const SEED_SURGE: &str = "seed, surge on kind: median 0.080 s, p99 0.242 s";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Surge,
+    Recreate,
+    WorkerCrash,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Surge => "surge",
+            Mode::Recreate => "recreate",
+            Mode::WorkerCrash => "worker-crash",
+        }
+    }
+
+    /// The p99 gap bound when `ARG_BOUND` is unset: the issue's expected figures for the
+    /// seed's backoff; recreate is the baseline and only guarded against hangs.
+    pub fn default_bound(self) -> f64 {
+        match self {
+            Mode::Surge => 0.12,
+            Mode::WorkerCrash => 0.25,
+            Mode::Recreate => 15.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub rolls: u32,
+    pub modes: Vec<Mode>,
+    pub all: bool,
+    pub bound: Option<f64>,
+    pub rps: u32,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    pub results_dir: PathBuf,
+    pub envoy: PathBuf,
+}
+
+/// "0.1s", "100ms", "1" (seconds).
+pub fn parse_duration(s: &str) -> Result<Duration> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| anyhow!("{s:?} is not a duration like 0.1s or 100ms"))?;
+    if !(v.is_finite() && v > 0.0) {
+        bail!("{s:?} must be a positive duration");
+    }
+    Ok(Duration::from_secs_f64(v * scale))
+}
+
+impl Config {
+    pub fn from_env() -> Result<Config> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let rolls: u32 = match var("ARG_ROLLS") {
+            Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_ROLLS={v:?} is not a whole number"))?,
+            None => 20,
+        };
+        if rolls == 0 {
+            bail!("ARG_ROLLS must be at least 1");
+        }
+        let mode = var("ARG_MODE").unwrap_or_else(|| "surge".into());
+        let (modes, all) = match mode.trim() {
+            "surge" => (vec![Mode::Surge], false),
+            "recreate" => (vec![Mode::Recreate], false),
+            "worker-crash" => (vec![Mode::WorkerCrash], false),
+            "all" => (vec![Mode::Surge, Mode::Recreate, Mode::WorkerCrash], true),
+            other => bail!("ARG_MODE={other:?}: one of surge, recreate, worker-crash, all"),
+        };
+        let bound = match var("ARG_BOUND") {
+            Some(v) => Some(parse_duration(&v).context("ARG_BOUND")?.as_secs_f64()),
+            None => None,
+        };
+        let rps: u32 = match var("ARG_LOAD_RPS") {
+            Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_LOAD_RPS={v:?} is not a whole number"))?,
+            None => 200,
+        };
+        let backoff_base = parse_duration(&var("ARG_BACKOFF_BASE").unwrap_or_else(|| "0.1s".into())).context("ARG_BACKOFF_BASE")?;
+        let backoff_max = parse_duration(&var("ARG_BACKOFF_MAX").unwrap_or_else(|| "1s".into())).context("ARG_BACKOFF_MAX")?;
+        if backoff_max < backoff_base {
+            bail!("ARG_BACKOFF_MAX ({backoff_max:?}) is below ARG_BACKOFF_BASE ({backoff_base:?})");
+        }
+        let results_dir = var("ARG_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|| envoy::workspace_root().join("e2e/results"));
+        let envoy = envoy::envoy_bin()
+            .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
+        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, results_dir, envoy })
+    }
+
+    pub fn bound(&self, mode: Mode) -> f64 {
+        self.bound.unwrap_or(mode.default_bound())
+    }
+}
+
+/// One roll's measurements.
+#[derive(Debug, Clone, Default)]
+pub struct Roll {
+    pub gap: Option<f64>,
+    pub served_gap: Option<f64>,
+    /// Whether Envoy's connected_state was seen at 0 (else the gap fell between two polls
+    /// and is recorded as that poll interval).
+    pub observed: bool,
+    pub stream_failures: u64,
+    pub refused: u64,
+    pub failed_requests: u64,
+    pub adds: u64,
+    pub dels: u64,
+    pub lost: u64,
+    /// From the roll's action (SIGTERM or SIGKILL) until the new owner's /ready says so.
+    pub takeover: f64,
+    /// From the action until Envoy's old stream ended (negative: before the action).
+    pub stream_end_after_action: f64,
+    /// From the action until the old generation's supervisor had exited (surge, recreate).
+    pub old_exit_after_action: Option<f64>,
+}
+
+#[derive(Debug, Default)]
+pub struct ModeResult {
+    pub mode: Option<Mode>,
+    pub rolls: Vec<Roll>,
+    pub requests: u64,
+    pub failed_requests: u64,
+    pub late_requests: u64,
+    pub failure_samples: Vec<String>,
+    pub lost_pods: Vec<String>,
+    pub stuck_dels: usize,
+    pub cni_errors: Vec<String>,
+    pub poll_max_interval: Duration,
+    pub polls: u64,
+    pub errors: Vec<String>,
+    pub node_dir: Option<PathBuf>,
+    pub bound: f64,
+}
+
+impl ModeResult {
+    pub fn gaps(&self) -> Vec<f64> {
+        self.rolls.iter().filter_map(|r| r.gap).collect()
+    }
+    pub fn served_gaps(&self) -> Vec<f64> {
+        self.rolls.iter().filter_map(|r| r.served_gap).collect()
+    }
+    fn sum(&self, f: impl Fn(&Roll) -> u64) -> u64 {
+        self.rolls.iter().map(f).sum()
+    }
+    pub fn refused(&self) -> u64 {
+        self.sum(|r| r.refused)
+    }
+    pub fn lost(&self) -> u64 {
+        self.sum(|r| r.lost)
+    }
+
+    /// Why this mode fails, one reason each; empty when it passes.
+    pub fn failures(&self, want_rolls: u32) -> Vec<String> {
+        let mut f: Vec<String> = self.errors.clone();
+        let gaps = self.gaps();
+        if (gaps.len() as u32) < want_rolls {
+            f.push(format!("{} of {want_rolls} rolls measured a gap", gaps.len()));
+        }
+        if let Some(p99) = report::percentile(&gaps, 99.0)
+            && p99 > self.bound
+        {
+            f.push(format!("p99 gap {p99:.3} s exceeds ARG_BOUND {:.3} s", self.bound));
+        }
+        if self.failed_requests > 0 {
+            f.push(format!("{} of {} requests failed", self.failed_requests, self.requests));
+        }
+        if self.lost() > 0 {
+            f.push(format!("{} acknowledged pod ADDs were lost", self.lost()));
+        }
+        if self.refused() > 0 {
+            f.push(format!("Envoy had {} refused connects to xds.sock", self.refused()));
+        }
+        f
+    }
+
+    pub fn json(&self, cfg: &Config, plot: &Path) -> Value {
+        let mode = self.mode.expect("mode set");
+        let g = report::summarize(&self.gaps());
+        let s = report::summarize(&self.served_gaps());
+        let r = |x: f64| (x * 1e6).round() / 1e6;
+        let failures = self.failures(cfg.rolls);
+        json!({
+            "mode": mode.name(),
+            "rolls": self.rolls.len(),
+            "gap_samples": g.n,
+            "gap_median_s": r(g.median),
+            "gap_p90_s": r(g.p90),
+            "gap_p99_s": r(g.p99),
+            "gap_max_s": r(g.max),
+            "served_gap_median_s": r(s.median),
+            "served_gap_p90_s": r(s.p90),
+            "served_gap_p99_s": r(s.p99),
+            "served_gap_max_s": r(s.max),
+            "requests": self.requests,
+            "failed_requests": self.failed_requests,
+            "adds_during_overlap": self.sum(|r| r.adds),
+            "dels_during_overlap": self.sum(|r| r.dels),
+            "lost_adds": self.lost(),
+            "refused_connects": self.refused(),
+            "bound_s": self.bound,
+            "backoff_base_s": cfg.backoff_base.as_secs_f64(),
+            "backoff_max_s": cfg.backoff_max.as_secs_f64(),
+            "load_rps": cfg.rps,
+            "poll_max_interval_ms": r(self.poll_max_interval.as_secs_f64() * 1000.0),
+            "pass": failures.is_empty(),
+            "failures": failures,
+            "plot": plot.display().to_string(),
+            "node_dir": self.node_dir.as_ref().map(|p| p.display().to_string()),
+        })
+    }
+}
+
+const SERVICES: [&str; 3] = ["alpha", "bravo", "charlie"];
+const T_START: Duration = Duration::from_secs(30);
+
+fn wait_until<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = cond() {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn ready_owner(a: &Agent) -> Option<Value> {
+    a.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving").map(|(_, v)| v)
+}
+
+/// The real `agent-ready` probe against a generation's own health socket.
+fn agent_ready(sock: &Path) -> bool {
+    Command::new(bin("agent-ready"))
+        .arg("--socket")
+        .arg(sock)
+        .args(["--timeout-ms", "500"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The local node a mode runs on.
+struct Bench {
+    node: LocalNode,
+    extra: Vec<String>,
+    owner: Agent,
+    envoy: Envoy,
+    outbound: SocketAddr,
+    cni: Arc<Cni>,
+    pods: Arc<Mutex<Pods>>,
+    lost_ever: BTreeSet<String>,
+}
+
+impl Bench {
+    fn start_agent(&mut self) -> Agent {
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.node.start_agent_with(&extra)
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
+    let mut node = node;
+    let root = node.root.path().to_path_buf();
+    // Three services, each backed by two real HTTP servers on loopback.
+    let mut services = Vec::new();
+    for name in SERVICES {
+        let mut endpoints = Vec::new();
+        for i in 0..2 {
+            let u = upstream::spawn(format!("{name}-{i}\n")).context("upstream server")?;
+            endpoints.push(json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{name}-{i}") }));
+        }
+        services.push(json!({ "name": name, "namespace": "default", "ports": [80], "endpoints": endpoints }));
+    }
+    let registry = root.join("registry.json");
+    std::fs::write(&registry, serde_json::to_vec_pretty(&json!({ "services": services }))?)?;
+    node.registry_file = Some(registry);
+    // A capture file with free ports, so that runs in parallel do not clash on 15001.
+    let outbound: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let capture = root.join("capture.json");
+    std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port()? }).to_string())?;
+    let extra = vec![format!("--capture-file={}", capture.display())];
+
+    let first = node.start_agent_with(&[extra[0].as_str()]);
+    wait_until("the first agent to own the node", T_START, || ready_owner(&first))
+        .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
+    let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max).context("start Envoy")?;
+    wait_until("Envoy to connect and take its first config", T_START, || {
+        let (_, body) = envoy.get(&envoy::stats_filter()).ok()?;
+        let stats = envoy::parse_stats(&body);
+        let get = |n: &str| stats.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap_or(0);
+        (get(envoy::CONNECTED) == 1 && get(envoy::UPDATES[1]) > 0).then_some(())
+    })
+    .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
+    for s in SERVICES {
+        wait_until(&format!("service {s} to answer through Envoy's outbound listener {outbound}"), T_START, || {
+            load::request(outbound, s).ok()
+        })
+        .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
+    }
+    let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
+    let pods = Arc::new(Mutex::new(Pods::default()));
+    // A few pods that live through every roll.
+    for _ in 0..5 {
+        if churn::add_one(&cni, &pods).is_none() {
+            bail!("ADD before the first roll failed: {:?}", pods.lock().unwrap().errors);
+        }
+    }
+    Ok(Bench { node, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new() })
+}
+
+/// Runs one mode on a fresh local node. The node's folder is kept (and named in the
+/// result) when anything failed.
+pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
+    let mut res = ModeResult { mode: Some(mode), bound: cfg.bound(mode), ..Default::default() };
+    let mut node = LocalNode::new();
+    // Kept unless the mode passes, so that a setup error or a panic leaves the logs.
+    node.root.disable_cleanup(true);
+    let root = node.root.path().to_path_buf();
+    eprintln!(
+        "== {}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
+        mode.name(),
+        cfg.rolls,
+        cfg.rps,
+        cfg.backoff_base,
+        cfg.backoff_max,
+        res.bound,
+        root.display()
+    );
+    if mode == Mode::Recreate {
+        eprintln!(
+            "   recreate = the DaemonSet's delete-then-create without the cluster's pod start cost \
+             (no image pull, no scheduling, no kubelet sync); for context, {SEED_RECREATE}"
+        );
+    }
+    let mut bench = match setup(node, cfg) {
+        Ok(b) => b,
+        Err(e) => {
+            res.errors.push(format!("setup: {e:#}"));
+            eprintln!("!! setup failed: {e:#}\n!! node kept at {}", root.display());
+            res.node_dir = Some(root);
+            return res;
+        }
+    };
+    let mut poller = Poller::start(bench.envoy.admin.clone());
+    std::thread::sleep(Duration::from_millis(50));
+    poller.reset_interval();
+    let hosts: Vec<String> = SERVICES.iter().map(|s| s.to_string()).collect();
+    let load = load::Load::start(bench.outbound, hosts, cfg.rps);
+    std::thread::sleep(Duration::from_millis(300));
+
+    for i in 1..=cfg.rolls {
+        let failed_before = load.failures();
+        match roll(&mut bench, &poller, mode) {
+            Ok(mut r) => {
+                r.failed_requests = load.failures() - failed_before;
+                let ms = |x: Option<f64>| x.map(|v| format!("{:.1} ms", v * 1000.0)).unwrap_or("-".into());
+                eprintln!(
+                    "[{} {i}/{}] gap {}{} served_gap {} stream_failures {} refused {} failed_requests {} adds {} dels {} lost {} | after the {}: stream end {:.0} ms, old exit {}, new owner on /ready {:.0} ms",
+                    mode.name(),
+                    cfg.rolls,
+                    ms(r.gap),
+                    if r.observed { "" } else { " (between two polls)" },
+                    ms(r.served_gap),
+                    r.stream_failures,
+                    r.refused,
+                    r.failed_requests,
+                    r.adds,
+                    r.dels,
+                    r.lost,
+                    if mode == Mode::WorkerCrash { "SIGKILL" } else { "SIGTERM" },
+                    r.stream_end_after_action * 1000.0,
+                    r.old_exit_after_action.map(|x| format!("{:.0} ms", x * 1000.0)).unwrap_or("-".into()),
+                    r.takeover * 1000.0
+                );
+                res.rolls.push(r);
+            }
+            Err(e) => {
+                eprintln!("[{} {i}/{}] FAILED: {e:#}", mode.name(), cfg.rolls);
+                res.errors.push(format!("roll {i}: {e:#}"));
+                break;
+            }
+        }
+        if !bench.envoy.alive() {
+            res.errors.push(format!("Envoy exited; its log: {}", bench.envoy.log.display()));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    res.poll_max_interval = poller.max_interval();
+    res.polls = poller.polls_and_errors().0;
+    let counters = load.stop();
+    poller.stop();
+    res.requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
+    res.failed_requests = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
+    res.late_requests = counters.late.load(std::sync::atomic::Ordering::Relaxed);
+    let t0 = counters.failure_log.lock().unwrap().first().map(|f| f.0);
+    res.failure_samples = counters
+        .failure_log
+        .lock()
+        .unwrap()
+        .iter()
+        .take(10)
+        .map(|(t, h, w)| format!("+{:.3}s {h}: {w}", t0.map(|t0| (*t - t0).as_secs_f64()).unwrap_or(0.0)))
+        .collect();
+    res.stuck_dels = churn::settle(&bench.cni, &bench.pods, Duration::from_secs(5));
+    res.cni_errors = bench.pods.lock().unwrap().errors.clone();
+    res.lost_pods = bench.lost_ever.iter().cloned().collect();
+    if res.failures(cfg.rolls).is_empty() && std::env::var_os("ARG_KEEP_NODE").is_none() {
+        bench.node.root.disable_cleanup(false);
+    } else {
+        res.node_dir = Some(root);
+    }
+    drop(bench);
+    res
+}
+
+/// Waits until Envoy has lost its stream, regained it and taken a config update on the
+/// new one; the stats timeline of the roll.
+fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<RollTimes> {
+    wait_until("Envoy to reconnect and take a config update from the new owner", timeout, || {
+        let (before, changes) = poller.since(since);
+        envoy::analyze(before, &changes)
+    })
+}
+
+/// With `ARG_DEBUG_STATS` set, the xDS-related stats that a roll moved, on stderr: how
+/// the choice of stats in [`envoy`] was checked.
+fn debug_stats(b: &Bench) -> Option<Vec<(String, u64)>> {
+    std::env::var_os("ARG_DEBUG_STATS")?;
+    let re = r"^(control_plane\.|cluster\.xds_cluster\.upstream_(cx|rq)_|cluster_manager\.cds\.|listener_manager\.lds\.)";
+    let (_, body) = b.envoy.get(&format!("/stats?filter={}", envoy::encode(re))).ok()?;
+    Some(envoy::parse_stats(&body))
+}
+
+fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
+    let before_stats = debug_stats(b);
+    let r = roll_inner(b, poller, mode);
+    if let (Some(before), Some(after)) = (before_stats, debug_stats(b)) {
+        for (k, v) in &after {
+            let old = before.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+            if old != Some(*v) {
+                eprintln!("   stat {k}: {} -> {v}", old.map(|o| o.to_string()).unwrap_or("-".into()));
+            }
+        }
+    }
+    r
+}
+
+fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
+    let start = Instant::now();
+    let churn = Churn::start(b.cni.clone(), b.pods.clone(), std::env::var_os("ARG_NO_CHURN").is_none());
+    let action;
+    let mut old_exit = None;
+    match mode {
+        Mode::Surge => {
+            let next = b.start_agent();
+            let ready = wait_until(&format!("agent-ready to pass for standby {}", next.name), T_START, || {
+                agent_ready(&next.health_sock).then_some(())
+            });
+            if let Err(e) = ready {
+                let _ = churn.stop();
+                return Err(e.context(format!("{} log:\n{}", next.name, next.log())));
+            }
+            action = Instant::now();
+            b.owner.signal(Signal::SIGTERM);
+            let old = std::mem::replace(&mut b.owner, next);
+            exit_of(old)?;
+            old_exit = Some(action.elapsed().as_secs_f64());
+            wait_until(&format!("{} to serve as owner", b.owner.name), T_START, || ready_owner(&b.owner))?;
+        }
+        Mode::Recreate => {
+            action = Instant::now();
+            b.owner.signal(Signal::SIGTERM);
+            let next = b.start_agent_after_exit()?;
+            old_exit = Some(action.elapsed().as_secs_f64());
+            b.owner = next;
+            wait_until(&format!("{} to serve as owner", b.owner.name), T_START, || ready_owner(&b.owner))?;
+        }
+        Mode::WorkerCrash => {
+            let pid = b.owner.ready().and_then(|(_, v)| v["pid"].as_i64()).ok_or_else(|| anyhow!("no worker pid in /ready"))?;
+            action = Instant::now();
+            kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
+            wait_until("the respawned worker to serve as owner", T_START, || {
+                ready_owner(&b.owner).filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
+            })?;
+        }
+    }
+    let takeover = action.elapsed().as_secs_f64();
+    let times = wait_served(poller, start, T_START);
+    let (adds, dels) = churn.stop();
+    let times = times?;
+    let mut r = Roll {
+        gap: Some((times.up - times.down).as_secs_f64()),
+        served_gap: Some((times.served - times.down).as_secs_f64()),
+        observed: times.observed,
+        stream_failures: times.stream_failures,
+        refused: times.connect_fail,
+        adds,
+        dels,
+        takeover,
+        stream_end_after_action: if times.down >= action {
+            (times.down - action).as_secs_f64()
+        } else {
+            -(action - times.down).as_secs_f64()
+        },
+        old_exit_after_action: old_exit,
+        ..Default::default()
+    };
+    r.lost = check_pods(b)?;
+    Ok(r)
+}
+
+impl Bench {
+    fn start_agent_after_exit(&mut self) -> Result<Agent> {
+        let status = self.owner.wait_exit_timeout(Duration::from_secs(10))?;
+        if !status.success() {
+            bail!("{} exited with {status} after SIGTERM; log:\n{}", self.owner.name, self.owner.log());
+        }
+        Ok(self.start_agent())
+    }
+}
+
+fn exit_of(mut old: Agent) -> Result<()> {
+    let status = old.wait_exit_timeout(Duration::from_secs(10))?;
+    if !status.success() {
+        bail!("{} exited with {status} after SIGTERM; log:\n{}", old.name, old.log());
+    }
+    Ok(())
+}
+
+/// Every pod whose ADD succeeded and that was not deleted must be in the owner's storage
+/// and in Envoy's config. Returns how many newly went missing (a pod is counted once).
+fn check_pods(b: &mut Bench) -> Result<u64> {
+    let left = churn::settle(&b.cni, &b.pods, Duration::from_secs(10));
+    if left > 0 {
+        eprintln!("   {left} DELs still failing after 10 s: {:?}", b.pods.lock().unwrap().errors.last());
+    }
+    let live = b.pods.lock().unwrap().live.clone();
+    let pods_dir = b.node.state_dir.join("pods");
+    // Allow the new owner's snapshot the same 2 s the CNI service gives an ACK: a pod the
+    // new owner really lost stays missing.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let missing = loop {
+        let (status, dump) = b.envoy.get("/config_dump").context("Envoy /config_dump")?;
+        if status != 200 {
+            bail!("Envoy /config_dump answered {status}");
+        }
+        let missing: Vec<String> = live
+            .keys()
+            .filter_map(|p| {
+                let stored = pods_dir.join(format!("{}.json", p.uid)).is_file();
+                let served = dump.contains(&format!("\"inbound|{}\"", p.uid));
+                match (stored, served) {
+                    (true, true) => None,
+                    (false, true) => Some(format!("{} (not in storage)", p.uid)),
+                    (true, false) => Some(format!("{} (not in Envoy's config)", p.uid)),
+                    (false, false) => Some(format!("{} (neither in storage nor in Envoy's config)", p.uid)),
+                }
+            })
+            .collect();
+        if missing.is_empty() || Instant::now() >= deadline {
+            break missing;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut new = 0;
+    for m in missing {
+        let uid = m.split(' ').next().unwrap_or("").to_string();
+        if !b.lost_ever.iter().any(|l| l.starts_with(&uid)) {
+            eprintln!("   lost add: {m}");
+            b.lost_ever.insert(m);
+            new += 1;
+        }
+    }
+    Ok(new)
+}
+
+/// Prints the table for the modes that ran, writes the plot, prints the JSON line(s);
+/// returns whether everything passed.
+pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
+    let _ = std::fs::create_dir_all(&cfg.results_dir);
+    let plot_name = if cfg.all { "all".to_string() } else { results[0].mode.expect("mode").name().to_string() };
+    let plot = cfg.results_dir.join(format!("agent-restart-gap-{plot_name}.svg"));
+    let series: Vec<(String, Vec<f64>)> = results.iter().map(|r| (r.mode.expect("mode").name().to_string(), r.gaps())).collect();
+    let title = format!(
+        "agent-restart-gap: Envoy without a control plane per roll (ADS backoff {}s/{}s, {} rps)",
+        cfg.backoff_base.as_secs_f64(),
+        cfg.backoff_max.as_secs_f64(),
+        cfg.rps
+    );
+    if let Err(e) = report::plot(&plot, &title, &series) {
+        eprintln!("!! {e}");
+    }
+
+    println!();
+    println!(
+        "agent-restart-gap: {} rolls per mode, ADS backoff {:?}/{:?}, load {} rps",
+        cfg.rolls, cfg.backoff_base, cfg.backoff_max, cfg.rps
+    );
+    println!("{}", report::header());
+    for r in results {
+        let m = r.mode.expect("mode").name();
+        let count = |f: &dyn Fn(&Roll) -> u64| r.rolls.iter().map(|x| f(x) as f64).collect::<Vec<_>>();
+        println!("{}", report::row(&format!("{m}: gap (s)"), &r.gaps(), 4));
+        println!("{}", report::row(&format!("{m}: served gap (s)"), &r.served_gaps(), 4));
+        println!("{}", report::row(&format!("{m}: takeover seen on /ready (s)"), &r.rolls.iter().map(|x| x.takeover).collect::<Vec<_>>(), 4));
+        println!("{}", report::row(&format!("{m}: refused connects per roll"), &count(&|x| x.refused), 0));
+        println!("{}", report::row(&format!("{m}: failed requests per roll"), &count(&|x| x.failed_requests), 0));
+        println!("{}", report::row(&format!("{m}: ADDs during overlap per roll"), &count(&|x| x.adds), 0));
+        println!("{}", report::row(&format!("{m}: lost adds per roll"), &count(&|x| x.lost), 0));
+    }
+    println!("context: {SEED_SURGE}; {SEED_RECREATE}.");
+    if results.iter().any(|r| r.mode == Some(Mode::Recreate)) {
+        println!("recreate here is delete-then-create without the cluster's pod start cost (no scheduling, image pull or kubelet sync).");
+    }
+    for r in results {
+        let m = r.mode.expect("mode").name();
+        println!(
+            "{m}: {} requests ({} failed, {} started late), admin polled {} times, worst poll interval {:.2} ms",
+            r.requests,
+            r.failed_requests,
+            r.late_requests,
+            r.polls,
+            r.poll_max_interval.as_secs_f64() * 1000.0
+        );
+        for f in &r.failure_samples {
+            println!("{m}:   failed request {f}");
+        }
+        for l in &r.lost_pods {
+            println!("{m}:   lost add {l}");
+        }
+        if r.stuck_dels > 0 {
+            println!("{m}:   {} DELs never succeeded", r.stuck_dels);
+        }
+        for f in r.failures(cfg.rolls) {
+            println!("{m}: FAIL {f}");
+        }
+        if !r.cni_errors.is_empty() && !r.failures(cfg.rolls).is_empty() {
+            for e in r.cni_errors.iter().take(5) {
+                println!("{m}:   CNI error {e}");
+            }
+        }
+        if let Some(d) = &r.node_dir {
+            println!("{m}: node folder kept for inspection: {}", d.display());
+        }
+    }
+    println!("plot: {}", plot.display());
+
+    let lines: Vec<Value> = results.iter().map(|r| r.json(cfg, &plot)).collect();
+    let pass = results.iter().all(|r| r.failures(cfg.rolls).is_empty());
+    if cfg.all {
+        println!();
+        println!("{:<14} {:>6} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>6}", "mode", "rolls", "gap median", "gap p99", "served p50", "served p99", "failed", "refused", "lost");
+        for (r, j) in results.iter().zip(&lines) {
+            println!(
+                "{:<14} {:>6} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>9} {:>8} {:>6}",
+                r.mode.expect("mode").name(),
+                r.rolls.len(),
+                j["gap_median_s"].as_f64().unwrap_or(0.0) * 1000.0,
+                j["gap_p99_s"].as_f64().unwrap_or(0.0) * 1000.0,
+                j["served_gap_median_s"].as_f64().unwrap_or(0.0) * 1000.0,
+                j["served_gap_p99_s"].as_f64().unwrap_or(0.0) * 1000.0,
+                r.failed_requests,
+                r.refused(),
+                r.lost()
+            );
+        }
+        println!("plot: {}", plot.display());
+        for j in &lines {
+            println!("{j}");
+        }
+        println!("{}", json!({ "mode": "all", "pass": pass, "plot": plot.display().to_string(), "modes": lines }));
+    } else {
+        println!("{}", lines[0]);
+    }
+    pass
+}
