@@ -42,7 +42,7 @@ impl Registry {
         if self.extra {
             services.push(("extra".to_string(), None, vec![(SocketAddr::new("10.2.0.1".parse().unwrap(), 8080), false)]));
         }
-        let refs: Vec<(&str, Option<&str>, Vec<(SocketAddr, bool)>)> =
+        let refs: Vec<envoy_harness::ServiceSpec<'_>> =
             services.iter().map(|(n, v, e)| (n.as_str(), v.as_deref(), e.clone())).collect();
         envoy_harness::registry_json(&refs)
     }

@@ -43,7 +43,7 @@ mod tests {
 
         let other = tempfile::tempdir().expect("tempdir");
         let cases: Vec<(Vec<OwnedFd>, &str)> = vec![
-            (vec![listener(other.path(), "l"), listener(other.path(), "xds.sock"), listener(other.path(), "cni.sock")], "node lock: descriptor is not a regular file"),
+            (vec![listener(other.path(), "l"), listener(other.path(), "x1.sock"), listener(other.path(), "c1.sock")], "node lock: descriptor is not a regular file"),
             (vec![lock(), lock(), listener(other.path(), "c2")], "xds.sock: descriptor is not a socket"),
             (vec![lock(), OwnedFd::from(UnixDatagram::bind(other.path().join("dg")).expect("dgram")), lock()], "xds.sock: descriptor is not a stream socket"),
             (vec![lock(), listener(other.path(), "xds.sock"), lock()], "xds.sock: socket is bound to"),

@@ -203,6 +203,56 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted() {
     assert_eq!(h.worker_counter("nacks", RDS), 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy() {
+    let envoy = require_envoy!();
+    envoy_harness::init_logs("info");
+    let u = Upstream::start("one").await;
+    let mut h = Harness::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)])])).await;
+    let ip: IpAddr = "10.244.0.9".parse().unwrap();
+    h.node.update(|i| {
+        i.pods.insert("uid-9".into(), Pod {
+            uid: "uid-9".into(),
+            namespace: "default".into(),
+            name: "app-9".into(),
+            container_id: "c9".into(),
+            netns: "/var/run/netns/y".into(),
+            ifname: "eth0".into(),
+            ips: vec![ip],
+        });
+    });
+    assert!(h.wait_acked_current(BOUND).await);
+    const UNCHANGED: [&str; 5] = [
+        "listener_manager.listener_modified",
+        "listener_manager.listener_removed",
+        "listener_manager.total_listeners_draining",
+        "cluster_manager.cluster_modified",
+        "cluster_manager.cluster_removed",
+    ];
+    let mut before = Vec::new();
+    for s in UNCHANGED {
+        before.push(h.stat(s).await.unwrap_or_else(|| panic!("no stat {s}")));
+    }
+    let lds_before = h.stat("listener_manager.lds.update_success").await.unwrap();
+
+    // The server goes away with its streams; a new one serves the same snapshot.
+    let acks = h.restart_server();
+    let want = h.node.snapshot();
+    assert!(
+        acks.wait_until(|s| envoy_harness::same_versions(s, &want), Duration::from_secs(10)).await,
+        "Envoy did not reconnect and ACK within 10 s; its log:\n{}",
+        h.envoy_log()
+    );
+    assert_eq!(h.stat("control_plane.connected_state").await, Some(1));
+    assert!(h.stat("listener_manager.lds.update_success").await.unwrap() > lds_before, "the new stream answered LDS");
+    let mut after = Vec::new();
+    for s in UNCHANGED {
+        after.push(h.stat(s).await.unwrap());
+    }
+    assert_eq!(after, before, "{UNCHANGED:?}");
+    assert_eq!(http_get(h.outbound, "web").await.unwrap(), (200, "one".to_string()));
+}
+
 async fn web_eds(h: &Harness) -> Option<Vec<String>> {
     envoy_harness::endpoints(&h.config_dump().await, WEB)
 }

@@ -247,7 +247,7 @@ impl StreamState {
                         _ => s.rds_names().collect(),
                     };
                     let current = hashes(s, kind);
-                    needed.iter().all(|n| acked.is_some_and(|a| a.holds.get(*n).is_some() && a.holds.get(*n) == current.get(*n)))
+                    needed.iter().all(|n| acked.is_some_and(|a| a.holds.contains_key(*n) && a.holds.get(*n) == current.get(*n)))
                 }
             }
         })

@@ -54,8 +54,9 @@ macro_rules! require_envoy {
             Some(p) => p,
             None => {
                 eprintln!(
-                    "\n!!! SKIPPED {}: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. CI installs it, so there this test runs. !!!\n",
-                    module_path!()
+                    "\n!!! SKIPPED {} ({}): no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. CI installs it, so there this test runs. !!!\n",
+                    module_path!(),
+                    concat!(file!(), ":", line!())
                 );
                 return;
             }
@@ -109,6 +110,7 @@ pub struct Harness {
     pub inbound_port: u16,
     envoy: tokio::process::Child,
     tasks: Vec<JoinHandle<()>>,
+    server: Option<Server>,
 }
 
 impl Drop for Harness {
@@ -117,6 +119,45 @@ impl Drop for Harness {
             t.abort();
         }
         let _ = self.envoy.start_kill();
+        self.server.take();
+    }
+}
+
+/// The ADS server on a runtime of its own, so that stopping it closes every connection
+/// and stream at once, as a process exit would.
+struct Server {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    fn start(sock: PathBuf, node: &Node, acks: Acks, metrics: Arc<Metrics>) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        let snapshots = node.subscribe();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            rt.block_on(async move {
+                // A stopped server leaves its socket file, as a dead process would.
+                let _ = std::fs::remove_file(&sock);
+                let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+                ready_tx.send(()).unwrap();
+                tokio::select! {
+                    r = xds::serve(listener, snapshots, acks, metrics, std::future::pending()) => r.expect("ADS server"),
+                    _ = stopped => {}
+                }
+            });
+            rt.shutdown_background();
+        });
+        ready.recv().expect("ADS server bound");
+        Self { stop: Some(stop), thread: Some(thread) }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.stop.take().map(|s| s.send(()));
+        let _ = self.thread.take().map(|t| t.join());
     }
 }
 
@@ -135,7 +176,7 @@ impl Harness {
         let node = Node::new(Inputs::default());
         let metrics = Metrics::new();
         let acks = Acks::default();
-        let mut tasks = vec![
+        let tasks = vec![
             registry::spawn_embedded(Some(registry_file.clone()), node.clone(), metrics.clone()),
             capture::spawn(Some(capture_file), node.clone(), metrics.clone()),
         ];
@@ -145,11 +186,7 @@ impl Harness {
             .expect("registry and capture land")
             .unwrap();
 
-        let listener = tokio::net::UnixListener::bind(dir.path().join("xds.sock")).unwrap();
-        let (snaps, a, m) = (node.subscribe(), acks.clone(), metrics.clone());
-        tasks.push(tokio::spawn(async move {
-            xds::serve(listener, snaps, a, m, std::future::pending()).await.expect("ADS server");
-        }));
+        let server = Server::start(dir.path().join("xds.sock"), &node, acks.clone(), metrics.clone());
 
         let config = bootstrap::render(
             dir.path(),
@@ -171,11 +208,20 @@ impl Harness {
             .spawn()
             .expect("spawn envoy");
 
-        let h = Self { dir, node, metrics, acks, registry_file, outbound, inbound_port, envoy: child, tasks };
+        let h = Self { dir, node, metrics, acks, registry_file, outbound, inbound_port, envoy: child, tasks, server: Some(server) };
         if !h.wait_acked_current(Duration::from_secs(20)).await {
             panic!("Envoy did not ACK the first snapshot within 20 s; its log:\n{}", h.envoy_log());
         }
         h
+    }
+
+    /// Stops the ADS server (every stream closes) and starts a new one on the same socket
+    /// path with fresh [`Acks`], which it returns and the harness uses from then on.
+    pub fn restart_server(&mut self) -> Acks {
+        self.server.take();
+        self.acks = Acks::default();
+        self.server = Some(Server::start(self.dir.path().join("xds.sock"), &self.node, self.acks.clone(), self.metrics.clone()));
+        self.acks.clone()
     }
 
     /// Waits until Envoy has ACKed the node's current snapshot (every type's version).
@@ -364,8 +410,11 @@ pub async fn http_get(proxy: SocketAddr, host: &str) -> std::io::Result<(u16, St
     tokio::time::timeout(Duration::from_secs(5), fut).await.map_err(|_| std::io::Error::other("GET timed out"))?
 }
 
-/// Registry JSON for services given as (name, vip, [(endpoint address, draining)]).
-pub fn registry_json(services: &[(&str, Option<&str>, Vec<(SocketAddr, bool)>)]) -> String {
+/// A service for [`registry_json`]: name, VIP, and endpoints as (address, draining).
+pub type ServiceSpec<'a> = (&'a str, Option<&'a str>, Vec<(SocketAddr, bool)>);
+
+/// Registry JSON for services in namespace `default` with the one port 80.
+pub fn registry_json(services: &[ServiceSpec<'_>]) -> String {
     let services: Vec<serde_json::Value> = services
         .iter()
         .map(|(name, vip, eps)| {
