@@ -194,7 +194,7 @@ impl Churn {
                         adds += 1;
                         mine.push(pod);
                     }
-                    if step % 2 == 0 && !mine.is_empty() && del_one(&cni, &pods, mine.remove(0)) {
+                    if step.is_multiple_of(2) && !mine.is_empty() && del_one(&cni, &pods, mine.remove(0)) {
                         dels += 1;
                     }
                     std::thread::sleep(Duration::from_millis(5));

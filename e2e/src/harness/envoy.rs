@@ -195,6 +195,7 @@ impl Poller {
         let thread = std::thread::Builder::new()
             .name("admin-poller".into())
             .spawn(move || {
+                realtime_priority();
                 let mut prev: Option<Instant> = None;
                 while !sp.load(Ordering::Relaxed) {
                     let t0 = Instant::now();
@@ -274,6 +275,19 @@ impl Poller {
 impl Drop for Poller {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Runs the calling thread under SCHED_FIFO when allowed (root), so that the load
+/// generator, the CNI calls and the agents starting up on a small machine do not
+/// stretch the poll interval. Without the privilege the poller runs as is.
+fn realtime_priority() {
+    let param = libc::sched_param { sched_priority: 10 };
+    // SAFETY: sched_setscheduler with pid 0 changes only the calling thread and reads
+    // `param`, a valid sched_param on the stack, during the call.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+    if rc != 0 {
+        eprintln!("   (admin poller runs without SCHED_FIFO: {})", std::io::Error::last_os_error());
     }
 }
 

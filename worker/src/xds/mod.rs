@@ -179,7 +179,15 @@ async fn run_stream(
                 }
             },
             changed = snapshots.changed(), if snapshots_open => match changed {
-                Ok(()) => st.set_snapshot(snapshots.borrow_and_update().clone()),
+                Ok(()) => {
+                    let next = snapshots.borrow_and_update().clone();
+                    if next.rejects != st.current().rejects {
+                        for r in &next.rejects {
+                            tracing::warn!(stream = id, "snapshot leaves out: {r}");
+                        }
+                    }
+                    st.set_snapshot(next);
+                }
                 // The node is gone; keep serving what the proxy has.
                 Err(_) => snapshots_open = false,
             },
