@@ -70,7 +70,9 @@ struct Target {
 
 /// Serves the CNI API for `target` and times `n` ADDs of distinct pods through the plugin.
 async fn bench_adds(what: &str, target: Target, n: usize) {
-    let base = std::env::var_os("AETHER_BENCH_STATE_DIR").map(Into::into).unwrap_or_else(|| std::path::PathBuf::from("/var/tmp"));
+    let base = std::env::var_os("AETHER_BENCH_STATE_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp"));
     let dir = tempfile::tempdir_in(&base).expect("temp state dir");
     let socket = dir.path().join("cni.sock");
     let storage = Arc::new(Storage::open(&dir.path().join("state"), target.metrics.clone()).expect("opening storage"));
@@ -124,9 +126,7 @@ async fn main() {
     bench_adds("publish-ack proxy", Target { node, metrics: Metrics::new(), acks }, n).await;
 
     match envoy_harness::envoy_bin() {
-        None => println!(
-            "!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"
-        ),
+        None => println!("!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"),
         Some(envoy) => {
             let h = envoy_harness::Harness::start(&envoy, &envoy_harness::registry_json(&[])).await;
             let target = Target { node: h.node.clone(), metrics: h.metrics.clone(), acks: Arc::new(h.acks.clone()) };

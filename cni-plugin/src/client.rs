@@ -51,7 +51,12 @@ pub async fn call(inv: &Invocation, timeouts: Timeouts) -> Result<(), CniError> 
             Err(_) => {
                 return Err(CniError::new(
                     code::TRY_AGAIN_LATER,
-                    format!("agent at {} did not answer {} within {:?}", socket.display(), inv.command.as_str(), timeouts.call),
+                    format!(
+                        "agent at {} did not answer {} within {:?}",
+                        socket.display(),
+                        inv.command.as_str(),
+                        timeouts.call
+                    ),
                 ));
             }
         };
@@ -98,7 +103,11 @@ async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result
                     return Err(Attempt::Fatal(
                         CniError::new(
                             code::TRY_AGAIN_LATER,
-                            format!("agentSocket {} is unreachable: no agent answered within {:?}", socket.display(), timeouts.connect),
+                            format!(
+                                "agentSocket {} is unreachable: no agent answered within {:?}",
+                                socket.display(),
+                                timeouts.connect
+                            ),
                         )
                         .with_details(e.to_string()),
                     ));
@@ -120,8 +129,10 @@ async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result
         let stream = slot.lock().ok().and_then(|mut s| s.take());
         async move { stream.map(TokioIo::new).ok_or_else(|| io::Error::other("agent connection already used")) }
     });
-    Endpoint::from_static("http://aether-agent.invalid")
-        .connect_with_connector(connector)
-        .await
-        .map_err(|e| Attempt::Retry(CniError::new(code::TRY_AGAIN_LATER, format!("HTTP/2 handshake with agentSocket {}: {e}", socket.display()))))
+    Endpoint::from_static("http://aether-agent.invalid").connect_with_connector(connector).await.map_err(|e| {
+        Attempt::Retry(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("HTTP/2 handshake with agentSocket {}: {e}", socket.display()),
+        ))
+    })
 }

@@ -100,10 +100,7 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
         Some("CHECK") => Command::Check,
         Some("VERSION") => Command::Version,
         Some(other) => {
-            return Err(env_err(format!(
-                "CNI_COMMAND {:?} is not one of ADD, DEL, CHECK, VERSION",
-                truncate(other)
-            )));
+            return Err(env_err(format!("CNI_COMMAND {:?} is not one of ADD, DEL, CHECK, VERSION", truncate(other))));
         }
     };
     if command == Command::Version {
@@ -146,7 +143,9 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
             )));
         }
         if config.ips.is_empty() {
-            return Err(config_err("prevResult.ips is empty: the plugins before aether-cni assigned the pod no address"));
+            return Err(config_err(
+                "prevResult.ips is empty: the plugins before aether-cni assigned the pod no address",
+            ));
         }
     }
 
@@ -159,11 +158,7 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
         pod_uid: args.uid,
         ips: config.ips.iter().map(IpAddr::to_string).collect(),
         cni_args,
-        prev_result: config
-            .prev_result
-            .as_ref()
-            .and_then(|p| serde_json::to_vec(p).ok())
-            .unwrap_or_default(),
+        prev_result: config.prev_result.as_ref().and_then(|p| serde_json::to_vec(p).ok()).unwrap_or_default(),
     };
     Ok(Invocation { command, config, request })
 }
@@ -188,10 +183,17 @@ pub fn check_container_id(id: &str) -> Result<(), CniError> {
 /// Spec: at most 15 bytes, not `.` or `..`, no `/`, `:` or whitespace.
 pub fn check_ifname(name: &str) -> Result<(), CniError> {
     if name.len() > MAX_IFNAME {
-        return Err(env_err(format!("CNI_IFNAME {:?} is {} bytes, over the {MAX_IFNAME}-byte limit", truncate(name), name.len())));
+        return Err(env_err(format!(
+            "CNI_IFNAME {:?} is {} bytes, over the {MAX_IFNAME}-byte limit",
+            truncate(name),
+            name.len()
+        )));
     }
-    if name == "." || name == ".." || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control()) {
-        return Err(env_err(format!("CNI_IFNAME {name:?} is invalid: no '/', ':' or whitespace, and not \".\" or \"..\"")));
+    if name == "." || name == ".." || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control())
+    {
+        return Err(env_err(format!(
+            "CNI_IFNAME {name:?} is invalid: no '/', ':' or whitespace, and not \".\" or \"..\""
+        )));
     }
     Ok(())
 }
@@ -201,7 +203,10 @@ fn check_netns(netns: &str) -> Result<(), CniError> {
         return Ok(());
     }
     if netns.len() > MAX_NETNS || !netns.starts_with('/') || netns.contains('\0') {
-        return Err(env_err(format!("CNI_NETNS {:?} is not an absolute path of at most {MAX_NETNS} bytes", truncate(netns))));
+        return Err(env_err(format!(
+            "CNI_NETNS {:?} is not an absolute path of at most {MAX_NETNS} bytes",
+            truncate(netns)
+        )));
     }
     Ok(())
 }
@@ -248,8 +253,9 @@ pub fn parse_cni_args(args: &str) -> Result<PodArgs, CniError> {
 
 /// Parses the network config from stdin.
 pub fn parse_config(bytes: &[u8]) -> Result<Config, CniError> {
-    let value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| CniError::new(code::DECODING_FAILURE, format!("network config on stdin is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+        CniError::new(code::DECODING_FAILURE, format!("network config on stdin is not valid JSON: {e}"))
+    })?;
     let Value::Object(mut obj) = value else {
         return Err(config_err("network config on stdin is not a JSON object"));
     };
@@ -261,7 +267,11 @@ pub fn parse_config(bytes: &[u8]) -> Result<Config, CniError> {
     if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
         return Err(CniError::new(
             code::INCOMPATIBLE_VERSION,
-            format!("cniVersion {:?} is not supported; supported: {}", truncate(&cni_version), SUPPORTED_VERSIONS.join(", ")),
+            format!(
+                "cniVersion {:?} is not supported; supported: {}",
+                truncate(&cni_version),
+                SUPPORTED_VERSIONS.join(", ")
+            ),
         ));
     }
     let name = match obj.get("name") {
@@ -306,7 +316,12 @@ fn prev_result_ips(prev: &Map<String, Value>) -> Result<Vec<IpAddr>, CniError> {
         let Some(address) = entry.get("address").and_then(Value::as_str) else {
             return Err(config_err(format!("prevResult.ips[{i}].address is missing or not a string")));
         };
-        let bad = || config_err(format!("prevResult.ips[{i}].address {:?} is not an IP address with a prefix length", truncate(address)));
+        let bad = || {
+            config_err(format!(
+                "prevResult.ips[{i}].address {:?} is not an IP address with a prefix length",
+                truncate(address)
+            ))
+        };
         let (ip, prefix) = address.split_once('/').ok_or_else(bad)?;
         let ip: IpAddr = ip.parse().map_err(|_| bad())?;
         let prefix: u8 = prefix.parse().map_err(|_| bad())?;
@@ -398,9 +413,24 @@ mod tests {
         check(&[], r#"{"cniVersion":"1.0.0"}"#, 7, "name is required");
         check(&[], r#"{"cniVersion":"1.0.0","name":"k"}"#, 7, "prevResult is required for ADD");
         check(&[], r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[]}}"#, 7, "prevResult.ips is empty");
-        check(&[], r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[{"address":"10.0.0.1"}]}}"#, 7, "prevResult.ips[0].address");
-        check(&[], r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[{"address":"10.0.0.1/33"}]}}"#, 7, "prevResult.ips[0].address");
-        check(&[], r#"{"cniVersion":"1.0.0","name":"k","agentSocket":"rel.sock","prevResult":{}}"#, 7, "agentSocket \"rel.sock\"");
+        check(
+            &[],
+            r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[{"address":"10.0.0.1"}]}}"#,
+            7,
+            "prevResult.ips[0].address",
+        );
+        check(
+            &[],
+            r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[{"address":"10.0.0.1/33"}]}}"#,
+            7,
+            "prevResult.ips[0].address",
+        );
+        check(
+            &[],
+            r#"{"cniVersion":"1.0.0","name":"k","agentSocket":"rel.sock","prevResult":{}}"#,
+            7,
+            "agentSocket \"rel.sock\"",
+        );
         check(&[("CNI_COMMAND", "CHECK")], &CONF.replace("1.0.0", "0.3.1"), 1, "CHECK needs 0.4.0");
     }
 
@@ -409,7 +439,10 @@ mod tests {
         let inv = parse(&env(&add_env()), CONF.as_bytes()).unwrap();
         assert_eq!(inv.command, Command::Add);
         let r = &inv.request;
-        assert_eq!((r.container_id.as_str(), r.ifname.as_str(), r.netns.as_str()), ("abc123", "eth0", "/var/run/netns/x"));
+        assert_eq!(
+            (r.container_id.as_str(), r.ifname.as_str(), r.netns.as_str()),
+            ("abc123", "eth0", "/var/run/netns/x")
+        );
         assert_eq!((r.pod_namespace.as_str(), r.pod_name.as_str(), r.pod_uid.as_str()), ("default", "web-0", "u-1"));
         assert_eq!(r.ips, vec!["10.1.0.5", "fd00::5"]);
         assert_eq!(inv.config.agent_socket, PathBuf::from(DEFAULT_AGENT_SOCKET));

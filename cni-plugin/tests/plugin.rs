@@ -113,7 +113,8 @@ struct Run {
 
 impl Run {
     fn json(&self) -> Value {
-        serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", self.stdout))
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", self.stdout))
     }
 }
 
@@ -191,15 +192,69 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
         msg: &'static str,
     }
     let cases = [
-        Case { name: "malformed JSON", env: env("ADD"), stdin: b"{\"cniVersion\": \"1.0.0\",".to_vec(), code: 6, msg: "not valid JSON" },
-        Case { name: "stdin over 1 MiB", env: env("ADD"), stdin: oversized, code: 7, msg: "over the 1048576-byte limit" },
-        Case { name: "missing CNI_COMMAND", env: set(env("ADD"), "CNI_COMMAND", None), stdin: good.clone().into(), code: 4, msg: "CNI_COMMAND is not set" },
-        Case { name: "missing CNI_CONTAINERID", env: set(env("ADD"), "CNI_CONTAINERID", None), stdin: good.clone().into(), code: 4, msg: "CNI_CONTAINERID is required" },
-        Case { name: "missing CNI_NETNS", env: set(env("ADD"), "CNI_NETNS", None), stdin: good.clone().into(), code: 4, msg: "CNI_NETNS is required for ADD" },
-        Case { name: ".. in the container id", env: set(env("ADD"), "CNI_CONTAINERID", Some("abc..def")), stdin: good.clone().into(), code: 4, msg: "CNI_CONTAINERID \"abc..def\" is invalid" },
-        Case { name: "ifname too long", env: set(env("ADD"), "CNI_IFNAME", Some("eth0123456789abc")), stdin: good.clone().into(), code: 4, msg: "CNI_IFNAME \"eth0123456789abc\" is 16 bytes" },
-        Case { name: "ADD without prevResult", env: env("ADD"), stdin: no_prev.clone().into(), code: 7, msg: "prevResult is required for ADD" },
-        Case { name: "unsafe pod uid", env: set(env("ADD"), "CNI_ARGS", Some("K8S_POD_UID=../../etc")), stdin: good.clone().into(), code: 4, msg: "K8S_POD_UID" },
+        Case {
+            name: "malformed JSON",
+            env: env("ADD"),
+            stdin: b"{\"cniVersion\": \"1.0.0\",".to_vec(),
+            code: 6,
+            msg: "not valid JSON",
+        },
+        Case {
+            name: "stdin over 1 MiB",
+            env: env("ADD"),
+            stdin: oversized,
+            code: 7,
+            msg: "over the 1048576-byte limit",
+        },
+        Case {
+            name: "missing CNI_COMMAND",
+            env: set(env("ADD"), "CNI_COMMAND", None),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "CNI_COMMAND is not set",
+        },
+        Case {
+            name: "missing CNI_CONTAINERID",
+            env: set(env("ADD"), "CNI_CONTAINERID", None),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "CNI_CONTAINERID is required",
+        },
+        Case {
+            name: "missing CNI_NETNS",
+            env: set(env("ADD"), "CNI_NETNS", None),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "CNI_NETNS is required for ADD",
+        },
+        Case {
+            name: ".. in the container id",
+            env: set(env("ADD"), "CNI_CONTAINERID", Some("abc..def")),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "CNI_CONTAINERID \"abc..def\" is invalid",
+        },
+        Case {
+            name: "ifname too long",
+            env: set(env("ADD"), "CNI_IFNAME", Some("eth0123456789abc")),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "CNI_IFNAME \"eth0123456789abc\" is 16 bytes",
+        },
+        Case {
+            name: "ADD without prevResult",
+            env: env("ADD"),
+            stdin: no_prev.clone().into(),
+            code: 7,
+            msg: "prevResult is required for ADD",
+        },
+        Case {
+            name: "unsafe pod uid",
+            env: set(env("ADD"), "CNI_ARGS", Some("K8S_POD_UID=../../etc")),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "K8S_POD_UID",
+        },
     ];
     for case in cases {
         let r = run(case.env, case.stdin).await;
@@ -319,7 +374,8 @@ async fn shutdown_lets_an_in_flight_add_finish_and_the_next_owner_takes_the_rest
     assert!(drained_in < cni::DRAIN_BOUND, "serve returned after {drained_in:?}");
     assert!(drained_in >= Duration::from_millis(1500), "serve waited for the ADD: {drained_in:?}");
     assert_eq!(agent.metrics.cni_ack_timeouts.get(), 1);
-    let record: Value = serde_json::from_slice(&std::fs::read(agent.storage.dir().join(format!("{UID}.json"))).unwrap()).unwrap();
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(agent.storage.dir().join(format!("{UID}.json"))).unwrap()).unwrap();
     assert_eq!(record["uid"], UID);
     assert_eq!(record["schema"], 1);
 

@@ -60,7 +60,8 @@ fn v0() -> CniRequestV0 {
         pod_name: "web-0".into(),
         pod_uid: "6f1c2d3e-0000-4000-8000-000000000001".into(),
         ips: vec!["10.1.0.5".into(), "fd00::5".into()],
-        cni_args: "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID=6f1c2d3e-0000-4000-8000-000000000001".into(),
+        cni_args: "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID=6f1c2d3e-0000-4000-8000-000000000001"
+            .into(),
     }
 }
 

@@ -238,9 +238,8 @@ fn parse_ips(ips: &[String]) -> Result<Vec<IpAddr>, Status> {
     }
     let mut out = Vec::with_capacity(ips.len());
     for (i, ip) in ips.iter().enumerate() {
-        let ip: IpAddr = ip
-            .parse()
-            .map_err(|_| Status::invalid_argument(format!("ips[{i}] {ip:?} is not an IP address")))?;
+        let ip: IpAddr =
+            ip.parse().map_err(|_| Status::invalid_argument(format!("ips[{i}] {ip:?} is not an IP address")))?;
         if !out.contains(&ip) {
             out.push(ip);
         }

@@ -30,7 +30,8 @@ fn fixture(acking: bool) -> Fixture {
     let storage = Arc::new(Storage::open(dir.path(), metrics.clone()).unwrap());
     let node = Node::new(Inputs::default());
     load(&node, &storage);
-    let acks: Arc<dyn AckSource> = if acking { Arc::new(PublishedAcks(node.clone())) } else { Arc::new(Acks::default()) };
+    let acks: Arc<dyn AckSource> =
+        if acking { Arc::new(PublishedAcks(node.clone())) } else { Arc::new(Acks::default()) };
     let service = CniService::new(node.clone(), storage.clone(), acks, metrics.clone());
     Fixture { _dir: dir, node, storage, metrics, service }
 }
@@ -54,7 +55,8 @@ fn ips(v: &[&str]) -> Vec<IpAddr> {
 }
 
 fn stored(dir: &Path) -> Vec<String> {
-    let mut v: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut v: Vec<_> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     v.sort();
     v
 }
