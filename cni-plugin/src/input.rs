@@ -23,7 +23,6 @@ pub const DEFAULT_AGENT_SOCKET: &str = "/run/aether/cni.sock";
 
 /// `sun_path` holds 108 bytes including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
-const MAX_CONTAINER_ID: usize = 1024;
 const MAX_IFNAME: usize = 15;
 const MAX_NETNS: usize = 4096;
 const MAX_CNI_ARGS: usize = 16 * 1024;
@@ -166,16 +165,13 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
 /// Spec: not empty, starts with an alphanumeric character, then `[A-Za-z0-9_.-]`. We also
 /// refuse `..` anywhere: the id must never be able to name a path.
 pub fn check_container_id(id: &str) -> Result<(), CniError> {
-    let valid = id.len() <= MAX_CONTAINER_ID
-        && id.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-        && !id.contains("..");
-    if valid {
+    if shared_proto::cni::valid_container_id(id) {
         Ok(())
     } else {
         Err(env_err(format!(
-            "CNI_CONTAINERID {:?} is invalid: it must start with a letter or digit, hold only [A-Za-z0-9_.-], contain no \"..\" and be at most {MAX_CONTAINER_ID} bytes",
-            truncate(id)
+            "CNI_CONTAINERID {:?} is invalid: it must start with a letter or digit, hold only [A-Za-z0-9_.-], contain no \"..\" and be at most {} bytes",
+            truncate(id),
+            shared_proto::cni::MAX_CONTAINER_ID
         )))
     }
 }

@@ -33,7 +33,11 @@ fn now_us() -> u64 {
 
 /// Everything the owner needs once it serves.
 struct Owned {
-    fds: fdcheck::TakeoverFds,
+    /// The node lock's descriptor: held for the life of the process, so the node stays
+    /// owned while this worker lives even if its supervisor is gone.
+    _lock: OwnedFd,
+    /// The listeners until serving starts, which consumes them.
+    listeners: Option<(OwnedFd, OwnedFd)>,
     generation: u64,
     received: Instant,
     times: TakeoverTimes,
@@ -161,7 +165,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     metrics.observe_phase("bind", t.bind_us as f64 / 1e6);
                     metrics.observe_phase("fd_passing", fd_passing_us as f64 / 1e6);
                     owned = Some(Owned {
-                        fds,
+                        _lock: fds.lock,
+                        listeners: Some((fds.xds, fds.cni)),
                         generation: t.generation,
                         received: Instant::now(),
                         times: TakeoverTimes {
@@ -197,13 +202,14 @@ fn serve(
     drain: oneshot::Receiver<()>,
     drained: tokio::sync::mpsc::Sender<()>,
 ) -> anyhow::Result<()> {
-    let listener = |fd: &OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
-        let std_l = std::os::unix::net::UnixListener::from(fd.try_clone()?);
+    let listener = |fd: OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
+        let std_l = std::os::unix::net::UnixListener::from(fd);
         std_l.set_nonblocking(true)?;
         Ok(tokio::net::UnixListener::from_std(std_l)?)
     };
-    let xds_l = listener(&o.fds.xds)?;
-    let cni_l = listener(&o.fds.cni)?;
+    let (xds_fd, cni_fd) = o.listeners.take().context("serving started twice")?;
+    let xds_l = listener(xds_fd)?;
+    let cni_l = listener(cni_fd)?;
     // The proxy keeps its stream until this process exits, so xDS never shuts down early.
     tokio::spawn(xds::serve(xds_l, node.subscribe(), acks.clone(), metrics.clone(), std::future::pending()));
     let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());

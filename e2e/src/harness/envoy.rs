@@ -12,27 +12,7 @@ use std::time::{Duration, Instant};
 
 use aether_worker::bootstrap::{self, Admin};
 
-/// The workspace root, as built.
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e is inside the workspace").to_path_buf()
-}
-
-/// `ENVOY_BIN`, else the binary `scripts/install-envoy.sh` puts in the project's .venv.
-pub fn envoy_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("ENVOY_BIN") {
-        return Some(PathBuf::from(p)).filter(|p| p.is_file());
-    }
-    let venv = workspace_root().join(".venv");
-    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
-        for lib in libs.flatten() {
-            let p = lib.path().join("site-packages/envoy/_bin/envoy");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    Some(venv.join("bin/envoy")).filter(|p| p.is_file())
-}
+pub use aether_worker::bootstrap::{envoy_bin, workspace_root};
 
 pub struct Envoy {
     child: Child,

@@ -18,7 +18,6 @@ use crate::storage::{self, Storage};
 
 /// Longest pod namespace or name (a DNS subdomain).
 const MAX_NAME: usize = 253;
-const MAX_CONTAINER_ID: usize = 1024;
 const MAX_NETNS: usize = 4096;
 const MAX_IFNAME: usize = 15;
 
@@ -221,11 +220,7 @@ fn pod_uid(req: &CniRequest) -> Result<String, Status> {
 }
 
 fn check_container_id(id: &str) -> Result<(), Status> {
-    let valid = id.len() <= MAX_CONTAINER_ID
-        && id.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-        && !id.contains("..");
-    if valid {
+    if shared_proto::cni::valid_container_id(id) {
         Ok(())
     } else {
         Err(Status::invalid_argument(format!("container_id {id:?} is not a valid container id")))

@@ -21,30 +21,7 @@ use aether_worker::{capture, registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::task::JoinHandle;
-
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("worker is inside the workspace").to_path_buf()
-}
-
-/// The Envoy binary: `ENVOY_BIN`, else the one `scripts/install-envoy.sh` installs.
-pub fn envoy_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("ENVOY_BIN") {
-        let p = PathBuf::from(p);
-        assert!(p.is_file(), "ENVOY_BIN={} is not a file", p.display());
-        return Some(p);
-    }
-    let venv = workspace_root().join(".venv");
-    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
-        for lib in libs.flatten() {
-            let p = lib.path().join("site-packages/envoy/_bin/envoy");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    let p = venv.join("bin/envoy");
-    p.is_file().then_some(p)
-}
+pub use aether_worker::bootstrap::envoy_bin;
 
 /// Returns the Envoy binary or makes the calling test return after saying why, loudly.
 #[macro_export]
