@@ -6,3 +6,4 @@
 
 pub mod testing;
 pub mod harness;
+pub mod cnichain;

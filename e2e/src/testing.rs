@@ -251,3 +251,266 @@ impl Agent {
         }
     }
 }
+
+/// A short suffix unlikely to repeat across concurrent test processes and runs: the pid
+/// and the clock, mixed.
+pub fn unique_suffix() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let mut x = (nanos as u64) ^ ((std::process::id() as u64) << 32);
+    // splitmix64's finaliser, so that nearby inputs give unrelated outputs.
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    format!("{:08x}", x as u32)
+}
+
+/// A named network namespace (`ip netns add`), deleted when dropped, also when the test
+/// fails: a namespace is a kernel object that outlives the test process.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    /// Creates `name` with its loopback up. Needs root.
+    pub fn create(name: &str) -> anyhow::Result<Netns> {
+        run_ip(&["netns", "add", name])?;
+        let ns = Netns { name: name.to_string() };
+        run_ip(&["-n", name, "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// The path a CNI runtime passes as `CNI_NETNS`.
+    pub fn path(&self) -> PathBuf {
+        Path::new("/run/netns").join(&self.name)
+    }
+
+    /// `ip -n <name> <args>`: (success, stdout, stderr).
+    pub fn ip(&self, args: &[&str]) -> (bool, String, String) {
+        match Command::new("ip").arg("-n").arg(&self.name).args(args).output() {
+            Ok(o) => (
+                o.status.success(),
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+            ),
+            Err(e) => (false, String::new(), format!("running ip: {e}")),
+        }
+    }
+
+    /// The names of the links in the namespace.
+    pub fn links(&self) -> Vec<String> {
+        let (_, out, _) = self.ip(&["-j", "link", "show"]);
+        serde_json::from_str::<Value>(&out)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|l| l["ifname"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    /// The addresses (`ip/len`) on `ifname` in the namespace.
+    pub fn addrs(&self, ifname: &str) -> Vec<String> {
+        let (_, out, _) = self.ip(&["-j", "addr", "show", "dev", ifname]);
+        serde_json::from_str::<Value>(&out)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
+            .filter_map(|a| Some(format!("{}/{}", a["local"].as_str()?, a["prefixlen"].as_u64()?)))
+            .collect()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Err(e) = run_ip(&["netns", "del", &self.name]) {
+            eprintln!("!! could not delete network namespace {}: {e:#}", self.name);
+        }
+    }
+}
+
+fn run_ip(args: &[&str]) -> anyhow::Result<()> {
+    let out =
+        Command::new("ip").args(args).output().map_err(|e| anyhow::anyhow!("running ip {}: {e}", args.join(" ")))?;
+    if !out.status.success() {
+        anyhow::bail!("ip {} exited {}: {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+/// The pod records in `<state_dir>/pods/`, by file name: the decoded pod, or why the file
+/// did not decode. Temp files (a write in progress or left by a crash) are listed too,
+/// as errors, so that a test sees anything half-written.
+pub fn pod_records(
+    state_dir: &Path,
+) -> std::collections::BTreeMap<String, Result<aether_worker::snapshot::Pod, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(state_dir.join("pods")) else { return out };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let decoded = if name.starts_with('.') {
+            Err("a temp file".to_string())
+        } else {
+            std::fs::read(entry.path())
+                .map_err(|e| e.to_string())
+                .and_then(|b| aether_worker::storage::decode_record(&b).map_err(|e| e.to_string()))
+        };
+        out.insert(name, decoded);
+    }
+    out
+}
+
+/// The files in `<state_dir>/pods-quarantine/`: records the agent could not decode.
+pub fn quarantined(state_dir: &Path) -> Vec<String> {
+    std::fs::read_dir(state_dir.join("pods-quarantine"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// A real Envoy (the e2e harness's, from the project template) against `node`'s
+/// xds.sock, with the seed's ADS backoff (0.1 s base, 1 s max). With `netns`, Envoy runs
+/// inside that namespace, so its listeners (the inbound one binds 0.0.0.0) stay out of
+/// the machine's own. None when no Envoy is installed (`ENVOY_BIN` or
+/// `scripts/install-envoy.sh`).
+pub fn start_envoy(node: &LocalNode, netns: Option<&Netns>) -> Option<crate::harness::envoy::Envoy> {
+    let envoy = crate::harness::envoy::envoy_bin()?;
+    let dir = node.root.path().join("envoy");
+    std::fs::create_dir_all(&dir).expect("envoy dir");
+    let bin = match netns {
+        // `ip netns exec` execs Envoy in place (no fork), so the child's pid is Envoy's.
+        Some(ns) => {
+            let wrapper = dir.join("envoy-in-netns");
+            let script = format!("#!/bin/sh\nexec ip netns exec '{}' '{}' \"$@\"\n", ns.name, envoy.display());
+            std::fs::write(&wrapper, script).expect("write the netns wrapper");
+            std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod wrapper");
+            wrapper
+        }
+        None => envoy,
+    };
+    let envoy = crate::harness::envoy::Envoy::start(
+        &bin,
+        &dir,
+        &node.run_dir,
+        Duration::from_millis(100),
+        Duration::from_secs(1),
+    )
+    .expect("start Envoy");
+    Some(envoy)
+}
+
+/// One of Envoy's counters or gauges, by exact name.
+pub fn envoy_stat(envoy: &crate::harness::envoy::Envoy, name: &str) -> Option<u64> {
+    let re = format!("^{}$", name.replace('.', "\\."));
+    let (status, body) = envoy.get(&format!("/stats?filter={}", crate::harness::envoy::encode(&re))).ok()?;
+    if status != 200 {
+        return None;
+    }
+    crate::harness::envoy::parse_stats(&body).into_iter().find(|(k, _)| k == name).map(|(_, v)| v)
+}
+
+/// Waits until Envoy holds an ADS stream and has taken a listener update on it.
+pub fn wait_envoy_connected(envoy: &crate::harness::envoy::Envoy, timeout: Duration) {
+    wait_for(&format!("Envoy connected to the agent (log {})", envoy.log.display()), timeout, || {
+        (envoy_stat(envoy, "control_plane.connected_state") == Some(1)
+            && envoy_stat(envoy, "listener_manager.lds.update_success").unwrap_or(0) >= 1)
+            .then_some(())
+    });
+}
+
+/// What Envoy serves for local pods, from `/config_dump`: per inbound filter chain (named
+/// by pod uid) of the active `inbound` listener, its match prefixes (`ip/len`), and the
+/// set of active `inbound|<uid>` clusters.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct EnvoyPods {
+    pub chains: std::collections::BTreeMap<String, Vec<String>>,
+    pub clusters: std::collections::BTreeSet<String>,
+}
+
+impl EnvoyPods {
+    /// Reads the config dump; None while the admin does not answer.
+    pub fn read(envoy: &crate::harness::envoy::Envoy) -> Option<EnvoyPods> {
+        let (status, body) = envoy.get("/config_dump").ok()?;
+        if status != 200 {
+            return None;
+        }
+        Some(Self::parse(&serde_json::from_str(&body).ok()?))
+    }
+
+    pub fn parse(dump: &Value) -> EnvoyPods {
+        let mut out = EnvoyPods::default();
+        for config in dump["configs"].as_array().into_iter().flatten() {
+            for l in config["dynamic_listeners"].as_array().into_iter().flatten() {
+                if l["name"] != aether_worker::snapshot::INBOUND {
+                    continue;
+                }
+                for chain in l["active_state"]["listener"]["filter_chains"].as_array().into_iter().flatten() {
+                    let Some(name) = chain["name"].as_str() else { continue };
+                    let prefixes = chain["filter_chain_match"]["prefix_ranges"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|r| {
+                            Some(format!("{}/{}", r["address_prefix"].as_str()?, r["prefix_len"].as_u64()?))
+                        })
+                        .collect();
+                    out.chains.insert(name.to_string(), prefixes);
+                }
+            }
+            for c in config["dynamic_active_clusters"].as_array().into_iter().flatten() {
+                if let Some(name) = c["cluster"]["name"].as_str().filter(|n| n.starts_with("inbound|")) {
+                    out.clusters.insert(name.to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// Polls the config dump until it shows exactly `want`, for at most `timeout`; the
+    /// last view seen when it never did.
+    pub fn wait_until(
+        envoy: &crate::harness::envoy::Envoy,
+        want: &EnvoyPods,
+        timeout: Duration,
+    ) -> Result<(), EnvoyPods> {
+        let deadline = Instant::now() + timeout;
+        let mut last = EnvoyPods::default();
+        loop {
+            if let Some(v) = EnvoyPods::read(envoy) {
+                if v == *want {
+                    return Ok(());
+                }
+                last = v;
+            }
+            if Instant::now() > deadline {
+                return Err(last);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// What `want` has that `self` lacks, and the reverse, for a failure message.
+    pub fn diff(&self, want: &EnvoyPods) -> String {
+        let w: std::collections::BTreeSet<_> = want.chains.iter().collect();
+        let s: std::collections::BTreeSet<_> = self.chains.iter().collect();
+        format!(
+            "chains missing {:?}, extra {:?}; clusters missing {:?}, extra {:?}",
+            w.difference(&s).collect::<Vec<_>>(),
+            s.difference(&w).collect::<Vec<_>>(),
+            want.clusters.difference(&self.clusters).collect::<Vec<_>>(),
+            self.clusters.difference(&want.clusters).collect::<Vec<_>>()
+        )
+    }
+
+    /// The view Envoy should have for `pods` (uid to IPv4 address): one /32 chain and one
+    /// cluster each.
+    pub fn expected<'a>(pods: impl IntoIterator<Item = (&'a String, &'a std::net::IpAddr)>) -> EnvoyPods {
+        let mut out = EnvoyPods::default();
+        for (uid, ip) in pods {
+            let len = if ip.is_ipv4() { 32 } else { 128 };
+            out.chains.insert(uid.clone(), vec![format!("{ip}/{len}")]);
+            out.clusters.insert(aether_worker::snapshot::inbound_cluster_name(uid));
+        }
+        out
+    }
+}
