@@ -231,3 +231,35 @@ fn the_agent_runs_with_exactly_the_charts_capabilities_and_names_a_missing_one()
         assert!(!node.xds_sock().exists(), "nothing bound without {name}");
     }
 }
+
+#[test]
+fn socket_modes_owners_and_run_dir_ownership_are_enforced() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+    let worker_gid = if is_root() { 65532 } else { me.1 };
+    for (name, mode, gid) in [("xds.sock", 0o660, worker_gid), ("cni.sock", 0o600, me.1), ("handoff.sock", 0o600, me.1), ("agent.lock", 0o600, me.1)] {
+        let m = std::fs::symlink_metadata(node.run_dir.join(name)).expect(name);
+        assert_eq!((m.mode() & 0o7777, m.uid(), m.gid()), (mode, me.0, gid), "{name}: mode, owner, group");
+    }
+    drop(a);
+
+    // A run dir that others can write to, or that someone else owns, is refused.
+    let mut node = LocalNode::new();
+    std::fs::create_dir_all(&node.run_dir).expect("run dir");
+    std::fs::set_permissions(&node.run_dir, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let mut a = node.start_agent();
+    assert!(!a.wait_exit(T).success(), "a world-writable run dir must be refused");
+    assert!(a.log().contains("writable by nobody else"), "{}", a.log());
+    assert!(!node.xds_sock().exists());
+    if is_root() {
+        let mut node = LocalNode::new();
+        std::fs::create_dir_all(&node.run_dir).expect("run dir");
+        std::os::unix::fs::chown(&node.run_dir, Some(1000), Some(1000)).expect("chown");
+        let mut a = node.start_agent();
+        assert!(!a.wait_exit(T).success(), "a run dir owned by another uid must be refused");
+        assert!(a.log().contains("owned by uid 1000"), "{}", a.log());
+    }
+}

@@ -591,13 +591,19 @@ fn prepare_dir_checked(dir: &std::path::Path, owner: Option<(u32, u32)>, mode: u
         anyhow::bail!("{} is not a directory (a symlink?); refusing to prepare it for the worker", dir.display());
     }
     use std::os::unix::fs::MetadataExt;
+    if must_be_ours && (m.uid() != nix::unistd::geteuid().as_raw() || m.mode() & 0o022 != 0) {
+        anyhow::bail!(
+            "{} must be owned by this supervisor (uid {}) and writable by nobody else, but is owned by uid {} with mode {:o}; refusing to manage node sockets there",
+            dir.display(),
+            nix::unistd::geteuid(),
+            m.uid(),
+            m.mode() & 0o7777
+        );
+    }
     if m.mode() & 0o1002 == 0o1002 {
         // A shared sticky folder such as the host's /tmp: never chmod or give it away.
         // The worker can create its own socket there.
         return Ok(());
-    }
-    if must_be_ours && m.uid() != nix::unistd::geteuid().as_raw() {
-        anyhow::bail!("{} is owned by uid {}, not by this supervisor (uid {}); refusing to manage node sockets there", dir.display(), m.uid(), nix::unistd::geteuid());
     }
     // chmod of a file owned by another uid needs CAP_FOWNER, which the supervisor does
     // not hold: set the mode while the folder is ours, then give it away.
