@@ -10,7 +10,9 @@
 //!
 //! Run: `cargo bench -p aether-cni --bench add_latency`. Env: `AETHER_BENCH_ADDS` (default
 //! 300); `AETHER_BENCH_STATE_DIR` puts the records on a given filesystem (default a temp
-//! dir under `/var/tmp`, disk-backed like `/var/lib/aether`).
+//! dir under `/var/tmp`, disk-backed like `/var/lib/aether`); `AETHER_BENCH_LOG` (a tracing
+//! filter, e.g. `aether_worker::xds=debug`) logs the worker to stderr, with the time from
+//! each snapshot change to each push and from each push to its ACK.
 
 #[path = "../../worker/tests/envoy_harness/mod.rs"]
 mod envoy_harness;
@@ -114,6 +116,9 @@ async fn bench_adds(what: &str, target: Target, n: usize) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n: usize = std::env::var("AETHER_BENCH_ADDS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+    if let Ok(filter) = std::env::var("AETHER_BENCH_LOG") {
+        envoy_harness::init_logs(&filter);
+    }
 
     let mut version = Vec::with_capacity(100);
     for _ in 0..100 {

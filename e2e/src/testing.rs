@@ -419,7 +419,7 @@ pub fn wait_envoy_connected(envoy: &crate::harness::envoy::Envoy, timeout: Durat
 }
 
 /// What Envoy serves for local pods, from `/config_dump`: per inbound filter chain (named
-/// by pod uid) of the active `inbound` listener, its match prefixes (`ip/len`), and the
+/// by pod uid) of the active `inbound|<uid>` listeners, its match prefixes (`ip/len`), and the
 /// set of active `inbound|<uid>` clusters.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct EnvoyPods {
@@ -441,7 +441,9 @@ impl EnvoyPods {
         let mut out = EnvoyPods::default();
         for config in dump["configs"].as_array().into_iter().flatten() {
             for l in config["dynamic_listeners"].as_array().into_iter().flatten() {
-                if l["name"] != aether_worker::snapshot::INBOUND {
+                // Each pod has its own virtual listener `inbound|<uid>` (the capture
+                // listener `inbound` only hands connections over).
+                if !l["name"].as_str().is_some_and(|n| n.starts_with("inbound|")) {
                     continue;
                 }
                 for chain in l["active_state"]["listener"]["filter_chains"].as_array().into_iter().flatten() {

@@ -74,9 +74,15 @@ async fn envoy_connects_and_acks_lds_cds_eds() {
     assert!(h.acks.wait_until(|s| s.holds_pod("uid-7", &[ip]), Duration::from_secs(2)).await, "pod not ACKed within 2 s");
     let dump = h.config_dump().await;
     let (listeners, _) = envoy_harness::listeners(&dump);
+    // The capture listener on the inbound port hands redirected connections to the pod's
+    // own listener, on the pod's IP and the inbound target port.
     let inbound = &listeners.iter().find(|(n, _)| n == "inbound").expect("inbound listener").1;
     assert_eq!(inbound["address"]["socket_address"]["port_value"], h.inbound_port);
-    let chain = &inbound["filter_chains"][0];
+    assert_eq!(inbound["use_original_dst"], true);
+    let pod_listener = &listeners.iter().find(|(n, _)| n == "inbound|uid-7").expect("the pod's inbound listener").1;
+    assert_eq!(pod_listener["address"]["socket_address"]["address"], "10.244.0.7");
+    assert_eq!(pod_listener["bind_to_port"], false);
+    let chain = &pod_listener["filter_chains"][0];
     assert_eq!(chain["name"], "uid-7");
     assert_eq!(chain["filter_chain_match"]["prefix_ranges"][0]["address_prefix"], "10.244.0.7");
     assert!(envoy_harness::clusters(&dump).0.contains(&"inbound|uid-7".to_string()));

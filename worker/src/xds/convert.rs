@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::Ori
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
-use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
 use envoy_types::util::pack_any;
 
 use crate::snapshot;
@@ -66,44 +66,81 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             };
             (core::TrafficDirection::Outbound, vec![chain], vec![])
         }
-        snapshot::ListenerKind::Inbound { chains } => {
-            let chains = chains
-                .iter()
-                .map(|c| listener::FilterChain {
-                    name: c.pod_uid.clone(),
-                    filter_chain_match: Some(listener::FilterChainMatch {
-                        prefix_ranges: c.ips.iter().map(|ip| host_prefix(*ip)).collect(),
-                        ..Default::default()
-                    }),
-                    filters: vec![listener::Filter {
-                        name: "envoy.filters.network.tcp_proxy".into(),
-                        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(tcp::TcpProxy {
-                            stat_prefix: c.cluster.clone(),
-                            cluster_specifier: Some(tcp::tcp_proxy::ClusterSpecifier::Cluster(c.cluster.clone())),
-                            ..Default::default()
-                        }))),
-                    }],
-                    ..Default::default()
-                })
-                .collect();
+        snapshot::ListenerKind::InboundCapture => {
             // Redirected connections carry the pod's address as their original
-            // destination; the filter restores it so the chains can match on it.
+            // destination; the filter restores it, and `use_original_dst` hands the
+            // connection to the pod's listener on that address. A connection no pod
+            // listener takes (an unknown pod, or a port the pod's listener is not on) falls
+            // to this chain, whose cluster is never served: it is closed.
             let original_dst = listener::ListenerFilter {
                 name: "envoy.filters.listener.original_dst".into(),
                 config_type: Some(listener::listener_filter::ConfigType::TypedConfig(pack_any(OriginalDst::default()))),
                 ..Default::default()
             };
-            (core::TrafficDirection::Inbound, chains, vec![original_dst])
+            let blackhole = listener::FilterChain {
+                name: "blackhole".into(),
+                filters: vec![tcp_proxy(snapshot::INBOUND_BLACKHOLE)],
+                ..Default::default()
+            };
+            (core::TrafficDirection::Inbound, vec![blackhole], vec![original_dst])
         }
+        snapshot::ListenerKind::InboundPod { chain: c } => {
+            // The prefixes repeat the listener's addresses: every connection the capture
+            // listener hands over matches, and the pod's IPs read the same in config_dump
+            // as on the filter chain they used to be.
+            let chain = listener::FilterChain {
+                name: c.pod_uid.clone(),
+                filter_chain_match: Some(listener::FilterChainMatch {
+                    prefix_ranges: c.ips.iter().map(|ip| host_prefix(*ip)).collect(),
+                    ..Default::default()
+                }),
+                filters: vec![tcp_proxy(&c.cluster)],
+                ..Default::default()
+            };
+            (core::TrafficDirection::Inbound, vec![chain], vec![])
+        }
+    };
+    let (use_original_dst, bind_to_port, additional_addresses) = match &l.kind {
+        snapshot::ListenerKind::HttpOutbound { .. } => (None, None, vec![]),
+        snapshot::ListenerKind::InboundCapture => (Some(BoolValue { value: true }), None, vec![]),
+        // Reached only by hand-off from the capture listener, never bound. The first IP
+        // is the listener's address; the others (dual stack) are additional addresses.
+        snapshot::ListenerKind::InboundPod { chain } => (
+            None,
+            Some(BoolValue { value: false }),
+            chain
+                .ips
+                .iter()
+                .filter(|ip| **ip != l.address.ip())
+                .map(|ip| listener::AdditionalAddress {
+                    address: Some(socket_address(SocketAddr::new(*ip, l.address.port()))),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
     };
     pack_any(listener::Listener {
         name: l.name.clone(),
         address: Some(socket_address(l.address)),
+        additional_addresses,
         filter_chains,
         listener_filters,
+        use_original_dst,
+        bind_to_port,
         traffic_direction: direction as i32,
         ..Default::default()
     })
+}
+
+fn tcp_proxy(cluster: &str) -> listener::Filter {
+    listener::Filter {
+        name: "envoy.filters.network.tcp_proxy".into(),
+        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(tcp::TcpProxy {
+            stat_prefix: cluster.to_string(),
+            cluster_specifier: Some(tcp::tcp_proxy::ClusterSpecifier::Cluster(cluster.to_string())),
+            ..Default::default()
+        }))),
+    }
 }
 
 pub fn route_config(r: &snapshot::RouteConfig) -> Any {

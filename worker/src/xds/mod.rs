@@ -16,7 +16,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
@@ -159,6 +159,10 @@ async fn run_stream(
     let mut st = StreamState::new(snapshots.borrow_and_update().clone());
     let mut snapshots_open = true;
     let mut node_id = String::new();
+    // For the debug log: when the snapshot last changed, and when each type's last
+    // response went out (by nonce), so that push and ACK lines carry how long each took.
+    let mut changed_at = Instant::now();
+    let mut pushed_at: [Option<(String, Instant)>; 4] = Default::default();
     tracing::info!(stream = id, "ADS stream opened");
     loop {
         tokio::select! {
@@ -167,7 +171,7 @@ async fn run_stream(
                     if let Some(node) = &req.node {
                         node_id = node.id.clone();
                     }
-                    record(id, &node_id, st.on_request(&req), &metrics);
+                    record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
                 }
                 Ok(None) => {
                     tracing::info!(stream = id, node = %node_id, "ADS stream closed by the proxy");
@@ -187,6 +191,7 @@ async fn run_stream(
                         }
                     }
                     st.set_snapshot(next);
+                    changed_at = Instant::now();
                 }
                 // The node is gone; keep serving what the proxy has.
                 Err(_) => snapshots_open = false,
@@ -198,7 +203,11 @@ async fn run_stream(
         }
         for resp in st.pending() {
             tracing::debug!(stream = id, type_url = %resp.type_url, version = %resp.version_info,
-                nonce = %resp.nonce, resources = resp.resources.len(), "push");
+                nonce = %resp.nonce, resources = resp.resources.len(),
+                since_change_us = changed_at.elapsed().as_micros() as u64, "push");
+            if let Some(k) = stream::Kind::from_type_url(&resp.type_url) {
+                pushed_at[k.index()] = Some((resp.nonce.clone(), Instant::now()));
+            }
             metrics.xds_pushes.get_or_create(&TypeLabel { type_url: resp.type_url.clone() }).inc();
             if tx.send(Ok(resp)).await.is_err() {
                 return;
@@ -210,7 +219,7 @@ async fn run_stream(
     }
 }
 
-fn record(id: u64, node: &str, ev: Event, metrics: &Metrics) {
+fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option<(String, Instant)>; 4]) {
     let label = |k: stream::Kind| TypeLabel { type_url: k.type_url().to_string() };
     match ev {
         Event::Subscribe { kind, version } => {
@@ -218,7 +227,11 @@ fn record(id: u64, node: &str, ev: Event, metrics: &Metrics) {
         }
         Event::Ack { kind, version, nonce } => {
             metrics.xds_acks.get_or_create(&label(kind)).inc();
-            tracing::debug!(stream = id, node, type_url = kind.type_url(), %version, %nonce, "ACK");
+            let push_to_ack_us = pushed_at[kind.index()]
+                .as_ref()
+                .filter(|(n, _)| *n == nonce)
+                .map(|(_, t)| t.elapsed().as_micros() as u64);
+            tracing::debug!(stream = id, node, type_url = kind.type_url(), %version, %nonce, ?push_to_ack_us, "ACK");
         }
         Event::Nack { kind, rejected_version, nonce, message } => {
             metrics.xds_nacks.get_or_create(&label(kind)).inc();

@@ -56,7 +56,7 @@ impl Kind {
         matches!(self, Kind::Cluster | Kind::Listener)
     }
 
-    fn index(self) -> usize {
+    pub fn index(self) -> usize {
         self as usize
     }
 
