@@ -1,0 +1,900 @@
+//! Rolls and crashes of the agent with a real Envoy connected through `xds.sock`: surge
+//! rolls under steady load, a killed generation with nothing handed off, and worker
+//! crashes with a CNI ADD waiting in the backlog (issue 3 test 5, issue 5 tests 1-3).
+//!
+//! Every piece is the one the `agent-restart-gap` harness uses: Envoy from the project's
+//! bootstrap template with its admin on a pipe, the 2 ms admin stats poller and its roll
+//! analysis, loopback upstreams, the open-loop load generator, and the real `aether-cni`.
+//! Each test runs on its own local node with free capture ports, so they run in parallel.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use aether_e2e::harness::churn::{Cni, PodId};
+use aether_e2e::harness::envoy::{self, Envoy, Poller, RollTimes};
+use aether_e2e::harness::load::{self, Load};
+use aether_e2e::harness::upstream::{self, Upstream};
+use aether_e2e::testing::{Agent, LocalNode, bin, wait_for};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(10);
+/// Envoy start, first connect and first routed request.
+const T_START: Duration = Duration::from_secs(30);
+/// Requests per second through Envoy's outbound listener while the tests roll the agent.
+const RPS: u32 = 100;
+const SERVICE: &str = "web";
+
+/// Envoy stats that an identical snapshot served on a new stream must leave alone: any
+/// move means Envoy replaced or drained a listener (or a cluster) it already had.
+const NO_CHURN: [&str; 6] = [
+    "listener_manager.listener_modified",
+    "listener_manager.listener_removed",
+    "listener_manager.total_listeners_draining",
+    "listener_manager.listener_in_place_updated",
+    "cluster_manager.cluster_modified",
+    "cluster_manager.cluster_removed",
+];
+const WATCHED: [&str; 11] = [
+    NO_CHURN[0],
+    NO_CHURN[1],
+    NO_CHURN[2],
+    NO_CHURN[3],
+    NO_CHURN[4],
+    NO_CHURN[5],
+    "listener_manager.total_filter_chains_draining",
+    "cluster_manager.cluster_added",
+    "listener_manager.listener_added",
+    envoy::CONNECTED,
+    envoy::CONNECT_FAIL,
+];
+
+/// The Envoy binary, or None after saying loudly why the test is skipped.
+fn envoy_or_skip(test: &str) -> Option<PathBuf> {
+    let found = envoy::envoy_bin();
+    if found.is_none() {
+        eprintln!(
+            "\n!!! SKIPPED {test}: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. CI installs it, so there this test runs. !!!\n"
+        );
+    }
+    found
+}
+
+fn free_port(ip: Ipv4Addr) -> u16 {
+    std::net::TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// A loopback address of this test process's own (all of 127/8 is loopback on Linux).
+/// Envoy binds its listeners with SO_REUSEPORT, so two Envoys of tests running in parallel
+/// that happened to pick the same free port would silently share it, and the load of one
+/// test would be answered, and reset at exit, by the other's Envoy.
+fn own_loopback() -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(
+        127,
+        1 + (pid / 64_000 % 250) as u8,
+        (pid / 250 % 256) as u8,
+        2 + (pid % 250) as u8,
+    )
+}
+
+/// A local node with one owner, a registry service backed by two loopback upstreams, and
+/// a real Envoy that has connected and routes to the service.
+///
+/// Fields drop in order: the poller stops before Envoy goes, and the agents go before the
+/// node folder does.
+struct Rig {
+    poller: Poller,
+    envoy: Envoy,
+    owner: Agent,
+    node: LocalNode,
+    extra: Vec<String>,
+    outbound: SocketAddr,
+    upstreams: Vec<Upstream>,
+}
+
+impl Rig {
+    fn start(envoy_bin: &Path) -> Rig {
+        let mut node = LocalNode::new();
+        // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
+        node.root.disable_cleanup(true);
+        let root = node.root.path().to_path_buf();
+        eprintln!("node folder: {}", root.display());
+        let upstreams: Vec<Upstream> = (0..2)
+            .map(|i| upstream::spawn(format!("{SERVICE}-{i}\n")).expect("upstream"))
+            .collect();
+        let endpoints: Vec<Value> = upstreams
+            .iter()
+            .enumerate()
+            .map(|(i, u)| json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{SERVICE}-{i}") }))
+            .collect();
+        let registry = root.join("registry.json");
+        let doc = json!({ "services": [{ "name": SERVICE, "namespace": "default", "ports": [80], "endpoints": endpoints }] });
+        std::fs::write(&registry, doc.to_string()).expect("registry file");
+        node.registry_file = Some(registry);
+        // Free ports for both capture listeners, so that tests running in parallel do not
+        // clash on the default 15001 and 15006; the outbound one on this process's own
+        // loopback address, since only it carries the load.
+        let ip = own_loopback();
+        let outbound = SocketAddr::from((ip, free_port(ip)));
+        let capture = root.join("capture.json");
+        let inbound_port = free_port(Ipv4Addr::UNSPECIFIED);
+        std::fs::write(
+            &capture,
+            json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string(),
+        )
+        .expect("capture file");
+        let extra = vec![format!("--capture-file={}", capture.display())];
+        eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
+
+        let owner = node.start_agent_with(&[extra[0].as_str()]);
+        wait_for(
+            &format!("{} to serve as owner", owner.name),
+            T_START,
+            || serving_owner(&owner),
+        );
+        let envoy = Envoy::start(
+            envoy_bin,
+            &root,
+            &node.run_dir,
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+        )
+        .expect("start Envoy");
+        let poller = Poller::start(envoy.admin.clone());
+        let rig = Rig {
+            node,
+            extra,
+            owner,
+            poller,
+            envoy,
+            outbound,
+            upstreams,
+        };
+        wait_for(
+            &format!(
+                "Envoy to connect, take its config and route {SERVICE} through {outbound} (log {})",
+                rig.envoy.log.display()
+            ),
+            T_START,
+            || {
+                let s = rig.try_stats()?;
+                (s[envoy::CONNECTED] == 1
+                    && s["listener_manager.total_listeners_warming"] == 0
+                    && load::request(outbound, SERVICE).is_ok())
+                .then_some(())
+            },
+        );
+        rig
+    }
+
+    fn start_agent(&mut self) -> Agent {
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.node.start_agent_with(&extra)
+    }
+
+    /// The watched Envoy stats (a missing one reads as 0: Envoy creates some lazily).
+    fn stats(&self) -> BTreeMap<String, u64> {
+        self.try_stats().unwrap_or_else(|| {
+            panic!(
+                "Envoy admin /stats did not answer 200\n{}",
+                self.where_to_look()
+            )
+        })
+    }
+
+    /// Like [`Rig::stats`], None while Envoy's admin does not answer (Envoy starting).
+    fn try_stats(&self) -> Option<BTreeMap<String, u64>> {
+        let names: Vec<&str> = WATCHED
+            .iter()
+            .copied()
+            .chain(["listener_manager.total_listeners_warming"])
+            .collect();
+        let re = format!(
+            "^({})$",
+            names
+                .iter()
+                .map(|n| n.replace('.', "\\."))
+                .collect::<Vec<_>>()
+                .join("|")
+        );
+        let (status, body) = self
+            .envoy
+            .get(&format!("/stats?filter={}", envoy::encode(&re)))
+            .ok()?;
+        if status != 200 {
+            return None;
+        }
+        let got = envoy::parse_stats(&body);
+        Some(
+            names
+                .iter()
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        got.iter()
+                            .find(|(k, _)| k == n)
+                            .map(|(_, v)| *v)
+                            .unwrap_or(0),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    fn config_dump(&self) -> String {
+        let (status, body) = self
+            .envoy
+            .get("/config_dump")
+            .expect("Envoy admin /config_dump");
+        assert_eq!(status, 200, "Envoy /config_dump answered {status}");
+        body
+    }
+
+    /// Waits until Envoy has lost its ADS stream since `since`, connected again and taken
+    /// a config update on the new stream (the harness's roll analysis), and is connected.
+    ///
+    /// `since` must be a quiet moment before the action, not the action itself: a poll
+    /// is stamped with the midpoint of its admin request, so on a busy machine a poll that
+    /// already counts the stream's end can carry a time just before the kill, and the
+    /// analysis would then wait for a second end that never comes.
+    fn wait_reconnected(&self, since: Instant, what: &str) -> RollTimes {
+        let deadline = Instant::now() + T;
+        loop {
+            let (before, changes) = self.poller.since(since);
+            if let Some(t) = envoy::analyze(before, &changes) {
+                return t;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: Envoy did not lose its stream, reconnect and take a config update within {T:?}; stats changes {changes:#?}\n{}",
+                self.where_to_look()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn where_to_look(&self) -> String {
+        format!(
+            "node folder {} (gen*.log, envoy.log)",
+            self.node.root.path().display()
+        )
+    }
+
+    /// The test passed: the node folder can go.
+    fn pass(&mut self) {
+        self.node.root.disable_cleanup(false);
+    }
+}
+
+fn serving_owner(a: &Agent) -> Option<Value> {
+    a.ready()
+        .filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving")
+        .map(|(_, v)| v)
+}
+
+/// Each listed stat's change from `before` to `after`, where it moved.
+fn moved(
+    names: &[&str],
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> Vec<String> {
+    names
+        .iter()
+        .filter(|n| before[**n] != after[**n])
+        .map(|n| format!("{n}: {} -> {}", before[*n], after[*n]))
+        .collect()
+}
+
+/// Stops the load and fails with every recorded failure, each placed in time relative
+/// to the last action (roll or kill) that preceded it.
+fn assert_no_failed_request(load: Load, actions: &[(String, Instant)], rig: &Rig) -> u64 {
+    let counters = load.stop();
+    let requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
+    let failures = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
+    let late = counters.late.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("load: {requests} requests, {failures} failed, {late} started late");
+    if failures > 0 {
+        let log = counters.failure_log.lock().unwrap();
+        let (now, wall) = (Instant::now(), std::time::SystemTime::now());
+        let placed: Vec<String> = log
+            .iter()
+            .map(|(t, host, what)| {
+                let at = utc(wall - (now - *t));
+                match actions.iter().rev().find(|(_, a)| a <= t) {
+                    Some((name, a)) => format!(
+                        "{at} ({:.1} ms after {name}): {host}: {what}",
+                        (*t - *a).as_secs_f64() * 1000.0
+                    ),
+                    None => format!("{at} (before the first action): {host}: {what}"),
+                }
+            })
+            .collect();
+        // Where the requests went and what Envoy saw of them, to tell a proxy reset from
+        // one on the way to an upstream.
+        let hits: Vec<u64> = rig
+            .upstreams
+            .iter()
+            .map(|u| u.hits.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        let re = r"^(http\.outbound\.downstream_(cx|rq)_|listener\.127|cluster\.outbound.*upstream_(cx|rq)_(destroy|reset|rx_reset|tx_reset|pending|timeout|retry|total|5xx|503)|listener_manager\.)";
+        let stats = rig
+            .envoy
+            .get(&format!("/stats?filter={}", envoy::encode(re)))
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+        panic!(
+            "{failures} of {requests} requests through Envoy failed:\n  {}\nupstream hits {hits:?} (sum {}, successful requests {})\nEnvoy stats:\n{}\n{}",
+            placed.join("\n  "),
+            hits.iter().sum::<u64>(),
+            requests - failures,
+            stats
+                .lines()
+                .filter(|l| !l.ends_with(": 0"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            rig.where_to_look()
+        );
+    }
+    assert!(requests > 0, "the load sent no request");
+    requests
+}
+
+/// A wall-clock time as the agents' and Envoy's logs print it (UTC, HH:MM:SS.mmm).
+fn utc(t: std::time::SystemTime) -> String {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let s = d.as_secs() % 86_400;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}Z",
+        s / 3600,
+        s / 60 % 60,
+        s % 60,
+        d.subsec_millis()
+    )
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+fn percentile(xs: &[f64], p: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((p / 100.0) * (v.len() - 1) as f64).round() as usize]
+}
+
+/// Issue 3 test 5 and issue 5 test 1.
+#[test]
+fn twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners() {
+    let Some(envoy_bin) = envoy_or_skip(
+        "twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners",
+    ) else {
+        return;
+    };
+    let mut rig = Rig::start(&envoy_bin);
+    let inodes = rig.node.socket_inodes();
+    assert!(
+        inodes.0.is_some() && inodes.1.is_some(),
+        "node sockets missing: {inodes:?}"
+    );
+    let base = rig.stats();
+    assert_eq!(
+        base[envoy::CONNECT_FAIL],
+        0,
+        "Envoy failed to connect to xds.sock before any roll"
+    );
+    let load = Load::start(rig.outbound, vec![SERVICE.to_string()], RPS);
+    let mut actions = Vec::new();
+    let mut gaps = Vec::new();
+    let mut served = Vec::new();
+    let mut quiet = Instant::now();
+    for i in 1..=20 {
+        let start = Instant::now();
+        let next = rig.start_agent();
+        wait_for(
+            &format!("roll {i}: {} to be a ready standby", next.name),
+            T,
+            || {
+                next.ready()
+                    .filter(|(s, v)| *s == 200 && v["role"] == "standby")
+                    .map(|_| ())
+            },
+        );
+        let action = Instant::now();
+        actions.push((format!("roll {i} SIGTERM"), action));
+        rig.owner.signal(Signal::SIGTERM);
+        let mut old = std::mem::replace(&mut rig.owner, next);
+        let status = old
+            .wait_exit_timeout(T)
+            .unwrap_or_else(|e| panic!("roll {i}: {e:#}"));
+        assert!(
+            status.success(),
+            "roll {i}: {} exited with {status} after SIGTERM; log:\n{}",
+            old.name,
+            old.log()
+        );
+        let ready = wait_for(
+            &format!("roll {i}: {} to serve as owner", rig.owner.name),
+            T,
+            || serving_owner(&rig.owner),
+        );
+        let took = action.elapsed();
+        assert_eq!(
+            ready["takeover"]["handed_off"],
+            true,
+            "roll {i}: the takeover did not use the handed-off sockets:\n{}",
+            rig.owner.log()
+        );
+        let times = rig.wait_reconnected(quiet, &format!("roll {i}"));
+        assert_eq!(
+            rig.node.socket_inodes(),
+            inodes,
+            "roll {i} replaced a node socket"
+        );
+        let now = rig.stats();
+        assert_eq!(
+            now[envoy::CONNECTED],
+            1,
+            "roll {i}: control_plane.connected_state did not return to 1"
+        );
+        assert_eq!(
+            now[envoy::CONNECT_FAIL],
+            0,
+            "roll {i}: Envoy's connect to xds.sock failed (refused: a roll left no listener)\n{}",
+            rig.where_to_look()
+        );
+        let churn = moved(&NO_CHURN, &base, &now);
+        assert!(
+            churn.is_empty(),
+            "roll {i}: the identical snapshot made Envoy change listeners or clusters: {churn:?}\n{}",
+            rig.where_to_look()
+        );
+        eprintln!(
+            "roll {i}: standby ready {} ms after start, new owner on /ready {} ms after SIGTERM, gap {} ms{}, served gap {} ms",
+            ms(action - start),
+            ms(took),
+            ms(times.up - times.down),
+            if times.observed {
+                ""
+            } else {
+                " (between two polls)"
+            },
+            ms(times.served - times.down)
+        );
+        gaps.push((times.up - times.down).as_secs_f64());
+        served.push((times.served - times.down).as_secs_f64());
+        drop(old);
+        quiet = Instant::now();
+    }
+    // A last stretch of load on the final owner's config.
+    let tail = Instant::now();
+    wait_for("a few more requests after the last roll", T, || {
+        (load.requests() >= 20 && tail.elapsed() >= Duration::from_millis(200)).then_some(())
+    });
+    let requests = assert_no_failed_request(load, &actions, &rig);
+    let end = rig.stats();
+    assert_eq!(end[envoy::CONNECT_FAIL], 0);
+    assert!(
+        moved(&NO_CHURN, &base, &end).is_empty(),
+        "{:?}",
+        moved(&NO_CHURN, &base, &end)
+    );
+    let hits: Vec<u64> = rig
+        .upstreams
+        .iter()
+        .map(|u| u.hits.load(std::sync::atomic::Ordering::Relaxed))
+        .collect();
+    assert!(
+        hits.iter().all(|h| *h > 0),
+        "both upstreams must serve the load: hits {hits:?}"
+    );
+    eprintln!(
+        "20 surge rolls: {requests} requests, 0 failed, upstream hits {hits:?}; gap median {:.1} ms p99 {:.1} ms; served gap median {:.1} ms p99 {:.1} ms; refused connects 0",
+        percentile(&gaps, 50.0) * 1e3,
+        percentile(&gaps, 99.0) * 1e3,
+        percentile(&served, 50.0) * 1e3,
+        percentile(&served, 99.0) * 1e3
+    );
+    rig.pass();
+}
+
+/// Issue 5 test 2.
+#[test]
+fn killing_the_owner_generation_without_a_handoff_binds_fresh_sockets_and_envoy_reconnects() {
+    let Some(envoy_bin) = envoy_or_skip(
+        "killing_the_owner_generation_without_a_handoff_binds_fresh_sockets_and_envoy_reconnects",
+    ) else {
+        return;
+    };
+    let mut rig = Rig::start(&envoy_bin);
+    // The owner predates the handoff (as in continuity.rs): nothing to fetch sockets from.
+    std::fs::remove_file(rig.node.run_dir.join("handoff.sock")).expect("remove handoff.sock");
+    let base = rig.stats();
+    let load = Load::start(rig.outbound, vec![SERVICE.to_string()], RPS);
+    let quiet = Instant::now();
+    let next = rig.start_agent();
+    next.wait_role("standby", T);
+    assert!(
+        !next.log().contains("holding the owner's node sockets"),
+        "the standby got sockets from nowhere:\n{}",
+        next.log()
+    );
+    let start = Instant::now();
+    let actions = vec![("SIGKILL of the owner generation".to_string(), start)];
+    rig.owner.kill_generation();
+    let _killed = std::mem::replace(&mut rig.owner, next);
+    let ready = rig.owner.wait_role("owner", T);
+    let took = start.elapsed();
+    assert_eq!(
+        ready["takeover"]["handed_off"],
+        false,
+        "nothing was handed off, so the takeover must bind fresh sockets:\n{}",
+        rig.owner.log()
+    );
+    rig.owner.wait_log("this agent owns the node", T);
+    assert!(
+        rig.owner.log().contains("handed_off=false"),
+        "the new owner's log must say it bound fresh sockets:\n{}",
+        rig.owner.log()
+    );
+    let times = rig.wait_reconnected(quiet, "after the kill");
+    let now = rig.stats();
+    assert_eq!(
+        now[envoy::CONNECTED],
+        1,
+        "control_plane.connected_state did not return to 1"
+    );
+    // Envoy kept routing on its last config while it had no control plane, and the new
+    // owner's snapshot is the same one: nothing replaced, nothing drained.
+    let churn = moved(&NO_CHURN, &base, &now);
+    assert!(
+        churn.is_empty(),
+        "the identical snapshot made Envoy change listeners or clusters: {churn:?}\n{}",
+        rig.where_to_look()
+    );
+    let after = Instant::now();
+    wait_for("requests through Envoy after the reconnect", T, || {
+        (load.requests() >= 20 && after.elapsed() >= Duration::from_millis(300)).then_some(())
+    });
+    load::request(rig.outbound, SERVICE).expect("a request after the reconnect");
+    let requests = assert_no_failed_request(load, &actions, &rig);
+    eprintln!(
+        "killed generation, fallback bind: new owner on /ready {} ms after SIGKILL, gap {} ms{}, served gap {} ms, Envoy connect failures {} (refusals are expected on this path), {requests} requests, 0 failed",
+        ms(took),
+        ms(times.up - times.down),
+        if times.observed {
+            ""
+        } else {
+            " (between two polls)"
+        },
+        ms(times.served - times.down),
+        now[envoy::CONNECT_FAIL] - base[envoy::CONNECT_FAIL]
+    );
+    rig.pass();
+}
+
+/// Whether `pid` has exited (gone or a zombie its parent has not reaped yet).
+fn is_dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
+/// Connections queued on the listener at `path` and not accepted yet: in
+/// `/proc/net/unix` such a connection is listed under the listener's path with inode 0
+/// (nothing has accepted it into a socket file yet).
+fn queued_connects(path: &Path) -> usize {
+    let want = path.to_string_lossy();
+    std::fs::read_to_string("/proc/net/unix")
+        .expect("/proc/net/unix")
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() == 8 && f[7] == want && f[6] == "0"
+        })
+        .count()
+}
+
+/// Issue 5 test 3.
+#[test]
+fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_completes() {
+    let Some(envoy_bin) = envoy_or_skip(
+        "killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_completes",
+    ) else {
+        return;
+    };
+    let mut rig = Rig::start(&envoy_bin);
+    let cni = std::sync::Arc::new(Cni {
+        bin: bin("aether-cni"),
+        socket: rig.node.cni_sock(),
+    });
+    let pod = |n: u8| {
+        (
+            PodId {
+                uid: format!("crash-pod-{n:02}-uid"),
+                name: format!("crash-{n}"),
+            },
+            Ipv4Addr::new(10, 88, 7, n),
+        )
+    };
+    // One pod before the crashes, so that the inbound listener exists and an ADD during a
+    // crash only adds a filter chain to it.
+    let (p0, ip0) = pod(0);
+    cni.call("ADD", &p0, Some(ip0))
+        .expect("ADD before the first crash");
+    wait_for("the first pod in Envoy's config", T, || {
+        rig.config_dump()
+            .contains(&format!("\"inbound|{}\"", p0.uid))
+            .then_some(())
+    });
+    let inodes = rig.node.socket_inodes();
+    let load = Load::start(rig.outbound, vec![SERVICE.to_string()], RPS);
+    let mut actions = Vec::new();
+    let mut gaps = Vec::new();
+    let mut add_latency = Vec::new();
+    let mut live = vec![p0.uid.clone()];
+    let mut quiet = Instant::now();
+    for i in 1..=10u8 {
+        // Odd kills carry a CNI ADD queued while the worker is down; even kills change
+        // nothing, so Envoy must converge on exactly the config it had.
+        let with_add = i % 2 == 1;
+        let before = rig.stats();
+        let dump_before = rig.config_dump();
+        let old = rig.owner.worker_pid();
+        let start = Instant::now();
+        actions.push((format!("kill {i} of worker {old}"), start));
+        // For the ADD, the supervisor is paused across the kill so that no new worker can
+        // exist until the plugin's connect is queued in cni.sock's backlog: the ADD then
+        // certainly reaches the agent while its worker is down, with no timing luck. The
+        // pause is a few milliseconds; the supervisor finds its worker dead on SIGCONT.
+        let supervisor = Pid::from_raw(rig.owner.pid());
+        if with_add {
+            kill(supervisor, Signal::SIGSTOP).expect("SIGSTOP the supervisor");
+        }
+        kill(Pid::from_raw(old), Signal::SIGKILL).expect("SIGKILL the worker");
+        wait_for(&format!("kill {i}: worker {old} to die"), T, || {
+            is_dead(old).then_some(())
+        });
+        let add = with_add.then(|| {
+            assert_eq!(
+                queued_connects(&rig.node.cni_sock()),
+                0,
+                "kill {i}: connects already waiting on cni.sock"
+            );
+            let (p, ip) = pod(i);
+            let cni = cni.clone();
+            let t0 = Instant::now();
+            let thread = std::thread::spawn(move || {
+                let r = cni.call("ADD", &p, Some(ip));
+                (p, r, t0.elapsed())
+            });
+            // Queued, not refused: the plugin would retry a refusal silently, so its
+            // success alone would not show that the socket stayed open.
+            wait_for(
+                &format!("kill {i}: the ADD's connect queued in cni.sock's backlog"),
+                T,
+                || (queued_connects(&rig.node.cni_sock()) >= 1).then_some(()),
+            );
+            kill(supervisor, Signal::SIGCONT).expect("SIGCONT the supervisor");
+            (thread, t0)
+        });
+        let ready = wait_for(&format!("kill {i}: a respawned worker serving"), T, || {
+            serving_owner(&rig.owner).filter(|v| v["pid"].as_i64().is_some_and(|p| p != old as i64))
+        });
+        let respawned = start.elapsed();
+        assert_eq!(
+            ready["takeover"]["respawn"], true,
+            "kill {i}: /ready {ready}"
+        );
+        let times = rig.wait_reconnected(quiet, &format!("kill {i}"));
+        assert_eq!(
+            rig.node.socket_inodes(),
+            inodes,
+            "kill {i}: the respawn replaced a node socket"
+        );
+        let mut note = String::new();
+        if let Some((thread, t0)) = add {
+            let (p, r, took) = thread.join().expect("ADD thread");
+            r.unwrap_or_else(|e| {
+                panic!(
+                    "kill {i}: the ADD sent while the worker was down failed: {e}\n{}",
+                    rig.where_to_look()
+                )
+            });
+            assert!(
+                rig.node
+                    .state_dir
+                    .join("pods")
+                    .join(format!("{}.json", p.uid))
+                    .is_file(),
+                "kill {i}: pod {} not in storage",
+                p.uid
+            );
+            assert!(
+                rig.config_dump()
+                    .contains(&format!("\"inbound|{}\"", p.uid)),
+                "kill {i}: pod {} ADDed but not in Envoy's config",
+                p.uid
+            );
+            note = format!(
+                ", ADD started {} ms after the kill answered after {} ms",
+                ms(t0 - start),
+                ms(took)
+            );
+            add_latency.push(took.as_secs_f64());
+            live.push(p.uid);
+        }
+        let now = rig.stats();
+        assert_eq!(
+            now[envoy::CONNECTED],
+            1,
+            "kill {i}: control_plane.connected_state did not return to 1"
+        );
+        assert_eq!(
+            now[envoy::CONNECT_FAIL],
+            0,
+            "kill {i}: Envoy's connect to xds.sock failed (refused)\n{}",
+            rig.where_to_look()
+        );
+        assert_eq!(
+            now["listener_manager.total_listeners_draining"],
+            0,
+            "kill {i}: a listener is draining\n{}",
+            rig.where_to_look()
+        );
+        // An ADD adds one cluster and one listener change (a pod listener added, or a
+        // filter chain added in place to the inbound listener, depending on the snapshot
+        // model); nothing is removed, replaced or drained. Anything more is a respawn that
+        // changed config.
+        let want_add = u64::from(with_add);
+        let delta = |stat: &str| now[stat] - before[stat];
+        let listener_changes =
+            delta("listener_manager.listener_added") + delta("listener_manager.listener_modified");
+        for (what, got, want) in [
+            (
+                "listener_added + listener_modified",
+                listener_changes,
+                want_add,
+            ),
+            (
+                "listener_in_place_updated beyond listener_modified",
+                delta("listener_manager.listener_in_place_updated")
+                    .saturating_sub(delta("listener_manager.listener_modified")),
+                0,
+            ),
+            (
+                "listener_removed",
+                delta("listener_manager.listener_removed"),
+                0,
+            ),
+            (
+                "total_listeners_draining",
+                now["listener_manager.total_listeners_draining"],
+                0,
+            ),
+            (
+                "total_filter_chains_draining",
+                now["listener_manager.total_filter_chains_draining"],
+                0,
+            ),
+            (
+                "cluster_added",
+                delta("cluster_manager.cluster_added"),
+                want_add,
+            ),
+            (
+                "cluster_modified",
+                delta("cluster_manager.cluster_modified"),
+                0,
+            ),
+            (
+                "cluster_removed",
+                delta("cluster_manager.cluster_removed"),
+                0,
+            ),
+        ] {
+            assert_eq!(
+                got,
+                want,
+                "kill {i}{}: {what} is {got}, expected {want}; watched stats that moved: {:?}\n{}",
+                if with_add { " (with an ADD)" } else { "" },
+                moved(&WATCHED, &before, &now),
+                rig.where_to_look()
+            );
+        }
+        if !with_add {
+            assert_eq!(
+                config_versions(&rig.config_dump()),
+                config_versions(&dump_before),
+                "kill {i}: Envoy did not converge on the same config versions"
+            );
+        }
+        for uid in &live {
+            assert!(
+                rig.node
+                    .state_dir
+                    .join("pods")
+                    .join(format!("{uid}.json"))
+                    .is_file(),
+                "kill {i}: pod {uid} left storage"
+            );
+        }
+        eprintln!(
+            "kill {i}: respawned worker on /ready {} ms after the kill, gap {} ms{}, served gap {} ms{note}",
+            ms(respawned),
+            ms(times.up - times.down),
+            if times.observed {
+                ""
+            } else {
+                " (between two polls)"
+            },
+            ms(times.served - times.down)
+        );
+        gaps.push((times.up - times.down).as_secs_f64());
+        quiet = Instant::now();
+    }
+    let requests = assert_no_failed_request(load, &actions, &rig);
+    assert!(
+        rig.owner
+            .log()
+            .matches("worker exited unexpectedly; respawning")
+            .count()
+            >= 10,
+        "{}",
+        rig.owner.log()
+    );
+    eprintln!(
+        "10 worker kills: gap median {:.1} ms p99 {:.1} ms; ADD while down answered median {:.1} ms max {:.1} ms; {requests} requests, 0 failed; refused connects 0",
+        percentile(&gaps, 50.0) * 1e3,
+        percentile(&gaps, 99.0) * 1e3,
+        percentile(&add_latency, 50.0) * 1e3,
+        percentile(&add_latency, 100.0) * 1e3
+    );
+    rig.pass();
+}
+
+/// The `version_info` of every dynamic resource in a config dump, by resource name: the
+/// agent's versions are content hashes, so equal versions mean the same config.
+fn config_versions(dump: &str) -> BTreeMap<String, String> {
+    let doc: Value = serde_json::from_str(dump).expect("config_dump is JSON");
+    let mut out = BTreeMap::new();
+    for config in doc["configs"].as_array().into_iter().flatten() {
+        for key in [
+            "dynamic_listeners",
+            "dynamic_active_clusters",
+            "dynamic_route_configs",
+        ] {
+            for r in config[key].as_array().into_iter().flatten() {
+                let res = if key == "dynamic_listeners" {
+                    &r["active_state"]
+                } else {
+                    r
+                };
+                let name = res["listener"]["name"]
+                    .as_str()
+                    .or(res["cluster"]["name"].as_str())
+                    .or(res["route_config"]["name"].as_str())
+                    .unwrap_or("?");
+                out.insert(
+                    format!("{key}/{name}"),
+                    res["version_info"].as_str().unwrap_or("").to_string(),
+                );
+            }
+        }
+    }
+    assert!(
+        !out.is_empty(),
+        "no dynamic resources in Envoy's config_dump"
+    );
+    out
+}
