@@ -16,7 +16,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let code = match runtime.block_on(aether_worker::agent::run(cfg, control)) {
         Ok(code) => code,
         Err(e) => {
