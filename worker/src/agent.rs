@@ -223,24 +223,7 @@ fn serve(
         let _ = drained.send(()).await;
     });
     if let Some(addr) = cfg.metrics_addr()? {
-        match std::net::TcpListener::bind(addr) {
-            Ok(l) => {
-                l.set_nonblocking(true)?;
-                let l = tokio::net::TcpListener::from_std(l)?;
-                let m = metrics.clone();
-                tokio::spawn(async move {
-                    loop {
-                        let Ok((conn, _)) = l.accept().await else { continue };
-                        let text = m.encode();
-                        tokio::spawn(httpmini::serve_one(conn, move |path| match path {
-                            "/metrics" => httpmini::Response { status: 200, content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8", body: text },
-                            _ => httpmini::Response { status: 404, content_type: "text/plain", body: "try /metrics\n".into() },
-                        }));
-                    }
-                });
-            }
-            Err(e) => warn!(addr = %addr, error = %e, "cannot bind the metrics address; metrics disabled"),
-        }
+        tokio::spawn(serve_metrics(addr, metrics.clone()));
     }
     let first_serve = o.received.elapsed();
     o.times.first_serve_us = first_serve.as_micros() as u64;
@@ -249,4 +232,32 @@ fn serve(
     metrics.observe_phase("first_serve", first_serve.as_secs_f64());
     info!(generation = o.generation, total_us = o.times.total_us, first_serve_us = o.times.first_serve_us, reconcile_us = o.times.reconcile_us, "serving the node");
     Ok(())
+}
+
+/// Serves Prometheus metrics on `addr`. The previous owner may hold the port for a few
+/// milliseconds after it handed the node over, so binding is retried for a while.
+async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
+    let mut delay = Duration::from_millis(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let listener = loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => break l,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+            Err(e) => {
+                warn!(addr = %addr, error = %e, "cannot bind the metrics address; metrics disabled");
+                return;
+            }
+        }
+    };
+    loop {
+        let Ok((conn, _)) = listener.accept().await else { continue };
+        let text = metrics.encode();
+        tokio::spawn(httpmini::serve_one(conn, move |path| match path {
+            "/metrics" => httpmini::Response { status: 200, content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8", body: text },
+            _ => httpmini::Response { status: 404, content_type: "text/plain", body: "try /metrics\n".into() },
+        }));
+    }
 }
