@@ -263,3 +263,24 @@ fn socket_modes_owners_and_run_dir_ownership_are_enforced() {
         assert!(a.log().contains("owned by uid 1000"), "{}", a.log());
     }
 }
+
+#[test]
+fn sd_notify_reports_standby_then_ready_owner() {
+    let mut node = LocalNode::new();
+    let sock_path = node.root.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&sock_path).expect("bind notify socket");
+    notify.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+    let env = format!("NOTIFY_SOCKET={}", sock_path.display());
+    let a = node.start_agent_wrapped(&["env", &env], &[]);
+    a.wait_role("owner", T);
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = notify.recv(&mut buf) {
+        seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    let all = seen.join("\n");
+    let standby = all.find("STATUS=standby").expect(&format!("a standby STATUS line in {all:?}"));
+    let ready = all.find("READY=1").expect(&format!("READY=1 in {all:?}"));
+    assert!(standby < ready, "READY=1 only after the standby status: {all:?}");
+    assert!(all.contains("STATUS=owner: generation 1, serving"), "{all:?}");
+}
