@@ -260,6 +260,17 @@ impl Rig {
         }
     }
 
+    /// Envoy is connected again and never had a connect to xds.sock refused.
+    fn assert_connected(&self, now: &BTreeMap<String, u64>, what: &str) {
+        assert_eq!(now[envoy::CONNECTED], 1, "{what}: control_plane.connected_state did not return to 1");
+        assert_eq!(
+            now[envoy::CONNECT_FAIL],
+            0,
+            "{what}: Envoy's connect to xds.sock failed (refused: a roll left no listener)\n{}",
+            self.where_to_look()
+        );
+    }
+
     fn where_to_look(&self) -> String {
         format!(
             "node folder {} (gen*.log, envoy.log)",
@@ -438,17 +449,7 @@ fn twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners(
             "roll {i} replaced a node socket"
         );
         let now = rig.stats();
-        assert_eq!(
-            now[envoy::CONNECTED],
-            1,
-            "roll {i}: control_plane.connected_state did not return to 1"
-        );
-        assert_eq!(
-            now[envoy::CONNECT_FAIL],
-            0,
-            "roll {i}: Envoy's connect to xds.sock failed (refused: a roll left no listener)\n{}",
-            rig.where_to_look()
-        );
+        rig.assert_connected(&now, &format!("roll {i}"));
         let churn = moved(&NO_CHURN, &base, &now);
         assert!(
             churn.is_empty(),
@@ -735,17 +736,7 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
             live.push(p.uid);
         }
         let now = rig.stats();
-        assert_eq!(
-            now[envoy::CONNECTED],
-            1,
-            "kill {i}: control_plane.connected_state did not return to 1"
-        );
-        assert_eq!(
-            now[envoy::CONNECT_FAIL],
-            0,
-            "kill {i}: Envoy's connect to xds.sock failed (refused)\n{}",
-            rig.where_to_look()
-        );
+        rig.assert_connected(&now, &format!("kill {i}"));
         assert_eq!(
             now["listener_manager.total_listeners_draining"],
             0,
