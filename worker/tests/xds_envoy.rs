@@ -127,7 +127,7 @@ async fn registry_file_changes_reach_config_dump_within_bound() {
     .await;
 
     // Add an endpoint.
-    h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, false), (c, false)]), ("api", None, vec![(x, false)])]));
+    h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, false), (c, false)]), ("api", None, vec![(x, false)])])).await;
     let (_, took) = eventually("the added endpoint in config_dump", BOUND, || async {
         web_eds(&h).await.filter(|e| e.len() == 3 && e.contains(&"127.0.0.1:18083 HEALTHY".to_string()))
     })
@@ -136,7 +136,7 @@ async fn registry_file_changes_reach_config_dump_within_bound() {
 
     // Mark one draining. config_dump renders the host's health, where Envoy shows an
     // EDS DRAINING endpoint as UNHEALTHY; /clusters shows the EDS status itself.
-    h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, true), (c, false)]), ("api", None, vec![(x, false)])]));
+    h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, true), (c, false)]), ("api", None, vec![(x, false)])])).await;
     let (_, took) = eventually("the draining endpoint in config_dump", BOUND, || async {
         web_eds(&h).await.filter(|e| e.contains(&"127.0.0.1:18082 UNHEALTHY".to_string()))
     })
@@ -146,7 +146,7 @@ async fn registry_file_changes_reach_config_dump_within_bound() {
     eprintln!("mark draining reached config_dump in {took:?}");
 
     // Remove a service: its cluster, endpoints and virtual host go.
-    h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, true), (c, false)])]));
+    h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, true), (c, false)])])).await;
     let (_, took) = eventually("the removed service gone from config_dump", BOUND, || async {
         let dump = h.config_dump().await;
         let (clusters, _) = envoy_harness::clusters(&dump);
@@ -175,7 +175,7 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted() {
         ("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)]),
         ("shadow", Some("10.96.0.10"), vec![(u1.addr, false)]),
     ]);
-    h.write_registry(&bad);
+    h.write_registry(&bad).await;
     eventually("an RDS NACK counted by the worker", BOUND, || async { (h.worker_counter("nacks", RDS) >= 1).then_some(()) }).await;
     let bad_routes = h.node.snapshot().routes.version.clone();
     assert_ne!(bad_routes, good_routes);
@@ -203,7 +203,7 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted() {
     assert!(h.envoy_log().contains("rejected"), "Envoy logs the rejection");
 
     // Fixing the registry gets a fresh ACK.
-    h.write_registry(&good);
+    h.write_registry(&good).await;
     assert!(h.wait_acked_current(BOUND).await, "fixed snapshot not ACKed");
     assert_eq!(h.acks.latest().unwrap().routes.version, good_routes);
     assert_eq!(h.worker_counter("nacks", RDS), 1);

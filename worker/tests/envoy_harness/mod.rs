@@ -207,11 +207,20 @@ impl Harness {
         self.acks.wait_until(|s| same_versions(s, &want), timeout).await
     }
 
-    /// Replaces the registry file atomically, as a ConfigMap update would.
-    pub fn write_registry(&self, json: &str) {
+    /// Replaces the registry file atomically, as a ConfigMap update would, and returns
+    /// once the node has built a snapshot from it, so that [`Self::wait_acked_current`]
+    /// waits for the new content and not the one before. Every caller writes a registry
+    /// that changes the snapshot.
+    pub async fn write_registry(&self, json: &str) {
+        let mut snapshots = self.node.subscribe();
+        snapshots.borrow_and_update();
         let tmp = self.dir.path().join(".registry.json.tmp");
         std::fs::write(&tmp, json).unwrap();
         std::fs::rename(&tmp, &self.registry_file).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), snapshots.changed())
+            .await
+            .expect("the node did not rebuild its snapshot from the new registry file within 10 s")
+            .expect("the node is gone");
     }
 
     pub fn envoy_log(&self) -> String {
