@@ -127,7 +127,8 @@ impl LocalNode {
             .arg(format!("--pod-name=agent-{name}"))
             .arg("--node-name=test-node")
             .args(extra)
-            .env("RUST_LOG", "info")
+            // AETHER_E2E_AGENT_LOG sets the agents' log filter (e.g. `info,aether_worker::xds=debug`).
+            .env("RUST_LOG", std::env::var("AETHER_E2E_AGENT_LOG").unwrap_or_else(|_| "info".into()))
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
