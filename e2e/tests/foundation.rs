@@ -284,3 +284,41 @@ fn sd_notify_reports_standby_then_ready_owner() {
     assert!(standby < ready, "READY=1 only after the standby status: {all:?}");
     assert!(all.contains("STATUS=owner: generation 1, serving"), "{all:?}");
 }
+
+/// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat`.
+fn cpu_time(pid: i32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/<pid>/stat");
+    // Fields after the command name, which is in parentheses and may hold spaces:
+    // state is field 3, utime 14 and stime 15.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<u64> = rest.split(' ').skip(11).take(2).map(|v| v.parse().expect("tick count")).collect();
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis((f[0] + f[1]) * 1000 / hz)
+}
+
+#[test]
+fn idle_owner_and_standby_sleep_between_events() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let b = node.start_agent();
+    b.wait_role("standby", T);
+    let procs = [
+        ("owner supervisor", a.pid()),
+        ("owner worker", a.worker_pid()),
+        ("standby supervisor", b.pid()),
+        ("standby worker", b.worker_pid()),
+    ];
+    let before: Vec<Duration> = procs.iter().map(|(_, p)| cpu_time(*p)).collect();
+    // An observation window, not a synchronisation: nothing happens on this node during
+    // it but heartbeats, so each process should be asleep in poll or epoll nearly all
+    // of it. A process spinning on a ready descriptor burns most of a core here.
+    let window = Duration::from_secs(1);
+    std::thread::sleep(window);
+    for ((name, pid), before) in procs.iter().zip(before) {
+        let used = cpu_time(*pid) - before;
+        eprintln!("{name} (pid {pid}) used {used:?} of CPU in {window:?}");
+        assert!(used < window / 10, "{name} (pid {pid}) used {used:?} of CPU in {window:?} while idle: a busy loop");
+    }
+}

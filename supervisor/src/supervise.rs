@@ -74,7 +74,9 @@ pub struct Supervisor {
     plan: Plan,
     owner: (u32, u32),
     signals: SignalFd,
-    lock_wake: UnixStream,
+    /// Readable once the lock thread has a result; `None` after its end closed, so that
+    /// poll does not keep reporting the hang-up (the owner would spin on it).
+    lock_wake: Option<UnixStream>,
     lock_rx: mpsc::Receiver<Result<lock::Held, lock::LockError>>,
     /// The lock, acquired but waiting for the socket paths to be free.
     pending: Option<lock::Held>,
@@ -119,7 +121,7 @@ impl Supervisor {
             plan,
             owner,
             signals,
-            lock_wake,
+            lock_wake: Some(lock_wake),
             lock_rx,
             pending: None,
             pending_since: None,
@@ -210,10 +212,11 @@ impl Supervisor {
             None => PollTimeout::NONE,
         };
         let (sig, wake, ctl, hand) = {
-            let mut fds = vec![
-                PollFd::new(self.signals.as_fd(), PollFlags::POLLIN),
-                PollFd::new(self.lock_wake.as_fd(), PollFlags::POLLIN),
-            ];
+            let mut fds = vec![PollFd::new(self.signals.as_fd(), PollFlags::POLLIN)];
+            let wake_i = self.lock_wake.as_ref().map(|w| {
+                fds.push(PollFd::new(w.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
             let ctl_i = self.worker.as_ref().filter(|w| !w.closed).map(|w| {
                 fds.push(PollFd::new(w.control.as_fd(), PollFlags::POLLIN));
                 fds.len() - 1
@@ -231,7 +234,7 @@ impl Supervisor {
                 }
             }
             let ready = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
-            (ready(0), ready(1), ctl_i.is_some_and(ready), hand_i.is_some_and(ready))
+            (ready(0), wake_i.is_some_and(ready), ctl_i.is_some_and(ready), hand_i.is_some_and(ready))
         };
         if sig {
             self.on_signals();
@@ -404,8 +407,18 @@ impl Supervisor {
     }
 
     fn on_lock_wake(&mut self) {
-        let mut buf = [0u8; 8];
-        let _ = std::io::Read::read(&mut &self.lock_wake, &mut buf);
+        if let Some(w) = &self.lock_wake {
+            let mut buf = [0u8; 8];
+            // The lock thread writes one byte and ends: EOF (or an error) means it is gone
+            // and there is nothing more to wait for.
+            let gone = match std::io::Read::read(&mut &*w, &mut buf) {
+                Ok(n) => n == 0,
+                Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted),
+            };
+            if gone {
+                self.lock_wake = None;
+            }
+        }
         match self.lock_rx.try_recv() {
             Ok(Ok(held)) => {
                 if self.drain_deadline.is_some() {
