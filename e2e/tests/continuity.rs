@@ -94,6 +94,26 @@ fn a_worker_that_stops_answering_is_killed_and_replaced() {
     assert!(owner.log().contains("missed heartbeats"));
 }
 
+#[test]
+fn a_worker_that_keeps_dying_is_respawned_at_once_then_with_growing_delays() {
+    let mut node = LocalNode::new();
+    // A "worker" that exits at once, before it says anything: a crash loop.
+    let agent = node.start_agent_with(&["--worker-bin=/bin/false"]);
+    let delays = wait_for("five respawns", Duration::from_secs(10), || {
+        let log = agent.log();
+        let delays: Vec<u64> = log
+            .lines()
+            .filter(|l| l.contains("worker exited unexpectedly"))
+            .map(|l| {
+                let v = l.split("respawn_in_ms=").nth(1).expect("respawn_in_ms in the log line");
+                v.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().expect("a number")
+            })
+            .collect();
+        (delays.len() >= 5).then_some(delays)
+    });
+    assert_eq!(delays[..5], [0, 100, 200, 400, 800], "respawn delays in ms");
+}
+
 /// A standby's handshake as an arbitrary peer would do it.
 fn dial(path: &std::path::Path) -> OwnedFd {
     let s = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).expect("socket");

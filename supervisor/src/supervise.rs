@@ -28,6 +28,9 @@ use crate::sys::spawn::{self, Image, Plan};
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A worker that has not answered a heartbeat for this long is killed and replaced.
 const HEARTBEAT_DEADLINE: Duration = Duration::from_secs(5);
+/// Respawn delays: the first crash after a healthy run is respawned at once (the node's
+/// sockets keep queueing the proxy's reconnect meanwhile); a worker that keeps dying is
+/// respawned after 0.1 s, then 0.2 s, doubling up to 5 s.
 const RESPAWN_MIN: Duration = Duration::from_millis(100);
 const RESPAWN_MAX: Duration = Duration::from_secs(5);
 /// A worker that ran this long resets the respawn backoff (as does one that reached
@@ -131,7 +134,7 @@ impl Supervisor {
             handoff_at: Instant::now(),
             worker: None,
             respawn_at: Some(Instant::now()),
-            backoff: RESPAWN_MIN,
+            backoff: Duration::ZERO,
             respawns: 0,
             drain_deadline: None,
             exit: None,
@@ -307,12 +310,16 @@ impl Supervisor {
         }
         let ran = w.started.elapsed();
         if ran >= HEALTHY_RESET {
-            self.backoff = RESPAWN_MIN;
+            self.backoff = Duration::ZERO;
         }
         self.respawns += 1;
         error!(pid = w.pid.as_raw(), status = ?status, ran_ms = ran.as_millis() as u64, respawn_in_ms = self.backoff.as_millis() as u64, respawns = self.respawns, "worker exited unexpectedly; respawning");
         self.respawn_at = Some(Instant::now() + self.backoff);
-        self.backoff = (self.backoff * 2).min(RESPAWN_MAX);
+        self.grow_backoff();
+    }
+
+    fn grow_backoff(&mut self) {
+        self.backoff = (self.backoff * 2).clamp(RESPAWN_MIN, RESPAWN_MAX);
     }
 
     fn spawn_worker(&mut self) {
@@ -321,6 +328,7 @@ impl Supervisor {
             Err(e) => {
                 error!(error = %e, "socketpair for the worker failed");
                 self.respawn_at = Some(Instant::now() + self.backoff);
+                self.grow_backoff();
                 return;
             }
         };
@@ -336,7 +344,7 @@ impl Supervisor {
             Err(e) => {
                 error!(error = %e, worker = %self.image.path.display(), "spawning the worker failed");
                 self.respawn_at = Some(Instant::now() + self.backoff);
-                self.backoff = (self.backoff * 2).min(RESPAWN_MAX);
+                self.grow_backoff();
             }
         }
     }
@@ -386,13 +394,13 @@ impl Supervisor {
             Notice::StandbyComplete => {
                 // A worker that reached its goal is not a crash loop: the next respawn
                 // starts from the shortest delay again.
-                self.backoff = RESPAWN_MIN;
+                self.backoff = Duration::ZERO;
                 info!("worker is a complete standby");
                 notify(&[sd_notify::NotifyState::Status("standby: complete, waiting for the node lock")]);
             }
             Notice::Reconciling | Notice::Crossed => {}
             Notice::Serving => {
-                self.backoff = RESPAWN_MIN;
+                self.backoff = Duration::ZERO;
                 let generation = self.owned.as_ref().map_or(0, |o| o.generation);
                 info!(generation, "worker serves the node");
                 notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("owner: generation {generation}, serving"))]);
