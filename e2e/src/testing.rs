@@ -395,6 +395,7 @@ pub fn start_envoy(node: &LocalNode, netns: Option<&Netns>) -> Option<crate::har
         &node.run_dir,
         Duration::from_millis(100),
         Duration::from_secs(1),
+        crate::harness::envoy::AdsApi::default(),
     )
     .expect("start Envoy");
     Some(envoy)

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use aether_e2e::harness::churn::{Cni, PodId};
-use aether_e2e::harness::envoy::{self, Envoy, Poller, RollTimes};
+use aether_e2e::harness::envoy::{self, AdsApi, Envoy, Poller, RollTimes};
 use aether_e2e::harness::load::{self, Load};
 use aether_e2e::harness::upstream::{self, Upstream};
 use aether_e2e::testing::{Agent, LocalNode, bin, wait_for};
@@ -100,7 +100,7 @@ struct Rig {
 }
 
 impl Rig {
-    fn start(envoy_bin: &Path) -> Rig {
+    fn start(envoy_bin: &Path, api: AdsApi) -> Rig {
         let mut node = LocalNode::new();
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
         node.root.disable_cleanup(true);
@@ -145,6 +145,7 @@ impl Rig {
             &node.run_dir,
             Duration::from_millis(100),
             Duration::from_secs(1),
+            api,
         )
         .expect("start Envoy");
         let poller = Poller::start(envoy.admin.clone());
@@ -383,12 +384,20 @@ fn percentile(xs: &[f64], p: f64) -> f64 {
 /// Issue 3 test 5 and issue 5 test 1.
 #[test]
 fn twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners() {
-    let Some(envoy_bin) = envoy_or_skip(
-        "twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners",
-    ) else {
+    twenty_surge_rolls("twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners", AdsApi::Sotw);
+}
+
+/// The same over incremental ADS: a reconnect resumes from the versions Envoy holds.
+#[test]
+fn twenty_surge_rolls_over_delta_ads_fail_no_request_and_keep_sockets_and_listeners() {
+    twenty_surge_rolls("twenty_surge_rolls_over_delta_ads_fail_no_request_and_keep_sockets_and_listeners", AdsApi::Delta);
+}
+
+fn twenty_surge_rolls(test: &str, api: AdsApi) {
+    let Some(envoy_bin) = envoy_or_skip(test) else {
         return;
     };
-    let mut rig = Rig::start(&envoy_bin);
+    let mut rig = Rig::start(&envoy_bin, api);
     let inodes = rig.node.socket_inodes();
     assert!(
         inodes.0.is_some() && inodes.1.is_some(),
@@ -513,7 +522,7 @@ fn killing_the_owner_generation_without_a_handoff_binds_fresh_sockets_and_envoy_
     ) else {
         return;
     };
-    let mut rig = Rig::start(&envoy_bin);
+    let mut rig = Rig::start(&envoy_bin, AdsApi::default());
     // The owner predates the handoff (as in continuity.rs): nothing to fetch sockets from.
     std::fs::remove_file(rig.node.run_dir.join("handoff.sock")).expect("remove handoff.sock");
     let base = rig.stats();
@@ -614,7 +623,7 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
     ) else {
         return;
     };
-    let mut rig = Rig::start(&envoy_bin);
+    let mut rig = Rig::start(&envoy_bin, AdsApi::default());
     let cni = std::sync::Arc::new(Cni {
         bin: bin("aether-cni"),
         socket: rig.node.cni_sock(),

@@ -124,7 +124,7 @@ async fn main() {
         let want = snapshot::build(&inputs);
 
         let t0 = Instant::now();
-        h.write_registry(&json);
+        h.write_registry(&json).await;
         tokio::time::timeout(Duration::from_secs(10), snapshots.wait_for(|s| same_versions(s, &want)))
             .await
             .expect("snapshot built within 10 s")

@@ -22,8 +22,39 @@ pub enum Admin {
     Tcp(SocketAddr),
 }
 
+/// Which variant of ADS the proxy speaks; the agent serves both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AdsApi {
+    /// State of the world (`api_type: GRPC`): every LDS and CDS response is the whole set.
+    #[default]
+    Sotw,
+    /// Incremental (`api_type: DELTA_GRPC`): a response carries only what changed, so a
+    /// pod's ADD costs the proxy the same on a node of 10 pods or 300.
+    Delta,
+}
+
+impl AdsApi {
+    pub fn api_type(self) -> &'static str {
+        match self {
+            AdsApi::Sotw => "GRPC",
+            AdsApi::Delta => "DELTA_GRPC",
+        }
+    }
+}
+
+impl std::str::FromStr for AdsApi {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sotw" | "GRPC" => Ok(AdsApi::Sotw),
+            "delta" | "DELTA_GRPC" => Ok(AdsApi::Delta),
+            other => Err(format!("ADS variant {other:?}: expected sotw (GRPC) or delta (DELTA_GRPC)")),
+        }
+    }
+}
+
 /// The template with every placeholder filled.
-pub fn render(run_dir: &Path, admin: &Admin, node_id: &str, backoff_base: Duration, backoff_max: Duration) -> String {
+pub fn render(run_dir: &Path, admin: &Admin, node_id: &str, backoff_base: Duration, backoff_max: Duration, api: AdsApi) -> String {
     let admin = match admin {
         Admin::Pipe(p) => format!("{{ pipe: {{ path: {} }} }}", yaml_str(&p.to_string_lossy())),
         Admin::Tcp(a) => {
@@ -37,6 +68,7 @@ pub fn render(run_dir: &Path, admin: &Admin, node_id: &str, backoff_base: Durati
         .replace("${ENVOY_NODE_ID}", &yaml_str(node_id))
         .replace("${ADS_BACKOFF_BASE}", &seconds(backoff_base))
         .replace("${ADS_BACKOFF_MAX}", &seconds(backoff_max))
+        .replace("${ADS_API_TYPE}", api.api_type())
 }
 
 /// A protobuf JSON/YAML duration: seconds with up to nanosecond decimals.
@@ -62,6 +94,7 @@ mod tests {
             "node-1",
             DEFAULT_BACKOFF_BASE,
             Duration::from_millis(1500),
+            AdsApi::Delta,
         );
         let body: String = out.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n");
         assert!(!body.contains("${"), "unfilled placeholder in:\n{body}");
@@ -69,9 +102,11 @@ mod tests {
         assert!(body.contains("address: { pipe: { path: \"/tmp/x/admin.sock\" } }"));
         assert!(body.contains("id: \"node-1\""));
         assert!(body.contains("base_interval: 0.1s") && body.contains("max_interval: 1.5s"));
-        let tcp = render(Path::new("/r"), &Admin::Tcp("127.0.0.1:15000".parse().unwrap()), "n", DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX);
+        assert!(body.contains("api_type: DELTA_GRPC"));
+        let tcp = render(Path::new("/r"), &Admin::Tcp("127.0.0.1:15000".parse().unwrap()), "n", DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX, AdsApi::Sotw);
         assert!(tcp.contains("socket_address: { address: \"127.0.0.1\", port_value: 15000 }"));
         assert!(tcp.contains("max_interval: 1s"));
+        assert!(tcp.contains("api_type: GRPC"));
     }
 }
 

@@ -3,12 +3,14 @@
 //! Each test runs the worker side in-process (registry file, capture file, node, ADS on
 //! `<tmp>/xds.sock`) and an Envoy bootstrapped from `deploy/envoy/bootstrap.yaml.tmpl`.
 //! Without Envoy (see `scripts/install-envoy.sh`) each test says so loudly and returns.
+//! Each scenario runs twice: over state-of-the-world ADS and over incremental (delta) ADS.
 
 mod envoy_harness;
 
 use std::net::IpAddr;
 use std::time::Duration;
 
+use aether_worker::bootstrap::AdsApi;
 use aether_worker::snapshot::Pod;
 use envoy_harness::{Harness, Upstream, eventually, http_get, registry_json};
 
@@ -17,16 +19,34 @@ const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
 const WEB: &str = "outbound|80||web.default";
+
+/// The version Envoy's config_dump shows for the `outbound` route configuration: the
+/// type's version in state of the world, the resource's own (its content hash) in delta.
+fn route_version(s: &aether_worker::snapshot::Snapshot, api: AdsApi) -> String {
+    match api {
+        AdsApi::Sotw => s.routes.version.clone(),
+        AdsApi::Delta => format!("{:016x}", s.routes.hashes["outbound"]),
+    }
+}
 /// How long a registry change may take to reach Envoy before a test fails. The expected
 /// figure is milliseconds; the bound is loose for loaded CI machines.
 const BOUND: Duration = Duration::from_secs(5);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_connects_and_acks_lds_cds_eds() {
+    envoy_connects_and_acks_lds_cds_eds_over(AdsApi::Sotw).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_connects_and_acks_lds_cds_eds_over_delta_ads() {
+    envoy_connects_and_acks_lds_cds_eds_over(AdsApi::Delta).await
+}
+
+async fn envoy_connects_and_acks_lds_cds_eds_over(api: AdsApi) {
     let envoy = require_envoy!();
     envoy_harness::init_logs("info");
     let a = "127.0.0.1:18080".parse().unwrap();
-    let h = Harness::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(a, false)])])).await;
+    let h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(a, false)])]), api).await;
     let want = h.node.snapshot();
 
     // Envoy's view: connected, updates accepted, the versions we serve.
@@ -46,7 +66,7 @@ async fn envoy_connects_and_acks_lds_cds_eds() {
     assert_eq!(listeners.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), vec!["outbound"]);
     assert_eq!(envoy_harness::endpoints(&dump, WEB), Some(vec!["127.0.0.1:18080 HEALTHY".to_string()]));
     let (rds_version, domains) = envoy_harness::route(&dump, "outbound").expect("route config outbound");
-    assert_eq!(rds_version, want.routes.version);
+    assert_eq!(rds_version, route_version(&want, api));
     assert!(domains.contains(&"web.default.svc.cluster.local:80".to_string()) && domains.contains(&"10.96.0.10:80".to_string()));
 
     // Our view: every type ACKed, nothing NACKed, one stream.
@@ -90,10 +110,19 @@ async fn envoy_connects_and_acks_lds_cds_eds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outbound_requests_are_balanced_across_registry_endpoints() {
+    outbound_requests_are_balanced_across_registry_endpoints_over(AdsApi::Sotw).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbound_requests_are_balanced_across_registry_endpoints_over_delta_ads() {
+    outbound_requests_are_balanced_across_registry_endpoints_over(AdsApi::Delta).await
+}
+
+async fn outbound_requests_are_balanced_across_registry_endpoints_over(api: AdsApi) {
     let envoy = require_envoy!();
     envoy_harness::init_logs("info");
     let (u1, u2) = (Upstream::start("one").await, Upstream::start("two").await);
-    let h = Harness::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)])]))
+    let h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)])]), api)
         .await;
 
     let mut bodies = Vec::new();
@@ -114,16 +143,24 @@ async fn outbound_requests_are_balanced_across_registry_endpoints() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registry_file_changes_reach_config_dump_within_bound() {
+    registry_file_changes_reach_config_dump_within_bound_over(AdsApi::Sotw).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_file_changes_reach_config_dump_within_bound_over_delta_ads() {
+    registry_file_changes_reach_config_dump_within_bound_over(AdsApi::Delta).await
+}
+
+async fn registry_file_changes_reach_config_dump_within_bound_over(api: AdsApi) {
     let envoy = require_envoy!();
     envoy_harness::init_logs("info");
     let a = "127.0.0.1:18081".parse().unwrap();
     let b = "127.0.0.1:18082".parse().unwrap();
     let c = "127.0.0.1:18083".parse().unwrap();
     let x = "127.0.0.1:18090".parse().unwrap();
-    let h = Harness::start(
+    let h = Harness::start_with(
         &envoy,
-        &registry_json(&[("web", None, vec![(a, false), (b, false)]), ("api", None, vec![(x, false)])]),
-    )
+        &registry_json(&[("web", None, vec![(a, false), (b, false)]), ("api", None, vec![(x, false)])]), api)
     .await;
 
     // Add an endpoint.
@@ -161,12 +198,22 @@ async fn registry_file_changes_reach_config_dump_within_bound() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted() {
+    nacked_route_keeps_last_good_config_and_is_logged_and_counted_over(AdsApi::Sotw).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted_over_delta_ads() {
+    nacked_route_keeps_last_good_config_and_is_logged_and_counted_over(AdsApi::Delta).await
+}
+
+async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted_over(api: AdsApi) {
     let envoy = require_envoy!();
     envoy_harness::init_logs("info");
     let (u1, u2) = (Upstream::start("one").await, Upstream::start("two").await);
     let good = registry_json(&[("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)])]);
-    let h = Harness::start(&envoy, &good).await;
+    let h = Harness::start_with(&envoy, &good, api).await;
     let good_routes = h.node.snapshot().routes.version.clone();
+    let good_route_version = route_version(&h.node.snapshot(), api);
     assert_eq!(http_get(h.outbound, "10.96.0.10:80").await.unwrap().0, 200);
 
     // A second service claiming the same VIP: the builder passes it through, and Envoy
@@ -183,7 +230,7 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted() {
     // Envoy rejected it and keeps the last good routes; traffic still flows.
     assert!(h.stat("http.outbound.rds.outbound.update_rejected").await.unwrap_or(0) >= 1);
     let (rds_version, _) = envoy_harness::route(&h.config_dump().await, "outbound").unwrap();
-    assert_eq!(rds_version, good_routes, "Envoy's route config must stay the last good one");
+    assert_eq!(rds_version, good_route_version, "Envoy's route config must stay the last good one");
     for host in ["web", "10.96.0.10:80"] {
         for _ in 0..5 {
             let (status, body) = http_get(h.outbound, host).await.unwrap();
@@ -211,10 +258,19 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy() {
+    reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(AdsApi::Sotw).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over_delta_ads() {
+    reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(AdsApi::Delta).await
+}
+
+async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(api: AdsApi) {
     let envoy = require_envoy!();
     envoy_harness::init_logs("info");
     let u = Upstream::start("one").await;
-    let mut h = Harness::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)])])).await;
+    let mut h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)])]), api).await;
     let ip: IpAddr = "10.244.0.9".parse().unwrap();
     h.node.update(|i| {
         i.pods.insert("uid-9".into(), Pod {

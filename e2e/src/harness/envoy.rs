@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use aether_worker::bootstrap::{self, Admin};
+pub use aether_worker::bootstrap::AdsApi;
 
 pub use aether_worker::bootstrap::{envoy_bin, workspace_root};
 
@@ -22,9 +23,9 @@ pub struct Envoy {
 
 impl Envoy {
     /// Renders the bootstrap into `dir` and starts Envoy against `run_dir`'s xds.sock.
-    pub fn start(bin: &Path, dir: &Path, run_dir: &Path, base: Duration, max: Duration) -> std::io::Result<Envoy> {
+    pub fn start(bin: &Path, dir: &Path, run_dir: &Path, base: Duration, max: Duration, api: AdsApi) -> std::io::Result<Envoy> {
         let admin = dir.join("envoy-admin.sock");
-        let config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max);
+        let config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max, api);
         let config_path = dir.join("envoy.yaml");
         std::fs::write(&config_path, config)?;
         let log = dir.join("envoy.log");

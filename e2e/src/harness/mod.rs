@@ -67,6 +67,8 @@ pub struct Config {
     pub rps: u32,
     pub backoff_base: Duration,
     pub backoff_max: Duration,
+    /// ARG_XDS_API: the ADS variant Envoy speaks, sotw or delta.
+    pub xds_api: envoy::AdsApi,
     pub results_dir: PathBuf,
     pub envoy: PathBuf,
 }
@@ -119,10 +121,14 @@ impl Config {
         if backoff_max < backoff_base {
             bail!("ARG_BACKOFF_MAX ({backoff_max:?}) is below ARG_BACKOFF_BASE ({backoff_base:?})");
         }
+        let xds_api = match var("ARG_XDS_API") {
+            Some(v) => v.trim().parse().map_err(|e: String| anyhow!("ARG_XDS_API: {e}"))?,
+            None => envoy::AdsApi::default(),
+        };
         let results_dir = var("ARG_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|| envoy::workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
-        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, results_dir, envoy })
+        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy })
     }
 
     pub fn bound(&self, mode: Mode) -> f64 {
@@ -331,7 +337,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     let first = node.start_agent_with(&[extra[0].as_str()]);
     wait_until("the first agent to own the node", T_START, || ready_owner(&first))
         .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
-    let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max).context("start Envoy")?;
+    let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api).context("start Envoy")?;
     wait_until("Envoy to connect and take its first config", T_START, || {
         let (_, body) = envoy.get(&envoy::stats_filter()).ok()?;
         let stats = envoy::parse_stats(&body);

@@ -113,19 +113,38 @@ impl Inner {
         Ok(AddResponse { acked })
     }
 
+    /// Adds the pod to the snapshot and writes its record, both under the lifecycle lock.
+    /// The proxy starts applying the new snapshot while the record's fsyncs run; the
+    /// ADD answers only once both are done, and a failed write takes the pod back out
+    /// (restoring what the snapshot held before), so no answer ever claims a pod the
+    /// storage does not hold. A crash in between leaves no record: the next owner's
+    /// snapshot, built from storage, drops the pod, and the runtime retries the ADD it
+    /// never saw succeed.
     async fn apply_add(&self, pod: Pod) -> Result<(), Status> {
         let _lifecycle = self.node.lifecycle().await;
         self.check_not_drained()?;
+        let mut before = None;
+        self.node.update(|inputs| {
+            before = inputs.pods.insert(pod.uid.clone(), pod.clone());
+        });
         let storage = self.storage.clone();
         let record = pod.clone();
-        let written = tokio::task::spawn_blocking(move || storage.put(&record))
-            .await
-            .map_err(|e| Status::internal(format!("writing the record of pod uid {}: {e}", pod.uid)))?
-            .map_err(|e| Status::internal(format!("writing the record of pod uid {}: {e}", pod.uid)))?;
+        let put = tokio::task::spawn_blocking(move || storage.put(&record)).await;
+        let written = match put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+            Ok(written) => written,
+            Err(error) => {
+                self.node.update(|inputs| match before {
+                    Some(old) => {
+                        inputs.pods.insert(pod.uid.clone(), old);
+                    }
+                    None => {
+                        inputs.pods.remove(&pod.uid);
+                    }
+                });
+                return Err(Status::internal(format!("writing the record of pod uid {}: {error}", pod.uid)));
+            }
+        };
         tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, written, "CNI ADD");
-        self.node.update(|inputs| {
-            inputs.pods.insert(pod.uid.clone(), pod);
-        });
         Ok(())
     }
 

@@ -84,6 +84,31 @@ async fn add_acked_answers_at_once() {
     assert_eq!(f.storage.get("u1").unwrap().ips, ips(&["10.1.0.5", "fd00::5"]));
 }
 
+/// Makes the record's final rename fail: a non-empty folder where the file would go.
+fn block_record_path(storage: &Storage, uid: &str) {
+    let path = storage.dir().join(format!("{uid}.json"));
+    let _ = std::fs::remove_file(&path);
+    std::fs::create_dir_all(path.join("blocker")).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_record_write_answers_an_error_and_leaves_the_snapshot_as_it_was() {
+    let f = fixture(true);
+    // A new pod: not served after the failure.
+    block_record_path(&f.storage, "u1");
+    let err = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.expect_err("write fails");
+    assert_eq!(err.code(), Code::Internal);
+    assert!(err.message().contains("u1"), "{}", err.message());
+    assert!(!f.node.inputs().pods.contains_key("u1"), "a pod without a record is served");
+
+    // A pod re-added with new IPs: the snapshot keeps the IPs its record holds.
+    f.service.add(Request::new(req("u2", "c2", &["10.1.0.6"]))).await.unwrap();
+    block_record_path(&f.storage, "u2");
+    f.service.add(Request::new(req("u2", "c2", &["10.1.0.7"]))).await.expect_err("write fails");
+    assert_eq!(f.node.inputs().pods["u2"].ips, ips(&["10.1.0.6"]));
+    assert_eq!(f.storage.get("u2").unwrap().ips, ips(&["10.1.0.6"]));
+}
+
 #[tokio::test(start_paused = true)]
 async fn invalid_adds_write_nothing() {
     let f = fixture(true);

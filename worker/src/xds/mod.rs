@@ -1,7 +1,9 @@
-//! The ADS server (state of the world) for LDS, RDS, CDS and EDS, served on the
-//! `xds.sock` listening fd handed over at takeover.
+//! The ADS server for LDS, RDS, CDS and EDS, served on the `xds.sock` listening fd
+//! handed over at takeover, in both variants of the protocol: state of the world
+//! (`api_type: GRPC`, [`stream::StreamState`]) and incremental (`DELTA_GRPC`,
+//! [`delta::DeltaState`]); the proxy's bootstrap picks one.
 //!
-//! One task per stream runs a [`stream::StreamState`]: it answers requests, pushes every
+//! One task per stream runs the protocol's state: it answers requests, pushes every
 //! new snapshot from the node's watch channel, logs and counts ACKs and NACKs, and
 //! publishes to [`Acks`] each snapshot the proxy has fully ACKed. Protobuf types stay in
 //! this module ([`convert`] turns model resources into them).
@@ -10,6 +12,7 @@
 //! with these signatures; the agent driver and the CNI service call them.
 
 pub mod convert;
+pub mod delta;
 pub mod stream;
 
 use std::future::Future;
@@ -31,6 +34,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::{Metrics, TypeLabel};
 use crate::snapshot::Snapshot;
+use delta::DeltaState;
 use stream::{Event, StreamState};
 
 /// What the proxy has ACKed, shared by every stream: the CNI ADD waits on it.
@@ -116,24 +120,100 @@ impl AggregatedDiscoveryService for Ads {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
-        let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(run_stream(
-            id,
-            request.into_inner(),
-            tx,
-            self.snapshots.clone(),
-            self.acks.clone(),
-            self.metrics.clone(),
-        ));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(self.open::<StreamState>(request.into_inner())))
     }
 
     async fn delta_aggregated_resources(
         &self,
-        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Err(Status::unimplemented("delta xDS is not served; use api_type GRPC (state of the world)"))
+        Ok(Response::new(self.open::<DeltaState>(request.into_inner())))
+    }
+}
+
+impl Ads {
+    fn open<P: Protocol>(&self, inbound: Streaming<P::Request>) -> ResponseStream<P::Response> {
+        let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(run_stream::<P>(id, inbound, tx, self.snapshots.clone(), self.acks.clone(), self.metrics.clone()));
+        Box::pin(ReceiverStream::new(rx))
+    }
+}
+
+/// What a stream task needs of a protocol's per-stream state: state of the world
+/// ([`StreamState`]) or incremental ([`DeltaState`]).
+trait Protocol: Send + 'static {
+    type Request: Send + 'static;
+    type Response: Send + 'static;
+    const NAME: &'static str;
+    fn new(current: Arc<Snapshot>) -> Self;
+    fn node_id(req: &Self::Request) -> Option<&str>;
+    fn on_request(&mut self, req: &Self::Request) -> Event;
+    fn current(&self) -> &Arc<Snapshot>;
+    fn set_snapshot(&mut self, s: Arc<Snapshot>);
+    fn pending(&mut self) -> Vec<Self::Response>;
+    fn acked_current(&self) -> bool;
+    /// (type URL, version, nonce, resource count) of a response, for logs and metrics.
+    fn describe(resp: &Self::Response) -> (&str, &str, &str, usize);
+}
+
+impl Protocol for StreamState {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+    const NAME: &'static str = "sotw";
+    fn new(current: Arc<Snapshot>) -> Self {
+        StreamState::new(current)
+    }
+    fn node_id(req: &DiscoveryRequest) -> Option<&str> {
+        req.node.as_ref().map(|n| n.id.as_str())
+    }
+    fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
+        StreamState::on_request(self, req)
+    }
+    fn current(&self) -> &Arc<Snapshot> {
+        StreamState::current(self)
+    }
+    fn set_snapshot(&mut self, s: Arc<Snapshot>) {
+        StreamState::set_snapshot(self, s)
+    }
+    fn pending(&mut self) -> Vec<DiscoveryResponse> {
+        StreamState::pending(self)
+    }
+    fn acked_current(&self) -> bool {
+        StreamState::acked_current(self)
+    }
+    fn describe(r: &DiscoveryResponse) -> (&str, &str, &str, usize) {
+        (&r.type_url, &r.version_info, &r.nonce, r.resources.len())
+    }
+}
+
+impl Protocol for DeltaState {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    const NAME: &'static str = "delta";
+    fn new(current: Arc<Snapshot>) -> Self {
+        DeltaState::new(current)
+    }
+    fn node_id(req: &DeltaDiscoveryRequest) -> Option<&str> {
+        req.node.as_ref().map(|n| n.id.as_str())
+    }
+    fn on_request(&mut self, req: &DeltaDiscoveryRequest) -> Event {
+        DeltaState::on_request(self, req)
+    }
+    fn current(&self) -> &Arc<Snapshot> {
+        DeltaState::current(self)
+    }
+    fn set_snapshot(&mut self, s: Arc<Snapshot>) {
+        DeltaState::set_snapshot(self, s)
+    }
+    fn pending(&mut self) -> Vec<DeltaDiscoveryResponse> {
+        DeltaState::pending(self)
+    }
+    fn acked_current(&self) -> bool {
+        DeltaState::acked_current(self)
+    }
+    fn describe(r: &DeltaDiscoveryResponse) -> (&str, &str, &str, usize) {
+        (&r.type_url, &r.system_version_info, &r.nonce, r.resources.len() + r.removed_resources.len())
     }
 }
 
@@ -146,30 +226,30 @@ impl Drop for StreamGauge {
     }
 }
 
-async fn run_stream(
+async fn run_stream<P: Protocol>(
     id: u64,
-    mut inbound: Streaming<DiscoveryRequest>,
-    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    mut inbound: Streaming<P::Request>,
+    tx: mpsc::Sender<Result<P::Response, Status>>,
     mut snapshots: watch::Receiver<Arc<Snapshot>>,
     acks: Acks,
     metrics: Arc<Metrics>,
 ) {
     metrics.xds_streams.inc();
     let _gauge = StreamGauge(metrics.clone());
-    let mut st = StreamState::new(snapshots.borrow_and_update().clone());
+    let mut st = P::new(snapshots.borrow_and_update().clone());
     let mut snapshots_open = true;
     let mut node_id = String::new();
     // For the debug log: when the snapshot last changed, and when each type's last
     // response went out (by nonce), so that push and ACK lines carry how long each took.
     let mut changed_at = Instant::now();
     let mut pushed_at: [Option<(String, Instant)>; 4] = Default::default();
-    tracing::info!(stream = id, "ADS stream opened");
+    tracing::info!(stream = id, protocol = P::NAME, "ADS stream opened");
     loop {
         tokio::select! {
             msg = inbound.message() => match msg {
                 Ok(Some(req)) => {
-                    if let Some(node) = &req.node {
-                        node_id = node.id.clone();
+                    if let Some(node) = P::node_id(&req) {
+                        node_id = node.to_string();
                     }
                     record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
                 }
@@ -202,13 +282,13 @@ async fn run_stream(
             }
         }
         for resp in st.pending() {
-            tracing::debug!(stream = id, type_url = %resp.type_url, version = %resp.version_info,
-                nonce = %resp.nonce, resources = resp.resources.len(),
+            let (type_url, version, nonce, resources) = P::describe(&resp);
+            tracing::debug!(stream = id, type_url, version, nonce, resources,
                 since_change_us = changed_at.elapsed().as_micros() as u64, "push");
-            if let Some(k) = stream::Kind::from_type_url(&resp.type_url) {
-                pushed_at[k.index()] = Some((resp.nonce.clone(), Instant::now()));
+            if let Some(k) = stream::Kind::from_type_url(type_url) {
+                pushed_at[k.index()] = Some((nonce.to_string(), Instant::now()));
             }
-            metrics.xds_pushes.get_or_create(&TypeLabel { type_url: resp.type_url.clone() }).inc();
+            metrics.xds_pushes.get_or_create(&TypeLabel { type_url: type_url.to_string() }).inc();
             if tx.send(Ok(resp)).await.is_err() {
                 return;
             }

@@ -52,7 +52,7 @@ impl Kind {
     }
 
     /// LDS and CDS are wildcard subscriptions: every response carries the full set.
-    fn wildcard(self) -> bool {
+    pub(super) fn wildcard(self) -> bool {
         matches!(self, Kind::Cluster | Kind::Listener)
     }
 
@@ -70,7 +70,7 @@ impl Kind {
     }
 }
 
-fn version(s: &Snapshot, k: Kind) -> &str {
+pub(super) fn version(s: &Snapshot, k: Kind) -> &str {
     match k {
         Kind::Cluster => &s.clusters.version,
         Kind::Endpoint => &s.endpoints.version,
@@ -79,7 +79,7 @@ fn version(s: &Snapshot, k: Kind) -> &str {
     }
 }
 
-fn hashes(s: &Snapshot, k: Kind) -> &BTreeMap<String, u64> {
+pub(super) fn hashes(s: &Snapshot, k: Kind) -> &BTreeMap<String, u64> {
     match k {
         Kind::Cluster => &s.clusters.hashes,
         Kind::Endpoint => &s.endpoints.hashes,
@@ -88,7 +88,7 @@ fn hashes(s: &Snapshot, k: Kind) -> &BTreeMap<String, u64> {
     }
 }
 
-fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
+pub(super) fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
     let pick = |n: &String| names.contains(n);
     match k {
         Kind::Cluster => s.clusters.items.iter().filter(|(n, _)| pick(n)).map(|(_, c)| convert::cluster(c)).collect(),

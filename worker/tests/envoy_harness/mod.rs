@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use aether_worker::bootstrap::{self, Admin};
+use aether_worker::bootstrap::{self, Admin, AdsApi};
 use aether_worker::metrics::{Metrics, TypeLabel};
 use aether_worker::node::Node;
 use aether_worker::snapshot::{Inputs, Snapshot};
@@ -142,6 +142,11 @@ impl Harness {
     /// Starts the worker side (registry, capture, ADS server) and an Envoy bootstrapped
     /// from the project template, and waits until Envoy has ACKed the first snapshot.
     pub async fn start(envoy: &Path, registry_json: &str) -> Self {
+        Self::start_with(envoy, registry_json, AdsApi::default()).await
+    }
+
+    /// The same, with Envoy speaking the given ADS variant.
+    pub async fn start_with(envoy: &Path, registry_json: &str, api: AdsApi) -> Self {
         let dir = tempfile::Builder::new().prefix("axds").tempdir().unwrap();
         let registry_file = dir.path().join("registry.json");
         std::fs::write(&registry_file, registry_json).unwrap();
@@ -171,6 +176,7 @@ impl Harness {
             "test-node",
             bootstrap::DEFAULT_BACKOFF_BASE,
             bootstrap::DEFAULT_BACKOFF_MAX,
+            api,
         );
         std::fs::write(dir.path().join("envoy.yaml"), config).unwrap();
         let log = std::fs::File::create(dir.path().join("envoy.log")).unwrap();

@@ -1,0 +1,386 @@
+//! The state of one incremental (delta) ADS stream, per resource type: what the proxy
+//! subscribed to, which version of each resource it holds, what it ACKed. No I/O, like
+//! [`super::stream::StreamState`], whose rules it shares where the protocols agree.
+//!
+//! Why delta: in state of the world every LDS and CDS response is the whole set, and
+//! the proxy re-reads every listener and cluster of it. With one listener and one
+//! cluster per pod, a pod's ADD then costs the proxy time in proportion to the pods on
+//! the node. A delta response carries only the resources that changed.
+//!
+//! Rules:
+//! - Each resource's version is its content hash (hex); the proxy reports the versions it
+//!   holds when it reconnects (`initial_resource_versions`), and only resources whose
+//!   content differs are sent again.
+//! - LDS and CDS are wildcard: a first request without names (or with `*`) subscribes
+//!   to every resource of the type. EDS and RDS follow the names subscribed and
+//!   unsubscribed.
+//! - A resource the proxy holds that is no longer in the snapshot (or no longer
+//!   subscribed to by name) is named in `removed_resources`.
+//! - A fresh subscription is always answered, even by an empty response, so the proxy's
+//!   initial fetch completes and a reconnect shows as a config update.
+//! - A request whose nonce is not the last one sent for its type is stale and ignored. A
+//!   request without a nonce only changes the subscription.
+//! - `error_detail` set: a NACK. The rejected content is not resent; the next change is.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+
+use super::stream::{Event, KINDS, Kind, encode, hashes, version};
+use crate::snapshot::Snapshot;
+
+/// A resource's version on the wire: its content hash.
+fn wire_version(hash: u64) -> String {
+    format!("{hash:016x}")
+}
+
+#[derive(Debug, Default)]
+struct TypeState {
+    subscribed: bool,
+    /// Subscribed to every resource of the type (LDS, CDS).
+    wildcard: bool,
+    /// Names subscribed to explicitly (EDS, RDS).
+    names: BTreeSet<String>,
+    /// Content hash of each resource the proxy holds once it applies what was sent.
+    holds: BTreeMap<String, u64>,
+    /// Answer the next `pending` even if nothing changed: a fresh subscription.
+    answer: bool,
+    /// The last response: its nonce and `holds` after it.
+    sent: Option<(String, BTreeMap<String, u64>)>,
+    /// `holds` as of the last ACKed response.
+    acked: BTreeMap<String, u64>,
+}
+
+pub struct DeltaState {
+    current: Arc<Snapshot>,
+    nonce: u64,
+    types: [TypeState; 4],
+}
+
+impl DeltaState {
+    pub fn new(current: Arc<Snapshot>) -> Self {
+        Self { current, nonce: 0, types: Default::default() }
+    }
+
+    pub fn current(&self) -> &Arc<Snapshot> {
+        &self.current
+    }
+
+    pub fn set_snapshot(&mut self, s: Arc<Snapshot>) {
+        self.current = s;
+    }
+
+    pub fn on_request(&mut self, req: &DeltaDiscoveryRequest) -> Event {
+        let Some(kind) = Kind::from_type_url(&req.type_url) else {
+            return Event::UnknownType { type_url: req.type_url.clone() };
+        };
+        let t = &mut self.types[kind.index()];
+        let first = !t.subscribed;
+        if first {
+            t.subscribed = true;
+            t.answer = true;
+            t.wildcard = kind.wildcard() && req.resource_names_subscribe.is_empty();
+            // A reconnect: the proxy keeps what it held on the old stream.
+            t.holds = req
+                .initial_resource_versions
+                .iter()
+                .filter_map(|(n, v)| Some((n.clone(), u64::from_str_radix(v, 16).ok()?)))
+                .collect();
+            t.acked = t.holds.clone();
+        }
+        for n in &req.resource_names_subscribe {
+            if n == "*" {
+                t.wildcard = true;
+            } else if t.names.insert(n.clone()) && !first {
+                t.answer |= !t.holds.contains_key(n);
+            }
+        }
+        for n in &req.resource_names_unsubscribe {
+            if n == "*" {
+                t.wildcard = false;
+            } else {
+                t.names.remove(n);
+                if !t.wildcard {
+                    // The proxy drops what it no longer asks for.
+                    t.holds.remove(n);
+                    t.acked.remove(n);
+                }
+            }
+        }
+        if first || req.response_nonce.is_empty() {
+            return Event::Subscribe { kind, version: format!("{} held", req.initial_resource_versions.len()) };
+        }
+        let Some((nonce, holds)) = t.sent.clone().filter(|(n, _)| *n == req.response_nonce) else {
+            return Event::Stale { kind, nonce: req.response_nonce.clone() };
+        };
+        match &req.error_detail {
+            Some(status) => Event::Nack {
+                kind,
+                rejected_version: version(&self.current, kind).to_string(),
+                nonce,
+                message: status.message.clone(),
+            },
+            None => {
+                t.acked = holds;
+                Event::Ack { kind, version: version(&self.current, kind).to_string(), nonce }
+            }
+        }
+    }
+
+    /// The responses owed to the proxy now, in push order; marks them sent.
+    pub fn pending(&mut self) -> Vec<DeltaDiscoveryResponse> {
+        let mut out = Vec::new();
+        for kind in KINDS {
+            let t = &mut self.types[kind.index()];
+            if !t.subscribed {
+                continue;
+            }
+            let current = hashes(&self.current, kind);
+            let wanted = |n: &String| t.wildcard || t.names.contains(n);
+            let to_send: BTreeSet<&String> =
+                current.iter().filter(|(n, h)| wanted(n) && t.holds.get(*n) != Some(*h)).map(|(n, _)| n).collect();
+            let removed: Vec<String> =
+                t.holds.keys().filter(|n| !(wanted(n) && current.contains_key(*n))).cloned().collect();
+            if to_send.is_empty() && removed.is_empty() && !t.answer {
+                continue;
+            }
+            t.answer = false;
+            for n in &to_send {
+                t.holds.insert((*n).clone(), current[*n]);
+            }
+            for n in &removed {
+                t.holds.remove(n);
+            }
+            self.nonce += 1;
+            let nonce = self.nonce.to_string();
+            let resources = encode(&self.current, kind, &to_send)
+                .into_iter()
+                .zip(&to_send)
+                .map(|(any, name)| Resource {
+                    name: (*name).clone(),
+                    version: wire_version(current[*name]),
+                    resource: Some(any),
+                    ..Default::default()
+                })
+                .collect();
+            out.push(DeltaDiscoveryResponse {
+                system_version_info: version(&self.current, kind).to_string(),
+                resources,
+                type_url: kind.type_url().to_string(),
+                removed_resources: removed,
+                nonce: nonce.clone(),
+                ..Default::default()
+            });
+            t.sent = Some((nonce, t.holds.clone()));
+        }
+        out
+    }
+
+    /// Whether the proxy has ACKed everything of the current snapshot that it uses: every
+    /// listener and cluster (and no removed one), and the EDS and RDS resources the
+    /// snapshot's clusters and listeners refer to.
+    pub fn acked_current(&self) -> bool {
+        let s = &*self.current;
+        KINDS.into_iter().all(|kind| {
+            let acked = &self.types[kind.index()].acked;
+            let current = hashes(s, kind);
+            let needed: Vec<&str> = match kind {
+                Kind::Listener | Kind::Cluster => {
+                    if acked.keys().any(|n| !current.contains_key(n)) {
+                        return false;
+                    }
+                    current.keys().map(String::as_str).collect()
+                }
+                Kind::Endpoint => s.eds_cluster_names().collect(),
+                Kind::Route => s.rds_names().collect(),
+            };
+            needed.iter().all(|n| acked.get(*n).is_some_and(|h| current.get(*n) == Some(h)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::{Endpoint, EndpointState, RegistryView, Service};
+    use crate::snapshot::{Inputs, Pod, build};
+    use envoy_types::pb::google::rpc::Status;
+
+    fn inputs(endpoints: usize, pods: usize) -> Inputs {
+        let eps = (0..endpoints)
+            .map(|i| Endpoint {
+                address: format!("10.0.0.{}", i + 1).parse().unwrap(),
+                port: 8080,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: EndpointState::Healthy,
+            })
+            .collect();
+        let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
+        let mut i = Inputs { registry: RegistryView { services: vec![svc] }, ..Default::default() };
+        for p in 0..pods {
+            let uid = format!("uid-{p}");
+            i.pods.insert(uid.clone(), Pod {
+                uid,
+                namespace: "d".into(),
+                name: format!("p{p}"),
+                container_id: format!("c{p}"),
+                netns: "/var/run/netns/x".into(),
+                ifname: "eth0".into(),
+                ips: vec![format!("10.244.0.{}", p + 1).parse().unwrap()],
+            });
+        }
+        i
+    }
+
+    fn snap(endpoints: usize, pods: usize) -> Arc<Snapshot> {
+        Arc::new(build(&inputs(endpoints, pods)))
+    }
+
+    const CLA: &str = "outbound|80||web.d";
+
+    fn req(kind: Kind, nonce: &str, subscribe: &[&str], error: Option<&str>) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            type_url: kind.type_url().into(),
+            response_nonce: nonce.into(),
+            resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            error_detail: error.map(|m| Status { code: 13, message: m.into(), details: vec![] }),
+            ..Default::default()
+        }
+    }
+
+    /// (type, nonce, names sent, names removed) of each pending response.
+    fn sent(st: &mut DeltaState) -> Vec<(&'static str, String, Vec<String>, Vec<String>)> {
+        st.pending()
+            .into_iter()
+            .map(|r| {
+                let names = r.resources.iter().map(|x| x.name.clone()).collect();
+                (Kind::from_type_url(&r.type_url).unwrap().short(), r.nonce, names, r.removed_resources)
+            })
+            .collect()
+    }
+
+    /// Subscribes to all four types as the proxy does on a fresh stream and ACKs the
+    /// answers; returns the state.
+    fn subscribed(s: Arc<Snapshot>) -> DeltaState {
+        let mut st = DeltaState::new(s.clone());
+        st.on_request(&req(Kind::Cluster, "", &[], None));
+        st.on_request(&req(Kind::Listener, "", &[], None));
+        st.on_request(&req(Kind::Endpoint, "", &[CLA], None));
+        st.on_request(&req(Kind::Route, "", &["outbound"], None));
+        for (kind, nonce, _, _) in sent(&mut st) {
+            let k = KINDS.into_iter().find(|k| k.short() == kind).unwrap();
+            st.on_request(&req(k, &nonce, &[], None));
+        }
+        assert!(st.acked_current());
+        st
+    }
+
+    #[test]
+    fn a_pod_add_sends_only_its_listener_and_cluster_and_a_del_removes_them() {
+        let mut st = subscribed(snap(2, 20));
+        let before = st.current().clone();
+        st.set_snapshot(snap(2, 21));
+        let out = sent(&mut st);
+        assert_eq!(out.len(), 2, "{out:?}");
+        let new_cluster: Vec<_> = st.current().clusters.hashes.keys().filter(|n| !before.clusters.hashes.contains_key(*n)).cloned().collect();
+        let new_listener: Vec<_> = st.current().listeners.hashes.keys().filter(|n| !before.listeners.hashes.contains_key(*n)).cloned().collect();
+        assert_eq!(out[0].0, "CDS");
+        assert_eq!(out[0].2, new_cluster);
+        assert_eq!(out[1].0, "LDS");
+        assert_eq!(out[1].2, new_listener);
+        assert!(!st.acked_current(), "not acked before the ACKs");
+        st.on_request(&req(Kind::Cluster, &out[0].1, &[], None));
+        st.on_request(&req(Kind::Listener, &out[1].1, &[], None));
+        assert!(st.acked_current());
+
+        st.set_snapshot(snap(2, 20));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.len(), o.3.clone())).collect::<Vec<_>>(), vec![
+            ("CDS", 0, new_cluster.clone()),
+            ("LDS", 0, new_listener.clone())
+        ]);
+        assert!(!st.acked_current(), "a removal is not acked until the proxy says so");
+        st.on_request(&req(Kind::Cluster, &out[0].1, &[], None));
+        st.on_request(&req(Kind::Listener, &out[1].1, &[], None));
+        assert!(st.acked_current());
+    }
+
+    #[test]
+    fn a_reconnect_with_current_versions_gets_empty_answers_and_is_acked() {
+        let s = snap(3, 5);
+        let mut st = DeltaState::new(s.clone());
+        for kind in KINDS {
+            let held = hashes(&s, kind);
+            let mut r = req(kind, "", &[], None);
+            if matches!(kind, Kind::Endpoint | Kind::Route) {
+                r.resource_names_subscribe = held.keys().cloned().collect();
+            }
+            r.initial_resource_versions = held.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect();
+            st.on_request(&r);
+        }
+        let out = sent(&mut st);
+        assert_eq!(out.len(), 4, "each fresh subscription is answered");
+        assert!(out.iter().all(|o| o.2.is_empty() && o.3.is_empty()), "{out:?}");
+        assert!(st.acked_current(), "what the proxy held is the current snapshot");
+    }
+
+    #[test]
+    fn a_reconnect_gets_what_changed_and_the_removal_of_what_is_gone() {
+        let old = snap(3, 5);
+        let mut st = DeltaState::new(snap(4, 4));
+        let mut r = req(Kind::Cluster, "", &[], None);
+        r.initial_resource_versions = old.clusters.hashes.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect();
+        st.on_request(&r);
+        let out = sent(&mut st);
+        assert_eq!(out.len(), 1);
+        assert!(out[0].2.is_empty(), "the clusters kept are unchanged (endpoints live in EDS): {out:?}");
+        assert_eq!(out[0].3.len(), 1, "the removed pod's cluster: {out:?}");
+    }
+
+    #[test]
+    fn named_types_follow_subscribe_and_unsubscribe() {
+        let mut st = subscribed(snap(2, 0));
+        st.set_snapshot(snap(3, 0));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("EDS", vec![CLA.to_string()])]);
+        st.on_request(&req(Kind::Endpoint, &out[0].1, &[], None));
+        let mut unsub = req(Kind::Endpoint, "", &[], None);
+        unsub.resource_names_unsubscribe = vec![CLA.into()];
+        st.on_request(&unsub);
+        st.set_snapshot(snap(4, 0));
+        assert!(sent(&mut st).is_empty(), "an unsubscribed name is not sent");
+        st.on_request(&req(Kind::Endpoint, "", &[CLA], None));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("EDS", vec![CLA.to_string()])]);
+    }
+
+    #[test]
+    fn a_nack_is_not_resent_and_keeps_the_acked_view() {
+        let mut st = subscribed(snap(2, 1));
+        st.set_snapshot(snap(2, 2));
+        let out = sent(&mut st);
+        let ev = st.on_request(&req(Kind::Listener, &out[1].1, &[], Some("bad listener")));
+        assert!(matches!(ev, Event::Nack { kind: Kind::Listener, ref message, .. } if message == "bad listener"), "{ev:?}");
+        st.on_request(&req(Kind::Cluster, &out[0].1, &[], None));
+        assert!(!st.acked_current());
+        assert!(sent(&mut st).is_empty(), "the rejected listener is not resent");
+        // The next change goes out, the rejected listener still not.
+        st.set_snapshot(snap(3, 2));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec!["EDS"]);
+    }
+
+    #[test]
+    fn stale_nonces_are_ignored() {
+        let mut st = subscribed(snap(2, 1));
+        st.set_snapshot(snap(2, 2));
+        let first = sent(&mut st);
+        st.set_snapshot(snap(2, 3));
+        let second = sent(&mut st);
+        assert!(matches!(st.on_request(&req(Kind::Listener, &first[1].1, &[], None)), Event::Stale { .. }));
+        assert!(matches!(st.on_request(&req(Kind::Listener, &second[1].1, &[], None)), Event::Ack { .. }));
+    }
+}
