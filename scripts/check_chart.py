@@ -2,7 +2,7 @@
 """Assertions on the rendered aether-agent chart (the output of `helm template`).
 
     check_chart.py --surge true|false [--proxy true|false] [--spiffe-dir DIR]
-                   [--backoff-base 0.1s] [--backoff-max 1s] RENDERED.yaml
+                   [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC] RENDERED.yaml
     check_chart.py --unit deploy/systemd/aether-agent.service
 
 Prints one line per check ("ok   NAME") and stops at the first failure with
@@ -299,8 +299,8 @@ def check_proxy(docs, args):
 
     boot = yaml.safe_load(maps[0]["data"][keys[0]])
     ads = boot["dynamic_resources"]["ads_config"]
-    check("bootstrap: ADS api_type GRPC, transport V3, node on first message only",
-          ads.get("api_type") == "GRPC" and ads.get("transport_api_version") == "V3"
+    check(f"bootstrap: ADS api_type {args.ads_api_type}, transport V3, node on first message only",
+          ads.get("api_type") == args.ads_api_type and ads.get("transport_api_version") == "V3"
           and ads.get("set_node_on_first_message_only") is True, f"got {ads}")
     services = ads.get("grpc_services") or []
     grpc = (services[0] if len(services) == 1 else {}).get("envoy_grpc") or {}
@@ -380,6 +380,7 @@ def main():
     parser.add_argument("--spiffe-dir", default="")
     parser.add_argument("--backoff-base", default="0.1s")
     parser.add_argument("--backoff-max", default="1s")
+    parser.add_argument("--ads-api-type", default="GRPC", choices=["GRPC", "DELTA_GRPC"])
     parser.add_argument("--unit", help="check this systemd unit instead of a rendering")
     parser.add_argument("rendered", nargs="?")
     args = parser.parse_args()

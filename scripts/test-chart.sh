@@ -76,7 +76,7 @@ cases=(
   "surge-on|agent.updateStrategy.surge=true|--surge true"
   "proxy|agent.updateStrategy.surge=true,proxy.enabled=true|--surge true --proxy true"
   "spiffe|identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR"
-  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s"
+  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC"
 )
 
 render() { # render CHART OUT SETS

@@ -3,7 +3,8 @@
 //! snapshot build) on a temp unix socket. Two proxies:
 //! - `publish-ack`: a stand-in that ACKs each snapshot the moment the node publishes it;
 //! - `envoy`: a real Envoy on the worker's ADS server (the xDS tests' harness), so each
-//!   ADD answers after Envoy has ACKed LDS and CDS holding the pod. Without Envoy
+//!   ADD answers after Envoy has ACKed LDS and CDS holding the pod; once over state of
+//!   the world ADS, once over delta ADS, side by side. Without Envoy
 //!   (`scripts/install-envoy.sh` or `ENVOY_BIN`) this part says so and is skipped.
 //!
 //! Prints the median and p99 of each, and of VERSION (process start and exit alone).
@@ -21,6 +22,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use aether_worker::bootstrap::AdsApi;
 use aether_worker::cni::{self, AckSource, CniService, PublishedAcks};
 use aether_worker::metrics::Metrics;
 use aether_worker::node::Node;
@@ -133,9 +135,13 @@ async fn main() {
     match envoy_harness::envoy_bin() {
         None => println!("!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"),
         Some(envoy) => {
-            let h = envoy_harness::Harness::start(&envoy, &envoy_harness::registry_json(&[])).await;
-            let target = Target { node: h.node.clone(), metrics: h.metrics.clone(), acks: Arc::new(h.acks.clone()) };
-            bench_adds("real Envoy ACKing LDS+CDS", target, n).await;
+            // Side by side: the same ADDs with Envoy on state-of-the-world ADS (every
+            // listener and cluster resent per ADD) and on delta ADS (only the pod's).
+            for (api, name) in [(AdsApi::Sotw, "real Envoy, SotW ADS, ACKing LDS+CDS"), (AdsApi::Delta, "real Envoy, delta ADS, ACKing LDS+CDS")] {
+                let h = envoy_harness::Harness::start_with(&envoy, &envoy_harness::registry_json(&[]), api).await;
+                let target = Target { node: h.node.clone(), metrics: h.metrics.clone(), acks: Arc::new(h.acks.clone()) };
+                bench_adds(name, target, n).await;
+            }
         }
     }
 }

@@ -63,6 +63,10 @@ grows a placeholder this chart does not fill.
 {{- $t = $t | replace "${ENVOY_NODE_ID}" "set-by-service-node-flag" -}}
 {{- $t = $t | replace "${ADS_BACKOFF_BASE}" .Values.proxy.backoff.base -}}
 {{- $t = $t | replace "${ADS_BACKOFF_MAX}" .Values.proxy.backoff.max -}}
+{{- if not (has .Values.proxy.adsApiType (list "GRPC" "DELTA_GRPC")) -}}
+{{- fail (printf "proxy.adsApiType is %q; it must be GRPC or DELTA_GRPC" .Values.proxy.adsApiType) -}}
+{{- end -}}
+{{- $t = $t | replace "${ADS_API_TYPE}" .Values.proxy.adsApiType -}}
 {{- if contains "${" $t -}}
 {{- fail (printf "the Envoy bootstrap template has a placeholder this chart does not fill:\n%s" $t) -}}
 {{- end -}}
