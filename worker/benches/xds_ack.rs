@@ -5,7 +5,8 @@
 //! at least 50) sets the number of changes. Each change rewrites the file atomically and
 //! times until the proxy has ACKed a snapshot with exactly the versions that file gives;
 //! changes rotate through an endpoint turning draining or healthy (EDS), an endpoint
-//! moving port (EDS), and a service added or removed (CDS, EDS, RDS).
+//! moving port (EDS), and a service added or removed (CDS, EDS, RDS). `BENCH_XDS_API`
+//! (`sotw`, the default, or `delta`) picks the ADS variant Envoy speaks.
 
 #[path = "../tests/envoy_harness/mod.rs"]
 mod envoy_harness;
@@ -88,9 +89,14 @@ async fn main() {
     let n = SERVICES * ENDPOINTS_PER_SERVICE;
     let mut reg = Registry { draining: vec![false; n], ports: vec![8080; n], extra: false };
 
-    let h = Harness::start(&envoy, &reg.json()).await;
+    let api: aether_worker::bootstrap::AdsApi = match std::env::var("BENCH_XDS_API") {
+        Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
+        Err(_) => Default::default(),
+    };
+    let h = Harness::start_with(&envoy, &reg.json(), api).await;
     println!(
-        "xds-ack: {SERVICES} services, {n} endpoints, {changes} changes, Envoy {}",
+        "xds-ack: {SERVICES} services, {n} endpoints, {changes} changes, ADS {}, Envoy {}",
+        api.api_type(),
         envoy.display()
     );
 
