@@ -322,3 +322,47 @@ fn idle_owner_and_standby_sleep_between_events() {
         assert!(used < window / 10, "{name} (pid {pid}) used {used:?} of CPU in {window:?} while idle: a busy loop");
     }
 }
+
+/// The chained conflist: its plugin types, or None while it is missing or unreadable.
+fn conflist_types(path: &std::path::Path) -> Option<Vec<String>> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    Some(v["plugins"].as_array()?.iter().filter_map(|p| p["type"].as_str().map(String::from)).collect())
+}
+
+#[test]
+fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
+    let mut node = LocalNode::new();
+    let conf_dir = node.root.path().join("net.d");
+    std::fs::create_dir(&conf_dir).unwrap();
+    let conflist = conf_dir.join("10-ptp.conflist");
+    let primary = r#"{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp","ipam":{"type":"host-local","subnet":"10.88.0.0/16"}}]}"#;
+    std::fs::write(&conflist, primary).unwrap();
+    let flag = format!("--cni-conf-dir={}", conf_dir.display());
+
+    // An owner without the flag (an older agent), then a standby with it.
+    let mut a = node.start_agent();
+    a.wait_role("owner", T);
+    let b = node.start_agent_with(&[flag.as_str()]);
+    b.wait_role("standby", T);
+    assert_eq!(std::fs::read_to_string(&conflist).unwrap(), primary, "a standby wrote the node's conflist");
+
+    // Takeover: the new owner chains aether-cni, pointing at the node's cni.sock.
+    a.signal(Signal::SIGTERM);
+    assert!(a.wait_exit(T).success());
+    b.wait_role("owner", T);
+    let types = wait_for("aether-cni chained by the new owner", T, || {
+        conflist_types(&conflist).filter(|t| t.iter().any(|x| x == "aether-cni"))
+    });
+    assert_eq!(types, ["ptp", "aether-cni"]);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+    assert_eq!(v["plugins"][1]["agentSocket"], node.cni_sock().to_string_lossy().as_ref());
+
+    // The primary CNI rewrites its conflist without the entry: the owner puts it back.
+    let tmp = conf_dir.join(".primary.tmp");
+    std::fs::write(&tmp, primary).unwrap();
+    std::fs::rename(&tmp, &conflist).unwrap();
+    wait_for("aether-cni re-asserted after a rewrite", Duration::from_secs(15), || {
+        conflist_types(&conflist).filter(|t| t == &["ptp", "aether-cni"])
+    });
+    b.wait_log("appended it", T);
+}

@@ -6,6 +6,7 @@
 //! surface, and `sys/` for every raw syscall.
 
 mod config;
+mod conflist;
 mod handoff;
 mod monitor;
 mod supervise;

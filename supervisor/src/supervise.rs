@@ -1,6 +1,7 @@
 //! The supervisor's event loop: one thread, `poll(2)` over the signal descriptor, the
 //! node-lock wake-up, the worker's control socket and the handoff listener, with timers
-//! for heartbeats, respawns and retries. No async runtime.
+//! for heartbeats, respawns, retries and, while it owns the node, the CNI conflist
+//! re-assertion. No async runtime.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -19,6 +20,7 @@ use shared_proto::fdpass;
 use tracing::{error, info, warn};
 
 use crate::config::Config;
+use crate::conflist;
 use crate::handoff;
 use crate::monitor::{Monitor, Notice};
 use crate::sys::listen::{self, ListenError};
@@ -40,6 +42,8 @@ const HEALTHY_RESET: Duration = Duration::from_secs(60);
 const BIND_RETRY: Duration = Duration::from_millis(20);
 const HANDOFF_RETRY: Duration = Duration::from_millis(200);
 const HANDOFF_REFRESH: Duration = Duration::from_secs(2);
+/// How often the owner checks that the node's conflist still chains aether-cni.
+const CONFLIST_EVERY: Duration = Duration::from_secs(5);
 /// How long a drained worker may take before it is killed.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(25);
 
@@ -93,6 +97,9 @@ pub struct Supervisor {
     backoff: Duration,
     respawns: u64,
     drain_deadline: Option<Instant>,
+    /// Next conflist check (owner with --cni-conf-dir only), and the last result logged.
+    conflist_at: Option<Instant>,
+    conflist_last: Option<String>,
     exit: Option<i32>,
 }
 
@@ -137,6 +144,8 @@ impl Supervisor {
             backoff: Duration::ZERO,
             respawns: 0,
             drain_deadline: None,
+            conflist_at: None,
+            conflist_last: None,
             exit: None,
         })
     }
@@ -169,6 +178,9 @@ impl Supervisor {
         if self.owned.is_none() && self.exit.is_none() && self.drain_deadline.is_none() && self.handoff_at <= now {
             self.fetch_handoff();
         }
+        if self.owned.is_some() && self.drain_deadline.is_none() && self.conflist_at.is_some_and(|t| t <= now) {
+            self.reassert_conflist();
+        }
         if let Some(d) = self.drain_deadline
             && d <= now
             && let Some(w) = &self.worker
@@ -198,6 +210,9 @@ impl Supervisor {
 
     fn next_deadline(&self) -> Option<Instant> {
         let mut ds = vec![self.respawn_at, self.bind_retry_at, self.drain_deadline];
+        if self.owned.is_some() && self.drain_deadline.is_none() {
+            ds.push(self.conflist_at);
+        }
         if self.owned.is_none() && self.drain_deadline.is_none() {
             ds.push(Some(self.handoff_at));
         }
@@ -521,6 +536,32 @@ impl Supervisor {
         if self.worker.as_ref().is_some_and(|w| w.monitor.may_send_takeover()) {
             self.send_takeover();
         }
+        // After the Takeover is out: the file work is never on the takeover's path.
+        if self.cfg.cni_conf_dir.is_some() {
+            self.conflist_at = Some(Instant::now());
+        }
+    }
+
+    /// Makes the node's conflist chain aether-cni (owner only); logs what changed.
+    fn reassert_conflist(&mut self) {
+        self.conflist_at = Some(Instant::now() + CONFLIST_EVERY);
+        let Some(dir) = &self.cfg.cni_conf_dir else { return };
+        let entry = conflist::entry(&self.cfg.cni_path());
+        let result = conflist::reassert(dir, &entry);
+        let summary = match &result {
+            Ok(conflist::Outcome::NoConflist) => format!("no CNI network configuration in {} yet", dir.display()),
+            Ok(conflist::Outcome::Chained(p) | conflist::Outcome::Repaired(p)) => format!("{} chains aether-cni", p.display()),
+            Err(e) => e.to_string(),
+        };
+        match &result {
+            Ok(conflist::Outcome::Repaired(p)) => {
+                warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it")
+            }
+            _ if self.conflist_last.as_deref() == Some(summary.as_str()) => {}
+            Ok(_) => info!("{summary}"),
+            Err(e) => error!(error = %e, "cannot re-assert the CNI conflist"),
+        }
+        self.conflist_last = Some(summary);
     }
 
     fn bind_fresh(&self, xds_path: &PathBuf, cni_path: &PathBuf) -> Result<(OwnedFd, OwnedFd, [(u64, u64); 2], bool), ListenError> {
