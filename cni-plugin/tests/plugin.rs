@@ -387,3 +387,54 @@ async fn shutdown_lets_an_in_flight_add_finish_and_the_next_owner_takes_the_rest
     assert_eq!(r.code, Some(0), "{}", r.stdout);
     assert!(agent.records().is_empty());
 }
+
+/// The uid of this test process, from `/proc/self/status` (`Uid:` real, effective, ...).
+fn euid() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_of_another_uid_is_refused_even_when_the_socket_mode_lets_it_connect() {
+    if euid() != 0 {
+        eprintln!("\n!!! SKIPPED a_peer_of_another_uid_is_refused...: needs root to run the plugin as another uid. CI runs as root. !!!\n");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let agent = Agent::start(Proxy::Acking).await;
+    // A mistake that opens the socket to everyone: the file mode no longer protects it.
+    std::fs::set_permissions(agent.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(agent.socket(), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let plugin = agent.dir.path().join("aether-cni");
+    std::fs::copy(env!("CARGO_BIN_EXE_aether-cni"), &plugin).unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let mut child = tokio::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&plugin)
+        .env_clear()
+        .envs(env("ADD"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("setpriv (util-linux)");
+    child.stdin.take().unwrap().write_all(conf(&agent.socket()).as_bytes()).await.unwrap();
+    let out = child.wait_with_output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "uid 65534 was served: {stdout}");
+    assert!(agent.records().is_empty(), "a refused peer wrote a record");
+    assert!(!agent.calls_seen(), "a refused peer's call reached the service");
+    let metrics = agent.metrics.encode();
+    let refused: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("aether_cni_refused_peers_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no refused-peers counter in:\n{metrics}"));
+    assert!(refused >= 1, "the refused connection was not counted");
+
+    // Root, the runtime's uid, is still served on the same socket.
+    let add = run(env("ADD"), conf(&agent.socket()).into()).await;
+    assert_eq!(add.code, Some(0), "{}", add.stdout);
+}

@@ -39,6 +39,7 @@ pub struct Metrics {
     pub xds_streams: Gauge,
     pub cni_requests: Family<CniLabel, Counter>,
     pub cni_ack_timeouts: Counter,
+    pub cni_refused_peers: Counter,
     pub storage_quarantined: Counter,
     pub registry_reload_errors: Counter,
 }
@@ -61,6 +62,7 @@ impl Metrics {
             xds_streams: Gauge::default(),
             cni_requests: Family::default(),
             cni_ack_timeouts: Counter::default(),
+            cni_refused_peers: Counter::default(),
             storage_quarantined: Counter::default(),
             registry_reload_errors: Counter::default(),
         };
@@ -74,6 +76,7 @@ impl Metrics {
         r.register("xds_streams", "Open ADS streams", m.xds_streams.clone());
         r.register("cni_requests", "CNI API calls, by operation and result", m.cni_requests.clone());
         r.register("cni_ack_timeouts", "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)", m.cni_ack_timeouts.clone());
+        r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());
         r.register("storage_quarantined", "Pod records moved to quarantine", m.storage_quarantined.clone());
         r.register("registry_reload_errors", "Registry or capture file reloads rejected", m.registry_reload_errors.clone());
         Arc::new(m)

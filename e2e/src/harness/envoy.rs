@@ -41,6 +41,10 @@ impl Envoy {
         Ok(Envoy { child, admin, log })
     }
 
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
     pub fn alive(&mut self) -> bool {
         self.child.try_wait().ok().flatten().is_none()
     }

@@ -10,6 +10,10 @@
 //! released. The change itself runs in a task of its own, so a caller that hangs up
 //! mid-call cannot leave a record written but not in the snapshot.
 //!
+//! Peers: `cni.sock` is 0600, so only its owner (the supervisor's uid) and root can
+//! connect; each accepted connection is checked again with SO_PEERCRED, so a socket
+//! whose mode was opened by mistake still answers no one else.
+//!
 //! Graceful stop: on shutdown the server stops accepting, lets in-flight calls (with their
 //! ACK wait) finish within [`DRAIN_BOUND`], then fences: it takes the lifecycle lock and
 //! marks the service drained, so any call still queued is turned away as `Unavailable`
@@ -118,9 +122,10 @@ pub async fn serve_with(
     };
 
     let fence = service.clone();
+    let incoming = allowed_peers(listener, service.metrics().clone())?;
     let server = tonic::transport::Server::builder()
         .add_service(CniServer::new(service))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     let drain_expired = async {
         stopped(stop_rx).await;
         tracing::info!(bound = ?drain_bound, "CNI API draining: no new calls, finishing in-flight ones");
@@ -135,6 +140,36 @@ pub async fn serve_with(
     };
     fence.fence().await;
     result
+}
+
+/// The accepted connections whose peer is root or the socket's owner (the uid that
+/// created it: the supervisor); any other is closed, logged and counted.
+fn allowed_peers(
+    listener: tokio::net::UnixListener,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<impl tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>>> {
+    use std::os::unix::fs::MetadataExt;
+    use tokio_stream::StreamExt;
+    let owner = {
+        let fd = std::os::fd::AsFd::as_fd(&listener).try_clone_to_owned().context("dup of the cni.sock listener")?;
+        std::fs::File::from(fd).metadata().context("fstat of the cni.sock listener")?.uid()
+    };
+    Ok(UnixListenerStream::new(listener).filter_map(move |conn| match conn {
+        Err(e) => Some(Err(e)),
+        Ok(stream) => match stream.peer_cred() {
+            Ok(c) if c.uid() == 0 || c.uid() == owner => Some(Ok(stream)),
+            Ok(c) => {
+                metrics.cni_refused_peers.inc();
+                tracing::warn!(uid = c.uid(), pid = ?c.pid(), allowed = ?[0, owner], "CNI connection from an unexpected uid; closed");
+                None
+            }
+            Err(e) => {
+                metrics.cni_refused_peers.inc();
+                tracing::warn!(error = %e, "SO_PEERCRED of a CNI connection failed; closed");
+                None
+            }
+        },
+    }))
 }
 
 /// Loads the stored pods into the node and opens the `storage_loaded` gate: the view the

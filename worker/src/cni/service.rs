@@ -26,6 +26,12 @@ pub struct CniService {
     inner: Arc<Inner>,
 }
 
+impl CniService {
+    pub(super) fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+}
+
 struct Inner {
     node: Arc<Node>,
     storage: Arc<Storage>,

@@ -1,0 +1,100 @@
+//! Benchmark: the agent's memory on a loaded node.
+//!
+//! `cargo build --release --workspace --bins && AETHER_BIN_DIR=target/release target/release/bench-memory [PODS]`
+//! (default 110 pods; `BENCH_XDS_API=delta` for incremental ADS). A release agent with an
+//! embedded registry of 100 services and 1,000 endpoints serves a real Envoy 1.40; PODS
+//! pods are added through the real `aether-cni`, and once Envoy's config holds every
+//! pod's listener and cluster the supervisor's and the worker's resident memory are read
+//! from `/proc/<pid>/status`: `VmRSS` now and `VmHWM`, the peak. Envoy's own is printed
+//! for scale. Then a standby is started beside the owner and measured the same way: the
+//! surge roll's extra cost on the node.
+
+use std::net::Ipv4Addr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use aether_e2e::harness::churn::{self, Cni, Pods};
+use aether_e2e::harness::envoy::{AdsApi, Envoy, envoy_bin};
+use aether_e2e::testing::{EnvoyPods, LocalNode, bin, wait_envoy_connected};
+use serde_json::json;
+
+const SERVICES: usize = 100;
+const ENDPOINTS_PER_SERVICE: usize = 10;
+
+/// `VmRSS` and `VmHWM` in KiB.
+fn memory(pid: i32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
+    };
+    (kib("VmRSS:"), kib("VmHWM:"))
+}
+
+fn row(name: &str, pid: i32) {
+    let (rss, hwm) = memory(pid);
+    println!("{name:<22} {:>9.1} {:>9.1}", rss as f64 / 1024.0, hwm as f64 / 1024.0);
+}
+
+fn main() {
+    let pods_wanted: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(110);
+    let api: AdsApi = match std::env::var("BENCH_XDS_API") {
+        Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
+        Err(_) => AdsApi::default(),
+    };
+    let envoy_path = envoy_bin().expect("no Envoy: run scripts/install-envoy.sh or set ENVOY_BIN");
+    let t = Duration::from_secs(30);
+
+    let mut node = LocalNode::new();
+    let services: Vec<_> = (0..SERVICES)
+        .map(|s| {
+            let endpoints: Vec<_> = (0..ENDPOINTS_PER_SERVICE)
+                .map(|e| json!({ "address": format!("10.{}.{}.{}", 1 + s / 250, s % 250, 1 + e), "port": 8080, "pod": format!("svc{s}-{e}") }))
+                .collect();
+            json!({ "name": format!("svc{s}"), "namespace": "bench", "ports": [80], "vip": format!("10.96.{}.{}", s / 250, 1 + s % 250), "endpoints": endpoints })
+        })
+        .collect();
+    let registry = node.root.path().join("registry.json");
+    std::fs::write(&registry, json!({ "services": services }).to_string()).expect("write the registry file");
+    node.registry_file = Some(registry);
+
+    let owner = node.start_agent();
+    owner.wait_role("owner", t);
+    let dir = node.root.path().join("envoy");
+    std::fs::create_dir_all(&dir).expect("envoy dir");
+    let envoy = Envoy::start(&envoy_path, &dir, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), api)
+        .expect("start Envoy");
+    wait_envoy_connected(&envoy, t);
+
+    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
+    let pods = Mutex::new(Pods::default());
+    for i in 0..pods_wanted {
+        churn::add_one(&cni, &pods).unwrap_or_else(|| panic!("ADD {i} failed: {:?}", pods.lock().unwrap().errors));
+        if (i + 1) % 50 == 0 {
+            eprintln!("bench-memory: {}/{pods_wanted} pods added", i + 1);
+        }
+    }
+    let live: Vec<(String, std::net::IpAddr)> =
+        pods.lock().unwrap().live.iter().map(|(p, ip): (_, &Ipv4Addr)| (p.uid.clone(), (*ip).into())).collect();
+    let want = EnvoyPods::expected(live.iter().map(|(u, ip)| (u, ip)));
+    if let Err(seen) = EnvoyPods::wait_until(&envoy, &want, t) {
+        panic!("Envoy does not hold every pod: {}", seen.diff(&want));
+    }
+
+    println!(
+        "bench-memory: {SERVICES} services, {} endpoints, {pods_wanted} pods, ADS {}",
+        SERVICES * ENDPOINTS_PER_SERVICE,
+        api.api_type()
+    );
+    println!("{:<22} {:>9} {:>9}", "process (MiB)", "VmRSS", "VmHWM");
+    row("owner supervisor", owner.pid());
+    row("owner worker", owner.worker_pid());
+    let standby = node.start_agent();
+    standby.wait_role("standby", t);
+    row("standby supervisor", standby.pid());
+    row("standby worker", standby.worker_pid());
+    row("envoy (for scale)", envoy.pid());
+}
