@@ -193,7 +193,8 @@ fn a_standby_refuses_bad_offers_then_binds_fresh_sockets() {
     standby.wait_role("standby", T);
     let offer = HandoffOffer { version: HANDOFF_VERSION, generation: 9, ..Default::default() };
     let files: Vec<File> = (0..6).map(|_| File::open("/dev/null").expect("/dev/null")).collect();
-    let bad: Vec<(&str, Box<dyn Fn(&OwnedFd)>)> = vec![
+    type Breaker<'a> = Box<dyn Fn(&OwnedFd) + 'a>;
+    let bad: Vec<(&str, Breaker)> = vec![
         ("garbage", Box::new(|c: &OwnedFd| {
             nix::sys::socket::send(std::os::fd::AsRawFd::as_raw_fd(c), b"\xff\xff", nix::sys::socket::MsgFlags::empty()).expect("send");
         })),

@@ -103,6 +103,10 @@ pub struct Supervisor {
     exit: Option<i32>,
 }
 
+/// Freshly bound node sockets: xds, cni, their (dev, ino), and whether they came from a
+/// handoff (always false here).
+type Bound = (OwnedFd, OwnedFd, [(u64, u64); 2], bool);
+
 fn micros(d: Duration) -> u64 {
     d.as_micros().try_into().unwrap_or(u64::MAX)
 }
@@ -564,7 +568,7 @@ impl Supervisor {
         self.conflist_last = Some(summary);
     }
 
-    fn bind_fresh(&self, xds_path: &PathBuf, cni_path: &PathBuf) -> Result<(OwnedFd, OwnedFd, [(u64, u64); 2], bool), ListenError> {
+    fn bind_fresh(&self, xds_path: &PathBuf, cni_path: &PathBuf) -> Result<Bound, ListenError> {
         for p in [xds_path, cni_path] {
             if listen::live_server(p)? {
                 return Err(ListenError::LiveServer { path: p.clone() });

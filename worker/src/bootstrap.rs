@@ -82,6 +82,32 @@ fn yaml_str(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")
 }
 
+/// The workspace root at build time: where `scripts/install-envoy.sh` puts `.venv`.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("worker is inside the workspace").to_path_buf()
+}
+
+/// The Envoy binary for tests, benchmarks and the harness: `ENVOY_BIN` (which must name a
+/// file), else the one `scripts/install-envoy.sh` installs into the project's `.venv`.
+pub fn envoy_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        let p = PathBuf::from(p);
+        assert!(p.is_file(), "ENVOY_BIN={} is not a file", p.display());
+        return Some(p);
+    }
+    let venv = workspace_root().join(".venv");
+    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
+        for lib in libs.flatten() {
+            let p = lib.path().join("site-packages/envoy/_bin/envoy");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    let p = venv.join("bin/envoy");
+    p.is_file().then_some(p)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,30 +134,4 @@ mod tests {
         assert!(tcp.contains("max_interval: 1s"));
         assert!(tcp.contains("api_type: GRPC"));
     }
-}
-
-/// The workspace root at build time: where `scripts/install-envoy.sh` puts `.venv`.
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("worker is inside the workspace").to_path_buf()
-}
-
-/// The Envoy binary for tests, benchmarks and the harness: `ENVOY_BIN` (which must name a
-/// file), else the one `scripts/install-envoy.sh` installs into the project's `.venv`.
-pub fn envoy_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("ENVOY_BIN") {
-        let p = PathBuf::from(p);
-        assert!(p.is_file(), "ENVOY_BIN={} is not a file", p.display());
-        return Some(p);
-    }
-    let venv = workspace_root().join(".venv");
-    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
-        for lib in libs.flatten() {
-            let p = lib.path().join("site-packages/envoy/_bin/envoy");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    let p = venv.join("bin/envoy");
-    p.is_file().then_some(p)
 }

@@ -130,6 +130,9 @@ pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
         }
     }
     // Progress the phase as far as the state allows.
+    // Not collapsed into match guards: an owner that may not serve yet must stop in its
+    // arm, not fall through to the standby arms below.
+    #[allow(clippy::collapsible_match)]
     match s.phase {
         Phase::Building | Phase::StandbyComplete if s.owner => {
             if s.may_first_serve() {

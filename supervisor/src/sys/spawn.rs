@@ -163,7 +163,7 @@ struct ChildArgs {
 /// Must be called only in the child of `fork`, with `argv`/`envp` NULL-terminated
 /// arrays of valid C strings and every descriptor open.
 unsafe fn child_setup(a: &ChildArgs) -> ! {
-    // SAFETY (whole body): raw syscalls on integers and on the stack-held or pre-fork
+    // SAFETY: (whole body) raw syscalls on integers and on the stack-held or pre-fork
     // buffers described in ChildArgs; no allocation, no locks.
     unsafe {
         // Move every descriptor we use above fd 3 first, so that placing the control
