@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 
+use super::Protocol;
 use super::stream::{Event, KINDS, Kind, encode, hashes, version};
 use crate::snapshot::Snapshot;
 
@@ -58,20 +59,32 @@ pub struct DeltaState {
     types: [TypeState; 4],
 }
 
-impl DeltaState {
-    pub fn new(current: Arc<Snapshot>) -> Self {
+impl Protocol for DeltaState {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    const NAME: &'static str = "delta";
+
+    fn new(current: Arc<Snapshot>) -> Self {
         Self { current, nonce: 0, types: Default::default() }
     }
 
-    pub fn current(&self) -> &Arc<Snapshot> {
+    fn node_id(req: &DeltaDiscoveryRequest) -> Option<&str> {
+        req.node.as_ref().map(|n| n.id.as_str())
+    }
+
+    fn describe(r: &DeltaDiscoveryResponse) -> (&str, &str, &str, usize) {
+        (&r.type_url, &r.system_version_info, &r.nonce, r.resources.len() + r.removed_resources.len())
+    }
+
+    fn current(&self) -> &Arc<Snapshot> {
         &self.current
     }
 
-    pub fn set_snapshot(&mut self, s: Arc<Snapshot>) {
+    fn set_snapshot(&mut self, s: Arc<Snapshot>) {
         self.current = s;
     }
 
-    pub fn on_request(&mut self, req: &DeltaDiscoveryRequest) -> Event {
+    fn on_request(&mut self, req: &DeltaDiscoveryRequest) -> Event {
         let Some(kind) = Kind::from_type_url(&req.type_url) else {
             return Event::UnknownType { type_url: req.type_url.clone() };
         };
@@ -128,8 +141,7 @@ impl DeltaState {
         }
     }
 
-    /// The responses owed to the proxy now, in push order; marks them sent.
-    pub fn pending(&mut self) -> Vec<DeltaDiscoveryResponse> {
+    fn pending(&mut self) -> Vec<DeltaDiscoveryResponse> {
         let mut out = Vec::new();
         for kind in KINDS {
             let t = &mut self.types[kind.index()];
@@ -177,10 +189,9 @@ impl DeltaState {
         out
     }
 
-    /// Whether the proxy has ACKed everything of the current snapshot that it uses: every
-    /// listener and cluster (and no removed one), and the EDS and RDS resources the
-    /// snapshot's clusters and listeners refer to.
-    pub fn acked_current(&self) -> bool {
+    /// Every listener and cluster (and no removed one), and the EDS and RDS resources
+    /// the snapshot's clusters and listeners refer to.
+    fn acked_current(&self) -> bool {
         let s = &*self.current;
         KINDS.into_iter().all(|kind| {
             let acked = &self.types[kind.index()].acked;

@@ -141,80 +141,24 @@ impl Ads {
 }
 
 /// What a stream task needs of a protocol's per-stream state: state of the world
-/// ([`StreamState`]) or incremental ([`DeltaState`]).
+/// ([`StreamState`]) or incremental ([`DeltaState`]). No I/O: the task feeds it requests
+/// and snapshots, and sends what [`Protocol::pending`] returns.
 trait Protocol: Send + 'static {
     type Request: Send + 'static;
     type Response: Send + 'static;
     const NAME: &'static str;
     fn new(current: Arc<Snapshot>) -> Self;
     fn node_id(req: &Self::Request) -> Option<&str>;
+    /// Applies one request from the proxy; what it meant, for logs and metrics.
     fn on_request(&mut self, req: &Self::Request) -> Event;
     fn current(&self) -> &Arc<Snapshot>;
     fn set_snapshot(&mut self, s: Arc<Snapshot>);
+    /// The responses owed to the proxy now, in push order; marks them sent.
     fn pending(&mut self) -> Vec<Self::Response>;
+    /// Whether the proxy has ACKed everything of the current snapshot that it uses.
     fn acked_current(&self) -> bool;
     /// (type URL, version, nonce, resource count) of a response, for logs and metrics.
     fn describe(resp: &Self::Response) -> (&str, &str, &str, usize);
-}
-
-impl Protocol for StreamState {
-    type Request = DiscoveryRequest;
-    type Response = DiscoveryResponse;
-    const NAME: &'static str = "sotw";
-    fn new(current: Arc<Snapshot>) -> Self {
-        StreamState::new(current)
-    }
-    fn node_id(req: &DiscoveryRequest) -> Option<&str> {
-        req.node.as_ref().map(|n| n.id.as_str())
-    }
-    fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
-        StreamState::on_request(self, req)
-    }
-    fn current(&self) -> &Arc<Snapshot> {
-        StreamState::current(self)
-    }
-    fn set_snapshot(&mut self, s: Arc<Snapshot>) {
-        StreamState::set_snapshot(self, s)
-    }
-    fn pending(&mut self) -> Vec<DiscoveryResponse> {
-        StreamState::pending(self)
-    }
-    fn acked_current(&self) -> bool {
-        StreamState::acked_current(self)
-    }
-    fn describe(r: &DiscoveryResponse) -> (&str, &str, &str, usize) {
-        (&r.type_url, &r.version_info, &r.nonce, r.resources.len())
-    }
-}
-
-impl Protocol for DeltaState {
-    type Request = DeltaDiscoveryRequest;
-    type Response = DeltaDiscoveryResponse;
-    const NAME: &'static str = "delta";
-    fn new(current: Arc<Snapshot>) -> Self {
-        DeltaState::new(current)
-    }
-    fn node_id(req: &DeltaDiscoveryRequest) -> Option<&str> {
-        req.node.as_ref().map(|n| n.id.as_str())
-    }
-    fn on_request(&mut self, req: &DeltaDiscoveryRequest) -> Event {
-        DeltaState::on_request(self, req)
-    }
-    fn current(&self) -> &Arc<Snapshot> {
-        DeltaState::current(self)
-    }
-    fn set_snapshot(&mut self, s: Arc<Snapshot>) {
-        DeltaState::set_snapshot(self, s)
-    }
-    fn pending(&mut self) -> Vec<DeltaDiscoveryResponse> {
-        DeltaState::pending(self)
-    }
-    fn acked_current(&self) -> bool {
-        DeltaState::acked_current(self)
-    }
-    fn describe(r: &DeltaDiscoveryResponse) -> (&str, &str, &str, usize) {
-        (&r.type_url, &r.system_version_info, &r.nonce, r.resources.len() + r.removed_resources.len())
-    }
 }
 
 /// Decrements the open-streams gauge however the stream task ends.

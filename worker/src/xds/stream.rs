@@ -23,7 +23,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use envoy_types::pb::google::protobuf::Any;
 
-use super::convert;
+use super::{Protocol, convert};
 use crate::snapshot::Snapshot;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,20 +139,32 @@ pub struct StreamState {
     types: [TypeState; 4],
 }
 
-impl StreamState {
-    pub fn new(current: Arc<Snapshot>) -> Self {
+impl Protocol for StreamState {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+    const NAME: &'static str = "sotw";
+
+    fn new(current: Arc<Snapshot>) -> Self {
         Self { current, nonce: 0, types: Default::default() }
     }
 
-    pub fn current(&self) -> &Arc<Snapshot> {
+    fn node_id(req: &DiscoveryRequest) -> Option<&str> {
+        req.node.as_ref().map(|n| n.id.as_str())
+    }
+
+    fn describe(r: &DiscoveryResponse) -> (&str, &str, &str, usize) {
+        (&r.type_url, &r.version_info, &r.nonce, r.resources.len())
+    }
+
+    fn current(&self) -> &Arc<Snapshot> {
         &self.current
     }
 
-    pub fn set_snapshot(&mut self, s: Arc<Snapshot>) {
+    fn set_snapshot(&mut self, s: Arc<Snapshot>) {
         self.current = s;
     }
 
-    pub fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
+    fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
         let Some(kind) = Kind::from_type_url(&req.type_url) else {
             return Event::UnknownType { type_url: req.type_url.clone() };
         };
@@ -183,8 +195,7 @@ impl StreamState {
         }
     }
 
-    /// The responses owed to the proxy now, in push order; marks them sent.
-    pub fn pending(&mut self) -> Vec<DiscoveryResponse> {
+    fn pending(&mut self) -> Vec<DiscoveryResponse> {
         let mut out = Vec::new();
         for kind in KINDS {
             let t = &mut self.types[kind.index()];
@@ -232,10 +243,9 @@ impl StreamState {
         out
     }
 
-    /// Whether the proxy has ACKed everything of the current snapshot that it uses:
     /// LDS and CDS in full, and the EDS and RDS resources the snapshot's clusters and
     /// listeners refer to.
-    pub fn acked_current(&self) -> bool {
+    fn acked_current(&self) -> bool {
         let s = &*self.current;
         KINDS.into_iter().all(|kind| {
             let acked = self.types[kind.index()].acked.as_ref();
