@@ -355,7 +355,7 @@ def check_unit(path):
     for key, want in (("Type", "notify"), ("NotifyAccess", "main"), ("Restart", "on-failure"),
                       ("RestartSec", "1"), ("KillMode", "mixed"), ("TimeoutStopSec", "30"),
                       ("RuntimeDirectoryPreserve", "yes"), ("StateDirectory", "aether"),
-                      ("NoNewPrivileges", "yes")):
+                      ("NoNewPrivileges", "yes"), ("FileDescriptorStoreMax", "2")):
         check(f"unit {key}={want}", one(key) == want, f"got {one(key)!r}")
     runtime = sorted((one("RuntimeDirectory") or "").split())
     check("unit RuntimeDirectory=aether aether-health", runtime == ["aether", "aether-health"], f"got {runtime}")

@@ -230,3 +230,64 @@ fn a_standby_refuses_bad_offers_then_binds_fresh_sockets() {
     let _ = std::io::stderr().flush();
 }
 
+
+/// The listeners an agent stored in "systemd's" fd store (this test's NOTIFY_SOCKET):
+/// FDSTORE=1 messages by FDNAME, once both `xds` and `cni` arrived.
+fn fd_store(notify: &std::os::unix::net::UnixDatagram) -> std::collections::BTreeMap<String, OwnedFd> {
+    let mut stored = std::collections::BTreeMap::new();
+    let deadline = Instant::now() + T;
+    while !(stored.contains_key("xds") && stored.contains_key("cni")) {
+        assert!(Instant::now() < deadline, "no FDSTORE of both listeners within {T:?}; got {:?}", stored.keys());
+        let Ok((bytes, mut fds)) = fdpass::recv_raw(notify.as_fd(), false) else { continue };
+        let msg = String::from_utf8_lossy(&bytes).into_owned();
+        let name = msg.lines().find_map(|l| l.strip_prefix("FDNAME=")).map(String::from);
+        if msg.lines().any(|l| l == "FDSTORE=1") {
+            assert_eq!(fds.len(), 1, "FDSTORE carries one descriptor: {msg:?}");
+            stored.insert(name.expect("FDSTORE names its descriptor"), fds.pop().unwrap());
+        }
+    }
+    stored
+}
+
+#[test]
+fn a_restart_under_systemd_keeps_the_sockets_in_its_fd_store_and_refuses_no_connect() {
+    let mut node = LocalNode::new();
+    let sock_path = node.root.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&sock_path).expect("bind notify socket");
+    notify.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+    let env = format!("NOTIFY_SOCKET={}", sock_path.display());
+    let mut a = node.start_agent_wrapped(&["env", &env], &[]);
+    a.wait_role("owner", T);
+    let stored = fd_store(&notify);
+    let inodes = node.socket_inodes();
+
+    // `systemctl restart`: the whole generation dies; the store (this test) keeps the
+    // listeners open, so a connect meanwhile waits in the backlog instead of being refused.
+    a.kill_generation();
+    let mut waiting = std::os::unix::net::UnixStream::connect(node.xds_sock())
+        .expect("a connect while no agent runs must queue, not be refused");
+
+    // The next start gets them as systemd passes them: fds 3 and 4, LISTEN_* naming them.
+    for fd in stored.values() {
+        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty())).expect("clear FD_CLOEXEC");
+    }
+    let raw = |n: &str| std::os::fd::AsRawFd::as_raw_fd(&stored[n]);
+    let script = format!(
+        "export LISTEN_PID=$$ LISTEN_FDS=2 LISTEN_FDNAMES=xds:cni; exec \"$@\" 3<&{} 4<&{}",
+        raw("xds"),
+        raw("cni")
+    );
+    let b = node.start_agent_wrapped(&["sh", "-c", &script, "sh"], &[]);
+    b.wait_role("owner", T);
+    assert!(b.log().contains("systemd kept in its fd store"), "{}", b.log());
+    assert_eq!(node.socket_inodes(), inodes, "the restart rebound a node socket");
+
+    // The connect made during the restart is served: the worker's HTTP/2 server answers
+    // the client preface with a SETTINGS frame.
+    use std::io::Read;
+    waiting.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").expect("write the preface");
+    waiting.set_read_timeout(Some(T)).expect("timeout");
+    let mut frame = [0u8; 9];
+    waiting.read_exact(&mut frame).expect("the new owner answers the connect queued during the restart");
+    assert_eq!(frame[3], 0x4, "a SETTINGS frame, got header {frame:?}");
+}

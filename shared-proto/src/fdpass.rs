@@ -185,9 +185,10 @@ pub fn send_handoff(sock: BorrowedFd<'_>, body: HandoffBody, fds: &[BorrowedFd<'
     send(sock, &HandoffEnvelope { body: Some(body) }, fds)
 }
 
-/// Takes ownership of the control socket a process inherited at `fd` (the worker's fd 3),
-/// after checking that it is an open `SOCK_SEQPACKET` socket. It is marked close-on-exec.
-pub fn take_inherited(fd: RawFd) -> Result<OwnedFd, Error> {
+/// Takes ownership of a socket a process inherited at `fd` (the worker's control socket at
+/// fd 3, a `SOCK_SEQPACKET`; the supervisor's listeners from systemd, `SOCK_STREAM`),
+/// after checking that it is an open socket of type `kind`. It is marked close-on-exec.
+pub fn take_inherited(fd: RawFd, kind: nix::sys::socket::SockType) -> Result<OwnedFd, Error> {
     // F_GETFD fails with EBADF when nothing is open at `fd`; only then could taking
     // ownership below alias nothing, so check first.
     nix::fcntl::fcntl(
@@ -198,8 +199,7 @@ pub fn take_inherited(fd: RawFd) -> Result<OwnedFd, Error> {
     // SAFETY: `fd` is open (checked above) and was handed to this process at exec for it
     // to own; nothing else in the process refers to it.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    let kind = nix::sys::socket::getsockopt(&owned, nix::sys::socket::sockopt::SockType)?;
-    if kind != nix::sys::socket::SockType::SeqPacket {
+    if nix::sys::socket::getsockopt(&owned, nix::sys::socket::sockopt::SockType)? != kind {
         return Err(Error::Io(Errno::ENOTSOCK));
     }
     nix::fcntl::fcntl(&owned, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))?;

@@ -52,6 +52,11 @@ const REQUIRED_CAPS: &[(caps::Capability, &str)] = &[
 ];
 
 fn run(cfg: Config) -> anyhow::Result<i32> {
+    // Before any descriptor is opened: what systemd passed sits at fd 3 and up.
+    let from_systemd = sys::fdstore::take_listeners().unwrap_or_else(|e| {
+        tracing::error!(error = %e, "ignoring the descriptors systemd passed; the node sockets will be bound fresh");
+        (None, None)
+    });
     // Files and sockets are created no more open than 0700; each gets its exact mode
     // right after. Set before any thread exists, as umask is per process.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
@@ -70,7 +75,7 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
         .iter()
         .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
         .collect();
-    let sup = supervise::Supervisor::new(cfg, signals, args, env)?;
+    let sup = supervise::Supervisor::new(cfg, signals, args, env, from_systemd)?;
     Ok(sup.run())
 }
 

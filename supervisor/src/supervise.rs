@@ -24,7 +24,7 @@ use crate::conflist;
 use crate::handoff;
 use crate::monitor::{Monitor, Notice};
 use crate::sys::listen::{self, ListenError};
-use crate::sys::lock;
+use crate::sys::{self, lock};
 use crate::sys::spawn::{self, Image, Plan};
 
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
@@ -118,7 +118,14 @@ fn notify(states: &[sd_notify::NotifyState<'_>]) {
 }
 
 impl Supervisor {
-    pub fn new(cfg: Config, signals: SignalFd, worker_args: Vec<String>, env: Vec<(String, String)>) -> anyhow::Result<Self> {
+    pub fn new(
+        cfg: Config,
+        signals: SignalFd,
+        worker_args: Vec<String>,
+        env: Vec<(String, String)>,
+        from_systemd: (Option<OwnedFd>, Option<OwnedFd>),
+    ) -> anyhow::Result<Self> {
+        let held = held_from_systemd(&cfg, from_systemd);
         let root = nix::unistd::geteuid().is_root();
         let worker_path = cfg.worker_bin.clone().unwrap_or_else(spawn::default_worker_path);
         let image = Image::open(&worker_path)?;
@@ -141,7 +148,7 @@ impl Supervisor {
             pending_since: None,
             bind_retry_at: None,
             owned: None,
-            held: None,
+            held,
             handoff_at: Instant::now(),
             worker: None,
             respawn_at: Some(Instant::now()),
@@ -544,6 +551,13 @@ impl Supervisor {
         if self.cfg.cni_conf_dir.is_some() {
             self.conflist_at = Some(Instant::now());
         }
+        if let Some(o) = &self.owned {
+            match sys::fdstore::store(o.xds.as_fd(), o.cni.as_fd()) {
+                Ok(true) => info!("node sockets stored in systemd's fd store (kept across a restart)"),
+                Ok(false) => {}
+                Err(e) => warn!(error = %e, "cannot store the node sockets in systemd's fd store"),
+            }
+        }
     }
 
     /// Makes the node's conflist chain aether-cni (owner only); logs what changed.
@@ -634,6 +648,30 @@ impl Supervisor {
                 warn!(error = %e, "handoff from the owner failed");
                 self.handoff_at = Instant::now() + HANDOFF_RETRY;
             }
+        }
+    }
+}
+
+/// The listeners systemd kept in its fd store across a restart, held like sockets handed
+/// off by a previous generation: each must be the listener bound at its path, and the
+/// paths' inodes now are what the takeover checks again.
+fn held_from_systemd(cfg: &Config, fds: (Option<OwnedFd>, Option<OwnedFd>)) -> Option<handoff::Held> {
+    let (Some(xds), Some(cni)) = fds else { return None };
+    let check = |what: &'static str, fd: &OwnedFd, path: &std::path::Path| -> Result<(u64, u64), String> {
+        shared_proto::fdcheck::check_listener(what, fd, path).map_err(|e| e.to_string())?;
+        let m = std::fs::symlink_metadata(path).map_err(|e| format!("lstat {}: {e}", path.display()))?;
+        use std::os::unix::fs::MetadataExt;
+        Ok((m.dev(), m.ino()))
+    };
+    match check("xds.sock from systemd", &xds, &cfg.xds_path()).and_then(|x| Ok((x, check("cni.sock from systemd", &cni, &cfg.cni_path())?))) {
+        Ok(((xds_dev, xds_ino), (cni_dev, cni_ino))) => {
+            info!("holding the node sockets systemd kept in its fd store");
+            let offer = shared_proto::control::HandoffOffer { xds_dev, xds_ino, cni_dev, cni_ino, ..Default::default() };
+            Some(handoff::Held { generation: 0, xds, cni, offer })
+        }
+        Err(e) => {
+            warn!(error = %e, "the sockets from systemd's fd store are not this node's; binding fresh ones at takeover");
+            None
         }
     }
 }

@@ -9,7 +9,7 @@ fn main() {
     let cfg = Config::parse();
     init_logging(&cfg.log_format);
     // Take the inherited control socket before anything else can open a descriptor.
-    let control = match shared_proto::fdpass::take_inherited(cfg.control_fd) {
+    let control = match shared_proto::fdpass::take_inherited(cfg.control_fd, nix::sys::socket::SockType::SeqPacket) {
         Ok(fd) => fd,
         Err(e) => {
             tracing::error!(fd = cfg.control_fd, error = %e, "no control socket from the supervisor; aether-worker is started by aether-supervisor");

@@ -2,6 +2,7 @@
 //! this crate lives only here, and each block says why it is sound.
 
 pub mod caps;
+pub mod fdstore;
 pub mod listen;
 pub mod lock;
 pub mod signals;
