@@ -145,6 +145,22 @@ fn worker_runs_without_privileges() {
 }
 
 #[test]
+fn the_worker_runs_under_its_seccomp_filter_and_the_supervisor_does_not() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let field = |pid: i32, k: &str| -> u32 {
+        let status = proc_status(pid);
+        let v = status.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_else(|| panic!("no {k} for {pid}"));
+        v.parse().unwrap_or_else(|_| panic!("{k}: {v:?}"))
+    };
+    assert_eq!(field(a.worker_pid(), "Seccomp"), 2, "the worker is in filter mode");
+    // One filter more than whatever the supervisor was started under (none here, the
+    // runtime's default profile under Kubernetes).
+    assert_eq!(field(a.worker_pid(), "Seccomp_filters"), field(a.pid(), "Seccomp_filters") + 1);
+}
+
+#[test]
 fn a_standby_deleted_before_takeover_exits_without_binding() {
     let mut node = LocalNode::new();
     let a = node.start_agent();

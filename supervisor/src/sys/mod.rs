@@ -5,5 +5,6 @@ pub mod caps;
 pub mod fdstore;
 pub mod listen;
 pub mod lock;
+pub mod seccomp;
 pub mod signals;
 pub mod spawn;

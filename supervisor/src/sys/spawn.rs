@@ -10,8 +10,10 @@
 //! 3. supplementary groups cleared, then gid and uid switched (when root);
 //! 4. every capability set cleared: bounding and ambient included;
 //! 5. `PR_SET_NO_NEW_PRIVS`;
-//! 6. a parent-death signal (set last: changing credentials clears it);
-//! 7. `execveat(fd, "", AT_EMPTY_PATH)` of the executable opened at supervisor start, so
+//! 6. the worker's seccomp filter (`seccomp.rs`), which no_new_privs allows without a
+//!    capability and which the worker cannot lift;
+//! 7. a parent-death signal (set last: changing credentials clears it);
+//! 8. `execveat(fd, "", AT_EMPTY_PATH)` of the executable opened at supervisor start, so
 //!    the worker is the binary the supervisor started with, whatever happens to the path.
 //!
 //! A failing step writes its number and errno to a close-on-exec pipe and exits 127; the
@@ -26,7 +28,7 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::unistd::{ForkResult, Pid, fork};
 
-use super::caps;
+use super::{caps, seccomp};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpawnError {
@@ -40,7 +42,7 @@ pub enum SpawnError {
     Child { step: &'static str, errno: Errno },
 }
 
-const STEPS: [&str; 13] = [
+const STEPS: [&str; 14] = [
     "(none)",
     "stdin from /dev/null",
     "control socket to fd 3",
@@ -54,6 +56,7 @@ const STEPS: [&str; 13] = [
     "PR_SET_NO_NEW_PRIVS",
     "PR_SET_PDEATHSIG",
     "execveat",
+    "seccomp filter",
 ];
 
 /// The worker executable, opened once at start and exec'd from its descriptor.
@@ -78,6 +81,8 @@ pub struct Plan {
     /// Whether the bounding set can be emptied (CAP_SETPCAP held).
     pub drop_bounding: bool,
     last_cap: u32,
+    /// The worker's seccomp program, built once.
+    filter: Vec<seccomp::Insn>,
 }
 
 impl Plan {
@@ -89,6 +94,7 @@ impl Plan {
             drop_to,
             drop_bounding: caps::can_drop_bounding(),
             last_cap: caps::last_cap(),
+            filter: seccomp::worker_filter(),
         })
     }
 }
@@ -101,6 +107,7 @@ pub fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, Spawn
     let argv: Vec<*const libc::c_char> = plan.argv.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
     let envp: Vec<*const libc::c_char> = plan.envp.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
     let parent = nix::unistd::getpid();
+    let filter = libc::sock_fprog { len: plan.filter.len() as u16, filter: plan.filter.as_ptr() as *mut libc::sock_filter };
     // SAFETY: the child runs only `child_setup`, which makes raw async-signal-safe
     // syscalls on data prepared above and never returns (it execs or _exits).
     match unsafe { fork() }.map_err(SpawnError::Fork)? {
@@ -119,6 +126,7 @@ pub fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, Spawn
                         drop_to: plan.drop_to,
                         drop_bounding: plan.drop_bounding,
                         last_cap: plan.last_cap,
+                        filter: &filter,
                         parent: parent.as_raw(),
                     },
                 )
@@ -154,6 +162,7 @@ struct ChildArgs {
     drop_to: Option<(u32, u32)>,
     drop_bounding: bool,
     last_cap: u32,
+    filter: *const libc::sock_fprog,
     parent: i32,
 }
 
@@ -227,6 +236,9 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0);
         if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
             fail(10);
+        }
+        if seccomp::install(a.filter) != 0 {
+            fail(13);
         }
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
             fail(11);
