@@ -381,3 +381,12 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
     });
     b.wait_log("appended it", T);
 }
+
+#[test]
+fn flags_for_clients_this_agent_lacks_are_accepted_and_called_out() {
+    let mut node = LocalNode::new();
+    let a = node.start_agent_with(&["--registrar=registrar.mesh:7443", "--spiffe-endpoint=unix:///run/spire/agent.sock"]);
+    a.wait_role("owner", T);
+    a.wait_log("no registrar client yet", T);
+    a.wait_log("no workload-identity client yet", T);
+}

@@ -40,7 +40,8 @@ pub struct Config {
     /// Instance key of this agent [default: aether-agent-<pid>].
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
-    /// Registrar gRPC endpoint [default: none, the embedded local registry].
+    /// Registrar gRPC endpoint [default: none, the embedded local registry]. Accepted and
+    /// passed on; the worker has no registrar client yet and says so at start.
     #[arg(long, env = "AETHER_REGISTRAR")]
     pub registrar: Option<String>,
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
@@ -49,7 +50,8 @@ pub struct Config {
     /// Capture projection override as JSON, reloaded on change.
     #[arg(long, env = "AETHER_CAPTURE_FILE")]
     pub capture_file: Option<PathBuf>,
-    /// SPIFFE Workload API socket [default: no workload identity].
+    /// SPIFFE Workload API socket [default: no workload identity]. Accepted and passed on;
+    /// the worker has no identity client yet and says so at start.
     #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET")]
     pub spiffe_endpoint: Option<String>,
     /// CNI conf folder whose conflist the owner re-asserts [default: none].
