@@ -93,6 +93,17 @@ impl LocalNode {
         (Self::inode(&self.xds_sock()), Self::inode(&self.cni_sock()))
     }
 
+    /// Starts the next generation as systemd would start a `Type=notify` unit: with
+    /// `NOTIFY_SOCKET` set to a datagram socket in the node folder, which is returned to
+    /// read what the agent notifies (200 ms read timeout).
+    pub fn start_agent_notifying(&mut self) -> (Agent, std::os::unix::net::UnixDatagram) {
+        let path = self.root.path().join(format!("notify-{}.sock", self.next + 1));
+        let notify = std::os::unix::net::UnixDatagram::bind(&path).expect("bind the notify socket");
+        notify.set_read_timeout(Some(Duration::from_millis(200))).expect("read timeout");
+        let env = format!("NOTIFY_SOCKET={}", path.display());
+        (self.start_agent_wrapped(&["env", &env], &[]), notify)
+    }
+
     /// Starts the next agent generation with its own health dir.
     pub fn start_agent(&mut self) -> Agent {
         self.start_agent_with(&[])

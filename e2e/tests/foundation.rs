@@ -283,11 +283,7 @@ fn socket_modes_owners_and_run_dir_ownership_are_enforced() {
 #[test]
 fn sd_notify_reports_standby_then_ready_owner() {
     let mut node = LocalNode::new();
-    let sock_path = node.root.path().join("notify.sock");
-    let notify = std::os::unix::net::UnixDatagram::bind(&sock_path).expect("bind notify socket");
-    notify.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
-    let env = format!("NOTIFY_SOCKET={}", sock_path.display());
-    let a = node.start_agent_wrapped(&["env", &env], &[]);
+    let (a, notify) = node.start_agent_notifying();
     a.wait_role("owner", T);
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
