@@ -1,7 +1,8 @@
 //! The code references in the review documents still point at code: every
 //! `path.rs:LINE[-LINE]` names a file that exists and lines it has, and every
 //! `path.rs::name` (or `::name` after one) names a function defined in that file.
-//! SECURITY.md's claims are only as good as these pointers.
+//! SECURITY.md's claims are only as good as these pointers. And every metric the worker
+//! registers is in ARCHITECTURE.md's table.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -76,4 +77,16 @@ fn references_are_found_with_and_without_a_file() {
     let got: Vec<(String, String)> = refs.into_iter().map(|(_, f, r)| (f, r)).collect();
     let want = [("x/y.rs", ":3-4"), ("x/y.rs", ":9"), ("x/y.rs", "::t"), ("x/y.rs", "::u")];
     assert_eq!(got, want.map(|(f, r)| (f.to_string(), r.to_string())));
+}
+
+#[test]
+fn every_metric_the_worker_registers_is_documented() {
+    let root = root();
+    let code = std::fs::read_to_string(root.join("worker/src/metrics.rs")).expect("metrics.rs");
+    let doc = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let names: Vec<&str> =
+        code.split("r.register(\"").skip(1).map(|rest| rest.split('"').next().expect("a quoted name")).collect();
+    assert!(names.len() >= 10, "found only {names:?} in metrics.rs");
+    let missing: Vec<_> = names.iter().filter(|n| !doc.contains(&format!("`aether_{n}`"))).collect();
+    assert!(missing.is_empty(), "metrics missing from ARCHITECTURE.md's table: {missing:?}");
 }
