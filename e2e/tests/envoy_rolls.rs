@@ -466,19 +466,13 @@ fn twenty_surge_rolls(test: &str, api: AdsApi) {
             rig.where_to_look()
         );
         eprintln!(
-            "roll {i}: standby ready {} ms after start, new owner on /ready {} ms after SIGTERM, gap {} ms{}, served gap {} ms",
+            "roll {i}: standby ready {} ms after start, new owner on /ready {} ms after SIGTERM, {}",
             ms(action - start),
             ms(took),
-            ms(times.up - times.down),
-            if times.observed {
-                ""
-            } else {
-                " (between two polls)"
-            },
-            ms(times.served - times.down)
+            times.summary()
         );
-        gaps.push((times.up - times.down).as_secs_f64());
-        served.push((times.served - times.down).as_secs_f64());
+        gaps.push(times.gap().as_secs_f64());
+        served.push(times.served_gap().as_secs_f64());
         drop(old);
         quiet = Instant::now();
     }
@@ -575,15 +569,9 @@ fn killing_the_owner_generation_without_a_handoff_binds_fresh_sockets_and_envoy_
     load::request(rig.outbound, SERVICE).expect("a request after the reconnect");
     let requests = assert_no_failed_request(load, &actions, &rig);
     eprintln!(
-        "killed generation, fallback bind: new owner on /ready {} ms after SIGKILL, gap {} ms{}, served gap {} ms, Envoy connect failures {} (refusals are expected on this path), {requests} requests, 0 failed",
+        "killed generation, fallback bind: new owner on /ready {} ms after SIGKILL, {}, Envoy connect failures {} (refusals are expected on this path), {requests} requests, 0 failed",
         ms(took),
-        ms(times.up - times.down),
-        if times.observed {
-            ""
-        } else {
-            " (between two polls)"
-        },
-        ms(times.served - times.down),
+        times.summary(),
         now[envoy::CONNECT_FAIL] - base[envoy::CONNECT_FAIL]
     );
     rig.pass();
@@ -830,17 +818,11 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
             );
         }
         eprintln!(
-            "kill {i}: respawned worker on /ready {} ms after the kill, gap {} ms{}, served gap {} ms{note}",
+            "kill {i}: respawned worker on /ready {} ms after the kill, {}{note}",
             ms(respawned),
-            ms(times.up - times.down),
-            if times.observed {
-                ""
-            } else {
-                " (between two polls)"
-            },
-            ms(times.served - times.down)
+            times.summary()
         );
-        gaps.push((times.up - times.down).as_secs_f64());
+        gaps.push(times.gap().as_secs_f64());
         quiet = Instant::now();
     }
     let requests = assert_no_failed_request(load, &actions, &rig);

@@ -5,6 +5,7 @@
 //! - [`fdpass`]: one message per `SOCK_SEQPACKET` datagram with its file descriptors
 //!   attached over `SCM_RIGHTS`, received with `MSG_CMSG_CLOEXEC`, truncation rejected.
 //! - `cni` (feature `cni-api`): the CNI gRPC API between `aether-cni` and the worker.
+//! - `logging` (feature `logging`): the log setup both processes share.
 //!
 //! `unsafe` in this crate lives only in [`fdpass`], around `recvmsg(2)` and the control
 //! message walk, where `nix` cannot hand back the descriptors of a truncated message.
@@ -14,3 +15,5 @@ pub mod fdcheck;
 pub mod fdpass;
 #[cfg(feature = "cni-api")]
 pub mod cni;
+#[cfg(feature = "logging")]
+pub mod logging;

@@ -19,7 +19,7 @@ use sys::spawn::os_str_arg;
 
 fn main() {
     let cfg = Config::parse();
-    init_logging(&cfg.log_format);
+    shared_proto::logging::init(&cfg.log_format);
     match run(cfg) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -29,17 +29,6 @@ fn main() {
     }
 }
 
-fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    // Colour only on a terminal: log files and the kubelet's log get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    if format == "json" {
-        builder.json().flatten_event(true).init();
-    } else {
-        builder.init();
-    }
-}
 
 /// What the supervisor needs when it runs as root, and why: the chart grants exactly
 /// these (charts/aether-agent/templates/daemonset.yaml).

@@ -103,9 +103,8 @@ pub struct Supervisor {
     exit: Option<i32>,
 }
 
-/// Freshly bound node sockets: xds, cni, their (dev, ino), and whether they came from a
-/// handoff (always false here).
-type Bound = (OwnedFd, OwnedFd, [(u64, u64); 2], bool);
+/// The node's listeners, xds then cni, with their paths' (dev, ino).
+type Listeners = (OwnedFd, OwnedFd, [(u64, u64); 2]);
 
 fn micros(d: Duration) -> u64 {
     d.as_micros().try_into().unwrap_or(u64::MAX)
@@ -490,8 +489,9 @@ impl Supervisor {
                 }
             }
         });
-        let (xds, cni, ids, handed_off) = match from_handoff {
-            Some(h) => (h.xds, h.cni, [(h.offer.xds_dev, h.offer.xds_ino), (h.offer.cni_dev, h.offer.cni_ino)], true),
+        let handed_off = from_handoff.is_some();
+        let (xds, cni, ids) = match from_handoff {
+            Some(h) => (h.xds, h.cni, [(h.offer.xds_dev, h.offer.xds_ino), (h.offer.cni_dev, h.offer.cni_ino)]),
             None => match self.bind_fresh(&xds_path, &cni_path) {
                 Ok(v) => v,
                 Err(ListenError::LiveServer { path }) => {
@@ -582,7 +582,7 @@ impl Supervisor {
         self.conflist_last = Some(summary);
     }
 
-    fn bind_fresh(&self, xds_path: &PathBuf, cni_path: &PathBuf) -> Result<Bound, ListenError> {
+    fn bind_fresh(&self, xds_path: &PathBuf, cni_path: &PathBuf) -> Result<Listeners, ListenError> {
         for p in [xds_path, cni_path] {
             if listen::live_server(p)? {
                 return Err(ListenError::LiveServer { path: p.clone() });
@@ -593,7 +593,7 @@ impl Supervisor {
         let xds_group = self.plan.drop_to.map_or(self.owner.1, |(_, gid)| gid);
         let x = listen::bind_fresh(xds_path, SockType::Stream, 0o660, (self.owner.0, xds_group))?;
         let c = listen::bind_fresh(cni_path, SockType::Stream, 0o600, self.owner)?;
-        Ok((x.fd, c.fd, [(x.dev, x.ino), (c.dev, c.ino)], false))
+        Ok((x.fd, c.fd, [(x.dev, x.ino), (c.dev, c.ino)]))
     }
 
     fn send_takeover(&mut self) {
@@ -657,13 +657,9 @@ impl Supervisor {
 /// paths' inodes now are what the takeover checks again.
 fn held_from_systemd(cfg: &Config, fds: (Option<OwnedFd>, Option<OwnedFd>)) -> Option<handoff::Held> {
     let (Some(xds), Some(cni)) = fds else { return None };
-    let check = |what: &'static str, fd: &OwnedFd, path: &std::path::Path| -> Result<(u64, u64), String> {
-        shared_proto::fdcheck::check_listener(what, fd, path).map_err(|e| e.to_string())?;
-        let m = std::fs::symlink_metadata(path).map_err(|e| format!("lstat {}: {e}", path.display()))?;
-        use std::os::unix::fs::MetadataExt;
-        Ok((m.dev(), m.ino()))
-    };
-    match check("xds.sock from systemd", &xds, &cfg.xds_path()).and_then(|x| Ok((x, check("cni.sock from systemd", &cni, &cfg.cni_path())?))) {
+    let ids = listen::listener_at("xds.sock from systemd", &xds, &cfg.xds_path())
+        .and_then(|x| Ok((x, listen::listener_at("cni.sock from systemd", &cni, &cfg.cni_path())?)));
+    match ids {
         Ok(((xds_dev, xds_ino), (cni_dev, cni_ino))) => {
             info!("holding the node sockets systemd kept in its fd store");
             let offer = shared_proto::control::HandoffOffer { xds_dev, xds_ino, cni_dev, cni_ino, ..Default::default() };

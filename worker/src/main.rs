@@ -7,7 +7,7 @@ use aether_worker::config::Config;
 
 fn main() {
     let cfg = Config::parse();
-    init_logging(&cfg.log_format);
+    shared_proto::logging::init(&cfg.log_format);
     // Take the inherited control socket before anything else can open a descriptor.
     let control = match shared_proto::fdpass::take_inherited(cfg.control_fd, nix::sys::socket::SockType::SeqPacket) {
         Ok(fd) => fd,
@@ -33,16 +33,4 @@ fn main() {
     };
     // Do not wait for detached tasks (the proxy's ADS stream ends with the process).
     std::process::exit(code);
-}
-
-fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    // Colour only on a terminal: log files and the kubelet's log get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    if format == "json" {
-        builder.json().flatten_event(true).init();
-    } else {
-        builder.init();
-    }
 }

@@ -294,6 +294,25 @@ pub struct RollTimes {
     pub connect_fail: u64,
 }
 
+impl RollTimes {
+    /// `connected_state` 0 until 1 again.
+    pub fn gap(&self) -> Duration {
+        self.up - self.down
+    }
+
+    /// The old stream's end until the first config update on the new one.
+    pub fn served_gap(&self) -> Duration {
+        self.served - self.down
+    }
+
+    /// "gap X ms, served gap Y ms", saying when the gap fell between two polls.
+    pub fn summary(&self) -> String {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let note = if self.observed { "" } else { " (between two polls)" };
+        format!("gap {:.1} ms{note}, served gap {:.1} ms", ms(self.gap()), ms(self.served_gap()))
+    }
+}
+
 /// Reads a roll from the changes since the roll began (`before`: the last change before
 /// it): Some once Envoy has lost its stream, regained it, taken a config update on the
 /// new one, and is connected now.

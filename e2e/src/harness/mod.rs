@@ -545,8 +545,8 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let (adds, dels) = churn.stop();
     let times = times?;
     let mut r = Roll {
-        gap: Some((times.up - times.down).as_secs_f64()),
-        served_gap: Some((times.served - times.down).as_secs_f64()),
+        gap: Some(times.gap().as_secs_f64()),
+        served_gap: Some(times.served_gap().as_secs_f64()),
         observed: times.observed,
         stream_failures: times.stream_failures,
         refused: times.connect_fail,

@@ -90,14 +90,24 @@ pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> 
     Ok(Bound { fd, dev: m.dev(), ino: m.ino() })
 }
 
-/// Checks a listener handed over by the previous generation: it is a listening stream
-/// socket bound to `path`, and `path` still names the file it was bound to (`dev`/`ino`
-/// as the previous owner recorded them at bind).
-pub fn verify_held(fd: &OwnedFd, path: &Path, dev: u64, ino: u64) -> Result<(), String> {
-    shared_proto::fdcheck::check_listener("held listener", fd, path).map_err(|e| e.to_string())?;
+/// Checks that `fd` is a listening stream socket bound to `path` and that `path` is a
+/// socket file; returns that file's (dev, ino).
+pub fn listener_at(what: &'static str, fd: &OwnedFd, path: &Path) -> Result<(u64, u64), String> {
+    shared_proto::fdcheck::check_listener(what, fd, path).map_err(|e| e.to_string())?;
     let m = std::fs::symlink_metadata(path).map_err(|e| format!("lstat {}: {e}", path.display()))?;
-    if !m.file_type().is_socket() || m.dev() != dev || m.ino() != ino {
-        return Err(format!("{} was replaced since the handoff (inode {} now, {} then)", path.display(), m.ino(), ino));
+    if !m.file_type().is_socket() {
+        return Err(format!("{} is no longer a socket", path.display()));
+    }
+    Ok((m.dev(), m.ino()))
+}
+
+/// Checks a listener handed over by the previous generation: [`listener_at`], and `path`
+/// still names the file it was bound to (`dev`/`ino` as the previous owner recorded them
+/// at bind).
+pub fn verify_held(fd: &OwnedFd, path: &Path, dev: u64, ino: u64) -> Result<(), String> {
+    let (now_dev, now_ino) = listener_at("held listener", fd, path)?;
+    if (now_dev, now_ino) != (dev, ino) {
+        return Err(format!("{} was replaced since the handoff (inode {now_ino} now, {ino} then)", path.display()));
     }
     Ok(())
 }

@@ -82,11 +82,7 @@ impl AckSource for PublishedAcks {
         ips: &'a [IpAddr],
         timeout: Duration,
     ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
-        Box::pin(async move {
-            let mut rx = self.0.subscribe();
-            let wait = rx.wait_for(|s| s.holds_pod(uid, ips));
-            matches!(tokio::time::timeout(timeout, wait).await, Ok(Ok(_)))
-        })
+        Box::pin(crate::xds::wait_for(self.0.subscribe(), move |s| s.holds_pod(uid, ips), timeout))
     }
 }
 

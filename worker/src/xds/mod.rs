@@ -54,9 +54,7 @@ impl Acks {
     /// Waits until the proxy has ACKed a snapshot for which `holds` is true.
     /// Returns false on timeout.
     pub async fn wait_until(&self, holds: impl Fn(&Snapshot) -> bool, timeout: Duration) -> bool {
-        let mut rx = self.acked.subscribe();
-        let wait = rx.wait_for(|s| s.as_deref().is_some_and(&holds));
-        matches!(tokio::time::timeout(timeout, wait).await, Ok(Ok(_)))
+        wait_for(self.acked.subscribe(), |s| s.as_deref().is_some_and(&holds), timeout).await
     }
 
     /// The newest fully ACKed snapshot, if any.
@@ -79,6 +77,12 @@ impl Acks {
             }
         });
     }
+}
+
+/// Waits until `rx`'s value satisfies `cond`, for at most `timeout`. False on timeout or
+/// when the sender is gone.
+pub async fn wait_for<T>(mut rx: watch::Receiver<T>, cond: impl FnMut(&T) -> bool, timeout: Duration) -> bool {
+    matches!(tokio::time::timeout(timeout, rx.wait_for(cond)).await, Ok(Ok(_)))
 }
 
 /// Serves ADS on `listener` until `shutdown` resolves.
