@@ -880,3 +880,63 @@ fn config_versions(dump: &str) -> BTreeMap<String, String> {
     );
     out
 }
+
+/// Make before break: a surge roll hands the node over before the old owner ends Envoy's
+/// stream. Drained, the old worker gives up the lock and keeps the stream until its
+/// successor answers on `xds.sock`. The successor's worker is frozen (SIGSTOP) to hold
+/// that moment open: the lock has passed, yet Envoy stays connected to the old owner.
+/// Roll 1 thaws it within the wait: the stream moves to it at once. Roll 2 leaves it
+/// frozen past the wait: the old owner exits anyway, and Envoy's reconnect waits in the
+/// backlog until the thawed worker serves. Neither roll refuses a connect.
+#[test]
+fn the_old_owner_keeps_envoys_stream_until_its_successor_serves() {
+    if envoy_or_skip("the_old_owner_keeps_envoys_stream_until_its_successor_serves").is_none() {
+        return;
+    }
+    use aether_e2e::testing::{envoy_stat, start_envoy, wait_envoy_connected};
+    let mut node = LocalNode::new();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let envoy = start_envoy(&node, None).expect("Envoy");
+    wait_envoy_connected(&envoy, T_START);
+    let stat = |name: &str| envoy_stat(&envoy, name).unwrap_or(0);
+    let (ended, served) = ("cluster_manager.cds.update_failure", "cluster_manager.cds.update_success");
+
+    for (roll, thaw_in_time) in [(1, true), (2, false)] {
+        let next = node.start_agent();
+        next.wait_role("standby", T);
+        next.wait_log("holding the owner's node sockets", T);
+        let worker = Pid::from_raw(next.worker_pid());
+        let (ended0, served0) = (stat(ended), stat(served));
+
+        kill(worker, Signal::SIGSTOP).expect("SIGSTOP the successor's worker");
+        owner.signal(Signal::SIGTERM);
+        next.wait_log("node lock acquired", T);
+        owner.wait_log("node lock released", T);
+        // The node has passed; the proxy's stream has not.
+        let held_at = Instant::now();
+        for _ in 0..2 {
+            assert_eq!(stat(envoy::CONNECTED), 1, "roll {roll}: Envoy lost its stream before the successor served");
+            assert_eq!(stat(ended), ended0, "roll {roll}: Envoy's stream ended before the successor served");
+            assert!(!is_dead(owner.pid()), "roll {roll}: the old owner exited before the successor served:\n{}", owner.log());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        if thaw_in_time {
+            kill(worker, Signal::SIGCONT).expect("SIGCONT");
+            owner.wait_exit(T);
+            assert!(owner.log().contains("the successor serves on xds.sock"), "{}", owner.log());
+        } else {
+            owner.wait_exit(T);
+            assert!(held_at.elapsed() >= Duration::from_millis(1500), "roll {roll}: the old owner gave up after only {:?}", held_at.elapsed());
+            assert!(owner.log().contains("the successor did not answer"), "{}", owner.log());
+            wait_for("Envoy's stream to end with the old owner", T, || (stat(ended) > ended0).then_some(()));
+            kill(worker, Signal::SIGCONT).expect("SIGCONT");
+        }
+        wait_for(&format!("roll {roll}: Envoy served by the successor"), T, || {
+            (stat(envoy::CONNECTED) == 1 && stat(served) > served0).then_some(())
+        });
+        assert_eq!(stat(ended), ended0 + 1, "roll {roll}: one stream end, no failed reconnect");
+        assert_eq!(stat(envoy::CONNECT_FAIL), 0, "roll {roll}: a connect to xds.sock was refused");
+        owner = next;
+    }
+}

@@ -40,7 +40,8 @@ pub enum Body {
     /// Worker to supervisor: heartbeat answer, same sequence number.
     #[prost(message, tag = "5")]
     Pong(Ping),
-    /// Supervisor to worker: stop taking new work, finish in-flight work, exit.
+    /// Supervisor to worker: stop taking new work, finish in-flight work, give the node
+    /// up (status `Released`), exit.
     #[prost(message, tag = "6")]
     Drain(Drain),
 }
@@ -91,6 +92,10 @@ pub enum Phase {
     Reconciling = 3,
     Serving = 4,
     Draining = 5,
+    /// After a drain: no CNI call in flight, the worker's listeners and lock descriptor
+    /// closed. The supervisor releases the node lock; the worker's open proxy streams
+    /// stay until the successor serves (see [`Drain::successor`]) or the worker exits.
+    Released = 6,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -106,7 +111,14 @@ pub struct Ping {
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
-pub struct Drain {}
+pub struct Drain {
+    /// A standby holds this node's sockets (it fetched them over `handoff.sock`
+    /// recently): after `Released`, the worker keeps its proxy streams open until the
+    /// successor answers on `xds.sock`, for a bounded time, so that the proxy's reconnect
+    /// finds a serving agent. Without one the worker exits at once.
+    #[prost(bool, tag = "1")]
+    pub successor: bool,
+}
 
 impl Body {
     /// How many descriptors this message must carry; any other count is a protocol error.

@@ -57,7 +57,7 @@ fn wrong_descriptor_counts_are_rejected_and_closed() {
         (takeover(), 2, "Takeover carries 2 descriptors, expected 3"),
         (takeover(), 0, "Takeover carries 0 descriptors, expected 3"),
         (takeover(), 4, "Takeover carries 4 descriptors, expected 3"),
-        (Body::Drain(Drain {}), 1, "Drain carries 1 descriptors, expected 0"),
+        (Body::Drain(Drain::default()), 1, "Drain carries 1 descriptors, expected 0"),
         (takeover(), MAX_FDS + 3, "control data truncated"),
     ];
     for (body, nfds, want) in cases {

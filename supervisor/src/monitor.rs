@@ -18,6 +18,9 @@ pub enum WorkerPhase {
     Serving,
     /// Drain sent; the worker finishes in-flight work and exits.
     Draining,
+    /// The drained owner's worker has no call in flight and no listener or lock
+    /// descriptor left; it keeps its open proxy streams until the successor serves.
+    Released,
 }
 
 /// What a permitted message means for the supervisor.
@@ -28,6 +31,8 @@ pub enum Notice {
     Reconciling,
     Serving,
     Draining,
+    /// The supervisor may release the node lock now.
+    Released,
     Pong(u64),
     /// A status that crossed our Takeover or Drain on the wire; nothing to do.
     Crossed,
@@ -43,11 +48,14 @@ pub struct Violation {
 #[derive(Debug)]
 pub struct Monitor {
     phase: WorkerPhase,
+    /// Takeover was sent: only such a worker ever holds the node, so only it may report
+    /// `Released`.
+    took_over: bool,
 }
 
 impl Default for Monitor {
     fn default() -> Self {
-        Self { phase: WorkerPhase::AwaitHello }
+        Self { phase: WorkerPhase::AwaitHello, took_over: false }
     }
 }
 
@@ -82,6 +90,10 @@ impl Monitor {
                         Ok(Notice::Serving)
                     }
                     (Draining, Phase::Draining) => Ok(Notice::Draining),
+                    (Draining, Phase::Released) if self.took_over => {
+                        self.phase = Released;
+                        Ok(Notice::Released)
+                    }
                     // A status sent before our Takeover or Drain reached the worker: the
                     // messages crossed. Accepted, and the phase stays where we moved it.
                     (TakeoverSent, Phase::StandbyComplete) => Ok(Notice::StandbyComplete),
@@ -101,11 +113,12 @@ impl Monitor {
     pub fn takeover_sent(&mut self) {
         debug_assert!(self.may_send_takeover());
         self.phase = WorkerPhase::TakeoverSent;
+        self.took_over = true;
     }
 
     /// Drain may be sent once the worker has said Hello.
     pub fn may_send_drain(&self) -> bool {
-        !matches!(self.phase, WorkerPhase::AwaitHello | WorkerPhase::Draining)
+        !matches!(self.phase, WorkerPhase::AwaitHello | WorkerPhase::Draining | WorkerPhase::Released)
     }
 
     pub fn drain_sent(&mut self) {
@@ -163,6 +176,34 @@ mod tests {
             ("send_takeover", None, false),
             ("send_drain", None, true),
             ("draining", Some(status(Phase::Draining)), true),
+            ("released", Some(status(Phase::Released)), true),
+            ("released twice", Some(status(Phase::Released)), false),
+        ]);
+    }
+
+    #[test]
+    fn only_a_worker_that_took_the_node_over_may_release_it() {
+        check(&[
+            ("hello", Some(hello()), true),
+            ("complete", Some(status(Phase::StandbyComplete)), true),
+            ("send_drain", None, true),
+            ("draining", Some(status(Phase::Draining)), true),
+            ("released by a standby", Some(status(Phase::Released)), false),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("send_takeover", None, true),
+            ("serving", Some(status(Phase::Serving)), true),
+            ("released before the drain", Some(status(Phase::Released)), false),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("send_takeover", None, true),
+            ("serving", Some(status(Phase::Serving)), true),
+            ("send_drain", None, true),
+            ("released", Some(status(Phase::Released)), true),
+            ("send_drain again", None, false),
+            ("serving after release", Some(status(Phase::Serving)), false),
         ]);
     }
 
@@ -193,7 +234,7 @@ mod tests {
         check(&[("hello", Some(hello()), true), ("serving without takeover", Some(status(Phase::Serving)), false)]);
         check(&[("hello", Some(hello()), true), ("draining unasked", Some(status(Phase::Draining)), false)]);
         check(&[("hello", Some(hello()), true), ("takeover from worker", Some(Body::Takeover(Takeover::default())), false)]);
-        check(&[("hello", Some(hello()), true), ("drain from worker", Some(Body::Drain(Drain {})), false)]);
+        check(&[("hello", Some(hello()), true), ("drain from worker", Some(Body::Drain(Drain::default())), false)]);
         check(&[("hello", Some(hello()), true), ("unspecified", Some(status(Phase::Unspecified)), false)]);
         check(&[("send_drain before hello", None, false)]);
         check(&[("hello", Some(hello()), true), ("send_drain", None, true), ("send_takeover", None, false)]);

@@ -46,6 +46,9 @@ const HANDOFF_REFRESH: Duration = Duration::from_secs(2);
 const CONFLIST_EVERY: Duration = Duration::from_secs(5);
 /// How long a drained worker may take before it is killed.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(25);
+/// A standby that fetched the sockets this recently (it refreshes every
+/// [`HANDOFF_REFRESH`]) counts as a successor at drain time.
+const SUCCESSOR_FRESH: Duration = Duration::from_secs(5);
 
 struct Worker {
     pid: Pid,
@@ -71,6 +74,8 @@ struct Owned {
     lock_wait: Duration,
     bind: Duration,
     handoff: Option<OwnedFd>,
+    /// When a standby last fetched the node sockets over `handoff.sock`.
+    offered_at: Option<Instant>,
     /// A worker has been sent the node already.
     taken_over: bool,
 }
@@ -292,13 +297,14 @@ impl Supervisor {
         if self.drain_deadline.is_some() || self.exit.is_some() {
             return;
         }
-        info!(owner = self.owned.is_some(), "drain requested; forwarding to the worker");
+        let successor = self.owned.as_ref().and_then(|o| o.offered_at).is_some_and(|t| t.elapsed() < SUCCESSOR_FRESH);
+        info!(owner = self.owned.is_some(), successor, "drain requested; forwarding to the worker");
         self.drain_deadline = Some(Instant::now() + DRAIN_DEADLINE);
         self.respawn_at = None;
         match &mut self.worker {
             Some(w) if w.monitor.may_send_drain() => {
                 w.monitor.drain_sent();
-                self.send(Body::Drain(Drain {}), &[]);
+                self.send(Body::Drain(Drain { successor }), &[]);
             }
             Some(w) => {
                 // Not yet said Hello: nothing to drain.
@@ -431,6 +437,7 @@ impl Supervisor {
                 notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("owner: generation {generation}, serving"))]);
             }
             Notice::Draining => info!("worker is draining"),
+            Notice::Released => self.release_node(),
             Notice::Pong(_) => {
                 if let Some(w) = &mut self.worker {
                     w.last_pong = Instant::now();
@@ -542,6 +549,7 @@ impl Supervisor {
             lock_wait: held_lock.waited,
             bind,
             handoff,
+            offered_at: None,
             taken_over: false,
         });
         if self.worker.as_ref().is_some_and(|w| w.monitor.may_send_takeover()) {
@@ -623,12 +631,29 @@ impl Supervisor {
         }
     }
 
+    /// The drained worker has nothing in flight and holds no listener or lock descriptor:
+    /// unlock the node so that the standby takes it over now, while the worker's open
+    /// proxy streams still serve. Dropping `Owned` closes this supervisor's copies of the
+    /// lock, the listeners (the standby holds its own) and the handoff listener.
+    fn release_node(&mut self) {
+        let Some(o) = self.owned.take() else { return };
+        match o.lock.unlock() {
+            Ok(()) => info!(generation = o.generation, "node lock released; the worker keeps its proxy streams until the successor serves"),
+            // Closing the descriptor below releases it too, once the worker's copy is gone.
+            Err(e) => warn!(error = %e, "unlocking the node lock failed; it is released when the descriptor closes"),
+        }
+        notify(&[sd_notify::NotifyState::Status("draining: node lock released")]);
+    }
+
     fn on_handoff_connection(&mut self) {
-        let Some(o) = &self.owned else { return };
+        let Some(o) = &mut self.owned else { return };
         let Some(listener) = &o.handoff else { return };
         while let Some(conn) = handoff::accept(listener) {
             match handoff::serve_one(conn, o.generation, &o.xds, &o.cni, o.ids) {
-                Ok(()) => info!(generation = o.generation, "offered the node sockets to a standby"),
+                Ok(()) => {
+                    o.offered_at = Some(Instant::now());
+                    info!(generation = o.generation, "offered the node sockets to a standby");
+                }
                 Err(e) => warn!(error = %e, "handoff refused"),
             }
         }

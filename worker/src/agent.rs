@@ -26,6 +26,10 @@ use crate::{capture, cni, fdcheck, httpmini, registry, xds};
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
 const CAPTURE_GATE: Duration = Duration::from_secs(10);
+/// How long a released owner keeps the proxy's streams waiting for its successor to
+/// answer on `xds.sock`. A complete standby serves within milliseconds of the lock; past
+/// this bound the old owner exits anyway and the proxy's reconnect waits in the backlog.
+const SUCCESSOR_BOUND: Duration = Duration::from_secs(2);
 
 fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
@@ -33,9 +37,9 @@ fn now_us() -> u64 {
 
 /// Everything the owner needs once it serves.
 struct Owned {
-    /// The node lock's descriptor: held for the life of the process, so the node stays
-    /// owned while this worker lives even if its supervisor is gone.
-    _lock: OwnedFd,
+    /// The node lock's descriptor: held until the node is released after a drain, so the
+    /// node stays owned while this worker serves even if its supervisor is gone.
+    lock: Option<OwnedFd>,
     /// The listeners until serving starts, which consumes them.
     listeners: Option<(OwnedFd, OwnedFd)>,
     generation: u64,
@@ -66,8 +70,10 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let mut owned: Option<Owned> = None;
     let (timeout_tx, mut timeout_rx) = tokio::sync::mpsc::channel::<Gate>(2);
     let (reconciled_tx, mut reconciled_rx) = tokio::sync::mpsc::channel::<Duration>(1);
-    let mut drain_tx: Option<oneshot::Sender<()>> = None;
+    let mut serving: Option<Serving> = None;
     let (drained_tx, mut drained_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut successor = false;
     let mut pending = vec![Event::Gates(*gates.borrow_and_update())];
 
     loop {
@@ -102,18 +108,38 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     }
                     Action::Serve => {
                         let o = owned.as_mut().expect("Serve follows a takeover");
-                        let (tx, rx) = oneshot::channel();
-                        drain_tx = Some(tx);
-                        serve(&cfg, o, &node, &storage, &acks, &metrics, rx, drained_tx.clone())?;
+                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &metrics, drained_tx.clone())?);
                     }
-                    Action::Drain => {
-                        match drain_tx.take() {
-                            Some(tx) => {
-                                let _ = tx.send(());
-                            }
-                            // Nothing served: nothing in flight.
-                            None => return Ok(0),
+                    Action::Drain => match serving.as_mut().and_then(|s| s.drain_cni.take()) {
+                        Some(tx) => {
+                            let _ = tx.send(());
                         }
+                        // Nothing served: nothing in flight.
+                        None => return Ok(0),
+                    },
+                    Action::Release => {
+                        let s = serving.take().expect("Release follows a served drain");
+                        let _ = s.stop_xds.send(());
+                        match s.xds_accept.await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => warn!(error = %format!("{e:#}"), "ADS server ended with an error"),
+                            Err(e) => warn!(error = %e, "ADS accept task failed"),
+                        }
+                        // The listeners went with the servers; this is the last descriptor
+                        // of the node this process holds besides the open streams.
+                        if let Some(o) = &mut owned {
+                            o.lock = None;
+                        }
+                        let (tx, xds_path) = (exit_tx.clone(), cfg.run_dir.join("xds.sock"));
+                        tokio::spawn(async move {
+                            if successor {
+                                match xds::await_server(&xds_path, SUCCESSOR_BOUND).await {
+                                    Ok(took) => info!(after_us = took.as_micros() as u64, "the successor serves on xds.sock; ending the proxy's streams"),
+                                    Err(e) => warn!(error = %e, "the successor did not answer; ending the proxy's streams anyway"),
+                                }
+                            }
+                            let _ = tx.send(()).await;
+                        });
                     }
                 }
             }
@@ -149,11 +175,18 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                 pending.push(Event::ReconcileDone);
             }
             Some(()) = drained_rx.recv() => {
-                info!("in-flight CNI calls finished; exiting");
+                info!(successor, "in-flight CNI calls finished; releasing the node");
+                pending.push(Event::Drained);
+            }
+            Some(()) = exit_rx.recv() => {
+                info!("exiting");
                 return Ok(0);
             }
             command = control.next() => match command {
-                Ok(Command::Drain) => pending.push(Event::Drain),
+                Ok(Command::Drain { successor: s }) => {
+                    successor = s;
+                    pending.push(Event::Drain);
+                }
                 Ok(Command::Takeover(t, fds)) => {
                     let fds = fdcheck::check(&cfg.run_dir, fds).context("checking the Takeover descriptors")?;
                     let fd_passing_us = now_us().saturating_sub(t.sent_at_us);
@@ -165,7 +198,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     metrics.observe_phase("bind", t.bind_us as f64 / 1e6);
                     metrics.observe_phase("fd_passing", fd_passing_us as f64 / 1e6);
                     owned = Some(Owned {
-                        _lock: fds.lock,
+                        lock: Some(fds.lock),
                         listeners: Some((fds.xds, fds.cni)),
                         generation: t.generation,
                         received: Instant::now(),
@@ -190,8 +223,18 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     }
 }
 
+/// An owner's servers, as the drain needs them.
+struct Serving {
+    /// Tells the CNI API to stop taking calls; it reports on `drained` once the calls in
+    /// flight have finished.
+    drain_cni: Option<oneshot::Sender<()>>,
+    /// Tells the ADS server to close its listener; the open streams stay.
+    stop_xds: oneshot::Sender<()>,
+    /// Ends once the ADS listener is closed.
+    xds_accept: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
 /// Starts serving both sockets and the metrics listener.
-#[allow(clippy::too_many_arguments)]
 fn serve(
     cfg: &Config,
     o: &mut Owned,
@@ -199,9 +242,8 @@ fn serve(
     storage: &Arc<Storage>,
     acks: &xds::Acks,
     metrics: &Arc<Metrics>,
-    drain: oneshot::Receiver<()>,
     drained: tokio::sync::mpsc::Sender<()>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Serving> {
     let listener = |fd: OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
         let std_l = std::os::unix::net::UnixListener::from(fd);
         std_l.set_nonblocking(true)?;
@@ -210,8 +252,12 @@ fn serve(
     let (xds_fd, cni_fd) = o.listeners.take().context("serving started twice")?;
     let xds_l = listener(xds_fd)?;
     let cni_l = listener(cni_fd)?;
-    // The proxy keeps its stream until this process exits, so xDS never shuts down early.
-    tokio::spawn(xds::serve(xds_l, node.subscribe(), acks.clone(), metrics.clone(), std::future::pending()));
+    // The proxy keeps its stream until this process exits: a drain only stops accepting.
+    let (stop_xds, stop_rx) = oneshot::channel::<()>();
+    let xds_accept = tokio::spawn(xds::serve(xds_l, node.subscribe(), acks.clone(), metrics.clone(), async move {
+        let _ = stop_rx.await;
+    }));
+    let (drain_cni, drain) = oneshot::channel();
     let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
     tokio::spawn(async move {
         let shutdown = async move {
@@ -231,7 +277,7 @@ fn serve(
     metrics.observe_phase("reconcile", o.times.reconcile_us as f64 / 1e6);
     metrics.observe_phase("first_serve", first_serve.as_secs_f64());
     info!(generation = o.generation, total_us = o.times.total_us, first_serve_us = o.times.first_serve_us, reconcile_us = o.times.reconcile_us, "serving the node");
-    Ok(())
+    Ok(Serving { drain_cni: Some(drain_cni), stop_xds, xds_accept })
 }
 
 /// Serves Prometheus metrics on `addr`. The previous owner may hold the port for a few

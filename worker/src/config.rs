@@ -12,7 +12,8 @@ pub struct Config {
     /// The inherited control socket (SOCK_SEQPACKET) to the supervisor.
     #[arg(long, default_value_t = 3)]
     pub control_fd: i32,
-    /// Used only to check that handed-over sockets are bound where expected.
+    /// Used to check that handed-over sockets are bound where expected, and by a released
+    /// owner to see its successor answer on `xds.sock`.
     #[arg(long)]
     pub run_dir: PathBuf,
     #[arg(long)]

@@ -17,7 +17,8 @@ use crate::takeover::Phase;
 /// A supervisor message the worker acts on.
 pub enum Command {
     Takeover(Takeover, Vec<OwnedFd>),
-    Drain,
+    /// `successor`: a standby holds the node's sockets (see [`shared_proto::control::Drain`]).
+    Drain { successor: bool },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +56,7 @@ impl Control {
             Phase::Reconciling => WirePhase::Reconciling,
             Phase::Serving => WirePhase::Serving,
             Phase::Draining => WirePhase::Draining,
+            Phase::Released => WirePhase::Released,
         };
         fdpass::send_control(self.fd.get_ref().as_fd(), Body::Status(Status { phase: wire as i32 }), &[])?;
         Ok(())
@@ -81,9 +83,9 @@ impl Control {
                     self.took_over = true;
                     return Ok(Command::Takeover(t, fds));
                 }
-                Body::Drain(_) if !self.drained => {
+                Body::Drain(d) if !self.drained => {
                     self.drained = true;
-                    return Ok(Command::Drain);
+                    return Ok(Command::Drain { successor: d.successor });
                 }
                 other => {
                     return Err(ControlError::Violation(format!(

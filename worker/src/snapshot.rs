@@ -40,9 +40,6 @@
 //! - A `VIP:port` claimed by two services is passed through unchanged: which service owns
 //!   it is the registry's call, not the builder's. Envoy NACKs that route configuration and
 //!   keeps its last good one; the xDS tests use this as their injected bad resource.
-//!
-//! INTERFACE STUB (owned by the xDS work): keep `Inputs`, `Pod`, `Snapshot::holds_pod`
-//! and `build` with these signatures; everything else may change.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

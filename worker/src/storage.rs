@@ -1,9 +1,6 @@
 //! Pod storage: one JSON record per pod in `<state-dir>/pods/<uid>.json`, written
 //! atomically; `reload()` returns what changed since the records the caller built from.
 //!
-//! INTERFACE STUB (owned by the pod-lifecycle work): keep `Storage::open` and
-//! `Storage::pods` with these signatures; the agent driver calls them.
-//!
 //! Invariants:
 //! - A record file is only ever created by `rename(2)` of a fsynced temp file in the same
 //!   folder, followed by a fsync of the folder, so a reader sees a whole record or none.

@@ -2,7 +2,7 @@
 //! the next state and the actions the driver in [`crate::agent`] performs, so every
 //! rule here is tested without sockets, clocks or root.
 //!
-//! Phases: Building → StandbyComplete → Reconciling → Serving → Draining.
+//! Phases: Building → StandbyComplete → Reconciling → Serving → Draining → Released.
 //! - A standby is complete only when its gates really passed (no timeouts).
 //! - An owner (Takeover received) serves once its gates passed or, for the registry and
 //!   capture gates, timed out: nobody else serves the node then, so the first serve
@@ -19,6 +19,9 @@ pub enum Phase {
     Reconciling,
     Serving,
     Draining,
+    /// A drained owner gave the node up: nothing in flight, no listener or lock
+    /// descriptor left, only its open proxy streams until the successor serves.
+    Released,
 }
 
 impl Phase {
@@ -29,6 +32,7 @@ impl Phase {
             Phase::Reconciling => "reconciling",
             Phase::Serving => "serving",
             Phase::Draining => "draining",
+            Phase::Released => "released",
         }
     }
 }
@@ -47,6 +51,8 @@ pub enum Event {
     Takeover { reconcile: bool },
     ReconcileDone,
     Drain,
+    /// The CNI API finished its in-flight calls after a drain.
+    Drained,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,8 +65,13 @@ pub enum Action {
     Reconcile,
     /// Accept on both sockets, start the owner-only writers and the metrics listener.
     Serve,
-    /// Stop taking new CNI calls, finish in-flight ones, exit.
+    /// Stop taking new CNI calls, finish in-flight ones (a worker that serves nothing
+    /// exits at once).
     Drain,
+    /// Stop accepting on `xds.sock` and close the lock and listener descriptors, so that
+    /// the supervisor can hand the node on; the open proxy streams stay until the
+    /// successor serves, then the worker exits.
+    Release,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,7 +118,7 @@ pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
         Event::GateTimedOut(Gate::Registry) => s.registry_timed_out = true,
         Event::GateTimedOut(Gate::Capture) => s.capture_timed_out = true,
         Event::Takeover { reconcile } => {
-            if s.owner || s.phase == Phase::Draining {
+            if s.owner || matches!(s.phase, Phase::Draining | Phase::Released) {
                 return (s, actions);
             }
             s.owner = true;
@@ -122,9 +133,16 @@ pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
         }
         Event::ReconcileDone => {}
         Event::Drain => {
-            if s.phase != Phase::Draining {
+            if !matches!(s.phase, Phase::Draining | Phase::Released) {
                 s.phase = Phase::Draining;
                 actions.extend([Action::Report(Phase::Draining), Action::Drain]);
+            }
+            return (s, actions);
+        }
+        Event::Drained => {
+            if s.phase == Phase::Draining && s.owner {
+                s.phase = Phase::Released;
+                actions.extend([Action::Release, Action::Report(Phase::Released)]);
             }
             return (s, actions);
         }
@@ -227,6 +245,30 @@ mod tests {
     fn drain_is_final_and_blocks_takeover() {
         check(
             &[Event::Gates(all_gates()), Event::Drain, Event::Takeover { reconcile: true }, Event::Drain],
+            Phase::Draining,
+            &[Action::Report(Phase::StandbyComplete), Action::Report(Phase::Draining), Action::Drain],
+        );
+    }
+
+    #[test]
+    fn a_drained_owner_releases_the_node_once_and_takes_nothing_back() {
+        check(
+            &[Event::Gates(all_gates()), Event::Takeover { reconcile: false }, Event::Drain, Event::Drained, Event::Drained, Event::Drain, Event::Takeover { reconcile: false }],
+            Phase::Released,
+            &[
+                Action::Report(Phase::StandbyComplete),
+                Action::ArmGateTimers,
+                Action::Serve,
+                Action::Report(Phase::Serving),
+                Action::Report(Phase::Draining),
+                Action::Drain,
+                Action::Release,
+                Action::Report(Phase::Released),
+            ],
+        );
+        // A standby holds nothing to release.
+        check(
+            &[Event::Gates(all_gates()), Event::Drain, Event::Drained],
             Phase::Draining,
             &[Action::Report(Phase::StandbyComplete), Action::Report(Phase::Draining), Action::Drain],
         );

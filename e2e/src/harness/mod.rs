@@ -170,6 +170,8 @@ pub struct ModeResult {
     pub stuck_dels: usize,
     pub cni_errors: Vec<String>,
     pub poll_max_interval: Duration,
+    /// Median and worst time one admin poll took.
+    pub poll_cost: (Duration, Duration),
     pub polls: u64,
     pub errors: Vec<String>,
     pub node_dir: Option<PathBuf>,
@@ -249,6 +251,7 @@ impl ModeResult {
             "backoff_max_s": cfg.backoff_max.as_secs_f64(),
             "load_rps": cfg.rps,
             "poll_max_interval_ms": r(self.poll_max_interval.as_secs_f64() * 1000.0),
+            "poll_cost_median_ms": r(self.poll_cost.0.as_secs_f64() * 1000.0),
             "pass": failures.is_empty(),
             "failures": failures,
             "plot": plot.display().to_string(),
@@ -442,6 +445,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     }
     std::thread::sleep(Duration::from_millis(300));
     res.poll_max_interval = poller.max_interval();
+    res.poll_cost = poller.poll_cost();
     res.polls = poller.polls_and_errors().0;
     let counters = load.stop();
     poller.stop();
@@ -671,11 +675,13 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
     for r in results {
         let m = r.mode.expect("mode").name();
         println!(
-            "{m}: {} requests ({} failed, {} started late), admin polled {} times, worst poll interval {:.2} ms",
+            "{m}: {} requests ({} failed, {} started late), admin polled {} times, a poll took {:.2} ms median ({:.2} ms worst), worst poll interval {:.2} ms",
             r.requests,
             r.failed_requests,
             r.late_requests,
             r.polls,
+            r.poll_cost.0.as_secs_f64() * 1000.0,
+            r.poll_cost.1.as_secs_f64() * 1000.0,
             r.poll_max_interval.as_secs_f64() * 1000.0
         );
         for f in &r.failure_samples {

@@ -1,9 +1,6 @@
 //! The CNI API service (`aether.cni.v1`): Add, Del and Check, served on the `cni.sock`
 //! listening fd handed over at takeover, and the takeover reconcile.
 //!
-//! INTERFACE STUB (owned by the pod-lifecycle work): keep `serve` and `reconcile` with
-//! these signatures; the agent driver calls them.
-//!
 //! Ordering: Add, Del and [`reconcile`] each change storage and the node inside the node's
 //! lifecycle lock, so the folder and the snapshot inputs move together and the takeover
 //! diff never interleaves with a call. An Add's ACK wait happens after the lock is

@@ -7,9 +7,6 @@
 //! new snapshot from the node's watch channel, logs and counts ACKs and NACKs, and
 //! publishes to [`Acks`] each snapshot the proxy has fully ACKed. Protobuf types stay in
 //! this module ([`convert`] turns model resources into them).
-//!
-//! INTERFACE STUB (owned by the xDS work): keep `Acks`, `Acks::wait_until` and `serve`
-//! with these signatures; the agent driver and the CNI service call them.
 
 pub mod convert;
 pub mod delta;
@@ -85,25 +82,61 @@ pub async fn wait_for<T>(mut rx: watch::Receiver<T>, cond: impl FnMut(&T) -> boo
     matches!(tokio::time::timeout(timeout, rx.wait_for(cond)).await, Ok(Ok(_)))
 }
 
-/// Serves ADS on `listener` until `shutdown` resolves.
-///
-/// After `shutdown` no new connection is accepted, but open streams are kept: the proxy
-/// keeps its control plane until this process exits (see the design's takeover), so this
-/// returns only once the proxy has closed them too.
+/// Serves ADS on `listener` until `stop_accepting` resolves, then closes the listener
+/// and returns. Streams already open keep being served (each connection is its own task)
+/// until the proxy closes them or this process exits: a released owner keeps the proxy's
+/// stream while its successor starts serving (see [`await_server`]).
 pub async fn serve(
     listener: tokio::net::UnixListener,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     acks: Acks,
     metrics: Arc<Metrics>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let ads = Ads { snapshots, acks, metrics, streams: AtomicU64::new(0) };
+    // Without a shutdown signal tonic neither waits for nor signals open connections when
+    // the incoming stream ends; it drops the listener and returns.
     tonic::transport::Server::builder()
         // ADS requests are small; a full snapshot of 1,000 endpoints is well under this.
         .add_service(AggregatedDiscoveryServiceServer::new(ads).max_decoding_message_size(16 << 20))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming(futures::StreamExt::take_until(UnixListenerStream::new(listener), stop_accepting))
         .await?;
     Ok(())
+}
+
+/// The HTTP/2 client connection preface followed by an empty SETTINGS frame.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+/// GOAWAY, last stream 0, NO_ERROR: the polite end of a connection that opened none.
+const H2_GOAWAY: &[u8] = b"\0\0\x08\x07\0\0\0\0\0\0\0\0\0\0\0\0\0";
+
+/// Waits until an HTTP/2 server answers on the unix socket at `path`, for at most
+/// `timeout`, and returns how long that took.
+///
+/// A connect to a listening socket completes into its backlog whether or not anybody
+/// accepts, so connecting proves nothing; the server's first frame (its SETTINGS, which
+/// an HTTP/2 server sends as soon as it takes a connection) does. A released owner calls
+/// this on `xds.sock`, whose listener it no longer accepts on: the answer comes from the
+/// successor, the moment it serves. No polling: the one connect waits in the backlog.
+pub async fn await_server(path: &std::path::Path, timeout: Duration) -> std::io::Result<Duration> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let start = Instant::now();
+    let probe = async {
+        let mut conn = tokio::net::UnixStream::connect(path).await?;
+        conn.write_all(H2_PREFACE).await?;
+        let mut header = [0u8; 9];
+        conn.read_exact(&mut header).await?;
+        if header[3] != 0x04 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{} answered a frame of type {:#04x}, not HTTP/2 SETTINGS", path.display(), header[3]),
+            ));
+        }
+        let _ = conn.write_all(H2_GOAWAY).await;
+        Ok(start.elapsed())
+    };
+    tokio::time::timeout(timeout, probe).await.unwrap_or_else(|_| {
+        Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no server answered on {} within {timeout:?}", path.display())))
+    })
 }
 
 struct Ads {
@@ -272,5 +305,85 @@ fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option
         Event::UnknownType { type_url } => {
             tracing::debug!(stream = id, node, %type_url, "request for a type not served, ignored")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{UnixListener, UnixStream};
+
+    use super::*;
+    use crate::snapshot::{Inputs, build};
+
+    fn start(listener: UnixListener) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<anyhow::Result<()>>) {
+        let (_tx, snapshots) = watch::channel(Arc::new(build(&Inputs::default())));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, snapshots, Acks::default(), Metrics::new(), async move {
+            let _ = stopped.await;
+        }));
+        (stop, task)
+    }
+
+    /// Reads HTTP/2 frames until one of `kind` with `flags` arrives.
+    async fn read_until_frame(conn: &mut UnixStream, kind: u8, flags: u8) {
+        loop {
+            let mut header = [0u8; 9];
+            conn.read_exact(&mut header).await.expect("frame header");
+            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            conn.read_exact(&mut payload).await.expect("frame payload");
+            if header[3] == kind && header[4] & flags == flags {
+                return;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn await_server_answers_only_once_someone_serves_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let err = await_server(&path, Duration::from_millis(200)).await.expect_err("no socket file");
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+
+        // Bound and listening, but nobody accepts: the connect queues and nothing answers.
+        let listener = UnixListener::bind(&path).unwrap();
+        let err = await_server(&path, Duration::from_millis(200)).await.expect_err("nobody accepts");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
+
+        let (_stop, _task) = start(listener);
+        await_server(&path, Duration::from_secs(5)).await.expect("the ADS server answers");
+    }
+
+    #[tokio::test]
+    async fn await_server_refuses_a_socket_that_does_not_speak_http2() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await.unwrap();
+        });
+        let err = await_server(&path, Duration::from_secs(5)).await.expect_err("not HTTP/2");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
+    }
+
+    #[tokio::test]
+    async fn stopping_closes_the_listener_and_keeps_open_connections() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let (stop, task) = start(UnixListener::bind(&path).unwrap());
+        let mut open = UnixStream::connect(&path).await.unwrap();
+        open.write_all(H2_PREFACE).await.unwrap();
+        read_until_frame(&mut open, 0x04, 0).await;
+
+        stop.send(()).unwrap();
+        task.await.unwrap().expect("serve returns once it stops accepting");
+        let refused = UnixStream::connect(&path).await.expect_err("the listener is closed");
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}");
+
+        // The connection accepted before still answers: PING, then its ACK.
+        open.write_all(b"\0\0\x08\x06\0\0\0\0\0aether!!").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), read_until_frame(&mut open, 0x06, 0x01)).await.expect("PING ACK on the open connection");
     }
 }
