@@ -106,17 +106,21 @@ pub fn encode(s: &str) -> String {
 pub const CONNECTED: &str = "control_plane.connected_state";
 /// The xDS cluster of the template (`deploy/envoy/bootstrap.yaml.tmpl`).
 pub const CONNECT_FAIL: &str = "cluster.xds_cluster.upstream_cx_connect_fail";
-/// "Envoy accepted a config update": the sum of CDS and LDS `update_success`.
+/// "Envoy accepted a config update": CDS and LDS `update_time`, gauges that Envoy sets
+/// (to its wall clock in ms) together with `update_success` on every accepted response;
+/// their sum moves with each update.
 ///
 /// Checked live (`ARG_DEBUG_STATS=1` prints what a roll moves): a clean surge roll with
 /// no pod change moves `update_attempt` by 2 (the failure below, then the new stream's
-/// response), `update_failure` by 1 and `update_success` by 1, for CDS and LDS alike.
-/// So `update_success` does count a response whose contents equal what Envoy holds (the
-/// agent answers every new stream in full: an empty nonce is always answered, see
-/// worker/src/xds/stream.rs), while `update_attempt` also counts failures and would
-/// mark the stream's end as an "update". CDS is the first type the agent pushes and LDS
-/// the second, so the sum moves at the first response of a new stream.
-pub const UPDATES: [&str; 2] = ["cluster_manager.cds.update_success", "listener_manager.lds.update_success"];
+/// response), `update_failure` by 1, and `update_success` by 1 with `update_time`, for
+/// CDS and LDS alike. So an accepted response counts even when its contents equal what
+/// Envoy holds (the agent answers every new stream in full: an empty nonce is always
+/// answered, see worker/src/xds/stream.rs), while `update_attempt` also counts failures
+/// and would mark the stream's end as an "update". CDS is the first type the agent
+/// pushes and LDS the second, so the sum moves at the first response of a new stream.
+/// Being gauges, they come in the same read as `connected_state`, so the moment a roll
+/// is seen connected again and the moment it is seen served are read alike.
+pub const UPDATE_TIMES: [&str; 2] = ["cluster_manager.cds.update_time", "listener_manager.lds.update_time"];
 /// Envoy counts a CDS `update_failure` each time the ADS stream ends or a connect attempt
 /// fails (a ConnectionFailure reported to every subscription). It marks a stream's end
 /// even when the disconnected stretch was shorter than a poll and `connected_state` was
@@ -125,13 +129,15 @@ pub const STREAM_FAILURES: &str = "cluster_manager.cds.update_failure";
 
 /// Every stat the poller reads, in one query (for one-off reads).
 pub fn stats_filter() -> String {
-    format!("/stats?filter={}", exact_names(&[CONNECTED, CONNECT_FAIL, UPDATES[0], UPDATES[1], STREAM_FAILURES]))
+    format!("/stats?filter={}", exact_names(&[CONNECTED, CONNECT_FAIL, UPDATE_TIMES[0], UPDATE_TIMES[1], STREAM_FAILURES]))
 }
 
-/// The poller's two queries: the counters, then the gauge. In that order a stream that
+/// The poller's two queries: the counters, then the gauges. In that order a stream that
 /// ends between the two reads shows as `connected_state` 0 with the old counters, a
 /// clean observation of the end; the other order would show the failure counted while
-/// still connected, and the gap would be read as falling between two polls.
+/// still connected, and the gap would be read as falling between two polls. The gauges
+/// hold both ends of what a roll times after the stream's end: `connected_state` and the
+/// update times.
 ///
 /// Envoy's admin walks every stat it has, on its main thread, to answer a `/stats` query,
 /// and that thread is also the one that runs xDS. With 70 pods (about 15,000 stats) a
@@ -142,8 +148,8 @@ pub fn stats_filter() -> String {
 /// main thread's CPU time per query (`/proc/<envoy>/task/<envoy>/stat`).
 pub fn poll_queries() -> [String; 2] {
     [
-        format!("/stats?usedonly&type=Counters&filter={}", exact_names(&[CONNECT_FAIL, UPDATES[0], UPDATES[1], STREAM_FAILURES])),
-        format!("/stats?usedonly&type=Gauges&filter={}", exact_names(&[CONNECTED])),
+        format!("/stats?usedonly&type=Counters&filter={}", exact_names(&[CONNECT_FAIL, STREAM_FAILURES])),
+        format!("/stats?usedonly&type=Gauges&filter={}", exact_names(&[CONNECTED, UPDATE_TIMES[0], UPDATE_TIMES[1]])),
     ]
 }
 
@@ -227,7 +233,7 @@ impl Poller {
                                 t,
                                 prev_t: prev.unwrap_or(t),
                                 connected: get(CONNECTED) == 1,
-                                updates: UPDATES.iter().map(|n| get(n)).sum(),
+                                updates: UPDATE_TIMES.iter().map(|n| get(n)).sum(),
                                 failures: get(STREAM_FAILURES),
                                 connect_fail: get(CONNECT_FAIL),
                             };

@@ -345,7 +345,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         let (_, body) = envoy.get(&envoy::stats_filter()).ok()?;
         let stats = envoy::parse_stats(&body);
         let get = |n: &str| stats.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap_or(0);
-        (get(envoy::CONNECTED) == 1 && get(envoy::UPDATES[1]) > 0).then_some(())
+        (get(envoy::CONNECTED) == 1 && get(envoy::UPDATE_TIMES[1]) > 0).then_some(())
     })
     .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
     for s in SERVICES {

@@ -60,6 +60,7 @@ pub struct DeltaState {
 }
 
 impl Protocol for DeltaState {
+    type Wire = super::server::DeltaRequestWire;
     type Request = DeltaDiscoveryRequest;
     type Response = DeltaDiscoveryResponse;
     const NAME: &'static str = "delta";

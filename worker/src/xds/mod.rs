@@ -10,6 +10,7 @@
 
 pub mod convert;
 pub mod delta;
+pub mod server;
 pub mod stream;
 
 use std::future::Future;
@@ -18,21 +19,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
-    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
-};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
 use crate::metrics::{Metrics, TypeLabel};
 use crate::snapshot::Snapshot;
-use delta::DeltaState;
-use stream::{Event, StreamState};
+use stream::Event;
 
 /// What the proxy has ACKed, shared by every stream: the CNI ADD waits on it.
 #[derive(Clone)]
@@ -93,12 +87,11 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let ads = Ads { snapshots, acks, metrics, streams: AtomicU64::new(0) };
+    let ads = Arc::new(Ads { snapshots, acks, metrics, streams: AtomicU64::new(0) });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
     tonic::transport::Server::builder()
-        // ADS requests are small; a full snapshot of 1,000 endpoints is well under this.
-        .add_service(AggregatedDiscoveryServiceServer::new(ads).max_decoding_message_size(16 << 20))
+        .add_service(server::AdsServer(ads))
         .serve_with_incoming(futures::StreamExt::take_until(UnixListenerStream::new(listener), stop_accepting))
         .await?;
     Ok(())
@@ -148,28 +141,8 @@ struct Ads {
 
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for Ads {
-    type StreamAggregatedResourcesStream = ResponseStream<DiscoveryResponse>;
-    type DeltaAggregatedResourcesStream = ResponseStream<DeltaDiscoveryResponse>;
-
-    async fn stream_aggregated_resources(
-        &self,
-        request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        Ok(Response::new(self.open::<StreamState>(request.into_inner())))
-    }
-
-    async fn delta_aggregated_resources(
-        &self,
-        request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Ok(Response::new(self.open::<DeltaState>(request.into_inner())))
-    }
-}
-
 impl Ads {
-    fn open<P: Protocol>(&self, inbound: Streaming<P::Request>) -> ResponseStream<P::Response> {
+    fn open<P: Protocol>(&self, inbound: Streaming<P::Wire>) -> ResponseStream<P::Response> {
         let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(run_stream::<P>(id, inbound, tx, self.snapshots.clone(), self.acks.clone(), self.metrics.clone()));
@@ -178,10 +151,12 @@ impl Ads {
 }
 
 /// What a stream task needs of a protocol's per-stream state: state of the world
-/// ([`StreamState`]) or incremental ([`DeltaState`]). No I/O: the task feeds it requests
-/// and snapshots, and sends what [`Protocol::pending`] returns.
+/// ([`stream::StreamState`]) or incremental ([`delta::DeltaState`]). No I/O: the task
+/// feeds it requests and snapshots, and sends what [`Protocol::pending`] returns.
 trait Protocol: Send + 'static {
-    type Request: Send + 'static;
+    /// The request as decoded off the wire (see [`server`]), turned into `Request`.
+    type Wire: prost::Message + Default + Send + 'static;
+    type Request: From<Self::Wire> + Send + 'static;
     type Response: Send + 'static;
     const NAME: &'static str;
     fn new(current: Arc<Snapshot>) -> Self;
@@ -209,7 +184,7 @@ impl Drop for StreamGauge {
 
 async fn run_stream<P: Protocol>(
     id: u64,
-    mut inbound: Streaming<P::Request>,
+    mut inbound: Streaming<P::Wire>,
     tx: mpsc::Sender<Result<P::Response, Status>>,
     mut snapshots: watch::Receiver<Arc<Snapshot>>,
     acks: Acks,
@@ -228,7 +203,8 @@ async fn run_stream<P: Protocol>(
     loop {
         tokio::select! {
             msg = inbound.message() => match msg {
-                Ok(Some(req)) => {
+                Ok(Some(wire)) => {
+                    let req = P::Request::from(wire);
                     if let Some(node) = P::node_id(&req) {
                         node_id = node.to_string();
                     }

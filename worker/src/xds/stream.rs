@@ -140,6 +140,7 @@ pub struct StreamState {
 }
 
 impl Protocol for StreamState {
+    type Wire = super::server::SotwRequestWire;
     type Request = DiscoveryRequest;
     type Response = DiscoveryResponse;
     const NAME: &'static str = "sotw";
