@@ -65,6 +65,9 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
 
     let mut control = Control::new(control_fd)?;
     let acks = xds::Acks::default();
+    // Encoded from the first snapshot on, in a standby too: a takeover answers with copies.
+    let encoded = Arc::new(xds::encoded::Encoded::default());
+    tokio::spawn(xds::encoded::keep_warm(node.subscribe(), encoded.clone()));
     let mut state = State::default();
     let mut gates = node.gates();
     let mut owned: Option<Owned> = None;
@@ -108,7 +111,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     }
                     Action::Serve => {
                         let o = owned.as_mut().expect("Serve follows a takeover");
-                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &metrics, drained_tx.clone())?);
+                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &metrics, drained_tx.clone())?);
                     }
                     Action::Drain => match serving.as_mut().and_then(|s| s.drain_cni.take()) {
                         Some(tx) => {
@@ -235,12 +238,14 @@ struct Serving {
 }
 
 /// Starts serving both sockets and the metrics listener.
+#[allow(clippy::too_many_arguments)]
 fn serve(
     cfg: &Config,
     o: &mut Owned,
     node: &Arc<Node>,
     storage: &Arc<Storage>,
     acks: &xds::Acks,
+    encoded: &Arc<xds::encoded::Encoded>,
     metrics: &Arc<Metrics>,
     drained: tokio::sync::mpsc::Sender<()>,
 ) -> anyhow::Result<Serving> {
@@ -254,7 +259,7 @@ fn serve(
     let cni_l = listener(cni_fd)?;
     // The proxy keeps its stream until this process exits: a drain only stops accepting.
     let (stop_xds, stop_rx) = oneshot::channel::<()>();
-    let xds_accept = tokio::spawn(xds::serve(xds_l, node.subscribe(), acks.clone(), metrics.clone(), async move {
+    let xds_accept = tokio::spawn(xds::serve(xds_l, node.subscribe(), encoded.clone(), acks.clone(), metrics.clone(), async move {
         let _ = stop_rx.await;
     }));
     let (drain_cni, drain) = oneshot::channel();

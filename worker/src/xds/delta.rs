@@ -28,7 +28,8 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 
 use super::Protocol;
-use super::stream::{Event, KINDS, Kind, encode, hashes, version};
+use super::encoded::Encoded;
+use super::stream::{Event, KINDS, Kind, hashes, version};
 use crate::snapshot::Snapshot;
 
 /// A resource's version on the wire: its content hash.
@@ -55,6 +56,7 @@ struct TypeState {
 
 pub struct DeltaState {
     current: Arc<Snapshot>,
+    encoded: Arc<Encoded>,
     nonce: u64,
     types: [TypeState; 4],
 }
@@ -65,8 +67,8 @@ impl Protocol for DeltaState {
     type Response = DeltaDiscoveryResponse;
     const NAME: &'static str = "delta";
 
-    fn new(current: Arc<Snapshot>) -> Self {
-        Self { current, nonce: 0, types: Default::default() }
+    fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self {
+        Self { current, encoded, nonce: 0, types: Default::default() }
     }
 
     fn node_id(req: &DeltaDiscoveryRequest) -> Option<&str> {
@@ -167,7 +169,9 @@ impl Protocol for DeltaState {
             }
             self.nonce += 1;
             let nonce = self.nonce.to_string();
-            let resources = encode(&self.current, kind, &to_send)
+            let resources = self
+                .encoded
+                .get(&self.current, kind, &to_send)
                 .into_iter()
                 .zip(&to_send)
                 .map(|(any, name)| Resource {
@@ -277,7 +281,7 @@ mod tests {
     /// Subscribes to all four types as the proxy does on a fresh stream and ACKs the
     /// answers; returns the state.
     fn subscribed(s: Arc<Snapshot>) -> DeltaState {
-        let mut st = DeltaState::new(s.clone());
+        let mut st = DeltaState::new(s.clone(), Arc::default());
         st.on_request(&req(Kind::Cluster, "", &[], None));
         st.on_request(&req(Kind::Listener, "", &[], None));
         st.on_request(&req(Kind::Endpoint, "", &[CLA], None));
@@ -323,7 +327,7 @@ mod tests {
     #[test]
     fn a_reconnect_with_current_versions_gets_empty_answers_and_is_acked() {
         let s = snap(3, 5);
-        let mut st = DeltaState::new(s.clone());
+        let mut st = DeltaState::new(s.clone(), Arc::default());
         for kind in KINDS {
             let held = hashes(&s, kind);
             let mut r = req(kind, "", &[], None);
@@ -342,7 +346,7 @@ mod tests {
     #[test]
     fn a_reconnect_gets_what_changed_and_the_removal_of_what_is_gone() {
         let old = snap(3, 5);
-        let mut st = DeltaState::new(snap(4, 4));
+        let mut st = DeltaState::new(snap(4, 4), Arc::default());
         let mut r = req(Kind::Cluster, "", &[], None);
         r.initial_resource_versions = old.clusters.hashes.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect();
         st.on_request(&r);

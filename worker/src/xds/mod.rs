@@ -10,6 +10,7 @@
 
 pub mod convert;
 pub mod delta;
+pub mod encoded;
 pub mod server;
 pub mod stream;
 
@@ -26,6 +27,7 @@ use tonic::{Status, Streaming};
 
 use crate::metrics::{Metrics, TypeLabel};
 use crate::snapshot::Snapshot;
+use encoded::Encoded;
 use stream::Event;
 
 /// What the proxy has ACKed, shared by every stream: the CNI ADD waits on it.
@@ -83,11 +85,12 @@ pub async fn wait_for<T>(mut rx: watch::Receiver<T>, cond: impl FnMut(&T) -> boo
 pub async fn serve(
     listener: tokio::net::UnixListener,
     snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
     acks: Acks,
     metrics: Arc<Metrics>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let ads = Arc::new(Ads { snapshots, acks, metrics, streams: AtomicU64::new(0) });
+    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, streams: AtomicU64::new(0) });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
     tonic::transport::Server::builder()
@@ -134,6 +137,7 @@ pub async fn await_server(path: &std::path::Path, timeout: Duration) -> std::io:
 
 struct Ads {
     snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
     acks: Acks,
     metrics: Arc<Metrics>,
     streams: AtomicU64,
@@ -145,7 +149,8 @@ impl Ads {
     fn open<P: Protocol>(&self, inbound: Streaming<P::Wire>) -> ResponseStream<P::Response> {
         let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(run_stream::<P>(id, inbound, tx, self.snapshots.clone(), self.acks.clone(), self.metrics.clone()));
+        let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
+        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, self.acks.clone(), self.metrics.clone()));
         Box::pin(ReceiverStream::new(rx))
     }
 }
@@ -159,7 +164,7 @@ trait Protocol: Send + 'static {
     type Request: From<Self::Wire> + Send + 'static;
     type Response: Send + 'static;
     const NAME: &'static str;
-    fn new(current: Arc<Snapshot>) -> Self;
+    fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self;
     fn node_id(req: &Self::Request) -> Option<&str>;
     /// Applies one request from the proxy; what it meant, for logs and metrics.
     fn on_request(&mut self, req: &Self::Request) -> Event;
@@ -187,12 +192,13 @@ async fn run_stream<P: Protocol>(
     mut inbound: Streaming<P::Wire>,
     tx: mpsc::Sender<Result<P::Response, Status>>,
     mut snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
     acks: Acks,
     metrics: Arc<Metrics>,
 ) {
     metrics.xds_streams.inc();
     let _gauge = StreamGauge(metrics.clone());
-    let mut st = P::new(snapshots.borrow_and_update().clone());
+    let mut st = P::new(snapshots.borrow_and_update().clone(), encoded);
     let mut snapshots_open = true;
     let mut node_id = String::new();
     // For the debug log: when the snapshot last changed, and when each type's last
@@ -295,7 +301,7 @@ mod tests {
     fn start(listener: UnixListener) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<anyhow::Result<()>>) {
         let (_tx, snapshots) = watch::channel(Arc::new(build(&Inputs::default())));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, snapshots, Acks::default(), Metrics::new(), async move {
+        let task = tokio::spawn(serve(listener, snapshots, Arc::default(), Acks::default(), Metrics::new(), async move {
             let _ = stopped.await;
         }));
         (stop, task)

@@ -21,9 +21,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
-use envoy_types::pb::google::protobuf::Any;
 
-use super::{Protocol, convert};
+use super::Protocol;
+use super::encoded::Encoded;
 use crate::snapshot::Snapshot;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,17 +88,6 @@ pub(super) fn hashes(s: &Snapshot, k: Kind) -> &BTreeMap<String, u64> {
     }
 }
 
-pub(super) fn encode(s: &Snapshot, k: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
-    let pick = |n: &String| names.contains(n);
-    match k {
-        Kind::Cluster => s.clusters.items.iter().filter(|(n, _)| pick(n)).map(|(_, c)| convert::cluster(c)).collect(),
-        Kind::Endpoint => {
-            s.endpoints.items.iter().filter(|(n, _)| pick(n)).map(|(_, a)| convert::load_assignment(a)).collect()
-        }
-        Kind::Listener => s.listeners.items.iter().filter(|(n, _)| pick(n)).map(|(_, l)| convert::listener(l)).collect(),
-        Kind::Route => s.routes.items.iter().filter(|(n, _)| pick(n)).map(|(_, r)| convert::route_config(r)).collect(),
-    }
-}
 
 /// A response and the state the proxy holds once it applies it.
 #[derive(Debug, Clone)]
@@ -135,6 +124,7 @@ pub enum Event {
 
 pub struct StreamState {
     current: Arc<Snapshot>,
+    encoded: Arc<Encoded>,
     nonce: u64,
     types: [TypeState; 4],
 }
@@ -145,8 +135,8 @@ impl Protocol for StreamState {
     type Response = DiscoveryResponse;
     const NAME: &'static str = "sotw";
 
-    fn new(current: Arc<Snapshot>) -> Self {
-        Self { current, nonce: 0, types: Default::default() }
+    fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self {
+        Self { current, encoded, nonce: 0, types: Default::default() }
     }
 
     fn node_id(req: &DiscoveryRequest) -> Option<&str> {
@@ -234,7 +224,7 @@ impl Protocol for StreamState {
             let nonce = self.nonce.to_string();
             out.push(DiscoveryResponse {
                 version_info: v.to_string(),
-                resources: encode(&self.current, kind, &to_send),
+                resources: self.encoded.get(&self.current, kind, &to_send),
                 type_url: kind.type_url().to_string(),
                 nonce: nonce.clone(),
                 ..Default::default()
@@ -311,7 +301,7 @@ mod tests {
     #[test]
     fn subscribe_ack_push_nack_and_reconnect() {
         let s1 = snap(1);
-        let mut st = StreamState::new(s1.clone());
+        let mut st = StreamState::new(s1.clone(), Arc::default());
         assert!(sent(&mut st).is_empty(), "nothing before a subscription");
 
         assert!(matches!(st.on_request(&req(Kind::Cluster, "", "", &[], None)), Event::Subscribe { .. }));
@@ -360,7 +350,7 @@ mod tests {
         assert_eq!(sent(&mut st).len(), 1);
 
         // A new stream (reconnect) that carries versions but no nonce: not an ACK, answered.
-        let mut st = StreamState::new(s3.clone());
+        let mut st = StreamState::new(s3.clone(), Arc::default());
         let ev = st.on_request(&req(Kind::Cluster, &s3.clusters.version, "", &[], None));
         assert!(matches!(ev, Event::Subscribe { .. }));
         assert!(!st.acked_current());
@@ -384,7 +374,7 @@ mod tests {
         };
         let names = ["outbound|80||a.d", "outbound|80||b.d"];
         let s1 = two(false);
-        let mut st = StreamState::new(s1.clone());
+        let mut st = StreamState::new(s1.clone(), Arc::default());
         for k in [Kind::Cluster, Kind::Listener] {
             st.on_request(&req(k, "", "", &[], None));
         }
@@ -414,7 +404,7 @@ mod tests {
 
     #[test]
     fn eds_sends_only_requested_names_and_resends_on_name_change() {
-        let mut st = StreamState::new(snap(1));
+        let mut st = StreamState::new(snap(1), Arc::default());
         st.on_request(&req(Kind::Endpoint, "", "", &["nope"], None));
         assert_eq!(sent(&mut st)[0].3, 0);
         st.on_request(&req(Kind::Endpoint, "x", "1", &["nope", CLA], None));

@@ -120,7 +120,7 @@ impl Server {
                 let listener = tokio::net::UnixListener::bind(&sock).unwrap();
                 ready_tx.send(()).unwrap();
                 tokio::select! {
-                    r = xds::serve(listener, snapshots, acks, metrics, std::future::pending()) => r.expect("ADS server"),
+                    r = xds::serve(listener, snapshots, Default::default(), acks, metrics, std::future::pending()) => r.expect("ADS server"),
                     _ = stopped => {}
                 }
             });

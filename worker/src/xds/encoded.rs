@@ -1,0 +1,155 @@
+//! The protobuf encoding of every resource the node serves, shared by all streams.
+//!
+//! Each entry is keyed by resource type and name and holds for as long as the resource's
+//! content hash (its version) does: the same name and hash is the same content, so the
+//! same bytes. A push therefore encodes only what changed since the resource was last
+//! encoded; a state-of-the-world push of every listener and cluster, as each pod's ADD
+//! sends, copies the rest. [`keep_warm`] encodes each snapshot as the node publishes it,
+//! in a standby too, so that a new owner answers the proxy's reconnect with copies.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use envoy_types::pb::google::protobuf::Any;
+use tokio::sync::watch;
+
+use super::convert;
+use super::stream::{KINDS, Kind, hashes};
+use crate::snapshot::Snapshot;
+
+#[derive(Default)]
+pub struct Encoded {
+    /// Per [`Kind::index`]: name to (content hash, encoding).
+    types: Mutex<[HashMap<String, (u64, Any)>; 4]>,
+}
+
+/// Encodes one resource of `s`, if `s` has it.
+fn convert_one(s: &Snapshot, kind: Kind, name: &str) -> Option<Any> {
+    Some(match kind {
+        Kind::Cluster => convert::cluster(s.clusters.items.get(name)?),
+        Kind::Endpoint => convert::load_assignment(s.endpoints.items.get(name)?),
+        Kind::Listener => convert::listener(s.listeners.items.get(name)?),
+        Kind::Route => convert::route_config(s.routes.items.get(name)?),
+    })
+}
+
+impl Encoded {
+    /// Encodes whatever of `s` is not cached yet, and forgets what `s` no longer holds.
+    pub fn warm(&self, s: &Snapshot) {
+        let mut types = self.types.lock().expect("encoded resources lock");
+        for kind in KINDS {
+            let cache = &mut types[kind.index()];
+            let current = hashes(s, kind);
+            cache.retain(|name, (hash, _)| current.get(name) == Some(hash));
+            for (name, hash) in current {
+                if !cache.contains_key(name)
+                    && let Some(any) = convert_one(s, kind, name)
+                {
+                    cache.insert(name.clone(), (*hash, any));
+                }
+            }
+        }
+    }
+
+    /// The encodings of `names` (those `s` has), in name order, encoding and caching any
+    /// that are missing or stale.
+    pub fn get(&self, s: &Snapshot, kind: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
+        let mut types = self.types.lock().expect("encoded resources lock");
+        let cache = &mut types[kind.index()];
+        let current = hashes(s, kind);
+        names
+            .iter()
+            .filter_map(|name| {
+                let hash = *current.get(*name)?;
+                if let Some((h, any)) = cache.get(*name)
+                    && *h == hash
+                {
+                    return Some(any.clone());
+                }
+                let any = convert_one(s, kind, name)?;
+                cache.insert((*name).clone(), (hash, any.clone()));
+                Some(any)
+            })
+            .collect()
+    }
+
+    /// How many resources are cached, for tests.
+    pub fn len(&self) -> usize {
+        self.types.lock().expect("encoded resources lock").iter().map(HashMap::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Encodes every snapshot the node publishes, until the node is gone.
+pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>) {
+    loop {
+        let s = snapshots.borrow_and_update().clone();
+        encoded.warm(&s);
+        if snapshots.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::snapshot::{Inputs, Pod, build};
+
+    fn pod(n: u8) -> Pod {
+        Pod {
+            uid: format!("uid-{n}"),
+            namespace: "default".into(),
+            name: format!("pod-{n}"),
+            container_id: format!("c{n}"),
+            netns: format!("/var/run/netns/c{n}"),
+            ifname: "eth0".into(),
+            ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, n))],
+        }
+    }
+
+    fn snapshot(pods: &[u8]) -> Snapshot {
+        build(&Inputs { pods: pods.iter().map(|n| (format!("uid-{n}"), pod(*n))).collect(), ..Inputs::default() })
+    }
+
+    fn all(s: &Snapshot, kind: Kind) -> Vec<Any> {
+        let names: Vec<&String> = hashes(s, kind).keys().collect();
+        names.iter().map(|n| convert_one(s, kind, n).unwrap()).collect()
+    }
+
+    #[test]
+    fn cached_encodings_equal_fresh_ones_across_snapshots() {
+        let encoded = Encoded::default();
+        let (s1, s2) = (snapshot(&[1, 2]), snapshot(&[2, 3]));
+        encoded.warm(&s1);
+        let warmed = encoded.len();
+        assert!(warmed > 0);
+        for s in [&s1, &s2, &s1] {
+            for kind in KINDS {
+                let names: BTreeSet<&String> = hashes(s, kind).keys().collect();
+                assert_eq!(encoded.get(s, kind, &names), all(s, kind), "{kind:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn warming_forgets_what_the_snapshot_no_longer_holds() {
+        let encoded = Encoded::default();
+        encoded.warm(&snapshot(&[1, 2, 3]));
+        let three = encoded.len();
+        encoded.warm(&snapshot(&[1]));
+        let one = encoded.len();
+        assert!(one < three, "{one} entries after shrinking from {three}");
+        let s = snapshot(&[1]);
+        let names: BTreeSet<&String> = hashes(&s, Kind::Listener).keys().collect();
+        assert_eq!(encoded.get(&s, Kind::Listener, &names), all(&s, Kind::Listener));
+        // A name that is not in the snapshot gives nothing.
+        let ghost = "inbound|uid-9".to_string();
+        assert!(encoded.get(&s, Kind::Listener, &BTreeSet::from([&ghost])).is_empty());
+    }
+}
