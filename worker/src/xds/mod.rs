@@ -162,7 +162,7 @@ trait Protocol: Send + 'static {
     /// The request as decoded off the wire (see [`server`]), turned into `Request`.
     type Wire: prost::Message + Default + Send + 'static;
     type Request: From<Self::Wire> + Send + 'static;
-    type Response: Send + 'static;
+    type Response: prost::Message + Send + 'static;
     const NAME: &'static str;
     fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self;
     fn node_id(req: &Self::Request) -> Option<&str>;

@@ -13,20 +13,19 @@
 //! `AggregatedDiscoveryServiceServer`), with the request codec swapped.
 
 use std::convert::Infallible;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use tonic::codegen::{Body, BoxFuture, StdError, http};
 use tonic::server::{Grpc, NamedService, StreamingService};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
-use super::{Ads, ResponseStream, delta::DeltaState, stream::StreamState};
+use super::{Ads, Protocol, ResponseStream, delta::DeltaState, stream::StreamState};
 
 /// ADS requests are small, but the first carries the node; a full snapshot of 1,000
 /// endpoints is well under this too.
@@ -122,30 +121,31 @@ impl NamedService for AdsServer {
     const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
 }
 
-struct Sotw(Arc<Ads>);
+/// One streaming method of the service, for either protocol.
+struct Method<P>(Arc<Ads>, PhantomData<fn() -> P>);
 
-impl StreamingService<SotwRequestWire> for Sotw {
-    type Response = DiscoveryResponse;
-    type ResponseStream = ResponseStream<DiscoveryResponse>;
+impl<P: Protocol> StreamingService<P::Wire> for Method<P> {
+    type Response = P::Response;
+    type ResponseStream = ResponseStream<P::Response>;
     type Future = BoxFuture<Response<Self::ResponseStream>, Status>;
 
-    fn call(&mut self, request: Request<Streaming<SotwRequestWire>>) -> Self::Future {
+    fn call(&mut self, request: Request<Streaming<P::Wire>>) -> Self::Future {
         let ads = self.0.clone();
-        Box::pin(async move { Ok(Response::new(ads.open::<StreamState>(request.into_inner()))) })
+        Box::pin(async move { Ok(Response::new(ads.open::<P>(request.into_inner()))) })
     }
 }
 
-struct Delta(Arc<Ads>);
-
-impl StreamingService<DeltaRequestWire> for Delta {
-    type Response = DeltaDiscoveryResponse;
-    type ResponseStream = ResponseStream<DeltaDiscoveryResponse>;
-    type Future = BoxFuture<Response<Self::ResponseStream>, Status>;
-
-    fn call(&mut self, request: Request<Streaming<DeltaRequestWire>>) -> Self::Future {
-        let ads = self.0.clone();
-        Box::pin(async move { Ok(Response::new(ads.open::<DeltaState>(request.into_inner()))) })
-    }
+/// Serves one call of `P`'s method: requests decode into `P::Wire`.
+fn streaming<P: Protocol, B>(ads: Arc<Ads>, req: http::Request<B>) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
+where
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    Box::pin(async move {
+        let mut grpc =
+            Grpc::new(ProstCodec::<P::Response, P::Wire>::default()).apply_max_message_size_config(Some(MAX_REQUEST), None);
+        Ok(grpc.streaming(Method::<P>(ads, PhantomData), req).await)
+    })
 }
 
 impl<B> tonic::codegen::Service<http::Request<B>> for AdsServer
@@ -164,16 +164,8 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let ads = self.0.clone();
         match req.uri().path() {
-            "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources" => Box::pin(async move {
-                let mut grpc = Grpc::new(ProstCodec::<DiscoveryResponse, SotwRequestWire>::default())
-                    .apply_max_message_size_config(Some(MAX_REQUEST), None);
-                Ok(grpc.streaming(Sotw(ads), req).await)
-            }),
-            "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources" => Box::pin(async move {
-                let mut grpc = Grpc::new(ProstCodec::<DeltaDiscoveryResponse, DeltaRequestWire>::default())
-                    .apply_max_message_size_config(Some(MAX_REQUEST), None);
-                Ok(grpc.streaming(Delta(ads), req).await)
-            }),
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources" => streaming::<StreamState, B>(ads, req),
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources" => streaming::<DeltaState, B>(ads, req),
             _ => Box::pin(async move {
                 let mut response = http::Response::new(tonic::body::Body::default());
                 let headers = response.headers_mut();
