@@ -20,9 +20,9 @@
 #
 # Progress goes to stderr; stdout ends with the summary table and one JSON line. Exit 0
 # only when the p99 gap is within ARG_BOUND and no request failed, no acknowledged pod
-# ADD was lost and Envoy never had a connect to xds.sock refused (recreate excepted: with
-# nobody holding the listener between the generations a refusal can happen there; it is
-# reported).
+# ADD was lost and Envoy never had a connect to xds.sock refused, in every mode. The node
+# runs the socket keeper (aether-supervisor --keep-sockets) beside the agents, as the
+# chart does, so that in recreate the listener outlives the generations.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

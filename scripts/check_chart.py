@@ -263,6 +263,30 @@ def check_rbac(docs, agent_ds):
     check("ClusterRoleBinding binds the ClusterRole to that ServiceAccount", ok, f"bindings {bindings}")
 
 
+def check_keeper(docs, args):
+    keepers = objects_of(docs, "DaemonSet", "keeper")
+    if not args.keeper:
+        check("no keeper DaemonSet with keeper.enabled=false", not keepers, f"found {len(keepers)}")
+        return
+    check("keeper DaemonSet rendered once", len(keepers) == 1, f"found {len(keepers)}")
+    pod = keepers[0]["spec"]["template"]["spec"]
+    check(f"keeper hostPath list is exactly [{RUN_DIR}]", host_paths(pod) == [RUN_DIR], f"got {host_paths(pod)}")
+    check("keeper pod: no service account token", pod.get("automountServiceAccountToken") is False,
+          f"got {pod.get('automountServiceAccountToken')!r}")
+    containers = all_containers(pod)
+    check("keeper pod: one container", len(containers) == 1, f"got {[c['name'] for c in containers]}")
+    for c in containers:
+        check_container_hardening("keeper pod", c)
+        extra = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add")
+        check(f"keeper pod: container {c['name']} adds no capability", not extra, f"got {extra}")
+    argv = containers[0].get("command", []) + containers[0].get("args", [])
+    check("keeper runs aether-supervisor --keep-sockets on the run folder",
+          argv[:2] == ["aether-supervisor", "--keep-sockets"]
+          and any(a == "--run-dir" and b == RUN_DIR for a, b in zip(argv, argv[1:])), f"argv {argv}")
+    uid = (containers[0].get("securityContext") or {}).get("runAsUser")
+    check("keeper runs as uid 0, the supervisors' uid that the handoff checks", uid == 0, f"got {uid!r}")
+
+
 def check_proxy(docs, args):
     proxies = objects_of(docs, "DaemonSet", "proxy")
     maps = objects_of(docs, "ConfigMap", "proxy")
@@ -377,6 +401,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--surge", type=parse_bool, help="required with RENDERED.yaml")
     parser.add_argument("--proxy", type=parse_bool, default=False)
+    parser.add_argument("--keeper", type=parse_bool, default=True)
     parser.add_argument("--spiffe-dir", default="")
     parser.add_argument("--backoff-base", default="0.1s")
     parser.add_argument("--backoff-max", default="1s")
@@ -408,6 +433,7 @@ def main():
         agent_ds = check_agent(docs, raw, args)
         check_rbac(docs, agent_ds)
         check_proxy(docs, args)
+        check_keeper(docs, args)
         # Nothing else from the host: every hostPath of the release is one of the expected folders.
         allowed = {RUN_DIR, STATE_DIR, CNI_CONF_DIR, CNI_BIN_DIR} | ({args.spiffe_dir} if args.spiffe_dir else set())
         stray = sorted({p for d in docs if d.get("kind") == "DaemonSet"

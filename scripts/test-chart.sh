@@ -76,6 +76,7 @@ cases=(
   "surge-on|agent.updateStrategy.surge=true|--surge true"
   "proxy|agent.updateStrategy.surge=true,proxy.enabled=true|--surge true --proxy true"
   "spiffe|identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR"
+  "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC"
 )
 
@@ -162,6 +163,11 @@ mutations=(
   'proxy-http1|files/envoy-bootstrap.yaml.tmpl|http2_protocol_options: \{\}|http_protocol_options: {}|proxy.enabled=true|--surge false --proxy true|speaks HTTP/2'
   'proxy-pipe|files/envoy-bootstrap.yaml.tmpl|(pipe: \{ path: [^ ]*)/xds\.sock|\g<1>/cni.sock|proxy.enabled=true|--surge false --proxy true|endpoint is the pipe'
   'proxy-node-id|templates/proxy-daemonset.yaml|- \$\(NODE_NAME\)|- node|proxy.enabled=true|--surge false --proxy true|node id is the node name'
+  'keeper-cap|templates/keeper-daemonset.yaml|(drop:\n\s+- ALL)|\g<1>\n              add:\n                # CHOWN: a reason\n                - CHOWN||--surge false|keeper pod: container keeper adds no capability'
+  'keeper-hostpath|templates/keeper-daemonset.yaml|(      volumes:\n)|\g<1>        - name: state\n          hostPath:\n            path: /var/lib/aether\n||--surge false|keeper hostPath list is exactly'
+  'keeper-not-keeping|templates/keeper-daemonset.yaml|\n *- --keep-sockets|||--surge false|keeper runs aether-supervisor --keep-sockets'
+  'keeper-uid|templates/keeper-daemonset.yaml|runAsUser: 0|runAsUser: 65532||--surge false|keeper runs as uid 0'
+  'keeper-ignored|templates/keeper-daemonset.yaml|if \.Values\.keeper\.enabled|if true|keeper.enabled=false|--surge false --keeper false|no keeper DaemonSet'
 )
 for m in "${mutations[@]}"; do
   IFS='|' read -r name file pattern replacement sets expect want <<<"$m"

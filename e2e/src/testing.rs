@@ -104,6 +104,25 @@ impl LocalNode {
         (self.start_agent_wrapped(&["env", &env], &[]), notify)
     }
 
+    /// Starts the node's socket keeper (`aether-supervisor --keep-sockets`), which lives
+    /// across the agent generations the way a keeper outside the agent's pod would.
+    pub fn start_keeper(&self) -> Keeper {
+        let log_path = self.root.path().join("keeper.log");
+        let log = std::fs::File::create(&log_path).expect("keeper log file");
+        let child = Command::new(bin("aether-supervisor"))
+            .arg("--keep-sockets")
+            .arg("--run-dir")
+            .arg(&self.run_dir)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn the socket keeper");
+        Keeper { child, log_path }
+    }
+
     /// Starts the next agent generation with its own health dir.
     pub fn start_agent(&mut self) -> Agent {
         self.start_agent_with(&[])
@@ -227,6 +246,34 @@ impl Drop for Agent {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+/// The node's socket keeper process; killed when dropped.
+pub struct Keeper {
+    child: Child,
+    pub log_path: PathBuf,
+}
+
+impl Keeper {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Waits until the keeper's log has `needle` `count` times or more.
+    pub fn wait_log_count(&self, needle: &str, count: usize, timeout: Duration) {
+        wait_for(&format!("{count} x {needle:?} in the keeper's log"), timeout, || (self.log().matches(needle).count() >= count).then_some(()))
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -139,12 +139,12 @@ fn the_owner_refuses_bad_handoff_peers_and_leaks_nothing() {
     {
         let s = dial(&handoff);
         let (f1, f2) = (devnull(), devnull());
-        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION }), &[f1.as_fd(), f2.as_fd()]).expect("send");
+        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION, keeper: false }), &[f1.as_fd(), f2.as_fd()]).expect("send");
         wait_for("second refusal", T, || (refusals(&owner) >= 2).then_some(()));
     }
     {
         let s = dial(&handoff);
-        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: 99 }), &[]).expect("send");
+        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: 99, keeper: false }), &[]).expect("send");
         wait_for("third refusal", T, || (refusals(&owner) >= 3).then_some(()));
     }
     let log = owner.log();
@@ -287,4 +287,79 @@ fn a_restart_under_systemd_keeps_the_sockets_in_its_fd_store_and_refuses_no_conn
     let mut frame = [0u8; 9];
     waiting.read_exact(&mut frame).expect("the new owner answers the connect queued during the restart");
     assert_eq!(frame[3], 0x4, "a SETTINGS frame, got header {frame:?}");
+}
+
+/// The node's socket keeper holds the listeners while no agent runs at all (a
+/// delete-then-create roll): a connect then waits in the backlog instead of being
+/// refused, and the next agent takes the kept sockets and answers it.
+#[test]
+fn the_socket_keeper_holds_the_sockets_between_generations_and_the_next_agent_takes_them() {
+    use std::io::{Read, Write};
+    let mut node = LocalNode::new();
+    let keeper = node.start_keeper();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    keeper.wait_log_count("keeping the owner's node sockets", 1, T);
+    let inodes = node.socket_inodes();
+
+    // A keeper is no successor: the owner does not wait for it at its drain.
+    let drained = Instant::now();
+    owner.signal(Signal::SIGTERM);
+    owner.wait_exit(T);
+    assert!(drained.elapsed() < Duration::from_secs(1), "the owner waited {:?} at its drain", drained.elapsed());
+    assert!(!owner.log().contains("the successor did not answer"), "{}", owner.log());
+
+    // Nobody runs: the connects queue in the kept listeners' backlogs.
+    let mut queued = std::os::unix::net::UnixStream::connect(node.xds_sock()).expect("xds.sock refused a connect with no agent running");
+    std::os::unix::net::UnixStream::connect(node.cni_sock()).expect("cni.sock refused a connect with no agent running");
+
+    let next = node.start_agent();
+    let ready = next.wait_role("owner", T);
+    assert_eq!(ready["takeover"]["handed_off"], true, "the kept sockets were not used:\n{}", next.log());
+    assert!(next.log().contains("taking the node sockets from the socket keeper"), "{}", next.log());
+    assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
+    // The connect made while no agent ran is served: HTTP/2 preface in, SETTINGS out.
+    queued.set_read_timeout(Some(T)).expect("timeout");
+    queued.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").expect("preface");
+    let mut header = [0u8; 9];
+    queued.read_exact(&mut header).expect("the new owner answered the queued connect");
+    assert_eq!(header[3], 0x04, "first frame is SETTINGS");
+}
+
+#[test]
+fn the_socket_keeper_refuses_a_peer_of_another_uid_and_offers_nothing_before_it_holds_sockets() {
+    let node = LocalNode::new();
+    std::fs::create_dir_all(&node.run_dir).expect("run dir");
+    let keeper = node.start_keeper();
+    let path = node.run_dir.join("keeper.sock");
+    wait_for("keeper.sock", T, || path.exists().then_some(()));
+    // Holding nothing yet, it closes the connection: nothing to take.
+    {
+        let s = dial(&path);
+        fdpass::send_handoff(s.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION, keeper: false }), &[]).expect("send");
+        keeper.wait_log_count("before the keeper held any", 1, T);
+        let got = fdpass::recv_handoff(s.as_fd(), false);
+        // Closed, or reset as the keeper closed with the hello unread; not an offer.
+        assert!(got.as_ref().is_err_and(|e| !e.would_block()), "the keeper offered something while holding nothing: {got:?}");
+    }
+    if !is_root() {
+        eprintln!("SKIPPED the foreign-uid half: needs root to connect as another uid (CI runs as root)");
+        return;
+    }
+    let mut node = node;
+    let owner = node.start_agent();
+    owner.wait_role("owner", T);
+    keeper.wait_log_count("keeping the owner's node sockets", 1, T);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    let script = format!(
+        "import socket;s=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET);s.connect({:?})\ntry:\n s.send(b'\\x0a\\x02\\x08\\x01');print(repr(s.recv(4096)))\nexcept (ConnectionResetError, BrokenPipeError): print(repr(b''))",
+        path.display().to_string()
+    );
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &script])
+        .output()
+        .expect("run setpriv (util-linux)");
+    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "b''", "the keeper answered a foreign uid");
+    keeper.wait_log_count("runs as uid 65534", 1, T);
 }

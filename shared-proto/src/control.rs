@@ -161,6 +161,10 @@ pub enum HandoffBody {
 pub struct HandoffHello {
     #[prost(uint32, tag = "1")]
     pub version: u32,
+    /// Sent by the node's socket keeper, which holds the sockets but never takes the
+    /// node: the owner does not count it as a successor to wait for at its drain.
+    #[prost(bool, tag = "2")]
+    pub keeper: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

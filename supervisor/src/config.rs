@@ -16,7 +16,8 @@ use clap::Parser;
 A second supervisor started beside a running one is a warm standby: its worker builds \
 everything, it binds nothing, and it takes the node over the instant the first one's \
 generation is gone. With only --run-dir, --state-dir and --health-dir pointed at writable \
-folders it runs as an ordinary user: embedded registry, no identity, no Kubernetes."
+folders it runs as an ordinary user: embedded registry, no identity, no Kubernetes.\n\n\
+With --keep-sockets it is instead the node's socket keeper (see that flag)."
 )]
 pub struct Config {
     /// Folder of agent.lock, xds.sock, cni.sock and handoff.sock, shared by generations.
@@ -63,6 +64,15 @@ pub struct Config {
     /// Log format of both processes: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+    /// Run as the node's socket keeper instead of an agent: hold duplicates of the
+    /// owner's listening sockets (fetched over handoff.sock, refreshed every 2 s) and
+    /// offer them on <run-dir>/keeper.sock to a new agent that finds no owner to take them
+    /// from. Run it outside the agent's pod, beside it: across a delete-then-create roll
+    /// the proxy's reconnect then waits in the kept socket's backlog instead of being
+    /// refused. Takes no lock, starts no worker, needs no capability; only --run-dir and
+    /// --log-format apply.
+    #[arg(long, env = "AETHER_KEEP_SOCKETS")]
+    pub keep_sockets: bool,
 }
 
 fn parse_user(s: &str) -> Result<(u32, u32), String> {
@@ -107,6 +117,9 @@ impl Config {
     }
     pub fn handoff_path(&self) -> PathBuf {
         self.run_dir.join("handoff.sock")
+    }
+    pub fn keeper_path(&self) -> PathBuf {
+        self.run_dir.join("keeper.sock")
     }
 }
 

@@ -48,15 +48,16 @@ fn check_peer_uid(fd: &OwnedFd) -> Result<(), String> {
     Ok(())
 }
 
-/// Owner side: answers one standby on the accepted connection `conn`.
-pub fn serve_one(conn: OwnedFd, generation: u64, xds: &OwnedFd, cni: &OwnedFd, ids: [(u64, u64); 2]) -> Result<(), String> {
+/// Owner side: answers one standby on the accepted connection `conn`. Returns whether
+/// the peer said it is the node's socket keeper.
+pub fn serve_one(conn: OwnedFd, generation: u64, xds: &OwnedFd, cni: &OwnedFd, ids: [(u64, u64); 2]) -> Result<bool, String> {
     check_peer_uid(&conn)?;
     wait_readable(&conn, STEP_TIMEOUT)?;
-    match fdpass::recv_handoff(conn.as_fd(), true).map_err(|e| e.to_string())? {
-        (HandoffBody::Hello(h), _) if h.version == HANDOFF_VERSION => {}
+    let keeper = match fdpass::recv_handoff(conn.as_fd(), true).map_err(|e| e.to_string())? {
+        (HandoffBody::Hello(h), _) if h.version == HANDOFF_VERSION => h.keeper,
         (HandoffBody::Hello(h), _) => return Err(format!("standby speaks handoff version {}, we speak {HANDOFF_VERSION}", h.version)),
         (HandoffBody::Offer(_), _) => return Err("standby sent an offer".into()),
-    }
+    };
     let offer = HandoffOffer {
         version: HANDOFF_VERSION,
         generation,
@@ -65,7 +66,8 @@ pub fn serve_one(conn: OwnedFd, generation: u64, xds: &OwnedFd, cni: &OwnedFd, i
         cni_dev: ids[1].0,
         cni_ino: ids[1].1,
     };
-    fdpass::send_handoff(conn.as_fd(), HandoffBody::Offer(offer), &[xds.as_fd(), cni.as_fd()]).map_err(|e| e.to_string())
+    fdpass::send_handoff(conn.as_fd(), HandoffBody::Offer(offer), &[xds.as_fd(), cni.as_fd()]).map_err(|e| e.to_string())?;
+    Ok(keeper)
 }
 
 /// Owner side: accepts a pending connection on the (non-blocking) handoff listener.
@@ -73,9 +75,10 @@ pub fn accept(listener: &OwnedFd) -> Option<OwnedFd> {
     accept4(listener, SockFlag::SOCK_CLOEXEC).ok()
 }
 
-/// Standby side: fetches the owner's sockets. `Ok(None)` when no owner listens (none
-/// yet, or a predecessor that knows no handoff).
-pub fn fetch(handoff: &Path, xds_path: &Path, cni_path: &Path) -> Result<Option<Held>, String> {
+/// Standby side: fetches the owner's sockets (`keeper`: the caller is the node's socket
+/// keeper). `Ok(None)` when no owner listens (none yet, or a predecessor that knows no
+/// handoff).
+pub fn fetch(handoff: &Path, xds_path: &Path, cni_path: &Path, keeper: bool) -> Result<Option<Held>, String> {
     let conn = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).map_err(|e| format!("socket: {e}"))?;
     let addr = UnixAddr::new(handoff).map_err(|e| format!("{}: {e}", handoff.display()))?;
     match connect(conn.as_raw_fd(), &addr) {
@@ -84,7 +87,7 @@ pub fn fetch(handoff: &Path, xds_path: &Path, cni_path: &Path) -> Result<Option<
         Err(e) => return Err(format!("connect {}: {e}", handoff.display())),
     }
     check_peer_uid(&conn)?;
-    fdpass::send_handoff(conn.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION }), &[])
+    fdpass::send_handoff(conn.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION, keeper }), &[])
         .map_err(|e| e.to_string())?;
     wait_readable(&conn, STEP_TIMEOUT)?;
     let (body, mut fds) = fdpass::recv_handoff(conn.as_fd(), true).map_err(|e| e.to_string())?;

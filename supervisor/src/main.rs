@@ -8,6 +8,7 @@
 mod config;
 mod conflist;
 mod handoff;
+mod keeper;
 mod monitor;
 mod supervise;
 mod sys;
@@ -51,6 +52,10 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Signals are blocked before the lock thread starts, so that they reach the signalfd.
     let signals = sys::signals::block_and_open()?;
+    if cfg.keep_sockets {
+        supervise::prepare_run_dir(&cfg.run_dir)?;
+        return keeper::run(&cfg, signals);
+    }
     let root = nix::unistd::geteuid().is_root();
     let worker_owner = root.then_some(cfg.worker_user);
     if root {

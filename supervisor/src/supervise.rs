@@ -17,7 +17,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use shared_proto::control::{Body, Drain, Ping, Takeover};
 use shared_proto::fdpass;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
 use crate::conflist;
@@ -485,6 +485,11 @@ impl Supervisor {
         let start = self.pending_since.unwrap_or_else(Instant::now);
         let xds_path = self.cfg.xds_path();
         let cni_path = self.cfg.cni_path();
+        if self.held.is_none() {
+            // No owner handed its sockets over (a delete-then-create roll, or a killed
+            // generation): the node's socket keeper may hold them.
+            self.held = self.fetch_from_keeper();
+        }
         let from_handoff = self.held.take().and_then(|h| {
             let ok = listen::verify_held(&h.xds, &xds_path, h.offer.xds_dev, h.offer.xds_ino)
                 .and_then(|()| listen::verify_held(&h.cni, &cni_path, h.offer.cni_dev, h.offer.cni_ino));
@@ -650,17 +655,33 @@ impl Supervisor {
         let Some(listener) = &o.handoff else { return };
         while let Some(conn) = handoff::accept(listener) {
             match handoff::serve_one(conn, o.generation, &o.xds, &o.cni, o.ids) {
-                Ok(()) => {
+                Ok(false) => {
                     o.offered_at = Some(Instant::now());
                     info!(generation = o.generation, "offered the node sockets to a standby");
                 }
+                Ok(true) => debug!(generation = o.generation, "offered the node sockets to the socket keeper"),
                 Err(e) => warn!(error = %e, "handoff refused"),
             }
         }
     }
 
+    fn fetch_from_keeper(&self) -> Option<handoff::Held> {
+        match handoff::fetch(&self.cfg.keeper_path(), &self.cfg.xds_path(), &self.cfg.cni_path(), false) {
+            Ok(Some(h)) => {
+                info!(generation = h.generation, "taking the node sockets from the socket keeper");
+                Some(h)
+            }
+            Ok(None) => None,
+            // Also when the keeper holds nothing yet: it then closes the connection.
+            Err(e) => {
+                info!(error = %e, "no node sockets from the socket keeper");
+                None
+            }
+        }
+    }
+
     fn fetch_handoff(&mut self) {
-        match handoff::fetch(&self.cfg.handoff_path(), &self.cfg.xds_path(), &self.cfg.cni_path()) {
+        match handoff::fetch(&self.cfg.handoff_path(), &self.cfg.xds_path(), &self.cfg.cni_path(), false) {
             Ok(Some(h)) => {
                 if self.held.as_ref().map(|x| x.generation) != Some(h.generation) {
                     info!(generation = h.generation, "holding the owner's node sockets for the takeover");

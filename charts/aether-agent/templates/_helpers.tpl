@@ -16,6 +16,10 @@
 {{- printf "%s-proxy" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "aether-agent.keeperName" -}}
+{{- printf "%s-keeper" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "aether-agent.serviceAccountName" -}}
 {{- default (include "aether-agent.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}

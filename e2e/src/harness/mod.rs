@@ -23,7 +23,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 
-use crate::testing::{Agent, LocalNode, bin};
+use crate::testing::{Agent, Keeper, LocalNode, bin};
 use churn::{Churn, Cni, Pods};
 use envoy::{Envoy, Poller, RollTimes};
 
@@ -213,10 +213,9 @@ impl ModeResult {
         if self.lost() > 0 {
             f.push(format!("{} acknowledged pod ADDs were lost", self.lost()));
         }
-        // Delete-then-create is the baseline being measured: with no generation left to
-        // hold the listener, a reconnect in the window is refused. It is reported, not
-        // failed; surge and worker-crash must have none.
-        if self.refused() > 0 && self.mode != Some(Mode::Recreate) {
+        // In every mode: in recreate the node's socket keeper holds the listener between
+        // the generations.
+        if self.refused() > 0 {
             f.push(format!("Envoy had {} refused connects to xds.sock", self.refused()));
         }
         f
@@ -295,6 +294,8 @@ fn agent_ready(sock: &Path) -> bool {
 /// The local node a mode runs on.
 struct Bench {
     node: LocalNode,
+    /// The node's socket keeper: across a recreate roll it holds the listeners.
+    _keeper: Keeper,
     extra: Vec<String>,
     owner: Agent,
     envoy: Envoy,
@@ -340,6 +341,12 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     let first = node.start_agent_with(&[extra[0].as_str()]);
     wait_until("the first agent to own the node", T_START, || ready_owner(&first))
         .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
+    // As the chart runs it, outside the agent's pod; it fetches the owner's sockets.
+    let keeper = node.start_keeper();
+    wait_until("the socket keeper to hold the owner's sockets", T_START, || {
+        keeper.log().contains("keeping the owner's node sockets").then_some(())
+    })
+    .with_context(|| format!("keeper log:\n{}", keeper.log()))?;
     let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api).context("start Envoy")?;
     wait_until("Envoy to connect and take its first config", T_START, || {
         let (_, body) = envoy.get(&envoy::stats_filter()).ok()?;
@@ -362,7 +369,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             bail!("ADD before the first roll failed: {:?}", pods.lock().unwrap().errors);
         }
     }
-    Ok(Bench { node, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new() })
+    Ok(Bench { node, _keeper: keeper, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new() })
 }
 
 /// Runs one mode on a fresh local node. The node's folder is kept (and named in the
