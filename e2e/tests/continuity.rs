@@ -163,20 +163,26 @@ fn the_owner_refuses_a_peer_of_another_uid() {
     let owner = node.start_agent();
     owner.wait_role("owner", T);
     let handoff = node.run_dir.join("handoff.sock");
-    // Open the path so the connect itself succeeds and SO_PEERCRED is what refuses.
-    std::fs::set_permissions(&handoff, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    assert_eq!(hello_as_uid_65534(&handoff), "b''", "the owner answered a foreign uid");
+    owner.wait_log("runs as uid 65534", T);
+}
+
+/// Sends a handoff hello to `path` as uid 65534 (the path opened to everyone first, so
+/// that the connect succeeds and SO_PEERCRED is what refuses); returns what came back,
+/// `b''` for nothing. Needs root and setpriv (util-linux).
+fn hello_as_uid_65534(path: &std::path::Path) -> String {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).expect("chmod");
     let script = format!(
-        // The owner may close before the hello is even sent: a broken pipe is a refusal too.
+        // The peer may close before the hello is even sent: a broken pipe is a refusal too.
         "import socket;s=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET);s.connect({:?})\ntry:\n s.send(b'\\x0a\\x02\\x08\\x01');print(repr(s.recv(4096)))\nexcept (ConnectionResetError, BrokenPipeError): print(repr(b''))",
-        handoff.display().to_string()
+        path.display().to_string()
     );
     let out = std::process::Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &script])
         .output()
         .expect("run setpriv (util-linux)");
     assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "b''", "the owner answered a foreign uid");
-    owner.wait_log("runs as uid 65534", T);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[test]
@@ -350,16 +356,6 @@ fn the_socket_keeper_refuses_a_peer_of_another_uid_and_offers_nothing_before_it_
     let owner = node.start_agent();
     owner.wait_role("owner", T);
     keeper.wait_log_count("keeping the owner's node sockets", 1, T);
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).expect("chmod");
-    let script = format!(
-        "import socket;s=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET);s.connect({:?})\ntry:\n s.send(b'\\x0a\\x02\\x08\\x01');print(repr(s.recv(4096)))\nexcept (ConnectionResetError, BrokenPipeError): print(repr(b''))",
-        path.display().to_string()
-    );
-    let out = std::process::Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &script])
-        .output()
-        .expect("run setpriv (util-linux)");
-    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "b''", "the keeper answered a foreign uid");
+    assert_eq!(hello_as_uid_65534(&path), "b''", "the keeper answered a foreign uid");
     keeper.wait_log_count("runs as uid 65534", 1, T);
 }
