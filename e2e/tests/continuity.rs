@@ -60,6 +60,11 @@ fn killing_the_whole_owner_generation_takes_the_fallback_bind_when_nothing_was_h
 #[test]
 fn a_killed_worker_is_respawned_with_the_same_sockets() {
     let mut node = LocalNode::new();
+    // A watched registry file, as on a real node: its inotify instance makes the killed
+    // worker's exit wait for a kernel grace period, which the respawn does not wait for.
+    let registry = node.root.path().join("registry.json");
+    std::fs::write(&registry, r#"{"services": []}"#).expect("registry file");
+    node.registry_file = Some(registry);
     let owner = node.start_agent();
     owner.wait_role("owner", T);
     let inodes = node.socket_inodes();
@@ -73,7 +78,14 @@ fn a_killed_worker_is_respawned_with_the_same_sockets() {
         assert_eq!(node.socket_inodes(), inodes, "respawn {i} replaced a node socket");
         assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()));
     }
-    assert!(owner.log().contains("worker exited unexpectedly; respawning"));
+    // One respawn per kill, whichever came first: the control socket's end or SIGCHLD.
+    // A worker replaced on its socket's end is still reaped when its SIGCHLD comes.
+    let log = owner.log();
+    assert_eq!(log.matches("worker exited unexpectedly; respawning").count(), 10, "{log}");
+    let by_socket = log.matches("how=\"closed its control socket\"").count();
+    wait_for("every worker replaced on its socket's end reaped", T, || {
+        (owner.log().matches("reaped a worker that was already replaced").count() == by_socket).then_some(())
+    });
 }
 
 #[test]

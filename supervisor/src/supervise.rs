@@ -321,6 +321,8 @@ impl Supervisor {
                 Ok(status) => {
                     if self.worker.as_ref().is_some_and(|w| Some(w.pid) == status.pid()) {
                         self.on_worker_exit(status);
+                    } else {
+                        info!(status = ?status, "reaped a worker that was already replaced");
                     }
                 }
             }
@@ -328,23 +330,29 @@ impl Supervisor {
     }
 
     fn on_worker_exit(&mut self, status: WaitStatus) {
-        let w = self.worker.take().expect("worker exists");
         let code = match status {
             WaitStatus::Exited(_, c) => c,
             WaitStatus::Signaled(_, s, _) => 128 + s as i32,
             _ => 1,
         };
         if self.drain_deadline.is_some() {
+            let w = self.worker.take().expect("worker exists");
             info!(pid = w.pid.as_raw(), status = ?status, "worker exited after drain; supervisor exits");
             self.exit = Some(code);
             return;
         }
+        self.respawn_after(&format!("exited: {status:?}"));
+    }
+
+    /// The worker is gone: schedule its successor (at once after a healthy run).
+    fn respawn_after(&mut self, how: &str) {
+        let w = self.worker.take().expect("worker exists");
         let ran = w.started.elapsed();
         if ran >= HEALTHY_RESET {
             self.backoff = Duration::ZERO;
         }
         self.respawns += 1;
-        error!(pid = w.pid.as_raw(), status = ?status, ran_ms = ran.as_millis() as u64, respawn_in_ms = self.backoff.as_millis() as u64, respawns = self.respawns, "worker exited unexpectedly; respawning");
+        error!(pid = w.pid.as_raw(), how, ran_ms = ran.as_millis() as u64, respawn_in_ms = self.backoff.as_millis() as u64, respawns = self.respawns, "worker exited unexpectedly; respawning");
         self.respawn_at = Some(Instant::now() + self.backoff);
         self.grow_backoff();
     }
@@ -393,9 +401,27 @@ impl Supervisor {
             let pid = w.pid;
             match fdpass::recv_control(w.control.as_fd(), true) {
                 Err(e) if e.would_block() => return,
-                Err(fdpass::Error::Closed) => {
-                    // The worker is exiting; SIGCHLD follows. Stop polling its socket.
+                Err(fdpass::Error::Closed) if w.monitor.phase() == crate::monitor::WorkerPhase::Released => {
+                    // The released worker has handed everything on and is exiting: its
+                    // job is done, so is ours. Its SIGCHLD is not waited for (the
+                    // kernel's teardown can take a grace period); init reaps it.
+                    info!(pid = pid.as_raw(), "released worker closed its control socket; supervisor exits");
+                    self.exit = Some(0);
+                    return;
+                }
+                Err(fdpass::Error::Closed) if self.drain_deadline.is_some() => {
+                    // The drained worker is exiting; SIGCHLD follows and ends the
+                    // supervisor. Stop polling its socket.
                     w.closed = true;
+                    return;
+                }
+                Err(fdpass::Error::Closed) => {
+                    // A dying worker's control socket closes before the kernel has
+                    // finished its exit, which can wait for a grace period (closing an
+                    // inotify instance does; see the worker's main). Make sure it dies,
+                    // and respawn now: its SIGCHLD is reaped when it comes.
+                    let _ = kill(pid, Signal::SIGKILL);
+                    self.respawn_after("closed its control socket");
                     return;
                 }
                 Err(e) => {

@@ -60,7 +60,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
 
     let status = watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name));
-    let health_listener = health::bind(&cfg.health_dir)?;
+    let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
     tokio::spawn(health::serve(health_listener, status.subscribe()));
 
     let mut control = Control::new(control_fd)?;

@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
 use crate::node::Node;
-use crate::registry::{FileError, watch_file};
+use crate::registry::{FileError, Watch, watch_file};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CaptureProjection {
@@ -82,13 +82,15 @@ fn is_cidr(s: &str) -> bool {
 /// embedded default at once when `path` is `None`, else the file's content, reloaded on
 /// change until the task is aborted.
 pub fn spawn(path: Option<PathBuf>, node: Arc<Node>, metrics: Arc<Metrics>) -> JoinHandle<()> {
+    let watch = path.map(Watch::open);
     tokio::spawn(async move {
-        let Some(path) = path else {
+        let Some(watch) = watch else {
             node.update(|i| i.capture = CaptureProjection::default());
             node.set_gate(|g| g.capture_landed = true);
             return;
         };
-        watch_file(&path, "capture", &metrics, |bytes| {
+        let path = watch.path().to_path_buf();
+        watch_file(watch, "capture", &metrics, |bytes| {
             let capture = parse(&path, bytes)?;
             node.update(|i| i.capture = capture);
             node.set_gate(|g| g.capture_landed = true);

@@ -6,6 +6,7 @@
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Serialize;
 use tokio::net::UnixListener;
@@ -98,11 +99,57 @@ pub fn respond(status: &Status, path: &str) -> Response {
     }
 }
 
+/// [`bind`], waiting up to `bound` for a live server there to go away: a respawned
+/// worker can start while its crashed predecessor, already dead to the supervisor, is
+/// still being torn down by the kernel and holds its listener for a few milliseconds more.
+/// A server still answering after `bound` is another agent's: the error says so.
+pub async fn bind_after_predecessor(dir: &Path, bound: Duration) -> Result<UnixListener, HealthError> {
+    let start = std::time::Instant::now();
+    loop {
+        match bind(dir) {
+            Err(HealthError::Live { .. }) if start.elapsed() < bound => tokio::time::sleep(Duration::from_millis(2)).await,
+            other => return other,
+        }
+    }
+}
+
 /// Answers health requests until the process exits.
 pub async fn serve(listener: UnixListener, status: watch::Receiver<Status>) {
     loop {
         let Ok((conn, _)) = listener.accept().await else { continue };
         let snapshot = status.borrow().clone();
         tokio::spawn(httpmini::serve_one(conn, move |path| respond(&snapshot, path)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_health_server_that_keeps_answering_is_refused_after_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let _other = std::os::unix::net::UnixListener::bind(dir.path().join(SOCKET_NAME)).unwrap();
+        let start = std::time::Instant::now();
+        let err = bind_after_predecessor(dir.path(), Duration::from_millis(50)).await.expect_err("another agent answers");
+        assert!(matches!(err, HealthError::Live { .. }), "{err}");
+        assert!(start.elapsed() >= Duration::from_millis(50), "gave up after {:?}", start.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_predecessor_going_away_within_the_bound_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(SOCKET_NAME);
+        let predecessor = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        // The predecessor's teardown, as the kernel finishes a dying worker.
+        let gone = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            drop(predecessor);
+        });
+        let listener = bind_after_predecessor(dir.path(), Duration::from_secs(5)).await.expect("bound once the predecessor is gone");
+        gone.join().unwrap();
+        // The path now leads to the new listener.
+        let _client = tokio::net::UnixStream::connect(&path).await.expect("connect");
+        tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.expect("accepted in time").expect("accept");
     }
 }

@@ -206,13 +206,15 @@ fn is_dns_label(s: &str) -> bool {
 /// gate, and reloads on change until the task is aborted. `None`: an empty registry,
 /// loaded at once.
 pub fn spawn_embedded(path: Option<PathBuf>, node: Arc<Node>, metrics: Arc<Metrics>) -> JoinHandle<()> {
+    let watch = path.map(Watch::open);
     tokio::spawn(async move {
-        let Some(path) = path else {
+        let Some(watch) = watch else {
             node.update(|i| i.registry = RegistryView::default());
             node.set_gate(|g| g.registry_loaded = true);
             return;
         };
-        watch_file(&path, "registry", &metrics, |bytes| {
+        let path = watch.path().to_path_buf();
+        watch_file(watch, "registry", &metrics, |bytes| {
             let view = parse(&path, bytes)?;
             node.update(|i| i.registry = view);
             node.set_gate(|g| g.registry_loaded = true);
@@ -222,16 +224,40 @@ pub fn spawn_embedded(path: Option<PathBuf>, node: Arc<Node>, metrics: Arc<Metri
     })
 }
 
+/// A watched file: its path and the inotify instance on its directory, if one could be
+/// opened.
+pub(crate) struct Watch {
+    path: PathBuf,
+    events: Option<DirEvents>,
+}
+
+impl Watch {
+    /// Opens the inotify instance now, in the caller, before the watching task runs: the
+    /// worker's watchers then hold lower descriptor numbers than what it opens later, and
+    /// a dying process releases its files highest number first. Closing an inotify
+    /// instance waits for a kernel grace period (about 10 ms on a busy node), so the
+    /// sockets go before it (see the worker's main).
+    pub(crate) fn open(path: PathBuf) -> Watch {
+        let events = DirEvents::new(&path);
+        Watch { path, events }
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// Calls `apply` with the file's content at start and after every change of it, until
 /// the task is aborted. Errors (unreadable file, `apply` rejecting the content) are logged
 /// with the file's name and counted; the caller keeps its last good state.
 pub(crate) async fn watch_file(
-    path: &Path,
+    watch: Watch,
     what: &'static str,
     metrics: &Metrics,
     mut apply: impl FnMut(&[u8]) -> Result<(), FileError>,
 ) {
-    let mut events = DirEvents::new(path);
+    let Watch { path, mut events } = watch;
+    let path = path.as_path();
     if events.is_none() {
         tracing::warn!(file = %path.display(), "{what}: no inotify on the file's directory; polling every {POLL_INTERVAL:?}");
     }
