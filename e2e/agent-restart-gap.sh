@@ -16,6 +16,8 @@
 #   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)
 #   ARG_KEEP_NODE     set: keep the local node folder (logs) even when the run passes
 #   AETHER_E2E_AGENT_LOG  the agents' log filter (info), e.g. info,aether_worker::xds=debug
+#   AETHER_E2E_ENVOY_LOG  Envoy's component log levels, logged with microsecond times, e.g.
+#                     config:debug,client:debug (README: where the served gap goes)
 #   ENVOY_BIN         an Envoy binary; else the project's .venv, installed on demand
 #
 # Progress goes to stderr; stdout ends with the summary table and one JSON line. Exit 0
