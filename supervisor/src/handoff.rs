@@ -29,6 +29,13 @@ pub struct Held {
     pub offer: HandoffOffer,
 }
 
+impl Held {
+    /// The (dev, ino) of the xds and cni socket paths, as the offer recorded them.
+    pub fn ids(&self) -> [(u64, u64); 2] {
+        [(self.offer.xds_dev, self.offer.xds_ino), (self.offer.cni_dev, self.offer.cni_ino)]
+    }
+}
+
 fn wait_readable(fd: &OwnedFd, timeout: Duration) -> Result<(), String> {
     let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
     let ms = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);

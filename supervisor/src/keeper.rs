@@ -69,8 +69,7 @@ pub fn run(cfg: &Config, signals: SignalFd) -> anyhow::Result<i32> {
                     warn!("an agent asked for the node sockets before the keeper held any");
                     continue;
                 };
-                let ids = [(h.offer.xds_dev, h.offer.xds_ino), (h.offer.cni_dev, h.offer.cni_ino)];
-                match handoff::serve_one(conn, h.generation, &h.xds, &h.cni, ids) {
+                match handoff::serve_one(conn, h.generation, &h.xds, &h.cni, h.ids()) {
                     Ok(_) => info!(generation = h.generation, "offered the kept node sockets to an agent"),
                     Err(e) => warn!(error = %e, "keeper offer refused"),
                 }

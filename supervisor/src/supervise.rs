@@ -529,7 +529,10 @@ impl Supervisor {
         });
         let handed_off = from_handoff.is_some();
         let (xds, cni, ids) = match from_handoff {
-            Some(h) => (h.xds, h.cni, [(h.offer.xds_dev, h.offer.xds_ino), (h.offer.cni_dev, h.offer.cni_ino)]),
+            Some(h) => {
+                let ids = h.ids();
+                (h.xds, h.cni, ids)
+            }
             None => match self.bind_fresh(&xds_path, &cni_path) {
                 Ok(v) => v,
                 Err(ListenError::LiveServer { path }) => {

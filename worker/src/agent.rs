@@ -121,25 +121,16 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         None => return Ok(0),
                     },
                     Action::Release => {
-                        let s = serving.take().expect("Release follows a served drain");
-                        let _ = s.stop_xds.send(());
-                        match s.xds_accept.await {
-                            Ok(Ok(())) => {}
-                            Ok(Err(e)) => warn!(error = %format!("{e:#}"), "ADS server ended with an error"),
-                            Err(e) => warn!(error = %e, "ADS accept task failed"),
-                        }
-                        // The listeners went with the servers; this is the last descriptor
-                        // of the node this process holds besides the open streams.
+                        serving.take().expect("Release follows a served drain").close_xds_listener().await;
+                        // The listeners went with the servers; the lock is the last
+                        // descriptor of the node this process holds besides the streams.
                         if let Some(o) = &mut owned {
                             o.lock = None;
                         }
                         let (tx, xds_path) = (exit_tx.clone(), cfg.run_dir.join("xds.sock"));
                         tokio::spawn(async move {
                             if successor {
-                                match xds::await_server(&xds_path, SUCCESSOR_BOUND).await {
-                                    Ok(took) => info!(after_us = took.as_micros() as u64, "the successor serves on xds.sock; ending the proxy's streams"),
-                                    Err(e) => warn!(error = %e, "the successor did not answer; ending the proxy's streams anyway"),
-                                }
+                                await_successor(&xds_path).await;
                             }
                             let _ = tx.send(()).await;
                         });
@@ -235,6 +226,27 @@ struct Serving {
     stop_xds: oneshot::Sender<()>,
     /// Ends once the ADS listener is closed.
     xds_accept: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Serving {
+    /// Closes the ADS listener (the CNI API closed its own when drained) and returns once
+    /// it is closed; the open proxy streams stay.
+    async fn close_xds_listener(self) {
+        let _ = self.stop_xds.send(());
+        match self.xds_accept.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %format!("{e:#}"), "ADS server ended with an error"),
+            Err(e) => warn!(error = %e, "ADS accept task failed"),
+        }
+    }
+}
+
+/// Waits, for at most [`SUCCESSOR_BOUND`], until the successor answers on `xds.sock`.
+async fn await_successor(xds_path: &std::path::Path) {
+    match xds::await_server(xds_path, SUCCESSOR_BOUND).await {
+        Ok(took) => info!(after_us = took.as_micros() as u64, "the successor serves on xds.sock; ending the proxy's streams"),
+        Err(e) => warn!(error = %e, "the successor did not answer; ending the proxy's streams anyway"),
+    }
 }
 
 /// Starts serving both sockets and the metrics listener.

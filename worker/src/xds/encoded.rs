@@ -73,13 +73,10 @@ impl Encoded {
             .collect()
     }
 
-    /// How many resources are cached, for tests.
-    pub fn len(&self) -> usize {
+    /// How many resources are cached.
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.types.lock().expect("encoded resources lock").iter().map(HashMap::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
