@@ -1,0 +1,25 @@
+//! Everything a snapshot is built from, and the gates the first serve waits for.
+
+use std::collections::BTreeMap;
+
+use crate::{CaptureProjection, Pod, RegistryView};
+
+/// Everything a snapshot is built from.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Inputs {
+    /// Local pods keyed by pod uid.
+    pub pods: BTreeMap<String, Pod>,
+    pub registry: RegistryView,
+    pub capture: CaptureProjection,
+}
+
+/// What the first serve and standby completeness wait for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gates {
+    /// The registry view has loaded at least once (an absent registry file counts).
+    pub registry_loaded: bool,
+    /// The capture projection has landed (the embedded default counts).
+    pub capture_landed: bool,
+    /// Pods have been loaded from storage: the view the takeover diff is against.
+    pub storage_loaded: bool,
+}

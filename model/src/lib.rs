@@ -1,0 +1,30 @@
+//! The Aether node agent's model: the plain data a snapshot is built from, and the pure
+//! builder that turns it into the resources the proxy is served.
+//!
+//! Sources (the registry file, a registrar client, the capture projection, pod storage,
+//! CNI calls) convert into these types; the worker's `node` owns one [`Builder`] and
+//! feeds it [`Change`]s; the xDS adapter converts the [`Snapshot`]'s resources into
+//! protobuf. This crate knows no runtime, no protobuf and no files, and its own test
+//! (`tests/structure.rs`) keeps it that way as a Cargo rule.
+#![forbid(unsafe_code)]
+
+mod builder;
+mod capture;
+mod change;
+pub mod hash;
+mod inputs;
+mod pod;
+mod registry;
+mod snapshot;
+
+pub use builder::{Builder, build};
+pub use capture::CaptureProjection;
+pub use change::Change;
+pub use inputs::{Gates, Inputs};
+pub use pod::Pod;
+pub use registry::{Endpoint, EndpointState, RegistryView, Service, ServiceKey};
+pub use snapshot::{
+    Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain, KINDS, Kind, LbEndpoint,
+    Listener, ListenerKind, LoadAssignment, OUTBOUND, Resources, Route, RouteConfig, Snapshot, VirtualHost,
+    inbound_cluster_name, inbound_listener_name, outbound_cluster_name,
+};
