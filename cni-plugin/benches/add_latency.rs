@@ -26,7 +26,7 @@ use aether_worker::bootstrap::AdsApi;
 use aether_worker::cni::{self, AckSource, CniService, PublishedAcks};
 use aether_worker::metrics::Metrics;
 use aether_worker::node::Node;
-use aether_worker::snapshot::Inputs;
+use aether_model::Inputs;
 use aether_worker::storage::Storage;
 use tokio::io::AsyncWriteExt;
 

@@ -403,7 +403,7 @@ fn run_ip(args: &[&str]) -> anyhow::Result<()> {
 /// as errors, so that a test sees anything half-written.
 pub fn pod_records(
     state_dir: &Path,
-) -> std::collections::BTreeMap<String, Result<aether_worker::snapshot::Pod, String>> {
+) -> std::collections::BTreeMap<String, Result<aether_model::Pod, String>> {
     let mut out = std::collections::BTreeMap::new();
     let Ok(dir) = std::fs::read_dir(state_dir.join("pods")) else { return out };
     for entry in dir.flatten() {
@@ -571,7 +571,7 @@ impl EnvoyPods {
         for (uid, ip) in pods {
             let len = if ip.is_ipv4() { 32 } else { 128 };
             out.chains.insert(uid.clone(), vec![format!("{ip}/{len}")]);
-            out.clusters.insert(aether_worker::snapshot::inbound_cluster_name(uid));
+            out.clusters.insert(aether_model::inbound_cluster_name(uid));
         }
         out
     }

@@ -48,6 +48,11 @@ pub struct Config {
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
     #[arg(long, env = "AETHER_REGISTRY_FILE")]
     pub registry_file: Option<PathBuf>,
+    /// Largest registry file the worker reads, in bytes; a bigger one is rejected with an
+    /// error naming both sizes, and the last good registry stays. 10,000 services with 10
+    /// endpoints each take about 7 MB.
+    #[arg(long, env = "AETHER_REGISTRY_MAX_BYTES", default_value_t = 64 << 20)]
+    pub registry_max_bytes: u64,
     /// Capture projection override as JSON, reloaded on change.
     #[arg(long, env = "AETHER_CAPTURE_FILE")]
     pub capture_file: Option<PathBuf>,

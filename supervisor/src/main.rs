@@ -89,6 +89,7 @@ fn worker_args(cfg: &Config) -> Vec<String> {
         format!("--pod-name={pod}"),
         format!("--log-format={}", cfg.log_format),
         format!("--metrics-addr={}", cfg.metrics_addr),
+        format!("--registry-max-bytes={}", cfg.registry_max_bytes),
     ];
     if let Some(p) = &cfg.registry_file {
         a.push(format!("--registry-file={}", os_str_arg(p)));

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_worker::registry;
-use aether_worker::snapshot::{self, Inputs};
+use aether_model::{self as snapshot, Inputs};
 use envoy_harness::{Harness, same_versions};
 
 const SERVICES: usize = 100;

@@ -10,6 +10,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use aether_model::Inputs;
 use anyhow::Context;
 use tokio::sync::{oneshot, watch};
 use tracing::{error, info, warn};
@@ -19,7 +20,6 @@ use crate::control::{Command, Control};
 use crate::health::{self, TakeoverTimes};
 use crate::metrics::Metrics;
 use crate::node::Node;
-use crate::snapshot::Inputs;
 use crate::storage::Storage;
 use crate::takeover::{self, Action, Event, Gate, Phase, State};
 use crate::{capture, cni, fdcheck, httpmini, registry, xds};
@@ -56,7 +56,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     info!(pods = pods.len(), dir = %cfg.state_dir.display(), "loaded pods from storage");
     let node = Node::new(Inputs { pods, ..Inputs::default() });
     node.set_gate(|g| g.storage_loaded = true);
-    let _registry = registry::spawn_embedded(cfg.registry_file.clone(), node.clone(), metrics.clone());
+    let _registry = registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone());
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
 
     let status = watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name));
@@ -64,7 +64,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     tokio::spawn(health::serve(health_listener, status.subscribe()));
 
     let mut control = Control::new(control_fd)?;
-    let acks = xds::Acks::default();
+    let acks = crate::acks::Acks::default();
     // Encoded from the first snapshot on, in a standby too: a takeover answers with copies.
     let encoded = Arc::new(xds::encoded::Encoded::default());
     tokio::spawn(xds::encoded::keep_warm(node.subscribe(), encoded.clone()));
@@ -256,7 +256,7 @@ fn serve(
     o: &mut Owned,
     node: &Arc<Node>,
     storage: &Arc<Storage>,
-    acks: &xds::Acks,
+    acks: &crate::acks::Acks,
     encoded: &Arc<xds::encoded::Encoded>,
     metrics: &Arc<Metrics>,
     drained: tokio::sync::mpsc::Sender<()>,

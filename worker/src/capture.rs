@@ -15,27 +15,16 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use aether_model::{CaptureProjection, Change};
 use serde::Deserialize;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
 use crate::node::Node;
-use crate::registry::{FileError, Watch, watch_file};
+use crate::registry::{FileError, FileSource, Watch, watch_file};
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CaptureProjection {
-    /// Where the proxy's outbound listener binds.
-    pub outbound: SocketAddr,
-    /// The port of the proxy's inbound listener.
-    pub inbound_port: u16,
-    pub excluded_cidrs: Vec<String>,
-}
-
-impl Default for CaptureProjection {
-    fn default() -> Self {
-        Self { outbound: "127.0.0.1:15001".parse().expect("literal address"), inbound_port: 15006, excluded_cidrs: Vec::new() }
-    }
-}
+/// The capture file is tiny; anything near this is not one.
+const MAX_BYTES: u64 = 1 << 20;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,19 +74,26 @@ pub fn spawn(path: Option<PathBuf>, node: Arc<Node>, metrics: Arc<Metrics>) -> J
     let watch = path.map(Watch::open);
     tokio::spawn(async move {
         let Some(watch) = watch else {
-            node.update(|i| i.capture = CaptureProjection::default());
+            node.apply([Change::SetCapture(CaptureProjection::default())]);
             node.set_gate(|g| g.capture_landed = true);
             return;
         };
-        let path = watch.path().to_path_buf();
-        watch_file(watch, "capture", &metrics, |bytes| {
-            let capture = parse(&path, bytes)?;
-            node.update(|i| i.capture = capture);
+        watch_file(watch, "capture", MAX_BYTES, &metrics, CaptureFile, |capture| {
+            node.apply([Change::SetCapture(capture)]);
             node.set_gate(|g| g.capture_landed = true);
-            Ok(())
         })
         .await
     })
+}
+
+struct CaptureFile;
+
+impl FileSource for CaptureFile {
+    type Output = CaptureProjection;
+
+    fn parse(&mut self, path: &Path, bytes: &[u8]) -> Result<CaptureProjection, FileError> {
+        parse(path, bytes)
+    }
 }
 
 #[cfg(test)]

@@ -26,6 +26,9 @@ pub struct Config {
     pub pod_name: String,
     #[arg(long)]
     pub registry_file: Option<PathBuf>,
+    /// Largest registry file read, in bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub registry_max_bytes: u64,
     #[arg(long)]
     pub capture_file: Option<PathBuf>,
     #[arg(long)]

@@ -1,12 +1,14 @@
 //! The unprivileged half of the Aether node agent.
 //!
-//! Data flows one way: sources (storage, registry, CNI calls, capture projection) feed
-//! [`node`], which owns the snapshot inputs and publishes each new [`snapshot::Snapshot`]
-//! on a watch channel; adapters ([`xds`], [`health`], [`cni`]) read from it. Only the
+//! Data flows one way: sources (storage, registry, CNI calls, capture projection) convert
+//! into the pure model (`aether-model`) and feed [`node`], which owns the snapshot inputs
+//! and the incremental builder, and publishes each new snapshot on a watch channel;
+//! adapters ([`xds`], [`health`], [`cni`]) read from it. Only the
 //! xDS and CNI adapters know protobuf types. [`takeover`] is the pure role and phase
 //! state machine that the driver in [`agent`] runs.
 #![forbid(unsafe_code)]
 
+pub mod acks;
 pub mod agent;
 pub mod bootstrap;
 pub mod capture;
@@ -19,7 +21,6 @@ pub mod httpmini;
 pub mod metrics;
 pub mod node;
 pub mod registry;
-pub mod snapshot;
 pub mod storage;
 pub mod takeover;
 pub mod xds;

@@ -1,29 +1,18 @@
 //! The one owner of the snapshot inputs and of the lifecycle lock.
 //!
-//! CNI calls, the takeover reconcile, the registry feed and the capture projection all
-//! change the inputs through [`Node::update`]; each change rebuilds the snapshot with the
-//! pure [`snapshot::build`] and publishes it on a watch channel when it differs. Adapters
-//! (xDS, health) only read that channel.
+//! Every source changes the inputs through [`Node::apply`], the in-process change API:
+//! CNI calls, the takeover reconcile, the registry feed and the capture projection each
+//! send [`Change`]s, and the model's incremental [`Builder`] rebuilds only what they
+//! touch. A new snapshot is published on a watch channel when a resource changed; the
+//! adapters (xDS, health) only read that channel.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use aether_model::{Builder, Change, Gates, Inputs, Snapshot};
 use tokio::sync::watch;
 
-use crate::snapshot::{self, Inputs, Snapshot};
-
-/// What the first serve and standby completeness wait for.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Gates {
-    /// The registry view has loaded at least once (an absent registry file counts).
-    pub registry_loaded: bool,
-    /// The capture projection has landed (the embedded default counts).
-    pub capture_landed: bool,
-    /// Pods have been loaded from storage: the view the takeover diff is against.
-    pub storage_loaded: bool,
-}
-
 pub struct Node {
-    inputs: Mutex<Inputs>,
+    builder: Mutex<Builder>,
     snapshots: watch::Sender<Arc<Snapshot>>,
     gates: watch::Sender<Gates>,
     /// Orders CNI Add/Del and the takeover reconcile. Held across the ACK wait of an Add
@@ -33,9 +22,10 @@ pub struct Node {
 
 impl Node {
     pub fn new(inputs: Inputs) -> Arc<Self> {
-        let first = Arc::new(snapshot::build(&inputs));
+        let builder = Builder::new(inputs);
+        let first = builder.snapshot().clone();
         Arc::new(Self {
-            inputs: Mutex::new(inputs),
+            builder: Mutex::new(builder),
             snapshots: watch::Sender::new(first),
             gates: watch::Sender::new(Gates::default()),
             lifecycle: tokio::sync::Mutex::new(()),
@@ -51,31 +41,29 @@ impl Node {
         self.snapshots.borrow().clone()
     }
 
-    /// Changes the inputs, rebuilds, and publishes the snapshot if it changed.
-    /// Returns the snapshot that holds the change.
-    pub fn update(&self, change: impl FnOnce(&mut Inputs)) -> Arc<Snapshot> {
-        let mut inputs = lock(&self.inputs);
-        change(&mut inputs);
-        let next = snapshot::build(&inputs);
-        // Publishing while the inputs are locked keeps snapshots in input order.
-        let mut published = None;
-        self.snapshots.send_if_modified(|current| {
-            if **current == next {
-                published = Some(current.clone());
-                false
-            } else {
-                let next = Arc::new(next);
-                published = Some(next.clone());
-                *current = next;
-                true
+    /// Applies `changes` in order as one step: the builder rebuilds what they touch, and
+    /// one snapshot is published if any resource changed. Returns the snapshot that holds
+    /// the changes (the current one when nothing changed).
+    pub fn apply(&self, changes: impl IntoIterator<Item = Change>) -> Arc<Snapshot> {
+        let mut builder = lock(&self.builder);
+        match builder.apply(changes) {
+            Some(next) => {
+                // Publishing while the builder is locked keeps snapshots in change order.
+                self.snapshots.send_replace(next.clone());
+                next
             }
-        });
-        published.expect("send_if_modified ran the closure")
+            None => builder.snapshot().clone(),
+        }
     }
 
-    /// A copy of the current inputs.
+    /// The local pod `uid`, if the inputs hold it.
+    pub fn pod(&self, uid: &str) -> Option<aether_model::Pod> {
+        lock(&self.builder).inputs().pods.get(uid).cloned()
+    }
+
+    /// A copy of the current inputs (at mesh scale a large copy: for tests and tools).
     pub fn inputs(&self) -> Inputs {
-        lock(&self.inputs).clone()
+        lock(&self.builder).inputs().clone()
     }
 
     pub fn gates(&self) -> watch::Receiver<Gates> {
@@ -95,8 +83,8 @@ impl Node {
     }
 }
 
-/// A poisoned inputs lock means a panic mid-update; the inputs are plain data and the
-/// next update rebuilds from them, so carry on rather than cascade the panic.
-fn lock(m: &Mutex<Inputs>) -> MutexGuard<'_, Inputs> {
+/// A poisoned builder lock means a panic mid-change. The builder's state is plain data
+/// that the next change builds on, so carry on rather than cascade the panic.
+fn lock(m: &Mutex<Builder>) -> MutexGuard<'_, Builder> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -33,63 +33,35 @@
 //! # Reload
 //!
 //! The watcher reacts to inotify events on the file's directory (so atomic renames and
-//! Kubernetes ConfigMap symlink swaps are seen) and also polls every
-//! [`POLL_INTERVAL`], comparing a content hash, so a missed event only costs latency.
-//! A malformed or missing file keeps the last good view and logs an error naming the file
-//! and, for JSON, the line and column; `registry_loaded` is set only by a good load, so a
-//! standby with a broken registry file stays incomplete, visibly. With no file configured
-//! the registry is empty and counts as loaded.
+//! Kubernetes ConfigMap symlink swaps are seen) and also polls every [`POLL_INTERVAL`].
+//! Each look is a `stat` first: the file is read again only when its size, mtime,
+//! ctime or inode moved, so an idle 7 MB registry costs a stat per poll. Reading,
+//! hashing, parsing and diffing against the last view run on a blocking thread, never
+//! on the runtime's; the node then gets only the services that changed, which its
+//! builder rebuilds alone. A file over `--registry-max-bytes` is rejected unread.
+//! A malformed, oversized or missing file keeps the last good view and logs an error
+//! naming the file and, for JSON, the line and column; `registry_loaded` is set only by
+//! a good load, so a standby with a broken registry file stays incomplete, visibly.
+//! With no file configured the registry is empty and counts as loaded.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use aether_model::hash::fnv1a64;
+use aether_model::{Change, Endpoint, EndpointState, RegistryView, Service};
+use serde::Deserialize;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
 use crate::node::Node;
-use crate::snapshot::fnv1a64;
 
 /// How often a watched file is re-read even without an inotify event.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(500);
-
-/// Services of the mesh, sorted by namespace then name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RegistryView {
-    pub services: Vec<Service>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Service {
-    pub name: String,
-    pub namespace: String,
-    pub ports: Vec<u16>,
-    pub vip: Option<IpAddr>,
-    pub endpoints: Vec<Endpoint>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoint {
-    pub address: IpAddr,
-    pub port: u16,
-    /// The service port this endpoint serves (resolved from the file).
-    pub service_port: u16,
-    pub node: String,
-    pub pod: String,
-    pub state: EndpointState,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EndpointState {
-    #[default]
-    Healthy,
-    Draining,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
@@ -99,6 +71,8 @@ pub enum FileError {
     Json { path: PathBuf, line: usize, column: usize, message: String },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
+    #[error("{path} is {size} bytes, over the limit of {limit} bytes (--registry-max-bytes); not read")]
+    TooLarge { path: PathBuf, size: u64, limit: u64 },
 }
 
 impl FileError {
@@ -189,8 +163,7 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
         }
         services.push(Service { name: s.name, namespace: s.namespace, ports: s.ports, vip: s.vip, endpoints });
     }
-    services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    Ok(RegistryView { services })
+    Ok(RegistryView::new(services))
 }
 
 fn is_dns_label(s: &str) -> bool {
@@ -205,23 +178,42 @@ fn is_dns_label(s: &str) -> bool {
 /// Runs the embedded registry: loads `path` into the node's inputs, marks the registry
 /// gate, and reloads on change until the task is aborted. `None`: an empty registry,
 /// loaded at once.
-pub fn spawn_embedded(path: Option<PathBuf>, node: Arc<Node>, metrics: Arc<Metrics>) -> JoinHandle<()> {
+pub fn spawn_embedded(path: Option<PathBuf>, max_bytes: u64, node: Arc<Node>, metrics: Arc<Metrics>) -> JoinHandle<()> {
     let watch = path.map(Watch::open);
     tokio::spawn(async move {
         let Some(watch) = watch else {
-            node.update(|i| i.registry = RegistryView::default());
             node.set_gate(|g| g.registry_loaded = true);
             return;
         };
-        let path = watch.path().to_path_buf();
-        watch_file(watch, "registry", &metrics, |bytes| {
-            let view = parse(&path, bytes)?;
-            node.update(|i| i.registry = view);
+        let source = RegistryFile { last: RegistryView::default() };
+        watch_file(watch, "registry", max_bytes, &metrics, source, |changes: Vec<Change>| {
+            node.apply(changes);
             node.set_gate(|g| g.registry_loaded = true);
-            Ok(())
         })
         .await
     })
+}
+
+/// The registry file as a source: each good load becomes the changes from the last one.
+struct RegistryFile {
+    last: RegistryView,
+}
+
+impl FileSource for RegistryFile {
+    type Output = Vec<Change>;
+
+    fn parse(&mut self, path: &Path, bytes: &[u8]) -> Result<Vec<Change>, FileError> {
+        let view = parse(path, bytes)?;
+        let changes = self.last.diff(&view);
+        self.last = view;
+        Ok(changes)
+    }
+}
+
+/// What a watched file turns into. `parse` runs on a blocking thread.
+pub(crate) trait FileSource: Send + 'static {
+    type Output: Send + 'static;
+    fn parse(&mut self, path: &Path, bytes: &[u8]) -> Result<Self::Output, FileError>;
 }
 
 /// A watched file: its path and the inotify instance on its directory, if one could be
@@ -241,63 +233,151 @@ impl Watch {
         let events = DirEvents::new(&path);
         Watch { path, events }
     }
+}
 
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
+/// What `stat` says of a file; a re-read happens only when it moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stat {
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+    inode: u64,
+    dev: u64,
+}
+
+impl Stat {
+    fn of(m: &std::fs::Metadata) -> Self {
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        Self { size: m.len(), mtime_ns: ns(m.mtime(), m.mtime_nsec()), ctime_ns: ns(m.ctime(), m.ctime_nsec()), inode: m.ino(), dev: m.dev() }
     }
 }
 
-/// Calls `apply` with the file's content at start and after every change of it, until
-/// the task is aborted. Errors (unreadable file, `apply` rejecting the content) are logged
-/// with the file's name and counted; the caller keeps its last good state.
-pub(crate) async fn watch_file(
+/// One look at the file, done off the runtime thread.
+enum Look<T> {
+    /// Read and parsed; the content's hash.
+    Parsed(T, u64),
+    /// Read, but the content is what was last applied or rejected.
+    Same,
+    Rejected(FileError, u64),
+    Unreadable(FileError),
+}
+
+/// Calls `apply` with what `source` makes of the file at start and after every change
+/// of it, until the task is aborted. Errors (an unreadable or oversized file, content
+/// the source rejects) are logged with the file's name and counted; the caller keeps
+/// its last good state.
+pub(crate) async fn watch_file<S: FileSource>(
     watch: Watch,
     what: &'static str,
+    max_bytes: u64,
     metrics: &Metrics,
-    mut apply: impl FnMut(&[u8]) -> Result<(), FileError>,
+    source: S,
+    mut apply: impl FnMut(S::Output),
 ) {
     let Watch { path, mut events } = watch;
-    let path = path.as_path();
     if events.is_none() {
         tracing::warn!(file = %path.display(), "{what}: no inotify on the file's directory; polling every {POLL_INTERVAL:?}");
     }
-    // The hash of the content last applied, or last rejected, so neither is redone.
-    let mut last_good: Option<u64> = None;
-    let mut last_bad: Option<u64> = None;
+    let path: Arc<Path> = path.into();
+    let mut source = Some(source);
+    // What stat said at the last look, and the hash of the content last applied or
+    // rejected, so neither is redone.
+    let mut seen: Option<Stat> = None;
+    let mut hashes: (Option<u64>, Option<u64>) = (None, None);
     let mut unreadable = false;
     loop {
-        match std::fs::read(path) {
-            Ok(bytes) => {
-                unreadable = false;
-                let h = fnv1a64(&bytes);
-                if last_good != Some(h) && last_bad != Some(h) {
-                    match apply(&bytes) {
-                        Ok(()) => {
-                            tracing::info!(file = %path.display(), hash = format!("{h:016x}"), "{what} file loaded");
-                            last_good = Some(h);
-                            last_bad = None;
-                        }
-                        Err(e) => {
-                            metrics.registry_reload_errors.inc();
-                            tracing::error!(file = %path.display(), error = %e, "{what} file rejected; keeping the last good {what}");
-                            last_bad = Some(h);
-                        }
+        let stat = std::fs::metadata(&path).map(|m| Stat::of(&m));
+        let moved = match &stat {
+            Ok(s) => seen != Some(*s),
+            Err(_) => true,
+        };
+        if moved {
+            seen = stat.as_ref().ok().copied();
+            let (p, mut src, known) = (path.clone(), source.take().expect("source is back after each look"), hashes);
+            let looked = tokio::task::spawn_blocking(move || {
+                let look = look(&p, &stat, max_bytes, known, &mut src);
+                (look, src)
+            })
+            .await;
+            let look = match looked {
+                Ok((look, src)) => {
+                    source = Some(src);
+                    look
+                }
+                // A panic in parsing is a bug; the source went with it, so stop watching.
+                Err(e) => {
+                    tracing::error!(file = %path.display(), error = %e, "{what} file watcher failed; keeping the last good {what}");
+                    return;
+                }
+            };
+            match look {
+                Look::Parsed(out, h) => {
+                    unreadable = false;
+                    apply(out);
+                    tracing::info!(file = %path.display(), hash = format!("{h:016x}"), "{what} file loaded");
+                    hashes = (Some(h), None);
+                }
+                Look::Same => unreadable = false,
+                Look::Rejected(e, h) => {
+                    unreadable = false;
+                    metrics.registry_reload_errors.inc();
+                    tracing::error!(file = %path.display(), error = %e, "{what} file rejected; keeping the last good {what}");
+                    hashes.1 = Some(h);
+                }
+                // Reported once per failure streak, not on every poll.
+                Look::Unreadable(e) => {
+                    seen = None;
+                    if !unreadable {
+                        unreadable = true;
+                        metrics.registry_reload_errors.inc();
+                        tracing::error!(file = %path.display(), error = %e, "{what} file unreadable; keeping the last good {what}");
                     }
                 }
             }
-            // Reported once per failure streak, not on every poll.
-            Err(e) if !unreadable => {
-                unreadable = true;
-                metrics.registry_reload_errors.inc();
-                let e = FileError::Read { path: path.to_owned(), source: e };
-                tracing::error!(file = %path.display(), error = %e, "{what} file unreadable; keeping the last good {what}");
-            }
-            Err(_) => {}
         }
         match events.as_mut() {
             Some(ev) => ev.next(POLL_INTERVAL).await,
             None => tokio::time::sleep(POLL_INTERVAL).await,
         }
+    }
+}
+
+/// Reads the file (unless it is over `max_bytes`), and parses it unless its content is
+/// the last good or last bad one (`known`).
+fn look<S: FileSource>(
+    path: &Path,
+    stat: &std::io::Result<Stat>,
+    max_bytes: u64,
+    known: (Option<u64>, Option<u64>),
+    source: &mut S,
+) -> Look<S::Output> {
+    let read = |source: std::io::Error| FileError::Read { path: path.to_owned(), source };
+    match stat {
+        Err(e) => return Look::Unreadable(read(std::io::Error::new(e.kind(), e.to_string()))),
+        Ok(s) if s.size > max_bytes => {
+            let h = fnv1a64(&s.size.to_le_bytes()) ^ s.inode;
+            if known.1 == Some(h) {
+                return Look::Same;
+            }
+            return Look::Rejected(FileError::TooLarge { path: path.to_owned(), size: s.size, limit: max_bytes }, h);
+        }
+        Ok(_) => {}
+    }
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) => return Look::Unreadable(read(e)),
+    };
+    if bytes.len() as u64 > max_bytes {
+        let size = bytes.len() as u64;
+        return Look::Rejected(FileError::TooLarge { path: path.to_owned(), size, limit: max_bytes }, fnv1a64(&bytes));
+    }
+    let h = fnv1a64(&bytes);
+    if known.0 == Some(h) || known.1 == Some(h) {
+        return Look::Same;
+    }
+    match source.parse(path, &bytes) {
+        Ok(out) => Look::Parsed(out, h),
+        Err(e) => Look::Rejected(e, h),
     }
 }
 
@@ -375,7 +455,7 @@ mod tests {
             (Ok(view), Ok(want)) => {
                 let s: Vec<String> = view
                     .services
-                    .iter()
+                    .values()
                     .map(|s| {
                         let eps: Vec<String> = s
                             .endpoints
@@ -435,7 +515,7 @@ mod tests {
         std::fs::write(&path, good).unwrap();
         let node = Node::new(Default::default());
         let metrics = Metrics::new();
-        let task = spawn_embedded(Some(path.clone()), node.clone(), metrics.clone());
+        let task = spawn_embedded(Some(path.clone()), u64::MAX, node.clone(), metrics.clone());
         let mut gates = node.gates();
         tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded)).await.unwrap().unwrap();
         assert_eq!(node.inputs().registry.services.len(), 1);
@@ -461,15 +541,59 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_file_over_the_size_cap_is_rejected_unread_and_the_last_good_view_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("registry.json");
+        std::fs::write(&path, r#"{"services":[{"name":"web","namespace":"d","ports":[80]}]}"#).unwrap();
+        let node = Node::new(Default::default());
+        let metrics = Metrics::new();
+        let task = spawn_embedded(Some(path.clone()), 200, node.clone(), metrics.clone());
+        let mut gates = node.gates();
+        tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded)).await.unwrap().unwrap();
+
+        let big: Vec<String> = (0..20).map(|i| format!(r#"{{"name":"s{i}","namespace":"d","ports":[80]}}"#)).collect();
+        std::fs::write(&path, format!(r#"{{"services":[{}]}}"#, big.join(","))).unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while metrics.registry_reload_errors.get() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "oversized file not noticed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(node.inputs().registry.services.len(), 1, "last good view kept");
+        task.abort();
+
+        let stat = std::fs::metadata(&path).map(|m| Stat::of(&m));
+        let mut source = RegistryFile { last: RegistryView::default() };
+        match look(&path, &stat, 200, (None, None), &mut source) {
+            Look::Rejected(e, _) => {
+                let msg = e.to_string();
+                assert!(msg.contains(&path.display().to_string()) && msg.contains("over the limit of 200 bytes"), "{msg}");
+            }
+            _ => panic!("an oversized file must be rejected"),
+        }
+    }
+
+    #[test]
+    fn a_reload_sends_only_the_services_that_changed() {
+        let mut source = RegistryFile { last: RegistryView::default() };
+        let p = Path::new("r.json");
+        let one = r#"{"services":[{"name":"a","namespace":"d","ports":[80]},{"name":"b","namespace":"d","ports":[80]}]}"#;
+        assert_eq!(source.parse(p, one.as_bytes()).unwrap().len(), 2);
+        let two = r#"{"services":[{"name":"a","namespace":"d","ports":[80]},{"name":"b","namespace":"d","ports":[81]}]}"#;
+        let changes = source.parse(p, two.as_bytes()).unwrap();
+        assert!(matches!(changes.as_slice(), [Change::UpsertService(s)] if s.name == "b"), "{changes:?}");
+        assert!(source.parse(p, two.as_bytes()).unwrap().is_empty());
+    }
+
+    #[tokio::test]
     async fn no_file_is_an_empty_loaded_registry_and_a_missing_file_is_not_loaded() {
         let node = Node::new(Default::default());
-        spawn_embedded(None, node.clone(), Metrics::new()).await.unwrap();
+        spawn_embedded(None, u64::MAX, node.clone(), Metrics::new()).await.unwrap();
         assert!(node.gates().borrow().registry_loaded);
 
         let dir = tempfile::tempdir().unwrap();
         let node = Node::new(Default::default());
         let metrics = Metrics::new();
-        let task = spawn_embedded(Some(dir.path().join("absent.json")), node.clone(), metrics.clone());
+        let task = spawn_embedded(Some(dir.path().join("absent.json")), u64::MAX, node.clone(), metrics.clone());
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!node.gates().borrow().registry_loaded);
         assert_eq!(metrics.registry_reload_errors.get(), 1);

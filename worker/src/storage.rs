@@ -26,7 +26,7 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 
 use crate::metrics::Metrics;
-use crate::snapshot::Pod;
+use aether_model::Pod;
 
 /// The record layout written by this version.
 pub const SCHEMA: u32 = 1;

@@ -10,7 +10,7 @@
 //! - A takeover after a contended start reconciles with storage first; an uncontended
 //!   start or a respawn runs no takeover step.
 
-use crate::node::Gates;
+use aether_model::Gates;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {

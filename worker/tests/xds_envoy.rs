@@ -11,7 +11,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use aether_worker::bootstrap::AdsApi;
-use aether_worker::snapshot::Pod;
+use aether_model::{Change, Pod};
 use envoy_harness::{Harness, Upstream, eventually, http_get, registry_json};
 
 const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
@@ -22,7 +22,7 @@ const WEB: &str = "outbound|80||web.default";
 
 /// The version Envoy's config_dump shows for the `outbound` route configuration: the
 /// type's version in state of the world, the resource's own (its content hash) in delta.
-fn route_version(s: &aether_worker::snapshot::Snapshot, api: AdsApi) -> String {
+fn route_version(s: &aether_model::Snapshot, api: AdsApi) -> String {
     match api {
         AdsApi::Sotw => s.routes.version.clone(),
         AdsApi::Delta => format!("{:016x}", s.routes.hashes["outbound"]),
@@ -88,9 +88,7 @@ async fn envoy_connects_and_acks_lds_cds_eds_over(api: AdsApi) {
         ips: vec![ip],
     };
     assert!(!h.acks.latest().unwrap().holds_pod("uid-7", &[ip]));
-    h.node.update(|i| {
-        i.pods.insert(pod.uid.clone(), pod.clone());
-    });
+    h.node.apply([Change::UpsertPod(pod.clone())]);
     assert!(h.acks.wait_until(|s| s.holds_pod("uid-7", &[ip]), Duration::from_secs(2)).await, "pod not ACKed within 2 s");
     let dump = h.config_dump().await;
     let (listeners, _) = envoy_harness::listeners(&dump);
@@ -272,17 +270,15 @@ async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(api: A
     let u = Upstream::start("one").await;
     let mut h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)])]), api).await;
     let ip: IpAddr = "10.244.0.9".parse().unwrap();
-    h.node.update(|i| {
-        i.pods.insert("uid-9".into(), Pod {
-            uid: "uid-9".into(),
-            namespace: "default".into(),
-            name: "app-9".into(),
-            container_id: "c9".into(),
-            netns: "/var/run/netns/y".into(),
-            ifname: "eth0".into(),
-            ips: vec![ip],
-        });
-    });
+    h.node.apply([Change::UpsertPod(Pod {
+        uid: "uid-9".into(),
+        namespace: "default".into(),
+        name: "app-9".into(),
+        container_id: "c9".into(),
+        netns: "/var/run/netns/y".into(),
+        ifname: "eth0".into(),
+        ips: vec![ip],
+    })]);
     assert!(h.wait_acked_current(BOUND).await);
     const UNCHANGED: [&str; 5] = [
         "listener_manager.listener_modified",

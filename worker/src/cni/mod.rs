@@ -30,9 +30,10 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::metrics::Metrics;
 use crate::node::Node;
-use crate::snapshot::Snapshot;
+use aether_model::{Change, Snapshot};
+
+use crate::acks::Acks;
 use crate::storage::{Diff, Storage};
-use crate::xds::Acks;
 
 pub use service::CniService;
 
@@ -79,7 +80,7 @@ impl AckSource for PublishedAcks {
         ips: &'a [IpAddr],
         timeout: Duration,
     ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
-        Box::pin(crate::xds::wait_for(self.0.subscribe(), move |s| s.holds_pod(uid, ips), timeout))
+        Box::pin(crate::acks::wait_for(self.0.subscribe(), move |s| s.holds_pod(uid, ips), timeout))
     }
 }
 
@@ -171,11 +172,7 @@ fn allowed_peers(
 pub fn load(node: &Node, storage: &Storage) -> usize {
     let pods = storage.pods();
     let n = pods.len();
-    node.update(|inputs| {
-        for pod in pods {
-            inputs.pods.insert(pod.uid.clone(), pod);
-        }
-    });
+    node.apply(pods.into_iter().map(Change::UpsertPod));
     node.set_gate(|g| g.storage_loaded = true);
     tracing::info!(pods = n, "loaded pods from storage");
     n
@@ -199,21 +196,15 @@ pub async fn reconcile(node: &Node, storage: &Storage) -> anyhow::Result<usize> 
         return Ok(0);
     }
     log_diff(&diff);
-    node.update(|inputs| apply(inputs, &diff));
+    node.apply(changes(&diff));
     Ok(diff.len())
 }
 
-/// Applies a storage diff to the snapshot inputs.
-fn apply(inputs: &mut crate::snapshot::Inputs, diff: &Diff) {
-    for pod in &diff.removed {
-        inputs.pods.remove(&pod.uid);
-    }
-    for pod in &diff.added {
-        inputs.pods.insert(pod.uid.clone(), pod.clone());
-    }
-    for u in &diff.updated {
-        inputs.pods.insert(u.new.uid.clone(), u.new.clone());
-    }
+/// A storage diff as changes to the snapshot inputs.
+fn changes(diff: &Diff) -> Vec<Change> {
+    let removed = diff.removed.iter().map(|p| Change::RemovePod(p.uid.clone()));
+    let added = diff.added.iter().chain(diff.updated.iter().map(|u| &u.new)).map(|p| Change::UpsertPod(p.clone()));
+    removed.chain(added).collect()
 }
 
 fn log_diff(diff: &Diff) {

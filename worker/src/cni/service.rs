@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use super::{ACK_TIMEOUT, AckSource};
 use crate::metrics::{CniLabel, Metrics};
 use crate::node::Node;
-use crate::snapshot::Pod;
+use aether_model::{Change, Pod};
 use crate::storage::{self, Storage};
 
 /// Longest pod namespace or name (a DNS subdomain).
@@ -33,6 +33,8 @@ impl CniService {
 }
 
 struct Inner {
+    /// ADDs waiting for the lifecycle lock; whoever takes it next commits them all.
+    queue: std::sync::Mutex<Vec<Queued>>,
     node: Arc<Node>,
     storage: Arc<Storage>,
     acks: Arc<dyn AckSource>,
@@ -55,7 +57,7 @@ impl CniService {
         metrics: Arc<Metrics>,
         ack_timeout: Duration,
     ) -> Self {
-        Self { inner: Arc::new(Inner { node, storage, acks, metrics, ack_timeout, drained: AtomicBool::new(false) }) }
+        Self { inner: Arc::new(Inner { queue: Default::default(), node, storage, acks, metrics, ack_timeout, drained: AtomicBool::new(false) }) }
     }
 
     /// Waits for any change in progress, then refuses every later one.
@@ -119,39 +121,68 @@ impl Inner {
         Ok(AddResponse { acked })
     }
 
-    /// Adds the pod to the snapshot and writes its record, both under the lifecycle lock.
-    /// The proxy starts applying the new snapshot while the record's fsyncs run; the
-    /// ADD answers only once both are done, and a failed write takes the pod back out
-    /// (restoring what the snapshot held before), so no answer ever claims a pod the
-    /// storage does not hold. A crash in between leaves no record: the next owner's
-    /// snapshot, built from storage, drops the pod, and the runtime retries the ADD it
-    /// never saw succeed.
+    /// Adds the pod to the snapshot and writes its record, both under the lifecycle lock,
+    /// together with every other ADD that queued meanwhile (group commit): a burst of
+    /// ADDs publishes one snapshot per batch and writes the batch's records concurrently,
+    /// so their fsyncs share the file system's journal commits. The proxy starts applying
+    /// the new snapshot while the fsyncs run; each ADD answers only once both are done,
+    /// and a failed write takes its pod back out (restoring what the snapshot held
+    /// before), so no answer ever claims a pod the storage does not hold. A crash in
+    /// between leaves no record: the next owner's snapshot, built from storage, drops the
+    /// pod, and the runtime retries the ADD it never saw succeed.
     async fn apply_add(&self, pod: Pod) -> Result<(), Status> {
+        let (done, result) = tokio::sync::oneshot::channel();
+        lock(&self.queue).push(Queued { pod, done });
+        self.commit_queued().await;
+        result.await.map_err(|_| Status::internal("the ADD's batch ended without an answer"))?
+    }
+
+    /// Commits every queued ADD, under the lifecycle lock. A caller whose ADD an earlier
+    /// holder of the lock committed finds the queue empty.
+    async fn commit_queued(&self) {
         let _lifecycle = self.node.lifecycle().await;
-        self.check_not_drained()?;
-        let mut before = None;
-        self.node.update(|inputs| {
-            before = inputs.pods.insert(pod.uid.clone(), pod.clone());
-        });
-        let storage = self.storage.clone();
-        let record = pod.clone();
-        let put = tokio::task::spawn_blocking(move || storage.put(&record)).await;
-        let written = match put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-            Ok(written) => written,
-            Err(error) => {
-                self.node.update(|inputs| match before {
-                    Some(old) => {
-                        inputs.pods.insert(pod.uid.clone(), old);
-                    }
-                    None => {
-                        inputs.pods.remove(&pod.uid);
-                    }
-                });
-                return Err(Status::internal(format!("writing the record of pod uid {}: {error}", pod.uid)));
+        let batch = std::mem::take(&mut *lock(&self.queue));
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(refused) = self.check_not_drained() {
+            for q in batch {
+                let _ = q.done.send(Err(refused.clone()));
             }
-        };
-        tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, written, "CNI ADD");
-        Ok(())
+            return;
+        }
+        let before: Vec<Option<Pod>> = batch.iter().map(|q| self.node.pod(&q.pod.uid)).collect();
+        self.node.apply(batch.iter().map(|q| Change::UpsertPod(q.pod.clone())));
+        let writes = batch.iter().map(|q| {
+            let (storage, record) = (self.storage.clone(), q.pod.clone());
+            tokio::task::spawn_blocking(move || storage.put(&record))
+        });
+        let written = futures::future::join_all(writes).await;
+        let mut rollback = Vec::new();
+        let mut answers = Vec::with_capacity(batch.len());
+        for ((q, put), before) in batch.into_iter().zip(written).zip(before) {
+            let pod = &q.pod;
+            match put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+                Ok(written) => {
+                    tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, written, "CNI ADD");
+                    answers.push((q.done, Ok(())));
+                }
+                Err(error) => {
+                    rollback.push(match before {
+                        Some(old) => Change::UpsertPod(old),
+                        None => Change::RemovePod(pod.uid.clone()),
+                    });
+                    let e = Status::internal(format!("writing the record of pod uid {}: {error}", pod.uid));
+                    answers.push((q.done, Err(e)));
+                }
+            }
+        }
+        if !rollback.is_empty() {
+            self.node.apply(rollback);
+        }
+        for (done, answer) in answers {
+            let _ = done.send(answer);
+        }
     }
 
     async fn del(self: Arc<Self>, req: CniRequest) -> Result<DelResponse, Status> {
@@ -167,12 +198,14 @@ impl Inner {
     }
 
     async fn apply_del(&self, req: CniRequest) -> Result<DelResponse, Status> {
+        // ADDs that queued before this DEL land first.
+        self.commit_queued().await;
         let _lifecycle = self.node.lifecycle().await;
         self.check_not_drained()?;
         let known = if req.pod_uid.is_empty() {
             self.storage.pods().into_iter().find(|p| p.container_id == req.container_id)
         } else {
-            self.storage.get(&req.pod_uid).or_else(|| self.node.inputs().pods.get(&req.pod_uid).cloned())
+            self.storage.get(&req.pod_uid).or_else(|| self.node.pod(&req.pod_uid))
         };
         let Some(pod) = known else {
             tracing::info!(uid = %req.pod_uid, container_id = %req.container_id, "CNI DEL of a pod the agent does not know");
@@ -194,9 +227,7 @@ impl Inner {
             .await
             .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?
             .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?;
-        self.node.update(|inputs| {
-            inputs.pods.remove(&pod.uid);
-        });
+        self.node.apply([Change::RemovePod(pod.uid.clone())]);
         tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), "CNI DEL");
         Ok(DelResponse { found: true })
     }
@@ -209,7 +240,7 @@ impl Inner {
         if snapshot.holds_pod(&uid, &ips) {
             return Ok(CheckResponse { holds: true, reason: String::new() });
         }
-        let reason = match self.node.inputs().pods.get(&uid) {
+        let reason = match self.node.pod(&uid).as_ref() {
             None => format!("pod_uid {uid} is not known to the agent"),
             Some(p) if p.container_id != req.container_id => {
                 format!("pod_uid {uid} belongs to container_id {}, not {}", p.container_id, req.container_id)
@@ -292,4 +323,15 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
         ifname: req.ifname.clone(),
         ips,
     })
+}
+
+/// An ADD waiting for its batch.
+struct Queued {
+    pod: Pod,
+    done: tokio::sync::oneshot::Sender<Result<(), Status>>,
+}
+
+/// The queue holds plain data; a panic while it was locked loses nothing worth refusing.
+fn lock(m: &std::sync::Mutex<Vec<Queued>>) -> std::sync::MutexGuard<'_, Vec<Queued>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -12,7 +12,7 @@ use shared_proto::cni::cni_server::Cni;
 use tonic::{Code, Request};
 
 use super::*;
-use crate::snapshot::{Inputs, Pod};
+use aether_model::{Inputs, Pod};
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -218,11 +218,7 @@ async fn reconcile_applies_what_the_previous_owner_did() {
     // The standby builds from it, but has not opened the storage gate yet...
     let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
     let node = Node::new(Inputs::default());
-    node.update(|i| {
-        for p in storage.pods() {
-            i.pods.insert(p.uid.clone(), p);
-        }
-    });
+    node.apply(storage.pods().into_iter().map(aether_model::Change::UpsertPod));
     let pending = tokio::spawn({
         let (node, storage) = (node.clone(), storage.clone());
         async move { reconcile(&node, &storage).await }

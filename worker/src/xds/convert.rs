@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
 use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
 use envoy_types::util::pack_any;
 
-use crate::snapshot;
+use aether_model as snapshot;
 
 fn socket_address(a: SocketAddr) -> core::Address {
     core::Address {

@@ -5,17 +5,18 @@
 //! same bytes. A push therefore encodes only what changed since the resource was last
 //! encoded; a state-of-the-world push of every listener and cluster, as each pod's ADD
 //! sends, copies the rest. [`keep_warm`] encodes each snapshot as the node publishes it,
-//! in a standby too, so that a new owner answers the proxy's reconnect with copies.
+//! in a standby too, so that a new owner answers the proxy's reconnect with copies; it
+//! looks only at what changed since the snapshot it warmed last.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
+use aether_model::Snapshot;
 use envoy_types::pb::google::protobuf::Any;
 use tokio::sync::watch;
 
 use super::convert;
-use super::stream::{KINDS, Kind, hashes};
-use crate::snapshot::Snapshot;
+use super::kind::{KINDS, Kind};
 
 #[derive(Default)]
 pub struct Encoded {
@@ -26,26 +27,40 @@ pub struct Encoded {
 /// Encodes one resource of `s`, if `s` has it.
 fn convert_one(s: &Snapshot, kind: Kind, name: &str) -> Option<Any> {
     Some(match kind {
-        Kind::Cluster => convert::cluster(s.clusters.items.get(name)?),
-        Kind::Endpoint => convert::load_assignment(s.endpoints.items.get(name)?),
-        Kind::Listener => convert::listener(s.listeners.items.get(name)?),
-        Kind::Route => convert::route_config(s.routes.items.get(name)?),
+        Kind::Cluster => convert::cluster(s.clusters.get(name)?),
+        Kind::Endpoint => convert::load_assignment(s.endpoints.get(name)?),
+        Kind::Listener => convert::listener(s.listeners.get(name)?),
+        Kind::Route => convert::route_config(s.routes.get(name)?),
     })
 }
 
 impl Encoded {
     /// Encodes whatever of `s` is not cached yet, and forgets what `s` no longer holds.
-    pub fn warm(&self, s: &Snapshot) {
+    /// With `since`, the snapshot warmed before, only the names changed in between are
+    /// looked at (everything when the history does not reach back).
+    pub fn warm(&self, s: &Snapshot, since: Option<&Snapshot>) {
         let mut types = self.types.lock().expect("encoded resources lock");
         for kind in KINDS {
             let cache = &mut types[kind.index()];
-            let current = hashes(s, kind);
-            cache.retain(|name, (hash, _)| current.get(name) == Some(hash));
-            for (name, hash) in current {
-                if !cache.contains_key(name)
-                    && let Some(any) = convert_one(s, kind, name)
-                {
-                    cache.insert(name.clone(), (*hash, any));
+            let current = s.hashes(kind);
+            let refresh = |cache: &mut HashMap<String, (u64, Any)>, name: &str| match current.get(name) {
+                Some(hash) if cache.get(name).is_none_or(|(h, _)| h != hash) => {
+                    if let Some(any) = convert_one(s, kind, name) {
+                        cache.insert(name.to_string(), (*hash, any));
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    cache.remove(name);
+                }
+            };
+            match since.and_then(|old| s.changed_since(old, kind)) {
+                Some(names) => names.into_iter().for_each(|n| refresh(cache, n)),
+                None => {
+                    cache.retain(|name, (hash, _)| current.get(name) == Some(hash));
+                    for name in current.keys() {
+                        refresh(cache, name);
+                    }
                 }
             }
         }
@@ -56,7 +71,7 @@ impl Encoded {
     pub fn get(&self, s: &Snapshot, kind: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
         let mut types = self.types.lock().expect("encoded resources lock");
         let cache = &mut types[kind.index()];
-        let current = hashes(s, kind);
+        let current = s.hashes(kind);
         names
             .iter()
             .filter_map(|name| {
@@ -82,9 +97,11 @@ impl Encoded {
 
 /// Encodes every snapshot the node publishes, until the node is gone.
 pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>) {
+    let mut last: Option<Arc<Snapshot>> = None;
     loop {
         let s = snapshots.borrow_and_update().clone();
-        encoded.warm(&s);
+        encoded.warm(&s, last.as_deref());
+        last = Some(s);
         if snapshots.changed().await.is_err() {
             return;
         }
@@ -96,7 +113,7 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     use super::*;
-    use crate::snapshot::{Inputs, Pod, build};
+    use aether_model::{Builder, Change, Inputs, Pod, build};
 
     fn pod(n: u8) -> Pod {
         Pod {
@@ -115,7 +132,7 @@ mod tests {
     }
 
     fn all(s: &Snapshot, kind: Kind) -> Vec<Any> {
-        let names: Vec<&String> = hashes(s, kind).keys().collect();
+        let names: Vec<&String> = s.hashes(kind).keys().collect();
         names.iter().map(|n| convert_one(s, kind, n).unwrap()).collect()
     }
 
@@ -123,12 +140,12 @@ mod tests {
     fn cached_encodings_equal_fresh_ones_across_snapshots() {
         let encoded = Encoded::default();
         let (s1, s2) = (snapshot(&[1, 2]), snapshot(&[2, 3]));
-        encoded.warm(&s1);
+        encoded.warm(&s1, None);
         let warmed = encoded.len();
         assert!(warmed > 0);
         for s in [&s1, &s2, &s1] {
             for kind in KINDS {
-                let names: BTreeSet<&String> = hashes(s, kind).keys().collect();
+                let names: BTreeSet<&String> = s.hashes(kind).keys().collect();
                 assert_eq!(encoded.get(s, kind, &names), all(s, kind), "{kind:?}");
             }
         }
@@ -137,16 +154,35 @@ mod tests {
     #[test]
     fn warming_forgets_what_the_snapshot_no_longer_holds() {
         let encoded = Encoded::default();
-        encoded.warm(&snapshot(&[1, 2, 3]));
+        encoded.warm(&snapshot(&[1, 2, 3]), None);
         let three = encoded.len();
-        encoded.warm(&snapshot(&[1]));
+        encoded.warm(&snapshot(&[1]), None);
         let one = encoded.len();
         assert!(one < three, "{one} entries after shrinking from {three}");
         let s = snapshot(&[1]);
-        let names: BTreeSet<&String> = hashes(&s, Kind::Listener).keys().collect();
+        let names: BTreeSet<&String> = s.hashes(Kind::Listener).keys().collect();
         assert_eq!(encoded.get(&s, Kind::Listener, &names), all(&s, Kind::Listener));
         // A name that is not in the snapshot gives nothing.
         let ghost = "inbound|uid-9".to_string();
         assert!(encoded.get(&s, Kind::Listener, &BTreeSet::from([&ghost])).is_empty());
+    }
+
+    #[test]
+    fn warming_from_a_snapshot_history_looks_only_at_what_changed_and_matches_a_full_warm() {
+        let mut b = Builder::new(Inputs { pods: [1, 2].iter().map(|n| (format!("uid-{n}"), pod(*n))).collect(), ..Inputs::default() });
+        let (step, full) = (Encoded::default(), Encoded::default());
+        let mut last = b.snapshot().clone();
+        step.warm(&last, None);
+        for change in [Change::UpsertPod(pod(3)), Change::RemovePod("uid-1".into()), Change::UpsertPod(pod(4))] {
+            let s = b.apply([change]).unwrap();
+            step.warm(&s, Some(&last));
+            last = s;
+        }
+        full.warm(&last, None);
+        assert_eq!(step.len(), full.len());
+        for kind in KINDS {
+            let names: BTreeSet<&String> = last.hashes(kind).keys().collect();
+            assert_eq!(step.get(&last, kind, &names), all(&last, kind), "{kind:?}");
+        }
     }
 }

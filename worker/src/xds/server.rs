@@ -1,121 +1,209 @@
-//! The ADS gRPC service, routed by hand so that requests decode into lean wire types.
-//!
-//! Envoy sends its whole node description on the first request of every stream, and
-//! Envoy 1.40's is about 60 KB, nearly all of it the `extensions` list. Decoded with the
-//! generated `DiscoveryRequest` that is thousands of strings to build on the path of a
-//! reconnect (0.65 to 0.74 ms of the new owner's first answer, measured in the worker
-//! during surge rolls). The agent reads only the node's id, so the wire types below
-//! keep every request field but give the node its id and cluster only; prost skips the
-//! rest by length. Each request is then turned into the generated type, with that
-//! trimmed node, and the protocol code works on the generated types as before.
+//! The ADS server: tonic's router for the service, routed by hand so that requests
+//! decode into the lean [`super::wire`] types, and one task per stream that runs a
+//! protocol's state ([`Protocol`]): it answers requests, pushes every new snapshot from
+//! the node's watch channel, logs and counts ACKs and NACKs, and publishes to [`Acks`]
+//! each snapshot the proxy has fully ACKed.
 //!
 //! The routing is what tonic generates for the service (`envoy-types`'
 //! `AggregatedDiscoveryServiceServer`), with the request codec swapped.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
-use envoy_types::pb::google::rpc::Status as RpcStatus;
+use aether_model::Snapshot;
+use futures::Stream;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tonic::codegen::{Body, BoxFuture, StdError, http};
 use tonic::server::{Grpc, NamedService, StreamingService};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
-use super::{Ads, Protocol, ResponseStream, delta::DeltaState, stream::StreamState};
+use super::delta::DeltaState;
+use super::encoded::Encoded;
+use super::kind::{self, Kind};
+use super::protocol::{Event, Protocol};
+use super::stream::StreamState;
+use super::wire::{DeltaRequestWire, MAX_REQUEST, SotwRequestWire};
+use crate::acks::Acks;
+use crate::metrics::{Metrics, TypeLabel};
 
-/// ADS requests are small, but the first carries the node; a full snapshot of 1,000
-/// endpoints is well under this too.
-pub const MAX_REQUEST: usize = 16 << 20;
-
-/// The node as the agent reads it.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct NodeId {
-    #[prost(string, tag = "1")]
-    pub id: String,
-    #[prost(string, tag = "2")]
-    pub cluster: String,
+/// A protocol as served: the wire type its requests decode into.
+pub(super) trait Served: Protocol {
+    type Wire: prost::Message + Default + Into<Self::Request> + Send + 'static;
 }
 
-impl NodeId {
-    fn into_node(self) -> Node {
-        Node { id: self.id, cluster: self.cluster, ..Node::default() }
+impl Served for StreamState {
+    type Wire = SotwRequestWire;
+}
+
+impl Served for DeltaState {
+    type Wire = DeltaRequestWire;
+}
+
+/// Serves ADS on `listener` until `stop_accepting` resolves, then closes the listener
+/// and returns. Streams already open keep being served (each connection is its own task)
+/// until the proxy closes them or this process exits: a released owner keeps the proxy's
+/// stream while its successor starts serving (see [`super::probe::await_server`]).
+pub async fn serve(
+    listener: tokio::net::UnixListener,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+    stop_accepting: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, streams: AtomicU64::new(0) });
+    // Without a shutdown signal tonic neither waits for nor signals open connections when
+    // the incoming stream ends; it drops the listener and returns.
+    tonic::transport::Server::builder()
+        .add_service(AdsServer(ads))
+        .serve_with_incoming(futures::StreamExt::take_until(UnixListenerStream::new(listener), stop_accepting))
+        .await?;
+    Ok(())
+}
+
+struct Ads {
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+    streams: AtomicU64,
+}
+
+type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+impl Ads {
+    fn open<P: Served>(&self, inbound: Streaming<P::Wire>) -> ResponseStream<P::Response> {
+        let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        let (tx, rx) = mpsc::channel(16);
+        let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
+        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, self.acks.clone(), self.metrics.clone()));
+        Box::pin(ReceiverStream::new(rx))
     }
 }
 
-/// `envoy.service.discovery.v3.DiscoveryRequest` with the node trimmed to [`NodeId`];
-/// `resource_locators` (xdstp, tag 7) is not served and is skipped.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct SotwRequestWire {
-    #[prost(string, tag = "1")]
-    pub version_info: String,
-    #[prost(message, optional, tag = "2")]
-    pub node: Option<NodeId>,
-    #[prost(string, repeated, tag = "3")]
-    pub resource_names: Vec<String>,
-    #[prost(string, tag = "4")]
-    pub type_url: String,
-    #[prost(string, tag = "5")]
-    pub response_nonce: String,
-    #[prost(message, optional, tag = "6")]
-    pub error_detail: Option<RpcStatus>,
+/// Decrements the open-streams gauge however the stream task ends.
+struct StreamGauge(Arc<Metrics>);
+
+impl Drop for StreamGauge {
+    fn drop(&mut self) {
+        self.0.xds_streams.dec();
+    }
 }
 
-impl From<SotwRequestWire> for DiscoveryRequest {
-    fn from(w: SotwRequestWire) -> Self {
-        DiscoveryRequest {
-            version_info: w.version_info,
-            node: w.node.map(NodeId::into_node),
-            resource_names: w.resource_names,
-            type_url: w.type_url,
-            response_nonce: w.response_nonce,
-            error_detail: w.error_detail,
-            ..DiscoveryRequest::default()
+async fn run_stream<P: Served>(
+    id: u64,
+    mut inbound: Streaming<P::Wire>,
+    tx: mpsc::Sender<Result<P::Response, Status>>,
+    mut snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+) {
+    metrics.xds_streams.inc();
+    let _gauge = StreamGauge(metrics.clone());
+    let mut st = P::new(snapshots.borrow_and_update().clone(), encoded);
+    let mut snapshots_open = true;
+    let mut node_id = String::new();
+    // For the debug log: when the snapshot last changed, and when each type's last
+    // response went out (by nonce), so that push and ACK lines carry how long each took.
+    let mut changed_at = Instant::now();
+    let mut pushed_at: [Option<(String, Instant)>; 4] = Default::default();
+    tracing::info!(stream = id, protocol = P::NAME, "ADS stream opened");
+    loop {
+        tokio::select! {
+            msg = inbound.message() => match msg {
+                Ok(Some(wire)) => {
+                    let req: P::Request = wire.into();
+                    if let Some(node) = P::node_id(&req) {
+                        node_id = node.to_string();
+                    }
+                    record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
+                }
+                Ok(None) => {
+                    tracing::info!(stream = id, node = %node_id, "ADS stream closed by the proxy");
+                    return;
+                }
+                Err(status) => {
+                    tracing::info!(stream = id, node = %node_id, %status, "ADS stream ended");
+                    return;
+                }
+            },
+            changed = snapshots.changed(), if snapshots_open => match changed {
+                Ok(()) => {
+                    let next = snapshots.borrow_and_update().clone();
+                    if next.rejects != st.current().rejects {
+                        for r in &next.rejects {
+                            tracing::warn!(stream = id, "snapshot leaves out: {r}");
+                        }
+                    }
+                    st.set_snapshot(next);
+                    changed_at = Instant::now();
+                }
+                // The node is gone; keep serving what the proxy has.
+                Err(_) => snapshots_open = false,
+            },
+            () = tx.closed() => {
+                tracing::info!(stream = id, node = %node_id, "ADS stream dropped");
+                return;
+            }
+        }
+        for resp in st.pending() {
+            let (type_url, version, nonce, resources) = P::describe(&resp);
+            tracing::debug!(stream = id, type_url, version, nonce, resources,
+                since_change_us = changed_at.elapsed().as_micros() as u64, "push");
+            if let Some(k) = kind::from_type_url(type_url) {
+                pushed_at[k.index()] = Some((nonce.to_string(), Instant::now()));
+            }
+            metrics.xds_pushes.get_or_create(&TypeLabel { type_url: type_url.to_string() }).inc();
+            if tx.send(Ok(resp)).await.is_err() {
+                return;
+            }
+        }
+        if st.acked_current() {
+            acks.publish(st.current());
         }
     }
 }
 
-/// `envoy.service.discovery.v3.DeltaDiscoveryRequest` with the node trimmed to
-/// [`NodeId`]; the xdstp locators (tags 8 and 9) are skipped.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct DeltaRequestWire {
-    #[prost(message, optional, tag = "1")]
-    pub node: Option<NodeId>,
-    #[prost(string, tag = "2")]
-    pub type_url: String,
-    #[prost(string, repeated, tag = "3")]
-    pub resource_names_subscribe: Vec<String>,
-    #[prost(string, repeated, tag = "4")]
-    pub resource_names_unsubscribe: Vec<String>,
-    #[prost(map = "string, string", tag = "5")]
-    pub initial_resource_versions: std::collections::HashMap<String, String>,
-    #[prost(string, tag = "6")]
-    pub response_nonce: String,
-    #[prost(message, optional, tag = "7")]
-    pub error_detail: Option<RpcStatus>,
-}
-
-impl From<DeltaRequestWire> for DeltaDiscoveryRequest {
-    fn from(w: DeltaRequestWire) -> Self {
-        DeltaDiscoveryRequest {
-            node: w.node.map(NodeId::into_node),
-            type_url: w.type_url,
-            resource_names_subscribe: w.resource_names_subscribe,
-            resource_names_unsubscribe: w.resource_names_unsubscribe,
-            initial_resource_versions: w.initial_resource_versions,
-            response_nonce: w.response_nonce,
-            error_detail: w.error_detail,
-            ..DeltaDiscoveryRequest::default()
+fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option<(String, Instant)>; 4]) {
+    let label = |k: Kind| TypeLabel { type_url: kind::type_url(k).to_string() };
+    match ev {
+        Event::Subscribe { kind, version } => {
+            tracing::debug!(stream = id, node, type_url = kind::type_url(kind), held_version = %version, "subscribe")
+        }
+        Event::Ack { kind, version, nonce } => {
+            metrics.xds_acks.get_or_create(&label(kind)).inc();
+            let push_to_ack_us = pushed_at[kind.index()]
+                .as_ref()
+                .filter(|(n, _)| *n == nonce)
+                .map(|(_, t)| t.elapsed().as_micros() as u64);
+            tracing::debug!(stream = id, node, type_url = kind::type_url(kind), %version, %nonce, ?push_to_ack_us, "ACK");
+        }
+        Event::Nack { kind, rejected_version, nonce, message } => {
+            metrics.xds_nacks.get_or_create(&label(kind)).inc();
+            tracing::warn!(stream = id, node, type_url = kind::type_url(kind), %nonce, %rejected_version,
+                error_detail = %message, "NACK: the proxy rejected {} and keeps its last good config", kind.short());
+        }
+        Event::Stale { kind, nonce } => {
+            tracing::debug!(stream = id, node, type_url = kind::type_url(kind), %nonce, "stale nonce, ignored")
+        }
+        Event::UnknownType { type_url } => {
+            tracing::debug!(stream = id, node, %type_url, "request for a type not served, ignored")
         }
     }
 }
 
 /// The ADS service for tonic's router.
 #[derive(Clone)]
-pub(super) struct AdsServer(pub(super) Arc<Ads>);
+struct AdsServer(Arc<Ads>);
 
 impl NamedService for AdsServer {
     const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
@@ -124,7 +212,7 @@ impl NamedService for AdsServer {
 /// One streaming method of the service, for either protocol.
 struct Method<P>(Arc<Ads>, PhantomData<fn() -> P>);
 
-impl<P: Protocol> StreamingService<P::Wire> for Method<P> {
+impl<P: Served> StreamingService<P::Wire> for Method<P> {
     type Response = P::Response;
     type ResponseStream = ResponseStream<P::Response>;
     type Future = BoxFuture<Response<Self::ResponseStream>, Status>;
@@ -136,7 +224,7 @@ impl<P: Protocol> StreamingService<P::Wire> for Method<P> {
 }
 
 /// Serves one call of `P`'s method: requests decode into `P::Wire`.
-fn streaming<P: Protocol, B>(ads: Arc<Ads>, req: http::Request<B>) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
+fn streaming<P: Served, B>(ads: Arc<Ads>, req: http::Request<B>) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
 where
     B: Body + Send + 'static,
     B::Error: Into<StdError> + Send + 'static,
@@ -177,61 +265,86 @@ where
     }
 }
 
+
 #[cfg(test)]
 mod tests {
-    use envoy_types::pb::envoy::config::core::v3::{Extension, Locality};
-    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{UnixListener, UnixStream};
 
     use super::*;
+    use aether_model::{Inputs, build};
+    use std::time::Duration;
 
-    fn node() -> Node {
-        Node {
-            id: "node-1".into(),
-            cluster: "aether".into(),
-            locality: Some(Locality { zone: "z".into(), ..Locality::default() }),
-            extensions: (0..50)
-                .map(|i| Extension { name: format!("envoy.ext.{i}"), category: "c".into(), ..Extension::default() })
-                .collect(),
-            ..Node::default()
+    use crate::xds::probe::{H2_PREFACE, await_server};
+
+    fn start(listener: UnixListener) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<anyhow::Result<()>>) {
+        let (_tx, snapshots) = watch::channel(Arc::new(build(&Inputs::default())));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, snapshots, Arc::default(), Acks::default(), Metrics::new(), async move {
+            let _ = stopped.await;
+        }));
+        (stop, task)
+    }
+
+    /// Reads HTTP/2 frames until one of `kind` with `flags` arrives.
+    async fn read_until_frame(conn: &mut UnixStream, kind: u8, flags: u8) {
+        loop {
+            let mut header = [0u8; 9];
+            conn.read_exact(&mut header).await.expect("frame header");
+            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            conn.read_exact(&mut payload).await.expect("frame payload");
+            if header[3] == kind && header[4] & flags == flags {
+                return;
+            }
         }
     }
 
-    #[test]
-    fn a_sotw_request_keeps_every_field_the_agent_reads_and_the_node_id_only() {
-        let full = DiscoveryRequest {
-            version_info: "v1".into(),
-            node: Some(node()),
-            resource_names: vec!["a".into(), "b".into()],
-            type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(),
-            response_nonce: "7".into(),
-            error_detail: Some(RpcStatus { code: 3, message: "bad".into(), details: vec![] }),
-            ..DiscoveryRequest::default()
-        };
-        let lean: DiscoveryRequest = SotwRequestWire::decode(full.encode_to_vec().as_slice()).unwrap().into();
-        let want = DiscoveryRequest {
-            node: Some(Node { id: "node-1".into(), cluster: "aether".into(), ..Node::default() }),
-            ..full
-        };
-        assert_eq!(lean, want);
+    #[tokio::test]
+    async fn await_server_answers_only_once_someone_serves_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let err = await_server(&path, Duration::from_millis(200)).await.expect_err("no socket file");
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+
+        // Bound and listening, but nobody accepts: the connect queues and nothing answers.
+        let listener = UnixListener::bind(&path).unwrap();
+        let err = await_server(&path, Duration::from_millis(200)).await.expect_err("nobody accepts");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
+
+        let (_stop, _task) = start(listener);
+        await_server(&path, Duration::from_secs(5)).await.expect("the ADS server answers");
     }
 
-    #[test]
-    fn a_delta_request_keeps_every_field_the_agent_reads_and_the_node_id_only() {
-        let full = DeltaDiscoveryRequest {
-            node: Some(node()),
-            type_url: "type.googleapis.com/envoy.config.listener.v3.Listener".into(),
-            resource_names_subscribe: vec!["x".into()],
-            resource_names_unsubscribe: vec!["y".into()],
-            initial_resource_versions: [("x".to_string(), "00ff".to_string())].into(),
-            response_nonce: "3".into(),
-            error_detail: Some(RpcStatus { code: 3, message: "bad".into(), details: vec![] }),
-            ..DeltaDiscoveryRequest::default()
-        };
-        let lean: DeltaDiscoveryRequest = DeltaRequestWire::decode(full.encode_to_vec().as_slice()).unwrap().into();
-        let want = DeltaDiscoveryRequest {
-            node: Some(Node { id: "node-1".into(), cluster: "aether".into(), ..Node::default() }),
-            ..full
-        };
-        assert_eq!(lean, want);
+    #[tokio::test]
+    async fn await_server_refuses_a_socket_that_does_not_speak_http2() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await.unwrap();
+        });
+        let err = await_server(&path, Duration::from_secs(5)).await.expect_err("not HTTP/2");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
+    }
+
+    #[tokio::test]
+    async fn stopping_closes_the_listener_and_keeps_open_connections() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let (stop, task) = start(UnixListener::bind(&path).unwrap());
+        let mut open = UnixStream::connect(&path).await.unwrap();
+        open.write_all(H2_PREFACE).await.unwrap();
+        read_until_frame(&mut open, 0x04, 0).await;
+
+        stop.send(()).unwrap();
+        task.await.unwrap().expect("serve returns once it stops accepting");
+        let refused = UnixStream::connect(&path).await.expect_err("the listener is closed");
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}");
+
+        // The connection accepted before still answers: PING, then its ACK.
+        open.write_all(b"\0\0\x08\x06\0\0\0\0\0aether!!").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), read_until_frame(&mut open, 0x06, 0x01)).await.expect("PING ACK on the open connection");
     }
 }

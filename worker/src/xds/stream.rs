@@ -17,77 +17,16 @@
 //! - Order of a push: CDS, EDS, LDS, RDS, so clusters exist before the listeners and
 //!   routes that use them.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use aether_model::Snapshot;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use imbl::OrdMap;
 
-use super::Protocol;
 use super::encoded::Encoded;
-use crate::snapshot::Snapshot;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Cluster,
-    Endpoint,
-    Listener,
-    Route,
-}
-
-/// Push order.
-pub const KINDS: [Kind; 4] = [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route];
-
-impl Kind {
-    pub fn type_url(self) -> &'static str {
-        match self {
-            Kind::Cluster => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
-            Kind::Endpoint => "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            Kind::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
-            Kind::Route => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
-        }
-    }
-
-    pub fn from_type_url(url: &str) -> Option<Self> {
-        KINDS.into_iter().find(|k| k.type_url() == url)
-    }
-
-    /// LDS and CDS are wildcard subscriptions: every response carries the full set.
-    pub(super) fn wildcard(self) -> bool {
-        matches!(self, Kind::Cluster | Kind::Listener)
-    }
-
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    pub fn short(self) -> &'static str {
-        match self {
-            Kind::Cluster => "CDS",
-            Kind::Endpoint => "EDS",
-            Kind::Listener => "LDS",
-            Kind::Route => "RDS",
-        }
-    }
-}
-
-pub(super) fn version(s: &Snapshot, k: Kind) -> &str {
-    match k {
-        Kind::Cluster => &s.clusters.version,
-        Kind::Endpoint => &s.endpoints.version,
-        Kind::Listener => &s.listeners.version,
-        Kind::Route => &s.routes.version,
-    }
-}
-
-pub(super) fn hashes(s: &Snapshot, k: Kind) -> &BTreeMap<String, u64> {
-    match k {
-        Kind::Cluster => &s.clusters.hashes,
-        Kind::Endpoint => &s.endpoints.hashes,
-        Kind::Listener => &s.listeners.hashes,
-        Kind::Route => &s.routes.hashes,
-    }
-}
-
+use super::kind::{KINDS, Kind, from_type_url, type_url, wildcard};
+use super::protocol::{Event, Protocol};
 
 /// A response and the state the proxy holds once it applies it.
 #[derive(Debug, Clone)]
@@ -96,7 +35,7 @@ struct Sent {
     version: String,
     /// Content hash of every resource of the type the proxy holds after this response
     /// (for EDS and RDS: the requested ones, including those sent earlier).
-    holds: BTreeMap<String, u64>,
+    holds: OrdMap<String, u64>,
 }
 
 #[derive(Debug, Default)]
@@ -110,18 +49,6 @@ struct TypeState {
     acked: Option<Sent>,
 }
 
-/// What a request meant, for logs and metrics.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
-    /// First request for a type on this stream; `version` is what the proxy holds.
-    Subscribe { kind: Kind, version: String },
-    Ack { kind: Kind, version: String, nonce: String },
-    Nack { kind: Kind, rejected_version: String, nonce: String, message: String },
-    /// A request answering an older response; superseded, ignored.
-    Stale { kind: Kind, nonce: String },
-    UnknownType { type_url: String },
-}
-
 pub struct StreamState {
     current: Arc<Snapshot>,
     encoded: Arc<Encoded>,
@@ -130,7 +57,6 @@ pub struct StreamState {
 }
 
 impl Protocol for StreamState {
-    type Wire = super::server::SotwRequestWire;
     type Request = DiscoveryRequest;
     type Response = DiscoveryResponse;
     const NAME: &'static str = "sotw";
@@ -156,7 +82,7 @@ impl Protocol for StreamState {
     }
 
     fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
-        let Some(kind) = Kind::from_type_url(&req.type_url) else {
+        let Some(kind) = from_type_url(&req.type_url) else {
             return Event::UnknownType { type_url: req.type_url.clone() };
         };
         let t = &mut self.types[kind.index()];
@@ -193,16 +119,16 @@ impl Protocol for StreamState {
             if !t.subscribed {
                 continue;
             }
-            let current = hashes(&self.current, kind);
-            let v = version(&self.current, kind);
-            let (holds, to_send): (BTreeMap<String, u64>, BTreeSet<&String>) = if kind.wildcard() {
+            let current = self.current.hashes(kind);
+            let v = self.current.version(kind);
+            let (holds, to_send): (OrdMap<String, u64>, BTreeSet<&String>) = if wildcard(kind) {
                 let changed = t.sent.as_ref().is_none_or(|s| s.version != v);
                 if !(changed || t.answer) {
                     continue;
                 }
                 (current.clone(), current.keys().collect())
             } else {
-                let holds: BTreeMap<String, u64> =
+                let holds: OrdMap<String, u64> =
                     current.iter().filter(|(n, _)| t.requested.contains(*n)).map(|(n, h)| (n.clone(), *h)).collect();
                 let before = t.sent.as_ref().map(|s| &s.holds);
                 let to_send: BTreeSet<&String> = current
@@ -225,7 +151,7 @@ impl Protocol for StreamState {
             out.push(DiscoveryResponse {
                 version_info: v.to_string(),
                 resources: self.encoded.get(&self.current, kind, &to_send),
-                type_url: kind.type_url().to_string(),
+                type_url: type_url(kind).to_string(),
                 nonce: nonce.clone(),
                 ..Default::default()
             });
@@ -241,13 +167,13 @@ impl Protocol for StreamState {
         KINDS.into_iter().all(|kind| {
             let acked = self.types[kind.index()].acked.as_ref();
             match kind {
-                Kind::Listener | Kind::Cluster => acked.is_some_and(|a| a.version == version(s, kind)),
+                Kind::Listener | Kind::Cluster => acked.is_some_and(|a| a.version == s.version(kind)),
                 Kind::Endpoint | Kind::Route => {
                     let needed: Vec<&str> = match kind {
                         Kind::Endpoint => s.eds_cluster_names().collect(),
                         _ => s.rds_names().collect(),
                     };
-                    let current = hashes(s, kind);
+                    let current = s.hashes(kind);
                     needed.iter().all(|n| acked.is_some_and(|a| a.holds.contains_key(*n) && a.holds.get(*n) == current.get(*n)))
                 }
             }
@@ -258,8 +184,7 @@ impl Protocol for StreamState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::{Endpoint, EndpointState, RegistryView, Service};
-    use crate::snapshot::{Inputs, build};
+    use aether_model::{Endpoint, EndpointState, Inputs, RegistryView, Service, build};
     use envoy_types::pb::google::rpc::Status;
 
     fn snap(endpoints: usize) -> Arc<Snapshot> {
@@ -274,7 +199,7 @@ mod tests {
             })
             .collect();
         let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
-        Arc::new(build(&Inputs { registry: RegistryView { services: vec![svc] }, ..Default::default() }))
+        Arc::new(build(&Inputs { registry: RegistryView::new([svc]), ..Default::default() }))
     }
 
     const CLA: &str = "outbound|80||web.d";
@@ -282,7 +207,7 @@ mod tests {
     fn req(kind: Kind, version: &str, nonce: &str, names: &[&str], error: Option<&str>) -> DiscoveryRequest {
         DiscoveryRequest {
             version_info: version.into(),
-            type_url: kind.type_url().into(),
+            type_url: type_url(kind).into(),
             response_nonce: nonce.into(),
             resource_names: names.iter().map(|s| s.to_string()).collect(),
             error_detail: error.map(|m| Status { code: 13, message: m.into(), details: vec![] }),
@@ -294,7 +219,7 @@ mod tests {
     fn sent(st: &mut StreamState) -> Vec<(&'static str, String, String, usize)> {
         st.pending()
             .into_iter()
-            .map(|r| (Kind::from_type_url(&r.type_url).unwrap().short(), r.version_info, r.nonce, r.resources.len()))
+            .map(|r| (from_type_url(&r.type_url).unwrap().short(), r.version_info, r.nonce, r.resources.len()))
             .collect()
     }
 
@@ -369,7 +294,7 @@ mod tests {
                 state: if d { EndpointState::Draining } else { EndpointState::Healthy },
             };
             let svc = |n: &str, e: Endpoint| Service { name: n.into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: vec![e] };
-            let registry = RegistryView { services: vec![svc("a", ep("10.0.0.1", false)), svc("b", ep("10.0.0.2", draining))] };
+            let registry = RegistryView::new([svc("a", ep("10.0.0.1", false)), svc("b", ep("10.0.0.2", draining))]);
             Arc::new(build(&Inputs { registry, ..Default::default() }))
         };
         let names = ["outbound|80||a.d", "outbound|80||b.d"];

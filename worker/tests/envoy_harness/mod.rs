@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use aether_worker::bootstrap::{self, Admin, AdsApi};
 use aether_worker::metrics::{Metrics, TypeLabel};
 use aether_worker::node::Node;
-use aether_worker::snapshot::{Inputs, Snapshot};
-use aether_worker::xds::{self, Acks};
+use aether_model::{Inputs, Snapshot};
+use aether_worker::acks::Acks;
+use aether_worker::xds;
 use aether_worker::{capture, registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixStream};
@@ -159,7 +160,7 @@ impl Harness {
         let metrics = Metrics::new();
         let acks = Acks::default();
         let tasks = vec![
-            registry::spawn_embedded(Some(registry_file.clone()), node.clone(), metrics.clone()),
+            registry::spawn_embedded(Some(registry_file.clone()), u64::MAX, node.clone(), metrics.clone()),
             capture::spawn(Some(capture_file), node.clone(), metrics.clone()),
         ];
         let mut gates = node.gates();
