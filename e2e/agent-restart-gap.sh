@@ -12,7 +12,7 @@
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)
 #   ARG_BACKOFF_BASE  Envoy's ADS reconnect backoff base (0.1s)
 #   ARG_BACKOFF_MAX   and max (1s)
-#   ARG_XDS_API       the ADS variant Envoy speaks: sotw (GRPC, the default) or delta
+#   ARG_XDS_API       the ADS variant Envoy speaks: delta (DELTA_GRPC, the default) or sotw (GRPC)
 #   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)
 #   ARG_KEEP_NODE     set: keep the local node folder (logs) even when the run passes
 #   AETHER_E2E_AGENT_LOG  the agents' log filter (info), e.g. info,aether_worker::xds=debug

@@ -405,7 +405,7 @@ def main():
     parser.add_argument("--spiffe-dir", default="")
     parser.add_argument("--backoff-base", default="0.1s")
     parser.add_argument("--backoff-max", default="1s")
-    parser.add_argument("--ads-api-type", default="GRPC", choices=["GRPC", "DELTA_GRPC"])
+    parser.add_argument("--ads-api-type", default="DELTA_GRPC", choices=["GRPC", "DELTA_GRPC"])
     parser.add_argument("--unit", help="check this systemd unit instead of a rendering")
     parser.add_argument("rendered", nargs="?")
     args = parser.parse_args()

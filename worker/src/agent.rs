@@ -5,7 +5,6 @@
 //! touched only after a `Takeover`: its descriptors are checked, the storage diff is
 //! reconciled when the start was contended, and then both sockets are served.
 
-use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -52,10 +51,8 @@ struct Owned {
 pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let metrics = Metrics::new();
     let storage = Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
-    let pods: BTreeMap<_, _> = storage.pods().into_iter().map(|p| (p.uid.clone(), p)).collect();
-    info!(pods = pods.len(), dir = %cfg.state_dir.display(), "loaded pods from storage");
-    let node = Node::new(Inputs { pods, ..Inputs::default() });
-    node.set_gate(|g| g.storage_loaded = true);
+    let node = Node::new(Inputs::default());
+    cni::load(&node, &storage);
     let _registry = registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone());
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
 

@@ -67,7 +67,7 @@ pub struct Config {
     pub rps: u32,
     pub backoff_base: Duration,
     pub backoff_max: Duration,
-    /// ARG_XDS_API: the ADS variant Envoy speaks, sotw or delta.
+    /// ARG_XDS_API: the ADS variant Envoy speaks, delta (the default) or sotw.
     pub xds_api: envoy::AdsApi,
     pub results_dir: PathBuf,
     pub envoy: PathBuf,

@@ -16,73 +16,31 @@
 //! marks the service drained, so any call still queued is turned away as `Unavailable`
 //! (the plugin retries against the next owner) instead of writing half a change.
 
+mod ack_source;
 mod service;
 
 use std::future::Future;
-use std::net::IpAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use aether_model::Change;
 use anyhow::Context;
 use shared_proto::cni::cni_server::CniServer;
 use tokio_stream::wrappers::UnixListenerStream;
 
+use crate::acks::Acks;
 use crate::metrics::Metrics;
 use crate::node::Node;
-use aether_model::{Change, Snapshot};
-
-use crate::acks::Acks;
 use crate::storage::{Diff, Storage};
 
+#[cfg(any(test, feature = "testing"))]
+pub use ack_source::PublishedAcks;
+pub use ack_source::{ACK_TIMEOUT, AckSource};
 pub use service::CniService;
-
-/// How long an Add waits for the proxy to ACK a snapshot holding the pod. Best effort:
-/// past it the Add answers success anyway, and the timeout is logged and counted.
-pub const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a draining server lets in-flight calls run after shutdown: an Add's ACK wait
 /// plus its storage write, with room to spare.
 pub const DRAIN_BOUND: Duration = Duration::from_secs(5);
-
-/// Where an Add learns that the proxy serves the pod. [`Acks`] in production; tests and
-/// the benchmark use other sources.
-pub trait AckSource: Send + Sync + 'static {
-    /// Resolves true once the proxy has ACKed a snapshot holding `uid` with `ips`, false
-    /// after `timeout`.
-    fn wait_for_pod<'a>(
-        &'a self,
-        uid: &'a str,
-        ips: &'a [IpAddr],
-        timeout: Duration,
-    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
-}
-
-impl AckSource for Acks {
-    fn wait_for_pod<'a>(
-        &'a self,
-        uid: &'a str,
-        ips: &'a [IpAddr],
-        timeout: Duration,
-    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
-        Box::pin(self.wait_until(move |s: &Snapshot| s.holds_pod(uid, ips), timeout))
-    }
-}
-
-/// An ACK source standing in for a proxy that ACKs every snapshot the moment the node
-/// publishes it. For tests and the ADD latency benchmark, where no Envoy runs.
-pub struct PublishedAcks(pub Arc<Node>);
-
-impl AckSource for PublishedAcks {
-    fn wait_for_pod<'a>(
-        &'a self,
-        uid: &'a str,
-        ips: &'a [IpAddr],
-        timeout: Duration,
-    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
-        Box::pin(crate::acks::wait_for(self.0.subscribe(), move |s| s.holds_pod(uid, ips), timeout))
-    }
-}
 
 /// Serves the CNI API on `listener` until `shutdown` resolves, then lets in-flight calls
 /// finish (bounded) before returning.
@@ -95,11 +53,21 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let service = CniService::new(node, storage, Arc::new(acks), metrics);
-    serve_with(listener, service, shutdown, DRAIN_BOUND).await
+    serve_service(listener, service, shutdown, DRAIN_BOUND).await
 }
 
-/// [`serve`] with any service configuration and drain bound.
+/// [`serve`] with any service configuration and drain bound, for tests.
+#[cfg(any(test, feature = "testing"))]
 pub async fn serve_with(
+    listener: tokio::net::UnixListener,
+    service: CniService,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_bound: Duration,
+) -> anyhow::Result<()> {
+    serve_service(listener, service, shutdown, drain_bound).await
+}
+
+async fn serve_service(
     listener: tokio::net::UnixListener,
     service: CniService,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -168,13 +136,14 @@ fn allowed_peers(
 
 /// Loads the stored pods into the node and opens the `storage_loaded` gate: the view the
 /// takeover diff is against. Call it once, right after [`Storage::open`], before the
-/// first snapshot is served. Returns how many pods it loaded.
+/// first snapshot is served (the worker's start does, and so do the tests). Returns how
+/// many pods it loaded.
 pub fn load(node: &Node, storage: &Storage) -> usize {
     let pods = storage.pods();
     let n = pods.len();
     node.apply(pods.into_iter().map(Change::UpsertPod));
     node.set_gate(|g| g.storage_loaded = true);
-    tracing::info!(pods = n, "loaded pods from storage");
+    tracing::info!(pods = n, dir = %storage.dir().display(), "loaded pods from storage");
     n
 }
 

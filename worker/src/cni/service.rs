@@ -10,7 +10,7 @@ use shared_proto::cni::cni_server::Cni;
 use shared_proto::cni::{AddResponse, CheckResponse, CniRequest, DelResponse};
 use tonic::{Request, Response, Status};
 
-use super::{ACK_TIMEOUT, AckSource};
+use super::ack_source::{ACK_TIMEOUT, AckSource};
 use crate::metrics::{CniLabel, Metrics};
 use crate::node::Node;
 use aether_model::{Change, Pod};
@@ -47,10 +47,22 @@ struct Inner {
 
 impl CniService {
     pub fn new(node: Arc<Node>, storage: Arc<Storage>, acks: Arc<dyn AckSource>, metrics: Arc<Metrics>) -> Self {
-        Self::with_ack_timeout(node, storage, acks, metrics, ACK_TIMEOUT)
+        Self::build(node, storage, acks, metrics, ACK_TIMEOUT)
     }
 
+    /// [`CniService::new`] with another ACK wait, for tests.
+    #[cfg(any(test, feature = "testing"))]
     pub fn with_ack_timeout(
+        node: Arc<Node>,
+        storage: Arc<Storage>,
+        acks: Arc<dyn AckSource>,
+        metrics: Arc<Metrics>,
+        ack_timeout: Duration,
+    ) -> Self {
+        Self::build(node, storage, acks, metrics, ack_timeout)
+    }
+
+    fn build(
         node: Arc<Node>,
         storage: Arc<Storage>,
         acks: Arc<dyn AckSource>,
