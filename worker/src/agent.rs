@@ -64,7 +64,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let acks = crate::acks::Acks::default();
     // Encoded from the first snapshot on, in a standby too: a takeover answers with copies.
     let encoded = Arc::new(xds::encoded::Encoded::default());
-    tokio::spawn(xds::encoded::keep_warm(node.subscribe(), encoded.clone()));
+    tokio::spawn(xds::encoded::keep_warm(node.subscribe(), encoded.clone(), metrics.clone()));
     let mut state = State::default();
     let mut gates = node.gates();
     let mut owned: Option<Owned> = None;

@@ -37,6 +37,9 @@ pub struct Metrics {
     pub xds_acks: Family<TypeLabel, Counter>,
     pub xds_nacks: Family<TypeLabel, Counter>,
     pub xds_streams: Gauge,
+    pub xds_resources: Family<TypeLabel, Counter>,
+    pub xds_initial_resources: Family<TypeLabel, Counter>,
+    pub snapshot_seq: Gauge,
     pub cni_requests: Family<CniLabel, Counter>,
     pub cni_ack_timeouts: Counter,
     pub cni_refused_peers: Counter,
@@ -60,6 +63,9 @@ impl Metrics {
             xds_acks: Family::default(),
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
+            xds_resources: Family::default(),
+            xds_initial_resources: Family::default(),
+            snapshot_seq: Gauge::default(),
             cni_requests: Family::default(),
             cni_ack_timeouts: Counter::default(),
             cni_refused_peers: Counter::default(),
@@ -74,6 +80,13 @@ impl Metrics {
         r.register("xds_acks", "xDS ACKs received, by type", m.xds_acks.clone());
         r.register("xds_nacks", "xDS NACKs received, by type", m.xds_nacks.clone());
         r.register("xds_streams", "Open ADS streams", m.xds_streams.clone());
+        r.register("xds_resources", "xDS resources sent, with delta removals, by type", m.xds_resources.clone());
+        r.register(
+            "xds_initial_resources",
+            "xDS resources in each stream's first response of a type (a reconnect to an identical snapshot over delta ADS sends none)",
+            m.xds_initial_resources.clone(),
+        );
+        r.register("snapshot_seq", "Snapshots this worker has built since it started (one per change step)", m.snapshot_seq.clone());
         r.register("cni_requests", "CNI API calls, by operation and result", m.cni_requests.clone());
         r.register("cni_ack_timeouts", "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)", m.cni_ack_timeouts.clone());
         r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());

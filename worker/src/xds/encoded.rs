@@ -96,10 +96,12 @@ impl Encoded {
 }
 
 /// Encodes every snapshot the node publishes, until the node is gone.
-pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>) {
+/// Also keeps the `snapshot_seq` gauge.
+pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>, metrics: Arc<crate::metrics::Metrics>) {
     let mut last: Option<Arc<Snapshot>> = None;
     loop {
         let s = snapshots.borrow_and_update().clone();
+        metrics.snapshot_seq.set(s.seq as i64);
         encoded.warm(&s, last.as_deref());
         last = Some(s);
         if snapshots.changed().await.is_err() {

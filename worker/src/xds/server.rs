@@ -116,6 +116,7 @@ async fn run_stream<P: Served>(
     // response went out (by nonce), so that push and ACK lines carry how long each took.
     let mut changed_at = Instant::now();
     let mut pushed_at: [Option<(String, Instant)>; 4] = Default::default();
+    let mut answered = [false; 4];
     tracing::info!(stream = id, protocol = P::NAME, "ADS stream opened");
     loop {
         tokio::select! {
@@ -159,10 +160,15 @@ async fn run_stream<P: Served>(
             let (type_url, version, nonce, resources) = P::describe(&resp);
             tracing::debug!(stream = id, type_url, version, nonce, resources,
                 since_change_us = changed_at.elapsed().as_micros() as u64, "push");
+            let label = TypeLabel { type_url: type_url.to_string() };
             if let Some(k) = kind::from_type_url(type_url) {
                 pushed_at[k.index()] = Some((nonce.to_string(), Instant::now()));
+                if !std::mem::replace(&mut answered[k.index()], true) {
+                    metrics.xds_initial_resources.get_or_create(&label).inc_by(resources as u64);
+                }
             }
-            metrics.xds_pushes.get_or_create(&TypeLabel { type_url: type_url.to_string() }).inc();
+            metrics.xds_pushes.get_or_create(&label).inc();
+            metrics.xds_resources.get_or_create(&label).inc_by(resources as u64);
             if tx.send(Ok(resp)).await.is_err() {
                 return;
             }
