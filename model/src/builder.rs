@@ -93,7 +93,7 @@ impl Builder {
             short_claims.entry(k.name.clone()).or_default().insert(k.namespace.clone());
         }
 
-        let mut listeners = vec![outbound_listener(&inputs.capture)];
+        let mut listeners = vec![outbound_listener(&inputs.capture, inputs.on_demand_clusters)];
         let mut clusters = Vec::new();
         let mut served = BTreeSet::new();
         for (uid, pod) in &inputs.pods {
@@ -243,7 +243,7 @@ impl Builder {
         } else if !any_served && any_served_before && s.listeners.remove(INBOUND) {
             changed.note(Kind::Listener, INBOUND);
         }
-        if capture && s.listeners.insert(OUTBOUND.to_string(), outbound_listener(&self.inputs.capture)) {
+        if capture && s.listeners.insert(OUTBOUND.to_string(), outbound_listener(&self.inputs.capture, self.inputs.on_demand_clusters)) {
             changed.note(Kind::Listener, OUTBOUND);
         }
 
@@ -328,11 +328,11 @@ fn remove_service_cluster(s: &mut Snapshot, changed: &mut Changed, name: &str) {
     }
 }
 
-fn outbound_listener(c: &CaptureProjection) -> Listener {
+fn outbound_listener(c: &CaptureProjection, on_demand: bool) -> Listener {
     Listener {
         name: OUTBOUND.to_string(),
         address: c.outbound,
-        kind: ListenerKind::HttpOutbound { route_config: OUTBOUND.to_string() },
+        kind: ListenerKind::HttpOutbound { route_config: OUTBOUND.to_string(), on_demand },
     }
 }
 

@@ -11,6 +11,9 @@ pub struct Inputs {
     pub pods: BTreeMap<String, Pod>,
     pub registry: RegistryView,
     pub capture: CaptureProjection,
+    /// The proxy fetches outbound clusters on demand (`--on-demand-clusters`): the
+    /// outbound listener carries Envoy's on-demand filter. Fixed for a worker's life.
+    pub on_demand_clusters: bool,
 }
 
 /// What the first serve and standby completeness wait for.

@@ -26,5 +26,5 @@ pub use registry::{Endpoint, EndpointState, RegistryView, Service, ServiceKey};
 pub use snapshot::{
     Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain, KINDS, Kind, LbEndpoint,
     Listener, ListenerKind, LoadAssignment, OUTBOUND, Resources, Route, RouteConfig, Snapshot, VirtualHost,
-    inbound_cluster_name, inbound_listener_name, outbound_cluster_name,
+    inbound_cluster_name, inbound_listener_name, is_outbound_cluster, outbound_cluster_name,
 };

@@ -159,8 +159,9 @@ pub struct Listener {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum ListenerKind {
-    /// HTTP connection manager whose routes come over RDS.
-    HttpOutbound { route_config: String },
+    /// HTTP connection manager whose routes come over RDS; with `on_demand`, a route to a
+    /// cluster the proxy does not hold fetches it first (on-demand CDS over ADS).
+    HttpOutbound { route_config: String, on_demand: bool },
     /// The inbound capture listener: hands each redirected connection to the listener of
     /// its original destination; closes the rest.
     InboundCapture,
@@ -344,7 +345,7 @@ impl Snapshot {
     /// The route configurations the listeners refer to: what the proxy asks RDS for.
     pub fn rds_names(&self) -> impl Iterator<Item = &str> {
         self.listeners.items.values().filter_map(|l| match &l.kind {
-            ListenerKind::HttpOutbound { route_config } => Some(route_config.as_str()),
+            ListenerKind::HttpOutbound { route_config, .. } => Some(route_config.as_str()),
             ListenerKind::InboundCapture | ListenerKind::InboundPod { .. } => None,
         })
     }
@@ -352,6 +353,12 @@ impl Snapshot {
 
 fn same_set(a: &[IpAddr], b: &[IpAddr]) -> bool {
     a.iter().collect::<BTreeSet<_>>() == b.iter().collect::<BTreeSet<_>>()
+}
+
+/// Whether `cluster` is a mesh service's cluster (what on-demand mode fetches lazily), as
+/// opposed to a local pod's.
+pub fn is_outbound_cluster(cluster: &str) -> bool {
+    cluster.starts_with("outbound|")
 }
 
 pub fn outbound_cluster_name(port: u16, name: &str, namespace: &str) -> String {

@@ -53,6 +53,12 @@ pub struct Config {
     /// endpoints each take about 7 MB.
     #[arg(long, env = "AETHER_REGISTRY_MAX_BYTES", default_value_t = 64 << 20)]
     pub registry_max_bytes: u64,
+    /// Serve the proxy only the mesh clusters its pods have called (the observed
+    /// upstreams, kept in the state folder across rolls) and let it fetch any other on
+    /// its first request to it (Envoy's on-demand CDS; needs DELTA_GRPC ADS). For large
+    /// meshes: Envoy's memory then follows what the node uses, not the mesh's size.
+    #[arg(long, env = "AETHER_ON_DEMAND_CLUSTERS")]
+    pub on_demand_clusters: bool,
     /// Capture projection override as JSON, reloaded on change.
     #[arg(long, env = "AETHER_CAPTURE_FILE")]
     pub capture_file: Option<PathBuf>,

@@ -97,6 +97,9 @@ fn worker_args(cfg: &Config) -> Vec<String> {
     if let Some(p) = &cfg.capture_file {
         a.push(format!("--capture-file={}", os_str_arg(p)));
     }
+    if cfg.on_demand_clusters {
+        a.push("--on-demand-clusters".into());
+    }
     if let Some(r) = &cfg.registrar {
         a.push(format!("--registrar={r}"));
     }

@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::Storage;
 use crate::takeover::{self, Action, Event, Gate, Phase, State};
-use crate::{capture, cni, fdcheck, httpmini, registry, xds};
+use crate::{capture, cni, fdcheck, httpmini, registry, writers, xds};
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
 const CAPTURE_GATE: Duration = Duration::from_secs(10);
@@ -51,8 +51,10 @@ struct Owned {
 pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let metrics = Metrics::new();
     let storage = Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
-    let node = Node::new(Inputs::default());
+    let node = Node::new(Inputs { on_demand_clusters: cfg.on_demand_clusters, ..Inputs::default() });
     cni::load(&node, &storage);
+    // Restored in a standby too; written by the owner alone (see `writers`).
+    let observed = writers::Observed::restore(&cfg.state_dir);
     let _registry = registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone());
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
 
@@ -96,6 +98,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         }
                     }
                     Action::Reconcile => {
+                        // What the previous owner flushed before it released the node.
+                        observed.reload();
                         let (node, storage, tx) = (node.clone(), storage.clone(), reconciled_tx.clone());
                         tokio::spawn(async move {
                             let start = Instant::now();
@@ -108,7 +112,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     }
                     Action::Serve => {
                         let o = owned.as_mut().expect("Serve follows a takeover");
-                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &metrics, drained_tx.clone())?);
+                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, drained_tx.clone())?);
                     }
                     Action::Drain => match serving.as_mut().and_then(|s| s.drain_cni.take()) {
                         Some(tx) => {
@@ -119,6 +123,11 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     },
                     Action::Release => {
                         serving.take().expect("Release follows a served drain").close_xds_listener().await;
+                        // Before the lock passes: the successor reloads the file at takeover.
+                        match observed.flush() {
+                            Ok(wrote) => info!(wrote, clusters = observed.names().len(), "observed upstreams flushed before release"),
+                            Err(e) => error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed"),
+                        }
                         // The listeners went with the servers; the lock is the last
                         // descriptor of the node this process holds besides the streams.
                         if let Some(o) = &mut owned {
@@ -255,6 +264,7 @@ fn serve(
     storage: &Arc<Storage>,
     acks: &crate::acks::Acks,
     encoded: &Arc<xds::encoded::Encoded>,
+    observed: &Arc<writers::Observed>,
     metrics: &Arc<Metrics>,
     drained: tokio::sync::mpsc::Sender<()>,
 ) -> anyhow::Result<Serving> {
@@ -268,9 +278,20 @@ fn serve(
     let cni_l = listener(cni_fd)?;
     // The proxy keeps its stream until this process exits: a drain only stops accepting.
     let (stop_xds, stop_rx) = oneshot::channel::<()>();
-    let xds_accept = tokio::spawn(xds::serve(xds_l, node.subscribe(), encoded.clone(), acks.clone(), metrics.clone(), async move {
-        let _ = stop_rx.await;
-    }));
+    let on_demand = cfg.on_demand_clusters.then(|| observed.clone());
+    let xds_accept = tokio::spawn(xds::server::serve_observed(
+        xds_l,
+        node.subscribe(),
+        encoded.clone(),
+        acks.clone(),
+        metrics.clone(),
+        on_demand,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    // The owner alone writes what the proxy showed it uses.
+    tokio::spawn(writers::run_writer(observed.clone()));
     let (drain_cni, drain) = oneshot::channel();
     let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
     tokio::spawn(async move {

@@ -31,6 +31,9 @@ pub struct Config {
     pub registry_max_bytes: u64,
     #[arg(long)]
     pub capture_file: Option<PathBuf>,
+    /// The proxy fetches the mesh's clusters on demand (delta ADS only).
+    #[arg(long)]
+    pub on_demand_clusters: bool,
     #[arg(long)]
     pub registrar: Option<String>,
     #[arg(long)]

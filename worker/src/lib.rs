@@ -23,4 +23,5 @@ pub mod node;
 pub mod registry;
 pub mod storage;
 pub mod takeover;
+pub mod writers;
 pub mod xds;

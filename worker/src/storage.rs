@@ -376,7 +376,7 @@ fn read_record(path: &Path, uid: &str) -> Result<Pod, ReadError> {
     Ok(pod)
 }
 
-fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path) -> Result<(), StorageError> {
+pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path) -> Result<(), StorageError> {
     let io = |op, path: &Path, source| StorageError::Io { op, path: path.to_path_buf(), source };
     let mut file = fs::OpenOptions::new()
         .write(true)

@@ -41,6 +41,7 @@ fn inputs(services: Vec<Service>, pods: Vec<Pod>) -> Inputs {
         pods: pods.into_iter().map(|p| (p.uid.clone(), p)).collect(),
         registry: RegistryView::new(services),
         capture: CaptureProjection::default(),
+        on_demand_clusters: false,
     }
 }
 
@@ -49,7 +50,9 @@ fn render(s: &Snapshot) -> String {
     let mut out = Vec::new();
     for l in s.listeners.items.values() {
         match &l.kind {
-            ListenerKind::HttpOutbound { route_config } => out.push(format!("L {} {} rds={route_config}", l.name, l.address)),
+            ListenerKind::HttpOutbound { route_config, on_demand } => {
+                out.push(format!("L {} {} rds={route_config}{}", l.name, l.address, if *on_demand { " on-demand" } else { "" }))
+            }
             ListenerKind::InboundCapture => out.push(format!("L {} {} capture", l.name, l.address)),
             ListenerKind::InboundPod { chain: c } => {
                 let ips: Vec<_> = c.ips.iter().map(|i| i.to_string()).collect();
@@ -186,7 +189,7 @@ fn versions_are_deterministic_and_change_only_for_the_changed_type() {
     // agent would push a full update instead of a no-op. Change it deliberately.
     assert_eq!(
         [&a.listeners.version, &a.routes.version, &a.clusters.version, &a.endpoints.version],
-        ["244efdcb0d8564dd", "758b7ccd96e733cb", "9915176c055220ce", "b204847993d13fe4"]
+        ["ceae1dc10e4237f9", "758b7ccd96e733cb", "9915176c055220ce", "b204847993d13fe4"]
     );
 
     let web = ServiceKey { namespace: "default".into(), name: "web".into() };

@@ -7,6 +7,7 @@ use envoy_types::pb::envoy::config::core::v3 as core;
 use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
 use envoy_types::pb::envoy::config::listener::v3 as listener;
 use envoy_types::pb::envoy::config::route::v3 as route;
+use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
@@ -42,7 +43,22 @@ fn host_prefix(ip: IpAddr) -> core::CidrRange {
 
 pub fn listener(l: &snapshot::Listener) -> Any {
     let (direction, filter_chains, listener_filters) = match &l.kind {
-        snapshot::ListenerKind::HttpOutbound { route_config } => {
+        snapshot::ListenerKind::HttpOutbound { route_config, on_demand } => {
+            let router = hcm::HttpFilter {
+                name: "envoy.filters.http.router".into(),
+                config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(Router::default()))),
+                ..Default::default()
+            };
+            // A route to a cluster the proxy does not hold asks for it on the ADS stream
+            // (delta only), and the request waits until the cluster and its endpoints
+            // have arrived.
+            let on_demand = on_demand.then(|| hcm::HttpFilter {
+                name: "envoy.filters.http.on_demand".into(),
+                config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(OnDemand {
+                    odcds: Some(OnDemandCds { source: Some(ads()), timeout: Some(Duration { seconds: 10, nanos: 0 }), ..Default::default() }),
+                }))),
+                ..Default::default()
+            });
             let manager = hcm::HttpConnectionManager {
                 stat_prefix: l.name.clone(),
                 codec_type: hcm::http_connection_manager::CodecType::Auto as i32,
@@ -50,11 +66,7 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                     config_source: Some(ads()),
                     route_config_name: route_config.clone(),
                 })),
-                http_filters: vec![hcm::HttpFilter {
-                    name: "envoy.filters.http.router".into(),
-                    config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(Router::default()))),
-                    ..Default::default()
-                }],
+                http_filters: on_demand.into_iter().chain([router]).collect(),
                 ..Default::default()
             };
             let chain = listener::FilterChain {

@@ -31,13 +31,14 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use aether_model::Snapshot;
+use aether_model::{Snapshot, is_outbound_cluster};
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 use imbl::OrdMap;
 
 use super::encoded::Encoded;
 use super::kind::{KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
 use super::protocol::{Event, Protocol};
+use crate::writers::Observed;
 
 #[derive(Debug, Default)]
 struct TypeState {
@@ -64,15 +65,19 @@ struct TypeState {
 }
 
 impl TypeState {
-    fn wants(&self, name: &str) -> bool {
-        self.wildcard || self.names.contains(name)
+    /// Whether the proxy gets `name` of this type: named, or in the wildcard. With
+    /// on-demand clusters, the wildcard CDS subscription leaves out the mesh's clusters,
+    /// which the proxy names when it needs them.
+    fn wants(&self, name: &str, lazy: bool) -> bool {
+        self.names.contains(name) || (self.wildcard && !(lazy && is_outbound_cluster(name)))
     }
 }
 
-/// Whether the snapshot needs the proxy to hold `name` of `kind`.
-fn needed(s: &Snapshot, kind: Kind, name: &str) -> bool {
+/// Whether the snapshot needs the proxy to hold `name` of `kind`, given the clusters it
+/// holds (`clusters`: it asks EDS for those).
+fn needed(s: &Snapshot, kind: Kind, name: &str, clusters: &OrdMap<String, u64>) -> bool {
     match kind {
-        Kind::Endpoint => s.needs_eds(name),
+        Kind::Endpoint => s.needs_eds(name) && clusters.contains_key(name),
         Kind::Route => s.rds_names().any(|n| n == name),
         Kind::Cluster | Kind::Listener => s.hashes(kind).contains_key(name),
     }
@@ -86,6 +91,15 @@ pub struct DeltaState {
     encoded: Arc<Encoded>,
     nonce: u64,
     types: [TypeState; 4],
+    /// With on-demand clusters: the node's observed upstreams, which this stream adds to.
+    observed: Option<Arc<Observed>>,
+}
+
+impl DeltaState {
+    /// Whether the wildcard CDS subscription leaves the mesh's clusters out.
+    fn lazy(&self, kind: Kind) -> bool {
+        kind == Kind::Cluster && self.observed.is_some()
+    }
 }
 
 impl Protocol for DeltaState {
@@ -94,7 +108,7 @@ impl Protocol for DeltaState {
     const NAME: &'static str = "delta";
 
     fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self {
-        Self { current, synced: None, encoded, nonce: 0, types: Default::default() }
+        Self { current, synced: None, encoded, nonce: 0, types: Default::default(), observed: None }
     }
 
     fn node_id(req: &DeltaDiscoveryRequest) -> Option<&str> {
@@ -103,6 +117,10 @@ impl Protocol for DeltaState {
 
     fn describe(r: &DeltaDiscoveryResponse) -> (&str, &str, &str, usize) {
         (&r.type_url, &r.system_version_info, &r.nonce, r.resources.len() + r.removed_resources.len())
+    }
+
+    fn on_demand(&mut self, observed: Arc<Observed>) {
+        self.observed = Some(observed);
     }
 
     fn current(&self) -> &Arc<Snapshot> {
@@ -118,6 +136,8 @@ impl Protocol for DeltaState {
             return Event::UnknownType { type_url: req.type_url.clone() };
         };
         let current = self.current.clone();
+        let lazy = self.lazy(kind);
+        let clusters = self.types[Kind::Cluster.index()].holds.clone();
         let t = &mut self.types[kind.index()];
         let first = !t.subscribed;
         if first {
@@ -132,11 +152,24 @@ impl Protocol for DeltaState {
                 .filter_map(|(n, v)| Some((n.clone(), u64::from_str_radix(v, 16).ok()?)))
                 .collect();
             t.acked = t.holds.clone();
+            if lazy && t.wildcard && let Some(o) = &self.observed {
+                // The proxy gets what the node's pods called before, up front.
+                t.names.extend(o.names());
+            }
         }
         for n in &req.resource_names_subscribe {
             if n == "*" {
                 t.wildcard = true;
                 t.full = true;
+            } else if lazy && is_outbound_cluster(n) && current.clusters.hashes.contains_key(n) && let Some(o) = &self.observed {
+                // A pod's first call to a service: on-demand CDS.
+                if o.insert(n) {
+                    tracing::info!(cluster = %n, "observed upstream: the proxy asked for it on demand");
+                }
+                if t.names.insert(n.clone()) {
+                    t.extra.insert(n.clone());
+                    t.answer |= !t.holds.contains_key(n);
+                }
             } else if t.names.insert(n.clone()) {
                 t.unsubscribed_needed.remove(n);
                 t.extra.insert(n.clone());
@@ -155,7 +188,7 @@ impl Protocol for DeltaState {
                     // The proxy drops what it no longer asks for.
                     t.holds.remove(n);
                     t.acked.remove(n);
-                    if needed(&current, kind, n) {
+                    if needed(&current, kind, n, &clusters) {
                         t.unsubscribed_needed.insert(n.clone());
                     }
                 }
@@ -185,7 +218,11 @@ impl Protocol for DeltaState {
         let mut out = Vec::new();
         let current = self.current.clone();
         let synced = self.synced.replace(current.clone());
+        // The clusters this push sends or removes: the EDS the proxy needs follows them.
+        let mut cluster_moves: BTreeSet<String> = BTreeSet::new();
         for kind in KINDS {
+            let lazy = self.lazy(kind);
+            let clusters = self.types[Kind::Cluster.index()].holds.clone();
             let t = &mut self.types[kind.index()];
             if !t.subscribed {
                 continue;
@@ -198,12 +235,17 @@ impl Protocol for DeltaState {
                     let mut to_send = BTreeSet::new();
                     let mut removed = Vec::new();
                     for n in names.iter().copied().chain(t.extra.iter().map(String::as_str)) {
-                        let now = hashes.get(n).filter(|_| t.wants(n));
+                        let now = hashes.get(n).filter(|_| t.wants(n, lazy));
                         match (now, t.holds.get(n)) {
                             (Some(h), held) if held != Some(h) => {
                                 to_send.insert(n.to_string());
                             }
                             (None, Some(_)) => removed.push(n.to_string()),
+                            // Named, newly, but not in the snapshot: say so at once, so
+                            // that an on-demand request fails fast instead of timing out.
+                            (None, None) if t.extra.contains(n) && t.names.contains(n) && !hashes.contains_key(n) => {
+                                removed.push(n.to_string())
+                            }
                             _ => {}
                         }
                     }
@@ -212,8 +254,8 @@ impl Protocol for DeltaState {
                     (to_send, removed)
                 }
                 None => {
-                    let to_send = hashes.iter().filter(|(n, h)| t.wants(n) && t.holds.get(*n) != Some(*h)).map(|(n, _)| n.clone()).collect();
-                    let removed = t.holds.keys().filter(|n| !(t.wants(n) && hashes.contains_key(*n))).cloned().collect();
+                    let to_send = hashes.iter().filter(|(n, h)| t.wants(n, lazy) && t.holds.get(*n) != Some(*h)).map(|(n, _)| n.clone()).collect();
+                    let removed = t.holds.keys().filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n))).cloned().collect();
                     (to_send, removed)
                 }
             };
@@ -226,9 +268,9 @@ impl Protocol for DeltaState {
             if let Some(by) = refer {
                 let referrers = if t.full { None } else { synced.as_ref().and_then(|old| current.changed_since(old, by)) };
                 match (kind, referrers) {
-                    (Kind::Endpoint, Some(clusters)) => {
-                        for c in clusters {
-                            if current.needs_eds(c) && !t.names.contains(c) {
+                    (Kind::Endpoint, Some(changed)) => {
+                        for c in changed.into_iter().chain(cluster_moves.iter().map(String::as_str)) {
+                            if needed(&current, kind, c, &clusters) && !t.names.contains(c) {
                                 t.unsubscribed_needed.insert(c.to_string());
                             } else {
                                 t.unsubscribed_needed.remove(c);
@@ -238,7 +280,7 @@ impl Protocol for DeltaState {
                     (Kind::Route, Some(listeners)) if listeners.is_empty() => {}
                     _ => {
                         let all: Vec<&str> = match kind {
-                            Kind::Endpoint => current.eds_cluster_names().collect(),
+                            Kind::Endpoint => current.eds_cluster_names().filter(|c| clusters.contains_key(*c)).collect(),
                             _ => current.rds_names().collect(),
                         };
                         t.unsubscribed_needed = all.into_iter().filter(|n| !t.names.contains(*n)).map(String::from).collect();
@@ -251,6 +293,10 @@ impl Protocol for DeltaState {
                 continue;
             }
             t.answer = false;
+            if kind == Kind::Cluster {
+                cluster_moves.extend(to_send.iter().cloned());
+                cluster_moves.extend(removed.iter().cloned());
+            }
             for n in &to_send {
                 t.holds.insert(n.clone(), hashes[n]);
             }
@@ -304,14 +350,16 @@ impl Protocol for DeltaState {
             }
             // Not pushed since the snapshot changed: compare everything.
             let current = s.hashes(kind);
+            let lazy = self.lazy(kind);
+            let clusters = &self.types[Kind::Cluster.index()].acked;
             let needed: Vec<&str> = match kind {
                 Kind::Listener | Kind::Cluster => {
                     if t.acked.keys().any(|n| !current.contains_key(n)) {
                         return false;
                     }
-                    current.keys().map(String::as_str).collect()
+                    current.keys().map(String::as_str).filter(|n| !lazy || t.wants(n, lazy)).collect()
                 }
-                Kind::Endpoint => s.eds_cluster_names().collect(),
+                Kind::Endpoint => s.eds_cluster_names().filter(|c| self.observed.is_none() || clusters.contains_key(*c)).collect(),
                 Kind::Route => s.rds_names().collect(),
             };
             needed.iter().all(|n| t.acked.get(*n).is_some_and(|h| current.get(*n) == Some(h)))

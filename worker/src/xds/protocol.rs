@@ -8,12 +8,17 @@ use std::sync::Arc;
 use aether_model::{Kind, Snapshot};
 
 use super::encoded::Encoded;
+use crate::writers::Observed;
 
 pub trait Protocol: Send + 'static {
     type Request: Send + 'static;
     type Response: prost::Message + Send + 'static;
     const NAME: &'static str;
     fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self;
+    /// The proxy fetches the mesh's clusters on demand and they are recorded in
+    /// `observed`. Only the incremental protocol can; state of the world serves every
+    /// cluster.
+    fn on_demand(&mut self, _observed: Arc<Observed>) {}
     fn node_id(req: &Self::Request) -> Option<&str>;
     /// Applies one request from the proxy; what it meant, for logs and metrics.
     fn on_request(&mut self, req: &Self::Request) -> Event;

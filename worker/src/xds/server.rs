@@ -33,6 +33,7 @@ use super::stream::StreamState;
 use super::wire::{DeltaRequestWire, MAX_REQUEST, SotwRequestWire};
 use crate::acks::Acks;
 use crate::metrics::{Metrics, TypeLabel};
+use crate::writers::Observed;
 
 /// A protocol as served: the wire type its requests decode into.
 pub(super) trait Served: Protocol {
@@ -59,7 +60,23 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, streams: AtomicU64::new(0) });
+    serve_observed(listener, snapshots, encoded, acks, metrics, None, stop_accepting).await
+}
+
+/// [`serve`], with on-demand clusters when `observed` is given (`--on-demand-clusters`):
+/// an incremental stream's wildcard CDS subscription then carries the node's own
+/// clusters and the observed upstreams, and the proxy asks for any other by name.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_observed(
+    listener: tokio::net::UnixListener,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+    observed: Option<Arc<Observed>>,
+    stop_accepting: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, observed, streams: AtomicU64::new(0) });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
     tonic::transport::Server::builder()
@@ -74,6 +91,7 @@ struct Ads {
     encoded: Arc<Encoded>,
     acks: Acks,
     metrics: Arc<Metrics>,
+    observed: Option<Arc<Observed>>,
     streams: AtomicU64,
 }
 
@@ -84,7 +102,8 @@ impl Ads {
         let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
         let (tx, rx) = mpsc::channel(16);
         let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
-        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, self.acks.clone(), self.metrics.clone()));
+        let observed = self.observed.clone();
+        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, observed, self.acks.clone(), self.metrics.clone()));
         Box::pin(ReceiverStream::new(rx))
     }
 }
@@ -98,18 +117,23 @@ impl Drop for StreamGauge {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_stream<P: Served>(
     id: u64,
     mut inbound: Streaming<P::Wire>,
     tx: mpsc::Sender<Result<P::Response, Status>>,
     mut snapshots: watch::Receiver<Arc<Snapshot>>,
     encoded: Arc<Encoded>,
+    observed: Option<Arc<Observed>>,
     acks: Acks,
     metrics: Arc<Metrics>,
 ) {
     metrics.xds_streams.inc();
     let _gauge = StreamGauge(metrics.clone());
     let mut st = P::new(snapshots.borrow_and_update().clone(), encoded);
+    if let Some(o) = observed {
+        st.on_demand(o);
+    }
     let mut snapshots_open = true;
     let mut node_id = String::new();
     // For the debug log: when the snapshot last changed, and when each type's last

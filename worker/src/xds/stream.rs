@@ -65,6 +65,10 @@ impl Protocol for StreamState {
         Self { current, encoded, nonce: 0, types: Default::default() }
     }
 
+    fn on_demand(&mut self, _observed: Arc<crate::writers::Observed>) {
+        tracing::warn!("on-demand clusters need incremental ADS (DELTA_GRPC); this state-of-the-world stream gets every cluster");
+    }
+
     fn node_id(req: &DiscoveryRequest) -> Option<&str> {
         req.node.as_ref().map(|n| n.id.as_str())
     }
