@@ -370,7 +370,7 @@ impl Protocol for DeltaState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aether_model::{Endpoint, EndpointState, Inputs, Pod, RegistryView, Service, build};
+    use aether_model::{Change, Endpoint, EndpointState, Inputs, Pod, RegistryView, Service, build};
     use envoy_types::pb::google::rpc::Status;
 
     fn inputs(endpoints: usize, pods: usize) -> Inputs {
@@ -548,5 +548,131 @@ mod tests {
         let second = sent(&mut st);
         assert!(matches!(st.on_request(&req(Kind::Listener, &first[1].1, &[], None)), Event::Stale { .. }));
         assert!(matches!(st.on_request(&req(Kind::Listener, &second[1].1, &[], None)), Event::Ack { .. }));
+    }
+
+    /// ACKs every response in `out`.
+    fn ack_all(st: &mut DeltaState, out: &[(&'static str, String, Vec<String>, Vec<String>)]) {
+        for (kind, nonce, _, _) in out {
+            let k = KINDS.into_iter().find(|k| k.short() == *kind).unwrap();
+            st.on_request(&req(k, nonce, &[], None));
+        }
+    }
+
+    fn svc(name: &str, endpoints: &[(&str, bool)]) -> Service {
+        Service {
+            name: name.into(),
+            namespace: "d".into(),
+            ports: vec![80],
+            vip: None,
+            endpoints: endpoints
+                .iter()
+                .map(|(a, draining)| Endpoint {
+                    address: a.parse().unwrap(),
+                    port: 8080,
+                    service_port: 80,
+                    node: String::new(),
+                    pod: String::new(),
+                    state: if *draining { EndpointState::Draining } else { EndpointState::Healthy },
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn pushes_from_the_snapshot_history_send_exactly_what_changed() {
+        let services: Vec<Service> = (0..200).map(|i| svc(&format!("s{i}"), &[("10.0.0.1", false)])).collect();
+        let mut b = aether_model::Builder::new(Inputs { registry: RegistryView::new(services), ..Default::default() });
+        let mut st = DeltaState::new(b.snapshot().clone(), Arc::default());
+        st.on_request(&req(Kind::Cluster, "", &[], None));
+        st.on_request(&req(Kind::Listener, "", &[], None));
+        let eds: Vec<String> = b.snapshot().eds_cluster_names().map(String::from).collect();
+        let eds: Vec<&str> = eds.iter().map(String::as_str).collect();
+        st.on_request(&req(Kind::Endpoint, "", &eds, None));
+        st.on_request(&req(Kind::Route, "", &["outbound"], None));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| o.2.len()).sum::<usize>(), 200 + 200 + 1 + 1, "the first answers carry everything");
+        ack_all(&mut st, &out);
+        assert!(st.acked_current());
+
+        // One endpoint turns draining: one load assignment, nothing else.
+        st.set_snapshot(b.apply([Change::UpsertService(svc("s42", &[("10.0.0.1", true)]))]).unwrap());
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.clone(), o.3.clone())).collect::<Vec<_>>(), vec![("EDS", vec!["outbound|80||s42.d".to_string()], vec![])]);
+        assert!(!st.acked_current());
+        ack_all(&mut st, &out);
+        assert!(st.acked_current());
+
+        // Several steps at once (the stream fell behind): their union, once.
+        st.set_snapshot(b.apply([Change::UpsertService(svc("s1", &[("10.0.0.2", false)]))]).unwrap());
+        st.set_snapshot(b.apply([Change::UpsertPod(aether_model::Pod {
+            uid: "u1".into(),
+            namespace: "d".into(),
+            name: "p".into(),
+            container_id: "c".into(),
+            netns: "/n".into(),
+            ifname: "eth0".into(),
+            ips: vec!["10.244.0.1".parse().unwrap()],
+        })]).unwrap());
+        st.set_snapshot(b.apply([Change::RemoveService(svc("s7", &[]).key())]).unwrap());
+        let out = sent(&mut st);
+        let got: Vec<_> = out.iter().map(|o| (o.0, o.2.clone(), o.3.clone())).collect();
+        assert_eq!(got, vec![
+            ("CDS", vec!["inbound|u1".to_string()], vec!["outbound|80||s7.d".to_string()]),
+            ("EDS", vec!["outbound|80||s1.d".to_string()], vec!["outbound|80||s7.d".to_string()]),
+            ("LDS", vec!["inbound".to_string(), "inbound|u1".to_string()], vec![]),
+            ("RDS", vec!["outbound".to_string()], vec![]),
+        ]);
+        ack_all(&mut st, &out);
+        assert!(st.acked_current());
+        // What the stream believes the proxy holds is exactly the snapshot.
+        for kind in KINDS {
+            let holds: Vec<&String> = st.types[kind.index()].holds.keys().collect();
+            let want: Vec<&String> = st.current().hashes(kind).keys().collect();
+            assert_eq!(holds, want, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn on_demand_clusters_come_when_named_and_are_recorded_as_observed() {
+        let dir = tempfile::tempdir().unwrap();
+        let observed = crate::writers::Observed::restore(dir.path());
+        observed.insert("outbound|80||s1.d");
+        let services: Vec<Service> = (0..5).map(|i| svc(&format!("s{i}"), &[("10.0.0.1", false)])).collect();
+        let mut i = inputs(0, 1);
+        i.registry = RegistryView::new(services);
+        i.on_demand_clusters = true;
+        let s = Arc::new(build(&i));
+        let mut st = DeltaState::new(s.clone(), Arc::default());
+        st.on_demand(observed.clone());
+        st.on_request(&req(Kind::Cluster, "", &[], None));
+        st.on_request(&req(Kind::Listener, "", &[], None));
+        st.on_request(&req(Kind::Route, "", &["outbound"], None));
+        let out = sent(&mut st);
+        assert_eq!(out[0].0, "CDS");
+        assert_eq!(out[0].2, vec!["inbound|uid-0".to_string(), "outbound|80||s1.d".to_string()], "the pod's cluster and the observed one");
+        ack_all(&mut st, &out);
+        st.on_request(&req(Kind::Endpoint, "", &["outbound|80||s1.d"], None));
+        let out = sent(&mut st);
+        ack_all(&mut st, &out);
+        assert!(st.acked_current(), "acked without the clusters the proxy never asked for");
+
+        // A pod calls s3: the proxy names its cluster on the CDS stream.
+        st.on_request(&req(Kind::Cluster, "", &["outbound|80||s3.d"], None));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("CDS", vec!["outbound|80||s3.d".to_string()])]);
+        assert!(observed.contains("outbound|80||s3.d"));
+        ack_all(&mut st, &out);
+        assert!(!st.acked_current(), "the new cluster's endpoints are owed");
+        st.on_request(&req(Kind::Endpoint, "", &["outbound|80||s3.d"], None));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("EDS", vec!["outbound|80||s3.d".to_string()])]);
+        ack_all(&mut st, &out);
+        assert!(st.acked_current());
+
+        // A cluster the mesh does not have: answered as removed at once, not recorded.
+        st.on_request(&req(Kind::Cluster, "", &["outbound|80||nope.d"], None));
+        let out = sent(&mut st);
+        assert_eq!(out.iter().map(|o| (o.0, o.2.len(), o.3.clone())).collect::<Vec<_>>(), vec![("CDS", 0, vec!["outbound|80||nope.d".to_string()])]);
+        assert!(!observed.contains("outbound|80||nope.d"));
     }
 }
