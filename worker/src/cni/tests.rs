@@ -246,3 +246,34 @@ async fn reconcile_with_nothing_changed_is_zero() {
     assert_eq!(reconcile(&f.node, &f.storage).await.unwrap(), 0);
     assert!(f.node.inputs().pods.contains_key("u1"));
 }
+
+#[tokio::test]
+async fn a_burst_of_adds_is_committed_in_batches_and_every_add_succeeds() {
+    let f = fixture(true);
+    let before = f.node.snapshot().seq;
+    // One pod's write fails: its ADD alone errs, and its batch-mates are served.
+    block_record_path(&f.storage, "u7");
+    let calls: Vec<_> = (0..300)
+        .map(|i| {
+            let service = f.service.clone();
+            let ip = format!("10.1.{}.{}", i / 200, i % 200 + 1);
+            tokio::spawn(async move { service.add(Request::new(req(&format!("u{i}"), &format!("c{i}"), &[&ip]))).await })
+        })
+        .collect();
+    let mut failed = Vec::new();
+    for (i, call) in calls.into_iter().enumerate() {
+        match call.await.unwrap() {
+            Ok(r) => assert!(r.into_inner().acked, "ADD {i} acked"),
+            Err(e) => failed.push((i, e.code())),
+        }
+    }
+    assert_eq!(failed, vec![(7, Code::Internal)]);
+    let snapshots = f.node.snapshot().seq - before;
+    assert!(snapshots < 300, "{snapshots} snapshots for 300 concurrent ADDs: they were not batched");
+    let s = f.node.snapshot();
+    for i in (0..300).filter(|i| *i != 7) {
+        assert!(s.holds_pod(&format!("u{i}"), &ips(&[&format!("10.1.{}.{}", i / 200, i % 200 + 1)])), "pod u{i}");
+        assert!(f.storage.get(&format!("u{i}")).is_some(), "record u{i}");
+    }
+    assert!(!s.holds_pod("u7", &ips(&["10.1.0.8"])), "the pod whose record failed is taken back out");
+}
