@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The end-to-end gate: rolls the node agent on a local node under a real Envoy and load,
 # and measures how long Envoy is without a control plane (see ../../shared/DESIGN.md,
-# "Contract", and the harness in e2e/src/harness/).
+# "Contract", the harness in e2e/src/harness/ and its Envoy rig in e2e/src/envoy/).
 #
 # Env:
 #   ARG_ROLLS         rolls per mode (20)

@@ -1,6 +1,8 @@
-//! Fixtures shared by the integration tests and the harness.
+//! Fixtures shared by the integration tests, the benchmarks and the harness, and the small
+//! helpers they all use: waiting for a condition, free ports, percentiles.
 
 use std::io::{Read, Write};
+use std::net::IpAddr;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -32,16 +34,43 @@ pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
-/// Polls `cond` every 2 ms until it returns Some or `timeout` passes.
-pub fn wait_for<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> T {
+/// The workspace root: where `scripts/install-envoy.sh` puts `.venv` and the harness its
+/// results.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e is inside the workspace").to_path_buf()
+}
+
+/// Polls `cond` every 2 ms until it returns Some; an error naming `what` once `timeout`
+/// has passed.
+pub fn try_wait_for<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = cond() {
-            return v;
+            return Ok(v);
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        if Instant::now() >= deadline {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// [`try_wait_for`] for tests: panics at the deadline.
+pub fn wait_for<T>(what: &str, timeout: Duration, cond: impl FnMut() -> Option<T>) -> T {
+    try_wait_for(what, timeout, cond).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A port on `ip` that nothing listens on right now.
+pub fn free_port(ip: impl Into<IpAddr>) -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind((ip.into(), 0))?.local_addr()?.port())
+}
+
+/// Nearest-rank percentile `p` (0 to 100) of `v`, in any order; None when `v` is empty.
+pub fn percentile<T: Copy + PartialOrd>(v: &[T], p: f64) -> Option<T> {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
+    s.get(rank.min(s.len()).checked_sub(1)?).copied()
 }
 
 /// One HTTP/1.0 GET over a unix socket: (status, body).
@@ -202,6 +231,11 @@ impl Agent {
         wait_for(&format!("{} to be a ready {role}", self.name), timeout, || {
             self.ready().filter(|(s, v)| *s == 200 && v["role"] == role).map(|(_, v)| v)
         })
+    }
+
+    /// `/ready`'s body while this generation is the serving owner.
+    pub fn serving_owner(&self) -> Option<Value> {
+        self.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving").map(|(_, v)| v)
     }
 
     pub fn worker_pid(&self) -> i32 {
@@ -427,152 +461,18 @@ pub fn quarantined(state_dir: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// A real Envoy (the e2e harness's, from the project template) against `node`'s
-/// xds.sock, with the seed's ADS backoff (0.1 s base, 1 s max). With `netns`, Envoy runs
-/// inside that namespace, so its listeners (the inbound one binds 0.0.0.0) stay out of
-/// the machine's own. None when no Envoy is installed (`ENVOY_BIN` or
-/// `scripts/install-envoy.sh`).
-pub fn start_envoy(node: &LocalNode, netns: Option<&Netns>) -> Option<crate::harness::envoy::Envoy> {
-    let envoy = crate::harness::envoy::envoy_bin()?;
-    let dir = node.root.path().join("envoy");
-    std::fs::create_dir_all(&dir).expect("envoy dir");
-    let bin = match netns {
-        // `ip netns exec` execs Envoy in place (no fork), so the child's pid is Envoy's.
-        Some(ns) => {
-            let wrapper = dir.join("envoy-in-netns");
-            let script = format!("#!/bin/sh\nexec ip netns exec '{}' '{}' \"$@\"\n", ns.name, envoy.display());
-            std::fs::write(&wrapper, script).expect("write the netns wrapper");
-            std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod wrapper");
-            wrapper
-        }
-        None => envoy,
-    };
-    let envoy = crate::harness::envoy::Envoy::start(
-        &bin,
-        &dir,
-        &node.run_dir,
-        Duration::from_millis(100),
-        Duration::from_secs(1),
-        crate::harness::envoy::AdsApi::default(),
-    )
-    .expect("start Envoy");
-    Some(envoy)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// One of Envoy's counters or gauges, by exact name.
-pub fn envoy_stat(envoy: &crate::harness::envoy::Envoy, name: &str) -> Option<u64> {
-    let re = format!("^{}$", name.replace('.', "\\."));
-    let (status, body) = envoy.get(&format!("/stats?filter={}", crate::harness::envoy::encode(&re))).ok()?;
-    if status != 200 {
-        return None;
-    }
-    crate::harness::envoy::parse_stats(&body).into_iter().find(|(k, _)| k == name).map(|(_, v)| v)
-}
-
-/// Waits until Envoy holds an ADS stream and has taken a listener update on it.
-pub fn wait_envoy_connected(envoy: &crate::harness::envoy::Envoy, timeout: Duration) {
-    wait_for(&format!("Envoy connected to the agent (log {})", envoy.log.display()), timeout, || {
-        (envoy_stat(envoy, "control_plane.connected_state") == Some(1)
-            && envoy_stat(envoy, "listener_manager.lds.update_success").unwrap_or(0) >= 1)
-            .then_some(())
-    });
-}
-
-/// What Envoy serves for local pods, from `/config_dump`: per inbound filter chain (named
-/// by pod uid) of the active `inbound|<uid>` listeners, its match prefixes (`ip/len`), and the
-/// set of active `inbound|<uid>` clusters.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct EnvoyPods {
-    pub chains: std::collections::BTreeMap<String, Vec<String>>,
-    pub clusters: std::collections::BTreeSet<String>,
-}
-
-impl EnvoyPods {
-    /// Reads the config dump; None while the admin does not answer.
-    pub fn read(envoy: &crate::harness::envoy::Envoy) -> Option<EnvoyPods> {
-        let (status, body) = envoy.get("/config_dump").ok()?;
-        if status != 200 {
-            return None;
-        }
-        Some(Self::parse(&serde_json::from_str(&body).ok()?))
-    }
-
-    pub fn parse(dump: &Value) -> EnvoyPods {
-        let mut out = EnvoyPods::default();
-        for config in dump["configs"].as_array().into_iter().flatten() {
-            for l in config["dynamic_listeners"].as_array().into_iter().flatten() {
-                // Each pod has its own virtual listener `inbound|<uid>` (the capture
-                // listener `inbound` only hands connections over).
-                if !l["name"].as_str().is_some_and(|n| n.starts_with("inbound|")) {
-                    continue;
-                }
-                for chain in l["active_state"]["listener"]["filter_chains"].as_array().into_iter().flatten() {
-                    let Some(name) = chain["name"].as_str() else { continue };
-                    let prefixes = chain["filter_chain_match"]["prefix_ranges"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|r| {
-                            Some(format!("{}/{}", r["address_prefix"].as_str()?, r["prefix_len"].as_u64()?))
-                        })
-                        .collect();
-                    out.chains.insert(name.to_string(), prefixes);
-                }
-            }
-            for c in config["dynamic_active_clusters"].as_array().into_iter().flatten() {
-                if let Some(name) = c["cluster"]["name"].as_str().filter(|n| n.starts_with("inbound|")) {
-                    out.clusters.insert(name.to_string());
-                }
-            }
-        }
-        out
-    }
-
-    /// Polls the config dump until it shows exactly `want`, for at most `timeout`; the
-    /// last view seen when it never did.
-    pub fn wait_until(
-        envoy: &crate::harness::envoy::Envoy,
-        want: &EnvoyPods,
-        timeout: Duration,
-    ) -> Result<(), EnvoyPods> {
-        let deadline = Instant::now() + timeout;
-        let mut last = EnvoyPods::default();
-        loop {
-            if let Some(v) = EnvoyPods::read(envoy) {
-                if v == *want {
-                    return Ok(());
-                }
-                last = v;
-            }
-            if Instant::now() > deadline {
-                return Err(last);
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// What `want` has that `self` lacks, and the reverse, for a failure message.
-    pub fn diff(&self, want: &EnvoyPods) -> String {
-        let w: std::collections::BTreeSet<_> = want.chains.iter().collect();
-        let s: std::collections::BTreeSet<_> = self.chains.iter().collect();
-        format!(
-            "chains missing {:?}, extra {:?}; clusters missing {:?}, extra {:?}",
-            w.difference(&s).collect::<Vec<_>>(),
-            s.difference(&w).collect::<Vec<_>>(),
-            want.clusters.difference(&self.clusters).collect::<Vec<_>>(),
-            self.clusters.difference(&want.clusters).collect::<Vec<_>>()
-        )
-    }
-
-    /// The view Envoy should have for `pods` (uid to IPv4 address): one /32 chain and one
-    /// cluster each.
-    pub fn expected<'a>(pods: impl IntoIterator<Item = (&'a String, &'a std::net::IpAddr)>) -> EnvoyPods {
-        let mut out = EnvoyPods::default();
-        for (uid, ip) in pods {
-            let len = if ip.is_ipv4() { 32 } else { 128 };
-            out.chains.insert(uid.clone(), vec![format!("{ip}/{len}")]);
-            out.clusters.insert(aether_model::inbound_cluster_name(uid));
-        }
-        out
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&v, 100.0), Some(100.0));
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 99.0), Some(3.0));
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 50.0), Some(2.0));
+        assert_eq!(percentile::<f64>(&[], 50.0), None);
     }
 }

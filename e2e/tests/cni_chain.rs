@@ -15,9 +15,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use aether_e2e::cnichain::{self, Chain, Sandbox};
-use aether_e2e::testing::{
-    EnvoyPods, LocalNode, Netns, bin, is_root, pod_records, start_envoy, unique_suffix, wait_envoy_connected,
-};
+use aether_e2e::envoy::{Envoy, EnvoyPods};
+use aether_e2e::testing::{LocalNode, Netns, bin, is_root, pod_records, unique_suffix};
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(10);
@@ -49,9 +48,9 @@ fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
     let mut node = LocalNode::new();
     let agent = node.start_agent();
     agent.wait_role("owner", T);
-    let envoy = start_envoy(&node, Some(&host_ns));
+    let envoy = Envoy::start_on(&node, Some(&host_ns));
     match &envoy {
-        Some(e) => wait_envoy_connected(e, T),
+        Some(e) => e.wait_connected(T),
         None => eprintln!(
             "SKIPPED part of {NAME}: no Envoy (set ENVOY_BIN or run scripts/install-envoy.sh); the proxy's config is not checked and ADD waits out the 2 s ACK bound"
         ),

@@ -5,11 +5,8 @@
 //! registers is in ARCHITECTURE.md's table.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e is inside the workspace").to_path_buf()
-}
+use aether_e2e::testing::workspace_root as root;
 
 /// Each backquoted reference of `doc`: (line in the doc, file, what follows the file).
 /// A reference without a file (`:12`, `::name`) belongs to the last file named on its line.

@@ -5,28 +5,28 @@
 //! Every piece is the one the `agent-restart-gap` harness uses: Envoy from the project's
 //! bootstrap template with its admin on a pipe, the 2 ms admin stats poller and its roll
 //! analysis, loopback upstreams, the open-loop load generator, and the real `aether-cni`.
-//! Each test runs on its own local node with free capture ports, so they run in parallel.
+//! Each test runs on its own local node ([`NodeRig`]) with free capture ports, so they run
+//! in parallel.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::net::Ipv4Addr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use aether_e2e::envoy::{self, AdsApi, Envoy, NodeRig, envoy_or_skip};
 use aether_e2e::harness::churn::{Cni, PodId};
-use aether_e2e::harness::envoy::{self, AdsApi, Envoy, Poller, RollTimes};
 use aether_e2e::harness::load::{self, Load};
-use aether_e2e::harness::upstream::{self, Upstream};
-use aether_e2e::testing::{Agent, LocalNode, bin, wait_for};
+use aether_e2e::testing::{LocalNode, bin, percentile, wait_for};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const T: Duration = Duration::from_secs(10);
 /// Envoy start, first connect and first routed request.
 const T_START: Duration = Duration::from_secs(30);
 /// Requests per second through Envoy's outbound listener while the tests roll the agent.
 const RPS: u32 = 100;
-const SERVICE: &str = "web";
+const SERVICE: &str = NodeRig::SERVICE;
 
 /// Envoy stats that an identical snapshot served on a new stream must leave alone: any
 /// move means Envoy replaced or drained a listener (or a cluster) it already had.
@@ -52,243 +52,15 @@ const WATCHED: [&str; 11] = [
     envoy::CONNECT_FAIL,
 ];
 
-/// The Envoy binary, or None after saying loudly why the test is skipped.
-fn envoy_or_skip(test: &str) -> Option<PathBuf> {
-    let found = envoy::envoy_bin();
-    if found.is_none() {
-        eprintln!(
-            "\n!!! SKIPPED {test}: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. CI installs it, so there this test runs. !!!\n"
-        );
-    }
-    found
-}
-
-fn free_port(ip: Ipv4Addr) -> u16 {
-    std::net::TcpListener::bind((ip, 0))
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
-
-/// A loopback address of this test process's own (all of 127/8 is loopback on Linux).
-/// Envoy binds its listeners with SO_REUSEPORT, so two Envoys of tests running in parallel
-/// that happened to pick the same free port would silently share it, and the load of one
-/// test would be answered, and reset at exit, by the other's Envoy.
-fn own_loopback() -> Ipv4Addr {
-    let pid = std::process::id();
-    Ipv4Addr::new(
-        127,
-        1 + (pid / 64_000 % 250) as u8,
-        (pid / 250 % 256) as u8,
-        2 + (pid % 250) as u8,
-    )
-}
-
-/// A local node with one owner, a registry service backed by two loopback upstreams, and
-/// a real Envoy that has connected and routes to the service.
-///
-/// Fields drop in order: the poller stops before Envoy goes, and the agents go before the
-/// node folder does.
-struct Rig {
-    poller: Poller,
-    envoy: Envoy,
-    owner: Agent,
-    node: LocalNode,
-    extra: Vec<String>,
-    outbound: SocketAddr,
-    upstreams: Vec<Upstream>,
-}
-
-impl Rig {
-    fn start(envoy_bin: &Path, api: AdsApi) -> Rig {
-        let mut node = LocalNode::new();
-        // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
-        node.root.disable_cleanup(true);
-        let root = node.root.path().to_path_buf();
-        eprintln!("node folder: {}", root.display());
-        let upstreams: Vec<Upstream> = (0..2)
-            .map(|i| upstream::spawn(format!("{SERVICE}-{i}\n")).expect("upstream"))
-            .collect();
-        let endpoints: Vec<Value> = upstreams
-            .iter()
-            .enumerate()
-            .map(|(i, u)| json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{SERVICE}-{i}") }))
-            .collect();
-        let registry = root.join("registry.json");
-        let doc = json!({ "services": [{ "name": SERVICE, "namespace": "default", "ports": [80], "endpoints": endpoints }] });
-        std::fs::write(&registry, doc.to_string()).expect("registry file");
-        node.registry_file = Some(registry);
-        // Free ports for both capture listeners, so that tests running in parallel do not
-        // clash on the default 15001 and 15006; the outbound one on this process's own
-        // loopback address, since only it carries the load.
-        let ip = own_loopback();
-        let outbound = SocketAddr::from((ip, free_port(ip)));
-        let capture = root.join("capture.json");
-        let inbound_port = free_port(Ipv4Addr::UNSPECIFIED);
-        std::fs::write(
-            &capture,
-            json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string(),
-        )
-        .expect("capture file");
-        let extra = vec![format!("--capture-file={}", capture.display())];
-        eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
-
-        let owner = node.start_agent_with(&[extra[0].as_str()]);
-        wait_for(
-            &format!("{} to serve as owner", owner.name),
-            T_START,
-            || serving_owner(&owner),
-        );
-        let envoy = Envoy::start(
-            envoy_bin,
-            &root,
-            &node.run_dir,
-            Duration::from_millis(100),
-            Duration::from_secs(1),
-            api,
-        )
-        .expect("start Envoy");
-        let poller = Poller::start(envoy.admin.clone());
-        let rig = Rig {
-            node,
-            extra,
-            owner,
-            poller,
-            envoy,
-            outbound,
-            upstreams,
-        };
-        wait_for(
-            &format!(
-                "Envoy to connect, take its config and route {SERVICE} through {outbound} (log {})",
-                rig.envoy.log.display()
-            ),
-            T_START,
-            || {
-                let s = rig.try_stats()?;
-                (s[envoy::CONNECTED] == 1
-                    && s["listener_manager.total_listeners_warming"] == 0
-                    && load::request(outbound, SERVICE).is_ok())
-                .then_some(())
-            },
-        );
-        rig
-    }
-
-    fn start_agent(&mut self) -> Agent {
-        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.node.start_agent_with(&extra)
-    }
-
-    /// The watched Envoy stats (a missing one reads as 0: Envoy creates some lazily).
-    fn stats(&self) -> BTreeMap<String, u64> {
-        self.try_stats().unwrap_or_else(|| {
-            panic!(
-                "Envoy admin /stats did not answer 200\n{}",
-                self.where_to_look()
-            )
-        })
-    }
-
-    /// Like [`Rig::stats`], None while Envoy's admin does not answer (Envoy starting).
-    fn try_stats(&self) -> Option<BTreeMap<String, u64>> {
-        let names: Vec<&str> = WATCHED
-            .iter()
-            .copied()
-            .chain(["listener_manager.total_listeners_warming"])
-            .collect();
-        let re = format!(
-            "^({})$",
-            names
-                .iter()
-                .map(|n| n.replace('.', "\\."))
-                .collect::<Vec<_>>()
-                .join("|")
-        );
-        let (status, body) = self
-            .envoy
-            .get(&format!("/stats?filter={}", envoy::encode(&re)))
-            .ok()?;
-        if status != 200 {
-            return None;
-        }
-        let got = envoy::parse_stats(&body);
-        Some(
-            names
-                .iter()
-                .map(|n| {
-                    (
-                        n.to_string(),
-                        got.iter()
-                            .find(|(k, _)| k == n)
-                            .map(|(_, v)| *v)
-                            .unwrap_or(0),
-                    )
-                })
-                .collect(),
-        )
-    }
-
-    fn config_dump(&self) -> String {
-        let (status, body) = self
-            .envoy
-            .get("/config_dump")
-            .expect("Envoy admin /config_dump");
-        assert_eq!(status, 200, "Envoy /config_dump answered {status}");
-        body
-    }
-
-    /// Waits until Envoy has lost its ADS stream since `since`, connected again and taken
-    /// a config update on the new stream (the harness's roll analysis), and is connected.
-    ///
-    /// `since` must be a quiet moment before the action, not the action itself: a poll
-    /// is stamped with the midpoint of its admin request, so on a busy machine a poll that
-    /// already counts the stream's end can carry a time just before the kill, and the
-    /// analysis would then wait for a second end that never comes.
-    fn wait_reconnected(&self, since: Instant, what: &str) -> RollTimes {
-        let deadline = Instant::now() + T;
-        loop {
-            let (before, changes) = self.poller.since(since);
-            if let Some(t) = envoy::analyze(before, &changes) {
-                return t;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: Envoy did not lose its stream, reconnect and take a config update within {T:?}; stats changes {changes:#?}\n{}",
-                self.where_to_look()
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    /// Envoy is connected again and never had a connect to xds.sock refused.
-    fn assert_connected(&self, now: &BTreeMap<String, u64>, what: &str) {
-        assert_eq!(now[envoy::CONNECTED], 1, "{what}: control_plane.connected_state did not return to 1");
-        assert_eq!(
-            now[envoy::CONNECT_FAIL],
-            0,
-            "{what}: Envoy's connect to xds.sock failed (refused: a roll left no listener)\n{}",
-            self.where_to_look()
-        );
-    }
-
-    fn where_to_look(&self) -> String {
-        format!(
-            "node folder {} (gen*.log, envoy.log)",
-            self.node.root.path().display()
-        )
-    }
-
-    /// The test passed: the node folder can go.
-    fn pass(&mut self) {
-        self.node.root.disable_cleanup(false);
-    }
-}
-
-fn serving_owner(a: &Agent) -> Option<Value> {
-    a.ready()
-        .filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving")
-        .map(|(_, v)| v)
+/// Envoy is connected again and never had a connect to xds.sock refused.
+fn assert_connected(rig: &NodeRig, now: &BTreeMap<String, u64>, what: &str) {
+    assert_eq!(now[envoy::CONNECTED], 1, "{what}: control_plane.connected_state did not return to 1");
+    assert_eq!(
+        now[envoy::CONNECT_FAIL],
+        0,
+        "{what}: Envoy's connect to xds.sock failed (refused: a roll left no listener)\n{}",
+        rig.where_to_look()
+    );
 }
 
 /// Each listed stat's change from `before` to `after`, where it moved.
@@ -306,7 +78,7 @@ fn moved(
 
 /// Stops the load and fails with every recorded failure, each placed in time relative
 /// to the last action (roll or kill) that preceded it.
-fn assert_no_failed_request(load: Load, actions: &[(String, Instant)], rig: &Rig) -> u64 {
+fn assert_no_failed_request(load: Load, actions: &[(String, Instant)], rig: &NodeRig) -> u64 {
     let counters = load.stop();
     let requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
     let failures = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
@@ -375,12 +147,6 @@ fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
 
-fn percentile(xs: &[f64], p: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[((p / 100.0) * (v.len() - 1) as f64).round() as usize]
-}
-
 /// Issue 3 test 5 and issue 5 test 1.
 #[test]
 fn twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners() {
@@ -397,13 +163,13 @@ fn twenty_surge_rolls(test: &str, api: AdsApi) {
     let Some(envoy_bin) = envoy_or_skip(test) else {
         return;
     };
-    let mut rig = Rig::start(&envoy_bin, api);
+    let mut rig = NodeRig::start(&envoy_bin, api);
     let inodes = rig.node.socket_inodes();
     assert!(
         inodes.0.is_some() && inodes.1.is_some(),
         "node sockets missing: {inodes:?}"
     );
-    let base = rig.stats();
+    let base = rig.stats(&WATCHED);
     assert_eq!(
         base[envoy::CONNECT_FAIL],
         0,
@@ -442,7 +208,7 @@ fn twenty_surge_rolls(test: &str, api: AdsApi) {
         let ready = wait_for(
             &format!("roll {i}: {} to serve as owner", rig.owner.name),
             T,
-            || serving_owner(&rig.owner),
+            || rig.owner.serving_owner(),
         );
         let took = action.elapsed();
         assert_eq!(
@@ -457,8 +223,8 @@ fn twenty_surge_rolls(test: &str, api: AdsApi) {
             inodes,
             "roll {i} replaced a node socket"
         );
-        let now = rig.stats();
-        rig.assert_connected(&now, &format!("roll {i}"));
+        let now = rig.stats(&WATCHED);
+        assert_connected(&rig, &now, &format!("roll {i}"));
         let churn = moved(&NO_CHURN, &base, &now);
         assert!(
             churn.is_empty(),
@@ -482,7 +248,7 @@ fn twenty_surge_rolls(test: &str, api: AdsApi) {
         (load.requests() >= 20 && tail.elapsed() >= Duration::from_millis(200)).then_some(())
     });
     let requests = assert_no_failed_request(load, &actions, &rig);
-    let end = rig.stats();
+    let end = rig.stats(&WATCHED);
     assert_eq!(end[envoy::CONNECT_FAIL], 0);
     assert!(
         moved(&NO_CHURN, &base, &end).is_empty(),
@@ -500,10 +266,10 @@ fn twenty_surge_rolls(test: &str, api: AdsApi) {
     );
     eprintln!(
         "20 surge rolls: {requests} requests, 0 failed, upstream hits {hits:?}; gap median {:.1} ms p99 {:.1} ms; served gap median {:.1} ms p99 {:.1} ms; refused connects 0",
-        percentile(&gaps, 50.0) * 1e3,
-        percentile(&gaps, 99.0) * 1e3,
-        percentile(&served, 50.0) * 1e3,
-        percentile(&served, 99.0) * 1e3
+        percentile(&gaps, 50.0).unwrap() * 1e3,
+        percentile(&gaps, 99.0).unwrap() * 1e3,
+        percentile(&served, 50.0).unwrap() * 1e3,
+        percentile(&served, 99.0).unwrap() * 1e3
     );
     rig.pass();
 }
@@ -516,10 +282,10 @@ fn killing_the_owner_generation_without_a_handoff_binds_fresh_sockets_and_envoy_
     ) else {
         return;
     };
-    let mut rig = Rig::start(&envoy_bin, AdsApi::default());
+    let mut rig = NodeRig::start(&envoy_bin, AdsApi::default());
     // The owner predates the handoff (as in continuity.rs): nothing to fetch sockets from.
     std::fs::remove_file(rig.node.run_dir.join("handoff.sock")).expect("remove handoff.sock");
-    let base = rig.stats();
+    let base = rig.stats(&WATCHED);
     let load = Load::start(rig.outbound, vec![SERVICE.to_string()], RPS);
     let quiet = Instant::now();
     let next = rig.start_agent();
@@ -548,7 +314,7 @@ fn killing_the_owner_generation_without_a_handoff_binds_fresh_sockets_and_envoy_
         rig.owner.log()
     );
     let times = rig.wait_reconnected(quiet, "after the kill");
-    let now = rig.stats();
+    let now = rig.stats(&WATCHED);
     assert_eq!(
         now[envoy::CONNECTED],
         1,
@@ -611,7 +377,7 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
     ) else {
         return;
     };
-    let mut rig = Rig::start(&envoy_bin, AdsApi::default());
+    let mut rig = NodeRig::start(&envoy_bin, AdsApi::default());
     let cni = std::sync::Arc::new(Cni {
         bin: bin("aether-cni"),
         socket: rig.node.cni_sock(),
@@ -646,7 +412,7 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
         // Odd kills carry a CNI ADD queued while the worker is down; even kills change
         // nothing, so Envoy must converge on exactly the config it had.
         let with_add = i % 2 == 1;
-        let before = rig.stats();
+        let before = rig.stats(&WATCHED);
         let dump_before = rig.config_dump();
         let old = rig.owner.worker_pid();
         let start = Instant::now();
@@ -687,7 +453,7 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
             (thread, t0)
         });
         let ready = wait_for(&format!("kill {i}: a respawned worker serving"), T, || {
-            serving_owner(&rig.owner).filter(|v| v["pid"].as_i64().is_some_and(|p| p != old as i64))
+            rig.owner.serving_owner().filter(|v| v["pid"].as_i64().is_some_and(|p| p != old as i64))
         });
         let respawned = start.elapsed();
         assert_eq!(
@@ -732,8 +498,8 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
             add_latency.push(took.as_secs_f64());
             live.push(p.uid);
         }
-        let now = rig.stats();
-        rig.assert_connected(&now, &format!("kill {i}"));
+        let now = rig.stats(&WATCHED);
+        assert_connected(&rig, &now, &format!("kill {i}"));
         assert_eq!(
             now["listener_manager.total_listeners_draining"],
             0,
@@ -837,10 +603,10 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
     );
     eprintln!(
         "10 worker kills: gap median {:.1} ms p99 {:.1} ms; ADD while down answered median {:.1} ms max {:.1} ms; {requests} requests, 0 failed; refused connects 0",
-        percentile(&gaps, 50.0) * 1e3,
-        percentile(&gaps, 99.0) * 1e3,
-        percentile(&add_latency, 50.0) * 1e3,
-        percentile(&add_latency, 100.0) * 1e3
+        percentile(&gaps, 50.0).unwrap() * 1e3,
+        percentile(&gaps, 99.0).unwrap() * 1e3,
+        percentile(&add_latency, 50.0).unwrap() * 1e3,
+        percentile(&add_latency, 100.0).unwrap() * 1e3
     );
     rig.pass();
 }
@@ -893,13 +659,12 @@ fn the_old_owner_keeps_envoys_stream_until_its_successor_serves() {
     if envoy_or_skip("the_old_owner_keeps_envoys_stream_until_its_successor_serves").is_none() {
         return;
     }
-    use aether_e2e::testing::{envoy_stat, start_envoy, wait_envoy_connected};
     let mut node = LocalNode::new();
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    let envoy = start_envoy(&node, None).expect("Envoy");
-    wait_envoy_connected(&envoy, T_START);
-    let stat = |name: &str| envoy_stat(&envoy, name).unwrap_or(0);
+    let envoy = Envoy::start_on(&node, None).expect("Envoy");
+    envoy.wait_connected(T_START);
+    let stat = |name: &str| envoy.stat(name).unwrap_or(0);
     let (ended, served) = ("cluster_manager.cds.update_failure", "cluster_manager.cds.update_success");
 
     for (roll, thaw_in_time) in [(1, true), (2, false)] {

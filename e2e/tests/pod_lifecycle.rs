@@ -15,11 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use aether_e2e::envoy::{Envoy, EnvoyPods};
 use aether_e2e::harness::churn::{Cni, PodId};
-use aether_e2e::testing::{
-    Agent, EnvoyPods, LocalNode, Netns, bin, is_root, pod_records, quarantined, start_envoy, unique_suffix,
-    wait_envoy_connected, wait_for,
-};
+use aether_e2e::testing::{Agent, LocalNode, Netns, bin, is_root, pod_records, quarantined, unique_suffix, wait_for};
 use aether_worker::cni::{ACK_TIMEOUT, DRAIN_BOUND};
 use nix::sys::signal::Signal;
 
@@ -196,13 +194,13 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
     let netns = is_root().then(|| Netns::create(&format!("aether-test-{}", unique_suffix())).expect("netns for Envoy"));
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    let Some(envoy) = start_envoy(&node, netns.as_ref()) else {
+    let Some(envoy) = Envoy::start_on(&node, netns.as_ref()) else {
         eprintln!(
             "SKIPPED {NAME}: no Envoy (set ENVOY_BIN or run scripts/install-envoy.sh); the pods must be checked in a real proxy's config (CI installs Envoy)"
         );
         return;
     };
-    wait_envoy_connected(&envoy, T);
+    envoy.wait_connected(T);
 
     let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
     let ledger = Arc::new(Mutex::new(Ledger::default()));

@@ -1,5 +1,5 @@
 //! Renders the one Envoy bootstrap template (`deploy/envoy/bootstrap.yaml.tmpl`) for the
-//! worker's tests, the benchmark and the end-to-end harness. The chart fills the same
+//! end-to-end tests, benchmarks and harness (`e2e/src/envoy/`). The chart fills the same
 //! template with its own tooling; the placeholders are documented in the template.
 
 use std::net::SocketAddr;
@@ -81,32 +81,6 @@ fn seconds(d: Duration) -> String {
 /// A double-quoted YAML scalar (JSON string syntax is valid YAML).
 fn yaml_str(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")
-}
-
-/// The workspace root at build time: where `scripts/install-envoy.sh` puts `.venv`.
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("worker is inside the workspace").to_path_buf()
-}
-
-/// The Envoy binary for tests, benchmarks and the harness: `ENVOY_BIN` (which must name a
-/// file), else the one `scripts/install-envoy.sh` installs into the project's `.venv`.
-pub fn envoy_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("ENVOY_BIN") {
-        let p = PathBuf::from(p);
-        assert!(p.is_file(), "ENVOY_BIN={} is not a file", p.display());
-        return Some(p);
-    }
-    let venv = workspace_root().join(".venv");
-    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
-        for lib in libs.flatten() {
-            let p = lib.path().join("site-packages/envoy/_bin/envoy");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    let p = venv.join("bin/envoy");
-    p.is_file().then_some(p)
 }
 
 #[cfg(test)]

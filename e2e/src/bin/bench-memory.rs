@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use aether_e2e::harness::churn::{self, Cni, Pods};
-use aether_e2e::harness::envoy::{AdsApi, Envoy, envoy_bin};
-use aether_e2e::testing::{EnvoyPods, LocalNode, bin, wait_envoy_connected};
+use aether_e2e::envoy::{AdsApi, Envoy, EnvoyPods, envoy_bin};
+use aether_e2e::testing::{LocalNode, bin};
 use serde_json::json;
 
 const SERVICES: usize = 100;
@@ -67,7 +67,7 @@ fn main() {
     std::fs::create_dir_all(&dir).expect("envoy dir");
     let envoy = Envoy::start(&envoy_path, &dir, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), api)
         .expect("start Envoy");
-    wait_envoy_connected(&envoy, t);
+    envoy.wait_connected(t);
 
     let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
     let pods = Mutex::new(Pods::default());

@@ -88,6 +88,25 @@ impl Load {
 
 /// One GET through the proxy; Ok on a 2xx answer.
 pub fn request(target: SocketAddr, host: &str) -> Result<(), String> {
+    let text = exchange(target, host)?;
+    let status = status_of(&text);
+    if (200..300).contains(&status) {
+        Ok(())
+    } else {
+        let first = text.lines().next().unwrap_or("");
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+        Err(format!("status {status} ({first:?}, body {:?})", body.chars().take(120).collect::<String>()))
+    }
+}
+
+/// One GET through the proxy: (status, body) of whatever it answered.
+pub fn get(target: SocketAddr, host: &str) -> Result<(u16, String), String> {
+    let text = exchange(target, host)?;
+    Ok((status_of(&text), text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+}
+
+/// Sends `GET /` with `Host: host` on a new connection and reads the answer to its end.
+fn exchange(target: SocketAddr, host: &str) -> Result<String, String> {
     let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).map_err(|e| format!("connect: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
     s.set_write_timeout(Some(Duration::from_secs(5))).ok();
@@ -96,13 +115,9 @@ pub fn request(target: SocketAddr, host: &str) -> Result<(), String> {
         .map_err(|e| format!("write: {e}"))?;
     let mut raw = Vec::with_capacity(512);
     s.read_to_end(&mut raw).map_err(|e| format!("read: {e}"))?;
-    let text = String::from_utf8_lossy(&raw);
-    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    if (200..300).contains(&status) {
-        Ok(())
-    } else {
-        let first = text.lines().next().unwrap_or("");
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-        Err(format!("status {status} ({first:?}, body {:?})", body.chars().take(120).collect::<String>()))
-    }
+    Ok(String::from_utf8_lossy(&raw).into_owned())
+}
+
+fn status_of(text: &str) -> u16 {
+    text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
 }

@@ -6,13 +6,12 @@
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
 pub mod churn;
-pub mod envoy;
 pub mod load;
 pub mod report;
 pub mod upstream;
 
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -23,9 +22,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 
-use crate::testing::{Agent, Keeper, LocalNode, bin};
+use crate::envoy::{self, Envoy, Poller, RollTimes};
+use crate::testing::{Agent, Keeper, LocalNode, bin, free_port, percentile, try_wait_for, workspace_root};
 use churn::{Churn, Cni, Pods};
-use envoy::{Envoy, Poller, RollTimes};
 
 /// The seed's cluster figures for delete-then-create (Proposal 041).
 pub const SEED_RECREATE: &str = "seed, delete-then-create on kind: median 6.30 s, p99 10.22 s";
@@ -125,7 +124,7 @@ impl Config {
             Some(v) => v.trim().parse().map_err(|e: String| anyhow!("ARG_XDS_API: {e}"))?,
             None => envoy::AdsApi::default(),
         };
-        let results_dir = var("ARG_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|| envoy::workspace_root().join("e2e/results"));
+        let results_dir = var("ARG_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
         Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy })
@@ -202,7 +201,7 @@ impl ModeResult {
         if (gaps.len() as u32) < want_rolls {
             f.push(format!("{} of {want_rolls} rolls measured a gap", gaps.len()));
         }
-        if let Some(p99) = report::percentile(&gaps, 99.0)
+        if let Some(p99) = percentile(&gaps, 99.0)
             && p99 > self.bound
         {
             f.push(format!("p99 gap {p99:.3} s exceeds ARG_BOUND {:.3} s", self.bound));
@@ -262,23 +261,6 @@ impl ModeResult {
 const SERVICES: [&str; 3] = ["alpha", "bravo", "charlie"];
 const T_START: Duration = Duration::from_secs(30);
 
-fn wait_until<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = cond() {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}");
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-fn ready_owner(a: &Agent) -> Option<Value> {
-    a.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving").map(|(_, v)| v)
-}
-
 /// The real `agent-ready` probe against a generation's own health socket.
 fn agent_ready(sock: &Path) -> bool {
     Command::new(bin("agent-ready"))
@@ -312,10 +294,6 @@ impl Bench {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     let mut node = node;
     let root = node.root.path().to_path_buf();
@@ -333,30 +311,28 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     std::fs::write(&registry, serde_json::to_vec_pretty(&json!({ "services": services }))?)?;
     node.registry_file = Some(registry);
     // A capture file with free ports, so that runs in parallel do not clash on 15001.
-    let outbound: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
     let capture = root.join("capture.json");
-    std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port()? }).to_string())?;
+    std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
     let extra = vec![format!("--capture-file={}", capture.display())];
 
     let first = node.start_agent_with(&[extra[0].as_str()]);
-    wait_until("the first agent to own the node", T_START, || ready_owner(&first))
+    try_wait_for("the first agent to own the node", T_START, || first.serving_owner())
         .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
     // As the chart runs it, outside the agent's pod; it fetches the owner's sockets.
     let keeper = node.start_keeper();
-    wait_until("the socket keeper to hold the owner's sockets", T_START, || {
+    try_wait_for("the socket keeper to hold the owner's sockets", T_START, || {
         keeper.log().contains("keeping the owner's node sockets").then_some(())
     })
     .with_context(|| format!("keeper log:\n{}", keeper.log()))?;
     let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api).context("start Envoy")?;
-    wait_until("Envoy to connect and take its first config", T_START, || {
-        let (_, body) = envoy.get(&envoy::stats_filter()).ok()?;
-        let stats = envoy::parse_stats(&body);
-        let get = |n: &str| stats.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap_or(0);
-        (get(envoy::CONNECTED) == 1 && get(envoy::UPDATE_TIMES[1]) > 0).then_some(())
+    try_wait_for("Envoy to connect and take its first config", T_START, || {
+        let stats = envoy.stats(&[envoy::CONNECTED, envoy::UPDATE_TIMES[1]])?;
+        (stats[envoy::CONNECTED] == 1 && stats[envoy::UPDATE_TIMES[1]] > 0).then_some(())
     })
     .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
     for s in SERVICES {
-        wait_until(&format!("service {s} to answer through Envoy's outbound listener {outbound}"), T_START, || {
+        try_wait_for(&format!("service {s} to answer through Envoy's outbound listener {outbound}"), T_START, || {
             load::request(outbound, s).ok()
         })
         .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
@@ -483,7 +459,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
 /// Waits until Envoy has lost its stream, regained it and taken a config update on the
 /// new one; the stats timeline of the roll.
 fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<RollTimes> {
-    wait_until("Envoy to reconnect and take a config update from the new owner", timeout, || {
+    try_wait_for("Envoy to reconnect and take a config update from the new owner", timeout, || {
         let (before, changes) = poller.since(since);
         envoy::analyze(before, &changes)
     })
@@ -520,7 +496,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     match mode {
         Mode::Surge => {
             let next = b.start_agent();
-            let ready = wait_until(&format!("agent-ready to pass for standby {}", next.name), T_START, || {
+            let ready = try_wait_for(&format!("agent-ready to pass for standby {}", next.name), T_START, || {
                 agent_ready(&next.health_sock).then_some(())
             });
             if let Err(e) = ready {
@@ -532,7 +508,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let old = std::mem::replace(&mut b.owner, next);
             exit_of(old)?;
             old_exit = Some(action.elapsed().as_secs_f64());
-            wait_until(&format!("{} to serve as owner", b.owner.name), T_START, || ready_owner(&b.owner))?;
+            try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
         }
         Mode::Recreate => {
             action = Instant::now();
@@ -540,14 +516,14 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let next = b.start_agent_after_exit()?;
             old_exit = Some(action.elapsed().as_secs_f64());
             b.owner = next;
-            wait_until(&format!("{} to serve as owner", b.owner.name), T_START, || ready_owner(&b.owner))?;
+            try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
         }
         Mode::WorkerCrash => {
             let pid = b.owner.ready().and_then(|(_, v)| v["pid"].as_i64()).ok_or_else(|| anyhow!("no worker pid in /ready"))?;
             action = Instant::now();
             kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
-            wait_until("the respawned worker to serve as owner", T_START, || {
-                ready_owner(&b.owner).filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
+            try_wait_for("the respawned worker to serve as owner", T_START, || {
+                b.owner.serving_owner().filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
             })?;
         }
     }

@@ -1,19 +1,10 @@
-//! Percentiles, the summary table and the SVG plot.
+//! The gate's figures: per-figure summaries, the summary table and the SVG plot.
 
 use std::path::Path;
 
 use plotters::prelude::*;
 
-/// Nearest-rank percentile of `v` (any order); None when empty.
-pub fn percentile(v: &[f64], p: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
-    Some(s[rank.min(s.len()) - 1])
-}
+use crate::testing::percentile;
 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Summary {
@@ -118,20 +109,4 @@ pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)]) -> Result<(
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), Some(50.0));
-        assert_eq!(percentile(&v, 99.0), Some(99.0));
-        assert_eq!(percentile(&v, 100.0), Some(100.0));
-        assert_eq!(percentile(&[3.0, 1.0, 2.0], 99.0), Some(3.0));
-        assert_eq!(percentile(&[3.0, 1.0, 2.0], 50.0), Some(2.0));
-        assert_eq!(percentile(&[], 50.0), None);
-    }
 }

@@ -10,6 +10,13 @@ pub struct Upstream {
     pub hits: Arc<AtomicU64>,
 }
 
+impl Upstream {
+    /// Requests answered so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+}
+
 /// Starts a server answering every request with 200 and `body`. Its threads live as long
 /// as the process (the harness is a short-lived binary).
 pub fn spawn(body: String) -> std::io::Result<Upstream> {

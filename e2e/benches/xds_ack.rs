@@ -1,6 +1,6 @@
 //! Registry-file change to Envoy ACK, with 100 services and 1,000 endpoints.
 //!
-//! `cargo bench -p aether-worker --bench xds-ack` (release profile). Needs Envoy like the
+//! `cargo bench -p aether-e2e --bench xds-ack` (release profile). Needs Envoy like the
 //! xDS tests (`scripts/install-envoy.sh` or `ENVOY_BIN`). `BENCH_CHANGES` (default 100,
 //! at least 50) sets the number of changes. Each change rewrites the file atomically and
 //! times until the proxy has ACKed a snapshot with exactly the versions that file gives;
@@ -8,16 +8,14 @@
 //! moving port (EDS), and a service added or removed (CDS, EDS, RDS). `BENCH_XDS_API`
 //! (`sotw`, the default, or `delta`) picks the ADS variant Envoy speaks.
 
-#[path = "../tests/envoy_harness/mod.rs"]
-mod envoy_harness;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use aether_worker::registry;
+use aether_e2e::envoy::{self, AdsApi, WorkerRig, same_versions};
+use aether_e2e::testing::percentile;
 use aether_model::{self as snapshot, Inputs};
-use envoy_harness::{Harness, same_versions};
+use aether_worker::registry;
 
 const SERVICES: usize = 100;
 const ENDPOINTS_PER_SERVICE: usize = 10;
@@ -43,30 +41,19 @@ impl Registry {
         if self.extra {
             services.push(("extra".to_string(), None, vec![(SocketAddr::new("10.2.0.1".parse().unwrap(), 8080), false)]));
         }
-        let refs: Vec<envoy_harness::ServiceSpec<'_>> =
+        let refs: Vec<envoy::ServiceSpec<'_>> =
             services.iter().map(|(n, v, e)| (n.as_str(), v.as_deref(), e.clone())).collect();
-        envoy_harness::registry_json(&refs)
+        envoy::registry_json(&refs)
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx]
 }
 
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1e3)
 }
 
-fn summary(name: &str, v: &mut [Duration]) {
-    v.sort();
-    println!(
-        "{name:<34} n={:<4} median {:>9}  p99 {:>9}  max {:>9}",
-        v.len(),
-        ms(percentile(v, 0.5)),
-        ms(percentile(v, 0.99)),
-        ms(*v.last().unwrap())
-    );
+fn summary(name: &str, v: &[Duration]) {
+    let at = |p: f64| ms(percentile(v, p).expect("samples"));
+    println!("{name:<34} n={:<4} median {:>9}  p99 {:>9}  max {:>9}", v.len(), at(50.0), at(99.0), at(100.0));
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -74,26 +61,26 @@ async fn main() {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` does not, and a debug
     // build's figures mean nothing, so do not run then.
     if !std::env::args().any(|a| a == "--bench") {
-        println!("xds-ack: run with `cargo bench -p aether-worker --bench xds-ack`; skipping");
+        println!("xds-ack: run with `cargo bench -p aether-e2e --bench xds-ack`; skipping");
         return;
     }
-    let envoy = match envoy_harness::envoy_bin() {
+    let envoy = match envoy::envoy_bin() {
         Some(p) => p,
         None => {
             eprintln!("bench-xds: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
             std::process::exit(2);
         }
     };
-    envoy_harness::init_logs("warn");
+    envoy::init_logs("warn");
     let changes: usize = std::env::var("BENCH_CHANGES").ok().and_then(|v| v.parse().ok()).unwrap_or(100).max(50);
     let n = SERVICES * ENDPOINTS_PER_SERVICE;
     let mut reg = Registry { draining: vec![false; n], ports: vec![8080; n], extra: false };
 
-    let api: aether_worker::bootstrap::AdsApi = match std::env::var("BENCH_XDS_API") {
+    let api: AdsApi = match std::env::var("BENCH_XDS_API") {
         Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
         Err(_) => Default::default(),
     };
-    let h = Harness::start_with(&envoy, &reg.json(), api).await;
+    let h = WorkerRig::start(&envoy, &reg.json(), api).await;
     println!(
         "xds-ack: {SERVICES} services, {n} endpoints, {changes} changes, ADS {}, Envoy {}",
         api.api_type(),
@@ -143,12 +130,12 @@ async fn main() {
         by_kind[kind].push(acked);
     }
 
-    summary("parse + build (in-process)", &mut pure);
-    summary("file change -> snapshot published", &mut to_snapshot);
-    summary("file change -> Envoy ACK (all)", &mut total);
-    summary("  endpoint draining toggle (EDS)", &mut by_kind[0]);
-    summary("  endpoint port change (EDS)", &mut by_kind[1]);
-    summary("  service add/remove (CDS+EDS+RDS)", &mut by_kind[2]);
+    summary("parse + build (in-process)", &pure);
+    summary("file change -> snapshot published", &to_snapshot);
+    summary("file change -> Envoy ACK (all)", &total);
+    summary("  endpoint draining toggle (EDS)", &by_kind[0]);
+    summary("  endpoint port change (EDS)", &by_kind[1]);
+    summary("  service add/remove (CDS+EDS+RDS)", &by_kind[2]);
     let nacks: u64 = ["Listener", "Cluster", "ClusterLoadAssignment", "RouteConfiguration"]
         .iter()
         .map(|t| {

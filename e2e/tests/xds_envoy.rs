@@ -1,18 +1,19 @@
 //! The ADS server against a real Envoy 1.40: ACKs, routing, registry changes, NACKs.
 //!
 //! Each test runs the worker side in-process (registry file, capture file, node, ADS on
-//! `<tmp>/xds.sock`) and an Envoy bootstrapped from `deploy/envoy/bootstrap.yaml.tmpl`.
-//! Without Envoy (see `scripts/install-envoy.sh`) each test says so loudly and returns.
-//! Each scenario runs twice: over state-of-the-world ADS and over incremental (delta) ADS.
-
-mod envoy_harness;
+//! `<tmp>/xds.sock`, see [`WorkerRig`]) and an Envoy bootstrapped from
+//! `deploy/envoy/bootstrap.yaml.tmpl`. Without Envoy (see `scripts/install-envoy.sh`) each
+//! test says so loudly and returns. Each scenario runs twice: over state-of-the-world ADS
+//! and over incremental (delta) ADS.
 
 use std::net::IpAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use aether_worker::bootstrap::AdsApi;
+use aether_e2e::envoy::{self, AdsApi, WorkerRig, envoy_or_skip, registry_json};
+use aether_e2e::harness::load::get as http_get;
+use aether_e2e::harness::upstream;
+use aether_e2e::testing::wait_for;
 use aether_model::{Change, Pod};
-use envoy_harness::{Harness, Upstream, eventually, http_get, registry_json};
 
 const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -43,29 +44,29 @@ async fn envoy_connects_and_acks_lds_cds_eds_over_delta_ads() {
 }
 
 async fn envoy_connects_and_acks_lds_cds_eds_over(api: AdsApi) {
-    let envoy = require_envoy!();
-    envoy_harness::init_logs("info");
+    let Some(envoy) = envoy_or_skip(&format!("envoy_connects_and_acks_lds_cds_eds over {api:?}")) else { return };
+    envoy::init_logs("info");
     let a = "127.0.0.1:18080".parse().unwrap();
-    let h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(a, false)])]), api).await;
+    let h = WorkerRig::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(a, false)])]), api).await;
     let want = h.node.snapshot();
 
     // Envoy's view: connected, updates accepted, the versions we serve.
-    assert_eq!(h.stat("control_plane.connected_state").await, Some(1));
+    assert_eq!(h.stat("control_plane.connected_state"), Some(1));
     for stat in ["listener_manager.lds.update_success", "cluster_manager.cds.update_success", &format!("cluster.{WEB}.update_success")] {
-        assert!(h.stat(stat).await.unwrap_or(0) >= 1, "{stat} not >= 1");
+        assert!(h.stat(stat).unwrap_or(0) >= 1, "{stat} not >= 1");
     }
     for stat in ["listener_manager.lds.update_rejected", "cluster_manager.cds.update_rejected"] {
-        assert_eq!(h.stat(stat).await, Some(0), "{stat}");
+        assert_eq!(h.stat(stat), Some(0), "{stat}");
     }
-    let dump = h.config_dump().await;
-    let (clusters, cds_version) = envoy_harness::clusters(&dump);
+    let dump = h.config_dump();
+    let (clusters, cds_version) = envoy::clusters(&dump);
     assert_eq!(cds_version, want.clusters.version);
     assert_eq!(clusters, vec![WEB.to_string()]);
-    let (listeners, lds_version) = envoy_harness::listeners(&dump);
+    let (listeners, lds_version) = envoy::listeners(&dump);
     assert_eq!(lds_version, want.listeners.version);
     assert_eq!(listeners.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), vec!["outbound"]);
-    assert_eq!(envoy_harness::endpoints(&dump, WEB), Some(vec!["127.0.0.1:18080 HEALTHY".to_string()]));
-    let (rds_version, domains) = envoy_harness::route(&dump, "outbound").expect("route config outbound");
+    assert_eq!(envoy::endpoints(&dump, WEB), Some(vec!["127.0.0.1:18080 HEALTHY".to_string()]));
+    let (rds_version, domains) = envoy::route(&dump, "outbound").expect("route config outbound");
     assert_eq!(rds_version, route_version(&want, api));
     assert!(domains.contains(&"web.default.svc.cluster.local:80".to_string()) && domains.contains(&"10.96.0.10:80".to_string()));
 
@@ -90,8 +91,8 @@ async fn envoy_connects_and_acks_lds_cds_eds_over(api: AdsApi) {
     assert!(!h.acks.latest().unwrap().holds_pod("uid-7", &[ip]));
     h.node.apply([Change::UpsertPod(pod.clone())]);
     assert!(h.acks.wait_until(|s| s.holds_pod("uid-7", &[ip]), Duration::from_secs(2)).await, "pod not ACKed within 2 s");
-    let dump = h.config_dump().await;
-    let (listeners, _) = envoy_harness::listeners(&dump);
+    let dump = h.config_dump();
+    let (listeners, _) = envoy::listeners(&dump);
     // The capture listener on the inbound port hands redirected connections to the pod's
     // own listener, on the pod's IP and the inbound target port.
     let inbound = &listeners.iter().find(|(n, _)| n == "inbound").expect("inbound listener").1;
@@ -103,7 +104,7 @@ async fn envoy_connects_and_acks_lds_cds_eds_over(api: AdsApi) {
     let chain = &pod_listener["filter_chains"][0];
     assert_eq!(chain["name"], "uid-7");
     assert_eq!(chain["filter_chain_match"]["prefix_ranges"][0]["address_prefix"], "10.244.0.7");
-    assert!(envoy_harness::clusters(&dump).0.contains(&"inbound|uid-7".to_string()));
+    assert!(envoy::clusters(&dump).0.contains(&"inbound|uid-7".to_string()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,16 +118,16 @@ async fn outbound_requests_are_balanced_across_registry_endpoints_over_delta_ads
 }
 
 async fn outbound_requests_are_balanced_across_registry_endpoints_over(api: AdsApi) {
-    let envoy = require_envoy!();
-    envoy_harness::init_logs("info");
-    let (u1, u2) = (Upstream::start("one").await, Upstream::start("two").await);
-    let h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)])]), api)
+    let Some(envoy) = envoy_or_skip(&format!("outbound_requests_are_balanced_across_registry_endpoints over {api:?}")) else { return };
+    envoy::init_logs("info");
+    let (u1, u2) = (upstream::spawn("one".into()).expect("upstream"), upstream::spawn("two".into()).expect("upstream"));
+    let h = WorkerRig::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)])]), api)
         .await;
 
     let mut bodies = Vec::new();
     for host in ["web", "web.default", "web.default.svc.cluster.local", "web.default:80", "10.96.0.10:80"] {
         for _ in 0..8 {
-            let (status, body) = http_get(h.outbound, host).await.expect("request through Envoy");
+            let (status, body) = http_get(h.outbound, host).expect("request through Envoy");
             assert_eq!(status, 200, "Host {host}: {body}");
             bodies.push(body);
         }
@@ -135,7 +136,7 @@ async fn outbound_requests_are_balanced_across_registry_endpoints_over(api: AdsA
     assert_eq!(u1.hits() + u2.hits(), 40);
     assert!(bodies.iter().all(|b| b == "one" || b == "two"));
 
-    let (status, _) = http_get(h.outbound, "nosuch.default").await.unwrap();
+    let (status, _) = http_get(h.outbound, "nosuch.default").unwrap();
     assert_eq!(status, 404, "unknown host must not route");
 }
 
@@ -150,48 +151,51 @@ async fn registry_file_changes_reach_config_dump_within_bound_over_delta_ads() {
 }
 
 async fn registry_file_changes_reach_config_dump_within_bound_over(api: AdsApi) {
-    let envoy = require_envoy!();
-    envoy_harness::init_logs("info");
+    let Some(envoy) = envoy_or_skip(&format!("registry_file_changes_reach_config_dump_within_bound over {api:?}")) else { return };
+    envoy::init_logs("info");
     let a = "127.0.0.1:18081".parse().unwrap();
     let b = "127.0.0.1:18082".parse().unwrap();
     let c = "127.0.0.1:18083".parse().unwrap();
     let x = "127.0.0.1:18090".parse().unwrap();
-    let h = Harness::start_with(
+    let h = WorkerRig::start(
         &envoy,
         &registry_json(&[("web", None, vec![(a, false), (b, false)]), ("api", None, vec![(x, false)])]), api)
     .await;
 
     // Add an endpoint.
     h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, false), (c, false)]), ("api", None, vec![(x, false)])])).await;
-    let (_, took) = eventually("the added endpoint in config_dump", BOUND, || async {
-        web_eds(&h).await.filter(|e| e.len() == 3 && e.contains(&"127.0.0.1:18083 HEALTHY".to_string()))
-    })
-    .await;
+    let t0 = Instant::now();
+    wait_for("the added endpoint in config_dump", BOUND, || {
+        web_eds(&h).filter(|e| e.len() == 3 && e.contains(&"127.0.0.1:18083 HEALTHY".to_string()))
+    });
+    let took = t0.elapsed();
     eprintln!("add endpoint reached config_dump in {took:?}");
 
     // Mark one draining. config_dump renders the host's health, where Envoy shows an
     // EDS DRAINING endpoint as UNHEALTHY; /clusters shows the EDS status itself.
     h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, true), (c, false)]), ("api", None, vec![(x, false)])])).await;
-    let (_, took) = eventually("the draining endpoint in config_dump", BOUND, || async {
-        web_eds(&h).await.filter(|e| e.contains(&"127.0.0.1:18082 UNHEALTHY".to_string()))
-    })
-    .await;
-    assert_eq!(h.eds_health(WEB, "127.0.0.1:18082").await.as_deref(), Some("DRAINING"));
-    assert_eq!(h.eds_health(WEB, "127.0.0.1:18081").await.as_deref(), Some("HEALTHY"));
+    let t0 = Instant::now();
+    wait_for("the draining endpoint in config_dump", BOUND, || {
+        web_eds(&h).filter(|e| e.contains(&"127.0.0.1:18082 UNHEALTHY".to_string()))
+    });
+    let took = t0.elapsed();
+    assert_eq!(h.eds_health(WEB, "127.0.0.1:18082").as_deref(), Some("DRAINING"));
+    assert_eq!(h.eds_health(WEB, "127.0.0.1:18081").as_deref(), Some("HEALTHY"));
     eprintln!("mark draining reached config_dump in {took:?}");
 
     // Remove a service: its cluster, endpoints and virtual host go.
     h.write_registry(&registry_json(&[("web", None, vec![(a, false), (b, true), (c, false)])])).await;
-    let (_, took) = eventually("the removed service gone from config_dump", BOUND, || async {
-        let dump = h.config_dump().await;
-        let (clusters, _) = envoy_harness::clusters(&dump);
-        let (_, domains) = envoy_harness::route(&dump, "outbound")?;
+    let t0 = Instant::now();
+    wait_for("the removed service gone from config_dump", BOUND, || {
+        let dump = h.config_dump();
+        let (clusters, _) = envoy::clusters(&dump);
+        let (_, domains) = envoy::route(&dump, "outbound")?;
         (!clusters.iter().any(|c| c.contains("api.default")) && !domains.iter().any(|d| d.starts_with("api"))).then_some(())
-    })
-    .await;
+    });
+    let took = t0.elapsed();
     eprintln!("remove service reached config_dump in {took:?}");
     assert!(h.wait_acked_current(BOUND).await, "final snapshot not ACKed");
-    assert_eq!(h.stat("cluster_manager.cds.update_rejected").await, Some(0));
+    assert_eq!(h.stat("cluster_manager.cds.update_rejected"), Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,14 +209,14 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted_over_delt
 }
 
 async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted_over(api: AdsApi) {
-    let envoy = require_envoy!();
-    envoy_harness::init_logs("info");
-    let (u1, u2) = (Upstream::start("one").await, Upstream::start("two").await);
+    let Some(envoy) = envoy_or_skip(&format!("nacked_route_keeps_last_good_config_and_is_logged_and_counted over {api:?}")) else { return };
+    envoy::init_logs("info");
+    let (u1, u2) = (upstream::spawn("one".into()).expect("upstream"), upstream::spawn("two".into()).expect("upstream"));
     let good = registry_json(&[("web", Some("10.96.0.10"), vec![(u1.addr, false), (u2.addr, false)])]);
-    let h = Harness::start_with(&envoy, &good, api).await;
+    let h = WorkerRig::start(&envoy, &good, api).await;
     let good_routes = h.node.snapshot().routes.version.clone();
     let good_route_version = route_version(&h.node.snapshot(), api);
-    assert_eq!(http_get(h.outbound, "10.96.0.10:80").await.unwrap().0, 200);
+    assert_eq!(http_get(h.outbound, "10.96.0.10:80").unwrap().0, 200);
 
     // A second service claiming the same VIP: the builder passes it through, and Envoy
     // must reject the route configuration for the duplicate domain 10.96.0.10:80.
@@ -221,17 +225,17 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted_over(api:
         ("shadow", Some("10.96.0.10"), vec![(u1.addr, false)]),
     ]);
     h.write_registry(&bad).await;
-    eventually("an RDS NACK counted by the worker", BOUND, || async { (h.worker_counter("nacks", RDS) >= 1).then_some(()) }).await;
+    wait_for("an RDS NACK counted by the worker", BOUND, || (h.worker_counter("nacks", RDS) >= 1).then_some(()));
     let bad_routes = h.node.snapshot().routes.version.clone();
     assert_ne!(bad_routes, good_routes);
 
     // Envoy rejected it and keeps the last good routes; traffic still flows.
-    assert!(h.stat("http.outbound.rds.outbound.update_rejected").await.unwrap_or(0) >= 1);
-    let (rds_version, _) = envoy_harness::route(&h.config_dump().await, "outbound").unwrap();
+    assert!(h.stat("http.outbound.rds.outbound.update_rejected").unwrap_or(0) >= 1);
+    let (rds_version, _) = envoy::route(&h.config_dump(), "outbound").unwrap();
     assert_eq!(rds_version, good_route_version, "Envoy's route config must stay the last good one");
     for host in ["web", "10.96.0.10:80"] {
         for _ in 0..5 {
-            let (status, body) = http_get(h.outbound, host).await.unwrap();
+            let (status, body) = http_get(h.outbound, host).unwrap();
             assert_eq!(status, 200, "Host {host} after NACK: {body}");
         }
     }
@@ -242,10 +246,10 @@ async fn nacked_route_keeps_last_good_config_and_is_logged_and_counted_over(api:
     assert_ne!(h.acks.latest().unwrap().routes.version, bad_routes);
 
     // Visible in our logs (type, nonce, Envoy's error) and in Envoy's.
-    let logs = envoy_harness::captured_logs();
+    let logs = envoy::captured_logs();
     let line = logs.lines().find(|l| l.contains("NACK") && l.contains(RDS)).expect("a NACK log line for RDS");
     assert!(line.contains("WARN") && line.contains("nonce=") && line.contains("10.96.0.10:80"), "NACK line: {line}");
-    assert!(h.envoy_log().contains("rejected"), "Envoy logs the rejection");
+    assert!(h.envoy.log_text().contains("rejected"), "Envoy logs the rejection");
 
     // Fixing the registry gets a fresh ACK.
     h.write_registry(&good).await;
@@ -265,10 +269,10 @@ async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over_delta_
 }
 
 async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(api: AdsApi) {
-    let envoy = require_envoy!();
-    envoy_harness::init_logs("info");
-    let u = Upstream::start("one").await;
-    let mut h = Harness::start_with(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)])]), api).await;
+    let Some(envoy) = envoy_or_skip(&format!("reconnect_to_an_identical_snapshot_changes_nothing_in_envoy over {api:?}")) else { return };
+    envoy::init_logs("info");
+    let u = upstream::spawn("one".into()).expect("upstream");
+    let mut h = WorkerRig::start(&envoy, &registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)])]), api).await;
     let ip: IpAddr = "10.244.0.9".parse().unwrap();
     h.node.apply([Change::UpsertPod(Pod {
         uid: "uid-9".into(),
@@ -289,33 +293,32 @@ async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(api: A
     ];
     let mut before = Vec::new();
     for s in UNCHANGED {
-        before.push(h.stat(s).await.unwrap_or_else(|| panic!("no stat {s}")));
+        before.push(h.stat(s).unwrap_or_else(|| panic!("no stat {s}")));
     }
-    let lds_before = h.stat("listener_manager.lds.update_success").await.unwrap();
+    let lds_before = h.stat("listener_manager.lds.update_success").unwrap();
 
     // The server goes away with its streams; a new one serves the same snapshot.
     let acks = h.restart_server();
     let want = h.node.snapshot();
     assert!(
-        acks.wait_until(|s| envoy_harness::same_versions(s, &want), Duration::from_secs(10)).await,
+        acks.wait_until(|s| envoy::same_versions(s, &want), Duration::from_secs(10)).await,
         "Envoy did not reconnect and ACK within 10 s; its log:\n{}",
-        h.envoy_log()
+        h.envoy.log_text()
     );
-    assert_eq!(h.stat("control_plane.connected_state").await, Some(1));
+    assert_eq!(h.stat("control_plane.connected_state"), Some(1));
     // Over delta ADS the proxy's reconnect reports the versions it holds, which already
     // satisfies the wait above; the new stream's (empty) answer is applied just after.
-    eventually("the new stream's LDS answer applied (lds.update_success moved)", BOUND, || async {
-        (h.stat("listener_manager.lds.update_success").await? > lds_before).then_some(())
-    })
-    .await;
+    wait_for("the new stream's LDS answer applied (lds.update_success moved)", BOUND, || {
+        (h.stat("listener_manager.lds.update_success")? > lds_before).then_some(())
+    });
     let mut after = Vec::new();
     for s in UNCHANGED {
-        after.push(h.stat(s).await.unwrap());
+        after.push(h.stat(s).unwrap());
     }
     assert_eq!(after, before, "{UNCHANGED:?}");
-    assert_eq!(http_get(h.outbound, "web").await.unwrap(), (200, "one".to_string()));
+    assert_eq!(http_get(h.outbound, "web").unwrap(), (200, "one".to_string()));
 }
 
-async fn web_eds(h: &Harness) -> Option<Vec<String>> {
-    envoy_harness::endpoints(&h.config_dump().await, WEB)
+fn web_eds(h: &WorkerRig) -> Option<Vec<String>> {
+    envoy::endpoints(&h.config_dump(), WEB)
 }

@@ -1,108 +1,15 @@
-//! A real Envoy started from the project's bootstrap template, its admin endpoint over a
-//! pipe, and the stats poller that times each roll.
+//! The admin stats poller that times each roll, and the roll analysis over what it saw.
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use aether_worker::bootstrap::{self, Admin};
-pub use aether_worker::bootstrap::AdsApi;
+use super::{admin_get, exact_names, parse_stats};
+use crate::testing::percentile;
 
-pub use aether_worker::bootstrap::{envoy_bin, workspace_root};
-
-pub struct Envoy {
-    child: Child,
-    pub admin: PathBuf,
-    pub log: PathBuf,
-}
-
-impl Envoy {
-    /// Renders the bootstrap into `dir` and starts Envoy against `run_dir`'s xds.sock.
-    pub fn start(bin: &Path, dir: &Path, run_dir: &Path, base: Duration, max: Duration, api: AdsApi) -> std::io::Result<Envoy> {
-        let admin = dir.join("envoy-admin.sock");
-        let config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max, api);
-        let config_path = dir.join("envoy.yaml");
-        std::fs::write(&config_path, config)?;
-        let log = dir.join("envoy.log");
-        let out = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(bin);
-        cmd.arg("-c").arg(&config_path).args(["--disable-hot-restart", "--concurrency", "2", "--log-level", "info"]);
-        // AETHER_E2E_ENVOY_LOG sets component log levels (e.g. `config:debug,http2:debug`),
-        // logged with microsecond timestamps, to trace a roll inside Envoy.
-        if let Ok(levels) = std::env::var("AETHER_E2E_ENVOY_LOG") {
-            cmd.args(["--component-log-level", &levels, "--log-format", "[%H:%M:%S.%f][%t][%l][%n] %v"]);
-        }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()?;
-        Ok(Envoy { child, admin, log })
-    }
-
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    pub fn alive(&mut self) -> bool {
-        self.child.try_wait().ok().flatten().is_none()
-    }
-
-    pub fn get(&self, path: &str) -> std::io::Result<(u16, String)> {
-        admin_get(&self.admin, path)
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// GET from Envoy's admin over its pipe: (status, body). HTTP/1.1 with
-/// `Connection: close` (Envoy's admin answers HTTP/1.0 with 426).
-pub fn admin_get(sock: &Path, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = UnixStream::connect(sock)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let chunked = head.lines().any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16) else { break };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
-    }
-    out
-}
-
-/// Percent-encodes a query value.
-pub fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect()
-}
-
+/// 1 while Envoy holds an ADS stream.
 pub const CONNECTED: &str = "control_plane.connected_state";
 /// The xDS cluster of the template (`deploy/envoy/bootstrap.yaml.tmpl`).
 pub const CONNECT_FAIL: &str = "cluster.xds_cluster.upstream_cx_connect_fail";
@@ -127,11 +34,6 @@ pub const UPDATE_TIMES: [&str; 2] = ["cluster_manager.cds.update_time", "listene
 /// never seen at 0.
 pub const STREAM_FAILURES: &str = "cluster_manager.cds.update_failure";
 
-/// Every stat the poller reads, in one query (for one-off reads).
-pub fn stats_filter() -> String {
-    format!("/stats?filter={}", exact_names(&[CONNECTED, CONNECT_FAIL, UPDATE_TIMES[0], UPDATE_TIMES[1], STREAM_FAILURES]))
-}
-
 /// The poller's two queries: the counters, then the gauges. In that order a stream that
 /// ends between the two reads shows as `connected_state` 0 with the old counters, a
 /// clean observation of the end; the other order would show the failure counted while
@@ -151,19 +53,6 @@ pub fn poll_queries() -> [String; 2] {
         format!("/stats?usedonly&type=Counters&filter={}", exact_names(&[CONNECT_FAIL, STREAM_FAILURES])),
         format!("/stats?usedonly&type=Gauges&filter={}", exact_names(&[CONNECTED, UPDATE_TIMES[0], UPDATE_TIMES[1]])),
     ]
-}
-
-/// A percent-encoded regex matching exactly `names`.
-fn exact_names(names: &[&str]) -> String {
-    encode(&format!("^({})$", names.iter().map(|n| n.replace('.', "\\.")).collect::<Vec<_>>().join("|")))
-}
-
-/// Parses Envoy's text stats (`name: value` lines).
-pub fn parse_stats(text: &str) -> Vec<(String, u64)> {
-    text.lines()
-        .filter_map(|l| l.split_once(": "))
-        .filter_map(|(k, v)| v.trim().parse().ok().map(|v| (k.trim().to_string(), v)))
-        .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,9 +167,8 @@ impl Poller {
 
     /// Median and worst time one poll took since the last reset.
     pub fn poll_cost(&self) -> (Duration, Duration) {
-        let mut d = self.state.lock().unwrap().durations.clone();
-        d.sort();
-        (d.get(d.len() / 2).copied().unwrap_or_default(), d.last().copied().unwrap_or_default())
+        let d = self.state.lock().unwrap().durations.clone();
+        (percentile(&d, 50.0).unwrap_or_default(), percentile(&d, 100.0).unwrap_or_default())
     }
 
     pub fn polls_and_errors(&self) -> (u64, u64) {

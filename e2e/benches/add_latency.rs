@@ -2,55 +2,71 @@
 //! against the worker's real CNI service (storage writes with fsync, node update,
 //! snapshot build) on a temp unix socket. Two proxies:
 //! - `publish-ack`: a stand-in that ACKs each snapshot the moment the node publishes it;
-//! - `envoy`: a real Envoy on the worker's ADS server (the xDS tests' harness), so each
+//! - `envoy`: a real Envoy on the worker's ADS server (the xDS tests' [`WorkerRig`]), so each
 //!   ADD answers after Envoy has ACKed LDS and CDS holding the pod; once over state of
 //!   the world ADS, once over delta ADS, side by side. Without Envoy
 //!   (`scripts/install-envoy.sh` or `ENVOY_BIN`) this part says so and is skipped.
 //!
 //! Prints the median and p99 of each, and of VERSION (process start and exit alone).
 //!
-//! Run: `cargo bench -p aether-cni --bench add_latency`. Env: `AETHER_BENCH_ADDS` (default
+//! Run: `cargo bench -p aether-e2e --bench add_latency` (it builds the plugin for its own
+//! profile first, with the cargo that runs it). Env: `AETHER_BENCH_ADDS` (default
 //! 300); `AETHER_BENCH_STATE_DIR` puts the records on a given filesystem (default a temp
 //! dir under `/var/tmp`, disk-backed like `/var/lib/aether`); `AETHER_BENCH_LOG` (a tracing
 //! filter, e.g. `aether_worker::xds=debug`) logs the worker to stderr, with the time from
 //! each snapshot change to each push and from each push to its ACK.
 
-#[path = "../../worker/tests/envoy_harness/mod.rs"]
-mod envoy_harness;
-
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aether_worker::bootstrap::AdsApi;
+use aether_e2e::envoy::{self, AdsApi, WorkerRig};
+use aether_e2e::testing::{self, percentile};
+use aether_model::Inputs;
 use aether_worker::cni::{self, AckSource, CniService, PublishedAcks};
 use aether_worker::metrics::Metrics;
 use aether_worker::node::Node;
-use aether_model::Inputs;
 use aether_worker::storage::Storage;
 use tokio::io::AsyncWriteExt;
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-fn report(what: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+fn report(what: &str, samples: &[Duration]) {
+    let ms = |p: f64| percentile(samples, p).expect("samples").as_secs_f64() * 1e3;
     println!(
         "{what}: n={} median={:.2} ms p99={:.2} ms min={:.2} ms max={:.2} ms",
         samples.len(),
-        ms(percentile(&samples, 0.5)),
-        ms(percentile(&samples, 0.99)),
-        ms(samples[0]),
-        ms(samples[samples.len() - 1]),
+        ms(50.0),
+        ms(99.0),
+        ms(0.0),
+        ms(100.0),
     );
 }
 
-async fn plugin(env: &[(&str, String)], stdin: &[u8]) -> Duration {
+/// The `aether-cni` binary, built for this benchmark's profile: `cargo bench -p aether-e2e`
+/// builds only this package's targets, and the plugin is another package's binary. With
+/// `AETHER_BIN_DIR` set, the binary there as it is.
+fn plugin_bin() -> PathBuf {
+    if std::env::var_os("AETHER_BIN_DIR").is_none() {
+        let dir = testing::bin_dir();
+        let profile = match dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") => "dev".to_string(),
+            Some(p) => p.to_string(),
+            None => panic!("no profile in the binary folder {}", dir.display()),
+        };
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args(["build", "--quiet", "--profile", &profile, "-p", "aether-cni", "--bin", "aether-cni"])
+            .current_dir(testing::workspace_root())
+            .status()
+            .expect("running cargo build for aether-cni");
+        assert!(status.success(), "cargo build -p aether-cni --profile {profile}: {status}");
+    }
+    testing::bin("aether-cni")
+}
+
+async fn plugin(bin: &Path, env: &[(&str, String)], stdin: &[u8]) -> Duration {
     let start = Instant::now();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_aether-cni"))
+    let mut child = tokio::process::Command::new(bin)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
@@ -73,7 +89,7 @@ struct Target {
 }
 
 /// Serves the CNI API for `target` and times `n` ADDs of distinct pods through the plugin.
-async fn bench_adds(what: &str, target: Target, n: usize) {
+async fn bench_adds(bin: &Path, what: &str, target: Target, n: usize) {
     let base = std::env::var_os("AETHER_BENCH_STATE_DIR")
         .map(Into::into)
         .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp"));
@@ -106,41 +122,42 @@ async fn bench_adds(what: &str, target: Target, n: usize) {
                            "ips": [{"address": format!("{ip}/16"), "interface": 0}]}
         })
         .to_string();
-        adds.push(plugin(&env, conf.as_bytes()).await);
+        adds.push(plugin(bin, &env, conf.as_bytes()).await);
     }
     assert_eq!(storage.pods().len(), n, "every ADD stored");
     let timeouts = target.metrics.cni_ack_timeouts.get();
     let _ = stop.send(());
     let _ = server.await;
-    report(&format!("ADD, {what} (plugin start to answer; ACK timeouts: {timeouts})"), adds);
+    report(&format!("ADD, {what} (plugin start to answer; ACK timeouts: {timeouts})"), &adds);
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n: usize = std::env::var("AETHER_BENCH_ADDS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
     if let Ok(filter) = std::env::var("AETHER_BENCH_LOG") {
-        envoy_harness::init_logs(&filter);
+        envoy::init_logs(&filter);
     }
+    let bin = plugin_bin();
 
     let mut version = Vec::with_capacity(100);
     for _ in 0..100 {
-        version.push(plugin(&[("CNI_COMMAND", "VERSION".into())], b"{}").await);
+        version.push(plugin(&bin, &[("CNI_COMMAND", "VERSION".into())], b"{}").await);
     }
-    report("VERSION (process start to exit)", version);
+    report("VERSION (process start to exit)", &version);
 
     let node = Node::new(Inputs::default());
     let acks: Arc<dyn AckSource> = Arc::new(PublishedAcks(node.clone()));
-    bench_adds("publish-ack proxy", Target { node, metrics: Metrics::new(), acks }, n).await;
+    bench_adds(&bin, "publish-ack proxy", Target { node, metrics: Metrics::new(), acks }, n).await;
 
-    match envoy_harness::envoy_bin() {
+    match envoy::envoy_bin() {
         None => println!("!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"),
         Some(envoy) => {
             // Side by side: the same ADDs with Envoy on state-of-the-world ADS (every
             // listener and cluster resent per ADD) and on delta ADS (only the pod's).
             for (api, name) in [(AdsApi::Sotw, "real Envoy, SotW ADS, ACKing LDS+CDS"), (AdsApi::Delta, "real Envoy, delta ADS, ACKing LDS+CDS")] {
-                let h = envoy_harness::Harness::start_with(&envoy, &envoy_harness::registry_json(&[]), api).await;
+                let h = WorkerRig::start(&envoy, &envoy::registry_json(&[]), api).await;
                 let target = Target { node: h.node.clone(), metrics: h.metrics.clone(), acks: Arc::new(h.acks.clone()) };
-                bench_adds(name, target, n).await;
+                bench_adds(&bin, name, target, n).await;
             }
         }
     }

@@ -1,0 +1,152 @@
+//! A local node of real agent processes with a real Envoy on its `xds.sock`, routing one
+//! service to two loopback upstreams, and the stats poller on Envoy's admin.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::{AdsApi, CONNECTED, Envoy, Poller, RollTimes, analyze};
+use crate::harness::load;
+use crate::harness::upstream::{self, Upstream};
+use crate::testing::{Agent, LocalNode, free_port, wait_for};
+
+/// How long a roll may take to show in Envoy's stats.
+const T: Duration = Duration::from_secs(10);
+/// Envoy start, first connect and first routed request.
+const T_START: Duration = Duration::from_secs(30);
+
+/// A local node with one owner, a registry service ([`NodeRig::SERVICE`]) backed by two
+/// loopback upstreams, and a real Envoy that has connected and routes to the service.
+/// Each rig has free capture ports, so that tests using one run in parallel.
+///
+/// Fields drop in order: the poller stops before Envoy goes, and the agents go before the
+/// node folder does.
+pub struct NodeRig {
+    pub poller: Poller,
+    pub envoy: Envoy,
+    pub owner: Agent,
+    pub node: LocalNode,
+    extra: Vec<String>,
+    /// Envoy's outbound listener.
+    pub outbound: SocketAddr,
+    pub upstreams: Vec<Upstream>,
+}
+
+impl NodeRig {
+    /// The one service of the registry.
+    pub const SERVICE: &str = "web";
+
+    pub fn start(envoy_bin: &Path, api: AdsApi) -> NodeRig {
+        let service = Self::SERVICE;
+        let mut node = LocalNode::new();
+        // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
+        node.root.disable_cleanup(true);
+        let root = node.root.path().to_path_buf();
+        eprintln!("node folder: {}", root.display());
+        let upstreams: Vec<Upstream> =
+            (0..2).map(|i| upstream::spawn(format!("{service}-{i}\n")).expect("upstream")).collect();
+        let endpoints: Vec<_> = upstreams
+            .iter()
+            .enumerate()
+            .map(|(i, u)| json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{service}-{i}") }))
+            .collect();
+        let registry = root.join("registry.json");
+        let doc = json!({ "services": [{ "name": service, "namespace": "default", "ports": [80], "endpoints": endpoints }] });
+        std::fs::write(&registry, doc.to_string()).expect("registry file");
+        node.registry_file = Some(registry);
+        // Free ports for both capture listeners, so that tests running in parallel do not
+        // clash on the default 15001 and 15006; the outbound one on this process's own
+        // loopback address, since only it carries the load.
+        let ip = own_loopback();
+        let outbound = SocketAddr::from((ip, free_port(ip).expect("free port")));
+        let capture = root.join("capture.json");
+        let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("free port");
+        std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string())
+            .expect("capture file");
+        let extra = vec![format!("--capture-file={}", capture.display())];
+        eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
+
+        let owner = node.start_agent_with(&[extra[0].as_str()]);
+        wait_for(&format!("{} to serve as owner", owner.name), T_START, || owner.serving_owner());
+        let envoy = Envoy::start(envoy_bin, &root, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), api)
+            .expect("start Envoy");
+        let poller = Poller::start(envoy.admin.clone());
+        let rig = NodeRig { node, extra, owner, poller, envoy, outbound, upstreams };
+        let warming = "listener_manager.total_listeners_warming";
+        wait_for(
+            &format!(
+                "Envoy to connect, take its config and route {service} through {outbound} (log {})",
+                rig.envoy.log.display()
+            ),
+            T_START,
+            || {
+                let s = rig.envoy.stats(&[CONNECTED, warming])?;
+                (s[CONNECTED] == 1 && s[warming] == 0 && load::request(outbound, service).is_ok()).then_some(())
+            },
+        );
+        rig
+    }
+
+    /// Starts the node's next generation with the rig's capture file.
+    pub fn start_agent(&mut self) -> Agent {
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.node.start_agent_with(&extra)
+    }
+
+    /// The named Envoy stats (a missing one reads as 0: Envoy creates some lazily).
+    pub fn stats(&self, names: &[&str]) -> BTreeMap<String, u64> {
+        self.envoy
+            .stats(names)
+            .unwrap_or_else(|| panic!("Envoy admin /stats did not answer 200\n{}", self.where_to_look()))
+    }
+
+    pub fn config_dump(&self) -> String {
+        let (status, body) = self.envoy.get("/config_dump").expect("Envoy admin /config_dump");
+        assert_eq!(status, 200, "Envoy /config_dump answered {status}");
+        body
+    }
+
+    /// Waits until Envoy has lost its ADS stream since `since`, connected again and taken
+    /// a config update on the new stream (the harness's roll analysis), and is connected.
+    ///
+    /// `since` must be a quiet moment before the action, not the action itself: a poll
+    /// is stamped with the midpoint of its admin request, so on a busy machine a poll that
+    /// already counts the stream's end can carry a time just before the kill, and the
+    /// analysis would then wait for a second end that never comes.
+    pub fn wait_reconnected(&self, since: Instant, what: &str) -> RollTimes {
+        let mut changes = Vec::new();
+        crate::testing::try_wait_for("Envoy to reconnect", T, || {
+            let (before, c) = self.poller.since(since);
+            changes = c;
+            analyze(before, &changes)
+        })
+        .unwrap_or_else(|_| {
+            panic!(
+                "{what}: Envoy did not lose its stream, reconnect and take a config update within {T:?}; stats changes {changes:#?}\n{}",
+                self.where_to_look()
+            )
+        })
+    }
+
+    /// Where the logs are, for a failure message.
+    pub fn where_to_look(&self) -> String {
+        format!("node folder {} (gen*.log, envoy.log)", self.node.root.path().display())
+    }
+
+    /// The test passed: the node folder can go.
+    pub fn pass(&mut self) {
+        self.node.root.disable_cleanup(false);
+    }
+}
+
+/// A loopback address of this test process's own (all of 127/8 is loopback on Linux).
+/// Envoy binds its listeners with SO_REUSEPORT, so two Envoys of tests running in parallel
+/// that happened to pick the same free port would silently share it, and the load of one
+/// test would be answered, and reset at exit, by the other's Envoy.
+fn own_loopback() -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(127, 1 + (pid / 64_000 % 250) as u8, (pid / 250 % 256) as u8, 2 + (pid % 250) as u8)
+}
