@@ -70,14 +70,42 @@ impl RegistryView {
     /// The changes that turn this view into `next`: removals first, then every service
     /// that is new or differs. Unchanged services give no change.
     pub fn diff(&self, next: &RegistryView) -> Vec<Change> {
-        let mut out: Vec<Change> =
-            self.services.keys().filter(|k| !next.services.contains_key(*k)).map(|k| Change::RemoveService(k.clone())).collect();
-        for (k, s) in &next.services {
-            if self.services.get(k) != Some(s) {
-                out.push(Change::UpsertService(s.clone()));
+        // One merge of the two sorted maps: no lookups.
+        let mut removed = Vec::new();
+        let mut upserted = Vec::new();
+        let (mut old, mut new) = (self.services.iter().peekable(), next.services.iter().peekable());
+        loop {
+            match (old.peek(), new.peek()) {
+                (Some((ko, so)), Some((kn, sn))) => match ko.cmp(kn) {
+                    std::cmp::Ordering::Less => {
+                        removed.push(Change::RemoveService((*ko).clone()));
+                        old.next();
+                    }
+                    std::cmp::Ordering::Greater => {
+                        upserted.push(Change::UpsertService((*sn).clone()));
+                        new.next();
+                    }
+                    std::cmp::Ordering::Equal => {
+                        if so != sn {
+                            upserted.push(Change::UpsertService((*sn).clone()));
+                        }
+                        old.next();
+                        new.next();
+                    }
+                },
+                (Some((ko, _)), None) => {
+                    removed.push(Change::RemoveService((*ko).clone()));
+                    old.next();
+                }
+                (None, Some((_, sn))) => {
+                    upserted.push(Change::UpsertService((*sn).clone()));
+                    new.next();
+                }
+                (None, None) => break,
             }
         }
-        out
+        removed.extend(upserted);
+        removed
     }
 }
 

@@ -44,7 +44,7 @@
 //! a good load, so a standby with a broken registry file stays incomplete, visibly.
 //! With no file configured the registry is empty and counts as loaded.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
@@ -52,8 +52,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_model::hash::fnv1a64;
-use aether_model::{Change, Endpoint, EndpointState, RegistryView, Service};
+use aether_model::{Change, Endpoint, EndpointState, RegistryView, Service, ServiceKey};
 use serde::Deserialize;
 use tokio::task::JoinHandle;
 
@@ -78,6 +77,19 @@ pub enum FileError {
 impl FileError {
     pub(crate) fn json(path: &Path, e: &serde_json::Error) -> Self {
         Self::Json { path: path.to_owned(), line: e.line(), column: e.column(), message: e.to_string() }
+    }
+
+    /// A JSON error in the part of `file` that starts at byte `offset`, located in the
+    /// whole file.
+    fn json_at(path: &Path, file: &[u8], offset: usize, e: &serde_json::Error) -> Self {
+        let before = &file[..offset.min(file.len())];
+        let lines = before.iter().filter(|b| **b == b'\n').count();
+        let col0 = before.len() - before.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1);
+        let (line, column) = if e.line() <= 1 { (lines + 1, col0 + e.column()) } else { (lines + e.line(), e.column()) };
+        // serde_json ends its message with the position in what it parsed; say the file's.
+        let text = e.to_string();
+        let bare = text.strip_suffix(&format!(" at line {} column {}", e.line(), e.column())).unwrap_or(&text);
+        Self::Json { path: path.to_owned(), line, column, message: format!("{bare} at line {line} column {column}") }
     }
 }
 
@@ -115,42 +127,67 @@ struct FileEndpoint {
     state: EndpointState,
 }
 
+/// The file with each service left unparsed: a scan, no allocation per field.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDoc<'a> {
+    #[serde(borrow, default)]
+    services: Vec<&'a serde_json::value::RawValue>,
+}
+
 /// Parses and validates a registry file's content.
 pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
     let doc: FileDoc = serde_json::from_slice(bytes).map_err(|e| FileError::json(path, &e))?;
-    let invalid = |message: String| FileError::Invalid { path: path.to_owned(), message };
-    let mut keys = BTreeSet::new();
-    let mut services = Vec::with_capacity(doc.services.len());
+    let mut services = BTreeMap::new();
     for (i, s) in doc.services.into_iter().enumerate() {
-        let at = format!("services[{i}] ({}.{})", s.name, s.namespace);
-        for (what, v) in [("name", &s.name), ("namespace", &s.namespace)] {
-            if !is_dns_label(v) {
-                return Err(invalid(format!("{at}: {what} {v:?} is not a DNS label")));
+        let service = validate(path, i, s)?;
+        match services.entry(service.key()) {
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(service);
+            }
+            std::collections::btree_map::Entry::Occupied(_) => {
+                return Err(listed_twice(path, i, &service));
             }
         }
-        if !keys.insert((s.namespace.clone(), s.name.clone())) {
-            return Err(invalid(format!("{at}: service listed twice")));
+    }
+    Ok(RegistryView { services })
+}
+
+fn listed_twice(path: &Path, i: usize, s: &Service) -> FileError {
+    FileError::Invalid { path: path.to_owned(), message: format!("services[{i}] ({}.{}): service listed twice", s.name, s.namespace) }
+}
+
+/// Checks one service of the file (`services[i]`) and converts it into the model's.
+fn validate(path: &Path, i: usize, s: FileService) -> Result<Service, FileError> {
+    let invalid = |message: String| FileError::Invalid { path: path.to_owned(), message };
+    // Error context is formatted only for an error: a 10,000-service file would
+    // otherwise build 110,000 location strings per reload.
+    {
+        let at = || format!("services[{i}] ({}.{})", s.name, s.namespace);
+        for (what, v) in [("name", &s.name), ("namespace", &s.namespace)] {
+            if !is_dns_label(v) {
+                return Err(invalid(format!("{}: {what} {v:?} is not a DNS label", at())));
+            }
         }
         if s.ports.is_empty() {
-            return Err(invalid(format!("{at}: ports is empty")));
+            return Err(invalid(format!("{}: ports is empty", at())));
         }
-        let mut seen = BTreeSet::new();
-        for p in &s.ports {
-            if *p == 0 || !seen.insert(*p) {
-                return Err(invalid(format!("{at}: port {p} is 0 or listed twice")));
+        for (k, p) in s.ports.iter().enumerate() {
+            if *p == 0 || s.ports[..k].contains(p) {
+                return Err(invalid(format!("{}: port {p} is 0 or listed twice", at())));
             }
         }
         let mut endpoints = Vec::with_capacity(s.endpoints.len());
         for (j, e) in s.endpoints.into_iter().enumerate() {
-            let eat = format!("{at}.endpoints[{j}]");
+            let eat = || format!("{}.endpoints[{j}]", at());
             if e.port == 0 {
-                return Err(invalid(format!("{eat}: port is 0")));
+                return Err(invalid(format!("{}: port is 0", eat())));
             }
             let service_port = match (e.service_port, s.ports.as_slice()) {
                 (Some(p), ports) if ports.contains(&p) => p,
-                (Some(p), _) => return Err(invalid(format!("{eat}: service_port {p} is not a port of the service"))),
+                (Some(p), _) => return Err(invalid(format!("{}: service_port {p} is not a port of the service", eat()))),
                 (None, [only]) => *only,
-                (None, _) => return Err(invalid(format!("{eat}: service_port is required for a service with several ports"))),
+                (None, _) => return Err(invalid(format!("{}: service_port is required for a service with several ports", eat()))),
             };
             endpoints.push(Endpoint {
                 address: e.address,
@@ -161,9 +198,8 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
                 state: e.state,
             });
         }
-        services.push(Service { name: s.name, namespace: s.namespace, ports: s.ports, vip: s.vip, endpoints });
+        Ok(Service { name: s.name, namespace: s.namespace, ports: s.ports, vip: s.vip, endpoints })
     }
-    Ok(RegistryView::new(services))
 }
 
 fn is_dns_label(s: &str) -> bool {
@@ -185,8 +221,7 @@ pub fn spawn_embedded(path: Option<PathBuf>, max_bytes: u64, node: Arc<Node>, me
             node.set_gate(|g| g.registry_loaded = true);
             return;
         };
-        let source = RegistryFile { last: RegistryView::default() };
-        watch_file(watch, "registry", max_bytes, &metrics, source, |changes: Vec<Change>| {
+        watch_file(watch, "registry", max_bytes, &metrics, RegistryFile::default(), |changes: Vec<Change>| {
             node.apply(changes);
             node.set_gate(|g| g.registry_loaded = true);
         })
@@ -195,17 +230,63 @@ pub fn spawn_embedded(path: Option<PathBuf>, max_bytes: u64, node: Arc<Node>, me
 }
 
 /// The registry file as a source: each good load becomes the changes from the last one.
+///
+/// A reload scans the file once, leaving each service's JSON unparsed, and hashes each
+/// service's text: only a service whose text is new is parsed, validated and compared
+/// with the last view. An endpoint change in a 7 MB file parses one service.
+#[derive(Default)]
 struct RegistryFile {
     last: RegistryView,
+    /// The key of each service text of the last good load, by the text's hash and length.
+    texts: HashMap<(u64, usize), ServiceKey>,
 }
 
 impl FileSource for RegistryFile {
     type Output = Vec<Change>;
 
     fn parse(&mut self, path: &Path, bytes: &[u8]) -> Result<Vec<Change>, FileError> {
-        let view = parse(path, bytes)?;
-        let changes = self.last.diff(&view);
-        self.last = view;
+        let doc: RawDoc = serde_json::from_slice(bytes).map_err(|e| FileError::json(path, &e))?;
+        let mut texts = HashMap::with_capacity(doc.services.len());
+        let mut keys: HashSet<ServiceKey> = HashSet::with_capacity(doc.services.len());
+        let mut upserts = Vec::new();
+        for (i, raw) in doc.services.iter().enumerate() {
+            let text = raw.get();
+            let id = (file_hash(text.as_bytes()), text.len());
+            let key = match self.texts.get(&id) {
+                Some(key) => key.clone(),
+                None => {
+                    let offset = text.as_ptr() as usize - bytes.as_ptr() as usize;
+                    let fs: FileService = serde_json::from_str(text).map_err(|e| FileError::json_at(path, bytes, offset, &e))?;
+                    let service = validate(path, i, fs)?;
+                    let key = service.key();
+                    if self.last.services.get(&key) != Some(&service) {
+                        upserts.push(service);
+                    }
+                    key
+                }
+            };
+            if !keys.insert(key.clone()) {
+                let s = self.last.services.get(&key).cloned().or_else(|| upserts.iter().find(|s| s.key() == key).cloned());
+                return Err(match s {
+                    Some(s) => listed_twice(path, i, &s),
+                    None => FileError::Invalid { path: path.to_owned(), message: format!("services[{i}] ({key}): service listed twice") },
+                });
+            }
+            texts.insert(id, key);
+        }
+        // Committed only now: a rejected file changes nothing.
+        let mut changes: Vec<Change> =
+            self.last.services.keys().filter(|k| !keys.contains(*k)).map(|k| Change::RemoveService(k.clone())).collect();
+        for c in &changes {
+            if let Change::RemoveService(k) = c {
+                self.last.services.remove(k);
+            }
+        }
+        for s in upserts {
+            self.last.services.insert(s.key(), s.clone());
+            changes.push(Change::UpsertService(s));
+        }
+        self.texts = texts;
         Ok(changes)
     }
 }
@@ -342,6 +423,24 @@ pub(crate) async fn watch_file<S: FileSource>(
     }
 }
 
+/// A fast hash of a file's content, to skip content already applied or rejected: FNV-1a's
+/// steps over 8-byte words instead of bytes (eight times fewer multiplications; a 7 MB
+/// registry hashes in about a millisecond). Not a resource version: only compared with
+/// itself, within one process.
+pub fn file_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        h ^= u64::from_le_bytes(w.try_into().expect("chunks of 8"));
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    for b in words.remainder() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^ bytes.len() as u64
+}
+
 /// Reads the file (unless it is over `max_bytes`), and parses it unless its content is
 /// the last good or last bad one (`known`).
 fn look<S: FileSource>(
@@ -355,7 +454,7 @@ fn look<S: FileSource>(
     match stat {
         Err(e) => return Look::Unreadable(read(std::io::Error::new(e.kind(), e.to_string()))),
         Ok(s) if s.size > max_bytes => {
-            let h = fnv1a64(&s.size.to_le_bytes()) ^ s.inode;
+            let h = file_hash(&s.size.to_le_bytes()) ^ s.inode;
             if known.1 == Some(h) {
                 return Look::Same;
             }
@@ -369,9 +468,9 @@ fn look<S: FileSource>(
     };
     if bytes.len() as u64 > max_bytes {
         let size = bytes.len() as u64;
-        return Look::Rejected(FileError::TooLarge { path: path.to_owned(), size, limit: max_bytes }, fnv1a64(&bytes));
+        return Look::Rejected(FileError::TooLarge { path: path.to_owned(), size, limit: max_bytes }, file_hash(&bytes));
     }
-    let h = fnv1a64(&bytes);
+    let h = file_hash(&bytes);
     if known.0 == Some(h) || known.1 == Some(h) {
         return Look::Same;
     }
@@ -562,7 +661,7 @@ mod tests {
         task.abort();
 
         let stat = std::fs::metadata(&path).map(|m| Stat::of(&m));
-        let mut source = RegistryFile { last: RegistryView::default() };
+        let mut source = RegistryFile::default();
         match look(&path, &stat, 200, (None, None), &mut source) {
             Look::Rejected(e, _) => {
                 let msg = e.to_string();
@@ -574,7 +673,7 @@ mod tests {
 
     #[test]
     fn a_reload_sends_only_the_services_that_changed() {
-        let mut source = RegistryFile { last: RegistryView::default() };
+        let mut source = RegistryFile::default();
         let p = Path::new("r.json");
         let one = r#"{"services":[{"name":"a","namespace":"d","ports":[80]},{"name":"b","namespace":"d","ports":[80]}]}"#;
         assert_eq!(source.parse(p, one.as_bytes()).unwrap().len(), 2);
@@ -582,6 +681,55 @@ mod tests {
         let changes = source.parse(p, two.as_bytes()).unwrap();
         assert!(matches!(changes.as_slice(), [Change::UpsertService(s)] if s.name == "b"), "{changes:?}");
         assert!(source.parse(p, two.as_bytes()).unwrap().is_empty());
+    }
+
+    /// The incremental reload (a scan, then only new service texts parsed) ends at the
+    /// view a whole parse gives, and rejects what it rejects with the same message.
+    #[test]
+    fn the_incremental_reload_agrees_with_a_whole_parse() {
+        let p = Path::new("/etc/aether/registry.json");
+        let svc = |n: &str, port: u16, ep: &str| {
+            format!(r#"{{"name":"{n}","namespace":"d","ports":[{port}],"endpoints":[{{"address":"{ep}","port":8080}}]}}"#)
+        };
+        let file = |svcs: &[String]| format!("{{\"services\": [\n{}\n]}}", svcs.join(",\n"));
+        let steps = [
+            file(&[svc("a", 80, "10.0.0.1"), svc("b", 80, "10.0.0.2"), svc("c", 80, "10.0.0.3")]),
+            file(&[svc("a", 80, "10.0.0.1"), svc("b", 80, "10.0.0.9"), svc("c", 80, "10.0.0.3")]),
+            // Reordered, one removed, one added.
+            file(&[svc("c", 80, "10.0.0.3"), svc("d", 81, "10.0.0.4"), svc("a", 80, "10.0.0.1")]),
+            // Rejected: a duplicate of an unchanged text, then a bad field, then bad JSON.
+            file(&[svc("c", 80, "10.0.0.3"), svc("c", 80, "10.0.0.3")]),
+            file(&[svc("c", 80, "10.0.0.3"), r#"{"name":"e","namespace":"d","ports":[0]}"#.into()]),
+            file(&[svc("c", 80, "10.0.0.3"), r#"{"name":"e","namespace":"d","ports":[80],"prots":1}"#.into()]),
+            "{\"services\": [\n  {\"name\": }".into(),
+            // Back to a good file after the rejections.
+            file(&[svc("a", 80, "10.0.0.1"), svc("c", 80, "10.0.0.7")]),
+            file(&[]),
+        ];
+        let mut source = RegistryFile::default();
+        let mut view = RegistryView::default();
+        for (n, text) in steps.iter().enumerate() {
+            let whole = parse(p, text.as_bytes());
+            let step = source.parse(p, text.as_bytes());
+            match (whole, step) {
+                (Ok(want), Ok(changes)) => {
+                    for c in changes {
+                        match c {
+                            Change::UpsertService(s) => {
+                                view.services.insert(s.key(), s);
+                            }
+                            Change::RemoveService(k) => {
+                                view.services.remove(&k);
+                            }
+                            other => panic!("step {n}: {other:?}"),
+                        }
+                    }
+                    assert_eq!(view, want, "step {n}");
+                }
+                (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "step {n}"),
+                (a, b) => panic!("step {n}: whole parse {a:?}, incremental {b:?}"),
+            }
+        }
     }
 
     #[tokio::test]

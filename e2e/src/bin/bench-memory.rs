@@ -21,21 +21,8 @@ use serde_json::json;
 const SERVICES: usize = 100;
 const ENDPOINTS_PER_SERVICE: usize = 10;
 
-/// `VmRSS` and `VmHWM` in KiB.
-fn memory(pid: i32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
-    let kib = |key: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
-    };
-    (kib("VmRSS:"), kib("VmHWM:"))
-}
-
 fn row(name: &str, pid: i32) {
-    let (rss, hwm) = memory(pid);
+    let (rss, hwm) = aether_e2e::testing::memory_kib(pid);
     println!("{name:<22} {:>9.1} {:>9.1}", rss as f64 / 1024.0, hwm as f64 / 1024.0);
 }
 

@@ -33,7 +33,7 @@ use crate::testing::{LocalNode, Netns, try_wait_for, wait_for, workspace_root};
 pub use aether_worker::bootstrap::AdsApi;
 pub use node_rig::NodeRig;
 pub use poller::{CONNECT_FAIL, CONNECTED, Poller, RollTimes, STREAM_FAILURES, Sample, UPDATE_TIMES, analyze, poll_queries};
-pub use worker_rig::{ServiceSpec, WorkerRig, captured_logs, init_logs, registry_json, same_versions};
+pub use worker_rig::{RigOptions, ServiceSpec, WorkerRig, captured_logs, init_logs, registry_json, same_versions};
 
 /// The Envoy binary: `ENVOY_BIN` (which must name a file), else the one
 /// `scripts/install-envoy.sh` installs into the project's `.venv`.

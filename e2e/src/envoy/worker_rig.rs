@@ -6,13 +6,14 @@ use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use aether_model::{Inputs, Snapshot};
 use aether_worker::acks::Acks;
 use aether_worker::bootstrap::{DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX};
 use aether_worker::metrics::{Metrics, TypeLabel};
 use aether_worker::node::Node;
+use aether_worker::writers::Observed;
 use aether_worker::xds;
 use aether_worker::{capture, registry};
 use serde_json::Value;
@@ -67,8 +68,22 @@ pub struct WorkerRig {
     pub outbound: SocketAddr,
     pub inbound_port: u16,
     pub envoy: Envoy,
+    /// With on-demand clusters: the observed upstreams, kept in `dir`.
+    pub observed: Option<Arc<Observed>>,
+    /// How long the registry and capture files took to land, and Envoy from its start to
+    /// its ACK of the first snapshot.
+    pub loaded: Duration,
+    pub envoy_synced: Duration,
     tasks: Vec<JoinHandle<()>>,
     server: Option<Server>,
+}
+
+/// How the rig's worker side runs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RigOptions {
+    pub api: AdsApi,
+    /// `--on-demand-clusters` (delta ADS only).
+    pub on_demand: bool,
 }
 
 impl Drop for WorkerRig {
@@ -88,7 +103,7 @@ struct Server {
 }
 
 impl Server {
-    fn start(sock: PathBuf, node: &Node, acks: Acks, metrics: Arc<Metrics>) -> Self {
+    fn start(sock: PathBuf, node: &Node, acks: Acks, metrics: Arc<Metrics>, observed: Option<Arc<Observed>>) -> Self {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready) = std::sync::mpsc::channel();
         let snapshots = node.subscribe();
@@ -100,7 +115,7 @@ impl Server {
                 let listener = tokio::net::UnixListener::bind(&sock).unwrap();
                 ready_tx.send(()).unwrap();
                 tokio::select! {
-                    r = xds::serve(listener, snapshots, Default::default(), acks, metrics, std::future::pending()) => r.expect("ADS server"),
+                    r = xds::server::serve_observed(listener, snapshots, Default::default(), acks, metrics, observed, std::future::pending()) => r.expect("ADS server"),
                     _ = stopped => {}
                 }
             });
@@ -123,6 +138,12 @@ impl WorkerRig {
     /// from the project template speaking `api`, and waits until Envoy has ACKed the first
     /// snapshot. Call it on a multi-threaded runtime: the admin reads block their thread.
     pub async fn start(envoy_bin: &Path, registry_json: &str, api: AdsApi) -> Self {
+        Self::start_with(envoy_bin, registry_json, RigOptions { api, ..RigOptions::default() }).await
+    }
+
+    /// [`Self::start`] with every option.
+    pub async fn start_with(envoy_bin: &Path, registry_json: &str, options: RigOptions) -> Self {
+        let api = options.api;
         let dir = tempfile::Builder::new().prefix("axds").tempdir().unwrap();
         let registry_file = dir.path().join("registry.json");
         std::fs::write(&registry_file, registry_json).unwrap();
@@ -131,27 +152,46 @@ impl WorkerRig {
         let capture_file = dir.path().join("capture.json");
         std::fs::write(&capture_file, format!(r#"{{"outbound":"{outbound}","inbound_port":{inbound_port}}}"#)).unwrap();
 
-        let node = Node::new(Inputs::default());
+        let node = Node::new(Inputs { on_demand_clusters: options.on_demand, ..Inputs::default() });
+        let observed = options.on_demand.then(|| Observed::restore(dir.path()));
         let metrics = Metrics::new();
+        let t0 = Instant::now();
         let acks = Acks::default();
         let tasks = vec![
             registry::spawn_embedded(Some(registry_file.clone()), u64::MAX, node.clone(), metrics.clone()),
             capture::spawn(Some(capture_file), node.clone(), metrics.clone()),
         ];
         let mut gates = node.gates();
-        tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded && g.capture_landed))
+        tokio::time::timeout(Duration::from_secs(30), gates.wait_for(|g| g.registry_loaded && g.capture_landed))
             .await
             .expect("registry and capture land")
             .unwrap();
+        let loaded = t0.elapsed();
 
-        let server = Server::start(dir.path().join("xds.sock"), &node, acks.clone(), metrics.clone());
+        let server = Server::start(dir.path().join("xds.sock"), &node, acks.clone(), metrics.clone(), observed.clone());
+        let t1 = Instant::now();
         let envoy = Envoy::start(envoy_bin, dir.path(), dir.path(), DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX, api)
             .expect("spawn envoy");
 
-        let h = Self { dir, node, metrics, acks, registry_file, outbound, inbound_port, envoy, tasks, server: Some(server) };
-        if !h.wait_acked_current(Duration::from_secs(20)).await {
-            panic!("Envoy did not ACK the first snapshot within 20 s; its log:\n{}", h.envoy.log_text());
+        let mut h = Self {
+            dir,
+            node,
+            metrics,
+            acks,
+            registry_file,
+            outbound,
+            inbound_port,
+            envoy,
+            observed,
+            loaded,
+            envoy_synced: Duration::ZERO,
+            tasks,
+            server: Some(server),
+        };
+        if !h.wait_acked_current(Duration::from_secs(120)).await {
+            panic!("Envoy did not ACK the first snapshot within 120 s; its log:\n{}", h.envoy.log_text());
         }
+        h.envoy_synced = t1.elapsed();
         h
     }
 
@@ -160,7 +200,8 @@ impl WorkerRig {
     pub fn restart_server(&mut self) -> Acks {
         self.server.take();
         self.acks = Acks::default();
-        self.server = Some(Server::start(self.dir.path().join("xds.sock"), &self.node, self.acks.clone(), self.metrics.clone()));
+        self.server =
+            Some(Server::start(self.dir.path().join("xds.sock"), &self.node, self.acks.clone(), self.metrics.clone(), self.observed.clone()));
         self.acks.clone()
     }
 
@@ -221,6 +262,8 @@ impl WorkerRig {
             "acks" => self.metrics.xds_acks.get_or_create(&label).get(),
             "nacks" => self.metrics.xds_nacks.get_or_create(&label).get(),
             "pushes" => self.metrics.xds_pushes.get_or_create(&label).get(),
+            "resources" => self.metrics.xds_resources.get_or_create(&label).get(),
+            "initial_resources" => self.metrics.xds_initial_resources.get_or_create(&label).get(),
             _ => panic!("unknown family {family}"),
         }
     }

@@ -1,0 +1,214 @@
+//! The agent at mesh scale: 10,000 services and 100,000 endpoints served to a real Envoy.
+//!
+//! `cargo bench -p aether-e2e --bench scale` (release profile). Needs Envoy
+//! (`scripts/install-envoy.sh` or `ENVOY_BIN`). The worker's pieces run in this process
+//! (the in-process rig), Envoy beside it. Env: `BENCH_SERVICES` (10000),
+//! `BENCH_ENDPOINTS` (10 per service), `BENCH_CHANGES` (100, at least 20),
+//! `BENCH_XDS_API` (`delta`, the default, or `sotw`).
+//!
+//! Prints, and checks where the issue of scale sets a rule:
+//! - the registry file's load, and Envoy's initial sync (start to ACK of everything);
+//! - one endpoint turning draining or healthy, to Envoy's ACK, through the in-process
+//!   change API (`Node::apply`) and through the registry file (re-read, parsed off the
+//!   runtime thread, diffed), median and p99; each change must send Envoy exactly one
+//!   resource, the service's load assignment, and nothing else;
+//! - a pod's ADD: exactly one listener and one cluster;
+//! - Envoy's RSS holding every cluster, and, over delta ADS, with on-demand clusters:
+//!   a second Envoy whose pods' first call to a service it does not hold succeeds.
+
+use std::time::{Duration, Instant};
+
+use aether_e2e::envoy::{AdsApi, RigOptions, WorkerRig, same_versions};
+use aether_e2e::harness::{load, upstream};
+use aether_e2e::testing::{memory_kib, mesh_registry_json, percentile};
+use aether_model::{Change, Endpoint, EndpointState, KINDS, Kind, Pod, Service};
+use aether_worker::xds::kind::type_url;
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))).unwrap_or(default)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn summary(name: &str, v: &[Duration]) {
+    let at = |p: f64| ms(percentile(v, p).expect("samples"));
+    println!("{name:<46} n={:<4} median {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms", v.len(), at(50.0), at(99.0), at(100.0));
+}
+
+/// The model's service `s` of the generated mesh, with endpoint `draining` marked.
+fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> Service {
+    Service {
+        name: format!("svc-{s:05}"),
+        namespace: "mesh".into(),
+        ports: vec![80],
+        vip: None,
+        endpoints: (0..endpoints)
+            .map(|e| Endpoint {
+                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32).into(),
+                port: 8080,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: if draining == Some(e) { EndpointState::Draining } else { EndpointState::Healthy },
+            })
+            .collect(),
+    }
+}
+
+/// Resources the worker has sent, by kind.
+fn sent(rig: &WorkerRig) -> [u64; 4] {
+    KINDS.map(|k| rig.worker_counter("resources", type_url(k)))
+}
+
+fn delta(before: [u64; 4], after: [u64; 4]) -> [u64; 4] {
+    [0, 1, 2, 3].map(|i| after[i] - before[i])
+}
+
+fn pod(n: u8) -> Pod {
+    Pod {
+        uid: format!("bench-pod-{n}"),
+        namespace: "default".into(),
+        name: format!("pod-{n}"),
+        container_id: format!("c{n}"),
+        netns: format!("/var/run/netns/p{n}"),
+        ifname: "eth0".into(),
+        ips: vec![std::net::Ipv4Addr::new(10, 244, 0, n).into()],
+    }
+}
+
+/// Envoy's `VmRSS` in MiB.
+fn envoy_rss(rig: &WorkerRig) -> f64 {
+    memory_kib(rig.envoy.pid()).0 as f64 / 1024.0
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("scale: run with `cargo bench -p aether-e2e --bench scale`; skipping");
+        return;
+    }
+    let Some(envoy) = aether_e2e::envoy::envoy_bin() else {
+        eprintln!("scale: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
+        std::process::exit(2);
+    };
+    aether_e2e::envoy::init_logs(&std::env::var("BENCH_LOG").unwrap_or_else(|_| "warn".into()));
+    let services = env("BENCH_SERVICES", 10_000);
+    let endpoints = env("BENCH_ENDPOINTS", 10);
+    let changes = env("BENCH_CHANGES", 100).max(20);
+    let api: AdsApi = std::env::var("BENCH_XDS_API").map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}"))).unwrap_or_default();
+    let json = mesh_registry_json(services, endpoints, None, "");
+    println!(
+        "scale: {services} services, {} endpoints, registry file {:.1} MB, ADS {}, Envoy {}",
+        services * endpoints,
+        json.len() as f64 / 1e6,
+        api.api_type(),
+        envoy.display()
+    );
+
+    // For comparison, in this thread: a whole parse of the file (what a reload cost
+    // before it parsed only the services whose text changed) and the file hash.
+    let (mut hashing, mut parsing) = (Vec::new(), Vec::new());
+    for _ in 0..10 {
+        let t = Instant::now();
+        std::hint::black_box(aether_worker::registry::file_hash(json.as_bytes()));
+        hashing.push(t.elapsed());
+        let t = Instant::now();
+        std::hint::black_box(aether_worker::registry::parse(std::path::Path::new("bench"), json.as_bytes()).expect("valid registry"));
+        parsing.push(t.elapsed());
+    }
+    summary("registry file: hash of the whole file", &hashing);
+    summary("registry file: whole parse (not on a reload's path)", &parsing);
+
+    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: false }).await;
+    println!("registry file loaded (read, parse, build)        {:>8.1} ms", ms(rig.loaded));
+    println!("Envoy initial sync (start to ACK of everything)   {:>8.1} ms", ms(rig.envoy_synced));
+    let rss_all = envoy_rss(&rig);
+    println!("Envoy RSS holding every cluster                   {rss_all:>8.1} MiB");
+
+    // One endpoint change at a time, through the change API, then through the file: an
+    // endpoint turns draining, then healthy again, so each phase ends where it started
+    // and the file and the node agree.
+    let mut via_api = Vec::new();
+    let mut via_file = Vec::new();
+    let changes = changes + changes % 2;
+    for through_file in [false, true] {
+        for i in 0..changes {
+            let touched = ((i / 2) * 7919 + usize::from(through_file) * 13) % services;
+            let draining = (i % 2 == 0).then_some((touched, i % endpoints));
+            let before = sent(&rig);
+            let t0;
+            if through_file {
+                let body = mesh_registry_json(services, endpoints, draining, "");
+                let tmp = rig.dir.path().join(".registry.json.tmp");
+                std::fs::write(&tmp, body).unwrap();
+                let mut snapshots = rig.node.subscribe();
+                snapshots.borrow_and_update();
+                t0 = Instant::now();
+                std::fs::rename(&tmp, &rig.registry_file).unwrap();
+                tokio::time::timeout(Duration::from_secs(10), snapshots.changed()).await.expect("the file change reached the node").unwrap();
+            } else {
+                t0 = Instant::now();
+                rig.node.apply([Change::UpsertService(mesh_service(touched, endpoints, draining.map(|(_, e)| e)))]);
+            }
+            let want = rig.node.snapshot();
+            assert!(rig.acks.wait_until(|s| same_versions(s, &want), Duration::from_secs(10)).await, "change {i} not ACKed within 10 s");
+            let took = t0.elapsed();
+            if through_file { via_file.push(took) } else { via_api.push(took) }
+            let d = delta(before, sent(&rig));
+            assert_eq!(d, [0, 1, 0, 0], "change {i} must send exactly one load assignment (CDS, EDS, LDS, RDS resources sent: {d:?})");
+        }
+    }
+    summary("endpoint change -> Envoy ACK, change API", &via_api);
+    summary("endpoint change -> Envoy ACK, registry file", &via_file);
+    println!("each of the {} changes sent Envoy exactly one resource (its load assignment)", changes * 2);
+
+    // A pod's ADD: its listener and its cluster. The first pod also brings the capture
+    // listener, so the check is on the second.
+    rig.node.apply([Change::UpsertPod(pod(1))]);
+    let want = rig.node.snapshot();
+    assert!(rig.acks.wait_until(|s| same_versions(s, &want), Duration::from_secs(10)).await);
+    let before = sent(&rig);
+    let t0 = Instant::now();
+    rig.node.apply([Change::UpsertPod(pod(2))]);
+    let want = rig.node.snapshot();
+    assert!(rig.acks.wait_until(|s| s.holds_pod("bench-pod-2", &pod(2).ips) && same_versions(s, &want), Duration::from_secs(10)).await);
+    let took = t0.elapsed();
+    let d = delta(before, sent(&rig));
+    let expect = KINDS.map(|k| u64::from(matches!(k, Kind::Cluster | Kind::Listener)));
+    assert_eq!(d, expect, "a pod's ADD must send one cluster and one listener (CDS, EDS, LDS, RDS: {d:?})");
+    println!("pod ADD -> Envoy ACK                              {:>8.2} ms  (one listener and one cluster sent)", ms(took));
+    let nacks: u64 = KINDS.iter().map(|k| rig.worker_counter("nacks", type_url(*k))).sum();
+    assert_eq!(nacks, 0, "Envoy rejected nothing");
+    drop(rig);
+
+    if api != AdsApi::Delta {
+        println!("on-demand clusters: delta ADS only; skipped for {}", api.api_type());
+        return;
+    }
+    // On-demand clusters: Envoy holds only what the pods call; the first call fetches it.
+    let real = upstream::spawn("real\n".into()).expect("upstream");
+    let extra = format!(
+        r#"{{"name":"real","namespace":"mesh","ports":[80],"endpoints":[{{"address":"{}","port":{}}}]}}"#,
+        real.addr.ip(),
+        real.addr.port()
+    );
+    let json = mesh_registry_json(services, endpoints, None, &extra);
+    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: true }).await;
+    println!("on-demand: Envoy initial sync                     {:>8.1} ms", ms(rig.envoy_synced));
+    let rss_lazy = envoy_rss(&rig);
+    println!("on-demand: Envoy RSS holding its pods' clusters   {rss_lazy:>8.1} MiB  ({:.0}% of every cluster's {rss_all:.1} MiB)", 100.0 * rss_lazy / rss_all);
+    let outbound = rig.outbound;
+    let t0 = Instant::now();
+    let first = tokio::task::spawn_blocking(move || load::get(outbound, "real.mesh")).await.unwrap();
+    let took = t0.elapsed();
+    match first {
+        Ok((200, body)) if body == "real\n" => {}
+        other => panic!("the first call to a service Envoy did not hold must succeed, got {other:?}; Envoy log:\n{}", rig.envoy.log_text()),
+    }
+    println!("on-demand: first call to a service not held       {:>8.2} ms  (200 from its upstream)", ms(took));
+    let observed = rig.observed.as_ref().expect("on-demand rig");
+    assert!(observed.contains("outbound|80||real.mesh"), "the called service is an observed upstream");
+    println!("on-demand: observed upstreams now {:?}", observed.names());
+}
