@@ -322,3 +322,114 @@ async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(api: A
 fn web_eds(h: &WorkerRig) -> Option<Vec<String>> {
     envoy::endpoints(&h.config_dump(), WEB)
 }
+
+/// Resources the worker has sent Envoy, per type (CDS, EDS, LDS, RDS).
+fn resources_sent(h: &WorkerRig) -> [u64; 4] {
+    [CDS, EDS, LDS, RDS].map(|t| h.worker_counter("resources", t))
+}
+
+fn diff(a: [u64; 4], b: [u64; 4]) -> [u64; 4] {
+    [0, 1, 2, 3].map(|i| b[i] - a[i])
+}
+
+/// The model's copy of service `s` of [`aether_e2e::testing::mesh_registry_json`].
+fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> aether_model::Service {
+    aether_model::Service {
+        name: format!("svc-{s:05}"),
+        namespace: "mesh".into(),
+        ports: vec![80],
+        vip: None,
+        endpoints: (0..endpoints)
+            .map(|e| aether_model::Endpoint {
+                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32).into(),
+                port: 8080,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: if draining == Some(e) { aether_model::EndpointState::Draining } else { aether_model::EndpointState::Healthy },
+            })
+            .collect(),
+    }
+}
+
+/// CI's short version of the scale benchmark (`cargo bench -p aether-e2e --bench scale`
+/// runs 10,000 services): over delta ADS, one endpoint change sends Envoy one load
+/// assignment, whether it comes through the change API or the registry file; a pod's ADD
+/// one listener and one cluster; a new server answering Envoy's reconnect nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_mesh_scale_a_change_sends_envoy_only_what_changed() {
+    let Some(envoy) = envoy_or_skip("at_mesh_scale_a_change_sends_envoy_only_what_changed") else { return };
+    envoy::init_logs("info");
+    let (services, endpoints) = (2_000, 10);
+    let json = aether_e2e::testing::mesh_registry_json(services, endpoints, None, "");
+    let mut h = WorkerRig::start(&envoy, &json, AdsApi::Delta).await;
+    assert_eq!(h.stat("cluster_manager.active_clusters").map(|n| n >= services as u64), Some(true), "Envoy holds the mesh");
+
+    // An endpoint turns draining, then healthy again: through the change API, then
+    // through the file (each source ends where it started, so the two agree).
+    for (i, s) in [17usize, 1_234, 1_999].into_iter().enumerate() {
+        for draining in [Some(i), None] {
+            let before = resources_sent(&h);
+            h.node.apply([Change::UpsertService(mesh_service(s, endpoints, draining))]);
+            assert!(h.wait_acked_current(BOUND).await, "endpoint change {i} ACKed");
+            assert_eq!(diff(before, resources_sent(&h)), [0, 1, 0, 0], "change API: one load assignment (CDS, EDS, LDS, RDS)");
+        }
+        for draining in [Some((s, i)), None] {
+            let before = resources_sent(&h);
+            h.write_registry(&aether_e2e::testing::mesh_registry_json(services, endpoints, draining, "")).await;
+            assert!(h.wait_acked_current(BOUND).await);
+            assert_eq!(diff(before, resources_sent(&h)), [0, 1, 0, 0], "registry file: one load assignment (CDS, EDS, LDS, RDS)");
+        }
+    }
+
+    let pod = |n: u8| Pod {
+        uid: format!("uid-{n}"),
+        namespace: "default".into(),
+        name: format!("app-{n}"),
+        container_id: format!("c{n}"),
+        netns: "/var/run/netns/x".into(),
+        ifname: "eth0".into(),
+        ips: vec![format!("10.244.0.{n}").parse().unwrap()],
+    };
+    h.node.apply([Change::UpsertPod(pod(1))]);
+    assert!(h.wait_acked_current(BOUND).await);
+    let before = resources_sent(&h);
+    h.node.apply([Change::UpsertPod(pod(2))]);
+    assert!(h.wait_acked_current(BOUND).await);
+    assert_eq!(diff(before, resources_sent(&h)), [1, 0, 1, 0], "a pod's ADD: one cluster and one listener (CDS, EDS, LDS, RDS)");
+
+    // A new server (as after a takeover) answers Envoy's reconnect with nothing it holds.
+    let initial_before = [CDS, EDS, LDS, RDS].map(|t| h.worker_counter("initial_resources", t));
+    let acks = h.restart_server();
+    let want = h.node.snapshot();
+    assert!(acks.wait_until(|s| envoy::same_versions(s, &want), BOUND).await, "Envoy reconnected and ACKed");
+    wait_for("the reconnect's first answers of every type", BOUND, || {
+        [CDS, EDS, LDS, RDS].iter().all(|t| h.worker_counter("pushes", t) > 0).then_some(())
+    });
+    let initial = [CDS, EDS, LDS, RDS].map(|t| h.worker_counter("initial_resources", t));
+    assert_eq!(diff(initial_before, initial), [0, 0, 0, 0], "the reconnect's first answers carry no resource");
+    let nacks: u64 = [CDS, EDS, LDS, RDS].iter().map(|t| h.worker_counter("nacks", t)).sum();
+    assert_eq!(nacks, 0);
+}
+
+/// With on-demand clusters Envoy holds only the node's pods' clusters and the observed
+/// upstreams; a pod's first call to any other service fetches its cluster (on-demand CDS
+/// over the ADS stream) and succeeds, and the service becomes an observed upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_demand_a_first_call_to_a_service_envoy_does_not_hold_succeeds() {
+    let Some(envoy) = envoy_or_skip("on_demand_a_first_call_to_a_service_envoy_does_not_hold_succeeds") else { return };
+    envoy::init_logs("info");
+    let u = upstream::spawn("web".into()).expect("upstream");
+    let json = registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)]), ("api", None, vec![(u.addr, false)])]);
+    let h = WorkerRig::start_with(&envoy, &json, aether_e2e::envoy::RigOptions { api: AdsApi::Delta, on_demand: true }).await;
+    let (clusters, _) = envoy::clusters(&h.config_dump());
+    assert!(!clusters.iter().any(|c| c == WEB), "Envoy does not hold {WEB} before a call: {clusters:?}");
+    assert_eq!(http_get(h.outbound, "web").unwrap(), (200, "web".to_string()), "the first call succeeds");
+    let (clusters, _) = envoy::clusters(&h.config_dump());
+    assert!(clusters.iter().any(|c| c == WEB), "Envoy holds {WEB} after the call: {clusters:?}");
+    assert!(!clusters.iter().any(|c| c == "outbound|80||api.default"), "nor any service its pods did not call");
+    let observed = h.observed.as_ref().expect("on-demand rig");
+    assert!(observed.contains(WEB), "{:?}", observed.names());
+    assert_eq!(observed.names().len(), 1);
+    assert_eq!(http_get(h.outbound, "web").unwrap(), (200, "web".to_string()), "and every later call");
+}
