@@ -706,3 +706,66 @@ fn the_old_owner_keeps_envoys_stream_until_its_successor_serves() {
         owner = next;
     }
 }
+
+/// On-demand clusters across rolls: the observed upstreams (the services the node's pods
+/// called, which Envoy fetched on demand) survive 20 surge rolls unchanged, every new
+/// owner serves Envoy's reconnect from them, and no standby, nor any owner after the
+/// first write, writes the file: its inode and mtime stay, and inotify on the state
+/// folder sees no write, create or rename of it.
+#[test]
+fn twenty_surge_rolls_keep_the_observed_upstreams_and_no_standby_writes_them() {
+    use nix::sys::inotify::{AddWatchFlags as F, InitFlags, Inotify};
+    use std::os::unix::fs::MetadataExt;
+    let test = "twenty_surge_rolls_keep_the_observed_upstreams_and_no_standby_writes_them";
+    let Some(envoy_bin) = envoy_or_skip(test) else { return };
+    // Starting the rig sends a request through Envoy: its first call to the service.
+    let mut rig = NodeRig::start_with(&envoy_bin, AdsApi::Delta, &["--on-demand-clusters"]);
+    let file = rig.node.state_dir.join("observed-upstreams.json");
+    let cluster = format!("outbound|80||{SERVICE}.default");
+    let content = wait_for("the owner to write the observed upstreams", T, || {
+        let text = std::fs::read_to_string(&file).ok()?;
+        let doc: Value = serde_json::from_str(&text).ok()?;
+        (doc["clusters"] == serde_json::json!([cluster])).then_some(text)
+    });
+    let meta = std::fs::metadata(&file).unwrap();
+    let (inode, mtime) = (meta.ino(), (meta.mtime(), meta.mtime_nsec()));
+    let watch = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).unwrap();
+    watch
+        .add_watch(&rig.node.state_dir, F::IN_CLOSE_WRITE | F::IN_MOVED_TO | F::IN_CREATE | F::IN_DELETE | F::IN_MODIFY)
+        .unwrap();
+    let look = rig.where_to_look();
+    let writes = |when: &str| {
+        let events = match watch.read_events() {
+            Ok(e) => e,
+            Err(nix::errno::Errno::EAGAIN) => Vec::new(),
+            Err(e) => panic!("inotify: {e}"),
+        };
+        let touched: Vec<String> = events
+            .iter()
+            .filter_map(|e| e.name.as_ref().map(|n| n.to_string_lossy().into_owned()))
+            .filter(|n| n.contains("observed-upstreams"))
+            .collect();
+        assert!(touched.is_empty(), "{when}: the observed upstreams were written: {touched:?}\n{look}");
+    };
+    for i in 1..=20 {
+        let next = rig.start_agent();
+        wait_for(&format!("roll {i}: {} to be a ready standby", next.name), T, || {
+            next.ready().filter(|(s, v)| *s == 200 && v["role"] == "standby").map(|_| ())
+        });
+        writes(&format!("roll {i}, while {} was a standby", next.name));
+        rig.owner.signal(Signal::SIGTERM);
+        let mut old = std::mem::replace(&mut rig.owner, next);
+        let status = old.wait_exit_timeout(T).unwrap_or_else(|e| panic!("roll {i}: {e:#}"));
+        assert!(status.success(), "roll {i}: {} exited with {status}; log:\n{}", old.name, old.log());
+        wait_for(&format!("roll {i}: {} to serve as owner", rig.owner.name), T, || rig.owner.serving_owner());
+        wait_for(&format!("roll {i}: a request through Envoy to {SERVICE}"), T, || load::request(rig.outbound, SERVICE).ok());
+        writes(&format!("roll {i}, after the takeover"));
+        assert!(rig.owner.log().contains("observed upstreams restored"), "roll {i}: the new owner restored the set");
+    }
+    let meta = std::fs::metadata(&file).unwrap();
+    assert_eq!((meta.ino(), (meta.mtime(), meta.mtime_nsec())), (inode, mtime), "the file was rewritten");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), content, "the observed set changed");
+    let dump = rig.config_dump();
+    assert!(dump.contains(&cluster), "Envoy still holds {cluster}");
+    rig.pass();
+}

@@ -40,6 +40,11 @@ impl NodeRig {
     pub const SERVICE: &str = "web";
 
     pub fn start(envoy_bin: &Path, api: AdsApi) -> NodeRig {
+        Self::start_with(envoy_bin, api, &[])
+    }
+
+    /// [`Self::start`], every agent started with `agent_args` too.
+    pub fn start_with(envoy_bin: &Path, api: AdsApi, agent_args: &[&str]) -> NodeRig {
         let service = Self::SERVICE;
         let mut node = LocalNode::new();
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
@@ -66,10 +71,11 @@ impl NodeRig {
         let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("free port");
         std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string())
             .expect("capture file");
-        let extra = vec![format!("--capture-file={}", capture.display())];
+        let mut extra = vec![format!("--capture-file={}", capture.display())];
+        extra.extend(agent_args.iter().map(|a| a.to_string()));
         eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
 
-        let owner = node.start_agent_with(&[extra[0].as_str()]);
+        let owner = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
         wait_for(&format!("{} to serve as owner", owner.name), T_START, || owner.serving_owner());
         let envoy = Envoy::start(envoy_bin, &root, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), api)
             .expect("start Envoy");
