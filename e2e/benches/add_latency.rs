@@ -15,12 +15,15 @@
 //! dir under `/var/tmp`, disk-backed like `/var/lib/aether`); `AETHER_BENCH_LOG` (a tracing
 //! filter, e.g. `aether_worker::xds=debug`) logs the worker to stderr, with the time from
 //! each snapshot change to each push and from each push to its ACK.
+//! `AETHER_BENCH_BURST=1000` runs the burst instead: `AETHER_BENCH_ADDS` pods added one
+//! at a time, then that many ADDs at once, with a real Envoy over delta ADS; it prints the
+//! burst's total time, the per-call median and p99, and the snapshots published.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use aether_e2e::cni_burst;
 use aether_e2e::envoy::{self, AdsApi, WorkerRig};
 use aether_e2e::testing::{self, percentile};
 use aether_model::Inputs;
@@ -28,7 +31,6 @@ use aether_worker::cni::{self, AckSource, CniService, PublishedAcks};
 use aether_worker::metrics::Metrics;
 use aether_worker::node::Node;
 use aether_worker::storage::Storage;
-use tokio::io::AsyncWriteExt;
 
 fn report(what: &str, samples: &[Duration]) {
     let ms = |p: f64| percentile(samples, p).expect("samples").as_secs_f64() * 1e3;
@@ -65,21 +67,7 @@ fn plugin_bin() -> PathBuf {
 }
 
 async fn plugin(bin: &Path, env: &[(&str, String)], stdin: &[u8]) -> Duration {
-    let start = Instant::now();
-    let mut child = tokio::process::Command::new(bin)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawning aether-cni");
-    let mut pipe = child.stdin.take().expect("stdin");
-    pipe.write_all(stdin).await.expect("writing stdin");
-    drop(pipe);
-    let out = child.wait_with_output().await.expect("waiting for aether-cni");
-    let elapsed = start.elapsed();
-    assert!(out.status.success(), "aether-cni failed: {}", String::from_utf8_lossy(&out.stdout));
-    elapsed
+    cni_burst::plugin(bin, env, stdin).await.unwrap_or_else(|e| panic!("aether-cni failed: {e}"))
 }
 
 struct Target {
@@ -107,21 +95,7 @@ async fn bench_adds(bin: &Path, what: &str, target: Target, n: usize) {
 
     let mut adds = Vec::with_capacity(n);
     for i in 0..n {
-        let uid = format!("bench-{i:05}");
-        let ip = format!("10.{}.{}.{}", 100 + i / 62500, (i / 250) % 250, i % 250 + 1);
-        let env = [
-            ("CNI_COMMAND", "ADD".to_string()),
-            ("CNI_CONTAINERID", format!("c{i:05}")),
-            ("CNI_NETNS", format!("/var/run/netns/bench-{i}")),
-            ("CNI_IFNAME", "eth0".into()),
-            ("CNI_ARGS", format!("K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p{i};K8S_POD_UID={uid}")),
-        ];
-        let conf = serde_json::json!({
-            "cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "agentSocket": socket,
-            "prevResult": {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/x"}],
-                           "ips": [{"address": format!("{ip}/16"), "interface": 0}]}
-        })
-        .to_string();
+        let (env, conf) = cni_burst::add_input(i, &socket);
         adds.push(plugin(bin, &env, conf.as_bytes()).await);
     }
     assert_eq!(storage.pods().len(), n, "every ADD stored");
@@ -134,6 +108,7 @@ async fn bench_adds(bin: &Path, what: &str, target: Target, n: usize) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n: usize = std::env::var("AETHER_BENCH_ADDS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+    let burst: usize = std::env::var("AETHER_BENCH_BURST").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     if let Ok(filter) = std::env::var("AETHER_BENCH_LOG") {
         envoy::init_logs(&filter);
     }
@@ -151,6 +126,19 @@ async fn main() {
 
     match envoy::envoy_bin() {
         None => println!("!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"),
+        Some(envoy) if burst > 0 => {
+            // A burst of concurrent ADDs on a node that already has `n` pods.
+            let h = WorkerRig::start(&envoy, &envoy::registry_json(&[]), AdsApi::Delta).await;
+            let b = cni_burst::run(&bin, &h, n, burst).await;
+            assert!(b.failures.is_empty(), "{} ADDs failed, first: {:?}", b.failures.len(), b.failures.first());
+            report(&format!("burst of {burst} concurrent ADDs at {n} pods, real Envoy, delta ADS, per call"), &b.calls);
+            println!(
+                "burst of {burst} concurrent ADDs at {n} pods: {:.0} ms in all, {} snapshots published, every pod in Envoy {:.1} ms after the last answer",
+                b.total.as_secs_f64() * 1e3,
+                b.snapshots,
+                b.all_in_envoy.expect("every pod reached Envoy").as_secs_f64() * 1e3
+            );
+        }
         Some(envoy) => {
             // Side by side: the same ADDs with Envoy on state-of-the-world ADS (every
             // listener and cluster resent per ADD) and on delta ADS (only the pod's).

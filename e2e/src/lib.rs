@@ -11,3 +11,4 @@ pub mod testing;
 pub mod envoy;
 pub mod harness;
 pub mod cnichain;
+pub mod cni_burst;
