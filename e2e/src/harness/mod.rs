@@ -70,6 +70,9 @@ pub struct Config {
     pub xds_api: envoy::AdsApi,
     pub results_dir: PathBuf,
     pub envoy: PathBuf,
+    /// ARG_MESH_SERVICES: that many more services (10 endpoints each, never dialled) in
+    /// the registry, to roll at mesh scale.
+    pub mesh_services: usize,
 }
 
 /// "0.1s", "100ms", "1" (seconds).
@@ -127,7 +130,11 @@ impl Config {
         let results_dir = var("ARG_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
-        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy })
+        let mesh_services = match var("ARG_MESH_SERVICES") {
+            Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_MESH_SERVICES={v:?} is not a whole number"))?,
+            None => 0,
+        };
+        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services })
     }
 
     pub fn bound(&self, mode: Mode) -> f64 {
@@ -155,6 +162,10 @@ pub struct Roll {
     pub stream_end_after_action: f64,
     /// From the action until the old generation's supervisor had exited (surge, recreate).
     pub old_exit_after_action: Option<f64>,
+    /// Surge: from the standby's start until `agent-ready` passed for it.
+    pub warmup: Option<f64>,
+    /// Resources in the new owner's first answers on Envoy's reconnect (its log).
+    pub reconnect_resources: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -175,6 +186,11 @@ pub struct ModeResult {
     pub errors: Vec<String>,
     pub node_dir: Option<PathBuf>,
     pub bound: f64,
+    /// From the first agent's start until it served as owner.
+    pub cold_start: Option<f64>,
+    /// The last owner's worker and Envoy, at the end (MiB): the worker's VmHWM, Envoy's VmRSS.
+    pub worker_vmhwm_mib: Option<f64>,
+    pub envoy_rss_mib: Option<f64>,
 }
 
 impl ModeResult {
@@ -224,6 +240,9 @@ impl ModeResult {
         let mode = self.mode.expect("mode set");
         let g = report::summarize(&self.gaps());
         let s = report::summarize(&self.served_gaps());
+        let excess: Vec<f64> = self.rolls.iter().filter_map(|r| Some(r.served_gap? - r.gap?)).collect();
+        let warmups: Vec<f64> = self.rolls.iter().filter_map(|r| r.warmup).collect();
+        let reconnect: Option<u64> = self.rolls.iter().map(|r| r.reconnect_resources).sum();
         let r = |x: f64| (x * 1e6).round() / 1e6;
         let failures = self.failures(cfg.rolls);
         json!({
@@ -254,6 +273,15 @@ impl ModeResult {
             "failures": failures,
             "plot": plot.display().to_string(),
             "node_dir": self.node_dir.as_ref().map(|p| p.display().to_string()),
+            "mesh_services": cfg.mesh_services,
+            "cold_start_s": self.cold_start.map(r),
+            "standby_warmup_median_s": percentile(&warmups, 50.0).map(r),
+            "standby_warmup_p99_s": percentile(&warmups, 99.0).map(r),
+            "served_minus_gap_median_s": percentile(&excess, 50.0).map(r),
+            "served_minus_gap_p99_s": percentile(&excess, 99.0).map(r),
+            "reconnect_resources": reconnect,
+            "worker_vmhwm_mib": self.worker_vmhwm_mib.map(|m| (m * 10.0).round() / 10.0),
+            "envoy_rss_mib": self.envoy_rss_mib.map(|m| (m * 10.0).round() / 10.0),
         })
     }
 }
@@ -285,6 +313,7 @@ struct Bench {
     cni: Arc<Cni>,
     pods: Arc<Mutex<Pods>>,
     lost_ever: BTreeSet<String>,
+    cold_start: Duration,
 }
 
 impl Bench {
@@ -308,7 +337,12 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         services.push(json!({ "name": name, "namespace": "default", "ports": [80], "endpoints": endpoints }));
     }
     let registry = root.join("registry.json");
-    std::fs::write(&registry, serde_json::to_vec_pretty(&json!({ "services": services }))?)?;
+    if cfg.mesh_services > 0 {
+        let real: Vec<String> = services.iter().map(|s| s.to_string()).collect();
+        std::fs::write(&registry, crate::testing::mesh_registry_json(cfg.mesh_services, 10, None, &real.join(",")))?;
+    } else {
+        std::fs::write(&registry, serde_json::to_vec_pretty(&json!({ "services": services }))?)?;
+    }
     node.registry_file = Some(registry);
     // A capture file with free ports, so that runs in parallel do not clash on 15001.
     let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
@@ -316,16 +350,20 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
     let extra = vec![format!("--capture-file={}", capture.display())];
 
+    let cold = Instant::now();
     let first = node.start_agent_with(&[extra[0].as_str()]);
     try_wait_for("the first agent to own the node", T_START, || first.serving_owner())
         .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
+    let cold_start = cold.elapsed();
     // As the chart runs it, outside the agent's pod; it fetches the owner's sockets.
     let keeper = node.start_keeper();
     try_wait_for("the socket keeper to hold the owner's sockets", T_START, || {
         keeper.log().contains("keeping the owner's node sockets").then_some(())
     })
     .with_context(|| format!("keeper log:\n{}", keeper.log()))?;
-    let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api).context("start Envoy")?;
+    // At mesh scale without the mesh's per-cluster stats, so that the poller stays cheap.
+    let envoy = Envoy::start_with_stats(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api, cfg.mesh_services == 0)
+        .context("start Envoy")?;
     try_wait_for("Envoy to connect and take its first config", T_START, || {
         let stats = envoy.stats(&[envoy::CONNECTED, envoy::UPDATE_TIMES[1]])?;
         (stats[envoy::CONNECTED] == 1 && stats[envoy::UPDATE_TIMES[1]] > 0).then_some(())
@@ -345,7 +383,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             bail!("ADD before the first roll failed: {:?}", pods.lock().unwrap().errors);
         }
     }
-    Ok(Bench { node, _keeper: keeper, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new() })
+    Ok(Bench { node, _keeper: keeper, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new(), cold_start })
 }
 
 /// Runs one mode on a fresh local node. The node's folder is kept (and named in the
@@ -381,6 +419,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
             return res;
         }
     };
+    res.cold_start = Some(bench.cold_start.as_secs_f64());
     let mut poller = Poller::start(bench.envoy.admin.clone());
     std::thread::sleep(Duration::from_millis(50));
     poller.reset_interval();
@@ -447,6 +486,10 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     res.stuck_dels = churn::settle(&bench.cni, &bench.pods, Duration::from_secs(5));
     res.cni_errors = bench.pods.lock().unwrap().errors.clone();
     res.lost_pods = bench.lost_ever.iter().cloned().collect();
+    if let Some(pid) = bench.owner.ready().and_then(|(_, v)| v["pid"].as_i64()) {
+        res.worker_vmhwm_mib = Some(crate::testing::memory_kib(pid as i32).1 as f64 / 1024.0);
+    }
+    res.envoy_rss_mib = Some(crate::testing::memory_kib(bench.envoy.pid()).0 as f64 / 1024.0);
     if res.failures(cfg.rolls).is_empty() && std::env::var_os("ARG_KEEP_NODE").is_none() {
         bench.node.root.disable_cleanup(false);
     } else {
@@ -493,12 +536,15 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let churn = Churn::start(b.cni.clone(), b.pods.clone(), std::env::var_os("ARG_NO_CHURN").is_none());
     let action;
     let mut old_exit = None;
+    let mut warmup = None;
     match mode {
         Mode::Surge => {
+            let started = Instant::now();
             let next = b.start_agent();
             let ready = try_wait_for(&format!("agent-ready to pass for standby {}", next.name), T_START, || {
                 agent_ready(&next.health_sock).then_some(())
             });
+            warmup = Some(started.elapsed().as_secs_f64());
             if let Err(e) = ready {
                 let _ = churn.stop();
                 return Err(e.context(format!("{} log:\n{}", next.name, next.log())));
@@ -546,10 +592,21 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             -(action - times.down).as_secs_f64()
         },
         old_exit_after_action: old_exit,
+        warmup,
+        reconnect_resources: (mode != Mode::WorkerCrash).then(|| reconnect_resources(&b.owner.log())),
         ..Default::default()
     };
     r.lost = check_pods(b)?;
     Ok(r)
+}
+
+/// The resources in an owner's first answers of each type on its streams, from its log
+/// (`first answer of the type on this stream`, with `resources=N`).
+fn reconnect_resources(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("first answer of the type on this stream"))
+        .filter_map(|l| l.split("resources=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
+        .sum()
 }
 
 impl Bench {
@@ -583,7 +640,9 @@ fn check_pods(b: &mut Bench) -> Result<u64> {
     // new owner really lost stays missing.
     let deadline = Instant::now() + Duration::from_secs(2);
     let missing = loop {
-        let (status, dump) = b.envoy.get("/config_dump").context("Envoy /config_dump")?;
+        // Listeners only: a pod has one (`inbound|<uid>`); at mesh scale the whole dump is
+        // tens of megabytes of clusters and load assignments.
+        let (status, dump) = b.envoy.get("/config_dump?resource=dynamic_listeners").context("Envoy /config_dump")?;
         if status != 200 {
             bail!("Envoy /config_dump answered {status}");
         }

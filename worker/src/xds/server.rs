@@ -189,6 +189,8 @@ async fn run_stream<P: Served>(
                 pushed_at[k.index()] = Some((nonce.to_string(), Instant::now()));
                 if !std::mem::replace(&mut answered[k.index()], true) {
                     metrics.xds_initial_resources.get_or_create(&label).inc_by(resources as u64);
+                    // A proxy reconnecting to a snapshot it holds gets none over delta ADS.
+                    tracing::info!(stream = id, node = %node_id, type_url, resources, "first answer of the type on this stream");
                 }
             }
             metrics.xds_pushes.get_or_create(&label).inc();
