@@ -13,6 +13,12 @@
 #   ARG_BACKOFF_BASE  Envoy's ADS reconnect backoff base (0.1s)
 #   ARG_BACKOFF_MAX   and max (1s)
 #   ARG_XDS_API       the ADS variant Envoy speaks: delta (DELTA_GRPC, the default) or sotw (GRPC)
+#   ARG_MESH_SERVICES that many more services in the registry, 10 endpoints each, never
+#                     dialled (0): rolls at mesh scale, e.g. 10000; Envoy then keeps no
+#                     per-cluster or per-vhost stats, so that polling its admin stays cheap
+#   ARG_NO_CHURN      set: no pod ADD/DEL during the rolls (then, over delta ADS, the new
+#                     owners' answers to Envoy's reconnect must carry nothing:
+#                     reconnect_resources 0)
 #   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)
 #   ARG_KEEP_NODE     set: keep the local node folder (logs) even when the run passes
 #   AETHER_E2E_AGENT_LOG  the agents' log filter (info), e.g. info,aether_worker::xds=debug

@@ -191,6 +191,9 @@ pub struct ModeResult {
     /// The last owner's worker and Envoy, at the end (MiB): the worker's VmHWM, Envoy's VmRSS.
     pub worker_vmhwm_mib: Option<f64>,
     pub envoy_rss_mib: Option<f64>,
+    /// No pod churn and delta ADS: a new owner's answers to Envoy's reconnect must be
+    /// empty (it holds the same snapshot as the owner Envoy left).
+    pub expect_empty_reconnects: bool,
 }
 
 impl ModeResult {
@@ -232,6 +235,10 @@ impl ModeResult {
         // the generations.
         if self.refused() > 0 {
             f.push(format!("Envoy had {} refused connects to xds.sock", self.refused()));
+        }
+        let reconnect: u64 = self.rolls.iter().filter_map(|r| r.reconnect_resources).sum();
+        if self.expect_empty_reconnects && reconnect > 0 {
+            f.push(format!("the new owners sent {reconnect} resources on Envoy's reconnects, which held them already"));
         }
         f
     }
@@ -389,7 +396,12 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
 /// Runs one mode on a fresh local node. The node's folder is kept (and named in the
 /// result) when anything failed.
 pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
-    let mut res = ModeResult { mode: Some(mode), bound: cfg.bound(mode), ..Default::default() };
+    let mut res = ModeResult {
+        mode: Some(mode),
+        bound: cfg.bound(mode),
+        expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some() && cfg.xds_api == envoy::AdsApi::Delta,
+        ..Default::default()
+    };
     let mut node = LocalNode::new();
     // Kept unless the mode passes, so that a setup error or a panic leaves the logs.
     node.root.disable_cleanup(true);
