@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{AdsApi, RigOptions, WorkerRig, same_versions};
 use aether_e2e::harness::{load, upstream};
-use aether_e2e::testing::{memory_kib, mesh_registry_json, percentile};
-use aether_model::{Change, Endpoint, EndpointState, KINDS, Kind, Pod, Service};
+use aether_e2e::testing::{memory_kib, mesh_registry_json, mesh_service, percentile};
+use aether_model::{Change, KINDS, Kind, Pod};
 use aether_worker::xds::kind::type_url;
 
 fn env(name: &str, default: usize) -> usize {
@@ -35,26 +35,6 @@ fn ms(d: Duration) -> f64 {
 fn summary(name: &str, v: &[Duration]) {
     let at = |p: f64| ms(percentile(v, p).expect("samples"));
     println!("{name:<46} n={:<4} median {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms", v.len(), at(50.0), at(99.0), at(100.0));
-}
-
-/// The model's service `s` of the generated mesh, with endpoint `draining` marked.
-fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> Service {
-    Service {
-        name: format!("svc-{s:05}"),
-        namespace: "mesh".into(),
-        ports: vec![80],
-        vip: None,
-        endpoints: (0..endpoints)
-            .map(|e| Endpoint {
-                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32).into(),
-                port: 8080,
-                service_port: 80,
-                node: String::new(),
-                pod: String::new(),
-                state: if draining == Some(e) { EndpointState::Draining } else { EndpointState::Healthy },
-            })
-            .collect(),
-    }
 }
 
 /// Resources the worker has sent, by kind.

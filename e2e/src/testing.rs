@@ -329,6 +329,27 @@ pub fn memory_kib(pid: i32) -> (u64, u64) {
     (kib("VmRSS:"), kib("VmHWM:"))
 }
 
+/// The model's service `s` of [`mesh_registry_json`], with endpoint `draining` marked: what
+/// the in-process change API gets for the same change as the file.
+pub fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> aether_model::Service {
+    aether_model::Service {
+        name: format!("svc-{s:05}"),
+        namespace: "mesh".into(),
+        ports: vec![80],
+        vip: None,
+        endpoints: (0..endpoints)
+            .map(|e| aether_model::Endpoint {
+                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32).into(),
+                port: 8080,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: if draining == Some(e) { aether_model::EndpointState::Draining } else { aether_model::EndpointState::Healthy },
+            })
+            .collect(),
+    }
+}
+
 /// A registry file (`--registry-file` schema) for a mesh of `services` services in
 /// namespace `mesh`, one port 80, `endpoints` endpoints each on port 8080 (addresses in
 /// 10.64.0.0/10, never dialled); `draining` marks one endpoint (service, endpoint).

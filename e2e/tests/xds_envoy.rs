@@ -332,26 +332,6 @@ fn diff(a: [u64; 4], b: [u64; 4]) -> [u64; 4] {
     [0, 1, 2, 3].map(|i| b[i] - a[i])
 }
 
-/// The model's copy of service `s` of [`aether_e2e::testing::mesh_registry_json`].
-fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> aether_model::Service {
-    aether_model::Service {
-        name: format!("svc-{s:05}"),
-        namespace: "mesh".into(),
-        ports: vec![80],
-        vip: None,
-        endpoints: (0..endpoints)
-            .map(|e| aether_model::Endpoint {
-                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32).into(),
-                port: 8080,
-                service_port: 80,
-                node: String::new(),
-                pod: String::new(),
-                state: if draining == Some(e) { aether_model::EndpointState::Draining } else { aether_model::EndpointState::Healthy },
-            })
-            .collect(),
-    }
-}
-
 /// CI's short version of the scale benchmark (`cargo bench -p aether-e2e --bench scale`
 /// runs 10,000 services): over delta ADS, one endpoint change sends Envoy one load
 /// assignment, whether it comes through the change API or the registry file; a pod's ADD
@@ -370,7 +350,7 @@ async fn at_mesh_scale_a_change_sends_envoy_only_what_changed() {
     for (i, s) in [17usize, 1_234, 1_999].into_iter().enumerate() {
         for draining in [Some(i), None] {
             let before = resources_sent(&h);
-            h.node.apply([Change::UpsertService(mesh_service(s, endpoints, draining))]);
+            h.node.apply([Change::UpsertService(aether_e2e::testing::mesh_service(s, endpoints, draining))]);
             assert!(h.wait_acked_current(BOUND).await, "endpoint change {i} ACKed");
             assert_eq!(diff(before, resources_sent(&h)), [0, 1, 0, 0], "change API: one load assignment (CDS, EDS, LDS, RDS)");
         }
