@@ -37,30 +37,41 @@ fn convert_one(s: &Snapshot, kind: Kind, name: &str) -> Option<Any> {
 impl Encoded {
     /// Encodes whatever of `s` is not cached yet, and forgets what `s` no longer holds.
     /// With `since`, the snapshot warmed before, only the names changed in between are
-    /// looked at (everything when the history does not reach back).
+    /// looked at (everything when the history does not reach back). The encoding itself
+    /// runs without the lock, so a stream's push never waits for a large warm-up.
     pub fn warm(&self, s: &Snapshot, since: Option<&Snapshot>) {
-        let mut types = self.types.lock().expect("encoded resources lock");
         for kind in KINDS {
-            let cache = &mut types[kind.index()];
             let current = s.hashes(kind);
-            let refresh = |cache: &mut HashMap<String, (u64, Any)>, name: &str| match current.get(name) {
-                Some(hash) if cache.get(name).is_none_or(|(h, _)| h != hash) => {
-                    if let Some(any) = convert_one(s, kind, name) {
-                        cache.insert(name.to_string(), (*hash, any));
+            let changed = since.and_then(|old| s.changed_since(old, kind));
+            // Under the lock: drop what is gone or stale, list what to encode.
+            let missing: Vec<(String, u64)> = {
+                let mut types = self.types.lock().expect("encoded resources lock");
+                let cache = &mut types[kind.index()];
+                let mut missing = Vec::new();
+                let mut look = |cache: &mut HashMap<String, (u64, Any)>, name: &str| match current.get(name) {
+                    Some(hash) if cache.get(name).is_none_or(|(h, _)| h != hash) => missing.push((name.to_string(), *hash)),
+                    Some(_) => {}
+                    None => {
+                        cache.remove(name);
+                    }
+                };
+                match &changed {
+                    Some(names) => names.iter().for_each(|n| look(cache, n)),
+                    None => {
+                        cache.retain(|name, (hash, _)| current.get(name) == Some(hash));
+                        current.keys().for_each(|n| look(cache, n));
                     }
                 }
-                Some(_) => {}
-                None => {
-                    cache.remove(name);
-                }
+                missing
             };
-            match since.and_then(|old| s.changed_since(old, kind)) {
-                Some(names) => names.into_iter().for_each(|n| refresh(cache, n)),
-                None => {
-                    cache.retain(|name, (hash, _)| current.get(name) == Some(hash));
-                    for name in current.keys() {
-                        refresh(cache, name);
-                    }
+            let encoded: Vec<(String, u64, Any)> =
+                missing.into_iter().filter_map(|(name, hash)| Some((convert_one(s, kind, &name)?, name, hash))).map(|(a, n, h)| (n, h, a)).collect();
+            let mut types = self.types.lock().expect("encoded resources lock");
+            let cache = &mut types[kind.index()];
+            for (name, hash, any) in encoded {
+                // A push may have encoded a newer version meanwhile: keep the newer.
+                if current.get(&name) == Some(&hash) {
+                    cache.insert(name, (hash, any));
                 }
             }
         }
@@ -102,7 +113,12 @@ pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: A
     loop {
         let s = snapshots.borrow_and_update().clone();
         metrics.snapshot_seq.set(s.seq as i64);
-        encoded.warm(&s, last.as_deref());
+        // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
+        // resource (about 0.2 s for 10,000 services) and must not hold up its gates.
+        let (e, next, prev) = (encoded.clone(), s.clone(), last.take());
+        if tokio::task::spawn_blocking(move || e.warm(&next, prev.as_deref())).await.is_err() {
+            tracing::error!("encoding warm-up failed; streams encode on demand");
+        }
         last = Some(s);
         if snapshots.changed().await.is_err() {
             return;
