@@ -172,8 +172,9 @@ impl Protocol for DeltaState {
                 }
             } else if t.names.insert(n.clone()) {
                 t.unsubscribed_needed.remove(n);
-                t.extra.insert(n.clone());
+                // A first subscription compares everything anyway.
                 if !first {
+                    t.extra.insert(n.clone());
                     t.answer |= !t.holds.contains_key(n);
                 }
             }
@@ -676,3 +677,4 @@ mod tests {
         assert!(!observed.contains("outbound|80||nope.d"));
     }
 }
+
