@@ -16,6 +16,7 @@ scripts/test-chart.sh also breaks the chart on purpose and asserts that each che
 
 import argparse
 import re
+import shlex
 import sys
 
 import yaml
@@ -407,6 +408,9 @@ def main():
     parser.add_argument("--backoff-max", default="1s")
     parser.add_argument("--ads-api-type", default="DELTA_GRPC", choices=["GRPC", "DELTA_GRPC"])
     parser.add_argument("--unit", help="check this systemd unit instead of a rendering")
+    parser.add_argument("--probe-creds", action="store_true",
+                        help="print the agent container's credentials and readiness probe as shell "
+                             "assignments (uid, gid, groups, caps, probe) instead of checking")
     parser.add_argument("rendered", nargs="?")
     args = parser.parse_args()
 
@@ -416,6 +420,21 @@ def main():
         except CheckFailed:
             return 1
         print("all checks passed")
+        return 0
+    if args.probe_creds:
+        with open(args.rendered, encoding="utf-8") as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        pod = objects_of(docs, "DaemonSet", "agent")[0]["spec"]["template"]["spec"]
+        agent = {c["name"]: c for c in pod["containers"]}["agent"]
+        sc, psc = agent.get("securityContext") or {}, pod.get("securityContext") or {}
+        uid = sc.get("runAsUser", psc.get("runAsUser", 0))
+        gid = sc.get("runAsGroup", psc.get("runAsGroup", uid))
+        groups = ",".join(str(g) for g in psc.get("supplementalGroups") or [])
+        caps = (sc.get("capabilities") or {})
+        assert caps.get("drop") == ["ALL"], f"the probe test assumes drop [ALL], got {caps.get('drop')}"
+        probe = " ".join(shlex.quote(a) for a in agent["readinessProbe"]["exec"]["command"])
+        print(f"uid={uid}\ngid={gid}\ngroups={groups}\ncaps={','.join(c.lower() for c in caps.get('add') or [])}")
+        print(f"probe={shlex.quote(probe)}")
         return 0
     if not args.rendered or args.surge is None:
         parser.error("RENDERED.yaml and --surge are required unless --unit is given")

@@ -210,6 +210,56 @@ grep -q "placeholder this chart does not fill" "$work/mut-new-placeholder.log" \
   || { cat "$work/mut-new-placeholder.log"; fail "mutation new-placeholder: helm failed for another reason"; }
 pass "mutation new-placeholder -> helm template fails: unfilled placeholder in the bootstrap template"
 
+step "the readiness probe as deployed: the chart's credentials against a real agent"
+# The chart's agent container runs the probe as uid 0 with only the chart's capabilities
+# (no CAP_DAC_OVERRIDE), against the worker's 0600 socket in its 0700 health folder (the
+# pod's emptyDir, 0777 as kubelet makes it, which the supervisor gives to the worker).
+# Both the agent and the probe run here under exactly the credentials the rendered chart
+# declares (setpriv), and the probe must pass; with CAP_SETUID and CAP_SETGID taken away
+# it must fail, so that this stage tests something.
+if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
+  echo "!!! SKIPPED the probe stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
+else
+  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready --bins
+  bin="${AETHER_BIN_DIR:-$root/target/debug}"
+  render "$chart" "$work/probe.yaml" ""
+  eval "$("$py" "$check" --probe-creds "$work/probe.yaml")"
+  # shellcheck disable=SC2154 # uid, gid, groups, caps, probe come from --probe-creds
+  creds=(--reuid "$uid" --regid "$gid" --inh-caps=-all)
+  if [[ -n "$groups" ]]; then creds+=(--groups "$groups"); else creds+=(--clear-groups); fi
+  bounding="-all$(printf ',+%s' ${caps//,/ })"
+  node="$work/probe-node"
+  # The worker (another uid) must be able to reach its folders, as on a node's /var/lib.
+  chmod 0711 "$work"
+  mkdir -p "$node/health" && chmod 0755 "$node" && chmod 0777 "$node/health"
+  setpriv "${creds[@]}" --bounding-set "$bounding" "$bin/aether-supervisor" --run-dir "$node/run" --state-dir "$node/state" \
+    --health-dir "$node/health" --metrics-addr off --worker-bin "$bin/aether-worker" >"$node/agent.log" 2>&1 &
+  agent_pid=$!
+  sock="$node/health/agent-health.sock"
+  # The chart's probe command, on this node's socket and with this build's binary.
+  read -r -a cmd <<<"${probe//\/tmp\/agent-health.sock/$sock}"
+  cmd[0]="$bin/${cmd[0]}"
+  ready=""
+  for _ in $(seq 1 200); do
+    if "${cmd[@]}" >/dev/null 2>&1; then ready=1; break; fi # as full root, until the agent is up
+    sleep 0.05
+  done
+  [[ -n "$ready" ]] || { kill "$agent_pid"; cat "$node/agent.log"; fail "the agent did not answer /ready within 10 s"; }
+  stat -c '%a %u:%g %n' "$node/health" "$sock"
+  if out="$(setpriv "${creds[@]}" --bounding-set "$bounding" "${cmd[@]}")"; then
+    pass "readiness probe under the chart's credentials (uid $uid, gid $gid, groups '${groups}', caps $caps): $out"
+  else
+    kill "$agent_pid"; fail "readiness probe under the chart's credentials (uid $uid, caps $caps): $out"
+  fi
+  narrowed="-all$(printf ',+%s' $(tr ',' '\n' <<<"$caps" | grep -vx -e setuid -e setgid))"
+  if out="$(setpriv "${creds[@]}" --bounding-set "$narrowed" "${cmd[@]}")"; then
+    kill "$agent_pid"; fail "mutation probe-no-setuid: the probe passed without CAP_SETUID and CAP_SETGID: $out"
+  fi
+  pass "mutation probe-no-setuid -> the probe fails: $out"
+  kill "$agent_pid"
+  wait "$agent_pid" 2>/dev/null || true
+fi
+
 step "systemd unit"
 unit="$root/deploy/systemd/aether-agent.service"
 "$py" "$check" --unit "$unit" || fail "check_chart.py --unit"
