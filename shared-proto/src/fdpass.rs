@@ -109,8 +109,9 @@ pub fn recv_raw(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(Vec<u8>, Vec
             e => return Err(e.into()),
         }
     };
-    // Take ownership of every delivered descriptor first, so any error below closes them.
-    let mut fds = Vec::new();
+    // Take ownership of every delivered descriptor first, so any error below closes them
+    // (off this thread: see `discard`).
+    let mut fds = Unwanted(Vec::new());
     let mut foreign = None;
     // SAFETY: hdr was filled in by a successful recvmsg; CMSG_FIRSTHDR/CMSG_NXTHDR walk
     // the control buffer within msg_controllen as the kernel wrote it.
@@ -124,7 +125,7 @@ pub fn recv_raw(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(Vec<u8>, Vec
                 for i in 0..len / mem::size_of::<RawFd>() {
                     let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
                     // The kernel just installed this descriptor for us; nobody else owns it.
-                    fds.push(OwnedFd::from_raw_fd(fd));
+                    fds.0.push(OwnedFd::from_raw_fd(fd));
                 }
             } else {
                 foreign = Some((level, kind));
@@ -141,16 +142,38 @@ pub fn recv_raw(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(Vec<u8>, Vec
     if let Some((level, kind)) = foreign {
         return Err(Error::UnexpectedControl { level, kind });
     }
-    if n == 0 && fds.is_empty() {
+    if n == 0 && fds.0.is_empty() {
         return Err(Error::Closed);
     }
     buf.truncate(n);
-    Ok((buf, fds))
+    Ok((buf, std::mem::take(&mut fds.0)))
+}
+
+/// Descriptors received but not (yet) accepted: dropped, they are discarded.
+struct Unwanted(Vec<OwnedFd>);
+
+impl Drop for Unwanted {
+    fn drop(&mut self) {
+        discard(std::mem::take(&mut self.0));
+    }
+}
+
+/// Closes descriptors a peer sent that the receiver does not accept, on a thread of their
+/// own. The last close of a socket with SO_LINGER and unsent data blocks for the linger
+/// time (a TTY with pending output can block too); a worker that passes the supervisor
+/// such a socket must not stall its event loop, which then kills that worker at once.
+/// Should the thread not start, they are closed here.
+pub fn discard(fds: Vec<OwnedFd>) {
+    if fds.is_empty() {
+        return;
+    }
+    let _ = std::thread::Builder::new().name("fd-discard".into()).spawn(move || drop(fds));
 }
 
 /// Receives one supervisor/worker message and checks its descriptor count.
 pub fn recv_control(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(Body, Vec<OwnedFd>), Error> {
     let (bytes, fds) = recv_raw(sock, nonblocking)?;
+    let fds = Unwanted(fds);
     let body = Envelope::decode(bytes.as_slice())?.body.ok_or(Error::Empty)?;
     check_count(body.name(), body.expected_fds(), fds)
         .map(|fds| (body, fds))
@@ -159,6 +182,7 @@ pub fn recv_control(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(Body, Ve
 /// Receives one handoff message and checks its descriptor count.
 pub fn recv_handoff(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(HandoffBody, Vec<OwnedFd>), Error> {
     let (bytes, fds) = recv_raw(sock, nonblocking)?;
+    let fds = Unwanted(fds);
     let body = HandoffEnvelope::decode(bytes.as_slice())?.body.ok_or(Error::Empty)?;
     let name = match body {
         HandoffBody::Hello(_) => "HandoffHello",
@@ -167,12 +191,12 @@ pub fn recv_handoff(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(HandoffB
     check_count(name, body.expected_fds(), fds).map(|fds| (body, fds))
 }
 
-fn check_count(message: &'static str, expected: usize, fds: Vec<OwnedFd>) -> Result<Vec<OwnedFd>, Error> {
-    if fds.len() != expected {
-        // Dropping `fds` closes every one of them.
-        return Err(Error::FdCount { message, got: fds.len(), expected });
+fn check_count(message: &'static str, expected: usize, mut fds: Unwanted) -> Result<Vec<OwnedFd>, Error> {
+    if fds.0.len() != expected {
+        // Dropping `fds` discards every one of them.
+        return Err(Error::FdCount { message, got: fds.0.len(), expected });
     }
-    Ok(fds)
+    Ok(std::mem::take(&mut fds.0))
 }
 
 /// Sends a supervisor/worker message.

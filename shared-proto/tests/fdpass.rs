@@ -39,6 +39,11 @@ fn exchange(body: Body, nfds: usize) -> Result<(Body, usize), String> {
         drop(attach);
         fdpass::recv_control(b.as_fd(), false).map(|(body, fds)| (body, fds.len())).map_err(|e| e.to_string())
     };
+    // Rejected descriptors are closed on a thread of their own (`fdpass::discard`).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while open_fds() != before && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
     assert_eq!(open_fds(), before, "descriptor leak after exchanging a message with {nfds} fds");
     result
 }
@@ -124,4 +129,42 @@ impl RawCompat for BorrowedFd<'_> {
         use std::os::fd::AsRawFd;
         self.as_raw_fd()
     }
+}
+
+/// A peer that passes an unexpected TCP socket with SO_LINGER set and unsent data (its
+/// remote end never reads) must not stall the receiver: that socket's last close blocks
+/// for the linger time, and the supervisor's event loop is the receiver. The receive
+/// answers at once, and the socket is closed off the receiving thread.
+#[test]
+fn an_unexpected_lingering_socket_does_not_block_the_receiver() {
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (stalled, _) = listener.accept().unwrap();
+    // Fill the send path: the remote end never reads.
+    client.set_nonblocking(true).unwrap();
+    let chunk = vec![0u8; 64 * 1024];
+    let mut queued = 0usize;
+    loop {
+        match client.write(&chunk) {
+            Ok(n) => queued += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("write: {e}"),
+        }
+    }
+    assert!(queued > 0);
+    client.set_nonblocking(false).unwrap();
+    nix::sys::socket::setsockopt(&client, nix::sys::socket::sockopt::Linger, &libc::linger { l_onoff: 1, l_linger: 5 }).unwrap();
+
+    let (a, b) = pair();
+    // A Drain carries no descriptor: this one is unexpected.
+    fdpass::send_control(a.as_fd(), Body::Drain(Drain::default()), &[client.as_fd()]).unwrap();
+    drop(client); // the receiver's copy is now the last one
+    let start = Instant::now();
+    let err = fdpass::recv_control(b.as_fd(), false).expect_err("an unexpected descriptor is refused");
+    let took = start.elapsed();
+    assert!(matches!(err, Error::FdCount { got: 1, expected: 0, .. }), "{err}");
+    assert!(took < Duration::from_millis(100), "the receive took {took:?}: the lingering close blocked it");
+    drop(stalled);
 }
