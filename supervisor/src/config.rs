@@ -32,7 +32,8 @@ pub struct Config {
     /// Worker executable [default: aether-worker beside this binary].
     #[arg(long, env = "AETHER_WORKER_BIN")]
     pub worker_bin: Option<PathBuf>,
-    /// uid:gid the worker runs as when the supervisor runs as root.
+    /// uid:gid the worker runs as when the supervisor runs as root; uid 0 and gid 0 are
+    /// refused.
     #[arg(long, env = "AETHER_WORKER_USER", default_value = "65532:65532", value_parser = parse_user)]
     pub worker_user: (u32, u32),
     /// Node name [default: the hostname].
@@ -93,6 +94,9 @@ fn parse_user(s: &str) -> Result<(u32, u32), String> {
     if uid == 0 {
         return Err(format!("worker user {s:?}: the worker must not run as uid 0"));
     }
+    if gid == 0 {
+        return Err(format!("worker user {s:?}: the worker must not run as gid 0 (root's group owns files it must not write)"));
+    }
     Ok((uid, gid))
 }
 
@@ -141,7 +145,7 @@ mod tests {
     #[test]
     fn worker_user_parsing() {
         assert_eq!(parse_user("65532:65532"), Ok((65532, 65532)));
-        for bad in ["65532", "a:1", "1:b", "0:0", ""] {
+        for bad in ["65532", "a:1", "1:b", "0:0", "65532:0", ""] {
             let err = parse_user(bad).expect_err(bad);
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }

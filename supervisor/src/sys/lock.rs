@@ -78,9 +78,33 @@ pub fn bump_generation(file: &mut File, path: &Path) -> Result<u64, LockError> {
     // what fences owners, and the number is only for operators.
     let _ = file.take(64).read_to_string(&mut text);
     let previous: u64 = text.trim().parse().unwrap_or(0);
-    let next = previous + 1;
+    // A forged u64::MAX (the worker holds the lock fd) must not overflow.
+    let next = previous.saturating_add(1);
     file.set_len(0).map_err(err)?;
     file.seek(SeekFrom::Start(0)).map_err(err)?;
     file.write_all(format!("{next}\n").as_bytes()).map_err(err)?;
     Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bump(record: &str) -> u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.lock");
+        std::fs::write(&path, record).unwrap();
+        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let next = bump_generation(&mut f, &path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{next}\n"));
+        next
+    }
+
+    #[test]
+    fn the_generation_counts_up_and_saturates_on_a_forged_maximum() {
+        assert_eq!(bump(""), 1);
+        assert_eq!(bump("41\n"), 42);
+        assert_eq!(bump("garbage"), 1);
+        assert_eq!(bump(&u64::MAX.to_string()), u64::MAX);
+    }
 }
