@@ -209,6 +209,14 @@ pub fn send_handoff(sock: BorrowedFd<'_>, body: HandoffBody, fds: &[BorrowedFd<'
     send(sock, &HandoffEnvelope { body: Some(body) }, fds)
 }
 
+/// A close-on-exec duplicate of `fd` numbered `min` or above (`F_DUPFD_CLOEXEC`); the
+/// original is closed when the caller drops it.
+pub fn dup_at_or_above(fd: &OwnedFd, min: RawFd) -> Result<OwnedFd, Error> {
+    let raw = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(min))?;
+    // SAFETY: F_DUPFD_CLOEXEC just returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
 /// Takes ownership of a socket a process inherited at `fd` (the worker's control socket at
 /// fd 3, a `SOCK_SEQPACKET`; the supervisor's listeners from systemd, `SOCK_STREAM`),
 /// after checking that it is an open socket of type `kind`. It is marked close-on-exec.

@@ -1,28 +1,23 @@
 //! `aether-worker`: the unprivileged half of the Aether node agent, started by
 //! `aether-supervisor` with its control socket at fd 3, no capabilities and no_new_privs.
+#![forbid(unsafe_code)]
 
 use clap::Parser;
 
 use aether_worker::config::Config;
 
-/// Moves the control socket to a descriptor number above those the worker opens at
-/// start. When a process dies, the kernel releases its files newest number first, and
-/// closing an inotify instance (the registry and capture watchers) waits for an SRCU
-/// grace period, about 10 ms on a busy node. Numbered above the watchers, the control
-/// socket is released before them, so the supervisor sees a crashed worker's end at once
-/// and respawns it instead of waiting out the grace period for its SIGCHLD.
-fn above_the_rest(fd: std::os::fd::OwnedFd) -> Result<std::os::fd::OwnedFd, shared_proto::fdpass::Error> {
-    use std::os::fd::FromRawFd;
-    let raw = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(64)).map_err(shared_proto::fdpass::Error::from)?;
-    // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that nothing else owns.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) })
-}
-
 fn main() {
     let cfg = Config::parse();
     shared_proto::logging::init(&cfg.log_format);
-    // Take the inherited control socket before anything else can open a descriptor.
-    let control = match shared_proto::fdpass::take_inherited(cfg.control_fd, nix::sys::socket::SockType::SeqPacket).and_then(above_the_rest) {
+    // Take the inherited control socket before anything else can open a descriptor, and
+    // move it above the descriptors the worker opens at start. When a process dies, the
+    // kernel releases its files newest number first, and closing an inotify instance (the
+    // registry and capture watchers) waits for an SRCU grace period, about 10 ms on a busy
+    // node. Numbered above the watchers, the control socket is released before them, so
+    // the supervisor sees a crashed worker's end at once and respawns it instead of
+    // waiting out the grace period for its SIGCHLD.
+    let inherited = shared_proto::fdpass::take_inherited(cfg.control_fd, nix::sys::socket::SockType::SeqPacket);
+    let control = match inherited.and_then(|fd| shared_proto::fdpass::dup_at_or_above(&fd, 64)) {
         Ok(fd) => fd,
         Err(e) => {
             tracing::error!(fd = cfg.control_fd, error = %e, "no control socket from the supervisor; aether-worker is started by aether-supervisor");
