@@ -5,8 +5,6 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Change;
-
 /// A service's identity. Ordered by namespace, then name: the order of the outbound
 /// route's virtual hosts.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -65,67 +63,5 @@ impl RegistryView {
     /// A view of `services`; a later service replaces an earlier one with the same key.
     pub fn new(services: impl IntoIterator<Item = Service>) -> Self {
         Self { services: services.into_iter().map(|s| (s.key(), s)).collect() }
-    }
-
-    /// The changes that turn this view into `next`: removals first, then every service
-    /// that is new or differs. Unchanged services give no change.
-    pub fn diff(&self, next: &RegistryView) -> Vec<Change> {
-        // One merge of the two sorted maps: no lookups.
-        let mut removed = Vec::new();
-        let mut upserted = Vec::new();
-        let (mut old, mut new) = (self.services.iter().peekable(), next.services.iter().peekable());
-        loop {
-            match (old.peek(), new.peek()) {
-                (Some((ko, so)), Some((kn, sn))) => match ko.cmp(kn) {
-                    std::cmp::Ordering::Less => {
-                        removed.push(Change::RemoveService((*ko).clone()));
-                        old.next();
-                    }
-                    std::cmp::Ordering::Greater => {
-                        upserted.push(Change::UpsertService((*sn).clone()));
-                        new.next();
-                    }
-                    std::cmp::Ordering::Equal => {
-                        if so != sn {
-                            upserted.push(Change::UpsertService((*sn).clone()));
-                        }
-                        old.next();
-                        new.next();
-                    }
-                },
-                (Some((ko, _)), None) => {
-                    removed.push(Change::RemoveService((*ko).clone()));
-                    old.next();
-                }
-                (None, Some((_, sn))) => {
-                    upserted.push(Change::UpsertService((*sn).clone()));
-                    new.next();
-                }
-                (None, None) => break,
-            }
-        }
-        removed.extend(upserted);
-        removed
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn svc(name: &str, port: u16) -> Service {
-        Service { name: name.into(), namespace: "d".into(), ports: vec![port], vip: None, endpoints: vec![] }
-    }
-
-    #[test]
-    fn diff_names_only_what_changed() {
-        let a = RegistryView::new([svc("a", 80), svc("b", 80), svc("c", 80)]);
-        let b = RegistryView::new([svc("a", 80), svc("b", 81), svc("d", 80)]);
-        assert_eq!(a.diff(&b), vec![
-            Change::RemoveService(svc("c", 80).key()),
-            Change::UpsertService(svc("b", 81)),
-            Change::UpsertService(svc("d", 80)),
-        ]);
-        assert!(b.diff(&b).is_empty());
     }
 }

@@ -36,9 +36,9 @@
 //! Kubernetes ConfigMap symlink swaps are seen) and also polls every [`POLL_INTERVAL`].
 //! Each look is a `stat` first: the file is read again only when its size, mtime,
 //! ctime or inode moved, so an idle 7 MB registry costs a stat per poll. Reading,
-//! hashing, parsing and diffing against the last view run on a blocking thread, never
-//! on the runtime's; the node then gets only the services that changed, which its
-//! builder rebuilds alone. A file over `--registry-max-bytes` is rejected unread.
+//! hashing and parsing run on a blocking thread, never on the runtime's, and parse only
+//! the services whose text is new since the last load; the node gets those and the
+//! removals, and its builder rebuilds them alone. A file over `--registry-max-bytes` is rejected unread.
 //! A malformed, oversized or missing file keeps the last good view and logs an error
 //! naming the file and, for JSON, the line and column; `registry_loaded` is set only by
 //! a good load, so a standby with a broken registry file stays incomplete, visibly.
@@ -232,12 +232,13 @@ pub fn spawn_embedded(path: Option<PathBuf>, max_bytes: u64, node: Arc<Node>, me
 /// The registry file as a source: each good load becomes the changes from the last one.
 ///
 /// A reload scans the file once, leaving each service's JSON unparsed, and hashes each
-/// service's text: only a service whose text is new is parsed, validated and compared
-/// with the last view. An endpoint change in a 7 MB file parses one service.
+/// service's text: only a service whose text is new is parsed, validated and sent as an
+/// upsert (the builder drops one that equals what it holds); a key the last load had and
+/// this one lacks is a removal. An endpoint change in a 7 MB file parses one service.
 #[derive(Default)]
 struct RegistryFile {
-    last: RegistryView,
-    /// The key of each service text of the last good load, by the text's hash and length.
+    /// The key of each service text of the last good load, by the text's hash and length:
+    /// its values are that load's services.
     texts: HashMap<(u64, usize), ServiceKey>,
 }
 
@@ -259,33 +260,19 @@ impl FileSource for RegistryFile {
                     let fs: FileService = serde_json::from_str(text).map_err(|e| FileError::json_at(path, bytes, offset, &e))?;
                     let service = validate(path, i, fs)?;
                     let key = service.key();
-                    if self.last.services.get(&key) != Some(&service) {
-                        upserts.push(service);
-                    }
+                    upserts.push(service);
                     key
                 }
             };
             if !keys.insert(key.clone()) {
-                let s = self.last.services.get(&key).cloned().or_else(|| upserts.iter().find(|s| s.key() == key).cloned());
-                return Err(match s {
-                    Some(s) => listed_twice(path, i, &s),
-                    None => FileError::Invalid { path: path.to_owned(), message: format!("services[{i}] ({key}): service listed twice") },
-                });
+                let message = format!("services[{i}] ({}.{}): service listed twice", key.name, key.namespace);
+                return Err(FileError::Invalid { path: path.to_owned(), message });
             }
             texts.insert(id, key);
         }
         // Committed only now: a rejected file changes nothing.
-        let mut changes: Vec<Change> =
-            self.last.services.keys().filter(|k| !keys.contains(*k)).map(|k| Change::RemoveService(k.clone())).collect();
-        for c in &changes {
-            if let Change::RemoveService(k) = c {
-                self.last.services.remove(k);
-            }
-        }
-        for s in upserts {
-            self.last.services.insert(s.key(), s.clone());
-            changes.push(Change::UpsertService(s));
-        }
+        let removed = self.texts.values().filter(|k| !keys.contains(*k)).map(|k| Change::RemoveService(k.clone()));
+        let changes = removed.chain(upserts.into_iter().map(Change::UpsertService)).collect();
         self.texts = texts;
         Ok(changes)
     }
