@@ -6,6 +6,8 @@
 //!   attached over `SCM_RIGHTS`, received with `MSG_CMSG_CLOEXEC`, truncation rejected.
 //! - `cni` (feature `cni-api`): the CNI gRPC API between `aether-cni` and the worker.
 //! - `logging` (feature `logging`): the log setup both processes share.
+//! - `registry` (feature `registry-api`): the registry gRPC API between agents and a
+//!   registrar.
 //!
 //! `unsafe` in this crate lives only in [`fdpass`], around `recvmsg(2)` and the control
 //! message walk, where `nix` cannot hand back the descriptors of a truncated message.
@@ -17,3 +19,5 @@ pub mod fdpass;
 pub mod cni;
 #[cfg(feature = "logging")]
 pub mod logging;
+#[cfg(feature = "registry-api")]
+pub mod registry;
