@@ -15,6 +15,7 @@ pub mod hash;
 mod inputs;
 mod pod;
 mod registry;
+pub mod registry_file;
 mod snapshot;
 
 pub use builder::{Builder, build};

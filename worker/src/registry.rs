@@ -3,32 +3,10 @@
 //!
 //! # File schema
 //!
-//! ```json
-//! {
-//!   "services": [
-//!     {
-//!       "name": "web",                 // DNS label: [a-z0-9]([-a-z0-9]*[a-z0-9])?, ≤ 63
-//!       "namespace": "default",        // DNS label
-//!       "ports": [80, 8080],           // service ports, 1..=65535, no repeats, ≥ 1
-//!       "vip": "10.96.0.10",           // optional virtual IP
-//!       "endpoints": [
-//!         {
-//!           "address": "10.0.0.5",     // IP of the endpoint
-//!           "port": 8080,              // port on the endpoint, 1..=65535
-//!           "service_port": 80,        // which service port it serves; optional when
-//!                                      // the service has one port
-//!           "node": "node-a",          // optional
-//!           "pod": "web-5d8f",         // optional
-//!           "state": "healthy"         // optional: "healthy" (default) or "draining"
-//!         }
-//!       ]
-//!     }
-//!   ]
-//! }
-//! ```
-//! (JSON has no comments; they are explanation here.) Unknown fields are rejected so a
-//! typo is an error, not a silently ignored setting. A service is keyed by namespace and
-//! name; the same key twice is an error.
+//! The schema, its parsing and its validation are the model's
+//! ([`aether_model::registry_file`]), shared with `aether-registrar apply`. Unknown
+//! fields are rejected so a typo is an error, not a silently ignored setting. A service
+//! is keyed by namespace and name; the same key twice is an error.
 //!
 //! # Reload
 //!
@@ -44,88 +22,25 @@
 //! a good load, so a standby with a broken registry file stays incomplete, visibly.
 //! With no file configured the registry is empty and counts as loaded.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::IpAddr;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_model::{Change, Endpoint, EndpointState, RegistryView, Service, ServiceKey};
+use aether_model::registry_file::{FileService, listed_twice, validate};
+use aether_model::{Change, ServiceKey};
 use serde::Deserialize;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
 use crate::node::Node;
 
+pub use aether_model::registry_file::{FileError, parse};
+
 /// How often a watched file is re-read even without an inotify event.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(500);
-
-#[derive(Debug, thiserror::Error)]
-pub enum FileError {
-    #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
-    #[error("{path}:{line}:{column}: {message}")]
-    Json { path: PathBuf, line: usize, column: usize, message: String },
-    #[error("{path}: {message}")]
-    Invalid { path: PathBuf, message: String },
-    #[error("{path} is {size} bytes, over the limit of {limit} bytes (--registry-max-bytes); not read")]
-    TooLarge { path: PathBuf, size: u64, limit: u64 },
-}
-
-impl FileError {
-    pub(crate) fn json(path: &Path, e: &serde_json::Error) -> Self {
-        Self::Json { path: path.to_owned(), line: e.line(), column: e.column(), message: e.to_string() }
-    }
-
-    /// A JSON error in the part of `file` that starts at byte `offset`, located in the
-    /// whole file.
-    fn json_at(path: &Path, file: &[u8], offset: usize, e: &serde_json::Error) -> Self {
-        let before = &file[..offset.min(file.len())];
-        let lines = before.iter().filter(|b| **b == b'\n').count();
-        let col0 = before.len() - before.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1);
-        let (line, column) = if e.line() <= 1 { (lines + 1, col0 + e.column()) } else { (lines + e.line(), e.column()) };
-        // serde_json ends its message with the position in what it parsed; say the file's.
-        let text = e.to_string();
-        let bare = text.strip_suffix(&format!(" at line {} column {}", e.line(), e.column())).unwrap_or(&text);
-        Self::Json { path: path.to_owned(), line, column, message: format!("{bare} at line {line} column {column}") }
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileDoc {
-    #[serde(default)]
-    services: Vec<FileService>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileService {
-    name: String,
-    namespace: String,
-    ports: Vec<u16>,
-    #[serde(default)]
-    vip: Option<IpAddr>,
-    #[serde(default)]
-    endpoints: Vec<FileEndpoint>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileEndpoint {
-    address: IpAddr,
-    port: u16,
-    #[serde(default)]
-    service_port: Option<u16>,
-    #[serde(default)]
-    node: String,
-    #[serde(default)]
-    pod: String,
-    #[serde(default)]
-    state: EndpointState,
-}
 
 /// The file with each service left unparsed: a scan, no allocation per field.
 #[derive(Deserialize)]
@@ -133,82 +48,6 @@ struct FileEndpoint {
 struct RawDoc<'a> {
     #[serde(borrow, default)]
     services: Vec<&'a serde_json::value::RawValue>,
-}
-
-/// Parses and validates a registry file's content.
-pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
-    let doc: FileDoc = serde_json::from_slice(bytes).map_err(|e| FileError::json(path, &e))?;
-    let mut services = BTreeMap::new();
-    for (i, s) in doc.services.into_iter().enumerate() {
-        let service = validate(path, i, s)?;
-        match services.entry(service.key()) {
-            std::collections::btree_map::Entry::Vacant(v) => {
-                v.insert(service);
-            }
-            std::collections::btree_map::Entry::Occupied(_) => {
-                return Err(listed_twice(path, i, &service));
-            }
-        }
-    }
-    Ok(RegistryView { services })
-}
-
-fn listed_twice(path: &Path, i: usize, s: &Service) -> FileError {
-    FileError::Invalid { path: path.to_owned(), message: format!("services[{i}] ({}.{}): service listed twice", s.name, s.namespace) }
-}
-
-/// Checks one service of the file (`services[i]`) and converts it into the model's.
-fn validate(path: &Path, i: usize, s: FileService) -> Result<Service, FileError> {
-    let invalid = |message: String| FileError::Invalid { path: path.to_owned(), message };
-    // Error context is formatted only for an error: a 10,000-service file would
-    // otherwise build 110,000 location strings per reload.
-    {
-        let at = || format!("services[{i}] ({}.{})", s.name, s.namespace);
-        for (what, v) in [("name", &s.name), ("namespace", &s.namespace)] {
-            if !is_dns_label(v) {
-                return Err(invalid(format!("{}: {what} {v:?} is not a DNS label", at())));
-            }
-        }
-        if s.ports.is_empty() {
-            return Err(invalid(format!("{}: ports is empty", at())));
-        }
-        for (k, p) in s.ports.iter().enumerate() {
-            if *p == 0 || s.ports[..k].contains(p) {
-                return Err(invalid(format!("{}: port {p} is 0 or listed twice", at())));
-            }
-        }
-        let mut endpoints = Vec::with_capacity(s.endpoints.len());
-        for (j, e) in s.endpoints.into_iter().enumerate() {
-            let eat = || format!("{}.endpoints[{j}]", at());
-            if e.port == 0 {
-                return Err(invalid(format!("{}: port is 0", eat())));
-            }
-            let service_port = match (e.service_port, s.ports.as_slice()) {
-                (Some(p), ports) if ports.contains(&p) => p,
-                (Some(p), _) => return Err(invalid(format!("{}: service_port {p} is not a port of the service", eat()))),
-                (None, [only]) => *only,
-                (None, _) => return Err(invalid(format!("{}: service_port is required for a service with several ports", eat()))),
-            };
-            endpoints.push(Endpoint {
-                address: e.address,
-                port: e.port,
-                service_port,
-                node: e.node,
-                pod: e.pod,
-                state: e.state,
-            });
-        }
-        Ok(Service { name: s.name, namespace: s.namespace, ports: s.ports, vip: s.vip, endpoints })
-    }
-}
-
-fn is_dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
 }
 
 /// Runs the embedded registry: loads `path` into the node's inputs, marks the registry
@@ -265,8 +104,7 @@ impl FileSource for RegistryFile {
                 }
             };
             if !keys.insert(key.clone()) {
-                let message = format!("services[{i}] ({}.{}): service listed twice", key.name, key.namespace);
-                return Err(FileError::Invalid { path: path.to_owned(), message });
+                return Err(listed_twice(path, i, &key.name, &key.namespace));
             }
             texts.insert(id, key);
         }
@@ -534,64 +372,9 @@ impl DirEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use aether_model::RegistryView;
 
-    fn check(json: &str, expected: Result<&str, &str>) {
-        let got = parse(Path::new("/etc/aether/registry.json"), json.as_bytes());
-        match (got, expected) {
-            (Ok(view), Ok(want)) => {
-                let s: Vec<String> = view
-                    .services
-                    .values()
-                    .map(|s| {
-                        let eps: Vec<String> = s
-                            .endpoints
-                            .iter()
-                            .map(|e| format!("{}:{}@{}:{:?}", e.address, e.port, e.service_port, e.state))
-                            .collect();
-                        format!("{}.{} {:?} {:?} [{}]", s.name, s.namespace, s.ports, s.vip, eps.join(" "))
-                    })
-                    .collect();
-                assert_eq!(s.join("\n"), want);
-            }
-            (Err(e), Err(want)) => assert!(e.to_string().contains(want), "error {e:?} lacks {want:?}"),
-            (got, want) => panic!("got {got:?}, want {want:?}"),
-        }
-    }
-
-    #[test]
-    fn parses_and_sorts_services() {
-        check(
-            r#"{"services":[
-                {"name":"web","namespace":"prod","ports":[80],"endpoints":[{"address":"10.0.0.1","port":8080}]},
-                {"name":"api","namespace":"prod","ports":[80,81],"vip":"10.96.0.1","endpoints":[
-                  {"address":"10.0.0.2","port":9000,"service_port":81,"state":"draining","node":"n","pod":"p"}]}
-            ]}"#,
-            Ok("api.prod [80, 81] Some(10.96.0.1) [10.0.0.2:9000@81:Draining]\nweb.prod [80] None [10.0.0.1:8080@80:Healthy]"),
-        );
-        check("{}", Ok(""));
-    }
-
-    #[test]
-    fn rejects_bad_input_with_location() {
-        check("{\"services\": [\n  {\"name\": }", Err("/etc/aether/registry.json:2:12"));
-        check(r#"{"services":[{"name":"web","namespace":"d","ports":[80],"prots":1}]}"#, Err("unknown field `prots`"));
-        check(r#"{"services":[{"name":"Web","namespace":"d","ports":[80]}]}"#, Err("name \"Web\" is not a DNS label"));
-        check(r#"{"services":[{"name":"w","namespace":"d","ports":[80]},{"name":"w","namespace":"d","ports":[81]}]}"#, Err("listed twice"));
-        check(r#"{"services":[{"name":"w","namespace":"d","ports":[80,80]}]}"#, Err("port 80 is 0 or listed twice"));
-        check(r#"{"services":[{"name":"w","namespace":"d","ports":[]}]}"#, Err("ports is empty"));
-        check(
-            r#"{"services":[{"name":"w","namespace":"d","ports":[80,81],"endpoints":[{"address":"10.0.0.1","port":1}]}]}"#,
-            Err("services[0] (w.d).endpoints[0]: service_port is required"),
-        );
-        check(
-            r#"{"services":[{"name":"w","namespace":"d","ports":[80],"endpoints":[{"address":"10.0.0.1","port":1,"service_port":90}]}]}"#,
-            Err("service_port 90 is not a port"),
-        );
-        check(
-            r#"{"services":[{"name":"w","namespace":"d","ports":[80],"endpoints":[{"address":"10.0.0.1","port":1,"state":"gone"}]}]}"#,
-            Err("unknown variant `gone`"),
-        );
-    }
+    // Parsing and validation are tested beside them, in `aether_model::registry_file`.
 
     #[tokio::test]
     async fn reloads_on_change_and_keeps_last_good_on_malformed() {
