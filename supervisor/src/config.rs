@@ -42,10 +42,15 @@ pub struct Config {
     /// Instance key of this agent [default: aether-agent-<pid>].
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
-    /// Registrar gRPC endpoint [default: none, the embedded local registry]. Accepted and
-    /// passed on; the worker has no registrar client yet and says so at start.
+    /// Registrar addresses, comma-separated, each `unix:///path` or `host:port` [default:
+    /// none, the embedded local registry]. The worker watches the registry there (keyed by
+    /// cluster, node and --pod-name), and a standby is not ready until it has loaded it.
+    /// Exclusive with --registry-file.
     #[arg(long, env = "AETHER_REGISTRAR")]
     pub registrar: Option<String>,
+    /// The mesh cluster this node belongs to, as the registrar keys its watch streams.
+    #[arg(long, env = "AETHER_CLUSTER", default_value = "default")]
+    pub cluster: String,
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
     #[arg(long, env = "AETHER_REGISTRY_FILE")]
     pub registry_file: Option<PathBuf>,

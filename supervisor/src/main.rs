@@ -102,6 +102,7 @@ fn worker_args(cfg: &Config) -> Vec<String> {
     }
     if let Some(r) = &cfg.registrar {
         a.push(format!("--registrar={r}"));
+        a.push(format!("--cluster={}", cfg.cluster));
     }
     if let Some(s) = &cfg.spiffe_endpoint {
         a.push(format!("--spiffe-endpoint={s}"));

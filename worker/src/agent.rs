@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::Storage;
 use crate::takeover::{self, Action, Event, Gate, Phase, State};
-use crate::{capture, cni, fdcheck, httpmini, registry, writers, xds};
+use crate::{capture, cni, fdcheck, httpmini, registrar, registry, writers, xds};
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
 const CAPTURE_GATE: Duration = Duration::from_secs(10);
@@ -55,10 +55,16 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     cni::load(&node, &storage);
     // Restored in a standby too; written by the owner alone (see `writers`).
     let observed = writers::Observed::restore(&cfg.state_dir);
-    let _registry = registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone());
+    let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
+    let status = Arc::new(watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name)));
+    let problems = health::Problems::new(status.clone());
+    let registrar = registrar_source(&cfg)?;
+    let _registry = match &registrar {
+        Some((addrs, me)) => registrar::spawn(addrs.clone(), me.clone(), node.clone(), metrics.clone(), problems.clone()),
+        None => registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone()),
+    };
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
 
-    let status = watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name));
     let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
     tokio::spawn(health::serve(health_listener, status.subscribe()));
 
@@ -113,6 +119,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     Action::Serve => {
                         let o = owned.as_mut().expect("Serve follows a takeover");
                         serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, drained_tx.clone())?);
+                        // The owner alone writes the mesh-DNS snapshot and its heartbeat.
+                        tokio::spawn(writers::mesh_dns::run_writer(mesh_dns.clone()));
                     }
                     Action::Drain => match serving.as_mut().and_then(|s| s.drain_cni.take()) {
                         Some(tx) => {
@@ -128,6 +136,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                             Ok(wrote) => info!(wrote, clusters = observed.names().len(), "observed upstreams flushed before release"),
                             Err(e) => error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed"),
                         }
+                        mesh_dns.flush();
                         // The listeners went with the servers; the lock is the last
                         // descriptor of the node this process holds besides the streams.
                         if let Some(o) = &mut owned {
@@ -147,6 +156,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                 s.role = if state.owner { "owner" } else { "standby" };
                 s.phase = state.phase.as_str();
                 s.ready = state.ready();
+                s.waiting_for = state.waiting_for();
                 if let Some(o) = &owned {
                     s.generation = o.generation;
                     s.takeover = Some(o.times);
@@ -223,6 +233,17 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     }
 }
 
+/// The registrar addresses and this agent's key, when `--registrar` is set.
+fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Address>, registrar::Identity)>> {
+    let Some(list) = &cfg.registrar else { return Ok(None) };
+    anyhow::ensure!(
+        cfg.registry_file.is_none(),
+        "--registrar and --registry-file are both set; the registry comes from one source: the registrar in a cluster, the file on one machine"
+    );
+    let me = registrar::Identity { cluster: cfg.cluster.clone(), node: cfg.node_name.clone(), instance: cfg.pod_name.clone() };
+    Ok(Some((registrar::parse_addresses(list)?, me)))
+}
+
 /// An owner's servers, as the drain needs them.
 struct Serving {
     /// Tells the CNI API to stop taking calls; it reports on `drained` once the calls in
@@ -292,13 +313,15 @@ fn serve(
     ));
     // The owner alone writes what the proxy showed it uses.
     tokio::spawn(writers::run_writer(observed.clone()));
+    // The owner alone sets drain marks: a standby never reaches this point.
+    let marks = registrar_source(cfg)?.map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
     let (drain_cni, drain) = oneshot::channel();
     let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
     tokio::spawn(async move {
         let shutdown = async move {
             let _ = drain.await;
         };
-        if let Err(e) = cni::serve(cni_l, node, storage, acks, m, shutdown).await {
+        if let Err(e) = cni::serve(cni_l, node, storage, acks, m, marks, shutdown).await {
             error!(error = %format!("{e:#}"), "CNI API stopped");
         }
         let _ = drained.send(()).await;

@@ -34,8 +34,12 @@ pub struct Config {
     /// The proxy fetches the mesh's clusters on demand (delta ADS only).
     #[arg(long)]
     pub on_demand_clusters: bool,
+    /// Registrar addresses, comma-separated: `unix:///path` or `host:port`.
     #[arg(long)]
     pub registrar: Option<String>,
+    /// The mesh cluster this node belongs to, as the registrar keys its watch streams.
+    #[arg(long, default_value = "default")]
+    pub cluster: String,
     #[arg(long)]
     pub spiffe_endpoint: Option<String>,
     /// "off" or an address; bound only once this worker owns the node.

@@ -27,6 +27,11 @@ pub struct Status {
     pub node: String,
     pub pod: String,
     pub pid: u32,
+    /// The gates not yet passed (`storage`, `registry`, `capture`); empty when complete.
+    pub waiting_for: Vec<&'static str>,
+    /// Degraded conditions this worker knows; they never turn a serving owner's
+    /// readiness off.
+    pub problems: Vec<Problem>,
     /// Takeover timings in microseconds, once this worker took the node over.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub takeover: Option<TakeoverTimes>,
@@ -55,8 +60,53 @@ impl Status {
             node: node.into(),
             pod: pod.into(),
             pid: std::process::id(),
+            waiting_for: Vec::new(),
+            problems: Vec::new(),
             takeover: None,
         }
+    }
+}
+
+/// A degraded condition, as `/ready` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    pub source: &'static str,
+    pub message: String,
+    /// Unix seconds at which the condition (from this source) began.
+    pub since: u64,
+}
+
+/// The handle sources report their problems through; one problem per source.
+#[derive(Clone)]
+pub struct Problems(std::sync::Arc<watch::Sender<Status>>);
+
+impl Problems {
+    pub fn new(status: std::sync::Arc<watch::Sender<Status>>) -> Self {
+        Self(status)
+    }
+
+    /// Sets `source`'s problem; it keeps its `since` while the source stays in trouble.
+    pub fn set(&self, source: &'static str, message: String) {
+        self.0.send_if_modified(|s| match s.problems.iter_mut().find(|p| p.source == source) {
+            Some(p) if p.message == message => false,
+            Some(p) => {
+                p.message = message;
+                true
+            }
+            None => {
+                let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                s.problems.push(Problem { source, message, since });
+                true
+            }
+        });
+    }
+
+    pub fn clear(&self, source: &'static str) {
+        self.0.send_if_modified(|s| {
+            let before = s.problems.len();
+            s.problems.retain(|p| p.source != source);
+            before != s.problems.len()
+        });
     }
 }
 

@@ -20,6 +20,7 @@ pub mod health;
 pub mod httpmini;
 pub mod metrics;
 pub mod node;
+pub mod registrar;
 pub mod registry;
 pub mod storage;
 pub mod takeover;

@@ -24,10 +24,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    // Accepted for the contract's sake; their clients are not part of this agent yet.
-    if let Some(r) = &cfg.registrar {
-        tracing::warn!(registrar = %r, "--registrar is set, but this agent has no registrar client yet: it serves the embedded registry (--registry-file) only");
-    }
+    // Accepted for the contract's sake; its client is not part of this agent yet.
     if let Some(s) = &cfg.spiffe_endpoint {
         tracing::warn!(spiffe_endpoint = %s, "--spiffe-endpoint is set, but this agent has no workload-identity client yet: no certificates are served");
     }

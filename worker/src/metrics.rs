@@ -28,6 +28,17 @@ pub struct CniLabel {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: String,
+}
+
+/// A file of the state folder, by its name there (`mesh-dns.json`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FileLabel {
+    pub file: String,
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
@@ -45,6 +56,13 @@ pub struct Metrics {
     pub cni_refused_peers: Counter,
     pub storage_quarantined: Counter,
     pub registry_reload_errors: Counter,
+    pub state_writes: Family<FileLabel, Counter>,
+    pub state_write_errors: Family<FileLabel, Counter>,
+    pub registrar_connected: Gauge,
+    pub registrar_resyncs: Counter,
+    pub registrar_changes: Counter,
+    pub registry_revision: Gauge,
+    pub registrar_drain_marks: Family<ResultLabel, Counter>,
 }
 
 fn phase_histogram() -> Histogram {
@@ -71,6 +89,13 @@ impl Metrics {
             cni_refused_peers: Counter::default(),
             storage_quarantined: Counter::default(),
             registry_reload_errors: Counter::default(),
+            state_writes: Family::default(),
+            state_write_errors: Family::default(),
+            registrar_connected: Gauge::default(),
+            registrar_resyncs: Counter::default(),
+            registrar_changes: Counter::default(),
+            registry_revision: Gauge::default(),
+            registrar_drain_marks: Family::default(),
         };
         let r = &mut m.registry;
         r.register("takeover_phase_seconds", "Duration of each takeover phase", m.takeover_phase_seconds.clone());
@@ -92,6 +117,13 @@ impl Metrics {
         r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());
         r.register("storage_quarantined", "Pod records moved to quarantine", m.storage_quarantined.clone());
         r.register("registry_reload_errors", "Registry or capture file reloads rejected", m.registry_reload_errors.clone());
+        r.register("state_writes", "Owner-only state files written (atomically), by file", m.state_writes.clone());
+        r.register("state_write_errors", "Owner-only state file writes that failed, by file (the log names the path)", m.state_write_errors.clone());
+        r.register("registrar_connected", "1 while a registrar watch stream is open", m.registrar_connected.clone());
+        r.register("registrar_resyncs", "Full views the registrar sent again because a resume was not possible", m.registrar_resyncs.clone());
+        r.register("registrar_changes", "Single-key changes received from the registrar", m.registrar_changes.clone());
+        r.register("registry_revision", "The registrar revision this agent's registry view is at", m.registry_revision.clone());
+        r.register("registrar_drain_marks", "Drain marks sent by the owner, by result (set, not_found, refused, retry)", m.registrar_drain_marks.clone());
         Arc::new(m)
     }
 

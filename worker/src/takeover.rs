@@ -104,6 +104,15 @@ impl State {
             && (self.gates.capture_landed || self.capture_timed_out)
     }
 
+    /// The gates not yet passed, as `/ready` names them.
+    pub fn waiting_for(&self) -> Vec<&'static str> {
+        let g = &self.gates;
+        [(g.storage_loaded, "storage"), (g.registry_loaded, "registry"), (g.capture_landed, "capture")]
+            .into_iter()
+            .filter_map(|(passed, name)| (!passed).then_some(name))
+            .collect()
+    }
+
     /// `GET /ready`: a complete standby, or an owner that serves.
     pub fn ready(&self) -> bool {
         matches!(self.phase, Phase::StandbyComplete | Phase::Serving)

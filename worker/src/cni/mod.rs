@@ -43,16 +43,21 @@ pub use service::CniService;
 pub const DRAIN_BOUND: Duration = Duration::from_secs(5);
 
 /// Serves the CNI API on `listener` until `shutdown` resolves, then lets in-flight calls
-/// finish (bounded) before returning.
+/// finish (bounded) before returning. With `marks`, a DEL also marks the pod's registry
+/// endpoints draining at the registrar.
 pub async fn serve(
     listener: tokio::net::UnixListener,
     node: Arc<Node>,
     storage: Arc<Storage>,
     acks: Acks,
     metrics: Arc<Metrics>,
+    marks: Option<crate::registrar::Marks>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let service = CniService::new(node, storage, Arc::new(acks), metrics);
+    let mut service = CniService::new(node, storage, Arc::new(acks), metrics);
+    if let Some(marks) = marks {
+        service = service.with_drain_marks(marks);
+    }
     serve_service(listener, service, shutdown, DRAIN_BOUND).await
 }
 

@@ -43,6 +43,8 @@ struct Inner {
     /// Set under the lifecycle lock once the server has drained: from then on no call
     /// changes anything.
     drained: AtomicBool,
+    /// With a registrar: a DEL marks the pod's registry endpoints draining.
+    marks: Option<crate::registrar::Marks>,
 }
 
 impl CniService {
@@ -69,7 +71,27 @@ impl CniService {
         metrics: Arc<Metrics>,
         ack_timeout: Duration,
     ) -> Self {
-        Self { inner: Arc::new(Inner { queue: Default::default(), node, storage, acks, metrics, ack_timeout, drained: AtomicBool::new(false) }) }
+        Self {
+            inner: Arc::new(Inner {
+                queue: Default::default(),
+                node,
+                storage,
+                acks,
+                metrics,
+                ack_timeout,
+                drained: AtomicBool::new(false),
+                marks: None,
+            }),
+        }
+    }
+
+    /// A DEL also asks `marks` to set the pod's registry endpoints draining. Call before
+    /// the service is shared.
+    pub fn with_drain_marks(mut self, marks: crate::registrar::Marks) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.marks = Some(marks);
+        }
+        self
     }
 
     /// Waits for any change in progress, then refuses every later one.
@@ -240,6 +262,9 @@ impl Inner {
             .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?
             .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?;
         self.node.apply([Change::RemovePod(pod.uid.clone())]);
+        if let Some(marks) = &self.marks {
+            pod.ips.iter().for_each(|ip| marks.drain(*ip));
+        }
         tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), "CNI DEL");
         Ok(DelResponse { found: true })
     }

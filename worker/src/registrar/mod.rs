@@ -1,0 +1,352 @@
+//! The registrar client: this node's view of the mesh registry, watched over the
+//! registry API (`aether.registry.v1`), and the owner's drain marks.
+//!
+//! # The watch
+//! One `WatchEndpoints` stream keyed by cluster, node and instance (this agent's pod
+//! name), so an owner and its standby each keep their own stream for the whole overlap.
+//! The first full view sets the registry gate; each later batch goes through the
+//! [`Mirror`] to the node as upserts or removals of the services it touched, never as a
+//! re-read of the whole view. When the stream ends the client reconnects with jittered
+//! backoff (0.1 s doubling to 1 s), to the next of the `--registrar` addresses, and
+//! resumes from its revision: the registrar sends only what changed since, or a full
+//! view marked `resync` when it cannot. Until the first full view the gate stays shut:
+//! a standby is not complete, and `/ready` names the problem.
+//!
+//! # Drain marks
+//! [`Marks`] is the owner's handle: the CNI API, which only the owner serves, sends it a
+//! deleted pod's IPs, and a task sets their endpoints DRAINING with `SetEndpointState`,
+//! retrying while the registrar is unreachable. A standby holds no handle and so writes
+//! nothing; nothing is deregistered on exit.
+
+mod mirror;
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use hyper_util::rt::TokioIo;
+use shared_proto::registry as pb;
+use shared_proto::registry::registry_client::RegistryClient;
+use tokio::sync::mpsc;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tracing::{debug, info, warn};
+
+use crate::health::Problems;
+use crate::metrics::Metrics;
+use crate::node::Node;
+pub use mirror::Mirror;
+
+/// The problem source `/ready` names while the registrar cannot be reached.
+pub const PROBLEM: &str = "registrar";
+/// How long one connect attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One registrar address: `unix:///path` or `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Address::Unix(p) => write!(f, "unix://{}", p.display()),
+            Address::Tcp(a) => f.write_str(a),
+        }
+    }
+}
+
+/// Parses `--registrar`: a comma-separated list of addresses, as a Service spreads them.
+pub fn parse_addresses(list: &str) -> anyhow::Result<Vec<Address>> {
+    let mut out = Vec::new();
+    for a in list.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        if let Some(path) = a.strip_prefix("unix://") {
+            anyhow::ensure!(path.starts_with('/'), "--registrar {a:?}: a unix address needs an absolute path (unix:///run/registrar.sock)");
+            out.push(Address::Unix(path.into()));
+        } else {
+            let (host, port) = a.rsplit_once(':').with_context(|| format!("--registrar {a:?}: expected host:port or unix:///path"))?;
+            anyhow::ensure!(!host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0), "--registrar {a:?}: expected host:port with a port in 1..=65535");
+            out.push(Address::Tcp(a.to_owned()));
+        }
+    }
+    anyhow::ensure!(!out.is_empty(), "--registrar {list:?}: no address");
+    Ok(out)
+}
+
+/// Who this agent is to the registrar.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub cluster: String,
+    pub node: String,
+    pub instance: String,
+}
+
+/// Connects to `addr`, with HTTP/2 keepalives so a registrar that stops answering ends
+/// the stream instead of holding it.
+async fn connect(addr: &Address) -> anyhow::Result<RegistryClient<Channel>> {
+    let endpoint = |uri: String| -> anyhow::Result<Endpoint> {
+        Ok(Endpoint::from_shared(uri)?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true))
+    };
+    let channel = match addr {
+        Address::Tcp(a) => tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect()).await??,
+        Address::Unix(path) => {
+            let path = path.clone();
+            let connector = tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+            });
+            tokio::time::timeout(CONNECT_TIMEOUT, endpoint("http://registrar.invalid".into())?.connect_with_connector(connector)).await??
+        }
+    };
+    Ok(RegistryClient::new(channel).max_decoding_message_size(256 << 20))
+}
+
+/// Jittered exponential backoff: 0.1 s doubling to 1 s, each wait drawn in its upper
+/// half, so that a node's agents do not reconnect in step.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+    seed: u64,
+}
+
+impl Backoff {
+    pub const BASE: Duration = Duration::from_millis(100);
+    pub const MAX: Duration = Duration::from_secs(1);
+
+    pub fn new(seed: u64) -> Self {
+        Self { next: Self::BASE, seed: seed | 1 }
+    }
+
+    pub fn reset(&mut self) {
+        self.next = Self::BASE;
+    }
+
+    pub fn next_wait(&mut self) -> Duration {
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let d = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        let half = d / 2;
+        half + Duration::from_nanos(self.seed % (half.as_nanos() as u64 + 1))
+    }
+}
+
+fn seed() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    t ^ u64::from(std::process::id()).rotate_left(32)
+}
+
+/// Watches the registrar at `addrs` until the task is aborted, feeding the node.
+pub fn spawn(addrs: Vec<Address>, me: Identity, node: Arc<Node>, metrics: Arc<Metrics>, problems: Problems) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut mirror = Mirror::default();
+        let mut backoff = Backoff::new(seed());
+        for attempt in 0usize.. {
+            let addr = &addrs[attempt % addrs.len()];
+            match watch_once(addr, &me, &mut mirror, &node, &metrics, &problems).await {
+                Ok(progressed) => {
+                    if progressed {
+                        backoff.reset();
+                    }
+                    warn!(registrar = %addr, revision = mirror.revision(), "registrar stream ended; reconnecting");
+                    problems.set(PROBLEM, format!("registrar {addr}: stream ended at revision {}; reconnecting", mirror.revision()));
+                }
+                Err((progressed, e)) => {
+                    if progressed {
+                        backoff.reset();
+                    }
+                    let state = if mirror.loaded() { "serving the last view" } else { "registry not loaded" };
+                    warn!(registrar = %addr, revision = mirror.revision(), error = %format!("{e:#}"), "registrar unreachable; {state}");
+                    problems.set(PROBLEM, format!("registrar {addr}: {e:#} ({state})"));
+                }
+            }
+            metrics.registrar_connected.set(0);
+            tokio::time::sleep(backoff.next_wait()).await;
+        }
+    })
+}
+
+/// One stream: connect, watch from the mirror's revision, apply until it ends. Says
+/// whether anything arrived, so the backoff starts over after a stream that worked.
+async fn watch_once(
+    addr: &Address,
+    me: &Identity,
+    mirror: &mut Mirror,
+    node: &Node,
+    metrics: &Metrics,
+    problems: &Problems,
+) -> Result<bool, (bool, anyhow::Error)> {
+    let mut client = connect(addr).await.map_err(|e| (false, e.context("connecting")))?;
+    let request = pb::WatchEndpointsRequest {
+        cluster: me.cluster.clone(),
+        node: me.node.clone(),
+        instance: me.instance.clone(),
+        resume_revision: mirror.revision(),
+    };
+    let mut stream = client.watch_endpoints(request).await.map_err(|s| (false, status_error(s)))?.into_inner();
+    metrics.registrar_connected.set(1);
+    info!(registrar = %addr, resume_revision = mirror.revision(), instance = %me.instance, "registrar stream open");
+    let mut progressed = false;
+    loop {
+        let message = match stream.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(progressed),
+            Err(s) => return Err((progressed, status_error(s))),
+        };
+        progressed = true;
+        let (changes, skipped, full) = match message.kind {
+            Some(pb::watch_endpoints_response::Kind::Full(full)) => {
+                if full.resync {
+                    metrics.registrar_resyncs.inc();
+                    warn!(registrar = %addr, reason = %full.reason, revision = full.revision, "registrar sent a full view again (resync)");
+                }
+                let (c, s) = mirror.apply_full(full);
+                (c, s, true)
+            }
+            Some(pb::watch_endpoints_response::Kind::Changes(batch)) => {
+                metrics.registrar_changes.inc_by(batch.changes.len() as u64);
+                let (c, s) = mirror.apply_batch(batch);
+                (c, s, false)
+            }
+            None => continue,
+        };
+        for s in skipped {
+            warn!(registrar = %addr, skipped = %s.0, "registrar entry skipped");
+        }
+        node.apply(changes);
+        metrics.registry_revision.set(mirror.revision());
+        if full || !mirror.loaded() {
+            info!(registrar = %addr, revision = mirror.revision(), services = mirror.services(), "registry loaded from the registrar");
+        }
+        if mirror.loaded() {
+            node.set_gate(|g| g.registry_loaded = true);
+            problems.clear(PROBLEM);
+        }
+    }
+}
+
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+/// The owner's drain marks: a deleted pod's IPs, set DRAINING at the registrar.
+#[derive(Clone)]
+pub struct Marks {
+    tx: mpsc::UnboundedSender<IpAddr>,
+}
+
+impl Marks {
+    /// Asks for `ip`'s endpoints on this node to be marked draining.
+    pub fn drain(&self, ip: IpAddr) {
+        let _ = self.tx.send(ip);
+    }
+
+    /// Starts the writer. Only the owner calls this (from serving): a standby has no
+    /// handle and writes nothing.
+    pub fn spawn(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(mark_writer(addrs, me, metrics, rx));
+        Self { tx }
+    }
+}
+
+async fn mark_writer(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>, mut rx: mpsc::UnboundedReceiver<IpAddr>) {
+    let mut pending = BTreeSet::new();
+    let mut backoff = Backoff::new(seed());
+    let mut attempt = 0usize;
+    let mut client: Option<RegistryClient<Channel>> = None;
+    loop {
+        if pending.is_empty() {
+            match rx.recv().await {
+                Some(ip) => pending.insert(ip),
+                None => return,
+            };
+        }
+        while let Ok(ip) = rx.try_recv() {
+            pending.insert(ip);
+        }
+        let addr = &addrs[attempt % addrs.len()];
+        let c = match &mut client {
+            Some(c) => c,
+            None => match connect(addr).await {
+                Ok(c) => client.insert(c),
+                Err(e) => {
+                    warn!(registrar = %addr, pending = pending.len(), error = %format!("{e:#}"), "drain marks: registrar unreachable; retrying");
+                    attempt += 1;
+                    tokio::time::sleep(backoff.next_wait()).await;
+                    continue;
+                }
+            },
+        };
+        let ip = *pending.iter().next().expect("not empty");
+        let request = pb::SetEndpointStateRequest {
+            service: None,
+            address: ip.to_string(),
+            state: pb::EndpointState::Draining as i32,
+            node: me.node.clone(),
+            instance: me.instance.clone(),
+        };
+        let result = match c.set_endpoint_state(request).await {
+            Ok(r) => {
+                info!(address = %ip, services = r.get_ref().marked, revision = r.get_ref().revision, "drain mark set");
+                "set"
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                debug!(address = %ip, "drain mark: no registry endpoint at this address");
+                "not_found"
+            }
+            Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                warn!(address = %ip, error = %s.message(), "drain mark refused by the registrar");
+                "refused"
+            }
+            Err(s) => {
+                warn!(registrar = %addr, address = %ip, error = %status_error(s), "drain mark failed; retrying");
+                metrics.registrar_drain_marks.get_or_create(&crate::metrics::ResultLabel { result: "retry".into() }).inc();
+                client = None;
+                attempt += 1;
+                tokio::time::sleep(backoff.next_wait()).await;
+                continue;
+            }
+        };
+        metrics.registrar_drain_marks.get_or_create(&crate::metrics::ResultLabel { result: result.into() }).inc();
+        pending.remove(&ip);
+        backoff.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests;
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+
+    #[test]
+    fn addresses_parse_and_errors_name_the_value() {
+        let a = parse_addresses("unix:///run/r.sock, 127.0.0.1:7000,registrar.mesh:7000").unwrap();
+        assert_eq!(a, vec![Address::Unix("/run/r.sock".into()), Address::Tcp("127.0.0.1:7000".into()), Address::Tcp("registrar.mesh:7000".into())]);
+        for bad in ["unix://relative", "nohostport", "host:0", "host:99999", ""] {
+            let e = parse_addresses(bad).unwrap_err().to_string();
+            assert!(e.contains("--registrar"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_backoff_stays_between_a_tenth_of_a_second_and_one_second_and_resets() {
+        let mut b = Backoff::new(42);
+        let waits: Vec<_> = (0..8).map(|_| b.next_wait()).collect();
+        assert!(waits.iter().all(|w| *w >= Backoff::BASE / 2 && *w <= Backoff::MAX), "{waits:?}");
+        assert!(waits[0] <= Backoff::BASE && waits[7] >= Backoff::MAX / 2, "{waits:?}");
+        b.reset();
+        assert!(b.next_wait() <= Backoff::BASE);
+    }
+}

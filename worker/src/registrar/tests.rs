@@ -1,0 +1,191 @@
+//! The mirror against the registrar's own model of the registry: whatever the order of
+//! single-key changes, the services the node ends with equal a full view of the same
+//! state.
+
+use std::collections::BTreeMap;
+
+use aether_model::{Change, EndpointState, Service, ServiceKey};
+use shared_proto::registry as pb;
+
+use super::mirror::Mirror;
+
+fn key(ns: &str, name: &str) -> pb::ServiceKey {
+    pb::ServiceKey { namespace: ns.into(), name: name.into() }
+}
+
+fn ep(addr: &str, port: u32, node: &str, state: pb::EndpointState) -> pb::Endpoint {
+    pb::Endpoint { address: addr.into(), port, service_port: 80, node: node.into(), pod: String::new(), state: state as i32 }
+}
+
+fn service(name: &str, vip: &str, endpoints: Vec<pb::Endpoint>) -> pb::Service {
+    pb::Service { key: Some(key("default", name)), ports: vec![80], vip: vip.into(), endpoints }
+}
+
+fn change(kind: pb::change::Kind) -> pb::Change {
+    pb::Change { kind: Some(kind) }
+}
+
+fn batch(revision: i64, changes: Vec<pb::change::Kind>) -> pb::ChangeBatch {
+    pb::ChangeBatch { revision, changes: changes.into_iter().map(change).collect() }
+}
+
+/// Applies `changes` to a map of services, as the node's builder would.
+fn apply(node: &mut BTreeMap<ServiceKey, Service>, changes: Vec<Change>) {
+    for c in changes {
+        match c {
+            Change::UpsertService(s) => {
+                node.insert(s.key(), s);
+            }
+            Change::RemoveService(k) => {
+                node.remove(&k);
+            }
+            other => panic!("the mirror sends services only, not {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_full_view_then_one_endpoint_upsert_touches_one_service() {
+    let mut m = Mirror::default();
+    let full = pb::FullView {
+        revision: 7,
+        services: vec![service("a", "10.96.0.1", vec![ep("10.0.0.1", 8080, "n1", pb::EndpointState::Healthy)]), service("b", "", vec![])],
+        ..Default::default()
+    };
+    let (changes, skipped) = m.apply_full(full);
+    assert!(skipped.is_empty());
+    assert_eq!(changes.len(), 2);
+    assert_eq!(m.revision(), 7);
+    let (changes, _) = m.apply_batch(batch(
+        8,
+        vec![pb::change::Kind::EndpointUpserted(pb::EndpointUpsert {
+            service: Some(key("default", "b")),
+            endpoint: Some(ep("10.0.0.2", 8080, "n2", pb::EndpointState::Healthy)),
+        })],
+    ));
+    let [Change::UpsertService(b)] = changes.as_slice() else { panic!("one upsert: {changes:?}") };
+    assert_eq!((b.name.as_str(), b.endpoints.len()), ("b", 1));
+    assert_eq!(m.revision(), 8);
+}
+
+#[test]
+fn a_drain_mark_turns_the_endpoint_draining_and_its_removal_turns_it_back() {
+    let mut m = Mirror::default();
+    m.apply_full(pb::FullView { revision: 1, services: vec![service("a", "", vec![ep("10.0.0.1", 8080, "n1", pb::EndpointState::Healthy)])], ..Default::default() });
+    let mark = |state: pb::EndpointState, node: &str| {
+        pb::change::Kind::StateChanged(pb::DrainMark { service: Some(key("default", "a")), address: "10.0.0.1".into(), state: state as i32, node: node.into() })
+    };
+    let (changes, _) = m.apply_batch(batch(2, vec![mark(pb::EndpointState::Draining, "n1")]));
+    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+    assert_eq!(a.endpoints[0].state, EndpointState::Draining);
+    let (changes, _) = m.apply_batch(batch(3, vec![mark(pb::EndpointState::Healthy, "")]));
+    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+    assert_eq!(a.endpoints[0].state, EndpointState::Healthy);
+}
+
+#[test]
+fn a_resync_removes_the_services_it_no_longer_holds() {
+    let mut m = Mirror::default();
+    m.apply_full(pb::FullView { revision: 1, services: vec![service("a", "", vec![]), service("b", "", vec![])], ..Default::default() });
+    let (changes, _) = m.apply_full(pb::FullView { revision: 9, services: vec![service("b", "", vec![])], resync: true, ..Default::default() });
+    assert!(changes.contains(&Change::RemoveService(ServiceKey { namespace: "default".into(), name: "a".into() })), "{changes:?}");
+    assert_eq!(m.services(), 1);
+}
+
+#[test]
+fn bad_entries_are_skipped_and_named_not_applied() {
+    let mut m = Mirror::default();
+    let (changes, skipped) = m.apply_full(pb::FullView {
+        revision: 1,
+        services: vec![service("a", "not-an-ip", vec![]), service("b", "", vec![ep("10.0.0.300", 1, "n", pb::EndpointState::Healthy)])],
+        ..Default::default()
+    });
+    assert_eq!(skipped.len(), 2, "{skipped:?}");
+    assert!(skipped[0].0.contains("vip \"not-an-ip\""), "{skipped:?}");
+    assert!(skipped[1].0.contains("10.0.0.300"), "{skipped:?}");
+    // b stays, without the bad endpoint; a has no valid service record.
+    assert_eq!(changes.len(), 1, "{changes:?}");
+}
+
+/// A tiny deterministic generator: the test needs no random crate.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+#[test]
+fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does() {
+    for seed in 1..=40u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        // The registrar's store: services' own keys, endpoints, marks.
+        let mut metas: BTreeMap<String, String> = BTreeMap::new();
+        let mut endpoints: BTreeMap<(String, String), pb::Endpoint> = BTreeMap::new();
+        let mut marks: BTreeMap<(String, String), ()> = BTreeMap::new();
+        let mut mirror = Mirror::default();
+        let mut node = BTreeMap::new();
+        apply(&mut node, mirror.apply_full(pb::FullView { revision: 1, ..Default::default() }).0);
+        for rev in 2..200 {
+            let name = format!("s{}", rng.next(6));
+            let addr = format!("10.0.0.{}", rng.next(5));
+            let kind = match rng.next(6) {
+                0 => {
+                    let vip = format!("10.96.0.{}", rng.next(3));
+                    metas.insert(name.clone(), vip.clone());
+                    pb::change::Kind::ServiceUpserted(service(&name, &vip, vec![]))
+                }
+                1 => {
+                    metas.remove(&name);
+                    pb::change::Kind::ServiceRemoved(key("default", &name))
+                }
+                2 | 3 => {
+                    let state = if rng.next(2) == 0 { pb::EndpointState::Healthy } else { pb::EndpointState::Draining };
+                    let e = ep(&addr, 8080, "n1", state);
+                    endpoints.insert((name.clone(), addr.clone()), e.clone());
+                    pb::change::Kind::EndpointUpserted(pb::EndpointUpsert { service: Some(key("default", &name)), endpoint: Some(e) })
+                }
+                4 => {
+                    endpoints.remove(&(name.clone(), addr.clone()));
+                    pb::change::Kind::EndpointRemoved(pb::EndpointRemoval { service: Some(key("default", &name)), address: addr, port: 8080 })
+                }
+                _ => {
+                    let draining = rng.next(2) == 0;
+                    if draining {
+                        marks.insert((name.clone(), addr.clone()), ());
+                    } else {
+                        marks.remove(&(name.clone(), addr.clone()));
+                    }
+                    let state = if draining { pb::EndpointState::Draining } else { pb::EndpointState::Healthy };
+                    pb::change::Kind::StateChanged(pb::DrainMark {
+                        service: Some(key("default", &name)),
+                        address: addr,
+                        state: state as i32,
+                        node: if draining { "n1".into() } else { String::new() },
+                    })
+                }
+            };
+            apply(&mut node, mirror.apply_batch(batch(rev, vec![kind])).0);
+        }
+        // The same state as one full view, into a fresh mirror.
+        let services = metas
+            .iter()
+            .map(|(name, vip)| {
+                let eps = endpoints.iter().filter(|((k, _), _)| k == name).map(|(_, e)| e.clone()).collect();
+                service(name, vip, eps)
+            })
+            .collect();
+        let full_marks = marks
+            .keys()
+            .map(|(name, addr)| pb::DrainMark { service: Some(key("default", name)), address: addr.clone(), state: pb::EndpointState::Draining as i32, node: "n1".into() })
+            .collect();
+        let mut fresh = Mirror::default();
+        let mut expected = BTreeMap::new();
+        apply(&mut expected, fresh.apply_full(pb::FullView { revision: 200, services, marks: full_marks, ..Default::default() }).0);
+        assert_eq!(node, expected, "seed {seed}");
+        assert_eq!(mirror.revision(), 199);
+    }
+}
