@@ -66,6 +66,12 @@ impl Node {
         lock(&self.builder).inputs().clone()
     }
 
+    /// Runs `f` on the current inputs without copying them. `f` runs under the builder's
+    /// lock, so every change waits for it: keep it short and never call back into the node.
+    pub fn with_inputs<R>(&self, f: impl FnOnce(&Inputs) -> R) -> R {
+        f(lock(&self.builder).inputs())
+    }
+
     pub fn gates(&self) -> watch::Receiver<Gates> {
         self.gates.subscribe()
     }

@@ -1,16 +1,13 @@
-//! Owner-only persisted state: the observed upstreams, the mesh services (clusters) the
-//! node's pods have called, as the proxy showed them by asking for their clusters on
-//! demand.
+//! The observed upstreams: the mesh services (clusters) the node's pods have called, as
+//! the proxy showed them by asking for their clusters on demand.
 //!
-//! Rules, from the design record:
 //! - Every agent restores the set from `<state-dir>/observed-upstreams.json` at start,
 //!   and again at takeover (the previous owner flushed it before the lock passed).
 //! - Only the owner writes: [`run_writer`] starts when the worker serves, writes each
 //!   change (batched over [`FLUSH_DELAY`]), and [`Observed::flush`] writes what is left
 //!   when the owner drains, before it releases the node. A standby writes nothing.
-//! - Writes are atomic (temp file, fsync, rename, fsync of the folder). A file that does
-//!   not parse is logged and ignored: the set only decides what the proxy gets up front,
-//!   and the proxy asks again for anything missing.
+//! - A file that does not parse is logged and ignored: the set only decides what the
+//!   proxy gets up front, and the proxy asks again for anything missing.
 //!
 //! With `--on-demand-clusters` the proxy receives only these clusters (and the node's own
 //! pods') with its wildcard subscription, and fetches any other on its first request to
