@@ -317,13 +317,17 @@ pub async fn run_writer(mesh: Arc<MeshDns>) {
     let mut stop = mesh.stop.subscribe();
     // The previous owner may have written since this process restored the file: its last
     // write landed before the lock passed.
-    if blocking(&mesh, |m| m.reload("read back at takeover")).await.is_none() {
+    if blocking(&mesh, |m| m.reload("read back as serving starts")).await.is_none() {
         return;
     }
     let mut heartbeat = tokio::time::interval(HEARTBEAT);
     heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut next_check = Instant::now();
     loop {
+        // A drain that came before this task subscribed is no change it would see.
+        if *stop.borrow() {
+            return;
+        }
         tokio::select! {
             // The first tick is at once: the new owner's first heartbeat.
             _ = heartbeat.tick() => {
