@@ -1,0 +1,157 @@
+//! The command line: `serve`, and the operator's `apply`, `delete` and `dump`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::keys::DEFAULT_PREFIX;
+use crate::listen::ListenAddr;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "aether-registrar",
+    version,
+    about = "The reference registrar of the Aether mesh: serves the registry API (aether.registry.v1) to node agents, storing services, endpoints and drain marks in etcd v3",
+    long_about = "The reference registrar of the Aether mesh: serves the registry API (aether.registry.v1) to node \
+agents, storing services, endpoints and drain marks in etcd v3.\n\n\
+Watch streams follow etcd watches and carry etcd revisions, so any number of replicas can serve one etcd, and a \
+client resumes from its last revision on any of them.\n\n\
+Exits 0 on success, 1 on an error (its message names the flag, file, field or value at fault), 2 on bad usage."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the registry API
+    Serve(ServeArgs),
+    /// Upsert the services of a registry file (the agent's --registry-file schema): ports,
+    /// VIP and endpoints; endpoints absent from the file are removed, drain marks are kept
+    Apply {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The registry file
+        #[arg(long, value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Remove a service with its endpoints and drain marks
+    Delete {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The service, as NAMESPACE/NAME
+        #[arg(long, value_name = "NAMESPACE/NAME")]
+        service: String,
+    },
+    /// Print the registry as sorted JSON: services in the registry file's schema, each
+    /// endpoint with its effective state (a drain mark overrides healthy), then the drain
+    /// marks. Two equal registries print the same bytes
+    Dump {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// etcd client URLs, comma-separated (https:// with --etcd-ca)
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD", value_name = "URL[,URL...]", value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+
+    /// The key prefix of the registry in etcd
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD_PREFIX", value_name = "PREFIX", default_value = DEFAULT_PREFIX)]
+    pub etcd_prefix: String,
+
+    /// CA certificate (PEM) to verify etcd's serving certificate; turns on TLS
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD_CA", value_name = "FILE")]
+    pub etcd_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for etcd, with --etcd-key
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD_CERT", value_name = "FILE", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+
+    /// Client key (PEM) for etcd, with --etcd-cert
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD_KEY", value_name = "FILE", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+
+    /// Where to serve: unix:///path (callers identified by their uid, see --agent-uid and
+    /// --operator-uid) or host:port (plain TCP, only with --insecure-listen)
+    #[arg(long, env = "AETHER_REGISTRAR_LISTEN", value_name = "ADDR")]
+    pub listen: ListenAddr,
+
+    /// Accept plain TCP on --listen. TCP authenticates nobody: every caller may then do
+    /// everything, apply and delete included. For tests and trusted networks only
+    #[arg(long, env = "AETHER_REGISTRAR_INSECURE_LISTEN")]
+    pub insecure_listen: bool,
+
+    /// A uid whose processes may watch and set drain marks over the unix socket (the
+    /// agents' uid); repeatable
+    #[arg(long = "agent-uid", value_name = "UID")]
+    pub agent_uids: Vec<u32>,
+
+    /// A uid whose processes may also apply and delete services over the unix socket;
+    /// repeatable [default: the registrar's own uid]
+    #[arg(long = "operator-uid", value_name = "UID")]
+    pub operator_uids: Vec<u32>,
+
+    /// Mode of the unix socket, octal. Reaching the socket is not being allowed to call:
+    /// the caller's uid decides that
+    #[arg(long, value_name = "OCTAL", default_value = "666", value_parser = parse_mode)]
+    pub socket_mode: u32,
+
+    /// The cluster this registrar serves: a watch naming another cluster is refused
+    /// (FAILED_PRECONDITION); one naming none is served
+    #[arg(long, env = "AETHER_REGISTRAR_CLUSTER", value_name = "NAME")]
+    pub cluster: Option<String>,
+
+    /// Log format on stderr: text or json (RUST_LOG filters; default info)
+    #[arg(long, env = "AETHER_REGISTRAR_LOG_FORMAT", value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    /// The registrar: unix:///path or host:port, or several, comma-separated (each is
+    /// tried in turn)
+    #[arg(long, env = "AETHER_REGISTRAR", value_name = "ADDR[,ADDR...]")]
+    pub registrar: String,
+
+    /// Seconds to wait for a connection and for each call
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    pub timeout: u64,
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s, 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!("{s:?} is not an octal mode of 0 to 777")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn serve_flags_parse() {
+        let cli = Cli::try_parse_from([
+            "aether-registrar", "serve", "--etcd", "http://127.0.0.1:2379,http://127.0.0.1:22379", "--listen", "unix:///run/r.sock",
+            "--agent-uid", "65532", "--agent-uid", "65533", "--socket-mode", "660",
+        ])
+        .unwrap();
+        let Command::Serve(s) = cli.command else { panic!("serve") };
+        assert_eq!(s.etcd.len(), 2);
+        assert_eq!(s.agent_uids, [65532, 65533]);
+        assert_eq!(s.socket_mode, 0o660);
+        assert!(s.operator_uids.is_empty());
+        let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "nowhere"]).unwrap_err().to_string();
+        assert!(e.contains("nowhere"), "{e}");
+    }
+}

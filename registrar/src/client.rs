@@ -1,0 +1,97 @@
+//! The operator's commands (`apply`, `delete`, `dump`): one registry API call each, to
+//! the first registrar of `--registrar` that answers.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use shared_proto::registry::{self as pb, registry_client::RegistryClient};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::cli::ClientArgs;
+use crate::values;
+use crate::view::View;
+
+/// The stream key `dump` watches under: its own process, so it replaces no agent's stream.
+fn dump_key() -> pb::WatchEndpointsRequest {
+    pb::WatchEndpointsRequest {
+        cluster: String::new(),
+        node: "aether-registrar-dump".into(),
+        instance: format!("pid-{}", std::process::id()),
+        resume_revision: 0,
+    }
+}
+
+/// `ADDR` as a tonic endpoint: `unix:///path` as it is, `host:port` over plain HTTP/2.
+pub fn endpoint(addr: &str, timeout: Duration) -> anyhow::Result<Endpoint> {
+    let uri = if addr.starts_with("unix:") || addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
+    Ok(Endpoint::from_shared(uri).with_context(|| format!("--registrar {addr:?} is neither unix:///path nor host:port"))?.connect_timeout(timeout).timeout(timeout))
+}
+
+/// Connects to the first of the comma-separated addresses that answers.
+pub async fn connect(addrs: &str, timeout: Duration) -> anyhow::Result<RegistryClient<Channel>> {
+    let mut failures = Vec::new();
+    for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        match endpoint(addr, timeout)?.connect().await {
+            Ok(channel) => return Ok(RegistryClient::new(channel)),
+            Err(e) => failures.push(format!("{addr}: {}", chain(&e))),
+        }
+    }
+    if failures.is_empty() {
+        anyhow::bail!("--registrar is empty");
+    }
+    anyhow::bail!("no registrar answers: {}", failures.join("; "))
+}
+
+/// An error with its sources, which tonic's transport errors keep the cause in.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+fn status(what: &str, s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{what}: {:?}: {}", s.code(), s.message())
+}
+
+pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
+    let bytes = std::fs::read(file).map_err(|source| aether_model::registry_file::FileError::Read { path: file.to_owned(), source })?;
+    let view = aether_model::registry_file::parse(file, &bytes)?;
+    let services: Vec<pb::Service> = view.services.values().map(values::model_service_to_pb).collect();
+    let n = services.len();
+    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
+    let resp = client.apply_services(pb::ApplyServicesRequest { services }).await.map_err(|s| status("ApplyServices", s))?.into_inner();
+    println!("applied {n} services from {} (revision {})", file.display(), resp.revision);
+    Ok(())
+}
+
+pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
+    let Some((namespace, name)) = service.split_once('/') else {
+        anyhow::bail!("--service {service:?} is not NAMESPACE/NAME");
+    };
+    let key = pb::ServiceKey { namespace: namespace.into(), name: name.into() };
+    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
+    let resp = client.delete_service(pb::DeleteServiceRequest { service: Some(key) }).await.map_err(|s| status("DeleteService", s))?.into_inner();
+    if resp.deleted {
+        println!("deleted {service} (revision {})", resp.revision);
+    } else {
+        println!("{service} was not in the registry (revision {})", resp.revision);
+    }
+    Ok(())
+}
+
+pub async fn dump(args: &ClientArgs) -> anyhow::Result<()> {
+    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
+    let mut stream = client.watch_endpoints(dump_key()).await.map_err(|s| status("WatchEndpoints", s))?.into_inner();
+    let first = stream.message().await.map_err(|s| status("WatchEndpoints", s))?;
+    let Some(pb::WatchEndpointsResponse { kind: Some(pb::watch_endpoints_response::Kind::Full(full)) }) = first else {
+        anyhow::bail!("WatchEndpoints: the first message is not a full view: {first:?}");
+    };
+    print!("{}", View::from_full(&full)?.to_json());
+    Ok(())
+}

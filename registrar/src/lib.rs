@@ -1,0 +1,28 @@
+//! The reference registrar of the Aether mesh (`aether-registrar`): the registry API
+//! (`aether.registry.v1`) served from etcd v3.
+//!
+//! Pure core, I/O at the edges: [`keys`] (the etcd key layout), [`values`] (the JSON
+//! stored under the keys and its conversion to the API's messages), [`view`] (full views
+//! and change batches from etcd reads and watch events, and a client's view of them),
+//! [`validate`], [`plan`] (the writes a request makes) and [`authz`] (who may call what)
+//! know no etcd client, socket or runtime. [`store`] is the etcd edge, [`service`] the
+//! tonic service, [`listen`] the sockets, [`serve`] the wiring, and [`client`] the
+//! operator's commands.
+#![forbid(unsafe_code)]
+
+pub mod authz;
+pub mod cli;
+pub mod client;
+pub mod keys;
+pub mod listen;
+pub mod plan;
+pub mod serve;
+pub mod service;
+pub mod store;
+pub mod streams;
+pub mod validate;
+pub mod values;
+pub mod view;
+
+#[cfg(feature = "testing")]
+pub mod testing;

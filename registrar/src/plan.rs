@@ -1,0 +1,215 @@
+//! The writes a request makes, decided from what was read: an apply's puts and deletes
+//! for one service, and a drain mark's put or delete with its node check. Pure; the
+//! store performs the plan in one etcd transaction guarded by the revision it read.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use aether_model::{EndpointState, Service, ServiceKey};
+
+use crate::keys::Layout;
+use crate::values::{self, EndpointValue, MarkValue, ServiceValue};
+
+/// One write of a transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Put { key: String, value: Vec<u8> },
+    Delete { key: String },
+    /// Every key starting with `prefix`.
+    DeletePrefix { prefix: String },
+}
+
+/// The writes that make etcd hold `s` exactly: its service value, its endpoints, and no
+/// other endpoint of it. Values already equal are not rewritten, so a repeated apply
+/// writes nothing and wakes no watcher. Drain marks are left alone. The service comes
+/// first, so a client applying the changes in order knows the service before its
+/// endpoints.
+pub fn apply_service(layout: &Layout, s: &Service, current_service: Option<&[u8]>, current_endpoints: &BTreeMap<String, Vec<u8>>) -> Vec<Op> {
+    let key = s.key();
+    let mut ops = Vec::new();
+    let value = values::encode(&ServiceValue { ports: s.ports.clone(), vip: s.vip });
+    if current_service != Some(value.as_slice()) {
+        ops.push(Op::Put { key: layout.service(&key), value });
+    }
+    let wanted: BTreeMap<String, Vec<u8>> = s
+        .endpoints
+        .iter()
+        .map(|e| {
+            let v = EndpointValue { service_port: e.service_port, node: e.node.clone(), pod: e.pod.clone(), state: e.state };
+            (layout.endpoint(&key, e.address, e.port), values::encode(&v))
+        })
+        .collect();
+    for k in current_endpoints.keys() {
+        if !wanted.contains_key(k) {
+            ops.push(Op::Delete { key: k.clone() });
+        }
+    }
+    for (k, v) in wanted {
+        if current_endpoints.get(&k) != Some(&v) {
+            ops.push(Op::Put { key: k, value: v });
+        }
+    }
+    ops
+}
+
+/// The writes that remove a service with its endpoints and marks.
+pub fn delete_service(layout: &Layout, key: &ServiceKey) -> Vec<Op> {
+    vec![
+        Op::Delete { key: layout.service(key) },
+        Op::DeletePrefix { prefix: layout.endpoints_of(key) },
+        Op::DeletePrefix { prefix: layout.marks_of(key) },
+    ]
+}
+
+/// A service with endpoints at the address being marked, as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarkTarget {
+    pub service: ServiceKey,
+    /// The node of each endpoint of the service at the address (at least one).
+    pub endpoint_nodes: Vec<String>,
+    pub current: Option<MarkValue>,
+}
+
+/// A SetEndpointState from one agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarkRequest<'a> {
+    pub address: IpAddr,
+    pub state: EndpointState,
+    pub node: &'a str,
+    pub instance: &'a str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MarkRefusal {
+    /// No endpoint at the address in the services asked about.
+    NotFound,
+    /// An endpoint at the address runs on another node than the caller's.
+    OtherNode { service: ServiceKey, endpoint_node: String },
+}
+
+/// The writes that give every target the requested state, or why none may be made. All
+/// or nothing: one endpoint on another node refuses the whole request. HEALTHY is the
+/// absence of a mark; a mark already holding the state (and the caller's node) is not
+/// rewritten, so an owner and its successor setting the same state leave one mark and
+/// one change.
+pub fn set_marks(layout: &Layout, req: &MarkRequest<'_>, targets: &[MarkTarget]) -> Result<Vec<Op>, MarkRefusal> {
+    if targets.is_empty() {
+        return Err(MarkRefusal::NotFound);
+    }
+    for t in targets {
+        if let Some(other) = t.endpoint_nodes.iter().find(|n| n.as_str() != req.node) {
+            return Err(MarkRefusal::OtherNode { service: t.service.clone(), endpoint_node: other.clone() });
+        }
+    }
+    let mut ops = Vec::new();
+    for t in targets {
+        let key = layout.mark(&t.service, req.address);
+        match (req.state, &t.current) {
+            (EndpointState::Healthy, None) => {}
+            (EndpointState::Healthy, Some(_)) => ops.push(Op::Delete { key }),
+            (state, Some(m)) if m.state == state && m.node == req.node => {}
+            (state, _) => {
+                let v = MarkValue { state, node: req.node.to_owned(), instance: req.instance.to_owned() };
+                ops.push(Op::Put { key, value: values::encode(&v) });
+            }
+        }
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::DEFAULT_PREFIX;
+    use aether_model::Endpoint;
+
+    fn web() -> ServiceKey {
+        ServiceKey { namespace: "d".into(), name: "web".into() }
+    }
+
+    fn service(eps: &[(&str, u16)]) -> Service {
+        Service {
+            name: "web".into(),
+            namespace: "d".into(),
+            ports: vec![80],
+            vip: None,
+            endpoints: eps
+                .iter()
+                .map(|(a, p)| Endpoint { address: a.parse().unwrap(), port: *p, service_port: 80, node: "n1".into(), pod: String::new(), state: EndpointState::Healthy })
+                .collect(),
+        }
+    }
+
+    fn show(ops: &[Op]) -> Vec<String> {
+        ops.iter()
+            .map(|op| match op {
+                Op::Put { key, .. } => format!("put {}", key.trim_start_matches(DEFAULT_PREFIX)),
+                Op::Delete { key } => format!("delete {}", key.trim_start_matches(DEFAULT_PREFIX)),
+                Op::DeletePrefix { prefix } => format!("delete {}*", prefix.trim_start_matches(DEFAULT_PREFIX)),
+            })
+            .collect()
+    }
+
+    /// Applies `ops` to a map standing for etcd.
+    fn run(ops: &[Op], etcd: &mut BTreeMap<String, Vec<u8>>) {
+        for op in ops {
+            match op {
+                Op::Put { key, value } => {
+                    etcd.insert(key.clone(), value.clone());
+                }
+                Op::Delete { key } => {
+                    etcd.remove(key);
+                }
+                Op::DeletePrefix { prefix } => etcd.retain(|k, _| !k.starts_with(prefix)),
+            }
+        }
+    }
+
+    #[test]
+    fn apply_writes_only_the_difference_and_removes_absent_endpoints() {
+        let l = Layout::new(DEFAULT_PREFIX);
+        let mut etcd = BTreeMap::new();
+        let first = apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), None, &etcd);
+        assert_eq!(show(&first), ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080", "put endpoints/d/web/10.0.0.2/8080"]);
+        run(&first, &mut etcd);
+        let eps = |etcd: &BTreeMap<String, Vec<u8>>| etcd.iter().filter(|(k, _)| k.starts_with(&l.endpoints_of(&web()))).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let svc = etcd.get(&l.service(&web())).cloned();
+        assert!(apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), svc.as_deref(), &eps(&etcd)).is_empty(), "the same apply writes nothing");
+        let mark = l.mark(&web(), "10.0.0.1".parse().unwrap());
+        etcd.insert(mark.clone(), b"{}".to_vec());
+        let second = apply_service(&l, &service(&[("10.0.0.2", 8080), ("10.0.0.3", 8080)]), svc.as_deref(), &eps(&etcd));
+        assert_eq!(show(&second), ["delete endpoints/d/web/10.0.0.1/8080", "put endpoints/d/web/10.0.0.3/8080"]);
+        run(&second, &mut etcd);
+        assert!(etcd.contains_key(&mark), "an apply keeps drain marks");
+        run(&delete_service(&l, &web()), &mut etcd);
+        assert!(etcd.is_empty(), "{etcd:?}");
+    }
+
+    fn target(nodes: &[&str], current: Option<(EndpointState, &str)>) -> MarkTarget {
+        MarkTarget {
+            service: web(),
+            endpoint_nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            current: current.map(|(state, node)| MarkValue { state, node: node.into(), instance: "agent-a".into() }),
+        }
+    }
+
+    fn check(state: EndpointState, targets: &[MarkTarget], want: Result<&[&str], MarkRefusal>) {
+        let l = Layout::new(DEFAULT_PREFIX);
+        let req = MarkRequest { address: "10.0.0.1".parse().unwrap(), state, node: "n1", instance: "agent-b" };
+        let got = set_marks(&l, &req, targets).map(|ops| show(&ops));
+        assert_eq!(got, want.map(|w| w.iter().map(|s| s.to_string()).collect::<Vec<_>>()));
+    }
+
+    #[test]
+    fn marks_are_states_checked_against_the_endpoints_node() {
+        use EndpointState::*;
+        check(Draining, &[target(&["n1"], None)], Ok(&["put marks/d/web/10.0.0.1"]));
+        // The same state again, from another instance of the node's agent: no write.
+        check(Draining, &[target(&["n1"], Some((Draining, "n1")))], Ok(&[]));
+        check(Healthy, &[target(&["n1"], Some((Draining, "n1")))], Ok(&["delete marks/d/web/10.0.0.1"]));
+        check(Healthy, &[target(&["n1"], None)], Ok(&[]));
+        check(Draining, &[], Err(MarkRefusal::NotFound));
+        check(Draining, &[target(&["n1", "n2"], None)], Err(MarkRefusal::OtherNode { service: web(), endpoint_node: "n2".into() }));
+        check(Draining, &[target(&[""], None)], Err(MarkRefusal::OtherNode { service: web(), endpoint_node: "".into() }));
+    }
+}

@@ -1,0 +1,453 @@
+//! The registry API served over etcd: the tonic service. Requests are checked
+//! (`authz`, `validate`), planned (`plan`) from what was read, and written in one etcd
+//! transaction guarded by the read's revision, read and planned again if something
+//! changed in between. Watch streams are etcd watches from an etcd revision, so every
+//! replica serves the same stream and a client resumes on any of them.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aether_model::{EndpointState, ServiceKey};
+use etcd_client::EventType;
+use shared_proto::registry::{self as pb, registry_server::Registry, watch_endpoints_response::Kind as ResponseKind};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Request, Response, Status};
+
+use crate::authz::{self, Method, Peer, Policy};
+use crate::keys::Key;
+use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
+use crate::store::{Guard, Store, StoreError};
+use crate::streams::{Registration, Replaced, StreamKey, Streams};
+use crate::validate;
+use crate::values::{self, EndpointValue, MarkValue};
+use crate::view::{self, Event, EventKind, Rejected};
+
+/// A transaction whose guard keeps failing (the keys keep changing under it) is read and
+/// planned this many times before the caller is told to retry.
+const ATTEMPTS: usize = 8;
+
+/// A broken etcd watch is re-created from the client's revision this many times before
+/// the stream ends with UNAVAILABLE (the client then resumes, maybe on another replica).
+const WATCH_RETRIES: u32 = 3;
+
+/// How callers reach this registrar, which decides how they are identified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Unix,
+    InsecureTcp,
+}
+
+pub struct Registrar {
+    store: Store,
+    streams: Arc<Streams>,
+    policy: Policy,
+    transport: Transport,
+    cluster: Option<String>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Registrar {
+    /// `shutdown` turning true ends every open stream with UNAVAILABLE.
+    pub fn new(store: Store, policy: Policy, transport: Transport, cluster: Option<String>, shutdown: watch::Receiver<bool>) -> Self {
+        Self { store, streams: Arc::new(Streams::default()), policy, transport, cluster, shutdown }
+    }
+
+    fn peer<T>(&self, req: &Request<T>) -> Peer {
+        match self.transport {
+            Transport::InsecureTcp => Peer::InsecureTcp,
+            Transport::Unix => req
+                .extensions()
+                .get::<UdsConnectInfo>()
+                .and_then(|i| i.peer_cred)
+                .map_or(Peer::UnixUnknown, |c| Peer::Unix { uid: c.uid() }),
+        }
+    }
+
+    fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
+        let peer = self.peer(req);
+        authz::authorize(&self.policy, peer, method).map_err(|e| {
+            tracing::warn!(peer = %peer, method = ?method, "refused: {e}");
+            Status::permission_denied(e.to_string())
+        })?;
+        Ok(peer)
+    }
+}
+
+fn unavailable(e: StoreError) -> Status {
+    Status::unavailable(e.to_string())
+}
+
+fn log_rejected(rejected: &[Rejected]) {
+    for r in rejected {
+        tracing::warn!(key = %r.key, error = %r.error, "corrupt registry entry in etcd skipped");
+    }
+}
+
+/// Why a watch stream ended.
+enum End {
+    ClientGone,
+    Replaced,
+    Shutdown,
+    Failed(Status),
+}
+
+type WatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WatchEndpointsResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Registry for Registrar {
+    type WatchEndpointsStream = WatchStream;
+
+    async fn watch_endpoints(&self, req: Request<pb::WatchEndpointsRequest>) -> Result<Response<WatchStream>, Status> {
+        let peer = self.authorize(&req, Method::WatchEndpoints)?;
+        let req = req.into_inner();
+        if req.node.is_empty() {
+            return Err(Status::invalid_argument("node: empty; a stream is keyed by cluster, node and instance"));
+        }
+        if let Some(c) = &self.cluster
+            && !req.cluster.is_empty()
+            && req.cluster != *c
+        {
+            return Err(Status::failed_precondition(format!("cluster: this registrar serves cluster {c:?}, not {:?}", req.cluster)));
+        }
+        if req.resume_revision < 0 {
+            return Err(Status::invalid_argument(format!("resume_revision: {}", req.resume_revision)));
+        }
+        let key = StreamKey { cluster: req.cluster.clone(), node: req.node.clone(), instance: req.instance.clone() };
+        let (registration, replaced_rx, replaced) = self.streams.open(key.clone());
+        if replaced {
+            tracing::info!(stream = %key, "a newer stream replaces the open one of the same key");
+        }
+        tracing::info!(stream = %key, peer = %peer, resume_revision = req.resume_revision, "watch stream opened");
+        let (tx, rx) = mpsc::channel(16);
+        let pump = Pump { store: self.store.clone(), tx, replaced: replaced_rx, shutdown: self.shutdown.clone(), key };
+        tokio::spawn(pump.run(req.resume_revision, registration));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn set_endpoint_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
+        let peer = self.authorize(&req, Method::SetEndpointState)?;
+        let req = req.into_inner();
+        let bad = |e: validate::Invalid| Status::invalid_argument(e.to_string());
+        let address = validate::address("address", &req.address).map_err(bad)?;
+        let state = values::state_from_pb(req.state).ok_or_else(|| Status::invalid_argument(format!("state: {} is not a state", req.state)))?;
+        if req.node.is_empty() {
+            return Err(Status::invalid_argument("node: empty; the caller's node is required"));
+        }
+        let service = req.service.as_ref().map(|k| validate::service_key("service", Some(k))).transpose().map_err(bad)?;
+        let mark = MarkRequest { address, state, node: &req.node, instance: &req.instance };
+        for _ in 0..ATTEMPTS {
+            let (revision, targets, guards) = self.mark_targets(service.as_ref(), address).await.map_err(unavailable)?;
+            let ops = match plan::set_marks(&self.store.layout, &mark, &targets) {
+                Ok(ops) => ops,
+                Err(MarkRefusal::NotFound) => {
+                    let scope = service.as_ref().map_or("any service".to_owned(), |s| s.to_string());
+                    return Err(Status::not_found(format!("no endpoint at {address} in {scope}")));
+                }
+                Err(MarkRefusal::OtherNode { service, endpoint_node }) => {
+                    tracing::warn!(
+                        caller_node = %req.node, instance = %req.instance, address = %address, service = %service,
+                        endpoint_node = %endpoint_node, peer = %peer,
+                        "SetEndpointState refused: the endpoint runs on another node than the caller's"
+                    );
+                    return Err(Status::permission_denied(format!(
+                        "node {:?} may not set the state of {address} in {service}: that endpoint runs on node {endpoint_node:?}",
+                        req.node
+                    )));
+                }
+            };
+            let marked = u32::try_from(targets.len()).unwrap_or(u32::MAX);
+            if ops.is_empty() {
+                return Ok(Response::new(pb::SetEndpointStateResponse { marked, revision }));
+            }
+            if let Some(revision) = self.store.commit(revision, &guards, &ops).await.map_err(unavailable)? {
+                let services: Vec<String> = targets.iter().map(|t| t.service.to_string()).collect();
+                tracing::info!(
+                    node = %req.node, instance = %req.instance, address = %address, state = ?state,
+                    services = %services.join(","), revision, "drain mark {}", if state == EndpointState::Healthy { "removed" } else { "set" }
+                );
+                return Ok(Response::new(pb::SetEndpointStateResponse { marked, revision }));
+            }
+        }
+        Err(Status::aborted(format!("the endpoints at {address} kept changing while being marked; retry")))
+    }
+
+    async fn apply_services(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
+        let peer = self.authorize(&req, Method::ApplyServices)?;
+        let services = validate::apply_request(req.get_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut revision = 0;
+        for s in &services {
+            revision = revision.max(self.apply_one(s).await?);
+        }
+        tracing::info!(peer = %peer, services = services.len(), revision, "services applied");
+        Ok(Response::new(pb::ApplyServicesResponse { revision }))
+    }
+
+    async fn delete_service(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
+        let peer = self.authorize(&req, Method::DeleteService)?;
+        let key = validate::service_key("service", req.get_ref().service.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let layout = &self.store.layout;
+        let service_key = layout.service(&key);
+        for _ in 0..ATTEMPTS {
+            let (read, existing) = self.store.read_key(&service_key, None).await.map_err(unavailable)?;
+            let ops = plan::delete_service(layout, &key);
+            if let Some(revision) = self.store.commit(read, &[Guard::Key(service_key.clone())], &ops).await.map_err(unavailable)? {
+                let deleted = existing.is_some();
+                tracing::info!(peer = %peer, service = %key, deleted, revision, "service deleted");
+                return Ok(Response::new(pb::DeleteServiceResponse { deleted, revision }));
+            }
+        }
+        Err(Status::aborted(format!("{key} kept changing while being deleted; retry")))
+    }
+}
+
+impl Registrar {
+    /// The services with endpoints at `address` (only `service`, when given), each with
+    /// its endpoints' nodes and its current mark, at one revision; and the keys the plan
+    /// depends on.
+    async fn mark_targets(&self, service: Option<&ServiceKey>, address: IpAddr) -> Result<(i64, Vec<MarkTarget>, Vec<Guard>), StoreError> {
+        let layout = &self.store.layout;
+        // Without a service every endpoint is read: the layout has no index by address.
+        let scan = match service {
+            Some(s) => layout.endpoints_at(s, address),
+            None => layout.all_endpoints(),
+        };
+        let (revision, kvs) = self.store.read_prefix(&scan, None).await?;
+        let mut nodes: BTreeMap<ServiceKey, Vec<String>> = BTreeMap::new();
+        for (k, v) in &kvs {
+            match layout.parse(k) {
+                Ok(Key::Endpoint { service, address: a, .. }) if a == address => {
+                    let text = String::from_utf8_lossy(k);
+                    match values::decode::<EndpointValue>(&text, "endpoint", v) {
+                        Ok(e) => nodes.entry(service).or_default().push(e.node),
+                        Err(e) => tracing::warn!(key = %text, error = %e, "corrupt registry entry in etcd skipped"),
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "corrupt registry entry in etcd skipped"),
+            }
+        }
+        let mut targets = Vec::with_capacity(nodes.len());
+        let mut guards = Vec::with_capacity(2 * nodes.len());
+        for (s, endpoint_nodes) in nodes {
+            let mark_key = layout.mark(&s, address);
+            let (_, current) = self.store.read_key(&mark_key, Some(revision)).await?;
+            // A corrupt mark is replaced as if absent.
+            let current = current.and_then(|v| values::decode::<MarkValue>(&mark_key, "drain mark", &v).ok());
+            guards.push(Guard::Prefix(layout.endpoints_at(&s, address)));
+            guards.push(Guard::Key(mark_key));
+            targets.push(MarkTarget { service: s, endpoint_nodes, current });
+        }
+        Ok((revision, targets, guards))
+    }
+
+    /// Makes etcd hold `s` exactly, in one transaction; the revision after it.
+    async fn apply_one(&self, s: &aether_model::Service) -> Result<i64, Status> {
+        let layout = &self.store.layout;
+        let key = s.key();
+        let (service_key, endpoints) = (layout.service(&key), layout.endpoints_of(&key));
+        for _ in 0..ATTEMPTS {
+            let (read, kvs) = self.store.read_prefix(&endpoints, None).await.map_err(unavailable)?;
+            let (_, current) = self.store.read_key(&service_key, Some(read)).await.map_err(unavailable)?;
+            let current_endpoints: BTreeMap<String, Vec<u8>> = kvs.into_iter().map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v)).collect();
+            let ops = plan::apply_service(layout, s, current.as_deref(), &current_endpoints);
+            if ops.is_empty() {
+                return Ok(read);
+            }
+            let guards = [Guard::Key(service_key.clone()), Guard::Prefix(endpoints.clone())];
+            match self.store.commit(read, &guards, &ops).await {
+                Ok(Some(revision)) => {
+                    tracing::info!(service = %key, writes = ops.len(), endpoints = s.endpoints.len(), revision, "service applied");
+                    return Ok(revision);
+                }
+                Ok(None) => continue,
+                Err(e) if e.status().is_some_and(|st| st.message().contains("too many operations")) => {
+                    return Err(Status::failed_precondition(format!(
+                        "{key}: {} writes in one transaction are more than etcd's --max-txn-ops allows (128 by default); raise it: {e}",
+                        ops.len()
+                    )));
+                }
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(Status::aborted(format!("{key} kept changing while being applied; retry")))
+    }
+}
+
+/// One watch stream: a full view unless resuming, then a batch per etcd watch response.
+struct Pump {
+    store: Store,
+    tx: mpsc::Sender<Result<pb::WatchEndpointsResponse, Status>>,
+    replaced: oneshot::Receiver<Replaced>,
+    shutdown: watch::Receiver<bool>,
+    key: StreamKey,
+}
+
+impl Pump {
+    async fn run(mut self, resume_revision: i64, registration: Registration) {
+        let end = self.pump(resume_revision).await;
+        let key = &self.key;
+        let status = match end {
+            End::ClientGone => {
+                tracing::info!(stream = %key, "watch stream closed by the client");
+                None
+            }
+            End::Replaced => {
+                tracing::info!(stream = %key, "watch stream ended: replaced by a newer stream for the same key");
+                Some(Status::aborted(format!("replaced by a newer stream for the same key ({key})")))
+            }
+            End::Shutdown => Some(Status::unavailable("the registrar is shutting down; resume from your revision on another replica")),
+            End::Failed(status) => {
+                tracing::warn!(stream = %key, error = %status.message(), "watch stream failed");
+                Some(status)
+            }
+        };
+        if let Some(status) = status {
+            let _ = self.tx.send(Err(status)).await;
+        }
+        // Unregistered only once the stream has ended, so a newer stream of the key is
+        // never unregistered by the one it replaced.
+        drop(registration);
+    }
+
+    async fn send(&mut self, kind: ResponseKind) -> Result<(), End> {
+        let msg = Ok(pb::WatchEndpointsResponse { kind: Some(kind) });
+        tokio::select! {
+            sent = self.tx.send(msg) => sent.map_err(|_| End::ClientGone),
+            _ = &mut self.replaced => Err(End::Replaced),
+            _ = self.shutdown.wait_for(|s| *s) => Err(End::Shutdown),
+        }
+    }
+
+    async fn pump(&mut self, resume_revision: i64) -> End {
+        match self.pump_inner(resume_revision).await {
+            Ok(never) => match never {},
+            Err(end) => end,
+        }
+    }
+
+    async fn pump_inner(&mut self, resume_revision: i64) -> Result<std::convert::Infallible, End> {
+        let failed = |e: StoreError| End::Failed(unavailable(e));
+        // The revision the client's view is at; 0 until it has one.
+        let mut last = 0;
+        let mut resync = None;
+        if resume_revision > 0 {
+            let current = self.store.revision().await.map_err(failed)?;
+            if resume_revision > current {
+                resync = Some(format!(
+                    "cannot resume after revision {resume_revision}: the store is at revision {current}, so it is not the store the client read"
+                ));
+            } else {
+                last = resume_revision;
+            }
+        }
+        loop {
+            if last == 0 {
+                let (revision, kvs) = self.store.read_prefix(self.store.layout.prefix(), None).await.map_err(failed)?;
+                let (mut full, rejected) = view::full_view(&self.store.layout, revision, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+                log_rejected(&rejected);
+                if let Some(reason) = resync.take() {
+                    tracing::info!(stream = %self.key, revision, reason = %reason, "sending a full view again");
+                    full.resync = true;
+                    full.reason = reason;
+                }
+                self.send(ResponseKind::Full(full)).await?;
+                last = revision;
+            }
+            match self.follow(last).await? {
+                Follow::Compacted { compact_revision, at } => {
+                    resync = Some(format!(
+                        "cannot resume after revision {at}: etcd compacted its history up to revision {compact_revision}"
+                    ));
+                    last = 0;
+                }
+            }
+        }
+    }
+
+    /// Sends a batch per etcd watch response from `last + 1` on, until the history the
+    /// client needs is gone (compacted) or the stream ends.
+    async fn follow(&mut self, mut last: i64) -> Result<Follow, End> {
+        let mut retries = 0;
+        'watch: loop {
+            let mut stream = match self.store.watch(last + 1).await {
+                Ok(s) => s,
+                Err(e) if retries < WATCH_RETRIES => {
+                    retries += 1;
+                    tracing::warn!(stream = %self.key, error = %e, "etcd watch failed; retrying");
+                    self.backoff(retries).await?;
+                    continue 'watch;
+                }
+                Err(e) => return Err(End::Failed(unavailable(e))),
+            };
+            loop {
+                let msg = tokio::select! {
+                    m = stream.message() => m,
+                    _ = &mut self.replaced => return Err(End::Replaced),
+                    _ = self.shutdown.wait_for(|s| *s) => return Err(End::Shutdown),
+                    _ = self.tx.closed() => return Err(End::ClientGone),
+                };
+                let resp = match msg {
+                    Ok(Some(resp)) => resp,
+                    Ok(None) | Err(_) if retries < WATCH_RETRIES => {
+                        retries += 1;
+                        tracing::warn!(stream = %self.key, error = ?msg.err(), last, "etcd watch broke; watching again from the stream's revision");
+                        self.backoff(retries).await?;
+                        continue 'watch;
+                    }
+                    Ok(None) => return Err(End::Failed(Status::unavailable("etcd ended the watch"))),
+                    Err(e) => return Err(End::Failed(Status::unavailable(format!("etcd watch: {e}")))),
+                };
+                if resp.compact_revision() > 0 {
+                    return Ok(Follow::Compacted { compact_revision: resp.compact_revision(), at: last });
+                }
+                if resp.canceled() {
+                    return Err(End::Failed(Status::unavailable(format!("etcd canceled the watch: {}", resp.cancel_reason()))));
+                }
+                let events = resp.events();
+                let Some(revision) = events.iter().filter_map(|e| e.kv()).map(|kv| kv.mod_revision()).max() else {
+                    continue;
+                };
+                retries = 0;
+                // The batch's revision is its newest event's, not the response header's:
+                // etcd may split a long catch-up into responses that all carry the
+                // store's current revision, and a client resuming from that would miss
+                // the rest.
+                let (batch, rejected) = view::batch(
+                    &self.store.layout,
+                    revision,
+                    events.iter().filter_map(|e| {
+                        let kv = e.kv()?;
+                        let kind = match e.event_type() {
+                            EventType::Put => EventKind::Put,
+                            EventType::Delete => EventKind::Delete,
+                        };
+                        Some(Event { kind, key: kv.key(), value: kv.value() })
+                    }),
+                );
+                log_rejected(&rejected);
+                self.send(ResponseKind::Changes(batch)).await?;
+                last = revision;
+            }
+        }
+    }
+
+    async fn backoff(&mut self, attempt: u32) -> Result<(), End> {
+        let pause = Duration::from_millis(100) * 2u32.pow(attempt.min(5));
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => Ok(()),
+            _ = &mut self.replaced => Err(End::Replaced),
+            _ = self.shutdown.wait_for(|s| *s) => Err(End::Shutdown),
+            _ = self.tx.closed() => Err(End::ClientGone),
+        }
+    }
+}
+
+enum Follow {
+    /// etcd no longer has the history after `at`.
+    Compacted { compact_revision: i64, at: i64 },
+}

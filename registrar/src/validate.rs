@@ -1,0 +1,164 @@
+//! Checks of the API's requests before anything is written, each error naming the field
+//! and value at fault (`services[2].endpoints[0].port: 0`), as INVALID_ARGUMENT says it.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+
+use aether_model::registry_file::is_dns_label;
+use aether_model::{Endpoint, Service, ServiceKey};
+use shared_proto::registry as pb;
+
+use crate::values;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct Invalid {
+    pub field: String,
+    pub message: String,
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> Invalid {
+    Invalid { field: field.into(), message: message.into() }
+}
+
+/// A service key: namespace and name are DNS labels.
+pub fn service_key(field: &str, k: Option<&pb::ServiceKey>) -> Result<ServiceKey, Invalid> {
+    let k = k.ok_or_else(|| invalid(field, "missing"))?;
+    for (what, v) in [("namespace", &k.namespace), ("name", &k.name)] {
+        if !is_dns_label(v) {
+            return Err(invalid(format!("{field}.{what}"), format!("{v:?} is not a DNS label")));
+        }
+    }
+    Ok(values::key_from_pb(k))
+}
+
+/// An IP in any spelling; keys use its canonical one.
+pub fn address(field: &str, a: &str) -> Result<IpAddr, Invalid> {
+    a.parse().map_err(|_| invalid(field, format!("{a:?} is not an IP address")))
+}
+
+fn port(field: &str, p: u32) -> Result<u16, Invalid> {
+    match u16::try_from(p) {
+        Ok(p) if p != 0 => Ok(p),
+        _ => Err(invalid(field, p.to_string())),
+    }
+}
+
+/// The services of an ApplyServices request, checked as the registry file's are: DNS
+/// labels, ports 1..=65535 without repeats, a VIP that is an IP, endpoints whose
+/// `service_port` is a port of the service (0 means the only one), no endpoint twice,
+/// no service twice.
+pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Invalid> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(req.services.len());
+    for (i, s) in req.services.iter().enumerate() {
+        let at = format!("services[{i}]");
+        let key = service_key(&format!("{at}.key"), s.key.as_ref())?;
+        if !seen.insert(key.clone()) {
+            return Err(invalid(&at, format!("{key} is listed twice")));
+        }
+        if s.ports.is_empty() {
+            return Err(invalid(format!("{at}.ports"), "empty"));
+        }
+        let mut ports = Vec::with_capacity(s.ports.len());
+        for (k, p) in s.ports.iter().enumerate() {
+            let p = port(&format!("{at}.ports[{k}]"), *p)?;
+            if ports.contains(&p) {
+                return Err(invalid(format!("{at}.ports[{k}]"), format!("{p} is listed twice")));
+            }
+            ports.push(p);
+        }
+        let vip = if s.vip.is_empty() { None } else { Some(address(&format!("{at}.vip"), &s.vip)?) };
+        let mut endpoints = Vec::with_capacity(s.endpoints.len());
+        let mut at_ports = HashSet::new();
+        for (j, e) in s.endpoints.iter().enumerate() {
+            let eat = format!("{at}.endpoints[{j}]");
+            let addr = address(&format!("{eat}.address"), &e.address)?;
+            let p = port(&format!("{eat}.port"), e.port)?;
+            if !at_ports.insert((addr, p)) {
+                return Err(invalid(&eat, format!("{addr} port {p} is listed twice")));
+            }
+            let service_port = match (e.service_port, ports.as_slice()) {
+                (0, [only]) => *only,
+                (0, _) => return Err(invalid(format!("{eat}.service_port"), "0, but the service has several ports")),
+                (sp, _) => match u16::try_from(sp) {
+                    Ok(sp) if ports.contains(&sp) => sp,
+                    _ => return Err(invalid(format!("{eat}.service_port"), format!("{sp} is not a port of the service"))),
+                },
+            };
+            let state = values::state_from_pb(e.state).ok_or_else(|| invalid(format!("{eat}.state"), format!("{} is not a state", e.state)))?;
+            endpoints.push(Endpoint { address: addr, port: p, service_port, node: e.node.clone(), pod: e.pod.clone(), state });
+        }
+        out.push(Service { name: key.name, namespace: key.namespace, ports, vip, endpoints });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(ns: &str, name: &str, ports: &[u32], eps: Vec<pb::Endpoint>) -> pb::Service {
+        pb::Service {
+            key: Some(pb::ServiceKey { namespace: ns.into(), name: name.into() }),
+            ports: ports.to_vec(),
+            vip: String::new(),
+            endpoints: eps,
+        }
+    }
+
+    fn ep(address: &str, port: u32, service_port: u32) -> pb::Endpoint {
+        pb::Endpoint { address: address.into(), port, service_port, node: "n".into(), pod: String::new(), state: 0 }
+    }
+
+    fn check(services: Vec<pb::Service>, want: Result<&str, &str>) {
+        let got = apply_request(&pb::ApplyServicesRequest { services });
+        match (got, want) {
+            (Ok(s), Ok(w)) => {
+                let text: Vec<String> = s
+                    .iter()
+                    .map(|s| {
+                        let eps: Vec<String> = s.endpoints.iter().map(|e| format!("{}:{}@{}", e.address, e.port, e.service_port)).collect();
+                        format!("{}/{} {:?} [{}]", s.namespace, s.name, s.ports, eps.join(" "))
+                    })
+                    .collect();
+                assert_eq!(text.join("; "), w);
+            }
+            (Err(e), Err(w)) => assert_eq!(e.to_string(), w),
+            (got, w) => panic!("got {got:?}, want {w:?}"),
+        }
+    }
+
+    #[test]
+    fn good_services_pass_and_a_zero_service_port_means_the_only_port() {
+        check(vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 8080, 0), ep("fd00::1", 8080, 80)])], Ok("d/web [80] [10.0.0.1:8080@80 fd00::1:8080@80]"));
+        check(vec![], Ok(""));
+    }
+
+    #[test]
+    fn errors_name_the_field_and_the_value() {
+        let mut no_key = svc("d", "web", &[80], vec![]);
+        no_key.key = None;
+        let mut bad_vip = svc("d", "web", &[80], vec![]);
+        bad_vip.vip = "10.96.0".into();
+        let mut bad_state = ep("10.0.0.1", 1, 80);
+        bad_state.state = 9;
+        for (services, want) in [
+            (vec![svc("d", "a", &[80], vec![]), svc("d", "b", &[80], vec![]), svc("d", "c", &[80], vec![ep("10.0.0.1", 0, 80)])], "services[2].endpoints[0].port: 0"),
+            (vec![no_key], "services[0].key: missing"),
+            (vec![svc("D", "web", &[80], vec![])], "services[0].key.namespace: \"D\" is not a DNS label"),
+            (vec![svc("d", "web", &[], vec![])], "services[0].ports: empty"),
+            (vec![svc("d", "web", &[80, 70000], vec![])], "services[0].ports[1]: 70000"),
+            (vec![svc("d", "web", &[80, 80], vec![])], "services[0].ports[1]: 80 is listed twice"),
+            (vec![bad_vip], "services[0].vip: \"10.96.0\" is not an IP address"),
+            (vec![svc("d", "web", &[80], vec![ep("10.0.0.x", 1, 80)])], "services[0].endpoints[0].address: \"10.0.0.x\" is not an IP address"),
+            (vec![svc("d", "web", &[80, 81], vec![ep("10.0.0.1", 1, 0)])], "services[0].endpoints[0].service_port: 0, but the service has several ports"),
+            (vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 1, 90)])], "services[0].endpoints[0].service_port: 90 is not a port of the service"),
+            (vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 1, 80), ep("10.0.0.1", 1, 80)])], "services[0].endpoints[1]: 10.0.0.1 port 1 is listed twice"),
+            (vec![svc("d", "web", &[80], vec![bad_state])], "services[0].endpoints[0].state: 9 is not a state"),
+            (vec![svc("d", "web", &[80], vec![]), svc("d", "web", &[81], vec![])], "services[1]: d/web is listed twice"),
+        ] {
+            check(services, Err(want));
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The JSON values stored under the registry's keys, and their conversion to and from
+//! the API's messages. Unknown fields are ignored on read, so a newer registrar's extra
+//! fields do not make an older one skip the value.
+
+use std::net::IpAddr;
+
+use aether_model::{EndpointState, ServiceKey};
+use serde::{Deserialize, Serialize};
+use shared_proto::registry as pb;
+
+/// `services/<ns>/<name>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceValue {
+    pub ports: Vec<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vip: Option<IpAddr>,
+}
+
+/// `endpoints/<ns>/<name>/<address>/<port>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointValue {
+    pub service_port: u16,
+    #[serde(default)]
+    pub node: String,
+    #[serde(default)]
+    pub pod: String,
+    #[serde(default)]
+    pub state: EndpointState,
+}
+
+/// `marks/<ns>/<name>/<address>`. `instance` is the setter's pod, kept for the log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MarkValue {
+    pub state: EndpointState,
+    #[serde(default)]
+    pub node: String,
+    #[serde(default)]
+    pub instance: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("value of {key:?} is not a valid {what}: {message}")]
+pub struct ValueError {
+    pub key: String,
+    pub what: &'static str,
+    pub message: String,
+}
+
+/// Decodes the value stored at `key`.
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, what: &'static str, value: &[u8]) -> Result<T, ValueError> {
+    serde_json::from_slice(value).map_err(|e| ValueError { key: key.to_owned(), what, message: e.to_string() })
+}
+
+/// The bytes stored for a value: compact JSON, so that equal values are equal bytes and
+/// an unchanged value is never rewritten.
+pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("registry values serialize")
+}
+
+pub fn state_to_pb(s: EndpointState) -> i32 {
+    match s {
+        EndpointState::Healthy => pb::EndpointState::Healthy as i32,
+        EndpointState::Draining => pb::EndpointState::Draining as i32,
+    }
+}
+
+/// The API's state; UNSPECIFIED reads as HEALTHY. None for a number the API does not
+/// define.
+pub fn state_from_pb(s: i32) -> Option<EndpointState> {
+    match pb::EndpointState::try_from(s).ok()? {
+        pb::EndpointState::Unspecified | pb::EndpointState::Healthy => Some(EndpointState::Healthy),
+        pb::EndpointState::Draining => Some(EndpointState::Draining),
+    }
+}
+
+pub fn key_to_pb(k: &ServiceKey) -> pb::ServiceKey {
+    pb::ServiceKey { namespace: k.namespace.clone(), name: k.name.clone() }
+}
+
+pub fn key_from_pb(k: &pb::ServiceKey) -> ServiceKey {
+    ServiceKey { namespace: k.namespace.clone(), name: k.name.clone() }
+}
+
+/// A service's ports and VIP as the API carries them (endpoints apart).
+pub fn service_to_pb(key: &ServiceKey, v: &ServiceValue) -> pb::Service {
+    pb::Service {
+        key: Some(key_to_pb(key)),
+        ports: v.ports.iter().map(|p| u32::from(*p)).collect(),
+        vip: v.vip.map(|ip| ip.to_string()).unwrap_or_default(),
+        endpoints: Vec::new(),
+    }
+}
+
+pub fn endpoint_to_pb(address: IpAddr, port: u16, v: &EndpointValue) -> pb::Endpoint {
+    pb::Endpoint {
+        address: address.to_string(),
+        port: u32::from(port),
+        service_port: u32::from(v.service_port),
+        node: v.node.clone(),
+        pod: v.pod.clone(),
+        state: state_to_pb(v.state),
+    }
+}
+
+pub fn mark_to_pb(service: &ServiceKey, address: IpAddr, v: &MarkValue) -> pb::DrainMark {
+    pb::DrainMark { service: Some(key_to_pb(service)), address: address.to_string(), state: state_to_pb(v.state), node: v.node.clone() }
+}
+
+/// The model's service (as `aether-registrar apply` reads a registry file) in the API.
+pub fn model_service_to_pb(s: &aether_model::Service) -> pb::Service {
+    pb::Service {
+        key: Some(key_to_pb(&s.key())),
+        ports: s.ports.iter().map(|p| u32::from(*p)).collect(),
+        vip: s.vip.map(|ip| ip.to_string()).unwrap_or_default(),
+        endpoints: s
+            .endpoints
+            .iter()
+            .map(|e| pb::Endpoint {
+                address: e.address.to_string(),
+                port: u32::from(e.port),
+                service_port: u32::from(e.service_port),
+                node: e.node.clone(),
+                pod: e.pod.clone(),
+                state: state_to_pb(e.state),
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_the_documented_json() {
+        let s = ServiceValue { ports: vec![80], vip: Some("10.96.0.1".parse().unwrap()) };
+        assert_eq!(String::from_utf8(encode(&s)).unwrap(), r#"{"ports":[80],"vip":"10.96.0.1"}"#);
+        assert_eq!(String::from_utf8(encode(&ServiceValue { ports: vec![80, 81], vip: None })).unwrap(), r#"{"ports":[80,81]}"#);
+        let e = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Draining };
+        assert_eq!(String::from_utf8(encode(&e)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"draining"}"#);
+        let m = MarkValue { state: EndpointState::Draining, node: "n".into(), instance: "pod-x".into() };
+        assert_eq!(String::from_utf8(encode(&m)).unwrap(), r#"{"state":"draining","node":"n","instance":"pod-x"}"#);
+        // Optional fields may be absent and unknown ones are ignored.
+        let e: EndpointValue = decode("k", "endpoint", br#"{"service_port":80,"future":1}"#).unwrap();
+        assert_eq!(e.state, EndpointState::Healthy);
+        let err = decode::<MarkValue>("/p/marks/a/b/10.0.0.1", "drain mark", b"{oops").unwrap_err().to_string();
+        assert!(err.contains("/p/marks/a/b/10.0.0.1") && err.contains("drain mark"), "{err}");
+    }
+
+    #[test]
+    fn states_convert_and_unspecified_reads_as_healthy() {
+        assert_eq!(state_from_pb(0), Some(EndpointState::Healthy));
+        assert_eq!(state_from_pb(1), Some(EndpointState::Healthy));
+        assert_eq!(state_from_pb(2), Some(EndpointState::Draining));
+        assert_eq!(state_from_pb(7), None);
+        for s in [EndpointState::Healthy, EndpointState::Draining] {
+            assert_eq!(state_from_pb(state_to_pb(s)), Some(s));
+        }
+    }
+}

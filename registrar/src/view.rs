@@ -1,0 +1,460 @@
+//! What the registry's etcd keys mean as the API's messages: a full view from a range
+//! read, a change batch from a watch response, and a client's view built from them (for
+//! `aether-registrar dump` and the tests), rendered as sorted JSON.
+//!
+//! Pure: keys and values in, messages and the rejected keys out. A key that does not
+//! parse or a value that does not decode is data, not a crash: it comes back as a
+//! [`Rejected`] for the caller to log, and the rest of the view or batch goes on.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use aether_model::{EndpointState, ServiceKey};
+use serde::Serialize;
+use shared_proto::registry as pb;
+
+use crate::keys::{Key, Layout};
+use crate::values::{self, EndpointValue, MarkValue, ServiceValue};
+
+/// A key skipped because it or its value is corrupt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    pub key: String,
+    pub error: String,
+}
+
+impl Rejected {
+    fn new(key: &[u8], error: impl std::fmt::Display) -> Self {
+        Self { key: String::from_utf8_lossy(key).into_owned(), error: error.to_string() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    Put,
+    Delete,
+}
+
+/// One etcd watch event, as plain bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Event<'a> {
+    pub kind: EventKind,
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+}
+
+/// The registry at `revision` from every key under the prefix. Endpoints of a service
+/// that has no service key are left out (and reported), as a client that applies changes
+/// leaves them out; every write of the registrar puts or deletes a service together with
+/// its endpoints, so only a hand edit of etcd makes one.
+pub fn full_view<'a>(layout: &Layout, revision: i64, kvs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> (pb::FullView, Vec<Rejected>) {
+    let mut rejected = Vec::new();
+    type Endpoints = BTreeMap<(IpAddr, u16), EndpointValue>;
+    let mut services: BTreeMap<ServiceKey, (ServiceValue, Endpoints)> = BTreeMap::new();
+    let mut endpoints: Vec<(ServiceKey, IpAddr, u16, EndpointValue, &[u8])> = Vec::new();
+    let mut marks: BTreeMap<(ServiceKey, IpAddr), MarkValue> = BTreeMap::new();
+    for (key, value) in kvs {
+        let text = String::from_utf8_lossy(key);
+        match layout.parse(key) {
+            Err(e) => rejected.push(Rejected::new(key, e)),
+            Ok(Key::Service(s)) => match values::decode::<ServiceValue>(&text, "service", value) {
+                Ok(v) => {
+                    services.insert(s, (v, BTreeMap::new()));
+                }
+                Err(e) => rejected.push(Rejected::new(key, e)),
+            },
+            Ok(Key::Endpoint { service, address, port }) => match values::decode::<EndpointValue>(&text, "endpoint", value) {
+                Ok(v) => endpoints.push((service, address, port, v, key)),
+                Err(e) => rejected.push(Rejected::new(key, e)),
+            },
+            Ok(Key::Mark { service, address }) => match values::decode::<MarkValue>(&text, "drain mark", value) {
+                Ok(v) => {
+                    marks.insert((service, address), v);
+                }
+                Err(e) => rejected.push(Rejected::new(key, e)),
+            },
+        }
+    }
+    for (service, address, port, v, key) in endpoints {
+        match services.get_mut(&service) {
+            Some((_, eps)) => {
+                eps.insert((address, port), v);
+            }
+            None => rejected.push(Rejected::new(key, format!("endpoint of {service}, which has no service key"))),
+        }
+    }
+    let view = pb::FullView {
+        revision,
+        services: services
+            .iter()
+            .map(|(k, (v, eps))| {
+                let mut s = values::service_to_pb(k, v);
+                s.endpoints = eps.iter().map(|((a, p), e)| values::endpoint_to_pb(*a, *p, e)).collect();
+                s
+            })
+            .collect(),
+        marks: marks.iter().map(|((s, a), m)| values::mark_to_pb(s, *a, m)).collect(),
+        resync: false,
+        reason: String::new(),
+    };
+    (view, rejected)
+}
+
+/// What one watch event means for a client.
+pub fn change(layout: &Layout, ev: &Event<'_>) -> Result<pb::Change, Rejected> {
+    use pb::change::Kind;
+    let key = layout.parse(ev.key).map_err(|e| Rejected::new(ev.key, e))?;
+    let text = String::from_utf8_lossy(ev.key);
+    let kind = match (key, ev.kind) {
+        (Key::Service(s), EventKind::Put) => {
+            let v = values::decode::<ServiceValue>(&text, "service", ev.value).map_err(|e| Rejected::new(ev.key, e))?;
+            Kind::ServiceUpserted(values::service_to_pb(&s, &v))
+        }
+        (Key::Service(s), EventKind::Delete) => Kind::ServiceRemoved(values::key_to_pb(&s)),
+        (Key::Endpoint { service, address, port }, EventKind::Put) => {
+            let v = values::decode::<EndpointValue>(&text, "endpoint", ev.value).map_err(|e| Rejected::new(ev.key, e))?;
+            Kind::EndpointUpserted(pb::EndpointUpsert {
+                service: Some(values::key_to_pb(&service)),
+                endpoint: Some(values::endpoint_to_pb(address, port, &v)),
+            })
+        }
+        (Key::Endpoint { service, address, port }, EventKind::Delete) => Kind::EndpointRemoved(pb::EndpointRemoval {
+            service: Some(values::key_to_pb(&service)),
+            address: address.to_string(),
+            port: u32::from(port),
+        }),
+        (Key::Mark { service, address }, EventKind::Put) => {
+            let v = values::decode::<MarkValue>(&text, "drain mark", ev.value).map_err(|e| Rejected::new(ev.key, e))?;
+            Kind::StateChanged(values::mark_to_pb(&service, address, &v))
+        }
+        // A removed mark reads as HEALTHY, set by no node.
+        (Key::Mark { service, address }, EventKind::Delete) => Kind::StateChanged(pb::DrainMark {
+            service: Some(values::key_to_pb(&service)),
+            address: address.to_string(),
+            state: values::state_to_pb(EndpointState::Healthy),
+            node: String::new(),
+        }),
+    };
+    Ok(pb::Change { kind: Some(kind) })
+}
+
+/// The changes of one watch response, which bring a view to `revision`.
+pub fn batch<'a>(layout: &Layout, revision: i64, events: impl IntoIterator<Item = Event<'a>>) -> (pb::ChangeBatch, Vec<Rejected>) {
+    let mut rejected = Vec::new();
+    let changes = events
+        .into_iter()
+        .filter_map(|ev| change(layout, &ev).map_err(|r| rejected.push(r)).ok())
+        .collect();
+    (pb::ChangeBatch { revision, changes }, rejected)
+}
+
+/// A client's view of the registry: a full view with the change batches after it
+/// applied. Equal views render to equal bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct View {
+    pub revision: i64,
+    services: BTreeMap<ServiceKey, ViewService>,
+    marks: BTreeMap<(ServiceKey, IpAddr), (EndpointState, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ViewService {
+    ports: Vec<u16>,
+    vip: Option<IpAddr>,
+    endpoints: BTreeMap<(IpAddr, u16), EndpointValue>,
+}
+
+/// A message the registrar would not send: a field out of range or a missing key.
+#[derive(Debug, thiserror::Error)]
+#[error("unexpected message from the registrar: {0}")]
+pub struct BadMessage(String);
+
+fn service_key(k: &Option<pb::ServiceKey>) -> Result<ServiceKey, BadMessage> {
+    k.as_ref().map(values::key_from_pb).ok_or_else(|| BadMessage("a service key is missing".into()))
+}
+
+fn ip(s: &str) -> Result<IpAddr, BadMessage> {
+    s.parse().map_err(|_| BadMessage(format!("address {s:?} is not an IP")))
+}
+
+fn port(p: u32) -> Result<u16, BadMessage> {
+    u16::try_from(p).map_err(|_| BadMessage(format!("port {p} is out of range")))
+}
+
+fn state(s: i32) -> Result<EndpointState, BadMessage> {
+    values::state_from_pb(s).ok_or_else(|| BadMessage(format!("state {s} is not defined")))
+}
+
+impl View {
+    /// The view a full view describes.
+    pub fn from_full(full: &pb::FullView) -> Result<Self, BadMessage> {
+        let mut view = View { revision: full.revision, ..Default::default() };
+        for s in &full.services {
+            let key = service_key(&s.key)?;
+            view.upsert_service(key.clone(), s)?;
+            for e in &s.endpoints {
+                view.upsert_endpoint(&key, e)?;
+            }
+        }
+        for m in &full.marks {
+            view.set_mark(m)?;
+        }
+        Ok(view)
+    }
+
+    /// Applies one batch of changes.
+    pub fn apply(&mut self, batch: &pb::ChangeBatch) -> Result<(), BadMessage> {
+        use pb::change::Kind;
+        for c in &batch.changes {
+            match &c.kind {
+                Some(Kind::ServiceUpserted(s)) => self.upsert_service(service_key(&s.key)?, s)?,
+                Some(Kind::ServiceRemoved(k)) => {
+                    self.services.remove(&values::key_from_pb(k));
+                }
+                Some(Kind::EndpointUpserted(u)) => {
+                    let e = u.endpoint.as_ref().ok_or_else(|| BadMessage("an endpoint upsert has no endpoint".into()))?;
+                    self.upsert_endpoint(&service_key(&u.service)?, e)?;
+                }
+                Some(Kind::EndpointRemoved(r)) => {
+                    if let Some(s) = self.services.get_mut(&service_key(&r.service)?) {
+                        s.endpoints.remove(&(ip(&r.address)?, port(r.port)?));
+                    }
+                }
+                Some(Kind::StateChanged(m)) => self.set_mark(m)?,
+                None => return Err(BadMessage("a change has no kind".into())),
+            }
+        }
+        self.revision = batch.revision;
+        Ok(())
+    }
+
+    fn upsert_service(&mut self, key: ServiceKey, s: &pb::Service) -> Result<(), BadMessage> {
+        let ports = s.ports.iter().map(|p| port(*p)).collect::<Result<Vec<_>, _>>()?;
+        let vip = if s.vip.is_empty() { None } else { Some(ip(&s.vip)?) };
+        let entry = self.services.entry(key).or_insert_with(|| ViewService { ports: Vec::new(), vip: None, endpoints: BTreeMap::new() });
+        entry.ports = ports;
+        entry.vip = vip;
+        Ok(())
+    }
+
+    /// An endpoint of a service the view does not hold is dropped, as the full view
+    /// drops it.
+    fn upsert_endpoint(&mut self, key: &ServiceKey, e: &pb::Endpoint) -> Result<(), BadMessage> {
+        let v = EndpointValue { service_port: port(e.service_port)?, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state)? };
+        let at = (ip(&e.address)?, port(e.port)?);
+        if let Some(s) = self.services.get_mut(key) {
+            s.endpoints.insert(at, v);
+        }
+        Ok(())
+    }
+
+    /// A HEALTHY mark with no node is a removed mark.
+    fn set_mark(&mut self, m: &pb::DrainMark) -> Result<(), BadMessage> {
+        let at = (service_key(&m.service)?, ip(&m.address)?);
+        let st = state(m.state)?;
+        if st == EndpointState::Healthy && m.node.is_empty() {
+            self.marks.remove(&at);
+        } else {
+            self.marks.insert(at, (st, m.node.clone()));
+        }
+        Ok(())
+    }
+
+    /// The view as pretty JSON, sorted: `services` in the registry file's schema, each
+    /// endpoint with its effective state (a DRAINING mark on its address overrides
+    /// HEALTHY), then `marks`. The revision is left out, so that the views of two
+    /// replicas, or of a client and the registrar, compare byte for byte.
+    pub fn to_json(&self) -> String {
+        #[derive(Serialize)]
+        struct Doc<'a> {
+            services: Vec<DocService<'a>>,
+            marks: Vec<DocMark<'a>>,
+        }
+        #[derive(Serialize)]
+        struct DocService<'a> {
+            name: &'a str,
+            namespace: &'a str,
+            ports: &'a [u16],
+            #[serde(skip_serializing_if = "Option::is_none")]
+            vip: Option<IpAddr>,
+            endpoints: Vec<DocEndpoint<'a>>,
+        }
+        #[derive(Serialize)]
+        struct DocEndpoint<'a> {
+            address: IpAddr,
+            port: u16,
+            service_port: u16,
+            node: &'a str,
+            pod: &'a str,
+            state: EndpointState,
+        }
+        #[derive(Serialize)]
+        struct DocMark<'a> {
+            namespace: &'a str,
+            name: &'a str,
+            address: IpAddr,
+            state: EndpointState,
+            node: &'a str,
+        }
+        let doc = Doc {
+            services: self
+                .services
+                .iter()
+                .map(|(k, s)| DocService {
+                    name: &k.name,
+                    namespace: &k.namespace,
+                    ports: &s.ports,
+                    vip: s.vip,
+                    endpoints: s
+                        .endpoints
+                        .iter()
+                        .map(|((address, port), e)| {
+                            let marked = matches!(self.marks.get(&(k.clone(), *address)), Some((EndpointState::Draining, _)));
+                            let state = if marked { EndpointState::Draining } else { e.state };
+                            DocEndpoint { address: *address, port: *port, service_port: e.service_port, node: &e.node, pod: &e.pod, state }
+                        })
+                        .collect(),
+                })
+                .collect(),
+            marks: self
+                .marks
+                .iter()
+                .map(|((k, address), (state, node))| DocMark { namespace: &k.namespace, name: &k.name, address: *address, state: *state, node })
+                .collect(),
+        };
+        let mut out = serde_json::to_string_pretty(&doc).expect("a view serializes");
+        out.push('\n');
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::DEFAULT_PREFIX;
+
+    fn layout() -> Layout {
+        Layout::new(DEFAULT_PREFIX)
+    }
+
+    fn k(s: &str) -> Vec<u8> {
+        format!("{DEFAULT_PREFIX}{s}").into_bytes()
+    }
+
+    const WEB: &str = r#"{"ports":[80],"vip":"10.96.0.1"}"#;
+    const EP: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy"}"#;
+    const MARK: &str = r#"{"state":"draining","node":"n1","instance":"agent-a"}"#;
+
+    #[test]
+    fn a_full_view_groups_endpoints_under_services_and_skips_what_is_corrupt() {
+        let kvs: Vec<(Vec<u8>, &str)> = vec![
+            (k("endpoints/d/web/10.0.0.2/8080"), EP),
+            (k("endpoints/d/web/10.0.0.10/8080"), EP),
+            (k("endpoints/d/gone/10.0.0.3/8080"), EP),
+            (k("endpoints/d/web/10.0.0.4/8080"), "{not json"),
+            (k("marks/d/web/10.0.0.2"), MARK),
+            (k("services/d/web"), WEB),
+            (k("services/d/bad"), r#"{"ports":"80"}"#),
+            (k("stray"), "{}"),
+        ];
+        let (view, rejected) = full_view(&layout(), 42, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        assert_eq!(view.revision, 42);
+        assert_eq!(view.services.len(), 1);
+        let web = &view.services[0];
+        assert_eq!((web.ports.as_slice(), web.vip.as_str()), ([80].as_slice(), "10.96.0.1"));
+        // Sorted by address as an IP, not as text.
+        let eps: Vec<&str> = web.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!(eps, ["10.0.0.2", "10.0.0.10"]);
+        assert_eq!(view.marks.len(), 1);
+        assert_eq!(view.marks[0].state, pb::EndpointState::Draining as i32);
+        let mut keys: Vec<&str> = rejected.iter().map(|r| r.key.as_str()).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "/aether/registry/endpoints/d/gone/10.0.0.3/8080",
+                "/aether/registry/endpoints/d/web/10.0.0.4/8080",
+                "/aether/registry/services/d/bad",
+                "/aether/registry/stray"
+            ]
+        );
+    }
+
+    /// One check per mapping: the event, then the change as its debug text.
+    fn check(kind: EventKind, key: &str, value: &str, want: &str) {
+        let key = k(key);
+        let got = change(&layout(), &Event { kind, key: &key, value: value.as_bytes() });
+        let got = match got {
+            Ok(c) => format!("{:?}", c.kind.unwrap()),
+            Err(r) => format!("rejected {}: {}", r.key, r.error),
+        };
+        assert!(got.contains(want), "{got}\n lacks {want}");
+    }
+
+    #[test]
+    fn watch_events_map_to_changes() {
+        use EventKind::*;
+        check(Put, "services/d/web", WEB, r#"ServiceUpserted(Service { key: Some(ServiceKey { namespace: "d", name: "web" }), ports: [80], vip: "10.96.0.1", endpoints: [] })"#);
+        check(Delete, "services/d/web", "", r#"ServiceRemoved(ServiceKey { namespace: "d", name: "web" })"#);
+        check(Put, "endpoints/d/web/10.0.0.1/8080", EP, r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy }) })"#);
+        check(Delete, "endpoints/d/web/10.0.0.1/8080", "", r#"EndpointRemoved(EndpointRemoval { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", port: 8080 })"#);
+        check(Put, "marks/d/web/10.0.0.1", MARK, r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Draining, node: "n1" })"#);
+        check(Delete, "marks/d/web/10.0.0.1", "", r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Healthy, node: "" })"#);
+        check(Put, "marks/d/web/10.0.0.1", "[]", "rejected /aether/registry/marks/d/web/10.0.0.1: value of");
+        check(Put, "services/d", WEB, "rejected /aether/registry/services/d: key");
+    }
+
+    #[test]
+    fn a_client_view_from_changes_equals_the_full_view_read_after_them() {
+        let l = layout();
+        let before: Vec<(Vec<u8>, &str)> = vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP)];
+        let (full, _) = full_view(&l, 5, before.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let mut view = View::from_full(&full).unwrap();
+
+        let (k1, k2, k3, k4) = (k("endpoints/d/web/10.0.0.2/8080"), k("marks/d/web/10.0.0.1"), k("services/d/api"), k("endpoints/d/api/10.0.0.9/81"));
+        let ep_api = r#"{"service_port":81}"#;
+        let events = [
+            Event { kind: EventKind::Put, key: &k1, value: EP.as_bytes() },
+            Event { kind: EventKind::Put, key: &k2, value: MARK.as_bytes() },
+            Event { kind: EventKind::Put, key: &k3, value: br#"{"ports":[81]}"# },
+            Event { kind: EventKind::Put, key: &k4, value: ep_api.as_bytes() },
+        ];
+        let (b, rejected) = batch(&l, 6, events);
+        assert!(rejected.is_empty());
+        view.apply(&b).unwrap();
+        let k5 = k("services/d/api");
+        let k6 = k("endpoints/d/api/10.0.0.9/81");
+        let (b, _) = batch(&l, 7, [Event { kind: EventKind::Delete, key: &k5, value: b"" }, Event { kind: EventKind::Delete, key: &k6, value: b"" }]);
+        view.apply(&b).unwrap();
+        assert_eq!(view.revision, 7);
+
+        let after: Vec<(Vec<u8>, &str)> =
+            vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP), (k("endpoints/d/web/10.0.0.2/8080"), EP), (k("marks/d/web/10.0.0.1"), MARK)];
+        let (full, _) = full_view(&l, 7, after.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let fresh = View::from_full(&full).unwrap();
+        assert_eq!(view, fresh);
+        let json = fresh.to_json();
+        assert_eq!(json, view.to_json());
+        // The mark makes 10.0.0.1 draining in the services; 10.0.0.2 stays healthy.
+        let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let states: Vec<&str> = doc["services"][0]["endpoints"].as_array().unwrap().iter().map(|e| e["state"].as_str().unwrap()).collect();
+        assert_eq!(states, ["draining", "healthy"]);
+        assert_eq!(doc["marks"][0]["node"], "n1");
+
+        // A removed mark (HEALTHY, no node) leaves the view.
+        let (b, _) = batch(&l, 8, [Event { kind: EventKind::Delete, key: &k2, value: b"" }]);
+        view.apply(&b).unwrap();
+        assert!(view.to_json().contains("\"marks\": []"));
+    }
+
+    #[test]
+    fn the_dump_services_are_a_registry_file() {
+        let l = layout();
+        let kvs: Vec<(Vec<u8>, &str)> = vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP)];
+        let (full, _) = full_view(&l, 1, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let doc: serde_json::Value = serde_json::from_str(&View::from_full(&full).unwrap().to_json()).unwrap();
+        let file = serde_json::json!({ "services": doc["services"] }).to_string();
+        let parsed = aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes()).unwrap();
+        assert_eq!(parsed.services.len(), 1);
+    }
+}
