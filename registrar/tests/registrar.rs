@@ -1,0 +1,372 @@
+//! The registrar as deployed: the real binary over real sockets against a real etcd
+//! (Debian's `/usr/bin/etcd`), started per test on loopback ports. Each test skips with
+//! a loud message only when etcd is not installed.
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use shared_proto::registry::{self as pb};
+use support::*;
+use tonic::Code;
+
+macro_rules! etcd_or_skip {
+    ($name:expr) => {
+        match Etcd::start_or_skip($name) {
+            Some(etcd) => etcd,
+            None => return,
+        }
+    };
+}
+
+fn web(eps: &[(&str, u32, &str)]) -> pb::Service {
+    svc("prod", "web", &[80], eps)
+}
+
+#[tokio::test]
+async fn streams_are_keyed_by_cluster_node_and_instance() {
+    let etcd = etcd_or_skip!("streams_are_keyed_by_cluster_node_and_instance");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr();
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+
+    // An owner and its standby on one node: distinct instances, a stream each.
+    let mut owner = watch(addr, "c", "n1", "agent-a", 0).await;
+    let mut standby = watch(addr, "c", "n1", "agent-b", 0).await;
+    assert_eq!(next_full(&mut owner).await.services.len(), 1);
+    assert_eq!(next_full(&mut standby).await.services.len(), 1);
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    for s in [&mut owner, &mut standby] {
+        assert_eq!(describe(&next_changes(s).await), ["endpoint 10.0.0.2:8080"]);
+    }
+
+    // Agents that predate the instance field: the newer stream of (cluster, node) wins.
+    let mut older = watch(addr, "c", "n2", "", 0).await;
+    next_full(&mut older).await;
+    let mut newer = watch(addr, "c", "n2", "", 0).await;
+    next_full(&mut newer).await;
+    let status = next(&mut older).await.expect_err("the older stream ends");
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    assert!(status.message().contains("replaced by a newer stream for the same key"), "{status:?}");
+    reg.wait_log("replaced by a newer stream for the same key", WAIT);
+
+    apply(addr, vec![web(&[("10.0.0.2", 8080, "n1")])]).await;
+    for s in [&mut owner, &mut standby, &mut newer] {
+        assert_eq!(describe(&next_changes(s).await), ["endpoint removed 10.0.0.1:8080"]);
+    }
+}
+
+#[tokio::test]
+async fn a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped() {
+    let etcd = etcd_or_skip!("a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr();
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let mut s = watch(addr, "c", "n1", "a", 0).await;
+    next_full(&mut s).await;
+
+    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None).await.unwrap();
+    let bad = "/aether/registry/endpoints/prod/web/10.0.0.9/8080";
+    kv.put(bad, "{not json", None).await.unwrap();
+    let batch = next_changes(&mut s).await;
+    assert!(batch.changes.is_empty(), "{batch:?}");
+    reg.wait_log(bad, WAIT);
+    // The stream goes on, and a new stream's full view leaves the value out too.
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    let batch = next_changes(&mut s).await;
+    // The apply removes the corrupt endpoint, absent from the request, and adds one.
+    assert_eq!(describe(&batch), ["endpoint removed 10.0.0.9:8080", "endpoint 10.0.0.2:8080"]);
+    kv.put(bad, "[]", None).await.unwrap();
+    next_changes(&mut s).await;
+    let full = next_full(&mut watch(addr, "c", "n1", "b", 0).await).await;
+    let eps: Vec<&str> = full.services[0].endpoints.iter().map(|e| e.address.as_str()).collect();
+    assert_eq!(eps, ["10.0.0.1", "10.0.0.2"]);
+}
+
+#[tokio::test]
+async fn a_client_resumes_from_its_revision_across_a_registrar_restart_and_after_compaction_gets_a_resync() {
+    let etcd = etcd_or_skip!("a_client_resumes_from_its_revision_across_a_registrar_restart_and_after_compaction_gets_a_resync");
+    let dir = tempfile::tempdir().unwrap();
+    let mut reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr().to_owned();
+    apply(&addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+
+    let mut s = watch(&addr, "c", "n1", "a", 0).await;
+    let full = next_full(&mut s).await;
+    apply(&addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    let first = next_changes(&mut s).await;
+    assert!(first.revision > full.revision);
+    drop(s);
+
+    // Reconnecting with the last revision: only what came after it.
+    apply(&addr, vec![web(&[("10.0.0.2", 8080, "n1")])]).await;
+    let mut s = watch(&addr, "c", "n1", "a", first.revision).await;
+    let later = next_changes(&mut s).await;
+    assert_eq!(describe(&later), ["endpoint removed 10.0.0.1:8080"]);
+
+    // The registrar restarts mid-stream: the stream breaks, the client resumes.
+    reg.restart();
+    assert!(next(&mut s).await.is_err(), "the stream ends with its registrar");
+    let revision = apply(&addr, vec![web(&[("10.0.0.2", 8080, "n1"), ("10.0.0.3", 8080, "n1")])]).await;
+    let mut s = watch(&addr, "c", "n1", "a", later.revision).await;
+    let batch = next_changes(&mut s).await;
+    assert_eq!((describe(&batch), batch.revision), (vec!["endpoint 10.0.0.3:8080".to_owned()], revision));
+    drop(s);
+
+    // History compacted past the client's revision: a full view again, with the reason.
+    let at = batch.revision;
+    apply(&addr, vec![web(&[("10.0.0.4", 8080, "n1")]), svc("prod", "api", &[81], &[("10.0.1.1", 9000, "n2")])]).await;
+    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None).await.unwrap();
+    let current = kv.get("/", Some(etcd_client::GetOptions::new().with_count_only())).await.unwrap().header().unwrap().revision();
+    kv.compact(current, Some(etcd_client::CompactionOptions::new().with_physical())).await.unwrap();
+    let mut s = watch(&addr, "c", "n1", "a", at).await;
+    let full = next_full(&mut s).await;
+    assert!(full.resync, "{full:?}");
+    assert!(full.reason.contains("compacted") && full.reason.contains(&current.to_string()) && full.reason.contains(&at.to_string()), "{}", full.reason);
+    assert_eq!(full.revision, current);
+    assert_eq!(render(&full), dump(&addr), "the resync's view is the registrar's state");
+    // And the stream goes on from the new revision.
+    apply(&addr, vec![web(&[("10.0.0.5", 8080, "n1")])]).await;
+    assert_eq!(describe(&next_changes(&mut s).await), ["endpoint removed 10.0.0.4:8080", "endpoint 10.0.0.5:8080"]);
+
+    // A revision the store has not reached (another etcd's) is a resync too.
+    let mut s = watch(&addr, "c", "n1", "a", current + 1000).await;
+    let full = next_full(&mut s).await;
+    assert!(full.resync && full.reason.contains("not the store the client read"), "{full:?}");
+}
+
+#[tokio::test]
+async fn a_client_resumes_on_another_replica_without_a_resync() {
+    let etcd = etcd_or_skip!("a_client_resumes_on_another_replica_without_a_resync");
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r1.sock"), &[]);
+    let second = RegistrarProcess::tcp(bin(), &etcd.endpoints(), &[]);
+    apply(second.addr(), vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+
+    let mut s = watch(first.addr(), "c", "n1", "a", 0).await;
+    next_full(&mut s).await;
+    apply(second.addr(), vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    let seen = next_changes(&mut s).await;
+    first.kill();
+    assert!(next(&mut s).await.is_err());
+
+    let revision = apply(second.addr(), vec![web(&[("10.0.0.2", 8080, "n1")])]).await;
+    // The client's address list: the dead replica first, as an agent would hold it.
+    let both = format!("{},{}", first.addr(), second.addr());
+    let req = pb::WatchEndpointsRequest { cluster: "c".into(), node: "n1".into(), instance: "a".into(), resume_revision: seen.revision };
+    let mut s = client(&both).await.watch_endpoints(req).await.unwrap().into_inner();
+    let batch = next_changes(&mut s).await;
+    assert_eq!((describe(&batch), batch.revision), (vec!["endpoint removed 10.0.0.1:8080".to_owned()], revision));
+}
+
+#[tokio::test]
+async fn drain_marks_are_states_set_only_by_the_endpoints_node() {
+    let etcd = etcd_or_skip!("drain_marks_are_states_set_only_by_the_endpoints_node");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr();
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")]), svc("prod", "api", &[81], &[("10.0.0.1", 9000, "n1")])]).await;
+    let mut s = watch(addr, "c", "observer", "", 0).await;
+    next_full(&mut s).await;
+
+    let mark = |state: pb::EndpointState, node: &str, instance: &str, address: &str, service: Option<&str>| pb::SetEndpointStateRequest {
+        service: service.map(|n| pb::ServiceKey { namespace: "prod".into(), name: n.into() }),
+        address: address.into(),
+        state: state as i32,
+        node: node.into(),
+        instance: instance.into(),
+    };
+    let mut c = client(addr).await;
+    // The owner marks its pod's address in one service, then its successor does the same.
+    let a = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.0.0.1", Some("web"))).await.unwrap().into_inner();
+    assert_eq!(a.marked, 1);
+    let b = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-b", "10.0.0.1", Some("web"))).await.unwrap().into_inner();
+    assert_eq!((b.marked, b.revision), (1, a.revision), "the same state again writes nothing");
+    assert_eq!(describe(&next_changes(&mut s).await), ["mark 10.0.0.1 ENDPOINT_STATE_DRAINING \"n1\""]);
+    let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
+    assert_eq!(doc["marks"].as_array().unwrap().len(), 1, "{doc}");
+    assert_eq!(doc["services"][1]["endpoints"][0]["state"], "draining", "{doc}");
+
+    // Another node's endpoint: refused, and logged with both nodes.
+    let e = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.0.0.2", None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let log = reg.wait_log("endpoint runs on another node", WAIT);
+    let line = log.lines().find(|l| l.contains("endpoint runs on another node")).unwrap();
+    for needle in ["caller_node=n1", "instance=agent-a", "address=10.0.0.2", "endpoint_node=n2"] {
+        assert!(line.contains(needle), "{needle} not in {line}");
+    }
+    let e = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.9.9.9", None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+
+    // No service: every service with an endpoint at the address.
+    let all = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.0.0.1", None)).await.unwrap().into_inner();
+    assert_eq!(all.marked, 2);
+    assert_eq!(describe(&next_changes(&mut s).await), ["mark 10.0.0.1 ENDPOINT_STATE_DRAINING \"n1\""], "only api's mark is new");
+
+    // HEALTHY removes the marks: a HEALTHY change with no node each.
+    c.set_endpoint_state(mark(pb::EndpointState::Healthy, "n1", "agent-b", "10.0.0.1", None)).await.unwrap();
+    assert_eq!(describe(&next_changes(&mut s).await), ["mark 10.0.0.1 ENDPOINT_STATE_HEALTHY \"\"", "mark 10.0.0.1 ENDPOINT_STATE_HEALTHY \"\""]);
+    let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
+    assert!(doc["marks"].as_array().unwrap().is_empty(), "{doc}");
+}
+
+#[tokio::test]
+async fn apply_and_delete_from_the_command_line() {
+    let etcd = etcd_or_skip!("apply_and_delete_from_the_command_line");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr();
+    let file = dir.path().join("registry.json");
+    let good = r#"{"services": [
+      {"name": "web", "namespace": "prod", "ports": [80, 8080], "vip": "10.96.0.10", "endpoints": [
+        {"address": "10.0.0.1", "port": 8080, "service_port": 80, "node": "n1", "pod": "web-1"},
+        {"address": "10.0.0.2", "port": 8080, "service_port": 8080, "node": "n2", "pod": "web-2", "state": "draining"}]},
+      {"name": "api", "namespace": "prod", "ports": [81]}
+    ]}"#;
+    std::fs::write(&file, good).unwrap();
+    let out = cli(&["apply", "--registrar", addr, "--file", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("applied 2 services"));
+
+    // The dump's services are the file, as the agent's parser reads both.
+    let services = |dump: &str| {
+        let doc: serde_json::Value = serde_json::from_str(dump).unwrap();
+        let text = serde_json::json!({ "services": doc["services"] }).to_string();
+        aether_model::registry_file::parse(std::path::Path::new("dump"), text.as_bytes()).unwrap()
+    };
+    let want = aether_model::registry_file::parse(&file, good.as_bytes()).unwrap();
+    assert_eq!(services(&dump(addr)), want);
+
+    // A bad file: nothing applied, an error naming the file and the field, exit 1.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, r#"{"services": [{"name": "web", "namespace": "prod", "ports": [80], "endpoints": [{"address": "10.0.0.1", "port": 0}]}]}"#).unwrap();
+    let before = dump(addr);
+    let out = cli(&["apply", "--registrar", addr, "--file", bad.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("bad.json") && err.contains("services[0] (web.prod).endpoints[0]: port is 0"), "{err}");
+    assert_eq!(dump(addr), before);
+
+    // A re-apply keeps drain marks and removes the endpoints the file no longer lists.
+    let mut c = client(addr).await;
+    c.set_endpoint_state(pb::SetEndpointStateRequest {
+        service: None,
+        address: "10.0.0.1".into(),
+        state: pb::EndpointState::Draining as i32,
+        node: "n1".into(),
+        instance: "agent-a".into(),
+    })
+    .await
+    .unwrap();
+    let fewer = good.replace(
+        r#",
+        {"address": "10.0.0.2", "port": 8080, "service_port": 8080, "node": "n2", "pod": "web-2", "state": "draining"}"#,
+        "",
+    );
+    assert_ne!(fewer, good);
+    std::fs::write(&file, &fewer).unwrap();
+    let out = cli(&["apply", "--registrar", addr, "--file", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
+    let web = &doc["services"][1];
+    assert_eq!(web["name"], "web");
+    assert_eq!(web["endpoints"].as_array().unwrap().len(), 1, "{doc}");
+    assert_eq!(web["endpoints"][0]["state"], "draining", "the mark stays: {doc}");
+    assert_eq!(doc["marks"].as_array().unwrap().len(), 1, "{doc}");
+
+    // Delete takes the service's endpoints and marks with it.
+    let out = cli(&["delete", "--registrar", addr, "--service", "prod/web"]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("deleted prod/web"), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
+    assert_eq!(doc["services"].as_array().unwrap().len(), 1, "{doc}");
+    assert!(doc["marks"].as_array().unwrap().is_empty(), "{doc}");
+    let out = cli(&["delete", "--registrar", addr, "--service", "prod"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--service \"prod\" is not NAMESPACE/NAME"), "{out:?}");
+}
+
+/// An invalid request over the API comes back INVALID_ARGUMENT naming the field.
+#[tokio::test]
+async fn apply_names_the_invalid_field() {
+    let etcd = etcd_or_skip!("apply_names_the_invalid_field");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let services = vec![web(&[]), svc("prod", "a", &[80], &[]), svc("prod", "b", &[80], &[("10.0.0.1", 0, "n1")])];
+    let e = client(reg.addr()).await.apply_services(pb::ApplyServicesRequest { services }).await.unwrap_err();
+    assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "services[2].endpoints[0].port: 0"));
+    assert!(dump(reg.addr()).contains("\"services\": []"), "nothing applied");
+}
+
+#[test]
+fn plain_tcp_without_insecure_listen_refuses_to_start() {
+    // Refused before etcd is dialled: no etcd needed.
+    let out = cli(&["serve", "--etcd", "http://127.0.0.1:1", "--listen", "127.0.0.1:7999"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--listen 127.0.0.1:7999") && err.contains("--insecure-listen"), "{err}");
+
+    let help = String::from_utf8_lossy(&cli(&["serve", "--help"]).stdout).into_owned();
+    for needle in ["--insecure-listen", "every caller may then do everything", "--agent-uid", "--operator-uid", "unix:///path"] {
+        assert!(help.contains(needle), "{needle} not in serve --help:\n{help}");
+    }
+}
+
+/// The unix socket's callers are their uids: an agent uid may watch but not apply, any
+/// other uid may do nothing. Run as the clients would be, under `setpriv`.
+#[tokio::test]
+async fn unix_socket_callers_are_authorized_by_uid() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED unix_socket_callers_are_authorized_by_uid: needs root to run clients as other uids (setpriv); authz::tests covers the decision");
+        return;
+    }
+    let etcd = etcd_or_skip!("unix_socket_callers_are_authorized_by_uid");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--agent-uid", "65534"]);
+    let file = dir.path().join("registry.json");
+    std::fs::write(&file, r#"{"services": [{"name": "web", "namespace": "prod", "ports": [80]}]}"#).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let as_uid = |uid: &str, args: &[&str]| {
+        std::process::Command::new("setpriv")
+            .args(["--reuid", uid, "--regid", uid, "--clear-groups", "--"])
+            .arg(bin())
+            .args(args)
+            .output()
+            .expect("setpriv runs")
+    };
+    let addr = reg.addr();
+    let f = file.to_str().unwrap();
+
+    let out = as_uid("65534", &["dump", "--registrar", addr]);
+    assert!(out.status.success(), "an agent may watch: {}", String::from_utf8_lossy(&out.stderr));
+    let out = as_uid("65534", &["apply", "--registrar", addr, "--file", f]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("PermissionDenied") && err.contains("uid 65534 may not call ApplyServices"), "{err}");
+    let out = as_uid("65533", &["dump", "--registrar", addr]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("uid 65533 may not call WatchEndpoints: neither an agent"), "{err}");
+    reg.wait_log("refused", WAIT);
+    // The registrar's own uid (root here) is the default operator.
+    let out = cli(&["apply", "--registrar", addr, "--file", f]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A registrar on a three-member etcd cluster serves through a member's restart.
+#[tokio::test]
+async fn a_three_member_cluster_serves_through_a_member_restart() {
+    let Some(mut etcd) = Etcd::cluster_or_skip("a_three_member_cluster_serves_through_a_member_restart", 3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr();
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let mut s = watch(addr, "c", "n1", "a", 0).await;
+    next_full(&mut s).await;
+    etcd.kill(2);
+    etcd.restart(2);
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    let batch = tokio::time::timeout(Duration::from_secs(15), next_changes(&mut s)).await.expect("a batch after the restart");
+    assert_eq!(describe(&batch), ["endpoint 10.0.0.2:8080"]);
+}
