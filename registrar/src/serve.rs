@@ -18,6 +18,9 @@ use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::service::{Registrar, Transport};
 use crate::store::{EtcdOptions, Store};
 
+/// How long open connections get to close after SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// How long the start waits for etcd to answer.
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -51,6 +54,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let shutdown_seen = shutdown_rx.clone();
     let registrar = Registrar::new(store, policy.clone(), transport, args.cluster.clone(), shutdown_rx);
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
@@ -67,11 +71,23 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "serving the registry API"
     );
     let server = tonic::transport::Server::builder().add_service(RegistryServer::new(registrar));
-    match bound {
-        Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,
-        Bound::Tcp(l) => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
+    let serving = async {
+        match bound {
+            Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,
+            Bound::Tcp(l) => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
+        }
+    };
+    // A graceful HTTP/2 shutdown waits for every client to acknowledge it; a hung client
+    // does not hold the exit up for longer than this.
+    let mut stopping = shutdown_seen;
+    let deadline = async move {
+        let _ = stopping.wait_for(|s| *s).await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = serving => served.with_context(|| format!("serving on {}", args.listen))?,
+        _ = deadline => tracing::warn!("connections still open {SHUTDOWN_GRACE:?} after the signal; exiting without them"),
     }
-    .with_context(|| format!("serving on {}", args.listen))?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -295,6 +295,15 @@ impl RegistrarProcess {
         }
     }
 
+    /// SIGTERM, then waits for the exit (at most `timeout`).
+    pub fn terminate(&mut self, timeout: Duration) -> ExitStatus {
+        let mut child = self.child.take().expect("the registrar is running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid fits i32"));
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to the registrar");
+        let status = wait_for("the registrar to exit after SIGTERM", timeout, || child.try_wait().expect("waitpid"));
+        status
+    }
+
     /// Starts it again with the same flags (after a kill, or killing it first) and waits
     /// until it accepts.
     pub fn restart(&mut self) {

@@ -370,3 +370,40 @@ async fn a_three_member_cluster_serves_through_a_member_restart() {
     let batch = tokio::time::timeout(Duration::from_secs(15), next_changes(&mut s)).await.expect("a batch after the restart");
     assert_eq!(describe(&batch), ["endpoint 10.0.0.2:8080"]);
 }
+
+/// SIGTERM ends open streams with UNAVAILABLE (their clients resume elsewhere) and the
+/// process exits 0, leaving its socket file for the next start to replace.
+// Multi-threaded: the client's connection must be driven while the test waits for the
+// exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_streams_with_unavailable_and_exits_cleanly() {
+    let etcd = etcd_or_skip!("sigterm_ends_streams_with_unavailable_and_exits_cleanly");
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("r.sock");
+    let mut reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &sock, &[]);
+    let mut s = watch(reg.addr(), "c", "n1", "a", 0).await;
+    next_full(&mut s).await;
+    let status = reg.terminate(WAIT);
+    assert!(status.success(), "{status}: {}", reg.log());
+    let e = next(&mut s).await.expect_err("the stream ends");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("shutting down"), "{e:?}");
+    assert!(sock.exists(), "no process unlinks its socket on exit");
+    reg.restart();
+    next_full(&mut watch(reg.addr(), "c", "n1", "a", 0).await).await;
+}
+
+/// etcd caps the writes of one transaction (`--max-txn-ops`, 128 by default); a service
+/// whose apply needs more is refused whole, with the reason.
+#[tokio::test]
+async fn a_service_over_etcds_transaction_limit_is_refused_with_the_reason() {
+    let etcd = etcd_or_skip!("a_service_over_etcds_transaction_limit_is_refused_with_the_reason");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addrs: Vec<String> = (0..200).map(|i| format!("10.0.{}.{}", i / 250, i % 250 + 1)).collect();
+    let eps: Vec<(&str, u32, &str)> = addrs.iter().map(|a| (a.as_str(), 8080, "n1")).collect();
+    let e = client(reg.addr()).await.apply_services(pb::ApplyServicesRequest { services: vec![web(&eps)] }).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("prod/web: 201 writes") && e.message().contains("--max-txn-ops"), "{e:?}");
+    apply(reg.addr(), vec![web(&eps[..100])]).await;
+}
