@@ -46,6 +46,8 @@ fn kill_and_reap(child: &mut Child) -> Option<ExitStatus> {
 struct Member {
     name: String,
     client_url: String,
+    /// Plain HTTP `/health`, also when clients must use TLS.
+    health_url: String,
     peer_url: String,
     data_dir: PathBuf,
     log: PathBuf,
@@ -58,7 +60,17 @@ pub struct Etcd {
     members: Vec<Member>,
     initial_cluster: String,
     token: String,
+    tls: Option<EtcdTls>,
     dir: tempfile::TempDir,
+}
+
+/// TLS for etcd's clients: its serving certificate and key, and the CA that signs the
+/// client certificates it requires (`--client-cert-auth`). PEM files.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: PathBuf,
 }
 
 impl Etcd {
@@ -84,12 +96,23 @@ impl Etcd {
 
     /// A cluster of `members` (1 or more), each healthy before this returns.
     pub fn cluster(members: usize) -> Etcd {
+        Self::cluster_with(members, None)
+    }
+
+    /// One member whose clients must use TLS with a client certificate.
+    pub fn start_tls(tls: EtcdTls) -> Etcd {
+        Self::cluster_with(1, Some(tls))
+    }
+
+    fn cluster_with(members: usize, tls: Option<EtcdTls>) -> Etcd {
         assert!(members >= 1);
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let dir = tempfile::Builder::new().prefix("aether-etcd-").tempdir().expect("a temp dir for etcd");
         let members: Vec<Member> = (0..members)
             .map(|i| Member {
                 name: format!("m{i}"),
-                client_url: format!("http://127.0.0.1:{}", free_port()),
+                client_url: format!("{scheme}://127.0.0.1:{}", free_port()),
+                health_url: format!("http://127.0.0.1:{}", free_port()),
                 peer_url: format!("http://127.0.0.1:{}", free_port()),
                 data_dir: dir.path().join(format!("m{i}.etcd")),
                 log: dir.path().join(format!("m{i}.log")),
@@ -98,7 +121,7 @@ impl Etcd {
             .collect();
         let initial_cluster = members.iter().map(|m| format!("{}={}", m.name, m.peer_url)).collect::<Vec<_>>().join(",");
         let token = format!("aether-test-{}", std::process::id());
-        let mut etcd = Etcd { members, initial_cluster, token, dir };
+        let mut etcd = Etcd { members, initial_cluster, token, tls, dir };
         for i in 0..etcd.members.len() {
             etcd.spawn(i, "new");
         }
@@ -111,13 +134,19 @@ impl Etcd {
     fn spawn(&mut self, i: usize, state: &str) {
         let m = &mut self.members[i];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&m.log).expect("etcd log file");
-        let child = Command::new(ETCD_BIN)
+        let mut cmd = Command::new(ETCD_BIN);
+        if let Some(tls) = &self.tls {
+            cmd.arg("--cert-file").arg(&tls.cert).arg("--key-file").arg(&tls.key);
+            cmd.arg("--trusted-ca-file").arg(&tls.client_ca).arg("--client-cert-auth");
+        }
+        let child = cmd
             .args(["--name", &m.name, "--data-dir"])
             .arg(&m.data_dir)
             .args(["--listen-client-urls", &m.client_url, "--advertise-client-urls", &m.client_url])
             .args(["--listen-peer-urls", &m.peer_url, "--initial-advertise-peer-urls", &m.peer_url])
             .args(["--initial-cluster", &self.initial_cluster, "--initial-cluster-token", &self.token])
             .args(["--initial-cluster-state", state])
+            .args(["--listen-metrics-urls", &m.health_url])
             // Short raft timers: a loopback cluster elects a leader in well under a second.
             .args(["--heartbeat-interval", "20", "--election-timeout", "200"])
             .stdin(Stdio::null())
@@ -130,7 +159,7 @@ impl Etcd {
 
     /// Waits until member `i` says it is healthy (it has a leader).
     pub fn wait_healthy(&mut self, i: usize) {
-        let url = self.members[i].client_url.clone();
+        let url = self.members[i].health_url.clone();
         let what = format!("etcd member {} at {url} to be healthy", self.members[i].name);
         wait_for(&what, Duration::from_secs(20), || {
             if let Some(c) = self.members[i].child.as_mut()
@@ -300,8 +329,7 @@ impl RegistrarProcess {
         let mut child = self.child.take().expect("the registrar is running");
         let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid fits i32"));
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to the registrar");
-        let status = wait_for("the registrar to exit after SIGTERM", timeout, || child.try_wait().expect("waitpid"));
-        status
+        wait_for("the registrar to exit after SIGTERM", timeout, || child.try_wait().expect("waitpid"))
     }
 
     /// Starts it again with the same flags (after a kill, or killing it first) and waits

@@ -407,3 +407,52 @@ async fn a_service_over_etcds_transaction_limit_is_refused_with_the_reason() {
     assert!(e.message().contains("prod/web: 201 writes") && e.message().contains("--max-txn-ops"), "{e:?}");
     apply(reg.addr(), vec![web(&eps[..100])]).await;
 }
+
+/// `--etcd-ca`, `--etcd-cert` and `--etcd-key`: the registrar reaches an etcd that serves
+/// TLS and requires client certificates; without a client certificate it cannot start.
+#[tokio::test]
+async fn the_registrar_reaches_etcd_over_tls_with_a_client_certificate() {
+    if !Etcd::available() {
+        eprintln!("SKIPPED the_registrar_reaches_etcd_over_tls_with_a_client_certificate: {} is not installed", aether_registrar::testing::ETCD_BIN);
+        return;
+    }
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, pem: String| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(DnType::CommonName, "aether test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf = |name: &str, sans: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(sans).unwrap();
+        p.distinguished_name.push(DnType::CommonName, name);
+        p.extended_key_usages = vec![usage];
+        let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+        (write(&format!("{name}.crt"), cert.pem()), write(&format!("{name}.key"), key.serialize_pem()))
+    };
+    let ca_file = write("ca.crt", ca.pem());
+    let (server_cert, server_key) = leaf("etcd", vec!["127.0.0.1".into()], ExtendedKeyUsagePurpose::ServerAuth);
+    let (client_cert, client_key) = leaf("registrar", vec![], ExtendedKeyUsagePurpose::ClientAuth);
+    let etcd = Etcd::start_tls(aether_registrar::testing::EtcdTls { cert: server_cert, key: server_key, client_ca: ca_file.clone() });
+    assert!(etcd.endpoints().starts_with("https://"));
+
+    let (ca, cert, key) = (ca_file.to_str().unwrap(), client_cert.to_str().unwrap(), client_key.to_str().unwrap());
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--etcd-ca", ca, "--etcd-cert", cert, "--etcd-key", key]);
+    apply(reg.addr(), vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let full = next_full(&mut watch(reg.addr(), "c", "n1", "a", 0).await).await;
+    assert_eq!(full.services.len(), 1);
+
+    // The CA alone: etcd refuses the handshake, and the start fails naming etcd.
+    let sock = dir.path().join("r2.sock");
+    let listen = format!("unix://{}", sock.display());
+    let out = cli(&["serve", "--etcd", &etcd.endpoints(), "--listen", &listen, "--etcd-ca", ca]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("etcd at {}", etcd.endpoints())), "{err}");
+}
