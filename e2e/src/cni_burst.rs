@@ -82,7 +82,7 @@ pub async fn run(bin: &Path, rig: &WorkerRig, before: usize, burst: usize) -> Bu
     cni::load(&rig.node, &storage);
     let listener = tokio::net::UnixListener::bind(&socket).expect("binding the CNI socket");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(cni::serve(listener, rig.node.clone(), storage.clone(), rig.acks.clone(), rig.metrics.clone(), async move {
+    let server = tokio::spawn(cni::serve(listener, rig.node.clone(), storage.clone(), rig.acks.clone(), rig.metrics.clone(), None, async move {
         let _ = stopped.await;
     }));
     for i in 0..before {

@@ -12,3 +12,4 @@ pub mod envoy;
 pub mod harness;
 pub mod cnichain;
 pub mod cni_burst;
+pub mod registrar;

@@ -183,7 +183,6 @@ impl LocalNode {
             .arg("--health-dir")
             .arg(&health_dir)
             .arg("--metrics-addr=off")
-            .arg(format!("--pod-name=agent-{name}"))
             .arg("--node-name=test-node")
             .args(extra)
             // AETHER_E2E_AGENT_LOG sets the agents' log filter (e.g. `info,aether_worker::xds=debug`).
@@ -194,6 +193,10 @@ impl LocalNode {
             .stderr(log);
         if let Some(r) = &self.registry_file {
             cmd.arg("--registry-file").arg(r);
+        }
+        // The instance key, unless `extra` sets one (an empty one is the pre-instance key).
+        if !extra.iter().any(|a| a.starts_with("--pod-name")) {
+            cmd.arg(format!("--pod-name=agent-{name}"));
         }
         let child = cmd.spawn().expect("spawn aether-supervisor");
         Agent { name, child, health_sock: health_dir.join("agent-health.sock"), log_path, exited: None }

@@ -32,6 +32,9 @@ pub struct Status {
     /// Degraded conditions this worker knows; they never turn a serving owner's
     /// readiness off.
     pub problems: Vec<Problem>,
+    /// The registrar view this worker holds, when it watches a registrar.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registrar: Option<RegistrarStatus>,
     /// Takeover timings in microseconds, once this worker took the node over.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub takeover: Option<TakeoverTimes>,
@@ -62,9 +65,20 @@ impl Status {
             pid: std::process::id(),
             waiting_for: Vec::new(),
             problems: Vec::new(),
+            registrar: None,
             takeover: None,
         }
     }
+}
+
+/// Where the registrar view stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RegistrarStatus {
+    /// The registrar revision the view is at (0: not loaded).
+    pub revision: i64,
+    pub services: usize,
+    /// Full views received since start (the first one included).
+    pub full_views: u64,
 }
 
 /// A degraded condition, as `/ready` shows it.
@@ -76,11 +90,20 @@ pub struct Problem {
     pub since: u64,
 }
 
-/// The handle sources report their problems through; one problem per source.
+/// The handle sources report through: their problems (one per source) and, for the
+/// registrar client, where its view stands.
 #[derive(Clone)]
-pub struct Problems(std::sync::Arc<watch::Sender<Status>>);
+pub struct Reporter(std::sync::Arc<watch::Sender<Status>>);
 
-impl Problems {
+impl Reporter {
+    pub fn registrar(&self, now: RegistrarStatus) {
+        self.0.send_if_modified(|s| {
+            let changed = s.registrar != Some(now);
+            s.registrar = Some(now);
+            changed
+        });
+    }
+
     pub fn new(status: std::sync::Arc<watch::Sender<Status>>) -> Self {
         Self(status)
     }

@@ -45,6 +45,12 @@ impl NodeRig {
 
     /// [`Self::start`], every agent started with `agent_args` too.
     pub fn start_with(envoy_bin: &Path, api: AdsApi, agent_args: &[&str]) -> NodeRig {
+        Self::start_from(envoy_bin, api, None, agent_args)
+    }
+
+    /// [`Self::start_with`], the registry from the registrar at `registrar` (the rig's
+    /// service applied to it) instead of a registry file.
+    pub fn start_from(envoy_bin: &Path, api: AdsApi, registrar: Option<&str>, agent_args: &[&str]) -> NodeRig {
         let service = Self::SERVICE;
         let mut node = LocalNode::new();
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
@@ -61,7 +67,14 @@ impl NodeRig {
         let registry = root.join("registry.json");
         let doc = json!({ "services": [{ "name": service, "namespace": "default", "ports": [80], "endpoints": endpoints }] });
         std::fs::write(&registry, doc.to_string()).expect("registry file");
-        node.registry_file = Some(registry);
+        let mut extra = Vec::new();
+        match registrar {
+            Some(addr) => {
+                crate::registrar::apply(addr, &registry);
+                extra.push(format!("--registrar={addr}"));
+            }
+            None => node.registry_file = Some(registry),
+        }
         // Free ports for both capture listeners, so that tests running in parallel do not
         // clash on the default 15001 and 15006; the outbound one on this process's own
         // loopback address, since only it carries the load.
@@ -71,7 +84,7 @@ impl NodeRig {
         let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("free port");
         std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string())
             .expect("capture file");
-        let mut extra = vec![format!("--capture-file={}", capture.display())];
+        extra.push(format!("--capture-file={}", capture.display()));
         extra.extend(agent_args.iter().map(|a| a.to_string()));
         eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
 

@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tracing::{debug, info, warn};
 
-use crate::health::Problems;
+use crate::health::{RegistrarStatus, Reporter};
 use crate::metrics::Metrics;
 use crate::node::Node;
 pub use mirror::Mirror;
@@ -146,13 +146,14 @@ fn seed() -> u64 {
 }
 
 /// Watches the registrar at `addrs` until the task is aborted, feeding the node.
-pub fn spawn(addrs: Vec<Address>, me: Identity, node: Arc<Node>, metrics: Arc<Metrics>, problems: Problems) -> tokio::task::JoinHandle<()> {
+pub fn spawn(addrs: Vec<Address>, me: Identity, node: Arc<Node>, metrics: Arc<Metrics>, problems: Reporter) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut mirror = Mirror::default();
+        let mut full_views = 0u64;
         let mut backoff = Backoff::new(seed());
         for attempt in 0usize.. {
             let addr = &addrs[attempt % addrs.len()];
-            match watch_once(addr, &me, &mut mirror, &node, &metrics, &problems).await {
+            match watch_once(addr, &me, &mut mirror, &mut full_views, &node, &metrics, &problems).await {
                 Ok(progressed) => {
                     if progressed {
                         backoff.reset();
@@ -181,9 +182,10 @@ async fn watch_once(
     addr: &Address,
     me: &Identity,
     mirror: &mut Mirror,
+    full_views: &mut u64,
     node: &Node,
     metrics: &Metrics,
-    problems: &Problems,
+    problems: &Reporter,
 ) -> Result<bool, (bool, anyhow::Error)> {
     let mut client = connect(addr).await.map_err(|e| (false, e.context("connecting")))?;
     let request = pb::WatchEndpointsRequest {
@@ -210,6 +212,7 @@ async fn watch_once(
                     warn!(registrar = %addr, reason = %full.reason, revision = full.revision, "registrar sent a full view again (resync)");
                 }
                 let (c, s) = mirror.apply_full(full);
+                *full_views += 1;
                 (c, s, true)
             }
             Some(pb::watch_endpoints_response::Kind::Changes(batch)) => {
@@ -224,7 +227,8 @@ async fn watch_once(
         }
         node.apply(changes);
         metrics.registry_revision.set(mirror.revision());
-        if full || !mirror.loaded() {
+        problems.registrar(RegistrarStatus { revision: mirror.revision(), services: mirror.services(), full_views: *full_views });
+        if full {
             info!(registrar = %addr, revision = mirror.revision(), services = mirror.services(), "registry loaded from the registrar");
         }
         if mirror.loaded() {

@@ -1,0 +1,102 @@
+//! The registry as the registrar holds it, and as Envoy got it: the registrar's operator
+//! commands (`aether-registrar apply`, `dump`) run as processes, and a comparison of a
+//! dump with the EDS in Envoy's config dump.
+//!
+//! etcd and the registrar themselves start through `aether_registrar::testing`
+//! ([`Etcd`], [`RegistrarProcess`]).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+pub use aether_registrar::testing::{Etcd, RegistrarProcess};
+
+use crate::testing::bin;
+
+/// The registrar binary this build made.
+pub fn registrar_bin() -> std::path::PathBuf {
+    bin("aether-registrar")
+}
+
+/// Runs `aether-registrar <args>` and returns its stdout; panics with its stderr on failure.
+pub fn cli(args: &[&str]) -> String {
+    let out = Command::new(registrar_bin()).args(args).output().expect("run aether-registrar");
+    assert!(
+        out.status.success(),
+        "aether-registrar {args:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// Upserts the services of `file` (the `--registry-file` schema); returns the revision.
+pub fn apply(addr: &str, file: &Path) -> i64 {
+    let out = cli(&["apply", "--registrar", addr, "--file", &file.display().to_string()]);
+    revision_in(&out)
+}
+
+/// Writes `doc` to `file` and applies it; returns the revision.
+pub fn apply_doc(addr: &str, file: &Path, doc: &Value) -> i64 {
+    std::fs::write(file, doc.to_string()).expect("write the registry file");
+    apply(addr, file)
+}
+
+/// The `(revision N)` an operator command prints.
+fn revision_in(out: &str) -> i64 {
+    out.rsplit_once("(revision ")
+        .and_then(|(_, r)| r.trim_end().trim_end_matches(')').parse().ok())
+        .unwrap_or_else(|| panic!("no revision in aether-registrar's output {out:?}"))
+}
+
+/// The registrar's view: services with effective endpoint states, then drain marks.
+pub fn dump(addr: &str) -> Value {
+    serde_json::from_str(&cli(&["dump", "--registrar", addr])).expect("dump is JSON")
+}
+
+/// What a proxy's EDS should hold for `dump`: per outbound cluster (one per service
+/// port), its endpoints as "addr:port HEALTH", sorted.
+pub fn expected_eds(dump: &Value) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    for s in dump["services"].as_array().into_iter().flatten() {
+        let (name, ns) = (s["name"].as_str().unwrap_or_default(), s["namespace"].as_str().unwrap_or_default());
+        let ports: Vec<u64> = s["ports"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+        for p in &ports {
+            let mut eps: Vec<String> = s["endpoints"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|e| e["service_port"].as_u64().or((ports.len() == 1).then_some(*p)) == Some(*p))
+                .map(|e| {
+                    let health = if e["state"] == "draining" { "DRAINING" } else { "HEALTHY" };
+                    format!("{}:{} {health}", e["address"].as_str().unwrap_or("?"), e["port"].as_u64().unwrap_or(0))
+                })
+                .collect();
+            eps.sort();
+            out.insert(aether_model::outbound_cluster_name(*p as u16, name, ns), eps);
+        }
+    }
+    out
+}
+
+/// Every outbound cluster's EDS in Envoy's `/config_dump?include_eds`, as
+/// [`expected_eds`] writes it.
+pub fn envoy_eds(config_dump: &Value) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    let Some(configs) = config_dump["configs"].as_array() else { return out };
+    let names: Vec<String> = configs
+        .iter()
+        .filter(|c| c["@type"].as_str().is_some_and(|t| t.ends_with("EndpointsConfigDump")))
+        .flat_map(|c| c["dynamic_endpoint_configs"].as_array().cloned().unwrap_or_default())
+        .filter_map(|e| e["endpoint_config"]["cluster_name"].as_str().map(String::from))
+        .filter(|n| aether_model::is_outbound_cluster(n))
+        .collect();
+    for n in names {
+        if let Some(eps) = crate::envoy::endpoints(config_dump, &n) {
+            out.insert(n, eps);
+        }
+    }
+    out
+}

@@ -1,0 +1,278 @@
+//! The agent and the registrar together: real etcd, the real `aether-registrar` and the
+//! real agent binaries (and a real Envoy where a test compares what the proxy got).
+//!
+//! Each test skips, saying so, where etcd is not installed (`scripts/test.sh` installs it).
+
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use aether_e2e::envoy::{AdsApi, NodeRig, envoy_or_skip};
+use aether_e2e::harness::churn::{Cni, PodId};
+use aether_e2e::registrar::{Etcd, RegistrarProcess, apply_doc, dump, envoy_eds, expected_eds, registrar_bin};
+use aether_e2e::testing::{Agent, LocalNode, bin, wait_for};
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(15);
+
+fn registry(services: &[(&str, &[(&str, &str)])]) -> Value {
+    let services: Vec<Value> = services
+        .iter()
+        .map(|(name, eps)| {
+            let endpoints: Vec<Value> =
+                eps.iter().map(|(addr, node)| json!({ "address": addr, "port": 8080, "node": node, "pod": format!("{name}-{addr}") })).collect();
+            json!({ "name": name, "namespace": "default", "ports": [80], "endpoints": endpoints })
+        })
+        .collect();
+    json!({ "services": services })
+}
+
+/// `/ready`'s registrar section: (revision, full views).
+fn registrar_view(a: &Agent) -> Option<(i64, u64)> {
+    let (_, v) = a.ready()?;
+    Some((v["registrar"]["revision"].as_i64()?, v["registrar"]["full_views"].as_u64()?))
+}
+
+fn wait_revision(a: &Agent, at_least: i64) -> (i64, u64) {
+    wait_for(&format!("{} to reach registrar revision {at_least}", a.name), T, || registrar_view(a).filter(|(r, _)| *r >= at_least))
+}
+
+fn count(log: &str, needle: &str) -> usize {
+    log.matches(needle).count()
+}
+
+#[test]
+fn owner_and_standby_each_keep_their_own_watch_through_the_overlap() {
+    let Some(etcd) = Etcd::start_or_skip("owner_and_standby_each_keep_their_own_watch_through_the_overlap") else { return };
+    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    let rev = apply_doc(registrar.addr(), &file, &registry(&[("web", &[("10.1.0.1", "node-b")])]));
+    let flag = format!("--registrar={}", registrar.addr());
+    let owner = node.start_agent_with(&[&flag]);
+    owner.wait_role("owner", T);
+    let standby = node.start_agent_with(&[&flag]);
+    standby.wait_role("standby", T);
+    // A change during the overlap reaches both over their own streams.
+    let rev2 = apply_doc(registrar.addr(), &file, &registry(&[("web", &[("10.1.0.1", "node-b"), ("10.1.0.2", "node-b")])]));
+    assert!(rev2 > rev);
+    for a in [&owner, &standby] {
+        let (_, full_views) = wait_revision(a, rev2);
+        assert_eq!(full_views, 1, "{}: one full view, then changes only", a.name);
+        assert_eq!(count(&a.log(), "registrar stream open"), 1, "{} reconnected during the overlap:\n{}", a.name, a.log());
+    }
+    assert_eq!(count(&registrar.log(), "replace"), 0, "a stream was replaced:\n{}", registrar.log());
+
+    // Two agents with an empty instance share the old key (cluster, node): each new
+    // stream replaces the other's, as before the instance field.
+    let mut a = LocalNode::new();
+    let mut b = LocalNode::new();
+    let old_a = a.start_agent_with(&[&flag, "--pod-name="]);
+    wait_revision(&old_a, rev2);
+    let old_b = b.start_agent_with(&[&flag, "--pod-name="]);
+    wait_revision(&old_b, rev2);
+    registrar.wait_log("replaced by a newer stream", T);
+    drop((old_a, old_b, owner, standby));
+}
+
+#[test]
+fn a_restarted_registrar_is_resumed_and_a_compacted_history_ends_in_a_full_view_equal_to_the_registrar() {
+    let Some(envoy) = envoy_or_skip("a_restarted_registrar_is_resumed...") else { return };
+    let Some(etcd) = Etcd::start_or_skip("a_restarted_registrar_is_resumed...") else { return };
+    let mut registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut rig = NodeRig::start_from(&envoy, AdsApi::Delta, Some(registrar.addr()), &[]);
+    let file = rig.node.root.path().join("more.json");
+    let eds_equal = |rig: &NodeRig, addr: &str, what: &str| {
+        let want = expected_eds(&dump(addr));
+        assert!(want.values().any(|eps| !eps.is_empty()), "the registrar holds endpoints: {want:?}");
+        let mut got = Default::default();
+        aether_e2e::testing::try_wait_for(what, T, || {
+            got = envoy_eds(&serde_json::from_str(&rig.envoy.get("/config_dump?include_eds").ok()?.1).ok()?);
+            (got == want).then_some(())
+        })
+        .unwrap_or_else(|_| panic!("{what}: Envoy's EDS {got:#?}\nthe registrar's {want:#?}\n{}", rig.where_to_look()));
+    };
+    eds_equal(&rig, registrar.addr(), "Envoy's EDS to equal the registrar's view");
+
+    // The registrar restarts mid-stream: the agent resumes from its revision.
+    registrar.kill();
+    registrar.restart();
+    let rev = apply_doc(registrar.addr(), &file, &registry(&[("api", &[("10.2.0.1", "node-b")])]));
+    let (_, full_views) = wait_revision(&rig.owner, rev);
+    assert_eq!(full_views, 1, "a restarted registrar must not cost a full resync:\n{}", rig.owner.log());
+    eds_equal(&rig, registrar.addr(), "Envoy's EDS after the registrar restart");
+
+    // Down again; meanwhile the registry changes and etcd compacts past the agent.
+    registrar.kill();
+    let other = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut last = 0;
+    for i in 0..5 {
+        last = apply_doc(other.addr(), &file, &registry(&[("api", &[("10.2.0.1", "node-b"), (&format!("10.2.1.{i}"), "node-b")])]));
+    }
+    compact(&etcd.endpoints(), last);
+    registrar.restart();
+    let (_, full_views) = wait_revision(&rig.owner, last);
+    assert_eq!(full_views, 2, "a compacted history ends in one full view again:\n{}", rig.owner.log());
+    rig.owner.wait_log("resync", T);
+    eds_equal(&rig, registrar.addr(), "Envoy's EDS after the resync");
+    rig.pass();
+}
+
+/// Compacts etcd's history up to `revision`, as an operator's or etcd's own compaction.
+fn compact(endpoints: &str, revision: i64) {
+    let eps: Vec<String> = endpoints.split(',').map(String::from).collect();
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        let mut c = etcd_client::Client::connect(eps, None).await.expect("connect to etcd");
+        c.compact(revision, None).await.expect("compact etcd");
+    });
+}
+
+#[test]
+fn a_standby_stays_not_ready_while_the_registrar_is_down_and_completes_within_2s_of_its_return() {
+    let Some(etcd) = Etcd::start_or_skip("a_standby_stays_not_ready...") else { return };
+    let mut registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    apply_doc(registrar.addr(), &file, &registry(&[("web", &[("10.1.0.1", "node-b")])]));
+    let flag = format!("--registrar={}", registrar.addr());
+    let owner = node.start_agent_with(&[&flag]);
+    owner.wait_role("owner", T);
+    let sockets = node.socket_inodes();
+    registrar.kill();
+    let standby = node.start_agent_with(&[&flag]);
+    // Not ready, visibly, for as long as the registrar is away.
+    let body = wait_for("the standby to report the registrar problem", T, || {
+        standby.ready().filter(|(_, v)| v["problems"].as_array().is_some_and(|p| p.iter().any(|p| p["source"] == "registrar")))
+    });
+    assert_eq!(body.0, 503, "{}", body.1);
+    assert!(body.1["waiting_for"].as_array().unwrap().iter().any(|w| w == "registry"), "{}", body.1);
+    let watch_until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < watch_until {
+        let (status, v) = standby.ready().expect("the standby answers /ready");
+        assert_eq!(status, 503, "a standby without its registry must not be ready: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(node.socket_inodes(), sockets, "the standby bound nothing");
+    assert!(owner.serving_owner().is_some(), "the owner keeps serving from what it has");
+    registrar.restart();
+    let back = Instant::now();
+    wait_for("the standby to become ready once the registrar is back", T, || standby.ready().filter(|(s, _)| *s == 200));
+    let took = back.elapsed();
+    eprintln!("standby complete {took:?} after the registrar came back");
+    assert!(took <= Duration::from_secs(2), "the standby took {took:?} (bound 2 s)");
+}
+
+#[test]
+fn a_lone_agent_serves_after_the_15s_gate_without_the_registrar_then_loads_it() {
+    let Some(etcd) = Etcd::start_or_skip("a_lone_agent_serves_after_the_15s_gate...") else { return };
+    let mut registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    let rev = apply_doc(registrar.addr(), &file, &registry(&[("web", &[("10.1.0.1", "node-b")])]));
+    registrar.kill();
+    let start = Instant::now();
+    let agent = node.start_agent_with(&[&format!("--registrar={}", registrar.addr())]);
+    let body = wait_for("the lone agent to serve without its registry", Duration::from_secs(25), || agent.serving_owner());
+    let took = start.elapsed();
+    assert!(took >= Duration::from_secs(14), "served after {took:?}, before the 15 s registry gate: {body}");
+    assert!(body["problems"].as_array().unwrap().iter().any(|p| p["source"] == "registrar"), "{body}");
+    agent.wait_log("first-serve gate timed out", T);
+    registrar.restart();
+    wait_revision(&agent, rev);
+    let body = agent.serving_owner().expect("still serving");
+    assert!(body["problems"].as_array().unwrap().is_empty(), "the problem clears once loaded: {body}");
+}
+
+fn cni(node: &LocalNode) -> Cni {
+    Cni { bin: bin("aether-cni"), socket: node.cni_sock() }
+}
+
+/// The registrar's marks, as `dump` lists them.
+fn marks(addr: &str) -> Vec<Value> {
+    dump(addr)["marks"].as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn drain_marks_from_an_owner_and_its_successor_leave_one_state_and_twenty_rolls_deregister_nothing() {
+    let Some(etcd) = Etcd::start_or_skip("drain_marks_from_an_owner_and_its_successor...") else { return };
+    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    // Two pods of this node (`test-node`, as LocalNode names it) and one of another node.
+    let ip = Ipv4Addr::new(10, 77, 0, 5);
+    let foreign = Ipv4Addr::new(10, 77, 0, 9);
+    apply_doc(
+        registrar.addr(),
+        &file,
+        &registry(&[("web", &[("10.77.0.5", "test-node"), ("10.77.0.6", "test-node")]), ("db", &[("10.77.0.9", "node-b")])]),
+    );
+    let flag = format!("--registrar={}", registrar.addr());
+    let mut owner = node.start_agent_with(&[&flag]);
+    owner.wait_role("owner", T);
+    let before = dump(registrar.addr());
+    let pod = PodId { uid: "mark-pod-uid".into(), name: "mark-pod".into() };
+    let cni = cni(&node);
+
+    // The owner's DEL sets the mark.
+    cni.call("ADD", &pod, Some(ip)).expect("ADD");
+    cni.call("DEL", &pod, None).expect("DEL");
+    let first = wait_for("the owner's drain mark", T, || {
+        let m = marks(registrar.addr());
+        (m.len() == 1).then_some(m)
+    });
+    assert_eq!(first[0]["address"], "10.77.0.5", "{first:?}");
+    assert_eq!(first[0]["state"], "draining", "{first:?}");
+
+    // A surge roll; the successor gets the same pod's DEL again (a runtime retry).
+    let next = node.start_agent_with(&[&flag]);
+    next.wait_role("standby", T);
+    owner.signal(Signal::SIGTERM);
+    owner.wait_exit(T);
+    next.wait_role("owner", T);
+    cni.call("ADD", &pod, Some(ip)).expect("ADD on the successor");
+    cni.call("DEL", &pod, None).expect("DEL on the successor");
+    next.wait_log("drain mark set", T);
+    let second = marks(registrar.addr());
+    assert_eq!(second.len(), 1, "two writers of one mark leave one state: {second:?}");
+    assert_eq!(second[0]["state"], "draining");
+
+    // A pod of this node at another node's endpoint address: the mark is refused, logged.
+    let stray = PodId { uid: "stray-pod-uid".into(), name: "stray-pod".into() };
+    cni.call("ADD", &stray, Some(foreign)).expect("ADD");
+    cni.call("DEL", &stray, None).expect("DEL");
+    next.wait_log("drain mark refused by the registrar", T);
+    registrar.wait_log("10.77.0.9", T);
+    assert_eq!(marks(registrar.addr()).len(), 1, "the refused mark changed nothing");
+
+    // Twenty surge rolls deregister nothing.
+    let view = dump(registrar.addr());
+    let mut current = next;
+    for roll in 0..20 {
+        let standby = node.start_agent_with(&[&flag]);
+        standby.wait_role("standby", T);
+        current.signal(Signal::SIGTERM);
+        current.wait_exit(T);
+        standby.wait_role("owner", T);
+        assert_eq!(dump(registrar.addr()), view, "roll {roll} changed the registrar's view");
+        current = standby;
+    }
+    assert_ne!(before, view, "the mark is in the view the rolls kept");
+}
+
+#[test]
+fn an_agent_given_two_registrar_replicas_resumes_on_the_other_without_a_full_resync() {
+    let Some(etcd) = Etcd::start_or_skip("an_agent_given_two_registrar_replicas...") else { return };
+    let mut r1 = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let r2 = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    apply_doc(r1.addr(), &file, &registry(&[("web", &[("10.1.0.1", "node-b")])]));
+    let agent = node.start_agent_with(&[&format!("--registrar={},{}", r1.addr(), r2.addr())]);
+    agent.wait_role("owner", T);
+    r1.wait_log("watch stream opened", T);
+    r1.kill();
+    let rev = apply_doc(r2.addr(), &file, &registry(&[("web", &[("10.1.0.1", "node-b"), ("10.1.0.3", "node-b")])]));
+    let (_, full_views) = wait_revision(&agent, rev);
+    assert_eq!(full_views, 1, "resumed on the other replica without a full view:\n{}", agent.log());
+    assert_eq!(count(&agent.log(), "registrar stream open"), 2, "{}", agent.log());
+}
