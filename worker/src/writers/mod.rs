@@ -9,8 +9,10 @@
 //! Rules shared by both, from the design record: every agent restores what the files hold
 //! at start; a standby writes nothing; the owner's writers start when it serves; a drained
 //! owner's last write lands before it releases the node lock, so the successor reads it.
-//! Every write is atomic: a temp file in the same folder, fsync, rename over the file,
-//! fsync of the folder, so a reader sees the old content or the new, never a mix.
+//! Every write is atomic: a temp file in the same folder renamed over the file, so a
+//! reader sees the old content or the new, never a mix. Both documents are also durable
+//! (fsync of the temp file before the rename, of the folder after); the heartbeat is not,
+//! as a heartbeat means nothing after a machine crash.
 
 pub mod mesh_dns;
 pub mod observed;
