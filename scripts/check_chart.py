@@ -288,6 +288,50 @@ def check_keeper(docs, args):
     check("keeper runs as uid 0, the supervisors' uid that the handoff checks", uid == 0, f"got {uid!r}")
 
 
+def check_registrar(docs, agent_ds, args):
+    deployments = objects_of(docs, "Deployment", "registrar")
+    services = objects_of(docs, "Service", "registrar")
+    agent = {c["name"]: c for c in agent_ds["spec"]["template"]["spec"]["containers"]}["agent"]
+    env = env_map(agent)
+    if not args.registrar:
+        check("no registrar objects with registrar.enabled=false", not deployments and not services,
+              f"found {len(deployments)} Deployment(s), {len(services)} Service(s)")
+        return
+    check("registrar Deployment and Service rendered once", len(deployments) == 1 and len(services) == 1,
+          f"found {len(deployments)} Deployment(s), {len(services)} Service(s)")
+    d, svc = deployments[0], services[0]
+    check("registrar replicas >= 2 (an agent resumes on the other)", d["spec"].get("replicas", 1) >= 2,
+          f"got {d['spec'].get('replicas')!r}")
+    strategy = d["spec"].get("strategy", {}).get("rollingUpdate", {})
+    check("registrar rolls with maxUnavailable 0", strategy.get("maxUnavailable") == 0, f"got {strategy}")
+    pod = d["spec"]["template"]["spec"]
+    check("registrar pod: no service account token", pod.get("automountServiceAccountToken") is False,
+          f"got {pod.get('automountServiceAccountToken')!r}")
+    check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
+    check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
+          f"got {pod.get('securityContext')}")
+    check("registrar pod: no hostPath", not host_paths(pod), f"got {host_paths(pod)}")
+    containers = all_containers(pod)
+    check("registrar pod: one container", len(containers) == 1, f"got {[c['name'] for c in containers]}")
+    for c in containers:
+        check_container_hardening("registrar pod", c)
+        extra = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add")
+        check(f"registrar pod: container {c['name']} adds no capability", not extra, f"got {extra}")
+    argv = containers[0].get("command", []) + containers[0].get("args", [])
+    check("registrar runs aether-registrar serve with --etcd and --listen",
+          argv[:2] == ["aether-registrar", "serve"] and "--etcd" in argv and "--listen" in argv, f"argv {argv}")
+    listen = argv[argv.index("--listen") + 1] if "--listen" in argv else ""
+    port = svc["spec"]["ports"][0]
+    check("registrar Service targets the port the registrar listens on",
+          listen.endswith(f":{port.get('targetPort')}"), f"listen {listen!r}, service {port}")
+    check("registrar Service selects the registrar pods",
+          all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items()),
+          f"selector {svc['spec']['selector']}")
+    want = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{port['port']}"
+    got = (env.get("AETHER_REGISTRAR") or {}).get("value")
+    check("agent AETHER_REGISTRAR is the registrar Service", got == want, f"got {got!r}, want {want!r}")
+
+
 def check_proxy(docs, args):
     proxies = objects_of(docs, "DaemonSet", "proxy")
     maps = objects_of(docs, "ConfigMap", "proxy")
@@ -403,6 +447,8 @@ def main():
     parser.add_argument("--surge", type=parse_bool, help="required with RENDERED.yaml")
     parser.add_argument("--proxy", type=parse_bool, default=False)
     parser.add_argument("--keeper", type=parse_bool, default=True)
+    parser.add_argument("--registrar", type=parse_bool, default=False,
+                        help="the rendering has registrar.enabled=true")
     parser.add_argument("--spiffe-dir", default="")
     parser.add_argument("--backoff-base", default="0.1s")
     parser.add_argument("--backoff-max", default="1s")
@@ -446,13 +492,15 @@ def main():
     try:
         docs = [d for d in yaml.safe_load_all(raw) if d]
         check("rendered YAML parses into objects", bool(docs), "no objects")
+        # A Service's ports are not a pod's: on the hostNetwork pods a declared port is a hostPort.
         ports = [f"{d.get('kind')}/{d.get('metadata', {}).get('name')}: {p}"
-                 for d in docs for p in find_keys(d, PORT_KEYS)]
-        check("no `ports` (or hostPort/containerPort) key in any rendered object", not ports, "; ".join(ports))
+                 for d in docs if d.get("kind") != "Service" for p in find_keys(d, PORT_KEYS)]
+        check("no `ports` (or hostPort/containerPort) key in any rendered pod object", not ports, "; ".join(ports))
         agent_ds = check_agent(docs, raw, args)
         check_rbac(docs, agent_ds)
         check_proxy(docs, args)
         check_keeper(docs, args)
+        check_registrar(docs, agent_ds, args)
         # Nothing else from the host: every hostPath of the release is one of the expected folders.
         allowed = {RUN_DIR, STATE_DIR, CNI_CONF_DIR, CNI_BIN_DIR} | ({args.spiffe_dir} if args.spiffe_dir else set())
         stray = sorted({p for d in docs if d.get("kind") == "DaemonSet"

@@ -70,6 +70,8 @@ fi
 grep -q "surge" "$work/lint-bad.log" || { cat "$work/lint-bad.log"; fail "schema error does not name surge"; }
 pass "helm lint rejects agent.updateStrategy.surge given as a string"
 
+REGISTRAR_SETS='registrar.enabled=true,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
+
 # Cases: name | helm --set list | check_chart.py expectations.
 cases=(
   "surge-off||--surge false"
@@ -77,6 +79,7 @@ cases=(
   "proxy|agent.updateStrategy.surge=true,proxy.enabled=true|--surge true --proxy true"
   "spiffe|identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
+  "registrar|registrar.enabled=true,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
   "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC"
 )
 
@@ -168,6 +171,10 @@ mutations=(
   'keeper-not-keeping|templates/keeper-daemonset.yaml|\n *- --keep-sockets|||--surge false|keeper runs aether-supervisor --keep-sockets'
   'keeper-uid|templates/keeper-daemonset.yaml|runAsUser: 0|runAsUser: 65532||--surge false|keeper runs as uid 0'
   'keeper-ignored|templates/keeper-daemonset.yaml|if \.Values\.keeper\.enabled|if true|keeper.enabled=false|--surge false --keeper false|no keeper DaemonSet'
+  'registrar-one-replica|templates/registrar.yaml|replicas: \{\{ \.Values\.registrar\.replicas \}\}|replicas: 1|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar replicas >= 2'
+  'registrar-token|templates/registrar.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar pod: no service account token'
+  'registrar-port|templates/registrar.yaml|targetPort: \{\{ \.Values\.registrar\.port \}\}|targetPort: 8080|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar Service targets the port'
+  'registrar-not-used|templates/_helpers.tpl|\{\{- else if \.Values\.registrar\.enabled -\}\}|{{- else if false -}}|'"$REGISTRAR_SETS"'|--surge false --registrar true|agent AETHER_REGISTRAR is the registrar Service'
 )
 for m in "${mutations[@]}"; do
   IFS='|' read -r name file pattern replacement sets expect want <<<"$m"
@@ -195,6 +202,17 @@ EOF
     fail "mutation $name: check_chart.py failed, but not on '$want'"
   fi
   pass "mutation $name -> $(grep '^FAIL' "$out.log" | head -1 | cut -c1-110)"
+done
+
+# The registrar authenticates no TCP caller yet: enabling it without the acknowledgement,
+# or without an etcd, must stop the rendering.
+for sets in "registrar.enabled=true,registrar.etcd.endpoints={http://etcd:2379}" "registrar.enabled=true,registrar.insecureListen=true"; do
+  if render "$chart" "$work/registrar-refused.yaml" "$sets" 2>"$work/registrar-refused.log"; then
+    fail "helm template rendered the registrar with $sets"
+  fi
+  grep -qE "insecureListen|etcd.endpoints" "$work/registrar-refused.log" \
+    || { cat "$work/registrar-refused.log"; fail "helm failed for another reason ($sets)"; }
+  pass "helm template refuses the registrar with $sets -> $(grep -oE 'registrar.enabled[^.]*' "$work/registrar-refused.log" | head -1)"
 done
 
 # The bootstrap template is shared (deploy/envoy/bootstrap.yaml.tmpl): a placeholder the

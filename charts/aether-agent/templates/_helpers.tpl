@@ -20,6 +20,19 @@
 {{- printf "%s-keeper" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "aether-agent.registrarName" -}}
+{{- printf "%s-registrar" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The agent's registrar: agent.registrar, else the chart's registrar Service when enabled. */}}
+{{- define "aether-agent.registrarAddress" -}}
+{{- if .Values.agent.registrar -}}
+{{- .Values.agent.registrar -}}
+{{- else if .Values.registrar.enabled -}}
+{{- printf "%s.%s.svc:%d" (include "aether-agent.registrarName" .) .Release.Namespace (int .Values.registrar.port) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "aether-agent.serviceAccountName" -}}
 {{- default (include "aether-agent.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
