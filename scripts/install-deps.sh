@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the build, the tests and the end-to-end harness need, when
+# missing, idempotently (as root, where apt-get exists; otherwise it says what is missing):
+#   protobuf-compiler           protoc, which the registrar's etcd client needs to build
+#   etcd-server                 a real etcd for the registrar tests and the two-node harness
+#   containernetworking-plugins the CNI reference plugins for the CNI chain test
+#   iproute2, util-linux        network namespaces (ip) and setpriv for the probe test
+set -euo pipefail
+
+need=()
+command -v protoc >/dev/null || need+=(protobuf-compiler)
+command -v etcd >/dev/null || need+=(etcd-server)
+[[ -x /usr/lib/cni/ptp || -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
+command -v ip >/dev/null || need+=(iproute2)
+command -v setpriv >/dev/null || need+=(util-linux)
+
+if ((${#need[@]} == 0)); then
+  echo "install-deps: all present" >&2
+  exit 0
+fi
+if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+  echo "install-deps: missing ${need[*]}; run as root on Debian, or install them yourself" >&2
+  # protoc is needed to build at all; the rest only by some tests.
+  command -v protoc >/dev/null || exit 1
+  exit 0
+fi
+echo "install-deps: apt-get install ${need[*]}" >&2
+apt-get update -q >&2
+DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >&2
