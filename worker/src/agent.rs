@@ -132,7 +132,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     Action::Release => {
                         serving.take().expect("Release follows a served drain").close_xds_listener().await;
                         // Before the lock passes: the successor reloads the file at takeover.
-                        match observed.flush() {
+                        match observed.flush_final() {
                             Ok(wrote) => info!(wrote, clusters = observed.names().len(), "observed upstreams flushed before release"),
                             Err(e) => error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed"),
                         }

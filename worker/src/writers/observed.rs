@@ -42,6 +42,10 @@ pub struct Observed {
     changes: watch::Sender<u64>,
     /// The change count last written; serializes writes.
     written: Mutex<u64>,
+    /// Set, under `written`, by the drain's [`Observed::flush_final`]: the node is passing
+    /// to the successor, so nothing more is written (an ADS stream still open until the
+    /// successor serves may still add names; the proxy asks the successor for them again).
+    released: std::sync::atomic::AtomicBool,
     /// The same, for waiters (tests, and the drain's log).
     flushed: watch::Sender<u64>,
 }
@@ -58,6 +62,7 @@ impl Observed {
             names: Mutex::new(names),
             changes: watch::Sender::new(0),
             written: Mutex::new(0),
+            released: std::sync::atomic::AtomicBool::new(false),
             flushed: watch::Sender::new(0),
         })
     }
@@ -97,10 +102,29 @@ impl Observed {
         &self.path
     }
 
-    /// Writes the set if it changed since the last write. The owner calls it at drain,
-    /// before the lock passes; [`run_writer`] after each change.
+    /// Writes the set if it changed since the last write; [`run_writer`] calls it after
+    /// each change. Nothing after [`Observed::flush_final`].
     pub fn flush(&self) -> std::io::Result<bool> {
+        self.flush_inner(false)
+    }
+
+    /// The drained owner's last write, before the lock passes: [`Observed::flush`], after
+    /// which this process writes the file no more.
+    pub fn flush_final(&self) -> std::io::Result<bool> {
+        self.flush_inner(true)
+    }
+
+    fn flush_inner(&self, last: bool) -> std::io::Result<bool> {
+        use std::sync::atomic::Ordering;
         let mut written = lock(&self.written);
+        if self.released.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        if last {
+            // Set before the write: a failed last write is not retried by the writer
+            // task after the lock has passed either.
+            self.released.store(true, Ordering::Relaxed);
+        }
         let now = *self.changes.borrow();
         if now == *written {
             return Ok(false);
@@ -187,6 +211,18 @@ mod tests {
         assert!(Observed::restore(dir.path()).names().is_empty());
         again.reload();
         assert_eq!(again.names().len(), 1, "a bad file adds nothing and removes nothing");
+    }
+
+    #[test]
+    fn nothing_is_written_after_the_drains_final_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = Observed::restore(dir.path());
+        o.insert("outbound|80||web.default");
+        assert!(o.flush_final().unwrap(), "the last change is written");
+        let before = std::fs::read_to_string(dir.path().join(FILE)).unwrap();
+        assert!(o.insert("outbound|80||late.default"), "a stream still open adds a name");
+        assert!(!o.flush().unwrap() && !o.flush_final().unwrap(), "but it is not written");
+        assert_eq!(std::fs::read_to_string(dir.path().join(FILE)).unwrap(), before);
     }
 
     #[tokio::test]
