@@ -387,10 +387,27 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
 }
 
 #[test]
-fn flags_for_clients_this_agent_lacks_are_accepted_and_called_out() {
+fn a_flag_for_a_client_this_agent_lacks_is_accepted_and_called_out() {
     let mut node = LocalNode::new();
-    let a = node.start_agent_with(&["--registrar=registrar.mesh:7443", "--spiffe-endpoint=unix:///run/spire/agent.sock"]);
+    let a = node.start_agent_with(&["--spiffe-endpoint=unix:///run/spire/agent.sock"]);
     a.wait_role("owner", T);
-    a.wait_log("no registrar client yet", T);
     a.wait_log("no workload-identity client yet", T);
+}
+
+#[test]
+fn a_registrar_address_that_does_not_parse_is_named_and_both_registry_sources_are_refused() {
+    for (flags, want) in [
+        (&["--registrar=registrar.mesh"][..], "\"registrar.mesh\": expected host:port"),
+        (&["--registrar=unix://relative.sock"][..], "needs an absolute path"),
+    ] {
+        let mut node = LocalNode::new();
+        let a = node.start_agent_with(flags);
+        a.wait_log(want, T);
+    }
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    std::fs::write(&file, "{}").unwrap();
+    let flag = format!("--registry-file={}", file.display());
+    let a = node.start_agent_with(&["--registrar=127.0.0.1:7800", &flag]);
+    a.wait_log("--registrar and --registry-file are both set", T);
 }
