@@ -5,7 +5,9 @@
 //! validated here, in pure functions ([`input`]) that the table tests and the fuzz target
 //! call directly, before anything talks to the agent. [`client`] is the only I/O beyond
 //! stdin and stdout. Every failure becomes CNI error JSON on stdout ([`CniError`]) and a
-//! non-zero exit; nothing here panics on input.
+//! non-zero exit; nothing here panics on input. One exception, as in istio-cni and
+//! linkerd-cni: a DEL that cannot reach the agent succeeds (see [`execute`]), so that the
+//! primary plugin, called after this one on DEL, still releases the pod's address.
 #![forbid(unsafe_code)]
 
 pub mod client;
@@ -141,13 +143,32 @@ pub fn execute(inv: &Invocation, timeouts: Timeouts) -> Result<String, CniError>
                 .enable_all()
                 .build()
                 .map_err(|e| CniError::new(code::IO_FAILURE, format!("starting the I/O runtime: {e}")))?;
-            runtime.block_on(client::call(inv, timeouts))?;
+            match runtime.block_on(client::call(inv, timeouts)) {
+                Ok(()) => {}
+                Err(e) if inv.command == Command::Del && del_goes_on(&e) => {
+                    // DEL is best effort: aether-cni is last in the chain, so it is called
+                    // first on DEL, and failing here would keep the primary plugin from
+                    // releasing the pod's address. The agent collects the record later.
+                    eprintln!(
+                        "aether-cni: DEL of container {} returns success without the agent: {e}; the chain goes on, and the agent collects the pod's record later",
+                        inv.request.container_id
+                    );
+                }
+                Err(e) => return Err(e),
+            }
             match inv.command {
                 Command::Add => Ok(input::add_result(&inv.config)),
                 _ => Ok(String::new()),
             }
         }
     }
+}
+
+/// Whether a failed DEL lets the chain go on: the agent could not be reached, did not
+/// answer in time, or failed. A request the agent found invalid stays an error: retrying
+/// it cannot help, and the runtime should see it.
+fn del_goes_on(e: &CniError) -> bool {
+    matches!(e.code, code::TRY_AGAIN_LATER | code::IO_FAILURE | code::AGENT_ERROR)
 }
 
 /// The VERSION command's answer.

@@ -285,6 +285,20 @@ async fn unreachable_agent_is_try_again_later_after_the_retry_bound() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn del_with_the_agent_unreachable_succeeds_so_the_chain_goes_on_and_add_still_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("no-agent.sock");
+    let del = run(env("DEL"), conf(&socket).into()).await;
+    assert_eq!(del.code, Some(0), "DEL is best effort: {}", del.stdout);
+    assert!(del.stdout.trim().is_empty(), "DEL prints nothing on success: {}", del.stdout);
+    // Only after the same bound as every call: a roll in progress still gets its DEL.
+    assert!(del.elapsed >= Duration::from_millis(4900), "gave up after {:?}", del.elapsed);
+    let add = run(env("ADD"), conf(&socket).into()).await;
+    assert_eq!(add.code, Some(1), "ADD stays fail-closed: {}", add.stdout);
+    assert_eq!(add.json()["code"], 11);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn add_check_del_round_trip() {
     let agent = Agent::start(Proxy::Acking).await;
     let c = conf(&agent.socket());

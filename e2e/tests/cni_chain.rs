@@ -163,4 +163,19 @@ fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
     chain.del(&sandbox, Some(&added.result)).unwrap_or_else(|e| panic!("a second chain DEL: {e}"));
     assert!(pod_records(&node.state_dir).is_empty());
     assert!(agent.log().contains("CNI DEL of a pod the agent does not know"), "the repeated DEL reached the agent");
+
+    // DEL while no agent answers: aether-cni, first on DEL, lets the chain go on after its
+    // bound, so the primary plugin still tears the interface down and releases the
+    // address. The record stays for the agent to collect later.
+    let added = chain.add(&sandbox).unwrap_or_else(|e| panic!("chain ADD again: {e}\nagent log:\n{}", agent.log()));
+    let (ip, _) = cnichain::result_ips(&added.result)[0];
+    let lease = ipam_dir.join(net).join(ip.to_string());
+    assert!(lease.is_file(), "host-local's lease {} exists", lease.display());
+    let mut agent = agent;
+    agent.kill_generation();
+    let deleted = chain.del(&sandbox, Some(&added.result)).unwrap_or_else(|e| panic!("chain DEL without an agent: {e}"));
+    assert_eq!(deleted.steps.iter().map(|s| s.plugin.as_str()).collect::<Vec<_>>(), ["aether-cni", "ptp"]);
+    assert!(!lease.exists(), "host-local released the lease {} with the agent stopped", lease.display());
+    assert!(!pod_ns.links().contains(&"eth0".to_string()), "eth0 is gone: {:?}", pod_ns.links());
+    assert_eq!(pod_records(&node.state_dir).len(), 1, "the record stays for the agent to collect");
 }
