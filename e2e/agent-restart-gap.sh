@@ -7,6 +7,22 @@
 #   ARG_ROLLS         rolls per mode (20)
 #   ARG_MODE          surge | recreate | worker-crash | all (surge); `all` runs the three
 #                     modes one after the other, each on its own local node, side by side
+#   ARG_NODES         1 (the default) or 2. With 2, surge only (other modes are refused):
+#                     one etcd (/usr/bin/etcd) and one registrar (aether-registrar on
+#                     loopback TCP) hold the registry instead of a registry file, and two
+#                     local nodes, node-a and node-b, each with its own run and state
+#                     folders, agents (--registrar, --node-name) and Envoy, share it. The
+#                     services' endpoints are loopback upstreams registered on node-b and
+#                     the load goes through node A's Envoy while node A rolls. Meanwhile
+#                     node B's pods churn through aether-cni on node B's cni.sock; each is
+#                     a registry endpoint of node-b (service pods-b.churn), so node B's
+#                     DEL sets a drain mark, and the time from that DEL's answer until
+#                     node A's Envoy shows the endpoint DRAINING (/clusters, read every
+#                     3 ms) is the cross-node drain. At the end both Envoys' EDS must equal
+#                     the registrar's view. Extra JSON fields: nodes,
+#                     cross_node_drain_samples, cross_node_drain_median_s,
+#                     cross_node_drain_p99_s (and _max_s, _timeouts), eds_equal_registrar,
+#                     peer_node_dir
 #   ARG_BOUND         fail when the p99 gap exceeds it, e.g. 0.12 or 120ms (default per
 #                     mode: surge 0.12 s, worker-crash 0.25 s, recreate 15 s)
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)
@@ -28,7 +44,9 @@
 #
 # Progress goes to stderr; stdout ends with the summary table and one JSON line. Exit 0
 # only when the p99 gap is within ARG_BOUND and no request failed, no acknowledged pod
-# ADD was lost and Envoy never had a connect to xds.sock refused, in every mode. The node
+# ADD was lost and Envoy never had a connect to xds.sock refused, in every mode; with two
+# nodes also only when every cross-node drain showed within 10 s and both Envoys' EDS
+# equal the registrar's view. The node
 # runs the socket keeper (aether-supervisor --keep-sockets) beside the agents, as the
 # chart does, so that in recreate the listener outlives the generations.
 set -euo pipefail

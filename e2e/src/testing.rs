@@ -92,6 +92,8 @@ pub struct LocalNode {
     pub run_dir: PathBuf,
     pub state_dir: PathBuf,
     pub registry_file: Option<PathBuf>,
+    /// `--node-name` of its agents (`test-node`).
+    pub node_name: String,
     next: usize,
 }
 
@@ -103,7 +105,7 @@ impl LocalNode {
         std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod tempdir");
         let run_dir = root.path().join("run");
         let state_dir = root.path().join("state");
-        Self { run_dir, state_dir, registry_file: None, next: 0, root }
+        Self { run_dir, state_dir, registry_file: None, node_name: "test-node".into(), next: 0, root }
     }
 
     pub fn xds_sock(&self) -> PathBuf {
@@ -183,7 +185,7 @@ impl LocalNode {
             .arg("--health-dir")
             .arg(&health_dir)
             .arg("--metrics-addr=off")
-            .arg("--node-name=test-node")
+            .arg(format!("--node-name={}", self.node_name))
             .args(extra)
             // AETHER_E2E_AGENT_LOG sets the agents' log filter (e.g. `info,aether_worker::xds=debug`).
             .env("RUST_LOG", std::env::var("AETHER_E2E_AGENT_LOG").unwrap_or_else(|_| "info".into()))

@@ -32,7 +32,7 @@ impl Cni {
             conf["prevResult"] = serde_json::json!({
                 "cniVersion": "1.0.0",
                 "interfaces": [{ "name": "eth0", "sandbox": NETNS }],
-                "ips": [{ "address": format!("{ip}/16"), "interface": 0, "gateway": "10.88.0.1" }],
+                "ips": [{ "address": format!("{ip}/16"), "interface": 0, "gateway": gateway(ip) }],
             });
         }
         conf.to_string()
@@ -79,9 +79,18 @@ pub struct PodId {
     pub name: String,
 }
 
-#[derive(Default)]
+/// The first address of `ip`'s /16, the pod network's gateway.
+fn gateway(ip: Ipv4Addr) -> String {
+    let [a, b, ..] = ip.octets();
+    Ipv4Addr::new(a, b, 0, 1).to_string()
+}
+
 pub struct Pods {
     next: u32,
+    /// Pod uids start with it: two nodes' pods stay apart in logs and storage.
+    prefix: String,
+    /// The pod network is 10.<net>.0.0/16.
+    net: u8,
     /// ADD answered success, no DEL since.
     pub live: BTreeMap<PodId, Ipv4Addr>,
     /// ADD or DEL failed: the runtime calls DEL until it succeeds; such a pod's state is
@@ -94,13 +103,38 @@ pub struct Pods {
     pub errors: Vec<String>,
 }
 
+impl Default for Pods {
+    /// The node's pods on 10.88.0.0/16.
+    fn default() -> Self {
+        Pods::on("", 88)
+    }
+}
+
 impl Pods {
-    fn new_pod(&mut self) -> (PodId, Ipv4Addr) {
+    /// Pods whose uids start with `prefix`, on 10.`net`.0.0/16: a second node's pods get
+    /// their own addresses, so that a drain mark names one node's pod only.
+    pub fn on(prefix: &str, net: u8) -> Pods {
+        Pods {
+            next: 0,
+            prefix: prefix.to_string(),
+            net,
+            live: BTreeMap::new(),
+            pending_del: Vec::new(),
+            adds_ok: 0,
+            adds_failed: 0,
+            dels_ok: 0,
+            dels_failed: 0,
+            errors: Vec::new(),
+        }
+    }
+
+    /// The next pod and its address, not yet added.
+    pub fn new_pod(&mut self) -> (PodId, Ipv4Addr) {
         self.next += 1;
         let n = self.next;
-        // 10.88.0.0/16 minus .0.x: unique per pod, never the gateway.
-        let ip = Ipv4Addr::new(10, 88, (1 + n / 250) as u8, (1 + n % 250) as u8);
-        (PodId { uid: format!("pod-{n:05}-uid"), name: format!("churn-{n}") }, ip)
+        // 10.<net>.0.0/16 minus .0.x: unique per pod, never the gateway.
+        let ip = Ipv4Addr::new(10, self.net, (1 + n / 250) as u8, (1 + n % 250) as u8);
+        (PodId { uid: format!("{}pod-{n:05}-uid", self.prefix), name: format!("{}churn-{n}", self.prefix) }, ip)
     }
 
     fn note_err(&mut self, e: String) {
@@ -113,19 +147,24 @@ impl Pods {
 /// ADDs one new pod; the pod when the plugin answered success.
 pub fn add_one(cni: &Cni, pods: &Mutex<Pods>) -> Option<PodId> {
     let (pod, ip) = pods.lock().unwrap().new_pod();
-    let r = cni.call("ADD", &pod, Some(ip));
+    add_pod(cni, pods, &pod, ip).then_some(pod)
+}
+
+/// ADDs `pod` (from [`Pods::new_pod`]) at `ip`; whether the plugin answered success.
+pub fn add_pod(cni: &Cni, pods: &Mutex<Pods>, pod: &PodId, ip: Ipv4Addr) -> bool {
+    let r = cni.call("ADD", pod, Some(ip));
     let mut p = pods.lock().unwrap();
     match r {
         Ok(()) => {
             p.adds_ok += 1;
             p.live.insert(pod.clone(), ip);
-            Some(pod)
+            true
         }
         Err(e) => {
             p.adds_failed += 1;
             p.note_err(e);
-            p.pending_del.push(pod);
-            None
+            p.pending_del.push(pod.clone());
+            false
         }
     }
 }

@@ -3,11 +3,16 @@
 //! bootstrap template, steady load through it, pod churn through the real `aether-cni`
 //! during every roll's overlap, and Envoy's admin stats polled every few milliseconds.
 //!
+//! With `ARG_NODES=2` ([`two_node`]) the registry lives in a registrar on etcd instead
+//! of a file, the services' endpoints are on a second node with its own agent and Envoy,
+//! and that node's pods drain while the first node rolls.
+//!
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
 pub mod churn;
 pub mod load;
 pub mod report;
+pub mod two_node;
 pub mod upstream;
 
 use std::collections::BTreeSet;
@@ -25,6 +30,7 @@ use serde_json::{Value, json};
 use crate::envoy::{self, Envoy, Poller, RollTimes};
 use crate::testing::{Agent, Keeper, LocalNode, bin, free_port, percentile, try_wait_for, workspace_root};
 use churn::{Churn, Cni, Pods};
+use two_node::{CrossDrain, PeerNode, SharedRegistry};
 
 /// The seed's cluster figures for delete-then-create (Proposal 041).
 pub const SEED_RECREATE: &str = "seed, delete-then-create on kind: median 6.30 s, p99 10.22 s";
@@ -73,6 +79,8 @@ pub struct Config {
     /// ARG_MESH_SERVICES: that many more services (10 endpoints each, never dialled) in
     /// the registry, to roll at mesh scale.
     pub mesh_services: usize,
+    /// ARG_NODES: 1, or 2 (two nodes sharing one registrar; see [`two_node`]).
+    pub nodes: u8,
 }
 
 /// "0.1s", "100ms", "1" (seconds).
@@ -134,7 +142,15 @@ impl Config {
             Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_MESH_SERVICES={v:?} is not a whole number"))?,
             None => 0,
         };
-        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services })
+        let nodes: u8 = match var("ARG_NODES").as_deref().map(str::trim) {
+            None | Some("1") => 1,
+            Some("2") => 2,
+            Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
+        };
+        if nodes == 2 && modes != [Mode::Surge] {
+            bail!("ARG_NODES=2 runs ARG_MODE=surge only (got ARG_MODE={mode:?}); recreate and worker-crash run on one node");
+        }
+        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes })
     }
 
     pub fn bound(&self, mode: Mode) -> f64 {
@@ -194,6 +210,15 @@ pub struct ModeResult {
     /// No pod churn and delta ADS: a new owner's answers to Envoy's reconnect must be
     /// empty (it holds the same snapshot as the owner Envoy left).
     pub expect_empty_reconnects: bool,
+    /// 1, or 2 with the figures below.
+    pub nodes: u8,
+    /// Two nodes: node B's drains as node A's Envoy saw them.
+    pub cross_drain: Option<two_node::DrainReport>,
+    /// Two nodes: whether both Envoys' EDS equalled the registrar's view at the end (and
+    /// the difference when not).
+    pub eds_equal_registrar: Option<Result<(), String>>,
+    /// Two nodes: node B's folder, kept when anything failed.
+    pub peer_dir: Option<PathBuf>,
 }
 
 impl ModeResult {
@@ -240,6 +265,12 @@ impl ModeResult {
         if self.expect_empty_reconnects && reconnect > 0 {
             f.push(format!("the new owners sent {reconnect} resources on Envoy's reconnects, which held them already"));
         }
+        if let Some(d) = &self.cross_drain {
+            f.extend(d.failures());
+        }
+        if let Some(Err(diff)) = &self.eds_equal_registrar {
+            f.push(format!("EDS differs from the registrar's view: {diff}"));
+        }
         f
     }
 
@@ -252,7 +283,7 @@ impl ModeResult {
         let reconnect: Option<u64> = self.rolls.iter().map(|r| r.reconnect_resources).sum();
         let r = |x: f64| (x * 1e6).round() / 1e6;
         let failures = self.failures(cfg.rolls);
-        json!({
+        let mut v = json!({
             "mode": mode.name(),
             "rolls": self.rolls.len(),
             "gap_samples": g.n,
@@ -289,7 +320,24 @@ impl ModeResult {
             "reconnect_resources": reconnect,
             "worker_vmhwm_mib": self.worker_vmhwm_mib.map(|m| (m * 10.0).round() / 10.0),
             "envoy_rss_mib": self.envoy_rss_mib.map(|m| (m * 10.0).round() / 10.0),
-        })
+            "nodes": self.nodes,
+        });
+        if self.nodes == 2 {
+            let drains = self.cross_drain.as_ref().map(|d| d.samples.as_slice()).unwrap_or_default();
+            let d = report::summarize(drains);
+            let extra = json!({
+                "cross_node_drain_samples": d.n,
+                "cross_node_drain_median_s": r(d.median),
+                "cross_node_drain_p99_s": r(d.p99),
+                "cross_node_drain_max_s": r(d.max),
+                "cross_node_drain_timeouts": self.cross_drain.as_ref().map_or(0, |d| d.timeouts.len()),
+                "cross_node_drain_poll_cost_median_ms": self.cross_drain.as_ref().map(|d| r(d.poll_cost.0.as_secs_f64() * 1000.0)),
+                "eds_equal_registrar": matches!(self.eds_equal_registrar, Some(Ok(()))),
+                "peer_node_dir": self.peer_dir.as_ref().map(|p| p.display().to_string()),
+            });
+            v.as_object_mut().expect("an object").extend(extra.as_object().expect("an object").clone());
+        }
+        v
     }
 }
 
@@ -321,6 +369,9 @@ struct Bench {
     pods: Arc<Mutex<Pods>>,
     lost_ever: BTreeSet<String>,
     cold_start: Duration,
+    /// Two nodes: node B, then the registrar and etcd (dropped in that order).
+    peer: Option<PeerNode>,
+    registry: Option<SharedRegistry>,
 }
 
 impl Bench {
@@ -333,32 +384,52 @@ impl Bench {
 fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     let mut node = node;
     let root = node.root.path().to_path_buf();
-    // Three services, each backed by two real HTTP servers on loopback.
+    // Three services, each backed by two real HTTP servers on loopback (with two nodes,
+    // node B's endpoints).
     let mut services = Vec::new();
     for name in SERVICES {
         let mut endpoints = Vec::new();
         for i in 0..2 {
             let u = upstream::spawn(format!("{name}-{i}\n")).context("upstream server")?;
-            endpoints.push(json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{name}-{i}") }));
+            endpoints.push(if cfg.nodes == 2 {
+                two_node::endpoint(&u.addr.ip().to_string(), u.addr.port(), &format!("{name}-{i}"))
+            } else {
+                json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{name}-{i}") })
+            });
         }
         services.push(json!({ "name": name, "namespace": "default", "ports": [80], "endpoints": endpoints }));
     }
     let registry = root.join("registry.json");
-    if cfg.mesh_services > 0 {
+    let doc = if cfg.mesh_services > 0 {
         let real: Vec<String> = services.iter().map(|s| s.to_string()).collect();
-        std::fs::write(&registry, crate::testing::mesh_registry_json(cfg.mesh_services, 10, None, &real.join(",")))?;
+        crate::testing::mesh_registry_json(cfg.mesh_services, 10, None, &real.join(","))
     } else {
-        std::fs::write(&registry, serde_json::to_vec_pretty(&json!({ "services": services }))?)?;
-    }
-    node.registry_file = Some(registry);
+        serde_json::to_string_pretty(&json!({ "services": services }))?
+    };
     // A capture file with free ports, so that runs in parallel do not clash on 15001.
     let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
     let capture = root.join("capture.json");
     std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
-    let extra = vec![format!("--capture-file={}", capture.display())];
+    let mut extra = vec![format!("--capture-file={}", capture.display())];
+    let (registry, peer) = if cfg.nodes == 2 {
+        // One registrar for both nodes, holding what the file would; node B starts first,
+        // as a node already in the mesh.
+        let shared = SharedRegistry::start(&root)?;
+        shared.apply("registry.json", &doc).context("apply the services at the registrar")?;
+        eprintln!("   registrar {} on etcd; node A {}", shared.addr(), root.display());
+        let peer = PeerNode::start(cfg, shared.addr(), SERVICES[0]).inspect_err(|_| shared.keep_log(&root))?;
+        eprintln!("   node B {}", peer.dir().display());
+        node.node_name = two_node::NODE_A.into();
+        extra.push(format!("--registrar={}", shared.addr()));
+        (Some(shared), Some(peer))
+    } else {
+        std::fs::write(&registry, doc)?;
+        node.registry_file = Some(registry);
+        (None, None)
+    };
 
     let cold = Instant::now();
-    let first = node.start_agent_with(&[extra[0].as_str()]);
+    let first = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
     try_wait_for("the first agent to own the node", T_START, || first.serving_owner())
         .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
     let cold_start = cold.elapsed();
@@ -390,7 +461,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             bail!("ADD before the first roll failed: {:?}", pods.lock().unwrap().errors);
         }
     }
-    Ok(Bench { node, _keeper: keeper, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new(), cold_start })
+    Ok(Bench { node, _keeper: keeper, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new(), cold_start, peer, registry })
 }
 
 /// Runs one mode on a fresh local node. The node's folder is kept (and named in the
@@ -400,6 +471,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         mode: Some(mode),
         bound: cfg.bound(mode),
         expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some() && cfg.xds_api == envoy::AdsApi::Delta,
+        nodes: cfg.nodes,
         ..Default::default()
     };
     let mut node = LocalNode::new();
@@ -407,8 +479,9 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     node.root.disable_cleanup(true);
     let root = node.root.path().to_path_buf();
     eprintln!(
-        "== {}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
+        "== {}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
         mode.name(),
+        if cfg.nodes == 2 { ", two nodes (node A rolled, node B's pods draining)" } else { "" },
         cfg.rolls,
         cfg.rps,
         cfg.backoff_base,
@@ -437,6 +510,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     poller.reset_interval();
     let hosts: Vec<String> = SERVICES.iter().map(|s| s.to_string()).collect();
     let load = load::Load::start(bench.outbound, hosts, cfg.rps);
+    let drain = bench.registry.as_ref().zip(bench.peer.as_ref()).map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone()));
     std::thread::sleep(Duration::from_millis(300));
 
     for i in 1..=cfg.rolls {
@@ -477,6 +551,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         }
         std::thread::sleep(Duration::from_millis(150));
     }
+    res.cross_drain = drain.map(CrossDrain::stop);
     std::thread::sleep(Duration::from_millis(300));
     res.poll_max_interval = poller.max_interval();
     res.poll_cost = poller.poll_cost();
@@ -502,9 +577,20 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         res.worker_vmhwm_mib = Some(crate::testing::memory_kib(pid as i32).1 as f64 / 1024.0);
     }
     res.envoy_rss_mib = Some(crate::testing::memory_kib(bench.envoy.pid()).0 as f64 / 1024.0);
+    if let (Some(registry), Some(peer)) = (&bench.registry, &bench.peer) {
+        let envoys = [("node A's Envoy", &bench.envoy), ("node B's Envoy", &peer.envoy)];
+        res.eds_equal_registrar = Some(two_node::eds_check(registry, &envoys, Duration::from_secs(10)));
+    }
     if res.failures(cfg.rolls).is_empty() && std::env::var_os("ARG_KEEP_NODE").is_none() {
         bench.node.root.disable_cleanup(false);
+        if let Some(peer) = &mut bench.peer {
+            peer.node.root.disable_cleanup(false);
+        }
     } else {
+        if let Some(registry) = &bench.registry {
+            registry.keep_log(&root);
+        }
+        res.peer_dir = bench.peer.as_ref().map(PeerNode::dir);
         res.node_dir = Some(root);
     }
     drop(bench);
@@ -721,6 +807,9 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         println!("{}", report::row(&format!("{m}: failed requests per roll"), &count(&|x| x.failed_requests), 0));
         println!("{}", report::row(&format!("{m}: ADDs during overlap per roll"), &count(&|x| x.adds), 0));
         println!("{}", report::row(&format!("{m}: lost adds per roll"), &count(&|x| x.lost), 0));
+        if let Some(d) = &r.cross_drain {
+            println!("{}", report::row(&format!("{m}: cross-node drain (s)"), &d.samples, 4));
+        }
     }
     println!("context: {SEED_SURGE}; {SEED_RECREATE}.");
     if results.iter().any(|r| r.mode == Some(Mode::Recreate)) {
@@ -755,8 +844,25 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                 println!("{m}:   CNI error {e}");
             }
         }
+        if let Some(d) = &r.cross_drain {
+            println!(
+                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} never seen, {} steps failed, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
+                d.samples.len(),
+                d.timeouts.len(),
+                d.errors.len(),
+                d.batches,
+                d.poll_cost.0.as_secs_f64() * 1000.0,
+                d.poll_cost.1.as_secs_f64() * 1000.0
+            );
+        }
+        if let Some(eq) = &r.eds_equal_registrar {
+            println!("{m}: both Envoys' EDS equal the registrar's view: {}", eq.is_ok());
+        }
         if let Some(d) = &r.node_dir {
             println!("{m}: node folder kept for inspection: {}", d.display());
+        }
+        if let Some(d) = &r.peer_dir {
+            println!("{m}: node B's folder kept for inspection: {}", d.display());
         }
     }
     println!("plot: {}", plot.display());

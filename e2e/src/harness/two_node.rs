@@ -1,0 +1,429 @@
+//! `ARG_NODES=2`: two local nodes sharing one registrar on etcd. Node A is the one the
+//! harness rolls, with the load through its Envoy; node B serves the services' endpoints
+//! (loopback upstreams registered with node `node-b`), runs an Envoy of its own, and its
+//! pods churn and drain: each of them is a registry endpoint, so its owner's CNI DEL sets
+//! a drain mark at the registrar, and [`CrossDrain`] times how long node A's Envoy takes
+//! to show that endpoint DRAINING. At the end both Envoys' EDS must equal the registrar's
+//! view ([`eds_check`]).
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::{Value, json};
+
+use super::churn::{self, Cni, PodId, Pods};
+use super::{Config, T_START};
+use crate::envoy::{self, Envoy, admin_get};
+use crate::registrar::{Etcd, RegistrarProcess, envoy_eds, expected_eds, registrar_bin};
+use crate::testing::{Agent, LocalNode, bin, free_port, percentile, try_wait_for};
+
+/// The rolled node's `--node-name`.
+pub const NODE_A: &str = "node-a";
+/// The node of the services' endpoints and of the draining pods.
+pub const NODE_B: &str = "node-b";
+/// The service whose endpoints are node B's churned pods (namespace [`POD_NAMESPACE`]).
+pub const POD_SERVICE: &str = "pods-b";
+pub const POD_NAMESPACE: &str = "churn";
+/// The port node B's pod endpoints are registered with; never dialled.
+const POD_PORT: u16 = 8080;
+/// Node B's pods are registered this many at a time: one registrar apply per batch.
+const BATCH: usize = 10;
+/// How often node A's Envoy admin is read while a drain is on its way.
+const DRAIN_POLL: Duration = Duration::from_millis(3);
+/// A drain not seen by then is counted as lost.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One etcd member and the registrar serving it on loopback TCP. Dropped last: etcd after
+/// the registrar.
+pub struct SharedRegistry {
+    pub registrar: RegistrarProcess,
+    _etcd: Etcd,
+    /// Where the registry files that the harness applies are written.
+    dir: PathBuf,
+}
+
+impl SharedRegistry {
+    /// Starts etcd and the registrar; registry files go to `dir`.
+    pub fn start(dir: &Path) -> Result<SharedRegistry> {
+        if !Etcd::available() {
+            bail!("ARG_NODES=2 needs etcd at {} (Debian package etcd-server; scripts/test.sh installs it)", aether_registrar::testing::ETCD_BIN);
+        }
+        let etcd = Etcd::cluster(1);
+        let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+        Ok(SharedRegistry { registrar, _etcd: etcd, dir: dir.to_path_buf() })
+    }
+
+    pub fn addr(&self) -> &str {
+        self.registrar.addr()
+    }
+
+    /// Upserts the services of `doc` (the `--registry-file` schema) from a file named
+    /// `name`; the revision.
+    pub fn apply(&self, name: &str, doc: &str) -> Result<i64> {
+        apply(self.addr(), &self.dir.join(name), doc)
+    }
+
+    /// The registrar's view (`aether-registrar dump`).
+    pub fn dump(&self) -> Result<Value> {
+        serde_json::from_str(&cli(&["dump", "--registrar", self.addr()])?).context("aether-registrar dump is not JSON")
+    }
+
+    /// Copies the registrar's log into `dir` (its own folder goes with it).
+    pub fn keep_log(&self, dir: &Path) {
+        let _ = std::fs::write(dir.join("registrar.log"), self.registrar.log());
+    }
+}
+
+/// `aether-registrar <args>`: its stdout, or an error with its stderr.
+fn cli(args: &[&str]) -> Result<String> {
+    let out = Command::new(registrar_bin()).args(args).output().context("run aether-registrar")?;
+    if !out.status.success() {
+        bail!("aether-registrar {args:?} exited {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Writes `doc` to `file` and applies it at `addr`; the revision it printed.
+fn apply(addr: &str, file: &Path, doc: &str) -> Result<i64> {
+    std::fs::write(file, doc).with_context(|| format!("write {}", file.display()))?;
+    let out = cli(&["apply", "--registrar", addr, "--file", &file.display().to_string()])?;
+    out.rsplit_once("(revision ")
+        .and_then(|(_, r)| r.trim_end().trim_end_matches(')').parse().ok())
+        .ok_or_else(|| anyhow!("no revision in aether-registrar apply's output {out:?}"))
+}
+
+/// Node B: its own run and state folders, one agent generation (never rolled), an Envoy,
+/// and its pods. Fields drop in order: Envoy, then the agent, then the folder.
+pub struct PeerNode {
+    pub envoy: Envoy,
+    pub owner: Agent,
+    pub cni: Arc<Cni>,
+    pub pods: Arc<Mutex<Pods>>,
+    pub node: LocalNode,
+}
+
+impl PeerNode {
+    /// Starts node B's agent against the registrar and its Envoy, and waits until that
+    /// Envoy routes `service` (whose endpoints are node B's upstreams) through its own
+    /// outbound listener.
+    pub fn start(cfg: &Config, registrar: &str, service: &str) -> Result<PeerNode> {
+        let mut node = LocalNode::new();
+        node.root.disable_cleanup(true);
+        node.node_name = NODE_B.into();
+        let root = node.root.path().to_path_buf();
+        let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
+        let capture = root.join("capture.json");
+        std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
+        let owner = node.start_agent_with(&[&format!("--capture-file={}", capture.display()), &format!("--registrar={registrar}")]);
+        try_wait_for(&format!("node B's agent {} to own its node", owner.name), T_START, || owner.serving_owner())
+            .with_context(|| format!("node B ({}) {} log:\n{}", root.display(), owner.name, owner.log()))?;
+        let envoy = Envoy::start_with_stats(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api, cfg.mesh_services == 0)
+            .context("start node B's Envoy")?;
+        try_wait_for(&format!("node B's Envoy to route {service} through {outbound}"), T_START, || {
+            (envoy.stat(envoy::CONNECTED) == Some(1) && super::load::request(outbound, service).is_ok()).then_some(())
+        })
+        .with_context(|| format!("node B's Envoy log {}", envoy.log.display()))?;
+        let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
+        let pods = Arc::new(Mutex::new(Pods::on("b-", 89)));
+        Ok(PeerNode { envoy, owner, cni, pods, node })
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self.node.root.path().to_path_buf()
+    }
+}
+
+/// A registry endpoint of node B (`--registry-file` schema).
+pub fn endpoint(address: &str, port: u16, pod: &str) -> Value {
+    json!({ "address": address, "port": port, "node": NODE_B, "pod": pod })
+}
+
+/// What [`CrossDrain`] measured.
+#[derive(Debug, Default)]
+pub struct DrainReport {
+    /// Per drained pod: from its DEL's success on node B until node A's Envoy showed the
+    /// endpoint DRAINING (s).
+    pub samples: Vec<f64>,
+    /// DELs whose drain node A's Envoy had not shown after [`DRAIN_TIMEOUT`].
+    pub timeouts: Vec<String>,
+    /// Anything else that kept a sample from being taken (an apply, an ADD or a DEL failed).
+    pub errors: Vec<String>,
+    /// Registrar applies of new pod endpoints.
+    pub batches: u64,
+    /// Median and worst time one read of node A's `/clusters` took.
+    pub poll_cost: (Duration, Duration),
+}
+
+impl DrainReport {
+    pub fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if self.samples.is_empty() {
+            f.push("no cross-node drain was measured".to_string());
+        }
+        if !self.timeouts.is_empty() {
+            f.push(format!(
+                "{} cross-node drains never showed at node A's Envoy within {DRAIN_TIMEOUT:?} (first: {})",
+                self.timeouts.len(),
+                self.timeouts[0]
+            ));
+        }
+        if !self.errors.is_empty() {
+            f.push(format!("{} cross-node drain steps failed (first: {})", self.errors.len(), self.errors[0]));
+        }
+        f
+    }
+}
+
+/// Node B's pod churn with drains, timed at node A's Envoy, in a thread of its own: a
+/// batch of new pods is registered at the registrar as endpoints of [`POD_SERVICE`] (node
+/// B, their addresses; the previous batch's endpoints go), and once node A's Envoy holds
+/// them all HEALTHY, each is ADDed on node B through the real `aether-cni`; then, one at
+/// a time, each is DELeted and node A's Envoy admin is read every [`DRAIN_POLL`] until
+/// that endpoint shows DRAINING. A drain mark stays on its address, so every pod gets a
+/// fresh one.
+pub struct CrossDrain {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<DrainReport>>,
+}
+
+struct DrainCtx {
+    registrar: String,
+    file: PathBuf,
+    cni: Arc<Cni>,
+    pods: Arc<Mutex<Pods>>,
+    /// Node A's Envoy admin.
+    admin: PathBuf,
+    cluster: String,
+    stop: Arc<AtomicBool>,
+}
+
+impl CrossDrain {
+    /// `admin`: node A's Envoy admin socket.
+    pub fn start(registry: &SharedRegistry, peer: &PeerNode, admin: PathBuf) -> CrossDrain {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ctx = DrainCtx {
+            registrar: registry.addr().to_string(),
+            file: registry.dir.join("pods-b.json"),
+            cni: peer.cni.clone(),
+            pods: peer.pods.clone(),
+            admin,
+            cluster: aether_model::outbound_cluster_name(80, POD_SERVICE, POD_NAMESPACE),
+            stop: stop.clone(),
+        };
+        let thread = std::thread::Builder::new().name("cross-drain".into()).spawn(move || ctx.run()).expect("spawn the cross-node drain thread");
+        CrossDrain { stop, thread: Some(thread) }
+    }
+
+    /// Stops after the batch in flight (every pod of it is deleted and timed).
+    pub fn stop(mut self) -> DrainReport {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().map(|t| t.join().unwrap_or_default()).unwrap_or_default()
+    }
+}
+
+impl DrainCtx {
+    fn run(self) -> DrainReport {
+        let mut report = DrainReport::default();
+        let mut costs = Vec::new();
+        while !self.stop.load(Ordering::Relaxed) {
+            let batch: Vec<(PodId, Ipv4Addr)> = {
+                let mut p = self.pods.lock().unwrap();
+                (0..BATCH).map(|_| p.new_pod()).collect()
+            };
+            if let Err(e) = self.register(&batch, &mut costs) {
+                report.errors.push(format!("{e:#}"));
+                // The registrar or the proxy is in trouble; do not spin.
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+            report.batches += 1;
+            let mut added = Vec::new();
+            for (pod, ip) in &batch {
+                if churn::add_pod(&self.cni, &self.pods, pod, *ip) {
+                    added.push((pod.clone(), *ip));
+                } else {
+                    report.errors.push(format!("ADD {} on node B failed: {:?}", pod.uid, self.pods.lock().unwrap().errors.last()));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            for (pod, ip) in added {
+                let addr = format!("{ip}:{POD_PORT}");
+                if !churn::del_one(&self.cni, &self.pods, pod.clone()) {
+                    report.errors.push(format!("DEL {} on node B failed: {:?}", pod.uid, self.pods.lock().unwrap().errors.last()));
+                    continue;
+                }
+                let deleted = Instant::now();
+                match self.wait_state(&addr, "DRAINING", &mut costs) {
+                    Some(seen) => report.samples.push(seen.saturating_duration_since(deleted).as_secs_f64()),
+                    None => report.timeouts.push(format!("{} ({addr})", pod.uid)),
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        churn::settle(&self.cni, &self.pods, Duration::from_secs(5));
+        report.poll_cost = (percentile(&costs, 50.0).unwrap_or_default(), percentile(&costs, 100.0).unwrap_or_default());
+        report
+    }
+
+    /// Registers `batch` as the endpoints of [`POD_SERVICE`] and waits until node A's
+    /// Envoy holds them all HEALTHY.
+    fn register(&self, batch: &[(PodId, Ipv4Addr)], costs: &mut Vec<Duration>) -> Result<()> {
+        let endpoints: Vec<Value> = batch.iter().map(|(p, ip)| endpoint(&ip.to_string(), POD_PORT, &p.name)).collect();
+        let doc = json!({ "services": [{ "name": POD_SERVICE, "namespace": POD_NAMESPACE, "ports": [80], "endpoints": endpoints }] });
+        apply(&self.registrar, &self.file, &doc.to_string()).context("register node B's pods at the registrar")?;
+        for (_, ip) in batch {
+            let addr = format!("{ip}:{POD_PORT}");
+            if self.wait_state(&addr, "HEALTHY", costs).is_none() {
+                bail!("node A's Envoy did not show the new endpoint {addr} of {} within {DRAIN_TIMEOUT:?}", self.cluster);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads node A's Envoy until `addr` of the pod cluster shows `state`; the midpoint
+    /// of the read that first did.
+    fn wait_state(&self, addr: &str, state: &str, costs: &mut Vec<Duration>) -> Option<Instant> {
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        loop {
+            let t0 = Instant::now();
+            let got = eds_health(&self.admin, &self.cluster);
+            let t1 = Instant::now();
+            costs.push(t1 - t0);
+            if got.as_ref().and_then(|m| m.get(addr)).is_some_and(|s| s == state) {
+                return Some(t0 + (t1 - t0) / 2);
+            }
+            if t1 >= deadline {
+                return None;
+            }
+            std::thread::sleep(DRAIN_POLL);
+        }
+    }
+}
+
+/// The EDS health status of each host of `cluster` ("addr:port" to `HEALTHY`,
+/// `DRAINING`, ...), from an Envoy's admin `/clusters?format=json`; None while the admin
+/// does not answer or holds no such cluster.
+pub fn eds_health(admin: &Path, cluster: &str) -> Option<BTreeMap<String, String>> {
+    let (status, body) = admin_get(admin, "/clusters?format=json").ok()?;
+    if status != 200 {
+        return None;
+    }
+    let v: Value = serde_json::from_str(&body).ok()?;
+    let c = v["cluster_statuses"].as_array()?.iter().find(|c| c["name"] == cluster)?;
+    Some(hosts(c).into_iter().collect())
+}
+
+/// Waits (at most `timeout`) until every Envoy's outbound EDS equals what the registrar's
+/// view says it should be; Err names the Envoys that never did, with the difference.
+///
+/// Two readings of each Envoy must agree with the registrar: `/config_dump?include_eds`
+/// (what EDS delivered, [`envoy_eds`]), where Envoy renders a host's coarse health, so
+/// that a DRAINING endpoint reads UNHEALTHY there; and `/clusters` ([`clusters_eds`]),
+/// which keeps the EDS status itself.
+pub fn eds_check(registry: &SharedRegistry, envoys: &[(&str, &Envoy)], timeout: Duration) -> Result<(), String> {
+    let want = registry.dump().map(|d| expected_eds(&d)).map_err(|e| format!("{e:#}"))?;
+    let want_dump: BTreeMap<String, Vec<String>> = want
+        .iter()
+        .map(|(c, eps)| {
+            let mut eps: Vec<String> = eps.iter().map(|e| e.replace(" DRAINING", " UNHEALTHY")).collect();
+            eps.sort();
+            (c.clone(), eps)
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    for (name, envoy) in envoys {
+        let (mut dumped, mut active) = (BTreeMap::new(), BTreeMap::new());
+        let equal = try_wait_for(&format!("{name}'s EDS to equal the registrar's view"), timeout, || {
+            let (status, body) = envoy.get("/config_dump?include_eds").ok()?;
+            dumped = envoy_eds(&serde_json::from_str(&body).ok().filter(|_| status == 200)?);
+            active = clusters_eds(&envoy.admin)?;
+            (dumped == want_dump && active == want).then_some(())
+        });
+        if equal.is_err() {
+            if dumped != want_dump {
+                wrong.push(format!("{name}, config_dump: {}", eds_diff(&want_dump, &dumped)));
+            }
+            if active != want {
+                wrong.push(format!("{name}, /clusters: {}", eds_diff(&want, &active)));
+            }
+        }
+    }
+    if wrong.is_empty() { Ok(()) } else { Err(wrong.join("; ")) }
+}
+
+/// Every outbound cluster's hosts in an Envoy's `/clusters?format=json`, as
+/// [`expected_eds`] writes them ("addr:port STATUS", sorted, the EDS status); None while
+/// the admin does not answer.
+pub fn clusters_eds(admin: &Path) -> Option<BTreeMap<String, Vec<String>>> {
+    let (status, body) = admin_get(admin, "/clusters?format=json").ok()?;
+    if status != 200 {
+        return None;
+    }
+    let v: Value = serde_json::from_str(&body).ok()?;
+    Some(
+        v["cluster_statuses"]
+            .as_array()?
+            .iter()
+            .filter_map(|c| {
+                let name = c["name"].as_str().filter(|n| aether_model::is_outbound_cluster(n))?;
+                let mut hosts: Vec<String> = hosts(c).into_iter().map(|(a, s)| format!("{a} {s}")).collect();
+                hosts.sort();
+                Some((name.to_string(), hosts))
+            })
+            .collect(),
+    )
+}
+
+/// A `/clusters?format=json` cluster's hosts: ("addr:port", EDS health status).
+fn hosts(cluster: &Value) -> Vec<(String, String)> {
+    cluster["host_statuses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| {
+            let sa = &h["address"]["socket_address"];
+            (
+                format!("{}:{}", sa["address"].as_str().unwrap_or("?"), sa["port_value"].as_u64().unwrap_or(0)),
+                h["health_status"]["eds_health_status"].as_str().unwrap_or("HEALTHY").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The clusters on which two EDS views differ, each side's endpoints shown.
+fn eds_diff(want: &BTreeMap<String, Vec<String>>, got: &BTreeMap<String, Vec<String>>) -> String {
+    let mut names: Vec<&String> = want.keys().chain(got.keys()).collect();
+    names.sort();
+    names.dedup();
+    names
+        .into_iter()
+        .filter(|n| want.get(*n) != got.get(*n))
+        .map(|n| format!("{n}: registrar {:?}, Envoy {:?}", want.get(n), got.get(n)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eds_diff_names_only_the_clusters_that_differ() {
+        let m = |v: &[(&str, &[&str])]| -> BTreeMap<String, Vec<String>> {
+            v.iter().map(|(k, e)| (k.to_string(), e.iter().map(|s| s.to_string()).collect())).collect()
+        };
+        let want = m(&[("a", &["1 HEALTHY"]), ("b", &["2 DRAINING"])]);
+        let got = m(&[("a", &["1 HEALTHY"]), ("b", &["2 HEALTHY"]), ("c", &[])]);
+        assert_eq!(
+            eds_diff(&want, &got),
+            r#"b: registrar Some(["2 DRAINING"]), Envoy Some(["2 HEALTHY"]), c: registrar None, Envoy Some([])"#
+        );
+    }
+}
