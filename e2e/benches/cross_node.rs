@@ -15,29 +15,36 @@
 //! - an endpoint's applied state turned draining or healthy (`ApplyServices`);
 //! - an endpoint moved to another port (`ApplyServices`: one removal and one upsert).
 //!
-//! A change is timed from just before the call to the moment node B's Envoy shows it:
-//! the changed service's load assignment read back from Envoy's admin
-//! (`/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex=<cluster>`)
-//! equals what the change makes it. Envoy applies a load assignment on its main thread
-//! and then ACKs it, so what its config dump shows is what it ACKed. The filtered dump
-//! builds one cluster's endpoints, not 1,000 (about a tenth of a millisecond of Envoy's
-//! main thread, printed as "poll cost"); a whole `include_eds` dump or a `/stats` query
-//! walks every cluster, and the rig's stats poller is stopped for the same reason.
+//! A change is timed from just before the call to the moment node B's agent receives
+//! Envoy's ACK of the load assignment it pushed for it. The agent logs each push and
+//! each ACK at debug level with their nonces (`aether_worker::xds::server`), and the
+//! bench reads those lines' timestamps from the agent's log: Envoy applies a load
+//! assignment on its main thread before it ACKs, and nothing polls that thread while a
+//! change is timed. Polling Envoy's admin instead costs its main thread, the one that
+//! runs xDS, about 2.5 ms per query at this size even for one cluster's endpoints
+//! (`/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex=...`), and a
+//! `/stats` query walks every stat of 1,000 clusters (the rig's stats poller is stopped
+//! for that reason). Each change is then checked in Envoy with one such filtered query,
+//! once the ACK is in, outside the timing: the service's endpoints must be what the
+//! change made them.
 //!
-//! The registrar's share is timed too: from the call to the agent's `/ready` showing
-//! `registrar.revision` at the change's revision (etcd's commit, the registrar's watch,
-//! the stream to the agent, the agent's mirror and its snapshot build), polled every
-//! 0.5 ms on the agent's health socket in a thread of its own.
+//! The same lines split the time: the call returning (etcd committed), node B's agent
+//! holding a snapshot with the change (the push's time less its `since_change_us`; the
+//! registrar's watch, the stream to the agent, the agent's mirror and snapshot build),
+//! and the push to the ACK (Envoy). The agent's `/ready` is checked after each change to
+//! show `registrar.revision` at the change's revision (not polled while timing, since
+//! every poll is work on the agent's one runtime thread).
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use aether_e2e::envoy::{self, AdsApi, NodeRig};
 use aether_e2e::registrar::{Etcd, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
-use aether_e2e::testing::{http_get_unix, percentile, wait_for};
+use aether_e2e::testing::{percentile, try_wait_for, wait_for};
 use serde_json::Value;
 use shared_proto::registry as pb;
 
@@ -104,13 +111,15 @@ impl Mesh {
         pb::Service { key: Some(Self::key(s)), ports: vec![80], vip: String::new(), endpoints }
     }
 
-    /// Service `s`'s endpoints as Envoy's EDS should hold them, as
-    /// `aether_e2e::envoy::endpoints` writes them.
+    /// Service `s`'s endpoints as Envoy's config dump should show them, as
+    /// `aether_e2e::envoy::endpoints` writes them. The dump renders a host's health, and
+    /// an EDS DRAINING host's is UNHEALTHY (`/clusters` shows the EDS status itself, but
+    /// for every cluster at once); the agent sends only HEALTHY and DRAINING.
     fn expected(&self, s: usize) -> Vec<String> {
         let mut out: Vec<String> = (0..ENDPOINTS_PER_SERVICE)
             .map(|e| {
                 let k = s * ENDPOINTS_PER_SERVICE + e;
-                let health = if self.applied_draining[k] || self.marked[k] { "DRAINING" } else { "HEALTHY" };
+                let health = if self.applied_draining[k] || self.marked[k] { "UNHEALTHY" } else { "HEALTHY" };
                 format!("{}:{} {health}", Self::address(s, e), self.ports[k])
             })
             .collect();
@@ -162,54 +171,117 @@ fn endpoints_of(dump: &Value, cluster: &str) -> Option<Vec<String>> {
     Some(out)
 }
 
+/// An EDS view read from a config dump with each UNHEALTHY host read as the DRAINING the
+/// agent sent (see [`Mesh::expected`]), to compare with `expected_eds`.
+fn as_eds_states(view: BTreeMap<String, Vec<String>>) -> BTreeMap<String, Vec<String>> {
+    view.into_iter().map(|(c, eps)| (c, eps.into_iter().map(|e| e.replace(" UNHEALTHY", " DRAINING")).collect())).collect()
+}
+
 /// The admin path that dumps only `cluster`'s load assignment.
 fn eds_query(cluster: &str) -> String {
     let escaped: String = cluster.chars().flat_map(|c| if "\\.|()[]{}^$*+?".contains(c) { vec!['\\', c] } else { vec![c] }).collect();
     format!("/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex={}", envoy::encode(&format!("^{escaped}$")))
 }
 
-/// Every registrar revision the agent's `/ready` showed, with when it was first seen.
-struct RevisionWatch {
-    seen: Arc<Mutex<Vec<(i64, Instant)>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+/// The agents' log filter: the ADS server's push and ACK lines carry what is timed.
+const AGENT_LOG: &str = "info,aether_worker::xds::server=debug";
+const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+
+/// A load assignment push and Envoy's ACK of it, as node B's agent logged them.
+struct Exchange {
+    /// When the agent's stream saw the snapshot with the change.
+    snapshot: SystemTime,
+    pushed: SystemTime,
+    acked: SystemTime,
 }
 
-impl RevisionWatch {
-    fn start(health_sock: PathBuf) -> Self {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, st) = (seen.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            let mut last = -1;
-            while !st.load(Ordering::Relaxed) {
-                if let Ok((_, body)) = http_get_unix(&health_sock, "/ready") {
-                    let now = Instant::now();
-                    let rev = serde_json::from_str::<Value>(&body).ok().and_then(|v| v["registrar"]["revision"].as_i64());
-                    if let Some(rev) = rev.filter(|r| *r != last) {
-                        s.lock().unwrap().push((rev, now));
-                        last = rev;
-                    }
-                }
-                std::thread::sleep(Duration::from_micros(500));
+/// Node B's agent log, read from where the last change's lines ended.
+struct AgentLog {
+    path: PathBuf,
+    offset: u64,
+    partial: String,
+    /// The push awaiting its ACK: nonce, time, `since_change_us`.
+    push: Option<(String, SystemTime, Duration)>,
+}
+
+impl AgentLog {
+    fn new(path: &Path) -> Self {
+        let mut log = AgentLog { path: path.to_owned(), offset: 0, partial: String::new(), push: None };
+        log.skip_to_end();
+        log
+    }
+
+    /// Forgets everything logged so far.
+    fn skip_to_end(&mut self) {
+        self.offset = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        self.partial.clear();
+        self.push = None;
+    }
+
+    /// The first load assignment push logged since the last call with its ACK, once both
+    /// are in the log.
+    fn exchange(&mut self) -> Option<Exchange> {
+        let mut f = std::fs::File::open(&self.path).ok()?;
+        f.seek(SeekFrom::Start(self.offset)).ok()?;
+        let mut new = String::new();
+        self.offset += f.read_to_string(&mut new).ok()? as u64;
+        self.partial.push_str(&new);
+        let complete = self.partial.rfind('\n').map_or(0, |i| i + 1);
+        let lines: Vec<String> = self.partial[..complete].lines().map(String::from).collect();
+        self.partial.drain(..complete);
+        for line in lines {
+            if !line.contains(" DEBUG aether_worker::xds::server: ") || field(&line, "type_url") != Some(EDS) {
+                continue;
             }
-        });
-        RevisionWatch { seen, stop, thread: Some(thread) }
-    }
-
-    /// When the agent was first seen at `revision` or later.
-    fn reached(&self, revision: i64) -> Option<Instant> {
-        self.seen.lock().unwrap().iter().find(|(r, _)| *r >= revision).map(|(_, t)| *t)
+            let at = line.split(' ').next().and_then(parse_utc);
+            let nonce = field(&line, "nonce");
+            if line.contains(": push ") && self.push.is_none() {
+                let since = field(&line, "since_change_us").and_then(|v| v.parse().ok()).map(Duration::from_micros);
+                let (Some(at), Some(nonce), Some(since)) = (at, nonce, since) else { panic!("unreadable push line {line:?}") };
+                self.push = Some((nonce.to_owned(), at, since));
+            } else if line.contains(": ACK ")
+                && let Some((pushed_nonce, pushed, since)) = &self.push
+                && nonce == Some(pushed_nonce.as_str())
+            {
+                let acked = at.unwrap_or_else(|| panic!("unreadable ACK line {line:?}"));
+                let ex = Exchange { snapshot: *pushed - *since, pushed: *pushed, acked };
+                self.skip_to_end();
+                return Some(ex);
+            }
+        }
+        None
     }
 }
 
-impl Drop for RevisionWatch {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// The value of `name=` in a log line, without quotes.
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let start = line.find(&format!(" {name}="))? + name.len() + 2;
+    let rest = &line[start..];
+    Some(rest[..rest.find(' ').unwrap_or(rest.len())].trim_matches('"'))
+}
+
+/// A log line's UTC timestamp (`2026-01-02T03:04:05.123456Z`, tracing's default).
+fn parse_utc(ts: &str) -> Option<SystemTime> {
+    let (date, time) = ts.strip_suffix('Z')?.split_once('T')?;
+    let num = |s: &str| s.parse::<i64>().ok();
+    let mut d = date.split('-');
+    let (y, m, day) = (num(d.next()?)?, num(d.next()?)?, num(d.next()?)?);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.split(':');
+    let (h, min, sec) = (num(t.next()?)?, num(t.next()?)?, num(t.next()?)?);
+    let nanos: u64 = format!("{frac:0<9}").get(..9)?.parse().ok()?;
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((m + 9) % 12) + 2) / 5 + day - 1;
+    let days = era * 146_097 + yoe * 365 + yoe / 4 - yoe / 100 + doy - 719_468;
+    let secs = u64::try_from(days * 86_400 + h * 3_600 + min * 60 + sec).ok()?;
+    Some(UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_nanos(nanos))
+}
+
+fn since(t0: SystemTime, t: SystemTime) -> Duration {
+    t.duration_since(t0).unwrap_or_default()
 }
 
 fn ms(d: Duration) -> f64 {
@@ -227,6 +299,14 @@ fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         println!("cross-node: run with `cargo bench -p aether-e2e --bench cross-node`; skipping");
         return;
+    }
+    // The rig starts agents with the log filter in AETHER_E2E_AGENT_LOG, read when each
+    // is spawned. Setting it here would take `unsafe` (`set_var`), so the bench runs
+    // itself again with it set.
+    if std::env::var_os("AETHER_E2E_AGENT_LOG").is_none() {
+        let exe = std::env::current_exe().expect("this bench's path");
+        let status = Command::new(exe).args(std::env::args_os().skip(1)).env("AETHER_E2E_AGENT_LOG", AGENT_LOG).status().expect("run the bench again");
+        std::process::exit(status.code().unwrap_or(1));
     }
     let Some(envoy_bin) = envoy::envoy_bin() else {
         eprintln!("cross-node: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
@@ -260,23 +340,26 @@ fn main() {
     let want = expected_eds(&dump(registrar.addr()));
     wait_for("node B's Envoy to hold every service's endpoints", Duration::from_secs(60), || {
         let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
-        (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
+        (as_eds_states(envoy_eds(&serde_json::from_str(&body).ok()?)) == want).then_some(())
     });
     println!("node B: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms", want.len(), ms(t.elapsed()));
 
-    let revisions = RevisionWatch::start(rig.owner.health_sock.clone());
-    let mut poll_cost = Vec::new();
-    let mut to_envoy = Vec::new();
-    let mut to_agent = Vec::new();
+    let mut log = AgentLog::new(&rig.owner.log_path);
     let mut to_commit = Vec::new();
+    let mut to_snapshot = Vec::new();
+    let mut to_push = Vec::new();
+    let mut to_ack = Vec::new();
+    let mut total = Vec::new();
     let mut by_kind: [Vec<Duration>; 3] = Default::default();
+    let mut late_in_dump = 0;
     for i in 0..WARMUP + changes {
         let kind = Kind::ALL[i % 3];
         // Consecutive changes touch services far apart; 7919 is prime to 1,000.
         let s = (i * 7919) % SERVICES;
         let round = i / (3 * SERVICES);
         let pick = |r: std::ops::Range<usize>| s * ENDPOINTS_PER_SERVICE + r.start + round % r.len();
-        let t0;
+        log.skip_to_end();
+        let (t0, wall0);
         let revision = match kind {
             Kind::Mark => {
                 let k = pick(MARKED);
@@ -289,7 +372,7 @@ fn main() {
                     node: NODE_A.into(),
                     instance: "node-a-agent".into(),
                 };
-                t0 = Instant::now();
+                (t0, wall0) = (Instant::now(), SystemTime::now());
                 rt.block_on(client.set_endpoint_state(req)).expect("SetEndpointState").into_inner().revision
             }
             Kind::State | Kind::Port => {
@@ -301,52 +384,67 @@ fn main() {
                     mesh.ports[k] = if mesh.ports[k] == 8080 { 9090 } else { 8080 };
                 }
                 let req = pb::ApplyServicesRequest { services: vec![mesh.service(s)] };
-                t0 = Instant::now();
+                (t0, wall0) = (Instant::now(), SystemTime::now());
                 rt.block_on(client.apply_services(req)).expect("ApplyServices").into_inner().revision
             }
         };
         let committed = t0.elapsed();
+        let ex = try_wait_for(&format!("change {i}: node B's agent to log a load assignment push and its ACK"), T_CHANGE, || log.exchange())
+            .unwrap_or_else(|e| panic!("{e} (the agents' log filter must hold {AGENT_LOG:?})\n{}", rig.where_to_look()));
+
+        // Outside the timing: Envoy holds what the change made, and the agent's view is
+        // at the change's revision.
         let (cluster, want) = (Mesh::cluster(s), mesh.expected(s));
         let query = eds_query(&cluster);
-        let shown = loop {
-            let p0 = Instant::now();
-            let got = rig.envoy.get(&query).ok().and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok());
-            let now = Instant::now();
-            poll_cost.push(now - p0);
-            let last = got.as_ref().and_then(|d| endpoints_of(d, &cluster));
-            if last.as_ref() == Some(&want) {
-                break now - t0;
+        let mut got = None;
+        let mut first = true;
+        try_wait_for(&format!("change {i} in Envoy's config dump"), Duration::from_secs(1), || {
+            got = rig.envoy.get(&query).ok().and_then(|(_, b)| endpoints_of(&serde_json::from_str(&b).ok()?, &cluster));
+            let shown = got.as_ref() == Some(&want);
+            if !shown && std::mem::replace(&mut first, false) {
+                late_in_dump += 1;
             }
-            assert!(t0.elapsed() < T_CHANGE, "change {i} to {cluster} not in Envoy after {T_CHANGE:?}: Envoy holds {last:?}, want {want:?}\n{}", rig.where_to_look());
-        };
-        let agent = wait_for(&format!("the agent at revision {revision}"), T_CHANGE, || revisions.reached(revision));
+            shown.then_some(())
+        })
+        .unwrap_or_else(|_| panic!("change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}", rig.where_to_look()));
+        let view = rig.owner.ready().and_then(|(_, v)| v["registrar"]["revision"].as_i64());
+        assert!(view.is_some_and(|r| r >= revision), "change {i}: the agent's /ready shows revision {view:?}, not {revision}");
         if i < WARMUP {
             continue;
         }
         to_commit.push(committed);
-        to_agent.push(agent.saturating_duration_since(t0));
-        to_envoy.push(shown);
-        by_kind[i % 3].push(shown);
+        to_snapshot.push(since(wall0, ex.snapshot));
+        to_push.push(since(ex.snapshot, ex.pushed));
+        to_ack.push(since(ex.pushed, ex.acked));
+        total.push(since(wall0, ex.acked));
+        by_kind[i % 3].push(since(wall0, ex.acked));
     }
-    drop(revisions);
 
-    summary("poll cost (one filtered config_dump)", &poll_cost);
-    summary("call -> etcd committed (the call returns)", &to_commit);
-    summary("call -> node B's agent at the revision (/ready)", &to_agent);
-    summary("call -> node B's Envoy holds it (ACK)", &to_envoy);
+    summary("call -> the call returns (etcd committed)", &to_commit);
+    summary("call -> node B's agent holds the change", &to_snapshot);
+    summary("  snapshot -> push (agent)", &to_push);
+    summary("  push -> ACK (Envoy, at the agent)", &to_ack);
+    summary("call -> node B's Envoy ACKed it (total)", &total);
     for k in Kind::ALL {
         summary(k.label(), &by_kind[k as usize]);
     }
-    let p99 = percentile(&to_envoy, 99.0).expect("samples");
-    println!("target p99 <= 25 ms: {} (p99 {:.2} ms, {} changes after {WARMUP} unmeasured)", if p99 <= Duration::from_millis(25) { "met" } else { "MISSED" }, ms(p99), to_envoy.len());
+    let p99 = percentile(&total, 99.0).expect("samples");
+    println!(
+        "target p99 <= 25 ms: {} (p99 {:.2} ms over {} changes, after {WARMUP} unmeasured); changes not yet in Envoy's config dump at their ACK: {late_in_dump}",
+        if p99 <= Duration::from_millis(25) { "met" } else { "MISSED" },
+        ms(p99),
+        total.len()
+    );
 
-    // In the end Envoy's whole EDS equals the registrar's view.
+    // In the end Envoy's whole EDS equals the registrar's view, and that is what the bench
+    // applied.
     let want = expected_eds(&dump(registrar.addr()));
     let (_, body) = rig.envoy.get("/config_dump?include_eds").expect("Envoy's config dump");
-    let got = envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON"));
+    let got = as_eds_states(envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON")));
     assert!(got == want, "Envoy's EDS differs from the registrar's view at the end\n{}", rig.where_to_look());
     for s in 0..SERVICES {
-        assert_eq!(want.get(&Mesh::cluster(s)), Some(&mesh.expected(s)), "the registrar holds what the bench applied for {}", Mesh::name(s));
+        let applied = want.get(&Mesh::cluster(s)).map(|eps| eps.iter().map(|e| e.replace(" DRAINING", " UNHEALTHY")).collect::<Vec<_>>());
+        assert_eq!(applied, Some(mesh.expected(s)), "the registrar holds what the bench applied for {}", Mesh::name(s));
     }
     println!("at the end node B's Envoy holds exactly the registrar's view ({} clusters)", want.len());
     rig.pass();
