@@ -7,22 +7,23 @@
 #   ARG_ROLLS         rolls per mode (20)
 #   ARG_MODE          surge | recreate | worker-crash | all (surge); `all` runs the three
 #                     modes one after the other, each on its own local node, side by side
-#   ARG_NODES         1 (the default) or 2. With 2, surge only (other modes are refused):
-#                     one etcd (/usr/bin/etcd) and one registrar (aether-registrar on
-#                     loopback TCP) hold the registry instead of a registry file, and two
-#                     local nodes, node-a and node-b, each with its own run and state
-#                     folders, agents (--registrar, --node-name) and Envoy, share it. The
-#                     services' endpoints are loopback upstreams registered on node-b and
-#                     the load goes through node A's Envoy while node A rolls. Meanwhile
-#                     node B's pods churn through aether-cni on node B's cni.sock; each is
-#                     a registry endpoint of node-b (service pods-b.churn), so node B's
-#                     DEL sets a drain mark, and the time from that DEL's answer until
-#                     node A's Envoy shows the endpoint DRAINING (/clusters, read every
-#                     3 ms) is the cross-node drain. At the end both Envoys' EDS must equal
-#                     the registrar's view. Extra JSON fields: nodes,
-#                     cross_node_drain_samples, cross_node_drain_median_s,
-#                     cross_node_drain_p99_s (and _max_s, _timeouts), eds_equal_registrar,
-#                     peer_node_dir
+#   ARG_NODES         1 (the default) or 2, in every ARG_MODE. With 2, one etcd
+#                     (/usr/bin/etcd) and one registrar (aether-registrar on loopback TCP)
+#                     hold the registry instead of a registry file, and two local nodes,
+#                     node-a and node-b, each with its own run and state folders, agents
+#                     (--registrar, --node-name) and Envoy, share it. The services'
+#                     endpoints are loopback upstreams registered on node-b; the load goes
+#                     through node A's Envoy while node A rolls. Meanwhile node B's pods
+#                     churn through aether-cni on node B's cni.sock, each a registry
+#                     endpoint of node-b (service pods-b.churn), so node B's DEL sets a
+#                     drain mark; the cross-node drain is the time from that DEL's answer
+#                     until node A's Envoy shows the endpoint DRAINING (/clusters, read
+#                     every 3 ms). At the end both Envoys' EDS must equal the registrar's
+#                     view. Extra JSON fields: nodes, cross_node_drain_samples,
+#                     cross_node_drain_median_s, cross_node_drain_p99_s, _max_s,
+#                     cross_node_drain_across_reconnect (drains that waited through node
+#                     A's reconnect in a roll), cross_node_drain_served_p99_s (the others),
+#                     cross_node_drain_timeouts, eds_equal_registrar, peer_node_dir
 #   ARG_BOUND         fail when the p99 gap exceeds it, e.g. 0.12 or 120ms (default per
 #                     mode: surge 0.12 s, worker-crash 0.25 s, recreate 15 s)
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)

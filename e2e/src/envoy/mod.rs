@@ -244,7 +244,7 @@ pub fn encode(s: &str) -> String {
 
 /// A percent-encoded regex matching exactly `names` (which may hold regex syntax, such as
 /// the `|` of `cluster.outbound|80||web.default.update_success`).
-fn exact_names(names: &[&str]) -> String {
+pub fn exact_names(names: &[&str]) -> String {
     let escape = |n: &str| -> String {
         n.chars().flat_map(|c| if "\\.|()[]{}^$*+?".contains(c) { vec!['\\', c] } else { vec![c] }).collect()
     };

@@ -147,9 +147,6 @@ impl Config {
             Some("2") => 2,
             Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
         };
-        if nodes == 2 && modes != [Mode::Surge] {
-            bail!("ARG_NODES=2 runs ARG_MODE=surge only (got ARG_MODE={mode:?}); recreate and worker-crash run on one node");
-        }
         Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes })
     }
 
@@ -182,6 +179,8 @@ pub struct Roll {
     pub warmup: Option<f64>,
     /// Resources in the new owner's first answers on Envoy's reconnect (its log).
     pub reconnect_resources: Option<u64>,
+    /// From Envoy's old stream's end to its first config update on the new one.
+    pub unserved: Option<(Instant, Instant)>,
 }
 
 #[derive(Debug, Default)]
@@ -274,6 +273,20 @@ impl ModeResult {
         f
     }
 
+    /// The cross-node drains split in two: those whose way to node A's Envoy crossed one
+    /// of its reconnects (from the old stream's end to the first update on the new one),
+    /// and the rest, timed while node A's Envoy was served.
+    pub fn drains_across_reconnects(&self) -> (Vec<f64>, Vec<f64>) {
+        let Some(d) = &self.cross_drain else { return (vec![], vec![]) };
+        let windows: Vec<(Instant, Instant)> = self.rolls.iter().filter_map(|r| r.unserved).collect();
+        let (mut across, mut served) = (Vec::new(), Vec::new());
+        for (s, (from, to)) in d.samples.iter().zip(&d.spans) {
+            let crossed = windows.iter().any(|(down, up)| from < up && to > down);
+            if crossed { &mut across } else { &mut served }.push(*s);
+        }
+        (across, served)
+    }
+
     pub fn json(&self, cfg: &Config, plot: &Path) -> Value {
         let mode = self.mode.expect("mode set");
         let g = report::summarize(&self.gaps());
@@ -325,11 +338,14 @@ impl ModeResult {
         if self.nodes == 2 {
             let drains = self.cross_drain.as_ref().map(|d| d.samples.as_slice()).unwrap_or_default();
             let d = report::summarize(drains);
+            let (across, served) = self.drains_across_reconnects();
             let extra = json!({
                 "cross_node_drain_samples": d.n,
                 "cross_node_drain_median_s": r(d.median),
                 "cross_node_drain_p99_s": r(d.p99),
                 "cross_node_drain_max_s": r(d.max),
+                "cross_node_drain_across_reconnect": across.len(),
+                "cross_node_drain_served_p99_s": percentile(&served, 99.0).map(r),
                 "cross_node_drain_timeouts": self.cross_drain.as_ref().map_or(0, |d| d.timeouts.len()),
                 "cross_node_drain_poll_cost_median_ms": self.cross_drain.as_ref().map(|d| r(d.poll_cost.0.as_secs_f64() * 1000.0)),
                 "eds_equal_registrar": matches!(self.eds_equal_registrar, Some(Ok(()))),
@@ -692,6 +708,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         old_exit_after_action: old_exit,
         warmup,
         reconnect_resources: (mode != Mode::WorkerCrash).then(|| reconnect_resources(&b.owner.log())),
+        unserved: Some((times.down, times.served)),
         ..Default::default()
     };
     r.lost = check_pods(b)?;
@@ -809,6 +826,7 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         println!("{}", report::row(&format!("{m}: lost adds per roll"), &count(&|x| x.lost), 0));
         if let Some(d) = &r.cross_drain {
             println!("{}", report::row(&format!("{m}: cross-node drain (s)"), &d.samples, 4));
+            println!("{}", report::row(&format!("{m}: drain outside reconnects (s)"), &r.drains_across_reconnects().1, 4));
         }
     }
     println!("context: {SEED_SURGE}; {SEED_RECREATE}.");
@@ -846,8 +864,9 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if let Some(d) = &r.cross_drain {
             println!(
-                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} never seen, {} steps failed, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
+                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen, {} steps failed, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
                 d.samples.len(),
+                r.drains_across_reconnects().0.len(),
                 d.timeouts.len(),
                 d.errors.len(),
                 d.batches,
