@@ -40,6 +40,40 @@ impl StoreError {
             _ => None,
         }
     }
+
+    /// Whether another attempt may succeed: etcd (or the connection to one member) was
+    /// unavailable. Every request here may be sent again: reads change nothing, and a
+    /// transaction is guarded by the revision its plan was read at, so one that did
+    /// commit before its answer was lost fails its guard the second time, and the caller
+    /// reads and plans again from what it wrote.
+    fn retryable(&self) -> bool {
+        self.status().is_some_and(|s| s.code() == tonic::Code::Unavailable)
+    }
+}
+
+/// Runs `request` until it succeeds, fails with an error that is not
+/// [`StoreError::retryable`], or has been retried for [`RETRY_UNAVAILABLE_FOR`]; the
+/// whole is bounded by `after`. `timeout` makes the error for that bound.
+async fn retried<T, F: Future<Output = Result<T, StoreError>>>(
+    after: Duration,
+    timeout: impl FnOnce() -> StoreError,
+    mut request: impl FnMut() -> F,
+) -> Result<T, StoreError> {
+    let start = tokio::time::Instant::now();
+    let attempts = async {
+        let mut pause = RETRY_PAUSE;
+        loop {
+            match request().await {
+                Err(e) if e.retryable() && start.elapsed() + pause <= RETRY_UNAVAILABLE_FOR => {
+                    tracing::debug!(error = %e, retry_in = ?pause, "etcd unavailable; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
+                }
+                other => return other,
+            }
+        }
+    };
+    tokio::time::timeout(after, attempts).await.unwrap_or_else(|_| Err(timeout()))
 }
 
 /// What a transaction's plan was read from: a key, or every key under a prefix.
@@ -57,6 +91,18 @@ const PAGE: i64 = 1000;
 
 /// Unary etcd requests give up after this long; the caller sees UNAVAILABLE.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a request answered UNAVAILABLE is tried again. The client balances its
+/// requests over every endpoint and keeps sending some to a member that is down: a
+/// connection that cannot be made fails the request sent on it, not the endpoint's
+/// readiness, so the balancer never leaves it out. Another attempt goes to another
+/// member. A member also answers UNAVAILABLE while the cluster elects a leader, which
+/// takes about one election timeout. Past this, the caller sees the error (and, for a
+/// watch stream, the client resumes elsewhere).
+const RETRY_UNAVAILABLE_FOR: Duration = Duration::from_secs(2);
+/// The pause before the first retry; it doubles up to [`RETRY_PAUSE_MAX`].
+const RETRY_PAUSE: Duration = Duration::from_millis(5);
+const RETRY_PAUSE_MAX: Duration = Duration::from_millis(200);
 
 /// Watch responses are one transaction's events at most; a service of many endpoints
 /// makes a large one.
@@ -116,8 +162,9 @@ impl Store {
         move |source| StoreError::Etcd { endpoints: self.endpoints.clone(), what, source }
     }
 
-    async fn timed<T>(&self, what: &str, after: Duration, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        tokio::time::timeout(after, f).await.unwrap_or_else(|_| Err(StoreError::Timeout { endpoints: self.endpoints.clone(), what: what.into(), after }))
+    /// `request`, retried while etcd is unavailable ([`retried`]), within `after`.
+    async fn timed<T, F: Future<Output = Result<T, StoreError>>>(&self, what: &str, after: Duration, request: impl FnMut() -> F) -> Result<T, StoreError> {
+        retried(after, || StoreError::Timeout { endpoints: self.endpoints.clone(), what: what.into(), after }, request).await
     }
 
     /// The store's current revision.
@@ -127,7 +174,8 @@ impl Store {
 
     async fn revision_within(&self, after: Duration) -> Result<i64, StoreError> {
         let what = format!("read the revision under {}", self.layout.prefix());
-        self.timed(&what, after, async {
+        let what = &what;
+        self.timed(what, after, || async move {
             let opts = GetOptions::new().with_prefix().with_count_only();
             let resp = self.client.clone().get(self.layout.prefix(), Some(opts)).await.map_err(self.err(what.clone()))?;
             Ok(resp.header().map_or(0, |h| h.revision()))
@@ -139,7 +187,8 @@ impl Store {
     /// the current one), which is returned with them.
     pub async fn read_prefix(&self, prefix: &str, at: Option<i64>) -> Result<(i64, Vec<Kv>), StoreError> {
         let what = format!("read {prefix}");
-        self.timed(&what, REQUEST_TIMEOUT, async {
+        let what = &what;
+        self.timed(what, REQUEST_TIMEOUT, || async move {
             let end = prefix_end(prefix.as_bytes());
             let mut from = prefix.as_bytes().to_vec();
             let mut revision = at.unwrap_or(0);
@@ -173,7 +222,8 @@ impl Store {
     /// one).
     pub async fn read_key(&self, key: &str, at: Option<i64>) -> Result<(i64, Option<Vec<u8>>), StoreError> {
         let what = format!("read {key}");
-        self.timed(&what, REQUEST_TIMEOUT, async {
+        let what = &what;
+        self.timed(what, REQUEST_TIMEOUT, || async move {
             let opts = at.map(|r| GetOptions::new().with_revision(r));
             let mut resp = self.client.clone().get(key, opts).await.map_err(self.err(what.clone()))?;
             let revision = at.unwrap_or_else(|| resp.header().map_or(0, |h| h.revision()));
@@ -190,7 +240,8 @@ impl Store {
             Guard::Key(k) | Guard::Prefix(k) => k.as_str(),
         }).collect();
         let what = format!("transaction on {}", names.join(", "));
-        self.timed(&what, REQUEST_TIMEOUT, async {
+        let what = &what;
+        self.timed(what, REQUEST_TIMEOUT, || async move {
             let compares: Vec<Compare> = guarded
                 .iter()
                 .map(|g| match g {
@@ -215,7 +266,8 @@ impl Store {
     /// Watches every key under the prefix from `start_revision` on.
     pub async fn watch(&self, start_revision: i64) -> Result<WatchStream, StoreError> {
         let what = format!("watch {} from revision {start_revision}", self.layout.prefix());
-        self.timed(&what, REQUEST_TIMEOUT, async {
+        let what = &what;
+        self.timed(what, REQUEST_TIMEOUT, || async move {
             let opts = WatchOptions::new().with_prefix().with_start_revision(start_revision);
             let mut client = self.client.watch_client().max_decoding_message_size(MAX_WATCH_MESSAGE);
             client.watch(self.layout.prefix(), Some(opts)).await.map_err(self.err(what.clone()))
@@ -227,6 +279,53 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn etcd(status: tonic::Status) -> StoreError {
+        StoreError::Etcd { endpoints: "http://m0,http://m1".into(), what: "read /k".into(), source: etcd_client::Error::GRpcStatus(status) }
+    }
+
+    fn timeout() -> StoreError {
+        StoreError::Timeout { endpoints: "http://m0,http://m1".into(), what: "read /k".into(), after: REQUEST_TIMEOUT }
+    }
+
+    /// Runs `retried` over answers that fail `failures` times with `status` first; the
+    /// result, the attempts made, and the (paused) time it took.
+    async fn check(failures: usize, status: fn() -> tonic::Status, after: Duration) -> (Result<u8, StoreError>, usize, Duration) {
+        let start = tokio::time::Instant::now();
+        let mut attempts = 0;
+        let result = retried(after, timeout, || {
+            attempts += 1;
+            let answer = if attempts <= failures { Err(etcd(status())) } else { Ok(7) };
+            async move { answer }
+        })
+        .await;
+        (result, attempts, start.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unavailable_member_is_tried_again_and_other_errors_are_not() {
+        // A request sent to a member that is down, twice: the third attempt goes through.
+        let unavailable = || tonic::Status::unavailable("tcp connect error");
+        let (result, attempts, took) = check(2, unavailable, REQUEST_TIMEOUT).await;
+        assert_eq!((result.ok(), attempts), (Some(7), 3));
+        assert_eq!(took, RETRY_PAUSE * 3, "5 ms, then 10 ms");
+
+        // etcd's own refusals are answers, not outages.
+        let (result, attempts, _) = check(1, || tonic::Status::failed_precondition("too many operations in txn request"), REQUEST_TIMEOUT).await;
+        assert_eq!(attempts, 1);
+        assert!(matches!(result, Err(ref e) if e.status().is_some_and(|s| s.code() == tonic::Code::FailedPrecondition)), "{result:?}");
+
+        // An outage that lasts: the error, once the retries have had their time.
+        let (result, attempts, took) = check(usize::MAX, unavailable, REQUEST_TIMEOUT).await;
+        assert!(result.as_ref().is_err_and(StoreError::retryable), "{result:?}");
+        assert!(took <= RETRY_UNAVAILABLE_FOR && took >= RETRY_UNAVAILABLE_FOR - RETRY_PAUSE_MAX, "{took:?}");
+        assert!(attempts > 10, "{attempts} attempts");
+
+        // The request's own bound comes first when it is shorter.
+        let (result, _, took) = check(usize::MAX, unavailable, Duration::from_millis(100)).await;
+        assert!(matches!(result, Err(StoreError::Timeout { .. })), "{result:?}");
+        assert_eq!(took, Duration::from_millis(100));
+    }
 
     #[test]
     fn a_prefix_ends_at_its_successor() {
