@@ -41,13 +41,17 @@ impl StoreError {
         }
     }
 
-    /// Whether another attempt may succeed: etcd (or the connection to one member) was
-    /// unavailable. Every request here may be sent again: reads change nothing, and a
+    /// Whether another attempt may succeed: etcd was unavailable, or the connection to
+    /// one member could not be made or broke under the request (a member killed while
+    /// answering it). Every request here may be sent again: reads change nothing, and a
     /// transaction is guarded by the revision its plan was read at, so one that did
     /// commit before its answer was lost fails its guard the second time, and the caller
     /// reads and plans again from what it wrote.
     fn retryable(&self) -> bool {
-        self.status().is_some_and(|s| s.code() == tonic::Code::Unavailable)
+        self.status().is_some_and(|s| {
+            s.code() == tonic::Code::Unavailable
+                || std::error::Error::source(s).is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
+        })
     }
 }
 
@@ -309,6 +313,14 @@ mod tests {
         let (result, attempts, took) = check(2, unavailable, REQUEST_TIMEOUT).await;
         assert_eq!((result.ok(), attempts), (Some(7), 3));
         assert_eq!(took, RETRY_PAUSE * 3, "5 ms, then 10 ms");
+
+        // A connection that broke under the request (its member was killed): tonic says
+        // Unknown, "transport error", with the transport error as the source.
+        let transport = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect().await.expect_err("nothing listens on port 1");
+        let mut broken = tonic::Status::unknown("transport error");
+        broken.set_source(std::sync::Arc::new(transport));
+        assert!(etcd(broken).retryable());
+        assert!(!etcd(tonic::Status::unknown("no transport error under it")).retryable());
 
         // etcd's own refusals are answers, not outages.
         let (result, attempts, _) = check(1, || tonic::Status::failed_precondition("too many operations in txn request"), REQUEST_TIMEOUT).await;
