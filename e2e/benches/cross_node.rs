@@ -26,7 +26,8 @@
 //! `/stats` query walks every stat of 1,000 clusters (the rig's stats poller is stopped
 //! for that reason). Each change is then checked in Envoy with one such filtered query,
 //! once the ACK is in, outside the timing: the service's endpoints must be what the
-//! change made them.
+//! change made them. Unless `AETHER_E2E_AGENT_LOG` is set, the bench runs itself again
+//! with it set to `info,aether_worker::xds::server=debug` for the agents it starts.
 //!
 //! The same lines split the time: the call returning (etcd committed), node B's agent
 //! holding a snapshot with the change (the push's time less its `since_change_us`; the
@@ -36,8 +37,8 @@
 //! every poll is work on the agent's one runtime thread).
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
 use std::io::{Read, Seek, SeekFrom};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -60,7 +61,7 @@ const STATED: std::ops::Range<usize> = 4..7;
 const MOVED: std::ops::Range<usize> = 7..10;
 /// Changes made before the measured ones (the first ones pay for cold caches).
 const WARMUP: usize = 3;
-/// How long one change may take to show in Envoy.
+/// How long one change may take to be ACKed.
 const T_CHANGE: Duration = Duration::from_secs(10);
 
 /// What the bench has put into the registry, to know what Envoy must show.
