@@ -82,7 +82,7 @@ pub fn expected_eds(dump: &Value) -> BTreeMap<String, Vec<String>> {
 }
 
 /// Every outbound cluster's EDS in Envoy's `/config_dump?include_eds`, as
-/// [`expected_eds`] writes it.
+/// [`expected_eds`] writes it (UNHEALTHY read as the DRAINING the agent sent).
 pub fn envoy_eds(config_dump: &Value) -> BTreeMap<String, Vec<String>> {
     let mut out = BTreeMap::new();
     let Some(configs) = config_dump["configs"].as_array() else { return out };
@@ -95,6 +95,10 @@ pub fn envoy_eds(config_dump: &Value) -> BTreeMap<String, Vec<String>> {
         .collect();
     for n in names {
         if let Some(eps) = crate::envoy::endpoints(config_dump, &n) {
+            // The config dump shows a host the agent sent as DRAINING as UNHEALTHY (the
+            // agent sends nothing else but HEALTHY); `/clusters` keeps the EDS status.
+            let mut eps: Vec<String> = eps.into_iter().map(|e| e.replace(" UNHEALTHY", " DRAINING")).collect();
+            eps.sort();
             out.insert(n, eps);
         }
     }
