@@ -211,13 +211,10 @@ fn leader(etcd: &Etcd) -> usize {
     })
 }
 
-/// An EDS view read from a config dump, each UNHEALTHY host read as DRAINING: the dump
-/// renders a host's health, and an EDS DRAINING host's is UNHEALTHY (`/clusters` shows
-/// the EDS status itself); the agents send only HEALTHY and DRAINING.
+/// An EDS view read from a config dump (`envoy_eds` reads UNHEALTHY as DRAINING).
 fn eds_of(envoy: &Envoy) -> Option<BTreeMap<String, Vec<String>>> {
     let (status, body) = envoy.get("/config_dump?include_eds").ok()?;
-    let view = envoy_eds(&serde_json::from_str::<Value>(&body).ok().filter(|_| status == 200)?);
-    Some(view.into_iter().map(|(c, eps)| (c, eps.into_iter().map(|e| e.replace(" UNHEALTHY", " DRAINING")).collect())).collect())
+    Some(envoy_eds(&serde_json::from_str::<Value>(&body).ok().filter(|_| status == 200)?))
 }
 
 /// One surge roll of `rig`: the next generation starts, is a ready standby (its registry

@@ -330,19 +330,10 @@ pub fn eds_health(admin: &Path, cluster: &str) -> Option<BTreeMap<String, String
 /// view says it should be; Err names the Envoys that never did, with the difference.
 ///
 /// Two readings of each Envoy must agree with the registrar: `/config_dump?include_eds`
-/// (what EDS delivered, [`envoy_eds`]), where Envoy renders a host's coarse health, so
-/// that a DRAINING endpoint reads UNHEALTHY there; and `/clusters` ([`clusters_eds`]),
-/// which keeps the EDS status itself.
+/// (what EDS delivered, [`envoy_eds`], which reads the dump's UNHEALTHY as the DRAINING the
+/// agent sent); and `/clusters` ([`clusters_eds`]), which keeps the EDS status itself.
 pub fn eds_check(registry: &SharedRegistry, envoys: &[(&str, &Envoy)], timeout: Duration) -> Result<(), String> {
     let want = registry.dump().map(|d| expected_eds(&d)).map_err(|e| format!("{e:#}"))?;
-    let want_dump: BTreeMap<String, Vec<String>> = want
-        .iter()
-        .map(|(c, eps)| {
-            let mut eps: Vec<String> = eps.iter().map(|e| e.replace(" DRAINING", " UNHEALTHY")).collect();
-            eps.sort();
-            (c.clone(), eps)
-        })
-        .collect();
     let mut wrong = Vec::new();
     for (name, envoy) in envoys {
         let (mut dumped, mut active) = (BTreeMap::new(), BTreeMap::new());
@@ -350,11 +341,11 @@ pub fn eds_check(registry: &SharedRegistry, envoys: &[(&str, &Envoy)], timeout: 
             let (status, body) = envoy.get("/config_dump?include_eds").ok()?;
             dumped = envoy_eds(&serde_json::from_str(&body).ok().filter(|_| status == 200)?);
             active = clusters_eds(&envoy.admin)?;
-            (dumped == want_dump && active == want).then_some(())
+            (dumped == want && active == want).then_some(())
         });
         if equal.is_err() {
-            if dumped != want_dump {
-                wrong.push(format!("{name}, config_dump: {}", eds_diff(&want_dump, &dumped)));
+            if dumped != want {
+                wrong.push(format!("{name}, config_dump: {}", eds_diff(&want, &dumped)));
             }
             if active != want {
                 wrong.push(format!("{name}, /clusters: {}", eds_diff(&want, &active)));
