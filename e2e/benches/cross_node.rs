@@ -153,30 +153,9 @@ impl Kind {
 fn endpoints_of(dump: &Value, cluster: &str) -> Option<Vec<String>> {
     let configs = dump["configs"].as_array()?;
     let config = configs.iter().map(|c| &c["endpoint_config"]).find(|c| c["cluster_name"] == cluster)?;
-    let mut out: Vec<String> = config["endpoints"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|l| l["lb_endpoints"].as_array().cloned().unwrap_or_default())
-        .map(|lb| {
-            let sa = &lb["endpoint"]["address"]["socket_address"];
-            format!(
-                "{}:{} {}",
-                sa["address"].as_str().unwrap_or("?"),
-                sa["port_value"].as_u64().unwrap_or(0),
-                lb["health_status"].as_str().unwrap_or("UNKNOWN")
-            )
-        })
-        .collect();
-    out.sort();
-    Some(out)
+    Some(envoy::load_assignment_lines(config))
 }
 
-/// An EDS view read from a config dump with each UNHEALTHY host read as the DRAINING the
-/// agent sent (see [`Mesh::expected`]), to compare with `expected_eds`.
-fn as_eds_states(view: BTreeMap<String, Vec<String>>) -> BTreeMap<String, Vec<String>> {
-    view.into_iter().map(|(c, eps)| (c, eps.into_iter().map(|e| e.replace(" UNHEALTHY", " DRAINING")).collect())).collect()
-}
 
 /// The admin path that dumps only `cluster`'s load assignment.
 fn eds_query(cluster: &str) -> String {
@@ -341,7 +320,7 @@ fn main() {
     let want = expected_eds(&dump(registrar.addr()));
     wait_for("node B's Envoy to hold every service's endpoints", Duration::from_secs(60), || {
         let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
-        (as_eds_states(envoy_eds(&serde_json::from_str(&body).ok()?)) == want).then_some(())
+        (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
     });
     println!("node B: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms", want.len(), ms(t.elapsed()));
 
@@ -441,7 +420,7 @@ fn main() {
     // applied.
     let want = expected_eds(&dump(registrar.addr()));
     let (_, body) = rig.envoy.get("/config_dump?include_eds").expect("Envoy's config dump");
-    let got = as_eds_states(envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON")));
+    let got = envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON"));
     assert!(got == want, "Envoy's EDS differs from the registrar's view at the end\n{}", rig.where_to_look());
     for s in 0..SERVICES {
         let applied = want.get(&Mesh::cluster(s)).map(|eps| eps.iter().map(|e| e.replace(" DRAINING", " UNHEALTHY")).collect::<Vec<_>>());

@@ -309,25 +309,29 @@ pub fn route(dump: &Value, name: &str) -> Option<(String, Vec<String>)> {
 pub fn endpoints(dump: &Value, cluster: &str) -> Option<Vec<String>> {
     let c = dump_of(dump, "EndpointsConfigDump")?;
     let e = c["dynamic_endpoint_configs"].as_array()?.iter().find(|e| e["endpoint_config"]["cluster_name"] == cluster)?;
-    let mut out: Vec<String> = e["endpoint_config"]["endpoints"]
+    Some(load_assignment_lines(&e["endpoint_config"]))
+}
+
+/// A load assignment's endpoints (a `ClusterLoadAssignment` as the config dump shows it)
+/// as "addr:port HEALTH", sorted.
+pub fn load_assignment_lines(assignment: &Value) -> Vec<String> {
+    let mut out: Vec<String> = assignment["endpoints"]
         .as_array()
-        .map(|locs| {
-            locs.iter()
-                .flat_map(|l| l["lb_endpoints"].as_array().cloned().unwrap_or_default())
-                .map(|lb| {
-                    let sa = &lb["endpoint"]["address"]["socket_address"];
-                    format!(
-                        "{}:{} {}",
-                        sa["address"].as_str().unwrap_or("?"),
-                        sa["port_value"].as_u64().unwrap_or(0),
-                        lb["health_status"].as_str().unwrap_or("UNKNOWN")
-                    )
-                })
-                .collect()
+        .into_iter()
+        .flatten()
+        .flat_map(|l| l["lb_endpoints"].as_array().cloned().unwrap_or_default())
+        .map(|lb| {
+            let sa = &lb["endpoint"]["address"]["socket_address"];
+            format!(
+                "{}:{} {}",
+                sa["address"].as_str().unwrap_or("?"),
+                sa["port_value"].as_u64().unwrap_or(0),
+                lb["health_status"].as_str().unwrap_or("UNKNOWN")
+            )
         })
-        .unwrap_or_default();
+        .collect();
     out.sort();
-    Some(out)
+    out
 }
 
 /// What Envoy serves for local pods, from `/config_dump`: per inbound filter chain (named
