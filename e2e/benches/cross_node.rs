@@ -36,7 +36,6 @@
 //! show `registrar.revision` at the change's revision (not polled while timing, since
 //! every poll is work on the agent's one runtime thread).
 
-use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
