@@ -55,6 +55,7 @@ fn pod(n: u8) -> Pod {
         netns: format!("/var/run/netns/p{n}"),
         ifname: "eth0".into(),
         ips: vec![std::net::Ipv4Addr::new(10, 244, 0, n).into()],
+        terminating: false,
     }
 }
 

@@ -23,7 +23,8 @@
 //! - per local pod a virtual listener `inbound|<pod uid>` on the pod's IPs and
 //!   [`INBOUND_TARGET_PORT`] (`bind_to_port: false`), whose one filter chain matches the
 //!   pod's IPs as /32 (/128) prefixes and proxies TCP to the STATIC cluster
-//!   `inbound|<pod uid>` (the pod's IPs on [`INBOUND_TARGET_PORT`]).
+//!   `inbound|<pod uid>` (the pod's IPs on [`INBOUND_TARGET_PORT`]), whose endpoints are
+//!   DRAINING while the pod is terminating (it has a deletion timestamp).
 //!
 //! Why a listener per pod rather than one filter chain per pod on the capture listener:
 //! in state of the world every LDS response carries every listener, and Envoy rebuilds a
@@ -37,7 +38,8 @@
 //!   on a node-wide listener and is dropped from both; the qualified forms stay.
 //! - A pod IP claimed by two local pods (a missed CNI DEL, then IP reuse) is served for
 //!   neither, and the conflict is recorded in [`Snapshot::rejects`]: Envoy would reject
-//!   the whole LDS update for two listeners on the same address.
+//!   the whole LDS update for two listeners on the same address. (The worker's CNI ADD
+//!   evicts the older record before it adds the new pod, so this is a last line.)
 //! - A `VIP:port` claimed by two services is passed through unchanged: which service owns
 //!   it is the registry's call, not the builder's. Envoy NACKs that route configuration and
 //!   keeps its last good one; the xDS tests use this as their injected bad resource.
@@ -50,7 +52,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::snapshot::HISTORY;
 use crate::{
     CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState, INBOUND, InboundChain, INBOUND_TARGET_PORT,
-    Inputs, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, OUTBOUND, Resources, Route, RouteConfig, Service,
+    Inputs, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, OUTBOUND, Pod, Resources, Route, RouteConfig, Service,
     ServiceKey, Snapshot, VirtualHost, inbound_cluster_name, inbound_listener_name, outbound_cluster_name,
 };
 
@@ -97,7 +99,7 @@ impl Builder {
         let mut clusters = Vec::new();
         let mut served = BTreeSet::new();
         for (uid, pod) in &inputs.pods {
-            if let Some((l, c)) = pod_resources(uid, &pod.ips, &ip_claims) {
+            if let Some((l, c)) = pod_resources(pod, &ip_claims) {
                 listeners.push(l);
                 clusters.push(c);
                 served.insert(uid.clone());
@@ -213,7 +215,7 @@ impl Builder {
         let any_served_before = !self.served.is_empty();
         for uid in &pods {
             let name = inbound_listener_name(uid);
-            let built = self.inputs.pods.get(uid).and_then(|p| pod_resources(uid, &p.ips, &self.ip_claims));
+            let built = self.inputs.pods.get(uid).and_then(|p| pod_resources(p, &self.ip_claims));
             match built {
                 Some((l, c)) => {
                     if s.listeners.insert(name.clone(), l) {
@@ -344,9 +346,13 @@ fn inbound_listener(c: &CaptureProjection) -> Listener {
     }
 }
 
-/// A pod's listener and cluster, on the IPs it alone claims; `None` when it has none.
-fn pod_resources(uid: &str, ips: &[IpAddr], claims: &BTreeMap<IpAddr, BTreeSet<String>>) -> Option<(Listener, Cluster)> {
-    let ips: Vec<IpAddr> = ips
+/// A pod's listener and cluster, on the IPs it alone claims; `None` when it has none. A
+/// terminating pod keeps both (its open connections finish, and new ones still reach it
+/// while it is the only endpoint), its endpoints marked draining.
+fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>) -> Option<(Listener, Cluster)> {
+    let uid = pod.uid.as_str();
+    let ips: Vec<IpAddr> = pod
+        .ips
         .iter()
         .collect::<BTreeSet<_>>()
         .into_iter()
@@ -357,7 +363,10 @@ fn pod_resources(uid: &str, ips: &[IpAddr], claims: &BTreeMap<IpAddr, BTreeSet<S
     let cluster = inbound_cluster_name(uid);
     let c = Cluster {
         name: cluster.clone(),
-        kind: ClusterKind::Static { endpoints: ips.iter().map(|ip| SocketAddr::new(*ip, INBOUND_TARGET_PORT)).collect() },
+        kind: ClusterKind::Static {
+            endpoints: ips.iter().map(|ip| SocketAddr::new(*ip, INBOUND_TARGET_PORT)).collect(),
+            draining: pod.terminating,
+        },
     };
     let l = Listener {
         name: inbound_listener_name(uid),

@@ -14,4 +14,10 @@ pub struct Pod {
     pub netns: String,
     pub ifname: String,
     pub ips: Vec<IpAddr>,
+    /// The pod has a deletion timestamp in the Kubernetes API (the owner's pod watch
+    /// rewrote its record): its inbound endpoints are served DRAINING. Records written
+    /// before this field existed read as false, and a false one is not written, so such
+    /// records stay byte for byte what they were.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub terminating: bool,
 }

@@ -212,8 +212,15 @@ pub struct Cluster {
 pub enum ClusterKind {
     /// Endpoints come over EDS under the cluster's own name.
     Eds,
-    /// Endpoints are part of the cluster.
-    Static { endpoints: Vec<SocketAddr> },
+    /// Endpoints are part of the cluster. `draining`: every endpoint is served with
+    /// health status DRAINING (a terminating pod). Left out of the content hash when
+    /// false, so a pod that is not terminating hashes as it did before the flag existed
+    /// and an agent of either version serves it at the same version.
+    Static {
+        endpoints: Vec<SocketAddr>,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        draining: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -326,7 +333,7 @@ impl Snapshot {
             _ => false,
         });
         let cluster_ok = self.clusters.get(&cluster).is_some_and(|c| match &c.kind {
-            ClusterKind::Static { endpoints } => ips.iter().all(|ip| endpoints.iter().any(|e| e.ip() == *ip)),
+            ClusterKind::Static { endpoints, .. } => ips.iter().all(|ip| endpoints.iter().any(|e| e.ip() == *ip)),
             ClusterKind::Eds => false,
         });
         capture_ok && chain_ok && cluster_ok

@@ -413,6 +413,7 @@ mod tests {
             netns: format!("/var/run/netns/{uid}"),
             ifname: "eth0".into(),
             ips: vec![ip.parse::<IpAddr>().unwrap()],
+            terminating: false,
         }
     }
 

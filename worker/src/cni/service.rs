@@ -359,6 +359,7 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
         netns: req.netns.clone(),
         ifname: req.ifname.clone(),
         ips,
+        terminating: false,
     })
 }
 

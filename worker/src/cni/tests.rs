@@ -204,6 +204,7 @@ fn pod(uid: &str, ip: &str) -> Pod {
         netns: format!("/var/run/netns/{uid}"),
         ifname: "eth0".into(),
         ips: ips(&[ip]),
+        terminating: false,
     }
 }
 

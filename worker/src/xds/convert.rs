@@ -210,12 +210,14 @@ pub fn cluster(c: &snapshot::Cluster) -> Any {
             out.eds_cluster_config =
                 Some(cluster::cluster::EdsClusterConfig { eds_config: Some(ads()), service_name: c.name.clone() });
         }
-        snapshot::ClusterKind::Static { endpoints } => {
+        snapshot::ClusterKind::Static { endpoints, draining } => {
             out.cluster_discovery_type =
                 Some(cluster::cluster::ClusterDiscoveryType::Type(cluster::cluster::DiscoveryType::Static as i32));
+            // A terminating pod's endpoints are DRAINING in the cluster's own load
+            // assignment, exactly as EDS would send them.
             out.load_assignment = Some(load_assignment_of(
                 &c.name,
-                endpoints.iter().map(|a| snapshot::LbEndpoint { address: *a, draining: false }),
+                endpoints.iter().map(|a| snapshot::LbEndpoint { address: *a, draining: *draining }),
             ));
         }
     }

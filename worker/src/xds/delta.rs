@@ -397,6 +397,7 @@ mod tests {
                 netns: "/var/run/netns/x".into(),
                 ifname: "eth0".into(),
                 ips: vec![format!("10.244.0.{}", p + 1).parse().unwrap()],
+                terminating: false,
             });
         }
         i
@@ -613,6 +614,7 @@ mod tests {
             netns: "/n".into(),
             ifname: "eth0".into(),
             ips: vec!["10.244.0.1".parse().unwrap()],
+            terminating: false,
         })]).unwrap());
         st.set_snapshot(b.apply([Change::RemoveService(svc("s7", &[]).key())]).unwrap());
         let out = sent(&mut st);

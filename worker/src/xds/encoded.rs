@@ -142,6 +142,7 @@ mod tests {
             netns: format!("/var/run/netns/c{n}"),
             ifname: "eth0".into(),
             ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, n))],
+            terminating: false,
         }
     }
 
