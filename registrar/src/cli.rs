@@ -85,6 +85,32 @@ pub struct ServeArgs {
     #[arg(long, env = "AETHER_REGISTRAR_INSECURE_LISTEN")]
     pub insecure_listen: bool,
 
+    /// Serve TCP to callers that present a bearer token, checked with the Kubernetes
+    /// TokenReview API (in cluster, or --kubeconfig): the agents' projected
+    /// service-account tokens (audience --token-audience), which name their service
+    /// account and the node their pod runs on. An agent may then speak for its own node
+    /// only. The registrar's service account needs `create` on tokenreviews
+    #[arg(long, env = "AETHER_REGISTRAR_TOKEN_REVIEW", conflicts_with = "insecure_listen")]
+    pub token_review: bool,
+
+    /// Kubernetes API access for --token-review [default: in cluster]
+    #[arg(long, env = "KUBECONFIG", value_name = "FILE", requires = "token_review")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// The audience the agents' tokens must be minted for (--token-review)
+    #[arg(long, value_name = "AUDIENCE", default_value = "aether-registrar")]
+    pub token_audience: String,
+
+    /// A service account, NAMESPACE/NAME, whose tokens are agents': they may watch and set
+    /// drain marks for the node their token is bound to (--token-review); repeatable
+    #[arg(long = "agent-service-account", value_name = "NAMESPACE/NAME", value_parser = parse_account)]
+    pub agent_accounts: Vec<String>,
+
+    /// A user name (as TokenReview reports it) that may also apply and delete services
+    /// (--token-review); repeatable
+    #[arg(long = "operator-user", value_name = "USER")]
+    pub operator_users: Vec<String>,
+
     /// A uid whose processes may watch and set drain marks over the unix socket (the
     /// agents' uid); repeatable
     #[arg(long = "agent-uid", value_name = "UID")]
@@ -120,6 +146,17 @@ pub struct ClientArgs {
     /// Seconds to wait for a connection and for each call
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub timeout: u64,
+
+    /// A file holding a bearer token, for a registrar that reviews tokens (--token-review)
+    #[arg(long, env = "AETHER_REGISTRAR_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+}
+
+fn parse_account(s: &str) -> Result<String, String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => Ok(s.to_owned()),
+        _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+    }
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {

@@ -55,6 +55,20 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// `message` as a request, with `--token-file`'s token as its bearer credential (read at
+/// each call: a projected token is rotated in place).
+fn request<T>(args: &ClientArgs, message: T) -> anyhow::Result<tonic::Request<T>> {
+    let mut req = tonic::Request::new(message);
+    if let Some(path) = &args.token_file {
+        let token = std::fs::read_to_string(path).with_context(|| format!("--token-file {}", path.display()))?;
+        let value = format!("Bearer {}", token.trim())
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--token-file {}: the token is not a valid header value", path.display()))?;
+        req.metadata_mut().insert("authorization", value);
+    }
+    Ok(req)
+}
+
 fn status(what: &str, s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{what}: {:?}: {}", s.code(), s.message())
 }
@@ -65,7 +79,7 @@ pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
     let services: Vec<pb::Service> = view.services.values().map(values::model_service_to_pb).collect();
     let n = services.len();
     let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
-    let resp = client.apply_services(pb::ApplyServicesRequest { services }).await.map_err(|s| status("ApplyServices", s))?.into_inner();
+    let resp = client.apply_services(request(args, pb::ApplyServicesRequest { services })?).await.map_err(|s| status("ApplyServices", s))?.into_inner();
     println!("applied {n} services from {} (revision {})", file.display(), resp.revision);
     Ok(())
 }
@@ -76,7 +90,7 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
     };
     let key = pb::ServiceKey { namespace: namespace.into(), name: name.into() };
     let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
-    let resp = client.delete_service(pb::DeleteServiceRequest { service: Some(key) }).await.map_err(|s| status("DeleteService", s))?.into_inner();
+    let resp = client.delete_service(request(args, pb::DeleteServiceRequest { service: Some(key) })?).await.map_err(|s| status("DeleteService", s))?.into_inner();
     if resp.deleted {
         println!("deleted {service} (revision {})", resp.revision);
     } else {
@@ -87,7 +101,7 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
 
 pub async fn dump(args: &ClientArgs) -> anyhow::Result<()> {
     let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
-    let mut stream = client.watch_endpoints(dump_key()).await.map_err(|s| status("WatchEndpoints", s))?.into_inner();
+    let mut stream = client.watch_endpoints(request(args, dump_key())?).await.map_err(|s| status("WatchEndpoints", s))?.into_inner();
     let first = stream.message().await.map_err(|s| status("WatchEndpoints", s))?;
     let Some(pb::WatchEndpointsResponse { kind: Some(pb::watch_endpoints_response::Kind::Full(full)) }) = first else {
         anyhow::bail!("WatchEndpoints: the first message is not a full view: {first:?}");

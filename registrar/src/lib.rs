@@ -20,6 +20,7 @@ pub mod serve;
 pub mod service;
 pub mod store;
 pub mod streams;
+pub mod tokenreview;
 pub mod validate;
 pub mod values;
 pub mod view;

@@ -17,6 +17,11 @@ use crate::keys::Layout;
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::service::{Registrar, Transport};
 use crate::store::{EtcdOptions, Store};
+use crate::tokenreview::Reviewer;
+
+fn bound_kind(b: &Bound) -> bool {
+    matches!(b, Bound::Tcp(_))
+}
 
 /// How long open connections get to close after SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -25,8 +30,11 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    if let (ListenAddr::Tcp(a), false) = (&args.listen, args.insecure_listen) {
+    if let (ListenAddr::Tcp(a), false) = (&args.listen, args.insecure_listen || args.token_review) {
         return Err(ListenError::InsecureTcp(a.clone()).into());
+    }
+    if args.token_review && !matches!(args.listen, ListenAddr::Tcp(_)) {
+        anyhow::bail!("--token-review is for a TCP --listen; a unix socket identifies callers by uid (--agent-uid, --operator-uid)");
     }
     if args.etcd_prefix.is_empty() {
         anyhow::bail!("--etcd-prefix is empty; the registry needs a prefix of its own");
@@ -44,11 +52,22 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let policy = Policy {
         agent_uids: args.agent_uids.clone(),
         operator_uids: if args.operator_uids.is_empty() { vec![own_uid] } else { args.operator_uids.clone() },
+        agent_accounts: args.agent_accounts.clone(),
+        operator_users: args.operator_users.clone(),
     };
-    let bound = listen::bind(&args.listen, args.insecure_listen, args.socket_mode).await?;
-    let transport = match bound {
-        Bound::Unix(_) => Transport::Unix,
-        Bound::Tcp(_) => {
+    let reviewer = match args.token_review {
+        true => Some(std::sync::Arc::new(Reviewer::connect(args.kubeconfig.as_deref(), args.token_audience.clone()).await?)),
+        false => None,
+    };
+    let bound = listen::bind(&args.listen, args.insecure_listen || args.token_review, args.socket_mode).await?;
+    let transport = match (bound_kind(&bound), reviewer) {
+        (false, _) => Transport::Unix,
+        (true, Some(r)) => {
+            tracing::info!(listen = %args.listen, audience = %args.token_audience, agents = ?policy.agent_accounts, operators = ?policy.operator_users,
+                "serving TCP to callers with a bearer token, checked with TokenReview");
+            Transport::TokenTcp(r)
+        }
+        (true, None) => {
             tracing::warn!(listen = %args.listen, "serving plain TCP (--insecure-listen): callers are not authenticated and every caller may apply and delete services");
             Transport::InsecureTcp
         }

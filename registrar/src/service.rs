@@ -36,10 +36,12 @@ const ATTEMPTS: usize = 8;
 const WATCH_RETRIES: u32 = 3;
 
 /// How callers reach this registrar, which decides how they are identified.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum Transport {
     Unix,
     InsecureTcp,
+    /// TCP whose callers present a bearer token, checked with TokenReview.
+    TokenTcp(Arc<crate::tokenreview::Reviewer>),
 }
 
 pub struct Registrar {
@@ -57,24 +59,49 @@ impl Registrar {
         Self { store, streams: Arc::new(Streams::default()), policy, transport, cluster, shutdown }
     }
 
-    fn peer<T>(&self, req: &Request<T>) -> Peer {
-        match self.transport {
-            Transport::InsecureTcp => Peer::InsecureTcp,
-            Transport::Unix => req
+    async fn peer<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
+        match &self.transport {
+            Transport::InsecureTcp => Ok(Peer::InsecureTcp),
+            Transport::Unix => Ok(req
                 .extensions()
                 .get::<UdsConnectInfo>()
                 .and_then(|i| i.peer_cred)
-                .map_or(Peer::UnixUnknown, |c| Peer::Unix { uid: c.uid() }),
+                .map_or(Peer::UnixUnknown, |c| Peer::Unix { uid: c.uid() })),
+            Transport::TokenTcp(reviewer) => {
+                let token = req
+                    .metadata()
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer "))
+                    .map(str::trim)
+                    .filter(|t| !t.is_empty());
+                let Some(token) = token else {
+                    tracing::warn!(method = ?method, "refused: no bearer token");
+                    return Err(Status::unauthenticated("no bearer token: send the pod's projected service-account token (audience aether-registrar) as `authorization: Bearer <token>`"));
+                };
+                reviewer.review(token).await.map(Peer::Token).map_err(|why| {
+                    tracing::warn!(method = ?method, "refused: {why}");
+                    Status::unauthenticated(why)
+                })
+            }
         }
     }
 
-    fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
-        let peer = self.peer(req);
-        authz::authorize(&self.policy, peer, method).map_err(|e| {
+    async fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
+        let peer = self.peer(req, method).await?;
+        authz::authorize(&self.policy, &peer, method).map_err(|e| {
             tracing::warn!(peer = %peer, method = ?method, "refused: {e}");
             Status::permission_denied(e.to_string())
         })?;
         Ok(peer)
+    }
+
+    /// The request speaks for `node`: a caller bound to another node is refused.
+    fn check_node(peer: &Peer, method: Method, node: &str) -> Result<(), Status> {
+        authz::check_node(peer, method, node).map_err(|e| {
+            tracing::warn!(peer = %peer, method = ?method, node = %node, "refused: {e}");
+            Status::permission_denied(e.to_string())
+        })
     }
 }
 
@@ -103,11 +130,13 @@ impl Registry for Registrar {
     type WatchEndpointsStream = WatchStream;
 
     async fn watch_endpoints(&self, req: Request<pb::WatchEndpointsRequest>) -> Result<Response<WatchStream>, Status> {
-        let peer = self.authorize(&req, Method::WatchEndpoints)?;
+        let peer = self.authorize(&req, Method::WatchEndpoints).await?;
         let req = req.into_inner();
         if req.node.is_empty() {
             return Err(Status::invalid_argument("node: empty; a stream is keyed by cluster, node and instance"));
         }
+        // Else a caller could replace another node's stream (same key, empty instance).
+        Self::check_node(&peer, Method::WatchEndpoints, &req.node)?;
         if let Some(c) = &self.cluster
             && !req.cluster.is_empty()
             && req.cluster != *c
@@ -130,7 +159,7 @@ impl Registry for Registrar {
     }
 
     async fn set_endpoint_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
-        let peer = self.authorize(&req, Method::SetEndpointState)?;
+        let peer = self.authorize(&req, Method::SetEndpointState).await?;
         let req = req.into_inner();
         let bad = |e: validate::Invalid| Status::invalid_argument(e.to_string());
         let address = validate::address("address", &req.address).map_err(bad)?;
@@ -138,6 +167,7 @@ impl Registry for Registrar {
         if req.node.is_empty() {
             return Err(Status::invalid_argument("node: empty; the caller's node is required"));
         }
+        Self::check_node(&peer, Method::SetEndpointState, &req.node)?;
         let service = req.service.as_ref().map(|k| validate::service_key("service", Some(k))).transpose().map_err(bad)?;
         let mark = MarkRequest { address, state, node: &req.node, instance: &req.instance };
         for _ in 0..ATTEMPTS {
@@ -177,7 +207,7 @@ impl Registry for Registrar {
     }
 
     async fn apply_services(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
-        let peer = self.authorize(&req, Method::ApplyServices)?;
+        let peer = self.authorize(&req, Method::ApplyServices).await?;
         let services = validate::apply_request(req.get_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut revision = 0;
         for s in &services {
@@ -188,7 +218,7 @@ impl Registry for Registrar {
     }
 
     async fn delete_service(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
-        let peer = self.authorize(&req, Method::DeleteService)?;
+        let peer = self.authorize(&req, Method::DeleteService).await?;
         let key = validate::service_key("service", req.get_ref().service.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let layout = &self.store.layout;
         let service_key = layout.service(&key);

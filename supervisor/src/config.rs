@@ -51,6 +51,12 @@ pub struct Config {
     /// The mesh cluster this node belongs to, as the registrar keys its watch streams.
     #[arg(long, env = "AETHER_CLUSTER", default_value = "default")]
     pub cluster: String,
+    /// A file holding the bearer token the worker presents to the registrar (in a
+    /// cluster, the pod's projected service-account token with the audience
+    /// aether-registrar); read at each call, so a rotated token is picked up. The worker's
+    /// uid must be able to read it
+    #[arg(long, env = "AETHER_REGISTRAR_TOKEN_FILE", requires = "registrar")]
+    pub registrar_token_file: Option<PathBuf>,
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
     #[arg(long, env = "AETHER_REGISTRY_FILE")]
     pub registry_file: Option<PathBuf>,

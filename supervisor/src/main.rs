@@ -103,6 +103,9 @@ fn worker_args(cfg: &Config) -> Vec<String> {
     if let Some(r) = &cfg.registrar {
         a.push(format!("--registrar={r}"));
         a.push(format!("--cluster={}", cfg.cluster));
+        if let Some(t) = &cfg.registrar_token_file {
+            a.push(format!("--registrar-token-file={}", os_str_arg(t)));
+        }
     }
     if let Some(s) = &cfg.spiffe_endpoint {
         a.push(format!("--spiffe-endpoint={s}"));

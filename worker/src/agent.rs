@@ -240,7 +240,12 @@ fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Addre
         cfg.registry_file.is_none(),
         "--registrar and --registry-file are both set; the registry comes from one source: the registrar in a cluster, the file on one machine"
     );
-    let me = registrar::Identity { cluster: cfg.cluster.clone(), node: cfg.node_name.clone(), instance: cfg.pod_name.clone() };
+    let me = registrar::Identity {
+        cluster: cfg.cluster.clone(),
+        node: cfg.node_name.clone(),
+        instance: cfg.pod_name.clone(),
+        token_file: cfg.registrar_token_file.clone(),
+    };
     Ok(Some((registrar::parse_addresses(list)?, me)))
 }
 

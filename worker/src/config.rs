@@ -37,6 +37,9 @@ pub struct Config {
     /// Registrar addresses, comma-separated: `unix:///path` or `host:port`.
     #[arg(long)]
     pub registrar: Option<String>,
+    /// A bearer token for the registrar (the pod's projected token), read at each call.
+    #[arg(long)]
+    pub registrar_token_file: Option<PathBuf>,
     /// The mesh cluster this node belongs to, as the registrar keys its watch streams.
     #[arg(long, default_value = "default")]
     pub cluster: String,

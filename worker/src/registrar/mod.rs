@@ -83,6 +83,24 @@ pub struct Identity {
     pub cluster: String,
     pub node: String,
     pub instance: String,
+    /// A bearer token to present (`--registrar-token-file`): the pod's projected
+    /// service-account token, read again at each call since the kubelet rotates it.
+    pub token_file: Option<PathBuf>,
+}
+
+impl Identity {
+    /// `message` as a request carrying this agent's token, if it has one.
+    fn request<T>(&self, message: T) -> anyhow::Result<tonic::Request<T>> {
+        let mut req = tonic::Request::new(message);
+        if let Some(path) = &self.token_file {
+            let token = std::fs::read_to_string(path).with_context(|| format!("reading --registrar-token-file {}", path.display()))?;
+            let value = format!("Bearer {}", token.trim())
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--registrar-token-file {}: not a valid header value", path.display()))?;
+            req.metadata_mut().insert("authorization", value);
+        }
+        Ok(req)
+    }
 }
 
 /// Connects to `addr`, with HTTP/2 keepalives so a registrar that stops answering ends
@@ -194,6 +212,7 @@ async fn watch_once(
         instance: me.instance.clone(),
         resume_revision: mirror.revision(),
     };
+    let request = me.request(request).map_err(|e| (false, e))?;
     let mut stream = client.watch_endpoints(request).await.map_err(|s| (false, status_error(s)))?.into_inner();
     metrics.registrar_connected.set(1);
     info!(registrar = %addr, resume_revision = mirror.revision(), instance = %me.instance, "registrar stream open");
@@ -298,6 +317,15 @@ async fn mark_writer(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>, m
             state: pb::EndpointState::Draining as i32,
             node: me.node.clone(),
             instance: me.instance.clone(),
+        };
+        let request = match me.request(request) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(address = %ip, error = %format!("{e:#}"), "drain mark: no token to send; retrying");
+                attempt += 1;
+                tokio::time::sleep(backoff.next_wait()).await;
+                continue;
+            }
         };
         let result = match c.set_endpoint_state(request).await {
             Ok(r) => {
