@@ -13,3 +13,4 @@ pub mod harness;
 pub mod cnichain;
 pub mod cni_burst;
 pub mod registrar;
+pub mod kube_api;
