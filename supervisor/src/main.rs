@@ -110,5 +110,10 @@ fn worker_args(cfg: &Config) -> Vec<String> {
     if let Some(s) = &cfg.spiffe_endpoint {
         a.push(format!("--spiffe-endpoint={s}"));
     }
+    // The worker only reports whether the conflist chains aether-cni (`/ready`); the
+    // owner's supervisor alone writes it.
+    if let Some(d) = &cfg.cni_conf_dir {
+        a.push(format!("--cni-conf-dir={}", os_str_arg(d)));
+    }
     a
 }

@@ -64,6 +64,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
         None => registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone()),
     };
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
+    // Standby and owner alike say whether the node's conflist chains aether-cni.
+    let _conflist = cfg.cni_conf_dir.clone().map(|dir| crate::conflist::spawn(dir, problems.clone()));
 
     let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
     tokio::spawn(health::serve(health_listener, status.subscribe()));

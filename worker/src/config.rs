@@ -45,6 +45,10 @@ pub struct Config {
     pub cluster: String,
     #[arg(long)]
     pub spiffe_endpoint: Option<String>,
+    /// The node's CNI conf folder: `/ready` reports whether its first conflist chains
+    /// aether-cni. Read only; the owner's supervisor repairs it.
+    #[arg(long)]
+    pub cni_conf_dir: Option<PathBuf>,
     /// "off" or an address; bound only once this worker owns the node.
     #[arg(long, default_value = "off")]
     pub metrics_addr: String,

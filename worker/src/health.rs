@@ -35,6 +35,10 @@ pub struct Status {
     /// The registrar view this worker holds, when it watches a registrar.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub registrar: Option<RegistrarStatus>,
+    /// Whether `aether-cni` is chained in the node's first conflist, when the worker was
+    /// given `--cni-conf-dir` (see `conflist`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cni: Option<CniStatus>,
     /// Takeover timings in microseconds, once this worker took the node over.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub takeover: Option<TakeoverTimes>,
@@ -66,6 +70,7 @@ impl Status {
             waiting_for: Vec::new(),
             problems: Vec::new(),
             registrar: None,
+            cni: None,
             takeover: None,
         }
     }
@@ -79,6 +84,15 @@ pub struct RegistrarStatus {
     pub services: usize,
     /// Full views received since start (the first one included).
     pub full_views: u64,
+}
+
+/// Whether the node's first conflist chains `aether-cni` (`crate::conflist` looks).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CniStatus {
+    pub conf_dir: String,
+    /// The runtime's configuration file; None while the folder holds none.
+    pub file: Option<String>,
+    pub chained: bool,
 }
 
 /// A degraded condition, as `/ready` shows it.
@@ -100,6 +114,15 @@ impl Reporter {
         self.0.send_if_modified(|s| {
             let changed = s.registrar != Some(now);
             s.registrar = Some(now);
+            changed
+        });
+    }
+
+    /// Where the node's CNI chaining stands.
+    pub fn cni(&self, now: CniStatus) {
+        self.0.send_if_modified(|s| {
+            let changed = s.cni.as_ref() != Some(&now);
+            s.cni = Some(now);
             changed
         });
     }

@@ -14,6 +14,7 @@ pub mod bootstrap;
 pub mod capture;
 pub mod cni;
 pub mod config;
+pub mod conflist;
 pub mod control;
 pub mod fdcheck;
 pub mod health;
