@@ -394,9 +394,25 @@ impl Drop for Registered {
 async fn stream_watch(
     registered: Registered,
     resource: Resource,
+    pending: VecDeque<Value>,
+    events: mpsc::UnboundedReceiver<Value>,
+    out: mpsc::Sender<Bytes>,
+    bookmarks: bool,
+    timeout: Duration,
+) {
+    forward(&registered.shared, resource, pending, events, &out, bookmarks, timeout).await;
+    // Unregistered before the stream ends, so that a client that saw the end sees no
+    // open watch either.
+    drop(registered);
+    drop(out);
+}
+
+async fn forward(
+    shared: &Shared,
+    resource: Resource,
     mut pending: VecDeque<Value>,
     mut events: mpsc::UnboundedReceiver<Value>,
-    out: mpsc::Sender<Bytes>,
+    out: &mpsc::Sender<Bytes>,
     bookmarks: bool,
     timeout: Duration,
 ) {
@@ -419,7 +435,7 @@ async fn stream_watch(
             _ = tick.tick(), if bookmarks => {
                 // Under the lock, every change up to the bookmark's resourceVersion is
                 // already in `events`: send those first, then the bookmark.
-                let s = registered.shared.lock();
+                let s = shared.lock();
                 let bookmark = s.store.bookmark(resource);
                 while let Ok(e) = events.try_recv() {
                     pending.push_back(e);
