@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::Storage;
 use crate::takeover::{self, Action, Event, Gate, Phase, State};
-use crate::{capture, cni, fdcheck, httpmini, registrar, registry, writers, xds};
+use crate::{capture, cni, fdcheck, httpmini, kube, registrar, registry, writers, xds};
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
 const CAPTURE_GATE: Duration = Duration::from_secs(10);
@@ -64,6 +64,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
         None => registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone()),
     };
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
+    // Watches in a standby too; writes only once handed a writer at Serve.
+    let kube = kube_source(&cfg, &metrics, &problems)?;
     // Standby and owner alike say whether the node's conflist chains aether-cni.
     let _conflist = cfg.cni_conf_dir.clone().map(|dir| crate::conflist::spawn(dir, problems.clone()));
 
@@ -120,11 +122,18 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     }
                     Action::Serve => {
                         let o = owned.as_mut().expect("Serve follows a takeover");
-                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, drained_tx.clone())?);
+                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, kube.as_ref(), drained_tx.clone())?);
                         // The owner alone writes the mesh-DNS snapshot and its heartbeat.
                         tokio::spawn(writers::mesh_dns::run_writer(mesh_dns.clone()));
                     }
-                    Action::Drain => match serving.as_mut().and_then(|s| s.drain_cni.take()) {
+                    Action::Drain => match serving.as_mut().and_then(|s| {
+                        // No Kubernetes write after this: a write in progress holds the
+                        // lifecycle lock, which the CNI API's fence waits for.
+                        if let Some(k) = &kube {
+                            k.stop();
+                        }
+                        s.drain_cni.take()
+                    }) {
                         Some(tx) => {
                             let _ = tx.send(());
                         }
@@ -251,6 +260,17 @@ fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Addre
     Ok(Some((registrar::parse_addresses(list)?, me)))
 }
 
+/// The Kubernetes source, when the flags give API access.
+fn kube_source(cfg: &Config, metrics: &Arc<Metrics>, problems: &health::Reporter) -> anyhow::Result<Option<kube::Kube>> {
+    let Some(access) = kube::Access::from_flags(cfg.kubeconfig.as_deref(), cfg.kube_in_cluster.as_deref())? else {
+        info!("no Kubernetes API access (neither --kubeconfig nor --kube-in-cluster): no pod or node watches, no startup taint removal");
+        return Ok(None);
+    };
+    info!(access = %access, stale_record_grace_ms = cfg.stale_record_grace.as_millis() as u64, "Kubernetes API access");
+    let options = kube::Options { node_name: cfg.node_name.clone(), stale_grace: cfg.stale_record_grace };
+    Ok(Some(kube::Kube::spawn(access, options, metrics.clone(), problems.clone())))
+}
+
 /// An owner's servers, as the drain needs them.
 struct Serving {
     /// Tells the CNI API to stop taking calls; it reports on `drained` once the calls in
@@ -294,6 +314,7 @@ fn serve(
     encoded: &Arc<xds::encoded::Encoded>,
     observed: &Arc<writers::Observed>,
     metrics: &Arc<Metrics>,
+    kube: Option<&kube::Kube>,
     drained: tokio::sync::mpsc::Sender<()>,
 ) -> anyhow::Result<Serving> {
     let listener = |fd: OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
@@ -322,6 +343,11 @@ fn serve(
     tokio::spawn(writers::run_writer(observed.clone()));
     // The owner alone sets drain marks: a standby never reaches this point.
     let marks = registrar_source(cfg)?.map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
+    // The owner alone writes what the Kubernetes API shows (Terminating marks, stale
+    // records, the startup taint), from now on.
+    if let Some(k) = kube {
+        k.serve(kube::Writer::new(node.clone(), storage.clone(), marks.clone(), acks.clone()));
+    }
     let (drain_cni, drain) = oneshot::channel();
     let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
     tokio::spawn(async move {

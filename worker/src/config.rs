@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Parser;
 
@@ -49,11 +50,38 @@ pub struct Config {
     /// aether-cni. Read only; the owner's supervisor repairs it.
     #[arg(long)]
     pub cni_conf_dir: Option<PathBuf>,
+    /// Kubernetes API access from a kubeconfig file (its current context).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubernetes API access from the pod's service account, to the API server at
+    /// HOST:PORT (the supervisor passes KUBERNETES_SERVICE_HOST and _PORT, since this
+    /// process's environment is cleared).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub kube_in_cluster: Option<String>,
+    /// How long a pod record must stay absent from the API server's complete pod list
+    /// before the owner removes it (`60s`, `1500ms`, `2m`).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub stale_record_grace: Duration,
     /// "off" or an address; bound only once this worker owns the node.
     #[arg(long, default_value = "off")]
     pub metrics_addr: String,
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+}
+
+/// A duration as `<number><unit>`, the unit one of `ms`, `s`, `m`; the number may have
+/// a fraction.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let n: f64 = number.parse().map_err(|_| format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s"))?;
+    let seconds = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("duration {s:?}: unit {unit:?} is none of ms, s, m")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))
 }
 
 impl Config {
@@ -62,5 +90,21 @@ impl Config {
             return Ok(None);
         }
         Ok(Some(self.metrics_addr.parse().map_err(|e| anyhow::anyhow!("--metrics-addr {:?}: {e}", self.metrics_addr))?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_a_unit_and_errors_name_the_value() {
+        for (text, want) in [("60s", 60_000), ("1500ms", 1500), ("2m", 120_000), ("0.5s", 500), ("0s", 0)] {
+            assert_eq!(parse_duration(text), Ok(Duration::from_millis(want)), "{text}");
+        }
+        for bad in ["", "60", "s", "1h", "-1s", "1.2.3s"] {
+            let e = parse_duration(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
     }
 }

@@ -19,6 +19,7 @@ pub mod control;
 pub mod fdcheck;
 pub mod health;
 pub mod httpmini;
+pub mod kube;
 pub mod metrics;
 pub mod node;
 pub mod registrar;

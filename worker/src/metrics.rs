@@ -39,6 +39,20 @@ pub struct FileLabel {
     pub file: String,
 }
 
+/// A Kubernetes resource the worker watches (`pods`, `nodes`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabel {
+    pub resource: String,
+}
+
+/// A failed Kubernetes watch: the resource and why (`forbidden`, `unauthorized`, `gone`,
+/// `unreachable`, `server`, `api`, `other`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KubeErrorLabel {
+    pub resource: String,
+    pub reason: String,
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
@@ -63,6 +77,13 @@ pub struct Metrics {
     pub registrar_changes: Counter,
     pub registry_revision: Gauge,
     pub registrar_drain_marks: Family<ResultLabel, Counter>,
+    pub kube_connected: Family<ResourceLabel, Gauge>,
+    pub kube_watch_errors: Family<KubeErrorLabel, Counter>,
+    pub kube_relists: Family<ResourceLabel, Counter>,
+    pub kube_terminating_marks: Counter,
+    pub kube_taint_patches: Family<ResultLabel, Counter>,
+    pub stale_records_removed: Counter,
+    pub cni_evictions: Counter,
 }
 
 fn phase_histogram() -> Histogram {
@@ -96,6 +117,13 @@ impl Metrics {
             registrar_changes: Counter::default(),
             registry_revision: Gauge::default(),
             registrar_drain_marks: Family::default(),
+            kube_connected: Family::default(),
+            kube_watch_errors: Family::default(),
+            kube_relists: Family::default(),
+            kube_terminating_marks: Counter::default(),
+            kube_taint_patches: Family::default(),
+            stale_records_removed: Counter::default(),
+            cni_evictions: Counter::default(),
         };
         let r = &mut m.registry;
         r.register("takeover_phase_seconds", "Duration of each takeover phase", m.takeover_phase_seconds.clone());
@@ -124,6 +152,13 @@ impl Metrics {
         r.register("registrar_changes", "Single-key changes received from the registrar", m.registrar_changes.clone());
         r.register("registry_revision", "The registrar revision this agent's registry view is at", m.registry_revision.clone());
         r.register("registrar_drain_marks", "Drain marks sent by the owner, by result (set, not_found, refused, retry)", m.registrar_drain_marks.clone());
+        r.register("kube_connected", "1 while the Kubernetes watch of the resource is current", m.kube_connected.clone());
+        r.register("kube_watch_errors", "Kubernetes watch failures, by resource and reason", m.kube_watch_errors.clone());
+        r.register("kube_relists", "Complete lists of a Kubernetes resource after the first (an expired resource version)", m.kube_relists.clone());
+        r.register("kube_terminating_marks", "Pod records the owner rewrote as Terminating (the pod has a deletion timestamp)", m.kube_terminating_marks.clone());
+        r.register("kube_taint_patches", "Node patches removing the startup taint, by result (removed, conflict, forbidden, error)", m.kube_taint_patches.clone());
+        r.register("stale_records_removed", "Pod records removed because the API server no longer had their pod for the grace period", m.stale_records_removed.clone());
+        r.register("cni_evictions", "Older pod records a CNI ADD evicted because they held the new pod's IP", m.cni_evictions.clone());
         Arc::new(m)
     }
 

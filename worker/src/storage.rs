@@ -601,6 +601,25 @@ mod tests {
     }
 
     #[test]
+    fn the_terminating_mark_round_trips_and_is_absent_from_records_without_it() {
+        let plain = encode_record(&pod("a", "10.0.0.1"));
+        assert!(!String::from_utf8_lossy(&plain).contains("terminating"), "a record without the mark reads as before");
+        assert_eq!(decode_record(&plain), Ok(pod("a", "10.0.0.1")));
+        let marked = Pod { terminating: true, ..pod("a", "10.0.0.1") };
+        let bytes = encode_record(&marked);
+        let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(json["terminating"], true);
+        assert_eq!(decode_record(&bytes), Ok(marked.clone()));
+
+        // A rewrite of the record is an update in the takeover diff.
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        other_writer(dir.path()).put(&marked).unwrap();
+        assert_eq!(s.reload().unwrap().updated, vec![Updated { old: pod("a", "10.0.0.1"), new: marked }]);
+    }
+
+    #[test]
     fn newer_schema_with_extra_fields_still_loads() {
         let mut json: serde_json::Value = serde_json::from_slice(&encode_record(&pod("a", "10.0.0.1"))).unwrap();
         json["schema"] = 2.into();

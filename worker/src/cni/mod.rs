@@ -17,6 +17,7 @@
 //! (the plugin retries against the next owner) instead of writing half a change.
 
 mod ack_source;
+mod records;
 mod service;
 
 use std::future::Future;
@@ -36,6 +37,7 @@ use crate::storage::{Diff, Storage};
 #[cfg(any(test, feature = "testing"))]
 pub use ack_source::PublishedAcks;
 pub use ack_source::{ACK_TIMEOUT, AckSource};
+pub use records::remove_pod;
 pub use service::CniService;
 
 /// How long a draining server lets in-flight calls run after shutdown: an Add's ACK wait

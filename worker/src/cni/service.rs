@@ -1,6 +1,7 @@
 //! The tonic service behind the CNI API: validates each request, converts it to the
 //! model's [`Pod`] at the boundary, and changes storage and the node.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -173,6 +174,14 @@ impl Inner {
 
     /// Commits every queued ADD, under the lifecycle lock. A caller whose ADD an earlier
     /// holder of the lock committed finds the queue empty.
+    ///
+    /// An older pod holding one of a new pod's IPs (its DEL never reached the agent, and
+    /// the IP was given out again) is evicted first, record and snapshot, and logged: the
+    /// builder serves a contested IP for neither pod, and an ADD must never answer
+    /// success while its pod is served for nobody. Its registry endpoints are not marked
+    /// draining, as the IP is the new pod's now. After the change, each pod whose ADD is
+    /// about to succeed is checked against the snapshot; one it does not serve is taken
+    /// back out and its ADD fails.
     async fn commit_queued(&self) {
         let _lifecycle = self.node.lifecycle().await;
         let batch = std::mem::take(&mut *lock(&self.queue));
@@ -185,37 +194,133 @@ impl Inner {
             }
             return;
         }
+        let (batch, mut answers, evicted) = self.evict_conflicts(batch).await;
         let before: Vec<Option<Pod>> = batch.iter().map(|q| self.node.pod(&q.pod.uid)).collect();
-        self.node.apply(batch.iter().map(|q| Change::UpsertPod(q.pod.clone())));
+        let removals = evicted.iter().map(|p| Change::RemovePod(p.uid.clone()));
+        self.node.apply(removals.chain(batch.iter().map(|q| Change::UpsertPod(q.pod.clone()))));
         let writes = batch.iter().map(|q| {
             let (storage, record) = (self.storage.clone(), q.pod.clone());
             tokio::task::spawn_blocking(move || storage.put(&record))
         });
         let written = futures::future::join_all(writes).await;
+        let snapshot = self.node.snapshot();
         let mut rollback = Vec::new();
-        let mut answers = Vec::with_capacity(batch.len());
         for ((q, put), before) in batch.into_iter().zip(written).zip(before) {
             let pod = &q.pod;
-            match put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-                Ok(written) => {
+            let result = put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
+            let failed = match result {
+                Ok(written) if snapshot.holds_pod(&pod.uid, &pod.ips) => {
                     tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, written, "CNI ADD");
                     answers.push((q.done, Ok(())));
+                    continue;
                 }
-                Err(error) => {
-                    rollback.push(match before {
-                        Some(old) => Change::UpsertPod(old),
-                        None => Change::RemovePod(pod.uid.clone()),
-                    });
-                    let e = Status::internal(format!("writing the record of pod uid {}: {error}", pod.uid));
-                    answers.push((q.done, Err(e)));
+                Ok(_) => {
+                    // Its record is written; the rollback below restores what was before.
+                    let why = format!("the snapshot would serve pod uid {} for nobody: {:?}", pod.uid, snapshot.rejects);
+                    if let Err(e) = self.storage_restore(before.as_ref(), &pod.uid) {
+                        tracing::error!(uid = %pod.uid, error = %e, "could not restore the pod's record after a refused ADD");
+                    }
+                    Status::internal(why)
                 }
-            }
+                Err(error) => Status::internal(format!("writing the record of pod uid {}: {error}", pod.uid)),
+            };
+            rollback.push(match before {
+                Some(old) => Change::UpsertPod(old),
+                None => Change::RemovePod(pod.uid.clone()),
+            });
+            answers.push((q.done, Err(failed)));
         }
         if !rollback.is_empty() {
             self.node.apply(rollback);
         }
         for (done, answer) in answers {
             let _ = done.send(answer);
+        }
+    }
+
+    /// Evicts the older pods holding a new pod's IP: their records first, so a failure
+    /// leaves them whole and fails the new pod's ADD instead. Within one batch a later
+    /// ADD for an IP wins over an earlier one, which fails. Returns the ADDs to commit,
+    /// the answers already decided, and the pods evicted (to take out of the snapshot).
+    async fn evict_conflicts(&self, batch: Vec<Queued>) -> (Vec<Queued>, Vec<(Answer, Result<(), Status>)>, Vec<Pod>) {
+        let mut holders: BTreeMap<IpAddr, BTreeSet<String>> = self.node.with_inputs(|i| {
+            let mut m: BTreeMap<IpAddr, BTreeSet<String>> = BTreeMap::new();
+            for p in i.pods.values() {
+                for ip in &p.ips {
+                    m.entry(*ip).or_default().insert(p.uid.clone());
+                }
+            }
+            m
+        });
+        // Which batch entry (by position) each IP goes to, the later winning.
+        let mut winner: BTreeMap<IpAddr, usize> = BTreeMap::new();
+        for (i, q) in batch.iter().enumerate() {
+            for ip in &q.pod.ips {
+                winner.insert(*ip, i);
+            }
+        }
+        let mut answers = Vec::new();
+        let mut keep: Vec<Option<Queued>> = Vec::with_capacity(batch.len());
+        for (i, q) in batch.into_iter().enumerate() {
+            if let Some(later) = q.pod.ips.iter().find(|ip| winner[*ip] != i) {
+                let why = Status::aborted(format!("pod uid {}: a later ADD in the same batch took IP {later}", q.pod.uid));
+                answers.push((q.done, Err(why)));
+                keep.push(None);
+            } else {
+                keep.push(Some(q));
+            }
+        }
+        let mut evicted: Vec<Pod> = Vec::new();
+        for q in keep.iter_mut() {
+            let Some(queued) = q else { continue };
+            let stale: BTreeSet<String> = queued
+                .pod
+                .ips
+                .iter()
+                .flat_map(|ip| holders.get(ip).into_iter().flatten())
+                .filter(|uid| **uid != queued.pod.uid && !evicted.iter().any(|e| &e.uid == *uid))
+                .cloned()
+                .collect();
+            for uid in stale {
+                let Some(old) = self.node.pod(&uid) else { continue };
+                let (storage, id) = (self.storage.clone(), uid.clone());
+                let removed = tokio::task::spawn_blocking(move || storage.remove(&id)).await;
+                match removed.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+                    Ok(_) => {
+                        self.metrics.cni_evictions.inc();
+                        tracing::warn!(
+                            evicted_uid = %old.uid, evicted_pod = %format!("{}/{}", old.namespace, old.name), evicted_ips = ?old.ips,
+                            uid = %queued.pod.uid, pod = %format!("{}/{}", queued.pod.namespace, queued.pod.name), ips = ?queued.pod.ips,
+                            "CNI ADD: evicted an older pod record holding the new pod's IP (its DEL never reached the agent)"
+                        );
+                        for ip in &old.ips {
+                            if let Some(h) = holders.get_mut(ip) {
+                                h.remove(&old.uid);
+                            }
+                        }
+                        evicted.push(old);
+                    }
+                    Err(e) => {
+                        let why = Status::internal(format!(
+                            "pod uid {}: evicting the older record of pod uid {uid}, which holds its IP: {e}",
+                            queued.pod.uid
+                        ));
+                        if let Some(q) = q.take() {
+                            answers.push((q.done, Err(why)));
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        (keep.into_iter().flatten().collect(), answers, evicted)
+    }
+
+    /// Puts back the record `before` (or removes the pod's) after a refused ADD.
+    fn storage_restore(&self, before: Option<&Pod>, uid: &str) -> Result<(), crate::storage::StorageError> {
+        match before {
+            Some(old) => self.storage.put(old).map(|_| ()),
+            None => self.storage.remove(uid).map(|_| ()),
         }
     }
 
@@ -255,16 +360,9 @@ impl Inner {
             );
             return Ok(DelResponse { found: false });
         }
-        let storage = self.storage.clone();
-        let uid = pod.uid.clone();
-        tokio::task::spawn_blocking(move || storage.remove(&uid))
+        super::records::remove_pod(&self.node, &self.storage, self.marks.as_ref(), &pod)
             .await
-            .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?
             .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?;
-        self.node.apply([Change::RemovePod(pod.uid.clone())]);
-        if let Some(marks) = &self.marks {
-            pod.ips.iter().for_each(|ip| marks.drain(*ip));
-        }
         tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), "CNI DEL");
         Ok(DelResponse { found: true })
     }
@@ -363,10 +461,13 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
     })
 }
 
+/// Where an ADD's answer goes.
+type Answer = tokio::sync::oneshot::Sender<Result<(), Status>>;
+
 /// An ADD waiting for its batch.
 struct Queued {
     pod: Pod,
-    done: tokio::sync::oneshot::Sender<Result<(), Status>>,
+    done: Answer,
 }
 
 /// The queue holds plain data; a panic while it was locked loses nothing worth refusing.

@@ -278,3 +278,81 @@ async fn a_burst_of_adds_is_committed_in_batches_and_every_add_succeeds() {
     }
     assert!(!s.holds_pod("u7", &ips(&["10.1.0.8"])), "the pod whose record failed is taken back out");
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_add_for_an_ip_an_older_record_holds_evicts_it_and_serves_the_new_pod() {
+    let f = fixture(true);
+    f.service.add(Request::new(req("old", "c1", &["10.1.0.5", "fd00::5"]))).await.unwrap();
+    // The old pod's DEL never came; its IP is given to a new pod.
+    let resp = f.service.add(Request::new(req("new", "c2", &["10.1.0.5"]))).await.unwrap().into_inner();
+    assert!(resp.acked);
+    let s = f.node.snapshot();
+    assert!(s.holds_pod("new", &ips(&["10.1.0.5"])), "{:?}", s.rejects);
+    assert!(s.rejects.is_empty(), "{:?}", s.rejects);
+    assert!(!f.node.inputs().pods.contains_key("old"), "the whole older pod is evicted, its other IPs too");
+    assert_eq!(stored(f.storage.dir()), vec!["new.json"]);
+    assert_eq!(f.metrics.cni_evictions.get(), 1);
+    // The same pod added again evicts nothing.
+    f.service.add(Request::new(req("new", "c2", &["10.1.0.5"]))).await.unwrap();
+    assert_eq!(f.metrics.cni_evictions.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_records_loaded_with_one_ip_are_both_evicted_by_the_next_add_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+    storage.put(&pod("a", "10.0.0.1")).unwrap();
+    storage.put(&pod("b", "10.0.0.1")).unwrap();
+    let node = Node::new(Inputs::default());
+    load(&node, &storage);
+    assert!(!node.snapshot().rejects.is_empty(), "served for neither");
+    let metrics = Metrics::new();
+    let service = CniService::new(node.clone(), storage.clone(), Arc::new(PublishedAcks(node.clone())), metrics.clone());
+    service.add(Request::new(req("c", "c3", &["10.0.0.1"]))).await.unwrap();
+    assert!(node.snapshot().holds_pod("c", &ips(&["10.0.0.1"])));
+    assert_eq!(storage.pods().into_iter().map(|p| p.uid).collect::<Vec<_>>(), ["c"]);
+    assert_eq!(metrics.cni_evictions.get(), 2);
+}
+
+#[tokio::test]
+async fn in_one_batch_the_later_add_for_an_ip_wins_and_the_earlier_fails() {
+    let f = fixture(true);
+    // Queue both before either commits: hold the lifecycle lock while they queue.
+    let held = f.node.lifecycle().await;
+    let first = tokio::spawn({
+        let s = f.service.clone();
+        async move { s.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await }
+    });
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = tokio::spawn({
+        let s = f.service.clone();
+        async move { s.add(Request::new(req("u2", "c2", &["10.1.0.5"]))).await }
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    drop(held);
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(first.expect_err("the earlier ADD loses").code(), Code::Aborted);
+    assert!(second.unwrap().into_inner().acked);
+    assert!(f.node.snapshot().holds_pod("u2", &ips(&["10.1.0.5"])));
+    assert_eq!(stored(f.storage.dir()), vec!["u2.json"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconcile_serves_a_record_the_previous_owner_marked_terminating_as_draining() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = Storage::open(dir.path(), Metrics::new()).unwrap();
+    old.put(&pod("a", "10.0.0.1")).unwrap();
+    let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+    let node = Node::new(Inputs::default());
+    load(&node, &storage);
+    // The old owner's pod watch saw the deletion timestamp during the overlap.
+    old.put(&Pod { terminating: true, ..pod("a", "10.0.0.1") }).unwrap();
+    assert_eq!(reconcile(&node, &storage).await.unwrap(), 1);
+    let s = node.snapshot();
+    assert!(s.holds_pod("a", &ips(&["10.0.0.1"])), "a terminating pod is still served");
+    assert_eq!(
+        s.clusters.get("inbound|a").map(|c| c.kind.clone()),
+        Some(aether_model::ClusterKind::Static { endpoints: vec!["10.0.0.1:80".parse().unwrap()], draining: true })
+    );
+}

@@ -1,0 +1,33 @@
+//! Taking a pod out: its record, its place in the snapshot and its registry endpoints.
+//! What a CNI DEL does once it has found the pod, and what the owner's stale-record
+//! collection does for a pod whose DEL never came.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use aether_model::{Change, Pod};
+
+use crate::node::Node;
+use crate::registrar::Marks;
+use crate::storage::{Storage, StorageError};
+
+/// Removes `pod`'s record, then takes it out of the node, then (with a registrar) asks
+/// for its IPs' registry endpoints to be marked draining. An IP that another local pod
+/// holds by now is not marked: the registry keys endpoints by IP, and the mark would land
+/// on that pod. The caller holds the node's lifecycle lock.
+pub async fn remove_pod(node: &Node, storage: &Arc<Storage>, marks: Option<&Marks>, pod: &Pod) -> Result<(), StorageError> {
+    let (s, uid) = (storage.clone(), pod.uid.clone());
+    match tokio::task::spawn_blocking(move || s.remove(&uid)).await {
+        Ok(result) => result?,
+        Err(e) => {
+            return Err(StorageError::Io { op: "removing", path: storage.dir().join(&pod.uid), source: std::io::Error::other(e.to_string()) });
+        }
+    };
+    node.apply([Change::RemovePod(pod.uid.clone())]);
+    if let Some(marks) = marks {
+        let held: BTreeSet<IpAddr> = node.with_inputs(|i| i.pods.values().flat_map(|p| p.ips.iter().copied()).collect());
+        pod.ips.iter().filter(|ip| !held.contains(ip)).for_each(|ip| marks.drain(*ip));
+    }
+    Ok(())
+}
