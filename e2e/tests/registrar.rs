@@ -276,3 +276,69 @@ fn an_agent_given_two_registrar_replicas_resumes_on_the_other_without_a_full_res
     assert_eq!(full_views, 1, "resumed on the other replica without a full view:\n{}", agent.log());
     assert_eq!(count(&agent.log(), "registrar stream open"), 2, "{}", agent.log());
 }
+
+#[test]
+fn over_tcp_with_token_review_a_token_speaks_for_its_own_node_only() {
+    use aether_e2e::kube_api::{KubeApi, Rule};
+    use std::os::unix::fs::PermissionsExt;
+    let Some(etcd) = Etcd::start_or_skip("over_tcp_with_token_review...") else { return };
+    let api = KubeApi::start();
+    let (registrar_sa, agent_sa) = ("system:serviceaccount:aether-system:aether-registrar", "system:serviceaccount:aether-system:aether-agent");
+    api.grant(registrar_sa, &[Rule { resource: "tokenreviews", verbs: &["create"] }]);
+    api.bind_token_to_node(agent_sa, "test-node");
+    let mut node = LocalNode::new();
+    let token_file = |user: &str| {
+        let path = node.root.path().join(format!("token-{}", user.replace(':', "_")));
+        std::fs::write(&path, api.token(user)).unwrap();
+        // The worker (uid 65532 when the test runs as root) reads the agent's.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path.display().to_string()
+    };
+    let (agent_token, ops_token) = (token_file(agent_sa), token_file("ops@example"));
+    let listen = format!("127.0.0.1:{}", aether_e2e::testing::free_port(Ipv4Addr::LOCALHOST).unwrap());
+    let kubeconfig = api.kubeconfig(registrar_sa).display().to_string();
+    let registrar = RegistrarProcess::start(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &listen,
+        &["--token-review", "--kubeconfig", &kubeconfig, "--agent-service-account", "aether-system/aether-agent", "--operator-user", "ops@example"],
+    );
+    let file = node.root.path().join("registry.json");
+    std::fs::write(&file, registry(&[("web", &[("10.77.0.5", "test-node")]), ("db", &[("10.77.0.9", "node-b")])]).to_string()).unwrap();
+    let apply = |token: Option<&str>| {
+        let mut args = vec!["apply", "--registrar", registrar.addr(), "--file", file.to_str().unwrap()];
+        args.extend(token.map(|t| ["--token-file", t]).into_iter().flatten());
+        std::process::Command::new(registrar_bin()).args(&args).output().unwrap()
+    };
+    // Operators apply; no token, or an agent's, may not.
+    let out = apply(None);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("Unauthenticated"), "{out:?}");
+    let out = apply(Some(&agent_token));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("PermissionDenied"), "{out:?}");
+    let out = apply(Some(&ops_token));
+    assert!(out.status.success(), "{out:?}");
+
+    // The agent on its token's node loads the registry and sets its pods' drain marks.
+    let flags = [format!("--registrar={}", registrar.addr()), format!("--registrar-token-file={agent_token}")];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let agent = node.start_agent_with(&flags);
+    agent.wait_role("owner", T);
+    wait_revision(&agent, 1);
+    let cni = cni(&node);
+    let pod = PodId { uid: "token-pod-uid".into(), name: "token-pod".into() };
+    cni.call("ADD", &pod, Some(Ipv4Addr::new(10, 77, 0, 5))).expect("ADD");
+    cni.call("DEL", &pod, None).expect("DEL");
+    agent.wait_log("drain mark set", T);
+    let dumped: Value = serde_json::from_str(&aether_e2e::registrar::cli(&["dump", "--registrar", registrar.addr(), "--token-file", &ops_token])).unwrap();
+    assert_eq!(dumped["marks"].as_array().map(Vec::len), Some(1), "{dumped}");
+
+    // The same token on another node's agent: its watch is refused, and it says why.
+    let mut other = LocalNode::new();
+    other.node_name = "node-b".into();
+    let stray = other.start_agent_with(&flags);
+    let body = wait_for("the other node's agent to report the refusal", T, || {
+        stray.ready().filter(|(_, v)| v["problems"].to_string().contains("bound to node"))
+    });
+    assert_eq!(body.1["registrar"]["revision"].as_i64().unwrap_or(0), 0, "it loaded nothing: {}", body.1);
+    registrar.wait_log("bound to node", T);
+}

@@ -96,6 +96,16 @@ pub struct Config {
     /// --log-format apply.
     #[arg(long, env = "AETHER_KEEP_SOCKETS")]
     pub keep_sockets: bool,
+    /// Take aether-cni off this node and exit: wait for the node lock (no agent left to
+    /// re-assert the entry; up to 2 minutes), remove the aether-cni entry from every
+    /// configuration in --cni-conf-dir, then <--cni-bin-dir>/aether-cni. For the chart's
+    /// uninstall hook only; an agent never does this, on a signal or otherwise. Only
+    /// --run-dir, --cni-conf-dir, --cni-bin-dir and --log-format apply.
+    #[arg(long, env = "AETHER_UNINSTALL_CNI", requires_all = ["cni_conf_dir", "cni_bin_dir"], conflicts_with = "keep_sockets")]
+    pub uninstall_cni: bool,
+    /// The CNI bin folder that holds the aether-cni plugin (--uninstall-cni only).
+    #[arg(long, env = "AETHER_CNI_BIN_DIR", requires = "uninstall_cni")]
+    pub cni_bin_dir: Option<PathBuf>,
 }
 
 fn parse_user(s: &str) -> Result<(u32, u32), String> {

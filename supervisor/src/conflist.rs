@@ -14,6 +14,10 @@
 //! the original's mode and owner), fsync, rename over the original, fsync of the folder:
 //! a reader sees the old file or the new one, never a partial one (containerd #8607,
 //! istio #44167).
+//!
+//! [`remove`] is the one way back, for the chart's uninstall hook (`--uninstall-cni`,
+//! see `uninstall`): it takes the entry out of every configuration in the folder with the
+//! same rewrite.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -102,6 +106,65 @@ pub fn reassert(dir: &Path, entry: &Value) -> Result<Outcome, Error> {
     out.push(b'\n');
     write_atomically(dir, &path, &out, &meta)?;
     Ok(Outcome::Repaired(path))
+}
+
+/// Removes every `aether-cni` entry from the network configurations in `dir` (all of
+/// them, not only the runtime's first: a file that was first when the entry went in may
+/// not be now), each rewritten atomically like a re-assertion. For the uninstall only
+/// (`--uninstall-cni`), run while the node lock is held so that no owner appends it
+/// again. A file that is not a conflist is logged by name and left untouched. Returns the
+/// files rewritten.
+pub fn remove(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+    let mut names: Vec<String> = match fs::read_dir(dir) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| !n.starts_with('.') && [".conf", ".conflist", ".json"].iter().any(|s| n.ends_with(s)))
+            .collect(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("reading the CNI conf folder", dir)(e)),
+    };
+    names.sort();
+    let mut rewritten = Vec::new();
+    for name in names {
+        let path = dir.join(name);
+        match read_conf(&path) {
+            Ok((mut conf, meta)) => {
+                let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else { continue };
+                let before = plugins.len();
+                plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN_TYPE));
+                if plugins.len() == before {
+                    continue;
+                }
+                let mut out = serde_json::to_vec_pretty(&conf).expect("a JSON value serializes");
+                out.push(b'\n');
+                write_atomically(dir, &path, &out, &meta)?;
+                rewritten.push(path);
+            }
+            Err(e) => tracing::warn!(error = %e, "not a conflist; left untouched"),
+        }
+    }
+    Ok(rewritten)
+}
+
+/// Opens (never through a symlink), reads (at most [`MAX_BYTES`]) and parses one file.
+fn read_conf(path: &Path) -> Result<(Value, fs::Metadata), Error> {
+    let invalid = |reason: String| Error::Invalid { path: path.to_owned(), reason };
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io_err("opening (symlinks are refused)", path))?;
+    let meta = file.metadata().map_err(io_err("fstat", path))?;
+    if !meta.is_file() {
+        return Err(invalid("not a regular file".into()));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_BYTES + 1).read_to_end(&mut bytes).map_err(io_err("reading", path))?;
+    if bytes.len() as u64 > MAX_BYTES {
+        return Err(invalid(format!("larger than {MAX_BYTES} bytes")));
+    }
+    let conf = serde_json::from_slice(&bytes).map_err(|e| invalid(format!("not JSON: {e}")))?;
+    Ok((conf, meta))
 }
 
 fn write_atomically(dir: &Path, path: &Path, bytes: &[u8], like: &fs::Metadata) -> Result<(), Error> {
@@ -219,6 +282,54 @@ mod tests {
         let err = reassert(conf.path(), &entry()).unwrap_err().to_string();
         assert!(err.contains("10-ptp.conflist") && err.contains("symlinks are refused"), "{err}");
         assert_eq!(fs::read_to_string(&target).unwrap(), PTP);
+    }
+
+    #[test]
+    fn remove_takes_the_entry_out_of_every_conflist_and_leaves_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = dir.path().join("10-ptp.conflist");
+        let second = dir.path().join("20-old.conflist");
+        let plain = dir.path().join("30-plain.conflist");
+        let single = dir.path().join("40-single.conf");
+        fs::write(&first, PTP).unwrap();
+        fs::set_permissions(&first, fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(reassert(dir.path(), &entry()).unwrap(), Outcome::Repaired(_)));
+        fs::copy(&first, &second).unwrap();
+        fs::write(&plain, PTP).unwrap();
+        fs::write(&single, r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#).unwrap();
+        fs::write(dir.path().join(".hidden.conflist"), fs::read(&first).unwrap()).unwrap();
+        let plain_ino = fs::metadata(&plain).unwrap().ino();
+
+        let mut got = remove(dir.path()).unwrap();
+        got.sort();
+        assert_eq!(got, [first.clone(), second.clone()]);
+        for path in [&first, &second, &plain] {
+            assert_eq!(plugin_types(path), ["ptp", "portmap"], "{}", path.display());
+        }
+        let v: Value = serde_json::from_slice(&fs::read(&first).unwrap()).unwrap();
+        let before: Value = serde_json::from_str(PTP).unwrap();
+        assert_eq!(v, before, "everything else kept");
+        assert_eq!(fs::metadata(&first).unwrap().mode() & 0o7777, 0o644, "mode kept");
+        assert_eq!(fs::metadata(&plain).unwrap().ino(), plain_ino, "a file without the entry is not rewritten");
+        assert!(fs::read_to_string(dir.path().join(".hidden.conflist")).unwrap().contains("aether-cni"), "hidden files are not the runtime's");
+        assert!(!dir.path().join(TEMP_NAME).exists());
+        // Twice is a no-op, and a missing folder is nothing to remove.
+        assert!(remove(dir.path()).unwrap().is_empty());
+        assert!(remove(&dir.path().join("missing")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn remove_leaves_bad_files_and_symlinks_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("elsewhere.txt");
+        let chained = r#"{"plugins":[{"type":"ptp"},{"type":"aether-cni"}]}"#;
+        fs::write(&target, chained).unwrap();
+        let conf = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(&target, conf.path().join("10-link.conflist")).unwrap();
+        fs::write(conf.path().join("20-broken.conflist"), "{\"plugins\": [").unwrap();
+        assert!(remove(conf.path()).unwrap().is_empty());
+        assert_eq!(fs::read_to_string(&target).unwrap(), chained);
+        assert_eq!(fs::read_to_string(conf.path().join("20-broken.conflist")).unwrap(), "{\"plugins\": [");
     }
 
     #[test]
