@@ -10,7 +10,7 @@ use aether_e2e::kube_api::{KubeApi, Rule};
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, VersionMatch, WatchEvent, WatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, Event, watcher};
 use kube::runtime::WatchStreamExt;
@@ -113,6 +113,9 @@ async fn kube_rs_watcher_follows_a_node_s_pods_and_relists_after_410() {
     // resumed watch gets 410 and it lists again by itself.
     api.set_down(true);
     assert_eq!(api.watchers("pods"), 0);
+    let address = api.url().trim_start_matches("https://").to_owned();
+    let refused = std::net::TcpStream::connect(&address).unwrap_err();
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
     api.put_pod(pod("f", "n1"));
     api.delete_pod("default", "d");
     api.expire_history();
@@ -167,11 +170,19 @@ async fn watches_get_bookmarks_and_expired_resource_versions_get_410() {
         other => panic!("expected an ERROR event, got {other:?}"),
     }
     assert!(stale.next().await.is_none(), "the stream ends after the ERROR event");
-    let params = kube::api::ListParams::default().at(&rv).matching(kube::api::VersionMatch::NotOlderThan);
-    match pods.list(&params).await {
+    let exact = ListParams::default().at(&rv).matching(VersionMatch::Exact);
+    match pods.list(&exact).await {
         Err(kube::Error::Api(status)) => assert_eq!((status.code, status.reason.as_str()), (410, "Expired")),
         other => panic!("expected 410, got {other:?}"),
     }
+    let not_older = ListParams::default().at(&rv).matching(VersionMatch::NotOlderThan);
+    assert_eq!(pods.list(&not_older).await.unwrap().items.len(), 2, "NotOlderThan is served from now");
+
+    // A streaming list (sendInitialEvents): the objects, then a bookmark that ends them.
+    let config = watcher::Config::default().fields("spec.nodeName=n1").streaming_lists();
+    let mut streaming = watcher(pods, config).boxed();
+    assert_eq!(events_until(&mut streaming, |e| e == "init-done").await, ["init", "init-apply a", "init-apply b", "init-done"]);
+    assert!(api.requests(AGENT).last().unwrap().contains("sendInitialEvents=true"));
 }
 
 fn remove_taint(index: usize, taint: &Value) -> Patch<()> {

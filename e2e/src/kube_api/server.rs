@@ -320,8 +320,12 @@ fn resource_version(query: &Query) -> Result<Option<u64>, Failure> {
     }
 }
 
+/// A list at a resourceVersion: `resourceVersionMatch=NotOlderThan` is served from now,
+/// as the real server does; otherwise (Exact, or the legacy unset match) a version older
+/// than the history is 410 Gone. A retained older version is served from now too: the
+/// store keeps no snapshots.
 fn list(shared: &Shared, scope: &Scope, query: &Query) -> Result<Response<Body>, Failure> {
-    let rv = resource_version(query)?;
+    let rv = resource_version(query)?.filter(|_| query.get("resourceVersionMatch") != Some("NotOlderThan"));
     let (items, rv) = shared.lock().store.list(scope, rv).map_err(|e| Failure::expired(e.message()))?;
     // A list's items carry no kind or apiVersion: the list's own say it.
     let items: Vec<Value> = items

@@ -217,7 +217,7 @@ impl Store {
 
     /// The objects in scope, in key order, and the resourceVersion of the list. A
     /// `resourceVersion` of None or 0 means now; an older one than the history holds is
-    /// Expired; any other is served from now too (the real server's NotOlderThan).
+    /// Expired; any other is served from now too.
     pub fn list(&self, scope: &Scope, resource_version: Option<u64>) -> Result<(Vec<Value>, u64), Expired> {
         if let Some(rv) = resource_version.filter(|rv| *rv != 0) {
             self.check_not_expired(rv)?;
