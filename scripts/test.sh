@@ -20,6 +20,11 @@ step "install Envoy"
 ENVOY_BIN="$(scripts/install-envoy.sh)"
 export ENVOY_BIN
 
+# helm and kubectl into .tools before the Rust tests: the test API server is checked with
+# the real kubectl too.
+step "install helm, kubectl, kubernetes-validate"
+scripts/install-tools.sh
+
 step "build"
 cargo build --workspace --bins --tests
 
