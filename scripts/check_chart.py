@@ -2,8 +2,12 @@
 """Assertions on the rendered aether-agent chart (the output of `helm template`).
 
     check_chart.py --surge true|false [--proxy true|false] [--spiffe-dir DIR]
-                   [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC] RENDERED.yaml
+                   [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC]
+                   [--metrics true|false] [--pod-monitor true|false] [--max-unavailable N]
+                   [--namespace NS] RENDERED.yaml
     check_chart.py --unit deploy/systemd/aether-agent.service
+    check_chart.py --probe-creds RENDERED.yaml     (shell assignments for test-chart.sh)
+    check_chart.py --uninstall-creds RENDERED.yaml (likewise, for the uninstall hook)
 
 Prints one line per check ("ok   NAME") and stops at the first failure with
 "FAIL NAME: detail" and exit status 1. The expectations come from the flags, so one
@@ -15,6 +19,10 @@ scripts/test-chart.sh also breaks the chart on purpose and asserts that each che
 """
 
 import argparse
+import copy
+import glob
+import json
+import os
 import re
 import shlex
 import sys
@@ -31,12 +39,18 @@ AGENT_CAPS = ["CHOWN", "SETUID", "SETGID", "SETPCAP", "KILL"]
 READINESS = ["agent-ready", "--socket", HEALTH_SOCKET]
 LIVENESS = ["agent-ready", "--socket", HEALTH_SOCKET, "--path", "/live"]
 PORT_KEYS = {"ports", "hostPort", "containerPort"}
+# Exactly what the worker's Kubernetes client uses: its node's pods, its node, and the
+# JSON patch that removes the node's startup taint.
 RBAC_RULES = {
     ("", "pods"): ["get", "list", "watch"],
-    ("", "nodes"): ["get", "list", "watch"],
-    ("", "services"): ["get", "list", "watch"],
-    ("discovery.k8s.io", "endpointslices"): ["get", "list", "watch"],
+    ("", "nodes"): ["get", "list", "watch", "patch"],
 }
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+TAINT_KEY = "aether.io/agent-not-ready"
+ENVOY_ADMIN_DIR = "/var/run/envoy-admin"
+METRICS_PORT = 15090
+MEMORY_LIMIT = "256Mi"
+HOOK = "helm.sh/hook"
 
 
 class CheckFailed(Exception):
@@ -101,7 +115,7 @@ def check_agent(docs, raw, args):
     pod = ds["spec"]["template"]["spec"]
 
     # Update strategy per value.
-    want = {"maxSurge": 1, "maxUnavailable": 0} if args.surge else {"maxSurge": 0, "maxUnavailable": 1}
+    want = {"maxSurge": 1, "maxUnavailable": 0} if args.surge else {"maxSurge": 0, "maxUnavailable": args.max_unavailable}
     got = ds["spec"].get("updateStrategy", {})
     check(
         f"update strategy for surge={str(args.surge).lower()} is RollingUpdate {want}",
@@ -129,6 +143,9 @@ def check_agent(docs, raw, args):
     requests = (agent.get("resources") or {}).get("requests") or {}
     check("agent requests: cpu 200m and a memory figure",
           requests.get("cpu") == "200m" and bool(requests.get("memory")), f"got {requests}")
+    limits = (agent.get("resources") or {}).get("limits") or {}
+    check(f"agent memory limit {MEMORY_LIMIT} (the worker's memory grows with the mesh)",
+          limits.get("memory") == MEMORY_LIMIT, f"got limits {limits}")
 
     # Probes: exec probes that call agent-ready on the pod-private health socket.
     for kind, want_cmd in (("readinessProbe", READINESS), ("livenessProbe", LIVENESS)):
@@ -212,6 +229,19 @@ def check_agent(docs, raw, args):
     else:
         check("no SPIFFE_ENDPOINT_SOCKET without identity.spiffe.socketDir", spiffe is None, f"got {spiffe!r}")
 
+    for name, want in (("AETHER_LOG_FORMAT", args.log_format),):
+        check(f"env {name}={want}", (env.get(name) or {}).get("value") == want, f"got {env.get(name)}")
+    check("env RUST_LOG set (the log level)", bool((env.get("RUST_LOG") or {}).get("value")), f"got {env.get('RUST_LOG')}")
+    check_metrics(ds, agent, env, args)
+    check_token(pod, agent)
+
+    # A roll never uninstalls: no container of the agent's pod has a lifecycle hook, and
+    # nothing in it runs the uninstall (that is the post-delete hook's alone).
+    hooks = [c["name"] for c in all_containers(pod) if c.get("lifecycle")]
+    argv = [a for c in all_containers(pod) for a in (c.get("command") or []) + (c.get("args") or [])]
+    check("agent pod: no lifecycle hook and no --uninstall-cni (a roll never uninstalls)",
+          not hooks and not any("--uninstall-cni" in a for a in argv), f"hooks on {hooks}, argv {argv}")
+
     # The CNI plugin install: copy to a temporary name in the bin folder, then rename.
     inits = {c["name"]: c for c in pod.get("initContainers", [])}
     check("init container install-cni present", "install-cni" in inits, f"init containers {sorted(inits)}")
@@ -227,6 +257,59 @@ def check_agent(docs, raw, args):
     check("install-cni copies to a temp name in the bin folder, then renames it over aether-cni",
           bool(tmp_def and copy and rename and copy.start() < rename.start()), f"script:\n{script}")
     return ds
+
+
+def check_metrics(ds, agent, env, args):
+    """Metrics bound on the node's IP with the Prometheus annotations when enabled, else on
+    the node's loopback with none."""
+    annotations = ds["spec"]["template"]["metadata"].get("annotations") or {}
+    addr = (env.get("AETHER_METRICS_ADDR") or {}).get("value")
+    if args.metrics:
+        want = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
+        got = {k: annotations.get(k) for k in want}
+        check("metrics enabled: prometheus.io annotations name the metrics port", got == want, f"got {got}")
+        host_ip = ((env.get("HOST_IP") or {}).get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        check(f"metrics enabled: AETHER_METRICS_ADDR is $(HOST_IP):{METRICS_PORT}, HOST_IP from status.hostIP",
+              addr == f"$(HOST_IP):{METRICS_PORT}" and host_ip == "status.hostIP",
+              f"AETHER_METRICS_ADDR={addr!r}, HOST_IP from {host_ip!r}")
+        names = list(env)
+        check("metrics enabled: HOST_IP is defined before AETHER_METRICS_ADDR (for $(HOST_IP))",
+              "HOST_IP" in names and names.index("HOST_IP") < names.index("AETHER_METRICS_ADDR"), f"env order {names}")
+    else:
+        scrape = sorted(k for k in annotations if k.startswith("prometheus.io/"))
+        check("metrics disabled: no prometheus.io annotations", not scrape, f"got {scrape}")
+        check(f"metrics disabled: AETHER_METRICS_ADDR on the node's loopback 127.0.0.1:{METRICS_PORT}",
+              addr == f"127.0.0.1:{METRICS_PORT}", f"got {addr!r}")
+
+
+def check_token(pod, agent):
+    """The agent's API token: a projected volume in the agent container only, readable by
+    the worker through the worker's group (fsGroup), no automounted token anywhere."""
+    check("agent pod: automountServiceAccountToken false (the token is mounted by hand)",
+          pod.get("automountServiceAccountToken") is False, f"got {pod.get('automountServiceAccountToken')!r}")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    token_vols = [n for n, v in volumes.items()
+                  if any("serviceAccountToken" in src for src in (v.get("projected") or {}).get("sources", []))]
+    check("agent pod: one projected service-account token volume", len(token_vols) == 1, f"got {token_vols}")
+    vol = volumes[token_vols[0]]["projected"]
+    sources = vol.get("sources", [])
+    sat = next(src["serviceAccountToken"] for src in sources if "serviceAccountToken" in src)
+    check("service-account token: the API server's audience (none named), path token, rotated",
+          sat.get("path") == "token" and "audience" not in sat and 600 <= sat.get("expirationSeconds", 3600) <= 86400,
+          f"got {sat}")
+    ca = [src for src in sources if (src.get("configMap") or {}).get("name") == "kube-root-ca.crt"]
+    ns = [src for src in sources if "downwardAPI" in src]
+    check("service-account volume also holds ca.crt and namespace (what in-cluster clients read)",
+          len(ca) == 1 and len(ns) == 1, f"sources {sources}")
+    mounts = [(c["name"], m) for c in all_containers(pod) for m in c.get("volumeMounts", []) if m["name"] == token_vols[0]]
+    check(f"service-account token mounted in the agent container only, read-only, at {TOKEN_PATH}",
+          len(mounts) == 1 and mounts[0][0] == agent["name"] and mounts[0][1].get("mountPath") == TOKEN_PATH
+          and mounts[0][1].get("readOnly") is True, f"mounts {mounts}")
+    worker_gid = int(WORKER_USER.split(":")[1])
+    fs_group = (pod.get("securityContext") or {}).get("fsGroup")
+    check(f"service-account token readable by the worker: fsGroup {worker_gid} (its gid), defaultMode 0440",
+          fs_group == worker_gid and vol.get("defaultMode") == 0o440,
+          f"fsGroup {fs_group!r}, defaultMode {vol.get('defaultMode')!r}")
 
 
 def check_container_hardening(where, c):
@@ -251,9 +334,12 @@ def check_rbac(docs, agent_ds):
         for group in rule.get("apiGroups", []):
             for resource in rule.get("resources", []):
                 got[(group, resource)] = sorted(got.get((group, resource), []) + list(rule.get("verbs", [])))
+    for rule in roles[0].get("rules", []):
+        check("ClusterRole: no wildcard and no resourceNames",
+              "*" not in rule.get("verbs", []) + rule.get("resources", []) + rule.get("apiGroups", []),
+              f"rule {rule}")
     want = {k: sorted(v) for k, v in RBAC_RULES.items()}
-    check("ClusterRole: get/list/watch on pods, nodes, services, endpointslices and nothing else", got == want,
-          f"got {got}")
+    check("ClusterRole: exactly get/list/watch pods and get/list/watch/patch nodes", got == want, f"got {got}")
     sa_name = agent_ds["spec"]["template"]["spec"].get("serviceAccountName")
     sas = [d["metadata"]["name"] for d in objects_of(docs, "ServiceAccount")]
     check("agent runs under the chart's ServiceAccount", sa_name in sas, f"{sa_name!r} not in {sas}")
@@ -262,6 +348,348 @@ def check_rbac(docs, agent_ds):
              and any(s.get("kind") == "ServiceAccount" and s.get("name") == sa_name for s in b.get("subjects", []))
              for b in bindings)
     check("ClusterRoleBinding binds the ClusterRole to that ServiceAccount", ok, f"bindings {bindings}")
+
+
+# --- The node-patch ValidatingAdmissionPolicy, evaluated -------------------------------------
+#
+# The policy's CEL is evaluated here with cel-python on sample requests, as the API server
+# would: matchConditions first (a request that fails one is not the policy's), then the
+# variables, then every validation; an error or false denies (failurePolicy Fail). The
+# expressions use standard CEL only (has(), filter, size, in), which cel-python and the API
+# server's cel-go read alike; what this cannot show is the API server's typing of the
+# objects, so the live check stays with a real cluster.
+
+NODE = {
+    "apiVersion": "v1", "kind": "Node",
+    "metadata": {"name": "node-a", "labels": {"kubernetes.io/hostname": "node-a"}, "annotations": {"a": "1"},
+                 "resourceVersion": "41"},
+    "spec": {"podCIDR": "10.0.1.0/24", "podCIDRs": ["10.0.1.0/24"], "providerID": "kind://node-a",
+             "taints": [{"key": TAINT_KEY, "effect": "NoSchedule"},
+                        {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]},
+    "status": {"phase": "Running"},
+}
+
+
+KUBE_VERSION = "1.34.0"
+
+
+def node_spec_fields(version=None):
+    """NodeSpec's fields in the Kubernetes schemas kubernetes-validate ships, for `version`
+    (the one the chart is validated against) or the newest."""
+    import kubernetes_validate
+    base = os.path.join(os.path.dirname(kubernetes_validate.__file__), "kubernetes-json-schema")
+    dirs = sorted(glob.glob(os.path.join(base, "v*-local-strict")),
+                  key=lambda p: [int(x) for x in re.findall(r"\d+", os.path.basename(p))])
+    path = os.path.join(base, f"v{version}-local-strict") if version else dirs[-1]
+    with open(os.path.join(path, "_definitions.json"), encoding="utf-8") as f:
+        defs = json.load(f)["$defs"]
+    return sorted(defs["io.k8s.api.core.v1.NodeSpec"]["properties"])
+
+
+def evaluate_policy(policy, request, old, new):
+    """(allowed, why) for one request, as the API server evaluates a ValidatingAdmissionPolicy."""
+    import celpy
+    env = celpy.Environment()
+
+    def run(expr, variables):
+        act = {"request": celpy.json_to_cel(request), "object": celpy.json_to_cel(new),
+               "oldObject": celpy.json_to_cel(old), "variables": celpy.celtypes.MapType(variables)}
+        result = env.program(env.compile(expr)).evaluate(act)
+        if isinstance(result, celpy.CELEvalError):
+            raise result
+        return result
+
+    spec = policy["spec"]
+    for cond in spec.get("matchConditions", []):
+        try:
+            if run(cond["expression"], {}) is not True and run(cond["expression"], {}) != celpy.celtypes.BoolType(True):
+                return True, f"not matched ({cond['name']})"
+        except Exception as e:  # noqa: BLE001 - an error in a match condition denies (failurePolicy Fail)
+            return False, f"match condition {cond['name']}: {e}"
+    variables = {}
+    for var in spec.get("variables", []):
+        try:
+            variables[celpy.celtypes.StringType(var["name"])] = run(var["expression"], variables)
+        except Exception:  # noqa: BLE001 - lazily an error: only a validation that reads it fails
+            pass
+    for v in spec.get("validations", []):
+        try:
+            ok = run(v["expression"], variables)
+        except Exception as e:  # noqa: BLE001
+            return False, f"error: {e} ({v.get('message')})"
+        if ok != celpy.celtypes.BoolType(True):
+            return False, v.get("message", v["expression"])
+    return True, "allowed"
+
+
+def policy_cases(sa_user):
+    """(name, request, oldObject, object, allowed) for the agent's node writes and others'."""
+    def req(op="UPDATE", user=sa_user, node="node-a", extra=True, sub=None):
+        r = {"operation": op, "userInfo": {"username": user}}
+        if extra:
+            r["userInfo"]["extra"] = {"authentication.kubernetes.io/pod-name": ["aether-x"]}
+            if node is not None:
+                r["userInfo"]["extra"]["authentication.kubernetes.io/node-name"] = [node]
+        if sub is not None:
+            r["subResource"] = sub
+        return r
+
+    def changed(f):
+        new = copy.deepcopy(NODE)
+        f(new)
+        return new
+
+    untaint = changed(lambda n: n["spec"]["taints"].pop(0))
+    cases = [
+        ("the agent removes its taint from its own node", req(), NODE, untaint, True),
+        ("the same with an empty subresource", req(sub=""), NODE, untaint, True),
+        ("the agent puts its taint back", req(), untaint, NODE, True),
+        ("a patch that changes nothing", req(), NODE, copy.deepcopy(NODE), True),
+        ("the server's own metadata moves (resourceVersion, managedFields)", req(), NODE,
+         changed(lambda n: n["metadata"].update(resourceVersion="42", managedFields=[{"manager": "aether"}])), True),
+        ("the last taint goes (no taints left)", req(), changed(lambda n: n["spec"].update(taints=[n["spec"]["taints"][0]])),
+         changed(lambda n: n["spec"].pop("taints")), True),
+        ("another node than the token's", req(node="node-b"), NODE, untaint, False),
+        ("a token that names no node", req(node=None), NODE, untaint, False),
+        ("a token with no extra at all", req(extra=False), NODE, untaint, False),
+        ("another taint removed", req(), NODE, changed(lambda n: n["spec"]["taints"].pop(1)), False),
+        ("another taint added", req(), NODE,
+         changed(lambda n: n["spec"]["taints"].append({"key": "evil", "effect": "NoExecute"})), False),
+        ("its key with NoExecute (evicts the node's pods)", req(), NODE,
+         changed(lambda n: n["spec"]["taints"].append({"key": TAINT_KEY, "effect": "NoExecute"})), False),
+        ("its taint turned into NoExecute", req(), NODE,
+         changed(lambda n: n["spec"]["taints"][0].update(effect="NoExecute")), False),
+        ("a label changed", req(), NODE, changed(lambda n: n["metadata"]["labels"].update(role="x")), False),
+        ("the labels removed", req(), NODE, changed(lambda n: n["metadata"].pop("labels")), False),
+        ("an annotation changed", req(), NODE, changed(lambda n: n["metadata"]["annotations"].update(a="2")), False),
+        ("a finalizer added", req(), NODE, changed(lambda n: n["metadata"].update(finalizers=["x/y"])), False),
+        ("an owner reference added", req(), NODE,
+         changed(lambda n: n["metadata"].update(ownerReferences=[{"kind": "X", "name": "y"}])), False),
+        ("a status update through nodes/status", req(sub="status"), NODE,
+         changed(lambda n: n["status"].update(phase="Terminated")), False),
+        ("a delete", req(op="DELETE"), NODE, None, False),
+        ("a create", req(op="CREATE"), None, NODE, False),
+        ("the kubelet cordons its node (not the agent: not matched)", req(user="system:node:node-a"), NODE,
+         changed(lambda n: n["spec"].update(unschedulable=True)), True),
+        ("a same-named service account of another namespace (not matched)",
+         req(user=re.sub(r":[^:]+:([^:]+)$", r":elsewhere:\1", sa_user)), NODE,
+         changed(lambda n: n["metadata"]["labels"].update(role="x")), True),
+    ]
+    samples = {"string": "changed", "boolean": True, "array": ["changed"]}
+    for field in node_spec_fields(KUBE_VERSION):
+        if field == "taints":
+            continue
+        kind = next((t for t in (NODE_SPEC_TYPES.get(field) or ["object"]) if t != "null"), "object")
+        value = samples.get(kind, {"changed": "yes"})
+        cases.append((f"spec.{field} changed", req(), NODE, changed(lambda n, f=field, v=value: n["spec"].update({f: v})), False))
+        if field in NODE["spec"]:
+            cases.append((f"spec.{field} removed", req(), NODE, changed(lambda n, f=field: n["spec"].pop(f)), False))
+    return cases
+
+
+NODE_SPEC_TYPES = {"externalID": ["string"], "podCIDR": ["string"], "podCIDRs": ["array"], "providerID": ["string"],
+                   "unschedulable": ["boolean"], "configSource": ["object"]}
+
+
+def check_node_policy(docs, agent_ds):
+    policies = objects_of(docs, "ValidatingAdmissionPolicy")
+    bindings = objects_of(docs, "ValidatingAdmissionPolicyBinding")
+    check("node policy: one ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) and its binding",
+          len(policies) == 1 and len(bindings) == 1
+          and all(d.get("apiVersion") == "admissionregistration.k8s.io/v1" for d in policies + bindings),
+          f"found {len(policies)} policies, {len(bindings)} bindings")
+    policy, binding = policies[0], bindings[0]
+    check("node policy: the binding names the policy and denies",
+          binding["spec"].get("policyName") == policy["metadata"]["name"]
+          and binding["spec"].get("validationActions") == ["Deny"] and not binding["spec"].get("matchResources"),
+          f"binding spec {binding['spec']}")
+    check("node policy: failurePolicy Fail", policy["spec"].get("failurePolicy") == "Fail",
+          f"got {policy['spec'].get('failurePolicy')!r}")
+    rules = (policy["spec"].get("matchConstraints") or {}).get("resourceRules") or []
+    covered = {(g, r, op) for rule in rules for g in rule.get("apiGroups", []) for r in rule.get("resources", [])
+               for op in rule.get("operations", [])}
+    want = {("", r, op) for r in ("nodes", "nodes/status") for op in ("CREATE", "UPDATE", "DELETE")}
+    check("node policy: matches create, update and delete of nodes and nodes/status", want <= covered,
+          f"missing {sorted(want - covered)}")
+    sa_user = (f"system:serviceaccount:{agent_ds['metadata']['namespace']}:"
+               f"{agent_ds['spec']['template']['spec']['serviceAccountName']}")
+    conds = [c["expression"] for c in policy["spec"].get("matchConditions", [])]
+    check(f"node policy: bound to the agent's service account ({sa_user}) by a match condition",
+          any(f"'{sa_user}'" in c and "request.userInfo.username" in c for c in conds), f"match conditions {conds}")
+    failed = []
+    cases = policy_cases(sa_user)
+    for name, request, old, new, allowed in cases:
+        got, why = evaluate_policy(policy, request, old, new)
+        if got != allowed:
+            failed.append(f"{name}: {'allowed' if got else 'denied'} ({why}), want {'allowed' if allowed else 'denied'}")
+    check(f"node policy, evaluated on {len(cases)} requests: the agent may change only its taint on its own node",
+          not failed, "; ".join(failed))
+    denied_fields = sorted({n.split()[0].split(".")[1] for n, _, _, _, a in cases if n.startswith("spec.") and not a})
+    want_fields = sorted(set(node_spec_fields(KUBE_VERSION)) - {"taints"})
+    check(f"node policy: every NodeSpec field of Kubernetes {KUBE_VERSION} but taints is guarded "
+          f"({', '.join(want_fields)})", denied_fields == want_fields, f"got {denied_fields}")
+    newer = sorted(set(node_spec_fields()) - set(node_spec_fields(KUBE_VERSION)))
+    if newer:
+        # Not guarded: a field an older API server does not know is left out of the policy.
+        print(f"note NodeSpec fields newer than Kubernetes {KUBE_VERSION}, not compared by the policy: {newer}")
+
+
+def check_uninstall(docs, args):
+    """The post-delete hook: a DaemonSet that runs `aether-supervisor --uninstall-cni` on
+    every node the agent ran on, and a Job that waits for it; nothing else runs it."""
+    hooks = [d for d in docs if (d.get("metadata", {}).get("annotations") or {}).get(HOOK)]
+    ds = [d for d in objects_of(docs, "DaemonSet", "cni-uninstall")]
+    runs = [d for d in docs if d.get("kind") in ("DaemonSet", "Deployment", "Job")
+            and any("--uninstall-cni" in a for c in all_containers(d["spec"]["template"]["spec"])
+                    for a in (c.get("command") or []) + (c.get("args") or []))]
+    if not args.uninstall:
+        check("no uninstall hook with cni.uninstall.enabled=false", not ds and not runs, f"found {len(ds)}, {len(runs)}")
+        return
+    check("uninstall: one DaemonSet runs --uninstall-cni, and only it", len(ds) == 1 and runs == ds,
+          f"DaemonSets {len(ds)}, runners {[d['metadata']['name'] for d in runs]}")
+    check("uninstall: every hook object is post-delete only (never install, upgrade or rollback)",
+          hooks and all(d["metadata"]["annotations"][HOOK] == "post-delete" for d in hooks),
+          f"hooks {[(d['kind'], d['metadata']['annotations'][HOOK]) for d in hooks]}")
+    check("uninstall: the DaemonSet is a post-delete hook, deleted on success and on failure",
+          ds[0] in hooks and {"hook-succeeded", "hook-failed"} <= set(
+              ds[0]["metadata"]["annotations"].get("helm.sh/hook-delete-policy", "").split(",")),
+          f"annotations {ds[0]['metadata'].get('annotations')}")
+    agent = objects_of(docs, "DaemonSet", "agent")[0]["spec"]["template"]["spec"]
+    pod = ds[0]["spec"]["template"]["spec"]
+    check("uninstall: the DaemonSet runs where the agent ran (its nodeSelector and tolerations)",
+          pod.get("nodeSelector") == agent.get("nodeSelector") and pod.get("tolerations") == agent.get("tolerations"),
+          f"nodeSelector {pod.get('nodeSelector')}, tolerations {pod.get('tolerations')}")
+    check("uninstall pod: no service account token", pod.get("automountServiceAccountToken") is False,
+          f"got {pod.get('automountServiceAccountToken')!r}")
+    inits = pod.get("initContainers") or []
+    check("uninstall: the removal is the init container (the pod is Ready only once it is done)",
+          len(inits) == 1 and any("--uninstall-cni" in a for a in inits[0].get("command", [])), f"init {inits}")
+    init = inits[0]
+    argv = init.get("command", []) + init.get("args", [])
+    flags = dict(zip(argv, argv[1:]))
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = {m["mountPath"]: (volumes[m["name"]].get("hostPath") or {}).get("path") for m in init.get("volumeMounts", [])}
+    check(f"uninstall waits for the node lock: --run-dir {RUN_DIR} is the host's {RUN_DIR}",
+          flags.get("--run-dir") == RUN_DIR and mounts.get(RUN_DIR) == RUN_DIR, f"argv {argv}, mounts {mounts}")
+    for flag, host in (("--cni-conf-dir", CNI_CONF_DIR), ("--cni-bin-dir", CNI_BIN_DIR)):
+        check(f"uninstall {flag} is the host's {host}", mounts.get(flags.get(flag)) == host, f"argv {argv}, mounts {mounts}")
+    for c in all_containers(pod):
+        check_container_hardening("uninstall pod", c)
+        extra = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add")
+        check(f"uninstall pod: container {c['name']} adds no capability", not extra, f"got {extra}")
+    jobs = [d for d in objects_of(docs, "Job") if d in hooks]
+    check("uninstall: a Job waits for that DaemonSet (kubectl rollout status) after it is created",
+          len(jobs) == 1 and int(jobs[0]["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
+          > int(ds[0]["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
+          and f"daemonset/{ds[0]['metadata']['name']}" in jobs[0]["spec"]["template"]["spec"]["containers"][0]["command"],
+          f"jobs {[j['spec']['template']['spec']['containers'][0].get('command') for j in jobs]}")
+    roles = [d for d in objects_of(docs, "Role") if d in hooks]
+    rules = [r for role in roles for r in role.get("rules", [])]
+    check("uninstall: the Job's Role reads that one DaemonSet and nothing else",
+          rules == [{"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": [ds[0]["metadata"]["name"]],
+                     "verbs": ["get", "list", "watch"]}], f"rules {rules}")
+
+
+# A subset of the Prometheus Operator's PodMonitor CRD (monitoring.coreos.com/v1, as in
+# its monitoring.coreos.com_podmonitors.yaml of v0.91): the fields the chart writes, with
+# their types and enums, closed to any other key so that a typo fails. kubernetes-validate
+# has no schema for custom resources and would only warn.
+PODMONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "required": ["selector"], "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "selector": {"type": "object", "additionalProperties": False, "properties": {
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "matchExpressions": {"type": "array"}}},
+                "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+                    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                "podMetricsEndpoints": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False, "properties": {
+                        "path": {"type": "string"},
+                        "port": {"type": "string"},
+                        "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
+                        "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                        "interval": {"type": "string",
+                                     "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                        "relabelings": {"type": "array", "items": {
+                            "type": "object", "additionalProperties": False, "properties": {
+                                "action": {"enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod",
+                                                    "HashMod", "labelmap", "LabelMap", "labeldrop", "LabelDrop",
+                                                    "labelkeep", "LabelKeep", "lowercase", "Lowercase", "uppercase",
+                                                    "Uppercase", "keepequal", "KeepEqual", "dropequal", "DropEqual"]},
+                                "modulus": {"type": "integer"},
+                                "regex": {"type": "string"},
+                                "replacement": {"type": "string"},
+                                "separator": {"type": "string"},
+                                "sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                "targetLabel": {"type": "string"}}}}}}},
+            },
+        },
+    },
+}
+
+
+def relabel(rules, labels):
+    """Prometheus's relabeling of one target (keep, drop, replace), for the PodMonitor check."""
+    labels = dict(labels)
+    for r in rules:
+        value = r.get("separator", ";").join(labels.get(s, "") for s in r.get("sourceLabels", []))
+        regex = re.compile("^(?:" + r.get("regex", "(.*)") + ")$")
+        m = regex.match(value)
+        action = r.get("action", "replace").lower()
+        if action == "keep" and not m:
+            return None
+        if action == "drop" and m:
+            return None
+        if action == "replace" and m:
+            out = re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "", r.get("replacement", "$1"))
+            labels[r["targetLabel"]] = out
+    return labels
+
+
+def check_pod_monitor(docs, agent_ds, args):
+    monitors = objects_of(docs, "PodMonitor")
+    if not args.pod_monitor:
+        check("no PodMonitor unless agent.metrics.podMonitor.enabled", not monitors, f"found {len(monitors)}")
+        return
+    import jsonschema
+    check("PodMonitor rendered once", len(monitors) == 1, f"found {len(monitors)}")
+    pm = monitors[0]
+    errors = sorted(f"{'.'.join(str(p) for p in e.path)}: {e.message}"
+                    for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(pm))
+    check("PodMonitor validates against the CRD's fields (monitoring.coreos.com/v1)", not errors, "; ".join(errors))
+    labels = agent_ds["spec"]["template"]["metadata"]["labels"]
+    selector = pm["spec"]["selector"].get("matchLabels") or {}
+    check("PodMonitor selects the agent's pods, in the release's namespace",
+          selector and all(labels.get(k) == v for k, v in selector.items())
+          and pm["spec"].get("namespaceSelector", {}).get("matchNames") == [agent_ds["metadata"]["namespace"]],
+          f"selector {selector}, pod labels {labels}")
+    endpoints = pm["spec"].get("podMetricsEndpoints") or []
+    check("PodMetricsEndpoint: /metrics, no port or portNumber (the pod declares none: they would match nothing)",
+          len(endpoints) == 1 and endpoints[0].get("path") == "/metrics"
+          and "port" not in endpoints[0] and "portNumber" not in endpoints[0], f"got {endpoints}")
+    rules = endpoints[0].get("relabelings") or []
+    # Prometheus's pod discovery, for a hostNetwork pod with no declared port: one target
+    # per container, the pod IP (the node's) as its address.
+    got = {}
+    for ip in ("10.0.0.7", "fd00::7"):
+        for container, init in (("agent", "false"), ("install-cni", "true")):
+            target = relabel(rules, {"__address__": ip, "__meta_kubernetes_pod_ip": ip,
+                                     "__meta_kubernetes_pod_container_name": container,
+                                     "__meta_kubernetes_pod_container_init": init})
+            got[(ip, container)] = target and target["__address__"]
+    want = {("10.0.0.7", "agent"): f"10.0.0.7:{METRICS_PORT}", ("10.0.0.7", "install-cni"): None,
+            ("fd00::7", "agent"): f"[fd00::7]:{METRICS_PORT}", ("fd00::7", "install-cni"): None}
+    check(f"PodMonitor relabeling: the agent container's target is <pod IP>:{METRICS_PORT} (IPv6 bracketed), "
+          "init containers dropped", got == want, f"got {got}")
 
 
 def check_keeper(docs, args):
@@ -343,6 +771,8 @@ def check_proxy(docs, args):
           f"found {len(proxies)} DaemonSet(s), {len(maps)} ConfigMap(s)")
     pod = proxies[0]["spec"]["template"]["spec"]
     check("proxy pod: hostNetwork true", pod.get("hostNetwork") is True, f"got {pod.get('hostNetwork')!r}")
+    check("proxy pod: no service account token", pod.get("automountServiceAccountToken") is False,
+          f"got {pod.get('automountServiceAccountToken')!r}")
     check(f"proxy hostPath list is exactly [{RUN_DIR}]", host_paths(pod) == [RUN_DIR], f"got {host_paths(pod)}")
     for c in all_containers(pod):
         check_container_hardening("proxy pod", c)
@@ -381,11 +811,42 @@ def check_proxy(docs, args):
     for key in ("cds_config", "lds_config"):
         got = boot["dynamic_resources"].get(key)
         check(f"bootstrap: {key} over ADS, V3", got == {"ads": {}, "resource_api_version": "V3"}, f"got {got}")
+    # Envoy's admin interface: a unix socket in the pod's own emptyDir, mode 0600, never TCP.
     admin = ((boot.get("admin") or {}).get("address") or {})
-    check("bootstrap: admin on 127.0.0.1 or a pipe under /run/aether",
-          (admin.get("socket_address") or {}).get("address") == "127.0.0.1"
-          or str((admin.get("pipe") or {}).get("path", "")).startswith(RUN_DIR + "/"), f"got {admin}")
+    admin_path = str((admin.get("pipe") or {}).get("path", ""))
+    check(f"bootstrap: admin on a unix socket under {ENVOY_ADMIN_DIR}, mode 0600, not on TCP",
+          "socket_address" not in admin and admin_path.startswith(ENVOY_ADMIN_DIR + "/")
+          and (admin.get("pipe") or {}).get("mode") == 0o600, f"got {admin}")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    admin_mounts = [m for m in envoy.get("volumeMounts", []) if m["mountPath"] == ENVOY_ADMIN_DIR]
+    check(f"proxy: {ENVOY_ADMIN_DIR} is a pod-private emptyDir",
+          len(admin_mounts) == 1 and "emptyDir" in volumes.get(admin_mounts[0]["name"], {}), f"mounts {admin_mounts}")
+    # The kubelet's probe cannot reach a unix socket: one loopback listener forwards GET
+    # /ready, and nothing else, to the admin socket.
+    listeners = boot.get("static_resources", {}).get("listeners") or []
+    check("bootstrap: one static listener (the readiness listener)", len(listeners) == 1, f"got {len(listeners)}")
+    lst = listeners[0]
+    sock = (lst.get("address") or {}).get("socket_address") or {}
+    port = sock.get("port_value")
+    hcm = lst["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh.get("routes", [])]
+    forward = [r for r in routes if "route" in r]
+    rest = [r for r in routes if "direct_response" in r]
+    ok = (len(forward) == 1 and forward[0]["match"] == {"path": "/ready", "headers": [
+        {"name": ":method", "string_match": {"exact": "GET"}}]} and forward[0]["route"].get("cluster") == "envoy_admin"
+        and len(rest) == 1 and rest[0]["match"] == {"prefix": "/"} and rest[0]["direct_response"].get("status") == 404
+        and routes[-1] is rest[0])
+    check("readiness listener: on 127.0.0.1, forwards GET /ready only to the admin socket, 404 to the rest",
+          sock.get("address") == "127.0.0.1" and ok, f"address {sock}, routes {routes}")
+    probe = (envoy.get("readinessProbe") or {}).get("httpGet") or {}
+    check("proxy readinessProbe: GET 127.0.0.1:<readiness listener>/ready",
+          probe.get("host") == "127.0.0.1" and probe.get("port") == port and probe.get("path") == "/ready",
+          f"probe {probe}, listener port {port}")
     clusters = {c["name"]: c for c in boot.get("static_resources", {}).get("clusters", [])}
+    admin_pipes = [ep["endpoint"]["address"].get("pipe", {}).get("path")
+                   for group in (clusters.get("envoy_admin", {}).get("load_assignment") or {}).get("endpoints", [])
+                   for ep in group.get("lb_endpoints", [])]
+    check("bootstrap: cluster envoy_admin is the admin socket", admin_pipes == [admin_path], f"got {admin_pipes}")
     xds = clusters.get("xds_cluster", {})
     check("bootstrap: xds_cluster STATIC, connect_timeout 1s",
           xds.get("type") == "STATIC" and xds.get("connect_timeout") == "1s", f"got {xds}")
@@ -443,6 +904,7 @@ def check_unit(path):
 
 
 def main():
+    global KUBE_VERSION  # noqa: PLW0603 - one run checks one version
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--surge", type=parse_bool, help="required with RENDERED.yaml")
     parser.add_argument("--proxy", type=parse_bool, default=False)
@@ -453,13 +915,24 @@ def main():
     parser.add_argument("--backoff-base", default="0.1s")
     parser.add_argument("--backoff-max", default="1s")
     parser.add_argument("--ads-api-type", default="DELTA_GRPC", choices=["GRPC", "DELTA_GRPC"])
+    parser.add_argument("--metrics", type=parse_bool, default=False, help="agent.metrics.enabled")
+    parser.add_argument("--pod-monitor", type=parse_bool, default=False, help="agent.metrics.podMonitor.enabled")
+    parser.add_argument("--uninstall", type=parse_bool, default=True, help="cni.uninstall.enabled")
+    parser.add_argument("--max-unavailable", type=int, default=1, help="agent.updateStrategy.maxUnavailable")
+    parser.add_argument("--log-format", default="json", choices=["json", "text"])
+    parser.add_argument("--kubernetes-version", default="1.34.0",
+                        help="the Kubernetes version whose NodeSpec the node policy must guard")
     parser.add_argument("--unit", help="check this systemd unit instead of a rendering")
+    parser.add_argument("--uninstall-creds", action="store_true",
+                        help="print the uninstall hook's init container (credentials, argv, host mounts) as "
+                             "shell assignments instead of checking")
     parser.add_argument("--probe-creds", action="store_true",
                         help="print the agent container's credentials and readiness probe as shell "
                              "assignments (uid, gid, groups, caps, probe) instead of checking")
     parser.add_argument("rendered", nargs="?")
     args = parser.parse_args()
 
+    KUBE_VERSION = args.kubernetes_version
     if args.unit:
         try:
             check_unit(args.unit)
@@ -475,12 +948,28 @@ def main():
         sc, psc = agent.get("securityContext") or {}, pod.get("securityContext") or {}
         uid = sc.get("runAsUser", psc.get("runAsUser", 0))
         gid = sc.get("runAsGroup", psc.get("runAsGroup", uid))
-        groups = ",".join(str(g) for g in psc.get("supplementalGroups") or [])
+        # fsGroup joins every container's processes too.
+        groups = ",".join(str(g) for g in (psc.get("supplementalGroups") or [])
+                          + ([psc["fsGroup"]] if "fsGroup" in psc else []))
         caps = (sc.get("capabilities") or {})
         assert caps.get("drop") == ["ALL"], f"the probe test assumes drop [ALL], got {caps.get('drop')}"
         probe = " ".join(shlex.quote(a) for a in agent["readinessProbe"]["exec"]["command"])
         print(f"uid={uid}\ngid={gid}\ngroups={groups}\ncaps={','.join(c.lower() for c in caps.get('add') or [])}")
         print(f"probe={shlex.quote(probe)}")
+        return 0
+    if args.uninstall_creds:
+        with open(args.rendered, encoding="utf-8") as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        pod = objects_of(docs, "DaemonSet", "cni-uninstall")[0]["spec"]["template"]["spec"]
+        init = pod["initContainers"][0]
+        sc = init.get("securityContext") or {}
+        assert (sc.get("capabilities") or {}).get("drop") == ["ALL"], "the uninstall test assumes drop [ALL]"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = " ".join(f"{m['mountPath']}={volumes[m['name']]['hostPath']['path']}" for m in init["volumeMounts"])
+        print(f"uid={sc.get('runAsUser', 0)}\ngid={sc.get('runAsGroup', 0)}")
+        print(f"caps={','.join(c.lower() for c in (sc.get('capabilities') or {}).get('add') or [])}")
+        print(f"argv={shlex.quote(' '.join(shlex.quote(a) for a in init['command'] + init.get('args', [])))}")
+        print(f"mounts={shlex.quote(mounts)}")
         return 0
     if not args.rendered or args.surge is None:
         parser.error("RENDERED.yaml and --surge are required unless --unit is given")
@@ -498,6 +987,9 @@ def main():
         check("no `ports` (or hostPort/containerPort) key in any rendered pod object", not ports, "; ".join(ports))
         agent_ds = check_agent(docs, raw, args)
         check_rbac(docs, agent_ds)
+        check_node_policy(docs, agent_ds)
+        check_uninstall(docs, args)
+        check_pod_monitor(docs, agent_ds, args)
         check_proxy(docs, args)
         check_keeper(docs, args)
         check_registrar(docs, agent_ds, args)

@@ -7,11 +7,20 @@
 #      schema violation must fail the lint
 #   3. helm template for each case below, validated with kubernetes-validate --strict
 #      against the Kubernetes $K8S_VERSION schemas, then asserted on by check_chart.py
-#   4. envoy --mode validate on the rendered proxy bootstrap (when an Envoy is installed:
+#      (a PodMonitor, which it has no schema for, is checked by check_chart.py against the
+#      CRD's fields; any other kind without a schema fails); check_chart.py also evaluates
+#      the node policy's CEL on sample requests (cel-python, pinned below)
+#   4. envoy --mode validate on the rendered proxy bootstrap, then that bootstrap run for
+#      real beside a real agent: the admin interface is only a unix socket, and the
+#      readiness listener answers GET /ready and nothing else (when an Envoy is installed:
 #      ENVOY_BIN, or .venv from scripts/install-envoy.sh; otherwise skipped, loudly)
 #   5. mutation stage: a copy of the chart is broken one way at a time, and check_chart.py
 #      must fail on the check meant to catch that break (so no check passes vacuously)
-#   6. the systemd unit: check_chart.py --unit, and systemd-analyze verify when available
+#   6. as deployed, under the credentials the rendered chart declares (setpriv, as root):
+#      the readiness probe, and the uninstall hook's command: across a surge roll of two
+#      real agents the conflist keeps its entry, and the uninstall removes the entry and
+#      the plugin only once the node's last agent is gone
+#   7. the systemd unit: check_chart.py --unit, and systemd-analyze verify when available
 #
 # Stops at the first failure (exit 1). The last line is "chart-tests: N passed, M failed".
 set -euo pipefail
@@ -39,6 +48,11 @@ step() { echo; echo "== $*"; }
 
 step "install tools"
 "$root/scripts/install-tools.sh"
+# The node policy's CEL is evaluated by check_chart.py with cel-python.
+CEL_PYTHON_VERSION=0.5.0
+if [[ "$("$AETHER_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("cel-python"))' 2>/dev/null)" != "$CEL_PYTHON_VERSION" ]]; then
+  venv_pip_install --quiet "cel-python==$CEL_PYTHON_VERSION"
+fi
 helm="$AETHER_TOOLS/bin/helm"
 py="$AETHER_VENV/bin/python"
 kv="$AETHER_VENV/bin/kubernetes-validate"
@@ -52,7 +66,7 @@ export HELM_CACHE_HOME="$work/helm/cache" HELM_CONFIG_HOME="$work/helm/config" H
 step "helm lint"
 lint_sets=(
   ""
-  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,agent.registrar=registrar.mesh:15012"
+  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true"
 )
 for sets in "${lint_sets[@]}"; do
   if "$helm" lint --strict "$chart" ${sets:+--set "$sets"}; then
@@ -80,7 +94,10 @@ cases=(
   "spiffe|identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "registrar|registrar.enabled=true,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
-  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC"
+  "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
+  "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
+  "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
+  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC --metrics true --pod-monitor true"
 )
 
 render() { # render CHART OUT SETS
@@ -93,13 +110,17 @@ for case in "${cases[@]}"; do
   out="$work/$name.yaml"
   render "$chart" "$out" "$sets" || fail "helm template ($name)"
   pass "helm template ($name${sets:+: $sets})"
-  if "$kv" --kubernetes-version "$K8S_VERSION" --strict --quiet "$out"; then
-    pass "kubernetes-validate --strict ($name)"
+  # kubernetes-validate only warns about a kind it has no schema for: that must be the
+  # PodMonitor alone, which check_chart.py validates against the CRD's fields.
+  if "$kv" --kubernetes-version "$K8S_VERSION" --strict --quiet "$out" >"$out.kv" 2>&1 \
+    && ! grep -v "Couldn't find schema for kind PodMonitor with api version monitoring.coreos.com/v1" "$out.kv" | grep -q .; then
+    pass "kubernetes-validate --strict ($name)$(grep -q PodMonitor "$out.kv" && echo ', PodMonitor by check_chart.py')"
   else
+    cat "$out.kv"
     fail "kubernetes-validate --strict ($name)"
   fi
   # shellcheck disable=SC2086 # expect is a list of flags
-  if "$py" "$check" $expect "$out"; then
+  if "$py" "$check" --kubernetes-version "$K8S_VERSION" $expect "$out"; then
     pass "check_chart.py ($name)"
   else
     fail "check_chart.py ($name)"
@@ -125,6 +146,57 @@ EOF
       fail "envoy --mode validate ($name)"
     fi
   done
+  # That bootstrap, run for real beside a real agent, as the proxy pod runs it: Envoy's
+  # uid, gid and supplementary group (the worker's, for xds.sock) from the rendering, no
+  # capability. Its admin interface must be the 0600 socket only (no TCP port of its own),
+  # and the loopback readiness listener must answer GET /ready (503 before Envoy has its
+  # first configuration, 200 after) and 404 to anything else.
+  if [[ $(id -u) -eq 0 ]] && command -v setpriv >/dev/null; then
+    cargo build --quiet -p aether-supervisor -p aether-worker --bins
+    bin="${AETHER_BIN_DIR:-$root/target/debug}"
+    chmod 0711 "$work"
+    enode="$work/envoy-node"
+    mkdir -p "$enode/run" "$enode/state" "$enode/h" "$enode/admin" && chmod 0755 "$enode" && chmod 0777 "$enode/admin"
+    eport="$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    read -r euid egid egroups < <("$py" - "$work/proxy.yaml" <<'PY'
+import sys, yaml
+d = [x for x in yaml.safe_load_all(open(sys.argv[1])) if x and x["kind"] == "DaemonSet" and x["metadata"]["labels"].get("app.kubernetes.io/component") == "proxy"][0]
+sc = d["spec"]["template"]["spec"]["securityContext"]
+print(sc["runAsUser"], sc["runAsGroup"], ",".join(str(g) for g in sc.get("supplementalGroups", [])))
+PY
+)
+    sed -e "s#/run/aether/#$enode/run/#g" -e "s#/var/run/envoy-admin/#$enode/admin/#g" -e "s#port_value: 15021#port_value: $eport#" \
+      "$work/proxy-envoy.yaml" >"$enode/envoy.yaml"
+    "$bin/aether-supervisor" --run-dir "$enode/run" --state-dir "$enode/state" --health-dir "$enode/h" --metrics-addr off \
+      --worker-bin "$bin/aether-worker" >"$enode/agent.log" 2>&1 &
+    eagent=$!
+    setpriv --reuid "$euid" --regid "$egid" --groups "$egroups" --inh-caps=-all --bounding-set -all \
+      "$envoy_bin" --config-path "$enode/envoy.yaml" --service-node node-1 --disable-hot-restart --log-level warn \
+      >"$enode/envoy.log" 2>&1 &
+    epid=$!
+    code() { curl -s -o /dev/null -w '%{http_code}' -X "${2:-GET}" "http://127.0.0.1:$eport$1" || true; }
+    for _ in $(seq 1 200); do [[ "$(code /ready)" == 200 ]] && break; sleep 0.1; done
+    ready="$(code /ready)"; stats="$(code /stats)"; quit="$(code /quitquitquit POST)"; post="$(code /ready POST)"
+    # Envoy's TCP listeners: the readiness one, and those the agent serves over LDS (the
+    # capture listener). None of them may answer as the admin interface does.
+    listeners="$(ss -Hltnp | grep "pid=$epid," | awk '{print $4}' | sort -u || true)"
+    admin_on_tcp=""
+    for addr in $listeners; do
+      [[ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://$addr/server_info" || true)" == 200 ]] && admin_on_tcp+=" $addr"
+    done
+    sock_mode="$(stat -c '%a %u' "$enode/admin/admin.sock" 2>/dev/null || true)"
+    kill "$epid" "$eagent"; wait "$epid" "$eagent" 2>/dev/null || true
+    if [[ "$ready" != 200 || "$stats" != 404 || "$quit" != 404 || "$post" != 404 ]]; then
+      cat "$enode/envoy.log"; fail "readiness listener: GET /ready $ready, /stats $stats, POST /quitquitquit $quit, POST /ready $post"
+    fi
+    pass "readiness listener (Envoy as uid $euid): GET /ready 200 once configured; /stats, POST /quitquitquit and POST /ready 404"
+    if [[ "$sock_mode" != "600 $euid" || -n "$admin_on_tcp" || "$listeners" != *"127.0.0.1:$eport"* ]]; then
+      echo "$listeners"; fail "Envoy admin: socket mode/owner '$sock_mode'; answers /server_info on TCP at:${admin_on_tcp:- none}"
+    fi
+    pass "Envoy admin only on its 0600 socket (uid $euid): none of its TCP listeners ($(echo $listeners)) answers /server_info"
+  else
+    echo "!!! SKIPPED running the proxy bootstrap: it needs root and setpriv !!!"
+  fi
 else
   echo "SKIP envoy --mode validate: no Envoy here (set ENVOY_BIN, or run scripts/install-envoy.sh)"
 fi
@@ -133,7 +205,7 @@ step "mutation stage: each break must fail its own check"
 # name | file in the chart | python regex | replacement | helm --set | check_chart.py flags | expected FAIL text
 mutations=(
   'surge-true-maxSurge|templates/daemonset.yaml|maxSurge: 1|maxSurge: 2|agent.updateStrategy.surge=true|--surge true|update strategy for surge=true'
-  'surge-false-maxUnavailable|templates/daemonset.yaml|maxUnavailable: 1|maxUnavailable: 2||--surge false|update strategy for surge=false'
+  'surge-false-maxUnavailable|values.yaml|maxUnavailable: 1|maxUnavailable: 2||--surge false|update strategy for surge=false'
   'surge-ignored|templates/daemonset.yaml|if \.Values\.agent\.updateStrategy\.surge|if false|agent.updateStrategy.surge=true|--surge true|update strategy for surge=true'
   'ports-declared|templates/daemonset.yaml|(\n          resources:\n)|\n          ports:\n            - containerPort: 8082\g<1>||--surge false|no `ports`'
   'proxy-ports|templates/proxy-daemonset.yaml|(\n          resources:\n)|\n          ports:\n            - containerPort: 15000\g<1>|proxy.enabled=true|--surge false --proxy true|no `ports`'
@@ -159,9 +231,41 @@ mutations=(
   'privilege-escalation|templates/daemonset.yaml|allowPrivilegeEscalation: false|allowPrivilegeEscalation: true||--surge false|allowPrivilegeEscalation false'
   'seccomp|templates/daemonset.yaml|type: RuntimeDefault|type: Unconfined||--surge false|seccompProfile RuntimeDefault'
   'priority-class|templates/daemonset.yaml|priorityClassName: system-node-critical|priorityClassName: system-cluster-critical||--surge false|priorityClassName system-node-critical'
-  'grace-period|templates/daemonset.yaml|terminationGracePeriodSeconds: 30|terminationGracePeriodSeconds: 5||--surge false|terminationGracePeriodSeconds 30'
+  'grace-period|values.yaml|terminationGracePeriodSeconds: 30|terminationGracePeriodSeconds: 5||--surge false|terminationGracePeriodSeconds 30'
   'cni-not-atomic|templates/daemonset.yaml|mv -f "\$tmp"|cp "$tmp"||--surge false|install-cni copies to a temp name'
-  'rbac-write|templates/rbac.yaml|resources: \["services"\]\n    verbs: \["get", "list", "watch"\]|resources: ["services"]\n    verbs: ["get", "list", "watch", "patch"]||--surge false|ClusterRole: get/list/watch'
+  'rbac-write|templates/rbac.yaml|resources: \["nodes"\]\n    verbs: \["get", "list", "watch", "patch"\]|resources: ["nodes"]\n    verbs: ["get", "list", "watch", "patch", "delete"]||--surge false|ClusterRole: exactly'
+  'rbac-no-patch|templates/rbac.yaml|, "patch"\]|]||--surge false|ClusterRole: exactly'
+  'rbac-services|templates/rbac.yaml|(rules:\n)|\g<1>  - apiGroups: [""]\n    resources: ["services"]\n    verbs: ["get", "list", "watch"]\n||--surge false|ClusterRole: exactly'
+  'rbac-wildcard|templates/rbac.yaml|resources: \["pods"\]|resources: ["*"]||--surge false|ClusterRole: no wildcard'
+  'keeper-token|templates/keeper-daemonset.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true||--surge false|keeper pod: no service account token'
+  'proxy-token|templates/proxy-daemonset.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true|proxy.enabled=true|--surge false --proxy true|proxy pod: no service account token'
+  'agent-automount|templates/daemonset.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true||--surge false|agent pod: automountServiceAccountToken false'
+  'token-in-init|templates/daemonset.yaml|(            - name: cni-bin\n              mountPath: \{\{ \$hostCniBin \}\}\n)|\g<1>            - name: kube-api-access\n              mountPath: /var/run/secrets/kubernetes.io/serviceaccount\n              readOnly: true\n||--surge false|token mounted in the agent container only'
+  'token-no-fsgroup|templates/daemonset.yaml|fsGroup: \{\{ \$workerGid \}\}|fsGroup: 1000||--surge false|token readable by the worker'
+  'token-audience|templates/daemonset.yaml|(                  path: token\n)|\g<1>                  audience: vault\n||--surge false|the API server'"'"'s audience'
+  'vap-missing|templates/node-policy.yaml|apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\n|apiVersion: v1\nkind: ConfigMap\n||--surge false|node policy: one ValidatingAdmissionPolicy'
+  'vap-other-sa|templates/node-policy.yaml|request.userInfo.username == '"'"'\{\{ include "aether-agent.serviceAccountUser" . \}\}'"'"'|request.userInfo.username == '"'"'system:serviceaccount:kube-system:default'"'"'||--surge false|bound to the agent'"'"'s service account'
+  'vap-binding|templates/node-policy.yaml|policyName: \{\{ \$name \}\}|policyName: another-policy||--surge false|the binding names the policy'
+  'vap-audit-only|templates/node-policy.yaml|validationActions: \[Deny\]|validationActions: [Audit]||--surge false|the binding names the policy and denies'
+  'vap-any-node|templates/node-policy.yaml|\(variables.tokenNode != '"'"''"'"' && object.metadata.name == variables.tokenNode\)|true||--surge false|node policy, evaluated'
+  'vap-taint-key-only|templates/node-policy.yaml|!\(t.key == variables.taintKey && has\(t.effect\) && t.effect == '"'"'NoSchedule'"'"'\)\)|!(t.key == variables.taintKey))||--surge false|node policy, evaluated'
+  'vap-spec-field|templates/node-policy.yaml| "unschedulable"|||--surge false|node policy, evaluated'
+  'vap-labels|templates/node-policy.yaml|list "labels" |list ||--surge false|node policy, evaluated'
+  'admin-tcp|templates/_helpers.tpl|\{\{- \$admin := printf "\{ pipe: \{ path: %s, mode: 384 \} \}" \$adminSock -\}\}|{{- $admin := "{ socket_address: { address: 127.0.0.1, port_value: 15000 } }" -}}|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
+  'admin-mode|templates/_helpers.tpl|mode: 384|mode: 438|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
+  'ready-listener-open|templates/_helpers.tpl|              path: /ready\n|              prefix: /\n|proxy.enabled=true|--surge false --proxy true|readiness listener: on 127.0.0.1, forwards GET /ready only'
+  'metrics-no-annotations|templates/daemonset.yaml|prometheus.io/scrape: "true"|example.io/scrape: "true"|agent.metrics.enabled=true|--surge false --metrics true|metrics enabled: prometheus.io annotations'
+  'metrics-loopback|templates/daemonset.yaml|printf "\$\(HOST_IP\):%d"|printf "127.0.0.1:%d"|agent.metrics.enabled=true|--surge false --metrics true|AETHER_METRICS_ADDR is $(HOST_IP)'
+  'memory-limit|values.yaml|limits:\n      memory: 256Mi|limits:\n      memory: 4Gi||--surge false|agent memory limit 256Mi'
+  'uninstall-not-hook|templates/cni-uninstall.yaml|(kind: DaemonSet\nmetadata:\n(?:.*\n)*?    )helm.sh/hook: post-delete|\g<1>helm.sh/hook: post-install,post-delete||--surge false|every hook object is post-delete only'
+  'uninstall-on-prestop|templates/daemonset.yaml|(          readinessProbe:\n            # Ready = )|          lifecycle:\n            preStop:\n              exec:\n                command: [aether-supervisor, --uninstall-cni, --cni-conf-dir, /host/etc/cni/net.d, --cni-bin-dir, /host/opt/cni/bin]\n\g<1>||--surge false|a roll never uninstalls'
+  'uninstall-no-lock|templates/cni-uninstall.yaml|- --run-dir\n            - \{\{ \$runDir \}\}|- --run-dir\n            - /tmp||--surge false|uninstall waits for the node lock'
+  'uninstall-not-everywhere|templates/cni-uninstall.yaml|      \{\{- with .Values.agent.tolerations \}\}\n      tolerations:|      {{- with list }}\n      tolerations:||--surge false|runs where the agent ran'
+  'uninstall-role-wide|templates/cni-uninstall.yaml|    resourceNames: \[\{\{ \$name . quote \}\}\]\n|||--surge false|reads that one DaemonSet'
+  'podmonitor-port|templates/podmonitor.yaml|printf "\$\{1\}:%d" \(int \$metrics.port\)|printf "${1}:%d" 9090|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true|PodMonitor relabeling'
+  'podmonitor-typo|templates/podmonitor.yaml|  podMetricsEndpoints:|  podMetricEndpoints:|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true|PodMonitor validates'
+  'max-unavailable-ignored|templates/daemonset.yaml|maxUnavailable: \{\{ .Values.agent.updateStrategy.maxUnavailable \}\}|maxUnavailable: 1|agent.updateStrategy.maxUnavailable=2|--surge false --max-unavailable 2|update strategy for surge=false'
+  'log-format-ignored|templates/daemonset.yaml|value: \{\{ .Values.agent.log.format . quote \}\}|value: "text"||--surge false|env AETHER_LOG_FORMAT=json'
   'proxy-backoff|files/envoy-bootstrap.yaml.tmpl|max_interval: \$\{ADS_BACKOFF_MAX\}|max_interval: 30s|proxy.enabled=true|--surge false --proxy true|bootstrap backoff'
   'proxy-http1|files/envoy-bootstrap.yaml.tmpl|http2_protocol_options: \{\}|http_protocol_options: {}|proxy.enabled=true|--surge false --proxy true|speaks HTTP/2'
   'proxy-pipe|files/envoy-bootstrap.yaml.tmpl|(pipe: \{ path: [^ ]*)/xds\.sock|\g<1>/cni.sock|proxy.enabled=true|--surge false --proxy true|endpoint is the pipe'
@@ -249,7 +353,10 @@ else
   node="$work/probe-node"
   # The worker (another uid) must be able to reach its folders, as on a node's /var/lib.
   chmod 0711 "$work"
+  # kubelet's emptyDir: 0777, and with the pod's fsGroup group-owned by it and setgid.
   mkdir -p "$node/health" && chmod 0755 "$node" && chmod 0777 "$node/health"
+  fs_group="$("$py" -c 'import sys, yaml; d = [x for x in yaml.safe_load_all(open(sys.argv[1])) if x and x.get("kind") == "DaemonSet" and x["metadata"]["labels"].get("app.kubernetes.io/component") == "agent"][0]; print((d["spec"]["template"]["spec"].get("securityContext") or {}).get("fsGroup", ""))' "$work/probe.yaml")"
+  [[ -n "$fs_group" ]] && chgrp "$fs_group" "$node/health" && chmod 2777 "$node/health"
   setpriv "${creds[@]}" --bounding-set "$bounding" "$bin/aether-supervisor" --run-dir "$node/run" --state-dir "$node/state" \
     --health-dir "$node/health" --metrics-addr off --worker-bin "$bin/aether-worker" >"$node/agent.log" 2>&1 &
   agent_pid=$!
@@ -276,6 +383,87 @@ else
   pass "mutation probe-no-setuid -> the probe fails: $out"
   kill "$agent_pid"
   wait "$agent_pid" 2>/dev/null || true
+fi
+
+step "the uninstall hook as deployed: a surge roll keeps the entry, the uninstall removes it once the agents are gone"
+# The hook's init container runs `aether-supervisor --uninstall-cni` as uid 0 with no
+# capability. Here it runs under exactly the credentials the rendered chart declares
+# (setpriv), against a node folder with a conflist and the plugin, beside real agents that
+# own the node and re-assert the conflist. Across a surge roll (a standby, then SIGTERM to
+# the owner) the entry must never be missing: nothing runs the uninstall on a signal. The
+# uninstall must then wait while the new owner holds the node lock, and remove the entry
+# and the plugin, and nothing else, once that agent has exited.
+if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
+  echo "!!! SKIPPED the uninstall stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
+else
+  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready --bins
+  bin="${AETHER_BIN_DIR:-$root/target/debug}"
+  render "$chart" "$work/uninstall.yaml" ""
+  eval "$("$py" "$check" --uninstall-creds "$work/uninstall.yaml")"
+  chmod 0711 "$work"
+  node="$work/uninstall-node"
+  mkdir -p "$node/run" "$node/state" "$node/net.d" "$node/cni-bin" "$node/h1" "$node/h2"
+  chmod 0755 "$node" "$node/run" && chmod 0777 "$node/h1" "$node/h2"
+  primary='{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp","ipam":{"type":"host-local","subnet":"10.88.0.0/16"}}]}'
+  echo "$primary" >"$node/net.d/10-ptp.conflist"
+  echo plugin >"$node/cni-bin/aether-cni" && echo other >"$node/cni-bin/ptp"
+  # The hook's argv with each container path mapped to this node's folder.
+  # shellcheck disable=SC2154 # uid, gid, caps, argv, mounts come from --uninstall-creds
+  hook="$argv"
+  for m in $mounts; do
+    case "${m#*=}" in
+      /run/aether) local_dir="$node/run" ;;
+      /etc/cni/net.d) local_dir="$node/net.d" ;;
+      /opt/cni/bin) local_dir="$node/cni-bin" ;;
+      *) fail "the uninstall hook mounts an unexpected host path: $m" ;;
+    esac
+    hook="${hook//${m%%=*}/$local_dir}"
+  done
+  read -r -a hook_cmd <<<"$hook"
+  hook_cmd[0]="$bin/${hook_cmd[0]}"
+  hook_creds=(--reuid "$uid" --regid "$gid" --clear-groups --inh-caps=-all --bounding-set "-all${caps:+$(printf ',+%s' ${caps//,/ })}")
+  agent() { # agent HEALTH_DIR: a real agent on this node, as the chart configures it
+    "$bin/aether-supervisor" --run-dir "$node/run" --state-dir "$node/state" --health-dir "$1" --metrics-addr off \
+      --cni-conf-dir "$node/net.d" --worker-bin "$bin/aether-worker" >>"$node/agents.log" 2>&1 &
+  }
+  role() { "$bin/agent-ready" --socket "$1/agent-health.sock" 2>/dev/null | grep -o '"role":"[a-z]*"' || true; }
+  chained() { grep -q '"aether-cni"' "$node/net.d/10-ptp.conflist"; }
+  agent "$node/h1"; old_pid=$!
+  for _ in $(seq 1 200); do chained && [[ "$(role "$node/h1")" == '"role":"owner"' ]] && break; sleep 0.05; done
+  chained || { cat "$node/agents.log"; fail "the owner did not chain aether-cni"; }
+  # Sample the conflist every 10 ms through the roll.
+  ( while :; do chained || echo "missing at $(date +%s.%N)"; sleep 0.01; done ) >"$node/gaps.log" 2>&1 &
+  sampler=$!
+  agent "$node/h2"; new_pid=$!
+  for _ in $(seq 1 200); do [[ "$(role "$node/h2")" == '"role":"standby"' ]] && break; sleep 0.05; done
+  kill -TERM "$old_pid"; wait "$old_pid" || true
+  for _ in $(seq 1 200); do [[ "$(role "$node/h2")" == '"role":"owner"' ]] && break; sleep 0.05; done
+  [[ "$(role "$node/h2")" == '"role":"owner"' ]] || { kill "$new_pid" "$sampler"; cat "$node/agents.log"; fail "the standby did not take the node over"; }
+  sleep 0.5
+  kill "$sampler"; wait "$sampler" 2>/dev/null || true
+  if [[ -s "$node/gaps.log" ]]; then
+    kill "$new_pid"; head -3 "$node/gaps.log"; fail "the conflist lost aether-cni during the surge roll"
+  fi
+  [[ -e "$node/cni-bin/aether-cni" ]] || { kill "$new_pid"; fail "the plugin binary went during the roll"; }
+  pass "surge roll (standby, SIGTERM to the owner, takeover): aether-cni stayed chained throughout"
+  # The uninstall, under the hook's credentials: it waits while the new owner lives.
+  setpriv "${hook_creds[@]}" "${hook_cmd[@]}" >"$node/uninstall.log" 2>&1 &
+  hook_pid=$!
+  sleep 1
+  if ! kill -0 "$hook_pid" 2>/dev/null || ! chained || [[ ! -e "$node/cni-bin/aether-cni" ]]; then
+    kill "$new_pid"; cat "$node/uninstall.log"; fail "the uninstall did not wait for the agent that holds the node"
+  fi
+  pass "the uninstall (uid $uid, caps '${caps}') waits while an agent holds the node lock"
+  kill -TERM "$new_pid"; wait "$new_pid" || true
+  wait "$hook_pid" || { cat "$node/uninstall.log"; fail "the uninstall failed"; }
+  if chained || [[ -e "$node/cni-bin/aether-cni" ]] || [[ ! -e "$node/cni-bin/ptp" ]]; then
+    cat "$node/net.d/10-ptp.conflist" "$node/uninstall.log"; fail "the uninstall left aether-cni behind or removed another plugin"
+  fi
+  "$py" - "$node/net.d/10-ptp.conflist" "$primary" <<'PY' || fail "the uninstall changed more of the conflist than the entry"
+import json, sys
+assert json.load(open(sys.argv[1])) == json.loads(sys.argv[2]), open(sys.argv[1]).read()
+PY
+  pass "the uninstall removed the entry and the plugin once the last agent exited, and nothing else"
 fi
 
 step "systemd unit"

@@ -33,6 +33,27 @@
 {{- end -}}
 {{- end -}}
 
+{{- define "aether-agent.uninstallName" -}}
+{{- printf "%s-cni-uninstall" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The worker's gid, from agent.workerUser (uid:gid). */}}
+{{- define "aether-agent.workerGid" -}}
+{{- $parts := splitList ":" .Values.agent.workerUser -}}
+{{- if ne (len $parts) 2 -}}
+{{- fail (printf "agent.workerUser is %q; it must be uid:gid" .Values.agent.workerUser) -}}
+{{- end -}}
+{{- index $parts 1 -}}
+{{- end -}}
+
+{{/* The agent's service-account user name, as the API server authenticates its token. */}}
+{{- define "aether-agent.serviceAccountUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "aether-agent.serviceAccountName" .) -}}
+{{- end -}}
+
+{{/* Envoy's admin socket, in the proxy pod's own emptyDir. */}}
+{{- define "aether-agent.envoyAdminDir" -}}/var/run/envoy-admin{{- end -}}
+
 {{- define "aether-agent.serviceAccountName" -}}
 {{- default (include "aether-agent.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
@@ -67,13 +88,20 @@ full-line comments (the placeholder list) are dropped. ENVOY_NODE_ID gets a stan
 ConfigMap serves every node, and the proxy container sets the real id, the node name, with
 --service-node $(NODE_NAME), which overrides node.id. Rendering fails if the template
 grows a placeholder this chart does not fill.
+
+The admin interface is a pipe in the proxy pod's own folder, mode 0600 (384): only Envoy's
+uid connects, and nothing on the node's network reaches it. The kubelet's readiness probe
+cannot speak to a unix socket, so the chart adds to the filled template one static listener
+on the node's loopback (proxy.readinessPort) that forwards GET /ready, and nothing else,
+to the admin pipe through the static cluster envoy_admin; every other request gets 404.
 */}}
 {{- define "aether-agent.envoyBootstrap" -}}
 {{- $t := .Files.Get "files/envoy-bootstrap.yaml.tmpl" -}}
 {{- if not $t -}}
 {{- fail "files/envoy-bootstrap.yaml.tmpl is missing or empty (a link to deploy/envoy/bootstrap.yaml.tmpl)" -}}
 {{- end -}}
-{{- $admin := printf "{ socket_address: { address: 127.0.0.1, port_value: %d } }" (int .Values.proxy.adminPort) -}}
+{{- $adminSock := printf "%s/admin.sock" (include "aether-agent.envoyAdminDir" .) -}}
+{{- $admin := printf "{ pipe: { path: %s, mode: 384 } }" $adminSock -}}
 {{- $t = regexReplaceAll "(?m)^[ \t]*#.*\n" $t "" -}}
 {{- $t = $t | replace "${AETHER_RUN_DIR}" (include "aether-agent.runDir" .) -}}
 {{- $t = $t | replace "${ENVOY_ADMIN_ADDRESS}" $admin -}}
@@ -87,5 +115,46 @@ grows a placeholder this chart does not fill.
 {{- if contains "${" $t -}}
 {{- fail (printf "the Envoy bootstrap template has a placeholder this chart does not fill:\n%s" $t) -}}
 {{- end -}}
-{{- $t -}}
+{{- $boot := fromYaml $t -}}
+{{- if hasKey $boot "Error" -}}
+{{- fail (printf "the filled Envoy bootstrap template is not YAML: %s" $boot.Error) -}}
+{{- end -}}
+{{- $static := $boot.static_resources -}}
+{{- if or (not $static) (hasKey $static "listeners") -}}
+{{- fail "the Envoy bootstrap template must have static_resources and no static listeners: the chart adds the readiness listener" -}}
+{{- end -}}
+{{- $ready := fromYaml (include "aether-agent.envoyReadyListener" .) -}}
+{{- $adminCluster := fromYaml (printf "name: envoy_admin\ntype: STATIC\nconnect_timeout: 1s\nload_assignment:\n  cluster_name: envoy_admin\n  endpoints:\n  - lb_endpoints:\n    - endpoint: { address: { pipe: { path: %s } } }\n" $adminSock) -}}
+{{- $_ := set $static "listeners" (list $ready) -}}
+{{- $_ = set $static "clusters" (append $static.clusters $adminCluster) -}}
+{{- toYaml $boot -}}
+{{- end -}}
+
+{{/* The readiness listener: GET /ready on the node's loopback, from the admin pipe. */}}
+{{- define "aether-agent.envoyReadyListener" -}}
+name: proxy_ready
+address: { socket_address: { address: 127.0.0.1, port_value: {{ int .Values.proxy.readinessPort }} } }
+filter_chains:
+- filters:
+  - name: envoy.filters.network.http_connection_manager
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+      stat_prefix: proxy_ready
+      route_config:
+        name: proxy_ready
+        virtual_hosts:
+        - name: proxy_ready
+          domains: ["*"]
+          routes:
+          - match:
+              path: /ready
+              headers:
+              - name: ":method"
+                string_match: { exact: GET }
+            route: { cluster: envoy_admin, timeout: 1s }
+          - match: { prefix: / }
+            direct_response: { status: 404 }
+      http_filters:
+      - name: envoy.filters.http.router
+        typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
 {{- end -}}
