@@ -402,10 +402,11 @@ def evaluate_policy(policy, request, old, new):
     spec = policy["spec"]
     for cond in spec.get("matchConditions", []):
         try:
-            if run(cond["expression"], {}) is not True and run(cond["expression"], {}) != celpy.celtypes.BoolType(True):
-                return True, f"not matched ({cond['name']})"
+            matched = run(cond["expression"], {}) == celpy.celtypes.BoolType(True)
         except Exception as e:  # noqa: BLE001 - an error in a match condition denies (failurePolicy Fail)
             return False, f"match condition {cond['name']}: {e}"
+        if not matched:
+            return True, f"not matched ({cond['name']})"
     variables = {}
     for var in spec.get("variables", []):
         try:
