@@ -733,9 +733,35 @@ def check_registrar(docs, agent_ds, args):
           f"got {d['spec'].get('replicas')!r}")
     strategy = d["spec"].get("strategy", {}).get("rollingUpdate", {})
     check("registrar rolls with maxUnavailable 0", strategy.get("maxUnavailable") == 0, f"got {strategy}")
+    svc_port = svc["spec"]["ports"][0]["port"]
+    want = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc_port}"
+    got = (env.get("AETHER_REGISTRAR") or {}).get("value")
+    check("agent AETHER_REGISTRAR is the registrar Service", got == want, f"got {got!r}, want {want!r}")
     pod = d["spec"]["template"]["spec"]
-    check("registrar pod: no service account token", pod.get("automountServiceAccountToken") is False,
-          f"got {pod.get('automountServiceAccountToken')!r}")
+    argv = all_containers(pod)[0].get("command", []) + all_containers(pod)[0].get("args", [])
+    agent_sa = agent_ds["spec"]["template"]["spec"].get("serviceAccountName")
+    if "--token-review" in argv:
+        # Its token may create TokenReviews and nothing else; the agents' tokens are
+        # checked for the audience aether-registrar and speak for their own node.
+        sa = pod.get("serviceAccountName")
+        check("registrar pod: its own service account, not the agents'", sa and sa != agent_sa, f"got {sa!r}")
+        bindings = [b for b in objects_of(docs, "ClusterRoleBinding")
+                    if any(x.get("kind") == "ServiceAccount" and x.get("name") == sa for x in b.get("subjects", []))]
+        check("registrar service account bound to system:auth-delegator only",
+              [b["roleRef"]["name"] for b in bindings] == ["system:auth-delegator"], f"got {bindings}")
+        want_sa = f"{agent_ds['metadata']['namespace']}/{agent_sa}"
+        check("registrar takes the agents' service account as --agent-service-account",
+              any(a == "--agent-service-account" and b == want_sa for a, b in zip(argv, argv[1:])), f"argv {argv}")
+        check("registrar is not --insecure-listen with --token-review", "--insecure-listen" not in argv, f"argv {argv}")
+        token_file = (env.get("AETHER_REGISTRAR_TOKEN_FILE") or {}).get("value", "")
+        sources = [src.get("serviceAccountToken") for v in agent_ds["spec"]["template"]["spec"].get("volumes", [])
+                   for src in (v.get("projected") or {}).get("sources", []) if src.get("serviceAccountToken")]
+        check("agent gets a projected token for the audience aether-registrar at AETHER_REGISTRAR_TOKEN_FILE",
+              any(t.get("audience") == "aether-registrar" and token_file.endswith("/" + t.get("path", "")) for t in sources),
+              f"file {token_file!r}, tokens {sources}")
+    else:
+        check("registrar pod: no service account token", pod.get("automountServiceAccountToken") is False,
+              f"got {pod.get('automountServiceAccountToken')!r}")
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
           f"got {pod.get('securityContext')}")
@@ -746,7 +772,6 @@ def check_registrar(docs, agent_ds, args):
         check_container_hardening("registrar pod", c)
         extra = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add")
         check(f"registrar pod: container {c['name']} adds no capability", not extra, f"got {extra}")
-    argv = containers[0].get("command", []) + containers[0].get("args", [])
     check("registrar runs aether-registrar serve with --etcd and --listen",
           argv[:2] == ["aether-registrar", "serve"] and "--etcd" in argv and "--listen" in argv, f"argv {argv}")
     listen = argv[argv.index("--listen") + 1] if "--listen" in argv else ""
@@ -756,9 +781,6 @@ def check_registrar(docs, agent_ds, args):
     check("registrar Service selects the registrar pods",
           all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items()),
           f"selector {svc['spec']['selector']}")
-    want = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{port['port']}"
-    got = (env.get("AETHER_REGISTRAR") or {}).get("value")
-    check("agent AETHER_REGISTRAR is the registrar Service", got == want, f"got {got!r}, want {want!r}")
 
 
 def check_proxy(docs, args):

@@ -84,7 +84,7 @@ fi
 grep -q "surge" "$work/lint-bad.log" || { cat "$work/lint-bad.log"; fail "schema error does not name surge"; }
 pass "helm lint rejects agent.updateStrategy.surge given as a string"
 
-REGISTRAR_SETS='registrar.enabled=true,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
+REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
 
 # Cases: name | helm --set list | check_chart.py expectations.
 cases=(
@@ -93,7 +93,8 @@ cases=(
   "proxy|agent.updateStrategy.surge=true,proxy.enabled=true|--surge true --proxy true"
   "spiffe|identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
-  "registrar|registrar.enabled=true,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
+  "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
+  "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
@@ -276,7 +277,10 @@ mutations=(
   'keeper-uid|templates/keeper-daemonset.yaml|runAsUser: 0|runAsUser: 65532||--surge false|keeper runs as uid 0'
   'keeper-ignored|templates/keeper-daemonset.yaml|if \.Values\.keeper\.enabled|if true|keeper.enabled=false|--surge false --keeper false|no keeper DaemonSet'
   'registrar-one-replica|templates/registrar.yaml|replicas: \{\{ \.Values\.registrar\.replicas \}\}|replicas: 1|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar replicas >= 2'
-  'registrar-token|templates/registrar.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar pod: no service account token'
+  'registrar-token|templates/registrar.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true|'"$REGISTRAR_SETS"',registrar.auth=none,registrar.insecureListen=true|--surge false --registrar true|registrar pod: no service account token'
+  'registrar-delegator|templates/registrar.yaml|name: system:auth-delegator|name: cluster-admin|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar service account bound to system:auth-delegator only'
+  'registrar-agent-sa|templates/registrar.yaml|- --agent-service-account\n|- --operator-user\n|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar takes the agents'"'"' service account'
+  'registrar-token-audience|templates/daemonset.yaml|audience: aether-registrar|audience: kubernetes|'"$REGISTRAR_SETS"'|--surge false --registrar true|agent gets a projected token for the audience aether-registrar'
   'registrar-port|templates/registrar.yaml|targetPort: \{\{ \.Values\.registrar\.port \}\}|targetPort: 8080|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar Service targets the port'
   'registrar-not-used|templates/_helpers.tpl|\{\{- else if \.Values\.registrar\.enabled -\}\}|{{- else if false -}}|'"$REGISTRAR_SETS"'|--surge false --registrar true|agent AETHER_REGISTRAR is the registrar Service'
 )
@@ -308,9 +312,9 @@ EOF
   pass "mutation $name -> $(grep '^FAIL' "$out.log" | head -1 | cut -c1-110)"
 done
 
-# The registrar authenticates no TCP caller yet: enabling it without the acknowledgement,
-# or without an etcd, must stop the rendering.
-for sets in "registrar.enabled=true,registrar.etcd.endpoints={http://etcd:2379}" "registrar.enabled=true,registrar.insecureListen=true"; do
+# A registrar that authenticates nobody without the acknowledgement, or one without an
+# etcd, must stop the rendering.
+for sets in "registrar.enabled=true,registrar.auth=none,registrar.etcd.endpoints={http://etcd:2379}" "registrar.enabled=true,registrar.insecureListen=true"; do
   if render "$chart" "$work/registrar-refused.yaml" "$sets" 2>"$work/registrar-refused.log"; then
     fail "helm template rendered the registrar with $sets"
   fi
