@@ -74,6 +74,22 @@ pub struct Config {
     /// Capture projection override as JSON, reloaded on change.
     #[arg(long, env = "AETHER_CAPTURE_FILE")]
     pub capture_file: Option<PathBuf>,
+    /// Kubernetes API access from this kubeconfig (its current context) [default: the
+    /// pod's service account when KUBERNETES_SERVICE_HOST is set, else no Kubernetes].
+    /// With access, the worker watches this node's pods and node object; the owner marks
+    /// deleting pods' records Terminating, collects stale records and removes the node's
+    /// startup taint. The worker must be able to read the file (it runs as --worker-user).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Set by the kubelet in every pod: the API server's address for in-cluster access.
+    #[arg(long, env = "KUBERNETES_SERVICE_HOST", hide = true)]
+    pub kubernetes_service_host: Option<String>,
+    #[arg(long, env = "KUBERNETES_SERVICE_PORT", hide = true, default_value_t = 443)]
+    pub kubernetes_service_port: u16,
+    /// How long a pod record must stay absent from the API server's complete list of this
+    /// node's pods (with no CNI DEL) before the owner removes it: `60s`, `1500ms`, `2m`.
+    #[arg(long, env = "AETHER_STALE_RECORD_GRACE", default_value = "60s", value_parser = parse_grace)]
+    pub stale_record_grace: String,
     /// SPIFFE Workload API socket [default: no workload identity]. Accepted and passed on;
     /// the worker has no identity client yet and says so at start.
     #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET")]
@@ -119,6 +135,38 @@ fn parse_user(s: &str) -> Result<(u32, u32), String> {
         return Err(format!("worker user {s:?}: the worker must not run as gid 0 (root's group owns files it must not write)"));
     }
     Ok((uid, gid))
+}
+
+/// A duration as the worker reads it (`<number><unit>`, unit ms, s or m), checked here so
+/// that a bad value fails at start instead of in every respawned worker.
+fn parse_grace(s: &str) -> Result<String, String> {
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let ok = number.parse::<f64>().is_ok_and(|n| n.is_finite()) && matches!(unit, "ms" | "s" | "m");
+    if ok { Ok(s.to_string()) } else { Err(format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s")) }
+}
+
+/// How the worker reaches the Kubernetes API, as the flags and the environment say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KubeAccess {
+    Kubeconfig(PathBuf),
+    /// `HOST:PORT` of the API server (an IPv6 host in brackets).
+    InCluster(String),
+    None,
+}
+
+impl Config {
+    /// A kubeconfig wins over the in-cluster environment.
+    pub fn kube_access(&self) -> KubeAccess {
+        match (&self.kubeconfig, &self.kubernetes_service_host) {
+            (Some(k), _) => KubeAccess::Kubeconfig(k.clone()),
+            (None, Some(h)) if !h.is_empty() => {
+                let host = if h.contains(':') && !h.starts_with('[') { format!("[{h}]") } else { h.clone() };
+                KubeAccess::InCluster(format!("{host}:{}", self.kubernetes_service_port))
+            }
+            (None, _) => KubeAccess::None,
+        }
+    }
 }
 
 /// A metrics address, or none ("off").
@@ -170,6 +218,35 @@ mod tests {
             let err = parse_user(bad).expect_err(bad);
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
+    }
+
+    #[test]
+    fn kube_access_prefers_a_kubeconfig_then_the_in_cluster_environment() {
+        // Every field set on the command line, which wins over whatever environment the
+        // test runs in (a CI job inside a pod has KUBERNETES_SERVICE_HOST).
+        let parse = |args: &[&str]| {
+            let mut c = Config::try_parse_from([&["aether-supervisor"], args].concat()).unwrap();
+            if !args.iter().any(|a| a.starts_with("--kubernetes-service-port")) {
+                c.kubernetes_service_port = 443;
+            }
+            if !args.iter().any(|a| a.starts_with("--kubeconfig")) {
+                c.kubeconfig = None;
+            }
+            if !args.iter().any(|a| a.starts_with("--kubernetes-service-host")) {
+                c.kubernetes_service_host = None;
+            }
+            c
+        };
+        let c = parse(&["--kubernetes-service-host=10.96.0.1", "--kubernetes-service-port=6443"]);
+        assert_eq!(c.kube_access(), KubeAccess::InCluster("10.96.0.1:6443".into()));
+        let c = parse(&["--kubernetes-service-host=fd00::1"]);
+        assert_eq!(c.kube_access(), KubeAccess::InCluster("[fd00::1]:443".into()));
+        let c = parse(&["--kubernetes-service-host=10.96.0.1", "--kubeconfig=/k"]);
+        assert_eq!(c.kube_access(), KubeAccess::Kubeconfig("/k".into()));
+        assert_eq!(parse(&[]).kube_access(), KubeAccess::None);
+        assert_eq!(parse(&["--stale-record-grace=1s"]).stale_record_grace, "1s");
+        let e = Config::try_parse_from(["aether-supervisor", "--stale-record-grace=1h"]).unwrap_err().to_string();
+        assert!(e.contains("\"1h\""), "{e}");
     }
 
     #[test]

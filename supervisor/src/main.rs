@@ -74,6 +74,11 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     supervise::prepare_dir(&cfg.state_dir, worker_owner, 0o700)?;
     supervise::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
     let args = worker_args(&cfg);
+    match cfg.kube_access() {
+        config::KubeAccess::Kubeconfig(p) => tracing::info!(kubeconfig = %p.display(), "Kubernetes API access: kubeconfig"),
+        config::KubeAccess::InCluster(addr) => tracing::info!(api_server = %addr, "Kubernetes API access: in cluster, the pod's service account"),
+        config::KubeAccess::None => tracing::info!("no Kubernetes API access: neither --kubeconfig nor KUBERNETES_SERVICE_HOST"),
+    }
     let env: Vec<(String, String)> = ["RUST_LOG", "RUST_BACKTRACE"]
         .iter()
         .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
@@ -124,5 +129,11 @@ fn worker_args(cfg: &Config) -> Vec<String> {
     if let Some(d) = &cfg.cni_conf_dir {
         a.push(format!("--cni-conf-dir={}", os_str_arg(d)));
     }
+    match cfg.kube_access() {
+        config::KubeAccess::Kubeconfig(p) => a.push(format!("--kubeconfig={}", os_str_arg(&p))),
+        config::KubeAccess::InCluster(addr) => a.push(format!("--kube-in-cluster={addr}")),
+        config::KubeAccess::None => {}
+    }
+    a.push(format!("--stale-record-grace={}", cfg.stale_record_grace));
     a
 }

@@ -59,6 +59,9 @@ impl Access {
     /// Builds the client. Reads the credentials once; a service-account token file is
     /// re-read by the client as it rotates, and the in-cluster CA file too.
     pub async fn client(&self) -> Result<kube::Client, AccessError> {
+        // ring, as everywhere in the workspace; kube-rs leaves the choice to the binary,
+        // and an error here only means a provider is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let options = kube::config::KubeConfigOptions::default();
         let config = match self {
             Access::Kubeconfig(path) => {

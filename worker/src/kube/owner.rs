@@ -178,6 +178,9 @@ async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node
     let mut backoff = Backoff::new(seed());
     let mut fresh: Option<Vec<Value>> = None;
     let mut said_absent = false;
+    // Conflicts in a row: the first is retried at once, later ones after the backoff,
+    // so that a writer that keeps changing the node is not raced in a tight loop.
+    let mut conflicts = 0u32;
     loop {
         let taints = fresh.take().or_else(|| node.borrow_and_update().clone());
         let patch = match taint::decide(taint::Owner { serving: w.active(), acked: true }, taints.as_deref()) {
@@ -212,6 +215,7 @@ async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node
         };
         match api.patch(&name, &PatchParams::default(), &Patch::Json::<()>(patch)).await {
             Ok(n) => {
+                conflicts = 0;
                 count("removed");
                 trouble.clear("taint");
                 backoff.reset();
@@ -222,7 +226,11 @@ async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node
             }
             Err(kube::Error::Api(s)) if s.code == 422 || s.code == 409 => {
                 count("conflict");
-                info!(node = %name, code = s.code, message = %s.message, "the node's taints changed under the patch; reading the node again");
+                conflicts += 1;
+                info!(node = %name, code = s.code, message = %s.message, conflicts, "the node's taints changed under the patch; reading the node again");
+                if conflicts > 1 {
+                    tokio::time::sleep(backoff.next_wait()).await;
+                }
                 match api.get(&name).await {
                     Ok(n) => fresh = Some(taints_of(&n)),
                     Err(e) => failed(&e, "get", &what, &trouble, &mut backoff, &count).await,
@@ -247,7 +255,7 @@ async fn failed(e: &kube::Error, verb: &str, what: &Watched, trouble: &Trouble, 
     tokio::time::sleep(wait).await;
 }
 
-/// The node's taints as JSON, as the test operation compares them.
+/// The node's taints as JSON, as [`taint::decide`] reads them.
 pub fn taints_of(n: &KubeNode) -> Vec<Value> {
     let taints = n.spec.as_ref().and_then(|s| s.taints.as_ref());
     taints.into_iter().flatten().filter_map(|t| serde_json::to_value(t).ok()).collect()

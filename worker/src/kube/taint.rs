@@ -4,10 +4,13 @@
 //! The kubelet registers the node with the taint, so no pod that needs the mesh lands
 //! before an agent serves it. The owner alone removes it, once its CNI API serves and the
 //! proxy has ACKed a snapshot; a standby never touches the node. The patch is a JSON
-//! patch that first `test`s the taint at the index it was read at and then `remove`s it:
-//! if anything changed the list meanwhile (another writer, a re-applied taint) the test
-//! fails, the server answers 422, and the owner reads the node again and retries. A
-//! strategic merge patch could not remove one list item without that race.
+//! patch that first `test`s the taint at the index it was read at (its key and effect,
+//! which identify a taint: the API server refuses two taints with the same pair) and then
+//! `remove`s it: if another writer moved the list meanwhile the test fails, the server
+//! answers 422, and the owner reads the node again and retries. A strategic merge patch
+//! could not remove one list item without that race. The test leaves out the taint's
+//! other fields (`timeAdded`, `value`): their text is the server's, and a client that
+//! parses and prints a timestamp again need not print the same text.
 
 use serde_json::{Value, json};
 
@@ -49,16 +52,17 @@ pub fn decide(owner: Owner, taints: Option<&[Value]>) -> Decision {
     }
     let Some(taints) = taints else { return Decision::Wait("the node object") };
     match find(taints) {
-        Some(index) => Decision::Remove { index, patch: removal(index, &taints[index]) },
+        Some(index) => Decision::Remove { index, patch: removal(index) },
         None => Decision::Absent,
     }
 }
 
-/// `test` the taint at `index` as it was read, then `remove` it.
-pub fn removal(index: usize, taint: &Value) -> Value {
+/// `test` that the startup taint is at `index`, then `remove` it.
+pub fn removal(index: usize) -> Value {
     let path = format!("/spec/taints/{index}");
     json!([
-        { "op": "test", "path": path, "value": taint },
+        { "op": "test", "path": format!("{path}/key"), "value": KEY },
+        { "op": "test", "path": format!("{path}/effect"), "value": EFFECT },
         { "op": "remove", "path": path },
     ])
 }
@@ -83,8 +87,8 @@ mod tests {
             (ready, None, Decision::Wait("the node object")),
             (ready, Some(vec![]), Decision::Absent),
             (ready, Some(vec![other.clone(), taint(KEY, "NoExecute")]), Decision::Absent),
-            (ready, Some(vec![ours.clone()]), Decision::Remove { index: 0, patch: removal(0, &ours) }),
-            (ready, Some(vec![other.clone(), ours.clone()]), Decision::Remove { index: 1, patch: removal(1, &ours) }),
+            (ready, Some(vec![ours.clone()]), Decision::Remove { index: 0, patch: removal(0) }),
+            (ready, Some(vec![other.clone(), ours.clone()]), Decision::Remove { index: 1, patch: removal(1) }),
         ];
         for (owner, taints, want) in cases {
             assert_eq!(decide(owner, taints.as_deref()), want, "{owner:?} {taints:?}");
@@ -92,16 +96,23 @@ mod tests {
     }
 
     #[test]
-    fn the_patch_tests_the_exact_taint_before_removing_it() {
-        let t = json!({ "key": KEY, "effect": EFFECT, "timeAdded": "2026-12-01T00:00:00Z" });
+    fn the_patch_tests_the_taints_key_and_effect_at_its_index_before_removing_it() {
         assert_eq!(
-            removal(2, &t),
+            removal(2),
             json!([
-                { "op": "test", "path": "/spec/taints/2", "value": { "key": KEY, "effect": EFFECT, "timeAdded": "2026-12-01T00:00:00Z" } },
+                { "op": "test", "path": "/spec/taints/2/key", "value": KEY },
+                { "op": "test", "path": "/spec/taints/2/effect", "value": EFFECT },
                 { "op": "remove", "path": "/spec/taints/2" },
             ])
         );
         // It is a JSON patch as the client sends it.
-        let _: json_patch::Patch = serde_json::from_value(removal(0, &t)).unwrap();
+        let _: json_patch::Patch = serde_json::from_value(removal(0)).unwrap();
+        // Applied to a list the other writer changed, it fails as a whole.
+        let mut moved = json!({ "spec": { "taints": [taint("other", EFFECT), taint(KEY, EFFECT)] } });
+        let ops: json_patch::Patch = serde_json::from_value(removal(0)).unwrap();
+        assert!(json_patch::patch(&mut moved, &ops).is_err());
+        let ops: json_patch::Patch = serde_json::from_value(removal(1)).unwrap();
+        json_patch::patch(&mut moved, &ops).unwrap();
+        assert_eq!(moved, json!({ "spec": { "taints": [taint("other", EFFECT)] } }));
     }
 }

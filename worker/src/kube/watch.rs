@@ -231,11 +231,12 @@ where
                         metrics.kube_relists.get_or_create(&label).inc();
                     }
                     connected.set(1);
-                    if failing.take().is_some() {
-                        trouble.clear(what.resource);
-                    }
                 }
-                backoff.reset();
+                // `Init` comes before the list is even tried: only what the server sent
+                // shows the watch works.
+                if !matches!(event, watcher::Event::Init) {
+                    backoff.reset();
+                }
                 on(Step::Event(event));
             }
             Err(e) => {
