@@ -28,6 +28,8 @@ const MAX_NETNS: usize = 4096;
 const MAX_CNI_ARGS: usize = 16 * 1024;
 const MAX_POD_FIELD: usize = 253;
 const MAX_POD_UID: usize = 128;
+/// A pod has one address, or two when dual-stack; the agent refuses more than this too.
+const MAX_IPS: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
@@ -204,6 +206,9 @@ fn check_netns(netns: &str) -> Result<(), CniError> {
             truncate(netns)
         )));
     }
+    if netns.split('/').any(|c| c == "..") {
+        return Err(env_err(format!("CNI_NETNS {:?} has a \"..\" component", truncate(netns))));
+    }
     Ok(())
 }
 
@@ -307,6 +312,10 @@ fn prev_result_ips(prev: &Map<String, Value>) -> Result<Vec<IpAddr>, CniError> {
         Some(Value::Array(a)) => a,
         Some(_) => return Err(config_err("prevResult.ips is not an array")),
     };
+    if ips.len() > MAX_IPS {
+        return Err(config_err(format!("prevResult.ips has {} entries, over the limit of {MAX_IPS}", ips.len())));
+    }
+    let mut seen = std::collections::BTreeSet::new();
     let mut out = Vec::with_capacity(ips.len());
     for (i, entry) in ips.iter().enumerate() {
         let Some(address) = entry.get("address").and_then(Value::as_str) else {
@@ -324,7 +333,7 @@ fn prev_result_ips(prev: &Map<String, Value>) -> Result<Vec<IpAddr>, CniError> {
         if prefix > if ip.is_ipv4() { 32 } else { 128 } {
             return Err(bad());
         }
-        if !out.contains(&ip) {
+        if seen.insert(ip) {
             out.push(ip);
         }
     }
@@ -400,6 +409,8 @@ mod tests {
         check(&[("CNI_IFNAME", "")], CONF, 4, "CNI_IFNAME is required");
         check(&[("CNI_NETNS", "")], CONF, 4, "CNI_NETNS is required for ADD");
         check(&[("CNI_NETNS", "relative")], CONF, 4, "CNI_NETNS");
+        check(&[("CNI_NETNS", "/var/run/netns/../../etc")], CONF, 4, "CNI_NETNS \"/var/run/netns/../../etc\" has a \"..\" component");
+        check(&[("CNI_NETNS", "/..")], CONF, 4, "CNI_NETNS \"/..\" has a \"..\" component");
         check(&[("CNI_ARGS", "K8S_POD_UID=../etc")], CONF, 4, "K8S_POD_UID");
         check(&[("CNI_ARGS", "novalue")], CONF, 4, "CNI_ARGS entry");
         check(&[], "{", 6, "not valid JSON");
@@ -428,6 +439,30 @@ mod tests {
             "agentSocket \"rel.sock\"",
         );
         check(&[("CNI_COMMAND", "CHECK")], &CONF.replace("1.0.0", "0.3.1"), 1, "CHECK needs 0.4.0");
+        let ips = |n: usize| {
+            let entries: Vec<String> = (0..n).map(|i| format!(r#"{{"address":"10.0.0.{}/24"}}"#, i + 1)).collect();
+            format!(r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#, entries.join(","))
+        };
+        check(&[], &ips(17), 7, "prevResult.ips has 17 entries, over the limit of 16");
+    }
+
+    #[test]
+    fn netns_names_with_dots_that_are_not_parent_components_pass() {
+        for netns in ["/var/run/netns/cni-1", "/var/run/netns/..x", "/var/run/netns/x..", "/proc/1/ns/net", "/a/./b"] {
+            check_netns(netns).unwrap_or_else(|e| panic!("{netns}: {e:?}"));
+        }
+    }
+
+    #[test]
+    fn prev_result_ips_are_deduplicated_in_order_up_to_the_cap() {
+        let entries: Vec<String> =
+            ["10.0.0.2", "fd00::1", "10.0.0.2", "10.0.0.1", "fd00::1"].iter().map(|a| format!(r#"{{"address":"{a}/8"}}"#)).collect();
+        let conf = format!(r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#, entries.join(","));
+        let ips: Vec<String> = parse_config(conf.as_bytes()).unwrap().ips.iter().map(IpAddr::to_string).collect();
+        assert_eq!(ips, ["10.0.0.2", "fd00::1", "10.0.0.1"]);
+        let sixteen: Vec<String> = (0..16).map(|i| format!(r#"{{"address":"10.0.0.{}/8"}}"#, i + 1)).collect();
+        let conf = format!(r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#, sixteen.join(","));
+        assert_eq!(parse_config(conf.as_bytes()).unwrap().ips.len(), 16, "the cap admits its figure");
     }
 
     #[test]

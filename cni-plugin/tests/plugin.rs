@@ -183,6 +183,12 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
     };
     let mut oversized = good.clone().into_bytes();
     oversized.resize(1024 * 1024 + 1, b' ');
+    let seventeen_ips = {
+        let mut v: Value = serde_json::from_str(&good).unwrap();
+        let ips: Vec<Value> = (0..17).map(|i| serde_json::json!({"address": format!("10.1.0.{}/24", i + 1), "interface": 0})).collect();
+        v["prevResult"]["ips"] = Value::Array(ips);
+        v.to_string()
+    };
 
     struct Case {
         name: &'static str,
@@ -240,6 +246,20 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
             stdin: good.clone().into(),
             code: 4,
             msg: "CNI_IFNAME \"eth0123456789abc\" is 16 bytes",
+        },
+        Case {
+            name: "a .. component in the netns",
+            env: set(env("ADD"), "CNI_NETNS", Some("/var/run/netns/../../proc/1/ns/net")),
+            stdin: good.clone().into(),
+            code: 4,
+            msg: "CNI_NETNS \"/var/run/netns/../../proc/1/ns/net\" has a \"..\" component",
+        },
+        Case {
+            name: "more addresses than a pod has",
+            env: env("ADD"),
+            stdin: seventeen_ips.into(),
+            code: 7,
+            msg: "prevResult.ips has 17 entries, over the limit of 16",
         },
         Case {
             name: "ADD without prevResult",

@@ -70,7 +70,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let _conflist = cfg.cni_conf_dir.clone().map(|dir| crate::conflist::spawn(dir, problems.clone()));
 
     let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
-    tokio::spawn(health::serve(health_listener, status.subscribe()));
+    tokio::spawn(health::serve(health_listener, status.subscribe(), metrics.clone()));
 
     let mut control = Control::new(control_fd)?;
     let acks = crate::acks::Acks::default();
@@ -373,7 +373,13 @@ fn serve(
 
 /// Serves Prometheus metrics on `addr`. The previous owner may hold the port for a few
 /// milliseconds after it handed the node over, so binding is retried for a while.
-async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
+///
+/// At most `MAX_CONNECTIONS` are open at once (any host-network process can connect;
+/// one past the cap is closed at once and counted), and the text is encoded at most once
+/// per `CACHE_FOR`, however many scrapes come.
+pub async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
+    const MAX_CONNECTIONS: usize = 64;
+    const CACHE_FOR: Duration = Duration::from_secs(1);
     let mut delay = Duration::from_millis(10);
     let deadline = Instant::now() + Duration::from_secs(30);
     let listener = loop {
@@ -389,11 +395,16 @@ async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
             }
         }
     };
+    let mut acceptor = crate::accept::Acceptor::new(listener, "metrics", MAX_CONNECTIONS, metrics.clone());
     loop {
-        let Ok((conn, _)) = listener.accept().await else { continue };
-        let text = metrics.encode();
+        let conn = acceptor.next().await;
+        let metrics = metrics.clone();
         tokio::spawn(httpmini::serve_one(conn, move |path| match path {
-            "/metrics" => httpmini::Response { status: 200, content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8", body: text },
+            "/metrics" => httpmini::Response {
+                status: 200,
+                content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                body: metrics.encode_cached(CACHE_FOR),
+            },
             _ => httpmini::Response { status: 404, content_type: "text/plain", body: "try /metrics\n".into() },
         }));
     }

@@ -187,11 +187,11 @@ pub fn bind(dir: &Path) -> Result<UnixListener, HealthError> {
 }
 
 pub fn respond(status: &Status, path: &str) -> Response {
-    let body = serde_json::to_string(status).unwrap_or_else(|_| "{}".into()) + "\n";
+    let body = (serde_json::to_string(status).unwrap_or_else(|_| "{}".into()) + "\n").into();
     match path {
         "/ready" => Response { status: if status.ready { 200 } else { 503 }, content_type: "application/json", body },
         "/live" => Response { status: 200, content_type: "application/json", body },
-        _ => Response { status: 404, content_type: "text/plain", body: format!("no such path {path:?}; try /ready or /live\n") },
+        _ => Response { status: 404, content_type: "text/plain", body: format!("no such path {path:?}; try /ready or /live\n").into() },
     }
 }
 
@@ -209,10 +209,16 @@ pub async fn bind_after_predecessor(dir: &Path, bound: Duration) -> Result<UnixL
     }
 }
 
+/// The most connections the health socket holds open at once. kubelet's probes come one
+/// at a time, each answered at once; a connection that sends nothing is closed after
+/// [`httpmini::READ_TIMEOUT`].
+pub const MAX_CONNECTIONS: usize = 64;
+
 /// Answers health requests until the process exits.
-pub async fn serve(listener: UnixListener, status: watch::Receiver<Status>) {
+pub async fn serve(listener: UnixListener, status: watch::Receiver<Status>, metrics: std::sync::Arc<crate::metrics::Metrics>) {
+    let mut acceptor = crate::accept::Acceptor::new(listener, "health", MAX_CONNECTIONS, metrics);
     loop {
-        let Ok((conn, _)) = listener.accept().await else { continue };
+        let conn = acceptor.next().await;
         let snapshot = status.borrow().clone();
         tokio::spawn(httpmini::serve_one(conn, move |path| respond(&snapshot, path)));
     }

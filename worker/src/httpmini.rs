@@ -1,19 +1,28 @@
 //! A minimal HTTP/1.0 responder for the health socket and the metrics port: one request
 //! line, headers ignored, one response, close. Enough for `agent-ready`, kubelet exec
 //! probes via that binary, and Prometheus; nothing here parses a body.
+//!
+//! A connection lives at most [`READ_TIMEOUT`] plus [`WRITE_TIMEOUT`]: a client that
+//! sends nothing, or reads nothing, cannot hold one of its listener's few connection
+//! slots (see `crate::accept`) for longer.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 
 /// The longest request line or header line accepted.
 const MAX_LINE: usize = 1024;
-const READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the request line may take to arrive.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the client may take to read the response.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct Response {
     pub status: u16,
     pub content_type: &'static str,
-    pub body: String,
+    /// Shared, so that one cached text can answer many connections.
+    pub body: Arc<str>,
 }
 
 fn reason(status: u16) -> &'static str {
@@ -58,9 +67,12 @@ where
         response.body.len()
     );
     let io = reader.get_mut();
-    let _ = io.write_all(head.as_bytes()).await;
-    let _ = io.write_all(response.body.as_bytes()).await;
-    let _ = io.shutdown().await;
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, async {
+        io.write_all(head.as_bytes()).await?;
+        io.write_all(response.body.as_bytes()).await?;
+        io.shutdown().await
+    })
+    .await;
 }
 
 use tokio::io::AsyncReadExt as _;

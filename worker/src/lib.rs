@@ -8,6 +8,7 @@
 //! state machine that the driver in [`agent`] runs.
 #![forbid(unsafe_code)]
 
+pub mod accept;
 pub mod acks;
 pub mod agent;
 pub mod bootstrap;

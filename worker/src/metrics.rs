@@ -53,6 +53,28 @@ pub struct KubeErrorLabel {
     pub reason: String,
 }
 
+/// A listener of the worker: `health`, `metrics`, `xds`, `cni`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SocketLabel {
+    pub socket: String,
+}
+
+/// A failed accept: the listener and why (`emfile`, `enfile`, `nomem`, `connection`,
+/// `other`; see `crate::accept`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AcceptErrorLabel {
+    pub socket: String,
+    pub kind: String,
+}
+
+/// An ADS stream ended over a subscription limit: the type and which limit (`names`,
+/// `name_length`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabel {
+    pub type_url: String,
+    pub limit: String,
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
@@ -84,6 +106,12 @@ pub struct Metrics {
     pub kube_taint_patches: Family<ResultLabel, Counter>,
     pub stale_records_removed: Counter,
     pub cni_evictions: Counter,
+    pub accept_errors: Family<AcceptErrorLabel, Counter>,
+    pub connections: Family<SocketLabel, Gauge>,
+    pub connections_refused: Family<SocketLabel, Counter>,
+    pub xds_subscription_refusals: Family<LimitLabel, Counter>,
+    /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
+    encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
 }
 
 fn phase_histogram() -> Histogram {
@@ -124,6 +152,11 @@ impl Metrics {
             kube_taint_patches: Family::default(),
             stale_records_removed: Counter::default(),
             cni_evictions: Counter::default(),
+            accept_errors: Family::default(),
+            connections: Family::default(),
+            connections_refused: Family::default(),
+            xds_subscription_refusals: Family::default(),
+            encoded: std::sync::Mutex::new(None),
         };
         let r = &mut m.registry;
         r.register("takeover_phase_seconds", "Duration of each takeover phase", m.takeover_phase_seconds.clone());
@@ -159,6 +192,14 @@ impl Metrics {
         r.register("kube_taint_patches", "Node patches removing the startup taint, by result (removed, conflict, forbidden, error)", m.kube_taint_patches.clone());
         r.register("stale_records_removed", "Pod records removed because the API server no longer had their pod for the grace period", m.stale_records_removed.clone());
         r.register("cni_evictions", "Older pod records a CNI ADD evicted because they held the new pod's IP", m.cni_evictions.clone());
+        r.register("accept_errors", "Failed accepts, by listener and kind (each but connection backs off 10 ms doubling to 1 s)", m.accept_errors.clone());
+        r.register("connections", "Connections open on each listener", m.connections.clone());
+        r.register("connections_refused", "Connections closed at once because their listener was at its connection cap", m.connections_refused.clone());
+        r.register(
+            "xds_subscription_refusals",
+            "ADS streams ended with RESOURCE_EXHAUSTED over a subscription limit, by type and limit (names, name_length)",
+            m.xds_subscription_refusals.clone(),
+        );
         Arc::new(m)
     }
 
@@ -172,5 +213,21 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// [`Metrics::encode`], made at most once per `max_age`: every scrape within it gets
+    /// the same text, so a flood of connections to the metrics port costs a copy of a
+    /// reference each, not an encoding of every metric.
+    pub fn encode_cached(&self, max_age: std::time::Duration) -> Arc<str> {
+        let now = tokio::time::Instant::now();
+        let mut cached = self.encoded.lock().unwrap_or_else(|e| e.into_inner());
+        match &*cached {
+            Some((at, text)) if now.duration_since(*at) < max_age => text.clone(),
+            _ => {
+                let text: Arc<str> = self.encode().into();
+                *cached = Some((now, text.clone()));
+                text
+            }
+        }
     }
 }

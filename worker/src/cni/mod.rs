@@ -11,6 +11,9 @@
 //! connect; each accepted connection is checked again with SO_PEERCRED, so a socket
 //! whose mode was opened by mistake still answers no one else.
 //!
+//! Limits ([`Limits`]): connections open at once (counted where they are accepted,
+//! `crate::accept`), HTTP/2 streams per connection and the size of a request.
+//!
 //! Graceful stop: on shutdown the server stops accepting, lets in-flight calls (with their
 //! ACK wait) finish within [`DRAIN_BOUND`], then fences: it takes the lifecycle lock and
 //! marks the service drained, so any call still queued is turned away as `Unavailable`
@@ -27,8 +30,8 @@ use std::time::Duration;
 use aether_model::Change;
 use anyhow::Context;
 use shared_proto::cni::cni_server::CniServer;
-use tokio_stream::wrappers::UnixListenerStream;
 
+use crate::accept::{Acceptor, Tracked};
 use crate::acks::Acks;
 use crate::metrics::Metrics;
 use crate::node::Node;
@@ -43,6 +46,34 @@ pub use service::CniService;
 /// How long a draining server lets in-flight calls run after shutdown: an Add's ACK wait
 /// plus its storage write, with room to spare.
 pub const DRAIN_BOUND: Duration = Duration::from_secs(5);
+
+/// The most connections `cni.sock` holds open at once. Each plugin process opens one for
+/// its one call; a node's runtime can start many pods at once, and the burst benchmark
+/// runs 1,000 concurrent ADDs, so this leaves twice that.
+pub const MAX_CONNECTIONS: usize = 2048;
+/// The most HTTP/2 streams (calls) one connection may have open at once; the plugin
+/// makes one. A stream past it is refused by HTTP/2 (REFUSED_STREAM).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+/// The largest request, encoded; a larger one is refused with OUT_OF_RANGE before the
+/// service sees it. A request is a few names, a path, the pod's IPs and the previous
+/// plugin's result, a few KiB in practice. The plugin reads at most 1 MiB of network
+/// config and re-encodes the result it holds (compact, but `1E2` becomes `100.0`), so
+/// twice that admits every request the plugin accepts.
+pub const MAX_REQUEST: usize = 2 << 20;
+
+/// The CNI server's limits; ARCHITECTURE.md ("Limits") lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_streams_per_connection: u32,
+    pub max_request: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_connections: MAX_CONNECTIONS, max_streams_per_connection: MAX_STREAMS_PER_CONNECTION, max_request: MAX_REQUEST }
+    }
+}
 
 /// Serves the CNI API on `listener` until `shutdown` resolves, then lets in-flight calls
 /// finish (bounded) before returning. With `marks`, a DEL also marks the pod's registry
@@ -60,7 +91,7 @@ pub async fn serve(
     if let Some(marks) = marks {
         service = service.with_drain_marks(marks);
     }
-    serve_service(listener, service, shutdown, DRAIN_BOUND).await
+    serve_service(listener, service, shutdown, DRAIN_BOUND, Limits::default()).await
 }
 
 /// [`serve`] with any service configuration and drain bound, for tests.
@@ -71,7 +102,18 @@ pub async fn serve_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
     drain_bound: Duration,
 ) -> anyhow::Result<()> {
-    serve_service(listener, service, shutdown, drain_bound).await
+    serve_service(listener, service, shutdown, drain_bound, Limits::default()).await
+}
+
+/// [`serve_with`] with the given limits, for tests.
+#[cfg(any(test, feature = "testing"))]
+pub async fn serve_limited(
+    listener: tokio::net::UnixListener,
+    service: CniService,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    limits: Limits,
+) -> anyhow::Result<()> {
+    serve_service(listener, service, shutdown, DRAIN_BOUND, limits).await
 }
 
 async fn serve_service(
@@ -79,6 +121,7 @@ async fn serve_service(
     service: CniService,
     shutdown: impl Future<Output = ()> + Send + 'static,
     drain_bound: Duration,
+    limits: Limits,
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -91,9 +134,10 @@ async fn serve_service(
     };
 
     let fence = service.clone();
-    let incoming = allowed_peers(listener, service.metrics().clone())?;
+    let incoming = allowed_peers(listener, service.metrics().clone(), limits.max_connections)?;
     let server = tonic::transport::Server::builder()
-        .add_service(CniServer::new(service))
+        .max_concurrent_streams(limits.max_streams_per_connection)
+        .add_service(CniServer::new(service).max_decoding_message_size(limits.max_request))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     let drain_expired = async {
         stopped(stop_rx).await;
@@ -112,32 +156,32 @@ async fn serve_service(
 }
 
 /// The accepted connections whose peer is root or the socket's owner (the uid that
-/// created it: the supervisor); any other is closed, logged and counted.
+/// created it: the supervisor), at most `max_connections` open at once. A connection of
+/// another peer is closed, logged and counted; one past the cap is closed and counted.
+/// Accept errors back off (`crate::accept`).
 fn allowed_peers(
     listener: tokio::net::UnixListener,
     metrics: Arc<Metrics>,
-) -> anyhow::Result<impl tokio_stream::Stream<Item = std::io::Result<tokio::net::UnixStream>>> {
+    max_connections: usize,
+) -> anyhow::Result<impl tokio_stream::Stream<Item = std::io::Result<Tracked<tokio::net::UnixStream>>>> {
     use std::os::unix::fs::MetadataExt;
-    use tokio_stream::StreamExt;
     let owner = {
         let fd = std::os::fd::AsFd::as_fd(&listener).try_clone_to_owned().context("dup of the cni.sock listener")?;
         std::fs::File::from(fd).metadata().context("fstat of the cni.sock listener")?.uid()
     };
-    Ok(UnixListenerStream::new(listener).filter_map(move |conn| match conn {
-        Err(e) => Some(Err(e)),
-        Ok(stream) => match stream.peer_cred() {
-            Ok(c) if c.uid() == 0 || c.uid() == owner => Some(Ok(stream)),
-            Ok(c) => {
-                metrics.cni_refused_peers.inc();
-                tracing::warn!(uid = c.uid(), pid = ?c.pid(), allowed = ?[0, owner], "CNI connection from an unexpected uid; closed");
-                None
-            }
-            Err(e) => {
-                metrics.cni_refused_peers.inc();
-                tracing::warn!(error = %e, "SO_PEERCRED of a CNI connection failed; closed");
-                None
-            }
-        },
+    let acceptor = Acceptor::new(listener, "cni", max_connections, metrics.clone());
+    Ok(acceptor.incoming(move |stream: &tokio::net::UnixStream| match stream.peer_cred() {
+        Ok(c) if c.uid() == 0 || c.uid() == owner => true,
+        Ok(c) => {
+            metrics.cni_refused_peers.inc();
+            tracing::warn!(uid = c.uid(), pid = ?c.pid(), allowed = ?[0, owner], "CNI connection from an unexpected uid; closed");
+            false
+        }
+        Err(e) => {
+            metrics.cni_refused_peers.inc();
+            tracing::warn!(error = %e, "SO_PEERCRED of a CNI connection failed; closed");
+            false
+        }
     }))
 }
 

@@ -418,15 +418,23 @@ fn check_container_id(id: &str) -> Result<(), Status> {
     }
 }
 
+/// The request's addresses, each once, in the order given. At most `MAX_IPS`: a pod has
+/// one, or two when dual-stack; the cap bounds what one request can make the agent store
+/// and compare.
 fn parse_ips(ips: &[String]) -> Result<Vec<IpAddr>, Status> {
+    const MAX_IPS: usize = 16;
     if ips.is_empty() {
         return Err(Status::invalid_argument("ips is empty: the pod has no address"));
     }
+    if ips.len() > MAX_IPS {
+        return Err(Status::invalid_argument(format!("ips has {} entries, over the limit of {MAX_IPS}", ips.len())));
+    }
+    let mut seen = BTreeSet::new();
     let mut out = Vec::with_capacity(ips.len());
     for (i, ip) in ips.iter().enumerate() {
         let ip: IpAddr =
             ip.parse().map_err(|_| Status::invalid_argument(format!("ips[{i}] {ip:?} is not an IP address")))?;
-        if !out.contains(&ip) {
+        if seen.insert(ip) {
             out.push(ip);
         }
     }
@@ -438,8 +446,14 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
     check_container_id(&req.container_id)?;
     let uid = pod_uid(req)?;
     let ips = parse_ips(&req.ips)?;
-    if req.netns.is_empty() || !req.netns.starts_with('/') || req.netns.len() > MAX_NETNS {
-        return Err(Status::invalid_argument(format!("netns {:?} is not an absolute path", req.netns)));
+    // The agent only stores the path, but whoever reads a record later must not be
+    // walked out of the runtime's netns folder by it: no `..` component.
+    let netns = req.netns.char_indices().nth(128).map_or(req.netns.as_str(), |(end, _)| &req.netns[..end]);
+    if req.netns.is_empty() || !req.netns.starts_with('/') || req.netns.len() > MAX_NETNS || req.netns.contains('\0') {
+        return Err(Status::invalid_argument(format!("netns {netns:?} is not an absolute path of at most {MAX_NETNS} bytes")));
+    }
+    if req.netns.split('/').any(|c| c == "..") {
+        return Err(Status::invalid_argument(format!("netns {netns:?} has a \"..\" component")));
     }
     if req.ifname.is_empty() || req.ifname.len() > MAX_IFNAME || req.ifname.contains('/') {
         return Err(Status::invalid_argument(format!("ifname {:?} is not a valid interface name", req.ifname)));

@@ -119,6 +119,13 @@ async fn invalid_adds_write_nothing() {
         (req("u1", "c1", &[]), "ips is empty"),
         (req("u1", "c1", &["10.0.0.1/24"]), "ips[0]"),
         (CniRequest { netns: "rel".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "netns"),
+        (
+            CniRequest { netns: "/var/run/netns/../../proc/1/ns/net".into(), ..req("u1", "c1", &["10.0.0.1"]) },
+            "netns \"/var/run/netns/../../proc/1/ns/net\" has a \"..\" component",
+        ),
+        (CniRequest { netns: "/..".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "netns \"/..\" has a \"..\" component"),
+        (CniRequest { netns: format!("/{}", "n".repeat(5000)), ..req("u1", "c1", &["10.0.0.1"]) }, "at most 4096 bytes"),
+        (CniRequest { ips: (1..=17).map(|i| format!("10.0.0.{i}")).collect(), ..req("u1", "c1", &[]) }, "ips has 17 entries, over the limit of 16"),
         (CniRequest { ifname: "0123456789abcdef".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "ifname"),
     ];
     for (r, field) in cases {
@@ -128,6 +135,20 @@ async fn invalid_adds_write_nothing() {
     }
     assert!(stored(f.storage.dir()).is_empty());
     assert!(f.node.inputs().pods.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_add_stores_each_ip_once_in_the_order_given_up_to_the_cap() {
+    let f = fixture(true);
+    let given = ["10.0.0.2", "fd00::1", "10.0.0.2", "10.0.0.1", "fd00::1"];
+    f.service.add(Request::new(req("u1", "c1", &given))).await.unwrap();
+    assert_eq!(f.storage.get("u1").unwrap().ips, ips(&["10.0.0.2", "fd00::1", "10.0.0.1"]));
+    // The cap admits its figure; a netns with dots that are not a component passes.
+    let sixteen: Vec<String> = (1..=16).map(|i| format!("10.0.1.{i}")).collect();
+    let sixteen: Vec<&str> = sixteen.iter().map(String::as_str).collect();
+    let r = CniRequest { netns: "/var/run/netns/..cni..".into(), ..req("u2", "c2", &sixteen) };
+    f.service.add(Request::new(r)).await.unwrap();
+    assert_eq!(f.storage.get("u2").unwrap().ips.len(), 16);
 }
 
 #[tokio::test(start_paused = true)]

@@ -27,6 +27,11 @@
 //! load assignment, not 10,000. A fresh subscription, or a stream that fell behind the
 //! snapshot history, compares everything once. What the proxy holds and has ACKed are
 //! persistent maps: recording them per response copies nothing.
+//!
+//! Limits: the names a stream subscribes to grow across its requests, so each request is
+//! checked before it is applied ([`DeltaState::check_limits`]): at most
+//! [`MAX_SUBSCRIBED_NAMES`] names per type, none longer than [`MAX_NAME_LEN`] bytes.
+//! Past either the server ends the stream with RESOURCE_EXHAUSTED naming the limit.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -39,6 +44,84 @@ use super::encoded::Encoded;
 use super::kind::{KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
 use super::protocol::{Event, Protocol};
 use crate::writers::Observed;
+
+/// The most resource names one stream may subscribe to (or report holding) per type. A
+/// node at 10,000 services subscribes to one load assignment per service port, so even
+/// at three ports each it needs under a third of this.
+pub const MAX_SUBSCRIBED_NAMES: usize = 100_000;
+/// The longest resource name a request may carry. The model's longest are about 150
+/// bytes (`outbound|<port>||<63-byte name>.<63-byte namespace>`, `inbound|<pod uid>`).
+pub const MAX_NAME_LEN: usize = 512;
+
+/// The limits on what one ADS stream may subscribe to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubscriptionLimits {
+    /// Names per type and stream.
+    pub max_names: usize,
+    /// Bytes per name.
+    pub max_name_len: usize,
+}
+
+impl Default for SubscriptionLimits {
+    fn default() -> Self {
+        Self { max_names: MAX_SUBSCRIBED_NAMES, max_name_len: MAX_NAME_LEN }
+    }
+}
+
+/// A request that would take its stream past a [`SubscriptionLimits`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    #[error("{}: subscribing to {names} resource names is over the limit of {max} per type and stream", type_url(*kind))]
+    TooManyNames { kind: Kind, names: usize, max: usize },
+    #[error("{}: resource name {name:?} is {len} bytes, over the limit of {max}", type_url(*kind))]
+    NameTooLong {
+        kind: Kind,
+        /// The name's first 64 bytes.
+        name: String,
+        len: usize,
+        max: usize,
+    },
+}
+
+impl LimitError {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Self::TooManyNames { kind, .. } | Self::NameTooLong { kind, .. } => *kind,
+        }
+    }
+
+    /// Which limit, as the metric labels it.
+    pub fn limit(&self) -> &'static str {
+        match self {
+            Self::TooManyNames { .. } => "names",
+            Self::NameTooLong { .. } => "name_length",
+        }
+    }
+}
+
+impl SubscriptionLimits {
+    /// Every name at most `max_name_len` bytes.
+    pub fn check_lengths<'a>(&self, kind: Kind, names: impl IntoIterator<Item = &'a str>) -> Result<(), LimitError> {
+        match names.into_iter().find(|n| n.len() > self.max_name_len) {
+            None => Ok(()),
+            Some(n) => {
+                let mut end = n.len().min(64);
+                while !n.is_char_boundary(end) {
+                    end -= 1;
+                }
+                Err(LimitError::NameTooLong { kind, name: n[..end].to_string(), len: n.len(), max: self.max_name_len })
+            }
+        }
+    }
+
+    /// At most `max_names` names.
+    pub fn check_count(&self, kind: Kind, names: usize) -> Result<(), LimitError> {
+        if names > self.max_names {
+            return Err(LimitError::TooManyNames { kind, names, max: self.max_names });
+        }
+        Ok(())
+    }
+}
 
 #[derive(Debug, Default)]
 struct TypeState {
@@ -96,6 +179,26 @@ pub struct DeltaState {
 }
 
 impl DeltaState {
+    /// Whether `req` keeps the stream within `limits`: no name in it longer than the
+    /// limit, and its type's names (those subscribed so far plus the new ones, or the
+    /// versions a first request reports holding) no more than the limit. Checked before
+    /// the request is applied, so a refused request changes nothing. A type not served
+    /// is ignored by [`Protocol::on_request`] and holds nothing, so it is not checked.
+    pub fn check_limits(&self, req: &DeltaDiscoveryRequest, limits: &SubscriptionLimits) -> Result<(), LimitError> {
+        let Some(kind) = from_type_url(&req.type_url) else {
+            return Ok(());
+        };
+        let named = req.resource_names_subscribe.iter().chain(&req.resource_names_unsubscribe);
+        limits.check_lengths(kind, named.chain(req.initial_resource_versions.keys()).map(String::as_str))?;
+        let t = &self.types[kind.index()];
+        if !t.subscribed {
+            limits.check_count(kind, req.initial_resource_versions.len())?;
+        }
+        let new: BTreeSet<&str> =
+            req.resource_names_subscribe.iter().map(String::as_str).filter(|n| *n != "*" && !t.names.contains(*n)).collect();
+        limits.check_count(kind, t.names.len() + new.len())
+    }
+
     /// Whether the wildcard CDS subscription leaves the mesh's clusters out.
     fn lazy(&self, kind: Kind) -> bool {
         kind == Kind::Cluster && self.observed.is_some()
@@ -633,6 +736,76 @@ mod tests {
             let want: Vec<&String> = st.current().hashes(kind).keys().collect();
             assert_eq!(holds, want, "{kind:?}");
         }
+    }
+
+    #[test]
+    fn requests_past_the_subscription_limits_are_refused_and_change_nothing() {
+        let limits = SubscriptionLimits { max_names: 3, max_name_len: 16 };
+        let mut st = DeltaState::new(snap(1, 0), Arc::default());
+        let admit = |st: &mut DeltaState, r: DeltaDiscoveryRequest| {
+            st.check_limits(&r, &limits)?;
+            st.on_request(&r);
+            Ok::<(), LimitError>(())
+        };
+        admit(&mut st, req(Kind::Endpoint, "", &["a", "b"], None)).unwrap();
+        // Names already subscribed and "*" do not count again; a repeated name counts once.
+        admit(&mut st, req(Kind::Endpoint, "", &["a", "b", "c", "c", "*"], None)).unwrap();
+        let past = admit(&mut st, req(Kind::Endpoint, "", &["d", "a"], None)).expect_err("a fourth name");
+        assert_eq!(past, LimitError::TooManyNames { kind: Kind::Endpoint, names: 4, max: 3 });
+        assert_eq!(past.limit(), "names");
+        assert_eq!(
+            past.to_string(),
+            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment: subscribing to 4 resource names is over the limit of 3 per type and stream"
+        );
+        assert_eq!(st.types[Kind::Endpoint.index()].names.len(), 3, "the refused request changed nothing");
+        // Each type counts its own names.
+        admit(&mut st, req(Kind::Route, "", &["d", "e", "f"], None)).unwrap();
+        // An unsubscribe makes room.
+        let mut unsub = req(Kind::Endpoint, "", &[], None);
+        unsub.resource_names_unsubscribe = vec!["a".into()];
+        admit(&mut st, unsub).unwrap();
+        admit(&mut st, req(Kind::Endpoint, "", &["d"], None)).unwrap();
+
+        // Every name of a request is checked for length, unsubscribes and held versions too.
+        let long = "x".repeat(17);
+        let err = admit(&mut st, req(Kind::Route, "", &[&long], None)).expect_err("a 17-byte name");
+        assert_eq!(err, LimitError::NameTooLong { kind: Kind::Route, name: long.clone(), len: 17, max: 16 });
+        assert_eq!(err.limit(), "name_length");
+        let mut unsub = req(Kind::Route, "", &[], None);
+        unsub.resource_names_unsubscribe = vec![long.clone()];
+        assert!(st.check_limits(&unsub, &limits).is_err());
+        let mut held = req(Kind::Cluster, "", &[], None);
+        held.initial_resource_versions = [(long.clone(), "1".to_string())].into();
+        assert!(st.check_limits(&held, &limits).is_err());
+        // A first request reporting more held resources than the limit.
+        held.initial_resource_versions = (0..4).map(|i| (format!("c{i}"), "1".to_string())).collect();
+        assert_eq!(st.check_limits(&held, &limits), Err(LimitError::TooManyNames { kind: Kind::Cluster, names: 4, max: 3 }));
+        // A type the agent does not serve holds nothing and is not checked.
+        let mut other = req(Kind::Route, "", &[&long], None);
+        other.type_url = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".into();
+        assert_eq!(st.check_limits(&other, &limits), Ok(()));
+    }
+
+    #[test]
+    fn the_default_name_limit_admits_its_figure_across_requests() {
+        let limits = SubscriptionLimits::default();
+        let names: Vec<String> = (0..MAX_SUBSCRIBED_NAMES).map(|i| format!("outbound|80||service-{i}.namespace")).collect();
+        let (first, second) = names.split_at(MAX_SUBSCRIBED_NAMES / 2);
+        let mut st = DeltaState::new(snap(1, 0), Arc::default());
+        for half in [first, second] {
+            let r = DeltaDiscoveryRequest {
+                type_url: type_url(Kind::Endpoint).into(),
+                resource_names_subscribe: half.to_vec(),
+                ..Default::default()
+            };
+            assert_eq!(st.check_limits(&r, &limits), Ok(()));
+            st.on_request(&r);
+        }
+        let one_more = req(Kind::Endpoint, "", &["outbound|80||one-more.namespace"], None);
+        assert!(matches!(st.check_limits(&one_more, &limits), Err(LimitError::TooManyNames { names: 100_001, .. })));
+        // The longest name the model makes passes the length limit.
+        let longest = format!("outbound|65535||{}.{}", "n".repeat(63), "s".repeat(63));
+        assert_eq!(limits.check_lengths(Kind::Cluster, [longest.as_str()]), Ok(()));
     }
 
     #[test]

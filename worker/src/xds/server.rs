@@ -6,6 +6,11 @@
 //!
 //! The routing is what tonic generates for the service (`envoy-types`'
 //! `AggregatedDiscoveryServiceServer`), with the request codec swapped.
+//!
+//! Limits ([`Limits`]): connections on `xds.sock` (counted where they are accepted,
+//! `crate::accept`), HTTP/2 streams per connection, the size of a request, and what a
+//! stream may subscribe to ([`SubscriptionLimits`]); a stream past the last ends with
+//! RESOURCE_EXHAUSTED naming the limit.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -19,33 +24,78 @@ use std::time::Instant;
 use aether_model::Snapshot;
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{Body, BoxFuture, StdError, http};
 use tonic::server::{Grpc, NamedService, StreamingService};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
-use super::delta::DeltaState;
+use super::delta::{DeltaState, LimitError, SubscriptionLimits};
 use super::encoded::Encoded;
 use super::kind::{self, Kind};
 use super::protocol::{Event, Protocol};
 use super::stream::StreamState;
 use super::wire::{DeltaRequestWire, MAX_REQUEST, SotwRequestWire};
+use crate::accept::Acceptor;
 use crate::acks::Acks;
-use crate::metrics::{Metrics, TypeLabel};
+use crate::metrics::{LimitLabel, Metrics, TypeLabel};
 use crate::writers::Observed;
 
-/// A protocol as served: the wire type its requests decode into.
+/// A protocol as served: the wire type its requests decode into, and the check of each
+/// request against the subscription limits.
 pub(super) trait Served: Protocol {
     type Wire: prost::Message + Default + Into<Self::Request> + Send + 'static;
+    /// Whether `req` keeps the stream within `limits`; checked before it is applied.
+    fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError>;
 }
 
 impl Served for StreamState {
     type Wire = SotwRequestWire;
+    /// A state-of-the-world request names the type's whole subscription, so its own
+    /// names are what is checked.
+    fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError> {
+        let Some(kind) = kind::from_type_url(&req.type_url) else {
+            return Ok(());
+        };
+        limits.check_lengths(kind, req.resource_names.iter().map(String::as_str))?;
+        let names: std::collections::BTreeSet<&str> = req.resource_names.iter().map(String::as_str).collect();
+        limits.check_count(kind, names.len())
+    }
 }
 
 impl Served for DeltaState {
     type Wire = DeltaRequestWire;
+    fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError> {
+        DeltaState::check_limits(self, req, limits)
+    }
+}
+
+/// The most connections `xds.sock` holds open at once: one proxy per node, which opens
+/// one, plus room for probes (a successor's readiness dial) and reconnects.
+pub const MAX_CONNECTIONS: usize = 64;
+/// The most HTTP/2 streams one connection may have open at once: the proxy uses one ADS
+/// stream. A stream past it is refused by HTTP/2 (REFUSED_STREAM).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 16;
+
+/// The ADS server's limits; ARCHITECTURE.md ("Limits") lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_streams_per_connection: u32,
+    /// The largest request, encoded (a larger one ends its stream with OUT_OF_RANGE).
+    pub max_request: usize,
+    pub subscriptions: SubscriptionLimits,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: MAX_CONNECTIONS,
+            max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
+            max_request: MAX_REQUEST,
+            subscriptions: SubscriptionLimits::default(),
+        }
+    }
 }
 
 /// Serves ADS on `listener` until `stop_accepting` resolves, then closes the listener
@@ -76,12 +126,29 @@ pub async fn serve_observed(
     observed: Option<Arc<Observed>>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, observed, streams: AtomicU64::new(0) });
+    serve_limited(listener, snapshots, encoded, acks, metrics, observed, stop_accepting, Limits::default()).await
+}
+
+/// [`serve_observed`] with the given limits.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_limited(
+    listener: tokio::net::UnixListener,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
+    acks: Acks,
+    metrics: Arc<Metrics>,
+    observed: Option<Arc<Observed>>,
+    stop_accepting: impl Future<Output = ()> + Send + 'static,
+    limits: Limits,
+) -> anyhow::Result<()> {
+    let incoming = Acceptor::new(listener, "xds", limits.max_connections, metrics.clone()).incoming(|_| true);
+    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, observed, limits, streams: AtomicU64::new(0) });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
     tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_streams_per_connection)
         .add_service(AdsServer(ads))
-        .serve_with_incoming(futures::StreamExt::take_until(UnixListenerStream::new(listener), stop_accepting))
+        .serve_with_incoming(futures::StreamExt::take_until(incoming, stop_accepting))
         .await?;
     Ok(())
 }
@@ -92,6 +159,7 @@ struct Ads {
     acks: Acks,
     metrics: Arc<Metrics>,
     observed: Option<Arc<Observed>>,
+    limits: Limits,
     streams: AtomicU64,
 }
 
@@ -103,7 +171,8 @@ impl Ads {
         let (tx, rx) = mpsc::channel(16);
         let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
         let observed = self.observed.clone();
-        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, observed, self.acks.clone(), self.metrics.clone()));
+        let (acks, metrics, limits) = (self.acks.clone(), self.metrics.clone(), self.limits.subscriptions);
+        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits));
         Box::pin(ReceiverStream::new(rx))
     }
 }
@@ -127,6 +196,7 @@ async fn run_stream<P: Served>(
     observed: Option<Arc<Observed>>,
     acks: Acks,
     metrics: Arc<Metrics>,
+    limits: SubscriptionLimits,
 ) {
     metrics.xds_streams.inc();
     let _gauge = StreamGauge(metrics.clone());
@@ -149,6 +219,13 @@ async fn run_stream<P: Served>(
                     let req: P::Request = wire.into();
                     if let Some(node) = P::node_id(&req) {
                         node_id = node.to_string();
+                    }
+                    if let Err(e) = st.check_limits(&req, &limits) {
+                        let label = LimitLabel { type_url: kind::type_url(e.kind()).to_string(), limit: e.limit().to_string() };
+                        metrics.xds_subscription_refusals.get_or_create(&label).inc();
+                        tracing::warn!(stream = id, node = %node_id, protocol = P::NAME, error = %e, "ADS stream refused: over a subscription limit");
+                        let _ = tx.send(Err(Status::resource_exhausted(format!("{} ADS stream refused: {e}", P::NAME)))).await;
+                        return;
                     }
                     record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
                 }
@@ -263,7 +340,7 @@ where
 {
     Box::pin(async move {
         let mut grpc =
-            Grpc::new(ProstCodec::<P::Response, P::Wire>::default()).apply_max_message_size_config(Some(MAX_REQUEST), None);
+            Grpc::new(ProstCodec::<P::Response, P::Wire>::default()).apply_max_message_size_config(Some(ads.limits.max_request), None);
         Ok(grpc.streaming(Method::<P>(ads, PhantomData), req).await)
     })
 }

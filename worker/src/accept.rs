@@ -1,0 +1,433 @@
+//! Accepting on the worker's four listeners (the health socket, the metrics port,
+//! `xds.sock` and `cni.sock`), one loop shape for all of them.
+//!
+//! A failed accept backs off, 10 ms doubling to 1 s, reset by the next success. Out of
+//! descriptors (EMFILE, ENFILE) a listener with a queued connection stays readable, and
+//! retrying at once would spin the worker's one runtime thread for as long as the
+//! shortage lasts; the queued connections wait in the backlog instead. Errors that
+//! belong to one connection (it was reset or aborted before the accept) consume it, so
+//! they are retried at once. Every failure is counted
+//! (`aether_accept_errors_total{socket,kind}`).
+//!
+//! Each listener also caps the connections it holds open. One accepted past the cap is
+//! closed at once and counted (`aether_connections_refused_total{socket}`); the open
+//! ones are a gauge (`aether_connections{socket}`). The limits themselves are set where
+//! each listener is served and listed in ARCHITECTURE.md ("Limits").
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::metrics::{AcceptErrorLabel, Metrics, SocketLabel};
+
+/// The first delay after a failed accept.
+pub const BACKOFF_FIRST: Duration = Duration::from_millis(10);
+/// The longest delay between two attempts while accepts keep failing.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// While accepts keep failing, or connections keep being refused, a log line at most
+/// this often (each failure is counted all the same).
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The delays between failed accepts: [`BACKOFF_FIRST`], doubling to [`BACKOFF_MAX`],
+/// back to the first after a success.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self { next: BACKOFF_FIRST }
+    }
+}
+
+impl Backoff {
+    /// An attempt failed: how long to wait before the next.
+    pub fn failed(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (delay * 2).min(BACKOFF_MAX);
+        delay
+    }
+
+    /// An attempt succeeded: the next failure waits the shortest delay again.
+    pub fn succeeded(&mut self) {
+        self.next = BACKOFF_FIRST;
+    }
+}
+
+/// Why an accept failed, as `aether_accept_errors_total` labels it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// EMFILE: the process is at its descriptor limit (RLIMIT_NOFILE).
+    Emfile,
+    /// ENFILE: the system is at its descriptor limit.
+    Enfile,
+    /// ENOBUFS or ENOMEM: the kernel could not allocate the socket.
+    NoMem,
+    /// The connection was reset or aborted before it was accepted; it is gone from the
+    /// queue, so the next accept can go ahead at once.
+    Connection,
+    Other,
+}
+
+impl ErrorKind {
+    pub fn of(e: &io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::EMFILE) => Self::Emfile,
+            Some(libc::ENFILE) => Self::Enfile,
+            Some(libc::ENOBUFS | libc::ENOMEM) => Self::NoMem,
+            Some(libc::ECONNABORTED | libc::ECONNRESET | libc::EPROTO) => Self::Connection,
+            _ => Self::Other,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Emfile => "emfile",
+            Self::Enfile => "enfile",
+            Self::NoMem => "nomem",
+            Self::Connection => "connection",
+            Self::Other => "other",
+        }
+    }
+
+    /// Whether the next attempt waits: everything but a lost connection would fail
+    /// again at once.
+    pub fn backs_off(self) -> bool {
+        self != Self::Connection
+    }
+}
+
+/// A listening socket as [`Acceptor`] uses it.
+pub trait Listen: Send + Sync + 'static {
+    type Conn: Send + 'static;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Conn>>;
+}
+
+impl Listen for tokio::net::UnixListener {
+    type Conn = tokio::net::UnixStream;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Conn>> {
+        tokio::net::UnixListener::poll_accept(self, cx).map_ok(|(conn, _)| conn)
+    }
+}
+
+impl Listen for tokio::net::TcpListener {
+    type Conn = tokio::net::TcpStream;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Conn>> {
+        tokio::net::TcpListener::poll_accept(self, cx).map_ok(|(conn, _)| conn)
+    }
+}
+
+/// One listener's accept loop state: its backoff and its connection cap.
+pub struct Acceptor<L> {
+    listener: L,
+    socket: &'static str,
+    backoff: Backoff,
+    /// The current run of failed accepts: when it began, how many, when last logged.
+    failing: Option<(Instant, u64, Instant)>,
+    slots: Arc<Semaphore>,
+    max_connections: usize,
+    /// Connections refused since the last log line, and when that was.
+    refused: (u64, Option<Instant>),
+    open: Gauge,
+    metrics: Arc<Metrics>,
+}
+
+impl<L: Listen> Acceptor<L> {
+    /// Accepts on `listener`, named `socket` in metrics and logs, holding at most
+    /// `max_connections` open.
+    pub fn new(listener: L, socket: &'static str, max_connections: usize, metrics: Arc<Metrics>) -> Self {
+        let open = metrics.connections.get_or_create(&SocketLabel { socket: socket.into() }).clone();
+        Self {
+            listener,
+            socket,
+            backoff: Backoff::default(),
+            failing: None,
+            slots: Arc::new(Semaphore::new(max_connections)),
+            max_connections,
+            refused: (0, None),
+            open,
+            metrics,
+        }
+    }
+
+    /// The next accepted connection, whatever the cap. A failed accept is counted and,
+    /// unless it lost only its own connection, waited out ([`Backoff`]).
+    pub async fn accept(&mut self) -> L::Conn {
+        loop {
+            let result = std::future::poll_fn(|cx| self.listener.poll_accept(cx)).await;
+            match result {
+                Ok(conn) => {
+                    self.backoff.succeeded();
+                    if let Some((since, errors, _)) = self.failing.take() {
+                        tracing::info!(socket = self.socket, errors, after_ms = since.elapsed().as_millis() as u64,
+                            "accepting again");
+                    }
+                    return conn;
+                }
+                Err(e) => {
+                    let kind = ErrorKind::of(&e);
+                    let label = AcceptErrorLabel { socket: self.socket.into(), kind: kind.as_str().into() };
+                    self.metrics.accept_errors.get_or_create(&label).inc();
+                    if !kind.backs_off() {
+                        tracing::debug!(socket = self.socket, error = %e, "accept: the connection was gone; next");
+                        continue;
+                    }
+                    let delay = self.backoff.failed();
+                    let now = Instant::now();
+                    let (since, errors, logged) = self.failing.get_or_insert((now, 0, now));
+                    *errors += 1;
+                    if *errors == 1 || now.duration_since(*logged) >= LOG_EVERY {
+                        *logged = now;
+                        tracing::warn!(socket = self.socket, kind = kind.as_str(), error = %e, errors = *errors,
+                            failing_ms = now.duration_since(*since).as_millis() as u64, delay_ms = delay.as_millis() as u64,
+                            "accept failed; backing off (queued connections wait in the backlog)");
+                    }
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    /// `conn` holding one of the listener's connection slots until it is dropped, or
+    /// None when all are taken: `conn` is then closed at once, and counted.
+    pub fn admit<C>(&mut self, conn: C) -> Option<Tracked<C>> {
+        match self.slots.clone().try_acquire_owned() {
+            Ok(permit) => {
+                self.open.inc();
+                Some(Tracked { conn, _slot: Slot { _permit: permit, open: self.open.clone() } })
+            }
+            Err(_) => {
+                drop(conn);
+                self.metrics.connections_refused.get_or_create(&SocketLabel { socket: self.socket.into() }).inc();
+                let now = Instant::now();
+                self.refused.0 += 1;
+                if self.refused.1.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
+                    tracing::warn!(socket = self.socket, max = self.max_connections, refused = self.refused.0,
+                        "connection cap reached; closing new connections at once");
+                    self.refused = (0, Some(now));
+                }
+                None
+            }
+        }
+    }
+
+    /// The next connection under the cap; those past it are closed and counted.
+    pub async fn next(&mut self) -> Tracked<L::Conn> {
+        loop {
+            let conn = self.accept().await;
+            if let Some(t) = self.admit(conn) {
+                return t;
+            }
+        }
+    }
+
+    /// The connections under the cap that `allow` lets through, as tonic's incoming
+    /// stream. It never yields an error: failures are handled here, and tonic's own
+    /// loop would retry a failed accept at once.
+    pub fn incoming<F>(self, allow: F) -> impl Stream<Item = io::Result<Tracked<L::Conn>>> + Send + 'static
+    where
+        F: FnMut(&L::Conn) -> bool + Send + 'static,
+    {
+        futures::stream::unfold((self, allow), |(mut acceptor, mut allow)| async move {
+            loop {
+                let conn = acceptor.accept().await;
+                if !allow(&conn) {
+                    continue;
+                }
+                if let Some(t) = acceptor.admit(conn) {
+                    return Some((Ok(t), (acceptor, allow)));
+                }
+            }
+        })
+    }
+}
+
+/// A connection holding one of its listener's slots, given back when it is dropped.
+pub struct Tracked<C> {
+    conn: C,
+    _slot: Slot,
+}
+
+impl<C> Tracked<C> {
+    pub fn get_ref(&self) -> &C {
+        &self.conn
+    }
+}
+
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    open: Gauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+impl<C: AsyncRead + Unpin> AsyncRead for Tracked<C> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.conn).poll_read(cx, buf)
+    }
+}
+
+impl<C: AsyncWrite + Unpin> AsyncWrite for Tracked<C> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.conn).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.conn).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.conn.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.conn).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.conn).poll_shutdown(cx)
+    }
+}
+
+/// tonic serves a tracked connection as it serves the connection itself.
+impl<C: tonic::transport::server::Connected> tonic::transport::server::Connected for Tracked<C> {
+    type ConnectInfo = C::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.conn.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_maximum_and_a_success_resets_it() {
+        let mut b = Backoff::default();
+        let ms = |d: Duration| d.as_millis() as u64;
+        let delays: Vec<u64> = (0..10).map(|_| ms(b.failed())).collect();
+        assert_eq!(delays, [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
+        b.succeeded();
+        assert_eq!(ms(b.failed()), 10);
+    }
+
+    #[test]
+    fn error_kinds() {
+        let check = |errno: i32, kind: &str, backs_off: bool| {
+            let k = ErrorKind::of(&io::Error::from_raw_os_error(errno));
+            assert_eq!((k.as_str(), k.backs_off()), (kind, backs_off), "errno {errno}");
+        };
+        check(libc::EMFILE, "emfile", true);
+        check(libc::ENFILE, "enfile", true);
+        check(libc::ENOBUFS, "nomem", true);
+        check(libc::ENOMEM, "nomem", true);
+        check(libc::ECONNABORTED, "connection", false);
+        check(libc::EPROTO, "connection", false);
+        check(libc::EINVAL, "other", true);
+        assert_eq!(ErrorKind::of(&io::Error::other("no errno")), ErrorKind::Other);
+    }
+
+    /// A listener that answers each accept with the next scripted result, then never.
+    struct Script {
+        results: Mutex<VecDeque<io::Result<u32>>>,
+        attempts: Mutex<u32>,
+    }
+
+    impl Script {
+        fn new(results: impl IntoIterator<Item = io::Result<u32>>) -> Self {
+            Self { results: Mutex::new(results.into_iter().collect()), attempts: Mutex::new(0) }
+        }
+    }
+
+    impl Listen for Arc<Script> {
+        type Conn = u32;
+        fn poll_accept(&self, _cx: &mut Context<'_>) -> Poll<io::Result<u32>> {
+            *self.attempts.lock().unwrap() += 1;
+            match self.results.lock().unwrap().pop_front() {
+                Some(r) => Poll::Ready(r),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    fn errno(e: i32) -> io::Result<u32> {
+        Err(io::Error::from_raw_os_error(e))
+    }
+
+    fn count(m: &Metrics, kind: &str) -> u64 {
+        m.accept_errors.get_or_create(&AcceptErrorLabel { socket: "test".into(), kind: kind.into() }).get()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_accepts_wait_out_the_backoff_and_a_success_resets_it() {
+        let metrics = Metrics::new();
+        // Eight EMFILEs, a connection, then an ENFILE and one that was reset.
+        let mut results: Vec<io::Result<u32>> = (0..8).map(|_| errno(libc::EMFILE)).collect();
+        results.extend([Ok(1), errno(libc::ENFILE), errno(libc::ECONNABORTED), Ok(2)]);
+        let script = Arc::new(Script::new(results));
+        let mut a = Acceptor::new(script.clone(), "test", 4, metrics.clone());
+
+        let start = Instant::now();
+        assert_eq!(a.accept().await, 1);
+        // 10 + 20 + 40 + 80 + 160 + 320 + 640 + 1000 ms: never a retry at once.
+        assert_eq!(start.elapsed(), Duration::from_millis(2270));
+        assert_eq!(*script.attempts.lock().unwrap(), 9);
+
+        let start = Instant::now();
+        assert_eq!(a.accept().await, 2);
+        assert_eq!(start.elapsed(), Duration::from_millis(10), "the success reset the backoff; a lost connection waits nothing");
+        assert_eq!((count(&metrics, "emfile"), count(&metrics, "enfile"), count(&metrics, "connection")), (8, 1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn connections_past_the_cap_are_refused_and_counted_until_one_closes() {
+        let metrics = Metrics::new();
+        let mut a = Acceptor::new(Arc::new(Script::new([])), "test", 2, metrics.clone());
+        let label = SocketLabel { socket: "test".into() };
+        let open = || metrics.connections.get_or_create(&label).get();
+        let refused = || metrics.connections_refused.get_or_create(&label).get();
+
+        let first = a.admit(1).expect("under the cap");
+        let second = a.admit(2).expect("at the cap");
+        assert!(a.admit(3).is_none(), "past the cap");
+        assert_eq!((open(), refused()), (2, 1));
+        drop(first);
+        assert_eq!(open(), 1);
+        let third = a.admit(4).expect("a slot was given back");
+        assert_eq!(*third.get_ref(), 4);
+        assert!(a.admit(5).is_none());
+        assert_eq!((open(), refused()), (2, 2));
+        drop((second, third));
+        assert_eq!(open(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn incoming_skips_what_allow_refuses_and_what_the_cap_refuses() {
+        let metrics = Metrics::new();
+        let script = Arc::new(Script::new([Ok(1), Ok(2), Ok(3), Ok(4)]));
+        let a = Acceptor::new(script, "test", 1, metrics.clone());
+        let mut incoming = std::pin::pin!(a.incoming(|c| *c != 1));
+        let got = futures::StreamExt::next(&mut incoming).await.unwrap().unwrap();
+        assert_eq!(*got.get_ref(), 2, "1 is not allowed");
+        // 3 and 4 are past the cap while 2 is open; the stream waits for the next.
+        let next = tokio::time::timeout(Duration::from_secs(1), futures::StreamExt::next(&mut incoming)).await;
+        assert!(next.is_err(), "nothing under the cap");
+        assert_eq!(metrics.connections_refused.get_or_create(&SocketLabel { socket: "test".into() }).get(), 2);
+    }
+}
