@@ -1,29 +1,34 @@
 //! Re-asserts the node's chained CNI conflist (`--cni-conf-dir`), while this supervisor
 //! owns the node.
 //!
-//! The runtime runs the plugins of the first network configuration in the folder, by
-//! name (libcni sorts `*.conf`, `*.conflist` and `*.json`). A primary CNI that rewrites
-//! its conflist (an upgrade, a restart) drops the `aether-cni` entry, and pods then start
-//! without the mesh. The owner checks that file at takeover and every few seconds, and
-//! appends the entry when it is missing. A standby never writes: two generations would
-//! otherwise race on one node file.
+//! The runtime runs the plugins of the first network configuration in the folder. A
+//! primary CNI that rewrites its conflist (an upgrade, a restart) drops the `aether-cni`
+//! entry, and pods then start without the mesh. The owner checks that file at takeover
+//! and every few seconds, and appends the entry when it is missing. A standby never
+//! writes: two generations would otherwise race on one node file.
 //!
-//! The file is root's, in a root-owned folder; still it is opened with `O_NOFOLLOW`, read
-//! up to 1 MiB and parsed as JSON. A file that is not a conflist is reported by name and
-//! left untouched. The rewrite is a temp file in the same folder (`O_EXCL|O_NOFOLLOW`,
-//! the original's mode and owner), fsync, rename over the original, fsync of the folder:
-//! a reader sees the old file or the new one, never a partial one (containerd #8607,
-//! istio #44167).
+//! The file is root's, in a root-owned folder; still it is opened with `O_NOFOLLOW` and
+//! `O_NONBLOCK` (a FIFO under a configuration's name must not hang the event loop), its
+//! type checked before any read, read up to 1 MiB and parsed as JSON. A file that is not a
+//! conflist is reported by name and left untouched. The rewrite is a temp file in the same
+//! folder (`O_EXCL|O_NOFOLLOW`, the original's mode and owner), fsync, an atomic exchange
+//! with the original, fsync of the folder: a reader sees the old file or the new one,
+//! never a partial one (containerd #8607, istio #44167). The primary CNI may rewrite the
+//! file meanwhile; see [`rewrite`] for how neither change is lost.
 //!
 //! [`remove`] is the one way back, for the chart's uninstall hook (`--uninstall-cni`,
 //! see `uninstall`): it takes the entry out of every configuration in the folder with the
 //! same rewrite.
 
+use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+use nix::fcntl::{RenameFlags, renameat2};
 use serde_json::{Value, json};
 
 /// The plugin type the entry names: the binary the chart installs in the CNI bin folder.
@@ -33,6 +38,9 @@ const MAX_BYTES: u64 = 1 << 20;
 /// Our temp file; its name does not end in `.conf`, `.conflist` or `.json`, so the
 /// runtime never reads it.
 const TEMP_NAME: &str = ".aether-cni-conflist.tmp";
+/// How often a rewrite starts over because the file changed under it before giving up
+/// until the next check.
+const ATTEMPTS: usize = 20;
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -50,6 +58,8 @@ pub enum Error {
     Io { what: &'static str, path: PathBuf, source: io::Error },
     #[error("{}: {reason}; left untouched", path.display())]
     Invalid { path: PathBuf, reason: String },
+    #[error("{}: rewritten by another writer {} times while the entry went in; trying again at the next check", path.display(), ATTEMPTS)]
+    Busy { path: PathBuf },
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> Error {
@@ -57,16 +67,35 @@ fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Io { what, path, source }
 }
 
-/// The network configuration the runtime uses: the first `*.conf`, `*.conflist` or
-/// `*.json` by name, as libcni orders them.
+/// The network configurations in `dir`, in the order the runtime reads them. As libcni
+/// chooses them (containernetworking/cni `libcni/conf.go`, `ConfFiles(dir, [".conf",
+/// ".conflist", ".json"])`, which containerd's go-cni `loadFromConfDir` then sorts with
+/// `sort.Strings` and takes the first of): every entry that is not a directory (a symlink
+/// counts, whatever it points to) whose extension (`filepath.Ext`: from the last dot) is
+/// one of the three, dotfiles included; sorted by the bytes of the name; a missing folder
+/// holds none.
+pub fn configurations(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("reading the CNI conf folder", dir)(e)),
+    };
+    let mut names: Vec<OsString> = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err("reading the CNI conf folder", dir))?;
+        let name = entry.file_name();
+        let ext_ok = [".conf", ".conflist", ".json"].iter().any(|x| name.as_bytes().ends_with(x.as_bytes()));
+        if ext_ok && !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            names.push(name);
+        }
+    }
+    names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
+}
+
+/// The network configuration the runtime uses: the first of [`configurations`].
 pub fn primary(dir: &Path) -> Result<Option<PathBuf>, Error> {
-    let mut names: Vec<String> = fs::read_dir(dir)
-        .map_err(io_err("reading the CNI conf folder", dir))?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| !n.starts_with('.') && [".conf", ".conflist", ".json"].iter().any(|s| n.ends_with(s)))
-        .collect();
-    names.sort();
-    Ok(names.first().map(|n| dir.join(n)))
+    Ok(configurations(dir)?.into_iter().next())
 }
 
 /// The entry appended to the conflist's plugins.
@@ -74,104 +103,217 @@ pub fn entry(agent_socket: &Path) -> Value {
     json!({ "type": PLUGIN_TYPE, "agentSocket": agent_socket.to_string_lossy() })
 }
 
+/// The owner's periodic check, which logs what it found only when that changed.
+pub struct Watch {
+    dir: PathBuf,
+    entry: Value,
+    last: Option<String>,
+}
+
+impl Watch {
+    pub fn new(dir: &Path, agent_socket: &Path) -> Self {
+        Self { dir: dir.to_owned(), entry: entry(agent_socket), last: None }
+    }
+
+    pub fn check(&mut self) {
+        let result = reassert(&self.dir, &self.entry);
+        let summary = match &result {
+            Ok(Outcome::NoConflist) => format!("no CNI network configuration in {} yet", self.dir.display()),
+            Ok(Outcome::Chained(p) | Outcome::Repaired(p)) => format!("{} chains aether-cni", p.display()),
+            Err(e) => e.to_string(),
+        };
+        match &result {
+            Ok(Outcome::Repaired(p)) => {
+                tracing::warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it")
+            }
+            _ if self.last.as_deref() == Some(summary.as_str()) => {}
+            Ok(_) => tracing::info!("{summary}"),
+            Err(e) => tracing::error!(error = %e, "cannot re-assert the CNI conflist"),
+        }
+        self.last = Some(summary);
+    }
+}
+
 /// Makes the node's first conflist chain `aether-cni`, appending `entry` when missing.
 pub fn reassert(dir: &Path, entry: &Value) -> Result<Outcome, Error> {
     let Some(path) = primary(dir)? else { return Ok(Outcome::NoConflist) };
-    let invalid = |reason: String| Error::Invalid { path: path.clone(), reason };
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&path)
-        .map_err(io_err("opening (symlinks are refused)", &path))?;
-    let meta = file.metadata().map_err(io_err("fstat", &path))?;
-    if !meta.is_file() {
-        return Err(invalid("not a regular file".into()));
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_BYTES + 1).read_to_end(&mut bytes).map_err(io_err("reading", &path))?;
-    if bytes.len() as u64 > MAX_BYTES {
-        return Err(invalid(format!("larger than {MAX_BYTES} bytes")));
-    }
-    let mut conf: Value = serde_json::from_slice(&bytes).map_err(|e| invalid(format!("not JSON: {e}")))?;
-    let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else {
-        return Err(invalid(
-            "no \"plugins\" list: a single-plugin configuration cannot chain aether-cni; make it a .conflist".into(),
-        ));
+    let edit = |conf: &mut Value| {
+        let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else {
+            return Err("no \"plugins\" list: a single-plugin configuration cannot chain aether-cni; make it a .conflist".to_string());
+        };
+        if plugins.iter().any(is_ours) {
+            return Ok(false);
+        }
+        plugins.push(entry.clone());
+        Ok(true)
     };
-    if plugins.iter().any(|p| p.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)) {
-        return Ok(Outcome::Chained(path));
-    }
-    plugins.push(entry.clone());
-    let mut out = serde_json::to_vec_pretty(&conf).expect("a JSON value serializes");
-    out.push(b'\n');
-    write_atomically(dir, &path, &out, &meta)?;
-    Ok(Outcome::Repaired(path))
+    Ok(if rewrite(dir, &path, &edit, &mut |_| {})? { Outcome::Repaired(path) } else { Outcome::Chained(path) })
+}
+
+fn is_ours(plugin: &Value) -> bool {
+    plugin.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)
 }
 
 /// Removes every `aether-cni` entry from the network configurations in `dir` (all of
 /// them, not only the runtime's first: a file that was first when the entry went in may
-/// not be now), each rewritten atomically like a re-assertion. For the uninstall only
+/// not be now), each rewritten like a re-assertion. For the uninstall only
 /// (`--uninstall-cni`), run while the node lock is held so that no owner appends it
 /// again. A file that is not a conflist is logged by name and left untouched. Returns the
 /// files rewritten.
 pub fn remove(dir: &Path) -> Result<Vec<PathBuf>, Error> {
-    let mut names: Vec<String> = match fs::read_dir(dir) {
-        Ok(entries) => entries
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| !n.starts_with('.') && [".conf", ".conflist", ".json"].iter().any(|s| n.ends_with(s)))
-            .collect(),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io_err("reading the CNI conf folder", dir)(e)),
+    let edit = |conf: &mut Value| {
+        let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else { return Ok(false) };
+        let before = plugins.len();
+        plugins.retain(|p| !is_ours(p));
+        Ok(plugins.len() != before)
     };
-    names.sort();
     let mut rewritten = Vec::new();
-    for name in names {
-        let path = dir.join(name);
-        match read_conf(&path) {
-            Ok((mut conf, meta)) => {
-                let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else { continue };
-                let before = plugins.len();
-                plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN_TYPE));
-                if plugins.len() == before {
-                    continue;
-                }
-                let mut out = serde_json::to_vec_pretty(&conf).expect("a JSON value serializes");
-                out.push(b'\n');
-                write_atomically(dir, &path, &out, &meta)?;
-                rewritten.push(path);
-            }
-            Err(e) => tracing::warn!(error = %e, "not a conflist; left untouched"),
+    for path in configurations(dir)? {
+        if let Err(e) = read(&path).and_then(|s| parse(&s.bytes, &path)) {
+            tracing::warn!(error = %e, "not a conflist; left untouched");
+            continue;
+        }
+        if rewrite(dir, &path, &edit, &mut |_| {})? {
+            rewritten.push(path);
         }
     }
     Ok(rewritten)
 }
 
-/// Opens (never through a symlink), reads (at most [`MAX_BYTES`]) and parses one file.
-fn read_conf(path: &Path) -> Result<(Value, fs::Metadata), Error> {
-    let invalid = |reason: String| Error::Invalid { path: path.to_owned(), reason };
+/// One read of a configuration: which file it was, its bytes and its metadata.
+struct Snapshot {
+    id: (u64, u64),
+    bytes: Vec<u8>,
+    meta: fs::Metadata,
+}
+
+/// Opens without following a symlink and without blocking (a FIFO would block a plain
+/// open until a writer came), checks that it is a regular file, reads at most
+/// [`MAX_BYTES`].
+fn read(path: &Path) -> Result<Snapshot, Error> {
+    let invalid = |reason: &str| Error::Invalid { path: path.to_owned(), reason: reason.to_string() };
     let file = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)
         .map_err(io_err("opening (symlinks are refused)", path))?;
     let meta = file.metadata().map_err(io_err("fstat", path))?;
     if !meta.is_file() {
-        return Err(invalid("not a regular file".into()));
+        return Err(invalid("not a regular file"));
     }
     let mut bytes = Vec::new();
     file.take(MAX_BYTES + 1).read_to_end(&mut bytes).map_err(io_err("reading", path))?;
     if bytes.len() as u64 > MAX_BYTES {
-        return Err(invalid(format!("larger than {MAX_BYTES} bytes")));
+        return Err(invalid(&format!("larger than {MAX_BYTES} bytes")));
     }
-    let conf = serde_json::from_slice(&bytes).map_err(|e| invalid(format!("not JSON: {e}")))?;
-    Ok((conf, meta))
+    Ok(Snapshot { id: (meta.dev(), meta.ino()), bytes, meta })
 }
 
-fn write_atomically(dir: &Path, path: &Path, bytes: &[u8], like: &fs::Metadata) -> Result<(), Error> {
+fn parse(bytes: &[u8], path: &Path) -> Result<Value, Error> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Invalid { path: path.to_owned(), reason: format!("not JSON: {e}") })
+}
+
+/// Where [`rewrite`] lets a test change the file under it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// The new version is in the temp file; the original is checked next.
+    Written,
+    /// The original was checked; the exchange is next.
+    Checked,
+}
+
+/// Applies `edit` to the configuration at `path` (it returns whether it changed it, or
+/// why the file is not a conflist), and puts the result in place. Returns whether it
+/// wrote.
+///
+/// The primary CNI may rewrite the file meanwhile, by rename or in place. So, right
+/// before the new version goes in, the file must still be the one read (same inode, same
+/// bytes), or the edit starts over from what is there now. The new version then goes in
+/// with `renameat2(RENAME_EXCHANGE)`, which leaves the replaced file at the temp name:
+/// if that is not the one checked (a rewrite landed between the check and the exchange),
+/// it is the newer version, and it goes back in with the edit applied. Either way the
+/// file ends up holding both changes, after a few milliseconds at most. A file system
+/// without the exchange gets a plain rename after the check.
+fn rewrite(
+    dir: &Path,
+    path: &Path,
+    edit: &dyn Fn(&mut Value) -> Result<bool, String>,
+    hook: &mut dyn FnMut(Stage),
+) -> Result<bool, Error> {
+    let name = Path::new(path.file_name().expect("a configuration's path ends in its name"));
     let tmp = dir.join(TEMP_NAME);
+    let folder = File::open(dir).map_err(io_err("opening the folder", dir))?;
+    // What is at `path` and must still be there when the new version goes in.
+    let mut expect = read(path)?;
+    // A newer version that the exchange swapped out, to put back with the edit.
+    let mut swapped_out: Option<Snapshot> = None;
+    for _ in 0..ATTEMPTS {
+        let from = swapped_out.as_ref().unwrap_or(&expect);
+        let mut conf = parse(&from.bytes, path)?;
+        let changed = edit(&mut conf).map_err(|reason| Error::Invalid { path: path.to_owned(), reason })?;
+        if !changed && swapped_out.is_none() {
+            return Ok(false);
+        }
+        let bytes = if changed {
+            let mut out = serde_json::to_vec_pretty(&conf).expect("a JSON value serializes");
+            out.push(b'\n');
+            out
+        } else {
+            from.bytes.clone()
+        };
+        let ours = write_temp(&tmp, &bytes, &from.meta)?;
+        hook(Stage::Written);
+        let now = settle(path, &expect).inspect_err(|_| drop(fs::remove_file(&tmp)))?;
+        if (now.id, &now.bytes) != (expect.id, &expect.bytes) {
+            let _ = fs::remove_file(&tmp);
+            (expect, swapped_out) = (now, None);
+            continue;
+        }
+        hook(Stage::Checked);
+        match renameat2(&folder, Path::new(TEMP_NAME), &folder, name, RenameFlags::RENAME_EXCHANGE) {
+            Ok(()) => {}
+            Err(Errno::EINVAL | Errno::ENOSYS) => {
+                fs::rename(&tmp, path).inspect_err(|_| drop(fs::remove_file(&tmp))).map_err(io_err("renaming over", path))?;
+                folder.sync_all().map_err(io_err("fsync of the folder", dir))?;
+                return Ok(true);
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(io_err("exchanging with", path)(e.into()));
+            }
+        }
+        let old = settle(&tmp, &expect);
+        fs::remove_file(&tmp).map_err(io_err("removing the replaced file", &tmp))?;
+        let old = old?;
+        if (old.id, &old.bytes) == (expect.id, &expect.bytes) {
+            folder.sync_all().map_err(io_err("fsync of the folder", dir))?;
+            return Ok(true);
+        }
+        expect = Snapshot { id: ours, bytes, meta: old.meta.clone() };
+        swapped_out = Some(old);
+    }
+    Err(Error::Busy { path: path.to_owned() })
+}
+
+/// Reads `path`, which another writer may be rewriting in place: while it is neither
+/// `expect` nor JSON (truncated, half written), again a little later, for up to 40 ms.
+fn settle(path: &Path, expect: &Snapshot) -> Result<Snapshot, Error> {
+    for _ in 0..20 {
+        let s = read(path)?;
+        if (s.id, &s.bytes) == (expect.id, &expect.bytes) || serde_json::from_slice::<Value>(&s.bytes).is_ok() {
+            return Ok(s);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    read(path)
+}
+
+/// Writes `bytes` to a fresh `tmp` with the mode and owner of `like`, synced. Returns the
+/// new file's (dev, ino).
+fn write_temp(tmp: &Path, bytes: &[u8], like: &fs::Metadata) -> Result<(u64, u64), Error> {
     // A leftover of a crash mid-write: ours by name. Unlinking a symlink removes the link.
-    match fs::remove_file(&tmp) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing the leftover", &tmp)(e)),
+    match fs::remove_file(tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing the leftover", tmp)(e)),
         _ => {}
     }
     let result = (|| {
@@ -180,23 +322,25 @@ fn write_atomically(dir: &Path, path: &Path, bytes: &[u8], like: &fs::Metadata) 
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)
-            .map_err(io_err("creating", &tmp))?;
-        f.write_all(bytes).map_err(io_err("writing", &tmp))?;
-        std::os::unix::fs::fchown(&f, Some(like.uid()), Some(like.gid())).map_err(io_err("fchown", &tmp))?;
-        f.set_permissions(fs::Permissions::from_mode(like.mode() & 0o7777)).map_err(io_err("fchmod", &tmp))?;
-        f.sync_all().map_err(io_err("fsync", &tmp))?;
-        fs::rename(&tmp, path).map_err(io_err("renaming over", path))?;
-        File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync of the folder", dir))
+            .open(tmp)
+            .map_err(io_err("creating", tmp))?;
+        f.write_all(bytes).map_err(io_err("writing", tmp))?;
+        std::os::unix::fs::fchown(&f, Some(like.uid()), Some(like.gid())).map_err(io_err("fchown", tmp))?;
+        f.set_permissions(fs::Permissions::from_mode(like.mode() & 0o7777)).map_err(io_err("fchmod", tmp))?;
+        f.sync_all().map_err(io_err("fsync", tmp))?;
+        let m = f.metadata().map_err(io_err("fstat", tmp))?;
+        Ok((m.dev(), m.ino()))
     })();
     if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = fs::remove_file(tmp);
     }
     result
 }
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::FileTypeExt;
+
     use super::*;
 
     const PTP: &str = r#"{
@@ -239,17 +383,160 @@ mod tests {
         assert_eq!(fs::metadata(&path).unwrap().ino(), ino);
     }
 
+    /// libcni's choice on a table of folder contents: (files, folders, the first).
     #[test]
-    fn the_runtimes_choice_is_the_first_name_and_hidden_or_other_files_do_not_count() {
+    fn the_runtimes_choice_is_libcnis() {
+        let cases: &[(&[&str], &[&str], Option<&str>)] = &[
+            (&[], &[], None),
+            (&["README", "10-a.conflist.bak", ".aether-cni-conflist.tmp", "10-a.yaml"], &[], None),
+            (&["20-b.conflist", "10-a.conflist"], &[], Some("10-a.conflist")),
+            // Dotfiles count: '.' sorts before the digits.
+            (&["10-a.conflist", ".hidden.conflist"], &[], Some(".hidden.conflist")),
+            (&["10-a.conflist", ".conf"], &[], Some(".conf")),
+            // By bytes: "10" before "9", upper case before lower case, ".conf" before
+            // ".conflist" of the same stem.
+            (&["9-a.conflist", "10-a.conflist"], &[], Some("10-a.conflist")),
+            (&["a.conflist", "B.conflist"], &[], Some("B.conflist")),
+            (&["10-a.conflist", "10-a.conf"], &[], Some("10-a.conf")),
+            (&["50.json", "60.conf"], &[], Some("50.json")),
+            // Only the last extension counts; a folder never does.
+            (&["10-a.json.conflist", "20.conf"], &["00.conflist"], Some("10-a.json.conflist")),
+            (&["10-a.conf.json"], &[], Some("10-a.conf.json")),
+            (&["10-A.CONF", "20.conf"], &[], Some("20.conf")),
+        ];
+        for (files, folders, want) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            for f in *files {
+                fs::write(dir.path().join(f), PTP).unwrap();
+            }
+            for d in *folders {
+                fs::create_dir(dir.path().join(d)).unwrap();
+            }
+            let got = primary(dir.path()).unwrap();
+            assert_eq!(got, want.map(|w| dir.path().join(w)), "{files:?} {folders:?}");
+        }
+        // A symlink counts whatever it points to (then it is refused, below), and a name
+        // that is not UTF-8 sorts by its bytes.
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(reassert(dir.path(), &entry()).unwrap(), Outcome::NoConflist);
-        fs::write(dir.path().join(".hidden.conflist"), PTP).unwrap();
-        fs::write(dir.path().join("README"), "x").unwrap();
-        assert_eq!(reassert(dir.path(), &entry()).unwrap(), Outcome::NoConflist);
+        fs::create_dir(dir.path().join("sub")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("sub"), dir.path().join("05-link.conflist")).unwrap();
+        let odd = std::ffi::OsStr::from_bytes(b"\xff.conf");
+        fs::write(dir.path().join(odd), PTP).unwrap();
+        fs::write(dir.path().join("10-a.conflist"), PTP).unwrap();
+        let names: Vec<_> = configurations(dir.path()).unwrap().iter().map(|p| p.file_name().unwrap().to_owned()).collect();
+        assert_eq!(names, [std::ffi::OsStr::new("05-link.conflist"), std::ffi::OsStr::new("10-a.conflist"), odd]);
+        assert!(primary(&dir.path().join("missing")).unwrap().is_none());
+        // Only the first is rewritten.
+        let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("20-b.conflist"), PTP).unwrap();
         fs::write(dir.path().join("10-a.conflist"), PTP).unwrap();
         assert_eq!(reassert(dir.path(), &entry()).unwrap(), Outcome::Repaired(dir.path().join("10-a.conflist")));
-        assert_eq!(plugin_types(&dir.path().join("20-b.conflist")), ["ptp", "portmap"], "only the first is the runtime's");
+        assert_eq!(plugin_types(&dir.path().join("20-b.conflist")), ["ptp", "portmap"]);
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("10-fifo.conflist");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.path().to_owned();
+        std::thread::spawn(move || tx.send(reassert(&d, &entry()).map_err(|e| e.to_string())));
+        let got = rx.recv_timeout(std::time::Duration::from_secs(2)).expect("reassert blocked on a FIFO");
+        let err = got.unwrap_err();
+        assert!(err.contains("10-fifo.conflist") && err.contains("not a regular file"), "{err}");
+        assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+    }
+
+    /// The primary CNI's rewrite, as it would do it: its own template (its change, no
+    /// aether-cni), by rename or in place.
+    fn primary_writes(path: &Path, n: usize, in_place: bool) {
+        let conf = json!({"cniVersion": "1.0.0", "name": format!("net-{n}"), "plugins": [{"type": "ptp"}]});
+        let bytes = serde_json::to_vec(&conf).unwrap();
+        if in_place {
+            fs::write(path, bytes).unwrap();
+        } else {
+            let tmp = path.with_extension("primary-tmp");
+            fs::write(&tmp, bytes).unwrap();
+            fs::rename(&tmp, path).unwrap();
+        }
+    }
+
+    fn holds_both(path: &Path, n: usize) -> bool {
+        let Ok(v) = serde_json::from_slice::<Value>(&fs::read(path).unwrap_or_default()) else { return false };
+        v["name"] == format!("net-{n}") && v["plugins"].as_array().is_some_and(|p| p.iter().any(is_ours))
+    }
+
+    #[test]
+    fn a_rewrite_landing_during_the_reassertion_is_kept_with_the_entry() {
+        for stage in [Stage::Written, Stage::Checked] {
+            for in_place in [false, true] {
+                let dir = tempfile::tempdir().unwrap();
+                let path = dir.path().join("10-ptp.conflist");
+                primary_writes(&path, 0, false);
+                let mut n = 0;
+                let mut hook = |at: Stage| {
+                    // The primary CNI rewrites the file twice, each time at `stage`.
+                    if at == stage && n < 2 {
+                        n += 1;
+                        primary_writes(&path, n, in_place);
+                    }
+                };
+                let e = entry();
+                let edit = |conf: &mut Value| {
+                    let plugins = conf["plugins"].as_array_mut().unwrap();
+                    let missing = !plugins.iter().any(is_ours);
+                    if missing {
+                        plugins.push(e.clone());
+                    }
+                    Ok(missing)
+                };
+                assert!(rewrite(dir.path(), &path, &edit, &mut hook).unwrap());
+                assert!(holds_both(&path, 2), "{stage:?} in_place={in_place}: {}", fs::read_to_string(&path).unwrap());
+                assert!(!dir.path().join(TEMP_NAME).exists());
+            }
+        }
+    }
+
+    /// Two writers in a loop: the primary CNI rewriting its conflist, and the owner
+    /// re-asserting. Once the primary stops, the file holds its last change and the entry
+    /// within 100 ms.
+    #[test]
+    fn two_writers_in_a_loop_converge_to_both_changes() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::{Duration, Instant};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("10-ptp.conflist");
+        primary_writes(&path, 0, false);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let owner = s.spawn(|| {
+                let mut errors = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    if reassert(dir.path(), &entry()).is_err() {
+                        errors += 1;
+                    }
+                }
+                errors
+            });
+            let rounds = 300;
+            for n in 1..=rounds {
+                primary_writes(&path, n, n % 3 == 0);
+                std::thread::sleep(Duration::from_micros(300));
+            }
+            let done = Instant::now();
+            while !holds_both(&path, rounds) {
+                assert!(done.elapsed() < Duration::from_millis(100), "not converged: {}", fs::read_to_string(&path).unwrap());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let took = done.elapsed();
+            stop.store(true, Ordering::Relaxed);
+            // An in-place write can be read half-done: such a read is refused as not JSON,
+            // and the next one goes through.
+            let errors = owner.join().unwrap();
+            eprintln!("converged {took:?} after the primary's last write; {errors} refused reads");
+        });
+        assert!(!dir.path().join(TEMP_NAME).exists());
     }
 
     #[test]
@@ -297,7 +584,6 @@ mod tests {
         fs::copy(&first, &second).unwrap();
         fs::write(&plain, PTP).unwrap();
         fs::write(&single, r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#).unwrap();
-        fs::write(dir.path().join(".hidden.conflist"), fs::read(&first).unwrap()).unwrap();
         let plain_ino = fs::metadata(&plain).unwrap().ino();
 
         let mut got = remove(dir.path()).unwrap();
@@ -311,7 +597,6 @@ mod tests {
         assert_eq!(v, before, "everything else kept");
         assert_eq!(fs::metadata(&first).unwrap().mode() & 0o7777, 0o644, "mode kept");
         assert_eq!(fs::metadata(&plain).unwrap().ino(), plain_ino, "a file without the entry is not rewritten");
-        assert!(fs::read_to_string(dir.path().join(".hidden.conflist")).unwrap().contains("aether-cni"), "hidden files are not the runtime's");
         assert!(!dir.path().join(TEMP_NAME).exists());
         // Twice is a no-op, and a missing folder is nothing to remove.
         assert!(remove(dir.path()).unwrap().is_empty());

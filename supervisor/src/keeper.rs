@@ -27,18 +27,27 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::handoff::{self, Held};
-use crate::sys::listen;
+use crate::sys::listen::{self, ListenError};
 
 /// How often the keeper fetches the owner's sockets again (a new owner may have bound
 /// fresh ones).
 pub const REFRESH: Duration = Duration::from_secs(2);
 
-pub fn run(cfg: &Config, signals: SignalFd) -> anyhow::Result<i32> {
+#[derive(Debug, thiserror::Error)]
+pub enum KeeperError {
+    #[error("cannot open keeper.sock: {0}")]
+    Bind(#[from] ListenError),
+    #[error("keeper.sock: {0}")]
+    NonBlocking(nix::Error),
+    #[error("poll: {0}")]
+    Poll(nix::Error),
+}
+
+pub fn run(cfg: &Config, signals: SignalFd) -> Result<i32, KeeperError> {
     let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
     let path = cfg.keeper_path();
-    let listener = listen::bind_fresh(&path, SockType::SeqPacket, 0o600, me)
-        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
-    nix::fcntl::fcntl(&listener.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))?;
+    let listener = listen::bind_fresh(&path, SockType::SeqPacket, 0o600, me)?;
+    nix::fcntl::fcntl(&listener.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(KeeperError::NonBlocking)?;
     info!(path = %path.display(), "socket keeper started; fetching the owner's sockets over handoff.sock");
     let mut held: Option<Held> = None;
     let mut next_fetch = Instant::now();
@@ -51,7 +60,7 @@ pub fn run(cfg: &Config, signals: SignalFd) -> anyhow::Result<i32> {
         let mut fds = [PollFd::new(signals.as_fd(), PollFlags::POLLIN), PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(anyhow::anyhow!("poll: {e}")),
+            Err(e) => return Err(KeeperError::Poll(e)),
         }
         let readable = |f: &PollFd| f.revents().is_some_and(|r| r.intersects(PollFlags::POLLIN));
         if readable(&fds[0]) {
@@ -69,7 +78,7 @@ pub fn run(cfg: &Config, signals: SignalFd) -> anyhow::Result<i32> {
                     warn!("an agent asked for the node sockets before the keeper held any");
                     continue;
                 };
-                match handoff::serve_one(conn, h.generation, &h.xds, &h.cni, h.ids()) {
+                match handoff::serve_one(conn, h.generation, &h.listeners) {
                     Ok(_) => info!(generation = h.generation, "offered the kept node sockets to an agent"),
                     Err(e) => warn!(error = %e, "keeper offer refused"),
                 }
@@ -83,7 +92,7 @@ pub fn run(cfg: &Config, signals: SignalFd) -> anyhow::Result<i32> {
 fn fetch(cfg: &Config, held: &mut Option<Held>) {
     match handoff::fetch(&cfg.handoff_path(), &cfg.xds_path(), &cfg.cni_path(), true) {
         Ok(Some(h)) => {
-            let changed = held.as_ref().is_none_or(|old| (old.offer.xds_ino, old.offer.cni_ino, old.generation) != (h.offer.xds_ino, h.offer.cni_ino, h.generation));
+            let changed = held.as_ref().is_none_or(|old| (old.listeners.paths, old.generation) != (h.listeners.paths, h.generation));
             if changed {
                 info!(generation = h.generation, "keeping the owner's node sockets");
             }

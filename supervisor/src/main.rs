@@ -9,7 +9,10 @@ mod config;
 mod conflist;
 mod handoff;
 mod keeper;
+mod lifecycle;
 mod monitor;
+mod node;
+mod report;
 mod supervise;
 mod sys;
 mod uninstall;
@@ -55,24 +58,24 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     if cfg.uninstall_cni {
         let (conf, bin) = (cfg.cni_conf_dir.as_deref(), cfg.cni_bin_dir.as_deref());
         let (conf, bin) = conf.zip(bin).context("--uninstall-cni needs --cni-conf-dir and --cni-bin-dir")?;
-        supervise::prepare_run_dir(&cfg.run_dir)?;
+        sys::dirs::prepare_run_dir(&cfg.run_dir)?;
         uninstall::run(&cfg.run_dir, conf, bin, uninstall::LOCK_BOUND)?;
         return Ok(0);
     }
     // Signals are blocked before the lock thread starts, so that they reach the signalfd.
     let signals = sys::signals::block_and_open()?;
     if cfg.keep_sockets {
-        supervise::prepare_run_dir(&cfg.run_dir)?;
-        return keeper::run(&cfg, signals);
+        sys::dirs::prepare_run_dir(&cfg.run_dir)?;
+        return Ok(keeper::run(&cfg, signals)?);
     }
     let root = nix::unistd::geteuid().is_root();
     let worker_owner = root.then_some(cfg.worker_user);
     if root {
         sys::caps::require(REQUIRED_CAPS)?;
     }
-    supervise::prepare_run_dir(&cfg.run_dir)?;
-    supervise::prepare_dir(&cfg.state_dir, worker_owner, 0o700)?;
-    supervise::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
+    sys::dirs::prepare_run_dir(&cfg.run_dir)?;
+    sys::dirs::prepare_dir(&cfg.state_dir, worker_owner, 0o700)?;
+    sys::dirs::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
     let args = worker_args(&cfg);
     match cfg.kube_access() {
         config::KubeAccess::Kubeconfig(p) => tracing::info!(kubeconfig = %p.display(), "Kubernetes API access: kubeconfig"),

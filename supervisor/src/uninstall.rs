@@ -13,11 +13,22 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use tracing::{info, warn};
 
 use crate::conflist;
-use crate::sys::lock;
+use crate::sys::lock::{self, LockError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum UninstallError {
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    #[error("{}: an agent still holds the node after {bound:?}; nothing removed", path.display())]
+    Held { path: PathBuf, bound: Duration },
+    #[error(transparent)]
+    Conflist(#[from] conflist::Error),
+    #[error("removing {}: {source}", path.display())]
+    Binary { path: PathBuf, source: std::io::Error },
+}
 
 /// How long to wait for the agent on this node to let the node go: its grace period
 /// (30 s in the chart) and then some. Past it the run fails, and the pod's restart
@@ -34,9 +45,9 @@ pub struct Removed {
 /// Takes the node lock (waiting up to `bound`), removes the entry from every conflist
 /// in `conf_dir` and `aether-cni` from `bin_dir`. The lock is released when the returned
 /// file closes.
-pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> anyhow::Result<(Removed, std::fs::File)> {
+pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> Result<(Removed, std::fs::File), UninstallError> {
     let lock_path = run_dir.join("agent.lock");
-    let file = lock::open(&lock_path)?;
+    let (file, _) = lock::open(&lock_path)?;
     let start = Instant::now();
     let mut said = false;
     loop {
@@ -49,10 +60,8 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
-            Err(std::fs::TryLockError::WouldBlock) => {
-                anyhow::bail!("{}: an agent still holds the node after {bound:?}; nothing removed", lock_path.display())
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("lock {}", lock_path.display())),
+            Err(std::fs::TryLockError::WouldBlock) => return Err(UninstallError::Held { path: lock_path, bound }),
+            Err(std::fs::TryLockError::Error(source)) => return Err(LockError::Lock { path: lock_path, source }.into()),
         }
     }
     let conflists = conflist::remove(conf_dir)?;
@@ -66,7 +75,7 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
             Some(plugin)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(e).with_context(|| format!("removing {}", plugin.display())),
+        Err(source) => return Err(UninstallError::Binary { path: plugin, source }),
     };
     if conflists.is_empty() && binary.is_none() {
         warn!(conf_dir = %conf_dir.display(), bin_dir = %bin_dir.display(), "nothing to remove: aether-cni was not installed here");
@@ -92,7 +101,7 @@ mod tests {
         std::fs::write(bin.join("ptp"), "other plugin").unwrap();
 
         // An owner holds the node: nothing may be removed until it lets go.
-        let owner = lock::open(&run_dir.join("agent.lock")).unwrap();
+        let (owner, _) = lock::open(&run_dir.join("agent.lock")).unwrap();
         owner.lock().unwrap();
         let err = run_checked(&run_dir, &conf, &bin, Duration::from_millis(300)).unwrap_err();
         assert!(err.contains("an agent still holds the node"), "{err}");
@@ -118,6 +127,6 @@ mod tests {
     }
 
     fn run_checked(run_dir: &Path, conf: &Path, bin: &Path, bound: Duration) -> Result<(), String> {
-        super::run(run_dir, conf, bin, bound).map(|_| ()).map_err(|e| format!("{e:#}"))
+        super::run(run_dir, conf, bin, bound).map(|_| ()).map_err(|e| e.to_string())
     }
 }

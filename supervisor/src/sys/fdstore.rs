@@ -16,6 +16,22 @@ use std::os::unix::ffi::OsStrExt;
 
 use nix::sys::socket::{AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, sendmsg, socket};
 
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FdStoreError {
+    #[error("LISTEN_FDS={0:?} is not a count")]
+    Count(String),
+    #[error("LISTEN_FDS={0}: at most 16 expected (this agent stores two)")]
+    TooMany(usize),
+    #[error("descriptor {fd} ({name:?}) from systemd: {reason}")]
+    Inherited { fd: RawFd, name: String, reason: String },
+    #[error("NOTIFY_SOCKET={path:?}: {source}")]
+    Address { path: std::ffi::OsString, source: nix::Error },
+    #[error("socket for NOTIFY_SOCKET: {0}")]
+    Socket(nix::Error),
+    #[error("sending {message:?} to NOTIFY_SOCKET={path:?}: {source}")]
+    Send { message: String, path: std::ffi::OsString, source: nix::Error },
+}
+
 /// The names under which the owner stores its listeners.
 pub const XDS: &str = "xds";
 pub const CNI: &str = "cni";
@@ -27,16 +43,16 @@ pub fn listen_fds(
     listen_fds: Option<&str>,
     names: Option<&str>,
     pid: u32,
-) -> Result<Vec<(RawFd, String)>, String> {
+) -> Result<Vec<(RawFd, String)>, FdStoreError> {
     if listen_pid.and_then(|p| p.parse::<u32>().ok()) != Some(pid) {
         return Ok(Vec::new());
     }
     let n: usize = match listen_fds {
-        Some(v) => v.parse().map_err(|_| format!("LISTEN_FDS={v:?} is not a count"))?,
+        Some(v) => v.parse().map_err(|_| FdStoreError::Count(v.to_string()))?,
         None => return Ok(Vec::new()),
     };
     if n > 16 {
-        return Err(format!("LISTEN_FDS={n}: at most 16 expected (this agent stores two)"));
+        return Err(FdStoreError::TooMany(n));
     }
     let names: Vec<&str> = names.map(|v| v.split(':').collect()).unwrap_or_default();
     Ok((0..n).map(|i| (3 + i as RawFd, names.get(i).copied().unwrap_or("unknown").to_string())).collect())
@@ -45,7 +61,7 @@ pub fn listen_fds(
 /// Takes the listeners systemd passed at start: `xds` and `cni`, each a stream socket
 /// (checked, and made close-on-exec). Descriptors under other names are closed. Reads
 /// `LISTEN_*` from the environment; call before any descriptor is opened or closed.
-pub fn take_listeners() -> Result<(Option<OwnedFd>, Option<OwnedFd>), String> {
+pub fn take_listeners() -> Result<(Option<OwnedFd>, Option<OwnedFd>), FdStoreError> {
     let var = |k: &str| std::env::var(k).ok();
     let fds = listen_fds(
         var("LISTEN_PID").as_deref(),
@@ -56,7 +72,7 @@ pub fn take_listeners() -> Result<(Option<OwnedFd>, Option<OwnedFd>), String> {
     let (mut xds, mut cni) = (None, None);
     for (fd, name) in fds {
         let owned = shared_proto::fdpass::take_inherited(fd, SockType::Stream)
-            .map_err(|e| format!("descriptor {fd} ({name:?}) from systemd: {e}"))?;
+            .map_err(|e| FdStoreError::Inherited { fd, name: name.clone(), reason: e.to_string() })?;
         match name.as_str() {
             XDS => xds = Some(owned),
             CNI => cni = Some(owned),
@@ -69,22 +85,21 @@ pub fn take_listeners() -> Result<(Option<OwnedFd>, Option<OwnedFd>), String> {
 
 /// Stores the listeners in systemd's fd store, replacing any stored under the same
 /// names. Returns false when not under systemd (no `NOTIFY_SOCKET`).
-pub fn store(xds: BorrowedFd<'_>, cni: BorrowedFd<'_>) -> Result<bool, String> {
+pub fn store(xds: BorrowedFd<'_>, cni: BorrowedFd<'_>) -> Result<bool, FdStoreError> {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return Ok(false) };
     let bytes = path.as_bytes();
     let addr = match bytes.strip_prefix(b"@") {
         Some(abstract_name) => UnixAddr::new_abstract(abstract_name),
         None => UnixAddr::new(bytes),
     }
-    .map_err(|e| format!("NOTIFY_SOCKET={path:?}: {e}"))?;
-    let sock = socket(AddressFamily::Unix, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)
-        .map_err(|e| format!("socket for NOTIFY_SOCKET: {e}"))?;
+    .map_err(|source| FdStoreError::Address { path: path.clone(), source })?;
+    let sock = socket(AddressFamily::Unix, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None).map_err(FdStoreError::Socket)?;
     let send = |msg: String, fd: Option<BorrowedFd<'_>>| {
         let raw = fd.map(|f| [f.as_raw_fd()]);
         let cmsgs: Vec<ControlMessage<'_>> = raw.as_ref().map(|r| ControlMessage::ScmRights(r)).into_iter().collect();
         sendmsg(sock.as_raw_fd(), &[IoSlice::new(msg.as_bytes())], &cmsgs, MsgFlags::empty(), Some(&addr))
             .map(drop)
-            .map_err(|e| format!("sending {:?} to NOTIFY_SOCKET={path:?}: {e}", msg.replace('\n', " ")))
+            .map_err(|source| FdStoreError::Send { message: msg.replace('\n', " "), path: path.clone(), source })
     };
     for (name, fd) in [(XDS, xds), (CNI, cni)] {
         send(format!("FDSTOREREMOVE=1\nFDNAME={name}"), None)?;
@@ -113,7 +128,7 @@ mod tests {
             let got = listen_fds(pid, n, names, 42);
             match want {
                 Ok(v) => assert_eq!(got, Ok(v), "{pid:?} {n:?} {names:?}"),
-                Err(e) => assert!(got.as_ref().is_err_and(|g| g.contains(e)), "{pid:?} {n:?}: {got:?}"),
+                Err(e) => assert!(got.as_ref().is_err_and(|g| g.to_string().contains(e)), "{pid:?} {n:?}: {got:?}"),
             }
         }
     }

@@ -26,13 +26,25 @@ pub enum ListenError {
     LiveServer { path: PathBuf },
     #[error("{what} {path}: {source}")]
     Io { what: &'static str, path: PathBuf, source: io::Error },
+    #[error(transparent)]
+    Check(#[from] shared_proto::fdcheck::FdError),
+    #[error("{path} is no longer a socket")]
+    Gone { path: PathBuf },
+    #[error("{path} was replaced since the handoff (inode {now} now, {then} then)")]
+    Replaced { path: PathBuf, now: u64, then: u64 },
+}
+
+/// Which file a path named: its device and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
 }
 
 /// A bound, listening socket and the identity of its path.
 pub struct Bound {
     pub fd: OwnedFd,
-    pub dev: u64,
-    pub ino: u64,
+    pub id: FileId,
 }
 
 /// Whether a server accepts on `path`. A refused dial (a stale file of a dead server) or
@@ -87,27 +99,27 @@ pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> 
     listen(&fd, Backlog::new(BACKLOG).expect("backlog within SOMAXCONN range"))
         .map_err(|e| io_err("listen", e.into()))?;
     let m = std::fs::symlink_metadata(path).map_err(|e| io_err("lstat", e))?;
-    Ok(Bound { fd, dev: m.dev(), ino: m.ino() })
+    Ok(Bound { fd, id: FileId { dev: m.dev(), ino: m.ino() } })
 }
 
 /// Checks that `fd` is a listening stream socket bound to `path` and that `path` is a
-/// socket file; returns that file's (dev, ino).
-pub fn listener_at(what: &'static str, fd: &OwnedFd, path: &Path) -> Result<(u64, u64), String> {
-    shared_proto::fdcheck::check_listener(what, fd, path).map_err(|e| e.to_string())?;
-    let m = std::fs::symlink_metadata(path).map_err(|e| format!("lstat {}: {e}", path.display()))?;
+/// socket file; returns that file's identity.
+pub fn listener_at(what: &'static str, fd: &OwnedFd, path: &Path) -> Result<FileId, ListenError> {
+    shared_proto::fdcheck::check_listener(what, fd, path)?;
+    let m = std::fs::symlink_metadata(path).map_err(|source| ListenError::Io { what: "lstat", path: path.to_owned(), source })?;
     if !m.file_type().is_socket() {
-        return Err(format!("{} is no longer a socket", path.display()));
+        return Err(ListenError::Gone { path: path.to_owned() });
     }
-    Ok((m.dev(), m.ino()))
+    Ok(FileId { dev: m.dev(), ino: m.ino() })
 }
 
 /// Checks a listener handed over by the previous generation: [`listener_at`], and `path`
-/// still names the file it was bound to (`dev`/`ino` as the previous owner recorded them
-/// at bind).
-pub fn verify_held(fd: &OwnedFd, path: &Path, dev: u64, ino: u64) -> Result<(), String> {
-    let (now_dev, now_ino) = listener_at("held listener", fd, path)?;
-    if (now_dev, now_ino) != (dev, ino) {
-        return Err(format!("{} was replaced since the handoff (inode {now_ino} now, {ino} then)", path.display()));
+/// still names the file it was bound to (`then`, as the previous owner recorded it at
+/// bind).
+pub fn verify_held(fd: &OwnedFd, path: &Path, then: FileId) -> Result<(), ListenError> {
+    let now = listener_at("held listener", fd, path)?;
+    if now != then {
+        return Err(ListenError::Replaced { path: path.to_owned(), now: now.ino, then: then.ino });
     }
     Ok(())
 }

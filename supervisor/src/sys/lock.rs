@@ -4,10 +4,16 @@
 //! open file description closes, however the owning generation died, so a standby that
 //! blocks on it wakes the instant the node is free. The file also records the node
 //! generation, written by each new owner.
+//!
+//! The lock is taken on a read-only descriptor, and that same descriptor goes to the
+//! worker at takeover, so both hold one lock (a second open would get a lock of its own,
+//! which conflicts with it). The worker can keep the node, but it cannot write or grow
+//! the file. The generation is written through a second, write-only descriptor that the
+//! supervisor keeps to itself.
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -17,6 +23,8 @@ use std::time::{Duration, Instant};
 pub enum LockError {
     #[error("open lock file {path}: {source}")]
     Open { path: PathBuf, source: std::io::Error },
+    #[error("lock file {path} was replaced while it was opened; refusing it")]
+    Replaced { path: PathBuf },
     #[error("lock {path}: {source}")]
     Lock { path: PathBuf, source: std::io::Error },
     #[error("generation in {path}: {source}")]
@@ -24,7 +32,9 @@ pub enum LockError {
 }
 
 /// The lock, once held.
+#[derive(Debug)]
 pub struct Held {
+    /// Read-only; shared with the worker.
     pub file: File,
     /// Time spent blocked on the lock.
     pub waited: Duration,
@@ -32,17 +42,26 @@ pub struct Held {
     pub uncontended: bool,
 }
 
-/// Opens the lock file (never through a symlink) with mode 0600.
-pub fn open(path: &Path) -> Result<File, LockError> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|source| LockError::Open { path: path.to_owned(), source })
+/// The write-only descriptor of the lock file, for the generation record.
+#[derive(Debug)]
+pub struct Generation {
+    file: File,
+    path: PathBuf,
+}
+
+/// Opens the lock file (creating it 0600, never through a symlink) twice: read-only, the
+/// descriptor to lock and share with the worker, and write-only for [`Generation`]. Both
+/// must name one file.
+pub fn open(path: &Path) -> Result<(File, Generation), LockError> {
+    let open_err = |source| LockError::Open { path: path.to_owned(), source };
+    let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    let writer = OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).custom_flags(flags).open(path).map_err(open_err)?;
+    let reader = OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(open_err)?;
+    let (r, w) = (reader.metadata().map_err(open_err)?, writer.metadata().map_err(open_err)?);
+    if (r.dev(), r.ino()) != (w.dev(), w.ino()) {
+        return Err(LockError::Replaced { path: path.to_owned() });
+    }
+    Ok((reader, Generation { file: writer, path: path.to_owned() }))
 }
 
 /// Starts the thread that blocks on the lock. When it gets the lock it sends it on the
@@ -69,21 +88,22 @@ pub fn spawn_waiter(file: File, path: PathBuf, wake: UnixStream) -> mpsc::Receiv
     rx
 }
 
-/// Reads the previous owner's generation and writes the next one. Returns the new one.
-pub fn bump_generation(file: &mut File, path: &Path) -> Result<u64, LockError> {
-    let err = |source| LockError::Generation { path: path.to_owned(), source };
-    let mut text = String::new();
-    file.seek(SeekFrom::Start(0)).map_err(err)?;
-    // A corrupt or empty record counts as generation 0: the lock, not the number, is
-    // what fences owners, and the number is only for operators.
-    let _ = file.take(64).read_to_string(&mut text);
-    let previous: u64 = text.trim().parse().unwrap_or(0);
-    // A forged u64::MAX (the worker holds the lock fd) must not overflow.
-    let next = previous.saturating_add(1);
-    file.set_len(0).map_err(err)?;
-    file.seek(SeekFrom::Start(0)).map_err(err)?;
-    file.write_all(format!("{next}\n").as_bytes()).map_err(err)?;
-    Ok(next)
+impl Generation {
+    /// Reads the previous owner's generation through the held lock and writes the next
+    /// one. Returns the new one.
+    pub fn bump(&self, lock: &File) -> Result<u64, LockError> {
+        let err = |source| LockError::Generation { path: self.path.clone(), source };
+        let mut buf = [0u8; 64];
+        // A corrupt or empty record counts as generation 0: the lock, not the number, is
+        // what fences owners, and the number is only for operators.
+        let n = lock.read_at(&mut buf, 0).unwrap_or(0);
+        let previous: u64 = std::str::from_utf8(&buf[..n]).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        // A forged u64::MAX must not overflow.
+        let next = previous.saturating_add(1);
+        self.file.set_len(0).map_err(err)?;
+        self.file.write_all_at(format!("{next}\n").as_bytes(), 0).map_err(err)?;
+        Ok(next)
+    }
 }
 
 #[cfg(test)]
@@ -94,8 +114,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent.lock");
         std::fs::write(&path, record).unwrap();
-        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-        let next = bump_generation(&mut f, &path).unwrap();
+        let (lock, generation) = open(&path).unwrap();
+        let next = generation.bump(&lock).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{next}\n"));
         next
     }
@@ -106,5 +126,34 @@ mod tests {
         assert_eq!(bump("41\n"), 42);
         assert_eq!(bump("garbage"), 1);
         assert_eq!(bump(&u64::MAX.to_string()), u64::MAX);
+    }
+
+    #[test]
+    fn the_shared_lock_descriptor_is_read_only_and_conflicts_with_a_second_open() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.lock");
+        let (lock, generation) = open(&path).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        lock.lock().unwrap();
+        // What the worker gets cannot write, truncate or grow the file.
+        assert!((&lock).write_all(b"1").is_err());
+        assert!(lock.set_len(1 << 30).is_err());
+        assert!(lock.write_all_at(b"9", 100).is_err());
+        // The flock is the description's: a second open of the file is another lock,
+        // which conflicts; a duplicate of the descriptor (what the worker holds) is the
+        // same one.
+        let (other, _) = open(&path).unwrap();
+        assert!(matches!(other.try_lock(), Err(std::fs::TryLockError::WouldBlock)));
+        let shared = lock.try_clone().unwrap();
+        drop(lock);
+        assert!(matches!(other.try_lock(), Err(std::fs::TryLockError::WouldBlock)), "the duplicate keeps the lock");
+        assert_eq!(generation.bump(&shared).unwrap(), 1);
+        drop(shared);
+        other.try_lock().unwrap();
+        // A symlink is never followed.
+        let link = dir.path().join("link.lock");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(matches!(open(&link), Err(LockError::Open { .. })));
     }
 }

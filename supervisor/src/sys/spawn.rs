@@ -38,6 +38,8 @@ pub enum SpawnError {
     Nul(String),
     #[error("fork: {0}")]
     Fork(Errno),
+    #[error("control socket: {0}")]
+    Socket(Errno),
     #[error("worker setup failed at {step}: {errno}")]
     Child { step: &'static str, errno: Errno },
 }
@@ -99,9 +101,19 @@ impl Plan {
     }
 }
 
+/// Starts a worker: a fresh `SOCK_SEQPACKET` pair, the worker's end as its fd 3. Returns
+/// its pid and the supervisor's end (non-blocking) once the exec has succeeded.
+pub fn start(image: &Image, plan: &Plan) -> Result<(Pid, OwnedFd), SpawnError> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    let (mine, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).map_err(SpawnError::Socket)?;
+    nix::fcntl::fcntl(&mine, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(SpawnError::Socket)?;
+    let pid = spawn(image, plan, &theirs)?;
+    Ok((pid, mine))
+}
+
 /// Forks and execs the worker with `control` as its fd 3. Returns its pid once the exec
 /// has succeeded.
-pub fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, SpawnError> {
+fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, SpawnError> {
     let devnull = File::open("/dev/null").map_err(|source| SpawnError::Open { path: "/dev/null".into(), source })?;
     let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(SpawnError::Fork)?;
     let argv: Vec<*const libc::c_char> = plan.argv.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();

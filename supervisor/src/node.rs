@@ -1,0 +1,176 @@
+//! Taking the node once its lock is ours: the listeners (those held for the takeover if
+//! each is still the socket bound at its path, else fresh ones, once no lock-less server
+//! answers there), the generation record, and `handoff.sock` for the next generation.
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use nix::sys::socket::SockType;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::handoff::{self, Held, Listeners, PathIds};
+use crate::lifecycle::{Took, micros};
+use crate::sys::listen::{self, ListenError};
+use crate::sys::lock::{self, LockError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("cannot bind the node sockets: {0}")]
+    Listen(#[from] ListenError),
+    #[error("cannot record the generation: {0}")]
+    Lock(#[from] LockError),
+}
+
+/// The node, owned.
+#[derive(Debug)]
+pub struct Node {
+    /// The read-only lock descriptor, shared with the worker.
+    pub lock: File,
+    pub listeners: Listeners,
+    /// `handoff.sock`'s listener (non-blocking); none if it could not be bound.
+    pub handoff: Option<OwnedFd>,
+}
+
+impl Node {
+    /// The descriptors a Takeover carries, in its order.
+    pub fn takeover_fds(&self) -> [BorrowedFd<'_>; 3] {
+        [self.lock.as_fd(), self.listeners.xds.as_fd(), self.listeners.cni.as_fd()]
+    }
+
+    /// Unlocks the node, so that the standby takes it over now while the drained
+    /// worker's proxy streams still serve, and closes this supervisor's descriptors (the
+    /// lock, the listeners, which the standby holds its own of, and `handoff.sock`).
+    pub fn release(self) {
+        match self.lock.unlock() {
+            Ok(()) => info!("node lock released; the worker keeps its proxy streams until the successor serves"),
+            // Closing the descriptor releases it too, once the worker's copy is gone.
+            Err(e) => warn!(error = %e, "unlocking the node lock failed; it is released when the descriptor closes"),
+        }
+    }
+}
+
+pub enum Outcome {
+    Taken(Node, Took),
+    /// A server without the lock still answers on `path`.
+    Blocked { lock: lock::Held, path: PathBuf },
+}
+
+/// What taking the node needs: paths, owners and the generation record.
+pub struct Taker {
+    xds: PathBuf,
+    cni: PathBuf,
+    handoff: PathBuf,
+    keeper: PathBuf,
+    /// The supervisor's euid and egid.
+    owner: (u32, u32),
+    /// `xds.sock`'s group: the proxy connects as a member of the worker's group.
+    xds_group: u32,
+    generation: lock::Generation,
+}
+
+impl Taker {
+    pub fn new(cfg: &Config, owner: (u32, u32), worker: Option<(u32, u32)>, generation: lock::Generation) -> Self {
+        Self {
+            xds: cfg.xds_path(),
+            cni: cfg.cni_path(),
+            handoff: cfg.handoff_path(),
+            keeper: cfg.keeper_path(),
+            owner,
+            xds_group: worker.map_or(owner.1, |(_, gid)| gid),
+            generation,
+        }
+    }
+
+    pub fn take(&self, lock: lock::Held, held: Option<Held>, ask_keeper: bool, since: Instant) -> Result<Outcome, NodeError> {
+        // No owner handed its sockets over (a delete-then-create roll, or a killed
+        // generation): the node's socket keeper may hold them.
+        let held = held.or_else(|| ask_keeper.then(|| self.keeper_offer()).flatten());
+        let held = held.filter(|h| match self.verify(&h.listeners) {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(error = %e, "handed-off sockets no longer match their paths; binding fresh ones");
+                false
+            }
+        });
+        let handed_off = held.is_some();
+        let listeners = match held {
+            Some(h) => h.listeners,
+            None => match self.bind_fresh() {
+                Ok(l) => l,
+                Err(ListenError::LiveServer { path }) => return Ok(Outcome::Blocked { lock, path }),
+                Err(e) => return Err(e.into()),
+            },
+        };
+        let bind = since.elapsed();
+        let generation = self.generation.bump(&lock.file)?;
+        let handoff = match listen::bind_fresh(&self.handoff, SockType::SeqPacket, 0o600, self.owner) {
+            Ok(b) => {
+                let _ = nix::fcntl::fcntl(&b.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
+                Some(b.fd)
+            }
+            Err(e) => {
+                // Without it the next roll binds fresh sockets: slower, still correct.
+                warn!(error = %e, "cannot open the handoff socket; the next generation will bind fresh sockets");
+                None
+            }
+        };
+        info!(generation, handed_off, bind_us = micros(bind), "this agent owns the node");
+        let took = Took { generation, handed_off, uncontended: lock.uncontended, lock_wait: lock.waited, bind };
+        Ok(Outcome::Taken(Node { lock: lock.file, listeners, handoff }, took))
+    }
+
+    fn verify(&self, l: &Listeners) -> Result<(), ListenError> {
+        listen::verify_held(&l.xds, &self.xds, l.paths.xds)?;
+        listen::verify_held(&l.cni, &self.cni, l.paths.cni)
+    }
+
+    fn keeper_offer(&self) -> Option<Held> {
+        match handoff::fetch(&self.keeper, &self.xds, &self.cni, false) {
+            Ok(Some(h)) => {
+                info!(generation = h.generation, "taking the node sockets from the socket keeper");
+                Some(h)
+            }
+            Ok(None) => None,
+            // Also when the keeper holds nothing yet: it then closes the connection.
+            Err(e) => {
+                info!(error = %e, "no node sockets from the socket keeper");
+                None
+            }
+        }
+    }
+
+    fn bind_fresh(&self) -> Result<Listeners, ListenError> {
+        for p in [&self.xds, &self.cni] {
+            if listen::live_server(p)? {
+                return Err(ListenError::LiveServer { path: p.clone() });
+            }
+        }
+        // xds.sock: the proxy connects as a member of the worker's group (the chart gives
+        // Envoy that supplementary group). cni.sock: only the runtime's CNI plugin, root.
+        let x = listen::bind_fresh(&self.xds, SockType::Stream, 0o660, (self.owner.0, self.xds_group))?;
+        let c = listen::bind_fresh(&self.cni, SockType::Stream, 0o600, self.owner)?;
+        Ok(Listeners { xds: x.fd, cni: c.fd, paths: PathIds { xds: x.id, cni: c.id } })
+    }
+}
+
+/// The listeners systemd kept in its fd store across a restart, held like sockets handed
+/// off by a previous generation: each must be the listener bound at its path, and the
+/// paths' inodes now are what the takeover checks again.
+pub fn held_from_systemd(xds_path: &Path, cni_path: &Path, fds: (Option<OwnedFd>, Option<OwnedFd>)) -> Option<Held> {
+    let (Some(xds), Some(cni)) = fds else { return None };
+    let ids = listen::listener_at("xds.sock from systemd", &xds, xds_path)
+        .and_then(|x| Ok(PathIds { xds: x, cni: listen::listener_at("cni.sock from systemd", &cni, cni_path)? }));
+    match ids {
+        Ok(paths) => {
+            info!("holding the node sockets systemd kept in its fd store");
+            Some(Held { generation: 0, listeners: Listeners { xds, cni, paths } })
+        }
+        Err(e) => {
+            warn!(error = %e, "the sockets from systemd's fd store are not this node's; binding fresh ones at takeover");
+            None
+        }
+    }
+}
