@@ -310,6 +310,50 @@ impl<C: tonic::transport::server::Connected> tonic::transport::server::Connected
     }
 }
 
+/// For the transport tests of the servers behind these listeners.
+#[cfg(test)]
+pub(crate) mod test_helpers {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The client's HTTP/2 preface with an empty SETTINGS frame.
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+    /// Sends the HTTP/2 preface on `conn` and returns the server's SETTINGS (identifier,
+    /// value), or None if the server closed the connection without a byte.
+    pub async fn h2_settings(conn: &mut tokio::net::UnixStream) -> Option<Vec<(u16, u32)>> {
+        // A connection closed at once may refuse the write; the read says what happened.
+        let _ = conn.write_all(PREFACE).await;
+        let mut header = [0u8; 9];
+        match conn.read(&mut header[..1]).await {
+            Ok(0) => return None,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+            Ok(_) => {}
+            Err(e) => panic!("reading the server's first frame: {e}"),
+        }
+        conn.read_exact(&mut header[1..]).await.expect("frame header");
+        assert_eq!(header[3], 0x04, "the server's first frame is SETTINGS");
+        let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        conn.read_exact(&mut payload).await.expect("SETTINGS payload");
+        Some(payload.chunks(6).map(|c| (u16::from_be_bytes([c[0], c[1]]), u32::from_be_bytes([c[2], c[3], c[4], c[5]]))).collect())
+    }
+
+    /// SETTINGS_MAX_CONCURRENT_STREAMS.
+    pub const MAX_CONCURRENT_STREAMS: u16 = 0x3;
+
+    /// Waits until `cond` holds, yielding to the runtime in between: for a server task's
+    /// reaction to a closed connection, which nothing signals to the test.
+    pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let waited = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while !cond() {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        assert!(waited.is_ok(), "{what}: not within 10 s");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;

@@ -231,3 +231,25 @@ impl Metrics {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_cached_text_is_made_again_only_once_it_is_older_than_its_age() {
+        let m = Metrics::new();
+        let age = Duration::from_secs(1);
+        let first = m.encode_cached(age);
+        assert!(first.contains("aether_cni_evictions_total 0"), "{first}");
+        m.cni_evictions.inc();
+        tokio::time::advance(Duration::from_millis(999)).await;
+        let cached = m.encode_cached(age);
+        assert!(Arc::ptr_eq(&first, &cached), "made again within its age");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let fresh = m.encode_cached(age);
+        assert!(fresh.contains("aether_cni_evictions_total 1"), "{fresh}");
+    }
+}

@@ -241,3 +241,5 @@ fn log_diff(diff: &Diff) {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod transport_tests;

@@ -224,7 +224,7 @@ async fn run_stream<P: Served>(
                         let label = LimitLabel { type_url: kind::type_url(e.kind()).to_string(), limit: e.limit().to_string() };
                         metrics.xds_subscription_refusals.get_or_create(&label).inc();
                         tracing::warn!(stream = id, node = %node_id, protocol = P::NAME, error = %e, "ADS stream refused: over a subscription limit");
-                        let _ = tx.send(Err(Status::resource_exhausted(format!("{} ADS stream refused: {e}", P::NAME)))).await;
+                        end_with(&tx, Status::resource_exhausted(format!("{} ADS stream refused: {e}", P::NAME))).await;
                         return;
                     }
                     record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
@@ -235,6 +235,9 @@ async fn run_stream<P: Served>(
                 }
                 Err(status) => {
                     tracing::info!(stream = id, node = %node_id, %status, "ADS stream ended");
+                    // A request refused before it reached the stream (too large, not
+                    // decodable) ends it with its status, so the proxy sees why.
+                    end_with(&tx, status).await;
                     return;
                 }
             },
@@ -280,6 +283,12 @@ async fn run_stream<P: Served>(
             acks.publish(st.current());
         }
     }
+}
+
+/// Ends a stream with `status`. A proxy that reads no responses would keep the task, and
+/// what it holds, waiting for room in the channel; it gets a second.
+async fn end_with<T>(tx: &mpsc::Sender<Result<T, Status>>, status: Status) {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), tx.send(Err(status))).await;
 }
 
 fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option<(String, Instant)>; 4]) {
@@ -436,6 +445,121 @@ mod tests {
         });
         let err = await_server(&path, Duration::from_secs(5)).await.expect_err("not HTTP/2");
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
+    }
+
+    use crate::accept::test_helpers::{MAX_CONCURRENT_STREAMS, h2_settings, until};
+    use crate::metrics::SocketLabel;
+    use envoy_types::pb::envoy::config::core::v3::Node;
+    use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
+    use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+
+    /// The ADS server with `limits` on a socket in `dir`; its metrics.
+    fn start_limited(dir: &std::path::Path, limits: Limits) -> (std::path::PathBuf, Arc<Metrics>, tokio::sync::oneshot::Sender<()>) {
+        let path = dir.join("xds.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (tx, snapshots) = watch::channel(Arc::new(build(&Inputs::default())));
+        let metrics = Metrics::new();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            let _keep = tx;
+            serve_limited(listener, snapshots, Arc::default(), Acks::default(), m, None, async move {
+                let _ = stopped.await;
+            }, limits)
+            .await
+        });
+        (path, metrics, stop)
+    }
+
+    async fn client(path: &std::path::Path) -> AggregatedDiscoveryServiceClient<tonic::transport::Channel> {
+        let path = path.to_path_buf();
+        let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.map(hyper_util::rt::TokioIo::new) }
+        });
+        let channel = tonic::transport::Endpoint::from_static("http://xds.invalid").connect_with_connector(connector).await.unwrap();
+        AggregatedDiscoveryServiceClient::new(channel)
+    }
+
+    fn eds(names: &[&str]) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            node: Some(Node { id: "proxy-1".into(), ..Default::default() }),
+            type_url: kind::type_url(Kind::Endpoint).into(),
+            resource_names_subscribe: names.iter().map(|n| n.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn connections_past_the_cap_are_closed_at_once_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, metrics, _stop) = start_limited(dir.path(), Limits { max_connections: 2, ..Limits::default() });
+        let label = SocketLabel { socket: "xds".into() };
+        let mut first = UnixStream::connect(&path).await.unwrap();
+        let mut second = UnixStream::connect(&path).await.unwrap();
+        for conn in [&mut first, &mut second] {
+            let settings = h2_settings(conn).await.expect("admitted under the cap");
+            assert!(settings.contains(&(MAX_CONCURRENT_STREAMS, MAX_STREAMS_PER_CONNECTION)), "{settings:?}");
+        }
+        let mut third = UnixStream::connect(&path).await.unwrap();
+        assert_eq!(h2_settings(&mut third).await, None, "past the cap: closed without a byte");
+        assert_eq!(metrics.connections_refused.get_or_create(&label).get(), 1);
+        assert_eq!(metrics.connections.get_or_create(&label).get(), 2);
+
+        drop(first);
+        until("the closed connection's slot is given back", || metrics.connections.get_or_create(&label).get() == 1).await;
+        let mut fourth = UnixStream::connect(&path).await.unwrap();
+        assert!(h2_settings(&mut fourth).await.is_some(), "a slot was free again");
+    }
+
+    #[tokio::test]
+    async fn a_delta_stream_past_a_subscription_limit_ends_with_resource_exhausted_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let subscriptions = SubscriptionLimits { max_names: 3, max_name_len: 32 };
+        let (path, metrics, _stop) = start_limited(dir.path(), Limits { subscriptions, ..Limits::default() });
+        let mut ads = client(&path).await;
+
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(eds(&["a", "b"])).await.unwrap();
+        let mut responses = ads.delta_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        assert!(responses.message().await.unwrap().is_some(), "a fresh subscription is answered");
+        tx.send(eds(&["c", "d"])).await.unwrap();
+        let err = responses.message().await.expect_err("a fourth name");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(
+            err.message(),
+            "delta ADS stream refused: type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment: subscribing to 4 resource names is over the limit of 3 per type and stream"
+        );
+
+        // A name over the length limit, on a new stream.
+        let (tx, rx) = mpsc::channel(4);
+        let long = "n".repeat(33);
+        tx.send(eds(&[&long])).await.unwrap();
+        let mut responses = ads.delta_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let err = responses.message().await.expect_err("a 33-byte name");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert!(err.message().contains("is 33 bytes, over the limit of 32"), "{}", err.message());
+
+        let count = |limit: &str| {
+            let label = LimitLabel { type_url: kind::type_url(Kind::Endpoint).into(), limit: limit.into() };
+            metrics.xds_subscription_refusals.get_or_create(&label).get()
+        };
+        assert_eq!((count("names"), count("name_length")), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_request_over_the_size_limit_ends_its_stream_with_out_of_range() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _metrics, _stop) = start_limited(dir.path(), Limits { max_request: 4096, ..Limits::default() });
+        let mut ads = client(&path).await;
+        let (tx, rx) = mpsc::channel(4);
+        let mut big = eds(&["a"]);
+        big.node.as_mut().unwrap().id = "n".repeat(5000);
+        tx.send(big).await.unwrap();
+        let mut responses = ads.delta_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let err = responses.message().await.expect_err("over the size limit");
+        assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
+        assert!(err.message().contains("the limit is: 4096 bytes"), "{}", err.message());
     }
 
     #[tokio::test]
