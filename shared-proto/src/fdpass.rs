@@ -158,16 +158,55 @@ impl Drop for Unwanted {
     }
 }
 
-/// Closes descriptors a peer sent that the receiver does not accept, on a thread of their
-/// own. The last close of a socket with SO_LINGER and unsent data blocks for the linger
+/// Closes descriptors a peer sent that the receiver does not accept, without blocking the
+/// caller. The last close of a socket with SO_LINGER and unsent data blocks for the linger
 /// time (a TTY with pending output can block too); a worker that passes the supervisor
 /// such a socket must not stall its event loop, which then kills that worker at once.
-/// Should the thread not start, they are closed here.
+///
+/// A thread of their own takes a descriptor table of its own (`unshare(CLONE_FILES)`), so
+/// that it holds the only copies once the caller has closed the shared ones, which is not
+/// the last close of any and returns at once. The last close then blocks that thread
+/// only. A fork meanwhile (the supervisor spawning the next worker) copies none of them,
+/// so no child's exec can be the close that blocks. Where the thread cannot unshare, it
+/// closes them in the shared table, as a last resort the caller does.
 pub fn discard(fds: Vec<OwnedFd>) {
     if fds.is_empty() {
         return;
     }
-    let _ = std::thread::Builder::new().name("fd-discard".into()).spawn(move || drop(fds));
+    let shared: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let mut keep = shared.clone();
+    keep.sort_unstable();
+    let (unshared_tx, unshared_rx) = std::sync::mpsc::sync_channel::<bool>(1);
+    let (closed_tx, closed_rx) = std::sync::mpsc::sync_channel::<()>(1);
+    let spawned = std::thread::Builder::new().name("fd-discard".into()).spawn(move || {
+        // SAFETY: unshare takes no pointer; CLONE_FILES only gives this thread a private
+        // copy of the descriptor table.
+        let private = unsafe { libc::unshare(libc::CLONE_FILES) } == 0;
+        if unshared_tx.send(private).is_err() || !private || closed_rx.recv().is_err() {
+            return drop(fds);
+        }
+        // This table's copies of everything else: none is the last one.
+        let mut from = 0;
+        for &fd in keep.iter().chain([&RawFd::MAX]) {
+            if fd > from {
+                // SAFETY: close_range takes plain integers; it closes only this thread's
+                // private copies, which no Rust value here owns (`fds` is outside the ranges).
+                unsafe { libc::syscall(libc::SYS_close_range, from as libc::c_uint, (fd - 1) as libc::c_uint, 0) };
+            }
+            from = fd.saturating_add(1);
+        }
+        // The last copies: a lingering close blocks here.
+        drop(fds);
+    });
+    if spawned.is_ok() && unshared_rx.recv() == Ok(true) {
+        for fd in shared {
+            // SAFETY: each is the shared table's entry of a descriptor whose `OwnedFd` moved
+            // to the thread, which after unsharing closes only its own table's copy; each
+            // entry is closed once, here, and nothing else in this process uses it.
+            unsafe { libc::close(fd) };
+        }
+        let _ = closed_tx.send(());
+    }
 }
 
 /// Receives one supervisor/worker message and checks its descriptor count.
