@@ -18,7 +18,8 @@
 //! `cargo bench -p aether-e2e --bench kube-drain` (release profile; the agent's binaries
 //! are built for it first unless `AETHER_BIN_DIR` is set). Needs Envoy
 //! (`scripts/install-envoy.sh` or `ENVOY_BIN`). `BENCH_DELETIONS` (default 100) and
-//! `BENCH_CHURN` (default 500) set the sizes. The last stdout line is one JSON object.
+//! `BENCH_CHURN` (default 500) set the sizes; `BENCH_SHOW_ALL` prints every drain latency.
+//! The last stdout line is one JSON object.
 
 use std::collections::VecDeque;
 use std::net::Ipv4Addr;
