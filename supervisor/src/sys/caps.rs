@@ -71,13 +71,21 @@ pub fn clear_ambient() -> i32 {
 /// CAP_SETPCAP from <linux/capability.h>.
 pub const CAP_SETPCAP: u32 = 8;
 
+#[derive(Debug, thiserror::Error)]
+pub enum CapsError {
+    #[error("reading capabilities: {0}")]
+    Read(caps::errors::CapsError),
+    #[error("running as root without required capabilities: {}", .0.join(", "))]
+    Missing(Vec<String>),
+}
+
 /// Fails, naming each missing capability and what it is for, unless the effective set
 /// holds every one of `needed`.
-pub fn require(needed: &[(Capability, &str)]) -> anyhow::Result<()> {
-    let effective = caps::read(None, CapSet::Effective).map_err(|e| anyhow::anyhow!("reading capabilities: {e}"))?;
+pub fn require(needed: &[(Capability, &str)]) -> Result<(), CapsError> {
+    let effective = caps::read(None, CapSet::Effective).map_err(CapsError::Read)?;
     let missing: Vec<String> = needed.iter().filter(|(c, _)| !effective.contains(c)).map(|(c, why)| format!("{c} ({why})")).collect();
     if !missing.is_empty() {
-        anyhow::bail!("running as root without required capabilities: {}", missing.join(", "));
+        return Err(CapsError::Missing(missing));
     }
     Ok(())
 }
