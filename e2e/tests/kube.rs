@@ -218,6 +218,53 @@ fn a_deletion_during_a_surge_roll_is_served_draining_by_the_new_owner() {
     rig.pass();
 }
 
+#[test]
+fn with_a_registrar_terminating_and_stale_pods_get_drain_marks_from_the_owner() {
+    use aether_e2e::registrar::{Etcd, RegistrarProcess, apply_doc, dump, registrar_bin};
+    let Some(etcd) = Etcd::start_or_skip("with_a_registrar_terminating_and_stale_pods_get_drain_marks_from_the_owner") else { return };
+    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let api = KubeApi::start();
+    let kc = Kubeconfigs::new();
+    let owner_kc = kc.flag(&api, "owner", true);
+    api.put_node(node_object("test-node", &[]));
+    let mut node = LocalNode::new();
+    node.root.disable_cleanup(true);
+    // Two pods of this node are a service's endpoints at the registrar.
+    let (terminating, stale) = ((pod_id(60), Ipv4Addr::new(10, 91, 6, 10)), (pod_id(61), Ipv4Addr::new(10, 91, 6, 11)));
+    let endpoints: Vec<Value> = [&terminating, &stale]
+        .iter()
+        .map(|(p, ip)| json!({ "address": ip.to_string(), "port": 8080, "node": "test-node", "pod": p.name }))
+        .collect();
+    let doc = json!({ "services": [{ "name": "web", "namespace": "default", "ports": [80], "endpoints": endpoints }] });
+    apply_doc(registrar.addr(), &node.root.path().join("registry.json"), &doc);
+    let owner = node.start_agent_with(&[&format!("--registrar={}", registrar.addr()), &owner_kc, "--stale-record-grace=1s"]);
+    serving(&owner);
+    let cni = cni(&node);
+    for (p, _) in [&terminating, &stale] {
+        api.put_pod(pod_object(p, "test-node"));
+    }
+    std::thread::scope(|s| {
+        for (p, ip) in [&terminating, &stale] {
+            let cni = &cni;
+            s.spawn(move || cni.call("ADD", p, Some(*ip)).expect("ADD"));
+        }
+    });
+    let marked = |ip: Ipv4Addr| {
+        dump(registrar.addr())["marks"].as_array().into_iter().flatten().any(|m| m["address"] == ip.to_string() && m["state"] == "draining")
+    };
+    assert!(!marked(terminating.1) && !marked(stale.1));
+
+    // A deletion timestamp: the Terminating mark, and the registrar's drain mark.
+    api.mark_pod_deleting(NS, &terminating.0.name);
+    wait_for("the terminating pod's drain mark", T, || marked(terminating.1).then_some(()));
+    // A pod gone from the API with no DEL: collected after the grace, and marked.
+    api.delete_pod(NS, &stale.0.name);
+    wait_for("the stale pod's drain mark", T, || marked(stale.1).then_some(()));
+    assert!(record(&node, &stale.0.uid).is_none());
+    assert_eq!(owner.log().matches("drain mark set").count(), 2);
+    node.root.disable_cleanup(false);
+}
+
 // --- Show 2: stale records ------------------------------------------------------------
 
 #[test]
@@ -295,6 +342,8 @@ fn the_taint_goes_only_once_the_owner_serves_and_envoy_acked_and_a_standby_never
     let envoy = start_envoy(&envoy_bin, &node);
     wait_for("the owner to remove the startup taint", T, || (taint_keys(&api, "test-node") == ["node.kubernetes.io/not-ready"]).then_some(()));
     assert_eq!(api.patches("gen1"), 1, "one JSON patch");
+    // The log line follows the patch's answer.
+    gen1.wait_log("removed the node's startup taint", T);
     let log = gen1.log();
     assert!(at(&log, "serving the node") < at(&log, "the proxy ACKed its first snapshot"));
     assert!(at(&log, "the proxy ACKed its first snapshot") < at(&log, "removed the node's startup taint"));
@@ -440,13 +489,18 @@ fn with_the_api_server_down_for_10s_the_agent_keeps_serving_and_catches_up() {
     api.set_down(true);
     let down = Instant::now();
     wait_for("/ready to name the API server", T, || kube_problem(&owner));
-    // It keeps serving: CNI calls work and /ready stays 200.
+    // It keeps serving: CNI calls work and /ready stays 200. (No proxy ACKs here, so the
+    // ADD answers after its 2 s wait, meanwhile.)
     api.put_pod(pod_object(&b, "test-node"));
-    cni.call("ADD", &b, Some(Ipv4Addr::new(10, 91, 3, 11))).expect("ADD while the API server is down");
+    let add = std::thread::spawn({
+        let (cni, b) = (Cni { bin: cni.bin.clone(), socket: cni.socket.clone() }, b.clone());
+        move || cni.call("ADD", &b, Some(Ipv4Addr::new(10, 91, 3, 11)))
+    });
     api.mark_pod_deleting(NS, &a.name);
     let problem = kube_problem(&owner).expect("the problem");
     assert!(problem.contains("cannot reach the API server"), "{problem}");
     assert_eq!(owner.ready().expect("ready").0, 200);
+    add.join().unwrap().expect("ADD while the API server is down");
     std::thread::sleep(Duration::from_secs(10).saturating_sub(down.elapsed()));
     assert!(record(&node, &a.uid).unwrap().get("terminating").is_none(), "nothing known while down");
 

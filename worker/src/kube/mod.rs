@@ -42,6 +42,7 @@ pub use watch::PROBLEM;
 
 use crate::health::Reporter;
 use crate::metrics::Metrics;
+use watch::{Backoff, Step, Trouble, Watched, seed};
 
 /// The running Kubernetes source: the driver tells it when this worker owns the node.
 pub struct Kube {
@@ -76,8 +77,6 @@ impl Kube {
         }
     }
 }
-
-use watch::{Backoff, Step, Trouble, Watched, seed};
 
 async fn run(access: Access, options: Options, metrics: Arc<Metrics>, trouble: Trouble, mut owner: tokio::sync::watch::Receiver<Option<Arc<Writer>>>) {
     let mut backoff = Backoff::new(seed());
