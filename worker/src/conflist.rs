@@ -37,13 +37,16 @@ pub struct Observation {
 }
 
 /// The network configuration the runtime uses: the first `*.conf`, `*.conflist` or
-/// `*.json` by name, as libcni orders them (the supervisor's `conflist::primary`).
+/// `*.json` that is not a folder, dotfiles included, by the bytes of its name, as libcni
+/// chooses it (the supervisor's `conflist::configurations` cites the rule).
 pub fn primary(dir: &Path) -> std::io::Result<Option<PathBuf>> {
-    let mut names: Vec<String> = fs::read_dir(dir)?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| !n.starts_with('.') && [".conf", ".conflist", ".json"].iter().any(|s| n.ends_with(s)))
+    let mut names: Vec<std::ffi::OsString> = fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .filter(|e| !e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.file_name())
+        .filter(|n| [".conf", ".conflist", ".json"].iter().any(|s| n.as_encoded_bytes().ends_with(s.as_bytes())))
         .collect();
-    names.sort();
+    names.sort_by(|a, b| a.as_encoded_bytes().cmp(b.as_encoded_bytes()));
     Ok(names.first().map(|n| dir.join(n)))
 }
 
