@@ -172,13 +172,10 @@ mod tests {
         // Only the first by name counts, as for the runtime and the supervisor.
         check(&[("20-b.conflist", CHAINED), ("10-a.conflist", PTP)], Some("10-a.conflist"), false, Some("10-a.conflist does not chain"));
         check(&[("20-b.conflist", PTP), ("10-a.json", CHAINED)], Some("10-a.json"), true, None);
-        // Hidden files, other suffixes and the supervisor's temp file do not count.
-        check(
-            &[(".hidden.conflist", PTP), ("README", "x"), (".aether-cni-conflist.tmp", PTP), ("99-z.conf", CHAINED)],
-            Some("99-z.conf"),
-            true,
-            None,
-        );
+        // Other suffixes and the supervisor's temp file do not count.
+        check(&[("README", "x"), (".aether-cni-conflist.tmp", PTP), ("99-z.conf", CHAINED)], Some("99-z.conf"), true, None);
+        // A dotfile does, as for libcni, and sorts before digits.
+        check(&[(".hidden.conflist", PTP), ("99-z.conf", CHAINED)], Some(".hidden.conflist"), false, Some("does not chain"));
     }
 
     #[test]
