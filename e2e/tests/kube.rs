@@ -395,7 +395,7 @@ fn the_taint_removal_survives_a_conflicting_concurrent_patch() {
             let mut n = 0u64;
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 n += 1;
-                let taints = if n % 2 == 0 { vec![other.clone(), taint(TAINT)] } else { vec![taint(TAINT)] };
+                let taints = if n.is_multiple_of(2) { vec![other.clone(), taint(TAINT)] } else { vec![taint(TAINT)] };
                 api.put_node(node_object("test-node", &taints));
                 std::thread::sleep(Duration::from_micros(200));
             }
