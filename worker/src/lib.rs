@@ -11,6 +11,7 @@
 pub mod accept;
 pub mod acks;
 pub mod agent;
+pub mod backoff;
 pub mod bootstrap;
 pub mod capture;
 pub mod cni;

@@ -73,41 +73,28 @@ impl Trouble {
     }
 }
 
-/// Jittered exponential backoff: 0.1 s doubling to 30 s, each wait drawn in its upper
-/// half, so that the agents of many nodes do not retry in step against a recovering
-/// API server.
+pub use crate::backoff::seed;
+
+/// The API clients' backoff: 0.1 s doubling to 30 s, jittered, so that the agents of
+/// many nodes do not retry in step against a recovering API server.
 #[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-    seed: u64,
-}
+pub struct Backoff(crate::backoff::Backoff);
 
 impl Backoff {
     pub const BASE: Duration = Duration::from_millis(100);
     pub const MAX: Duration = Duration::from_secs(30);
 
     pub fn new(seed: u64) -> Self {
-        Self { next: Self::BASE, seed: seed | 1 }
+        Self(crate::backoff::Backoff::new(Self::BASE, Self::MAX, seed))
     }
 
     pub fn reset(&mut self) {
-        self.next = Self::BASE;
+        self.0.reset();
     }
 
     pub fn next_wait(&mut self) -> Duration {
-        self.seed ^= self.seed << 13;
-        self.seed ^= self.seed >> 7;
-        self.seed ^= self.seed << 17;
-        let d = self.next;
-        self.next = (self.next * 2).min(Self::MAX);
-        let half = d / 2;
-        half + Duration::from_nanos(self.seed % (half.as_nanos() as u64 + 1))
+        self.0.next_wait()
     }
-}
-
-pub fn seed() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    t ^ u64::from(std::process::id()).rotate_left(32)
 }
 
 /// A failure, classified.

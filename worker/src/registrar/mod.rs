@@ -34,6 +34,7 @@ use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tracing::{debug, info, warn};
 
+use crate::backoff::{Backoff, seed};
 use crate::health::{RegistrarStatus, Reporter};
 use crate::metrics::Metrics;
 use crate::node::Node;
@@ -127,40 +128,9 @@ async fn connect(addr: &Address) -> anyhow::Result<RegistryClient<Channel>> {
     Ok(RegistryClient::new(channel).max_decoding_message_size(256 << 20))
 }
 
-/// Jittered exponential backoff: 0.1 s doubling to 1 s, each wait drawn in its upper
-/// half, so that a node's agents do not reconnect in step.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-    seed: u64,
-}
-
-impl Backoff {
-    pub const BASE: Duration = Duration::from_millis(100);
-    pub const MAX: Duration = Duration::from_secs(1);
-
-    pub fn new(seed: u64) -> Self {
-        Self { next: Self::BASE, seed: seed | 1 }
-    }
-
-    pub fn reset(&mut self) {
-        self.next = Self::BASE;
-    }
-
-    pub fn next_wait(&mut self) -> Duration {
-        self.seed ^= self.seed << 13;
-        self.seed ^= self.seed >> 7;
-        self.seed ^= self.seed << 17;
-        let d = self.next;
-        self.next = (self.next * 2).min(Self::MAX);
-        let half = d / 2;
-        half + Duration::from_nanos(self.seed % (half.as_nanos() as u64 + 1))
-    }
-}
-
-fn seed() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    t ^ u64::from(std::process::id()).rotate_left(32)
+/// The registrar's reconnect backoff: 0.1 s doubling to 1 s, jittered.
+fn backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(1), seed())
 }
 
 /// Watches the registrar at `addrs` until the task is aborted, feeding the node.
@@ -168,7 +138,7 @@ pub fn spawn(addrs: Vec<Address>, me: Identity, node: Arc<Node>, metrics: Arc<Me
     tokio::spawn(async move {
         let mut mirror = Mirror::default();
         let mut full_views = 0u64;
-        let mut backoff = Backoff::new(seed());
+        let mut backoff = backoff();
         for attempt in 0usize.. {
             let addr = &addrs[attempt % addrs.len()];
             match watch_once(addr, &me, &mut mirror, &mut full_views, &node, &metrics, &problems).await {
@@ -284,7 +254,7 @@ impl Marks {
 
 async fn mark_writer(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>, mut rx: mpsc::UnboundedReceiver<IpAddr>) {
     let mut pending = BTreeSet::new();
-    let mut backoff = Backoff::new(seed());
+    let mut backoff = backoff();
     let mut attempt = 0usize;
     let mut client: Option<RegistryClient<Channel>> = None;
     loop {
@@ -372,13 +342,4 @@ mod unit {
         }
     }
 
-    #[test]
-    fn the_backoff_stays_between_a_tenth_of_a_second_and_one_second_and_resets() {
-        let mut b = Backoff::new(42);
-        let waits: Vec<_> = (0..8).map(|_| b.next_wait()).collect();
-        assert!(waits.iter().all(|w| *w >= Backoff::BASE / 2 && *w <= Backoff::MAX), "{waits:?}");
-        assert!(waits[0] <= Backoff::BASE && waits[7] >= Backoff::MAX / 2, "{waits:?}");
-        b.reset();
-        assert!(b.next_wait() <= Backoff::BASE);
-    }
 }
