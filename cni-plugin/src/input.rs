@@ -11,7 +11,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use serde_json::{Map, Value};
-use shared_proto::cni::CniRequest;
+use shared_proto::cni::{CniRequest, MAX_IPS, MAX_NETNS, NetnsProblem};
 
 use crate::{CniError, SUPPORTED_VERSIONS, code};
 
@@ -24,12 +24,9 @@ pub const DEFAULT_AGENT_SOCKET: &str = "/run/aether/cni.sock";
 /// `sun_path` holds 108 bytes including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
 const MAX_IFNAME: usize = 15;
-const MAX_NETNS: usize = 4096;
 const MAX_CNI_ARGS: usize = 16 * 1024;
 const MAX_POD_FIELD: usize = 253;
 const MAX_POD_UID: usize = 128;
-/// A pod has one address, or two when dual-stack; the agent refuses more than this too.
-const MAX_IPS: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
@@ -200,16 +197,14 @@ fn check_netns(netns: &str) -> Result<(), CniError> {
     if netns.is_empty() {
         return Ok(());
     }
-    if netns.len() > MAX_NETNS || !netns.starts_with('/') || netns.contains('\0') {
-        return Err(env_err(format!(
+    match shared_proto::cni::check_netns(netns) {
+        Ok(()) => Ok(()),
+        Err(NetnsProblem::NotAbsolute) => Err(env_err(format!(
             "CNI_NETNS {:?} is not an absolute path of at most {MAX_NETNS} bytes",
             truncate(netns)
-        )));
+        ))),
+        Err(NetnsProblem::ParentComponent) => Err(env_err(format!("CNI_NETNS {:?} has a \"..\" component", truncate(netns)))),
     }
-    if netns.split('/').any(|c| c == "..") {
-        return Err(env_err(format!("CNI_NETNS {:?} has a \"..\" component", truncate(netns))));
-    }
-    Ok(())
 }
 
 /// The Kubernetes pod identity from `CNI_ARGS`.

@@ -6,6 +6,34 @@
 
 tonic::include_proto!("aether.cni.v1");
 
+/// Most addresses one pod's request may carry, on either side: a pod has one, or two
+/// when dual-stack.
+pub const MAX_IPS: usize = 16;
+
+/// Longest netns path either side accepts.
+pub const MAX_NETNS: usize = 4096;
+
+/// What is wrong with a netns path, by the rule both sides enforce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetnsProblem {
+    /// Empty, relative, longer than [`MAX_NETNS`] or holding a NUL.
+    NotAbsolute,
+    /// A `..` component: whoever reads a record later must not be walked out of the
+    /// runtime's netns folder by it.
+    ParentComponent,
+}
+
+/// The netns rule both the plugin and the worker enforce.
+pub fn check_netns(netns: &str) -> Result<(), NetnsProblem> {
+    if netns.is_empty() || netns.len() > MAX_NETNS || !netns.starts_with('/') || netns.contains('\0') {
+        return Err(NetnsProblem::NotAbsolute);
+    }
+    if netns.split('/').any(|c| c == "..") {
+        return Err(NetnsProblem::ParentComponent);
+    }
+    Ok(())
+}
+
 /// Longest container id either side accepts.
 pub const MAX_CONTAINER_ID: usize = 1024;
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use shared_proto::cni::cni_server::Cni;
-use shared_proto::cni::{AddResponse, CheckResponse, CniRequest, DelResponse};
+use shared_proto::cni::{AddResponse, CheckResponse, CniRequest, DelResponse, MAX_IPS, MAX_NETNS, NetnsProblem};
 use tonic::{Request, Response, Status};
 
 use super::ack_source::{ACK_TIMEOUT, AckSource};
@@ -19,7 +19,6 @@ use crate::storage::{self, Storage};
 
 /// Longest pod namespace or name (a DNS subdomain).
 const MAX_NAME: usize = 253;
-const MAX_NETNS: usize = 4096;
 const MAX_IFNAME: usize = 15;
 
 #[derive(Clone)]
@@ -422,7 +421,6 @@ fn check_container_id(id: &str) -> Result<(), Status> {
 /// one, or two when dual-stack; the cap bounds what one request can make the agent store
 /// and compare.
 fn parse_ips(ips: &[String]) -> Result<Vec<IpAddr>, Status> {
-    const MAX_IPS: usize = 16;
     if ips.is_empty() {
         return Err(Status::invalid_argument("ips is empty: the pod has no address"));
     }
@@ -449,11 +447,12 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
     // The agent only stores the path, but whoever reads a record later must not be
     // walked out of the runtime's netns folder by it: no `..` component.
     let netns = req.netns.char_indices().nth(128).map_or(req.netns.as_str(), |(end, _)| &req.netns[..end]);
-    if req.netns.is_empty() || !req.netns.starts_with('/') || req.netns.len() > MAX_NETNS || req.netns.contains('\0') {
-        return Err(Status::invalid_argument(format!("netns {netns:?} is not an absolute path of at most {MAX_NETNS} bytes")));
-    }
-    if req.netns.split('/').any(|c| c == "..") {
-        return Err(Status::invalid_argument(format!("netns {netns:?} has a \"..\" component")));
+    match shared_proto::cni::check_netns(&req.netns) {
+        Ok(()) => {}
+        Err(NetnsProblem::NotAbsolute) => {
+            return Err(Status::invalid_argument(format!("netns {netns:?} is not an absolute path of at most {MAX_NETNS} bytes")));
+        }
+        Err(NetnsProblem::ParentComponent) => return Err(Status::invalid_argument(format!("netns {netns:?} has a \"..\" component"))),
     }
     if req.ifname.is_empty() || req.ifname.len() > MAX_IFNAME || req.ifname.contains('/') {
         return Err(Status::invalid_argument(format!("ifname {:?} is not a valid interface name", req.ifname)));
