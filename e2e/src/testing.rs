@@ -350,6 +350,7 @@ pub fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> aeth
                 node: String::new(),
                 pod: String::new(),
                 state: if draining == Some(e) { aether_model::EndpointState::Draining } else { aether_model::EndpointState::Healthy },
+                mtls: false,
             })
             .collect(),
     }

@@ -51,9 +51,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::snapshot::HISTORY;
 use crate::{
-    CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState, INBOUND, InboundChain, INBOUND_TARGET_PORT,
-    Inputs, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, OUTBOUND, Pod, Resources, Route, RouteConfig, Service,
-    ServiceKey, Snapshot, VirtualHost, inbound_cluster_name, inbound_listener_name, outbound_cluster_name,
+    AGENT_SECRET, BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState, INBOUND, Identity,
+    InboundChain, INBOUND_TARGET_PORT, InboundTls, Inputs, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, MtlsMode,
+    NamedSecret, OUTBOUND, Pod, Resources, Route, RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
+    inbound_cluster_name, inbound_listener_name, outbound_cluster_name, pod_secret_name,
 };
 
 /// Builds the snapshot of `inputs` from scratch. Pure: no I/O, no clock, no randomness.
@@ -77,8 +78,11 @@ pub struct Builder {
     vhosts: BTreeMap<ServiceKey, Arc<VirtualHost>>,
     /// The cluster (and load assignment) names each service produced.
     service_clusters: BTreeMap<ServiceKey, Vec<String>>,
-    /// Pods with at least one IP of their own: each has a listener and a cluster.
+    /// Pods with at least one IP of their own: each has a cluster, and a listener unless
+    /// strict mTLS holds it back until the pod's SVID arrives.
     served: BTreeSet<String>,
+    /// The secret names each pod produced (one per IP of its own).
+    pod_secrets: BTreeMap<String, Vec<String>>,
 }
 
 impl Builder {
@@ -95,13 +99,17 @@ impl Builder {
             short_claims.entry(k.name.clone()).or_default().insert(k.namespace.clone());
         }
 
-        let mut listeners = vec![outbound_listener(&inputs.capture, inputs.on_demand_clusters)];
+        let mut listeners = vec![outbound_listener(&inputs)];
         let mut clusters = Vec::new();
+        let mut secrets = node_secrets(&inputs.identity);
         let mut served = BTreeSet::new();
+        let mut pod_secrets = BTreeMap::new();
         for (uid, pod) in &inputs.pods {
-            if let Some((l, c)) = pod_resources(pod, &ip_claims) {
-                listeners.push(l);
-                clusters.push(c);
+            if let Some(r) = pod_resources(pod, &ip_claims, &inputs.identity) {
+                listeners.extend(r.listener);
+                clusters.push(r.cluster);
+                pod_secrets.insert(uid.clone(), r.secrets.iter().map(|s| s.name.clone()).collect());
+                secrets.extend(r.secrets);
                 served.insert(uid.clone());
             }
         }
@@ -115,7 +123,7 @@ impl Builder {
         for (k, s) in &inputs.registry.services {
             vhosts.insert(k.clone(), Arc::new(virtual_host(s, &short_claims)));
             let mut names = Vec::new();
-            for (c, a) in service_resources(s) {
+            for (c, a) in service_resources(s, &inputs.identity) {
                 names.push(c.name.clone());
                 clusters.push(c);
                 assignments.push(a);
@@ -129,12 +137,13 @@ impl Builder {
             routes: Resources::new([route], |r| &r.name),
             clusters: Resources::new(clusters, |c| &c.name),
             endpoints: Resources::new(assignments, |a| &a.cluster),
+            secrets: Resources::new(secrets, |s| &s.name),
             rejects: rejects(&ip_claims),
             lineage: LINEAGE.fetch_add(1, Ordering::Relaxed),
             seq: 0,
             history: Arc::default(),
         };
-        Self { inputs, snapshot: Arc::new(snapshot), ip_claims, short_claims, vhosts, service_clusters, served }
+        Self { inputs, snapshot: Arc::new(snapshot), ip_claims, short_claims, vhosts, service_clusters, served, pod_secrets }
     }
 
     pub fn inputs(&self) -> &Inputs {
@@ -152,6 +161,7 @@ impl Builder {
         let mut ips = BTreeSet::new();
         let mut services = BTreeSet::new();
         let mut capture = false;
+        let mut node_identity = false;
         for change in changes {
             match change {
                 Change::UpsertPod(pod) => {
@@ -199,6 +209,35 @@ impl Builder {
                         capture = true;
                     }
                 }
+                Change::SetBundle(b) => {
+                    if self.inputs.identity.bundle != b {
+                        // Whether a pod's listener terminates mTLS depends on the bundle.
+                        if self.inputs.identity.bundle.is_some() != b.is_some() {
+                            pods.extend(self.inputs.pods.keys().cloned());
+                        }
+                        self.inputs.identity.bundle = b;
+                        node_identity = true;
+                    }
+                }
+                Change::SetAgentSvid(a) => {
+                    if self.inputs.identity.agent != a {
+                        // Permissive pods without an SVID of their own present the agent's.
+                        let id = &self.inputs.identity;
+                        pods.extend(self.inputs.pods.keys().filter(|u| !id.pods.contains_key(*u)).cloned());
+                        self.inputs.identity.agent = a;
+                        node_identity = true;
+                    }
+                }
+                Change::SetPodSvid { uid, svid } => {
+                    let pods_svids = &mut self.inputs.identity.pods;
+                    let changed = match svid {
+                        Some(v) => pods_svids.insert(uid.clone(), v.clone()).as_ref() != Some(&v),
+                        None => pods_svids.remove(&uid).is_some(),
+                    };
+                    if changed {
+                        pods.insert(uid);
+                    }
+                }
             }
         }
 
@@ -212,18 +251,48 @@ impl Builder {
                 pods.extend(uids.iter().cloned());
             }
         }
+        if node_identity {
+            let now = node_secrets(&self.inputs.identity);
+            for name in [BUNDLE_SECRET, AGENT_SECRET] {
+                let changed_now = match now.iter().find(|n| n.name == name) {
+                    Some(n) => s.secrets.insert(name.to_string(), n.clone()),
+                    None => s.secrets.remove(name),
+                };
+                if changed_now {
+                    changed.note(Kind::Secret, name);
+                }
+            }
+        }
         let any_served_before = !self.served.is_empty();
+        // A secret is named by an IP, and an IP can move between the pods of one step:
+        // every touched pod's old secrets go first, then the new ones are put.
+        let mut stale_secrets = BTreeSet::new();
+        let mut new_secrets = Vec::new();
         for uid in &pods {
             let name = inbound_listener_name(uid);
-            let built = self.inputs.pods.get(uid).and_then(|p| pod_resources(p, &self.ip_claims));
+            let built = self.inputs.pods.get(uid).and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
+            stale_secrets.extend(self.pod_secrets.remove(uid).unwrap_or_default());
             match built {
-                Some((l, c)) => {
-                    if s.listeners.insert(name.clone(), l) {
-                        changed.note(Kind::Listener, &name);
+                Some(r) => {
+                    match r.listener {
+                        Some(l) => {
+                            if s.listeners.insert(name.clone(), l) {
+                                changed.note(Kind::Listener, &name);
+                            }
+                        }
+                        None => {
+                            if s.listeners.remove(&name) {
+                                changed.note(Kind::Listener, &name);
+                            }
+                        }
                     }
-                    if s.clusters.insert(c.name.clone(), c) {
+                    if s.clusters.insert(r.cluster.name.clone(), r.cluster) {
                         changed.note(Kind::Cluster, &name);
                     }
+                    if !r.secrets.is_empty() {
+                        self.pod_secrets.insert(uid.clone(), r.secrets.iter().map(|s| s.name.clone()).collect());
+                    }
+                    new_secrets.extend(r.secrets);
                     self.served.insert(uid.clone());
                 }
                 None => {
@@ -237,6 +306,20 @@ impl Builder {
                 }
             }
         }
+        for secret in &new_secrets {
+            stale_secrets.remove(&secret.name);
+        }
+        for gone in &stale_secrets {
+            if s.secrets.remove(gone) {
+                changed.note(Kind::Secret, gone);
+            }
+        }
+        for secret in new_secrets {
+            let n = secret.name.clone();
+            if s.secrets.insert(n.clone(), secret) {
+                changed.note(Kind::Secret, &n);
+            }
+        }
         let any_served = !self.served.is_empty();
         if any_served && (capture || !any_served_before) {
             if s.listeners.insert(INBOUND.to_string(), inbound_listener(&self.inputs.capture)) {
@@ -245,7 +328,7 @@ impl Builder {
         } else if !any_served && any_served_before && s.listeners.remove(INBOUND) {
             changed.note(Kind::Listener, INBOUND);
         }
-        if capture && s.listeners.insert(OUTBOUND.to_string(), outbound_listener(&self.inputs.capture, self.inputs.on_demand_clusters)) {
+        if capture && s.listeners.insert(OUTBOUND.to_string(), outbound_listener(&self.inputs)) {
             changed.note(Kind::Listener, OUTBOUND);
         }
 
@@ -267,7 +350,7 @@ impl Builder {
                         route_changed = true;
                     }
                     let mut names = Vec::new();
-                    for (c, a) in service_resources(svc) {
+                    for (c, a) in service_resources(svc, &self.inputs.identity) {
                         let name = c.name.clone();
                         if s.clusters.insert(name.clone(), c) {
                             changed.note(Kind::Cluster, &name);
@@ -330,12 +413,45 @@ fn remove_service_cluster(s: &mut Snapshot, changed: &mut Changed, name: &str) {
     }
 }
 
-fn outbound_listener(c: &CaptureProjection, on_demand: bool) -> Listener {
+fn outbound_listener(inputs: &Inputs) -> Listener {
     Listener {
         name: OUTBOUND.to_string(),
-        address: c.outbound,
-        kind: ListenerKind::HttpOutbound { route_config: OUTBOUND.to_string(), on_demand },
+        address: inputs.capture.outbound,
+        kind: ListenerKind::HttpOutbound {
+            route_config: OUTBOUND.to_string(),
+            on_demand: inputs.on_demand_clusters,
+            source_certificates: inputs.identity.enabled(),
+        },
     }
+}
+
+/// The node's own secrets: the trust bundle and the agent's SVID, once they arrived.
+fn node_secrets(id: &Identity) -> Vec<NamedSecret> {
+    let Some(td) = &id.trust_domain else { return vec![] };
+    let mut out = Vec::new();
+    if let Some(ca) = &id.bundle {
+        out.push(NamedSecret {
+            name: BUNDLE_SECRET.to_string(),
+            secret: Secret::Validation { ca_pem: ca.clone(), spiffe_prefix: format!("spiffe://{td}/") },
+        });
+    }
+    if let Some(a) = &id.agent {
+        out.push(NamedSecret {
+            name: AGENT_SECRET.to_string(),
+            secret: Secret::Certificate { chain_pem: a.chain_pem.clone(), key_pem: a.key_pem.clone() },
+        });
+    }
+    out
+}
+
+/// What one local pod contributes to the snapshot.
+struct PodResources {
+    /// `None`: strict mTLS and the pod's SVID (or the bundle) has not arrived.
+    listener: Option<Listener>,
+    cluster: Cluster,
+    /// The pod's certificate, once per IP of its own (the outbound side names it by the
+    /// connection's source address).
+    secrets: Vec<NamedSecret>,
 }
 
 fn inbound_listener(c: &CaptureProjection) -> Listener {
@@ -346,10 +462,16 @@ fn inbound_listener(c: &CaptureProjection) -> Listener {
     }
 }
 
-/// A pod's listener and cluster, on the IPs it alone claims; `None` when it has none. A
-/// terminating pod keeps both (its open connections finish, and new ones still reach it
-/// while it is the only endpoint), its endpoints marked draining.
-fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>) -> Option<(Listener, Cluster)> {
+/// A pod's listener, cluster and secrets, on the IPs it alone claims; `None` when it has
+/// none. A terminating pod keeps them (its open connections finish, and new ones still
+/// reach it while it is the only endpoint), its endpoints marked draining.
+///
+/// With identity on, a pod whose SVID and the trust bundle are there terminates mTLS
+/// (and, permissive, also serves plaintext on the same port); one whose SVID is late
+/// keeps its plaintext path (permissive) or gets no listener (strict: fail closed). Its
+/// certificate secret is its own SVID; a permissive pod without one presents the
+/// agent's on its outbound connections meanwhile.
+fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>, id: &Identity) -> Option<PodResources> {
     let uid = pod.uid.as_str();
     let ips: Vec<IpAddr> = pod
         .ips
@@ -367,13 +489,29 @@ fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>) -> Opti
             endpoints: ips.iter().map(|ip| SocketAddr::new(*ip, INBOUND_TARGET_PORT)).collect(),
             draining: pod.terminating,
         },
+        upstream_tls: None,
     };
-    let l = Listener {
+    let own = id.pods.get(uid).filter(|_| id.enabled());
+    let presented = own.or(id.agent.as_ref().filter(|_| id.enabled() && id.mode == MtlsMode::Permissive));
+    let secrets: Vec<NamedSecret> = match presented {
+        Some(svid) => ips
+            .iter()
+            .map(|ip| NamedSecret {
+                name: pod_secret_name(*ip),
+                secret: Secret::Certificate { chain_pem: svid.chain_pem.clone(), key_pem: svid.key_pem.clone() },
+            })
+            .collect(),
+        None => vec![],
+    };
+    let tls = (own.is_some() && id.bundle.is_some())
+        .then(|| InboundTls { certificate: pod_secret_name(first), plaintext: id.mode == MtlsMode::Permissive });
+    let fail_closed = id.enabled() && id.mode == MtlsMode::Strict && tls.is_none();
+    let listener = (!fail_closed).then(|| Listener {
         name: inbound_listener_name(uid),
         address: SocketAddr::new(first, INBOUND_TARGET_PORT),
-        kind: ListenerKind::InboundPod { chain: InboundChain { pod_uid: uid.to_string(), ips, cluster } },
-    };
-    Some((l, c))
+        kind: ListenerKind::InboundPod { chain: InboundChain { pod_uid: uid.to_string(), ips, cluster, tls } },
+    });
+    Some(PodResources { listener, cluster: c, secrets })
 }
 
 /// Short names are namespace-relative; on a node-wide listener one claimed by two
@@ -416,19 +554,28 @@ fn virtual_host(s: &Service, short_claims: &BTreeMap<String, BTreeSet<String>>) 
     VirtualHost { name: qualified, domains, routes }
 }
 
-/// A service's EDS cluster and load assignment per port.
-fn service_resources(s: &Service) -> Vec<(Cluster, LoadAssignment)> {
+/// A service's EDS cluster and load assignment per port. With identity on, a port with
+/// an endpoint marked mTLS-capable gets upstream mTLS for those endpoints; the others
+/// stay plaintext.
+fn service_resources(s: &Service, id: &Identity) -> Vec<(Cluster, LoadAssignment)> {
     s.ports
         .iter()
         .map(|port| {
             let name = outbound_cluster_name(*port, &s.name, &s.namespace);
-            let endpoints = s
+            let endpoints: Vec<LbEndpoint> = s
                 .endpoints
                 .iter()
                 .filter(|e| e.service_port == *port)
-                .map(|e| LbEndpoint { address: SocketAddr::new(e.address, e.port), draining: e.state == EndpointState::Draining })
+                .map(|e| LbEndpoint {
+                    address: SocketAddr::new(e.address, e.port),
+                    draining: e.state == EndpointState::Draining,
+                    mtls: e.mtls && id.enabled(),
+                })
                 .collect();
-            (Cluster { name: name.clone(), kind: ClusterKind::Eds }, LoadAssignment { cluster: name, endpoints })
+            let upstream_tls = endpoints.iter().any(|e| e.mtls).then(|| UpstreamTls {
+                fallback: (id.mode == MtlsMode::Permissive).then(|| AGENT_SECRET.to_string()),
+            });
+            (Cluster { name: name.clone(), kind: ClusterKind::Eds, upstream_tls }, LoadAssignment { cluster: name, endpoints })
         })
         .collect()
 }

@@ -1,6 +1,6 @@
 //! One change to the snapshot inputs: what every source sends the node.
 
-use crate::{CaptureProjection, Pod, Service, ServiceKey};
+use crate::{CaptureProjection, Pod, Service, ServiceKey, Svid};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Change {
@@ -13,4 +13,11 @@ pub enum Change {
     /// A mesh service gone; a key the inputs do not hold is no change.
     RemoveService(ServiceKey),
     SetCapture(CaptureProjection),
+    /// The trust domain's CA certificates (PEM); `None` while the Workload API has not
+    /// answered.
+    SetBundle(Option<String>),
+    /// The agent's own SVID (rotations included).
+    SetAgentSvid(Option<Svid>),
+    /// A local pod's SVID by pod uid (rotations included); `None` drops it.
+    SetPodSvid { uid: String, svid: Option<Svid> },
 }

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::{CaptureProjection, Pod, RegistryView};
+use crate::{CaptureProjection, Identity, Pod, RegistryView};
 
 /// Everything a snapshot is built from.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -14,6 +14,9 @@ pub struct Inputs {
     /// The proxy fetches outbound clusters on demand (`--on-demand-clusters`): the
     /// outbound listener carries Envoy's on-demand filter. Fixed for a worker's life.
     pub on_demand_clusters: bool,
+    /// SVIDs, the trust bundle and the mTLS mode (the trust domain and the mode are fixed
+    /// for a worker's life).
+    pub identity: Identity,
 }
 
 /// What the first serve and standby completeness wait for.
@@ -25,4 +28,6 @@ pub struct Gates {
     pub capture_landed: bool,
     /// Pods have been loaded from storage: the view the takeover diff is against.
     pub storage_loaded: bool,
+    /// The agent holds its own SVID, or runs without identity.
+    pub agent_svid: bool,
 }

@@ -12,6 +12,7 @@ mod builder;
 mod capture;
 mod change;
 pub mod hash;
+mod identity;
 mod inputs;
 mod pod;
 mod registry;
@@ -21,11 +22,15 @@ mod snapshot;
 pub use builder::{Builder, build};
 pub use capture::CaptureProjection;
 pub use change::Change;
+pub use identity::{
+    AGENT_SECRET, BUNDLE_SECRET, Identity, InboundTls, MtlsMode, NamedSecret, POD_SECRET_PREFIX, Secret, Svid, UpstreamTls,
+    pod_secret_name,
+};
 pub use inputs::{Gates, Inputs};
 pub use pod::Pod;
 pub use registry::{Endpoint, EndpointState, RegistryView, Service, ServiceKey};
 pub use snapshot::{
-    Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain, KINDS, Kind, LbEndpoint,
+    Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain, KIND_COUNT, KINDS, Kind, LbEndpoint,
     Listener, ListenerKind, LoadAssignment, OUTBOUND, Resources, Route, RouteConfig, Snapshot, VirtualHost,
     inbound_cluster_name, inbound_listener_name, is_outbound_cluster, outbound_cluster_name,
 };

@@ -43,6 +43,9 @@ pub struct Endpoint {
     pub node: String,
     pub pod: String,
     pub state: EndpointState,
+    /// The endpoint accepts mTLS with SPIFFE SVIDs (its node's agent serves it mTLS):
+    /// the proxy originates mTLS to it when identity is on.
+    pub mtls: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

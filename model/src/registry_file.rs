@@ -106,6 +106,9 @@ pub struct FileEndpoint {
     pub pod: String,
     #[serde(default)]
     pub state: EndpointState,
+    /// The endpoint accepts mTLS with SPIFFE SVIDs.
+    #[serde(default)]
+    pub mtls: bool,
 }
 
 /// Parses and validates a registry file's content.
@@ -162,7 +165,7 @@ pub fn validate(path: &Path, i: usize, s: FileService) -> Result<Service, FileEr
             (None, [only]) => *only,
             (None, _) => return Err(invalid(format!("{}: service_port is required for a service with several ports", eat()))),
         };
-        endpoints.push(Endpoint { address: e.address, port: e.port, service_port, node: e.node, pod: e.pod, state: e.state });
+        endpoints.push(Endpoint { address: e.address, port: e.port, service_port, node: e.node, pod: e.pod, state: e.state, mtls: e.mtls });
     }
     Ok(Service { name: s.name, namespace: s.namespace, ports: s.ports, vip: s.vip, endpoints })
 }

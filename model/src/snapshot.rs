@@ -15,6 +15,7 @@ use imbl::OrdMap;
 use serde::Serialize;
 
 use crate::hash::{Fnv, content_hash};
+use crate::identity::{InboundTls, NamedSecret, UpstreamTls};
 
 /// The port inbound traffic to a pod is proxied to. Pods carry no port list yet, so the
 /// inbound cluster targets one well-known application port.
@@ -34,10 +35,15 @@ pub enum Kind {
     Endpoint,
     Listener,
     Route,
+    Secret,
 }
 
-/// Push order: clusters exist before the listeners and routes that use them.
-pub const KINDS: [Kind; 4] = [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route];
+/// How many resource kinds there are (the length of per-kind arrays).
+pub const KIND_COUNT: usize = 5;
+
+/// Push order: clusters exist before the listeners and routes that use them, and the
+/// secrets both name arrive with them.
+pub const KINDS: [Kind; KIND_COUNT] = [Kind::Cluster, Kind::Endpoint, Kind::Secret, Kind::Listener, Kind::Route];
 
 impl Kind {
     pub fn index(self) -> usize {
@@ -50,6 +56,7 @@ impl Kind {
             Kind::Endpoint => "EDS",
             Kind::Listener => "LDS",
             Kind::Route => "RDS",
+            Kind::Secret => "SDS",
         }
     }
 }
@@ -161,7 +168,15 @@ pub struct Listener {
 pub enum ListenerKind {
     /// HTTP connection manager whose routes come over RDS; with `on_demand`, a route to a
     /// cluster the proxy does not hold fetches it first (on-demand CDS over ADS).
-    HttpOutbound { route_config: String, on_demand: bool },
+    HttpOutbound {
+        route_config: String,
+        on_demand: bool,
+        /// Identity is on: each connection names its calling pod's certificate (by its
+        /// source address) for the upstream TLS of mTLS-capable endpoints. Left out of the
+        /// content hash when false.
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        source_certificates: bool,
+    },
     /// The inbound capture listener: hands each redirected connection to the listener of
     /// its original destination; closes the rest.
     InboundCapture,
@@ -178,6 +193,11 @@ pub struct InboundChain {
     /// every connection.
     pub ips: Vec<IpAddr>,
     pub cluster: String,
+    /// mTLS termination with the pod's SVID; `None`: plaintext only (identity off, or a
+    /// permissive pod whose SVID has not arrived). Left out of the content hash when
+    /// `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<InboundTls>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -206,6 +226,10 @@ pub struct Route {
 pub struct Cluster {
     pub name: String,
     pub kind: ClusterKind,
+    /// The endpoints marked mTLS-capable are reached over mTLS. Left out of the content
+    /// hash when `None`, so a cluster without it hashes as before identity existed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_tls: Option<UpstreamTls>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -233,11 +257,15 @@ pub struct LoadAssignment {
 pub struct LbEndpoint {
     pub address: SocketAddr,
     pub draining: bool,
+    /// The endpoint accepts mTLS (the registry marks it). Left out of the content hash
+    /// when false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub mtls: bool,
 }
 
 /// The names of the resources of each kind that one step added, changed or removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Changed(pub [BTreeSet<String>; 4]);
+pub struct Changed(pub [BTreeSet<String>; KIND_COUNT]);
 
 impl Changed {
     pub fn is_empty(&self) -> bool {
@@ -264,6 +292,9 @@ pub struct Snapshot {
     pub routes: Resources<RouteConfig>,
     pub clusters: Resources<Cluster>,
     pub endpoints: Resources<LoadAssignment>,
+    /// SDS secrets: the pods' and the agent's certificates and the trust bundle. Empty
+    /// while identity is off.
+    pub secrets: Resources<NamedSecret>,
     /// Inputs the builder left out, one sentence each, for logs.
     pub rejects: Vec<String>,
     /// Which builder made this snapshot (unique per [`crate::Builder`] in a process) and
@@ -281,6 +312,7 @@ impl PartialEq for Snapshot {
             && self.routes == o.routes
             && self.clusters == o.clusters
             && self.endpoints == o.endpoints
+            && self.secrets == o.secrets
             && self.rejects == o.rejects
     }
 }
@@ -293,6 +325,7 @@ impl Snapshot {
             Kind::Endpoint => &self.endpoints.version,
             Kind::Listener => &self.listeners.version,
             Kind::Route => &self.routes.version,
+            Kind::Secret => &self.secrets.version,
         }
     }
 
@@ -303,6 +336,7 @@ impl Snapshot {
             Kind::Endpoint => &self.endpoints.hashes,
             Kind::Listener => &self.listeners.hashes,
             Kind::Route => &self.routes.hashes,
+            Kind::Secret => &self.secrets.hashes,
         }
     }
 
@@ -347,6 +381,23 @@ impl Snapshot {
     /// The names of the EDS clusters: what a proxy holding this snapshot asks EDS for.
     pub fn eds_cluster_names(&self) -> impl Iterator<Item = &str> {
         self.clusters.items.values().filter(|c| c.kind == ClusterKind::Eds).map(|c| c.name.as_str())
+    }
+
+    /// The secrets the listeners and clusters name: what the proxy asks SDS for before it
+    /// serves them. (The calling pods' certificates on the outbound side are asked for
+    /// on demand, at a connection's first handshake.)
+    pub fn sds_names(&self) -> BTreeSet<&str> {
+        let mut out = BTreeSet::new();
+        for l in self.listeners.items.values() {
+            if let ListenerKind::InboundPod { chain: InboundChain { tls: Some(t), .. } } = &l.kind {
+                out.insert(t.certificate.as_str());
+                out.insert(crate::BUNDLE_SECRET);
+            }
+        }
+        if self.clusters.items.values().any(|c| c.upstream_tls.is_some()) {
+            out.insert(crate::BUNDLE_SECRET);
+        }
+        out
     }
 
     /// The route configurations the listeners refer to: what the proxy asks RDS for.

@@ -135,7 +135,7 @@ mod tests {
             vip: None,
             endpoints: eps
                 .iter()
-                .map(|(a, p)| Endpoint { address: a.parse().unwrap(), port: *p, service_port: 80, node: "n1".into(), pod: String::new(), state: EndpointState::Healthy })
+                .map(|(a, p)| Endpoint { address: a.parse().unwrap(), port: *p, service_port: 80, node: "n1".into(), pod: String::new(), state: EndpointState::Healthy, mtls: false })
                 .collect(),
         }
     }

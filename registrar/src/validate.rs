@@ -87,7 +87,7 @@ pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Inv
                 },
             };
             let state = values::state_from_pb(e.state).ok_or_else(|| invalid(format!("{eat}.state"), format!("{} is not a state", e.state)))?;
-            endpoints.push(Endpoint { address: addr, port: p, service_port, node: e.node.clone(), pod: e.pod.clone(), state });
+            endpoints.push(Endpoint { address: addr, port: p, service_port, node: e.node.clone(), pod: e.pod.clone(), state, mtls: false });
         }
         out.push(Service { name: key.name, namespace: key.namespace, ports, vip, endpoints });
     }

@@ -25,6 +25,8 @@ use crate::{capture, cni, fdcheck, httpmini, kube, registrar, registry, writers,
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
 const CAPTURE_GATE: Duration = Duration::from_secs(10);
+/// A lone owner waits this long for its own SVID, then serves without it and says so.
+const IDENTITY_GATE: Duration = Duration::from_secs(5);
 /// How long a released owner keeps the proxy's streams waiting for its successor to
 /// answer on `xds.sock`. A complete standby serves within milliseconds of the lock; past
 /// this bound the old owner exits anyway and the proxy's reconnect waits in the backlog.
@@ -99,7 +101,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         info!(phase = phase.as_str(), owner = state.owner, "phase");
                     }
                     Action::ArmGateTimers => {
-                        for (gate, after) in [(Gate::Registry, REGISTRY_GATE), (Gate::Capture, CAPTURE_GATE)] {
+                        for (gate, after) in [(Gate::Registry, REGISTRY_GATE), (Gate::Capture, CAPTURE_GATE), (Gate::Identity, IDENTITY_GATE)] {
                             let tx = timeout_tx.clone();
                             tokio::spawn(async move {
                                 tokio::time::sleep(after).await;
@@ -183,7 +185,11 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
             }
             Some(gate) = timeout_rx.recv() => {
                 let g = *gates.borrow();
-                let passed = match gate { Gate::Registry => g.registry_loaded, Gate::Capture => g.capture_landed };
+                let passed = match gate {
+                    Gate::Registry => g.registry_loaded,
+                    Gate::Capture => g.capture_landed,
+                    Gate::Identity => g.agent_svid,
+                };
                 if !passed && state.phase != Phase::Serving {
                     warn!(gate = ?gate, "first-serve gate timed out; a lone owner serves without it");
                 }

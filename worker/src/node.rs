@@ -22,12 +22,14 @@ pub struct Node {
 
 impl Node {
     pub fn new(inputs: Inputs) -> Arc<Self> {
+        // Without identity there is no SVID to wait for.
+        let gates = Gates { agent_svid: !inputs.identity.enabled(), ..Gates::default() };
         let builder = Builder::new(inputs);
         let first = builder.snapshot().clone();
         Arc::new(Self {
             builder: Mutex::new(builder),
             snapshots: watch::Sender::new(first),
-            gates: watch::Sender::new(Gates::default()),
+            gates: watch::Sender::new(gates),
             lifecycle: tokio::sync::Mutex::new(()),
         })
     }

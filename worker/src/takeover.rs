@@ -41,12 +41,15 @@ impl Phase {
 pub enum Gate {
     Registry,
     Capture,
+    /// The agent's own SVID (identity on).
+    Identity,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
     Gates(Gates),
-    /// A lone owner's first-serve gate timed out (registry 15 s, capture 10 s).
+    /// A lone owner's first-serve gate timed out (registry 15 s, capture 10 s, the
+    /// agent's SVID 5 s).
     GateTimedOut(Gate),
     Takeover { reconcile: bool },
     ReconcileDone,
@@ -81,20 +84,21 @@ pub struct State {
     gates: Gates,
     registry_timed_out: bool,
     capture_timed_out: bool,
+    identity_timed_out: bool,
     /// The takeover asked for a reconcile that has not run yet.
     reconcile: bool,
 }
 
 impl Default for State {
     fn default() -> Self {
-        Self { phase: Phase::Building, owner: false, gates: Gates::default(), registry_timed_out: false, capture_timed_out: false, reconcile: false }
+        Self { phase: Phase::Building, owner: false, gates: Gates::default(), registry_timed_out: false, capture_timed_out: false, identity_timed_out: false, reconcile: false }
     }
 }
 
 impl State {
     /// Standby completeness: every gate really passed.
     pub fn complete(&self) -> bool {
-        self.gates.registry_loaded && self.gates.capture_landed && self.gates.storage_loaded
+        self.gates.registry_loaded && self.gates.capture_landed && self.gates.storage_loaded && self.gates.agent_svid
     }
 
     /// An owner's first serve: gates passed or, where allowed, timed out.
@@ -102,12 +106,13 @@ impl State {
         self.gates.storage_loaded
             && (self.gates.registry_loaded || self.registry_timed_out)
             && (self.gates.capture_landed || self.capture_timed_out)
+            && (self.gates.agent_svid || self.identity_timed_out)
     }
 
     /// The gates not yet passed, as `/ready` names them.
     pub fn waiting_for(&self) -> Vec<&'static str> {
         let g = &self.gates;
-        [(g.storage_loaded, "storage"), (g.registry_loaded, "registry"), (g.capture_landed, "capture")]
+        [(g.storage_loaded, "storage"), (g.registry_loaded, "registry"), (g.capture_landed, "capture"), (g.agent_svid, "agent-svid")]
             .into_iter()
             .filter_map(|(passed, name)| (!passed).then_some(name))
             .collect()
@@ -126,6 +131,7 @@ pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
         Event::Gates(g) => s.gates = g,
         Event::GateTimedOut(Gate::Registry) => s.registry_timed_out = true,
         Event::GateTimedOut(Gate::Capture) => s.capture_timed_out = true,
+        Event::GateTimedOut(Gate::Identity) => s.identity_timed_out = true,
         Event::Takeover { reconcile } => {
             if s.owner || matches!(s.phase, Phase::Draining | Phase::Released) {
                 return (s, actions);
@@ -186,7 +192,7 @@ mod tests {
     use super::*;
 
     fn all_gates() -> Gates {
-        Gates { registry_loaded: true, capture_landed: true, storage_loaded: true }
+        Gates { registry_loaded: true, capture_landed: true, storage_loaded: true, agent_svid: true }
     }
 
     /// Feeds `events` from the default state; checks the final phase and every action.
@@ -204,7 +210,7 @@ mod tests {
 
     #[test]
     fn standby_completes_only_when_every_gate_passed() {
-        let partial = Gates { registry_loaded: true, capture_landed: true, storage_loaded: false };
+        let partial = Gates { registry_loaded: true, capture_landed: true, storage_loaded: false, agent_svid: true };
         check(&[Event::Gates(partial)], Phase::Building, &[]);
         check(&[Event::GateTimedOut(Gate::Registry), Event::GateTimedOut(Gate::Capture)], Phase::Building, &[]);
         check(&[Event::Gates(all_gates())], Phase::StandbyComplete, &[Action::Report(Phase::StandbyComplete)]);
@@ -237,7 +243,7 @@ mod tests {
 
     #[test]
     fn lone_owner_serves_after_gate_timeouts_but_not_before_storage() {
-        let storage_only = Gates { storage_loaded: true, ..Gates::default() };
+        let storage_only = Gates { storage_loaded: true, agent_svid: true, ..Gates::default() };
         check(
             &[Event::Takeover { reconcile: false }, Event::Gates(storage_only), Event::GateTimedOut(Gate::Capture)],
             Phase::Building,
@@ -248,6 +254,23 @@ mod tests {
             Phase::Serving,
             &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
         );
+    }
+
+    #[test]
+    fn the_agent_svid_gates_a_standby_and_times_out_only_for_a_lone_owner() {
+        let no_svid = Gates { agent_svid: false, ..all_gates() };
+        // A standby without its SVID is not complete, however long it waits.
+        check(&[Event::Gates(no_svid), Event::GateTimedOut(Gate::Identity)], Phase::Building, &[]);
+        check(&[Event::Gates(no_svid), Event::Gates(all_gates())], Phase::StandbyComplete, &[Action::Report(Phase::StandbyComplete)]);
+        // A lone owner serves once the bounded wait is over.
+        check(&[Event::Takeover { reconcile: false }, Event::Gates(no_svid)], Phase::Building, &[Action::ArmGateTimers]);
+        check(
+            &[Event::Takeover { reconcile: false }, Event::Gates(no_svid), Event::GateTimedOut(Gate::Identity)],
+            Phase::Serving,
+            &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
+        );
+        let s = State { gates: no_svid, ..State::default() };
+        assert_eq!(s.waiting_for(), vec!["agent-svid"]);
     }
 
     #[test]

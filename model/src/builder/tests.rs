@@ -2,7 +2,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use super::*;
-use crate::{Endpoint, KINDS, Pod, RegistryView};
+use crate::{Endpoint, KINDS, Pod, RegistryView, Svid};
 
 fn svc(name: &str, ns: &str, ports: &[u16], vip: Option<&str>, eps: &[(&str, u16, u16, bool)]) -> Service {
     Service {
@@ -19,6 +19,7 @@ fn svc(name: &str, ns: &str, ports: &[u16], vip: Option<&str>, eps: &[(&str, u16
                 node: "n1".into(),
                 pod: "p".into(),
                 state: if *draining { EndpointState::Draining } else { EndpointState::Healthy },
+                mtls: false,
             })
             .collect(),
     }
@@ -48,7 +49,23 @@ fn inputs(services: Vec<Service>, pods: Vec<Pod>) -> Inputs {
         registry: RegistryView::new(services),
         capture: CaptureProjection::default(),
         on_demand_clusters: false,
+        identity: Identity::default(),
     }
+}
+
+fn svid(id: &str, serial: &str) -> Svid {
+    Svid {
+        spiffe_id: format!("spiffe://td/{id}"),
+        chain_pem: format!("CHAIN {id} {serial}"),
+        key_pem: format!("KEY {id} {serial}"),
+        serial: serial.into(),
+        not_before: 0,
+        not_after: 100,
+    }
+}
+
+fn identity(mode: MtlsMode) -> Identity {
+    Identity { trust_domain: Some("td".into()), mode, bundle: Some("CA".into()), agent: Some(svid("agent", "a1")), pods: Default::default() }
 }
 
 /// A compact, readable rendering of a snapshot: one line per resource fact.
@@ -56,13 +73,21 @@ fn render(s: &Snapshot) -> String {
     let mut out = Vec::new();
     for l in s.listeners.items.values() {
         match &l.kind {
-            ListenerKind::HttpOutbound { route_config, on_demand } => {
-                out.push(format!("L {} {} rds={route_config}{}", l.name, l.address, if *on_demand { " on-demand" } else { "" }))
-            }
+            ListenerKind::HttpOutbound { route_config, on_demand, source_certificates } => out.push(format!(
+                "L {} {} rds={route_config}{}{}",
+                l.name,
+                l.address,
+                if *on_demand { " on-demand" } else { "" },
+                if *source_certificates { " source-certificates" } else { "" }
+            )),
             ListenerKind::InboundCapture => out.push(format!("L {} {} capture", l.name, l.address)),
             ListenerKind::InboundPod { chain: c } => {
                 let ips: Vec<_> = c.ips.iter().map(|i| i.to_string()).collect();
-                out.push(format!("L {} {} chain {} [{}] -> {}", l.name, l.address, c.pod_uid, ips.join(","), c.cluster));
+                let tls = match &c.tls {
+                    Some(t) => format!(" mtls={}{}", t.certificate, if t.plaintext { "+plaintext" } else { "" }),
+                    None => String::new(),
+                };
+                out.push(format!("L {} {} chain {} [{}] -> {}{tls}", l.name, l.address, c.pod_uid, ips.join(","), c.cluster));
             }
         }
     }
@@ -76,7 +101,14 @@ fn render(s: &Snapshot) -> String {
     }
     for c in s.clusters.items.values() {
         match &c.kind {
-            ClusterKind::Eds => out.push(format!("C {} eds", c.name)),
+            ClusterKind::Eds => out.push(format!(
+                "C {} eds{}",
+                c.name,
+                match &c.upstream_tls {
+                    Some(t) => format!(" mtls fallback={}", t.fallback.as_deref().unwrap_or("none")),
+                    None => String::new(),
+                }
+            )),
             ClusterKind::Static { endpoints, draining } => {
                 let e: Vec<_> = endpoints.iter().map(|e| e.to_string()).collect();
                 out.push(format!("C {} static [{}]{}", c.name, e.join(","), if *draining { " DRAINING" } else { "" }))
@@ -84,8 +116,15 @@ fn render(s: &Snapshot) -> String {
         }
     }
     for a in s.endpoints.items.values() {
-        let e: Vec<_> = a.endpoints.iter().map(|e| format!("{}{}", e.address, if e.draining { " DRAINING" } else { "" })).collect();
+        let e: Vec<_> = a
+            .endpoints
+            .iter()
+            .map(|e| format!("{}{}{}", e.address, if e.draining { " DRAINING" } else { "" }, if e.mtls { " mtls" } else { "" }))
+            .collect();
         out.push(format!("E {} [{}]", a.cluster, e.join(",")));
+    }
+    for n in s.secrets.items.values() {
+        out.push(format!("S {} {:?}", n.name, n.secret));
     }
     for r in &s.rejects {
         out.push(format!("! {r}"));
@@ -323,7 +362,13 @@ impl Rng {
 /// name in two namespaces) and no-op changes come up often.
 fn random_change(r: &mut Rng) -> Change {
     let ip = |r: &mut Rng| format!("10.1.0.{}", r.below(6) + 1);
-    match r.below(10) {
+    match r.below(13) {
+        10 => Change::SetPodSvid {
+            uid: format!("u{}", r.below(5)),
+            svid: (r.below(4) != 0).then(|| svid("pod", ["1", "2"][r.below(2) as usize])),
+        },
+        11 => Change::SetAgentSvid((r.below(4) != 0).then(|| svid("agent", ["a1", "a2"][r.below(2) as usize]))),
+        12 => Change::SetBundle((r.below(4) != 0).then(|| ["CA", "CA2"][r.below(2) as usize].to_string())),
         0..=2 => {
             let n = r.below(3);
             let ips: Vec<String> = (0..n).map(|_| ip(r)).collect();
@@ -341,7 +386,11 @@ fn random_change(r: &mut Rng) -> Change {
                 .map(|_| (format!("10.0.0.{}", r.below(4) + 1), 8000 + r.below(2) as u16, ports[r.below(ports.len() as u64) as usize], r.below(2) == 0))
                 .collect();
             let eps: Vec<(&str, u16, u16, bool)> = eps.iter().map(|(a, p, sp, d)| (a.as_str(), *p, *sp, *d)).collect();
-            Change::UpsertService(svc(name, ns, ports, vip, &eps))
+            let mut s = svc(name, ns, ports, vip, &eps);
+            for e in &mut s.endpoints {
+                e.mtls = r.below(2) == 0;
+            }
+            Change::UpsertService(s)
         }
         8 => Change::RemoveService(ServiceKey {
             namespace: ["a", "b"][r.below(2) as usize].into(),
@@ -360,7 +409,13 @@ fn random_change(r: &mut Rng) -> Change {
 fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
     for seed in 1..=300u64 {
         let mut r = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-        let mut b = Builder::new(Inputs::default());
+        // Identity off, permissive and strict, in turn.
+        let id = match seed % 3 {
+            0 => Identity::default(),
+            1 => identity(MtlsMode::Permissive),
+            _ => identity(MtlsMode::Strict),
+        };
+        let mut b = Builder::new(Inputs { identity: id, ..Default::default() });
         for step in 0..40 {
             let before = b.snapshot().clone();
             let batch: Vec<Change> = (0..=r.below(4)).map(|_| random_change(&mut r)).collect();
@@ -388,4 +443,100 @@ fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
             }
         }
     }
+}
+
+fn with_identity(mut i: Inputs, id: Identity) -> Inputs {
+    i.identity = id;
+    i
+}
+
+#[test]
+fn identity_off_changes_no_resource_and_serves_no_secret() {
+    let i = inputs(vec![svc("web", "d", &[80], None, &[("10.0.0.1", 8080, 80, false)])], vec![pod("u1", &["10.1.0.5"])]);
+    let mut marked = i.clone();
+    marked.registry.services.values_mut().for_each(|s| s.endpoints.iter_mut().for_each(|e| e.mtls = true));
+    let (plain, off) = (build(&i), build(&marked));
+    assert!(off.secrets.is_empty());
+    for k in KINDS {
+        assert_eq!(plain.version(k), off.version(k), "{k:?}: an mTLS mark without identity changes nothing");
+    }
+}
+
+#[test]
+fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
+    let mut id = identity(MtlsMode::Permissive);
+    id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
+    let i = with_identity(
+        inputs(vec![svc("web", "d", &[80], None, &[("10.0.0.1", 8080, 80, false), ("10.0.0.2", 8080, 80, false)])], vec![
+            pod("u1", &["10.1.0.5"]),
+            pod("u2", &["10.1.0.6"]),
+        ]),
+        id,
+    );
+    let mut i2 = i.clone();
+    i2.registry.services.values_mut().for_each(|s| s.endpoints[0].mtls = true);
+    check(
+        i2,
+        "L inbound 0.0.0.0:15006 capture
+         L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5] -> inbound|u1 mtls=spiffe|pod|10.1.0.5+plaintext
+         L inbound|u2 10.1.0.6:80 chain u2 [10.1.0.6] -> inbound|u2
+         L outbound 127.0.0.1:15001 rds=outbound source-certificates
+         R outbound vh web.d [web,web.d,web.d.svc.cluster.local,web:80,web.d:80,web.d.svc.cluster.local:80]
+         R outbound vh web.d None -> outbound|80||web.d
+         C inbound|u1 static [10.1.0.5:80]
+         C inbound|u2 static [10.1.0.6:80]
+         C outbound|80||web.d eds mtls fallback=spiffe|agent
+         E outbound|80||web.d [10.0.0.1:8080 mtls,10.0.0.2:8080]
+         S spiffe|agent Secret::Certificate(<redacted>)
+         S spiffe|bundle Secret::Validation(spiffe://td/)
+         S spiffe|pod|10.1.0.5 Secret::Certificate(<redacted>)
+         S spiffe|pod|10.1.0.6 Secret::Certificate(<redacted>)",
+    );
+    // u2 presents the agent's certificate until its own arrives.
+    let s = build(&i);
+    let content = |n: &str| s.secrets.get(n).map(|n| n.secret.clone());
+    assert_eq!(content("spiffe|pod|10.1.0.6"), content(AGENT_SECRET));
+    assert_ne!(content("spiffe|pod|10.1.0.5"), content(AGENT_SECRET));
+}
+
+#[test]
+fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
+    let i = with_identity(inputs(vec![], vec![pod("u1", &["10.1.0.5"])]), identity(MtlsMode::Strict));
+    let mut b = Builder::new(i);
+    let s = b.snapshot().clone();
+    assert!(s.listeners.get("inbound|u1").is_none(), "fail closed: no listener without the SVID");
+    assert!(s.secrets.get("spiffe|pod|10.1.0.5").is_none(), "strict never presents the agent's SVID for a pod");
+    assert!(!s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
+
+    let s = b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p1")) }]).unwrap();
+    match &s.listeners.get("inbound|u1").expect("the SVID opens the listener").kind {
+        ListenerKind::InboundPod { chain } => assert_eq!(chain.tls, Some(InboundTls { certificate: "spiffe|pod|10.1.0.5".into(), plaintext: false })),
+        other => panic!("{other:?}"),
+    }
+    assert!(s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
+}
+
+#[test]
+fn a_rotation_changes_one_secret_and_no_listener_or_cluster() {
+    let mut id = identity(MtlsMode::Strict);
+    id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
+    let mut b = Builder::new(with_identity(inputs(vec![], vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6"])]), id));
+    let before = b.snapshot().clone();
+    let after = b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p2")) }]).unwrap();
+    for k in [Kind::Listener, Kind::Cluster, Kind::Endpoint, Kind::Route] {
+        assert_eq!(before.version(k), after.version(k), "{k:?} unchanged by a rotation");
+    }
+    assert_eq!(after.changed_since(&before, Kind::Secret).unwrap(), BTreeSet::from(["spiffe|pod|10.1.0.5"]));
+    assert!(b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p2")) }]).is_none(), "the same SVID again changes nothing");
+}
+
+#[test]
+fn removing_a_pod_removes_its_secrets() {
+    let mut id = identity(MtlsMode::Permissive);
+    id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
+    let mut b = Builder::new(with_identity(inputs(vec![], vec![pod("u1", &["10.1.0.5", "fd00::5"])]), id));
+    assert!(b.snapshot().secrets.get("spiffe|pod|fd00::5").is_some(), "one secret per IP of the pod's own");
+    let s = b.apply([Change::RemovePod("u1".into())]).unwrap();
+    assert!(s.secrets.get("spiffe|pod|10.1.0.5").is_none() && s.secrets.get("spiffe|pod|fd00::5").is_none());
+    assert!(s.secrets.get(AGENT_SECRET).is_some() && s.secrets.get(BUNDLE_SECRET).is_some());
 }

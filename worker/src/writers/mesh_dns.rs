@@ -424,6 +424,7 @@ mod tests {
                     node: String::new(),
                     pod: String::new(),
                     state: EndpointState::Healthy,
+                    mtls: false,
                 })
                 .collect(),
         }

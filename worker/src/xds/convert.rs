@@ -11,9 +11,15 @@ use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand,
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
+use envoy_types::pb::envoy::extensions::filters::common::set_filter_state::v3 as filter_state;
+use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
+use envoy_types::pb::envoy::extensions::filters::network::set_filter_state::v3 as set_filter_state;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::filter_state_override::v3 as cert_mapper;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_selectors::on_demand_secret::v3 as on_demand_secret;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tls;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
-use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 
 use aether_model as snapshot;
@@ -43,7 +49,7 @@ fn host_prefix(ip: IpAddr) -> core::CidrRange {
 
 pub fn listener(l: &snapshot::Listener) -> Any {
     let (direction, filter_chains, listener_filters) = match &l.kind {
-        snapshot::ListenerKind::HttpOutbound { route_config, on_demand } => {
+        snapshot::ListenerKind::HttpOutbound { route_config, on_demand, source_certificates } => {
             let router = hcm::HttpFilter {
                 name: "envoy.filters.http.router".into(),
                 config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(Router::default()))),
@@ -69,11 +75,12 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 http_filters: on_demand.into_iter().chain([router]).collect(),
                 ..Default::default()
             };
+            let hcm = listener::Filter {
+                name: "envoy.filters.network.http_connection_manager".into(),
+                config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
+            };
             let chain = listener::FilterChain {
-                filters: vec![listener::Filter {
-                    name: "envoy.filters.network.http_connection_manager".into(),
-                    config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
-                }],
+                filters: source_certificates.then(source_certificate_filter).into_iter().chain([hcm]).collect(),
                 ..Default::default()
             };
             (core::TrafficDirection::Outbound, vec![chain], vec![])
@@ -100,16 +107,30 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             // The prefixes repeat the listener's addresses: every connection the capture
             // listener hands over matches, and the pod's IPs read the same in config_dump
             // as on the filter chain they used to be.
-            let chain = listener::FilterChain {
-                name: c.pod_uid.clone(),
+            let chain = |name: String, transport_protocol: &str, transport_socket: Option<core::TransportSocket>| listener::FilterChain {
+                name,
                 filter_chain_match: Some(listener::FilterChainMatch {
                     prefix_ranges: c.ips.iter().map(|ip| host_prefix(*ip)).collect(),
+                    transport_protocol: transport_protocol.into(),
                     ..Default::default()
                 }),
                 filters: vec![tcp_proxy(&c.cluster)],
+                transport_socket,
                 ..Default::default()
             };
-            (core::TrafficDirection::Inbound, vec![chain], vec![])
+            match &c.tls {
+                None => (core::TrafficDirection::Inbound, vec![chain(c.pod_uid.clone(), "", None)], vec![]),
+                // mTLS with the pod's SVID, peers checked against the trust bundle; in
+                // permissive mode a second chain takes what the TLS inspector did not
+                // see as TLS.
+                Some(t) => {
+                    let mut chains = vec![chain(format!("{}|mtls", c.pod_uid), "tls", Some(downstream_mtls(&t.certificate)))];
+                    if t.plaintext {
+                        chains.push(chain(format!("{}|plaintext", c.pod_uid), "raw_buffer", None));
+                    }
+                    (core::TrafficDirection::Inbound, chains, vec![tls_inspector()])
+                }
+            }
         }
     };
     let (use_original_dst, bind_to_port, additional_addresses) = match &l.kind {
@@ -142,6 +163,139 @@ pub fn listener(l: &snapshot::Listener) -> Any {
         traffic_direction: direction as i32,
         ..Default::default()
     })
+}
+
+fn tls_inspector() -> listener::ListenerFilter {
+    listener::ListenerFilter {
+        name: "envoy.filters.listener.tls_inspector".into(),
+        config_type: Some(listener::listener_filter::ConfigType::TypedConfig(pack_any(TlsInspector::default()))),
+        ..Default::default()
+    }
+}
+
+fn sds(name: &str) -> tls::SdsSecretConfig {
+    tls::SdsSecretConfig { name: name.into(), sds_config: Some(ads()) }
+}
+
+/// The trust bundle, from SDS; the peer's URI SAN must be in the trust domain (the
+/// bundle secret carries the SPIFFE ID prefix).
+fn bundle_validation() -> tls::common_tls_context::ValidationContextType {
+    tls::common_tls_context::ValidationContextType::ValidationContextSdsSecretConfig(sds(snapshot::BUNDLE_SECRET))
+}
+
+fn tls_socket(config: Any) -> core::TransportSocket {
+    core::TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(core::transport_socket::ConfigType::TypedConfig(config)),
+    }
+}
+
+/// A pod's inbound TLS: its certificate, a client certificate required and checked.
+fn downstream_mtls(certificate: &str) -> core::TransportSocket {
+    tls_socket(pack_any(tls::DownstreamTlsContext {
+        common_tls_context: Some(tls::CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![sds(certificate)],
+            validation_context_type: Some(bundle_validation()),
+            ..Default::default()
+        }),
+        require_client_certificate: Some(BoolValue { value: true }),
+        ..Default::default()
+    }))
+}
+
+/// The filter state key the upstream certificate mapper reads the secret name from.
+const CERTIFICATE_KEY: &str = "envoy.tls.certificate_mappers.on_demand_secret";
+
+/// Names each outbound connection's client certificate after its source address, the
+/// calling pod's IP: the secret [`snapshot::pod_secret_name`] of that IP.
+fn source_certificate_filter() -> listener::Filter {
+    let value = filter_state::FilterStateValue {
+        key: Some(filter_state::filter_state_value::Key::ObjectKey(CERTIFICATE_KEY.into())),
+        value: Some(filter_state::filter_state_value::Value::FormatString(core::SubstitutionFormatString {
+            format: Some(core::substitution_format_string::Format::TextFormatSource(core::DataSource {
+                specifier: Some(core::data_source::Specifier::InlineString(format!(
+                    "{}%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%",
+                    snapshot::POD_SECRET_PREFIX
+                ))),
+                ..Default::default()
+            })),
+            ..Default::default()
+        })),
+        shared_with_upstream: filter_state::filter_state_value::SharedWithUpstream::Once as i32,
+        ..Default::default()
+    };
+    listener::Filter {
+        name: "envoy.filters.network.set_filter_state".into(),
+        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(set_filter_state::Config {
+            on_new_connection: vec![value],
+            ..Default::default()
+        }))),
+    }
+}
+
+/// The metadata that marks an endpoint mTLS-capable, and the transport socket match
+/// that selects mTLS for it.
+const TLS_MODE_KEY: &str = "aether.io/tls";
+const TLS_MODE_MTLS: &str = "mtls";
+
+fn mtls_match() -> Struct {
+    Struct {
+        fields: [(TLS_MODE_KEY.to_string(), Value { kind: Some(value::Kind::StringValue(TLS_MODE_MTLS.into())) })].into(),
+    }
+}
+
+/// Upstream mTLS presenting the calling pod's certificate, fetched over SDS at the
+/// first handshake that names it; `fallback` when the connection names none.
+fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
+    let mapper = cert_mapper::Config { default_value: t.fallback.clone().unwrap_or_default() };
+    let selector = on_demand_secret::Config {
+        config_source: Some(ads()),
+        certificate_mapper: Some(core::TypedExtensionConfig {
+            name: "envoy.tls.certificate_mappers.filter_state_override".into(),
+            typed_config: Some(pack_any(mapper)),
+        }),
+        ..Default::default()
+    };
+    tls_socket(pack_any(tls::UpstreamTlsContext {
+        common_tls_context: Some(tls::CommonTlsContext {
+            custom_tls_certificate_selector: Some(core::TypedExtensionConfig {
+                name: "envoy.tls.certificate_selectors.on_demand_secret".into(),
+                typed_config: Some(pack_any(selector)),
+            }),
+            validation_context_type: Some(bundle_validation()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }))
+}
+
+pub fn secret(n: &snapshot::NamedSecret) -> Any {
+    let inline = |s: &str| core::DataSource {
+        specifier: Some(core::data_source::Specifier::InlineString(s.to_string())),
+        ..Default::default()
+    };
+    let kind = match &n.secret {
+        snapshot::Secret::Certificate { chain_pem, key_pem } => tls::secret::Type::TlsCertificate(tls::TlsCertificate {
+            certificate_chain: Some(inline(chain_pem)),
+            private_key: Some(inline(key_pem)),
+            ..Default::default()
+        }),
+        snapshot::Secret::Validation { ca_pem, spiffe_prefix } => {
+            tls::secret::Type::ValidationContext(tls::CertificateValidationContext {
+                trusted_ca: Some(inline(ca_pem)),
+                match_typed_subject_alt_names: vec![tls::SubjectAltNameMatcher {
+                    san_type: tls::subject_alt_name_matcher::SanType::Uri as i32,
+                    matcher: Some(matcher::StringMatcher {
+                        match_pattern: Some(matcher::string_matcher::MatchPattern::Prefix(spiffe_prefix.clone())),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+        }
+    };
+    pack_any(tls::Secret { name: n.name.clone(), r#type: Some(kind) })
 }
 
 fn tcp_proxy(cluster: &str) -> listener::Filter {
@@ -209,6 +363,15 @@ pub fn cluster(c: &snapshot::Cluster) -> Any {
                 Some(cluster::cluster::ClusterDiscoveryType::Type(cluster::cluster::DiscoveryType::Eds as i32));
             out.eds_cluster_config =
                 Some(cluster::cluster::EdsClusterConfig { eds_config: Some(ads()), service_name: c.name.clone() });
+            // Endpoints marked mTLS-capable get mTLS; the rest of the cluster stays
+            // plaintext (the default transport socket).
+            if let Some(t) = &c.upstream_tls {
+                out.transport_socket_matches = vec![cluster::cluster::TransportSocketMatch {
+                    name: TLS_MODE_MTLS.into(),
+                    r#match: Some(mtls_match()),
+                    transport_socket: Some(upstream_mtls(t)),
+                }];
+            }
         }
         snapshot::ClusterKind::Static { endpoints, draining } => {
             out.cluster_discovery_type =
@@ -217,7 +380,7 @@ pub fn cluster(c: &snapshot::Cluster) -> Any {
             // assignment, exactly as EDS would send them.
             out.load_assignment = Some(load_assignment_of(
                 &c.name,
-                endpoints.iter().map(|a| snapshot::LbEndpoint { address: *a, draining: *draining }),
+                endpoints.iter().map(|a| snapshot::LbEndpoint { address: *a, draining: *draining, mtls: false }),
             ));
         }
     }
@@ -236,6 +399,10 @@ fn load_assignment_of(name: &str, eps: impl Iterator<Item = snapshot::LbEndpoint
                 ..Default::default()
             })),
             health_status: if e.draining { core::HealthStatus::Draining } else { core::HealthStatus::Healthy } as i32,
+            metadata: e.mtls.then(|| core::Metadata {
+                filter_metadata: [("envoy.transport_socket_match".to_string(), mtls_match())].into(),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .collect::<Vec<_>>();

@@ -41,7 +41,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, Delt
 use imbl::OrdMap;
 
 use super::encoded::Encoded;
-use super::kind::{KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
+use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
 use super::protocol::{Event, Protocol};
 use crate::writers::Observed;
 
@@ -162,6 +162,7 @@ fn needed(s: &Snapshot, kind: Kind, name: &str, clusters: &OrdMap<String, u64>) 
     match kind {
         Kind::Endpoint => s.needs_eds(name) && clusters.contains_key(name),
         Kind::Route => s.rds_names().any(|n| n == name),
+        Kind::Secret => s.sds_names().contains(name),
         Kind::Cluster | Kind::Listener => s.hashes(kind).contains_key(name),
     }
 }
@@ -173,7 +174,7 @@ pub struct DeltaState {
     synced: Option<Arc<Snapshot>>,
     encoded: Arc<Encoded>,
     nonce: u64,
-    types: [TypeState; 4],
+    types: [TypeState; KIND_COUNT],
     /// With on-demand clusters: the node's observed upstreams, which this stream adds to.
     observed: Option<Arc<Observed>>,
 }
@@ -363,10 +364,12 @@ impl Protocol for DeltaState {
                     (to_send, removed)
                 }
             };
-            // What the snapshot needs of EDS and RDS that the proxy has not asked for.
+            // What the snapshot needs of EDS, RDS and SDS that the proxy has not asked for.
+            // (Secrets are named by listeners and clusters both: always compared in full;
+            // there are a few per local pod.)
             let refer = match kind {
                 Kind::Endpoint => Some(Kind::Cluster),
-                Kind::Route => Some(Kind::Listener),
+                Kind::Route | Kind::Secret => Some(Kind::Listener),
                 Kind::Cluster | Kind::Listener => None,
             };
             if let Some(by) = refer {
@@ -385,6 +388,7 @@ impl Protocol for DeltaState {
                     _ => {
                         let all: Vec<&str> = match kind {
                             Kind::Endpoint => current.eds_cluster_names().filter(|c| clusters.contains_key(*c)).collect(),
+                            Kind::Secret => current.sds_names().into_iter().collect(),
                             _ => current.rds_names().collect(),
                         };
                         t.unsubscribed_needed = all.into_iter().filter(|n| !t.names.contains(*n)).map(String::from).collect();
@@ -449,7 +453,7 @@ impl Protocol for DeltaState {
                 return acked_all
                     && match kind {
                         Kind::Listener | Kind::Cluster => t.wildcard,
-                        Kind::Endpoint | Kind::Route => t.unsubscribed_needed.is_empty(),
+                        Kind::Endpoint | Kind::Route | Kind::Secret => t.unsubscribed_needed.is_empty(),
                     };
             }
             // Not pushed since the snapshot changed: compare everything.
@@ -465,6 +469,7 @@ impl Protocol for DeltaState {
                 }
                 Kind::Endpoint => s.eds_cluster_names().filter(|c| self.observed.is_none() || clusters.contains_key(*c)).collect(),
                 Kind::Route => s.rds_names().collect(),
+                Kind::Secret => s.sds_names().into_iter().collect(),
             };
             needed.iter().all(|n| t.acked.get(*n).is_some_and(|h| current.get(*n) == Some(h)))
         })
@@ -486,6 +491,7 @@ mod tests {
                 node: String::new(),
                 pod: String::new(),
                 state: EndpointState::Healthy,
+                mtls: false,
             })
             .collect();
         let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
@@ -586,14 +592,14 @@ mod tests {
         for kind in KINDS {
             let held = s.hashes(kind);
             let mut r = req(kind, "", &[], None);
-            if matches!(kind, Kind::Endpoint | Kind::Route) {
+            if matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret) {
                 r.resource_names_subscribe = held.keys().cloned().collect();
             }
             r.initial_resource_versions = held.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect();
             st.on_request(&r);
         }
         let out = sent(&mut st);
-        assert_eq!(out.len(), 4, "each fresh subscription is answered");
+        assert_eq!(out.len(), KINDS.len(), "each fresh subscription is answered");
         assert!(out.iter().all(|o| o.2.is_empty() && o.3.is_empty()), "{out:?}");
         assert!(st.acked_current(), "what the proxy held is the current snapshot");
     }
@@ -678,6 +684,7 @@ mod tests {
                     node: String::new(),
                     pod: String::new(),
                     state: if *draining { EndpointState::Draining } else { EndpointState::Healthy },
+                    mtls: false,
                 })
                 .collect(),
         }
@@ -782,7 +789,7 @@ mod tests {
         assert_eq!(st.check_limits(&held, &limits), Err(LimitError::TooManyNames { kind: Kind::Cluster, names: 4, max: 3 }));
         // A type the agent does not serve holds nothing and is not checked.
         let mut other = req(Kind::Route, "", &[&long], None);
-        other.type_url = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".into();
+        other.type_url = "type.googleapis.com/envoy.service.runtime.v3.Runtime".into();
         assert_eq!(st.check_limits(&other, &limits), Ok(()));
     }
 

@@ -16,12 +16,12 @@ use envoy_types::pb::google::protobuf::Any;
 use tokio::sync::watch;
 
 use super::convert;
-use super::kind::{KINDS, Kind};
+use super::kind::{KIND_COUNT, KINDS, Kind};
 
 #[derive(Default)]
 pub struct Encoded {
     /// Per [`Kind::index`]: name to (content hash, encoding).
-    types: Mutex<[HashMap<String, (u64, Any)>; 4]>,
+    types: Mutex<[HashMap<String, (u64, Any)>; KIND_COUNT]>,
 }
 
 /// Encodes one resource of `s`, if `s` has it.
@@ -31,6 +31,7 @@ fn convert_one(s: &Snapshot, kind: Kind, name: &str) -> Option<Any> {
         Kind::Endpoint => convert::load_assignment(s.endpoints.get(name)?),
         Kind::Listener => convert::listener(s.listeners.get(name)?),
         Kind::Route => convert::route_config(s.routes.get(name)?),
+        Kind::Secret => convert::secret(s.secrets.get(name)?),
     })
 }
 

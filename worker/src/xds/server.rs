@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use aether_model::Snapshot;
+use aether_model::{KIND_COUNT, Snapshot};
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -209,8 +209,8 @@ async fn run_stream<P: Served>(
     // For the debug log: when the snapshot last changed, and when each type's last
     // response went out (by nonce), so that push and ACK lines carry how long each took.
     let mut changed_at = Instant::now();
-    let mut pushed_at: [Option<(String, Instant)>; 4] = Default::default();
-    let mut answered = [false; 4];
+    let mut pushed_at: [Option<(String, Instant)>; KIND_COUNT] = Default::default();
+    let mut answered = [false; KIND_COUNT];
     tracing::info!(stream = id, protocol = P::NAME, "ADS stream opened");
     loop {
         tokio::select! {
@@ -291,7 +291,7 @@ async fn end_with<T>(tx: &mpsc::Sender<Result<T, Status>>, status: Status) {
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), tx.send(Err(status))).await;
 }
 
-fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option<(String, Instant)>; 4]) {
+fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option<(String, Instant)>; KIND_COUNT]) {
     let label = |k: Kind| TypeLabel { type_url: kind::type_url(k).to_string() };
     match ev {
         Event::Subscribe { kind, version } => {

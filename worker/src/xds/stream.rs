@@ -25,7 +25,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, Discovery
 use imbl::OrdMap;
 
 use super::encoded::Encoded;
-use super::kind::{KINDS, Kind, from_type_url, type_url, wildcard};
+use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wildcard};
 use super::protocol::{Event, Protocol};
 
 /// A response and the state the proxy holds once it applies it.
@@ -53,7 +53,7 @@ pub struct StreamState {
     current: Arc<Snapshot>,
     encoded: Arc<Encoded>,
     nonce: u64,
-    types: [TypeState; 4],
+    types: [TypeState; KIND_COUNT],
 }
 
 impl Protocol for StreamState {
@@ -164,17 +164,18 @@ impl Protocol for StreamState {
         out
     }
 
-    /// LDS and CDS in full, and the EDS and RDS resources the snapshot's clusters and
-    /// listeners refer to.
+    /// LDS and CDS in full, and the EDS, RDS and SDS resources the snapshot's clusters
+    /// and listeners refer to.
     fn acked_current(&self) -> bool {
         let s = &*self.current;
         KINDS.into_iter().all(|kind| {
             let acked = self.types[kind.index()].acked.as_ref();
             match kind {
                 Kind::Listener | Kind::Cluster => acked.is_some_and(|a| a.version == s.version(kind)),
-                Kind::Endpoint | Kind::Route => {
+                Kind::Endpoint | Kind::Route | Kind::Secret => {
                     let needed: Vec<&str> = match kind {
                         Kind::Endpoint => s.eds_cluster_names().collect(),
+                        Kind::Secret => s.sds_names().into_iter().collect(),
                         _ => s.rds_names().collect(),
                     };
                     let current = s.hashes(kind);
@@ -200,6 +201,7 @@ mod tests {
                 node: String::new(),
                 pod: String::new(),
                 state: EndpointState::Healthy,
+                mtls: false,
             })
             .collect();
         let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
@@ -296,6 +298,7 @@ mod tests {
                 node: String::new(),
                 pod: String::new(),
                 state: if d { EndpointState::Draining } else { EndpointState::Healthy },
+                mtls: false,
             };
             let svc = |n: &str, e: Endpoint| Service { name: n.into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: vec![e] };
             let registry = RegistryView::new([svc("a", ep("10.0.0.1", false)), svc("b", ep("10.0.0.2", draining))]);
