@@ -35,7 +35,7 @@ pub fn apply_service(layout: &Layout, s: &Service, current_service: Option<&[u8]
         .endpoints
         .iter()
         .map(|e| {
-            let v = EndpointValue { service_port: e.service_port, node: e.node.clone(), pod: e.pod.clone(), state: e.state };
+            let v = EndpointValue { service_port: e.service_port, node: e.node.clone(), pod: e.pod.clone(), state: e.state, mtls: e.mtls };
             (layout.endpoint(&key, e.address, e.port), values::encode(&v))
         })
         .collect();
@@ -183,6 +183,27 @@ mod tests {
         assert!(etcd.contains_key(&mark), "an apply keeps drain marks");
         run(&delete_service(&l, &web()), &mut etcd);
         assert!(etcd.is_empty(), "{etcd:?}");
+    }
+
+    #[test]
+    fn apply_stores_the_mtls_mark_and_leaves_values_written_before_it_alone() {
+        let l = Layout::new(DEFAULT_PREFIX);
+        let (k1, k2) = (l.endpoint(&web(), "10.0.0.1".parse().unwrap(), 8080), l.endpoint(&web(), "10.0.0.2".parse().unwrap(), 8080));
+        // etcd as a registrar without the field left it.
+        let old = br#"{"service_port":80,"node":"n1","pod":"","state":"healthy"}"#.to_vec();
+        let current: BTreeMap<String, Vec<u8>> = [(k1.clone(), old.clone()), (k2.clone(), old.clone())].into();
+        let svc = values::encode(&ServiceValue { ports: vec![80], vip: None });
+        let plain = service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]);
+        assert!(apply_service(&l, &plain, Some(&svc), &current).is_empty(), "unmarked endpoints are the bytes they were");
+        let mut marked = plain.clone();
+        marked.endpoints[1].mtls = true;
+        let ops = apply_service(&l, &marked, Some(&svc), &current);
+        assert_eq!(show(&ops), ["put endpoints/d/web/10.0.0.2/8080"]);
+        let Op::Put { value, .. } = &ops[0] else { unreachable!() };
+        assert_eq!(value.as_slice(), br#"{"service_port":80,"node":"n1","pod":"","state":"healthy","mtls":true}"#);
+        let after: BTreeMap<String, Vec<u8>> = [(k1, old), (k2, value.clone())].into();
+        assert!(apply_service(&l, &marked, Some(&svc), &after).is_empty(), "the same apply writes nothing");
+        assert_eq!(show(&apply_service(&l, &plain, Some(&svc), &after)), ["put endpoints/d/web/10.0.0.2/8080"], "unmarking rewrites it");
     }
 
     fn target(nodes: &[&str], current: Option<(EndpointState, &str)>) -> MarkTarget {

@@ -87,7 +87,7 @@ pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Inv
                 },
             };
             let state = values::state_from_pb(e.state).ok_or_else(|| invalid(format!("{eat}.state"), format!("{} is not a state", e.state)))?;
-            endpoints.push(Endpoint { address: addr, port: p, service_port, node: e.node.clone(), pod: e.pod.clone(), state, mtls: false });
+            endpoints.push(Endpoint { address: addr, port: p, service_port, node: e.node.clone(), pod: e.pod.clone(), state, mtls: e.mtls });
         }
         out.push(Service { name: key.name, namespace: key.namespace, ports, vip, endpoints });
     }
@@ -108,7 +108,7 @@ mod tests {
     }
 
     fn ep(address: &str, port: u32, service_port: u32) -> pb::Endpoint {
-        pb::Endpoint { address: address.into(), port, service_port, node: "n".into(), pod: String::new(), state: 0 }
+        pb::Endpoint { address: address.into(), port, service_port, node: "n".into(), pod: String::new(), state: 0, mtls: false }
     }
 
     fn check(services: Vec<pb::Service>, want: Result<&str, &str>) {
@@ -133,6 +133,14 @@ mod tests {
     fn good_services_pass_and_a_zero_service_port_means_the_only_port() {
         check(vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 8080, 0), ep("fd00::1", 8080, 80)])], Ok("d/web [80] [10.0.0.1:8080@80 fd00::1:8080@80]"));
         check(vec![], Ok(""));
+    }
+
+    #[test]
+    fn the_mtls_mark_is_read_from_the_request() {
+        let marked = pb::Endpoint { mtls: true, ..ep("10.0.0.1", 8080, 80) };
+        let got = apply_request(&pb::ApplyServicesRequest { services: vec![svc("d", "web", &[80], vec![marked, ep("10.0.0.2", 8080, 80)])] }).unwrap();
+        let marks: Vec<(String, bool)> = got[0].endpoints.iter().map(|e| (e.address.to_string(), e.mtls)).collect();
+        assert_eq!(marks, [("10.0.0.1".to_owned(), true), ("10.0.0.2".to_owned(), false)]);
     }
 
     #[test]

@@ -26,6 +26,10 @@ pub struct EndpointValue {
     pub pod: String,
     #[serde(default)]
     pub state: EndpointState,
+    /// The endpoint is served mTLS with SPIFFE SVIDs. Stored only when true, so that the
+    /// values written before the field are unchanged byte for byte and read as false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mtls: bool,
 }
 
 /// `marks/<ns>/<name>/<address>`. `instance` is the setter's pod, kept for the log.
@@ -99,6 +103,7 @@ pub fn endpoint_to_pb(address: IpAddr, port: u16, v: &EndpointValue) -> pb::Endp
         node: v.node.clone(),
         pod: v.pod.clone(),
         state: state_to_pb(v.state),
+        mtls: v.mtls,
     }
 }
 
@@ -122,6 +127,7 @@ pub fn model_service_to_pb(s: &aether_model::Service) -> pb::Service {
                 node: e.node.clone(),
                 pod: e.pod.clone(),
                 state: state_to_pb(e.state),
+                mtls: e.mtls,
             })
             .collect(),
     }
@@ -136,7 +142,7 @@ mod tests {
         let s = ServiceValue { ports: vec![80], vip: Some("10.96.0.1".parse().unwrap()) };
         assert_eq!(String::from_utf8(encode(&s)).unwrap(), r#"{"ports":[80],"vip":"10.96.0.1"}"#);
         assert_eq!(String::from_utf8(encode(&ServiceValue { ports: vec![80, 81], vip: None })).unwrap(), r#"{"ports":[80,81]}"#);
-        let e = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Draining };
+        let e = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Draining, mtls: false };
         assert_eq!(String::from_utf8(encode(&e)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"draining"}"#);
         let m = MarkValue { state: EndpointState::Draining, node: "n".into(), instance: "pod-x".into() };
         assert_eq!(String::from_utf8(encode(&m)).unwrap(), r#"{"state":"draining","node":"n","instance":"pod-x"}"#);
@@ -145,6 +151,34 @@ mod tests {
         assert_eq!(e.state, EndpointState::Healthy);
         let err = decode::<MarkValue>("/p/marks/a/b/10.0.0.1", "drain mark", b"{oops").unwrap_err().to_string();
         assert!(err.contains("/p/marks/a/b/10.0.0.1") && err.contains("drain mark"), "{err}");
+    }
+
+    #[test]
+    fn the_mtls_mark_round_trips_and_a_value_without_it_reads_false() {
+        let plain = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Healthy, mtls: false };
+        let marked = EndpointValue { mtls: true, ..plain.clone() };
+        // Written only when set: an unmarked endpoint's value is the bytes it always was.
+        assert_eq!(String::from_utf8(encode(&plain)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"healthy"}"#);
+        assert_eq!(String::from_utf8(encode(&marked)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"healthy","mtls":true}"#);
+        for v in [&plain, &marked] {
+            assert_eq!(&decode::<EndpointValue>("k", "endpoint", &encode(v)).unwrap(), v);
+        }
+        // A value a registrar without the field wrote reads as not mTLS.
+        let old: EndpointValue = decode("k", "endpoint", br#"{"service_port":80,"node":"n","pod":"p","state":"healthy"}"#).unwrap();
+        assert_eq!(old, plain);
+        // And the API carries it both ways.
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        assert!(endpoint_to_pb(ip, 8080, &marked).mtls);
+        assert!(!endpoint_to_pb(ip, 8080, &plain).mtls);
+        let service = |mtls: bool| aether_model::Service {
+            name: "web".into(),
+            namespace: "d".into(),
+            ports: vec![80],
+            vip: None,
+            endpoints: vec![aether_model::Endpoint { address: ip, port: 8080, service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Healthy, mtls }],
+        };
+        assert!(model_service_to_pb(&service(true)).endpoints[0].mtls);
+        assert!(!model_service_to_pb(&service(false)).endpoints[0].mtls);
     }
 
     #[test]

@@ -240,7 +240,7 @@ impl View {
     /// An endpoint of a service the view does not hold is dropped, as the full view
     /// drops it.
     fn upsert_endpoint(&mut self, key: &ServiceKey, e: &pb::Endpoint) -> Result<(), BadMessage> {
-        let v = EndpointValue { service_port: port(e.service_port)?, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state)? };
+        let v = EndpointValue { service_port: port(e.service_port)?, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state)?, mtls: e.mtls };
         let at = (ip(&e.address)?, port(e.port)?);
         if let Some(s) = self.services.get_mut(key) {
             s.endpoints.insert(at, v);
@@ -262,7 +262,8 @@ impl View {
 
     /// The view as pretty JSON, sorted: `services` in the registry file's schema, each
     /// endpoint with its effective state (a DRAINING mark on its address overrides
-    /// HEALTHY), then `marks`. The revision is left out, so that the views of two
+    /// HEALTHY) and `"mtls": true` when it is marked so (left out when false, the file's
+    /// default), then `marks`. The revision is left out, so that the views of two
     /// replicas, or of a client and the registrar, compare byte for byte.
     pub fn to_json(&self) -> String {
         #[derive(Serialize)]
@@ -287,6 +288,8 @@ impl View {
             node: &'a str,
             pod: &'a str,
             state: EndpointState,
+            #[serde(skip_serializing_if = "std::ops::Not::not")]
+            mtls: bool,
         }
         #[derive(Serialize)]
         struct DocMark<'a> {
@@ -311,7 +314,7 @@ impl View {
                         .map(|((address, port), e)| {
                             let marked = matches!(self.marks.get(&(k.clone(), *address)), Some((EndpointState::Draining, _)));
                             let state = if marked { EndpointState::Draining } else { e.state };
-                            DocEndpoint { address: *address, port: *port, service_port: e.service_port, node: &e.node, pod: &e.pod, state }
+                            DocEndpoint { address: *address, port: *port, service_port: e.service_port, node: &e.node, pod: &e.pod, state, mtls: e.mtls }
                         })
                         .collect(),
                 })
@@ -343,6 +346,8 @@ mod tests {
 
     const WEB: &str = r#"{"ports":[80],"vip":"10.96.0.1"}"#;
     const EP: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy"}"#;
+    /// An endpoint marked mTLS-capable, as the registrar stores it.
+    const EP_MTLS: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy","mtls":true}"#;
     const MARK: &str = r#"{"state":"draining","node":"n1","instance":"agent-a"}"#;
 
     #[test]
@@ -396,7 +401,8 @@ mod tests {
         use EventKind::*;
         check(Put, "services/d/web", WEB, r#"ServiceUpserted(Service { key: Some(ServiceKey { namespace: "d", name: "web" }), ports: [80], vip: "10.96.0.1", endpoints: [] })"#);
         check(Delete, "services/d/web", "", r#"ServiceRemoved(ServiceKey { namespace: "d", name: "web" })"#);
-        check(Put, "endpoints/d/web/10.0.0.1/8080", EP, r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy }) })"#);
+        check(Put, "endpoints/d/web/10.0.0.1/8080", EP, r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: false }) })"#);
+        check(Put, "endpoints/d/web/10.0.0.1/8080", EP_MTLS, r#"endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: true }) })"#);
         check(Delete, "endpoints/d/web/10.0.0.1/8080", "", r#"EndpointRemoved(EndpointRemoval { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", port: 8080 })"#);
         check(Put, "marks/d/web/10.0.0.1", MARK, r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Draining, node: "n1" })"#);
         check(Delete, "marks/d/web/10.0.0.1", "", r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Healthy, node: "" })"#);
@@ -445,6 +451,41 @@ mod tests {
         let (b, _) = batch(&l, 8, [Event { kind: EventKind::Delete, key: &k2, value: b"" }]);
         view.apply(&b).unwrap();
         assert!(view.to_json().contains("\"marks\": []"));
+    }
+
+    #[test]
+    fn the_mtls_mark_reaches_the_full_view_the_changes_and_the_dump() {
+        let l = layout();
+        let kvs: Vec<(Vec<u8>, &str)> = vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP), (k("endpoints/d/web/10.0.0.2/8080"), EP_MTLS)];
+        let (full, rejected) = full_view(&l, 3, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        assert!(rejected.is_empty(), "{rejected:?}");
+        let marks: Vec<(&str, bool)> = full.services[0].endpoints.iter().map(|e| (e.address.as_str(), e.mtls)).collect();
+        assert_eq!(marks, [("10.0.0.1", false), ("10.0.0.2", true)]);
+
+        // A client that follows the changes holds the mark, and loses it when it goes.
+        let mut view = View::from_full(&pb::FullView { revision: 1, services: vec![values::service_to_pb(&web_key(), &serde_json::from_str(WEB).unwrap())], ..Default::default() }).unwrap();
+        let (k1, k2) = (k("endpoints/d/web/10.0.0.1/8080"), k("endpoints/d/web/10.0.0.2/8080"));
+        let (b, _) = batch(&l, 3, [Event { kind: EventKind::Put, key: &k1, value: EP.as_bytes() }, Event { kind: EventKind::Put, key: &k2, value: EP_MTLS.as_bytes() }]);
+        view.apply(&b).unwrap();
+        assert_eq!(view, View::from_full(&full).unwrap());
+        let json = view.to_json();
+        let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let eps = doc["services"][0]["endpoints"].as_array().unwrap();
+        assert_eq!(eps[1]["mtls"], true, "{json}");
+        assert!(eps[0].get("mtls").is_none(), "false is the file's default and left out: {json}");
+        // The dump reads back as a registry file with the mark.
+        let file = serde_json::json!({ "services": doc["services"] }).to_string();
+        let parsed = aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes()).unwrap();
+        let eps = &parsed.services.values().next().unwrap().endpoints;
+        assert_eq!(eps.iter().map(|e| e.mtls).collect::<Vec<_>>(), [false, true]);
+
+        let (b, _) = batch(&l, 4, [Event { kind: EventKind::Put, key: &k2, value: EP.as_bytes() }]);
+        view.apply(&b).unwrap();
+        assert!(!view.to_json().contains("mtls"), "{}", view.to_json());
+    }
+
+    fn web_key() -> ServiceKey {
+        ServiceKey { namespace: "d".into(), name: "web".into() }
     }
 
     #[test]

@@ -288,6 +288,63 @@ async fn apply_and_delete_from_the_command_line() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--service \"prod\" is not NAMESPACE/NAME"), "{out:?}");
 }
 
+/// A registry file's `"mtls": true` goes through `aether-registrar apply` and etcd to a
+/// watching client: in the change that adds the endpoint, in a later full view and in
+/// the dump; a re-apply without it clears it.
+#[tokio::test]
+async fn the_mtls_mark_of_a_file_reaches_a_watching_client() {
+    let etcd = etcd_or_skip!("the_mtls_mark_of_a_file_reaches_a_watching_client");
+    let dir = tempfile::tempdir().unwrap();
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
+    let addr = reg.addr();
+    let file = dir.path().join("registry.json");
+    let doc = |mtls: bool| {
+        serde_json::json!({ "services": [{ "name": "web", "namespace": "prod", "ports": [80], "endpoints": [
+            { "address": "10.0.0.1", "port": 8080, "node": "n1", "pod": "web-1" },
+            { "address": "10.0.0.2", "port": 8080, "node": "n2", "pod": "web-2", "mtls": mtls },
+        ] }] })
+        .to_string()
+    };
+    let apply_file = |text: String| {
+        std::fs::write(&file, text).unwrap();
+        let out = cli(&["apply", "--registrar", addr, "--file", file.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    let mut s = watch(addr, "c", "n1", "a", 0).await;
+    assert!(next_full(&mut s).await.services.is_empty());
+
+    apply_file(doc(true));
+    let batch = next_changes(&mut s).await;
+    assert_eq!(describe(&batch), ["service web", "endpoint 10.0.0.1:8080", "endpoint 10.0.0.2:8080"]);
+    let marks = |batch: &pb::ChangeBatch| -> Vec<(String, bool)> {
+        batch
+            .changes
+            .iter()
+            .filter_map(|c| match c.kind.as_ref()? {
+                pb::change::Kind::EndpointUpserted(u) => u.endpoint.as_ref().map(|e| (e.address.clone(), e.mtls)),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(marks(&batch), [("10.0.0.1".to_owned(), false), ("10.0.0.2".to_owned(), true)]);
+
+    // A new client's full view and the dump carry it too; the dump reads back as the file.
+    let full = next_full(&mut watch(addr, "c", "n1", "b", 0).await).await;
+    let eps: Vec<(&str, bool)> = full.services[0].endpoints.iter().map(|e| (e.address.as_str(), e.mtls)).collect();
+    assert_eq!(eps, [("10.0.0.1", false), ("10.0.0.2", true)]);
+    let dumped: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
+    assert_eq!(dumped["services"][0]["endpoints"][1]["mtls"], true, "{dumped}");
+    let text = serde_json::json!({ "services": dumped["services"] }).to_string();
+    let back = aether_model::registry_file::parse(std::path::Path::new("dump"), text.as_bytes()).unwrap();
+    assert_eq!(back, aether_model::registry_file::parse(&file, doc(true).as_bytes()).unwrap());
+
+    // Cleared by a re-apply: that endpoint alone changes.
+    apply_file(doc(false));
+    let batch = next_changes(&mut s).await;
+    assert_eq!(marks(&batch), [("10.0.0.2".to_owned(), false)], "{batch:?}");
+    assert!(!dump(addr).contains("mtls"));
+}
+
 /// An invalid request over the API comes back INVALID_ARGUMENT naming the field.
 #[tokio::test]
 async fn apply_names_the_invalid_field() {

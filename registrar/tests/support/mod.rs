@@ -39,6 +39,7 @@ pub fn svc(ns: &str, name: &str, ports: &[u32], eps: &[(&str, u32, &str)]) -> pb
                 node: node.to_string(),
                 pod: format!("pod-{a}"),
                 state: pb::EndpointState::Healthy as i32,
+                mtls: false,
             })
             .collect(),
     }

@@ -223,7 +223,7 @@ fn endpoint(e: &pb::Endpoint) -> Result<Endpoint, String> {
     let address = e.address.parse::<IpAddr>().map_err(|_| "not an IP address".to_string())?;
     let port = u16::try_from(e.port).ok().filter(|p| *p != 0).ok_or("port out of range")?;
     let service_port = u16::try_from(e.service_port).ok().filter(|p| *p != 0).ok_or("service_port out of range")?;
-    Ok(Endpoint { address, port, service_port, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state), mtls: false })
+    Ok(Endpoint { address, port, service_port, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state), mtls: e.mtls })
 }
 
 fn state(s: i32) -> EndpointState {

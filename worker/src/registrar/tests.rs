@@ -14,7 +14,7 @@ fn key(ns: &str, name: &str) -> pb::ServiceKey {
 }
 
 fn ep(addr: &str, port: u32, node: &str, state: pb::EndpointState) -> pb::Endpoint {
-    pb::Endpoint { address: addr.into(), port, service_port: 80, node: node.into(), pod: String::new(), state: state as i32 }
+    pb::Endpoint { address: addr.into(), port, service_port: 80, node: node.into(), pod: String::new(), state: state as i32, mtls: false }
 }
 
 fn service(name: &str, vip: &str, endpoints: Vec<pb::Endpoint>) -> pb::Service {
@@ -66,6 +66,39 @@ fn a_full_view_then_one_endpoint_upsert_touches_one_service() {
     let [Change::UpsertService(b)] = changes.as_slice() else { panic!("one upsert: {changes:?}") };
     assert_eq!((b.name.as_str(), b.endpoints.len()), ("b", 1));
     assert_eq!(m.revision(), 8);
+}
+
+#[test]
+fn the_mtls_mark_reaches_the_node_from_a_full_view_and_from_an_upsert() {
+    let mut m = Mirror::default();
+    let marked = |addr: &str, mtls: bool| pb::Endpoint { mtls, ..ep(addr, 8080, "n1", pb::EndpointState::Healthy) };
+    let (changes, skipped) =
+        m.apply_full(pb::FullView { revision: 1, services: vec![service("a", "", vec![marked("10.0.0.1", true), marked("10.0.0.2", false)])], ..Default::default() });
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+    let marks: Vec<(String, bool)> = a.endpoints.iter().map(|e| (e.address.to_string(), e.mtls)).collect();
+    assert_eq!(marks, [("10.0.0.1".to_owned(), true), ("10.0.0.2".to_owned(), false)]);
+    // The mark set, then cleared, on one endpoint by single upserts.
+    for (rev, mtls) in [(2, true), (3, false)] {
+        let (changes, _) = m.apply_batch(batch(
+            rev,
+            vec![pb::change::Kind::EndpointUpserted(pb::EndpointUpsert { service: Some(key("default", "a")), endpoint: Some(marked("10.0.0.2", mtls)) })],
+        ));
+        let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+        assert_eq!(a.endpoints.iter().map(|e| e.mtls).collect::<Vec<_>>(), [true, mtls], "revision {rev}");
+    }
+    // A drain mark keeps the mTLS mark.
+    let (changes, _) = m.apply_batch(batch(
+        4,
+        vec![pb::change::Kind::StateChanged(pb::DrainMark {
+            service: Some(key("default", "a")),
+            address: "10.0.0.1".into(),
+            state: pb::EndpointState::Draining as i32,
+            node: "n1".into(),
+        })],
+    ));
+    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+    assert_eq!((a.endpoints[0].state, a.endpoints[0].mtls), (EndpointState::Draining, true));
 }
 
 #[test]
