@@ -5,6 +5,8 @@
 #   etcd-server                 a real etcd for the registrar tests and the two-node harness
 #   containernetworking-plugins the CNI reference plugins for the CNI chain test
 #   iproute2, util-linux        network namespaces (ip) and setpriv for the probe test
+#   nftables                    the redirect of the mTLS data-path tests (nft, in their
+#                               own network namespaces)
 set -euo pipefail
 
 need=()
@@ -13,6 +15,7 @@ command -v etcd >/dev/null || need+=(etcd-server)
 [[ -x /usr/lib/cni/ptp || -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
 command -v ip >/dev/null || need+=(iproute2)
 command -v setpriv >/dev/null || need+=(util-linux)
+command -v nft >/dev/null || need+=(nftables)
 
 if ((${#need[@]} == 0)); then
   echo "install-deps: all present" >&2

@@ -105,6 +105,7 @@ impl Mesh {
                     node: NODE_A.into(),
                     pod: format!("{}-{e}", Self::name(s)),
                     state: state as i32,
+                    mtls: false,
                 }
             })
             .collect();

@@ -70,6 +70,7 @@ impl Churned {
                     node: CHURN_NODE.into(),
                     pod: format!("churn-{s}-{e}"),
                     state: state as i32,
+                    mtls: false,
                 }
             })
             .collect();
