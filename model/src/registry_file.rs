@@ -21,7 +21,10 @@
 //!                                      // the service has one port
 //!           "node": "node-a",          // optional
 //!           "pod": "web-5d8f",         // optional
-//!           "state": "healthy"         // optional: "healthy" (default) or "draining"
+//!           "state": "healthy",        // optional: "healthy" (default) or "draining"
+//!           "mtls": true               // optional, default false: the endpoint accepts
+//!                                      // mTLS with SPIFFE SVIDs, so agents with
+//!                                      // identity on originate mTLS to it
 //!         }
 //!       ]
 //!     }
