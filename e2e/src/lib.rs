@@ -14,3 +14,4 @@ pub mod cnichain;
 pub mod cni_burst;
 pub mod registrar;
 pub mod kube_api;
+pub mod identity;
