@@ -102,7 +102,7 @@ async fn main() {
     summary("registry file: hash of the whole file", &hashing);
     summary("registry file: whole parse (not on a reload's path)", &parsing);
 
-    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: false }).await;
+    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: false, ..RigOptions::default() }).await;
     println!("registry file loaded (read, parse, build)        {:>8.1} ms", ms(rig.loaded));
     println!("Envoy initial sync (start to ACK of everything)   {:>8.1} ms", ms(rig.envoy_synced));
     let rss_all = envoy_rss(&rig);
@@ -182,7 +182,7 @@ async fn main() {
         real.addr.port()
     );
     let json = mesh_registry_json(services, endpoints, None, &extra);
-    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: true }).await;
+    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: true, ..RigOptions::default() }).await;
     println!("on-demand: Envoy initial sync                     {:>8.1} ms", ms(rig.envoy_synced));
     let rss_lazy = envoy_rss(&rig);
     println!("on-demand: Envoy RSS holding its pods' clusters   {rss_lazy:>8.1} MiB  ({:.0}% of every cluster's {rss_all:.1} MiB)", 100.0 * rss_lazy / rss_all);

@@ -14,4 +14,5 @@ pub mod cnichain;
 pub mod cni_burst;
 pub mod registrar;
 pub mod kube_api;
+pub mod datapath;
 pub mod identity;

@@ -404,7 +404,7 @@ async fn on_demand_a_first_call_to_a_service_envoy_does_not_hold_succeeds() {
     envoy::init_logs("info");
     let u = upstream::spawn("web".into()).expect("upstream");
     let json = registry_json(&[("web", Some("10.96.0.10"), vec![(u.addr, false)]), ("api", None, vec![(u.addr, false)])]);
-    let h = WorkerRig::start_with(&envoy, &json, aether_e2e::envoy::RigOptions { api: AdsApi::Delta, on_demand: true }).await;
+    let h = WorkerRig::start_with(&envoy, &json, aether_e2e::envoy::RigOptions { api: AdsApi::Delta, on_demand: true, ..Default::default() }).await;
     let (clusters, _) = envoy::clusters(&h.config_dump());
     assert!(!clusters.iter().any(|c| c == WEB), "Envoy does not hold {WEB} before a call: {clusters:?}");
     assert_eq!(http_get(h.outbound, "web").unwrap(), (200, "web".to_string()), "the first call succeeds");

@@ -3,12 +3,13 @@
 //! benchmarks; plus the worker's log capture and registry JSON for them.
 
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use aether_model::{Inputs, Snapshot};
+use aether_model::{Identity, Inputs, Snapshot};
 use aether_worker::acks::Acks;
 use aether_worker::bootstrap::{DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX};
 use aether_worker::metrics::{Metrics, TypeLabel};
@@ -79,11 +80,22 @@ pub struct WorkerRig {
 }
 
 /// How the rig's worker side runs.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RigOptions {
     pub api: AdsApi,
     /// `--on-demand-clusters` (delta ADS only).
     pub on_demand: bool,
+    /// Run Envoy inside this named network namespace (`ip netns exec`), as the node's
+    /// proxy of a [`crate::datapath::Datapath`]; its ADS and admin sockets are files in the
+    /// rig's temp dir, which work across namespaces.
+    pub netns: Option<String>,
+    /// Where the outbound listener binds; 127.0.0.1 when unset. A data path that
+    /// redirects pods' connections to it needs an address they can be redirected to
+    /// (0.0.0.0).
+    pub outbound_ip: Option<IpAddr>,
+    /// The node's initial identity inputs (trust domain, mode, bundle, SVIDs); off by
+    /// default.
+    pub identity: Identity,
 }
 
 impl Drop for WorkerRig {
@@ -147,12 +159,15 @@ impl WorkerRig {
         let dir = tempfile::Builder::new().prefix("axds").tempdir().unwrap();
         let registry_file = dir.path().join("registry.json");
         std::fs::write(&registry_file, registry_json).unwrap();
-        let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST).unwrap()));
+        let outbound = SocketAddr::new(
+            options.outbound_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            free_port(Ipv4Addr::LOCALHOST).unwrap(),
+        );
         let inbound_port = free_port(Ipv4Addr::LOCALHOST).unwrap();
         let capture_file = dir.path().join("capture.json");
         std::fs::write(&capture_file, format!(r#"{{"outbound":"{outbound}","inbound_port":{inbound_port}}}"#)).unwrap();
 
-        let node = Node::new(Inputs { on_demand_clusters: options.on_demand, ..Inputs::default() });
+        let node = Node::new(Inputs { on_demand_clusters: options.on_demand, identity: options.identity, ..Inputs::default() });
         let observed = options.on_demand.then(|| Observed::restore(dir.path()));
         let metrics = Metrics::new();
         let t0 = Instant::now();
@@ -170,8 +185,12 @@ impl WorkerRig {
 
         let server = Server::start(dir.path().join("xds.sock"), &node, acks.clone(), metrics.clone(), observed.clone());
         let t1 = Instant::now();
-        let envoy = Envoy::start(envoy_bin, dir.path(), dir.path(), DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX, api)
-            .expect("spawn envoy");
+        let bin = match &options.netns {
+            Some(ns) => netns_wrapper(dir.path(), ns, envoy_bin),
+            None => envoy_bin.to_path_buf(),
+        };
+        let envoy =
+            Envoy::start(&bin, dir.path(), dir.path(), DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX, api).expect("spawn envoy");
 
         let mut h = Self {
             dir,
@@ -269,12 +288,26 @@ impl WorkerRig {
     }
 }
 
-/// Whether two snapshots carry the same version of every type.
+/// A script in `dir` that runs Envoy inside the network namespace `ns`. `ip netns exec`
+/// execs Envoy in place (no fork), so the rig's child pid is Envoy's and killing it kills
+/// Envoy.
+fn netns_wrapper(dir: &Path, ns: &str, envoy_bin: &Path) -> PathBuf {
+    let wrapper = dir.join("envoy-in-netns");
+    let script = format!("#!/bin/sh\nexec ip netns exec '{ns}' '{}' \"$@\"\n", envoy_bin.display());
+    std::fs::write(&wrapper, script).expect("write the netns wrapper");
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod the netns wrapper");
+    wrapper
+}
+
+/// Whether two snapshots carry the same version of every type. (A fully ACKed snapshot
+/// is only published once the proxy holds the secrets its listeners and clusters name,
+/// so equal SDS versions mean the proxy holds the current secrets.)
 pub fn same_versions(a: &Snapshot, b: &Snapshot) -> bool {
     a.listeners.version == b.listeners.version
         && a.routes.version == b.routes.version
         && a.clusters.version == b.clusters.version
         && a.endpoints.version == b.endpoints.version
+        && a.secrets.version == b.secrets.version
 }
 
 /// A service for [`registry_json`]: name, VIP, and endpoints as (address, draining).

@@ -120,14 +120,21 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             };
             match &c.tls {
                 None => (core::TrafficDirection::Inbound, vec![chain(c.pod_uid.clone(), "", None)], vec![]),
-                // mTLS with the pod's SVID, peers checked against the trust bundle; in
-                // permissive mode a second chain takes what the TLS inspector did not
-                // see as TLS.
+                // Strict: one chain, mTLS with the pod's SVID and peers checked against
+                // the trust bundle; no TLS inspector, since there is nothing to tell
+                // apart (a plaintext client fails the handshake).
+                Some(t) if !t.plaintext => {
+                    (core::TrafficDirection::Inbound, vec![chain(format!("{}|mtls", c.pod_uid), "", Some(downstream_mtls(&t.certificate)))], vec![])
+                }
+                // Permissive: the TLS inspector on the pod's own listener (its listener
+                // filters run after the capture listener's hand-off, so pods without
+                // mTLS do not pay for it) sends TLS to the mTLS chain and everything else
+                // to the plaintext chain, which matches any transport protocol.
                 Some(t) => {
-                    let mut chains = vec![chain(format!("{}|mtls", c.pod_uid), "tls", Some(downstream_mtls(&t.certificate)))];
-                    if t.plaintext {
-                        chains.push(chain(format!("{}|plaintext", c.pod_uid), "raw_buffer", None));
-                    }
+                    let chains = vec![
+                        chain(format!("{}|mtls", c.pod_uid), "tls", Some(downstream_mtls(&t.certificate))),
+                        chain(format!("{}|plaintext", c.pod_uid), "", None),
+                    ];
                     (core::TrafficDirection::Inbound, chains, vec![tls_inspector()])
                 }
             }
@@ -152,12 +159,18 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 .collect(),
         ),
     };
+    // A server-first client (the server speaks first) sends the TLS inspector nothing:
+    // after a second it goes to the plaintext chain instead of being closed at Envoy's
+    // default of 15 s.
+    let inspects = !listener_filters.is_empty() && matches!(l.kind, snapshot::ListenerKind::InboundPod { .. });
     pack_any(listener::Listener {
         name: l.name.clone(),
         address: Some(socket_address(l.address)),
         additional_addresses,
         filter_chains,
         listener_filters,
+        listener_filters_timeout: inspects.then_some(Duration { seconds: 1, nanos: 0 }),
+        continue_on_listener_filters_timeout: inspects,
         use_original_dst,
         bind_to_port,
         traffic_direction: direction as i32,
@@ -203,18 +216,32 @@ fn downstream_mtls(certificate: &str) -> core::TransportSocket {
     }))
 }
 
-/// The filter state key the upstream certificate mapper reads the secret name from.
+/// The filter state key the upstream certificate mapper reads the secret name from
+/// (hardcoded in Envoy: a misspelt key is silently absent, and the mapper then uses its
+/// default).
 const CERTIFICATE_KEY: &str = "envoy.tls.certificate_mappers.on_demand_secret";
+/// The factory of the filter state object. The key is no well-known object, so Envoy
+/// needs one (without it the listener is rejected: "does not have an object factory").
+/// It must be hashable: the upstream connection pools are keyed by the hashable objects
+/// shared with the upstream only, so with the plain `envoy.string` a connection made with
+/// one pod's certificate is reused for another pod's requests (measured in
+/// e2e/trials/mtls/RESULTS.md).
+const CERTIFICATE_FACTORY: &str = "envoy.hashable_string";
+/// The upstream certificate mapper that reads [`CERTIFICATE_KEY`].
+const CERTIFICATE_MAPPER: &str = "envoy.tls.upstream_certificate_mappers.filter_state_override";
 
 /// Names each outbound connection's client certificate after its source address, the
-/// calling pod's IP: the secret [`snapshot::pod_secret_name`] of that IP.
+/// calling pod's IP: the secret [`snapshot::pod_secret_name`] of that IP. The direct
+/// remote address: the peer of the TCP connection, which nothing the client sends can
+/// change.
 fn source_certificate_filter() -> listener::Filter {
     let value = filter_state::FilterStateValue {
         key: Some(filter_state::filter_state_value::Key::ObjectKey(CERTIFICATE_KEY.into())),
+        factory_key: CERTIFICATE_FACTORY.into(),
         value: Some(filter_state::filter_state_value::Value::FormatString(core::SubstitutionFormatString {
             format: Some(core::substitution_format_string::Format::TextFormatSource(core::DataSource {
                 specifier: Some(core::data_source::Specifier::InlineString(format!(
-                    "{}%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%",
+                    "{}%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%",
                     snapshot::POD_SECRET_PREFIX
                 ))),
                 ..Default::default()
@@ -251,7 +278,7 @@ fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
     let selector = on_demand_secret::Config {
         config_source: Some(ads()),
         certificate_mapper: Some(core::TypedExtensionConfig {
-            name: "envoy.tls.certificate_mappers.filter_state_override".into(),
+            name: CERTIFICATE_MAPPER.into(),
             typed_config: Some(pack_any(mapper)),
         }),
         ..Default::default()
@@ -414,5 +441,96 @@ fn load_assignment_of(name: &str, eps: impl Iterator<Item = snapshot::LbEndpoint
             vec![endpoint::LocalityLbEndpoints { lb_endpoints, ..Default::default() }]
         },
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use aether_model::{Identity, Inputs, MtlsMode, Pod, build};
+    use prost::Message;
+
+    use super::*;
+
+    fn decode<T: Message + Default>(any: &Any) -> T {
+        T::decode(any.value.as_slice()).expect("decodes")
+    }
+
+    fn snapshot_with_pod(mode: MtlsMode) -> aether_model::Snapshot {
+        let svid = aether_model::Svid {
+            spiffe_id: "spiffe://t/ns/d/pod/p".into(),
+            chain_pem: "CHAIN".into(),
+            key_pem: "KEY".into(),
+            serial: "01".into(),
+            not_before: 0,
+            not_after: 1,
+        };
+        let pod = Pod {
+            uid: "u".into(),
+            namespace: "d".into(),
+            name: "p".into(),
+            container_id: "c".into(),
+            netns: "/n".into(),
+            ifname: "eth0".into(),
+            ips: vec!["10.0.0.2".parse().unwrap()],
+            terminating: false,
+        };
+        build(&Inputs {
+            pods: BTreeMap::from([("u".to_string(), pod)]),
+            identity: Identity {
+                trust_domain: Some("t".into()),
+                mode,
+                bundle: Some("CA".into()),
+                agent: Some(svid.clone()),
+                pods: BTreeMap::from([("u".to_string(), svid)]),
+            },
+            ..Inputs::default()
+        })
+    }
+
+    /// The outbound listener names each connection's certificate under Envoy's fixed key,
+    /// with a hashable object (else pooled upstream connections are shared across pods),
+    /// from the direct remote address. Envoy takes a misspelt key or a non-hashable factory
+    /// without complaint and then presents the wrong certificate, so both are pinned here.
+    #[test]
+    fn the_source_certificate_is_keyed_hashable_and_from_the_direct_address() {
+        let s = snapshot_with_pod(MtlsMode::Strict);
+        let l: listener::Listener = decode(&listener(s.listeners.get(snapshot::OUTBOUND).unwrap()));
+        let f = &l.filter_chains[0].filters[0];
+        assert_eq!(f.name, "envoy.filters.network.set_filter_state");
+        let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else { panic!("typed config") };
+        let c: set_filter_state::Config = decode(any);
+        let v = &c.on_new_connection[0];
+        assert_eq!(v.key, Some(filter_state::filter_state_value::Key::ObjectKey("envoy.tls.certificate_mappers.on_demand_secret".into())));
+        assert_eq!(v.factory_key, "envoy.hashable_string");
+        let Some(filter_state::filter_state_value::Value::FormatString(fs)) = &v.value else { panic!("a format string") };
+        let Some(core::substitution_format_string::Format::TextFormatSource(src)) = &fs.format else { panic!("text") };
+        assert_eq!(
+            src.specifier,
+            Some(core::data_source::Specifier::InlineString("spiffe|pod|%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%".into()))
+        );
+    }
+
+    /// Strict: one mTLS chain, no inspector. Permissive: the inspector with a 1 s timeout
+    /// that continues, an mTLS chain for TLS and a plaintext chain for the rest.
+    #[test]
+    fn pod_listeners_inspect_only_in_permissive_mode() {
+        let strict: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Strict).listeners.get("inbound|u").unwrap()));
+        assert!(strict.listener_filters.is_empty());
+        assert_eq!(strict.filter_chains.len(), 1);
+        assert!(strict.filter_chains[0].transport_socket.is_some());
+        assert_eq!(strict.filter_chains[0].filter_chain_match.as_ref().unwrap().transport_protocol, "");
+
+        let permissive: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Permissive).listeners.get("inbound|u").unwrap()));
+        assert_eq!(permissive.listener_filters[0].name, "envoy.filters.listener.tls_inspector");
+        assert_eq!(permissive.listener_filters_timeout, Some(Duration { seconds: 1, nanos: 0 }));
+        assert!(permissive.continue_on_listener_filters_timeout);
+        let protocols: Vec<(&str, bool)> = permissive
+            .filter_chains
+            .iter()
+            .map(|c| (c.filter_chain_match.as_ref().unwrap().transport_protocol.as_str(), c.transport_socket.is_some()))
+            .collect();
+        assert_eq!(protocols, vec![("tls", true), ("", false)]);
     }
 }

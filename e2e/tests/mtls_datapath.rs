@@ -1,0 +1,419 @@
+//! Pods' inbound mTLS through a real Envoy 1.40 on a real data path.
+//!
+//! Each test builds a [`Datapath`] (a node namespace with an nftables capture redirect, a
+//! pod namespace with a line server at 10.77.0.2:80, a client namespace routed through the
+//! node), runs the worker side in-process with Envoy inside the node namespace
+//! ([`WorkerRig`] with `netns`), and feeds the node SVIDs minted by a test CA
+//! ([`TestCa`], trust domain `aether.test`) through `Change::SetPodSvid` and friends.
+//! Clients in the client namespace connect to the pod's address; the node redirects them
+//! to Envoy's capture listener, which hands each to the pod's listener. Each scenario runs
+//! over state-of-the-world and over delta ADS. Without root, `nft` or Envoy each test says
+//! so loudly and returns.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aether_e2e::datapath::{self, Conn, Datapath, Failure, Serve, TestCa, TestSvid, exchange, pod_addr, tls_client, uri_sans};
+use aether_e2e::envoy::{self, AdsApi, RigOptions, WorkerRig, envoy_or_skip, registry_json};
+use aether_e2e::testing::{try_wait_for, wait_for};
+use aether_model::{Change, Identity, MtlsMode, Pod};
+use serde_json::Value;
+use tokio_rustls::rustls::ClientConfig;
+
+const TD: &str = "aether.test";
+const UID: &str = "uid-web";
+const LISTENER: &str = "inbound|uid-web";
+const SDS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+const TYPES: [&str; 5] = [
+    "type.googleapis.com/envoy.config.listener.v3.Listener",
+    "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+    "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+    SDS,
+];
+/// How long Envoy may take to take a change or a listener to start serving before a test
+/// fails; milliseconds are expected.
+const BOUND: Duration = Duration::from_secs(10);
+
+/// One node's data path with Envoy on it. The rig is declared first so that it drops
+/// first: Envoy dies before its namespace is deleted.
+struct Case {
+    rig: WorkerRig,
+    dp: Datapath,
+    ca: TestCa,
+    /// The pod's SVID as the node holds it (or will, when held back).
+    web: TestSvid,
+    agent: TestSvid,
+    /// A workload of the trust domain calling the pod.
+    client: TestSvid,
+}
+
+impl Case {
+    /// Envoy in the node's namespace with `identity` (None: identity off), the pod `web`
+    /// added, and everything ACKed. None (after saying why) when the test cannot run here.
+    async fn start(test: &str, api: AdsApi, identity: Option<(MtlsMode, bool)>) -> Option<Case> {
+        let what = format!("{test} over {api:?}");
+        let envoy_bin = envoy_or_skip(&what)?;
+        if let Some(why) = datapath::missing() {
+            eprintln!("\n!!! SKIPPED {what}: {why}. CI runs as root with nftables, so there this test runs. !!!\n");
+            return None;
+        }
+        envoy::init_logs("info");
+        let mut dp = Datapath::create("m", [10, 77, 0]).expect("the data path's namespaces");
+        dp.add_pod("web", 2, Serve::Lines).expect("the pod web");
+        let ca = TestCa::new(TD);
+        let (web, agent, client) = (ca.mint("default", "web"), ca.mint("aether-system", "agent"), ca.mint("default", "client"));
+        let identity = match identity {
+            None => Identity::default(),
+            Some((mode, pod_svid)) => Identity {
+                trust_domain: Some(TD.into()),
+                mode,
+                bundle: Some(ca.pem()),
+                agent: Some(agent.svid.clone()),
+                pods: pod_svid.then(|| (UID.to_string(), web.svid.clone())).into_iter().collect(),
+            },
+        };
+        let options = RigOptions { api, netns: Some(dp.node.name.clone()), identity, ..RigOptions::default() };
+        let rig = WorkerRig::start_with(&envoy_bin, &registry_json(&[]), options).await;
+        dp.redirect(rig.inbound_port, None).expect("the capture redirect");
+        let pod = Pod {
+            uid: UID.into(),
+            namespace: "default".into(),
+            name: "web".into(),
+            container_id: "c-web".into(),
+            netns: dp.pod("web").ns.path().display().to_string(),
+            ifname: "eth0".into(),
+            ips: vec![IpAddr::V4(dp.pod("web").ip)],
+            terminating: false,
+        };
+        let case = Case { rig, dp, ca, web, agent, client };
+        case.apply([Change::UpsertPod(pod)]).await;
+        Some(case)
+    }
+
+    /// Applies `changes` and waits until Envoy has ACKed the result, secrets included.
+    async fn apply(&self, changes: impl IntoIterator<Item = Change>) {
+        self.rig.node.apply(changes);
+        assert!(self.rig.wait_acked_current(BOUND).await, "Envoy did not ACK the snapshot within {BOUND:?}{}", self.context());
+    }
+
+    fn web(&self) -> SocketAddr {
+        pod_addr(self.dp.pod("web").ip)
+    }
+
+    fn served(&self) -> u64 {
+        self.dp.pod("web").server.served()
+    }
+
+    /// A client of the trust domain, one without a certificate, one of another trust
+    /// domain; each trusts this trust domain's CA for the server's certificate.
+    fn mtls(&self) -> Arc<ClientConfig> {
+        tls_client(&self.ca.pem(), Some(&self.client))
+    }
+
+    fn tls_without_certificate(&self) -> Arc<ClientConfig> {
+        tls_client(&self.ca.pem(), None)
+    }
+
+    fn foreign(&self) -> Arc<ClientConfig> {
+        tls_client(&self.ca.pem(), Some(&TestCa::new("other.test").mint("default", "client")))
+    }
+
+    /// Signed by this trust domain's CA, but with a SPIFFE ID outside the trust domain:
+    /// only the bundle's URI SAN prefix refuses it.
+    fn outside_the_trust_domain(&self) -> Arc<ClientConfig> {
+        tls_client(&self.ca.pem(), Some(&self.ca.mint_id("spiffe://evil.test/ns/default/pod/x")))
+    }
+
+    /// One exchange from the client namespace to the pod.
+    fn ask(&self, tls: Option<Arc<ClientConfig>>, line: &str) -> Result<(String, Option<Vec<u8>>), Failure> {
+        exchange(&self.dp.client, self.web(), tls, line)
+    }
+
+    /// Polls until the pod answers the client over `tls` (a listener Envoy has just
+    /// taken reaches its worker threads a moment later); the server's leaf certificate.
+    fn wait_served(&self, tls: Option<Arc<ClientConfig>>, what: &str) -> Option<Vec<u8>> {
+        let mut last = None;
+        let got = try_wait_for(what, BOUND, || match self.ask(tls.clone(), "hello") {
+            Ok((answer, leaf)) if answer == "web: hello" => Some(leaf),
+            Ok((answer, _)) => {
+                last = Some(format!("answer {answer:?}"));
+                None
+            }
+            Err(f) => {
+                last = Some(f.reason);
+                None
+            }
+        });
+        got.unwrap_or_else(|e| panic!("{e}; last attempt: {last:?}{}", self.context()))
+    }
+
+    /// The client over `tls` is closed or refused (not merely left hanging) and the pod
+    /// answers nothing.
+    fn assert_refused(&self, tls: Option<Arc<ClientConfig>>, who: &str) {
+        let before = self.served();
+        match self.ask(tls, "hello") {
+            Ok((answer, _)) => panic!("{who}: served ({answer:?}), expected refused{}", self.context()),
+            Err(f) => {
+                assert!(!f.timed_out, "{who}: hung instead of being refused: {}{}", f.reason, self.context());
+                eprintln!("{who}: refused as expected ({})", f.reason);
+            }
+        }
+        assert_eq!(self.served(), before, "{who}: the pod answered a refused client");
+    }
+
+    /// The pod's listener as Envoy holds it: (active, warming).
+    fn listener_state(&self) -> (bool, bool) {
+        let dump = self.rig.config_dump();
+        let l = dump["configs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|c| c["dynamic_listeners"].as_array().cloned().unwrap_or_default())
+            .find(|l| l["name"] == LISTENER);
+        l.map_or((false, false), |l| (!l["active_state"].is_null(), !l["warming_state"].is_null()))
+    }
+
+    fn wait_listener_active(&self) {
+        let mut last = (false, false);
+        try_wait_for("the pod's listener active", BOUND, || {
+            last = self.listener_state();
+            (last == (true, false)).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}: (active, warming) = {last:?}{}", self.context()));
+    }
+
+    /// The serial numbers of every certificate chain Envoy's admin `/certs` lists.
+    fn cert_serials(&self) -> Vec<String> {
+        let v: Value = serde_json::from_str(&self.rig.admin("/certs")).expect("/certs is JSON");
+        v["certificates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|c| c["cert_chain"].as_array().cloned().unwrap_or_default())
+            .filter_map(|c| c["serial_number"].as_str().map(str::to_lowercase))
+            .collect()
+    }
+
+    fn stats(&self, names: &[&str]) -> BTreeMap<String, u64> {
+        self.rig.envoy.stats(names).expect("Envoy's admin answers /stats")
+    }
+
+    /// No NACK counted for any type.
+    fn assert_no_nacks(&self) {
+        for t in TYPES {
+            assert_eq!(self.rig.worker_counter("nacks", t), 0, "NACK for {t}{}", self.context());
+        }
+    }
+
+    /// No file under the rig's temp dir (Envoy's bootstrap, log, sockets' folder) holds
+    /// any private key the node was given, nor the clients' (their PEM body).
+    fn assert_no_key_on_disk(&self, keys: &[&TestSvid]) {
+        let bodies: Vec<String> = keys
+            .iter()
+            .map(|k| k.svid.key_pem.lines().filter(|l| !l.starts_with("-----")).collect::<String>())
+            .collect();
+        let mut files = 0;
+        let mut stack = vec![self.rig.dir.path().to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).expect("read the rig's dir").flatten() {
+                let (path, kind) = (entry.path(), entry.file_type().expect("file type"));
+                if kind.is_dir() {
+                    stack.push(path);
+                } else if kind.is_file() {
+                    files += 1;
+                    let text: String = String::from_utf8_lossy(&std::fs::read(&path).expect("read a file")).split_whitespace().collect();
+                    for (b, k) in bodies.iter().zip(keys) {
+                        assert!(!text.contains(b.as_str()), "{} holds the private key of {}", path.display(), k.svid.spiffe_id);
+                    }
+                }
+            }
+        }
+        assert!(files >= 2, "the rig's dir holds Envoy's bootstrap and log, found {files} files");
+        // Envoy's own config dump redacts them too.
+        let dump = self.rig.admin("/config_dump?include_eds");
+        for (b, k) in bodies.iter().zip(keys) {
+            assert!(!dump.split_whitespace().collect::<String>().contains(b.as_str()), "config_dump shows the key of {}", k.svid.spiffe_id);
+        }
+    }
+
+    /// Envoy's log tail and the worker's NACK lines, for a failure message.
+    fn context(&self) -> String {
+        let log = self.rig.envoy.log_text();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+        let nacks: Vec<String> = envoy::captured_logs().lines().filter(|l| l.contains("NACK")).map(String::from).collect();
+        format!("\n--- worker NACKs:\n{}\n--- Envoy log (tail):\n{}", nacks.join("\n"), tail.join("\n"))
+    }
+}
+
+macro_rules! both_apis {
+    ($sotw:ident, $delta:ident, $body:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $sotw() {
+            $body(AdsApi::Sotw).await
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $delta() {
+            $body(AdsApi::Delta).await
+        }
+    };
+}
+
+both_apis!(plaintext_reaches_the_pod_through_envoy, plaintext_reaches_the_pod_through_envoy_over_delta_ads, plaintext);
+
+/// Identity off: the rig itself. The client's connection to the pod's address goes
+/// through Envoy's capture listener and the pod's listener (its cluster counts it).
+async fn plaintext(api: AdsApi) {
+    let Some(c) = Case::start("plaintext_reaches_the_pod_through_envoy", api, None).await else { return };
+    c.wait_listener_active();
+    let upstream = format!("cluster.{LISTENER}.upstream_cx_total");
+    let before = c.stats(&[&upstream])[&upstream];
+    assert_eq!(c.wait_served(None, "the pod answers through Envoy"), None);
+    let mut conn = Conn::open(&c.dp.client, c.web(), None).expect("a second connection");
+    assert_eq!(conn.ask("again").expect("an answer"), "web: again");
+    let after = c.stats(&[&upstream])[&upstream];
+    assert!(after >= before + 2, "Envoy's pod cluster counted {} connections, expected 2 or more{}", after - before, c.context());
+    c.assert_no_nacks();
+}
+
+both_apis!(strict_serves_mtls_only, strict_serves_mtls_only_over_delta_ads, strict);
+
+/// Strict: a workload of the trust domain completes mTLS and sees the pod's SVID; a
+/// plaintext client, a TLS client without a certificate and one of another trust domain
+/// are refused.
+async fn strict(api: AdsApi) {
+    let Some(c) = Case::start("strict_serves_mtls_only", api, Some((MtlsMode::Strict, true))).await else { return };
+    c.wait_listener_active();
+    let leaf = c.wait_served(Some(c.mtls()), "mTLS to the pod").expect("a server certificate");
+    assert_eq!(leaf, c.web.leaf_der, "the server certificate is the pod's SVID");
+    assert_eq!(uri_sans(&leaf), vec!["spiffe://aether.test/ns/default/pod/web".to_string()]);
+
+    c.assert_refused(None, "a plaintext client");
+    c.assert_refused(Some(c.tls_without_certificate()), "a TLS client without a certificate");
+    c.assert_refused(Some(c.foreign()), "a client of another trust domain");
+    c.assert_refused(Some(c.outside_the_trust_domain()), "a client of our CA with a SPIFFE ID outside the trust domain");
+    assert_eq!(c.ask(Some(c.mtls()), "still").expect("mTLS after the refusals").0, "web: still");
+    c.assert_no_nacks();
+    c.assert_no_key_on_disk(&[&c.web, &c.agent, &c.client]);
+}
+
+both_apis!(permissive_serves_mtls_and_plaintext, permissive_serves_mtls_and_plaintext_over_delta_ads, permissive);
+
+/// Permissive: the same port serves mTLS and plaintext. A client without a certificate,
+/// and one of another trust domain, are served when they speak plaintext; a TLS handshake
+/// is still mTLS, so one that presents no certificate, or one of another trust domain,
+/// is refused.
+async fn permissive(api: AdsApi) {
+    let Some(c) = Case::start("permissive_serves_mtls_and_plaintext", api, Some((MtlsMode::Permissive, true))).await else { return };
+    c.wait_listener_active();
+    let leaf = c.wait_served(Some(c.mtls()), "mTLS to the pod").expect("a server certificate");
+    assert_eq!(leaf, c.web.leaf_der, "the server certificate is the pod's SVID");
+
+    let before = c.served();
+    assert_eq!(c.ask(None, "plaintext").expect("plaintext is served").0, "web: plaintext");
+    let mut conn = Conn::open(&c.dp.client, c.web(), None).expect("a second plaintext connection");
+    assert_eq!(conn.ask("one more").expect("plaintext"), "web: one more");
+    assert_eq!(conn.ask("two").expect("plaintext, same connection"), "web: two");
+    assert_eq!(c.served(), before + 3);
+
+    // Fewer bytes than a TLS record header leave the inspector undecided, as a
+    // server-first client would: after the listener filters' 1 s timeout the connection
+    // goes on to the plaintext chain instead of being closed.
+    let timeouts = || pre_cx_timeouts(&c.rig);
+    let (timeouts_before, t0) = (timeouts(), Instant::now());
+    assert_eq!(c.ask(None, "hi").expect("a short plaintext message is served").0, "web: hi");
+    let took = t0.elapsed();
+    eprintln!("a 3-byte plaintext message was served after {took:?}");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "served after {took:?}, expected the 1 s listener filter timeout");
+    assert_eq!(timeouts(), timeouts_before + 1, "downstream_pre_cx_timeout");
+
+    c.assert_refused(Some(c.tls_without_certificate()), "a TLS client without a certificate");
+    c.assert_refused(Some(c.foreign()), "a TLS client of another trust domain");
+    assert_eq!(c.ask(Some(c.mtls()), "still").expect("mTLS").0, "web: still");
+    c.assert_no_nacks();
+}
+
+/// Envoy's `downstream_pre_cx_timeout` summed over its listeners: connections whose
+/// listener filters timed out.
+fn pre_cx_timeouts(rig: &WorkerRig) -> u64 {
+    envoy::parse_stats(&rig.admin("/stats?filter=downstream_pre_cx_timeout$"))
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("listener.") && !k.contains("worker_"))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+both_apis!(strict_pod_without_svid_has_no_listener_until_it_arrives, strict_pod_without_svid_has_no_listener_until_it_arrives_over_delta_ads, held_back);
+
+/// Strict, the pod's SVID held back: no pod listener, so the capture listener closes
+/// every connection; the SVID arrives, the listener appears and serves mTLS.
+async fn held_back(api: AdsApi) {
+    let Some(c) = Case::start("strict_pod_without_svid_has_no_listener_until_it_arrives", api, Some((MtlsMode::Strict, false))).await
+    else {
+        return;
+    };
+    assert!(c.rig.node.snapshot().listeners.get("inbound").is_some(), "the capture listener serves the pod's address");
+    assert_eq!(c.listener_state(), (false, false), "no listener for a strict pod without its SVID");
+    c.assert_refused(Some(c.mtls()), "an mTLS client before the SVID");
+    c.assert_refused(None, "a plaintext client before the SVID");
+
+    let t0 = Instant::now();
+    c.apply([Change::SetPodSvid { uid: UID.into(), svid: Some(c.web.svid.clone()) }]).await;
+    c.wait_listener_active();
+    let leaf = c.wait_served(Some(c.mtls()), "mTLS once the SVID arrived").expect("a server certificate");
+    eprintln!("the SVID's arrival to a served mTLS connection: {:?}", t0.elapsed());
+    assert_eq!(leaf, c.web.leaf_der);
+    c.assert_refused(None, "a plaintext client after the SVID");
+    c.assert_no_nacks();
+}
+
+both_apis!(rotation_keeps_the_listener_and_open_connections, rotation_keeps_the_listener_and_open_connections_over_delta_ads, rotation);
+
+/// A rotated SVID (a new serial) reaches Envoy over SDS alone: `/certs` shows it within
+/// 1 s, no listener is modified or drained, a new connection sees the new certificate and
+/// one opened before keeps working.
+async fn rotation(api: AdsApi) {
+    let Some(c) = Case::start("rotation_keeps_the_listener_and_open_connections", api, Some((MtlsMode::Strict, true))).await else { return };
+    c.wait_listener_active();
+    c.wait_served(Some(c.mtls()), "mTLS to the pod");
+    let mut before_conn = Conn::open(&c.dp.client, c.web(), Some(c.mtls())).expect("a connection opened before the rotation");
+    assert_eq!(before_conn.ask("before").expect("an answer"), "web: before");
+    assert_eq!(before_conn.server_leaf.as_deref(), Some(&c.web.leaf_der[..]));
+    assert!(c.cert_serials().contains(&c.web.svid.serial), "/certs lists the pod's serial {}: {:?}", c.web.svid.serial, c.cert_serials());
+
+    let watched = [
+        "listener_manager.listener_modified",
+        "listener_manager.listener_removed",
+        "listener_manager.listener_in_place_updated",
+        "listener_manager.total_listeners_draining",
+        "listener_manager.total_filter_chains_draining",
+        "listener_manager.lds.update_success",
+    ];
+    let stats_before = c.stats(&watched);
+    let rotated = c.ca.mint("default", "web");
+    assert_ne!(rotated.svid.serial, c.web.svid.serial);
+
+    let t0 = Instant::now();
+    c.rig.node.apply([Change::SetPodSvid { uid: UID.into(), svid: Some(rotated.svid.clone()) }]);
+    let mut last = Vec::new();
+    try_wait_for("the new serial in /certs", Duration::from_secs(1), || {
+        last = c.cert_serials();
+        (last.contains(&rotated.svid.serial) && !last.contains(&c.web.svid.serial)).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: /certs lists {last:?}, want {} and not {}{}", rotated.svid.serial, c.web.svid.serial, c.context()));
+    let took = t0.elapsed();
+    eprintln!("rotation: node.apply to the new serial in /certs in {took:?}");
+    assert!(c.rig.wait_acked_current(BOUND).await, "the rotation not ACKed{}", c.context());
+
+    assert_eq!(c.stats(&watched), stats_before, "a rotation must not touch the listeners{}", c.context());
+    let leaf = wait_for("a new connection with the new certificate", BOUND, || {
+        c.ask(Some(c.mtls()), "hello").ok().and_then(|(_, leaf)| leaf).filter(|l| *l == rotated.leaf_der)
+    });
+    assert_eq!(uri_sans(&leaf), vec![rotated.svid.spiffe_id.clone()]);
+    assert_eq!(before_conn.ask("after").expect("the connection opened before the rotation still works"), "web: after");
+    c.assert_no_nacks();
+    c.assert_no_key_on_disk(&[&c.web, &rotated, &c.agent, &c.client]);
+}
