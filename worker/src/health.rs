@@ -27,7 +27,8 @@ pub struct Status {
     pub node: String,
     pub pod: String,
     pub pid: u32,
-    /// The gates not yet passed (`storage`, `registry`, `capture`); empty when complete.
+    /// The gates not yet passed (`storage`, `registry`, `capture`, `agent-svid`); empty
+    /// when complete.
     pub waiting_for: Vec<&'static str>,
     /// Degraded conditions this worker knows; they never turn a serving owner's
     /// readiness off.
@@ -39,6 +40,9 @@ pub struct Status {
     /// given `--cni-conf-dir` (see `conflist`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cni: Option<CniStatus>,
+    /// Where workload identity stands, when it is on (`--spiffe-endpoint`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity: Option<IdentityStatus>,
     /// Takeover timings in microseconds, once this worker took the node over.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub takeover: Option<TakeoverTimes>,
@@ -50,6 +54,10 @@ pub struct TakeoverTimes {
     pub bind_us: u64,
     pub fd_passing_us: u64,
     pub reconcile_us: u64,
+    /// The wait for the SVIDs of the pods the reconcile added (at most 1 s; 0 without it).
+    pub svid_wait_us: u64,
+    /// Pods the reconcile added that still had no SVID when the wait ended.
+    pub svid_wait_missed: usize,
     pub first_serve_us: u64,
     /// Lock acquired to serving on the passed descriptors.
     pub total_us: u64,
@@ -71,6 +79,7 @@ impl Status {
             problems: Vec::new(),
             registrar: None,
             cni: None,
+            identity: None,
             takeover: None,
         }
     }
@@ -93,6 +102,40 @@ pub struct CniStatus {
     /// The runtime's configuration file; None while the folder holds none.
     pub file: Option<String>,
     pub chained: bool,
+}
+
+/// Where workload identity stands (see `crate::identity`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct IdentityStatus {
+    pub trust_domain: String,
+    /// `permissive` or `strict`.
+    pub mtls: &'static str,
+    /// The Workload API stream of the agent's own SVID: `connecting`, `connected` or
+    /// `reconnecting`.
+    pub workload_api: &'static str,
+    /// The agent's SVID, once one came.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent: Option<SvidStatus>,
+    /// Whether the trust bundle came.
+    pub bundle: bool,
+    /// Whether pods' SVIDs are fetched (`--spiffe-broker-endpoint`).
+    pub broker: bool,
+    /// Open SVID streams at the broker, one per local pod.
+    pub subscriptions: usize,
+    pub pods_with_svid: usize,
+    pub pods_without_svid: usize,
+    /// SVIDs past 80 % of their lifetime with no renewal, the agent's included.
+    pub svids_expiring: usize,
+}
+
+/// One SVID as `/ready` shows it: never the key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SvidStatus {
+    pub spiffe_id: String,
+    /// The leaf's serial number, as Envoy's admin `/certs` prints it.
+    pub serial: String,
+    /// Unix seconds.
+    pub not_after: u64,
 }
 
 /// A degraded condition, as `/ready` shows it.
@@ -127,6 +170,17 @@ impl Reporter {
         });
     }
 
+    /// Changes the identity status in place (starting from the default when it has none).
+    pub fn identity(&self, change: impl FnOnce(&mut IdentityStatus)) {
+        self.0.send_if_modified(|s| {
+            let mut next = s.identity.clone().unwrap_or_default();
+            change(&mut next);
+            let changed = s.identity.as_ref() != Some(&next);
+            s.identity = Some(next);
+            changed
+        });
+    }
+
     pub fn new(status: std::sync::Arc<watch::Sender<Status>>) -> Self {
         Self(status)
     }
@@ -144,6 +198,28 @@ impl Reporter {
                 s.problems.push(Problem { source, message, since });
                 true
             }
+        });
+    }
+
+    /// Sets `source`'s problems to `messages`, one problem each (for conditions listed one
+    /// per pod); a message that stays keeps its `since`. An empty list clears them.
+    pub fn set_each(&self, source: &'static str, messages: Vec<String>) {
+        self.0.send_if_modified(|s| {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            let old: Vec<&Problem> = s.problems.iter().filter(|p| p.source == source).collect();
+            let new: Vec<Problem> = messages
+                .into_iter()
+                .map(|message| {
+                    let since = old.iter().find(|p| p.message == message).map_or(now, |p| p.since);
+                    Problem { source, message, since }
+                })
+                .collect();
+            if old.len() == new.len() && old.iter().zip(&new).all(|(a, b)| *a == b) {
+                return false;
+            }
+            s.problems.retain(|p| p.source != source);
+            s.problems.extend(new);
+            true
         });
     }
 
@@ -227,6 +303,29 @@ pub async fn serve(listener: UnixListener, status: watch::Receiver<Status>, metr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn problems_listed_one_per_pod_keep_their_since_and_leave_other_sources_alone() {
+        let status = std::sync::Arc::new(watch::Sender::new(Status::new("n", "p")));
+        let r = Reporter::new(status.clone());
+        let mut rx = status.subscribe();
+        r.set("registrar", "away".into());
+        r.set_each("pod-svid", vec!["a".into(), "b".into()]);
+        rx.borrow_and_update();
+        // A problem's since stays while it lasts: pretend "a" began long ago.
+        status.send_modify(|s| s.problems.iter_mut().filter(|p| p.message == "a").for_each(|p| p.since = 7));
+        rx.borrow_and_update();
+        r.set_each("pod-svid", vec!["a".into(), "b".into()]);
+        assert!(!rx.has_changed().unwrap(), "the same list again is no change");
+        r.set_each("pod-svid", vec!["a".into(), "c".into()]);
+        assert!(rx.has_changed().unwrap());
+        let got: Vec<(&str, String, bool)> = status.borrow().problems.iter().map(|p| (p.source, p.message.clone(), p.since == 7)).collect();
+        assert_eq!(got, [("registrar", "away".into(), false), ("pod-svid", "a".into(), true), ("pod-svid", "c".into(), false)]);
+        r.set_each("pod-svid", vec![]);
+        assert_eq!(status.borrow().problems.len(), 1);
+        r.identity(|s| s.subscriptions = 3);
+        assert_eq!(status.borrow().identity.as_ref().map(|i| i.subscriptions), Some(3));
+    }
 
     #[tokio::test]
     async fn a_health_server_that_keeps_answering_is_refused_after_the_bound() {

@@ -21,6 +21,7 @@ pub mod control;
 pub mod fdcheck;
 pub mod health;
 pub mod httpmini;
+pub mod identity;
 pub mod kube;
 pub mod metrics;
 pub mod node;

@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabel {
-    /// lock_wait, bind, fd_passing, reconcile, first_serve
+    /// lock_wait, bind, fd_passing, reconcile, svid_wait, first_serve
     pub phase: String,
 }
 
@@ -75,6 +75,12 @@ pub struct LimitLabel {
     pub limit: String,
 }
 
+/// Where an SVID came from: `agent` (the Workload API) or `pod` (the SPIFFE broker).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SvidSourceLabel {
+    pub source: String,
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
@@ -110,6 +116,11 @@ pub struct Metrics {
     pub connections: Family<SocketLabel, Gauge>,
     pub connections_refused: Family<SocketLabel, Counter>,
     pub xds_subscription_refusals: Family<LimitLabel, Counter>,
+    pub identity_svid_updates: Family<SvidSourceLabel, Counter>,
+    pub identity_subscriptions: Gauge,
+    pub identity_workload_api_connected: Gauge,
+    pub pods_without_svid: Gauge,
+    pub svids_expiring: Gauge,
     /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
     encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
 }
@@ -156,6 +167,11 @@ impl Metrics {
             connections: Family::default(),
             connections_refused: Family::default(),
             xds_subscription_refusals: Family::default(),
+            identity_svid_updates: Family::default(),
+            identity_subscriptions: Gauge::default(),
+            identity_workload_api_connected: Gauge::default(),
+            pods_without_svid: Gauge::default(),
+            svids_expiring: Gauge::default(),
             encoded: std::sync::Mutex::new(None),
         };
         let r = &mut m.registry;
@@ -200,6 +216,11 @@ impl Metrics {
             "ADS streams ended with RESOURCE_EXHAUSTED over a subscription limit, by type and limit (names, name_length)",
             m.xds_subscription_refusals.clone(),
         );
+        r.register("identity_svid_updates", "New SVIDs received, by source (agent: the Workload API; pod: the SPIFFE broker)", m.identity_svid_updates.clone());
+        r.register("identity_subscriptions", "Open SVID streams at the SPIFFE broker, one per local pod", m.identity_subscriptions.clone());
+        r.register("identity_workload_api_connected", "1 while the Workload API stream of the agent's own SVID is open", m.identity_workload_api_connected.clone());
+        r.register("pods_without_svid", "Local pods without an SVID (in strict mTLS mode they have no inbound listener)", m.pods_without_svid.clone());
+        r.register("svids_expiring", "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')", m.svids_expiring.clone());
         Arc::new(m)
     }
 
