@@ -9,7 +9,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use aether_model::Inputs;
+use aether_model::{Identity, Inputs};
 use anyhow::Context;
 use tokio::sync::{oneshot, watch};
 use tracing::{error, info, warn};
@@ -20,13 +20,15 @@ use crate::health::{self, TakeoverTimes};
 use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::Storage;
-use crate::takeover::{self, Action, Event, Gate, Phase, State};
-use crate::{capture, cni, fdcheck, httpmini, kube, registrar, registry, writers, xds};
+use crate::takeover::{self, Action, Event, Gate, Phase, State, SvidWait};
+use crate::{capture, cni, fdcheck, httpmini, identity, kube, registrar, registry, writers, xds};
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
 const CAPTURE_GATE: Duration = Duration::from_secs(10);
 /// A lone owner waits this long for its own SVID, then serves without it and says so.
 const IDENTITY_GATE: Duration = Duration::from_secs(5);
+/// How long a takeover waits, after its reconcile, for the SVIDs of the pods it added.
+const SVID_WAIT: Duration = Duration::from_secs(1);
 /// How long a released owner keeps the proxy's streams waiting for its successor to
 /// answer on `xds.sock`. A complete standby serves within milliseconds of the lock; past
 /// this bound the old owner exits anyway and the proxy's reconnect waits in the backlog.
@@ -53,7 +55,15 @@ struct Owned {
 pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let metrics = Metrics::new();
     let storage = Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
-    let node = Node::new(Inputs { on_demand_clusters: cfg.on_demand_clusters, ..Inputs::default() });
+    let identity_cfg = cfg.identity()?;
+    let identity = Identity {
+        trust_domain: identity_cfg.as_ref().map(|c| c.trust_domain.to_string()),
+        mode: identity_cfg.as_ref().map(|c| c.mode).unwrap_or_default(),
+        ..Identity::default()
+    };
+    // With pods' SVIDs, a takeover waits (bounded) for those of the pods it adds.
+    let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
+    let node = Node::new(Inputs { on_demand_clusters: cfg.on_demand_clusters, identity, ..Inputs::default() });
     cni::load(&node, &storage);
     // Restored in a standby too; written by the owner alone (see `writers`).
     let observed = writers::Observed::restore(&cfg.state_dir);
@@ -66,6 +76,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
         None => registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone()),
     };
     let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
+    // A standby too: it holds the agent's and the stored pods' SVIDs before it takes over.
+    let _identity = identity_cfg.map(|c| identity::spawn(c, node.clone(), metrics.clone(), problems.clone()));
     // Watches in a standby too; writes only once handed a writer at Serve.
     let kube = kube_source(&cfg, &metrics, &problems)?;
     // Standby and owner alike say whether the node's conflist chains aether-cni.
@@ -79,11 +91,14 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     // Encoded from the first snapshot on, in a standby too: a takeover answers with copies.
     let encoded = Arc::new(xds::encoded::Encoded::default());
     tokio::spawn(xds::encoded::keep_warm(node.subscribe(), encoded.clone(), metrics.clone()));
-    let mut state = State::default();
+    let mut state = State::new(pod_svids);
     let mut gates = node.gates();
     let mut owned: Option<Owned> = None;
     let (timeout_tx, mut timeout_rx) = tokio::sync::mpsc::channel::<Gate>(2);
     let (reconciled_tx, mut reconciled_rx) = tokio::sync::mpsc::channel::<Duration>(1);
+    let (svids_tx, mut svids_rx) = tokio::sync::mpsc::channel::<(Duration, usize)>(1);
+    // The pods lacking an SVID just before the reconcile (see `SvidWait`).
+    let mut svid_wait = SvidWait::default();
     let mut serving: Option<Serving> = None;
     let (drained_tx, mut drained_rx) = tokio::sync::mpsc::channel::<()>(1);
     let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -110,6 +125,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         }
                     }
                     Action::Reconcile => {
+                        svid_wait = SvidWait::new(node.with_inputs(identity::lacking_svids));
                         // What the previous owner flushed before it released the node.
                         observed.reload();
                         let (node, storage, tx) = (node.clone(), storage.clone(), reconciled_tx.clone());
@@ -120,6 +136,12 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                                 Err(e) => error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start"),
                             }
                             let _ = tx.send(start.elapsed()).await;
+                        });
+                    }
+                    Action::AwaitSvids => {
+                        let (node, wait, tx) = (node.clone(), std::mem::take(&mut svid_wait), svids_tx.clone());
+                        tokio::spawn(async move {
+                            let _ = tx.send(await_svids(&node, &wait, SVID_WAIT).await).await;
                         });
                     }
                     Action::Serve => {
@@ -201,6 +223,19 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                 }
                 pending.push(Event::ReconcileDone);
             }
+            Some((took, missed)) = svids_rx.recv() => {
+                if let Some(o) = &mut owned {
+                    o.times.svid_wait_us = took.as_micros() as u64;
+                    o.times.svid_wait_missed = missed;
+                }
+                metrics.observe_phase("svid_wait", took.as_secs_f64());
+                if missed > 0 {
+                    warn!(pods = missed, waited_ms = took.as_millis() as u64, "takeover: serving before every pod it added has its SVID");
+                } else {
+                    info!(waited_us = took.as_micros() as u64, "takeover: the pods it added hold their SVIDs");
+                }
+                pending.push(Event::SvidsReady);
+            }
             Some(()) = drained_rx.recv() => {
                 info!(successor, "in-flight CNI calls finished; releasing the node");
                 pending.push(Event::Drained);
@@ -246,6 +281,25 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     return Ok(1);
                 }
             },
+        }
+    }
+}
+
+/// Waits until every pod `wait` is for holds its SVID, for at most `bound`. Returns how
+/// long it waited and how many of those pods still had none.
+async fn await_svids(node: &Node, wait: &SvidWait, bound: Duration) -> (Duration, usize) {
+    let start = Instant::now();
+    let deadline = tokio::time::Instant::now() + bound;
+    let mut snapshots = node.subscribe();
+    loop {
+        // A pod's SVID changes its secrets, so each one that lands publishes a snapshot.
+        let pending = node.with_inputs(|i| wait.pending(&identity::lacking_svids(i)).len());
+        if pending == 0 {
+            return (start.elapsed(), 0);
+        }
+        tokio::select! {
+            changed = snapshots.changed() => if changed.is_err() { return (start.elapsed(), pending) },
+            () = tokio::time::sleep_until(deadline) => return (start.elapsed(), pending),
         }
     }
 }
@@ -413,5 +467,59 @@ pub async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
             },
             _ => httpmini::Response { status: 404, content_type: "text/plain", body: "try /metrics\n".into() },
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aether_model::{Change, Pod, Svid};
+
+    use super::*;
+
+    fn pod(uid: &str, ip: &str) -> Pod {
+        Pod {
+            uid: uid.into(),
+            namespace: "ns".into(),
+            name: uid.into(),
+            container_id: "c".into(),
+            netns: "/n".into(),
+            ifname: "eth0".into(),
+            ips: vec![ip.parse().unwrap()],
+            terminating: false,
+        }
+    }
+
+    fn svid(serial: &str) -> Svid {
+        Svid { spiffe_id: "spiffe://t/x".into(), chain_pem: "C".into(), key_pem: "K".into(), serial: serial.into(), not_before: 0, not_after: 10 }
+    }
+
+    /// The takeover's SVID wait on the node: it ends when the added pod's SVID lands,
+    /// however long the baseline pod waits, and gives up after its bound.
+    #[tokio::test(start_paused = true)]
+    async fn the_svid_wait_ends_with_the_added_pods_svid_or_its_bound() {
+        let identity = Identity { trust_domain: Some("t".into()), ..Identity::default() };
+        let node = Node::new(Inputs { identity, ..Inputs::default() });
+        node.apply([Change::UpsertPod(pod("held", "10.0.0.1"))]);
+        // Noted before the reconcile; then the reconcile adds "added".
+        let wait = SvidWait::new(node.with_inputs(identity::lacking_svids));
+        node.apply([Change::UpsertPod(pod("added", "10.0.0.2"))]);
+        let waiting = tokio::spawn({
+            let node = node.clone();
+            let wait = wait.clone();
+            async move { await_svids(&node, &wait, SVID_WAIT).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "ended before the added pod's SVID");
+        node.apply([Change::SetPodSvid { uid: "added".into(), svid: Some(svid("01")) }]);
+        let (took, missed) = waiting.await.unwrap();
+        assert_eq!(missed, 0);
+        assert!(took < SVID_WAIT, "{took:?}");
+
+        // Another added pod whose SVID never comes: the bound ends the wait.
+        node.apply([Change::UpsertPod(pod("never", "10.0.0.3"))]);
+        let start = tokio::time::Instant::now();
+        let (_, missed) = await_svids(&node, &wait, SVID_WAIT).await;
+        assert_eq!(missed, 1);
+        assert_eq!(start.elapsed(), SVID_WAIT);
     }
 }

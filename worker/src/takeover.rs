@@ -9,6 +9,11 @@
 //!   proceeds. Storage has no timeout; it is local.
 //! - A takeover after a contended start reconciles with storage first; an uncontended
 //!   start or a respawn runs no takeover step.
+//! - With pods' SVIDs on, a reconcile is followed by a short wait for the SVIDs of the
+//!   pods it added ([`SvidWait`]); the driver bounds it (1 s) and then reports
+//!   [`Event::SvidsReady`] either way.
+
+use std::collections::BTreeSet;
 
 use aether_model::Gates;
 
@@ -53,6 +58,8 @@ pub enum Event {
     GateTimedOut(Gate),
     Takeover { reconcile: bool },
     ReconcileDone,
+    /// The pods the reconcile added hold their SVIDs, or the bounded wait is over.
+    SvidsReady,
     Drain,
     /// The CNI API finished its in-flight calls after a drain.
     Drained,
@@ -64,8 +71,11 @@ pub enum Action {
     Report(Phase),
     /// Arm the lone owner's gate timers.
     ArmGateTimers,
-    /// Apply the storage diff to the node.
+    /// Apply the storage diff to the node (noting first which pods lack an SVID, for
+    /// [`SvidWait`]).
     Reconcile,
+    /// Wait, bounded, for the SVIDs of the pods the reconcile added ([`SvidWait`]).
+    AwaitSvids,
     /// Accept on both sockets, start the owner-only writers and the metrics listener.
     Serve,
     /// Stop taking new CNI calls, finish in-flight ones (a worker that serves nothing
@@ -87,15 +97,35 @@ pub struct State {
     identity_timed_out: bool,
     /// The takeover asked for a reconcile that has not run yet.
     reconcile: bool,
+    /// Pods get SVIDs: a reconcile is followed by [`Action::AwaitSvids`].
+    pod_svids: bool,
+    /// The reconcile is done and the SVID wait runs.
+    awaiting_svids: bool,
 }
 
 impl Default for State {
     fn default() -> Self {
-        Self { phase: Phase::Building, owner: false, gates: Gates::default(), registry_timed_out: false, capture_timed_out: false, identity_timed_out: false, reconcile: false }
+        Self {
+            phase: Phase::Building,
+            owner: false,
+            gates: Gates::default(),
+            registry_timed_out: false,
+            capture_timed_out: false,
+            identity_timed_out: false,
+            reconcile: false,
+            pod_svids: false,
+            awaiting_svids: false,
+        }
     }
 }
 
 impl State {
+    /// The initial state; `pod_svids` when the node's pods get SVIDs (identity on, with a
+    /// broker), so that a takeover waits for those of the pods it adds.
+    pub fn new(pod_svids: bool) -> Self {
+        Self { pod_svids, ..Self::default() }
+    }
+
     /// Standby completeness: every gate really passed.
     pub fn complete(&self) -> bool {
         self.gates.registry_loaded && self.gates.capture_landed && self.gates.storage_loaded && self.gates.agent_svid
@@ -140,13 +170,25 @@ pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
             s.reconcile = reconcile;
             actions.push(Action::ArmGateTimers);
         }
-        Event::ReconcileDone if s.phase == Phase::Reconciling => {
+        Event::ReconcileDone if s.phase == Phase::Reconciling && s.reconcile => {
             s.reconcile = false;
+            if s.pod_svids {
+                s.awaiting_svids = true;
+                actions.push(Action::AwaitSvids);
+            } else {
+                s.phase = Phase::Serving;
+                actions.extend([Action::Serve, Action::Report(Phase::Serving)]);
+            }
+            return (s, actions);
+        }
+        Event::ReconcileDone => {}
+        Event::SvidsReady if s.phase == Phase::Reconciling && s.awaiting_svids => {
+            s.awaiting_svids = false;
             s.phase = Phase::Serving;
             actions.extend([Action::Serve, Action::Report(Phase::Serving)]);
             return (s, actions);
         }
-        Event::ReconcileDone => {}
+        Event::SvidsReady => {}
         Event::Drain => {
             if !matches!(s.phase, Phase::Draining | Phase::Released) {
                 s.phase = Phase::Draining;
@@ -185,6 +227,29 @@ pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
         _ => {}
     }
     (s, actions)
+}
+
+/// The takeover's wait for SVIDs, by the pods it is for: those that lack an SVID after
+/// the reconcile and did not lack one just before it, that is, the pods the reconcile
+/// added (a rewritten pod keeps its SVID). A pod that was already waiting for its SVID
+/// before the takeover (its provider holds it back) does not hold the takeover up: the
+/// previous owner served without it too.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SvidWait {
+    baseline: BTreeSet<String>,
+}
+
+impl SvidWait {
+    /// `lacking`: the uids of the pods without an SVID just before the reconcile.
+    pub fn new(lacking: BTreeSet<String>) -> Self {
+        Self { baseline: lacking }
+    }
+
+    /// Of the pods lacking an SVID now, those the wait is for; the wait is over when none
+    /// is left (or its bound passed).
+    pub fn pending<'a>(&self, lacking_now: impl IntoIterator<Item = &'a String>) -> Vec<&'a String> {
+        lacking_now.into_iter().filter(|uid| !self.baseline.contains(*uid)).collect()
+    }
 }
 
 #[cfg(test)]
@@ -271,6 +336,61 @@ mod tests {
         );
         let s = State { gates: no_svid, ..State::default() };
         assert_eq!(s.waiting_for(), vec!["agent-svid"]);
+    }
+
+    #[test]
+    fn with_pod_svids_a_reconcile_is_followed_by_the_svid_wait() {
+        let run = |events: &[Event]| {
+            let mut s = State::new(true);
+            let mut all = Vec::new();
+            for e in events {
+                let (next, a) = step(s, *e);
+                s = next;
+                all.extend(a);
+            }
+            (s.phase, all)
+        };
+        let takeover = [Event::Gates(all_gates()), Event::Takeover { reconcile: true }, Event::ReconcileDone];
+        let (phase, actions) = run(&takeover);
+        assert_eq!(phase, Phase::Reconciling, "waits for the SVIDs before serving");
+        assert_eq!(
+            actions,
+            [Action::Report(Phase::StandbyComplete), Action::ArmGateTimers, Action::Report(Phase::Reconciling), Action::Reconcile, Action::AwaitSvids]
+        );
+        let (phase, actions) = run(&[&takeover[..], &[Event::SvidsReady, Event::SvidsReady, Event::ReconcileDone]].concat());
+        assert_eq!(phase, Phase::Serving);
+        assert_eq!(actions[5..], [Action::Serve, Action::Report(Phase::Serving)], "served once");
+        // A wait that ends after a drain serves nothing.
+        let (phase, actions) = run(&[&takeover[..], &[Event::Drain, Event::SvidsReady]].concat());
+        assert_eq!(phase, Phase::Draining);
+        assert!(!actions.contains(&Action::Serve), "{actions:?}");
+        // No reconcile (uncontended start, respawn): no wait either; an early SvidsReady is
+        // ignored.
+        let (phase, actions) = run(&[Event::SvidsReady, Event::Takeover { reconcile: false }, Event::Gates(all_gates())]);
+        assert_eq!(phase, Phase::Serving);
+        assert_eq!(actions, [Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)]);
+    }
+
+    #[test]
+    fn the_svid_wait_is_for_the_pods_the_reconcile_added_only() {
+        let set = |uids: &[&str]| uids.iter().map(|u| u.to_string()).collect::<BTreeSet<String>>();
+        // Before the reconcile: "held" has no SVID (its provider holds it back).
+        let wait = SvidWait::new(set(&["held"]));
+        let check = |lacking_now: &[&str], want: &[&str]| {
+            let now = set(lacking_now);
+            let got: Vec<&str> = wait.pending(&now).into_iter().map(String::as_str).collect();
+            assert_eq!(got, want, "lacking now {lacking_now:?}");
+        };
+        // Right after the reconcile added "new1" and "new2": both wait, "held" does not.
+        check(&["held", "new1", "new2"], &["new1", "new2"]);
+        check(&["held", "new2"], &["new2"]);
+        // Every added pod has its SVID: over, though "held" still lacks one.
+        check(&["held"], &[]);
+        // "held" leaving changes nothing; a pod that lost its SVID counts as added.
+        check(&[], &[]);
+        check(&["old"], &["old"]);
+        // Nothing lacked one before: every pod lacking one now is waited for.
+        assert_eq!(SvidWait::default().pending(&set(&["a"])).len(), 1);
     }
 
     #[test]
