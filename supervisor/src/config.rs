@@ -90,10 +90,29 @@ pub struct Config {
     /// node's pods (with no CNI DEL) before the owner removes it: `60s`, `1500ms`, `2m`.
     #[arg(long, env = "AETHER_STALE_RECORD_GRACE", default_value = "60s", value_parser = parse_grace)]
     pub stale_record_grace: String,
-    /// SPIFFE Workload API socket [default: no workload identity]. Accepted and passed on;
-    /// the worker has no identity client yet and says so at start.
-    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET")]
+    /// SPIFFE Workload API socket, `unix:///path` [default: no workload identity]. Turns
+    /// workload identity on: the worker fetches the agent's own SVID and the trust bundle
+    /// there (the worker user must be able to connect) and serves them to the proxy over
+    /// SDS. Needs --trust-domain. A standby is ready only once it holds its SVID.
+    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET", value_name = "unix:///PATH", requires = "trust_domain")]
     pub spiffe_endpoint: Option<String>,
+    /// The SPIRE agent's admin socket, `unix:///path`, serving SPIRE's Delegated Identity
+    /// API [default: none, pods get no SVID of their own]. The worker subscribes each
+    /// local pod's SVID there (selectors k8s:ns, k8s:pod-name, k8s:pod-uid); the agent's
+    /// SPIFFE ID must be among the SPIRE agent's authorized_delegates. Needs
+    /// --spiffe-endpoint.
+    #[arg(long, env = "AETHER_SPIFFE_BROKER_ENDPOINT", value_name = "unix:///PATH", requires = "spiffe_endpoint")]
+    pub spiffe_broker_endpoint: Option<String>,
+    /// The mesh's SPIFFE trust domain, a bare name such as example.org. The agent's and
+    /// the pods' SVIDs must be in it, and peers must present a SPIFFE ID in it. Required
+    /// with --spiffe-endpoint.
+    #[arg(long, env = "AETHER_TRUST_DOMAIN", value_name = "NAME")]
+    pub trust_domain: Option<String>,
+    /// Pods' inbound mTLS with workload identity: permissive (mTLS and plaintext on the
+    /// same port) or strict (mTLS only; a pod without its SVID has no inbound listener
+    /// until the SVID comes).
+    #[arg(long, env = "AETHER_MTLS", value_name = "MODE", default_value = "permissive", value_parser = ["permissive", "strict"])]
+    pub mtls: String,
     /// CNI conf folder whose conflist the owner re-asserts [default: none].
     #[arg(long, env = "AETHER_CNI_CONF_DIR")]
     pub cni_conf_dir: Option<PathBuf>,
@@ -190,6 +209,20 @@ fn parse_metrics(s: &str) -> Result<MetricsAddr, String> {
 }
 
 impl Config {
+    /// The worker's identity flags, passed on as given (the worker checks them and opens
+    /// the sockets; the supervisor never does). None without --spiffe-endpoint.
+    pub fn identity_worker_args(&self) -> Vec<String> {
+        let Some(endpoint) = &self.spiffe_endpoint else { return Vec::new() };
+        let mut a = vec![format!("--spiffe-endpoint={endpoint}"), format!("--mtls={}", self.mtls)];
+        if let Some(td) = &self.trust_domain {
+            a.push(format!("--trust-domain={td}"));
+        }
+        if let Some(b) = &self.spiffe_broker_endpoint {
+            a.push(format!("--spiffe-broker-endpoint={b}"));
+        }
+        a
+    }
+
     pub fn lock_path(&self) -> PathBuf {
         self.run_dir.join("agent.lock")
     }
@@ -247,6 +280,30 @@ mod tests {
         assert_eq!(parse(&["--stale-record-grace=1s"]).stale_record_grace, "1s");
         let e = Config::try_parse_from(["aether-supervisor", "--stale-record-grace=1h"]).unwrap_err().to_string();
         assert!(e.contains("\"1h\""), "{e}");
+    }
+
+    #[test]
+    fn identity_flags_pass_to_the_worker_and_need_each_other() {
+        let parse = |args: &[&str]| Config::try_parse_from([&["aether-supervisor"], args].concat());
+        // The environment of the test run may set these; the command line wins.
+        let c = parse(&["--spiffe-endpoint=unix:///run/spire/agent.sock", "--trust-domain=example.org", "--mtls=strict", "--spiffe-broker-endpoint=unix:///run/spire/admin.sock"]).unwrap();
+        assert_eq!(
+            c.identity_worker_args(),
+            [
+                "--spiffe-endpoint=unix:///run/spire/agent.sock",
+                "--mtls=strict",
+                "--trust-domain=example.org",
+                "--spiffe-broker-endpoint=unix:///run/spire/admin.sock"
+            ]
+        );
+        let c = parse(&["--spiffe-endpoint=unix:///a.sock", "--trust-domain=t"]).unwrap();
+        assert_eq!(c.identity_worker_args(), ["--spiffe-endpoint=unix:///a.sock", "--mtls=permissive", "--trust-domain=t"]);
+        let e = parse(&["--spiffe-endpoint=unix:///a.sock"]).unwrap_err().to_string();
+        assert!(e.contains("--trust-domain"), "{e}");
+        let e = parse(&["--spiffe-broker-endpoint=unix:///b.sock", "--trust-domain=t"]).unwrap_err().to_string();
+        assert!(e.contains("--spiffe-endpoint"), "{e}");
+        let e = parse(&["--mtls=STRICT"]).unwrap_err().to_string();
+        assert!(e.contains("STRICT"), "{e}");
     }
 
     #[test]
