@@ -124,9 +124,7 @@ fn worker_args(cfg: &Config) -> Vec<String> {
             a.push(format!("--registrar-token-file={}", os_str_arg(t)));
         }
     }
-    if let Some(s) = &cfg.spiffe_endpoint {
-        a.push(format!("--spiffe-endpoint={s}"));
-    }
+    a.extend(cfg.identity_worker_args());
     // The worker only reports whether the conflist chains aether-cni (`/ready`); the
     // owner's supervisor alone writes it.
     if let Some(d) = &cfg.cni_conf_dir {

@@ -24,10 +24,6 @@ fn main() {
             std::process::exit(2);
         }
     };
-    // Accepted for the contract's sake; its client is not part of this agent yet.
-    if let Some(s) = &cfg.spiffe_endpoint {
-        tracing::warn!(spiffe_endpoint = %s, "--spiffe-endpoint is set, but this agent has no workload-identity client yet: no certificates are served");
-    }
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let code = match runtime.block_on(aether_worker::agent::run(cfg, control)) {
         Ok(code) => code,
