@@ -140,7 +140,18 @@ pub struct PodNet {
     pub server: PodServer,
     pub ns: Netns,
     pub name: String,
+    /// Its first address, the one its server listens on.
     pub ip: Ipv4Addr,
+    /// Addresses added with [`Datapath::add_address`].
+    pub more_ips: Vec<Ipv4Addr>,
+    veth: String,
+}
+
+impl PodNet {
+    /// Every address of the pod, the first first.
+    pub fn ips(&self) -> Vec<Ipv4Addr> {
+        std::iter::once(self.ip).chain(self.more_ips.iter().copied()).collect()
+    }
 }
 
 impl Datapath {
@@ -180,8 +191,26 @@ impl Datapath {
         ip(&ns, &["route", "add", "default", "via", &self.gateway.to_string()])?;
         let listener = in_netns(&ns, || TcpListener::bind((Ipv4Addr::UNSPECIFIED, POD_PORT)))??;
         let server = PodServer::start(name.to_string(), listener, serve);
-        self.pods.push(PodNet { server, ns, name: name.to_string(), ip: pod_ip });
+        self.pods.push(PodNet { server, ns, name: name.to_string(), ip: pod_ip, more_ips: Vec::new(), veth });
         Ok(self.pods.last().expect("just pushed"))
+    }
+
+    /// Gives pod `name` a further address `<subnet>.<host>` (routed to it like its first).
+    pub fn add_address(&mut self, name: &str, host: u8) -> anyhow::Result<Ipv4Addr> {
+        let [a, b, c] = self.subnet;
+        let extra = Ipv4Addr::new(a, b, c, host);
+        let i = self.pods.iter().position(|p| p.name == name).with_context(|| format!("no pod {name}"))?;
+        ip(&self.pods[i].ns, &["addr", "add", &format!("{extra}/24"), "dev", "eth0"])?;
+        ip(&self.node, &["route", "add", &format!("{extra}/32"), "dev", &self.pods[i].veth])?;
+        self.pods[i].more_ips.push(extra);
+        Ok(extra)
+    }
+
+    /// Makes pod `name`'s connections leave from its address `src` (its default route's
+    /// preferred source), as a pod with several addresses may.
+    pub fn set_source(&self, name: &str, src: Ipv4Addr) -> anyhow::Result<()> {
+        let gw = self.gateway.to_string();
+        ip(&self.pod(name).ns, &["route", "replace", "default", "via", &gw, "src", &src.to_string()])
     }
 
     pub fn pod(&self, name: &str) -> &PodNet {
@@ -312,8 +341,9 @@ fn serve_lines(name: &str, mut s: TcpStream, served: &AtomicU64) -> io::Result<(
     let mut buf = Vec::new();
     loop {
         let Some(line) = read_line(&mut s, &mut buf)? else { return Ok(()) };
-        s.write_all(format!("{name}: {line}\n").as_bytes())?;
+        // Counted before the answer goes out, so that a client holding it sees it counted.
         served.fetch_add(1, Ordering::SeqCst);
+        s.write_all(format!("{name}: {line}\n").as_bytes())?;
     }
 }
 
@@ -350,9 +380,9 @@ fn serve_http(name: &str, s: TcpStream, tls: Option<Arc<ServerConfig>>, served: 
             head.push_str(&line);
         }
         let body = format!("{name} peer={peer}");
+        served.fetch_add(1, Ordering::SeqCst);
         io.write_all(format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}", body.len()).as_bytes())?;
         io.flush()?;
-        served.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -443,7 +473,10 @@ pub fn exchange(ns: &Netns, addr: SocketAddr, tls: Option<Arc<ClientConfig>>, li
 
 /// An HTTP/1.1 GET from inside `ns` to `addr` with `host`: (status, body).
 pub fn http_get_in(ns: &Netns, addr: SocketAddr, host: &str) -> io::Result<(u16, String)> {
-    let mut s = connect_in(ns, addr)?;
+    http_get(connect_in(ns, addr)?, host)
+}
+
+fn http_get(mut s: TcpStream, host: &str) -> io::Result<(u16, String)> {
     s.write_all(format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes())?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::Tl
 use envoy_types::pb::envoy::extensions::filters::network::set_filter_state::v3 as set_filter_state;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::filter_state_override::v3 as cert_mapper;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::static_name::v3 as static_name;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_selectors::on_demand_secret::v3 as on_demand_secret;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tls;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
@@ -203,15 +204,46 @@ fn tls_socket(config: Any) -> core::TransportSocket {
     }
 }
 
+/// The selector that fetches a certificate over SDS when a handshake needs it, on both
+/// sides.
+const ON_DEMAND_SELECTOR: &str = "envoy.tls.certificate_selectors.on_demand_secret";
+
 /// A pod's inbound TLS: its certificate, a client certificate required and checked.
+///
+/// The certificate comes through the on-demand selector with a fixed name (fetched at
+/// once), not `tls_certificate_sds_secret_configs`, because the same secret is the pod's
+/// client certificate on the outbound side, taken by that side's on-demand selector.
+/// Envoy 1.40 keeps one SDS provider per name, config source and whether its user warms
+/// on it: a listener's SDS certificate is a warming provider, the on-demand selector's a
+/// non-warming one, and the second provider's watch on a name the ADS mux already holds
+/// sends no request, so it never gets the secret and the pod's outbound handshakes wait
+/// until the cluster's connect timeout (measured in e2e/tests/mtls_datapath.rs; Envoy
+/// issue 47309). With both sides on demand they share one provider. What it costs: Envoy
+/// refuses session resumption with on-demand certificates, so it is off; the listener
+/// does not warm on its certificate (a handshake that comes first waits for it); and
+/// admin `/certs` does not list the certificate (its `on_demand_secret.*` stats on the
+/// listener do).
 fn downstream_mtls(certificate: &str) -> core::TransportSocket {
+    let selector = on_demand_secret::Config {
+        config_source: Some(ads()),
+        certificate_mapper: Some(core::TypedExtensionConfig {
+            name: "envoy.tls.certificate_mappers.static_name".into(),
+            typed_config: Some(pack_any(static_name::StaticName { name: certificate.into() })),
+        }),
+        prefetch_secret_names: vec![certificate.into()],
+    };
     tls_socket(pack_any(tls::DownstreamTlsContext {
         common_tls_context: Some(tls::CommonTlsContext {
-            tls_certificate_sds_secret_configs: vec![sds(certificate)],
+            custom_tls_certificate_selector: Some(core::TypedExtensionConfig {
+                name: ON_DEMAND_SELECTOR.into(),
+                typed_config: Some(pack_any(selector)),
+            }),
             validation_context_type: Some(bundle_validation()),
             ..Default::default()
         }),
         require_client_certificate: Some(BoolValue { value: true }),
+        disable_stateful_session_resumption: true,
+        session_ticket_keys_type: Some(tls::downstream_tls_context::SessionTicketKeysType::DisableStatelessSessionResumption(true)),
         ..Default::default()
     }))
 }
@@ -271,10 +303,15 @@ fn mtls_match() -> Struct {
     }
 }
 
+/// The mapper's default without a fallback certificate: a name no snapshot serves, so a
+/// connection that names no calling pod fails its handshake (Envoy requires a non-empty
+/// default: "DefaultValue: value length must be at least 1 characters").
+const NO_CERTIFICATE: &str = "spiffe|none";
+
 /// Upstream mTLS presenting the calling pod's certificate, fetched over SDS at the
 /// first handshake that names it; `fallback` when the connection names none.
 fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
-    let mapper = cert_mapper::Config { default_value: t.fallback.clone().unwrap_or_default() };
+    let mapper = cert_mapper::Config { default_value: t.fallback.clone().unwrap_or_else(|| NO_CERTIFICATE.to_string()) };
     let selector = on_demand_secret::Config {
         config_source: Some(ads()),
         certificate_mapper: Some(core::TypedExtensionConfig {
@@ -286,10 +323,16 @@ fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
     tls_socket(pack_any(tls::UpstreamTlsContext {
         common_tls_context: Some(tls::CommonTlsContext {
             custom_tls_certificate_selector: Some(core::TypedExtensionConfig {
-                name: "envoy.tls.certificate_selectors.on_demand_secret".into(),
+                name: ON_DEMAND_SELECTOR.into(),
                 typed_config: Some(pack_any(selector)),
             }),
             validation_context_type: Some(bundle_validation()),
+            // TLS 1.3, as the Envoy 1.40 trials ran it (e2e/trials/mtls): the client
+            // certificate is chosen on the server's CertificateRequest.
+            tls_params: Some(tls::TlsParameters {
+                tls_maximum_protocol_version: tls::tls_parameters::TlsProtocol::TlSv13 as i32,
+                ..Default::default()
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -532,5 +575,31 @@ mod tests {
             .map(|c| (c.filter_chain_match.as_ref().unwrap().transport_protocol.as_str(), c.transport_socket.is_some()))
             .collect();
         assert_eq!(protocols, vec![("tls", true), ("", false)]);
+    }
+
+    fn typed<T: Message + Default>(c: &Option<core::TypedExtensionConfig>) -> (String, T) {
+        let c = c.as_ref().expect("an extension");
+        (c.name.clone(), decode(c.typed_config.as_ref().expect("typed config")))
+    }
+
+    /// The pod's server certificate is taken on demand under its fixed name, as the
+    /// outbound side takes the same secret, so that Envoy keeps one SDS provider for it.
+    #[test]
+    fn a_pods_server_certificate_is_taken_on_demand_under_its_name() {
+        let l: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Strict).listeners.get("inbound|u").unwrap()));
+        let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &l.filter_chains[0].transport_socket.as_ref().unwrap().config_type
+        else {
+            panic!("a typed transport socket")
+        };
+        let ctx: tls::DownstreamTlsContext = decode(any);
+        let common = ctx.common_tls_context.as_ref().unwrap();
+        assert!(common.tls_certificate_sds_secret_configs.is_empty());
+        let (name, selector): (String, on_demand_secret::Config) = typed(&common.custom_tls_certificate_selector);
+        assert_eq!(name, "envoy.tls.certificate_selectors.on_demand_secret");
+        assert_eq!(selector.prefetch_secret_names, vec!["spiffe|pod|10.0.0.2".to_string()]);
+        let (mapper, fixed): (String, static_name::StaticName) = typed(&selector.certificate_mapper);
+        assert_eq!((mapper.as_str(), fixed.name.as_str()), ("envoy.tls.certificate_mappers.static_name", "spiffe|pod|10.0.0.2"));
+        assert_eq!(ctx.require_client_certificate, Some(BoolValue { value: true }));
+        assert!(ctx.disable_stateful_session_resumption);
     }
 }
