@@ -1,4 +1,5 @@
-//! Pods' inbound mTLS through a real Envoy 1.40 on a real data path.
+//! Pods' mTLS through a real Envoy 1.40 on a real data path: inbound on one node, and
+//! outbound from one node's pods to another's ([`outbound`]).
 //!
 //! Each test builds a [`Datapath`] (a node namespace with an nftables capture redirect, a
 //! pod namespace with a line server at 10.77.0.2:80, a client namespace routed through the
@@ -77,16 +78,7 @@ impl Case {
         let options = RigOptions { api, netns: Some(dp.node.name.clone()), identity, ..RigOptions::default() };
         let rig = WorkerRig::start_with(&envoy_bin, &registry_json(&[]), options).await;
         dp.redirect(rig.inbound_port, None).expect("the capture redirect");
-        let pod = Pod {
-            uid: UID.into(),
-            namespace: "default".into(),
-            name: "web".into(),
-            container_id: "c-web".into(),
-            netns: dp.pod("web").ns.path().display().to_string(),
-            ifname: "eth0".into(),
-            ips: vec![IpAddr::V4(dp.pod("web").ip)],
-            terminating: false,
-        };
+        let pod = pod_record(&dp, "web");
         let case = Case { rig, dp, ca, web, agent, client };
         case.apply([Change::UpsertPod(pod)]).await;
         Some(case)
