@@ -54,7 +54,7 @@ use crate::{
     AGENT_SECRET, BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState, INBOUND, Identity,
     InboundChain, INBOUND_TARGET_PORT, InboundTls, Inputs, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, MtlsMode,
     NamedSecret, OUTBOUND, Pod, Resources, Route, RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
-    inbound_cluster_name, inbound_listener_name, outbound_cluster_name, pod_secret_name,
+    inbound_cluster_name, inbound_listener_name, inbound_secret_name, outbound_cluster_name, pod_secret_name,
 };
 
 /// Builds the snapshot of `inputs` from scratch. Pure: no I/O, no clock, no randomness.
@@ -493,18 +493,21 @@ fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>, id: &Id
     };
     let own = id.pods.get(uid).filter(|_| id.enabled());
     let presented = own.or(id.agent.as_ref().filter(|_| id.enabled() && id.mode == MtlsMode::Permissive));
-    let secrets: Vec<NamedSecret> = match presented {
-        Some(svid) => ips
-            .iter()
-            .map(|ip| NamedSecret {
-                name: pod_secret_name(*ip),
-                secret: Secret::Certificate { chain_pem: svid.chain_pem.clone(), key_pem: svid.key_pem.clone() },
-            })
-            .collect(),
+    let certificate = |name: String, svid: &crate::Svid| NamedSecret {
+        name,
+        secret: Secret::Certificate { chain_pem: svid.chain_pem.clone(), key_pem: svid.key_pem.clone() },
+    };
+    let mut secrets: Vec<NamedSecret> = match presented {
+        Some(svid) => ips.iter().map(|ip| certificate(pod_secret_name(*ip), svid)).collect(),
         None => vec![],
     };
-    let tls = (own.is_some() && id.bundle.is_some())
-        .then(|| InboundTls { certificate: pod_secret_name(first), plaintext: id.mode == MtlsMode::Permissive });
+    let tls = match own {
+        Some(svid) if id.bundle.is_some() => {
+            secrets.push(certificate(inbound_secret_name(uid), svid));
+            Some(InboundTls { certificate: inbound_secret_name(uid), plaintext: id.mode == MtlsMode::Permissive })
+        }
+        _ => None,
+    };
     let fail_closed = id.enabled() && id.mode == MtlsMode::Strict && tls.is_none();
     let listener = (!fail_closed).then(|| Listener {
         name: inbound_listener_name(uid),

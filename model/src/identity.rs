@@ -96,13 +96,23 @@ impl Identity {
     }
 }
 
-/// SDS resource names. A pod's certificate is named by each of its IPs: the outbound
-/// side selects the client certificate by the connection's source address.
+/// SDS resource names. A pod's outbound certificate is named by each of its IPs: the
+/// outbound side selects the client certificate by the connection's source address, and
+/// Envoy fetches it on demand. Its inbound certificate is a secret of its own, named by
+/// the pod's uid, which the pod's listener subscribes to at once: in Envoy 1.40 one name
+/// cannot serve both, because the listener's SDS subscription and the on-demand
+/// selector's do not share the answer (the selector's handshake then waits out its
+/// connect timeout), and a listener warms on a plain SDS certificate, keeps session
+/// resumption, and lists it in the admin `/certs`.
 pub const BUNDLE_SECRET: &str = "spiffe|bundle";
 pub const AGENT_SECRET: &str = "spiffe|agent";
 
 pub fn pod_secret_name(ip: std::net::IpAddr) -> String {
     format!("spiffe|pod|{ip}")
+}
+
+pub fn inbound_secret_name(uid: &str) -> String {
+    format!("spiffe|inbound|{uid}")
 }
 
 /// The prefix the outbound listener puts before the source address to name the secret

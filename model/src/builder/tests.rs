@@ -478,7 +478,7 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
     check(
         i2,
         "L inbound 0.0.0.0:15006 capture
-         L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5] -> inbound|u1 mtls=spiffe|pod|10.1.0.5+plaintext
+         L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5] -> inbound|u1 mtls=spiffe|inbound|u1+plaintext
          L inbound|u2 10.1.0.6:80 chain u2 [10.1.0.6] -> inbound|u2
          L outbound 127.0.0.1:15001 rds=outbound source-certificates
          R outbound vh web.d [web,web.d,web.d.svc.cluster.local,web:80,web.d:80,web.d.svc.cluster.local:80]
@@ -489,6 +489,7 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
          E outbound|80||web.d [10.0.0.1:8080 mtls,10.0.0.2:8080]
          S spiffe|agent Secret::Certificate(<redacted>)
          S spiffe|bundle Secret::Validation(spiffe://td/)
+         S spiffe|inbound|u1 Secret::Certificate(<redacted>)
          S spiffe|pod|10.1.0.5 Secret::Certificate(<redacted>)
          S spiffe|pod|10.1.0.6 Secret::Certificate(<redacted>)",
     );
@@ -510,7 +511,7 @@ fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
 
     let s = b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p1")) }]).unwrap();
     match &s.listeners.get("inbound|u1").expect("the SVID opens the listener").kind {
-        ListenerKind::InboundPod { chain } => assert_eq!(chain.tls, Some(InboundTls { certificate: "spiffe|pod|10.1.0.5".into(), plaintext: false })),
+        ListenerKind::InboundPod { chain } => assert_eq!(chain.tls, Some(InboundTls { certificate: "spiffe|inbound|u1".into(), plaintext: false })),
         other => panic!("{other:?}"),
     }
     assert!(s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
@@ -526,7 +527,7 @@ fn a_rotation_changes_one_secret_and_no_listener_or_cluster() {
     for k in [Kind::Listener, Kind::Cluster, Kind::Endpoint, Kind::Route] {
         assert_eq!(before.version(k), after.version(k), "{k:?} unchanged by a rotation");
     }
-    assert_eq!(after.changed_since(&before, Kind::Secret).unwrap(), BTreeSet::from(["spiffe|pod|10.1.0.5"]));
+    assert_eq!(after.changed_since(&before, Kind::Secret).unwrap(), BTreeSet::from(["spiffe|inbound|u1", "spiffe|pod|10.1.0.5"]));
     assert!(b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p2")) }]).is_none(), "the same SVID again changes nothing");
 }
 

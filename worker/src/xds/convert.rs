@@ -16,7 +16,6 @@ use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::Tl
 use envoy_types::pb::envoy::extensions::filters::network::set_filter_state::v3 as set_filter_state;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::filter_state_override::v3 as cert_mapper;
-use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::static_name::v3 as static_name;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_selectors::on_demand_secret::v3 as on_demand_secret;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tls;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
@@ -210,40 +209,24 @@ const ON_DEMAND_SELECTOR: &str = "envoy.tls.certificate_selectors.on_demand_secr
 
 /// A pod's inbound TLS: its certificate, a client certificate required and checked.
 ///
-/// The certificate comes through the on-demand selector with a fixed name (fetched at
-/// once), not `tls_certificate_sds_secret_configs`, because the same secret is the pod's
-/// client certificate on the outbound side, taken by that side's on-demand selector.
-/// Envoy 1.40 keeps one SDS provider per name, config source and whether its user warms
-/// on it: a listener's SDS certificate is a warming provider, the on-demand selector's a
-/// non-warming one, and the second provider's watch on a name the ADS mux already holds
-/// sends no request, so it never gets the secret and the pod's outbound handshakes wait
-/// until the cluster's connect timeout (measured in e2e/tests/mtls_datapath.rs; Envoy
-/// issue 47309). With both sides on demand they share one provider. What it costs: Envoy
-/// refuses session resumption with on-demand certificates, so it is off; the listener
-/// does not warm on its certificate (a handshake that comes first waits for it); and
-/// admin `/certs` does not list the certificate (its `on_demand_secret.*` stats on the
-/// listener do).
+/// The certificate is the pod's inbound secret ([`snapshot::inbound_secret_name`]), a
+/// name no on-demand selector uses: Envoy 1.40 keeps one SDS provider per name, config
+/// source and whether its user warms on it, and a second provider's watch on a name the
+/// ADS mux already holds sends no request, so a name shared by a listener's certificate
+/// and the outbound side's on-demand selector left the selector's handshakes waiting
+/// until the cluster's connect timeout (found by e2e/tests/mtls_datapath.rs; Envoy issue
+/// 47309). Its own name keeps the listener warming on it, session resumption, and the
+/// certificate in admin `/certs`.
 fn downstream_mtls(certificate: &str) -> core::TransportSocket {
-    let selector = on_demand_secret::Config {
-        config_source: Some(ads()),
-        certificate_mapper: Some(core::TypedExtensionConfig {
-            name: "envoy.tls.certificate_mappers.static_name".into(),
-            typed_config: Some(pack_any(static_name::StaticName { name: certificate.into() })),
-        }),
-        prefetch_secret_names: vec![certificate.into()],
-    };
+    // A plain SDS certificate (the pod's inbound secret, a name of its own): the listener
+    // warms until it arrives, and Envoy's admin `/certs` lists it.
     tls_socket(pack_any(tls::DownstreamTlsContext {
         common_tls_context: Some(tls::CommonTlsContext {
-            custom_tls_certificate_selector: Some(core::TypedExtensionConfig {
-                name: ON_DEMAND_SELECTOR.into(),
-                typed_config: Some(pack_any(selector)),
-            }),
+            tls_certificate_sds_secret_configs: vec![sds(certificate)],
             validation_context_type: Some(bundle_validation()),
             ..Default::default()
         }),
         require_client_certificate: Some(BoolValue { value: true }),
-        disable_stateful_session_resumption: true,
-        session_ticket_keys_type: Some(tls::downstream_tls_context::SessionTicketKeysType::DisableStatelessSessionResumption(true)),
         ..Default::default()
     }))
 }
@@ -582,10 +565,10 @@ mod tests {
         (c.name.clone(), decode(c.typed_config.as_ref().expect("typed config")))
     }
 
-    /// The pod's server certificate is taken on demand under its fixed name, as the
-    /// outbound side takes the same secret, so that Envoy keeps one SDS provider for it.
+    /// The pod's server certificate is its inbound secret over SDS (the listener warms on
+    /// it), a name the outbound side's on-demand selector never uses.
     #[test]
-    fn a_pods_server_certificate_is_taken_on_demand_under_its_name() {
+    fn a_pods_server_certificate_is_its_inbound_secret_over_sds() {
         let l: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Strict).listeners.get("inbound|u").unwrap()));
         let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &l.filter_chains[0].transport_socket.as_ref().unwrap().config_type
         else {
@@ -593,13 +576,9 @@ mod tests {
         };
         let ctx: tls::DownstreamTlsContext = decode(any);
         let common = ctx.common_tls_context.as_ref().unwrap();
-        assert!(common.tls_certificate_sds_secret_configs.is_empty());
-        let (name, selector): (String, on_demand_secret::Config) = typed(&common.custom_tls_certificate_selector);
-        assert_eq!(name, "envoy.tls.certificate_selectors.on_demand_secret");
-        assert_eq!(selector.prefetch_secret_names, vec!["spiffe|pod|10.0.0.2".to_string()]);
-        let (mapper, fixed): (String, static_name::StaticName) = typed(&selector.certificate_mapper);
-        assert_eq!((mapper.as_str(), fixed.name.as_str()), ("envoy.tls.certificate_mappers.static_name", "spiffe|pod|10.0.0.2"));
+        let names: Vec<&str> = common.tls_certificate_sds_secret_configs.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, vec!["spiffe|inbound|u"]);
+        assert!(common.custom_tls_certificate_selector.is_none());
         assert_eq!(ctx.require_client_certificate, Some(BoolValue { value: true }));
-        assert!(ctx.disable_stateful_session_resumption);
     }
 }
