@@ -532,6 +532,40 @@ pub fn quarantined(state_dir: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A test identity provider ([`crate::identity::IdentityProvider`]) that agents started as
+/// processes can reach, in a fresh folder of its own (returned; it goes when dropped). The
+/// worker runs as uid 65532 when the tests run as root, and a unix socket's connect needs
+/// write permission on the socket file: the folder is opened to every uid and so are both
+/// sockets ([`open_identity_sockets`]).
+pub fn identity_provider_for_agents(trust_domain: &str) -> (tempfile::TempDir, crate::identity::IdentityProvider) {
+    let dir = tempfile::Builder::new().prefix("aether-idp-").tempdir().expect("tempdir for the identity provider");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod the identity provider's folder");
+    let provider = crate::identity::IdentityProvider::start(dir.path(), trust_domain).expect("starting the test identity provider");
+    open_identity_sockets(&provider);
+    (dir, provider)
+}
+
+/// Opens both of the provider's socket files to every uid. Needed again after
+/// `set_down(false)`, which binds fresh ones (with this process's umask); until then a
+/// worker of another uid is refused with EACCES and retries on its own backoff.
+pub fn open_identity_sockets(provider: &crate::identity::IdentityProvider) {
+    for path in [provider.workload_socket(), provider.delegated_socket()] {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
+            .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
+    }
+}
+
+/// The agent flags for workload identity from `provider`: its Workload API and Delegated
+/// Identity API sockets, its trust domain, and `mtls` (`permissive` or `strict`).
+pub fn identity_args(provider: &crate::identity::IdentityProvider, mtls: &str) -> Vec<String> {
+    vec![
+        format!("--spiffe-endpoint=unix://{}", provider.workload_socket().display()),
+        format!("--spiffe-broker-endpoint=unix://{}", provider.delegated_socket().display()),
+        format!("--trust-domain={}", provider.trust_domain()),
+        format!("--mtls={mtls}"),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
