@@ -24,6 +24,24 @@
 #                     cross_node_drain_across_reconnect (drains that waited through node
 #                     A's reconnect in a roll), cross_node_drain_served_p99_s (the others),
 #                     cross_node_drain_timeouts, eds_equal_registrar, peer_node_dir
+#   ARG_IDENTITY      permissive | strict: workload identity on the rolled node (unset: off).
+#                     A test identity provider (e2e/src/identity/, trust domain
+#                     aether.test) runs beside the node and every agent gets
+#                     --spiffe-endpoint, --spiffe-broker-endpoint, --trust-domain and
+#                     --mtls=<mode>. Before the first roll the first pods' SVIDs must be in
+#                     Envoy's /certs. After each roll every pod the harness knows present
+#                     must have its SVID's serial in Envoy's admin /certs within 2 s of the
+#                     new owner serving (a miss fails the run and names the pod). Surge:
+#                     one more pod is ADDed between the standby's Ready and the SIGTERM, so
+#                     the new owner's takeover reconcile adds it and its SVID wait (at most
+#                     1 s) covers it; its serial must be in /certs within 1 s of the new
+#                     owner serving, read after Envoy's first update from the new owner.
+#                     The load is unchanged (plaintext to loopback upstreams, not pods).
+#                     With ARG_NODES=2, node A's agents only. Extra JSON fields: identity,
+#                     trust_domain, svid_pod_checks, svid_misses, svid_wait_median_ms,
+#                     _p99_ms, _max_ms (the new owners' /ready takeover.svid_wait_us),
+#                     svid_wait_missed_pods, overlap_pods, overlap_pod_svid_median_ms,
+#                     _max_ms, load_path
 #   ARG_BOUND         fail when the p99 gap exceeds it, e.g. 0.12 or 120ms (default per
 #                     mode: surge 0.12 s, worker-crash 0.25 s, recreate 15 s)
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)
@@ -47,7 +65,7 @@
 # only when the p99 gap is within ARG_BOUND and no request failed, no acknowledged pod
 # ADD was lost and Envoy never had a connect to xds.sock refused, in every mode; with two
 # nodes also only when every cross-node drain showed within 10 s and both Envoys' EDS
-# equal the registrar's view. The node
+# equal the registrar's view; with ARG_IDENTITY also only when no SVID check missed. The node
 # runs the socket keeper (aether-supervisor --keep-sockets) beside the agents, as the
 # chart does, so that in recreate the listener outlives the generations.
 set -euo pipefail

@@ -53,5 +53,7 @@ if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   ARG_ROLLS=2 ARG_MODE=worker-crash ARG_BOUND=1 e2e/agent-restart-gap.sh
   step "end-to-end: two nodes on one registrar (surge)"
   ARG_NODES=2 ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
+  step "end-to-end: surge with workload identity (permissive mTLS)"
+  ARG_IDENTITY=permissive ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
 fi
 step "all tests passed"

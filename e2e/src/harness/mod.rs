@@ -7,9 +7,13 @@
 //! of a file, the services' endpoints are on a second node with its own agent and Envoy,
 //! and that node's pods drain while the first node rolls.
 //!
+//! With `ARG_IDENTITY` ([`identity`]) the rolled node runs with workload identity from a
+//! test identity provider, and each roll also checks that every pod's SVID is served.
+//!
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
 pub mod churn;
+pub mod identity;
 pub mod load;
 pub mod report;
 pub mod two_node;
@@ -81,6 +85,9 @@ pub struct Config {
     pub mesh_services: usize,
     /// ARG_NODES: 1, or 2 (two nodes sharing one registrar; see [`two_node`]).
     pub nodes: u8,
+    /// ARG_IDENTITY: workload identity on the rolled node, in this mTLS mode (see
+    /// [`identity`]); None: off.
+    pub identity: Option<identity::Mtls>,
 }
 
 /// "0.1s", "100ms", "1" (seconds).
@@ -147,7 +154,8 @@ impl Config {
             Some("2") => 2,
             Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
         };
-        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes })
+        let identity = var("ARG_IDENTITY").map(|v| identity::Mtls::parse(&v)).transpose()?;
+        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes, identity })
     }
 
     pub fn bound(&self, mode: Mode) -> f64 {
@@ -181,6 +189,20 @@ pub struct Roll {
     pub reconnect_resources: Option<u64>,
     /// From Envoy's old stream's end to its first config update on the new one.
     pub unserved: Option<(Instant, Instant)>,
+    /// ARG_IDENTITY: the new owner's takeover SVID wait (`/ready` `takeover.svid_wait_us`,
+    /// in seconds) and how many pods its reconcile added were still without an SVID when
+    /// that wait ended (`svid_wait_missed`).
+    pub svid_wait: Option<f64>,
+    pub svid_wait_missed: Option<u64>,
+    /// ARG_IDENTITY, surge: the pod ADDed between the standby's Ready and the SIGTERM, and
+    /// from the new owner serving until a `/certs` read (after Envoy's first update from
+    /// the new owner) showed its SVID; None when none did within the takeover's 1 s wait.
+    pub overlap_pod: Option<String>,
+    pub overlap_svid: Option<f64>,
+    /// ARG_IDENTITY: the pods whose SVID was looked for in `/certs` after the roll, and the
+    /// misses, each naming the pod (the overlap pod's included).
+    pub svid_checked: u64,
+    pub svid_misses: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -218,6 +240,8 @@ pub struct ModeResult {
     pub eds_equal_registrar: Option<Result<(), String>>,
     /// Two nodes: node B's folder, kept when anything failed.
     pub peer_dir: Option<PathBuf>,
+    /// ARG_IDENTITY: the mTLS mode the rolled node ran with.
+    pub identity: Option<identity::Mtls>,
 }
 
 impl ModeResult {
@@ -235,6 +259,17 @@ impl ModeResult {
     }
     pub fn lost(&self) -> u64 {
         self.sum(|r| r.lost)
+    }
+    /// ARG_IDENTITY: the takeovers' SVID waits (s).
+    pub fn svid_waits(&self) -> Vec<f64> {
+        self.rolls.iter().filter_map(|r| r.svid_wait).collect()
+    }
+    /// ARG_IDENTITY, surge: the overlap pods' SVIDs in Envoy after the takeover (s).
+    pub fn overlap_svids(&self) -> Vec<f64> {
+        self.rolls.iter().filter_map(|r| r.overlap_svid).collect()
+    }
+    pub fn svid_misses(&self) -> usize {
+        self.rolls.iter().map(|r| r.svid_misses.len()).sum()
     }
 
     /// Why this mode fails, one reason each; empty when it passes.
@@ -266,6 +301,11 @@ impl ModeResult {
         }
         if let Some(d) = &self.cross_drain {
             f.extend(d.failures());
+        }
+        for (i, r) in self.rolls.iter().enumerate() {
+            for m in &r.svid_misses {
+                f.push(format!("roll {}: {m}", i + 1));
+            }
         }
         if let Some(Err(diff)) = &self.eds_equal_registrar {
             f.push(format!("EDS differs from the registrar's view: {diff}"));
@@ -353,6 +393,29 @@ impl ModeResult {
             });
             v.as_object_mut().expect("an object").extend(extra.as_object().expect("an object").clone());
         }
+        if let Some(mtls) = self.identity {
+            let w = report::summarize(&self.svid_waits());
+            let o = report::summarize(&self.overlap_svids());
+            let ms = |x: f64| (x * 1e6).round() / 1e3;
+            let overlap_rolls = self.rolls.iter().filter(|r| r.overlap_pod.is_some()).count();
+            let extra = json!({
+                "identity": mtls.name(),
+                "trust_domain": identity::TRUST_DOMAIN,
+                "svid_pod_checks": self.sum(|r| r.svid_checked),
+                "svid_misses": self.svid_misses(),
+                "svid_wait_samples": w.n,
+                "svid_wait_median_ms": (w.n > 0).then(|| ms(w.median)),
+                "svid_wait_p99_ms": (w.n > 0).then(|| ms(w.p99)),
+                "svid_wait_max_ms": (w.n > 0).then(|| ms(w.max)),
+                "svid_wait_missed_pods": self.sum(|r| r.svid_wait_missed.unwrap_or(0)),
+                "overlap_pods": overlap_rolls,
+                "overlap_pod_svid_samples": o.n,
+                "overlap_pod_svid_median_ms": (o.n > 0).then(|| ms(o.median)),
+                "overlap_pod_svid_max_ms": (o.n > 0).then(|| ms(o.max)),
+                "load_path": "plaintext to loopback upstreams (not pods)",
+            });
+            v.as_object_mut().expect("an object").extend(extra.as_object().expect("an object").clone());
+        }
         v
     }
 }
@@ -388,6 +451,8 @@ struct Bench {
     /// Two nodes: node B, then the registrar and etcd (dropped in that order).
     peer: Option<PeerNode>,
     registry: Option<SharedRegistry>,
+    /// ARG_IDENTITY: the identity provider beside the node (dropped after the agents).
+    identity: Option<identity::NodeIdentity>,
 }
 
 impl Bench {
@@ -427,6 +492,14 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     let capture = root.join("capture.json");
     std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
     let mut extra = vec![format!("--capture-file={}", capture.display())];
+    let node_identity = match cfg.identity {
+        Some(mtls) => {
+            let id = identity::NodeIdentity::start(&root, mtls)?;
+            extra.extend(id.agent_args());
+            Some(id)
+        }
+        None => None,
+    };
     let (registry, peer) = if cfg.nodes == 2 {
         // One registrar for both nodes, holding what the file would; node B starts first,
         // as a node already in the mesh.
@@ -477,7 +550,42 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             bail!("ADD before the first roll failed: {:?}", pods.lock().unwrap().errors);
         }
     }
-    Ok(Bench { node, _keeper: keeper, extra, owner: first, envoy, outbound, cni, pods, lost_ever: BTreeSet::new(), cold_start, peer, registry })
+    if let Some(id) = &node_identity {
+        // Before the first roll, the first owner serves each of them with its SVID.
+        let live: Vec<churn::PodId> = pods.lock().unwrap().live.keys().cloned().collect();
+        let missing = identity::missing_svids(&envoy, &id.provider, &live, Instant::now() + Duration::from_secs(10))?;
+        if !missing.is_empty() {
+            let certs = identity::envoy_serials(&envoy).map(|s| s.len().to_string()).unwrap_or_else(|e| format!("? ({e})"));
+            bail!(
+                "before the first roll, 10 s after the ADDs: {} (Envoy's /certs lists {certs} certificates); logs: {}, {}",
+                missing.join("; "),
+                first.log_path.display(),
+                envoy.log.display()
+            );
+        }
+        eprintln!(
+            "   identity: {} mTLS, trust domain {}, provider sockets in {}; the first {} pods' SVIDs are in Envoy's /certs",
+            id.mtls.name(),
+            identity::TRUST_DOMAIN,
+            root.join("identity").display(),
+            live.len()
+        );
+    }
+    Ok(Bench {
+        node,
+        _keeper: keeper,
+        extra,
+        owner: first,
+        envoy,
+        outbound,
+        cni,
+        pods,
+        lost_ever: BTreeSet::new(),
+        cold_start,
+        peer,
+        registry,
+        identity: node_identity,
+    })
 }
 
 /// Runs one mode on a fresh local node. The node's folder is kept (and named in the
@@ -488,6 +596,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         bound: cfg.bound(mode),
         expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some() && cfg.xds_api == envoy::AdsApi::Delta,
         nodes: cfg.nodes,
+        identity: cfg.identity,
         ..Default::default()
     };
     let mut node = LocalNode::new();
@@ -495,9 +604,10 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     node.root.disable_cleanup(true);
     let root = node.root.path().to_path_buf();
     eprintln!(
-        "== {}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
+        "== {}{}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
         mode.name(),
         if cfg.nodes == 2 { ", two nodes (node A rolled, node B's pods draining)" } else { "" },
+        cfg.identity.map(|m| format!(", workload identity ({} mTLS)", m.name())).unwrap_or_default(),
         cfg.rolls,
         cfg.rps,
         cfg.backoff_base,
@@ -553,6 +663,17 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
                     r.old_exit_after_action.map(|x| format!("{:.0} ms", x * 1000.0)).unwrap_or("-".into()),
                     r.takeover * 1000.0
                 );
+                if bench.identity.is_some() {
+                    eprintln!(
+                        "   identity: takeover svid_wait {} (pods still without one: {}); overlap pod {} SVID in Envoy {} after the new owner served; {} of {} present pods' SVIDs in Envoy",
+                        r.svid_wait.map(|s| format!("{:.3} ms", s * 1000.0)).unwrap_or("-".into()),
+                        r.svid_wait_missed.map(|n| n.to_string()).unwrap_or("-".into()),
+                        r.overlap_pod.as_deref().unwrap_or("-"),
+                        r.overlap_svid.map(|s| format!("{:.1} ms", s * 1000.0)).unwrap_or("-".into()),
+                        (r.svid_checked as usize).saturating_sub(r.svid_misses.iter().filter(|m| !m.starts_with("overlap pod")).count()),
+                        r.svid_checked
+                    );
+                }
                 res.rolls.push(r);
             }
             Err(e) => {
@@ -651,6 +772,10 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let action;
     let mut old_exit = None;
     let mut warmup = None;
+    // ARG_IDENTITY, surge: the pod ADDed between the standby's Ready and the SIGTERM, and
+    // whether its ADD succeeded.
+    let mut overlap: Option<(churn::PodId, bool)> = None;
+    let serving: Value;
     match mode {
         Mode::Surge => {
             let started = Instant::now();
@@ -663,12 +788,20 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
                 let _ = churn.stop();
                 return Err(e.context(format!("{} log:\n{}", next.name, next.log())));
             }
+            if b.identity.is_some() {
+                // The standby loaded storage before this ADD: the old owner answers it and
+                // the new owner's takeover reconcile adds the pod, so the takeover's SVID
+                // wait covers it.
+                let (pod, ip) = b.pods.lock().unwrap().new_pod();
+                let ok = churn::add_pod(&b.cni, &b.pods, &pod, ip);
+                overlap = Some((pod, ok));
+            }
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
             let old = std::mem::replace(&mut b.owner, next);
             exit_of(old)?;
             old_exit = Some(action.elapsed().as_secs_f64());
-            try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
+            serving = try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
         }
         Mode::Recreate => {
             action = Instant::now();
@@ -676,21 +809,50 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let next = b.start_agent_after_exit()?;
             old_exit = Some(action.elapsed().as_secs_f64());
             b.owner = next;
-            try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
+            serving = try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
         }
         Mode::WorkerCrash => {
             let pid = b.owner.ready().and_then(|(_, v)| v["pid"].as_i64()).ok_or_else(|| anyhow!("no worker pid in /ready"))?;
             action = Instant::now();
             kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
-            try_wait_for("the respawned worker to serve as owner", T_START, || {
+            serving = try_wait_for("the respawned worker to serve as owner", T_START, || {
                 b.owner.serving_owner().filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
             })?;
         }
     }
+    let serving_seen = Instant::now();
     let takeover = action.elapsed().as_secs_f64();
     let times = wait_served(poller, start, T_START);
-    let (adds, dels) = churn.stop();
+    let (mut adds, dels) = churn.stop();
     let times = times?;
+    if overlap.as_ref().is_some_and(|(_, ok)| *ok) {
+        adds += 1;
+    }
+    // The new owner served before Envoy could reconnect to it; the harness saw it on
+    // /ready a little later (in surge only after the old generation had exited).
+    let served_from = serving_seen.min(times.up);
+    let mut overlap_svid = None;
+    let mut svid_misses = Vec::new();
+    if let (Some(id), Some((pod, ok))) = (&b.identity, &overlap) {
+        if !ok {
+            let err = b.pods.lock().unwrap().errors.last().cloned().unwrap_or_default();
+            svid_misses.push(format!("overlap pod {}: its ADD failed: {err}", pod.uid));
+        } else {
+            // Read only now, after Envoy's first update from the new owner: before it,
+            // /certs still shows what the old owner served.
+            let deadline = served_from + identity::TAKEOVER_SVID_WAIT;
+            match identity::wait_serial(&b.envoy, &id.provider, &pod.uid, deadline)? {
+                Some(seen) if seen <= deadline => overlap_svid = Some(seen.saturating_duration_since(served_from).as_secs_f64()),
+                late => svid_misses.push(format!(
+                    "overlap pod {}: its SVID (serial {}) was not in Envoy's /certs within {:?} of the new owner serving{}",
+                    pod.uid,
+                    id.provider.serial_of_pod(&pod.uid).unwrap_or_else(|| "none: never subscribed".into()),
+                    identity::TAKEOVER_SVID_WAIT,
+                    late.map(|t| format!(" (first seen {:.0} ms after)", (t - served_from).as_secs_f64() * 1000.0)).unwrap_or_default()
+                )),
+            }
+        }
+    }
     let mut r = Roll {
         gap: Some(times.gap().as_secs_f64()),
         served_gap: Some(times.served_gap().as_secs_f64()),
@@ -712,6 +874,20 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         ..Default::default()
     };
     r.lost = check_pods(b)?;
+    if let Some(id) = &b.identity {
+        r.svid_wait = serving["takeover"]["svid_wait_us"].as_f64().map(|us| us / 1e6);
+        r.svid_wait_missed = serving["takeover"]["svid_wait_missed"].as_u64();
+        r.overlap_pod = overlap.map(|(pod, _)| pod.uid);
+        r.overlap_svid = overlap_svid;
+        r.svid_misses = svid_misses;
+        let live: Vec<churn::PodId> = b.pods.lock().unwrap().live.keys().cloned().collect();
+        r.svid_checked = live.len() as u64;
+        let misses = identity::missing_svids(&b.envoy, &id.provider, &live, served_from + identity::PODS_DEADLINE)?;
+        for m in misses {
+            eprintln!("   no SVID in Envoy: {m}");
+            r.svid_misses.push(format!("{m} {:?} after the new owner served", identity::PODS_DEADLINE));
+        }
+    }
     Ok(r)
 }
 
@@ -810,8 +986,12 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
 
     println!();
     println!(
-        "agent-restart-gap: {} rolls per mode, ADS backoff {:?}/{:?}, load {} rps",
-        cfg.rolls, cfg.backoff_base, cfg.backoff_max, cfg.rps
+        "agent-restart-gap: {} rolls per mode, ADS backoff {:?}/{:?}, load {} rps{}",
+        cfg.rolls,
+        cfg.backoff_base,
+        cfg.backoff_max,
+        cfg.rps,
+        cfg.identity.map(|m| format!(", workload identity on ({} mTLS)", m.name())).unwrap_or_default()
     );
     println!("{}", report::header());
     for r in results {
@@ -827,6 +1007,14 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         if let Some(d) = &r.cross_drain {
             println!("{}", report::row(&format!("{m}: cross-node drain (s)"), &d.samples, 4));
             println!("{}", report::row(&format!("{m}: drain outside reconnects (s)"), &r.drains_across_reconnects().1, 4));
+        }
+        if r.identity.is_some() {
+            let ms = |v: Vec<f64>| v.into_iter().map(|s| s * 1000.0).collect::<Vec<_>>();
+            println!("{}", report::row(&format!("{m}: takeover svid_wait (ms)"), &ms(r.svid_waits()), 3));
+            if r.rolls.iter().any(|x| x.overlap_pod.is_some()) {
+                println!("{}", report::row(&format!("{m}: overlap pod SVID after takeover (ms)"), &ms(r.overlap_svids()), 1));
+            }
+            println!("{}", report::row(&format!("{m}: SVID misses per roll"), &count(&|x| x.svid_misses.len() as u64), 0));
         }
     }
     println!("context: {SEED_SURGE}; {SEED_RECREATE}.");
@@ -876,6 +1064,36 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if let Some(eq) = &r.eds_equal_registrar {
             println!("{m}: both Envoys' EDS equal the registrar's view: {}", eq.is_ok());
+        }
+        if let Some(mtls) = r.identity {
+            let checks: u64 = r.rolls.iter().map(|x| x.svid_checked).sum();
+            let overlap = r.rolls.iter().filter(|x| x.overlap_pod.is_some()).count();
+            println!(
+                "{m}: identity {} (trust domain {}, {}): after each roll every present pod's SVID serial must be in Envoy's /certs within {:?} of the new owner serving; {} pod checks over {} rolls, {} missed",
+                mtls.name(),
+                identity::TRUST_DOMAIN,
+                if cfg.nodes == 2 { "node A's agents" } else { "every agent" },
+                identity::PODS_DEADLINE,
+                checks,
+                r.rolls.len(),
+                r.svid_misses()
+            );
+            if overlap > 0 {
+                println!(
+                    "{m}: identity: {overlap} overlap pods, one per roll, ADDed between the standby's Ready and the SIGTERM (the new owner's reconcile adds them; its takeover waits up to {:?} for their SVIDs); {} of them in /certs within {:?} of the new owner serving, timed from then to the first /certs read after Envoy's first update from the new owner (so the time includes Envoy's reconnect, the served gap)",
+                    identity::TAKEOVER_SVID_WAIT,
+                    r.overlap_svids().len(),
+                    identity::TAKEOVER_SVID_WAIT
+                );
+            }
+            println!(
+                "{m}: identity: takeover svid_wait from the new owner's /ready; {} reconciled pods were still without an SVID when it ended (svid_wait_missed)",
+                r.rolls.iter().filter_map(|x| x.svid_wait_missed).sum::<u64>()
+            );
+            println!(
+                "{m}: identity: the load is unchanged: plaintext through Envoy's outbound listener to loopback upstreams, which are not pods, so mTLS is not on its path{}",
+                if mtls == identity::Mtls::Permissive { " (permissive pods keep their plaintext chain as well)" } else { "" }
+            );
         }
         if let Some(d) = &r.node_dir {
             println!("{m}: node folder kept for inspection: {}", d.display());

@@ -32,14 +32,14 @@ pub fn summarize(v: &[f64]) -> Summary {
 pub fn row(label: &str, v: &[f64], decimals: usize) -> String {
     let s = summarize(v);
     if s.n == 0 {
-        return format!("{label:<34} {:>4}  {:>9} {:>9} {:>9} {:>9}", 0, "-", "-", "-", "-");
+        return format!("{label:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}", 0, "-", "-", "-", "-");
     }
     let f = |x: f64| format!("{x:.decimals$}");
-    format!("{label:<34} {:>4}  {:>9} {:>9} {:>9} {:>9}", s.n, f(s.median), f(s.p90), f(s.p99), f(s.max))
+    format!("{label:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}", s.n, f(s.median), f(s.p90), f(s.p99), f(s.max))
 }
 
 pub fn header() -> String {
-    format!("{:<34} {:>4}  {:>9} {:>9} {:>9} {:>9}", "figure", "n", "median", "p90", "p99", "max")
+    format!("{:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}", "figure", "n", "median", "p90", "p99", "max")
 }
 
 /// The gap distribution of each mode as an empirical CDF on a log time axis (the modes
