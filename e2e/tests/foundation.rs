@@ -387,11 +387,10 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
 }
 
 #[test]
-fn a_flag_for_a_client_this_agent_lacks_is_accepted_and_called_out() {
+fn identity_without_a_trust_domain_is_refused_naming_the_flag() {
     let mut node = LocalNode::new();
     let a = node.start_agent_with(&["--spiffe-endpoint=unix:///run/spire/agent.sock"]);
-    a.wait_role("owner", T);
-    a.wait_log("no workload-identity client yet", T);
+    a.wait_log("--trust-domain", T);
 }
 
 #[test]

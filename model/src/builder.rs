@@ -104,8 +104,12 @@ impl Builder {
         let mut secrets = node_secrets(&inputs.identity);
         let mut served = BTreeSet::new();
         let mut pod_secrets = BTreeMap::new();
+        let mut held_back = imbl::OrdSet::new();
         for (uid, pod) in &inputs.pods {
             if let Some(r) = pod_resources(pod, &ip_claims, &inputs.identity) {
+                if r.held_back {
+                    held_back.insert(uid.clone());
+                }
                 listeners.extend(r.listener);
                 clusters.push(r.cluster);
                 pod_secrets.insert(uid.clone(), r.secrets.iter().map(|s| s.name.clone()).collect());
@@ -139,6 +143,7 @@ impl Builder {
             endpoints: Resources::new(assignments, |a| &a.cluster),
             secrets: Resources::new(secrets, |s| &s.name),
             rejects: rejects(&ip_claims),
+            held_back,
             lineage: LINEAGE.fetch_add(1, Ordering::Relaxed),
             seq: 0,
             history: Arc::default(),
@@ -268,12 +273,22 @@ impl Builder {
         // every touched pod's old secrets go first, then the new ones are put.
         let mut stale_secrets = BTreeSet::new();
         let mut new_secrets = Vec::new();
+        let mut held_changed = false;
         for uid in &pods {
             let name = inbound_listener_name(uid);
             let built = self.inputs.pods.get(uid).and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
             stale_secrets.extend(self.pod_secrets.remove(uid).unwrap_or_default());
+            let was_held = s.held_back.contains(uid);
             match built {
                 Some(r) => {
+                    if r.held_back != was_held {
+                        if r.held_back {
+                            s.held_back.insert(uid.clone());
+                        } else {
+                            s.held_back.remove(uid);
+                        }
+                        held_changed = true;
+                    }
                     match r.listener {
                         Some(l) => {
                             if s.listeners.insert(name.clone(), l) {
@@ -296,6 +311,10 @@ impl Builder {
                     self.served.insert(uid.clone());
                 }
                 None => {
+                    if was_held {
+                        s.held_back.remove(uid);
+                        held_changed = true;
+                    }
                     if s.listeners.remove(&name) {
                         changed.note(Kind::Listener, &name);
                     }
@@ -378,7 +397,7 @@ impl Builder {
         }
 
         let rejects = rejects(&self.ip_claims);
-        if changed.is_empty() && rejects == s.rejects {
+        if changed.is_empty() && rejects == s.rejects && !held_changed {
             return None;
         }
         s.rejects = rejects;
@@ -448,6 +467,8 @@ fn node_secrets(id: &Identity) -> Vec<NamedSecret> {
 struct PodResources {
     /// `None`: strict mTLS and the pod's SVID (or the bundle) has not arrived.
     listener: Option<Listener>,
+    /// The listener is held back for the SVID (strict).
+    held_back: bool,
     cluster: Cluster,
     /// The pod's certificate, once per IP of its own (the outbound side names it by the
     /// connection's source address).
@@ -514,7 +535,7 @@ fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>, id: &Id
         address: SocketAddr::new(first, INBOUND_TARGET_PORT),
         kind: ListenerKind::InboundPod { chain: InboundChain { pod_uid: uid.to_string(), ips, cluster, tls } },
     });
-    Some(PodResources { listener, cluster: c, secrets })
+    Some(PodResources { listener, held_back: fail_closed, cluster: c, secrets })
 }
 
 /// Short names are namespace-relative; on a node-wide listener one claimed by two

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use imbl::OrdMap;
+use imbl::{OrdMap, OrdSet};
 use serde::Serialize;
 
 use crate::hash::{Fnv, content_hash};
@@ -297,6 +297,9 @@ pub struct Snapshot {
     pub secrets: Resources<NamedSecret>,
     /// Inputs the builder left out, one sentence each, for logs.
     pub rejects: Vec<String>,
+    /// Pods (by uid) whose inbound listener strict mTLS holds back until their SVID
+    /// arrives: served otherwise (their cluster is there), listener-less by design.
+    pub held_back: OrdSet<String>,
     /// Which builder made this snapshot (unique per [`crate::Builder`] in a process) and
     /// its position in that builder's sequence.
     pub lineage: u64,
@@ -314,6 +317,7 @@ impl PartialEq for Snapshot {
             && self.endpoints == o.endpoints
             && self.secrets == o.secrets
             && self.rejects == o.rejects
+            && self.held_back == o.held_back
     }
 }
 
@@ -355,7 +359,10 @@ impl Snapshot {
         Some(self.history[from..].iter().flat_map(|c| c.kind(k).iter().map(String::as_str)).collect())
     }
 
-    /// Whether this snapshot serves the pod (its inbound listener and cluster).
+    /// Whether this snapshot serves the pod (its inbound listener and cluster; a pod whose
+    /// listener strict mTLS holds back for its SVID counts without it: that is how it is
+    /// served until the SVID comes, and its CNI ADD must not wait for the SVID, which the
+    /// provider can attest only once the pod runs).
     pub fn holds_pod(&self, uid: &str, ips: &[IpAddr]) -> bool {
         if ips.is_empty() {
             return false;
@@ -370,7 +377,8 @@ impl Snapshot {
             ClusterKind::Static { endpoints, .. } => ips.iter().all(|ip| endpoints.iter().any(|e| e.ip() == *ip)),
             ClusterKind::Eds => false,
         });
-        capture_ok && chain_ok && cluster_ok
+        let held = self.held_back.contains(uid) && !self.listeners.items.contains_key(&inbound_listener_name(uid));
+        capture_ok && (chain_ok || held) && cluster_ok
     }
 
     /// Whether the proxy asks EDS for `name`: an EDS cluster of this snapshot has it.

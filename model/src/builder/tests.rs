@@ -507,13 +507,18 @@ fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
     let s = b.snapshot().clone();
     assert!(s.listeners.get("inbound|u1").is_none(), "fail closed: no listener without the SVID");
     assert!(s.secrets.get("spiffe|pod|10.1.0.5").is_none(), "strict never presents the agent's SVID for a pod");
-    assert!(!s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
+    // The pod is served as strict mode serves it until the SVID comes: its CNI ADD
+    // succeeds (the provider attests a pod only once it runs).
+    assert!(s.held_back.contains("u1"));
+    assert!(s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
+    assert!(!s.holds_pod("u1", &["10.1.0.6".parse().unwrap()]), "not at an IP it does not have");
 
     let s = b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p1")) }]).unwrap();
     match &s.listeners.get("inbound|u1").expect("the SVID opens the listener").kind {
         ListenerKind::InboundPod { chain } => assert_eq!(chain.tls, Some(InboundTls { certificate: "spiffe|inbound|u1".into(), plaintext: false })),
         other => panic!("{other:?}"),
     }
+    assert!(s.held_back.is_empty());
     assert!(s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
 }
 
