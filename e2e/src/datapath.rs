@@ -721,7 +721,7 @@ fn base64_decode(text: &str) -> Vec<u8> {
 // ---- certificate fields ----
 
 /// The next DER element of `input`: (tag, contents, what follows).
-fn der_next(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+pub(crate) fn der_next(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
     let (&tag, rest) = input.split_first()?;
     let (&len0, rest) = rest.split_first()?;
     let (len, rest) = if len0 < 0x80 {

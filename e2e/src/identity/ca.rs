@@ -173,21 +173,8 @@ pub fn serial_hex(cert_der: &[u8]) -> Option<String> {
 /// The contents of the DER element at the start of `input` if its tag is `tag`, and what
 /// follows it.
 fn der_element(input: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
-    let (&first, rest) = input.split_first()?;
-    if first != tag {
-        return None;
-    }
-    let (&len0, rest) = rest.split_first()?;
-    let (len, rest) = if len0 < 0x80 {
-        (usize::from(len0), rest)
-    } else {
-        let n = usize::from(len0 & 0x7f);
-        if n == 0 || n > 4 || rest.len() < n {
-            return None;
-        }
-        (rest[..n].iter().fold(0usize, |acc, b| acc << 8 | usize::from(*b)), &rest[n..])
-    };
-    (rest.len() >= len).then(|| rest.split_at(len))
+    let (found, contents, rest) = crate::datapath::der_next(input)?;
+    (found == tag).then_some((contents, rest))
 }
 
 #[cfg(test)]
