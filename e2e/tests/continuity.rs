@@ -378,3 +378,44 @@ fn the_socket_keeper_refuses_a_peer_of_another_uid_and_offers_nothing_before_it_
     assert_eq!(hello_as_uid_65534(&path), "b''", "the keeper answered a foreign uid");
     keeper.wait_log_count("runs as uid 65534", 1, T);
 }
+
+/// Fault matrix row 4: the node lock held by an unrelated process (util-linux `flock`,
+/// not an agent). The agent waits as a standby: it binds no node socket and writes no
+/// node file for as long as the lock is held, and takes the node over as soon as that
+/// process dies.
+#[test]
+fn a_lock_held_by_an_unrelated_process_keeps_the_agent_a_standby_until_it_dies() {
+    let mut node = LocalNode::new();
+    std::fs::create_dir_all(&node.run_dir).expect("run dir");
+    let lock_path = node.run_dir.join("agent.lock");
+    // `--no-fork`: flock execs the command itself, so the process that holds the lock is
+    // the one the test kills (a forked child would inherit the lock and outlive it).
+    let mut holder = std::process::Command::new("flock")
+        .args(["--exclusive", "--no-fork"])
+        .arg(&lock_path)
+        .args(["sleep", "600"])
+        .spawn()
+        .expect("run flock (util-linux)");
+    // Held once a non-blocking attempt of ours fails.
+    wait_for("flock to hold the node lock", T, || {
+        let f = File::options().read(true).write(true).create(true).truncate(false).open(&lock_path).ok()?;
+        f.try_lock().is_err().then_some(())
+    });
+    let agent = node.start_agent();
+    agent.wait_role("standby", T);
+    // A while as a standby (every read of /ready is one more chance to see it wrong).
+    for _ in 0..20 {
+        let (_, v) = agent.ready().expect("/ready answers");
+        assert_eq!(v["role"], "standby", "the agent must not own the node while another process holds the lock: {v}");
+        for name in ["xds.sock", "cni.sock"] {
+            assert!(!node.run_dir.join(name).exists(), "a standby bound {name} while the lock was held");
+        }
+        assert_eq!(std::fs::read_to_string(&lock_path).unwrap_or_default(), "", "a standby wrote the lock file");
+    }
+    let t0 = Instant::now();
+    kill(Pid::from_raw(holder.id() as i32), Signal::SIGKILL).expect("kill flock");
+    let _ = holder.wait();
+    agent.wait_role("owner", T);
+    assert!(node.run_dir.join("xds.sock").exists() && node.run_dir.join("cni.sock").exists(), "the new owner binds both sockets");
+    eprintln!("lock released by the unrelated process's death; the agent owned the node {:?} later", t0.elapsed());
+}
