@@ -31,32 +31,6 @@ use serde_json::{Value, json};
 const T: Duration = Duration::from_secs(15);
 const TD: &str = "example.org";
 
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// The agent's binaries and the plugin, built for this benchmark's profile: `cargo bench
-/// -p aether-e2e` builds only this package's targets. With `AETHER_BIN_DIR`, as they are.
-fn build_bins() {
-    if std::env::var_os("AETHER_BIN_DIR").is_some() {
-        return;
-    }
-    let dir = testing::bin_dir();
-    let profile = match dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") => "dev".to_string(),
-        Some(p) => p.to_string(),
-        None => panic!("no profile in the binary folder {}", dir.display()),
-    };
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "--quiet", "--profile", &profile]);
-    for (p, b) in [("aether-supervisor", "aether-supervisor"), ("aether-worker", "aether-worker"), ("aether-cni", "aether-cni")] {
-        cmd.args(["-p", p, "--bin", b]);
-    }
-    let status = cmd.current_dir(testing::workspace_root()).status().expect("running cargo build");
-    assert!(status.success(), "cargo build --profile {profile} of the agent's binaries: {status}");
-}
-
 /// One node of the run.
 struct Side {
     name: &'static str,
@@ -115,9 +89,9 @@ fn main() {
         eprintln!("identity-takeover: no Envoy; run scripts/install-envoy.sh or set ENVOY_BIN");
         std::process::exit(2);
     };
-    build_bins();
-    let rolls = env_usize("ARG_ROLLS", 20).max(1);
-    let pods = env_usize("BENCH_PODS", 10);
+    testing::build_agent_bins();
+    let rolls = testing::env_usize("ARG_ROLLS", 20).max(1);
+    let pods = testing::env_usize("BENCH_PODS", 10);
 
     let (_idp_dir, idp) = identity_provider_for_agents(TD);
     let mut on = Side::new("identity", &envoy_bin, &identity_args(&idp, "permissive"), pods, 88);

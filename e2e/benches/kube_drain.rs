@@ -41,32 +41,6 @@ const LIVE: usize = 20;
 const POOL: u32 = 64;
 const BOUND_MS: f64 = 50.0;
 
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// The agent's binaries and the plugin, built for this benchmark's profile: `cargo bench
-/// -p aether-e2e` builds only this package's targets. With `AETHER_BIN_DIR`, as they are.
-fn build_bins() {
-    if std::env::var_os("AETHER_BIN_DIR").is_some() {
-        return;
-    }
-    let dir = testing::bin_dir();
-    let profile = match dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") => "dev".to_string(),
-        Some(p) => p.to_string(),
-        None => panic!("no profile in the binary folder {}", dir.display()),
-    };
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "--quiet", "--profile", &profile]);
-    for (p, b) in [("aether-supervisor", "aether-supervisor"), ("aether-worker", "aether-worker"), ("aether-cni", "aether-cni")] {
-        cmd.args(["-p", p, "--bin", b]);
-    }
-    let status = cmd.current_dir(testing::workspace_root()).status().expect("running cargo build");
-    assert!(status.success(), "cargo build --profile {profile} of the agent's binaries: {status}");
-}
-
 fn pod_id(n: usize) -> PodId {
     PodId { uid: format!("drain-{n:05}-uid"), name: format!("drain-{n}") }
 }
@@ -97,9 +71,9 @@ fn main() {
         eprintln!("kube-drain: no Envoy; run scripts/install-envoy.sh or set ENVOY_BIN");
         std::process::exit(2);
     };
-    build_bins();
-    let deletions = env_usize("BENCH_DELETIONS", 100);
-    let churn = env_usize("BENCH_CHURN", 500);
+    testing::build_agent_bins();
+    let deletions = testing::env_usize("BENCH_DELETIONS", 100);
+    let churn = testing::env_usize("BENCH_CHURN", 500);
 
     let api = KubeApi::start();
     api.grant("agent", &[Rule { resource: "pods", verbs: &["get", "list", "watch"] }, Rule { resource: "nodes", verbs: &["get", "list", "watch", "patch"] }]);

@@ -581,3 +581,31 @@ mod tests {
         assert_eq!(percentile::<f64>(&[], 50.0), None);
     }
 }
+
+/// A whole number from the environment variable `name`, else `default` (benchmark knobs).
+pub fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// The agent's binaries and the plugin, built for the calling benchmark's profile: `cargo
+/// bench -p aether-e2e` builds only this package's targets. With `AETHER_BIN_DIR`, as
+/// they are.
+pub fn build_agent_bins() {
+    if std::env::var_os("AETHER_BIN_DIR").is_some() {
+        return;
+    }
+    let dir = bin_dir();
+    let profile = match dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => "dev".to_string(),
+        Some(p) => p.to_string(),
+        None => panic!("no profile in the binary folder {}", dir.display()),
+    };
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args(["build", "--quiet", "--profile", &profile]);
+    for (p, b) in [("aether-supervisor", "aether-supervisor"), ("aether-worker", "aether-worker"), ("aether-cni", "aether-cni")] {
+        cmd.args(["-p", p, "--bin", b]);
+    }
+    let status = cmd.current_dir(workspace_root()).status().expect("running cargo build");
+    assert!(status.success(), "cargo build --profile {profile} of the agent's binaries: {status}");
+}
