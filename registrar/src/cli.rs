@@ -93,8 +93,9 @@ pub struct ServeArgs {
     #[arg(long, env = "AETHER_REGISTRAR_TOKEN_REVIEW", conflicts_with = "insecure_listen")]
     pub token_review: bool,
 
-    /// Kubernetes API access for --token-review [default: in cluster]
-    #[arg(long, env = "KUBECONFIG", value_name = "FILE", requires = "token_review")]
+    /// Kubernetes API access, for --token-review, discovery and --taint-guard [default:
+    /// the pod's service account, in cluster]
+    #[arg(long, env = "KUBECONFIG", value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
 
     /// The audience the agents' tokens must be minted for (--token-review)
@@ -130,6 +131,63 @@ pub struct ServeArgs {
     /// (FAILED_PRECONDITION); one naming none is served
     #[arg(long, env = "AETHER_REGISTRAR_CLUSTER", value_name = "NAME")]
     pub cluster: Option<String>,
+
+    /// Discover services from Kubernetes: watch Services and EndpointSlices
+    /// (discovery.k8s.io/v1) and write them into etcd with the source `kubernetes`. auto:
+    /// on when the registrar has Kubernetes API access (--kubeconfig, or a service account
+    /// mounted in its pod). Kubernetes wins over files: discovery takes over a service of
+    /// the same name that `apply` wrote, and `apply` and `delete` refuse a discovered one.
+    /// Only the holder of the Lease (--lease-name) writes
+    #[arg(long, env = "AETHER_REGISTRAR_DISCOVERY", value_name = "WHEN", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub discovery: String,
+
+    /// Discover only these namespaces (repeatable) [default: every namespace]
+    #[arg(long = "discover-namespace", value_name = "NAMESPACE")]
+    pub discover_namespaces: Vec<String>,
+
+    /// Never discover these namespaces (repeatable)
+    #[arg(long = "ignore-namespace", value_name = "NAMESPACE")]
+    pub ignore_namespaces: Vec<String>,
+
+    /// Re-apply the startup taint aether.io/agent-not-ready:NoSchedule to any node with no
+    /// non-terminating Ready agent pod (--agent-selector) for --taint-grace. Needs nodes:
+    /// get, list, watch, patch and pods: get, list, watch. Only the Lease holder patches
+    #[arg(long, env = "AETHER_REGISTRAR_TAINT_GUARD")]
+    pub taint_guard: bool,
+
+    /// Seconds a node may have no Ready agent pod before the guard taints it
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub taint_grace: u64,
+
+    /// The namespace of the agent pods (--taint-guard) [default: --lease-namespace]
+    #[arg(long, env = "AETHER_REGISTRAR_AGENT_NAMESPACE", value_name = "NAMESPACE")]
+    pub agent_namespace: Option<String>,
+
+    /// The label selector of the agent pods (--taint-guard)
+    #[arg(long, value_name = "SELECTOR", default_value = "app.kubernetes.io/name=aether-agent,app.kubernetes.io/component=agent")]
+    pub agent_selector: String,
+
+    /// A label selector of the nodes the guard covers (--taint-guard): the nodes the agent
+    /// DaemonSet runs on [default: every node]
+    #[arg(long, value_name = "SELECTOR", default_value = "")]
+    pub guard_node_selector: String,
+
+    /// The namespace of the leader-election Lease (coordination.k8s.io/v1)
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE", default_value = "default")]
+    pub lease_namespace: String,
+
+    /// The name of the leader-election Lease
+    #[arg(long, value_name = "NAME", default_value = "aether-registrar")]
+    pub lease_name: String,
+
+    /// This replica's identity in the Lease [default: host name and pid]
+    #[arg(long, env = "POD_NAME", value_name = "ID")]
+    pub leader_id: Option<String>,
+
+    /// Seconds a leader's Lease lasts without renewal; another replica takes over after it
+    /// (a leader stops writing after two thirds of it)
+    #[arg(long, value_name = "SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_duration: u64,
 
     /// Log format on stderr: text or json (RUST_LOG filters; default info)
     #[arg(long, env = "AETHER_REGISTRAR_LOG_FORMAT", value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"])]
@@ -188,6 +246,11 @@ mod tests {
         assert_eq!(s.agent_uids, [65532, 65533]);
         assert_eq!(s.socket_mode, 0o660);
         assert!(s.operator_uids.is_empty());
+        assert_eq!((s.discovery.as_str(), s.taint_guard, s.taint_grace, s.lease_duration), ("auto", false, 30, 15));
+        let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "unix:///r", "--discovery", "maybe"]).unwrap_err().to_string();
+        assert!(e.contains("maybe"), "{e}");
+        let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "unix:///r", "--taint-grace", "0"]).unwrap_err().to_string();
+        assert!(e.contains("--taint-grace"), "{e}");
         let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "nowhere"]).unwrap_err().to_string();
         assert!(e.contains("nowhere"), "{e}");
     }

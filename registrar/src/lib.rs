@@ -14,6 +14,7 @@ pub mod authz;
 pub mod cli;
 pub mod client;
 pub mod keys;
+pub mod kubernetes;
 pub mod listen;
 pub mod plan;
 pub mod serve;
@@ -24,6 +25,7 @@ pub mod tokenreview;
 pub mod validate;
 pub mod values;
 pub mod view;
+pub mod writes;
 
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use aether_model::{EndpointState, Service, ServiceKey};
 
 use crate::keys::Layout;
-use crate::values::{self, EndpointValue, MarkValue, ServiceValue};
+use crate::values::{self, EndpointValue, MarkValue, ServiceValue, Source};
 
 /// One write of a transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,15 +19,43 @@ pub enum Op {
     DeletePrefix { prefix: String },
 }
 
-/// The writes that make etcd hold `s` exactly: its service value, its endpoints, and no
-/// other endpoint of it. Values already equal are not rewritten, so a repeated apply
-/// writes nothing and wakes no watcher. Drain marks are left alone. The service comes
-/// first, so a client applying the changes in order knows the service before its
-/// endpoints.
-pub fn apply_service(layout: &Layout, s: &Service, current_service: Option<&[u8]>, current_endpoints: &BTreeMap<String, Vec<u8>>) -> Vec<Op> {
+/// A write refused because another source owns the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owned {
+    pub by: Source,
+}
+
+/// The source of a service as stored; None when absent. A value that does not decode
+/// counts as a file's, so that either source may replace it.
+pub fn stored_source(current_service: Option<&[u8]>) -> Option<Source> {
+    current_service.map(|v| serde_json::from_slice::<ServiceValue>(v).map_or(Source::File, |s| s.source))
+}
+
+/// Whether `writer` may change or delete a service stored with `current`: Kubernetes
+/// wins. Discovery may take over a file's service; a file may not touch a discovered one.
+pub fn may_write(writer: Source, current_service: Option<&[u8]>) -> Result<(), Owned> {
+    match (writer, stored_source(current_service)) {
+        (Source::File, Some(Source::Kubernetes)) => Err(Owned { by: Source::Kubernetes }),
+        _ => Ok(()),
+    }
+}
+
+/// The writes that make etcd hold `s` exactly, written by `writer`: its service value,
+/// its endpoints, and no other endpoint of it. Values already equal are not rewritten, so
+/// a repeated apply writes nothing and wakes no watcher. Drain marks are left alone: a
+/// mark an agent set outlives every rewrite of its endpoint. The service comes first, so
+/// a client applying the changes in order knows the service before its endpoints.
+pub fn apply_service(
+    layout: &Layout,
+    s: &Service,
+    writer: Source,
+    current_service: Option<&[u8]>,
+    current_endpoints: &BTreeMap<String, Vec<u8>>,
+) -> Result<Vec<Op>, Owned> {
+    may_write(writer, current_service)?;
     let key = s.key();
     let mut ops = Vec::new();
-    let value = values::encode(&ServiceValue { ports: s.ports.clone(), vip: s.vip });
+    let value = values::encode(&ServiceValue { ports: s.ports.clone(), vip: s.vip, source: writer });
     if current_service != Some(value.as_slice()) {
         ops.push(Op::Put { key: layout.service(&key), value });
     }
@@ -49,16 +77,22 @@ pub fn apply_service(layout: &Layout, s: &Service, current_service: Option<&[u8]
             ops.push(Op::Put { key: k, value: v });
         }
     }
-    ops
+    Ok(ops)
 }
 
-/// The writes that remove a service with its endpoints and marks.
-pub fn delete_service(layout: &Layout, key: &ServiceKey) -> Vec<Op> {
-    vec![
+/// The writes that remove a service with its endpoints and marks, by `writer`. Discovery
+/// removes only the services it wrote: a file's service of a name Kubernetes does not
+/// have stays.
+pub fn delete_service(layout: &Layout, key: &ServiceKey, writer: Source, current_service: Option<&[u8]>) -> Result<Vec<Op>, Owned> {
+    may_write(writer, current_service)?;
+    if writer == Source::Kubernetes && stored_source(current_service) == Some(Source::File) {
+        return Ok(Vec::new());
+    }
+    Ok(vec![
         Op::Delete { key: layout.service(key) },
         Op::DeletePrefix { prefix: layout.endpoints_of(key) },
         Op::DeletePrefix { prefix: layout.marks_of(key) },
-    ]
+    ])
 }
 
 /// A service with endpoints at the address being marked, as read.
@@ -169,19 +203,19 @@ mod tests {
     fn apply_writes_only_the_difference_and_removes_absent_endpoints() {
         let l = Layout::new(DEFAULT_PREFIX);
         let mut etcd = BTreeMap::new();
-        let first = apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), None, &etcd);
+        let first = apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), Source::File, None, &etcd).unwrap();
         assert_eq!(show(&first), ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080", "put endpoints/d/web/10.0.0.2/8080"]);
         run(&first, &mut etcd);
         let eps = |etcd: &BTreeMap<String, Vec<u8>>| etcd.iter().filter(|(k, _)| k.starts_with(&l.endpoints_of(&web()))).map(|(k, v)| (k.clone(), v.clone())).collect();
         let svc = etcd.get(&l.service(&web())).cloned();
-        assert!(apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), svc.as_deref(), &eps(&etcd)).is_empty(), "the same apply writes nothing");
+        assert!(apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), Source::File, svc.as_deref(), &eps(&etcd)).unwrap().is_empty(), "the same apply writes nothing");
         let mark = l.mark(&web(), "10.0.0.1".parse().unwrap());
         etcd.insert(mark.clone(), b"{}".to_vec());
-        let second = apply_service(&l, &service(&[("10.0.0.2", 8080), ("10.0.0.3", 8080)]), svc.as_deref(), &eps(&etcd));
+        let second = apply_service(&l, &service(&[("10.0.0.2", 8080), ("10.0.0.3", 8080)]), Source::File, svc.as_deref(), &eps(&etcd)).unwrap();
         assert_eq!(show(&second), ["delete endpoints/d/web/10.0.0.1/8080", "put endpoints/d/web/10.0.0.3/8080"]);
         run(&second, &mut etcd);
         assert!(etcd.contains_key(&mark), "an apply keeps drain marks");
-        run(&delete_service(&l, &web()), &mut etcd);
+        run(&delete_service(&l, &web(), Source::File, svc.as_deref()).unwrap(), &mut etcd);
         assert!(etcd.is_empty(), "{etcd:?}");
     }
 
@@ -192,8 +226,11 @@ mod tests {
         // etcd as a registrar without the field left it.
         let old = br#"{"service_port":80,"node":"n1","pod":"","state":"healthy"}"#.to_vec();
         let current: BTreeMap<String, Vec<u8>> = [(k1.clone(), old.clone()), (k2.clone(), old.clone())].into();
-        let svc = values::encode(&ServiceValue { ports: vec![80], vip: None });
+        let svc = values::encode(&ServiceValue { ports: vec![80], vip: None, source: Source::File });
         let plain = service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]);
+        let apply_service = |l: &Layout, s: &Service, svc: Option<&Vec<u8>>, current: &BTreeMap<String, Vec<u8>>| {
+            apply_service(l, s, Source::File, svc.map(Vec::as_slice), current).unwrap()
+        };
         assert!(apply_service(&l, &plain, Some(&svc), &current).is_empty(), "unmarked endpoints are the bytes they were");
         let mut marked = plain.clone();
         marked.endpoints[1].mtls = true;
@@ -204,6 +241,30 @@ mod tests {
         let after: BTreeMap<String, Vec<u8>> = [(k1, old), (k2, value.clone())].into();
         assert!(apply_service(&l, &marked, Some(&svc), &after).is_empty(), "the same apply writes nothing");
         assert_eq!(show(&apply_service(&l, &plain, Some(&svc), &after)), ["put endpoints/d/web/10.0.0.2/8080"], "unmarking rewrites it");
+    }
+
+    #[test]
+    fn kubernetes_wins_over_a_file_and_discovery_removes_only_what_it_wrote() {
+        let l = Layout::new(DEFAULT_PREFIX);
+        let none = BTreeMap::new();
+        let file_value = values::encode(&ServiceValue { ports: vec![80], vip: None, source: Source::File });
+        let discovered = values::encode(&ServiceValue { ports: vec![80], vip: None, source: Source::Kubernetes });
+        let s = service(&[("10.0.0.1", 8080)]);
+        // A file may not change or delete a discovered service.
+        assert_eq!(apply_service(&l, &s, Source::File, Some(&discovered), &none), Err(Owned { by: Source::Kubernetes }));
+        assert_eq!(delete_service(&l, &web(), Source::File, Some(&discovered)), Err(Owned { by: Source::Kubernetes }));
+        // Discovery takes over a file's service: the value is rewritten with its source.
+        let ops = apply_service(&l, &s, Source::Kubernetes, Some(&file_value), &none).unwrap();
+        assert_eq!(show(&ops), ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080"]);
+        let Op::Put { value, .. } = &ops[0] else { unreachable!() };
+        assert_eq!(value, &discovered);
+        // Discovery deletes its own services, never a file's; a file deletes its own.
+        assert!(delete_service(&l, &web(), Source::Kubernetes, Some(&file_value)).unwrap().is_empty());
+        assert_eq!(delete_service(&l, &web(), Source::Kubernetes, Some(&discovered)).unwrap().len(), 3);
+        assert_eq!(delete_service(&l, &web(), Source::File, Some(&file_value)).unwrap().len(), 3);
+        // A value that does not decode is anybody's.
+        assert_eq!(stored_source(Some(b"{oops")), Some(Source::File));
+        assert!(apply_service(&l, &s, Source::File, Some(b"{oops"), &none).is_ok());
     }
 
     fn target(nodes: &[&str], current: Option<(EndpointState, &str)>) -> MarkTarget {

@@ -14,6 +14,10 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use crate::authz::Policy;
 use crate::cli::ServeArgs;
 use crate::keys::Layout;
+use crate::kubernetes::discovery::Namespaces;
+use crate::kubernetes::lease::LeaseConfig;
+use crate::kubernetes::taint_guard::GuardConfig;
+use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::service::{Registrar, Transport};
 use crate::store::{EtcdOptions, Store};
@@ -55,9 +59,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         agent_accounts: args.agent_accounts.clone(),
         operator_users: args.operator_users.clone(),
     };
-    let reviewer = match args.token_review {
-        true => Some(std::sync::Arc::new(Reviewer::connect(args.kubeconfig.as_deref(), args.token_audience.clone()).await?)),
+    let discovery = match args.discovery.as_str() {
+        "on" => true,
+        "off" => false,
+        _ => args.kubeconfig.is_some() || kubernetes::in_cluster(),
+    };
+    let kube_client = match args.token_review || discovery || args.taint_guard {
+        true => Some(kubernetes::client(args.kubeconfig.as_deref()).await?),
         false => None,
+    };
+    let reviewer = match (args.token_review, &kube_client) {
+        (true, Some(c)) => Some(std::sync::Arc::new(Reviewer::new(c.clone(), args.token_audience.clone()))),
+        _ => None,
     };
     let bound = listen::bind(&args.listen, args.insecure_listen || args.token_review, args.socket_mode).await?;
     let transport = match (bound_kind(&bound), reviewer) {
@@ -74,6 +87,28 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let shutdown_seen = shutdown_rx.clone();
+    let mut controllers = tokio::task::JoinSet::new();
+    if let (Some(client), true) = (&kube_client, discovery || args.taint_guard) {
+        let lease = LeaseConfig {
+            namespace: args.lease_namespace.clone(),
+            name: args.lease_name.clone(),
+            identity: args.leader_id.clone().unwrap_or_else(default_identity),
+            duration: Duration::from_secs(args.lease_duration),
+        };
+        let namespaces = discovery.then(|| Namespaces {
+            include: args.discover_namespaces.iter().cloned().collect(),
+            exclude: args.ignore_namespaces.iter().cloned().collect(),
+        });
+        let taint_guard = args.taint_guard.then(|| GuardConfig {
+            grace: Duration::from_secs(args.taint_grace),
+            agent_namespace: args.agent_namespace.clone().unwrap_or_else(|| args.lease_namespace.clone()),
+            agent_selector: args.agent_selector.clone(),
+            node_selector: args.guard_node_selector.clone(),
+        });
+        tracing::info!(lease = %format!("{}/{}", lease.namespace, lease.name), identity = %lease.identity, discovery, taint_guard = args.taint_guard,
+            namespaces = ?args.discover_namespaces, ignored = ?args.ignore_namespaces, "Kubernetes controllers starting; the Lease holder writes");
+        kubernetes::spawn(&mut controllers, client.clone(), store.clone(), Controllers { lease, discovery: namespaces, taint_guard }, shutdown_rx.clone());
+    }
     let registrar = Registrar::new(store, policy.clone(), transport, args.cluster.clone(), shutdown_rx);
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
@@ -107,6 +142,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         served = serving => served.with_context(|| format!("serving on {}", args.listen))?,
         _ = deadline => tracing::warn!("connections still open {SHUTDOWN_GRACE:?} after the signal; exiting without them"),
     }
+    // The leader releases its Lease on the way out, so that another replica takes over
+    // without waiting for it to expire.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async { while controllers.join_next().await.is_some() {} }).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The Lease identity when no --leader-id (POD_NAME) is given: host name and pid.
+fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "registrar".into());
+    format!("{host}-{}", std::process::id())
 }

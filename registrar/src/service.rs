@@ -24,7 +24,8 @@ use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
 use crate::store::{Guard, Store, StoreError};
 use crate::streams::{Registration, Replaced, StreamKey, Streams};
 use crate::validate;
-use crate::values::{self, EndpointValue, MarkValue};
+use crate::values::{self, EndpointValue, MarkValue, Source};
+use crate::writes::{self, WriteError};
 use crate::view::{self, Event, EventKind, Rejected};
 
 /// A transaction whose guard keeps failing (the keys keep changing under it) is read and
@@ -220,18 +221,18 @@ impl Registry for Registrar {
     async fn delete_service(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
         let peer = self.authorize(&req, Method::DeleteService).await?;
         let key = validate::service_key("service", req.get_ref().service.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let layout = &self.store.layout;
-        let service_key = layout.service(&key);
-        for _ in 0..ATTEMPTS {
-            let (read, existing) = self.store.read_key(&service_key, None).await.map_err(unavailable)?;
-            let ops = plan::delete_service(layout, &key);
-            if let Some(revision) = self.store.commit(read, &[Guard::Key(service_key.clone())], &ops).await.map_err(unavailable)? {
-                let deleted = existing.is_some();
-                tracing::info!(peer = %peer, service = %key, deleted, revision, "service deleted");
-                return Ok(Response::new(pb::DeleteServiceResponse { deleted, revision }));
-            }
-        }
-        Err(Status::aborted(format!("{key} kept changing while being deleted; retry")))
+        let w = writes::delete(&self.store, &key, Source::File).await.map_err(write_status)?;
+        tracing::info!(peer = %peer, service = %key, deleted = w.existed, revision = w.revision, "service deleted");
+        Ok(Response::new(pb::DeleteServiceResponse { deleted: w.existed, revision: w.revision }))
+    }
+}
+
+/// A write's error as the API says it.
+fn write_status(e: WriteError) -> Status {
+    match e {
+        WriteError::Store(e) => unavailable(e),
+        e @ (WriteError::Owned { .. } | WriteError::TooManyOps { .. }) => Status::failed_precondition(e.to_string()),
+        e @ WriteError::Contended { .. } => Status::aborted(e.to_string()),
     }
 }
 
@@ -277,34 +278,11 @@ impl Registrar {
 
     /// Makes etcd hold `s` exactly, in one transaction; the revision after it.
     async fn apply_one(&self, s: &aether_model::Service) -> Result<i64, Status> {
-        let layout = &self.store.layout;
-        let key = s.key();
-        let (service_key, endpoints) = (layout.service(&key), layout.endpoints_of(&key));
-        for _ in 0..ATTEMPTS {
-            let (read, kvs) = self.store.read_prefix(&endpoints, None).await.map_err(unavailable)?;
-            let (_, current) = self.store.read_key(&service_key, Some(read)).await.map_err(unavailable)?;
-            let current_endpoints: BTreeMap<String, Vec<u8>> = kvs.into_iter().map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v)).collect();
-            let ops = plan::apply_service(layout, s, current.as_deref(), &current_endpoints);
-            if ops.is_empty() {
-                return Ok(read);
-            }
-            let guards = [Guard::Key(service_key.clone()), Guard::Prefix(endpoints.clone())];
-            match self.store.commit(read, &guards, &ops).await {
-                Ok(Some(revision)) => {
-                    tracing::info!(service = %key, writes = ops.len(), endpoints = s.endpoints.len(), revision, "service applied");
-                    return Ok(revision);
-                }
-                Ok(None) => continue,
-                Err(e) if e.status().is_some_and(|st| st.message().contains("too many operations")) => {
-                    return Err(Status::failed_precondition(format!(
-                        "{key}: {} writes in one transaction are more than etcd's --max-txn-ops allows (128 by default); raise it: {e}",
-                        ops.len()
-                    )));
-                }
-                Err(e) => return Err(unavailable(e)),
-            }
+        let w = writes::apply(&self.store, s, Source::File).await.map_err(write_status)?;
+        if w.writes > 0 {
+            tracing::info!(service = %s.key(), writes = w.writes, endpoints = s.endpoints.len(), revision = w.revision, "service applied");
         }
-        Err(Status::aborted(format!("{key} kept changing while being applied; retry")))
+        Ok(w.revision)
     }
 }
 

@@ -9,7 +9,6 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -34,21 +33,9 @@ pub struct Reviewer {
 }
 
 impl Reviewer {
-    /// A client from `kubeconfig`, or the pod's own service account (in cluster).
-    pub async fn connect(kubeconfig: Option<&Path>, audience: String) -> anyhow::Result<Self> {
-        let config = match kubeconfig {
-            Some(path) => {
-                let k = kube::config::Kubeconfig::read_from(path)
-                    .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
-                kube::Config::from_custom_kubeconfig(k, &kube::config::KubeConfigOptions::default())
-                    .await
-                    .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?
-            }
-            None => kube::Config::incluster()
-                .map_err(|e| anyhow::anyhow!("--token-review without --kubeconfig needs the pod's service account (in cluster): {e}"))?,
-        };
-        let client = kube::Client::try_from(config)?;
-        Ok(Self { api: kube::Api::all(client), audience, hasher: Default::default(), cache: Mutex::new(HashMap::new()) })
+    /// A reviewer using `client` (see [`crate::kubernetes::client`]).
+    pub fn new(client: kube::Client, audience: String) -> Self {
+        Self { api: kube::Api::all(client), audience, hasher: Default::default(), cache: Mutex::new(HashMap::new()) }
     }
 
     /// Who `token` belongs to, or why it is refused.

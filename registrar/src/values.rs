@@ -14,6 +14,42 @@ pub struct ServiceValue {
     pub ports: Vec<u16>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vip: Option<IpAddr>,
+    /// Who wrote the service. Stored only for a discovered one, so that the values that
+    /// `apply` writes are the bytes they were before discovery existed.
+    #[serde(default, skip_serializing_if = "Source::is_file")]
+    pub source: Source,
+}
+
+/// Where a service in the registry comes from. Kubernetes wins: discovery takes over a
+/// service of the same name that a file applied, and `apply` and `delete` refuse a
+/// discovered one (it is changed in Kubernetes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// `aether-registrar apply` (the ApplyServices call).
+    #[default]
+    File,
+    /// Discovered from a Kubernetes Service and its EndpointSlices.
+    Kubernetes,
+}
+
+impl Source {
+    pub fn is_file(&self) -> bool {
+        *self == Source::File
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::File => "file",
+            Source::Kubernetes => "kubernetes",
+        }
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// `endpoints/<ns>/<name>/<address>/<port>`.
@@ -139,9 +175,13 @@ mod tests {
 
     #[test]
     fn values_are_the_documented_json() {
-        let s = ServiceValue { ports: vec![80], vip: Some("10.96.0.1".parse().unwrap()) };
+        let s = ServiceValue { ports: vec![80], vip: Some("10.96.0.1".parse().unwrap()), source: Source::File };
         assert_eq!(String::from_utf8(encode(&s)).unwrap(), r#"{"ports":[80],"vip":"10.96.0.1"}"#);
-        assert_eq!(String::from_utf8(encode(&ServiceValue { ports: vec![80, 81], vip: None })).unwrap(), r#"{"ports":[80,81]}"#);
+        assert_eq!(String::from_utf8(encode(&ServiceValue { ports: vec![80, 81], vip: None, source: Source::File })).unwrap(), r#"{"ports":[80,81]}"#);
+        let discovered = ServiceValue { ports: vec![80], vip: None, source: Source::Kubernetes };
+        assert_eq!(String::from_utf8(encode(&discovered)).unwrap(), r#"{"ports":[80],"source":"kubernetes"}"#);
+        assert_eq!(decode::<ServiceValue>("k", "service", br#"{"ports":[80]}"#).unwrap().source, Source::File);
+        assert_eq!(decode::<ServiceValue>("k", "service", &encode(&discovered)).unwrap(), discovered);
         let e = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Draining, mtls: false };
         assert_eq!(String::from_utf8(encode(&e)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"draining"}"#);
         let m = MarkValue { state: EndpointState::Draining, node: "n".into(), instance: "pod-x".into() };
