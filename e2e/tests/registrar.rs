@@ -301,7 +301,7 @@ fn over_tcp_with_token_review_a_token_speaks_for_its_own_node_only() {
         &registrar_bin(),
         &etcd.endpoints(),
         &listen,
-        &["--token-review", "--kubeconfig", &kubeconfig, "--agent-service-account", "aether-system/aether-agent", "--operator-user", "ops@example"],
+        &["--token-review", "--kubeconfig", &kubeconfig, "--discovery", "off", "--agent-service-account", "aether-system/aether-agent", "--operator-user", "ops@example"],
     );
     let file = node.root.path().join("registry.json");
     std::fs::write(&file, registry(&[("web", &[("10.77.0.5", "test-node")]), ("db", &[("10.77.0.9", "node-b")])]).to_string()).unwrap();
