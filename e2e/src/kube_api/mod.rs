@@ -1,6 +1,7 @@
 //! A test Kubernetes API server: HTTPS on loopback, speaking the real wire protocol for
-//! the resources the agent uses (pods and nodes: list, watch, get, patch; TokenReview),
-//! so that kube-rs and kubectl talk to it as to a cluster. No real API server can run
+//! the resources the agent and the mesh registrar use (pods and nodes: list, watch, get,
+//! patch; services, endpoint slices and leases: those and create, update, delete;
+//! TokenReview), so that kube-rs and kubectl talk to it as to a cluster. No real API server can run
 //! here; this one is a test double and nothing shipped links it.
 //!
 //! Each user has a bearer token (in the kubeconfig the server writes for it) and only the
@@ -10,8 +11,9 @@
 //! ([`KubeApi::expire_history`]) to force 410 Gone, and the server can be taken down and
 //! brought back on the same port ([`KubeApi::set_down`]).
 //!
-//! `store` keeps objects, history and watches; `selector` and `patch` are the pure
-//! semantics of selectors and patches; `access` the users; `status` and `discovery` the
+//! `resource` describes the resource types; `store` keeps objects, history and watches;
+//! `selector`, `patch`, `write` and `timestamps` are the pure semantics of selectors,
+//! patches, writes and timestamps; `access` the users; `status` and `discovery` the
 //! documents; `server` the HTTPS front; `tls` the certificates.
 
 #![forbid(unsafe_code)]
@@ -19,11 +21,14 @@
 mod access;
 mod discovery;
 mod patch;
+mod resource;
 mod selector;
 mod server;
 mod status;
 mod store;
+mod timestamps;
 mod tls;
+mod write;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -35,11 +40,13 @@ use serde_json::{Value, json};
 use tokio::sync::{oneshot, watch};
 use tokio_rustls::TlsAcceptor;
 
+use resource::Resource;
 use server::Shared;
-use store::{Resource, Store};
+use store::Store;
 
 /// An RBAC rule: the verbs granted on a resource, cluster-wide. `resource` is "pods",
-/// "nodes" or "tokenreviews"; a verb "*" grants every verb.
+/// "nodes", "services", "endpointslices", "leases" or "tokenreviews" (the plural, in
+/// whichever API group it lives); a verb "*" grants every verb.
 #[derive(Clone, Copy, Debug)]
 pub struct Rule {
     pub resource: &'static str,
@@ -128,7 +135,8 @@ impl KubeApi {
     pub fn grant(&self, user: &str, rules: &[Rule]) {
         let mut s = self.shared.lock();
         for rule in rules {
-            assert!(matches!(rule.resource, "pods" | "nodes" | "tokenreviews"), "the test API server has no resource {:?}", rule.resource);
+            let known = rule.resource == "tokenreviews" || Resource::from_plural(rule.resource).is_some();
+            assert!(known, "the test API server has no resource {:?}", rule.resource);
             s.access.grant(user, rule.resource, rule.verbs);
         }
     }
@@ -142,7 +150,7 @@ impl KubeApi {
     /// Creates or replaces a node (by `metadata.name`): the next resourceVersion, ADDED or
     /// MODIFIED to watchers.
     pub fn put_node(&self, node: Value) {
-        self.shared.lock().store.put(Resource::Nodes, node);
+        self.plant(Resource::Nodes, node);
     }
 
     pub fn node(&self, name: &str) -> Option<Value> {
@@ -152,7 +160,7 @@ impl KubeApi {
     /// Creates or replaces a pod (by `metadata.namespace`, "default" if unset, and
     /// `metadata.name`).
     pub fn put_pod(&self, pod: Value) {
-        self.shared.lock().store.put(Resource::Pods, pod);
+        self.plant(Resource::Pods, pod);
     }
 
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
@@ -169,7 +177,7 @@ impl KubeApi {
             return;
         }
         let grace = pod["spec"]["terminationGracePeriodSeconds"].as_i64().unwrap_or(30);
-        pod["metadata"]["deletionTimestamp"] = json!(store::rfc3339(SystemTime::now()));
+        pod["metadata"]["deletionTimestamp"] = json!(timestamps::rfc3339(SystemTime::now()));
         pod["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
         s.store.replace(Resource::Pods, Some(namespace), name, pod);
     }
@@ -177,6 +185,71 @@ impl KubeApi {
     /// Removes a pod: a DELETED event. Nothing happens to an absent pod.
     pub fn delete_pod(&self, namespace: &str, name: &str) {
         self.shared.lock().store.delete(Resource::Pods, Some(namespace), name);
+    }
+
+    /// Creates or replaces a Service (by `metadata.namespace`, "default" if unset, and
+    /// `metadata.name`), as given: unlike a create over HTTP, nothing is defaulted (no
+    /// cluster IP is allocated).
+    pub fn put_service(&self, service: Value) {
+        self.plant(Resource::Services, service);
+    }
+
+    pub fn service(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.get(Resource::Services, namespace, name)
+    }
+
+    /// Removes a Service: a DELETED event. Nothing happens to an absent one.
+    pub fn delete_service(&self, namespace: &str, name: &str) {
+        self.shared.lock().store.delete(Resource::Services, Some(namespace), name);
+    }
+
+    /// Creates or replaces an EndpointSlice (`discovery.k8s.io/v1`; by namespace and
+    /// name, as [`KubeApi::put_service`]), as given.
+    pub fn put_endpoint_slice(&self, slice: Value) {
+        self.plant(Resource::EndpointSlices, slice);
+    }
+
+    pub fn endpoint_slice(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.get(Resource::EndpointSlices, namespace, name)
+    }
+
+    /// Removes an EndpointSlice: a DELETED event. Nothing happens to an absent one.
+    pub fn delete_endpoint_slice(&self, namespace: &str, name: &str) {
+        self.shared.lock().store.delete(Resource::EndpointSlices, Some(namespace), name);
+    }
+
+    /// Creates or replaces a Lease (`coordination.k8s.io/v1`; by namespace and name), for
+    /// a test to plant an expired lease or one another holder owns. Its
+    /// `spec.renewTime` and `spec.acquireTime` must be MicroTimes
+    /// (`2026-11-30T23:59:59.123456Z`), as a real server would hold them; they are stored
+    /// as given (an offset is converted to UTC, as the real server stores it).
+    pub fn put_lease(&self, lease: Value) {
+        let lease = write::canonical(Resource::Leases, lease).unwrap_or_else(|e| panic!("put_lease: a real API server would refuse this Lease: {e}"));
+        self.plant(Resource::Leases, lease);
+    }
+
+    pub fn lease(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.get(Resource::Leases, namespace, name)
+    }
+
+    /// Removes a Lease: a DELETED event. Nothing happens to an absent one.
+    pub fn delete_lease(&self, namespace: &str, name: &str) {
+        self.shared.lock().store.delete(Resource::Leases, Some(namespace), name);
+    }
+
+    /// Stores an object a test gives, after checking that it is of the resource's kind if
+    /// it says one.
+    fn plant(&self, resource: Resource, object: Value) {
+        for (field, expected) in [("kind", resource.kind()), ("apiVersion", resource.api_version())] {
+            if let Some(given) = object[field].as_str() {
+                assert_eq!(given, expected, "a {} given with {field} {given:?}: {object}", resource.kind());
+            }
+        }
+        self.shared.lock().store.put(resource, object);
+    }
+
+    fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
+        self.shared.lock().store.get(resource, Some(namespace), name).cloned()
     }
 
     /// PATCH requests on nodes received from `user`, whatever their outcome.
@@ -202,15 +275,14 @@ impl KubeApi {
         self.down.send_replace(down);
         if down {
             self.shared.lock().store.close_watches();
-            self.shared.wait_until("going down", |s| {
-                !s.listening && s.connections == 0 && s.store.watchers(Resource::Pods) + s.store.watchers(Resource::Nodes) == 0
-            });
+            self.shared.wait_until("going down", |s| !s.listening && s.connections == 0 && s.store.all_watchers() == 0);
         } else {
             self.shared.wait_until("listening again", |s| s.listening);
         }
     }
 
-    /// Watch streams open now on "pods" or "nodes".
+    /// Watch streams open now on a resource, by its plural ("pods", "nodes", "services",
+    /// "endpointslices", "leases").
     pub fn watchers(&self, resource: &str) -> usize {
         let r = Resource::from_plural(resource).unwrap_or_else(|| panic!("the test API server has no watchable resource {resource:?}"));
         self.shared.lock().store.watchers(r)

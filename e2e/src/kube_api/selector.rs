@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::store::Resource;
+use super::resource::Resource;
 
 /// The conjunction of a selector's requirements; an empty one matches everything.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -26,8 +26,10 @@ enum Op {
     DoesNotExist,
 }
 
-/// The fields the real API server accepts in a field selector, per resource
-/// (`pkg/registry/core/{pod,node}/strategy.go`); any other is a 400.
+/// The fields the real API server accepts in a field selector, per resource (the
+/// `GetAttrs` of each resource's strategy: pods and nodes have their own, services
+/// `spec.clusterIP` and `spec.type`, endpoint slices and leases only the metadata's); any
+/// other is a 400.
 fn field_supported(resource: Resource, field: &str) -> bool {
     const COMMON: &[&str] = &["metadata.name", "metadata.namespace"];
     const PODS: &[&str] = &[
@@ -41,10 +43,13 @@ fn field_supported(resource: Resource, field: &str) -> bool {
         "status.nominatedNodeName",
     ];
     const NODES: &[&str] = &["spec.unschedulable"];
+    const SERVICES: &[&str] = &["spec.clusterIP", "spec.type"];
     COMMON.contains(&field)
         || match resource {
             Resource::Pods => PODS.contains(&field),
             Resource::Nodes => NODES.contains(&field),
+            Resource::Services => SERVICES.contains(&field),
+            Resource::EndpointSlices | Resource::Leases => false,
         }
 }
 
@@ -243,6 +248,9 @@ mod tests {
         check_fields("spec.nodeName", Err("invalid selector: 'spec.nodeName'; can't understand 'spec.nodeName'"));
         assert!(Selector::fields(Resource::Nodes, "metadata.name=n1").is_ok());
         assert!(Selector::fields(Resource::Nodes, "spec.nodeName=n1").is_err());
+        assert!(Selector::fields(Resource::Services, "spec.type=ClusterIP,metadata.namespace=ns").is_ok());
+        assert_eq!(Selector::fields(Resource::EndpointSlices, "addressType=IPv4"), Err("field label not supported: addressType".to_owned()));
+        assert!(Selector::fields(Resource::Leases, "metadata.name=registrar").is_ok());
     }
 
     #[test]
@@ -258,5 +266,10 @@ mod tests {
         check_labels("app notin (web)", Ok(false));
         check_labels("app in (web", Err(()));
         check_labels("app within (web)", Err(()));
+        let slice = json!({"metadata": {"name": "web-abc12", "labels": {"kubernetes.io/service-name": "web", "endpointslice.kubernetes.io/managed-by": "c"}}});
+        let matches = |selector| Selector::labels(selector).unwrap().matches_labels(&slice);
+        assert!(matches("kubernetes.io/service-name=web"));
+        assert!(!matches("kubernetes.io/service-name=db"));
+        assert!(matches("kubernetes.io/service-name in (db,web),!kubernetes.io/headless"));
     }
 }

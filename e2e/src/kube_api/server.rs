@@ -1,7 +1,8 @@
 //! The HTTPS front: the listener (closed while the server is down), TLS, HTTP/1.1 with
 //! hyper, then per request authentication (bearer token), authorization (RBAC rules),
-//! routing and the handlers. A watch is a chunked response fed by its own task, which
-//! forwards the store's events, adds bookmarks and ends the stream at its timeout.
+//! routing and the handlers (reads here; writes are `write`'s). A watch is a chunked
+//! response fed by its own task, which forwards the store's events, adds bookmarks and
+//! ends the stream at its timeout.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -26,10 +27,11 @@ use tokio_rustls::TlsAcceptor;
 
 use super::access::{Access, groups};
 use super::discovery;
-use super::patch::{PatchError, json_patch, merge_patch};
+use super::resource::Resource;
 use super::selector::Selector;
 use super::status::Failure;
-use super::store::{Resource, Scope, Store};
+use super::store::{Scope, Store};
+use super::write::{self, PatchType};
 
 /// How often an open watch that asked for bookmarks gets one.
 pub const BOOKMARK_EVERY: Duration = Duration::from_secs(1);
@@ -189,25 +191,41 @@ enum Route {
 
 fn route(path: &str, address: SocketAddr) -> Route {
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let objects = |resource, namespace: Option<&str>, name: Option<&str>| Route::Objects {
-        resource,
-        namespace: namespace.map(str::to_owned),
-        name: name.map(str::to_owned),
-    };
+    let document = |d: Option<Value>| d.map_or(Route::Unknown, Route::Document);
     match parts.as_slice() {
         ["version"] => Route::Document(discovery::version()),
         ["api"] => Route::Document(discovery::core_versions(&address.to_string())),
-        ["api", "v1"] => Route::Document(discovery::core_resources()),
+        ["api", "v1"] => document(discovery::resources("")),
         ["apis"] => Route::Document(discovery::groups()),
-        ["apis", "authentication.k8s.io"] => Route::Document(discovery::authn()),
-        ["apis", "authentication.k8s.io", "v1"] => Route::Document(discovery::authn_resources()),
+        ["apis", group] => document(discovery::group(group)),
+        ["apis", group, "v1"] => document(discovery::resources(group)),
         ["apis", "authentication.k8s.io", "v1", "tokenreviews"] => Route::TokenReviews,
-        ["api", "v1", "pods"] => objects(Resource::Pods, None, None),
-        ["api", "v1", "nodes"] => objects(Resource::Nodes, None, None),
-        ["api", "v1", "nodes", name] => objects(Resource::Nodes, None, Some(name)),
-        ["api", "v1", "namespaces", ns, "pods"] => objects(Resource::Pods, Some(ns), None),
-        ["api", "v1", "namespaces", ns, "pods", name] => objects(Resource::Pods, Some(ns), Some(name)),
+        ["openapi", "v3"] => Route::Document(discovery::openapi_index()),
+        ["openapi", "v3", "api", "v1"] => document(discovery::openapi("")),
+        ["openapi", "v3", "apis", group, "v1"] => document(discovery::openapi(group)),
+        ["api", "v1", rest @ ..] => objects_route("", rest),
+        ["apis", group, "v1", rest @ ..] => objects_route(group, rest),
         _ => Route::Unknown,
+    }
+}
+
+/// `[namespaces/NS/]PLURAL[/NAME]` in a group at v1. A namespaced resource is listed
+/// across namespaces at its plural alone and named only within a namespace; a
+/// cluster-scoped one is never within a namespace.
+fn objects_route(group: &str, rest: &[&str]) -> Route {
+    let (namespace, rest) = match rest {
+        ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(*ns), rest),
+        _ => (None, rest),
+    };
+    let (plural, name) = match rest {
+        [plural] => (*plural, None),
+        [plural, name] => (*plural, Some(*name)),
+        _ => return Route::Unknown,
+    };
+    let Some(resource) = Resource::from_path(group, plural) else { return Route::Unknown };
+    match (resource.namespaced(), namespace, name) {
+        (true, None, Some(_)) | (false, Some(_), _) => Route::Unknown,
+        _ => Route::Objects { resource, namespace: namespace.map(str::to_owned), name: name.map(str::to_owned) },
     }
 }
 
@@ -259,20 +277,57 @@ async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> 
                 _ => return failure(Failure::method_not_allowed()),
             };
             if !shared.lock().access.allowed(&user, resource.plural(), verb) {
-                return failure(Failure::forbidden(&user, verb, resource.plural(), "", namespace.as_deref(), name.as_deref()));
+                return failure(Failure::forbidden(&user, verb, resource.plural(), resource.group(), namespace.as_deref(), name.as_deref()));
             }
-            let ns = namespace.as_deref();
-            let result = match (verb, name.as_deref()) {
-                ("list", _) => scope(resource, ns, None, &query).and_then(|s| list(shared, &s, &query)),
-                ("watch", n) => scope(resource, ns, n, &query).and_then(|s| open_watch(shared, s, &query)),
-                ("get", Some(n)) => get(shared, resource, ns, n),
-                ("patch", Some(n)) => patch(shared, resource, ns, n, &parts.headers, body).await,
-                // The agent only reads pods and patches nodes; writes beyond that are not
-                // implemented here.
-                _ => Err(Failure::method_not_allowed()),
-            };
-            result.unwrap_or_else(failure)
+            if !resource.verbs().contains(&verb) {
+                return failure(Failure::method_not_allowed());
+            }
+            let request = ObjectRequest { resource, namespace: namespace.as_deref(), name: name.as_deref(), verb, query: &query };
+            objects(shared, request, &parts.headers, body).await.unwrap_or_else(failure)
         }
+    }
+}
+
+/// A request on objects, authorized and of a verb the resource serves.
+struct ObjectRequest<'a> {
+    resource: Resource,
+    namespace: Option<&'a str>,
+    name: Option<&'a str>,
+    verb: &'static str,
+    query: &'a Query,
+}
+
+async fn objects(shared: &Arc<Shared>, r: ObjectRequest<'_>, headers: &HeaderMap, body: Incoming) -> Result<Response<Body>, Failure> {
+    let (resource, ns, query) = (r.resource, r.namespace, r.query);
+    if !matches!(r.verb, "get" | "list" | "watch") && query.get("dryRun").is_some_and(|d| !d.is_empty()) {
+        return Err(Failure::bad_request("dryRun is not implemented by the test API server"));
+    }
+    match (r.verb, r.name) {
+        ("list", _) => list(shared, &scope(resource, ns, None, query)?, query),
+        ("watch", n) => open_watch(shared, scope(resource, ns, n, query)?, query),
+        ("get", Some(n)) => get(shared, resource, ns, n),
+        // A namespaced object is created within a namespace, not at the plural alone.
+        ("create", None) if ns.is_some() || !resource.namespaced() => {
+            let object = read_json(body).await?;
+            let created = write::create(&mut shared.lock().store, resource, ns, object)?;
+            Ok(json_response(StatusCode::CREATED, &created))
+        }
+        ("update", Some(n)) => {
+            let object = read_json(body).await?;
+            Ok(json_response(StatusCode::OK, &write::update(&mut shared.lock().store, resource, ns, n, object)?))
+        }
+        ("patch", Some(n)) => {
+            let content_type = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+            let patch_type = PatchType::from_content_type(content_type)?;
+            let patch = read_json(body).await?;
+            Ok(json_response(StatusCode::OK, &write::patch(&mut shared.lock().store, resource, ns, n, patch_type, &patch)?))
+        }
+        ("delete", Some(n)) => {
+            let bytes = read_body(body).await?;
+            let options = if bytes.is_empty() { Value::Null } else { parse_json(&bytes)? };
+            Ok(json_response(StatusCode::OK, &write::delete(&mut shared.lock().store, resource, ns, n, &options)?))
+        }
+        _ => Err(Failure::method_not_allowed()),
     }
 }
 
@@ -338,7 +393,7 @@ fn list(shared: &Shared, scope: &Scope, query: &Query) -> Result<Response<Body>,
             o
         })
         .collect();
-    let list = json!({"kind": format!("{}List", scope.resource.kind()), "apiVersion": "v1",
+    let list = json!({"kind": format!("{}List", scope.resource.kind()), "apiVersion": scope.resource.api_version(),
                       "metadata": {"resourceVersion": rv.to_string()}, "items": items});
     Ok(json_response(StatusCode::OK, &list))
 }
@@ -465,49 +520,16 @@ impl hyper::body::Body for ChannelBody {
     }
 }
 
-async fn read_json(body: Incoming) -> Result<Value, Failure> {
-    let bytes = Limited::new(body, MAX_BODY).collect().await.map_err(|_| Failure::payload_too_large())?.to_bytes();
-    serde_json::from_slice(&bytes).map_err(|e| Failure::bad_request(format!("the request body is not JSON: {e}")))
+async fn read_body(body: Incoming) -> Result<Bytes, Failure> {
+    Ok(Limited::new(body, MAX_BODY).collect().await.map_err(|_| Failure::payload_too_large())?.to_bytes())
 }
 
-/// PATCH of a pod or node: a JSON patch or a JSON merge patch. A patch that fails leaves
-/// the object as it was; one that changes nothing writes nothing (no new resourceVersion,
-/// no event), as on the real server.
-async fn patch(shared: &Shared, resource: Resource, namespace: Option<&str>, name: &str, headers: &HeaderMap, body: Incoming) -> Result<Response<Body>, Failure> {
-    let content_type = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let media = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    if media != "application/json-patch+json" && media != "application/merge-patch+json" {
-        return Err(Failure::unsupported_patch(content_type));
-    }
-    let patch = read_json(body).await?;
-    let mut s = shared.lock();
-    let current = s.store.get(resource, namespace, name).cloned().ok_or_else(|| Failure::not_found(resource, name))?;
-    let mut patched = if media == "application/json-patch+json" {
-        json_patch(&current, &patch).map_err(|e| match e {
-            PatchError::Malformed(m) => Failure::bad_request(m),
-            PatchError::NotApplied(m) => Failure::patch_not_applied(m),
-        })?
-    } else {
-        merge_patch(&current, &patch)
-    };
-    if !patched.is_object() || !patched["metadata"].is_object() {
-        return Err(Failure::bad_request("the patched object is not an object with metadata"));
-    }
-    if patched["metadata"]["name"] != name || patched["metadata"]["namespace"] != current["metadata"]["namespace"] {
-        return Err(Failure::bad_request(format!("the name of the object ({}) does not match the name on the URL ({name})", patched["metadata"]["name"])));
-    }
-    let rv = &current["metadata"]["resourceVersion"];
-    if !patched["metadata"]["resourceVersion"].is_null() && patched["metadata"]["resourceVersion"] != *rv {
-        return Err(Failure::conflict(resource, name));
-    }
-    patched["metadata"]["resourceVersion"] = rv.clone();
-    patched["kind"] = current["kind"].clone();
-    patched["apiVersion"] = current["apiVersion"].clone();
-    if patched == current {
-        return Ok(json_response(StatusCode::OK, &current));
-    }
-    let stored = s.store.replace(resource, namespace, name, patched);
-    Ok(json_response(StatusCode::OK, &stored))
+fn parse_json(bytes: &[u8]) -> Result<Value, Failure> {
+    serde_json::from_slice(bytes).map_err(|e| Failure::bad_request(format!("the request body is not JSON: {e}")))
+}
+
+async fn read_json(body: Incoming) -> Result<Value, Failure> {
+    parse_json(&read_body(body).await?)
 }
 
 /// TokenReview: who a bearer token belongs to, with the node it is bound to (as a
@@ -605,6 +627,19 @@ mod tests {
         assert_eq!(objects("/api/v1/namespaces/ns/pods/a"), Some((Resource::Pods, Some("ns".into()), Some("a".into()))));
         assert_eq!(objects("/api/v1/nodes/n1/"), Some((Resource::Nodes, None, Some("n1".into()))));
         assert_eq!(objects("/api/v1/nodes/n1/status"), None);
+        assert_eq!(objects("/api/v1/namespaces/ns/nodes/n1"), None, "nodes are cluster-scoped");
+        assert_eq!(objects("/api/v1/services/web"), None, "a service is named within its namespace");
+        assert_eq!(objects("/api/v1/services"), Some((Resource::Services, None, None)));
+        assert_eq!(objects("/api/v1/namespaces/ns/services/web"), Some((Resource::Services, Some("ns".into()), Some("web".into()))));
+        assert_eq!(objects("/apis/discovery.k8s.io/v1/endpointslices"), Some((Resource::EndpointSlices, None, None)));
+        assert_eq!(objects("/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/web-1"),
+                   Some((Resource::EndpointSlices, Some("ns".into()), Some("web-1".into()))));
+        assert_eq!(objects("/apis/coordination.k8s.io/v1/namespaces/ns/leases/l"), Some((Resource::Leases, Some("ns".into()), Some("l".into()))));
+        assert_eq!(objects("/apis/coordination.k8s.io/v1beta1/namespaces/ns/leases/l"), None);
+        assert_eq!(objects("/api/v1/namespaces/ns/leases/l"), None, "leases are not in the core group");
+        assert_eq!(objects("/api/v1/namespaces/ns"), None);
+        assert!(matches!(route("/apis/coordination.k8s.io/v1", at), Route::Document(_)));
+        assert!(matches!(route("/apis/apps/v1", at), Route::Unknown));
         assert!(matches!(route("/apis/authentication.k8s.io/v1/tokenreviews", at), Route::TokenReviews));
         assert!(matches!(route("/openapi/v2", at), Route::Unknown));
     }

@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use super::store::Resource;
+use super::resource::Resource;
 
 #[derive(Debug)]
 pub struct Failure {
@@ -47,7 +47,21 @@ impl Failure {
     }
 
     pub fn not_found(resource: Resource, name: &str) -> Failure {
-        Failure::new(404, "NotFound", format!("{} {name:?} not found", resource.plural()), details(resource.plural(), "", Some(name)))
+        Failure::new(404, "NotFound", format!("{} {name:?} not found", resource.qualified()), object_details(resource, name))
+    }
+
+    /// A create of an object that exists.
+    pub fn already_exists(resource: Resource, name: &str) -> Failure {
+        Failure::new(409, "AlreadyExists", format!("{} {name:?} already exists", resource.qualified()), object_details(resource, name))
+    }
+
+    /// A write the object's fields make invalid: `field` and what is wrong with it, as
+    /// one cause (`NewInvalid` with one field error).
+    pub fn invalid(resource: Resource, name: &str, field: &str, cause_reason: &str, detail: &str) -> Failure {
+        let mut details = object_details(resource, name);
+        details["kind"] = json!(resource.kind());
+        details["causes"] = json!([{"reason": cause_reason, "message": detail, "field": field}]);
+        Failure::new(422, "Invalid", format!("{} {name:?} is invalid: {field}: {detail}", resource.qualified_kind()), details)
     }
 
     /// A path the server does not serve.
@@ -61,6 +75,18 @@ impl Failure {
 
     pub fn bad_request(message: impl Into<String>) -> Failure {
         Failure::new(400, "BadRequest", message, Value::Null)
+    }
+
+    /// A body that does not decode as an object of the resource (a malformed MicroTime,
+    /// a wrong apiVersion), as the real server's decoder words it.
+    pub fn undecodable(resource: Resource, cause: &str) -> Failure {
+        Failure::bad_request(format!("{} in version \"v1\" cannot be handled as a {}: {cause}", resource.kind(), resource.kind()))
+    }
+
+    /// What the real server answers a create that carries a resourceVersion (its storage
+    /// refuses it, and the error is not one the handler maps).
+    pub fn internal(message: impl Into<String>) -> Failure {
+        Failure::new(500, "InternalError", message, Value::Null)
     }
 
     /// 410 Gone for a resourceVersion older than the retained history.
@@ -77,9 +103,12 @@ impl Failure {
 
     /// A write whose resourceVersion precondition no longer holds.
     pub fn conflict(resource: Resource, name: &str) -> Failure {
-        Failure::new(409, "Conflict",
-                     format!("Operation cannot be fulfilled on {} {name:?}: the object has been modified; please apply your changes to the latest version and try again", resource.plural()),
-                     details(resource.plural(), "", Some(name)))
+        Failure::conflict_because(resource, name, "the object has been modified; please apply your changes to the latest version and try again")
+    }
+
+    /// A 409 Conflict on the object for `cause` (`NewConflict`).
+    pub fn conflict_because(resource: Resource, name: &str, cause: &str) -> Failure {
+        Failure::new(409, "Conflict", format!("Operation cannot be fulfilled on {} {name:?}: {cause}", resource.qualified()), object_details(resource, name))
     }
 
     pub fn unsupported_patch(content_type: &str) -> Failure {
@@ -91,6 +120,18 @@ impl Failure {
     pub fn payload_too_large() -> Failure {
         Failure::new(413, "RequestEntityTooLarge", "the request body is too large", Value::Null)
     }
+}
+
+/// The Status of a successful DELETE of a resource whose storage does not answer with
+/// the object: `details.kind` is the resource's plural, as the real server sets it.
+pub fn deleted(resource: Resource, name: &str, uid: &Value) -> Value {
+    let mut details = object_details(resource, name);
+    details["uid"] = uid.clone();
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details})
+}
+
+fn object_details(resource: Resource, name: &str) -> Value {
+    details(resource.plural(), resource.group(), Some(name))
 }
 
 fn details(kind: &str, group: &str, name: Option<&str>) -> Value {

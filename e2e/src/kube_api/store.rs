@@ -4,43 +4,14 @@
 //! to under the caller's lock so that replay and live events never interleave.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::resource::Resource;
 use super::selector::Selector;
-
-/// The resource types the server stores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Resource {
-    Pods,
-    Nodes,
-}
-
-impl Resource {
-    pub fn plural(self) -> &'static str {
-        match self {
-            Resource::Pods => "pods",
-            Resource::Nodes => "nodes",
-        }
-    }
-
-    pub fn kind(self) -> &'static str {
-        match self {
-            Resource::Pods => "Pod",
-            Resource::Nodes => "Node",
-        }
-    }
-
-    pub fn from_plural(plural: &str) -> Option<Resource> {
-        match plural {
-            "pods" => Some(Resource::Pods),
-            "nodes" => Some(Resource::Nodes),
-            _ => None,
-        }
-    }
-}
+use super::timestamps::rfc3339;
 
 /// Which objects a list or a watch sees.
 #[derive(Clone, Debug)]
@@ -137,12 +108,13 @@ impl Store {
         self.rv
     }
 
-    /// The key of an object: `namespace/name` for pods (as etcd's key ends), `name` for
-    /// nodes.
+    /// The key of an object: `namespace/name` for a namespaced resource (as etcd's key
+    /// ends), `name` for a cluster-scoped one.
     pub fn key(resource: Resource, namespace: Option<&str>, name: &str) -> (Resource, String) {
-        match resource {
-            Resource::Pods => (resource, format!("{}/{name}", namespace.unwrap_or("default"))),
-            Resource::Nodes => (resource, name.to_owned()),
+        if resource.namespaced() {
+            (resource, format!("{}/{name}", namespace.unwrap_or("default")))
+        } else {
+            (resource, name.to_owned())
         }
     }
 
@@ -150,8 +122,13 @@ impl Store {
         self.objects.get(&Store::key(resource, namespace, name))
     }
 
+    /// Every stored object of a resource, in key order.
+    pub fn objects(&self, resource: Resource) -> impl Iterator<Item = &Value> {
+        self.objects.range((resource, String::new())..).take_while(move |((r, _), _)| *r == resource).map(|(_, o)| o)
+    }
+
     /// Creates or replaces the object named by its metadata: fills in kind, apiVersion, the
-    /// namespace of a pod ("default"), a uid and a creationTimestamp (kept from the object
+    /// namespace of a namespaced object ("default"), a uid and a creationTimestamp (kept from the object
     /// it replaces), sets the next resourceVersion and sends ADDED or MODIFIED. Returns the
     /// stored object.
     pub fn put(&mut self, resource: Resource, mut object: Value) -> Value {
@@ -160,8 +137,8 @@ impl Store {
         }
         let name = object["metadata"]["name"].as_str().unwrap_or_else(|| panic!("a {} needs metadata.name: {object}", resource.kind())).to_owned();
         object["kind"] = json!(resource.kind());
-        object["apiVersion"] = json!("v1");
-        if resource == Resource::Pods && object["metadata"]["namespace"].as_str().is_none() {
+        object["apiVersion"] = json!(resource.api_version());
+        if resource.namespaced() && object["metadata"]["namespace"].as_str().is_none() {
             object["metadata"]["namespace"] = json!("default");
         }
         let key = Store::key(resource, object["metadata"]["namespace"].as_str(), &name);
@@ -222,13 +199,7 @@ impl Store {
         if let Some(rv) = resource_version.filter(|rv| *rv != 0) {
             self.check_not_expired(rv)?;
         }
-        let items = self
-            .objects
-            .range((scope.resource, String::new())..)
-            .take_while(|((r, _), _)| *r == scope.resource)
-            .filter(|(_, o)| scope.matches(o))
-            .map(|(_, o)| o.clone())
-            .collect();
+        let items = self.objects(scope.resource).filter(|o| scope.matches(o)).cloned().collect();
         Ok((items, self.rv))
     }
 
@@ -279,6 +250,11 @@ impl Store {
         self.watchers.values().filter(|w| w.scope.resource == resource).count()
     }
 
+    /// Open watches of every resource.
+    pub fn all_watchers(&self) -> usize {
+        self.watchers.len()
+    }
+
     /// Ends every watch: their channels close once the last event is read.
     pub fn close_watches(&mut self) {
         self.watchers.clear();
@@ -294,7 +270,7 @@ impl Store {
     /// A BOOKMARK event at the current resourceVersion. Every change up to it has been
     /// sent to every open watch already (changes are sent as they are committed).
     pub fn bookmark(&self, resource: Resource) -> Value {
-        json!({"type": "BOOKMARK", "object": {"kind": resource.kind(), "apiVersion": "v1",
+        json!({"type": "BOOKMARK", "object": {"kind": resource.kind(), "apiVersion": resource.api_version(),
                                               "metadata": {"resourceVersion": self.rv.to_string()}}})
     }
 
@@ -332,28 +308,9 @@ fn event_for(scope: &Scope, change: &Change) -> Option<Value> {
     Some(json!({"type": kind, "object": object}))
 }
 
-/// RFC 3339 in UTC with second precision, as Kubernetes writes timestamps
-/// (`2026-12-01T09:30:00Z`).
-pub fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3_600, rem / 60 % 60, rem % 60)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
     use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
     fn pod(name: &str, node: &str) -> Value {
@@ -429,10 +386,17 @@ mod tests {
     }
 
     #[test]
-    fn timestamps() {
-        let at = |secs| rfc3339(UNIX_EPOCH + Duration::from_secs(secs));
-        assert_eq!(at(0), "1970-01-01T00:00:00Z");
-        assert_eq!(at(951_782_400), "2000-02-29T00:00:00Z");
-        assert_eq!(at(1_798_761_599), "2026-12-31T23:59:59Z");
+    fn objects_of_a_named_group_carry_its_api_version() {
+        let mut s = Store::new(0);
+        let slice = s.put(Resource::EndpointSlices, json!({"metadata": {"name": "web-1", "labels": {"kubernetes.io/service-name": "web"}}}));
+        assert_eq!((slice["kind"].as_str(), slice["apiVersion"].as_str()), (Some("EndpointSlice"), Some("discovery.k8s.io/v1")));
+        assert_eq!(slice["metadata"]["namespace"], "default");
+        s.put(Resource::Leases, json!({"metadata": {"name": "web-1", "namespace": "default"}}));
+        assert_eq!(s.objects(Resource::EndpointSlices).count(), 1, "the same name in another resource is another object");
+        let bookmark = s.bookmark(Resource::Leases);
+        assert_eq!((bookmark["object"]["kind"].as_str(), bookmark["object"]["apiVersion"].as_str()), (Some("Lease"), Some("coordination.k8s.io/v1")));
+        let (tx, _rx) = unbounded_channel();
+        s.watch(Scope::all(Resource::Services), None, false, tx).unwrap();
+        assert_eq!((s.watchers(Resource::Services), s.watchers(Resource::Leases), s.all_watchers()), (1, 0, 1));
     }
 }
