@@ -4,7 +4,10 @@
     check_chart.py --surge true|false [--proxy true|false] [--spiffe-dir DIR]
                    [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC]
                    [--metrics true|false] [--pod-monitor true|false] [--max-unavailable N]
-                   [--namespace NS] RENDERED.yaml
+                   [--registrar true|false] [--registrar-auth tokenReview|none]
+                   [--discovery true|false] [--discover-namespace NS ...] [--ignore-namespace NS ...]
+                   [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
+                   RENDERED.yaml
     check_chart.py --unit deploy/systemd/aether-agent.service
     check_chart.py --probe-creds RENDERED.yaml     (shell assignments for test-chart.sh)
     check_chart.py --uninstall-creds RENDERED.yaml (likewise, for the uninstall hook)
@@ -51,6 +54,16 @@ ENVOY_ADMIN_DIR = "/var/run/envoy-admin"
 METRICS_PORT = 15090
 MEMORY_LIMIT = "256Mi"
 HOOK = "helm.sh/hook"
+COMPONENT = "app.kubernetes.io/component"
+# The registrar's RBAC, by feature: (API group, resource, resourceNames) -> verbs. Exactly
+# what its Kubernetes client uses, and only for the features that are on.
+REGISTRAR_TOKEN_REVIEW = {("authentication.k8s.io", "tokenreviews", ()): ["create"]}
+REGISTRAR_DISCOVERY = {("", "services", ()): ["get", "list", "watch"],
+                       ("discovery.k8s.io", "endpointslices", ()): ["get", "list", "watch"]}
+REGISTRAR_GUARD_CLUSTER = {("", "nodes", ()): ["get", "list", "watch", "patch"]}
+REGISTRAR_GUARD_NAMESPACED = {("", "pods", ()): ["get", "list", "watch"]}
+REGISTRAR_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                   "PodDisruptionBudget", "Deployment", "Service")
 
 
 class CheckFailed(Exception):
@@ -340,8 +353,9 @@ def check_container_hardening(where, c):
 
 
 def check_rbac(docs, agent_ds):
-    roles = objects_of(docs, "ClusterRole")
-    check("one ClusterRole", len(roles) == 1, f"found {len(roles)}")
+    # The agent's: the registrar's carry the component label registrar.
+    roles = [r for r in objects_of(docs, "ClusterRole") if COMPONENT not in (r["metadata"].get("labels") or {})]
+    check("one ClusterRole for the agent", len(roles) == 1, f"found {len(roles)}")
     got = {}
     for rule in roles[0].get("rules", []):
         for group in rule.get("apiGroups", []):
@@ -730,14 +744,37 @@ def check_keeper(docs, args):
     check("keeper runs as uid 0, the supervisors' uid that the handoff checks", uid == 0, f"got {uid!r}")
 
 
+def rules_of(role):
+    """A Role's or ClusterRole's rules as {(API group, resource, resourceNames): sorted verbs}."""
+    got = {}
+    for rule in role.get("rules", []) or []:
+        names = tuple(sorted(rule.get("resourceNames") or []))
+        for group in rule.get("apiGroups", []):
+            for resource in rule.get("resources", []):
+                key = (group, resource, names)
+                got[key] = sorted(set(got.get(key, [])) | set(rule.get("verbs", [])))
+    return got
+
+
+def flag_values(argv, flag):
+    """Every value given to `flag` in argv (flag, value pairs)."""
+    return [b for a, b in zip(argv, argv[1:]) if a == flag]
+
+
 def check_registrar(docs, agent_ds, args):
     deployments = objects_of(docs, "Deployment", "registrar")
     services = objects_of(docs, "Service", "registrar")
     agent = {c["name"]: c for c in agent_ds["spec"]["template"]["spec"]["containers"]}["agent"]
     env = env_map(agent)
     if not args.registrar:
-        check("no registrar objects with registrar.enabled=false", not deployments and not services,
-              f"found {len(deployments)} Deployment(s), {len(services)} Service(s)")
+        found = [f"{d['kind']}/{d['metadata']['name']}" for kind in REGISTRAR_KINDS for d in objects_of(docs, kind, "registrar")]
+        check("no registrar objects (nor its RBAC or PodDisruptionBudget) with registrar.enabled=false", not found,
+              f"found {found}")
+        roles = [f"{d['kind']}/{d['metadata']['name']}" for kind in ("ClusterRole", "Role") for d in objects_of(docs, kind)
+                 if d["metadata"]["name"] != agent_ds["metadata"]["name"]
+                 and not (d["metadata"].get("annotations") or {}).get(HOOK)]
+        check("no role but the agent's ClusterRole (and the uninstall hook's) with registrar.enabled=false", not roles,
+              f"found {roles}")
         return
     check("registrar Deployment and Service rendered once", len(deployments) == 1 and len(services) == 1,
           f"found {len(deployments)} Deployment(s), {len(services)} Service(s)")
@@ -753,15 +790,12 @@ def check_registrar(docs, agent_ds, args):
     pod = d["spec"]["template"]["spec"]
     argv = all_containers(pod)[0].get("command", []) + all_containers(pod)[0].get("args", [])
     agent_sa = agent_ds["spec"]["template"]["spec"].get("serviceAccountName")
+    check_registrar_kubernetes(docs, d, agent_ds, argv, args)
+    check("registrar is --token-review exactly when registrar.auth=tokenReview",
+          ("--token-review" in argv) == (args.registrar_auth == "tokenReview"), f"auth {args.registrar_auth}, argv {argv}")
     if "--token-review" in argv:
-        # Its token may create TokenReviews and nothing else; the agents' tokens are
-        # checked for the audience aether-registrar and speak for their own node.
-        sa = pod.get("serviceAccountName")
-        check("registrar pod: its own service account, not the agents'", sa and sa != agent_sa, f"got {sa!r}")
-        bindings = [b for b in objects_of(docs, "ClusterRoleBinding")
-                    if any(x.get("kind") == "ServiceAccount" and x.get("name") == sa for x in b.get("subjects", []))]
-        check("registrar service account bound to system:auth-delegator only",
-              [b["roleRef"]["name"] for b in bindings] == ["system:auth-delegator"], f"got {bindings}")
+        # The agents' tokens are checked for the audience aether-registrar and speak for
+        # their own node.
         want_sa = f"{agent_ds['metadata']['namespace']}/{agent_sa}"
         check("registrar takes the agents' service account as --agent-service-account",
               any(a == "--agent-service-account" and b == want_sa for a, b in zip(argv, argv[1:])), f"argv {argv}")
@@ -772,9 +806,6 @@ def check_registrar(docs, agent_ds, args):
         check("agent gets a projected token for the audience aether-registrar at AETHER_REGISTRAR_TOKEN_FILE",
               any(t.get("audience") == "aether-registrar" and token_file.endswith("/" + t.get("path", "")) for t in sources),
               f"file {token_file!r}, tokens {sources}")
-    else:
-        check("registrar pod: no service account token", pod.get("automountServiceAccountToken") is False,
-              f"got {pod.get('automountServiceAccountToken')!r}")
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
           f"got {pod.get('securityContext')}")
@@ -794,6 +825,118 @@ def check_registrar(docs, agent_ds, args):
     check("registrar Service selects the registrar pods",
           all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items()),
           f"selector {svc['spec']['selector']}")
+
+
+def check_registrar_kubernetes(docs, d, agent_ds, argv, args):
+    """The registrar's Kubernetes side: its flags as the values say, its token and RBAC
+    exactly for the features that are on (TokenReview, discovery, the Lease, the taint
+    guard), and the PodDisruptionBudget."""
+    pod = d["spec"]["template"]["spec"]
+    ns = d["metadata"]["namespace"]
+    lease = args.discovery or args.taint_guard
+    kube_api = lease or args.registrar_auth == "tokenReview"
+    # Flags, from the values the rendering was made with.
+    want = {
+        "--discovery": ["on" if args.discovery else "off"],
+        "--discover-namespace": args.discover_namespace if args.discovery else [],
+        "--ignore-namespace": args.ignore_namespace if args.discovery else [],
+        "--lease-name": [d["metadata"]["name"]] if lease else [],
+        "--lease-duration": [str(args.lease_duration)] if lease else [],
+        "--taint-grace": [str(args.taint_grace)] if args.taint_guard else [],
+        "--agent-namespace": [agent_ds["metadata"]["namespace"]] if args.taint_guard else [],
+    }
+    got = {flag: flag_values(argv, flag) for flag in want}
+    check(f"registrar flags match the values (discovery {args.discovery}, taint guard {args.taint_guard})",
+          got == want and ("--taint-guard" in argv) == args.taint_guard,
+          f"got {got}, --taint-guard {'--taint-guard' in argv}; want {want}")
+    for flag in ("--leader-id", "--lease-namespace"):
+        check(f"registrar {flag} comes from the downward API (env), not a flag", flag not in argv, f"argv {argv}")
+    env = env_map(all_containers(pod)[0])
+    for name, field in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace")):
+        got_field = ((env.get(name) or {}).get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        check(f"registrar env {name} from fieldRef {field}" + ("" if lease else " (none without a Lease)"),
+              got_field == field if lease else name not in env, f"got {env.get(name)}")
+    if args.taint_guard:
+        selector = flag_values(argv, "--agent-selector")
+        terms = dict(t.split("=", 1) for t in selector[0].split(",")) if len(selector) == 1 and "=" in selector[0] else {}
+        ds_selector = agent_ds["spec"]["selector"]["matchLabels"]
+        check("registrar --agent-selector is the agent DaemonSet's selector (name, instance, component=agent)",
+              terms == ds_selector and terms.get("app.kubernetes.io/component") == "agent"
+              and "app.kubernetes.io/instance" in terms, f"got {selector}, DaemonSet selector {ds_selector}")
+    else:
+        check("registrar: no --agent-selector without the taint guard", "--agent-selector" not in argv, f"argv {argv}")
+
+    # Its token: a service account of its own when it calls the Kubernetes API, else none.
+    sa = pod.get("serviceAccountName")
+    sas = [x["metadata"]["name"] for x in objects_of(docs, "ServiceAccount", "registrar")]
+    if not kube_api:
+        check("registrar pod: no service account token (it calls no Kubernetes API)",
+              pod.get("automountServiceAccountToken") is False and not sa and not sas,
+              f"automount {pod.get('automountServiceAccountToken')!r}, serviceAccountName {sa!r}, accounts {sas}")
+        roles = [f"{x['kind']}/{x['metadata']['name']}" for kind in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+                 for x in objects_of(docs, kind, "registrar")]
+        check("registrar RBAC: none (it calls no Kubernetes API)", not roles, f"found {roles}")
+    else:
+        agent_sa = agent_ds["spec"]["template"]["spec"].get("serviceAccountName")
+        check("registrar pod: its own service account, not the agents', with its token mounted",
+              sa and sa != agent_sa and sas == [sa] and pod.get("automountServiceAccountToken") is True,
+              f"serviceAccountName {sa!r}, accounts {sas}, automount {pod.get('automountServiceAccountToken')!r}")
+        want_cluster = {**(REGISTRAR_TOKEN_REVIEW if args.registrar_auth == "tokenReview" else {}),
+                        **(REGISTRAR_DISCOVERY if args.discovery else {}),
+                        **(REGISTRAR_GUARD_CLUSTER if args.taint_guard else {})}
+        want_role = {}
+        if lease:
+            want_role[("coordination.k8s.io", "leases", (d["metadata"]["name"],))] = ["get", "update"]
+            want_role[("coordination.k8s.io", "leases", ())] = ["create"]
+        if args.taint_guard:
+            want_role.update(REGISTRAR_GUARD_NAMESPACED)
+        want_cluster = {k: sorted(v) for k, v in want_cluster.items()}
+        want_role = {k: sorted(v) for k, v in want_role.items()}
+        for kind, want_rules in (("ClusterRole", want_cluster), ("Role", want_role)):
+            roles = objects_of(docs, kind, "registrar")
+            check(f"registrar RBAC: {'one' if want_rules else 'no'} {kind}", len(roles) == (1 if want_rules else 0),
+                  f"found {len(roles)}")
+            if not roles:
+                continue
+            role = roles[0]
+            for rule in role.get("rules", []):
+                check(f"registrar RBAC: no wildcard in the {kind}",
+                      "*" not in rule.get("verbs", []) + rule.get("resources", []) + rule.get("apiGroups", [])
+                      + (rule.get("resourceNames") or []), f"rule {rule}")
+            got_rules = rules_of(role)
+            check(f"registrar RBAC: {kind} grants exactly {sorted(want_rules.items())}", got_rules == want_rules,
+                  f"got {sorted(got_rules.items())}")
+            if kind == "Role":
+                check("registrar RBAC: the Role is in the release namespace (the Lease's and the agents')",
+                      role["metadata"].get("namespace") == ns == agent_ds["metadata"]["namespace"],
+                      f"Role in {role['metadata'].get('namespace')!r}, registrar in {ns!r}")
+        # Bound to its service account, and that account bound to nothing else.
+        bound = sorted((b["kind"], b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace", ""))
+                       for kind in ("ClusterRoleBinding", "RoleBinding") for b in objects_of(docs, kind)
+                       if any(x.get("kind") == "ServiceAccount" and x.get("name") == sa and x.get("namespace") == ns
+                              for x in b.get("subjects", []) or []))
+        want_bound = sorted([("ClusterRoleBinding", "ClusterRole", x["metadata"]["name"], "")
+                             for x in objects_of(docs, "ClusterRole", "registrar")]
+                            + [("RoleBinding", "Role", x["metadata"]["name"], ns) for x in objects_of(docs, "Role", "registrar")])
+        check("registrar service account bound to its own ClusterRole and Role only", bound == want_bound,
+              f"got {bound}, want {want_bound}")
+
+    # The PodDisruptionBudget: one replica at a time, over exactly the registrar's pods.
+    pdbs = objects_of(docs, "PodDisruptionBudget", "registrar")
+    check("registrar PodDisruptionBudget rendered once (policy/v1)",
+          len(pdbs) == 1 and pdbs[0].get("apiVersion") == "policy/v1", f"found {[p.get('apiVersion') for p in pdbs]}")
+    spec = pdbs[0]["spec"]
+    selector = (spec.get("selector") or {}).get("matchLabels") or {}
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    agent_labels = agent_ds["spec"]["template"]["metadata"]["labels"]
+    check("registrar PodDisruptionBudget selects the registrar pods (the Deployment's selector), in its namespace",
+          selector == d["spec"]["selector"]["matchLabels"] and all(labels.get(k) == v for k, v in selector.items())
+          and not (spec.get("selector") or {}).get("matchExpressions")
+          and not all(agent_labels.get(k) == v for k, v in selector.items())
+          and pdbs[0]["metadata"].get("namespace") == ns, f"selector {spec.get('selector')}, pod labels {labels}")
+    budget = {k: spec[k] for k in ("maxUnavailable", "minAvailable") if k in spec}
+    check("registrar PodDisruptionBudget: maxUnavailable 1 or minAvailable 1",
+          budget in ({"maxUnavailable": 1}, {"minAvailable": 1}), f"got {budget}")
 
 
 def check_proxy(docs, args):
@@ -947,6 +1090,16 @@ def main():
     parser.add_argument("--keeper", type=parse_bool, default=True)
     parser.add_argument("--registrar", type=parse_bool, default=False,
                         help="the rendering has registrar.enabled=true")
+    parser.add_argument("--registrar-auth", default="tokenReview", choices=["tokenReview", "none"],
+                        help="registrar.auth")
+    parser.add_argument("--discovery", type=parse_bool, default=True, help="registrar.discovery.enabled")
+    parser.add_argument("--discover-namespace", action="append", default=[],
+                        help="an entry of registrar.discovery.namespaces, in order (repeatable)")
+    parser.add_argument("--ignore-namespace", action="append", default=[],
+                        help="an entry of registrar.discovery.ignoreNamespaces, in order (repeatable)")
+    parser.add_argument("--lease-duration", type=int, default=15, help="registrar.leaderElection.leaseDuration")
+    parser.add_argument("--taint-guard", type=parse_bool, default=True, help="registrar.taintGuard.enabled")
+    parser.add_argument("--taint-grace", type=int, default=30, help="registrar.taintGuard.grace")
     parser.add_argument("--spiffe-dir", default="")
     parser.add_argument("--spire-admin-dir", default="")
     parser.add_argument("--trust-domain", default="")
@@ -1024,6 +1177,13 @@ def main():
         ports = [f"{d.get('kind')}/{d.get('metadata', {}).get('name')}: {p}"
                  for d in docs if d.get("kind") != "Service" for p in find_keys(d, PORT_KEYS)]
         check("no `ports` (or hostPort/containerPort) key in any rendered pod object", not ports, "; ".join(ports))
+        # An unquoted on, off, yes or no is a YAML boolean, which the API server refuses in
+        # a command.
+        argv_types = [f"{d.get('kind')}/{d['metadata'].get('name')} {c['name']}: {a!r}"
+                      for d in docs if isinstance((d.get("spec") or {}).get("template"), dict)
+                      for c in all_containers(d["spec"]["template"].get("spec") or {})
+                      for a in (c.get("command") or []) + (c.get("args") or []) if not isinstance(a, str)]
+        check("every command and args item of every container is a string", not argv_types, "; ".join(argv_types))
         agent_ds = check_agent(docs, raw, args)
         check_rbac(docs, agent_ds)
         check_node_policy(docs, agent_ds)

@@ -64,10 +64,13 @@ work="$(mktemp -d)"
 # Keep helm's cache/config/data out of $HOME.
 export HELM_CACHE_HOME="$work/helm/cache" HELM_CONFIG_HOME="$work/helm/config" HELM_DATA_HOME="$work/helm/data"
 
+REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
+
 step "helm lint"
 lint_sets=(
   ""
   "agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true"
+  "$REGISTRAR_SETS,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system}"
 )
 for sets in "${lint_sets[@]}"; do
   if "$helm" lint --strict "$chart" ${sets:+--set "$sets"}; then
@@ -96,8 +99,26 @@ for bad in "identity.spiffe.socketDir=$SPIFFE_DIR|identity.trustDomain" \
   grep -q "$want" "$work/bad.log" || { cat "$work/bad.log"; fail "the error for $sets does not name $want"; }
   pass "helm template refuses $sets, naming $want"
 done
-
-REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
+# The registrar: fewer than two replicas, a namespace that is no namespace name and a
+# Lease shorter than 5 s are schema errors; the taint guard with an agent.nodeSelector
+# that leaves nodes without an agent (the guard would taint them) stops the rendering.
+for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
+           "$REGISTRAR_SETS,registrar.discovery.namespaces={Shop_1}|namespaces" \
+           "$REGISTRAR_SETS,registrar.discovery.ignoreNamespaces={kube-system,kube-system}|ignoreNamespaces" \
+           "$REGISTRAR_SETS,registrar.leaderElection.leaseDuration=2|leaseDuration" \
+           "$REGISTRAR_SETS,registrar.taintGuard.grace=0|grace" \
+           "$REGISTRAR_SETS,agent.nodeSelector.pool=mesh|agent.nodeSelector"; do
+  IFS='|' read -r sets want <<<"$bad"
+  if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
+    fail "helm template accepted $sets"
+  fi
+  grep -qF "$want" "$work/bad.log" || { cat "$work/bad.log"; fail "the error for $sets does not name $want"; }
+  pass "helm template refuses ${sets#"$REGISTRAR_SETS,"} (registrar on), naming $want"
+done
+# ...and the same nodeSelector renders with the guard off.
+"$helm" template aether "$chart" --set "$REGISTRAR_SETS,agent.nodeSelector.pool=mesh,registrar.taintGuard.enabled=false" \
+  >"$work/ok.log" 2>&1 || { cat "$work/ok.log"; fail "helm template refused agent.nodeSelector with the taint guard off"; }
+pass "helm template renders a custom agent.nodeSelector with registrar.taintGuard.enabled=false"
 
 # Cases: name | helm --set list | check_chart.py expectations.
 cases=(
@@ -108,7 +129,10 @@ cases=(
   "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
-  "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true"
+  "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true --registrar-auth none"
+  "registrar-discovery-only|$REGISTRAR_SETS,registrar.taintGuard.enabled=false,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system},registrar.leaderElection.leaseDuration=20|--surge false --registrar true --taint-guard false --discover-namespace shop --discover-namespace pay --ignore-namespace kube-system --lease-duration 20"
+  "registrar-guard-only|$REGISTRAR_SETS,registrar.discovery.enabled=false,registrar.taintGuard.grace=45|--surge false --registrar true --discovery false --taint-grace 45"
+  "registrar-no-kubernetes|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
@@ -293,8 +317,28 @@ mutations=(
   'keeper-uid|templates/keeper-daemonset.yaml|runAsUser: 0|runAsUser: 65532||--surge false|keeper runs as uid 0'
   'keeper-ignored|templates/keeper-daemonset.yaml|if \.Values\.keeper\.enabled|if true|keeper.enabled=false|--surge false --keeper false|no keeper DaemonSet'
   'registrar-one-replica|templates/registrar.yaml|replicas: \{\{ \.Values\.registrar\.replicas \}\}|replicas: 1|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar replicas >= 2'
-  'registrar-token|templates/registrar.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true|'"$REGISTRAR_SETS"',registrar.auth=none,registrar.insecureListen=true|--surge false --registrar true|registrar pod: no service account token'
-  'registrar-delegator|templates/registrar.yaml|name: system:auth-delegator|name: cluster-admin|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar service account bound to system:auth-delegator only'
+  'registrar-token|templates/registrar.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true|'"$REGISTRAR_SETS"',registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false|registrar pod: no service account token'
+  'registrar-rbac-unused|templates/registrar-rbac.yaml|\{\{- if or \$tokenReview \$lease \}\}|{{- if true }}|'"$REGISTRAR_SETS"',registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false|registrar pod: no service account token'
+  'registrar-delegator|templates/registrar-rbac.yaml|  name: \{\{ \$name \}\}\nsubjects:|  name: system:auth-delegator\nsubjects:|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar service account bound to its own ClusterRole and Role only'
+  'registrar-tokenreview-wide|templates/registrar-rbac.yaml|resources: \["tokenreviews"\]|resources: ["tokenreviews", "subjectaccessreviews"]|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar RBAC: ClusterRole grants exactly'
+  'registrar-rbac-verb|templates/registrar-rbac.yaml|resources: \["services"\]\n    verbs: \["get", "list", "watch"\]|resources: ["services"]\n    verbs: ["get", "list", "watch", "delete"]|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar RBAC: ClusterRole grants exactly'
+  'registrar-rbac-wildcard|templates/registrar-rbac.yaml|resources: \["endpointslices"\]|resources: ["*"]|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar RBAC: no wildcard in the ClusterRole'
+  'registrar-nodes-unguarded|templates/registrar-rbac.yaml|\{\{- if \$guard \}\}(\n  - apiGroups: \[""\]\n    resources: \["nodes"\])|{{- if true }}\g<1>|'"$REGISTRAR_SETS"',registrar.taintGuard.enabled=false|--surge false --registrar true --taint-guard false|registrar RBAC: ClusterRole grants exactly'
+  'registrar-pods-unguarded|templates/registrar-rbac.yaml|\{\{- if \$guard \}\}(\n  - apiGroups: \[""\]\n    resources: \["pods"\])|{{- if true }}\g<1>|'"$REGISTRAR_SETS"',registrar.taintGuard.enabled=false|--surge false --registrar true --taint-guard false|registrar RBAC: Role grants exactly'
+  'registrar-services-undiscovered|templates/registrar-rbac.yaml|\{\{- if \$discovery \}\}|{{- if true }}|'"$REGISTRAR_SETS"',registrar.discovery.enabled=false|--surge false --registrar true --discovery false|registrar RBAC: ClusterRole grants exactly'
+  'registrar-lease-any-name|templates/registrar-rbac.yaml|\n    resourceNames: \[[^\n]*\]||'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar RBAC: Role grants exactly'
+  'registrar-role-namespace|templates/registrar-rbac.yaml|(kind: Role\nmetadata:\n  name: \{\{ \$name \}\}\n  namespace: )\{\{ \.Release\.Namespace \}\}|\g<1>default|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar RBAC: the Role is in the release namespace'
+  'registrar-discovery-ignored|templates/registrar.yaml|ternary "on" "off" \$discovery|ternary "on" "on" $discovery|'"$REGISTRAR_SETS"',registrar.discovery.enabled=false|--surge false --registrar true --discovery false|registrar flags match the values'
+  'registrar-discovery-unquoted|templates/registrar.yaml|(ternary "on" "off" \$discovery) \x7c quote|\g<1>|'"$REGISTRAR_SETS"'|--surge false --registrar true|every command and args item of every container is a string'
+  'registrar-namespaces-ignored|templates/registrar.yaml|range \.Values\.registrar\.discovery\.namespaces|range list|'"$REGISTRAR_SETS"',registrar.discovery.namespaces={shop}|--surge false --registrar true --discover-namespace shop|registrar flags match the values'
+  'registrar-grace-ignored|templates/registrar.yaml|\.Values\.registrar\.taintGuard\.grace \x7c int|30|'"$REGISTRAR_SETS"',registrar.taintGuard.grace=45|--surge false --registrar true --taint-grace 45|registrar flags match the values'
+  'registrar-guard-ignored|templates/registrar.yaml|\{\{- if \$guard \}\}(\n            # This release)|{{- if false }}\g<1>|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar flags match the values'
+  'registrar-lease-name|templates/registrar.yaml|(- --lease-name\n\s+)- \{\{ include "aether-agent.registrarLeaseName" \. \x7c quote \}\}|\g<1>- "aether-registrar"|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar flags match the values'
+  'registrar-agent-selector|templates/_helpers.tpl|\{\{- include "aether-agent.selectorLabels" \(dict "ctx" \. "component" "agent"\) \x7c replace[^\n]*|app.kubernetes.io/name=aether-agent,app.kubernetes.io/component=agent|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar --agent-selector is the agent DaemonSet'"'"'s selector'
+  'registrar-pod-name-env|templates/registrar.yaml|(- name: POD_NAME\n\s+valueFrom:\n\s+fieldRef:\n\s+fieldPath: )metadata.name|\g<1>metadata.uid|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar env POD_NAME from fieldRef metadata.name'
+  'registrar-pdb-missing|templates/registrar.yaml|kind: PodDisruptionBudget|kind: ConfigMap|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar PodDisruptionBudget rendered once'
+  'registrar-pdb-selector|templates/registrar.yaml|(unhealthyPodEvictionPolicy: AlwaysAllow\n(?:.*\n)*?.*"component" )"registrar"|\g<1>"agent"|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar PodDisruptionBudget selects the registrar pods'
+  'registrar-pdb-budget|templates/registrar.yaml|maxUnavailable: 1(\n  unhealthyPodEvictionPolicy)|maxUnavailable: 2\g<1>|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar PodDisruptionBudget: maxUnavailable 1 or minAvailable 1'
   'registrar-agent-sa|templates/registrar.yaml|- --agent-service-account\n|- --operator-user\n|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar takes the agents'"'"' service account'
   'registrar-token-audience|templates/daemonset.yaml|audience: aether-registrar|audience: kubernetes|'"$REGISTRAR_SETS"'|--surge false --registrar true|agent gets a projected token for the audience aether-registrar'
   'registrar-port|templates/registrar.yaml|targetPort: \{\{ \.Values\.registrar\.port \}\}|targetPort: 8080|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar Service targets the port'

@@ -24,6 +24,20 @@
 {{- printf "%s-registrar" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The registrar's Lease (leader election): one per release, in the release namespace. */}}
+{{- define "aether-agent.registrarLeaseName" -}}
+{{- include "aether-agent.registrarName" . -}}
+{{- end -}}
+
+{{/*
+The agent DaemonSet's selector labels as a label selector (name=...,instance=...,component=agent),
+made from the same helper so the two cannot drift: the registrar's taint guard counts these
+pods only, never another release's agents.
+*/}}
+{{- define "aether-agent.agentSelector" -}}
+{{- include "aether-agent.selectorLabels" (dict "ctx" . "component" "agent") | replace ": " "=" | replace "\n" "," -}}
+{{- end -}}
+
 {{/* The agent's registrar: agent.registrar, else the chart's registrar Service when enabled. */}}
 {{- define "aether-agent.registrarAddress" -}}
 {{- if .Values.agent.registrar -}}
