@@ -36,16 +36,13 @@
 //! show `registrar.revision` at the change's revision (not polled while timing, since
 //! every poll is work on the agent's one runtime thread).
 
-use std::io::{Read, Seek, SeekFrom};
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
+use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, ms, since, summary};
 use aether_e2e::envoy::{self, AdsApi, NodeRig};
 use aether_e2e::registrar::{Etcd, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
-use aether_e2e::testing::{percentile, try_wait_for, wait_for};
-use serde_json::Value;
+use aether_e2e::testing::{env_usize, percentile, wait_for};
 use shared_proto::registry as pb;
 
 const SERVICES: usize = 1_000;
@@ -148,131 +145,6 @@ impl Kind {
     }
 }
 
-/// The endpoints of one load assignment in a filtered config dump, as
-/// `aether_e2e::envoy::endpoints` writes them; None when the dump does not hold `cluster`.
-fn endpoints_of(dump: &Value, cluster: &str) -> Option<Vec<String>> {
-    let configs = dump["configs"].as_array()?;
-    let config = configs.iter().map(|c| &c["endpoint_config"]).find(|c| c["cluster_name"] == cluster)?;
-    Some(envoy::load_assignment_lines(config))
-}
-
-
-/// The admin path that dumps only `cluster`'s load assignment.
-fn eds_query(cluster: &str) -> String {
-    let escaped: String = cluster.chars().flat_map(|c| if "\\.|()[]{}^$*+?".contains(c) { vec!['\\', c] } else { vec![c] }).collect();
-    format!("/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex={}", envoy::encode(&format!("^{escaped}$")))
-}
-
-/// The agents' log filter: the ADS server's push and ACK lines carry what is timed.
-const AGENT_LOG: &str = "info,aether_worker::xds::server=debug";
-const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
-
-/// A load assignment push and Envoy's ACK of it, as node B's agent logged them.
-struct Exchange {
-    /// When the agent's stream saw the snapshot with the change.
-    snapshot: SystemTime,
-    pushed: SystemTime,
-    acked: SystemTime,
-}
-
-/// Node B's agent log, read from where the last change's lines ended.
-struct AgentLog {
-    path: PathBuf,
-    offset: u64,
-    partial: String,
-    /// The push awaiting its ACK: nonce, time, `since_change_us`.
-    push: Option<(String, SystemTime, Duration)>,
-}
-
-impl AgentLog {
-    fn new(path: &Path) -> Self {
-        let mut log = AgentLog { path: path.to_owned(), offset: 0, partial: String::new(), push: None };
-        log.skip_to_end();
-        log
-    }
-
-    /// Forgets everything logged so far.
-    fn skip_to_end(&mut self) {
-        self.offset = std::fs::metadata(&self.path).map_or(0, |m| m.len());
-        self.partial.clear();
-        self.push = None;
-    }
-
-    /// The first load assignment push logged since the last call with its ACK, once both
-    /// are in the log.
-    fn exchange(&mut self) -> Option<Exchange> {
-        let mut f = std::fs::File::open(&self.path).ok()?;
-        f.seek(SeekFrom::Start(self.offset)).ok()?;
-        let mut new = String::new();
-        self.offset += f.read_to_string(&mut new).ok()? as u64;
-        self.partial.push_str(&new);
-        let complete = self.partial.rfind('\n').map_or(0, |i| i + 1);
-        let lines: Vec<String> = self.partial[..complete].lines().map(String::from).collect();
-        self.partial.drain(..complete);
-        for line in lines {
-            if !line.contains(" DEBUG aether_worker::xds::server: ") || field(&line, "type_url") != Some(EDS) {
-                continue;
-            }
-            let at = line.split(' ').next().and_then(parse_utc);
-            let nonce = field(&line, "nonce");
-            if line.contains(": push ") && self.push.is_none() {
-                let since = field(&line, "since_change_us").and_then(|v| v.parse().ok()).map(Duration::from_micros);
-                let (Some(at), Some(nonce), Some(since)) = (at, nonce, since) else { panic!("unreadable push line {line:?}") };
-                self.push = Some((nonce.to_owned(), at, since));
-            } else if line.contains(": ACK ")
-                && let Some((pushed_nonce, pushed, since)) = &self.push
-                && nonce == Some(pushed_nonce.as_str())
-            {
-                let acked = at.unwrap_or_else(|| panic!("unreadable ACK line {line:?}"));
-                let ex = Exchange { snapshot: *pushed - *since, pushed: *pushed, acked };
-                self.skip_to_end();
-                return Some(ex);
-            }
-        }
-        None
-    }
-}
-
-/// The value of `name=` in a log line, without quotes.
-fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
-    let start = line.find(&format!(" {name}="))? + name.len() + 2;
-    let rest = &line[start..];
-    Some(rest[..rest.find(' ').unwrap_or(rest.len())].trim_matches('"'))
-}
-
-/// A log line's UTC timestamp (`2026-01-02T03:04:05.123456Z`, tracing's default).
-fn parse_utc(ts: &str) -> Option<SystemTime> {
-    let (date, time) = ts.strip_suffix('Z')?.split_once('T')?;
-    let num = |s: &str| s.parse::<i64>().ok();
-    let mut d = date.split('-');
-    let (y, m, day) = (num(d.next()?)?, num(d.next()?)?, num(d.next()?)?);
-    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
-    let mut t = hms.split(':');
-    let (h, min, sec) = (num(t.next()?)?, num(t.next()?)?, num(t.next()?)?);
-    let nanos: u64 = format!("{frac:0<9}").get(..9)?.parse().ok()?;
-    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * ((m + 9) % 12) + 2) / 5 + day - 1;
-    let days = era * 146_097 + yoe * 365 + yoe / 4 - yoe / 100 + doy - 719_468;
-    let secs = u64::try_from(days * 86_400 + h * 3_600 + min * 60 + sec).ok()?;
-    Some(UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_nanos(nanos))
-}
-
-fn since(t0: SystemTime, t: SystemTime) -> Duration {
-    t.duration_since(t0).unwrap_or_default()
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn summary(name: &str, v: &[Duration]) {
-    let at = |p: f64| ms(percentile(v, p).expect("samples"));
-    println!("{name:<48} n={:<4} median {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms", v.len(), at(50.0), at(99.0), at(100.0));
-}
-
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` does not, and a debug
     // build's figures mean nothing, so do not run then.
@@ -280,20 +152,13 @@ fn main() {
         println!("cross-node: run with `cargo bench -p aether-e2e --bench cross-node`; skipping");
         return;
     }
-    // The rig starts agents with the log filter in AETHER_E2E_AGENT_LOG, read when each
-    // is spawned. Setting it here would take `unsafe` (`set_var`), so the bench runs
-    // itself again with it set.
-    if std::env::var_os("AETHER_E2E_AGENT_LOG").is_none() {
-        let exe = std::env::current_exe().expect("this bench's path");
-        let status = Command::new(exe).args(std::env::args_os().skip(1)).env("AETHER_E2E_AGENT_LOG", AGENT_LOG).status().expect("run the bench again");
-        std::process::exit(status.code().unwrap_or(1));
-    }
+    ack_log::rerun_with_agent_log();
     let Some(envoy_bin) = envoy::envoy_bin() else {
         eprintln!("cross-node: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
         std::process::exit(2);
     };
     let Some(etcd) = Etcd::start_or_skip("cross-node") else { std::process::exit(2) };
-    let changes: usize = std::env::var("BENCH_CHANGES").ok().and_then(|v| v.parse().ok()).unwrap_or(100).max(50);
+    let changes = env_usize("BENCH_CHANGES", 100).max(50);
     let api: AdsApi = std::env::var("BENCH_XDS_API").map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}"))).unwrap_or_default();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime for the registry client");
 
@@ -369,24 +234,18 @@ fn main() {
             }
         };
         let committed = t0.elapsed();
-        let ex = try_wait_for(&format!("change {i}: node B's agent to log a load assignment push and its ACK"), T_CHANGE, || log.exchange())
-            .unwrap_or_else(|e| panic!("{e} (the agents' log filter must hold {AGENT_LOG:?})\n{}", rig.where_to_look()));
+        let ex = log
+            .wait(&format!("change {i}: node B's agent to log a load assignment push and its ACK"), T_CHANGE)
+            .unwrap_or_else(|e| panic!("{e}\n{}", rig.where_to_look()));
 
         // Outside the timing: Envoy holds what the change made, and the agent's view is
         // at the change's revision.
         let (cluster, want) = (Mesh::cluster(s), mesh.expected(s));
-        let query = eds_query(&cluster);
-        let mut got = None;
-        let mut first = true;
-        try_wait_for(&format!("change {i} in Envoy's config dump"), Duration::from_secs(1), || {
-            got = rig.envoy.get(&query).ok().and_then(|(_, b)| endpoints_of(&serde_json::from_str(&b).ok()?, &cluster));
-            let shown = got.as_ref() == Some(&want);
-            if !shown && std::mem::replace(&mut first, false) {
-                late_in_dump += 1;
-            }
-            shown.then_some(())
-        })
-        .unwrap_or_else(|_| panic!("change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}", rig.where_to_look()));
+        match ack_log::wait_endpoints(&rig.envoy, &cluster, &want) {
+            Ok(Shown::AtAck) => {}
+            Ok(Shown::Later) => late_in_dump += 1,
+            Err(got) => panic!("change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}", rig.where_to_look()),
+        }
         let view = rig.owner.ready().and_then(|(_, v)| v["registrar"]["revision"].as_i64());
         assert!(view.is_some_and(|r| r >= revision), "change {i}: the agent's /ready shows revision {view:?}, not {revision}");
         if i < WARMUP {

@@ -12,6 +12,7 @@
 //! `scripts/install-envoy.sh` fills; without either, tests skip loudly
 //! ([`envoy_or_skip`]).
 
+pub mod ack_log;
 mod node_rig;
 mod poller;
 mod worker_rig;
