@@ -63,7 +63,8 @@ REGISTRAR_DISCOVERY = {("", "services", ()): ["get", "list", "watch"],
 REGISTRAR_GUARD_CLUSTER = {("", "nodes", ()): ["get", "list", "watch", "patch"]}
 REGISTRAR_GUARD_NAMESPACED = {("", "pods", ()): ["get", "list", "watch"]}
 REGISTRAR_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-                   "PodDisruptionBudget", "Deployment", "Service")
+                   "PodDisruptionBudget", "Deployment", "Service", "ValidatingAdmissionPolicy",
+                   "ValidatingAdmissionPolicyBinding")
 
 
 class CheckFailed(Exception):
@@ -377,9 +378,11 @@ def check_rbac(docs, agent_ds):
     check("ClusterRoleBinding binds the ClusterRole to that ServiceAccount", ok, f"bindings {bindings}")
 
 
-# --- The node-patch ValidatingAdmissionPolicy, evaluated -------------------------------------
+# --- The node-patch ValidatingAdmissionPolicies, evaluated -----------------------------------
 #
-# The policy's CEL is evaluated here with cel-python on sample requests, as the API server
+# Two policies: the agent's (its own node's startup taint may go or come back) and, with the
+# taint guard, the registrar's (the startup taint may be added to any node, never removed).
+# Each policy's CEL is evaluated here with cel-python on sample requests, as the API server
 # would: matchConditions first (a request that fails one is not the policy's), then the
 # variables, then every validation; an error or false denies (failurePolicy Fail). The
 # expressions use standard CEL only (has(), filter, size, in), which cel-python and the API
@@ -450,6 +453,12 @@ def evaluate_policy(policy, request, old, new):
     return True, "allowed"
 
 
+def changed_node(base, f):
+    new = copy.deepcopy(base)
+    f(new)
+    return new
+
+
 def policy_cases(sa_user):
     """(name, request, oldObject, object, allowed) for the agent's node writes and others'."""
     def req(op="UPDATE", user=sa_user, node="node-a", extra=True, sub=None):
@@ -463,9 +472,7 @@ def policy_cases(sa_user):
         return r
 
     def changed(f):
-        new = copy.deepcopy(NODE)
-        f(new)
-        return new
+        return changed_node(NODE, f)
 
     untaint = changed(lambda n: n["spec"]["taints"].pop(0))
     cases = [
@@ -503,63 +510,184 @@ def policy_cases(sa_user):
          req(user=re.sub(r":[^:]+:([^:]+)$", r":elsewhere:\1", sa_user)), NODE,
          changed(lambda n: n["metadata"]["labels"].update(role="x")), True),
     ]
+    return cases + spec_field_cases(req(), NODE)
+
+
+def spec_field_cases(request, base):
+    """A change, and a removal where `base` has it, of every NodeSpec field but taints: each
+    denied, whichever policy matches `request`."""
+    cases = []
     samples = {"string": "changed", "boolean": True, "array": ["changed"]}
     for field in node_spec_fields(KUBE_VERSION):
         if field == "taints":
             continue
         kind = next((t for t in (NODE_SPEC_TYPES.get(field) or ["object"]) if t != "null"), "object")
         value = samples.get(kind, {"changed": "yes"})
-        cases.append((f"spec.{field} changed", req(), NODE, changed(lambda n, f=field, v=value: n["spec"].update({f: v})), False))
-        if field in NODE["spec"]:
-            cases.append((f"spec.{field} removed", req(), NODE, changed(lambda n, f=field: n["spec"].pop(f)), False))
+        cases.append((f"spec.{field} changed", request, base,
+                      changed_node(base, lambda n, f=field, v=value: n["spec"].update({f: v})), False))
+        if field in base["spec"]:
+            cases.append((f"spec.{field} removed", request, base, changed_node(base, lambda n, f=field: n["spec"].pop(f)),
+                          False))
     return cases
+
+
+def registrar_policy_cases(sa_user, agent_user, node_selector):
+    """(name, request, oldObject, object, allowed) for the registrar's node writes and others'.
+    Its token is bound to its own pod's node (node-r), which the policy does not look at; the
+    nodes it may patch are those the agent runs on, whose labels match `node_selector`."""
+    def req(op="UPDATE", user=sa_user, sub=None):
+        r = {"operation": op, "userInfo": {"username": user, "extra": {
+            "authentication.kubernetes.io/pod-name": ["registrar-x"],
+            "authentication.kubernetes.io/node-name": ["node-r"]}}}
+        if sub is not None:
+            r["subResource"] = sub
+        return r
+
+    startup = {"key": TAINT_KEY, "effect": "NoSchedule"}
+    # node-a, one the agent runs on, without the startup taint: what the guard finds on a node
+    # that lost its agent.
+    covered = changed_node(NODE, lambda n: n["metadata"]["labels"].update(node_selector))
+    bare = changed_node(covered, lambda n: n["spec"]["taints"].pop(0))
+    no_taints = changed_node(covered, lambda n: n["spec"].pop("taints"))
+
+    def add_taint(n):
+        n["spec"]["taints"].append(startup)
+
+    # A node the agent does not run on: without its nodeSelector's labels, or with another
+    # value of one. Every node is the agent's when its nodeSelector is empty.
+    unlabelled = changed_node(bare, lambda n: [n["metadata"]["labels"].pop(k) for k in node_selector])
+    no_labels = changed_node(bare, lambda n: n["metadata"].pop("labels"))
+    cases = [
+        ("the guard taints a node without the agent's nodeSelector labels", req(), unlabelled,
+         changed_node(unlabelled, add_taint), not node_selector),
+        ("the guard taints a node with no labels at all", req(), no_labels, changed_node(no_labels, add_taint),
+         not node_selector),
+    ]
+    for key in sorted(node_selector):
+        other = changed_node(bare, lambda n, k=key: n["metadata"]["labels"].update({k: node_selector[k] + "-other"}))
+        cases.append((f"the guard taints a node whose {key} is not {node_selector[key]}", req(), other,
+                      changed_node(other, add_taint), False))
+    cases += [
+        ("the guard adds the taint (appended to the node's taints)", req(), bare,
+         changed_node(bare, lambda n: n["spec"]["taints"].append(startup)), True),
+        ("the guard adds the taint to a node with no taints", req(), no_taints,
+         changed_node(no_taints, lambda n: n["spec"].update(taints=[startup])), True),
+        ("the same with an empty subresource", req(sub=""), bare,
+         changed_node(bare, lambda n: n["spec"]["taints"].append(startup)), True),
+        ("the guard taints another node than its pod's", req(), changed_node(bare, lambda n: n["metadata"].update(name="node-b")),
+         changed_node(bare, lambda n: (n["metadata"].update(name="node-b"), n["spec"]["taints"].append(startup))), True),
+        ("a patch that changes nothing", req(), covered, copy.deepcopy(covered), True),
+        ("the server's own metadata moves (resourceVersion, managedFields)", req(), bare,
+         changed_node(bare, lambda n: n["metadata"].update(resourceVersion="42", managedFields=[{"manager": "x"}])), True),
+        ("the taint removed", req(), covered, bare, False),
+        ("the last taint, the startup one, removed", req(), changed_node(no_taints, lambda n: n["spec"].update(taints=[startup])),
+         no_taints, False),
+        ("the taint turned into NoExecute", req(), covered,
+         changed_node(covered, lambda n: n["spec"]["taints"][0].update(effect="NoExecute")), False),
+        ("its key added with NoExecute (evicts the node's pods)", req(), bare,
+         changed_node(bare, lambda n: n["spec"]["taints"].append({"key": TAINT_KEY, "effect": "NoExecute"})), False),
+        ("another taint added", req(), bare,
+         changed_node(bare, lambda n: n["spec"]["taints"].append({"key": "evil", "effect": "NoSchedule"})), False),
+        ("the taint added and another removed", req(), bare,
+         changed_node(bare, lambda n: n["spec"].update(taints=[startup])), False),
+        ("a label changed", req(), bare, changed_node(bare, lambda n: n["metadata"]["labels"].update(role="x")), False),
+        ("the taint added with a label", req(), bare,
+         changed_node(bare, lambda n: (n["spec"]["taints"].append(startup), n["metadata"]["labels"].update(role="x"))), False),
+        ("an annotation changed", req(), bare, changed_node(bare, lambda n: n["metadata"]["annotations"].update(a="2")), False),
+        ("a finalizer added", req(), bare, changed_node(bare, lambda n: n["metadata"].update(finalizers=["x/y"])), False),
+        ("an owner reference added", req(), bare,
+         changed_node(bare, lambda n: n["metadata"].update(ownerReferences=[{"kind": "X", "name": "y"}])), False),
+        ("cordoned", req(), bare, changed_node(bare, lambda n: n["spec"].update(unschedulable=True)), False),
+        ("a status update through nodes/status", req(sub="status"), bare,
+         changed_node(bare, lambda n: n["status"].update(phase="Terminated")), False),
+        ("a delete", req(op="DELETE"), bare, None, False),
+        ("a create", req(op="CREATE"), None, NODE, False),
+        ("the agent removes its taint (not the registrar: not matched)", req(user=agent_user), covered, bare, True),
+        ("the kubelet cordons its node (not matched)", req(user="system:node:node-a"), bare,
+         changed_node(bare, lambda n: n["spec"].update(unschedulable=True)), True),
+        ("a same-named service account of another namespace (not matched)",
+         req(user=re.sub(r":[^:]+:([^:]+)$", r":elsewhere:\1", sa_user)), covered, bare, True),
+    ]
+    return cases + spec_field_cases(req(), bare)
 
 
 NODE_SPEC_TYPES = {"externalID": ["string"], "podCIDR": ["string"], "podCIDRs": ["array"], "providerID": ["string"],
                    "unschedulable": ["boolean"], "configSource": ["object"]}
 
 
-def check_node_policy(docs, agent_ds):
-    policies = objects_of(docs, "ValidatingAdmissionPolicy")
-    bindings = objects_of(docs, "ValidatingAdmissionPolicyBinding")
-    check("node policy: one ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) and its binding",
-          len(policies) == 1 and len(bindings) == 1
-          and all(d.get("apiVersion") == "admissionregistration.k8s.io/v1" for d in policies + bindings),
-          f"found {len(policies)} policies, {len(bindings)} bindings")
-    policy, binding = policies[0], bindings[0]
-    check("node policy: the binding names the policy and denies",
+def check_policy(what, whose, summary, policy, binding, sa_user, cases):
+    """One node policy and its binding: denying, failing closed, seeing every node write,
+    matching `sa_user` only, and deciding each of `cases` as the API server would."""
+    check(f"{what}: the binding names the policy and denies",
           binding["spec"].get("policyName") == policy["metadata"]["name"]
           and binding["spec"].get("validationActions") == ["Deny"] and not binding["spec"].get("matchResources"),
           f"binding spec {binding['spec']}")
-    check("node policy: failurePolicy Fail", policy["spec"].get("failurePolicy") == "Fail",
+    check(f"{what}: failurePolicy Fail", policy["spec"].get("failurePolicy") == "Fail",
           f"got {policy['spec'].get('failurePolicy')!r}")
     rules = (policy["spec"].get("matchConstraints") or {}).get("resourceRules") or []
     covered = {(g, r, op) for rule in rules for g in rule.get("apiGroups", []) for r in rule.get("resources", [])
                for op in rule.get("operations", [])}
     want = {("", r, op) for r in ("nodes", "nodes/status") for op in ("CREATE", "UPDATE", "DELETE")}
-    check("node policy: matches create, update and delete of nodes and nodes/status", want <= covered,
+    check(f"{what}: matches create, update and delete of nodes and nodes/status", want <= covered,
           f"missing {sorted(want - covered)}")
-    sa_user = (f"system:serviceaccount:{agent_ds['metadata']['namespace']}:"
-               f"{agent_ds['spec']['template']['spec']['serviceAccountName']}")
     conds = [c["expression"] for c in policy["spec"].get("matchConditions", [])]
-    check(f"node policy: bound to the agent's service account ({sa_user}) by a match condition",
+    check(f"{what}: bound to {whose} service account ({sa_user}) by a match condition",
           any(f"'{sa_user}'" in c and "request.userInfo.username" in c for c in conds), f"match conditions {conds}")
     failed = []
-    cases = policy_cases(sa_user)
     for name, request, old, new, allowed in cases:
         got, why = evaluate_policy(policy, request, old, new)
         if got != allowed:
             failed.append(f"{name}: {'allowed' if got else 'denied'} ({why}), want {'allowed' if allowed else 'denied'}")
-    check(f"node policy, evaluated on {len(cases)} requests: the agent may change only its taint on its own node",
-          not failed, "; ".join(failed))
+    check(f"{what}, evaluated on {len(cases)} requests: {summary}", not failed, "; ".join(failed))
     denied_fields = sorted({n.split()[0].split(".")[1] for n, _, _, _, a in cases if n.startswith("spec.") and not a})
     want_fields = sorted(set(node_spec_fields(KUBE_VERSION)) - {"taints"})
-    check(f"node policy: every NodeSpec field of Kubernetes {KUBE_VERSION} but taints is guarded "
+    check(f"{what}: every NodeSpec field of Kubernetes {KUBE_VERSION} but taints is guarded "
           f"({', '.join(want_fields)})", denied_fields == want_fields, f"got {denied_fields}")
+
+
+def agent_user(agent_ds):
+    return (f"system:serviceaccount:{agent_ds['metadata']['namespace']}:"
+            f"{agent_ds['spec']['template']['spec']['serviceAccountName']}")
+
+
+def check_node_policy(docs, agent_ds):
+    # The agent's: the registrar's carries the component label registrar.
+    policies = [p for p in objects_of(docs, "ValidatingAdmissionPolicy") if COMPONENT not in (p["metadata"].get("labels") or {})]
+    bindings = [b for b in objects_of(docs, "ValidatingAdmissionPolicyBinding")
+                if COMPONENT not in (b["metadata"].get("labels") or {})]
+    check("node policy: one ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) and its binding",
+          len(policies) == 1 and len(bindings) == 1
+          and all(d.get("apiVersion") == "admissionregistration.k8s.io/v1" for d in policies + bindings),
+          f"found {len(policies)} policies, {len(bindings)} bindings")
+    sa_user = agent_user(agent_ds)
+    check_policy("node policy", "the agent's", "the agent may change only its taint on its own node",
+                 policies[0], bindings[0], sa_user, policy_cases(sa_user))
     newer = sorted(set(node_spec_fields()) - set(node_spec_fields(KUBE_VERSION)))
     if newer:
         # Not guarded: a field an older API server does not know is left out of the policy.
         print(f"note NodeSpec fields newer than Kubernetes {KUBE_VERSION}, not compared by the policy: {newer}")
+
+
+def check_registrar_node_policy(docs, d, agent_ds, args):
+    """With the taint guard, the registrar's node policy: it may add the startup taint to any
+    node and change nothing else. Without the guard, none (the registrar patches no node)."""
+    policies = objects_of(docs, "ValidatingAdmissionPolicy", "registrar")
+    bindings = objects_of(docs, "ValidatingAdmissionPolicyBinding", "registrar")
+    if not args.taint_guard:
+        check("registrar node policy: none without the taint guard", not policies and not bindings,
+              f"found {len(policies)} policies, {len(bindings)} bindings")
+        return
+    check("registrar node policy: one ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) and its binding",
+          len(policies) == 1 and len(bindings) == 1
+          and all(x.get("apiVersion") == "admissionregistration.k8s.io/v1" for x in policies + bindings),
+          f"found {len(policies)} policies, {len(bindings)} bindings")
+    pod = d["spec"]["template"]["spec"]
+    sa_user = f"system:serviceaccount:{d['metadata']['namespace']}:{pod.get('serviceAccountName')}"
+    node_selector = {k: str(v) for k, v in (agent_ds["spec"]["template"]["spec"].get("nodeSelector") or {}).items()}
+    check_policy("registrar node policy", "the registrar's",
+                 "the registrar may add the startup taint to any node the agent runs on, and change nothing else",
+                 policies[0], bindings[0], sa_user,
+                 registrar_policy_cases(sa_user, agent_user(agent_ds), node_selector))
 
 
 def check_uninstall(docs, args):
@@ -863,8 +991,22 @@ def check_registrar_kubernetes(docs, d, agent_ds, argv, args):
         check("registrar --agent-selector is the agent DaemonSet's selector (name, instance, component=agent)",
               terms == ds_selector and terms.get("app.kubernetes.io/component") == "agent"
               and "app.kubernetes.io/instance" in terms, f"got {selector}, DaemonSet selector {ds_selector}")
+        # The guard covers exactly the nodes the agent runs on: its DaemonSet's nodeSelector as
+        # a label selector (k=v terms, keys sorted; "" when it has none: every node).
+        node_selector = flag_values(argv, "--guard-node-selector")
+        terms = [t.split("=", 1) for t in node_selector[0].split(",")] if node_selector and node_selector[0] else []
+        ds_node_selector = {k: str(v) for k, v in (agent_ds["spec"]["template"]["spec"].get("nodeSelector") or {}).items()}
+        keys = [t[0] for t in terms]
+        check("registrar --guard-node-selector is the agent DaemonSet's nodeSelector (k=v terms, keys sorted)",
+              len(node_selector) == 1 and all(len(t) == 2 for t in terms) and dict(terms) == ds_node_selector
+              and keys == sorted(keys) and len(keys) == len(set(keys)),
+              f"got {node_selector}, DaemonSet nodeSelector {ds_node_selector}")
     else:
         check("registrar: no --agent-selector without the taint guard", "--agent-selector" not in argv, f"argv {argv}")
+        check("registrar: no --guard-node-selector without the taint guard", "--guard-node-selector" not in argv,
+              f"argv {argv}")
+
+    check_registrar_node_policy(docs, d, agent_ds, args)
 
     # Its token: a service account of its own when it calls the Kubernetes API, else none.
     sa = pod.get("serviceAccountName")
@@ -1072,8 +1214,39 @@ def check_unit(path):
     check("unit ExecStart runs /usr/local/bin/aether-supervisor", argv[:1] == ["/usr/local/bin/aether-supervisor"],
           f"got {argv}")
     flags = dict(zip(argv[1::2], argv[2::2]))
-    want_flags = {"--run-dir": RUN_DIR, "--state-dir": STATE_DIR, "--health-dir": "/run/aether-health"}
+    want_flags = {"--run-dir": RUN_DIR, "--state-dir": f"{STATE_DIR}/worker", "--health-dir": "/run/aether-health/worker"}
     check(f"unit ExecStart flags {want_flags}", flags == want_flags, f"got {argv[1:]}")
+    # systemd re-owns a StateDirectory=/RuntimeDirectory= tree to the unit's user (root) at a
+    # start whose top folder is not root's: the worker's folders are subfolders of root-owned
+    # 0755 ones, which the supervisor never hands over.
+    for key, base, flag in (("StateDirectory", "/var/lib", "--state-dir"), ("RuntimeDirectory", "/run", "--health-dir")):
+        tops = [f"{base}/{d}" for d in (one(key) or "").split()]
+        inside = [t for t in tops if flags.get(flag, "").startswith(t + "/")]
+        check(f"unit {flag} is a subfolder of a {key}= folder", len(inside) == 1, f"got {flags.get(flag)!r} in {tops}")
+        check(f"unit {key}Mode=0755 (root's, left to root)", one(f"{key}Mode") == "0755", f"got {one(f'{key}Mode')!r}")
+    watchdog = one("WatchdogSec") or ""
+    check("unit WatchdogSec= is a whole number of seconds above the 5 s heartbeat deadline",
+          watchdog.isdigit() and int(watchdog) > 5, f"got {watchdog!r}")
+    for key in ("LimitNOFILE", "MemoryMax", "TasksMax"):
+        check(f"unit sets {key}=", bool(one(key)), "missing")
+    check("unit SystemCallFilter= is @system-service (and seccomp for the worker's own filter)",
+          sorted((one("SystemCallFilter") or "").split()) == ["@system-service", "seccomp"],
+          f"got {one('SystemCallFilter')!r}")
+    families = (one("RestrictAddressFamilies") or "").split()
+    check("unit RestrictAddressFamilies= is AF_UNIX AF_INET AF_INET6 and AF_NETLINK (sock_diag)",
+          sorted(families) == ["AF_INET", "AF_INET6", "AF_NETLINK", "AF_UNIX"], f"got {families}")
+    # --cni-conf-dir needs its folder writable under ProtectSystem=strict: the unit documents
+    # the two lines together, and a unit that sets the folder must list it.
+    env = " ".join(settings.get(("Service", "Environment"), []) + argv)
+    conf = re.search(r"(?:AETHER_CNI_CONF_DIR=|--cni-conf-dir[= ])(\S+)", env)
+    writable = " ".join(settings.get(("Service", "ReadWritePaths"), [])).split()
+    check("unit ReadWritePaths= covers the CNI conf dir it sets",
+          conf is None or conf.group(1) in [w.lstrip("-") for w in writable], f"got {writable} for {conf and conf.group(1)}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    check("unit documents AETHER_CNI_CONF_DIR with its ReadWritePaths=",
+          re.search(r"^#?Environment=AETHER_CNI_CONF_DIR=/etc/cni/net.d\n#?ReadWritePaths=/etc/cni/net.d$", text, re.M),
+          "missing")
     bounding = (one("CapabilityBoundingSet") or "").split()
     want_caps = [f"CAP_{c}" for c in AGENT_CAPS]
     check(f"unit CapabilityBoundingSet is the chart's set {want_caps}",

@@ -9,7 +9,8 @@
 #      against the Kubernetes $K8S_VERSION schemas, then asserted on by check_chart.py
 #      (a PodMonitor, which it has no schema for, is checked by check_chart.py against the
 #      CRD's fields; any other kind without a schema fails); check_chart.py also evaluates
-#      the node policy's CEL on sample requests (cel-python, pinned below)
+#      the node policies' CEL (the agent's and the registrar's) on sample requests
+#      (cel-python, pinned below)
 #   4. envoy --mode validate on the rendered proxy bootstrap, then that bootstrap run for
 #      real beside a real agent: the admin interface is only a unix socket, and the
 #      readiness listener answers GET /ready and nothing else (when an Envoy is installed:
@@ -49,7 +50,7 @@ step() { echo; echo "== $*"; }
 
 step "install tools"
 "$root/scripts/install-tools.sh"
-# The node policy's CEL is evaluated by check_chart.py with cel-python.
+# The node policies' CEL is evaluated by check_chart.py with cel-python.
 CEL_PYTHON_VERSION=0.5.0
 if [[ "$("$AETHER_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("cel-python"))' 2>/dev/null)" != "$CEL_PYTHON_VERSION" ]]; then
   venv_pip_install --quiet "cel-python==$CEL_PYTHON_VERSION"
@@ -100,14 +101,14 @@ for bad in "identity.spiffe.socketDir=$SPIFFE_DIR|identity.trustDomain" \
   pass "helm template refuses $sets, naming $want"
 done
 # The registrar: fewer than two replicas, a namespace that is no namespace name and a
-# Lease shorter than 5 s are schema errors; the taint guard with an agent.nodeSelector
-# that leaves nodes without an agent (the guard would taint them) stops the rendering.
+# Lease shorter than 5 s are schema errors, and so is an agent.nodeSelector value that is
+# no string (it is the taint guard's --guard-node-selector too, a label selector).
 for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
            "$REGISTRAR_SETS,registrar.discovery.namespaces={Shop_1}|namespaces" \
            "$REGISTRAR_SETS,registrar.discovery.ignoreNamespaces={kube-system,kube-system}|ignoreNamespaces" \
            "$REGISTRAR_SETS,registrar.leaderElection.leaseDuration=2|leaseDuration" \
            "$REGISTRAR_SETS,registrar.taintGuard.grace=0|grace" \
-           "$REGISTRAR_SETS,agent.nodeSelector.pool=mesh|agent.nodeSelector"; do
+           "$REGISTRAR_SETS,agent.nodeSelector.gpu=true|nodeSelector"; do
   IFS='|' read -r sets want <<<"$bad"
   if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
     fail "helm template accepted $sets"
@@ -115,10 +116,6 @@ for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
   grep -qF "$want" "$work/bad.log" || { cat "$work/bad.log"; fail "the error for $sets does not name $want"; }
   pass "helm template refuses ${sets#"$REGISTRAR_SETS,"} (registrar on), naming $want"
 done
-# ...and the same nodeSelector renders with the guard off.
-"$helm" template aether "$chart" --set "$REGISTRAR_SETS,agent.nodeSelector.pool=mesh,registrar.taintGuard.enabled=false" \
-  >"$work/ok.log" 2>&1 || { cat "$work/ok.log"; fail "helm template refused agent.nodeSelector with the taint guard off"; }
-pass "helm template renders a custom agent.nodeSelector with registrar.taintGuard.enabled=false"
 
 # Cases: name | helm --set list | check_chart.py expectations.
 cases=(
@@ -132,6 +129,8 @@ cases=(
   "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true --registrar-auth none"
   "registrar-discovery-only|$REGISTRAR_SETS,registrar.taintGuard.enabled=false,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system},registrar.leaderElection.leaseDuration=20|--surge false --registrar true --taint-guard false --discover-namespace shop --discover-namespace pay --ignore-namespace kube-system --lease-duration 20"
   "registrar-guard-only|$REGISTRAR_SETS,registrar.discovery.enabled=false,registrar.taintGuard.grace=45|--surge false --registrar true --discovery false --taint-grace 45"
+  "registrar-node-selector|$REGISTRAR_SETS,agent.nodeSelector.zone=b,agent.nodeSelector.aether\.io/pool=mesh|--surge false --registrar true"
+  "registrar-no-node-selector|$REGISTRAR_SETS,agent.nodeSelector=null|--surge false --registrar true"
   "registrar-no-kubernetes|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
@@ -286,12 +285,12 @@ mutations=(
   'token-audience|templates/daemonset.yaml|(                  path: token\n)|\g<1>                  audience: vault\n||--surge false|the API server'"'"'s audience'
   'vap-missing|templates/node-policy.yaml|apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\n|apiVersion: v1\nkind: ConfigMap\n||--surge false|node policy: one ValidatingAdmissionPolicy'
   'vap-other-sa|templates/node-policy.yaml|request.userInfo.username == '"'"'\{\{ include "aether-agent.serviceAccountUser" . \}\}'"'"'|request.userInfo.username == '"'"'system:serviceaccount:kube-system:default'"'"'||--surge false|bound to the agent'"'"'s service account'
-  'vap-binding|templates/node-policy.yaml|policyName: \{\{ \$name \}\}|policyName: another-policy||--surge false|the binding names the policy'
-  'vap-audit-only|templates/node-policy.yaml|validationActions: \[Deny\]|validationActions: [Audit]||--surge false|the binding names the policy and denies'
+  'vap-binding|templates/_node-policy.tpl|policyName: \{\{ \.name \}\}|policyName: another-policy||--surge false|the binding names the policy'
+  'vap-audit-only|templates/_node-policy.tpl|validationActions: \[Deny\]|validationActions: [Audit]||--surge false|the binding names the policy and denies'
   'vap-any-node|templates/node-policy.yaml|\(variables.tokenNode != '"'"''"'"' && object.metadata.name == variables.tokenNode\)|true||--surge false|node policy, evaluated'
-  'vap-taint-key-only|templates/node-policy.yaml|!\(t.key == variables.taintKey && has\(t.effect\) && t.effect == '"'"'NoSchedule'"'"'\)\)|!(t.key == variables.taintKey))||--surge false|node policy, evaluated'
-  'vap-spec-field|templates/node-policy.yaml| "unschedulable"|||--surge false|node policy, evaluated'
-  'vap-labels|templates/node-policy.yaml|list "labels" |list ||--surge false|node policy, evaluated'
+  'vap-taint-key-only|templates/_node-policy.tpl|!\(t.key == variables.taintKey && has\(t.effect\) && t.effect == '"'"'NoSchedule'"'"'\)\)|!(t.key == variables.taintKey))||--surge false|node policy, evaluated'
+  'vap-spec-field|templates/_node-policy.tpl| "unschedulable"|||--surge false|node policy, evaluated'
+  'vap-labels|templates/_node-policy.tpl|list "labels" |list ||--surge false|node policy, evaluated'
   'admin-tcp|templates/_helpers.tpl|\{\{- \$admin := printf "\{ pipe: \{ path: %s, mode: 384 \} \}" \$adminSock -\}\}|{{- $admin := "{ socket_address: { address: 127.0.0.1, port_value: 15000 } }" -}}|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
   'admin-mode|templates/_helpers.tpl|mode: 384|mode: 438|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
   'ready-listener-open|templates/_helpers.tpl|              path: /ready\n|              prefix: /\n|proxy.enabled=true|--surge false --proxy true|readiness listener: on 127.0.0.1, forwards GET /ready only'
@@ -343,6 +342,16 @@ mutations=(
   'registrar-token-audience|templates/daemonset.yaml|audience: aether-registrar|audience: kubernetes|'"$REGISTRAR_SETS"'|--surge false --registrar true|agent gets a projected token for the audience aether-registrar'
   'registrar-port|templates/registrar.yaml|targetPort: \{\{ \.Values\.registrar\.port \}\}|targetPort: 8080|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar Service targets the port'
   'registrar-not-used|templates/_helpers.tpl|\{\{- else if \.Values\.registrar\.enabled -\}\}|{{- else if false -}}|'"$REGISTRAR_SETS"'|--surge false --registrar true|agent AETHER_REGISTRAR is the registrar Service'
+  'registrar-guard-nodes-fixed|templates/_helpers.tpl|\{\{- \$sel := \.Values\.agent\.nodeSelector \x7c default dict -\}\}|{{- $sel := dict "kubernetes.io/os" "linux" -}}|'"$REGISTRAR_SETS"',agent.nodeSelector.zone=b,agent.nodeSelector.aether\.io/pool=mesh|--surge false --registrar true|registrar --guard-node-selector is the agent DaemonSet'"'"'s nodeSelector'
+  'registrar-guard-every-node|templates/registrar.yaml|\n *- --guard-node-selector\n *- \{\{ include "aether-agent.agentNodeSelector" \. \x7c quote \}\}||'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar --guard-node-selector is the agent DaemonSet'"'"'s nodeSelector'
+  'registrar-guard-nodes-twice|templates/registrar.yaml|(- --taint-guard\n)|- --guard-node-selector\n            - ""\n            \g<1>|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar --guard-node-selector is the agent DaemonSet'"'"'s nodeSelector'
+  'rvap-missing|templates/registrar-node-policy.yaml|\{\{- if and \.Values\.registrar\.enabled \.Values\.registrar\.taintGuard\.enabled \}\}|{{- if false }}|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy: one ValidatingAdmissionPolicy'
+  'rvap-unguarded|templates/registrar-node-policy.yaml|\{\{- if and \.Values\.registrar\.enabled \.Values\.registrar\.taintGuard\.enabled \}\}|{{- if .Values.registrar.enabled }}|'"$REGISTRAR_SETS"',registrar.taintGuard.enabled=false|--surge false --registrar true --taint-guard false|registrar node policy: none without the taint guard'
+  'rvap-other-sa|templates/registrar-node-policy.yaml|include "aether-agent\.registrarServiceAccountUser" \.|include "aether-agent.serviceAccountUser" .|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy: bound to the registrar'"'"'s service account'
+  'rvap-binding|templates/registrar-node-policy.yaml|"name" \$name "component" "registrar"|"name" "another-policy" "component" "registrar"|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy: the binding names the policy'
+  'rvap-may-remove|templates/registrar-node-policy.yaml|!variables\.wasTainted \x7c\x7c variables\.tainted|true|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy, evaluated'
+  'rvap-any-node|templates/registrar-node-policy.yaml|\{\{ if \$covered \}\}|{{ if false }}|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy, evaluated'
+  'rvap-anything-else|templates/registrar-node-policy.yaml|\n *\{\{- include "aether-agent\.nodePolicy\.unchangedValidations" \(dict "who" "the registrar"\) \x7c nindent 4 \}\}||'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy, evaluated'
 )
 for m in "${mutations[@]}"; do
   IFS='|' read -r name file pattern replacement sets expect want <<<"$m"
@@ -534,9 +543,14 @@ step "systemd unit"
 unit="$root/deploy/systemd/aether-agent.service"
 "$py" "$check" --unit "$unit" || fail "check_chart.py --unit"
 pass "check_chart.py --unit"
-# The unit checks can fail too: an extra capability, and a lost RuntimeDirectoryPreserve.
+# The unit checks can fail too: an extra capability, a lost RuntimeDirectoryPreserve, the
+# worker's state in the folder systemd re-owns, no netlink for sock_diag, and a CNI conf dir
+# set without its ReadWritePaths=.
 for m in 's/^(CapabilityBoundingSet=.*)$/\1 CAP_NET_ADMIN/|CapabilityBoundingSet is the chart' \
-  's/^RuntimeDirectoryPreserve=yes$/RuntimeDirectoryPreserve=no/|RuntimeDirectoryPreserve=yes'; do
+  's/^RuntimeDirectoryPreserve=yes$/RuntimeDirectoryPreserve=no/|RuntimeDirectoryPreserve=yes' \
+  's#--state-dir /var/lib/aether/worker#--state-dir /var/lib/aether#|ExecStart flags' \
+  's/ AF_NETLINK//|AF_NETLINK' \
+  's/^#Environment=AETHER_CNI_CONF_DIR/Environment=AETHER_CNI_CONF_DIR/|covers the CNI conf dir'; do
   IFS='|' read -r expr want <<<"$m"
   sed -E "$expr" "$unit" >"$work/mut.service"
   cmp -s "$unit" "$work/mut.service" && fail "unit mutation '$expr' changed nothing"

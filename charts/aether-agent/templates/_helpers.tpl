@@ -65,6 +65,25 @@ pods only, never another release's agents.
 {{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "aether-agent.serviceAccountName" .) -}}
 {{- end -}}
 
+{{/* The registrar's service-account user name, as the API server authenticates its token. */}}
+{{- define "aether-agent.registrarServiceAccountUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "aether-agent.registrarName" .) -}}
+{{- end -}}
+
+{{/*
+The agent DaemonSet's nodeSelector as a label selector (k=v,..., keys sorted so the
+rendering is stable; "" when it has none): the registrar's taint guard covers these nodes
+only, the ones the agent runs on.
+*/}}
+{{- define "aether-agent.agentNodeSelector" -}}
+{{- $sel := .Values.agent.nodeSelector | default dict -}}
+{{- $terms := list -}}
+{{- range $k := keys $sel | sortAlpha -}}
+{{- $terms = append $terms (printf "%s=%v" $k (index $sel $k)) -}}
+{{- end -}}
+{{- join "," $terms -}}
+{{- end -}}
+
 {{/* Envoy's admin socket, in the proxy pod's own emptyDir. */}}
 {{- define "aether-agent.envoyAdminDir" -}}/var/run/envoy-admin{{- end -}}
 
