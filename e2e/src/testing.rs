@@ -94,6 +94,8 @@ pub struct LocalNode {
     pub registry_file: Option<PathBuf>,
     /// `--node-name` of its agents (`test-node`).
     pub node_name: String,
+    /// `--health-dir` of every generation; by default each has its own.
+    pub health_dir: Option<PathBuf>,
     next: usize,
 }
 
@@ -105,7 +107,7 @@ impl LocalNode {
         std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod tempdir");
         let run_dir = root.path().join("run");
         let state_dir = root.path().join("state");
-        Self { run_dir, state_dir, registry_file: None, node_name: "test-node".into(), next: 0, root }
+        Self { run_dir, state_dir, registry_file: None, node_name: "test-node".into(), health_dir: None, next: 0, root }
     }
 
     pub fn xds_sock(&self) -> PathBuf {
@@ -167,7 +169,7 @@ impl LocalNode {
     pub fn start_agent_wrapped(&mut self, wrapper: &[&str], extra: &[&str]) -> Agent {
         self.next += 1;
         let name = format!("gen{}", self.next);
-        let health_dir = self.root.path().join(format!("health-{name}"));
+        let health_dir = self.health_dir.clone().unwrap_or_else(|| self.root.path().join(format!("health-{name}")));
         let log_path = self.root.path().join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).expect("log file");
         let mut cmd = match wrapper.split_first() {

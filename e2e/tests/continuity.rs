@@ -289,17 +289,8 @@ fn a_restart_under_systemd_keeps_the_sockets_in_its_fd_store_and_refuses_no_conn
     let mut waiting = std::os::unix::net::UnixStream::connect(node.xds_sock())
         .expect("a connect while no agent runs must queue, not be refused");
 
-    // The next start gets them as systemd passes them: fds 3 and 4, LISTEN_* naming them.
-    for fd in stored.values() {
-        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty())).expect("clear FD_CLOEXEC");
-    }
-    let raw = |n: &str| std::os::fd::AsRawFd::as_raw_fd(&stored[n]);
-    let script = format!(
-        "export LISTEN_PID=$$ LISTEN_FDS=2 LISTEN_FDNAMES=xds:cni; exec \"$@\" 3<&{} 4<&{}",
-        raw("xds"),
-        raw("cni")
-    );
-    let b = node.start_agent_wrapped(&["sh", "-c", &script, "sh"], &[]);
+    // The next start gets them as systemd passes them.
+    let b = start_with_stored(&mut node, &stored, &[]);
     b.wait_role("owner", T);
     assert!(b.log().contains("systemd kept in its fd store"), "{}", b.log());
     assert_eq!(node.socket_inodes(), inodes, "the restart rebound a node socket");
@@ -312,6 +303,78 @@ fn a_restart_under_systemd_keeps_the_sockets_in_its_fd_store_and_refuses_no_conn
     let mut frame = [0u8; 9];
     waiting.read_exact(&mut frame).expect("the new owner answers the connect queued during the restart");
     assert_eq!(frame[3], 0x4, "a SETTINGS frame, got header {frame:?}");
+}
+
+/// Runs "systemd's" fd store for whatever arrives on `notify` within its read timeout:
+/// FDSTORE=1 keeps the descriptor under its FDNAME, FDSTOREREMOVE=1 closes what is kept
+/// under it.
+fn serve_fd_store(notify: &std::os::unix::net::UnixDatagram, stored: &mut std::collections::BTreeMap<String, OwnedFd>) {
+    while let Ok((bytes, mut fds)) = fdpass::recv_raw(notify.as_fd(), false) {
+        let msg = String::from_utf8_lossy(&bytes).into_owned();
+        let Some(name) = msg.lines().find_map(|l| l.strip_prefix("FDNAME=")).map(String::from) else { continue };
+        if msg.lines().any(|l| l == "FDSTOREREMOVE=1") {
+            stored.remove(&name);
+        }
+        if msg.lines().any(|l| l == "FDSTORE=1") {
+            stored.insert(name, fds.pop().expect("FDSTORE carries a descriptor"));
+        }
+    }
+}
+
+/// Starts the next generation with `stored` passed as systemd passes its fd store: fds 3
+/// and 4, `LISTEN_*` naming them; `env` goes before.
+fn start_with_stored(node: &mut LocalNode, stored: &std::collections::BTreeMap<String, OwnedFd>, env: &[&str]) -> aether_e2e::testing::Agent {
+    // Inheritable copies for the shell, which moves them out of the way, then to 3 and 4,
+    // and closes every other copy: the supervisor gets fds 3 and 4 alone, as from systemd.
+    let copy = |n: &str| {
+        let fd = stored[n].try_clone().expect("dup");
+        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty())).expect("clear FD_CLOEXEC");
+        fd
+    };
+    let (x, c) = (copy("xds"), copy("cni"));
+    let (x, c) = (std::os::fd::AsRawFd::as_raw_fd(&x), std::os::fd::AsRawFd::as_raw_fd(&c));
+    let script = format!(
+        "export LISTEN_PID=$$ LISTEN_FDS=2 LISTEN_FDNAMES=xds:cni; exec 1000<&{x} 1001<&{c} {x}<&- {c}<&-; \
+         exec \"$@\" 3<&1000 4<&1001 1000<&- 1001<&-"
+    );
+    let wrapper: Vec<&str> = ["env"].iter().chain(env).chain(&["bash", "-c", &script, "bash"]).copied().collect();
+    node.start_agent_wrapped(&wrapper, &[])
+}
+
+/// What decides is the kernel's record of each stored listener's bind (sock_diag), not
+/// its name: a listener whose path was replaced while no agent ran is bound to a file
+/// that is gone, so the next start leaves it and binds fresh sockets, and the proxy's
+/// dial of the path reaches the new owner.
+#[test]
+fn a_stored_listener_whose_path_was_replaced_meanwhile_is_not_used() {
+    let mut node = LocalNode::new();
+    let (mut a, notify) = node.start_agent_notifying();
+    a.wait_role("owner", T);
+    let mut stored = fd_store(&notify);
+    a.kill_generation();
+    // Another socket file at xds.sock, with nothing behind it: the path names the same
+    // kind of file, and the stored socket still reports that name.
+    std::fs::remove_file(node.xds_sock()).expect("remove xds.sock");
+    drop(std::os::unix::net::UnixListener::bind(node.xds_sock()).expect("bind a stand-in"));
+    let notify_path = notify.local_addr().expect("address").as_pathname().expect("a path").to_owned();
+    let env = format!("NOTIFY_SOCKET={}", notify_path.display());
+    let b = start_with_stored(&mut node, &stored, &[&env]);
+    // The refused listeners leave the store (so that nothing holds cni.sock's backlog open
+    // any more), and the fresh ones take their place.
+    let ready = aether_e2e::testing::try_wait_for("the next start to own the node", T, || {
+        serve_fd_store(&notify, &mut stored);
+        b.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner").map(|(_, v)| v)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", b.log()));
+    assert!(b.log().contains("not bound to"), "{}", b.log());
+    assert_eq!(ready["takeover"]["handed_off"], false, "the stored listeners were used:\n{}", b.log());
+    assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()), "the new owner does not answer at the paths");
+    wait_for("the fresh listeners in the store", T, || {
+        serve_fd_store(&notify, &mut stored);
+        (stored.len() == 2).then_some(())
+    });
+    let bound_to = |fd: &OwnedFd| nix::sys::socket::getsockname::<UnixAddr>(std::os::fd::AsRawFd::as_raw_fd(fd)).ok();
+    assert_eq!(bound_to(&stored["xds"]).and_then(|a| a.path().map(|p| p.to_owned())), Some(node.xds_sock()));
 }
 
 /// The node's socket keeper holds the listeners while no agent runs at all (a

@@ -74,7 +74,7 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
         sys::caps::require(REQUIRED_CAPS)?;
     }
     sys::dirs::prepare_run_dir(&cfg.run_dir)?;
-    sys::dirs::prepare_dir(&cfg.state_dir, worker_owner, 0o700)?;
+    sys::dirs::prepare_state_dir(&cfg.state_dir, worker_owner)?;
     sys::dirs::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
     let args = worker_args(&cfg);
     match cfg.kube_access() {

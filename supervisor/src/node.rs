@@ -157,20 +157,29 @@ impl Taker {
 }
 
 /// The listeners systemd kept in its fd store across a restart, held like sockets handed
-/// off by a previous generation: each must be the listener bound at its path, and the
-/// paths' inodes now are what the takeover checks again.
+/// off by a previous generation: each must be the listener bound at its path, by the
+/// kernel's record of its bind (`listen::listener_at`), as again at the takeover. Refused
+/// ones are also removed from the store: systemd's own copies would otherwise keep
+/// taking connects at the paths, and a fresh bind would wait for them forever.
 pub fn held_from_systemd(xds_path: &Path, cni_path: &Path, fds: (Option<OwnedFd>, Option<OwnedFd>)) -> Option<Held> {
-    let (Some(xds), Some(cni)) = fds else { return None };
-    let ids = listen::listener_at("xds.sock from systemd", &xds, xds_path)
-        .and_then(|x| Ok(PathIds { xds: x, cni: listen::listener_at("cni.sock from systemd", &cni, cni_path)? }));
-    match ids {
-        Ok(paths) => {
-            info!("holding the node sockets systemd kept in its fd store");
-            Some(Held { generation: 0, listeners: Listeners { xds, cni, paths } })
+    let refused = match fds {
+        (None, None) => return None,
+        (Some(xds), Some(cni)) => {
+            let ids = listen::listener_at("xds.sock from systemd", &xds, xds_path)
+                .and_then(|x| Ok(PathIds { xds: x, cni: listen::listener_at("cni.sock from systemd", &cni, cni_path)? }));
+            match ids {
+                Ok(paths) => {
+                    info!("holding the node sockets systemd kept in its fd store");
+                    return Some(Held { generation: 0, listeners: Listeners { xds, cni, paths } });
+                }
+                Err(e) => e.to_string(),
+            }
         }
-        Err(e) => {
-            warn!(error = %e, "the sockets from systemd's fd store are not this node's; binding fresh ones at takeover");
-            None
-        }
+        _ => "systemd passed one of the two".into(),
+    };
+    warn!(error = %refused, "the sockets from systemd's fd store are not this node's; binding fresh ones at takeover");
+    if let Err(e) = crate::sys::fdstore::remove() {
+        warn!(error = %e, "cannot remove them from systemd's fd store");
     }
+    None
 }

@@ -66,6 +66,8 @@ pub struct Supervisor {
     lock_wake: Option<UnixStream>,
     lock_rx: mpsc::Receiver<Result<lock::Held, LockError>>,
     conflist: Option<conflist::Watch>,
+    /// systemd's `WatchdogSec=` watches this process.
+    watchdog: bool,
 }
 
 impl Supervisor {
@@ -89,7 +91,8 @@ impl Supervisor {
         let lock_rx = lock::spawn_waiter(lock_file, cfg.lock_path(), wake_w);
         let conflist = cfg.cni_conf_dir.as_ref().map(|dir| conflist::Watch::new(dir, &cfg.cni_path()));
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
-        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist })
+        let watchdog = notify::watchdog_enabled();
+        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog })
     }
 
     /// Runs until the lifecycle exits. Returns the exit code.
@@ -173,6 +176,12 @@ impl Supervisor {
                     Ok(true) => info!("node sockets stored in systemd's fd store (kept across a restart)"),
                     Ok(false) => {}
                     Err(e) => warn!(error = %e, "cannot store the node sockets in systemd's fd store"),
+                }
+                None
+            }
+            Action::Watchdog => {
+                if self.watchdog {
+                    notify::watchdog();
                 }
                 None
             }

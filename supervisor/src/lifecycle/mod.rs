@@ -159,6 +159,10 @@ pub enum Action<R: Resources> {
     ReassertConflist,
     /// Puts duplicates of the listeners in systemd's fd store, where there is one.
     StoreListeners,
+    /// Tells systemd's watchdog (`WATCHDOG=1`, where `WatchdogSec=` asks for it) that this
+    /// supervisor runs and its worker answered a heartbeat. Only a Pong leads to it, so a
+    /// worker that stops answering, or keeps dying, lets the watchdog restart the unit.
+    Watchdog,
     /// Unlocks the node (the worker shares the lock's open file description) and closes
     /// this supervisor's descriptors of it.
     Release(R::Node),
@@ -428,7 +432,10 @@ impl<R: Resources> Lifecycle<R> {
                 self.timers.heartbeat = Some(now + HEARTBEAT_DEADLINE);
                 self.send_takeover(out);
             }
-            Ok(Notice::Pong(_)) => self.timers.heartbeat = Some(now + HEARTBEAT_DEADLINE),
+            Ok(Notice::Pong(_)) => {
+                self.timers.heartbeat = Some(now + HEARTBEAT_DEADLINE);
+                out.push(Action::Watchdog);
+            }
             Ok(Notice::StandbyComplete) => {
                 self.backoff.reset();
                 // A status that crossed our Takeover says nothing new to systemd.

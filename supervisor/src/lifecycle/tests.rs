@@ -129,6 +129,7 @@ impl Clock {
             Action::FetchHandoff => "fetch".into(),
             Action::ReassertConflist => "conflist".into(),
             Action::StoreListeners => "store listeners".into(),
+            Action::Watchdog => "watchdog".into(),
             Action::Release(node) => format!("release {node}"),
             Action::Report(r) => match r {
                 Report::Respawning { pid, delay, respawns, how, .. } => {
@@ -199,10 +200,10 @@ fn heartbeats_start_at_hello_ping_every_second_and_kill_after_five_silent_second
     c.step(10_000, hello(), &["takeover gen=1 respawn=false handed_off=false respawns=0"]);
     c.quiet(&[10_999]);
     c.step(11_000, Event::Tick, &["ping 1"]);
-    c.step(11_002, pong(1), &[]);
+    c.step(11_002, pong(1), &["watchdog"]);
     c.step(12_000, Event::Tick, &["ping 2"]);
     // A late answer to an older ping still counts.
-    c.step(12_100, pong(1), &[]);
+    c.step(12_100, pong(1), &["watchdog"]);
     c.step(13_000, Event::Tick, &["ping 3"]);
     c.step(14_000, Event::Tick, &["ping 4"]);
     c.step(15_000, Event::Tick, &["ping 5"]);
@@ -217,6 +218,43 @@ fn heartbeats_start_at_hello_ping_every_second_and_kill_after_five_silent_second
     c.step(22_100, Event::Tick, &["kill 1 MissedHeartbeats"]);
     c.step(22_200, exited(1, 137), &["respawning 1 in 0ms #1 (exited: exit 137)"]);
     assert_eq!(c.lc.timers().heartbeat, None);
+}
+
+/// `WATCHDOG=1` follows the worker's answers, not the supervisor's clock: nothing before
+/// the first Pong, nothing while the worker is silent, dying or being replaced, and again
+/// from the replacement's first Pong. A unit whose worker cannot answer for `WatchdogSec`
+/// is restarted by systemd.
+#[test]
+fn the_watchdog_is_told_only_while_the_worker_answers_heartbeats() {
+    let mut c = Clock::owner(false);
+    // Hello alone is not an answer.
+    c.quiet(&[999]);
+    c.step(1000, Event::Tick, &["ping 1"]);
+    c.step(1001, pong(1), &["watchdog"]);
+    c.step(2000, Event::Tick, &["ping 2"]);
+    c.step(2001, pong(2), &["watchdog"]);
+    // Silent from here: pings go on, the watchdog hears nothing.
+    for s in 3..=7 {
+        c.step(s * 1000, Event::Tick, &[&format!("ping {s}")]);
+    }
+    c.step(7001, Event::Tick, &["kill 1 MissedHeartbeats"]);
+    // Killed: a late answer is no sign of life.
+    c.step(7002, pong(7), &[]);
+    c.step(7003, exited(1, 137), &["respawning 1 in 0ms #1 (exited: exit 137)"]);
+    // Respawns that die before they answer tell it nothing either.
+    c.step(7003, Event::Tick, &["spawn"]);
+    c.step(7003, spawned(2), &[]);
+    c.step(7010, exited(2, 1), &["respawning 2 in 100ms #2 (exited: exit 1)"]);
+    c.step(7110, Event::Tick, &["spawn"]);
+    c.step(7110, spawned(3), &[]);
+    c.step(7120, hello(), &["takeover gen=7 respawn=true handed_off=true respawns=2"]);
+    c.quiet(&[8119]);
+    c.step(8120, Event::Tick, &["ping 1"]);
+    c.step(8121, pong(1), &["watchdog"]);
+    // A drained worker that still answers keeps it told until the supervisor exits.
+    c.step(8200, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(9120, Event::Tick, &["ping 2"]);
+    c.step(9121, pong(2), &["watchdog"]);
 }
 
 #[test]
@@ -303,13 +341,13 @@ fn the_lock_takes_the_node_with_the_held_listeners_and_the_worker_gets_it_at_hel
     c.step(80, status(WorkerStatus::Serving), &["Serving { generation: 3 }"]);
     // Every 5 s while it owns the node.
     c.step(1060, Event::Tick, &["ping 1"]);
-    c.step(1061, pong(1), &[]);
+    c.step(1061, pong(1), &["watchdog"]);
     c.step(2060, Event::Tick, &["ping 2"]);
-    c.step(2061, pong(2), &[]);
+    c.step(2061, pong(2), &["watchdog"]);
     c.step(3060, Event::Tick, &["ping 3"]);
-    c.step(3061, pong(3), &[]);
+    c.step(3061, pong(3), &["watchdog"]);
     c.step(4060, Event::Tick, &["ping 4"]);
-    c.step(4061, pong(4), &[]);
+    c.step(4061, pong(4), &["watchdog"]);
     c.step(5051, Event::Tick, &["conflist"]);
     c.step(5060, Event::Tick, &["ping 5"]);
     // A serving worker cannot go back to being a standby.
@@ -356,9 +394,9 @@ fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_
         // Heartbeats go on, conflist checks stop, and a second SIGTERM changes nothing.
         c.step(900, Event::DrainRequested, &[]);
         c.step(1000, Event::Tick, &["ping 1"]);
-        c.step(1001, pong(1), &[]);
+        c.step(1001, pong(1), &["watchdog"]);
         c.step(5000, Event::Tick, &["ping 2"]);
-        c.step(5001, pong(2), &[]);
+        c.step(5001, pong(2), &["watchdog"]);
         c.step(5020, status(WorkerStatus::Draining), &["WorkerDraining"]);
         c.step(5030, status(WorkerStatus::Released), &["release node"]);
         assert_eq!(c.phase(), "draining node=false");
@@ -379,7 +417,7 @@ fn the_drain_deadline_kills_the_worker_and_the_supervisor_exits_with_its_status(
     // Still answering heartbeats, but not finishing.
     for s in 1..=25 {
         c.step(s * 1000, Event::Tick, &[&format!("ping {s}")]);
-        c.step(s * 1000 + 1, pong(s), &[]);
+        c.step(s * 1000 + 1, pong(s), &["watchdog"]);
     }
     c.quiet(&[25_099]);
     c.step(25_100, Event::Tick, &["kill 1 DrainDeadline"]);

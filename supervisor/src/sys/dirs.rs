@@ -3,11 +3,32 @@
 //! The run dir must be this supervisor's and writable by nobody else: it replaces stale
 //! sockets there by path, which is safe only while no other uid can rename in it. The
 //! state and health dirs are made the worker's, with an exact mode.
+//!
+//! The worker's state folder is also repaired inside. systemd re-owns a unit's
+//! `StateDirectory=` tree to the unit's user (root) at every start whose top folder is not
+//! that user's, and an operator may `chown -R` it: the worker then cannot open its own
+//! records. A state folder found owned by this supervisor therefore has everything inside
+//! that this supervisor owns given back to the worker, but only in a folder marked as
+//! created for the worker ([`MARKER`]), so that a `--state-dir` pointed at a system folder
+//! by mistake is never re-owned wholesale. The walk goes by descriptor and never follows a
+//! symlink; it skips devices and any non-folder with a second hard link, so that nothing
+//! outside the tree can be given to the worker through it.
 
+use std::ffi::CString;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, lchown};
 use std::path::{Path, PathBuf};
 
-use nix::unistd::{getegid, geteuid};
+use nix::dir::Dir;
+use nix::fcntl::{AtFlags, OFlag, openat};
+use nix::sys::stat::{Mode, SFlag, fstat, fstatat};
+use nix::unistd::{Gid, Uid, fchown, fchownat, getegid, geteuid};
+
+/// Written by the supervisor, root's and empty, into a worker's state folder it found
+/// empty: the folder is the worker's tree, which may be re-owned recursively.
+pub const MARKER: &str = ".aether-worker-state";
+/// The worker's tree is two levels deep (`pods/<uid>.json`); deeper is not walked.
+const MAX_DEPTH: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DirError {
@@ -21,17 +42,31 @@ pub enum DirError {
     NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
 }
 
+/// What to make of a folder's inside.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inside {
+    Leave,
+    /// The worker's state: re-owned when found re-owned (see the module header).
+    WorkerTree,
+}
+
 /// Makes `dir` (creating it) owned by `owner` with `mode`, for the worker.
 pub fn prepare_dir(dir: &Path, owner: Option<(u32, u32)>, mode: u32) -> Result<(), DirError> {
-    prepare(dir, owner, mode, false)
+    prepare(dir, owner, mode, false, Inside::Leave)
+}
+
+/// The worker's state folder: [`prepare_dir`], and its inside given back to the worker
+/// when the folder was found re-owned to this supervisor.
+pub fn prepare_state_dir(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), DirError> {
+    prepare(dir, owner, 0o700, false, Inside::WorkerTree)
 }
 
 /// The run dir: ours, or refused.
 pub fn prepare_run_dir(dir: &Path) -> Result<(), DirError> {
-    prepare(dir, None, 0o755, true)
+    prepare(dir, None, 0o755, true, Inside::Leave)
 }
 
-fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool) -> Result<(), DirError> {
+fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
     let io = |what| move |source| DirError::Io { what, path: dir.to_owned(), source };
     std::fs::create_dir_all(dir).map_err(io("create"))?;
     let m = std::fs::symlink_metadata(dir).map_err(io("lstat"))?;
@@ -55,8 +90,160 @@ fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool)
         }
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(io("chmod"))?;
     }
-    if let Some((uid, gid)) = owner {
-        lchown(dir, Some(uid), Some(gid)).map_err(io("chown"))?;
+    if let Some(to) = owner {
+        // Found ours (or just made ours): the inside is readable now, and no longer once
+        // the folder is the worker's (no CAP_DAC_READ_SEARCH).
+        if inside == Inside::WorkerTree && m.uid() == me.0 && to.0 != me.0 {
+            reown_worker_tree(dir, me.0, to).map_err(|e| DirError::Io { what: "re-own the inside of", path: dir.to_owned(), source: e.into() })?;
+        }
+        lchown(dir, Some(to.0), Some(to.1)).map_err(io("chown"))?;
     }
     Ok(())
+}
+
+/// Marks an empty state folder as the worker's, or gives everything inside a marked one
+/// that `me` owns to `to`.
+fn reown_worker_tree(dir: &Path, me: u32, to: (u32, u32)) -> nix::Result<()> {
+    let top = nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
+    let names = entries(&top)?;
+    let marked = fstatat(&top, MARKER, AtFlags::AT_SYMLINK_NOFOLLOW).is_ok_and(|st| st.st_uid == me && kind(&st) == SFlag::S_IFREG);
+    if names.is_empty() {
+        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        return match openat(&top, MARKER, flags, Mode::S_IRUSR) {
+            Ok(_) | Err(nix::Error::EEXIST) => Ok(()),
+            Err(e) => Err(e),
+        };
+    }
+    if !marked {
+        let (uid, gid) = to;
+        tracing::warn!(
+            dir = %dir.display(),
+            "the state folder is this supervisor's but not marked as made for the worker; its inside is left as it is (if the worker cannot read it: chown -R {uid}:{gid} it)"
+        );
+        return Ok(());
+    }
+    let mut count = 0;
+    walk(&top, names, me, to, 0, &mut count)?;
+    if count > 0 {
+        tracing::warn!(dir = %dir.display(), count, "the worker's state had been re-owned (by systemd or by hand); given back to the worker");
+    }
+    Ok(())
+}
+
+fn kind(st: &nix::sys::stat::FileStat) -> SFlag {
+    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT
+}
+
+/// The names in `dir`, but for `.`, `..` and the marker.
+fn entries(dir: &OwnedFd) -> nix::Result<Vec<CString>> {
+    let mut d = Dir::from_fd(nix::unistd::dup(dir)?)?;
+    let names = d.iter().filter_map(Result::ok).map(|e| e.file_name().to_owned());
+    Ok(names.filter(|n| ![&b"."[..], b"..", MARKER.as_bytes()].contains(&n.as_bytes())).collect())
+}
+
+/// Gives `me`'s entries under `dir` to `to`, children before their folder (the folder's
+/// new owner shuts this supervisor out of it).
+fn walk(dir: &OwnedFd, names: Vec<CString>, me: u32, to: (u32, u32), depth: usize, count: &mut usize) -> nix::Result<()> {
+    let (uid, gid) = (Some(Uid::from_raw(to.0)), Some(Gid::from_raw(to.1)));
+    for name in names {
+        let is_dir = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW).is_ok_and(|st| kind(&st) == SFlag::S_IFDIR);
+        // The descriptor fixes which file is checked and changed.
+        let how = OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | if is_dir { OFlag::O_DIRECTORY } else { OFlag::O_PATH };
+        let fd = match openat(dir, name.as_c_str(), how, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!(name = ?name, error = %e, "cannot open an entry of the worker's state; left as it is");
+                continue;
+            }
+        };
+        let st = fstat(&fd)?;
+        if st.st_uid != me {
+            continue;
+        }
+        match kind(&st) {
+            SFlag::S_IFDIR if is_dir && depth + 1 < MAX_DEPTH => {
+                walk(&fd, entries(&fd)?, me, to, depth + 1, count)?;
+                fchown(&fd, uid, gid)?;
+            }
+            k if k == SFlag::S_IFDIR || k == SFlag::S_IFBLK || k == SFlag::S_IFCHR || st.st_nlink != 1 => {
+                tracing::warn!(name = ?name, "a device, a hard-linked file or a folder nested too deep in the worker's state; left as it is");
+                continue;
+            }
+            _ => fchownat(&fd, "", uid, gid, AtFlags::AT_EMPTY_PATH)?,
+        }
+        *count += 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{MetadataExt, symlink};
+    use std::path::Path;
+
+    use super::*;
+
+    const WORKER: (u32, u32) = (65532, 65532);
+
+    fn owner(p: &Path) -> (u32, u32) {
+        let m = std::fs::symlink_metadata(p).unwrap();
+        (m.uid(), m.gid())
+    }
+
+    /// `chown -R 0:0`, symlinks themselves, as systemd re-owns a `StateDirectory=` tree.
+    fn chown_tree_to_root(p: &Path) {
+        lchown(p, Some(0), Some(0)).unwrap();
+        if std::fs::symlink_metadata(p).unwrap().is_dir() {
+            for e in std::fs::read_dir(p).unwrap() {
+                chown_tree_to_root(&e.unwrap().path());
+            }
+        }
+    }
+
+    #[test]
+    fn a_state_folder_re_owned_to_root_is_given_back_to_the_worker_and_nothing_outside_it() {
+        if !geteuid().is_root() {
+            eprintln!("SKIPPED: re-owning to the worker's uid needs root (CI runs as root)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        prepare_state_dir(&state, Some(WORKER)).unwrap();
+        assert_eq!(owner(&state), WORKER);
+        assert_eq!(owner(&state.join(MARKER)), (0, 0), "the marker is the supervisor's");
+        // What the worker writes, and what a compromised one could plant: a symlink and a
+        // hard link to files outside, and a folder nested deeper than its layout.
+        let outside = tmp.path().join("outside");
+        std::fs::write(&outside, "root's").unwrap();
+        std::fs::create_dir_all(state.join("pods")).unwrap();
+        std::fs::write(state.join("pods/a.json"), "{}").unwrap();
+        std::fs::write(state.join("mesh-dns.json"), "{}").unwrap();
+        symlink(&outside, state.join("pods/link")).unwrap();
+        std::fs::hard_link(&outside, state.join("hard")).unwrap();
+        let deep: PathBuf = (0..MAX_DEPTH).fold(state.join("d"), |p, i| p.join(i.to_string()));
+        std::fs::create_dir_all(&deep).unwrap();
+        // systemd's re-own at the next start, then the supervisor's preparation.
+        chown_tree_to_root(&state);
+        prepare_state_dir(&state, Some(WORKER)).unwrap();
+        for p in ["", "pods", "pods/a.json", "mesh-dns.json", "pods/link", "d", "d/0"] {
+            assert_eq!(owner(&state.join(p)), WORKER, "{p:?}");
+        }
+        assert_eq!(owner(&outside), (0, 0), "a link's target outside the tree stays root's");
+        assert_eq!(owner(&state.join("hard")), (0, 0), "a hard-linked file stays root's");
+        assert_eq!(owner(&state.join(MARKER)), (0, 0));
+        assert_eq!(owner(&deep), (0, 0), "deeper than the worker's layout is not walked");
+        // A folder that was not made for the worker (no marker) keeps its inside.
+        let other = tmp.path().join("other");
+        std::fs::create_dir_all(other.join("pods")).unwrap();
+        prepare_state_dir(&other, Some(WORKER)).unwrap();
+        assert_eq!(owner(&other), WORKER);
+        assert_eq!(owner(&other.join("pods")), (0, 0));
+        // A sticky shared folder is left alone altogether.
+        let shared = tmp.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        prepare_state_dir(&shared, Some(WORKER)).unwrap();
+        assert_eq!(owner(&shared), (0, 0));
+        assert!(!shared.join(MARKER).exists());
+    }
 }

@@ -1,6 +1,7 @@
 //! The node sockets: checking a path for a live server, binding a fresh listener, and
-//! checking that a listener handed over by the previous generation is still the one
-//! bound at its path.
+//! checking that a listener handed over by the previous generation, the socket keeper or
+//! systemd is still the one bound at its path, by the kernel's record of its bind
+//! (`sockdiag`).
 //!
 //! A path is replaced only when `lstat` shows a socket file whose server is gone; a
 //! symlink, a regular file or anything else is refused and left untouched. Modes and
@@ -8,7 +9,7 @@
 //! the file is never more open than asked, even for an instant.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,10 @@ pub enum ListenError {
     Gone { path: PathBuf },
     #[error("{path} was replaced since the handoff (inode {now} now, {then} then)")]
     Replaced { path: PathBuf, now: u64, then: u64 },
+    #[error("{what}: the kernel cannot say which file it is bound to: {source}")]
+    Diag { what: &'static str, source: super::sockdiag::DiagError },
+    #[error("{what} is not bound to {path} any more: the kernel says inode {bound}, the path is inode {now}")]
+    NotBoundThere { what: &'static str, path: PathBuf, bound: u64, now: u64 },
 }
 
 /// Which file a path named: its device and inode.
@@ -102,13 +107,19 @@ pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> 
     Ok(Bound { fd, id: FileId { dev: m.dev(), ino: m.ino() } })
 }
 
-/// Checks that `fd` is a listening stream socket bound to `path` and that `path` is a
-/// socket file; returns that file's identity.
+/// Checks that `fd` is a listening stream socket bound to `path`, and that `path` names
+/// the very file its bind created: the device and inode the kernel records for the
+/// socket (sock_diag) are the path's now. Returns that file's identity.
 pub fn listener_at(what: &'static str, fd: &OwnedFd, path: &Path) -> Result<FileId, ListenError> {
     shared_proto::fdcheck::check_listener(what, fd, path)?;
+    let bound = super::sockdiag::bound_file(fd.as_fd()).map_err(|source| ListenError::Diag { what, source })?;
     let m = std::fs::symlink_metadata(path).map_err(|source| ListenError::Io { what: "lstat", path: path.to_owned(), source })?;
     if !m.file_type().is_socket() {
         return Err(ListenError::Gone { path: path.to_owned() });
+    }
+    // The kernel reports the low 32 bits of the inode.
+    if bound.dev != m.dev() || bound.ino != u64::from(m.ino() as u32) {
+        return Err(ListenError::NotBoundThere { what, path: path.to_owned(), bound: bound.ino, now: m.ino() });
     }
     Ok(FileId { dev: m.dev(), ino: m.ino() })
 }

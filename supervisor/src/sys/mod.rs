@@ -9,4 +9,5 @@ pub mod lock;
 pub mod notify;
 pub mod seccomp;
 pub mod signals;
+pub mod sockdiag;
 pub mod spawn;
