@@ -163,9 +163,10 @@ fn the_worker_runs_under_its_seccomp_filter_and_the_supervisor_does_not() {
         v.parse().unwrap_or_else(|_| panic!("{k}: {v:?}"))
     };
     assert_eq!(field(a.worker_pid(), "Seccomp"), 2, "the worker is in filter mode");
-    // One filter more than whatever the supervisor was started under (none here, the
-    // runtime's default profile under Kubernetes).
-    assert_eq!(field(a.worker_pid(), "Seccomp_filters"), field(a.pid(), "Seccomp_filters") + 1);
+    // Four filters more than whatever the supervisor was started under (none here, the
+    // runtime's default profile under Kubernetes): the supervisor's three
+    // (`shared_proto::seccomp::worker_filters`) and the worker's own.
+    assert_eq!(field(a.worker_pid(), "Seccomp_filters"), field(a.pid(), "Seccomp_filters") + 4);
 }
 
 #[test]

@@ -8,9 +8,13 @@
 //! - `logging` (feature `logging`): the log setup both processes share.
 //! - `registry` (feature `registry-api`): the registry gRPC API between agents and a
 //!   registrar.
+//! - `seccomp` (feature `seccomp`): the worker's system-call policy, which the supervisor
+//!   installs before the exec and the worker completes once running, and the SIGSYS
+//!   report that names the call that killed a worker.
 //!
 //! `unsafe` in this crate lives only in [`fdpass`], around `recvmsg(2)` and the control
-//! message walk, where `nix` cannot hand back the descriptors of a truncated message.
+//! message walk, where `nix` cannot hand back the descriptors of a truncated message, and
+//! in `seccomp`, in the SIGSYS handler and its installation.
 
 pub mod control;
 pub mod fdcheck;
@@ -21,3 +25,5 @@ pub mod cni;
 pub mod logging;
 #[cfg(feature = "registry-api")]
 pub mod registry;
+#[cfg(feature = "seccomp")]
+pub mod seccomp;

@@ -38,6 +38,15 @@ pub fn report(r: &Report<Sys>) {
     }
 }
 
+/// A worker died of SIGSYS: its seccomp filter trapped a call of the kill set, which its
+/// handler names on the report pipe (nothing if it died before installing the handler).
+pub fn sigsys(pid: Pid, killed: Option<shared_proto::seccomp::Killed>) {
+    match killed {
+        Some(call) => error!(pid = pid.as_raw(), syscall = %call, "the worker's seccomp filter killed it"),
+        None => error!(pid = pid.as_raw(), "the worker died of SIGSYS without naming a system call"),
+    }
+}
+
 pub fn kill(pid: Pid, why: &Kill) {
     let pid = pid.as_raw();
     match why {

@@ -25,7 +25,7 @@ use crate::lifecycle::{Action, Event, Lifecycle, Resources, micros};
 use crate::node::{self, Node, Outcome, Taker};
 use crate::report;
 use crate::sys::lock::{self, LockError};
-use crate::sys::notify;
+use crate::sys::{notify, seccomp};
 use crate::sys::spawn::{self, Image, Plan, SpawnError};
 
 /// At most this many control messages are read per wake-up, so that a flooding worker
@@ -66,6 +66,8 @@ pub struct Supervisor {
     lock_wake: Option<UnixStream>,
     lock_rx: mpsc::Receiver<Result<lock::Held, LockError>>,
     conflist: Option<conflist::Watch>,
+    /// The read end of each unreaped worker's SIGSYS report pipe.
+    sigsys: Vec<(Pid, OwnedFd)>,
     /// systemd's `WatchdogSec=` watches this process.
     watchdog: bool,
 }
@@ -92,7 +94,7 @@ impl Supervisor {
         let conflist = cfg.cni_conf_dir.as_ref().map(|dir| conflist::Watch::new(dir, &cfg.cni_path()));
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
         let watchdog = notify::watchdog_enabled();
-        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog })
+        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new() })
     }
 
     /// Runs until the lifecycle exits. Returns the exit code.
@@ -124,8 +126,9 @@ impl Supervisor {
     fn perform(&mut self, action: Action<Sys>) -> Option<Event<Sys>> {
         match action {
             Action::Spawn => Some(match spawn::start(&self.image, &self.plan) {
-                Ok((pid, control)) => {
+                Ok((pid, control, sigsys)) => {
                     info!(pid = pid.as_raw(), "worker started");
+                    self.sigsys.push((pid, sigsys));
                     Event::Spawned { pid, control }
                 }
                 Err(e) => {
@@ -272,6 +275,10 @@ impl Supervisor {
                 Ok(s) => s,
             };
             let Some(pid) = status.pid() else { continue };
+            let sigsys = self.sigsys.iter().position(|(p, _)| *p == pid).map(|i| self.sigsys.swap_remove(i).1);
+            if let WaitStatus::Signaled(_, Signal::SIGSYS, _) = status {
+                report::sigsys(pid, sigsys.as_ref().and_then(seccomp::report));
+            }
             let code = match status {
                 WaitStatus::Exited(_, c) => c,
                 WaitStatus::Signaled(_, s, _) => 128 + s as i32,

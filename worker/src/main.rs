@@ -24,6 +24,12 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // Exec, and a new SIGSYS disposition, kill the worker from here on; the supervisor's
+    // filters already hold the rest. Before the runtime, while this is the only thread.
+    if let Err(e) = shared_proto::seccomp::confine(shared_proto::seccomp::take_report()) {
+        tracing::error!(error = %e, "cannot install the worker's own seccomp filter");
+        std::process::exit(2);
+    }
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let code = match runtime.block_on(aether_worker::agent::run(cfg, control)) {
         Ok(code) => code,

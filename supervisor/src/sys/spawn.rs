@@ -3,16 +3,19 @@
 //! Everything the child needs (argv, envp, uid, the capability plan) is prepared before
 //! the fork, because the child of a multi-threaded process may only make
 //! async-signal-safe calls until it execs. In the child, in this order:
-//! 1. stdin from /dev/null, the control socket at fd 3 (every other descriptor of the
-//!    supervisor is close-on-exec, so nothing else is inherited);
-//! 2. an empty signal mask and a process group of its own (a terminal's ^C reaches the
-//!    supervisor only, which forwards it as a drain request);
+//! 1. stdin from /dev/null, the control socket at fd 3, the write end of the SIGSYS report
+//!    pipe at fd 4 (every other descriptor of the supervisor is close-on-exec, so nothing
+//!    else is inherited);
+//! 2. an empty signal mask and a session of its own: no controlling terminal, so neither
+//!    TIOCSTI nor `/dev/tty` reaches the terminal that started the supervisor, and a
+//!    terminal's ^C reaches the supervisor only, which forwards it as a drain request;
 //! 3. supplementary groups cleared, then gid and uid switched (when root);
 //! 4. every capability set cleared: bounding and ambient included;
 //! 5. `PR_SET_NO_NEW_PRIVS`;
-//! 6. the worker's seccomp filter (`seccomp.rs`), which no_new_privs allows without a
-//!    capability and which the worker cannot lift;
-//! 7. a parent-death signal (set last: changing credentials clears it);
+//! 6. a parent-death signal (after the credentials: changing them clears it);
+//! 7. the worker's seccomp filters (`seccomp.rs`), which no_new_privs allows without a
+//!    capability and which the worker cannot lift; the allow list admits no call the
+//!    steps above make, so they come last;
 //! 8. `execveat(fd, "", AT_EMPTY_PATH)` of the executable opened at supervisor start, so
 //!    the worker is the binary the supervisor started with, whatever happens to the path.
 //!
@@ -42,9 +45,11 @@ pub enum SpawnError {
     Socket(Errno),
     #[error("worker setup failed at {step}: {errno}")]
     Child { step: &'static str, errno: Errno },
+    #[error(transparent)]
+    Filter(#[from] shared_proto::seccomp::Error),
 }
 
-const STEPS: [&str; 14] = [
+const STEPS: [&str; 16] = [
     "(none)",
     "stdin from /dev/null",
     "control socket to fd 3",
@@ -59,6 +64,8 @@ const STEPS: [&str; 14] = [
     "PR_SET_PDEATHSIG",
     "execveat",
     "seccomp filter",
+    "setsid",
+    "report pipe to fd 4",
 ];
 
 /// The worker executable, opened once at start and exec'd from its descriptor.
@@ -83,8 +90,8 @@ pub struct Plan {
     /// Whether the bounding set can be emptied (CAP_SETPCAP held).
     pub drop_bounding: bool,
     last_cap: u32,
-    /// The worker's seccomp program, built once.
-    filter: Vec<seccomp::Insn>,
+    /// The worker's seccomp programs, built once.
+    filters: [shared_proto::seccomp::Filter; 3],
 }
 
 impl Plan {
@@ -96,30 +103,33 @@ impl Plan {
             drop_to,
             drop_bounding: caps::can_drop_bounding(),
             last_cap: caps::last_cap(),
-            filter: seccomp::worker_filter(),
+            filters: shared_proto::seccomp::worker_filters()?,
         })
     }
 }
 
-/// Starts a worker: a fresh `SOCK_SEQPACKET` pair, the worker's end as its fd 3. Returns
-/// its pid and the supervisor's end (non-blocking) once the exec has succeeded.
-pub fn start(image: &Image, plan: &Plan) -> Result<(Pid, OwnedFd), SpawnError> {
+/// Starts a worker: a fresh `SOCK_SEQPACKET` pair, the worker's end as its fd 3, and a
+/// pipe for its SIGSYS report, the write end as its fd 4. Returns its pid, the
+/// supervisor's end of the pair and the read end of the pipe (both non-blocking) once the
+/// exec has succeeded.
+pub fn start(image: &Image, plan: &Plan) -> Result<(Pid, OwnedFd, OwnedFd), SpawnError> {
+    use nix::fcntl::OFlag;
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
     let (mine, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).map_err(SpawnError::Socket)?;
-    nix::fcntl::fcntl(&mine, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(SpawnError::Socket)?;
-    let pid = spawn(image, plan, &theirs)?;
-    Ok((pid, mine))
+    nix::fcntl::fcntl(&mine, nix::fcntl::FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(SpawnError::Socket)?;
+    let (sigsys_r, sigsys_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(SpawnError::Socket)?;
+    let pid = spawn(image, plan, &theirs, &sigsys_w)?;
+    Ok((pid, mine, sigsys_r))
 }
 
-/// Forks and execs the worker with `control` as its fd 3. Returns its pid once the exec
-/// has succeeded.
-fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, SpawnError> {
+/// Forks and execs the worker with `control` as its fd 3 and `sigsys` as its fd 4.
+/// Returns its pid once the exec has succeeded.
+fn spawn(image: &Image, plan: &Plan, control: &OwnedFd, sigsys: &OwnedFd) -> Result<Pid, SpawnError> {
     let devnull = File::open("/dev/null").map_err(|source| SpawnError::Open { path: "/dev/null".into(), source })?;
     let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(SpawnError::Fork)?;
     let argv: Vec<*const libc::c_char> = plan.argv.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
     let envp: Vec<*const libc::c_char> = plan.envp.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
     let parent = nix::unistd::getpid();
-    let filter = libc::sock_fprog { len: plan.filter.len() as u16, filter: plan.filter.as_ptr() as *mut libc::sock_filter };
     // SAFETY: the child runs only `child_setup`, which makes raw async-signal-safe
     // syscalls on data prepared above and never returns (it execs or _exits).
     match unsafe { fork() }.map_err(SpawnError::Fork)? {
@@ -131,6 +141,7 @@ fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, SpawnErro
                     &ChildArgs {
                         image: image.file.as_raw_fd(),
                         control: control.as_raw_fd(),
+                        sigsys: sigsys.as_raw_fd(),
                         devnull: devnull.as_raw_fd(),
                         report: report_w.as_raw_fd(),
                         argv: argv.as_ptr(),
@@ -138,7 +149,7 @@ fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, SpawnErro
                         drop_to: plan.drop_to,
                         drop_bounding: plan.drop_bounding,
                         last_cap: plan.last_cap,
-                        filter: &filter,
+                        filters: &plan.filters,
                         parent: parent.as_raw(),
                     },
                 )
@@ -167,6 +178,7 @@ fn spawn(image: &Image, plan: &Plan, control: &OwnedFd) -> Result<Pid, SpawnErro
 struct ChildArgs {
     image: i32,
     control: i32,
+    sigsys: i32,
     devnull: i32,
     report: i32,
     argv: *const *const libc::c_char,
@@ -174,7 +186,7 @@ struct ChildArgs {
     drop_to: Option<(u32, u32)>,
     drop_bounding: bool,
     last_cap: u32,
-    filter: *const libc::sock_fprog,
+    filters: *const [shared_proto::seccomp::Filter; 3],
     parent: i32,
 }
 
@@ -197,8 +209,8 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
             libc::write(if report >= 0 { report } else { a.report }, msg.as_ptr().cast(), msg.len());
             libc::_exit(127)
         };
-        let (image, control, devnull) = (high(a.image), high(a.control), high(a.devnull));
-        if report < 0 || image < 0 || control < 0 || devnull < 0 {
+        let (image, control, sigsys, devnull) = (high(a.image), high(a.control), high(a.sigsys), high(a.devnull));
+        if report < 0 || image < 0 || control < 0 || sigsys < 0 || devnull < 0 {
             fail(2);
         }
         if libc::dup2(devnull, 0) < 0 {
@@ -208,17 +220,22 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         if libc::dup2(control, 3) < 0 {
             fail(2);
         }
-        // Nothing beyond fds 0-3 survives the exec, whatever the supervisor inherited
+        if libc::dup2(sigsys, shared_proto::seccomp::REPORT_FD) < 0 {
+            fail(15);
+        }
+        // Nothing beyond fds 0-4 survives the exec, whatever the supervisor inherited
         // without close-on-exec from whoever started it.
-        if libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
-            for fd in 4..4096 {
+        if libc::syscall(libc::SYS_close_range, 5u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
+            for fd in 5..4096 {
                 libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             }
         }
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-        libc::setpgid(0, 0);
+        if libc::setsid() < 0 {
+            fail(14);
+        }
         if let Some((uid, gid)) = a.drop_to {
             // Keep the permitted set across setresuid for one more step: emptying the
             // bounding set below needs CAP_SETPCAP.
@@ -249,15 +266,17 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
             fail(10);
         }
-        if seccomp::install(a.filter) != 0 {
-            fail(13);
-        }
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
             fail(11);
         }
         if libc::getppid() != a.parent {
             // The supervisor died between fork and here: the death signal came too late.
             libc::_exit(127);
+        }
+        for prog in &*a.filters {
+            if seccomp::install(prog) != 0 {
+                fail(13);
+            }
         }
         libc::syscall(libc::SYS_execveat, image, c"".as_ptr(), a.argv, a.envp, libc::AT_EMPTY_PATH);
         fail(12)
