@@ -11,7 +11,8 @@
 #   - masks every unit that sysinit.target would start (tmpfiles, which empties /tmp,
 #     sysctl, sysusers, journald, ...), and runs the unit with DefaultDependencies=no
 #     and its output in a file, the unit's one change;
-#   - kills that systemd at the end and removes the cgroups it made (cgroup v1 and v2).
+#   - kills that systemd at the end and removes the cgroups it made (cgroup v1 and v2) and
+#     the unit's PrivateTmp= folders if a failed run left them.
 # Builds with `cargo build --bins` unless AETHER_BIN_DIR names built binaries; AETHER_UNIT
 # tests another unit file (a mutation: it must fail).
 #
@@ -73,6 +74,9 @@ chmod +x "$work/boot.sh"
 
 cgroups_before="$work/cgroups-before"
 find /sys/fs/cgroup -mindepth 1 -type d 2>/dev/null | sort >"$cgroups_before" || true
+# PrivateTmp= folders, which systemd removes at a stop that a failed run never reaches.
+private_tmp() { { ls -d /tmp/systemd-private-*-aether-agent.service-* /var/tmp/systemd-private-*-aether-agent.service-* 2>/dev/null || true; } | sort; }
+private_before="$(private_tmp)"
 setsid unshare --pid --fork --mount --mount-proc "$work/boot.sh" >"$work/boot.log" 2>&1 &
 unshare_pid=$!
 cleanup() {
@@ -83,6 +87,7 @@ cleanup() {
   # What that systemd made in the cgroup trees, deepest first.
   find /sys/fs/cgroup -mindepth 1 -type d 2>/dev/null | sort | comm -13 "$cgroups_before" - | sort -r \
     | while read -r d; do rmdir "$d" 2>/dev/null || true; done
+  comm -13 <(echo "$private_before") <(private_tmp) | while read -r d; do [[ -n "$d" ]] && rm -rf "$d"; done
   rm -rf "$work"
 }
 trap cleanup EXIT
