@@ -40,8 +40,8 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, ms, since, summary};
-use aether_e2e::envoy::{self, AdsApi, NodeRig};
-use aether_e2e::registrar::{Etcd, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
+use aether_e2e::envoy::{AdsApi, NodeRig};
+use aether_e2e::registrar::{RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
 use aether_e2e::testing::{env_usize, percentile, wait_for};
 use shared_proto::registry as pb;
 
@@ -146,18 +146,7 @@ impl Kind {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --all-targets` does not, and a debug
-    // build's figures mean nothing, so do not run then.
-    if !std::env::args().any(|a| a == "--bench") {
-        println!("cross-node: run with `cargo bench -p aether-e2e --bench cross-node`; skipping");
-        return;
-    }
-    ack_log::rerun_with_agent_log();
-    let Some(envoy_bin) = envoy::envoy_bin() else {
-        eprintln!("cross-node: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
-        std::process::exit(2);
-    };
-    let Some(etcd) = Etcd::start_or_skip("cross-node") else { std::process::exit(2) };
+    let Some((envoy_bin, etcd)) = aether_e2e::registrar::bench_start("cross-node") else { return };
     let changes = env_usize("BENCH_CHANGES", 100).max(50);
     let api: AdsApi = std::env::var("BENCH_XDS_API").map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}"))).unwrap_or_default();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime for the registry client");

@@ -29,9 +29,9 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, field, ms, parse_utc, since, summary};
-use aether_e2e::envoy::{self, AdsApi, NodeRig};
-use aether_e2e::kube_api::{KubeApi, Rule};
-use aether_e2e::registrar::{Etcd, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
+use aether_e2e::envoy::{AdsApi, NodeRig};
+use aether_e2e::kube_api::KubeApi;
+use aether_e2e::registrar::{DISCOVERY_RULES, LEASE_NAME as LEASE, LEASE_NAMESPACE as LEASE_NS, REGISTRAR_USER as USER, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
 use aether_e2e::testing::{env_usize, percentile, try_wait_for, wait_for};
 use serde_json::{Value, json};
 
@@ -39,16 +39,6 @@ const ENDPOINTS_PER_SERVICE: usize = 10;
 const NAMESPACE: &str = "bench";
 /// The node every endpoint runs on: not the rig's (`test-node`).
 const NODE_A: &str = "node-a";
-const USER: &str = "system:serviceaccount:aether:aether-registrar";
-const LEASE_NS: &str = "aether";
-const LEASE: &str = "aether-registrar";
-/// What the chart's registrar ClusterRole and Role grant with discovery on and the taint
-/// guard off.
-const REGISTRAR_RULES: &[Rule] = &[
-    Rule { resource: "services", verbs: &["get", "list", "watch"] },
-    Rule { resource: "endpointslices", verbs: &["get", "list", "watch"] },
-    Rule { resource: "leases", verbs: &["get", "create", "update"] },
-];
 /// Changes made before the measured ones (one of each kind; the first ones pay for cold
 /// caches).
 const WARMUP: usize = 4;
@@ -178,24 +168,13 @@ impl RegistrarLog {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --all-targets` does not, and a debug
-    // build's figures mean nothing, so do not run then.
-    if !std::env::args().any(|a| a == "--bench") {
-        println!("discovery-ack: run with `cargo bench -p aether-e2e --bench discovery-ack`; skipping");
-        return;
-    }
-    ack_log::rerun_with_agent_log();
-    let Some(envoy_bin) = envoy::envoy_bin() else {
-        eprintln!("discovery-ack: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
-        std::process::exit(2);
-    };
-    let Some(etcd) = Etcd::start_or_skip("discovery-ack") else { std::process::exit(2) };
+    let Some((envoy_bin, etcd)) = aether_e2e::registrar::bench_start("discovery-ack") else { return };
     let changes = env_usize("BENCH_CHANGES", 100).max(50);
     let services = env_usize("BENCH_SERVICES", 1_000).max(1);
     let api_type = AdsApi::default();
 
     let kube = KubeApi::start();
-    kube.grant(USER, REGISTRAR_RULES);
+    kube.grant(USER, DISCOVERY_RULES);
     let kubeconfig = kube.kubeconfig(USER).display().to_string();
     let mut mesh = Mesh::new(services);
     for s in 0..services {

@@ -104,3 +104,39 @@ pub fn envoy_eds(config_dump: &Value) -> BTreeMap<String, Vec<String>> {
     }
     out
 }
+
+/// The registrar's API user in the discovery tests and benchmark, and its Lease.
+pub const REGISTRAR_USER: &str = "system:serviceaccount:aether:aether-registrar";
+pub const LEASE_NAMESPACE: &str = "aether";
+pub const LEASE_NAME: &str = "aether-registrar";
+
+/// What the chart's registrar ClusterRole and Role grant for discovery and its Lease.
+pub const DISCOVERY_RULES: &[crate::kube_api::Rule] = &[
+    crate::kube_api::Rule { resource: "services", verbs: &["get", "list", "watch"] },
+    crate::kube_api::Rule { resource: "endpointslices", verbs: &["get", "list", "watch"] },
+    crate::kube_api::Rule { resource: "leases", verbs: &["get", "create", "update"] },
+];
+
+/// What the chart adds for the taint guard.
+pub const TAINT_GUARD_RULES: &[crate::kube_api::Rule] = &[
+    crate::kube_api::Rule { resource: "pods", verbs: &["get", "list", "watch"] },
+    crate::kube_api::Rule { resource: "nodes", verbs: &["get", "list", "watch", "patch"] },
+];
+
+/// The start of a registrar benchmark `name`: outside `cargo bench` (no `--bench`
+/// argument: a debug build's figures mean nothing) it says so and returns None. Otherwise
+/// it runs itself again with the agents' ACK log on (`ack_log::rerun_with_agent_log`),
+/// and exits with 2 when Envoy or etcd is missing; Envoy's path and a started etcd.
+pub fn bench_start(name: &str) -> Option<(std::path::PathBuf, Etcd)> {
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("{name}: run with `cargo bench -p aether-e2e --bench {name}`; skipping");
+        return None;
+    }
+    crate::envoy::ack_log::rerun_with_agent_log();
+    let Some(envoy_bin) = crate::envoy::envoy_bin() else {
+        eprintln!("{name}: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
+        std::process::exit(2);
+    };
+    let Some(etcd) = Etcd::start_or_skip(name) else { std::process::exit(2) };
+    Some((envoy_bin, etcd))
+}

@@ -11,23 +11,13 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{AdsApi, NodeRig, envoy_or_skip};
 use aether_e2e::kube_api::{KubeApi, Rule};
-use aether_e2e::registrar::{Etcd, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
+use aether_e2e::registrar::{
+    DISCOVERY_RULES, Etcd, LEASE_NAME as LEASE, LEASE_NAMESPACE as LEASE_NS, REGISTRAR_USER as USER, RegistrarProcess, TAINT_GUARD_RULES, dump, envoy_eds, expected_eds, registrar_bin};
 use aether_e2e::testing::wait_for;
 use serde_json::{Value, json};
 
 const T: Duration = Duration::from_secs(20);
-const USER: &str = "system:serviceaccount:aether:aether-registrar";
-const LEASE_NS: &str = "aether";
-const LEASE: &str = "aether-registrar";
 const TAINT: &str = "aether.io/agent-not-ready";
-/// What the chart's registrar ClusterRole and Role grant, with the taint guard on.
-const REGISTRAR_RULES: &[Rule] = &[
-    Rule { resource: "services", verbs: &["get", "list", "watch"] },
-    Rule { resource: "endpointslices", verbs: &["get", "list", "watch"] },
-    Rule { resource: "pods", verbs: &["get", "list", "watch"] },
-    Rule { resource: "nodes", verbs: &["get", "list", "watch", "patch"] },
-    Rule { resource: "leases", verbs: &["get", "create", "update"] },
-];
 
 /// The API server, etcd, and the registrar's kubeconfig.
 struct Cluster {
@@ -40,7 +30,9 @@ impl Cluster {
     fn start(test: &str) -> Option<Cluster> {
         let etcd = Etcd::start_or_skip(test)?;
         let api = KubeApi::start();
-        api.grant(USER, REGISTRAR_RULES);
+        // Exactly what the chart's registrar roles grant, with the taint guard on.
+        api.grant(USER, DISCOVERY_RULES);
+        api.grant(USER, TAINT_GUARD_RULES);
         let kubeconfig = api.kubeconfig(USER).display().to_string();
         Some(Cluster { api, etcd, kubeconfig })
     }

@@ -44,26 +44,71 @@ impl Namespaces {
     }
 }
 
-/// One kind's objects by namespace/name, and the buffer of a relist in progress.
-struct Objects<K> {
-    current: BTreeMap<ServiceKey, K>,
-    relisting: Option<BTreeMap<ServiceKey, K>>,
+/// One kind's objects by their id, and the buffer of a relist in progress.
+pub(super) struct Objects<Id, K> {
+    pub current: BTreeMap<Id, K>,
+    relisting: Option<BTreeMap<Id, K>>,
     /// A relist has completed at least once.
-    synced: bool,
+    pub synced: bool,
 }
 
-impl<K> Default for Objects<K> {
+impl<Id, K> Default for Objects<Id, K> {
     fn default() -> Self {
         Self { current: BTreeMap::new(), relisting: None, synced: false }
+    }
+}
+
+impl<Id: Ord + Clone, K: Clone + PartialEq> Objects<Id, K> {
+    /// Applies a watcher event, calling `changed(id, (old, new))` for every object added,
+    /// modified or removed; objects `id_of` gives no id are ignored. A relist reports, at
+    /// its end, every object that differs between the old set and the new one.
+    pub fn apply(&mut self, event: Event<K>, id_of: impl Fn(&K) -> Option<Id>, mut changed: impl FnMut(&Id, (Option<&K>, Option<&K>))) {
+        match event {
+            Event::Apply(o) => {
+                if let Some(k) = id_of(&o) {
+                    let old = self.current.insert(k.clone(), o);
+                    changed(&k, (old.as_ref(), self.current.get(&k)));
+                }
+            }
+            Event::Delete(o) => {
+                if let Some(k) = id_of(&o)
+                    && let Some(old) = self.current.remove(&k)
+                {
+                    changed(&k, (Some(&old), None));
+                }
+            }
+            Event::Init => self.relisting = Some(BTreeMap::new()),
+            Event::InitApply(o) => {
+                if let (Some(k), Some(buffer)) = (id_of(&o), self.relisting.as_mut()) {
+                    buffer.insert(k, o);
+                }
+            }
+            Event::InitDone => {
+                let new = self.relisting.take().unwrap_or_default();
+                let old = std::mem::replace(&mut self.current, new);
+                for (k, o) in &old {
+                    let now = self.current.get(k);
+                    if now != Some(o) {
+                        changed(k, (Some(o), now));
+                    }
+                }
+                for (k, o) in &self.current {
+                    if !old.contains_key(k) {
+                        changed(k, (None, Some(o)));
+                    }
+                }
+                self.synced = true;
+            }
+        }
     }
 }
 
 /// What the watches have delivered: Services and EndpointSlices of covered namespaces.
 #[derive(Default)]
 pub struct Cache {
-    services: Objects<KubeService>,
+    services: Objects<ServiceKey, KubeService>,
     /// Slices by their own namespace/name.
-    slices: Objects<EndpointSlice>,
+    slices: Objects<ServiceKey, EndpointSlice>,
     /// The slices of each service, by the slice's namespace/name.
     by_service: BTreeMap<ServiceKey, BTreeSet<ServiceKey>>,
     namespaces: Namespaces,
@@ -105,7 +150,7 @@ impl Cache {
     pub fn on_service(&mut self, event: Event<KubeService>) -> Touched {
         let ns = self.namespaces.clone();
         let mut touched = Touched::default();
-        apply(&mut self.services, event, |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)), |k, _| {
+        self.services.apply(event, |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)), |k, _| {
             touched.services.insert(k.clone());
         });
         touched
@@ -114,7 +159,7 @@ impl Cache {
     pub fn on_slice(&mut self, event: Event<EndpointSlice>) -> Touched {
         let ns = self.namespaces.clone();
         let mut changed: Vec<(ServiceKey, Option<ServiceKey>, Option<ServiceKey>)> = Vec::new();
-        apply(&mut self.slices, event, |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)), |k, (old, new)| {
+        self.slices.apply(event, |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)), |k, (old, new)| {
             changed.push((k.clone(), old.and_then(convert::slice_service), new.and_then(convert::slice_service)));
         });
         let mut touched = Touched::default();
@@ -134,54 +179,6 @@ impl Cache {
             }
         }
         touched
-    }
-}
-
-/// Applies a watcher event to one kind's objects, calling `changed(key, (old, new))` for
-/// every object added, modified or removed. A relist reports, at its end, every object
-/// that differs between the old set and the new one.
-fn apply<K: Clone + PartialEq>(
-    objects: &mut Objects<K>,
-    event: Event<K>,
-    key_of: impl Fn(&K) -> Option<ServiceKey>,
-    mut changed: impl FnMut(&ServiceKey, (Option<&K>, Option<&K>)),
-) {
-    match event {
-        Event::Apply(o) => {
-            if let Some(k) = key_of(&o) {
-                let old = objects.current.insert(k.clone(), o);
-                changed(&k, (old.as_ref(), objects.current.get(&k)));
-            }
-        }
-        Event::Delete(o) => {
-            if let Some(k) = key_of(&o)
-                && let Some(old) = objects.current.remove(&k)
-            {
-                changed(&k, (Some(&old), None));
-            }
-        }
-        Event::Init => objects.relisting = Some(BTreeMap::new()),
-        Event::InitApply(o) => {
-            if let (Some(k), Some(buffer)) = (key_of(&o), objects.relisting.as_mut()) {
-                buffer.insert(k, o);
-            }
-        }
-        Event::InitDone => {
-            let new = objects.relisting.take().unwrap_or_default();
-            let old = std::mem::replace(&mut objects.current, new);
-            for (k, o) in &old {
-                let now = objects.current.get(k);
-                if now != Some(o) {
-                    changed(k, (Some(o), now));
-                }
-            }
-            for (k, o) in &objects.current {
-                if !old.contains_key(k) {
-                    changed(k, (None, Some(o)));
-                }
-            }
-            objects.synced = true;
-        }
     }
 }
 

@@ -22,12 +22,12 @@ use std::time::Duration;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::discovery::watched;
+use super::discovery::{Objects, watched};
 use super::lease::{self, Leadership};
 
 pub const KEY: &str = "aether.io/agent-not-ready";
@@ -125,15 +125,15 @@ pub async fn run(client: kube::Client, cfg: GuardConfig, mut leader: Leadership,
     let pods_api: Api<Pod> = Api::namespaced(client, &cfg.agent_namespace);
     let mut node_events = watched("nodes", watcher::watcher(nodes_api.clone(), watcher::Config::default().labels(&cfg.node_selector)));
     let mut pod_events = watched("pods", watcher::watcher(pods_api, watcher::Config::default().labels(&cfg.agent_selector)));
-    let (mut nodes, mut pods) = (Cached::<Node>::default(), Cached::<Pod>::default());
+    let (mut nodes, mut pods) = (Objects::<String, Node>::default(), Objects::<String, Pod>::default());
     let mut guard = Guard::new(cfg.grace);
     tracing::info!(grace = ?cfg.grace, agents = %format!("{} {}", cfg.agent_namespace, cfg.agent_selector), nodes = %cfg.node_selector, "taint guard watching");
     loop {
         while let Some(Some(e)) = node_events.next().now_or_never() {
-            nodes.on(e);
+            nodes.apply(e, id, |_, _| {});
         }
         while let Some(Some(e)) = pod_events.next().now_or_never() {
-            pods.on(e);
+            pods.apply(e, id, |_, _| {});
         }
         let mut wake: Option<Instant> = None;
         if !lease::leads(&leader) {
@@ -156,8 +156,8 @@ pub async fn run(client: kube::Client, cfg: GuardConfig, mut leader: Leadership,
             }
         };
         tokio::select! {
-            Some(e) = node_events.next() => nodes.on(e),
-            Some(e) = pod_events.next() => pods.on(e),
+            Some(e) = node_events.next() => nodes.apply(e, id, |_, _| {}),
+            Some(e) = pod_events.next() => pods.apply(e, id, |_, _| {}),
             Ok(()) = leader.changed() => {}
             _ = sleep => {}
             _ = stop.wait_for(|s| *s) => return,
@@ -165,7 +165,7 @@ pub async fn run(client: kube::Client, cfg: GuardConfig, mut leader: Leadership,
     }
 }
 
-async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes: &mut Cached<Node>) {
+async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes: &mut Objects<String, Node>) {
     let p: json_patch::Patch = match serde_json::from_value(patch) {
         Ok(p) => p,
         Err(e) => {
@@ -194,48 +194,11 @@ async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes
     }
 }
 
-/// Objects of one kind by namespace/name, replaced whole at each relist.
-struct Cached<K> {
-    current: BTreeMap<String, K>,
-    relisting: Option<BTreeMap<String, K>>,
-    synced: bool,
-}
-
-impl<K> Default for Cached<K> {
-    fn default() -> Self {
-        Self { current: BTreeMap::new(), relisting: None, synced: false }
-    }
-}
-
-impl<K: kube::Resource> Cached<K> {
-    fn id(o: &K) -> String {
-        let m = o.meta();
-        match &m.namespace {
-            Some(ns) => format!("{ns}/{}", m.name.as_deref().unwrap_or_default()),
-            None => m.name.clone().unwrap_or_default(),
-        }
-    }
-
-    fn on(&mut self, e: Event<K>) {
-        match e {
-            Event::Apply(o) => {
-                self.current.insert(Self::id(&o), o);
-            }
-            Event::Delete(o) => {
-                self.current.remove(&Self::id(&o));
-            }
-            Event::Init => self.relisting = Some(BTreeMap::new()),
-            Event::InitApply(o) => {
-                if let Some(b) = self.relisting.as_mut() {
-                    b.insert(Self::id(&o), o);
-                }
-            }
-            Event::InitDone => {
-                self.current = self.relisting.take().unwrap_or_default();
-                self.synced = true;
-            }
-        }
-    }
+/// A node's name, or a pod's namespace/name.
+fn id<K: kube::Resource>(o: &K) -> Option<String> {
+    let m = o.meta();
+    let name = m.name.as_deref()?;
+    Some(m.namespace.as_ref().map_or_else(|| name.to_owned(), |ns| format!("{ns}/{name}")))
 }
 
 #[cfg(test)]
