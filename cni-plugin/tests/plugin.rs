@@ -183,6 +183,9 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
     };
     let mut oversized = good.clone().into_bytes();
     oversized.resize(1024 * 1024 + 1, b' ');
+    // Fault matrix row 11: 10,000 levels of nesting, well under the size cap; the parser's
+    // recursion limit refuses it (no stack overflow, no panic).
+    let deeply_nested = format!("{{\"cniVersion\": \"1.0.0\", \"x\": {}{}}}", "[".repeat(10_000), "]".repeat(10_000));
     let seventeen_ips = {
         let mut v: Value = serde_json::from_str(&good).unwrap();
         let ips: Vec<Value> = (0..17).map(|i| serde_json::json!({"address": format!("10.1.0.{}/24", i + 1), "interface": 0})).collect();
@@ -211,6 +214,13 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
             stdin: oversized,
             code: 7,
             msg: "over the 1048576-byte limit",
+        },
+        Case {
+            name: "nested 10,000 deep",
+            env: env("ADD"),
+            stdin: deeply_nested.into_bytes(),
+            code: 6,
+            msg: "not valid JSON",
         },
         Case {
             name: "missing CNI_COMMAND",
