@@ -7,6 +7,8 @@
 #   iproute2, util-linux        network namespaces (ip) and setpriv for the probe test
 #   nftables                    the redirect of the mTLS data-path tests (nft, in their
 #                               own network namespaces)
+#   faketime                    libfaketime, which jumps the agent's wall clock in the
+#                               clock-jump test (e2e/tests/clock_jump.rs)
 set -euo pipefail
 
 need=()
@@ -16,6 +18,7 @@ command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v setpriv >/dev/null || need+=(util-linux)
 command -v nft >/dev/null || need+=(nftables)
+[[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]] || need+=(faketime)
 
 if ((${#need[@]} == 0)); then
   echo "install-deps: all present" >&2
