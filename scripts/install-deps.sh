@@ -18,7 +18,7 @@ command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v setpriv >/dev/null || need+=(util-linux)
 command -v nft >/dev/null || need+=(nftables)
-[[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]] || need+=(faketime)
+command -v faketime >/dev/null || need+=(faketime)
 
 if ((${#need[@]} == 0)); then
   echo "install-deps: all present" >&2
