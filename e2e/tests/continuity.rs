@@ -444,8 +444,8 @@ fn the_socket_keeper_refuses_a_peer_of_another_uid_and_offers_nothing_before_it_
 
 /// Fault matrix row 4: the node lock held by an unrelated process (util-linux `flock`,
 /// not an agent). The agent waits as a standby: it binds no node socket and writes no
-/// node file for as long as the lock is held, and takes the node over as soon as that
-/// process dies.
+/// node file for as long as the lock is held, says why (its `/ready` and a warn line name
+/// the holder), and takes the node over as soon as that process dies.
 #[test]
 fn a_lock_held_by_an_unrelated_process_keeps_the_agent_a_standby_until_it_dies() {
     let mut node = LocalNode::new();
@@ -466,6 +466,16 @@ fn a_lock_held_by_an_unrelated_process_keeps_the_agent_a_standby_until_it_dies()
     });
     let agent = node.start_agent();
     agent.wait_role("standby", T);
+    // It says why: /ready names the holder, and so does a warn line.
+    let comm = std::fs::read_to_string(format!("/proc/{}/comm", holder.id())).expect("the holder's comm");
+    let why = format!("held by pid {} ({}), which is not an Aether agent", holder.id(), comm.trim());
+    let problem = wait_for("/ready to name the lock's holder", T, || {
+        let (_, v) = agent.ready()?;
+        let problems = v["problems"].as_array()?.clone();
+        problems.into_iter().find(|p| p["source"] == "node-lock")
+    });
+    assert!(problem["message"].as_str().is_some_and(|m| m.contains(&why)), "{problem}");
+    agent.wait_log(&why, T);
     // A while as a standby (every read of /ready is one more chance to see it wrong).
     for _ in 0..20 {
         let (_, v) = agent.ready().expect("/ready answers");
@@ -480,5 +490,9 @@ fn a_lock_held_by_an_unrelated_process_keeps_the_agent_a_standby_until_it_dies()
     let _ = holder.wait();
     agent.wait_role("owner", T);
     assert!(node.run_dir.join("xds.sock").exists() && node.run_dir.join("cni.sock").exists(), "the new owner binds both sockets");
+    wait_for("the owner to stop reporting the lock", T, || {
+        let (_, v) = agent.ready()?;
+        v["problems"].as_array()?.iter().all(|p| p["source"] != "node-lock").then_some(())
+    });
     eprintln!("lock released by the unrelated process's death; the agent owned the node {:?} later", t0.elapsed());
 }

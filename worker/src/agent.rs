@@ -85,6 +85,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
 
     let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
     tokio::spawn(health::serve(health_listener, status.subscribe(), metrics.clone()));
+    // A standby names a holder of the node lock that is not an agent (see `lockwait`).
+    let _lock_wait = crate::lockwait::spawn(&cfg.run_dir, status.subscribe(), problems.clone());
 
     let mut control = Control::new(control_fd)?;
     let acks = crate::acks::Acks::default();
