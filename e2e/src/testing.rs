@@ -611,3 +611,49 @@ pub fn build_agent_bins() {
     let status = cmd.current_dir(workspace_root()).status().expect("running cargo build");
     assert!(status.success(), "cargo build --profile {profile} of the agent's binaries: {status}");
 }
+
+/// Whether `pid` has exited: gone from `/proc`, or a zombie nobody has reaped yet (a
+/// process whose parent died is reparented, and its new parent may reap it late).
+pub fn is_dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
+/// The processes with a descriptor open on the file at `path` (same device and inode),
+/// from `/proc/<pid>/fd`: the only ones that can hold or keep a flock on it. Other users'
+/// processes are seen only by root.
+pub fn processes_with_open(path: &Path) -> Vec<i32> {
+    let Ok(want) = std::fs::metadata(path) else { return Vec::new() };
+    let mut out = Vec::new();
+    for proc_entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = proc_entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(fds) = std::fs::read_dir(proc_entry.path().join("fd")) else { continue };
+        let open = fds.flatten().any(|fd| {
+            std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == want.dev() && m.ino() == want.ino())
+        });
+        if open {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The pids `/proc/locks` shows holding a flock on the file at `path` (granted locks
+/// only, not waiters), matched by inode.
+pub fn flock_holders(path: &Path) -> Vec<i32> {
+    let Ok(ino) = std::fs::metadata(path).map(|m| m.ino()) else { return Vec::new() };
+    std::fs::read_to_string("/proc/locks")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.contains("->"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+            (f.len() >= 6 && f[1] == "FLOCK" && f[5].rsplit(':').next() == Some(&ino.to_string()))
+                .then(|| f[4].parse().ok())
+                .flatten()
+        })
+        .collect()
+}
