@@ -70,6 +70,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
     let status = Arc::new(watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name)));
     let problems = health::Reporter::new(status.clone());
+    // Failed record writes show in /ready; deferred record removals are retried.
+    let _storage_upkeep = storage.start_upkeep(problems.clone());
     let registrar = registrar_source(&cfg)?;
     let _registry = match &registrar {
         Some((addrs, me)) => registrar::spawn(addrs.clone(), me.clone(), node.clone(), metrics.clone(), problems.clone()),

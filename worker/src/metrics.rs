@@ -39,6 +39,12 @@ pub struct FileLabel {
     pub file: String,
 }
 
+/// A pod record write that failed: `write` (an ADD's record) or `remove` (a DEL's).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabel {
+    pub op: String,
+}
+
 /// A Kubernetes resource the worker watches (`pods`, `nodes`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabel {
@@ -97,6 +103,7 @@ pub struct Metrics {
     pub cni_ack_timeouts: Counter,
     pub cni_refused_peers: Counter,
     pub storage_quarantined: Counter,
+    pub storage_write_errors: Family<OpLabel, Counter>,
     pub registry_reload_errors: Counter,
     pub state_writes: Family<FileLabel, Counter>,
     pub state_write_errors: Family<FileLabel, Counter>,
@@ -148,6 +155,7 @@ impl Metrics {
             cni_ack_timeouts: Counter::default(),
             cni_refused_peers: Counter::default(),
             storage_quarantined: Counter::default(),
+            storage_write_errors: Family::default(),
             registry_reload_errors: Counter::default(),
             state_writes: Family::default(),
             state_write_errors: Family::default(),
@@ -193,6 +201,11 @@ impl Metrics {
         r.register("cni_ack_timeouts", "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)", m.cni_ack_timeouts.clone());
         r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());
         r.register("storage_quarantined", "Pod records moved to quarantine", m.storage_quarantined.clone());
+        r.register(
+            "storage_write_errors",
+            "Pod record writes and removals that failed, by op (write, remove; the log and /ready name the path and cause)",
+            m.storage_write_errors.clone(),
+        );
         r.register("registry_reload_errors", "Registry or capture file reloads rejected", m.registry_reload_errors.clone());
         r.register("state_writes", "Owner-only state files written (atomically), by file", m.state_writes.clone());
         r.register("state_write_errors", "Owner-only state file writes that failed, by file (the log names the path)", m.state_write_errors.clone());

@@ -13,6 +13,33 @@
 //!   node and no other writer exists, so it removes them all.
 //! - [`Storage`] keeps the view it last loaded or wrote; `reload` diffs the folder against
 //!   that view, which is exactly what the caller built its snapshot inputs from.
+//! - A record that cannot be read (EACCES, EIO: any error but NotFound) is quarantined
+//!   like a corrupt one: one bad file must not crash-loop the worker and take every other
+//!   pod's data plane down with it.
+//!
+//! Failed writes (ENOSPC, a read-only or unwritable folder, EIO):
+//! - A failed `put` leaves nothing partial: its temp file is removed and the previous
+//!   record, if any, is untouched (the rename never happened). The error names the path
+//!   and the cause; the CNI ADD fails with it and the runtime retries.
+//! - Each failure counts in `aether_storage_write_errors_total{op}` and `/ready` lists a
+//!   `storage` problem naming it until a write succeeds again; nothing is cached, so the
+//!   first write after space is freed succeeds and clears the problem.
+//! - [`Storage::remove_or_retry`] (a CNI DEL, the stale-record collection) takes the pod out
+//!   of the view even when its file cannot be removed, and keeps the uid in a retry set:
+//!   the pod is gone from the data plane, so the DEL succeeds (a failed DEL would make the
+//!   runtime retry the whole chain and hold the sandbox's teardown, the IPAM release
+//!   included, hostage to the agent's disk). The set is retried on a timer with backoff
+//!   ([`Storage::start_upkeep`]) and after every successful write; a retry removes the
+//!   file only while it still holds the removed pod's sandbox (an ADD of the same pod
+//!   since then rewrote it and took the uid out of the set). `reload` leaves those records
+//!   out, so the takeover diff does not bring the pod back.
+//! - The retry set lives in memory: the folder that refuses the removal would refuse a
+//!   tombstone too, and the worker has no other durable folder. A worker that restarts
+//!   while the removal still fails loads the record again and serves the pod until the
+//!   record goes: the owner's stale-record collection removes it once the API server has
+//!   not listed the pod for its grace period, and an ADD of a pod given the same IP
+//!   evicts it. Without API server access nothing else removes it; the log of the DEL
+//!   names the record.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -20,12 +47,13 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::metrics::Metrics;
+use crate::health::Reporter;
+use crate::metrics::{Metrics, OpLabel};
 use aether_model::Pod;
 
 /// The record layout written by this version.
@@ -42,6 +70,15 @@ const MAX_UID_LEN: usize = 128;
 const MAX_RECORD_BYTES: u64 = 64 * 1024;
 
 const TEMP_MARKER: &str = ".tmp.";
+
+/// The `/ready` problem source of failed record writes and pending removals.
+pub const PROBLEM: &str = "storage";
+
+/// The first wait before a pending removal is retried, doubling to [`RETRY_MAX`]. An
+/// unlink is cheap; the cap keeps a healed folder from holding a deleted pod's record
+/// long, and the count of failures in the metric within reason.
+pub const RETRY_BASE: Duration = Duration::from_millis(200);
+pub const RETRY_MAX: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
@@ -146,13 +183,36 @@ impl Diff {
     }
 }
 
+/// What [`Storage::remove_or_retry`] did.
+#[derive(Debug)]
+pub struct Removal {
+    /// The pod's value in the view, None when the view had none.
+    pub pod: Option<Pod>,
+    /// Why the file is still there: its removal is retried later.
+    pub deferred: Option<StorageError>,
+}
+
 pub struct Storage {
     pods_dir: PathBuf,
     quarantine_dir: PathBuf,
     metrics: Arc<Metrics>,
-    /// The last loaded or written records, by uid. The lock also serialises writers so
+    /// The view, the retry set and the last failure. The lock also serialises writers so
     /// the view and the folder never disagree.
-    view: Mutex<BTreeMap<String, Pod>>,
+    state: Mutex<State>,
+    /// Where failures are reported, once [`Storage::start_upkeep`] ran.
+    reporter: OnceLock<Reporter>,
+    /// Wakes the retry task when a removal is deferred.
+    retry_wake: Arc<tokio::sync::Notify>,
+}
+
+#[derive(Default)]
+struct State {
+    /// The last loaded or written records, by uid.
+    view: BTreeMap<String, Pod>,
+    /// Pods taken out of the view whose files could not be removed yet, by uid.
+    pending: BTreeMap<String, Pod>,
+    /// The last write that failed, while no write has succeeded since.
+    last_error: Option<String>,
 }
 
 /// Which temp files a scan removes.
@@ -171,7 +231,9 @@ impl Storage {
             pods_dir: state_dir.join("pods"),
             quarantine_dir: state_dir.join("pods-quarantine"),
             metrics,
-            view: Mutex::new(BTreeMap::new()),
+            state: Mutex::new(State::default()),
+            reporter: OnceLock::new(),
+            retry_wake: Arc::new(tokio::sync::Notify::new()),
         };
         fs::DirBuilder::new()
             .recursive(true)
@@ -179,18 +241,35 @@ impl Storage {
             .create(&storage.pods_dir)
             .map_err(|source| StorageError::Io { op: "creating", path: storage.pods_dir.clone(), source })?;
         let loaded = storage.scan(Temps::Stale)?;
-        *storage.lock() = loaded;
+        storage.lock().view = loaded;
         Ok(storage)
+    }
+
+    /// Reports failed writes and pending removals to `/ready` from now on, and starts the
+    /// task that retries pending removals (with backoff, [`RETRY_BASE`] doubling to
+    /// [`RETRY_MAX`]). Call it once, inside the runtime; the task ends with the storage.
+    pub fn start_upkeep(self: &Arc<Self>, reporter: Reporter) -> tokio::task::JoinHandle<()> {
+        if self.reporter.set(reporter).is_ok() {
+            let st = self.lock();
+            self.report(&st);
+        }
+        let (weak, wake) = (Arc::downgrade(self), self.retry_wake.clone());
+        tokio::spawn(retry_pending_removals(weak, wake))
     }
 
     /// The pods loaded by `open` or the last `reload`.
     pub fn pods(&self) -> Vec<Pod> {
-        self.lock().values().cloned().collect()
+        self.lock().view.values().cloned().collect()
     }
 
     /// The pod with this uid in the current view.
     pub fn get(&self, uid: &str) -> Option<Pod> {
-        self.lock().get(uid).cloned()
+        self.lock().view.get(uid).cloned()
+    }
+
+    /// The uids whose record removal failed and is retried.
+    pub fn pending_removals(&self) -> Vec<String> {
+        self.lock().pending.keys().cloned().collect()
     }
 
     /// The folder holding the records.
@@ -204,35 +283,154 @@ impl Storage {
         if !valid_uid(&pod.uid) {
             return Err(StorageError::InvalidUid(pod.uid.clone()));
         }
-        let mut view = self.lock();
-        if view.get(&pod.uid) == Some(pod) {
+        let mut st = self.lock();
+        if st.view.get(&pod.uid) == Some(pod) {
             return Ok(false);
         }
         let path = self.record_path(&pod.uid);
         let tmp = self.temp_path(&pod.uid);
         let result = write_atomically(&tmp, &path, &encode_record(pod), &self.pods_dir);
-        if result.is_err() {
+        if let Err(e) = result {
             // Best effort: a leftover temp file is also removed by the next open or reload.
             let _ = fs::remove_file(&tmp);
+            self.failed(&mut st, "write", &e);
+            return Err(e);
         }
-        result?;
-        view.insert(pod.uid.clone(), pod.clone());
+        // The record now holds this pod: a removal pending for an earlier one is void.
+        st.pending.remove(&pod.uid);
+        st.view.insert(pod.uid.clone(), pod.clone());
+        self.succeeded(&mut st);
         Ok(true)
     }
 
     /// Removes the pod's record. Returns the removed value, or None when there was none.
+    /// On failure the record and the view are left as they were.
     pub fn remove(&self, uid: &str) -> Result<Option<Pod>, StorageError> {
         if !valid_uid(uid) {
             return Err(StorageError::InvalidUid(uid.to_string()));
         }
-        let mut view = self.lock();
+        let mut st = self.lock();
+        if let Err(e) = self.remove_file(uid) {
+            self.failed(&mut st, "remove", &e);
+            return Err(e);
+        }
+        st.pending.remove(uid);
+        let removed = st.view.remove(uid);
+        self.succeeded(&mut st);
+        Ok(removed)
+    }
+
+    /// Removes the pod's record, or, when its file cannot be removed, takes the pod out of
+    /// the view anyway and retries the removal later (see the module doc). Errs only for
+    /// an invalid uid, or when the view does not hold the pod whose file failed to go.
+    pub fn remove_or_retry(&self, uid: &str) -> Result<Removal, StorageError> {
+        if !valid_uid(uid) {
+            return Err(StorageError::InvalidUid(uid.to_string()));
+        }
+        let mut st = self.lock();
+        match self.remove_file(uid) {
+            Ok(()) => {
+                st.pending.remove(uid);
+                let pod = st.view.remove(uid);
+                self.succeeded(&mut st);
+                Ok(Removal { pod, deferred: None })
+            }
+            Err(e) => {
+                self.failed(&mut st, "remove", &e);
+                let Some(pod) = st.view.remove(uid) else { return Err(e) };
+                tracing::warn!(
+                    uid = %uid, path = %self.record_path(uid).display(), error = %e,
+                    "pod record could not be removed; the pod is out of the view, the removal is retried"
+                );
+                st.pending.insert(uid.to_string(), pod.clone());
+                self.report(&st);
+                self.retry_wake.notify_one();
+                Ok(Removal { pod: Some(pod), deferred: Some(e) })
+            }
+        }
+    }
+
+    /// Retries every pending removal now. Returns how many are still pending.
+    pub fn retry_pending(&self) -> usize {
+        let mut st = self.lock();
+        self.drain_pending(&mut st);
+        self.report(&st);
+        st.pending.len()
+    }
+
+    fn remove_file(&self, uid: &str) -> Result<(), StorageError> {
         let path = self.record_path(uid);
         match fs::remove_file(&path) {
-            Ok(()) => sync_dir(&self.pods_dir)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(StorageError::Io { op: "removing", path, source }),
+            Ok(()) => sync_dir(&self.pods_dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(StorageError::Io { op: "removing", path, source }),
         }
-        Ok(view.remove(uid))
+    }
+
+    /// Removes the pending records that still hold the removed pod's sandbox.
+    fn drain_pending(&self, st: &mut State) {
+        let pending = std::mem::take(&mut st.pending);
+        let (mut removed, mut failed) = (false, None);
+        for (uid, pod) in pending {
+            let path = self.record_path(&uid);
+            match read_record(&path, &uid) {
+                Err(ReadError::Vanished) => continue,
+                Ok(now) if now.container_id != pod.container_id => {
+                    tracing::info!(uid = %uid, path = %path.display(), "a pending record removal is void: the record was rewritten for another sandbox");
+                    continue;
+                }
+                // The same sandbox's record, or one that no longer reads: it goes.
+                _ => {}
+            }
+            match self.remove_file(&uid) {
+                Ok(()) => {
+                    removed = true;
+                    tracing::info!(uid = %uid, path = %path.display(), "removed the record of a deleted pod whose earlier removal failed");
+                }
+                Err(e) => {
+                    self.metrics.storage_write_errors.get_or_create(&OpLabel { op: "remove".into() }).inc();
+                    failed = Some(e.to_string());
+                    st.pending.insert(uid, pod);
+                }
+            }
+        }
+        // A removal that went through is a write that succeeded.
+        match failed {
+            Some(e) => st.last_error = Some(e),
+            None if removed => st.last_error = None,
+            None => {}
+        }
+    }
+
+    /// Counts a failed write and reports it until a write succeeds.
+    fn failed(&self, st: &mut State, op: &str, e: &StorageError) {
+        self.metrics.storage_write_errors.get_or_create(&OpLabel { op: op.into() }).inc();
+        st.last_error = Some(e.to_string());
+        self.report(st);
+    }
+
+    /// A write succeeded: the folder takes writes again, so the pending removals are
+    /// retried now, and the report clears unless one still fails.
+    fn succeeded(&self, st: &mut State) {
+        st.last_error = None;
+        if !st.pending.is_empty() {
+            self.drain_pending(st);
+        }
+        self.report(st);
+    }
+
+    fn report(&self, st: &State) {
+        let Some(reporter) = self.reporter.get() else { return };
+        let pending = (!st.pending.is_empty()).then(|| {
+            let uids: Vec<&str> = st.pending.keys().map(String::as_str).collect();
+            format!("removal of the records of deleted pod uid(s) {} pending retry", uids.join(", "))
+        });
+        let last = st.last_error.as_ref().map(|e| format!("pod records in {} cannot be written: {e}", self.pods_dir.display()));
+        match (last, pending) {
+            (None, None) => reporter.clear(PROBLEM),
+            (Some(a), Some(b)) => reporter.set(PROBLEM, format!("{a}; {b}")),
+            (Some(m), None) | (None, Some(m)) => reporter.set(PROBLEM, m),
+        }
     }
 
     /// Re-reads the folder and returns what changed since the view the caller built from
@@ -240,8 +438,17 @@ impl Storage {
     /// folder as the new view. Call it only while this process owns the node: it removes
     /// every temp file as a crash's leftover.
     pub fn reload(&self) -> Result<Diff, StorageError> {
-        let mut view = self.lock();
-        let now = self.scan(Temps::All)?;
+        let mut st = self.lock();
+        self.drain_pending(&mut st);
+        self.report(&st);
+        let mut now = self.scan(Temps::All)?;
+        // A deleted pod whose file is still there is not back.
+        for (uid, pod) in &st.pending {
+            if now.get(uid).is_some_and(|p| p.container_id == pod.container_id) {
+                now.remove(uid);
+            }
+        }
+        let view = &mut st.view;
         let mut diff = Diff::default();
         for (uid, old) in view.iter() {
             match now.get(uid) {
@@ -259,10 +466,10 @@ impl Storage {
         Ok(diff)
     }
 
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Pod>> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         // The view is plain data, rewritten whole by each scan; a panic mid-update cannot
         // leave it half-changed in a way the next scan does not repair.
-        self.view.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn record_path(&self, uid: &str) -> PathBuf {
@@ -303,8 +510,8 @@ impl Storage {
                     pods.insert(pod.uid.clone(), pod);
                 }
                 Err(ReadError::Vanished) => {}
-                Err(ReadError::Bad(why)) => self.quarantine(&path, &name, &why),
-                Err(ReadError::Io(source)) => return Err(StorageError::Io { op: "reading", path, source }),
+                Err(ReadError::Bad(why)) => self.quarantine(&path, &name, &why, "is corrupt"),
+                Err(ReadError::Io(source)) => self.quarantine(&path, &name, &source, "cannot be read"),
             }
         }
         Ok(pods)
@@ -328,7 +535,8 @@ impl Storage {
         }
     }
 
-    fn quarantine(&self, path: &Path, name: &str, why: &RecordError) {
+    /// Moves a record that is no pod (`what`: why, for the log) out of the folder.
+    fn quarantine(&self, path: &Path, name: &str, why: &dyn std::fmt::Display, what: &str) {
         self.metrics.storage_quarantined.inc();
         let stamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let target = self.quarantine_dir.join(format!("{name}.{stamp}"));
@@ -341,12 +549,33 @@ impl Storage {
         match moved {
             Ok(()) => tracing::error!(
                 path = %path.display(), quarantined = %target.display(), error = %why,
-                "pod record is corrupt; moved it to quarantine"
+                "pod record {what}; moved it to quarantine"
             ),
             Err(e) => tracing::error!(
                 path = %path.display(), error = %why, move_error = %e,
-                "pod record is corrupt and could not be moved to quarantine; ignoring it"
+                "pod record {what} and could not be moved to quarantine; ignoring it"
             ),
+        }
+    }
+}
+
+/// Retries pending removals until none is left, then sleeps until one is deferred again.
+async fn retry_pending_removals(storage: Weak<Storage>, wake: Arc<tokio::sync::Notify>) {
+    let mut backoff = crate::backoff::Backoff::new(RETRY_BASE, RETRY_MAX, crate::backoff::seed());
+    loop {
+        let pending = storage.upgrade().map(|s| s.lock().pending.len());
+        match pending {
+            None => return,
+            Some(0) => {
+                backoff.reset();
+                wake.notified().await;
+            }
+            Some(_) => {
+                tokio::time::sleep(backoff.next_wait()).await;
+                let Some(s) = storage.upgrade() else { return };
+                // An unlink and a directory fsync: off the runtime's threads.
+                let _ = tokio::task::spawn_blocking(move || s.retry_pending()).await;
+            }
         }
     }
 }
@@ -617,6 +846,194 @@ mod tests {
         s.put(&pod("a", "10.0.0.1")).unwrap();
         other_writer(dir.path()).put(&marked).unwrap();
         assert_eq!(s.reload().unwrap().updated, vec![Updated { old: pod("a", "10.0.0.1"), new: marked }]);
+    }
+
+    /// A `/ready` status and the reporter storage reports to.
+    fn reporter() -> (Arc<tokio::sync::watch::Sender<crate::health::Status>>, Reporter) {
+        let status = Arc::new(tokio::sync::watch::Sender::new(crate::health::Status::new("n", "p")));
+        (status.clone(), Reporter::new(status))
+    }
+
+    fn storage_problem(status: &tokio::sync::watch::Sender<crate::health::Status>) -> Option<String> {
+        status.borrow().problems.iter().find(|p| p.source == PROBLEM).map(|p| p.message.clone())
+    }
+
+    fn write_errors(m: &Metrics, op: &str) -> u64 {
+        m.storage_write_errors.get_or_create(&OpLabel { op: op.into() }).get()
+    }
+
+    /// The uid the agent runs its worker as when started as root.
+    const WORKER_UID: u32 = 65532;
+    const CHILD_DIR: &str = "AETHER_STORAGE_TEST_UNREADABLE_DIR";
+
+    /// Fault matrix row 9 (storage), issue 17: a record the worker cannot read (EACCES)
+    /// is quarantined like a corrupt one, and the storage opens with the other pods: no
+    /// crash loop. Root reads any file, so as root the test runs its check in a copy of
+    /// itself under the worker's uid.
+    #[test]
+    fn unreadable_record_is_quarantined_and_open_goes_on() {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        if let Ok(dir) = std::env::var(CHILD_DIR) {
+            return check_unreadable_record_is_quarantined(Path::new(&dir));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        s.put(&pod("good", "10.0.0.1")).unwrap();
+        s.put(&pod("locked", "10.0.0.2")).unwrap();
+        let locked = dir.path().join("pods/locked.json");
+        fs::set_permissions(&locked, fs::Permissions::from_mode(0o000)).unwrap();
+        if !nix::unistd::geteuid().is_root() {
+            return check_unreadable_record_is_quarantined(dir.path());
+        }
+        // The folder is the worker uid's, as the supervisor leaves it; the record is
+        // root's with mode 000, so the worker uid meets EACCES.
+        for p in [dir.path().to_path_buf(), dir.path().join("pods"), dir.path().join("pods/good.json")] {
+            std::os::unix::fs::chown(&p, Some(WORKER_UID), Some(WORKER_UID)).unwrap();
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["storage::tests::unreadable_record_is_quarantined_and_open_goes_on", "--exact", "--nocapture"])
+            .env(CHILD_DIR, dir.path())
+            .uid(WORKER_UID)
+            .gid(WORKER_UID)
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "the check as uid {WORKER_UID} failed: {text}");
+        assert!(text.contains("1 passed"), "the check as uid {WORKER_UID} ran no test: {text}");
+        assert!(!locked.exists());
+        assert_eq!(names(&dir.path().join("pods-quarantine")).len(), 1);
+    }
+
+    fn check_unreadable_record_is_quarantined(dir: &Path) {
+        let err = fs::read(dir.join("pods/locked.json")).expect_err("the record must be unreadable here");
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+        let (s, m) = open(dir);
+        assert_eq!(s.pods(), vec![pod("good", "10.0.0.1")]);
+        assert_eq!(m.storage_quarantined.get(), 1);
+        assert_eq!(names(&dir.join("pods")), vec!["good.json"]);
+        let quarantined = names(&dir.join("pods-quarantine"));
+        assert!(quarantined.len() == 1 && quarantined[0].starts_with("locked.json."), "{quarantined:?}");
+    }
+
+    /// Fault matrix row 9 (ENOSPC, read-only folder), issue 17: a write that fails leaves
+    /// nothing partial (its temp file goes, the other records stay whole), is counted and
+    /// reported until a write succeeds again, and the next write after the fault clears
+    /// succeeds without a restart. The fault here is a rename onto a directory, which
+    /// fails after the temp file was written, for root too.
+    #[tokio::test]
+    async fn failed_write_leaves_nothing_partial_and_is_reported_until_a_write_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, m) = open(dir.path());
+        let s = Arc::new(s);
+        let (status, r) = reporter();
+        let _upkeep = s.start_upkeep(r);
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        let pods = dir.path().join("pods");
+        fs::create_dir_all(pods.join("b.json/in-the-way")).unwrap();
+
+        let err = s.put(&pod("b", "10.0.0.2")).expect_err("b.json is a directory").to_string();
+        assert!(err.contains(&pods.join("b.json").display().to_string()), "the error names the path: {err}");
+        assert!(err.contains("directory"), "the error names the cause: {err}");
+        assert_eq!(names(&pods), vec!["a.json", "b.json"], "no temp file left");
+        assert_eq!(decode_record(&fs::read(pods.join("a.json")).unwrap()), Ok(pod("a", "10.0.0.1")));
+        assert_eq!(s.get("b"), None, "a failed write is not in the view");
+        assert_eq!(write_errors(&m, "write"), 1);
+        let problem = storage_problem(&status).expect("reported");
+        assert!(problem.contains(&err), "{problem}");
+        assert!(s.put(&pod("b", "10.0.0.2")).is_err());
+        assert_eq!(write_errors(&m, "write"), 2, "each failure counts");
+
+        fs::remove_dir_all(pods.join("b.json")).unwrap();
+        assert!(s.put(&pod("b", "10.0.0.2")).unwrap(), "the first write after the fault succeeds");
+        assert_eq!(storage_problem(&status), None, "the report clears");
+        assert_eq!(write_errors(&m, "write"), 2);
+        assert_eq!(open(dir.path()).0.pods(), vec![pod("a", "10.0.0.1"), pod("b", "10.0.0.2")]);
+    }
+
+    /// Swaps the records folder for a file, so that every file operation in it fails
+    /// (ENOTDIR, for root too); the guard puts the folder back.
+    struct BrokenFolder(PathBuf);
+
+    impl BrokenFolder {
+        fn new(pods: &Path) -> Self {
+            fs::rename(pods, pods.with_extension("away")).unwrap();
+            fs::write(pods, b"not a folder").unwrap();
+            Self(pods.to_path_buf())
+        }
+    }
+
+    impl Drop for BrokenFolder {
+        fn drop(&mut self) {
+            let _ = fs::remove_file(&self.0);
+            let _ = fs::rename(self.0.with_extension("away"), &self.0);
+        }
+    }
+
+    /// Fault matrix row 9 (read-only folder), issue 17: a pod whose record cannot be
+    /// removed leaves the view at once (no phantom in the snapshot), the failure is counted
+    /// and reported, and the retry task removes the record once the folder heals, with no
+    /// further call; the report then clears.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_that_cannot_be_removed_leaves_the_view_and_the_retry_removes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, m) = open(dir.path());
+        let s = Arc::new(s);
+        let (status, r) = reporter();
+        let _upkeep = s.start_upkeep(r);
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        s.put(&pod("keep", "10.0.0.2")).unwrap();
+        let pods = dir.path().join("pods");
+
+        let broken = BrokenFolder::new(&pods);
+        let removal = s.remove_or_retry("a").unwrap();
+        assert_eq!(removal.pod, Some(pod("a", "10.0.0.1")));
+        let why = removal.deferred.expect("the removal failed").to_string();
+        assert!(why.contains(&pods.join("a.json").display().to_string()), "{why}");
+        assert_eq!(s.get("a"), None, "the pod left the view");
+        assert_eq!(s.pending_removals(), vec!["a"]);
+        assert!(write_errors(&m, "remove") >= 1);
+        let problem = storage_problem(&status).expect("reported");
+        assert!(problem.contains("deleted pod uid(s) a pending"), "{problem}");
+        // The strict removal (an eviction) fails and keeps the pod.
+        assert!(s.remove("keep").is_err());
+        assert_eq!(s.get("keep"), Some(pod("keep", "10.0.0.2")));
+        drop(broken);
+
+        assert!(pods.join("a.json").exists(), "still there while nothing retried");
+        wait(RETRY_MAX * 3, || s.pending_removals().is_empty());
+        assert!(!pods.join("a.json").exists(), "the retry removed the record");
+        assert_eq!(names(&pods), vec!["keep.json"]);
+        assert_eq!(storage_problem(&status), None, "the report clears");
+    }
+
+    /// A successful write drains the retry set; a pending removal of a pod that was added
+    /// again since (a new sandbox) is void and leaves its new record alone.
+    #[test]
+    fn a_write_drains_pending_removals_and_a_new_add_voids_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        s.put(&pod("b", "10.0.0.2")).unwrap();
+        let pods = dir.path().join("pods");
+        let broken = BrokenFolder::new(&pods);
+        assert!(s.remove_or_retry("a").unwrap().deferred.is_some());
+        assert!(s.remove_or_retry("b").unwrap().deferred.is_some());
+        drop(broken);
+        let again = Pod { container_id: "c-b-new".into(), ..pod("b", "10.0.0.2") };
+        assert!(s.put(&again).unwrap());
+        assert_eq!(s.pending_removals(), Vec::<String>::new());
+        assert_eq!(names(&pods), vec!["b.json"], "a's record went with the write");
+        assert_eq!(open(dir.path()).0.pods(), vec![again]);
+    }
+
+    /// Polls `cond` every 10 ms for up to `bound`.
+    fn wait(bound: Duration, mut cond: impl FnMut() -> bool) {
+        let start = std::time::Instant::now();
+        while !cond() {
+            assert!(start.elapsed() < bound, "not within {bound:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[test]

@@ -16,10 +16,19 @@ use crate::storage::{Storage, StorageError};
 /// for its IPs' registry endpoints to be marked draining. An IP that another local pod
 /// holds by now is not marked: the registry keys endpoints by IP, and the mark would land
 /// on that pod. The caller holds the node's lifecycle lock.
+///
+/// A record file that cannot be removed (a read-only or failing folder) does not keep the
+/// pod: it leaves the view and the node all the same, and storage retries the removal
+/// ([`Storage::remove_or_retry`]); the pod is gone from the data plane, which is what
+/// the caller asked.
 pub async fn remove_pod(node: &Node, storage: &Arc<Storage>, marks: Option<&Marks>, pod: &Pod) -> Result<(), StorageError> {
     let (s, uid) = (storage.clone(), pod.uid.clone());
-    match tokio::task::spawn_blocking(move || s.remove(&uid)).await {
-        Ok(result) => result?,
+    match tokio::task::spawn_blocking(move || s.remove_or_retry(&uid)).await {
+        Ok(result) => {
+            if let Some(e) = result?.deferred {
+                tracing::warn!(uid = %pod.uid, error = %e, "the pod is removed but its record is not yet; storage retries the removal");
+            }
+        }
         Err(e) => {
             return Err(StorageError::Io { op: "removing", path: storage.dir().join(&pod.uid), source: std::io::Error::other(e.to_string()) });
         }
