@@ -8,10 +8,13 @@
 //! non-zero exit; nothing here panics on input. One exception, as in istio-cni and
 //! linkerd-cni: a DEL that cannot reach the agent succeeds (see [`execute`]), so that the
 //! primary plugin, called after this one on DEL, still releases the pod's address.
+//! [`install`] is the chart's installer: the binary copies itself into the host's CNI bin
+//! folder, so the image needs no shell.
 #![forbid(unsafe_code)]
 
 pub mod client;
 pub mod input;
+pub mod install;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
