@@ -11,6 +11,8 @@
 //! - `seccomp` (feature `seccomp`): the worker's system-call policy, which the supervisor
 //!   installs before the exec and the worker completes once running, and the SIGSYS
 //!   report that names the call that killed a worker.
+//! - `fault` (feature `fault-hooks`, tests only): stops a process at a named handoff step
+//!   ([`fault_hook!`]); without the feature the macros expand to nothing.
 //!
 //! `unsafe` in this crate lives only in [`fdpass`], around `recvmsg(2)` and the control
 //! message walk, where `nix` cannot hand back the descriptors of a truncated message, and
@@ -27,3 +29,21 @@ pub mod logging;
 pub mod registry;
 #[cfg(feature = "seccomp")]
 pub mod seccomp;
+#[cfg(feature = "fault-hooks")]
+pub mod fault;
+
+/// Without the `fault-hooks` feature: nothing, so that no step name is in the binary.
+#[cfg(not(feature = "fault-hooks"))]
+#[macro_export]
+macro_rules! fault_hook {
+    ($step:literal) => {};
+}
+
+/// Without the `fault-hooks` feature: no variable to pass on.
+#[cfg(not(feature = "fault-hooks"))]
+#[macro_export]
+macro_rules! fault_hook_env {
+    () => {
+        [] as [&str; 0]
+    };
+}

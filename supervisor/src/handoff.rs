@@ -105,6 +105,7 @@ pub fn serve_one(conn: OwnedFd, generation: u64, offer: &Listeners) -> Result<bo
         (HandoffBody::Hello(h), _) => return Err(HandoffError::Version { got: h.version, ours: HANDOFF_VERSION }),
         (HandoffBody::Offer(_), _) => return Err(HandoffError::OfferFromStandby),
     };
+    shared_proto::fault_hook!("handoff-offer");
     let PathIds { xds, cni } = offer.paths;
     let msg = HandoffOffer { version: HANDOFF_VERSION, generation, xds_dev: xds.dev, xds_ino: xds.ino, cni_dev: cni.dev, cni_ino: cni.ino };
     fdpass::send_handoff(conn.as_fd(), HandoffBody::Offer(msg), &[offer.xds.as_fd(), offer.cni.as_fd()])?;

@@ -83,7 +83,8 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
         config::KubeAccess::None => tracing::info!("no Kubernetes API access: neither --kubeconfig nor KUBERNETES_SERVICE_HOST"),
     }
     let env: Vec<(String, String)> = ["RUST_LOG", "RUST_BACKTRACE"]
-        .iter()
+        .into_iter()
+        .chain(shared_proto::fault_hook_env!())
         .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
         .collect();
     let sup = supervise::Supervisor::new(cfg, signals, args, env, from_systemd)?;

@@ -157,6 +157,7 @@ impl Supervisor {
             }
             Action::TakeNode { lock, held, ask_keeper, since } => Some(match self.taker.take(lock, held, ask_keeper, since) {
                 Ok(Outcome::Taken(node, took)) => {
+                    shared_proto::fault_hook!("take-node");
                     notify::status(false, &format!("owner: generation {}, taking over", took.generation));
                     Event::Took(node, took)
                 }
@@ -203,6 +204,7 @@ impl Supervisor {
     fn fetch_handoff(&self) -> Option<Held> {
         match handoff::fetch(&self.cfg.handoff_path(), &self.cfg.xds_path(), &self.cfg.cni_path(), false) {
             Ok(Some(h)) => {
+                shared_proto::fault_hook!("handoff-held");
                 let known = self.core.held().map(|old| old.generation);
                 if known != Some(h.generation) {
                     info!(generation = h.generation, "holding the owner's node sockets for the takeover");

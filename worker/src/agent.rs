@@ -139,6 +139,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                                 Ok(n) => info!(changed = n, "takeover reconcile applied the storage diff"),
                                 Err(e) => error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start"),
                             }
+                            shared_proto::fault_hook!("reconcile");
                             let _ = tx.send(start.elapsed()).await;
                         });
                     }
@@ -149,6 +150,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         });
                     }
                     Action::Serve => {
+                        shared_proto::fault_hook!("serve");
                         let o = owned.as_mut().expect("Serve follows a takeover");
                         serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, kube.as_ref(), drained_tx.clone())?);
                         // The owner alone writes the mesh-DNS snapshot and its heartbeat.
@@ -254,6 +256,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     pending.push(Event::Drain);
                 }
                 Ok(Command::Takeover(t, fds)) => {
+                    shared_proto::fault_hook!("takeover");
                     let fds = fdcheck::check(&cfg.run_dir, fds).context("checking the Takeover descriptors")?;
                     let fd_passing_us = now_us().saturating_sub(t.sent_at_us);
                     info!(generation = t.generation, handed_off = t.handed_off, respawn = t.respawn, uncontended = t.uncontended,
