@@ -6,7 +6,8 @@
 # (scripts/install-envoy.sh), the Python SPIFFE client into .venv (scripts/install-pytools.sh),
 # helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test
 # (cargo nextest), the chart tests, the systemd unit under a real systemd (when installed), and
-# a short run of each end-to-end mode with the correctness bounds enforced.
+# a short run of each end-to-end mode with the correctness bounds enforced, and a check that
+# the release binaries those runs built carry no test-only fault hook.
 #
 # Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
 set -euo pipefail
@@ -32,11 +33,16 @@ export AETHER_PYTHON
 step "install helm, kubectl, kubernetes-validate"
 scripts/install-tools.sh
 
+# The debug binaries the tests run carry the test-only fault hooks (e2e/tests/handoff_kills.rs);
+# the dev-dependency in e2e/Cargo.toml already brings them with --tests, named here so that
+# the build and the test run agree. The release binaries never do (checked below).
+hooks=(--features aether-supervisor/fault-hooks,aether-worker/fault-hooks)
+
 step "build"
-cargo build --workspace --bins --tests
+cargo build --workspace --bins --tests "${hooks[@]}"
 
 step "cargo nextest"
-cargo nextest run --workspace --no-fail-fast
+cargo nextest run --workspace --no-fail-fast "${hooks[@]}"
 
 step "chart tests"
 scripts/test-chart.sh
@@ -62,5 +68,8 @@ if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   ARG_NODES=2 ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
   step "end-to-end: surge with workload identity (permissive mTLS)"
   ARG_IDENTITY=permissive ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
+  # The runs above built the release binaries (cargo build --release --workspace --bins).
+  step "release binaries carry no fault hook"
+  scripts/check-release-hooks.sh
 fi
 step "all tests passed"
