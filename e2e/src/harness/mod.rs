@@ -980,7 +980,7 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         cfg.backoff_max.as_secs_f64(),
         cfg.rps
     );
-    if let Err(e) = report::plot(&plot, &title, &series) {
+    if let Err(e) = report::plot(&plot, &title, &series, cfg.backoff_base.as_secs_f64()) {
         eprintln!("!! {e}");
     }
 
