@@ -657,3 +657,27 @@ pub fn flock_holders(path: &Path) -> Vec<i32> {
         })
         .collect()
 }
+
+/// A wrapper for [`LocalNode::start_agent_wrapped`] that replaces the node's
+/// `--metrics-addr=off` with `addr`, so that a test can scrape the owner.
+pub fn metrics_wrapper(addr: &str) -> Vec<String> {
+    let script = format!(
+        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={addr}; else set -- "$@" "$a"; fi; done; exec "$@""#
+    );
+    vec!["sh".into(), "-c".into(), script, "sh".into()]
+}
+
+/// One `GET /metrics` at `addr`: the answer, or None if none came with status 200.
+pub fn scrape_metrics(addr: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.starts_with("HTTP/1.0 200").then_some(out)
+}
+
+/// The value of the sample `series` (name and labels, as printed) in a scrape's `text`.
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
