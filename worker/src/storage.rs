@@ -23,7 +23,9 @@
 //!   and the cause; the CNI ADD fails with it and the runtime retries.
 //! - Each failure counts in `aether_storage_write_errors_total{op}` and `/ready` lists a
 //!   `storage` problem naming it until a write succeeds again; nothing is cached, so the
-//!   first write after space is freed succeeds and clears the problem.
+//!   first write after space is freed succeeds and clears the problem. `/ready` stays 200:
+//!   the owner still serves the proxy every pod it holds and answers DELs, and a 503
+//!   would only stall a rolling update that could bring a healthy agent, freeing no space.
 //! - [`Storage::remove_or_retry`] (a CNI DEL, the stale-record collection) takes the pod out
 //!   of the view even when its file cannot be removed, and keeps the uid in a retry set:
 //!   the pod is gone from the data plane, so the DEL succeeds (a failed DEL would make the
