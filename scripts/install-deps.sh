@@ -9,6 +9,8 @@
 #                               own network namespaces)
 #   faketime                    libfaketime, which jumps the agent's wall clock in the
 #                               clock-jump test (e2e/tests/clock_jump.rs)
+#   buildah                     builds and runs the agent's image without a daemon
+#                               (scripts/build-image.sh, scripts/test-image.sh)
 set -euo pipefail
 
 need=()
@@ -19,6 +21,7 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v setpriv >/dev/null || need+=(util-linux)
 command -v nft >/dev/null || need+=(nftables)
 command -v faketime >/dev/null || need+=(faketime)
+command -v buildah >/dev/null || need+=(buildah)
 
 if ((${#need[@]} == 0)); then
   echo "install-deps: all present" >&2
