@@ -146,6 +146,7 @@ fn a_supervisor_killed_alone_takes_its_worker_and_the_standby_takes_over() {
     standby.wait_log("holding the owner's node sockets", T);
     let (sup, worker) = (rig.owner.pid(), rig.owner.worker_pid());
     let lock = rig.node.run_dir.join("agent.lock");
+    wait_for("20 requests through Envoy before the kill", T, || (load.requests() >= 20).then_some(()));
     let quiet = Instant::now();
 
     let killed = Instant::now();
@@ -365,6 +366,10 @@ fn restarts_every_250_ms_under_load_converge_with_one_owner_and_no_lost_pod() {
         }
     }
     assert!(spans.contains_key(&rig.owner.name), "the watch saw the final owner serve ({} rounds)", rounds);
+    // The lock is the final owner's alone: its supervisor or its worker holds it.
+    let holders = flock_holders(&rig.node.run_dir.join("agent.lock"));
+    let mine = [rig.owner.pid(), ready["pid"].as_i64().unwrap_or_default() as i32];
+    assert!(!holders.is_empty() && holders.iter().all(|p| mine.contains(p)), "the node lock is held by {holders:?}, not by the final owner {mine:?}");
     // No refused connect.
     let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
     assert!(bad.is_empty(), "connects that failed: {bad:?} (all: {dials:?})\n{}", rig.where_to_look());
@@ -411,6 +416,50 @@ fn restarts_every_250_ms_under_load_converge_with_one_owner_and_no_lost_pod() {
     );
     drop(p);
     rig.pass();
+}
+
+/// Fault matrix row 21, the race its restarts found: with restarts this close, a new
+/// supervisor can win the node lock at its start, ahead of the standby blocked on it
+/// (flock grants no order), while the previous owner still drains. Holding no sockets,
+/// it must take the draining owner's over `handoff.sock` rather than wait for every
+/// holder of the old listeners to exit and bind fresh ones, which refuses connects
+/// meanwhile. Invariant: no refused connect. The standby is kept from the lock with
+/// SIGSTOP, so the new supervisor wins every time.
+#[test]
+fn a_new_agent_that_wins_the_lock_while_the_owner_drains_takes_its_sockets() {
+    let mut node = LocalNode::new();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let standby = node.start_agent();
+    standby.wait_role("standby", T);
+    // A standby that fetched the sockets makes the owner's drain wait for a successor.
+    standby.wait_log("holding the owner's node sockets", T);
+    let (sup, worker) = (standby.pid(), standby.worker_pid());
+    signal(sup, Signal::SIGSTOP);
+    signal(worker, Signal::SIGSTOP);
+    wait_for("the standby stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    let inodes = node.socket_inodes();
+    let dialer = Dialer::start(vec![node.xds_sock(), node.cni_sock()]);
+
+    owner.signal(Signal::SIGTERM);
+    owner.wait_log("node lock released", T);
+    let next = node.start_agent();
+    let ready = aether_e2e::testing::try_wait_for("the new agent to serve as owner", T, || next.serving_owner())
+        .unwrap_or_else(|e| panic!("{e}\n{}\nthe draining owner's log:\n{}", next.log(), owner.log()));
+    assert!(owner.wait_exit(T).success(), "{}", owner.log());
+    let dials = dialer.stop();
+    signal(worker, Signal::SIGKILL);
+    signal(sup, Signal::SIGKILL);
+
+    assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
+    assert_eq!(ready["takeover"]["handed_off"], true, "the new owner bound fresh sockets:\n{}", next.log());
+    // From the draining owner's handoff.sock: at its start, or when it took the node.
+    let log = next.log();
+    assert!(log.contains("holding the owner's node sockets") || log.contains("taking the node sockets from the draining owner"), "{log}");
+    assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
+    let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
+    assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
+    eprintln!("row 21 race: the new agent won the lock while the owner drained and took its sockets; dials {dials:?}");
 }
 
 /// What the contract says a node path is: its kind, mode and owner.

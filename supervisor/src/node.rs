@@ -32,6 +32,8 @@ pub struct Node {
     pub listeners: Listeners,
     /// `handoff.sock`'s listener (non-blocking); none if it could not be bound.
     pub handoff: Option<OwnedFd>,
+    /// The generation this supervisor took it as.
+    pub generation: u64,
 }
 
 impl Node {
@@ -41,9 +43,12 @@ impl Node {
     }
 
     /// Unlocks the node, so that the standby takes it over now while the drained
-    /// worker's proxy streams still serve, and closes this supervisor's descriptors (the
-    /// lock, the listeners, which the standby holds its own of, and `handoff.sock`).
-    pub fn release(self) {
+    /// worker's proxy streams still serve. The listeners and `handoff.sock` stay open
+    /// until this supervisor exits: a supervisor that won the lock at its start, ahead of
+    /// the standby that waited for it (flock grants no order), holds no sockets and takes
+    /// them from here, instead of waiting for every holder of them to exit and binding
+    /// fresh ones, which refuses connects meanwhile.
+    pub fn release(&self) {
         match self.lock.unlock() {
             Ok(()) => info!("node lock released; the worker keeps its proxy streams until the successor serves"),
             // Closing the descriptor releases it too, once the worker's copy is gone.
@@ -86,8 +91,11 @@ impl Taker {
 
     pub fn take(&self, lock: lock::Held, held: Option<Held>, ask_keeper: bool, since: Instant) -> Result<Outcome, NodeError> {
         // No owner handed its sockets over (a delete-then-create roll, or a killed
-        // generation): the node's socket keeper may hold them.
-        let held = held.or_else(|| ask_keeper.then(|| self.keeper_offer()).flatten());
+        // generation, or this supervisor won the lock at its start over a waiting standby
+        // while the previous owner drains): that owner, still draining, or the node's
+        // socket keeper may hold them.
+        let offered = || self.offer_from(&self.handoff, "the draining owner").or_else(|| self.offer_from(&self.keeper, "the socket keeper"));
+        let held = held.or_else(|| ask_keeper.then(offered).flatten());
         let held = held.filter(|h| match self.verify(&h.listeners) {
             Ok(()) => true,
             Err(e) => {
@@ -119,7 +127,7 @@ impl Taker {
         };
         info!(generation, handed_off, bind_us = micros(bind), "this agent owns the node");
         let took = Took { generation, handed_off, uncontended: lock.uncontended, lock_wait: lock.waited, bind };
-        Ok(Outcome::Taken(Node { lock: lock.file, listeners, handoff }, took))
+        Ok(Outcome::Taken(Node { lock: lock.file, listeners, handoff, generation }, took))
     }
 
     fn verify(&self, l: &Listeners) -> Result<(), ListenError> {
@@ -127,16 +135,17 @@ impl Taker {
         listen::verify_held(&l.cni, &self.cni, l.paths.cni)
     }
 
-    fn keeper_offer(&self) -> Option<Held> {
-        match handoff::fetch(&self.keeper, &self.xds, &self.cni, false) {
+    /// The listeners offered on `path` (`handoff.sock` or `keeper.sock`) by `from`.
+    fn offer_from(&self, path: &Path, from: &str) -> Option<Held> {
+        match handoff::fetch(path, &self.xds, &self.cni, false) {
             Ok(Some(h)) => {
-                info!(generation = h.generation, "taking the node sockets from the socket keeper");
+                info!(generation = h.generation, "taking the node sockets from {from}");
                 Some(h)
             }
             Ok(None) => None,
             // Also when the keeper holds nothing yet: it then closes the connection.
             Err(e) => {
-                info!(error = %e, "no node sockets from the socket keeper");
+                info!(error = %e, "no node sockets from {from}");
                 None
             }
         }

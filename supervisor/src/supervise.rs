@@ -70,6 +70,9 @@ pub struct Supervisor {
     sigsys: Vec<(Pid, OwnedFd)>,
     /// systemd's `WatchdogSec=` watches this process.
     watchdog: bool,
+    /// The node after its release: its listeners and `handoff.sock` still offered to
+    /// whoever takes the node next, until this supervisor exits (`Node::release`).
+    released: Option<Node>,
 }
 
 impl Supervisor {
@@ -94,7 +97,7 @@ impl Supervisor {
         let conflist = cfg.cni_conf_dir.as_ref().map(|dir| conflist::Watch::new(dir, &cfg.cni_path()));
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
         let watchdog = notify::watchdog_enabled();
-        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new() })
+        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new(), released: None })
     }
 
     /// Runs until the lifecycle exits. Returns the exit code.
@@ -191,6 +194,7 @@ impl Supervisor {
             }
             Action::Release(node) => {
                 node.release();
+                self.released = Some(node);
                 notify::status(false, "draining: node lock released");
                 None
             }
@@ -230,7 +234,7 @@ impl Supervisor {
             let optional = [
                 self.lock_wake.as_ref().map(|w| w.as_fd()),
                 self.core.control().map(|c| c.as_fd()),
-                self.core.node().and_then(|n| n.handoff.as_ref()).map(|h| h.as_fd()),
+                self.core.node().or(self.released.as_ref()).and_then(|n| n.handoff.as_ref()).map(|h| h.as_fd()),
             ];
             let [wake_i, ctl_i, hand_i] = optional.map(|fd| {
                 fd.map(|fd| {
@@ -340,10 +344,10 @@ impl Supervisor {
 
     fn on_handoff_connections(&mut self) {
         let mut offered = Vec::new();
-        if let Some(node) = self.core.node()
+        if let Some(node) = self.core.node().or(self.released.as_ref())
             && let Some(listener) = &node.handoff
         {
-            let generation = self.core.took().map_or(0, |t| t.generation);
+            let generation = node.generation;
             while let Some(conn) = handoff::accept(listener) {
                 match handoff::serve_one(conn, generation, &node.listeners) {
                     Ok(keeper) => {
