@@ -269,20 +269,23 @@ def check_agent(docs, raw, args):
     check("agent pod: no lifecycle hook and no --uninstall-cni (a roll never uninstalls)",
           not hooks and not any("--uninstall-cni" in a for a in argv), f"hooks on {hooks}, argv {argv}")
 
-    # The CNI plugin install: copy to a temporary name in the bin folder, then rename.
+    # The CNI plugin install: `aether-cni install <bin mount>` copies the plugin's own
+    # executable to a temporary name carrying POD_NAME in the bin folder, then renames it
+    # (cni-plugin/src/install.rs). The image has no shell.
     inits = {c["name"]: c for c in pod.get("initContainers", [])}
     check("init container install-cni present", "install-cni" in inits, f"init containers {sorted(inits)}")
     init = inits["install-cni"]
     bin_mounts = [m["mountPath"] for m in init.get("volumeMounts", [])
                   if (volumes.get(m["name"], {}).get("hostPath") or {}).get("path") == CNI_BIN_DIR]
     check(f"install-cni mounts the host's {CNI_BIN_DIR}", len(bin_mounts) == 1, f"got {bin_mounts}")
-    script = "\n".join(init.get("command", []) + init.get("args", []))
-    bin_mount = re.escape(bin_mounts[0])
-    tmp_def = re.search(rf'tmp="{bin_mount}/[^"/]+"', script)
-    copy = re.search(r'\bcp "[^"]+" "\$tmp"', script)
-    rename = re.search(rf'\bmv -f "\$tmp" "{bin_mount}/aether-cni"', script)
-    check("install-cni copies to a temp name in the bin folder, then renames it over aether-cni",
-          bool(tmp_def and copy and rename and copy.start() < rename.start()), f"script:\n{script}")
+    argv = init.get("command", []) + init.get("args", [])
+    check("install-cni needs no shell: its command is aether-cni itself",
+          bool(argv) and argv[0].startswith("/") and argv[0].endswith("/aether-cni"), f"got {argv}")
+    check(f"install-cni runs `aether-cni install {bin_mounts[0]}`", argv[1:] == ["install", bin_mounts[0]],
+          f"got {argv}")
+    got = ((env_map(init).get("POD_NAME") or {}).get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+    check("install-cni env POD_NAME from fieldRef metadata.name (the temporary name's instance)",
+          got == "metadata.name", f"got {env_map(init).get('POD_NAME')}")
     return ds
 
 
