@@ -3,8 +3,8 @@
 //! changes none of them; only what is dated by the wall clock moves with it (log
 //! timestamps, the SVID expiry check). ARCHITECTURE.md, "Wall clock", lists each reader.
 //!
-//! The supervisor runs with `LD_PRELOAD=libfaketime.so.1`. It hands its worker only
-//! `RUST_LOG` and `RUST_BACKTRACE`, so the worker is started through `worker-with-env`
+//! The supervisor runs with `LD_PRELOAD=libfaketime.so.1`. It passes its worker only the
+//! variables it names (`RUST_LOG`, ...), so the worker is started through `worker-with-env`
 //! (`--worker-bin`), which execs the real worker with the same variables. Both read the
 //! offset from one file per generation, with no cache, so rewriting it jumps the wall
 //! clock of a running agent; `FAKETIME_DONT_FAKE_MONOTONIC=1` leaves `CLOCK_MONOTONIC`
@@ -137,6 +137,17 @@ fn assert_jumped(agent: &Agent, skip: usize, process: &str, from: f64, offset: i
     eprintln!("{} {process}: {} log lines at the real clock {offset:+} s", agent.name, seen.len());
 }
 
+/// Asserts that the owner's `mesh-dns.heartbeat` (unix ms, written every 5 s) is dated on
+/// the clock `offset` seconds from the real one: read after the jump has held 7 s, it was
+/// written within the last 5 s.
+fn assert_heartbeat(node: &LocalNode, offset: i64) {
+    let path = node.state_dir.join("mesh-dns.heartbeat");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let ms: f64 = text.trim().parse().unwrap_or_else(|e| panic!("{}: {text:?}: {e}", path.display()));
+    let age = unix_now() + offset as f64 - ms / 1000.0;
+    assert!((-1.0..=7.0).contains(&age), "{} is {age:.1} s old by a clock {offset:+} s from the real one", path.display());
+}
+
 fn lines(agent: &Agent) -> usize {
     agent.log().lines().count()
 }
@@ -165,6 +176,7 @@ fn record_uids(node: &LocalNode) -> Vec<String> {
 /// wait when given, and returns how long the supervisor took to replace it.
 fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration {
     let old = owner.worker_pid();
+    let serving = owner.log().matches("worker serves the node").count();
     let start = Instant::now();
     kill(Pid::from_raw(old), Signal::SIGSTOP).expect("stop the worker");
     if let Some(spec) = jump_to {
@@ -176,7 +188,13 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
     wait_for("a replacement worker serving", Duration::from_secs(20), || {
         owner.serving_owner().filter(|v| v["pid"].as_i64() != Some(old as i64)).map(|_| ())
     });
-    start.elapsed()
+    let took = start.elapsed();
+    // The supervisor logs the Serving report just after the worker's /ready says so;
+    // waits for it, so that a log mark taken next follows every line of this respawn.
+    wait_for("the supervisor to log the replacement serving", T, || {
+        (owner.log().matches("worker serves the node").count() >= serving + 1).then_some(())
+    });
+    took
 }
 
 /// Row 20, heartbeats and deadlines. Invariants: a healthy worker is never killed when
@@ -212,6 +230,7 @@ fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
     // clock would have passed at the jump.
     std::thread::sleep(Duration::from_secs(7));
     assert_eq!(owner.worker_pid(), pid, "a healthy worker was replaced an hour ahead:\n{}", owner.log());
+    assert_heartbeat(&node, HOUR);
 
     // Back two hours, to an hour behind.
     let (mark, from) = (lines(&owner), unix_now());
@@ -221,6 +240,7 @@ fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
     assert_jumped(&owner, mark, "aether_worker", from, -HOUR);
     std::thread::sleep(Duration::from_secs(7));
     assert_eq!(owner.worker_pid(), pid, "a healthy worker was replaced an hour behind:\n{}", owner.log());
+    assert_heartbeat(&node, -HOUR);
     assert_eq!(owner.log().matches("missed heartbeats").count(), 1, "only the baseline's hung worker was killed:\n{}", owner.log());
 
     // A hung worker while the clock jumps: back an hour (a wall-clock deadline would not

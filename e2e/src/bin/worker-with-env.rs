@@ -1,5 +1,5 @@
 //! Starts the real worker with environment variables the supervisor does not pass on (it
-//! hands its worker only `RUST_LOG` and `RUST_BACKTRACE`), for tests that must change the
+//! passes only those it names, such as `RUST_LOG`), for tests that must change the
 //! worker's process environment, such as `LD_PRELOAD` of libfaketime.
 //!
 //! The supervisor starts it as its worker (`--worker-bin`), with the worker's command
