@@ -257,11 +257,23 @@ fn a_del_while_the_folder_is_read_only_takes_the_pod_out_and_the_record_goes_onc
     let problem = problem.expect("/ready reports the pending removal");
     assert!(problem.contains(&a.0.uid) && problem.contains("pending"), "{problem}");
 
+    // Stay read-only for 2 s: the timer's retries (0.2 s doubling) fail meanwhile, and
+    // each failure counts.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(tmpfs.0.join(format!("{}.json", a.0.uid)).exists());
+    wait_for("the failed retries to count", T, || (rig.write_errors("remove") >= 2.0).then_some(()));
+
     tmpfs.remount("rw");
+    let writable = std::time::Instant::now();
     // The retry backs off to 10 s at most; three times that is room on a loaded machine.
     wait_for("the retry to remove the deleted pod's record", T, || {
         (!tmpfs.0.join(format!("{}.json", a.0.uid)).exists()).then_some(())
     });
+    eprintln!(
+        "storage_faults: the record went {} ms after the folder became writable; {} failed removals counted",
+        writable.elapsed().as_millis(),
+        rig.write_errors("remove")
+    );
     wait_for("the storage report to clear", T, || storage_problem(&agent).1.is_none().then_some(()));
     assert_eq!(whole_records(&node.state_dir), [b.0.uid.as_str()]);
     assert!(!served(&rig.cni, &a), "the deleted pod stays out");
