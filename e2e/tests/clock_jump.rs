@@ -192,7 +192,7 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
     // The supervisor logs the Serving report just after the worker's /ready says so;
     // waits for it, so that a log mark taken next follows every line of this respawn.
     wait_for("the supervisor to log the replacement serving", T, || {
-        (owner.log().matches("worker serves the node").count() >= serving + 1).then_some(())
+        (owner.log().matches("worker serves the node").count() > serving).then_some(())
     });
     took
 }
