@@ -183,8 +183,9 @@ fn a_supervisor_killed_alone_takes_its_worker_and_the_standby_takes_over() {
     assert_eq!(failures, 0, "{failures} of {requests} requests through Envoy failed\n{}", rig.where_to_look());
     assert_eq!(ready["takeover"]["handed_off"], true, "the takeover used the held sockets:\n{}", rig.owner.log());
     eprintln!(
-        "row 22: supervisor SIGKILLed alone: its worker gone {} later, new owner serving {} after the kill; {}; lock held by {holders:?} only; {requests} requests through Envoy, 0 failed, refused connects 0",
+        "row 22: supervisor SIGKILLed alone: its worker gone {} later ({}), new owner serving {} after the kill; {}; lock held by {holders:?} only; {requests} requests through Envoy, 0 failed, refused connects 0",
         ms(worker_gone),
+        if proc_state(worker).is_some() { "a zombie not reaped yet" } else { "reaped" },
         ms(took),
         times.summary()
     );
@@ -462,6 +463,55 @@ fn a_new_agent_that_wins_the_lock_while_the_owner_drains_takes_its_sockets() {
     let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
     assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
     eprintln!("row 21 race: the new agent won the lock while the owner drained and took its sockets; dials {dials:?}");
+}
+
+/// Fault matrix row 21, the same race one step on: a standby that fetched the sockets
+/// from one owner still holds them, and waits on the lock, when the next owner, which
+/// took them handed off, drains before any standby fetched from it. That owner counts
+/// the standby as a successor all the same (a takeover with handed-off sockets makes one
+/// for 5 s), so it keeps offering the sockets after its release, and a new agent that
+/// wins the lock takes them instead of waiting, forever here, for the stopped standby to
+/// let its copies go. Invariant: no refused connect, and the node is served.
+#[test]
+fn a_new_agent_that_wins_the_lock_from_a_short_lived_owner_takes_its_sockets() {
+    let mut node = LocalNode::new();
+    let mut first = node.start_agent();
+    first.wait_role("owner", T);
+    let mut second = node.start_agent();
+    second.wait_role("standby", T);
+    second.wait_log("holding the owner's node sockets", T);
+    let stale = node.start_agent();
+    stale.wait_role("standby", T);
+    stale.wait_log("holding the owner's node sockets", T);
+    let (sup, worker) = (stale.pid(), stale.worker_pid());
+    signal(sup, Signal::SIGSTOP);
+    signal(worker, Signal::SIGSTOP);
+    wait_for("the stale standby stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    let inodes = node.socket_inodes();
+    let dialer = Dialer::start(vec![node.xds_sock(), node.cni_sock()]);
+
+    first.signal(Signal::SIGTERM);
+    let ready = wait_for("the second agent to serve as owner", T, || second.serving_owner());
+    assert_eq!(ready["takeover"]["handed_off"], true, "{}", second.log());
+    assert!(first.wait_exit(T).success(), "{}", first.log());
+    // At once: no standby fetched from the second owner (the only other one is stopped).
+    second.signal(Signal::SIGTERM);
+    second.wait_log("node lock released", T);
+    let next = node.start_agent();
+    let ready = aether_e2e::testing::try_wait_for("the new agent to serve as owner", T, || next.serving_owner())
+        .unwrap_or_else(|e| panic!("{e}\n{}\nthe draining owner's log:\n{}", next.log(), second.log()));
+    assert!(second.wait_exit(T).success(), "{}", second.log());
+    let dials = dialer.stop();
+    signal(worker, Signal::SIGKILL);
+    signal(sup, Signal::SIGKILL);
+
+    assert!(second.log().contains("successor=true"), "the short-lived owner did not wait for a successor:\n{}", second.log());
+    assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
+    assert_eq!(ready["takeover"]["handed_off"], true, "the new owner bound fresh sockets:\n{}", next.log());
+    assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
+    let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
+    assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
+    eprintln!("row 21 race, one step on: the new agent won the lock from a short-lived owner and took its sockets; dials {dials:?}");
 }
 
 /// What the contract says a node path is: its kind, mode and owner.

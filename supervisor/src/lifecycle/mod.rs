@@ -81,7 +81,9 @@ pub enum Phase<R: Resources> {
 pub struct Owned<R: Resources> {
     pub node: R::Node,
     pub took: Took,
-    /// When a standby last fetched the node sockets.
+    /// When a standby last fetched the node sockets; at first, when they were handed to
+    /// this supervisor: a standby of the previous owner may hold them too, fetched before
+    /// the takeover, and waits for the lock (`Event::Took`).
     offered_at: Option<Instant>,
     /// A worker was sent this node already: the next Takeover is a respawn's.
     taken_over: bool,
@@ -289,7 +291,11 @@ impl<R: Resources> Lifecycle<R> {
             }
             Event::Took(node, took) => match self.take_phase() {
                 Phase::Taking { .. } => {
-                    self.phase = Phase::Owning(Owned { node, took, offered_at: None, taken_over: false });
+                    // Sockets handed over may be held by a standby of the previous owner
+                    // too: a drain soon after counts it as a successor, so that whoever
+                    // wins the lock then can take the sockets from this one.
+                    let offered_at = took.handed_off.then_some(now);
+                    self.phase = Phase::Owning(Owned { node, took, offered_at, taken_over: false });
                     self.send_takeover(&mut out);
                     // After the Takeover is out: the file work is never on the takeover's path.
                     self.timers.conflist = self.conflist.then_some(now);

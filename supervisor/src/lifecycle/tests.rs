@@ -75,6 +75,19 @@ impl Clock {
         c
     }
 
+    /// An owner (generation 7) that bound fresh sockets, its worker (pid 1) sent the node
+    /// at 0 ms: no standby can hold them, so only a fetch makes a successor.
+    fn fresh_owner(conflist: bool) -> Self {
+        let mut c = Self::new(None, conflist);
+        c.step(0, Event::Tick, &["spawn", "fetch"]);
+        c.step(0, spawned(1), &[]);
+        c.step(0, hello(), &[]);
+        c.step(0, Event::Fetched(None), &[]);
+        c.step(0, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+        c.step(0, took(7, false), &["takeover gen=7 respawn=false handed_off=false respawns=0", "store listeners"]);
+        c
+    }
+
     fn ms(&self, ms: u64) -> Instant {
         self.t0 + Duration::from_millis(ms)
     }
@@ -382,7 +395,7 @@ fn a_lockless_server_blocks_the_take_which_is_retried_every_20_ms_and_reported_o
 #[test]
 fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_on_released() {
     for (offered, keeper, successor) in [(Some(100), false, true), (Some(100), true, false), (None, false, false)] {
-        let mut c = Clock::owner(true);
+        let mut c = Clock::fresh_owner(true);
         c.step(0, Event::Tick, &["conflist"]);
         c.step(50, status(WorkerStatus::Serving), &["Serving { generation: 7 }"]);
         if let Some(ms) = offered {
@@ -410,9 +423,20 @@ fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_
     c.step(5100, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
 }
 
+/// Sockets handed over may be held by a standby of the previous owner as well, which
+/// fetched them before this takeover: a drain within 5 s of it counts that standby as a
+/// successor, so that the drained owner keeps offering them to whoever wins the lock.
+#[test]
+fn an_owner_that_took_handed_off_sockets_has_a_successor_for_5_s() {
+    let mut c = Clock::owner(false);
+    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: true }", "drain successor=true"]);
+    let mut c = Clock::owner(false);
+    c.step(5000, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+}
+
 #[test]
 fn the_drain_deadline_kills_the_worker_and_the_supervisor_exits_with_its_status() {
-    let mut c = Clock::owner(false);
+    let mut c = Clock::fresh_owner(false);
     c.step(100, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
     // Still answering heartbeats, but not finishing.
     for s in 1..=25 {
@@ -438,7 +462,7 @@ fn a_drain_before_hello_kills_the_worker_and_one_without_a_worker_exits_at_once(
     assert_eq!(c.lc.exit_code(), Some(137));
 
     // Between a crash and its respawn: nothing to drain; an owner unlocks first.
-    let mut c = Clock::owner(false);
+    let mut c = Clock::fresh_owner(false);
     c.step(1, exited(1, 1), &["respawning 1 in 0ms #1 (exited: exit 1)"]);
     c.step(1, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "release node"]);
     assert_eq!(c.lc.exit_code(), Some(0));
