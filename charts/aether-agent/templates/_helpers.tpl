@@ -127,6 +127,8 @@ uid connects, and nothing on the node's network reaches it. The kubelet's readin
 cannot speak to a unix socket, so the chart adds to the filled template one static listener
 on the node's loopback (proxy.readinessPort) that forwards GET /ready, and nothing else,
 to the admin pipe through the static cluster envoy_admin; every other request gets 404.
+With proxy.stats.enabled a second one forwards GET /stats/prometheus the same way, for
+Prometheus (files/envoy-stats-listener.yaml).
 */}}
 {{- define "aether-agent.envoyBootstrap" -}}
 {{- $t := .Files.Get "files/envoy-bootstrap.yaml.tmpl" -}}
@@ -158,9 +160,31 @@ to the admin pipe through the static cluster envoy_admin; every other request ge
 {{- end -}}
 {{- $ready := fromYaml (include "aether-agent.envoyReadyListener" .) -}}
 {{- $adminCluster := fromYaml (printf "name: envoy_admin\ntype: STATIC\nconnect_timeout: 1s\nload_assignment:\n  cluster_name: envoy_admin\n  endpoints:\n  - lb_endpoints:\n    - endpoint: { address: { pipe: { path: %s } } }\n" $adminSock) -}}
-{{- $_ := set $static "listeners" (list $ready) -}}
+{{- $listeners := list $ready -}}
+{{- if .Values.proxy.stats.enabled -}}
+{{- $listeners = append $listeners (fromYaml (include "aether-agent.envoyStatsListener" .)) -}}
+{{- end -}}
+{{- $_ := set $static "listeners" $listeners -}}
 {{- $_ = set $static "clusters" (append $static.clusters $adminCluster) -}}
 {{- toYaml $boot -}}
+{{- end -}}
+
+{{/*
+The stats listener (proxy.stats): GET /stats/prometheus on proxy.stats.host, from the admin
+pipe, and 404 to the rest. One ConfigMap serves every node, so the address cannot be each
+node's own IP: 0.0.0.0 by default, or an address every node has.
+*/}}
+{{- define "aether-agent.envoyStatsListener" -}}
+{{- $t := .Files.Get "files/envoy-stats-listener.yaml" -}}
+{{- if not $t -}}
+{{- fail "files/envoy-stats-listener.yaml is missing or empty in the chart" -}}
+{{- end -}}
+{{- $host := .Values.proxy.stats.host | trimPrefix "[" | trimSuffix "]" -}}
+{{- $t = $t | replace "${STATS_ADDRESS}" $host | replace "${STATS_PORT}" (toString (int .Values.proxy.stats.port)) -}}
+{{- if contains "${" $t -}}
+{{- fail (printf "files/envoy-stats-listener.yaml has a placeholder this chart does not fill:\n%s" $t) -}}
+{{- end -}}
+{{- $t -}}
 {{- end -}}
 
 {{/* The readiness listener: GET /ready on the node's loopback, from the admin pipe. */}}
