@@ -262,7 +262,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     info!(generation = t.generation, handed_off = t.handed_off, respawn = t.respawn, uncontended = t.uncontended,
                         lock_wait_us = t.lock_wait_us, bind_us = t.bind_us, fd_passing_us, "takeover received");
                     metrics.generation.set(t.generation as i64);
-                    metrics.worker_respawns.set(t.respawns as i64);
+                    // The supervisor's count: a new worker starts at 0 and catches up.
+                    metrics.worker_respawns.inc_by(t.respawns.saturating_sub(metrics.worker_respawns.get()));
                     metrics.observe_phase("lock_wait", t.lock_wait_us as f64 / 1e6);
                     metrics.observe_phase("bind", t.bind_us as f64 / 1e6);
                     metrics.observe_phase("fd_passing", fd_passing_us as f64 / 1e6);

@@ -1,13 +1,17 @@
 //! Prometheus metrics of the worker, served on `--metrics-addr` by the owner only.
 //!
 //! One registry, no globals: every component gets the [`Metrics`] handle it counts into.
+//! The `process_*` metrics, Prometheus' conventional names with no prefix, sit in a
+//! registry of their own and are read from `/proc/self` at each encoding.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -33,11 +37,34 @@ pub struct ResultLabel {
     pub result: String,
 }
 
-/// A file of the state folder, by its name there (`mesh-dns.json`).
+/// A file: of the state folder, by its name there (`mesh-dns.json`); or a watched input
+/// file, by what it holds (`registry`, `capture`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FileLabel {
     pub file: String,
 }
+
+/// An xDS type by its short name: `cds`, `eds`, `lds`, `rds`, `sds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct XdsTypeLabel {
+    pub r#type: String,
+}
+
+/// What was built: the crate's version and the git commit (`AETHER_REVISION` at build
+/// time, else `unknown`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabel {
+    pub version: String,
+    pub revision: String,
+}
+
+/// The commit the binary was built from, when the build said (`AETHER_REVISION`); an env
+/// variable rather than a build script reading `.git`, so that a commit elsewhere in the
+/// tree does not rebuild the worker.
+pub const REVISION: &str = match option_env!("AETHER_REVISION") {
+    Some(r) if !r.is_empty() => r,
+    _ => "unknown",
+};
 
 /// A pod record write that failed: `write` (an ADD's record) or `remove` (a DEL's).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -91,7 +118,7 @@ pub struct Metrics {
     pub registry: Registry,
     pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
     pub generation: Gauge,
-    pub worker_respawns: Gauge,
+    pub worker_respawns: Counter,
     pub xds_pushes: Family<TypeLabel, Counter>,
     pub xds_acks: Family<TypeLabel, Counter>,
     pub xds_nacks: Family<TypeLabel, Counter>,
@@ -104,7 +131,12 @@ pub struct Metrics {
     pub cni_refused_peers: Counter,
     pub storage_quarantined: Counter,
     pub storage_write_errors: Family<OpLabel, Counter>,
-    pub registry_reload_errors: Counter,
+    pub registry_reload_errors: Family<FileLabel, Counter>,
+    pub cni_request_duration_seconds: Family<CniLabel, Histogram>,
+    pub xds_push_ack_seconds: Family<XdsTypeLabel, Histogram>,
+    pub build_info: Family<BuildLabel, Gauge>,
+    /// `process_*`, unprefixed: see [`ProcessCollector`].
+    pub process: Registry,
     pub state_writes: Family<FileLabel, Counter>,
     pub state_write_errors: Family<FileLabel, Counter>,
     pub registrar_connected: Gauge,
@@ -137,13 +169,27 @@ fn phase_histogram() -> Histogram {
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-5, 4.0, 11))
 }
 
+/// 1 ms to 10 s in 1-2.5-5 steps: an ADD is a record's fsync and the proxy's ACK (a few
+/// ms), at most its 2 s ACK wait, and one stuck behind a slow disk shows past that.
+const CNI_BUCKETS: [f64; 13] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+fn cni_histogram() -> Histogram {
+    Histogram::new(CNI_BUCKETS)
+}
+
+/// 100 µs to 10 s: a proxy on the node ACKs a small update within a millisecond, a
+/// large one (thousands of clusters) within seconds.
+fn push_ack_histogram() -> Histogram {
+    Histogram::new([0.0001, 0.00025, 0.0005].into_iter().chain(CNI_BUCKETS))
+}
+
 impl Metrics {
     pub fn new() -> Arc<Self> {
         let mut m = Self {
             registry: Registry::with_prefix("aether"),
             takeover_phase_seconds: Family::new_with_constructor(phase_histogram),
             generation: Gauge::default(),
-            worker_respawns: Gauge::default(),
+            worker_respawns: Counter::default(),
             xds_pushes: Family::default(),
             xds_acks: Family::default(),
             xds_nacks: Family::default(),
@@ -156,7 +202,11 @@ impl Metrics {
             cni_refused_peers: Counter::default(),
             storage_quarantined: Counter::default(),
             storage_write_errors: Family::default(),
-            registry_reload_errors: Counter::default(),
+            registry_reload_errors: Family::default(),
+            cni_request_duration_seconds: Family::new_with_constructor(cni_histogram),
+            xds_push_ack_seconds: Family::new_with_constructor(push_ack_histogram),
+            build_info: Family::default(),
+            process: Registry::default(),
             state_writes: Family::default(),
             state_write_errors: Family::default(),
             registrar_connected: Gauge::default(),
@@ -186,9 +236,19 @@ impl Metrics {
         r.register("takeover_phase_seconds", "Duration of each takeover phase", m.takeover_phase_seconds.clone());
         r.register("generation", "Node generation this agent owns (0 while standby)", m.generation.clone());
         r.register("worker_respawns", "Times the supervisor respawned a worker of this generation", m.worker_respawns.clone());
+        r.register(
+            "build_info",
+            "1, labelled with the version and the git revision (unknown when the build did not say) of the worker",
+            m.build_info.clone(),
+        );
         r.register("xds_pushes", "xDS responses sent, by type", m.xds_pushes.clone());
         r.register("xds_acks", "xDS ACKs received, by type", m.xds_acks.clone());
         r.register("xds_nacks", "xDS NACKs received, by type", m.xds_nacks.clone());
+        r.register(
+            "xds_push_ack_seconds",
+            "Time from an xDS response sent on a stream to the proxy's ACK of it, by type (cds, eds, lds, rds, sds)",
+            m.xds_push_ack_seconds.clone(),
+        );
         r.register("xds_streams", "Open ADS streams", m.xds_streams.clone());
         r.register("xds_resources", "xDS resources sent, with delta removals, by type", m.xds_resources.clone());
         r.register(
@@ -198,6 +258,11 @@ impl Metrics {
         );
         r.register("snapshot_seq", "Snapshots this worker has built since it started (one per change step)", m.snapshot_seq.clone());
         r.register("cni_requests", "CNI API calls, by operation and result", m.cni_requests.clone());
+        r.register(
+            "cni_request_duration_seconds",
+            "Time the worker took to answer a CNI API call, by operation (add, del, check) and result (ok, error)",
+            m.cni_request_duration_seconds.clone(),
+        );
         r.register("cni_ack_timeouts", "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)", m.cni_ack_timeouts.clone());
         r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());
         r.register("storage_quarantined", "Pod records moved to quarantine", m.storage_quarantined.clone());
@@ -206,7 +271,11 @@ impl Metrics {
             "Pod record writes and removals that failed, by op (write, remove; the log and /ready name the path and cause)",
             m.storage_write_errors.clone(),
         );
-        r.register("registry_reload_errors", "Registry or capture file reloads rejected", m.registry_reload_errors.clone());
+        r.register(
+            "registry_reload_errors",
+            "Watched file loads rejected or unreadable, by file (registry, capture); the last good content is kept",
+            m.registry_reload_errors.clone(),
+        );
         r.register("state_writes", "Owner-only state files written (atomically), by file", m.state_writes.clone());
         r.register("state_write_errors", "Owner-only state file writes that failed, by file (the log names the path)", m.state_write_errors.clone());
         r.register("registrar_connected", "1 while a registrar watch stream is open", m.registrar_connected.clone());
@@ -234,7 +303,31 @@ impl Metrics {
         r.register("identity_workload_api_connected", "1 while the Workload API stream of the agent's own SVID is open", m.identity_workload_api_connected.clone());
         r.register("pods_without_svid", "Local pods without an SVID (in strict mTLS mode they have no inbound listener)", m.pods_without_svid.clone());
         r.register("svids_expiring", "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')", m.svids_expiring.clone());
+        m.build_info.get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").into(), revision: REVISION.into() }).set(1);
+        m.process.register_collector(Box::new(ProcessCollector { proc_self: PathBuf::from("/proc/self"), proc_stat: PathBuf::from("/proc/stat") }));
         Arc::new(m)
+    }
+
+    /// Counts a rejected or unreadable load of a watched file (`registry`, `capture`).
+    pub fn reload_error(&self, file: &str) {
+        self.registry_reload_errors.get_or_create(&FileLabel { file: file.to_string() }).inc();
+    }
+
+    /// Rejected or unreadable loads of `file` so far.
+    pub fn reload_errors(&self, file: &str) -> u64 {
+        self.registry_reload_errors.get_or_create(&FileLabel { file: file.to_string() }).get()
+    }
+
+    /// How long a CNI call of `op` took the worker; `ok` when it answered without a gRPC
+    /// error.
+    pub fn observe_cni(&self, op: &str, ok: bool, took: std::time::Duration) {
+        let label = CniLabel { op: op.to_string(), result: if ok { "ok" } else { "error" }.to_string() };
+        self.cni_request_duration_seconds.get_or_create(&label).observe(took.as_secs_f64());
+    }
+
+    /// How long the proxy took to ACK a response of the type `short` names (`CDS`, any case).
+    pub fn observe_push_ack(&self, short: &str, took: std::time::Duration) {
+        self.xds_push_ack_seconds.get_or_create(&XdsTypeLabel { r#type: short.to_ascii_lowercase() }).observe(took.as_secs_f64());
     }
 
     pub fn observe_phase(&self, phase: &str, seconds: f64) {
@@ -243,9 +336,12 @@ impl Metrics {
 
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.process);
+        let _ = encode_eof(&mut out);
         out
     }
 
@@ -266,11 +362,188 @@ impl Metrics {
     }
 }
 
+/// The process metrics under Prometheus' conventional names (those of its client
+/// libraries' process collectors), read at each encoding from `/proc/self` and
+/// `/proc/stat`: plain reads, all within the worker's system-call filter. A value that
+/// cannot be read is left out of that scrape.
+#[derive(Debug)]
+struct ProcessCollector {
+    proc_self: PathBuf,
+    proc_stat: PathBuf,
+}
+
+/// What [`ProcessCollector`] reads.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessStats {
+    open_fds: Option<u64>,
+    max_fds: Option<u64>,
+    resident_bytes: Option<u64>,
+    cpu_seconds: Option<f64>,
+    start_time_seconds: Option<f64>,
+}
+
+/// `AT_CLKTCK`, the key of the clock tick rate in the auxiliary vector.
+const AT_CLKTCK: u64 = 17;
+/// The kernel's `USER_HZ` on every architecture the agent is built for, should the
+/// auxiliary vector not say.
+const DEFAULT_CLK_TCK: u64 = 100;
+
+impl ProcessStats {
+    fn read(proc_self: &Path, proc_stat: &Path) -> Self {
+        let text = |name: &str| std::fs::read_to_string(proc_self.join(name)).ok();
+        let tck = std::fs::read(proc_self.join("auxv")).ok().and_then(|a| clock_ticks(&a)).unwrap_or(DEFAULT_CLK_TCK) as f64;
+        let stat = text("stat").and_then(|s| parse_stat(&s));
+        let btime = std::fs::read_to_string(proc_stat).ok().and_then(|s| parse_btime(&s));
+        Self {
+            open_fds: std::fs::read_dir(proc_self.join("fd")).ok().map(|d| d.count() as u64),
+            max_fds: text("limits").and_then(|l| parse_max_open_files(&l)),
+            resident_bytes: text("status").and_then(|s| parse_vm_rss(&s)),
+            cpu_seconds: stat.map(|s| (s.utime + s.stime) as f64 / tck),
+            start_time_seconds: stat.zip(btime).map(|(s, b)| b as f64 + s.starttime as f64 / tck),
+        }
+    }
+}
+
+/// The fields of `/proc/<pid>/stat` the collector uses, in clock ticks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Stat {
+    utime: u64,
+    stime: u64,
+    /// After boot.
+    starttime: u64,
+}
+
+/// Fields 14, 15 and 22 of `/proc/<pid>/stat`, counted after the command's closing
+/// parenthesis (the command may hold spaces and parentheses itself).
+fn parse_stat(text: &str) -> Option<Stat> {
+    let (_, rest) = text.rsplit_once(')')?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (the state).
+    let field = |n: usize| f.get(n - 3)?.parse().ok();
+    Some(Stat { utime: field(14)?, stime: field(15)?, starttime: field(22)? })
+}
+
+/// The boot time in seconds since the epoch, from `/proc/stat`.
+fn parse_btime(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix("btime "))?.trim().parse().ok()
+}
+
+/// The soft limit on open files from `/proc/<pid>/limits`; None when unlimited.
+fn parse_max_open_files(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix("Max open files"))?.split_whitespace().next()?.parse().ok()
+}
+
+/// `VmRSS` of `/proc/<pid>/status`, in bytes.
+fn parse_vm_rss(text: &str) -> Option<u64> {
+    let kib: u64 = text.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The clock tick rate from the auxiliary vector (native-endian pairs of words).
+fn clock_ticks(auxv: &[u8]) -> Option<u64> {
+    const W: usize = std::mem::size_of::<u64>();
+    auxv.chunks_exact(2 * W).find_map(|pair| {
+        let key = u64::from_ne_bytes(pair[..W].try_into().ok()?);
+        let value = u64::from_ne_bytes(pair[W..].try_into().ok()?);
+        (key == AT_CLKTCK && value > 0).then_some(value)
+    })
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = ProcessStats::read(&self.proc_self, &self.proc_stat);
+        let mut gauge = |name: &str, help: &str, v: f64| -> Result<(), std::fmt::Error> {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+        };
+        if let Some(v) = s.open_fds {
+            gauge("process_open_fds", "Number of open file descriptors", v as f64)?;
+        }
+        if let Some(v) = s.max_fds {
+            gauge("process_max_fds", "Maximum number of open file descriptors (the soft limit)", v as f64)?;
+        }
+        if let Some(v) = s.resident_bytes {
+            gauge("process_resident_memory_bytes", "Resident memory size in bytes", v as f64)?;
+        }
+        if let Some(v) = s.start_time_seconds {
+            gauge("process_start_time_seconds", "Start time of the process since the Unix epoch in seconds", v)?;
+        }
+        if let Some(v) = s.cpu_seconds {
+            let c = ConstCounter::new(v);
+            c.encode(encoder.encode_descriptor("process_cpu_seconds", "Total user and system CPU time spent in seconds", None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn the_proc_files_parse_into_the_process_metrics() {
+        let stat = "4242 (a (weird) name) S 1 4242 4242 0 -1 4194560 1000 0 0 0 250 50 0 0 20 0 9 0 123400 200000000 3000 18446744073709551615";
+        assert_eq!(parse_stat(stat), Some(Stat { utime: 250, stime: 50, starttime: 123400 }));
+        assert_eq!(parse_stat("4242 (cut"), None);
+        assert_eq!(parse_btime("cpu  1 2 3\nbtime 1700000000\nprocesses 9\n"), Some(1_700_000_000));
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(parse_max_open_files(limits), Some(1024));
+        assert_eq!(parse_max_open_files("Max open files            unlimited            unlimited            files"), None);
+        assert_eq!(parse_vm_rss("Name:\tw\nVmRSS:\t   12345 kB\nVmHWM:\t 2 kB\n"), Some(12345 * 1024));
+        let mut auxv = Vec::new();
+        for (k, v) in [(6u64, 4096u64), (AT_CLKTCK, 250), (0, 0)] {
+            auxv.extend(k.to_ne_bytes());
+            auxv.extend(v.to_ne_bytes());
+        }
+        assert_eq!(clock_ticks(&auxv), Some(250));
+        assert_eq!(clock_ticks(&auxv[..16]), None);
+    }
+
+    #[test]
+    fn this_process_reads_as_a_live_one() {
+        let s = ProcessStats::read(Path::new("/proc/self"), Path::new("/proc/stat"));
+        assert!(s.open_fds.is_some_and(|n| n >= 3), "{s:?}");
+        assert!(s.max_fds.is_none_or(|n| n >= s.open_fds.unwrap_or(0)), "{s:?}");
+        assert!(s.resident_bytes.is_some_and(|b| b > 1 << 20), "{s:?}");
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs_f64();
+        // This test process started within the last day, and not in the future.
+        assert!(s.start_time_seconds.is_some_and(|t| t <= now + 1.0 && t > now - 86_400.0), "{s:?} now {now}");
+        assert!(s.cpu_seconds.is_some_and(|c| c >= 0.0), "{s:?}");
+    }
+
+    #[test]
+    fn the_exposition_has_the_conventional_names() {
+        let m = Metrics::new();
+        m.worker_respawns.inc();
+        m.reload_error("capture");
+        m.observe_cni("add", true, Duration::from_millis(3));
+        m.observe_cni("del", false, Duration::from_secs(20));
+        m.observe_push_ack("EDS", Duration::from_micros(700));
+        let text = m.encode();
+        for want in [
+            "aether_worker_respawns_total 1\n",
+            "aether_registry_reload_errors_total{file=\"capture\"} 1\n",
+            &format!("aether_build_info{{version=\"{}\",revision=\"{REVISION}\"}} 1\n", env!("CARGO_PKG_VERSION")),
+            "aether_cni_request_duration_seconds_bucket{le=\"0.005\",op=\"add\",result=\"ok\"} 1\n",
+            "aether_cni_request_duration_seconds_count{op=\"add\",result=\"ok\"} 1\n",
+            "aether_cni_request_duration_seconds_bucket{le=\"10.0\",op=\"del\",result=\"error\"} 0\n",
+            "aether_cni_request_duration_seconds_bucket{le=\"+Inf\",op=\"del\",result=\"error\"} 1\n",
+            "aether_xds_push_ack_seconds_bucket{le=\"0.001\",type=\"eds\"} 1\n",
+            "# TYPE process_cpu_seconds counter\n",
+            "# TYPE process_open_fds gauge\n",
+            "# TYPE process_resident_memory_bytes gauge\n",
+            "# TYPE process_start_time_seconds gauge\n",
+            "# TYPE process_max_fds gauge\n",
+        ] {
+            assert!(text.contains(want), "no {want:?} in\n{text}");
+        }
+        assert!(text.contains("\nprocess_cpu_seconds_total "), "{text}");
+        assert!(text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1, "one EOF, at the end:\n{text}");
+        assert!(!text.contains("aether_process_"), "process metrics carry no prefix:\n{text}");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn the_cached_text_is_made_again_only_once_it_is_older_than_its_age() {

@@ -226,7 +226,7 @@ pub(crate) async fn watch_file<S: FileSource>(
                 Look::Same => unreadable = false,
                 Look::Rejected(e, h) => {
                     unreadable = false;
-                    metrics.registry_reload_errors.inc();
+                    metrics.reload_error(what);
                     tracing::error!(file = %path.display(), error = %e, "{what} file rejected; keeping the last good {what}");
                     hashes.1 = Some(h);
                 }
@@ -235,7 +235,7 @@ pub(crate) async fn watch_file<S: FileSource>(
                     seen = None;
                     if !unreadable {
                         unreadable = true;
-                        metrics.registry_reload_errors.inc();
+                        metrics.reload_error(what);
                         tracing::error!(file = %path.display(), error = %e, "{what} file unreadable; keeping the last good {what}");
                     }
                 }
@@ -391,7 +391,7 @@ mod tests {
 
         std::fs::write(&path, "{ nope").unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while metrics.registry_reload_errors.get() == 0 {
+        while metrics.reload_errors("registry") == 0 {
             assert!(tokio::time::Instant::now() < deadline, "malformed file not noticed");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -423,7 +423,7 @@ mod tests {
         let big: Vec<String> = (0..20).map(|i| format!(r#"{{"name":"s{i}","namespace":"d","ports":[80]}}"#)).collect();
         std::fs::write(&path, format!(r#"{{"services":[{}]}}"#, big.join(","))).unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while metrics.registry_reload_errors.get() == 0 {
+        while metrics.reload_errors("registry") == 0 {
             assert!(tokio::time::Instant::now() < deadline, "oversized file not noticed");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -514,7 +514,7 @@ mod tests {
         let task = spawn_embedded(Some(dir.path().join("absent.json")), u64::MAX, node.clone(), metrics.clone());
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!node.gates().borrow().registry_loaded);
-        assert_eq!(metrics.registry_reload_errors.get(), 1);
+        assert_eq!(metrics.reload_errors("registry"), 1);
         std::fs::write(dir.path().join("absent.json"), "{}").unwrap();
         let mut gates = node.gates();
         tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded)).await.unwrap().unwrap();

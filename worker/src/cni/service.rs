@@ -100,7 +100,9 @@ impl CniService {
         self.inner.drained.store(true, Ordering::SeqCst);
     }
 
-    fn count<T>(&self, op: &str, r: &Result<T, Status>) {
+    /// Counts the call and observes how long it took since `started`.
+    fn count<T>(&self, op: &str, r: &Result<T, Status>, started: std::time::Instant) {
+        self.inner.metrics.observe_cni(op, r.is_ok(), started.elapsed());
         let result = match r {
             Ok(_) => "ok",
             Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
@@ -114,20 +116,23 @@ impl CniService {
 #[tonic::async_trait]
 impl Cni for CniService {
     async fn add(&self, request: Request<CniRequest>) -> Result<Response<AddResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = self.inner.clone().add(request.into_inner()).await;
-        self.count("add", &r);
+        self.count("add", &r, started);
         r.map(Response::new)
     }
 
     async fn del(&self, request: Request<CniRequest>) -> Result<Response<DelResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = self.inner.clone().del(request.into_inner()).await;
-        self.count("del", &r);
+        self.count("del", &r, started);
         r.map(Response::new)
     }
 
     async fn check(&self, request: Request<CniRequest>) -> Result<Response<CheckResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = self.inner.check(request.into_inner());
-        self.count("check", &r);
+        self.count("check", &r, started);
         r.map(Response::new)
     }
 }

@@ -206,8 +206,9 @@ async fn run_stream<P: Served>(
     }
     let mut snapshots_open = true;
     let mut node_id = String::new();
-    // For the debug log: when the snapshot last changed, and when each type's last
-    // response went out (by nonce), so that push and ACK lines carry how long each took.
+    // When the snapshot last changed, for the debug log, and when each type's last
+    // response went out (by nonce), for the log's push and ACK lines and the push-to-ACK
+    // histogram.
     let mut changed_at = Instant::now();
     let mut pushed_at: [Option<(String, Instant)>; KIND_COUNT] = Default::default();
     let mut answered = [false; KIND_COUNT];
@@ -299,10 +300,13 @@ fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option
         }
         Event::Ack { kind, version, nonce } => {
             metrics.xds_acks.get_or_create(&label(kind)).inc();
-            let push_to_ack_us = pushed_at[kind.index()]
-                .as_ref()
-                .filter(|(n, _)| *n == nonce)
-                .map(|(_, t)| t.elapsed().as_micros() as u64);
+            // Only the type's latest response on the stream is timed: an ACK of an earlier
+            // one, overtaken by a newer push, is not observed.
+            let push_to_ack = pushed_at[kind.index()].as_ref().filter(|(n, _)| *n == nonce).map(|(_, t)| t.elapsed());
+            if let Some(took) = push_to_ack {
+                metrics.observe_push_ack(kind.short(), took);
+            }
+            let push_to_ack_us = push_to_ack.map(|d| d.as_micros() as u64);
             tracing::debug!(stream = id, node, type_url = kind::type_url(kind), %version, %nonce, ?push_to_ack_us, "ACK");
         }
         Event::Nack { kind, rejected_version, nonce, message } => {
