@@ -514,6 +514,48 @@ fn a_new_agent_that_wins_the_lock_from_a_short_lived_owner_takes_its_sockets() {
     eprintln!("row 21 race, one step on: the new agent won the lock from a short-lived owner and took its sockets; dials {dials:?}");
 }
 
+/// Fault matrix rows 21 and 22, the race once more with a kill: the owner generation dies
+/// (SIGKILL) while a standby holds its sockets, and a new agent wins the lock at its
+/// start, ahead of that standby (kept from it with SIGSTOP, then resumed). Nobody offers
+/// the sockets any more, so the new owner waits for every copy of them to close, while
+/// the standby, holding copies, waits for the lock: before the fix neither ever served.
+/// Invariant: the node converges on one serving owner. The standby closes its copies once
+/// no owner has offered them for a second, and the new agent binds fresh sockets (a crash
+/// with no standby to hand over, so connects may be refused meanwhile).
+#[test]
+fn a_standby_holding_a_killed_owners_sockets_does_not_keep_the_new_owner_waiting() {
+    let mut node = LocalNode::new();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let standby = node.start_agent();
+    standby.wait_role("standby", T);
+    standby.wait_log("holding the owner's node sockets", T);
+    let (sup, worker) = (standby.pid(), standby.worker_pid());
+    signal(sup, Signal::SIGSTOP);
+    signal(worker, Signal::SIGSTOP);
+    wait_for("the standby stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    owner.kill_generation();
+    let next = node.start_agent();
+    next.wait_log("a server without the node lock still answers", T);
+    signal(sup, Signal::SIGCONT);
+    signal(worker, Signal::SIGCONT);
+    let resumed = Instant::now();
+    let ready = aether_e2e::testing::try_wait_for("the new agent to serve as owner", T, || next.serving_owner())
+        .unwrap_or_else(|e| panic!("{e}\n{}\nthe standby's log:\n{}", next.log(), standby.log()));
+    let took = resumed.elapsed();
+    assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
+    assert_eq!(ready["takeover"]["handed_off"], false, "{}", next.log());
+    assert!(standby.log().contains("closing the ones held"), "{}", standby.log());
+    let (status, v) = standby.ready().expect("the standby's /ready");
+    assert_eq!((status, v["role"].as_str()), (200, Some("standby")), "{v}");
+    // And it holds the new owner's sockets next.
+    wait_for("the standby to fetch the new owner's sockets", T, || {
+        (standby.log().matches("holding the owner's node sockets").count() >= 2).then_some(())
+    });
+    assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()), "the new owner accepts on both node sockets");
+    eprintln!("row 21/22 race with a kill: the new owner served {} after the standby resumed", ms(took));
+}
+
 /// What the contract says a node path is: its kind, mode and owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Entry {

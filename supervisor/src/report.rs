@@ -32,6 +32,9 @@ pub fn report(r: &Report<Sys>) {
         Report::ExitedAfterDrain { status } => info!(status = %status, "worker exited after drain; supervisor exits"),
         Report::ReleasedClosed => info!("released worker closed its control socket; supervisor exits"),
         Report::LockIgnored => info!("node lock acquired while draining; not taking the node"),
+        Report::HeldOrphaned => warn!(
+            "no owner offers the node sockets any more and another process holds the node lock; closing the ones held, so that it can bind fresh ones"
+        ),
         Report::LiveServer { path } => {
             warn!(path = %path.display(), "a server without the node lock still answers; waiting for it to go away")
         }

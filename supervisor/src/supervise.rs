@@ -170,7 +170,7 @@ impl Supervisor {
                     Event::TakeFailed
                 }
             }),
-            Action::FetchHandoff => Some(Event::Fetched(self.fetch_handoff())),
+            Action::FetchHandoff => Some(self.fetch_handoff()),
             Action::ReassertConflist => {
                 if let Some(c) = &mut self.conflist {
                     c.check();
@@ -205,7 +205,7 @@ impl Supervisor {
         }
     }
 
-    fn fetch_handoff(&self) -> Option<Held> {
+    fn fetch_handoff(&self) -> Event<Sys> {
         match handoff::fetch(&self.cfg.handoff_path(), &self.cfg.xds_path(), &self.cfg.cni_path(), false) {
             Ok(Some(h)) => {
                 shared_proto::fault_hook!("handoff-held");
@@ -213,12 +213,12 @@ impl Supervisor {
                 if known != Some(h.generation) {
                     info!(generation = h.generation, "holding the owner's node sockets for the takeover");
                 }
-                Some(h)
+                Event::Fetched(Some(h))
             }
-            Ok(None) => None,
+            Ok(None) => Event::NoOwner,
             Err(e) => {
                 warn!(error = %e, "handoff from the owner failed");
-                None
+                Event::Fetched(None)
             }
         }
     }

@@ -42,6 +42,9 @@ pub const FETCH_REFRESH: Duration = Duration::from_secs(2);
 pub const CONFLIST_EVERY: Duration = Duration::from_secs(5);
 /// How long a drained worker may take before it is killed.
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(25);
+/// A standby holding sockets that has found no owner on `handoff.sock` for this long,
+/// while another process holds the lock, closes them (`Event::NoOwner`).
+pub const HELD_ORPHANED: Duration = Duration::from_secs(1);
 /// A standby that fetched the sockets this recently (it refreshes every
 /// [`FETCH_REFRESH`]) counts as a successor at drain time.
 pub const SUCCESSOR_FRESH: Duration = Duration::from_secs(5);
@@ -140,6 +143,9 @@ pub enum Event<R: Resources> {
     TakeFailed,
     /// The owner's listeners, or none (no owner answered, or its offer was refused).
     Fetched(Option<R::Held>),
+    /// Nothing listens on `handoff.sock` (no socket there, or refused): no owner offers
+    /// the node sockets.
+    NoOwner,
     /// The owner's `handoff.sock` served a peer; `keeper`: the node's socket keeper.
     Offered { keeper: bool },
     TakeoverNotSent(String),
@@ -201,6 +207,8 @@ pub enum Report<R: Resources> {
     /// The lock came when this supervisor no longer takes the node.
     LockIgnored,
     LiveServer { path: PathBuf },
+    /// The held sockets' owner is gone, yet another process holds the lock: closed.
+    HeldOrphaned,
 }
 
 pub struct Lifecycle<R: Resources> {
@@ -212,6 +220,8 @@ pub struct Lifecycle<R: Resources> {
     respawns: u64,
     /// `--cni-conf-dir` is set: the owner re-asserts the conflist.
     conflist: bool,
+    /// Since when this standby's fetches have found no owner on `handoff.sock`.
+    no_owner_since: Option<Instant>,
 }
 
 impl<R: Resources> Lifecycle<R> {
@@ -219,7 +229,7 @@ impl<R: Resources> Lifecycle<R> {
     /// asks for the owner's listeners at once.
     pub fn new(now: Instant, held: Option<R::Held>, conflist: bool) -> Self {
         let timers = Timers { respawn: Some(now), fetch: Some(now), ..Timers::default() };
-        Self { phase: Phase::Standby { held }, worker: None, timers, backoff: Backoff::new(), respawns: 0, conflist }
+        Self { phase: Phase::Standby { held }, worker: None, timers, backoff: Backoff::new(), respawns: 0, conflist, no_owner_since: None }
     }
 
     pub fn timers(&self) -> &Timers {
@@ -318,12 +328,28 @@ impl<R: Resources> Lifecycle<R> {
             },
             Event::TakeFailed => self.exit(1),
             Event::Fetched(fetched) => {
+                self.no_owner_since = None;
                 if let Phase::Standby { held } = &mut self.phase {
                     let got = fetched.is_some();
                     if got {
                         *held = fetched;
                     }
                     self.timers.fetch = Some(now + if got { FETCH_REFRESH } else { FETCH_RETRY });
+                }
+            }
+            Event::NoOwner => {
+                if let Phase::Standby { held } = &mut self.phase {
+                    let since = *self.no_owner_since.get_or_insert(now);
+                    if held.is_some() && now.duration_since(since) >= HELD_ORPHANED {
+                        // The owner they came from is gone, yet the lock is not ours: its
+                        // holder has no sockets and waits for every copy of the old ones
+                        // to close (a server without the lock still answers), while this
+                        // standby waits for the lock. Closing ours ends both waits.
+                        *held = None;
+                        self.no_owner_since = None;
+                        out.push(Action::Report(Report::HeldOrphaned));
+                    }
+                    self.timers.fetch = Some(now + FETCH_RETRY);
                 }
             }
             Event::Offered { keeper } => {

@@ -201,6 +201,24 @@ fn a_standby_starts_its_worker_and_keeps_fetching_the_owners_listeners() {
     c.quiet(&[2401, 4399]);
 }
 
+/// Held sockets whose owner is gone, while the lock stays another's for a second: that
+/// holder has no sockets and waits for every copy of the old ones to close, so the
+/// standby closes its own. An owner answering again in between starts the count afresh.
+#[test]
+fn a_standby_closes_held_sockets_once_no_owner_offers_them_for_a_second() {
+    let mut c = Clock::standby();
+    c.step(0, Event::Fetched(Some("h1")), &[]);
+    c.step(2000, Event::NoOwner, &[]);
+    c.step(2200, Event::Fetched(None), &[]);
+    c.step(2400, Event::NoOwner, &[]);
+    c.step(3000, Event::NoOwner, &[]);
+    assert_eq!(c.phase(), "standby held=Some(\"h1\")");
+    c.step(3400, Event::NoOwner, &["HeldOrphaned"]);
+    assert_eq!(c.phase(), "standby held=None");
+    // Then the lock: nothing held, so the keeper is asked and fresh sockets bound.
+    c.step(3500, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+}
+
 #[test]
 fn heartbeats_start_at_hello_ping_every_second_and_kill_after_five_silent_seconds() {
     let mut c = Clock::new(None, false);
