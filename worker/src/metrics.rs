@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
@@ -304,6 +304,10 @@ impl Metrics {
         r.register("pods_without_svid", "Local pods without an SVID (in strict mTLS mode they have no inbound listener)", m.pods_without_svid.clone());
         r.register("svids_expiring", "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')", m.svids_expiring.clone());
         m.build_info.get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").into(), revision: REVISION.into() }).set(1);
+        // Both files' series from the start, so that the first error is an increase.
+        for file in ["registry", "capture"] {
+            let _ = m.registry_reload_errors.get_or_create(&FileLabel { file: file.into() });
+        }
         m.process.register_collector(Box::new(ProcessCollector { proc_self: PathBuf::from("/proc/self"), proc_stat: PathBuf::from("/proc/stat") }));
         Arc::new(m)
     }
@@ -365,7 +369,8 @@ impl Metrics {
 /// The process metrics under Prometheus' conventional names (those of its client
 /// libraries' process collectors), read at each encoding from `/proc/self` and
 /// `/proc/stat`: plain reads, all within the worker's system-call filter. A value that
-/// cannot be read is left out of that scrape.
+/// cannot be read is left out of that scrape. The start time is as exact as the kernel's
+/// boot time there, which is whole seconds.
 #[derive(Debug)]
 struct ProcessCollector {
     proc_self: PathBuf,
@@ -451,22 +456,22 @@ fn clock_ticks(auxv: &[u8]) -> Option<u64> {
 
 impl Collector for ProcessCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let s = ProcessStats::read(&self.proc_self, &self.proc_stat);
-        let mut gauge = |name: &str, help: &str, v: f64| -> Result<(), std::fmt::Error> {
+        fn gauge<N: EncodeGaugeValue>(e: &mut DescriptorEncoder, name: &str, help: &str, v: N) -> Result<(), std::fmt::Error> {
             let g = ConstGauge::new(v);
-            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
-        };
+            g.encode(e.encode_descriptor(name, help, None, g.metric_type())?)
+        }
+        let s = ProcessStats::read(&self.proc_self, &self.proc_stat);
         if let Some(v) = s.open_fds {
-            gauge("process_open_fds", "Number of open file descriptors", v as f64)?;
+            gauge(&mut encoder, "process_open_fds", "Number of open file descriptors", v)?;
         }
         if let Some(v) = s.max_fds {
-            gauge("process_max_fds", "Maximum number of open file descriptors (the soft limit)", v as f64)?;
+            gauge(&mut encoder, "process_max_fds", "Maximum number of open file descriptors (the soft limit)", v)?;
         }
         if let Some(v) = s.resident_bytes {
-            gauge("process_resident_memory_bytes", "Resident memory size in bytes", v as f64)?;
+            gauge(&mut encoder, "process_resident_memory_bytes", "Resident memory size in bytes", v)?;
         }
         if let Some(v) = s.start_time_seconds {
-            gauge("process_start_time_seconds", "Start time of the process since the Unix epoch in seconds", v)?;
+            gauge(&mut encoder, "process_start_time_seconds", "Start time of the process since the Unix epoch in seconds", v)?;
         }
         if let Some(v) = s.cpu_seconds {
             let c = ConstCounter::new(v);
@@ -526,6 +531,7 @@ mod tests {
         for want in [
             "aether_worker_respawns_total 1\n",
             "aether_registry_reload_errors_total{file=\"capture\"} 1\n",
+            "aether_registry_reload_errors_total{file=\"registry\"} 0\n",
             &format!("aether_build_info{{version=\"{}\",revision=\"{REVISION}\"}} 1\n", env!("CARGO_PKG_VERSION")),
             "aether_cni_request_duration_seconds_bucket{le=\"0.005\",op=\"add\",result=\"ok\"} 1\n",
             "aether_cni_request_duration_seconds_count{op=\"add\",result=\"ok\"} 1\n",
@@ -541,6 +547,8 @@ mod tests {
             assert!(text.contains(want), "no {want:?} in\n{text}");
         }
         assert!(text.contains("\nprocess_cpu_seconds_total "), "{text}");
+        let fds = text.lines().find_map(|l| l.strip_prefix("process_open_fds ")).expect("process_open_fds");
+        assert!(fds.parse::<u64>().is_ok_and(|n| n >= 3), "a whole number of descriptors: {fds}");
         assert!(text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1, "one EOF, at the end:\n{text}");
         assert!(!text.contains("aether_process_"), "process metrics carry no prefix:\n{text}");
     }
