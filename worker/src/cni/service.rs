@@ -101,7 +101,7 @@ impl CniService {
     }
 
     /// Counts the call and observes how long it took since `started`.
-    fn count<T>(&self, op: &str, r: &Result<T, Status>, started: std::time::Instant) {
+    fn count<T>(&self, op: &str, r: &Result<T, Status>, started: tokio::time::Instant) {
         self.inner.metrics.observe_cni(op, r.is_ok(), started.elapsed());
         let result = match r {
             Ok(_) => "ok",
@@ -116,21 +116,21 @@ impl CniService {
 #[tonic::async_trait]
 impl Cni for CniService {
     async fn add(&self, request: Request<CniRequest>) -> Result<Response<AddResponse>, Status> {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let r = self.inner.clone().add(request.into_inner()).await;
         self.count("add", &r, started);
         r.map(Response::new)
     }
 
     async fn del(&self, request: Request<CniRequest>) -> Result<Response<DelResponse>, Status> {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let r = self.inner.clone().del(request.into_inner()).await;
         self.count("del", &r, started);
         r.map(Response::new)
     }
 
     async fn check(&self, request: Request<CniRequest>) -> Result<Response<CheckResponse>, Status> {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let r = self.inner.check(request.into_inner());
         self.count("check", &r, started);
         r.map(Response::new)

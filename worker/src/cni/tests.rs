@@ -377,3 +377,29 @@ async fn reconcile_serves_a_record_the_previous_owner_marked_terminating_as_drai
         Some(aether_model::ClusterKind::Static { endpoints: vec!["10.0.0.1:80".parse().unwrap()], draining: true })
     );
 }
+
+/// Each call is timed under its op and result (tokio's clock, so the paused one here): an
+/// ADD the proxy never ACKs takes its 2 s wait, one refused as invalid is an error.
+#[tokio::test(start_paused = true)]
+async fn each_call_is_timed_by_op_and_result() {
+    let f = fixture(false);
+    f.service.add(Request::new(req("u1", "c1", &["10.0.0.1"]))).await.expect("ADD after the ACK wait");
+    f.service.add(Request::new(req("../x", "c2", &["10.0.0.2"]))).await.expect_err("an invalid uid");
+    f.service.check(Request::new(req("u1", "c1", &["10.0.0.1"]))).await.expect("CHECK");
+    f.service.del(Request::new(req("u1", "c1", &[]))).await.expect("DEL");
+    let text = f.metrics.encode();
+    let sample = |series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
+    let series = |kind: &str, labels: &str| sample(&format!("aether_cni_request_duration_seconds_{kind}{{{labels}}}"));
+    for (op, result) in [("add", "ok"), ("add", "error"), ("check", "ok"), ("del", "ok")] {
+        assert_eq!(series("count", &format!("op=\"{op}\",result=\"{result}\"")), 1.0, "{op} {result}");
+    }
+    let waited = series("sum", "op=\"add\",result=\"ok\"");
+    assert!((ACK_TIMEOUT.as_secs_f64()..ACK_TIMEOUT.as_secs_f64() + 0.1).contains(&waited), "the ADD took {waited} s");
+    assert_eq!(series("bucket", "le=\"1.0\",op=\"add\",result=\"ok\""), 0.0);
+    assert_eq!(series("bucket", "le=\"2.5\",op=\"add\",result=\"ok\""), 1.0);
+    assert!(series("sum", "op=\"add\",result=\"error\"") < 0.1, "an invalid ADD is answered at once");
+}
