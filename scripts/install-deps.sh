@@ -11,6 +11,8 @@
 #                               clock-jump test (e2e/tests/clock_jump.rs)
 #   buildah                     builds and runs the agent's image without a daemon
 #                               (scripts/build-image.sh, scripts/test-image.sh)
+#   prometheus                  a real Prometheus and promtool for the dashboard and alert
+#                               rules test (e2e/tests/dashboard.rs runs its own, on loopback)
 set -euo pipefail
 
 need=()
@@ -22,6 +24,7 @@ command -v setpriv >/dev/null || need+=(util-linux)
 command -v nft >/dev/null || need+=(nftables)
 command -v faketime >/dev/null || need+=(faketime)
 command -v buildah >/dev/null || need+=(buildah)
+command -v promtool >/dev/null || need+=(prometheus)
 
 if ((${#need[@]} == 0)); then
   echo "install-deps: all present" >&2
