@@ -18,7 +18,7 @@ use nix::unistd::Pid;
 
 const T: Duration = Duration::from_secs(10);
 /// The hooks' environment variable, which only a binary built with them contains.
-const MARKER: &[u8] = b"AETHER_FAULT_HOOK";
+const MARKER: &str = "AETHER_FAULT_HOOK";
 /// Requests per second through Envoy's outbound listener during the sweep.
 const RPS: u32 = 50;
 /// The log line the hook writes before it stops its process.
@@ -105,8 +105,8 @@ fn fd_count(pid: i32) -> usize {
         .count()
 }
 
-/// The fewest descriptors `pid` shows over 10 looks 20 ms apart: a health check or a
-/// probe in flight is not a leak.
+/// The fewest descriptors `pid` shows over 10 looks 20 ms apart (a 200 ms window): a
+/// health check or a probe in flight is not a leak.
 fn settled_fd_count(pid: i32) -> usize {
     (0..10)
         .map(|_| {
@@ -140,10 +140,20 @@ fn kill_generation(agent: &mut Agent, known_worker: Option<i32>) {
     }
 }
 
-/// Whether the file at `path` contains [`MARKER`].
+/// Whether the file at `path` contains [`MARKER`]: `grep -aF`, as
+/// `scripts/check-release-hooks.sh` searches, and fast where a byte scan in an
+/// unoptimised test build is not.
 fn has_marker(path: &Path) -> bool {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    bytes.windows(MARKER.len()).any(|w| w == MARKER)
+    let status = std::process::Command::new("grep")
+        .args(["-qaF", MARKER])
+        .arg(path)
+        .status()
+        .unwrap_or_else(|e| panic!("running grep on {}: {e}", path.display()));
+    match status.code() {
+        Some(0) => true,
+        Some(1) => false,
+        _ => panic!("grep -qaF {MARKER} {} failed: {status}", path.display()),
+    }
 }
 
 /// Starts the node's next agent with the rig's flags, and `hook` in its environment.
@@ -179,6 +189,19 @@ fn fds_of(agent: &Agent) -> Fds {
     Fds { supervisor: settled_fd_count(agent.pid()), worker: settled_fd_count(agent.worker_pid()) }
 }
 
+/// Waits until `agent`'s counts are at most `bound`'s (a connection being closed may
+/// linger a moment); the counts seen last either way.
+fn fds_within(agent: &Agent, bound: Fds) -> Result<Fds, Fds> {
+    let (sup, worker) = (agent.pid(), agent.worker_pid());
+    let mut last = Fds { supervisor: fd_count(sup), worker: fd_count(worker) };
+    aether_e2e::testing::try_wait_for("descriptor counts", T, || {
+        last = Fds { supervisor: fd_count(sup), worker: fd_count(worker) };
+        (last.supervisor <= bound.supervisor && last.worker <= bound.worker).then_some(())
+    })
+    .map(|()| last)
+    .map_err(|_| last)
+}
+
 /// The agent that owns the node after a case.
 fn survivor_of<'a>(survivor: Survivor, owner: &'a Agent, standby: &'a Agent, third: &'a Option<Agent>) -> &'a Agent {
     match survivor {
@@ -205,7 +228,8 @@ struct Report {
 /// connected with its listeners and clusters (over a new stream whenever its owner died
 /// or handed over), no request through Envoy failed, no connect to `xds.sock` was
 /// refused whenever a live process held the listeners, and the survivor's descriptor
-/// counts equal the first owner's (no orphaned fds). "Both" means a third agent, a warm
+/// counts do not exceed the first owner's (no orphaned fds: across the 18 cases the
+/// node passes through a dozen generations, each killed one at a different step). "Both" means a third agent, a warm
 /// standby started while the step held, takes the node; without one, the node would
 /// wait for the next agent to bind fresh sockets.
 #[test]
@@ -238,7 +262,7 @@ fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
     for step in &STEPS {
         for victim in [Victim::Owner, Victim::Standby, Victim::Both] {
             let what = format!("{} ({}), SIGKILL of {victim:?}", step.name, step.issue);
-            let r = run_case(&mut rig, step, victim, &load, &lock, &what);
+            let r = run_case(&mut rig, step, victim, &load, &lock, baseline, &what);
             let line = format!(
                 "{what}: takeover {} (the new owner's own total {}), refused connects {}, failed requests {}, fds {:?}",
                 r.took.map_or("none: the owner kept the node".into(), |d| format!("{:.1} ms after the kill", d.as_secs_f64() * 1e3)),
@@ -250,7 +274,6 @@ fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
             eprintln!("{line}");
             lines.push(line);
             assert_eq!(r.failed, 0, "{what}: requests through Envoy failed\n{}", rig.where_to_look());
-            assert_eq!(r.fds, baseline, "{what}: the owner's descriptor counts differ from the first owner's\n{}", rig.where_to_look());
         }
     }
     let counters = load.stop();
@@ -266,12 +289,13 @@ fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
 
 /// One case: the rig's owner serves and Envoy is connected to it; afterwards the
 /// survivor is the rig's owner.
-fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &Path, what: &str) -> Report {
+fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &Path, baseline: Fds, what: &str) -> Report {
     if step.stops == Stops::OwnerSupervisor {
         // The hook is read at start: roll the node to an owner started with it.
         let armed = start(rig, Some(step.name));
         roll_to(rig, armed, &format!("{what}: arming the owner"));
     }
+    assert_eq!(rig.envoy.stat(envoy::CONNECTED), Some(1), "{what}: Envoy is not connected before the case");
     let refused_before = rig.envoy.stat(envoy::CONNECT_FAIL).unwrap_or(0);
     let failed_before = load.failures();
     let (o_sup, o_worker) = (rig.owner.pid(), rig.owner.worker_pid());
@@ -293,9 +317,11 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
     wait_for(&format!("{what}: pid {stopped} to stop at the hook"), T, || (proc_state(stopped) == Some('T')).then_some(()));
     let log = if step.stops == Stops::OwnerSupervisor { rig.owner.log() } else { b.log() };
     assert!(log.contains(&format!("fault hook: stopping at {} (pid {stopped})", step.name)), "{what}: the hook did not say it stopped:\n{log}");
-    if b_worker.is_none() && step.stops != Stops::OwnerSupervisor {
-        // The supervisor spawns its worker before it first fetches.
-        b_worker = children(b.pid()).first().copied();
+    if !step.after_sigterm {
+        // A warm standby: its worker answers even while its supervisor is stopped (the
+        // supervisor spawns it before it first fetches).
+        b.wait_role("standby", T);
+        b_worker = Some(b.worker_pid());
     }
     // A warm standby where the victims leave no generation that can take the node.
     let mut third = None;
@@ -306,9 +332,6 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
             c.wait_log(HELD_LOG, T);
         }
         third = Some(c);
-    }
-    if step.stops == Stops::OwnerSupervisor || !step.after_sigterm {
-        b.wait_role("standby", T);
     }
 
     let kill_at = Instant::now();
@@ -384,7 +407,9 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
     if held {
         assert_eq!(refused, 0, "{what}: Envoy's connect to xds.sock was refused although a live process held the listener\n{}", rig.where_to_look());
     }
-    let fds = fds_of(new_owner);
+    let fds = fds_within(new_owner, baseline).unwrap_or_else(|seen| {
+        panic!("{what}: the owner's descriptors {seen:?} stay above the first owner's {baseline:?}: orphaned fds\n{}", rig.where_to_look())
+    });
     let failed = load.failures() - failed_before;
     match survivor {
         Survivor::Owner => drop(b),
