@@ -209,7 +209,10 @@ fn a_live_owner_serves_the_conventional_series_with_sane_values() {
     assert!(cni.call("CHECK", &gone.0, Some(gone.1)).is_err(), "the respawned worker holds {}, deleted before", gone.0.uid);
 
     // A capture file it cannot take: counted under its own file, the registry's untouched.
-    std::fs::write(&capture, "{ not json").expect("break the capture file");
+    // Renamed into place, so the watcher sees one broken file, never a half-written one.
+    let broken = capture.with_extension("broken");
+    std::fs::write(&broken, "{ not json").expect("write a broken capture file");
+    std::fs::rename(&broken, &capture).expect("rename the broken capture file into place");
     wait_for("the rejected capture file counted", T, || {
         (sample(&addr, "aether_registry_reload_errors_total{file=\"capture\"}") == Some(1.0)).then_some(())
     });
