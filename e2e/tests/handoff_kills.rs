@@ -229,9 +229,12 @@ struct Report {
 /// or handed over), no request through Envoy failed, no connect to `xds.sock` was
 /// refused whenever a live process held the listeners, and the survivor's descriptor
 /// counts do not exceed the first owner's (no orphaned fds: across the 18 cases the
-/// node passes through a dozen generations, each killed one at a different step). "Both" means a third agent, a warm
-/// standby started while the step held, takes the node; without one, the node would
-/// wait for the next agent to bind fresh sockets.
+/// node passes through a dozen generations, each killed one at a different step).
+///
+/// "Both" means a third agent, a warm standby started while the step held, takes the
+/// node; so does killing the standby after the owner was told to hand over (the owner
+/// has released the node by then and only drains). Without a third agent the node
+/// would wait for the next agent to bind fresh sockets.
 #[test]
 fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
     let test = "sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy";
