@@ -5,7 +5,9 @@
 //! (ECONNREFUSED), and the old owner can turn a call away while it drains (gRPC
 //! `Unavailable`). All three are retried every ~10 ms for a bounded time, so that the
 //! runtime never sees the switch; past the bound the answer is CNI code 11 (try again
-//! later). Every call is idempotent on the agent side, so retrying a whole call is safe.
+//! later). So is a full listen backlog (EAGAIN: a burst or flood of connects not yet
+//! accepted). Every call is idempotent on the agent side, so retrying a whole call is
+//! safe.
 
 use std::io;
 use std::path::Path;
@@ -93,12 +95,14 @@ fn classify(command: Command, status: tonic::Status) -> Attempt {
     }
 }
 
-/// Connects to the unix socket, retrying ENOENT and ECONNREFUSED until `deadline`.
+/// Connects to the unix socket, retrying ENOENT, ECONNREFUSED and EAGAIN until
+/// `deadline`. EAGAIN is a full listen backlog: a burst or a flood of connects that the
+/// agent has not accepted yet, which passes like a takeover does.
 async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result<Channel, Attempt> {
     let stream = loop {
         match UnixStream::connect(socket).await {
             Ok(s) => break s,
-            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) => {
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock) => {
                 if Instant::now() + timeouts.retry_every > deadline {
                     return Err(Attempt::Fatal(
                         CniError::new(
