@@ -7,10 +7,10 @@
 //! - Bad data is data: a record that does not decode is moved to
 //!   `<state-dir>/pods-quarantine/`, logged with its path and counted; it never stops the
 //!   agent.
-//! - Temp files left by a writer that crashed mid-write are removed. `open` runs while
-//!   another generation may still own the node and write, so it removes only temp files
-//!   older than [`STALE_TEMP_AGE`]; `reload` runs at takeover, when this process owns the
-//!   node and no other writer exists, so it removes them all.
+//! - `open` writes nothing: it runs in a standby too, while another generation owns the
+//!   node and writes. It skips (and logs) a bad record and leaves temp files alone.
+//!   `reload` runs at takeover, when this process owns the node and no other writer
+//!   exists: it quarantines bad records and removes every temp file as a crash's leftover.
 //! - [`Storage`] keeps the view it last loaded or wrote; `reload` diffs the folder against
 //!   that view, which is exactly what the caller built its snapshot inputs from.
 //! - A record that cannot be read (EACCES, EIO: any error but NotFound) is quarantined
@@ -63,7 +63,6 @@ pub const SCHEMA: u32 = 1;
 
 /// A temp file at least this old cannot belong to a live writer (a write takes
 /// milliseconds), so `open` may remove it even while another generation owns the node.
-pub const STALE_TEMP_AGE: Duration = Duration::from_secs(30);
 
 /// Longest accepted pod uid (Kubernetes uids are 36 bytes).
 const MAX_UID_LEN: usize = 128;
@@ -217,13 +216,14 @@ struct State {
     last_error: Option<String>,
 }
 
-/// Which temp files a scan removes.
-#[derive(Clone, Copy)]
-enum Temps {
-    /// Only those older than [`STALE_TEMP_AGE`]: another generation may be writing.
-    Stale,
-    /// All: this process owns the node, so every temp file is a crash's leftover.
-    All,
+/// Whether a scan may change the folder.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scan {
+    /// Read only: another generation may own the node and be writing (a standby's start).
+    ReadOnly,
+    /// This process owns the node: every temp file is a crash's leftover and every bad
+    /// record is quarantined.
+    Owner,
 }
 
 impl Storage {
@@ -242,7 +242,7 @@ impl Storage {
             .mode(0o700)
             .create(&storage.pods_dir)
             .map_err(|source| StorageError::Io { op: "creating", path: storage.pods_dir.clone(), source })?;
-        let loaded = storage.scan(Temps::Stale)?;
+        let loaded = storage.scan(Scan::ReadOnly)?;
         storage.lock().view = loaded;
         Ok(storage)
     }
@@ -443,7 +443,7 @@ impl Storage {
         let mut st = self.lock();
         self.drain_pending(&mut st);
         self.report(&st);
-        let mut now = self.scan(Temps::All)?;
+        let mut now = self.scan(Scan::Owner)?;
         // A deleted pod whose file is still there is not back.
         for (uid, pod) in &st.pending {
             if now.get(uid).is_some_and(|p| p.container_id == pod.container_id) {
@@ -484,8 +484,9 @@ impl Storage {
         self.pods_dir.join(format!(".{uid}.json{TEMP_MARKER}{}.{seq}", std::process::id()))
     }
 
-    /// Reads every record in the folder; quarantines bad ones and removes temp files.
-    fn scan(&self, temps: Temps) -> Result<BTreeMap<String, Pod>, StorageError> {
+    /// Reads every record in the folder; as the owner, quarantines bad ones and removes
+    /// temp files.
+    fn scan(&self, mode: Scan) -> Result<BTreeMap<String, Pod>, StorageError> {
         let io = |op, source| StorageError::Io { op, path: self.pods_dir.clone(), source };
         let mut pods = BTreeMap::new();
         for entry in fs::read_dir(&self.pods_dir).map_err(|e| io("reading", e))? {
@@ -496,7 +497,9 @@ impl Storage {
                 continue;
             };
             if name.starts_with('.') && name.contains(TEMP_MARKER) {
-                self.remove_temp(&path, temps);
+                if mode == Scan::Owner {
+                    self.remove_temp(&path);
+                }
                 continue;
             }
             let Some(uid) = name.strip_suffix(".json") else {
@@ -512,24 +515,25 @@ impl Storage {
                     pods.insert(pod.uid.clone(), pod);
                 }
                 Err(ReadError::Vanished) => {}
-                Err(ReadError::Bad(why)) => self.quarantine(&path, &name, &why, "is corrupt"),
-                Err(ReadError::Io(source)) => self.quarantine(&path, &name, &source, "cannot be read"),
+                Err(ReadError::Bad(why)) => self.bad_record(mode, &path, &name, &why, "is corrupt"),
+                Err(ReadError::Io(source)) => self.bad_record(mode, &path, &name, &source, "cannot be read"),
             }
         }
         Ok(pods)
     }
 
-    fn remove_temp(&self, path: &Path, temps: Temps) {
-        if let Temps::Stale = temps {
-            let age = fs::symlink_metadata(path)
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| SystemTime::now().duration_since(t).ok());
-            // Unknown age (clock skew, metadata error) counts as fresh: leave it for reload.
-            if age.is_none_or(|a| a < STALE_TEMP_AGE) {
-                return;
-            }
+    /// A bad record: quarantined by the owner, skipped (and left in place) otherwise.
+    fn bad_record(&self, mode: Scan, path: &Path, name: &str, why: &dyn std::fmt::Display, what: &str) {
+        match mode {
+            Scan::Owner => self.quarantine(path, name, why, what),
+            Scan::ReadOnly => tracing::warn!(
+                path = %path.display(), error = %why,
+                "pod record {what}; skipped (the node's owner quarantines it at takeover)"
+            ),
         }
+    }
+
+    fn remove_temp(&self, path: &Path) {
         match fs::remove_file(path) {
             Ok(()) => tracing::info!(path = %path.display(), "removed a temp file left by an interrupted record write"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -770,10 +774,15 @@ mod tests {
         }
         assert_eq!(s.metrics.storage_quarantined.get(), 4);
 
-        // The same at open: counted, the good record still loads.
+        // At open (a standby's start, another generation may own the node) it is skipped
+        // and left in place; the owner's reload quarantines it.
         fs::write(pods.join("late.json"), b"{").unwrap();
         let (s2, m2) = open(dir.path());
         assert_eq!(s2.pods(), vec![pod("good", "10.0.0.1")]);
+        assert_eq!(names(&pods), vec!["good.json", "late.json"], "open moved a file");
+        assert_eq!(m2.storage_quarantined.get(), 0);
+        assert!(s2.reload().unwrap().is_empty());
+        assert_eq!(names(&pods), vec!["good.json"]);
         assert_eq!(m2.storage_quarantined.get(), 1);
     }
 
@@ -787,16 +796,10 @@ mod tests {
         let crashed = pods.join(".b.json.tmp.4242.0");
         fs::write(&crashed, b"{\"schema\":1,\"uid\":\"b\",\"na").unwrap();
 
-        // open, while another generation may be writing, keeps a fresh one...
+        // open, while another generation may be writing, leaves it: it may be theirs.
         let (s2, _) = open(dir.path());
-        assert!(crashed.exists(), "a fresh temp file may be another writer's");
+        assert!(crashed.exists(), "a temp file may be another writer's");
         assert_eq!(s2.pods(), vec![pod("a", "10.0.0.1")]);
-        // ...and removes a stale one.
-        let old = SystemTime::now() - STALE_TEMP_AGE - Duration::from_secs(1);
-        fs::File::options().write(true).open(&crashed).unwrap().set_modified(old).unwrap();
-        let (s3, _) = open(dir.path());
-        assert!(!crashed.exists());
-        assert_eq!(s3.pods(), vec![pod("a", "10.0.0.1")]);
 
         // reload (this process owns the node) removes any temp file, and it is no pod.
         fs::write(&crashed, b"{").unwrap();
@@ -912,6 +915,8 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
         let (s, m) = open(dir);
         assert_eq!(s.pods(), vec![pod("good", "10.0.0.1")]);
+        assert_eq!(m.storage_quarantined.get(), 0, "open leaves the folder as it is");
+        assert!(s.reload().unwrap().is_empty());
         assert_eq!(m.storage_quarantined.get(), 1);
         assert_eq!(names(&dir.join("pods")), vec!["good.json"]);
         let quarantined = names(&dir.join("pods-quarantine"));
