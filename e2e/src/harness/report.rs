@@ -55,8 +55,8 @@ pub const SEED_SURGE_P99_S: f64 = 0.242;
 ///
 /// Envoy retries a closed ADS stream after `random() % interval` ms, the interval starting
 /// at the retry policy's base and reset by every response received, so the first reconnect
-/// after a stream that served is uniform on [0, base): a roll's gap cannot sit below that
-/// curve for long, and a gap on it is the backoff's floor, not the agent's.
+/// after a stream that served is uniform on [0, base): a mode whose curve lies on it spends
+/// its gap in Envoy's backoff, not waiting for the agent.
 pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)], backoff_base_s: f64) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
     let ms: Vec<(String, Vec<f64>)> = series
