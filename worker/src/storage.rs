@@ -61,9 +61,6 @@ use aether_model::Pod;
 /// The record layout written by this version.
 pub const SCHEMA: u32 = 1;
 
-/// A temp file at least this old cannot belong to a live writer (a write takes
-/// milliseconds), so `open` may remove it even while another generation owns the node.
-
 /// Longest accepted pod uid (Kubernetes uids are 36 bytes).
 const MAX_UID_LEN: usize = 128;
 
