@@ -72,4 +72,8 @@ if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   step "release binaries carry no fault hook"
   scripts/check-release-hooks.sh
 fi
+# The container image, built with buildah from the release binaries (warm after the
+# end-to-end steps), and its binaries run under the rendered chart's credentials.
+step "the image as the chart runs it"
+scripts/test-image.sh
 step "all tests passed"
