@@ -213,8 +213,18 @@ fn stats_listener_yaml(port: u16, admin: &Path) -> String {
         out.push('\n');
         first = false;
     }
+    // The chart's envoy_admin cluster ("aether-agent.envoyBootstrap"), on this admin pipe.
     out.push_str(&format!(
-        "  clusters:\n  - name: envoy_admin\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: envoy_admin\n      endpoints:\n      - lb_endpoints:\n        - endpoint: {{ address: {{ pipe: {{ path: {} }} }} }}\n",
+        r#"  clusters:
+  - name: envoy_admin
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: envoy_admin
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ pipe: {{ path: {} }} }} }}
+"#,
         admin.display()
     ));
     out
@@ -251,7 +261,21 @@ fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Running, Pat
 fn start_prometheus(prometheus: &Path, dir: &Path, port: u16, agent: &str, envoy_stats: &str) -> Running {
     let rules = chart().join("alerts/aether-agent.rules.yaml");
     let config = format!(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: aether-agent\n    static_configs:\n      - targets: ['{agent}']\n  - job_name: envoy\n    metrics_path: /stats/prometheus\n    static_configs:\n      - targets: ['{envoy_stats}']\n",
+        r#"global:
+  scrape_interval: 1s
+  scrape_timeout: 900ms
+  evaluation_interval: 1s
+rule_files:
+  - {}
+scrape_configs:
+  - job_name: aether-agent
+    static_configs:
+      - targets: ['{agent}']
+  - job_name: envoy
+    metrics_path: /stats/prometheus
+    static_configs:
+      - targets: ['{envoy_stats}']
+"#,
         rules.display()
     );
     std::fs::write(dir.join("prometheus.yml"), config).expect("write prometheus.yml");
@@ -377,8 +401,8 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_and_envoy() {
     let log = || std::fs::read_to_string(prom_dir.join("prometheus.log")).unwrap_or_default();
     try_wait_for("Prometheus ready", T, || http_get("1.0", &prom, "/-/ready").ok().filter(|(s, _)| *s == 200))
         .unwrap_or_else(|e| panic!("{e}; its log:\n{}", log()));
-    // Both targets up, and at least two scrapes of each since this point, so that every
-    // rate() over the window has two samples after the traffic above.
+    // Three scrapes of each target, all after the traffic above, so that every rate() over
+    // the window has at least two samples.
     let up = |job: &str| prom_api(&prom, &format!("/api/v1/query?query={}", encode(&format!("count_over_time(up{{job=\"{job}\"}}[30s])"))));
     wait_for("both targets scraped at least three times", T, || {
         ["aether-agent", "envoy"]
@@ -393,8 +417,13 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_and_envoy() {
         assert_eq!(t["health"], "up", "a scrape target is down: {t}");
     }
     let rules = prom_api(&prom, "/api/v1/rules").expect("rules");
-    let loaded: Vec<&str> =
-        rules["groups"].as_array().into_iter().flatten().flat_map(|g| g["rules"].as_array().into_iter().flatten()).filter_map(|r| r["name"].as_str()).collect();
+    let loaded: Vec<&str> = rules["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .filter_map(|r| r["name"].as_str())
+        .collect();
     assert_eq!(loaded.len(), 5, "the chart's alert rules as Prometheus loaded them: {loaded:?}");
 
     // Every expression, polled until all pass (a scrape may land just before a series
@@ -506,8 +535,8 @@ fn the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule() {
     let rules = std::fs::read_to_string(alerts.join("aether-agent.rules.yaml")).expect("read the rules");
     let threshold = "increase(aether_worker_respawns_total[15m]) > 3";
     assert!(rules.contains(threshold), "the respawn rule no longer reads `{threshold}`");
-    std::fs::write(broken.path().join("aether-agent.rules.yaml"), rules.replace(threshold, "increase(aether_worker_respawns_total[15m]) > 30"))
-        .expect("write the broken rules");
+    let never = rules.replace(threshold, "increase(aether_worker_respawns_total[15m]) > 30");
+    std::fs::write(broken.path().join("aether-agent.rules.yaml"), never).expect("write the broken rules");
     std::fs::copy(alerts.join("aether-agent.rules.test.yaml"), broken.path().join("aether-agent.rules.test.yaml")).expect("copy the tests");
     let (ok, out) = promtool(&promtool_bin, &["test", "rules", "aether-agent.rules.test.yaml"], broken.path());
     assert!(!ok, "the unit tests passed a respawn rule that never fires:\n{out}");
