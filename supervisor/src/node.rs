@@ -90,11 +90,11 @@ impl Taker {
     }
 
     pub fn take(&self, lock: lock::Held, held: Option<Held>, ask_keeper: bool, since: Instant) -> Result<Outcome, NodeError> {
-        // No owner handed its sockets over (a delete-then-create roll, or a killed
-        // generation, or this supervisor won the lock at its start over a waiting standby
-        // while the previous owner drains): that owner, still draining, or the node's
-        // socket keeper may hold them.
-        let offered = || self.offer_from(&self.handoff, "the draining owner").or_else(|| self.offer_from(&self.keeper, "the socket keeper"));
+        // No owner handed its sockets over (a delete-then-create roll, a killed generation,
+        // or this supervisor won the lock over a waiting standby while the previous owner
+        // drains): that owner, still draining, the one it took them from (released, still
+        // draining, at `handoff-released.sock`) or the node's socket keeper may hold them.
+        let offered = || self.offer_from(&self.handoff, "the draining owner").or_else(|| self.offer_from(&released_path(&self.handoff), "the released owner")).or_else(|| self.offer_from(&self.keeper, "the socket keeper"));
         let held = held.or_else(|| ask_keeper.then(offered).flatten());
         let held = held.filter(|h| match self.verify(&h.listeners) {
             Ok(()) => true,
@@ -114,7 +114,7 @@ impl Taker {
         };
         let bind = since.elapsed();
         let generation = self.generation.bump(&lock.file)?;
-        let handoff = match listen::bind_fresh(&self.handoff, SockType::SeqPacket, 0o600, self.owner) {
+        let handoff = match bind_handoff(&self.handoff, self.owner) {
             Ok(b) => {
                 let _ = nix::fcntl::fcntl(&b.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
                 Some(b.fd)
@@ -191,4 +191,99 @@ pub fn held_from_systemd(xds_path: &Path, cni_path: &Path, fds: (Option<OwnedFd>
         warn!(error = %e, "cannot remove them from systemd's fd store");
     }
     None
+}
+
+/// Where the previous owner's `handoff.sock` goes when the next one binds its own.
+pub fn released_path(handoff: &Path) -> PathBuf {
+    handoff.with_file_name("handoff-released.sock")
+}
+
+/// Binds this generation's `handoff.sock`, first moving the socket file there, the
+/// previous owner's, to [`released_path`] rather than removing it. A released owner keeps
+/// offering the node sockets until it exits; should this supervisor die before its worker
+/// serves, the agent that takes the node next without sockets of its own takes them from
+/// there, instead of waiting for that owner to exit and binding fresh ones (which refuses
+/// the proxy's connects meanwhile).
+fn bind_handoff(path: &Path, owner: (u32, u32)) -> Result<listen::Bound, ListenError> {
+    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
+        let released = released_path(path);
+        if let Err(e) = std::fs::rename(path, &released) {
+            // bind_fresh replaces it: a taker then finds the released owner's sockets no more.
+            warn!(error = %e, from = %path.display(), to = %released.display(), "cannot move the previous handoff socket aside");
+        }
+    }
+    listen::bind_fresh(path, SockType::SeqPacket, 0o600, owner)
+}
+
+/// Removes [`released_path`] once this generation's worker serves: its own `handoff.sock`
+/// offers the node sockets, and the released owner exits as the proxy reconnects here.
+pub fn forget_released(handoff: &Path) {
+    let released = released_path(handoff);
+    match std::fs::symlink_metadata(&released) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            if let Err(e) = std::fs::remove_file(&released) {
+                warn!(error = %e, path = %released.display(), "cannot remove the released owner's handoff socket");
+            }
+        }
+        Ok(_) => warn!(path = %released.display(), "not a socket; left as it is"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => warn!(error = %e, path = %released.display(), "cannot look at the released owner's handoff socket"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use nix::sys::socket::{AddressFamily, SockFlag, UnixAddr, connect, socket};
+
+    use super::*;
+
+    fn dial(path: &Path) -> nix::Result<OwnedFd> {
+        let s = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)?;
+        connect(s.as_raw_fd(), &UnixAddr::new(path)?)?;
+        Ok(s)
+    }
+
+    fn nonblocking(fd: &OwnedFd) {
+        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).unwrap();
+    }
+
+    /// A new owner's `handoff.sock` moves the previous owner's aside, where it still
+    /// answers: an agent that takes the node after the new owner died reaches it there.
+    #[test]
+    fn binding_handoff_sock_keeps_the_previous_owners_listener_reachable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("handoff.sock");
+        let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+        let old = bind_handoff(&path, me).unwrap();
+        assert!(!released_path(&path).exists(), "nothing to move aside at the first bind");
+        let new = bind_handoff(&path, me).unwrap();
+        nonblocking(&old.fd);
+        nonblocking(&new.fd);
+        let _a = dial(&released_path(&path)).expect("the released listener answers");
+        assert!(handoff::accept(&old.fd).is_some(), "the dial at handoff-released.sock reached the old listener");
+        assert!(handoff::accept(&new.fd).is_none(), "the new listener got the dial meant for the old one");
+        let _b = dial(&path).expect("the new listener answers");
+        assert!(handoff::accept(&new.fd).is_some(), "the dial at handoff.sock reached the new listener");
+        assert!(handoff::accept(&old.fd).is_none(), "the old listener still answers at handoff.sock");
+        // Once the old owner is gone its file refuses: a taker goes on to the socket keeper.
+        drop(old);
+        assert_eq!(dial(&released_path(&path)).err(), Some(nix::errno::Errno::ECONNREFUSED));
+        // The new generation serves: the file goes, the new handoff.sock stays.
+        forget_released(&path);
+        assert!(!released_path(&path).exists(), "handoff-released.sock left after the new owner serves");
+        assert!(dial(&path).is_ok(), "handoff.sock went with it");
+    }
+
+    /// Whatever else is at handoff-released.sock is not the supervisor's to remove.
+    #[test]
+    fn only_a_socket_file_is_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("handoff.sock");
+        std::fs::write(released_path(&path), b"not a socket").unwrap();
+        forget_released(&path);
+        assert!(released_path(&path).exists(), "a regular file at handoff-released.sock was removed");
+        forget_released(&dir.path().join("missing/handoff.sock"));
+    }
 }

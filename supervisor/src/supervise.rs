@@ -21,7 +21,7 @@ use tracing::{error, info, warn};
 use crate::config::Config;
 use crate::conflist;
 use crate::handoff::{self, Held};
-use crate::lifecycle::{Action, Event, Lifecycle, Resources, micros};
+use crate::lifecycle::{Action, Event, Lifecycle, Report, Resources, micros};
 use crate::node::{self, Node, Outcome, Taker};
 use crate::report;
 use crate::sys::lock::{self, LockError};
@@ -199,6 +199,9 @@ impl Supervisor {
                 None
             }
             Action::Report(r) => {
+                if let Report::Serving { .. } = r {
+                    node::forget_released(&self.cfg.handoff_path());
+                }
                 report::report(&r);
                 None
             }
