@@ -16,3 +16,4 @@ pub mod registrar;
 pub mod kube_api;
 pub mod datapath;
 pub mod identity;
+pub mod flood;
