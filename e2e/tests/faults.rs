@@ -606,7 +606,9 @@ fn documented(rel: &str, me: (u32, u32), worker: (u32, u32)) -> Option<Entry> {
         "run" => e("dir", 0o755, me),
         "run/agent.lock" => e("file", 0o600, me),
         "run/xds.sock" => e("socket", 0o660, (me.0, worker.1)),
-        "run/cni.sock" | "run/handoff.sock" => e("socket", 0o600, me),
+        // handoff-released.sock: the previous owner's handoff.sock, from a takeover until
+        // the new owner's worker serves.
+        "run/cni.sock" | "run/handoff.sock" | "run/handoff-released.sock" => e("socket", 0o600, me),
         "state" | "state/pods" | "state/pods-quarantine" => e("dir", 0o700, worker),
         "state/.aether-worker-state" => e("file", 0o400, me),
         "state/mesh-dns.json" | "state/mesh-dns.heartbeat" | "state/observed-upstreams.json" => e("file", 0o600, worker),
