@@ -212,13 +212,18 @@ async fn run_stream<P: Served>(
     let mut changed_at = Instant::now();
     let mut pushed_at: [Option<(String, Instant)>; KIND_COUNT] = Default::default();
     let mut answered = [false; KIND_COUNT];
-    tracing::info!(stream = id, protocol = P::NAME, "ADS stream opened");
+    // A stream is logged at info from its first request naming a node: a client that
+    // opens streams by the thousand and never speaks (a flood) must not fill the log.
+    tracing::debug!(stream = id, protocol = P::NAME, "ADS stream opened");
     loop {
         tokio::select! {
             msg = inbound.message() => match msg {
                 Ok(Some(wire)) => {
                     let req: P::Request = wire.into();
                     if let Some(node) = P::node_id(&req) {
+                        if node_id.is_empty() {
+                            tracing::info!(stream = id, node, protocol = P::NAME, "ADS stream opened");
+                        }
                         node_id = node.to_string();
                     }
                     if let Err(e) = st.check_limits(&req, &limits) {
@@ -231,11 +236,19 @@ async fn run_stream<P: Served>(
                     record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
                 }
                 Ok(None) => {
-                    tracing::info!(stream = id, node = %node_id, "ADS stream closed by the proxy");
+                    if node_id.is_empty() {
+                        tracing::debug!(stream = id, "ADS stream closed by the proxy");
+                    } else {
+                        tracing::info!(stream = id, node = %node_id, "ADS stream closed by the proxy");
+                    }
                     return;
                 }
                 Err(status) => {
-                    tracing::info!(stream = id, node = %node_id, %status, "ADS stream ended");
+                    if node_id.is_empty() {
+                        tracing::debug!(stream = id, %status, "ADS stream ended");
+                    } else {
+                        tracing::info!(stream = id, node = %node_id, %status, "ADS stream ended");
+                    }
                     // A request refused before it reached the stream (too large, not
                     // decodable) ends it with its status, so the proxy sees why.
                     end_with(&tx, status).await;
@@ -257,7 +270,11 @@ async fn run_stream<P: Served>(
                 Err(_) => snapshots_open = false,
             },
             () = tx.closed() => {
-                tracing::info!(stream = id, node = %node_id, "ADS stream dropped");
+                if node_id.is_empty() {
+                    tracing::debug!(stream = id, "ADS stream dropped");
+                } else {
+                    tracing::info!(stream = id, node = %node_id, "ADS stream dropped");
+                }
                 return;
             }
         }
