@@ -1192,6 +1192,12 @@ def check_proxy(docs, args):
               "admin socket, 404 to the rest",
               sock.get("address") == args.stats_host and sock.get("port_value") == args.stats_port and ok,
               f"address {sock}, routes {routes}")
+    annotations = proxies[0]["spec"]["template"]["metadata"].get("annotations") or {}
+    scrape = {k: v for k, v in annotations.items() if k.startswith("prometheus.io/")}
+    want_scrape = ({"prometheus.io/scrape": "true", "prometheus.io/port": str(args.stats_port),
+                    "prometheus.io/path": "/stats/prometheus"} if args.proxy_stats else {})
+    check("proxy prometheus.io annotations name the stats listener (none without proxy.stats)", scrape == want_scrape,
+          f"got {scrape}")
 
     xds = clusters.get("xds_cluster", {})
     check("bootstrap: xds_cluster STATIC, connect_timeout 1s",

@@ -315,6 +315,7 @@ mutations=(
   'admin-mode|templates/_helpers.tpl|mode: 384|mode: 438|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
   'stats-listener-open|files/envoy-stats-listener.yaml|path: /stats/prometheus|prefix: /|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|stats listener: on 0.0.0.0:15091, forwards GET /stats/prometheus only'
   'stats-listener-ignored|templates/_helpers.tpl|\{\{- if \.Values\.proxy\.stats\.enabled -\}\}|{{- if false -}}|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|bootstrap: static listeners'
+  'stats-annotation-port|templates/proxy-daemonset.yaml|\.Values\.proxy\.stats\.port \x7c quote|"15090"|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|proxy prometheus.io annotations name the stats listener'
   'dashboard-label|values.yaml|(labels:\n +)grafana_dashboard: "1"|\g<1>grafana_dashboard: "0"|dashboards.enabled=true|--surge false --dashboards true|label grafana_dashboard: "1"'
   'dashboard-on-by-default|values.yaml|(dashboards:\n(?:  #[^\n]*\n)*  )enabled: false|\g<1>enabled: true||--surge false|no dashboard ConfigMap unless dashboards.enabled'
   'alerts-on-by-default|values.yaml|(alerts:\n  )enabled: false|\g<1>enabled: true||--surge false|no PrometheusRule unless alerts.enabled'
