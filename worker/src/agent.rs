@@ -155,6 +155,14 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, kube.as_ref(), drained_tx.clone())?);
                         // The owner alone writes the mesh-DNS snapshot and its heartbeat.
                         tokio::spawn(writers::mesh_dns::run_writer(mesh_dns.clone()));
+                        // What `Storage::open` left in place, now that no one else writes
+                        // (after a reconcile's reload this finds nothing).
+                        let storage = storage.clone();
+                        tokio::task::spawn_blocking(move || {
+                            if let Err(e) = storage.tidy() {
+                                warn!(error = %e, "tidying the pod records folder failed");
+                            }
+                        });
                     }
                     Action::Drain => match serving.as_mut().and_then(|s| {
                         // No Kubernetes write after this: a write in progress holds the

@@ -290,7 +290,7 @@ impl Storage {
         let tmp = self.temp_path(&pod.uid);
         let result = write_atomically(&tmp, &path, &encode_record(pod), &self.pods_dir);
         if let Err(e) = result {
-            // Best effort: a leftover temp file is also removed by the next open or reload.
+            // Best effort: a leftover temp file is also removed by the owner's next reload or tidy.
             let _ = fs::remove_file(&tmp);
             self.failed(&mut st, "write", &e);
             return Err(e);
@@ -463,6 +463,14 @@ impl Storage {
         }
         *view = now;
         Ok(diff)
+    }
+
+    /// The owner's clean-up of what `open` left in place: quarantines bad records and
+    /// removes temp files, with the view unchanged (neither is a pod). For an owner that
+    /// served without a takeover reconcile (a lone agent), whose `reload` never ran.
+    pub fn tidy(&self) -> Result<(), StorageError> {
+        let _st = self.lock();
+        self.scan(Scan::Owner).map(|_| ())
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -781,6 +789,17 @@ mod tests {
         assert!(s2.reload().unwrap().is_empty());
         assert_eq!(names(&pods), vec!["good.json"]);
         assert_eq!(m2.storage_quarantined.get(), 1);
+
+        // A lone owner, which serves without a reconcile, tidies instead: the same moves,
+        // and temp files go too; its view is unchanged.
+        fs::write(pods.join("later.json"), b"{").unwrap();
+        fs::write(pods.join(".x.json.tmp.4242.0"), b"{").unwrap();
+        let (s3, m3) = open(dir.path());
+        assert_eq!(names(&pods).len(), 3, "open moved a file");
+        s3.tidy().unwrap();
+        assert_eq!(names(&pods), vec!["good.json"]);
+        assert_eq!(m3.storage_quarantined.get(), 1);
+        assert_eq!(s3.pods(), vec![pod("good", "10.0.0.1")]);
     }
 
     #[test]
