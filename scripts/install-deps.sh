@@ -37,5 +37,14 @@ if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
   exit 0
 fi
 echo "install-deps: apt-get install ${need[*]}" >&2
+# prometheus and etcd-server ship init scripts; nothing installed here may start a
+# service. A policy-rc.d that refuses every start, for the install only (Debian's
+# invoke-rc.d asks it), unless the host has its own.
+policy=/usr/sbin/policy-rc.d
+if [[ ! -e $policy ]]; then
+  printf '#!/bin/sh\n# scripts/install-deps.sh: no service starts during its install\nexit 101\n' >"$policy"
+  chmod 0755 "$policy"
+  trap 'rm -f "$policy"' EXIT
+fi
 apt-get update -q >&2
 DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >&2
