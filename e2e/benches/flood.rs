@@ -2,7 +2,8 @@
 //! on `xds.sock` and `cni.sock` against one agent with a real Envoy, and the latencies of
 //! the node's two real clients with and without it (`aether_e2e::flood`). Prints them
 //! side by side, with the worker's peak RSS and the refusals per cap, and progress on
-//! stderr.
+//! stderr. The flood lasts until it has made the attempts and the flooded samples are
+//! taken, whichever comes last: unpaced, that is millions of attempts.
 //!
 //! `cargo bench -p aether-e2e --bench flood` (release profile; it builds the agent's
 //! binaries for it). Needs Envoy (`scripts/install-envoy.sh` or `ENVOY_BIN`). Env:
@@ -33,7 +34,7 @@ fn main() {
         streamers: 2,
         rate: env_usize("AETHER_FLOOD_RATE", 0) as u64,
         stream_rate: env_usize("AETHER_FLOOD_STREAM_RATE", 0) as u64,
-        progress_every: 10_000,
+        progress_every: 50_000,
     };
     println!("flood: {cfg:?}, Envoy {}", envoy_bin.display());
     let r = flood::run(&envoy_bin, &cfg);
