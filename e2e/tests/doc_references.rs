@@ -1,8 +1,9 @@
 //! The code references in the review documents still point at code: every
 //! `path.rs:LINE[-LINE]` names a file that exists and lines it has, and every
 //! `path.rs::name` (or `::name` after one) names a function defined in that file.
-//! SECURITY.md's claims are only as good as these pointers. And every metric the worker
-//! registers is in ARCHITECTURE.md's table.
+//! SECURITY.md's claims are only as good as these pointers. Every metric the worker
+//! registers is in ARCHITECTURE.md's table, and every row of RELIABILITY.md's fault matrix
+//! names tests that exist.
 
 use std::collections::HashMap;
 
@@ -62,7 +63,7 @@ fn check(doc_name: &str) -> Vec<String> {
 #[test]
 fn every_code_reference_in_the_review_documents_points_at_code() {
     let mut bad = Vec::new();
-    for doc in ["SECURITY.md", "ARCHITECTURE.md", "README.md"] {
+    for doc in ["SECURITY.md", "ARCHITECTURE.md", "README.md", "RELIABILITY.md"] {
         bad.extend(check(doc));
     }
     assert!(bad.is_empty(), "stale references:\n{}", bad.join("\n"));
@@ -86,4 +87,64 @@ fn every_metric_the_worker_registers_is_documented() {
     assert!(names.len() >= 10, "found only {names:?} in metrics.rs");
     let missing: Vec<_> = names.iter().filter(|n| !doc.contains(&format!("`aether_{n}`"))).collect();
     assert!(missing.is_empty(), "metrics missing from ARCHITECTURE.md's table: {missing:?}");
+}
+
+/// Whether `file` defines `name` as a test: `#[test]`, `#[tokio::test…]` or a
+/// `#[…::test]` among the attributes right above `fn name`.
+fn is_test_fn(text: &str, name: &str) -> bool {
+    let lines: Vec<&str> = text.lines().collect();
+    let Some(at) = lines.iter().position(|l| l.contains(&format!("fn {name}(")) || l.contains(&format!("fn {name}<"))) else {
+        return false;
+    };
+    lines[..at]
+        .iter()
+        .rev()
+        .map(|l| l.trim())
+        .take_while(|l| l.starts_with("#[") || l.starts_with("///") || l.starts_with("//"))
+        .any(|l| l.starts_with("#[test") || (l.starts_with("#[") && l.contains("::test")))
+}
+
+/// The fault matrix: rows 1 to 23, once each, and every row names at least one test,
+/// each a test function of the file it names (the line references themselves are checked
+/// with the other documents above).
+#[test]
+fn every_fault_matrix_row_names_tests_that_exist() {
+    let root = root();
+    let doc = std::fs::read_to_string(root.join("RELIABILITY.md")).expect("RELIABILITY.md");
+    let mut rows = Vec::new();
+    let mut bad = Vec::new();
+    for line in doc.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let Some(n) = cells.get(1).and_then(|c| c.parse::<usize>().ok()) else { continue };
+        rows.push(n);
+        let Some(tests) = cells.get(4) else {
+            bad.push(format!("row {n}: no Tests column"));
+            continue;
+        };
+        let named: Vec<(String, String)> = references(tests)
+            .into_iter()
+            .filter_map(|(_, file, rest)| rest.strip_prefix("::").map(|name| (file, name.to_string())))
+            .collect();
+        if named.is_empty() {
+            bad.push(format!("row {n}: names no test"));
+        }
+        for (file, name) in named {
+            match std::fs::read_to_string(root.join(&file)) {
+                Ok(text) if is_test_fn(&text, &name) => {}
+                Ok(_) => bad.push(format!("row {n}: {file}::{name} is not a test function there")),
+                Err(e) => bad.push(format!("row {n}: {file}: {e}")),
+            }
+        }
+    }
+    assert_eq!(rows, (1..=23).collect::<Vec<_>>(), "RELIABILITY.md must have rows 1 to 23 in order");
+    assert!(bad.is_empty(), "RELIABILITY.md:\n{}", bad.join("\n"));
+}
+
+#[test]
+fn a_test_function_is_told_from_a_helper() {
+    let text = "#[test]\n/// Doc.\nfn a() {}\nfn b() {}\n#[tokio::test(flavor = \"current_thread\")]\nasync fn c() {}\n";
+    assert!(is_test_fn(text, "a"));
+    assert!(!is_test_fn(text, "b"));
+    assert!(is_test_fn(text, "c"));
+    assert!(!is_test_fn(text, "d"));
 }
