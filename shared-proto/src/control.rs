@@ -70,8 +70,9 @@ pub struct Takeover {
     pub lock_wait_us: u64,
     #[prost(uint64, tag = "5")]
     pub bind_us: u64,
-    /// Wall clock (µs since the epoch) when the supervisor sent this message, so the
-    /// worker can measure fd passing.
+    /// [`monotonic_us`] when the supervisor sent this message, so the worker can measure
+    /// fd passing (the two processes share the monotonic clock; a wall-clock jump cannot
+    /// skew it).
     #[prost(uint64, tag = "6")]
     pub sent_at_us: u64,
     /// The lock was free at the supervisor's first try: an uncontended start, which runs
@@ -192,4 +193,11 @@ impl HandoffBody {
             HandoffBody::Hello(_) => 0,
         }
     }
+}
+
+/// Microseconds on `CLOCK_MONOTONIC`, which every process on the host (in one time
+/// namespace) reads alike: a stamp one process sends that another can subtract from.
+pub fn monotonic_us() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map_or(0, |t| t.tv_sec() as u64 * 1_000_000 + t.tv_nsec() as u64 / 1_000)
 }

@@ -7,7 +7,7 @@ use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{Signal, kill};
@@ -21,7 +21,7 @@ use tracing::{error, info, warn};
 use crate::config::Config;
 use crate::conflist;
 use crate::handoff::{self, Held};
-use crate::lifecycle::{Action, Event, Lifecycle, Report, Resources, micros};
+use crate::lifecycle::{Action, Event, Lifecycle, Report, Resources};
 use crate::node::{self, Node, Outcome, Taker};
 use crate::report;
 use crate::sys::lock::{self, LockError};
@@ -148,7 +148,7 @@ impl Supervisor {
             }
             Action::SendTakeover(mut msg) => {
                 let (w, node) = (self.core.worker()?, self.core.node()?);
-                msg.sent_at_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, micros);
+                msg.sent_at_us = shared_proto::control::monotonic_us();
                 let sent = fdpass::send_control(w.control.as_fd(), Body::Takeover(msg), &node.takeover_fds());
                 sent.err().map(|e| Event::TakeoverNotSent(e.to_string()))
             }

@@ -7,7 +7,7 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use aether_model::{Identity, Inputs};
 use anyhow::Context;
@@ -34,8 +34,9 @@ const SVID_WAIT: Duration = Duration::from_secs(1);
 /// this bound the old owner exits anyway and the proxy's reconnect waits in the backlog.
 const SUCCESSOR_BOUND: Duration = Duration::from_secs(2);
 
+/// The clock of `Takeover.sent_at_us` (monotonic, shared with the supervisor).
 fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+    shared_proto::control::monotonic_us()
 }
 
 /// Everything the owner needs once it serves.
