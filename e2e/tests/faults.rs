@@ -36,6 +36,22 @@ fn proc_state(pid: i32) -> Option<char> {
     stat.rsplit_once(") ")?.1.chars().next()
 }
 
+/// Stops a generation's supervisor and worker (SIGSTOP) and waits until both are stopped;
+/// returns their pids.
+fn stop_generation(agent: &Agent, what: &str) -> (i32, i32) {
+    let (sup, worker) = (agent.pid(), agent.worker_pid());
+    signal(sup, Signal::SIGSTOP);
+    signal(worker, Signal::SIGSTOP);
+    wait_for(what, T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    (sup, worker)
+}
+
+/// Every dial of a [`Dialer`] succeeded, and there were some.
+fn assert_no_failed_dials(dials: &BTreeMap<String, u64>) {
+    let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
+    assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
@@ -83,9 +99,7 @@ fn a_stopped_owner_keeps_the_standby_waiting_and_writing_nothing_until_it_is_kil
         }
     };
 
-    signal(sup, Signal::SIGSTOP);
-    signal(worker, Signal::SIGSTOP);
-    wait_for("both owner processes stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    stop_generation(&owner, "both owner processes stopped");
     // What was queued before both stopped may be the owner's own (its heartbeat file).
     let before = events("before the stop");
     let stopped = Instant::now();
@@ -437,10 +451,7 @@ fn a_new_agent_that_wins_the_lock_while_the_owner_drains_takes_its_sockets() {
     standby.wait_role("standby", T);
     // A standby that fetched the sockets makes the owner's drain wait for a successor.
     standby.wait_log("holding the owner's node sockets", T);
-    let (sup, worker) = (standby.pid(), standby.worker_pid());
-    signal(sup, Signal::SIGSTOP);
-    signal(worker, Signal::SIGSTOP);
-    wait_for("the standby stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    let (sup, worker) = stop_generation(&standby, "the standby stopped");
     let inodes = node.socket_inodes();
     let dialer = Dialer::start(vec![node.xds_sock(), node.cni_sock()]);
 
@@ -460,8 +471,7 @@ fn a_new_agent_that_wins_the_lock_while_the_owner_drains_takes_its_sockets() {
     let log = next.log();
     assert!(log.contains("holding the owner's node sockets") || log.contains("taking the node sockets from the draining owner"), "{log}");
     assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
-    let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
-    assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
+    assert_no_failed_dials(&dials);
     eprintln!("row 21 race: the new agent won the lock while the owner drained and took its sockets; dials {dials:?}");
 }
 
@@ -483,10 +493,7 @@ fn a_new_agent_that_wins_the_lock_from_a_short_lived_owner_takes_its_sockets() {
     let stale = node.start_agent();
     stale.wait_role("standby", T);
     stale.wait_log("holding the owner's node sockets", T);
-    let (sup, worker) = (stale.pid(), stale.worker_pid());
-    signal(sup, Signal::SIGSTOP);
-    signal(worker, Signal::SIGSTOP);
-    wait_for("the stale standby stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    let (sup, worker) = stop_generation(&stale, "the stale standby stopped");
     let inodes = node.socket_inodes();
     let dialer = Dialer::start(vec![node.xds_sock(), node.cni_sock()]);
 
@@ -509,8 +516,7 @@ fn a_new_agent_that_wins_the_lock_from_a_short_lived_owner_takes_its_sockets() {
     assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
     assert_eq!(ready["takeover"]["handed_off"], true, "the new owner bound fresh sockets:\n{}", next.log());
     assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
-    let bad: BTreeMap<&String, &u64> = dials.iter().filter(|(k, _)| !k.ends_with(" ok")).collect();
-    assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
+    assert_no_failed_dials(&dials);
     eprintln!("row 21 race, one step on: the new agent won the lock from a short-lived owner and took its sockets; dials {dials:?}");
 }
 
@@ -530,10 +536,7 @@ fn a_standby_holding_a_killed_owners_sockets_does_not_keep_the_new_owner_waiting
     let standby = node.start_agent();
     standby.wait_role("standby", T);
     standby.wait_log("holding the owner's node sockets", T);
-    let (sup, worker) = (standby.pid(), standby.worker_pid());
-    signal(sup, Signal::SIGSTOP);
-    signal(worker, Signal::SIGSTOP);
-    wait_for("the standby stopped", T, || (proc_state(sup) == Some('T') && proc_state(worker) == Some('T')).then_some(()));
+    let (sup, worker) = stop_generation(&standby, "the standby stopped");
     owner.kill_generation();
     let next = node.start_agent();
     next.wait_log("a server without the node lock still answers", T);

@@ -171,13 +171,18 @@ fn assert_add_fails_cleanly(node: &LocalNode, rig: &Rig, agent: &Agent, new: &(P
     assert!(problem.contains(cause) && problem.contains(&pods_dir), "{problem}");
 }
 
-/// Fault matrix row 9 (ENOSPC on the state folder). Invariants: no phantom pod (a pod
-/// whose record could not be written is not served and its ADD fails with the path and
-/// the cause), nothing partial (no temp file, the other records whole), no cached error
-/// (the first ADD after space is freed succeeds in the same worker, and `/ready` clears).
-#[test]
-fn a_full_records_folder_fails_the_add_cleanly_and_the_next_add_after_space_is_freed_succeeds() {
-    if skip_unless_root("storage_faults::enospc") {
+/// How a test breaks the records folder.
+enum Fault {
+    /// ENOSPC: a ballast file fills the tmpfs.
+    Full,
+    /// The tmpfs remounted read-only.
+    ReadOnly,
+}
+
+/// A failed ADD under `fault`, then the fault mended: the first ADD after it succeeds in
+/// the same worker and `/ready` clears.
+fn add_fails_cleanly_then_recovers(test: &str, fault: Fault) {
+    if skip_unless_root(test) {
         return;
     }
     let mut node = LocalNode::new();
@@ -188,12 +193,21 @@ fn a_full_records_folder_fails_the_add_cleanly_and_the_next_add_after_space_is_f
     let (a, b) = (pod(1), pod(2));
     add(&rig.cni, &a).expect("ADD before the fault");
 
-    let ballast = fill(&tmpfs.0);
-    assert_add_fails_cleanly(&node, &rig, &agent, &b, &[a.0.uid.as_str()], "No space left on device");
+    let (cause, mend): (&str, Box<dyn FnOnce() + '_>) = match fault {
+        Fault::Full => {
+            let ballast = fill(&tmpfs.0);
+            ("No space left on device", Box::new(move || std::fs::remove_file(&ballast).expect("remove the ballast")))
+        }
+        Fault::ReadOnly => {
+            tmpfs.remount("ro");
+            ("Read-only file system", Box::new(|| tmpfs.remount("rw")))
+        }
+    };
+    assert_add_fails_cleanly(&node, &rig, &agent, &b, &[a.0.uid.as_str()], cause);
     assert!(served(&rig.cni, &a), "the pods already there are still served");
 
-    std::fs::remove_file(&ballast).expect("remove the ballast");
-    add(&rig.cni, &b).expect("the first ADD after space is freed succeeds");
+    mend();
+    add(&rig.cni, &b).expect("the first ADD after the fault is mended succeeds");
     assert!(served(&rig.cni, &b));
     assert_eq!(agent.worker_pid(), worker, "no restart");
     assert_eq!(storage_problem(&agent).1, None, "the report clears");
@@ -201,31 +215,20 @@ fn a_full_records_folder_fails_the_add_cleanly_and_the_next_add_after_space_is_f
     drop(agent);
 }
 
+/// Fault matrix row 9 (ENOSPC on the state folder). Invariants: no phantom pod (a pod
+/// whose record could not be written is not served and its ADD fails with the path and
+/// the cause), nothing partial (no temp file, the other records whole), no cached error
+/// (the first ADD after space is freed succeeds in the same worker, and `/ready` clears).
+#[test]
+fn a_full_records_folder_fails_the_add_cleanly_and_the_next_add_after_space_is_freed_succeeds() {
+    add_fails_cleanly_then_recovers("storage_faults::enospc", Fault::Full);
+}
+
 /// Fault matrix row 9 (a read-only state folder). Invariants as for ENOSPC: no phantom
 /// pod, nothing partial, no cached error once the folder is writable again.
 #[test]
 fn a_read_only_records_folder_fails_the_add_cleanly_and_the_next_add_after_rw_succeeds() {
-    if skip_unless_root("storage_faults::read_only") {
-        return;
-    }
-    let mut node = LocalNode::new();
-    let tmpfs = Tmpfs::mount(&node.state_dir.join("pods"));
-    let rig = Rig::new(&node);
-    let agent = rig.start(&mut node);
-    let worker = agent.worker_pid();
-    let (a, b) = (pod(1), pod(2));
-    add(&rig.cni, &a).expect("ADD before the fault");
-
-    tmpfs.remount("ro");
-    assert_add_fails_cleanly(&node, &rig, &agent, &b, &[a.0.uid.as_str()], "Read-only file system");
-
-    tmpfs.remount("rw");
-    add(&rig.cni, &b).expect("the first ADD once the folder is writable succeeds");
-    assert!(served(&rig.cni, &b));
-    assert_eq!(agent.worker_pid(), worker, "no restart");
-    assert_eq!(storage_problem(&agent).1, None, "the report clears");
-    assert_eq!(whole_records(&node.state_dir), [a.0.uid.as_str(), b.0.uid.as_str()]);
-    drop(agent);
+    add_fails_cleanly_then_recovers("storage_faults::read_only", Fault::ReadOnly);
 }
 
 /// Fault matrix row 9 (a read-only state folder at a DEL). Invariants: no phantom pod (the

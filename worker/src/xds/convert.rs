@@ -560,11 +560,6 @@ mod tests {
         assert_eq!(protocols, vec![("tls", true), ("", false)]);
     }
 
-    fn typed<T: Message + Default>(c: &Option<core::TypedExtensionConfig>) -> (String, T) {
-        let c = c.as_ref().expect("an extension");
-        (c.name.clone(), decode(c.typed_config.as_ref().expect("typed config")))
-    }
-
     /// The pod's server certificate is its inbound secret over SDS (the listener warms on
     /// it), a name the outbound side's on-demand selector never uses.
     #[test]
