@@ -568,21 +568,6 @@ pub fn identity_args(provider: &crate::identity::IdentityProvider, mtls: &str) -
     ]
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percentile_is_nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), Some(50.0));
-        assert_eq!(percentile(&v, 99.0), Some(99.0));
-        assert_eq!(percentile(&v, 100.0), Some(100.0));
-        assert_eq!(percentile(&[3.0, 1.0, 2.0], 99.0), Some(3.0));
-        assert_eq!(percentile(&[3.0, 1.0, 2.0], 50.0), Some(2.0));
-        assert_eq!(percentile::<f64>(&[], 50.0), None);
-    }
-}
 
 /// A whole number from the environment variable `name`, else `default` (benchmark knobs).
 pub fn env_usize(name: &str, default: usize) -> usize {
@@ -680,4 +665,20 @@ pub fn scrape_metrics(addr: &str) -> Option<String> {
 /// The value of the sample `series` (name and labels, as printed) in a scrape's `text`.
 pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&v, 100.0), Some(100.0));
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 99.0), Some(3.0));
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 50.0), Some(2.0));
+        assert_eq!(percentile::<f64>(&[], 50.0), None);
+    }
 }

@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the registry API
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Upsert the services of a registry file (the agent's --registry-file schema): ports,
     /// VIP and endpoints; endpoints absent from the file are removed, drain marks are kept
     Apply {

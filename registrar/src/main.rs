@@ -19,7 +19,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => {
                 shared_proto::logging::init(&args.log_format);
-                aether_registrar::serve::serve(args).await
+                aether_registrar::serve::serve(*args).await
             }
             Command::Apply { client, file } => aether_registrar::client::apply(&client, &file).await,
             Command::Delete { client, service } => aether_registrar::client::delete(&client, &service).await,

@@ -29,8 +29,11 @@ pub struct Reviewer {
     audience: String,
     /// A random key, so that the cache's keys say nothing about the tokens.
     hasher: std::collections::hash_map::RandomState,
-    cache: Mutex<HashMap<u64, (Result<TokenIdentity, String>, Instant)>>,
+    cache: Mutex<HashMap<u64, Cached>>,
 }
+
+/// A review's answer (the identity, or why the token was refused) and when it was cached.
+type Cached = (Result<TokenIdentity, String>, Instant);
 
 impl Reviewer {
     /// A reviewer using `client` (see [`crate::kubernetes::client`]).

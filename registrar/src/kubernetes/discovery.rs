@@ -353,23 +353,23 @@ mod tests {
         for e in [Event::Init, Event::InitApply(svc("prod", "web")), Event::InitDone] {
             let t = c.on_service(e);
             if t != Touched::default() {
-                assert_eq!(t, touched(&[web.clone()]));
+                assert_eq!(t, touched(std::slice::from_ref(&web)));
             }
         }
         assert_eq!(c.on_slice(Event::Init), Touched::default());
         assert_eq!(c.on_slice(Event::InitDone), Touched::default());
         assert!(c.synced());
-        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-a", "web", "10.0.0.1"))), touched(&[web.clone()]));
-        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-b", "web", "10.0.0.2"))), touched(&[web.clone()]));
+        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-a", "web", "10.0.0.1"))), touched(std::slice::from_ref(&web)));
+        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-b", "web", "10.0.0.2"))), touched(std::slice::from_ref(&web)));
         assert_eq!(addresses(&c, &web), ["10.0.0.1", "10.0.0.2"]);
         // A slice relabelled to another service touches both.
         let api = key("prod", "api");
         assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-b", "api", "10.0.0.2"))), touched(&[api.clone(), web.clone()]));
         assert_eq!(addresses(&c, &web), ["10.0.0.1"]);
         assert!(c.desired(&api).is_none(), "no Service api: absent");
-        assert_eq!(c.on_slice(Event::Delete(slice("prod", "web-a", "web", "10.0.0.1"))), touched(&[web.clone()]));
+        assert_eq!(c.on_slice(Event::Delete(slice("prod", "web-a", "web", "10.0.0.1"))), touched(std::slice::from_ref(&web)));
         assert!(addresses(&c, &web).is_empty());
-        assert_eq!(c.on_service(Event::Delete(svc("prod", "web"))), touched(&[web.clone()]));
+        assert_eq!(c.on_service(Event::Delete(svc("prod", "web"))), touched(std::slice::from_ref(&web)));
         assert!(c.desired(&web).is_none());
     }
 
