@@ -20,9 +20,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 root="$AETHER_ROOT"
 target="${CARGO_TARGET_DIR:-$root/target}"
-img_dir="$target/image"
-# The binaries the image carries (Containerfile says why each).
-BINS=(aether-supervisor aether-worker aether-cni agent-ready aether-registrar)
+img_dir="$AETHER_IMAGE_DIR"
+BINS=("${AETHER_IMAGE_BINS[@]}")
 
 if [[ $(id -u) -ne 0 ]]; then
   echo "build-image: needs root (buildah's vfs storage and chroot isolation, without subuids)" >&2

@@ -6,6 +6,8 @@
 #   AETHER_ROOT   the workspace root (the folder holding Cargo.toml and scripts/)
 #   AETHER_VENV   the project virtualenv, <root>/.venv unless already set
 #   AETHER_TOOLS  project-local tools, <root>/.tools (git-ignored); binaries in bin/
+#   AETHER_IMAGE_DIR   the image's build folder, <target>/image (build-image.sh, test-image.sh)
+#   AETHER_IMAGE_BINS  the binaries the image carries (the Containerfile says why each)
 #
 # ensure_venv            create AETHER_VENV with `python3 -m venv` if it has no python
 # venv_pip_install ARGS  `pip install ARGS` into AETHER_VENV, one installer at a time
@@ -17,6 +19,8 @@
 AETHER_ROOT="${AETHER_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 AETHER_VENV="${AETHER_VENV:-$AETHER_ROOT/.venv}"
 AETHER_TOOLS="${AETHER_TOOLS:-$AETHER_ROOT/.tools}"
+AETHER_IMAGE_DIR="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}/image"
+AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-cni agent-ready aether-registrar)
 
 # Each helper runs in a subshell holding an exclusive flock on <tools>/venv.lock (the lock
 # file lives in the git-ignored tools folder). Without flock(1) it runs unlocked.

@@ -37,8 +37,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 root="$AETHER_ROOT"
 target="${CARGO_TARGET_DIR:-$root/target}"
-img_dir="$target/image"
-BINS=(aether-supervisor aether-worker aether-cni agent-ready aether-registrar)
+img_dir="$AETHER_IMAGE_DIR"
+BINS=("${AETHER_IMAGE_BINS[@]}")
 # The pod and node names the downward API would give.
 POD_NAME=aether-agent-image-test
 NODE_NAME=image-test-node

@@ -20,7 +20,7 @@
 //! the plugin out until it let go, which is what the cap is for.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::Ipv4Addr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,7 +32,9 @@ use serde_json::json;
 use crate::envoy::ack_log::{self, AgentLog};
 use crate::envoy::{AdsApi, Envoy};
 use crate::harness::churn::{Cni, PodId};
-use crate::testing::{Agent, LocalNode, bin, free_port, memory_kib, percentile, wait_for};
+use crate::testing::{
+    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, metrics_wrapper_exec, percentile, scrape_metrics, wait_for,
+};
 
 /// Agent start, Envoy's first connect, a metrics sample.
 const T: Duration = Duration::from_secs(30);
@@ -202,13 +204,12 @@ impl Rig {
         let metrics = format!("127.0.0.1:{}", free_port(ip).expect("free port"));
         // The node's `--metrics-addr=off` becomes `metrics`, the log filter the ADS lines,
         // and the descriptor limit the systemd unit's.
-        let script = format!(
-            r#"export RUST_LOG='{AGENT_LOG}'; for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={metrics}; else set -- "$@" "$a"; fi; done; exec prlimit --nofile={AGENT_NOFILE}:{AGENT_NOFILE} "$@""#
-        );
+        let wrapper = metrics_wrapper_exec(&metrics, &format!("env RUST_LOG='{AGENT_LOG}' prlimit --nofile={AGENT_NOFILE}:{AGENT_NOFILE}"));
+        let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
         let capture_arg = format!("--capture-file={}", capture.display());
-        let agent = node.start_agent_wrapped(&["sh", "-c", &script, "sh"], &[&capture_arg]);
+        let agent = node.start_agent_wrapped(&wrapper, &[&capture_arg]);
         wait_for(&format!("{} to serve as owner", agent.name), T, || agent.serving_owner());
-        wait_for("the owner's metrics port", T, || scrape(&metrics));
+        wait_for("the owner's metrics port", T, || scrape_metrics(&metrics));
         let envoy = Envoy::start(envoy_bin, &root, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), AdsApi::default())
             .expect("start Envoy");
         envoy.wait_connected(T);
@@ -235,21 +236,6 @@ fn registry_doc(draining: bool) -> String {
         { "address": "127.0.0.1", "port": 10, "state": "healthy" },
     ]}]})
     .to_string()
-}
-
-/// One GET /metrics: the body, or None if the port did not answer with one.
-pub fn scrape(addr: &str) -> Option<String> {
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.starts_with("HTTP/1.0 200").then_some(out)
-}
-
-/// The value of the sample `series` (name and labels, as printed) in `text`.
-pub fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// The sum of every sample of metric `name` in `text`.
@@ -552,18 +538,18 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
         })
         .collect();
     wait_for("cni.sock's cap refusals counted", T, || {
-        scrape(&rig.metrics).and_then(|t| sample(&t, "aether_connections_refused_total{socket=\"cni\"}")).filter(|v| *v >= 16.0)
+        scrape_metrics(&rig.metrics).and_then(|t| metric_sample(&t, "aether_connections_refused_total{socket=\"cni\"}")).filter(|v| *v >= 16.0)
     });
     drop(probe);
     wait_for("cni.sock's connections closed", T, || {
-        scrape(&rig.metrics).and_then(|t| sample(&t, "aether_connections{socket=\"cni\"}")).filter(|v| *v < 16.0)
+        scrape_metrics(&rig.metrics).and_then(|t| metric_sample(&t, "aether_connections{socket=\"cni\"}")).filter(|v| *v < 16.0)
     });
 
     for _ in 0..half {
         i += 1;
         round(&mut rig, &cni, &mut log, i, &mut base_add, &mut base_ack, &mut failures);
     }
-    let text = wait_for("the owner's metrics", T, || scrape(&rig.metrics));
+    let text = wait_for("the owner's metrics", T, || scrape_metrics(&rig.metrics));
     let same_worker = rig.agent.serving_owner().and_then(|v| v["pid"].as_i64()) == Some(i64::from(worker));
     let hwm_kib = memory_kib(worker).1;
     let report = Report {
@@ -577,8 +563,8 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
         flood_time,
         hwm_before_kib,
         hwm_kib,
-        refused_xds: sample(&text, "aether_connections_refused_total{socket=\"xds\"}").unwrap_or(0.0),
-        refused_cni: sample(&text, "aether_connections_refused_total{socket=\"cni\"}").unwrap_or(0.0),
+        refused_xds: metric_sample(&text, "aether_connections_refused_total{socket=\"xds\"}").unwrap_or(0.0),
+        refused_cni: metric_sample(&text, "aether_connections_refused_total{socket=\"cni\"}").unwrap_or(0.0),
         accept_errors: sum(&text, "aether_accept_errors_total"),
         same_worker,
         rate: cfg.rate,

@@ -646,8 +646,14 @@ pub fn flock_holders(path: &Path) -> Vec<i32> {
 /// A wrapper for [`LocalNode::start_agent_wrapped`] that replaces the node's
 /// `--metrics-addr=off` with `addr`, so that a test can scrape the owner.
 pub fn metrics_wrapper(addr: &str) -> Vec<String> {
+    metrics_wrapper_exec(addr, "")
+}
+
+/// [`metrics_wrapper`], with the agent started through `exec` (a command prefix such as
+/// `prlimit --nofile=64:64` or `env RUST_LOG=…`; empty: the agent itself).
+pub fn metrics_wrapper_exec(addr: &str, exec: &str) -> Vec<String> {
     let script = format!(
-        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={addr}; else set -- "$@" "$a"; fi; done; exec "$@""#
+        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={addr}; else set -- "$@" "$a"; fi; done; exec {exec} "$@""#
     );
     vec!["sh".into(), "-c".into(), script, "sh".into()]
 }

@@ -13,48 +13,25 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use aether_e2e::testing::{LocalNode, free_port, http_get_unix, wait_for};
+use aether_e2e::testing::{LocalNode, free_port, http_get_unix, metric_sample, metrics_wrapper_exec, scrape_metrics, wait_for};
 
 const T: Duration = Duration::from_secs(30);
 
-/// Wraps [`LocalNode::start_agent_wrapped`]: the node's `--metrics-addr=off` becomes
-/// `metrics`, and with `nofile` the agent runs under that descriptor limit (soft and
-/// hard), which the supervisor's worker inherits.
-fn wrapper(metrics: &str, nofile: Option<u32>) -> Vec<String> {
-    let limit = nofile.map(|n| format!("prlimit --nofile={n}:{n} ")).unwrap_or_default();
-    let script = format!(
-        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={metrics}; else set -- "$@" "$a"; fi; done; exec {limit}"$@""#
-    );
-    vec!["sh".into(), "-c".into(), script, "sh".into()]
-}
-
 fn start(node: &mut LocalNode, metrics: &str, nofile: Option<u32>) -> aether_e2e::testing::Agent {
-    let wrapper = wrapper(metrics, nofile);
+    // With `nofile` the agent runs under that descriptor limit (soft and hard), which the
+    // supervisor's worker inherits.
+    let limit = nofile.map(|n| format!("prlimit --nofile={n}:{n}")).unwrap_or_default();
+    let wrapper = metrics_wrapper_exec(metrics, &limit);
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
     let agent = node.start_agent_wrapped(&wrapper, &[]);
     agent.wait_role("owner", T);
-    wait_for("the owner's metrics port", T, || scrape(metrics));
+    wait_for("the owner's metrics port", T, || scrape_metrics(metrics));
     agent
-}
-
-/// One GET /metrics: the body, or None if the port did not answer with one.
-fn scrape(addr: &str) -> Option<String> {
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.starts_with("HTTP/1.0 200").then_some(out)
-}
-
-/// The value of the sample `series` (name and labels, as printed) in `text`.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// Waits until a scrape shows `series` at `want` or more; returns its value.
 fn wait_sample(addr: &str, series: &str, want: f64) -> f64 {
-    wait_for(&format!("{series} >= {want}"), T, || scrape(addr).and_then(|t| sample(&t, series)).filter(|v| *v >= want))
+    wait_for(&format!("{series} >= {want}"), T, || scrape_metrics(addr).and_then(|t| metric_sample(&t, series)).filter(|v| *v >= want))
 }
 
 fn open_fds(pid: i32) -> usize {

@@ -52,6 +52,40 @@ fn assert_no_failed_dials(dials: &BTreeMap<String, u64>) {
     assert!(bad.is_empty() && !dials.is_empty(), "connects that failed: {bad:?} (all: {dials:?})");
 }
 
+/// A new agent, started once `draining` released the node lock, wins the lock at its start
+/// (the generation `stopped` that waits for it is SIGSTOPped) and serves on the draining
+/// owner's sockets, with no refused connect. Returns the new owner.
+fn a_new_agent_takes_the_draining_owners_sockets(
+    node: &mut LocalNode,
+    draining: &mut Agent,
+    stopped: (i32, i32),
+    dialer: Dialer,
+    inodes: (Option<u64>, Option<u64>),
+) -> Agent {
+    let next = node.start_agent();
+    let ready = aether_e2e::testing::try_wait_for("the new agent to serve as owner", T, || next.serving_owner())
+        .unwrap_or_else(|e| panic!("{e}\n{}\nthe draining owner's log:\n{}", next.log(), draining.log()));
+    assert!(draining.wait_exit(T).success(), "{}", draining.log());
+    let dials = dialer.stop();
+    signal(stopped.1, Signal::SIGKILL);
+    signal(stopped.0, Signal::SIGKILL);
+
+    assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
+    assert_eq!(ready["takeover"]["handed_off"], true, "the new owner bound fresh sockets:\n{}", next.log());
+    assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
+    assert_no_failed_dials(&dials);
+    eprintln!("dials {dials:?}");
+    next
+}
+
+/// A standby that holds the owner's sockets (fetched over `handoff.sock`).
+fn standby_holding_the_sockets(node: &mut LocalNode) -> Agent {
+    let standby = node.start_agent();
+    standby.wait_role("standby", T);
+    standby.wait_log("holding the owner's node sockets", T);
+    standby
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
@@ -70,9 +104,7 @@ fn a_stopped_owner_keeps_the_standby_waiting_and_writing_nothing_until_it_is_kil
     let mut node = LocalNode::new();
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    let standby = node.start_agent();
-    standby.wait_role("standby", T);
-    standby.wait_log("holding the owner's node sockets", T);
+    let standby = standby_holding_the_sockets(&mut node);
     let (sup, worker) = (owner.pid(), owner.worker_pid());
     let inodes = node.socket_inodes();
 
@@ -447,32 +479,19 @@ fn a_new_agent_that_wins_the_lock_while_the_owner_drains_takes_its_sockets() {
     let mut node = LocalNode::new();
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    let standby = node.start_agent();
-    standby.wait_role("standby", T);
     // A standby that fetched the sockets makes the owner's drain wait for a successor.
-    standby.wait_log("holding the owner's node sockets", T);
-    let (sup, worker) = stop_generation(&standby, "the standby stopped");
+    let standby = standby_holding_the_sockets(&mut node);
+    let stopped = stop_generation(&standby, "the standby stopped");
     let inodes = node.socket_inodes();
     let dialer = Dialer::start(vec![node.xds_sock(), node.cni_sock()]);
 
     owner.signal(Signal::SIGTERM);
     owner.wait_log("node lock released", T);
-    let next = node.start_agent();
-    let ready = aether_e2e::testing::try_wait_for("the new agent to serve as owner", T, || next.serving_owner())
-        .unwrap_or_else(|e| panic!("{e}\n{}\nthe draining owner's log:\n{}", next.log(), owner.log()));
-    assert!(owner.wait_exit(T).success(), "{}", owner.log());
-    let dials = dialer.stop();
-    signal(worker, Signal::SIGKILL);
-    signal(sup, Signal::SIGKILL);
-
-    assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
-    assert_eq!(ready["takeover"]["handed_off"], true, "the new owner bound fresh sockets:\n{}", next.log());
+    let next = a_new_agent_takes_the_draining_owners_sockets(&mut node, &mut owner, stopped, dialer, inodes);
     // From the draining owner's handoff.sock: at its start, or when it took the node.
     let log = next.log();
     assert!(log.contains("holding the owner's node sockets") || log.contains("taking the node sockets from the draining owner"), "{log}");
-    assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
-    assert_no_failed_dials(&dials);
-    eprintln!("row 21 race: the new agent won the lock while the owner drained and took its sockets; dials {dials:?}");
+    eprintln!("row 21 race: the new agent won the lock while the owner drained and took its sockets");
 }
 
 /// Fault matrix row 21, the same race one step on: a standby that fetched the sockets
@@ -487,13 +506,9 @@ fn a_new_agent_that_wins_the_lock_from_a_short_lived_owner_takes_its_sockets() {
     let mut node = LocalNode::new();
     let mut first = node.start_agent();
     first.wait_role("owner", T);
-    let mut second = node.start_agent();
-    second.wait_role("standby", T);
-    second.wait_log("holding the owner's node sockets", T);
-    let stale = node.start_agent();
-    stale.wait_role("standby", T);
-    stale.wait_log("holding the owner's node sockets", T);
-    let (sup, worker) = stop_generation(&stale, "the stale standby stopped");
+    let mut second = standby_holding_the_sockets(&mut node);
+    let stale = standby_holding_the_sockets(&mut node);
+    let stopped = stop_generation(&stale, "the stale standby stopped");
     let inodes = node.socket_inodes();
     let dialer = Dialer::start(vec![node.xds_sock(), node.cni_sock()]);
 
@@ -504,20 +519,9 @@ fn a_new_agent_that_wins_the_lock_from_a_short_lived_owner_takes_its_sockets() {
     // At once: no standby fetched from the second owner (the only other one is stopped).
     second.signal(Signal::SIGTERM);
     second.wait_log("node lock released", T);
-    let next = node.start_agent();
-    let ready = aether_e2e::testing::try_wait_for("the new agent to serve as owner", T, || next.serving_owner())
-        .unwrap_or_else(|e| panic!("{e}\n{}\nthe draining owner's log:\n{}", next.log(), second.log()));
-    assert!(second.wait_exit(T).success(), "{}", second.log());
-    let dials = dialer.stop();
-    signal(worker, Signal::SIGKILL);
-    signal(sup, Signal::SIGKILL);
-
+    a_new_agent_takes_the_draining_owners_sockets(&mut node, &mut second, stopped, dialer, inodes);
     assert!(second.log().contains("successor=true"), "the short-lived owner did not wait for a successor:\n{}", second.log());
-    assert!(next.log().contains("uncontended=true"), "the new agent did not win the lock at its start:\n{}", next.log());
-    assert_eq!(ready["takeover"]["handed_off"], true, "the new owner bound fresh sockets:\n{}", next.log());
-    assert_eq!(node.socket_inodes(), inodes, "a node socket was replaced");
-    assert_no_failed_dials(&dials);
-    eprintln!("row 21 race, one step on: the new agent won the lock from a short-lived owner and took its sockets; dials {dials:?}");
+    eprintln!("row 21 race, one step on: the new agent won the lock from a short-lived owner and took its sockets");
 }
 
 /// Fault matrix rows 21 and 22, the race once more with a kill: the owner generation dies
@@ -533,9 +537,7 @@ fn a_standby_holding_a_killed_owners_sockets_does_not_keep_the_new_owner_waiting
     let mut node = LocalNode::new();
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    let standby = node.start_agent();
-    standby.wait_role("standby", T);
-    standby.wait_log("holding the owner's node sockets", T);
+    let standby = standby_holding_the_sockets(&mut node);
     let (sup, worker) = stop_generation(&standby, "the standby stopped");
     owner.kill_generation();
     let next = node.start_agent();

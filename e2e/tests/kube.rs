@@ -17,7 +17,7 @@ use aether_e2e::envoy::{AdsApi, Envoy, NodeRig, envoy_or_skip};
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::harness::two_node::eds_health;
 use aether_e2e::kube_api::{KubeApi, Rule};
-use aether_e2e::testing::{Agent, LocalNode, bin, free_port, wait_for};
+use aether_e2e::testing::{Agent, LocalNode, bin, free_port, metrics_wrapper, scrape_metrics, wait_for};
 use serde_json::{Value, json};
 
 const TAINT: &str = "aether.io/agent-not-ready";
@@ -533,7 +533,7 @@ fn a_403_is_a_clear_log_line_and_a_metric_and_no_crash_loop() {
     let problem = wait_for("/ready to name the 403", T, || kube_problem(&owner).filter(|p| p.contains("403")));
     assert!(problem.contains("pods: get, list, watch and nodes: get, list, watch, patch"), "{problem}");
     let text = wait_for("the metric", T, || {
-        let t = scrape(&metrics)?;
+        let t = scrape_metrics(&metrics)?;
         t.contains(r#"aether_kube_watch_errors_total{resource="pods",reason="forbidden"}"#).then_some(t)
     });
     assert!(text.contains(r#"aether_kube_connected{resource="pods"} 0"#), "{text}");
@@ -550,21 +550,3 @@ fn a_403_is_a_clear_log_line_and_a_metric_and_no_crash_loop() {
     node.root.disable_cleanup(false);
 }
 
-/// A wrapper for [`LocalNode::start_agent_wrapped`] that replaces the node's
-/// `--metrics-addr=off` with `addr`, so that the test can scrape the owner.
-fn metrics_wrapper(addr: &str) -> Vec<String> {
-    let script = format!(
-        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={addr}; else set -- "$@" "$a"; fi; done; exec "$@""#
-    );
-    vec!["sh".into(), "-c".into(), script, "sh".into()]
-}
-
-fn scrape(addr: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
-}
