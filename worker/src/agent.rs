@@ -108,6 +108,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let (drained_tx, mut drained_rx) = tokio::sync::mpsc::channel::<()>(1);
     let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel::<()>(1);
     let mut successor = false;
+    // Whether the takeover ran a reconcile (its storage reload cleans up as `tidy` would).
+    let mut reconciled = false;
     let mut pending = vec![Event::Gates(*gates.borrow_and_update())];
 
     loop {
@@ -130,6 +132,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         }
                     }
                     Action::Reconcile => {
+                        reconciled = true;
                         svid_wait = SvidWait::new(node.with_inputs(identity::lacking_svids));
                         // What the previous owner flushed before it released the node.
                         observed.reload();
@@ -156,14 +159,16 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, kube.as_ref(), drained_tx.clone())?);
                         // The owner alone writes the mesh-DNS snapshot and its heartbeat.
                         tokio::spawn(writers::mesh_dns::run_writer(mesh_dns.clone()));
-                        // What `Storage::open` left in place, now that no one else writes
-                        // (after a reconcile's reload this finds nothing).
-                        let storage = storage.clone();
-                        tokio::task::spawn_blocking(move || {
-                            if let Err(e) = storage.tidy() {
-                                warn!(error = %e, "tidying the pod records folder failed");
-                            }
-                        });
+                        // What `Storage::open` left in place, now that no one else writes;
+                        // a reconcile's reload already did it.
+                        if !reconciled {
+                            let storage = storage.clone();
+                            tokio::task::spawn_blocking(move || {
+                                if let Err(e) = storage.tidy() {
+                                    warn!(error = %e, "tidying the pod records folder failed");
+                                }
+                            });
+                        }
                     }
                     Action::Drain => match serving.as_mut().and_then(|s| {
                         // No Kubernetes write after this: a write in progress holds the
