@@ -6,7 +6,7 @@
 //! `Unavailable`). All three are retried every ~10 ms for a bounded time, so that the
 //! runtime never sees the switch; past the bound the answer is CNI code 11 (try again
 //! later). So is a full listen backlog (EAGAIN: a burst or flood of connects not yet
-//! accepted). Every call is idempotent on the agent side, so retrying a whole call is
+//! accepted), after a connect that waits for room in the kernel. Every call is idempotent on the agent side, so retrying a whole call is
 //! safe.
 
 use std::io;
@@ -97,10 +97,20 @@ fn classify(command: Command, status: tonic::Status) -> Attempt {
 
 /// Connects to the unix socket, retrying ENOENT, ECONNREFUSED and EAGAIN until
 /// `deadline`. EAGAIN is a full listen backlog: a burst or a flood of connects that the
-/// agent has not accepted yet, which passes like a takeover does.
+/// agent has not accepted yet. The plugin then waits in the kernel for room
+/// ([`connect_waiting`]) rather than sleeping: a flood refills every slot the agent frees
+/// within microseconds, so a connect that sleeps and tries again finds it full again.
 async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result<Channel, Attempt> {
     let stream = loop {
-        match UnixStream::connect(socket).await {
+        let mut result = UnixStream::connect(socket).await;
+        if matches!(&result, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
+            let (path, wait) = (socket.to_path_buf(), deadline.saturating_duration_since(Instant::now()));
+            result = match tokio::task::spawn_blocking(move || connect_waiting(&path, wait)).await {
+                Ok(r) => r.and_then(UnixStream::from_std),
+                Err(e) => Err(io::Error::other(format!("the connecting thread failed: {e}"))),
+            };
+        }
+        match result {
             Ok(s) => break s,
             Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock) => {
                 if Instant::now() + timeouts.retry_every > deadline {
@@ -139,4 +149,20 @@ async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result
             format!("HTTP/2 handshake with agentSocket {}: {e}", socket.display()),
         ))
     })
+}
+
+/// A blocking connect that, while the listen backlog is full, waits in the kernel for at
+/// most `wait` (SO_SNDTIMEO bounds a unix stream connect) and is woken when the agent
+/// accepts. EAGAIN once `wait` has passed. The socket comes back non-blocking.
+fn connect_waiting(socket: &Path, wait: std::time::Duration) -> io::Result<std::os::unix::net::UnixStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, setsockopt, sockopt::SendTimeout};
+    use std::os::fd::AsRawFd;
+    // A zero SO_SNDTIMEO would wait forever.
+    let wait = wait.max(std::time::Duration::from_millis(1));
+    let fd = nix::sys::socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, SendTimeout, &nix::sys::time::TimeVal::new(wait.as_secs() as _, wait.subsec_micros() as _))?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(socket)?)?;
+    let stream = std::os::unix::net::UnixStream::from(fd);
+    stream.set_nonblocking(true)?;
+    Ok(stream)
 }

@@ -63,6 +63,10 @@ impl Agent {
     fn serve(&mut self, proxy: Proxy) {
         let _ = std::fs::remove_file(self.socket());
         let listener = tokio::net::UnixListener::bind(self.socket()).unwrap();
+        self.serve_on(listener, proxy);
+    }
+
+    fn serve_on(&mut self, listener: tokio::net::UnixListener, proxy: Proxy) {
         let acks: Arc<dyn AckSource> = match proxy {
             Proxy::Acking => Arc::new(PublishedAcks(self.node.clone())),
             Proxy::Silent => Arc::new(Acks::default()),
@@ -395,6 +399,53 @@ async fn add_rides_through_a_missing_then_refusing_socket() {
     assert_eq!(r.code, Some(0), "{}", r.stdout);
     assert!(r.elapsed >= Duration::from_millis(600), "{:?}", r.elapsed);
     assert_eq!(agent.records(), vec![format!("{UID}.json")]);
+}
+
+/// A listener on `socket` with room for one queued connection, and a connection that
+/// takes it: its backlog is full, and a non-blocking connect gets EAGAIN.
+fn full_backlog(socket: &Path) -> (std::os::unix::net::UnixListener, std::os::unix::net::UnixStream) {
+    use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, connect, listen, socket as new_socket};
+    use std::os::fd::AsRawFd;
+    let fd = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+    bind(fd.as_raw_fd(), &UnixAddr::new(socket).unwrap()).unwrap();
+    listen(&fd, Backlog::new(0).unwrap()).unwrap();
+    let filler = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let probe = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK, None).unwrap();
+    assert_eq!(connect(probe.as_raw_fd(), &UnixAddr::new(socket).unwrap()), Err(nix::errno::Errno::EAGAIN), "the backlog is full");
+    (std::os::unix::net::UnixListener::from(fd), filler)
+}
+
+/// A flood fills the agent's listen backlog: the plugin's connect gets EAGAIN, waits in
+/// the kernel for room, and goes through once the agent accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_waits_for_room_in_a_full_listen_backlog() {
+    let mut agent = Agent::stopped(tempfile::tempdir().unwrap());
+    let socket = agent.socket();
+    let (listener, filler) = full_backlog(&socket);
+    let add = tokio::spawn(run(env("ADD"), conf(&socket).into()));
+    // The backlog stays full this long (a stated duration, not a wait for anything).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (taken, _) = listener.accept().unwrap();
+    drop((taken, filler));
+    listener.set_nonblocking(true).unwrap();
+    agent.serve_on(tokio::net::UnixListener::from_std(listener).unwrap(), Proxy::Acking);
+    let r = add.await.unwrap();
+    assert_eq!(r.code, Some(0), "{}", r.stdout);
+    assert!(r.elapsed >= Duration::from_millis(300), "{:?}", r.elapsed);
+    assert_eq!(agent.records(), vec![format!("{UID}.json")]);
+}
+
+/// A backlog that never has room: the kernel wait is bounded like the retries, code 11
+/// (try again later) after the same 5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_backlog_that_stays_full_is_try_again_later_after_the_retry_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("cni.sock");
+    let _full = full_backlog(&socket);
+    let r = run(env("ADD"), conf(&socket).into()).await;
+    assert_eq!(r.code, Some(1), "{}", r.stdout);
+    assert_eq!(r.json()["code"], 11, "{}", r.stdout);
+    assert!(r.elapsed >= Duration::from_millis(4900) && r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
 }
 
 /// Graceful stop: an ADD waiting for the proxy's ACK when shutdown starts still completes

@@ -10,7 +10,9 @@
 //! `AETHER_FLOOD_ATTEMPTS` (default 100,000), `AETHER_FLOOD_SAMPLES` (default 200),
 //! `AETHER_FLOOD_HELD` (connections held on `cni.sock`, default 1,000),
 //! `AETHER_FLOOD_RATE` and `AETHER_FLOOD_STREAM_RATE` (connect-and-close attempts and
-//! stream-opening connections a second; default 0, as fast as the flood's threads go).
+//! stream-opening connections a second; default 0, as fast as the flood's threads go),
+//! `AETHER_FLOOD_CPU_SHARES` (the flood threads' cgroup `cpu.shares`; default 2, a
+//! BestEffort pod's, as a flooding workload runs on a node; 0: in the agent's cgroup).
 
 use aether_e2e::envoy::{self, envoy_or_skip};
 use aether_e2e::flood::{self, Config, Report};
@@ -35,6 +37,10 @@ fn main() {
         rate: env_usize("AETHER_FLOOD_RATE", 0) as u64,
         stream_rate: env_usize("AETHER_FLOOD_STREAM_RATE", 0) as u64,
         progress_every: 50_000,
+        cpu_shares: match env_usize("AETHER_FLOOD_CPU_SHARES", flood::BEST_EFFORT_SHARES as usize) {
+            0 => None,
+            s => Some(s as u64),
+        },
     };
     println!("flood: {cfg:?}, Envoy {}", envoy_bin.display());
     let r = flood::run(&envoy_bin, &cfg);

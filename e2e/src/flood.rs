@@ -75,6 +75,48 @@ pub struct Config {
     pub stream_rate: u64,
     /// A line on stderr every this many attempts (0: none).
     pub progress_every: u64,
+    /// The CPU weight of the flood's threads (cgroup v1 `cpu.shares`; the agent, Envoy
+    /// and the plugin keep the default 1,024), or None to leave them beside the agent.
+    /// On a node, a pod with no CPU request runs in kubelet's BestEffort cgroup, whose
+    /// `cpu.shares` is 2 ([`BEST_EFFORT_SHARES`]): that is where a flooding workload sits.
+    pub cpu_shares: Option<u64>,
+}
+
+/// kubelet's `cpu.shares` for BestEffort pods (`MinShares` in kubelet's cgroup manager).
+pub const BEST_EFFORT_SHARES: u64 = 2;
+
+/// A cgroup v1 `cpu` group of its own for the flood's threads, removed when dropped.
+struct CpuGroup {
+    path: PathBuf,
+}
+
+impl CpuGroup {
+    const ROOT: &str = "/sys/fs/cgroup/cpu";
+
+    fn new(shares: u64) -> CpuGroup {
+        let path = Path::new(Self::ROOT).join(format!("aether-flood-{}", std::process::id()));
+        let made = std::fs::create_dir(&path).and_then(|()| std::fs::write(path.join("cpu.shares"), shares.to_string()));
+        if let Err(e) = made {
+            panic!("the flood's cgroup {} (cgroup v1 cpu controller, as root): {e}; set cpu_shares to None to flood without it", path.display());
+        }
+        CpuGroup { path }
+    }
+
+    /// Moves the calling thread into the group.
+    fn join(&self) {
+        let tid = nix::unistd::gettid().as_raw();
+        let tasks = self.path.join("tasks");
+        std::fs::write(&tasks, tid.to_string()).unwrap_or_else(|e| panic!("moving thread {tid} into {}: {e}", tasks.display()));
+    }
+}
+
+impl Drop for CpuGroup {
+    fn drop(&mut self) {
+        // Its threads have exited (Flood::stop joins them), so the group is empty.
+        if let Err(e) = std::fs::remove_dir(&self.path) {
+            eprintln!("removing the flood's cgroup {}: {e}", self.path.display());
+        }
+    }
 }
 
 /// What one socket's flood saw from the client side.
@@ -114,6 +156,10 @@ pub struct Report {
     /// `aether_connections_refused_total{socket}` at the end, by socket.
     pub refused_xds: f64,
     pub refused_cni: f64,
+    /// `aether_connections_rate_limited_total{socket}` at the end, by socket: connections
+    /// closed at once because the flooding process was past its connection rate.
+    pub rate_limited_xds: f64,
+    pub rate_limited_cni: f64,
     /// `aether_accept_errors_total`, all sockets and kinds, at the end.
     pub accept_errors: f64,
     /// Whether the same worker served throughout.
@@ -121,6 +167,8 @@ pub struct Report {
     /// [`Config::rate`] and [`Config::stream_rate`].
     pub rate: u64,
     pub stream_rate: u64,
+    /// [`Config::cpu_shares`].
+    pub cpu_shares: Option<u64>,
 }
 
 fn rate(r: u64) -> String {
@@ -151,21 +199,26 @@ impl Report {
         row("registry change -> Envoy ACK", &self.base_ack, &self.flood_ack);
         let attempts = SocketCounts::get(&self.xds.attempts) + SocketCounts::get(&self.cni.attempts);
         println!(
-            "flood: {attempts} connection attempts in {:.1} s ({:.0}/s; connect-and-close paced at {}, stream connections at {}); worker VmHWM {:.1} MiB before, {:.1} MiB after; same worker throughout: {}",
+            "flood: {attempts} connection attempts in {:.1} s ({:.0}/s; connect-and-close paced at {}, stream connections at {}; flood threads' CPU weight: {}); worker VmHWM {:.1} MiB before, {:.1} MiB after; same worker throughout: {}",
             self.flood_time.as_secs_f64(),
             attempts as f64 / self.flood_time.as_secs_f64(),
             rate(self.rate),
             rate(self.stream_rate),
+            self.cpu_shares.map_or("the agent's (same cgroup)".to_string(), |s| format!("cpu.shares {s} against 1,024")),
             self.hwm_before_kib as f64 / 1024.0,
             self.hwm_kib as f64 / 1024.0,
             self.same_worker
         );
-        for (name, c, refused) in [("xds.sock", &self.xds, self.refused_xds), ("cni.sock", &self.cni, self.refused_cni)] {
+        for (name, c, refused, limited) in [
+            ("xds.sock", &self.xds, self.refused_xds, self.rate_limited_xds),
+            ("cni.sock", &self.cni, self.refused_cni, self.rate_limited_cni),
+        ] {
             println!(
-                "{name}: {} attempts, {} closed at once by the client's count, {} by the worker's (aether_connections_refused_total); {} streams opened, {} refused (REFUSED_STREAM), {} GOAWAYs",
+                "{name}: {} attempts, {} closed at once by the client's count; by the worker's, {} at the connection cap and {} past the flooding process's rate; {} streams opened, {} refused (REFUSED_STREAM), {} GOAWAYs",
                 SocketCounts::get(&c.attempts),
                 SocketCounts::get(&c.closed_at_once),
                 refused,
+                limited,
                 SocketCounts::get(&c.streams_opened),
                 SocketCounts::get(&c.streams_refused),
                 SocketCounts::get(&c.goaways)
@@ -385,15 +438,25 @@ impl Pace {
 struct Flood {
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// Dropped after the threads are joined.
+    _group: Option<Arc<CpuGroup>>,
 }
 
 impl Flood {
     fn start(node: &LocalNode, cfg: &Config, xds: Arc<SocketCounts>, cni: Arc<SocketCounts>) -> Flood {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
+        let group = cfg.cpu_shares.map(|shares| Arc::new(CpuGroup::new(shares)));
         let churn_pace = cfg.rate as f64 / (2 * cfg.churners).max(1) as f64;
         let stream_pace = cfg.stream_rate as f64 / (2 * cfg.streamers).max(1) as f64;
         let mut spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            let group = group.clone();
+            let f = move || {
+                if let Some(g) = group {
+                    g.join();
+                }
+                f()
+            };
             threads.push(std::thread::Builder::new().name(name).spawn(f).expect("spawn a flood thread"));
         };
         for (sock, counts, cap, request) in [
@@ -455,7 +518,7 @@ impl Flood {
                 std::thread::sleep(Duration::from_millis(300));
             }
         }));
-        Flood { stop, threads }
+        Flood { stop, threads, _group: group }
     }
 
     fn stop(mut self) {
@@ -530,15 +593,24 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
     flood.stop();
     let flood_time = started.elapsed();
 
-    // cni.sock past its cap, out of the measurement: every slot taken, and more.
+    // cni.sock past its cap, out of the measurement: every slot taken, and more. This
+    // process spent its connection rate in the flood, so most of these are closed for
+    // that; either way none is held past the cap.
+    let closed_at_once = |t: &str| {
+        ["aether_connections_refused_total{socket=\"cni\"}", "aether_connections_rate_limited_total{socket=\"cni\"}"]
+            .iter()
+            .map(|m| metric_sample(t, m).unwrap_or(0.0))
+            .sum::<f64>()
+    };
+    let before = wait_for("the owner's metrics", T, || scrape_metrics(&rig.metrics));
     let probe: Vec<UnixStream> = (0..CNI_CAP + 16)
         .filter_map(|_| {
             cni_counts.attempts.fetch_add(1, Ordering::Relaxed);
             UnixStream::connect(rig.node.cni_sock()).ok()
         })
         .collect();
-    wait_for("cni.sock's cap refusals counted", T, || {
-        scrape_metrics(&rig.metrics).and_then(|t| metric_sample(&t, "aether_connections_refused_total{socket=\"cni\"}")).filter(|v| *v >= 16.0)
+    wait_for("cni.sock's probe connections past the cap closed and counted", T, || {
+        scrape_metrics(&rig.metrics).filter(|t| closed_at_once(t) >= closed_at_once(&before) + 16.0)
     });
     drop(probe);
     wait_for("cni.sock's connections closed", T, || {
@@ -565,10 +637,13 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
         hwm_kib,
         refused_xds: metric_sample(&text, "aether_connections_refused_total{socket=\"xds\"}").unwrap_or(0.0),
         refused_cni: metric_sample(&text, "aether_connections_refused_total{socket=\"cni\"}").unwrap_or(0.0),
+        rate_limited_xds: metric_sample(&text, "aether_connections_rate_limited_total{socket=\"xds\"}").unwrap_or(0.0),
+        rate_limited_cni: metric_sample(&text, "aether_connections_rate_limited_total{socket=\"cni\"}").unwrap_or(0.0),
         accept_errors: sum(&text, "aether_accept_errors_total"),
         same_worker,
         rate: cfg.rate,
         stream_rate: cfg.stream_rate,
+        cpu_shares: cfg.cpu_shares,
     };
     if !rig.envoy.alive() {
         panic!("Envoy exited; log {}", rig.envoy.log.display());

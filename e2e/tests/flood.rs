@@ -24,8 +24,8 @@ const HWM_MIB: u64 = 256;
 /// Fault matrix row 13. Invariants under the flood: no failed plugin call and no failed
 /// xDS change (Envoy and the plugin stay served), their p99s within `RATIO` times the
 /// unflooded ones plus `SLACK_MS`, the worker's peak RSS under 256 MiB, the same worker
-/// throughout, connections past each socket's cap closed and counted by the worker,
-/// streams past each connection's cap refused (REFUSED_STREAM).
+/// throughout, connections past the flooding process's rate closed and counted by the
+/// worker, streams past each connection's cap refused (REFUSED_STREAM).
 #[test]
 fn a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served() {
     let Some(envoy_bin) = envoy_or_skip("a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served") else {
@@ -40,6 +40,7 @@ fn a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served() {
         rate: env_usize("AETHER_FLOOD_RATE", RATE as usize) as u64,
         stream_rate: env_usize("AETHER_FLOOD_STREAM_RATE", STREAM_RATE as usize) as u64,
         progress_every: 0,
+        cpu_shares: None,
     };
     let r = flood::run(&envoy_bin, &cfg);
     r.print();
@@ -52,8 +53,10 @@ fn a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served() {
     assert!(r.same_worker, "the worker was replaced during the flood");
     let attempts = SocketCounts::get(&r.xds.attempts) + SocketCounts::get(&r.cni.attempts);
     assert!(attempts >= cfg.attempts, "{attempts} connection attempts");
-    assert!(r.refused_xds >= 1.0, "the worker counted no refused connection on xds.sock");
-    assert!(r.refused_cni >= 16.0, "the worker counted {} refused connections on cni.sock", r.refused_cni);
+    // The flood comes from one process: past its burst its connections are closed for its
+    // rate; xds.sock's holder also goes past the cap while it still has tokens.
+    assert!(r.rate_limited_xds >= 1.0 && r.rate_limited_cni >= 1.0, "the worker closed no connection for the flooding process's rate: xds {}, cni {}", r.rate_limited_xds, r.rate_limited_cni);
+    assert!(r.refused_xds + r.rate_limited_xds + r.refused_cni + r.rate_limited_cni >= 16.0, "too few connections closed at once");
     for (name, c) in [("xds.sock", &r.xds), ("cni.sock", &r.cni)] {
         assert!(SocketCounts::get(&c.streams_refused) >= 1, "{name}: no stream refused past the per-connection cap");
         assert_eq!(SocketCounts::get(&c.goaways), 0, "{name}: the worker ended flooding connections with GOAWAY");

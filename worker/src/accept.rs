@@ -13,7 +13,17 @@
 //! closed at once and counted (`aether_connections_refused_total{socket}`); the open
 //! ones are a gauge (`aether_connections{socket}`). The limits themselves are set where
 //! each listener is served and listed in ARCHITECTURE.md ("Limits").
+//!
+//! On the node's unix sockets each peer process also has a connection rate
+//! ([`PeerRate`]: a token bucket per process id, from SO_PEERCRED). The node's clients
+//! open few connections each: the plugin is a new process for every call and opens one,
+//! Envoy holds one. A process that connects over and over (a flood) has its connections
+//! past its rate closed right after the accept, before any task or HTTP/2 work is spent
+//! on them, and counted (`aether_connections_rate_limited_total{socket}`). Closing them
+//! at once also keeps the listen backlog short, so the next plugin's connection does not
+//! wait behind thousands of the flood's.
 
+use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -21,6 +31,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -110,6 +121,10 @@ impl ErrorKind {
 pub trait Listen: Send + Sync + 'static {
     type Conn: Send + 'static;
     fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Conn>>;
+    /// The process that opened `conn`, where the socket family tells it.
+    fn peer_pid(_conn: &Self::Conn) -> Option<i32> {
+        None
+    }
 }
 
 impl Listen for tokio::net::UnixListener {
@@ -117,12 +132,63 @@ impl Listen for tokio::net::UnixListener {
     fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Conn>> {
         tokio::net::UnixListener::poll_accept(self, cx).map_ok(|(conn, _)| conn)
     }
+    fn peer_pid(conn: &Self::Conn) -> Option<i32> {
+        conn.peer_cred().ok()?.pid()
+    }
 }
 
 impl Listen for tokio::net::TcpListener {
     type Conn = tokio::net::TcpStream;
     fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Conn>> {
         tokio::net::TcpListener::poll_accept(self, cx).map_ok(|(conn, _)| conn)
+    }
+}
+
+/// How fast one peer process may open connections on a listener: `burst` at once, then
+/// `per_second`. The burst covers a listener's whole connection cap, so one process can
+/// still fill it (and tests do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerRate {
+    pub burst: u32,
+    pub per_second: u32,
+}
+
+/// Peers whose bucket is remembered; past it, those with a full bucket are forgotten
+/// (they would start full anyway), and if none is, all are (a flood from thousands of
+/// processes at once: each gets its burst again, and the connection cap still holds).
+const MAX_PEERS: usize = 4096;
+
+/// The token buckets of the peer processes seen lately.
+#[derive(Debug)]
+struct PeerBuckets {
+    rate: PeerRate,
+    /// By process id: tokens left, and when they were counted.
+    peers: HashMap<i32, (f64, Instant)>,
+}
+
+impl PeerBuckets {
+    fn new(rate: PeerRate) -> Self {
+        Self { rate, peers: HashMap::new() }
+    }
+
+    fn refilled(rate: PeerRate, (tokens, at): (f64, Instant), now: Instant) -> f64 {
+        (tokens + now.duration_since(at).as_secs_f64() * f64::from(rate.per_second)).min(f64::from(rate.burst))
+    }
+
+    /// Whether process `pid` may open one more connection at `now` (and takes a token).
+    fn admit(&mut self, pid: i32, now: Instant) -> bool {
+        let rate = self.rate;
+        if self.peers.len() >= MAX_PEERS && !self.peers.contains_key(&pid) {
+            self.peers.retain(|_, b| Self::refilled(rate, *b, now) < f64::from(rate.burst));
+            if self.peers.len() >= MAX_PEERS {
+                self.peers.clear();
+            }
+        }
+        let bucket = self.peers.entry(pid).or_insert((f64::from(rate.burst), now));
+        let tokens = Self::refilled(rate, *bucket, now);
+        let admitted = tokens >= 1.0;
+        *bucket = (if admitted { tokens - 1.0 } else { tokens }, now);
+        admitted
     }
 }
 
@@ -137,6 +203,11 @@ pub struct Acceptor<L> {
     max_connections: usize,
     /// Connections refused since the last log line, and when that was.
     refused: (u64, Option<Instant>),
+    /// Each peer process's connection rate, where the listener has one, and the count of
+    /// connections closed over it.
+    peer_rate: Option<(PeerBuckets, Counter)>,
+    /// Connections closed over their peer's rate since the last log line, and when that was.
+    rate_limited: (u64, Option<Instant>),
     open: Gauge,
     metrics: Arc<Metrics>,
 }
@@ -154,9 +225,39 @@ impl<L: Listen> Acceptor<L> {
             slots: Arc::new(Semaphore::new(max_connections)),
             max_connections,
             refused: (0, None),
+            peer_rate: None,
+            rate_limited: (0, None),
             open,
             metrics,
         }
+    }
+
+    /// Limits each peer process to `rate` (on sockets whose peer has a process id).
+    pub fn with_peer_rate(mut self, rate: PeerRate) -> Self {
+        let counter = self.metrics.connections_rate_limited.get_or_create(&SocketLabel { socket: self.socket.into() }).clone();
+        self.peer_rate = Some((PeerBuckets::new(rate), counter));
+        self
+    }
+
+    /// Whether `conn`'s peer is within its rate; if not, `conn` is closed and counted.
+    /// A peer with no process id passes.
+    fn within_rate(&mut self, conn: L::Conn) -> Option<L::Conn> {
+        let Some((buckets, counter)) = self.peer_rate.as_mut() else { return Some(conn) };
+        let Some(pid) = L::peer_pid(&conn) else { return Some(conn) };
+        let now = Instant::now();
+        if buckets.admit(pid, now) {
+            return Some(conn);
+        }
+        drop(conn);
+        counter.inc();
+        self.rate_limited.0 += 1;
+        if self.rate_limited.1.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
+            let rate = buckets.rate;
+            tracing::warn!(socket = self.socket, pid, burst = rate.burst, per_second = rate.per_second, closed = self.rate_limited.0,
+                "a process is opening connections faster than its rate; closing them at once");
+            self.rate_limited = (0, Some(now));
+        }
+        None
     }
 
     /// The next accepted connection, whatever the cap. A failed accept is counted and,
@@ -224,13 +325,14 @@ impl<L: Listen> Acceptor<L> {
     pub async fn next(&mut self) -> Tracked<L::Conn> {
         loop {
             let conn = self.accept().await;
+            let Some(conn) = self.within_rate(conn) else { continue };
             if let Some(t) = self.admit(conn) {
                 return t;
             }
         }
     }
 
-    /// The connections under the cap that `allow` lets through, as tonic's incoming
+    /// The connections within their peer's rate and under the cap that `allow` lets through, as tonic's incoming
     /// stream. It never yields an error: failures are handled here, and tonic's own
     /// loop would retry a failed accept at once.
     pub fn incoming<F>(self, allow: F) -> impl Stream<Item = io::Result<Tracked<L::Conn>>> + Send + 'static
@@ -240,6 +342,7 @@ impl<L: Listen> Acceptor<L> {
         futures::stream::unfold((self, allow), |(mut acceptor, mut allow)| async move {
             loop {
                 let conn = acceptor.accept().await;
+                let Some(conn) = acceptor.within_rate(conn) else { continue };
                 if !allow(&conn) {
                     continue;
                 }
@@ -408,6 +511,70 @@ mod tests {
                 None => Poll::Pending,
             }
         }
+        /// Connection n comes from process n / 100; those under 100 from none known.
+        fn peer_pid(conn: &u32) -> Option<i32> {
+            (*conn >= 100).then_some((*conn / 100) as i32)
+        }
+    }
+
+    #[test]
+    fn a_peer_gets_its_burst_then_its_rate_and_each_peer_has_its_own_bucket() {
+        let mut b = PeerBuckets::new(PeerRate { burst: 3, per_second: 10 });
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let admitted = |b: &mut PeerBuckets, pid, at| (0..5).filter(|_| b.admit(pid, at)).count();
+        assert_eq!(admitted(&mut b, 7, t0), 3, "the burst, then nothing");
+        assert_eq!(admitted(&mut b, 8, t0), 3, "another process has a bucket of its own");
+        assert_eq!(admitted(&mut b, 7, ms(99)), 0, "0.99 tokens refilled");
+        assert_eq!(admitted(&mut b, 7, ms(250)), 2, "2.5 tokens at 10 a second");
+        assert_eq!(admitted(&mut b, 7, ms(100_000)), 3, "refilled up to the burst, no more");
+    }
+
+    #[test]
+    fn past_max_peers_full_buckets_are_forgotten_and_then_all_if_none_is_full() {
+        let mut b = PeerBuckets::new(PeerRate { burst: 2, per_second: 1 });
+        let t0 = Instant::now();
+        for pid in 0..MAX_PEERS as i32 {
+            assert!(b.admit(pid, t0), "peer {pid}'s first");
+        }
+        assert!(b.admit(0, t0) && !b.admit(0, t0), "peer 0 spent its burst");
+        // A second later every bucket but peer 0's is full again: those are forgotten.
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(b.admit(MAX_PEERS as i32, t1), "a new peer past the table's size");
+        assert_eq!(b.peers.len(), 2, "peer 0 and the new one");
+        assert!(b.admit(0, t1) && !b.admit(0, t1), "peer 0 is remembered: one token refilled, not a fresh burst");
+
+        // None full: all are forgotten.
+        let mut b = PeerBuckets::new(PeerRate { burst: 2, per_second: 1 });
+        for pid in 0..MAX_PEERS as i32 {
+            assert!(b.admit(pid, t0));
+        }
+        assert!(b.admit(-1, t0));
+        assert_eq!(b.peers.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn connections_over_their_peers_rate_are_closed_and_counted_before_allow_sees_them() {
+        let metrics = Metrics::new();
+        // Process 1 opens three, process 2 one, and one from no known process.
+        let script = Arc::new(Script::new([Ok(101), Ok(102), Ok(103), Ok(201), Ok(5)]));
+        let a = Acceptor::new(script, "test", 16, metrics.clone()).with_peer_rate(PeerRate { burst: 2, per_second: 1 });
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let seen2 = seen.clone();
+        let incoming = a.incoming(move |c| {
+            seen2.lock().unwrap().push(*c);
+            true
+        });
+        let mut incoming = std::pin::pin!(incoming);
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            got.push(*futures::StreamExt::next(&mut incoming).await.unwrap().unwrap().get_ref());
+        }
+        assert_eq!(got, [101, 102, 201, 5], "103 is past process 1's burst of 2");
+        assert_eq!(*seen.lock().unwrap(), [101, 102, 201, 5], "allow never saw 103");
+        let label = SocketLabel { socket: "test".into() };
+        assert_eq!(metrics.connections_rate_limited.get_or_create(&label).get(), 1);
+        assert_eq!(metrics.connections_refused.get_or_create(&label).get(), 0);
     }
 
     fn errno(e: i32) -> io::Result<u32> {

@@ -154,6 +154,7 @@ pub struct Metrics {
     pub accept_errors: Family<AcceptErrorLabel, Counter>,
     pub connections: Family<SocketLabel, Gauge>,
     pub connections_refused: Family<SocketLabel, Counter>,
+    pub connections_rate_limited: Family<SocketLabel, Counter>,
     pub xds_subscription_refusals: Family<LimitLabel, Counter>,
     pub identity_svid_updates: Family<SvidSourceLabel, Counter>,
     pub identity_subscriptions: Gauge,
@@ -224,6 +225,7 @@ impl Metrics {
             accept_errors: Family::default(),
             connections: Family::default(),
             connections_refused: Family::default(),
+            connections_rate_limited: Family::default(),
             xds_subscription_refusals: Family::default(),
             identity_svid_updates: Family::default(),
             identity_subscriptions: Gauge::default(),
@@ -293,6 +295,11 @@ impl Metrics {
         r.register("accept_errors", "Failed accepts, by listener and kind (each but connection backs off 10 ms doubling to 1 s)", m.accept_errors.clone());
         r.register("connections", "Connections open on each listener", m.connections.clone());
         r.register("connections_refused", "Connections closed at once because their listener was at its connection cap", m.connections_refused.clone());
+        r.register(
+            "connections_rate_limited",
+            "Connections closed at once because their peer process opened connections faster than its rate",
+            m.connections_rate_limited.clone(),
+        );
         r.register(
             "xds_subscription_refusals",
             "ADS streams ended with RESOURCE_EXHAUSTED over a subscription limit, by type and limit (names, name_length)",

@@ -31,7 +31,7 @@ use aether_model::Change;
 use anyhow::Context;
 use shared_proto::cni::cni_server::CniServer;
 
-use crate::accept::{Acceptor, Tracked};
+use crate::accept::{Acceptor, PeerRate, Tracked};
 use crate::acks::Acks;
 use crate::metrics::Metrics;
 use crate::node::Node;
@@ -61,17 +61,27 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 /// twice that admits every request the plugin accepts.
 pub const MAX_REQUEST: usize = 2 << 20;
 
+/// How fast one process may open connections on `cni.sock`: the whole cap at once,
+/// then 100 a second. The plugin is a new process for each call and opens one.
+pub const PEER_RATE: PeerRate = PeerRate { burst: MAX_CONNECTIONS as u32 + 64, per_second: 100 };
+
 /// The CNI server's limits; ARCHITECTURE.md ("Limits") lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub max_connections: usize,
+    pub peer_rate: PeerRate,
     pub max_streams_per_connection: u32,
     pub max_request: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { max_connections: MAX_CONNECTIONS, max_streams_per_connection: MAX_STREAMS_PER_CONNECTION, max_request: MAX_REQUEST }
+        Self {
+            max_connections: MAX_CONNECTIONS,
+            peer_rate: PEER_RATE,
+            max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
+            max_request: MAX_REQUEST,
+        }
     }
 }
 
@@ -134,7 +144,7 @@ async fn serve_service(
     };
 
     let fence = service.clone();
-    let incoming = allowed_peers(listener, service.metrics().clone(), limits.max_connections)?;
+    let incoming = allowed_peers(listener, service.metrics().clone(), limits.max_connections, limits.peer_rate)?;
     let server = tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_streams_per_connection)
         .add_service(CniServer::new(service).max_decoding_message_size(limits.max_request))
@@ -163,13 +173,14 @@ fn allowed_peers(
     listener: tokio::net::UnixListener,
     metrics: Arc<Metrics>,
     max_connections: usize,
+    peer_rate: PeerRate,
 ) -> anyhow::Result<impl tokio_stream::Stream<Item = std::io::Result<Tracked<tokio::net::UnixStream>>>> {
     use std::os::unix::fs::MetadataExt;
     let owner = {
         let fd = std::os::fd::AsFd::as_fd(&listener).try_clone_to_owned().context("dup of the cni.sock listener")?;
         std::fs::File::from(fd).metadata().context("fstat of the cni.sock listener")?.uid()
     };
-    let acceptor = Acceptor::new(listener, "cni", max_connections, metrics.clone());
+    let acceptor = Acceptor::new(listener, "cni", max_connections, metrics.clone()).with_peer_rate(peer_rate);
     Ok(acceptor.incoming(move |stream: &tokio::net::UnixStream| match stream.peer_cred() {
         Ok(c) if c.uid() == 0 || c.uid() == owner => true,
         Ok(c) => {

@@ -36,7 +36,7 @@ use super::kind::{self, Kind};
 use super::protocol::{Event, Protocol};
 use super::stream::StreamState;
 use super::wire::{DeltaRequestWire, MAX_REQUEST, SotwRequestWire};
-use crate::accept::Acceptor;
+use crate::accept::{Acceptor, PeerRate};
 use crate::acks::Acks;
 use crate::metrics::{LimitLabel, Metrics, TypeLabel};
 use crate::writers::Observed;
@@ -77,10 +77,15 @@ pub const MAX_CONNECTIONS: usize = 64;
 /// stream. A stream past it is refused by HTTP/2 (REFUSED_STREAM).
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 16;
 
+/// How fast one process may open connections on `xds.sock`: the whole cap at once, then
+/// 20 a second. The proxy holds one and opens another only to reconnect.
+pub const PEER_RATE: PeerRate = PeerRate { burst: MAX_CONNECTIONS as u32 + 64, per_second: 20 };
+
 /// The ADS server's limits; ARCHITECTURE.md ("Limits") lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub max_connections: usize,
+    pub peer_rate: PeerRate,
     pub max_streams_per_connection: u32,
     /// The largest request, encoded (a larger one ends its stream with OUT_OF_RANGE).
     pub max_request: usize,
@@ -91,6 +96,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: MAX_CONNECTIONS,
+            peer_rate: PEER_RATE,
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
             max_request: MAX_REQUEST,
             subscriptions: SubscriptionLimits::default(),
@@ -141,7 +147,9 @@ pub async fn serve_limited(
     stop_accepting: impl Future<Output = ()> + Send + 'static,
     limits: Limits,
 ) -> anyhow::Result<()> {
-    let incoming = Acceptor::new(listener, "xds", limits.max_connections, metrics.clone()).incoming(|_| true);
+    let incoming = Acceptor::new(listener, "xds", limits.max_connections, metrics.clone())
+        .with_peer_rate(limits.peer_rate)
+        .incoming(|_| true);
     let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, observed, limits, streams: AtomicU64::new(0) });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
