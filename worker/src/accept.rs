@@ -39,6 +39,10 @@ use tokio::time::Instant;
 
 use crate::metrics::{AcceptErrorLabel, Metrics, SocketLabel};
 
+/// Connections closed at once in a row after which an accept loop yields to the
+/// runtime's other tasks.
+const YIELD_EVERY: u32 = 16;
+
 /// The first delay after a failed accept.
 pub const BACKOFF_FIRST: Duration = Duration::from_millis(10);
 /// The longest delay between two attempts while accepts keep failing.
@@ -323,33 +327,38 @@ impl<L: Listen> Acceptor<L> {
 
     /// The next connection under the cap; those past it are closed and counted.
     pub async fn next(&mut self) -> Tracked<L::Conn> {
+        self.next_allowed(&mut |_| true).await
+    }
+
+    /// The next connection within its peer's rate, that `allow` lets through and under
+    /// the cap. Every [`YIELD_EVERY`] connections closed at once in a row it lets the
+    /// runtime's other tasks run: a flood would otherwise hold the worker's one thread
+    /// for a whole cooperative budget (128 accepts) at a time, and the proxy's stream
+    /// would wait behind it.
+    async fn next_allowed(&mut self, allow: &mut impl FnMut(&L::Conn) -> bool) -> Tracked<L::Conn> {
+        let mut closed = 0;
         loop {
             let conn = self.accept().await;
-            let Some(conn) = self.within_rate(conn) else { continue };
-            if let Some(t) = self.admit(conn) {
+            if let Some(t) = self.within_rate(conn).filter(|c| allow(c)).and_then(|c| self.admit(c)) {
                 return t;
+            }
+            closed += 1;
+            if closed % YIELD_EVERY == 0 {
+                tokio::task::yield_now().await;
             }
         }
     }
 
-    /// The connections within their peer's rate and under the cap that `allow` lets through, as tonic's incoming
-    /// stream. It never yields an error: failures are handled here, and tonic's own
-    /// loop would retry a failed accept at once.
+    /// The connections within their peer's rate and under the cap that `allow` lets
+    /// through, as tonic's incoming stream. It never yields an error: failures are
+    /// handled here, and tonic's own loop would retry a failed accept at once.
     pub fn incoming<F>(self, allow: F) -> impl Stream<Item = io::Result<Tracked<L::Conn>>> + Send + 'static
     where
         F: FnMut(&L::Conn) -> bool + Send + 'static,
     {
         futures::stream::unfold((self, allow), |(mut acceptor, mut allow)| async move {
-            loop {
-                let conn = acceptor.accept().await;
-                let Some(conn) = acceptor.within_rate(conn) else { continue };
-                if !allow(&conn) {
-                    continue;
-                }
-                if let Some(t) = acceptor.admit(conn) {
-                    return Some((Ok(t), (acceptor, allow)));
-                }
-            }
+            let t = acceptor.next_allowed(&mut allow).await;
+            Some((Ok(t), (acceptor, allow)))
         })
     }
 }
@@ -551,6 +560,24 @@ mod tests {
         }
         assert!(b.admit(-1, t0));
         assert_eq!(b.peers.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_run_of_connections_closed_at_once_lets_other_tasks_run() {
+        let metrics = Metrics::new();
+        // Process 1's first, 16 more past its rate, then process 2's.
+        let mut script: Vec<io::Result<u32>> = (101..=117).map(Ok).collect();
+        script.push(Ok(201));
+        let mut a = Acceptor::new(Arc::new(Script::new(script)), "test", 16, metrics).with_peer_rate(PeerRate { burst: 1, per_second: 0 });
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ran2 = ran.clone();
+        tokio::spawn(async move { ran2.store(true, std::sync::atomic::Ordering::SeqCst) });
+        // The scripted listener is always ready, so only the loop's own yield lets the
+        // spawned task run on this one-thread runtime.
+        assert_eq!(*a.next().await.get_ref(), 101);
+        assert!(!ran.load(std::sync::atomic::Ordering::SeqCst), "nothing yielded yet");
+        assert_eq!(*a.next().await.get_ref(), 201);
+        assert!(ran.load(std::sync::atomic::Ordering::SeqCst), "16 closed in a row: the loop yielded");
     }
 
     #[tokio::test(start_paused = true)]
