@@ -30,14 +30,23 @@ pub fn init(format: &str) {
         Err(e) => (filter(None).expect("the default filter"), Some(e)),
     };
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(ansi);
-    if format == "json" {
-        builder.json().flatten_event(true).finish().with(targets).init();
-    } else {
-        builder.finish().with(targets).init();
-    }
+    subscriber(targets, format, ansi, std::io::stderr).init();
     if let Some(problem) = problem {
         tracing::warn!("{problem}");
+    }
+}
+
+/// Text or flattened JSON lines on `writer`, filtered by `targets` alone.
+fn subscriber<W>(targets: Targets, format: &str, ansi: bool, writer: W) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
+    // The builder's own level (info by default) would hide what `targets` lets through.
+    let builder = tracing_subscriber::fmt().with_max_level(tracing::level_filters::LevelFilter::TRACE).with_writer(writer).with_ansi(ansi);
+    if format == "json" {
+        Box::new(builder.json().flatten_event(true).finish().with(targets))
+    } else {
+        Box::new(builder.finish().with(targets))
     }
 }
 
@@ -58,6 +67,37 @@ mod tests {
         assert_eq!(format!("{:?}", filter(Some(" ")).unwrap()), format!("{default:?}"));
         assert!(filter(Some("warn")).unwrap().would_enable("x", &Level::WARN));
         assert!(!filter(Some("warn")).unwrap().would_enable("x", &Level::INFO));
+    }
+
+    /// What a subscriber wrote.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_subscriber_writes_what_the_directives_enable_and_nothing_else() {
+        for format in ["text", "json"] {
+            let out = Captured::default();
+            let writer = out.clone();
+            let sub = subscriber(filter(Some("info,aether_worker::xds::server=debug")).unwrap(), format, false, move || writer.clone());
+            tracing::subscriber::with_default(sub, || {
+                tracing::debug!(target: "aether_worker::xds::server", "pushed");
+                tracing::debug!(target: "aether_worker::cni", "hidden");
+                tracing::info!(target: "aether_worker::cni", "served");
+            });
+            let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+            assert!(text.contains("pushed") && text.contains("served"), "{format}: {text}");
+            assert!(!text.contains("hidden"), "{format}: {text}");
+        }
     }
 
     #[test]
