@@ -97,11 +97,13 @@ impl Generation {
         // A corrupt or empty record counts as generation 0: the lock, not the number, is
         // what fences owners, and the number is only for operators.
         let n = lock.read_at(&mut buf, 0).unwrap_or(0);
-        let previous: u64 = std::str::from_utf8(&buf[..n]).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        let previous: u64 = std::str::from_utf8(&buf[..n]).ok().and_then(|t| t.lines().next()?.trim().parse().ok()).unwrap_or(0);
         // A forged u64::MAX must not overflow.
         let next = previous.saturating_add(1);
-        self.file.set_len(0).map_err(err)?;
-        self.file.write_all_at(format!("{next}\n").as_bytes(), 0).map_err(err)?;
+        // Write, then cut: killed in between, the record still starts with a number's line.
+        let record = format!("{next}\n");
+        self.file.write_all_at(record.as_bytes(), 0).map_err(err)?;
+        self.file.set_len(record.len() as u64).map_err(err)?;
         Ok(next)
     }
 }
@@ -125,6 +127,8 @@ mod tests {
         assert_eq!(bump(""), 1);
         assert_eq!(bump("41\n"), 42);
         assert_eq!(bump("garbage"), 1);
+        // A kill between the write and the cut leaves the old tail after the first line.
+        assert_eq!(bump("7\n99\n"), 8);
         assert_eq!(bump(&u64::MAX.to_string()), u64::MAX);
     }
 
