@@ -21,7 +21,9 @@
 //! past its rate closed right after the accept, before any task or HTTP/2 work is spent
 //! on them, and counted (`aether_connections_rate_limited_total{socket}`). Closing them
 //! at once also keeps the listen backlog short, so the next plugin's connection does not
-//! wait behind thousands of the flood's.
+//! wait behind thousands of the flood's. After a backlog's worth of them in a row the loop
+//! pauses for 1 ms ([`PAUSE_EVERY`]), so a flood gets a bounded share of the worker's one
+//! thread instead of all of it.
 
 use std::collections::HashMap;
 use std::io;
@@ -42,6 +44,16 @@ use crate::metrics::{AcceptErrorLabel, Metrics, SocketLabel};
 /// Connections closed at once in a row after which an accept loop yields to the
 /// runtime's other tasks.
 const YIELD_EVERY: u32 = 16;
+
+/// Connections closed in a row for their peer's rate after which an accept loop pauses
+/// for [`RATE_PAUSE`]: one listen backlog's worth (the supervisor's `BACKLOG`). A flood
+/// refills the backlog as fast as it is emptied, so accepting at full speed only turns
+/// the flood's connects into the worker's CPU time; paused, the flood meets a full
+/// backlog (EAGAIN, its own CPU time) and a legitimate connect waits at most one pause
+/// and one backlog behind it.
+const PAUSE_EVERY: u32 = 16;
+/// See [`PAUSE_EVERY`]. The runtime's timer resolution is 1 ms.
+const RATE_PAUSE: Duration = Duration::from_millis(1);
 
 /// The first delay after a failed accept.
 pub const BACKOFF_FIRST: Duration = Duration::from_millis(10);
@@ -335,15 +347,28 @@ impl<L: Listen> Acceptor<L> {
     /// runtime's other tasks run: a flood would otherwise hold the worker's one thread
     /// for a whole cooperative budget (128 accepts) at a time, and the proxy's stream
     /// would wait behind it.
+    /// Every [`PAUSE_EVERY`] in a row closed for their peer's rate, it pauses instead.
     async fn next_allowed(&mut self, allow: &mut impl FnMut(&L::Conn) -> bool) -> Tracked<L::Conn> {
-        let mut closed = 0;
+        let (mut closed, mut over_rate) = (0, 0);
         loop {
             let conn = self.accept().await;
-            if let Some(t) = self.within_rate(conn).filter(|c| allow(c)).and_then(|c| self.admit(c)) {
+            let admitted = match self.within_rate(conn) {
+                Some(conn) => {
+                    over_rate = 0;
+                    Some(conn).filter(|c| allow(c)).and_then(|c| self.admit(c))
+                }
+                None => {
+                    over_rate += 1;
+                    None
+                }
+            };
+            if let Some(t) = admitted {
                 return t;
             }
             closed += 1;
-            if closed % YIELD_EVERY == 0 {
+            if over_rate > 0 && over_rate % PAUSE_EVERY == 0 {
+                tokio::time::sleep(RATE_PAUSE).await;
+            } else if closed % YIELD_EVERY == 0 {
                 tokio::task::yield_now().await;
             }
         }
@@ -578,6 +603,24 @@ mod tests {
         assert!(!ran.load(std::sync::atomic::Ordering::SeqCst), "nothing yielded yet");
         assert_eq!(*a.next().await.get_ref(), 201);
         assert!(ran.load(std::sync::atomic::Ordering::SeqCst), "16 closed in a row: the loop yielded");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_backlog_of_connections_over_their_peers_rate_pauses_the_loop() {
+        // Process 1's first, then `over` past its rate, then process 2's; the clock only
+        // moves when the loop sleeps.
+        let run = |over: u32| async move {
+            let mut script: Vec<io::Result<u32>> = (101..=101 + over).map(Ok).collect();
+            script.push(Ok(201));
+            let mut a = Acceptor::new(Arc::new(Script::new(script)), "test", 16, Metrics::new())
+                .with_peer_rate(PeerRate { burst: 1, per_second: 0 });
+            assert_eq!(*a.next().await.get_ref(), 101);
+            let t0 = Instant::now();
+            assert_eq!(*a.next().await.get_ref(), 201);
+            t0.elapsed()
+        };
+        assert_eq!(run(PAUSE_EVERY - 1).await, Duration::ZERO, "one short of a backlog: no pause");
+        assert_eq!(run(PAUSE_EVERY).await, RATE_PAUSE, "a backlog's worth in a row: one pause");
     }
 
     #[tokio::test(start_paused = true)]

@@ -16,8 +16,13 @@ use std::path::{Path, PathBuf};
 
 use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket};
 
-/// Connects queue here while no worker accepts (a respawn, a takeover in progress).
-pub const BACKLOG: i32 = 1024;
+/// Connects queue here while no worker accepts (a respawn, a takeover in progress). The
+/// node's clients are one Envoy and one plugin process per CNI call; a plugin that finds
+/// the backlog full waits in the kernel (a blocking connect bounded by its timeout), so a
+/// burst of 1,000 concurrent calls gets through all the same. A short backlog bounds how
+/// many of a flood's connections a plugin's connect queues behind (the worker closes
+/// those for their rate, `PAUSE_EVERY` in `worker/src/accept.rs`).
+pub const BACKLOG: i32 = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
