@@ -7,7 +7,7 @@
 //!
 //! `cargo bench -p aether-e2e --bench flood` (release profile; it builds the agent's
 //! binaries for it). Needs Envoy (`scripts/install-envoy.sh` or `ENVOY_BIN`). Env:
-//! `AETHER_FLOOD_ATTEMPTS` (default 100,000), `AETHER_FLOOD_SAMPLES` (default 200),
+//! `AETHER_FLOOD_ATTEMPTS` (default 100,000), `AETHER_FLOOD_SAMPLES` (default 1,000),
 //! `AETHER_FLOOD_HELD` (connections held on `cni.sock`, default 1,000),
 //! `AETHER_FLOOD_RATE` and `AETHER_FLOOD_STREAM_RATE` (connect-and-close attempts and
 //! stream-opening connections a second; default 0, as fast as the flood's threads go),
@@ -30,7 +30,7 @@ fn main() {
     build_agent_bins();
     let cfg = Config {
         attempts: env_usize("AETHER_FLOOD_ATTEMPTS", 100_000) as u64,
-        samples: env_usize("AETHER_FLOOD_SAMPLES", 200),
+        samples: env_usize("AETHER_FLOOD_SAMPLES", 1_000),
         cni_held: env_usize("AETHER_FLOOD_HELD", 1_000),
         churners: 2,
         streamers: 2,

@@ -63,9 +63,10 @@ fn a_worker_out_of_descriptors_backs_off_under_five_percent_of_a_core_and_serves
     assert!(limits.lines().any(|l| l.starts_with("Max open files") && l.split_whitespace().nth(3) == Some("128")), "{limits}");
 
     // Connections the worker accepts and keeps (an HTTP/2 client that has not spoken
-    // yet), until it holds every descriptor it may have; a few more wait in the backlog.
+    // yet), until it holds every descriptor it may have; a few more wait in the backlog
+    // (fewer than its 8 places: past them a blocking connect would wait for the worker).
     let free = NOFILE as usize - open_fds(worker);
-    let held: Vec<UnixStream> = (0..free + 8).map(|_| UnixStream::connect(node.cni_sock()).expect("connect cni.sock")).collect();
+    let held: Vec<UnixStream> = (0..free + 4).map(|_| UnixStream::connect(node.cni_sock()).expect("connect cni.sock")).collect();
     wait_for("the worker at its descriptor limit", T, || (open_fds(worker) == NOFILE as usize).then_some(()));
     // One waiting connection on each of the other listeners.
     let _waiting = (

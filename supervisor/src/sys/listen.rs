@@ -21,8 +21,9 @@ use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bin
 /// the backlog full waits in the kernel (a blocking connect bounded by its timeout), so a
 /// burst of 1,000 concurrent calls gets through all the same. A short backlog bounds how
 /// many of a flood's connections a plugin's connect queues behind (the worker closes
-/// those for their rate, `PAUSE_EVERY` in `worker/src/accept.rs`).
-pub const BACKLOG: i32 = 16;
+/// those for their rate, pausing after two backlogs' worth: `PAUSE_EVERY` in
+/// `worker/src/accept.rs`).
+pub const BACKLOG: i32 = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
