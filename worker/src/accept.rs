@@ -209,6 +209,26 @@ impl PeerBuckets {
     }
 }
 
+/// A log line about a repeated event at most every [`LOG_EVERY`], with the count since
+/// the last one.
+#[derive(Debug, Default)]
+struct Throttled {
+    since_logged: u64,
+    logged: Option<Instant>,
+}
+
+impl Throttled {
+    /// Counts one event at `now`; the count since the last line when a line is due.
+    fn count(&mut self, now: Instant) -> Option<u64> {
+        self.since_logged += 1;
+        if self.logged.is_some_and(|at| now.duration_since(at) < LOG_EVERY) {
+            return None;
+        }
+        self.logged = Some(now);
+        Some(std::mem::take(&mut self.since_logged))
+    }
+}
+
 /// One listener's accept loop state: its backoff and its connection cap.
 pub struct Acceptor<L> {
     listener: L,
@@ -218,13 +238,13 @@ pub struct Acceptor<L> {
     failing: Option<(Instant, u64, Instant)>,
     slots: Arc<Semaphore>,
     max_connections: usize,
-    /// Connections refused since the last log line, and when that was.
-    refused: (u64, Option<Instant>),
+    /// Connections refused at the cap: their counter, and the log line's throttle.
+    refused: (Counter, Throttled),
     /// Each peer process's connection rate, where the listener has one, and the count of
     /// connections closed over it.
     peer_rate: Option<(PeerBuckets, Counter)>,
-    /// Connections closed over their peer's rate since the last log line, and when that was.
-    rate_limited: (u64, Option<Instant>),
+    /// Connections closed over their peer's rate: the log line's throttle.
+    rate_limited: Throttled,
     open: Gauge,
     metrics: Arc<Metrics>,
 }
@@ -233,7 +253,9 @@ impl<L: Listen> Acceptor<L> {
     /// Accepts on `listener`, named `socket` in metrics and logs, holding at most
     /// `max_connections` open.
     pub fn new(listener: L, socket: &'static str, max_connections: usize, metrics: Arc<Metrics>) -> Self {
-        let open = metrics.connections.get_or_create(&SocketLabel { socket: socket.into() }).clone();
+        let label = SocketLabel { socket: socket.into() };
+        let open = metrics.connections.get_or_create(&label).clone();
+        let refused = metrics.connections_refused.get_or_create(&label).clone();
         Self {
             listener,
             socket,
@@ -241,9 +263,9 @@ impl<L: Listen> Acceptor<L> {
             failing: None,
             slots: Arc::new(Semaphore::new(max_connections)),
             max_connections,
-            refused: (0, None),
+            refused: (refused, Throttled::default()),
             peer_rate: None,
-            rate_limited: (0, None),
+            rate_limited: Throttled::default(),
             open,
             metrics,
         }
@@ -267,12 +289,10 @@ impl<L: Listen> Acceptor<L> {
         }
         drop(conn);
         counter.inc();
-        self.rate_limited.0 += 1;
-        if self.rate_limited.1.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
+        if let Some(closed) = self.rate_limited.count(now) {
             let rate = buckets.rate;
-            tracing::warn!(socket = self.socket, pid, burst = rate.burst, per_second = rate.per_second, closed = self.rate_limited.0,
+            tracing::warn!(socket = self.socket, pid, burst = rate.burst, per_second = rate.per_second, closed,
                 "a process is opening connections faster than its rate; closing them at once");
-            self.rate_limited = (0, Some(now));
         }
         None
     }
@@ -325,13 +345,10 @@ impl<L: Listen> Acceptor<L> {
             }
             Err(_) => {
                 drop(conn);
-                self.metrics.connections_refused.get_or_create(&SocketLabel { socket: self.socket.into() }).inc();
-                let now = Instant::now();
-                self.refused.0 += 1;
-                if self.refused.1.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
-                    tracing::warn!(socket = self.socket, max = self.max_connections, refused = self.refused.0,
+                self.refused.0.inc();
+                if let Some(refused) = self.refused.1.count(Instant::now()) {
+                    tracing::warn!(socket = self.socket, max = self.max_connections, refused,
                         "connection cap reached; closing new connections at once");
-                    self.refused = (0, Some(now));
                 }
                 None
             }
@@ -586,6 +603,16 @@ mod tests {
         }
         assert!(b.admit(-1, t0));
         assert_eq!(b.peers.len(), 1);
+    }
+
+    #[test]
+    fn a_throttled_event_is_logged_at_first_and_then_once_per_interval_with_its_count() {
+        let (mut t, t0) = (Throttled::default(), Instant::now());
+        assert_eq!(t.count(t0), Some(1));
+        assert_eq!(t.count(t0 + Duration::from_secs(1)), None);
+        assert_eq!(t.count(t0 + LOG_EVERY - Duration::from_millis(1)), None);
+        assert_eq!(t.count(t0 + LOG_EVERY), Some(3), "the two held back and this one");
+        assert_eq!(t.count(t0 + LOG_EVERY), None);
     }
 
     #[tokio::test(start_paused = true)]
