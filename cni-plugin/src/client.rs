@@ -6,8 +6,8 @@
 //! `Unavailable`). All three are retried every ~10 ms for a bounded time, so that the
 //! runtime never sees the switch; past the bound the answer is CNI code 11 (try again
 //! later). So is a full listen backlog (EAGAIN: a burst or flood of connects not yet
-//! accepted), after a connect that waits for room in the kernel. Every call is idempotent on the agent side, so retrying a whole call is
-//! safe.
+//! accepted), after a connect that waits for room in the kernel. Every call is idempotent
+//! on the agent side, so retrying a whole call is safe.
 
 use std::io;
 use std::path::Path;

@@ -240,11 +240,9 @@ pub struct Acceptor<L> {
     max_connections: usize,
     /// Connections refused at the cap: their counter, and the log line's throttle.
     refused: (Counter, Throttled),
-    /// Each peer process's connection rate, where the listener has one, and the count of
-    /// connections closed over it.
-    peer_rate: Option<(PeerBuckets, Counter)>,
-    /// Connections closed over their peer's rate: the log line's throttle.
-    rate_limited: Throttled,
+    /// Each peer process's connection rate, where the listener has one; the connections
+    /// closed over it: their counter, and the log line's throttle.
+    peer_rate: Option<(PeerBuckets, Counter, Throttled)>,
     open: Gauge,
     metrics: Arc<Metrics>,
 }
@@ -265,7 +263,6 @@ impl<L: Listen> Acceptor<L> {
             max_connections,
             refused: (refused, Throttled::default()),
             peer_rate: None,
-            rate_limited: Throttled::default(),
             open,
             metrics,
         }
@@ -274,14 +271,14 @@ impl<L: Listen> Acceptor<L> {
     /// Limits each peer process to `rate` (on sockets whose peer has a process id).
     pub fn with_peer_rate(mut self, rate: PeerRate) -> Self {
         let counter = self.metrics.connections_rate_limited.get_or_create(&SocketLabel { socket: self.socket.into() }).clone();
-        self.peer_rate = Some((PeerBuckets::new(rate), counter));
+        self.peer_rate = Some((PeerBuckets::new(rate), counter, Throttled::default()));
         self
     }
 
     /// Whether `conn`'s peer is within its rate; if not, `conn` is closed and counted.
     /// A peer with no process id passes.
     fn within_rate(&mut self, conn: L::Conn) -> Option<L::Conn> {
-        let Some((buckets, counter)) = self.peer_rate.as_mut() else { return Some(conn) };
+        let Some((buckets, counter, throttle)) = self.peer_rate.as_mut() else { return Some(conn) };
         let Some(pid) = L::peer_pid(&conn) else { return Some(conn) };
         let now = Instant::now();
         if buckets.admit(pid, now) {
@@ -289,7 +286,7 @@ impl<L: Listen> Acceptor<L> {
         }
         drop(conn);
         counter.inc();
-        if let Some(closed) = self.rate_limited.count(now) {
+        if let Some(closed) = throttle.count(now) {
             let rate = buckets.rate;
             tracing::warn!(socket = self.socket, pid, burst = rate.burst, per_second = rate.per_second, closed,
                 "a process is opening connections faster than its rate; closing them at once");
@@ -364,8 +361,8 @@ impl<L: Listen> Acceptor<L> {
     /// the cap. Every [`YIELD_EVERY`] connections closed at once in a row it lets the
     /// runtime's other tasks run: a flood would otherwise hold the worker's one thread
     /// for a whole cooperative budget (128 accepts) at a time, and the proxy's stream
-    /// would wait behind it.
-    /// Every [`PAUSE_EVERY`] in a row closed for their peer's rate, it pauses instead.
+    /// would wait behind it. When those were all closed for their peer's rate, every
+    /// [`PAUSE_EVERY`] it pauses for [`RATE_PAUSE`] instead.
     async fn next_allowed(&mut self, allow: &mut impl FnMut(&L::Conn) -> bool) -> Tracked<L::Conn> {
         let (mut closed, mut over_rate) = (0, 0);
         loop {
