@@ -47,7 +47,14 @@ pub(super) trait Served: Protocol {
     type Wire: prost::Message + Default + Into<Self::Request> + Send + 'static;
     /// Whether `req` keeps the stream within `limits`; checked before it is applied.
     fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError>;
+    /// How many names `req` carries: what freeing it costs.
+    fn names(req: &Self::Request) -> usize;
 }
+
+/// A request carrying more names than this is freed on a blocking thread, not before the
+/// answer: a reconnect at 10,000 services reports 10,000 versions per type, and freeing
+/// those 20,000 strings takes milliseconds on the runtime's one thread.
+const FREE_OFF_THREAD: usize = 1024;
 
 impl Served for StreamState {
     type Wire = SotwRequestWire;
@@ -61,12 +68,20 @@ impl Served for StreamState {
         let names: std::collections::BTreeSet<&str> = req.resource_names.iter().map(String::as_str).collect();
         limits.check_count(kind, names.len())
     }
+
+    fn names(req: &Self::Request) -> usize {
+        req.resource_names.len()
+    }
 }
 
 impl Served for DeltaState {
     type Wire = DeltaRequestWire;
     fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError> {
         DeltaState::check_limits(self, req, limits)
+    }
+
+    fn names(req: &Self::Request) -> usize {
+        req.resource_names_subscribe.len() + req.resource_names_unsubscribe.len() + req.initial_resource_versions.len()
     }
 }
 
@@ -242,6 +257,9 @@ async fn run_stream<P: Served>(
                         return;
                     }
                     record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
+                    if P::names(&req) > FREE_OFF_THREAD {
+                        tokio::task::spawn_blocking(move || drop(req));
+                    }
                 }
                 Ok(None) => {
                     if node_id.is_empty() {

@@ -1,0 +1,110 @@
+//! What a new owner's worker spends on a proxy's reconnect over delta ADS at mesh scale,
+//! in one thread and without the transport: the proxy reports every resource version it
+//! holds (`initial_resource_versions`), and the worker decodes each first request,
+//! applies it, works out its answer and frees the request. After a takeover the versions
+//! match the worker's snapshot, so every answer is empty; this is the agent's share of
+//! the served gap (README, "Mesh scale").
+//!
+//!   cargo bench -p aether-worker --bench resume
+//!   AETHER_BENCH_SERVICES=1000 AETHER_BENCH_ROUNDS=50 cargo bench -p aether-worker --bench resume
+//!
+//! Prints the median and p99 over the rounds of each step, per type, and the total.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use aether_model::{Endpoint, EndpointState, Inputs, RegistryView, Service, build};
+use aether_worker::xds::delta::DeltaState;
+use aether_worker::xds::encoded::Encoded;
+use aether_worker::xds::kind::{KINDS, Kind, type_url, wire_version};
+use aether_worker::xds::protocol::Protocol;
+use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
+use prost::Message;
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn mesh(services: usize) -> Inputs {
+    let services = (0..services).map(|s| Service {
+        name: format!("svc-{s}"),
+        namespace: "mesh".into(),
+        ports: vec![80],
+        vip: None,
+        endpoints: (0..10)
+            .map(|e| Endpoint {
+                address: format!("10.{}.{}.{}", s / 250, s % 250, e + 1).parse().expect("an IPv4 address"),
+                port: 8080,
+                service_port: 80,
+                node: String::new(),
+                pod: String::new(),
+                state: EndpointState::Healthy,
+                mtls: false,
+            })
+            .collect(),
+    });
+    Inputs { registry: RegistryView::new(services), ..Default::default() }
+}
+
+/// The proxy's first request of `kind` on a new stream, holding all of `versions`, encoded.
+fn resume_request(kind: Kind, versions: &imbl::OrdMap<String, u64>) -> Vec<u8> {
+    let named = matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret);
+    DeltaDiscoveryRequest {
+        type_url: type_url(kind).into(),
+        resource_names_subscribe: if named { versions.keys().cloned().collect() } else { Vec::new() },
+        initial_resource_versions: versions.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn main() {
+    let (services, rounds) = (env("AETHER_BENCH_SERVICES", 10_000), env("AETHER_BENCH_ROUNDS", 40).max(1));
+    let snapshot = Arc::new(build(&mesh(services)));
+    let encoded = Arc::new(Encoded::default());
+    encoded.warm(&snapshot, None);
+    let requests: Vec<(Kind, Vec<u8>)> = KINDS.into_iter().map(|k| (k, resume_request(k, snapshot.hashes(k)))).collect();
+    println!(
+        "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds",
+        snapshot.hashes(Kind::Cluster).len(),
+        snapshot.hashes(Kind::Endpoint).len()
+    );
+    // Per type: decode, apply, answer, free; and each round's total.
+    let mut steps: Vec<[Vec<f64>; 4]> = KINDS.iter().map(|_| Default::default()).collect();
+    let mut totals = Vec::new();
+    for _ in 0..rounds {
+        let start = Instant::now();
+        let mut st = DeltaState::new(snapshot.clone(), encoded.clone());
+        for (i, (_, bytes)) in requests.iter().enumerate() {
+            let t0 = Instant::now();
+            let req = DeltaDiscoveryRequest::decode(bytes.as_slice()).expect("the request decodes");
+            let t1 = Instant::now();
+            st.on_request(&req);
+            let t2 = Instant::now();
+            let answers = st.pending();
+            let t3 = Instant::now();
+            drop(req);
+            let t4 = Instant::now();
+            assert!(answers.iter().all(|a| a.resources.is_empty() && a.removed_resources.is_empty()), "a reconnect to the same snapshot is answered empty");
+            for (k, d) in [t1 - t0, t2 - t1, t3 - t2, t4 - t3].into_iter().enumerate() {
+                steps[i][k].push(ms(d));
+            }
+        }
+        totals.push(ms(start.elapsed()));
+    }
+    let fmt = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        format!("{:6.2} / {:6.2}", at(0.5), at(0.99))
+    };
+    println!("{:<5} {:>15} {:>15} {:>15} {:>15}   (ms, median / p99)", "type", "decode", "apply", "answer", "free");
+    for (i, kind) in KINDS.iter().enumerate() {
+        let [d, a, p, f] = &mut steps[i];
+        println!("{:<5} {:>15} {:>15} {:>15} {:>15}", kind.short(), fmt(d), fmt(a), fmt(p), fmt(f));
+    }
+    println!("total per reconnect, median / p99: {} ms (the server frees requests of over 1,024 names off its thread)", fmt(&mut totals));
+}
