@@ -26,7 +26,12 @@
 //! ([`Snapshot::changed_since`]), so one endpoint change at 10,000 services looks at one
 //! load assignment, not 10,000. A fresh subscription, or a stream that fell behind the
 //! snapshot history, compares everything once. What the proxy holds and has ACKed are
-//! persistent maps: recording them per response copies nothing.
+//! persistent maps: recording them per response copies nothing. A reconnect reports
+//! every version the proxy holds; after a takeover those are the snapshot's, so what it
+//! holds is built as the snapshot's own map, and the comparison walks only where the
+//! two differ (`held_versions`, `compare_all`). At 10,000 services a reconnect takes
+//! about 18 ms of the runtime thread, decoding included, instead of about 45 (`cargo
+//! bench -p aether-worker --bench resume`; the server frees large requests elsewhere).
 //!
 //! Limits: the names a stream subscribes to grow across its requests, so each request is
 //! checked before it is applied ([`DeltaState::check_limits`]): at most
