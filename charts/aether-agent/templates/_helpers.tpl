@@ -154,6 +154,9 @@ Prometheus (files/envoy-stats-listener.yaml).
 {{- if hasKey $boot "Error" -}}
 {{- fail (printf "the filled Envoy bootstrap template is not YAML: %s" $boot.Error) -}}
 {{- end -}}
+{{- if .Values.proxy.meshStats -}}
+{{- $_ := unset $boot "stats_config" -}}
+{{- end -}}
 {{- $static := $boot.static_resources -}}
 {{- if or (not $static) (hasKey $static "listeners") -}}
 {{- fail "the Envoy bootstrap template must have static_resources and no static listeners: the chart adds the readiness listener" -}}

@@ -77,33 +77,11 @@ pub struct Envoy {
 
 impl Envoy {
     /// Renders the bootstrap into `dir` (admin pipe, config and log file there) and starts
-    /// Envoy against `run_dir`'s xds.sock.
+    /// Envoy against `run_dir`'s xds.sock. As deployed, Envoy keeps no stats for the
+    /// mesh's clusters and virtual hosts (the template's `stats_config`).
     pub fn start(bin: &Path, dir: &Path, run_dir: &Path, base: Duration, max: Duration, api: AdsApi) -> std::io::Result<Envoy> {
-        Self::start_with_stats(bin, dir, run_dir, base, max, api, true)
-    }
-
-    /// [`Self::start`]; without `mesh_stats`, Envoy keeps no stats for the mesh's clusters
-    /// (`cluster.outbound|...`) and virtual hosts (`vhost.`). At 10,000 clusters those are over a million stats, and
-    /// Envoy walks them all on its main thread, the one that runs xDS, for every admin
-    /// stats query: the roll harness's poll would cost ~170 ms and delay what it measures.
-    pub fn start_with_stats(
-        bin: &Path,
-        dir: &Path,
-        run_dir: &Path,
-        base: Duration,
-        max: Duration,
-        api: AdsApi,
-        mesh_stats: bool,
-    ) -> std::io::Result<Envoy> {
         let admin = dir.join("envoy-admin.sock");
-        let mut config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max, api);
-        if !mesh_stats {
-            config.push_str(concat!(
-                "stats_config:\n  stats_matcher:\n    exclusion_list:\n      patterns:\n",
-                "      - prefix: \"cluster.outbound|\"\n",
-                "      - prefix: \"vhost.\"\n",
-            ));
-        }
+        let config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max, api);
         let config_path = dir.join("envoy.yaml");
         std::fs::write(&config_path, config)?;
         let log = dir.join("envoy.log");

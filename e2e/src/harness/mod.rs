@@ -528,8 +528,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         keeper.log().contains("keeping the owner's node sockets").then_some(())
     })
     .with_context(|| format!("keeper log:\n{}", keeper.log()))?;
-    // At mesh scale without the mesh's per-cluster stats, so that the poller stays cheap.
-    let envoy = Envoy::start_with_stats(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api, cfg.mesh_services == 0)
+    let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api)
         .context("start Envoy")?;
     try_wait_for("Envoy to connect and take its first config", T_START, || {
         let stats = envoy.stats(&[envoy::CONNECTED, envoy::UPDATE_TIMES[1]])?;

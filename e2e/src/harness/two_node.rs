@@ -124,7 +124,7 @@ impl PeerNode {
         let owner = node.start_agent_with(&[&format!("--capture-file={}", capture.display()), &format!("--registrar={registrar}")]);
         try_wait_for(&format!("node B's agent {} to own its node", owner.name), T_START, || owner.serving_owner())
             .with_context(|| format!("node B ({}) {} log:\n{}", root.display(), owner.name, owner.log()))?;
-        let envoy = Envoy::start_with_stats(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api, cfg.mesh_services == 0)
+        let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api)
             .context("start node B's Envoy")?;
         try_wait_for(&format!("node B's Envoy to route {service} through {outbound}"), T_START, || {
             (envoy.stat(envoy::CONNECTED) == Some(1) && super::load::request(outbound, service).is_ok()).then_some(())
