@@ -210,7 +210,7 @@ fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTre
     // Held but not wanted (also when unchanged): only a type that is not a plain
     // wildcard can have those. `holds` and `names` are both sorted: one merged walk
     // instead of a lookup per name.
-    if !(t.wildcard && !lazy) {
+    if !t.wildcard || lazy {
         let mut names = t.names.iter().peekable();
         for n in t.holds.keys() {
             while names.next_if(|m| *m < n).is_some() {}
@@ -338,13 +338,14 @@ impl Protocol for DeltaState {
                 t.names.extend(o.names());
             }
         }
-        if first && !lazy {
+        let at_once = first && !lazy;
+        if at_once {
             // A fresh subscription names everything at once: one sorted build of the set
             // instead of an insert per name (10,000 EDS names on a reconnect at scale).
             t.wildcard |= req.resource_names_subscribe.iter().any(|n| n == "*");
             t.names = req.resource_names_subscribe.iter().filter(|n| *n != "*").cloned().collect();
         }
-        for n in req.resource_names_subscribe.iter().filter(|_| !(first && !lazy)) {
+        for n in req.resource_names_subscribe.iter().filter(|_| !at_once) {
             if n == "*" {
                 t.wildcard = true;
                 t.full = true;
