@@ -30,5 +30,7 @@ pub mod registrar;
 pub mod registry;
 pub mod storage;
 pub mod takeover;
+#[cfg(test)]
+pub(crate) mod test_rng;
 pub mod writers;
 pub mod xds;

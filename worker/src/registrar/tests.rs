@@ -8,6 +8,7 @@ use aether_model::{Change, EndpointState, Service, ServiceKey};
 use shared_proto::registry as pb;
 
 use super::mirror::Mirror;
+use crate::test_rng::Rng;
 
 fn key(ns: &str, name: &str) -> pb::ServiceKey {
     pb::ServiceKey { namespace: ns.into(), name: name.into() }
@@ -140,17 +141,6 @@ fn bad_entries_are_skipped_and_named_not_applied() {
     assert_eq!(changes.len(), 1, "{changes:?}");
 }
 
-/// A tiny deterministic generator: the test needs no random crate.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 #[test]
 fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does() {
     for seed in 1..=40u64 {
@@ -163,11 +153,11 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
         let mut node = BTreeMap::new();
         apply(&mut node, mirror.apply_full(pb::FullView { revision: 1, ..Default::default() }).0);
         for rev in 2..200 {
-            let name = format!("s{}", rng.next(6));
-            let addr = format!("10.0.0.{}", rng.next(5));
-            let kind = match rng.next(6) {
+            let name = format!("s{}", rng.below(6));
+            let addr = format!("10.0.0.{}", rng.below(5));
+            let kind = match rng.below(6) {
                 0 => {
-                    let vip = format!("10.96.0.{}", rng.next(3));
+                    let vip = format!("10.96.0.{}", rng.below(3));
                     metas.insert(name.clone(), vip.clone());
                     pb::change::Kind::ServiceUpserted(service(&name, &vip, vec![]))
                 }
@@ -176,7 +166,7 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
                     pb::change::Kind::ServiceRemoved(key("default", &name))
                 }
                 2 | 3 => {
-                    let state = if rng.next(2) == 0 { pb::EndpointState::Healthy } else { pb::EndpointState::Draining };
+                    let state = if rng.below(2) == 0 { pb::EndpointState::Healthy } else { pb::EndpointState::Draining };
                     let e = ep(&addr, 8080, "n1", state);
                     endpoints.insert((name.clone(), addr.clone()), e.clone());
                     pb::change::Kind::EndpointUpserted(pb::EndpointUpsert { service: Some(key("default", &name)), endpoint: Some(e) })
@@ -186,7 +176,7 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
                     pb::change::Kind::EndpointRemoved(pb::EndpointRemoval { service: Some(key("default", &name)), address: addr, port: 8080 })
                 }
                 _ => {
-                    let draining = rng.next(2) == 0;
+                    let draining = rng.below(2) == 0;
                     if draining {
                         marks.insert((name.clone(), addr.clone()), ());
                     } else {

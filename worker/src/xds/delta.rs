@@ -31,7 +31,7 @@
 //! holds is built as the snapshot's own map, and the comparison walks only where the
 //! two differ (`held_versions`, `compare_all`). At 10,000 services a reconnect takes
 //! about 18 ms of the runtime thread, decoding included, instead of about 45 (`cargo
-//! bench -p aether-worker --bench resume`; the server frees large requests elsewhere).
+//! bench -p aether-e2e --bench resume`; the server frees large requests elsewhere).
 //!
 //! Limits: the names a stream subscribes to grow across its requests, so each request is
 //! checked before it is applied ([`DeltaState::check_limits`]): at most
@@ -567,6 +567,8 @@ mod tests {
     use aether_model::{Change, Endpoint, EndpointState, Inputs, Pod, RegistryView, Service, build};
     use envoy_types::pb::google::rpc::Status;
 
+    use crate::test_rng::Rng;
+
     fn inputs(endpoints: usize, pods: usize) -> Inputs {
         let eps = (0..endpoints)
             .map(|i| Endpoint {
@@ -942,18 +944,6 @@ mod tests {
         let out = sent(&mut st);
         assert_eq!(out.iter().map(|o| (o.0, o.2.len(), o.3.clone())).collect::<Vec<_>>(), vec![("CDS", 0, vec!["outbound|80||nope.d".to_string()])]);
         assert!(!observed.contains("outbound|80||nope.d"));
-    }
-
-    /// xorshift64*: deterministic, so a failing seed reproduces.
-    struct Rng(u64);
-
-    impl Rng {
-        fn below(&mut self, n: u64) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-        }
     }
 
     /// A random map of up to 60 names out of 80, with hashes out of 3.

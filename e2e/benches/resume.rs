@@ -1,55 +1,40 @@
 //! What a new owner's worker spends on a proxy's reconnect over delta ADS at mesh scale,
 //! in one thread and without the transport: the proxy reports every resource version it
-//! holds (`initial_resource_versions`), and the worker decodes each first request,
+//! holds (`initial_resource_versions`), and the worker decodes each first request (as
+//! its server does: into the lean wire type, then the protocol's request),
 //! applies it, works out its answer and frees the request. After a takeover the versions
 //! match the worker's snapshot, so every answer is empty; this is the agent's share of
 //! the served gap (README, "Mesh scale").
 //!
-//!   cargo bench -p aether-worker --bench resume
-//!   AETHER_BENCH_SERVICES=1000 AETHER_BENCH_ROUNDS=50 cargo bench -p aether-worker --bench resume
+//!   cargo bench -p aether-e2e --bench resume
+//!   AETHER_BENCH_SERVICES=1000 AETHER_BENCH_ROUNDS=50 cargo bench -p aether-e2e --bench resume
 //!
 //! Prints the median and p99 over the rounds of each step, per type, and the total.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use aether_model::{Endpoint, EndpointState, Inputs, RegistryView, Service, build};
+use aether_e2e::testing::mesh_service;
+use aether_model::{Inputs, RegistryView, Snapshot, build};
 use aether_worker::xds::delta::DeltaState;
 use aether_worker::xds::encoded::Encoded;
 use aether_worker::xds::kind::{KINDS, Kind, type_url, wire_version};
 use aether_worker::xds::protocol::Protocol;
-use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
+use aether_worker::xds::wire::DeltaRequestWire;
 use prost::Message;
+
+/// The request type the delta protocol applies.
+type Request = <DeltaState as Protocol>::Request;
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn mesh(services: usize) -> Inputs {
-    let services = (0..services).map(|s| Service {
-        name: format!("svc-{s}"),
-        namespace: "mesh".into(),
-        ports: vec![80],
-        vip: None,
-        endpoints: (0..10)
-            .map(|e| Endpoint {
-                address: format!("10.{}.{}.{}", s / 250, s % 250, e + 1).parse().expect("an IPv4 address"),
-                port: 8080,
-                service_port: 80,
-                node: String::new(),
-                pod: String::new(),
-                state: EndpointState::Healthy,
-                mtls: false,
-            })
-            .collect(),
-    });
-    Inputs { registry: RegistryView::new(services), ..Default::default() }
-}
-
-/// The proxy's first request of `kind` on a new stream, holding all of `versions`, encoded.
-fn resume_request(kind: Kind, versions: &imbl::OrdMap<String, u64>) -> Vec<u8> {
+/// The proxy's first request of `kind` on a new stream, holding all of `s`, encoded.
+fn resume_request(s: &Snapshot, kind: Kind) -> Vec<u8> {
+    let versions = s.hashes(kind);
     let named = matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret);
-    DeltaDiscoveryRequest {
+    DeltaRequestWire {
         type_url: type_url(kind).into(),
         resource_names_subscribe: if named { versions.keys().cloned().collect() } else { Vec::new() },
         initial_resource_versions: versions.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
@@ -64,10 +49,11 @@ fn ms(d: std::time::Duration) -> f64 {
 
 fn main() {
     let (services, rounds) = (env("AETHER_BENCH_SERVICES", 10_000), env("AETHER_BENCH_ROUNDS", 40).max(1));
-    let snapshot = Arc::new(build(&mesh(services)));
+    let inputs = Inputs { registry: RegistryView::new((0..services).map(|s| mesh_service(s, 10, None))), ..Default::default() };
+    let snapshot = Arc::new(build(&inputs));
     let encoded = Arc::new(Encoded::default());
     encoded.warm(&snapshot, None);
-    let requests: Vec<(Kind, Vec<u8>)> = KINDS.into_iter().map(|k| (k, resume_request(k, snapshot.hashes(k)))).collect();
+    let requests: Vec<(Kind, Vec<u8>)> = KINDS.into_iter().map(|k| (k, resume_request(&snapshot, k))).collect();
     println!(
         "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds",
         snapshot.hashes(Kind::Cluster).len(),
@@ -81,7 +67,7 @@ fn main() {
         let mut st = DeltaState::new(snapshot.clone(), encoded.clone());
         for (i, (_, bytes)) in requests.iter().enumerate() {
             let t0 = Instant::now();
-            let req = DeltaDiscoveryRequest::decode(bytes.as_slice()).expect("the request decodes");
+            let req = Request::from(DeltaRequestWire::decode(bytes.as_slice()).expect("the request decodes"));
             let t1 = Instant::now();
             st.on_request(&req);
             let t2 = Instant::now();
