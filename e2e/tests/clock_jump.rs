@@ -177,6 +177,9 @@ fn record_uids(node: &LocalNode) -> Vec<String> {
 fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration {
     let old = owner.worker_pid();
     let serving = owner.log().matches("worker serves the node").count();
+    // The new worker's last line of a respawn: its mesh-DNS writer reads the file back once
+    // it serves (the owner wrote the file at its start).
+    let read_back = owner.log().matches("mesh-DNS snapshot read back as serving starts").count();
     let start = Instant::now();
     kill(Pid::from_raw(old), Signal::SIGSTOP).expect("stop the worker");
     if let Some(spec) = jump_to {
@@ -189,10 +192,14 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
         owner.serving_owner().filter(|v| v["pid"].as_i64() != Some(old as i64)).map(|_| ())
     });
     let took = start.elapsed();
-    // The supervisor logs the Serving report just after the worker's /ready says so;
-    // waits for it, so that a log mark taken next follows every line of this respawn.
-    wait_for("the supervisor to log the replacement serving", T, || {
-        (owner.log().matches("worker serves the node").count() > serving).then_some(())
+    // The supervisor logs the Serving report just after the worker's /ready says so, and
+    // the worker's mesh-DNS writer logs its read-back just after it starts serving; waits
+    // for both, so that a log mark taken next follows every line of this respawn.
+    wait_for("the supervisor and the new worker to log the replacement serving", T, || {
+        let log = owner.log();
+        (log.matches("worker serves the node").count() > serving
+            && log.matches("mesh-DNS snapshot read back as serving starts").count() > read_back)
+            .then_some(())
     });
     took
 }
