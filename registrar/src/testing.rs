@@ -104,7 +104,24 @@ impl Etcd {
         Self::cluster_with(1, Some(tls))
     }
 
+    /// Ports come from [`free_port`], which another test may take before etcd binds them:
+    /// a member that exits on `address already in use` makes the cluster start again on
+    /// new ports, a few times.
     fn cluster_with(members: usize, tls: Option<EtcdTls>) -> Etcd {
+        let mut attempt = 1;
+        loop {
+            match Self::try_cluster(members, tls.clone()) {
+                Ok(etcd) => return etcd,
+                Err(log) if attempt < 5 && log.contains("address already in use") => {
+                    eprintln!("etcd: a port was taken before etcd bound it; starting again on new ports (attempt {attempt})");
+                    attempt += 1;
+                }
+                Err(log) => panic!("{log}"),
+            }
+        }
+    }
+
+    fn try_cluster(members: usize, tls: Option<EtcdTls>) -> Result<Etcd, String> {
         assert!(members >= 1);
         let scheme = if tls.is_some() { "https" } else { "http" };
         let dir = tempfile::Builder::new().prefix("aether-etcd-").tempdir().expect("a temp dir for etcd");
@@ -126,9 +143,9 @@ impl Etcd {
             etcd.spawn(i, "new");
         }
         for i in 0..etcd.members.len() {
-            etcd.wait_healthy(i);
+            etcd.wait_started(i)?;
         }
-        etcd
+        Ok(etcd)
     }
 
     fn spawn(&mut self, i: usize, state: &str) {
@@ -159,16 +176,24 @@ impl Etcd {
 
     /// Waits until member `i` says it is healthy (it has a leader).
     pub fn wait_healthy(&mut self, i: usize) {
+        if let Err(log) = self.wait_started(i) {
+            panic!("{log}");
+        }
+    }
+
+    /// [`Self::wait_healthy`], or the member's log if it exited first.
+    fn wait_started(&mut self, i: usize) -> Result<(), String> {
         let url = self.members[i].health_url.clone();
         let what = format!("etcd member {} at {url} to be healthy", self.members[i].name);
         wait_for(&what, Duration::from_secs(20), || {
             if let Some(c) = self.members[i].child.as_mut()
                 && let Ok(Some(status)) = c.try_wait()
             {
-                panic!("etcd member {i} exited with {status}: {}", std::fs::read_to_string(&self.members[i].log).unwrap_or_default());
+                let log = std::fs::read_to_string(&self.members[i].log).unwrap_or_default();
+                return Some(Err(format!("etcd member {i} exited with {status}: {log}")));
             }
-            health(&url).then_some(())
-        });
+            health(&url).then_some(Ok(()))
+        })
     }
 
     /// The client URLs, comma-separated: what `--etcd` takes.
