@@ -171,16 +171,13 @@ impl TypeState {
 fn held_versions(current: &OrdMap<String, u64>, initial: &HashMap<String, String>) -> OrdMap<String, u64> {
     let parse = |v: &String| u64::from_str_radix(v, 16).ok();
     let held_as_current = |name: &String, hash: &u64| initial.get(name).and_then(parse) == Some(*hash);
-    let same = current.iter().filter(|(n, h)| held_as_current(n, h)).count();
+    // Not held, or at another version: out, before what is held goes in.
+    let differ: Vec<&String> = current.iter().filter(|(n, h)| !held_as_current(n, h)).map(|(n, _)| n).collect();
     let mut holds = current.clone();
-    if same < current.len() {
-        // Not held, or at another version: out, before what is held goes in.
-        let differ: Vec<&String> = current.iter().filter(|(n, h)| !held_as_current(n, h)).map(|(n, _)| n).collect();
-        for name in differ {
-            holds.remove(name);
-        }
+    for name in &differ {
+        holds.remove(*name);
     }
-    if same < initial.len() {
+    if current.len() - differ.len() < initial.len() {
         for (name, version) in initial {
             if let Some(v) = parse(version)
                 && current.get(name) != Some(&v)
@@ -211,14 +208,8 @@ fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTre
     // wildcard can have those. `holds` and `names` are both sorted: one merged walk
     // instead of a lookup per name.
     if !t.wildcard || lazy {
-        let mut names = t.names.iter().peekable();
-        for n in t.holds.keys() {
-            while names.next_if(|m| *m < n).is_some() {}
-            let named = names.peek() == Some(&n);
-            if !(named || (t.wildcard && !(lazy && is_outbound_cluster(n)))) {
-                removed.push(n.clone());
-            }
-        }
+        let unnamed = sorted_filter(t.holds.keys().map(String::as_str), t.names.iter().map(String::as_str), false);
+        removed.extend(unnamed.filter(|n| !(t.wildcard && !(lazy && is_outbound_cluster(n)))).map(String::from));
         removed.sort();
         removed.dedup();
     }
