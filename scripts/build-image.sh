@@ -3,10 +3,11 @@
 # Debian's buildah: no daemon, vfs storage, chroot isolation, as root. The version is the
 # workspace's (Cargo.toml), which must be the chart's appVersion, its default image tag.
 #
-#   1. cargo build --release --workspace --bins (seconds when already built)
+#   1. cargo build --release --workspace --bins (seconds when already built), and the
+#      CNI plugin as it ships, statically linked (scripts/build-cni-plugin.sh says why)
 #   2. stages target/image/context/rootfs: the five binaries the image carries, without
 #      their debug sections (objcopy --strip-debug), and the shared libraries `ldd` lists
-#      for them, at the paths the loader looks in
+#      for them, at the paths the loader looks in (none for the static plugin)
 #   3. buildah build, then buildah push to an OCI archive,
 #      target/image/aether-agent-<version>.oci.tar, which any registry tool can push
 #      (e.g. `skopeo copy oci-archive:<file> docker://<registry>/aether/agent:<version>`)
@@ -19,7 +20,6 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 root="$AETHER_ROOT"
-target="${CARGO_TARGET_DIR:-$root/target}"
 img_dir="$AETHER_IMAGE_DIR"
 BINS=("${AETHER_IMAGE_BINS[@]}")
 
@@ -71,6 +71,7 @@ export AETHER_REVISION="$revision"
 
 t0="$(now)"
 (cd "$root" && cargo build --release --workspace --bins)
+"$root/scripts/build-cni-plugin.sh" >/dev/null
 t1="$(now)"
 
 # The build context: rootfs/ is copied into the image as it is.
@@ -79,8 +80,8 @@ rm -rf "$context"
 mkdir -p "$context/rootfs/usr/local/bin"
 libs=()
 for b in "${BINS[@]}"; do
-  bin="$target/release/$b"
-  [[ -x "$bin" ]] || { echo "build-image: $bin is missing after the release build" >&2; exit 1; }
+  bin="$(image_bin_source "$b")"
+  [[ -x "$bin" ]] || { echo "build-image: $bin is missing after the build" >&2; exit 1; }
   # Without the DWARF line tables of the release profile (Containerfile says why).
   objcopy --strip-debug "$bin" "$context/rootfs/usr/local/bin/$b"
   chmod 0755 "$context/rootfs/usr/local/bin/$b"
@@ -113,5 +114,5 @@ archive_bytes="$(stat -c %s "$archive")"
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 echo "libraries: ${libs[*]}"
 echo "image size: $(mib "$rootfs_bytes") unpacked ($(printf '%s ' "${BINS[@]}")and ${#libs[@]} libraries), $(mib "$archive_bytes") as the OCI archive"
-echo "build time: cargo build --release $(secs "$t0" "$t1") s, image (stage, buildah build, push) $(secs "$t1" "$t2") s, total $(secs "$t0" "$t2") s"
+echo "build time: cargo build --release and the static plugin $(secs "$t0" "$t1") s, image (stage, buildah build, push) $(secs "$t1" "$t2") s, total $(secs "$t0" "$t2") s"
 echo "image: $image (id ${new_id:0:12}), archive $archive"

@@ -10,6 +10,9 @@
 #   AETHER_IMAGE_BINS  the binaries the image carries (the Containerfile says why each)
 #
 # ensure_venv            create AETHER_VENV with `python3 -m venv` if it has no python
+# image_bin_source NAME  the built file that ships as NAME (in the image, and the plugin on
+#                        the host): <target>/release/NAME, except aether-cni, which is
+#                        the static build of build-cni-plugin.sh, <target>/<host>/cni-plugin/
 # venv_pip_install ARGS  `pip install ARGS` into AETHER_VENV, one installer at a time
 #
 # Several scripts (install-tools.sh, install-envoy.sh) install into the same .venv and may
@@ -21,6 +24,15 @@ AETHER_VENV="${AETHER_VENV:-$AETHER_ROOT/.venv}"
 AETHER_TOOLS="${AETHER_TOOLS:-$AETHER_ROOT/.tools}"
 AETHER_IMAGE_DIR="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}/image"
 AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-cni agent-ready aether-registrar)
+
+image_bin_source() {
+  local target="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}"
+  if [[ "$1" == aether-cni ]]; then
+    echo "$target/$(rustc -vV | sed -n 's/^host: //p')/cni-plugin/aether-cni"
+  else
+    echo "$target/release/$1"
+  fi
+}
 
 # Each helper runs in a subshell holding an exclusive flock on <tools>/venv.lock (the lock
 # file lives in the git-ignored tools folder). Without flock(1) it runs unlocked.

@@ -221,7 +221,7 @@ mnt="$(bah mount "$container")"
 expected="$(
   for b in "${BINS[@]}"; do
     echo "/usr/local/bin/$b"
-    ldd "$target/release/$b" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }'
+    ldd "$(image_bin_source "$b")" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }'
   done | sort -u
 )"
 # Mount points buildah run adds to the container (not the image) are left out.
@@ -231,13 +231,18 @@ if [[ "$got" != "$expected" ]]; then
   fail "the image's files are not exactly the binaries and their libraries (- expected, + in the image)"
 fi
 for b in "${BINS[@]}"; do
-  objcopy --strip-debug "$target/release/$b" "$work/$b.stripped"
-  cmp -s "$mnt/usr/local/bin/$b" "$work/$b.stripped" || fail "/usr/local/bin/$b in the image is not $target/release/$b without its debug sections"
+  objcopy --strip-debug "$(image_bin_source "$b")" "$work/$b.stripped"
+  cmp -s "$mnt/usr/local/bin/$b" "$work/$b.stripped" || fail "/usr/local/bin/$b in the image is not $(image_bin_source "$b") without its debug sections"
   rm -f "$work/$b.stripped"
 done
+# The plugin runs on the host, with the host's glibc or none: statically linked, it names
+# no program interpreter (scripts/build-cni-plugin.sh).
+if readelf -lW "$mnt/usr/local/bin/aether-cni" | grep -q INTERP; then
+  fail "/usr/local/bin/aether-cni in the image names a program interpreter: it is not statically linked"
+fi
 env_path="$(bah inspect --format '{{.OCIv1.Config.Env}}' "$image")"
 [[ "$env_path" == *"PATH=/usr/local/bin"* ]] || fail "the image's Env has no PATH=/usr/local/bin: $env_path"
-pass "image files: $(wc -l <<<"$got") ($(tr '\n' ' ' <<<"$got")), none of them a shell; PATH=/usr/local/bin"
+pass "image files: $(wc -l <<<"$got") ($(tr '\n' ' ' <<<"$got")), none of them a shell; PATH=/usr/local/bin; aether-cni statically linked"
 
 step "2. /proc/self/status inside the container under the agent container's credentials"
 # No shell and no cat in the image: the host's cat is mounted read-only for this check
@@ -314,6 +319,31 @@ for s in xds.sock cni.sock; do accepts "$node/run/$s" || fail "$node/run/$s does
 pass "the run folder's xds.sock and cni.sock accept connections from the host"
 wait_until 30 grep -q '"aether-cni"' "$node/net.d/10-ptp.conflist" || fail "the owner did not chain aether-cni into the mounted conflist"
 pass "the owner chained aether-cni into the mounted CNI conf folder's conflist"
+# The installed plugin as a container runtime runs it, on a host without any glibc: a
+# root that holds nothing but the plugin and the node's run folder (bind-mounted in a
+# mount namespace of its own). Its ADD reaches the image's agent, which stores the pod's
+# record and, with no proxy here to ACK it, answers after its 2 s ACK bound.
+bare="$work/bare-root"
+mkdir -p "$bare/opt/cni/bin" "$bare/run/aether"
+bare_add() { # PLUGIN: an ADD, on stdin, by PLUGIN run as the bare root's /opt/cni/bin/aether-cni
+  cp "$1" "$bare/opt/cni/bin/aether-cni"
+  env -i CNI_COMMAND=ADD CNI_CONTAINERID=image-test-c1 CNI_NETNS=/var/run/netns/image-test CNI_IFNAME=eth0 \
+    CNI_ARGS='K8S_POD_NAMESPACE=default;K8S_POD_NAME=image-test;K8S_POD_UID=image-test-uid' CNI_PATH=/opt/cni/bin \
+    unshare --mount /bin/bash -c 'mount --bind "$1" "$2/run/aether" && exec chroot "$2" /opt/cni/bin/aether-cni' _ "$node/run" "$bare" <<EOF
+{"cniVersion":"1.0.0","name":"pods","type":"aether-cni","agentSocket":"/run/aether/cni.sock",
+ "prevResult":{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/image-test"}],
+               "ips":[{"address":"10.88.0.7/16","interface":0}]}}
+EOF
+}
+# Negative control: the dynamically linked release build cannot even start there (no
+# loader, no libc).
+if out="$(bare_add "$target/release/aether-cni" 2>&1)"; then
+  fail "the dynamically linked plugin ran in a root without glibc: the bare-root check cannot fail ($out)"
+fi
+add_out="$(bare_add "$node/cni-bin/aether-cni" 2>&1)" || fail "the installed plugin's ADD from a bare root failed: $add_out"
+grep -q '"10.88.0.7/16"' <<<"$add_out" || fail "the installed plugin's ADD did not print its prevResult: $add_out"
+[[ -n "$(find "$node/state" -name image-test-uid.json)" ]] || fail "the agent holds no record of the pod that the plugin added"
+pass "the installed plugin, in a root holding nothing but itself and the run folder, added a pod through the image's agent (record stored); the dynamic build cannot start there"
 metrics="$(curl -s --max-time 5 "http://127.0.0.1:$port/metrics" || true)"
 grep -q '^aether_' <<<"$metrics" || fail "no aether_ metric on 127.0.0.1:$port/metrics (hostNetwork)"
 pass "/metrics answers on the node's loopback ($(grep -c '^aether_' <<<"$metrics") aether_ samples)"

@@ -9,8 +9,8 @@
 //!
 //! Prints the median and p99 of each, and of VERSION (process start and exit alone).
 //!
-//! Run: `cargo bench -p aether-e2e --bench add_latency` (it builds the plugin for its own
-//! profile first, with the cargo that runs it). Env: `AETHER_BENCH_ADDS` (default
+//! Run: `cargo bench -p aether-e2e --bench add_latency` (it first builds the plugin as it
+//! ships, statically linked: `scripts/build-cni-plugin.sh`). Env: `AETHER_BENCH_ADDS` (default
 //! 300); `AETHER_BENCH_STATE_DIR` puts the records on a given filesystem (default a temp
 //! dir under `/var/tmp`, disk-backed like `/var/lib/aether`); `AETHER_BENCH_LOG` (a tracing
 //! filter, e.g. `aether_worker::xds=debug`) logs the worker to stderr, with the time from
@@ -44,26 +44,23 @@ fn report(what: &str, samples: &[Duration]) {
     );
 }
 
-/// The `aether-cni` binary, built for this benchmark's profile: `cargo bench -p aether-e2e`
-/// builds only this package's targets, and the plugin is another package's binary. With
-/// `AETHER_BIN_DIR` set, the binary there as it is.
+/// The `aether-cni` binary as it ships, statically linked with the `cni-plugin` profile:
+/// the runtime starts it for every ADD, so its start is part of what is measured.
+/// `scripts/build-cni-plugin.sh` builds it and prints its path. With `AETHER_BIN_DIR`
+/// set, the binary there as it is.
 fn plugin_bin() -> PathBuf {
-    if std::env::var_os("AETHER_BIN_DIR").is_none() {
-        let dir = testing::bin_dir();
-        let profile = match dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") => "dev".to_string(),
-            Some(p) => p.to_string(),
-            None => panic!("no profile in the binary folder {}", dir.display()),
-        };
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args(["build", "--quiet", "--profile", &profile, "-p", "aether-cni", "--bin", "aether-cni"])
-            .current_dir(testing::workspace_root())
-            .status()
-            .expect("running cargo build for aether-cni");
-        assert!(status.success(), "cargo build -p aether-cni --profile {profile}: {status}");
+    if std::env::var_os("AETHER_BIN_DIR").is_some() {
+        return testing::bin("aether-cni");
     }
-    testing::bin("aether-cni")
+    let script = testing::workspace_root().join("scripts/build-cni-plugin.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(out.status.success(), "{}: {}", script.display(), out.status);
+    let path = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from(path.lines().last().unwrap_or_else(|| panic!("{} printed no path", script.display())))
 }
 
 async fn plugin(bin: &Path, env: &[(&str, String)], stdin: &[u8]) -> Duration {
