@@ -4,6 +4,8 @@
 //! Invariants:
 //! - A record file is only ever created by `rename(2)` of a fsynced temp file in the same
 //!   folder, followed by a fsync of the folder, so a reader sees a whole record or none.
+//!   [`Storage::put_all`] writes a batch's records side by side and fsyncs the folder
+//!   once, after the last rename.
 //! - Bad data is data: a record that does not decode is moved to
 //!   `<state-dir>/pods-quarantine/`, logged with its path and counted; it never stops the
 //!   agent.
@@ -276,30 +278,97 @@ impl Storage {
         &self.pods_dir
     }
 
-    /// Writes the pod's record atomically. Returns false (and writes nothing) when the
-    /// stored record is already identical.
+    /// Writes the pod's record, unless the view already holds exactly this pod. Returns
+    /// whether it wrote. [`Storage::put_all`] of one pod.
     pub fn put(&self, pod: &Pod) -> Result<bool, StorageError> {
-        if !valid_uid(&pod.uid) {
-            return Err(StorageError::InvalidUid(pod.uid.clone()));
-        }
+        self.put_all(std::slice::from_ref(pod)).pop().expect("put_all answers once per pod")
+    }
+
+    /// Writes the records of `pods` as one group commit, with one result per pod, in
+    /// order, each what [`Storage::put`] of it alone would return. Every record is written
+    /// as `put` writes it (a fsynced temp file renamed into place), on up to [`WRITERS`]
+    /// threads at once, and the folder is fsynced once, after the last rename, instead of
+    /// once per record: a burst of ADDs pays one folder fsync, and its file fsyncs run
+    /// side by side rather than one after another. A uid named twice is written in a
+    /// second round, after the first, so the result is that of the puts in order.
+    pub fn put_all(&self, pods: &[Pod]) -> Vec<Result<bool, StorageError>> {
+        let mut round_of: BTreeMap<&str, usize> = BTreeMap::new();
+        let rounds: Vec<usize> = pods
+            .iter()
+            .map(|p| {
+                let r = round_of.entry(p.uid.as_str()).or_insert(0);
+                *r += 1;
+                *r - 1
+            })
+            .collect();
+        let mut results: Vec<Option<Result<bool, StorageError>>> = pods.iter().map(|_| None).collect();
         let mut st = self.lock();
-        if st.view.get(&pod.uid) == Some(pod) {
-            return Ok(false);
+        for round in 0..round_of.values().copied().max().unwrap_or(0) {
+            let members: Vec<usize> = (0..pods.len()).filter(|&i| rounds[i] == round).collect();
+            let answers = self.put_round(&mut st, members.iter().map(|&i| &pods[i]).collect());
+            for (i, answer) in members.into_iter().zip(answers) {
+                results[i] = Some(answer);
+            }
         }
-        let path = self.record_path(&pod.uid);
-        let tmp = self.temp_path(&pod.uid);
-        let result = write_atomically(&tmp, &path, &encode_record(pod), &self.pods_dir);
-        if let Err(e) = result {
-            // Best effort: a leftover temp file is also removed by the owner's next reload or tidy.
-            let _ = fs::remove_file(&tmp);
-            self.failed(&mut st, "write", &e);
-            return Err(e);
+        results.into_iter().map(|r| r.expect("every pod is in a round")).collect()
+    }
+
+    /// One round of [`Storage::put_all`]: `pods` has no uid twice.
+    fn put_round(&self, st: &mut State, pods: Vec<&Pod>) -> Vec<Result<bool, StorageError>> {
+        let mut results: Vec<Option<Result<bool, StorageError>>> = pods
+            .iter()
+            .map(|pod| {
+                if !valid_uid(&pod.uid) {
+                    Some(Err(StorageError::InvalidUid(pod.uid.clone())))
+                } else if st.view.get(&pod.uid) == Some(*pod) {
+                    Some(Ok(false))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let todo: Vec<usize> = (0..pods.len()).filter(|&i| results[i].is_none()).collect();
+        let jobs: Vec<(PathBuf, PathBuf, Vec<u8>)> = todo
+            .iter()
+            .map(|&i| (self.temp_path(&pods[i].uid), self.record_path(&pods[i].uid), encode_record(pods[i])))
+            .collect();
+        let written = write_all_synced(&jobs);
+        // The renames are durable only once the folder is synced: one fsync for them all.
+        let synced = if written.iter().any(Result::is_ok) { sync_dir_io(&self.pods_dir) } else { Ok(()) };
+        let mut any_ok = false;
+        for ((i, (tmp, _, _)), w) in todo.into_iter().zip(&jobs).zip(written) {
+            let pod = pods[i];
+            let result = match (w, &synced) {
+                (Ok(()), Ok(())) => Ok(()),
+                (Ok(()), Err(e)) => Err(StorageError::Io {
+                    op: "syncing",
+                    path: self.pods_dir.clone(),
+                    source: std::io::Error::new(e.kind(), e.to_string()),
+                }),
+                (Err(e), _) => {
+                    // Best effort: a leftover temp file is also removed by the owner's next reload or tidy.
+                    let _ = fs::remove_file(tmp);
+                    Err(e)
+                }
+            };
+            results[i] = Some(match result {
+                Ok(()) => {
+                    // The record now holds this pod: a removal pending for an earlier one is void.
+                    st.pending.remove(&pod.uid);
+                    st.view.insert(pod.uid.clone(), pod.clone());
+                    any_ok = true;
+                    Ok(true)
+                }
+                Err(e) => {
+                    self.failed(st, "write", &e);
+                    Err(e)
+                }
+            });
         }
-        // The record now holds this pod: a removal pending for an earlier one is void.
-        st.pending.remove(&pod.uid);
-        st.view.insert(pod.uid.clone(), pod.clone());
-        self.succeeded(&mut st);
-        Ok(true)
+        if any_ok {
+            self.succeeded(st);
+        }
+        results.into_iter().map(|r| r.expect("every pod has a result")).collect()
     }
 
     /// Removes the pod's record. Returns the removed value, or None when there was none.
@@ -616,7 +685,46 @@ fn read_record(path: &Path, uid: &str) -> Result<Pod, ReadError> {
     Ok(pod)
 }
 
+/// Writes `bytes` to `path` through the new file `tmp` in the folder `dir`: fsynced, renamed
+/// into place, and the folder fsynced.
 pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path) -> Result<(), StorageError> {
+    write_synced(tmp, path, bytes)?;
+    sync_dir(dir)
+}
+
+/// At most this many records of one [`Storage::put_all`] are written at once: enough to
+/// keep a disk's queue busy with fsyncs; more would only contend on the folder's lock.
+pub const WRITERS: usize = 16;
+
+/// [`write_synced`] of each `(tmp, path, bytes)`, on up to [`WRITERS`] threads at once
+/// (in this thread when there is one). One result per job, in order.
+fn write_all_synced(jobs: &[(PathBuf, PathBuf, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
+    if jobs.len() <= 1 {
+        return jobs.iter().map(|(tmp, path, bytes)| write_synced(tmp, path, bytes)).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<Mutex<Option<Result<(), StorageError>>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..WRITERS.min(jobs.len()) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((tmp, path, bytes)) = jobs.get(i) else { break };
+                    let r = write_synced(tmp, path, bytes);
+                    *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every job ran"))
+        .collect()
+}
+
+/// Writes `bytes` to the new file `tmp`, fsyncs it and renames it to `path`. The rename
+/// is durable once the folder is synced, which is the caller's.
+fn write_synced(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<(), StorageError> {
     let io = |op, path: &Path, source| StorageError::Io { op, path: path.to_path_buf(), source };
     let mut file = fs::OpenOptions::new()
         .write(true)
@@ -627,8 +735,7 @@ pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path
     file.write_all(bytes).map_err(|e| io("writing", tmp, e))?;
     file.sync_all().map_err(|e| io("syncing", tmp, e))?;
     drop(file);
-    fs::rename(tmp, path).map_err(|e| io("renaming into place", path, e))?;
-    sync_dir(dir)
+    fs::rename(tmp, path).map_err(|e| io("renaming into place", path, e))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StorageError> {
@@ -944,6 +1051,60 @@ mod tests {
     /// reported until a write succeeds again, and the next write after the fault clears
     /// succeeds without a restart. The fault here is a rename onto a directory, which
     /// fails after the temp file was written, for root too.
+    #[test]
+    fn put_all_writes_every_record_once_and_skips_unchanged_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, m) = open(dir.path());
+        let batch: Vec<Pod> = (0..40).map(|i| pod(&format!("p{i:02}"), &format!("10.0.1.{i}"))).collect();
+        let results = s.put_all(&batch);
+        assert_eq!(results.len(), 40);
+        assert!(results.iter().all(|r| matches!(r, Ok(true))), "{results:?}");
+        let pods = dir.path().join("pods");
+        let mut want: Vec<String> = batch.iter().map(|p| format!("{}.json", p.uid)).collect();
+        want.sort();
+        assert_eq!(names(&pods), want, "every record, no temp file");
+        for p in &batch {
+            assert_eq!(decode_record(&fs::read(pods.join(format!("{}.json", p.uid))).unwrap()), Ok(p.clone()));
+        }
+        assert_eq!(open(dir.path()).0.pods(), batch, "a fresh open reads the batch back");
+
+        let mut again = batch.clone();
+        again[7].ips = vec!["10.0.2.7".parse().unwrap()];
+        let results = s.put_all(&again);
+        let wrote: Vec<usize> = (0..40).filter(|&i| matches!(results[i], Ok(true))).collect();
+        assert_eq!(wrote, vec![7], "only the changed record is written: {results:?}");
+        assert!(results.iter().all(Result::is_ok));
+        assert_eq!(s.get(&again[7].uid), Some(again[7].clone()));
+        assert_eq!(write_errors(&m, "write"), 0);
+    }
+
+    #[test]
+    fn put_all_writes_a_uid_named_twice_in_order_and_fails_only_the_bad_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, m) = open(dir.path());
+        let pods = dir.path().join("pods");
+        fs::create_dir_all(pods.join("blocked.json/in-the-way")).unwrap();
+        let batch = vec![
+            pod("a", "10.0.0.1"),
+            pod("blocked", "10.0.0.2"),
+            pod("../escape", "10.0.0.3"),
+            pod("b", "10.0.0.4"),
+            pod("a", "10.0.0.5"),
+        ];
+        let results = s.put_all(&batch);
+        assert!(matches!(results[0], Ok(true)), "{results:?}");
+        let blocked = results[1].as_ref().expect_err("blocked.json is a directory").to_string();
+        assert!(blocked.contains(&pods.join("blocked.json").display().to_string()), "{blocked}");
+        assert!(matches!(results[2], Err(StorageError::InvalidUid(_))), "{results:?}");
+        assert!(matches!(results[3], Ok(true)), "{results:?}");
+        assert!(matches!(results[4], Ok(true)), "the second `a` is written after the first: {results:?}");
+        assert_eq!(decode_record(&fs::read(pods.join("a.json")).unwrap()), Ok(pod("a", "10.0.0.5")), "the later `a` wins");
+        assert_eq!(s.get("a"), Some(pod("a", "10.0.0.5")));
+        assert_eq!(s.get("blocked"), None, "a failed write is not in the view");
+        assert_eq!(names(&pods), vec!["a.json", "b.json", "blocked.json"], "no temp file left");
+        assert_eq!(write_errors(&m, "write"), 1, "the one failed write counts; an invalid uid is refused before any write");
+    }
+
     #[tokio::test]
     async fn failed_write_leaves_nothing_partial_and_is_reported_until_a_write_succeeds() {
         let dir = tempfile::tempdir().unwrap();

@@ -162,8 +162,8 @@ impl Inner {
 
     /// Adds the pod to the snapshot and writes its record, both under the lifecycle lock,
     /// together with every other ADD that queued meanwhile (group commit): a burst of
-    /// ADDs publishes one snapshot per batch and writes the batch's records concurrently,
-    /// so their fsyncs share the file system's journal commits. The proxy starts applying
+    /// ADDs publishes one snapshot per batch and writes the batch's records in one
+    /// [`Storage::put_all`], side by side with one fsync of the folder. The proxy starts applying
     /// the new snapshot while the fsyncs run; each ADD answers only once both are done,
     /// and a failed write takes its pod back out (restoring what the snapshot held
     /// before), so no answer ever claims a pod the storage does not hold. A crash in
@@ -202,16 +202,16 @@ impl Inner {
         let before: Vec<Option<Pod>> = batch.iter().map(|q| self.node.pod(&q.pod.uid)).collect();
         let removals = evicted.iter().map(|p| Change::RemovePod(p.uid.clone()));
         self.node.apply(removals.chain(batch.iter().map(|q| Change::UpsertPod(q.pod.clone()))));
-        let writes = batch.iter().map(|q| {
-            let (storage, record) = (self.storage.clone(), q.pod.clone());
-            tokio::task::spawn_blocking(move || storage.put(&record))
-        });
-        let written = futures::future::join_all(writes).await;
+        let records: Vec<Pod> = batch.iter().map(|q| q.pod.clone()).collect();
+        let storage = self.storage.clone();
+        let written: Vec<Result<bool, String>> = match tokio::task::spawn_blocking(move || storage.put_all(&records)).await {
+            Ok(results) => results.into_iter().map(|r| r.map_err(|e| e.to_string())).collect(),
+            Err(e) => batch.iter().map(|_| Err(format!("the record writer failed: {e}"))).collect(),
+        };
         let snapshot = self.node.snapshot();
         let mut rollback = Vec::new();
-        for ((q, put), before) in batch.into_iter().zip(written).zip(before) {
+        for ((q, result), before) in batch.into_iter().zip(written).zip(before) {
             let pod = &q.pod;
-            let result = put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
             let failed = match result {
                 Ok(written) if snapshot.holds_pod(&pod.uid, &pod.ips) => {
                     tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, written, "CNI ADD");
