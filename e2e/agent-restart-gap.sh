@@ -88,4 +88,8 @@ if [[ -z "${ENVOY_BIN:-}" ]]; then
 fi
 
 export AETHER_BIN_DIR="$root/target/release"
+# The pods' ADDs and DELs go through the plugin as it ships: statically linked, built apart
+# from the release folder (scripts/build-cni-plugin.sh says why).
+AETHER_CNI_BIN="$(scripts/build-cni-plugin.sh)"
+export AETHER_CNI_BIN
 exec "$AETHER_BIN_DIR/agent-restart-gap"

@@ -24,7 +24,17 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
+/// A built binary of the workspace, in [`bin_dir`]. `AETHER_CNI_BIN` names another
+/// `aether-cni`: the gate sets it to the plugin as it ships (`scripts/build-cni-plugin.sh`),
+/// which is built outside the release folder.
 pub fn bin(name: &str) -> PathBuf {
+    if name == "aether-cni"
+        && let Some(p) = std::env::var_os("AETHER_CNI_BIN")
+    {
+        let p = PathBuf::from(p);
+        assert!(p.exists(), "AETHER_CNI_BIN={} does not exist", p.display());
+        return p;
+    }
     let p = bin_dir().join(name);
     assert!(p.exists(), "{} is not built; run `cargo build --workspace` first", p.display());
     p
