@@ -167,9 +167,15 @@ impl TypeState {
 /// takeover the two mostly agree, so the result shares the snapshot's structure, and the
 /// first push's comparison skips what they share ([`compare_all`]) instead of looking up
 /// every name. Inserting 10,000 names one by one would cost milliseconds before the
-/// first answer.
+/// first answer. A proxy that reports less than half of the snapshot (with on-demand
+/// clusters it holds the node's own and the observed ones, a few dozen of 10,000) gets a
+/// map of its own instead: taking 10,000 names out of the shared one, one by one, cost
+/// about 9 ms on each of the CDS and EDS requests of a reconnect.
 fn held_versions(current: &OrdMap<String, u64>, initial: &HashMap<String, String>) -> OrdMap<String, u64> {
     let parse = |v: &String| u64::from_str_radix(v, 16).ok();
+    if initial.len() < current.len() / 2 {
+        return initial.iter().filter_map(|(name, v)| Some((name.clone(), parse(v)?))).collect();
+    }
     let held_as_current = |name: &String, hash: &u64| initial.get(name).and_then(parse) == Some(*hash);
     // Not held, or at another version: out, before what is held goes in.
     let differ: Vec<&String> = current.iter().filter(|(n, h)| !held_as_current(n, h)).map(|(n, _)| n).collect();
@@ -950,6 +956,8 @@ mod tests {
             let mut initial: HashMap<String, String> = match round % 3 {
                 // The usual reconnect: exactly the snapshot.
                 0 => current.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
+                // A proxy holding a few of them (on-demand clusters): its own map.
+                1 => current.iter().step_by(4).map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
                 _ => random_map(&mut rng).iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
             };
             if round % 5 == 1 {
