@@ -200,6 +200,11 @@ fn held_versions(current: &OrdMap<String, u64>, initial: &HashMap<String, String
 /// not in the snapshot). Walks the two maps' difference, which skips the structure they
 /// share, plus, when some names are not wanted, what is held and unchanged.
 fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTreeSet<String>, Vec<String>) {
+    if let Some(unnamed) = wanted_unnamed(t, hashes, lazy)
+        && (t.names.len() + t.holds.len() + unnamed.len()) * 4 <= hashes.len()
+    {
+        return compare_few(t, hashes, lazy, unnamed);
+    }
     let (mut to_send, mut removed) = (BTreeSet::new(), Vec::new());
     for d in t.holds.diff(hashes) {
         match d {
@@ -219,6 +224,41 @@ fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTre
         removed.sort();
         removed.dedup();
     }
+    (to_send, removed)
+}
+
+/// What the type wants of `hashes` beyond the names it subscribed to, when that can be
+/// had without a walk of the whole map: nothing for a named subscription; for CDS with
+/// on-demand clusters, whose wildcard leaves out the mesh's `outbound|` clusters, the keys
+/// on either side of their range. None for a plain wildcard, which wants everything.
+fn wanted_unnamed<'a>(t: &TypeState, hashes: &'a OrdMap<String, u64>, lazy: bool) -> Option<Vec<(&'a String, &'a u64)>> {
+    match (t.wildcard, lazy) {
+        (false, _) => Some(Vec::new()),
+        // Every key from "outbound|" up to "outbound}" ('}' follows '|') starts with "outbound|".
+        (true, true) => {
+            use std::ops::Bound::{Excluded, Included, Unbounded};
+            let below = hashes.range::<_, str>((Unbounded, Excluded("outbound|")));
+            Some(below.chain(hashes.range::<_, str>((Included("outbound}"), Unbounded))).collect())
+        }
+        (true, false) => None,
+    }
+}
+
+/// [`compare_all`] from a lookup per name the proxy holds or the type wants (`unnamed`,
+/// from [`wanted_unnamed`], and its subscribed names), for when those are few beside the
+/// snapshot. After a reconnect with on-demand clusters at 10,000 services a walk of the
+/// whole map cost 2 to 3 ms on each of CDS and EDS, for a few dozen names.
+fn compare_few(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool, unnamed: Vec<(&String, &u64)>) -> (BTreeSet<String>, Vec<String>) {
+    let changed = |n: &String, h: &u64| t.holds.get(n) != Some(h);
+    let mut to_send: BTreeSet<String> = unnamed.into_iter().filter(|(n, h)| changed(n, h)).map(|(n, _)| n.clone()).collect();
+    for n in &t.names {
+        if let Some(h) = hashes.get(n)
+            && changed(n, h)
+        {
+            to_send.insert(n.clone());
+        }
+    }
+    let removed = t.holds.keys().filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n))).cloned().collect();
     (to_send, removed)
 }
 
@@ -986,10 +1026,21 @@ mod tests {
                 ..Default::default()
             };
             for lazy in [false, true] {
-                let hashes = if lazy { hashes.iter().map(|(n, h)| (format!("outbound|80||{n}"), *h)).chain(hashes.clone()).collect() } else { hashes.clone() };
+                // With on-demand clusters, keys on both sides of the `outbound|` range.
+                let hashes = if lazy {
+                    let outbound = hashes.iter().map(|(n, h)| (format!("outbound|80||{n}"), *h));
+                    let after = hashes.iter().map(|(n, h)| (format!("p|{n}"), *h));
+                    outbound.chain(after).chain(hashes.clone()).collect()
+                } else {
+                    hashes.clone()
+                };
                 let to_send: BTreeSet<String> = hashes.iter().filter(|(n, h)| t.wants(n, lazy) && t.holds.get(*n) != Some(*h)).map(|(n, _)| n.clone()).collect();
                 let removed: Vec<String> = t.holds.keys().filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n))).cloned().collect();
-                assert_eq!(compare_all(&t, &hashes, lazy), (to_send, removed), "round {round}, lazy {lazy}: {t:?}");
+                assert_eq!(compare_all(&t, &hashes, lazy), (to_send.clone(), removed.clone()), "round {round}, lazy {lazy}: {t:?}");
+                // The lookup per name, whatever the sizes, wherever it applies.
+                if let Some(unnamed) = wanted_unnamed(&t, &hashes, lazy) {
+                    assert_eq!(compare_few(&t, &hashes, lazy, unnamed), (to_send, removed), "round {round}, lazy {lazy}, by name: {t:?}");
+                }
             }
         }
     }
