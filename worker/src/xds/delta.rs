@@ -31,7 +31,9 @@
 //! holds is built as the snapshot's own map, and the comparison walks only where the
 //! two differ (`held_versions`, `compare_all`). At 10,000 services a reconnect takes
 //! about 18 ms of the runtime thread, decoding included, instead of about 45 (`cargo
-//! bench -p aether-e2e --bench resume`; the server frees large requests elsewhere).
+//! bench -p aether-e2e --bench resume`; the server frees large requests elsewhere). A
+//! proxy that holds few of them (on-demand clusters) gets a map of its own, and its
+//! first push looks up the few names instead of walking the snapshot (`compare_few`).
 //!
 //! Limits: the names a stream subscribes to grow across its requests, so each request is
 //! checked before it is applied ([`DeltaState::check_limits`]): at most
