@@ -8,6 +8,11 @@
 //!
 //!   cargo bench -p aether-e2e --bench resume
 //!   AETHER_BENCH_SERVICES=1000 AETHER_BENCH_ROUNDS=50 cargo bench -p aether-e2e --bench resume
+//!   AETHER_BENCH_OBSERVED=20 cargo bench -p aether-e2e --bench resume
+//!
+//! With `AETHER_BENCH_OBSERVED=N` the worker serves on-demand clusters
+//! (`--on-demand-clusters`) with the first N services' clusters observed: the proxy holds
+//! and asks for those alone, as it does in that mode.
 //!
 //! Prints the median and p99 over the rounds of each step, per type, and the total.
 
@@ -15,7 +20,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_e2e::testing::mesh_service;
-use aether_model::{Inputs, RegistryView, Snapshot, build};
+use aether_model::{Inputs, RegistryView, Snapshot, build, is_outbound_cluster};
+use aether_worker::writers::Observed;
 use aether_worker::xds::delta::DeltaState;
 use aether_worker::xds::encoded::Encoded;
 use aether_worker::xds::kind::{KINDS, Kind, type_url, wire_version};
@@ -30,14 +36,15 @@ fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-/// The proxy's first request of `kind` on a new stream, holding all of `s`, encoded.
-fn resume_request(s: &Snapshot, kind: Kind) -> Vec<u8> {
-    let versions = s.hashes(kind);
+/// The proxy's first request of `kind` on a new stream, holding all of `s` that it
+/// `holds`, encoded.
+fn resume_request(s: &Snapshot, kind: Kind, holds: impl Fn(Kind, &str) -> bool) -> Vec<u8> {
+    let versions: std::collections::BTreeMap<&String, &u64> = s.hashes(kind).iter().filter(|(n, _)| holds(kind, n)).collect();
     let named = matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret);
     DeltaRequestWire {
         type_url: type_url(kind).into(),
-        resource_names_subscribe: if named { versions.keys().cloned().collect() } else { Vec::new() },
-        initial_resource_versions: versions.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
+        resource_names_subscribe: if named { versions.keys().map(|n| (*n).clone()).collect() } else { Vec::new() },
+        initial_resource_versions: versions.iter().map(|(n, h)| ((*n).clone(), wire_version(**h))).collect(),
         ..Default::default()
     }
     .encode_to_vec()
@@ -49,15 +56,40 @@ fn ms(d: std::time::Duration) -> f64 {
 
 fn main() {
     let (services, rounds) = (env("AETHER_BENCH_SERVICES", 10_000), env("AETHER_BENCH_ROUNDS", 40).max(1));
-    let inputs = Inputs { registry: RegistryView::new((0..services).map(|s| mesh_service(s, 10, None))), ..Default::default() };
+    let on_demand = std::env::var("AETHER_BENCH_OBSERVED").ok().map(|v| v.parse::<usize>().expect("AETHER_BENCH_OBSERVED is a count"));
+    let inputs = Inputs {
+        registry: RegistryView::new((0..services).map(|s| mesh_service(s, 10, None))),
+        on_demand_clusters: on_demand.is_some(),
+        ..Default::default()
+    };
     let snapshot = Arc::new(build(&inputs));
     let encoded = Arc::new(Encoded::default());
     encoded.warm(&snapshot, None);
-    let requests: Vec<(Kind, Vec<u8>)> = KINDS.into_iter().map(|k| (k, resume_request(&snapshot, k))).collect();
+    // With on-demand clusters: the first N services' clusters observed, in a state folder
+    // of the bench's own.
+    let state = tempfile::tempdir().expect("a state folder");
+    let observed = on_demand.map(|n| {
+        let o = Observed::restore(state.path());
+        for name in snapshot.hashes(Kind::Cluster).keys().filter(|c| is_outbound_cluster(c)).take(n) {
+            o.insert(name);
+        }
+        o
+    });
+    let observed_names = observed.as_ref().map(|o| o.names());
+    let holds = |kind: Kind, name: &str| match (&observed_names, kind) {
+        (None, _) | (Some(_), Kind::Listener | Kind::Route | Kind::Secret) => true,
+        (Some(o), Kind::Cluster) => !is_outbound_cluster(name) || o.contains(name),
+        (Some(o), Kind::Endpoint) => o.contains(name),
+    };
+    let requests: Vec<(Kind, Vec<u8>)> = KINDS.into_iter().map(|k| (k, resume_request(&snapshot, k, holds))).collect();
     println!(
-        "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds",
+        "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds{}",
         snapshot.hashes(Kind::Cluster).len(),
-        snapshot.hashes(Kind::Endpoint).len()
+        snapshot.hashes(Kind::Endpoint).len(),
+        match on_demand {
+            Some(n) => format!("; on-demand clusters, {n} observed (the proxy holds those and the node's own)"),
+            None => String::new(),
+        }
     );
     // Per type: decode, apply, answer, free; and each round's total.
     let mut steps: Vec<[Vec<f64>; 4]> = KINDS.iter().map(|_| Default::default()).collect();
@@ -65,6 +97,9 @@ fn main() {
     for _ in 0..rounds {
         let start = Instant::now();
         let mut st = DeltaState::new(snapshot.clone(), encoded.clone());
+        if let Some(o) = &observed {
+            st.on_demand(o.clone());
+        }
         for (i, (_, bytes)) in requests.iter().enumerate() {
             let t0 = Instant::now();
             let req = Request::from(DeltaRequestWire::decode(bytes.as_slice()).expect("the request decodes"));
