@@ -20,7 +20,7 @@ set -euo pipefail
 
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-triple="$(rustc -vV | sed -n 's/^host: //p')"
+triple="$(host_triple)"
 [[ -n "$triple" ]] || { echo "build-cni-plugin: rustc -vV names no host triple" >&2; exit 1; }
 case "$triple" in
   *-linux-gnu) ;;

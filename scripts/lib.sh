@@ -10,6 +10,7 @@
 #   AETHER_IMAGE_BINS  the binaries the image carries (the Containerfile says why each)
 #
 # ensure_venv            create AETHER_VENV with `python3 -m venv` if it has no python
+# host_triple            rustc's host target triple (x86_64-unknown-linux-gnu here)
 # image_bin_source NAME  the built file that ships as NAME (in the image, and the plugin on
 #                        the host): <target>/release/NAME, except aether-cni, which is
 #                        the static build of build-cni-plugin.sh, <target>/<host>/cni-plugin/
@@ -25,10 +26,12 @@ AETHER_TOOLS="${AETHER_TOOLS:-$AETHER_ROOT/.tools}"
 AETHER_IMAGE_DIR="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}/image"
 AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-cni agent-ready aether-registrar)
 
+host_triple() { rustc -vV | sed -n 's/^host: //p'; }
+
 image_bin_source() {
   local target="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}"
   if [[ "$1" == aether-cni ]]; then
-    echo "$target/$(rustc -vV | sed -n 's/^host: //p')/cni-plugin/aether-cni"
+    echo "$target/$(host_triple)/cni-plugin/aether-cni"
   else
     echo "$target/release/$1"
   fi

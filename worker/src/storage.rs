@@ -45,7 +45,7 @@
 //!   evicts it. Without API server access nothing else removes it; the log of the DEL
 //!   names the record.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -292,23 +292,18 @@ impl Storage {
     /// side by side rather than one after another. A uid named twice is written in a
     /// second round, after the first, so the result is that of the puts in order.
     pub fn put_all(&self, pods: &[Pod]) -> Vec<Result<bool, StorageError>> {
-        let mut round_of: BTreeMap<&str, usize> = BTreeMap::new();
-        let rounds: Vec<usize> = pods
-            .iter()
-            .map(|p| {
-                let r = round_of.entry(p.uid.as_str()).or_insert(0);
-                *r += 1;
-                *r - 1
-            })
-            .collect();
         let mut results: Vec<Option<Result<bool, StorageError>>> = pods.iter().map(|_| None).collect();
         let mut st = self.lock();
-        for round in 0..round_of.values().copied().max().unwrap_or(0) {
-            let members: Vec<usize> = (0..pods.len()).filter(|&i| rounds[i] == round).collect();
-            let answers = self.put_round(&mut st, members.iter().map(|&i| &pods[i]).collect());
-            for (i, answer) in members.into_iter().zip(answers) {
+        // Each round takes the first of each uid still to write; a repeat waits for the next.
+        let mut left: Vec<usize> = (0..pods.len()).collect();
+        while !left.is_empty() {
+            let mut seen = BTreeSet::new();
+            let (round, later): (Vec<usize>, Vec<usize>) = left.into_iter().partition(|&i| seen.insert(pods[i].uid.as_str()));
+            let answers = self.put_round(&mut st, round.iter().map(|&i| &pods[i]).collect());
+            for (i, answer) in round.into_iter().zip(answers) {
                 results[i] = Some(answer);
             }
+            left = later;
         }
         results.into_iter().map(|r| r.expect("every pod is in a round")).collect()
     }
@@ -696,30 +691,18 @@ pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path
 /// keep a disk's queue busy with fsyncs; more would only contend on the folder's lock.
 pub const WRITERS: usize = 16;
 
-/// [`write_synced`] of each `(tmp, path, bytes)`, on up to [`WRITERS`] threads at once
-/// (in this thread when there is one). One result per job, in order.
+/// [`write_synced`] of each `(tmp, path, bytes)`, on up to [`WRITERS`] threads, each taking
+/// an equal run of the jobs (in this thread when there is one). One result per job, in
+/// order.
 fn write_all_synced(jobs: &[(PathBuf, PathBuf, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
+    let write = |chunk: &[(PathBuf, PathBuf, Vec<u8>)]| chunk.iter().map(|(tmp, path, bytes)| write_synced(tmp, path, bytes)).collect::<Vec<_>>();
     if jobs.len() <= 1 {
-        return jobs.iter().map(|(tmp, path, bytes)| write_synced(tmp, path, bytes)).collect();
+        return write(jobs);
     }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<Mutex<Option<Result<(), StorageError>>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
-        for _ in 0..WRITERS.min(jobs.len()) {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some((tmp, path, bytes)) = jobs.get(i) else { break };
-                    let r = write_synced(tmp, path, bytes);
-                    *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                }
-            });
-        }
-    });
-    results
-        .into_iter()
-        .map(|r| r.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every job ran"))
-        .collect()
+        let writers: Vec<_> = jobs.chunks(jobs.len().div_ceil(WRITERS)).map(|chunk| scope.spawn(move || write(chunk))).collect();
+        writers.into_iter().flat_map(|w| w.join().expect("a record writer panicked")).collect()
+    })
 }
 
 /// Writes `bytes` to the new file `tmp`, fsyncs it and renames it to `path`. The rename
