@@ -426,6 +426,8 @@ fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
             for k in KINDS {
                 assert_eq!(now.version(k), full.version(k), "seed {seed} step {step}: {k:?} version");
             }
+            let tls = |s: &Snapshot| s.clusters.items.values().filter(|c| c.upstream_tls.is_some()).count();
+            assert_eq!((now.clusters.tallied(), full.clusters.tallied()), (tls(now), tls(&full)), "seed {seed} step {step}: clusters with upstream TLS");
             match published {
                 None => assert_eq!(*before, **now, "seed {seed} step {step}: nothing published, nothing changed"),
                 Some(s) => {

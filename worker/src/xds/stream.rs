@@ -173,13 +173,13 @@ impl Protocol for StreamState {
             match kind {
                 Kind::Listener | Kind::Cluster => acked.is_some_and(|a| a.version == s.version(kind)),
                 Kind::Endpoint | Kind::Route | Kind::Secret => {
-                    let needed: Vec<&str> = match kind {
-                        Kind::Endpoint => s.eds_cluster_names().collect(),
-                        Kind::Secret => s.sds_names().into_iter().collect(),
-                        _ => s.rds_names().collect(),
-                    };
                     let current = s.hashes(kind);
-                    needed.iter().all(|n| acked.is_some_and(|a| a.holds.contains_key(*n) && a.holds.get(*n) == current.get(*n)))
+                    let held = |n: &str| acked.and_then(|a| a.holds.get(n)).is_some_and(|h| current.get(n) == Some(h));
+                    match kind {
+                        Kind::Endpoint => s.eds_cluster_names().all(held),
+                        Kind::Secret => s.sds_names().into_iter().all(held),
+                        _ => s.rds_names().all(held),
+                    }
                 }
             }
         })
