@@ -6,7 +6,11 @@
 //! encoded; a state-of-the-world push of every listener and cluster, as each pod's ADD
 //! sends, copies the rest. [`keep_warm`] encodes each snapshot as the node publishes it,
 //! in a standby too, so that a new owner answers the proxy's reconnect with copies; it
-//! looks only at what changed since the snapshot it warmed last.
+//! looks only at what changed since the snapshot it warmed last. It runs on a thread of
+//! its own at the lowest priority (nice 19): the work is ahead of need, and a push
+//! encodes what is missing itself, so it must not take a core from the streams or the
+//! proxy. At 10,000 services a standby's warm-up is still encoding when the node is
+//! handed to it, through the proxy's reconnect.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -17,6 +21,9 @@ use tokio::sync::watch;
 
 use super::convert;
 use super::kind::{KIND_COUNT, KINDS, Kind};
+
+/// How many encodings a warm-up caches under one hold of the lock.
+const INSERT_RUN: usize = 256;
 
 #[derive(Default)]
 pub struct Encoded {
@@ -67,12 +74,17 @@ impl Encoded {
             };
             let encoded: Vec<(String, u64, Any)> =
                 missing.into_iter().filter_map(|(name, hash)| Some((convert_one(s, kind, &name)?, name, hash))).map(|(a, n, h)| (n, h, a)).collect();
-            let mut types = self.types.lock().expect("encoded resources lock");
-            let cache = &mut types[kind.index()];
-            for (name, hash, any) in encoded {
-                // A push may have encoded a newer version meanwhile: keep the newer.
-                if current.get(&name) == Some(&hash) {
-                    cache.insert(name, (hash, any));
+            // In runs, so that a push waits for at most one run if this thread, at nice
+            // 19, loses its core while it holds the lock.
+            let mut encoded = encoded.into_iter().peekable();
+            while encoded.peek().is_some() {
+                let mut types = self.types.lock().expect("encoded resources lock");
+                let cache = &mut types[kind.index()];
+                for (name, hash, any) in encoded.by_ref().take(INSERT_RUN) {
+                    // A push may have encoded a newer version meanwhile: keep the newer.
+                    if current.get(&name) == Some(&hash) {
+                        cache.insert(name, (hash, any));
+                    }
                 }
             }
         }
@@ -107,18 +119,41 @@ impl Encoded {
     }
 }
 
-/// Encodes every snapshot the node publishes, until the node is gone.
-/// Also keeps the `snapshot_seq` gauge.
+/// One warm-up for the encoding thread, and where to say it is done.
+type Job = (Arc<Snapshot>, Option<Arc<Snapshot>>, tokio::sync::oneshot::Sender<()>);
+
+/// Encodes every snapshot the node publishes, until the node is gone, on a thread of its
+/// own at nice 19. Also keeps the `snapshot_seq` gauge.
 pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>, metrics: Arc<crate::metrics::Metrics>) {
+    let (jobs, queue) = std::sync::mpsc::channel::<Job>();
+    let thread = std::thread::Builder::new().name("encoder".into()).spawn(move || {
+        // Only this thread: on Linux a thread's niceness is its own. Lowering it needs no
+        // privilege (SECURITY.md, "The seccomp filters").
+        if let Err(e) = rustix::process::setpriority_process(None, shared_proto::seccomp::ENCODER_NICE) {
+            tracing::warn!(error = %e, "cannot lower the encoding thread's priority; it competes with the streams");
+        }
+        for (next, prev, done) in queue {
+            encoded.warm(&next, prev.as_deref());
+            let _ = done.send(());
+        }
+    });
+    let mut warming = match thread {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the encoding thread; streams encode on demand");
+            false
+        }
+    };
     let mut last: Option<Arc<Snapshot>> = None;
     loop {
         let s = snapshots.borrow_and_update().clone();
         metrics.snapshot_seq.set(s.seq as i64);
-        // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
-        // resource (about 0.2 s for 10,000 services) and must not hold up its gates.
-        let (e, next, prev) = (encoded.clone(), s.clone(), last.take());
-        if tokio::task::spawn_blocking(move || e.warm(&next, prev.as_deref())).await.is_err() {
-            tracing::error!("encoding warm-up failed; streams encode on demand");
+        if warming {
+            let (done, warmed) = tokio::sync::oneshot::channel();
+            if jobs.send((s.clone(), last.take(), done)).is_err() || warmed.await.is_err() {
+                tracing::error!("encoding warm-up failed; streams encode on demand");
+                warming = false;
+            }
         }
         last = Some(s);
         if snapshots.changed().await.is_err() {
