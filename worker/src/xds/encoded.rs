@@ -13,7 +13,7 @@
 //! handed to it, through the proxy's reconnect.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use aether_model::Snapshot;
 use envoy_types::pb::google::protobuf::Any;
@@ -91,9 +91,15 @@ impl Encoded {
     }
 
     /// The encodings of `names` (those `s` has), in name order, encoding and caching any
-    /// that are missing or stale.
+    /// that are missing or stale. A push never waits for the warm-up: while it holds the
+    /// lock (at nice 19 it may have lost its core to the proxy), the push encodes its
+    /// resources itself and caches none.
     pub fn get(&self, s: &Snapshot, kind: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
-        let mut types = self.types.lock().expect("encoded resources lock");
+        let mut types = match self.types.try_lock() {
+            Ok(types) => types,
+            Err(TryLockError::WouldBlock) => return names.iter().filter_map(|name| convert_one(s, kind, name)).collect(),
+            Err(TryLockError::Poisoned(e)) => panic!("encoded resources lock: {e}"),
+        };
         let cache = &mut types[kind.index()];
         let current = s.hashes(kind);
         names
@@ -204,6 +210,25 @@ mod tests {
                 assert_eq!(encoded.get(s, kind, &names), all(s, kind), "{kind:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_push_encodes_without_waiting_for_a_warm_up_that_holds_the_lock() {
+        let encoded = Arc::new(Encoded::default());
+        let s = snapshot(&[1, 2]);
+        let names: Vec<String> = s.hashes(Kind::Listener).keys().cloned().collect();
+        let fresh = Encoded::default().get(&s, Kind::Listener, &names.iter().collect());
+        let held = encoded.types.lock().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (e, s2) = (encoded.clone(), s.clone());
+        std::thread::spawn(move || {
+            let names: Vec<String> = s2.hashes(Kind::Listener).keys().cloned().collect();
+            let _ = tx.send(e.get(&s2, Kind::Listener, &names.iter().collect()));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the push waited for the lock");
+        assert_eq!(got, fresh);
+        drop(held);
+        assert_eq!(encoded.len(), 0, "nothing cached while the lock was held");
     }
 
     #[test]
