@@ -13,6 +13,7 @@
 //! ([`envoy_or_skip`]).
 
 pub mod ack_log;
+pub mod log_times;
 mod node_rig;
 mod poller;
 mod worker_rig;
@@ -33,7 +34,7 @@ use crate::testing::{LocalNode, Netns, try_wait_for, wait_for, workspace_root};
 
 pub use aether_worker::bootstrap::AdsApi;
 pub use node_rig::NodeRig;
-pub use poller::{CONNECT_FAIL, CONNECTED, Poller, RollTimes, STREAM_FAILURES, Sample, UPDATE_TIMES, analyze, poll_queries};
+pub use poller::{CONNECT_FAIL, CONNECTED, POLL_PERIOD, Poller, RollTimes, STREAM_FAILURES, Sample, UPDATE_TIMES, analyze, poll_queries};
 pub use worker_rig::{RigOptions, ServiceSpec, WorkerRig, captured_logs, init_logs, registry_json, same_versions};
 
 /// The Envoy binary: `ENVOY_BIN` (which must name a file), else the one

@@ -85,11 +85,13 @@ struct PollState {
     durations: Vec<Duration>,
 }
 
-const PERIOD: Duration = Duration::from_millis(2);
+/// How often the poller reads Envoy's stats unless told otherwise.
+pub const POLL_PERIOD: Duration = Duration::from_millis(2);
 
-/// Polls the admin stats in a dedicated thread about every 2 ms, with the two cheap
-/// queries of [`poll_queries`]; a poll that takes longer than that is followed by the
-/// next one after a short pause, so the poller never keeps Envoy's main thread busy.
+/// Polls the admin stats in a dedicated thread about every 2 ms (or every `period`), with
+/// the two cheap queries of [`poll_queries`]; a poll that takes longer than that is
+/// followed by the next one after a short pause, so the poller never keeps Envoy's main
+/// thread busy.
 pub struct Poller {
     state: Arc<Mutex<PollState>>,
     stop: Arc<AtomicBool>,
@@ -98,6 +100,10 @@ pub struct Poller {
 
 impl Poller {
     pub fn start(admin: PathBuf) -> Poller {
+        Self::start_every(admin, POLL_PERIOD)
+    }
+
+    pub fn start_every(admin: PathBuf, period: Duration) -> Poller {
         let state = Arc::new(Mutex::new(PollState::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let (st, sp) = (state.clone(), stop.clone());
@@ -143,7 +149,7 @@ impl Poller {
                     // About one poll per 2 ms; never back to back, so the poller does
                     // not itself keep Envoy's main thread busy.
                     let spent = t0.elapsed();
-                    std::thread::sleep(PERIOD.saturating_sub(spent).max(Duration::from_micros(200)));
+                    std::thread::sleep(period.saturating_sub(spent).max(Duration::from_micros(200)));
                 }
             })
             .expect("spawn poller");

@@ -88,6 +88,10 @@ pub struct Config {
     /// ARG_IDENTITY: workload identity on the rolled node, in this mTLS mode (see
     /// [`identity`]); None: off.
     pub identity: Option<identity::Mtls>,
+    /// ARG_POLL_PERIOD: how often the admin stats are polled (2 ms). Each poll costs
+    /// Envoy's main thread a walk of its stats; a longer period loads it less, and
+    /// Envoy's own log times the reconnects without polling ([`envoy::log_times`]).
+    pub poll_period: Duration,
 }
 
 /// "0.1s", "100ms", "1" (seconds).
@@ -155,7 +159,11 @@ impl Config {
             Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
         };
         let identity = var("ARG_IDENTITY").map(|v| identity::Mtls::parse(&v)).transpose()?;
-        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes, identity })
+        let poll_period = match var("ARG_POLL_PERIOD") {
+            Some(v) => parse_duration(&v).context("ARG_POLL_PERIOD")?,
+            None => envoy::POLL_PERIOD,
+        };
+        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes, identity, poll_period })
     }
 
     pub fn bound(&self, mode: Mode) -> f64 {
@@ -189,6 +197,10 @@ pub struct Roll {
     pub reconnect_resources: Option<u64>,
     /// From Envoy's old stream's end to its first config update on the new one.
     pub unserved: Option<(Instant, Instant)>,
+    /// The gap and the served gap minus the gap as Envoy's own log times them
+    /// ([`envoy::log_times`]), when its config log is at debug.
+    pub envoy_gap: Option<f64>,
+    pub envoy_served_after_up: Option<f64>,
     /// ARG_IDENTITY: the new owner's takeover SVID wait (`/ready` `takeover.svid_wait_us`,
     /// in seconds) and how many pods its reconcile added were still without an SVID when
     /// that wait ended (`svid_wait_missed`).
@@ -332,6 +344,8 @@ impl ModeResult {
         let g = report::summarize(&self.gaps());
         let s = report::summarize(&self.served_gaps());
         let excess: Vec<f64> = self.rolls.iter().filter_map(|r| Some(r.served_gap? - r.gap?)).collect();
+        let envoy_gap: Vec<f64> = self.rolls.iter().filter_map(|r| r.envoy_gap).collect();
+        let envoy_served: Vec<f64> = self.rolls.iter().filter_map(|r| r.envoy_served_after_up).collect();
         let warmups: Vec<f64> = self.rolls.iter().filter_map(|r| r.warmup).collect();
         let reconnect: Option<u64> = self.rolls.iter().map(|r| r.reconnect_resources).sum();
         let r = |x: f64| (x * 1e6).round() / 1e6;
@@ -370,6 +384,10 @@ impl ModeResult {
             "standby_warmup_p99_s": percentile(&warmups, 99.0).map(r),
             "served_minus_gap_median_s": percentile(&excess, 50.0).map(r),
             "served_minus_gap_p99_s": percentile(&excess, 99.0).map(r),
+            "envoy_log_gap_median_s": percentile(&envoy_gap, 50.0).map(r),
+            "envoy_log_gap_p99_s": percentile(&envoy_gap, 99.0).map(r),
+            "envoy_log_served_minus_gap_median_s": percentile(&envoy_served, 50.0).map(r),
+            "envoy_log_served_minus_gap_p99_s": percentile(&envoy_served, 99.0).map(r),
             "reconnect_resources": reconnect,
             "worker_vmhwm_mib": self.worker_vmhwm_mib.map(|m| (m * 10.0).round() / 10.0),
             "envoy_rss_mib": self.envoy_rss_mib.map(|m| (m * 10.0).round() / 10.0),
@@ -630,9 +648,11 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         }
     };
     res.cold_start = Some(bench.cold_start.as_secs_f64());
-    let mut poller = Poller::start(bench.envoy.admin.clone());
+    let mut poller = Poller::start_every(bench.envoy.admin.clone(), cfg.poll_period);
     std::thread::sleep(Duration::from_millis(50));
     poller.reset_interval();
+    // Envoy's own timing of the rolls' reconnects starts from here in its log.
+    let log_from = std::fs::metadata(&bench.envoy.log).map(|m| m.len()).unwrap_or(0);
     let hosts: Vec<String> = SERVICES.iter().map(|s| s.to_string()).collect();
     let load = load::Load::start(bench.outbound, hosts, cfg.rps);
     let drain = bench.registry.as_ref().zip(bench.peer.as_ref()).map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone()));
@@ -689,6 +709,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     }
     res.cross_drain = drain.map(CrossDrain::stop);
     std::thread::sleep(Duration::from_millis(300));
+    envoy_log_times(&bench.envoy.log, log_from, &mut res.rolls);
     res.poll_max_interval = poller.max_interval();
     res.poll_cost = poller.poll_cost();
     res.polls = poller.polls_and_errors().0;
@@ -731,6 +752,24 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     }
     drop(bench);
     res
+}
+
+/// Each roll's gap and served gap minus gap as Envoy's log times them, from `from` (a
+/// byte offset) on: one reconnect per roll, in order, when its config log is at debug.
+fn envoy_log_times(log: &Path, from: u64, rolls: &mut [Roll]) {
+    let text = std::fs::read(log).map(|b| String::from_utf8_lossy(b.get(from as usize..).unwrap_or_default()).into_owned()).unwrap_or_default();
+    let seen = envoy::log_times::reconnects(&text);
+    if seen.iter().all(|r| r.up.is_none()) {
+        return;
+    }
+    if seen.len() != rolls.len() {
+        eprintln!("!! Envoy's log shows {} reconnects for {} rolls; its timing is left out", seen.len(), rolls.len());
+        return;
+    }
+    for (roll, r) in rolls.iter_mut().zip(seen) {
+        roll.envoy_gap = r.gap();
+        roll.envoy_served_after_up = r.served_after_up();
+    }
 }
 
 /// Waits until Envoy has lost its stream, regained it and taken a config update on the
@@ -998,6 +1037,11 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         let count = |f: &dyn Fn(&Roll) -> u64| r.rolls.iter().map(|x| f(x) as f64).collect::<Vec<_>>();
         println!("{}", report::row(&format!("{m}: gap (s)"), &r.gaps(), 4));
         println!("{}", report::row(&format!("{m}: served gap (s)"), &r.served_gaps(), 4));
+        let excess: Vec<f64> = r.rolls.iter().filter_map(|x| Some(x.served_gap? - x.gap?)).collect();
+        println!("{}", report::row(&format!("{m}: served gap minus gap (s)"), &excess, 4));
+        let envoy = |f: &dyn Fn(&Roll) -> Option<f64>| r.rolls.iter().filter_map(f).collect::<Vec<_>>();
+        println!("{}", report::row(&format!("{m}: Envoy's log: gap (s)"), &envoy(&|x| x.envoy_gap), 4));
+        println!("{}", report::row(&format!("{m}: Envoy's log: served minus gap (s)"), &envoy(&|x| x.envoy_served_after_up), 4));
         println!("{}", report::row(&format!("{m}: takeover seen on /ready (s)"), &r.rolls.iter().map(|x| x.takeover).collect::<Vec<_>>(), 4));
         println!("{}", report::row(&format!("{m}: refused connects per roll"), &count(&|x| x.refused), 0));
         println!("{}", report::row(&format!("{m}: failed requests per roll"), &count(&|x| x.failed_requests), 0));
