@@ -57,8 +57,17 @@
 #   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)
 #   ARG_KEEP_NODE     set: keep the local node folder (logs) even when the run passes
 #   AETHER_E2E_AGENT_LOG  the agents' log filter (info), e.g. info,aether_worker::xds=debug
+#   ARG_POLL_PERIOD   how often the harness reads Envoy's admin stats (2ms). Each read
+#                     costs Envoy's main thread, which also runs xDS, a walk of its stats
+#                     (about 2.5 ms with on-demand clusters at 10,000 services, 65 ms with
+#                     every cluster): a longer period loads it less, and coarsens the
+#                     poll-based gap
 #   AETHER_E2E_ENVOY_LOG  Envoy's component log levels, logged with microsecond times, e.g.
-#                     config:debug,client:debug (README: where the served gap goes)
+#                     config:debug,client:debug (README: where the served gap goes). With
+#                     config:debug Envoy's own log also times each roll's reconnect,
+#                     without polling: JSON envoy_log_gap_median_s, _p99_s and
+#                     envoy_log_served_minus_gap_median_s, _p99_s (from the new stream's
+#                     start to its first accepted CDS or LDS response)
 #   ENVOY_BIN         an Envoy binary; else the project's .venv, installed on demand
 #
 # Progress goes to stderr; stdout ends with the summary table and one JSON line. Exit 0

@@ -197,12 +197,24 @@ pub struct Storage {
     quarantine_dir: PathBuf,
     metrics: Arc<Metrics>,
     /// The view, the retry set and the last failure. The lock also serialises writers so
-    /// the view and the folder never disagree.
+    /// the view and the folder never disagree: a writer holds it through its file work.
     state: Mutex<State>,
+    /// What the readers see: the view and the retry set as the last writer left them,
+    /// behind a lock held only to copy a pointer. The CNI API reads the view on the
+    /// worker's one runtime thread, which must not wait for a writer's fsyncs: a lookup
+    /// stuck behind a burst's records stalled the whole worker, the proxy's reconnect
+    /// at a takeover included, for up to 120 ms.
+    shown: Mutex<Shown>,
     /// Where failures are reported, once [`Storage::start_upkeep`] ran.
     reporter: OnceLock<Reporter>,
     /// Wakes the retry task when a removal is deferred.
     retry_wake: Arc<tokio::sync::Notify>,
+}
+
+#[derive(Default)]
+struct Shown {
+    view: Arc<BTreeMap<String, Pod>>,
+    pending: Arc<Vec<String>>,
 }
 
 #[derive(Default)]
@@ -233,6 +245,7 @@ impl Storage {
             quarantine_dir: state_dir.join("pods-quarantine"),
             metrics,
             state: Mutex::new(State::default()),
+            shown: Mutex::new(Shown::default()),
             reporter: OnceLock::new(),
             retry_wake: Arc::new(tokio::sync::Notify::new()),
         };
@@ -242,7 +255,10 @@ impl Storage {
             .create(&storage.pods_dir)
             .map_err(|source| StorageError::Io { op: "creating", path: storage.pods_dir.clone(), source })?;
         let loaded = storage.scan(Scan::ReadOnly)?;
-        storage.lock().view = loaded;
+        let mut st = storage.lock();
+        st.view = loaded;
+        storage.show(&st);
+        drop(st);
         Ok(storage)
     }
 
@@ -258,19 +274,32 @@ impl Storage {
         tokio::spawn(retry_pending_removals(weak, wake))
     }
 
-    /// The pods loaded by `open` or the last `reload`.
+    /// The pods loaded by `open` or the last `reload`, as the last write left them (a
+    /// write in progress is not waited for).
     pub fn pods(&self) -> Vec<Pod> {
-        self.lock().view.values().cloned().collect()
+        self.shown().view.values().cloned().collect()
     }
 
-    /// The pod with this uid in the current view.
+    /// The pod with this uid in the current view (a write in progress is not waited for).
     pub fn get(&self, uid: &str) -> Option<Pod> {
-        self.lock().view.get(uid).cloned()
+        self.shown().view.get(uid).cloned()
     }
 
     /// The uids whose record removal failed and is retried.
     pub fn pending_removals(&self) -> Vec<String> {
-        self.lock().pending.keys().cloned().collect()
+        self.shown().pending.to_vec()
+    }
+
+    fn shown(&self) -> Shown {
+        let s = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        Shown { view: s.view.clone(), pending: s.pending.clone() }
+    }
+
+    /// Shows the readers what `st` holds now. Called by every writer before it lets go of
+    /// the state.
+    fn show(&self, st: &State) {
+        let shown = Shown { view: Arc::new(st.view.clone()), pending: Arc::new(st.pending.keys().cloned().collect()) };
+        *self.shown.lock().unwrap_or_else(|e| e.into_inner()) = shown;
     }
 
     /// The folder holding the records.
@@ -305,6 +334,7 @@ impl Storage {
             }
             left = later;
         }
+        self.show(&st);
         results.into_iter().map(|r| r.expect("every pod is in a round")).collect()
     }
 
@@ -380,6 +410,7 @@ impl Storage {
         st.pending.remove(uid);
         let removed = st.view.remove(uid);
         self.succeeded(&mut st);
+        self.show(&st);
         Ok(removed)
     }
 
@@ -396,6 +427,7 @@ impl Storage {
                 st.pending.remove(uid);
                 let pod = st.view.remove(uid);
                 self.succeeded(&mut st);
+                self.show(&st);
                 Ok(Removal { pod, deferred: None })
             }
             Err(e) => {
@@ -407,6 +439,7 @@ impl Storage {
                 );
                 st.pending.insert(uid.to_string(), pod.clone());
                 self.report(&st);
+                self.show(&st);
                 self.retry_wake.notify_one();
                 Ok(Removal { pod: Some(pod), deferred: Some(e) })
             }
@@ -418,6 +451,7 @@ impl Storage {
         let mut st = self.lock();
         self.drain_pending(&mut st);
         self.report(&st);
+        self.show(&st);
         st.pending.len()
     }
 
@@ -526,6 +560,7 @@ impl Storage {
             }
         }
         *view = now;
+        self.show(&st);
         Ok(diff)
     }
 
@@ -638,7 +673,7 @@ impl Storage {
 async fn retry_pending_removals(storage: Weak<Storage>, wake: Arc<tokio::sync::Notify>) {
     let mut backoff = crate::backoff::Backoff::new(RETRY_BASE, RETRY_MAX, crate::backoff::seed());
     loop {
-        let pending = storage.upgrade().map(|s| s.lock().pending.len());
+        let pending = storage.upgrade().map(|s| s.shown().pending.len());
         match pending {
             None => return,
             Some(0) => {
@@ -781,6 +816,34 @@ mod tests {
     }
 
     /// One table for reload: what the other generation did, and the diff expected.
+    /// The CNI API reads the view on the worker's one runtime thread: a writer in the
+    /// middle of its file work (here, holding the state as `put_all` does through its
+    /// fsyncs) must not hold it up, and what it reads is what the last write left.
+    #[test]
+    fn readers_do_not_wait_for_a_write_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, _) = open(dir.path());
+        s.put(&pod("a", "10.0.0.1")).unwrap();
+        let s = Arc::new(s);
+        let writing = s.lock();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = s.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((reader.get("a"), reader.pods().len(), reader.pending_removals()));
+        });
+        let (got, n, pending) = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("a reader waited for the writer");
+        drop(writing);
+        assert_eq!((got.map(|p| p.uid), n, pending), (Some("a".to_string()), 1, Vec::<String>::new()));
+        // Each write shows its result: a put, a removal, and a reload.
+        s.put(&pod("b", "10.0.0.2")).unwrap();
+        assert_eq!(s.pods().len(), 2);
+        s.remove("a").unwrap();
+        assert!(s.get("a").is_none() && s.get("b").is_some());
+        fs::remove_file(dir.path().join("pods/b.json")).unwrap();
+        s.reload().unwrap();
+        assert!(s.pods().is_empty());
+    }
+
     #[test]
     fn reload_reports_added_updated_removed() {
         struct Case {
