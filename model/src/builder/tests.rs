@@ -397,10 +397,9 @@ fn random_change(r: &mut Rng) -> Change {
             name: ["web", "api", "db"][r.below(3) as usize].into(),
         }),
         _ => {
-            let mut c = CaptureProjection::default();
-            c.inbound_port = [15006, 16006][r.below(2) as usize];
-            c.outbound = ["127.0.0.1:15001", "127.0.0.1:16001"][r.below(2) as usize].parse().unwrap();
-            Change::SetCapture(c)
+            let inbound_port = [15006, 16006][r.below(2) as usize];
+            let outbound = ["127.0.0.1:15001", "127.0.0.1:16001"][r.below(2) as usize].parse().unwrap();
+            Change::SetCapture(CaptureProjection { inbound_port, outbound, ..Default::default() })
         }
     }
 }
