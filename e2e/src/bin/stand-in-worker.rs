@@ -66,7 +66,12 @@ fn main() {
 
 /// Makes the call `name`; prints what each call that returns gave.
 fn make(name: &str) {
-    let say = |what: &str, result: &dyn std::fmt::Debug| eprintln!("stand-in {}: {what}: {result:?}", std::process::id());
+    // One write per line: stderr is unbuffered, and a formatted line would go out in
+    // pieces that the supervisor's own lines (on the same pipe) can split.
+    let say = |what: &str, result: &dyn std::fmt::Debug| {
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(format!("stand-in {}: {what}: {result:?}\n", std::process::id()).as_bytes());
+    };
     let socket = |family| nix::sys::socket::socket(family, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None);
     match name {
         "execve" => say("execve", &nix::unistd::execve(c"/bin/true", &[c"true"], &[] as &[&std::ffi::CStr])),
