@@ -394,3 +394,38 @@ fn sigterm_during_an_adds_ack_wait_lets_it_finish_then_exits_within_the_drain_bo
         exit_after.as_secs_f64() * 1e3
     );
 }
+
+/// A standby follows the owner's pod records: a pod ADDed to the owner after the standby
+/// was complete, and one DELeted, are in the standby's snapshot before the roll, so the
+/// takeover's reconcile finds nothing left to apply. (No Envoy: each call waits out its
+/// ACK bound.)
+#[test]
+fn a_standby_takes_the_owners_adds_and_dels_before_the_takeover() {
+    let mut node = LocalNode::new();
+    let mut owner = node.start_agent();
+    owner.wait_role("owner", T);
+    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
+    let gone = PodId { uid: "follow-gone-uid".into(), name: "follow-gone".into() };
+    let (gone_ip, new_ip) = (Ipv4Addr::new(10, 88, 8, 1), Ipv4Addr::new(10, 88, 8, 2));
+    cni.call("ADD", &gone, Some(gone_ip)).expect("ADD before the standby");
+    let standby = node.start_agent();
+    standby.wait_role("standby", T);
+
+    let new = PodId { uid: "follow-new-uid".into(), name: "follow-new".into() };
+    cni.call("ADD", &new, Some(new_ip)).expect("ADD during the overlap");
+    cni.call("DEL", &gone, Some(gone_ip)).expect("DEL during the overlap");
+    let followed = |what: &str, uid: &str| {
+        wait_for(&format!("the standby to take the owner's {what} of {uid}"), T, || {
+            plain(&standby.log()).lines().any(|l| l.contains(&format!("standby: pod {what} during the overlap")) && l.contains(uid)).then_some(())
+        })
+    };
+    followed("added", &new.uid);
+    followed("removed", &gone.uid);
+
+    owner.signal(Signal::SIGTERM);
+    assert!(owner.wait_exit(T).success(), "{}", plain(&owner.log()));
+    standby.wait_role("owner", T);
+    standby.wait_log("takeover reconcile applied the storage diff changed=0", T);
+    let records = pod_records(&node.state_dir);
+    assert_eq!(records.keys().collect::<Vec<_>>(), [&format!("{}.json", new.uid)], "the new owner's records");
+}

@@ -66,6 +66,9 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
     let node = Node::new(Inputs { on_demand_clusters: cfg.on_demand_clusters, identity, ..Inputs::default() });
     cni::load(&node, &storage);
+    // A standby follows the owner's pod records until the node is handed to it.
+    let followed = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let mut follower = Some(tokio::spawn(cni::follow(node.clone(), storage.clone(), followed.clone())));
     // Restored in a standby too; written by the owner alone (see `writers`).
     let observed = writers::Observed::restore(&cfg.state_dir);
     let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
@@ -133,7 +136,10 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     }
                     Action::Reconcile => {
                         reconciled = true;
-                        svid_wait = SvidWait::new(node.with_inputs(identity::lacking_svids));
+                        // The pods the standby took from the owner during the overlap
+                        // are waited for like those the reconcile adds.
+                        let taken = followed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                        svid_wait = SvidWait::new(node.with_inputs(identity::lacking_svids).difference(&taken).cloned().collect());
                         // What the previous owner flushed before it released the node.
                         observed.reload();
                         let (node, storage, tx) = (node.clone(), storage.clone(), reconciled_tx.clone());
@@ -270,6 +276,11 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     pending.push(Event::Drain);
                 }
                 Ok(Command::Takeover(t, fds)) => {
+                    // From here on this process writes the records: it stops reading them
+                    // as the owner writes (its next look was at most a lock away).
+                    if let Some(f) = follower.take() {
+                        f.abort();
+                    }
                     shared_proto::fault_hook!("takeover");
                     let fds = fdcheck::check(&cfg.run_dir, fds).context("checking the Takeover descriptors")?;
                     let fd_passing_us = now_us().saturating_sub(t.sent_at_us);

@@ -305,12 +305,12 @@ fn look<S: FileSource>(
     }
 }
 
-/// inotify on a file's directory, reporting events that may change the file: on its
-/// name, or on a `..`-prefixed name (a Kubernetes ConfigMap swaps its `..data` symlink).
+/// inotify on a directory, reporting events on the names it wants: for a watched file,
+/// its name or a `..`-prefixed name (a Kubernetes ConfigMap swaps its `..data` symlink).
 /// Other names (a writer's temp file) do not wake the reload.
-struct DirEvents {
+pub(crate) struct DirEvents {
     fd: tokio::io::unix::AsyncFd<InotifyFd>,
-    name: std::ffi::OsString,
+    wanted: Box<dyn Fn(&std::ffi::OsStr) -> bool + Send + Sync>,
 }
 
 struct InotifyFd(nix::sys::inotify::Inotify);
@@ -323,12 +323,17 @@ impl AsRawFd for InotifyFd {
 
 impl DirEvents {
     fn new(file: &Path) -> Option<Self> {
-        use nix::sys::inotify::{AddWatchFlags as F, InitFlags, Inotify};
         let name = file.file_name()?.to_owned();
         let dir = match file.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
+        Self::on(dir, Box::new(move |n| n == name || n.as_encoded_bytes().starts_with(b"..")))
+    }
+
+    /// Events in `dir` on the names `wanted` accepts.
+    pub(crate) fn on(dir: &Path, wanted: Box<dyn Fn(&std::ffi::OsStr) -> bool + Send + Sync>) -> Option<Self> {
+        use nix::sys::inotify::{AddWatchFlags as F, InitFlags, Inotify};
         let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).ok()?;
         // Not IN_MODIFY: a writer mid-write would make us read half a file.
         let flags = F::IN_CLOSE_WRITE | F::IN_MOVED_TO | F::IN_MOVED_FROM | F::IN_CREATE | F::IN_DELETE | F::IN_ATTRIB;
@@ -338,15 +343,14 @@ impl DirEvents {
         // it and lives inside the `AsyncFd`. This crate forbids unsafe, so keep `new`.
         #[allow(deprecated)]
         let fd = tokio::io::unix::AsyncFd::new(InotifyFd(ino)).ok()?;
-        Some(Self { fd, name })
+        Some(Self { fd, wanted })
     }
 
     /// Returns after the next relevant event, or after `max`.
-    async fn next(&mut self, max: Duration) {
+    pub(crate) async fn next(&mut self, max: Duration) {
         use nix::sys::inotify::AddWatchFlags as F;
         let relevant = |e: &nix::sys::inotify::InotifyEvent| {
-            e.mask.contains(F::IN_Q_OVERFLOW)
-                || e.name.as_ref().is_none_or(|n| *n == self.name || n.as_encoded_bytes().starts_with(b".."))
+            e.mask.contains(F::IN_Q_OVERFLOW) || e.name.as_ref().is_none_or(|n| (self.wanted)(n))
         };
         let wait = async {
             loop {

@@ -116,6 +116,12 @@ struct Record {
     pod: Pod,
 }
 
+/// Whether `name` in the records folder is a pod's record (`<uid>.json`), not a temp
+/// file or anything else.
+pub fn is_record_name(name: &std::ffi::OsStr) -> bool {
+    name.to_str().and_then(|n| n.strip_suffix(".json")).is_some_and(valid_uid)
+}
+
 /// Whether `uid` can be used as a file name: `[A-Za-z0-9_.-]`, 1 to 128 bytes, no `..`,
 /// not starting with `.` (which would also collide with temp file names).
 pub fn valid_uid(uid: &str) -> bool {
@@ -545,9 +551,23 @@ impl Storage {
                 now.remove(uid);
             }
         }
-        let view = &mut st.view;
+        Ok(self.adopt(&mut st, now))
+    }
+
+    /// A standby's look at the owner's writes: re-reads the folder as `open` does (read
+    /// only: temp files and bad records stay where they are) and returns what changed
+    /// since the last look, adopting the folder as the view. Writes nothing, so it may
+    /// run while another generation owns the node; not once this process writes.
+    pub fn follow(&self) -> Result<Diff, StorageError> {
+        let mut st = self.lock();
+        let now = self.scan(Scan::ReadOnly)?;
+        Ok(self.adopt(&mut st, now))
+    }
+
+    /// Makes `now` the view; what changed from the old one.
+    fn adopt(&self, st: &mut State, now: BTreeMap<String, Pod>) -> Diff {
         let mut diff = Diff::default();
-        for (uid, old) in view.iter() {
+        for (uid, old) in st.view.iter() {
             match now.get(uid) {
                 None => diff.removed.push(old.clone()),
                 Some(new) if new != old => diff.updated.push(Updated { old: old.clone(), new: new.clone() }),
@@ -555,13 +575,13 @@ impl Storage {
             }
         }
         for (uid, new) in now.iter() {
-            if !view.contains_key(uid) {
+            if !st.view.contains_key(uid) {
                 diff.added.push(new.clone());
             }
         }
-        *view = now;
-        self.show(&st);
-        Ok(diff)
+        st.view = now;
+        self.show(st);
+        diff
     }
 
     /// The owner's clean-up of what `open` left in place: quarantines bad records and
@@ -842,6 +862,36 @@ mod tests {
         fs::remove_file(dir.path().join("pods/b.json")).unwrap();
         s.reload().unwrap();
         assert!(s.pods().is_empty());
+    }
+
+    /// A standby's `follow` sees what another process's storage writes, and writes
+    /// nothing itself: the owner's temp file and a bad record stay where they are.
+    #[test]
+    fn follow_sees_the_owners_writes_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (owner, _) = open(dir.path());
+        let (standby, _) = open(dir.path());
+        assert!(standby.follow().unwrap().is_empty());
+        owner.put(&pod("a", "10.0.0.1")).unwrap();
+        owner.put(&pod("b", "10.0.0.2")).unwrap();
+        let d = standby.follow().unwrap();
+        assert_eq!(d.added.iter().map(|p| p.uid.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        owner.put(&pod("a", "10.0.0.9")).unwrap();
+        owner.remove("b").unwrap();
+        let d = standby.follow().unwrap();
+        assert_eq!((d.updated.len(), d.updated[0].new.ips[0].to_string(), d.removed.len(), d.removed[0].uid.as_str()), (1, "10.0.0.9".to_string(), 1, "b"));
+        assert_eq!(standby.get("a").unwrap().ips, owner.get("a").unwrap().ips);
+        // An owner's write in progress and a corrupt record: left alone, not pods.
+        let temp = dir.path().join(format!("pods/.c.json{TEMP_MARKER}1.1"));
+        fs::write(&temp, b"{").unwrap();
+        fs::write(dir.path().join("pods/d.json"), b"not json").unwrap();
+        assert!(standby.follow().unwrap().is_empty());
+        assert!(temp.exists() && dir.path().join("pods/d.json").exists(), "the standby changed the folder");
+        assert!(!dir.path().join("pods-quarantine").exists(), "the standby quarantined");
+        // Which names wake it: records only.
+        for (name, record) in [("a.json", true), (".a.json.tmp.1.1", false), ("a.json.1", false), ("../x.json", false)] {
+            assert_eq!(is_record_name(std::ffi::OsStr::new(name)), record, "{name}");
+        }
     }
 
     #[test]

@@ -226,9 +226,45 @@ pub async fn reconcile(node: &Node, storage: &Storage) -> anyhow::Result<usize> 
     if diff.is_empty() {
         return Ok(0);
     }
-    log_diff(&diff);
+    log_diff(&diff, "reconcile");
     node.apply(changes(&diff));
     Ok(diff.len())
+}
+
+/// How often a standby looks at the owner's pod records without an inotify event (none
+/// arrives where the folder has no inotify; one may be missed on a queue overflow).
+const FOLLOW_POLL: Duration = Duration::from_secs(1);
+
+/// A standby follows the owner's pod records as the owner writes them: each ADD's and
+/// DEL's record, and each Terminating mark, reaches the standby's snapshot before the
+/// takeover, so its reconcile finds (nearly) nothing and the proxy's reconnect carries
+/// nothing new to apply. Read only ([`Storage::follow`]), woken by inotify on the
+/// records folder; the agent stops it when the node is handed to it, before it writes.
+/// The uids it added go into `added`: the takeover waits for their SVIDs as it does
+/// for those its reconcile adds.
+pub async fn follow(node: Arc<Node>, storage: Arc<Storage>, added: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>) {
+    let mut events = crate::registry::DirEvents::on(storage.dir(), Box::new(crate::storage::is_record_name));
+    if events.is_none() {
+        tracing::warn!(dir = %storage.dir().display(), "no inotify on the pod records folder; the standby looks at it every {FOLLOW_POLL:?}");
+    }
+    loop {
+        match &mut events {
+            Some(e) => e.next(FOLLOW_POLL).await,
+            None => tokio::time::sleep(FOLLOW_POLL).await,
+        }
+        // Under the lifecycle lock, and with no await between the look and the apply: the
+        // agent's stop at the takeover cannot fall between them.
+        let _lifecycle = node.lifecycle().await;
+        match storage.follow() {
+            Ok(diff) if diff.is_empty() => {}
+            Ok(diff) => {
+                log_diff(&diff, "standby");
+                added.lock().unwrap_or_else(|e| e.into_inner()).extend(diff.added.iter().map(|p| p.uid.clone()));
+                node.apply(changes(&diff));
+            }
+            Err(e) => tracing::warn!(dir = %storage.dir().display(), error = %e, "the standby cannot read the owner's pod records; it takes them at the takeover"),
+        }
+    }
 }
 
 /// A storage diff as changes to the snapshot inputs.
@@ -238,15 +274,16 @@ fn changes(diff: &Diff) -> Vec<Change> {
     removed.chain(added).collect()
 }
 
-fn log_diff(diff: &Diff) {
+/// One line per pod, `by` (the takeover's reconcile, or the standby following) first.
+fn log_diff(diff: &Diff, by: &str) {
     for p in &diff.added {
-        tracing::info!(uid = %p.uid, pod = %format!("{}/{}", p.namespace, p.name), "reconcile: pod added during the overlap");
+        tracing::info!(uid = %p.uid, pod = %format!("{}/{}", p.namespace, p.name), "{by}: pod added during the overlap");
     }
     for u in &diff.updated {
-        tracing::info!(uid = %u.new.uid, pod = %format!("{}/{}", u.new.namespace, u.new.name), "reconcile: pod rewritten during the overlap");
+        tracing::info!(uid = %u.new.uid, pod = %format!("{}/{}", u.new.namespace, u.new.name), "{by}: pod rewritten during the overlap");
     }
     for p in &diff.removed {
-        tracing::info!(uid = %p.uid, pod = %format!("{}/{}", p.namespace, p.name), "reconcile: pod removed during the overlap");
+        tracing::info!(uid = %p.uid, pod = %format!("{}/{}", p.namespace, p.name), "{by}: pod removed during the overlap");
     }
 }
 

@@ -229,6 +229,47 @@ fn pod(uid: &str, ip: &str) -> Pod {
     }
 }
 
+/// A standby follows the owner's records as they are written (inotify on the folder),
+/// into its node, and names the pods it added; once stopped it reads no more.
+#[tokio::test]
+async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner = Storage::open(dir.path(), Metrics::new()).unwrap();
+    owner.put(&pod("a", "10.0.0.1")).unwrap();
+    let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+    let node = Node::new(Inputs::default());
+    load(&node, &storage);
+    let added = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let follower = tokio::spawn(follow(node.clone(), storage.clone(), added.clone()));
+    // Each step within 0.9 s: inside the follower's 1 s poll, so inotify woke it.
+    let wait = |what: &'static str, node: Arc<Node>, check: fn(&Node) -> bool| async move {
+        tokio::time::timeout(Duration::from_millis(900), async {
+            let mut snapshots = node.subscribe();
+            while !check(&node) {
+                snapshots.changed().await.expect("the node lives");
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the standby did not follow: {what}"));
+    };
+    // Let the follower start watching before the owner writes.
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    owner.put(&pod("b", "10.0.0.2")).unwrap();
+    wait("the ADD of b", node.clone(), |n| n.pod("b").is_some()).await;
+    owner.put(&pod("a", "10.0.0.9")).unwrap();
+    wait("the rewrite of a", node.clone(), |n| n.pod("a").is_some_and(|p| p.ips == ips(&["10.0.0.9"]))).await;
+    owner.remove("b").unwrap();
+    wait("the DEL of b", node.clone(), |n| n.pod("b").is_none()).await;
+    assert_eq!(added.lock().unwrap().iter().collect::<Vec<_>>(), ["b"], "the pods it added");
+
+    follower.abort();
+    let _ = follower.await;
+    owner.put(&pod("c", "10.0.0.3")).unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(node.pod("c").is_none(), "a stopped follower read on");
+}
+
 #[tokio::test(start_paused = true)]
 async fn reconcile_applies_what_the_previous_owner_did() {
     let dir = tempfile::tempdir().unwrap();
