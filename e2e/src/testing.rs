@@ -279,6 +279,11 @@ impl Agent {
         }
         self.signal(nix::sys::signal::Signal::SIGKILL);
         self.wait_exit(Duration::from_secs(5));
+        // The worker's files, the node lock among them, close when it dies, which the
+        // supervisor's exit does not wait for.
+        if let Some(w) = worker {
+            wait_for("the killed worker to die", Duration::from_secs(5), || process_gone(w as i32).then_some(()));
+        }
     }
 
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
@@ -289,6 +294,11 @@ impl Agent {
         self.exited = Some(s);
         s
     }
+}
+
+/// Whether `pid` is gone or a zombie: either way its files are closed.
+pub fn process_gone(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
 }
 
 impl Drop for Agent {
