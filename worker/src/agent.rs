@@ -68,7 +68,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     cni::load(&node, &storage);
     // A standby follows the owner's pod records until the node is handed to it.
     let followed = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-    let mut follower = Some(tokio::spawn(cni::follow(node.clone(), storage.clone(), followed.clone())));
+    let (stop_following, following) = watch::channel(false);
+    tokio::spawn(cni::follow(node.clone(), storage.clone(), followed.clone(), following));
     // Restored in a standby too; written by the owner alone (see `writers`).
     let observed = writers::Observed::restore(&cfg.state_dir);
     let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
@@ -277,10 +278,8 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                 }
                 Ok(Command::Takeover(t, fds)) => {
                     // From here on this process writes the records: it stops reading them
-                    // as the owner writes (its next look was at most a lock away).
-                    if let Some(f) = follower.take() {
-                        f.abort();
-                    }
+                    // as the owner writes.
+                    stop_following.send_replace(true);
                     shared_proto::fault_hook!("takeover");
                     let fds = fdcheck::check(&cfg.run_dir, fds).context("checking the Takeover descriptors")?;
                     let fd_passing_us = now_us().saturating_sub(t.sent_at_us);

@@ -237,24 +237,38 @@ const FOLLOW_POLL: Duration = Duration::from_secs(1);
 
 /// A standby follows the owner's pod records as the owner writes them: each ADD's and
 /// DEL's record, and each Terminating mark, reaches the standby's snapshot before the
-/// takeover, so its reconcile finds (nearly) nothing and the proxy's reconnect carries
-/// nothing new to apply. Read only ([`Storage::follow`]), woken by inotify on the
-/// records folder; the agent stops it when the node is handed to it, before it writes.
-/// The uids it added go into `added`: the takeover waits for their SVIDs as it does
-/// for those its reconcile adds.
-pub async fn follow(node: Arc<Node>, storage: Arc<Storage>, added: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>) {
+/// takeover, so its reconcile finds (nearly) nothing. Read only ([`Storage::follow`]),
+/// woken by inotify on the records folder, until `stop` turns true: the agent sets it
+/// when the node is handed over, before this process writes; a look already waiting
+/// for the lifecycle lock then applies nothing. The uids it added go into `added`: the
+/// takeover waits for their SVIDs as it does for those its reconcile adds.
+pub async fn follow(
+    node: Arc<Node>,
+    storage: Arc<Storage>,
+    added: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let mut events = crate::registry::DirEvents::on(storage.dir(), Box::new(crate::storage::is_record_name));
     if events.is_none() {
         tracing::warn!(dir = %storage.dir().display(), "no inotify on the pod records folder; the standby looks at it every {FOLLOW_POLL:?}");
     }
-    loop {
-        match &mut events {
-            Some(e) => e.next(FOLLOW_POLL).await,
-            None => tokio::time::sleep(FOLLOW_POLL).await,
+    while !*stop.borrow() {
+        let next = async {
+            match &mut events {
+                Some(e) => e.next(FOLLOW_POLL).await,
+                None => tokio::time::sleep(FOLLOW_POLL).await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = stop.changed() => break,
+            () = next => {}
         }
-        // Under the lifecycle lock, and with no await between the look and the apply: the
-        // agent's stop at the takeover cannot fall between them.
+        // Under the lifecycle lock, with no await between the look and the apply.
         let _lifecycle = node.lifecycle().await;
+        if *stop.borrow() {
+            break;
+        }
         match storage.follow() {
             Ok(diff) if diff.is_empty() => {}
             Ok(diff) => {
@@ -264,6 +278,11 @@ pub async fn follow(node: Arc<Node>, storage: Arc<Storage>, added: Arc<std::sync
             }
             Err(e) => tracing::warn!(dir = %storage.dir().display(), error = %e, "the standby cannot read the owner's pod records; it takes them at the takeover"),
         }
+    }
+    // Closing an inotify instance waits for an SRCU grace period, 10 to 20 ms on a busy
+    // node: not on the runtime thread, in the middle of a takeover.
+    if let Some(e) = events {
+        tokio::task::spawn_blocking(move || drop(e));
     }
 }
 

@@ -230,7 +230,7 @@ fn pod(uid: &str, ip: &str) -> Pod {
 }
 
 /// A standby follows the owner's records as they are written (inotify on the folder),
-/// into its node, and names the pods it added; once stopped it reads no more.
+/// into its node, and names the pods it added; once stopped it ends and reads no more.
 #[tokio::test]
 async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
     let dir = tempfile::tempdir().unwrap();
@@ -240,7 +240,8 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
     let node = Node::new(Inputs::default());
     load(&node, &storage);
     let added = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-    let follower = tokio::spawn(follow(node.clone(), storage.clone(), added.clone()));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let follower = tokio::spawn(follow(node.clone(), storage.clone(), added.clone(), stopped));
     // Each step within 0.9 s: inside the follower's 1 s poll, so inotify woke it.
     let wait = |what: &'static str, node: Arc<Node>, check: fn(&Node) -> bool| async move {
         tokio::time::timeout(Duration::from_millis(900), async {
@@ -263,8 +264,8 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
     wait("the DEL of b", node.clone(), |n| n.pod("b").is_none()).await;
     assert_eq!(added.lock().unwrap().iter().collect::<Vec<_>>(), ["b"], "the pods it added");
 
-    follower.abort();
-    let _ = follower.await;
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(5), follower).await.expect("the follower ends once stopped").unwrap();
     owner.put(&pod("c", "10.0.0.3")).unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(node.pod("c").is_none(), "a stopped follower read on");
