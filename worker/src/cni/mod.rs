@@ -239,8 +239,8 @@ const FOLLOW_POLL: Duration = Duration::from_secs(1);
 /// DEL's record, and each Terminating mark, reaches the standby's snapshot before the
 /// takeover, so its reconcile finds (nearly) nothing. Read only ([`Storage::follow`]),
 /// woken by inotify on the records folder, until `stop` turns true: the agent sets it
-/// when the node is handed over, before this process writes; a look already waiting
-/// for the lifecycle lock then applies nothing. The uids it added go into `added`: the
+/// when the node is handed over, before this process writes; a look waiting for the
+/// lifecycle lock then reads nothing, and one under way is applied first. The uids it added go into `added`: the
 /// takeover waits for their SVIDs as it does for those its reconcile adds.
 pub async fn follow(
     node: Arc<Node>,
@@ -264,12 +264,17 @@ pub async fn follow(
             _ = stop.changed() => break,
             () = next => {}
         }
-        // Under the lifecycle lock, with no await between the look and the apply.
+        // Under the lifecycle lock, which the takeover's reconcile takes too: a look that
+        // began is applied before the reconcile reads the folder.
         let _lifecycle = node.lifecycle().await;
         if *stop.borrow() {
             break;
         }
-        match storage.follow() {
+        // Off the runtime thread: the look reads every record.
+        let s = storage.clone();
+        let looked = tokio::task::spawn_blocking(move || s.follow()).await;
+        let Ok(looked) = looked else { break };
+        match looked {
             Ok(diff) if diff.is_empty() => {}
             Ok(diff) => {
                 log_diff(&diff, "standby");
