@@ -296,9 +296,12 @@ impl Agent {
     }
 }
 
-/// Whether `pid` is gone or a zombie: either way its files are closed.
+/// Whether `pid` is gone, or a zombie whose other threads have all exited: either way
+/// its files are closed (they are released with the last thread, not the leader).
 pub fn process_gone(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
+    let zombie = stat.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z'));
+    zombie && std::fs::read_dir(format!("/proc/{pid}/task")).map_or(true, |d| d.count() <= 1)
 }
 
 impl Drop for Agent {

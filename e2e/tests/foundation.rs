@@ -169,36 +169,6 @@ fn the_worker_runs_under_its_seccomp_filter_and_the_supervisor_does_not() {
     assert_eq!(field(a.worker_pid(), "Seccomp_filters"), field(a.pid(), "Seccomp_filters") + 4);
 }
 
-/// The worker's encoding thread lowers its own priority to nice 19, through the one
-/// `setpriority` its filter allows; every other thread stays at 0.
-#[test]
-fn the_workers_encoding_thread_alone_runs_at_nice_19_under_its_filter() {
-    let mut node = LocalNode::new();
-    let a = node.start_agent();
-    a.wait_role("owner", T);
-    let pid = a.worker_pid();
-    // (name, niceness) of each thread: the niceness is stat's 19th field, the 17th after
-    // the ")" that ends the name.
-    let threads = || -> Vec<(String, i64)> {
-        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir");
-        tasks
-            .flatten()
-            .filter_map(|t| {
-                let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
-                let (head, rest) = stat.rsplit_once(')')?;
-                let name = head.split_once('(')?.1.to_string();
-                Some((name, rest.split_whitespace().nth(16)?.parse().ok()?))
-            })
-            .collect()
-    };
-    let all = wait_for("the worker's encoding thread at nice 19", T, || {
-        let all = threads();
-        all.iter().any(|(name, nice)| name == "encoder" && *nice == 19).then_some(all)
-    });
-    assert!(all.iter().filter(|(name, _)| name != "encoder").all(|(_, nice)| *nice == 0), "threads and their niceness: {all:?}");
-    assert!(!a.log().contains("cannot lower the encoding thread's priority"), "{}", a.log());
-}
-
 #[test]
 fn a_standby_deleted_before_takeover_exits_without_binding() {
     let mut node = LocalNode::new();

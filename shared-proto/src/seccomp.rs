@@ -7,7 +7,7 @@
 //! equal ones, the newest filter's, whose log flag then decides whether it is logged):
 //! - the allow list: what the worker was measured to call (ARCHITECTURE.md, "The worker's
 //!   system calls"), with argument rules for `socket`, `socketpair`, `ioctl`, `clone`,
-//!   `prctl`, `seccomp` and `setpriority`. Anything else fails with ENOSYS, as on a kernel without the
+//!   `prctl` and `seccomp`. Anything else fails with ENOSYS, as on a kernel without the
 //!   call, so that a library falls back or reports an error instead of the worker dying;
 //!   the kernel logs each such refusal;
 //! - the expected refusal: `clone3` fails with ENOSYS too, unlogged, as at every thread
@@ -59,9 +59,6 @@ const FAMILIES: [i32; 4] = [libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::
 /// The ioctls the worker makes: `isatty` (TCGETS), tokio's FIONBIO, and FIONREAD in
 /// glibc's resolver.
 const IOCTLS: [libc::Ioctl; 3] = [libc::TCGETS, libc::FIONBIO, libc::FIONREAD];
-
-/// The niceness the worker's encoding thread gives itself, the one `setpriority` allowed.
-pub const ENCODER_NICE: i32 = 19;
 
 /// Every `CLONE_NEW*` flag.
 const CLONE_NAMESPACES: [i32; 8] = [
@@ -232,10 +229,6 @@ pub fn allow_filter() -> Result<BpfProgram, Error> {
     let prctls = [libc::PR_SET_NAME, libc::PR_SET_NO_NEW_PRIVS];
     rules.push((libc::SYS_prctl, prctls.iter().map(|&o| rule(vec![cond(0, Eq, o as u64)?])).collect::<Result<_, _>>()?));
     rules.push((libc::SYS_seccomp, vec![rule(vec![cond(0, Eq, u64::from(libc::SECCOMP_SET_MODE_FILTER))?])?]));
-    // The encoding thread sets its own niceness to 19 (worker/src/xds/encoded.rs): the
-    // calling thread (`who` 0) only, and that value only.
-    let own_nice = rule(vec![cond(0, Eq, libc::PRIO_PROCESS as u64)?, cond(1, Eq, 0)?, cond(2, Eq, ENCODER_NICE as u64)?])?;
-    rules.push((libc::SYS_setpriority, vec![own_nice]));
     compile(rules, SeccompAction::Errno(REFUSED as u32), SeccompAction::Allow)
 }
 

@@ -6,11 +6,9 @@
 //! encoded; a state-of-the-world push of every listener and cluster, as each pod's ADD
 //! sends, copies the rest. [`keep_warm`] encodes each snapshot as the node publishes it,
 //! in a standby too, so that a new owner answers the proxy's reconnect with copies; it
-//! looks only at what changed since the snapshot it warmed last. It runs on a thread of
-//! its own at the lowest priority (nice 19): the work is ahead of need, and a push
-//! encodes what is missing itself, so it must not take a core from the streams or the
-//! proxy. At 10,000 services a standby's warm-up is still encoding when the node is
-//! handed to it, through the proxy's reconnect.
+//! looks only at what changed since the snapshot it warmed last. At 10,000 services a
+//! standby's warm-up may still be encoding when the node is handed to it: a push never
+//! waits for it (see [`Encoded::get`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, TryLockError};
@@ -74,8 +72,7 @@ impl Encoded {
             };
             let encoded: Vec<(String, u64, Any)> =
                 missing.into_iter().filter_map(|(name, hash)| Some((convert_one(s, kind, &name)?, name, hash))).map(|(a, n, h)| (n, h, a)).collect();
-            // In runs, so that a push waits for at most one run if this thread, at nice
-            // 19, loses its core while it holds the lock.
+            // In runs, so that the lock is never held for long.
             let mut encoded = encoded.into_iter().peekable();
             while encoded.peek().is_some() {
                 let mut types = self.types.lock().expect("encoded resources lock");
@@ -92,8 +89,7 @@ impl Encoded {
 
     /// The encodings of `names` (those `s` has), in name order, encoding and caching any
     /// that are missing or stale. A push never waits for the warm-up: while it holds the
-    /// lock (at nice 19 it may have lost its core to the proxy), the push encodes its
-    /// resources itself and caches none.
+    /// lock, the push encodes its resources itself and caches none.
     pub fn get(&self, s: &Snapshot, kind: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
         let mut types = match self.types.try_lock() {
             Ok(types) => types,
@@ -125,41 +121,18 @@ impl Encoded {
     }
 }
 
-/// One warm-up for the encoding thread, and where to say it is done.
-type Job = (Arc<Snapshot>, Option<Arc<Snapshot>>, tokio::sync::oneshot::Sender<()>);
-
-/// Encodes every snapshot the node publishes, until the node is gone, on a thread of its
-/// own at nice 19. Also keeps the `snapshot_seq` gauge.
+/// Encodes every snapshot the node publishes, until the node is gone.
+/// Also keeps the `snapshot_seq` gauge.
 pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>, metrics: Arc<crate::metrics::Metrics>) {
-    let (jobs, queue) = std::sync::mpsc::channel::<Job>();
-    let thread = std::thread::Builder::new().name("encoder".into()).spawn(move || {
-        // Only this thread: on Linux a thread's niceness is its own. Lowering it needs no
-        // privilege (SECURITY.md, "The seccomp filters").
-        if let Err(e) = rustix::process::setpriority_process(None, shared_proto::seccomp::ENCODER_NICE) {
-            tracing::warn!(error = %e, "cannot lower the encoding thread's priority; it competes with the streams");
-        }
-        for (next, prev, done) in queue {
-            encoded.warm(&next, prev.as_deref());
-            let _ = done.send(());
-        }
-    });
-    let mut warming = match thread {
-        Ok(_) => true,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the encoding thread; streams encode on demand");
-            false
-        }
-    };
     let mut last: Option<Arc<Snapshot>> = None;
     loop {
         let s = snapshots.borrow_and_update().clone();
         metrics.snapshot_seq.set(s.seq as i64);
-        if warming {
-            let (done, warmed) = tokio::sync::oneshot::channel();
-            if jobs.send((s.clone(), last.take(), done)).is_err() || warmed.await.is_err() {
-                tracing::error!("encoding warm-up failed; streams encode on demand");
-                warming = false;
-            }
+        // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
+        // resource (about 0.2 s for 10,000 services) and must not hold up its gates.
+        let (e, next, prev) = (encoded.clone(), s.clone(), last.take());
+        if tokio::task::spawn_blocking(move || e.warm(&next, prev.as_deref())).await.is_err() {
+            tracing::error!("encoding warm-up failed; streams encode on demand");
         }
         last = Some(s);
         if snapshots.changed().await.is_err() {
