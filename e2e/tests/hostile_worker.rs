@@ -4,7 +4,7 @@
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use aether_e2e::testing::{Agent, LocalNode, bin, is_root, wait_for};
+use aether_e2e::testing::{Agent, LocalNode, bin, is_root, process_gone as dead, wait_for};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
@@ -19,10 +19,6 @@ fn threads(pid: i32) -> Vec<String> {
     tasks.iter().filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok()).map(|c| c.trim().to_string()).collect()
 }
 
-/// Gone, or a zombie waiting to be reaped.
-fn dead(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
-}
 
 /// Starts the next generation (under `wrapper`) with the stand-in as its worker, in `mode`
 /// (see `stand-in-worker`), and the FIFO `stand-in-go` in its state folder.

@@ -240,8 +240,9 @@ const FOLLOW_POLL: Duration = Duration::from_secs(1);
 /// takeover, so its reconcile finds (nearly) nothing. Read only ([`Storage::follow`]),
 /// woken by inotify on the records folder, until `stop` turns true: the agent sets it
 /// when the node is handed over, before this process writes; a look waiting for the
-/// lifecycle lock then reads nothing, and one under way is applied first. The uids it added go into `added`: the
-/// takeover waits for their SVIDs as it does for those its reconcile adds.
+/// lifecycle lock then reads nothing, and one under way is applied first. The uids it
+/// added go into `added`: the takeover waits for their SVIDs as it does for those its
+/// reconcile adds.
 pub async fn follow(
     node: Arc<Node>,
     storage: Arc<Storage>,

@@ -602,11 +602,11 @@ impl Protocol for DeltaState {
     /// reconnect asks eight times.
     fn acked_current(&self) -> bool {
         let in_sync = self.synced.as_ref().is_some_and(|x| Arc::ptr_eq(x, &self.current));
-        let mut compare = Vec::new();
+        let mut compare = [false; KIND_COUNT];
         for kind in KINDS {
             let t = &self.types[kind.index()];
             if !(in_sync && t.subscribed && !t.full && t.extra.is_empty() && !t.answer) {
-                compare.push(kind);
+                compare[kind.index()] = true;
                 continue;
             }
             // `holds` is the snapshot (what the proxy wants of it) as of the last push:
@@ -620,7 +620,7 @@ impl Protocol for DeltaState {
                 return false;
             }
         }
-        compare.into_iter().all(|kind| self.acked_in_full(kind))
+        KINDS.into_iter().filter(|k| compare[k.index()]).all(|kind| self.acked_in_full(kind))
     }
 }
 

@@ -20,9 +20,6 @@ use tokio::sync::watch;
 use super::convert;
 use super::kind::{KIND_COUNT, KINDS, Kind};
 
-/// How many encodings a warm-up caches under one hold of the lock.
-const INSERT_RUN: usize = 256;
-
 #[derive(Default)]
 pub struct Encoded {
     /// Per [`Kind::index`]: name to (content hash, encoding).
@@ -72,16 +69,12 @@ impl Encoded {
             };
             let encoded: Vec<(String, u64, Any)> =
                 missing.into_iter().filter_map(|(name, hash)| Some((convert_one(s, kind, &name)?, name, hash))).map(|(a, n, h)| (n, h, a)).collect();
-            // In runs, so that the lock is never held for long.
-            let mut encoded = encoded.into_iter().peekable();
-            while encoded.peek().is_some() {
-                let mut types = self.types.lock().expect("encoded resources lock");
-                let cache = &mut types[kind.index()];
-                for (name, hash, any) in encoded.by_ref().take(INSERT_RUN) {
-                    // A push may have encoded a newer version meanwhile: keep the newer.
-                    if current.get(&name) == Some(&hash) {
-                        cache.insert(name, (hash, any));
-                    }
+            let mut types = self.types.lock().expect("encoded resources lock");
+            let cache = &mut types[kind.index()];
+            for (name, hash, any) in encoded {
+                // A push may have encoded a newer version meanwhile: keep the newer.
+                if current.get(&name) == Some(&hash) {
+                    cache.insert(name, (hash, any));
                 }
             }
         }
