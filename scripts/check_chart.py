@@ -266,8 +266,8 @@ def check_agent(docs, raw, args):
     # nothing in it runs the uninstall (that is the post-delete hook's alone).
     hooks = [c["name"] for c in all_containers(pod) if c.get("lifecycle")]
     argv = [a for c in all_containers(pod) for a in (c.get("command") or []) + (c.get("args") or [])]
-    check("agent pod: no lifecycle hook and no --uninstall-cni (a roll never uninstalls)",
-          not hooks and not any("--uninstall-cni" in a for a in argv), f"hooks on {hooks}, argv {argv}")
+    check("agent pod: no lifecycle hook and no `aether-cni uninstall` (a roll never uninstalls)",
+          not hooks and not runs_uninstall(argv), f"hooks on {hooks}, argv {argv}")
 
     # The CNI plugin install: `aether-cni install <bin mount>` copies the plugin's own
     # executable to a temporary name carrying POD_NAME in the bin folder, then renames it
@@ -693,18 +693,23 @@ def check_registrar_node_policy(docs, d, agent_ds, args):
                  registrar_policy_cases(sa_user, agent_user(agent_ds), node_selector))
 
 
+def runs_uninstall(argv):
+    """Whether a command line is `aether-cni uninstall`, however it is spelled."""
+    return any(a.endswith("aether-cni") and b == "uninstall" for a, b in zip(argv, argv[1:]))
+
+
 def check_uninstall(docs, args):
-    """The post-delete hook: a DaemonSet that runs `aether-supervisor --uninstall-cni` on
-    every node the agent ran on, and a Job that waits for it; nothing else runs it."""
+    """The post-delete hook: a DaemonSet that runs `aether-cni uninstall` on every node the
+    agent ran on, and a Job that waits for it; nothing else runs it."""
     hooks = [d for d in docs if (d.get("metadata", {}).get("annotations") or {}).get(HOOK)]
     ds = [d for d in objects_of(docs, "DaemonSet", "cni-uninstall")]
     runs = [d for d in docs if d.get("kind") in ("DaemonSet", "Deployment", "Job")
-            and any("--uninstall-cni" in a for c in all_containers(d["spec"]["template"]["spec"])
-                    for a in (c.get("command") or []) + (c.get("args") or []))]
+            and any(runs_uninstall((c.get("command") or []) + (c.get("args") or []))
+                    for c in all_containers(d["spec"]["template"]["spec"]))]
     if not args.uninstall:
         check("no uninstall hook with cni.uninstall.enabled=false", not ds and not runs, f"found {len(ds)}, {len(runs)}")
         return
-    check("uninstall: one DaemonSet runs --uninstall-cni, and only it", len(ds) == 1 and runs == ds,
+    check("uninstall: one DaemonSet runs `aether-cni uninstall`, and only it", len(ds) == 1 and runs == ds,
           f"DaemonSets {len(ds)}, runners {[d['metadata']['name'] for d in runs]}")
     check("uninstall: every hook object is post-delete only (never install, upgrade or rollback)",
           hooks and all(d["metadata"]["annotations"][HOOK] == "post-delete" for d in hooks),
@@ -722,7 +727,7 @@ def check_uninstall(docs, args):
           f"got {pod.get('automountServiceAccountToken')!r}")
     inits = pod.get("initContainers") or []
     check("uninstall: the removal is the init container (the pod is Ready only once it is done)",
-          len(inits) == 1 and any("--uninstall-cni" in a for a in inits[0].get("command", [])), f"init {inits}")
+          len(inits) == 1 and runs_uninstall(inits[0].get("command", []) + inits[0].get("args", [])), f"init {inits}")
     init = inits[0]
     argv = init.get("command", []) + init.get("args", [])
     flags = dict(zip(argv, argv[1:]))

@@ -328,7 +328,7 @@ mutations=(
   'metrics-loopback|templates/daemonset.yaml|printf "\$\(HOST_IP\):%d"|printf "127.0.0.1:%d"|agent.metrics.enabled=true|--surge false --metrics true|AETHER_METRICS_ADDR is $(HOST_IP)'
   'memory-limit|values.yaml|limits:\n      memory: 256Mi|limits:\n      memory: 4Gi||--surge false|agent memory limit 256Mi'
   'uninstall-not-hook|templates/cni-uninstall.yaml|(kind: DaemonSet\nmetadata:\n(?:.*\n)*?    )helm.sh/hook: post-delete|\g<1>helm.sh/hook: post-install,post-delete||--surge false|every hook object is post-delete only'
-  'uninstall-on-prestop|templates/daemonset.yaml|(          readinessProbe:\n            # Ready = )|          lifecycle:\n            preStop:\n              exec:\n                command: [aether-supervisor, --uninstall-cni, --cni-conf-dir, /host/etc/cni/net.d, --cni-bin-dir, /host/opt/cni/bin]\n\g<1>||--surge false|a roll never uninstalls'
+  'uninstall-on-prestop|templates/daemonset.yaml|(          readinessProbe:\n            # Ready = )|          lifecycle:\n            preStop:\n              exec:\n                command: [aether-cni, uninstall, --run-dir, /run/aether, --cni-conf-dir, /host/etc/cni/net.d, --cni-bin-dir, /host/opt/cni/bin]\n\g<1>||--surge false|a roll never uninstalls'
   'uninstall-no-lock|templates/cni-uninstall.yaml|- --run-dir\n            - \{\{ \$runDir \}\}|- --run-dir\n            - /tmp||--surge false|uninstall waits for the node lock'
   'uninstall-not-everywhere|templates/cni-uninstall.yaml|      \{\{- with .Values.agent.tolerations \}\}\n      tolerations:|      {{- with list }}\n      tolerations:||--surge false|runs where the agent ran'
   'uninstall-role-wide|templates/cni-uninstall.yaml|    resourceNames: \[\{\{ \$name . quote \}\}\]\n|||--surge false|reads that one DaemonSet'
@@ -445,7 +445,7 @@ step "the readiness probe as deployed: the chart's credentials against a real ag
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the probe stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
-  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready --bins
+  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   render "$chart" "$work/probe.yaml" ""
   eval "$("$py" "$check" --probe-creds "$work/probe.yaml")"
@@ -489,7 +489,7 @@ else
 fi
 
 step "the uninstall hook as deployed: a surge roll keeps the entry, the uninstall removes it once the agents are gone"
-# The hook's init container runs `aether-supervisor --uninstall-cni` as uid 0 with no
+# The hook's init container runs `aether-cni uninstall` as uid 0 with no
 # capability. Here it runs under exactly the credentials the rendered chart declares
 # (setpriv), against a node folder with a conflist and the plugin, beside real agents that
 # own the node and re-assert the conflist. Across a surge roll (a standby, then SIGTERM to
@@ -499,7 +499,7 @@ step "the uninstall hook as deployed: a surge roll keeps the entry, the uninstal
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the uninstall stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
-  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready --bins
+  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   render "$chart" "$work/uninstall.yaml" ""
   eval "$("$py" "$check" --uninstall-creds "$work/uninstall.yaml")"

@@ -9,12 +9,13 @@
 //! linkerd-cni: a DEL that cannot reach the agent succeeds (see [`execute`]), so that the
 //! primary plugin, called after this one on DEL, still releases the pod's address.
 //! [`install`] is the chart's installer: the binary copies itself into the host's CNI bin
-//! folder, so the image needs no shell.
+//! folder, so the image needs no shell. [`uninstall`] is the chart's uninstall hook.
 #![forbid(unsafe_code)]
 
 pub mod client;
 pub mod input;
 pub mod install;
+pub mod uninstall;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;

@@ -1,5 +1,5 @@
-//! The supervisor's conflist re-assertion (`supervisor/src/conflist.rs`), the one
-//! document the privileged process parses, on arbitrary file contents. What must hold:
+//! The conflist re-assertion (`shared-proto/src/conflist.rs`, run as root by `aether-cni
+//! chain` for the node's owner), on arbitrary file contents. What must hold:
 //! no panic; when the file is rewritten, the result is JSON whose `plugins` are the old
 //! ones plus exactly one `aether-cni` entry at the end and every other key unchanged;
 //! when it is not (already chained, or refused), the file is byte for byte as it was.
@@ -9,10 +9,7 @@ use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-
-#[allow(dead_code)]
-#[path = "../../supervisor/src/conflist.rs"]
-mod conflist;
+use shared_proto::conflist;
 
 fuzz_target!(|data: &[u8]| {
     // tmpfs when there is one: the rewrite fsyncs.

@@ -4,6 +4,8 @@
 //!   an owning supervisor and a standby supervisor (the generation handoff).
 //! - [`fdpass`]: one message per `SOCK_SEQPACKET` datagram with its file descriptors
 //!   attached over `SCM_RIGHTS`, received with `MSG_CMSG_CLOEXEC`, truncation rejected.
+//! - `conflist` (feature `conflist`): the node's CNI conflist, as the runtime chooses it,
+//!   and its atomic rewrite; for `aether-cni` and the worker, never the supervisor.
 //! - `cni` (feature `cni-api`): the CNI gRPC API between `aether-cni` and the worker.
 //! - `logging` (feature `logging`): the log setup both processes share.
 //! - `registry` (feature `registry-api`): the registry gRPC API between agents and a
@@ -23,6 +25,8 @@ pub mod fdcheck;
 pub mod fdpass;
 #[cfg(feature = "cni-api")]
 pub mod cni;
+#[cfg(feature = "conflist")]
+pub mod conflist;
 #[cfg(feature = "logging")]
 pub mod logging;
 #[cfg(feature = "registry-api")]

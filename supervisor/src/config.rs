@@ -113,9 +113,15 @@ pub struct Config {
     /// until the SVID comes).
     #[arg(long, env = "AETHER_MTLS", value_name = "MODE", default_value = "permissive", value_parser = ["permissive", "strict"])]
     pub mtls: String,
-    /// CNI conf folder whose conflist the owner re-asserts [default: none].
+    /// CNI conf folder whose conflist the owner re-asserts [default: none]: at takeover
+    /// and every 5 s it runs `--cni-plugin-bin chain`, which appends the aether-cni entry
+    /// to the runtime's conflist when it is missing.
     #[arg(long, env = "AETHER_CNI_CONF_DIR")]
     pub cni_conf_dir: Option<PathBuf>,
+    /// The aether-cni executable that re-asserts the conflist [default: aether-cni beside
+    /// this binary]. Opened at start and run from that descriptor.
+    #[arg(long, env = "AETHER_CNI_PLUGIN_BIN", requires = "cni_conf_dir")]
+    pub cni_plugin_bin: Option<PathBuf>,
     /// Prometheus metrics address, bound by the owner only; "off" disables them.
     #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
     pub metrics_addr: MetricsAddr,
@@ -131,16 +137,6 @@ pub struct Config {
     /// --log-format apply.
     #[arg(long, env = "AETHER_KEEP_SOCKETS")]
     pub keep_sockets: bool,
-    /// Take aether-cni off this node and exit: wait for the node lock (no agent left to
-    /// re-assert the entry; up to 2 minutes), remove the aether-cni entry from every
-    /// configuration in --cni-conf-dir, then <--cni-bin-dir>/aether-cni. For the chart's
-    /// uninstall hook only; an agent never does this, on a signal or otherwise. Only
-    /// --run-dir, --cni-conf-dir, --cni-bin-dir and --log-format apply.
-    #[arg(long, env = "AETHER_UNINSTALL_CNI", requires_all = ["cni_conf_dir", "cni_bin_dir"], conflicts_with = "keep_sockets")]
-    pub uninstall_cni: bool,
-    /// The CNI bin folder that holds the aether-cni plugin (--uninstall-cni only).
-    #[arg(long, env = "AETHER_CNI_BIN_DIR", requires = "uninstall_cni")]
-    pub cni_bin_dir: Option<PathBuf>,
 }
 
 fn parse_user(s: &str) -> Result<(u32, u32), String> {

@@ -6,7 +6,7 @@
 //! surface, and `sys/` for every raw syscall.
 
 mod config;
-mod conflist;
+mod chain;
 mod handoff;
 mod keeper;
 mod lifecycle;
@@ -15,9 +15,7 @@ mod node;
 mod report;
 mod supervise;
 mod sys;
-mod uninstall;
 
-use anyhow::Context;
 use clap::Parser;
 
 use config::Config;
@@ -55,13 +53,6 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     // Files and sockets are created no more open than 0700; each gets its exact mode
     // right after. Set before any thread exists, as umask is per process.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
-    if cfg.uninstall_cni {
-        let (conf, bin) = (cfg.cni_conf_dir.as_deref(), cfg.cni_bin_dir.as_deref());
-        let (conf, bin) = conf.zip(bin).context("--uninstall-cni needs --cni-conf-dir and --cni-bin-dir")?;
-        sys::dirs::prepare_run_dir(&cfg.run_dir)?;
-        uninstall::run(&cfg.run_dir, conf, bin, uninstall::LOCK_BOUND)?;
-        return Ok(0);
-    }
     // Signals are blocked before the lock thread starts, so that they reach the signalfd.
     let signals = sys::signals::block_and_open()?;
     if cfg.keep_sockets {

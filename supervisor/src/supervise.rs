@@ -19,7 +19,7 @@ use shared_proto::fdpass;
 use tracing::{error, info, warn};
 
 use crate::config::Config;
-use crate::conflist;
+use crate::chain::Chain;
 use crate::handoff::{self, Held};
 use crate::lifecycle::{Action, Event, Lifecycle, Report, Resources};
 use crate::node::{self, Node, Outcome, Taker};
@@ -52,6 +52,8 @@ pub enum StartError {
     Lock(#[from] LockError),
     #[error("the lock thread's wake-up socket: {0}")]
     Wake(std::io::Error),
+    #[error(transparent)]
+    Chain(std::io::Error),
 }
 
 pub struct Supervisor {
@@ -65,7 +67,7 @@ pub struct Supervisor {
     /// poll does not keep reporting the hang-up.
     lock_wake: Option<UnixStream>,
     lock_rx: mpsc::Receiver<Result<lock::Held, LockError>>,
-    conflist: Option<conflist::Watch>,
+    conflist: Option<Chain>,
     /// The read end of each unreaped worker's SIGSYS report pipe.
     sigsys: Vec<(Pid, OwnedFd)>,
     /// systemd's `WatchdogSec=` watches this process.
@@ -85,7 +87,7 @@ impl Supervisor {
     ) -> Result<Self, StartError> {
         let held = node::held_from_systemd(&cfg.xds_path(), &cfg.cni_path(), from_systemd);
         let root = nix::unistd::geteuid().is_root();
-        let worker_path = cfg.worker_bin.clone().unwrap_or_else(spawn::default_worker_path);
+        let worker_path = cfg.worker_bin.clone().unwrap_or_else(|| spawn::beside_me("aether-worker"));
         let image = Image::open(&worker_path)?;
         let plan = Plan::new(worker_args, env, root.then_some(cfg.worker_user))?;
         let owner = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
@@ -94,7 +96,8 @@ impl Supervisor {
         let (lock_wake, wake_w) = UnixStream::pair().map_err(StartError::Wake)?;
         lock_wake.set_nonblocking(true).map_err(StartError::Wake)?;
         let lock_rx = lock::spawn_waiter(lock_file, cfg.lock_path(), wake_w);
-        let conflist = cfg.cni_conf_dir.as_ref().map(|dir| conflist::Watch::new(dir, &cfg.cni_path()));
+        let exe = cfg.cni_plugin_bin.clone().unwrap_or_else(|| spawn::beside_me("aether-cni"));
+        let conflist = cfg.cni_conf_dir.as_ref().map(|dir| Chain::open(&exe, dir, &cfg.cni_path(), &cfg.log_format)).transpose().map_err(StartError::Chain)?;
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
         let watchdog = notify::watchdog_enabled();
         Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new(), released: None })
@@ -284,6 +287,9 @@ impl Supervisor {
                 Ok(s) => s,
             };
             let Some(pid) = status.pid() else { continue };
+            if self.conflist.as_mut().is_some_and(|c| c.reaped(&status)) {
+                continue;
+            }
             let sigsys = self.sigsys.iter().position(|(p, _)| *p == pid).map(|i| self.sigsys.swap_remove(i).1);
             if let WaitStatus::Signaled(_, Signal::SIGSYS, _) = status {
                 report::sigsys(pid, sigsys.as_ref().and_then(seccomp::report));

@@ -1,31 +1,24 @@
 //! Whether `aether-cni` is chained in the node's CNI configuration (`--cni-conf-dir`),
 //! as `/ready` reports it, for a standby as for the owner.
 //!
-//! Read-only: the owner's supervisor repairs the file (`supervisor/src/conflist.rs`);
-//! the worker only looks, so that a standby can say before it takes the node over that
-//! pods started now would run without the mesh. The rules are the supervisor's, kept in
-//! step by the tests below: the runtime's configuration is the first `*.conf`,
-//! `*.conflist` or `*.json` by name (hidden files left out), opened without following a
-//! symlink, at most 1 MiB, and chained when its `plugins` list holds an entry of type
-//! `aether-cni`. A look is a folder listing and one small read, every few seconds, on
-//! a blocking thread.
+//! Read-only: the owner's supervisor repairs the file (it runs `aether-cni chain`); the
+//! worker only looks, so that a standby can say before it takes the node over that pods
+//! started now would run without the mesh. The rules are the ones the repair follows,
+//! from one module (`shared_proto::conflist`): the runtime's configuration is the first
+//! `*.conf`, `*.conflist` or `*.json` by name, dotfiles included, as libcni chooses it,
+//! opened without following a symlink or blocking, at most 1 MiB, and chained when its
+//! `plugins` list holds an entry of type `aether-cni`. A look is a folder listing and one
+//! small read, every few seconds, on a blocking thread.
 
-use std::fs::{self, OpenOptions};
-use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::Value;
+use shared_proto::conflist::{PLUGIN_TYPE, chained, primary};
 
 use crate::health::{CniStatus, Reporter};
 
-/// The plugin type of the entry, as the supervisor appends it.
-pub const PLUGIN_TYPE: &str = "aether-cni";
 /// The source name of the problem `/ready` shows while the entry is missing.
 pub const PROBLEM: &str = "cni";
-/// A conflist is a few KiB; a larger file is not one (the supervisor's bound).
-const MAX_BYTES: u64 = 1 << 20;
 /// How often the folder is looked at: the owner's supervisor re-asserts every 5 s.
 pub const INTERVAL: Duration = Duration::from_secs(5);
 
@@ -34,20 +27,6 @@ pub const INTERVAL: Duration = Duration::from_secs(5);
 pub struct Observation {
     pub status: CniStatus,
     pub problem: Option<String>,
-}
-
-/// The network configuration the runtime uses: the first `*.conf`, `*.conflist` or
-/// `*.json` that is not a folder, dotfiles included, by the bytes of its name, as libcni
-/// chooses it (the supervisor's `conflist::configurations` cites the rule).
-pub fn primary(dir: &Path) -> std::io::Result<Option<PathBuf>> {
-    let mut names: Vec<std::ffi::OsString> = fs::read_dir(dir)?
-        .filter_map(|e| e.ok())
-        .filter(|e| !e.file_type().is_ok_and(|t| t.is_dir()))
-        .map(|e| e.file_name())
-        .filter(|n| [".conf", ".conflist", ".json"].iter().any(|s| n.as_encoded_bytes().ends_with(s.as_bytes())))
-        .collect();
-    names.sort_by(|a, b| a.as_encoded_bytes().cmp(b.as_encoded_bytes()));
-    Ok(names.first().map(|n| dir.join(n)))
 }
 
 /// Looks at `dir` once. Never writes.
@@ -65,9 +44,7 @@ pub fn observe(dir: &Path) -> Observation {
                 problem: Some(format!("{}: no network configuration yet (the primary CNI has not written one)", dir.display())),
             };
         }
-        Err(e) => {
-            return Observation { status: status(None, false), problem: Some(format!("reading the CNI conf folder {}: {e}", dir.display())) };
-        }
+        Err(e) => return Observation { status: status(None, false), problem: Some(e.to_string()) },
     };
     match chained(&path) {
         Ok(true) => Observation { status: status(Some(&path), true), problem: None },
@@ -78,32 +55,8 @@ pub fn observe(dir: &Path) -> Observation {
                 path.display()
             )),
         },
-        Err(why) => Observation { status: status(Some(&path), false), problem: Some(format!("{}: {why}", path.display())) },
+        Err(why) => Observation { status: status(Some(&path), false), problem: Some(why.to_string()) },
     }
-}
-
-/// Whether the conflist at `path` lists an `aether-cni` plugin.
-fn chained(path: &Path) -> Result<bool, String> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| format!("opening (symlinks are refused): {e}"))?;
-    let meta = file.metadata().map_err(|e| format!("fstat: {e}"))?;
-    if !meta.is_file() {
-        return Err("not a regular file".into());
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_BYTES + 1).read_to_end(&mut bytes).map_err(|e| format!("reading: {e}"))?;
-    if bytes.len() as u64 > MAX_BYTES {
-        return Err(format!("larger than {MAX_BYTES} bytes"));
-    }
-    let conf: Value = serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))?;
-    let plugins = conf
-        .get("plugins")
-        .and_then(Value::as_array)
-        .ok_or("no \"plugins\" list: a single-plugin configuration cannot chain aether-cni")?;
-    Ok(plugins.iter().any(|p| p.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)))
 }
 
 /// Looks at `dir` now and every [`INTERVAL`], and reports each change to `/ready`.
@@ -134,6 +87,8 @@ pub fn spawn(dir: PathBuf, reporter: Reporter) -> tokio::task::JoinHandle<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     const PTP: &str = r#"{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp"},{"type":"portmap"}]}"#;
@@ -183,7 +138,7 @@ mod tests {
         check(&[("10-broken.conflist", "{\"plugins\": [")], Some("10-broken.conflist"), false, Some("not JSON"));
         check(&[("10-single.conf", r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#)], Some("10-single.conf"), false, Some("no \"plugins\" list"));
         check(&[("elsewhere.txt", CHAINED), ("10-link.conflist", "->elsewhere.txt")], Some("10-link.conflist"), false, Some("symlinks are refused"));
-        let big = " ".repeat(MAX_BYTES as usize + 1);
+        let big = " ".repeat((1 << 20) + 1);
         check(&[("10-big.conflist", big.as_str())], Some("10-big.conflist"), false, Some("larger than"));
     }
 

@@ -283,12 +283,10 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
     }
 }
 
-/// The default worker path: `aether-worker` beside the supervisor's own executable.
-pub fn default_worker_path() -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join("aether-worker")))
-        .unwrap_or_else(|| PathBuf::from("aether-worker"))
+/// The default path of a sibling executable (`aether-worker`, `aether-cni`): beside the
+/// supervisor's own.
+pub fn beside_me(name: &str) -> PathBuf {
+    std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join(name))).unwrap_or_else(|| PathBuf::from(name))
 }
 
 pub fn os_str_arg(p: &Path) -> String {

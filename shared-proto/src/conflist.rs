@@ -1,24 +1,26 @@
-//! Re-asserts the node's chained CNI conflist (`--cni-conf-dir`), while this supervisor
-//! owns the node.
+//! The node's chained CNI conflist: which file the runtime uses, whether it chains
+//! `aether-cni`, and the one way to change it.
 //!
 //! The runtime runs the plugins of the first network configuration in the folder. A
 //! primary CNI that rewrites its conflist (an upgrade, a restart) drops the `aether-cni`
-//! entry, and pods then start without the mesh. The owner checks that file at takeover
-//! and every few seconds, and appends the entry when it is missing. A standby never
-//! writes: two generations would otherwise race on one node file.
+//! entry, and pods then start without the mesh. The node's owner therefore checks that
+//! file at takeover and every few seconds, and appends the entry when it is missing: its
+//! supervisor runs `aether-cni chain` ([`reassert`]) as a short-lived process of its own,
+//! so the privileged supervisor never parses the file. A standby never writes. The worker
+//! only looks ([`chained`]) to report it on `/ready`.
 //!
 //! The file is root's, in a root-owned folder; still it is opened with `O_NOFOLLOW` and
-//! `O_NONBLOCK` (a FIFO under a configuration's name must not hang the event loop), its
-//! type checked before any read, read up to 1 MiB and parsed as JSON. A file that is not a
+//! `O_NONBLOCK` (a FIFO under a configuration's name must not hang the reader), its type
+//! checked before any read, read up to 1 MiB and parsed as JSON. A file that is not a
 //! conflist is reported by name and left untouched. The rewrite is a temp file in the same
 //! folder (`O_EXCL|O_NOFOLLOW`, the original's mode and owner), fsync, an atomic exchange
 //! with the original, fsync of the folder: a reader sees the old file or the new one,
 //! never a partial one (containerd #8607, istio #44167). The primary CNI may rewrite the
 //! file meanwhile; see [`rewrite`] for how neither change is lost.
 //!
-//! [`remove`] is the one way back, for the chart's uninstall hook (`--uninstall-cni`,
-//! see `uninstall`): it takes the entry out of every configuration in the folder with the
-//! same rewrite.
+//! [`remove`] is the one way back, for the chart's uninstall hook (`aether-cni
+//! uninstall`): it takes the entry out of every configuration in the folder with the same
+//! rewrite.
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
@@ -41,6 +43,7 @@ const TEMP_NAME: &str = ".aether-cni-conflist.tmp";
 /// How often a rewrite starts over because the file changed under it before giving up
 /// until the next check.
 const ATTEMPTS: usize = 20;
+const NOT_A_LIST: &str = "no \"plugins\" list: a single-plugin configuration cannot chain aether-cni; make it a .conflist";
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -103,43 +106,12 @@ pub fn entry(agent_socket: &Path) -> Value {
     json!({ "type": PLUGIN_TYPE, "agentSocket": agent_socket.to_string_lossy() })
 }
 
-/// The owner's periodic check, which logs what it found only when that changed.
-pub struct Watch {
-    dir: PathBuf,
-    entry: Value,
-    last: Option<String>,
-}
-
-impl Watch {
-    pub fn new(dir: &Path, agent_socket: &Path) -> Self {
-        Self { dir: dir.to_owned(), entry: entry(agent_socket), last: None }
-    }
-
-    pub fn check(&mut self) {
-        let result = reassert(&self.dir, &self.entry);
-        let summary = match &result {
-            Ok(Outcome::NoConflist) => format!("no CNI network configuration in {} yet", self.dir.display()),
-            Ok(Outcome::Chained(p) | Outcome::Repaired(p)) => format!("{} chains aether-cni", p.display()),
-            Err(e) => e.to_string(),
-        };
-        match &result {
-            Ok(Outcome::Repaired(p)) => {
-                tracing::warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it")
-            }
-            _ if self.last.as_deref() == Some(summary.as_str()) => {}
-            Ok(_) => tracing::info!("{summary}"),
-            Err(e) => tracing::error!(error = %e, "cannot re-assert the CNI conflist"),
-        }
-        self.last = Some(summary);
-    }
-}
-
 /// Makes the node's first conflist chain `aether-cni`, appending `entry` when missing.
 pub fn reassert(dir: &Path, entry: &Value) -> Result<Outcome, Error> {
     let Some(path) = primary(dir)? else { return Ok(Outcome::NoConflist) };
     let edit = |conf: &mut Value| {
         let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else {
-            return Err("no \"plugins\" list: a single-plugin configuration cannot chain aether-cni; make it a .conflist".to_string());
+            return Err(NOT_A_LIST.to_string());
         };
         if plugins.iter().any(is_ours) {
             return Ok(false);
@@ -152,6 +124,16 @@ pub fn reassert(dir: &Path, entry: &Value) -> Result<Outcome, Error> {
 
 fn is_ours(plugin: &Value) -> bool {
     plugin.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)
+}
+
+/// Whether the configuration at `path` chains `aether-cni`; never writes. An error names
+/// why the file is not a conflist.
+pub fn chained(path: &Path) -> Result<bool, Error> {
+    let conf = parse(&read(path)?.bytes, path)?;
+    let Some(plugins) = conf.get("plugins").and_then(Value::as_array) else {
+        return Err(Error::Invalid { path: path.to_owned(), reason: NOT_A_LIST.into() });
+    };
+    Ok(plugins.iter().any(is_ours))
 }
 
 /// Removes every `aether-cni` entry from the network configurations in `dir` (all of

@@ -1,11 +1,11 @@
-//! `--uninstall-cni`: takes `aether-cni` off the node once the agent is gone for good.
+//! `aether-cni uninstall`: takes `aether-cni` off the node once the agent is gone for good.
 //!
 //! Run by the chart's post-delete hook (one pod per node, after Helm deleted the agent's
 //! DaemonSet), never by an agent and never on a signal: a roll sends SIGTERM too, and a
 //! roll must leave the node's chain as it is. It waits for the node lock, so that no
 //! owner is left to append the entry again (the agent being uninstalled may still be
 //! draining), removes the entry from the CNI conf folder's configurations (the
-//! supervisor's atomic rewrite), then the plugin binary, and exits holding the lock.
+//! same atomic rewrite as the owner's re-assertion), then the plugin binary, and exits holding the lock.
 //! The entry goes first: an entry without its binary would fail every pod's ADD, a
 //! binary without its entry is never run. Needs no capability: the files, their folders
 //! and the lock are root's, and so is this process in the chart.
@@ -13,15 +13,16 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 
-use crate::conflist;
-use crate::sys::lock::{self, LockError};
+use shared_proto::conflist;
+use tracing::{info, warn};
 
 #[derive(Debug, thiserror::Error)]
 pub enum UninstallError {
-    #[error(transparent)]
-    Lock(#[from] LockError),
+    #[error("the node lock {}: {source}", path.display())]
+    Lock { path: PathBuf, source: std::io::Error },
     #[error("{}: an agent still holds the node after {bound:?}; nothing removed", path.display())]
     Held { path: PathBuf, bound: Duration },
     #[error(transparent)]
@@ -45,9 +46,9 @@ pub struct Removed {
 /// Takes the node lock (waiting up to `bound`), removes the entry from every conflist
 /// in `conf_dir` and `aether-cni` from `bin_dir`. The lock is released when the returned
 /// file closes.
-pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> Result<(Removed, std::fs::File), UninstallError> {
+pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> Result<(Removed, File), UninstallError> {
     let lock_path = run_dir.join("agent.lock");
-    let (file, _) = lock::open(&lock_path)?;
+    let file = open_lock(&lock_path).map_err(|source| UninstallError::Lock { path: lock_path.clone(), source })?;
     let start = Instant::now();
     let mut said = false;
     loop {
@@ -61,7 +62,7 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
                 std::thread::sleep(Duration::from_millis(100));
             }
             Err(std::fs::TryLockError::WouldBlock) => return Err(UninstallError::Held { path: lock_path, bound }),
-            Err(std::fs::TryLockError::Error(source)) => return Err(LockError::Lock { path: lock_path, source }.into()),
+            Err(std::fs::TryLockError::Error(source)) => return Err(UninstallError::Lock { path: lock_path, source }),
         }
     }
     let conflists = conflist::remove(conf_dir)?;
@@ -83,6 +84,12 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
     Ok((Removed { conflists, binary }, file))
 }
 
+/// The node lock file, as the supervisor makes it (0600, never through a symlink). Its
+/// lock is the flock of this open file description, which conflicts with the agent's.
+fn open_lock(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,7 +108,7 @@ mod tests {
         std::fs::write(bin.join("ptp"), "other plugin").unwrap();
 
         // An owner holds the node: nothing may be removed until it lets go.
-        let (owner, _) = lock::open(&run_dir.join("agent.lock")).unwrap();
+        let owner = open_lock(&run_dir.join("agent.lock")).unwrap();
         owner.lock().unwrap();
         let err = run_checked(&run_dir, &conf, &bin, Duration::from_millis(300)).unwrap_err();
         assert!(err.contains("an agent still holds the node"), "{err}");
