@@ -7,6 +7,8 @@
 //! - `conflist` (feature `conflist`): the node's CNI conflist, as the runtime chooses it,
 //!   and its atomic rewrite; for `aether-cni` and the worker, never the supervisor.
 //! - `cni` (feature `cni-api`): the CNI gRPC API between `aether-cni` and the worker.
+//! - `flags` (feature `flags`): the agent's settings the supervisor passes on to the
+//!   worker, defined once for both.
 //! - `logging` (feature `logging`): the log setup both processes share.
 //! - `registry` (feature `registry-api`): the registry gRPC API between agents and a
 //!   registrar.
@@ -27,6 +29,8 @@ pub mod fdpass;
 pub mod cni;
 #[cfg(feature = "conflist")]
 pub mod conflist;
+#[cfg(feature = "flags")]
+pub mod flags;
 #[cfg(feature = "logging")]
 pub mod logging;
 #[cfg(feature = "registry-api")]

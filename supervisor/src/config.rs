@@ -1,10 +1,10 @@
 //! Command-line flags of `aether-supervisor`, each also read from its environment
 //! variable. Parsed once at start; nothing reads the environment later.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use shared_proto::flags::AgentFlags;
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -42,38 +42,6 @@ pub struct Config {
     /// Instance key of this agent [default: aether-agent-<pid>].
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
-    /// Registrar addresses, comma-separated, each `unix:///path` or `host:port` [default:
-    /// none, the embedded local registry]. The worker watches the registry there (keyed by
-    /// cluster, node and --pod-name), and a standby is not ready until it has loaded it.
-    /// Exclusive with --registry-file.
-    #[arg(long, env = "AETHER_REGISTRAR")]
-    pub registrar: Option<String>,
-    /// The mesh cluster this node belongs to, as the registrar keys its watch streams.
-    #[arg(long, env = "AETHER_CLUSTER", default_value = "default")]
-    pub cluster: String,
-    /// A file holding the bearer token the worker presents to the registrar (in a
-    /// cluster, the pod's projected service-account token with the audience
-    /// aether-registrar); read at each call, so a rotated token is picked up. The worker's
-    /// uid must be able to read it
-    #[arg(long, env = "AETHER_REGISTRAR_TOKEN_FILE", requires = "registrar")]
-    pub registrar_token_file: Option<PathBuf>,
-    /// Embedded registry: services and endpoints as JSON, reloaded on change.
-    #[arg(long, env = "AETHER_REGISTRY_FILE")]
-    pub registry_file: Option<PathBuf>,
-    /// Largest registry file the worker reads, in bytes; a bigger one is rejected with an
-    /// error naming both sizes, and the last good registry stays. 10,000 services with 10
-    /// endpoints each take about 7 MB.
-    #[arg(long, env = "AETHER_REGISTRY_MAX_BYTES", default_value_t = 64 << 20)]
-    pub registry_max_bytes: u64,
-    /// Serve the proxy only the mesh clusters its pods have called (the observed
-    /// upstreams, kept in the state folder across rolls) and let it fetch any other on
-    /// its first request to it (Envoy's on-demand CDS; needs DELTA_GRPC ADS). For large
-    /// meshes: Envoy's memory then follows what the node uses, not the mesh's size.
-    #[arg(long, env = "AETHER_ON_DEMAND_CLUSTERS")]
-    pub on_demand_clusters: bool,
-    /// Capture projection override as JSON, reloaded on change.
-    #[arg(long, env = "AETHER_CAPTURE_FILE")]
-    pub capture_file: Option<PathBuf>,
     /// Kubernetes API access from this kubeconfig (its current context) [default: the
     /// pod's service account when KUBERNETES_SERVICE_HOST is set, else no Kubernetes].
     /// With access, the worker watches this node's pods and node object; the owner marks
@@ -86,48 +54,13 @@ pub struct Config {
     pub kubernetes_service_host: Option<String>,
     #[arg(long, env = "KUBERNETES_SERVICE_PORT", hide = true, default_value_t = 443)]
     pub kubernetes_service_port: u16,
-    /// How long a pod record must stay absent from the API server's complete list of this
-    /// node's pods (with no CNI DEL) before the owner removes it: `60s`, `1500ms`, `2m`.
-    #[arg(long, env = "AETHER_STALE_RECORD_GRACE", default_value = "60s", value_parser = parse_grace)]
-    pub stale_record_grace: String,
-    /// SPIFFE Workload API socket, `unix:///path` [default: no workload identity]. Turns
-    /// workload identity on: the worker fetches the agent's own SVID and the trust bundle
-    /// there (the worker user must be able to connect) and serves them to the proxy over
-    /// SDS. Needs --trust-domain. A standby is ready only once it holds its SVID.
-    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET", value_name = "unix:///PATH", requires = "trust_domain")]
-    pub spiffe_endpoint: Option<String>,
-    /// The SPIRE agent's admin socket, `unix:///path`, serving SPIRE's Delegated Identity
-    /// API [default: none, pods get no SVID of their own]. The worker subscribes each
-    /// local pod's SVID there (selectors k8s:ns, k8s:pod-name, k8s:pod-uid); the agent's
-    /// SPIFFE ID must be among the SPIRE agent's authorized_delegates. Needs
-    /// --spiffe-endpoint.
-    #[arg(long, env = "AETHER_SPIFFE_BROKER_ENDPOINT", value_name = "unix:///PATH", requires = "spiffe_endpoint")]
-    pub spiffe_broker_endpoint: Option<String>,
-    /// The mesh's SPIFFE trust domain, a bare name such as example.org. The agent's and
-    /// the pods' SVIDs must be in it, and peers must present a SPIFFE ID in it. Required
-    /// with --spiffe-endpoint.
-    #[arg(long, env = "AETHER_TRUST_DOMAIN", value_name = "NAME")]
-    pub trust_domain: Option<String>,
-    /// Pods' inbound mTLS with workload identity: permissive (mTLS and plaintext on the
-    /// same port) or strict (mTLS only; a pod without its SVID has no inbound listener
-    /// until the SVID comes).
-    #[arg(long, env = "AETHER_MTLS", value_name = "MODE", default_value = "permissive", value_parser = ["permissive", "strict"])]
-    pub mtls: String,
-    /// CNI conf folder whose conflist the owner re-asserts [default: none]: at takeover
-    /// and every 5 s it runs `--cni-plugin-bin chain`, which appends the aether-cni entry
-    /// to the runtime's conflist when it is missing.
-    #[arg(long, env = "AETHER_CNI_CONF_DIR")]
-    pub cni_conf_dir: Option<PathBuf>,
+    /// The settings the worker acts on, passed on to it.
+    #[command(flatten)]
+    pub agent: AgentFlags,
     /// The aether-cni executable that re-asserts the conflist [default: aether-cni beside
     /// this binary]. Opened at start and run from that descriptor.
     #[arg(long, env = "AETHER_CNI_PLUGIN_BIN", requires = "cni_conf_dir")]
     pub cni_plugin_bin: Option<PathBuf>,
-    /// Prometheus metrics address, bound by the owner only; "off" disables them.
-    #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
-    pub metrics_addr: MetricsAddr,
-    /// Log format of both processes: text or json.
-    #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
-    pub log_format: String,
     /// Run as the node's socket keeper instead of an agent: hold duplicates of the
     /// owner's listening sockets (fetched over handoff.sock, refreshed every 2 s) and
     /// offer them on <run-dir>/keeper.sock to a new agent that finds no owner to take them
@@ -150,15 +83,6 @@ fn parse_user(s: &str) -> Result<(u32, u32), String> {
         return Err(format!("worker user {s:?}: the worker must not run as gid 0 (root's group owns files it must not write)"));
     }
     Ok((uid, gid))
-}
-
-/// A duration as the worker reads it (`<number><unit>`, unit ms, s or m), checked here so
-/// that a bad value fails at start instead of in every respawned worker.
-fn parse_grace(s: &str) -> Result<String, String> {
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let ok = number.parse::<f64>().is_ok_and(|n| n.is_finite()) && matches!(unit, "ms" | "s" | "m");
-    if ok { Ok(s.to_string()) } else { Err(format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s")) }
 }
 
 /// How the worker reaches the Kubernetes API, as the flags and the environment say.
@@ -184,41 +108,7 @@ impl Config {
     }
 }
 
-/// A metrics address, or none ("off").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MetricsAddr(pub Option<SocketAddr>);
-
-impl std::fmt::Display for MetricsAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            Some(a) => write!(f, "{a}"),
-            None => f.write_str("off"),
-        }
-    }
-}
-
-fn parse_metrics(s: &str) -> Result<MetricsAddr, String> {
-    if s == "off" {
-        return Ok(MetricsAddr(None));
-    }
-    s.parse().map(|a| MetricsAddr(Some(a))).map_err(|e| format!("metrics address {s:?}: {e}"))
-}
-
 impl Config {
-    /// The worker's identity flags, passed on as given (the worker checks them and opens
-    /// the sockets; the supervisor never does). None without --spiffe-endpoint.
-    pub fn identity_worker_args(&self) -> Vec<String> {
-        let Some(endpoint) = &self.spiffe_endpoint else { return Vec::new() };
-        let mut a = vec![format!("--spiffe-endpoint={endpoint}"), format!("--mtls={}", self.mtls)];
-        if let Some(td) = &self.trust_domain {
-            a.push(format!("--trust-domain={td}"));
-        }
-        if let Some(b) = &self.spiffe_broker_endpoint {
-            a.push(format!("--spiffe-broker-endpoint={b}"));
-        }
-        a
-    }
-
     pub fn lock_path(&self) -> PathBuf {
         self.run_dir.join("agent.lock")
     }
@@ -273,38 +163,5 @@ mod tests {
         let c = parse(&["--kubernetes-service-host=10.96.0.1", "--kubeconfig=/k"]);
         assert_eq!(c.kube_access(), KubeAccess::Kubeconfig("/k".into()));
         assert_eq!(parse(&[]).kube_access(), KubeAccess::None);
-        assert_eq!(parse(&["--stale-record-grace=1s"]).stale_record_grace, "1s");
-        let e = Config::try_parse_from(["aether-supervisor", "--stale-record-grace=1h"]).unwrap_err().to_string();
-        assert!(e.contains("\"1h\""), "{e}");
-    }
-
-    #[test]
-    fn identity_flags_pass_to_the_worker_and_need_each_other() {
-        let parse = |args: &[&str]| Config::try_parse_from([&["aether-supervisor"], args].concat());
-        // The environment of the test run may set these; the command line wins.
-        let c = parse(&["--spiffe-endpoint=unix:///run/spire/agent.sock", "--trust-domain=example.org", "--mtls=strict", "--spiffe-broker-endpoint=unix:///run/spire/admin.sock"]).unwrap();
-        assert_eq!(
-            c.identity_worker_args(),
-            [
-                "--spiffe-endpoint=unix:///run/spire/agent.sock",
-                "--mtls=strict",
-                "--trust-domain=example.org",
-                "--spiffe-broker-endpoint=unix:///run/spire/admin.sock"
-            ]
-        );
-        let c = parse(&["--spiffe-endpoint=unix:///a.sock", "--trust-domain=t"]).unwrap();
-        assert_eq!(c.identity_worker_args(), ["--spiffe-endpoint=unix:///a.sock", "--mtls=permissive", "--trust-domain=t"]);
-        let e = parse(&["--spiffe-endpoint=unix:///a.sock"]).unwrap_err().to_string();
-        assert!(e.contains("--trust-domain"), "{e}");
-        let e = parse(&["--spiffe-broker-endpoint=unix:///b.sock", "--trust-domain=t"]).unwrap_err().to_string();
-        assert!(e.contains("--spiffe-endpoint"), "{e}");
-        let e = parse(&["--mtls=STRICT"]).unwrap_err().to_string();
-        assert!(e.contains("STRICT"), "{e}");
-    }
-
-    #[test]
-    fn metrics_off() {
-        assert_eq!(parse_metrics("off"), Ok(MetricsAddr(None)));
-        assert!(parse_metrics("nope").is_err());
     }
 }

@@ -23,7 +23,7 @@ use sys::spawn::os_str_arg;
 
 fn main() {
     let cfg = Config::parse();
-    shared_proto::logging::init(&cfg.log_format);
+    shared_proto::logging::init(&cfg.agent.log_format);
     match run(cfg) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -96,37 +96,12 @@ fn worker_args(cfg: &Config) -> Vec<String> {
         format!("--health-dir={}", os_str_arg(&cfg.health_dir)),
         format!("--node-name={node}"),
         format!("--pod-name={pod}"),
-        format!("--log-format={}", cfg.log_format),
-        format!("--metrics-addr={}", cfg.metrics_addr),
-        format!("--registry-max-bytes={}", cfg.registry_max_bytes),
     ];
-    if let Some(p) = &cfg.registry_file {
-        a.push(format!("--registry-file={}", os_str_arg(p)));
-    }
-    if let Some(p) = &cfg.capture_file {
-        a.push(format!("--capture-file={}", os_str_arg(p)));
-    }
-    if cfg.on_demand_clusters {
-        a.push("--on-demand-clusters".into());
-    }
-    if let Some(r) = &cfg.registrar {
-        a.push(format!("--registrar={r}"));
-        a.push(format!("--cluster={}", cfg.cluster));
-        if let Some(t) = &cfg.registrar_token_file {
-            a.push(format!("--registrar-token-file={}", os_str_arg(t)));
-        }
-    }
-    a.extend(cfg.identity_worker_args());
-    // The worker only reports whether the conflist chains aether-cni (`/ready`); the
-    // owner's supervisor alone writes it.
-    if let Some(d) = &cfg.cni_conf_dir {
-        a.push(format!("--cni-conf-dir={}", os_str_arg(d)));
-    }
+    a.extend(cfg.agent.worker_args());
     match cfg.kube_access() {
         config::KubeAccess::Kubeconfig(p) => a.push(format!("--kubeconfig={}", os_str_arg(&p))),
         config::KubeAccess::InCluster(addr) => a.push(format!("--kube-in-cluster={addr}")),
         config::KubeAccess::None => {}
     }
-    a.push(format!("--stale-record-grace={}", cfg.stale_record_grace));
     a
 }

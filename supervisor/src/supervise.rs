@@ -97,7 +97,7 @@ impl Supervisor {
         lock_wake.set_nonblocking(true).map_err(StartError::Wake)?;
         let lock_rx = lock::spawn_waiter(lock_file, cfg.lock_path(), wake_w);
         let exe = cfg.cni_plugin_bin.clone().unwrap_or_else(|| spawn::beside_me("aether-cni"));
-        let conflist = cfg.cni_conf_dir.as_ref().map(|dir| Chain::open(&exe, dir, &cfg.cni_path(), &cfg.log_format)).transpose().map_err(StartError::Chain)?;
+        let conflist = cfg.agent.cni_conf_dir.as_ref().map(|dir| Chain::open(&exe, dir, &cfg.cni_path(), &cfg.agent.log_format)).transpose().map_err(StartError::Chain)?;
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
         let watchdog = notify::watchdog_enabled();
         Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new(), released: None })

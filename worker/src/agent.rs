@@ -64,7 +64,7 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     };
     // With pods' SVIDs, a takeover waits (bounded) for those of the pods it adds.
     let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
-    let node = Node::new(Inputs { on_demand_clusters: cfg.on_demand_clusters, identity, ..Inputs::default() });
+    let node = Node::new(Inputs { on_demand_clusters: cfg.agent.on_demand_clusters, identity, ..Inputs::default() });
     cni::load(&node, &storage);
     // A standby follows the owner's pod records until the node is handed to it.
     let followed = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
@@ -80,15 +80,15 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let registrar = registrar_source(&cfg)?;
     let _registry = match &registrar {
         Some((addrs, me)) => registrar::spawn(addrs.clone(), me.clone(), node.clone(), metrics.clone(), problems.clone()),
-        None => registry::spawn_embedded(cfg.registry_file.clone(), cfg.registry_max_bytes, node.clone(), metrics.clone()),
+        None => registry::spawn_embedded(cfg.agent.registry_file.clone(), cfg.agent.registry_max_bytes, node.clone(), metrics.clone()),
     };
-    let _capture = capture::spawn(cfg.capture_file.clone(), node.clone(), metrics.clone());
+    let _capture = capture::spawn(cfg.agent.capture_file.clone(), node.clone(), metrics.clone());
     // A standby too: it holds the agent's and the stored pods' SVIDs before it takes over.
     let _identity = identity_cfg.map(|c| identity::spawn(c, node.clone(), metrics.clone(), problems.clone()));
     // Watches in a standby too; writes only once handed a writer at Serve.
     let kube = kube_source(&cfg, &metrics, &problems)?;
     // Standby and owner alike say whether the node's conflist chains aether-cni.
-    let _conflist = cfg.cni_conf_dir.clone().map(|dir| crate::conflist::spawn(dir, problems.clone()));
+    let _conflist = cfg.agent.cni_conf_dir.clone().map(|dir| crate::conflist::spawn(dir, problems.clone()));
 
     let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
     tokio::spawn(health::serve(health_listener, status.subscribe(), metrics.clone()));
@@ -338,16 +338,16 @@ async fn await_svids(node: &Node, wait: &SvidWait, bound: Duration) -> (Duration
 
 /// The registrar addresses and this agent's key, when `--registrar` is set.
 fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Address>, registrar::Identity)>> {
-    let Some(list) = &cfg.registrar else { return Ok(None) };
+    let Some(list) = &cfg.agent.registrar else { return Ok(None) };
     anyhow::ensure!(
-        cfg.registry_file.is_none(),
+        cfg.agent.registry_file.is_none(),
         "--registrar and --registry-file are both set; the registry comes from one source: the registrar in a cluster, the file on one machine"
     );
     let me = registrar::Identity {
-        cluster: cfg.cluster.clone(),
+        cluster: cfg.agent.cluster.clone(),
         node: cfg.node_name.clone(),
         instance: cfg.pod_name.clone(),
-        token_file: cfg.registrar_token_file.clone(),
+        token_file: cfg.agent.registrar_token_file.clone(),
     };
     Ok(Some((registrar::parse_addresses(list)?, me)))
 }
@@ -358,8 +358,8 @@ fn kube_source(cfg: &Config, metrics: &Arc<Metrics>, problems: &health::Reporter
         info!("no Kubernetes API access (neither --kubeconfig nor --kube-in-cluster): no pod or node watches, no startup taint removal");
         return Ok(None);
     };
-    info!(access = %access, stale_record_grace_ms = cfg.stale_record_grace.as_millis() as u64, "Kubernetes API access");
-    let options = kube::Options { node_name: cfg.node_name.clone(), stale_grace: cfg.stale_record_grace };
+    info!(access = %access, stale_record_grace_ms = cfg.agent.stale_record_grace.as_millis() as u64, "Kubernetes API access");
+    let options = kube::Options { node_name: cfg.node_name.clone(), stale_grace: cfg.agent.stale_record_grace };
     Ok(Some(kube::Kube::spawn(access, options, metrics.clone(), problems.clone())))
 }
 
@@ -419,7 +419,7 @@ fn serve(
     let cni_l = listener(cni_fd)?;
     // The proxy keeps its stream until this process exits: a drain only stops accepting.
     let (stop_xds, stop_rx) = oneshot::channel::<()>();
-    let on_demand = cfg.on_demand_clusters.then(|| observed.clone());
+    let on_demand = cfg.agent.on_demand_clusters.then(|| observed.clone());
     let xds_accept = tokio::spawn(xds::server::serve_observed(
         xds_l,
         node.subscribe(),

@@ -2,13 +2,11 @@
 //! `aether-supervisor` with its control socket at fd 3, no capabilities and no_new_privs.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
-
 use aether_worker::config::Config;
 
 fn main() {
-    let cfg = Config::parse();
-    shared_proto::logging::init(&cfg.log_format);
+    let cfg = Config::from_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    shared_proto::logging::init(&cfg.agent.log_format);
     // Take the inherited control socket before anything else can open a descriptor, and
     // move it above the descriptors the worker opens at start. When a process dies, the
     // kernel releases its files newest number first, and closing an inotify instance (the

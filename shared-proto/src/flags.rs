@@ -1,0 +1,218 @@
+//! The agent's settings that the worker acts on and the supervisor only passes on: one
+//! definition for both processes. An operator sets them on `aether-supervisor`, as a flag
+//! or through the environment variable beside it; the supervisor hands them to its worker
+//! as flags ([`AgentFlags::worker_args`]), and the worker, whose environment is cleared,
+//! parses them from its command line with the variables ignored ([`without_env`]).
+//! The supervisor opens none of these files or sockets and never looks inside them.
+
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentFlags {
+    /// Registrar addresses, comma-separated, each `unix:///path` or `host:port` [default:
+    /// none, the embedded local registry]. The worker watches the registry there (keyed by
+    /// cluster, node and --pod-name), and a standby is not ready until it has loaded it.
+    /// Exclusive with --registry-file.
+    #[arg(long, env = "AETHER_REGISTRAR")]
+    pub registrar: Option<String>,
+    /// The mesh cluster this node belongs to, as the registrar keys its watch streams.
+    #[arg(long, env = "AETHER_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// A file holding the bearer token the worker presents to the registrar (in a
+    /// cluster, the pod's projected service-account token with the audience
+    /// aether-registrar); read at each call, so a rotated token is picked up. The worker's
+    /// uid must be able to read it.
+    #[arg(long, env = "AETHER_REGISTRAR_TOKEN_FILE", requires = "registrar")]
+    pub registrar_token_file: Option<PathBuf>,
+    /// Embedded registry: services and endpoints as JSON, reloaded on change.
+    #[arg(long, env = "AETHER_REGISTRY_FILE")]
+    pub registry_file: Option<PathBuf>,
+    /// Largest registry file the worker reads, in bytes; a bigger one is rejected with an
+    /// error naming both sizes, and the last good registry stays. 10,000 services with 10
+    /// endpoints each take about 7 MB.
+    #[arg(long, env = "AETHER_REGISTRY_MAX_BYTES", default_value_t = 64 << 20)]
+    pub registry_max_bytes: u64,
+    /// Serve the proxy only the mesh clusters its pods have called (the observed
+    /// upstreams, kept in the state folder across rolls) and let it fetch any other on
+    /// its first request to it (Envoy's on-demand CDS; needs DELTA_GRPC ADS). For large
+    /// meshes: Envoy's memory then follows what the node uses, not the mesh's size.
+    #[arg(long, env = "AETHER_ON_DEMAND_CLUSTERS")]
+    pub on_demand_clusters: bool,
+    /// Capture projection override as JSON, reloaded on change.
+    #[arg(long, env = "AETHER_CAPTURE_FILE")]
+    pub capture_file: Option<PathBuf>,
+    /// How long a pod record must stay absent from the API server's complete list of this
+    /// node's pods (with no CNI DEL) before the owner removes it: `60s`, `1500ms`, `2m`.
+    #[arg(long, env = "AETHER_STALE_RECORD_GRACE", default_value = "60s", value_parser = parse_duration)]
+    pub stale_record_grace: std::time::Duration,
+    /// SPIFFE Workload API socket, `unix:///path` [default: no workload identity]. Turns
+    /// workload identity on: the worker fetches the agent's own SVID and the trust bundle
+    /// there (the worker user must be able to connect) and serves them to the proxy over
+    /// SDS. Needs --trust-domain. A standby is ready only once it holds its SVID.
+    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET", value_name = "unix:///PATH", requires = "trust_domain")]
+    pub spiffe_endpoint: Option<String>,
+    /// The SPIRE agent's admin socket, `unix:///path`, serving SPIRE's Delegated Identity
+    /// API [default: none, pods get no SVID of their own]. The worker subscribes each
+    /// local pod's SVID there (selectors k8s:ns, k8s:pod-name, k8s:pod-uid); the agent's
+    /// SPIFFE ID must be among the SPIRE agent's authorized_delegates. Needs
+    /// --spiffe-endpoint.
+    #[arg(long, env = "AETHER_SPIFFE_BROKER_ENDPOINT", value_name = "unix:///PATH", requires = "spiffe_endpoint")]
+    pub spiffe_broker_endpoint: Option<String>,
+    /// The mesh's SPIFFE trust domain, a bare name such as example.org. The agent's and
+    /// the pods' SVIDs must be in it, and peers must present a SPIFFE ID in it. Required
+    /// with --spiffe-endpoint.
+    #[arg(long, env = "AETHER_TRUST_DOMAIN", value_name = "NAME")]
+    pub trust_domain: Option<String>,
+    /// Pods' inbound mTLS with workload identity: permissive (mTLS and plaintext on the
+    /// same port) or strict (mTLS only; a pod without its SVID has no inbound listener
+    /// until the SVID comes).
+    #[arg(long, env = "AETHER_MTLS", value_name = "MODE", default_value = "permissive", value_parser = ["permissive", "strict"])]
+    pub mtls: String,
+    /// CNI conf folder whose conflist the owner re-asserts [default: none]: at takeover
+    /// and every 5 s the supervisor runs `--cni-plugin-bin chain`, which appends the
+    /// aether-cni entry to the runtime's conflist when it is missing. The worker only
+    /// reports on `/ready` whether the file chains it.
+    #[arg(long, env = "AETHER_CNI_CONF_DIR")]
+    pub cni_conf_dir: Option<PathBuf>,
+    /// Prometheus metrics address, bound by the owner's worker only; "off" disables them.
+    #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
+    pub metrics_addr: String,
+    /// Log format of both processes: text or json.
+    #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+impl AgentFlags {
+    /// The same settings as the worker's flags.
+    pub fn worker_args(&self) -> Vec<String> {
+        let path = |p: &PathBuf| String::from_utf8_lossy(p.as_os_str().as_encoded_bytes()).into_owned();
+        let mut a = vec![
+            format!("--cluster={}", self.cluster),
+            format!("--registry-max-bytes={}", self.registry_max_bytes),
+            format!("--stale-record-grace={}ms", self.stale_record_grace.as_millis()),
+            format!("--mtls={}", self.mtls),
+            format!("--metrics-addr={}", self.metrics_addr),
+            format!("--log-format={}", self.log_format),
+        ];
+        let optional = [
+            ("registrar", self.registrar.clone()),
+            ("registrar-token-file", self.registrar_token_file.as_ref().map(path)),
+            ("registry-file", self.registry_file.as_ref().map(path)),
+            ("capture-file", self.capture_file.as_ref().map(path)),
+            ("spiffe-endpoint", self.spiffe_endpoint.clone()),
+            ("spiffe-broker-endpoint", self.spiffe_broker_endpoint.clone()),
+            ("trust-domain", self.trust_domain.clone()),
+            ("cni-conf-dir", self.cni_conf_dir.as_ref().map(path)),
+        ];
+        a.extend(optional.into_iter().filter_map(|(flag, v)| v.map(|v| format!("--{flag}={v}"))));
+        if self.on_demand_clusters {
+            a.push("--on-demand-clusters".into());
+        }
+        a
+    }
+}
+
+/// A command whose arguments read no environment variable: the worker's.
+pub fn without_env(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| a.env(None::<&'static str>))
+}
+
+/// A duration as `<number><unit>`, the unit one of `ms`, `s`, `m`; the number may have
+/// a fraction.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let n: f64 = number.parse().map_err(|_| format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s"))?;
+    let seconds = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("duration {s:?}: unit {unit:?} is none of ms, s, m")),
+    };
+    std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))
+}
+
+/// "off", or a socket address.
+fn parse_metrics(s: &str) -> Result<String, String> {
+    match s {
+        "off" => Ok(s.into()),
+        _ => s.parse::<std::net::SocketAddr>().map(|_| s.into()).map_err(|e| format!("metrics address {s:?}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{FromArgMatches, Parser};
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        flags: AgentFlags,
+    }
+
+    fn parse(args: &[&str]) -> Result<AgentFlags, String> {
+        let cmd = without_env(<Cli as clap::CommandFactory>::command());
+        let m = cmd.try_get_matches_from([&["agent"], args].concat()).map_err(|e| e.to_string())?;
+        Ok(Cli::from_arg_matches(&m).map_err(|e| e.to_string())?.flags)
+    }
+
+    /// What the supervisor passes on, the worker parses back to the same settings.
+    #[test]
+    fn the_worker_reads_back_what_the_supervisor_passes_on() {
+        let all = [
+            "--registrar=unix:///r.sock",
+            "--cluster=east",
+            "--registrar-token-file=/t",
+            "--registry-max-bytes=99",
+            "--capture-file=/c.json",
+            "--on-demand-clusters",
+            "--stale-record-grace=1.5s",
+            "--spiffe-endpoint=unix:///a.sock",
+            "--spiffe-broker-endpoint=unix:///b.sock",
+            "--trust-domain=example.org",
+            "--mtls=strict",
+            "--cni-conf-dir=/etc/cni/net.d",
+            "--metrics-addr=off",
+            "--log-format=json",
+        ];
+        for args in [&all[..], &[], &["--registry-file=/reg.json", "--stale-record-grace=2m"]] {
+            let given = parse(args).unwrap();
+            let passed = given.worker_args();
+            let back = parse(&passed.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{given:?}"), "{args:?} passed on as {passed:?}");
+        }
+        assert_eq!(parse(&["--stale-record-grace=1.5s"]).unwrap().stale_record_grace, std::time::Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn bad_values_and_missing_companions_are_named() {
+        for (args, names) in [
+            (&["--stale-record-grace=1h"][..], "\"1h\""),
+            (&["--metrics-addr=nope"], "\"nope\""),
+            (&["--mtls=STRICT"], "STRICT"),
+            (&["--spiffe-endpoint=unix:///a.sock"], "--trust-domain"),
+            (&["--spiffe-broker-endpoint=unix:///b.sock", "--trust-domain=t"], "--spiffe-endpoint"),
+            (&["--registrar-token-file=/t"], "--registrar"),
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.contains(names), "{args:?}: {e}");
+        }
+        for (text, want) in [("60s", 60_000), ("1500ms", 1500), ("2m", 120_000), ("0.5s", 500), ("0s", 0)] {
+            assert_eq!(parse_duration(text), Ok(std::time::Duration::from_millis(want)), "{text}");
+        }
+        for bad in ["", "60", "s", "1h", "-1s", "1.2.3s"] {
+            assert!(parse_duration(bad).unwrap_err().contains(&format!("{bad:?}")), "{bad}");
+        }
+    }
+
+    /// The worker's command line alone counts: a variable set in its environment does not.
+    #[test]
+    fn the_worker_reads_no_environment_variable() {
+        let cmd = without_env(<Cli as clap::CommandFactory>::command());
+        assert!(cmd.get_arguments().all(|a| a.get_env().is_none()));
+        let with_env = <Cli as clap::CommandFactory>::command();
+        assert!(with_env.get_arguments().any(|a| a.get_env() == Some(std::ffi::OsStr::new("AETHER_REGISTRAR"))));
+    }
+}
