@@ -179,3 +179,46 @@ fn del_goes_on(e: &CniError) -> bool {
 pub fn version_json() -> String {
     serde_json::json!({ "cniVersion": DEFAULT_VERSION, "supportedVersions": SUPPORTED_VERSIONS }).to_string()
 }
+
+/// The supervisor that runs `chain` is root with five capabilities; the rewrite needs at
+/// most CAP_CHOWN (to give the new file the original's owner when that is not root).
+/// Every other capability goes, from every set, before the file is read.
+pub fn keep_only_chown() -> Result<(), caps::errors::CapsError> {
+    use caps::{CapSet, Capability};
+    let keep: caps::CapsHashSet = caps::read(None, CapSet::Permitted)?.into_iter().filter(|c| *c == Capability::CAP_CHOWN).collect();
+    if caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP)? {
+        for cap in caps::read(None, CapSet::Bounding)?.into_iter().filter(|c| !keep.contains(c)) {
+            caps::drop(None, CapSet::Bounding, cap)?;
+        }
+    }
+    caps::clear(None, CapSet::Ambient)?;
+    caps::clear(None, CapSet::Inheritable)?;
+    caps::set(None, CapSet::Effective, &keep)?;
+    caps::set(None, CapSet::Permitted, &keep)
+}
+
+#[cfg(test)]
+mod caps_tests {
+    use caps::{CapSet, Capability};
+
+    /// Capabilities are per thread: the test drops them on a thread of its own.
+    #[test]
+    fn chain_keeps_cap_chown_alone() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: needs root's capabilities to drop (CI runs as root)");
+            return;
+        }
+        std::thread::spawn(|| {
+            assert!(caps::has_cap(None, CapSet::Permitted, Capability::CAP_SETUID).unwrap(), "the test needs CAP_SETUID to start with");
+            super::keep_only_chown().unwrap();
+            let only: caps::CapsHashSet = [Capability::CAP_CHOWN].into_iter().collect();
+            for set in [CapSet::Effective, CapSet::Permitted, CapSet::Bounding] {
+                assert_eq!(caps::read(None, set).unwrap(), only, "{set:?}");
+            }
+            assert!(caps::read(None, CapSet::Inheritable).unwrap().is_empty());
+            assert!(caps::read(None, CapSet::Ambient).unwrap().is_empty());
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -76,6 +76,7 @@ fn install(args: &[OsString]) -> ExitCode {
 /// Silent while the file chains the entry or the primary CNI has not written one yet (the
 /// agent's `/ready` reports that); a warning when the entry had to go back in.
 fn chain(f: &Flags) -> Result<ExitCode, String> {
+    aether_cni::keep_only_chown().map_err(|e| format!("dropping capabilities: {e}"))?;
     let (dir, socket) = (f.need(&f.cni_conf_dir, "--cni-conf-dir")?, f.need(&f.agent_socket, "--agent-socket")?);
     match conflist::reassert(dir, &conflist::entry(socket)).map_err(|e| e.to_string())? {
         Outcome::Repaired(p) => tracing::warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it"),
