@@ -263,8 +263,15 @@ impl Agent {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
+    /// Waits until the log holds `needle`; at the deadline, panics with the log's last
+    /// lines, so that a failure says what the agent did instead.
     pub fn wait_log(&self, needle: &str, timeout: Duration) {
-        wait_for(&format!("{:?} in {}'s log", needle, self.name), timeout, || self.log().contains(needle).then_some(()))
+        let what = format!("{:?} in {}'s log", needle, self.name);
+        if let Err(e) = try_wait_for(&what, timeout, || self.log().contains(needle).then_some(())) {
+            let log = self.log();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            panic!("{e}; its last lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
     }
 
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
