@@ -4,7 +4,7 @@
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
-use aether_e2e::testing::{LocalNode, accepts, is_root, proc_status, wait_for};
+use aether_e2e::testing::{LocalNode, accepts, bin, is_root, proc_status, wait_for};
 use nix::sys::signal::Signal;
 
 const T: Duration = Duration::from_secs(10);
@@ -385,6 +385,27 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
         conflist_types(&conflist).filter(|t| t == &["ptp", "aether-cni"])
     });
     b.wait_log("appended it", T);
+}
+
+/// The conflist check is a process of its own: one that never ends (the stand-in, as
+/// `--cni-plugin-bin`) neither stalls the owner nor piles up. It is killed at the next
+/// check, reaped with its status logged, and the owner serves throughout.
+#[test]
+fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
+    let mut node = LocalNode::new();
+    let conf_dir = node.root.path().join("net.d");
+    std::fs::create_dir(&conf_dir).unwrap();
+    let flags = [format!("--cni-conf-dir={}", conf_dir.display()), format!("--cni-plugin-bin={}", bin("stand-in-worker").display())];
+    let a = node.start_agent_with(&[flags[0].as_str(), flags[1].as_str()]);
+    a.wait_role("owner", T);
+    a.wait_log("stand-in chain", T);
+    // Every check runs 5 s after the one before: the hung one is killed at the second.
+    a.wait_log("the conflist check has run for 5s; killing it", T);
+    a.wait_log("the conflist check failed", T);
+    assert!(a.log().contains("SIGKILL"), "the reaped check's status is not named:\n{}", a.log());
+    assert_eq!(a.log().matches("stand-in chain").count(), 1, "a second check started while the first ran:\n{}", a.log());
+    assert_eq!(a.ready().map(|(s, v)| (s, v["role"].clone())), Some((200, "owner".into())), "the owner stopped serving");
+    assert!(accepts(&node.cni_sock()), "cni.sock stopped accepting");
 }
 
 #[test]

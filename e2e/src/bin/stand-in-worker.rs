@@ -20,6 +20,10 @@
 //!   prints `stand-in <pid>: <what>: <result>` for what returns.
 //! - anything else, or once `stand-in-done` exists: a quiet worker that answers pings,
 //!   serves when handed the node and exits on Drain.
+//!
+//! Run as `--cni-plugin-bin` instead, its first argument is `chain`: it is then a conflist
+//! check that never ends. It prints `stand-in chain <pid>: started` and sleeps until it is
+//! killed.
 
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd};
@@ -30,6 +34,12 @@ use shared_proto::control::{Body, CONTROL_VERSION, Hello, Phase, Ping, Status};
 use shared_proto::fdpass;
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("chain") {
+        eprintln!("stand-in chain {}: started", std::process::id());
+        loop {
+            std::thread::park();
+        }
+    }
     let state_dir: PathBuf = std::env::args()
         .find_map(|a| a.strip_prefix("--state-dir=").map(PathBuf::from))
         .expect("--state-dir");
