@@ -77,12 +77,46 @@ pub struct AgentFlags {
     /// Prometheus metrics address, bound by the owner's worker only; "off" disables them.
     #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
     pub metrics_addr: String,
+    /// Kubernetes API access from this kubeconfig (its current context) [default: the
+    /// pod's service account when KUBERNETES_SERVICE_HOST is set, else no Kubernetes].
+    /// With access, the worker watches this node's pods and node object; the owner marks
+    /// deleting pods' records Terminating, collects stale records and removes the node's
+    /// startup taint. The worker must be able to read the file (it runs as --worker-user).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Set by the kubelet in every pod: the API server's address for in-cluster access.
+    #[arg(long, env = "KUBERNETES_SERVICE_HOST", hide = true)]
+    pub kubernetes_service_host: Option<String>,
+    #[arg(long, env = "KUBERNETES_SERVICE_PORT", hide = true, default_value_t = 443)]
+    pub kubernetes_service_port: u16,
     /// Log format of both processes: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
 }
 
+/// How the worker reaches the Kubernetes API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KubeAccess {
+    Kubeconfig(PathBuf),
+    /// `HOST:PORT` of the API server (an IPv6 host in brackets), with the pod's service
+    /// account.
+    InCluster(String),
+    None,
+}
+
 impl AgentFlags {
+    /// A kubeconfig wins over the in-cluster environment.
+    pub fn kube_access(&self) -> KubeAccess {
+        match (&self.kubeconfig, &self.kubernetes_service_host) {
+            (Some(k), _) => KubeAccess::Kubeconfig(k.clone()),
+            (None, Some(h)) if !h.is_empty() => {
+                let host = if h.contains(':') && !h.starts_with('[') { format!("[{h}]") } else { h.clone() };
+                KubeAccess::InCluster(format!("{host}:{}", self.kubernetes_service_port))
+            }
+            (None, _) => KubeAccess::None,
+        }
+    }
+
     /// The same settings as the worker's flags.
     pub fn worker_args(&self) -> Vec<String> {
         let path = |p: &PathBuf| String::from_utf8_lossy(p.as_os_str().as_encoded_bytes()).into_owned();
@@ -93,6 +127,7 @@ impl AgentFlags {
             format!("--mtls={}", self.mtls),
             format!("--metrics-addr={}", self.metrics_addr),
             format!("--log-format={}", self.log_format),
+            format!("--kubernetes-service-port={}", self.kubernetes_service_port),
         ];
         let optional = [
             ("registrar", self.registrar.clone()),
@@ -103,6 +138,8 @@ impl AgentFlags {
             ("spiffe-broker-endpoint", self.spiffe_broker_endpoint.clone()),
             ("trust-domain", self.trust_domain.clone()),
             ("cni-conf-dir", self.cni_conf_dir.as_ref().map(path)),
+            ("kubeconfig", self.kubeconfig.as_ref().map(path)),
+            ("kubernetes-service-host", self.kubernetes_service_host.clone()),
         ];
         a.extend(optional.into_iter().filter_map(|(flag, v)| v.map(|v| format!("--{flag}={v}"))));
         if self.on_demand_clusters {
@@ -176,6 +213,9 @@ mod tests {
             "--cni-conf-dir=/etc/cni/net.d",
             "--metrics-addr=off",
             "--log-format=json",
+            "--kubeconfig=/k",
+            "--kubernetes-service-host=fd00::1",
+            "--kubernetes-service-port=6443",
         ];
         for args in [&all[..], &[], &["--registry-file=/reg.json", "--stale-record-grace=2m"]] {
             let given = parse(args).unwrap();
@@ -205,6 +245,16 @@ mod tests {
         for bad in ["", "60", "s", "1h", "-1s", "1.2.3s"] {
             assert!(parse_duration(bad).unwrap_err().contains(&format!("{bad:?}")), "{bad}");
         }
+    }
+
+    #[test]
+    fn kube_access_prefers_a_kubeconfig_then_the_in_cluster_environment() {
+        let access = |args: &[&str]| parse(args).unwrap().kube_access();
+        assert_eq!(access(&["--kubernetes-service-host=10.96.0.1", "--kubernetes-service-port=6443"]), KubeAccess::InCluster("10.96.0.1:6443".into()));
+        assert_eq!(access(&["--kubernetes-service-host=fd00::1"]), KubeAccess::InCluster("[fd00::1]:443".into()));
+        assert_eq!(access(&["--kubernetes-service-host=10.96.0.1", "--kubeconfig=/k"]), KubeAccess::Kubeconfig("/k".into()));
+        assert_eq!(access(&["--kubernetes-service-host="]), KubeAccess::None);
+        assert_eq!(access(&[]), KubeAccess::None);
     }
 
     /// The worker's command line alone counts: a variable set in its environment does not.

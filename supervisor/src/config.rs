@@ -42,18 +42,6 @@ pub struct Config {
     /// Instance key of this agent [default: aether-agent-<pid>].
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
-    /// Kubernetes API access from this kubeconfig (its current context) [default: the
-    /// pod's service account when KUBERNETES_SERVICE_HOST is set, else no Kubernetes].
-    /// With access, the worker watches this node's pods and node object; the owner marks
-    /// deleting pods' records Terminating, collects stale records and removes the node's
-    /// startup taint. The worker must be able to read the file (it runs as --worker-user).
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
-    /// Set by the kubelet in every pod: the API server's address for in-cluster access.
-    #[arg(long, env = "KUBERNETES_SERVICE_HOST", hide = true)]
-    pub kubernetes_service_host: Option<String>,
-    #[arg(long, env = "KUBERNETES_SERVICE_PORT", hide = true, default_value_t = 443)]
-    pub kubernetes_service_port: u16,
     /// The settings the worker acts on, passed on to it.
     #[command(flatten)]
     pub agent: AgentFlags,
@@ -85,29 +73,6 @@ fn parse_user(s: &str) -> Result<(u32, u32), String> {
     Ok((uid, gid))
 }
 
-/// How the worker reaches the Kubernetes API, as the flags and the environment say.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KubeAccess {
-    Kubeconfig(PathBuf),
-    /// `HOST:PORT` of the API server (an IPv6 host in brackets).
-    InCluster(String),
-    None,
-}
-
-impl Config {
-    /// A kubeconfig wins over the in-cluster environment.
-    pub fn kube_access(&self) -> KubeAccess {
-        match (&self.kubeconfig, &self.kubernetes_service_host) {
-            (Some(k), _) => KubeAccess::Kubeconfig(k.clone()),
-            (None, Some(h)) if !h.is_empty() => {
-                let host = if h.contains(':') && !h.starts_with('[') { format!("[{h}]") } else { h.clone() };
-                KubeAccess::InCluster(format!("{host}:{}", self.kubernetes_service_port))
-            }
-            (None, _) => KubeAccess::None,
-        }
-    }
-}
-
 impl Config {
     pub fn lock_path(&self) -> PathBuf {
         self.run_dir.join("agent.lock")
@@ -137,31 +102,5 @@ mod tests {
             let err = parse_user(bad).expect_err(bad);
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
-    }
-
-    #[test]
-    fn kube_access_prefers_a_kubeconfig_then_the_in_cluster_environment() {
-        // Every field set on the command line, which wins over whatever environment the
-        // test runs in (a CI job inside a pod has KUBERNETES_SERVICE_HOST).
-        let parse = |args: &[&str]| {
-            let mut c = Config::try_parse_from([&["aether-supervisor"], args].concat()).unwrap();
-            if !args.iter().any(|a| a.starts_with("--kubernetes-service-port")) {
-                c.kubernetes_service_port = 443;
-            }
-            if !args.iter().any(|a| a.starts_with("--kubeconfig")) {
-                c.kubeconfig = None;
-            }
-            if !args.iter().any(|a| a.starts_with("--kubernetes-service-host")) {
-                c.kubernetes_service_host = None;
-            }
-            c
-        };
-        let c = parse(&["--kubernetes-service-host=10.96.0.1", "--kubernetes-service-port=6443"]);
-        assert_eq!(c.kube_access(), KubeAccess::InCluster("10.96.0.1:6443".into()));
-        let c = parse(&["--kubernetes-service-host=fd00::1"]);
-        assert_eq!(c.kube_access(), KubeAccess::InCluster("[fd00::1]:443".into()));
-        let c = parse(&["--kubernetes-service-host=10.96.0.1", "--kubeconfig=/k"]);
-        assert_eq!(c.kube_access(), KubeAccess::Kubeconfig("/k".into()));
-        assert_eq!(parse(&[]).kube_access(), KubeAccess::None);
     }
 }

@@ -68,11 +68,6 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     sys::dirs::prepare_state_dir(&cfg.state_dir, worker_owner)?;
     sys::dirs::prepare_dir(&cfg.health_dir, worker_owner, 0o700)?;
     let args = worker_args(&cfg);
-    match cfg.kube_access() {
-        config::KubeAccess::Kubeconfig(p) => tracing::info!(kubeconfig = %p.display(), "Kubernetes API access: kubeconfig"),
-        config::KubeAccess::InCluster(addr) => tracing::info!(api_server = %addr, "Kubernetes API access: in cluster, the pod's service account"),
-        config::KubeAccess::None => tracing::info!("no Kubernetes API access: neither --kubeconfig nor KUBERNETES_SERVICE_HOST"),
-    }
     let env: Vec<(String, String)> = ["RUST_LOG", "RUST_BACKTRACE"]
         .into_iter()
         .chain(shared_proto::fault_hook_env!())
@@ -98,10 +93,5 @@ fn worker_args(cfg: &Config) -> Vec<String> {
         format!("--pod-name={pod}"),
     ];
     a.extend(cfg.agent.worker_args());
-    match cfg.kube_access() {
-        config::KubeAccess::Kubeconfig(p) => a.push(format!("--kubeconfig={}", os_str_arg(&p))),
-        config::KubeAccess::InCluster(addr) => a.push(format!("--kube-in-cluster={addr}")),
-        config::KubeAccess::None => {}
-    }
     a
 }

@@ -15,6 +15,7 @@ use tokio::sync::{oneshot, watch};
 use tracing::{error, info, warn};
 
 use crate::config::Config;
+use shared_proto::flags::KubeAccess;
 use crate::control::{Command, Control};
 use crate::health::{self, TakeoverTimes};
 use crate::metrics::Metrics;
@@ -354,9 +355,13 @@ fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Addre
 
 /// The Kubernetes source, when the flags give API access.
 fn kube_source(cfg: &Config, metrics: &Arc<Metrics>, problems: &health::Reporter) -> anyhow::Result<Option<kube::Kube>> {
-    let Some(access) = kube::Access::from_flags(cfg.kubeconfig.as_deref(), cfg.kube_in_cluster.as_deref())? else {
-        info!("no Kubernetes API access (neither --kubeconfig nor --kube-in-cluster): no pod or node watches, no startup taint removal");
-        return Ok(None);
+    let access = match cfg.agent.kube_access() {
+        KubeAccess::Kubeconfig(path) => kube::Access::Kubeconfig(path),
+        KubeAccess::InCluster(addr) => kube::Access::in_cluster(&addr)?,
+        KubeAccess::None => {
+            info!("no Kubernetes API access (neither --kubeconfig nor KUBERNETES_SERVICE_HOST): no pod or node watches, no startup taint removal");
+            return Ok(None);
+        }
     };
     info!(access = %access, stale_record_grace_ms = cfg.agent.stale_record_grace.as_millis() as u64, "Kubernetes API access");
     let options = kube::Options { node_name: cfg.node_name.clone(), stale_grace: cfg.agent.stale_record_grace };

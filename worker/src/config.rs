@@ -27,17 +27,9 @@ pub struct Config {
     #[arg(long, default_value = "aether-agent")]
     pub pod_name: String,
     /// The settings the supervisor passes on (registry, registrar, identity, CNI conf
-    /// folder, metrics, logs), defined once for both processes.
+    /// folder, Kubernetes API access, metrics, logs), defined once for both processes.
     #[command(flatten)]
     pub agent: AgentFlags,
-    /// Kubernetes API access from a kubeconfig file (its current context).
-    #[arg(long)]
-    pub kubeconfig: Option<PathBuf>,
-    /// Kubernetes API access from the pod's service account, to the API server at
-    /// HOST:PORT (the supervisor passes KUBERNETES_SERVICE_HOST and _PORT, since this
-    /// process's environment is cleared).
-    #[arg(long, value_name = "HOST:PORT")]
-    pub kube_in_cluster: Option<String>,
 }
 
 /// Workload identity as the flags set it: on when `--spiffe-endpoint` is set.

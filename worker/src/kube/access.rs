@@ -1,6 +1,7 @@
 //! How the worker reaches the Kubernetes API: a kubeconfig file (`--kubeconfig`), or the
-//! pod's service account (`--kube-in-cluster HOST:PORT`, which the supervisor passes
-//! when it sees `KUBERNETES_SERVICE_HOST`, since the worker's environment is cleared).
+//! pod's service account at the API server that `KUBERNETES_SERVICE_HOST` and `_PORT`
+//! name (the supervisor passes them on as flags, since the worker's environment is
+//! cleared; `shared_proto::flags::AgentFlags::kube_access` chooses).
 //! Both end as one `kube::Client`; nothing else in the worker reads credentials.
 
 use std::path::{Path, PathBuf};
@@ -20,10 +21,8 @@ pub enum Access {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AccessError {
-    #[error("--kube-in-cluster {0:?}: expected HOST:PORT (an IPv6 host in brackets) with a port in 1..=65535")]
+    #[error("KUBERNETES_SERVICE_HOST and _PORT give {0:?}: expected HOST:PORT (an IPv6 host in brackets) with a port in 1..=65535")]
     BadAddress(String),
-    #[error("--kubeconfig and --kube-in-cluster are both set; the API server comes from one of them")]
-    Both,
     #[error("kubeconfig {path}: {source}")]
     Kubeconfig {
         path: PathBuf,
@@ -43,17 +42,10 @@ pub enum AccessError {
 }
 
 impl Access {
-    /// The access the flags name, if any.
-    pub fn from_flags(kubeconfig: Option<&Path>, in_cluster: Option<&str>) -> Result<Option<Access>, AccessError> {
-        match (kubeconfig, in_cluster) {
-            (Some(_), Some(_)) => Err(AccessError::Both),
-            (Some(p), None) => Ok(Some(Access::Kubeconfig(p.to_path_buf()))),
-            (None, Some(a)) => {
-                let (host, port) = parse_host_port(a).ok_or_else(|| AccessError::BadAddress(a.to_string()))?;
-                Ok(Some(Access::InCluster { host, port, dir: SERVICE_ACCOUNT_DIR.into() }))
-            }
-            (None, None) => Ok(None),
-        }
+    /// The pod's service account, at the API server `HOST:PORT`.
+    pub fn in_cluster(addr: &str) -> Result<Access, AccessError> {
+        let (host, port) = parse_host_port(addr).ok_or_else(|| AccessError::BadAddress(addr.to_string()))?;
+        Ok(Access::InCluster { host, port, dir: SERVICE_ACCOUNT_DIR.into() })
     }
 
     /// Builds the client. Reads the credentials once; a service-account token file is
@@ -142,18 +134,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn flags_parse_to_one_access_and_errors_name_the_value() {
-        assert_eq!(Access::from_flags(None, None).unwrap(), None);
-        assert_eq!(Access::from_flags(Some(Path::new("/k")), None).unwrap(), Some(Access::Kubeconfig("/k".into())));
-        let ic = |host: &str, port| Some(Access::InCluster { host: host.into(), port, dir: SERVICE_ACCOUNT_DIR.into() });
-        assert_eq!(Access::from_flags(None, Some("10.96.0.1:443")).unwrap(), ic("10.96.0.1", 443));
-        assert_eq!(Access::from_flags(None, Some("[fd00::1]:6443")).unwrap(), ic("fd00::1", 6443));
-        assert_eq!(ic("fd00::1", 6443).unwrap().to_string(), format!("in-cluster API server https://[fd00::1]:6443, service account {SERVICE_ACCOUNT_DIR}"));
+    fn the_in_cluster_address_parses_and_errors_name_the_value() {
+        let ic = |host: &str, port| Access::InCluster { host: host.into(), port, dir: SERVICE_ACCOUNT_DIR.into() };
+        assert_eq!(Access::in_cluster("10.96.0.1:443").unwrap(), ic("10.96.0.1", 443));
+        assert_eq!(Access::in_cluster("[fd00::1]:6443").unwrap(), ic("fd00::1", 6443));
+        assert_eq!(ic("fd00::1", 6443).to_string(), format!("in-cluster API server https://[fd00::1]:6443, service account {SERVICE_ACCOUNT_DIR}"));
         for bad in ["10.96.0.1", ":443", "h:0", "h:x", "a b:1"] {
-            let e = Access::from_flags(None, Some(bad)).unwrap_err().to_string();
+            let e = Access::in_cluster(bad).unwrap_err().to_string();
             assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
-        assert!(matches!(Access::from_flags(Some(Path::new("/k")), Some("h:1")), Err(AccessError::Both)));
     }
 
     #[test]
