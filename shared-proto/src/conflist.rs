@@ -139,7 +139,7 @@ pub fn chained(path: &Path) -> Result<bool, Error> {
 /// Removes every `aether-cni` entry from the network configurations in `dir` (all of
 /// them, not only the runtime's first: a file that was first when the entry went in may
 /// not be now), each rewritten like a re-assertion. For the uninstall only
-/// (`--uninstall-cni`), run while the node lock is held so that no owner appends it
+/// (`aether-cni uninstall`), run while the node lock is held so that no owner appends it
 /// again. A file that is not a conflist is logged by name and left untouched. Returns the
 /// files rewritten.
 pub fn remove(dir: &Path) -> Result<Vec<PathBuf>, Error> {
