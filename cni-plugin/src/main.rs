@@ -12,8 +12,8 @@
 //!   lock, then takes the entry out of D and the plugin out of B (the chart's uninstall
 //!   hook; [`aether_cni::uninstall`]).
 //!
-//! `chain` and `uninstall` log to stderr in `--log-format` (or `AETHER_LOG_FORMAT`), text
-//! or json, as the agent does.
+//! `chain` and `uninstall` log to stderr in `--log-format`, text (the default) or json, as
+//! the agent does.
 #![forbid(unsafe_code)]
 
 use std::ffi::OsString;
@@ -77,7 +77,7 @@ fn install(args: &[OsString]) -> ExitCode {
 /// agent's `/ready` reports that); a warning when the entry had to go back in.
 fn chain(f: &Flags) -> Result<ExitCode, String> {
     aether_cni::keep_only_chown().map_err(|e| format!("dropping capabilities: {e}"))?;
-    let (dir, socket) = (f.need(&f.cni_conf_dir, "--cni-conf-dir")?, f.need(&f.agent_socket, "--agent-socket")?);
+    let (dir, socket) = (need(&f.cni_conf_dir, "--cni-conf-dir")?, need(&f.agent_socket, "--agent-socket")?);
     match conflist::reassert(dir, &conflist::entry(socket)).map_err(|e| e.to_string())? {
         Outcome::Repaired(p) => tracing::warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it"),
         Outcome::Chained(_) | Outcome::NoConflist => {}
@@ -86,8 +86,8 @@ fn chain(f: &Flags) -> Result<ExitCode, String> {
 }
 
 fn uninstall(f: &Flags) -> Result<ExitCode, String> {
-    let run_dir = f.need(&f.run_dir, "--run-dir")?;
-    let (conf, bin) = (f.need(&f.cni_conf_dir, "--cni-conf-dir")?, f.need(&f.cni_bin_dir, "--cni-bin-dir")?);
+    let run_dir = need(&f.run_dir, "--run-dir")?;
+    let (conf, bin) = (need(&f.cni_conf_dir, "--cni-conf-dir")?, need(&f.cni_bin_dir, "--cni-bin-dir")?);
     let bound = aether_cni::uninstall::LOCK_BOUND;
     aether_cni::uninstall::run(run_dir, conf, bin, bound).map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
@@ -105,7 +105,7 @@ struct Flags {
 
 impl Flags {
     fn parse(args: &[OsString]) -> Result<Self, String> {
-        let mut f = Flags { log_format: std::env::var("AETHER_LOG_FORMAT").ok(), ..Flags::default() };
+        let mut f = Flags::default();
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             let arg = arg.to_str().ok_or_else(|| format!("{arg:?} is not UTF-8"))?;
@@ -129,8 +129,8 @@ impl Flags {
             Some(other) => Err(format!("--log-format {other:?}: expected text or json")),
         }
     }
+}
 
-    fn need<'a>(&self, v: &'a Option<PathBuf>, name: &str) -> Result<&'a Path, String> {
-        v.as_deref().ok_or_else(|| format!("{name} is required"))
-    }
+fn need<'a>(v: &'a Option<PathBuf>, name: &str) -> Result<&'a Path, String> {
+    v.as_deref().ok_or_else(|| format!("{name} is required"))
 }

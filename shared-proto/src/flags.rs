@@ -76,7 +76,7 @@ pub struct AgentFlags {
     pub cni_conf_dir: Option<PathBuf>,
     /// Prometheus metrics address, bound by the owner's worker only; "off" disables them.
     #[arg(long, env = "AETHER_METRICS_ADDR", default_value = "127.0.0.1:15090", value_parser = parse_metrics)]
-    pub metrics_addr: String,
+    pub metrics_addr: MetricsAddr,
     /// Kubernetes API access from this kubeconfig (its current context) [default: the
     /// pod's service account when KUBERNETES_SERVICE_HOST is set, else no Kubernetes].
     /// With access, the worker watches this node's pods and node object; the owner marks
@@ -119,7 +119,7 @@ impl AgentFlags {
 
     /// The same settings as the worker's flags.
     pub fn worker_args(&self) -> Vec<String> {
-        let path = |p: &PathBuf| String::from_utf8_lossy(p.as_os_str().as_encoded_bytes()).into_owned();
+        let path = |p: &PathBuf| path_arg(p);
         let mut a = vec![
             format!("--cluster={}", self.cluster),
             format!("--registry-max-bytes={}", self.registry_max_bytes),
@@ -149,6 +149,11 @@ impl AgentFlags {
     }
 }
 
+/// A path as a command-line value (a non-UTF-8 byte is replaced).
+pub fn path_arg(p: &std::path::Path) -> String {
+    String::from_utf8_lossy(p.as_os_str().as_encoded_bytes()).into_owned()
+}
+
 /// A command whose arguments read no environment variable: the worker's.
 pub fn without_env(cmd: clap::Command) -> clap::Command {
     cmd.mut_args(|a| a.env(None::<&'static str>))
@@ -169,11 +174,23 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))
 }
 
-/// "off", or a socket address.
-fn parse_metrics(s: &str) -> Result<String, String> {
+/// The metrics address, or none ("off").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsAddr(pub Option<std::net::SocketAddr>);
+
+impl std::fmt::Display for MetricsAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(a) => write!(f, "{a}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_metrics(s: &str) -> Result<MetricsAddr, String> {
     match s {
-        "off" => Ok(s.into()),
-        _ => s.parse::<std::net::SocketAddr>().map(|_| s.into()).map_err(|e| format!("metrics address {s:?}: {e}")),
+        "off" => Ok(MetricsAddr(None)),
+        _ => s.parse().map(|a| MetricsAddr(Some(a))).map_err(|e| format!("metrics address {s:?}: {e}")),
     }
 }
 

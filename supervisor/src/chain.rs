@@ -4,8 +4,7 @@
 //! opens or parses the file, so a hostile or stuck file costs it nothing.
 //!
 //! The executable is opened at start and run from that descriptor (`/proc/self/fd/N`), as
-//! root with the supervisor's capabilities and an empty environment but for the log
-//! format. At most one runs; one still running at the next check is killed. It logs for
+//! root with the supervisor's capabilities and an empty environment. At most one runs; one still running at the next check is killed. It logs for
 //! itself, on the supervisor's stderr; its exit is reaped with the worker's (SIGCHLD).
 
 use std::fs::File;
@@ -61,8 +60,9 @@ impl Chain {
             .arg(&self.conf_dir)
             .arg("--agent-socket")
             .arg(&self.agent_socket)
+            .arg("--log-format")
+            .arg(&self.log_format)
             .env_clear()
-            .env("AETHER_LOG_FORMAT", &self.log_format)
             .stdin(Stdio::null())
             .spawn();
         match child {

@@ -19,7 +19,7 @@ mod sys;
 use clap::Parser;
 
 use config::Config;
-use sys::spawn::os_str_arg;
+use shared_proto::flags::path_arg;
 
 fn main() {
     let cfg = Config::parse();
@@ -86,9 +86,9 @@ fn worker_args(cfg: &Config) -> Vec<String> {
     let mut a = vec![
         "aether-worker".to_string(),
         "--control-fd=3".into(),
-        format!("--run-dir={}", os_str_arg(&cfg.run_dir)),
-        format!("--state-dir={}", os_str_arg(&cfg.state_dir)),
-        format!("--health-dir={}", os_str_arg(&cfg.health_dir)),
+        format!("--run-dir={}", path_arg(&cfg.run_dir)),
+        format!("--state-dir={}", path_arg(&cfg.state_dir)),
+        format!("--health-dir={}", path_arg(&cfg.health_dir)),
         format!("--node-name={node}"),
         format!("--pod-name={pod}"),
     ];

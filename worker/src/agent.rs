@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use aether_model::{Identity, Inputs};
 use anyhow::Context;
+use shared_proto::flags::KubeAccess;
 use tokio::sync::{oneshot, watch};
 use tracing::{error, info, warn};
 
 use crate::config::Config;
-use shared_proto::flags::KubeAccess;
 use crate::control::{Command, Control};
 use crate::health::{self, TakeoverTimes};
 use crate::metrics::Metrics;
@@ -456,7 +456,7 @@ fn serve(
         }
         let _ = drained.send(()).await;
     });
-    if let Some(addr) = cfg.metrics_addr()? {
+    if let Some(addr) = cfg.agent.metrics_addr.0 {
         tokio::spawn(serve_metrics(addr, metrics.clone()));
     }
     let first_serve = o.received.elapsed();

@@ -1,7 +1,6 @@
 //! The worker's command line. The supervisor builds it; nothing here reads the
 //! environment, which the supervisor clears.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use aether_model::MtlsMode;
@@ -72,14 +71,6 @@ impl Config {
         let trust_domain = parse_trust_domain(name)?;
         let mode = a.mtls.parse().map_err(|e: String| anyhow::anyhow!("--mtls: {e}"))?;
         Ok(Some(IdentityConfig { workload_api, workload_api_text: workload_api_text.clone(), broker, trust_domain, mode }))
-    }
-
-    pub fn metrics_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
-        let text = &self.agent.metrics_addr;
-        if text == "off" {
-            return Ok(None);
-        }
-        Ok(Some(text.parse().map_err(|e| anyhow::anyhow!("--metrics-addr {text:?}: {e}"))?))
     }
 }
 

@@ -25,7 +25,6 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -287,8 +286,4 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
 /// supervisor's own.
 pub fn beside_me(name: &str) -> PathBuf {
     std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join(name))).unwrap_or_else(|| PathBuf::from(name))
-}
-
-pub fn os_str_arg(p: &Path) -> String {
-    String::from_utf8_lossy(p.as_os_str().as_bytes()).into_owned()
 }
