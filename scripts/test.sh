@@ -16,7 +16,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-step() { printf '\n=== %s\n' "$*" >&2; }
+# Each step prints the minutes and seconds since the start, so that a slow one shows.
+step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
 step "install Debian packages (scripts/install-deps.sh)"
 scripts/install-deps.sh
