@@ -4,7 +4,7 @@
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
-use aether_e2e::testing::{LocalNode, accepts, bin, is_root, proc_status, wait_for};
+use aether_e2e::testing::{LocalNode, accepts, bin, is_root, proc_status, process_gone, try_wait_for, wait_for};
 use nix::sys::signal::Signal;
 
 const T: Duration = Duration::from_secs(10);
@@ -406,6 +406,28 @@ fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
     assert_eq!(a.log().matches("stand-in chain").count(), 1, "a second check started while the first ran:\n{}", a.log());
     assert_eq!(a.ready().map(|(s, v)| (s, v["role"].clone())), Some((200, "owner".into())), "the owner stopped serving");
     assert!(accepts(&node.cni_sock()), "cni.sock stopped accepting");
+}
+
+/// A conflist check still running when its supervisor is killed dies with it: it must not
+/// linger beside the next generation's checks.
+#[test]
+fn a_hung_conflist_check_dies_with_a_killed_supervisor() {
+    let mut node = LocalNode::new();
+    let conf_dir = node.root.path().join("net.d");
+    std::fs::create_dir(&conf_dir).unwrap();
+    let flags = [format!("--cni-conf-dir={}", conf_dir.display()), format!("--cni-plugin-bin={}", bin("stand-in-worker").display())];
+    let mut a = node.start_agent_with(&[flags[0].as_str(), flags[1].as_str()]);
+    a.wait_role("owner", T);
+    a.wait_log("stand-in chain", T);
+    let log = a.log();
+    let pid: i32 = log.split("stand-in chain ").nth(1).and_then(|r| r.split(':').next()).and_then(|p| p.parse().ok()).expect("the check's pid in the log");
+    assert!(!process_gone(pid), "the check ended before the supervisor was killed:\n{log}");
+    a.kill_generation();
+    let gone = try_wait_for("the hung check to die with its supervisor", T, || process_gone(pid).then_some(()));
+    if gone.is_err() {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    gone.unwrap();
 }
 
 #[test]

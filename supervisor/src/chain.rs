@@ -4,8 +4,10 @@
 //! opens or parses the file, so a hostile or stuck file costs it nothing.
 //!
 //! The executable is opened at start and run from that descriptor (`/proc/self/fd/N`), as
-//! root with the supervisor's capabilities and an empty environment. At most one runs; one still running at the next check is killed. It logs for
-//! itself, on the supervisor's stderr; its exit is reaped with the worker's (SIGCHLD).
+//! root with the supervisor's capabilities and an empty environment. At most one runs; one
+//! still running at the next check is killed, and one still running when the supervisor
+//! dies dies with it (`sys::spawn::die_with_me`). It logs for itself, on the supervisor's
+//! stderr; its exit is reaped with the worker's (SIGCHLD).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -53,7 +55,8 @@ impl Chain {
             }
             return;
         }
-        let child = Command::new(format!("/proc/self/fd/{}", self.exe.as_raw_fd()))
+        let mut cmd = Command::new(format!("/proc/self/fd/{}", self.exe.as_raw_fd()));
+        let child = crate::sys::spawn::die_with_me(&mut cmd)
             .arg0("aether-cni")
             .arg("chain")
             .arg("--cni-conf-dir")

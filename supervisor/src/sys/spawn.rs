@@ -287,3 +287,25 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
 pub fn beside_me(name: &str) -> PathBuf {
     std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join(name))).unwrap_or_else(|| PathBuf::from(name))
 }
+
+/// Makes the process `cmd` starts die with the supervisor: a parent-death SIGKILL, set in
+/// the child before the exec and kept across it (the executable is neither set-uid nor
+/// file-capable), and an exit if the supervisor is already gone by then. A conflist check
+/// that hangs then cannot outlive a killed supervisor.
+pub fn die_with_me(cmd: &mut std::process::Command) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let parent = nix::unistd::getpid().as_raw();
+    // SAFETY: the closure runs in the forked child and makes only async-signal-safe
+    // syscalls (prctl, getppid, _exit).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                libc::_exit(127);
+            }
+            Ok(())
+        })
+    }
+}
