@@ -75,7 +75,7 @@
 # ADD was lost and Envoy never had a connect to xds.sock refused, in every mode; with two
 # nodes also only when every cross-node drain showed within 10 s and both Envoys' EDS
 # equal the registrar's view; with ARG_IDENTITY also only when no SVID check missed. The node
-# runs the socket keeper (aether-supervisor --keep-sockets) beside the agents, as the
+# runs the socket keeper (aether-supervisor --keep-sockets, which execs aether-keeper) beside the agents, as the
 # chart does, so that in recreate the listener outlives the generations.
 set -euo pipefail
 

@@ -873,8 +873,8 @@ def check_keeper(docs, args):
         extra = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add")
         check(f"keeper pod: container {c['name']} adds no capability", not extra, f"got {extra}")
     argv = containers[0].get("command", []) + containers[0].get("args", [])
-    check("keeper runs aether-supervisor --keep-sockets on the run folder",
-          argv[:2] == ["aether-supervisor", "--keep-sockets"]
+    check("keeper runs aether-keeper on the run folder",
+          argv[:1] == ["aether-keeper"]
           and any(a == "--run-dir" and b == RUN_DIR for a, b in zip(argv, argv[1:])), f"argv {argv}")
     uid = (containers[0].get("securityContext") or {}).get("runAsUser")
     check("keeper runs as uid 0, the supervisors' uid that the handoff checks", uid == 0, f"got {uid!r}")

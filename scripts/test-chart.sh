@@ -342,7 +342,7 @@ mutations=(
   'proxy-node-id|templates/proxy-daemonset.yaml|- \$\(NODE_NAME\)|- node|proxy.enabled=true|--surge false --proxy true|node id is the node name'
   'keeper-cap|templates/keeper-daemonset.yaml|(drop:\n\s+- ALL)|\g<1>\n              add:\n                # CHOWN: a reason\n                - CHOWN||--surge false|keeper pod: container keeper adds no capability'
   'keeper-hostpath|templates/keeper-daemonset.yaml|(      volumes:\n)|\g<1>        - name: state\n          hostPath:\n            path: /var/lib/aether\n||--surge false|keeper hostPath list is exactly'
-  'keeper-not-keeping|templates/keeper-daemonset.yaml|\n *- --keep-sockets|||--surge false|keeper runs aether-supervisor --keep-sockets'
+  'keeper-not-keeping|templates/keeper-daemonset.yaml|- aether-keeper|- aether-supervisor||--surge false|keeper runs aether-keeper'
   'keeper-uid|templates/keeper-daemonset.yaml|runAsUser: 0|runAsUser: 65532||--surge false|keeper runs as uid 0'
   'keeper-ignored|templates/keeper-daemonset.yaml|if \.Values\.keeper\.enabled|if true|keeper.enabled=false|--surge false --keeper false|no keeper DaemonSet'
   'registrar-one-replica|templates/registrar.yaml|replicas: \{\{ \.Values\.registrar\.replicas \}\}|replicas: 1|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar replicas >= 2'

@@ -9,7 +9,7 @@
 # --probe-creds, as in scripts/test-chart.sh's probe stage, so the two test the same
 # declaration from two sides (that one runs the binaries under setpriv on the host).
 #
-#   1. the image's files are exactly the five binaries and the libraries ldd lists for
+#   1. the image's files are exactly the six binaries and the libraries ldd lists for
 #      them: no shell
 #   2. /proc/self/status read inside the container under the agent container's
 #      credentials: uid 0, CapEff = CapPrm = CapBnd = the chart's capabilities, no
@@ -20,6 +20,9 @@
 #      owner: checked from the host through the mounted folders (xds.sock and cni.sock
 #      accept, /ready on the health socket says owner, aether-cni chained into the
 #      conflist, /metrics answers), and its own /proc status shows the chart's credentials
+#   4b. aether-keeper started as the chart's keeper DaemonSet starts it, beside that
+#      owner: it fetches the owner's sockets and binds keeper.sock, as uid 0 with no
+#      capability and no_new_privs
 #   5. the readiness probe inside the container, with the probe's exact argv and the agent
 #      container's credentials: /ready, exit 0; without CAP_SETUID and CAP_SETGID it
 #      fails; once the agent is stopped (SIGTERM) it exits non-zero
@@ -116,13 +119,14 @@ read -r -a probe_argv <<<"$probe"
 eval "$("$py" - "$chart" "$POD_NAME" "$NODE_NAME" <<'PY'
 import re, shlex, sys, yaml
 rendered, pod_name, node_name = sys.argv[1:]
-ds = [d for d in yaml.safe_load_all(open(rendered)) if d and d.get("kind") == "DaemonSet"
-      and d["metadata"]["labels"].get("app.kubernetes.io/component") == "agent"][0]
-pod = ds["spec"]["template"]["spec"]
-volumes = {v["name"]: v for v in pod["volumes"]}
+def pod_of(component):
+    ds = [d for d in yaml.safe_load_all(open(rendered)) if d and d.get("kind") == "DaemonSet"
+          and d["metadata"]["labels"].get("app.kubernetes.io/component") == component][0]
+    return ds["spec"]["template"]["spec"]
 fields = {"spec.nodeName": node_name, "metadata.name": pod_name, "status.hostIP": "127.0.0.1",
           "metadata.namespace": "aether-system"}
-def emit(prefix, c):
+def emit(prefix, pod, c):
+    volumes = {v["name"]: v for v in pod["volumes"]}
     sc = c.get("securityContext") or {}
     caps = sc.get("capabilities") or {}
     assert caps.get("drop") == ["ALL"], f"{c['name']}: the test assumes capabilities drop [ALL], got {caps.get('drop')}"
@@ -143,8 +147,10 @@ def emit(prefix, c):
     print(f"{prefix}_nnp={1 if sc.get('allowPrivilegeEscalation') is False else 0}")
     print(f"{prefix}_uid={sc.get('runAsUser', 0)} {prefix}_gid={sc.get('runAsGroup', sc.get('runAsUser', 0))}")
     print(f"{prefix}_caps={','.join(x.lower() for x in caps.get('add') or [])}")
-emit("agent", {c["name"]: c for c in pod["containers"]}["agent"])
-emit("init", {c["name"]: c for c in pod["initContainers"]}["install-cni"])
+pod, keeper = pod_of("agent"), pod_of("keeper")
+emit("agent", pod, {c["name"]: c for c in pod["containers"]}["agent"])
+emit("init", pod, {c["name"]: c for c in pod["initContainers"]}["install-cni"])
+emit("keeper", keeper, {c["name"]: c for c in keeper["containers"]}["keeper"])
 PY
 )"
 # shellcheck disable=SC2154 # agent_* and init_* come from the reader above
@@ -162,7 +168,7 @@ fs_group="${agent_groups##*,}"
 primary='{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp","ipam":{"type":"host-local","subnet":"10.88.0.0/16"}}]}'
 echo "$primary" >"$node/net.d/10-ptp.conflist"
 # buildah's --volume flags for a container's mounts; the API token is left out (no API server).
-for m in "${agent_mounts[@]}" "${init_mounts[@]}"; do
+for m in "${agent_mounts[@]}" "${init_mounts[@]}" "${keeper_mounts[@]}"; do
   case "$m" in
     */run/aether=host:/run/aether | */var/lib/aether=host:/var/lib/aether | *=host:/etc/cni/net.d | *=host:/opt/cni/bin | /tmp=emptyDir | *=projected) ;;
     *) fail "the chart mounts a volume this test does not map: $m" ;;
@@ -208,6 +214,7 @@ mask_of() {
 nnp() { if [[ "$1" == 1 ]]; then echo setpriv --no-new-privs; fi; }
 mapfile -t agent_flags < <(creds_for "$agent_uid" "$agent_gid" "$agent_caps"; volumes_for "${agent_mounts[@]}")
 mapfile -t init_flags < <(creds_for "$init_uid" "$init_gid" "$init_caps"; volumes_for "${init_mounts[@]}")
+mapfile -t keeper_flags < <(creds_for "$keeper_uid" "$keeper_gid" "$keeper_caps"; volumes_for "${keeper_mounts[@]}")
 env_flags() { local e; for e in "$@"; do printf -- '--env\n%s\n' "$e"; done; }
 
 container="aether-image-test-$$"
@@ -216,7 +223,7 @@ containers+=("$container")
 # shellcheck disable=SC2046 # nnp expands to a command prefix or to nothing
 run_in() { $(nnp "$1") buildah --root "$img_dir/storage" --runroot "$img_dir/runroot" --storage-driver vfs run --network host "${@:2}"; }
 
-step "1. the image's files: the five binaries and the libraries ldd lists, no shell"
+step "1. the image's files: the six binaries and the libraries ldd lists, no shell"
 mnt="$(bah mount "$container")"
 expected="$(
   for b in "${BINS[@]}"; do
@@ -361,6 +368,27 @@ worker_user="$(printf '%s\n' "${agent_env[@]}" | sed -n 's/^AETHER_WORKER_USER=/
 [[ "$w_uid" == "${worker_user%%:*}" ]] || fail "the worker runs as uid $w_uid, not agent.workerUser's ${worker_user%%:*}"
 [[ "$w_eff" == 0000000000000000 && "$w_bnd" == 0000000000000000 ]] || fail "the worker has capabilities: CapEff $w_eff CapBnd $w_bnd"
 pass "the supervisor runs with the chart's credentials (its /proc status); its worker as uid $w_uid with no capability, bounding set empty"
+
+step "4b. the socket keeper from the image, as the chart starts it, keeps the owner's sockets"
+mapfile -t keeper_env_flags < <(env_flags "${keeper_env[@]}")
+run_in "$keeper_nnp" "${keeper_flags[@]}" "${keeper_env_flags[@]}" "$container" "${keeper_argv[@]}" >"$work/keeper.log" 2>&1 &
+keeper_run=$!
+pids+=("$keeper_run")
+wait_until 30 grep -q "keeping the owner's node sockets" "$work/keeper.log" \
+  || { tail -20 "$work/keeper.log"; fail "the keeper from the image (${keeper_argv[*]}) did not fetch the owner's sockets within 30 s"; }
+[[ -S "$node/run/keeper.sock" ]] || fail "the keeper bound no keeper.sock in the mounted run folder"
+keeper_pid=""
+for p in $(descendants "$keeper_run"); do [[ "$(cat "/proc/$p/comm" 2>/dev/null)" == aether-keeper ]] && keeper_pid="$p" && break; done
+[[ -n "$keeper_pid" ]] || fail "no aether-keeper among the processes of buildah run ($keeper_run)"
+pids+=("$keeper_pid")
+k_status="$(cat "/proc/$keeper_pid/status")"
+k_uid="$(sed -n 's/^Uid:\t\([0-9]*\).*/\1/p' <<<"$k_status")" k_eff="$(sed -n 's/^CapEff:\t//p' <<<"$k_status")"
+k_bnd="$(sed -n 's/^CapBnd:\t//p' <<<"$k_status")" k_nnp="$(sed -n 's/^NoNewPrivs:\t//p' <<<"$k_status")"
+[[ "$k_uid" == "$keeper_uid" && "$k_eff" == 0000000000000000 && "$k_bnd" == 0000000000000000 && "$k_nnp" == 1 ]] \
+  || fail "the keeper does not run with the chart's credentials: Uid $k_uid CapEff $k_eff CapBnd $k_bnd NoNewPrivs $k_nnp"
+pass "the keeper (${keeper_argv[*]}) holds the owner's sockets and offers them on keeper.sock, as uid $k_uid with no capability and no_new_privs"
+kill -TERM "$keeper_pid"
+wait "$keeper_run" || true
 
 step "5. the readiness probe inside the container, as the kubelet runs it"
 probe_out="$(run_in "$agent_nnp" "${agent_flags[@]}" "$container" "${probe_argv[@]}" 2>&1)" \

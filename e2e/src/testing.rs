@@ -147,7 +147,8 @@ impl LocalNode {
         (self.start_agent_wrapped(&["env", &env], &[]), notify)
     }
 
-    /// Starts the node's socket keeper (`aether-supervisor --keep-sockets`), which lives
+    /// Starts the node's socket keeper (`aether-supervisor --keep-sockets`, as the contract
+    /// names it: it execs `aether-keeper`, under the same pid), which lives
     /// across the agent generations the way a keeper outside the agent's pod would.
     pub fn start_keeper(&self) -> Keeper {
         let log_path = self.root.path().join("keeper.log");
@@ -620,7 +621,7 @@ pub fn build_agent_bins() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = std::process::Command::new(cargo);
     cmd.args(["build", "--quiet", "--profile", &profile]);
-    for (p, b) in [("aether-supervisor", "aether-supervisor"), ("aether-worker", "aether-worker"), ("aether-cni", "aether-cni")] {
+    for (p, b) in [("aether-supervisor", "aether-supervisor"), ("aether-worker", "aether-worker"), ("aether-keeper", "aether-keeper"), ("aether-cni", "aether-cni")] {
         cmd.args(["-p", p, "--bin", b]);
     }
     let status = cmd.current_dir(workspace_root()).status().expect("running cargo build");

@@ -7,6 +7,9 @@
 //! - `conflist` (feature `conflist`): the node's CNI conflist, as the runtime chooses it,
 //!   and its atomic rewrite; for `aether-cni` and the worker, never the supervisor.
 //! - `cni` (feature `cni-api`): the CNI gRPC API between `aether-cni` and the worker.
+//! - `handoff` (feature `handoff`): the generation handoff of the node's listening
+//!   sockets on `handoff.sock` (and `keeper.sock`), both ends, and the fresh bind of a
+//!   socket file; for the supervisor and the socket keeper.
 //! - `flags` (feature `flags`): the agent's settings the supervisor passes on to the
 //!   worker, defined once for both.
 //! - `logging` (feature `logging`): the log setup both processes share.
@@ -31,6 +34,8 @@ pub mod cni;
 pub mod conflist;
 #[cfg(feature = "flags")]
 pub mod flags;
+#[cfg(feature = "handoff")]
+pub mod handoff;
 #[cfg(feature = "logging")]
 pub mod logging;
 #[cfg(feature = "registry-api")]

@@ -49,13 +49,9 @@ pub struct Config {
     /// this binary]. Opened at start and run from that descriptor.
     #[arg(long, env = "AETHER_CNI_PLUGIN_BIN", requires = "cni_conf_dir")]
     pub cni_plugin_bin: Option<PathBuf>,
-    /// Run as the node's socket keeper instead of an agent: hold duplicates of the
-    /// owner's listening sockets (fetched over handoff.sock, refreshed every 2 s) and
-    /// offer them on <run-dir>/keeper.sock to a new agent that finds no owner to take them
-    /// from. Run it outside the agent's pod, beside it: across a delete-then-create roll
-    /// the proxy's reconnect then waits in the kept socket's backlog instead of being
-    /// refused. Takes no lock, starts no worker, needs no capability; only --run-dir and
-    /// --log-format apply.
+    /// Run as the node's socket keeper instead of an agent: execs `aether-keeper` (beside
+    /// this binary) with --run-dir and --log-format; see `aether-keeper --help`. Takes no
+    /// lock, starts no worker, needs no capability.
     #[arg(long, env = "AETHER_KEEP_SOCKETS")]
     pub keep_sockets: bool,
 }

@@ -7,14 +7,14 @@
 
 mod config;
 mod chain;
-mod handoff;
-mod keeper;
 mod lifecycle;
 mod monitor;
 mod node;
 mod report;
 mod supervise;
 mod sys;
+
+use std::os::unix::process::CommandExt;
 
 use clap::Parser;
 
@@ -45,6 +45,12 @@ const REQUIRED_CAPS: &[(caps::Capability, &str)] = &[
 ];
 
 fn run(cfg: Config) -> anyhow::Result<i32> {
+    if cfg.keep_sockets {
+        // The socket keeper is a program of its own, which needs no privilege.
+        let exe = sys::spawn::beside_me("aether-keeper");
+        let err = std::process::Command::new(&exe).arg("--run-dir").arg(&cfg.run_dir).arg("--log-format").arg(&cfg.agent.log_format).exec();
+        anyhow::bail!("cannot run the socket keeper {}: {err}", exe.display());
+    }
     // Before any descriptor is opened: what systemd passed sits at fd 3 and up.
     let from_systemd = sys::fdstore::take_listeners().unwrap_or_else(|e| {
         tracing::error!(error = %e, "ignoring the descriptors systemd passed; the node sockets will be bound fresh");
@@ -55,10 +61,6 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Signals are blocked before the lock thread starts, so that they reach the signalfd.
     let signals = sys::signals::block_and_open()?;
-    if cfg.keep_sockets {
-        sys::dirs::prepare_run_dir(&cfg.run_dir)?;
-        return Ok(keeper::run(&cfg, signals)?);
-    }
     let root = nix::unistd::geteuid().is_root();
     let worker_owner = root.then_some(cfg.worker_user);
     if root {

@@ -11,7 +11,7 @@ use nix::sys::socket::SockType;
 use tracing::{info, warn};
 
 use crate::config::Config;
-use crate::handoff::{self, Held, Listeners, PathIds};
+use shared_proto::handoff::{self, Held, Listeners, PathIds};
 use crate::lifecycle::{Took, micros};
 use crate::sys::listen::{self, ListenError};
 use crate::sys::lock::{self, LockError};
@@ -212,7 +212,7 @@ fn bind_handoff(path: &Path, owner: (u32, u32)) -> Result<listen::Bound, ListenE
             warn!(error = %e, from = %path.display(), to = %released.display(), "cannot move the previous handoff socket aside");
         }
     }
-    listen::bind_fresh(path, SockType::SeqPacket, 0o600, owner)
+    Ok(listen::bind_fresh(path, SockType::SeqPacket, 0o600, owner)?)
 }
 
 /// Removes [`released_path`] once this generation's worker serves: its own `handoff.sock`

@@ -20,7 +20,7 @@ use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::chain::Chain;
-use crate::handoff::{self, Held};
+use shared_proto::handoff::{self, Held};
 use crate::lifecycle::{Action, Event, Lifecycle, Report, Resources};
 use crate::node::{self, Node, Outcome, Taker};
 use crate::report;

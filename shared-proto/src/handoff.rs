@@ -9,20 +9,102 @@
 //! standby checks the peer's uid too, checks each descriptor (a listening stream socket
 //! bound to the expected path), holds them and never accepts on them. The messages and
 //! their version (`HANDOFF_VERSION`, bumped on any change a peer of the other version
-//! would misread) are in `shared-proto`'s `control.proto`.
+//! would misread) are in this crate's `control.proto`.
+//!
+//! Both ends are here because two programs speak it: the supervisor (owner and standby)
+//! and the node's socket keeper (`aether-keeper`), which fetches like a standby and
+//! offers like an owner on `<run-dir>/keeper.sock`. So is the fresh bind of a socket
+//! file ([`bind_fresh`]), which both use for their listeners.
 
+use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, accept4, connect, getsockopt, socket, sockopt};
-use shared_proto::control::{HANDOFF_VERSION, HandoffBody, HandoffHello, HandoffOffer};
-use shared_proto::fdcheck::{FdError, check_listener};
-use shared_proto::fdpass;
+use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, connect, getsockopt, listen, socket, sockopt};
 
-use crate::sys::listen::FileId;
+use crate::control::{HANDOFF_VERSION, HandoffBody, HandoffHello, HandoffOffer};
+use crate::fdcheck::{FdError, check_listener};
+use crate::fdpass;
+
+/// Connects queue here while no worker accepts (a respawn, a takeover in progress). The
+/// node's clients are one Envoy and one plugin process per CNI call; a plugin that finds
+/// the backlog full waits in the kernel (a blocking connect bounded by its timeout), so a
+/// burst of 1,000 concurrent calls gets through all the same. A short backlog bounds how
+/// many of a flood's connections a plugin's connect queues behind (the worker closes
+/// those for their rate, pausing after two backlogs' worth: `PAUSE_EVERY` in
+/// `worker/src/accept.rs`).
+pub const BACKLOG: i32 = 8;
+
+/// A socket file that could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("refusing to replace {path}: it is a {kind}, not a socket; remove it by hand if it is stale")]
+    NotASocket { path: PathBuf, kind: &'static str },
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: io::Error },
+}
+
+/// Which file a path named: its device and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// A bound, listening socket and the identity of its path.
+pub struct Bound {
+    pub fd: OwnedFd,
+    pub id: FileId,
+}
+
+/// What is at `path`: nothing, a socket file (replaceable), or something we refuse.
+fn check_replaceable(path: &Path) -> Result<bool, BindError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(BindError::Io { what: "lstat", path: path.to_owned(), source }),
+        Ok(m) => {
+            let t = m.file_type();
+            if t.is_socket() {
+                return Ok(true);
+            }
+            let kind = if t.is_symlink() {
+                "symlink"
+            } else if t.is_file() {
+                "regular file"
+            } else if t.is_dir() {
+                "directory"
+            } else {
+                "special file"
+            };
+            Err(BindError::NotASocket { path: path.to_owned(), kind })
+        }
+    }
+}
+
+/// Binds a fresh listening socket at `path` with exactly `mode` and `owner`, replacing a
+/// stale socket file. `kind` is the socket type (stream for the node sockets, seqpacket
+/// for the handoff socket). The caller has checked that no live server answers there.
+pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> Result<Bound, BindError> {
+    let io_err = |what, source| BindError::Io { what, path: path.to_owned(), source };
+    if check_replaceable(path)? {
+        // Only a socket file reaches here; unlink does not follow symlinks anyway.
+        std::fs::remove_file(path).map_err(|e| io_err("remove stale socket", e))?;
+    }
+    let fd = socket(AddressFamily::Unix, kind, SockFlag::SOCK_CLOEXEC, None)
+        .map_err(|e| io_err("socket", e.into()))?;
+    let addr = UnixAddr::new(path).map_err(|e| io_err("socket address", e.into()))?;
+    bind(fd.as_raw_fd(), &addr).map_err(|e| io_err("bind", e.into()))?;
+    std::os::unix::fs::chown(path, Some(owner.0), Some(owner.1)).map_err(|e| io_err("chown", e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| io_err("chmod", e))?;
+    listen(&fd, Backlog::new(BACKLOG).expect("backlog within SOMAXCONN range"))
+        .map_err(|e| io_err("listen", e.into()))?;
+    let m = std::fs::symlink_metadata(path).map_err(|e| io_err("lstat", e))?;
+    Ok(Bound { fd, id: FileId { dev: m.dev(), ino: m.ino() } })
+}
 
 /// How long either side waits for the other's message.
 const STEP_TIMEOUT: Duration = Duration::from_millis(500);
@@ -105,7 +187,7 @@ pub fn serve_one(conn: OwnedFd, generation: u64, offer: &Listeners) -> Result<bo
         (HandoffBody::Hello(h), _) => return Err(HandoffError::Version { got: h.version, ours: HANDOFF_VERSION }),
         (HandoffBody::Offer(_), _) => return Err(HandoffError::OfferFromStandby),
     };
-    shared_proto::fault_hook!("handoff-offer");
+    crate::fault_hook!("handoff-offer");
     let PathIds { xds, cni } = offer.paths;
     let msg = HandoffOffer { version: HANDOFF_VERSION, generation, xds_dev: xds.dev, xds_ino: xds.ino, cni_dev: cni.dev, cni_ino: cni.ino };
     fdpass::send_handoff(conn.as_fd(), HandoffBody::Offer(msg), &[offer.xds.as_fd(), offer.cni.as_fd()])?;

@@ -1,0 +1,191 @@
+//! `aether-keeper`, the node's socket keeper: a process outside the agent's pod that holds duplicates of the node's listening sockets, so that the
+//! sockets stay open while no agent runs at all.
+//!
+//! A surge roll hands the sockets from generation to generation and a worker crash keeps
+//! them in the supervisor; a delete-then-create roll has neither, and without a keeper
+//! the proxy's reconnect meets a socket file nobody listens on and is refused (each
+//! refusal doubles Envoy's backoff). With a keeper, that connect waits in the backlog of
+//! the kept listener, and the new agent, finding no owner on `handoff.sock`, takes the
+//! kept sockets from `keeper.sock` and accepts it.
+//!
+//! The keeper speaks the handoff protocol on both sides (`shared_proto::handoff`): as a
+//! standby would, it fetches the owner's offer every [`REFRESH`]; as an owner would, it
+//! offers what it holds to a same-uid peer on `<run-dir>/keeper.sock`. It never accepts
+//! on the node sockets, takes no lock, starts no worker and needs no capability: it runs
+//! as the supervisors' uid (the handoff talks only to a peer of its own uid) with every
+//! capability dropped. `aether-supervisor --keep-sockets` execs it. An
+//! offer it holds is only as good as the checks the taker runs: the taking supervisor
+//! verifies each fd against its path exactly as for a handoff.
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::socket::SockType;
+use shared_proto::handoff::{self, BindError, Held};
+use tracing::{info, warn};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "aether-keeper",
+    version,
+    about = "The node's socket keeper: holds the Aether agent's listening sockets while no agent runs",
+    long_about = "Holds duplicates of the owner's listening sockets (xds.sock and cni.sock, \
+fetched over <run-dir>/handoff.sock and refreshed every 2 s) and offers them on \
+<run-dir>/keeper.sock to a new agent that finds no owner to take them from. Run it outside \
+the agent's pod, beside it, as the agents' supervisors' uid and with no capability: across \
+a delete-then-create roll the proxy's reconnect then waits in the kept socket's backlog \
+instead of being refused. It takes no lock and starts no worker."
+)]
+struct Config {
+    /// The agents' run folder (agent.lock, xds.sock, cni.sock, handoff.sock); keeper.sock
+    /// is bound there. It must exist or be creatable, be owned by this uid and be writable
+    /// by nobody else.
+    #[arg(long, env = "AETHER_RUN_DIR", default_value = "/run/aether")]
+    run_dir: PathBuf,
+    /// Log format: text or json.
+    #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+fn main() {
+    let cfg = Config::parse();
+    shared_proto::logging::init(&cfg.log_format);
+    match run(&cfg) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            tracing::error!(error = %e, "socket keeper failed");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// The run folder, created 0755 when missing, must be this uid's and writable by nobody
+/// else: keeper.sock is bound there and the node sockets are checked against its paths.
+fn check_run_dir(dir: &Path, me: u32) -> Result<(), KeeperError> {
+    let err = |source| KeeperError::RunDir { path: dir.to_owned(), source };
+    std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(err)?;
+    let m = std::fs::symlink_metadata(dir).map_err(err)?;
+    if !m.is_dir() || m.uid() != me || m.mode() & 0o022 != 0 {
+        return Err(KeeperError::NotOurs { path: dir.to_owned(), me, uid: m.uid(), mode: m.mode() & 0o7777 });
+    }
+    Ok(())
+}
+
+/// How often the keeper fetches the owner's sockets again (a new owner may have bound
+/// fresh ones).
+const REFRESH: Duration = Duration::from_secs(2);
+
+#[derive(Debug, thiserror::Error)]
+enum KeeperError {
+    #[error("cannot open keeper.sock: {0}")]
+    Bind(#[from] BindError),
+    #[error("run folder {path}: {source}")]
+    RunDir { path: PathBuf, source: std::io::Error },
+    #[error("run folder {path} must be owned by uid {me} and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to keep the node sockets there")]
+    NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
+    #[error("signals: {0}")]
+    Signals(nix::Error),
+    #[error("keeper.sock: {0}")]
+    NonBlocking(nix::Error),
+    #[error("poll: {0}")]
+    Poll(nix::Error),
+}
+
+fn run(cfg: &Config) -> Result<i32, KeeperError> {
+    let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+    check_run_dir(&cfg.run_dir, me.0)?;
+    // keeper.sock is created no more open than 0700, then set to 0600.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.add(Signal::SIGINT);
+    set.thread_block().map_err(KeeperError::Signals)?;
+    let signals = SignalFd::with_flags(&set, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).map_err(KeeperError::Signals)?;
+    let path = cfg.run_dir.join("keeper.sock");
+    let listener = handoff::bind_fresh(&path, SockType::SeqPacket, 0o600, me)?;
+    nix::fcntl::fcntl(&listener.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(KeeperError::NonBlocking)?;
+    info!(path = %path.display(), "socket keeper started; fetching the owner's sockets over handoff.sock");
+    let mut held: Option<Held> = None;
+    let mut next_fetch = Instant::now();
+    loop {
+        if next_fetch <= Instant::now() {
+            fetch(cfg, &mut held);
+            next_fetch = Instant::now() + REFRESH;
+        }
+        let wait = next_fetch.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
+        let mut fds = [PollFd::new(signals.as_fd(), PollFlags::POLLIN), PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(KeeperError::Poll(e)),
+        }
+        let readable = |f: &PollFd| f.revents().is_some_and(|r| r.intersects(PollFlags::POLLIN));
+        if readable(&fds[0]) {
+            while let Ok(Some(info)) = signals.read_signal() {
+                if matches!(Signal::try_from(info.ssi_signo as i32), Ok(Signal::SIGTERM | Signal::SIGINT)) {
+                    info!("socket keeper stopping");
+                    return Ok(0);
+                }
+            }
+        }
+        if readable(&fds[1]) {
+            while let Some(conn) = handoff::accept(&listener.fd) {
+                let Some(h) = &held else {
+                    // Closing the connection tells the peer there is nothing to take.
+                    warn!("an agent asked for the node sockets before the keeper held any");
+                    continue;
+                };
+                match handoff::serve_one(conn, h.generation, &h.listeners) {
+                    Ok(_) => info!(generation = h.generation, "offered the kept node sockets to an agent"),
+                    Err(e) => warn!(error = %e, "keeper offer refused"),
+                }
+            }
+        }
+    }
+}
+
+/// Takes the owner's current offer, if an owner answers. With none (the node between
+/// generations) the keeper keeps what it holds: that is what it is for.
+fn fetch(cfg: &Config, held: &mut Option<Held>) {
+    let at = |name| cfg.run_dir.join(name);
+    match handoff::fetch(&at("handoff.sock"), &at("xds.sock"), &at("cni.sock"), true) {
+        Ok(Some(h)) => {
+            let changed = held.as_ref().is_none_or(|old| (old.listeners.paths, old.generation) != (h.listeners.paths, h.generation));
+            if changed {
+                info!(generation = h.generation, "keeping the owner's node sockets");
+            }
+            *held = Some(h);
+        }
+        Ok(None) => {}
+        Err(e) => warn!(error = %e, "fetching the owner's sockets failed; keeping what is held"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    #[test]
+    fn the_run_folder_is_created_and_one_that_others_can_write_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        let run = dir.path().join("run/aether");
+        check_run_dir(&run, me).expect("a missing folder is created");
+        assert!(run.is_dir());
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = check_run_dir(&run, me).expect_err("a world-writable folder").to_string();
+        assert!(err.contains(&run.display().to_string()) && err.contains("777"), "{err}");
+        let err = check_run_dir(&run, me + 1).expect_err("another uid's folder").to_string();
+        assert!(err.contains(&format!("uid {}", me + 1)), "{err}");
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(check_run_dir(&file, me).is_err(), "a regular file was taken for the run folder");
+    }
+}
