@@ -387,18 +387,27 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
     b.wait_log("appended it", T);
 }
 
-/// The conflist check is a process of its own: one that never ends (the stand-in, as
-/// `--cni-plugin-bin`) neither stalls the owner nor piles up. It is killed at the next
-/// check, reaped with its status logged, and the owner serves throughout.
-#[test]
-fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
-    let mut node = LocalNode::new();
+/// An owner whose conflist check never ends (the stand-in, as `--cni-plugin-bin`), once
+/// that check has started, and the check's pid.
+fn owner_with_a_hung_check(node: &mut LocalNode) -> (aether_e2e::testing::Agent, i32) {
     let conf_dir = node.root.path().join("net.d");
     std::fs::create_dir(&conf_dir).unwrap();
     let flags = [format!("--cni-conf-dir={}", conf_dir.display()), format!("--cni-plugin-bin={}", bin("stand-in-worker").display())];
     let a = node.start_agent_with(&[flags[0].as_str(), flags[1].as_str()]);
     a.wait_role("owner", T);
     a.wait_log("stand-in chain", T);
+    let log = a.log();
+    let pid = log.split("stand-in chain ").nth(1).and_then(|r| r.split(':').next()).and_then(|p| p.parse().ok());
+    (a, pid.expect("the check's pid in the log"))
+}
+
+/// The conflist check is a process of its own: one that never ends (the stand-in, as
+/// `--cni-plugin-bin`) neither stalls the owner nor piles up. It is killed at the next
+/// check, reaped with its status logged, and the owner serves throughout.
+#[test]
+fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
+    let mut node = LocalNode::new();
+    let (a, _) = owner_with_a_hung_check(&mut node);
     // Every check runs 5 s after the one before: the hung one is killed at the second.
     a.wait_log("the conflist check has run for 5s; killing it", T);
     a.wait_log("the conflist check failed", T);
@@ -413,15 +422,8 @@ fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
 #[test]
 fn a_hung_conflist_check_dies_with_a_killed_supervisor() {
     let mut node = LocalNode::new();
-    let conf_dir = node.root.path().join("net.d");
-    std::fs::create_dir(&conf_dir).unwrap();
-    let flags = [format!("--cni-conf-dir={}", conf_dir.display()), format!("--cni-plugin-bin={}", bin("stand-in-worker").display())];
-    let mut a = node.start_agent_with(&[flags[0].as_str(), flags[1].as_str()]);
-    a.wait_role("owner", T);
-    a.wait_log("stand-in chain", T);
-    let log = a.log();
-    let pid: i32 = log.split("stand-in chain ").nth(1).and_then(|r| r.split(':').next()).and_then(|p| p.parse().ok()).expect("the check's pid in the log");
-    assert!(!process_gone(pid), "the check ended before the supervisor was killed:\n{log}");
+    let (mut a, pid) = owner_with_a_hung_check(&mut node);
+    assert!(!process_gone(pid), "the check ended before the supervisor was killed:\n{}", a.log());
     a.kill_generation();
     let gone = try_wait_for("the hung check to die with its supervisor", T, || process_gone(pid).then_some(()));
     if gone.is_err() {
