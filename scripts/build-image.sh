@@ -63,11 +63,8 @@ secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
 # The commit the binaries are built from, for aether_build_info{revision} (read at compile
 # time: a new commit rebuilds the crates that report it). "-dirty" when the tree has changes.
-revision="$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
-if [[ $revision != unknown ]] && ! git -C "$root" diff --quiet HEAD 2>/dev/null; then
-  revision="$revision-dirty"
-fi
-export AETHER_REVISION="$revision"
+AETHER_REVISION="$(aether_revision)"
+export AETHER_REVISION
 
 t0="$(now)"
 (cd "$root" && cargo build --release --workspace --bins)

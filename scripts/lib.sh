@@ -15,6 +15,8 @@
 #                        the host): <target>/release/NAME, except aether-cni, which is
 #                        the static build of build-cni-plugin.sh, <target>/<host>/cni-plugin/
 # venv_pip_install ARGS  `pip install ARGS` into AETHER_VENV, one installer at a time
+# aether_revision        the commit the tree is at, "-dirty" when it has changes, "unknown"
+#                        outside git: AETHER_REVISION for aether_build_info{revision}
 #
 # Several scripts (install-tools.sh, install-envoy.sh) install into the same .venv and may
 # run at the same time; both helpers serialise on an flock so that two `python3 -m venv`
@@ -27,6 +29,15 @@ AETHER_IMAGE_DIR="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}/image"
 AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-keeper aether-cni agent-ready aether-registrar)
 
 host_triple() { rustc -vV | sed -n 's/^host: //p'; }
+
+aether_revision() {
+  local revision
+  revision="$(git -C "$AETHER_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+  if [[ $revision != unknown ]] && ! git -C "$AETHER_ROOT" diff --quiet HEAD 2>/dev/null; then
+    revision="$revision-dirty"
+  fi
+  echo "$revision"
+}
 
 image_bin_source() {
   local target="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}"

@@ -47,7 +47,7 @@ finish() {
 trap finish EXIT
 pass() { passed=$((passed + 1)); echo "PASS $*"; }
 fail() { echo "FAIL $*"; exit 1; }
-step() { echo; echo "== $*"; }
+step() { echo; echo "== [${SECONDS}s] $*"; }
 
 step "install tools"
 "$root/scripts/install-tools.sh"
@@ -383,12 +383,15 @@ mutations=(
   'rvap-any-node|templates/registrar-node-policy.yaml|\{\{ if \$covered \}\}|{{ if false }}|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy, evaluated'
   'rvap-anything-else|templates/registrar-node-policy.yaml|\n *\{\{- include "aether-agent\.nodePolicy\.unchangedValidations" \(dict "who" "the registrar"\) \x7c nindent 4 \}\}||'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar node policy, evaluated'
 )
-for m in "${mutations[@]}"; do
-  IFS='|' read -r name file pattern replacement sets expect want <<<"$m"
+# Each mutation is independent (its own copy of the chart, its own output): two run at a
+# time, each writing its verdict to a file; the verdicts are then reported in order.
+mutate() { # MUTATION: prints its verdict last, "PASS <detail>" or "FAIL <detail>"
+  local name file pattern replacement sets expect want copy out
+  IFS='|' read -r name file pattern replacement sets expect want <<<"$1"
   copy="$work/mut-$name/aether-agent"
   mkdir -p "$(dirname "$copy")"
   cp -rL "$chart" "$copy" # -L: files/envoy-bootstrap.yaml.tmpl is a link out of the chart
-  "$py" - "$copy/$file" "$pattern" "$replacement" <<'EOF' || fail "mutation $name: pattern not found in $file"
+  "$py" - "$copy/$file" "$pattern" "$replacement" <<'EOF' || { echo "FAIL mutation $name: pattern not found in $file"; return; }
 import re, sys
 path, pattern, replacement = sys.argv[1:]
 text = open(path).read()
@@ -398,17 +401,31 @@ if n != 1 or new == text:
 open(path, "w").write(new)
 EOF
   out="$work/mut-$name.yaml"
-  render "$copy" "$out" "$sets" || fail "mutation $name: helm template failed (the break should render)"
+  render "$copy" "$out" "$sets" || { echo "FAIL mutation $name: helm template failed (the break should render)"; return; }
   # shellcheck disable=SC2086
   if "$py" "$check" $expect "$out" >"$out.log" 2>&1; then
     cat "$out.log"
-    fail "mutation $name: check_chart.py passed a broken chart"
-  fi
-  if ! grep '^FAIL ' "$out.log" | grep -qF "$want"; then
+    echo "FAIL mutation $name: check_chart.py passed a broken chart"
+  elif ! grep '^FAIL ' "$out.log" | grep -qF "$want"; then
     tail -3 "$out.log"
-    fail "mutation $name: check_chart.py failed, but not on '$want'"
+    echo "FAIL mutation $name: check_chart.py failed, but not on '$want'"
+  else
+    echo "PASS mutation $name -> $(grep '^FAIL' "$out.log" | head -1 | cut -c1-110)"
   fi
-  pass "mutation $name -> $(grep '^FAIL' "$out.log" | head -1 | cut -c1-110)"
+}
+for m in "${mutations[@]}"; do
+  while (($(jobs -rp | wc -l) >= 2)); do wait -n || true; done
+  mutate "$m" >"$work/mut-${m%%|*}.verdict" 2>&1 &
+done
+wait
+for m in "${mutations[@]}"; do
+  verdict="$(cat "$work/mut-${m%%|*}.verdict")"
+  if [[ "$(tail -1 <<<"$verdict")" == "PASS "* ]]; then
+    pass "$(tail -1 <<<"$verdict" | cut -c6-)"
+  else
+    echo "$verdict"
+    fail "mutation ${m%%|*}: see above"
+  fi
 done
 
 # A registrar that authenticates nobody without the acknowledgement, or one without an

@@ -19,6 +19,14 @@ cd "$root"
 # Each step prints the minutes and seconds since the start, so that a slow one shows.
 step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
+# Every build below gets the commit for aether_build_info{revision}, as build-image.sh
+# sets it: the image step then reuses the release build of the end-to-end runs instead of
+# rebuilding every crate that reports it.
+AETHER_REVISION="$(aether_revision)"
+export AETHER_REVISION
+
 step "install Debian packages (scripts/install-deps.sh)"
 scripts/install-deps.sh
 
