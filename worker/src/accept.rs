@@ -301,6 +301,7 @@ impl<L: Listen> Acceptor<L> {
             let result = std::future::poll_fn(|cx| self.listener.poll_accept(cx)).await;
             match result {
                 Ok(conn) => {
+                    tracing::trace!(socket = self.socket, "accepted");
                     self.backoff.succeeded();
                     if let Some((since, errors, _)) = self.failing.take() {
                         tracing::info!(socket = self.socket, errors, after_ms = since.elapsed().as_millis() as u64,
