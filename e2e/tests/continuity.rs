@@ -389,6 +389,14 @@ fn the_socket_keeper_holds_the_sockets_between_generations_and_the_next_agent_ta
     owner.wait_role("owner", T);
     keeper.wait_log_count("keeping the owner's node sockets", 1, T);
     let inodes = node.socket_inodes();
+    // Started as root through `aether-supervisor --keep-sockets`, it holds no capability.
+    if aether_e2e::testing::is_root() {
+        let status = aether_e2e::testing::proc_status(keeper.pid());
+        for set in ["CapEff", "CapPrm", "CapBnd", "CapAmb", "NoNewPrivs"] {
+            let got = status.iter().find(|(k, _)| k == set).map(|(_, v)| v.trim_start_matches('0'));
+            assert_eq!(got, Some(if set == "NoNewPrivs" { "1" } else { "" }), "the keeper's {set}: {status:?}");
+        }
+    }
 
     // A keeper is no successor: the owner does not wait for it at its drain.
     let drained = Instant::now();

@@ -56,6 +56,11 @@ struct Config {
 fn main() {
     let cfg = Config::parse();
     shared_proto::logging::init(&cfg.log_format);
+    // Before any other thread exists: capabilities are per thread.
+    if let Err(e) = drop_capabilities() {
+        tracing::error!(error = %e, "socket keeper failed: cannot drop its capabilities");
+        std::process::exit(1);
+    }
     match run(&cfg) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -63,6 +68,23 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// The keeper needs no capability, whoever starts it: root running
+/// `aether-supervisor --keep-sockets` by hand passes on a full set. Every set is emptied
+/// (the bounding set while CAP_SETPCAP is still held), and no_new_privs is set, so that
+/// nothing it execs could gain one back.
+fn drop_capabilities() -> Result<(), caps::errors::CapsError> {
+    use caps::CapSet;
+    if caps::has_cap(None, CapSet::Effective, caps::Capability::CAP_SETPCAP)? {
+        for cap in caps::read(None, CapSet::Bounding)? {
+            caps::drop(None, CapSet::Bounding, cap)?;
+        }
+    }
+    for set in [CapSet::Ambient, CapSet::Inheritable, CapSet::Effective, CapSet::Permitted] {
+        caps::clear(None, set)?;
+    }
+    nix::sys::prctl::set_no_new_privs().map_err(|e| caps::errors::CapsError::from(format!("PR_SET_NO_NEW_PRIVS: {e}")))
 }
 
 /// The run folder, created 0755 when missing, must be this uid's and writable by nobody
@@ -171,6 +193,24 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
+
+    /// Capabilities are per thread: the test drops them on a thread of its own.
+    #[test]
+    fn the_keeper_drops_every_capability() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: needs root's capabilities to drop (CI runs as root)");
+            return;
+        }
+        std::thread::spawn(|| {
+            assert!(!caps::read(None, caps::CapSet::Permitted).unwrap().is_empty(), "the test needs a capability to start with");
+            drop_capabilities().unwrap();
+            for set in [caps::CapSet::Effective, caps::CapSet::Permitted, caps::CapSet::Inheritable, caps::CapSet::Ambient, caps::CapSet::Bounding] {
+                assert!(caps::read(None, set).unwrap().is_empty(), "{set:?}");
+            }
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn the_run_folder_is_created_and_one_that_others_can_write_is_refused_by_name() {
