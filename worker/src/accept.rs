@@ -46,7 +46,7 @@ use crate::metrics::{AcceptErrorLabel, Metrics, SocketLabel};
 const YIELD_EVERY: u32 = 16;
 
 /// Connections closed in a row for their peer's rate after which an accept loop pauses
-/// for [`RATE_PAUSE`]: two listen backlogs' worth (the supervisor's `BACKLOG` is 8). A
+/// for [`RATE_PAUSE`]: two listen backlogs' worth (`shared_proto::handoff::BACKLOG`, the node sockets' backlog, is 8). A
 /// flood refills the backlog as fast as it is emptied, so accepting at full speed only
 /// turns the flood's connects into the worker's CPU time; paused, the flood waits on a
 /// full backlog (on its own CPU time), and a legitimate connect waits at most one pause
