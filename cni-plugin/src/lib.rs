@@ -184,17 +184,7 @@ pub fn version_json() -> String {
 /// most CAP_CHOWN (to give the new file the original's owner when that is not root).
 /// Every other capability goes, from every set, before the file is read.
 pub fn keep_only_chown() -> Result<(), caps::errors::CapsError> {
-    use caps::{CapSet, Capability};
-    let keep: caps::CapsHashSet = caps::read(None, CapSet::Permitted)?.into_iter().filter(|c| *c == Capability::CAP_CHOWN).collect();
-    if caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP)? {
-        for cap in caps::read(None, CapSet::Bounding)?.into_iter().filter(|c| !keep.contains(c)) {
-            caps::drop(None, CapSet::Bounding, cap)?;
-        }
-    }
-    caps::clear(None, CapSet::Ambient)?;
-    caps::clear(None, CapSet::Inheritable)?;
-    caps::set(None, CapSet::Effective, &keep)?;
-    caps::set(None, CapSet::Permitted, &keep)
+    shared_proto::caps::keep_only(&[caps::Capability::CAP_CHOWN])
 }
 
 #[cfg(test)]

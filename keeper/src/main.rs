@@ -1,5 +1,6 @@
-//! `aether-keeper`, the node's socket keeper: a process outside the agent's pod that holds duplicates of the node's listening sockets, so that the
-//! sockets stay open while no agent runs at all.
+//! `aether-keeper`, the node's socket keeper: a process outside the agent's pod that holds
+//! duplicates of the node's listening sockets, so that the sockets stay open while no
+//! agent runs at all.
 //!
 //! A surge roll hands the sockets from generation to generation and a worker crash keeps
 //! them in the supervisor; a delete-then-create roll has neither, and without a keeper
@@ -13,9 +14,9 @@
 //! offers what it holds to a same-uid peer on `<run-dir>/keeper.sock`. It never accepts
 //! on the node sockets, takes no lock, starts no worker and needs no capability: it runs
 //! as the supervisors' uid (the handoff talks only to a peer of its own uid) with every
-//! capability dropped. `aether-supervisor --keep-sockets` execs it. An
-//! offer it holds is only as good as the checks the taker runs: the taking supervisor
-//! verifies each fd against its path exactly as for a handoff.
+//! capability dropped. `aether-supervisor --keep-sockets` execs it. An offer it holds is
+//! only as good as the checks the taker runs: the taking supervisor verifies each fd
+//! against its path exactly as for a handoff.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -72,18 +73,10 @@ fn main() {
 
 /// The keeper needs no capability, whoever starts it: root running
 /// `aether-supervisor --keep-sockets` by hand passes on a full set. Every set is emptied
-/// (the bounding set while CAP_SETPCAP is still held), and no_new_privs is set, so that
-/// nothing it execs could gain one back.
+/// (`shared_proto::caps::keep_only` of nothing), and no_new_privs is set, so that nothing
+/// it execs could gain one back.
 fn drop_capabilities() -> Result<(), caps::errors::CapsError> {
-    use caps::CapSet;
-    if caps::has_cap(None, CapSet::Effective, caps::Capability::CAP_SETPCAP)? {
-        for cap in caps::read(None, CapSet::Bounding)? {
-            caps::drop(None, CapSet::Bounding, cap)?;
-        }
-    }
-    for set in [CapSet::Ambient, CapSet::Inheritable, CapSet::Effective, CapSet::Permitted] {
-        caps::clear(None, set)?;
-    }
+    shared_proto::caps::keep_only(&[])?;
     nix::sys::prctl::set_no_new_privs().map_err(|e| caps::errors::CapsError::from(format!("PR_SET_NO_NEW_PRIVS: {e}")))
 }
 

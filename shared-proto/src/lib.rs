@@ -10,6 +10,8 @@
 //! - `handoff` (feature `handoff`): the generation handoff of the node's listening
 //!   sockets on `handoff.sock` (and `keeper.sock`), both ends, and the fresh bind of a
 //!   socket file; for the supervisor and the socket keeper.
+//! - `caps` (feature `caps`): dropping every capability but a named few, for the
+//!   programs root starts with more than they need (`aether-cni chain`, `aether-keeper`).
 //! - `flags` (feature `flags`): the agent's settings the supervisor passes on to the
 //!   worker, defined once for both.
 //! - `logging` (feature `logging`): the log setup both processes share.
@@ -28,6 +30,8 @@
 pub mod control;
 pub mod fdcheck;
 pub mod fdpass;
+#[cfg(feature = "caps")]
+pub mod caps;
 #[cfg(feature = "cni-api")]
 pub mod cni;
 #[cfg(feature = "conflist")]

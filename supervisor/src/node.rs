@@ -10,8 +10,9 @@ use std::time::Instant;
 use nix::sys::socket::SockType;
 use tracing::{info, warn};
 
-use crate::config::Config;
 use shared_proto::handoff::{self, Held, Listeners, PathIds};
+
+use crate::config::Config;
 use crate::lifecycle::{Took, micros};
 use crate::sys::listen::{self, ListenError};
 use crate::sys::lock::{self, LockError};
