@@ -95,8 +95,16 @@ impl Taker {
         // or this supervisor won the lock over a waiting standby while the previous owner
         // drains): that owner, still draining, the one it took them from (released, still
         // draining, at `handoff-released.sock`) or the node's socket keeper may hold them.
-        let offered = || self.offer_from(&self.handoff, "the draining owner").or_else(|| self.offer_from(&released_path(&self.handoff), "the released owner")).or_else(|| self.offer_from(&self.keeper, "the socket keeper"));
-        let held = held.or_else(|| ask_keeper.then(offered).flatten());
+        let released = released_path(&self.handoff);
+        let sources = [(&self.handoff, "the draining owner"), (&released, "the released owner"), (&self.keeper, "the socket keeper")];
+        let (held, kept) = match held {
+            Some(h) => (Some(h), false),
+            None if ask_keeper => {
+                let offer = sources.iter().find_map(|(p, from)| Some((self.offer_from(p, from)?, *p == &self.keeper)));
+                offer.map_or((None, false), |(h, kept)| (Some(h), kept))
+            }
+            None => (None, false),
+        };
         let held = held.filter(|h| match self.verify(&h.listeners) {
             Ok(()) => true,
             Err(e) => {
@@ -127,7 +135,7 @@ impl Taker {
             }
         };
         info!(generation, handed_off, bind_us = micros(bind), "this agent owns the node");
-        let took = Took { generation, handed_off, uncontended: lock.uncontended, lock_wait: lock.waited, bind };
+        let took = Took { generation, handed_off, kept: handed_off && kept, uncontended: lock.uncontended, lock_wait: lock.waited, bind };
         Ok(Outcome::Taken(Node { lock: lock.file, listeners, handoff, generation }, took))
     }
 

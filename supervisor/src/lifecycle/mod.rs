@@ -84,10 +84,13 @@ pub enum Phase<R: Resources> {
 pub struct Owned<R: Resources> {
     pub node: R::Node,
     pub took: Took,
-    /// When a standby last fetched the node sockets; at first, when they were handed to
-    /// this supervisor: a standby of the previous owner may hold them too, fetched before
-    /// the takeover, and waits for the lock (`Event::Took`).
+    /// When a standby last fetched the node sockets.
     offered_at: Option<Instant>,
+    /// When sockets handed over came to this supervisor, while no socket keeper is known
+    /// to hold them: a standby of the previous owner may hold them too, fetched before the
+    /// takeover, and wait for the lock (`Event::Took`). Cleared once the keeper fetches
+    /// them, since an agent that wins the lock then takes them from the keeper.
+    shared_at: Option<Instant>,
     /// A worker was sent this node already: the next Takeover is a respawn's.
     taken_over: bool,
 }
@@ -98,6 +101,8 @@ pub struct Took {
     pub generation: u64,
     /// The listeners came from the previous generation (or the socket keeper).
     pub handed_off: bool,
+    /// They came from the socket keeper, which goes on holding them.
+    pub kept: bool,
     /// The lock was free at the first try.
     pub uncontended: bool,
     pub lock_wait: Duration,
@@ -303,9 +308,10 @@ impl<R: Resources> Lifecycle<R> {
                 Phase::Taking { .. } => {
                     // Sockets handed over may be held by a standby of the previous owner
                     // too: a drain soon after counts it as a successor, so that whoever
-                    // wins the lock then can take the sockets from this one.
-                    let offered_at = took.handed_off.then_some(now);
-                    self.phase = Phase::Owning(Owned { node, took, offered_at, taken_over: false });
+                    // wins the lock then can take the sockets from this one, unless the
+                    // keeper holds them (a recreate roll's new agent takes them from it).
+                    let shared_at = (took.handed_off && !took.kept).then_some(now);
+                    self.phase = Phase::Owning(Owned { node, took, offered_at: None, shared_at, taken_over: false });
                     self.send_takeover(&mut out);
                     // After the Takeover is out: the file work is never on the takeover's path.
                     self.timers.conflist = self.conflist.then_some(now);
@@ -353,8 +359,12 @@ impl<R: Resources> Lifecycle<R> {
                 }
             }
             Event::Offered { keeper } => {
-                if let (false, Phase::Owning(o) | Phase::Draining { node: Some(o) }) = (keeper, &mut self.phase) {
-                    o.offered_at = Some(now);
+                if let Phase::Owning(o) | Phase::Draining { node: Some(o) } = &mut self.phase {
+                    if keeper {
+                        o.shared_at = None;
+                    } else {
+                        o.offered_at = Some(now);
+                    }
                 }
             }
             Event::TakeoverNotSent(e) => self.kill(Kill::TakeoverNotSent(e), &mut out),
@@ -421,7 +431,7 @@ impl<R: Resources> Lifecycle<R> {
             // stays with whoever else holds it.
             Phase::Standby { .. } | Phase::Taking { .. } | Phase::Blocked { .. } => None,
         };
-        let successor = node.as_ref().and_then(|o| o.offered_at).is_some_and(|t| now.duration_since(t) < SUCCESSOR_FRESH);
+        let successor = node.as_ref().and_then(|o| o.offered_at.max(o.shared_at)).is_some_and(|t| now.duration_since(t) < SUCCESSOR_FRESH);
         out.push(Action::Report(Report::DrainRequested { owner: node.is_some(), successor }));
         self.timers = Timers { ping: self.timers.ping, heartbeat: self.timers.heartbeat, ..Timers::default() };
         match self.worker.as_mut().map(|w| (w.monitor.may_send_drain(), &mut w.monitor)) {

@@ -37,8 +37,13 @@ fn exited(pid: u32, code: i32) -> E {
     Event::Exited { pid, code, status: format!("exit {code}") }
 }
 fn took(generation: u64, handed_off: bool) -> E {
-    let t = Took { generation, handed_off, uncontended: false, lock_wait: Duration::from_millis(3), bind: Duration::from_millis(1) };
+    let t = Took { generation, handed_off, kept: false, uncontended: false, lock_wait: Duration::from_millis(3), bind: Duration::from_millis(1) };
     Event::Took("node", t)
+}
+/// Handed off by the socket keeper.
+fn took_kept(generation: u64) -> E {
+    let Event::Took(node, t) = took(generation, true) else { unreachable!() };
+    Event::Took(node, Took { kept: true, ..t })
 }
 
 /// The lifecycle on a clock that starts at 0 ms.
@@ -444,12 +449,28 @@ fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_
 /// Sockets handed over may be held by a standby of the previous owner as well, which
 /// fetched them before this takeover: a drain within 5 s of it counts that standby as a
 /// successor, so that the drained owner keeps offering them to whoever wins the lock.
+/// Unless the socket keeper holds them: the sockets came from it, or it fetched them
+/// since. Whoever wins the lock then takes them from the keeper, and a drain does not
+/// wait for a successor that no one saw (a recreate roll soon after the last one).
 #[test]
-fn an_owner_that_took_handed_off_sockets_has_a_successor_for_5_s() {
+fn an_owner_that_took_handed_off_sockets_has_a_successor_for_5_s_unless_the_keeper_holds_them() {
     let mut c = Clock::owner(false);
     c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: true }", "drain successor=true"]);
     let mut c = Clock::owner(false);
     c.step(5000, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    // The keeper fetched them: no successor, but a standby's fetch still makes one.
+    let mut c = Clock::owner(false);
+    c.step(100, Event::Offered { keeper: true }, &[]);
+    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    let mut c = Clock::owner(false);
+    c.step(100, Event::Offered { keeper: true }, &[]);
+    c.step(200, Event::Offered { keeper: false }, &[]);
+    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: true }", "drain successor=true"]);
+    // Taken from the keeper.
+    let mut c = Clock::standby();
+    c.step(10, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(10, took_kept(8), &["takeover gen=8 respawn=false handed_off=true respawns=0", "store listeners"]);
+    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
 }
 
 #[test]
