@@ -152,6 +152,54 @@ fn worker_runs_without_privileges() {
     assert!(high.len() == 1 && high[0].1.starts_with("socket:"), "descriptors from 64 up: {high:?}");
 }
 
+/// Nothing the supervisor inherited crosses the worker's exec: a descriptor it got from
+/// its parent without close-on-exec (at 100 or above here) is the supervisor's alone.
+#[test]
+fn a_descriptor_the_supervisor_inherited_does_not_reach_the_worker() {
+    use nix::fcntl::{FcntlArg, fcntl};
+
+    let mut node = LocalNode::new();
+    let marker = node.root.path().join("inherited-marker");
+    let file = std::fs::File::create(&marker).expect("marker");
+    // F_DUPFD leaves the copy without close-on-exec: every child of this test process
+    // (nextest gives each test its own) inherits it.
+    let fd = fcntl(&file, FcntlArg::F_DUPFD(100)).expect("F_DUPFD");
+    let a = node.start_agent();
+    a.wait_role("owner", T);
+    let holds = |pid: i32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .expect("fd dir")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .any(|target| target == marker)
+    };
+    assert!(holds(a.pid()), "the supervisor did not inherit the marker: the test shows nothing");
+    assert!(!holds(a.worker_pid()), "the worker holds a descriptor the supervisor inherited");
+    nix::unistd::close(fd).expect("close the copy");
+}
+
+/// The worker is exec'd from the executable the supervisor opened at its start, not by
+/// path: with the path replaced by a program that fails, a respawned worker is still the
+/// original, and serves.
+#[test]
+fn a_respawned_worker_is_the_binary_the_supervisor_started_with_whatever_replaced_its_path() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let mut node = LocalNode::new();
+    let path = node.root.path().join("aether-worker");
+    if std::fs::hard_link(bin("aether-worker"), &path).is_err() {
+        std::fs::copy(bin("aether-worker"), &path).expect("copy the worker");
+    }
+    let a = node.start_agent_with(&[&format!("--worker-bin={}", path.display())]);
+    a.wait_role("owner", T);
+    let first = a.worker_pid();
+    std::fs::remove_file(&path).expect("remove the worker's path");
+    std::fs::write(&path, "#!/bin/sh\nexit 3\n").expect("write the replacement");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL).expect("kill the worker");
+    // Exec'd by path, the respawn would run the replacement, exit 3 and never serve.
+    wait_for("a respawned worker to serve", T, || a.serving_owner().filter(|v| v["pid"].as_i64() != Some(first.into())));
+}
+
 #[test]
 fn the_worker_runs_under_its_seccomp_filter_and_the_supervisor_does_not() {
     let mut node = LocalNode::new();

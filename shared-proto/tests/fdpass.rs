@@ -171,3 +171,37 @@ fn an_unexpected_lingering_socket_does_not_block_the_receiver() {
     assert!(took < Duration::from_millis(100), "the receive took {took:?}: the lingering close blocked it");
     drop(stalled);
 }
+
+/// What systemd passes at start (`LISTEN_FDS`): a socket of the expected kind is taken,
+/// and comes out close-on-exec; anything else (another socket type, a file, a number with
+/// nothing open there) is refused, and a refused descriptor is closed with nothing else.
+#[test]
+fn an_inherited_descriptor_is_taken_only_when_it_is_the_expected_socket() {
+    use std::os::fd::{AsRawFd, IntoRawFd};
+    use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listener = std::os::unix::net::UnixListener::bind(dir.path().join("s")).expect("bind");
+    fcntl(&listener, FcntlArg::F_SETFD(FdFlag::empty())).expect("clear FD_CLOEXEC");
+    let raw = listener.into_raw_fd();
+    let taken = fdpass::take_inherited(raw, SockType::Stream).expect("a stream listener is taken");
+    assert_eq!(taken.as_raw_fd(), raw);
+    let flags = FdFlag::from_bits_truncate(fcntl(&taken, FcntlArg::F_GETFD).expect("F_GETFD"));
+    assert!(flags.contains(FdFlag::FD_CLOEXEC), "taken without close-on-exec");
+    drop(taken);
+
+    let before = open_fds();
+    let (a, b) = pair();
+    let seqpacket = a.into_raw_fd();
+    assert!(matches!(fdpass::take_inherited(seqpacket, SockType::Stream), Err(Error::Io(nix::errno::Errno::ENOTSOCK))));
+    let file = File::open("/dev/null").expect("open /dev/null").into_raw_fd();
+    assert!(matches!(fdpass::take_inherited(file, SockType::Stream), Err(Error::Io(nix::errno::Errno::ENOTSOCK))));
+    drop(b);
+    assert_eq!(open_fds(), before, "a refused descriptor stayed open");
+    // Nothing open at the number: refused before anything is owned.
+    let unused = 4000;
+    // SAFETY: borrowed for this one call, which only asks whether anything is open there.
+    assert_eq!(fcntl(unsafe { BorrowedFd::borrow_raw(unused) }, FcntlArg::F_GETFD), Err(nix::errno::Errno::EBADF));
+    assert!(matches!(fdpass::take_inherited(unused, SockType::Stream), Err(Error::Io(nix::errno::Errno::EBADF))));
+    assert_eq!(open_fds(), before);
+}

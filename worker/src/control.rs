@@ -99,3 +99,116 @@ impl Control {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::{AsRawFd, BorrowedFd};
+
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    use shared_proto::control::Drain;
+
+    use super::*;
+
+    /// The worker's `Control` on one end of a fresh pair; the supervisor's end, after
+    /// reading the worker's Hello.
+    fn connected() -> (Control, OwnedFd) {
+        let (sup, worker) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
+        let control = Control::new(worker).unwrap();
+        match fdpass::recv_control(sup.as_fd(), false).unwrap() {
+            (Body::Hello(h), fds) => assert_eq!((h.version, fds.len()), (CONTROL_VERSION, 0)),
+            (other, _) => panic!("the first message was {}", other.name()),
+        }
+        (control, sup)
+    }
+
+    fn send(sup: &OwnedFd, body: Body, fds: &[BorrowedFd<'_>]) {
+        fdpass::send_control(sup.as_fd(), body, fds).unwrap();
+    }
+
+    fn takeover(sup: &OwnedFd) {
+        let files: Vec<File> = (0..3).map(|_| File::open("/dev/null").unwrap()).collect();
+        let fds: Vec<BorrowedFd<'_>> = files.iter().map(|f| f.as_fd()).collect();
+        send(sup, Body::Takeover(Takeover { generation: 4, ..Default::default() }), &fds);
+    }
+
+    fn violation(r: Result<Command, ControlError>) -> String {
+        match r {
+            Err(ControlError::Violation(v)) => v,
+            Err(e) => panic!("not a violation: {e}"),
+            Ok(_) => panic!("accepted"),
+        }
+    }
+
+    /// Pings are answered with their sequence number on the way to a command; Takeover
+    /// comes with its three descriptors, Drain with its successor flag; a phase goes out as
+    /// its wire Status.
+    #[tokio::test]
+    async fn pings_are_answered_and_takeover_then_drain_come_through_once_each() {
+        let (mut control, sup) = connected();
+        send(&sup, Body::Ping(Ping { seq: 9 }), &[]);
+        takeover(&sup);
+        match control.next().await.unwrap() {
+            Command::Takeover(t, fds) => assert_eq!((t.generation, fds.len()), (4, 3)),
+            Command::Drain { .. } => panic!("Drain before Takeover"),
+        }
+        match fdpass::recv_control(sup.as_fd(), false).unwrap().0 {
+            Body::Pong(Ping { seq }) => assert_eq!(seq, 9),
+            other => panic!("answered a Ping with {}", other.name()),
+        }
+        control.report(Phase::Serving).unwrap();
+        match fdpass::recv_control(sup.as_fd(), false).unwrap().0 {
+            Body::Status(s) => assert_eq!(s.phase, WirePhase::Serving as i32),
+            other => panic!("reported {}", other.name()),
+        }
+        send(&sup, Body::Drain(Drain { successor: true }), &[]);
+        assert!(matches!(control.next().await.unwrap(), Command::Drain { successor: true }));
+        // Heartbeats go on while draining.
+        send(&sup, Body::Ping(Ping { seq: 10 }), &[]);
+        send(&sup, Body::Drain(Drain { successor: false }), &[]);
+        assert!(violation(control.next().await).starts_with("Drain not permitted (took over: true, draining: true"));
+        assert!(matches!(fdpass::recv_control(sup.as_fd(), false).unwrap().0, Body::Pong(Ping { seq: 10 })));
+    }
+
+    /// Everything out of turn ends the conversation: a second Takeover, a Takeover after
+    /// Drain, and any message only the worker sends.
+    #[tokio::test]
+    async fn out_of_turn_messages_are_violations() {
+        let (mut control, sup) = connected();
+        takeover(&sup);
+        assert!(matches!(control.next().await.unwrap(), Command::Takeover(..)));
+        takeover(&sup);
+        assert!(violation(control.next().await).starts_with("Takeover not permitted (took over: true, draining: false"));
+
+        let (mut control, sup) = connected();
+        send(&sup, Body::Drain(Drain { successor: false }), &[]);
+        assert!(matches!(control.next().await.unwrap(), Command::Drain { successor: false }));
+        takeover(&sup);
+        assert!(violation(control.next().await).starts_with("Takeover not permitted (took over: false, draining: true"));
+
+        for body in [
+            Body::Hello(Hello { version: CONTROL_VERSION }),
+            Body::Pong(Ping { seq: 1 }),
+            Body::Status(Status { phase: WirePhase::Serving as i32 }),
+        ] {
+            let name = body.name();
+            let (mut control, sup) = connected();
+            send(&sup, body, &[]);
+            assert!(violation(control.next().await).starts_with(&format!("{name} not permitted")));
+        }
+    }
+
+    /// A message with the wrong descriptor count, or bytes that are no message, is a
+    /// transport error, and the descriptors that came with it are not kept.
+    #[tokio::test]
+    async fn a_malformed_message_is_a_transport_error() {
+        let (mut control, sup) = connected();
+        let file = File::open("/dev/null").unwrap();
+        send(&sup, Body::Drain(Drain { successor: false }), &[file.as_fd()]);
+        assert!(matches!(control.next().await, Err(ControlError::Transport(fdpass::Error::FdCount { got: 1, expected: 0, .. }))));
+
+        let (mut control, sup) = connected();
+        nix::sys::socket::send(sup.as_raw_fd(), &[0xff, 0xff, 0xff], nix::sys::socket::MsgFlags::empty()).unwrap();
+        assert!(matches!(control.next().await, Err(ControlError::Transport(_))));
+    }
+}

@@ -200,6 +200,59 @@ mod tests {
         }
     }
 
+    /// A symlink at the folder's path is refused by name for every folder, and neither
+    /// it nor its target is touched.
+    #[test]
+    fn a_symlinked_run_state_or_health_folder_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("target");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let link = tmp.path().join("link");
+        symlink(&target, &link).unwrap();
+        let results = [prepare_run_dir(&link), prepare_state_dir(&link, None), prepare_dir(&link, None, 0o700)];
+        for r in results {
+            match r {
+                Err(DirError::NotADirectory { path }) => assert_eq!(path, link),
+                other => panic!("a symlinked folder was accepted: {other:?}"),
+            }
+        }
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::metadata(&target).unwrap().mode() & 0o7777, 0o755);
+        assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0);
+    }
+
+    /// A folder of another owner whose mode is wrong is taken back (chown to the
+    /// supervisor), set to its mode, then given to the worker: another uid's 0755 folder
+    /// ends 0700 and the worker's. Without CAP_FOWNER, as under the chart, the chmod works
+    /// only because of the chown back; the test drops it on a thread of its own.
+    #[test]
+    fn a_folder_of_another_owner_with_the_wrong_mode_ends_with_its_mode_and_the_workers() {
+        if !geteuid().is_root() {
+            eprintln!("SKIPPED: chown to other uids needs root (CI runs as root)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let health = tmp.path().join("health");
+        std::fs::create_dir(&health).unwrap();
+        std::fs::set_permissions(&health, std::fs::Permissions::from_mode(0o755)).unwrap();
+        lchown(&health, Some(1000), Some(1000)).unwrap();
+        let prepared = std::thread::scope(|s| {
+            s.spawn(|| {
+                caps::drop(None, caps::CapSet::Effective, caps::Capability::CAP_FOWNER).unwrap();
+                prepare_dir(&health, Some(WORKER), 0o700)
+            })
+            .join()
+            .unwrap()
+        });
+        prepared.unwrap();
+        let m = std::fs::symlink_metadata(&health).unwrap();
+        assert_eq!((m.mode() & 0o7777, m.uid(), m.gid()), (0o700, WORKER.0, WORKER.1));
+        // Already right: left as it is.
+        prepare_dir(&health, Some(WORKER), 0o700).unwrap();
+        assert_eq!(owner(&health), WORKER);
+    }
+
     #[test]
     fn a_state_folder_re_owned_to_root_is_given_back_to_the_worker_and_nothing_outside_it() {
         if !geteuid().is_root() {
