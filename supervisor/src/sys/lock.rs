@@ -13,7 +13,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -25,6 +25,8 @@ pub enum LockError {
     Open { path: PathBuf, source: std::io::Error },
     #[error("lock file {path} was replaced while it was opened; refusing it")]
     Replaced { path: PathBuf },
+    #[error("lock file {path} must be a regular file of uid {me}, but is {what}; refusing it")]
+    NotOurs { path: PathBuf, me: u32, what: String },
     #[error("lock {path}: {source}")]
     Lock { path: PathBuf, source: std::io::Error },
     #[error("generation in {path}: {source}")]
@@ -51,15 +53,26 @@ pub struct Generation {
 
 /// Opens the lock file (creating it 0600, never through a symlink) twice: read-only, the
 /// descriptor to lock and share with the worker, and write-only for [`Generation`]. Both
-/// must name one file.
+/// must name one file: a regular file of this process's uid. `O_NONBLOCK` keeps a FIFO at
+/// the path from hanging the open. A mode that lets others open it (and hold the lock, or
+/// stall a takeover) is set back to 0600.
 pub fn open(path: &Path) -> Result<(File, Generation), LockError> {
     let open_err = |source| LockError::Open { path: path.to_owned(), source };
-    let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
     let writer = OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).custom_flags(flags).open(path).map_err(open_err)?;
     let reader = OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(open_err)?;
     let (r, w) = (reader.metadata().map_err(open_err)?, writer.metadata().map_err(open_err)?);
     if (r.dev(), r.ino()) != (w.dev(), w.ino()) {
         return Err(LockError::Replaced { path: path.to_owned() });
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if !w.is_file() || w.uid() != me {
+        let what = format!("{:?} of uid {} with mode {:o}", w.file_type(), w.uid(), w.mode() & 0o7777);
+        return Err(LockError::NotOurs { path: path.to_owned(), me, what });
+    }
+    if w.mode() & 0o7777 != 0o600 {
+        tracing::warn!(path = %path.display(), mode = format!("{:o}", w.mode() & 0o7777), "the lock file's mode let others open it; set to 0600");
+        writer.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(open_err)?;
     }
     Ok((reader, Generation { file: writer, path: path.to_owned() }))
 }
@@ -159,5 +172,34 @@ mod tests {
         let link = dir.path().join("link.lock");
         std::os::unix::fs::symlink(&path, &link).unwrap();
         assert!(matches!(open(&link), Err(LockError::Open { .. })));
+    }
+
+    /// Only a regular file of the supervisor's uid is a lock file: a FIFO at the path is
+    /// refused at once rather than hanging the open, a folder is refused by name, and a
+    /// mode others could open is set back to 0600.
+    #[test]
+    fn a_lock_file_that_is_no_regular_file_is_refused_and_a_loose_mode_is_tightened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.lock");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let err = open(&fifo).unwrap_err().to_string();
+        assert!(err.contains("fifo.lock"), "{err}");
+        let folder = dir.path().join("folder.lock");
+        std::fs::create_dir(&folder).unwrap();
+        let err = open(&folder).unwrap_err().to_string();
+        assert!(err.contains("folder.lock"), "{err}");
+        let loose = dir.path().join("agent.lock");
+        std::fs::write(&loose, "3\n").unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let (lock, generation) = open(&loose).unwrap();
+        assert_eq!(std::fs::metadata(&loose).unwrap().mode() & 0o7777, 0o600);
+        assert_eq!(generation.bump(&lock).unwrap(), 4);
+        if nix::unistd::geteuid().is_root() {
+            let theirs = dir.path().join("theirs.lock");
+            std::fs::write(&theirs, "").unwrap();
+            std::os::unix::fs::chown(&theirs, Some(1000), Some(1000)).unwrap();
+            let err = open(&theirs).unwrap_err().to_string();
+            assert!(err.contains("theirs.lock") && err.contains("uid 1000"), "{err}");
+        }
     }
 }
