@@ -44,6 +44,10 @@ fn main() -> ExitCode {
             }
             Err(e) => usage(&e),
         },
+        Some("--help" | "-h" | "help") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
         Some(other) => usage(&format!("unknown command {other:?}")),
     }
 }

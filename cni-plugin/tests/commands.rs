@@ -67,6 +67,12 @@ fn bad_command_lines_get_the_usage_and_exit_2() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("aether-cni chain --cni-conf-dir"), "{args:?}: {out:?}");
     }
+    // Asked for, the usage goes to stdout and the exit is 0.
+    for help in ["--help", "-h", "help"] {
+        let out = run(&[help]);
+        assert_eq!(out.status.code(), Some(0), "{help}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("aether-cni chain --cni-conf-dir"), "{help}: {out:?}");
+    }
     // A missing required flag names it.
     let out = run(&["chain", "--agent-socket", "/s"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");

@@ -157,8 +157,11 @@ impl Supervisor {
             }
             Action::Kill { pid, why } => {
                 report::kill(pid, &why);
-                // A failed kill is retried at the next heartbeat deadline.
-                let _ = kill(pid, Signal::SIGKILL);
+                // A failed kill is retried at the next heartbeat deadline. ESRCH: already gone.
+                match kill(pid, Signal::SIGKILL) {
+                    Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                    Err(e) => error!(pid = pid.as_raw(), error = %e, "kill(SIGKILL) of the worker failed"),
+                }
                 None
             }
             Action::TakeNode { lock, held, ask_keeper, since } => Some(match self.taker.take(lock, held, ask_keeper, since) {
