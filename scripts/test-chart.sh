@@ -24,6 +24,10 @@
 #      the plugin only once the node's last agent is gone
 #   7. the systemd unit: check_chart.py --unit, and systemd-analyze verify when available
 #
+# Env: AETHER_BIN_DIR names built agent binaries for stages 4 and 6 (scripts/test.sh passes
+# the release build of its end-to-end runs: the binaries as they ship); unset, they are
+# built here in debug.
+#
 # Stops at the first failure (exit 1). The last line is "chart-tests: N passed, M failed".
 set -euo pipefail
 
@@ -198,7 +202,7 @@ EOF
   # monitoring case's, so its stats listener (proxy.stats, moved to the loopback here) must
   # answer GET /stats/prometheus with Envoy's stats and 404 to anything else.
   if [[ $(id -u) -eq 0 ]] && command -v setpriv >/dev/null; then
-    cargo build --quiet -p aether-supervisor -p aether-worker --bins
+    [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-supervisor -p aether-worker --bins
     bin="${AETHER_BIN_DIR:-$root/target/debug}"
     chmod 0711 "$work"
     enode="$work/envoy-node"
@@ -462,7 +466,7 @@ step "the readiness probe as deployed: the chart's credentials against a real ag
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the probe stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
-  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
+  [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   render "$chart" "$work/probe.yaml" ""
   eval "$("$py" "$check" --probe-creds "$work/probe.yaml")"
@@ -516,7 +520,7 @@ step "the uninstall hook as deployed: a surge roll keeps the entry, the uninstal
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the uninstall stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
-  cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
+  [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   render "$chart" "$work/uninstall.yaml" ""
   eval "$("$py" "$check" --uninstall-creds "$work/uninstall.yaml")"

