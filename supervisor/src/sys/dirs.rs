@@ -15,8 +15,8 @@
 //! outside the tree can be given to the worker through it.
 
 use std::ffi::CString;
-use std::os::fd::OwnedFd;
-use std::os::unix::fs::{MetadataExt, PermissionsExt, lchown};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use nix::dir::Dir;
@@ -67,44 +67,62 @@ pub fn prepare_run_dir(dir: &Path) -> Result<(), DirError> {
 }
 
 fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
+    std::fs::create_dir_all(dir).map_err(|source| DirError::Io { what: "create", path: dir.to_owned(), source })?;
+    prepare_at(&open_folder(dir)?, dir, owner, mode, must_be_ours, inside)
+}
+
+/// The folder itself, never through a symlink at its path. Every step of [`prepare_at`]
+/// goes through this one descriptor: a symlink swapped in for the folder afterwards
+/// changes nothing. O_PATH needs no read permission (the supervisor has no
+/// CAP_DAC_OVERRIDE).
+fn open_folder(dir: &Path) -> Result<OwnedFd, DirError> {
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    nix::fcntl::open(dir, flags, Mode::empty()).map_err(|e| match e {
+        nix::Error::ENOTDIR | nix::Error::ELOOP => DirError::NotADirectory { path: dir.to_owned() },
+        e => DirError::Io { what: "open", path: dir.to_owned(), source: e.into() },
+    })
+}
+
+fn prepare_at(fd: &OwnedFd, dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
     let io = |what| move |source| DirError::Io { what, path: dir.to_owned(), source };
-    std::fs::create_dir_all(dir).map_err(io("create"))?;
-    let m = std::fs::symlink_metadata(dir).map_err(io("lstat"))?;
-    if !m.is_dir() {
-        return Err(DirError::NotADirectory { path: dir.to_owned() });
-    }
+    let nix_io = |what| move |e: nix::Error| DirError::Io { what, path: dir.to_owned(), source: e.into() };
+    let st = fstat(fd).map_err(nix_io("fstat"))?;
+    let (uid, m) = (st.st_uid, st.st_mode & 0o7777);
     let me = (geteuid().as_raw(), getegid().as_raw());
-    if must_be_ours && (m.uid() != me.0 || m.mode() & 0o022 != 0) {
-        return Err(DirError::NotOurs { path: dir.to_owned(), me: me.0, uid: m.uid(), mode: m.mode() & 0o7777 });
+    if must_be_ours && (uid != me.0 || m & 0o022 != 0) {
+        return Err(DirError::NotOurs { path: dir.to_owned(), me: me.0, uid, mode: m });
     }
-    if m.mode() & 0o1002 == 0o1002 {
+    if m & 0o1002 == 0o1002 {
         // A shared sticky folder such as the host's /tmp: never chmod or give it away.
         // The worker can create its own socket there.
         return Ok(());
     }
+    let chown = |(u, g): (u32, u32)| fchownat(fd, "", Some(Uid::from_raw(u)), Some(Gid::from_raw(g)), AtFlags::AT_EMPTY_PATH).map_err(nix_io("chown"));
     // chmod of a file owned by another uid needs CAP_FOWNER, which the supervisor does
     // not hold: set the mode while the folder is ours, then give it away.
-    if m.mode() & 0o7777 != mode {
-        if m.uid() != me.0 {
-            lchown(dir, Some(me.0), Some(me.1)).map_err(io("chown"))?;
+    if m != mode {
+        if uid != me.0 {
+            chown(me)?;
         }
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(io("chmod"))?;
+        // O_PATH allows no fchmod; /proc/self/fd reaches the same inode.
+        let by_fd = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        std::fs::set_permissions(by_fd, std::fs::Permissions::from_mode(mode)).map_err(io("chmod"))?;
     }
     if let Some(to) = owner {
         // Found ours (or just made ours): the inside is readable now, and no longer once
         // the folder is the worker's (no CAP_DAC_READ_SEARCH).
-        if inside == Inside::WorkerTree && m.uid() == me.0 && to.0 != me.0 {
-            reown_worker_tree(dir, me.0, to).map_err(|e| DirError::Io { what: "re-own the inside of", path: dir.to_owned(), source: e.into() })?;
+        if inside == Inside::WorkerTree && uid == me.0 && to.0 != me.0 {
+            reown_worker_tree(fd, dir, me.0, to).map_err(nix_io("re-own the inside of"))?;
         }
-        lchown(dir, Some(to.0), Some(to.1)).map_err(io("chown"))?;
+        chown(to)?;
     }
     Ok(())
 }
 
 /// Marks an empty state folder as the worker's, or gives everything inside a marked one
 /// that `me` owns to `to`.
-fn reown_worker_tree(dir: &Path, me: u32, to: (u32, u32)) -> nix::Result<()> {
-    let top = nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
+fn reown_worker_tree(folder: &OwnedFd, dir: &Path, me: u32, to: (u32, u32)) -> nix::Result<()> {
+    let top = openat(folder, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
     let names = entries(&top)?;
     let marked = fstatat(&top, MARKER, AtFlags::AT_SYMLINK_NOFOLLOW).is_ok_and(|st| st.st_uid == me && kind(&st) == SFlag::S_IFREG);
     if names.is_empty() {
@@ -178,7 +196,7 @@ fn walk(dir: &OwnedFd, names: Vec<CString>, me: u32, to: (u32, u32), depth: usiz
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::{MetadataExt, symlink};
+    use std::os::unix::fs::{MetadataExt, lchown, symlink};
     use std::path::Path;
 
     use super::*;
@@ -220,6 +238,30 @@ mod tests {
         assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
         assert_eq!(std::fs::metadata(&target).unwrap().mode() & 0o7777, 0o755);
         assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0);
+    }
+
+    /// A symlink swapped in for the folder after it was opened changes nothing: the mode
+    /// and the owner go to the folder that was opened, and the symlink's target is left as
+    /// it was.
+    #[test]
+    fn a_symlink_swapped_in_after_the_open_is_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, moved, victim) = (tmp.path().join("health"), tmp.path().join("moved"), tmp.path().join("victim"));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let fd = open_folder(&dir).unwrap();
+        std::fs::rename(&dir, &moved).unwrap();
+        symlink(&victim, &dir).unwrap();
+        let worker = geteuid().is_root().then_some(WORKER);
+        prepare_at(&fd, &dir, worker, 0o700, false, Inside::Leave).unwrap();
+        assert_eq!(std::fs::metadata(&moved).unwrap().mode() & 0o7777, 0o700);
+        assert_eq!(std::fs::metadata(&victim).unwrap().mode() & 0o7777, 0o755);
+        if let Some(w) = worker {
+            assert_eq!(owner(&moved), w);
+            assert_eq!(owner(&victim), (0, 0));
+        }
     }
 
     /// A folder of another owner whose mode is wrong is taken back (chown to the
