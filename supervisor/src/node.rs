@@ -95,12 +95,13 @@ impl Taker {
         // or this supervisor won the lock over a waiting standby while the previous owner
         // drains): that owner, still draining, the one it took them from (released, still
         // draining, at `handoff-released.sock`) or the node's socket keeper may hold them.
+        // Each source, and whether it is the keeper (which goes on holding what it offers).
         let released = released_path(&self.handoff);
-        let sources = [(&self.handoff, "the draining owner"), (&released, "the released owner"), (&self.keeper, "the socket keeper")];
+        let sources = [(&self.handoff, "the draining owner", false), (&released, "the released owner", false), (&self.keeper, "the socket keeper", true)];
         let (held, kept) = match held {
             Some(h) => (Some(h), false),
             None if ask_keeper => {
-                let offer = sources.iter().find_map(|(p, from)| Some((self.offer_from(p, from)?, *p == &self.keeper)));
+                let offer = sources.iter().find_map(|&(path, from, kept)| Some((self.offer_from(path, from)?, kept)));
                 offer.map_or((None, false), |(h, kept)| (Some(h), kept))
             }
             None => (None, false),

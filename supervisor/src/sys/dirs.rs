@@ -209,6 +209,12 @@ mod tests {
     }
 
     /// `chown -R 0:0`, symlinks themselves, as systemd re-owns a `StateDirectory=` tree.
+    /// A new folder with `mode` (the umask aside).
+    fn folder(p: &Path, mode: u32) {
+        std::fs::create_dir(p).unwrap();
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
     fn chown_tree_to_root(p: &Path) {
         lchown(p, Some(0), Some(0)).unwrap();
         if std::fs::symlink_metadata(p).unwrap().is_dir() {
@@ -224,8 +230,7 @@ mod tests {
     fn a_symlinked_run_state_or_health_folder_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let target = tmp.path().join("target");
-        std::fs::create_dir(&target).unwrap();
-        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).unwrap();
+        folder(&target, 0o755);
         let link = tmp.path().join("link");
         symlink(&target, &link).unwrap();
         let results = [prepare_run_dir(&link), prepare_state_dir(&link, None), prepare_dir(&link, None, 0o700)];
@@ -247,10 +252,8 @@ mod tests {
     fn a_symlink_swapped_in_after_the_open_is_not_followed() {
         let tmp = tempfile::tempdir().unwrap();
         let (dir, moved, victim) = (tmp.path().join("health"), tmp.path().join("moved"), tmp.path().join("victim"));
-        std::fs::create_dir(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        std::fs::create_dir(&victim).unwrap();
-        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        folder(&dir, 0o755);
+        folder(&victim, 0o755);
         let fd = open_folder(&dir).unwrap();
         std::fs::rename(&dir, &moved).unwrap();
         symlink(&victim, &dir).unwrap();
@@ -276,8 +279,7 @@ mod tests {
         }
         let tmp = tempfile::tempdir().unwrap();
         let health = tmp.path().join("health");
-        std::fs::create_dir(&health).unwrap();
-        std::fs::set_permissions(&health, std::fs::Permissions::from_mode(0o755)).unwrap();
+        folder(&health, 0o755);
         lchown(&health, Some(1000), Some(1000)).unwrap();
         let prepared = std::thread::scope(|s| {
             s.spawn(|| {
@@ -335,8 +337,7 @@ mod tests {
         assert_eq!(owner(&other.join("pods")), (0, 0));
         // A sticky shared folder is left alone altogether.
         let shared = tmp.path().join("shared");
-        std::fs::create_dir(&shared).unwrap();
-        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        folder(&shared, 0o1777);
         prepare_state_dir(&shared, Some(WORKER)).unwrap();
         assert_eq!(owner(&shared), (0, 0));
         assert!(!shared.join(MARKER).exists());

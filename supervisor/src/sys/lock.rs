@@ -65,13 +65,13 @@ pub fn open(path: &Path) -> Result<(File, Generation), LockError> {
     if (r.dev(), r.ino()) != (w.dev(), w.ino()) {
         return Err(LockError::Replaced { path: path.to_owned() });
     }
-    let me = nix::unistd::geteuid().as_raw();
+    let (me, mode) = (nix::unistd::geteuid().as_raw(), w.mode() & 0o7777);
     if !w.is_file() || w.uid() != me {
-        let what = format!("{:?} of uid {} with mode {:o}", w.file_type(), w.uid(), w.mode() & 0o7777);
+        let what = format!("{:?} of uid {} with mode {mode:o}", w.file_type(), w.uid());
         return Err(LockError::NotOurs { path: path.to_owned(), me, what });
     }
-    if w.mode() & 0o7777 != 0o600 {
-        tracing::warn!(path = %path.display(), mode = format!("{:o}", w.mode() & 0o7777), "the lock file's mode let others open it; set to 0600");
+    if mode != 0o600 {
+        tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "the lock file's mode let others open it; set to 0600");
         writer.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(open_err)?;
     }
     Ok((reader, Generation { file: writer, path: path.to_owned() }))
