@@ -153,7 +153,7 @@ fn main() {
 
     let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
     let mut client =
-        rt.block_on(aether_registrar::client::connect(registrar.addr(), Duration::from_secs(10))).expect("connect to the registrar");
+        rt.block_on(aether_registrar::client::connect(registrar.addr(), Duration::from_secs(10), None)).expect("connect to the registrar");
     let mut mesh = Mesh::new();
     let t = Instant::now();
     let all: Vec<pb::Service> = (0..SERVICES).map(|s| mesh.service(s)).collect();

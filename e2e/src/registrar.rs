@@ -11,7 +11,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-pub use aether_registrar::testing::{Etcd, RegistrarProcess};
+pub use aether_registrar::testing::{Etcd, RegistrarProcess, TestCa};
 
 use crate::testing::bin;
 
@@ -34,7 +34,13 @@ pub fn cli(args: &[&str]) -> String {
 
 /// Upserts the services of `file` (the `--registry-file` schema); returns the revision.
 pub fn apply(addr: &str, file: &Path) -> i64 {
-    let out = cli(&["apply", "--registrar", addr, "--file", &file.display().to_string()]);
+    apply_with(addr, file, &[])
+}
+
+/// [`apply`] with more flags, e.g. `--ca` or `--token-file`.
+pub fn apply_with(addr: &str, file: &Path, extra: &[&str]) -> i64 {
+    let file = file.display().to_string();
+    let out = cli(&[&["apply", "--registrar", addr, "--file", &file], extra].concat());
     revision_in(&out)
 }
 

@@ -170,7 +170,7 @@ fn slices_reach_envoy_scale_and_termination_follow_a_drain_mark_holds_and_a_dele
     // node-c's agent marks 10.1.0.2 draining (its pod is being deleted) while the slice
     // still says ready; a later rewrite of that slice does not undo the mark.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let mut client = rt.block_on(aether_registrar::client::connect(r1.addr(), Duration::from_secs(10))).unwrap();
+    let mut client = rt.block_on(aether_registrar::client::connect(r1.addr(), Duration::from_secs(10), None)).unwrap();
     let mark = shared_proto::registry::SetEndpointStateRequest {
         service: Some(shared_proto::registry::ServiceKey { namespace: "prod".into(), name: "shop".into() }),
         address: "10.1.0.2".into(),

@@ -95,7 +95,7 @@ impl Churn {
         // Each call may take as long as the registrar's own etcd requests (10 s): while
         // etcd elects a leader a call waits rather than fails, and an election on a busy
         // machine can take seconds.
-        let mut client = rt.block_on(aether_registrar::client::connect(registrar, Duration::from_secs(10))).expect("connect to the registrar");
+        let mut client = rt.block_on(aether_registrar::client::connect(registrar, Duration::from_secs(10), None)).expect("connect to the registrar");
         let n = CHURNED * Churned::ENDPOINTS;
         let mut want = Churned { ports: vec![8080; n], draining: vec![false; n], marked: vec![false; n] };
         let services = (0..CHURNED).map(|s| want.service(s)).collect();

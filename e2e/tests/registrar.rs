@@ -4,11 +4,12 @@
 //! Each test skips, saying so, where etcd is not installed (`scripts/test.sh` installs it).
 
 use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{AdsApi, NodeRig, envoy_or_skip};
 use aether_e2e::harness::churn::{Cni, PodId};
-use aether_e2e::registrar::{Etcd, RegistrarProcess, apply_doc, dump, envoy_eds, expected_eds, registrar_bin};
+use aether_e2e::registrar::{Etcd, RegistrarProcess, TestCa, apply_doc, apply_with, dump, envoy_eds, expected_eds, registrar_bin};
 use aether_e2e::testing::{Agent, LocalNode, bin, wait_for};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
@@ -280,7 +281,6 @@ fn an_agent_given_two_registrar_replicas_resumes_on_the_other_without_a_full_res
 #[test]
 fn over_tcp_with_token_review_a_token_speaks_for_its_own_node_only() {
     use aether_e2e::kube_api::{KubeApi, Rule};
-    use std::os::unix::fs::PermissionsExt;
     let Some(etcd) = Etcd::start_or_skip("over_tcp_with_token_review...") else { return };
     let api = KubeApi::start();
     let (registrar_sa, agent_sa) = ("system:serviceaccount:aether-system:aether-registrar", "system:serviceaccount:aether-system:aether-agent");
@@ -341,4 +341,51 @@ fn over_tcp_with_token_review_a_token_speaks_for_its_own_node_only() {
     });
     assert_eq!(body.1["registrar"]["revision"].as_i64().unwrap_or(0), 0, "it loaded nothing: {}", body.1);
     registrar.wait_log("bound to node", T);
+}
+
+/// `--registrar-ca`: the agent speaks TLS to a registrar serving `--tls-cert`, checks its
+/// certificate against the CA in the file, and loads the registry through it. An agent
+/// trusting another CA loads nothing and says why on `/ready`; a CA file that cannot be
+/// read stops the worker's start, naming the file.
+#[test]
+fn over_tls_an_agent_trusting_the_registrars_ca_loads_the_registry_and_one_trusting_another_says_why() {
+    use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
+    let Some(etcd) = Etcd::start_or_skip("over_tls_an_agent_trusting_the_registrars_ca...") else { return };
+    let (ca, other_ca) = (TestCa::new("registrar CA"), TestCa::new("another CA"));
+    let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], ServerAuth);
+    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
+    // Each node's copy of a CA where its worker (uid 65532 under root) can read it.
+    let ca_copy = |node: &LocalNode, ca: &TestCa| {
+        let path = node.root.path().join("registrar-ca.crt");
+        std::fs::copy(ca.ca_file(), &path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path.display().to_string()
+    };
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    std::fs::write(&file, registry(&[("web", &[("10.1.0.1", "node-b")])]).to_string()).unwrap();
+    let rev = apply_with(registrar.addr(), &file, &["--ca", ca.ca_file().to_str().unwrap()]);
+    let flags = [format!("--registrar={}", registrar.addr()), format!("--registrar-ca={}", ca_copy(&node, &ca))];
+    let agent = node.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    agent.wait_role("owner", T);
+    wait_revision(&agent, rev);
+    agent.wait_log("registrar stream open", T);
+
+    let mut other = LocalNode::new();
+    other.node_name = "node-b".into();
+    let flags = [format!("--registrar={}", registrar.addr()), format!("--registrar-ca={}", ca_copy(&other, &other_ca))];
+    let stray = other.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    let (_, body) = wait_for("the agent trusting another CA to report the refusal", T, || {
+        stray.ready().filter(|(_, v)| v["problems"].to_string().contains("UnknownIssuer"))
+    });
+    eprintln!("the refused agent's /ready problems: {}", body["problems"]);
+    assert_eq!(body["registrar"]["revision"].as_i64().unwrap_or(0), 0, "it loaded nothing: {body}");
+    registrar.wait_log("TLS handshake failed", T);
+
+    let mut third = LocalNode::new();
+    third.node_name = "node-c".into();
+    let missing = third.root.path().join("no-such-ca.crt");
+    let flags = [format!("--registrar={}", registrar.addr()), format!("--registrar-ca={}", missing.display())];
+    let broken = third.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    broken.wait_log(&format!("--registrar-ca: {}", missing.display()), T);
 }

@@ -76,9 +76,22 @@ pub struct ServeArgs {
     pub etcd_key: Option<PathBuf>,
 
     /// Where to serve: unix:///path (callers identified by their uid, see --agent-uid and
-    /// --operator-uid) or host:port (plain TCP, only with --insecure-listen)
+    /// --operator-uid) or host:port (TCP, with --token-review or --insecure-listen; TLS
+    /// with --tls-cert)
     #[arg(long, env = "AETHER_REGISTRAR_LISTEN", value_name = "ADDR")]
     pub listen: ListenAddr,
+
+    /// Serve TLS on a TCP --listen with this certificate chain (PEM, the leaf first), with
+    /// --tls-key. Read again at a handshake after the file changed, so a renewed
+    /// certificate is served without a restart. TLS authenticates the registrar to its
+    /// callers (agents check it with --registrar-ca) and keeps their tokens off the wire;
+    /// the callers are still authenticated by --token-review
+    #[arg(long, env = "AETHER_REGISTRAR_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --tls-cert
+    #[arg(long, env = "AETHER_REGISTRAR_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 
     /// Accept plain TCP on --listen. TCP authenticates nobody: every caller may then do
     /// everything, apply and delete included. For tests and trusted networks only
@@ -208,6 +221,11 @@ pub struct ClientArgs {
     /// A file holding a bearer token, for a registrar that reviews tokens (--token-review)
     #[arg(long, env = "AETHER_REGISTRAR_TOKEN_FILE", value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+
+    /// Speak TLS to a host:port registrar (one with --tls-cert), checking its certificate
+    /// against the CA certificates in this PEM file and the address's host
+    #[arg(long, env = "AETHER_REGISTRAR_CA", value_name = "FILE")]
+    pub ca: Option<PathBuf>,
 }
 
 fn parse_account(s: &str) -> Result<String, String> {

@@ -2,10 +2,13 @@
 //! the first registrar of `--registrar` that answers.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use hyper_util::rt::TokioIo;
 use shared_proto::registry::{self as pb, registry_client::RegistryClient};
+use shared_proto::registry_tls;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::cli::ClientArgs;
@@ -22,17 +25,36 @@ fn dump_key() -> pb::WatchEndpointsRequest {
     }
 }
 
-/// `ADDR` as a tonic endpoint: `unix:///path` as it is, `host:port` over plain HTTP/2.
+/// `ADDR` as a tonic endpoint: `unix:///path` as it is, `host:port` over HTTP/2.
 pub fn endpoint(addr: &str, timeout: Duration) -> anyhow::Result<Endpoint> {
     let uri = if addr.starts_with("unix:") || addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
     Ok(Endpoint::from_shared(uri).with_context(|| format!("--registrar {addr:?} is neither unix:///path nor host:port"))?.connect_timeout(timeout).timeout(timeout))
 }
 
-/// Connects to the first of the comma-separated addresses that answers.
-pub async fn connect(addrs: &str, timeout: Duration) -> anyhow::Result<RegistryClient<Channel>> {
+/// Connects to `addr`, over TLS checked against `tls`'s CAs for a `host:port`.
+async fn connect_one(addr: &str, timeout: Duration, tls: Option<&Arc<rustls::ClientConfig>>) -> Result<Channel, tonic::transport::Error> {
+    let endpoint = endpoint(addr, timeout).expect("checked by the caller");
+    match tls {
+        Some(config) if !addr.starts_with("unix:") => {
+            let (addr, config) = (addr.to_owned(), config.clone());
+            let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+                let (addr, config) = (addr.clone(), config.clone());
+                async move { registry_tls::connect(&addr, config).await.map(TokioIo::new) }
+            });
+            endpoint.connect_with_connector(connector).await
+        }
+        _ => endpoint.connect().await,
+    }
+}
+
+/// Connects to the first of the comma-separated addresses that answers; over TLS to a
+/// `host:port`, checked against the CA certificates in `ca`, when it is given.
+pub async fn connect(addrs: &str, timeout: Duration, ca: Option<&Path>) -> anyhow::Result<RegistryClient<Channel>> {
+    let tls = ca.map(|ca| registry_tls::client_config(ca).context("--ca")).transpose()?;
     let mut failures = Vec::new();
     for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        match endpoint(addr, timeout)?.connect().await {
+        endpoint(addr, timeout)?;
+        match connect_one(addr, timeout, tls.as_ref()).await {
             Ok(channel) => return Ok(RegistryClient::new(channel)),
             Err(e) => failures.push(format!("{addr}: {}", chain(&e))),
         }
@@ -78,7 +100,7 @@ pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
     let view = aether_model::registry_file::parse(file, &bytes)?;
     let services: Vec<pb::Service> = view.services.values().map(values::model_service_to_pb).collect();
     let n = services.len();
-    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
+    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
     let resp = client.apply_services(request(args, pb::ApplyServicesRequest { services })?).await.map_err(|s| status("ApplyServices", s))?.into_inner();
     println!("applied {n} services from {} (revision {})", file.display(), resp.revision);
     Ok(())
@@ -89,7 +111,7 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
         anyhow::bail!("--service {service:?} is not NAMESPACE/NAME");
     };
     let key = pb::ServiceKey { namespace: namespace.into(), name: name.into() };
-    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
+    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
     let resp = client.delete_service(request(args, pb::DeleteServiceRequest { service: Some(key) })?).await.map_err(|s| status("DeleteService", s))?.into_inner();
     if resp.deleted {
         println!("deleted {service} (revision {})", resp.revision);
@@ -100,7 +122,7 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
 }
 
 pub async fn dump(args: &ClientArgs) -> anyhow::Result<()> {
-    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout)).await?;
+    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
     let mut stream = client.watch_endpoints(request(args, dump_key())?).await.map_err(|s| status("WatchEndpoints", s))?.into_inner();
     let first = stream.message().await.map_err(|s| status("WatchEndpoints", s))?;
     let Some(pb::WatchEndpointsResponse { kind: Some(pb::watch_endpoints_response::Kind::Full(full)) }) = first else {

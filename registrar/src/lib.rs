@@ -6,7 +6,7 @@
 //! and change batches from etcd reads and watch events, and a client's view of them),
 //! [`validate`], [`plan`] (the writes a request makes) and [`authz`] (who may call what)
 //! know no etcd client, socket or runtime. [`store`] is the etcd edge, [`service`] the
-//! tonic service, [`listen`] the sockets, [`serve`] the wiring, and [`client`] the
+//! tonic service, [`listen`] the sockets, [`tls`] the TLS on a TCP one, [`serve`] the wiring, and [`client`] the
 //! operator's commands.
 #![forbid(unsafe_code)]
 
@@ -21,6 +21,7 @@ pub mod serve;
 pub mod service;
 pub mod store;
 pub mod streams;
+pub mod tls;
 pub mod tokenreview;
 pub mod validate;
 pub mod values;

@@ -1,5 +1,5 @@
-//! `aether-registrar serve`: the wiring. Refuses plain TCP without `--insecure-listen`
-//! before anything else, checks that etcd answers, binds, and serves until SIGTERM or
+//! `aether-registrar serve`: the wiring. Refuses unauthenticated TCP without
+//! `--insecure-listen`, and a bad `--tls-cert`/`--tls-key`, before anything else, checks that etcd answers, binds, and serves until SIGTERM or
 //! SIGINT, when open watch streams end with UNAVAILABLE (their clients resume on another
 //! replica or after the restart). The socket file is left in place at exit; the next
 //! start replaces it once nothing answers on it.
@@ -21,6 +21,7 @@ use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::service::{Registrar, Transport};
 use crate::store::{EtcdOptions, Store};
+use crate::tls;
 use crate::tokenreview::Reviewer;
 
 fn bound_kind(b: &Bound) -> bool {
@@ -40,6 +41,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.token_review && !matches!(args.listen, ListenAddr::Tcp(_)) {
         anyhow::bail!("--token-review is for a TCP --listen; a unix socket identifies callers by uid (--agent-uid, --operator-uid)");
     }
+    if args.tls_cert.is_some() && !matches!(args.listen, ListenAddr::Tcp(_)) {
+        anyhow::bail!("--tls-cert is for a TCP --listen; a unix socket is reached only on this host");
+    }
+    // A bad certificate or key fails the start, naming the file, before anything binds.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
+        _ => None,
+    };
     if args.etcd_prefix.is_empty() {
         anyhow::bail!("--etcd-prefix is empty; the registry needs a prefix of its own");
     }
@@ -76,12 +85,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let transport = match (bound_kind(&bound), reviewer) {
         (false, _) => Transport::Unix,
         (true, Some(r)) => {
-            tracing::info!(listen = %args.listen, audience = %args.token_audience, agents = ?policy.agent_accounts, operators = ?policy.operator_users,
+            tracing::info!(listen = %args.listen, tls = tls.is_some(), audience = %args.token_audience, agents = ?policy.agent_accounts, operators = ?policy.operator_users,
                 "serving TCP to callers with a bearer token, checked with TokenReview");
+            if tls.is_none() {
+                tracing::warn!(listen = %args.listen, "serving plain TCP: callers' tokens and the registry cross the network unencrypted; pass --tls-cert and --tls-key");
+            }
             Transport::TokenTcp(r)
         }
         (true, None) => {
-            tracing::warn!(listen = %args.listen, "serving plain TCP (--insecure-listen): callers are not authenticated and every caller may apply and delete services");
+            tracing::warn!(listen = %args.listen, tls = tls.is_some(), "serving TCP (--insecure-listen): callers are not authenticated and every caller may apply and delete services");
             Transport::InsecureTcp
         }
     };
@@ -128,7 +140,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let serving = async {
         match bound {
             Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,
-            Bound::Tcp(l) => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
+            Bound::Tcp(l) => match tls {
+                Some(config) => server.serve_with_incoming_shutdown(tls::incoming(l, config), stop).await,
+                None => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
+            },
         }
     };
     // A graceful HTTP/2 shutdown waits for every client to acknowledge it; a hung client

@@ -37,6 +37,52 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
 }
 
+/// A certificate authority made at run time, and the leaves it signs: for TLS to etcd
+/// and to the registrar. PEM files in a temp dir of its own.
+pub struct TestCa {
+    cert: rcgen::Certificate,
+    key: rcgen::KeyPair,
+    dir: tempfile::TempDir,
+}
+
+impl TestCa {
+    pub fn new(name: &str) -> Self {
+        let key = rcgen::KeyPair::generate().expect("a CA key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let cert = params.self_signed(&key).expect("a self-signed CA");
+        TestCa { cert, key, dir: tempfile::Builder::new().prefix("aether-test-ca-").tempdir().expect("a temp dir for certificates") }
+    }
+
+    /// The CA certificate's PEM file (`<dir>/ca.crt`), written on first use.
+    pub fn ca_file(&self) -> PathBuf {
+        let path = self.dir.path().join("ca.crt");
+        std::fs::write(&path, self.cert.pem()).expect("write the CA certificate");
+        path
+    }
+
+    /// A leaf for `sans` (DNS names or IP addresses) with one extended key usage: its
+    /// certificate and key as PEM.
+    pub fn leaf_pem(&self, name: &str, sans: &[&str], usage: rcgen::ExtendedKeyUsagePurpose) -> (String, String) {
+        let key = rcgen::KeyPair::generate().expect("a leaf key");
+        let mut params = rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).expect("leaf parameters");
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![usage];
+        let cert = params.signed_by(&key, &self.cert, &self.key).expect("a signed leaf");
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// [`Self::leaf_pem`] written to `<dir>/<name>.crt` and `<dir>/<name>.key`.
+    pub fn leaf(&self, name: &str, sans: &[&str], usage: rcgen::ExtendedKeyUsagePurpose) -> (PathBuf, PathBuf) {
+        let (cert, key) = self.leaf_pem(name, sans, usage);
+        let (c, k) = (self.dir.path().join(format!("{name}.crt")), self.dir.path().join(format!("{name}.key")));
+        std::fs::write(&c, cert).expect("write the leaf");
+        std::fs::write(&k, key).expect("write the leaf's key");
+        (c, k)
+    }
+}
+
 fn kill_and_reap(child: &mut Child) -> Option<ExitStatus> {
     let _ = child.kill();
     child.wait().ok()

@@ -371,6 +371,56 @@ fn plain_tcp_without_insecure_listen_refuses_to_start() {
     }
 }
 
+/// `--tls-cert`/`--tls-key` on TCP: a client that checks the registrar against its CA
+/// (`--ca`) is served; one without TLS, or trusting another CA, is not. A renewed pair
+/// written over the files is served from the next handshake on, with no restart, and a
+/// bad pair at start is an error naming the file.
+#[test]
+fn over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed_certificate() {
+    use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
+    let etcd = etcd_or_skip!("over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed_certificate");
+    let (ca, other_ca) = (TestCa::new("registrar CA"), TestCa::new("another CA"));
+    let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], ServerAuth);
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let reg = RegistrarProcess::tcp(bin(), &etcd.endpoints(), &["--tls-cert", cert_s, "--tls-key", key_s]);
+    let (ca_file, other_file) = (ca.ca_file(), other_ca.ca_file());
+    let dump_with = |ca: Option<&std::path::Path>| {
+        let mut args = vec!["dump", "--registrar", reg.addr(), "--timeout", "3"];
+        args.extend(ca.map(|c| ["--ca", c.to_str().unwrap()]).into_iter().flatten());
+        cli(&args)
+    };
+    let out = dump_with(Some(&ca_file));
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"services\""), "{out:?}");
+    let out = dump_with(None);
+    assert!(!out.status.success(), "plain HTTP/2 to the TLS port: {out:?}");
+    let out = dump_with(Some(&other_file));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("UnknownIssuer"), "another CA: {err}");
+
+    // Renewed by the other CA, key first: the half-written pair is not served meanwhile.
+    let (new_cert, new_key) = other_ca.leaf_pem("registrar", &["127.0.0.1"], ServerAuth);
+    std::fs::write(&key, new_key).unwrap();
+    assert!(dump_with(Some(&ca_file)).status.success(), "the last good pair stays while the key does not fit");
+    std::fs::write(&cert, new_cert).unwrap();
+    let out = dump_with(Some(&other_file));
+    assert!(out.status.success(), "the renewed certificate is served without a restart: {out:?}");
+    let err = String::from_utf8_lossy(&dump_with(Some(&ca_file)).stderr).into_owned();
+    assert!(err.contains("UnknownIssuer"), "the old CA no longer fits: {err}");
+    let log = reg.wait_log("serving certificate reloaded", WAIT);
+    assert!(log.contains("serving certificate not reloaded"), "the mismatch was logged: {log}");
+
+    // At start: a key that does not fit, and a unix socket, are refused with the reason.
+    let (_, stray_key) = ca.leaf("stray", &["127.0.0.1"], ServerAuth);
+    let listen = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let out = cli(&["serve", "--etcd", &etcd.endpoints(), "--listen", &listen, "--insecure-listen", "--tls-cert", cert_s, "--tls-key", stray_key.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("does not fit --tls-cert") && err.contains("stray.key"), "{err}");
+    let out = cli(&["serve", "--etcd", &etcd.endpoints(), "--listen", "unix:///tmp/aether-tls-test.sock", "--tls-cert", cert_s, "--tls-key", key_s]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--tls-cert is for a TCP --listen"), "{err}");
+}
+
 /// The unix socket's callers are their uids: an agent uid may watch but not apply, any
 /// other uid may do nothing. Run as the clients would be, under `setpriv`.
 #[tokio::test]
@@ -473,29 +523,12 @@ async fn the_registrar_reaches_etcd_over_tls_with_a_client_certificate() {
         eprintln!("SKIPPED the_registrar_reaches_etcd_over_tls_with_a_client_certificate: {} is not installed", aether_registrar::testing::ETCD_BIN);
         return;
     }
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    use rcgen::ExtendedKeyUsagePurpose;
     let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, pem: String| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, pem).unwrap();
-        p
-    };
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(DnType::CommonName, "aether test CA");
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let leaf = |name: &str, sans: Vec<String>, usage: ExtendedKeyUsagePurpose| {
-        let key = KeyPair::generate().unwrap();
-        let mut p = CertificateParams::new(sans).unwrap();
-        p.distinguished_name.push(DnType::CommonName, name);
-        p.extended_key_usages = vec![usage];
-        let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
-        (write(&format!("{name}.crt"), cert.pem()), write(&format!("{name}.key"), key.serialize_pem()))
-    };
-    let ca_file = write("ca.crt", ca.pem());
-    let (server_cert, server_key) = leaf("etcd", vec!["127.0.0.1".into()], ExtendedKeyUsagePurpose::ServerAuth);
-    let (client_cert, client_key) = leaf("registrar", vec![], ExtendedKeyUsagePurpose::ClientAuth);
+    let test_ca = TestCa::new("aether test CA");
+    let ca_file = test_ca.ca_file();
+    let (server_cert, server_key) = test_ca.leaf("etcd", &["127.0.0.1"], ExtendedKeyUsagePurpose::ServerAuth);
+    let (client_cert, client_key) = test_ca.leaf("registrar", &[], ExtendedKeyUsagePurpose::ClientAuth);
     let etcd = Etcd::start_tls(aether_registrar::testing::EtcdTls { cert: server_cert, key: server_key, client_ca: ca_file.clone() });
     assert!(etcd.endpoints().starts_with("https://"));
 

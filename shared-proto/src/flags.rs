@@ -24,6 +24,12 @@ pub struct AgentFlags {
     /// uid must be able to read it.
     #[arg(long, env = "AETHER_REGISTRAR_TOKEN_FILE", requires = "registrar")]
     pub registrar_token_file: Option<PathBuf>,
+    /// CA certificates (PEM) to check a TCP registrar's serving certificate against,
+    /// with the address's host as its name: the worker then speaks TLS to the registrar
+    /// (one serving with --tls-cert). Read again at each connect, so a rotated bundle is
+    /// picked up. The worker's uid must be able to read it.
+    #[arg(long, env = "AETHER_REGISTRAR_CA", value_name = "FILE", requires = "registrar")]
+    pub registrar_ca: Option<PathBuf>,
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
     #[arg(long, env = "AETHER_REGISTRY_FILE")]
     pub registry_file: Option<PathBuf>,
@@ -132,6 +138,7 @@ impl AgentFlags {
         let optional = [
             ("registrar", self.registrar.clone()),
             ("registrar-token-file", self.registrar_token_file.as_ref().map(path)),
+            ("registrar-ca", self.registrar_ca.as_ref().map(path)),
             ("registry-file", self.registry_file.as_ref().map(path)),
             ("capture-file", self.capture_file.as_ref().map(path)),
             ("spiffe-endpoint", self.spiffe_endpoint.clone()),
@@ -219,6 +226,7 @@ mod tests {
             "--registrar=unix:///r.sock",
             "--cluster=east",
             "--registrar-token-file=/t",
+            "--registrar-ca=/ca.pem",
             "--registry-max-bytes=99",
             "--capture-file=/c.json",
             "--on-demand-clusters",
@@ -252,6 +260,7 @@ mod tests {
             (&["--spiffe-endpoint=unix:///a.sock"], "--trust-domain"),
             (&["--spiffe-broker-endpoint=unix:///b.sock", "--trust-domain=t"], "--spiffe-endpoint"),
             (&["--registrar-token-file=/t"], "--registrar"),
+            (&["--registrar-ca=/ca.pem"], "--registrar"),
         ] {
             let e = parse(args).unwrap_err();
             assert!(e.contains(names), "{args:?}: {e}");

@@ -17,6 +17,7 @@
 //! - `logging` (feature `logging`): the log setup both processes share.
 //! - `registry` (feature `registry-api`): the registry gRPC API between agents and a
 //!   registrar.
+//! - `registry_tls` (feature `registry-tls`): TLS to a registrar, the client's side.
 //! - `seccomp` (feature `seccomp`): the worker's system-call policy, which the supervisor
 //!   installs before the exec and the worker completes once running, and the SIGSYS
 //!   report that names the call that killed a worker.
@@ -44,6 +45,8 @@ pub mod handoff;
 pub mod logging;
 #[cfg(feature = "registry-api")]
 pub mod registry;
+#[cfg(feature = "registry-tls")]
+pub mod registry_tls;
 #[cfg(feature = "seccomp")]
 pub mod seccomp;
 #[cfg(feature = "fault-hooks")]

@@ -349,7 +349,13 @@ fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Addre
         node: cfg.node_name.clone(),
         instance: cfg.pod_name.clone(),
         token_file: cfg.agent.registrar_token_file.clone(),
+        ca_file: cfg.agent.registrar_ca.clone(),
     };
+    // A bundle that does not load stops the start, naming the file; it is read again at
+    // each connect.
+    if let Some(ca) = &me.ca_file {
+        shared_proto::registry_tls::client_config(ca).context("--registrar-ca")?;
+    }
     Ok(Some((registrar::parse_addresses(list)?, me)))
 }
 

@@ -12,7 +12,7 @@ use shared_proto::registry::{self as pb, registry_client::RegistryClient, watch_
 use tonic::Streaming;
 use tonic::transport::Channel;
 
-pub use aether_registrar::testing::{Etcd, RegistrarProcess};
+pub use aether_registrar::testing::{Etcd, RegistrarProcess, TestCa};
 
 pub fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_aether-registrar"))
@@ -22,7 +22,7 @@ pub fn bin() -> &'static Path {
 pub const WAIT: Duration = Duration::from_secs(10);
 
 pub async fn client(addr: &str) -> RegistryClient<Channel> {
-    aether_registrar::client::connect(addr, WAIT).await.expect("the registrar answers")
+    aether_registrar::client::connect(addr, WAIT, None).await.expect("the registrar answers")
 }
 
 pub fn svc(ns: &str, name: &str, ports: &[u32], eps: &[(&str, u32, &str)]) -> pb::Service {

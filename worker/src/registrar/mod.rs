@@ -30,6 +30,7 @@ use anyhow::Context;
 use hyper_util::rt::TokioIo;
 use shared_proto::registry as pb;
 use shared_proto::registry::registry_client::RegistryClient;
+use shared_proto::registry_tls;
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tracing::{debug, info, warn};
@@ -87,6 +88,10 @@ pub struct Identity {
     /// A bearer token to present (`--registrar-token-file`): the pod's projected
     /// service-account token, read again at each call since the kubelet rotates it.
     pub token_file: Option<PathBuf>,
+    /// The CA bundle to check a TCP registrar's certificate against (`--registrar-ca`):
+    /// with it, TCP addresses are spoken to over TLS. Read again at each connect, so a
+    /// rotated bundle is picked up.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Identity {
@@ -105,8 +110,8 @@ impl Identity {
 }
 
 /// Connects to `addr`, with HTTP/2 keepalives so a registrar that stops answering ends
-/// the stream instead of holding it.
-async fn connect(addr: &Address) -> anyhow::Result<RegistryClient<Channel>> {
+/// the stream instead of holding it; over TLS to a TCP address when `me` has a CA file.
+async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient<Channel>> {
     let endpoint = |uri: String| -> anyhow::Result<Endpoint> {
         Ok(Endpoint::from_shared(uri)?
             .connect_timeout(CONNECT_TIMEOUT)
@@ -114,9 +119,18 @@ async fn connect(addr: &Address) -> anyhow::Result<RegistryClient<Channel>> {
             .keep_alive_timeout(Duration::from_secs(5))
             .keep_alive_while_idle(true))
     };
-    let channel = match addr {
-        Address::Tcp(a) => tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect()).await??,
-        Address::Unix(path) => {
+    let channel = match (addr, &me.ca_file) {
+        (Address::Tcp(a), None) => tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect()).await??,
+        (Address::Tcp(a), Some(ca)) => {
+            let config = registry_tls::client_config(ca).context("--registrar-ca")?;
+            let a = a.clone();
+            let connector = tower::service_fn(move |_: Uri| {
+                let (a, config) = (a.clone(), config.clone());
+                async move { registry_tls::connect(&a, config).await.map(TokioIo::new) }
+            });
+            tokio::time::timeout(CONNECT_TIMEOUT, endpoint("http://registrar.invalid".into())?.connect_with_connector(connector)).await??
+        }
+        (Address::Unix(path), _) => {
             let path = path.clone();
             let connector = tower::service_fn(move |_: Uri| {
                 let path = path.clone();
@@ -175,7 +189,7 @@ async fn watch_once(
     metrics: &Metrics,
     problems: &Reporter,
 ) -> Result<bool, (bool, anyhow::Error)> {
-    let mut client = connect(addr).await.map_err(|e| (false, e.context("connecting")))?;
+    let mut client = connect(addr, me).await.map_err(|e| (false, e.context("connecting")))?;
     let request = pb::WatchEndpointsRequest {
         cluster: me.cluster.clone(),
         node: me.node.clone(),
@@ -270,7 +284,7 @@ async fn mark_writer(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>, m
         let addr = &addrs[attempt % addrs.len()];
         let c = match &mut client {
             Some(c) => c,
-            None => match connect(addr).await {
+            None => match connect(addr, &me).await {
                 Ok(c) => client.insert(c),
                 Err(e) => {
                     warn!(registrar = %addr, pending = pending.len(), error = %format!("{e:#}"), "drain marks: registrar unreachable; retrying");
