@@ -4,13 +4,14 @@
     check_chart.py --surge true|false [--proxy true|false] [--spiffe-dir DIR]
                    [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC]
                    [--metrics true|false] [--pod-monitor true|false] [--max-unavailable N]
-                   [--registrar true|false] [--registrar-auth tokenReview|none]
+                   [--registrar true|false] [--registrar-auth tokenReview|none] [--registrar-tls true|false]
                    [--discovery true|false] [--discover-namespace NS ...] [--ignore-namespace NS ...]
                    [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
                    RENDERED.yaml
     check_chart.py --unit deploy/systemd/aether-agent.service
     check_chart.py --probe-creds RENDERED.yaml     (shell assignments for test-chart.sh)
     check_chart.py --uninstall-creds RENDERED.yaml (likewise, for the uninstall hook)
+    check_chart.py --registrar-creds RENDERED.yaml (likewise, for the registrar)
 
 Prints one line per check ("ok   NAME") and stops at the first failure with
 "FAIL NAME: detail" and exit status 1. The expectations come from the flags, so one
@@ -942,6 +943,8 @@ def check_registrar(docs, agent_ds, args):
         check("agent gets a projected token for the audience aether-registrar at AETHER_REGISTRAR_TOKEN_FILE",
               any(t.get("audience") == "aether-registrar" and token_file.endswith("/" + t.get("path", "")) for t in sources),
               f"file {token_file!r}, tokens {sources}")
+    check_registrar_tls(agent_ds, pod, argv, args)
+    check_secrets_readable("registrar pod", pod)
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
           f"got {pod.get('securityContext')}")
@@ -961,6 +964,64 @@ def check_registrar(docs, agent_ds, args):
     check("registrar Service selects the registrar pods",
           all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items()),
           f"selector {svc['spec']['selector']}")
+
+
+def secret_files(pod, container):
+    """(mount path/file, secret name, key, mode) of every secret file `container` mounts."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    out = []
+    for m in container.get("volumeMounts", []):
+        secret = (volumes.get(m["name"]) or {}).get("secret")
+        if not secret:
+            continue
+        mode = secret.get("defaultMode", 0o644)
+        for item in secret.get("items") or [{"key": "*", "path": "*"}]:
+            out.append((f"{m['mountPath']}/{item['path']}", secret["secretName"], item["key"], item.get("mode", mode)))
+    return out
+
+
+def check_secrets_readable(where, pod):
+    """The kubelet writes a Secret volume's files as root, group fsGroup when the pod sets
+    one, with the volume's mode: a container that runs as another uid reads them only
+    through that group or the mode's other bits."""
+    psc = pod.get("securityContext") or {}
+    for c in all_containers(pod):
+        sc = c.get("securityContext") or {}
+        uid = sc.get("runAsUser", psc.get("runAsUser", 0))
+        groups = {sc.get("runAsGroup", psc.get("runAsGroup", 0))} | set(psc.get("supplementalGroups") or [])
+        if "fsGroup" in psc:
+            groups.add(psc["fsGroup"])
+        group = psc.get("fsGroup", 0)
+        for path, _, _, mode in secret_files(pod, c):
+            readable = uid == 0 or mode & 0o004 or (group in groups and mode & 0o040)
+            check(f"{where}: {path} readable by uid {uid} (mode {mode:04o}, group {group})", readable,
+                  f"groups {sorted(groups)}")
+
+
+def check_registrar_tls(agent_ds, pod, argv, args):
+    """registrar.tls.secretName: the registrar serves TLS with the Secret's pair, and the
+    agents check it against the Secret's ca.crt, the only key in their pods."""
+    agent_pod = agent_ds["spec"]["template"]["spec"]
+    agent = {c["name"]: c for c in agent_pod["containers"]}["agent"]
+    ca = (env_map(agent).get("AETHER_REGISTRAR_CA") or {}).get("value")
+    if not args.registrar_tls:
+        check("registrar serves plain TCP and agents get no CA without registrar.tls.secretName",
+              "--tls-cert" not in argv and ca is None, f"argv {argv}, AETHER_REGISTRAR_CA {ca!r}")
+        return
+    registrar = all_containers(pod)[0]
+    files = {path: (name, key) for path, name, key, _ in secret_files(pod, registrar)}
+    cert, key = (flag_values(argv, f) for f in ("--tls-cert", "--tls-key"))
+    check("registrar --tls-cert and --tls-key are the TLS Secret's tls.crt and tls.key",
+          len(cert) == 1 and len(key) == 1 and files.get(cert[0], ("", ""))[1] == "tls.crt"
+          and files.get(key[0], ("", ""))[1] == "tls.key" and files[cert[0]][0] == files[key[0]][0],
+          f"--tls-cert {cert}, --tls-key {key}, mounted {files}")
+    agent_files = {path: (name, k, mode) for path, name, k, mode in secret_files(agent_pod, agent)}
+    secret = files.get(cert[0], ("",))[0] if cert else ""
+    check("agent AETHER_REGISTRAR_CA is the same Secret's ca.crt, world-readable for the worker",
+          agent_files.get(ca, ("", "", 0))[:2] == (secret, "ca.crt") and agent_files[ca][2] & 0o004,
+          f"AETHER_REGISTRAR_CA {ca!r}, mounted {agent_files}")
+    leaked = [p for p, (name, k, _) in agent_files.items() if name == secret and k != "ca.crt"]
+    check("the agents mount no key of the registrar's TLS Secret but ca.crt", not leaked, f"mounted {leaked}")
 
 
 def check_registrar_kubernetes(docs, d, agent_ds, argv, args):
@@ -1346,6 +1407,7 @@ def main():
                         help="the rendering has registrar.enabled=true")
     parser.add_argument("--registrar-auth", default="tokenReview", choices=["tokenReview", "none"],
                         help="registrar.auth")
+    parser.add_argument("--registrar-tls", type=parse_bool, default=False, help="registrar.tls.secretName is set")
     parser.add_argument("--discovery", type=parse_bool, default=True, help="registrar.discovery.enabled")
     parser.add_argument("--discover-namespace", action="append", default=[],
                         help="an entry of registrar.discovery.namespaces, in order (repeatable)")
@@ -1381,6 +1443,9 @@ def main():
     parser.add_argument("--probe-creds", action="store_true",
                         help="print the agent container's credentials and readiness probe as shell "
                              "assignments (uid, gid, groups, caps, probe) instead of checking")
+    parser.add_argument("--registrar-creds", action="store_true",
+                        help="print the registrar container's credentials, argv and Secret files as shell "
+                             "assignments (uid, gid, groups, caps, argv, secrets) instead of checking")
     parser.add_argument("rendered", nargs="?")
     args = parser.parse_args()
 
@@ -1408,6 +1473,24 @@ def main():
         probe = " ".join(shlex.quote(a) for a in agent["readinessProbe"]["exec"]["command"])
         print(f"uid={uid}\ngid={gid}\ngroups={groups}\ncaps={','.join(c.lower() for c in caps.get('add') or [])}")
         print(f"probe={shlex.quote(probe)}")
+        return 0
+    if args.registrar_creds:
+        with open(args.rendered, encoding="utf-8") as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        pod = objects_of(docs, "Deployment", "registrar")[0]["spec"]["template"]["spec"]
+        c = all_containers(pod)[0]
+        sc, psc = c.get("securityContext") or {}, pod.get("securityContext") or {}
+        assert (sc.get("capabilities") or {}).get("drop") == ["ALL"], "the registrar test assumes drop [ALL]"
+        uid = sc.get("runAsUser", psc.get("runAsUser", 0))
+        # The kubelet adds fsGroup to the container's groups, and makes it the group of the
+        # Secret volumes' files.
+        groups = [str(g) for g in (psc.get("supplementalGroups") or []) + ([psc["fsGroup"]] if "fsGroup" in psc else [])]
+        print(f"uid={uid}\ngid={sc.get('runAsGroup', psc.get('runAsGroup', uid))}\ngroups={','.join(groups)}")
+        print(f"file_group={psc.get('fsGroup', 0)}")
+        print(f"caps={','.join(x.lower() for x in (sc.get('capabilities') or {}).get('add') or [])}")
+        print(f"argv={shlex.quote(' '.join(shlex.quote(a) for a in c.get('command', []) + c.get('args', [])))}")
+        files = " ".join(f"{path}={key}={mode:o}" for path, _, key, mode in secret_files(pod, c))
+        print(f"secrets={shlex.quote(files)}")
         return 0
     if args.uninstall_creds:
         with open(args.rendered, encoding="utf-8") as f:

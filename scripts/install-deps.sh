@@ -25,6 +25,8 @@ command -v nft >/dev/null || need+=(nftables)
 command -v faketime >/dev/null || need+=(faketime)
 command -v buildah >/dev/null || need+=(buildah)
 command -v promtool >/dev/null || need+=(prometheus)
+# The registrar's TLS test in scripts/test-chart.sh makes its CA and certificate with it.
+command -v openssl >/dev/null || need+=(openssl)
 
 if ((${#need[@]} == 0)); then
   echo "install-deps: all present" >&2

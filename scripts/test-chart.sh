@@ -131,6 +131,7 @@ cases=(
   "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
+  "registrar-tls|$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.etcd.tls.secretName=etcd-client|--surge false --registrar true --registrar-tls true"
   "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true --registrar-auth none"
   "registrar-discovery-only|$REGISTRAR_SETS,registrar.taintGuard.enabled=false,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system},registrar.leaderElection.leaseDuration=20|--surge false --registrar true --taint-guard false --discover-namespace shop --discover-namespace pay --ignore-namespace kube-system --lease-duration 20"
   "registrar-guard-only|$REGISTRAR_SETS,registrar.discovery.enabled=false,registrar.taintGuard.grace=45|--surge false --registrar true --discovery false --taint-grace 45"
@@ -307,6 +308,10 @@ mutations=(
   'agent-automount|templates/daemonset.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true||--surge false|agent pod: automountServiceAccountToken false'
   'token-in-init|templates/daemonset.yaml|(            - name: cni-bin\n              mountPath: \{\{ \$hostCniBin \}\}\n)|\g<1>            - name: kube-api-access\n              mountPath: /var/run/secrets/kubernetes.io/serviceaccount\n              readOnly: true\n||--surge false|token mounted in the agent container only'
   'token-no-fsgroup|templates/daemonset.yaml|fsGroup: \{\{ \$workerGid \}\}|fsGroup: 1000||--surge false|token readable by the worker'
+  'registrar-no-fsgroup|templates/registrar.yaml|        fsGroup: 65532\n||'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|readable by uid 65532'
+  'registrar-tls-ignored|templates/registrar.yaml|\{\{- if \.Values\.registrar\.tls\.secretName \}\}\n            # TLS on|{{- if false }}\n            # TLS on|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|registrar --tls-cert and --tls-key are the TLS Secret'
+  'registrar-ca-env-missing|templates/daemonset.yaml|- name: AETHER_REGISTRAR_CA|- name: AETHER_REGISTRAR_CA_FILE|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|AETHER_REGISTRAR_CA is the same Secret'
+  'registrar-key-to-agents|templates/daemonset.yaml|\n              - key: ca\.crt\n                path: ca\.crt\n|\n              - key: ca.crt\n                path: ca.crt\n              - key: tls.key\n                path: tls.key\n|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|the agents mount no key'
   'token-audience|templates/daemonset.yaml|(                  path: token\n)|\g<1>                  audience: vault\n||--surge false|the API server'"'"'s audience'
   'vap-missing|templates/node-policy.yaml|apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\n|apiVersion: v1\nkind: ConfigMap\n||--surge false|node policy: one ValidatingAdmissionPolicy'
   'vap-other-sa|templates/node-policy.yaml|request.userInfo.username == '"'"'\{\{ include "aether-agent.serviceAccountUser" . \}\}'"'"'|request.userInfo.username == '"'"'system:serviceaccount:kube-system:default'"'"'||--surge false|bound to the agent'"'"'s service account'
@@ -588,6 +593,79 @@ import json, sys
 assert json.load(open(sys.argv[1])) == json.loads(sys.argv[2]), open(sys.argv[1]).read()
 PY
   pass "the uninstall removed the entry and the plugin once the last agent exited, and nothing else"
+fi
+
+step "the registrar as deployed: TLS from the chart's Secret files, under its credentials"
+# The rendered registrar's argv, run under the uid, groups and capabilities its pod
+# declares (setpriv), with the TLS Secret's files laid out as the kubelet writes them
+# (root-owned, group fsGroup, the volume's mode), against a real etcd: it must serve TLS
+# that a client trusting the Secret's ca.crt accepts and a plain client does not. The
+# same files 0400 (unreadable through the group, as before the pod had an fsGroup) must
+# stop its start, naming the file, so that this stage tests something.
+if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
+  echo "!!! SKIPPED the registrar TLS stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
+else
+  [[ -x /usr/bin/etcd ]] || fail "no /usr/bin/etcd (Debian etcd-server; scripts/install-deps.sh installs it)"
+  command -v openssl >/dev/null || fail "no openssl (scripts/install-deps.sh installs it)"
+  [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-registrar --bins
+  bin="${AETHER_BIN_DIR:-$root/target/debug}"
+  render "$chart" "$work/registrar-run.yaml" "$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false"
+  eval "$("$py" "$check" --registrar-creds "$work/registrar-run.yaml")"
+  reg="$work/registrar-run"
+  mkdir -p "$reg/secret" && chmod 0755 "$reg"
+  # A CA and a pair for 127.0.0.1, the three keys a cert-manager Secret holds.
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=aether-test-ca \
+    -keyout "$reg/ca.key" -out "$reg/secret/ca.crt" 2>/dev/null
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=registrar \
+    -keyout "$reg/secret/tls.key" -out "$reg/tls.csr" 2>/dev/null
+  openssl x509 -req -in "$reg/tls.csr" -CA "$reg/secret/ca.crt" -CAkey "$reg/ca.key" -CAcreateserial -days 1 \
+    -extfile <(printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n') -out "$reg/secret/tls.crt" 2>/dev/null
+  port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  etcd_port="$(port)" listen="127.0.0.1:$(port)"
+  /usr/bin/etcd --name m0 --data-dir "$reg/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
+    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$(port)" \
+    --initial-advertise-peer-urls "http://127.0.0.1:1" --initial-cluster "m0=http://127.0.0.1:1" >"$reg/etcd.log" 2>&1 &
+  etcd_pid=$!
+  # shellcheck disable=SC2154 # uid, gid, groups, file_group, caps, argv, secrets come from --registrar-creds
+  lay_out() { # MODE: the Secret files at their container paths under $reg/root, as the kubelet writes them
+    rm -rf "$reg/root"
+    for f in $secrets; do
+      IFS='=' read -r path key mode <<<"$f"
+      [[ -f "$reg/secret/$key" ]] || fail "the registrar mounts $key, which a TLS Secret does not hold"
+      install -D -o 0 -g "$file_group" -m "${1:-$mode}" "$reg/secret/$key" "$reg/root$path"
+    done
+    chmod -R a+X "$reg/root"
+  }
+  read -r -a args <<<"$argv"
+  for i in "${!args[@]}"; do
+    case "${args[i]}" in /etc/aether/*) args[i]="$reg/root${args[i]}" ;; esac
+    case "${args[i]-}" in --etcd) args[i + 1]="http://127.0.0.1:$etcd_port" ;; --listen) args[i + 1]="$listen" ;; esac
+  done
+  args[0]="$bin/${args[0]}"
+  creds=(--reuid "$uid" --regid "$gid" ${groups:+--groups "$groups"} ${groups:---clear-groups} --inh-caps=-all --bounding-set "-all${caps:+$(printf ',+%s' ${caps//,/ })}")
+  lay_out
+  setpriv "${creds[@]}" "${args[@]}" >"$reg/registrar.log" 2>&1 &
+  reg_pid=$!
+  served=""
+  for _ in $(seq 1 200); do
+    if "$bin/aether-registrar" dump --registrar "$listen" --ca "$reg/secret/ca.crt" --timeout 2 >"$reg/dump.json" 2>"$reg/dump.err"; then served=1; break; fi
+    kill -0 "$reg_pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  [[ -n "$served" ]] || { kill "$reg_pid" "$etcd_pid" 2>/dev/null; cat "$reg/registrar.log" "$reg/dump.err"; fail "the registrar did not serve TLS under the chart's credentials"; }
+  if "$bin/aether-registrar" dump --registrar "$listen" --timeout 2 >/dev/null 2>&1; then
+    kill "$reg_pid" "$etcd_pid"; fail "the registrar answered a plain HTTP/2 client on its TLS port"
+  fi
+  pass "registrar (uid $uid, groups '${groups}', caps '${caps}') serves TLS from the Secret's files ($(tr ' ' ',' <<<"$secrets")); a client trusting ca.crt is served, a plain one is not"
+  kill -TERM "$reg_pid"; wait "$reg_pid" || true
+  lay_out 0400
+  if setpriv "${creds[@]}" "${args[@]}" >"$reg/registrar-0400.log" 2>&1; then
+    kill "$etcd_pid"; fail "the registrar started with Secret files it cannot read"
+  fi
+  grep -q "tls.crt: Permission denied" "$reg/registrar-0400.log" \
+    || { kill "$etcd_pid"; cat "$reg/registrar-0400.log"; fail "the registrar failed for another reason than its unreadable certificate"; }
+  pass "the same files 0400, unreadable by uid $uid through its groups, stop the start: $(grep -o '[^ ]*tls.crt: Permission denied' "$reg/registrar-0400.log" | head -1)"
+  kill "$etcd_pid"; wait "$etcd_pid" 2>/dev/null || true
 fi
 
 step "systemd unit"

@@ -366,7 +366,7 @@ fn plain_tcp_without_insecure_listen_refuses_to_start() {
     assert!(err.contains("--listen 127.0.0.1:7999") && err.contains("--insecure-listen"), "{err}");
 
     let help = String::from_utf8_lossy(&cli(&["serve", "--help"]).stdout).into_owned();
-    for needle in ["--insecure-listen", "every caller may then do everything", "--agent-uid", "--operator-uid", "unix:///path"] {
+    for needle in ["--insecure-listen", "every caller may then do everything", "--agent-uid", "--operator-uid", "unix:///path", "--tls-cert", "--tls-key", "without a restart"] {
         assert!(help.contains(needle), "{needle} not in serve --help:\n{help}");
     }
 }
