@@ -642,7 +642,8 @@ else
     case "${args[i]-}" in --etcd) args[i + 1]="http://127.0.0.1:$etcd_port" ;; --listen) args[i + 1]="$listen" ;; esac
   done
   args[0]="$bin/${args[0]}"
-  creds=(--reuid "$uid" --regid "$gid" ${groups:+--groups "$groups"} ${groups:---clear-groups} --inh-caps=-all --bounding-set "-all${caps:+$(printf ',+%s' ${caps//,/ })}")
+  creds=(--reuid "$uid" --regid "$gid" --clear-groups --inh-caps=-all --bounding-set "-all${caps:+$(printf ',+%s' ${caps//,/ })}")
+  [[ -z "$groups" ]] || creds[4]="--groups=$groups"
   lay_out
   setpriv "${creds[@]}" "${args[@]}" >"$reg/registrar.log" 2>&1 &
   reg_pid=$!

@@ -523,11 +523,11 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         // as a node already in the mesh.
         let shared = SharedRegistry::start(&root)?;
         shared.apply("registry.json", &doc).context("apply the services at the registrar")?;
-        eprintln!("   registrar {} on etcd; node A {}", shared.addr(), root.display());
-        let peer = PeerNode::start(cfg, shared.addr(), SERVICES[0]).inspect_err(|_| shared.keep_log(&root))?;
+        eprintln!("   registrar {} (TLS) on etcd; node A {}", shared.addr(), root.display());
+        let peer = PeerNode::start(cfg, &shared.agent_flags(), SERVICES[0]).inspect_err(|_| shared.keep_log(&root))?;
         eprintln!("   node B {}", peer.dir().display());
         node.node_name = two_node::NODE_A.into();
-        extra.push(format!("--registrar={}", shared.addr()));
+        extra.extend(shared.agent_flags());
         (Some(shared), Some(peer))
     } else {
         std::fs::write(&registry, doc)?;

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use super::churn::{self, Cni, PodId, Pods};
 use super::{Config, T_START};
 use crate::envoy::{self, Envoy, admin_get};
-use crate::registrar::{Etcd, RegistrarProcess, envoy_eds, expected_eds, registrar_bin};
+use crate::registrar::{Etcd, RegistrarProcess, TestCa, envoy_eds, expected_eds, registrar_bin};
 use crate::testing::{Agent, LocalNode, bin, free_port, percentile, try_wait_for};
 
 /// The rolled node's `--node-name`.
@@ -40,39 +40,56 @@ const DRAIN_POLL: Duration = Duration::from_millis(3);
 /// A drain not seen by then is counted as lost.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One etcd member and the registrar serving it on loopback TCP. Dropped last: etcd after
-/// the registrar.
+/// One etcd member and the registrar serving it on loopback TCP with TLS, as the chart
+/// runs it with `registrar.tls.secretName`: every agent checks its certificate against
+/// the test CA (`--registrar-ca`), and so do the harness's own commands (`--ca`). Dropped
+/// last: etcd after the registrar.
 pub struct SharedRegistry {
     pub registrar: RegistrarProcess,
     _etcd: Etcd,
+    _ca: TestCa,
+    /// The CA certificate, where the workers (uid 65532 under root) can read it.
+    ca_file: PathBuf,
     /// Where the registry files that the harness applies are written.
     dir: PathBuf,
 }
 
 impl SharedRegistry {
-    /// Starts etcd and the registrar; registry files go to `dir`.
+    /// Starts etcd and the registrar; registry files and the CA certificate go to `dir`.
     pub fn start(dir: &Path) -> Result<SharedRegistry> {
         if !Etcd::available() {
             bail!("ARG_NODES=2 needs etcd at {} (Debian package etcd-server; scripts/test.sh installs it)", aether_registrar::testing::ETCD_BIN);
         }
         let etcd = Etcd::cluster(1);
-        let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
-        Ok(SharedRegistry { registrar, _etcd: etcd, dir: dir.to_path_buf() })
+        let ca = TestCa::new("aether-registrar test CA");
+        let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], rcgen::ExtendedKeyUsagePurpose::ServerAuth);
+        let tls = ["--tls-cert", &cert.display().to_string(), "--tls-key", &key.display().to_string()].map(str::to_owned);
+        let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &tls.iter().map(String::as_str).collect::<Vec<_>>());
+        let ca_file = dir.join("registrar-ca.crt");
+        std::fs::copy(ca.ca_file(), &ca_file).with_context(|| format!("copy the registrar's CA to {}", ca_file.display()))?;
+        std::fs::set_permissions(&ca_file, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+        Ok(SharedRegistry { registrar, _etcd: etcd, _ca: ca, ca_file, dir: dir.to_path_buf() })
     }
 
     pub fn addr(&self) -> &str {
         self.registrar.addr()
     }
 
+    /// The flags an agent takes to watch this registrar over TLS.
+    pub fn agent_flags(&self) -> Vec<String> {
+        vec![format!("--registrar={}", self.addr()), format!("--registrar-ca={}", self.ca_file.display())]
+    }
+
     /// Upserts the services of `doc` (the `--registry-file` schema) from a file named
     /// `name`; the revision.
     pub fn apply(&self, name: &str, doc: &str) -> Result<i64> {
-        apply(self.addr(), &self.dir.join(name), doc)
+        apply(self.addr(), &self.ca_file, &self.dir.join(name), doc)
     }
 
     /// The registrar's view (`aether-registrar dump`).
     pub fn dump(&self) -> Result<Value> {
-        serde_json::from_str(&cli(&["dump", "--registrar", self.addr()])?).context("aether-registrar dump is not JSON")
+        serde_json::from_str(&cli(&["dump", "--registrar", self.addr(), "--ca", &self.ca_file.display().to_string()])?)
+            .context("aether-registrar dump is not JSON")
     }
 
     /// Copies the registrar's log into `dir` (its own folder goes with it).
@@ -90,10 +107,11 @@ fn cli(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Writes `doc` to `file` and applies it at `addr`; the revision it printed.
-fn apply(addr: &str, file: &Path, doc: &str) -> Result<i64> {
+/// Writes `doc` to `file` and applies it at `addr` over TLS checked against `ca`; the
+/// revision it printed.
+fn apply(addr: &str, ca: &Path, file: &Path, doc: &str) -> Result<i64> {
     std::fs::write(file, doc).with_context(|| format!("write {}", file.display()))?;
-    let out = cli(&["apply", "--registrar", addr, "--file", &file.display().to_string()])?;
+    let out = cli(&["apply", "--registrar", addr, "--ca", &ca.display().to_string(), "--file", &file.display().to_string()])?;
     out.rsplit_once("(revision ")
         .and_then(|(_, r)| r.trim_end().trim_end_matches(')').parse().ok())
         .ok_or_else(|| anyhow!("no revision in aether-registrar apply's output {out:?}"))
@@ -113,7 +131,7 @@ impl PeerNode {
     /// Starts node B's agent against the registrar and its Envoy, and waits until that
     /// Envoy routes `service` (whose endpoints are node B's upstreams) through its own
     /// outbound listener.
-    pub fn start(cfg: &Config, registrar: &str, service: &str) -> Result<PeerNode> {
+    pub fn start(cfg: &Config, registrar: &[String], service: &str) -> Result<PeerNode> {
         let mut node = LocalNode::new();
         node.root.disable_cleanup(true);
         node.node_name = NODE_B.into();
@@ -121,7 +139,9 @@ impl PeerNode {
         let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
         let capture = root.join("capture.json");
         std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
-        let owner = node.start_agent_with(&[&format!("--capture-file={}", capture.display()), &format!("--registrar={registrar}")]);
+        let mut flags = vec![format!("--capture-file={}", capture.display())];
+        flags.extend_from_slice(registrar);
+        let owner = node.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
         try_wait_for(&format!("node B's agent {} to own its node", owner.name), T_START, || owner.serving_owner())
             .with_context(|| format!("node B ({}) {} log:\n{}", root.display(), owner.name, owner.log()))?;
         let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api)
@@ -197,6 +217,8 @@ pub struct CrossDrain {
 
 struct DrainCtx {
     registrar: String,
+    /// The registrar's CA certificate, for `apply --ca`.
+    ca_file: PathBuf,
     file: PathBuf,
     cni: Arc<Cni>,
     pods: Arc<Mutex<Pods>>,
@@ -212,6 +234,7 @@ impl CrossDrain {
         let stop = Arc::new(AtomicBool::new(false));
         let ctx = DrainCtx {
             registrar: registry.addr().to_string(),
+            ca_file: registry.ca_file.clone(),
             file: registry.dir.join("pods-b.json"),
             cni: peer.cni.clone(),
             pods: peer.pods.clone(),
@@ -282,7 +305,7 @@ impl DrainCtx {
     fn register(&self, batch: &[(PodId, Ipv4Addr)], costs: &mut Vec<Duration>) -> Result<()> {
         let endpoints: Vec<Value> = batch.iter().map(|(p, ip)| endpoint(&ip.to_string(), POD_PORT, &p.name)).collect();
         let doc = json!({ "services": [{ "name": POD_SERVICE, "namespace": POD_NAMESPACE, "ports": [80], "endpoints": endpoints }] });
-        apply(&self.registrar, &self.file, &doc.to_string()).context("register node B's pods at the registrar")?;
+        apply(&self.registrar, &self.ca_file, &self.file, &doc.to_string()).context("register node B's pods at the registrar")?;
         for (_, ip) in batch {
             let addr = format!("{ip}:{POD_PORT}");
             if self.wait_state(&addr, "HEALTHY", costs).is_none() {
