@@ -141,7 +141,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         match bound {
             Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,
             Bound::Tcp(l) => match tls {
-                Some(config) => server.serve_with_incoming_shutdown(tls::incoming(l, config), stop).await,
+                Some(config) => server.serve_with_incoming_shutdown(tls::incoming(l, config, tls::MAX_HANDSHAKES), stop).await,
                 None => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
             },
         }

@@ -28,6 +28,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 /// How long a client may take over its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many handshakes may be in progress at once (`incoming`).
+pub const MAX_HANDSHAKES: usize = 256;
 /// The largest certificate chain or key file read.
 const MAX_PEM: u64 = 1 << 20;
 
@@ -125,10 +127,13 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig
 
 /// The TLS sessions of `listener`'s connections, for tonic to serve. Each handshake runs
 /// in a task of its own; one that fails or times out is logged with the peer's address
-/// and dropped. Ends when the stream is dropped.
-pub fn incoming(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+/// and dropped. At most `max_handshakes` run at once: a connection past that is closed at
+/// once, so a flood of silent clients costs a bounded number of tasks and buffers, not
+/// one per connection for [`HANDSHAKE_TIMEOUT`]. Ends when the stream is dropped.
+pub fn incoming(listener: TcpListener, config: Arc<rustls::ServerConfig>, max_handshakes: usize) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(max_handshakes));
     tokio::spawn(async move {
         let mut pause = Duration::from_millis(10);
         loop {
@@ -147,10 +152,16 @@ pub fn incoming(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> Rec
                 }
             };
             pause = Duration::from_millis(10);
+            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                tracing::warn!(%peer, max_handshakes, "too many TLS handshakes in progress; connection closed");
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
             tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+                drop(permit);
+                match handshake {
                     Ok(Ok(tls)) => {
                         let _ = tx.send(Ok(tls)).await;
                     }
@@ -198,6 +209,50 @@ mod tests {
         // A file gone leaves the last good pair too.
         std::fs::remove_file(&key).unwrap();
         assert!(serves(&certs, &c2));
+    }
+
+    /// A silent client holds the one handshake slot: the next connection is closed at
+    /// once, and once the slot is free a real client completes its handshake.
+    #[tokio::test]
+    async fn connections_past_the_handshake_cap_are_closed_at_once() {
+        use tokio::io::AsyncReadExt;
+        use tokio_stream::StreamExt;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap().self_signed(&ca).unwrap();
+        let (cert_file, key_file) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert_file, cert.pem()).unwrap();
+        std::fs::write(&key_file, ca.serialize_pem()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut sessions = incoming(listener, server_config(&cert_file, &key_file).unwrap(), 1);
+
+        let silent = TcpStream::connect(addr).await.unwrap();
+        // The silent client's handshake task holds the slot once it is accepted; a
+        // connection closed at once reads end-of-file.
+        let mut refused = TcpStream::connect(addr).await.unwrap();
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(5), refused.read(&mut buf)).await.expect("closed at once").unwrap_or(0);
+        assert_eq!(n, 0, "the connection past the cap is closed");
+
+        drop(silent);
+        let ca_file = dir.path().join("ca.crt");
+        std::fs::write(&ca_file, cert.pem()).unwrap();
+        let config = shared_proto::registry_tls::client_config(&ca_file).unwrap();
+        // The freed slot serves a real client (the silent one's task ends on its close).
+        let client = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match shared_proto::registry_tls::connect(&addr.to_string(), config.clone()).await {
+                    Ok(c) => break c,
+                    Err(_) => tokio::task::yield_now().await,
+                }
+            }
+        })
+        .await
+        .expect("a handshake once the slot is free");
+        let served = tokio::time::timeout(Duration::from_secs(5), sessions.next()).await.expect("a session").expect("the stream goes on");
+        assert!(served.is_ok());
+        drop(client);
     }
 
     #[test]
