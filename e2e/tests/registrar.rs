@@ -345,8 +345,8 @@ fn over_tcp_with_token_review_a_token_speaks_for_its_own_node_only() {
 
 /// `--registrar-ca`: the agent speaks TLS to a registrar serving `--tls-cert`, checks its
 /// certificate against the CA in the file, and loads the registry through it. An agent
-/// trusting another CA loads nothing and says why on `/ready`; a CA file that cannot be
-/// read stops the worker's start, naming the file.
+/// trusting another CA, or none, loads nothing and says why on `/ready`; a CA file that
+/// cannot be read stops the worker's start, naming the file.
 #[test]
 fn over_tls_an_agent_trusting_the_registrars_ca_loads_the_registry_and_one_trusting_another_says_why() {
     use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
@@ -381,6 +381,15 @@ fn over_tls_an_agent_trusting_the_registrars_ca_loads_the_registry_and_one_trust
     eprintln!("the refused agent's /ready problems: {}", body["problems"]);
     assert_eq!(body["registrar"]["revision"].as_i64().unwrap_or(0), 0, "it loaded nothing: {body}");
     registrar.wait_log("TLS handshake failed", T);
+
+    // No CA at all: plain HTTP/2 to the TLS port, which the problem names.
+    let mut plain = LocalNode::new();
+    plain.node_name = "node-d".into();
+    let unverified = plain.start_agent_with(&[&format!("--registrar={}", registrar.addr())]);
+    wait_for("the agent without a CA to name the flag it lacks", T, || {
+        unverified.ready().filter(|(_, v)| v["problems"].to_string().contains("set --registrar-ca"))
+    });
+    registrar.wait_log("the peer does not speak TLS", T);
 
     let mut third = LocalNode::new();
     third.node_name = "node-c".into();

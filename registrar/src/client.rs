@@ -91,8 +91,12 @@ fn request<T>(args: &ClientArgs, message: T) -> anyhow::Result<tonic::Request<T>
     Ok(req)
 }
 
-fn status(what: &str, s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what}: {:?}: {}", s.code(), s.message())
+fn status(args: &ClientArgs, what: &str, s: tonic::Status) -> anyhow::Error {
+    // A registrar that serves TLS drops a plain HTTP/2 client at its preface: say what
+    // probably happened.
+    let plain = args.ca.is_none() && registry_tls::looks_like_plain_to_tls(&s) && !args.registrar.starts_with("unix:");
+    let hint = if plain { " (a registrar serving TLS drops plain HTTP/2: pass --ca with its CA)" } else { "" };
+    anyhow::anyhow!("{what}: {:?}: {}{hint}", s.code(), s.message())
 }
 
 pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
@@ -101,7 +105,7 @@ pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
     let services: Vec<pb::Service> = view.services.values().map(values::model_service_to_pb).collect();
     let n = services.len();
     let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
-    let resp = client.apply_services(request(args, pb::ApplyServicesRequest { services })?).await.map_err(|s| status("ApplyServices", s))?.into_inner();
+    let resp = client.apply_services(request(args, pb::ApplyServicesRequest { services })?).await.map_err(|s| status(args, "ApplyServices", s))?.into_inner();
     println!("applied {n} services from {} (revision {})", file.display(), resp.revision);
     Ok(())
 }
@@ -112,7 +116,7 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
     };
     let key = pb::ServiceKey { namespace: namespace.into(), name: name.into() };
     let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
-    let resp = client.delete_service(request(args, pb::DeleteServiceRequest { service: Some(key) })?).await.map_err(|s| status("DeleteService", s))?.into_inner();
+    let resp = client.delete_service(request(args, pb::DeleteServiceRequest { service: Some(key) })?).await.map_err(|s| status(args, "DeleteService", s))?.into_inner();
     if resp.deleted {
         println!("deleted {service} (revision {})", resp.revision);
     } else {
@@ -123,8 +127,8 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
 
 pub async fn dump(args: &ClientArgs) -> anyhow::Result<()> {
     let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
-    let mut stream = client.watch_endpoints(request(args, dump_key())?).await.map_err(|s| status("WatchEndpoints", s))?.into_inner();
-    let first = stream.message().await.map_err(|s| status("WatchEndpoints", s))?;
+    let mut stream = client.watch_endpoints(request(args, dump_key())?).await.map_err(|s| status(args, "WatchEndpoints", s))?.into_inner();
+    let first = stream.message().await.map_err(|s| status(args, "WatchEndpoints", s))?;
     let Some(pb::WatchEndpointsResponse { kind: Some(pb::watch_endpoints_response::Kind::Full(full)) }) = first else {
         anyhow::bail!("WatchEndpoints: the first message is not a full view: {first:?}");
     };

@@ -165,13 +165,23 @@ pub fn incoming(listener: TcpListener, config: Arc<rustls::ServerConfig>, max_ha
                     Ok(Ok(tls)) => {
                         let _ = tx.send(Ok(tls)).await;
                     }
-                    Ok(Err(e)) => tracing::warn!(%peer, error = %e, "TLS handshake failed"),
+                    Ok(Err(e)) => tracing::warn!(%peer, error = %e, "TLS handshake failed{}", plain_hint(&e)),
                     Err(_) => tracing::warn!(%peer, timeout = ?HANDSHAKE_TIMEOUT, "TLS handshake timed out"),
                 }
             });
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// A client that sent no TLS record at all, most likely plain HTTP/2: which flag it lacks.
+fn plain_hint(e: &std::io::Error) -> &'static str {
+    match e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+        Some(rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType)) => {
+            ": the peer does not speak TLS (an agent without --registrar-ca, or a command without --ca?)"
+        }
+        _ => "",
+    }
 }
 
 #[cfg(test)]

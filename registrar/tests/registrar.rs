@@ -392,7 +392,9 @@ fn over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed
     let out = dump_with(Some(&ca_file));
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"services\""), "{out:?}");
     let out = dump_with(None);
-    assert!(!out.status.success(), "plain HTTP/2 to the TLS port: {out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("pass --ca"), "plain HTTP/2 to the TLS port: {err}");
+    reg.wait_log("does not speak TLS", WAIT);
     let out = dump_with(Some(&other_file));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("UnknownIssuer"), "another CA: {err}");

@@ -82,6 +82,14 @@ pub async fn connect(addr: &str, config: Arc<rustls::ClientConfig>) -> std::io::
     tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
 }
 
+/// Whether a call's failure looks like a plain HTTP/2 client talking to a registrar that
+/// serves TLS: the server drops the connection at the client's preface, after a TLS
+/// alert that the client reads as a broken frame. The call then ends Cancelled, or with
+/// an HTTP/2 protocol error, depending on which the client saw first.
+pub fn looks_like_plain_to_tls(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Cancelled || status.message().contains("h2 protocol error")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -197,7 +197,7 @@ async fn watch_once(
         resume_revision: mirror.revision(),
     };
     let request = me.request(request).map_err(|e| (false, e))?;
-    let mut stream = client.watch_endpoints(request).await.map_err(|s| (false, status_error(s)))?.into_inner();
+    let mut stream = client.watch_endpoints(request).await.map_err(|s| (false, watch_error(addr, me, s)))?.into_inner();
     metrics.registrar_connected.set(1);
     info!(registrar = %addr, resume_revision = mirror.revision(), instance = %me.instance, "registrar stream open");
     let mut progressed = false;
@@ -243,6 +243,14 @@ async fn watch_once(
 
 fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+/// The watch call's error; a registrar that serves TLS drops a plain HTTP/2 client at its
+/// preface, so that case says what probably happened.
+fn watch_error(addr: &Address, me: &Identity, s: tonic::Status) -> anyhow::Error {
+    let plain = matches!(addr, Address::Tcp(_)) && me.ca_file.is_none() && registry_tls::looks_like_plain_to_tls(&s);
+    let e = status_error(s);
+    if plain { e.context("a registrar serving TLS drops plain HTTP/2: set --registrar-ca to its CA") } else { e }
 }
 
 /// The owner's drain marks: a deleted pod's IPs, set DRAINING at the registrar.
