@@ -235,8 +235,11 @@ fn a_killed_leader_hands_the_lease_to_the_other_replica_and_no_change_is_lost() 
     let Some(c) = Cluster::start("a_killed_leader_hands_the_lease_to_the_other_replica_and_no_change_is_lost") else { return };
     let mut r1 = c.replica("r1", &[]);
     r1.wait_log("leading", T);
-    let r2 = c.replica("r2", &[]);
+    let metrics_addr = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let r2 = c.replica("r2", &["--metrics-addr", &metrics_addr]);
     r2.wait_log("another replica holds the Lease", T);
+    let leading = || aether_e2e::testing::scrape_metrics(&metrics_addr).and_then(|t| aether_e2e::testing::metric_sample(&t, "aether_registrar_leader"));
+    assert_eq!(leading(), Some(0.0), "the follower's aether_registrar_leader");
     let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
     for i in 0..10 {
         c.api.put_service(service("churn", &format!("svc-{i}")));
@@ -258,6 +261,7 @@ fn a_killed_leader_hands_the_lease_to_the_other_replica_and_no_change_is_lost() 
     r2.wait_log("leading", T);
     let took_over = killed_at.elapsed();
     assert_eq!(c.holder().as_deref(), Some("r2"));
+    wait_for("the new leader's aether_registrar_leader to say 1", T, || (leading() == Some(1.0)).then_some(()));
     wait_registry(r2.addr(), "etcd to equal the API after the failover", &numbered_want(&counts));
     // And the new leader writes the next change too.
     c.api.delete_service("churn", "svc-0");

@@ -93,6 +93,12 @@ pub struct ServeArgs {
     #[arg(long, env = "AETHER_REGISTRAR_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
+    /// Serve Prometheus metrics on this address (`GET /metrics`), e.g. 0.0.0.0:9091: calls
+    /// by method and status, open watch streams and why they ended, TLS handshakes, and
+    /// whether this replica leads [default: none]
+    #[arg(long, env = "AETHER_REGISTRAR_METRICS_ADDR", value_name = "HOST:PORT")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     /// Accept plain TCP on --listen. TCP authenticates nobody: every caller may then do
     /// everything, apply and delete included. For tests and trusted networks only
     #[arg(long, env = "AETHER_REGISTRAR_INSECURE_LISTEN")]

@@ -19,6 +19,7 @@ use crate::kubernetes::lease::LeaseConfig;
 use crate::kubernetes::taint_guard::GuardConfig;
 use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
+use crate::metrics::Metrics;
 use crate::service::{Registrar, Transport};
 use crate::store::{EtcdOptions, Store};
 use crate::tls;
@@ -81,6 +82,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (true, Some(c)) => Some(std::sync::Arc::new(Reviewer::new(c.clone(), args.token_audience.clone()))),
         _ => None,
     };
+    let metrics = Metrics::new();
+    // Bound before the registry API, so a taken port fails the start with its address.
+    if let Some(addr) = &args.metrics_addr {
+        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
+        tracing::info!(addr = %addr, "serving metrics on GET /metrics");
+        tokio::spawn(crate::metrics::serve(l, metrics.clone()));
+    }
     let bound = listen::bind(&args.listen, args.insecure_listen || args.token_review, args.socket_mode).await?;
     let transport = match (bound_kind(&bound), reviewer) {
         (false, _) => Transport::Unix,
@@ -119,9 +127,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         });
         tracing::info!(lease = %format!("{}/{}", lease.namespace, lease.name), identity = %lease.identity, discovery, taint_guard = args.taint_guard,
             namespaces = ?args.discover_namespaces, ignored = ?args.ignore_namespaces, "Kubernetes controllers starting; the Lease holder writes");
-        kubernetes::spawn(&mut controllers, client.clone(), store.clone(), Controllers { lease, discovery: namespaces, taint_guard }, shutdown_rx.clone());
+        kubernetes::spawn(&mut controllers, client.clone(), store.clone(), Controllers { lease, discovery: namespaces, taint_guard }, shutdown_rx.clone(), metrics.leader.clone());
     }
-    let registrar = Registrar::new(store, policy.clone(), transport, args.cluster.clone(), shutdown_rx);
+    let registrar = Registrar::new(store, policy.clone(), transport, args.cluster.clone(), shutdown_rx, metrics.clone());
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let stop = async move {
@@ -141,7 +149,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         match bound {
             Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,
             Bound::Tcp(l) => match tls {
-                Some(config) => server.serve_with_incoming_shutdown(tls::incoming(l, config, tls::MAX_HANDSHAKES), stop).await,
+                Some(config) => server.serve_with_incoming_shutdown(tls::incoming(l, config, tls::MAX_HANDSHAKES, metrics.clone()), stop).await,
                 None => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
             },
         }

@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 
 use crate::authz::{self, Method, Peer, Policy};
 use crate::keys::Key;
+use crate::metrics::Metrics;
 use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
 use crate::store::{Guard, Store, StoreError};
 use crate::streams::{Registration, Replaced, StreamKey, Streams};
@@ -52,12 +53,13 @@ pub struct Registrar {
     transport: Transport,
     cluster: Option<String>,
     shutdown: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
 }
 
 impl Registrar {
     /// `shutdown` turning true ends every open stream with UNAVAILABLE.
-    pub fn new(store: Store, policy: Policy, transport: Transport, cluster: Option<String>, shutdown: watch::Receiver<bool>) -> Self {
-        Self { store, streams: Arc::new(Streams::default()), policy, transport, cluster, shutdown }
+    pub fn new(store: Store, policy: Policy, transport: Transport, cluster: Option<String>, shutdown: watch::Receiver<bool>, metrics: Arc<Metrics>) -> Self {
+        Self { store, streams: Arc::new(Streams::default()), policy, transport, cluster, shutdown, metrics }
     }
 
     async fn peer<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
@@ -126,11 +128,38 @@ enum End {
 
 type WatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WatchEndpointsResponse, Status>> + Send>>;
 
+/// Each call, counted by method and status (`aether_registrar_calls`).
 #[tonic::async_trait]
 impl Registry for Registrar {
     type WatchEndpointsStream = WatchStream;
 
     async fn watch_endpoints(&self, req: Request<pb::WatchEndpointsRequest>) -> Result<Response<WatchStream>, Status> {
+        let r = self.watch(req).await;
+        self.metrics.call("WatchEndpoints", &r);
+        r
+    }
+
+    async fn set_endpoint_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
+        let r = self.set_state(req).await;
+        self.metrics.call("SetEndpointState", &r);
+        r
+    }
+
+    async fn apply_services(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
+        let r = self.apply(req).await;
+        self.metrics.call("ApplyServices", &r);
+        r
+    }
+
+    async fn delete_service(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
+        let r = self.delete(req).await;
+        self.metrics.call("DeleteService", &r);
+        r
+    }
+}
+
+impl Registrar {
+    async fn watch(&self, req: Request<pb::WatchEndpointsRequest>) -> Result<Response<WatchStream>, Status> {
         let peer = self.authorize(&req, Method::WatchEndpoints).await?;
         let req = req.into_inner();
         if req.node.is_empty() {
@@ -154,12 +183,12 @@ impl Registry for Registrar {
         }
         tracing::info!(stream = %key, peer = %peer, resume_revision = req.resume_revision, "watch stream opened");
         let (tx, rx) = mpsc::channel(16);
-        let pump = Pump { store: self.store.clone(), tx, replaced: replaced_rx, shutdown: self.shutdown.clone(), key };
+        let pump = Pump { store: self.store.clone(), tx, replaced: replaced_rx, shutdown: self.shutdown.clone(), key, metrics: self.metrics.clone() };
         tokio::spawn(pump.run(req.resume_revision, registration));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    async fn set_endpoint_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
+    async fn set_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
         let peer = self.authorize(&req, Method::SetEndpointState).await?;
         let req = req.into_inner();
         let bad = |e: validate::Invalid| Status::invalid_argument(e.to_string());
@@ -207,7 +236,7 @@ impl Registry for Registrar {
         Err(Status::aborted(format!("the endpoints at {address} kept changing while being marked; retry")))
     }
 
-    async fn apply_services(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
+    async fn apply(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
         let peer = self.authorize(&req, Method::ApplyServices).await?;
         let services = validate::apply_request(req.get_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut revision = 0;
@@ -218,7 +247,7 @@ impl Registry for Registrar {
         Ok(Response::new(pb::ApplyServicesResponse { revision }))
     }
 
-    async fn delete_service(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
+    async fn delete(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
         let peer = self.authorize(&req, Method::DeleteService).await?;
         let key = validate::service_key("service", req.get_ref().service.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let w = writes::delete(&self.store, &key, Source::File).await.map_err(write_status)?;
@@ -293,11 +322,21 @@ struct Pump {
     replaced: oneshot::Receiver<Replaced>,
     shutdown: watch::Receiver<bool>,
     key: StreamKey,
+    metrics: Arc<Metrics>,
 }
 
 impl Pump {
     async fn run(mut self, resume_revision: i64, registration: Registration) {
+        self.metrics.watch_streams.inc();
         let end = self.pump(resume_revision).await;
+        self.metrics.watch_streams.dec();
+        let why = match &end {
+            End::ClientGone => "client_gone",
+            End::Replaced => "replaced",
+            End::Shutdown => "shutdown",
+            End::Failed(_) => "failed",
+        };
+        Metrics::count(&self.metrics.watch_ends, why);
         let key = &self.key;
         let status = match end {
             End::ClientGone => {

@@ -22,6 +22,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use shared_proto::registry_tls::{TlsError, read_pem};
+
+use crate::metrics::Metrics;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -130,7 +132,12 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig
 /// and dropped. At most `max_handshakes` run at once: a connection past that is closed at
 /// once, so a flood of silent clients costs a bounded number of tasks and buffers, not
 /// one per connection for [`HANDSHAKE_TIMEOUT`]. Ends when the stream is dropped.
-pub fn incoming(listener: TcpListener, config: Arc<rustls::ServerConfig>, max_handshakes: usize) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+pub fn incoming(
+    listener: TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    max_handshakes: usize,
+    metrics: Arc<Metrics>,
+) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(max_handshakes));
@@ -153,21 +160,30 @@ pub fn incoming(listener: TcpListener, config: Arc<rustls::ServerConfig>, max_ha
             };
             pause = Duration::from_millis(10);
             let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                Metrics::count(&metrics.tls_handshakes, "over_cap");
                 tracing::warn!(%peer, max_handshakes, "too many TLS handshakes in progress; connection closed");
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            let (acceptor, tx, metrics) = (acceptor.clone(), tx.clone(), metrics.clone());
             tokio::spawn(async move {
                 let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
                 drop(permit);
-                match handshake {
+                let result = match handshake {
                     Ok(Ok(tls)) => {
                         let _ = tx.send(Ok(tls)).await;
+                        "ok"
                     }
-                    Ok(Err(e)) => tracing::warn!(%peer, error = %e, "TLS handshake failed{}", plain_hint(&e)),
-                    Err(_) => tracing::warn!(%peer, timeout = ?HANDSHAKE_TIMEOUT, "TLS handshake timed out"),
-                }
+                    Ok(Err(e)) => {
+                        tracing::warn!(%peer, error = %e, "TLS handshake failed{}", plain_hint(&e));
+                        "failed"
+                    }
+                    Err(_) => {
+                        tracing::warn!(%peer, timeout = ?HANDSHAKE_TIMEOUT, "TLS handshake timed out");
+                        "timeout"
+                    }
+                };
+                Metrics::count(&metrics.tls_handshakes, result);
             });
         }
     });
@@ -235,7 +251,8 @@ mod tests {
         std::fs::write(&key_file, ca.serialize_pem()).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut sessions = incoming(listener, server_config(&cert_file, &key_file).unwrap(), 1);
+        let metrics = Metrics::new();
+        let mut sessions = incoming(listener, server_config(&cert_file, &key_file).unwrap(), 1, metrics.clone());
 
         let silent = TcpStream::connect(addr).await.unwrap();
         // The silent client's handshake task holds the slot once it is accepted; a
@@ -263,6 +280,10 @@ mod tests {
         let served = tokio::time::timeout(Duration::from_secs(5), sessions.next()).await.expect("a session").expect("the stream goes on");
         assert!(served.is_ok());
         drop(client);
+        let text = metrics.encode();
+        for want in ["aether_registrar_tls_handshakes_total{result=\"over_cap\"}", "aether_registrar_tls_handshakes_total{result=\"ok\"} 1"] {
+            assert!(text.contains(want), "{want} in {text}");
+        }
     }
 
     #[test]

@@ -58,6 +58,52 @@ async fn streams_are_keyed_by_cluster_node_and_instance() {
     }
 }
 
+/// `--metrics-addr`: each call is counted by method and status, and each watch stream
+/// while it is open and by why it ended; anything but `GET /metrics` is 404.
+#[tokio::test]
+async fn metrics_count_calls_by_status_and_watch_streams_open_and_ended() {
+    let etcd = etcd_or_skip!("metrics_count_calls_by_status_and_watch_streams_open_and_ended");
+    let dir = tempfile::tempdir().unwrap();
+    let metrics_addr = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--metrics-addr", &metrics_addr]);
+    let addr = reg.addr();
+    let get = move |path: &str| {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&metrics_addr).expect("the metrics port answers");
+        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        out
+    };
+    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let bad = pb::Service { ports: vec![], ..web(&[("10.0.0.1", 8080, "n1")]) };
+    let e = client(addr).await.apply_services(pb::ApplyServicesRequest { services: vec![bad] }).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let mut s = watch(addr, "c", "n1", "a", 0).await;
+    next_full(&mut s).await;
+    let text = get("/metrics");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    for want in [
+        "aether_registrar_calls_total{method=\"ApplyServices\",code=\"Ok\"} 1",
+        "aether_registrar_calls_total{method=\"ApplyServices\",code=\"InvalidArgument\"} 1",
+        "aether_registrar_calls_total{method=\"WatchEndpoints\",code=\"Ok\"} 1",
+        "aether_registrar_watch_streams 1",
+        "aether_registrar_leader 0",
+    ] {
+        assert!(text.contains(want), "{want} not in:\n{text}");
+    }
+    drop(s);
+    tokio::task::spawn_blocking(move || {
+        aether_registrar::testing::wait_for("the closed stream to be counted", WAIT, || {
+            let text = get("/metrics");
+            (text.contains("aether_registrar_watch_streams 0") && text.contains("aether_registrar_watch_ends_total{result=\"client_gone\"} 1")).then_some(())
+        });
+        assert!(get("/").starts_with("HTTP/1.1 404"));
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped() {
     let etcd = etcd_or_skip!("a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped");

@@ -44,8 +44,15 @@ pub struct Controllers {
 
 /// Starts the Lease loop and the controllers on `set`; they stop when `stop` is set (the
 /// leader then releases the Lease).
-pub fn spawn(set: &mut JoinSet<()>, client: kube::Client, store: Store, c: Controllers, stop: watch::Receiver<bool>) {
+/// `leading` is set to 1 while this replica holds the Lease, 0 otherwise.
+pub fn spawn(set: &mut JoinSet<()>, client: kube::Client, store: Store, c: Controllers, stop: watch::Receiver<bool>, leading: prometheus_client::metrics::gauge::Gauge) {
     let (tx, leader) = watch::channel(None);
+    let mut seen = leader.clone();
+    set.spawn(async move {
+        while seen.changed().await.is_ok() {
+            leading.set(i64::from(seen.borrow_and_update().is_some()));
+        }
+    });
     let api = kube::Api::namespaced(client.clone(), &c.lease.namespace);
     set.spawn(lease::run(api, c.lease, tx, stop.clone()));
     if let Some(namespaces) = c.discovery {

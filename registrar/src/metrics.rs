@@ -1,0 +1,116 @@
+//! `--metrics-addr`: the registrar's Prometheus metrics, as OpenMetrics text on
+//! `GET /metrics` (HTTP/1.1, hyper). One registry, no globals: the service, the watch
+//! streams, the TLS acceptor and the Lease count into the [`Metrics`] handle they get.
+//! The listener holds at most [`MAX_CONNECTIONS`] connections; one past it is closed at
+//! once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Connections the metrics listener holds at once.
+pub const MAX_CONNECTIONS: usize = 64;
+/// How long a scrape may take.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabels {
+    /// WatchEndpoints, SetEndpointState, ApplyServices, DeleteService
+    pub method: String,
+    /// The gRPC status code the call ended with at once: OK, or why it was refused.
+    pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    /// Calls by method and the status they returned (a watch: its opening).
+    pub calls: Family<CallLabels, Counter>,
+    /// Watch streams open now.
+    pub watch_streams: Gauge,
+    /// Watch streams ended, by why: client_gone, replaced, shutdown, failed.
+    pub watch_ends: Family<ResultLabel, Counter>,
+    /// TLS handshakes on the TCP listener: ok, failed, timeout, over_cap.
+    pub tls_handshakes: Family<ResultLabel, Counter>,
+    /// 1 while this replica holds the Lease (discovery and the taint guard write).
+    pub leader: Gauge,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("aether_registrar");
+        let calls = Family::<CallLabels, Counter>::default();
+        registry.register("calls", "Registry API calls by method and the status each returned", calls.clone());
+        let watch_streams = Gauge::default();
+        registry.register("watch_streams", "Watch streams open now", watch_streams.clone());
+        let watch_ends = Family::<ResultLabel, Counter>::default();
+        registry.register("watch_ends", "Watch streams ended, by why: client_gone, replaced, shutdown, failed", watch_ends.clone());
+        let tls_handshakes = Family::<ResultLabel, Counter>::default();
+        registry.register("tls_handshakes", "TLS handshakes on the TCP listener: ok, failed, timeout, over_cap", tls_handshakes.clone());
+        let leader = Gauge::default();
+        registry.register("leader", "1 while this replica holds the Lease and writes", leader.clone());
+        Arc::new(Metrics { registry, calls, watch_streams, watch_ends, tls_handshakes, leader })
+    }
+
+    /// Counts a call of `method` that returned `result`.
+    pub fn call<T>(&self, method: &str, result: &Result<T, tonic::Status>) {
+        let code = match result {
+            Ok(_) => tonic::Code::Ok,
+            Err(s) => s.code(),
+        };
+        self.calls.get_or_create(&CallLabels { method: method.into(), code: format!("{code:?}") }).inc();
+    }
+
+    pub fn count(family: &Family<ResultLabel, Counter>, result: &str) {
+        family.get_or_create(&ResultLabel { result: result.into() }).inc();
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped; anything else is 404.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let (tcp, _) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let (status, body) = match (req.method(), req.uri().path()) {
+                    (&hyper::Method::GET, "/metrics") => (200, metrics.encode()),
+                    _ => (404, "try GET /metrics\n".to_owned()),
+                };
+                let response = hyper::Response::builder()
+                    .status(status)
+                    .header("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                    .body(http_body_util::Full::new(hyper::body::Bytes::from(body)));
+                async move { response }
+            });
+            let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let _ = tokio::time::timeout(SCRAPE_TIMEOUT, conn).await;
+            drop(slot);
+        });
+    }
+}
