@@ -5,6 +5,7 @@
                    [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC]
                    [--metrics true|false] [--pod-monitor true|false] [--max-unavailable N]
                    [--registrar true|false] [--registrar-auth tokenReview|none] [--registrar-tls true|false]
+                   [--registrar-metrics true|false]
                    [--discovery true|false] [--discover-namespace NS ...] [--ignore-namespace NS ...]
                    [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
                    RENDERED.yaml
@@ -944,6 +945,16 @@ def check_registrar(docs, agent_ds, args):
               any(t.get("audience") == "aether-registrar" and token_file.endswith("/" + t.get("path", "")) for t in sources),
               f"file {token_file!r}, tokens {sources}")
     check_registrar_tls(agent_ds, pod, argv, args)
+    metrics_addr = flag_values(argv, "--metrics-addr")
+    annotations = d["spec"]["template"]["metadata"].get("annotations") or {}
+    if args.registrar_metrics:
+        port = annotations.get("prometheus.io/port")
+        check("registrar metrics: --metrics-addr on every address of the pod at the annotated port",
+              metrics_addr == [f"0.0.0.0:{port}"] and annotations.get("prometheus.io/scrape") == "true"
+              and annotations.get("prometheus.io/path") == "/metrics", f"--metrics-addr {metrics_addr}, annotations {annotations}")
+    else:
+        check("registrar metrics off unless registrar.metrics.enabled", not metrics_addr and "prometheus.io/scrape" not in annotations,
+              f"--metrics-addr {metrics_addr}, annotations {annotations}")
     check_secrets_readable("registrar pod", pod)
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
@@ -1408,6 +1419,7 @@ def main():
     parser.add_argument("--registrar-auth", default="tokenReview", choices=["tokenReview", "none"],
                         help="registrar.auth")
     parser.add_argument("--registrar-tls", type=parse_bool, default=False, help="registrar.tls.secretName is set")
+    parser.add_argument("--registrar-metrics", type=parse_bool, default=False, help="registrar.metrics.enabled")
     parser.add_argument("--discovery", type=parse_bool, default=True, help="registrar.discovery.enabled")
     parser.add_argument("--discover-namespace", action="append", default=[],
                         help="an entry of registrar.discovery.namespaces, in order (repeatable)")
