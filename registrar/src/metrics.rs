@@ -41,12 +41,15 @@ pub struct Metrics {
     pub watch_ends: Family<ResultLabel, Counter>,
     /// TLS handshakes on the TCP listener: ok, failed, timeout, over_cap.
     pub tls_handshakes: Family<ResultLabel, Counter>,
-    /// 1 while this replica holds the Lease (discovery and the taint guard write).
+    /// 1 while this replica holds the Lease (discovery and the taint guard write). Exported
+    /// only by a replica that takes part in the election, so that a sum of 0 over the
+    /// replicas means that nobody writes.
     pub leader: Gauge,
 }
 
 impl Metrics {
-    pub fn new() -> Arc<Self> {
+    /// `leasing`: this replica runs for the Lease (discovery or the taint guard is on).
+    pub fn new(leasing: bool) -> Arc<Self> {
         let mut registry = Registry::with_prefix("aether_registrar");
         let calls = Family::<CallLabels, Counter>::default();
         registry.register("calls", "Registry API calls by method and the status each returned", calls.clone());
@@ -57,7 +60,9 @@ impl Metrics {
         let tls_handshakes = Family::<ResultLabel, Counter>::default();
         registry.register("tls_handshakes", "TLS handshakes on the TCP listener: ok, failed, timeout, over_cap", tls_handshakes.clone());
         let leader = Gauge::default();
-        registry.register("leader", "1 while this replica holds the Lease and writes", leader.clone());
+        if leasing {
+            registry.register("leader", "1 while this replica holds the Lease and writes", leader.clone());
+        }
         Arc::new(Metrics { registry, calls, watch_streams, watch_ends, tls_handshakes, leader })
     }
 

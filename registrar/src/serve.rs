@@ -82,7 +82,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (true, Some(c)) => Some(std::sync::Arc::new(Reviewer::new(c.clone(), args.token_audience.clone()))),
         _ => None,
     };
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(kube_client.is_some() && (discovery || args.taint_guard));
     // Bound before the registry API, so a taken port fails the start with its address.
     if let Some(addr) = &args.metrics_addr {
         let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;

@@ -251,7 +251,7 @@ mod tests {
         std::fs::write(&key_file, ca.serialize_pem()).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let metrics = Metrics::new();
+        let metrics = Metrics::new(false);
         let mut sessions = incoming(listener, server_config(&cert_file, &key_file).unwrap(), 1, metrics.clone());
 
         let silent = TcpStream::connect(addr).await.unwrap();
