@@ -10,7 +10,8 @@
 //!   AETHER_BENCH_ROUNDS=1000 cargo bench -p aether-worker --bench reconnect
 //!
 //! Prints, for the Envoy-sized `Node` and for a bare one, the median, p90, p99 and
-//! maximum over the rounds of the connect to the first answer, and of its parts.
+//! maximum over the rounds of the connect to the first answer, and of its parts; then the
+//! request's encoding and decoding alone, so that the transport's share is the rest.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +22,7 @@ use aether_worker::metrics::Metrics;
 use aether_worker::xds::kind::{self, Kind};
 use aether_worker::accept::PeerRate;
 use aether_worker::xds::server::{Limits, serve_limited};
+use aether_worker::xds::wire::DeltaRequestWire;
 use envoy_types::pb::envoy::config::core::v3::{Extension, Node};
 use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
@@ -109,5 +111,26 @@ fn main() {
         for (i, part) in ["connect to the first CDS answer", "  the connection", "  the stream's opening", "  the first answer"].iter().enumerate() {
             println!("reconnect, {what}: {part}: {}", figures(took.iter().map(|t| t[i]).collect()));
         }
+        // The request's two codec steps alone, in this thread: the client's encoding, and
+        // the server's decoding into the wire type that skips the node's extensions by
+        // length (as the worker decodes it) and into the generated type (as it would
+        // without the wire type). What the reconnect costs beyond them is the transport.
+        let request = first_request(node);
+        let bytes = request.encode_to_vec();
+        let time = |f: &mut dyn FnMut()| -> Vec<Duration> {
+            (0..rounds)
+                .map(|_| {
+                    let t = Instant::now();
+                    f();
+                    t.elapsed()
+                })
+                .collect()
+        };
+        let encode = time(&mut || drop(std::hint::black_box(request.encode_to_vec())));
+        let decode_wire = time(&mut || drop(std::hint::black_box(DeltaRequestWire::decode(bytes.as_slice()).expect("decodes"))));
+        let decode_full = time(&mut || drop(std::hint::black_box(DeltaDiscoveryRequest::decode(bytes.as_slice()).expect("decodes"))));
+        println!("reconnect, {what}: the client's encoding alone: {}", figures(encode));
+        println!("reconnect, {what}: the server's decoding alone (the worker's wire type): {}", figures(decode_wire));
+        println!("reconnect, {what}: the same into the generated type, for comparison: {}", figures(decode_full));
     }
 }
