@@ -2,11 +2,9 @@
 //! the first registrar of `--registrar` that answers.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use hyper_util::rt::TokioIo;
 use shared_proto::registry::{self as pb, registry_client::RegistryClient};
 use shared_proto::registry_tls;
 use tonic::transport::{Channel, Endpoint};
@@ -31,30 +29,18 @@ pub fn endpoint(addr: &str, timeout: Duration) -> anyhow::Result<Endpoint> {
     Ok(Endpoint::from_shared(uri).with_context(|| format!("--registrar {addr:?} is neither unix:///path nor host:port"))?.connect_timeout(timeout).timeout(timeout))
 }
 
-/// Connects to `addr`, over TLS checked against `tls`'s CAs for a `host:port`.
-async fn connect_one(addr: &str, timeout: Duration, tls: Option<&Arc<rustls::ClientConfig>>) -> Result<Channel, tonic::transport::Error> {
-    let endpoint = endpoint(addr, timeout).expect("checked by the caller");
-    match tls {
-        Some(config) if !addr.starts_with("unix:") => {
-            let (addr, config) = (addr.to_owned(), config.clone());
-            let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-                let (addr, config) = (addr.clone(), config.clone());
-                async move { registry_tls::connect(&addr, config).await.map(TokioIo::new) }
-            });
-            endpoint.connect_with_connector(connector).await
-        }
-        _ => endpoint.connect().await,
-    }
-}
-
 /// Connects to the first of the comma-separated addresses that answers; over TLS to a
 /// `host:port`, checked against the CA certificates in `ca`, when it is given.
 pub async fn connect(addrs: &str, timeout: Duration, ca: Option<&Path>) -> anyhow::Result<RegistryClient<Channel>> {
     let tls = ca.map(|ca| registry_tls::client_config(ca).context("--ca")).transpose()?;
     let mut failures = Vec::new();
     for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        endpoint(addr, timeout)?;
-        match connect_one(addr, timeout, tls.as_ref()).await {
+        let endpoint = endpoint(addr, timeout)?;
+        let connected = match &tls {
+            Some(config) if !addr.starts_with("unix:") => registry_tls::channel(endpoint, addr, config.clone()).await,
+            _ => endpoint.connect().await,
+        };
+        match connected {
             Ok(channel) => return Ok(RegistryClient::new(channel)),
             Err(e) => failures.push(format!("{addr}: {}", chain(&e))),
         }

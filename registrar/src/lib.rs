@@ -6,8 +6,8 @@
 //! and change batches from etcd reads and watch events, and a client's view of them),
 //! [`validate`], [`plan`] (the writes a request makes) and [`authz`] (who may call what)
 //! know no etcd client, socket or runtime. [`store`] is the etcd edge, [`service`] the
-//! tonic service, [`listen`] the sockets, [`tls`] the TLS on a TCP one, [`metrics`] the Prometheus endpoint, [`serve`] the wiring, and [`client`] the
-//! operator's commands.
+//! tonic service, [`listen`] the sockets, [`tls`] the TLS on a TCP one, [`metrics`] the
+//! Prometheus endpoint, [`serve`] the wiring, and [`client`] the operator's commands.
 #![forbid(unsafe_code)]
 
 pub mod authz;

@@ -1,7 +1,7 @@
 //! `aether-registrar serve`: the wiring. Refuses unauthenticated TCP without
-//! `--insecure-listen`, and a bad `--tls-cert`/`--tls-key`, before anything else, checks that etcd answers, binds, and serves until SIGTERM or
-//! SIGINT, when open watch streams end with UNAVAILABLE (their clients resume on another
-//! replica or after the restart). The socket file is left in place at exit; the next
+//! `--insecure-listen`, and a bad `--tls-cert`/`--tls-key`, before anything else; checks
+//! that etcd answers, binds, and serves until SIGTERM or SIGINT, when open watch streams
+//! end with UNAVAILABLE (their clients resume on another replica or after the restart). The socket file is left in place at exit; the next
 //! start replaces it once nothing answers on it.
 
 use std::time::Duration;

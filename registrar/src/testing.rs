@@ -43,6 +43,7 @@ pub struct TestCa {
     cert: rcgen::Certificate,
     key: rcgen::KeyPair,
     dir: tempfile::TempDir,
+    ca_file: PathBuf,
 }
 
 impl TestCa {
@@ -52,14 +53,15 @@ impl TestCa {
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params.distinguished_name.push(rcgen::DnType::CommonName, name);
         let cert = params.self_signed(&key).expect("a self-signed CA");
-        TestCa { cert, key, dir: tempfile::Builder::new().prefix("aether-test-ca-").tempdir().expect("a temp dir for certificates") }
+        let dir = tempfile::Builder::new().prefix("aether-test-ca-").tempdir().expect("a temp dir for certificates");
+        let ca_file = dir.path().join("ca.crt");
+        std::fs::write(&ca_file, cert.pem()).expect("write the CA certificate");
+        TestCa { cert, key, dir, ca_file }
     }
 
-    /// The CA certificate's PEM file (`<dir>/ca.crt`), written on first use.
+    /// The CA certificate's PEM file (`<dir>/ca.crt`).
     pub fn ca_file(&self) -> PathBuf {
-        let path = self.dir.path().join("ca.crt");
-        std::fs::write(&path, self.cert.pem()).expect("write the CA certificate");
-        path
+        self.ca_file.clone()
     }
 
     /// A leaf for `sans` (DNS names or IP addresses) with one extended key usage: its

@@ -82,6 +82,17 @@ pub async fn connect(addr: &str, config: Arc<rustls::ClientConfig>) -> std::io::
     tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
 }
 
+/// A channel on `endpoint` whose connections go to `addr` over [`connect`]: the address in
+/// `endpoint`'s URI is not dialled.
+pub async fn channel(endpoint: tonic::transport::Endpoint, addr: &str, config: Arc<rustls::ClientConfig>) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let addr = addr.to_owned();
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let (addr, config) = (addr.clone(), config.clone());
+        async move { connect(&addr, config).await.map(hyper_util::rt::TokioIo::new) }
+    });
+    endpoint.connect_with_connector(connector).await
+}
+
 /// Whether a call's failure looks like a plain HTTP/2 client talking to a registrar that
 /// serves TLS: the server drops the connection at the client's preface, after a TLS
 /// alert that the client reads as a broken frame. The call then ends Cancelled, or with

@@ -123,12 +123,7 @@ async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient
         (Address::Tcp(a), None) => tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect()).await??,
         (Address::Tcp(a), Some(ca)) => {
             let config = registry_tls::client_config(ca).context("--registrar-ca")?;
-            let a = a.clone();
-            let connector = tower::service_fn(move |_: Uri| {
-                let (a, config) = (a.clone(), config.clone());
-                async move { registry_tls::connect(&a, config).await.map(TokioIo::new) }
-            });
-            tokio::time::timeout(CONNECT_TIMEOUT, endpoint("http://registrar.invalid".into())?.connect_with_connector(connector)).await??
+            tokio::time::timeout(CONNECT_TIMEOUT, registry_tls::channel(endpoint("http://registrar.invalid".into())?, a, config)).await??
         }
         (Address::Unix(path), _) => {
             let path = path.clone();
