@@ -22,6 +22,17 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // The supervisor takes the control socket's close for the worker's death and kills it
+    // at once; a second descriptor of it, closed only by the exit, keeps an error that
+    // ends `run` (which drops its own) from being cut short before it is logged. Above 64
+    // too, so that a crash still closes it before the watchers.
+    let held_until_exit = match shared_proto::fdpass::dup_at_or_above(&control, 64) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot duplicate the control socket");
+            std::process::exit(2);
+        }
+    };
     // Exec, and a new SIGSYS disposition, kill the worker from here on; the supervisor's
     // filters already hold the rest. Before the runtime, while this is the only thread.
     if let Err(e) = shared_proto::seccomp::confine(shared_proto::seccomp::take_report()) {
@@ -37,5 +48,6 @@ fn main() {
         }
     };
     // Do not wait for detached tasks (the proxy's ADS stream ends with the process).
+    drop(held_until_exit);
     std::process::exit(code);
 }
