@@ -139,8 +139,9 @@ fn worker_runs_without_privileges() {
     assert!(get("Gid").split_whitespace().all(|g| g == "65532"), "Gid: {}", get("Gid"));
     assert_eq!(get("Groups"), "", "supplementary groups");
     // Nothing but stdio and the control socket (fd 3) crosses the exec, and the worker
-    // moves that socket above its other descriptors at once (see the worker's main): it
-    // is then the one descriptor numbered 64 or more.
+    // moves that socket above its other descriptors at once (see the worker's main): the
+    // descriptors numbered 64 or more are then its two, the one the agent runs on and the
+    // one held until the exit, both the same socket.
     let high: Vec<(u32, String)> = std::fs::read_dir(format!("/proc/{}/fd", a.worker_pid()))
         .expect("fd dir")
         .filter_map(|e| {
@@ -149,7 +150,7 @@ fn worker_runs_without_privileges() {
             (n >= 64).then(|| (n, std::fs::read_link(e.path()).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()))
         })
         .collect();
-    assert!(high.len() == 1 && high[0].1.starts_with("socket:"), "descriptors from 64 up: {high:?}");
+    assert!(high.len() == 2 && high[0].1.starts_with("socket:") && high[0].1 == high[1].1, "descriptors from 64 up: {high:?}");
 }
 
 /// Nothing the supervisor inherited crosses the worker's exec: a descriptor it got from
