@@ -95,10 +95,11 @@ pub async fn channel(endpoint: tonic::transport::Endpoint, addr: &str, config: A
 
 /// Whether a call's failure looks like a plain HTTP/2 client talking to a registrar that
 /// serves TLS: the server drops the connection at the client's preface, after a TLS
-/// alert that the client reads as a broken frame. The call then ends Cancelled, or with
-/// an HTTP/2 protocol error, depending on which the client saw first.
+/// alert that the client reads as a broken frame. The call then ends Cancelled, with an
+/// HTTP/2 protocol error or with a bare transport error, depending on what the client saw
+/// first.
 pub fn looks_like_plain_to_tls(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::Cancelled || status.message().contains("h2 protocol error")
+    status.code() == tonic::Code::Cancelled || ["h2 protocol error", "transport error"].iter().any(|m| status.message().contains(m))
 }
 
 #[cfg(test)]
