@@ -5,7 +5,7 @@
                    [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC]
                    [--metrics true|false] [--pod-monitor true|false] [--max-unavailable N]
                    [--registrar true|false] [--registrar-auth tokenReview|none] [--registrar-tls true|false]
-                   [--registrar-metrics true|false]
+                   [--registrar-metrics true|false] [--registrar-pod-monitor true|false]
                    [--discovery true|false] [--discover-namespace NS ...] [--ignore-namespace NS ...]
                    [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
                    RENDERED.yaml
@@ -66,7 +66,7 @@ REGISTRAR_GUARD_CLUSTER = {("", "nodes", ()): ["get", "list", "watch", "patch"]}
 REGISTRAR_GUARD_NAMESPACED = {("", "pods", ()): ["get", "list", "watch"]}
 REGISTRAR_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
                    "PodDisruptionBudget", "Deployment", "Service", "ValidatingAdmissionPolicy",
-                   "ValidatingAdmissionPolicyBinding")
+                   "ValidatingAdmissionPolicyBinding", "PodMonitor")
 
 
 class CheckFailed(Exception):
@@ -822,16 +822,13 @@ def relabel(rules, labels):
 
 
 def check_pod_monitor(docs, agent_ds, args):
-    monitors = objects_of(docs, "PodMonitor")
+    monitors = objects_of(docs, "PodMonitor", "agent")
     if not args.pod_monitor:
         check("no PodMonitor unless agent.metrics.podMonitor.enabled", not monitors, f"found {len(monitors)}")
         return
-    import jsonschema
     check("PodMonitor rendered once", len(monitors) == 1, f"found {len(monitors)}")
     pm = monitors[0]
-    errors = sorted(f"{'.'.join(str(p) for p in e.path)}: {e.message}"
-                    for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(pm))
-    check("PodMonitor validates against the CRD's fields (monitoring.coreos.com/v1)", not errors, "; ".join(errors))
+    check_pod_monitor_schema("PodMonitor", pm)
     labels = agent_ds["spec"]["template"]["metadata"]["labels"]
     selector = pm["spec"]["selector"].get("matchLabels") or {}
     check("PodMonitor selects the agent's pods, in the release's namespace",
@@ -856,6 +853,41 @@ def check_pod_monitor(docs, agent_ds, args):
             ("fd00::7", "agent"): f"[fd00::7]:{METRICS_PORT}", ("fd00::7", "install-cni"): None}
     check(f"PodMonitor relabeling: the agent container's target is <pod IP>:{METRICS_PORT} (IPv6 bracketed), "
           "init containers dropped", got == want, f"got {got}")
+
+
+def check_pod_monitor_schema(where, pm):
+    import jsonschema
+    errors = sorted(f"{'.'.join(str(p) for p in e.path)}: {e.message}"
+                    for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(pm))
+    check(f"{where} validates against the CRD's fields (monitoring.coreos.com/v1)", not errors, "; ".join(errors))
+
+
+def check_registrar_pod_monitor(docs, d, argv, args):
+    """The registrar's PodMonitor scrapes the port its pods declare as `metrics`, which
+    must be the one --metrics-addr binds: Prometheus's pod discovery makes one target per
+    declared port, and the endpoint keeps the one of that name."""
+    monitors = objects_of(docs, "PodMonitor", "registrar")
+    if not args.registrar_pod_monitor:
+        check("no registrar PodMonitor unless registrar.metrics.podMonitor.enabled", not monitors, f"found {len(monitors)}")
+        return
+    check("registrar PodMonitor rendered once", len(monitors) == 1, f"found {len(monitors)}")
+    pm = monitors[0]
+    check_pod_monitor_schema("registrar PodMonitor", pm)
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    selector = pm["spec"]["selector"].get("matchLabels") or {}
+    check("registrar PodMonitor selects the registrar's pods only, in the release's namespace",
+          selector.get("app.kubernetes.io/component") == "registrar"
+          and all(labels.get(k) == v for k, v in selector.items())
+          and pm["spec"].get("namespaceSelector", {}).get("matchNames") == [d["metadata"]["namespace"]],
+          f"selector {selector}, pod labels {labels}")
+    endpoints = pm["spec"].get("podMetricsEndpoints") or []
+    container = all_containers(d["spec"]["template"]["spec"])[0]
+    declared = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
+    bound = flag_values(argv, "--metrics-addr")
+    want = declared.get(endpoints[0].get("port")) if len(endpoints) == 1 else None
+    check("registrar PodMonitor scrapes /metrics on the declared port that --metrics-addr binds",
+          len(endpoints) == 1 and endpoints[0].get("path") == "/metrics" and want is not None
+          and bound == [f"0.0.0.0:{want}"], f"endpoints {endpoints}, declared ports {declared}, --metrics-addr {bound}")
 
 
 def check_keeper(docs, args):
@@ -945,6 +977,7 @@ def check_registrar(docs, agent_ds, args):
               any(t.get("audience") == "aether-registrar" and token_file.endswith("/" + t.get("path", "")) for t in sources),
               f"file {token_file!r}, tokens {sources}")
     check_registrar_tls(agent_ds, pod, argv, args)
+    check_registrar_pod_monitor(docs, d, argv, args)
     metrics_addr = flag_values(argv, "--metrics-addr")
     annotations = d["spec"]["template"]["metadata"].get("annotations") or {}
     if args.registrar_metrics:
@@ -953,8 +986,10 @@ def check_registrar(docs, agent_ds, args):
               metrics_addr == [f"0.0.0.0:{port}"] and annotations.get("prometheus.io/scrape") == "true"
               and annotations.get("prometheus.io/path") == "/metrics", f"--metrics-addr {metrics_addr}, annotations {annotations}")
     else:
-        check("registrar metrics off unless registrar.metrics.enabled", not metrics_addr and "prometheus.io/scrape" not in annotations,
-              f"--metrics-addr {metrics_addr}, annotations {annotations}")
+        ports = all_containers(pod)[0].get("ports")
+        check("registrar metrics off unless registrar.metrics.enabled: no --metrics-addr, annotation or port",
+              not metrics_addr and "prometheus.io/scrape" not in annotations and not ports,
+              f"--metrics-addr {metrics_addr}, annotations {annotations}, ports {ports}")
     check_secrets_readable("registrar pod", pod)
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
@@ -1420,6 +1455,8 @@ def main():
                         help="registrar.auth")
     parser.add_argument("--registrar-tls", type=parse_bool, default=False, help="registrar.tls.secretName is set")
     parser.add_argument("--registrar-metrics", type=parse_bool, default=False, help="registrar.metrics.enabled")
+    parser.add_argument("--registrar-pod-monitor", type=parse_bool, default=False,
+                        help="registrar.metrics.podMonitor.enabled")
     parser.add_argument("--discovery", type=parse_bool, default=True, help="registrar.discovery.enabled")
     parser.add_argument("--discover-namespace", action="append", default=[],
                         help="an entry of registrar.discovery.namespaces, in order (repeatable)")
@@ -1528,10 +1565,16 @@ def main():
     try:
         docs = [d for d in yaml.safe_load_all(raw) if d]
         check("rendered YAML parses into objects", bool(docs), "no objects")
-        # A Service's ports are not a pod's: on the hostNetwork pods a declared port is a hostPort.
+        # A Service's ports are not a pod's: on the hostNetwork pods a declared port is a
+        # hostPort. A pod of its own network namespace (the registrar's) may declare a
+        # containerPort, which Prometheus's pod discovery targets, but never a hostPort.
+        def host_network(d):
+            return bool((((d.get("spec") or {}).get("template") or {}).get("spec") or {}).get("hostNetwork"))
         ports = [f"{d.get('kind')}/{d.get('metadata', {}).get('name')}: {p}"
-                 for d in docs if d.get("kind") != "Service" for p in find_keys(d, PORT_KEYS)]
-        check("no `ports` (or hostPort/containerPort) key in any rendered pod object", not ports, "; ".join(ports))
+                 for d in docs if d.get("kind") != "Service"
+                 for p in find_keys(d, PORT_KEYS if host_network(d) else ("hostPort",))]
+        check("no `ports` (or hostPort/containerPort) key in any hostNetwork pod, no hostPort anywhere", not ports,
+              "; ".join(ports))
         # An unquoted on, off, yes or no is a YAML boolean, which the API server refuses in
         # a command.
         argv_types = [f"{d.get('kind')}/{d['metadata'].get('name')} {c['name']}: {a!r}"

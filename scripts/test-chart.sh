@@ -97,7 +97,8 @@ pass "helm lint rejects agent.updateStrategy.surge given as a string"
 # mTLS mode are refused with an error that names the value.
 for bad in "identity.spiffe.socketDir=$SPIFFE_DIR|identity.trustDomain" \
            "identity.trustDomain=td,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|identity.spiffe.socketDir" \
-           "identity.mtls=STRICT|mtls"; do
+           "identity.mtls=STRICT|mtls" \
+           "registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|needs registrar.enabled"; do
   IFS='|' read -r sets want <<<"$bad"
   if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
     fail "helm template accepted $sets"
@@ -113,7 +114,8 @@ for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
            "$REGISTRAR_SETS,registrar.discovery.ignoreNamespaces={kube-system,kube-system}|ignoreNamespaces" \
            "$REGISTRAR_SETS,registrar.leaderElection.leaseDuration=2|leaseDuration" \
            "$REGISTRAR_SETS,registrar.taintGuard.grace=0|grace" \
-           "$REGISTRAR_SETS,agent.nodeSelector.gpu=true|nodeSelector"; do
+           "$REGISTRAR_SETS,agent.nodeSelector.gpu=true|nodeSelector" \
+           "$REGISTRAR_SETS,registrar.metrics.podMonitor.enabled=true|needs registrar.metrics.enabled"; do
   IFS='|' read -r sets want <<<"$bad"
   if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
     fail "helm template accepted $sets"
@@ -131,7 +133,7 @@ cases=(
   "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
-  "registrar-tls|$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.etcd.tls.secretName=etcd-client,registrar.metrics.enabled=true|--surge false --registrar true --registrar-tls true --registrar-metrics true"
+  "registrar-tls|$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.etcd.tls.secretName=etcd-client,registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-tls true --registrar-metrics true --registrar-pod-monitor true"
   "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true --registrar-auth none"
   "registrar-discovery-only|$REGISTRAR_SETS,registrar.taintGuard.enabled=false,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system},registrar.leaderElection.leaseDuration=20|--surge false --registrar true --taint-guard false --discover-namespace shop --discover-namespace pay --ignore-namespace kube-system --lease-duration 20"
   "registrar-guard-only|$REGISTRAR_SETS,registrar.discovery.enabled=false,registrar.taintGuard.grace=45|--surge false --registrar true --discovery false --taint-grace 45"
@@ -343,6 +345,10 @@ mutations=(
   'uninstall-not-everywhere|templates/cni-uninstall.yaml|      \{\{- with .Values.agent.tolerations \}\}\n      tolerations:|      {{- with list }}\n      tolerations:||--surge false|runs where the agent ran'
   'uninstall-role-wide|templates/cni-uninstall.yaml|    resourceNames: \[\{\{ \$name . quote \}\}\]\n|||--surge false|reads that one DaemonSet'
   'podmonitor-port|templates/podmonitor.yaml|printf "\$\{1\}:%d" \(int \$metrics.port\)|printf "${1}:%d" 9090|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true|PodMonitor relabeling'
+  'registrar-podmonitor-port|templates/registrar-podmonitor.yaml|- port: metrics|- port: grpc|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-metrics true --registrar-pod-monitor true|registrar PodMonitor scrapes /metrics on the declared port'
+  'registrar-podmonitor-agents|templates/registrar-podmonitor.yaml|"component" "registrar"|"component" "agent"|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-metrics true --registrar-pod-monitor true|registrar PodMonitor selects the registrar'"'"'s pods only'
+  'registrar-hostport|templates/registrar.yaml|(containerPort: \{\{ \.Values\.registrar\.metrics\.port \}\}\n)|\g<1>              hostPort: 9091\n|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true|--surge false --registrar true --registrar-metrics true|no hostPort anywhere'
+  'registrar-metrics-no-port|templates/registrar.yaml|- name: metrics\n              containerPort|- name: web\n              containerPort|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-metrics true --registrar-pod-monitor true|registrar PodMonitor scrapes /metrics on the declared port'
   'podmonitor-typo|templates/podmonitor.yaml|  podMetricsEndpoints:|  podMetricEndpoints:|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true|PodMonitor validates'
   'max-unavailable-ignored|templates/daemonset.yaml|maxUnavailable: \{\{ .Values.agent.updateStrategy.maxUnavailable \}\}|maxUnavailable: 1|agent.updateStrategy.maxUnavailable=2|--surge false --max-unavailable 2|update strategy for surge=false'
   'log-format-ignored|templates/daemonset.yaml|value: \{\{ .Values.agent.log.format . quote \}\}|value: "text"||--surge false|env AETHER_LOG_FORMAT=json'

@@ -1,19 +1,21 @@
 //! The chart's Grafana dashboard and alert rules against the real tools (issue 18):
 //!
 //! - a real Prometheus (Debian's `prometheus`, loopback only, a temporary storage folder,
-//!   scraping every second) scrapes a live owner's metrics port and a real Envoy's stats
-//!   through the chart's stats listener (`charts/aether-agent/files/envoy-stats-listener.yaml`),
-//!   and loads the chart's alert rules; after a CNI ADD and DEL and a registry change,
-//!   every expression of `charts/aether-agent/dashboards/aether-agent.json` goes through
-//!   Prometheus' query API: each must parse and return data, except those over
-//!   kube-state-metrics (`kube_*`), which are only parsed;
+//!   scraping every second) scrapes a live owner's metrics port, a real Envoy's stats
+//!   through the chart's stats listener (`charts/aether-agent/files/envoy-stats-listener.yaml`)
+//!   and a real registrar's metrics port (on etcd, over TLS, holding its Lease on the test
+//!   API server), and loads the chart's alert rules; after a CNI ADD and DEL, a registry
+//!   change and an operator's apply and dump through the registrar, every expression of
+//!   `charts/aether-agent/dashboards/aether-agent.json` goes through Prometheus' query
+//!   API: each must parse and return data, except those over kube-state-metrics
+//!   (`kube_*`), which are only parsed;
 //! - the checker itself fails a panel that names a metric no target exports, both on a
 //!   fixed table and against the live Prometheus;
 //! - `promtool check rules` and `promtool test rules` on the chart's rules and their unit
 //!   tests, and the unit tests fail when a rule's threshold is broken.
 //!
-//! The live test needs root (the worker runs as its own uid), Envoy and Prometheus; the
-//! promtool test needs promtool. Each skips loudly without them (CI installs them:
+//! The live test needs root (the worker runs as its own uid), Envoy, Prometheus and etcd;
+//! the promtool test needs promtool. Each skips loudly without them (CI installs them:
 //! scripts/install-deps.sh, scripts/install-envoy.sh).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,6 +28,10 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{AdsApi, CONNECTED, admin_get, encode, envoy_or_skip, exact_names, parse_stats};
 use aether_e2e::harness::churn::{Cni, PodId};
+use aether_e2e::kube_api::KubeApi;
+use aether_e2e::registrar::{
+    DISCOVERY_RULES, Etcd, LEASE_NAME, LEASE_NAMESPACE, REGISTRAR_USER, RegistrarProcess, TestCa, apply_with, cli, registrar_bin,
+};
 use aether_e2e::testing::{
     LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample, metrics_wrapper, scrape_metrics, try_wait_for, wait_for,
     workspace_root,
@@ -258,7 +264,35 @@ fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Running, Pat
     (Running(child), admin)
 }
 
-fn start_prometheus(prometheus: &Path, dir: &Path, port: u16, agent: &str, envoy_stats: &str) -> Running {
+/// A registrar as the chart runs it with `registrar.tls.secretName` and
+/// `registrar.metrics.enabled`: on etcd, serving TLS, its metrics on `metrics`, running
+/// for the Lease on the test API server with discovery on (and so exporting
+/// `aether_registrar_leader`); returns once it leads. Then an operator applies `file` and
+/// dumps the registry through it, which opens and ends a watch. Returns it with the API
+/// server and the CA, which must live as long as it does.
+fn start_registrar(etcd: &Etcd, metrics: &str, file: &Path) -> (RegistrarProcess, KubeApi, TestCa) {
+    let api = KubeApi::start();
+    api.grant(REGISTRAR_USER, DISCOVERY_RULES);
+    let kubeconfig = api.kubeconfig(REGISTRAR_USER).display().to_string();
+    let ca = TestCa::new("registrar CA");
+    let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], rcgen::ExtendedKeyUsagePurpose::ServerAuth);
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let args = [
+        "--tls-cert", &cert, "--tls-key", &key, "--metrics-addr", metrics, "--kubeconfig", &kubeconfig, "--lease-namespace", LEASE_NAMESPACE,
+        "--lease-name", LEASE_NAME, "--leader-id", "dashboard-r1", "--discovery", "on",
+    ];
+    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &args);
+    registrar.wait_log("leading", T);
+    let ca_file = ca.ca_file().display().to_string();
+    apply_with(registrar.addr(), file, &["--ca", &ca_file]);
+    let dump = cli(&["dump", "--registrar", registrar.addr(), "--ca", &ca_file]);
+    assert!(dump.contains("\"services\""), "the registrar's dump holds no services: {dump}");
+    (registrar, api, ca)
+}
+
+/// Prometheus scraping each `(job, target, metrics path)` every second, with the chart's
+/// alert rules.
+fn start_prometheus(prometheus: &Path, dir: &Path, port: u16, jobs: &[(&str, &str, &str)]) -> Running {
     let rules = chart().join("alerts/aether-agent.rules.yaml");
     let config = format!(
         r#"global:
@@ -268,16 +302,12 @@ fn start_prometheus(prometheus: &Path, dir: &Path, port: u16, agent: &str, envoy
 rule_files:
   - {}
 scrape_configs:
-  - job_name: aether-agent
-    static_configs:
-      - targets: ['{agent}']
-  - job_name: envoy
-    metrics_path: /stats/prometheus
-    static_configs:
-      - targets: ['{envoy_stats}']
 "#,
         rules.display()
-    );
+    ) + &jobs
+        .iter()
+        .map(|(job, target, path)| format!("  - job_name: {job}\n    metrics_path: {path}\n    static_configs:\n      - targets: ['{target}']\n"))
+        .collect::<String>();
     std::fs::write(dir.join("prometheus.yml"), config).expect("write prometheus.yml");
     let log = std::fs::File::create(dir.join("prometheus.log")).expect("prometheus log");
     let child = Command::new(prometheus)
@@ -304,18 +334,19 @@ fn tool_or_skip(name: &str, test: &str) -> Option<PathBuf> {
 }
 
 /// Issue 18's dashboard check. Invariant: every dashboard expression parses, names only
-/// metrics the live owner or Envoy exports, and returns data (those over
+/// metrics the live owner, Envoy or registrar exports, and returns data (those over
 /// kube-state-metrics are only parsed), so that no panel is silently empty; and the alert
 /// rules load into a real Prometheus.
 #[test]
-fn every_dashboard_expression_returns_data_from_a_live_owner_and_envoy() {
-    let test = "every_dashboard_expression_returns_data_from_a_live_owner_and_envoy";
+fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar() {
+    let test = "every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar";
     if !is_root() {
         eprintln!("\n!!! SKIPPED {test}: needs root (the supervisor runs its worker as its own uid; CI runs as root) !!!\n");
         return;
     }
     let Some(envoy) = envoy_or_skip(test) else { return };
     let Some(prometheus) = tool_or_skip("prometheus", test) else { return };
+    let Some(etcd) = Etcd::start_or_skip(test) else { return };
     let started = Instant::now();
     let dashboard_file = chart().join("dashboards/aether-agent.json");
     let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&dashboard_file).expect("read the dashboard"))
@@ -393,20 +424,32 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_and_envoy() {
     });
     std::fs::write(&capture_file, capture(&outbound, inbound)).expect("the capture file again");
 
+    // The registrar's row: services applied and dumped through a live registrar.
+    let registrar_metrics = format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).expect("a free port"));
+    let applied = node.root.path().join("registrar-services.json");
+    std::fs::write(&applied, mesh_registry_json(2, 2, None, "")).expect("the services to apply");
+    let (_registrar, _api, _ca) = start_registrar(&etcd, &registrar_metrics, &applied);
+    wait_for("the registrar's metrics port", T, || scrape_metrics(&registrar_metrics));
+
     let prom_dir = node.root.path().join("prometheus");
     std::fs::create_dir_all(&prom_dir).expect("prometheus dir");
     let prom_port = free_port(Ipv4Addr::LOCALHOST).expect("a free port");
     let prom = format!("127.0.0.1:{prom_port}");
-    let _prometheus = start_prometheus(&prometheus, &prom_dir, prom_port, &metrics, &envoy_stats);
+    let jobs = [
+        ("aether-agent", metrics.as_str(), "/metrics"),
+        ("envoy", envoy_stats.as_str(), "/stats/prometheus"),
+        ("aether-registrar", registrar_metrics.as_str(), "/metrics"),
+    ];
+    let _prometheus = start_prometheus(&prometheus, &prom_dir, prom_port, &jobs);
     let log = || std::fs::read_to_string(prom_dir.join("prometheus.log")).unwrap_or_default();
     try_wait_for("Prometheus ready", T, || http_get("1.0", &prom, "/-/ready").ok().filter(|(s, _)| *s == 200))
         .unwrap_or_else(|e| panic!("{e}; its log:\n{}", log()));
     // Three scrapes of each target, all after the traffic above, so that every rate() over
     // the window has at least two samples.
     let up = |job: &str| prom_api(&prom, &format!("/api/v1/query?query={}", encode(&format!("count_over_time(up{{job=\"{job}\"}}[30s])"))));
-    wait_for("both targets scraped at least three times", T, || {
-        ["aether-agent", "envoy"]
-            .iter()
+    wait_for("every target scraped at least three times", T, || {
+        jobs.iter()
+            .map(|(job, _, _)| job)
             .all(|j| {
                 up(j).ok().and_then(|d| d["result"][0]["value"][1].as_str().and_then(|v| v.parse::<f64>().ok())).is_some_and(|n| n >= 3.0)
             })
@@ -431,7 +474,8 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_and_envoy() {
     let expositions = || {
         let owner = scrape_metrics(&metrics).expect("scrape the owner");
         let envoy = http_get("1.1", &envoy_stats, "/stats/prometheus").expect("scrape Envoy").1;
-        [owner, envoy]
+        let registrar = scrape_metrics(&registrar_metrics).expect("scrape the registrar");
+        [owner, envoy, registrar]
     };
     let deadline = Instant::now() + T;
     let failures = loop {
@@ -444,7 +488,7 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_and_envoy() {
     };
     assert!(
         failures.is_empty(),
-        "{} of {} dashboard expressions fail against the live owner and Envoy:\n{}",
+        "{} of {} dashboard expressions fail against the live owner, Envoy and registrar:\n{}",
         failures.len(),
         exprs.len(),
         failures.join("\n")
