@@ -153,29 +153,56 @@ fn worker_runs_without_privileges() {
     assert!(high.len() == 2 && high[0].1.starts_with("socket:") && high[0].1 == high[1].1, "descriptors from 64 up: {high:?}");
 }
 
-/// Nothing the supervisor inherited crosses the worker's exec: a descriptor it got from
-/// its parent without close-on-exec (at 100 or above here) is the supervisor's alone.
+/// Nothing the supervisor inherited crosses the worker's exec: descriptors it got from its
+/// parent without close-on-exec (at 100, 3000 and 6000 here) are the supervisor's alone,
+/// with `close_range` and, as on Linux before 5.11, without it (`without-close-range`), where
+/// the supervisor marks each descriptor up to its soft limit (8192 here) one by one.
 #[test]
 fn a_descriptor_the_supervisor_inherited_does_not_reach_the_worker() {
     use nix::fcntl::{FcntlArg, fcntl};
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
 
-    let mut node = LocalNode::new();
-    let marker = node.root.path().join("inherited-marker");
-    let file = std::fs::File::create(&marker).expect("marker");
-    // F_DUPFD leaves the copy without close-on-exec: every child of this test process
-    // (nextest gives each test its own) inherits it.
-    let fd = fcntl(&file, FcntlArg::F_DUPFD(100)).expect("F_DUPFD");
-    let a = node.start_agent();
-    a.wait_role("owner", T);
-    let holds = |pid: i32| {
-        std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .expect("fd dir")
-            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-            .any(|target| target == marker)
-    };
-    assert!(holds(a.pid()), "the supervisor did not inherit the marker: the test shows nothing");
-    assert!(!holds(a.worker_pid()), "the worker holds a descriptor the supervisor inherited");
-    nix::unistd::close(fd).expect("close the copy");
+    // Room for the highest marker in this test process, which the agents inherit.
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    if soft < 8192 {
+        setrlimit(Resource::RLIMIT_NOFILE, 8192.min(hard), hard).expect("raise the descriptor limit");
+    }
+    let prlimit = format!("--nofile={}", 8192.min(hard));
+    let without = bin("without-close-range").display().to_string();
+    let fallback = ["prlimit", prlimit.as_str(), without.as_str()];
+    for (how, wrapper) in [("with close_range", &[][..]), ("without close_range", &fallback[..])] {
+        let mut node = LocalNode::new();
+        let marker = node.root.path().join("inherited-marker");
+        let file = std::fs::File::create(&marker).expect("marker");
+        // F_DUPFD leaves the copy without close-on-exec: every child of this test process
+        // (nextest gives each test its own) inherits it.
+        let fds: Vec<i32> = [100, 3000, 6000]
+            .into_iter()
+            .filter(|&at| at < 8192.min(hard) as i32)
+            .map(|at| fcntl(&file, FcntlArg::F_DUPFD(at)).expect("F_DUPFD"))
+            .collect();
+        let a = node.start_agent_wrapped(wrapper, &[]);
+        a.wait_role("owner", T);
+        let held = |pid: i32| -> Vec<i32> {
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .expect("fd dir")
+                .filter_map(|e| {
+                    let e = e.ok()?;
+                    (std::fs::read_link(e.path()).ok()? == marker).then(|| e.file_name().to_str()?.parse().ok())?
+                })
+                .collect()
+        };
+        let mut inherited = held(a.pid());
+        inherited.sort();
+        assert_eq!(inherited, fds, "{how}: the supervisor did not inherit every marker: the test shows nothing");
+        assert_eq!(held(a.worker_pid()), Vec::<i32>::new(), "{how}: the worker holds descriptors the supervisor inherited");
+        if !wrapper.is_empty() {
+            assert!(a.log().contains("close_range refused (ENOSYS)"), "{how}: the premise:\n{}", a.log());
+        }
+        for fd in fds {
+            nix::unistd::close(fd).expect("close the copy");
+        }
+    }
 }
 
 /// The worker is exec'd from the executable the supervisor opened at its start, not by

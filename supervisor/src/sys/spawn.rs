@@ -124,6 +124,11 @@ pub fn start(image: &Image, plan: &Plan) -> Result<(Pid, OwnedFd, OwnedFd), Spaw
 /// Forks and execs the worker with `control` as its fd 3 and `sigsys` as its fd 4.
 /// Returns its pid once the exec has succeeded.
 fn spawn(image: &Image, plan: &Plan, control: &OwnedFd, sigsys: &OwnedFd) -> Result<Pid, SpawnError> {
+    // Without close_range (Linux before 5.11) the child marks each descriptor up to the
+    // soft limit one by one: no descriptor at or past it can be open, unless the limit
+    // was lowered after it was opened.
+    let fd_limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_or(4096, |(soft, _)| i32::try_from(soft).unwrap_or(i32::MAX).max(4096));
     let devnull = File::open("/dev/null").map_err(|source| SpawnError::Open { path: "/dev/null".into(), source })?;
     let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(SpawnError::Fork)?;
     let argv: Vec<*const libc::c_char> = plan.argv.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
@@ -150,6 +155,7 @@ fn spawn(image: &Image, plan: &Plan, control: &OwnedFd, sigsys: &OwnedFd) -> Res
                         last_cap: plan.last_cap,
                         filters: &plan.filters,
                         parent: parent.as_raw(),
+                        fd_limit,
                     },
                 )
             }
@@ -187,6 +193,7 @@ struct ChildArgs {
     last_cap: u32,
     filters: *const [shared_proto::seccomp::Filter; 3],
     parent: i32,
+    fd_limit: i32,
 }
 
 /// Runs in the forked child. Never returns.
@@ -225,7 +232,7 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         // Nothing beyond fds 0-4 survives the exec, whatever the supervisor inherited
         // without close-on-exec from whoever started it.
         if libc::syscall(libc::SYS_close_range, 5u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
-            for fd in 5..4096 {
+            for fd in 5..a.fd_limit {
                 libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             }
         }
