@@ -15,6 +15,8 @@ pub enum FdError {
     NotListening { what: &'static str },
     #[error("{what}: socket is bound to {got:?}, expected {expected}")]
     WrongPath { what: &'static str, got: Option<String>, expected: String },
+    #[error("{what}: the descriptor is not the file at {path} (another file, or one put in its place since it was opened)")]
+    NotTheFile { what: &'static str, path: String },
     #[error("{what}: {source}")]
     Sys { what: &'static str, source: nix::Error },
 }
@@ -45,11 +47,16 @@ pub fn check_listener(what: &'static str, fd: impl AsFd, path: &Path) -> Result<
     Ok(())
 }
 
-/// Checks that `fd` is a regular file (the node lock).
-pub fn check_regular_file(what: &'static str, fd: impl AsFd) -> Result<(), FdError> {
+/// Checks that `fd` is the regular file at `path` (the node lock: a lock taken on any
+/// other file would not keep a second agent from the node).
+pub fn check_regular_file_at(what: &'static str, fd: impl AsFd, path: &Path) -> Result<(), FdError> {
     let st = fstat(fd.as_fd()).map_err(|source| FdError::Sys { what, source })?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
         return Err(FdError::WrongType { what, expected: "regular file" });
+    }
+    let at = nix::sys::stat::stat(path).map_err(|source| FdError::Sys { what, source })?;
+    if (at.st_dev, at.st_ino) != (st.st_dev, st.st_ino) {
+        return Err(FdError::NotTheFile { what, path: path.display().to_string() });
     }
     Ok(())
 }
