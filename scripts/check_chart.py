@@ -821,20 +821,34 @@ def relabel(rules, labels):
     return labels
 
 
-def check_pod_monitor(docs, agent_ds, args):
-    monitors = objects_of(docs, "PodMonitor", "agent")
-    if not args.pod_monitor:
-        check("no PodMonitor unless agent.metrics.podMonitor.enabled", not monitors, f"found {len(monitors)}")
-        return
-    check("PodMonitor rendered once", len(monitors) == 1, f"found {len(monitors)}")
+def pod_monitor_of(docs, where, component, enabled, value, owner):
+    """The PodMonitor of `component`'s pods, checked against the CRD's fields and its
+    selector against the pods of `owner` (their workload) and its namespace; None, checked
+    absent, unless `enabled` (the chart value `value`)."""
+    monitors = objects_of(docs, "PodMonitor", component)
+    if not enabled:
+        check(f"no {where} unless {value}", not monitors, f"found {len(monitors)}")
+        return None
+    check(f"{where} rendered once", len(monitors) == 1, f"found {len(monitors)}")
     pm = monitors[0]
-    check_pod_monitor_schema("PodMonitor", pm)
-    labels = agent_ds["spec"]["template"]["metadata"]["labels"]
+    import jsonschema
+    errors = sorted(f"{'.'.join(str(p) for p in e.path)}: {e.message}"
+                    for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(pm))
+    check(f"{where} validates against the CRD's fields (monitoring.coreos.com/v1)", not errors, "; ".join(errors))
+    labels = owner["spec"]["template"]["metadata"]["labels"]
     selector = pm["spec"]["selector"].get("matchLabels") or {}
-    check("PodMonitor selects the agent's pods, in the release's namespace",
-          selector and all(labels.get(k) == v for k, v in selector.items())
-          and pm["spec"].get("namespaceSelector", {}).get("matchNames") == [agent_ds["metadata"]["namespace"]],
+    check(f"{where} selects the {component}'s pods only, in the release's namespace",
+          selector.get("app.kubernetes.io/component") == component
+          and all(labels.get(k) == v for k, v in selector.items())
+          and pm["spec"].get("namespaceSelector", {}).get("matchNames") == [owner["metadata"]["namespace"]],
           f"selector {selector}, pod labels {labels}")
+    return pm
+
+
+def check_pod_monitor(docs, agent_ds, args):
+    pm = pod_monitor_of(docs, "PodMonitor", "agent", args.pod_monitor, "agent.metrics.podMonitor.enabled", agent_ds)
+    if pm is None:
+        return
     endpoints = pm["spec"].get("podMetricsEndpoints") or []
     check("PodMetricsEndpoint: /metrics, no port or portNumber (the pod declares none: they would match nothing)",
           len(endpoints) == 1 and endpoints[0].get("path") == "/metrics"
@@ -855,31 +869,14 @@ def check_pod_monitor(docs, agent_ds, args):
           "init containers dropped", got == want, f"got {got}")
 
 
-def check_pod_monitor_schema(where, pm):
-    import jsonschema
-    errors = sorted(f"{'.'.join(str(p) for p in e.path)}: {e.message}"
-                    for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(pm))
-    check(f"{where} validates against the CRD's fields (monitoring.coreos.com/v1)", not errors, "; ".join(errors))
-
-
 def check_registrar_pod_monitor(docs, d, argv, args):
     """The registrar's PodMonitor scrapes the port its pods declare as `metrics`, which
     must be the one --metrics-addr binds: Prometheus's pod discovery makes one target per
     declared port, and the endpoint keeps the one of that name."""
-    monitors = objects_of(docs, "PodMonitor", "registrar")
-    if not args.registrar_pod_monitor:
-        check("no registrar PodMonitor unless registrar.metrics.podMonitor.enabled", not monitors, f"found {len(monitors)}")
+    pm = pod_monitor_of(docs, "registrar PodMonitor", "registrar", args.registrar_pod_monitor,
+                        "registrar.metrics.podMonitor.enabled", d)
+    if pm is None:
         return
-    check("registrar PodMonitor rendered once", len(monitors) == 1, f"found {len(monitors)}")
-    pm = monitors[0]
-    check_pod_monitor_schema("registrar PodMonitor", pm)
-    labels = d["spec"]["template"]["metadata"]["labels"]
-    selector = pm["spec"]["selector"].get("matchLabels") or {}
-    check("registrar PodMonitor selects the registrar's pods only, in the release's namespace",
-          selector.get("app.kubernetes.io/component") == "registrar"
-          and all(labels.get(k) == v for k, v in selector.items())
-          and pm["spec"].get("namespaceSelector", {}).get("matchNames") == [d["metadata"]["namespace"]],
-          f"selector {selector}, pod labels {labels}")
     endpoints = pm["spec"].get("podMetricsEndpoints") or []
     container = all_containers(d["spec"]["template"]["spec"])[0]
     declared = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
