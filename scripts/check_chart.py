@@ -869,6 +869,22 @@ def check_pod_monitor(docs, agent_ds, args):
           "init containers dropped", got == want, f"got {got}")
 
 
+def check_registrar_probes(c, argv):
+    """The kubelet's probes of the registrar: GET /ready and GET /live on a declared port
+    that --health-addr binds (on every address of the pod: the kubelet probes its IP)."""
+    declared = {p.get("name"): p.get("containerPort") for p in c.get("ports") or []}
+    bound = flag_values(argv, "--health-addr")
+    for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/live")):
+        get = (c.get(probe) or {}).get("httpGet") or {}
+        port = declared.get(get.get("port"), get.get("port"))
+        check(f"registrar {probe}: GET {path} on the port --health-addr binds",
+              get.get("path") == path and port is not None and bound == [f"0.0.0.0:{port}"] and get.get("scheme", "HTTP") == "HTTP",
+              f"{probe} {c.get(probe)}, declared ports {declared}, --health-addr {bound}")
+    ready = c.get("readinessProbe") or {}
+    check("registrar readinessProbe: every 5 s at most, answered within its timeout (the etcd check takes 1 s)",
+          ready.get("periodSeconds", 10) <= 5 and ready.get("timeoutSeconds", 1) >= 2, f"got {ready}")
+
+
 def check_registrar_pod_monitor(docs, d, argv, args):
     """The registrar's PodMonitor scrapes the port its pods declare as `metrics`, which
     must be the one --metrics-addr binds: Prometheus's pod discovery makes one target per
@@ -983,10 +999,11 @@ def check_registrar(docs, agent_ds, args):
               metrics_addr == [f"0.0.0.0:{port}"] and annotations.get("prometheus.io/scrape") == "true"
               and annotations.get("prometheus.io/path") == "/metrics", f"--metrics-addr {metrics_addr}, annotations {annotations}")
     else:
-        ports = all_containers(pod)[0].get("ports")
-        check("registrar metrics off unless registrar.metrics.enabled: no --metrics-addr, annotation or port",
-              not metrics_addr and "prometheus.io/scrape" not in annotations and not ports,
+        ports = [p.get("name") for p in all_containers(pod)[0].get("ports") or []]
+        check("registrar metrics off unless registrar.metrics.enabled: no --metrics-addr, annotation or metrics port",
+              not metrics_addr and "prometheus.io/scrape" not in annotations and "metrics" not in ports,
               f"--metrics-addr {metrics_addr}, annotations {annotations}, ports {ports}")
+    check_registrar_probes(all_containers(pod)[0], argv)
     check_secrets_readable("registrar pod", pod)
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
@@ -1537,6 +1554,12 @@ def main():
         print(f"argv={shlex.quote(' '.join(shlex.quote(a) for a in c.get('command', []) + c.get('args', [])))}")
         files = " ".join(f"{path}={key}={mode:o}" for path, _, key, mode in secret_files(pod, c))
         print(f"secrets={shlex.quote(files)}")
+        # The probes as the kubelet runs them: a GET of the path on the named port.
+        ports = {p.get("name"): p.get("containerPort") for p in c.get("ports") or []}
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = (c.get(probe) or {}).get("httpGet") or {}
+            name = probe.removesuffix("Probe")
+            print(f"{name}_path={shlex.quote(get.get('path', ''))}\n{name}_port={ports.get(get.get('port'), get.get('port', ''))}")
         return 0
     if args.uninstall_creds:
         with open(args.rendered, encoding="utf-8") as f:

@@ -345,6 +345,9 @@ mutations=(
   'uninstall-not-everywhere|templates/cni-uninstall.yaml|      \{\{- with .Values.agent.tolerations \}\}\n      tolerations:|      {{- with list }}\n      tolerations:||--surge false|runs where the agent ran'
   'uninstall-role-wide|templates/cni-uninstall.yaml|    resourceNames: \[\{\{ \$name . quote \}\}\]\n|||--surge false|reads that one DaemonSet'
   'podmonitor-port|templates/podmonitor.yaml|printf "\$\{1\}:%d" \(int \$metrics.port\)|printf "${1}:%d" 9090|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true|PodMonitor relabeling'
+  'registrar-ready-path|templates/registrar.yaml|path: /ready|path: /live|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar readinessProbe: GET /ready'
+  'registrar-health-port|templates/registrar.yaml|- \{\{ printf "0\.0\.0\.0:%d" \(int \.Values\.registrar\.healthPort\) \x7c quote \}\}|- "0.0.0.0:9093"|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar readinessProbe: GET /ready on the port --health-addr binds'
+  'registrar-probe-slow|templates/registrar.yaml|(path: /ready\n\s+port: health\n\s+)periodSeconds: 5|\g<1>periodSeconds: 30|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar readinessProbe: every 5 s at most'
   'registrar-podmonitor-port|templates/registrar-podmonitor.yaml|- port: metrics|- port: grpc|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-metrics true --registrar-pod-monitor true|registrar PodMonitor scrapes /metrics on the declared port'
   'registrar-podmonitor-agents|templates/registrar-podmonitor.yaml|"component" "registrar"|"component" "agent"|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-metrics true --registrar-pod-monitor true|registrar PodMonitor selects the registrar'"'"'s pods only'
   'registrar-hostport|templates/registrar.yaml|(containerPort: \{\{ \.Values\.registrar\.metrics\.port \}\}\n)|\g<1>              hostPort: 9091\n|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true|--surge false --registrar true --registrar-metrics true|no hostPort anywhere'
@@ -602,13 +605,15 @@ PY
   pass "the uninstall removed the entry and the plugin once the last agent exited, and nothing else"
 fi
 
-step "the registrar as deployed: TLS from the chart's Secret files, under its credentials"
+step "the registrar as deployed: TLS from the chart's Secret files and its probes, under its credentials"
 # The rendered registrar's argv, run under the uid, groups and capabilities its pod
 # declares (setpriv), with the TLS Secret's files laid out as the kubelet writes them
 # (root-owned, group fsGroup, the volume's mode), against a real etcd: it must serve TLS
-# that a client trusting the Secret's ca.crt accepts and a plain client does not. The
-# same files 0400 (unreadable through the group, as before the pod had an fsGroup) must
-# stop its start, naming the file, so that this stage tests something.
+# that a client trusting the Secret's ca.crt accepts and a plain client does not, and
+# answer the kubelet's probes as the chart declares them (path and port): ready and live,
+# then, with etcd stopped, live but not ready. The same files 0400 (unreadable through
+# the group, as before the pod had an fsGroup) must stop its start, naming the file, so
+# that this stage tests something.
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the registrar TLS stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
@@ -629,6 +634,11 @@ else
     -extfile <(printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n') -out "$reg/secret/tls.crt" 2>/dev/null
   port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
   etcd_port="$(port)" listen="127.0.0.1:$(port)"
+  # The kubelet probes the pod's IP at the probe's port; here loopback, at a free port
+  # standing in for it (the chart's --health-addr binds every address).
+  # shellcheck disable=SC2154 # readiness_* and liveness_* come from --registrar-creds
+  health_port="$(port)"
+  [[ "$readiness_port" == "$liveness_port" ]] || fail "the registrar's probes name two ports ($readiness_port, $liveness_port)"
   /usr/bin/etcd --name m0 --data-dir "$reg/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
     --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$(port)" \
     --initial-advertise-peer-urls "http://127.0.0.1:1" --initial-cluster "m0=http://127.0.0.1:1" >"$reg/etcd.log" 2>&1 &
@@ -646,7 +656,12 @@ else
   read -r -a args <<<"$argv"
   for i in "${!args[@]}"; do
     case "${args[i]}" in /etc/aether/*) args[i]="$reg/root${args[i]}" ;; esac
-    case "${args[i]-}" in --etcd) args[i + 1]="http://127.0.0.1:$etcd_port" ;; --listen) args[i + 1]="$listen" ;; esac
+    case "${args[i]-}" in
+      --etcd) args[i + 1]="http://127.0.0.1:$etcd_port" ;;
+      --listen) args[i + 1]="$listen" ;;
+      --health-addr) [[ "${args[i + 1]}" == "0.0.0.0:$readiness_port" ]] || fail "--health-addr ${args[i + 1]} is not the probes' port $readiness_port"
+        args[i + 1]="127.0.0.1:$health_port" ;;
+    esac
   done
   args[0]="$bin/${args[0]}"
   creds=(--reuid "$uid" --regid "$gid" --clear-groups --inh-caps=-all --bounding-set "-all${caps:+$(printf ',+%s' ${caps//,/ })}")
@@ -665,6 +680,32 @@ else
     kill "$reg_pid" "$etcd_pid"; fail "the registrar answered a plain HTTP/2 client on its TLS port"
   fi
   pass "registrar (uid $uid, groups '${groups}', caps '${caps}') serves TLS from the Secret's files ($(tr ' ' ',' <<<"$secrets")); a client trusting ca.crt is served, a plain one is not"
+  probe() { # PATH: the HTTP status of a GET of PATH on the probe port, as the kubelet's httpGet
+    "$py" - "http://127.0.0.1:$health_port$1" <<'PY'
+import sys, urllib.error, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=2).status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+except OSError as e:
+    print(f"no answer ({e})")
+PY
+  }
+  [[ "$(probe "$readiness_path")" == 200 && "$(probe "$liveness_path")" == 200 ]] \
+    || { kill "$reg_pid" "$etcd_pid"; cat "$reg/registrar.log"; fail "the registrar's probes ($readiness_path, $liveness_path on $readiness_port) do not both answer 200"; }
+  kill "$etcd_pid"; wait "$etcd_pid" 2>/dev/null || true
+  unready=""
+  for _ in $(seq 1 40); do
+    if [[ "$(probe "$readiness_path")" == 503 ]]; then unready=1; break; fi
+    sleep 0.25
+  done
+  [[ -n "$unready" && "$(probe "$liveness_path")" == 200 ]] \
+    || { kill "$reg_pid"; cat "$reg/registrar.log"; fail "with etcd stopped, the registrar's readiness probe did not turn 503 while its liveness stayed 200"; }
+  pass "its probes as declared: GET $readiness_path and $liveness_path on port $readiness_port answer 200; with etcd stopped, $readiness_path 503 and $liveness_path still 200"
+  /usr/bin/etcd --name m0 --data-dir "$reg/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
+    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$(port)" \
+    --initial-advertise-peer-urls "http://127.0.0.1:1" --initial-cluster "m0=http://127.0.0.1:1" >>"$reg/etcd.log" 2>&1 &
+  etcd_pid=$!
   kill -TERM "$reg_pid"; wait "$reg_pid" || true
   lay_out 0400
   if setpriv "${creds[@]}" "${args[@]}" >"$reg/registrar-0400.log" 2>&1; then

@@ -99,6 +99,13 @@ pub struct ServeArgs {
     #[arg(long, env = "AETHER_REGISTRAR_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<std::net::SocketAddr>,
 
+    /// Serve the kubelet's probes on this address, plain HTTP, e.g. 0.0.0.0:9092: GET /live
+    /// answers 200 while the process runs; GET /ready answers 200 once the registry API
+    /// listens and etcd answers within 1 s, and 503 with the reason before, while etcd
+    /// does not answer, and once SIGTERM came [default: none]
+    #[arg(long, env = "AETHER_REGISTRAR_HEALTH_ADDR", value_name = "HOST:PORT")]
+    pub health_addr: Option<std::net::SocketAddr>,
+
     /// Accept plain TCP on --listen. TCP authenticates nobody: every caller may then do
     /// everything, apply and delete included. For tests and trusted networks only
     #[arg(long, env = "AETHER_REGISTRAR_INSECURE_LISTEN")]

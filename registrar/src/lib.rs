@@ -13,6 +13,7 @@
 pub mod authz;
 pub mod cli;
 pub mod client;
+pub mod health;
 pub mod keys;
 pub mod kubernetes;
 pub mod listen;

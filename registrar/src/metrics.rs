@@ -89,29 +89,49 @@ impl Metrics {
 
 /// Serves `GET /metrics` on `listener` until the task is dropped; anything else is 404.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    serve_http(listener, move |method, path| {
+        let metrics = metrics.clone();
+        async move {
+            match (method, path.as_str()) {
+                (hyper::Method::GET, "/metrics") => (200, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
+                _ => (404, "text/plain; charset=utf-8", "try GET /metrics\n".to_owned()),
+            }
+        }
+    })
+    .await
+}
+
+/// Serves HTTP/1.1 on `listener` until the task is dropped, answering each request with
+/// what `route` gives for its method and path: status, content type and body. At most
+/// [`MAX_CONNECTIONS`] connections at once, one past it closed at once; each within
+/// 10 s.
+pub async fn serve_http<R, F>(listener: tokio::net::TcpListener, route: R)
+where
+    R: Fn(hyper::Method, String) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = (u16, &'static str, String)> + Send + 'static,
+{
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (tcp, _) = match listener.accept().await {
             Ok(a) => a,
             Err(e) => {
-                tracing::warn!(error = %e, "metrics: accept failed");
+                tracing::warn!(error = %e, "http: accept failed");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
-        let metrics = metrics.clone();
+        let route = route.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let (status, body) = match (req.method(), req.uri().path()) {
-                    (&hyper::Method::GET, "/metrics") => (200, metrics.encode()),
-                    _ => (404, "try GET /metrics\n".to_owned()),
-                };
-                let response = hyper::Response::builder()
-                    .status(status)
-                    .header("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
-                    .body(http_body_util::Full::new(hyper::body::Bytes::from(body)));
-                async move { response }
+                let answer = route(req.method().clone(), req.uri().path().to_owned());
+                async move {
+                    let (status, content_type, body) = answer.await;
+                    hyper::Response::builder()
+                        .status(status)
+                        .header("content-type", content_type)
+                        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
             let _ = tokio::time::timeout(SCRAPE_TIMEOUT, conn).await;

@@ -1,7 +1,7 @@
 //! `aether-registrar serve`: the wiring. Refuses unauthenticated TCP without
 //! `--insecure-listen`, and a bad `--tls-cert`/`--tls-key`, before anything else; checks
-//! that etcd answers, binds, and serves until SIGTERM or SIGINT, when open watch streams
-//! end with UNAVAILABLE (their clients resume on another replica or after the restart). The socket file is left in place at exit; the next
+//! that etcd answers, binds (the metrics and probe ports first), and serves until SIGTERM
+//! or SIGINT, when `/ready` turns 503 and open watch streams end with UNAVAILABLE (their clients resume on another replica or after the restart). The socket file is left in place at exit; the next
 //! start replaces it once nothing answers on it.
 
 use std::time::Duration;
@@ -13,6 +13,7 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 
 use crate::authz::Policy;
 use crate::cli::ServeArgs;
+use crate::health::Health;
 use crate::keys::Layout;
 use crate::kubernetes::discovery::Namespaces;
 use crate::kubernetes::lease::LeaseConfig;
@@ -89,6 +90,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(addr = %addr, "serving metrics on GET /metrics");
         tokio::spawn(crate::metrics::serve(l, metrics.clone()));
     }
+    let health = Health::new(store.clone());
+    if let Some(addr) = &args.health_addr {
+        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--health-addr {addr}: cannot listen"))?;
+        tracing::info!(addr = %addr, "serving the probes on GET /live and GET /ready");
+        tokio::spawn(crate::health::serve(l, health.clone()));
+    }
     let bound = listen::bind(&args.listen, args.insecure_listen || args.token_review, args.socket_mode).await?;
     let transport = match (bound_kind(&bound), reviewer) {
         (false, _) => Transport::Unix,
@@ -132,11 +139,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registrar = Registrar::new(store, policy.clone(), transport, args.cluster.clone(), shutdown_rx, metrics.clone());
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+    let stopping = health.clone();
     let stop = async move {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: stopping"),
             _ = int.recv() => tracing::info!("SIGINT: stopping"),
         }
+        stopping.set_stopping();
         let _ = shutdown_tx.send(true);
     };
     tracing::info!(
@@ -145,6 +154,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "serving the registry API"
     );
     let server = tonic::transport::Server::builder().add_service(RegistryServer::new(registrar));
+    // Bound above: connections queue in the backlog until the server takes them.
+    health.set_serving();
     let serving = async {
         match bound {
             Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,

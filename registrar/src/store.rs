@@ -176,7 +176,8 @@ impl Store {
         self.revision_within(REQUEST_TIMEOUT).await
     }
 
-    async fn revision_within(&self, after: Duration) -> Result<i64, StoreError> {
+    /// [`Store::revision`], given up on after `after`.
+    pub async fn revision_within(&self, after: Duration) -> Result<i64, StoreError> {
         let what = format!("read the revision under {}", self.layout.prefix());
         let what = &what;
         self.timed(what, after, || async move {

@@ -104,6 +104,40 @@ async fn metrics_count_calls_by_status_and_watch_streams_open_and_ended() {
     .unwrap();
 }
 
+/// `--health-addr`, the kubelet's probes: `/live` is 200 for as long as the process runs;
+/// `/ready` is 200 while etcd answers, 503 naming etcd's address while it does not (the
+/// replica staying live), and 200 again once etcd is back; anything else is 404.
+#[test]
+fn the_probes_say_live_and_ready_while_etcd_answers_and_not_ready_without_it() {
+    let mut etcd = etcd_or_skip!("the_probes_say_live_and_ready_while_etcd_answers_and_not_ready_without_it");
+    let dir = tempfile::tempdir().unwrap();
+    let health = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let _reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--health-addr", &health]);
+    let get = |path: &str| -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&health).expect("the probe port answers");
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        let status = out.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        (status, out.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned())
+    };
+    assert_eq!(get("/live").0, 200);
+    let (status, body) = get("/ready");
+    assert!(status == 200 && body.starts_with("ready: etcd at revision"), "{status} {body}");
+    assert_eq!(get("/metrics").0, 404);
+    etcd.kill(0);
+    let body = aether_registrar::testing::wait_for("/ready to say etcd does not answer", WAIT, || {
+        let (status, body) = get("/ready");
+        (status == 503).then_some(body)
+    });
+    assert!(body.starts_with("not ready: etcd at ") && body.contains(&etcd.client_urls()[0]), "{body}");
+    assert_eq!(get("/live").0, 200, "a replica without etcd is not ready, but live");
+    etcd.restart(0);
+    aether_registrar::testing::wait_for("/ready once etcd is back", WAIT, || (get("/ready").0 == 200).then_some(()));
+}
+
 #[tokio::test]
 async fn a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped() {
     let etcd = etcd_or_skip!("a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped");
