@@ -1376,13 +1376,18 @@ def check_monitoring(docs, agent_ds, args):
     with open(os.path.join(chart, "alerts", "aether-agent.rules.yaml"), encoding="utf-8") as f:
         text = f.read()
     name = agent_ds["metadata"]["name"]
-    want = yaml.safe_load(text.replace('created_by_name="aether-agent"', f'created_by_name="{name}"'))["groups"]
+    registrar = f"{name}-registrar"[:63].rstrip("-")
+    want = yaml.safe_load(text.replace('created_by_name="aether-agent"', f'created_by_name="{name}"').replace(
+        'created_by_name=~"aether-agent-registrar-[a-z0-9]+"', f'created_by_name=~"{registrar}-[a-z0-9]+"'))["groups"]
     got = rules[0].get("spec", {}).get("groups")
     check(f"PrometheusRule: the chart's rules file, its agent DaemonSet named {name}", got == want,
           f"got {json.dumps(got)[:300]}")
     stalled = [r for g in got or [] for r in g.get("rules", []) if r.get("alert") == "AetherAgentRollStalled"]
     check(f"PrometheusRule: AetherAgentRollStalled watches the pods of DaemonSet {name}",
           len(stalled) == 1 and f'created_by_name="{name}"' in stalled[0]["expr"], f"got {stalled}")
+    not_ready = [r for g in got or [] for r in g.get("rules", []) if r.get("alert") == "AetherRegistrarNotReady"]
+    check(f"PrometheusRule: AetherRegistrarNotReady watches the pods of Deployment {registrar}'s ReplicaSets",
+          len(not_ready) == 1 and f'created_by_name=~"{registrar}-[a-z0-9]+"' in not_ready[0]["expr"], f"got {not_ready}")
 
 
 def check_unit(path):

@@ -334,6 +334,7 @@ mutations=(
   'dashboard-label|values.yaml|(labels:\n +)grafana_dashboard: "1"|\g<1>grafana_dashboard: "0"|dashboards.enabled=true|--surge false --dashboards true|label grafana_dashboard: "1"'
   'dashboard-on-by-default|values.yaml|(dashboards:\n(?:  #[^\n]*\n)*  )enabled: false|\g<1>enabled: true||--surge false|no dashboard ConfigMap unless dashboards.enabled'
   'alerts-on-by-default|values.yaml|(alerts:\n  )enabled: false|\g<1>enabled: true||--surge false|no PrometheusRule unless alerts.enabled'
+  'rules-other-registrar|templates/prometheusrule.yaml|\(include "aether-agent\.registrarName" \.\)|"aether-agent-registrar"|alerts.enabled=true|--surge false --alerts true|the chart'"'"'s rules file'
   'rules-other-daemonset|templates/prometheusrule.yaml|\(include "aether-agent\.fullname" \.\)|"aether-agent"|alerts.enabled=true|--surge false --alerts true|its agent DaemonSet named'
   'ready-listener-open|templates/_helpers.tpl|              path: /ready\n|              prefix: /\n|proxy.enabled=true|--surge false --proxy true|readiness listener: on 127.0.0.1, forwards GET /ready only'
   'metrics-no-annotations|templates/daemonset.yaml|prometheus.io/scrape: "true"|example.io/scrape: "true"|agent.metrics.enabled=true|--surge false --metrics true|metrics enabled: prometheus.io annotations'
@@ -633,14 +634,17 @@ else
   openssl x509 -req -in "$reg/tls.csr" -CA "$reg/secret/ca.crt" -CAkey "$reg/ca.key" -CAcreateserial -days 1 \
     -extfile <(printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n') -out "$reg/secret/tls.crt" 2>/dev/null
   port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-  etcd_port="$(port)" listen="127.0.0.1:$(port)"
+  # Every port is picked here, in this shell: a `$(...)` inside a background command runs
+  # in its forked shell, which a kill before its exec would end through this script's
+  # EXIT trap (removing $work).
+  etcd_port="$(port)" listen="127.0.0.1:$(port)" peer_port="$(port)"
   # The kubelet probes the pod's IP at the probe's port; here loopback, at a free port
   # standing in for it (the chart's --health-addr binds every address).
   # shellcheck disable=SC2154 # readiness_* and liveness_* come from --registrar-creds
   health_port="$(port)"
   [[ "$readiness_port" == "$liveness_port" ]] || fail "the registrar's probes name two ports ($readiness_port, $liveness_port)"
   /usr/bin/etcd --name m0 --data-dir "$reg/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
-    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$(port)" \
+    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$peer_port" \
     --initial-advertise-peer-urls "http://127.0.0.1:1" --initial-cluster "m0=http://127.0.0.1:1" >"$reg/etcd.log" 2>&1 &
   etcd_pid=$!
   # shellcheck disable=SC2154 # uid, gid, groups, file_group, caps, argv, secrets come from --registrar-creds
@@ -703,7 +707,7 @@ PY
     || { kill "$reg_pid"; cat "$reg/registrar.log"; fail "with etcd stopped, the registrar's readiness probe did not turn 503 while its liveness stayed 200"; }
   pass "its probes as declared: GET $readiness_path and $liveness_path on port $readiness_port answer 200; with etcd stopped, $readiness_path 503 and $liveness_path still 200"
   /usr/bin/etcd --name m0 --data-dir "$reg/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
-    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$(port)" \
+    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$peer_port" \
     --initial-advertise-peer-urls "http://127.0.0.1:1" --initial-cluster "m0=http://127.0.0.1:1" >>"$reg/etcd.log" 2>&1 &
   etcd_pid=$!
   kill -TERM "$reg_pid"; wait "$reg_pid" || true

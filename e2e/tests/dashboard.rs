@@ -467,7 +467,7 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         .flat_map(|g| g["rules"].as_array().into_iter().flatten())
         .filter_map(|r| r["name"].as_str())
         .collect();
-    assert_eq!(loaded.len(), 8, "the chart's alert rules as Prometheus loaded them: {loaded:?}");
+    assert_eq!(loaded.len(), 9, "the chart's alert rules as Prometheus loaded them: {loaded:?}");
 
     // Every expression, polled until all pass (a scrape may land just before a series
     // appears) or the deadline; then the last outcome is the verdict.
