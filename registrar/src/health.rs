@@ -65,7 +65,7 @@ fn verdict(serving: bool, stopping: bool, etcd: Option<Result<i64, String>>) -> 
 
 /// Serves `/live` and `/ready` on `listener` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, health: Arc<Health>) {
-    crate::metrics::serve_http(listener, move |method, path| {
+    crate::http::serve(listener, move |method, path| {
         let health = health.clone();
         async move {
             let text = "text/plain; charset=utf-8";

@@ -7,13 +7,15 @@
 //! [`validate`], [`plan`] (the writes a request makes) and [`authz`] (who may call what)
 //! know no etcd client, socket or runtime. [`store`] is the etcd edge, [`service`] the
 //! tonic service, [`listen`] the sockets, [`tls`] the TLS on a TCP one, [`metrics`] the
-//! Prometheus endpoint, [`serve`] the wiring, and [`client`] the operator's commands.
+//! Prometheus endpoint, [`health`] the probes, [`http`] the server of those two ports,
+//! [`serve`] the wiring, and [`client`] the operator's commands.
 #![forbid(unsafe_code)]
 
 pub mod authz;
 pub mod cli;
 pub mod client;
 pub mod health;
+pub mod http;
 pub mod keys;
 pub mod kubernetes;
 pub mod listen;

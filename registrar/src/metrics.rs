@@ -1,11 +1,9 @@
 //! `--metrics-addr`: the registrar's Prometheus metrics, as OpenMetrics text on
-//! `GET /metrics` (HTTP/1.1, hyper). One registry, no globals: the service, the watch
-//! streams, the TLS acceptor and the Lease count into the [`Metrics`] handle they get.
-//! The listener holds at most [`MAX_CONNECTIONS`] connections; one past it is closed at
-//! once.
+//! `GET /metrics` (HTTP/1.1, served by [`crate::http`]). One registry, no globals: the
+//! service, the watch streams, the TLS acceptor and the Lease count into the [`Metrics`]
+//! handle they get.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -13,10 +11,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-/// Connections the metrics listener holds at once.
-pub const MAX_CONNECTIONS: usize = 64;
-/// How long a scrape may take.
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
@@ -89,7 +83,7 @@ impl Metrics {
 
 /// Serves `GET /metrics` on `listener` until the task is dropped; anything else is 404.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
-    serve_http(listener, move |method, path| {
+    crate::http::serve(listener, move |method, path| {
         let metrics = metrics.clone();
         async move {
             match (method, path.as_str()) {
@@ -99,43 +93,4 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
         }
     })
     .await
-}
-
-/// Serves HTTP/1.1 on `listener` until the task is dropped, answering each request with
-/// what `route` gives for its method and path: status, content type and body. At most
-/// [`MAX_CONNECTIONS`] connections at once, one past it closed at once; each within
-/// 10 s.
-pub async fn serve_http<R, F>(listener: tokio::net::TcpListener, route: R)
-where
-    R: Fn(hyper::Method, String) -> F + Clone + Send + Sync + 'static,
-    F: std::future::Future<Output = (u16, &'static str, String)> + Send + 'static,
-{
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let (tcp, _) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, "http: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
-        let route = route.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let answer = route(req.method().clone(), req.uri().path().to_owned());
-                async move {
-                    let (status, content_type, body) = answer.await;
-                    hyper::Response::builder()
-                        .status(status)
-                        .header("content-type", content_type)
-                        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
-                }
-            });
-            let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-            let _ = tokio::time::timeout(SCRAPE_TIMEOUT, conn).await;
-            drop(slot);
-        });
-    }
 }

@@ -1,8 +1,9 @@
 //! `aether-registrar serve`: the wiring. Refuses unauthenticated TCP without
 //! `--insecure-listen`, and a bad `--tls-cert`/`--tls-key`, before anything else; checks
 //! that etcd answers, binds (the metrics and probe ports first), and serves until SIGTERM
-//! or SIGINT, when `/ready` turns 503 and open watch streams end with UNAVAILABLE (their clients resume on another replica or after the restart). The socket file is left in place at exit; the next
-//! start replaces it once nothing answers on it.
+//! or SIGINT, when `/ready` turns 503 and open watch streams end with UNAVAILABLE (their
+//! clients resume on another replica or after the restart). The socket file is left in
+//! place at exit; the next start replaces it once nothing answers on it.
 
 use std::time::Duration;
 
