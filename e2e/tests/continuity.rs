@@ -13,7 +13,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept, bind, listen, socket};
 use nix::unistd::Pid;
 use shared_proto::control::{HANDOFF_VERSION, HandoffBody, HandoffHello, HandoffOffer};
-use shared_proto::fdpass;
+use shared_proto::{fdpass, handoff};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -184,6 +184,45 @@ fn the_owner_refuses_a_peer_of_another_uid() {
     let handoff = node.run_dir.join("handoff.sock");
     assert_eq!(hello_as_uid_65534(&handoff), "b''", "the owner answered a foreign uid");
     owner.wait_log("runs as uid 65534", T);
+}
+
+/// Limitation 8 of SECURITY.md, closed: a same-uid peer that connects to `handoff.sock`
+/// (or `keeper.sock`) and never speaks holds a parked slot, not the owner's loop. With
+/// twice `Parked::MAX` silent peers queued ahead of it, a standby's fetch gets the offer
+/// at its first try (the old owner waited 500 ms on each silent peer in turn, so the
+/// fetch timed out), and the oldest silent peers are closed to keep the bound.
+#[test]
+fn silent_handoff_peers_hold_up_neither_the_owner_nor_the_keeper() {
+    let mut node = LocalNode::new();
+    let keeper = node.start_keeper();
+    let owner = node.start_agent();
+    owner.wait_role("owner", T);
+    keeper.wait_log_count("keeping the owner's node sockets", 1, T);
+    let (xds, cni) = (node.xds_sock(), node.cni_sock());
+    for (name, pid) in [("handoff.sock", owner.pid()), ("keeper.sock", keeper.pid())] {
+        let path = node.run_dir.join(name);
+        let silent: Vec<OwnedFd> = (0..2 * handoff::Parked::MAX).map(|_| dial(&path)).collect();
+        let started = Instant::now();
+        let held = handoff::fetch(&path, &xds, &cni, false);
+        let took = started.elapsed();
+        let held = held.unwrap_or_else(|e| panic!("{name}: the fetch behind {} silent peers failed after {took:?}: {e}", silent.len()));
+        assert!(held.is_some(), "{name}: no offer");
+        // The silent peers were accepted in the order they connected, then the fetch
+        // (and perhaps the keeper's own fetch on handoff.sock): the oldest were closed
+        // to make room, the newest still wait, and nothing answered them.
+        let open: Vec<bool> = silent.iter().map(|s| {
+            let mut b = [0u8; 8];
+            let got = nix::sys::socket::recv(std::os::fd::AsRawFd::as_raw_fd(s), &mut b, nix::sys::socket::MsgFlags::MSG_DONTWAIT);
+            assert!(matches!(got, Ok(0) | Err(nix::errno::Errno::EAGAIN)), "{name}: a silent peer got {got:?}");
+            got.is_err()
+        }).collect();
+        let parked = open.iter().filter(|o| **o).count();
+        assert!((1..handoff::Parked::MAX).contains(&parked), "{name}: {parked} silent peers still parked: {open:?}");
+        assert!(!open[0] && *open.last().unwrap(), "{name}: not the oldest closed first: {open:?}");
+        assert!(fd_count(pid) < 64, "{name}: the owner holds {} descriptors", fd_count(pid));
+        eprintln!("{name}: offer fetched in {took:?} behind {} silent peers", silent.len());
+    }
+    assert_eq!(owner.ready().expect("owner").1["role"], "owner");
 }
 
 /// Sends a handoff hello to `path` as uid 65534 (the path opened to everyone first, so

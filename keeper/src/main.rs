@@ -127,6 +127,7 @@ fn run(cfg: &Config) -> Result<i32, KeeperError> {
     nix::fcntl::fcntl(&listener.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(KeeperError::NonBlocking)?;
     info!(path = %path.display(), "socket keeper started; fetching the owner's sockets over handoff.sock");
     let mut held: Option<Held> = None;
+    let mut parked = handoff::Parked::default();
     let mut next_fetch = Instant::now();
     loop {
         if next_fetch <= Instant::now() {
@@ -134,12 +135,13 @@ fn run(cfg: &Config) -> Result<i32, KeeperError> {
             next_fetch = Instant::now() + REFRESH;
         }
         let wait = next_fetch.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
-        let mut fds = [PollFd::new(signals.as_fd(), PollFlags::POLLIN), PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN)];
+        let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN), PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN)];
+        fds.extend(parked.fds().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
         match poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(KeeperError::Poll(e)),
         }
-        let readable = |f: &PollFd| f.revents().is_some_and(|r| r.intersects(PollFlags::POLLIN));
+        let readable = |f: &PollFd| f.revents().is_some_and(|r| !r.is_empty());
         if readable(&fds[0]) {
             while let Ok(Some(info)) = signals.read_signal() {
                 if matches!(Signal::try_from(info.ssi_signo as i32), Ok(Signal::SIGTERM | Signal::SIGINT)) {
@@ -148,14 +150,21 @@ fn run(cfg: &Config) -> Result<i32, KeeperError> {
                 }
             }
         }
-        if readable(&fds[1]) {
-            while let Some(conn) = handoff::accept(&listener.fd) {
-                let Some(h) = &held else {
-                    // Closing the connection tells the peer there is nothing to take.
+        if fds[1..].iter().any(readable) {
+            drop(fds);
+            for e in parked.accept_all(&listener.fd) {
+                warn!(error = %e, "keeper offer refused");
+            }
+            let Some(h) = &held else {
+                // Closing the connection tells the peer there is nothing to take.
+                if parked.fds().next().is_some() {
                     warn!("an agent asked for the node sockets before the keeper held any");
-                    continue;
-                };
-                match handoff::serve_one(conn, h.generation, &h.listeners) {
+                }
+                parked.clear();
+                continue;
+            };
+            for answer in parked.answer_ready(h.generation, &h.listeners) {
+                match answer {
                     Ok(_) => info!(generation = h.generation, "offered the kept node sockets to an agent"),
                     Err(e) => warn!(error = %e, "keeper offer refused"),
                 }

@@ -4,7 +4,8 @@
 //! while no worker accepts waits in the backlog instead of being refused.
 //!
 //! The exchange: the standby connects and sends `HandoffHello{version}`; the owner checks
-//! the peer's uid (SO_PEERCRED, same uid as itself) and answers one `HandoffOffer` with
+//! the peer's uid (SO_PEERCRED, same uid as itself), parks the connection until the Hello
+//! is readable ([`Parked`]: no wait in the owner's loop) and answers one `HandoffOffer` with
 //! its generation, the device/inode of each socket path, and the two descriptors. The
 //! standby checks the peer's uid too, checks each descriptor (a listening stream socket
 //! bound to the expected path), holds them and never accepts on them. The messages and
@@ -17,7 +18,7 @@
 //! file ([`bind_fresh`]), which both use for their listeners.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -106,7 +107,7 @@ pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> 
     Ok(Bound { fd, id: FileId { dev: m.dev(), ino: m.ino() } })
 }
 
-/// How long either side waits for the other's message.
+/// How long a standby waits for the owner's offer.
 const STEP_TIMEOUT: Duration = Duration::from_millis(500);
 
 #[derive(Debug, thiserror::Error)]
@@ -177,11 +178,74 @@ fn check_peer_uid(fd: &OwnedFd) -> Result<(), HandoffError> {
     Ok(())
 }
 
-/// Owner side: answers one standby on the accepted connection `conn`. Returns whether
-/// the peer said it is the node's socket keeper.
-pub fn serve_one(conn: OwnedFd, generation: u64, offer: &Listeners) -> Result<bool, HandoffError> {
-    check_peer_uid(&conn)?;
-    wait_readable(&conn, STEP_TIMEOUT)?;
+/// Owner side: accepted connections whose peer has not spoken yet. The owner (the
+/// supervisor, or the socket keeper on `keeper.sock`) parks each connection it accepts
+/// and answers it once its Hello, or its end, is readable: a peer that connects and stays
+/// silent holds a slot, never the event loop, which polls the parked descriptors with its
+/// others ([`Parked::fds`]). A peer of another uid is refused at accept. At most
+/// [`Parked::MAX`] wait; past that the oldest is closed (its peer, a standby, fetches
+/// again 200 ms later).
+#[derive(Debug, Default)]
+pub struct Parked(std::collections::VecDeque<OwnedFd>);
+
+impl Parked {
+    pub const MAX: usize = 8;
+
+    /// Accepts every connection queued on the non-blocking `listener` and parks it.
+    /// Returns the refusals (a peer of another uid), for the caller to log.
+    pub fn accept_all(&mut self, listener: &OwnedFd) -> Vec<HandoffError> {
+        let mut refused = Vec::new();
+        while let Some(conn) = accept(listener) {
+            match check_peer_uid(&conn) {
+                Err(e) => refused.push(e),
+                Ok(()) => {
+                    if self.0.len() == Self::MAX {
+                        self.0.pop_front();
+                    }
+                    self.0.push_back(conn);
+                }
+            }
+        }
+        refused
+    }
+
+    /// The parked connections, for the caller's poll.
+    pub fn fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
+        self.0.iter().map(|c| c.as_fd())
+    }
+
+    /// Closes every parked connection: there is nothing to offer.
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// Answers each parked connection whose peer has sent something or hung up, with
+    /// `offer`, without waiting; the others stay parked. One result per answered peer:
+    /// whether it said it is the node's socket keeper, or why it was refused.
+    pub fn answer_ready(&mut self, generation: u64, offer: &Listeners) -> Vec<Result<bool, HandoffError>> {
+        let ready: Vec<bool> = {
+            let mut fds: Vec<PollFd> = self.fds().map(|fd| PollFd::new(fd, PollFlags::POLLIN)).collect();
+            if poll(&mut fds, PollTimeout::ZERO).is_err() {
+                return Vec::new();
+            }
+            fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect()
+        };
+        let mut answers = Vec::new();
+        let mut ready = ready.into_iter();
+        let waiting = std::mem::take(&mut self.0);
+        for conn in waiting {
+            if ready.next().unwrap_or(false) {
+                answers.push(answer(conn, generation, offer));
+            } else {
+                self.0.push_back(conn);
+            }
+        }
+        answers
+    }
+}
+
+/// Answers the peer on `conn`, whose Hello (or end) is readable.
+fn answer(conn: OwnedFd, generation: u64, offer: &Listeners) -> Result<bool, HandoffError> {
     let keeper = match fdpass::recv_handoff(conn.as_fd(), true)? {
         (HandoffBody::Hello(h), _) if h.version == HANDOFF_VERSION => h.keeper,
         (HandoffBody::Hello(h), _) => return Err(HandoffError::Version { got: h.version, ours: HANDOFF_VERSION }),
@@ -194,7 +258,7 @@ pub fn serve_one(conn: OwnedFd, generation: u64, offer: &Listeners) -> Result<bo
     Ok(keeper)
 }
 
-/// Owner side: accepts a pending connection on the (non-blocking) handoff listener.
+/// Accepts a pending connection on the (non-blocking) listener `listener`.
 pub fn accept(listener: &OwnedFd) -> Option<OwnedFd> {
     accept4(listener, SockFlag::SOCK_CLOEXEC).ok()
 }

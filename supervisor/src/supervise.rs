@@ -75,6 +75,8 @@ pub struct Supervisor {
     /// The node after its release: its listeners and `handoff.sock` still offered to
     /// whoever takes the node next, until this supervisor exits (`Node::release`).
     released: Option<Node>,
+    /// Accepted `handoff.sock` connections waiting for their peer's Hello.
+    parked: handoff::Parked,
 }
 
 impl Supervisor {
@@ -100,7 +102,7 @@ impl Supervisor {
         let conflist = cfg.agent.cni_conf_dir.as_ref().map(|dir| Chain::open(&exe, dir, &cfg.cni_path(), &cfg.agent.log_format)).transpose().map_err(StartError::Chain)?;
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
         let watchdog = notify::watchdog_enabled();
-        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new(), released: None })
+        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new(), released: None, parked: handoff::Parked::default() })
     }
 
     /// Runs until the lifecycle exits. Returns the exit code.
@@ -251,12 +253,14 @@ impl Supervisor {
                     fds.len() - 1
                 })
             });
+            let parked = fds.len();
+            fds.extend(self.parked.fds().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
             match poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(e),
             }
             let ready = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
-            (ready(0), wake_i.is_some_and(ready), ctl_i.is_some_and(ready), hand_i.is_some_and(ready))
+            (ready(0), wake_i.is_some_and(ready), ctl_i.is_some_and(ready), hand_i.is_some_and(ready) || (parked..fds.len()).any(ready))
         };
         if sig {
             self.on_signals();
@@ -354,14 +358,17 @@ impl Supervisor {
         }
     }
 
+    /// Accepts on `handoff.sock` and answers each parked peer whose Hello has come: no
+    /// wait here, so a silent peer cannot hold up signals, heartbeats or the worker.
     fn on_handoff_connections(&mut self) {
         let mut offered = Vec::new();
         if let Some(node) = self.core.node().or(self.released.as_ref())
             && let Some(listener) = &node.handoff
         {
             let generation = node.generation;
-            while let Some(conn) = handoff::accept(listener) {
-                match handoff::serve_one(conn, generation, &node.listeners) {
+            let refused = self.parked.accept_all(listener).into_iter().map(Err);
+            for answer in refused.chain(self.parked.answer_ready(generation, &node.listeners)) {
+                match answer {
                     Ok(keeper) => {
                         if keeper {
                             tracing::debug!(generation, "offered the node sockets to the socket keeper");
