@@ -40,6 +40,10 @@ pub enum DirError {
         "{path} must be owned by this supervisor (uid {me}) and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to manage node sockets there"
     )]
     NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
+    #[error(
+        "{path} lies in {folder}, owned by uid {uid} with mode {mode:o}: its owner or others could move or replace what is in it and redirect the node sockets; every folder on the run dir's path must be root's or this supervisor's (uid {me}) and writable by nobody else, unless sticky"
+    )]
+    UnsafeFolder { path: PathBuf, folder: PathBuf, me: u32, uid: u32, mode: u32 },
 }
 
 /// What to make of a folder's inside.
@@ -61,9 +65,33 @@ pub fn prepare_state_dir(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), Di
     prepare(dir, owner, 0o700, false, Inside::WorkerTree)
 }
 
-/// The run dir: ours, or refused.
+/// The run dir: ours, in folders only root or we can change, or refused.
 pub fn prepare_run_dir(dir: &Path) -> Result<(), DirError> {
-    prepare(dir, None, 0o755, true, Inside::Leave)
+    prepare(dir, None, 0o755, true, Inside::Leave)?;
+    check_folders_on_path(dir)
+}
+
+/// The node sockets are bound, replaced and chowned by path, so every folder that
+/// resolving `dir` goes through, each one holding a component of it as given (a symlink
+/// included) and each one above what those resolve to, must be root's or this
+/// supervisor's and writable by nobody else; a sticky one such as `/tmp` passes, since
+/// others may add names there but not move ours, nor make us follow their symlinks
+/// (`fs.protected_symlinks`). After OpenSSH's `safe_path`.
+fn check_folders_on_path(dir: &Path) -> Result<(), DirError> {
+    let me = geteuid().as_raw();
+    let io = |what, path: &Path, source| DirError::Io { what, path: path.to_owned(), source };
+    let dir = std::path::absolute(dir).map_err(|e| io("resolve", dir, e))?;
+    for holder in dir.ancestors().skip(1) {
+        let real = std::fs::canonicalize(holder).map_err(|e| io("resolve", holder, e))?;
+        for folder in real.ancestors() {
+            let st = std::fs::metadata(folder).map_err(|e| io("stat", folder, e))?;
+            let (uid, mode) = (std::os::unix::fs::MetadataExt::uid(&st), st.permissions().mode() & 0o7777);
+            if (uid != 0 && uid != me) || (mode & 0o022 != 0 && mode & 0o1000 == 0) {
+                return Err(DirError::UnsafeFolder { path: dir.clone(), folder: folder.to_owned(), me, uid, mode });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
@@ -295,6 +323,41 @@ mod tests {
         // Already right: left as it is.
         prepare_dir(&health, Some(WORKER), 0o700).unwrap();
         assert_eq!(owner(&health), WORKER);
+    }
+
+    /// A run dir in a folder another user owns, or that others may write, is refused,
+    /// naming the folder, also when a symlink leads there or lies in such a folder; a
+    /// root's symlink in a root's folder (as `/var/run`) leads to a run dir that passes.
+    #[test]
+    fn a_run_dir_in_a_folder_another_user_can_change_is_refused() {
+        if !geteuid().is_root() {
+            eprintln!("SKIPPED: giving folders to other uids needs root (CI runs as root)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let at = |p: &str| tmp.path().join(p);
+        folder(&at("theirs"), 0o755);
+        lchown(at("theirs"), Some(1000), Some(1000)).unwrap();
+        folder(&at("open"), 0o777);
+        folder(&at("good"), 0o755);
+        symlink(at("theirs"), at("to-theirs")).unwrap();
+        symlink(at("good"), at("theirs/to-good")).unwrap();
+        symlink(at("good"), at("var-run")).unwrap();
+        for (run_dir, unsafe_folder) in [("theirs/run", "theirs"), ("open/run", "open"), ("to-theirs/run", "theirs"), ("theirs/to-good/run", "theirs")] {
+            match prepare_run_dir(&at(run_dir)) {
+                Err(e @ DirError::UnsafeFolder { .. }) => {
+                    let DirError::UnsafeFolder { folder, .. } = &e else { unreachable!() };
+                    assert_eq!(folder, &at(unsafe_folder), "{run_dir}: {e}");
+                    assert!(e.to_string().contains(&at(unsafe_folder).display().to_string()), "{e}");
+                }
+                other => panic!("{run_dir} was accepted: {other:?}"),
+            }
+        }
+        prepare_run_dir(&at("var-run/run")).unwrap();
+        prepare_run_dir(&at("good/run")).unwrap();
+        let sticky = at("sticky");
+        folder(&sticky, 0o1777);
+        prepare_run_dir(&sticky.join("run")).unwrap();
     }
 
     #[test]
