@@ -21,6 +21,8 @@ With --keep-sockets it is instead the node's socket keeper (see that flag)."
 )]
 pub struct Config {
     /// Folder of agent.lock, xds.sock, cni.sock and handoff.sock, shared by generations.
+    /// It must be this user's and writable by nobody else, and every folder on its path
+    /// root's or this user's and writable by nobody else (unless sticky, as /tmp).
     #[arg(long, env = "AETHER_RUN_DIR", default_value = "/run/aether")]
     pub run_dir: PathBuf,
     /// Folder of the pod records and persisted state, shared by generations.

@@ -67,6 +67,8 @@ pub fn prepare_state_dir(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), Di
 
 /// The run dir: ours, in folders only root or we can change, or refused.
 pub fn prepare_run_dir(dir: &Path) -> Result<(), DirError> {
+    // Before anything is created there, and again once each folder exists.
+    check_folders_on_path(dir)?;
     prepare(dir, None, 0o755, true, Inside::Leave)?;
     check_folders_on_path(dir)
 }
@@ -82,7 +84,10 @@ fn check_folders_on_path(dir: &Path) -> Result<(), DirError> {
     let io = |what, path: &Path, source| DirError::Io { what, path: path.to_owned(), source };
     let dir = std::path::absolute(dir).map_err(|e| io("resolve", dir, e))?;
     for holder in dir.ancestors().skip(1) {
-        let real = std::fs::canonicalize(holder).map_err(|e| io("resolve", holder, e))?;
+        let real = match std::fs::canonicalize(holder) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            other => other.map_err(|e| io("resolve", holder, e))?,
+        };
         for folder in real.ancestors() {
             let st = std::fs::metadata(folder).map_err(|e| io("stat", folder, e))?;
             let (uid, mode) = (std::os::unix::fs::MetadataExt::uid(&st), st.permissions().mode() & 0o7777);
@@ -352,6 +357,7 @@ mod tests {
                 }
                 other => panic!("{run_dir} was accepted: {other:?}"),
             }
+            assert!(!at(run_dir).exists(), "{run_dir} was created before it was refused");
         }
         prepare_run_dir(&at("var-run/run")).unwrap();
         prepare_run_dir(&at("good/run")).unwrap();
