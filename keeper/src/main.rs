@@ -81,15 +81,18 @@ fn drop_capabilities() -> Result<(), caps::errors::CapsError> {
 }
 
 /// The run folder, created 0755 when missing, must be this uid's and writable by nobody
-/// else: keeper.sock is bound there and the node sockets are checked against its paths.
+/// else, and lie in folders only root or this uid can change (checked before and after
+/// the creation): keeper.sock is bound there and the node sockets are checked against its
+/// paths.
 fn check_run_dir(dir: &Path, me: u32) -> Result<(), KeeperError> {
     let err = |source| KeeperError::RunDir { path: dir.to_owned(), source };
+    handoff::check_folders_on_path(dir)?;
     std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(err)?;
     let m = std::fs::symlink_metadata(dir).map_err(err)?;
     if !m.is_dir() || m.uid() != me || m.mode() & 0o022 != 0 {
         return Err(KeeperError::NotOurs { path: dir.to_owned(), me, uid: m.uid(), mode: m.mode() & 0o7777 });
     }
-    Ok(())
+    Ok(handoff::check_folders_on_path(dir)?)
 }
 
 /// How often the keeper fetches the owner's sockets again (a new owner may have bound
@@ -104,6 +107,8 @@ enum KeeperError {
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("run folder {path} must be owned by uid {me} and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to keep the node sockets there")]
     NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
+    #[error(transparent)]
+    Path(#[from] handoff::PathError),
     #[error("signals: {0}")]
     Signals(nix::Error),
     #[error("keeper.sock: {0}")]
@@ -229,5 +234,13 @@ mod tests {
         let file = dir.path().join("file");
         std::fs::write(&file, "").unwrap();
         assert!(check_run_dir(&file, me).is_err(), "a regular file was taken for the run folder");
+        // A run folder in a folder that others may write is refused by that folder's
+        // name, before anything is created in it.
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = check_run_dir(&open.join("run"), me).expect_err("a run folder in a 0777 folder").to_string();
+        assert!(err.contains(&format!("lies in {}", open.display())), "{err}");
+        assert!(!open.join("run").exists(), "the refused run folder was created");
     }
 }

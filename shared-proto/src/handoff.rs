@@ -107,6 +107,45 @@ pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> 
     Ok(Bound { fd, id: FileId { dev: m.dev(), ino: m.ino() } })
 }
 
+/// A run dir whose path another user could change.
+#[derive(Debug, thiserror::Error)]
+pub enum PathError {
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: io::Error },
+    #[error(
+        "{path} lies in {folder}, owned by uid {uid} with mode {mode:o}: its owner or others could move or replace what is in it and redirect the node sockets; every folder on the run dir's path must be root's or uid {me}'s and writable by nobody else, unless sticky"
+    )]
+    UnsafeFolder { path: PathBuf, folder: PathBuf, me: u32, uid: u32, mode: u32 },
+}
+
+/// The node sockets are bound, replaced and chowned by path, so every folder that
+/// resolving the run dir `dir` goes through, each one holding a component of it as given
+/// (a symlink included) and each one above what those resolve to, must be root's or this
+/// process's euid's and writable by nobody else; a sticky one such as `/tmp` passes,
+/// since others may add names there but not move ours, nor make us follow their symlinks
+/// (`fs.protected_symlinks`). Folders not there yet are skipped: the caller checks again
+/// once it has created them. After OpenSSH's `safe_path`. The supervisor and the socket
+/// keeper both check their run dir with it.
+pub fn check_folders_on_path(dir: &Path) -> Result<(), PathError> {
+    let me = nix::unistd::geteuid().as_raw();
+    let io = |what, path: &Path, source| PathError::Io { what, path: path.to_owned(), source };
+    let dir = std::path::absolute(dir).map_err(|e| io("resolve", dir, e))?;
+    for holder in dir.ancestors().skip(1) {
+        let real = match std::fs::canonicalize(holder) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            other => other.map_err(|e| io("resolve", holder, e))?,
+        };
+        for folder in real.ancestors() {
+            let st = std::fs::metadata(folder).map_err(|e| io("stat", folder, e))?;
+            let (uid, mode) = (st.uid(), st.mode() & 0o7777);
+            if (uid != 0 && uid != me) || (mode & 0o022 != 0 && mode & 0o1000 == 0) {
+                return Err(PathError::UnsafeFolder { path: dir.clone(), folder: folder.to_owned(), me, uid, mode });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How long a standby waits for the owner's offer.
 const STEP_TIMEOUT: Duration = Duration::from_millis(500);
 

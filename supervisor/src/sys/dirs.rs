@@ -23,6 +23,7 @@ use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag, openat};
 use nix::sys::stat::{Mode, SFlag, fstat, fstatat};
 use nix::unistd::{Gid, Uid, fchown, fchownat, getegid, geteuid};
+use shared_proto::handoff::{PathError, check_folders_on_path};
 
 /// Written by the supervisor, root's and empty, into a worker's state folder it found
 /// empty: the folder is the worker's tree, which may be re-owned recursively.
@@ -40,10 +41,8 @@ pub enum DirError {
         "{path} must be owned by this supervisor (uid {me}) and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to manage node sockets there"
     )]
     NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
-    #[error(
-        "{path} lies in {folder}, owned by uid {uid} with mode {mode:o}: its owner or others could move or replace what is in it and redirect the node sockets; every folder on the run dir's path must be root's or this supervisor's (uid {me}) and writable by nobody else, unless sticky"
-    )]
-    UnsafeFolder { path: PathBuf, folder: PathBuf, me: u32, uid: u32, mode: u32 },
+    #[error(transparent)]
+    Path(#[from] PathError),
 }
 
 /// What to make of a folder's inside.
@@ -70,33 +69,7 @@ pub fn prepare_run_dir(dir: &Path) -> Result<(), DirError> {
     // Before anything is created there, and again once each folder exists.
     check_folders_on_path(dir)?;
     prepare(dir, None, 0o755, true, Inside::Leave)?;
-    check_folders_on_path(dir)
-}
-
-/// The node sockets are bound, replaced and chowned by path, so every folder that
-/// resolving `dir` goes through, each one holding a component of it as given (a symlink
-/// included) and each one above what those resolve to, must be root's or this
-/// supervisor's and writable by nobody else; a sticky one such as `/tmp` passes, since
-/// others may add names there but not move ours, nor make us follow their symlinks
-/// (`fs.protected_symlinks`). After OpenSSH's `safe_path`.
-fn check_folders_on_path(dir: &Path) -> Result<(), DirError> {
-    let me = geteuid().as_raw();
-    let io = |what, path: &Path, source| DirError::Io { what, path: path.to_owned(), source };
-    let dir = std::path::absolute(dir).map_err(|e| io("resolve", dir, e))?;
-    for holder in dir.ancestors().skip(1) {
-        let real = match std::fs::canonicalize(holder) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            other => other.map_err(|e| io("resolve", holder, e))?,
-        };
-        for folder in real.ancestors() {
-            let st = std::fs::metadata(folder).map_err(|e| io("stat", folder, e))?;
-            let (uid, mode) = (std::os::unix::fs::MetadataExt::uid(&st), st.permissions().mode() & 0o7777);
-            if (uid != 0 && uid != me) || (mode & 0o022 != 0 && mode & 0o1000 == 0) {
-                return Err(DirError::UnsafeFolder { path: dir.clone(), folder: folder.to_owned(), me, uid, mode });
-            }
-        }
-    }
-    Ok(())
+    Ok(check_folders_on_path(dir)?)
 }
 
 fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
@@ -350,8 +323,8 @@ mod tests {
         symlink(at("good"), at("var-run")).unwrap();
         for (run_dir, unsafe_folder) in [("theirs/run", "theirs"), ("open/run", "open"), ("to-theirs/run", "theirs"), ("theirs/to-good/run", "theirs")] {
             match prepare_run_dir(&at(run_dir)) {
-                Err(e @ DirError::UnsafeFolder { .. }) => {
-                    let DirError::UnsafeFolder { folder, .. } = &e else { unreachable!() };
+                Err(e @ DirError::Path(PathError::UnsafeFolder { .. })) => {
+                    let DirError::Path(PathError::UnsafeFolder { folder, .. }) = &e else { unreachable!() };
                     assert_eq!(folder, &at(unsafe_folder), "{run_dir}: {e}");
                     assert!(e.to_string().contains(&at(unsafe_folder).display().to_string()), "{e}");
                 }
