@@ -270,13 +270,10 @@ impl Parked {
             fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect()
         };
         let mut answers = Vec::new();
-        let mut ready = ready.into_iter();
-        let waiting = std::mem::take(&mut self.0);
-        for conn in waiting {
-            if ready.next().unwrap_or(false) {
-                answers.push(answer(conn, generation, offer));
-            } else {
-                self.0.push_back(conn);
+        for (conn, ready) in std::mem::take(&mut self.0).into_iter().zip(ready) {
+            match ready {
+                true => answers.push(answer(conn, generation, offer)),
+                false => self.0.push_back(conn),
             }
         }
         answers
