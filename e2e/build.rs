@@ -10,7 +10,16 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     println!("cargo:rerun-if-changed=build.rs");
-    let fds = protox::compile(["workload.proto", "spire/api/agent/delegatedidentity/v1/delegatedidentity.proto"], ["proto"])?;
-    tonic_prost_build::configure().build_server(true).build_client(true).compile_fds(fds)?;
+    let fds = protox::compile(
+        [
+            "workload.proto",
+            "spire/api/agent/delegatedidentity/v1/delegatedidentity.proto",
+        ],
+        ["proto"],
+    )?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_fds(fds)?;
     Ok(())
 }

@@ -37,7 +37,11 @@ struct Args {
 }
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    let mut a = Args { socket: "/tmp/agent-health.sock".into(), path: "/ready".into(), timeout: Duration::from_millis(1000) };
+    let mut a = Args {
+        socket: "/tmp/agent-health.sock".into(),
+        path: "/ready".into(),
+        timeout: Duration::from_millis(1000),
+    };
     while let Some(flag) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
         match flag.as_str() {
@@ -50,7 +54,9 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             }
             "--timeout-ms" => {
                 let v = value("--timeout-ms")?;
-                let ms: u64 = v.parse().map_err(|_| format!("--timeout-ms {v:?} is not a number"))?;
+                let ms: u64 = v
+                    .parse()
+                    .map_err(|_| format!("--timeout-ms {v:?} is not a number"))?;
                 a.timeout = Duration::from_millis(ms.max(1));
             }
             "-h" | "--help" => return Err(String::new()),
@@ -69,18 +75,29 @@ enum Failed {
 fn probe(a: &Args) -> Result<(u16, String), Failed> {
     let mut s = UnixStream::connect(&a.socket).map_err(|e| {
         let msg = format!("connect {}: {e}", a.socket);
-        if e.kind() == std::io::ErrorKind::PermissionDenied { Failed::Denied(msg) } else { Failed::Other(msg) }
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            Failed::Denied(msg)
+        } else {
+            Failed::Other(msg)
+        }
     })?;
     exchange(a, &mut s).map_err(Failed::Other)
 }
 
 fn exchange(a: &Args, s: &mut UnixStream) -> Result<(u16, String), String> {
-    s.set_read_timeout(Some(a.timeout)).and_then(|()| s.set_write_timeout(Some(a.timeout))).map_err(|e| e.to_string())?;
-    s.write_all(format!("GET {} HTTP/1.0\r\n\r\n", a.path).as_bytes()).map_err(|e| format!("write {}: {e}", a.socket))?;
+    s.set_read_timeout(Some(a.timeout))
+        .and_then(|()| s.set_write_timeout(Some(a.timeout)))
+        .map_err(|e| e.to_string())?;
+    s.write_all(format!("GET {} HTTP/1.0\r\n\r\n", a.path).as_bytes())
+        .map_err(|e| format!("write {}: {e}", a.socket))?;
     let mut raw = Vec::new();
-    s.take(64 * 1024).read_to_end(&mut raw).map_err(|e| format!("read {}: {e}", a.socket))?;
+    s.take(64 * 1024)
+        .read_to_end(&mut raw)
+        .map_err(|e| format!("read {}: {e}", a.socket))?;
     let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| format!("malformed answer from {}", a.socket))?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("malformed answer from {}", a.socket))?;
     let status = head
         .split_whitespace()
         .nth(1)
@@ -103,15 +120,21 @@ fn main() -> ExitCode {
     match probe(&args) {
         Ok((status, body)) => {
             print!("{body}");
-            if status == 200 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
-        }
-        Err(Failed::Denied(e)) if std::env::var_os(AS_OWNER).is_none() => match as_owner(&args.socket) {
-            Ok(code) => code,
-            Err(again) => {
-                println!("{e}; and as the socket's owner: {again}");
+            if status == 200 {
+                ExitCode::SUCCESS
+            } else {
                 ExitCode::FAILURE
             }
-        },
+        }
+        Err(Failed::Denied(e)) if std::env::var_os(AS_OWNER).is_none() => {
+            match as_owner(&args.socket) {
+                Ok(code) => code,
+                Err(again) => {
+                    println!("{e}; and as the socket's owner: {again}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Err(Failed::Denied(e) | Failed::Other(e)) => {
             println!("{e}");
             ExitCode::FAILURE
@@ -123,7 +146,10 @@ fn main() -> ExitCode {
 /// folder, when the folder hides it), and answers what that run answers.
 fn as_owner(socket: &str) -> Result<ExitCode, String> {
     let path = Path::new(socket);
-    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let folder = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let meta = std::fs::metadata(path)
         .or_else(|_| std::fs::metadata(folder))
         .map_err(|e| format!("stat {} and its folder: {e}", path.display()))?;
@@ -138,7 +164,14 @@ fn as_owner(socket: &str) -> Result<ExitCode, String> {
         .uid(meta.uid())
         .gid(meta.gid())
         .status()
-        .map_err(|e| format!("running {} as uid {} gid {}: {e}", exe.display(), meta.uid(), meta.gid()))?;
+        .map_err(|e| {
+            format!(
+                "running {} as uid {} gid {}: {e}",
+                exe.display(),
+                meta.uid(),
+                meta.gid()
+            )
+        })?;
     Ok(match status.code() {
         Some(0) => ExitCode::SUCCESS,
         _ => ExitCode::FAILURE,

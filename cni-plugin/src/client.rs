@@ -83,7 +83,12 @@ enum Attempt {
 
 fn classify(command: Command, status: tonic::Status) -> Attempt {
     use tonic::Code;
-    let msg = format!("agent answered {}: {:?}: {}", command.as_str(), status.code(), status.message());
+    let msg = format!(
+        "agent answered {}: {:?}: {}",
+        command.as_str(),
+        status.code(),
+        status.message()
+    );
     match status.code() {
         // The old owner is draining or a connection broke mid-call: the next owner answers.
         Code::Unavailable => Attempt::Retry(CniError::new(code::TRY_AGAIN_LATER, msg)),
@@ -104,15 +109,27 @@ async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result
     let stream = loop {
         let mut result = UnixStream::connect(socket).await;
         if matches!(&result, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
-            let (path, wait) = (socket.to_path_buf(), deadline.saturating_duration_since(Instant::now()));
+            let (path, wait) = (
+                socket.to_path_buf(),
+                deadline.saturating_duration_since(Instant::now()),
+            );
             result = match tokio::task::spawn_blocking(move || connect_waiting(&path, wait)).await {
                 Ok(r) => r.and_then(UnixStream::from_std),
-                Err(e) => Err(io::Error::other(format!("the connecting thread failed: {e}"))),
+                Err(e) => Err(io::Error::other(format!(
+                    "the connecting thread failed: {e}"
+                ))),
             };
         }
         match result {
             Ok(s) => break s,
-            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused | io::ErrorKind::WouldBlock) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NotFound
+                        | io::ErrorKind::ConnectionRefused
+                        | io::ErrorKind::WouldBlock
+                ) =>
+            {
                 if Instant::now() + timeouts.retry_every > deadline {
                     return Err(Attempt::Fatal(
                         CniError::new(
@@ -141,26 +158,50 @@ async fn connect(socket: &Path, deadline: Instant, timeouts: Timeouts) -> Result
     let slot = Arc::new(Mutex::new(Some(stream)));
     let connector = tower::service_fn(move |_: Uri| {
         let stream = slot.lock().ok().and_then(|mut s| s.take());
-        async move { stream.map(TokioIo::new).ok_or_else(|| io::Error::other("agent connection already used")) }
+        async move {
+            stream
+                .map(TokioIo::new)
+                .ok_or_else(|| io::Error::other("agent connection already used"))
+        }
     });
-    Endpoint::from_static("http://aether-agent.invalid").connect_with_connector(connector).await.map_err(|e| {
-        Attempt::Retry(CniError::new(
-            code::TRY_AGAIN_LATER,
-            format!("HTTP/2 handshake with agentSocket {}: {e}", socket.display()),
-        ))
-    })
+    Endpoint::from_static("http://aether-agent.invalid")
+        .connect_with_connector(connector)
+        .await
+        .map_err(|e| {
+            Attempt::Retry(CniError::new(
+                code::TRY_AGAIN_LATER,
+                format!(
+                    "HTTP/2 handshake with agentSocket {}: {e}",
+                    socket.display()
+                ),
+            ))
+        })
 }
 
 /// A blocking connect that, while the listen backlog is full, waits in the kernel for at
 /// most `wait` (SO_SNDTIMEO bounds a unix stream connect) and is woken when the agent
 /// accepts. EAGAIN once `wait` has passed. The socket comes back non-blocking.
-fn connect_waiting(socket: &Path, wait: std::time::Duration) -> io::Result<std::os::unix::net::UnixStream> {
-    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, setsockopt, sockopt::SendTimeout};
+fn connect_waiting(
+    socket: &Path,
+    wait: std::time::Duration,
+) -> io::Result<std::os::unix::net::UnixStream> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, UnixAddr, connect, setsockopt, sockopt::SendTimeout,
+    };
     use std::os::fd::AsRawFd;
     // A zero SO_SNDTIMEO would wait forever.
     let wait = wait.max(std::time::Duration::from_millis(1));
-    let fd = nix::sys::socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-    setsockopt(&fd, SendTimeout, &nix::sys::time::TimeVal::new(wait.as_secs() as _, wait.subsec_micros() as _))?;
+    let fd = nix::sys::socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    setsockopt(
+        &fd,
+        SendTimeout,
+        &nix::sys::time::TimeVal::new(wait.as_secs() as _, wait.subsec_micros() as _),
+    )?;
     connect(fd.as_raw_fd(), &UnixAddr::new(socket)?)?;
     let stream = std::os::unix::net::UnixStream::from(fd);
     stream.set_nonblocking(true)?;

@@ -81,16 +81,31 @@ fn var(env: &impl Fn(&str) -> Option<OsString>, name: &str) -> Result<Option<Str
     match env(name) {
         None => Ok(None),
         Some(v) if v.is_empty() => Ok(None),
-        Some(v) => v.into_string().map(Some).map_err(|_| env_err(format!("{name} is not valid UTF-8"))),
+        Some(v) => v
+            .into_string()
+            .map(Some)
+            .map_err(|_| env_err(format!("{name} is not valid UTF-8"))),
     }
 }
 
-fn required(env: &impl Fn(&str) -> Option<OsString>, name: &str, command: Command) -> Result<String, CniError> {
-    var(env, name)?.ok_or_else(|| env_err(format!("{name} is required for {} but is not set", command.as_str())))
+fn required(
+    env: &impl Fn(&str) -> Option<OsString>,
+    name: &str,
+    command: Command,
+) -> Result<String, CniError> {
+    var(env, name)?.ok_or_else(|| {
+        env_err(format!(
+            "{name} is required for {} but is not set",
+            command.as_str()
+        ))
+    })
 }
 
 /// Parses the environment and stdin of one invocation.
-pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<Invocation, CniError> {
+pub fn parse(
+    env: &impl Fn(&str) -> Option<OsString>,
+    stdin: &[u8],
+) -> Result<Invocation, CniError> {
     let command = match var(env, "CNI_COMMAND")?.as_deref() {
         None => return Err(env_err("CNI_COMMAND is not set")),
         Some("ADD") => Command::Add,
@@ -98,7 +113,10 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
         Some("CHECK") => Command::Check,
         Some("VERSION") => Command::Version,
         Some(other) => {
-            return Err(env_err(format!("CNI_COMMAND {:?} is not one of ADD, DEL, CHECK, VERSION", truncate(other))));
+            return Err(env_err(format!(
+                "CNI_COMMAND {:?} is not one of ADD, DEL, CHECK, VERSION",
+                truncate(other)
+            )));
         }
     };
     if command == Command::Version {
@@ -110,7 +128,11 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
             prev_result: None,
             ips: Vec::new(),
         };
-        return Ok(Invocation { command, config, request: CniRequest::default() });
+        return Ok(Invocation {
+            command,
+            config,
+            request: CniRequest::default(),
+        });
     }
 
     let container_id = required(env, "CNI_CONTAINERID", command)?;
@@ -130,7 +152,10 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
     if command == Command::Check && matches!(config.cni_version.as_str(), "0.3.0" | "0.3.1") {
         return Err(CniError::new(
             code::INCOMPATIBLE_VERSION,
-            format!("cniVersion {} has no CHECK; CHECK needs 0.4.0 or later", config.cni_version),
+            format!(
+                "cniVersion {} has no CHECK; CHECK needs 0.4.0 or later",
+                config.cni_version
+            ),
         ));
     }
     if matches!(command, Command::Add | Command::Check) {
@@ -156,9 +181,17 @@ pub fn parse(env: &impl Fn(&str) -> Option<OsString>, stdin: &[u8]) -> Result<In
         pod_uid: args.uid,
         ips: config.ips.iter().map(IpAddr::to_string).collect(),
         cni_args,
-        prev_result: config.prev_result.as_ref().and_then(|p| serde_json::to_vec(p).ok()).unwrap_or_default(),
+        prev_result: config
+            .prev_result
+            .as_ref()
+            .and_then(|p| serde_json::to_vec(p).ok())
+            .unwrap_or_default(),
     };
-    Ok(Invocation { command, config, request })
+    Ok(Invocation {
+        command,
+        config,
+        request,
+    })
 }
 
 /// Spec: not empty, starts with an alphanumeric character, then `[A-Za-z0-9_.-]`. We also
@@ -184,7 +217,11 @@ pub fn check_ifname(name: &str) -> Result<(), CniError> {
             name.len()
         )));
     }
-    if name == "." || name == ".." || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control())
+    if name == "."
+        || name == ".."
+        || name
+            .chars()
+            .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control())
     {
         return Err(env_err(format!(
             "CNI_IFNAME {name:?} is invalid: no '/', ':' or whitespace, and not \".\" or \"..\""
@@ -203,7 +240,10 @@ fn check_netns(netns: &str) -> Result<(), CniError> {
             "CNI_NETNS {:?} is not an absolute path of at most {MAX_NETNS} bytes",
             truncate(netns)
         ))),
-        Err(NetnsProblem::ParentComponent) => Err(env_err(format!("CNI_NETNS {:?} has a \"..\" component", truncate(netns)))),
+        Err(NetnsProblem::ParentComponent) => Err(env_err(format!(
+            "CNI_NETNS {:?} has a \"..\" component",
+            truncate(netns)
+        ))),
     }
 }
 
@@ -219,12 +259,18 @@ pub struct PodArgs {
 /// `IgnoreUnknown` convention expects of plugins that do not use them.
 pub fn parse_cni_args(args: &str) -> Result<PodArgs, CniError> {
     if args.len() > MAX_CNI_ARGS {
-        return Err(env_err(format!("CNI_ARGS is {} bytes, over the {MAX_CNI_ARGS}-byte limit", args.len())));
+        return Err(env_err(format!(
+            "CNI_ARGS is {} bytes, over the {MAX_CNI_ARGS}-byte limit",
+            args.len()
+        )));
     }
     let mut out = PodArgs::default();
     for entry in args.split(';').filter(|e| !e.is_empty()) {
         let Some((key, value)) = entry.split_once('=') else {
-            return Err(env_err(format!("CNI_ARGS entry {:?} is not KEY=VALUE", truncate(entry))));
+            return Err(env_err(format!(
+                "CNI_ARGS entry {:?} is not KEY=VALUE",
+                truncate(entry)
+            )));
         };
         let (slot, max, what) = match key {
             "K8S_POD_NAMESPACE" => (&mut out.namespace, MAX_POD_FIELD, key),
@@ -235,7 +281,9 @@ pub fn parse_cni_args(args: &str) -> Result<PodArgs, CniError> {
         let valid = value.len() <= max
             && !value.contains("..")
             && !value.starts_with('.')
-            && value.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            && value
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
         if !valid {
             return Err(env_err(format!(
                 "CNI_ARGS {what} {:?} is invalid: at most {max} of [A-Za-z0-9_.-], no \"..\", not starting with '.'",
@@ -250,7 +298,10 @@ pub fn parse_cni_args(args: &str) -> Result<PodArgs, CniError> {
 /// Parses the network config from stdin.
 pub fn parse_config(bytes: &[u8]) -> Result<Config, CniError> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-        CniError::new(code::DECODING_FAILURE, format!("network config on stdin is not valid JSON: {e}"))
+        CniError::new(
+            code::DECODING_FAILURE,
+            format!("network config on stdin is not valid JSON: {e}"),
+        )
     })?;
     let Value::Object(mut obj) = value else {
         return Err(config_err("network config on stdin is not a JSON object"));
@@ -297,7 +348,13 @@ pub fn parse_config(bytes: &[u8]) -> Result<Config, CniError> {
         Some(p) => prev_result_ips(p)?,
         None => Vec::new(),
     };
-    Ok(Config { cni_version, name, agent_socket, prev_result, ips })
+    Ok(Config {
+        cni_version,
+        name,
+        agent_socket,
+        prev_result,
+        ips,
+    })
 }
 
 /// The addresses of `prevResult.ips[].address` (`"10.1.0.5/24"`), without prefix length.
@@ -308,13 +365,18 @@ fn prev_result_ips(prev: &Map<String, Value>) -> Result<Vec<IpAddr>, CniError> {
         Some(_) => return Err(config_err("prevResult.ips is not an array")),
     };
     if ips.len() > MAX_IPS {
-        return Err(config_err(format!("prevResult.ips has {} entries, over the limit of {MAX_IPS}", ips.len())));
+        return Err(config_err(format!(
+            "prevResult.ips has {} entries, over the limit of {MAX_IPS}",
+            ips.len()
+        )));
     }
     let mut seen = std::collections::BTreeSet::new();
     let mut out = Vec::with_capacity(ips.len());
     for (i, entry) in ips.iter().enumerate() {
         let Some(address) = entry.get("address").and_then(Value::as_str) else {
-            return Err(config_err(format!("prevResult.ips[{i}].address is missing or not a string")));
+            return Err(config_err(format!(
+                "prevResult.ips[{i}].address is missing or not a string"
+            )));
         };
         let bad = || {
             config_err(format!(
@@ -338,7 +400,10 @@ fn prev_result_ips(prev: &Map<String, Value>) -> Result<Vec<IpAddr>, CniError> {
 /// ADD's answer: the previous result, passed on unchanged, in the config's version.
 pub fn add_result(config: &Config) -> String {
     let mut result = config.prev_result.clone().unwrap_or_default();
-    result.insert("cniVersion".into(), Value::String(config.cni_version.clone()));
+    result.insert(
+        "cniVersion".into(),
+        Value::String(config.cni_version.clone()),
+    );
     serde_json::to_string(&result).unwrap_or_default()
 }
 
@@ -360,8 +425,15 @@ mod tests {
     use super::*;
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
-        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| OsString::from(v))
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| OsString::from(v))
+        }
     }
 
     const CONF: &str = r#"{"cniVersion":"1.0.0","name":"k8s","type":"aether-cni",
@@ -374,7 +446,10 @@ mod tests {
             ("CNI_CONTAINERID", "abc123"),
             ("CNI_IFNAME", "eth0"),
             ("CNI_NETNS", "/var/run/netns/x"),
-            ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID=u-1"),
+            (
+                "CNI_ARGS",
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID=u-1",
+            ),
         ]
     }
 
@@ -391,30 +466,84 @@ mod tests {
             }
             let err = parse(&env(&vars), conf.as_bytes()).expect_err(fragment);
             assert_eq!(err.code, code, "{fragment}: {err:?}");
-            assert!(err.msg.contains(fragment), "{fragment:?} not in {:?}", err.msg);
+            assert!(
+                err.msg.contains(fragment),
+                "{fragment:?} not in {:?}",
+                err.msg
+            );
         }
         check(&[("CNI_COMMAND", "")], CONF, 4, "CNI_COMMAND is not set");
         check(&[("CNI_COMMAND", "GC2")], CONF, 4, "CNI_COMMAND \"GC2\"");
-        check(&[("CNI_CONTAINERID", "")], CONF, 4, "CNI_CONTAINERID is required");
-        check(&[("CNI_CONTAINERID", "a..b")], CONF, 4, "CNI_CONTAINERID \"a..b\"");
+        check(
+            &[("CNI_CONTAINERID", "")],
+            CONF,
+            4,
+            "CNI_CONTAINERID is required",
+        );
+        check(
+            &[("CNI_CONTAINERID", "a..b")],
+            CONF,
+            4,
+            "CNI_CONTAINERID \"a..b\"",
+        );
         check(&[("CNI_CONTAINERID", "-abc")], CONF, 4, "CNI_CONTAINERID");
         check(&[("CNI_CONTAINERID", "a/b")], CONF, 4, "CNI_CONTAINERID");
-        check(&[("CNI_IFNAME", "0123456789abcdef")], CONF, 4, "CNI_IFNAME \"0123456789abcdef\" is 16 bytes");
+        check(
+            &[("CNI_IFNAME", "0123456789abcdef")],
+            CONF,
+            4,
+            "CNI_IFNAME \"0123456789abcdef\" is 16 bytes",
+        );
         check(&[("CNI_IFNAME", "a/b")], CONF, 4, "CNI_IFNAME");
         check(&[("CNI_IFNAME", "")], CONF, 4, "CNI_IFNAME is required");
-        check(&[("CNI_NETNS", "")], CONF, 4, "CNI_NETNS is required for ADD");
+        check(
+            &[("CNI_NETNS", "")],
+            CONF,
+            4,
+            "CNI_NETNS is required for ADD",
+        );
         check(&[("CNI_NETNS", "relative")], CONF, 4, "CNI_NETNS");
-        check(&[("CNI_NETNS", "/var/run/netns/../../etc")], CONF, 4, "CNI_NETNS \"/var/run/netns/../../etc\" has a \"..\" component");
-        check(&[("CNI_NETNS", "/..")], CONF, 4, "CNI_NETNS \"/..\" has a \"..\" component");
-        check(&[("CNI_ARGS", "K8S_POD_UID=../etc")], CONF, 4, "K8S_POD_UID");
+        check(
+            &[("CNI_NETNS", "/var/run/netns/../../etc")],
+            CONF,
+            4,
+            "CNI_NETNS \"/var/run/netns/../../etc\" has a \"..\" component",
+        );
+        check(
+            &[("CNI_NETNS", "/..")],
+            CONF,
+            4,
+            "CNI_NETNS \"/..\" has a \"..\" component",
+        );
+        check(
+            &[("CNI_ARGS", "K8S_POD_UID=../etc")],
+            CONF,
+            4,
+            "K8S_POD_UID",
+        );
         check(&[("CNI_ARGS", "novalue")], CONF, 4, "CNI_ARGS entry");
         check(&[], "{", 6, "not valid JSON");
         check(&[], "[]", 7, "not a JSON object");
         check(&[], r#"{"name":"k"}"#, 7, "cniVersion is required");
-        check(&[], r#"{"cniVersion":"9.9.9","name":"k"}"#, 1, "cniVersion \"9.9.9\"");
+        check(
+            &[],
+            r#"{"cniVersion":"9.9.9","name":"k"}"#,
+            1,
+            "cniVersion \"9.9.9\"",
+        );
         check(&[], r#"{"cniVersion":"1.0.0"}"#, 7, "name is required");
-        check(&[], r#"{"cniVersion":"1.0.0","name":"k"}"#, 7, "prevResult is required for ADD");
-        check(&[], r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[]}}"#, 7, "prevResult.ips is empty");
+        check(
+            &[],
+            r#"{"cniVersion":"1.0.0","name":"k"}"#,
+            7,
+            "prevResult is required for ADD",
+        );
+        check(
+            &[],
+            r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[]}}"#,
+            7,
+            "prevResult.ips is empty",
+        );
         check(
             &[],
             r#"{"cniVersion":"1.0.0","name":"k","prevResult":{"ips":[{"address":"10.0.0.1"}]}}"#,
@@ -433,31 +562,71 @@ mod tests {
             7,
             "agentSocket \"rel.sock\"",
         );
-        check(&[("CNI_COMMAND", "CHECK")], &CONF.replace("1.0.0", "0.3.1"), 1, "CHECK needs 0.4.0");
+        check(
+            &[("CNI_COMMAND", "CHECK")],
+            &CONF.replace("1.0.0", "0.3.1"),
+            1,
+            "CHECK needs 0.4.0",
+        );
         let ips = |n: usize| {
-            let entries: Vec<String> = (0..n).map(|i| format!(r#"{{"address":"10.0.0.{}/24"}}"#, i + 1)).collect();
-            format!(r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#, entries.join(","))
+            let entries: Vec<String> = (0..n)
+                .map(|i| format!(r#"{{"address":"10.0.0.{}/24"}}"#, i + 1))
+                .collect();
+            format!(
+                r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#,
+                entries.join(",")
+            )
         };
-        check(&[], &ips(17), 7, "prevResult.ips has 17 entries, over the limit of 16");
+        check(
+            &[],
+            &ips(17),
+            7,
+            "prevResult.ips has 17 entries, over the limit of 16",
+        );
     }
 
     #[test]
     fn netns_names_with_dots_that_are_not_parent_components_pass() {
-        for netns in ["/var/run/netns/cni-1", "/var/run/netns/..x", "/var/run/netns/x..", "/proc/1/ns/net", "/a/./b"] {
+        for netns in [
+            "/var/run/netns/cni-1",
+            "/var/run/netns/..x",
+            "/var/run/netns/x..",
+            "/proc/1/ns/net",
+            "/a/./b",
+        ] {
             check_netns(netns).unwrap_or_else(|e| panic!("{netns}: {e:?}"));
         }
     }
 
     #[test]
     fn prev_result_ips_are_deduplicated_in_order_up_to_the_cap() {
-        let entries: Vec<String> =
-            ["10.0.0.2", "fd00::1", "10.0.0.2", "10.0.0.1", "fd00::1"].iter().map(|a| format!(r#"{{"address":"{a}/8"}}"#)).collect();
-        let conf = format!(r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#, entries.join(","));
-        let ips: Vec<String> = parse_config(conf.as_bytes()).unwrap().ips.iter().map(IpAddr::to_string).collect();
+        let entries: Vec<String> = ["10.0.0.2", "fd00::1", "10.0.0.2", "10.0.0.1", "fd00::1"]
+            .iter()
+            .map(|a| format!(r#"{{"address":"{a}/8"}}"#))
+            .collect();
+        let conf = format!(
+            r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#,
+            entries.join(",")
+        );
+        let ips: Vec<String> = parse_config(conf.as_bytes())
+            .unwrap()
+            .ips
+            .iter()
+            .map(IpAddr::to_string)
+            .collect();
         assert_eq!(ips, ["10.0.0.2", "fd00::1", "10.0.0.1"]);
-        let sixteen: Vec<String> = (0..16).map(|i| format!(r#"{{"address":"10.0.0.{}/8"}}"#, i + 1)).collect();
-        let conf = format!(r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#, sixteen.join(","));
-        assert_eq!(parse_config(conf.as_bytes()).unwrap().ips.len(), 16, "the cap admits its figure");
+        let sixteen: Vec<String> = (0..16)
+            .map(|i| format!(r#"{{"address":"10.0.0.{}/8"}}"#, i + 1))
+            .collect();
+        let conf = format!(
+            r#"{{"cniVersion":"1.0.0","name":"k","prevResult":{{"ips":[{}]}}}}"#,
+            sixteen.join(",")
+        );
+        assert_eq!(
+            parse_config(conf.as_bytes()).unwrap().ips.len(),
+            16,
+            "the cap admits its figure"
+        );
     }
 
     #[test]
@@ -469,7 +638,14 @@ mod tests {
             (r.container_id.as_str(), r.ifname.as_str(), r.netns.as_str()),
             ("abc123", "eth0", "/var/run/netns/x")
         );
-        assert_eq!((r.pod_namespace.as_str(), r.pod_name.as_str(), r.pod_uid.as_str()), ("default", "web-0", "u-1"));
+        assert_eq!(
+            (
+                r.pod_namespace.as_str(),
+                r.pod_name.as_str(),
+                r.pod_uid.as_str()
+            ),
+            ("default", "web-0", "u-1")
+        );
         assert_eq!(r.ips, vec!["10.1.0.5", "fd00::5"]);
         assert_eq!(inv.config.agent_socket, PathBuf::from(DEFAULT_AGENT_SOCKET));
         let prev: Value = serde_json::from_slice(&r.prev_result).unwrap();
@@ -481,7 +657,11 @@ mod tests {
 
     #[test]
     fn del_needs_neither_netns_nor_prev_result() {
-        let vars = [("CNI_COMMAND", "DEL"), ("CNI_CONTAINERID", "abc"), ("CNI_IFNAME", "eth0")];
+        let vars = [
+            ("CNI_COMMAND", "DEL"),
+            ("CNI_CONTAINERID", "abc"),
+            ("CNI_IFNAME", "eth0"),
+        ];
         let inv = parse(&env(&vars), br#"{"cniVersion":"1.0.0","name":"k"}"#).unwrap();
         assert_eq!(inv.command, Command::Del);
         assert!(inv.request.ips.is_empty());

@@ -24,7 +24,9 @@ const MAX_INSTANCE: usize = 255 - ".aether-cni..tmp".len();
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
-    #[error("instance name {0:?} must be 1 to 239 of [A-Za-z0-9._-] and not start with '.' (it names the temporary file)")]
+    #[error(
+        "instance name {0:?} must be 1 to 239 of [A-Za-z0-9._-] and not start with '.' (it names the temporary file)"
+    )]
     BadInstance(String),
     #[error("{action} {}: {source}", path.display())]
     Io {
@@ -37,7 +39,11 @@ pub enum InstallError {
 
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> InstallError + use<> {
     let path = path.to_path_buf();
-    move |source| InstallError::Io { action, path, source }
+    move |source| InstallError::Io {
+        action,
+        path,
+        source,
+    }
 }
 
 /// The temporary name in `dest_dir` for the copy made by `instance` (the pod's name).
@@ -49,8 +55,14 @@ fn check_instance(instance: &str) -> Result<(), InstallError> {
     let ok = !instance.is_empty()
         && instance.len() <= MAX_INSTANCE
         && !instance.starts_with('.')
-        && instance.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok { Ok(()) } else { Err(InstallError::BadInstance(instance.to_string())) }
+        && instance
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(InstallError::BadInstance(instance.to_string()))
+    }
 }
 
 /// Copies `source` to `<dest_dir>/aether-cni` atomically (see the module header) and
@@ -76,7 +88,8 @@ pub fn install(source: &Path, dest_dir: &Path, instance: &str) -> Result<PathBuf
         .map_err(io_err("creating the temporary file", &tmp))?;
     let written = (|| {
         io::copy(&mut src, &mut out).map_err(io_err("copying the plugin to", &tmp))?;
-        out.set_permissions(fs::Permissions::from_mode(MODE)).map_err(io_err("chmod 0755 of", &tmp))?;
+        out.set_permissions(fs::Permissions::from_mode(MODE))
+            .map_err(io_err("chmod 0755 of", &tmp))?;
         out.sync_all().map_err(io_err("fsync of", &tmp))?;
         drop(out);
         fs::rename(&tmp, &target).map_err(io_err("renaming the temporary file over", &target))
@@ -86,7 +99,9 @@ pub fn install(source: &Path, dest_dir: &Path, instance: &str) -> Result<PathBuf
         return Err(e);
     }
     // The rename is durable once the folder's entry is.
-    File::open(dest_dir).and_then(|d| d.sync_all()).map_err(io_err("fsync of the folder", dest_dir))?;
+    File::open(dest_dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("fsync of the folder", dest_dir))?;
     Ok(target)
 }
 
@@ -163,26 +178,46 @@ mod tests {
         let src = source(dir.path(), b"new plugin");
         let missing = dir.path().join("no-such-folder");
         let e = install(&src, &missing, "agent-a").unwrap_err().to_string();
-        assert!(e.contains("creating the temporary file") && e.contains("no-such-folder"), "{e}");
+        assert!(
+            e.contains("creating the temporary file") && e.contains("no-such-folder"),
+            "{e}"
+        );
 
         fs::write(dir.path().join("aether-cni"), b"old plugin").unwrap();
-        let e = install(&dir.path().join("no-such-source"), dir.path(), "agent-a").unwrap_err().to_string();
-        assert!(e.contains("opening the plugin to install") && e.contains("no-such-source"), "{e}");
+        let e = install(&dir.path().join("no-such-source"), dir.path(), "agent-a")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("opening the plugin to install") && e.contains("no-such-source"),
+            "{e}"
+        );
         // The target is a folder: the rename fails, and the temporary file goes with it.
         let blocked = tempfile::tempdir().unwrap();
         fs::create_dir(blocked.path().join("aether-cni")).unwrap();
         fs::write(blocked.path().join("aether-cni").join("x"), b"").unwrap();
-        let e = install(&src, blocked.path(), "agent-a").unwrap_err().to_string();
+        let e = install(&src, blocked.path(), "agent-a")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("renaming the temporary file over"), "{e}");
         assert!(!temp_path(blocked.path(), "agent-a").exists());
-        assert_eq!(fs::read(dir.path().join("aether-cni")).unwrap(), b"old plugin");
+        assert_eq!(
+            fs::read(dir.path().join("aether-cni")).unwrap(),
+            b"old plugin"
+        );
     }
 
     #[test]
     fn instance_names_that_are_no_pod_name_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let src = source(dir.path(), b"new plugin");
-        for bad in ["", "../x", "a/b", ".hidden", "a b", &"a".repeat(MAX_INSTANCE + 1)] {
+        for bad in [
+            "",
+            "../x",
+            "a/b",
+            ".hidden",
+            "a b",
+            &"a".repeat(MAX_INSTANCE + 1),
+        ] {
             let e = install(&src, dir.path(), bad).unwrap_err();
             assert!(matches!(e, InstallError::BadInstance(_)), "{bad:?}: {e}");
         }

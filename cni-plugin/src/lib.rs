@@ -57,7 +57,11 @@ pub struct CniError {
 
 impl CniError {
     pub fn new(code: u32, msg: impl Into<String>) -> Self {
-        Self { code, msg: msg.into(), details: String::new() }
+        Self {
+            code,
+            msg: msg.into(),
+            details: String::new(),
+        }
     }
 
     pub fn with_details(mut self, details: impl Into<String>) -> Self {
@@ -76,8 +80,14 @@ impl CniError {
             #[serde(skip_serializing_if = "str::is_empty")]
             details: &'a str,
         }
-        let wire = Wire { cni_version, code: self.code, msg: &self.msg, details: &self.details };
-        serde_json::to_string(&wire).unwrap_or_else(|_| format!("{{\"code\":{},\"msg\":\"error\"}}", self.code))
+        let wire = Wire {
+            cni_version,
+            code: self.code,
+            msg: &self.msg,
+            details: &self.details,
+        };
+        serde_json::to_string(&wire)
+            .unwrap_or_else(|_| format!("{{\"code\":{},\"msg\":\"error\"}}", self.code))
     }
 }
 
@@ -92,7 +102,11 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Self { connect: Duration::from_secs(5), retry_every: Duration::from_millis(10), call: Duration::from_secs(10) }
+        Self {
+            connect: Duration::from_secs(5),
+            retry_every: Duration::from_millis(10),
+            call: Duration::from_secs(10),
+        }
     }
 }
 
@@ -104,18 +118,30 @@ pub fn read_stdin(mut reader: impl Read) -> Result<Vec<u8>, CniError> {
         .by_ref()
         .take(input::MAX_STDIN as u64 + 1)
         .read_to_end(&mut buf)
-        .map_err(|e| CniError::new(code::IO_FAILURE, format!("reading the network config from stdin: {e}")))?;
+        .map_err(|e| {
+            CniError::new(
+                code::IO_FAILURE,
+                format!("reading the network config from stdin: {e}"),
+            )
+        })?;
     if buf.len() > input::MAX_STDIN {
         return Err(CniError::new(
             code::INVALID_CONFIG,
-            format!("network config on stdin is over the {}-byte limit", input::MAX_STDIN),
+            format!(
+                "network config on stdin is over the {}-byte limit",
+                input::MAX_STDIN
+            ),
         ));
     }
     Ok(buf)
 }
 
 /// The whole plugin: env and stdin in, result or error JSON out. Returns the exit code.
-pub fn run(env: impl Fn(&str) -> Option<std::ffi::OsString>, stdin: impl Read, mut stdout: impl Write) -> ExitCode {
+pub fn run(
+    env: impl Fn(&str) -> Option<std::ffi::OsString>,
+    stdin: impl Read,
+    mut stdout: impl Write,
+) -> ExitCode {
     // Before the config is parsed, errors report the default version.
     let mut version = DEFAULT_VERSION.to_string();
     let result = (|| {
@@ -146,7 +172,9 @@ pub fn execute(inv: &Invocation, timeouts: Timeouts) -> Result<String, CniError>
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| CniError::new(code::IO_FAILURE, format!("starting the I/O runtime: {e}")))?;
+                .map_err(|e| {
+                    CniError::new(code::IO_FAILURE, format!("starting the I/O runtime: {e}"))
+                })?;
             match runtime.block_on(client::call(inv, timeouts)) {
                 Ok(()) => {}
                 Err(e) if inv.command == Command::Del && del_goes_on(&e) => {
@@ -172,12 +200,16 @@ pub fn execute(inv: &Invocation, timeouts: Timeouts) -> Result<String, CniError>
 /// answer in time, or failed. A request the agent found invalid stays an error: retrying
 /// it cannot help, and the runtime should see it.
 fn del_goes_on(e: &CniError) -> bool {
-    matches!(e.code, code::TRY_AGAIN_LATER | code::IO_FAILURE | code::AGENT_ERROR)
+    matches!(
+        e.code,
+        code::TRY_AGAIN_LATER | code::IO_FAILURE | code::AGENT_ERROR
+    )
 }
 
 /// The VERSION command's answer.
 pub fn version_json() -> String {
-    serde_json::json!({ "cniVersion": DEFAULT_VERSION, "supportedVersions": SUPPORTED_VERSIONS }).to_string()
+    serde_json::json!({ "cniVersion": DEFAULT_VERSION, "supportedVersions": SUPPORTED_VERSIONS })
+        .to_string()
 }
 
 /// The supervisor that runs `chain` is root with five capabilities; the rewrite needs at
@@ -199,7 +231,10 @@ mod caps_tests {
             return;
         }
         std::thread::spawn(|| {
-            assert!(caps::has_cap(None, CapSet::Permitted, Capability::CAP_SETUID).unwrap(), "the test needs CAP_SETUID to start with");
+            assert!(
+                caps::has_cap(None, CapSet::Permitted, Capability::CAP_SETUID).unwrap(),
+                "the test needs CAP_SETUID to start with"
+            );
             super::keep_only_chown().unwrap();
             let only: caps::CapsHashSet = [Capability::CAP_CHOWN].into_iter().collect();
             for set in [CapSet::Effective, CapSet::Permitted, CapSet::Bounding] {

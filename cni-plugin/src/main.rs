@@ -31,12 +31,20 @@ network configuration on stdin).";
 fn main() -> ExitCode {
     let args: Vec<_> = std::env::args_os().skip(1).collect();
     match args.first().and_then(|a| a.to_str()) {
-        None => aether_cni::run(|name: &str| std::env::var_os(name), std::io::stdin().lock(), std::io::stdout().lock()),
+        None => aether_cni::run(
+            |name: &str| std::env::var_os(name),
+            std::io::stdin().lock(),
+            std::io::stdout().lock(),
+        ),
         Some("install") => install(&args[1..]),
         Some(cmd @ ("chain" | "uninstall")) => match Flags::parse(&args[1..]) {
             Ok(flags) => {
                 shared_proto::logging::init(flags.log_format.as_deref().unwrap_or("text"));
-                let result = if cmd == "chain" { chain(&flags) } else { uninstall(&flags) };
+                let result = if cmd == "chain" {
+                    chain(&flags)
+                } else {
+                    uninstall(&flags)
+                };
                 result.unwrap_or_else(|e| {
                     tracing::error!(error = %e, "aether-cni {cmd} failed");
                     ExitCode::FAILURE
@@ -60,7 +68,9 @@ fn usage(problem: &str) -> ExitCode {
 /// `install <dest-dir>`: the temporary file is named after POD_NAME (the chart sets it),
 /// or this process's id when run by hand.
 fn install(args: &[OsString]) -> ExitCode {
-    let [dest] = args else { return usage("install takes one folder") };
+    let [dest] = args else {
+        return usage("install takes one folder");
+    };
     let instance = match std::env::var("POD_NAME") {
         Ok(name) if !name.is_empty() => name,
         _ => format!("pid{}", std::process::id()),
@@ -81,9 +91,14 @@ fn install(args: &[OsString]) -> ExitCode {
 /// agent's `/ready` reports that); a warning when the entry had to go back in.
 fn chain(f: &Flags) -> Result<ExitCode, String> {
     aether_cni::keep_only_chown().map_err(|e| format!("dropping capabilities: {e}"))?;
-    let (dir, socket) = (need(&f.cni_conf_dir, "--cni-conf-dir")?, need(&f.agent_socket, "--agent-socket")?);
+    let (dir, socket) = (
+        need(&f.cni_conf_dir, "--cni-conf-dir")?,
+        need(&f.agent_socket, "--agent-socket")?,
+    );
     match conflist::reassert(dir, &conflist::entry(socket)).map_err(|e| e.to_string())? {
-        Outcome::Repaired(p) => tracing::warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it"),
+        Outcome::Repaired(p) => {
+            tracing::warn!(file = %p.display(), "the CNI conflist lacked aether-cni (rewritten by another writer?); appended it")
+        }
         Outcome::Chained(_) | Outcome::NoConflist => {}
     }
     Ok(ExitCode::SUCCESS)
@@ -91,7 +106,10 @@ fn chain(f: &Flags) -> Result<ExitCode, String> {
 
 fn uninstall(f: &Flags) -> Result<ExitCode, String> {
     let run_dir = need(&f.run_dir, "--run-dir")?;
-    let (conf, bin) = (need(&f.cni_conf_dir, "--cni-conf-dir")?, need(&f.cni_bin_dir, "--cni-bin-dir")?);
+    let (conf, bin) = (
+        need(&f.cni_conf_dir, "--cni-conf-dir")?,
+        need(&f.cni_bin_dir, "--cni-bin-dir")?,
+    );
     let bound = aether_cni::uninstall::LOCK_BOUND;
     aether_cni::uninstall::run(run_dir, conf, bin, bound).map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
@@ -112,12 +130,16 @@ impl Flags {
         let mut f = Flags::default();
         let mut it = args.iter();
         while let Some(arg) = it.next() {
-            let arg = arg.to_str().ok_or_else(|| format!("{arg:?} is not UTF-8"))?;
+            let arg = arg
+                .to_str()
+                .ok_or_else(|| format!("{arg:?} is not UTF-8"))?;
             let (name, inline) = match arg.split_once('=') {
                 Some((n, v)) => (n, Some(OsString::from(v))),
                 None => (arg, None),
             };
-            let value = inline.or_else(|| it.next().cloned()).ok_or_else(|| format!("{name} needs a value"))?;
+            let value = inline
+                .or_else(|| it.next().cloned())
+                .ok_or_else(|| format!("{name} needs a value"))?;
             let path = || Some(PathBuf::from(&value));
             match name {
                 "--run-dir" => f.run_dir = path(),

@@ -22,13 +22,19 @@ use tracing::{info, warn};
 #[derive(Debug, thiserror::Error)]
 pub enum UninstallError {
     #[error("the node lock {}: {source}", path.display())]
-    Lock { path: PathBuf, source: std::io::Error },
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: an agent still holds the node after {bound:?}; nothing removed", path.display())]
     Held { path: PathBuf, bound: Duration },
     #[error(transparent)]
     Conflist(#[from] conflist::Error),
     #[error("removing {}: {source}", path.display())]
-    Binary { path: PathBuf, source: std::io::Error },
+    Binary {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// How long to wait for the agent on this node to let the node go: its grace period
@@ -46,9 +52,17 @@ pub struct Removed {
 /// Takes the node lock (waiting up to `bound`), removes the entry from every conflist
 /// in `conf_dir` and `aether-cni` from `bin_dir`. The lock is released when the returned
 /// file closes.
-pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> Result<(Removed, File), UninstallError> {
+pub fn run(
+    run_dir: &Path,
+    conf_dir: &Path,
+    bin_dir: &Path,
+    bound: Duration,
+) -> Result<(Removed, File), UninstallError> {
     let lock_path = run_dir.join("agent.lock");
-    let file = open_lock(&lock_path).map_err(|source| UninstallError::Lock { path: lock_path.clone(), source })?;
+    let file = open_lock(&lock_path).map_err(|source| UninstallError::Lock {
+        path: lock_path.clone(),
+        source,
+    })?;
     let start = Instant::now();
     let mut said = false;
     loop {
@@ -61,8 +75,18 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
-            Err(std::fs::TryLockError::WouldBlock) => return Err(UninstallError::Held { path: lock_path, bound }),
-            Err(std::fs::TryLockError::Error(source)) => return Err(UninstallError::Lock { path: lock_path, source }),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(UninstallError::Held {
+                    path: lock_path,
+                    bound,
+                });
+            }
+            Err(std::fs::TryLockError::Error(source)) => {
+                return Err(UninstallError::Lock {
+                    path: lock_path,
+                    source,
+                });
+            }
         }
     }
     let conflists = conflist::remove(conf_dir)?;
@@ -76,7 +100,12 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
             Some(plugin)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(source) => return Err(UninstallError::Binary { path: plugin, source }),
+        Err(source) => {
+            return Err(UninstallError::Binary {
+                path: plugin,
+                source,
+            });
+        }
     };
     if conflists.is_empty() && binary.is_none() {
         warn!(conf_dir = %conf_dir.display(), bin_dir = %bin_dir.display(), "nothing to remove: aether-cni was not installed here");
@@ -87,7 +116,14 @@ pub fn run(run_dir: &Path, conf_dir: &Path, bin_dir: &Path, bound: Duration) -> 
 /// The node lock file, as the supervisor makes it (0600, never through a symlink). Its
 /// lock is the flock of this open file description, which conflicts with the agent's.
 fn open_lock(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(path)
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
 }
 
 #[cfg(test)]
@@ -99,7 +135,11 @@ mod tests {
     #[test]
     fn waits_for_the_owner_then_removes_the_entry_and_the_binary() {
         let root = tempfile::tempdir().unwrap();
-        let (run_dir, conf, bin) = (root.path().join("run"), root.path().join("net.d"), root.path().join("bin"));
+        let (run_dir, conf, bin) = (
+            root.path().join("run"),
+            root.path().join("net.d"),
+            root.path().join("bin"),
+        );
         for d in [&run_dir, &conf, &bin] {
             std::fs::create_dir(d).unwrap();
         }
@@ -112,7 +152,11 @@ mod tests {
         owner.lock().unwrap();
         let err = run_checked(&run_dir, &conf, &bin, Duration::from_millis(300)).unwrap_err();
         assert!(err.contains("an agent still holds the node"), "{err}");
-        assert!(std::fs::read_to_string(conf.join("10-ptp.conflist")).unwrap().contains("aether-cni"));
+        assert!(
+            std::fs::read_to_string(conf.join("10-ptp.conflist"))
+                .unwrap()
+                .contains("aether-cni")
+        );
         assert!(bin.join("aether-cni").exists());
 
         let release = std::thread::spawn(move || {
@@ -122,18 +166,39 @@ mod tests {
         let started = Instant::now();
         let (removed, held) = run(&run_dir, &conf, &bin, Duration::from_secs(10)).unwrap();
         release.join().unwrap();
-        assert!(started.elapsed() >= Duration::from_millis(150), "did not wait for the owner");
-        assert_eq!(removed, Removed { conflists: vec![conf.join("10-ptp.conflist")], binary: Some(bin.join("aether-cni")) });
-        assert!(!std::fs::read_to_string(conf.join("10-ptp.conflist")).unwrap().contains("aether-cni"));
+        assert!(
+            started.elapsed() >= Duration::from_millis(150),
+            "did not wait for the owner"
+        );
+        assert_eq!(
+            removed,
+            Removed {
+                conflists: vec![conf.join("10-ptp.conflist")],
+                binary: Some(bin.join("aether-cni"))
+            }
+        );
+        assert!(
+            !std::fs::read_to_string(conf.join("10-ptp.conflist"))
+                .unwrap()
+                .contains("aether-cni")
+        );
         assert!(!bin.join("aether-cni").exists() && bin.join("ptp").exists());
 
         // A second run (a restarted pod) finds nothing left and succeeds.
         drop(held);
         let (again, _) = run(&run_dir, &conf, &bin, Duration::from_secs(1)).unwrap();
-        assert_eq!(again, Removed { conflists: vec![], binary: None });
+        assert_eq!(
+            again,
+            Removed {
+                conflists: vec![],
+                binary: None
+            }
+        );
     }
 
     fn run_checked(run_dir: &Path, conf: &Path, bin: &Path, bound: Duration) -> Result<(), String> {
-        super::run(run_dir, conf, bin, bound).map(|_| ()).map_err(|e| e.to_string())
+        super::run(run_dir, conf, bin, bound)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     }
 }

@@ -9,12 +9,12 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use aether_model::Inputs;
+use aether_worker::acks::Acks;
 use aether_worker::cni::{self, AckSource, CniService, PublishedAcks};
 use aether_worker::metrics::Metrics;
 use aether_worker::node::Node;
-use aether_model::Inputs;
 use aether_worker::storage::Storage;
-use aether_worker::acks::Acks;
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::oneshot;
@@ -53,7 +53,14 @@ impl Agent {
         let storage = Arc::new(Storage::open(&dir.path().join("state"), metrics.clone()).unwrap());
         let node = Node::new(Inputs::default());
         cni::load(&node, &storage);
-        Self { dir, node, storage, metrics, stop: None, served: None }
+        Self {
+            dir,
+            node,
+            storage,
+            metrics,
+            stop: None,
+            served: None,
+        }
     }
 
     fn socket(&self) -> PathBuf {
@@ -71,14 +78,21 @@ impl Agent {
             Proxy::Acking => Arc::new(PublishedAcks(self.node.clone())),
             Proxy::Silent => Arc::new(Acks::default()),
         };
-        let service = CniService::new(self.node.clone(), self.storage.clone(), acks, self.metrics.clone());
+        let service = CniService::new(
+            self.node.clone(),
+            self.storage.clone(),
+            acks,
+            self.metrics.clone(),
+        );
         let (tx, rx) = oneshot::channel();
         self.stop = Some(tx);
         let stop = async move {
             let _ = rx.await;
         };
         self.served = Some(tokio::spawn(async move {
-            cni::serve_with(listener, service, stop, cni::DRAIN_BOUND).await.map_err(Into::into)
+            cni::serve_with(listener, service, stop, cni::DRAIN_BOUND)
+                .await
+                .map_err(Into::into)
         }));
     }
 
@@ -144,7 +158,12 @@ fn env(command: &str) -> Vec<(&'static str, String)> {
         ("CNI_NETNS", "/var/run/netns/cni-1".into()),
         ("CNI_IFNAME", "eth0".into()),
         ("CNI_PATH", "/opt/cni/bin".into()),
-        ("CNI_ARGS", format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID={UID}")),
+        (
+            "CNI_ARGS",
+            format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID={UID}"
+            ),
+        ),
     ]
 }
 
@@ -165,10 +184,18 @@ async fn run(env: Vec<(&'static str, String)>, stdin: Vec<u8>) -> Run {
     });
     let out = child.wait_with_output().await.unwrap();
     let _ = writer.await;
-    Run { code: out.status.code(), stdout: String::from_utf8_lossy(&out.stdout).into_owned(), elapsed: start.elapsed() }
+    Run {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        elapsed: start.elapsed(),
+    }
 }
 
-fn set(mut env: Vec<(&'static str, String)>, key: &'static str, value: Option<&str>) -> Vec<(&'static str, String)> {
+fn set(
+    mut env: Vec<(&'static str, String)>,
+    key: &'static str,
+    value: Option<&str>,
+) -> Vec<(&'static str, String)> {
     env.retain(|(k, _)| *k != key);
     if let Some(v) = value {
         env.push((key, v.to_string()));
@@ -189,10 +216,16 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
     oversized.resize(1024 * 1024 + 1, b' ');
     // Fault matrix row 11: 10,000 levels of nesting, well under the size cap; the parser's
     // recursion limit refuses it (no stack overflow, no panic).
-    let deeply_nested = format!("{{\"cniVersion\": \"1.0.0\", \"x\": {}{}}}", "[".repeat(10_000), "]".repeat(10_000));
+    let deeply_nested = format!(
+        "{{\"cniVersion\": \"1.0.0\", \"x\": {}{}}}",
+        "[".repeat(10_000),
+        "]".repeat(10_000)
+    );
     let seventeen_ips = {
         let mut v: Value = serde_json::from_str(&good).unwrap();
-        let ips: Vec<Value> = (0..17).map(|i| serde_json::json!({"address": format!("10.1.0.{}/24", i + 1), "interface": 0})).collect();
+        let ips: Vec<Value> = (0..17)
+            .map(|i| serde_json::json!({"address": format!("10.1.0.{}/24", i + 1), "interface": 0}))
+            .collect();
         v["prevResult"]["ips"] = Value::Array(ips);
         v.to_string()
     };
@@ -263,7 +296,11 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
         },
         Case {
             name: "a .. component in the netns",
-            env: set(env("ADD"), "CNI_NETNS", Some("/var/run/netns/../../proc/1/ns/net")),
+            env: set(
+                env("ADD"),
+                "CNI_NETNS",
+                Some("/var/run/netns/../../proc/1/ns/net"),
+            ),
             stdin: good.clone().into(),
             code: 4,
             msg: "CNI_NETNS \"/var/run/netns/../../proc/1/ns/net\" has a \"..\" component",
@@ -292,16 +329,36 @@ async fn bad_input_gives_a_cni_error_and_writes_nothing() {
     ];
     for case in cases {
         let r = run(case.env, case.stdin).await;
-        assert_eq!(r.code, Some(1), "{}: exit {:?}, stdout {}", case.name, r.code, r.stdout);
+        assert_eq!(
+            r.code,
+            Some(1),
+            "{}: exit {:?}, stdout {}",
+            case.name,
+            r.code,
+            r.stdout
+        );
         let json = r.json();
         assert_eq!(json["code"], case.code, "{}: {json}", case.name);
         assert_eq!(json["cniVersion"], "1.0.0", "{}", case.name);
         let msg = json["msg"].as_str().unwrap();
-        assert!(msg.contains(case.msg), "{}: {:?} not in {msg:?}", case.name, case.msg);
+        assert!(
+            msg.contains(case.msg),
+            "{}: {:?} not in {msg:?}",
+            case.name,
+            case.msg
+        );
     }
-    assert!(agent.records().is_empty(), "nothing written: {:?}", agent.records());
+    assert!(
+        agent.records().is_empty(),
+        "nothing written: {:?}",
+        agent.records()
+    );
     assert!(agent.node.inputs().pods.is_empty());
-    assert!(!agent.calls_seen(), "no call reached the agent:\n{}", agent.metrics.encode());
+    assert!(
+        !agent.calls_seen(),
+        "no call reached the agent:\n{}",
+        agent.metrics.encode()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -312,10 +369,21 @@ async fn unreachable_agent_is_try_again_later_after_the_retry_bound() {
     assert_eq!(r.code, Some(1), "{}", r.stdout);
     let json = r.json();
     assert_eq!(json["code"], 11, "{json}");
-    assert!(json["msg"].as_str().unwrap().contains("agentSocket"), "{json}");
+    assert!(
+        json["msg"].as_str().unwrap().contains("agentSocket"),
+        "{json}"
+    );
     // The plugin stops when its next 10 ms retry would pass the 5 s bound.
-    assert!(r.elapsed >= Duration::from_millis(4900) && r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the plugin creates nothing");
+    assert!(
+        r.elapsed >= Duration::from_millis(4900) && r.elapsed < Duration::from_secs(8),
+        "took {:?}",
+        r.elapsed
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the plugin creates nothing"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -324,9 +392,17 @@ async fn del_with_the_agent_unreachable_succeeds_so_the_chain_goes_on_and_add_st
     let socket = dir.path().join("no-agent.sock");
     let del = run(env("DEL"), conf(&socket).into()).await;
     assert_eq!(del.code, Some(0), "DEL is best effort: {}", del.stdout);
-    assert!(del.stdout.trim().is_empty(), "DEL prints nothing on success: {}", del.stdout);
+    assert!(
+        del.stdout.trim().is_empty(),
+        "DEL prints nothing on success: {}",
+        del.stdout
+    );
     // Only after the same bound as every call: a roll in progress still gets its DEL.
-    assert!(del.elapsed >= Duration::from_millis(4900), "gave up after {:?}", del.elapsed);
+    assert!(
+        del.elapsed >= Duration::from_millis(4900),
+        "gave up after {:?}",
+        del.elapsed
+    );
     let add = run(env("ADD"), conf(&socket).into()).await;
     assert_eq!(add.code, Some(1), "ADD stays fail-closed: {}", add.stdout);
     assert_eq!(add.json()["code"], 11);
@@ -345,8 +421,16 @@ async fn add_check_del_round_trip() {
     assert_eq!(result["interfaces"][0]["name"], "eth0");
     assert_eq!(agent.records(), vec![format!("{UID}.json")]);
     let pod = agent.storage.get(UID).unwrap();
-    assert_eq!((pod.namespace.as_str(), pod.name.as_str()), ("default", "web-0"));
-    assert!(agent.node.snapshot().holds_pod(UID, &["10.1.0.5".parse().unwrap()]));
+    assert_eq!(
+        (pod.namespace.as_str(), pod.name.as_str()),
+        ("default", "web-0")
+    );
+    assert!(
+        agent
+            .node
+            .snapshot()
+            .holds_pod(UID, &["10.1.0.5".parse().unwrap()])
+    );
 
     let check = run(env("CHECK"), c.clone().into()).await;
     assert_eq!((check.code, check.stdout.as_str()), (Some(0), ""));
@@ -367,11 +451,21 @@ async fn add_check_del_round_trip() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_lists_supported_versions() {
-    let r = run(vec![("CNI_COMMAND", "VERSION".into())], br#"{"cniVersion":"1.0.0"}"#.to_vec()).await;
+    let r = run(
+        vec![("CNI_COMMAND", "VERSION".into())],
+        br#"{"cniVersion":"1.0.0"}"#.to_vec(),
+    )
+    .await;
     assert_eq!(r.code, Some(0));
     let json = r.json();
     assert_eq!(json["cniVersion"], "1.0.0");
-    assert!(json["supportedVersions"].as_array().unwrap().iter().any(|v| v == "1.0.0"));
+    assert!(
+        json["supportedVersions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v == "1.0.0")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,15 +497,39 @@ async fn add_rides_through_a_missing_then_refusing_socket() {
 
 /// A listener on `socket` with room for one queued connection, and a connection that
 /// takes it: its backlog is full, and a non-blocking connect gets EAGAIN.
-fn full_backlog(socket: &Path) -> (std::os::unix::net::UnixListener, std::os::unix::net::UnixStream) {
-    use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, connect, listen, socket as new_socket};
+fn full_backlog(
+    socket: &Path,
+) -> (
+    std::os::unix::net::UnixListener,
+    std::os::unix::net::UnixStream,
+) {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, connect, listen,
+        socket as new_socket,
+    };
     use std::os::fd::AsRawFd;
-    let fd = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+    let fd = new_socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
     bind(fd.as_raw_fd(), &UnixAddr::new(socket).unwrap()).unwrap();
     listen(&fd, Backlog::new(0).unwrap()).unwrap();
     let filler = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    let probe = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK, None).unwrap();
-    assert_eq!(connect(probe.as_raw_fd(), &UnixAddr::new(socket).unwrap()), Err(nix::errno::Errno::EAGAIN), "the backlog is full");
+    let probe = new_socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        connect(probe.as_raw_fd(), &UnixAddr::new(socket).unwrap()),
+        Err(nix::errno::Errno::EAGAIN),
+        "the backlog is full"
+    );
     (std::os::unix::net::UnixListener::from(fd), filler)
 }
 
@@ -428,7 +546,10 @@ async fn add_waits_for_room_in_a_full_listen_backlog() {
     let (taken, _) = listener.accept().unwrap();
     drop((taken, filler));
     listener.set_nonblocking(true).unwrap();
-    agent.serve_on(tokio::net::UnixListener::from_std(listener).unwrap(), Proxy::Acking);
+    agent.serve_on(
+        tokio::net::UnixListener::from_std(listener).unwrap(),
+        Proxy::Acking,
+    );
     let r = add.await.unwrap();
     assert_eq!(r.code, Some(0), "{}", r.stdout);
     assert!(r.elapsed >= Duration::from_millis(300), "{:?}", r.elapsed);
@@ -445,7 +566,11 @@ async fn a_listen_backlog_that_stays_full_is_try_again_later_after_the_retry_bou
     let r = run(env("ADD"), conf(&socket).into()).await;
     assert_eq!(r.code, Some(1), "{}", r.stdout);
     assert_eq!(r.json()["code"], 11, "{}", r.stdout);
-    assert!(r.elapsed >= Duration::from_millis(4900) && r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
+    assert!(
+        r.elapsed >= Duration::from_millis(4900) && r.elapsed < Duration::from_secs(8),
+        "took {:?}",
+        r.elapsed
+    );
 }
 
 /// Graceful stop: an ADD waiting for the proxy's ACK when shutdown starts still completes
@@ -465,12 +590,25 @@ async fn shutdown_lets_an_in_flight_add_finish_and_the_next_owner_takes_the_rest
     }
     let drained_in = agent.shutdown().await;
     let r = add.await.unwrap();
-    assert_eq!(r.code, Some(0), "in-flight ADD answered success: {}", r.stdout);
-    assert!(drained_in < cni::DRAIN_BOUND, "serve returned after {drained_in:?}");
-    assert!(drained_in >= Duration::from_millis(1500), "serve waited for the ADD: {drained_in:?}");
+    assert_eq!(
+        r.code,
+        Some(0),
+        "in-flight ADD answered success: {}",
+        r.stdout
+    );
+    assert!(
+        drained_in < cni::DRAIN_BOUND,
+        "serve returned after {drained_in:?}"
+    );
+    assert!(
+        drained_in >= Duration::from_millis(1500),
+        "serve waited for the ADD: {drained_in:?}"
+    );
     assert_eq!(agent.metrics.cni_ack_timeouts.get(), 1);
-    let record: Value =
-        serde_json::from_slice(&std::fs::read(agent.storage.dir().join(format!("{UID}.json"))).unwrap()).unwrap();
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(agent.storage.dir().join(format!("{UID}.json"))).unwrap(),
+    )
+    .unwrap();
     assert_eq!(record["uid"], UID);
     assert_eq!(record["schema"], 1);
 
@@ -493,7 +631,9 @@ fn euid() -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_of_another_uid_is_refused_even_when_the_socket_mode_lets_it_connect() {
     if euid() != 0 {
-        eprintln!("\n!!! SKIPPED a_peer_of_another_uid_is_refused...: needs root to run the plugin as another uid. CI runs as root. !!!\n");
+        eprintln!(
+            "\n!!! SKIPPED a_peer_of_another_uid_is_refused...: needs root to run the plugin as another uid. CI runs as root. !!!\n"
+        );
         return;
     }
     use std::os::unix::fs::PermissionsExt;
@@ -515,12 +655,21 @@ async fn a_peer_of_another_uid_is_refused_even_when_the_socket_mode_lets_it_conn
         .stderr(Stdio::inherit())
         .spawn()
         .expect("setpriv (util-linux)");
-    child.stdin.take().unwrap().write_all(conf(&agent.socket()).as_bytes()).await.unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(conf(&agent.socket()).as_bytes())
+        .await
+        .unwrap();
     let out = child.wait_with_output().await.unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "uid 65534 was served: {stdout}");
     assert!(agent.records().is_empty(), "a refused peer wrote a record");
-    assert!(!agent.calls_seen(), "a refused peer's call reached the service");
+    assert!(
+        !agent.calls_seen(),
+        "a refused peer's call reached the service"
+    );
     let metrics = agent.metrics.encode();
     let refused: u64 = metrics
         .lines()

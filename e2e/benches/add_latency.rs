@@ -60,11 +60,17 @@ fn plugin_bin() -> PathBuf {
         .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
     assert!(out.status.success(), "{}: {}", script.display(), out.status);
     let path = String::from_utf8_lossy(&out.stdout);
-    PathBuf::from(path.lines().last().unwrap_or_else(|| panic!("{} printed no path", script.display())))
+    PathBuf::from(
+        path.lines()
+            .last()
+            .unwrap_or_else(|| panic!("{} printed no path", script.display())),
+    )
 }
 
 async fn plugin(bin: &Path, env: &[(&str, String)], stdin: &[u8]) -> Duration {
-    cni_burst::plugin(bin, env, stdin).await.unwrap_or_else(|e| panic!("aether-cni failed: {e}"))
+    cni_burst::plugin(bin, env, stdin)
+        .await
+        .unwrap_or_else(|e| panic!("aether-cni failed: {e}"))
 }
 
 struct Target {
@@ -80,15 +86,27 @@ async fn bench_adds(bin: &Path, what: &str, target: Target, n: usize) {
         .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp"));
     let dir = tempfile::tempdir_in(&base).expect("temp state dir");
     let socket = dir.path().join("cni.sock");
-    let storage = Arc::new(Storage::open(&dir.path().join("state"), target.metrics.clone()).expect("opening storage"));
+    let storage = Arc::new(
+        Storage::open(&dir.path().join("state"), target.metrics.clone()).expect("opening storage"),
+    );
     cni::load(&target.node, &storage);
-    let service = CniService::new(target.node.clone(), storage.clone(), target.acks, target.metrics.clone());
+    let service = CniService::new(
+        target.node.clone(),
+        storage.clone(),
+        target.acks,
+        target.metrics.clone(),
+    );
     let listener = tokio::net::UnixListener::bind(&socket).expect("binding the socket");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let stop_signal = async move {
         let _ = stopped.await;
     };
-    let server = tokio::spawn(cni::serve_with(listener, service, stop_signal, cni::DRAIN_BOUND));
+    let server = tokio::spawn(cni::serve_with(
+        listener,
+        service,
+        stop_signal,
+        cni::DRAIN_BOUND,
+    ));
 
     let mut adds = Vec::with_capacity(n);
     for i in 0..n {
@@ -99,13 +117,22 @@ async fn bench_adds(bin: &Path, what: &str, target: Target, n: usize) {
     let timeouts = target.metrics.cni_ack_timeouts.get();
     let _ = stop.send(());
     let _ = server.await;
-    report(&format!("ADD, {what} (plugin start to answer; ACK timeouts: {timeouts})"), &adds);
+    report(
+        &format!("ADD, {what} (plugin start to answer; ACK timeouts: {timeouts})"),
+        &adds,
+    );
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let n: usize = std::env::var("AETHER_BENCH_ADDS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
-    let burst: usize = std::env::var("AETHER_BENCH_BURST").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let n: usize = std::env::var("AETHER_BENCH_ADDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let burst: usize = std::env::var("AETHER_BENCH_BURST")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     if let Ok(filter) = std::env::var("AETHER_BENCH_LOG") {
         envoy::init_logs(&filter);
     }
@@ -119,29 +146,61 @@ async fn main() {
 
     let node = Node::new(Inputs::default());
     let acks: Arc<dyn AckSource> = Arc::new(PublishedAcks(node.clone()));
-    bench_adds(&bin, "publish-ack proxy", Target { node, metrics: Metrics::new(), acks }, n).await;
+    bench_adds(
+        &bin,
+        "publish-ack proxy",
+        Target {
+            node,
+            metrics: Metrics::new(),
+            acks,
+        },
+        n,
+    )
+    .await;
 
     match envoy::envoy_bin() {
-        None => println!("!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"),
+        None => println!(
+            "!!! SKIPPED the Envoy part: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN. !!!"
+        ),
         Some(envoy) if burst > 0 => {
             // A burst of concurrent ADDs on a node that already has `n` pods.
             let h = WorkerRig::start(&envoy, &envoy::registry_json(&[]), AdsApi::Delta).await;
             let b = cni_burst::run(&bin, &h, n, burst).await;
-            assert!(b.failures.is_empty(), "{} ADDs failed, first: {:?}", b.failures.len(), b.failures.first());
-            report(&format!("burst of {burst} concurrent ADDs at {n} pods, real Envoy, delta ADS, per call"), &b.calls);
+            assert!(
+                b.failures.is_empty(),
+                "{} ADDs failed, first: {:?}",
+                b.failures.len(),
+                b.failures.first()
+            );
+            report(
+                &format!(
+                    "burst of {burst} concurrent ADDs at {n} pods, real Envoy, delta ADS, per call"
+                ),
+                &b.calls,
+            );
             println!(
                 "burst of {burst} concurrent ADDs at {n} pods: {:.0} ms in all, {} snapshots published, every pod in Envoy {:.1} ms after the last answer",
                 b.total.as_secs_f64() * 1e3,
                 b.snapshots,
-                b.all_in_envoy.expect("every pod reached Envoy").as_secs_f64() * 1e3
+                b.all_in_envoy
+                    .expect("every pod reached Envoy")
+                    .as_secs_f64()
+                    * 1e3
             );
         }
         Some(envoy) => {
             // Side by side: the same ADDs with Envoy on state-of-the-world ADS (every
             // listener and cluster resent per ADD) and on delta ADS (only the pod's).
-            for (api, name) in [(AdsApi::Sotw, "real Envoy, SotW ADS, ACKing LDS+CDS"), (AdsApi::Delta, "real Envoy, delta ADS, ACKing LDS+CDS")] {
+            for (api, name) in [
+                (AdsApi::Sotw, "real Envoy, SotW ADS, ACKing LDS+CDS"),
+                (AdsApi::Delta, "real Envoy, delta ADS, ACKing LDS+CDS"),
+            ] {
                 let h = WorkerRig::start(&envoy, &envoy::registry_json(&[]), api).await;
-                let target = Target { node: h.node.clone(), metrics: h.metrics.clone(), acks: Arc::new(h.acks.clone()) };
+                let target = Target {
+                    node: h.node.clone(),
+                    metrics: h.metrics.clone(),
+                    acks: Arc::new(h.acks.clone()),
+                };
                 bench_adds(&bin, name, target, n).await;
             }
         }

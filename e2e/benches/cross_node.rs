@@ -70,7 +70,11 @@ struct Mesh {
 impl Mesh {
     fn new() -> Self {
         let n = SERVICES * ENDPOINTS_PER_SERVICE;
-        Mesh { ports: vec![8080; n], applied_draining: vec![false; n], marked: vec![false; n] }
+        Mesh {
+            ports: vec![8080; n],
+            applied_draining: vec![false; n],
+            marked: vec![false; n],
+        }
     }
 
     fn name(s: usize) -> String {
@@ -78,7 +82,10 @@ impl Mesh {
     }
 
     fn key(s: usize) -> pb::ServiceKey {
-        pb::ServiceKey { namespace: NAMESPACE.into(), name: Self::name(s) }
+        pb::ServiceKey {
+            namespace: NAMESPACE.into(),
+            name: Self::name(s),
+        }
     }
 
     /// Envoy's cluster for service `s` (its one port, 80).
@@ -94,7 +101,11 @@ impl Mesh {
         let endpoints = (0..ENDPOINTS_PER_SERVICE)
             .map(|e| {
                 let k = s * ENDPOINTS_PER_SERVICE + e;
-                let state = if self.applied_draining[k] { pb::EndpointState::Draining } else { pb::EndpointState::Healthy };
+                let state = if self.applied_draining[k] {
+                    pb::EndpointState::Draining
+                } else {
+                    pb::EndpointState::Healthy
+                };
                 pb::Endpoint {
                     address: Self::address(s, e).to_string(),
                     port: u32::from(self.ports[k]),
@@ -106,7 +117,12 @@ impl Mesh {
                 }
             })
             .collect();
-        pb::Service { key: Some(Self::key(s)), ports: vec![80], vip: String::new(), endpoints }
+        pb::Service {
+            key: Some(Self::key(s)),
+            ports: vec![80],
+            vip: String::new(),
+            endpoints,
+        }
     }
 
     /// Service `s`'s endpoints as Envoy's config dump should show them, as
@@ -117,7 +133,11 @@ impl Mesh {
         let mut out: Vec<String> = (0..ENDPOINTS_PER_SERVICE)
             .map(|e| {
                 let k = s * ENDPOINTS_PER_SERVICE + e;
-                let health = if self.applied_draining[k] || self.marked[k] { "UNHEALTHY" } else { "HEALTHY" };
+                let health = if self.applied_draining[k] || self.marked[k] {
+                    "UNHEALTHY"
+                } else {
+                    "HEALTHY"
+                };
                 format!("{}:{} {health}", Self::address(s, e), self.ports[k])
             })
             .collect();
@@ -146,18 +166,31 @@ impl Kind {
 }
 
 fn main() {
-    let Some((envoy_bin, etcd)) = aether_e2e::registrar::bench_start("cross-node") else { return };
+    let Some((envoy_bin, etcd)) = aether_e2e::registrar::bench_start("cross-node") else {
+        return;
+    };
     let changes = env_usize("BENCH_CHANGES", 100).max(50);
-    let api: AdsApi = std::env::var("BENCH_XDS_API").map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}"))).unwrap_or_default();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime for the registry client");
+    let api: AdsApi = std::env::var("BENCH_XDS_API")
+        .map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")))
+        .unwrap_or_default();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime for the registry client");
 
     let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
-    let mut client =
-        rt.block_on(aether_registrar::client::connect(registrar.addr(), Duration::from_secs(10), None)).expect("connect to the registrar");
+    let mut client = rt
+        .block_on(aether_registrar::client::connect(
+            registrar.addr(),
+            Duration::from_secs(10),
+            None,
+        ))
+        .expect("connect to the registrar");
     let mut mesh = Mesh::new();
     let t = Instant::now();
     let all: Vec<pb::Service> = (0..SERVICES).map(|s| mesh.service(s)).collect();
-    rt.block_on(client.apply_services(pb::ApplyServicesRequest { services: all })).expect("apply the mesh");
+    rt.block_on(client.apply_services(pb::ApplyServicesRequest { services: all }))
+        .expect("apply the mesh");
     println!(
         "cross-node: {SERVICES} services, {} endpoints on {NODE_A}, applied in {:.0} ms; ADS {}, Envoy {}",
         SERVICES * ENDPOINTS_PER_SERVICE,
@@ -172,11 +205,19 @@ fn main() {
     // thread that runs xDS, every 2 ms: it would delay what this measures.
     rig.poller.stop();
     let want = expected_eds(&dump(registrar.addr()));
-    wait_for("node B's Envoy to hold every service's endpoints", Duration::from_secs(60), || {
-        let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
-        (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
-    });
-    println!("node B: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms", want.len(), ms(t.elapsed()));
+    wait_for(
+        "node B's Envoy to hold every service's endpoints",
+        Duration::from_secs(60),
+        || {
+            let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
+            (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
+        },
+    );
+    println!(
+        "node B: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms",
+        want.len(),
+        ms(t.elapsed())
+    );
 
     let mut log = AgentLog::new(&rig.owner.log_path);
     let mut to_commit = Vec::new();
@@ -191,14 +232,19 @@ fn main() {
         // Consecutive changes touch services far apart; 7919 is prime to 1,000.
         let s = (i * 7919) % SERVICES;
         let round = i / (3 * SERVICES);
-        let pick = |r: std::ops::Range<usize>| s * ENDPOINTS_PER_SERVICE + r.start + round % r.len();
+        let pick =
+            |r: std::ops::Range<usize>| s * ENDPOINTS_PER_SERVICE + r.start + round % r.len();
         log.skip_to_end();
         let (t0, wall0);
         let revision = match kind {
             Kind::Mark => {
                 let k = pick(MARKED);
                 mesh.marked[k] ^= true;
-                let state = if mesh.marked[k] { pb::EndpointState::Draining } else { pb::EndpointState::Healthy };
+                let state = if mesh.marked[k] {
+                    pb::EndpointState::Draining
+                } else {
+                    pb::EndpointState::Healthy
+                };
                 let req = pb::SetEndpointStateRequest {
                     service: Some(Mesh::key(s)),
                     address: Mesh::address(s, k % ENDPOINTS_PER_SERVICE).to_string(),
@@ -207,7 +253,10 @@ fn main() {
                     instance: "node-a-agent".into(),
                 };
                 (t0, wall0) = (Instant::now(), SystemTime::now());
-                rt.block_on(client.set_endpoint_state(req)).expect("SetEndpointState").into_inner().revision
+                rt.block_on(client.set_endpoint_state(req))
+                    .expect("SetEndpointState")
+                    .into_inner()
+                    .revision
             }
             Kind::State | Kind::Port => {
                 if let Kind::State = kind {
@@ -217,14 +266,22 @@ fn main() {
                     let k = pick(MOVED);
                     mesh.ports[k] = if mesh.ports[k] == 8080 { 9090 } else { 8080 };
                 }
-                let req = pb::ApplyServicesRequest { services: vec![mesh.service(s)] };
+                let req = pb::ApplyServicesRequest {
+                    services: vec![mesh.service(s)],
+                };
                 (t0, wall0) = (Instant::now(), SystemTime::now());
-                rt.block_on(client.apply_services(req)).expect("ApplyServices").into_inner().revision
+                rt.block_on(client.apply_services(req))
+                    .expect("ApplyServices")
+                    .into_inner()
+                    .revision
             }
         };
         let committed = t0.elapsed();
         let ex = log
-            .wait(&format!("change {i}: node B's agent to log a load assignment push and its ACK"), T_CHANGE)
+            .wait(
+                &format!("change {i}: node B's agent to log a load assignment push and its ACK"),
+                T_CHANGE,
+            )
             .unwrap_or_else(|e| panic!("{e}\n{}", rig.where_to_look()));
 
         // Outside the timing: Envoy holds what the change made, and the agent's view is
@@ -233,10 +290,19 @@ fn main() {
         match ack_log::wait_endpoints(&rig.envoy, &cluster, &want) {
             Ok(Shown::AtAck) => {}
             Ok(Shown::Later) => late_in_dump += 1,
-            Err(got) => panic!("change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}", rig.where_to_look()),
+            Err(got) => panic!(
+                "change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}",
+                rig.where_to_look()
+            ),
         }
-        let view = rig.owner.ready().and_then(|(_, v)| v["registrar"]["revision"].as_i64());
-        assert!(view.is_some_and(|r| r >= revision), "change {i}: the agent's /ready shows revision {view:?}, not {revision}");
+        let view = rig
+            .owner
+            .ready()
+            .and_then(|(_, v)| v["registrar"]["revision"].as_i64());
+        assert!(
+            view.is_some_and(|r| r >= revision),
+            "change {i}: the agent's /ready shows revision {view:?}, not {revision}"
+        );
         if i < WARMUP {
             continue;
         }
@@ -259,7 +325,11 @@ fn main() {
     let p99 = percentile(&total, 99.0).expect("samples");
     println!(
         "target p99 <= 25 ms: {} (p99 {:.2} ms over {} changes, after {WARMUP} unmeasured); changes not yet in Envoy's config dump at their ACK: {late_in_dump}",
-        if p99 <= Duration::from_millis(25) { "met" } else { "MISSED" },
+        if p99 <= Duration::from_millis(25) {
+            "met"
+        } else {
+            "MISSED"
+        },
         ms(p99),
         total.len()
     );
@@ -267,13 +337,32 @@ fn main() {
     // In the end Envoy's whole EDS equals the registrar's view, and that is what the bench
     // applied.
     let want = expected_eds(&dump(registrar.addr()));
-    let (_, body) = rig.envoy.get("/config_dump?include_eds").expect("Envoy's config dump");
+    let (_, body) = rig
+        .envoy
+        .get("/config_dump?include_eds")
+        .expect("Envoy's config dump");
     let got = envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON"));
-    assert!(got == want, "Envoy's EDS differs from the registrar's view at the end\n{}", rig.where_to_look());
+    assert!(
+        got == want,
+        "Envoy's EDS differs from the registrar's view at the end\n{}",
+        rig.where_to_look()
+    );
     for s in 0..SERVICES {
-        let applied = want.get(&Mesh::cluster(s)).map(|eps| eps.iter().map(|e| e.replace(" DRAINING", " UNHEALTHY")).collect::<Vec<_>>());
-        assert_eq!(applied, Some(mesh.expected(s)), "the registrar holds what the bench applied for {}", Mesh::name(s));
+        let applied = want.get(&Mesh::cluster(s)).map(|eps| {
+            eps.iter()
+                .map(|e| e.replace(" DRAINING", " UNHEALTHY"))
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(
+            applied,
+            Some(mesh.expected(s)),
+            "the registrar holds what the bench applied for {}",
+            Mesh::name(s)
+        );
     }
-    println!("at the end node B's Envoy holds exactly the registrar's view ({} clusters)", want.len());
+    println!(
+        "at the end node B's Envoy holds exactly the registrar's view ({} clusters)",
+        want.len()
+    );
     rig.pass();
 }

@@ -31,7 +31,10 @@ use std::time::{Duration, Instant, SystemTime};
 use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, field, ms, parse_utc, since, summary};
 use aether_e2e::envoy::{AdsApi, NodeRig};
 use aether_e2e::kube_api::KubeApi;
-use aether_e2e::registrar::{DISCOVERY_RULES, LEASE_NAME as LEASE, LEASE_NAMESPACE as LEASE_NS, REGISTRAR_USER as USER, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
+use aether_e2e::registrar::{
+    DISCOVERY_RULES, LEASE_NAME as LEASE, LEASE_NAMESPACE as LEASE_NS, REGISTRAR_USER as USER,
+    RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin,
+};
 use aether_e2e::testing::{env_usize, percentile, try_wait_for, wait_for};
 use serde_json::{Value, json};
 
@@ -59,8 +62,14 @@ struct Mesh {
 
 impl Mesh {
     fn new(services: usize) -> Self {
-        assert!(services <= 30_000, "BENCH_SERVICES={services}: addresses run out above 30,000");
-        Mesh { terminating: vec![None; services], scaled: vec![false; services] }
+        assert!(
+            services <= 30_000,
+            "BENCH_SERVICES={services}: addresses run out above 30,000"
+        );
+        Mesh {
+            terminating: vec![None; services],
+            scaled: vec![false; services],
+        }
     }
 
     fn name(s: usize) -> String {
@@ -106,7 +115,11 @@ impl Mesh {
     fn expected(&self, s: usize) -> Vec<String> {
         let mut out: Vec<String> = (0..self.endpoints(s))
             .map(|e| {
-                let health = if self.terminating[s] == Some(e) { "UNHEALTHY" } else { "HEALTHY" };
+                let health = if self.terminating[s] == Some(e) {
+                    "UNHEALTHY"
+                } else {
+                    "HEALTHY"
+                };
                 format!("{}:8080 {health}", Self::address(s, e))
             })
             .collect();
@@ -141,7 +154,11 @@ impl Kind {
 /// Service `s`'s endpoints in `eds` (as `expected_eds` writes a registrar's view), as
 /// [`Mesh::expected`] writes them.
 fn held(eds: &BTreeMap<String, Vec<String>>, s: usize) -> Option<Vec<String>> {
-    let mut eps: Vec<String> = eds.get(&Mesh::cluster(s))?.iter().map(|e| e.replace(" DRAINING", " UNHEALTHY")).collect();
+    let mut eps: Vec<String> = eds
+        .get(&Mesh::cluster(s))?
+        .iter()
+        .map(|e| e.replace(" DRAINING", " UNHEALTHY"))
+        .collect();
     eps.sort();
     Some(eps)
 }
@@ -160,15 +177,22 @@ impl RegistrarLog {
     /// ("namespace/name") since the last skip, and at which revision.
     fn written(&self, registrar: &RegistrarProcess, service: &str) -> Option<(SystemTime, i64)> {
         let log = registrar.log();
-        let line = log.get(self.seen..)?.lines().find(|l| l.contains(" discovered service written ") && field(l, "service") == Some(service))?;
+        let line = log.get(self.seen..)?.lines().find(|l| {
+            l.contains(" discovered service written ") && field(l, "service") == Some(service)
+        })?;
         let at = line.split(' ').next().and_then(parse_utc);
         let revision = field(line, "revision").and_then(|r| r.parse().ok());
-        Some((at.unwrap_or_else(|| panic!("unreadable registrar line {line:?}")), revision.unwrap_or_else(|| panic!("no revision in {line:?}"))))
+        Some((
+            at.unwrap_or_else(|| panic!("unreadable registrar line {line:?}")),
+            revision.unwrap_or_else(|| panic!("no revision in {line:?}")),
+        ))
     }
 }
 
 fn main() {
-    let Some((envoy_bin, etcd)) = aether_e2e::registrar::bench_start("discovery-ack") else { return };
+    let Some((envoy_bin, etcd)) = aether_e2e::registrar::bench_start("discovery-ack") else {
+        return;
+    };
     let changes = env_usize("BENCH_CHANGES", 100).max(50);
     let services = env_usize("BENCH_SERVICES", 1_000).max(1);
     let api_type = AdsApi::default();
@@ -183,14 +207,31 @@ fn main() {
     }
     let t = Instant::now();
     let flags = [
-        "--kubeconfig", &kubeconfig, "--discovery", "on", "--lease-namespace", LEASE_NS, "--lease-name", LEASE, "--lease-duration", "15", "--leader-id", "r1",
+        "--kubeconfig",
+        &kubeconfig,
+        "--discovery",
+        "on",
+        "--lease-namespace",
+        LEASE_NS,
+        "--lease-name",
+        LEASE,
+        "--lease-duration",
+        "15",
+        "--leader-id",
+        "r1",
     ];
     let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &flags);
     registrar.wait_log("leading", T_START);
-    wait_for("the registrar to write every Service into etcd", T_START, || {
-        let eds = expected_eds(&dump(registrar.addr()));
-        (0..services).all(|s| held(&eds, s) == Some(mesh.expected(s))).then_some(())
-    });
+    wait_for(
+        "the registrar to write every Service into etcd",
+        T_START,
+        || {
+            let eds = expected_eds(&dump(registrar.addr()));
+            (0..services)
+                .all(|s| held(&eds, s) == Some(mesh.expected(s)))
+                .then_some(())
+        },
+    );
     println!(
         "discovery-ack: {services} Services, {} endpoints on {NODE_A}, in etcd {:.0} ms after the registrar started; ADS {}, Envoy {}",
         services * ENDPOINTS_PER_SERVICE,
@@ -205,11 +246,19 @@ fn main() {
     // thread that runs xDS, every 2 ms: it would delay what this measures.
     rig.poller.stop();
     let want = expected_eds(&dump(registrar.addr()));
-    wait_for("the node's Envoy to hold every service's endpoints", T_START, || {
-        let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
-        (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
-    });
-    println!("node: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms", want.len(), ms(t.elapsed()));
+    wait_for(
+        "the node's Envoy to hold every service's endpoints",
+        T_START,
+        || {
+            let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
+            (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
+        },
+    );
+    println!(
+        "node: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms",
+        want.len(),
+        ms(t.elapsed())
+    );
 
     let mut log = AgentLog::new(&rig.owner.log_path);
     let mut registrar_log = RegistrarLog { seen: 0 };
@@ -240,24 +289,44 @@ fn main() {
         let wall0 = SystemTime::now();
         kube.put_endpoint_slice(slice);
         let ex = log
-            .wait(&format!("change {i}: the node's agent to log a load assignment push and its ACK"), T_CHANGE)
-            .unwrap_or_else(|e| panic!("{e}\nregistrar log:\n{}\n{}", registrar.log(), rig.where_to_look()));
+            .wait(
+                &format!("change {i}: the node's agent to log a load assignment push and its ACK"),
+                T_CHANGE,
+            )
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{e}\nregistrar log:\n{}\n{}",
+                    registrar.log(),
+                    rig.where_to_look()
+                )
+            });
 
         // Outside the timing: the registrar's write, Envoy holding what the change made,
         // and the agent's view at the write's revision.
         let key = format!("{NAMESPACE}/{}", Mesh::name(s));
-        let (committed, revision) = try_wait_for(&format!("change {i}: the registrar's log to show {key} written"), Duration::from_secs(1), || {
-            registrar_log.written(&registrar, &key)
-        })
+        let (committed, revision) = try_wait_for(
+            &format!("change {i}: the registrar's log to show {key} written"),
+            Duration::from_secs(1),
+            || registrar_log.written(&registrar, &key),
+        )
         .unwrap_or_else(|e| panic!("{e}; registrar log:\n{}", registrar.log()));
         let (cluster, want) = (Mesh::cluster(s), mesh.expected(s));
         match ack_log::wait_endpoints(&rig.envoy, &cluster, &want) {
             Ok(Shown::AtAck) => {}
             Ok(Shown::Later) => late_in_dump += 1,
-            Err(got) => panic!("change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}", rig.where_to_look()),
+            Err(got) => panic!(
+                "change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}",
+                rig.where_to_look()
+            ),
         }
-        let view = rig.owner.ready().and_then(|(_, v)| v["registrar"]["revision"].as_i64());
-        assert!(view.is_some_and(|r| r >= revision), "change {i}: the agent's /ready shows revision {view:?}, not {revision}");
+        let view = rig
+            .owner
+            .ready()
+            .and_then(|(_, v)| v["registrar"]["revision"].as_i64());
+        assert!(
+            view.is_some_and(|r| r >= revision),
+            "change {i}: the agent's /ready shows revision {view:?}, not {revision}"
+        );
         if i < WARMUP {
             continue;
         }
@@ -270,7 +339,10 @@ fn main() {
     }
 
     summary("API write -> registrar committed to etcd", &to_commit);
-    summary("API write -> the node's agent holds the change", &to_snapshot);
+    summary(
+        "API write -> the node's agent holds the change",
+        &to_snapshot,
+    );
     summary("  snapshot -> push (agent)", &to_push);
     summary("  push -> ACK (Envoy, at the agent)", &to_ack);
     summary("API write -> the node's Envoy ACKed it (total)", &total);
@@ -289,12 +361,27 @@ fn main() {
     // In the end Envoy's whole EDS equals the registrar's view, and that is what the API
     // server holds.
     let want = expected_eds(&dump(registrar.addr()));
-    let (_, body) = rig.envoy.get("/config_dump?include_eds").expect("Envoy's config dump");
+    let (_, body) = rig
+        .envoy
+        .get("/config_dump?include_eds")
+        .expect("Envoy's config dump");
     let got = envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON"));
-    assert!(got == want, "Envoy's EDS differs from the registrar's view at the end\n{}", rig.where_to_look());
+    assert!(
+        got == want,
+        "Envoy's EDS differs from the registrar's view at the end\n{}",
+        rig.where_to_look()
+    );
     for s in 0..services {
-        assert_eq!(held(&want, s), Some(mesh.expected(s)), "the registrar holds what the API server has for {}", Mesh::name(s));
+        assert_eq!(
+            held(&want, s),
+            Some(mesh.expected(s)),
+            "the registrar holds what the API server has for {}",
+            Mesh::name(s)
+        );
     }
-    println!("at the end the node's Envoy holds exactly the registrar's view ({} clusters)", want.len());
+    println!(
+        "at the end the node's Envoy holds exactly the registrar's view ({} clusters)",
+        want.len()
+    );
     rig.pass();
 }

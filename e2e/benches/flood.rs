@@ -25,7 +25,9 @@ fn main() {
         println!("flood: run with `cargo bench -p aether-e2e --bench flood`; skipping");
         return;
     }
-    let Some(envoy_bin) = envoy_or_skip("the flood benchmark") else { std::process::exit(2) };
+    let Some(envoy_bin) = envoy_or_skip("the flood benchmark") else {
+        std::process::exit(2)
+    };
     envoy::init_logs("warn");
     build_agent_bins();
     let cfg = Config {
@@ -37,7 +39,10 @@ fn main() {
         rate: env_usize("AETHER_FLOOD_RATE", 0) as u64,
         stream_rate: env_usize("AETHER_FLOOD_STREAM_RATE", 0) as u64,
         progress_every: 50_000,
-        cpu_shares: match env_usize("AETHER_FLOOD_CPU_SHARES", flood::BEST_EFFORT_SHARES as usize) {
+        cpu_shares: match env_usize(
+            "AETHER_FLOOD_CPU_SHARES",
+            flood::BEST_EFFORT_SHARES as usize,
+        ) {
             0 => None,
             s => Some(s as u64),
         },
@@ -46,10 +51,17 @@ fn main() {
     let r = flood::run(&envoy_bin, &cfg);
     r.print();
     let ratio = |b, f| Report::ms(f, 99.0) / Report::ms(b, 99.0);
-    let (add, ack) = (ratio(&r.base_add, &r.flood_add), ratio(&r.base_ack, &r.flood_ack));
+    let (add, ack) = (
+        ratio(&r.base_add, &r.flood_add),
+        ratio(&r.base_ack, &r.flood_ack),
+    );
     let verdict = |x: f64| if x <= 2.0 { "within" } else { "OVER" };
-    println!("target: flooded p99 <= 2x unflooded: ADD x{add:.2} {}, ACK x{ack:.2} {}; VmHWM <= 256 MiB: {}",
-        verdict(add), verdict(ack), if r.hwm_kib <= 256 * 1024 { "yes" } else { "NO" });
+    println!(
+        "target: flooded p99 <= 2x unflooded: ADD x{add:.2} {}, ACK x{ack:.2} {}; VmHWM <= 256 MiB: {}",
+        verdict(add),
+        verdict(ack),
+        if r.hwm_kib <= 256 * 1024 { "yes" } else { "NO" }
+    );
     if !r.failures.is_empty() {
         std::process::exit(1);
     }

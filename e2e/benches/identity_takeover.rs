@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{self, AdsApi, CONNECTED, NodeRig};
 use aether_e2e::harness::churn::{Cni, PodId};
-use aether_e2e::testing::{self, identity_args, identity_provider_for_agents, percentile, try_wait_for};
+use aether_e2e::testing::{
+    self, identity_args, identity_provider_for_agents, percentile, try_wait_for,
+};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
@@ -42,16 +44,35 @@ struct Side {
 }
 
 impl Side {
-    fn new(name: &'static str, envoy_bin: &std::path::Path, args: &[String], pods: usize, net: u8) -> Side {
+    fn new(
+        name: &'static str,
+        envoy_bin: &std::path::Path,
+        args: &[String],
+        pods: usize,
+        net: u8,
+    ) -> Side {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let rig = NodeRig::start_with(envoy_bin, AdsApi::Delta, &args);
-        let cni = Cni { bin: testing::bin("aether-cni"), socket: rig.node.cni_sock() };
+        let cni = Cni {
+            bin: testing::bin("aether-cni"),
+            socket: rig.node.cni_sock(),
+        };
         for n in 0..pods {
-            let pod = PodId { uid: format!("{name}-pod-{n:03}-uid"), name: format!("{name}-{n}") };
+            let pod = PodId {
+                uid: format!("{name}-pod-{n:03}-uid"),
+                name: format!("{name}-{n}"),
+            };
             let ip = Ipv4Addr::new(10, net, (1 + n / 250) as u8, (1 + n % 250) as u8);
-            cni.call("ADD", &pod, Some(ip)).unwrap_or_else(|e| panic!("{name}: CNI ADD of {}: {e}", pod.uid));
+            cni.call("ADD", &pod, Some(ip))
+                .unwrap_or_else(|e| panic!("{name}: CNI ADD of {}: {e}", pod.uid));
         }
-        Side { name, rig, total: Vec::new(), svid_wait: Vec::new(), reconcile: Vec::new() }
+        Side {
+            name,
+            rig,
+            total: Vec::new(),
+            svid_wait: Vec::new(),
+            reconcile: Vec::new(),
+        }
     }
 
     /// One surge roll; the new owner's `/ready` as first seen serving.
@@ -60,18 +81,39 @@ impl Side {
         let next = self.rig.start_agent();
         next.wait_role("standby", T);
         self.rig.owner.signal(Signal::SIGTERM);
-        let ready = try_wait_for(&format!("{}: {} to serve as owner", self.name, next.name), T, || next.serving_owner())
-            .unwrap_or_else(|e| panic!("{e}\n{}", self.rig.where_to_look()));
+        let ready = try_wait_for(
+            &format!("{}: {} to serve as owner", self.name, next.name),
+            T,
+            || next.serving_owner(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", self.rig.where_to_look()));
         let mut old = std::mem::replace(&mut self.rig.owner, next);
         let status = old.wait_exit(T);
-        assert!(status.success(), "{}: {} exited {status}", self.name, old.name);
+        assert!(
+            status.success(),
+            "{}: {} exited {status}",
+            self.name,
+            old.name
+        );
         self.rig.wait_reconnected(since, self.name);
-        try_wait_for("Envoy connected", T, || (self.rig.envoy.stat(CONNECTED) == Some(1)).then_some(())).expect("Envoy reconnected");
-        let ms = |k: &str| ready["takeover"][k].as_f64().unwrap_or_else(|| panic!("no takeover.{k} in /ready: {ready:#}")) / 1e3;
+        try_wait_for("Envoy connected", T, || {
+            (self.rig.envoy.stat(CONNECTED) == Some(1)).then_some(())
+        })
+        .expect("Envoy reconnected");
+        let ms = |k: &str| {
+            ready["takeover"][k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no takeover.{k} in /ready: {ready:#}"))
+                / 1e3
+        };
         self.total.push(ms("total_us"));
         self.svid_wait.push(ms("svid_wait_us"));
         self.reconcile.push(ms("reconcile_us"));
-        assert_eq!(ready["takeover"]["svid_wait_missed"], 0, "{}: {ready:#}", self.name);
+        assert_eq!(
+            ready["takeover"]["svid_wait_missed"], 0,
+            "{}: {ready:#}",
+            self.name
+        );
         ready
     }
 }
@@ -82,7 +124,9 @@ fn p(v: &[f64], q: f64) -> f64 {
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
-        println!("identity-takeover: run with `cargo bench -p aether-e2e --bench identity-takeover`; skipping");
+        println!(
+            "identity-takeover: run with `cargo bench -p aether-e2e --bench identity-takeover`; skipping"
+        );
         return;
     }
     let Some(envoy_bin) = envoy::envoy_bin() else {
@@ -94,12 +138,19 @@ fn main() {
     let pods = testing::env_usize("BENCH_PODS", 10);
 
     let (_idp_dir, idp) = identity_provider_for_agents(TD);
-    let mut on = Side::new("identity", &envoy_bin, &identity_args(&idp, "permissive"), pods, 88);
+    let mut on = Side::new(
+        "identity",
+        &envoy_bin,
+        &identity_args(&idp, "permissive"),
+        pods,
+        88,
+    );
     let mut off = Side::new("plain", &envoy_bin, &[], pods, 89);
     // Every pod of the identity node holds its SVID before the first roll.
     try_wait_for("every pod's SVID on the identity node", T, || {
         let v = on.rig.owner.ready()?.1;
-        (v["identity"]["pods_with_svid"] == pods as u64 && v["identity"]["pods_without_svid"] == 0).then_some(())
+        (v["identity"]["pods_with_svid"] == pods as u64 && v["identity"]["pods_without_svid"] == 0)
+            .then_some(())
     })
     .expect("the pods' SVIDs");
 
@@ -117,18 +168,56 @@ fn main() {
         }
     }
 
-    let v = on.rig.owner.ready().expect("the identity node's owner answers").1;
-    assert_eq!(v["identity"]["pods_with_svid"], pods as u64, "the identity node's pods kept their SVIDs: {v:#}");
+    let v = on
+        .rig
+        .owner
+        .ready()
+        .expect("the identity node's owner answers")
+        .1;
+    assert_eq!(
+        v["identity"]["pods_with_svid"], pods as u64,
+        "the identity node's pods kept their SVIDs: {v:#}"
+    );
 
-    println!("identity-takeover: {rolls} surge rolls per mode, interleaved; {pods} pods per node; figures in ms from /ready's takeover times");
-    println!("{:<34} {:>10} {:>10} {:>12}", "", "identity", "plain", "difference");
-    let row = |name: &str, a: f64, b: f64| println!("{name:<34} {a:>10.3} {b:>10.3} {:>+12.3}", a - b);
-    row("takeover total (lock->serving) p50", p(&on.total, 50.0), p(&off.total, 50.0));
-    row("takeover total (lock->serving) p99", p(&on.total, 99.0), p(&off.total, 99.0));
-    row("  of which svid_wait p50", p(&on.svid_wait, 50.0), p(&off.svid_wait, 50.0));
-    row("  of which svid_wait p99", p(&on.svid_wait, 99.0), p(&off.svid_wait, 99.0));
-    row("  of which reconcile p50", p(&on.reconcile, 50.0), p(&off.reconcile, 50.0));
-    row("  of which reconcile p99", p(&on.reconcile, 99.0), p(&off.reconcile, 99.0));
+    println!(
+        "identity-takeover: {rolls} surge rolls per mode, interleaved; {pods} pods per node; figures in ms from /ready's takeover times"
+    );
+    println!(
+        "{:<34} {:>10} {:>10} {:>12}",
+        "", "identity", "plain", "difference"
+    );
+    let row =
+        |name: &str, a: f64, b: f64| println!("{name:<34} {a:>10.3} {b:>10.3} {:>+12.3}", a - b);
+    row(
+        "takeover total (lock->serving) p50",
+        p(&on.total, 50.0),
+        p(&off.total, 50.0),
+    );
+    row(
+        "takeover total (lock->serving) p99",
+        p(&on.total, 99.0),
+        p(&off.total, 99.0),
+    );
+    row(
+        "  of which svid_wait p50",
+        p(&on.svid_wait, 50.0),
+        p(&off.svid_wait, 50.0),
+    );
+    row(
+        "  of which svid_wait p99",
+        p(&on.svid_wait, 99.0),
+        p(&off.svid_wait, 99.0),
+    );
+    row(
+        "  of which reconcile p50",
+        p(&on.reconcile, 50.0),
+        p(&off.reconcile, 50.0),
+    );
+    row(
+        "  of which reconcile p99",
+        p(&on.reconcile, 99.0),
+        p(&off.reconcile, 99.0),
+    );
     let median_diff = p(&on.total, 50.0) - p(&off.total, 50.0);
     let p99_on = p(&on.total, 99.0);
     let met = median_diff.abs() <= 0.2 && p99_on <= 2.0;

@@ -60,11 +60,23 @@ fn plugin_bin() -> PathBuf {
         };
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let status = Command::new(cargo)
-            .args(["build", "--quiet", "--profile", &profile, "-p", "aether-cni", "--bin", "aether-cni"])
+            .args([
+                "build",
+                "--quiet",
+                "--profile",
+                &profile,
+                "-p",
+                "aether-cni",
+                "--bin",
+                "aether-cni",
+            ])
             .current_dir(testing::workspace_root())
             .status()
             .expect("running cargo build for aether-cni");
-        assert!(status.success(), "cargo build -p aether-cni --profile {profile}: {status}");
+        assert!(
+            status.success(),
+            "cargo build -p aether-cni --profile {profile}: {status}"
+        );
     }
     testing::bin("aether-cni")
 }
@@ -73,16 +85,26 @@ fn plugin_bin() -> PathBuf {
 /// hard one if it must.
 fn raise_nofile(need: u64) {
     let limits = std::fs::read_to_string("/proc/self/limits").expect("/proc/self/limits");
-    let line = limits.lines().find(|l| l.starts_with("Max open files")).expect("Max open files");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files");
     let mut f = line.split_whitespace().skip(3);
     let (soft, hard): (u64, u64) = match (f.next(), f.next()) {
         (Some(s), Some(h)) => (s.parse().unwrap_or(u64::MAX), h.parse().unwrap_or(u64::MAX)),
         _ => panic!("cannot read {line:?}"),
     };
-    assert!(hard >= need, "this benchmark needs {need} descriptors in one process; the hard limit is {hard}");
+    assert!(
+        hard >= need,
+        "this benchmark needs {need} descriptors in one process; the hard limit is {hard}"
+    );
     if soft < need {
         let status = Command::new("prlimit")
-            .args(["--pid", &std::process::id().to_string(), &format!("--nofile={hard}:{hard}")])
+            .args([
+                "--pid",
+                &std::process::id().to_string(),
+                &format!("--nofile={hard}:{hard}"),
+            ])
             .status()
             .expect("running prlimit");
         assert!(status.success(), "prlimit --nofile={hard}: {status}");
@@ -95,30 +117,51 @@ fn raise_nofile(need: u64) {
 /// `stopped` and exits.
 fn worker_main() {
     raise_nofile(IDLE_CNI as u64 + 512);
-    let base = std::env::var_os("AETHER_BENCH_STATE_DIR").map(Into::into).unwrap_or_else(|| PathBuf::from("/var/tmp"));
+    let base = std::env::var_os("AETHER_BENCH_STATE_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp"));
     let dir = tempfile::tempdir_in(&base).expect("temp state dir");
     let socket = dir.path().join("cni.sock");
     let metrics = Metrics::new();
-    let storage = Arc::new(Storage::open(&dir.path().join("state"), metrics.clone()).expect("opening storage"));
+    let storage = Arc::new(
+        Storage::open(&dir.path().join("state"), metrics.clone()).expect("opening storage"),
+    );
     let node = Node::new(Inputs::default());
     cni::load(&node, &storage);
     let acks: Arc<dyn AckSource> = Arc::new(PublishedAcks(node.clone()));
     let service = CniService::new(node, storage.clone(), acks, metrics.clone());
-    let metrics_addr = format!("127.0.0.1:{}", testing::free_port([127, 0, 0, 1]).expect("a free port"));
+    let metrics_addr = format!(
+        "127.0.0.1:{}",
+        testing::free_port([127, 0, 0, 1]).expect("a free port")
+    );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (sock, m, addr) = (socket.clone(), metrics.clone(), metrics_addr.parse().expect("address"));
+    let (sock, m, addr) = (
+        socket.clone(),
+        metrics.clone(),
+        metrics_addr.parse().expect("address"),
+    );
     let server = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
         rt.block_on(async move {
             let listener = tokio::net::UnixListener::bind(&sock).expect("binding the CNI socket");
             tokio::spawn(aether_worker::agent::serve_metrics(addr, m));
-            let _ = cni::serve_with(listener, service, async move {
-                let _ = stopped.await;
-            }, cni::DRAIN_BOUND)
+            let _ = cni::serve_with(
+                listener,
+                service,
+                async move {
+                    let _ = stopped.await;
+                },
+                cni::DRAIN_BOUND,
+            )
             .await;
         });
     });
-    testing::wait_for("the metrics port", Duration::from_secs(10), || TcpStream::connect(&metrics_addr).ok());
+    testing::wait_for("the metrics port", Duration::from_secs(10), || {
+        TcpStream::connect(&metrics_addr).ok()
+    });
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready {} {metrics_addr}", socket.display()).expect("stdout");
     out.flush().expect("stdout");
@@ -126,9 +169,25 @@ fn worker_main() {
         if line.is_err() {
             break;
         }
-        let gauge = |s: &str| metrics.connections.get_or_create(&SocketLabel { socket: s.into() }).get();
-        let refused = metrics.connections_refused.get_or_create(&SocketLabel { socket: "metrics".into() }).get();
-        let stats = [gauge("cni") as u64, gauge("metrics") as u64, refused, storage.pods().len() as u64, metrics.cni_ack_timeouts.get()];
+        let gauge = |s: &str| {
+            metrics
+                .connections
+                .get_or_create(&SocketLabel { socket: s.into() })
+                .get()
+        };
+        let refused = metrics
+            .connections_refused
+            .get_or_create(&SocketLabel {
+                socket: "metrics".into(),
+            })
+            .get();
+        let stats = [
+            gauge("cni") as u64,
+            gauge("metrics") as u64,
+            refused,
+            storage.pods().len() as u64,
+            metrics.cni_ack_timeouts.get(),
+        ];
         writeln!(out, "{}", stats.map(|v| v.to_string()).join(" ")).expect("stdout");
         out.flush().expect("stdout");
     }
@@ -142,8 +201,10 @@ fn worker_main() {
 fn idle_cni(socket: &Path) -> Vec<UnixStream> {
     (0..IDLE_CNI)
         .map(|i| {
-            let mut c = UnixStream::connect(socket).unwrap_or_else(|e| panic!("idle connection {i} to cni.sock: {e}"));
-            c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").expect("preface");
+            let mut c = UnixStream::connect(socket)
+                .unwrap_or_else(|e| panic!("idle connection {i} to cni.sock: {e}"));
+            c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+                .expect("preface");
             c
         })
         .collect()
@@ -152,7 +213,11 @@ fn idle_cni(socket: &Path) -> Vec<UnixStream> {
 /// Keeps `IDLE_METRICS` connections open on the metrics port until `stop`: each one the
 /// worker closes (its read timeout, or the cap) is opened again, checked every 50 ms;
 /// `opened` counts them all.
-fn hold_metrics(addr: String, stop: Arc<AtomicBool>, opened: Arc<AtomicU64>) -> std::thread::JoinHandle<()> {
+fn hold_metrics(
+    addr: String,
+    stop: Arc<AtomicBool>,
+    opened: Arc<AtomicU64>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let connect = || {
             let c = TcpStream::connect(&addr).expect("connect the metrics port");
@@ -182,11 +247,21 @@ fn hold_metrics(addr: String, stop: Arc<AtomicBool>, opened: Arc<AtomicU64>) -> 
 /// metrics connections it opened in all and exits.
 fn hold_main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [socket, metrics, which] = &args[..] else { panic!("hold needs <cni.sock> <metrics address> <which>, got {args:?}") };
+    let [socket, metrics, which] = &args[..] else {
+        panic!("hold needs <cni.sock> <metrics address> <which>, got {args:?}")
+    };
     raise_nofile((IDLE_CNI + IDLE_METRICS) as u64 + 512);
-    let cni = if which != "metrics" { idle_cni(Path::new(socket)) } else { Vec::new() };
-    let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-    let holder = (which != "cni").then(|| hold_metrics(metrics.clone(), stop.clone(), opened.clone()));
+    let cni = if which != "metrics" {
+        idle_cni(Path::new(socket))
+    } else {
+        Vec::new()
+    };
+    let (stop, opened) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let holder =
+        (which != "cni").then(|| hold_metrics(metrics.clone(), stop.clone(), opened.clone()));
     println!("ready");
     let _ = std::io::stdin().lock().lines().count();
     stop.store(true, Ordering::Relaxed);
@@ -215,12 +290,18 @@ impl Peer {
             .unwrap_or_else(|e| panic!("starting the {role} process: {e}"));
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-        Self { child, stdin, stdout }
+        Self {
+            child,
+            stdin,
+            stdout,
+        }
     }
 
     fn line(&mut self) -> String {
         let mut l = String::new();
-        self.stdout.read_line(&mut l).expect("reading a child's stdout");
+        self.stdout
+            .read_line(&mut l)
+            .expect("reading a child's stdout");
         assert!(!l.is_empty(), "the child process ended early");
         l.trim_end().to_string()
     }
@@ -246,13 +327,26 @@ struct Stats {
 }
 
 fn stats(worker: &mut Peer) -> Stats {
-    writeln!(worker.stdin.as_mut().expect("the worker's stdin"), "stats").expect("asking the worker");
-    let v: Vec<u64> = worker.line().split(' ').map(|n| n.parse().expect("a counter")).collect();
-    Stats { open_cni: v[0], open_metrics: v[1], refused_metrics: v[2], pods: v[3], ack_timeouts: v[4] }
+    writeln!(worker.stdin.as_mut().expect("the worker's stdin"), "stats")
+        .expect("asking the worker");
+    let v: Vec<u64> = worker
+        .line()
+        .split(' ')
+        .map(|n| n.parse().expect("a counter"))
+        .collect();
+    Stats {
+        open_cni: v[0],
+        open_metrics: v[1],
+        refused_metrics: v[2],
+        pods: v[3],
+        ack_timeouts: v[4],
+    }
 }
 
 fn wait_stats(worker: &mut Peer, what: &str, cond: impl Fn(&Stats) -> bool) {
-    testing::wait_for(what, Duration::from_secs(30), || cond(&stats(worker)).then_some(()));
+    testing::wait_for(what, Duration::from_secs(30), || {
+        cond(&stats(worker)).then_some(())
+    });
 }
 
 /// `n` ADDs one after the other, numbered from `first`, each deleted again after it was
@@ -261,9 +355,15 @@ async fn adds(bin: &Path, socket: &Path, first: usize, n: usize) -> Vec<Duration
     let mut out = Vec::with_capacity(n);
     for i in first..first + n {
         let (mut env, conf) = cni_burst::add_input(i, socket);
-        out.push(cni_burst::plugin(bin, &env, conf.as_bytes()).await.unwrap_or_else(|e| panic!("ADD {i}: {e}")));
+        out.push(
+            cni_burst::plugin(bin, &env, conf.as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("ADD {i}: {e}")),
+        );
         env[0].1 = "DEL".into();
-        cni_burst::plugin(bin, &env, conf.as_bytes()).await.unwrap_or_else(|e| panic!("DEL {i}: {e}"));
+        cni_burst::plugin(bin, &env, conf.as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("DEL {i}: {e}"));
     }
     out
 }
@@ -276,17 +376,30 @@ fn main() {
     match std::env::var(ROLE).as_deref() {
         Ok("worker") => worker_main(),
         Ok("hold") => hold_main(),
-        _ => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime").block_on(spawner()),
+        _ => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(spawner()),
     }
 }
 
 async fn spawner() {
-    let n: usize = std::env::var("AETHER_BENCH_ADDS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
-    let which = std::env::var("AETHER_BENCH_IDLE").ok().filter(|w| w == "cni" || w == "metrics").unwrap_or_else(|| "both".into());
+    let n: usize = std::env::var("AETHER_BENCH_ADDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let which = std::env::var("AETHER_BENCH_IDLE")
+        .ok()
+        .filter(|w| w == "cni" || w == "metrics")
+        .unwrap_or_else(|| "both".into());
     let bin = plugin_bin();
     let mut worker = Peer::spawn("worker", &[]);
     let ready = worker.line();
-    let [_, socket, metrics_addr] = ready.split(' ').collect::<Vec<_>>()[..] else { panic!("the worker said {ready:?}") };
+    let [_, socket, metrics_addr] = ready.split(' ').collect::<Vec<_>>()[..] else {
+        panic!("the worker said {ready:?}")
+    };
     let (socket, metrics_addr) = (PathBuf::from(socket), metrics_addr.to_string());
     // Warm-up: the page cache, the plugin binary, the state folder.
     adds(&bin, &socket, 0, 20).await;
@@ -296,27 +409,43 @@ async fn spawner() {
     let mut next = 100;
     for b in 0..2 * n.div_ceil(BLOCK) {
         let holder = (b % 2 == 1).then(|| {
-            let mut h = Peer::spawn("hold", &[socket.to_str().expect("UTF-8 path"), &metrics_addr, &which]);
+            let mut h = Peer::spawn(
+                "hold",
+                &[socket.to_str().expect("UTF-8 path"), &metrics_addr, &which],
+            );
             assert_eq!(h.line(), "ready");
             let (cni, metrics) = (which != "metrics", which != "cni");
             wait_stats(&mut worker, "the idle connections accepted", |s| {
-                (!cni || s.open_cni >= IDLE_CNI as u64) && (!metrics || s.open_metrics >= METRICS_CAP)
+                (!cni || s.open_cni >= IDLE_CNI as u64)
+                    && (!metrics || s.open_metrics >= METRICS_CAP)
             });
             h
         });
         let refused_before = stats(&mut worker).refused_metrics;
         let block = adds(&bin, &socket, next, BLOCK).await;
         next += BLOCK;
-        medians.push(format!("{} {:.2}", if holder.is_some() { "with" } else { "without" }, ms(&block, 50.0)));
+        medians.push(format!(
+            "{} {:.2}",
+            if holder.is_some() { "with" } else { "without" },
+            ms(&block, 50.0)
+        ));
         match holder {
             Some(h) => {
                 let s = stats(&mut worker);
-                assert!(which == "metrics" || s.open_cni >= IDLE_CNI as u64, "{s:?}: idle connections on cni.sock were closed");
+                assert!(
+                    which == "metrics" || s.open_cni >= IDLE_CNI as u64,
+                    "{s:?}: idle connections on cni.sock were closed"
+                );
                 refused += s.refused_metrics - refused_before;
                 with.extend(block);
                 let last = h.finish();
-                opened += last.strip_prefix("opened ").and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("the holder said {last:?}"));
-                wait_stats(&mut worker, "the idle connections closed", |s| s.open_cni == 0);
+                opened += last
+                    .strip_prefix("opened ")
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or_else(|| panic!("the holder said {last:?}"));
+                wait_stats(&mut worker, "the idle connections closed", |s| {
+                    s.open_cni == 0
+                });
             }
             None => without.extend(block),
         }
@@ -326,9 +455,18 @@ async fn spawner() {
     assert_eq!(s.ack_timeouts, 0, "every ADD acked at once");
     worker.finish();
 
-    println!("CNI ADD through the plugin, {} with and {} without, in alternating blocks of {BLOCK} (plugin start to answer):", with.len(), without.len());
+    println!(
+        "CNI ADD through the plugin, {} with and {} without, in alternating blocks of {BLOCK} (plugin start to answer):",
+        with.len(),
+        without.len()
+    );
     let row = |what: &str, s: &[Duration]| {
-        println!("  {what:<58} median {:>6.2} ms  p99 {:>6.2} ms  max {:>6.2} ms", ms(s, 50.0), ms(s, 99.0), ms(s, 100.0))
+        println!(
+            "  {what:<58} median {:>6.2} ms  p99 {:>6.2} ms  max {:>6.2} ms",
+            ms(s, 50.0),
+            ms(s, 99.0),
+            ms(s, 100.0)
+        )
     };
     row("without idle connections", &without);
     let held = match which.as_str() {
@@ -339,8 +477,13 @@ async fn spawner() {
     row(&format!("with {held}"), &with);
     println!("  block medians (ms): {}", medians.join(", "));
     let delta = ms(&with, 50.0) - ms(&without, 50.0);
-    println!("median with idle connections: {delta:+.2} ms; target within 2 ms: {}", if delta.abs() <= 2.0 { "met" } else { "NOT met" });
+    println!(
+        "median with idle connections: {delta:+.2} ms; target within 2 ms: {}",
+        if delta.abs() <= 2.0 { "met" } else { "NOT met" }
+    );
     if which != "cni" {
-        println!("metrics port during the blocks with them: {METRICS_CAP} held, {refused} refused at the cap, {opened} opened by the holder in all");
+        println!(
+            "metrics port during the blocks with them: {METRICS_CAP} held, {refused} refused at the cap, {opened} opened by the holder in all"
+        );
     }
 }

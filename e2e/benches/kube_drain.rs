@@ -42,7 +42,10 @@ const POOL: u32 = 64;
 const BOUND_MS: f64 = 50.0;
 
 fn pod_id(n: usize) -> PodId {
-    PodId { uid: format!("drain-{n:05}-uid"), name: format!("drain-{n}") }
+    PodId {
+        uid: format!("drain-{n:05}-uid"),
+        name: format!("drain-{n}"),
+    }
 }
 
 fn pod_object(pod: &PodId) -> Value {
@@ -59,11 +62,27 @@ fn health(envoy: &Envoy, pod: &PodId) -> Option<String> {
 fn inbound_clusters(envoy: &Envoy) -> Option<usize> {
     let (status, body) = envoy.get("/clusters?format=json").ok()?;
     let v: Value = serde_json::from_str(&body).ok().filter(|_| status == 200)?;
-    Some(v["cluster_statuses"].as_array()?.iter().filter(|c| c["name"].as_str().is_some_and(|n| n.starts_with("inbound|"))).count())
+    Some(
+        v["cluster_statuses"]
+            .as_array()?
+            .iter()
+            .filter(|c| {
+                c["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("inbound|"))
+            })
+            .count(),
+    )
 }
 
 fn records(rig: &NodeRig) -> usize {
-    std::fs::read_dir(rig.node.state_dir.join("pods")).map_or(0, |r| r.filter(|e| e.as_ref().is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".json"))).count())
+    std::fs::read_dir(rig.node.state_dir.join("pods")).map_or(0, |r| {
+        r.filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".json"))
+        })
+        .count()
+    })
 }
 
 fn main() {
@@ -76,9 +95,24 @@ fn main() {
     let churn = testing::env_usize("BENCH_CHURN", 500);
 
     let api = KubeApi::start();
-    api.grant("agent", &[Rule { resource: "pods", verbs: &["get", "list", "watch"] }, Rule { resource: "nodes", verbs: &["get", "list", "watch", "patch"] }]);
+    api.grant(
+        "agent",
+        &[
+            Rule {
+                resource: "pods",
+                verbs: &["get", "list", "watch"],
+            },
+            Rule {
+                resource: "nodes",
+                verbs: &["get", "list", "watch", "patch"],
+            },
+        ],
+    );
     // Readable by the worker's uid when run as root.
-    let kc_dir = tempfile::Builder::new().prefix("aether-bench-kubeconfig-").tempdir().expect("tempdir");
+    let kc_dir = tempfile::Builder::new()
+        .prefix("aether-bench-kubeconfig-")
+        .tempdir()
+        .expect("tempdir");
     std::fs::set_permissions(kc_dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let kubeconfig: PathBuf = kc_dir.path().join("agent.kubeconfig");
     std::fs::copy(api.kubeconfig("agent"), &kubeconfig).expect("copy the kubeconfig");
@@ -88,17 +122,36 @@ fn main() {
     let kc_flag = format!("--kubeconfig={}", kubeconfig.display());
     let grace_flag = format!("--stale-record-grace={}ms", GRACE.as_millis());
     let mut rig = NodeRig::start_from(&envoy_bin, AdsApi::Delta, None, &[&kc_flag, &grace_flag]);
-    let cni = Cni { bin: testing::bin("aether-cni"), socket: rig.node.cni_sock() };
-    try_wait_for("the agent's pod watch", Duration::from_secs(15), || (api.watchers("pods") >= 1).then_some(())).expect("watch");
+    let cni = Cni {
+        bin: testing::bin("aether-cni"),
+        socket: rig.node.cni_sock(),
+    };
+    try_wait_for("the agent's pod watch", Duration::from_secs(15), || {
+        (api.watchers("pods") >= 1).then_some(())
+    })
+    .expect("watch");
 
     // --- 1. drain latency -------------------------------------------------------------
-    let pods: Vec<(PodId, Ipv4Addr)> = (0..deletions).map(|n| (pod_id(n), Ipv4Addr::new(10, 92, (n / 250) as u8, (n % 250 + 1) as u8))).collect();
+    let pods: Vec<(PodId, Ipv4Addr)> = (0..deletions)
+        .map(|n| {
+            (
+                pod_id(n),
+                Ipv4Addr::new(10, 92, (n / 250) as u8, (n % 250 + 1) as u8),
+            )
+        })
+        .collect();
     for (p, ip) in &pods {
         api.put_pod(pod_object(p));
-        cni.call("ADD", p, Some(*ip)).unwrap_or_else(|e| panic!("ADD {}: {e}", p.uid));
+        cni.call("ADD", p, Some(*ip))
+            .unwrap_or_else(|e| panic!("ADD {}: {e}", p.uid));
     }
     for (p, _) in &pods {
-        try_wait_for(&format!("{} HEALTHY in Envoy", p.uid), Duration::from_secs(15), || (health(&rig.envoy, p)? == "HEALTHY").then_some(())).expect("healthy");
+        try_wait_for(
+            &format!("{} HEALTHY in Envoy", p.uid),
+            Duration::from_secs(15),
+            || (health(&rig.envoy, p)? == "HEALTHY").then_some(()),
+        )
+        .expect("healthy");
     }
     let mut latencies = Vec::with_capacity(deletions);
     for (p, _) in &pods {
@@ -109,32 +162,49 @@ fn main() {
                 latencies.push(start.elapsed().as_secs_f64() * 1e3);
                 break;
             }
-            assert!(start.elapsed() < Duration::from_secs(10), "{} never turned DRAINING in Envoy ({})", p.uid, rig.where_to_look());
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{} never turned DRAINING in Envoy ({})",
+                p.uid,
+                rig.where_to_look()
+            );
             std::thread::sleep(Duration::from_micros(500));
         }
     }
     for (p, _) in &pods {
-        cni.call("DEL", p, None).unwrap_or_else(|e| panic!("DEL {}: {e}", p.uid));
+        cni.call("DEL", p, None)
+            .unwrap_or_else(|e| panic!("DEL {}: {e}", p.uid));
         api.delete_pod(NS, &p.name);
     }
     if std::env::var_os("BENCH_SHOW_ALL").is_some() {
         eprintln!("latencies (ms): {latencies:.1?}");
     }
-    let (p50, p99, max) = (percentile(&latencies, 50.0).unwrap(), percentile(&latencies, 99.0).unwrap(), percentile(&latencies, 100.0).unwrap());
-    println!("deletion timestamp to DRAINING in Envoy, {deletions} deletions: p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms (bound {BOUND_MS} ms p99)");
+    let (p50, p99, max) = (
+        percentile(&latencies, 50.0).unwrap(),
+        percentile(&latencies, 99.0).unwrap(),
+        percentile(&latencies, 100.0).unwrap(),
+    );
+    println!(
+        "deletion timestamp to DRAINING in Envoy, {deletions} deletions: p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms (bound {BOUND_MS} ms p99)"
+    );
 
     // --- 2. stale records after a churn with dropped DELs -----------------------------
     let log_before = rig.owner.log();
     let count = |log: &str, needle: &str| log.matches(needle).count();
-    let mut free: VecDeque<Ipv4Addr> = (0..POOL).map(|i| Ipv4Addr::new(10, 93, 0, 10 + i as u8)).collect();
+    let mut free: VecDeque<Ipv4Addr> = (0..POOL)
+        .map(|i| Ipv4Addr::new(10, 93, 0, 10 + i as u8))
+        .collect();
     let mut live: VecDeque<(PodId, Ipv4Addr, bool)> = VecDeque::new();
     let mut dropped = 0usize;
-    let retire = |live: &mut VecDeque<(PodId, Ipv4Addr, bool)>, free: &mut VecDeque<Ipv4Addr>, dropped: &mut usize| {
+    let retire = |live: &mut VecDeque<(PodId, Ipv4Addr, bool)>,
+                  free: &mut VecDeque<Ipv4Addr>,
+                  dropped: &mut usize| {
         let (p, ip, drop_del) = live.pop_front().expect("a live pod");
         if drop_del {
             *dropped += 1;
         } else {
-            cni.call("DEL", &p, None).unwrap_or_else(|e| panic!("DEL {}: {e}", p.uid));
+            cni.call("DEL", &p, None)
+                .unwrap_or_else(|e| panic!("DEL {}: {e}", p.uid));
         }
         api.delete_pod(NS, &p.name);
         // The primary plugin releases the address either way: the chain went on.
@@ -148,7 +218,8 @@ fn main() {
         let p = pod_id(100_000 + n);
         let ip = free.pop_front().expect("a free address");
         api.put_pod(pod_object(&p));
-        cni.call("ADD", &p, Some(ip)).unwrap_or_else(|e| panic!("ADD {}: {e}", p.uid));
+        cni.call("ADD", &p, Some(ip))
+            .unwrap_or_else(|e| panic!("ADD {}: {e}", p.uid));
         live.push_back((p, ip, n % 10 == 9));
     }
     while !live.is_empty() {
@@ -158,19 +229,30 @@ fn main() {
     let left_at_end = records(&rig);
     let ended = Instant::now();
     std::thread::sleep(GRACE);
-    let cleared = try_wait_for("every stale record to go", GRACE * 10, || (records(&rig) == 0 && inbound_clusters(&rig.envoy)? == 0).then_some(()));
+    let cleared = try_wait_for("every stale record to go", GRACE * 10, || {
+        (records(&rig) == 0 && inbound_clusters(&rig.envoy)? == 0).then_some(())
+    });
     let to_zero = ended.elapsed();
-    let (left, envoy_left) = (records(&rig), inbound_clusters(&rig.envoy).unwrap_or(usize::MAX));
+    let (left, envoy_left) = (
+        records(&rig),
+        inbound_clusters(&rig.envoy).unwrap_or(usize::MAX),
+    );
     let log = rig.owner.log();
-    let evicted = count(&log, "evicted an older pod record") - count(&log_before, "evicted an older pod record");
-    let collected = count(&log, "stale pod record removed") - count(&log_before, "stale pod record removed");
+    let evicted = count(&log, "evicted an older pod record")
+        - count(&log_before, "evicted an older pod record");
+    let collected =
+        count(&log, "stale pod record removed") - count(&log_before, "stale pod record removed");
     println!(
         "churn of {churn} pods in {:.1} s, {dropped} DELs dropped: {left_at_end} records left at its end; {} s after it (grace {} s): {left} records, {envoy_left} inbound clusters in Envoy ({evicted} evicted by an ADD reusing the address, {collected} collected as stale)",
         churn_took.as_secs_f64(),
         to_zero.as_secs_f64(),
         GRACE.as_secs_f64()
     );
-    let pass = p99 <= BOUND_MS && cleared.is_ok() && left == 0 && envoy_left == 0 && evicted + collected == dropped;
+    let pass = p99 <= BOUND_MS
+        && cleared.is_ok()
+        && left == 0
+        && envoy_left == 0
+        && evicted + collected == dropped;
     if pass {
         rig.pass();
     } else {

@@ -35,18 +35,32 @@ use prost::Message;
 type Request = <DeltaState as Protocol>::Request;
 
 fn env(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The proxy's first request of `kind` on a new stream, holding all of `s` that it
 /// `holds`, encoded.
 fn resume_request(s: &Snapshot, kind: Kind, holds: impl Fn(Kind, &str) -> bool) -> Vec<u8> {
-    let versions: std::collections::BTreeMap<&String, &u64> = s.hashes(kind).iter().filter(|(n, _)| holds(kind, n)).collect();
+    let versions: std::collections::BTreeMap<&String, &u64> = s
+        .hashes(kind)
+        .iter()
+        .filter(|(n, _)| holds(kind, n))
+        .collect();
     let named = matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret);
     DeltaRequestWire {
         type_url: type_url(kind).into(),
-        resource_names_subscribe: if named { versions.keys().map(|n| (*n).clone()).collect() } else { Vec::new() },
-        initial_resource_versions: versions.iter().map(|(n, h)| ((*n).clone(), wire_version(**h))).collect(),
+        resource_names_subscribe: if named {
+            versions.keys().map(|n| (*n).clone()).collect()
+        } else {
+            Vec::new()
+        },
+        initial_resource_versions: versions
+            .iter()
+            .map(|(n, h)| ((*n).clone(), wire_version(**h)))
+            .collect(),
         ..Default::default()
     }
     .encode_to_vec()
@@ -57,8 +71,14 @@ fn ms(d: std::time::Duration) -> f64 {
 }
 
 fn main() {
-    let (services, rounds) = (env("AETHER_BENCH_SERVICES", 10_000), env("AETHER_BENCH_ROUNDS", 40).max(1));
-    let on_demand = std::env::var("AETHER_BENCH_OBSERVED").ok().map(|v| v.parse::<usize>().expect("AETHER_BENCH_OBSERVED is a count"));
+    let (services, rounds) = (
+        env("AETHER_BENCH_SERVICES", 10_000),
+        env("AETHER_BENCH_ROUNDS", 40).max(1),
+    );
+    let on_demand = std::env::var("AETHER_BENCH_OBSERVED").ok().map(|v| {
+        v.parse::<usize>()
+            .expect("AETHER_BENCH_OBSERVED is a count")
+    });
     let inputs = Inputs {
         registry: RegistryView::new((0..services).map(|s| mesh_service(s, 10, None))),
         on_demand_clusters: on_demand.is_some(),
@@ -72,7 +92,12 @@ fn main() {
     let state = tempfile::tempdir().expect("a state folder");
     let observed = on_demand.map(|n| {
         let o = Observed::restore(state.path());
-        for name in snapshot.hashes(Kind::Cluster).keys().filter(|c| is_outbound_cluster(c)).take(n) {
+        for name in snapshot
+            .hashes(Kind::Cluster)
+            .keys()
+            .filter(|c| is_outbound_cluster(c))
+            .take(n)
+        {
             o.insert(name);
         }
         o
@@ -83,13 +108,18 @@ fn main() {
         (Some(o), Kind::Cluster) => !is_outbound_cluster(name) || o.contains(name),
         (Some(o), Kind::Endpoint) => o.contains(name),
     };
-    let requests: Vec<(Kind, Vec<u8>)> = KINDS.into_iter().map(|k| (k, resume_request(&snapshot, k, holds))).collect();
+    let requests: Vec<(Kind, Vec<u8>)> = KINDS
+        .into_iter()
+        .map(|k| (k, resume_request(&snapshot, k, holds)))
+        .collect();
     println!(
         "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds{}",
         snapshot.hashes(Kind::Cluster).len(),
         snapshot.hashes(Kind::Endpoint).len(),
         match on_demand {
-            Some(n) => format!("; on-demand clusters, {n} observed (the proxy holds those and the node's own)"),
+            Some(n) => format!(
+                "; on-demand clusters, {n} observed (the proxy holds those and the node's own)"
+            ),
             None => String::new(),
         }
     );
@@ -104,7 +134,9 @@ fn main() {
         }
         for (i, (_, bytes)) in requests.iter().enumerate() {
             let t0 = Instant::now();
-            let req = Request::from(DeltaRequestWire::decode(bytes.as_slice()).expect("the request decodes"));
+            let req = Request::from(
+                DeltaRequestWire::decode(bytes.as_slice()).expect("the request decodes"),
+            );
             let t1 = Instant::now();
             st.on_request(&req);
             let t2 = Instant::now();
@@ -115,14 +147,26 @@ fn main() {
             // on an ACK), and the proxy ACKs each answer.
             std::hint::black_box(st.acked_current());
             for a in &answers {
-                st.on_request(&Request { type_url: a.type_url.clone(), response_nonce: a.nonce.clone(), ..Default::default() });
+                st.on_request(&Request {
+                    type_url: a.type_url.clone(),
+                    response_nonce: a.nonce.clone(),
+                    ..Default::default()
+                });
                 std::hint::black_box(st.acked_current());
             }
             let t4 = Instant::now();
             drop(req);
             let t5 = Instant::now();
-            assert!(answers.iter().all(|a| a.resources.is_empty() && a.removed_resources.is_empty()), "a reconnect to the same snapshot is answered empty");
-            for (k, d) in [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4].into_iter().enumerate() {
+            assert!(
+                answers
+                    .iter()
+                    .all(|a| a.resources.is_empty() && a.removed_resources.is_empty()),
+                "a reconnect to the same snapshot is answered empty"
+            );
+            for (k, d) in [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]
+                .into_iter()
+                .enumerate()
+            {
                 steps[i][k].push(ms(d));
             }
         }
@@ -133,10 +177,24 @@ fn main() {
         let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
         format!("{:6.2} / {:6.2}", at(0.5), at(0.99))
     };
-    println!("{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}   (ms, median / p99)", "type", "decode", "apply", "answer", "ACKs", "free");
+    println!(
+        "{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}   (ms, median / p99)",
+        "type", "decode", "apply", "answer", "ACKs", "free"
+    );
     for (i, kind) in KINDS.iter().enumerate() {
         let [d, a, p, k, f] = &mut steps[i];
-        println!("{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}", kind.short(), fmt(d), fmt(a), fmt(p), fmt(k), fmt(f));
+        println!(
+            "{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}",
+            kind.short(),
+            fmt(d),
+            fmt(a),
+            fmt(p),
+            fmt(k),
+            fmt(f)
+        );
     }
-    println!("total per reconnect, median / p99: {} ms (the server frees requests of over 1,024 names off its thread)", fmt(&mut totals));
+    println!(
+        "total per reconnect, median / p99: {} ms (the server frees requests of over 1,024 names off its thread)",
+        fmt(&mut totals)
+    );
 }

@@ -25,7 +25,13 @@ use aether_model::{Change, KIND_COUNT, KINDS, Kind, Pod};
 use aether_worker::xds::kind::type_url;
 
 fn env(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))
+        })
+        .unwrap_or(default)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -34,7 +40,13 @@ fn ms(d: Duration) -> f64 {
 
 fn summary(name: &str, v: &[Duration]) {
     let at = |p: f64| ms(percentile(v, p).expect("samples"));
-    println!("{name:<46} n={:<4} median {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms", v.len(), at(50.0), at(99.0), at(100.0));
+    println!(
+        "{name:<46} n={:<4} median {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms",
+        v.len(),
+        at(50.0),
+        at(99.0),
+        at(100.0)
+    );
 }
 
 /// Resources the worker has sent, by kind.
@@ -78,7 +90,9 @@ async fn main() {
     let services = env("BENCH_SERVICES", 10_000);
     let endpoints = env("BENCH_ENDPOINTS", 10);
     let changes = env("BENCH_CHANGES", 100).max(20);
-    let api: AdsApi = std::env::var("BENCH_XDS_API").map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}"))).unwrap_or_default();
+    let api: AdsApi = std::env::var("BENCH_XDS_API")
+        .map(|v| v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")))
+        .unwrap_or_default();
     let json = mesh_registry_json(services, endpoints, None, "");
     println!(
         "scale: {services} services, {} endpoints, registry file {:.1} MB, ADS {}, Envoy {}",
@@ -96,15 +110,36 @@ async fn main() {
         std::hint::black_box(aether_worker::registry::file_hash(json.as_bytes()));
         hashing.push(t.elapsed());
         let t = Instant::now();
-        std::hint::black_box(aether_worker::registry::parse(std::path::Path::new("bench"), json.as_bytes()).expect("valid registry"));
+        std::hint::black_box(
+            aether_worker::registry::parse(std::path::Path::new("bench"), json.as_bytes())
+                .expect("valid registry"),
+        );
         parsing.push(t.elapsed());
     }
     summary("registry file: hash of the whole file", &hashing);
-    summary("registry file: whole parse (not on a reload's path)", &parsing);
+    summary(
+        "registry file: whole parse (not on a reload's path)",
+        &parsing,
+    );
 
-    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: false, ..RigOptions::default() }).await;
-    println!("registry file loaded (read, parse, build)        {:>8.1} ms", ms(rig.loaded));
-    println!("Envoy initial sync (start to ACK of everything)   {:>8.1} ms", ms(rig.envoy_synced));
+    let rig = WorkerRig::start_with(
+        &envoy,
+        &json,
+        RigOptions {
+            api,
+            on_demand: false,
+            ..RigOptions::default()
+        },
+    )
+    .await;
+    println!(
+        "registry file loaded (read, parse, build)        {:>8.1} ms",
+        ms(rig.loaded)
+    );
+    println!(
+        "Envoy initial sync (start to ACK of everything)   {:>8.1} ms",
+        ms(rig.envoy_synced)
+    );
     let rss_all = envoy_rss(&rig);
     println!("Envoy RSS holding every cluster                   {rss_all:>8.1} MiB");
 
@@ -128,50 +163,98 @@ async fn main() {
                 snapshots.borrow_and_update();
                 t0 = Instant::now();
                 std::fs::rename(&tmp, &rig.registry_file).unwrap();
-                tokio::time::timeout(Duration::from_secs(10), snapshots.changed()).await.expect("the file change reached the node").unwrap();
+                tokio::time::timeout(Duration::from_secs(10), snapshots.changed())
+                    .await
+                    .expect("the file change reached the node")
+                    .unwrap();
             } else {
                 t0 = Instant::now();
-                rig.node.apply([Change::UpsertService(mesh_service(touched, endpoints, draining.map(|(_, e)| e)))]);
+                rig.node.apply([Change::UpsertService(mesh_service(
+                    touched,
+                    endpoints,
+                    draining.map(|(_, e)| e),
+                ))]);
             }
             let want = rig.node.snapshot();
-            assert!(rig.acks.wait_until(|s| same_versions(s, &want), Duration::from_secs(10)).await, "change {i} not ACKed within 10 s");
+            assert!(
+                rig.acks
+                    .wait_until(|s| same_versions(s, &want), Duration::from_secs(10))
+                    .await,
+                "change {i} not ACKed within 10 s"
+            );
             let took = t0.elapsed();
-            if through_file { via_file.push(took) } else { via_api.push(took) }
+            if through_file {
+                via_file.push(took)
+            } else {
+                via_api.push(took)
+            }
             let d = delta(before, sent(&rig));
             let one_assignment = KINDS.map(|k| u64::from(k == Kind::Endpoint));
-            assert_eq!(d, one_assignment, "change {i} must send exactly one load assignment (resources sent per kind, {KINDS:?}: {d:?})");
+            assert_eq!(
+                d, one_assignment,
+                "change {i} must send exactly one load assignment (resources sent per kind, {KINDS:?}: {d:?})"
+            );
         }
     }
     summary("endpoint change -> Envoy ACK, change API", &via_api);
     summary("endpoint change -> Envoy ACK, registry file", &via_file);
-    println!("each of the {} changes sent Envoy exactly one resource (its load assignment)", changes * 2);
+    println!(
+        "each of the {} changes sent Envoy exactly one resource (its load assignment)",
+        changes * 2
+    );
 
     // A pod's ADD: its listener and its cluster. The first pod also brings the capture
     // listener, so the check is on the second.
     rig.node.apply([Change::UpsertPod(pod(1))]);
     let want = rig.node.snapshot();
-    assert!(rig.acks.wait_until(|s| same_versions(s, &want), Duration::from_secs(10)).await);
+    assert!(
+        rig.acks
+            .wait_until(|s| same_versions(s, &want), Duration::from_secs(10))
+            .await
+    );
     let before = sent(&rig);
     let t0 = Instant::now();
     rig.node.apply([Change::UpsertPod(pod(2))]);
     let want = rig.node.snapshot();
-    assert!(rig.acks.wait_until(|s| s.holds_pod("bench-pod-2", &pod(2).ips) && same_versions(s, &want), Duration::from_secs(10)).await);
+    assert!(
+        rig.acks
+            .wait_until(
+                |s| s.holds_pod("bench-pod-2", &pod(2).ips) && same_versions(s, &want),
+                Duration::from_secs(10)
+            )
+            .await
+    );
     let took = t0.elapsed();
     let d = delta(before, sent(&rig));
     if api == AdsApi::Delta {
         let expect = KINDS.map(|k| u64::from(matches!(k, Kind::Cluster | Kind::Listener)));
-        assert_eq!(d, expect, "a pod's ADD must send one cluster and one listener ({KINDS:?}: {d:?})");
-        println!("pod ADD -> Envoy ACK                              {:>8.2} ms  (one listener and one cluster sent)", ms(took));
+        assert_eq!(
+            d, expect,
+            "a pod's ADD must send one cluster and one listener ({KINDS:?}: {d:?})"
+        );
+        println!(
+            "pod ADD -> Envoy ACK                              {:>8.2} ms  (one listener and one cluster sent)",
+            ms(took)
+        );
     } else {
         // State of the world: every LDS and CDS response is the whole set.
-        println!("pod ADD -> Envoy ACK                              {:>8.2} ms  (resources sent, CDS EDS LDS RDS: {d:?})", ms(took));
+        println!(
+            "pod ADD -> Envoy ACK                              {:>8.2} ms  (resources sent, CDS EDS LDS RDS: {d:?})",
+            ms(took)
+        );
     }
-    let nacks: u64 = KINDS.iter().map(|k| rig.worker_counter("nacks", type_url(*k))).sum();
+    let nacks: u64 = KINDS
+        .iter()
+        .map(|k| rig.worker_counter("nacks", type_url(*k)))
+        .sum();
     assert_eq!(nacks, 0, "Envoy rejected nothing");
     drop(rig);
 
     if api != AdsApi::Delta {
-        println!("on-demand clusters: delta ADS only; skipped for {}", api.api_type());
+        println!(
+            "on-demand clusters: delta ADS only; skipped for {}",
+            api.api_type()
+        );
         return;
     }
     // On-demand clusters: Envoy holds only what the pods call; the first call fetches it.
@@ -182,20 +265,46 @@ async fn main() {
         real.addr.port()
     );
     let json = mesh_registry_json(services, endpoints, None, &extra);
-    let rig = WorkerRig::start_with(&envoy, &json, RigOptions { api, on_demand: true, ..RigOptions::default() }).await;
-    println!("on-demand: Envoy initial sync                     {:>8.1} ms", ms(rig.envoy_synced));
+    let rig = WorkerRig::start_with(
+        &envoy,
+        &json,
+        RigOptions {
+            api,
+            on_demand: true,
+            ..RigOptions::default()
+        },
+    )
+    .await;
+    println!(
+        "on-demand: Envoy initial sync                     {:>8.1} ms",
+        ms(rig.envoy_synced)
+    );
     let rss_lazy = envoy_rss(&rig);
-    println!("on-demand: Envoy RSS holding its pods' clusters   {rss_lazy:>8.1} MiB  ({:.0}% of every cluster's {rss_all:.1} MiB)", 100.0 * rss_lazy / rss_all);
+    println!(
+        "on-demand: Envoy RSS holding its pods' clusters   {rss_lazy:>8.1} MiB  ({:.0}% of every cluster's {rss_all:.1} MiB)",
+        100.0 * rss_lazy / rss_all
+    );
     let outbound = rig.outbound;
     let t0 = Instant::now();
-    let first = tokio::task::spawn_blocking(move || load::get(outbound, "real.mesh")).await.unwrap();
+    let first = tokio::task::spawn_blocking(move || load::get(outbound, "real.mesh"))
+        .await
+        .unwrap();
     let took = t0.elapsed();
     match first {
         Ok((200, body)) if body == "real\n" => {}
-        other => panic!("the first call to a service Envoy did not hold must succeed, got {other:?}; Envoy log:\n{}", rig.envoy.log_text()),
+        other => panic!(
+            "the first call to a service Envoy did not hold must succeed, got {other:?}; Envoy log:\n{}",
+            rig.envoy.log_text()
+        ),
     }
-    println!("on-demand: first call to a service not held       {:>8.2} ms  (200 from its upstream)", ms(took));
+    println!(
+        "on-demand: first call to a service not held       {:>8.2} ms  (200 from its upstream)",
+        ms(took)
+    );
     let observed = rig.observed.as_ref().expect("on-demand rig");
-    assert!(observed.contains("outbound|80||real.mesh"), "the called service is an observed upstream");
+    assert!(
+        observed.contains("outbound|80||real.mesh"),
+        "the called service is an observed upstream"
+    );
     println!("on-demand: observed upstreams now {:?}", observed.names());
 }

@@ -41,7 +41,13 @@ fn ms(d: Duration) -> String {
 
 fn summary(name: &str, v: &[Duration]) {
     let at = |p: f64| ms(percentile(v, p).expect("samples"));
-    println!("{name:<44} n={:<4} median {:>9}  p99 {:>9}  max {:>9}", v.len(), at(50.0), at(99.0), at(100.0));
+    println!(
+        "{name:<44} n={:<4} median {:>9}  p99 {:>9}  max {:>9}",
+        v.len(),
+        at(50.0),
+        at(99.0),
+        at(100.0)
+    );
 }
 
 /// Every certificate serial Envoy's admin `/certs` lists.
@@ -61,7 +67,9 @@ fn envoy_serials(h: &WorkerRig) -> Vec<String> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     if !std::env::args().any(|a| a == "--bench") {
-        println!("svid-rotation: run with `cargo bench -p aether-e2e --bench svid-rotation`; skipping");
+        println!(
+            "svid-rotation: run with `cargo bench -p aether-e2e --bench svid-rotation`; skipping"
+        );
         return;
     }
     let Some(envoy) = envoy::envoy_bin() else {
@@ -69,7 +77,11 @@ async fn main() {
         std::process::exit(2);
     };
     envoy::init_logs("warn");
-    let rotations: usize = std::env::var("BENCH_ROTATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(200).max(50);
+    let rotations: usize = std::env::var("BENCH_ROTATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200)
+        .max(50);
     let api: AdsApi = match std::env::var("BENCH_XDS_API") {
         Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
         Err(_) => AdsApi::Delta,
@@ -81,17 +93,31 @@ async fn main() {
         trust_domain: Some(TRUST_DOMAIN.into()),
         mode: MtlsMode::Permissive,
         bundle: Some(ca.pem()),
-        agent: Some(ca.mint_id(&format!("spiffe://{TRUST_DOMAIN}/aether/agent")).svid),
+        agent: Some(
+            ca.mint_id(&format!("spiffe://{TRUST_DOMAIN}/aether/agent"))
+                .svid,
+        ),
         pods: Default::default(),
     };
     for p in &pods {
-        identity.pods.insert(p.uid.clone(), ca.mint(&p.namespace, &p.name).svid);
+        identity
+            .pods
+            .insert(p.uid.clone(), ca.mint(&p.namespace, &p.name).svid);
     }
-    let options = RigOptions { api, identity, ..RigOptions::default() };
+    let options = RigOptions {
+        api,
+        identity,
+        ..RigOptions::default()
+    };
     let h = WorkerRig::start_with(&envoy, r#"{"services":[]}"#, options).await;
     h.node.apply(pods.iter().cloned().map(Change::UpsertPod));
     let want = h.node.snapshot();
-    assert!(h.acks.wait_until(|s| same_versions(s, &want), Duration::from_secs(60)).await, "110 pods with SVIDs ACKed");
+    assert!(
+        h.acks
+            .wait_until(|s| same_versions(s, &want), Duration::from_secs(60))
+            .await,
+        "110 pods with SVIDs ACKed"
+    );
     println!(
         "svid-rotation: {PODS} pods with SVIDs ({} secrets), {rotations} rotations, ADS {}, Envoy {}",
         want.secrets.len(),
@@ -106,40 +132,80 @@ async fn main() {
         let p = &pods[(i * 37) % PODS];
         let svid = ca.mint(&p.namespace, &p.name).svid;
         let t0 = Instant::now();
-        let next = h.node.apply([Change::SetPodSvid { uid: p.uid.clone(), svid: Some(svid) }]);
-        assert!(h.acks.wait_until(|s| same_versions(s, &next), Duration::from_secs(10)).await, "rotation {i} not ACKed");
+        let next = h.node.apply([Change::SetPodSvid {
+            uid: p.uid.clone(),
+            svid: Some(svid),
+        }]);
+        assert!(
+            h.acks
+                .wait_until(|s| same_versions(s, &next), Duration::from_secs(10))
+                .await,
+            "rotation {i} not ACKed"
+        );
         one.push(t0.elapsed());
         let changed = next.changed_since(&want, Kind::Listener).map(|n| n.len());
-        assert!(changed.is_none_or(|n| n == 0), "a rotation changed no listener");
+        assert!(
+            changed.is_none_or(|n| n == 0),
+            "a rotation changed no listener"
+        );
     }
 
     // Every pod at once.
-    let fresh: Vec<_> = pods.iter().map(|p| (p.uid.clone(), ca.mint(&p.namespace, &p.name).svid)).collect();
+    let fresh: Vec<_> = pods
+        .iter()
+        .map(|p| (p.uid.clone(), ca.mint(&p.namespace, &p.name).svid))
+        .collect();
     let t0 = Instant::now();
-    let next = h.node.apply(fresh.iter().map(|(uid, s)| Change::SetPodSvid { uid: uid.clone(), svid: Some(s.clone()) }));
-    assert!(h.acks.wait_until(|s| same_versions(s, &next), Duration::from_secs(30)).await, "the rotation of every pod not ACKed");
+    let next = h
+        .node
+        .apply(fresh.iter().map(|(uid, s)| Change::SetPodSvid {
+            uid: uid.clone(),
+            svid: Some(s.clone()),
+        }));
+    assert!(
+        h.acks
+            .wait_until(|s| same_versions(s, &next), Duration::from_secs(30))
+            .await,
+        "the rotation of every pod not ACKed"
+    );
     let all = t0.elapsed();
 
     // Envoy serves each pod's new certificate: /certs lists every new serial.
     let deadline = Instant::now() + Duration::from_secs(5);
     let missing = loop {
         let serials = envoy_serials(&h);
-        let missing: Vec<&str> = fresh.iter().filter(|(_, s)| !serials.contains(&s.serial)).map(|(u, _)| u.as_str()).collect();
+        let missing: Vec<&str> = fresh
+            .iter()
+            .filter(|(_, s)| !serials.contains(&s.serial))
+            .map(|(u, _)| u.as_str())
+            .collect();
         if missing.is_empty() || Instant::now() > deadline {
             break missing;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert!(missing.is_empty(), "Envoy's /certs lacks the new serial of {} pods, e.g. {:?}", missing.len(), &missing[..missing.len().min(3)]);
+    assert!(
+        missing.is_empty(),
+        "Envoy's /certs lacks the new serial of {} pods, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(3)]
+    );
     let listeners_after = h.stat("listener_manager.listener_modified");
 
     summary("one pod's SVID rotation -> Envoy ACK", &one);
-    println!("{:<44} {}", "every pod's SVID rotates -> Envoy ACK", ms(all));
+    println!(
+        "{:<44} {}",
+        "every pod's SVID rotates -> Envoy ACK",
+        ms(all)
+    );
     println!(
         "{:<44} {:?} -> {:?} (no listener drained or modified)",
         "listener_manager.listener_modified", listeners_before, listeners_after
     );
-    assert_eq!(listeners_before, listeners_after, "a rotation modified a listener");
+    assert_eq!(
+        listeners_before, listeners_after,
+        "a rotation modified a listener"
+    );
     let nacks = h.worker_counter("nacks", type_url(Kind::Secret));
     println!("{:<44} {nacks}", "SDS NACKs");
     assert_eq!(nacks, 0);

@@ -33,16 +33,32 @@ impl Registry {
             let eps: Vec<(SocketAddr, bool)> = (0..ENDPOINTS_PER_SERVICE)
                 .map(|e| {
                     let i = s * ENDPOINTS_PER_SERVICE + e;
-                    (SocketAddr::new(format!("10.1.{}.{}", s, e + 1).parse().unwrap(), self.ports[i]), self.draining[i])
+                    (
+                        SocketAddr::new(
+                            format!("10.1.{}.{}", s, e + 1).parse().unwrap(),
+                            self.ports[i],
+                        ),
+                        self.draining[i],
+                    )
                 })
                 .collect();
-            services.push((format!("svc-{s:03}"), Some(format!("10.96.{}.{}", s / 250, s % 250 + 1)), eps));
+            services.push((
+                format!("svc-{s:03}"),
+                Some(format!("10.96.{}.{}", s / 250, s % 250 + 1)),
+                eps,
+            ));
         }
         if self.extra {
-            services.push(("extra".to_string(), None, vec![(SocketAddr::new("10.2.0.1".parse().unwrap(), 8080), false)]));
+            services.push((
+                "extra".to_string(),
+                None,
+                vec![(SocketAddr::new("10.2.0.1".parse().unwrap(), 8080), false)],
+            ));
         }
-        let refs: Vec<envoy::ServiceSpec<'_>> =
-            services.iter().map(|(n, v, e)| (n.as_str(), v.as_deref(), e.clone())).collect();
+        let refs: Vec<envoy::ServiceSpec<'_>> = services
+            .iter()
+            .map(|(n, v, e)| (n.as_str(), v.as_deref(), e.clone()))
+            .collect();
         envoy::registry_json(&refs)
     }
 }
@@ -53,7 +69,13 @@ fn ms(d: Duration) -> String {
 
 fn summary(name: &str, v: &[Duration]) {
     let at = |p: f64| ms(percentile(v, p).expect("samples"));
-    println!("{name:<34} n={:<4} median {:>9}  p99 {:>9}  max {:>9}", v.len(), at(50.0), at(99.0), at(100.0));
+    println!(
+        "{name:<34} n={:<4} median {:>9}  p99 {:>9}  max {:>9}",
+        v.len(),
+        at(50.0),
+        at(99.0),
+        at(100.0)
+    );
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -72,9 +94,17 @@ async fn main() {
         }
     };
     envoy::init_logs("warn");
-    let changes: usize = std::env::var("BENCH_CHANGES").ok().and_then(|v| v.parse().ok()).unwrap_or(100).max(50);
+    let changes: usize = std::env::var("BENCH_CHANGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100)
+        .max(50);
     let n = SERVICES * ENDPOINTS_PER_SERVICE;
-    let mut reg = Registry { draining: vec![false; n], ports: vec![8080; n], extra: false };
+    let mut reg = Registry {
+        draining: vec![false; n],
+        ports: vec![8080; n],
+        extra: false,
+    };
 
     let api: AdsApi = match std::env::var("BENCH_XDS_API") {
         Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
@@ -107,23 +137,38 @@ async fn main() {
         let kind = i % 3;
         match kind {
             0 => reg.draining[(i * 7) % n] ^= true,
-            1 => reg.ports[(i * 13) % n] = if reg.ports[(i * 13) % n] == 8080 { 9090 } else { 8080 },
+            1 => {
+                reg.ports[(i * 13) % n] = if reg.ports[(i * 13) % n] == 8080 {
+                    9090
+                } else {
+                    8080
+                }
+            }
             _ => reg.extra = !reg.extra,
         }
         let json = reg.json();
         // The versions this file must produce, computed the way the worker will.
         let mut inputs: Inputs = h.node.inputs();
-        inputs.registry = registry::parse(Path::new("bench"), json.as_bytes()).expect("bench registry is valid");
+        inputs.registry =
+            registry::parse(Path::new("bench"), json.as_bytes()).expect("bench registry is valid");
         let want = snapshot::build(&inputs);
 
         let t0 = Instant::now();
         h.write_registry(&json).await;
-        tokio::time::timeout(Duration::from_secs(10), snapshots.wait_for(|s| same_versions(s, &want)))
-            .await
-            .expect("snapshot built within 10 s")
-            .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            snapshots.wait_for(|s| same_versions(s, &want)),
+        )
+        .await
+        .expect("snapshot built within 10 s")
+        .unwrap();
         let built = t0.elapsed();
-        assert!(h.acks.wait_until(|s| same_versions(s, &want), Duration::from_secs(10)).await, "change {i} not ACKed");
+        assert!(
+            h.acks
+                .wait_until(|s| same_versions(s, &want), Duration::from_secs(10))
+                .await,
+            "change {i} not ACKed"
+        );
         let acked = t0.elapsed();
         to_snapshot.push(built);
         total.push(acked);
@@ -136,17 +181,24 @@ async fn main() {
     summary("  endpoint draining toggle (EDS)", &by_kind[0]);
     summary("  endpoint port change (EDS)", &by_kind[1]);
     summary("  service add/remove (CDS+EDS+RDS)", &by_kind[2]);
-    let nacks: u64 = ["Listener", "Cluster", "ClusterLoadAssignment", "RouteConfiguration"]
-        .iter()
-        .map(|t| {
-            let url = match *t {
-                "Listener" => "type.googleapis.com/envoy.config.listener.v3.Listener",
-                "Cluster" => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
-                "ClusterLoadAssignment" => "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-                _ => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
-            };
-            h.worker_counter("nacks", url)
-        })
-        .sum();
+    let nacks: u64 = [
+        "Listener",
+        "Cluster",
+        "ClusterLoadAssignment",
+        "RouteConfiguration",
+    ]
+    .iter()
+    .map(|t| {
+        let url = match *t {
+            "Listener" => "type.googleapis.com/envoy.config.listener.v3.Listener",
+            "Cluster" => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            "ClusterLoadAssignment" => {
+                "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+            }
+            _ => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+        };
+        h.worker_counter("nacks", url)
+    })
+    .sum();
     assert_eq!(nacks, 0, "the benchmark's changes must all be accepted");
 }

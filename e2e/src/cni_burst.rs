@@ -21,7 +21,10 @@ pub fn add_input(i: usize, socket: &Path) -> (Vec<(&'static str, String)>, Strin
         ("CNI_CONTAINERID", format!("c{i:05}")),
         ("CNI_NETNS", format!("/var/run/netns/bench-{i}")),
         ("CNI_IFNAME", "eth0".into()),
-        ("CNI_ARGS", format!("K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p{i};K8S_POD_UID={uid}")),
+        (
+            "CNI_ARGS",
+            format!("K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p{i};K8S_POD_UID={uid}"),
+        ),
     ];
     let conf = serde_json::json!({
         "cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "agentSocket": socket,
@@ -34,7 +37,13 @@ pub fn add_input(i: usize, socket: &Path) -> (Vec<(&'static str, String)>, Strin
 
 /// The IP of ADD number `i`'s pod.
 pub fn pod_ip(i: usize) -> std::net::IpAddr {
-    std::net::Ipv4Addr::new(10, (100 + i / 62_500) as u8, ((i / 250) % 250) as u8, (i % 250 + 1) as u8).into()
+    std::net::Ipv4Addr::new(
+        10,
+        (100 + i / 62_500) as u8,
+        ((i / 250) % 250) as u8,
+        (i % 250 + 1) as u8,
+    )
+    .into()
 }
 
 /// Runs the plugin once; how long it took from start to exit, or its error output.
@@ -48,12 +57,21 @@ pub async fn plugin(bin: &Path, env: &[(&str, String)], stdin: &[u8]) -> Result<
         .spawn()
         .map_err(|e| format!("spawning {}: {e}", bin.display()))?;
     let mut pipe = child.stdin.take().expect("stdin is piped");
-    pipe.write_all(stdin).await.map_err(|e| format!("writing the plugin's stdin: {e}"))?;
+    pipe.write_all(stdin)
+        .await
+        .map_err(|e| format!("writing the plugin's stdin: {e}"))?;
     drop(pipe);
-    let out = child.wait_with_output().await.map_err(|e| format!("waiting for the plugin: {e}"))?;
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| format!("waiting for the plugin: {e}"))?;
     let elapsed = start.elapsed();
     if !out.status.success() {
-        return Err(format!("{}: {}", out.status, String::from_utf8_lossy(&out.stdout)));
+        return Err(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout)
+        ));
     }
     Ok(elapsed)
 }
@@ -78,16 +96,28 @@ pub struct Burst {
 pub async fn run(bin: &Path, rig: &WorkerRig, before: usize, burst: usize) -> Burst {
     let dir = tempfile::tempdir_in("/var/tmp").expect("temp state dir");
     let socket = dir.path().join("cni.sock");
-    let storage = Arc::new(Storage::open(&dir.path().join("state"), rig.metrics.clone()).expect("opening storage"));
+    let storage = Arc::new(
+        Storage::open(&dir.path().join("state"), rig.metrics.clone()).expect("opening storage"),
+    );
     cni::load(&rig.node, &storage);
     let listener = tokio::net::UnixListener::bind(&socket).expect("binding the CNI socket");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(cni::serve(listener, rig.node.clone(), storage.clone(), rig.acks.clone(), rig.metrics.clone(), None, async move {
-        let _ = stopped.await;
-    }));
+    let server = tokio::spawn(cni::serve(
+        listener,
+        rig.node.clone(),
+        storage.clone(),
+        rig.acks.clone(),
+        rig.metrics.clone(),
+        None,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
     for i in 0..before {
         let (env, conf) = add_input(i, &socket);
-        plugin(bin, &env, conf.as_bytes()).await.unwrap_or_else(|e| panic!("ADD {i} before the burst: {e}"));
+        plugin(bin, &env, conf.as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("ADD {i} before the burst: {e}"));
     }
 
     let seq = rig.node.snapshot().seq;
@@ -96,7 +126,11 @@ pub async fn run(bin: &Path, rig: &WorkerRig, before: usize, burst: usize) -> Bu
         .map(|i| {
             let (env, conf) = add_input(i, &socket);
             let bin = bin.to_path_buf();
-            tokio::spawn(async move { plugin(&bin, &env, conf.as_bytes()).await.map_err(|e| format!("ADD {i}: {e}")) })
+            tokio::spawn(async move {
+                plugin(&bin, &env, conf.as_bytes())
+                    .await
+                    .map_err(|e| format!("ADD {i}: {e}"))
+            })
         })
         .collect();
     let mut ok = Vec::new();
@@ -110,13 +144,24 @@ pub async fn run(bin: &Path, rig: &WorkerRig, before: usize, burst: usize) -> Bu
     let total = start.elapsed();
     let snapshots = rig.node.snapshot().seq - seq;
     let done = Instant::now();
-    let uids: Vec<(String, std::net::IpAddr)> = (0..before + burst).map(|i| (format!("bench-{i:05}"), pod_ip(i))).collect();
+    let uids: Vec<(String, std::net::IpAddr)> = (0..before + burst)
+        .map(|i| (format!("bench-{i:05}"), pod_ip(i)))
+        .collect();
     let all = rig
         .acks
-        .wait_until(move |s| uids.iter().all(|(uid, ip)| s.holds_pod(uid, &[*ip])), Duration::from_secs(30))
+        .wait_until(
+            move |s| uids.iter().all(|(uid, ip)| s.holds_pod(uid, &[*ip])),
+            Duration::from_secs(30),
+        )
         .await;
     let all_in_envoy = all.then(|| done.elapsed());
     let _ = stop.send(());
     let _ = server.await;
-    Burst { total, calls: ok, failures, snapshots, all_in_envoy }
+    Burst {
+        total,
+        calls: ok,
+        failures,
+        snapshots,
+        all_in_envoy,
+    }
 }

@@ -36,7 +36,11 @@ pub struct Sandbox {
 
 impl Sandbox {
     fn cni_args(&self) -> String {
-        self.args.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(";")
+        self.args
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(";")
     }
 }
 
@@ -116,7 +120,10 @@ impl Chain {
             })?;
             prev = Some(result);
         }
-        Ok(Outcome { result: prev.unwrap_or(Value::Null), steps })
+        Ok(Outcome {
+            result: prev.unwrap_or(Value::Null),
+            steps,
+        })
     }
 
     /// CHECK: every plugin in order, each with the ADD's result.
@@ -125,17 +132,27 @@ impl Chain {
         for plugin in &self.plugins {
             steps.push(self.exec("CHECK", plugin, sandbox, Some(added))?.1);
         }
-        Ok(Outcome { result: Value::Null, steps })
+        Ok(Outcome {
+            result: Value::Null,
+            steps,
+        })
     }
 
     /// DEL: every plugin in reverse order, each with the ADD's result when the runtime
     /// still has it.
-    pub fn del(&self, sandbox: &Sandbox, added: Option<&Value>) -> Result<Outcome, Box<PluginError>> {
+    pub fn del(
+        &self,
+        sandbox: &Sandbox,
+        added: Option<&Value>,
+    ) -> Result<Outcome, Box<PluginError>> {
         let mut steps = Vec::new();
         for plugin in self.plugins.iter().rev() {
             steps.push(self.exec("DEL", plugin, sandbox, added)?.1);
         }
-        Ok(Outcome { result: Value::Null, steps })
+        Ok(Outcome {
+            result: Value::Null,
+            steps,
+        })
     }
 
     /// The stdin a plugin gets: its own object, the list's name and version, and the
@@ -156,7 +173,10 @@ impl Chain {
         if kind.is_empty() || kind.contains('/') {
             return None;
         }
-        self.cni_path.iter().map(|d| d.join(kind)).find(|p| p.is_file())
+        self.cni_path
+            .iter()
+            .map(|d| d.join(kind))
+            .find(|p| p.is_file())
     }
 
     fn exec(
@@ -178,7 +198,10 @@ impl Chain {
             })
         };
         let exe = self.find(&kind).ok_or_else(|| {
-            fail(format!("no binary named {kind:?} in CNI_PATH {}", self.cni_path_var().to_string_lossy()))
+            fail(format!(
+                "no binary named {kind:?} in CNI_PATH {}",
+                self.cni_path_var().to_string_lossy()
+            ))
         })?;
         let mut cmd = match &self.host_netns {
             Some(ns) => {
@@ -189,7 +212,10 @@ impl Chain {
             None => Command::new(&exe),
         };
         cmd.env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
             .env("CNI_COMMAND", command)
             .env("CNI_CONTAINERID", &sandbox.container_id)
             .env("CNI_NETNS", &sandbox.netns)
@@ -201,31 +227,47 @@ impl Chain {
             .stderr(Stdio::piped());
         let conf = self.plugin_config(plugin, prev).to_string();
         let start = Instant::now();
-        let mut child = cmd.spawn().map_err(|e| fail(format!("spawning {}: {e}", exe.display())))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("spawning {}: {e}", exe.display())))?;
         // The config is a few KiB, well under a pipe's buffer: writing it all before
         // reading the output cannot deadlock.
         let mut stdin = child.stdin.take().expect("stdin is piped");
         let written = stdin.write_all(conf.as_bytes());
         drop(stdin);
-        let out = child.wait_with_output().map_err(|e| fail(format!("waiting for {}: {e}", exe.display())))?;
+        let out = child
+            .wait_with_output()
+            .map_err(|e| fail(format!("waiting for {}: {e}", exe.display())))?;
         let took = start.elapsed();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         if out.status.success() {
             if let Err(e) = written {
-                return Err(fail(format!("writing the network config to its stdin: {e}")));
+                return Err(fail(format!(
+                    "writing the network config to its stdin: {e}"
+                )));
             }
             return Ok((stdout, Step { plugin: kind, took }));
         }
         let error: Option<Value> = serde_json::from_str(stdout.trim()).ok();
-        let code = error.as_ref().and_then(|e| e.get("code")).and_then(Value::as_u64);
+        let code = error
+            .as_ref()
+            .and_then(|e| e.get("code"))
+            .and_then(Value::as_u64);
         let msg = error
             .as_ref()
             .and_then(|e| e.get("msg"))
             .and_then(Value::as_str)
             .map(str::to_string)
             .unwrap_or_else(|| format!("exited {} without an error result", out.status));
-        Err(Box::new(PluginError { command: command.into(), plugin: kind, code, msg, stdout, stderr }))
+        Err(Box::new(PluginError {
+            command: command.into(),
+            plugin: kind,
+            code,
+            msg,
+            stdout,
+            stderr,
+        }))
     }
 
     fn cni_path_var(&self) -> OsString {
@@ -268,7 +310,10 @@ mod tests {
         Chain {
             name: "net".into(),
             cni_version: "1.0.0".into(),
-            plugins: vec![serde_json::json!({"type": "a", "x": 1}), serde_json::json!({"type": "b"})],
+            plugins: vec![
+                serde_json::json!({"type": "a", "x": 1}),
+                serde_json::json!({"type": "b"}),
+            ],
             cni_path: vec![],
             host_netns: None,
         }
@@ -278,7 +323,10 @@ mod tests {
     fn each_plugin_gets_the_list_name_and_version_and_the_previous_result() {
         let c = chain();
         let first = c.plugin_config(&c.plugins[0], None);
-        assert_eq!(first, serde_json::json!({"type": "a", "x": 1, "name": "net", "cniVersion": "1.0.0"}));
+        assert_eq!(
+            first,
+            serde_json::json!({"type": "a", "x": 1, "name": "net", "cniVersion": "1.0.0"})
+        );
         let prev = serde_json::json!({"ips": [{"address": "10.0.0.2/24"}]});
         let second = c.plugin_config(&c.plugins[1], Some(&prev));
         assert_eq!(second["prevResult"], prev);
@@ -287,15 +335,25 @@ mod tests {
 
     #[test]
     fn result_ips_reads_address_and_prefix() {
-        let r =
-            serde_json::json!({"ips": [{"address": "10.250.3.2/24"}, {"address": "fd00::2/64"}, {"address": "junk"}]});
-        assert_eq!(result_ips(&r), vec![("10.250.3.2".parse().unwrap(), 24), ("fd00::2".parse().unwrap(), 64)]);
+        let r = serde_json::json!({"ips": [{"address": "10.250.3.2/24"}, {"address": "fd00::2/64"}, {"address": "junk"}]});
+        assert_eq!(
+            result_ips(&r),
+            vec![
+                ("10.250.3.2".parse().unwrap(), 24),
+                ("fd00::2".parse().unwrap(), 64)
+            ]
+        );
     }
 
     #[test]
     fn a_missing_plugin_is_an_error_naming_it() {
         let c = chain();
-        let sb = Sandbox { container_id: "c".into(), netns: "/x".into(), ifname: "eth0".into(), args: vec![] };
+        let sb = Sandbox {
+            container_id: "c".into(),
+            netns: "/x".into(),
+            ifname: "eth0".into(),
+            args: vec![],
+        };
         let e = c.add(&sb).unwrap_err();
         assert_eq!(e.plugin, "a");
         assert!(e.msg.contains("no binary named \"a\""), "{e}");

@@ -36,13 +36,21 @@ use std::time::{Duration, SystemTime};
 
 use aether_model::Svid;
 use anyhow::{Context, bail};
-use rcgen::{BasicConstraints, CertificateParams, CustomExtension, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType, SerialNumber};
-use tokio_rustls::rustls;
+use rcgen::{
+    BasicConstraints, CertificateParams, CustomExtension, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType, SerialNumber,
+};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::{WebPkiSupportedAlgorithms, ring, verify_tls12_signature, verify_tls13_signature};
+use rustls::crypto::{
+    WebPkiSupportedAlgorithms, ring, verify_tls12_signature, verify_tls13_signature,
+};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::server::{ParsedCertificate, WebPkiClientVerifier};
-use rustls::{ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore, ServerConfig, ServerConnection, SignatureScheme, StreamOwned};
+use rustls::{
+    ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore, ServerConfig,
+    ServerConnection, SignatureScheme, StreamOwned,
+};
+use tokio_rustls::rustls;
 
 use crate::testing::{Netns, is_root, unique_suffix};
 
@@ -59,9 +67,16 @@ pub fn missing() -> Option<String> {
         return Some("not root: the data path needs network namespaces and nftables".into());
     }
     for tool in ["ip", "nft"] {
-        let found = Command::new(tool).arg("-V").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok();
+        let found = Command::new(tool)
+            .arg("-V")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok();
         if !found {
-            return Some(format!("`{tool}` not found (Debian: iproute2, nftables; scripts/install-deps.sh)"));
+            return Some(format!(
+                "`{tool}` not found (Debian: iproute2, nftables; scripts/install-deps.sh)"
+            ));
         }
     }
     None
@@ -69,7 +84,10 @@ pub fn missing() -> Option<String> {
 
 /// Runs `f` on a fresh thread that has entered the network namespace `ns`, and returns
 /// its result. Sockets made there stay in `ns` wherever they are used later.
-pub fn in_netns<T: Send + 'static>(ns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
+pub fn in_netns<T: Send + 'static>(
+    ns: &Netns,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<T> {
     let file = File::open(ns.path())?;
     std::thread::spawn(move || {
         // SAFETY: `file` is an open descriptor of a network namespace (a bind mount under
@@ -96,15 +114,33 @@ pub fn connect_in(ns: &Netns, addr: SocketAddr) -> io::Result<TcpStream> {
 /// Runs `ip netns exec <ns> <args>`, failing with its stderr.
 fn exec_in(ns: &str, args: &[&str], stdin: Option<&str>) -> anyhow::Result<()> {
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", ns]).args(args).stdout(Stdio::null()).stderr(Stdio::piped());
-    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
-    let mut child = cmd.spawn().with_context(|| format!("running {} in {ns}", args.join(" ")))?;
+    cmd.args(["netns", "exec", ns])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("running {} in {ns}", args.join(" ")))?;
     if let Some(text) = stdin {
-        child.stdin.take().expect("piped stdin").write_all(text.as_bytes())?;
+        child
+            .stdin
+            .take()
+            .expect("piped stdin")
+            .write_all(text.as_bytes())?;
     }
     let out = child.wait_with_output()?;
     if !out.status.success() {
-        bail!("{} in {ns} exited {}: {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{} in {ns} exited {}: {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
@@ -150,7 +186,9 @@ pub struct PodNet {
 impl PodNet {
     /// Every address of the pod, the first first.
     pub fn ips(&self) -> Vec<Ipv4Addr> {
-        std::iter::once(self.ip).chain(self.more_ips.iter().copied()).collect()
+        std::iter::once(self.ip)
+            .chain(self.more_ips.iter().copied())
+            .collect()
     }
 }
 
@@ -164,14 +202,47 @@ impl Datapath {
         let client = Netns::create(&format!("{name}-cli"))?;
         let gateway = Ipv4Addr::new(subnet[0], subnet[1], subnet[2], 1);
         let client_ip = Ipv4Addr::new(10, 250, 0, 2);
-        let dp = Datapath { pods: Vec::new(), client, client_ip, node, gateway, subnet, name, links: 0 };
-        exec_in(&dp.node.name, &["sysctl", "-qw", "net.ipv4.ip_forward=1"], None)?;
-        ip(&dp.node, &["link", "add", "cli0", "type", "veth", "peer", "name", "eth0", "netns", &dp.client.name])?;
+        let dp = Datapath {
+            pods: Vec::new(),
+            client,
+            client_ip,
+            node,
+            gateway,
+            subnet,
+            name,
+            links: 0,
+        };
+        exec_in(
+            &dp.node.name,
+            &["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+            None,
+        )?;
+        ip(
+            &dp.node,
+            &[
+                "link",
+                "add",
+                "cli0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                &dp.client.name,
+            ],
+        )?;
         ip(&dp.node, &["addr", "add", "10.250.0.1/24", "dev", "cli0"])?;
         ip(&dp.node, &["link", "set", "cli0", "up"])?;
-        ip(&dp.client, &["addr", "add", &format!("{client_ip}/24"), "dev", "eth0"])?;
+        ip(
+            &dp.client,
+            &["addr", "add", &format!("{client_ip}/24"), "dev", "eth0"],
+        )?;
         ip(&dp.client, &["link", "set", "eth0", "up"])?;
-        ip(&dp.client, &["route", "add", "default", "via", "10.250.0.1"])?;
+        ip(
+            &dp.client,
+            &["route", "add", "default", "via", "10.250.0.1"],
+        )?;
         Ok(dp)
     }
 
@@ -181,17 +252,41 @@ impl Datapath {
         let pod_ip = Ipv4Addr::new(a, b, c, host);
         let ns = Netns::create(&format!("{}-p{host}", self.name))?;
         let veth = format!("p{host}");
-        ip(&self.node, &["link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns.name])?;
+        ip(
+            &self.node,
+            &[
+                "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+            ],
+        )?;
         // As CNI's ptp: the gateway address on every host end, a host route per pod.
-        ip(&self.node, &["addr", "add", &format!("{}/32", self.gateway), "dev", &veth])?;
+        ip(
+            &self.node,
+            &["addr", "add", &format!("{}/32", self.gateway), "dev", &veth],
+        )?;
         ip(&self.node, &["link", "set", &veth, "up"])?;
-        ip(&self.node, &["route", "add", &format!("{pod_ip}/32"), "dev", &veth])?;
-        ip(&ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+        ip(
+            &self.node,
+            &["route", "add", &format!("{pod_ip}/32"), "dev", &veth],
+        )?;
+        ip(
+            &ns,
+            &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"],
+        )?;
         ip(&ns, &["link", "set", "eth0", "up"])?;
-        ip(&ns, &["route", "add", "default", "via", &self.gateway.to_string()])?;
+        ip(
+            &ns,
+            &["route", "add", "default", "via", &self.gateway.to_string()],
+        )?;
         let listener = in_netns(&ns, || TcpListener::bind((Ipv4Addr::UNSPECIFIED, POD_PORT)))??;
         let server = PodServer::start(name.to_string(), listener, serve);
-        self.pods.push(PodNet { server, ns, name: name.to_string(), ip: pod_ip, more_ips: Vec::new(), veth });
+        self.pods.push(PodNet {
+            server,
+            ns,
+            name: name.to_string(),
+            ip: pod_ip,
+            more_ips: Vec::new(),
+            veth,
+        });
         Ok(self.pods.last().expect("just pushed"))
     }
 
@@ -199,9 +294,25 @@ impl Datapath {
     pub fn add_address(&mut self, name: &str, host: u8) -> anyhow::Result<Ipv4Addr> {
         let [a, b, c] = self.subnet;
         let extra = Ipv4Addr::new(a, b, c, host);
-        let i = self.pods.iter().position(|p| p.name == name).with_context(|| format!("no pod {name}"))?;
-        ip(&self.pods[i].ns, &["addr", "add", &format!("{extra}/24"), "dev", "eth0"])?;
-        ip(&self.node, &["route", "add", &format!("{extra}/32"), "dev", &self.pods[i].veth])?;
+        let i = self
+            .pods
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("no pod {name}"))?;
+        ip(
+            &self.pods[i].ns,
+            &["addr", "add", &format!("{extra}/24"), "dev", "eth0"],
+        )?;
+        ip(
+            &self.node,
+            &[
+                "route",
+                "add",
+                &format!("{extra}/32"),
+                "dev",
+                &self.pods[i].veth,
+            ],
+        )?;
         self.pods[i].more_ips.push(extra);
         Ok(extra)
     }
@@ -210,11 +321,25 @@ impl Datapath {
     /// preferred source), as a pod with several addresses may.
     pub fn set_source(&self, name: &str, src: Ipv4Addr) -> anyhow::Result<()> {
         let gw = self.gateway.to_string();
-        ip(&self.pod(name).ns, &["route", "replace", "default", "via", &gw, "src", &src.to_string()])
+        ip(
+            &self.pod(name).ns,
+            &[
+                "route",
+                "replace",
+                "default",
+                "via",
+                &gw,
+                "src",
+                &src.to_string(),
+            ],
+        )
     }
 
     pub fn pod(&self, name: &str) -> &PodNet {
-        self.pods.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no pod {name} in the data path"))
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name} in the data path"))
     }
 
     /// The pod subnet as `a.b.c.0/24`.
@@ -229,14 +354,21 @@ impl Datapath {
     /// listener on port `outbound.1`. Prerouting only: Envoy's own connections are left
     /// alone.
     pub fn redirect(&self, inbound_port: u16, outbound: Option<(&str, u16)>) -> anyhow::Result<()> {
-        let mut rules = format!("    ip daddr {} tcp dport {POD_PORT} redirect to :{inbound_port}\n", self.pod_cidr());
+        let mut rules = format!(
+            "    ip daddr {} tcp dport {POD_PORT} redirect to :{inbound_port}\n",
+            self.pod_cidr()
+        );
         if let Some((vips, port)) = outbound {
-            rules.push_str(&format!("    ip saddr {} ip daddr {vips} tcp dport 80 redirect to :{port}\n", self.pod_cidr()));
+            rules.push_str(&format!(
+                "    ip saddr {} ip daddr {vips} tcp dport 80 redirect to :{port}\n",
+                self.pod_cidr()
+            ));
         }
         let table = format!(
             "table ip aether_capture {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n{rules}  }}\n}}\n"
         );
-        exec_in(&self.node.name, &["nft", "-f", "-"], Some(&table)).context("installing the capture redirect with nft")
+        exec_in(&self.node.name, &["nft", "-f", "-"], Some(&table))
+            .context("installing the capture redirect with nft")
     }
 
     /// Joins two nodes' namespaces with a veth pair (10.251.<n>.1 and .2) and routes each
@@ -245,7 +377,21 @@ impl Datapath {
         let n = a.links + b.links;
         let (wa, wb) = (format!("w{n}a"), format!("w{n}b"));
         let (ia, ib) = (format!("10.251.{n}.1"), format!("10.251.{n}.2"));
-        ip(&a.node, &["link", "add", &wa, "type", "veth", "peer", "name", &wb, "netns", &b.node.name])?;
+        ip(
+            &a.node,
+            &[
+                "link",
+                "add",
+                &wa,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &wb,
+                "netns",
+                &b.node.name,
+            ],
+        )?;
         ip(&a.node, &["addr", "add", &format!("{ia}/24"), "dev", &wa])?;
         ip(&b.node, &["addr", "add", &format!("{ib}/24"), "dev", &wb])?;
         ip(&a.node, &["link", "set", &wa, "up"])?;
@@ -292,14 +438,20 @@ impl PodServer {
         let served = Arc::new(AtomicU64::new(0));
         let peers = Arc::new(Mutex::new(Vec::new()));
         let accept = {
-            let (listener, conns, served, peers) = (listener.clone(), conns.clone(), served.clone(), peers.clone());
+            let (listener, conns, served, peers) = (
+                listener.clone(),
+                conns.clone(),
+                served.clone(),
+                peers.clone(),
+            );
             std::thread::spawn(move || {
                 // Ends when the drop shuts the listener down (accept fails).
                 while let Ok((s, _)) = listener.accept() {
                     if let Ok(c) = s.try_clone() {
                         conns.lock().unwrap().push(c);
                     }
-                    let (name, serve, served, peers) = (name.clone(), serve.clone(), served.clone(), peers.clone());
+                    let (name, serve, served, peers) =
+                        (name.clone(), serve.clone(), served.clone(), peers.clone());
                     std::thread::spawn(move || {
                         let _ = match serve {
                             Serve::Lines => serve_lines(&name, s, &served),
@@ -309,7 +461,13 @@ impl PodServer {
                 }
             })
         };
-        PodServer { listener, conns, served, peers, accept: Some(accept) }
+        PodServer {
+            listener,
+            conns,
+            served,
+            peers,
+            accept: Some(accept),
+        }
     }
 
     /// How many lines or requests the server has answered.
@@ -327,7 +485,8 @@ impl PodServer {
 impl Drop for PodServer {
     fn drop(&mut self) {
         // shutdown(2) on a listening socket wakes the blocked accept with an error.
-        let _ = nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        let _ =
+            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         for c in self.conns.lock().unwrap().drain(..) {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -340,18 +499,27 @@ impl Drop for PodServer {
 fn serve_lines(name: &str, mut s: TcpStream, served: &AtomicU64) -> io::Result<()> {
     let mut buf = Vec::new();
     loop {
-        let Some(line) = read_line(&mut s, &mut buf)? else { return Ok(()) };
+        let Some(line) = read_line(&mut s, &mut buf)? else {
+            return Ok(());
+        };
         // Counted before the answer goes out, so that a client holding it sees it counted.
         served.fetch_add(1, Ordering::SeqCst);
         s.write_all(format!("{name}: {line}\n").as_bytes())?;
     }
 }
 
-fn serve_http(name: &str, s: TcpStream, tls: Option<Arc<ServerConfig>>, served: &AtomicU64, peers: &Mutex<Vec<String>>) -> io::Result<()> {
+fn serve_http(
+    name: &str,
+    s: TcpStream,
+    tls: Option<Arc<ServerConfig>>,
+    served: &AtomicU64,
+    peers: &Mutex<Vec<String>>,
+) -> io::Result<()> {
     let peer;
     let mut io: Box<dyn ReadWrite> = match tls {
         Some(config) => {
-            let mut stream = StreamOwned::new(ServerConnection::new(config).map_err(io::Error::other)?, s);
+            let mut stream =
+                StreamOwned::new(ServerConnection::new(config).map_err(io::Error::other)?, s);
             while stream.conn.is_handshaking() {
                 stream.conn.complete_io(&mut stream.sock)?;
             }
@@ -359,7 +527,15 @@ fn serve_http(name: &str, s: TcpStream, tls: Option<Arc<ServerConfig>>, served: 
                 .conn
                 .peer_certificates()
                 .and_then(|c| c.first())
-                .map_or_else(|| "none".to_string(), |c| uri_sans(c).into_iter().next().unwrap_or_else(|| "no URI SAN".into()));
+                .map_or_else(
+                    || "none".to_string(),
+                    |c| {
+                        uri_sans(c)
+                            .into_iter()
+                            .next()
+                            .unwrap_or_else(|| "no URI SAN".into())
+                    },
+                );
             peers.lock().unwrap().push(peer.clone());
             Box::new(stream)
         }
@@ -373,7 +549,9 @@ fn serve_http(name: &str, s: TcpStream, tls: Option<Arc<ServerConfig>>, served: 
         // The request head; the mesh's requests here carry no body.
         let mut head = String::new();
         loop {
-            let Some(line) = read_line(&mut io, &mut buf)? else { return Ok(()) };
+            let Some(line) = read_line(&mut io, &mut buf)? else {
+                return Ok(());
+            };
             if line.trim_end_matches('\r').is_empty() {
                 break;
             }
@@ -381,7 +559,13 @@ fn serve_http(name: &str, s: TcpStream, tls: Option<Arc<ServerConfig>>, served: 
         }
         let body = format!("{name} peer={peer}");
         served.fetch_add(1, Ordering::SeqCst);
-        io.write_all(format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}", body.len()).as_bytes())?;
+        io.write_all(
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )?;
         io.flush()?;
     }
 }
@@ -427,7 +611,13 @@ pub struct Failure {
 
 impl Failure {
     fn of(stage: &str, e: io::Error) -> Failure {
-        Failure { timed_out: matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), reason: format!("{stage}: {e}") }
+        Failure {
+            timed_out: matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ),
+            reason: format!("{stage}: {e}"),
+        }
     }
 }
 
@@ -435,37 +625,69 @@ impl Conn {
     /// Connects from `ns` to `addr`, over TLS with `tls` (the handshake completes here;
     /// in TLS 1.3 a server that refuses the client's certificate says so only after it,
     /// at the first read).
-    pub fn open(ns: &Netns, addr: SocketAddr, tls: Option<Arc<ClientConfig>>) -> Result<Conn, Failure> {
+    pub fn open(
+        ns: &Netns,
+        addr: SocketAddr,
+        tls: Option<Arc<ClientConfig>>,
+    ) -> Result<Conn, Failure> {
         let s = connect_in(ns, addr).map_err(|e| Failure::of("connect", e))?;
         match tls {
-            None => Ok(Conn { io: Box::new(s), buf: Vec::new(), server_leaf: None }),
+            None => Ok(Conn {
+                io: Box::new(s),
+                buf: Vec::new(),
+                server_leaf: None,
+            }),
             Some(config) => {
                 let conn = ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
-                    .map_err(|e| Failure { timed_out: false, reason: format!("TLS client: {e}") })?;
+                    .map_err(|e| Failure {
+                    timed_out: false,
+                    reason: format!("TLS client: {e}"),
+                })?;
                 let mut stream = StreamOwned::new(conn, s);
                 while stream.conn.is_handshaking() {
-                    stream.conn.complete_io(&mut stream.sock).map_err(|e| Failure::of("TLS handshake", e))?;
+                    stream
+                        .conn
+                        .complete_io(&mut stream.sock)
+                        .map_err(|e| Failure::of("TLS handshake", e))?;
                 }
-                let server_leaf = stream.conn.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec());
-                Ok(Conn { io: Box::new(stream), buf: Vec::new(), server_leaf })
+                let server_leaf = stream
+                    .conn
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                    .map(|c| c.to_vec());
+                Ok(Conn {
+                    io: Box::new(stream),
+                    buf: Vec::new(),
+                    server_leaf,
+                })
             }
         }
     }
 
     /// Sends `line` and returns the answer line.
     pub fn ask(&mut self, line: &str) -> Result<String, Failure> {
-        self.io.write_all(format!("{line}\n").as_bytes()).map_err(|e| Failure::of("write", e))?;
+        self.io
+            .write_all(format!("{line}\n").as_bytes())
+            .map_err(|e| Failure::of("write", e))?;
         self.io.flush().map_err(|e| Failure::of("flush", e))?;
         match read_line(&mut self.io, &mut self.buf) {
             Ok(Some(answer)) => Ok(answer),
-            Ok(None) => Err(Failure { timed_out: false, reason: "closed without an answer".into() }),
+            Ok(None) => Err(Failure {
+                timed_out: false,
+                reason: "closed without an answer".into(),
+            }),
             Err(e) => Err(Failure::of("read", e)),
         }
     }
 }
 
 /// One exchange on a new connection: the answer and the server's leaf certificate.
-pub fn exchange(ns: &Netns, addr: SocketAddr, tls: Option<Arc<ClientConfig>>, line: &str) -> Result<(String, Option<Vec<u8>>), Failure> {
+pub fn exchange(
+    ns: &Netns,
+    addr: SocketAddr,
+    tls: Option<Arc<ClientConfig>>,
+    line: &str,
+) -> Result<(String, Option<Vec<u8>>), Failure> {
     let mut c = Conn::open(ns, addr, tls)?;
     let answer = c.ask(line)?;
     Ok((answer, c.server_leaf.take()))
@@ -482,7 +704,11 @@ fn http_get(mut s: TcpStream, host: &str) -> io::Result<(u16, String)> {
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     Ok((status, body.to_string()))
 }
 
@@ -494,7 +720,9 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 fn roots(ca_pem: &str) -> RootCertStore {
     let mut roots = RootCertStore::empty();
     for der in pem_blocks(ca_pem, "CERTIFICATE") {
-        roots.add(CertificateDer::from(der)).expect("a CA certificate");
+        roots
+            .add(CertificateDer::from(der))
+            .expect("a CA certificate");
     }
     roots
 }
@@ -504,14 +732,19 @@ fn roots(ca_pem: &str) -> RootCertStore {
 /// certificate when given.
 pub fn tls_client(ca_pem: &str, identity: Option<&TestSvid>) -> Arc<ClientConfig> {
     let provider = provider();
-    let verifier = BundleVerifier { roots: roots(ca_pem), algs: provider.signature_verification_algorithms };
+    let verifier = BundleVerifier {
+        roots: roots(ca_pem),
+        algs: provider.signature_verification_algorithms,
+    };
     let builder = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .expect("rustls protocol versions")
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(verifier));
     Arc::new(match identity {
-        Some(id) => builder.with_client_auth_cert(vec![id.leaf()], id.key()).expect("the client's SVID"),
+        Some(id) => builder
+            .with_client_auth_cert(vec![id.leaf()], id.key())
+            .expect("the client's SVID"),
         None => builder.with_no_client_auth(),
     })
 }
@@ -520,9 +753,10 @@ pub fn tls_client(ca_pem: &str, identity: Option<&TestSvid>) -> Arc<ClientConfig
 /// `ca_pem`.
 pub fn mtls_server(ca_pem: &str, identity: &TestSvid) -> Arc<ServerConfig> {
     let provider = provider();
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca_pem)), provider.clone())
-        .build()
-        .expect("the client certificate verifier");
+    let verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca_pem)), provider.clone())
+            .build()
+            .expect("the client certificate verifier");
     Arc::new(
         ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
@@ -550,7 +784,13 @@ impl ServerCertVerifier for BundleVerifier {
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         let cert = ParsedCertificate::try_from(end_entity)?;
-        rustls::client::verify_server_cert_signed_by_trust_anchor(&cert, &self.roots, intermediates, now, self.algs.all)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &self.roots,
+            intermediates,
+            now,
+            self.algs.all,
+        )?;
         Ok(ServerCertVerified::assertion())
     }
 
@@ -609,12 +849,27 @@ impl TestCa {
         let key = KeyPair::generate().expect("a CA key");
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-        params.subject_alt_names = vec![SanType::URI(format!("spiffe://{trust_domain}").try_into().expect("a URI"))];
-        params.distinguished_name.push(DnType::CommonName, format!("aether data-path test CA ({trust_domain})"));
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        params.subject_alt_names = vec![SanType::URI(
+            format!("spiffe://{trust_domain}")
+                .try_into()
+                .expect("a URI"),
+        )];
+        params.distinguished_name.push(
+            DnType::CommonName,
+            format!("aether data-path test CA ({trust_domain})"),
+        );
         params.serial_number = Some(SerialNumber::from_slice(&next_serial()));
         let cert = params.self_signed(&key).expect("self-signing the CA");
-        TestCa { trust_domain: trust_domain.to_string(), key, cert }
+        TestCa {
+            trust_domain: trust_domain.to_string(),
+            key,
+            cert,
+        }
     }
 
     /// The CA certificate, PEM: the trust bundle.
@@ -640,16 +895,30 @@ impl TestCa {
         let mut basic = CustomExtension::from_oid_content(&[2, 5, 29, 19], vec![0x30, 0x00]);
         basic.set_criticality(true);
         params.custom_extensions = vec![basic];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment, KeyUsagePurpose::KeyAgreement];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        params.distinguished_name.push(DnType::OrganizationName, "SPIRE");
-        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).expect("after 1970").as_secs();
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+            KeyUsagePurpose::KeyAgreement,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, "SPIRE");
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs();
         let (not_before, not_after) = (now - 3600, now + 86_400);
         params.not_before = (SystemTime::UNIX_EPOCH + Duration::from_secs(not_before)).into();
         params.not_after = (SystemTime::UNIX_EPOCH + Duration::from_secs(not_after)).into();
         let serial = next_serial();
         params.serial_number = Some(SerialNumber::from_slice(&serial));
-        let cert = params.signed_by(&key, &self.cert, &self.key).expect("signing an SVID");
+        let cert = params
+            .signed_by(&key, &self.cert, &self.key)
+            .expect("signing an SVID");
         TestSvid {
             svid: Svid {
                 spiffe_id,
@@ -670,7 +939,9 @@ impl TestCa {
 fn next_serial() -> [u8; 16] {
     static COUNTER: AtomicU64 = AtomicU64::new(1);
     let count = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
     let mut serial = [0u8; 16];
     serial[..8].copy_from_slice(&(nanos ^ u64::from(std::process::id()) << 40).to_be_bytes());
     serial[8..].copy_from_slice(&count.to_be_bytes());
@@ -684,7 +955,10 @@ fn hex(bytes: &[u8]) -> String {
 
 /// The DER bodies of the PEM blocks labelled `label` in `pem`.
 pub fn pem_blocks(pem: &str, label: &str) -> Vec<Vec<u8>> {
-    let (begin, end) = (format!("-----BEGIN {label}-----"), format!("-----END {label}-----"));
+    let (begin, end) = (
+        format!("-----BEGIN {label}-----"),
+        format!("-----END {label}-----"),
+    );
     let mut out = Vec::new();
     let mut rest = pem;
     while let Some(i) = rest.find(&begin) {
@@ -731,15 +1005,24 @@ pub(crate) fn der_next(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
         if n == 0 || n > 4 || rest.len() < n {
             return None;
         }
-        (rest[..n].iter().fold(0usize, |acc, b| acc << 8 | usize::from(*b)), &rest[n..])
+        (
+            rest[..n]
+                .iter()
+                .fold(0usize, |acc, b| acc << 8 | usize::from(*b)),
+            &rest[n..],
+        )
     };
     (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
 }
 
 /// The elements of a DER TBSCertificate, after the certificate's outer SEQUENCE.
 fn tbs_elements(cert_der: &[u8]) -> Vec<(u8, &[u8])> {
-    let Some((0x30, cert, _)) = der_next(cert_der) else { return vec![] };
-    let Some((0x30, mut tbs, _)) = der_next(cert) else { return vec![] };
+    let Some((0x30, cert, _)) = der_next(cert_der) else {
+        return vec![];
+    };
+    let Some((0x30, mut tbs, _)) = der_next(cert) else {
+        return vec![];
+    };
     let mut out = Vec::new();
     while let Some((tag, body, rest)) = der_next(tbs) {
         out.push((tag, body));
@@ -752,11 +1035,20 @@ fn tbs_elements(cert_der: &[u8]) -> Vec<(u8, &[u8])> {
 pub fn uri_sans(cert_der: &[u8]) -> Vec<String> {
     const SAN_OID: &[u8] = &[0x55, 0x1d, 0x11];
     let mut out = Vec::new();
-    let Some((_, exts)) = tbs_elements(cert_der).into_iter().find(|(tag, _)| *tag == 0xa3) else { return out };
-    let Some((0x30, mut exts, _)) = der_next(exts) else { return out };
+    let Some((_, exts)) = tbs_elements(cert_der)
+        .into_iter()
+        .find(|(tag, _)| *tag == 0xa3)
+    else {
+        return out;
+    };
+    let Some((0x30, mut exts, _)) = der_next(exts) else {
+        return out;
+    };
     while let Some((_, ext, rest)) = der_next(exts) {
         exts = rest;
-        let Some((0x06, oid, mut fields)) = der_next(ext) else { continue };
+        let Some((0x06, oid, mut fields)) = der_next(ext) else {
+            continue;
+        };
         if oid != SAN_OID {
             continue;
         }
@@ -766,7 +1058,9 @@ pub fn uri_sans(cert_der: &[u8]) -> Vec<String> {
             if tag != 0x04 {
                 continue;
             }
-            let Some((0x30, mut names, _)) = der_next(body) else { continue };
+            let Some((0x30, mut names, _)) = der_next(body) else {
+                continue;
+            };
             while let Some((tag, name, rest)) = der_next(names) {
                 names = rest;
                 if tag == 0x86 {
@@ -803,12 +1097,27 @@ mod tests {
         let b = ca.mint("default", "web");
         assert_eq!(a.svid.spiffe_id, "spiffe://aether.test/ns/default/pod/web");
         assert_eq!(uri_sans(&a.leaf_der), vec![a.svid.spiffe_id.clone()]);
-        assert_eq!(serial_hex(&a.leaf_der).as_deref(), Some(a.svid.serial.as_str()));
+        assert_eq!(
+            serial_hex(&a.leaf_der).as_deref(),
+            Some(a.svid.serial.as_str())
+        );
         assert_eq!(a.svid.serial.len(), 32);
-        assert_ne!(a.svid.serial, b.svid.serial, "each SVID has a serial of its own");
-        assert!(a.svid.key_pem.starts_with("-----BEGIN PRIVATE KEY-----"), "PKCS#8");
-        assert_eq!(pem_blocks(&a.svid.chain_pem, "CERTIFICATE"), vec![a.leaf_der.clone()]);
-        assert_eq!(pem_blocks(&a.svid.key_pem, "PRIVATE KEY"), vec![a.key_der.clone()]);
+        assert_ne!(
+            a.svid.serial, b.svid.serial,
+            "each SVID has a serial of its own"
+        );
+        assert!(
+            a.svid.key_pem.starts_with("-----BEGIN PRIVATE KEY-----"),
+            "PKCS#8"
+        );
+        assert_eq!(
+            pem_blocks(&a.svid.chain_pem, "CERTIFICATE"),
+            vec![a.leaf_der.clone()]
+        );
+        assert_eq!(
+            pem_blocks(&a.svid.key_pem, "PRIVATE KEY"),
+            vec![a.key_der.clone()]
+        );
     }
 
     #[test]
@@ -818,21 +1127,43 @@ mod tests {
         let server = ca.mint("default", "web");
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
         let addr = listener.local_addr().unwrap();
-        let pod = PodServer::start("web".into(), listener, Serve::Http(Some(mtls_server(&ca.pem(), &server))));
+        let pod = PodServer::start(
+            "web".into(),
+            listener,
+            Serve::Http(Some(mtls_server(&ca.pem(), &server))),
+        );
         let ask = |id: Option<&TestSvid>| -> Result<Option<Vec<u8>>, String> {
             let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
             s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-            let conn = ClientConnection::new(tls_client(&ca.pem(), id), ServerName::IpAddress(addr.ip().into())).unwrap();
+            let conn = ClientConnection::new(
+                tls_client(&ca.pem(), id),
+                ServerName::IpAddress(addr.ip().into()),
+            )
+            .unwrap();
             let mut stream = StreamOwned::new(conn, s);
-            stream.write_all(b"GET / HTTP/1.1\r\nHost: web\r\n\r\n").map_err(|e| e.to_string())?;
+            stream
+                .write_all(b"GET / HTTP/1.1\r\nHost: web\r\n\r\n")
+                .map_err(|e| e.to_string())?;
             let mut buf = Vec::new();
-            read_line(&mut stream, &mut buf).map_err(|e| e.to_string())?.ok_or("closed")?;
-            Ok(stream.conn.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec()))
+            read_line(&mut stream, &mut buf)
+                .map_err(|e| e.to_string())?
+                .ok_or("closed")?;
+            Ok(stream
+                .conn
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .map(|c| c.to_vec()))
         };
         let client = ca.mint("default", "client");
         assert_eq!(ask(Some(&client)).unwrap(), Some(server.leaf_der.clone()));
-        assert!(ask(Some(&other.mint("default", "client"))).is_err(), "a foreign client certificate is refused");
-        assert!(ask(None).is_err(), "a client without a certificate is refused");
+        assert!(
+            ask(Some(&other.mint("default", "client"))).is_err(),
+            "a foreign client certificate is refused"
+        );
+        assert!(
+            ask(None).is_err(),
+            "a client without a certificate is refused"
+        );
         assert_eq!(pod.served(), 1);
         assert_eq!(pod.peers(), vec![client.svid.spiffe_id.clone()]);
     }

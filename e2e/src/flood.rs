@@ -33,7 +33,8 @@ use crate::envoy::ack_log::{self, AgentLog};
 use crate::envoy::{AdsApi, Envoy};
 use crate::harness::churn::{Cni, PodId};
 use crate::testing::{
-    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, metrics_wrapper_exec, percentile, scrape_metrics, wait_for,
+    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, metrics_wrapper_exec, percentile,
+    scrape_metrics, wait_for,
 };
 
 /// Agent start, Envoy's first connect, a metrics sample.
@@ -49,7 +50,8 @@ pub const CNI_CAP: usize = 2048;
 const AGENT_NOFILE: u32 = 8192;
 /// The agent's log filter: the ADS server's push and ACK lines time Envoy's ACKs.
 const AGENT_LOG: &str = ack_log::AGENT_LOG;
-const ADS_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+const ADS_PATH: &str =
+    "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 const CNI_ADD_PATH: &str = "/aether.cni.v1.Cni/Add";
 
 /// How big a flood, and how many samples.
@@ -95,9 +97,13 @@ impl CpuGroup {
 
     fn new(shares: u64) -> CpuGroup {
         let path = Path::new(Self::ROOT).join(format!("aether-flood-{}", std::process::id()));
-        let made = std::fs::create_dir(&path).and_then(|()| std::fs::write(path.join("cpu.shares"), shares.to_string()));
+        let made = std::fs::create_dir(&path)
+            .and_then(|()| std::fs::write(path.join("cpu.shares"), shares.to_string()));
         if let Err(e) = made {
-            panic!("the flood's cgroup {} (cgroup v1 cpu controller, as root): {e}; set cpu_shares to None to flood without it", path.display());
+            panic!(
+                "the flood's cgroup {} (cgroup v1 cpu controller, as root): {e}; set cpu_shares to None to flood without it",
+                path.display()
+            );
         }
         CpuGroup { path }
     }
@@ -106,7 +112,8 @@ impl CpuGroup {
     fn join(&self) {
         let tid = nix::unistd::gettid().as_raw();
         let tasks = self.path.join("tasks");
-        std::fs::write(&tasks, tid.to_string()).unwrap_or_else(|e| panic!("moving thread {tid} into {}: {e}", tasks.display()));
+        std::fs::write(&tasks, tid.to_string())
+            .unwrap_or_else(|e| panic!("moving thread {tid} into {}: {e}", tasks.display()));
     }
 }
 
@@ -172,7 +179,11 @@ pub struct Report {
 }
 
 fn rate(r: u64) -> String {
-    if r == 0 { "no rate (as fast as the threads go)".into() } else { format!("{r}/s") }
+    if r == 0 {
+        "no rate (as fast as the threads go)".into()
+    } else {
+        format!("{r}/s")
+    }
 }
 
 impl Report {
@@ -196,22 +207,40 @@ impl Report {
             );
         };
         row("plugin ADD", &self.base_add, &self.flood_add);
-        row("registry change -> Envoy ACK", &self.base_ack, &self.flood_ack);
-        let attempts = SocketCounts::get(&self.xds.attempts) + SocketCounts::get(&self.cni.attempts);
+        row(
+            "registry change -> Envoy ACK",
+            &self.base_ack,
+            &self.flood_ack,
+        );
+        let attempts =
+            SocketCounts::get(&self.xds.attempts) + SocketCounts::get(&self.cni.attempts);
         println!(
             "flood: {attempts} connection attempts in {:.1} s ({:.0}/s; connect-and-close paced at {}, stream connections at {}; flood threads' CPU weight: {}); worker VmHWM {:.1} MiB before, {:.1} MiB after; same worker throughout: {}",
             self.flood_time.as_secs_f64(),
             attempts as f64 / self.flood_time.as_secs_f64(),
             rate(self.rate),
             rate(self.stream_rate),
-            self.cpu_shares.map_or("the agent's (same cgroup)".to_string(), |s| format!("cpu.shares {s} against 1,024")),
+            self.cpu_shares
+                .map_or("the agent's (same cgroup)".to_string(), |s| format!(
+                    "cpu.shares {s} against 1,024"
+                )),
             self.hwm_before_kib as f64 / 1024.0,
             self.hwm_kib as f64 / 1024.0,
             self.same_worker
         );
         for (name, c, refused, limited) in [
-            ("xds.sock", &self.xds, self.refused_xds, self.rate_limited_xds),
-            ("cni.sock", &self.cni, self.refused_cni, self.rate_limited_cni),
+            (
+                "xds.sock",
+                &self.xds,
+                self.refused_xds,
+                self.rate_limited_xds,
+            ),
+            (
+                "cni.sock",
+                &self.cni,
+                self.refused_cni,
+                self.rate_limited_cni,
+            ),
         ] {
             println!(
                 "{name}: {} attempts, {} closed at once by the client's count; by the worker's, {} at the connection cap and {} past the flooding process's rate; {} streams opened, {} refused (REFUSED_STREAM), {} GOAWAYs",
@@ -224,7 +253,11 @@ impl Report {
                 SocketCounts::get(&c.goaways)
             );
         }
-        println!("accept errors (aether_accept_errors_total, all kinds): {}; failed calls and changes: {}", self.accept_errors, self.failures.len());
+        println!(
+            "accept errors (aether_accept_errors_total, all kinds): {}; failed calls and changes: {}",
+            self.accept_errors,
+            self.failures.len()
+        );
         for f in self.failures.iter().take(10) {
             println!("  failed: {f}");
         }
@@ -257,16 +290,35 @@ impl Rig {
         let metrics = format!("127.0.0.1:{}", free_port(ip).expect("free port"));
         // The node's `--metrics-addr=off` becomes `metrics`, the log filter the ADS lines,
         // and the descriptor limit the systemd unit's.
-        let wrapper = metrics_wrapper_exec(&metrics, &format!("env RUST_LOG='{AGENT_LOG}' prlimit --nofile={AGENT_NOFILE}:{AGENT_NOFILE}"));
+        let wrapper = metrics_wrapper_exec(
+            &metrics,
+            &format!("env RUST_LOG='{AGENT_LOG}' prlimit --nofile={AGENT_NOFILE}:{AGENT_NOFILE}"),
+        );
         let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
         let capture_arg = format!("--capture-file={}", capture.display());
         let agent = node.start_agent_wrapped(&wrapper, &[&capture_arg]);
-        wait_for(&format!("{} to serve as owner", agent.name), T, || agent.serving_owner());
+        wait_for(&format!("{} to serve as owner", agent.name), T, || {
+            agent.serving_owner()
+        });
         wait_for("the owner's metrics port", T, || scrape_metrics(&metrics));
-        let envoy = Envoy::start(envoy_bin, &root, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), AdsApi::default())
-            .expect("start Envoy");
+        let envoy = Envoy::start(
+            envoy_bin,
+            &root,
+            &node.run_dir,
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+            AdsApi::default(),
+        )
+        .expect("start Envoy");
         envoy.wait_connected(T);
-        Rig { envoy, agent, node, metrics, registry, draining: false }
+        Rig {
+            envoy,
+            agent,
+            node,
+            metrics,
+            registry,
+            draining: false,
+        }
     }
 
     /// Flips the endpoint and times the change to Envoy's ACK of its load assignment.
@@ -275,9 +327,16 @@ impl Rig {
         let tmp = self.registry.with_extension("json.tmp");
         log.skip_to_end();
         let t0 = SystemTime::now();
-        std::fs::write(&tmp, registry_doc(self.draining)).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, &self.registry).map_err(|e| format!("renaming to {}: {e}", self.registry.display()))?;
-        let ex = log.wait("Envoy's ACK of the changed load assignment", Duration::from_secs(10)).map_err(|e| format!("{e:#}"))?;
+        std::fs::write(&tmp, registry_doc(self.draining))
+            .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, &self.registry)
+            .map_err(|e| format!("renaming to {}: {e}", self.registry.display()))?;
+        let ex = log
+            .wait(
+                "Envoy's ACK of the changed load assignment",
+                Duration::from_secs(10),
+            )
+            .map_err(|e| format!("{e:#}"))?;
         Ok(ack_log::since(t0, ex.acked))
     }
 }
@@ -294,19 +353,38 @@ fn registry_doc(draining: bool) -> String {
 /// The sum of every sample of metric `name` in `text`.
 fn sum(text: &str, name: &str) -> f64 {
     // 0.0 + : an empty float sum is -0.0.
-    0.0 + text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>()
+    0.0 + text
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>()
 }
 
 /// Raises this process's soft descriptor limit to its hard one if it is under `need`.
 fn raise_nofile(need: u64) {
     let limits = std::fs::read_to_string("/proc/self/limits").expect("/proc/self/limits");
-    let line = limits.lines().find(|l| l.starts_with("Max open files")).expect("Max open files in /proc/self/limits");
-    let f: Vec<u64> = line.split_whitespace().skip(3).take(2).map(|v| v.parse().unwrap_or(u64::MAX)).collect();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files in /proc/self/limits");
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(3)
+        .take(2)
+        .map(|v| v.parse().unwrap_or(u64::MAX))
+        .collect();
     let (soft, hard) = (f[0], f[1]);
-    assert!(hard >= need, "the flood needs {need} descriptors in this process; the hard limit is {hard}");
+    assert!(
+        hard >= need,
+        "the flood needs {need} descriptors in this process; the hard limit is {hard}"
+    );
     if soft < need {
         let status = std::process::Command::new("prlimit")
-            .args(["--pid", &std::process::id().to_string(), &format!("--nofile={hard}:{hard}")])
+            .args([
+                "--pid",
+                &std::process::id().to_string(),
+                &format!("--nofile={hard}:{hard}"),
+            ])
             .status()
             .expect("running prlimit");
         assert!(status.success(), "prlimit --nofile={hard}: {status}");
@@ -364,7 +442,11 @@ fn read_refusals(conn: &mut UnixStream, want: u64) -> (u64, bool, bool) {
             return (refused, false, any);
         }
         match header[3] {
-            FRAME_RST_STREAM if payload.len() == 4 && u32::from_be_bytes(payload[..4].try_into().unwrap_or_default()) == REFUSED_STREAM => {
+            FRAME_RST_STREAM
+                if payload.len() == 4
+                    && u32::from_be_bytes(payload[..4].try_into().unwrap_or_default())
+                        == REFUSED_STREAM =>
+            {
                 refused += 1
             }
             FRAME_GOAWAY => return (refused, true, any),
@@ -378,7 +460,9 @@ fn read_refusals(conn: &mut UnixStream, want: u64) -> (u64, bool, bool) {
 /// counts the refusals; past `cap` streams all but `cap` should be refused.
 fn streams_once(path: &Path, request: &[u8], cap: u32, counts: &SocketCounts) {
     counts.attempts.fetch_add(1, Ordering::Relaxed);
-    let Ok(mut conn) = UnixStream::connect(path) else { return };
+    let Ok(mut conn) = UnixStream::connect(path) else {
+        return;
+    };
     let mut out = PREFACE.to_vec();
     out.extend(frame(FRAME_SETTINGS, 0, 0, &[]));
     for i in 0..STREAMS_PER_CONNECTION {
@@ -394,7 +478,10 @@ fn streams_once(path: &Path, request: &[u8], cap: u32, counts: &SocketCounts) {
         counts.closed_at_once.fetch_add(1, Ordering::Relaxed);
         return;
     }
-    counts.streams_opened.fetch_add(u64::from(STREAMS_PER_CONNECTION) - refused, Ordering::Relaxed);
+    counts.streams_opened.fetch_add(
+        u64::from(STREAMS_PER_CONNECTION) - refused,
+        Ordering::Relaxed,
+    );
     counts.streams_refused.fetch_add(refused, Ordering::Relaxed);
     if goaway {
         counts.goaways.fetch_add(1, Ordering::Relaxed);
@@ -420,7 +507,10 @@ struct Pace {
 
 impl Pace {
     fn new(per_thread: f64) -> Pace {
-        Pace { every: (per_thread > 0.0).then(|| Duration::from_secs_f64(1.0 / per_thread)), next: Instant::now() }
+        Pace {
+            every: (per_thread > 0.0).then(|| Duration::from_secs_f64(1.0 / per_thread)),
+            next: Instant::now(),
+        }
     }
 
     fn wait(&mut self) {
@@ -443,7 +533,12 @@ struct Flood {
 }
 
 impl Flood {
-    fn start(node: &LocalNode, cfg: &Config, xds: Arc<SocketCounts>, cni: Arc<SocketCounts>) -> Flood {
+    fn start(
+        node: &LocalNode,
+        cfg: &Config,
+        xds: Arc<SocketCounts>,
+        cni: Arc<SocketCounts>,
+    ) -> Flood {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         let group = cfg.cpu_shares.map(|shares| Arc::new(CpuGroup::new(shares)));
@@ -457,68 +552,94 @@ impl Flood {
                 }
                 f()
             };
-            threads.push(std::thread::Builder::new().name(name).spawn(f).expect("spawn a flood thread"));
+            threads.push(
+                std::thread::Builder::new()
+                    .name(name)
+                    .spawn(f)
+                    .expect("spawn a flood thread"),
+            );
         };
         for (sock, counts, cap, request) in [
             (node.xds_sock(), xds.clone(), 16, grpc_headers(ADS_PATH)),
             (node.cni_sock(), cni.clone(), 64, grpc_headers(CNI_ADD_PATH)),
         ] {
-            let name = sock.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = sock
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             for i in 0..cfg.churners {
                 let (sock, counts, stop) = (sock.clone(), counts.clone(), stop.clone());
-                spawn(format!("churn-{name}-{i}"), Box::new(move || {
-                    let (mut n, mut pace) = (0u64, Pace::new(churn_pace));
-                    while !stop.load(Ordering::Relaxed) {
-                        pace.wait();
-                        n += 1;
-                        churn_once(&sock, n, &counts);
-                    }
-                }));
+                spawn(
+                    format!("churn-{name}-{i}"),
+                    Box::new(move || {
+                        let (mut n, mut pace) = (0u64, Pace::new(churn_pace));
+                        while !stop.load(Ordering::Relaxed) {
+                            pace.wait();
+                            n += 1;
+                            churn_once(&sock, n, &counts);
+                        }
+                    }),
+                );
             }
             for i in 0..cfg.streamers {
-                let (sock, counts, stop, request) = (sock.clone(), counts.clone(), stop.clone(), request.clone());
-                spawn(format!("streams-{name}-{i}"), Box::new(move || {
-                    let mut pace = Pace::new(stream_pace);
-                    while !stop.load(Ordering::Relaxed) {
-                        pace.wait();
-                        streams_once(&sock, &request, cap, &counts);
-                    }
-                }));
+                let (sock, counts, stop, request) =
+                    (sock.clone(), counts.clone(), stop.clone(), request.clone());
+                spawn(
+                    format!("streams-{name}-{i}"),
+                    Box::new(move || {
+                        let mut pace = Pace::new(stream_pace);
+                        while !stop.load(Ordering::Relaxed) {
+                            pace.wait();
+                            streams_once(&sock, &request, cap, &counts);
+                        }
+                    }),
+                );
             }
         }
         // cni.sock: connections held open under the cap, as idle runtimes would hold them.
-        let (sock, counts, stop2, held) = (node.cni_sock(), cni.clone(), stop.clone(), cfg.cni_held);
-        spawn("hold-cni".into(), Box::new(move || {
-            let conns: Vec<UnixStream> = (0..held)
-                .filter_map(|_| {
-                    counts.attempts.fetch_add(1, Ordering::Relaxed);
-                    let mut c = UnixStream::connect(&sock).ok()?;
-                    c.write_all(PREFACE).ok()?;
-                    Some(c)
-                })
-                .collect();
-            while !stop2.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            drop(conns);
-        }));
+        let (sock, counts, stop2, held) =
+            (node.cni_sock(), cni.clone(), stop.clone(), cfg.cni_held);
+        spawn(
+            "hold-cni".into(),
+            Box::new(move || {
+                let conns: Vec<UnixStream> = (0..held)
+                    .filter_map(|_| {
+                        counts.attempts.fetch_add(1, Ordering::Relaxed);
+                        let mut c = UnixStream::connect(&sock).ok()?;
+                        c.write_all(PREFACE).ok()?;
+                        Some(c)
+                    })
+                    .collect();
+                while !stop2.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                drop(conns);
+            }),
+        );
         // xds.sock: past its cap for 300 ms, then let go for 300 ms, over and over. These
         // are the stated durations of each state, not waits for anything.
         let (sock, counts, stop3) = (node.xds_sock(), xds.clone(), stop.clone());
-        spawn("hold-xds".into(), Box::new(move || {
-            while !stop3.load(Ordering::Relaxed) {
-                let conns: Vec<UnixStream> = (0..XDS_CAP + 16)
-                    .filter_map(|_| {
-                        counts.attempts.fetch_add(1, Ordering::Relaxed);
-                        UnixStream::connect(&sock).ok()
-                    })
-                    .collect();
-                std::thread::sleep(Duration::from_millis(300));
-                drop(conns);
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        }));
-        Flood { stop, threads, _group: group }
+        spawn(
+            "hold-xds".into(),
+            Box::new(move || {
+                while !stop3.load(Ordering::Relaxed) {
+                    let conns: Vec<UnixStream> = (0..XDS_CAP + 16)
+                        .filter_map(|_| {
+                            counts.attempts.fetch_add(1, Ordering::Relaxed);
+                            UnixStream::connect(&sock).ok()
+                        })
+                        .collect();
+                    std::thread::sleep(Duration::from_millis(300));
+                    drop(conns);
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            }),
+        );
+        Flood {
+            stop,
+            threads,
+            _group: group,
+        }
     }
 
     fn stop(mut self) {
@@ -537,8 +658,19 @@ impl Drop for Flood {
 
 /// One measured round: an ADD through the plugin (timed), its DEL (untimed), and a
 /// registry change to Envoy's ACK (timed).
-fn round(rig: &mut Rig, cni: &Cni, log: &mut AgentLog, i: usize, adds: &mut Vec<Duration>, acks: &mut Vec<Duration>, failures: &mut Vec<String>) {
-    let pod = PodId { uid: format!("flood-{i:05}"), name: format!("flood-{i}") };
+fn round(
+    rig: &mut Rig,
+    cni: &Cni,
+    log: &mut AgentLog,
+    i: usize,
+    adds: &mut Vec<Duration>,
+    acks: &mut Vec<Duration>,
+    failures: &mut Vec<String>,
+) {
+    let pod = PodId {
+        uid: format!("flood-{i:05}"),
+        name: format!("flood-{i}"),
+    };
     let ip = Ipv4Addr::new(10, 88, (1 + i / 250) as u8, (1 + i % 250) as u8);
     let t = Instant::now();
     match cni.call("ADD", &pod, Some(ip)) {
@@ -558,19 +690,34 @@ fn round(rig: &mut Rig, cni: &Cni, log: &mut AgentLog, i: usize, adds: &mut Vec<
 pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
     raise_nofile((cfg.cni_held + CNI_CAP + XDS_CAP + 1024) as u64);
     let mut rig = Rig::start(envoy_bin);
-    let cni = Cni { bin: bin("aether-cni"), socket: rig.node.cni_sock() };
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: rig.node.cni_sock(),
+    };
     let mut log = AgentLog::new(&rig.agent.log_path);
     let worker = rig.agent.worker_pid();
-    let (mut base_add, mut base_ack, mut flood_add, mut flood_ack, mut failures) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut base_add, mut base_ack, mut flood_add, mut flood_ack, mut failures) =
+        (vec![], vec![], vec![], vec![], vec![]);
     let mut i = 0;
     let half = cfg.samples.div_ceil(2);
     for _ in 0..half {
         i += 1;
-        round(&mut rig, &cni, &mut log, i, &mut base_add, &mut base_ack, &mut failures);
+        round(
+            &mut rig,
+            &cni,
+            &mut log,
+            i,
+            &mut base_add,
+            &mut base_ack,
+            &mut failures,
+        );
     }
     let hwm_before_kib = memory_kib(worker).1;
 
-    let (xds, cni_counts) = (Arc::new(SocketCounts::default()), Arc::new(SocketCounts::default()));
+    let (xds, cni_counts) = (
+        Arc::new(SocketCounts::default()),
+        Arc::new(SocketCounts::default()),
+    );
     let flood = Flood::start(&rig.node, cfg, xds.clone(), cni_counts.clone());
     let started = Instant::now();
     let attempts = || SocketCounts::get(&xds.attempts) + SocketCounts::get(&cni_counts.attempts);
@@ -579,7 +726,15 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
     while flooded < cfg.samples || attempts() < cfg.attempts {
         i += 1;
         flooded += 1;
-        round(&mut rig, &cni, &mut log, i, &mut flood_add, &mut flood_ack, &mut failures);
+        round(
+            &mut rig,
+            &cni,
+            &mut log,
+            i,
+            &mut flood_add,
+            &mut flood_ack,
+            &mut failures,
+        );
         if cfg.progress_every > 0 && attempts() >= next_progress {
             eprintln!(
                 "flood: {} attempts in {:.1} s, {flooded} rounds measured, worker VmRSS {:.1} MiB",
@@ -597,10 +752,13 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
     // process spent its connection rate in the flood, so most of these are closed for
     // that; either way none is held past the cap.
     let closed_at_once = |t: &str| {
-        ["aether_connections_refused_total{socket=\"cni\"}", "aether_connections_rate_limited_total{socket=\"cni\"}"]
-            .iter()
-            .map(|m| metric_sample(t, m).unwrap_or(0.0))
-            .sum::<f64>()
+        [
+            "aether_connections_refused_total{socket=\"cni\"}",
+            "aether_connections_rate_limited_total{socket=\"cni\"}",
+        ]
+        .iter()
+        .map(|m| metric_sample(t, m).unwrap_or(0.0))
+        .sum::<f64>()
     };
     let before = wait_for("the owner's metrics", T, || scrape_metrics(&rig.metrics));
     let probe: Vec<UnixStream> = (0..CNI_CAP + 16)
@@ -609,20 +767,36 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
             UnixStream::connect(rig.node.cni_sock()).ok()
         })
         .collect();
-    wait_for("cni.sock's probe connections past the cap closed and counted", T, || {
-        scrape_metrics(&rig.metrics).filter(|t| closed_at_once(t) >= closed_at_once(&before) + 16.0)
-    });
+    wait_for(
+        "cni.sock's probe connections past the cap closed and counted",
+        T,
+        || {
+            scrape_metrics(&rig.metrics)
+                .filter(|t| closed_at_once(t) >= closed_at_once(&before) + 16.0)
+        },
+    );
     drop(probe);
     wait_for("cni.sock's connections closed", T, || {
-        scrape_metrics(&rig.metrics).and_then(|t| metric_sample(&t, "aether_connections{socket=\"cni\"}")).filter(|v| *v < 16.0)
+        scrape_metrics(&rig.metrics)
+            .and_then(|t| metric_sample(&t, "aether_connections{socket=\"cni\"}"))
+            .filter(|v| *v < 16.0)
     });
 
     for _ in 0..half {
         i += 1;
-        round(&mut rig, &cni, &mut log, i, &mut base_add, &mut base_ack, &mut failures);
+        round(
+            &mut rig,
+            &cni,
+            &mut log,
+            i,
+            &mut base_add,
+            &mut base_ack,
+            &mut failures,
+        );
     }
     let text = wait_for("the owner's metrics", T, || scrape_metrics(&rig.metrics));
-    let same_worker = rig.agent.serving_owner().and_then(|v| v["pid"].as_i64()) == Some(i64::from(worker));
+    let same_worker =
+        rig.agent.serving_owner().and_then(|v| v["pid"].as_i64()) == Some(i64::from(worker));
     let hwm_kib = memory_kib(worker).1;
     let report = Report {
         base_add,
@@ -635,10 +809,20 @@ pub fn run(envoy_bin: &Path, cfg: &Config) -> Report {
         flood_time,
         hwm_before_kib,
         hwm_kib,
-        refused_xds: metric_sample(&text, "aether_connections_refused_total{socket=\"xds\"}").unwrap_or(0.0),
-        refused_cni: metric_sample(&text, "aether_connections_refused_total{socket=\"cni\"}").unwrap_or(0.0),
-        rate_limited_xds: metric_sample(&text, "aether_connections_rate_limited_total{socket=\"xds\"}").unwrap_or(0.0),
-        rate_limited_cni: metric_sample(&text, "aether_connections_rate_limited_total{socket=\"cni\"}").unwrap_or(0.0),
+        refused_xds: metric_sample(&text, "aether_connections_refused_total{socket=\"xds\"}")
+            .unwrap_or(0.0),
+        refused_cni: metric_sample(&text, "aether_connections_refused_total{socket=\"cni\"}")
+            .unwrap_or(0.0),
+        rate_limited_xds: metric_sample(
+            &text,
+            "aether_connections_rate_limited_total{socket=\"xds\"}",
+        )
+        .unwrap_or(0.0),
+        rate_limited_cni: metric_sample(
+            &text,
+            "aether_connections_rate_limited_total{socket=\"cni\"}",
+        )
+        .unwrap_or(0.0),
         accept_errors: sum(&text, "aether_accept_errors_total"),
         same_worker,
         rate: cfg.rate,

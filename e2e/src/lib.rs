@@ -7,13 +7,13 @@
 //! one place a real Envoy is started and read, for the tests, the benchmarks and the
 //! [`harness`].
 
-pub mod testing;
-pub mod envoy;
-pub mod harness;
-pub mod cnichain;
 pub mod cni_burst;
-pub mod registrar;
-pub mod kube_api;
+pub mod cnichain;
 pub mod datapath;
-pub mod identity;
+pub mod envoy;
 pub mod flood;
+pub mod harness;
+pub mod identity;
+pub mod kube_api;
+pub mod registrar;
+pub mod testing;

@@ -22,7 +22,10 @@ pub fn registrar_bin() -> std::path::PathBuf {
 
 /// Runs `aether-registrar <args>` and returns its stdout; panics with its stderr on failure.
 pub fn cli(args: &[&str]) -> String {
-    let out = Command::new(registrar_bin()).args(args).output().expect("run aether-registrar");
+    let out = Command::new(registrar_bin())
+        .args(args)
+        .output()
+        .expect("run aether-registrar");
     assert!(
         out.status.success(),
         "aether-registrar {args:?} failed ({}): {}",
@@ -67,21 +70,45 @@ pub fn dump(addr: &str) -> Value {
 pub fn expected_eds(dump: &Value) -> BTreeMap<String, Vec<String>> {
     let mut out = BTreeMap::new();
     for s in dump["services"].as_array().into_iter().flatten() {
-        let (name, ns) = (s["name"].as_str().unwrap_or_default(), s["namespace"].as_str().unwrap_or_default());
-        let ports: Vec<u64> = s["ports"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+        let (name, ns) = (
+            s["name"].as_str().unwrap_or_default(),
+            s["namespace"].as_str().unwrap_or_default(),
+        );
+        let ports: Vec<u64> = s["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect();
         for p in &ports {
             let mut eps: Vec<String> = s["endpoints"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .filter(|e| e["service_port"].as_u64().or((ports.len() == 1).then_some(*p)) == Some(*p))
+                .filter(|e| {
+                    e["service_port"]
+                        .as_u64()
+                        .or((ports.len() == 1).then_some(*p))
+                        == Some(*p)
+                })
                 .map(|e| {
-                    let health = if e["state"] == "draining" { "DRAINING" } else { "HEALTHY" };
-                    format!("{}:{} {health}", e["address"].as_str().unwrap_or("?"), e["port"].as_u64().unwrap_or(0))
+                    let health = if e["state"] == "draining" {
+                        "DRAINING"
+                    } else {
+                        "HEALTHY"
+                    };
+                    format!(
+                        "{}:{} {health}",
+                        e["address"].as_str().unwrap_or("?"),
+                        e["port"].as_u64().unwrap_or(0)
+                    )
                 })
                 .collect();
             eps.sort();
-            out.insert(aether_model::outbound_cluster_name(*p as u16, name, ns), eps);
+            out.insert(
+                aether_model::outbound_cluster_name(*p as u16, name, ns),
+                eps,
+            );
         }
     }
     out
@@ -91,19 +118,37 @@ pub fn expected_eds(dump: &Value) -> BTreeMap<String, Vec<String>> {
 /// [`expected_eds`] writes it (UNHEALTHY read as the DRAINING the agent sent).
 pub fn envoy_eds(config_dump: &Value) -> BTreeMap<String, Vec<String>> {
     let mut out = BTreeMap::new();
-    let Some(configs) = config_dump["configs"].as_array() else { return out };
+    let Some(configs) = config_dump["configs"].as_array() else {
+        return out;
+    };
     let names: Vec<String> = configs
         .iter()
-        .filter(|c| c["@type"].as_str().is_some_and(|t| t.ends_with("EndpointsConfigDump")))
-        .flat_map(|c| c["dynamic_endpoint_configs"].as_array().cloned().unwrap_or_default())
-        .filter_map(|e| e["endpoint_config"]["cluster_name"].as_str().map(String::from))
+        .filter(|c| {
+            c["@type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("EndpointsConfigDump"))
+        })
+        .flat_map(|c| {
+            c["dynamic_endpoint_configs"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|e| {
+            e["endpoint_config"]["cluster_name"]
+                .as_str()
+                .map(String::from)
+        })
         .filter(|n| aether_model::is_outbound_cluster(n))
         .collect();
     for n in names {
         if let Some(eps) = crate::envoy::endpoints(config_dump, &n) {
             // The config dump shows a host the agent sent as DRAINING as UNHEALTHY (the
             // agent sends nothing else but HEALTHY); `/clusters` keeps the EDS status.
-            let mut eps: Vec<String> = eps.into_iter().map(|e| e.replace(" UNHEALTHY", " DRAINING")).collect();
+            let mut eps: Vec<String> = eps
+                .into_iter()
+                .map(|e| e.replace(" UNHEALTHY", " DRAINING"))
+                .collect();
             eps.sort();
             out.insert(n, eps);
         }
@@ -118,15 +163,30 @@ pub const LEASE_NAME: &str = "aether-registrar";
 
 /// What the chart's registrar ClusterRole and Role grant for discovery and its Lease.
 pub const DISCOVERY_RULES: &[crate::kube_api::Rule] = &[
-    crate::kube_api::Rule { resource: "services", verbs: &["get", "list", "watch"] },
-    crate::kube_api::Rule { resource: "endpointslices", verbs: &["get", "list", "watch"] },
-    crate::kube_api::Rule { resource: "leases", verbs: &["get", "create", "update"] },
+    crate::kube_api::Rule {
+        resource: "services",
+        verbs: &["get", "list", "watch"],
+    },
+    crate::kube_api::Rule {
+        resource: "endpointslices",
+        verbs: &["get", "list", "watch"],
+    },
+    crate::kube_api::Rule {
+        resource: "leases",
+        verbs: &["get", "create", "update"],
+    },
 ];
 
 /// What the chart adds for the taint guard.
 pub const TAINT_GUARD_RULES: &[crate::kube_api::Rule] = &[
-    crate::kube_api::Rule { resource: "pods", verbs: &["get", "list", "watch"] },
-    crate::kube_api::Rule { resource: "nodes", verbs: &["get", "list", "watch", "patch"] },
+    crate::kube_api::Rule {
+        resource: "pods",
+        verbs: &["get", "list", "watch"],
+    },
+    crate::kube_api::Rule {
+        resource: "nodes",
+        verbs: &["get", "list", "watch", "patch"],
+    },
 ];
 
 /// The start of a registrar benchmark `name`: outside `cargo bench` (no `--bench`
@@ -143,6 +203,8 @@ pub fn bench_start(name: &str) -> Option<(std::path::PathBuf, Etcd)> {
         eprintln!("{name}: no Envoy. Run scripts/install-envoy.sh or set ENVOY_BIN.");
         std::process::exit(2);
     };
-    let Some(etcd) = Etcd::start_or_skip(name) else { std::process::exit(2) };
+    let Some(etcd) = Etcd::start_or_skip(name) else {
+        std::process::exit(2)
+    };
     Some((envoy_bin, etcd))
 }

@@ -36,7 +36,11 @@ pub fn bin(name: &str) -> PathBuf {
         return p;
     }
     let p = bin_dir().join(name);
-    assert!(p.exists(), "{} is not built; run `cargo build --workspace` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is not built; run `cargo build --workspace` first",
+        p.display()
+    );
     p
 }
 
@@ -47,12 +51,19 @@ pub fn is_root() -> bool {
 /// The workspace root: where `scripts/install-envoy.sh` puts `.venv` and the harness its
 /// results.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e is inside the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e is inside the workspace")
+        .to_path_buf()
 }
 
 /// Polls `cond` every 2 ms until it returns Some; an error naming `what` once `timeout`
 /// has passed.
-pub fn try_wait_for<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+pub fn try_wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut cond: impl FnMut() -> Option<T>,
+) -> anyhow::Result<T> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = cond() {
@@ -72,7 +83,9 @@ pub fn wait_for<T>(what: &str, timeout: Duration, cond: impl FnMut() -> Option<T
 
 /// A port on `ip` that nothing listens on right now.
 pub fn free_port(ip: impl Into<IpAddr>) -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind((ip.into(), 0))?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind((ip.into(), 0))?
+        .local_addr()?
+        .port())
 }
 
 /// Nearest-rank percentile `p` (0 to 100) of `v`, in any order; None when `v` is empty.
@@ -92,7 +105,11 @@ pub fn http_get_unix(sock: &Path, path: &str) -> std::io::Result<(u16, String)> 
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     Ok((status, body.to_string()))
 }
 
@@ -111,13 +128,25 @@ pub struct LocalNode {
 
 impl LocalNode {
     pub fn new() -> Self {
-        let root = tempfile::Builder::new().prefix("aether-node-").tempdir().expect("tempdir");
+        let root = tempfile::Builder::new()
+            .prefix("aether-node-")
+            .tempdir()
+            .expect("tempdir");
         // The worker runs as another uid when the tests run as root: it must be able to
         // reach its own folders below this one.
-        std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod tempdir");
+        std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod tempdir");
         let run_dir = root.path().join("run");
         let state_dir = root.path().join("state");
-        Self { run_dir, state_dir, registry_file: None, node_name: "test-node".into(), health_dir: None, next: 0, root }
+        Self {
+            run_dir,
+            state_dir,
+            registry_file: None,
+            node_name: "test-node".into(),
+            health_dir: None,
+            next: 0,
+            root,
+        }
     }
 
     pub fn xds_sock(&self) -> PathBuf {
@@ -140,9 +169,14 @@ impl LocalNode {
     /// `NOTIFY_SOCKET` set to a datagram socket in the node folder, which is returned to
     /// read what the agent notifies (200 ms read timeout).
     pub fn start_agent_notifying(&mut self) -> (Agent, std::os::unix::net::UnixDatagram) {
-        let path = self.root.path().join(format!("notify-{}.sock", self.next + 1));
+        let path = self
+            .root
+            .path()
+            .join(format!("notify-{}.sock", self.next + 1));
         let notify = std::os::unix::net::UnixDatagram::bind(&path).expect("bind the notify socket");
-        notify.set_read_timeout(Some(Duration::from_millis(200))).expect("read timeout");
+        notify
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("read timeout");
         let env = format!("NOTIFY_SOCKET={}", path.display());
         (self.start_agent_wrapped(&["env", &env], &[]), notify)
     }
@@ -180,7 +214,10 @@ impl LocalNode {
     pub fn start_agent_wrapped(&mut self, wrapper: &[&str], extra: &[&str]) -> Agent {
         self.next += 1;
         let name = format!("gen{}", self.next);
-        let health_dir = self.health_dir.clone().unwrap_or_else(|| self.root.path().join(format!("health-{name}")));
+        let health_dir = self
+            .health_dir
+            .clone()
+            .unwrap_or_else(|| self.root.path().join(format!("health-{name}")));
         let log_path = self.root.path().join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).expect("log file");
         let mut cmd = match wrapper.split_first() {
@@ -214,7 +251,13 @@ impl LocalNode {
             cmd.arg(format!("--pod-name=agent-{name}"));
         }
         let child = cmd.spawn().expect("spawn aether-supervisor");
-        Agent { name, child, health_sock: health_dir.join("agent-health.sock"), log_path, exited: None }
+        Agent {
+            name,
+            child,
+            health_sock: health_dir.join("agent-health.sock"),
+            log_path,
+            exited: None,
+        }
     }
 }
 
@@ -246,18 +289,28 @@ impl Agent {
 
     /// Waits until `/ready` answers 200 with `role`.
     pub fn wait_role(&self, role: &str, timeout: Duration) -> Value {
-        wait_for(&format!("{} to be a ready {role}", self.name), timeout, || {
-            self.ready().filter(|(s, v)| *s == 200 && v["role"] == role).map(|(_, v)| v)
-        })
+        wait_for(
+            &format!("{} to be a ready {role}", self.name),
+            timeout,
+            || {
+                self.ready()
+                    .filter(|(s, v)| *s == 200 && v["role"] == role)
+                    .map(|(_, v)| v)
+            },
+        )
     }
 
     /// `/ready`'s body while this generation is the serving owner.
     pub fn serving_owner(&self) -> Option<Value> {
-        self.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving").map(|(_, v)| v)
+        self.ready()
+            .filter(|(s, v)| *s == 200 && v["role"] == "owner" && v["phase"] == "serving")
+            .map(|(_, v)| v)
     }
 
     pub fn worker_pid(&self) -> i32 {
-        self.ready().and_then(|(_, v)| v["pid"].as_i64()).expect("worker pid from /ready") as i32
+        self.ready()
+            .and_then(|(_, v)| v["pid"].as_i64())
+            .expect("worker pid from /ready") as i32
     }
 
     pub fn log(&self) -> String {
@@ -271,7 +324,10 @@ impl Agent {
         if let Err(e) = try_wait_for(&what, timeout, || self.log().contains(needle).then_some(())) {
             let log = self.log();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
-            panic!("{e}; its last lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+            panic!(
+                "{e}; its last lines:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
         }
     }
 
@@ -283,14 +339,19 @@ impl Agent {
     pub fn kill_generation(&mut self) {
         let worker = self.ready().and_then(|(_, v)| v["pid"].as_i64());
         if let Some(w) = worker {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(w as i32), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(w as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         self.signal(nix::sys::signal::Signal::SIGKILL);
         self.wait_exit(Duration::from_secs(5));
         // The worker's files, the node lock among them, close when it dies, which the
         // supervisor's exit does not wait for.
         if let Some(w) = worker {
-            wait_for("the killed worker to die", Duration::from_secs(5), || process_gone(w as i32).then_some(()));
+            wait_for("the killed worker to die", Duration::from_secs(5), || {
+                process_gone(w as i32).then_some(())
+            });
         }
     }
 
@@ -298,7 +359,9 @@ impl Agent {
         if let Some(s) = self.exited {
             return s;
         }
-        let s = wait_for(&format!("{} to exit", self.name), timeout, || self.child.try_wait().ok().flatten());
+        let s = wait_for(&format!("{} to exit", self.name), timeout, || {
+            self.child.try_wait().ok().flatten()
+        });
         self.exited = Some(s);
         s
     }
@@ -307,8 +370,13 @@ impl Agent {
 /// Whether `pid` is gone, or a zombie whose other threads have all exited: either way
 /// its files are closed (they are released with the last thread, not the leader).
 pub fn process_gone(pid: i32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
-    let zombie = stat.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z'));
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    let zombie = stat
+        .rsplit(')')
+        .next()
+        .is_some_and(|r| r.trim_start().starts_with('Z'));
     zombie && std::fs::read_dir(format!("/proc/{pid}/task")).map_or(true, |d| d.count() <= 1)
 }
 
@@ -338,7 +406,11 @@ impl Keeper {
 
     /// Waits until the keeper's log has `needle` `count` times or more.
     pub fn wait_log_count(&self, needle: &str, count: usize, timeout: Duration) {
-        wait_for(&format!("{count} x {needle:?} in the keeper's log"), timeout, || (self.log().matches(needle).count() >= count).then_some(()))
+        wait_for(
+            &format!("{count} x {needle:?} in the keeper's log"),
+            timeout,
+            || (self.log().matches(needle).count() >= count).then_some(()),
+        )
     }
 }
 
@@ -356,7 +428,8 @@ pub fn accepts(path: &Path) -> bool {
 
 /// A process's `VmRSS` and `VmHWM` (its peak) from `/proc/<pid>/status`, in KiB.
 pub fn memory_kib(pid: i32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
     let kib = |key: &str| {
         status
             .lines()
@@ -377,12 +450,17 @@ pub fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> aeth
         vip: None,
         endpoints: (0..endpoints)
             .map(|e| aether_model::Endpoint {
-                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32).into(),
+                address: std::net::Ipv4Addr::from(0x0a40_0000u32 + (s * endpoints + e) as u32)
+                    .into(),
                 port: 8080,
                 service_port: 80,
                 node: String::new(),
                 pod: String::new(),
-                state: if draining == Some(e) { aether_model::EndpointState::Draining } else { aether_model::EndpointState::Healthy },
+                state: if draining == Some(e) {
+                    aether_model::EndpointState::Draining
+                } else {
+                    aether_model::EndpointState::Healthy
+                },
                 mtls: false,
             })
             .collect(),
@@ -393,7 +471,12 @@ pub fn mesh_service(s: usize, endpoints: usize, draining: Option<usize>) -> aeth
 /// namespace `mesh`, one port 80, `endpoints` endpoints each on port 8080 (addresses in
 /// 10.64.0.0/10, never dialled); `draining` marks one endpoint (service, endpoint).
 /// About 700 bytes a service at 10 endpoints: 7 MB for 10,000.
-pub fn mesh_registry_json(services: usize, endpoints: usize, draining: Option<(usize, usize)>, extra: &str) -> String {
+pub fn mesh_registry_json(
+    services: usize,
+    endpoints: usize,
+    draining: Option<(usize, usize)>,
+    extra: &str,
+) -> String {
     use std::fmt::Write as _;
     let mut out = String::with_capacity(services * (80 + endpoints * 64) + extra.len() + 32);
     out.push_str("{\"services\":[");
@@ -401,12 +484,23 @@ pub fn mesh_registry_json(services: usize, endpoints: usize, draining: Option<(u
         if s > 0 {
             out.push(',');
         }
-        let _ = write!(out, "{{\"name\":\"svc-{s:05}\",\"namespace\":\"mesh\",\"ports\":[80],\"endpoints\":[");
+        let _ = write!(
+            out,
+            "{{\"name\":\"svc-{s:05}\",\"namespace\":\"mesh\",\"ports\":[80],\"endpoints\":["
+        );
         for e in 0..endpoints {
             let i = s * endpoints + e;
             let ip = std::net::Ipv4Addr::from(0x0a40_0000u32 + i as u32);
-            let state = if draining == Some((s, e)) { "draining" } else { "healthy" };
-            let _ = write!(out, "{}{{\"address\":\"{ip}\",\"port\":8080,\"state\":\"{state}\"}}", if e > 0 { "," } else { "" });
+            let state = if draining == Some((s, e)) {
+                "draining"
+            } else {
+                "healthy"
+            };
+            let _ = write!(
+                out,
+                "{}{{\"address\":\"{ip}\",\"port\":8080,\"state\":\"{state}\"}}",
+                if e > 0 { "," } else { "" }
+            );
         }
         out.push_str("]}");
     }
@@ -425,7 +519,10 @@ pub fn proc_status(pid: i32) -> Vec<(String, String)> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .filter_map(|l| l.split_once(':').map(|(k, v)| (k.to_string(), v.trim().to_string())))
+        .filter_map(|l| {
+            l.split_once(':')
+                .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+        })
         .collect()
 }
 
@@ -442,7 +539,11 @@ impl Agent {
                 return Ok(s);
             }
             if Instant::now() >= deadline {
-                anyhow::bail!("{} did not exit within {timeout:?}; log:\n{}", self.name, self.log());
+                anyhow::bail!(
+                    "{} did not exit within {timeout:?}; log:\n{}",
+                    self.name,
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -452,7 +553,10 @@ impl Agent {
 /// A short suffix unlikely to repeat across concurrent test processes and runs: the pid
 /// and the clock, mixed.
 pub fn unique_suffix() -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     let mut x = (nanos as u64) ^ ((std::process::id() as u64) << 32);
     // splitmix64's finaliser, so that nearby inputs give unrelated outputs.
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -471,7 +575,9 @@ impl Netns {
     /// Creates `name` with its loopback up. Needs root.
     pub fn create(name: &str) -> anyhow::Result<Netns> {
         run_ip(&["netns", "add", name])?;
-        let ns = Netns { name: name.to_string() };
+        let ns = Netns {
+            name: name.to_string(),
+        };
         run_ip(&["-n", name, "link", "set", "lo", "up"])?;
         Ok(ns)
     }
@@ -483,7 +589,12 @@ impl Netns {
 
     /// `ip -n <name> <args>`: (success, stdout, stderr).
     pub fn ip(&self, args: &[&str]) -> (bool, String, String) {
-        match Command::new("ip").arg("-n").arg(&self.name).args(args).output() {
+        match Command::new("ip")
+            .arg("-n")
+            .arg(&self.name)
+            .args(args)
+            .output()
+        {
             Ok(o) => (
                 o.status.success(),
                 String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -514,7 +625,13 @@ impl Netns {
             .unwrap_or_default()
             .iter()
             .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
-            .filter_map(|a| Some(format!("{}/{}", a["local"].as_str()?, a["prefixlen"].as_u64()?)))
+            .filter_map(|a| {
+                Some(format!(
+                    "{}/{}",
+                    a["local"].as_str()?,
+                    a["prefixlen"].as_u64()?
+                ))
+            })
             .collect()
     }
 }
@@ -528,10 +645,17 @@ impl Drop for Netns {
 }
 
 fn run_ip(args: &[&str]) -> anyhow::Result<()> {
-    let out =
-        Command::new("ip").args(args).output().map_err(|e| anyhow::anyhow!("running ip {}: {e}", args.join(" ")))?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| anyhow::anyhow!("running ip {}: {e}", args.join(" ")))?;
     if !out.status.success() {
-        anyhow::bail!("ip {} exited {}: {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim());
+        anyhow::bail!(
+            "ip {} exited {}: {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
@@ -543,7 +667,9 @@ pub fn pod_records(
     state_dir: &Path,
 ) -> std::collections::BTreeMap<String, Result<aether_model::Pod, String>> {
     let mut out = std::collections::BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir(state_dir.join("pods")) else { return out };
+    let Ok(dir) = std::fs::read_dir(state_dir.join("pods")) else {
+        return out;
+    };
     for entry in dir.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let decoded = if name.starts_with('.') {
@@ -561,7 +687,11 @@ pub fn pod_records(
 /// The files in `<state_dir>/pods-quarantine/`: records the agent could not decode.
 pub fn quarantined(state_dir: &Path) -> Vec<String> {
     std::fs::read_dir(state_dir.join("pods-quarantine"))
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -570,10 +700,17 @@ pub fn quarantined(state_dir: &Path) -> Vec<String> {
 /// worker runs as uid 65532 when the tests run as root, and a unix socket's connect needs
 /// write permission on the socket file: the folder is opened to every uid and so are both
 /// sockets ([`open_identity_sockets`]).
-pub fn identity_provider_for_agents(trust_domain: &str) -> (tempfile::TempDir, crate::identity::IdentityProvider) {
-    let dir = tempfile::Builder::new().prefix("aether-idp-").tempdir().expect("tempdir for the identity provider");
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod the identity provider's folder");
-    let provider = crate::identity::IdentityProvider::start(dir.path(), trust_domain).expect("starting the test identity provider");
+pub fn identity_provider_for_agents(
+    trust_domain: &str,
+) -> (tempfile::TempDir, crate::identity::IdentityProvider) {
+    let dir = tempfile::Builder::new()
+        .prefix("aether-idp-")
+        .tempdir()
+        .expect("tempdir for the identity provider");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod the identity provider's folder");
+    let provider = crate::identity::IdentityProvider::start(dir.path(), trust_domain)
+        .expect("starting the test identity provider");
     open_identity_sockets(&provider);
     (dir, provider)
 }
@@ -592,17 +729,25 @@ pub fn open_identity_sockets(provider: &crate::identity::IdentityProvider) {
 /// Identity API sockets, its trust domain, and `mtls` (`permissive` or `strict`).
 pub fn identity_args(provider: &crate::identity::IdentityProvider, mtls: &str) -> Vec<String> {
     vec![
-        format!("--spiffe-endpoint=unix://{}", provider.workload_socket().display()),
-        format!("--spiffe-broker-endpoint=unix://{}", provider.delegated_socket().display()),
+        format!(
+            "--spiffe-endpoint=unix://{}",
+            provider.workload_socket().display()
+        ),
+        format!(
+            "--spiffe-broker-endpoint=unix://{}",
+            provider.delegated_socket().display()
+        ),
         format!("--trust-domain={}", provider.trust_domain()),
         format!("--mtls={mtls}"),
     ]
 }
 
-
 /// A whole number from the environment variable `name`, else `default` (benchmark knobs).
 pub fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The agent's binaries and the plugin, built for the calling benchmark's profile: `cargo
@@ -621,11 +766,22 @@ pub fn build_agent_bins() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = std::process::Command::new(cargo);
     cmd.args(["build", "--quiet", "--profile", &profile]);
-    for (p, b) in [("aether-supervisor", "aether-supervisor"), ("aether-worker", "aether-worker"), ("aether-keeper", "aether-keeper"), ("aether-cni", "aether-cni")] {
+    for (p, b) in [
+        ("aether-supervisor", "aether-supervisor"),
+        ("aether-worker", "aether-worker"),
+        ("aether-keeper", "aether-keeper"),
+        ("aether-cni", "aether-cni"),
+    ] {
         cmd.args(["-p", p, "--bin", b]);
     }
-    let status = cmd.current_dir(workspace_root()).status().expect("running cargo build");
-    assert!(status.success(), "cargo build --profile {profile} of the agent's binaries: {status}");
+    let status = cmd
+        .current_dir(workspace_root())
+        .status()
+        .expect("running cargo build");
+    assert!(
+        status.success(),
+        "cargo build --profile {profile} of the agent's binaries: {status}"
+    );
 }
 
 /// Whether `pid` has exited: gone from `/proc`, or a zombie nobody has reaped yet (a
@@ -633,7 +789,9 @@ pub fn build_agent_bins() {
 pub fn is_dead(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
-        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')),
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
     }
 }
 
@@ -641,13 +799,24 @@ pub fn is_dead(pid: i32) -> bool {
 /// from `/proc/<pid>/fd`: the only ones that can hold or keep a flock on it. Other users'
 /// processes are seen only by root.
 pub fn processes_with_open(path: &Path) -> Vec<i32> {
-    let Ok(want) = std::fs::metadata(path) else { return Vec::new() };
+    let Ok(want) = std::fs::metadata(path) else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     for proc_entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = proc_entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        let Ok(fds) = std::fs::read_dir(proc_entry.path().join("fd")) else { continue };
+        let Some(pid) = proc_entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(proc_entry.path().join("fd")) else {
+            continue;
+        };
         let open = fds.flatten().any(|fd| {
-            std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == want.dev() && m.ino() == want.ino())
+            std::fs::metadata(fd.path())
+                .is_ok_and(|m| m.dev() == want.dev() && m.ino() == want.ino())
         });
         if open {
             out.push(pid);
@@ -659,7 +828,9 @@ pub fn processes_with_open(path: &Path) -> Vec<i32> {
 /// The pids `/proc/locks` shows holding a flock on the file at `path` (granted locks
 /// only, not waiters), matched by inode.
 pub fn flock_holders(path: &Path) -> Vec<i32> {
-    let Ok(ino) = std::fs::metadata(path).map(|m| m.ino()) else { return Vec::new() };
+    let Ok(ino) = std::fs::metadata(path).map(|m| m.ino()) else {
+        return Vec::new();
+    };
     std::fs::read_to_string("/proc/locks")
         .unwrap_or_default()
         .lines()
@@ -701,7 +872,8 @@ pub fn scrape_metrics(addr: &str) -> Option<String> {
 
 /// The value of the sample `series` (name and labels, as printed) in a scrape's `text`.
 pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 #[cfg(test)]

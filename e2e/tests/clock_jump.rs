@@ -19,7 +19,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, identity_args, identity_provider_for_agents, pod_records, quarantined, wait_for,
+    Agent, LocalNode, bin, identity_args, identity_provider_for_agents, pod_records, quarantined,
+    wait_for,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -38,7 +39,9 @@ fn libfaketime() -> Option<PathBuf> {
 fn skip_without_libfaketime(name: &str) -> Option<PathBuf> {
     let lib = libfaketime();
     if lib.is_none() {
-        eprintln!("SKIPPED {name}: libfaketime is not installed (scripts/install-deps.sh installs the faketime package; CI runs it)");
+        eprintln!(
+            "SKIPPED {name}: libfaketime is not installed (scripts/install-deps.sh installs the faketime package; CI runs it)"
+        );
     }
     lib
 }
@@ -54,16 +57,27 @@ impl Clock {
     /// sees a half-written file.
     fn set(&self, spec: &str) {
         let tmp = self.path.with_extension("tmp");
-        std::fs::write(&tmp, format!("{spec}\n")).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).expect("chmod the clock file");
-        std::fs::rename(&tmp, &self.path).unwrap_or_else(|e| panic!("rename to {}: {e}", self.path.display()));
+        std::fs::write(&tmp, format!("{spec}\n"))
+            .unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))
+            .expect("chmod the clock file");
+        std::fs::rename(&tmp, &self.path)
+            .unwrap_or_else(|e| panic!("rename to {}: {e}", self.path.display()));
     }
 }
 
 /// Starts a generation named `pod` whose supervisor and worker see the wall clock at
 /// `spec` from the real one.
-fn start_jumped(node: &mut LocalNode, lib: &Path, pod: &str, spec: &str, extra: &[String]) -> (Agent, Clock) {
-    let clock = Clock { path: node.root.path().join(format!("faketime-{pod}")) };
+fn start_jumped(
+    node: &mut LocalNode,
+    lib: &Path,
+    pod: &str,
+    spec: &str,
+    extra: &[String],
+) -> (Agent, Clock) {
+    let clock = Clock {
+        path: node.root.path().join(format!("faketime-{pod}")),
+    };
     clock.set(spec);
     let env = [
         format!("LD_PRELOAD={}", lib.display()),
@@ -72,18 +86,31 @@ fn start_jumped(node: &mut LocalNode, lib: &Path, pod: &str, spec: &str, extra: 
         "FAKETIME_DONT_FAKE_MONOTONIC=1".to_string(),
     ];
     let worker_env = node.root.path().join(format!("worker-env-{pod}"));
-    let text = std::iter::once(bin("aether-worker").display().to_string()).chain(env.iter().cloned()).collect::<Vec<_>>().join("\n");
-    std::fs::write(&worker_env, text + "\n").unwrap_or_else(|e| panic!("write {}: {e}", worker_env.display()));
-    std::fs::set_permissions(&worker_env, std::fs::Permissions::from_mode(0o644)).expect("chmod the worker's env file");
-    let wrapper: Vec<&str> = std::iter::once("env").chain(env.iter().map(String::as_str)).collect();
-    let mut args = vec![format!("--worker-bin={}", bin("worker-with-env").display()), format!("--pod-name={pod}")];
+    let text = std::iter::once(bin("aether-worker").display().to_string())
+        .chain(env.iter().cloned())
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&worker_env, text + "\n")
+        .unwrap_or_else(|e| panic!("write {}: {e}", worker_env.display()));
+    std::fs::set_permissions(&worker_env, std::fs::Permissions::from_mode(0o644))
+        .expect("chmod the worker's env file");
+    let wrapper: Vec<&str> = std::iter::once("env")
+        .chain(env.iter().map(String::as_str))
+        .collect();
+    let mut args = vec![
+        format!("--worker-bin={}", bin("worker-with-env").display()),
+        format!("--pod-name={pod}"),
+    ];
     args.extend(extra.iter().cloned());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     (node.start_agent_wrapped(&wrapper, &args), clock)
 }
 
 fn unix_now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_secs_f64()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs_f64()
 }
 
 /// Unix seconds of an RFC 3339 UTC timestamp as tracing writes it
@@ -93,7 +120,11 @@ fn parse_utc(ts: &str) -> Option<f64> {
     let mut d = date.split('-').map(|p| p.parse::<i64>().ok());
     let (y, m, day) = (d.next()??, d.next()??, d.next()??);
     let mut t = time.split(':');
-    let (h, min, s) = (t.next()?.parse::<i64>().ok()?, t.next()?.parse::<i64>().ok()?, t.next()?.parse::<f64>().ok()?);
+    let (h, min, s) = (
+        t.next()?.parse::<i64>().ok()?,
+        t.next()?.parse::<i64>().ok()?,
+        t.next()?.parse::<f64>().ok()?,
+    );
     // Days from the civil date (Howard Hinnant's algorithm).
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
@@ -124,7 +155,12 @@ fn stamps(log: &str, skip: usize, target: &str) -> Vec<f64> {
 fn assert_jumped(agent: &Agent, skip: usize, process: &str, from: f64, offset: i64) {
     let to = unix_now();
     let seen = stamps(&agent.log(), skip, process);
-    assert!(!seen.is_empty(), "no {process} log line of {} past line {skip}:\n{}", agent.name, agent.log());
+    assert!(
+        !seen.is_empty(),
+        "no {process} log line of {} past line {skip}:\n{}",
+        agent.name,
+        agent.log()
+    );
     for ts in &seen {
         let shifted = ts - offset as f64;
         assert!(
@@ -134,7 +170,11 @@ fn assert_jumped(agent: &Agent, skip: usize, process: &str, from: f64, offset: i
             agent.log()
         );
     }
-    eprintln!("{} {process}: {} log lines at the real clock {offset:+} s", agent.name, seen.len());
+    eprintln!(
+        "{} {process}: {} log lines at the real clock {offset:+} s",
+        agent.name,
+        seen.len()
+    );
 }
 
 /// Asserts that the owner's `mesh-dns.heartbeat` (unix ms, written every 5 s) is dated on
@@ -142,10 +182,18 @@ fn assert_jumped(agent: &Agent, skip: usize, process: &str, from: f64, offset: i
 /// written within the last 5 s.
 fn assert_heartbeat(node: &LocalNode, offset: i64) {
     let path = node.state_dir.join("mesh-dns.heartbeat");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    let ms: f64 = text.trim().parse().unwrap_or_else(|e| panic!("{}: {text:?}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let ms: f64 = text
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{}: {text:?}: {e}", path.display()));
     let age = unix_now() + offset as f64 - ms / 1000.0;
-    assert!((-1.0..=7.0).contains(&age), "{} is {age:.1} s old by a clock {offset:+} s from the real one", path.display());
+    assert!(
+        (-1.0..=7.0).contains(&age),
+        "{} is {age:.1} s old by a clock {offset:+} s from the real one",
+        path.display()
+    );
 }
 
 fn lines(agent: &Agent) -> usize {
@@ -153,13 +201,20 @@ fn lines(agent: &Agent) -> usize {
 }
 
 fn pod(n: u32) -> (PodId, Ipv4Addr) {
-    (PodId { uid: format!("clock-pod-{n}-uid"), name: format!("clock-{n}") }, Ipv4Addr::new(10, 89, 0, n as u8 + 1))
+    (
+        PodId {
+            uid: format!("clock-pod-{n}-uid"),
+            name: format!("clock-{n}"),
+        },
+        Ipv4Addr::new(10, 89, 0, n as u8 + 1),
+    )
 }
 
 /// One CNI call through the real plugin, timed; panics with the plugin's output on failure.
 fn cni_call(cni: &Cni, command: &str, pod: &PodId, ip: Option<Ipv4Addr>) -> Duration {
     let start = Instant::now();
-    cni.call(command, pod, ip).unwrap_or_else(|e| panic!("CNI {command} of {}: {e}", pod.uid));
+    cni.call(command, pod, ip)
+        .unwrap_or_else(|e| panic!("CNI {command} of {}: {e}", pod.uid));
     start.elapsed()
 }
 
@@ -168,7 +223,10 @@ fn record_uids(node: &LocalNode) -> Vec<String> {
     let records: BTreeMap<_, _> = pod_records(&node.state_dir);
     records
         .into_iter()
-        .map(|(file, r)| r.map(|p| p.uid).unwrap_or_else(|e| panic!("pod record {file}: {e}")))
+        .map(|(file, r)| {
+            r.map(|p| p.uid)
+                .unwrap_or_else(|e| panic!("pod record {file}: {e}"))
+        })
         .collect()
 }
 
@@ -179,7 +237,10 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
     let serving = owner.log().matches("worker serves the node").count();
     // The new worker's last line of a respawn: its mesh-DNS writer reads the file back once
     // it serves (the owner wrote the file at its start).
-    let read_back = owner.log().matches("mesh-DNS snapshot read back as serving starts").count();
+    let read_back = owner
+        .log()
+        .matches("mesh-DNS snapshot read back as serving starts")
+        .count();
     let start = Instant::now();
     kill(Pid::from_raw(old), Signal::SIGSTOP).expect("stop the worker");
     if let Some(spec) = jump_to {
@@ -188,19 +249,33 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
         std::thread::sleep(Duration::from_secs(1));
         clock.set(spec);
     }
-    wait_for("a replacement worker serving", Duration::from_secs(20), || {
-        owner.serving_owner().filter(|v| v["pid"].as_i64() != Some(old as i64)).map(|_| ())
-    });
+    wait_for(
+        "a replacement worker serving",
+        Duration::from_secs(20),
+        || {
+            owner
+                .serving_owner()
+                .filter(|v| v["pid"].as_i64() != Some(old as i64))
+                .map(|_| ())
+        },
+    );
     let took = start.elapsed();
     // The supervisor logs the Serving report just after the worker's /ready says so, and
     // the worker's mesh-DNS writer logs its read-back just after it starts serving; waits
     // for both, so that a log mark taken next follows every line of this respawn.
-    wait_for("the supervisor and the new worker to log the replacement serving", T, || {
-        let log = owner.log();
-        (log.matches("worker serves the node").count() > serving
-            && log.matches("mesh-DNS snapshot read back as serving starts").count() > read_back)
-            .then_some(())
-    });
+    wait_for(
+        "the supervisor and the new worker to log the replacement serving",
+        T,
+        || {
+            let log = owner.log();
+            (log.matches("worker serves the node").count() > serving
+                && log
+                    .matches("mesh-DNS snapshot read back as serving starts")
+                    .count()
+                    > read_back)
+                .then_some(())
+        },
+    );
     took
 }
 
@@ -214,11 +289,16 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
 #[test]
 fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
     const NAME: &str = "heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps";
-    let Some(lib) = skip_without_libfaketime(NAME) else { return };
+    let Some(lib) = skip_without_libfaketime(NAME) else {
+        return;
+    };
     let mut node = LocalNode::new();
     let (owner, clock) = start_jumped(&mut node, &lib, "clock-owner", "+0", &[]);
     owner.wait_role("owner", T);
-    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    };
 
     // Baselines at the real time: an ADD's ACK wait, and a hung worker's replacement.
     let (p1, ip1) = pod(1);
@@ -236,7 +316,12 @@ fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
     // Holds the jumped clock past the heartbeat's 5 s deadline: a deadline on the wall
     // clock would have passed at the jump.
     std::thread::sleep(Duration::from_secs(7));
-    assert_eq!(owner.worker_pid(), pid, "a healthy worker was replaced an hour ahead:\n{}", owner.log());
+    assert_eq!(
+        owner.worker_pid(),
+        pid,
+        "a healthy worker was replaced an hour ahead:\n{}",
+        owner.log()
+    );
     assert_heartbeat(&node, HOUR);
 
     // Back two hours, to an hour behind.
@@ -246,9 +331,19 @@ fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
     let add_behind = cni_call(&cni, "ADD", &p3, Some(ip3));
     assert_jumped(&owner, mark, "aether_worker", from, -HOUR);
     std::thread::sleep(Duration::from_secs(7));
-    assert_eq!(owner.worker_pid(), pid, "a healthy worker was replaced an hour behind:\n{}", owner.log());
+    assert_eq!(
+        owner.worker_pid(),
+        pid,
+        "a healthy worker was replaced an hour behind:\n{}",
+        owner.log()
+    );
     assert_heartbeat(&node, -HOUR);
-    assert_eq!(owner.log().matches("missed heartbeats").count(), 1, "only the baseline's hung worker was killed:\n{}", owner.log());
+    assert_eq!(
+        owner.log().matches("missed heartbeats").count(),
+        1,
+        "only the baseline's hung worker was killed:\n{}",
+        owner.log()
+    );
 
     // A hung worker while the clock jumps: back an hour (a wall-clock deadline would not
     // come for an hour), then forward two (it would have come at once).
@@ -278,19 +373,41 @@ fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
         );
     }
     let log = owner.log();
-    assert_eq!(log.matches("missed heartbeats").count(), 3, "one kill per hung worker:\n{log}");
-    let respawns: Vec<&str> =
-        log.lines().filter(|l| l.contains("worker exited unexpectedly")).map(|l| l.split("respawn_in_ms=").nth(1).unwrap_or("?")).collect();
-    assert!(respawns.len() == 3 && respawns.iter().all(|r| r.starts_with('0')), "each respawn after a healthy run is at once: {respawns:?}");
+    assert_eq!(
+        log.matches("missed heartbeats").count(),
+        3,
+        "one kill per hung worker:\n{log}"
+    );
+    let respawns: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("worker exited unexpectedly"))
+        .map(|l| l.split("respawn_in_ms=").nth(1).unwrap_or("?"))
+        .collect();
+    assert!(
+        respawns.len() == 3 && respawns.iter().all(|r| r.starts_with('0')),
+        "each respawn after a healthy run is at once: {respawns:?}"
+    );
 
     // The records written across the jumps and respawns are whole; a DEL at +1 h removes
     // its pod's, an ADD adds one.
-    assert_eq!(record_uids(&node), [p1.uid.clone(), p2.uid.clone(), p3.uid.clone()], "the records after three ADDs");
+    assert_eq!(
+        record_uids(&node),
+        [p1.uid.clone(), p2.uid.clone(), p3.uid.clone()],
+        "the records after three ADDs"
+    );
     cni_call(&cni, "DEL", &p2, None);
     let (p4, ip4) = pod(4);
     cni_call(&cni, "ADD", &p4, Some(ip4));
-    assert_eq!(record_uids(&node), [p1.uid.clone(), p3.uid.clone(), p4.uid.clone()], "the records after a DEL and an ADD an hour ahead");
-    assert!(quarantined(&node.state_dir).is_empty(), "a record was quarantined: {:?}", quarantined(&node.state_dir));
+    assert_eq!(
+        record_uids(&node),
+        [p1.uid.clone(), p3.uid.clone(), p4.uid.clone()],
+        "the records after a DEL and an ADD an hour ahead"
+    );
+    assert!(
+        quarantined(&node.state_dir).is_empty(),
+        "a record was quarantined: {:?}",
+        quarantined(&node.state_dir)
+    );
     let ready = owner.serving_owner().expect("the owner serves");
     assert_eq!(ready["takeover"]["respawn"], true, "{ready}");
 }
@@ -303,13 +420,19 @@ fn heartbeats_and_deadlines_keep_their_length_across_wall_clock_jumps() {
 /// two processes share one offset).
 #[test]
 fn a_surge_handoff_from_an_hour_ahead_to_an_hour_behind_keeps_one_owner_and_the_pods() {
-    const NAME: &str = "a_surge_handoff_from_an_hour_ahead_to_an_hour_behind_keeps_one_owner_and_the_pods";
-    let Some(lib) = skip_without_libfaketime(NAME) else { return };
+    const NAME: &str =
+        "a_surge_handoff_from_an_hour_ahead_to_an_hour_behind_keeps_one_owner_and_the_pods";
+    let Some(lib) = skip_without_libfaketime(NAME) else {
+        return;
+    };
     let mut node = LocalNode::new();
     let from = unix_now();
     let (mut owner, _ahead) = start_jumped(&mut node, &lib, "clock-ahead", "+1h", &[]);
     owner.wait_role("owner", T);
-    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    };
     let pods: Vec<_> = (1..=3).map(pod).collect();
     std::thread::scope(|s| {
         for (p, ip) in &pods {
@@ -330,15 +453,38 @@ fn a_surge_handoff_from_an_hour_ahead_to_an_hour_behind_keeps_one_owner_and_the_
     let inodes = node.socket_inodes();
     owner.signal(Signal::SIGTERM);
     let status = owner.wait_exit(T);
-    assert!(status.success(), "the owner an hour ahead exits cleanly after SIGTERM: {status}\n{}", owner.log());
+    assert!(
+        status.success(),
+        "the owner an hour ahead exits cleanly after SIGTERM: {status}\n{}",
+        owner.log()
+    );
     let ready = standby.wait_role("owner", T);
-    eprintln!("takeover an hour behind from an hour ahead: {}", ready["takeover"]);
-    assert_eq!(ready["takeover"]["handed_off"], true, "the standby took the handed-off sockets:\n{}", standby.log());
-    assert_eq!(node.socket_inodes(), inodes, "the handoff replaced a node socket");
+    eprintln!(
+        "takeover an hour behind from an hour ahead: {}",
+        ready["takeover"]
+    );
+    assert_eq!(
+        ready["takeover"]["handed_off"],
+        true,
+        "the standby took the handed-off sockets:\n{}",
+        standby.log()
+    );
+    assert_eq!(
+        node.socket_inodes(),
+        inodes,
+        "the handoff replaced a node socket"
+    );
     assert_eq!(ready["generation"], 2);
     let total = ready["takeover"]["total_us"].as_u64().expect("total_us");
-    assert!(total < 10_000_000, "lock to serving took {total} µs by the new generation's clock");
-    assert_eq!(record_uids(&node), written, "the new owner's records are the old one's");
+    assert!(
+        total < 10_000_000,
+        "lock to serving took {total} µs by the new generation's clock"
+    );
+    assert_eq!(
+        record_uids(&node),
+        written,
+        "the new owner's records are the old one's"
+    );
 
     // The new owner's own calls round-trip.
     cni_call(&cni, "DEL", &pods[0].0, None);
@@ -347,9 +493,21 @@ fn a_surge_handoff_from_an_hour_ahead_to_an_hour_behind_keeps_one_owner_and_the_
     let mut want: Vec<String> = written[1..].to_vec();
     want.push(p4.uid.clone());
     want.sort();
-    assert_eq!(record_uids(&node), want, "the records after a DEL and an ADD an hour behind");
-    assert!(quarantined(&node.state_dir).is_empty(), "a record was quarantined: {:?}", quarantined(&node.state_dir));
-    assert!(standby.serving_owner().is_some(), "the new owner serves:\n{}", standby.log());
+    assert_eq!(
+        record_uids(&node),
+        want,
+        "the records after a DEL and an ADD an hour behind"
+    );
+    assert!(
+        quarantined(&node.state_dir).is_empty(),
+        "a record was quarantined: {:?}",
+        quarantined(&node.state_dir)
+    );
+    assert!(
+        standby.serving_owner().is_some(),
+        "the new owner serves:\n{}",
+        standby.log()
+    );
 }
 
 /// Row 20, certificate expiry (with row 19's check): SVID expiry is judged on the wall
@@ -361,46 +519,83 @@ fn a_surge_handoff_from_an_hour_ahead_to_an_hour_behind_keeps_one_owner_and_the_
 #[test]
 fn svid_expiry_is_judged_on_the_jumped_wall_clock_and_flagged_an_hour_ahead() {
     const NAME: &str = "svid_expiry_is_judged_on_the_jumped_wall_clock_and_flagged_an_hour_ahead";
-    let Some(lib) = skip_without_libfaketime(NAME) else { return };
+    let Some(lib) = skip_without_libfaketime(NAME) else {
+        return;
+    };
     let (_idp_dir, idp) = identity_provider_for_agents("clock.test");
     let mut node = LocalNode::new();
-    let (owner, clock) = start_jumped(&mut node, &lib, "clock-identity", "+0", &identity_args(&idp, "permissive"));
+    let (owner, clock) = start_jumped(
+        &mut node,
+        &lib,
+        "clock-identity",
+        "+0",
+        &identity_args(&idp, "permissive"),
+    );
     let ready = owner.wait_role("owner", Duration::from_secs(20));
-    let not_after = ready["identity"]["agent"]["not_after"].as_u64().expect("the agent's SVID in /ready");
+    let not_after = ready["identity"]["agent"]["not_after"]
+        .as_u64()
+        .expect("the agent's SVID in /ready");
     let lifetime = not_after as f64 - unix_now();
-    assert!((3500.0..=3600.0).contains(&lifetime), "the provider's SVIDs last an hour; this one {lifetime:.0} s more");
-    let expiring = |v: &serde_json::Value| v["identity"]["svids_expiring"].as_u64().unwrap_or(u64::MAX);
-    assert_eq!(expiring(&ready), 0, "nothing expiring at the real time: {ready}");
+    assert!(
+        (3500.0..=3600.0).contains(&lifetime),
+        "the provider's SVIDs last an hour; this one {lifetime:.0} s more"
+    );
+    let expiring =
+        |v: &serde_json::Value| v["identity"]["svids_expiring"].as_u64().unwrap_or(u64::MAX);
+    assert_eq!(
+        expiring(&ready),
+        0,
+        "nothing expiring at the real time: {ready}"
+    );
     let pid = owner.worker_pid();
 
     clock.set("+1h");
     let from = unix_now();
     // The check runs after each change and every 10 s.
-    let flagged = wait_for("the SVID flagged expired an hour ahead", Duration::from_secs(25), || {
-        owner.serving_owner().filter(|v| expiring(v) >= 1)
-    });
+    let flagged = wait_for(
+        "the SVID flagged expired an hour ahead",
+        Duration::from_secs(25),
+        || owner.serving_owner().filter(|v| expiring(v) >= 1),
+    );
     let problem = flagged["problems"]
         .as_array()
         .and_then(|ps| ps.iter().find(|p| p["source"] == "svid-expiry").cloned())
         .unwrap_or_else(|| panic!("no svid-expiry problem: {flagged}"));
     let message = problem["message"].as_str().unwrap_or_default();
-    assert!(message.contains("the agent (") && message.contains("expired"), "{message}");
+    assert!(
+        message.contains("the agent (") && message.contains("expired"),
+        "{message}"
+    );
     let since = problem["since"].as_f64().expect("since");
     assert!(
         (since - HOUR as f64 - from).abs() < 30.0,
         "the problem's since ({since}) is dated on the jumped clock, about {} ",
         from + HOUR as f64
     );
-    assert!(owner.log().contains("SVIDs near expiry"), "the warning is logged:\n{}", owner.log());
+    assert!(
+        owner.log().contains("SVIDs near expiry"),
+        "the warning is logged:\n{}",
+        owner.log()
+    );
     eprintln!("an hour ahead: {message}");
 
     for spec in ["+0", "-1h"] {
         clock.set(spec);
-        let v = wait_for(&format!("no SVID flagged at {spec}"), Duration::from_secs(25), || {
-            owner.serving_owner().filter(|v| expiring(v) == 0)
-        });
+        let v = wait_for(
+            &format!("no SVID flagged at {spec}"),
+            Duration::from_secs(25),
+            || owner.serving_owner().filter(|v| expiring(v) == 0),
+        );
         let problems = v["problems"].as_array().cloned().unwrap_or_default();
-        assert!(problems.iter().all(|p| p["source"] != "svid-expiry"), "at {spec}: {v}");
+        assert!(
+            problems.iter().all(|p| p["source"] != "svid-expiry"),
+            "at {spec}: {v}"
+        );
     }
-    assert_eq!(owner.worker_pid(), pid, "the worker was replaced:\n{}", owner.log());
+    assert_eq!(
+        owner.worker_pid(),
+        pid,
+        "the worker was replaced:\n{}",
+        owner.log()
+    );
 }

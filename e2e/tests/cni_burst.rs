@@ -14,7 +14,9 @@ const PLUGIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_a_thousand_adds_succeeds_in_few_snapshots_and_every_pod_reaches_envoy() {
-    let Some(envoy_bin) = envoy_or_skip("a_burst_of_a_thousand_adds_succeeds_in_few_snapshots_and_every_pod_reaches_envoy") else {
+    let Some(envoy_bin) = envoy_or_skip(
+        "a_burst_of_a_thousand_adds_succeeds_in_few_snapshots_and_every_pod_reaches_envoy",
+    ) else {
         return;
     };
     envoy::init_logs("warn");
@@ -28,9 +30,29 @@ async fn a_burst_of_a_thousand_adds_succeeds_in_few_snapshots_and_every_pod_reac
         b.snapshots,
         b.all_in_envoy
     );
-    assert!(b.failures.is_empty(), "{} of 1,000 ADDs failed, first: {:?}", b.failures.len(), b.failures.first());
-    assert!(b.calls.iter().all(|d| *d < PLUGIN_TIMEOUT), "a call took longer than the plugin's timeout: max {:?}", b.calls.iter().max());
-    assert!(b.snapshots <= 50, "{} snapshots for a burst of 1,000 ADDs", b.snapshots);
-    assert!(b.all_in_envoy.is_some(), "Envoy did not hold every pod within 30 s of the last answer");
-    assert_eq!(rig.metrics.cni_ack_timeouts.get(), 0, "no ADD answered before Envoy ACKed it");
+    assert!(
+        b.failures.is_empty(),
+        "{} of 1,000 ADDs failed, first: {:?}",
+        b.failures.len(),
+        b.failures.first()
+    );
+    assert!(
+        b.calls.iter().all(|d| *d < PLUGIN_TIMEOUT),
+        "a call took longer than the plugin's timeout: max {:?}",
+        b.calls.iter().max()
+    );
+    assert!(
+        b.snapshots <= 50,
+        "{} snapshots for a burst of 1,000 ADDs",
+        b.snapshots
+    );
+    assert!(
+        b.all_in_envoy.is_some(),
+        "Envoy did not hold every pod within 30 s of the last answer"
+    );
+    assert_eq!(
+        rig.metrics.cni_ack_timeouts.get(),
+        0,
+        "no ADD answered before Envoy ACKed it"
+    );
 }

@@ -25,10 +25,13 @@ const T: Duration = Duration::from_secs(10);
 fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
     const NAME: &str = "a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it";
     if !is_root() {
-        eprintln!("SKIPPED {NAME}: needs root to create network namespaces and veth pairs (CI runs as root)");
+        eprintln!(
+            "SKIPPED {NAME}: needs root to create network namespaces and veth pairs (CI runs as root)"
+        );
         return;
     }
-    let Some(ptp) = cnichain::reference_plugin("ptp").filter(|_| cnichain::reference_plugin("host-local").is_some())
+    let Some(ptp) = cnichain::reference_plugin("ptp")
+        .filter(|_| cnichain::reference_plugin("host-local").is_some())
     else {
         eprintln!(
             "SKIPPED {NAME}: {}/ptp or host-local is missing; install Debian's containernetworking-plugins (scripts/test.sh does, as root)",
@@ -38,8 +41,10 @@ fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
     };
 
     let suffix = unique_suffix();
-    let pod_ns = Netns::create(&format!("aether-test-{suffix}")).expect("create the pod's network namespace");
-    let host_ns = Netns::create(&format!("aether-test-{suffix}-node")).expect("create the node's stand-in namespace");
+    let pod_ns = Netns::create(&format!("aether-test-{suffix}"))
+        .expect("create the pod's network namespace");
+    let host_ns = Netns::create(&format!("aether-test-{suffix}-node"))
+        .expect("create the node's stand-in namespace");
     // 10.250.<x>.0/24, x from the suffix: concurrent runs rarely share a subnet, and even
     // then each lives in its own namespaces.
     let x = 1 + u8::from_str_radix(&suffix[..2], 16).expect("hex suffix") % 254;
@@ -90,15 +95,29 @@ fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
     };
 
     // ADD, in order.
-    let added = chain.add(&sandbox).unwrap_or_else(|e| panic!("chain ADD: {e}\nagent log:\n{}", agent.log()));
+    let added = chain
+        .add(&sandbox)
+        .unwrap_or_else(|e| panic!("chain ADD: {e}\nagent log:\n{}", agent.log()));
     eprintln!(
         "ADD: {}",
-        added.steps.iter().map(|s| format!("{} {:?}", s.plugin, s.took)).collect::<Vec<_>>().join(", ")
+        added
+            .steps
+            .iter()
+            .map(|s| format!("{} {:?}", s.plugin, s.took))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let ips = cnichain::result_ips(&added.result);
-    assert_eq!(ips.len(), 1, "one address from host-local: {}", added.result);
+    assert_eq!(
+        ips.len(),
+        1,
+        "one address from host-local: {}",
+        added.result
+    );
     let (ip, len) = ips[0];
-    let IpAddr::V4(v4) = ip else { panic!("host-local gave {ip}, not IPv4") };
+    let IpAddr::V4(v4) = ip else {
+        panic!("host-local gave {ip}, not IPv4")
+    };
     assert_eq!(
         (&v4.octets()[..3], len),
         (&[10, 250, x][..], 24),
@@ -110,16 +129,30 @@ fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
         pod_ns.addrs("eth0")
     );
     let lease = ipam_dir.join(net).join(ip.to_string());
-    assert!(lease.is_file(), "host-local's lease {} exists", lease.display());
+    assert!(
+        lease.is_file(),
+        "host-local's lease {} exists",
+        lease.display()
+    );
 
     // The record: whole, with the address host-local chose.
     let records = pod_records(&node.state_dir);
-    let record = records.get(&format!("{uid}.json")).unwrap_or_else(|| panic!("no record for {uid}: {records:?}"));
-    let pod = record.as_ref().unwrap_or_else(|e| panic!("record of {uid} does not decode: {e}"));
+    let record = records
+        .get(&format!("{uid}.json"))
+        .unwrap_or_else(|| panic!("no record for {uid}: {records:?}"));
+    let pod = record
+        .as_ref()
+        .unwrap_or_else(|e| panic!("record of {uid} does not decode: {e}"));
     assert_eq!(pod.ips, vec![ip]);
-    assert_eq!((pod.container_id.as_str(), pod.ifname.as_str()), (container_id.as_str(), "eth0"));
+    assert_eq!(
+        (pod.container_id.as_str(), pod.ifname.as_str()),
+        (container_id.as_str(), "eth0")
+    );
     assert_eq!(PathBuf::from(&pod.netns), pod_ns.path());
-    assert_eq!((pod.namespace.as_str(), pod.name.as_str()), ("chain", "web-0"));
+    assert_eq!(
+        (pod.namespace.as_str(), pod.name.as_str()),
+        ("chain", "web-0")
+    );
     assert_eq!(records.len(), 1, "only this pod's record: {records:?}");
 
     // Envoy: an inbound filter chain matching the pod's address, and its cluster. ADD
@@ -129,53 +162,121 @@ fn a_real_cni_chain_reaches_the_record_and_envoy_and_del_undoes_it() {
     if let Some(envoy) = &envoy
         && let Err(seen) = EnvoyPods::wait_until(envoy, &expected, Duration::from_secs(5))
     {
-        panic!("Envoy's config_dump after ADD: {}\nagent log:\n{}", seen.diff(&expected), agent.log());
+        panic!(
+            "Envoy's config_dump after ADD: {}\nagent log:\n{}",
+            seen.diff(&expected),
+            agent.log()
+        );
     }
 
     // CHECK, in order, with the ADD's result.
-    chain.check(&sandbox, &added.result).unwrap_or_else(|e| panic!("chain CHECK after ADD: {e}"));
+    chain
+        .check(&sandbox, &added.result)
+        .unwrap_or_else(|e| panic!("chain CHECK after ADD: {e}"));
 
     // DEL, in reverse order.
     let deleted = chain
         .del(&sandbox, Some(&added.result))
         .unwrap_or_else(|e| panic!("chain DEL: {e}\nagent log:\n{}", agent.log()));
-    assert_eq!(deleted.steps.iter().map(|s| s.plugin.as_str()).collect::<Vec<_>>(), ["aether-cni", "ptp"]);
+    assert_eq!(
+        deleted
+            .steps
+            .iter()
+            .map(|s| s.plugin.as_str())
+            .collect::<Vec<_>>(),
+        ["aether-cni", "ptp"]
+    );
     eprintln!(
         "DEL: {}",
-        deleted.steps.iter().map(|s| format!("{} {:?}", s.plugin, s.took)).collect::<Vec<_>>().join(", ")
+        deleted
+            .steps
+            .iter()
+            .map(|s| format!("{} {:?}", s.plugin, s.took))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let records = pod_records(&node.state_dir);
-    assert!(records.is_empty(), "the record is gone after DEL: {records:?}");
-    assert!(!pod_ns.links().contains(&"eth0".to_string()), "eth0 is gone from the pod namespace: {:?}", pod_ns.links());
+    assert!(
+        records.is_empty(),
+        "the record is gone after DEL: {records:?}"
+    );
+    assert!(
+        !pod_ns.links().contains(&"eth0".to_string()),
+        "eth0 is gone from the pod namespace: {:?}",
+        pod_ns.links()
+    );
     assert!(
         host_ns.links().iter().all(|l| l == "lo"),
         "ptp's host-side veth is gone from the node namespace: {:?}",
         host_ns.links()
     );
-    assert!(!lease.exists(), "host-local released the lease {}", lease.display());
+    assert!(
+        !lease.exists(),
+        "host-local released the lease {}",
+        lease.display()
+    );
     if let Some(envoy) = &envoy
-        && let Err(seen) = EnvoyPods::wait_until(envoy, &EnvoyPods::default(), Duration::from_secs(5))
+        && let Err(seen) =
+            EnvoyPods::wait_until(envoy, &EnvoyPods::default(), Duration::from_secs(5))
     {
-        panic!("Envoy's config_dump after DEL: {}\nagent log:\n{}", seen.diff(&EnvoyPods::default()), agent.log());
+        panic!(
+            "Envoy's config_dump after DEL: {}\nagent log:\n{}",
+            seen.diff(&EnvoyPods::default()),
+            agent.log()
+        );
     }
 
     // A runtime may repeat DEL (the spec requires it to succeed); nothing comes back.
-    chain.del(&sandbox, Some(&added.result)).unwrap_or_else(|e| panic!("a second chain DEL: {e}"));
+    chain
+        .del(&sandbox, Some(&added.result))
+        .unwrap_or_else(|e| panic!("a second chain DEL: {e}"));
     assert!(pod_records(&node.state_dir).is_empty());
-    assert!(agent.log().contains("CNI DEL of a pod the agent does not know"), "the repeated DEL reached the agent");
+    assert!(
+        agent
+            .log()
+            .contains("CNI DEL of a pod the agent does not know"),
+        "the repeated DEL reached the agent"
+    );
 
     // DEL while no agent answers: aether-cni, first on DEL, lets the chain go on after its
     // bound, so the primary plugin still tears the interface down and releases the
     // address. The record stays for the agent to collect later.
-    let added = chain.add(&sandbox).unwrap_or_else(|e| panic!("chain ADD again: {e}\nagent log:\n{}", agent.log()));
+    let added = chain
+        .add(&sandbox)
+        .unwrap_or_else(|e| panic!("chain ADD again: {e}\nagent log:\n{}", agent.log()));
     let (ip, _) = cnichain::result_ips(&added.result)[0];
     let lease = ipam_dir.join(net).join(ip.to_string());
-    assert!(lease.is_file(), "host-local's lease {} exists", lease.display());
+    assert!(
+        lease.is_file(),
+        "host-local's lease {} exists",
+        lease.display()
+    );
     let mut agent = agent;
     agent.kill_generation();
-    let deleted = chain.del(&sandbox, Some(&added.result)).unwrap_or_else(|e| panic!("chain DEL without an agent: {e}"));
-    assert_eq!(deleted.steps.iter().map(|s| s.plugin.as_str()).collect::<Vec<_>>(), ["aether-cni", "ptp"]);
-    assert!(!lease.exists(), "host-local released the lease {} with the agent stopped", lease.display());
-    assert!(!pod_ns.links().contains(&"eth0".to_string()), "eth0 is gone: {:?}", pod_ns.links());
-    assert_eq!(pod_records(&node.state_dir).len(), 1, "the record stays for the agent to collect");
+    let deleted = chain
+        .del(&sandbox, Some(&added.result))
+        .unwrap_or_else(|e| panic!("chain DEL without an agent: {e}"));
+    assert_eq!(
+        deleted
+            .steps
+            .iter()
+            .map(|s| s.plugin.as_str())
+            .collect::<Vec<_>>(),
+        ["aether-cni", "ptp"]
+    );
+    assert!(
+        !lease.exists(),
+        "host-local released the lease {} with the agent stopped",
+        lease.display()
+    );
+    assert!(
+        !pod_ns.links().contains(&"eth0".to_string()),
+        "eth0 is gone: {:?}",
+        pod_ns.links()
+    );
+    assert_eq!(
+        pod_records(&node.state_dir).len(),
+        1,
+        "the record stays for the agent to collect"
+    );
 }

@@ -26,15 +26,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use aether_e2e::envoy::{AdsApi, CONNECTED, admin_get, encode, envoy_or_skip, exact_names, parse_stats};
+use aether_e2e::envoy::{
+    AdsApi, CONNECTED, admin_get, encode, envoy_or_skip, exact_names, parse_stats,
+};
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::kube_api::KubeApi;
 use aether_e2e::registrar::{
-    DISCOVERY_RULES, Etcd, LEASE_NAME, LEASE_NAMESPACE, REGISTRAR_USER, RegistrarProcess, TestCa, apply_with, cli, registrar_bin,
+    DISCOVERY_RULES, Etcd, LEASE_NAME, LEASE_NAMESPACE, REGISTRAR_USER, RegistrarProcess, TestCa,
+    apply_with, cli, registrar_bin,
 };
 use aether_e2e::testing::{
-    LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample, metrics_wrapper, scrape_metrics, try_wait_for, wait_for,
-    workspace_root,
+    LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample, metrics_wrapper,
+    scrape_metrics, try_wait_for, wait_for, workspace_root,
 };
 use aether_worker::bootstrap::{self, Admin};
 use serde_json::Value;
@@ -84,7 +87,10 @@ fn substitute(expr: &str) -> Result<String, String> {
         e = e.replace(var, value);
     }
     match e.find('$') {
-        Some(at) => Err(format!("an unknown Grafana variable at '{}'", &e[at..e.len().min(at + 20)])),
+        Some(at) => Err(format!(
+            "an unknown Grafana variable at '{}'",
+            &e[at..e.len().min(at + 20)]
+        )),
         None => Ok(e),
     }
 }
@@ -115,7 +121,10 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 /// The metric family a series name belongs to (`aether_xds_nacks_total` to
 /// `aether_xds_nacks`): Prometheus keeps a target's HELP and TYPE by family.
 fn family(name: &str) -> &str {
-    ["_total", "_bucket", "_sum", "_count", "_created"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name)
+    ["_total", "_bucket", "_sum", "_count", "_created"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name)
 }
 
 /// The metric names known: those Prometheus has samples of, and the families the live
@@ -128,7 +137,9 @@ struct Known {
 
 impl Known {
     fn has(&self, name: &str) -> bool {
-        self.series.contains(name) || self.declared.contains(name) || self.declared.contains(family(name))
+        self.series.contains(name)
+            || self.declared.contains(name)
+            || self.declared.contains(family(name))
     }
 }
 
@@ -136,7 +147,11 @@ impl Known {
 /// Prometheus' error): it must parse, and unless it is over kube-state-metrics (only
 /// parsed) it must name only metrics the targets export and return data. Returns one line
 /// per failing expression.
-fn check(exprs: &[(String, String)], known: &Known, query: &mut dyn FnMut(&str) -> Result<usize, String>) -> Vec<String> {
+fn check(
+    exprs: &[(String, String)],
+    known: &Known,
+    query: &mut dyn FnMut(&str) -> Result<usize, String>,
+) -> Vec<String> {
     let mut failures = Vec::new();
     for (panel, expr) in exprs {
         let e = match substitute(expr) {
@@ -148,12 +163,15 @@ fn check(exprs: &[(String, String)], known: &Known, query: &mut dyn FnMut(&str) 
         };
         let names = metric_names(&e);
         let kube = names.iter().any(|n| n.starts_with("kube_"));
-        let unknown: Vec<&String> = names.iter().filter(|n| !n.starts_with("kube_") && !known.has(n)).collect();
+        let unknown: Vec<&String> = names
+            .iter()
+            .filter(|n| !n.starts_with("kube_") && !known.has(n))
+            .collect();
         match query(&e) {
             Err(why) => failures.push(format!("panel '{panel}': `{e}` is refused: {why}")),
-            Ok(_) if !unknown.is_empty() => {
-                failures.push(format!("panel '{panel}': `{e}` names metrics no target exports: {unknown:?}"))
-            }
+            Ok(_) if !unknown.is_empty() => failures.push(format!(
+                "panel '{panel}': `{e}` names metrics no target exports: {unknown:?}"
+            )),
             Ok(0) if kube => {}
             Ok(0) => failures.push(format!("panel '{panel}': `{e}` returns no data")),
             Ok(_) => {}
@@ -168,20 +186,33 @@ fn check(exprs: &[(String, String)], known: &Known, query: &mut dyn FnMut(&str) 
 fn http_get(version: &str, addr: &str, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    s.write_all(format!("GET {path} HTTP/{version}\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+    s.write_all(
+        format!("GET {path} HTTP/{version}\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    )?;
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     Ok((status, body.to_string()))
 }
 
 /// A Prometheus HTTP API call: its `data`, or its error.
 fn prom_api(addr: &str, path: &str) -> Result<Value, String> {
-    let (status, body) = http_get("1.0", addr, path).map_err(|e| format!("GET {path} from Prometheus at {addr}: {e}"))?;
-    let v: Value = serde_json::from_str(&body).map_err(|e| format!("GET {path}: status {status}, not JSON ({e}): {body}"))?;
+    let (status, body) = http_get("1.0", addr, path)
+        .map_err(|e| format!("GET {path} from Prometheus at {addr}: {e}"))?;
+    let v: Value = serde_json::from_str(&body)
+        .map_err(|e| format!("GET {path}: status {status}, not JSON ({e}): {body}"))?;
     if v["status"] != "success" {
-        return Err(format!("{}: {}", v["errorType"].as_str().unwrap_or("?"), v["error"].as_str().unwrap_or(&body)));
+        return Err(format!(
+            "{}: {}",
+            v["errorType"].as_str().unwrap_or("?"),
+            v["error"].as_str().unwrap_or(&body)
+        ));
     }
     Ok(v["data"].clone())
 }
@@ -193,13 +224,24 @@ fn prom_query(addr: &str, expr: &str) -> Result<usize, String> {
 }
 
 fn known(addr: &str, expositions: &[String]) -> Known {
-    let names = prom_api(addr, "/api/v1/label/__name__/values").expect("metric names from Prometheus");
+    let names =
+        prom_api(addr, "/api/v1/label/__name__/values").expect("metric names from Prometheus");
     Known {
-        series: names.as_array().into_iter().flatten().filter_map(|n| n.as_str().map(str::to_owned)).collect(),
+        series: names
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n.as_str().map(str::to_owned))
+            .collect(),
         declared: expositions
             .iter()
             .flat_map(|t| t.lines())
-            .filter_map(|l| l.strip_prefix("# TYPE ")?.split_whitespace().next().map(str::to_owned))
+            .filter_map(|l| {
+                l.strip_prefix("# TYPE ")?
+                    .split_whitespace()
+                    .next()
+                    .map(str::to_owned)
+            })
             .collect(),
     }
 }
@@ -208,12 +250,22 @@ fn known(addr: &str, expositions: &[String]) -> Known {
 /// `--config-yaml` (merged into the bootstrap: repeated fields are appended), on `port`.
 fn stats_listener_yaml(port: u16, admin: &Path) -> String {
     let file = chart().join("files/envoy-stats-listener.yaml");
-    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("reading {}: {e}", file.display()));
-    let filled = text.replace("${STATS_ADDRESS}", "127.0.0.1").replace("${STATS_PORT}", &port.to_string());
-    assert!(!filled.contains("${"), "{} has a placeholder the test does not fill:\n{filled}", file.display());
+    let text = std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", file.display()));
+    let filled = text
+        .replace("${STATS_ADDRESS}", "127.0.0.1")
+        .replace("${STATS_PORT}", &port.to_string());
+    assert!(
+        !filled.contains("${"),
+        "{} has a placeholder the test does not fill:\n{filled}",
+        file.display()
+    );
     let mut out = String::from("static_resources:\n  listeners:\n");
     let mut first = true;
-    for line in filled.lines().filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty()) {
+    for line in filled
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+    {
         out.push_str(if first { "  - " } else { "    " });
         out.push_str(line);
         out.push('\n');
@@ -255,7 +307,13 @@ fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Running, Pat
         .arg(dir.join("envoy.yaml"))
         .arg("--config-yaml")
         .arg(stats_listener_yaml(stats_port, &admin))
-        .args(["--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"])
+        .args([
+            "--disable-hot-restart",
+            "--concurrency",
+            "1",
+            "--log-level",
+            "warn",
+        ])
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
@@ -275,24 +333,50 @@ fn start_registrar(etcd: &Etcd, metrics: &str, file: &Path) -> (RegistrarProcess
     api.grant(REGISTRAR_USER, DISCOVERY_RULES);
     let kubeconfig = api.kubeconfig(REGISTRAR_USER).display().to_string();
     let ca = TestCa::new("registrar CA");
-    let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], rcgen::ExtendedKeyUsagePurpose::ServerAuth);
+    let (cert, key) = ca.leaf(
+        "registrar",
+        &["127.0.0.1"],
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+    );
     let (cert, key) = (cert.display().to_string(), key.display().to_string());
     let args = [
-        "--tls-cert", &cert, "--tls-key", &key, "--metrics-addr", metrics, "--kubeconfig", &kubeconfig, "--lease-namespace", LEASE_NAMESPACE,
-        "--lease-name", LEASE_NAME, "--leader-id", "dashboard-r1", "--discovery", "on",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--metrics-addr",
+        metrics,
+        "--kubeconfig",
+        &kubeconfig,
+        "--lease-namespace",
+        LEASE_NAMESPACE,
+        "--lease-name",
+        LEASE_NAME,
+        "--leader-id",
+        "dashboard-r1",
+        "--discovery",
+        "on",
     ];
     let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &args);
     registrar.wait_log("leading", T);
     let ca_file = ca.ca_file().display().to_string();
     apply_with(registrar.addr(), file, &["--ca", &ca_file]);
     let dump = cli(&["dump", "--registrar", registrar.addr(), "--ca", &ca_file]);
-    assert!(dump.contains("\"services\""), "the registrar's dump holds no services: {dump}");
+    assert!(
+        dump.contains("\"services\""),
+        "the registrar's dump holds no services: {dump}"
+    );
     (registrar, api, ca)
 }
 
 /// Prometheus scraping each `(job, target, metrics path)` every second, with the chart's
 /// alert rules.
-fn start_prometheus(prometheus: &Path, dir: &Path, port: u16, jobs: &[(&str, &str, &str)]) -> Running {
+fn start_prometheus(
+    prometheus: &Path,
+    dir: &Path,
+    port: u16,
+    jobs: &[(&str, &str, &str)],
+) -> Running {
     let rules = chart().join("alerts/aether-agent.rules.yaml");
     let config = format!(
         r#"global:
@@ -311,8 +395,14 @@ scrape_configs:
     std::fs::write(dir.join("prometheus.yml"), config).expect("write prometheus.yml");
     let log = std::fs::File::create(dir.join("prometheus.log")).expect("prometheus log");
     let child = Command::new(prometheus)
-        .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
-        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+        .arg(format!(
+            "--config.file={}",
+            dir.join("prometheus.yml").display()
+        ))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
         .arg(format!("--web.listen-address=127.0.0.1:{port}"))
         .arg("--log.level=warn")
         .stdin(Stdio::null())
@@ -324,7 +414,9 @@ scrape_configs:
 }
 
 fn tool_or_skip(name: &str, test: &str) -> Option<PathBuf> {
-    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join(name)).find(|p| p.is_file());
+    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file());
     if found.is_none() {
         eprintln!(
             "\n!!! SKIPPED {test}: no {name} on PATH (Debian's prometheus package; scripts/install-deps.sh installs it, so CI runs this test) !!!\n"
@@ -341,18 +433,33 @@ fn tool_or_skip(name: &str, test: &str) -> Option<PathBuf> {
 fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar() {
     let test = "every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar";
     if !is_root() {
-        eprintln!("\n!!! SKIPPED {test}: needs root (the supervisor runs its worker as its own uid; CI runs as root) !!!\n");
+        eprintln!(
+            "\n!!! SKIPPED {test}: needs root (the supervisor runs its worker as its own uid; CI runs as root) !!!\n"
+        );
         return;
     }
-    let Some(envoy) = envoy_or_skip(test) else { return };
-    let Some(prometheus) = tool_or_skip("prometheus", test) else { return };
-    let Some(etcd) = Etcd::start_or_skip(test) else { return };
+    let Some(envoy) = envoy_or_skip(test) else {
+        return;
+    };
+    let Some(prometheus) = tool_or_skip("prometheus", test) else {
+        return;
+    };
+    let Some(etcd) = Etcd::start_or_skip(test) else {
+        return;
+    };
     let started = Instant::now();
     let dashboard_file = chart().join("dashboards/aether-agent.json");
-    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&dashboard_file).expect("read the dashboard"))
-        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", dashboard_file.display()));
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(&dashboard_file).expect("read the dashboard"),
+    )
+    .unwrap_or_else(|e| panic!("{} is not JSON: {e}", dashboard_file.display()));
     let exprs = dashboard_exprs(&dashboard);
-    assert!(exprs.len() >= 10, "{} has only {} expressions", dashboard_file.display(), exprs.len());
+    assert!(
+        exprs.len() >= 10,
+        "{} has only {} expressions",
+        dashboard_file.display(),
+        exprs.len()
+    );
 
     let mut node = LocalNode::new();
     let registry = node.root.path().join("registry.json");
@@ -362,74 +469,150 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
     // free loopback ports instead of the default 15001 and 15006, which other tests' Envoys
     // may hold.
     let capture_file = node.root.path().join("capture.json");
-    let capture = |outbound: &str, inbound: u16| format!(r#"{{"outbound": "{outbound}", "inbound_port": {inbound}}}"#);
-    let outbound = format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).expect("a free port"));
+    let capture = |outbound: &str, inbound: u16| {
+        format!(r#"{{"outbound": "{outbound}", "inbound_port": {inbound}}}"#)
+    };
+    let outbound = format!(
+        "127.0.0.1:{}",
+        free_port(Ipv4Addr::LOCALHOST).expect("a free port")
+    );
     let inbound = free_port(Ipv4Addr::LOCALHOST).expect("a free port");
     std::fs::write(&capture_file, capture(&outbound, inbound)).expect("capture file");
-    let metrics = format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).expect("a free port"));
+    let metrics = format!(
+        "127.0.0.1:{}",
+        free_port(Ipv4Addr::LOCALHOST).expect("a free port")
+    );
     let wrapper = metrics_wrapper(&metrics);
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let agent = node.start_agent_wrapped(&wrapper, &[&format!("--capture-file={}", capture_file.display())]);
-    wait_for("the agent to serve as the owner", T, || agent.serving_owner());
+    let agent = node.start_agent_wrapped(
+        &wrapper,
+        &[&format!("--capture-file={}", capture_file.display())],
+    );
+    wait_for("the agent to serve as the owner", T, || {
+        agent.serving_owner()
+    });
     wait_for("the owner's metrics port", T, || scrape_metrics(&metrics));
 
     let stats_port = free_port(Ipv4Addr::LOCALHOST).expect("a free port");
     let (_envoy, admin) = start_envoy(&envoy, &node, stats_port);
     wait_for("Envoy connected to the agent", T, || {
-        let (status, body) = admin_get(&admin, &format!("/stats?filter={}", exact_names(&[CONNECTED]))).ok()?;
-        (status == 200 && parse_stats(&body).iter().any(|(k, v)| k == CONNECTED && *v == 1)).then_some(())
+        let (status, body) = admin_get(
+            &admin,
+            &format!("/stats?filter={}", exact_names(&[CONNECTED])),
+        )
+        .ok()?;
+        (status == 200
+            && parse_stats(&body)
+                .iter()
+                .any(|(k, v)| k == CONNECTED && *v == 1))
+        .then_some(())
     });
     let envoy_stats = format!("127.0.0.1:{stats_port}");
-    let (status, body) = wait_for("the stats listener", T, || http_get("1.1", &envoy_stats, "/stats/prometheus").ok());
-    assert_eq!(status, 200, "GET /stats/prometheus on the stats listener: {body}");
-    assert!(body.contains("envoy_control_plane_connected_state"), "the stats listener's answer has no connected_state:\n{body}");
+    let (status, body) = wait_for("the stats listener", T, || {
+        http_get("1.1", &envoy_stats, "/stats/prometheus").ok()
+    });
+    assert_eq!(
+        status, 200,
+        "GET /stats/prometheus on the stats listener: {body}"
+    );
+    assert!(
+        body.contains("envoy_control_plane_connected_state"),
+        "the stats listener's answer has no connected_state:\n{body}"
+    );
     let (status, _) = http_get("1.1", &envoy_stats, "/server_info").expect("GET /server_info");
-    assert_eq!(status, 404, "the stats listener answers more of the admin interface than /stats/prometheus");
+    assert_eq!(
+        status, 404,
+        "the stats listener answers more of the admin interface than /stats/prometheus"
+    );
 
     // Series the dashboard shows: CNI calls, pushes and ACKs, a registry change, a rejected
     // registry file (a reload error), a failed pod record write and an Envoy NACK.
-    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    };
     let pods: Vec<(PodId, Ipv4Addr)> = (1..=2)
-        .map(|n| (PodId { uid: format!("dash-pod-{n}-uid"), name: format!("dash-{n}") }, Ipv4Addr::new(10, 91, 0, n)))
+        .map(|n| {
+            (
+                PodId {
+                    uid: format!("dash-pod-{n}-uid"),
+                    name: format!("dash-{n}"),
+                },
+                Ipv4Addr::new(10, 91, 0, n),
+            )
+        })
         .collect();
     for (pod, ip) in &pods {
-        cni.call("ADD", pod, Some(*ip)).unwrap_or_else(|e| panic!("ADD {}: {e}", pod.uid));
+        cni.call("ADD", pod, Some(*ip))
+            .unwrap_or_else(|e| panic!("ADD {}: {e}", pod.uid));
     }
-    cni.call("DEL", &pods[0].0, None).unwrap_or_else(|e| panic!("DEL {}: {e}", pods[0].0.uid));
+    cni.call("DEL", &pods[0].0, None)
+        .unwrap_or_else(|e| panic!("DEL {}: {e}", pods[0].0.uid));
     let seq = |text: &str| metric_sample(text, "aether_snapshot_seq").unwrap_or(0.0);
     let before = seq(&scrape_metrics(&metrics).expect("scrape the owner"));
     std::fs::write(&registry, mesh_registry_json(3, 2, None, "")).expect("registry change");
-    wait_for("a snapshot built from the registry change", T, || (seq(&scrape_metrics(&metrics)?) > before).then_some(()));
+    wait_for("a snapshot built from the registry change", T, || {
+        (seq(&scrape_metrics(&metrics)?) > before).then_some(())
+    });
     std::fs::write(&registry, "{ not json").expect("a rejected registry file");
     wait_for("the rejected registry file to be counted", T, || {
         let text = scrape_metrics(&metrics)?;
-        text.lines().any(|l| l.starts_with("aether_registry_reload_errors_total") && !l.ends_with(" 0")).then_some(())
+        text.lines()
+            .any(|l| l.starts_with("aether_registry_reload_errors_total") && !l.ends_with(" 0"))
+            .then_some(())
     });
     // The records folder read-only to the worker (its own uid): the ADD fails, counted.
     let records = node.state_dir.join("pods");
-    let mode = std::fs::metadata(&records).expect("the pod records folder").permissions().mode();
-    std::fs::set_permissions(&records, std::fs::Permissions::from_mode(0o555)).expect("chmod the records folder");
-    let refused = (PodId { uid: "dash-pod-3-uid".into(), name: "dash-3".into() }, Ipv4Addr::new(10, 91, 0, 3));
+    let mode = std::fs::metadata(&records)
+        .expect("the pod records folder")
+        .permissions()
+        .mode();
+    std::fs::set_permissions(&records, std::fs::Permissions::from_mode(0o555))
+        .expect("chmod the records folder");
+    let refused = (
+        PodId {
+            uid: "dash-pod-3-uid".into(),
+            name: "dash-3".into(),
+        },
+        Ipv4Addr::new(10, 91, 0, 3),
+    );
     let add = cni.call("ADD", &refused.0, Some(refused.1));
-    std::fs::set_permissions(&records, std::fs::Permissions::from_mode(mode)).expect("restore the records folder");
-    assert!(add.is_err(), "an ADD with the records folder read-only succeeded");
+    std::fs::set_permissions(&records, std::fs::Permissions::from_mode(mode))
+        .expect("restore the records folder");
+    assert!(
+        add.is_err(),
+        "an ADD with the records folder read-only succeeded"
+    );
     wait_for("the failed record write to be counted", T, || {
-        (metric_sample(&scrape_metrics(&metrics)?, "aether_storage_write_errors_total{op=\"write\"}")? >= 1.0).then_some(())
+        (metric_sample(
+            &scrape_metrics(&metrics)?,
+            "aether_storage_write_errors_total{op=\"write\"}",
+        )? >= 1.0)
+            .then_some(())
     });
     // An outbound capture address that is on no interface: Envoy cannot bind the listener
     // and rejects the update (a NACK); the good capture afterwards is ACKed again.
-    std::fs::write(&capture_file, capture("192.0.2.1:15001", inbound)).expect("an unbindable capture address");
+    std::fs::write(&capture_file, capture("192.0.2.1:15001", inbound))
+        .expect("an unbindable capture address");
     wait_for("Envoy's NACK of the unbindable listener", T, || {
-        scrape_metrics(&metrics)?.lines().any(|l| l.starts_with("aether_xds_nacks_total") && !l.ends_with(" 0")).then_some(())
+        scrape_metrics(&metrics)?
+            .lines()
+            .any(|l| l.starts_with("aether_xds_nacks_total") && !l.ends_with(" 0"))
+            .then_some(())
     });
     std::fs::write(&capture_file, capture(&outbound, inbound)).expect("the capture file again");
 
     // The registrar's row: services applied and dumped through a live registrar.
-    let registrar_metrics = format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).expect("a free port"));
+    let registrar_metrics = format!(
+        "127.0.0.1:{}",
+        free_port(Ipv4Addr::LOCALHOST).expect("a free port")
+    );
     let applied = node.root.path().join("registrar-services.json");
     std::fs::write(&applied, mesh_registry_json(2, 2, None, "")).expect("the services to apply");
     let (_registrar, _api, _ca) = start_registrar(&etcd, &registrar_metrics, &applied);
-    wait_for("the registrar's metrics port", T, || scrape_metrics(&registrar_metrics));
+    wait_for("the registrar's metrics port", T, || {
+        scrape_metrics(&registrar_metrics)
+    });
 
     let prom_dir = node.root.path().join("prometheus");
     std::fs::create_dir_all(&prom_dir).expect("prometheus dir");
@@ -442,16 +625,35 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
     ];
     let _prometheus = start_prometheus(&prometheus, &prom_dir, prom_port, &jobs);
     let log = || std::fs::read_to_string(prom_dir.join("prometheus.log")).unwrap_or_default();
-    try_wait_for("Prometheus ready", T, || http_get("1.0", &prom, "/-/ready").ok().filter(|(s, _)| *s == 200))
-        .unwrap_or_else(|e| panic!("{e}; its log:\n{}", log()));
+    try_wait_for("Prometheus ready", T, || {
+        http_get("1.0", &prom, "/-/ready")
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .unwrap_or_else(|e| panic!("{e}; its log:\n{}", log()));
     // Three scrapes of each target, all after the traffic above, so that every rate() over
     // the window has at least two samples.
-    let up = |job: &str| prom_api(&prom, &format!("/api/v1/query?query={}", encode(&format!("count_over_time(up{{job=\"{job}\"}}[30s])"))));
+    let up = |job: &str| {
+        prom_api(
+            &prom,
+            &format!(
+                "/api/v1/query?query={}",
+                encode(&format!("count_over_time(up{{job=\"{job}\"}}[30s])"))
+            ),
+        )
+    };
     wait_for("every target scraped at least three times", T, || {
         jobs.iter()
             .map(|(job, _, _)| job)
             .all(|j| {
-                up(j).ok().and_then(|d| d["result"][0]["value"][1].as_str().and_then(|v| v.parse::<f64>().ok())).is_some_and(|n| n >= 3.0)
+                up(j)
+                    .ok()
+                    .and_then(|d| {
+                        d["result"][0]["value"][1]
+                            .as_str()
+                            .and_then(|v| v.parse::<f64>().ok())
+                    })
+                    .is_some_and(|n| n >= 3.0)
             })
             .then_some(())
     });
@@ -467,13 +669,19 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         .flat_map(|g| g["rules"].as_array().into_iter().flatten())
         .filter_map(|r| r["name"].as_str())
         .collect();
-    assert_eq!(loaded.len(), 9, "the chart's alert rules as Prometheus loaded them: {loaded:?}");
+    assert_eq!(
+        loaded.len(),
+        9,
+        "the chart's alert rules as Prometheus loaded them: {loaded:?}"
+    );
 
     // Every expression, polled until all pass (a scrape may land just before a series
     // appears) or the deadline; then the last outcome is the verdict.
     let expositions = || {
         let owner = scrape_metrics(&metrics).expect("scrape the owner");
-        let envoy = http_get("1.1", &envoy_stats, "/stats/prometheus").expect("scrape Envoy").1;
+        let envoy = http_get("1.1", &envoy_stats, "/stats/prometheus")
+            .expect("scrape Envoy")
+            .1;
         let registrar = scrape_metrics(&registrar_metrics).expect("scrape the registrar");
         [owner, envoy, registrar]
     };
@@ -495,12 +703,28 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
     );
 
     // The checker fails a panel naming a metric that does not exist, here too.
-    let bad = vec![("Owner's generation".to_string(), "max by (instance) (aether_generations)".to_string())];
-    let bad_failures = check(&bad, &known(&prom, &expositions()), &mut |e| prom_query(&prom, e));
-    assert_eq!(bad_failures.len(), 1, "a panel over aether_generations (no such metric) passed: {bad_failures:?}");
-    assert!(bad_failures[0].contains("aether_generations"), "{}", bad_failures[0]);
+    let bad = vec![(
+        "Owner's generation".to_string(),
+        "max by (instance) (aether_generations)".to_string(),
+    )];
+    let bad_failures = check(&bad, &known(&prom, &expositions()), &mut |e| {
+        prom_query(&prom, e)
+    });
+    assert_eq!(
+        bad_failures.len(),
+        1,
+        "a panel over aether_generations (no such metric) passed: {bad_failures:?}"
+    );
+    assert!(
+        bad_failures[0].contains("aether_generations"),
+        "{}",
+        bad_failures[0]
+    );
 
-    let kube = exprs.iter().filter(|(_, e)| metric_names(e).iter().any(|n| n.starts_with("kube_"))).count();
+    let kube = exprs
+        .iter()
+        .filter(|(_, e)| metric_names(e).iter().any(|n| n.starts_with("kube_")))
+        .count();
     println!(
         "dashboard: {} expressions, {} returned data, {} over kube-state-metrics parsed only; {} alert rules loaded; {:.1} s",
         exprs.len(),
@@ -509,7 +733,10 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         loaded.len(),
         started.elapsed().as_secs_f64()
     );
-    println!("a panel over a metric that does not exist: {}", bad_failures[0]);
+    println!(
+        "a panel over a metric that does not exist: {}",
+        bad_failures[0]
+    );
 }
 
 /// The checker on a fixed table: a panel naming a metric no target exports fails, as do a
@@ -519,14 +746,23 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
 #[test]
 fn the_dashboard_check_fails_a_panel_that_names_a_metric_that_does_not_exist() {
     let known = Known {
-        series: ["aether_generation", "aether_xds_pushes_total"].into_iter().map(String::from).collect(),
-        declared: ["aether_generation", "aether_xds_pushes", "aether_xds_nacks"].into_iter().map(String::from).collect(),
+        series: ["aether_generation", "aether_xds_pushes_total"]
+            .into_iter()
+            .map(String::from)
+            .collect(),
+        declared: ["aether_generation", "aether_xds_pushes", "aether_xds_nacks"]
+            .into_iter()
+            .map(String::from)
+            .collect(),
     };
     let answers: BTreeMap<&str, Result<usize, String>> = [
         ("max by (instance) (aether_generation)", Ok(1)),
         ("sum(rate(aether_xds_pushes_total[30s]))", Ok(1)),
         ("sum(rate(aether_xds_nacks_total[30s]))", Ok(0)),
-        ("count by (node) (kube_pod_info{created_by_name=\"aether-agent\"})", Ok(0)),
+        (
+            "count by (node) (kube_pod_info{created_by_name=\"aether-agent\"})",
+            Ok(0),
+        ),
         ("max by (instance) (aether_generations)", Ok(0)),
         ("sum(rate(aether_xds_pushes_totl[30s])) or vector(0)", Ok(1)),
         ("sum(", Err("bad_data: unexpected end of input".into())),
@@ -537,26 +773,68 @@ fn the_dashboard_check_fails_a_panel_that_names_a_metric_that_does_not_exist() {
     let exprs: Vec<(String, String)> = answers
         .keys()
         .map(|e| (format!("panel of {e}"), e.to_string()))
-        .chain([("variables".to_string(), "rate(aether_generation[$__interval])".to_string())])
+        .chain([(
+            "variables".to_string(),
+            "rate(aether_generation[$__interval])".to_string(),
+        )])
         .collect();
-    let failures = check(&exprs, &known, &mut |e| answers.get(e).cloned().unwrap_or(Ok(1)));
+    let failures = check(&exprs, &known, &mut |e| {
+        answers.get(e).cloned().unwrap_or(Ok(1))
+    });
     let failed = |needle: &str| failures.iter().any(|f| f.contains(needle));
-    assert!(failed("aether_generations"), "a missing metric passed: {failures:#?}");
-    assert!(failed("aether_xds_pushes_totl"), "a misspelt counter passed: {failures:#?}");
-    assert!(failed("`sum(` is refused"), "an expression Prometheus refused passed: {failures:#?}");
-    assert!(failed("`vector(1) and on() absent(up)` returns no data"), "an empty expression passed: {failures:#?}");
-    assert!(failed("`sum(rate(aether_xds_nacks_total[30s]))` returns no data"), "an empty counter passed: {failures:#?}");
-    assert!(failed("unknown Grafana variable"), "an unknown variable passed: {failures:#?}");
+    assert!(
+        failed("aether_generations"),
+        "a missing metric passed: {failures:#?}"
+    );
+    assert!(
+        failed("aether_xds_pushes_totl"),
+        "a misspelt counter passed: {failures:#?}"
+    );
+    assert!(
+        failed("`sum(` is refused"),
+        "an expression Prometheus refused passed: {failures:#?}"
+    );
+    assert!(
+        failed("`vector(1) and on() absent(up)` returns no data"),
+        "an empty expression passed: {failures:#?}"
+    );
+    assert!(
+        failed("`sum(rate(aether_xds_nacks_total[30s]))` returns no data"),
+        "an empty counter passed: {failures:#?}"
+    );
+    assert!(
+        failed("unknown Grafana variable"),
+        "an unknown variable passed: {failures:#?}"
+    );
     assert_eq!(failures.len(), 6, "{failures:#?}");
     assert_eq!(
-        metric_names(r#"sum by (le) (rate(aether_cni_request_duration_seconds_bucket{op="aether_x"}[30s])) * on (pod) kube_pod_info"#),
-        ["aether_cni_request_duration_seconds_bucket", "kube_pod_info"].into_iter().map(String::from).collect::<BTreeSet<_>>()
+        metric_names(
+            r#"sum by (le) (rate(aether_cni_request_duration_seconds_bucket{op="aether_x"}[30s])) * on (pod) kube_pod_info"#
+        ),
+        [
+            "aether_cni_request_duration_seconds_bucket",
+            "kube_pod_info"
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<BTreeSet<_>>()
     );
 }
 
 fn promtool(promtool: &Path, args: &[&str], dir: &Path) -> (bool, String) {
-    let out = Command::new(promtool).args(args).current_dir(dir).output().expect("run promtool");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let out = Command::new(promtool)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run promtool");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
 
 /// Issue 18's alert check. Invariant: the chart's rules pass `promtool check rules`, their
@@ -564,26 +842,59 @@ fn promtool(promtool: &Path, args: &[&str], dir: &Path) -> (bool, String) {
 /// those tests fail when a rule is broken (a threshold no respawn loop reaches).
 #[test]
 fn the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule() {
-    let Some(promtool_bin) = tool_or_skip("promtool", "the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule") else {
+    let Some(promtool_bin) = tool_or_skip(
+        "promtool",
+        "the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule",
+    ) else {
         return;
     };
     let alerts = chart().join("alerts");
-    let (ok, out) = promtool(&promtool_bin, &["check", "rules", "aether-agent.rules.yaml"], &alerts);
+    let (ok, out) = promtool(
+        &promtool_bin,
+        &["check", "rules", "aether-agent.rules.yaml"],
+        &alerts,
+    );
     assert!(ok, "promtool check rules:\n{out}");
     println!("{}", out.trim());
-    let (ok, out) = promtool(&promtool_bin, &["test", "rules", "aether-agent.rules.test.yaml"], &alerts);
+    let (ok, out) = promtool(
+        &promtool_bin,
+        &["test", "rules", "aether-agent.rules.test.yaml"],
+        &alerts,
+    );
     assert!(ok, "promtool test rules:\n{out}");
     println!("{}", out.trim());
 
     let broken = tempfile::tempdir().expect("tempdir");
-    let rules = std::fs::read_to_string(alerts.join("aether-agent.rules.yaml")).expect("read the rules");
+    let rules =
+        std::fs::read_to_string(alerts.join("aether-agent.rules.yaml")).expect("read the rules");
     let threshold = "increase(aether_worker_respawns_total[15m]) > 3";
-    assert!(rules.contains(threshold), "the respawn rule no longer reads `{threshold}`");
-    let never = rules.replace(threshold, "increase(aether_worker_respawns_total[15m]) > 30");
-    std::fs::write(broken.path().join("aether-agent.rules.yaml"), never).expect("write the broken rules");
-    std::fs::copy(alerts.join("aether-agent.rules.test.yaml"), broken.path().join("aether-agent.rules.test.yaml")).expect("copy the tests");
-    let (ok, out) = promtool(&promtool_bin, &["test", "rules", "aether-agent.rules.test.yaml"], broken.path());
-    assert!(!ok, "the unit tests passed a respawn rule that never fires:\n{out}");
-    assert!(out.contains("AetherWorkerRespawnLoop"), "the unit tests failed, but not on the respawn rule:\n{out}");
+    assert!(
+        rules.contains(threshold),
+        "the respawn rule no longer reads `{threshold}`"
+    );
+    let never = rules.replace(
+        threshold,
+        "increase(aether_worker_respawns_total[15m]) > 30",
+    );
+    std::fs::write(broken.path().join("aether-agent.rules.yaml"), never)
+        .expect("write the broken rules");
+    std::fs::copy(
+        alerts.join("aether-agent.rules.test.yaml"),
+        broken.path().join("aether-agent.rules.test.yaml"),
+    )
+    .expect("copy the tests");
+    let (ok, out) = promtool(
+        &promtool_bin,
+        &["test", "rules", "aether-agent.rules.test.yaml"],
+        broken.path(),
+    );
+    assert!(
+        !ok,
+        "the unit tests passed a respawn rule that never fires:\n{out}"
+    );
+    assert!(
+        out.contains("AetherWorkerRespawnLoop"),
+        "the unit tests failed, but not on the respawn rule:\n{out}"
+    );
     println!("broken respawn threshold: promtool test rules fails on AetherWorkerRespawnLoop");
 }

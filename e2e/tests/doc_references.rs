@@ -21,7 +21,9 @@ fn references(doc: &str) -> Vec<(usize, String, String)> {
                     Some(f) => (f.clone(), span.to_string()),
                     None => continue,
                 },
-                Some(i) if span[..i].ends_with(".rs") && span[..i].contains('/') => (span[..i].to_string(), span[i..].to_string()),
+                Some(i) if span[..i].ends_with(".rs") && span[..i].contains('/') => {
+                    (span[..i].to_string(), span[i..].to_string())
+                }
                 _ => continue,
             };
             last = Some(file.clone());
@@ -33,17 +35,22 @@ fn references(doc: &str) -> Vec<(usize, String, String)> {
 
 fn check(doc_name: &str) -> Vec<String> {
     let root = root();
-    let doc = std::fs::read_to_string(root.join(doc_name)).unwrap_or_else(|e| panic!("{doc_name}: {e}"));
+    let doc =
+        std::fs::read_to_string(root.join(doc_name)).unwrap_or_else(|e| panic!("{doc_name}: {e}"));
     let mut files: HashMap<String, Option<String>> = HashMap::new();
     let mut bad = Vec::new();
     for (n, file, rest) in references(&doc) {
-        let text = files.entry(file.clone()).or_insert_with(|| std::fs::read_to_string(root.join(&file)).ok());
+        let text = files
+            .entry(file.clone())
+            .or_insert_with(|| std::fs::read_to_string(root.join(&file)).ok());
         let Some(text) = text else {
             bad.push(format!("{doc_name}:{n}: {file} does not exist"));
             continue;
         };
         if let Some(name) = rest.strip_prefix("::") {
-            let defined = [format!("fn {name}("), format!("fn {name}<")].iter().any(|d| text.contains(d.as_str()));
+            let defined = [format!("fn {name}("), format!("fn {name}<")]
+                .iter()
+                .any(|d| text.contains(d.as_str()));
             if !defined {
                 bad.push(format!("{doc_name}:{n}: no fn {name} in {file}"));
             }
@@ -52,7 +59,9 @@ fn check(doc_name: &str) -> Vec<String> {
             for l in lines.split('-') {
                 match l.parse::<usize>() {
                     Ok(l) if (1..=count).contains(&l) => {}
-                    _ => bad.push(format!("{doc_name}:{n}: {file}{rest}: line {l} is not in its {count} lines")),
+                    _ => bad.push(format!(
+                        "{doc_name}:{n}: {file}{rest}: line {l} is not in its {count} lines"
+                    )),
                 }
             }
         }
@@ -63,7 +72,12 @@ fn check(doc_name: &str) -> Vec<String> {
 #[test]
 fn every_code_reference_in_the_review_documents_points_at_code() {
     let mut bad = Vec::new();
-    for doc in ["SECURITY.md", "ARCHITECTURE.md", "README.md", "RELIABILITY.md"] {
+    for doc in [
+        "SECURITY.md",
+        "ARCHITECTURE.md",
+        "README.md",
+        "RELIABILITY.md",
+    ] {
         bad.extend(check(doc));
     }
     assert!(bad.is_empty(), "stale references:\n{}", bad.join("\n"));
@@ -71,9 +85,15 @@ fn every_code_reference_in_the_review_documents_points_at_code() {
 
 #[test]
 fn references_are_found_with_and_without_a_file() {
-    let refs = references("a (`x/y.rs:3-4`, `:9`; `x/y.rs::t`, `::u`) and `not a ref` and `b/c.rs`");
+    let refs =
+        references("a (`x/y.rs:3-4`, `:9`; `x/y.rs::t`, `::u`) and `not a ref` and `b/c.rs`");
     let got: Vec<(String, String)> = refs.into_iter().map(|(_, f, r)| (f, r)).collect();
-    let want = [("x/y.rs", ":3-4"), ("x/y.rs", ":9"), ("x/y.rs", "::t"), ("x/y.rs", "::u")];
+    let want = [
+        ("x/y.rs", ":3-4"),
+        ("x/y.rs", ":9"),
+        ("x/y.rs", "::t"),
+        ("x/y.rs", "::u"),
+    ];
     assert_eq!(got, want.map(|(f, r)| (f.to_string(), r.to_string())));
 }
 
@@ -82,18 +102,32 @@ fn every_metric_the_worker_registers_is_documented() {
     let root = root();
     let code = std::fs::read_to_string(root.join("worker/src/metrics.rs")).expect("metrics.rs");
     let doc = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
-    let names: Vec<&str> =
-        code.split("r.register(\"").skip(1).map(|rest| rest.split('"').next().expect("a quoted name")).collect();
+    // `r.register("name", ...)`, the name on the same line or the next (as formatted).
+    let names: Vec<&str> = code
+        .split("r.register(")
+        .skip(1)
+        .filter_map(|rest| rest.trim_start().strip_prefix('"'))
+        .map(|rest| rest.split('"').next().expect("a quoted name"))
+        .collect();
     assert!(names.len() >= 10, "found only {names:?} in metrics.rs");
-    let missing: Vec<_> = names.iter().filter(|n| !doc.contains(&format!("`aether_{n}`"))).collect();
-    assert!(missing.is_empty(), "metrics missing from ARCHITECTURE.md's table: {missing:?}");
+    let missing: Vec<_> = names
+        .iter()
+        .filter(|n| !doc.contains(&format!("`aether_{n}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "metrics missing from ARCHITECTURE.md's table: {missing:?}"
+    );
 }
 
 /// Whether `file` defines `name` as a test: `#[test]`, `#[tokio::test…]` or a
 /// `#[…::test]` among the attributes right above `fn name`.
 fn is_test_fn(text: &str, name: &str) -> bool {
     let lines: Vec<&str> = text.lines().collect();
-    let Some(at) = lines.iter().position(|l| l.contains(&format!("fn {name}(")) || l.contains(&format!("fn {name}<"))) else {
+    let Some(at) = lines
+        .iter()
+        .position(|l| l.contains(&format!("fn {name}(")) || l.contains(&format!("fn {name}<")))
+    else {
         return false;
     };
     lines[..at]
@@ -115,7 +149,9 @@ fn every_fault_matrix_row_names_tests_that_exist() {
     let mut bad = Vec::new();
     for line in doc.lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
-        let Some(n) = cells.get(1).and_then(|c| c.parse::<usize>().ok()) else { continue };
+        let Some(n) = cells.get(1).and_then(|c| c.parse::<usize>().ok()) else {
+            continue;
+        };
         rows.push(n);
         let Some(tests) = cells.get(4) else {
             bad.push(format!("row {n}: no Tests column"));
@@ -123,7 +159,9 @@ fn every_fault_matrix_row_names_tests_that_exist() {
         };
         let named: Vec<(String, String)> = references(tests)
             .into_iter()
-            .filter_map(|(_, file, rest)| rest.strip_prefix("::").map(|name| (file, name.to_string())))
+            .filter_map(|(_, file, rest)| {
+                rest.strip_prefix("::").map(|name| (file, name.to_string()))
+            })
             .collect();
         if named.is_empty() {
             bad.push(format!("row {n}: names no test"));
@@ -131,12 +169,18 @@ fn every_fault_matrix_row_names_tests_that_exist() {
         for (file, name) in named {
             match std::fs::read_to_string(root.join(&file)) {
                 Ok(text) if is_test_fn(&text, &name) => {}
-                Ok(_) => bad.push(format!("row {n}: {file}::{name} is not a test function there")),
+                Ok(_) => bad.push(format!(
+                    "row {n}: {file}::{name} is not a test function there"
+                )),
                 Err(e) => bad.push(format!("row {n}: {file}: {e}")),
             }
         }
     }
-    assert_eq!(rows, (1..=23).collect::<Vec<_>>(), "RELIABILITY.md must have rows 1 to 23 in order");
+    assert_eq!(
+        rows,
+        (1..=23).collect::<Vec<_>>(),
+        "RELIABILITY.md must have rows 1 to 23 in order"
+    );
     assert!(bad.is_empty(), "RELIABILITY.md:\n{}", bad.join("\n"));
 }
 

@@ -54,7 +54,11 @@ const WATCHED: [&str; 11] = [
 
 /// Envoy is connected again and never had a connect to xds.sock refused.
 fn assert_connected(rig: &NodeRig, now: &BTreeMap<String, u64>, what: &str) {
-    assert_eq!(now[envoy::CONNECTED], 1, "{what}: control_plane.connected_state did not return to 1");
+    assert_eq!(
+        now[envoy::CONNECTED],
+        1,
+        "{what}: control_plane.connected_state did not return to 1"
+    );
     assert_eq!(
         now[envoy::CONNECT_FAIL],
         0,
@@ -150,13 +154,19 @@ fn ms(d: Duration) -> String {
 /// Issue 3 test 5 and issue 5 test 1.
 #[test]
 fn twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners() {
-    twenty_surge_rolls("twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners", AdsApi::Sotw);
+    twenty_surge_rolls(
+        "twenty_surge_rolls_under_load_fail_no_request_and_keep_sockets_and_listeners",
+        AdsApi::Sotw,
+    );
 }
 
 /// The same over incremental ADS: a reconnect resumes from the versions Envoy holds.
 #[test]
 fn twenty_surge_rolls_over_delta_ads_fail_no_request_and_keep_sockets_and_listeners() {
-    twenty_surge_rolls("twenty_surge_rolls_over_delta_ads_fail_no_request_and_keep_sockets_and_listeners", AdsApi::Delta);
+    twenty_surge_rolls(
+        "twenty_surge_rolls_over_delta_ads_fail_no_request_and_keep_sockets_and_listeners",
+        AdsApi::Delta,
+    );
 }
 
 fn twenty_surge_rolls(test: &str, api: AdsApi) {
@@ -453,7 +463,9 @@ fn killing_the_worker_ten_times_keeps_sockets_and_config_and_a_waiting_cni_add_c
             (thread, t0)
         });
         let ready = wait_for(&format!("kill {i}: a respawned worker serving"), T, || {
-            rig.owner.serving_owner().filter(|v| v["pid"].as_i64().is_some_and(|p| p != old as i64))
+            rig.owner
+                .serving_owner()
+                .filter(|v| v["pid"].as_i64().is_some_and(|p| p != old as i64))
         });
         let respawned = start.elapsed();
         assert_eq!(
@@ -665,7 +677,10 @@ fn the_old_owner_keeps_envoys_stream_until_its_successor_serves() {
     let envoy = Envoy::start_on(&node, None).expect("Envoy");
     envoy.wait_connected(T_START);
     let stat = |name: &str| envoy.stat(name).unwrap_or(0);
-    let (ended, served) = ("cluster_manager.cds.update_failure", "cluster_manager.cds.update_success");
+    let (ended, served) = (
+        "cluster_manager.cds.update_failure",
+        "cluster_manager.cds.update_success",
+    );
 
     for (roll, thaw_in_time) in [(1, true), (2, false)] {
         let next = node.start_agent();
@@ -681,28 +696,64 @@ fn the_old_owner_keeps_envoys_stream_until_its_successor_serves() {
         owner.wait_log("node lock released", T);
         // The node has passed; the proxy's stream has not.
         for _ in 0..2 {
-            assert_eq!(stat(envoy::CONNECTED), 1, "roll {roll}: Envoy lost its stream before the successor served");
-            assert_eq!(stat(ended), ended0, "roll {roll}: Envoy's stream ended before the successor served");
-            assert!(!is_dead(owner.pid()), "roll {roll}: the old owner exited before the successor served:\n{}", owner.log());
+            assert_eq!(
+                stat(envoy::CONNECTED),
+                1,
+                "roll {roll}: Envoy lost its stream before the successor served"
+            );
+            assert_eq!(
+                stat(ended),
+                ended0,
+                "roll {roll}: Envoy's stream ended before the successor served"
+            );
+            assert!(
+                !is_dead(owner.pid()),
+                "roll {roll}: the old owner exited before the successor served:\n{}",
+                owner.log()
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
         if thaw_in_time {
             kill(worker, Signal::SIGCONT).expect("SIGCONT");
             owner.wait_exit(T);
-            assert!(owner.log().contains("the successor serves on xds.sock"), "{}", owner.log());
+            assert!(
+                owner.log().contains("the successor serves on xds.sock"),
+                "{}",
+                owner.log()
+            );
         } else {
             owner.wait_exit(T);
             // Its wait (2 s) starts after the SIGTERM.
-            assert!(sigterm_at.elapsed() >= Duration::from_millis(1500), "roll {roll}: the old owner gave up after only {:?}", sigterm_at.elapsed());
-            assert!(owner.log().contains("the successor did not answer"), "{}", owner.log());
-            wait_for("Envoy's stream to end with the old owner", T, || (stat(ended) > ended0).then_some(()));
+            assert!(
+                sigterm_at.elapsed() >= Duration::from_millis(1500),
+                "roll {roll}: the old owner gave up after only {:?}",
+                sigterm_at.elapsed()
+            );
+            assert!(
+                owner.log().contains("the successor did not answer"),
+                "{}",
+                owner.log()
+            );
+            wait_for("Envoy's stream to end with the old owner", T, || {
+                (stat(ended) > ended0).then_some(())
+            });
             kill(worker, Signal::SIGCONT).expect("SIGCONT");
         }
-        wait_for(&format!("roll {roll}: Envoy served by the successor"), T, || {
-            (stat(envoy::CONNECTED) == 1 && stat(served) > served0).then_some(())
-        });
-        assert_eq!(stat(ended), ended0 + 1, "roll {roll}: one stream end, no failed reconnect");
-        assert_eq!(stat(envoy::CONNECT_FAIL), 0, "roll {roll}: a connect to xds.sock was refused");
+        wait_for(
+            &format!("roll {roll}: Envoy served by the successor"),
+            T,
+            || (stat(envoy::CONNECTED) == 1 && stat(served) > served0).then_some(()),
+        );
+        assert_eq!(
+            stat(ended),
+            ended0 + 1,
+            "roll {roll}: one stream end, no failed reconnect"
+        );
+        assert_eq!(
+            stat(envoy::CONNECT_FAIL),
+            0,
+            "roll {roll}: a connect to xds.sock was refused"
+        );
         owner = next;
     }
 }
@@ -717,7 +768,9 @@ fn twenty_surge_rolls_keep_the_observed_upstreams_and_no_standby_writes_them() {
     use nix::sys::inotify::{AddWatchFlags as F, InitFlags, Inotify};
     use std::os::unix::fs::MetadataExt;
     let test = "twenty_surge_rolls_keep_the_observed_upstreams_and_no_standby_writes_them";
-    let Some(envoy_bin) = envoy_or_skip(test) else { return };
+    let Some(envoy_bin) = envoy_or_skip(test) else {
+        return;
+    };
     // Starting the rig sends a request through Envoy: its first call to the service.
     let mut rig = NodeRig::start_with(&envoy_bin, AdsApi::Delta, &["--on-demand-clusters"]);
     let file = rig.node.state_dir.join("observed-upstreams.json");
@@ -731,7 +784,10 @@ fn twenty_surge_rolls_keep_the_observed_upstreams_and_no_standby_writes_them() {
     let (inode, mtime) = (meta.ino(), (meta.mtime(), meta.mtime_nsec()));
     let watch = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).unwrap();
     watch
-        .add_watch(&rig.node.state_dir, F::IN_CLOSE_WRITE | F::IN_MOVED_TO | F::IN_CREATE | F::IN_DELETE | F::IN_MODIFY)
+        .add_watch(
+            &rig.node.state_dir,
+            F::IN_CLOSE_WRITE | F::IN_MOVED_TO | F::IN_CREATE | F::IN_DELETE | F::IN_MODIFY,
+        )
         .unwrap();
     let look = rig.where_to_look();
     let writes = |when: &str| {
@@ -745,26 +801,61 @@ fn twenty_surge_rolls_keep_the_observed_upstreams_and_no_standby_writes_them() {
             .filter_map(|e| e.name.as_ref().map(|n| n.to_string_lossy().into_owned()))
             .filter(|n| n.contains("observed-upstreams"))
             .collect();
-        assert!(touched.is_empty(), "{when}: the observed upstreams were written: {touched:?}\n{look}");
+        assert!(
+            touched.is_empty(),
+            "{when}: the observed upstreams were written: {touched:?}\n{look}"
+        );
     };
     for i in 1..=20 {
         let next = rig.start_agent();
-        wait_for(&format!("roll {i}: {} to be a ready standby", next.name), T, || {
-            next.ready().filter(|(s, v)| *s == 200 && v["role"] == "standby").map(|_| ())
-        });
+        wait_for(
+            &format!("roll {i}: {} to be a ready standby", next.name),
+            T,
+            || {
+                next.ready()
+                    .filter(|(s, v)| *s == 200 && v["role"] == "standby")
+                    .map(|_| ())
+            },
+        );
         writes(&format!("roll {i}, while {} was a standby", next.name));
         rig.owner.signal(Signal::SIGTERM);
         let mut old = std::mem::replace(&mut rig.owner, next);
-        let status = old.wait_exit_timeout(T).unwrap_or_else(|e| panic!("roll {i}: {e:#}"));
-        assert!(status.success(), "roll {i}: {} exited with {status}; log:\n{}", old.name, old.log());
-        wait_for(&format!("roll {i}: {} to serve as owner", rig.owner.name), T, || rig.owner.serving_owner());
-        wait_for(&format!("roll {i}: a request through Envoy to {SERVICE}"), T, || load::request(rig.outbound, SERVICE).ok());
+        let status = old
+            .wait_exit_timeout(T)
+            .unwrap_or_else(|e| panic!("roll {i}: {e:#}"));
+        assert!(
+            status.success(),
+            "roll {i}: {} exited with {status}; log:\n{}",
+            old.name,
+            old.log()
+        );
+        wait_for(
+            &format!("roll {i}: {} to serve as owner", rig.owner.name),
+            T,
+            || rig.owner.serving_owner(),
+        );
+        wait_for(
+            &format!("roll {i}: a request through Envoy to {SERVICE}"),
+            T,
+            || load::request(rig.outbound, SERVICE).ok(),
+        );
         writes(&format!("roll {i}, after the takeover"));
-        assert!(rig.owner.log().contains("observed upstreams restored"), "roll {i}: the new owner restored the set");
+        assert!(
+            rig.owner.log().contains("observed upstreams restored"),
+            "roll {i}: the new owner restored the set"
+        );
     }
     let meta = std::fs::metadata(&file).unwrap();
-    assert_eq!((meta.ino(), (meta.mtime(), meta.mtime_nsec())), (inode, mtime), "the file was rewritten");
-    assert_eq!(std::fs::read_to_string(&file).unwrap(), content, "the observed set changed");
+    assert_eq!(
+        (meta.ino(), (meta.mtime(), meta.mtime_nsec())),
+        (inode, mtime),
+        "the file was rewritten"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&file).unwrap(),
+        content,
+        "the observed set changed"
+    );
     let dump = rig.config_dump();
     assert!(dump.contains(&cluster), "Envoy still holds {cluster}");
     rig.pass();

@@ -51,7 +51,10 @@ impl Churned {
     const ENDPOINTS: usize = 3;
 
     fn key(s: usize) -> pb::ServiceKey {
-        pb::ServiceKey { namespace: "default".into(), name: format!("churn-{s}") }
+        pb::ServiceKey {
+            namespace: "default".into(),
+            name: format!("churn-{s}"),
+        }
     }
 
     fn address(s: usize, e: usize) -> String {
@@ -62,7 +65,11 @@ impl Churned {
         let endpoints = (0..Self::ENDPOINTS)
             .map(|e| {
                 let k = s * Self::ENDPOINTS + e;
-                let state = if self.draining[k] { pb::EndpointState::Draining } else { pb::EndpointState::Healthy };
+                let state = if self.draining[k] {
+                    pb::EndpointState::Draining
+                } else {
+                    pb::EndpointState::Healthy
+                };
                 pb::Endpoint {
                     address: Self::address(s, e),
                     port: u32::from(self.ports[k]),
@@ -74,7 +81,12 @@ impl Churned {
                 }
             })
             .collect();
-        pb::Service { key: Some(Self::key(s)), ports: vec![80], vip: String::new(), endpoints }
+        pb::Service {
+            key: Some(Self::key(s)),
+            ports: vec![80],
+            vip: String::new(),
+            endpoints,
+        }
     }
 }
 
@@ -91,15 +103,29 @@ struct Churn {
 
 impl Churn {
     fn start(registrar: &str) -> Churn {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime for the registry client");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for the registry client");
         // Each call may take as long as the registrar's own etcd requests (10 s): while
         // etcd elects a leader a call waits rather than fails, and an election on a busy
         // machine can take seconds.
-        let mut client = rt.block_on(aether_registrar::client::connect(registrar, Duration::from_secs(10), None)).expect("connect to the registrar");
+        let mut client = rt
+            .block_on(aether_registrar::client::connect(
+                registrar,
+                Duration::from_secs(10),
+                None,
+            ))
+            .expect("connect to the registrar");
         let n = CHURNED * Churned::ENDPOINTS;
-        let mut want = Churned { ports: vec![8080; n], draining: vec![false; n], marked: vec![false; n] };
+        let mut want = Churned {
+            ports: vec![8080; n],
+            draining: vec![false; n],
+            marked: vec![false; n],
+        };
         let services = (0..CHURNED).map(|s| want.service(s)).collect();
-        rt.block_on(client.apply_services(pb::ApplyServicesRequest { services })).expect("apply the churned services");
+        rt.block_on(client.apply_services(pb::ApplyServicesRequest { services }))
+            .expect("apply the churned services");
         let stop = Arc::new(AtomicBool::new(false));
         let applied = Arc::new(AtomicU64::new(0));
         let failed = Arc::new(Mutex::new(Vec::new()));
@@ -114,7 +140,11 @@ impl Churn {
                     let result = match i % 3 {
                         0 => {
                             want.marked[k] ^= true;
-                            let state = if want.marked[k] { pb::EndpointState::Draining } else { pb::EndpointState::Healthy };
+                            let state = if want.marked[k] {
+                                pb::EndpointState::Draining
+                            } else {
+                                pb::EndpointState::Healthy
+                            };
                             let req = pb::SetEndpointStateRequest {
                                 service: Some(Churned::key(s)),
                                 address: Churned::address(s, k % Churned::ENDPOINTS),
@@ -130,7 +160,9 @@ impl Churn {
                             } else {
                                 want.ports[k] = if want.ports[k] == 8080 { 9090 } else { 8080 };
                             }
-                            let req = pb::ApplyServicesRequest { services: vec![want.service(s)] };
+                            let req = pb::ApplyServicesRequest {
+                                services: vec![want.service(s)],
+                            };
                             rt.block_on(client.apply_services(req)).map(|_| ())
                         }
                     };
@@ -138,14 +170,22 @@ impl Churn {
                         Ok(()) => {
                             ap.fetch_add(1, Ordering::Relaxed);
                         }
-                        Err(status) => fa.lock().unwrap().push((Instant::now(), format!("{:?}: {}", status.code(), status.message()))),
+                        Err(status) => fa.lock().unwrap().push((
+                            Instant::now(),
+                            format!("{:?}: {}", status.code(), status.message()),
+                        )),
                     }
                     i += 1;
                     std::thread::sleep(CHURN_EVERY);
                 }
             })
             .expect("spawn the churn thread");
-        Churn { stop, applied, failed, thread: Some(thread) }
+        Churn {
+            stop,
+            applied,
+            failed,
+            thread: Some(thread),
+        }
     }
 
     fn applied(&self) -> u64 {
@@ -185,24 +225,55 @@ impl PeerNode {
         let outbound = SocketAddr::from((ip, free_port(ip).expect("a free port")));
         let capture = root.join("capture.json");
         let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("a free port");
-        std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string()).expect("capture file");
-        let owner = node.start_agent_with(&[&format!("--capture-file={}", capture.display()), &format!("--registrar={registrar}")]);
-        wait_for("node B's agent to serve as owner", T_START, || owner.serving_owner());
-        let envoy = Envoy::start(envoy_bin, &root, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), AdsApi::Delta)
-            .expect("start node B's Envoy");
-        wait_for(&format!("node B's Envoy to route {SERVICE} through {outbound} (log {})", envoy.log.display()), T_START, || {
-            load::request(outbound, SERVICE).is_ok().then_some(())
+        std::fs::write(
+            &capture,
+            json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string(),
+        )
+        .expect("capture file");
+        let owner = node.start_agent_with(&[
+            &format!("--capture-file={}", capture.display()),
+            &format!("--registrar={registrar}"),
+        ]);
+        wait_for("node B's agent to serve as owner", T_START, || {
+            owner.serving_owner()
         });
-        PeerNode { envoy, _owner: owner, node, outbound }
+        let envoy = Envoy::start(
+            envoy_bin,
+            &root,
+            &node.run_dir,
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+            AdsApi::Delta,
+        )
+        .expect("start node B's Envoy");
+        wait_for(
+            &format!(
+                "node B's Envoy to route {SERVICE} through {outbound} (log {})",
+                envoy.log.display()
+            ),
+            T_START,
+            || load::request(outbound, SERVICE).is_ok().then_some(()),
+        );
+        PeerNode {
+            envoy,
+            _owner: owner,
+            node,
+            outbound,
+        }
     }
 }
 
 /// The index of etcd's leader, asked of each member (its status names the leader).
 fn leader(etcd: &Etcd) -> usize {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime for the etcd client");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime for the etcd client");
     rt.block_on(async {
         for (i, url) in etcd.client_urls().iter().enumerate() {
-            let mut c = etcd_client::Client::connect([url.as_str()], None).await.expect("connect to an etcd member");
+            let mut c = etcd_client::Client::connect([url.as_str()], None)
+                .await
+                .expect("connect to an etcd member");
             let status = c.status().await.expect("etcd member status");
             if status.header().map(|h| h.member_id()) == Some(status.leader()) {
                 return i;
@@ -215,25 +286,51 @@ fn leader(etcd: &Etcd) -> usize {
 /// An EDS view read from a config dump (`envoy_eds` reads UNHEALTHY as DRAINING).
 fn eds_of(envoy: &Envoy) -> Option<BTreeMap<String, Vec<String>>> {
     let (status, body) = envoy.get("/config_dump?include_eds").ok()?;
-    Some(envoy_eds(&serde_json::from_str::<Value>(&body).ok().filter(|_| status == 200)?))
+    Some(envoy_eds(
+        &serde_json::from_str::<Value>(&body)
+            .ok()
+            .filter(|_| status == 200)?,
+    ))
 }
 
 /// One surge roll of `rig`: the next generation starts, is a ready standby (its registry
 /// view loaded from the registrar), the owner gets SIGTERM and exits cleanly, the new one
 /// serves and Envoy is on it. `during` runs once the new generation is started.
-fn roll(rig: &mut NodeRig, what: &str, actions: &mut Vec<(String, Instant)>, during: impl FnOnce(&mut Vec<(String, Instant)>)) {
+fn roll(
+    rig: &mut NodeRig,
+    what: &str,
+    actions: &mut Vec<(String, Instant)>,
+    during: impl FnOnce(&mut Vec<(String, Instant)>),
+) {
     let quiet = Instant::now();
     let next = rig.start_agent();
     during(actions);
-    wait_for(&format!("{what}: {} to be a ready standby", next.name), T, || {
-        next.ready().filter(|(s, v)| *s == 200 && v["role"] == "standby").map(|_| ())
-    });
+    wait_for(
+        &format!("{what}: {} to be a ready standby", next.name),
+        T,
+        || {
+            next.ready()
+                .filter(|(s, v)| *s == 200 && v["role"] == "standby")
+                .map(|_| ())
+        },
+    );
     actions.push((format!("{what}: SIGTERM"), Instant::now()));
     rig.owner.signal(Signal::SIGTERM);
     let mut old = std::mem::replace(&mut rig.owner, next);
-    let status = old.wait_exit_timeout(T).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-    assert!(status.success(), "{what}: {} exited with {status} after SIGTERM; log:\n{}", old.name, old.log());
-    wait_for(&format!("{what}: {} to serve as owner", rig.owner.name), T, || rig.owner.serving_owner());
+    let status = old
+        .wait_exit_timeout(T)
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    assert!(
+        status.success(),
+        "{what}: {} exited with {status} after SIGTERM; log:\n{}",
+        old.name,
+        old.log()
+    );
+    wait_for(
+        &format!("{what}: {} to serve as owner", rig.owner.name),
+        T,
+        || rig.owner.serving_owner(),
+    );
     rig.wait_reconnected(quiet, what);
 }
 
@@ -241,26 +338,48 @@ fn roll(rig: &mut NodeRig, what: &str, actions: &mut Vec<(String, Instant)>, dur
 fn placed(failures: &[(Instant, String)], actions: &[(String, Instant)]) -> String {
     failures
         .iter()
-        .map(|(t, what)| match actions.iter().rev().find(|(_, a)| a <= t) {
-            Some((name, a)) => format!("{:.1} ms after {name}: {what}", (*t - *a).as_secs_f64() * 1e3),
-            None => format!("before the first action: {what}"),
-        })
+        .map(
+            |(t, what)| match actions.iter().rev().find(|(_, a)| a <= t) {
+                Some((name, a)) => format!(
+                    "{:.1} ms after {name}: {what}",
+                    (*t - *a).as_secs_f64() * 1e3
+                ),
+                None => format!("before the first action: {what}"),
+            },
+        )
         .collect::<Vec<_>>()
         .join("\n  ")
 }
 
 #[test]
-fn killing_the_etcd_leader_during_surge_rolls_fails_no_request_and_both_envoys_end_at_the_registrar_view() {
+fn killing_the_etcd_leader_during_surge_rolls_fails_no_request_and_both_envoys_end_at_the_registrar_view()
+ {
     let test = "killing_the_etcd_leader_during_surge_rolls...";
-    let Some(envoy_bin) = envoy_or_skip(test) else { return };
-    let Some(mut etcd) = Etcd::cluster_or_skip(test, 3) else { return };
+    let Some(envoy_bin) = envoy_or_skip(test) else {
+        return;
+    };
+    let Some(mut etcd) = Etcd::cluster_or_skip(test, 3) else {
+        return;
+    };
     let started = Instant::now();
     let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
     let churn = Churn::start(registrar.addr());
     let mut rig = NodeRig::start_from(&envoy_bin, AdsApi::Delta, Some(registrar.addr()), &[]);
     let mut peer = PeerNode::start(&envoy_bin, registrar.addr());
-    let loads = [("node A", Load::start(rig.outbound, vec![SERVICE.into()], RPS)), ("node B", Load::start(peer.outbound, vec![SERVICE.into()], RPS))];
-    eprintln!("etcd (3 members), registrar, both nodes and their Envoys up after {:.1} s", started.elapsed().as_secs_f64());
+    let loads = [
+        (
+            "node A",
+            Load::start(rig.outbound, vec![SERVICE.into()], RPS),
+        ),
+        (
+            "node B",
+            Load::start(peer.outbound, vec![SERVICE.into()], RPS),
+        ),
+    ];
+    eprintln!(
+        "etcd (3 members), registrar, both nodes and their Envoys up after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
 
     let mut actions = Vec::new();
     let mut killed = None;
@@ -276,59 +395,119 @@ fn killing_the_etcd_leader_during_surge_rolls_fails_no_request_and_both_envoys_e
                 applied_at_kill = churn.applied();
             }
         });
-        eprintln!("roll {i}: {:.0} ms, registry changes applied so far {}", t.elapsed().as_secs_f64() * 1e3, churn.applied());
+        eprintln!(
+            "roll {i}: {:.0} ms, registry changes applied so far {}",
+            t.elapsed().as_secs_f64() * 1e3,
+            churn.applied()
+        );
     }
     let killed = killed.expect("a member was killed");
     // Changes keep being applied with two members left. A transaction in flight at the
     // old leader when it died holds its call for etcd's request timeout (about 5 s,
     // "request timed out, possibly due to previous leader failure").
-    wait_for("registry changes applied with two etcd members", Duration::from_secs(20), || (churn.applied() >= applied_at_kill + 10).then_some(()));
+    wait_for(
+        "registry changes applied with two etcd members",
+        Duration::from_secs(20),
+        || (churn.applied() >= applied_at_kill + 10).then_some(()),
+    );
     let (applied, failed_calls) = churn.stop();
 
     let mut failed = Vec::new();
     for (name, load) in loads {
         let counters = load.stop();
-        let (requests, failures) = (counters.requests.load(Ordering::Relaxed), counters.failures.load(Ordering::Relaxed));
+        let (requests, failures) = (
+            counters.requests.load(Ordering::Relaxed),
+            counters.failures.load(Ordering::Relaxed),
+        );
         eprintln!("{name}: {requests} requests through Envoy, {failures} failed");
         assert!(requests > 0, "{name}: the load sent no request");
         let log = counters.failure_log.lock().unwrap();
         if failures > 0 {
-            failed.push(format!("{name}: {failures} of {requests} failed:\n  {}", placed(&log.iter().map(|(t, h, w)| (*t, format!("{h}: {w}"))).collect::<Vec<_>>(), &actions)));
+            failed.push(format!(
+                "{name}: {failures} of {requests} failed:\n  {}",
+                placed(
+                    &log.iter()
+                        .map(|(t, h, w)| (*t, format!("{h}: {w}")))
+                        .collect::<Vec<_>>(),
+                    &actions
+                )
+            ));
         }
     }
-    assert!(failed.is_empty(), "requests failed\n{}\n{}; node B {}", failed.join("\n"), rig.where_to_look(), peer.node.root.path().display());
+    assert!(
+        failed.is_empty(),
+        "requests failed\n{}\n{}; node B {}",
+        failed.join("\n"),
+        rig.where_to_look(),
+        peer.node.root.path().display()
+    );
 
     // No registry call failed for want of the killed member: the registrar sends such a
     // request again, to another member. A call can still fail when etcd itself gives up
     // on it ("etcdserver: request timed out": a transaction the dead leader had taken, or
     // an election that a busy machine stretches past the registrar's 2 s of retries);
     // those are only counted.
-    let lost_member: Vec<_> =
-        failed_calls.iter().filter(|(_, what)| ["tcp connect error", "transport error", "connection"].iter().any(|m| what.contains(m))).cloned().collect();
-    assert!(lost_member.is_empty(), "registry calls failed on the killed member:\n  {}\nregistrar log:\n{}", placed(&lost_member, &actions), registrar.log());
+    let lost_member: Vec<_> = failed_calls
+        .iter()
+        .filter(|(_, what)| {
+            ["tcp connect error", "transport error", "connection"]
+                .iter()
+                .any(|m| what.contains(m))
+        })
+        .cloned()
+        .collect();
+    assert!(
+        lost_member.is_empty(),
+        "registry calls failed on the killed member:\n  {}\nregistrar log:\n{}",
+        placed(&lost_member, &actions),
+        registrar.log()
+    );
 
     // Both Envoys end at the registrar's view at its final revision.
     let view = dump(registrar.addr());
     let want = expected_eds(&view);
-    assert!(want.len() > CHURNED, "the registrar holds the churned services and the rigs' own: {want:?}");
-    for (name, envoy, dir) in [("node A", &rig.envoy, rig.node.root.path()), ("node B", &peer.envoy, peer.node.root.path())] {
+    assert!(
+        want.len() > CHURNED,
+        "the registrar holds the churned services and the rigs' own: {want:?}"
+    );
+    for (name, envoy, dir) in [
+        ("node A", &rig.envoy, rig.node.root.path()),
+        ("node B", &peer.envoy, peer.node.root.path()),
+    ] {
         let mut got = None;
-        try_wait_for(&format!("{name}'s Envoy EDS to equal the registrar's"), T, || {
-            got = eds_of(envoy);
-            (got.as_ref() == Some(&want)).then_some(())
-        })
-        .unwrap_or_else(|_| panic!("{name}: Envoy's EDS {got:#?}\nthe registrar's {want:#?}\n(folder {})", dir.display()));
+        try_wait_for(
+            &format!("{name}'s Envoy EDS to equal the registrar's"),
+            T,
+            || {
+                got = eds_of(envoy);
+                (got.as_ref() == Some(&want)).then_some(())
+            },
+        )
+        .unwrap_or_else(|_| {
+            panic!(
+                "{name}: Envoy's EDS {got:#?}\nthe registrar's {want:#?}\n(folder {})",
+                dir.display()
+            )
+        });
     }
     // What the member's death cost the registrar's watches, for the record.
     let log = registrar.log();
     eprintln!(
         "{ROLLS} surge rolls, etcd leader m{killed} killed during roll {KILL_DURING}: {applied} registry changes applied, {} failed{}; registrar: {} etcd watches broken and made again, {} streams failed; both Envoys equal the registrar's view ({} clusters, {} endpoints DRAINING); {:.1} s in all",
         failed_calls.len(),
-        if failed_calls.is_empty() { String::new() } else { format!(" ({})", placed(&failed_calls, &actions)) },
-        log.matches("etcd watch broke").count() + log.matches("etcd watch failed; retrying").count(),
+        if failed_calls.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", placed(&failed_calls, &actions))
+        },
+        log.matches("etcd watch broke").count()
+            + log.matches("etcd watch failed; retrying").count(),
         log.matches("watch stream failed").count(),
         want.len(),
-        want.values().flatten().filter(|e| e.ends_with(" DRAINING")).count(),
+        want.values()
+            .flatten()
+            .filter(|e| e.ends_with(" DRAINING"))
+            .count(),
         started.elapsed().as_secs_f64()
     );
     rig.pass();

@@ -28,7 +28,9 @@ const HWM_MIB: u64 = 256;
 /// worker, streams past each connection's cap refused (REFUSED_STREAM).
 #[test]
 fn a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served() {
-    let Some(envoy_bin) = envoy_or_skip("a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served") else {
+    let Some(envoy_bin) =
+        envoy_or_skip("a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served")
+    else {
         return;
     };
     let cfg = Config {
@@ -44,21 +46,51 @@ fn a_flood_of_connections_and_streams_leaves_envoy_and_the_plugin_served() {
     };
     let r = flood::run(&envoy_bin, &cfg);
     r.print();
-    assert!(r.failures.is_empty(), "{} calls or changes failed, first: {:?}", r.failures.len(), r.failures.first());
-    for (what, base, flooded) in [("plugin ADD", &r.base_add, &r.flood_add), ("registry change to Envoy ACK", &r.base_ack, &r.flood_ack)] {
+    assert!(
+        r.failures.is_empty(),
+        "{} calls or changes failed, first: {:?}",
+        r.failures.len(),
+        r.failures.first()
+    );
+    for (what, base, flooded) in [
+        ("plugin ADD", &r.base_add, &r.flood_add),
+        ("registry change to Envoy ACK", &r.base_ack, &r.flood_ack),
+    ] {
         let (b, f) = (Report::ms(base, 99.0), Report::ms(flooded, 99.0));
-        assert!(f <= b * RATIO + SLACK_MS, "{what}: flooded p99 {f:.1} ms over {RATIO} x the unflooded {b:.1} ms + {SLACK_MS} ms");
+        assert!(
+            f <= b * RATIO + SLACK_MS,
+            "{what}: flooded p99 {f:.1} ms over {RATIO} x the unflooded {b:.1} ms + {SLACK_MS} ms"
+        );
     }
-    assert!(r.hwm_kib < HWM_MIB * 1024, "the worker's VmHWM reached {} KiB", r.hwm_kib);
+    assert!(
+        r.hwm_kib < HWM_MIB * 1024,
+        "the worker's VmHWM reached {} KiB",
+        r.hwm_kib
+    );
     assert!(r.same_worker, "the worker was replaced during the flood");
     let attempts = SocketCounts::get(&r.xds.attempts) + SocketCounts::get(&r.cni.attempts);
     assert!(attempts >= cfg.attempts, "{attempts} connection attempts");
     // The flood comes from one process: past its burst its connections are closed for its
     // rate; xds.sock's holder also goes past the cap while it still has tokens.
-    assert!(r.rate_limited_xds >= 1.0 && r.rate_limited_cni >= 1.0, "the worker closed no connection for the flooding process's rate: xds {}, cni {}", r.rate_limited_xds, r.rate_limited_cni);
-    assert!(r.refused_xds + r.rate_limited_xds + r.refused_cni + r.rate_limited_cni >= 16.0, "too few connections closed at once");
+    assert!(
+        r.rate_limited_xds >= 1.0 && r.rate_limited_cni >= 1.0,
+        "the worker closed no connection for the flooding process's rate: xds {}, cni {}",
+        r.rate_limited_xds,
+        r.rate_limited_cni
+    );
+    assert!(
+        r.refused_xds + r.rate_limited_xds + r.refused_cni + r.rate_limited_cni >= 16.0,
+        "too few connections closed at once"
+    );
     for (name, c) in [("xds.sock", &r.xds), ("cni.sock", &r.cni)] {
-        assert!(SocketCounts::get(&c.streams_refused) >= 1, "{name}: no stream refused past the per-connection cap");
-        assert_eq!(SocketCounts::get(&c.goaways), 0, "{name}: the worker ended flooding connections with GOAWAY");
+        assert!(
+            SocketCounts::get(&c.streams_refused) >= 1,
+            "{name}: no stream refused past the per-connection cap"
+        );
+        assert_eq!(
+            SocketCounts::get(&c.goaways),
+            0,
+            "{name}: the worker ended flooding connections with GOAWAY"
+        );
     }
 }

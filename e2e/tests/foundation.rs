@@ -4,7 +4,9 @@
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
-use aether_e2e::testing::{LocalNode, accepts, bin, is_root, proc_status, process_gone, try_wait_for, wait_for};
+use aether_e2e::testing::{
+    LocalNode, accepts, bin, is_root, proc_status, process_gone, try_wait_for, wait_for,
+};
 use nix::sys::signal::Signal;
 
 const T: Duration = Duration::from_secs(10);
@@ -31,9 +33,17 @@ fn second_agent_is_a_complete_standby_and_binds_nothing() {
     let b = node.start_agent();
     let ready = b.wait_role("standby", T);
     assert_eq!(ready["phase"], "standby-complete");
-    assert_eq!(node.socket_inodes(), inodes, "a standby replaced a node socket");
+    assert_eq!(
+        node.socket_inodes(),
+        inodes,
+        "a standby replaced a node socket"
+    );
     assert_eq!(a.ready().expect("owner answers").1["role"], "owner");
-    assert!(!b.log().contains("owns the node"), "standby log claims the node:\n{}", b.log());
+    assert!(
+        !b.log().contains("owns the node"),
+        "standby log claims the node:\n{}",
+        b.log()
+    );
 }
 
 fn takeover_after(sig: Signal) {
@@ -47,10 +57,17 @@ fn takeover_after(sig: Signal) {
         a.kill_generation();
     } else {
         a.signal(sig);
-        assert!(a.wait_exit(T).success(), "owner exits cleanly after SIGTERM:\n{}", a.log());
+        assert!(
+            a.wait_exit(T).success(),
+            "owner exits cleanly after SIGTERM:\n{}",
+            a.log()
+        );
     }
     let ready = b.wait_role("owner", T);
-    eprintln!("{sig}: standby to owner in {:?} (seen from outside)", start.elapsed());
+    eprintln!(
+        "{sig}: standby to owner in {:?} (seen from outside)",
+        start.elapsed()
+    );
     assert_eq!(ready["generation"], 2);
     assert!(accepts(&node.xds_sock()) && accepts(&node.cni_sock()));
 }
@@ -73,13 +90,23 @@ fn a_lockless_server_on_xds_sock_keeps_a_new_agent_from_binding() {
     let inode = LocalNode::inode(&node.xds_sock());
     let a = node.start_agent();
     a.wait_log("a server without the node lock still answers", T);
-    assert_eq!(LocalNode::inode(&node.xds_sock()), inode, "agent replaced a live server's socket");
-    assert_ne!(a.ready().map(|(_, v)| v["role"].clone()), Some("owner".into()));
+    assert_eq!(
+        LocalNode::inode(&node.xds_sock()),
+        inode,
+        "agent replaced a live server's socket"
+    );
+    assert_ne!(
+        a.ready().map(|(_, v)| v["role"].clone()),
+        Some("owner".into())
+    );
     drop(squatter); // The predecessor goes away; its file stays, as a stale socket.
     a.wait_role("owner", T);
     // The squatter's listener is closed, so an accepting xds.sock is the agent's own
     // (inode numbers are reused by the filesystem and prove nothing here).
-    assert!(accepts(&node.xds_sock()), "the stale socket file was not replaced");
+    assert!(
+        accepts(&node.xds_sock()),
+        "the stale socket file was not replaced"
+    );
 }
 
 #[test]
@@ -111,7 +138,10 @@ fn a_symlink_or_regular_file_at_a_socket_path_is_refused_and_left_untouched() {
         let status = a.wait_exit(T);
         assert!(!status.success(), "agent must refuse a {kind}");
         let log = a.log();
-        assert!(log.contains(&format!("it is a {kind}, not a socket")) && log.contains("xds.sock"), "log must name the path and kind:\n{log}");
+        assert!(
+            log.contains(&format!("it is a {kind}, not a socket")) && log.contains("xds.sock"),
+            "log must name the path and kind:\n{log}"
+        );
         assert_eq!(std::fs::read(&victim).expect("victim"), b"precious");
         let meta = std::fs::symlink_metadata(node.xds_sock()).expect("still there");
         assert_eq!(meta.file_type().is_symlink(), kind == "symlink");
@@ -121,22 +151,38 @@ fn a_symlink_or_regular_file_at_a_socket_path_is_refused_and_left_untouched() {
 #[test]
 fn worker_runs_without_privileges() {
     if !is_root() {
-        eprintln!("SKIPPED worker_runs_without_privileges: needs root to show the uid switch and the dropped capability sets (CI runs as root)");
+        eprintln!(
+            "SKIPPED worker_runs_without_privileges: needs root to show the uid switch and the dropped capability sets (CI runs as root)"
+        );
         return;
     }
     let mut node = LocalNode::new();
     let a = node.start_agent();
     a.wait_role("owner", T);
     let status = proc_status(a.worker_pid());
-    let get = |k: &str| status.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_default();
+    let get = |k: &str| {
+        status
+            .iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
     for cap in ["CapEff", "CapPrm", "CapBnd", "CapAmb", "CapInh"] {
         assert_eq!(get(cap), "0000000000000000", "{cap} of the worker");
     }
     assert_eq!(get("NoNewPrivs"), "1");
     let uids: Vec<&str> = get("Uid").split_whitespace().map(|_| "").collect();
     assert_eq!(uids.len(), 4);
-    assert!(get("Uid").split_whitespace().all(|u| u == "65532"), "Uid: {}", get("Uid"));
-    assert!(get("Gid").split_whitespace().all(|g| g == "65532"), "Gid: {}", get("Gid"));
+    assert!(
+        get("Uid").split_whitespace().all(|u| u == "65532"),
+        "Uid: {}",
+        get("Uid")
+    );
+    assert!(
+        get("Gid").split_whitespace().all(|g| g == "65532"),
+        "Gid: {}",
+        get("Gid")
+    );
     assert_eq!(get("Groups"), "", "supplementary groups");
     // Nothing but stdio and the control socket (fd 3) crosses the exec, and the worker
     // moves that socket above its other descriptors at once (see the worker's main): the
@@ -147,10 +193,20 @@ fn worker_runs_without_privileges() {
         .filter_map(|e| {
             let e = e.ok()?;
             let n: u32 = e.file_name().to_str()?.parse().ok()?;
-            (n >= 64).then(|| (n, std::fs::read_link(e.path()).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()))
+            (n >= 64).then(|| {
+                (
+                    n,
+                    std::fs::read_link(e.path())
+                        .map(|p| p.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                )
+            })
         })
         .collect();
-    assert!(high.len() == 2 && high[0].1.starts_with("socket:") && high[0].1 == high[1].1, "descriptors from 64 up: {high:?}");
+    assert!(
+        high.len() == 2 && high[0].1.starts_with("socket:") && high[0].1 == high[1].1,
+        "descriptors from 64 up: {high:?}"
+    );
 }
 
 /// Nothing the supervisor inherited crosses the worker's exec: descriptors it got from its
@@ -165,12 +221,16 @@ fn a_descriptor_the_supervisor_inherited_does_not_reach_the_worker() {
     // Room for the highest marker in this test process, which the agents inherit.
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
     if soft < 8192 {
-        setrlimit(Resource::RLIMIT_NOFILE, 8192.min(hard), hard).expect("raise the descriptor limit");
+        setrlimit(Resource::RLIMIT_NOFILE, 8192.min(hard), hard)
+            .expect("raise the descriptor limit");
     }
     let prlimit = format!("--nofile={}", 8192.min(hard));
     let without = bin("without-close-range").display().to_string();
     let fallback = ["prlimit", prlimit.as_str(), without.as_str()];
-    for (how, wrapper) in [("with close_range", &[][..]), ("without close_range", &fallback[..])] {
+    for (how, wrapper) in [
+        ("with close_range", &[][..]),
+        ("without close_range", &fallback[..]),
+    ] {
         let mut node = LocalNode::new();
         let marker = node.root.path().join("inherited-marker");
         let file = std::fs::File::create(&marker).expect("marker");
@@ -188,16 +248,28 @@ fn a_descriptor_the_supervisor_inherited_does_not_reach_the_worker() {
                 .expect("fd dir")
                 .filter_map(|e| {
                     let e = e.ok()?;
-                    (std::fs::read_link(e.path()).ok()? == marker).then(|| e.file_name().to_str()?.parse().ok())?
+                    (std::fs::read_link(e.path()).ok()? == marker)
+                        .then(|| e.file_name().to_str()?.parse().ok())?
                 })
                 .collect()
         };
         let mut inherited = held(a.pid());
         inherited.sort();
-        assert_eq!(inherited, fds, "{how}: the supervisor did not inherit every marker: the test shows nothing");
-        assert_eq!(held(a.worker_pid()), Vec::<i32>::new(), "{how}: the worker holds descriptors the supervisor inherited");
+        assert_eq!(
+            inherited, fds,
+            "{how}: the supervisor did not inherit every marker: the test shows nothing"
+        );
+        assert_eq!(
+            held(a.worker_pid()),
+            Vec::<i32>::new(),
+            "{how}: the worker holds descriptors the supervisor inherited"
+        );
         if !wrapper.is_empty() {
-            assert!(a.log().contains("close_range refused (ENOSYS)"), "{how}: the premise:\n{}", a.log());
+            assert!(
+                a.log().contains("close_range refused (ENOSYS)"),
+                "{how}: the premise:\n{}",
+                a.log()
+            );
         }
         for fd in fds {
             nix::unistd::close(fd).expect("close the copy");
@@ -223,9 +295,13 @@ fn a_respawned_worker_is_the_binary_the_supervisor_started_with_whatever_replace
     std::fs::remove_file(&path).expect("remove the worker's path");
     std::fs::write(&path, "#!/bin/sh\nexit 3\n").expect("write the replacement");
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL).expect("kill the worker");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first), Signal::SIGKILL)
+        .expect("kill the worker");
     // Exec'd by path, the respawn would run the replacement, exit 3 and never serve.
-    wait_for("a respawned worker to serve", T, || a.serving_owner().filter(|v| v["pid"].as_i64() != Some(first.into())));
+    wait_for("a respawned worker to serve", T, || {
+        a.serving_owner()
+            .filter(|v| v["pid"].as_i64() != Some(first.into()))
+    });
 }
 
 #[test]
@@ -235,14 +311,25 @@ fn the_worker_runs_under_its_seccomp_filter_and_the_supervisor_does_not() {
     a.wait_role("owner", T);
     let field = |pid: i32, k: &str| -> u32 {
         let status = proc_status(pid);
-        let v = status.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_else(|| panic!("no {k} for {pid}"));
+        let v = status
+            .iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no {k} for {pid}"));
         v.parse().unwrap_or_else(|_| panic!("{k}: {v:?}"))
     };
-    assert_eq!(field(a.worker_pid(), "Seccomp"), 2, "the worker is in filter mode");
+    assert_eq!(
+        field(a.worker_pid(), "Seccomp"),
+        2,
+        "the worker is in filter mode"
+    );
     // Four filters more than whatever the supervisor was started under (none here, the
     // runtime's default profile under Kubernetes): the supervisor's three
     // (`shared_proto::seccomp::worker_filters`) and the worker's own.
-    assert_eq!(field(a.worker_pid(), "Seccomp_filters"), field(a.pid(), "Seccomp_filters") + 4);
+    assert_eq!(
+        field(a.worker_pid(), "Seccomp_filters"),
+        field(a.pid(), "Seccomp_filters") + 4
+    );
 }
 
 #[test]
@@ -254,7 +341,11 @@ fn a_standby_deleted_before_takeover_exits_without_binding() {
     let mut b = node.start_agent();
     b.wait_role("standby", T);
     b.signal(Signal::SIGTERM);
-    assert!(b.wait_exit(T).success(), "standby exits cleanly:\n{}", b.log());
+    assert!(
+        b.wait_exit(T).success(),
+        "standby exits cleanly:\n{}",
+        b.log()
+    );
     assert!(!b.log().contains("owns the node"));
     assert_eq!(node.socket_inodes(), inodes);
     assert_eq!(a.ready().expect("owner").1["role"], "owner");
@@ -297,7 +388,9 @@ fn takeover_generation_is_recorded_and_shown() {
         assert_eq!(lock.trim(), expected.to_string());
         a = b;
     }
-    wait_for("a log line with the generation", T, || a.log().contains("generation=3").then_some(()));
+    wait_for("a log line with the generation", T, || {
+        a.log().contains("generation=3").then_some(())
+    });
 }
 
 /// The chart's capability set: `setpriv` limits the bounding set, so root's effective
@@ -307,7 +400,9 @@ const CHART_CAPS: &str = "-all,+chown,+setuid,+setgid,+setpcap,+kill";
 #[test]
 fn the_agent_runs_with_exactly_the_charts_capabilities_and_names_a_missing_one() {
     if !is_root() {
-        eprintln!("SKIPPED the_agent_runs_with_exactly_the_charts_capabilities_and_names_a_missing_one: needs root (CI runs as root)");
+        eprintln!(
+            "SKIPPED the_agent_runs_with_exactly_the_charts_capabilities_and_names_a_missing_one: needs root (CI runs as root)"
+        );
         return;
     }
     let mut node = LocalNode::new();
@@ -315,20 +410,42 @@ fn the_agent_runs_with_exactly_the_charts_capabilities_and_names_a_missing_one()
     let a = node.start_agent_wrapped(&["setpriv", "--inh-caps=-all", &bounding], &[]);
     a.wait_role("owner", T);
     let sup = proc_status(a.pid());
-    let eff = sup.iter().find(|(k, _)| k == "CapEff").map(|(_, v)| v.clone()).unwrap_or_default();
+    let eff = sup
+        .iter()
+        .find(|(k, _)| k == "CapEff")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
     // CHOWN 0, KILL 5, SETGID 6, SETUID 7, SETPCAP 8.
     assert_eq!(eff, "00000000000001e1", "supervisor's effective set");
     let worker = proc_status(a.worker_pid());
-    assert!(worker.iter().any(|(k, v)| k == "CapBnd" && v == "0000000000000000"), "worker bounding set: {worker:?}");
+    assert!(
+        worker
+            .iter()
+            .any(|(k, v)| k == "CapBnd" && v == "0000000000000000"),
+        "worker bounding set: {worker:?}"
+    );
     drop(a);
 
-    for (cap, name) in [("setpcap", "CAP_SETPCAP"), ("kill", "CAP_KILL"), ("setuid", "CAP_SETUID")] {
+    for (cap, name) in [
+        ("setpcap", "CAP_SETPCAP"),
+        ("kill", "CAP_KILL"),
+        ("setuid", "CAP_SETUID"),
+    ] {
         let mut node = LocalNode::new();
-        let bounding = format!("--bounding-set={}", CHART_CAPS.replace(&format!(",+{cap}"), ""));
+        let bounding = format!(
+            "--bounding-set={}",
+            CHART_CAPS.replace(&format!(",+{cap}"), "")
+        );
         let mut a = node.start_agent_wrapped(&["setpriv", "--inh-caps=-all", &bounding], &[]);
-        assert!(!a.wait_exit(T).success(), "must refuse to run without {name}");
+        assert!(
+            !a.wait_exit(T).success(),
+            "must refuse to run without {name}"
+        );
         let log = a.log();
-        assert!(log.contains("without required capabilities") && log.contains(name), "log must name {name}:\n{log}");
+        assert!(
+            log.contains("without required capabilities") && log.contains(name),
+            "log must name {name}:\n{log}"
+        );
         assert!(!node.xds_sock().exists(), "nothing bound without {name}");
     }
 }
@@ -339,20 +456,36 @@ fn socket_modes_owners_and_run_dir_ownership_are_enforced() {
     let mut node = LocalNode::new();
     let a = node.start_agent();
     a.wait_role("owner", T);
-    let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+    let me = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
     let worker_gid = if is_root() { 65532 } else { me.1 };
-    for (name, mode, gid) in [("xds.sock", 0o660, worker_gid), ("cni.sock", 0o600, me.1), ("handoff.sock", 0o600, me.1), ("agent.lock", 0o600, me.1)] {
+    for (name, mode, gid) in [
+        ("xds.sock", 0o660, worker_gid),
+        ("cni.sock", 0o600, me.1),
+        ("handoff.sock", 0o600, me.1),
+        ("agent.lock", 0o600, me.1),
+    ] {
         let m = std::fs::symlink_metadata(node.run_dir.join(name)).expect(name);
-        assert_eq!((m.mode() & 0o7777, m.uid(), m.gid()), (mode, me.0, gid), "{name}: mode, owner, group");
+        assert_eq!(
+            (m.mode() & 0o7777, m.uid(), m.gid()),
+            (mode, me.0, gid),
+            "{name}: mode, owner, group"
+        );
     }
     drop(a);
 
     // A run dir that others can write to, or that someone else owns, is refused.
     let mut node = LocalNode::new();
     std::fs::create_dir_all(&node.run_dir).expect("run dir");
-    std::fs::set_permissions(&node.run_dir, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    std::fs::set_permissions(&node.run_dir, std::fs::Permissions::from_mode(0o1777))
+        .expect("chmod");
     let mut a = node.start_agent();
-    assert!(!a.wait_exit(T).success(), "a world-writable run dir must be refused");
+    assert!(
+        !a.wait_exit(T).success(),
+        "a world-writable run dir must be refused"
+    );
     assert!(a.log().contains("writable by nobody else"), "{}", a.log());
     assert!(!node.xds_sock().exists());
     if is_root() {
@@ -360,7 +493,10 @@ fn socket_modes_owners_and_run_dir_ownership_are_enforced() {
         std::fs::create_dir_all(&node.run_dir).expect("run dir");
         std::os::unix::fs::chown(&node.run_dir, Some(1000), Some(1000)).expect("chown");
         let mut a = node.start_agent();
-        assert!(!a.wait_exit(T).success(), "a run dir owned by another uid must be refused");
+        assert!(
+            !a.wait_exit(T).success(),
+            "a run dir owned by another uid must be refused"
+        );
         assert!(a.log().contains("owned by uid 1000"), "{}", a.log());
     }
 }
@@ -376,10 +512,20 @@ fn sd_notify_reports_standby_then_ready_owner() {
         seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
     }
     let all = seen.join("\n");
-    let standby = all.find("STATUS=standby").unwrap_or_else(|| panic!("no standby STATUS line in {all:?}"));
-    let ready = all.find("READY=1").unwrap_or_else(|| panic!("no READY=1 in {all:?}"));
-    assert!(standby < ready, "READY=1 only after the standby status: {all:?}");
-    assert!(all.contains("STATUS=owner: generation 1, serving"), "{all:?}");
+    let standby = all
+        .find("STATUS=standby")
+        .unwrap_or_else(|| panic!("no standby STATUS line in {all:?}"));
+    let ready = all
+        .find("READY=1")
+        .unwrap_or_else(|| panic!("no READY=1 in {all:?}"));
+    assert!(
+        standby < ready,
+        "READY=1 only after the standby status: {all:?}"
+    );
+    assert!(
+        all.contains("STATUS=owner: generation 1, serving"),
+        "{all:?}"
+    );
 }
 
 /// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat`.
@@ -388,7 +534,12 @@ fn cpu_time(pid: i32) -> Duration {
     // Fields after the command name, which is in parentheses and may hold spaces:
     // state is field 3, utime 14 and stime 15.
     let rest = &stat[stat.rfind(')').expect("comm") + 2..];
-    let f: Vec<u64> = rest.split(' ').skip(11).take(2).map(|v| v.parse().expect("tick count")).collect();
+    let f: Vec<u64> = rest
+        .split(' ')
+        .skip(11)
+        .take(2)
+        .map(|v| v.parse().expect("tick count"))
+        .collect();
     // Clock ticks of USER_HZ, which Linux's user ABI fixes at 100 per second.
     Duration::from_millis((f[0] + f[1]) * 10)
 }
@@ -415,14 +566,23 @@ fn idle_owner_and_standby_sleep_between_events() {
     for ((name, pid), before) in procs.iter().zip(before) {
         let used = cpu_time(*pid) - before;
         eprintln!("{name} (pid {pid}) used {used:?} of CPU in {window:?}");
-        assert!(used < window / 10, "{name} (pid {pid}) used {used:?} of CPU in {window:?} while idle: a busy loop");
+        assert!(
+            used < window / 10,
+            "{name} (pid {pid}) used {used:?} of CPU in {window:?} while idle: a busy loop"
+        );
     }
 }
 
 /// The chained conflist: its plugin types, or None while it is missing or unreadable.
 fn conflist_types(path: &std::path::Path) -> Option<Vec<String>> {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
-    Some(v["plugins"].as_array()?.iter().filter_map(|p| p["type"].as_str().map(String::from)).collect())
+    Some(
+        v["plugins"]
+            .as_array()?
+            .iter()
+            .filter_map(|p| p["type"].as_str().map(String::from))
+            .collect(),
+    )
 }
 
 #[test]
@@ -440,7 +600,11 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
     a.wait_role("owner", T);
     let b = node.start_agent_with(&[flag.as_str()]);
     b.wait_role("standby", T);
-    assert_eq!(std::fs::read_to_string(&conflist).unwrap(), primary, "a standby wrote the node's conflist");
+    assert_eq!(
+        std::fs::read_to_string(&conflist).unwrap(),
+        primary,
+        "a standby wrote the node's conflist"
+    );
 
     // Takeover: the new owner chains aether-cni, pointing at the node's cni.sock.
     a.signal(Signal::SIGTERM);
@@ -451,15 +615,20 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
     });
     assert_eq!(types, ["ptp", "aether-cni"]);
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
-    assert_eq!(v["plugins"][1]["agentSocket"], node.cni_sock().to_string_lossy().as_ref());
+    assert_eq!(
+        v["plugins"][1]["agentSocket"],
+        node.cni_sock().to_string_lossy().as_ref()
+    );
 
     // The primary CNI rewrites its conflist without the entry: the owner puts it back.
     let tmp = conf_dir.join(".primary.tmp");
     std::fs::write(&tmp, primary).unwrap();
     std::fs::rename(&tmp, &conflist).unwrap();
-    wait_for("aether-cni re-asserted after a rewrite", Duration::from_secs(15), || {
-        conflist_types(&conflist).filter(|t| t == &["ptp", "aether-cni"])
-    });
+    wait_for(
+        "aether-cni re-asserted after a rewrite",
+        Duration::from_secs(15),
+        || conflist_types(&conflist).filter(|t| t == &["ptp", "aether-cni"]),
+    );
     b.wait_log("appended it", T);
 }
 
@@ -468,12 +637,19 @@ fn the_owner_re_asserts_the_cni_conflist_and_a_standby_never_writes_it() {
 fn owner_with_a_hung_check(node: &mut LocalNode) -> (aether_e2e::testing::Agent, i32) {
     let conf_dir = node.root.path().join("net.d");
     std::fs::create_dir(&conf_dir).unwrap();
-    let flags = [format!("--cni-conf-dir={}", conf_dir.display()), format!("--cni-plugin-bin={}", bin("stand-in-worker").display())];
+    let flags = [
+        format!("--cni-conf-dir={}", conf_dir.display()),
+        format!("--cni-plugin-bin={}", bin("stand-in-worker").display()),
+    ];
     let a = node.start_agent_with(&[flags[0].as_str(), flags[1].as_str()]);
     a.wait_role("owner", T);
     a.wait_log("stand-in chain", T);
     let log = a.log();
-    let pid = log.split("stand-in chain ").nth(1).and_then(|r| r.split(':').next()).and_then(|p| p.parse().ok());
+    let pid = log
+        .split("stand-in chain ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|p| p.parse().ok());
     (a, pid.expect("the check's pid in the log"))
 }
 
@@ -487,9 +663,22 @@ fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
     // Every check runs 5 s after the one before: the hung one is killed at the second.
     a.wait_log("the conflist check has run for 5s; killing it", T);
     a.wait_log("the conflist check failed", T);
-    assert!(a.log().contains("SIGKILL"), "the reaped check's status is not named:\n{}", a.log());
-    assert_eq!(a.log().matches("stand-in chain").count(), 1, "a second check started while the first ran:\n{}", a.log());
-    assert_eq!(a.ready().map(|(s, v)| (s, v["role"].clone())), Some((200, "owner".into())), "the owner stopped serving");
+    assert!(
+        a.log().contains("SIGKILL"),
+        "the reaped check's status is not named:\n{}",
+        a.log()
+    );
+    assert_eq!(
+        a.log().matches("stand-in chain").count(),
+        1,
+        "a second check started while the first ran:\n{}",
+        a.log()
+    );
+    assert_eq!(
+        a.ready().map(|(s, v)| (s, v["role"].clone())),
+        Some((200, "owner".into())),
+        "the owner stopped serving"
+    );
     assert!(accepts(&node.cni_sock()), "cni.sock stopped accepting");
 }
 
@@ -499,11 +688,20 @@ fn a_conflist_check_that_hangs_is_killed_and_the_owner_serves_on() {
 fn a_hung_conflist_check_dies_with_a_killed_supervisor() {
     let mut node = LocalNode::new();
     let (mut a, pid) = owner_with_a_hung_check(&mut node);
-    assert!(!process_gone(pid), "the check ended before the supervisor was killed:\n{}", a.log());
+    assert!(
+        !process_gone(pid),
+        "the check ended before the supervisor was killed:\n{}",
+        a.log()
+    );
     a.kill_generation();
-    let gone = try_wait_for("the hung check to die with its supervisor", T, || process_gone(pid).then_some(()));
+    let gone = try_wait_for("the hung check to die with its supervisor", T, || {
+        process_gone(pid).then_some(())
+    });
     if gone.is_err() {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
     gone.unwrap();
 }
@@ -518,8 +716,14 @@ fn identity_without_a_trust_domain_is_refused_naming_the_flag() {
 #[test]
 fn a_registrar_address_that_does_not_parse_is_named_and_both_registry_sources_are_refused() {
     for (flags, want) in [
-        (&["--registrar=registrar.mesh"][..], "\"registrar.mesh\": expected host:port"),
-        (&["--registrar=unix://relative.sock"][..], "needs an absolute path"),
+        (
+            &["--registrar=registrar.mesh"][..],
+            "\"registrar.mesh\": expected host:port",
+        ),
+        (
+            &["--registrar=unix://relative.sock"][..],
+            "needs an absolute path",
+        ),
     ] {
         let mut node = LocalNode::new();
         let a = node.start_agent_with(flags);

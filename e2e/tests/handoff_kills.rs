@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{self, AdsApi, NodeRig, envoy_or_skip};
 use aether_e2e::harness::load::Load;
-use aether_e2e::testing::{Agent, accepts, bin_dir, flock_holders, is_dead, percentile, processes_with_open, wait_for};
+use aether_e2e::testing::{
+    Agent, accepts, bin_dir, flock_holders, is_dead, percentile, processes_with_open, wait_for,
+};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -54,18 +56,54 @@ struct Step {
 
 const STEPS: [Step; 6] = [
     // The owner's supervisor read the standby's hello and has not sent its offer.
-    Step { name: "handoff-offer", issue: "before the offer", stops: Stops::OwnerSupervisor, after_sigterm: false, third_fetches: false },
+    Step {
+        name: "handoff-offer",
+        issue: "before the offer",
+        stops: Stops::OwnerSupervisor,
+        after_sigterm: false,
+        third_fetches: false,
+    },
     // The standby's supervisor received the offer (the owner's listeners) and holds it.
-    Step { name: "handoff-held", issue: "after the offer", stops: Stops::StandbySupervisor, after_sigterm: false, third_fetches: true },
+    Step {
+        name: "handoff-held",
+        issue: "after the offer",
+        stops: Stops::StandbySupervisor,
+        after_sigterm: false,
+        third_fetches: true,
+    },
     // The standby's supervisor has the lock, the listeners, the generation and
     // handoff.sock, and has not sent Takeover.
-    Step { name: "take-node", issue: "after bind", stops: Stops::StandbySupervisor, after_sigterm: true, third_fetches: false },
+    Step {
+        name: "take-node",
+        issue: "after bind",
+        stops: Stops::StandbySupervisor,
+        after_sigterm: true,
+        third_fetches: false,
+    },
     // The standby's worker received Takeover with its three descriptors, unchecked.
-    Step { name: "takeover", issue: "mid-Takeover", stops: Stops::StandbyWorker, after_sigterm: true, third_fetches: true },
+    Step {
+        name: "takeover",
+        issue: "mid-Takeover",
+        stops: Stops::StandbyWorker,
+        after_sigterm: true,
+        third_fetches: true,
+    },
     // The worker applied the storage diff and has not reported the reconcile done.
-    Step { name: "reconcile", issue: "mid-reconcile", stops: Stops::StandbyWorker, after_sigterm: true, third_fetches: true },
+    Step {
+        name: "reconcile",
+        issue: "mid-reconcile",
+        stops: Stops::StandbyWorker,
+        after_sigterm: true,
+        third_fetches: true,
+    },
     // The worker is about to accept on both sockets and report Serving.
-    Step { name: "serve", issue: "before Serving", stops: Stops::StandbyWorker, after_sigterm: true, third_fetches: true },
+    Step {
+        name: "serve",
+        issue: "before Serving",
+        stops: Stops::StandbyWorker,
+        after_sigterm: true,
+        third_fetches: true,
+    },
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,15 +127,23 @@ enum Survivor {
 /// The state letter of `/proc/<pid>/stat` ('T' when stopped), None once gone.
 fn proc_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+    stat.rsplit_once(") ")
+        .and_then(|(_, rest)| rest.chars().next())
 }
 
 /// The children of `pid` (a supervisor's workers).
 fn children(pid: i32) -> Vec<i32> {
     let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let text = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
-        out.extend(text.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+        out.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok()),
+        );
     }
     out
 }
@@ -138,9 +184,13 @@ fn kill_generation(agent: &mut Agent, known_worker: Option<i32>) {
     }
     kill_agent_process(sup);
     // A drained owner may have exited on its own just before.
-    agent.wait_exit_timeout(T).unwrap_or_else(|e| panic!("{e:#}"));
+    agent
+        .wait_exit_timeout(T)
+        .unwrap_or_else(|e| panic!("{e:#}"));
     if let Some(w) = known_worker {
-        wait_for(&format!("{}'s worker {w} to die", agent.name), T, || is_dead(w).then_some(()));
+        wait_for(&format!("{}'s worker {w} to die", agent.name), T, || {
+            is_dead(w).then_some(())
+        });
     }
 }
 
@@ -162,9 +212,14 @@ fn has_marker(path: &Path) -> bool {
 
 /// Starts the node's next agent with the rig's flags, and `hook` in its environment.
 fn start(rig: &mut NodeRig, hook: Option<&str>) -> Agent {
-    let capture = format!("--capture-file={}", rig.node.root.path().join("capture.json").display());
+    let capture = format!(
+        "--capture-file={}",
+        rig.node.root.path().join("capture.json").display()
+    );
     match hook {
-        Some(step) => rig.node.start_agent_wrapped(&["env", &format!("AETHER_FAULT_HOOK={step}")], &[&capture]),
+        Some(step) => rig
+            .node
+            .start_agent_wrapped(&["env", &format!("AETHER_FAULT_HOOK={step}")], &[&capture]),
         None => rig.node.start_agent_with(&[&capture]),
     }
 }
@@ -176,9 +231,18 @@ fn roll_to(rig: &mut NodeRig, next: Agent, what: &str) {
     let quiet = Instant::now();
     rig.owner.signal(Signal::SIGTERM);
     let mut old = std::mem::replace(&mut rig.owner, next);
-    let status = old.wait_exit_timeout(T).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-    assert!(status.success(), "{what}: {} exited with {status} after SIGTERM:\n{}", old.name, old.log());
-    wait_for(&format!("{what}: {} to serve", rig.owner.name), T, || rig.owner.serving_owner());
+    let status = old
+        .wait_exit_timeout(T)
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    assert!(
+        status.success(),
+        "{what}: {} exited with {status} after SIGTERM:\n{}",
+        old.name,
+        old.log()
+    );
+    wait_for(&format!("{what}: {} to serve", rig.owner.name), T, || {
+        rig.owner.serving_owner()
+    });
     rig.wait_reconnected(quiet, what);
 }
 
@@ -190,16 +254,25 @@ struct Fds {
 }
 
 fn fds_of(agent: &Agent) -> Fds {
-    Fds { supervisor: settled_fd_count(agent.pid()), worker: settled_fd_count(agent.worker_pid()) }
+    Fds {
+        supervisor: settled_fd_count(agent.pid()),
+        worker: settled_fd_count(agent.worker_pid()),
+    }
 }
 
 /// Waits until `agent`'s counts are at most `bound`'s (a connection being closed may
 /// linger a moment); the counts seen last either way.
 fn fds_within(agent: &Agent, bound: Fds) -> Result<Fds, Fds> {
     let (sup, worker) = (agent.pid(), agent.worker_pid());
-    let mut last = Fds { supervisor: fd_count(sup), worker: fd_count(worker) };
+    let mut last = Fds {
+        supervisor: fd_count(sup),
+        worker: fd_count(worker),
+    };
     aether_e2e::testing::try_wait_for("descriptor counts", T, || {
-        last = Fds { supervisor: fd_count(sup), worker: fd_count(worker) };
+        last = Fds {
+            supervisor: fd_count(sup),
+            worker: fd_count(worker),
+        };
         (last.supervisor <= bound.supervisor && last.worker <= bound.worker).then_some(())
     })
     .map(|()| last)
@@ -207,7 +280,12 @@ fn fds_within(agent: &Agent, bound: Fds) -> Result<Fds, Fds> {
 }
 
 /// The agent that owns the node after a case.
-fn survivor_of<'a>(survivor: Survivor, owner: &'a Agent, standby: &'a Agent, third: &'a Option<Agent>) -> &'a Agent {
+fn survivor_of<'a>(
+    survivor: Survivor,
+    owner: &'a Agent,
+    standby: &'a Agent,
+    third: &'a Option<Agent>,
+) -> &'a Agent {
     match survivor {
         Survivor::Owner => owner,
         Survivor::Standby => standby,
@@ -244,8 +322,13 @@ struct Report {
 #[test]
 fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
     let test = "sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy";
-    let Some(envoy_bin) = envoy_or_skip(test) else { return };
-    let hooked: Vec<PathBuf> = ["aether-supervisor", "aether-worker"].iter().map(|b| bin_dir().join(b)).collect();
+    let Some(envoy_bin) = envoy_or_skip(test) else {
+        return;
+    };
+    let hooked: Vec<PathBuf> = ["aether-supervisor", "aether-worker"]
+        .iter()
+        .map(|b| bin_dir().join(b))
+        .collect();
     if let Some(bare) = hooked.iter().find(|p| !p.exists() || !has_marker(p)) {
         eprintln!(
             "\n!!! SKIPPED {test}: {} is built without the fault hooks. Build the binaries with the tests \
@@ -275,8 +358,13 @@ fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
             let r = run_case(&mut rig, step, victim, &load, &lock, baseline, &what);
             let line = format!(
                 "{what}: takeover {} (the new owner's own total {}), refused connects {}, failed requests {}, fds {:?}",
-                r.took.map_or("none: the owner kept the node".into(), |d| format!("{:.1} ms after the kill", d.as_secs_f64() * 1e3)),
-                r.takeover_total_us.map_or("-".into(), |us| format!("{:.1} ms", us as f64 / 1e3)),
+                r.took
+                    .map_or("none: the owner kept the node".into(), |d| format!(
+                        "{:.1} ms after the kill",
+                        d.as_secs_f64() * 1e3
+                    )),
+                r.takeover_total_us
+                    .map_or("-".into(), |us| format!("{:.1} ms", us as f64 / 1e3)),
                 r.refused,
                 r.failed,
                 r.fds
@@ -284,7 +372,12 @@ fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
             eprintln!("{line}");
             lines.push(line);
             takeovers.extend(r.took.map(|d| (what.clone(), d)));
-            assert_eq!(r.failed, 0, "{what}: requests through Envoy failed\n{}", rig.where_to_look());
+            assert_eq!(
+                r.failed,
+                0,
+                "{what}: requests through Envoy failed\n{}",
+                rig.where_to_look()
+            );
         }
     }
     let counters = load.stop();
@@ -292,32 +385,63 @@ fn sigkill_at_each_handoff_step_leaves_one_owner_serving_envoy() {
         counters.requests.load(std::sync::atomic::Ordering::Relaxed),
         counters.failures.load(std::sync::atomic::Ordering::Relaxed),
     );
-    eprintln!("\nrow 2 sweep, {} cases:\n  {}\nload: {requests} requests, {failures} failed", lines.len(), lines.join("\n  "));
-    let median = percentile(&takeovers.iter().map(|(_, d)| *d).collect::<Vec<_>>(), 50.0).expect("cases with a takeover");
+    eprintln!(
+        "\nrow 2 sweep, {} cases:\n  {}\nload: {requests} requests, {failures} failed",
+        lines.len(),
+        lines.join("\n  ")
+    );
+    let median = percentile(&takeovers.iter().map(|(_, d)| *d).collect::<Vec<_>>(), 50.0)
+        .expect("cases with a takeover");
     let bound = TAKEOVER_SLACK + median * 5;
     let slow: Vec<_> = takeovers.iter().filter(|(_, d)| *d > bound).collect();
-    eprintln!("takeovers: median {median:?}, bound {bound:?}, slowest {:?}", takeovers.iter().map(|(_, d)| *d).max());
-    assert!(slow.is_empty(), "takeovers slower than {bound:?} (500 ms + 5 × the run's median {median:?}): {slow:?}");
+    eprintln!(
+        "takeovers: median {median:?}, bound {bound:?}, slowest {:?}",
+        takeovers.iter().map(|(_, d)| *d).max()
+    );
+    assert!(
+        slow.is_empty(),
+        "takeovers slower than {bound:?} (500 ms + 5 × the run's median {median:?}): {slow:?}"
+    );
     assert!(requests > 0, "the load sent no request");
-    assert_eq!(failures, 0, "requests through Envoy failed: {:?}", counters.failure_log.lock().unwrap());
+    assert_eq!(
+        failures,
+        0,
+        "requests through Envoy failed: {:?}",
+        counters.failure_log.lock().unwrap()
+    );
     rig.pass();
 }
 
 /// One case: the rig's owner serves and Envoy is connected to it; afterwards the
 /// survivor is the rig's owner.
-fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &Path, baseline: Fds, what: &str) -> Report {
+fn run_case(
+    rig: &mut NodeRig,
+    step: &Step,
+    victim: Victim,
+    load: &Load,
+    lock: &Path,
+    baseline: Fds,
+    what: &str,
+) -> Report {
     if step.stops == Stops::OwnerSupervisor {
         // The hook is read at start: roll the node to an owner started with it.
         let armed = start(rig, Some(step.name));
         roll_to(rig, armed, &format!("{what}: arming the owner"));
     }
-    assert_eq!(rig.envoy.stat(envoy::CONNECTED), Some(1), "{what}: Envoy is not connected before the case");
+    assert_eq!(
+        rig.envoy.stat(envoy::CONNECTED),
+        Some(1),
+        "{what}: Envoy is not connected before the case"
+    );
     let refused_before = rig.envoy.stat(envoy::CONNECT_FAIL).unwrap_or(0);
     let failed_before = load.failures();
     let (o_sup, o_worker) = (rig.owner.pid(), rig.owner.worker_pid());
     let generation = rig.owner.serving_owner().expect("the owner serves")["generation"].as_u64();
     let quiet = Instant::now();
-    let mut b = start(rig, (step.stops != Stops::OwnerSupervisor).then_some(step.name));
+    let mut b = start(
+        rig,
+        (step.stops != Stops::OwnerSupervisor).then_some(step.name),
+    );
     let mut b_worker = None;
     if step.after_sigterm {
         b.wait_role("standby", T);
@@ -330,9 +454,23 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
         Stops::StandbySupervisor => b.pid(),
         Stops::StandbyWorker => b_worker.expect("the standby's worker"),
     };
-    wait_for(&format!("{what}: pid {stopped} to stop at the hook"), T, || (proc_state(stopped) == Some('T')).then_some(()));
-    let log = if step.stops == Stops::OwnerSupervisor { rig.owner.log() } else { b.log() };
-    assert!(log.contains(&format!("fault hook: stopping at {} (pid {stopped})", step.name)), "{what}: the hook did not say it stopped:\n{log}");
+    wait_for(
+        &format!("{what}: pid {stopped} to stop at the hook"),
+        T,
+        || (proc_state(stopped) == Some('T')).then_some(()),
+    );
+    let log = if step.stops == Stops::OwnerSupervisor {
+        rig.owner.log()
+    } else {
+        b.log()
+    };
+    assert!(
+        log.contains(&format!(
+            "fault hook: stopping at {} (pid {stopped})",
+            step.name
+        )),
+        "{what}: the hook did not say it stopped:\n{log}"
+    );
     if !step.after_sigterm {
         // A warm standby: its worker answers even while its supervisor is stopped (the
         // supervisor spawns it before it first fetches).
@@ -374,39 +512,87 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
         Survivor::Third => step.third_fetches || victim == Victim::Standby,
     };
     let new_owner = survivor_of(survivor, &rig.owner, &b, &third);
-    let ready = wait_for(&format!("{what}: {} to serve as the one owner", new_owner.name), T, || new_owner.serving_owner());
+    let ready = wait_for(
+        &format!("{what}: {} to serve as the one owner", new_owner.name),
+        T,
+        || new_owner.serving_owner(),
+    );
     let took = (survivor != Survivor::Owner).then(|| kill_at.elapsed());
     if took.is_some_and(|d| d > TAKEOVER_SLACK) {
-        eprintln!("{what}: slow takeover ({took:?}); {}'s log:\n{}", new_owner.name, new_owner.log());
+        eprintln!(
+            "{what}: slow takeover ({took:?}); {}'s log:\n{}",
+            new_owner.name,
+            new_owner.log()
+        );
     }
     let takeover_total_us = took.and_then(|_| ready["takeover"]["total_us"].as_u64());
     if survivor == Survivor::Owner {
-        assert_eq!(ready["generation"].as_u64(), generation, "{what}: the owner's generation changed");
+        assert_eq!(
+            ready["generation"].as_u64(),
+            generation,
+            "{what}: the owner's generation changed"
+        );
     } else {
-        assert_eq!(ready["takeover"]["handed_off"], held, "{what}: handed_off\n{}", new_owner.log());
-        assert!(ready["generation"].as_u64() > generation, "{what}: the new owner's generation {:?} is not past {generation:?}", ready["generation"]);
+        assert_eq!(
+            ready["takeover"]["handed_off"],
+            held,
+            "{what}: handed_off\n{}",
+            new_owner.log()
+        );
+        assert!(
+            ready["generation"].as_u64() > generation,
+            "{what}: the new owner's generation {:?} is not past {generation:?}",
+            ready["generation"]
+        );
     }
     // An owner told to hand over and not killed exits on its own once released.
     if step.after_sigterm && victim == Victim::Standby {
-        let status = rig.owner.wait_exit_timeout(T).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-        assert!(status.success(), "{what}: the drained owner exited with {status}:\n{}", rig.owner.log());
+        let status = rig
+            .owner
+            .wait_exit_timeout(T)
+            .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        assert!(
+            status.success(),
+            "{what}: the drained owner exited with {status}:\n{}",
+            rig.owner.log()
+        );
     }
     let new_owner = survivor_of(survivor, &rig.owner, &b, &third);
     // The new owner is the one generation left: every other agent process is gone.
     let (sup, worker) = (new_owner.pid(), new_owner.worker_pid());
-    for (name, pid) in [("owner supervisor", o_sup), ("owner worker", o_worker), ("standby supervisor", b.pid())]
-        .into_iter()
-        .chain(b_worker.map(|w| ("standby worker", w)))
+    for (name, pid) in [
+        ("owner supervisor", o_sup),
+        ("owner worker", o_worker),
+        ("standby supervisor", b.pid()),
+    ]
+    .into_iter()
+    .chain(b_worker.map(|w| ("standby worker", w)))
     {
         if pid != sup && pid != worker {
-            wait_for(&format!("{what}: the {name} {pid} to be gone"), T, || is_dead(pid).then_some(()));
+            wait_for(&format!("{what}: the {name} {pid} to be gone"), T, || {
+                is_dead(pid).then_some(())
+            });
         }
     }
-    assert_eq!(flock_holders(lock), vec![sup], "{what}: the node lock's holders");
+    assert_eq!(
+        flock_holders(lock),
+        vec![sup],
+        "{what}: the node lock's holders"
+    );
     let open: BTreeSet<i32> = processes_with_open(lock).into_iter().collect();
-    assert_eq!(open, BTreeSet::from([sup, worker]), "{what}: the processes with the lock file open");
-    assert!(accepts(&rig.node.xds_sock()), "{what}: xds.sock does not accept");
-    assert!(accepts(&rig.node.cni_sock()), "{what}: cni.sock does not accept");
+    assert_eq!(
+        open,
+        BTreeSet::from([sup, worker]),
+        "{what}: the processes with the lock file open"
+    );
+    assert!(
+        accepts(&rig.node.xds_sock()),
+        "{what}: xds.sock does not accept"
+    );
+    assert!(
+        accepts(&rig.node.cni_sock()),
+        "{what}: cni.sock does not accept"
+    );
 
     // Envoy: a new stream whenever the old owner's went (killed or handed over).
     let owner_stream_ended = victim != Victim::Standby || step.after_sigterm;
@@ -415,18 +601,36 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
         eprintln!("   {what}: Envoy {}", times.summary());
     } else {
         let (_, changes) = rig.poller.since(quiet);
-        assert!(changes.iter().all(|s| s.connected), "{what}: Envoy lost the stream of the owner that kept the node: {changes:?}");
+        assert!(
+            changes.iter().all(|s| s.connected),
+            "{what}: Envoy lost the stream of the owner that kept the node: {changes:?}"
+        );
     }
-    wait_for(&format!("{what}: Envoy connected with its listeners and the {} cluster", NodeRig::SERVICE), T, || {
-        (rig.envoy.stat(envoy::CONNECTED) == Some(1)).then_some(())?;
-        let (_, body) = rig.envoy.get("/config_dump").ok()?;
-        let dump: serde_json::Value = serde_json::from_str(&body).ok()?;
-        let has_cluster = envoy::clusters(&dump).0.iter().any(|c| c.contains(NodeRig::SERVICE));
-        (has_cluster && !envoy::listeners(&dump).0.is_empty()).then_some(())
-    });
+    wait_for(
+        &format!(
+            "{what}: Envoy connected with its listeners and the {} cluster",
+            NodeRig::SERVICE
+        ),
+        T,
+        || {
+            (rig.envoy.stat(envoy::CONNECTED) == Some(1)).then_some(())?;
+            let (_, body) = rig.envoy.get("/config_dump").ok()?;
+            let dump: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let has_cluster = envoy::clusters(&dump)
+                .0
+                .iter()
+                .any(|c| c.contains(NodeRig::SERVICE));
+            (has_cluster && !envoy::listeners(&dump).0.is_empty()).then_some(())
+        },
+    );
     let refused = rig.envoy.stat(envoy::CONNECT_FAIL).unwrap_or(0) - refused_before;
     if held {
-        assert_eq!(refused, 0, "{what}: Envoy's connect to xds.sock was refused although a live process held the listener\n{}", rig.where_to_look());
+        assert_eq!(
+            refused,
+            0,
+            "{what}: Envoy's connect to xds.sock was refused although a live process held the listener\n{}",
+            rig.where_to_look()
+        );
     }
     let fds = fds_within(new_owner, baseline).unwrap_or_else(|seen| {
         panic!("{what}: the owner's descriptors {seen:?} stay above the first owner's {baseline:?}: orphaned fds\n{}", rig.where_to_look())
@@ -435,9 +639,18 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
     match survivor {
         Survivor::Owner => drop(b),
         Survivor::Standby => drop(std::mem::replace(&mut rig.owner, b)),
-        Survivor::Third => drop(std::mem::replace(&mut rig.owner, third.expect("a third agent"))),
+        Survivor::Third => drop(std::mem::replace(
+            &mut rig.owner,
+            third.expect("a third agent"),
+        )),
     }
-    Report { took, takeover_total_us, refused, failed, fds }
+    Report {
+        took,
+        takeover_total_us,
+        refused,
+        failed,
+        fds,
+    }
 }
 
 /// The release binaries carry no fault hook: no executable in `target/release` contains
@@ -448,7 +661,11 @@ fn run_case(rig: &mut NodeRig, step: &Step, victim: Victim, load: &Load, lock: &
 fn release_binaries_carry_no_fault_hook() {
     // target/<profile>/deps/<this test> is beside target/release.
     let exe = std::env::current_exe().expect("current_exe");
-    let release = exe.ancestors().nth(3).expect("the target folder").join("release");
+    let release = exe
+        .ancestors()
+        .nth(3)
+        .expect("the target folder")
+        .join("release");
     let bins: Vec<PathBuf> = std::fs::read_dir(&release)
         .into_iter()
         .flatten()
@@ -456,10 +673,16 @@ fn release_binaries_carry_no_fault_hook() {
         .map(|e| e.path())
         .filter(|p| {
             use std::os::unix::fs::PermissionsExt;
-            p.is_file() && p.extension().is_none() && p.metadata().is_ok_and(|m| m.permissions().mode() & 0o111 != 0)
+            p.is_file()
+                && p.extension().is_none()
+                && p.metadata()
+                    .is_ok_and(|m| m.permissions().mode() & 0o111 != 0)
         })
         .collect();
-    if !bins.iter().any(|p| p.ends_with("aether-supervisor") || p.ends_with("aether-worker")) {
+    if !bins
+        .iter()
+        .any(|p| p.ends_with("aether-supervisor") || p.ends_with("aether-worker"))
+    {
         eprintln!(
             "\n!!! SKIPPED release_binaries_carry_no_fault_hook: no release build of the agent in {}. \
              Run `cargo build --release --workspace --bins` (scripts/test.sh's end-to-end runs do). !!!\n",
@@ -467,7 +690,20 @@ fn release_binaries_carry_no_fault_hook() {
         );
         return;
     }
-    let hooked: Vec<String> = bins.iter().filter(|p| has_marker(p)).map(|p| p.display().to_string()).collect();
-    eprintln!("checked {} release binaries: {:?}", bins.len(), bins.iter().map(|p| p.file_name().unwrap_or_default()).collect::<Vec<_>>());
-    assert!(hooked.is_empty(), "release binaries with the test-only fault hooks (AETHER_FAULT_HOOK): {hooked:?}");
+    let hooked: Vec<String> = bins
+        .iter()
+        .filter(|p| has_marker(p))
+        .map(|p| p.display().to_string())
+        .collect();
+    eprintln!(
+        "checked {} release binaries: {:?}",
+        bins.len(),
+        bins.iter()
+            .map(|p| p.file_name().unwrap_or_default())
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        hooked.is_empty(),
+        "release binaries with the test-only fault hooks (AETHER_FAULT_HOOK): {hooked:?}"
+    );
 }

@@ -27,7 +27,8 @@ use aether_e2e::envoy::{AdsApi, Envoy, NodeRig, envoy_or_skip};
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::identity::IdentityProvider;
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, identity_args, identity_provider_for_agents, open_identity_sockets, percentile, try_wait_for, wait_for,
+    Agent, LocalNode, bin, identity_args, identity_provider_for_agents, open_identity_sockets,
+    percentile, try_wait_for, wait_for,
 };
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
@@ -51,11 +52,20 @@ fn strs(v: &[String]) -> Vec<&str> {
 }
 
 fn problem<'a>(ready: &'a Value, source: &str) -> Option<&'a str> {
-    ready["problems"].as_array()?.iter().find(|p| p["source"] == source).and_then(|p| p["message"].as_str())
+    ready["problems"]
+        .as_array()?
+        .iter()
+        .find(|p| p["source"] == source)
+        .and_then(|p| p["message"].as_str())
 }
 
 fn waiting_for(ready: &Value) -> Vec<String> {
-    ready["waiting_for"].as_array().into_iter().flatten().filter_map(|w| w.as_str().map(String::from)).collect()
+    ready["waiting_for"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| w.as_str().map(String::from))
+        .collect()
 }
 
 // ---- 1. the provider down at start ----------------------------------------------------
@@ -70,24 +80,48 @@ fn with_the_provider_down_a_lone_agent_serves_after_its_bound_a_standby_waits_an
     // A lone agent: not serving before its bounded wait is over, serving after it.
     let started = Instant::now();
     let owner = node.start_agent_with(&strs(&args));
-    let v = wait_for("the lone agent to serve without its SVID", IDENTITY_GATE + T, || owner.serving_owner());
+    let v = wait_for(
+        "the lone agent to serve without its SVID",
+        IDENTITY_GATE + T,
+        || owner.serving_owner(),
+    );
     let took = started.elapsed();
     eprintln!("lone agent serving {took:?} after its start, with the provider down");
-    assert!(took >= IDENTITY_GATE, "served {took:?} after its start, before its {IDENTITY_GATE:?} wait for its SVID was over:\n{v:#}");
+    assert!(
+        took >= IDENTITY_GATE,
+        "served {took:?} after its start, before its {IDENTITY_GATE:?} wait for its SVID was over:\n{v:#}"
+    );
     // ... and says so: the gate it served without, the identity status, the problem, the log.
     assert_eq!(waiting_for(&v), ["agent-svid"], "{v:#}");
     let identity = &v["identity"];
-    assert!(identity["agent"].is_null() && identity["bundle"] == false, "no SVID or bundle yet: {identity:#}");
+    assert!(
+        identity["agent"].is_null() && identity["bundle"] == false,
+        "no SVID or bundle yet: {identity:#}"
+    );
     assert_ne!(identity["workload_api"], "connected", "{identity:#}");
-    let message = problem(&v, "workload-api").unwrap_or_else(|| panic!("no workload-api problem in /ready: {v:#}"));
-    assert!(message.contains("no SVID yet") && message.contains(&idp.workload_socket().display().to_string()), "{message}");
+    let message = problem(&v, "workload-api")
+        .unwrap_or_else(|| panic!("no workload-api problem in /ready: {v:#}"));
+    assert!(
+        message.contains("no SVID yet")
+            && message.contains(&idp.workload_socket().display().to_string()),
+        "{message}"
+    );
     let log = owner.log();
-    assert!(log.lines().any(|l| l.contains("first-serve gate timed out") && l.contains("gate=Identity")), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("first-serve gate timed out") && l.contains("gate=Identity")),
+        "{log}"
+    );
 
     // A standby beside it: every gate but the agent's SVID passes...
     let standby = node.start_agent_with(&strs(&args));
     wait_for("the standby to wait for its SVID alone", T, || {
-        standby.ready().filter(|(s, v)| *s == 503 && v["role"] == "standby" && waiting_for(v) == ["agent-svid"]).map(|_| ())
+        standby
+            .ready()
+            .filter(|(s, v)| {
+                *s == 503 && v["role"] == "standby" && waiting_for(v) == ["agent-svid"]
+            })
+            .map(|_| ())
     });
     // ... and it stays not Ready while the provider is down, past the bound after which
     // a lone owner serves: a standby's gates do not time out.
@@ -96,24 +130,39 @@ fn with_the_provider_down_a_lone_agent_serves_after_its_bound_a_standby_waits_an
     while Instant::now() < until {
         let (status, v) = standby.ready().expect("the standby answers /ready");
         assert!(
-            status == 503 && v["role"] == "standby" && waiting_for(&v).contains(&"agent-svid".to_string()),
+            status == 503
+                && v["role"] == "standby"
+                && waiting_for(&v).contains(&"agent-svid".to_string()),
             "the standby turned Ready (or stopped waiting for agent-svid) with the provider down: {status} {v:#}\n{}",
             standby.log()
         );
-        assert!(problem(&v, "workload-api").is_some_and(|m| m.contains("no SVID yet")), "{v:#}");
+        assert!(
+            problem(&v, "workload-api").is_some_and(|m| m.contains("no SVID yet")),
+            "{v:#}"
+        );
         looks += 1;
         // The poll's pace, not a synchronisation: the standby must stay so the whole time.
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("the standby stayed not Ready for {:?} ({looks} looks) with the provider down", IDENTITY_GATE + Duration::from_millis(1500));
-    assert_eq!(owner.serving_owner().map(|v| v["role"].clone()), Some(json!("owner")), "the owner kept serving");
+    eprintln!(
+        "the standby stayed not Ready for {:?} ({looks} looks) with the provider down",
+        IDENTITY_GATE + Duration::from_millis(1500)
+    );
+    assert_eq!(
+        owner.serving_owner().map(|v| v["role"].clone()),
+        Some(json!("owner")),
+        "the owner kept serving"
+    );
 
     // The provider comes back: the standby completes and the owner holds the SVID.
     let back = Instant::now();
     idp.set_down(false);
     open_identity_sockets(&idp);
     let v = standby.wait_role("standby", T);
-    eprintln!("the standby completed {:?} after the provider came back", back.elapsed());
+    eprintln!(
+        "the standby completed {:?} after the provider came back",
+        back.elapsed()
+    );
     assert_eq!(v["phase"], "standby-complete");
     assert!(waiting_for(&v).is_empty(), "{v:#}");
     let serial = idp.serial_of_agent();
@@ -126,11 +175,23 @@ fn with_the_provider_down_a_lone_agent_serves_after_its_bound_a_standby_waits_an
                     && problem(v, "workload-api").is_none()
             })
         })
-        .unwrap_or_else(|e| panic!("{e}: {:#}\n{}", agent.ready().map(|r| r.1).unwrap_or_default(), agent.log()));
-        assert_eq!(v["identity"]["agent"]["spiffe_id"], idp.agent_spiffe_id().as_str());
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}: {:#}\n{}",
+                agent.ready().map(|r| r.1).unwrap_or_default(),
+                agent.log()
+            )
+        });
+        assert_eq!(
+            v["identity"]["agent"]["spiffe_id"],
+            idp.agent_spiffe_id().as_str()
+        );
         assert!(waiting_for(&v).is_empty(), "{who}: {v:#}");
     }
-    assert_eq!(owner.serving_owner().map(|v| v["role"].clone()), Some(json!("owner")));
+    assert_eq!(
+        owner.serving_owner().map(|v| v["role"].clone()),
+        Some(json!("owner"))
+    );
 
     // And the node rolls on as usual: the complete standby takes over.
     let mut owner = owner;
@@ -145,16 +206,30 @@ fn with_the_provider_down_a_lone_agent_serves_after_its_bound_a_standby_waits_an
 /// A node with a real Envoy whose agents run with identity from `idp` (permissive).
 fn identity_rig(test: &str, idp: &IdentityProvider) -> Option<NodeRig> {
     let envoy = envoy_or_skip(test)?;
-    Some(NodeRig::start_with(&envoy, AdsApi::Delta, &strs(&identity_args(idp, "permissive"))))
+    Some(NodeRig::start_with(
+        &envoy,
+        AdsApi::Delta,
+        &strs(&identity_args(idp, "permissive")),
+    ))
 }
 
 fn pod(n: u32) -> (PodId, Ipv4Addr) {
-    (PodId { uid: format!("idpod-{n:03}-uid"), name: format!("idpod-{n}") }, Ipv4Addr::new(10, 88, 3, n as u8))
+    (
+        PodId {
+            uid: format!("idpod-{n:03}-uid"),
+            name: format!("idpod-{n}"),
+        },
+        Ipv4Addr::new(10, 88, 3, n as u8),
+    )
 }
 
 fn add(rig: &NodeRig, pod: &(PodId, Ipv4Addr)) {
-    let cni = Cni { bin: bin("aether-cni"), socket: rig.node.cni_sock() };
-    cni.call("ADD", &pod.0, Some(pod.1)).unwrap_or_else(|e| panic!("CNI ADD of {}: {e}\n{}", pod.0.uid, rig.where_to_look()));
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: rig.node.cni_sock(),
+    };
+    cni.call("ADD", &pod.0, Some(pod.1))
+        .unwrap_or_else(|e| panic!("CNI ADD of {}: {e}\n{}", pod.0.uid, rig.where_to_look()));
 }
 
 /// A pod's inbound listener as Envoy holds it: its filter chains by name, each with
@@ -169,12 +244,19 @@ fn inbound_chains(envoy: &Envoy) -> Option<BTreeMap<String, Chains>> {
     let mut out = BTreeMap::new();
     for config in dump["configs"].as_array().into_iter().flatten() {
         for l in config["dynamic_listeners"].as_array().into_iter().flatten() {
-            let Some(uid) = l["name"].as_str().and_then(|n| n.strip_prefix("inbound|")) else { continue };
+            let Some(uid) = l["name"].as_str().and_then(|n| n.strip_prefix("inbound|")) else {
+                continue;
+            };
             let chains = l["active_state"]["listener"]["filter_chains"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|c| (c["name"].as_str().unwrap_or("?").to_string(), !c["transport_socket"].is_null()))
+                .map(|c| {
+                    (
+                        c["name"].as_str().unwrap_or("?").to_string(),
+                        !c["transport_socket"].is_null(),
+                    )
+                })
                 .collect();
             out.insert(uid.to_string(), chains);
         }
@@ -184,7 +266,10 @@ fn inbound_chains(envoy: &Envoy) -> Option<BTreeMap<String, Chains>> {
 
 /// Permissive with its SVID: an mTLS chain and a plaintext one.
 fn mtls_and_plaintext(uid: &str) -> Chains {
-    vec![(format!("{uid}|mtls"), true), (format!("{uid}|plaintext"), false)]
+    vec![
+        (format!("{uid}|mtls"), true),
+        (format!("{uid}|plaintext"), false),
+    ]
 }
 
 /// Without its SVID: the plaintext chain alone.
@@ -203,7 +288,10 @@ fn wait_chains(rig: &NodeRig, want: &BTreeMap<String, Chains>, what: &str) {
     })
     .is_err()
     {
-        panic!("{what}: Envoy's pod listeners are {last:#?}, want {want:#?}\n{}", rig.where_to_look());
+        panic!(
+            "{what}: Envoy's pod listeners are {last:#?}, want {want:#?}\n{}",
+            rig.where_to_look()
+        );
     }
 }
 
@@ -211,12 +299,20 @@ fn wait_chains(rig: &NodeRig, want: &BTreeMap<String, Chains>, what: &str) {
 /// lacking one.
 fn wait_svid_counts(agent: &Agent, with: u64, without: u64, within: Duration) -> Value {
     let mut last = Value::Null;
-    try_wait_for(&format!("{}: {with} pods with an SVID, {without} without", agent.name), within, || {
-        let v = agent.ready()?.1;
-        let done = v["identity"]["pods_with_svid"] == with && v["identity"]["pods_without_svid"] == without;
-        last = v;
-        done.then(|| last.clone())
-    })
+    try_wait_for(
+        &format!(
+            "{}: {with} pods with an SVID, {without} without",
+            agent.name
+        ),
+        within,
+        || {
+            let v = agent.ready()?.1;
+            let done = v["identity"]["pods_with_svid"] == with
+                && v["identity"]["pods_without_svid"] == without;
+            last = v;
+            done.then(|| last.clone())
+        },
+    )
     .unwrap_or_else(|e| panic!("{e}: /ready {last:#}\n{}", agent.log()))
 }
 
@@ -238,13 +334,33 @@ fn surge(rig: &mut NodeRig, overlap: impl FnOnce(&NodeRig, &Agent)) -> Taken {
     next.wait_role("standby", T);
     overlap(rig, &next);
     rig.owner.signal(Signal::SIGTERM);
-    let ready = wait_for(&format!("{} to serve as owner", next.name), T, || next.serving_owner());
+    let ready = wait_for(&format!("{} to serve as owner", next.name), T, || {
+        next.serving_owner()
+    });
     let mut old = std::mem::replace(&mut rig.owner, next);
     let status = old.wait_exit(T);
-    assert!(status.success(), "{} exited {status}:\n{}", old.name, old.log());
+    assert!(
+        status.success(),
+        "{} exited {status}:\n{}",
+        old.name,
+        old.log()
+    );
     rig.wait_reconnected(since, "a surge roll");
-    let us = |k: &str| Duration::from_micros(ready["takeover"][k].as_u64().unwrap_or_else(|| panic!("no takeover.{k} in /ready: {ready:#}")));
-    Taken { total: us("total_us"), svid_wait: us("svid_wait_us"), missed: ready["takeover"]["svid_wait_missed"].as_u64().expect("svid_wait_missed"), ready }
+    let us = |k: &str| {
+        Duration::from_micros(
+            ready["takeover"][k]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no takeover.{k} in /ready: {ready:#}")),
+        )
+    };
+    Taken {
+        total: us("total_us"),
+        svid_wait: us("svid_wait_us"),
+        missed: ready["takeover"]["svid_wait_missed"]
+            .as_u64()
+            .expect("svid_wait_missed"),
+        ready,
+    }
 }
 
 fn ms(d: Duration) -> String {
@@ -270,13 +386,21 @@ fn series(name: &str, t: &[Taken]) {
 #[test]
 fn a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover() {
     let (_dir, idp) = identity_provider_for_agents(TD);
-    let Some(mut rig) = identity_rig("a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover", &idp) else { return };
+    let Some(mut rig) = identity_rig(
+        "a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover",
+        &idp,
+    ) else {
+        return;
+    };
     let (b, c, held) = (pod(1), pod(2), pod(3));
 
     // Two pods with their SVIDs: both serve mTLS and plaintext.
     add(&rig, &b);
     add(&rig, &c);
-    let mut want: BTreeMap<String, Chains> = [&b, &c].iter().map(|p| (p.0.uid.clone(), mtls_and_plaintext(&p.0.uid))).collect();
+    let mut want: BTreeMap<String, Chains> = [&b, &c]
+        .iter()
+        .map(|p| (p.0.uid.clone(), mtls_and_plaintext(&p.0.uid)))
+        .collect();
     wait_chains(&rig, &want, "both pods' listeners with mTLS");
     wait_svid_counts(&rig.owner, 2, 0, T);
 
@@ -293,7 +417,11 @@ fn a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover()
     add(&rig, &held);
     idp.wait_for_streams(&held.0.uid, 1);
     want.insert(held.0.uid.clone(), plaintext_only(&held.0.uid));
-    wait_chains(&rig, &want, "the held pod's listener, plaintext only, beside the others' mTLS");
+    wait_chains(
+        &rig,
+        &want,
+        "the held pod's listener, plaintext only, beside the others' mTLS",
+    );
     let v = wait_svid_counts(&rig.owner, 2, 1, T);
     assert_eq!(v["identity"]["subscriptions"], 3, "{v:#}");
 
@@ -309,9 +437,17 @@ fn a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover()
             assert_eq!(v["phase"], "standby-complete", "roll {i}: {v:#}");
         });
         // Permissive: the held pod keeps its plaintext path under the new owner too.
-        wait_chains(&rig, &want, &format!("roll {i}: the pods' listeners under the new owner"));
+        wait_chains(
+            &rig,
+            &want,
+            &format!("roll {i}: the pods' listeners under the new owner"),
+        );
         idp.wait_for_streams(&held.0.uid, 1);
-        assert_eq!(t.missed, 0, "roll {i}: the takeover counted the held pod as one it added: {:#}", t.ready);
+        assert_eq!(
+            t.missed, 0,
+            "roll {i}: the takeover counted the held pod as one it added: {:#}",
+            t.ready
+        );
         with.push(t);
     }
     series("without a held pod", &without);
@@ -328,7 +464,10 @@ fn a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover()
         );
     }
     let log = rig.owner.log();
-    assert!(!log.contains("serving before every pod it added has its SVID"), "{log}");
+    assert!(
+        !log.contains("serving before every pod it added has its SVID"),
+        "{log}"
+    );
 
     // Released, the pod's SVID comes and its listener gains the mTLS chain.
     idp.release_pod(&held.0.uid);
@@ -343,19 +482,46 @@ fn a_pod_whose_svid_never_comes_keeps_its_plaintext_path_and_taxes_no_takeover()
 #[test]
 fn a_takeover_waits_for_the_svids_of_pods_added_during_the_overlap_up_to_its_bound() {
     let (_dir, idp) = identity_provider_for_agents(TD);
-    let Some(mut rig) = identity_rig("a_takeover_waits_for_the_svids_of_pods_added_during_the_overlap_up_to_its_bound", &idp) else { return };
+    let Some(mut rig) = identity_rig(
+        "a_takeover_waits_for_the_svids_of_pods_added_during_the_overlap_up_to_its_bound",
+        &idp,
+    ) else {
+        return;
+    };
     let (b, o1, o2) = (pod(11), pod(12), pod(13));
     add(&rig, &b);
-    let mut want: BTreeMap<String, Chains> = [(b.0.uid.clone(), mtls_and_plaintext(&b.0.uid))].into();
+    let mut want: BTreeMap<String, Chains> =
+        [(b.0.uid.clone(), mtls_and_plaintext(&b.0.uid))].into();
     wait_chains(&rig, &want, "the first pod's listener with mTLS");
 
     // A pod ADDed to the old owner after the standby completed: the new owner learns of it
     // in its reconcile, subscribes it, and waits for its SVID before it serves.
     let t = surge(&mut rig, |rig, _| add(rig, &o1));
-    eprintln!("pod added during the overlap, SVID not held: svid_wait {}, takeover total {}", ms(t.svid_wait), ms(t.total));
-    assert_eq!(t.missed, 0, "the pod added during the overlap had no SVID when the new owner served: {:#}\n{}", t.ready, rig.owner.log());
-    assert!(t.svid_wait < SVID_WAIT, "{}: {:#}", ms(t.svid_wait), t.ready);
-    assert!(rig.owner.log().contains("takeover: the pods it added hold their SVIDs"), "{}", rig.owner.log());
+    eprintln!(
+        "pod added during the overlap, SVID not held: svid_wait {}, takeover total {}",
+        ms(t.svid_wait),
+        ms(t.total)
+    );
+    assert_eq!(
+        t.missed,
+        0,
+        "the pod added during the overlap had no SVID when the new owner served: {:#}\n{}",
+        t.ready,
+        rig.owner.log()
+    );
+    assert!(
+        t.svid_wait < SVID_WAIT,
+        "{}: {:#}",
+        ms(t.svid_wait),
+        t.ready
+    );
+    assert!(
+        rig.owner
+            .log()
+            .contains("takeover: the pods it added hold their SVIDs"),
+        "{}",
+        rig.owner.log()
+    );
     // Right after the takeover /ready counts it (the counts follow the same snapshot).
     wait_svid_counts(&rig.owner, 2, 0, Duration::from_secs(1));
     want.insert(o1.0.uid.clone(), mtls_and_plaintext(&o1.0.uid));
@@ -365,7 +531,11 @@ fn a_takeover_waits_for_the_svids_of_pods_added_during_the_overlap_up_to_its_bou
     // serves and says how many of the pods it added still lack one.
     idp.hold_pod(&o2.0.uid);
     let t = surge(&mut rig, |rig, _| add(rig, &o2));
-    eprintln!("pod added during the overlap, SVID held: svid_wait {}, takeover total {}", ms(t.svid_wait), ms(t.total));
+    eprintln!(
+        "pod added during the overlap, SVID held: svid_wait {}, takeover total {}",
+        ms(t.svid_wait),
+        ms(t.total)
+    );
     assert_eq!(t.missed, 1, "{:#}", t.ready);
     assert!(
         t.svid_wait >= SVID_WAIT - Duration::from_millis(50) && t.svid_wait < SVID_WAIT * 3,
@@ -373,11 +543,25 @@ fn a_takeover_waits_for_the_svids_of_pods_added_during_the_overlap_up_to_its_bou
         ms(t.svid_wait),
         t.ready
     );
-    assert!(t.total >= t.svid_wait, "the takeover's total includes its SVID wait: {:#}", t.ready);
-    assert!(rig.owner.log().contains("takeover: serving before every pod it added has its SVID"), "{}", rig.owner.log());
+    assert!(
+        t.total >= t.svid_wait,
+        "the takeover's total includes its SVID wait: {:#}",
+        t.ready
+    );
+    assert!(
+        rig.owner
+            .log()
+            .contains("takeover: serving before every pod it added has its SVID"),
+        "{}",
+        rig.owner.log()
+    );
     wait_svid_counts(&rig.owner, 2, 1, T);
     want.insert(o2.0.uid.clone(), plaintext_only(&o2.0.uid));
-    wait_chains(&rig, &want, "the held overlap pod's listener, plaintext only");
+    wait_chains(
+        &rig,
+        &want,
+        "the held overlap pod's listener, plaintext only",
+    );
 
     // Released, its SVID reaches the new owner.
     idp.release_pod(&o2.0.uid);

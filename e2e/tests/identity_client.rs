@@ -43,8 +43,15 @@ fn unix(path: &Path) -> (Endpoint, String) {
 
 /// An agent with `--trust-domain trust_domain --mtls mode` on `provider`'s sockets.
 fn agent(provider: &IdentityProvider, trust_domain: &str, mode: MtlsMode) -> Agent {
-    let identity = Identity { trust_domain: Some(trust_domain.into()), mode, ..Identity::default() };
-    let node = Node::new(Inputs { identity, ..Inputs::default() });
+    let identity = Identity {
+        trust_domain: Some(trust_domain.into()),
+        mode,
+        ..Identity::default()
+    };
+    let node = Node::new(Inputs {
+        identity,
+        ..Inputs::default()
+    });
     let metrics = Metrics::new();
     let status = Arc::new(watch::Sender::new(Status::new("node-1", "agent-1")));
     let (workload_api, workload_api_text) = unix(&provider.workload_socket());
@@ -55,8 +62,18 @@ fn agent(provider: &IdentityProvider, trust_domain: &str, mode: MtlsMode) -> Age
         trust_domain: spiffe::TrustDomain::new(trust_domain).expect("a trust domain"),
         mode,
     };
-    let identity = aether_worker::identity::spawn(cfg, node.clone(), metrics.clone(), Reporter::new(status.clone()));
-    Agent { node, metrics, status, _identity: identity }
+    let identity = aether_worker::identity::spawn(
+        cfg,
+        node.clone(),
+        metrics.clone(),
+        Reporter::new(status.clone()),
+    );
+    Agent {
+        node,
+        metrics,
+        status,
+        _identity: identity,
+    }
 }
 
 fn pod(uid: &str, name: &str, ip: &str) -> Pod {
@@ -73,7 +90,9 @@ fn pod(uid: &str, name: &str, ip: &str) -> Pod {
 }
 
 async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
-    tokio::time::timeout(WAIT, f).await.unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}"))
+    tokio::time::timeout(WAIT, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}"))
 }
 
 impl Agent {
@@ -91,19 +110,32 @@ impl Agent {
     /// Waits until `/ready`'s status satisfies `pred`.
     async fn until_status(&self, what: &str, pred: impl Fn(&Status) -> bool) {
         let mut rx = self.status.subscribe();
-        within(what, rx.wait_for(|s| pred(s))).await.expect("the status lives");
+        within(what, rx.wait_for(|s| pred(s)))
+            .await
+            .expect("the status lives");
     }
 
     fn problem(&self, source: &str) -> Option<String> {
-        self.status.borrow().problems.iter().find(|p| p.source == source).map(|p| p.message.clone())
+        self.status
+            .borrow()
+            .problems
+            .iter()
+            .find(|p| p.source == source)
+            .map(|p| p.message.clone())
     }
 
     fn pod_serial(&self, uid: &str) -> Option<String> {
-        self.node.with_inputs(|i| i.identity.pods.get(uid).map(|s| s.serial.clone()))
+        self.node
+            .with_inputs(|i| i.identity.pods.get(uid).map(|s| s.serial.clone()))
     }
 
     fn updates(&self, source: &str) -> u64 {
-        self.metrics.identity_svid_updates.get_or_create(&SvidSourceLabel { source: source.into() }).get()
+        self.metrics
+            .identity_svid_updates
+            .get_or_create(&SvidSourceLabel {
+                source: source.into(),
+            })
+            .get()
     }
 }
 
@@ -122,57 +154,122 @@ async fn the_agent_svid_and_bundle_reach_the_node_open_the_gate_and_follow_a_rot
     let dir = tempfile::tempdir().unwrap();
     let provider = IdentityProvider::start(dir.path(), TD).unwrap();
     let a = agent(&provider, TD, MtlsMode::Permissive);
-    within("the agent-svid gate", a.node.gates().wait_for(|g| g.agent_svid)).await.unwrap();
+    within(
+        "the agent-svid gate",
+        a.node.gates().wait_for(|g| g.agent_svid),
+    )
+    .await
+    .unwrap();
     let first = provider.serial_of_agent();
-    a.until("the agent's SVID", |i| i.identity.agent.as_ref().is_some_and(|s| s.serial == first) && i.identity.bundle.is_some()).await;
+    a.until("the agent's SVID", |i| {
+        i.identity.agent.as_ref().is_some_and(|s| s.serial == first) && i.identity.bundle.is_some()
+    })
+    .await;
     let inputs = a.node.inputs();
     let svid = inputs.identity.agent.as_ref().unwrap();
     assert_eq!(svid.spiffe_id, provider.agent_spiffe_id());
-    assert!(svid.chain_pem.starts_with("-----BEGIN CERTIFICATE-----") && svid.key_pem.starts_with("-----BEGIN PRIVATE KEY-----"));
+    assert!(
+        svid.chain_pem.starts_with("-----BEGIN CERTIFICATE-----")
+            && svid.key_pem.starts_with("-----BEGIN PRIVATE KEY-----")
+    );
     assert!(svid.not_after > svid.not_before && svid.renew_by() < svid.not_after);
-    assert_eq!(flat(inputs.identity.bundle.as_deref().unwrap()), flat(&provider.ca_pem()));
+    assert_eq!(
+        flat(inputs.identity.bundle.as_deref().unwrap()),
+        flat(&provider.ca_pem())
+    );
     let snapshot = a.node.snapshot();
-    assert!(snapshot.secrets.get(aether_model::AGENT_SECRET).is_some() && snapshot.secrets.get(aether_model::BUNDLE_SECRET).is_some());
-    a.until_status("/ready's identity", |s| s.identity.as_ref().is_some_and(|i| i.workload_api == "connected" && i.agent.as_ref().is_some_and(|x| x.serial == first) && i.bundle))
-        .await;
+    assert!(
+        snapshot.secrets.get(aether_model::AGENT_SECRET).is_some()
+            && snapshot.secrets.get(aether_model::BUNDLE_SECRET).is_some()
+    );
+    a.until_status("/ready's identity", |s| {
+        s.identity.as_ref().is_some_and(|i| {
+            i.workload_api == "connected"
+                && i.agent.as_ref().is_some_and(|x| x.serial == first)
+                && i.bundle
+        })
+    })
+    .await;
     assert_eq!(a.updates("agent"), 1);
     assert_eq!(a.metrics.identity_workload_api_connected.get(), 1);
 
     provider.rotate_all();
     let second = provider.serial_of_agent();
     assert_ne!(first, second);
-    a.until("the rotated SVID", |i| i.identity.agent.as_ref().is_some_and(|s| s.serial == second)).await;
+    a.until("the rotated SVID", |i| {
+        i.identity
+            .agent
+            .as_ref()
+            .is_some_and(|s| s.serial == second)
+    })
+    .await;
     assert_eq!(a.updates("agent"), 2);
-    assert!(a.problem("workload-api").is_none() && a.problem("trust-domain").is_none(), "{:?}", a.status.borrow().problems);
+    assert!(
+        a.problem("workload-api").is_none() && a.problem("trust-domain").is_none(),
+        "{:?}",
+        a.status.borrow().problems
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_provider_down_at_start_keeps_the_gate_closed_until_it_comes_up_and_one_down_later_keeps_the_svid() {
+async fn a_provider_down_at_start_keeps_the_gate_closed_until_it_comes_up_and_one_down_later_keeps_the_svid()
+ {
     let dir = tempfile::tempdir().unwrap();
     let provider = IdentityProvider::start(dir.path(), TD).unwrap();
     blocking(|| provider.set_down(true));
     let a = agent(&provider, TD, MtlsMode::Permissive);
     // The client tried, failed and said so; the gate is still closed.
-    a.until_status("the Workload API problem", |s| s.problems.iter().any(|p| p.source == "workload-api" && p.message.contains("no SVID yet"))).await;
-    assert!(!a.node.gates().borrow().agent_svid, "the gate opened without an SVID");
+    a.until_status("the Workload API problem", |s| {
+        s.problems
+            .iter()
+            .any(|p| p.source == "workload-api" && p.message.contains("no SVID yet"))
+    })
+    .await;
+    assert!(
+        !a.node.gates().borrow().agent_svid,
+        "the gate opened without an SVID"
+    );
     assert!(a.node.with_inputs(|i| i.identity.agent.is_none()));
     assert_eq!(a.metrics.identity_workload_api_connected.get(), 0);
 
     blocking(|| provider.set_down(false));
-    within("the agent-svid gate after the provider came up", a.node.gates().wait_for(|g| g.agent_svid)).await.unwrap();
-    a.until_status("the problem cleared", |s| !s.problems.iter().any(|p| p.source == "workload-api")).await;
+    within(
+        "the agent-svid gate after the provider came up",
+        a.node.gates().wait_for(|g| g.agent_svid),
+    )
+    .await
+    .unwrap();
+    a.until_status("the problem cleared", |s| {
+        !s.problems.iter().any(|p| p.source == "workload-api")
+    })
+    .await;
     let serial = provider.serial_of_agent();
-    assert_eq!(a.node.with_inputs(|i| i.identity.agent.as_ref().map(|s| s.serial.clone())), Some(serial.clone()));
+    assert_eq!(
+        a.node
+            .with_inputs(|i| i.identity.agent.as_ref().map(|s| s.serial.clone())),
+        Some(serial.clone())
+    );
 
     // Down later: the last SVID stays served, /ready says so; back up, the same SVID is
     // sent again and the problem goes.
     blocking(|| provider.set_down(true));
-    a.until_status("the Workload API problem while serving", |s| s.problems.iter().any(|p| p.source == "workload-api" && p.message.contains("serving the last SVID")))
-        .await;
-    assert_eq!(a.node.with_inputs(|i| i.identity.agent.as_ref().map(|s| s.serial.clone())), Some(serial.clone()));
+    a.until_status("the Workload API problem while serving", |s| {
+        s.problems
+            .iter()
+            .any(|p| p.source == "workload-api" && p.message.contains("serving the last SVID"))
+    })
+    .await;
+    assert_eq!(
+        a.node
+            .with_inputs(|i| i.identity.agent.as_ref().map(|s| s.serial.clone())),
+        Some(serial.clone())
+    );
     blocking(|| provider.set_down(false));
     a.until_status("the problem cleared again", |s| {
-        !s.problems.iter().any(|p| p.source == "workload-api") && s.identity.as_ref().is_some_and(|i| i.workload_api == "connected")
+        !s.problems.iter().any(|p| p.source == "workload-api")
+            && s.identity
+                .as_ref()
+                .is_some_and(|i| i.workload_api == "connected")
     })
     .await;
     assert_eq!(a.updates("agent"), 1, "the same SVID again is no update");
@@ -183,16 +280,32 @@ async fn pods_added_to_the_node_are_subscribed_and_a_removed_pods_subscription_c
     let dir = tempfile::tempdir().unwrap();
     let provider = IdentityProvider::start(dir.path(), TD).unwrap();
     let a = agent(&provider, TD, MtlsMode::Permissive);
-    a.node.apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5")), Change::UpsertPod(pod("u2", "web-2", "10.1.0.6"))]);
-    a.until("both pods' SVIDs", |i| i.identity.pods.len() == 2).await;
+    a.node.apply([
+        Change::UpsertPod(pod("u1", "web-1", "10.1.0.5")),
+        Change::UpsertPod(pod("u2", "web-2", "10.1.0.6")),
+    ]);
+    a.until("both pods' SVIDs", |i| i.identity.pods.len() == 2)
+        .await;
     for (uid, name) in [("u1", "web-1"), ("u2", "web-2")] {
         let svid = a.node.with_inputs(|i| i.identity.pods[uid].clone());
         assert_eq!(svid.spiffe_id, provider.pod_spiffe_id("shop", name));
         assert_eq!(Some(svid.serial), provider.serial_of_pod(uid));
     }
-    assert!(a.node.snapshot().secrets.get("spiffe|pod|10.1.0.5").is_some());
-    assert_eq!(provider.subscriptions(), [("u1".to_string(), 1), ("u2".to_string(), 1)]);
-    a.until_status("two open subscriptions", |s| s.identity.as_ref().is_some_and(|i| i.subscriptions == 2)).await;
+    assert!(
+        a.node
+            .snapshot()
+            .secrets
+            .get("spiffe|pod|10.1.0.5")
+            .is_some()
+    );
+    assert_eq!(
+        provider.subscriptions(),
+        [("u1".to_string(), 1), ("u2".to_string(), 1)]
+    );
+    a.until_status("two open subscriptions", |s| {
+        s.identity.as_ref().is_some_and(|i| i.subscriptions == 2)
+    })
+    .await;
     assert_eq!(a.metrics.identity_subscriptions.get(), 2);
     assert_eq!(a.updates("pod"), 2);
 
@@ -200,21 +313,33 @@ async fn pods_added_to_the_node_are_subscribed_and_a_removed_pods_subscription_c
     let before = a.pod_serial("u2");
     provider.rotate_pod("u1");
     let rotated = provider.serial_of_pod("u1");
-    a.until("u1's rotated SVID", |i| i.identity.pods.get("u1").map(|s| &s.serial) == rotated.as_ref()).await;
+    a.until("u1's rotated SVID", |i| {
+        i.identity.pods.get("u1").map(|s| &s.serial) == rotated.as_ref()
+    })
+    .await;
     assert_eq!(a.pod_serial("u2"), before);
 
     // DEL: the stream closes at the provider and the SVID leaves the inputs.
     a.node.apply([Change::RemovePod("u1".into())]);
     blocking(|| provider.wait_for_streams("u1", 0));
-    a.until("u1's SVID gone", |i| !i.identity.pods.contains_key("u1")).await;
-    assert_eq!(provider.subscriptions(), [("u1".to_string(), 0), ("u2".to_string(), 1)]);
-    a.until_status("one open subscription", |s| s.identity.as_ref().is_some_and(|i| i.subscriptions == 1)).await;
+    a.until("u1's SVID gone", |i| !i.identity.pods.contains_key("u1"))
+        .await;
+    assert_eq!(
+        provider.subscriptions(),
+        [("u1".to_string(), 0), ("u2".to_string(), 1)]
+    );
+    a.until_status("one open subscription", |s| {
+        s.identity.as_ref().is_some_and(|i| i.subscriptions == 1)
+    })
+    .await;
     assert!(a.pod_serial("u2").is_some());
 
     // The same uid back (a pod re-added): subscribed again.
-    a.node.apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5"))]);
+    a.node
+        .apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5"))]);
     blocking(|| provider.wait_for_streams("u1", 1));
-    a.until("u1's SVID again", |i| i.identity.pods.contains_key("u1")).await;
+    a.until("u1's SVID again", |i| i.identity.pods.contains_key("u1"))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -223,23 +348,41 @@ async fn a_held_pod_delays_no_other_and_strict_mode_lists_it_until_its_svid_come
     let provider = IdentityProvider::start(dir.path(), TD).unwrap();
     provider.hold_pod("held");
     let a = agent(&provider, TD, MtlsMode::Strict);
-    a.node.apply([Change::UpsertPod(pod("held", "slow", "10.1.0.7")), Change::UpsertPod(pod("u2", "fast", "10.1.0.8"))]);
-    a.until("the other pod's SVID", |i| i.identity.pods.contains_key("u2")).await;
+    a.node.apply([
+        Change::UpsertPod(pod("held", "slow", "10.1.0.7")),
+        Change::UpsertPod(pod("u2", "fast", "10.1.0.8")),
+    ]);
+    a.until("the other pod's SVID", |i| {
+        i.identity.pods.contains_key("u2")
+    })
+    .await;
     // The held pod's stream is open and has brought nothing.
     blocking(|| provider.wait_for_streams("held", 1));
     assert!(a.pod_serial("held").is_none());
     let listed = "pod shop/slow has no SVID yet: strict mTLS holds its inbound listener back";
     // Only the held pod is listed (the other one was too, until its SVID came).
     a.until_status("the strict-mode problem of the held pod alone", |s| {
-        s.problems.iter().filter(|p| p.source == "pod-svid").map(|p| p.message.as_str()).eq([listed])
-            && s.identity.as_ref().is_some_and(|i| i.pods_without_svid == 1)
+        s.problems
+            .iter()
+            .filter(|p| p.source == "pod-svid")
+            .map(|p| p.message.as_str())
+            .eq([listed])
+            && s.identity
+                .as_ref()
+                .is_some_and(|i| i.pods_without_svid == 1)
     })
     .await;
     assert_eq!(a.metrics.pods_without_svid.get(), 1);
 
     provider.release_pod("held");
-    a.until("the released pod's SVID", |i| i.identity.pods.contains_key("held")).await;
-    a.until_status("the strict-mode problem gone", |s| !s.problems.iter().any(|p| p.source == "pod-svid")).await;
+    a.until("the released pod's SVID", |i| {
+        i.identity.pods.contains_key("held")
+    })
+    .await;
+    a.until_status("the strict-mode problem gone", |s| {
+        !s.problems.iter().any(|p| p.source == "pod-svid")
+    })
+    .await;
     assert_eq!(a.metrics.pods_without_svid.get(), 0);
 }
 
@@ -248,18 +391,29 @@ async fn the_broker_down_keeps_the_pods_svids_and_the_streams_come_back() {
     let dir = tempfile::tempdir().unwrap();
     let provider = IdentityProvider::start(dir.path(), TD).unwrap();
     let a = agent(&provider, TD, MtlsMode::Permissive);
-    a.node.apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5"))]);
-    a.until("the pod's SVID", |i| i.identity.pods.contains_key("u1")).await;
+    a.node
+        .apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5"))]);
+    a.until("the pod's SVID", |i| i.identity.pods.contains_key("u1"))
+        .await;
     let serial = a.pod_serial("u1");
 
     blocking(|| provider.set_down(true));
-    a.until_status("the broker problem", |s| s.problems.iter().any(|p| p.source == "spiffe-broker")).await;
-    a.until_status("no open subscription", |s| s.identity.as_ref().is_some_and(|i| i.subscriptions == 0)).await;
+    a.until_status("the broker problem", |s| {
+        s.problems.iter().any(|p| p.source == "spiffe-broker")
+    })
+    .await;
+    a.until_status("no open subscription", |s| {
+        s.identity.as_ref().is_some_and(|i| i.subscriptions == 0)
+    })
+    .await;
     assert_eq!(a.pod_serial("u1"), serial, "the last SVID stays");
 
     blocking(|| provider.set_down(false));
     blocking(|| provider.wait_for_streams("u1", 1));
-    a.until_status("the broker problem cleared", |s| !s.problems.iter().any(|p| p.source == "spiffe-broker")).await;
+    a.until_status("the broker problem cleared", |s| {
+        !s.problems.iter().any(|p| p.source == "spiffe-broker")
+    })
+    .await;
     assert_eq!(a.pod_serial("u1"), serial);
 }
 
@@ -270,11 +424,13 @@ async fn two_agents_on_one_node_stream_the_same_pod_svid_independently() {
     let owner = agent(&provider, TD, MtlsMode::Permissive);
     let standby = agent(&provider, TD, MtlsMode::Permissive);
     for a in [&owner, &standby] {
-        a.node.apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5"))]);
+        a.node
+            .apply([Change::UpsertPod(pod("u1", "web-1", "10.1.0.5"))]);
     }
     blocking(|| provider.wait_for_streams("u1", 2));
     for a in [&owner, &standby] {
-        a.until("the pod's SVID", |i| i.identity.pods.contains_key("u1")).await;
+        a.until("the pod's SVID", |i| i.identity.pods.contains_key("u1"))
+            .await;
     }
     assert_eq!(owner.pod_serial("u1"), standby.pod_serial("u1"));
     // The owner's DEL closes its stream only.
@@ -282,7 +438,11 @@ async fn two_agents_on_one_node_stream_the_same_pod_svid_independently() {
     blocking(|| provider.wait_for_streams("u1", 1));
     provider.rotate_pod("u1");
     let rotated = provider.serial_of_pod("u1");
-    standby.until("the standby's rotated SVID", |i| i.identity.pods.get("u1").map(|s| &s.serial) == rotated.as_ref()).await;
+    standby
+        .until("the standby's rotated SVID", |i| {
+            i.identity.pods.get("u1").map(|s| &s.serial) == rotated.as_ref()
+        })
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,9 +450,15 @@ async fn an_agent_svid_outside_the_trust_domain_is_not_served_and_named_in_ready
     let dir = tempfile::tempdir().unwrap();
     let provider = IdentityProvider::start(dir.path(), TD).unwrap();
     let a = agent(&provider, "other.org", MtlsMode::Permissive);
-    a.until_status("the trust-domain problem", |s| s.problems.iter().any(|p| p.source == "trust-domain")).await;
+    a.until_status("the trust-domain problem", |s| {
+        s.problems.iter().any(|p| p.source == "trust-domain")
+    })
+    .await;
     let message = a.problem("trust-domain").unwrap();
-    assert!(message.contains(&provider.agent_spiffe_id()) && message.contains("other.org"), "{message}");
+    assert!(
+        message.contains(&provider.agent_spiffe_id()) && message.contains("other.org"),
+        "{message}"
+    );
     assert!(!a.node.gates().borrow().agent_svid);
     assert!(a.node.with_inputs(|i| i.identity.agent.is_none()));
 }

@@ -39,24 +39,41 @@ fn unix(path: &Path) -> String {
 
 /// The selectors the worker sends for a pod.
 fn pod_selectors(namespace: &str, name: &str, uid: &str) -> Vec<Selector> {
-    [format!("ns:{namespace}"), format!("pod-name:{name}"), format!("pod-uid:{uid}")]
-        .into_iter()
-        .map(|value| Selector::Generic(("k8s".to_owned(), value)))
-        .collect()
+    [
+        format!("ns:{namespace}"),
+        format!("pod-name:{name}"),
+        format!("pod-uid:{uid}"),
+    ]
+    .into_iter()
+    .map(|value| Selector::Generic(("k8s".to_owned(), value)))
+    .collect()
 }
 
 fn pod_request(namespace: &str, name: &str, uid: &str) -> DelegateAttestationRequest {
-    DelegateAttestationRequest::for_selectors(pod_selectors(namespace, name, uid)).expect("non-empty selectors")
+    DelegateAttestationRequest::for_selectors(pod_selectors(namespace, name, uid))
+        .expect("non-empty selectors")
 }
 
 /// The same request for spire-api's generated client.
-fn raw_pod_request(namespace: &str, name: &str, uid: &str) -> spire_pb::SubscribeToX509sviDsRequest {
-    spire_pb::SubscribeToX509sviDsRequest { selectors: pod_selectors(namespace, name, uid).into_iter().map(Into::into).collect(), pid: 0 }
+fn raw_pod_request(
+    namespace: &str,
+    name: &str,
+    uid: &str,
+) -> spire_pb::SubscribeToX509sviDsRequest {
+    spire_pb::SubscribeToX509sviDsRequest {
+        selectors: pod_selectors(namespace, name, uid)
+            .into_iter()
+            .map(Into::into)
+            .collect(),
+        pid: 0,
+    }
 }
 
 /// The next item of `stream`, which must come within [`WAIT`].
 async fn next<S: Stream + Unpin>(stream: &mut S, what: &str) -> Option<S::Item> {
-    tokio::time::timeout(WAIT, stream.next()).await.unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+    tokio::time::timeout(WAIT, stream.next())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
 }
 
 fn leaf_serial(svid: &spiffe::X509Svid) -> String {
@@ -64,29 +81,47 @@ fn leaf_serial(svid: &spiffe::X509Svid) -> String {
 }
 
 /// A channel to a unix socket, as spiffe and spire-api connect (no Workload API header).
-async fn channel(path: &Path) -> Result<tonic::transport::Channel, spiffe::transport::TransportError> {
+async fn channel(
+    path: &Path,
+) -> Result<tonic::transport::Channel, spiffe::transport::TransportError> {
     spiffe::transport::connect(&Endpoint::parse(&unix(path)).expect("a unix endpoint")).await
 }
 
 fn with_header<T>(message: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert(WORKLOAD_API_HEADER, "true".parse().expect("ASCII"));
+    request
+        .metadata_mut()
+        .insert(WORKLOAD_API_HEADER, "true".parse().expect("ASCII"));
     request
 }
 
 /// Whether webpki, as a TLS server checks a client, accepts `chain_pem` under `ca_pem`.
 fn chains_to(chain_pem: &str, ca_pem: &str) -> Result<(), rustls::Error> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("a CA PEM")).expect("a CA certificate");
+    roots
+        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("a CA PEM"))
+        .expect("a CA certificate");
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build().expect("a verifier");
-    let chain: Vec<CertificateDer> = CertificateDer::pem_slice_iter(chain_pem.as_bytes()).collect::<Result<_, _>>().expect("a chain PEM");
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            .build()
+            .expect("a verifier");
+    let chain: Vec<CertificateDer> = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .expect("a chain PEM");
     let (leaf, intermediates) = chain.split_first().expect("a leaf");
-    verifier.verify_client_cert(leaf, intermediates, UnixTime::now()).map(|_| ())
+    verifier
+        .verify_client_cert(leaf, intermediates, UnixTime::now())
+        .map(|_| ())
 }
 
 fn unix_now() -> i64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).expect("after 1970").as_secs().try_into().expect("i64 seconds")
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs()
+        .try_into()
+        .expect("i64 seconds")
 }
 
 /// 1. The spiffe crate's X509Source gets the agent's SVID and the bundle, and sees the
@@ -95,14 +130,23 @@ fn unix_now() -> i64 {
 async fn x509_source_gets_the_agent_svid_and_its_rotation() {
     let dir = tempfile::tempdir().unwrap();
     let idp = start(dir.path());
-    let source = X509Source::builder().endpoint(unix(&idp.workload_socket())).build().await.expect("X509Source against the provider");
+    let source = X509Source::builder()
+        .endpoint(unix(&idp.workload_socket()))
+        .build()
+        .await
+        .expect("X509Source against the provider");
 
     let svid = source.svid().unwrap();
-    assert_eq!(svid.spiffe_id().to_string(), "spiffe://example.org/aether/agent");
+    assert_eq!(
+        svid.spiffe_id().to_string(),
+        "spiffe://example.org/aether/agent"
+    );
     assert_eq!(svid.spiffe_id().to_string(), idp.agent_spiffe_id());
     let first = leaf_serial(&svid);
     assert_eq!(first, idp.serial_of_agent());
-    let bundle = source.try_bundle_for_trust_domain(&TrustDomain::new(TD).unwrap()).expect("a bundle for example.org");
+    let bundle = source
+        .try_bundle_for_trust_domain(&TrustDomain::new(TD).unwrap())
+        .expect("a bundle for example.org");
     let authorities: Vec<&[u8]> = bundle.authorities().iter().map(|c| c.as_bytes()).collect();
     assert_eq!(authorities, [idp.ca_der().as_slice()]);
     // The key is the leaf's: the source parsed it (PKCS#8) and kept it.
@@ -110,7 +154,10 @@ async fn x509_source_gets_the_agent_svid_and_its_rotation() {
 
     let mut updates = source.updated();
     idp.rotate_all();
-    tokio::time::timeout(WAIT, updates.changed()).await.expect("an update within 10 s").expect("the source is open");
+    tokio::time::timeout(WAIT, updates.changed())
+        .await
+        .expect("an update within 10 s")
+        .expect("the source is open");
     let rotated = leaf_serial(&source.svid().unwrap());
     assert_ne!(rotated, first, "rotate_all gives the agent a new serial");
     assert_eq!(rotated, idp.serial_of_agent());
@@ -122,25 +169,55 @@ async fn x509_source_gets_the_agent_svid_and_its_rotation() {
 async fn workload_api_requires_the_header_and_streams_bundles() {
     let dir = tempfile::tempdir().unwrap();
     let idp = start(dir.path());
-    let mut client = pb::workload::spiffe_workload_api_client::SpiffeWorkloadApiClient::new(channel(&idp.workload_socket()).await.unwrap());
+    let mut client = pb::workload::spiffe_workload_api_client::SpiffeWorkloadApiClient::new(
+        channel(&idp.workload_socket()).await.unwrap(),
+    );
 
-    let refused = client.fetch_x509svid(pb::workload::X509svidRequest {}).await.expect_err("no header, no SVID");
+    let refused = client
+        .fetch_x509svid(pb::workload::X509svidRequest {})
+        .await
+        .expect_err("no header, no SVID");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
-    let refused = client.fetch_x509_bundles(pb::workload::X509BundlesRequest {}).await.expect_err("no header, no bundles");
+    let refused = client
+        .fetch_x509_bundles(pb::workload::X509BundlesRequest {})
+        .await
+        .expect_err("no header, no bundles");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
     assert_eq!(idp.agent_streams(), 0);
 
-    let mut svids = client.fetch_x509svid(with_header(pb::workload::X509svidRequest {})).await.unwrap().into_inner();
-    let first = next(&mut svids, "the first X509SVIDResponse").await.expect("a response").unwrap();
-    let [svid] = first.svids.as_slice() else { panic!("one SVID, got {}", first.svids.len()) };
+    let mut svids = client
+        .fetch_x509svid(with_header(pb::workload::X509svidRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = next(&mut svids, "the first X509SVIDResponse")
+        .await
+        .expect("a response")
+        .unwrap();
+    let [svid] = first.svids.as_slice() else {
+        panic!("one SVID, got {}", first.svids.len())
+    };
     assert_eq!(svid.spiffe_id, idp.agent_spiffe_id());
     assert_eq!(svid.bundle, idp.ca_der());
-    assert_eq!(serial_hex(&svid.x509_svid).as_deref(), Some(idp.serial_of_agent().as_str()));
+    assert_eq!(
+        serial_hex(&svid.x509_svid).as_deref(),
+        Some(idp.serial_of_agent().as_str())
+    );
     idp.wait_for_agent_streams(1);
 
-    let mut bundles = client.fetch_x509_bundles(with_header(pb::workload::X509BundlesRequest {})).await.unwrap().into_inner();
-    let response = next(&mut bundles, "the first X509BundlesResponse").await.expect("a response").unwrap();
-    assert_eq!(response.bundles.into_iter().collect::<Vec<_>>(), [("spiffe://example.org".to_owned(), idp.ca_der())]);
+    let mut bundles = client
+        .fetch_x509_bundles(with_header(pb::workload::X509BundlesRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = next(&mut bundles, "the first X509BundlesResponse")
+        .await
+        .expect("a response")
+        .unwrap();
+    assert_eq!(
+        response.bundles.into_iter().collect::<Vec<_>>(),
+        [("spiffe://example.org".to_owned(), idp.ca_der())]
+    );
 
     drop(svids);
     idp.wait_for_agent_streams(0);
@@ -152,65 +229,155 @@ async fn workload_api_requires_the_header_and_streams_bundles() {
 async fn delegated_identity_api_streams_pod_svids() {
     let dir = tempfile::tempdir().unwrap();
     let idp = start(dir.path());
-    let client = DelegatedIdentityClient::connect_to(unix(&idp.delegated_socket())).await.expect("connecting to the delegated socket");
+    let client = DelegatedIdentityClient::connect_to(unix(&idp.delegated_socket()))
+        .await
+        .expect("connecting to the delegated socket");
 
     // A pod's SVID, at once.
-    let mut web = client.stream_x509_svids(pod_request("default", "web-1", "uid-web")).await.unwrap();
-    let svid = next(&mut web, "web-1's SVID").await.expect("an SVID").unwrap();
-    assert_eq!(svid.spiffe_id().to_string(), "spiffe://example.org/ns/default/pod/web-1");
-    assert_eq!(svid.spiffe_id().to_string(), idp.pod_spiffe_id("default", "web-1"));
+    let mut web = client
+        .stream_x509_svids(pod_request("default", "web-1", "uid-web"))
+        .await
+        .unwrap();
+    let svid = next(&mut web, "web-1's SVID")
+        .await
+        .expect("an SVID")
+        .unwrap();
+    assert_eq!(
+        svid.spiffe_id().to_string(),
+        "spiffe://example.org/ns/default/pod/web-1"
+    );
+    assert_eq!(
+        svid.spiffe_id().to_string(),
+        idp.pod_spiffe_id("default", "web-1")
+    );
     let first = leaf_serial(&svid);
     assert_eq!(Some(first.clone()), idp.serial_of_pod("uid-web"));
     assert_eq!(idp.subscriptions(), [("uid-web".to_owned(), 1)]);
 
     // The bundle, keyed by the trust domain.
     let bundles = client.fetch_x509_bundles().await.unwrap();
-    let bundle = bundles.get(&TrustDomain::new(TD).unwrap()).expect("example.org's bundle");
-    assert_eq!(bundle.authorities().iter().map(|c| c.as_bytes()).collect::<Vec<_>>(), [idp.ca_der().as_slice()]);
+    let bundle = bundles
+        .get(&TrustDomain::new(TD).unwrap())
+        .expect("example.org's bundle");
+    assert_eq!(
+        bundle
+            .authorities()
+            .iter()
+            .map(|c| c.as_bytes())
+            .collect::<Vec<_>>(),
+        [idp.ca_der().as_slice()]
+    );
 
     // Held: the stream is open and gets nothing until released.
     idp.hold_pod("uid-db");
-    let mut db = client.stream_x509_svids(pod_request("data", "db-0", "uid-db")).await.unwrap();
+    let mut db = client
+        .stream_x509_svids(pod_request("data", "db-0", "uid-db"))
+        .await
+        .unwrap();
     idp.wait_for_streams("uid-db", 1);
-    assert!(idp.serial_of_pod("uid-db").is_some(), "the pod has its SVID, only not sent");
+    assert!(
+        idp.serial_of_pod("uid-db").is_some(),
+        "the pod has its SVID, only not sent"
+    );
     // An absence can only be watched for a while: had the hold failed, the SVID would have
     // been on its way before the subscription was counted.
-    assert!(tokio::time::timeout(Duration::from_millis(300), db.next()).await.is_err(), "a held pod's SVID was sent");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), db.next())
+            .await
+            .is_err(),
+        "a held pod's SVID was sent"
+    );
     idp.release_pod("uid-db");
-    let svid = next(&mut db, "db-0's SVID after release").await.expect("an SVID").unwrap();
-    assert_eq!(svid.spiffe_id().to_string(), "spiffe://example.org/ns/data/pod/db-0");
+    let svid = next(&mut db, "db-0's SVID after release")
+        .await
+        .expect("an SVID")
+        .unwrap();
+    assert_eq!(
+        svid.spiffe_id().to_string(),
+        "spiffe://example.org/ns/data/pod/db-0"
+    );
     assert_eq!(Some(leaf_serial(&svid)), idp.serial_of_pod("uid-db"));
 
     // Rotation, on the same stream.
     idp.rotate_pod("uid-web");
-    let rotated = leaf_serial(&next(&mut web, "web-1's rotated SVID").await.expect("an SVID").unwrap());
+    let rotated = leaf_serial(
+        &next(&mut web, "web-1's rotated SVID")
+            .await
+            .expect("an SVID")
+            .unwrap(),
+    );
     assert_ne!(rotated, first);
     assert_eq!(Some(rotated.clone()), idp.serial_of_pod("uid-web"));
 
     // A second subscription for the same pod (another agent, say): a second stream of the
     // same SVID; a rotation reaches both.
-    let mut web2 = client.stream_x509_svids(pod_request("default", "web-1", "uid-web")).await.unwrap();
-    assert_eq!(leaf_serial(&next(&mut web2, "web-1's SVID on the second stream").await.expect("an SVID").unwrap()), rotated);
+    let mut web2 = client
+        .stream_x509_svids(pod_request("default", "web-1", "uid-web"))
+        .await
+        .unwrap();
+    assert_eq!(
+        leaf_serial(
+            &next(&mut web2, "web-1's SVID on the second stream")
+                .await
+                .expect("an SVID")
+                .unwrap()
+        ),
+        rotated
+    );
     idp.wait_for_streams("uid-web", 2);
-    assert_eq!(idp.subscriptions(), [("uid-db".to_owned(), 1), ("uid-web".to_owned(), 2)]);
+    assert_eq!(
+        idp.subscriptions(),
+        [("uid-db".to_owned(), 1), ("uid-web".to_owned(), 2)]
+    );
     idp.rotate_pod("uid-web");
-    let on_first = leaf_serial(&next(&mut web, "rotation on the first stream").await.expect("an SVID").unwrap());
-    let on_second = leaf_serial(&next(&mut web2, "rotation on the second stream").await.expect("an SVID").unwrap());
+    let on_first = leaf_serial(
+        &next(&mut web, "rotation on the first stream")
+            .await
+            .expect("an SVID")
+            .unwrap(),
+    );
+    let on_second = leaf_serial(
+        &next(&mut web2, "rotation on the second stream")
+            .await
+            .expect("an SVID")
+            .unwrap(),
+    );
     assert_eq!(on_first, on_second);
     assert_ne!(on_first, rotated);
 
     // Unsubscribing (dropping the stream) closes one; the other goes on.
     drop(web2);
     idp.wait_for_streams("uid-web", 1);
-    assert_eq!(idp.subscriptions(), [("uid-db".to_owned(), 1), ("uid-web".to_owned(), 1)]);
+    assert_eq!(
+        idp.subscriptions(),
+        [("uid-db".to_owned(), 1), ("uid-web".to_owned(), 1)]
+    );
     idp.rotate_pod("uid-web");
-    assert_eq!(Some(leaf_serial(&next(&mut web, "rotation after the unsubscribe").await.expect("an SVID").unwrap())), idp.serial_of_pod("uid-web"));
+    assert_eq!(
+        Some(leaf_serial(
+            &next(&mut web, "rotation after the unsubscribe")
+                .await
+                .expect("an SVID")
+                .unwrap()
+        )),
+        idp.serial_of_pod("uid-web")
+    );
 
     // A pod not fully named is refused.
-    let partial = DelegateAttestationRequest::for_selectors(vec![Selector::Generic(("k8s".into(), "ns:default".into()))]).unwrap();
+    let partial = DelegateAttestationRequest::for_selectors(vec![Selector::Generic((
+        "k8s".into(),
+        "ns:default".into(),
+    ))])
+    .unwrap();
     match client.fetch_x509_svid(partial).await {
-        Err(spire_api::DelegatedIdentityError::Transport(spiffe::transport::TransportError::Status(s))) => {
-            assert_eq!(s.code(), spiffe::transport::GrpcStatusCode::InvalidArgument, "{s}")
+        Err(spire_api::DelegatedIdentityError::Transport(
+            spiffe::transport::TransportError::Status(s),
+        )) => {
+            assert_eq!(
+                s.code(),
+                spiffe::transport::GrpcStatusCode::InvalidArgument,
+                "{s}"
+            )
         }
         other => panic!("selectors without pod-name and pod-uid: {other:?}"),
     }
@@ -222,22 +389,58 @@ async fn delegated_identity_api_streams_pod_svids() {
 async fn down_ends_streams_and_refuses_until_up() {
     let dir = tempfile::tempdir().unwrap();
     let lifetime = Duration::from_secs(600);
-    let idp = IdentityProvider::start_with(dir.path(), Options { svid_lifetime: lifetime, ..Options::new(TD) }).unwrap();
+    let idp = IdentityProvider::start_with(
+        dir.path(),
+        Options {
+            svid_lifetime: lifetime,
+            ..Options::new(TD)
+        },
+    )
+    .unwrap();
 
-    let mut workload = pb::workload::spiffe_workload_api_client::SpiffeWorkloadApiClient::new(channel(&idp.workload_socket()).await.unwrap());
-    let mut agent = workload.fetch_x509svid(with_header(pb::workload::X509svidRequest {})).await.unwrap().into_inner();
-    next(&mut agent, "the agent's SVID").await.expect("a response").unwrap();
-    let mut delegated = spire_pb::delegated_identity_client::DelegatedIdentityClient::new(channel(&idp.delegated_socket()).await.unwrap());
-    let mut pod = delegated.subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web")).await.unwrap().into_inner();
-    let response = next(&mut pod, "web-1's SVID").await.expect("a response").unwrap();
-    let [with_key] = response.x509_svids.as_slice() else { panic!("one SVID, got {}", response.x509_svids.len()) };
+    let mut workload = pb::workload::spiffe_workload_api_client::SpiffeWorkloadApiClient::new(
+        channel(&idp.workload_socket()).await.unwrap(),
+    );
+    let mut agent = workload
+        .fetch_x509svid(with_header(pb::workload::X509svidRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    next(&mut agent, "the agent's SVID")
+        .await
+        .expect("a response")
+        .unwrap();
+    let mut delegated = spire_pb::delegated_identity_client::DelegatedIdentityClient::new(
+        channel(&idp.delegated_socket()).await.unwrap(),
+    );
+    let mut pod = delegated
+        .subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web"))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = next(&mut pod, "web-1's SVID")
+        .await
+        .expect("a response")
+        .unwrap();
+    let [with_key] = response.x509_svids.as_slice() else {
+        panic!("one SVID, got {}", response.x509_svids.len())
+    };
     let svid = with_key.x509_svid.as_ref().expect("an X509SVID");
     let id = svid.id.as_ref().expect("a SPIFFE ID");
-    assert_eq!((id.trust_domain.as_str(), id.path.as_str()), (TD, "/ns/default/pod/web-1"));
+    assert_eq!(
+        (id.trust_domain.as_str(), id.path.as_str()),
+        (TD, "/ns/default/pod/web-1")
+    );
     let expires_in = svid.expires_at - unix_now();
-    assert!((590..=600).contains(&expires_in), "a 600 s SVID expires in {expires_in} s");
+    assert!(
+        (590..=600).contains(&expires_in),
+        "a 600 s SVID expires in {expires_in} s"
+    );
     let serial = idp.serial_of_pod("uid-web").unwrap();
-    assert_eq!(serial_hex(&svid.cert_chain[0]).as_deref(), Some(serial.as_str()));
+    assert_eq!(
+        serial_hex(&svid.cert_chain[0]).as_deref(),
+        Some(serial.as_str())
+    );
 
     let source = X509Source::builder()
         .endpoint(unix(&idp.workload_socket()))
@@ -250,8 +453,18 @@ async fn down_ends_streams_and_refuses_until_up() {
 
     idp.set_down(true);
     for (what, end) in [
-        ("the agent's stream", next(&mut agent, "the agent's stream end").await.map(|r| r.unwrap_err())),
-        ("the pod's stream", next(&mut pod, "the pod's stream end").await.map(|r| r.unwrap_err())),
+        (
+            "the agent's stream",
+            next(&mut agent, "the agent's stream end")
+                .await
+                .map(|r| r.unwrap_err()),
+        ),
+        (
+            "the pod's stream",
+            next(&mut pod, "the pod's stream end")
+                .await
+                .map(|r| r.unwrap_err()),
+        ),
     ] {
         let status = end.unwrap_or_else(|| panic!("{what} ended without a status"));
         assert_eq!(status.code(), Code::Unavailable, "{what}: {status:?}");
@@ -261,27 +474,53 @@ async fn down_ends_streams_and_refuses_until_up() {
     idp.wait_for_streams("uid-web", 0);
     idp.wait_for_agent_streams(0);
     assert_eq!(idp.subscriptions(), [("uid-web".to_owned(), 0)]);
-    assert!(idp.workload_socket().exists() && idp.delegated_socket().exists(), "down removes no socket file");
+    assert!(
+        idp.workload_socket().exists() && idp.delegated_socket().exists(),
+        "down removes no socket file"
+    );
     for socket in [idp.workload_socket(), idp.delegated_socket()] {
-        assert!(channel(&socket).await.is_err(), "{} accepted a connect while down", socket.display());
+        assert!(
+            channel(&socket).await.is_err(),
+            "{} accepted a connect while down",
+            socket.display()
+        );
     }
-    let refused = delegated.subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web")).await.expect_err("no stream while down");
+    let refused = delegated
+        .subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web"))
+        .await
+        .expect_err("no stream while down");
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
 
     idp.set_down(false);
-    let mut again = spire_pb::delegated_identity_client::DelegatedIdentityClient::new(channel(&idp.delegated_socket()).await.unwrap());
-    let mut pod = again.subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web")).await.unwrap().into_inner();
-    let response = next(&mut pod, "web-1's SVID after up").await.expect("a response").unwrap();
-    let cert = &response.x509_svids[0].x509_svid.as_ref().unwrap().cert_chain[0];
+    let mut again = spire_pb::delegated_identity_client::DelegatedIdentityClient::new(
+        channel(&idp.delegated_socket()).await.unwrap(),
+    );
+    let mut pod = again
+        .subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web"))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = next(&mut pod, "web-1's SVID after up")
+        .await
+        .expect("a response")
+        .unwrap();
+    let cert = &response.x509_svids[0]
+        .x509_svid
+        .as_ref()
+        .unwrap()
+        .cert_chain[0];
     assert_eq!(serial_hex(cert), Some(serial), "up keeps the pod's SVID");
     assert_eq!(idp.subscriptions(), [("uid-web".to_owned(), 1)]);
 
     // The X509Source reconnects by itself and sees the next rotation.
     idp.rotate_all();
-    tokio::time::timeout(WAIT, updates.wait_for(|_| leaf_serial(&source.svid().unwrap()) == idp.serial_of_agent()))
-        .await
-        .expect("the source has the rotated SVID within 10 s")
-        .unwrap();
+    tokio::time::timeout(
+        WAIT,
+        updates.wait_for(|_| leaf_serial(&source.svid().unwrap()) == idp.serial_of_agent()),
+    )
+    .await
+    .expect("the source has the rotated SVID within 10 s")
+    .unwrap();
     source.shutdown().await;
 }
 
@@ -294,9 +533,17 @@ fn minted_svids_chain_to_their_own_ca_only() {
     let (chain, key) = idp.mint("spiffe://example.org/test/client");
     assert!(key.starts_with("-----BEGIN PRIVATE KEY-----"), "PKCS#8 PEM");
     chains_to(&chain, &ca).expect("a minted SVID chains to the provider's CA");
-    let (foreign, _) = IdentityProvider::mint_foreign("foreign.org", "spiffe://foreign.org/test/client");
-    let refused = chains_to(&foreign, &ca).expect_err("a foreign SVID must not chain to the provider's CA");
-    assert!(matches!(refused, rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)), "{refused:?}");
+    let (foreign, _) =
+        IdentityProvider::mint_foreign("foreign.org", "spiffe://foreign.org/test/client");
+    let refused =
+        chains_to(&foreign, &ca).expect_err("a foreign SVID must not chain to the provider's CA");
+    assert!(
+        matches!(
+            refused,
+            rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)
+        ),
+        "{refused:?}"
+    );
 }
 
 /// The Python snippet: the SVID and the bundles from py-spiffe's WorkloadApiClient, with
@@ -338,7 +585,10 @@ fn python_or_skip(test: &str) -> Option<std::path::PathBuf> {
         Some(p) => p.into(),
         None => aether_e2e::testing::workspace_root().join(".venv/bin/python"),
     };
-    let has_spiffe = std::process::Command::new(&python).args(["-c", "import spiffe"]).output().is_ok_and(|o| o.status.success());
+    let has_spiffe = std::process::Command::new(&python)
+        .args(["-c", "import spiffe"])
+        .output()
+        .is_ok_and(|o| o.status.success());
     if !has_spiffe {
         eprintln!(
             "\n!!! SKIPPED {test}: no Python with the spiffe package at {}. Run scripts/install-pytools.sh or set AETHER_PYTHON. !!!\n",
@@ -352,18 +602,44 @@ fn python_or_skip(test: &str) -> Option<std::path::PathBuf> {
 /// 4. An independent client in another language: py-spiffe over the Workload API socket.
 #[test]
 fn python_spiffe_fetches_the_agent_svid() {
-    let Some(python) = python_or_skip("python_spiffe_fetches_the_agent_svid") else { return };
+    let Some(python) = python_or_skip("python_spiffe_fetches_the_agent_svid") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
-    let idp = IdentityProvider::start_with(dir.path(), Options { svid_lifetime: Duration::from_secs(1234), ..Options::new(TD) }).unwrap();
+    let idp = IdentityProvider::start_with(
+        dir.path(),
+        Options {
+            svid_lifetime: Duration::from_secs(1234),
+            ..Options::new(TD)
+        },
+    )
+    .unwrap();
     let fetch = || {
-        let out = std::process::Command::new(&python).arg("-c").arg(PY_FETCH).arg(idp.workload_socket()).arg(TD).output().expect("running python");
-        assert!(out.status.success(), "py-spiffe failed: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).expect("UTF-8").trim().to_owned()
+        let out = std::process::Command::new(&python)
+            .arg("-c")
+            .arg(PY_FETCH)
+            .arg(idp.workload_socket())
+            .arg(TD)
+            .output()
+            .expect("running python");
+        assert!(
+            out.status.success(),
+            "py-spiffe failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .expect("UTF-8")
+            .trim()
+            .to_owned()
     };
     let expected = |serial: String| format!("spiffe://example.org/aether/agent {serial} 1234 1");
     assert_eq!(fetch(), expected(idp.serial_of_agent()));
     let before = idp.serial_of_agent();
     idp.rotate_all();
     assert_ne!(idp.serial_of_agent(), before);
-    assert_eq!(fetch(), expected(idp.serial_of_agent()), "py-spiffe sees the rotated SVID");
+    assert_eq!(
+        fetch(),
+        expected(idp.serial_of_agent()),
+        "py-spiffe sees the rotated SVID"
+    );
 }

@@ -105,7 +105,10 @@ fn plugin(socket: &Path, op: &str, uid: &str, ip: Ipv4Addr) -> Answer {
         .env("CNI_CONTAINERID", format!("ctr-{uid}"))
         .env("CNI_NETNS", "/proc/self/ns/net")
         .env("CNI_IFNAME", "eth0")
-        .env("CNI_ARGS", format!("K8S_POD_NAMESPACE=kill;K8S_POD_NAME={uid};K8S_POD_UID={uid}"))
+        .env(
+            "CNI_ARGS",
+            format!("K8S_POD_NAMESPACE=kill;K8S_POD_NAME={uid};K8S_POD_UID={uid}"),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -114,16 +117,28 @@ fn plugin(socket: &Path, op: &str, uid: &str, ip: Ipv4Addr) -> Answer {
         Ok(c) => c,
         Err(e) => return Answer::Failed(format!("spawning aether-cni: {e}")),
     };
-    let _ = child.stdin.take().expect("stdin is piped").write_all(conf.to_string().as_bytes());
+    let _ = child
+        .stdin
+        .take()
+        .expect("stdin is piped")
+        .write_all(conf.to_string().as_bytes());
     let out = match child.wait_with_output() {
         Ok(o) => o,
         Err(e) => return Answer::Failed(format!("waiting for aether-cni: {e}")),
     };
     let stderr = String::from_utf8_lossy(&out.stderr);
-    match (out.status.success(), op == "DEL" && stderr.contains(DEL_WITHOUT_AGENT)) {
+    match (
+        out.status.success(),
+        op == "DEL" && stderr.contains(DEL_WITHOUT_AGENT),
+    ) {
         (true, false) => Answer::Ok,
         (true, true) => Answer::NotReached,
-        (false, _) => Answer::Failed(format!("{op} {uid}: {} {}{}", out.status, String::from_utf8_lossy(&out.stdout).trim(), stderr.trim())),
+        (false, _) => Answer::Failed(format!(
+            "{op} {uid}: {} {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout).trim(),
+            stderr.trim()
+        )),
     }
 }
 
@@ -133,7 +148,10 @@ fn client(id: usize, socket: PathBuf, ledger: Arc<Mutex<Ledger>>, stop: Arc<Atom
     let mut mine: Vec<String> = Vec::new();
     let mut next = 0u32;
     while !stop.load(Ordering::SeqCst) {
-        let unsure = mine.iter().find(|u| ledger.lock().unwrap().pods[*u].want == Want::Either).cloned();
+        let unsure = mine
+            .iter()
+            .find(|u| ledger.lock().unwrap().pods[*u].want == Want::Either)
+            .cloned();
         let (op, uid) = match unsure {
             Some(uid) => ("DEL", uid),
             None if mine.len() >= POOL => ("DEL", mine[0].clone()),
@@ -143,7 +161,15 @@ fn client(id: usize, socket: PathBuf, ledger: Arc<Mutex<Ledger>>, stop: Arc<Atom
                 // 10.77.<client>.<n>/16 .. unique per pod for the whole test.
                 let n = next as usize;
                 let ip = Ipv4Addr::new(10, 77, (id * 60 + n / 250) as u8, (1 + n % 250) as u8);
-                ledger.lock().unwrap().pods.insert(uid.clone(), PodState { ip, want: Want::Absent, seq: 0, in_flight: false });
+                ledger.lock().unwrap().pods.insert(
+                    uid.clone(),
+                    PodState {
+                        ip,
+                        want: Want::Absent,
+                        seq: 0,
+                        in_flight: false,
+                    },
+                );
                 mine.push(uid.clone());
                 ("ADD", uid)
             }
@@ -195,7 +221,12 @@ fn temp_pid(name: &str) -> Option<i32> {
 /// Checks the records against the ledger: the violations found, and the temp files of
 /// other processes than `serving`. With `strict`, once the owner has tidied, those are
 /// violations.
-fn check(state_dir: &Path, ledger: &Mutex<Ledger>, serving: Option<i32>, strict: bool) -> (Vec<String>, usize) {
+fn check(
+    state_dir: &Path,
+    ledger: &Mutex<Ledger>,
+    serving: Option<i32>,
+    strict: bool,
+) -> (Vec<String>, usize) {
     let before = ledger.lock().unwrap().pods.clone();
     let records = pod_records(state_dir);
     let after = ledger.lock().unwrap().pods.clone();
@@ -216,8 +247,13 @@ fn check(state_dir: &Path, ledger: &Mutex<Ledger>, serving: Option<i32>, strict:
             // Removed between the listing and the read: a DEL in flight.
             Err(_) if !state_dir.join("pods").join(name).exists() => {}
             Err(why) => bad.push(format!("record {name} does not decode: {why}")),
-            Ok(pod) if format!("{}.json", pod.uid) != *name => bad.push(format!("record {name} holds pod uid {}", pod.uid)),
-            Ok(pod) if !after.contains_key(&pod.uid) => bad.push(format!("phantom record {name}: no call ever named pod {}", pod.uid)),
+            Ok(pod) if format!("{}.json", pod.uid) != *name => {
+                bad.push(format!("record {name} holds pod uid {}", pod.uid))
+            }
+            Ok(pod) if !after.contains_key(&pod.uid) => bad.push(format!(
+                "phantom record {name}: no call ever named pod {}",
+                pod.uid
+            )),
             Ok(pod) => {
                 held.insert(pod.uid.clone(), pod.ips.clone());
             }
@@ -228,11 +264,18 @@ fn check(state_dir: &Path, ledger: &Mutex<Ledger>, serving: Option<i32>, strict:
         let ips = held.get(uid);
         let whole = ips.is_none_or(|ips| ips == &[IpAddr::V4(now.ip)]);
         if !whole {
-            bad.push(format!("pod {uid}'s record holds {ips:?}, not its address {}", now.ip));
+            bad.push(format!(
+                "pod {uid}'s record holds {ips:?}, not its address {}",
+                now.ip
+            ));
         }
         match (settled, now.want, ips.is_some()) {
-            (true, Want::Present, false) => bad.push(format!("lost pod {uid}: its ADD answered success, no record")),
-            (true, Want::Absent, true) => bad.push(format!("phantom pod {uid}: its DEL answered success, the record is there")),
+            (true, Want::Present, false) => bad.push(format!(
+                "lost pod {uid}: its ADD answered success, no record"
+            )),
+            (true, Want::Absent, true) => bad.push(format!(
+                "phantom pod {uid}: its DEL answered success, the record is there"
+            )),
             _ => {}
         }
     }
@@ -272,14 +315,25 @@ fn serving_worker(rig: &NodeRig, old: i32) -> i32 {
 /// the owner's snapshot (the plugin's CHECK) holds exactly the pods with records.
 #[test]
 fn random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_answer() {
-    const NAME: &str = "random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_answer";
-    let Some(envoy_bin) = envoy_or_skip(NAME) else { return };
+    const NAME: &str =
+        "random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_answer";
+    let Some(envoy_bin) = envoy_or_skip(NAME) else {
+        return;
+    };
     let kills = env_usize("AETHER_KILLS", 200);
     let max_delay = env_usize("AETHER_KILL_MAX_DELAY_MS", 120) as u64;
-    let seed = std::env::var("AETHER_KILL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
-    });
-    eprintln!("{kills} kills, delays 0 to {max_delay} ms after serving; replay with AETHER_KILL_SEED={seed}");
+    let seed = std::env::var("AETHER_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+                | 1
+        });
+    eprintln!(
+        "{kills} kills, delays 0 to {max_delay} ms after serving; replay with AETHER_KILL_SEED={seed}"
+    );
     let mut rng = Rng(seed);
 
     // A real Envoy ACKs each ADD's snapshot: without a proxy every ADD would wait out
@@ -292,7 +346,10 @@ fn random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_ans
     let clients: Vec<_> = (0..CLIENTS)
         .map(|i| {
             let (s, l, st) = (socket.clone(), ledger.clone(), stop.clone());
-            std::thread::Builder::new().name(format!("cni-client-{i}")).spawn(move || client(i, s, l, st)).expect("spawn a client")
+            std::thread::Builder::new()
+                .name(format!("cni-client-{i}"))
+                .spawn(move || client(i, s, l, st))
+                .expect("spawn a client")
         })
         .collect();
 
@@ -300,7 +357,10 @@ fn random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_ans
     let mut worker = rig.owner.worker_pid();
     let mut violations = Vec::new();
     let (mut generations, mut leftover_max) = (0, 0);
-    let mut note = |violations: &mut Vec<String>, k: usize, what: &str, (bad, leftovers): (Vec<String>, usize)| {
+    let mut note = |violations: &mut Vec<String>,
+                    k: usize,
+                    what: &str,
+                    (bad, leftovers): (Vec<String>, usize)| {
         violations.extend(bad.into_iter().map(|v| format!("{what} {k}: {v}")));
         leftover_max = leftover_max.max(leftovers);
     };
@@ -315,28 +375,58 @@ fn random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_ans
             let next = rig.start_agent();
             next.wait_role("standby", T);
             rig.owner.kill_generation();
-            note(&mut violations, k, "kill (generation)", check(&state_dir, &ledger, None, false));
+            note(
+                &mut violations,
+                k,
+                "kill (generation)",
+                check(&state_dir, &ledger, None, false),
+            );
             rig.owner = next;
             generations += 1;
         } else {
             kill(Pid::from_raw(worker), Signal::SIGKILL).expect("SIGKILL the worker");
-            note(&mut violations, k, "kill", check(&state_dir, &ledger, None, false));
+            note(
+                &mut violations,
+                k,
+                "kill",
+                check(&state_dir, &ledger, None, false),
+            );
         }
         worker = serving_worker(&rig, worker);
         let w = worker;
         let tidied = try_wait_for("the killed worker's temp files removed", TIDY, || {
-            pod_records(&state_dir).keys().all(|n| temp_pid(n).is_none_or(|p| p == w)).then_some(())
+            pod_records(&state_dir)
+                .keys()
+                .all(|n| temp_pid(n).is_none_or(|p| p == w))
+                .then_some(())
         });
         if let Err(e) = tidied {
-            violations.push(format!("after kill {k}: {e}: {:?}", pod_records(&state_dir).keys().filter(|n| temp_pid(n).is_some()).collect::<Vec<_>>()));
+            violations.push(format!(
+                "after kill {k}: {e}: {:?}",
+                pod_records(&state_dir)
+                    .keys()
+                    .filter(|n| temp_pid(n).is_some())
+                    .collect::<Vec<_>>()
+            ));
         }
-        note(&mut violations, k, "after kill", check(&state_dir, &ledger, Some(worker), true));
+        note(
+            &mut violations,
+            k,
+            "after kill",
+            check(&state_dir, &ledger, Some(worker), true),
+        );
         if !violations.is_empty() {
             break;
         }
         if k % 20 == 0 {
             let l = ledger.lock().unwrap();
-            eprintln!("{k} kills in {:?}: {} ADDs and {} DELs answered, {} calls failed", start.elapsed(), l.adds_ok, l.dels_ok, l.failed);
+            eprintln!(
+                "{k} kills in {:?}: {} ADDs and {} DELs answered, {} calls failed",
+                start.elapsed(),
+                l.adds_ok,
+                l.dels_ok,
+                l.failed
+            );
         }
     }
     let killing = start.elapsed();
@@ -344,44 +434,101 @@ fn random_sigkills_during_adds_and_dels_leave_whole_records_that_match_every_ans
     for c in clients {
         c.join().expect("a client panicked");
     }
-    assert!(violations.is_empty(), "seed {seed}: {} violations, first ones:\n{}\n(logs in {})", violations.len(),
-        violations.iter().take(20).cloned().collect::<Vec<_>>().join("\n"), rig.where_to_look());
+    assert!(
+        violations.is_empty(),
+        "seed {seed}: {} violations, first ones:\n{}\n(logs in {})",
+        violations.len(),
+        violations
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n"),
+        rig.where_to_look()
+    );
 
     // The runtime deletes every pod whose last call failed, until the agent answers.
-    let unsure: Vec<(String, Ipv4Addr)> =
-        ledger.lock().unwrap().pods.iter().filter(|(_, p)| p.want == Want::Either).map(|(u, p)| (u.clone(), p.ip)).collect();
+    let unsure: Vec<(String, Ipv4Addr)> = ledger
+        .lock()
+        .unwrap()
+        .pods
+        .iter()
+        .filter(|(_, p)| p.want == Want::Either)
+        .map(|(u, p)| (u.clone(), p.ip))
+        .collect();
     for (uid, ip) in &unsure {
-        wait_for(&format!("the agent to answer the DEL of {uid}"), T, || matches!(plugin(&socket, "DEL", uid, *ip), Answer::Ok).then_some(()));
-        ledger.lock().unwrap().pods.get_mut(uid).expect("a known pod").want = Want::Absent;
+        wait_for(&format!("the agent to answer the DEL of {uid}"), T, || {
+            matches!(plugin(&socket, "DEL", uid, *ip), Answer::Ok).then_some(())
+        });
+        ledger
+            .lock()
+            .unwrap()
+            .pods
+            .get_mut(uid)
+            .expect("a known pod")
+            .want = Want::Absent;
     }
     // The last kill took a whole generation: its successor's reload left no temp file.
     let (last, _) = check(&state_dir, &ledger, Some(worker), true);
-    assert!(last.is_empty(), "seed {seed}: at the end:\n{}", last.join("\n"));
+    assert!(
+        last.is_empty(),
+        "seed {seed}: at the end:\n{}",
+        last.join("\n")
+    );
     let records = pod_records(&state_dir);
-    assert!(records.keys().all(|n| temp_pid(n).is_none()), "temp files left with no write in flight: {:?}", records.keys());
+    assert!(
+        records.keys().all(|n| temp_pid(n).is_none()),
+        "temp files left with no write in flight: {:?}",
+        records.keys()
+    );
 
     // The owner's snapshot agrees with its records: CHECK finds every recorded pod, and
     // none of the last deleted ones.
     let pods = ledger.lock().unwrap().pods.clone();
-    let present: Vec<_> = pods.iter().filter(|(_, p)| p.want == Want::Present).collect();
-    assert_eq!(records.len(), present.len(), "records {:?} against the pods whose ADD answered last", records.keys());
+    let present: Vec<_> = pods
+        .iter()
+        .filter(|(_, p)| p.want == Want::Present)
+        .collect();
+    assert_eq!(
+        records.len(),
+        present.len(),
+        "records {:?} against the pods whose ADD answered last",
+        records.keys()
+    );
     for (uid, p) in &present {
         if let Answer::Failed(e) = plugin(&socket, "CHECK", uid, p.ip) {
             panic!("seed {seed}: CHECK of live pod {uid}: {e}");
         }
     }
-    for (uid, p) in pods.iter().filter(|(_, p)| p.want == Want::Absent).rev().take(50) {
+    for (uid, p) in pods
+        .iter()
+        .filter(|(_, p)| p.want == Want::Absent)
+        .rev()
+        .take(50)
+    {
         match plugin(&socket, "CHECK", uid, p.ip) {
-            Answer::Failed(e) => assert!(e.contains("is not known to the agent"), "seed {seed}: CHECK of deleted {uid}: {e}"),
-            _ => panic!("seed {seed}: phantom pod {uid}: CHECK found it in the owner's snapshot after its DEL"),
+            Answer::Failed(e) => assert!(
+                e.contains("is not known to the agent"),
+                "seed {seed}: CHECK of deleted {uid}: {e}"
+            ),
+            _ => panic!(
+                "seed {seed}: phantom pod {uid}: CHECK found it in the owner's snapshot after its DEL"
+            ),
         }
     }
     let l = ledger.lock().unwrap();
     eprintln!(
         "{kills} kills ({generations} of a whole generation) in {killing:?}: {} ADDs and {} DELs answered, {} calls failed, {} pods at the end, at most {leftover_max} temp files of a killed worker found right after a kill; seed {seed}",
-        l.adds_ok, l.dels_ok, l.failed, present.len()
+        l.adds_ok,
+        l.dels_ok,
+        l.failed,
+        present.len()
     );
-    assert!(l.adds_ok > kills as u64 / 2, "only {} ADDs answered success over {kills} kills: the kills hit too little traffic", l.adds_ok);
+    assert!(
+        l.adds_ok > kills as u64 / 2,
+        "only {} ADDs answered success over {kills} kills: the kills hit too little traffic",
+        l.adds_ok
+    );
     for f in &l.failures {
         eprintln!("a failed call: {f}");
     }

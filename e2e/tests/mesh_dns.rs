@@ -41,8 +41,10 @@ fn registry(services: &BTreeMap<&str, Option<String>>) -> String {
 /// What the snapshot must say for `services`: names to VIPs, the services without one
 /// left out.
 fn expected(services: &BTreeMap<&str, Option<String>>) -> Value {
-    let map: serde_json::Map<String, Value> =
-        services.iter().filter_map(|(n, v)| Some((format!("{n}.default.svc"), json!(v.as_ref()?)))).collect();
+    let map: serde_json::Map<String, Value> = services
+        .iter()
+        .filter_map(|(n, v)| Some((format!("{n}.default.svc"), json!(v.as_ref()?))))
+        .collect();
     json!({ "version": 1, "services": map })
 }
 
@@ -58,13 +60,21 @@ fn snapshot(state_dir: &Path) -> Option<Value> {
 }
 
 fn now_ms() -> i128 {
-    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_millis() as i128
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as i128
 }
 
 /// The heartbeat's age, or why it could not be read.
 fn heartbeat_age(state_dir: &Path) -> Result<Duration, String> {
-    let text = std::fs::read_to_string(state_dir.join(HEARTBEAT)).map_err(|e| format!("read: {e}"))?;
-    let ms: i128 = text.strip_suffix('\n').unwrap_or(&text).parse().map_err(|e| format!("{text:?}: {e}"))?;
+    let text =
+        std::fs::read_to_string(state_dir.join(HEARTBEAT)).map_err(|e| format!("read: {e}"))?;
+    let ms: i128 = text
+        .strip_suffix('\n')
+        .unwrap_or(&text)
+        .parse()
+        .map_err(|e| format!("{text:?}: {e}"))?;
     let age = now_ms() - ms;
     // A clock that went back reads as a fresh heartbeat, which is what it is.
     Ok(Duration::from_millis(age.max(0) as u64))
@@ -101,12 +111,19 @@ impl Sampler {
             }
             out
         });
-        Sampler { stop, thread: Some(thread) }
+        Sampler {
+            stop,
+            thread: Some(thread),
+        }
     }
 
     fn finish(mut self) -> Samples {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.take().expect("running").join().expect("the sampler panicked")
+        self.thread
+            .take()
+            .expect("running")
+            .join()
+            .expect("the sampler panicked")
     }
 }
 
@@ -163,13 +180,21 @@ impl Writers {
             };
             for ev in events {
                 assert!(ev.check_version(), "fanotify metadata of another version");
-                assert!(!ev.mask().contains(MaskFlags::FAN_Q_OVERFLOW), "the fanotify queue overflowed: writes were lost");
+                assert!(
+                    !ev.mask().contains(MaskFlags::FAN_Q_OVERFLOW),
+                    "the fanotify queue overflowed: writes were lost"
+                );
                 let Some(fd) = ev.fd() else { continue };
                 self.seen += 1;
                 let fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
-                let path = std::fs::read_link(format!("/proc/self/fd/{fd}")).map(|p| p.display().to_string()).unwrap_or_default();
+                let path = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default();
                 if path.contains("mesh-dns") {
-                    out.push(Write { pid: ev.pid(), path });
+                    out.push(Write {
+                        pid: ev.pid(),
+                        path,
+                    });
                 }
             }
         }
@@ -179,14 +204,32 @@ impl Writers {
 
 /// Checks that every write in `writes` is `owner`'s, or, across a handoff, the old
 /// owner's and then only the new one's; returns how many each made.
-fn check_writers(writes: &[Write], owners: &[(i32, &str)], when: &str, look: &dyn Fn() -> String) -> Vec<usize> {
+fn check_writers(
+    writes: &[Write],
+    owners: &[(i32, &str)],
+    when: &str,
+    look: &dyn Fn() -> String,
+) -> Vec<usize> {
     let mut counts = vec![0; owners.len()];
     let mut at = 0;
     for w in writes {
         let Some(i) = owners.iter().position(|(pid, _)| *pid == w.pid) else {
-            panic!("{when}: pid {} wrote {} and is not the owner's worker {:?}\n{}", w.pid, w.path, owners, look());
+            panic!(
+                "{when}: pid {} wrote {} and is not the owner's worker {:?}\n{}",
+                w.pid,
+                w.path,
+                owners,
+                look()
+            );
         };
-        assert!(i >= at, "{when}: {} wrote {} after {} had taken over: {writes:#?}\n{}", owners[i].1, w.path, owners[at].1, look());
+        assert!(
+            i >= at,
+            "{when}: {} wrote {} after {} had taken over: {writes:#?}\n{}",
+            owners[i].1,
+            w.path,
+            owners[at].1,
+            look()
+        );
         at = i;
         counts[i] += 1;
     }
@@ -195,7 +238,12 @@ fn check_writers(writes: &[Write], owners: &[(i32, &str)], when: &str, look: &dy
 
 fn identity(path: &Path) -> (u64, i64, i64, Vec<u8>) {
     let m = std::fs::metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    (m.ino(), m.mtime(), m.mtime_nsec(), std::fs::read(path).expect("read"))
+    (
+        m.ino(),
+        m.mtime(),
+        m.mtime_nsec(),
+        std::fs::read(path).expect("read"),
+    )
 }
 
 /// 20 surge rolls with a VIP changed during every other overlap. fanotify on the state
@@ -214,8 +262,12 @@ fn twenty_surge_rolls_only_the_owner_writes_mesh_dns_and_the_heartbeat_stays_fre
         let root = node.root.path().to_path_buf();
         move || format!("node folder {} (gen*.log)", root.display())
     };
-    let mut services: BTreeMap<&str, Option<String>> =
-        [("web", Some("10.96.0.10".to_string())), ("api", Some("10.96.0.11".to_string())), ("headless", None)].into();
+    let mut services: BTreeMap<&str, Option<String>> = [
+        ("web", Some("10.96.0.10".to_string())),
+        ("api", Some("10.96.0.11".to_string())),
+        ("headless", None),
+    ]
+    .into();
     let registry_file = node.root.path().join("registry.json");
     replace(&registry_file, &registry(&services));
     node.registry_file = Some(registry_file.clone());
@@ -223,11 +275,17 @@ fn twenty_surge_rolls_only_the_owner_writes_mesh_dns_and_the_heartbeat_stays_fre
 
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    wait_for("the first owner's snapshot", T, || (snapshot(&state)? == expected(&services)).then_some(()));
-    wait_for("the first owner's heartbeat", T, || heartbeat_age(&state).ok());
+    wait_for("the first owner's snapshot", T, || {
+        (snapshot(&state)? == expected(&services)).then_some(())
+    });
+    wait_for("the first owner's heartbeat", T, || {
+        heartbeat_age(&state).ok()
+    });
 
     let mut writers = if !is_root() {
-        eprintln!("SKIPPED in {test}: the check of who writes, which needs root for fanotify (CI runs as root); the heartbeat's age is still checked");
+        eprintln!(
+            "SKIPPED in {test}: the check of who writes, which needs root for fanotify (CI runs as root); the heartbeat's age is still checked"
+        );
         None
     } else {
         match Writers::watch(&state) {
@@ -245,14 +303,21 @@ fn twenty_surge_rolls_only_the_owner_writes_mesh_dns_and_the_heartbeat_stays_fre
         let next = node.start_agent();
         next.wait_role("standby", T);
         let s_pid = next.worker_pid();
-        let (old_name, new_name) = (format!("{} (pid {w_pid}, owner)", owner.name), format!("{} (pid {s_pid}, standby)", next.name));
+        let (old_name, new_name) = (
+            format!("{} (pid {w_pid}, owner)", owner.name),
+            format!("{} (pid {s_pid}, standby)", next.name),
+        );
         let changes = roll % 2 == 1;
         let before = identity(&state.join(SNAPSHOT));
         if changes {
             // Both agents load the change; the owner alone writes it.
             services.insert("api", Some(format!("10.96.1.{roll}")));
             replace(&registry_file, &registry(&services));
-            wait_for(&format!("roll {roll}: the owner to write the changed VIP"), T, || (snapshot(&state)? == expected(&services)).then_some(()));
+            wait_for(
+                &format!("roll {roll}: the owner to write the changed VIP"),
+                T,
+                || (snapshot(&state)? == expected(&services)).then_some(()),
+            );
         }
         if roll == 1 || roll == 11 {
             // A heartbeat period and more with a standby beside the owner.
@@ -260,44 +325,101 @@ fn twenty_surge_rolls_only_the_owner_writes_mesh_dns_and_the_heartbeat_stays_fre
         }
         if let Some(w) = &mut writers {
             let writes = w.take();
-            let counts = check_writers(&writes, &[(w_pid, &old_name)], &format!("roll {roll}, beside the standby {new_name}"), &look);
+            let counts = check_writers(
+                &writes,
+                &[(w_pid, &old_name)],
+                &format!("roll {roll}, beside the standby {new_name}"),
+                &look,
+            );
             by_owner += counts[0];
             if changes {
-                assert!(writes.iter().any(Write::is_snapshot), "roll {roll}: fanotify saw no write of the changed snapshot: {writes:#?}");
+                assert!(
+                    writes.iter().any(Write::is_snapshot),
+                    "roll {roll}: fanotify saw no write of the changed snapshot: {writes:#?}"
+                );
             }
         }
 
         owner.signal(Signal::SIGTERM);
         let mut old = std::mem::replace(&mut owner, next);
-        let status = old.wait_exit_timeout(T).unwrap_or_else(|e| panic!("roll {roll}: {e:#}"));
-        assert!(status.success(), "roll {roll}: {} exited with {status}\n{}", old.name, look());
-        let flushed = old.log().lines().find(|l| l.contains("mesh-DNS snapshot flushed before release")).map(str::to_string);
-        let flushed = flushed.unwrap_or_else(|| panic!("roll {roll}: {} did not flush\n{}", old.name, look()));
-        flush_us.extend(flushed.split("took_us=").nth(1).and_then(|v| v.split(' ').next()?.parse::<u64>().ok()));
-        wait_for(&format!("roll {roll}: {} to serve as owner", owner.name), T, || owner.serving_owner());
+        let status = old
+            .wait_exit_timeout(T)
+            .unwrap_or_else(|e| panic!("roll {roll}: {e:#}"));
+        assert!(
+            status.success(),
+            "roll {roll}: {} exited with {status}\n{}",
+            old.name,
+            look()
+        );
+        let flushed = old
+            .log()
+            .lines()
+            .find(|l| l.contains("mesh-DNS snapshot flushed before release"))
+            .map(str::to_string);
+        let flushed = flushed
+            .unwrap_or_else(|| panic!("roll {roll}: {} did not flush\n{}", old.name, look()));
+        flush_us.extend(
+            flushed
+                .split("took_us=")
+                .nth(1)
+                .and_then(|v| v.split(' ').next()?.parse::<u64>().ok()),
+        );
+        wait_for(
+            &format!("roll {roll}: {} to serve as owner", owner.name),
+            T,
+            || owner.serving_owner(),
+        );
         if let Some(w) = &mut writers {
             // The new owner's first heartbeat, written when it started serving.
             let mut writes = Vec::new();
-            wait_for(&format!("roll {roll}: the new owner's first heartbeat"), T, || {
-                writes.extend(w.take());
-                writes.iter().any(|x| x.pid == s_pid).then_some(())
-            });
-            let counts = check_writers(&writes, &[(w_pid, &old_name), (s_pid, &new_name)], &format!("roll {roll}, the handoff"), &look);
-            assert!(counts[0] > 0, "roll {roll}: the old owner wrote no final heartbeat before it released the node: {writes:#?}");
+            wait_for(
+                &format!("roll {roll}: the new owner's first heartbeat"),
+                T,
+                || {
+                    writes.extend(w.take());
+                    writes.iter().any(|x| x.pid == s_pid).then_some(())
+                },
+            );
+            let counts = check_writers(
+                &writes,
+                &[(w_pid, &old_name), (s_pid, &new_name)],
+                &format!("roll {roll}, the handoff"),
+                &look,
+            );
+            assert!(
+                counts[0] > 0,
+                "roll {roll}: the old owner wrote no final heartbeat before it released the node: {writes:#?}"
+            );
             final_writes += counts[0];
             by_owner += counts.iter().sum::<usize>();
             if !changes {
-                assert!(!writes.iter().any(Write::is_snapshot), "roll {roll}: the snapshot was written though nothing changed: {writes:#?}");
+                assert!(
+                    !writes.iter().any(Write::is_snapshot),
+                    "roll {roll}: the snapshot was written though nothing changed: {writes:#?}"
+                );
             }
         }
         if !changes {
-            assert_eq!(identity(&state.join(SNAPSHOT)), before, "roll {roll}: the unchanged snapshot was rewritten");
+            assert_eq!(
+                identity(&state.join(SNAPSHOT)),
+                before,
+                "roll {roll}: the unchanged snapshot was rewritten"
+            );
         }
-        wait_for(&format!("roll {roll}: the snapshot after the takeover"), T, || (snapshot(&state)? == expected(&services)).then_some(()));
+        wait_for(
+            &format!("roll {roll}: the snapshot after the takeover"),
+            T,
+            || (snapshot(&state)? == expected(&services)).then_some(()),
+        );
         drop(old);
     }
     let samples = sampler.finish();
-    assert!(samples.failures.is_empty(), "heartbeat reads that failed: {:#?}\n{}", samples.failures, look());
+    assert!(
+        samples.failures.is_empty(),
+        "heartbeat reads that failed: {:#?}\n{}",
+        samples.failures,
+        look()
+    );
     eprintln!(
         "{test}: {} heartbeat samples over {:?}, max age {:?}; {by_owner} write events on mesh-DNS files, all by owners ({final_writes} at a drain, the final flush taking at most {:?} µs)",
         samples.count,
@@ -305,10 +427,23 @@ fn twenty_surge_rolls_only_the_owner_writes_mesh_dns_and_the_heartbeat_stays_fre
         samples.max_age,
         flush_us.iter().max()
     );
-    assert!(samples.max_age < MAX_AGE, "the heartbeat was {:?} old\n{}", samples.max_age, look());
-    assert!(samples.max_age > Duration::from_secs(4), "the owner beside its standby for 6 s saw a heartbeat period; max age {:?}", samples.max_age);
+    assert!(
+        samples.max_age < MAX_AGE,
+        "the heartbeat was {:?} old\n{}",
+        samples.max_age,
+        look()
+    );
+    assert!(
+        samples.max_age > Duration::from_secs(4),
+        "the owner beside its standby for 6 s saw a heartbeat period; max age {:?}",
+        samples.max_age
+    );
     if let Some(w) = &writers {
-        assert!(w.seen > 0 && by_owner >= 40, "fanotify saw {} events, {by_owner} mesh-DNS writes: the check would be vacuous", w.seen);
+        assert!(
+            w.seen > 0 && by_owner >= 40,
+            "fanotify saw {} events, {by_owner} mesh-DNS writes: the check would be vacuous",
+            w.seen
+        );
     }
     node.root.disable_cleanup(false);
 }
@@ -348,19 +483,32 @@ fn a_standby_leaves_a_restored_snapshot_untouched_until_it_owns_the_node() {
     let log = standby.log();
     let restored = format!("file={}", state.join(SNAPSHOT).display());
     assert!(
-        log.lines().any(|l| l.contains("mesh-DNS snapshot restored") && l.contains(&restored) && l.contains("services=2")),
+        log.lines().any(|l| l.contains("mesh-DNS snapshot restored")
+            && l.contains(&restored)
+            && l.contains("services=2")),
         "the standby did not log the restored snapshot and its path:\n{log}"
     );
     let until = Instant::now() + Duration::from_millis(5_500);
     while Instant::now() < until {
         let now: Vec<_> = files.iter().map(|f| identity(f)).collect();
-        assert_eq!(now, before, "a standby changed a mesh-DNS file\n{}", standby.log());
+        assert_eq!(
+            now,
+            before,
+            "a standby changed a mesh-DNS file\n{}",
+            standby.log()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 
     drop(lock);
     standby.wait_role("owner", T);
-    wait_for("the new owner's snapshot", T, || (snapshot(&state)? == expected(&services)).then_some(()));
-    wait_for("the new owner's heartbeat", T, || heartbeat_age(&state).ok().filter(|a| *a < Duration::from_secs(2)));
+    wait_for("the new owner's snapshot", T, || {
+        (snapshot(&state)? == expected(&services)).then_some(())
+    });
+    wait_for("the new owner's heartbeat", T, || {
+        heartbeat_age(&state)
+            .ok()
+            .filter(|a| *a < Duration::from_secs(2))
+    });
     node.root.disable_cleanup(false);
 }

@@ -16,7 +16,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aether_e2e::datapath::{self, Conn, Datapath, Failure, Serve, TestCa, TestSvid, exchange, pod_addr, tls_client, uri_sans};
+use aether_e2e::datapath::{
+    self, Conn, Datapath, Failure, Serve, TestCa, TestSvid, exchange, pod_addr, tls_client,
+    uri_sans,
+};
 use aether_e2e::envoy::{self, AdsApi, RigOptions, WorkerRig, envoy_or_skip, registry_json};
 use aether_e2e::testing::try_wait_for;
 use aether_model::{Change, Identity, MtlsMode, Pod};
@@ -57,14 +60,20 @@ impl Case {
         let what = format!("{test} over {api:?}");
         let envoy_bin = envoy_or_skip(&what)?;
         if let Some(why) = datapath::missing() {
-            eprintln!("\n!!! SKIPPED {what}: {why}. CI runs as root with nftables, so there this test runs. !!!\n");
+            eprintln!(
+                "\n!!! SKIPPED {what}: {why}. CI runs as root with nftables, so there this test runs. !!!\n"
+            );
             return None;
         }
         envoy::init_logs("info");
         let mut dp = Datapath::create("m", [10, 77, 0]).expect("the data path's namespaces");
         dp.add_pod("web", 2, Serve::Lines).expect("the pod web");
         let ca = TestCa::new(TD);
-        let (web, agent, client) = (ca.mint("default", "web"), ca.mint("aether-system", "agent"), ca.mint("default", "client"));
+        let (web, agent, client) = (
+            ca.mint("default", "web"),
+            ca.mint("aether-system", "agent"),
+            ca.mint("default", "client"),
+        );
         let identity = match identity {
             None => Identity::default(),
             Some((mode, pod_svid)) => Identity {
@@ -72,14 +81,30 @@ impl Case {
                 mode,
                 bundle: Some(ca.pem()),
                 agent: Some(agent.svid.clone()),
-                pods: pod_svid.then(|| (UID.to_string(), web.svid.clone())).into_iter().collect(),
+                pods: pod_svid
+                    .then(|| (UID.to_string(), web.svid.clone()))
+                    .into_iter()
+                    .collect(),
             },
         };
-        let options = RigOptions { api, netns: Some(dp.node.name.clone()), identity, ..RigOptions::default() };
+        let options = RigOptions {
+            api,
+            netns: Some(dp.node.name.clone()),
+            identity,
+            ..RigOptions::default()
+        };
         let rig = WorkerRig::start_with(&envoy_bin, &registry_json(&[]), options).await;
-        dp.redirect(rig.inbound_port, None).expect("the capture redirect");
+        dp.redirect(rig.inbound_port, None)
+            .expect("the capture redirect");
         let pod = pod_record(&dp, "web");
-        let case = Case { rig, dp, ca, web, agent, client };
+        let case = Case {
+            rig,
+            dp,
+            ca,
+            web,
+            agent,
+            client,
+        };
         case.apply([Change::UpsertPod(pod)]).await;
         Some(case)
     }
@@ -87,7 +112,11 @@ impl Case {
     /// Applies `changes` and waits until Envoy has ACKed the result, secrets included.
     async fn apply(&self, changes: impl IntoIterator<Item = Change>) {
         self.rig.node.apply(changes);
-        assert!(self.rig.wait_acked_current(BOUND).await, "Envoy did not ACK the snapshot within {BOUND:?}{}", self.context());
+        assert!(
+            self.rig.wait_acked_current(BOUND).await,
+            "Envoy did not ACK the snapshot within {BOUND:?}{}",
+            self.context()
+        );
     }
 
     fn web(&self) -> SocketAddr {
@@ -109,17 +138,27 @@ impl Case {
     }
 
     fn foreign(&self) -> Arc<ClientConfig> {
-        tls_client(&self.ca.pem(), Some(&TestCa::new("other.test").mint("default", "client")))
+        tls_client(
+            &self.ca.pem(),
+            Some(&TestCa::new("other.test").mint("default", "client")),
+        )
     }
 
     /// Signed by this trust domain's CA, but with a SPIFFE ID outside the trust domain:
     /// only the bundle's URI SAN prefix refuses it.
     fn outside_the_trust_domain(&self) -> Arc<ClientConfig> {
-        tls_client(&self.ca.pem(), Some(&self.ca.mint_id("spiffe://evil.test/ns/default/pod/x")))
+        tls_client(
+            &self.ca.pem(),
+            Some(&self.ca.mint_id("spiffe://evil.test/ns/default/pod/x")),
+        )
     }
 
     /// One exchange from the client namespace to the pod.
-    fn ask(&self, tls: Option<Arc<ClientConfig>>, line: &str) -> Result<(String, Option<Vec<u8>>), Failure> {
+    fn ask(
+        &self,
+        tls: Option<Arc<ClientConfig>>,
+        line: &str,
+    ) -> Result<(String, Option<Vec<u8>>), Failure> {
         exchange(&self.dp.client, self.web(), tls, line)
     }
 
@@ -146,13 +185,25 @@ impl Case {
     fn assert_refused(&self, tls: Option<Arc<ClientConfig>>, who: &str) {
         let before = self.served();
         match self.ask(tls, "hello") {
-            Ok((answer, _)) => panic!("{who}: served ({answer:?}), expected refused{}", self.context()),
+            Ok((answer, _)) => panic!(
+                "{who}: served ({answer:?}), expected refused{}",
+                self.context()
+            ),
             Err(f) => {
-                assert!(!f.timed_out, "{who}: hung instead of being refused: {}{}", f.reason, self.context());
+                assert!(
+                    !f.timed_out,
+                    "{who}: hung instead of being refused: {}{}",
+                    f.reason,
+                    self.context()
+                );
                 eprintln!("{who}: refused as expected ({})", f.reason);
             }
         }
-        assert_eq!(self.served(), before, "{who}: the pod answered a refused client");
+        assert_eq!(
+            self.served(),
+            before,
+            "{who}: the pod answered a refused client"
+        );
     }
 
     /// The pod's listener as Envoy holds it: (active, warming).
@@ -162,9 +213,16 @@ impl Case {
             .as_array()
             .into_iter()
             .flatten()
-            .flat_map(|c| c["dynamic_listeners"].as_array().cloned().unwrap_or_default())
+            .flat_map(|c| {
+                c["dynamic_listeners"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
             .find(|l| l["name"] == LISTENER);
-        l.map_or((false, false), |l| (!l["active_state"].is_null(), !l["warming_state"].is_null()))
+        l.map_or((false, false), |l| {
+            (!l["active_state"].is_null(), !l["warming_state"].is_null())
+        })
     }
 
     fn wait_listener_active(&self) {
@@ -177,13 +235,21 @@ impl Case {
     }
 
     fn stats(&self, names: &[&str]) -> BTreeMap<String, u64> {
-        self.rig.envoy.stats(names).expect("Envoy's admin answers /stats")
+        self.rig
+            .envoy
+            .stats(names)
+            .expect("Envoy's admin answers /stats")
     }
 
     /// No NACK counted for any type.
     fn assert_no_nacks(&self) {
         for t in TYPES {
-            assert_eq!(self.rig.worker_counter("nacks", t), 0, "NACK for {t}{}", self.context());
+            assert_eq!(
+                self.rig.worker_counter("nacks", t),
+                0,
+                "NACK for {t}{}",
+                self.context()
+            );
         }
     }
 
@@ -192,38 +258,80 @@ impl Case {
     fn assert_no_key_on_disk(&self, keys: &[&TestSvid]) {
         let bodies: Vec<String> = keys
             .iter()
-            .map(|k| k.svid.key_pem.lines().filter(|l| !l.starts_with("-----")).collect::<String>())
+            .map(|k| {
+                k.svid
+                    .key_pem
+                    .lines()
+                    .filter(|l| !l.starts_with("-----"))
+                    .collect::<String>()
+            })
             .collect();
         let mut files = 0;
         let mut stack = vec![self.rig.dir.path().to_path_buf()];
         while let Some(dir) = stack.pop() {
-            for entry in std::fs::read_dir(&dir).expect("read the rig's dir").flatten() {
+            for entry in std::fs::read_dir(&dir)
+                .expect("read the rig's dir")
+                .flatten()
+            {
                 let (path, kind) = (entry.path(), entry.file_type().expect("file type"));
                 if kind.is_dir() {
                     stack.push(path);
                 } else if kind.is_file() {
                     files += 1;
-                    let text: String = String::from_utf8_lossy(&std::fs::read(&path).expect("read a file")).split_whitespace().collect();
+                    let text: String =
+                        String::from_utf8_lossy(&std::fs::read(&path).expect("read a file"))
+                            .split_whitespace()
+                            .collect();
                     for (b, k) in bodies.iter().zip(keys) {
-                        assert!(!text.contains(b.as_str()), "{} holds the private key of {}", path.display(), k.svid.spiffe_id);
+                        assert!(
+                            !text.contains(b.as_str()),
+                            "{} holds the private key of {}",
+                            path.display(),
+                            k.svid.spiffe_id
+                        );
                     }
                 }
             }
         }
-        assert!(files >= 2, "the rig's dir holds Envoy's bootstrap and log, found {files} files");
+        assert!(
+            files >= 2,
+            "the rig's dir holds Envoy's bootstrap and log, found {files} files"
+        );
         // Envoy's own config dump redacts them too.
         let dump = self.rig.admin("/config_dump?include_eds");
         for (b, k) in bodies.iter().zip(keys) {
-            assert!(!dump.split_whitespace().collect::<String>().contains(b.as_str()), "config_dump shows the key of {}", k.svid.spiffe_id);
+            assert!(
+                !dump
+                    .split_whitespace()
+                    .collect::<String>()
+                    .contains(b.as_str()),
+                "config_dump shows the key of {}",
+                k.svid.spiffe_id
+            );
         }
     }
 
     /// Envoy's log tail and the worker's NACK lines, for a failure message.
     fn context(&self) -> String {
         let log = self.rig.envoy.log_text();
-        let tail: Vec<&str> = log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
-        let nacks: Vec<String> = envoy::captured_logs().lines().filter(|l| l.contains("NACK")).map(String::from).collect();
-        format!("\n--- worker NACKs:\n{}\n--- Envoy log (tail):\n{}", nacks.join("\n"), tail.join("\n"))
+        let tail: Vec<&str> = log
+            .lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        let nacks: Vec<String> = envoy::captured_logs()
+            .lines()
+            .filter(|l| l.contains("NACK"))
+            .map(String::from)
+            .collect();
+        format!(
+            "\n--- worker NACKs:\n{}\n--- Envoy log (tail):\n{}",
+            nacks.join("\n"),
+            tail.join("\n")
+        )
     }
 }
 
@@ -241,12 +349,18 @@ macro_rules! both_apis {
     };
 }
 
-both_apis!(plaintext_reaches_the_pod_through_envoy, plaintext_reaches_the_pod_through_envoy_over_delta_ads, plaintext);
+both_apis!(
+    plaintext_reaches_the_pod_through_envoy,
+    plaintext_reaches_the_pod_through_envoy_over_delta_ads,
+    plaintext
+);
 
 /// Identity off: the rig itself. The client's connection to the pod's address goes
 /// through Envoy's capture listener and the pod's listener (its cluster counts it).
 async fn plaintext(api: AdsApi) {
-    let Some(c) = Case::start("plaintext_reaches_the_pod_through_envoy", api, None).await else { return };
+    let Some(c) = Case::start("plaintext_reaches_the_pod_through_envoy", api, None).await else {
+        return;
+    };
     c.wait_listener_active();
     let upstream = format!("cluster.{LISTENER}.upstream_cx_total");
     let before = c.stats(&[&upstream])[&upstream];
@@ -254,48 +368,107 @@ async fn plaintext(api: AdsApi) {
     let mut conn = Conn::open(&c.dp.client, c.web(), None).expect("a second connection");
     assert_eq!(conn.ask("again").expect("an answer"), "web: again");
     let after = c.stats(&[&upstream])[&upstream];
-    assert!(after >= before + 2, "Envoy's pod cluster counted {} connections, expected 2 or more{}", after - before, c.context());
+    assert!(
+        after >= before + 2,
+        "Envoy's pod cluster counted {} connections, expected 2 or more{}",
+        after - before,
+        c.context()
+    );
     c.assert_no_nacks();
 }
 
-both_apis!(strict_serves_mtls_only, strict_serves_mtls_only_over_delta_ads, strict);
+both_apis!(
+    strict_serves_mtls_only,
+    strict_serves_mtls_only_over_delta_ads,
+    strict
+);
 
 /// Strict: a workload of the trust domain completes mTLS and sees the pod's SVID; a
 /// plaintext client, a TLS client without a certificate and one of another trust domain
 /// are refused.
 async fn strict(api: AdsApi) {
-    let Some(c) = Case::start("strict_serves_mtls_only", api, Some((MtlsMode::Strict, true))).await else { return };
+    let Some(c) = Case::start(
+        "strict_serves_mtls_only",
+        api,
+        Some((MtlsMode::Strict, true)),
+    )
+    .await
+    else {
+        return;
+    };
     c.wait_listener_active();
-    let leaf = c.wait_served(Some(c.mtls()), "mTLS to the pod").expect("a server certificate");
-    assert_eq!(leaf, c.web.leaf_der, "the server certificate is the pod's SVID");
-    assert_eq!(uri_sans(&leaf), vec!["spiffe://aether.test/ns/default/pod/web".to_string()]);
+    let leaf = c
+        .wait_served(Some(c.mtls()), "mTLS to the pod")
+        .expect("a server certificate");
+    assert_eq!(
+        leaf, c.web.leaf_der,
+        "the server certificate is the pod's SVID"
+    );
+    assert_eq!(
+        uri_sans(&leaf),
+        vec!["spiffe://aether.test/ns/default/pod/web".to_string()]
+    );
 
     c.assert_refused(None, "a plaintext client");
-    c.assert_refused(Some(c.tls_without_certificate()), "a TLS client without a certificate");
+    c.assert_refused(
+        Some(c.tls_without_certificate()),
+        "a TLS client without a certificate",
+    );
     c.assert_refused(Some(c.foreign()), "a client of another trust domain");
-    c.assert_refused(Some(c.outside_the_trust_domain()), "a client of our CA with a SPIFFE ID outside the trust domain");
-    assert_eq!(c.ask(Some(c.mtls()), "still").expect("mTLS after the refusals").0, "web: still");
+    c.assert_refused(
+        Some(c.outside_the_trust_domain()),
+        "a client of our CA with a SPIFFE ID outside the trust domain",
+    );
+    assert_eq!(
+        c.ask(Some(c.mtls()), "still")
+            .expect("mTLS after the refusals")
+            .0,
+        "web: still"
+    );
     c.assert_no_nacks();
     c.assert_no_key_on_disk(&[&c.web, &c.agent, &c.client]);
 }
 
-both_apis!(permissive_serves_mtls_and_plaintext, permissive_serves_mtls_and_plaintext_over_delta_ads, permissive);
+both_apis!(
+    permissive_serves_mtls_and_plaintext,
+    permissive_serves_mtls_and_plaintext_over_delta_ads,
+    permissive
+);
 
 /// Permissive: the same port serves mTLS and plaintext. A client without a certificate,
 /// and one of another trust domain, are served when they speak plaintext; a TLS handshake
 /// is still mTLS, so one that presents no certificate, or one of another trust domain,
 /// is refused.
 async fn permissive(api: AdsApi) {
-    let Some(c) = Case::start("permissive_serves_mtls_and_plaintext", api, Some((MtlsMode::Permissive, true))).await else { return };
+    let Some(c) = Case::start(
+        "permissive_serves_mtls_and_plaintext",
+        api,
+        Some((MtlsMode::Permissive, true)),
+    )
+    .await
+    else {
+        return;
+    };
     c.wait_listener_active();
-    let leaf = c.wait_served(Some(c.mtls()), "mTLS to the pod").expect("a server certificate");
-    assert_eq!(leaf, c.web.leaf_der, "the server certificate is the pod's SVID");
+    let leaf = c
+        .wait_served(Some(c.mtls()), "mTLS to the pod")
+        .expect("a server certificate");
+    assert_eq!(
+        leaf, c.web.leaf_der,
+        "the server certificate is the pod's SVID"
+    );
 
     let before = c.served();
-    assert_eq!(c.ask(None, "plaintext").expect("plaintext is served").0, "web: plaintext");
+    assert_eq!(
+        c.ask(None, "plaintext").expect("plaintext is served").0,
+        "web: plaintext"
+    );
     let mut conn = Conn::open(&c.dp.client, c.web(), None).expect("a second plaintext connection");
     assert_eq!(conn.ask("one more").expect("plaintext"), "web: one more");
-    assert_eq!(conn.ask("two").expect("plaintext, same connection"), "web: two");
+    assert_eq!(
+        conn.ask("two").expect("plaintext, same connection"),
+        "web: two"
+    );
     assert_eq!(c.served(), before + 3);
 
     // Fewer bytes than a TLS record header leave the inspector undecided, as a
@@ -303,15 +476,29 @@ async fn permissive(api: AdsApi) {
     // goes on to the plaintext chain instead of being closed.
     let timeouts = || pre_cx_timeouts(&c.rig);
     let (timeouts_before, t0) = (timeouts(), Instant::now());
-    assert_eq!(c.ask(None, "hi").expect("a short plaintext message is served").0, "web: hi");
+    assert_eq!(
+        c.ask(None, "hi")
+            .expect("a short plaintext message is served")
+            .0,
+        "web: hi"
+    );
     let took = t0.elapsed();
     eprintln!("a 3-byte plaintext message was served after {took:?}");
-    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "served after {took:?}, expected the 1 s listener filter timeout");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "served after {took:?}, expected the 1 s listener filter timeout"
+    );
     assert_eq!(timeouts(), timeouts_before + 1, "downstream_pre_cx_timeout");
 
-    c.assert_refused(Some(c.tls_without_certificate()), "a TLS client without a certificate");
+    c.assert_refused(
+        Some(c.tls_without_certificate()),
+        "a TLS client without a certificate",
+    );
     c.assert_refused(Some(c.foreign()), "a TLS client of another trust domain");
-    assert_eq!(c.ask(Some(c.mtls()), "still").expect("mTLS").0, "web: still");
+    assert_eq!(
+        c.ask(Some(c.mtls()), "still").expect("mTLS").0,
+        "web: still"
+    );
     c.assert_no_nacks();
 }
 
@@ -325,43 +512,84 @@ fn pre_cx_timeouts(rig: &WorkerRig) -> u64 {
         .sum()
 }
 
-both_apis!(strict_pod_without_svid_has_no_listener_until_it_arrives, strict_pod_without_svid_has_no_listener_until_it_arrives_over_delta_ads, held_back);
+both_apis!(
+    strict_pod_without_svid_has_no_listener_until_it_arrives,
+    strict_pod_without_svid_has_no_listener_until_it_arrives_over_delta_ads,
+    held_back
+);
 
 /// Strict, the pod's SVID held back: no pod listener, so the capture listener closes
 /// every connection; the SVID arrives, the listener appears and serves mTLS.
 async fn held_back(api: AdsApi) {
-    let Some(c) = Case::start("strict_pod_without_svid_has_no_listener_until_it_arrives", api, Some((MtlsMode::Strict, false))).await
+    let Some(c) = Case::start(
+        "strict_pod_without_svid_has_no_listener_until_it_arrives",
+        api,
+        Some((MtlsMode::Strict, false)),
+    )
+    .await
     else {
         return;
     };
-    assert!(c.rig.node.snapshot().listeners.get("inbound").is_some(), "the capture listener serves the pod's address");
-    assert_eq!(c.listener_state(), (false, false), "no listener for a strict pod without its SVID");
+    assert!(
+        c.rig.node.snapshot().listeners.get("inbound").is_some(),
+        "the capture listener serves the pod's address"
+    );
+    assert_eq!(
+        c.listener_state(),
+        (false, false),
+        "no listener for a strict pod without its SVID"
+    );
     c.assert_refused(Some(c.mtls()), "an mTLS client before the SVID");
     c.assert_refused(None, "a plaintext client before the SVID");
 
     let t0 = Instant::now();
-    c.apply([Change::SetPodSvid { uid: UID.into(), svid: Some(c.web.svid.clone()) }]).await;
+    c.apply([Change::SetPodSvid {
+        uid: UID.into(),
+        svid: Some(c.web.svid.clone()),
+    }])
+    .await;
     c.wait_listener_active();
-    let leaf = c.wait_served(Some(c.mtls()), "mTLS once the SVID arrived").expect("a server certificate");
-    eprintln!("the SVID's arrival to a served mTLS connection: {:?}", t0.elapsed());
+    let leaf = c
+        .wait_served(Some(c.mtls()), "mTLS once the SVID arrived")
+        .expect("a server certificate");
+    eprintln!(
+        "the SVID's arrival to a served mTLS connection: {:?}",
+        t0.elapsed()
+    );
     assert_eq!(leaf, c.web.leaf_der);
     c.assert_refused(None, "a plaintext client after the SVID");
     c.assert_no_nacks();
 }
 
-both_apis!(rotation_keeps_the_listener_and_open_connections, rotation_keeps_the_listener_and_open_connections_over_delta_ads, rotation);
+both_apis!(
+    rotation_keeps_the_listener_and_open_connections,
+    rotation_keeps_the_listener_and_open_connections_over_delta_ads,
+    rotation
+);
 
 /// A rotated SVID (a new serial) reaches Envoy over SDS alone: a new connection is served
 /// with it within 1 s of `node.apply`, no listener is modified or drained, and a
 /// connection opened before keeps working, and Envoy's admin `/certs` lists the new
 /// serial.
 async fn rotation(api: AdsApi) {
-    let Some(c) = Case::start("rotation_keeps_the_listener_and_open_connections", api, Some((MtlsMode::Strict, true))).await else { return };
+    let Some(c) = Case::start(
+        "rotation_keeps_the_listener_and_open_connections",
+        api,
+        Some((MtlsMode::Strict, true)),
+    )
+    .await
+    else {
+        return;
+    };
     c.wait_listener_active();
     c.wait_served(Some(c.mtls()), "mTLS to the pod");
-    let mut before_conn = Conn::open(&c.dp.client, c.web(), Some(c.mtls())).expect("a connection opened before the rotation");
+    let mut before_conn = Conn::open(&c.dp.client, c.web(), Some(c.mtls()))
+        .expect("a connection opened before the rotation");
     assert_eq!(before_conn.ask("before").expect("an answer"), "web: before");
-    assert_eq!(before_conn.server_leaf.as_deref(), Some(&c.web.leaf_der[..]));
+    assert_eq!(
+        before_conn.server_leaf.as_deref(),
+        Some(&c.web.leaf_der[..])
+    );
 
     let watched = [
         "listener_manager.listener_modified",
@@ -375,29 +603,72 @@ async fn rotation(api: AdsApi) {
     let rotated = c.ca.mint("default", "web");
     assert_ne!(rotated.svid.serial, c.web.svid.serial);
 
-    assert!(c.rig.admin("/certs").contains(&c.web.svid.serial), "/certs lists the pod's serial before the rotation{}", c.context());
+    assert!(
+        c.rig.admin("/certs").contains(&c.web.svid.serial),
+        "/certs lists the pod's serial before the rotation{}",
+        c.context()
+    );
 
     let t0 = Instant::now();
-    c.rig.node.apply([Change::SetPodSvid { uid: UID.into(), svid: Some(rotated.svid.clone()) }]);
+    c.rig.node.apply([Change::SetPodSvid {
+        uid: UID.into(),
+        svid: Some(rotated.svid.clone()),
+    }]);
     let mut last = None;
-    try_wait_for("a new connection served with the new serial", Duration::from_secs(1), || {
-        let leaf = c.ask(Some(c.mtls()), "hello").ok().and_then(|(_, leaf)| leaf);
-        last = leaf.as_deref().and_then(datapath::serial_hex);
-        leaf.filter(|l| *l == rotated.leaf_der)
-    })
-    .unwrap_or_else(|e| panic!("{e}: last served serial {last:?}, want {}{}", rotated.svid.serial, c.context()));
+    try_wait_for(
+        "a new connection served with the new serial",
+        Duration::from_secs(1),
+        || {
+            let leaf = c
+                .ask(Some(c.mtls()), "hello")
+                .ok()
+                .and_then(|(_, leaf)| leaf);
+            last = leaf.as_deref().and_then(datapath::serial_hex);
+            leaf.filter(|l| *l == rotated.leaf_der)
+        },
+    )
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: last served serial {last:?}, want {}{}",
+            rotated.svid.serial,
+            c.context()
+        )
+    });
     let took = t0.elapsed();
     eprintln!("rotation: node.apply to a new connection served with the new serial in {took:?}");
-    assert!(c.rig.wait_acked_current(BOUND).await, "the rotation not ACKed{}", c.context());
+    assert!(
+        c.rig.wait_acked_current(BOUND).await,
+        "the rotation not ACKed{}",
+        c.context()
+    );
     let certs = c.rig.admin("/certs");
-    assert!(certs.contains(&rotated.svid.serial) && !certs.contains(&c.web.svid.serial), "/certs lists the new serial, not the old{}", c.context());
+    assert!(
+        certs.contains(&rotated.svid.serial) && !certs.contains(&c.web.svid.serial),
+        "/certs lists the new serial, not the old{}",
+        c.context()
+    );
 
-    assert_eq!(c.stats(&watched), stats_before, "a rotation must not touch the listeners{}", c.context());
-    let (_, leaf) = c.ask(Some(c.mtls()), "hello").expect("mTLS after the rotation");
+    assert_eq!(
+        c.stats(&watched),
+        stats_before,
+        "a rotation must not touch the listeners{}",
+        c.context()
+    );
+    let (_, leaf) = c
+        .ask(Some(c.mtls()), "hello")
+        .expect("mTLS after the rotation");
     let leaf = leaf.expect("a server certificate");
-    assert_eq!(datapath::serial_hex(&leaf).as_deref(), Some(rotated.svid.serial.as_str()));
+    assert_eq!(
+        datapath::serial_hex(&leaf).as_deref(),
+        Some(rotated.svid.serial.as_str())
+    );
     assert_eq!(uri_sans(&leaf), vec![rotated.svid.spiffe_id.clone()]);
-    assert_eq!(before_conn.ask("after").expect("the connection opened before the rotation still works"), "web: after");
+    assert_eq!(
+        before_conn
+            .ask("after")
+            .expect("the connection opened before the rotation still works"),
+        "web: after"
+    );
     c.assert_no_nacks();
     c.assert_no_key_on_disk(&[&c.web, &rotated, &c.agent, &c.client]);
 }
@@ -436,21 +707,36 @@ both_apis!(
 /// Then `other`'s own SVID arrives, and its inbound listener serves mTLS with it.
 async fn outbound(api: AdsApi) {
     let what = format!("outbound_mtls_presents_the_calling_pods_svid over {api:?}");
-    let Some(envoy_bin) = envoy_or_skip(&what) else { return };
+    let Some(envoy_bin) = envoy_or_skip(&what) else {
+        return;
+    };
     if let Some(why) = datapath::missing() {
-        eprintln!("\n!!! SKIPPED {what}: {why}. CI runs as root with nftables, so there this test runs. !!!\n");
+        eprintln!(
+            "\n!!! SKIPPED {what}: {why}. CI runs as root with nftables, so there this test runs. !!!\n"
+        );
         return;
     }
     envoy::init_logs("info");
     let ca = TestCa::new(TD);
-    let (client, agent, web, api_svid) =
-        (ca.mint("default", "client"), ca.mint("aether-system", "agent"), ca.mint("default", "web"), ca.mint("default", "api"));
+    let (client, agent, web, api_svid) = (
+        ca.mint("default", "client"),
+        ca.mint("aether-system", "agent"),
+        ca.mint("default", "web"),
+        ca.mint("default", "api"),
+    );
     let mut dp1 = Datapath::create("a", [10, 77, 0]).expect("node 1's namespaces");
     dp1.add_pod("client", 2, Serve::Lines).expect("pod client");
     dp1.add_pod("other", 3, Serve::Lines).expect("pod other");
-    let client_second = dp1.add_address("client", 4).expect("client's second address");
+    let client_second = dp1
+        .add_address("client", 4)
+        .expect("client's second address");
     let mut dp2 = Datapath::create("b", [10, 88, 0]).expect("node 2's namespaces");
-    dp2.add_pod("web", 2, Serve::Http(Some(datapath::mtls_server(&ca.pem(), &web)))).expect("pod web");
+    dp2.add_pod(
+        "web",
+        2,
+        Serve::Http(Some(datapath::mtls_server(&ca.pem(), &web))),
+    )
+    .expect("pod web");
     dp2.add_pod("api", 3, Serve::Http(None)).expect("pod api");
     Datapath::link(&mut dp1, &mut dp2).expect("the link between the nodes");
 
@@ -466,17 +752,32 @@ async fn outbound(api: AdsApi) {
         mode: MtlsMode::Permissive,
         bundle: Some(ca.pem()),
         agent: Some(agent.svid.clone()),
-        pods: pods.iter().map(|(uid, s)| (uid.to_string(), s.svid.clone())).collect(),
+        pods: pods
+            .iter()
+            .map(|(uid, s)| (uid.to_string(), s.svid.clone()))
+            .collect(),
     };
     let node2 = WorkerRig::start_with(
         &envoy_bin,
         &registry,
-        RigOptions { api, netns: Some(dp2.node.name.clone()), identity: identity(&[("uid-api", &api_svid)]), ..RigOptions::default() },
+        RigOptions {
+            api,
+            netns: Some(dp2.node.name.clone()),
+            identity: identity(&[("uid-api", &api_svid)]),
+            ..RigOptions::default()
+        },
     )
     .await;
-    dp2.redirect(node2.inbound_port, None).expect("node 2's capture redirect");
-    node2.node.apply([Change::UpsertPod(pod_record(&dp2, "web")), Change::UpsertPod(pod_record(&dp2, "api"))]);
-    assert!(node2.wait_acked_current(BOUND).await, "node 2's Envoy did not ACK its pods");
+    dp2.redirect(node2.inbound_port, None)
+        .expect("node 2's capture redirect");
+    node2.node.apply([
+        Change::UpsertPod(pod_record(&dp2, "web")),
+        Change::UpsertPod(pod_record(&dp2, "api")),
+    ]);
+    assert!(
+        node2.wait_acked_current(BOUND).await,
+        "node 2's Envoy did not ACK its pods"
+    );
 
     let node1 = WorkerRig::start_with(
         &envoy_bin,
@@ -490,78 +791,157 @@ async fn outbound(api: AdsApi) {
         },
     )
     .await;
-    dp1.redirect(node1.inbound_port, Some(("10.96.0.0/16", node1.outbound.port()))).expect("node 1's capture redirect");
-    node1.node.apply([Change::UpsertPod(pod_record(&dp1, "client")), Change::UpsertPod(pod_record(&dp1, "other"))]);
-    assert!(node1.wait_acked_current(BOUND).await, "node 1's Envoy did not ACK its pods");
+    dp1.redirect(
+        node1.inbound_port,
+        Some(("10.96.0.0/16", node1.outbound.port())),
+    )
+    .expect("node 1's capture redirect");
+    node1.node.apply([
+        Change::UpsertPod(pod_record(&dp1, "client")),
+        Change::UpsertPod(pod_record(&dp1, "other")),
+    ]);
+    assert!(
+        node1.wait_acked_current(BOUND).await,
+        "node 1's Envoy did not ACK its pods"
+    );
 
     let context = || {
-        let tail = |rig: &WorkerRig| rig.envoy.log_text().lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-        format!("\n--- node 1 Envoy (tail):\n{}\n--- node 2 Envoy (tail):\n{}", tail(&node1), tail(&node2))
+        let tail = |rig: &WorkerRig| {
+            rig.envoy
+                .log_text()
+                .lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        format!(
+            "\n--- node 1 Envoy (tail):\n{}\n--- node 2 Envoy (tail):\n{}",
+            tail(&node1),
+            tail(&node2)
+        )
     };
     let call = |pod: &str, host: &str, vip: [u8; 4]| {
         datapath::http_get_in(&dp1.pod(pod).ns, SocketAddr::from((vip, 80)), host)
             .unwrap_or_else(|e| panic!("{pod} -> {host}: {e}{}", context()))
     };
     // `client` calls from its second address first, then from its first.
-    dp1.set_source("client", client_second).expect("client's source address");
+    dp1.set_source("client", client_second)
+        .expect("client's source address");
 
     // web: the peer the pod saw is the caller, call after call, interleaved on fresh
     // connections (each caller's upstream connections pool apart). `other` has no SVID of
     // its own: as a permissive pod it presents the agent's meanwhile.
     let web_served = dp2.pod("web").server.served();
     for round in 0..3 {
-        for (pod, id) in [("client", &client.svid.spiffe_id), ("other", &agent.svid.spiffe_id)] {
+        for (pod, id) in [
+            ("client", &client.svid.spiffe_id),
+            ("other", &agent.svid.spiffe_id),
+        ] {
             let (status, body) = call(pod, "web.default", [10, 96, 0, 10]);
-            assert_eq!(status, 200, "round {round}, {pod} -> web: {body}{}", context());
-            assert_eq!(body, format!("web peer={id}"), "round {round}: web saw the wrong caller{}", context());
+            assert_eq!(
+                status,
+                200,
+                "round {round}, {pod} -> web: {body}{}",
+                context()
+            );
+            assert_eq!(
+                body,
+                format!("web peer={id}"),
+                "round {round}: web saw the wrong caller{}",
+                context()
+            );
         }
     }
     assert_eq!(dp2.pod("web").server.served(), web_served + 6);
-    let web_cx = node2.stat("cluster.inbound|uid-web.upstream_cx_total").unwrap_or(0);
-    assert!(web_cx >= 1, "node 2's Envoy carried no connection to web (upstream_cx_total {web_cx})");
+    let web_cx = node2
+        .stat("cluster.inbound|uid-web.upstream_cx_total")
+        .unwrap_or(0);
+    assert!(
+        web_cx >= 1,
+        "node 2's Envoy carried no connection to web (upstream_cx_total {web_cx})"
+    );
 
     // api: node 2's Envoy terminates the mTLS on the pod's listener.
-    let handshakes = || node2.stat("listener.10.88.0.3_80.ssl.handshake").unwrap_or(0);
+    let handshakes = || {
+        node2
+            .stat("listener.10.88.0.3_80.ssl.handshake")
+            .unwrap_or(0)
+    };
     let before = handshakes();
     for pod in ["client", "other"] {
         let (status, body) = call(pod, "api.default", [10, 96, 0, 11]);
         assert_eq!(status, 200, "{pod} -> api: {body}{}", context());
-        assert_eq!(body, "api peer=none", "api is reached in plaintext behind node 2's Envoy");
+        assert_eq!(
+            body, "api peer=none",
+            "api is reached in plaintext behind node 2's Envoy"
+        );
     }
     let counted = handshakes() - before;
-    assert!(counted >= 2, "node 2's api listener counted {counted} handshakes, expected one per calling pod");
+    assert!(
+        counted >= 2,
+        "node 2's api listener counted {counted} handshakes, expected one per calling pod"
+    );
 
     // From its first address too, whose secret is also its inbound listener's server
     // certificate (see convert.rs: a warming SDS provider and the on-demand one for the
     // same name would never complete this handshake).
-    dp1.set_source("client", dp1.pod("client").ip).expect("client's source address");
+    dp1.set_source("client", dp1.pod("client").ip)
+        .expect("client's source address");
     for round in 0..2 {
         let (status, body) = call("client", "web.default", [10, 96, 0, 10]);
-        assert_eq!((status, body.as_str()), (200, format!("web peer={}", client.svid.spiffe_id).as_str()), "round {round}, from 10.77.0.2{}", context());
+        assert_eq!(
+            (status, body.as_str()),
+            (200, format!("web peer={}", client.svid.spiffe_id).as_str()),
+            "round {round}, from 10.77.0.2{}",
+            context()
+        );
     }
 
     // `other`'s own SVID arrives after its certificate's name was fetched on demand for
     // its outbound calls (holding the agent's certificate): its listener now terminates
     // mTLS with the new certificate under that same name.
     let other_svid = ca.mint("default", "other");
-    node1.node.apply([Change::SetPodSvid { uid: "uid-other".into(), svid: Some(other_svid.svid.clone()) }]);
-    assert!(node1.wait_acked_current(BOUND).await, "node 1's Envoy did not ACK other's SVID{}", context());
+    node1.node.apply([Change::SetPodSvid {
+        uid: "uid-other".into(),
+        svid: Some(other_svid.svid.clone()),
+    }]);
+    assert!(
+        node1.wait_acked_current(BOUND).await,
+        "node 1's Envoy did not ACK other's SVID{}",
+        context()
+    );
     let other_addr = pod_addr(dp1.pod("other").ip);
     let mtls = tls_client(&ca.pem(), Some(&client));
     let mut last = None;
-    let leaf = try_wait_for("mTLS to other with its own certificate", BOUND, || match exchange(&dp1.client, other_addr, Some(mtls.clone()), "hello") {
-        Ok((answer, leaf)) if answer == "other: hello" => leaf,
-        r => {
-            last = Some(format!("{r:?}"));
-            None
-        }
-    })
+    let leaf = try_wait_for(
+        "mTLS to other with its own certificate",
+        BOUND,
+        || match exchange(&dp1.client, other_addr, Some(mtls.clone()), "hello") {
+            Ok((answer, leaf)) if answer == "other: hello" => leaf,
+            r => {
+                last = Some(format!("{r:?}"));
+                None
+            }
+        },
+    )
     .unwrap_or_else(|e| panic!("{e}: last {last:?}{}", context()));
-    assert_eq!(leaf, other_svid.leaf_der, "other's listener presents its own SVID");
+    assert_eq!(
+        leaf, other_svid.leaf_der,
+        "other's listener presents its own SVID"
+    );
 
     for rig in [&node1, &node2] {
         for t in TYPES {
-            assert_eq!(rig.worker_counter("nacks", t), 0, "NACK for {t}{}", context());
+            assert_eq!(
+                rig.worker_counter("nacks", t),
+                0,
+                "NACK for {t}{}",
+                context()
+            );
         }
     }
     // Envoy dies before its namespace goes (the rigs were declared after the data paths).

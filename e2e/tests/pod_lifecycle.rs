@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{Envoy, EnvoyPods};
 use aether_e2e::harness::churn::{Cni, PodId};
-use aether_e2e::testing::{Agent, LocalNode, Netns, bin, is_root, pod_records, quarantined, unique_suffix, wait_for};
+use aether_e2e::testing::{
+    Agent, LocalNode, Netns, bin, is_root, pod_records, quarantined, unique_suffix, wait_for,
+};
 use aether_worker::cni::{ACK_TIMEOUT, DRAIN_BOUND};
 use nix::sys::signal::Signal;
 
@@ -48,7 +50,13 @@ impl Ledger {
         let n = self.next;
         // 10.88.0.0/16 minus .0.x: unique per pod for the whole test.
         let ip = Ipv4Addr::new(10, 88, (1 + n / 250) as u8, (1 + n % 250) as u8);
-        (PodId { uid: format!("roll-pod-{n:05}-uid"), name: format!("roll-{n}") }, ip)
+        (
+            PodId {
+                uid: format!("roll-pod-{n:05}-uid"),
+                name: format!("roll-{n}"),
+            },
+            ip,
+        )
     }
 
     fn ok_calls_since(&self, t: Instant) -> usize {
@@ -109,8 +117,9 @@ fn churn(cni: &Cni, ledger: &Mutex<Ledger>, stop: &AtomicBool) {
         // key is the oldest pod.
         let (op, pod, ip) = {
             let mut l = ledger.lock().unwrap();
-            let oldest =
-                (step.is_multiple_of(2) && l.live.len() >= POOL).then(|| l.live.keys().next().cloned()).flatten();
+            let oldest = (step.is_multiple_of(2) && l.live.len() >= POOL)
+                .then(|| l.live.keys().next().cloned())
+                .flatten();
             match oldest.and_then(|uid| l.live.remove(&uid)) {
                 Some((pod, ip)) => ("DEL", pod, ip),
                 None => {
@@ -123,13 +132,22 @@ fn churn(cni: &Cni, ledger: &Mutex<Ledger>, stop: &AtomicBool) {
         let r = cni.call(op, &pod, (op == "ADD").then_some(ip));
         let end = Instant::now();
         let mut l = ledger.lock().unwrap();
-        l.calls.push(Call { op, start, end, ok: r.is_ok() });
+        l.calls.push(Call {
+            op,
+            start,
+            end,
+            ok: r.is_ok(),
+        });
         match r {
             Ok(()) if op == "ADD" => {
                 l.live.insert(pod.uid.clone(), (pod, ip));
             }
             Ok(()) => l.deleted.push((pod, ip, end)),
-            Err(e) => l.failures.push(format!("{op} {} failed after {:?}: {e}", pod.uid, end - start)),
+            Err(e) => l.failures.push(format!(
+                "{op} {} failed after {:?}: {e}",
+                pod.uid,
+                end - start
+            )),
         }
     }
 }
@@ -161,17 +179,23 @@ fn storage_mismatches(node: &LocalNode, live: &BTreeMap<String, (PodId, Ipv4Addr
         match rec {
             Err(e) => bad.push(format!("{file}: {e}")),
             Ok(pod) => match live.get(uid) {
-                None => bad.push(format!("phantom record {file} (pod ips {:?}): no live ADD", pod.ips)),
-                Some((_, ip)) if pod.ips != vec![IpAddr::V4(*ip)] => {
-                    bad.push(format!("record {file} holds {:?}, the ADD gave {ip}", pod.ips))
-                }
+                None => bad.push(format!(
+                    "phantom record {file} (pod ips {:?}): no live ADD",
+                    pod.ips
+                )),
+                Some((_, ip)) if pod.ips != vec![IpAddr::V4(*ip)] => bad.push(format!(
+                    "record {file} holds {:?}, the ADD gave {ip}",
+                    pod.ips
+                )),
                 Some(_) => {}
             },
         }
     }
     for uid in live.keys() {
         if !records.contains_key(&format!("{uid}.json")) {
-            bad.push(format!("lost record: {uid} answered ADD success, no DEL, but has no record"));
+            bad.push(format!(
+                "lost record: {uid} answered ADD success, no DEL, but has no record"
+            ));
         }
     }
     for q in quarantined(&node.state_dir) {
@@ -181,7 +205,17 @@ fn storage_mismatches(node: &LocalNode, live: &BTreeMap<String, (PodId, Ipv4Addr
 }
 
 fn logs(agents: &[&Agent]) -> String {
-    agents.iter().map(|a| format!("--- {} ({})\n{}", a.name, a.log_path.display(), plain(&a.log()))).collect()
+    agents
+        .iter()
+        .map(|a| {
+            format!(
+                "--- {} ({})\n{}",
+                a.name,
+                a.log_path.display(),
+                plain(&a.log())
+            )
+        })
+        .collect()
 }
 
 const ROLLS: usize = 5;
@@ -191,7 +225,9 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
     const NAME: &str = "surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call";
     let mut node = LocalNode::new();
     // Envoy's inbound listener binds 0.0.0.0: as root it runs in a namespace of its own.
-    let netns = is_root().then(|| Netns::create(&format!("aether-test-{}", unique_suffix())).expect("netns for Envoy"));
+    let netns = is_root().then(|| {
+        Netns::create(&format!("aether-test-{}", unique_suffix())).expect("netns for Envoy")
+    });
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
     let Some(envoy) = Envoy::start_on(&node, netns.as_ref()) else {
@@ -202,7 +238,10 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
     };
     envoy.wait_connected(T);
 
-    let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
+    let cni = Arc::new(Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    });
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let mut retired: Vec<Agent> = Vec::new();
 
@@ -220,7 +259,11 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
         owner.signal(Signal::SIGTERM);
         let status = owner.wait_exit(T);
         let exited = Instant::now();
-        assert!(status.success(), "roll {roll}: old owner exits cleanly after SIGTERM:\n{}", plain(&owner.log()));
+        assert!(
+            status.success(),
+            "roll {roll}: old owner exits cleanly after SIGTERM:\n{}",
+            plain(&owner.log())
+        );
         let ready = standby.wait_role("owner", T);
         assert_eq!(ready["generation"], roll as u64 + 1);
         let serving = Instant::now();
@@ -232,7 +275,14 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
         retired.push(std::mem::replace(&mut owner, standby));
 
         let l = ledger.lock().unwrap();
-        let all_logs = || logs(&retired.iter().chain(std::iter::once(&owner)).collect::<Vec<_>>());
+        let all_logs = || {
+            logs(
+                &retired
+                    .iter()
+                    .chain(std::iter::once(&owner))
+                    .collect::<Vec<_>>(),
+            )
+        };
         assert!(
             l.failures.is_empty(),
             "roll {roll}: CNI calls failed (a call during the switch must wait in the plugin's retry loop):\n{}\n{}",
@@ -240,12 +290,29 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
             all_logs()
         );
         let calls = &l.calls[calls_before..];
-        let adds_before_exit = calls.iter().filter(|c| c.op == "ADD" && c.ok && c.end < exited).count();
-        let during_drain = calls.iter().filter(|c| c.ok && c.end >= term && c.end < exited).count();
-        let spanning = calls.iter().filter(|c| c.start < exited && c.end > exited).count();
-        let slowest = calls.iter().max_by_key(|c| c.end - c.start).expect("calls were made");
-        let rel =
-            |t: Instant| if t >= exited { (t - exited).as_secs_f64() * 1e3 } else { -(exited - t).as_secs_f64() * 1e3 };
+        let adds_before_exit = calls
+            .iter()
+            .filter(|c| c.op == "ADD" && c.ok && c.end < exited)
+            .count();
+        let during_drain = calls
+            .iter()
+            .filter(|c| c.ok && c.end >= term && c.end < exited)
+            .count();
+        let spanning = calls
+            .iter()
+            .filter(|c| c.start < exited && c.end > exited)
+            .count();
+        let slowest = calls
+            .iter()
+            .max_by_key(|c| c.end - c.start)
+            .expect("calls were made");
+        let rel = |t: Instant| {
+            if t >= exited {
+                (t - exited).as_secs_f64() * 1e3
+            } else {
+                -(exited - t).as_secs_f64() * 1e3
+            }
+        };
         let slowest_desc = format!(
             "slowest {} {:.0} ms ({:+.0} to {:+.0} ms around the old owner's exit)",
             slowest.op,
@@ -273,8 +340,11 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
         );
 
         // Envoy, now on the new owner's stream: the same pods, nothing else.
-        let live_ips: BTreeMap<String, IpAddr> =
-            l.live.iter().map(|(u, (_, ip))| (u.clone(), IpAddr::V4(*ip))).collect();
+        let live_ips: BTreeMap<String, IpAddr> = l
+            .live
+            .iter()
+            .map(|(u, (_, ip))| (u.clone(), IpAddr::V4(*ip)))
+            .collect();
         let want = EnvoyPods::expected(live_ips.iter());
         if let Err(seen) = EnvoyPods::wait_until(&envoy, &want, Duration::from_secs(5)) {
             panic!(
@@ -288,7 +358,11 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
         // pod, and none of those deleted during this roll.
         for (pod, ip) in l.live.values() {
             if let Err(e) = cni.call("CHECK", pod, Some(*ip)) {
-                panic!("roll {roll}: CHECK of live pod {}: {e}\n{}", pod.uid, all_logs());
+                panic!(
+                    "roll {roll}: CHECK of live pod {}: {e}\n{}",
+                    pod.uid,
+                    all_logs()
+                );
             }
         }
         for (pod, ip, _) in l.deleted.iter().filter(|(_, _, t)| *t >= roll_start) {
@@ -299,7 +373,11 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
                     all_logs()
                 ),
                 Err(e) => {
-                    assert!(e.contains("is not known to the agent"), "roll {roll}: CHECK of deleted {}: {e}", pod.uid)
+                    assert!(
+                        e.contains("is not known to the agent"),
+                        "roll {roll}: CHECK of deleted {}: {e}",
+                        pod.uid
+                    )
                 }
             }
         }
@@ -307,25 +385,44 @@ fn surge_rolls_under_cni_churn_lose_no_pod_and_fail_no_call() {
         // A DEL the agent answered as "unknown pod" was, here, a pod whose ADD had
         // succeeded: the owner had lost it.
         let log = all_logs();
-        let lost: Vec<&str> =
-            log.lines().filter(|line| line.contains("CNI DEL of a pod the agent does not know")).collect();
-        assert!(lost.is_empty(), "roll {roll}: DEL found no pod for an ADD that had succeeded:\n{}", lost.join("\n"));
+        let lost: Vec<&str> = log
+            .lines()
+            .filter(|line| line.contains("CNI DEL of a pod the agent does not know"))
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "roll {roll}: DEL found no pod for an ADD that had succeeded:\n{}",
+            lost.join("\n")
+        );
     }
 
     // Clean up through the plugin; the node ends empty everywhere.
     let live: Vec<(PodId, Ipv4Addr)> = ledger.lock().unwrap().live.values().cloned().collect();
     for (pod, _) in &live {
-        cni.call("DEL", pod, None).unwrap_or_else(|e| panic!("final DEL of {}: {e}", pod.uid));
+        cni.call("DEL", pod, None)
+            .unwrap_or_else(|e| panic!("final DEL of {}: {e}", pod.uid));
     }
     let bad = storage_mismatches(&node, &BTreeMap::new());
-    assert!(bad.is_empty(), "storage after the final DELs:\n{}", bad.join("\n"));
-    if let Err(seen) = EnvoyPods::wait_until(&envoy, &EnvoyPods::default(), Duration::from_secs(5)) {
-        panic!("Envoy after the final DELs: {}", seen.diff(&EnvoyPods::default()));
+    assert!(
+        bad.is_empty(),
+        "storage after the final DELs:\n{}",
+        bad.join("\n")
+    );
+    if let Err(seen) = EnvoyPods::wait_until(&envoy, &EnvoyPods::default(), Duration::from_secs(5))
+    {
+        panic!(
+            "Envoy after the final DELs: {}",
+            seen.diff(&EnvoyPods::default())
+        );
     }
     let l = ledger.lock().unwrap();
-    let (adds, dels) =
-        (l.calls.iter().filter(|c| c.op == "ADD").count(), l.calls.iter().filter(|c| c.op == "DEL").count());
-    eprintln!("{ROLLS} rolls: {adds} ADDs and {dels} DELs through aether-cni, none failed; no lost or phantom pod");
+    let (adds, dels) = (
+        l.calls.iter().filter(|c| c.op == "ADD").count(),
+        l.calls.iter().filter(|c| c.op == "DEL").count(),
+    );
+    eprintln!(
+        "{ROLLS} rolls: {adds} ADDs and {dels} DELs through aether-cni, none failed; no lost or phantom pod"
+    );
     drop(envoy);
 }
 
@@ -338,8 +435,14 @@ fn sigterm_during_an_adds_ack_wait_lets_it_finish_then_exits_within_the_drain_bo
     let standby = node.start_agent();
     standby.wait_role("standby", T);
 
-    let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
-    let pod = PodId { uid: "sigterm-pod-uid".into(), name: "sigterm-0".into() };
+    let cni = Arc::new(Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    });
+    let pod = PodId {
+        uid: "sigterm-pod-uid".into(),
+        name: "sigterm-0".into(),
+    };
     let ip = Ipv4Addr::new(10, 88, 7, 7);
     let add = {
         let (cni, pod) = (cni.clone(), pod.clone());
@@ -352,19 +455,34 @@ fn sigterm_during_an_adds_ack_wait_lets_it_finish_then_exits_within_the_drain_bo
     // The agent logs "CNI ADD" once the record is written and the pod is in the
     // snapshot, right before the ACK wait.
     wait_for("the ADD to reach its ACK wait", T, || {
-        plain(&owner.log()).lines().any(|l| l.contains("CNI ADD") && l.contains(&pod.uid)).then_some(())
+        plain(&owner.log())
+            .lines()
+            .any(|l| l.contains("CNI ADD") && l.contains(&pod.uid))
+            .then_some(())
     });
-    assert!(!add.is_finished(), "the ADD answered before its ACK wait ran out:\n{}", plain(&owner.log()));
+    assert!(
+        !add.is_finished(),
+        "the ADD answered before its ACK wait ran out:\n{}",
+        plain(&owner.log())
+    );
     let term = Instant::now();
     owner.signal(Signal::SIGTERM);
-    let status = owner.wait_exit_timeout(DRAIN_BOUND + Duration::from_secs(2)).expect("the owner exits");
+    let status = owner
+        .wait_exit_timeout(DRAIN_BOUND + Duration::from_secs(2))
+        .expect("the owner exits");
     let exit_after = term.elapsed();
     let (result, add_start, add_end) = add.join().expect("ADD thread");
     let log = plain(&owner.log());
 
-    assert!(result.is_ok(), "the ADD in flight at SIGTERM must answer success: {result:?}\n{log}");
+    assert!(
+        result.is_ok(),
+        "the ADD in flight at SIGTERM must answer success: {result:?}\n{log}"
+    );
     assert!(status.success(), "owner exit status {status}:\n{log}");
-    assert!(add_end <= Instant::now() && add_end - add_start >= ACK_TIMEOUT, "the ADD waited out the ACK bound");
+    assert!(
+        add_end <= Instant::now() && add_end - add_start >= ACK_TIMEOUT,
+        "the ADD waited out the ACK bound"
+    );
     assert!(
         log.contains("proxy did not ACK a snapshot holding the pod in time"),
         "the ADD ran its ACK wait out:\n{log}"
@@ -376,8 +494,16 @@ fn sigterm_during_an_adds_ack_wait_lets_it_finish_then_exits_within_the_drain_bo
 
     // The record is whole, with what the ADD carried.
     let records = pod_records(&node.state_dir);
-    assert_eq!(records.len(), 1, "one record, nothing half-written: {records:?}");
-    let rec = records.get(&format!("{}.json", pod.uid)).expect("the record").as_ref().expect("the record decodes");
+    assert_eq!(
+        records.len(),
+        1,
+        "one record, nothing half-written: {records:?}"
+    );
+    let rec = records
+        .get(&format!("{}.json", pod.uid))
+        .expect("the record")
+        .as_ref()
+        .expect("the record decodes");
     assert_eq!(
         (rec.ips.clone(), rec.container_id.as_str()),
         (vec![IpAddr::V4(ip)], format!("ctr-{}", pod.uid).as_str())
@@ -385,8 +511,12 @@ fn sigterm_during_an_adds_ack_wait_lets_it_finish_then_exits_within_the_drain_bo
 
     // The standby took over and serves the pod from that record.
     standby.wait_role("owner", T);
-    cni.call("CHECK", &pod, Some(ip))
-        .unwrap_or_else(|e| panic!("the new owner holds the pod: {e}\n{}", plain(&standby.log())));
+    cni.call("CHECK", &pod, Some(ip)).unwrap_or_else(|e| {
+        panic!(
+            "the new owner holds the pod: {e}\n{}",
+            plain(&standby.log())
+        )
+    });
     eprintln!(
         "ADD answered success after {:.0} ms; SIGTERM {:.0} ms into it; owner exited {:.0} ms after SIGTERM (drain bound {DRAIN_BOUND:?})",
         (add_end - add_start).as_secs_f64() * 1e3,
@@ -404,20 +534,42 @@ fn a_standby_takes_the_owners_adds_and_dels_before_the_takeover() {
     let mut node = LocalNode::new();
     let mut owner = node.start_agent();
     owner.wait_role("owner", T);
-    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
-    let gone = PodId { uid: "follow-gone-uid".into(), name: "follow-gone".into() };
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    };
+    let gone = PodId {
+        uid: "follow-gone-uid".into(),
+        name: "follow-gone".into(),
+    };
     let (gone_ip, new_ip) = (Ipv4Addr::new(10, 88, 8, 1), Ipv4Addr::new(10, 88, 8, 2));
-    cni.call("ADD", &gone, Some(gone_ip)).expect("ADD before the standby");
+    cni.call("ADD", &gone, Some(gone_ip))
+        .expect("ADD before the standby");
     let standby = node.start_agent();
     standby.wait_role("standby", T);
 
-    let new = PodId { uid: "follow-new-uid".into(), name: "follow-new".into() };
-    cni.call("ADD", &new, Some(new_ip)).expect("ADD during the overlap");
-    cni.call("DEL", &gone, Some(gone_ip)).expect("DEL during the overlap");
+    let new = PodId {
+        uid: "follow-new-uid".into(),
+        name: "follow-new".into(),
+    };
+    cni.call("ADD", &new, Some(new_ip))
+        .expect("ADD during the overlap");
+    cni.call("DEL", &gone, Some(gone_ip))
+        .expect("DEL during the overlap");
     let followed = |what: &str, uid: &str| {
-        wait_for(&format!("the standby to take the owner's {what} of {uid}"), T, || {
-            plain(&standby.log()).lines().any(|l| l.contains(&format!("standby: pod {what} during the overlap")) && l.contains(uid)).then_some(())
-        })
+        wait_for(
+            &format!("the standby to take the owner's {what} of {uid}"),
+            T,
+            || {
+                plain(&standby.log())
+                    .lines()
+                    .any(|l| {
+                        l.contains(&format!("standby: pod {what} during the overlap"))
+                            && l.contains(uid)
+                    })
+                    .then_some(())
+            },
+        )
     };
     followed("added", &new.uid);
     followed("removed", &gone.uid);
@@ -427,5 +579,9 @@ fn a_standby_takes_the_owners_adds_and_dels_before_the_takeover() {
     standby.wait_role("owner", T);
     standby.wait_log("takeover reconcile applied the storage diff changed=0", T);
     let records = pod_records(&node.state_dir);
-    assert_eq!(records.keys().collect::<Vec<_>>(), [&format!("{}.json", new.uid)], "the new owner's records");
+    assert_eq!(
+        records.keys().collect::<Vec<_>>(),
+        [&format!("{}.json", new.uid)],
+        "the new owner's records"
+    );
 }

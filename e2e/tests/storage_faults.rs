@@ -22,7 +22,8 @@ use std::time::Duration;
 
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, free_port, is_root, metric_sample, metrics_wrapper, pod_records, quarantined, scrape_metrics, wait_for,
+    Agent, LocalNode, bin, free_port, is_root, metric_sample, metrics_wrapper, pod_records,
+    quarantined, scrape_metrics, wait_for,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -34,7 +35,9 @@ fn skip_unless_root(name: &str) -> bool {
     if is_root() {
         return false;
     }
-    eprintln!("SKIPPED {name}: needs root to mount a tmpfs and to run the worker as its own uid (CI runs as root)");
+    eprintln!(
+        "SKIPPED {name}: needs root to mount a tmpfs and to run the worker as its own uid (CI runs as root)"
+    );
     true
 }
 
@@ -46,19 +49,39 @@ impl Tmpfs {
     fn mount(at: &Path) -> Tmpfs {
         std::fs::create_dir_all(at).expect("create the pods folder");
         let opts = format!("size=256k,mode=0700,uid={WORKER_UID},gid={WORKER_UID}");
-        run("mount", &["-t", "tmpfs", "-o", &opts, "aether-e2e-pods", &at.display().to_string()]);
+        run(
+            "mount",
+            &[
+                "-t",
+                "tmpfs",
+                "-o",
+                &opts,
+                "aether-e2e-pods",
+                &at.display().to_string(),
+            ],
+        );
         Tmpfs(at.to_path_buf())
     }
 
     fn remount(&self, mode: &str) {
-        run("mount", &["-o", &format!("remount,{mode}"), &self.0.display().to_string()]);
+        run(
+            "mount",
+            &[
+                "-o",
+                &format!("remount,{mode}"),
+                &self.0.display().to_string(),
+            ],
+        );
     }
 }
 
 impl Drop for Tmpfs {
     fn drop(&mut self) {
         let path = self.0.display().to_string();
-        let ok = Command::new("umount").arg(&path).status().is_ok_and(|s| s.success());
+        let ok = Command::new("umount")
+            .arg(&path)
+            .status()
+            .is_ok_and(|s| s.success());
         if !ok {
             // Something still has it open: detach it now, the kernel frees it later.
             let _ = Command::new("umount").args(["-l", &path]).status();
@@ -67,8 +90,16 @@ impl Drop for Tmpfs {
 }
 
 fn run(cmd: &str, args: &[&str]) {
-    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    assert!(out.status.success(), "{cmd} {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A node whose agent serves metrics on a port of its own.
@@ -80,20 +111,32 @@ struct Rig {
 impl Rig {
     fn new(node: &LocalNode) -> Rig {
         let port = free_port(Ipv4Addr::LOCALHOST).expect("a free port");
-        Rig { metrics: format!("127.0.0.1:{port}"), cni: Cni { bin: bin("aether-cni"), socket: node.cni_sock() } }
+        Rig {
+            metrics: format!("127.0.0.1:{port}"),
+            cni: Cni {
+                bin: bin("aether-cni"),
+                socket: node.cni_sock(),
+            },
+        }
     }
 
     fn start(&self, node: &mut LocalNode) -> Agent {
         let wrapper = metrics_wrapper(&self.metrics);
         let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
         let agent = node.start_agent_wrapped(&wrapper, &[]);
-        wait_for("the agent to serve as the owner", T, || agent.serving_owner());
-        wait_for("the owner's metrics port", T, || scrape_metrics(&self.metrics));
+        wait_for("the agent to serve as the owner", T, || {
+            agent.serving_owner()
+        });
+        wait_for("the owner's metrics port", T, || {
+            scrape_metrics(&self.metrics)
+        });
         agent
     }
 
     fn sample(&self, series: &str) -> f64 {
-        scrape_metrics(&self.metrics).and_then(|t| metric_sample(&t, series)).unwrap_or(0.0)
+        scrape_metrics(&self.metrics)
+            .and_then(|t| metric_sample(&t, series))
+            .unwrap_or(0.0)
     }
 
     fn write_errors(&self, op: &str) -> f64 {
@@ -102,7 +145,13 @@ impl Rig {
 }
 
 fn pod(n: u8) -> (PodId, Ipv4Addr) {
-    (PodId { uid: format!("storage-pod-{n}-uid"), name: format!("storage-{n}") }, Ipv4Addr::new(10, 89, 0, 10 + n))
+    (
+        PodId {
+            uid: format!("storage-pod-{n}-uid"),
+            name: format!("storage-{n}"),
+        },
+        Ipv4Addr::new(10, 89, 0, 10 + n),
+    )
 }
 
 fn add(cni: &Cni, (pod, ip): &(PodId, Ipv4Addr)) -> Result<(), String> {
@@ -117,8 +166,17 @@ fn served(cni: &Cni, (pod, ip): &(PodId, Ipv4Addr)) -> bool {
 /// The `storage` problem in `/ready`, with the status code it came with.
 fn storage_problem(agent: &Agent) -> (u16, Option<String>) {
     let (status, body) = agent.ready().expect("/ready answers");
-    let problem = body["problems"].as_array().into_iter().flatten().find(|p| p["source"] == "storage");
-    (status, problem.and_then(|p| p["message"].as_str()).map(str::to_owned))
+    let problem = body["problems"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["source"] == "storage");
+    (
+        status,
+        problem
+            .and_then(|p| p["message"].as_str())
+            .map(str::to_owned),
+    )
 }
 
 /// The records folder: each record decodes and no temp file is there; returns the uids.
@@ -131,7 +189,9 @@ fn whole_records(state_dir: &Path) -> Vec<String> {
         }
         match decoded {
             Ok(p) => uids.push(p.uid.clone()),
-            Err(e) => panic!("{name} in the records folder is not a whole record ({e}): {records:?}"),
+            Err(e) => {
+                panic!("{name} in the records folder is not a whole record ({e}): {records:?}")
+            }
         }
     }
     uids
@@ -156,19 +216,43 @@ fn fill(dir: &Path) -> PathBuf {
 /// Checks a failed ADD of `new` under a fault whose error text includes `cause`: the
 /// plugin's error names the records folder and the cause, nothing partial is left, the
 /// pod is not served, the metric counts the failure, `/ready` reports it and stays 200.
-fn assert_add_fails_cleanly(node: &LocalNode, rig: &Rig, agent: &Agent, new: &(PodId, Ipv4Addr), held: &[&str], cause: &str) {
+fn assert_add_fails_cleanly(
+    node: &LocalNode,
+    rig: &Rig,
+    agent: &Agent,
+    new: &(PodId, Ipv4Addr),
+    held: &[&str],
+    cause: &str,
+) {
     let before = rig.write_errors("write");
     let err = add(&rig.cni, new).expect_err("ADD while storage fails");
     let pods_dir = node.state_dir.join("pods").display().to_string();
-    assert!(err.contains(&pods_dir) && err.contains(cause), "the ADD's error names the path and the cause ({cause}): {err}");
-    assert!(!served(&rig.cni, new), "a pod whose record failed is not served");
-    assert_eq!(whole_records(&node.state_dir), held, "nothing partial, the other records whole");
+    assert!(
+        err.contains(&pods_dir) && err.contains(cause),
+        "the ADD's error names the path and the cause ({cause}): {err}"
+    );
+    assert!(
+        !served(&rig.cni, new),
+        "a pod whose record failed is not served"
+    );
+    assert_eq!(
+        whole_records(&node.state_dir),
+        held,
+        "nothing partial, the other records whole"
+    );
     // A scrape may be served from the exposition cache for a moment: poll.
-    wait_for("aether_storage_write_errors_total{op=\"write\"} to count the failure", T, || (rig.write_errors("write") > before).then_some(()));
+    wait_for(
+        "aether_storage_write_errors_total{op=\"write\"} to count the failure",
+        T,
+        || (rig.write_errors("write") > before).then_some(()),
+    );
     let (status, problem) = storage_problem(agent);
     assert_eq!(status, 200, "failing storage does not turn readiness off");
     let problem = problem.expect("/ready reports the failing storage");
-    assert!(problem.contains(cause) && problem.contains(&pods_dir), "{problem}");
+    assert!(
+        problem.contains(cause) && problem.contains(&pods_dir),
+        "{problem}"
+    );
 }
 
 /// How a test breaks the records folder.
@@ -196,7 +280,10 @@ fn add_fails_cleanly_then_recovers(test: &str, fault: Fault) {
     let (cause, mend): (&str, Box<dyn FnOnce() + '_>) = match fault {
         Fault::Full => {
             let ballast = fill(&tmpfs.0);
-            ("No space left on device", Box::new(move || std::fs::remove_file(&ballast).expect("remove the ballast")))
+            (
+                "No space left on device",
+                Box::new(move || std::fs::remove_file(&ballast).expect("remove the ballast")),
+            )
         }
         Fault::ReadOnly => {
             tmpfs.remount("ro");
@@ -204,14 +291,20 @@ fn add_fails_cleanly_then_recovers(test: &str, fault: Fault) {
         }
     };
     assert_add_fails_cleanly(&node, &rig, &agent, &b, &[a.0.uid.as_str()], cause);
-    assert!(served(&rig.cni, &a), "the pods already there are still served");
+    assert!(
+        served(&rig.cni, &a),
+        "the pods already there are still served"
+    );
 
     mend();
     add(&rig.cni, &b).expect("the first ADD after the fault is mended succeeds");
     assert!(served(&rig.cni, &b));
     assert_eq!(agent.worker_pid(), worker, "no restart");
     assert_eq!(storage_problem(&agent).1, None, "the report clears");
-    assert_eq!(whole_records(&node.state_dir), [a.0.uid.as_str(), b.0.uid.as_str()]);
+    assert_eq!(
+        whole_records(&node.state_dir),
+        [a.0.uid.as_str(), b.0.uid.as_str()]
+    );
     drop(agent);
 }
 
@@ -250,21 +343,35 @@ fn a_del_while_the_folder_is_read_only_takes_the_pod_out_and_the_record_goes_onc
     add(&rig.cni, &b).expect("ADD b");
 
     tmpfs.remount("ro");
-    rig.cni.call("DEL", &a.0, None).expect("DEL succeeds while the record cannot be removed");
+    rig.cni
+        .call("DEL", &a.0, None)
+        .expect("DEL succeeds while the record cannot be removed");
     assert!(!served(&rig.cni, &a), "the deleted pod left the snapshot");
     assert!(served(&rig.cni, &b), "the other pod is still served");
-    assert!(tmpfs.0.join(format!("{}.json", a.0.uid)).exists(), "the record is still there (read-only)");
-    wait_for("aether_storage_write_errors_total{op=\"remove\"} to count the failure", T, || (rig.write_errors("remove") >= 1.0).then_some(()));
+    assert!(
+        tmpfs.0.join(format!("{}.json", a.0.uid)).exists(),
+        "the record is still there (read-only)"
+    );
+    wait_for(
+        "aether_storage_write_errors_total{op=\"remove\"} to count the failure",
+        T,
+        || (rig.write_errors("remove") >= 1.0).then_some(()),
+    );
     let (status, problem) = storage_problem(&agent);
     assert_eq!(status, 200);
     let problem = problem.expect("/ready reports the pending removal");
-    assert!(problem.contains(&a.0.uid) && problem.contains("pending"), "{problem}");
+    assert!(
+        problem.contains(&a.0.uid) && problem.contains("pending"),
+        "{problem}"
+    );
 
     // Stay read-only for 2 s: the timer's retries (0.2 s doubling) fail meanwhile, and
     // each failure counts.
     std::thread::sleep(Duration::from_secs(2));
     assert!(tmpfs.0.join(format!("{}.json", a.0.uid)).exists());
-    wait_for("the failed retries to count", T, || (rig.write_errors("remove") >= 2.0).then_some(()));
+    wait_for("the failed retries to count", T, || {
+        (rig.write_errors("remove") >= 2.0).then_some(())
+    });
 
     tmpfs.remount("rw");
     let writable = std::time::Instant::now();
@@ -277,7 +384,9 @@ fn a_del_while_the_folder_is_read_only_takes_the_pod_out_and_the_record_goes_onc
         writable.elapsed().as_millis(),
         rig.write_errors("remove")
     );
-    wait_for("the storage report to clear", T, || storage_problem(&agent).1.is_none().then_some(()));
+    wait_for("the storage report to clear", T, || {
+        storage_problem(&agent).1.is_none().then_some(())
+    });
     assert_eq!(whole_records(&node.state_dir), [b.0.uid.as_str()]);
     assert!(!served(&rig.cni, &a), "the deleted pod stays out");
     drop(agent);
@@ -303,18 +412,28 @@ fn an_unreadable_record_is_quarantined_and_the_agent_serves_the_other_pods() {
     // The worker owns the record; mode 000 refuses even its owner without
     // CAP_DAC_OVERRIDE, which the worker does not have.
     let locked = node.state_dir.join(format!("pods/{}.json", b.0.uid));
-    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o000)).expect("chmod 000 the record");
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o000))
+        .expect("chmod 000 the record");
 
     let agent = rig.start(&mut node);
     assert!(served(&rig.cni, &a), "the readable pod is served");
     assert!(!served(&rig.cni, &b), "the unreadable record is no pod");
     assert!(!locked.exists(), "the unreadable record left the folder");
     let moved = quarantined(&node.state_dir);
-    assert!(moved.len() == 1 && moved[0].starts_with(&format!("{}.json.", b.0.uid)), "{moved:?}");
-    wait_for("aether_storage_quarantined_total to count the record", T, || (rig.sample("aether_storage_quarantined_total") == 1.0).then_some(()));
+    assert!(
+        moved.len() == 1 && moved[0].starts_with(&format!("{}.json.", b.0.uid)),
+        "{moved:?}"
+    );
+    wait_for(
+        "aether_storage_quarantined_total to count the record",
+        T,
+        || (rig.sample("aether_storage_quarantined_total") == 1.0).then_some(()),
+    );
     let log = agent.log();
     assert!(
-        log.lines().any(|l| l.contains("cannot be read") && l.contains(&locked.display().to_string()) && l.contains("Permission denied")),
+        log.lines().any(|l| l.contains("cannot be read")
+            && l.contains(&locked.display().to_string())
+            && l.contains("Permission denied")),
         "the log names the record and the error:\n{log}"
     );
     add(&rig.cni, &c).expect("ADD after the quarantine");

@@ -13,7 +13,11 @@ use shared_proto::conflist;
 
 fuzz_target!(|data: &[u8]| {
     // tmpfs when there is one: the rewrite fsyncs.
-    let base = if Path::new("/dev/shm").is_dir() { Path::new("/dev/shm") } else { Path::new("/tmp") };
+    let base = if Path::new("/dev/shm").is_dir() {
+        Path::new("/dev/shm")
+    } else {
+        Path::new("/tmp")
+    };
     let dir = base.join(format!("aether-fuzz-conflist-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -28,7 +32,10 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(p, path);
             let before: Value = serde_json::from_slice(data).expect("a rewritten file was JSON");
             let now: Value = serde_json::from_slice(&after).expect("the rewrite is JSON");
-            let (mut b, mut n) = (before.as_object().unwrap().clone(), now.as_object().unwrap().clone());
+            let (mut b, mut n) = (
+                before.as_object().unwrap().clone(),
+                now.as_object().unwrap().clone(),
+            );
             let old = b.remove("plugins").unwrap();
             let new = n.remove("plugins").unwrap();
             assert_eq!(b, n, "keys other than plugins changed");
@@ -37,9 +44,14 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(&new[..old.len()], &old[..]);
             assert_eq!(new[old.len()], entry);
         }
-        Ok(conflist::Outcome::Chained(_)) | Err(_) => assert_eq!(after, data, "an untouched file changed"),
+        Ok(conflist::Outcome::Chained(_)) | Err(_) => {
+            assert_eq!(after, data, "an untouched file changed")
+        }
         Ok(conflist::Outcome::NoConflist) => panic!("the conflist was not found"),
     }
-    assert!(!dir.join(".aether-cni-conflist.tmp").exists(), "a temp file was left behind");
+    assert!(
+        !dir.join(".aether-cni-conflist.tmp").exists(),
+        "a temp file was left behind"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 });

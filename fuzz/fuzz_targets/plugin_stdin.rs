@@ -8,7 +8,9 @@ use std::ffi::OsString;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&selector, rest)) = data.split_first() else { return };
+    let Some((&selector, rest)) = data.split_first() else {
+        return;
+    };
     let command = ["ADD", "DEL", "CHECK", "VERSION"][usize::from(selector) % 4];
     let (args, stdin) = match rest.iter().position(|&b| b == 0) {
         Some(i) => (&rest[..i], &rest[i + 1..]),
@@ -25,7 +27,9 @@ fuzz_target!(|data: &[u8]| {
             _ => None,
         }
     };
-    let Ok(bytes) = aether_cni::read_stdin(stdin) else { return };
+    let Ok(bytes) = aether_cni::read_stdin(stdin) else {
+        return;
+    };
     match aether_cni::input::parse(&env, &bytes) {
         Ok(inv) => {
             if inv.command == aether_cni::Command::Add {

@@ -77,7 +77,8 @@ fn main() {
 /// it execs could gain one back.
 fn drop_capabilities() -> Result<(), caps::errors::CapsError> {
     shared_proto::caps::keep_only(&[])?;
-    nix::sys::prctl::set_no_new_privs().map_err(|e| caps::errors::CapsError::from(format!("PR_SET_NO_NEW_PRIVS: {e}")))
+    nix::sys::prctl::set_no_new_privs()
+        .map_err(|e| caps::errors::CapsError::from(format!("PR_SET_NO_NEW_PRIVS: {e}")))
 }
 
 /// The run folder, created 0755 when missing, must be this uid's and writable by nobody
@@ -85,12 +86,24 @@ fn drop_capabilities() -> Result<(), caps::errors::CapsError> {
 /// the creation): keeper.sock is bound there and the node sockets are checked against its
 /// paths.
 fn check_run_dir(dir: &Path, me: u32) -> Result<(), KeeperError> {
-    let err = |source| KeeperError::RunDir { path: dir.to_owned(), source };
+    let err = |source| KeeperError::RunDir {
+        path: dir.to_owned(),
+        source,
+    };
     handoff::check_folders_on_path(dir)?;
-    std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(err)?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+        .map_err(err)?;
     let m = std::fs::symlink_metadata(dir).map_err(err)?;
     if !m.is_dir() || m.uid() != me || m.mode() & 0o022 != 0 {
-        return Err(KeeperError::NotOurs { path: dir.to_owned(), me, uid: m.uid(), mode: m.mode() & 0o7777 });
+        return Err(KeeperError::NotOurs {
+            path: dir.to_owned(),
+            me,
+            uid: m.uid(),
+            mode: m.mode() & 0o7777,
+        });
     }
     Ok(handoff::check_folders_on_path(dir)?)
 }
@@ -104,9 +117,19 @@ enum KeeperError {
     #[error("cannot open keeper.sock: {0}")]
     Bind(#[from] BindError),
     #[error("run folder {path}: {source}")]
-    RunDir { path: PathBuf, source: std::io::Error },
-    #[error("run folder {path} must be owned by uid {me} and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to keep the node sockets there")]
-    NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
+    RunDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "run folder {path} must be owned by uid {me} and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to keep the node sockets there"
+    )]
+    NotOurs {
+        path: PathBuf,
+        me: u32,
+        uid: u32,
+        mode: u32,
+    },
     #[error(transparent)]
     Path(#[from] handoff::PathError),
     #[error("signals: {0}")]
@@ -118,7 +141,10 @@ enum KeeperError {
 }
 
 fn run(cfg: &Config) -> Result<i32, KeeperError> {
-    let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+    let me = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
     check_run_dir(&cfg.run_dir, me.0)?;
     // keeper.sock is created no more open than 0700, then set to 0600.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
@@ -126,10 +152,15 @@ fn run(cfg: &Config) -> Result<i32, KeeperError> {
     set.add(Signal::SIGTERM);
     set.add(Signal::SIGINT);
     set.thread_block().map_err(KeeperError::Signals)?;
-    let signals = SignalFd::with_flags(&set, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).map_err(KeeperError::Signals)?;
+    let signals = SignalFd::with_flags(&set, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(KeeperError::Signals)?;
     let path = cfg.run_dir.join("keeper.sock");
     let listener = handoff::bind_fresh(&path, SockType::SeqPacket, 0o600, me)?;
-    nix::fcntl::fcntl(&listener.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(KeeperError::NonBlocking)?;
+    nix::fcntl::fcntl(
+        &listener.fd,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .map_err(KeeperError::NonBlocking)?;
     info!(path = %path.display(), "socket keeper started; fetching the owner's sockets over handoff.sock");
     let mut held: Option<Held> = None;
     let mut parked = handoff::Parked::default();
@@ -140,16 +171,25 @@ fn run(cfg: &Config) -> Result<i32, KeeperError> {
             next_fetch = Instant::now() + REFRESH;
         }
         let wait = next_fetch.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
-        let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN), PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN)];
+        let mut fds = vec![
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+            PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN),
+        ];
         fds.extend(parked.fds().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
-        match poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)) {
+        match poll(
+            &mut fds,
+            PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX),
+        ) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(KeeperError::Poll(e)),
         }
         let readable = |f: &PollFd| f.revents().is_some_and(|r| !r.is_empty());
         if readable(&fds[0]) {
             while let Ok(Some(info)) = signals.read_signal() {
-                if matches!(Signal::try_from(info.ssi_signo as i32), Ok(Signal::SIGTERM | Signal::SIGINT)) {
+                if matches!(
+                    Signal::try_from(info.ssi_signo as i32),
+                    Ok(Signal::SIGTERM | Signal::SIGINT)
+                ) {
                     info!("socket keeper stopping");
                     return Ok(0);
                 }
@@ -170,7 +210,10 @@ fn run(cfg: &Config) -> Result<i32, KeeperError> {
             };
             for answer in parked.answer_ready(h.generation, &h.listeners) {
                 match answer {
-                    Ok(_) => info!(generation = h.generation, "offered the kept node sockets to an agent"),
+                    Ok(_) => info!(
+                        generation = h.generation,
+                        "offered the kept node sockets to an agent"
+                    ),
                     Err(e) => warn!(error = %e, "keeper offer refused"),
                 }
             }
@@ -184,9 +227,14 @@ fn fetch(cfg: &Config, held: &mut Option<Held>) {
     let at = |name| cfg.run_dir.join(name);
     match handoff::fetch(&at("handoff.sock"), &at("xds.sock"), &at("cni.sock"), true) {
         Ok(Some(h)) => {
-            let changed = held.as_ref().is_none_or(|old| (old.listeners.paths, old.generation) != (h.listeners.paths, h.generation));
+            let changed = held.as_ref().is_none_or(|old| {
+                (old.listeners.paths, old.generation) != (h.listeners.paths, h.generation)
+            });
             if changed {
-                info!(generation = h.generation, "keeping the owner's node sockets");
+                info!(
+                    generation = h.generation,
+                    "keeping the owner's node sockets"
+                );
             }
             *held = Some(h);
         }
@@ -209,9 +257,20 @@ mod tests {
             return;
         }
         std::thread::spawn(|| {
-            assert!(!caps::read(None, caps::CapSet::Permitted).unwrap().is_empty(), "the test needs a capability to start with");
+            assert!(
+                !caps::read(None, caps::CapSet::Permitted)
+                    .unwrap()
+                    .is_empty(),
+                "the test needs a capability to start with"
+            );
             drop_capabilities().unwrap();
-            for set in [caps::CapSet::Effective, caps::CapSet::Permitted, caps::CapSet::Inheritable, caps::CapSet::Ambient, caps::CapSet::Bounding] {
+            for set in [
+                caps::CapSet::Effective,
+                caps::CapSet::Permitted,
+                caps::CapSet::Inheritable,
+                caps::CapSet::Ambient,
+                caps::CapSet::Bounding,
+            ] {
                 assert!(caps::read(None, set).unwrap().is_empty(), "{set:?}");
             }
         })
@@ -227,20 +286,38 @@ mod tests {
         check_run_dir(&run, me).expect("a missing folder is created");
         assert!(run.is_dir());
         std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let err = check_run_dir(&run, me).expect_err("a world-writable folder").to_string();
-        assert!(err.contains(&run.display().to_string()) && err.contains("777"), "{err}");
-        let err = check_run_dir(&run, me + 1).expect_err("another uid's folder").to_string();
+        let err = check_run_dir(&run, me)
+            .expect_err("a world-writable folder")
+            .to_string();
+        assert!(
+            err.contains(&run.display().to_string()) && err.contains("777"),
+            "{err}"
+        );
+        let err = check_run_dir(&run, me + 1)
+            .expect_err("another uid's folder")
+            .to_string();
         assert!(err.contains(&format!("uid {}", me + 1)), "{err}");
         let file = dir.path().join("file");
         std::fs::write(&file, "").unwrap();
-        assert!(check_run_dir(&file, me).is_err(), "a regular file was taken for the run folder");
+        assert!(
+            check_run_dir(&file, me).is_err(),
+            "a regular file was taken for the run folder"
+        );
         // A run folder in a folder that others may write is refused by that folder's
         // name, before anything is created in it.
         let open = dir.path().join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let err = check_run_dir(&open.join("run"), me).expect_err("a run folder in a 0777 folder").to_string();
-        assert!(err.contains(&format!("lies in {}", open.display())), "{err}");
-        assert!(!open.join("run").exists(), "the refused run folder was created");
+        let err = check_run_dir(&open.join("run"), me)
+            .expect_err("a run folder in a 0777 folder")
+            .to_string();
+        assert!(
+            err.contains(&format!("lies in {}", open.display())),
+            "{err}"
+        );
+        assert!(
+            !open.join("run").exists(),
+            "the refused run folder was created"
+        );
     }
 }

@@ -51,10 +51,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::snapshot::HISTORY;
 use crate::{
-    AGENT_SECRET, BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState, INBOUND, Identity,
-    InboundChain, INBOUND_TARGET_PORT, InboundTls, Inputs, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, MtlsMode,
-    NamedSecret, OUTBOUND, Pod, Resources, Route, RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
-    inbound_cluster_name, inbound_listener_name, inbound_secret_name, outbound_cluster_name, pod_secret_name,
+    AGENT_SECRET, BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind,
+    EndpointState, INBOUND, INBOUND_TARGET_PORT, Identity, InboundChain, InboundTls, Inputs, Kind,
+    LbEndpoint, Listener, ListenerKind, LoadAssignment, MtlsMode, NamedSecret, OUTBOUND, Pod,
+    Resources, Route, RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
+    inbound_cluster_name, inbound_listener_name, inbound_secret_name, outbound_cluster_name,
+    pod_secret_name,
 };
 
 /// Builds the snapshot of `inputs` from scratch. Pure: no I/O, no clock, no randomness.
@@ -96,7 +98,10 @@ impl Builder {
         }
         let mut short_claims: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for k in inputs.registry.services.keys() {
-            short_claims.entry(k.name.clone()).or_default().insert(k.namespace.clone());
+            short_claims
+                .entry(k.name.clone())
+                .or_default()
+                .insert(k.namespace.clone());
         }
 
         let mut listeners = vec![outbound_listener(&inputs)];
@@ -112,7 +117,10 @@ impl Builder {
                 }
                 listeners.extend(r.listener);
                 clusters.push(r.cluster);
-                pod_secrets.insert(uid.clone(), r.secrets.iter().map(|s| s.name.clone()).collect());
+                pod_secrets.insert(
+                    uid.clone(),
+                    r.secrets.iter().map(|s| s.name.clone()).collect(),
+                );
                 secrets.extend(r.secrets);
                 served.insert(uid.clone());
             }
@@ -148,7 +156,16 @@ impl Builder {
             seq: 0,
             history: Arc::default(),
         };
-        Self { inputs, snapshot: Arc::new(snapshot), ip_claims, short_claims, vhosts, service_clusters, served, pod_secrets }
+        Self {
+            inputs,
+            snapshot: Arc::new(snapshot),
+            ip_claims,
+            short_claims,
+            vhosts,
+            service_clusters,
+            served,
+            pod_secrets,
+        }
     }
 
     pub fn inputs(&self) -> &Inputs {
@@ -175,7 +192,10 @@ impl Builder {
                     }
                     ips.extend(pod.ips.iter().copied());
                     for ip in &pod.ips {
-                        self.ip_claims.entry(*ip).or_default().insert(pod.uid.clone());
+                        self.ip_claims
+                            .entry(*ip)
+                            .or_default()
+                            .insert(pod.uid.clone());
                     }
                     pods.insert(pod.uid.clone());
                     if let Some(old) = self.inputs.pods.insert(pod.uid.clone(), pod) {
@@ -193,7 +213,10 @@ impl Builder {
                     if self.inputs.registry.services.get(&k) == Some(&s) {
                         continue;
                     }
-                    self.short_claims.entry(k.name.clone()).or_default().insert(k.namespace.clone());
+                    self.short_claims
+                        .entry(k.name.clone())
+                        .or_default()
+                        .insert(k.namespace.clone());
                     self.inputs.registry.services.insert(k.clone(), s);
                     services.insert(k);
                 }
@@ -228,7 +251,13 @@ impl Builder {
                     if self.inputs.identity.agent != a {
                         // Permissive pods without an SVID of their own present the agent's.
                         let id = &self.inputs.identity;
-                        pods.extend(self.inputs.pods.keys().filter(|u| !id.pods.contains_key(*u)).cloned());
+                        pods.extend(
+                            self.inputs
+                                .pods
+                                .keys()
+                                .filter(|u| !id.pods.contains_key(*u))
+                                .cloned(),
+                        );
                         self.inputs.identity.agent = a;
                         node_identity = true;
                     }
@@ -276,7 +305,11 @@ impl Builder {
         let mut held_changed = false;
         for uid in &pods {
             let name = inbound_listener_name(uid);
-            let built = self.inputs.pods.get(uid).and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
+            let built = self
+                .inputs
+                .pods
+                .get(uid)
+                .and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
             stale_secrets.extend(self.pod_secrets.remove(uid).unwrap_or_default());
             let was_held = s.held_back.contains(uid);
             match built {
@@ -305,7 +338,10 @@ impl Builder {
                         changed.note(Kind::Cluster, &name);
                     }
                     if !r.secrets.is_empty() {
-                        self.pod_secrets.insert(uid.clone(), r.secrets.iter().map(|s| s.name.clone()).collect());
+                        self.pod_secrets.insert(
+                            uid.clone(),
+                            r.secrets.iter().map(|s| s.name.clone()).collect(),
+                        );
                     }
                     new_secrets.extend(r.secrets);
                     self.served.insert(uid.clone());
@@ -341,13 +377,18 @@ impl Builder {
         }
         let any_served = !self.served.is_empty();
         if any_served && (capture || !any_served_before) {
-            if s.listeners.insert(INBOUND.to_string(), inbound_listener(&self.inputs.capture)) {
+            if s.listeners
+                .insert(INBOUND.to_string(), inbound_listener(&self.inputs.capture))
+            {
                 changed.note(Kind::Listener, INBOUND);
             }
         } else if !any_served && any_served_before && s.listeners.remove(INBOUND) {
             changed.note(Kind::Listener, INBOUND);
         }
-        if capture && s.listeners.insert(OUTBOUND.to_string(), outbound_listener(&self.inputs)) {
+        if capture
+            && s.listeners
+                .insert(OUTBOUND.to_string(), outbound_listener(&self.inputs))
+        {
             changed.note(Kind::Listener, OUTBOUND);
         }
 
@@ -355,7 +396,10 @@ impl Builder {
         let mut affected = services.clone();
         for k in &services {
             if let Some(namespaces) = self.short_claims.get(&k.name) {
-                affected.extend(namespaces.iter().map(|ns| ServiceKey { namespace: ns.clone(), name: k.name.clone() }));
+                affected.extend(namespaces.iter().map(|ns| ServiceKey {
+                    namespace: ns.clone(),
+                    name: k.name.clone(),
+                }));
             }
         }
         let mut route_changed = false;
@@ -392,7 +436,10 @@ impl Builder {
                 }
             }
         }
-        if route_changed && s.routes.insert(OUTBOUND.to_string(), route_config(&self.vhosts)) {
+        if route_changed
+            && s.routes
+                .insert(OUTBOUND.to_string(), route_config(&self.vhosts))
+        {
             changed.note(Kind::Route, OUTBOUND);
         }
 
@@ -402,7 +449,12 @@ impl Builder {
         }
         s.rejects = rejects;
         s.seq += 1;
-        let mut history: Vec<Arc<Changed>> = s.history.iter().skip((s.history.len() + 1).saturating_sub(HISTORY)).cloned().collect();
+        let mut history: Vec<Arc<Changed>> = s
+            .history
+            .iter()
+            .skip((s.history.len() + 1).saturating_sub(HISTORY))
+            .cloned()
+            .collect();
         history.push(Arc::new(changed));
         s.history = Arc::new(history);
         self.snapshot = Arc::new(s);
@@ -410,7 +462,12 @@ impl Builder {
     }
 
     fn unclaim(&mut self, uid: &str, old_ips: &[IpAddr], touched: &mut BTreeSet<IpAddr>) {
-        let keep: BTreeSet<IpAddr> = self.inputs.pods.get(uid).map(|p| p.ips.iter().copied().collect()).unwrap_or_default();
+        let keep: BTreeSet<IpAddr> = self
+            .inputs
+            .pods
+            .get(uid)
+            .map(|p| p.ips.iter().copied().collect())
+            .unwrap_or_default();
         for ip in old_ips.iter().filter(|ip| !keep.contains(ip)) {
             touched.insert(*ip);
             if let Some(uids) = self.ip_claims.get_mut(ip) {
@@ -446,18 +503,26 @@ fn outbound_listener(inputs: &Inputs) -> Listener {
 
 /// The node's own secrets: the trust bundle and the agent's SVID, once they arrived.
 fn node_secrets(id: &Identity) -> Vec<NamedSecret> {
-    let Some(td) = &id.trust_domain else { return vec![] };
+    let Some(td) = &id.trust_domain else {
+        return vec![];
+    };
     let mut out = Vec::new();
     if let Some(ca) = &id.bundle {
         out.push(NamedSecret {
             name: BUNDLE_SECRET.to_string(),
-            secret: Secret::Validation { ca_pem: ca.clone(), spiffe_prefix: format!("spiffe://{td}/") },
+            secret: Secret::Validation {
+                ca_pem: ca.clone(),
+                spiffe_prefix: format!("spiffe://{td}/"),
+            },
         });
     }
     if let Some(a) = &id.agent {
         out.push(NamedSecret {
             name: AGENT_SECRET.to_string(),
-            secret: Secret::Certificate { chain_pem: a.chain_pem.clone(), key_pem: a.key_pem.clone() },
+            secret: Secret::Certificate {
+                chain_pem: a.chain_pem.clone(),
+                key_pem: a.key_pem.clone(),
+            },
         });
     }
     out
@@ -492,7 +557,11 @@ fn inbound_listener(c: &CaptureProjection) -> Listener {
 /// keeps its plaintext path (permissive) or gets no listener (strict: fail closed). Its
 /// certificate secret is its own SVID; a permissive pod without one presents the
 /// agent's on its outbound connections meanwhile.
-fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>, id: &Identity) -> Option<PodResources> {
+fn pod_resources(
+    pod: &Pod,
+    claims: &BTreeMap<IpAddr, BTreeSet<String>>,
+    id: &Identity,
+) -> Option<PodResources> {
     let uid = pod.uid.as_str();
     let ips: Vec<IpAddr> = pod
         .ips
@@ -507,25 +576,40 @@ fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>, id: &Id
     let c = Cluster {
         name: cluster.clone(),
         kind: ClusterKind::Static {
-            endpoints: ips.iter().map(|ip| SocketAddr::new(*ip, INBOUND_TARGET_PORT)).collect(),
+            endpoints: ips
+                .iter()
+                .map(|ip| SocketAddr::new(*ip, INBOUND_TARGET_PORT))
+                .collect(),
             draining: pod.terminating,
         },
         upstream_tls: None,
     };
     let own = id.pods.get(uid).filter(|_| id.enabled());
-    let presented = own.or(id.agent.as_ref().filter(|_| id.enabled() && id.mode == MtlsMode::Permissive));
+    let presented = own.or(id
+        .agent
+        .as_ref()
+        .filter(|_| id.enabled() && id.mode == MtlsMode::Permissive));
     let certificate = |name: String, svid: &crate::Svid| NamedSecret {
         name,
-        secret: Secret::Certificate { chain_pem: svid.chain_pem.clone(), key_pem: svid.key_pem.clone() },
+        secret: Secret::Certificate {
+            chain_pem: svid.chain_pem.clone(),
+            key_pem: svid.key_pem.clone(),
+        },
     };
     let mut secrets: Vec<NamedSecret> = match presented {
-        Some(svid) => ips.iter().map(|ip| certificate(pod_secret_name(*ip), svid)).collect(),
+        Some(svid) => ips
+            .iter()
+            .map(|ip| certificate(pod_secret_name(*ip), svid))
+            .collect(),
         None => vec![],
     };
     let tls = match own {
         Some(svid) if id.bundle.is_some() => {
             secrets.push(certificate(inbound_secret_name(uid), svid));
-            Some(InboundTls { certificate: inbound_secret_name(uid), plaintext: id.mode == MtlsMode::Permissive })
+            Some(InboundTls {
+                certificate: inbound_secret_name(uid),
+                plaintext: id.mode == MtlsMode::Permissive,
+            })
         }
         _ => None,
     };
@@ -533,9 +617,21 @@ fn pod_resources(pod: &Pod, claims: &BTreeMap<IpAddr, BTreeSet<String>>, id: &Id
     let listener = (!fail_closed).then(|| Listener {
         name: inbound_listener_name(uid),
         address: SocketAddr::new(first, INBOUND_TARGET_PORT),
-        kind: ListenerKind::InboundPod { chain: InboundChain { pod_uid: uid.to_string(), ips, cluster, tls } },
+        kind: ListenerKind::InboundPod {
+            chain: InboundChain {
+                pod_uid: uid.to_string(),
+                ips,
+                cluster,
+                tls,
+            },
+        },
     });
-    Some(PodResources { listener, held_back: fail_closed, cluster: c, secrets })
+    Some(PodResources {
+        listener,
+        held_back: fail_closed,
+        cluster: c,
+        secrets,
+    })
 }
 
 /// Short names are namespace-relative; on a node-wide listener one claimed by two
@@ -570,12 +666,22 @@ fn virtual_host(s: &Service, short_claims: &BTreeMap<String, BTreeSet<String>>) 
 
     let mut routes = Vec::new();
     for port in s.ports.iter().skip(1) {
-        routes.push(Route { authority_port: Some(*port), cluster: outbound_cluster_name(*port, &s.name, &s.namespace) });
+        routes.push(Route {
+            authority_port: Some(*port),
+            cluster: outbound_cluster_name(*port, &s.name, &s.namespace),
+        });
     }
     if let Some(first) = s.ports.first() {
-        routes.push(Route { authority_port: None, cluster: outbound_cluster_name(*first, &s.name, &s.namespace) });
+        routes.push(Route {
+            authority_port: None,
+            cluster: outbound_cluster_name(*first, &s.name, &s.namespace),
+        });
     }
-    VirtualHost { name: qualified, domains, routes }
+    VirtualHost {
+        name: qualified,
+        domains,
+        routes,
+    }
 }
 
 /// A service's EDS cluster and load assignment per port. With identity on, a port with
@@ -599,13 +705,26 @@ fn service_resources(s: &Service, id: &Identity) -> Vec<(Cluster, LoadAssignment
             let upstream_tls = endpoints.iter().any(|e| e.mtls).then(|| UpstreamTls {
                 fallback: (id.mode == MtlsMode::Permissive).then(|| AGENT_SECRET.to_string()),
             });
-            (Cluster { name: name.clone(), kind: ClusterKind::Eds, upstream_tls }, LoadAssignment { cluster: name, endpoints })
+            (
+                Cluster {
+                    name: name.clone(),
+                    kind: ClusterKind::Eds,
+                    upstream_tls,
+                },
+                LoadAssignment {
+                    cluster: name,
+                    endpoints,
+                },
+            )
         })
         .collect()
 }
 
 fn route_config(vhosts: &BTreeMap<ServiceKey, Arc<VirtualHost>>) -> RouteConfig {
-    RouteConfig { name: OUTBOUND.to_string(), virtual_hosts: vhosts.values().cloned().collect() }
+    RouteConfig {
+        name: OUTBOUND.to_string(),
+        virtual_hosts: vhosts.values().cloned().collect(),
+    }
 }
 
 fn rejects(claims: &BTreeMap<IpAddr, BTreeSet<String>>) -> Vec<String> {
@@ -613,7 +732,10 @@ fn rejects(claims: &BTreeMap<IpAddr, BTreeSet<String>>) -> Vec<String> {
         .iter()
         .filter(|(_, uids)| uids.len() > 1)
         .map(|(ip, uids)| {
-            format!("pod IP {ip} is claimed by pods {}; served for none of them", uids.iter().cloned().collect::<Vec<_>>().join(", "))
+            format!(
+                "pod IP {ip} is claimed by pods {}; served for none of them",
+                uids.iter().cloned().collect::<Vec<_>>().join(", ")
+            )
         })
         .collect()
 }

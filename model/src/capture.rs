@@ -14,6 +14,10 @@ pub struct CaptureProjection {
 
 impl Default for CaptureProjection {
     fn default() -> Self {
-        Self { outbound: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 15001), inbound_port: 15006, excluded_cidrs: Vec::new() }
+        Self {
+            outbound: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 15001),
+            inbound_port: 15006,
+            excluded_cidrs: Vec::new(),
+        }
     }
 }

@@ -19,5 +19,8 @@ pub enum Change {
     /// The agent's own SVID (rotations included).
     SetAgentSvid(Option<Svid>),
     /// A local pod's SVID by pod uid (rotations included); `None` drops it.
-    SetPodSvid { uid: String, svid: Option<Svid> },
+    SetPodSvid {
+        uid: String,
+        svid: Option<Svid>,
+    },
 }

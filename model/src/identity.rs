@@ -38,7 +38,9 @@ impl std::str::FromStr for MtlsMode {
         match s {
             "permissive" => Ok(MtlsMode::Permissive),
             "strict" => Ok(MtlsMode::Strict),
-            other => Err(format!("unknown mTLS mode {other:?}: expected \"permissive\" or \"strict\"")),
+            other => Err(format!(
+                "unknown mTLS mode {other:?}: expected \"permissive\" or \"strict\""
+            )),
         }
     }
 }
@@ -126,14 +128,19 @@ pub enum Secret {
     Certificate { chain_pem: String, key_pem: String },
     /// A validation context: the trust domain's CA certificates, and the SPIFFE ID prefix
     /// (`spiffe://<trust domain>/`) a peer's URI SAN must have.
-    Validation { ca_pem: String, spiffe_prefix: String },
+    Validation {
+        ca_pem: String,
+        spiffe_prefix: String,
+    },
 }
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Secret::Certificate { .. } => f.write_str("Secret::Certificate(<redacted>)"),
-            Secret::Validation { spiffe_prefix, .. } => write!(f, "Secret::Validation({spiffe_prefix})"),
+            Secret::Validation { spiffe_prefix, .. } => {
+                write!(f, "Secret::Validation({spiffe_prefix})")
+            }
         }
     }
 }
@@ -177,7 +184,10 @@ mod tests {
             not_after: 2000,
         };
         assert_eq!(s.renew_by(), 1800);
-        let odd = Svid { not_after: 1003, ..s };
+        let odd = Svid {
+            not_after: 1003,
+            ..s
+        };
         assert_eq!(odd.renew_by(), 1002);
     }
 
@@ -192,7 +202,10 @@ mod tests {
             not_after: 1,
         };
         assert!(!format!("{s:?}").contains("SECRET-KEY"));
-        let c = Secret::Certificate { chain_pem: "CHAIN".into(), key_pem: "SECRET-KEY".into() };
+        let c = Secret::Certificate {
+            chain_pem: "CHAIN".into(),
+            key_pem: "SECRET-KEY".into(),
+        };
         assert!(!format!("{c:?}").contains("SECRET-KEY"));
     }
 

@@ -23,14 +23,15 @@ pub use builder::{Builder, build};
 pub use capture::CaptureProjection;
 pub use change::Change;
 pub use identity::{
-    AGENT_SECRET, BUNDLE_SECRET, Identity, InboundTls, MtlsMode, NamedSecret, POD_SECRET_PREFIX, Secret, Svid, UpstreamTls,
-    inbound_secret_name, pod_secret_name,
+    AGENT_SECRET, BUNDLE_SECRET, Identity, InboundTls, MtlsMode, NamedSecret, POD_SECRET_PREFIX,
+    Secret, Svid, UpstreamTls, inbound_secret_name, pod_secret_name,
 };
 pub use inputs::{Gates, Inputs};
 pub use pod::Pod;
 pub use registry::{Endpoint, EndpointState, RegistryView, Service, ServiceKey};
 pub use snapshot::{
-    Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain, KIND_COUNT, KINDS, Kind, LbEndpoint,
-    Listener, ListenerKind, LoadAssignment, OUTBOUND, Resources, Route, RouteConfig, Snapshot, VirtualHost,
-    inbound_cluster_name, inbound_listener_name, is_outbound_cluster, outbound_cluster_name,
+    Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain,
+    KIND_COUNT, KINDS, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, OUTBOUND,
+    Resources, Route, RouteConfig, Snapshot, VirtualHost, inbound_cluster_name,
+    inbound_listener_name, is_outbound_cluster, outbound_cluster_name,
 };

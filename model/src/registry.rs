@@ -30,7 +30,10 @@ pub struct Service {
 
 impl Service {
     pub fn key(&self) -> ServiceKey {
-        ServiceKey { namespace: self.namespace.clone(), name: self.name.clone() }
+        ServiceKey {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+        }
     }
 }
 
@@ -65,6 +68,8 @@ pub struct RegistryView {
 impl RegistryView {
     /// A view of `services`; a later service replaces an earlier one with the same key.
     pub fn new(services: impl IntoIterator<Item = Service>) -> Self {
-        Self { services: services.into_iter().map(|s| (s.key(), s)).collect() }
+        Self {
+            services: services.into_iter().map(|s| (s.key(), s)).collect(),
+        }
     }
 }

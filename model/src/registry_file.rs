@@ -46,18 +46,37 @@ use crate::{Endpoint, EndpointState, RegistryView, Service};
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}:{line}:{column}: {message}")]
-    Json { path: PathBuf, line: usize, column: usize, message: String },
+    Json {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
-    #[error("{path} is {size} bytes, over the limit of {limit} bytes (--registry-max-bytes); not read")]
-    TooLarge { path: PathBuf, size: u64, limit: u64 },
+    #[error(
+        "{path} is {size} bytes, over the limit of {limit} bytes (--registry-max-bytes); not read"
+    )]
+    TooLarge {
+        path: PathBuf,
+        size: u64,
+        limit: u64,
+    },
 }
 
 impl FileError {
     pub fn json(path: &Path, e: &serde_json::Error) -> Self {
-        Self::Json { path: path.to_owned(), line: e.line(), column: e.column(), message: e.to_string() }
+        Self::Json {
+            path: path.to_owned(),
+            line: e.line(),
+            column: e.column(),
+            message: e.to_string(),
+        }
     }
 
     /// A JSON error in the part of `file` that starts at byte `offset`, located in the
@@ -65,12 +84,27 @@ impl FileError {
     pub fn json_at(path: &Path, file: &[u8], offset: usize, e: &serde_json::Error) -> Self {
         let before = &file[..offset.min(file.len())];
         let lines = before.iter().filter(|b| **b == b'\n').count();
-        let col0 = before.len() - before.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1);
-        let (line, column) = if e.line() <= 1 { (lines + 1, col0 + e.column()) } else { (lines + e.line(), e.column()) };
+        let col0 = before.len()
+            - before
+                .iter()
+                .rposition(|b| *b == b'\n')
+                .map_or(0, |p| p + 1);
+        let (line, column) = if e.line() <= 1 {
+            (lines + 1, col0 + e.column())
+        } else {
+            (lines + e.line(), e.column())
+        };
         // serde_json ends its message with the position in what it parsed; say the file's.
         let text = e.to_string();
-        let bare = text.strip_suffix(&format!(" at line {} column {}", e.line(), e.column())).unwrap_or(&text);
-        Self::Json { path: path.to_owned(), line, column, message: format!("{bare} at line {line} column {column}") }
+        let bare = text
+            .strip_suffix(&format!(" at line {} column {}", e.line(), e.column()))
+            .unwrap_or(&text);
+        Self::Json {
+            path: path.to_owned(),
+            line,
+            column,
+            message: format!("{bare} at line {line} column {column}"),
+        }
     }
 }
 
@@ -134,18 +168,27 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
 
 /// The error for `services[i]`, a key an earlier service of the file already has.
 pub fn listed_twice(path: &Path, i: usize, name: &str, namespace: &str) -> FileError {
-    FileError::Invalid { path: path.to_owned(), message: format!("services[{i}] ({name}.{namespace}): service listed twice") }
+    FileError::Invalid {
+        path: path.to_owned(),
+        message: format!("services[{i}] ({name}.{namespace}): service listed twice"),
+    }
 }
 
 /// Checks one service of the file (`services[i]`) and converts it into the model's.
 pub fn validate(path: &Path, i: usize, s: FileService) -> Result<Service, FileError> {
-    let invalid = |message: String| FileError::Invalid { path: path.to_owned(), message };
+    let invalid = |message: String| FileError::Invalid {
+        path: path.to_owned(),
+        message,
+    };
     // Error context is formatted only for an error: a 10,000-service file would
     // otherwise build 110,000 location strings per reload.
     let at = || format!("services[{i}] ({}.{})", s.name, s.namespace);
     for (what, v) in [("name", &s.name), ("namespace", &s.namespace)] {
         if !is_dns_label(v) {
-            return Err(invalid(format!("{}: {what} {v:?} is not a DNS label", at())));
+            return Err(invalid(format!(
+                "{}: {what} {v:?} is not a DNS label",
+                at()
+            )));
         }
     }
     if s.ports.is_empty() {
@@ -164,13 +207,37 @@ pub fn validate(path: &Path, i: usize, s: FileService) -> Result<Service, FileEr
         }
         let service_port = match (e.service_port, s.ports.as_slice()) {
             (Some(p), ports) if ports.contains(&p) => p,
-            (Some(p), _) => return Err(invalid(format!("{}: service_port {p} is not a port of the service", eat()))),
+            (Some(p), _) => {
+                return Err(invalid(format!(
+                    "{}: service_port {p} is not a port of the service",
+                    eat()
+                )));
+            }
             (None, [only]) => *only,
-            (None, _) => return Err(invalid(format!("{}: service_port is required for a service with several ports", eat()))),
+            (None, _) => {
+                return Err(invalid(format!(
+                    "{}: service_port is required for a service with several ports",
+                    eat()
+                )));
+            }
         };
-        endpoints.push(Endpoint { address: e.address, port: e.port, service_port, node: e.node, pod: e.pod, state: e.state, mtls: e.mtls });
+        endpoints.push(Endpoint {
+            address: e.address,
+            port: e.port,
+            service_port,
+            node: e.node,
+            pod: e.pod,
+            state: e.state,
+            mtls: e.mtls,
+        });
     }
-    Ok(Service { name: s.name, namespace: s.namespace, ports: s.ports, vip: s.vip, endpoints })
+    Ok(Service {
+        name: s.name,
+        namespace: s.namespace,
+        ports: s.ports,
+        vip: s.vip,
+        endpoints,
+    })
 }
 
 /// A DNS label as Kubernetes names namespaces and services: lower-case letters, digits
@@ -179,7 +246,8 @@ pub fn is_dns_label(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= 63
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
         && b[0] != b'-'
         && b[b.len() - 1] != b'-'
 }
@@ -199,14 +267,25 @@ mod tests {
                         let eps: Vec<String> = s
                             .endpoints
                             .iter()
-                            .map(|e| format!("{}:{}@{}:{:?}", e.address, e.port, e.service_port, e.state))
+                            .map(|e| {
+                                format!("{}:{}@{}:{:?}", e.address, e.port, e.service_port, e.state)
+                            })
                             .collect();
-                        format!("{}.{} {:?} {:?} [{}]", s.name, s.namespace, s.ports, s.vip, eps.join(" "))
+                        format!(
+                            "{}.{} {:?} {:?} [{}]",
+                            s.name,
+                            s.namespace,
+                            s.ports,
+                            s.vip,
+                            eps.join(" ")
+                        )
                     })
                     .collect();
                 assert_eq!(s.join("\n"), want);
             }
-            (Err(e), Err(want)) => assert!(e.to_string().contains(want), "error {e:?} lacks {want:?}"),
+            (Err(e), Err(want)) => {
+                assert!(e.to_string().contains(want), "error {e:?} lacks {want:?}")
+            }
             (got, want) => panic!("got {got:?}, want {want:?}"),
         }
     }
@@ -219,19 +298,39 @@ mod tests {
                 {"name":"api","namespace":"prod","ports":[80,81],"vip":"10.96.0.1","endpoints":[
                   {"address":"10.0.0.2","port":9000,"service_port":81,"state":"draining","node":"n","pod":"p"}]}
             ]}"#,
-            Ok("api.prod [80, 81] Some(10.96.0.1) [10.0.0.2:9000@81:Draining]\nweb.prod [80] None [10.0.0.1:8080@80:Healthy]"),
+            Ok(
+                "api.prod [80, 81] Some(10.96.0.1) [10.0.0.2:9000@81:Draining]\nweb.prod [80] None [10.0.0.1:8080@80:Healthy]",
+            ),
         );
         check("{}", Ok(""));
     }
 
     #[test]
     fn rejects_bad_input_with_location() {
-        check("{\"services\": [\n  {\"name\": }", Err("/etc/aether/registry.json:2:12"));
-        check(r#"{"services":[{"name":"web","namespace":"d","ports":[80],"prots":1}]}"#, Err("unknown field `prots`"));
-        check(r#"{"services":[{"name":"Web","namespace":"d","ports":[80]}]}"#, Err("name \"Web\" is not a DNS label"));
-        check(r#"{"services":[{"name":"w","namespace":"d","ports":[80]},{"name":"w","namespace":"d","ports":[81]}]}"#, Err("listed twice"));
-        check(r#"{"services":[{"name":"w","namespace":"d","ports":[80,80]}]}"#, Err("port 80 is 0 or listed twice"));
-        check(r#"{"services":[{"name":"w","namespace":"d","ports":[]}]}"#, Err("ports is empty"));
+        check(
+            "{\"services\": [\n  {\"name\": }",
+            Err("/etc/aether/registry.json:2:12"),
+        );
+        check(
+            r#"{"services":[{"name":"web","namespace":"d","ports":[80],"prots":1}]}"#,
+            Err("unknown field `prots`"),
+        );
+        check(
+            r#"{"services":[{"name":"Web","namespace":"d","ports":[80]}]}"#,
+            Err("name \"Web\" is not a DNS label"),
+        );
+        check(
+            r#"{"services":[{"name":"w","namespace":"d","ports":[80]},{"name":"w","namespace":"d","ports":[81]}]}"#,
+            Err("listed twice"),
+        );
+        check(
+            r#"{"services":[{"name":"w","namespace":"d","ports":[80,80]}]}"#,
+            Err("port 80 is 0 or listed twice"),
+        );
+        check(
+            r#"{"services":[{"name":"w","namespace":"d","ports":[]}]}"#,
+            Err("ports is empty"),
+        );
         check(
             r#"{"services":[{"name":"w","namespace":"d","ports":[80,81],"endpoints":[{"address":"10.0.0.1","port":1}]}]}"#,
             Err("services[0] (w.d).endpoints[0]: service_port is required"),
@@ -260,7 +359,9 @@ mod tests {
     fn a_json_error_inside_a_part_is_located_in_the_whole_file() {
         let file = b"{\"services\": [\n  {\"name\": 1}]}";
         let offset = 17;
-        let e = serde_json::from_slice::<FileService>(&file[offset..file.len() - 2]).err().expect("a bad part");
+        let e = serde_json::from_slice::<FileService>(&file[offset..file.len() - 2])
+            .err()
+            .expect("a bad part");
         let got = FileError::json_at(Path::new("r.json"), file, offset, &e).to_string();
         assert!(got.starts_with("r.json:2:"), "{got}");
     }

@@ -43,7 +43,13 @@ pub const KIND_COUNT: usize = 5;
 
 /// Push order: clusters exist before the listeners and routes that use them, and the
 /// secrets both name arrive with them.
-pub const KINDS: [Kind; KIND_COUNT] = [Kind::Cluster, Kind::Endpoint, Kind::Secret, Kind::Listener, Kind::Route];
+pub const KINDS: [Kind; KIND_COUNT] = [
+    Kind::Cluster,
+    Kind::Endpoint,
+    Kind::Secret,
+    Kind::Listener,
+    Kind::Route,
+];
 
 impl Kind {
     pub fn index(self) -> usize {
@@ -138,7 +144,9 @@ impl<T: Serialize + Tally> Resources<T> {
 
     /// Removes `name`; true when it was there.
     pub(crate) fn remove(&mut self, name: &str) -> bool {
-        let Some(old) = self.hashes.remove(name) else { return false };
+        let Some(old) = self.hashes.remove(name) else {
+            return false;
+        };
         if let Some(item) = self.items.remove(name) {
             self.tallied -= usize::from(item.tallied());
         }
@@ -167,7 +175,13 @@ impl<T: Serialize + Tally> Resources<T> {
 
 impl<T: Serialize> Default for Resources<T> {
     fn default() -> Self {
-        Self { items: OrdMap::new(), hashes: OrdMap::new(), sum: 0, tallied: 0, version: version_of(0, 0) }
+        Self {
+            items: OrdMap::new(),
+            hashes: OrdMap::new(),
+            sum: 0,
+            tallied: 0,
+            version: version_of(0, 0),
+        }
     }
 }
 
@@ -389,7 +403,12 @@ impl Snapshot {
             return None;
         }
         let from = self.history.len() - steps;
-        Some(self.history[from..].iter().flat_map(|c| c.kind(k).iter().map(String::as_str)).collect())
+        Some(
+            self.history[from..]
+                .iter()
+                .flat_map(|c| c.kind(k).iter().map(String::as_str))
+                .collect(),
+        )
     }
 
     /// Whether this snapshot serves the pod (its inbound listener and cluster; a pod whose
@@ -401,27 +420,47 @@ impl Snapshot {
             return false;
         }
         let cluster = inbound_cluster_name(uid);
-        let capture_ok = self.listeners.get(INBOUND).is_some_and(|l| l.kind == ListenerKind::InboundCapture);
-        let chain_ok = self.listeners.get(&inbound_listener_name(uid)).is_some_and(|l| match &l.kind {
-            ListenerKind::InboundPod { chain: c } => c.pod_uid == uid && c.cluster == cluster && same_set(&c.ips, ips),
-            _ => false,
-        });
+        let capture_ok = self
+            .listeners
+            .get(INBOUND)
+            .is_some_and(|l| l.kind == ListenerKind::InboundCapture);
+        let chain_ok = self
+            .listeners
+            .get(&inbound_listener_name(uid))
+            .is_some_and(|l| match &l.kind {
+                ListenerKind::InboundPod { chain: c } => {
+                    c.pod_uid == uid && c.cluster == cluster && same_set(&c.ips, ips)
+                }
+                _ => false,
+            });
         let cluster_ok = self.clusters.get(&cluster).is_some_and(|c| match &c.kind {
-            ClusterKind::Static { endpoints, .. } => ips.iter().all(|ip| endpoints.iter().any(|e| e.ip() == *ip)),
+            ClusterKind::Static { endpoints, .. } => {
+                ips.iter().all(|ip| endpoints.iter().any(|e| e.ip() == *ip))
+            }
             ClusterKind::Eds => false,
         });
-        let held = self.held_back.contains(uid) && !self.listeners.items.contains_key(&inbound_listener_name(uid));
+        let held = self.held_back.contains(uid)
+            && !self
+                .listeners
+                .items
+                .contains_key(&inbound_listener_name(uid));
         capture_ok && (chain_ok || held) && cluster_ok
     }
 
     /// Whether the proxy asks EDS for `name`: an EDS cluster of this snapshot has it.
     pub fn needs_eds(&self, name: &str) -> bool {
-        self.clusters.get(name).is_some_and(|c| c.kind == ClusterKind::Eds)
+        self.clusters
+            .get(name)
+            .is_some_and(|c| c.kind == ClusterKind::Eds)
     }
 
     /// The names of the EDS clusters: what a proxy holding this snapshot asks EDS for.
     pub fn eds_cluster_names(&self) -> impl Iterator<Item = &str> {
-        self.clusters.items.values().filter(|c| c.kind == ClusterKind::Eds).map(|c| c.name.as_str())
+        self.clusters
+            .items
+            .values()
+            .filter(|c| c.kind == ClusterKind::Eds)
+            .map(|c| c.name.as_str())
     }
 
     /// The secrets the listeners and clusters name: what the proxy asks SDS for before it
@@ -430,7 +469,10 @@ impl Snapshot {
     pub fn sds_names(&self) -> BTreeSet<&str> {
         let mut out = BTreeSet::new();
         for l in self.listeners.items.values() {
-            if let ListenerKind::InboundPod { chain: InboundChain { tls: Some(t), .. } } = &l.kind {
+            if let ListenerKind::InboundPod {
+                chain: InboundChain { tls: Some(t), .. },
+            } = &l.kind
+            {
                 out.insert(t.certificate.as_str());
                 out.insert(crate::BUNDLE_SECRET);
             }

@@ -12,10 +12,19 @@ fn the_model_depends_on_no_runtime_grpc_or_protobuf() {
         .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
         .output()
         .expect("cargo metadata runs");
-    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
-    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
-    let names: BTreeMap<&str, &str> =
-        meta["packages"].as_array().unwrap().iter().map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap())).collect();
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
+    let names: BTreeMap<&str, &str> = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap()))
+        .collect();
     // Normal (non-dev, non-build) edges of the resolved graph.
     let edges: BTreeMap<&str, Vec<&str>> = meta["resolve"]["nodes"]
         .as_array()
@@ -26,13 +35,23 @@ fn the_model_depends_on_no_runtime_grpc_or_protobuf() {
                 .as_array()
                 .unwrap()
                 .iter()
-                .filter(|d| d["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null()))
+                .filter(|d| {
+                    d["dep_kinds"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|k| k["kind"].is_null())
+                })
                 .map(|d| d["pkg"].as_str().unwrap())
                 .collect();
             (n["id"].as_str().unwrap(), deps)
         })
         .collect();
-    let root = names.iter().find(|(_, n)| **n == "aether-model").map(|(id, _)| *id).expect("aether-model in the graph");
+    let root = names
+        .iter()
+        .find(|(_, n)| **n == "aether-model")
+        .map(|(id, _)| *id)
+        .expect("aether-model in the graph");
     let mut seen = BTreeSet::new();
     let mut todo = vec![root];
     while let Some(id) = todo.pop() {
@@ -41,7 +60,13 @@ fn the_model_depends_on_no_runtime_grpc_or_protobuf() {
         }
     }
     let reached: BTreeSet<&str> = seen.iter().map(|id| names[id]).collect();
-    assert!(reached.contains("imbl"), "the walk reaches the model's dependencies: {reached:?}");
+    assert!(
+        reached.contains("imbl"),
+        "the walk reaches the model's dependencies: {reached:?}"
+    );
     let bad: Vec<&&str> = FORBIDDEN.iter().filter(|f| reached.contains(**f)).collect();
-    assert!(bad.is_empty(), "aether-model must stay pure, but depends on {bad:?} (all: {reached:?})");
+    assert!(
+        bad.is_empty(),
+        "aether-model must stay pure, but depends on {bad:?} (all: {reached:?})"
+    );
 }

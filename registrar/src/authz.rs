@@ -54,7 +54,10 @@ impl fmt::Display for Peer {
             Peer::InsecureTcp => write!(f, "a TCP caller"),
             Peer::Unix { uid } => write!(f, "uid {uid}"),
             Peer::UnixUnknown => write!(f, "a unix socket caller without credentials"),
-            Peer::Token(TokenIdentity { user, node: Some(n) }) => write!(f, "{user} (node {n})"),
+            Peer::Token(TokenIdentity {
+                user,
+                node: Some(n),
+            }) => write!(f, "{user} (node {n})"),
             Peer::Token(TokenIdentity { user, node: None }) => write!(f, "{user}"),
         }
     }
@@ -72,8 +75,12 @@ pub struct Policy {
 
 impl Policy {
     fn is_agent_account(&self, user: &str) -> bool {
-        let Some(account) = user.strip_prefix("system:serviceaccount:") else { return false };
-        self.agent_accounts.iter().any(|a| a.replacen('/', ":", 1) == account)
+        let Some(account) = user.strip_prefix("system:serviceaccount:") else {
+            return false;
+        };
+        self.agent_accounts
+            .iter()
+            .any(|a| a.replacen('/', ":", 1) == account)
     }
 }
 
@@ -86,12 +93,20 @@ pub struct Denied {
 }
 
 pub fn authorize(policy: &Policy, peer: &Peer, method: Method) -> Result<(), Denied> {
-    let deny = |why: &str| Err(Denied { peer: peer.clone(), method, why: why.to_owned() });
+    let deny = |why: &str| {
+        Err(Denied {
+            peer: peer.clone(),
+            method,
+            why: why.to_owned(),
+        })
+    };
     let agent = |method: Method, role: &str| {
         if method.for_agents() {
             Ok(())
         } else {
-            deny(&format!("agents ({role}) may only watch and set drain marks; this is for operators"))
+            deny(&format!(
+                "agents ({role}) may only watch and set drain marks; this is for operators"
+            ))
         }
     };
     match peer {
@@ -99,13 +114,19 @@ pub fn authorize(policy: &Policy, peer: &Peer, method: Method) -> Result<(), Den
         Peer::UnixUnknown => deny("the peer's credentials are unknown"),
         Peer::Unix { uid } if policy.operator_uids.contains(uid) => Ok(()),
         Peer::Unix { uid } if policy.agent_uids.contains(uid) => agent(method, "--agent-uid"),
-        Peer::Unix { .. } => deny("neither an agent (--agent-uid) nor an operator (--operator-uid)"),
+        Peer::Unix { .. } => {
+            deny("neither an agent (--agent-uid) nor an operator (--operator-uid)")
+        }
         Peer::Token(id) if policy.operator_users.contains(&id.user) => Ok(()),
         Peer::Token(id) if policy.is_agent_account(&id.user) => match &id.node {
             Some(_) => agent(method, "--agent-service-account"),
-            None => deny("the agent's token is bound to no node: use the pod's projected service-account token (audience aether-registrar; Kubernetes 1.30+ binds it to the pod's node)"),
+            None => deny(
+                "the agent's token is bound to no node: use the pod's projected service-account token (audience aether-registrar; Kubernetes 1.30+ binds it to the pod's node)",
+            ),
         },
-        Peer::Token(_) => deny("neither an agent (--agent-service-account) nor an operator (--operator-user)"),
+        Peer::Token(_) => {
+            deny("neither an agent (--agent-service-account) nor an operator (--operator-user)")
+        }
     }
 }
 
@@ -113,10 +134,14 @@ pub fn authorize(policy: &Policy, peer: &Peer, method: Method) -> Result<(), Den
 /// whose token is bound to a node may speak for that node only.
 pub fn check_node(peer: &Peer, method: Method, node: &str) -> Result<(), Denied> {
     match peer {
-        Peer::Token(TokenIdentity { node: Some(bound), .. }) if bound != node => Err(Denied {
+        Peer::Token(TokenIdentity {
+            node: Some(bound), ..
+        }) if bound != node => Err(Denied {
             peer: peer.clone(),
             method,
-            why: format!("the request names node {node:?}, but the caller's token is bound to node {bound:?}"),
+            why: format!(
+                "the request names node {node:?}, but the caller's token is bound to node {bound:?}"
+            ),
         }),
         _ => Ok(()),
     }
@@ -127,10 +152,18 @@ mod tests {
     use super::*;
     use Method::*;
 
-    const ALL: [Method; 4] = [WatchEndpoints, SetEndpointState, ApplyServices, DeleteService];
+    const ALL: [Method; 4] = [
+        WatchEndpoints,
+        SetEndpointState,
+        ApplyServices,
+        DeleteService,
+    ];
 
     fn token(user: &str, node: Option<&str>) -> Peer {
-        Peer::Token(TokenIdentity { user: user.into(), node: node.map(String::from) })
+        Peer::Token(TokenIdentity {
+            user: user.into(),
+            node: node.map(String::from),
+        })
     }
 
     #[test]
@@ -145,22 +178,48 @@ mod tests {
         for (peer, allowed) in [
             (Peer::InsecureTcp, &ALL[..]),
             (Peer::Unix { uid: 0 }, &ALL[..]),
-            (Peer::Unix { uid: 65532 }, &[WatchEndpoints, SetEndpointState][..]),
+            (
+                Peer::Unix { uid: 65532 },
+                &[WatchEndpoints, SetEndpointState][..],
+            ),
             (Peer::Unix { uid: 1000 }, &[][..]),
             (Peer::UnixUnknown, &[][..]),
-            (token(agent_sa, Some("node-a")), &[WatchEndpoints, SetEndpointState][..]),
+            (
+                token(agent_sa, Some("node-a")),
+                &[WatchEndpoints, SetEndpointState][..],
+            ),
             (token(agent_sa, None), &[][..]),
-            (token("system:serviceaccount:aether-system:other", Some("node-a")), &[][..]),
-            (token("system:serviceaccount:aether-system:aether-agent-x", Some("node-a")), &[][..]),
+            (
+                token("system:serviceaccount:aether-system:other", Some("node-a")),
+                &[][..],
+            ),
+            (
+                token(
+                    "system:serviceaccount:aether-system:aether-agent-x",
+                    Some("node-a"),
+                ),
+                &[][..],
+            ),
             (token("ci@example", None), &ALL[..]),
         ] {
             for m in ALL {
-                assert_eq!(authorize(&policy, &peer, m).is_ok(), allowed.contains(&m), "{peer} {m:?}");
+                assert_eq!(
+                    authorize(&policy, &peer, m).is_ok(),
+                    allowed.contains(&m),
+                    "{peer} {m:?}"
+                );
             }
         }
-        let e = authorize(&policy, &Peer::Unix { uid: 65532 }, ApplyServices).unwrap_err().to_string();
-        assert!(e.starts_with("uid 65532 may not call ApplyServices: agents"), "{e}");
-        let e = authorize(&policy, &token(agent_sa, None), WatchEndpoints).unwrap_err().to_string();
+        let e = authorize(&policy, &Peer::Unix { uid: 65532 }, ApplyServices)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("uid 65532 may not call ApplyServices: agents"),
+            "{e}"
+        );
+        let e = authorize(&policy, &token(agent_sa, None), WatchEndpoints)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bound to no node"), "{e}");
     }
 
@@ -168,8 +227,13 @@ mod tests {
     fn a_token_bound_to_a_node_speaks_for_that_node_only() {
         let peer = token("system:serviceaccount:a:b", Some("node-a"));
         assert!(check_node(&peer, SetEndpointState, "node-a").is_ok());
-        let e = check_node(&peer, SetEndpointState, "node-b").unwrap_err().to_string();
-        assert!(e.contains("names node \"node-b\"") && e.contains("bound to node \"node-a\""), "{e}");
+        let e = check_node(&peer, SetEndpointState, "node-b")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("names node \"node-b\"") && e.contains("bound to node \"node-a\""),
+            "{e}"
+        );
         // Other transports carry no node binding: the request's node stands.
         for p in [Peer::InsecureTcp, Peer::Unix { uid: 1 }, token("ci", None)] {
             assert!(check_node(&p, WatchEndpoints, "any").is_ok());

@@ -56,7 +56,13 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// etcd client URLs, comma-separated (https:// with --etcd-ca)
-    #[arg(long, env = "AETHER_REGISTRAR_ETCD", value_name = "URL[,URL...]", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_ETCD",
+        value_name = "URL[,URL...]",
+        value_delimiter = ',',
+        required = true
+    )]
     pub etcd: Vec<String>,
 
     /// The key prefix of the registry in etcd
@@ -68,11 +74,21 @@ pub struct ServeArgs {
     pub etcd_ca: Option<PathBuf>,
 
     /// Client certificate (PEM) for etcd, with --etcd-key
-    #[arg(long, env = "AETHER_REGISTRAR_ETCD_CERT", value_name = "FILE", requires = "etcd_key")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_ETCD_CERT",
+        value_name = "FILE",
+        requires = "etcd_key"
+    )]
     pub etcd_cert: Option<PathBuf>,
 
     /// Client key (PEM) for etcd, with --etcd-cert
-    #[arg(long, env = "AETHER_REGISTRAR_ETCD_KEY", value_name = "FILE", requires = "etcd_cert")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_ETCD_KEY",
+        value_name = "FILE",
+        requires = "etcd_cert"
+    )]
     pub etcd_key: Option<PathBuf>,
 
     /// Where to serve: unix:///path (callers identified by their uid, see --agent-uid and
@@ -86,11 +102,21 @@ pub struct ServeArgs {
     /// certificate is served without a restart. TLS authenticates the registrar to its
     /// callers (agents check it with --registrar-ca) and keeps their tokens off the wire;
     /// the callers are still authenticated by --token-review
-    #[arg(long, env = "AETHER_REGISTRAR_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
 
     /// The private key (PEM) of --tls-cert
-    #[arg(long, env = "AETHER_REGISTRAR_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
 
     /// Serve Prometheus metrics on this address (`GET /metrics`), e.g. 0.0.0.0:9091: calls
@@ -116,7 +142,11 @@ pub struct ServeArgs {
     /// service-account tokens (audience --token-audience), which name their service
     /// account and the node their pod runs on. An agent may then speak for its own node
     /// only. The registrar's service account needs `create` on tokenreviews
-    #[arg(long, env = "AETHER_REGISTRAR_TOKEN_REVIEW", conflicts_with = "insecure_listen")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_TOKEN_REVIEW",
+        conflicts_with = "insecure_listen"
+    )]
     pub token_review: bool,
 
     /// Kubernetes API access, for --token-review, discovery and --taint-guard [default:
@@ -186,11 +216,19 @@ pub struct ServeArgs {
     pub taint_grace: u64,
 
     /// The namespace of the agent pods (--taint-guard) [default: --lease-namespace]
-    #[arg(long, env = "AETHER_REGISTRAR_AGENT_NAMESPACE", value_name = "NAMESPACE")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_AGENT_NAMESPACE",
+        value_name = "NAMESPACE"
+    )]
     pub agent_namespace: Option<String>,
 
     /// The label selector of the agent pods (--taint-guard)
-    #[arg(long, value_name = "SELECTOR", default_value = "app.kubernetes.io/name=aether-agent,app.kubernetes.io/component=agent")]
+    #[arg(
+        long,
+        value_name = "SELECTOR",
+        default_value = "app.kubernetes.io/name=aether-agent,app.kubernetes.io/component=agent"
+    )]
     pub agent_selector: String,
 
     /// A label selector of the nodes the guard covers (--taint-guard): the nodes the agent
@@ -199,7 +237,12 @@ pub struct ServeArgs {
     pub guard_node_selector: String,
 
     /// The namespace of the leader-election Lease (coordination.k8s.io/v1)
-    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE", default_value = "default")]
+    #[arg(
+        long,
+        env = "POD_NAMESPACE",
+        value_name = "NAMESPACE",
+        default_value = "default"
+    )]
     pub lease_namespace: String,
 
     /// The name of the leader-election Lease
@@ -243,7 +286,9 @@ pub struct ClientArgs {
 
 fn parse_account(s: &str) -> Result<String, String> {
     match s.split_once('/') {
-        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => Ok(s.to_owned()),
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok(s.to_owned())
+        }
         _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
     }
 }
@@ -268,21 +313,72 @@ mod tests {
     #[test]
     fn serve_flags_parse() {
         let cli = Cli::try_parse_from([
-            "aether-registrar", "serve", "--etcd", "http://127.0.0.1:2379,http://127.0.0.1:22379", "--listen", "unix:///run/r.sock",
-            "--agent-uid", "65532", "--agent-uid", "65533", "--socket-mode", "660",
+            "aether-registrar",
+            "serve",
+            "--etcd",
+            "http://127.0.0.1:2379,http://127.0.0.1:22379",
+            "--listen",
+            "unix:///run/r.sock",
+            "--agent-uid",
+            "65532",
+            "--agent-uid",
+            "65533",
+            "--socket-mode",
+            "660",
         ])
         .unwrap();
-        let Command::Serve(s) = cli.command else { panic!("serve") };
+        let Command::Serve(s) = cli.command else {
+            panic!("serve")
+        };
         assert_eq!(s.etcd.len(), 2);
         assert_eq!(s.agent_uids, [65532, 65533]);
         assert_eq!(s.socket_mode, 0o660);
         assert!(s.operator_uids.is_empty());
-        assert_eq!((s.discovery.as_str(), s.taint_guard, s.taint_grace, s.lease_duration), ("auto", false, 30, 15));
-        let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "unix:///r", "--discovery", "maybe"]).unwrap_err().to_string();
+        assert_eq!(
+            (
+                s.discovery.as_str(),
+                s.taint_guard,
+                s.taint_grace,
+                s.lease_duration
+            ),
+            ("auto", false, 30, 15)
+        );
+        let e = Cli::try_parse_from([
+            "aether-registrar",
+            "serve",
+            "--etcd",
+            "x",
+            "--listen",
+            "unix:///r",
+            "--discovery",
+            "maybe",
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("maybe"), "{e}");
-        let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "unix:///r", "--taint-grace", "0"]).unwrap_err().to_string();
+        let e = Cli::try_parse_from([
+            "aether-registrar",
+            "serve",
+            "--etcd",
+            "x",
+            "--listen",
+            "unix:///r",
+            "--taint-grace",
+            "0",
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("--taint-grace"), "{e}");
-        let e = Cli::try_parse_from(["aether-registrar", "serve", "--etcd", "x", "--listen", "nowhere"]).unwrap_err().to_string();
+        let e = Cli::try_parse_from([
+            "aether-registrar",
+            "serve",
+            "--etcd",
+            "x",
+            "--listen",
+            "nowhere",
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("nowhere"), "{e}");
     }
 }

@@ -25,19 +25,34 @@ fn dump_key() -> pb::WatchEndpointsRequest {
 
 /// `ADDR` as a tonic endpoint: `unix:///path` as it is, `host:port` over HTTP/2.
 pub fn endpoint(addr: &str, timeout: Duration) -> anyhow::Result<Endpoint> {
-    let uri = if addr.starts_with("unix:") || addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
-    Ok(Endpoint::from_shared(uri).with_context(|| format!("--registrar {addr:?} is neither unix:///path nor host:port"))?.connect_timeout(timeout).timeout(timeout))
+    let uri = if addr.starts_with("unix:") || addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    };
+    Ok(Endpoint::from_shared(uri)
+        .with_context(|| format!("--registrar {addr:?} is neither unix:///path nor host:port"))?
+        .connect_timeout(timeout)
+        .timeout(timeout))
 }
 
 /// Connects to the first of the comma-separated addresses that answers; over TLS to a
 /// `host:port`, checked against the CA certificates in `ca`, when it is given.
-pub async fn connect(addrs: &str, timeout: Duration, ca: Option<&Path>) -> anyhow::Result<RegistryClient<Channel>> {
-    let tls = ca.map(|ca| registry_tls::client_config(ca).context("--ca")).transpose()?;
+pub async fn connect(
+    addrs: &str,
+    timeout: Duration,
+    ca: Option<&Path>,
+) -> anyhow::Result<RegistryClient<Channel>> {
+    let tls = ca
+        .map(|ca| registry_tls::client_config(ca).context("--ca"))
+        .transpose()?;
     let mut failures = Vec::new();
     for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
         let endpoint = endpoint(addr, timeout)?;
         let connected = match &tls {
-            Some(config) if !addr.starts_with("unix:") => registry_tls::channel(endpoint, addr, config.clone()).await,
+            Some(config) if !addr.starts_with("unix:") => {
+                registry_tls::channel(endpoint, addr, config.clone()).await
+            }
             _ => endpoint.connect().await,
         };
         match connected {
@@ -68,10 +83,14 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 fn request<T>(args: &ClientArgs, message: T) -> anyhow::Result<tonic::Request<T>> {
     let mut req = tonic::Request::new(message);
     if let Some(path) = &args.token_file {
-        let token = std::fs::read_to_string(path).with_context(|| format!("--token-file {}", path.display()))?;
-        let value = format!("Bearer {}", token.trim())
-            .parse()
-            .map_err(|_| anyhow::anyhow!("--token-file {}: the token is not a valid header value", path.display()))?;
+        let token = std::fs::read_to_string(path)
+            .with_context(|| format!("--token-file {}", path.display()))?;
+        let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
+            anyhow::anyhow!(
+                "--token-file {}: the token is not a valid header value",
+                path.display()
+            )
+        })?;
         req.metadata_mut().insert("authorization", value);
     }
     Ok(req)
@@ -80,19 +99,46 @@ fn request<T>(args: &ClientArgs, message: T) -> anyhow::Result<tonic::Request<T>
 fn status(args: &ClientArgs, what: &str, s: tonic::Status) -> anyhow::Error {
     // A registrar that serves TLS drops a plain HTTP/2 client at its preface: say what
     // probably happened.
-    let plain = args.ca.is_none() && registry_tls::looks_like_plain_to_tls(&s) && !args.registrar.starts_with("unix:");
-    let hint = if plain { " (a registrar serving TLS drops plain HTTP/2: pass --ca with its CA)" } else { "" };
+    let plain = args.ca.is_none()
+        && registry_tls::looks_like_plain_to_tls(&s)
+        && !args.registrar.starts_with("unix:");
+    let hint = if plain {
+        " (a registrar serving TLS drops plain HTTP/2: pass --ca with its CA)"
+    } else {
+        ""
+    };
     anyhow::anyhow!("{what}: {:?}: {}{hint}", s.code(), s.message())
 }
 
 pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
-    let bytes = std::fs::read(file).map_err(|source| aether_model::registry_file::FileError::Read { path: file.to_owned(), source })?;
+    let bytes =
+        std::fs::read(file).map_err(|source| aether_model::registry_file::FileError::Read {
+            path: file.to_owned(),
+            source,
+        })?;
     let view = aether_model::registry_file::parse(file, &bytes)?;
-    let services: Vec<pb::Service> = view.services.values().map(values::model_service_to_pb).collect();
+    let services: Vec<pb::Service> = view
+        .services
+        .values()
+        .map(values::model_service_to_pb)
+        .collect();
     let n = services.len();
-    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
-    let resp = client.apply_services(request(args, pb::ApplyServicesRequest { services })?).await.map_err(|s| status(args, "ApplyServices", s))?.into_inner();
-    println!("applied {n} services from {} (revision {})", file.display(), resp.revision);
+    let mut client = connect(
+        &args.registrar,
+        Duration::from_secs(args.timeout),
+        args.ca.as_deref(),
+    )
+    .await?;
+    let resp = client
+        .apply_services(request(args, pb::ApplyServicesRequest { services })?)
+        .await
+        .map_err(|s| status(args, "ApplyServices", s))?
+        .into_inner();
+    println!(
+        "applied {n} services from {} (revision {})",
+        file.display(),
+        resp.revision
+    );
     Ok(())
 }
 
@@ -100,22 +146,55 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
     let Some((namespace, name)) = service.split_once('/') else {
         anyhow::bail!("--service {service:?} is not NAMESPACE/NAME");
     };
-    let key = pb::ServiceKey { namespace: namespace.into(), name: name.into() };
-    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
-    let resp = client.delete_service(request(args, pb::DeleteServiceRequest { service: Some(key) })?).await.map_err(|s| status(args, "DeleteService", s))?.into_inner();
+    let key = pb::ServiceKey {
+        namespace: namespace.into(),
+        name: name.into(),
+    };
+    let mut client = connect(
+        &args.registrar,
+        Duration::from_secs(args.timeout),
+        args.ca.as_deref(),
+    )
+    .await?;
+    let resp = client
+        .delete_service(request(
+            args,
+            pb::DeleteServiceRequest { service: Some(key) },
+        )?)
+        .await
+        .map_err(|s| status(args, "DeleteService", s))?
+        .into_inner();
     if resp.deleted {
         println!("deleted {service} (revision {})", resp.revision);
     } else {
-        println!("{service} was not in the registry (revision {})", resp.revision);
+        println!(
+            "{service} was not in the registry (revision {})",
+            resp.revision
+        );
     }
     Ok(())
 }
 
 pub async fn dump(args: &ClientArgs) -> anyhow::Result<()> {
-    let mut client = connect(&args.registrar, Duration::from_secs(args.timeout), args.ca.as_deref()).await?;
-    let mut stream = client.watch_endpoints(request(args, dump_key())?).await.map_err(|s| status(args, "WatchEndpoints", s))?.into_inner();
-    let first = stream.message().await.map_err(|s| status(args, "WatchEndpoints", s))?;
-    let Some(pb::WatchEndpointsResponse { kind: Some(pb::watch_endpoints_response::Kind::Full(full)) }) = first else {
+    let mut client = connect(
+        &args.registrar,
+        Duration::from_secs(args.timeout),
+        args.ca.as_deref(),
+    )
+    .await?;
+    let mut stream = client
+        .watch_endpoints(request(args, dump_key())?)
+        .await
+        .map_err(|s| status(args, "WatchEndpoints", s))?
+        .into_inner();
+    let first = stream
+        .message()
+        .await
+        .map_err(|s| status(args, "WatchEndpoints", s))?;
+    let Some(pb::WatchEndpointsResponse {
+        kind: Some(pb::watch_endpoints_response::Kind::Full(full)),
+    }) = first
+    else {
         anyhow::bail!("WatchEndpoints: the first message is not a full view: {first:?}");
     };
     print!("{}", View::from_full(&full)?.to_json());

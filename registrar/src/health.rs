@@ -28,7 +28,11 @@ pub struct Health {
 
 impl Health {
     pub fn new(store: Store) -> Arc<Self> {
-        Arc::new(Health { store, serving: AtomicBool::new(false), stopping: AtomicBool::new(false) })
+        Arc::new(Health {
+            store,
+            serving: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+        })
     }
 
     pub fn set_serving(&self) {
@@ -42,9 +46,17 @@ impl Health {
     /// `/ready`'s answer: the status and why. etcd is asked only when nothing else stands
     /// in the way.
     pub async fn ready(&self) -> (u16, String) {
-        let (serving, stopping) = (self.serving.load(Ordering::SeqCst), self.stopping.load(Ordering::SeqCst));
+        let (serving, stopping) = (
+            self.serving.load(Ordering::SeqCst),
+            self.stopping.load(Ordering::SeqCst),
+        );
         let etcd = match serving && !stopping {
-            true => Some(self.store.revision_within(ETCD_CHECK).await.map_err(|e| e.to_string())),
+            true => Some(
+                self.store
+                    .revision_within(ETCD_CHECK)
+                    .await
+                    .map_err(|e| e.to_string()),
+            ),
             false => None,
         };
         verdict(serving, stopping, etcd)
@@ -56,7 +68,10 @@ impl Health {
 fn verdict(serving: bool, stopping: bool, etcd: Option<Result<i64, String>>) -> (u16, String) {
     match (stopping, serving, etcd) {
         (true, _, _) => (503, "not ready: stopping (SIGTERM)\n".into()),
-        (false, false, _) => (503, "not ready: the registry API does not listen yet\n".into()),
+        (false, false, _) => (
+            503,
+            "not ready: the registry API does not listen yet\n".into(),
+        ),
         (false, true, Some(Ok(revision))) => (200, format!("ready: etcd at revision {revision}\n")),
         (false, true, Some(Err(e))) => (503, format!("not ready: {e}\n")),
         (false, true, None) => (503, "not ready: etcd not asked\n".into()),
@@ -93,7 +108,10 @@ mod tests {
     /// answer is 503 and says why.
     #[test]
     fn ready_needs_the_listener_etcd_and_no_sigterm() {
-        assert_eq!(verdict(true, false, Some(Ok(7))), (200, "ready: etcd at revision 7\n".into()));
+        assert_eq!(
+            verdict(true, false, Some(Ok(7))),
+            (200, "ready: etcd at revision 7\n".into())
+        );
         let not = |serving, stopping, etcd: Option<Result<i64, String>>, why: &str| {
             let (status, body) = verdict(serving, stopping, etcd);
             assert_eq!(status, 503, "{body}");
@@ -102,6 +120,11 @@ mod tests {
         not(false, false, None, "does not listen yet");
         not(true, true, Some(Ok(7)), "stopping (SIGTERM)");
         not(false, true, None, "stopping (SIGTERM)");
-        not(true, false, Some(Err("etcd at http://127.0.0.1:1: no answer within 1s".into())), "etcd at http://127.0.0.1:1");
+        not(
+            true,
+            false,
+            Some(Err("etcd at http://127.0.0.1:1: no answer within 1s".into())),
+            "etcd at http://127.0.0.1:1",
+        );
     }
 }

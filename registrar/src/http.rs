@@ -28,20 +28,24 @@ where
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue;
+        };
         let route = route.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let answer = route(req.method().clone(), req.uri().path().to_owned());
-                async move {
-                    let (status, content_type, body) = answer.await;
-                    hyper::Response::builder()
-                        .status(status)
-                        .header("content-type", content_type)
-                        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
-                }
-            });
-            let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let service =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let answer = route(req.method().clone(), req.uri().path().to_owned());
+                    async move {
+                        let (status, content_type, body) = answer.await;
+                        hyper::Response::builder()
+                            .status(status)
+                            .header("content-type", content_type)
+                            .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+                    }
+                });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
             let _ = tokio::time::timeout(CONNECTION_TIMEOUT, conn).await;
             drop(slot);
         });

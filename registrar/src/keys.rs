@@ -26,8 +26,15 @@ pub struct Layout {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Key {
     Service(ServiceKey),
-    Endpoint { service: ServiceKey, address: IpAddr, port: u16 },
-    Mark { service: ServiceKey, address: IpAddr },
+    Endpoint {
+        service: ServiceKey,
+        address: IpAddr,
+        port: u16,
+    },
+    Mark {
+        service: ServiceKey,
+        address: IpAddr,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,7 +64,10 @@ impl Layout {
     }
 
     pub fn endpoint(&self, s: &ServiceKey, address: IpAddr, port: u16) -> String {
-        format!("{}endpoints/{}/{}/{address}/{port}", self.prefix, s.namespace, s.name)
+        format!(
+            "{}endpoints/{}/{}/{address}/{port}",
+            self.prefix, s.namespace, s.name
+        )
     }
 
     pub fn mark(&self, s: &ServiceKey, address: IpAddr) -> String {
@@ -71,7 +81,10 @@ impl Layout {
 
     /// The endpoints of a service at one address.
     pub fn endpoints_at(&self, s: &ServiceKey, address: IpAddr) -> String {
-        format!("{}endpoints/{}/{}/{address}/", self.prefix, s.namespace, s.name)
+        format!(
+            "{}endpoints/{}/{}/{address}/",
+            self.prefix, s.namespace, s.name
+        )
     }
 
     /// Every endpoint of every service.
@@ -87,16 +100,25 @@ impl Layout {
     /// Parses a key read from etcd.
     pub fn parse(&self, key: &[u8]) -> Result<Key, KeyError> {
         let text = String::from_utf8_lossy(key);
-        let malformed = |reason: &str| KeyError::Malformed { key: text.to_string(), reason: reason.to_owned() };
+        let malformed = |reason: &str| KeyError::Malformed {
+            key: text.to_string(),
+            reason: reason.to_owned(),
+        };
         let Some(rest) = text.strip_prefix(self.prefix.as_str()) else {
-            return Err(KeyError::OutsidePrefix { key: text.to_string(), prefix: self.prefix.clone() });
+            return Err(KeyError::OutsidePrefix {
+                key: text.to_string(),
+                prefix: self.prefix.clone(),
+            });
         };
         let parts: Vec<&str> = rest.split('/').collect();
         let service = |ns: &str, name: &str| -> Result<ServiceKey, KeyError> {
             if !is_dns_label(ns) || !is_dns_label(name) {
                 return Err(malformed("namespace or name is not a DNS label"));
             }
-            Ok(ServiceKey { namespace: ns.to_owned(), name: name.to_owned() })
+            Ok(ServiceKey {
+                namespace: ns.to_owned(),
+                name: name.to_owned(),
+            })
         };
         let address = |a: &str| -> Result<IpAddr, KeyError> {
             match a.parse::<IpAddr>() {
@@ -113,10 +135,19 @@ impl Layout {
                     Ok(p) if p != 0 && p.to_string() == *port => p,
                     _ => return Err(malformed("the port is not 1..=65535")),
                 };
-                Ok(Key::Endpoint { service: service(ns, name)?, address: address(a)?, port })
+                Ok(Key::Endpoint {
+                    service: service(ns, name)?,
+                    address: address(a)?,
+                    port,
+                })
             }
-            ["marks", ns, name, a] => Ok(Key::Mark { service: service(ns, name)?, address: address(a)? }),
-            _ => Err(malformed("not services/<ns>/<name>, endpoints/<ns>/<name>/<address>/<port> or marks/<ns>/<name>/<address>")),
+            ["marks", ns, name, a] => Ok(Key::Mark {
+                service: service(ns, name)?,
+                address: address(a)?,
+            }),
+            _ => Err(malformed(
+                "not services/<ns>/<name>, endpoints/<ns>/<name>/<address>/<port> or marks/<ns>/<name>/<address>",
+            )),
         }
     }
 }
@@ -126,7 +157,10 @@ mod tests {
     use super::*;
 
     fn web() -> ServiceKey {
-        ServiceKey { namespace: "prod".into(), name: "web".into() }
+        ServiceKey {
+            namespace: "prod".into(),
+            name: "web".into(),
+        }
     }
 
     #[test]
@@ -136,19 +170,50 @@ mod tests {
         let v4: IpAddr = "10.0.0.1".parse().unwrap();
         let v6: IpAddr = "fd00::1".parse().unwrap();
         assert_eq!(l.service(&web()), "/aether/registry/services/prod/web");
-        assert_eq!(l.endpoint(&web(), v4, 8080), "/aether/registry/endpoints/prod/web/10.0.0.1/8080");
-        assert_eq!(l.mark(&web(), v6), "/aether/registry/marks/prod/web/fd00::1");
+        assert_eq!(
+            l.endpoint(&web(), v4, 8080),
+            "/aether/registry/endpoints/prod/web/10.0.0.1/8080"
+        );
+        assert_eq!(
+            l.mark(&web(), v6),
+            "/aether/registry/marks/prod/web/fd00::1"
+        );
         for (key, want) in [
             (l.service(&web()), Key::Service(web())),
-            (l.endpoint(&web(), v6, 80), Key::Endpoint { service: web(), address: v6, port: 80 }),
-            (l.mark(&web(), v4), Key::Mark { service: web(), address: v4 }),
+            (
+                l.endpoint(&web(), v6, 80),
+                Key::Endpoint {
+                    service: web(),
+                    address: v6,
+                    port: 80,
+                },
+            ),
+            (
+                l.mark(&web(), v4),
+                Key::Mark {
+                    service: web(),
+                    address: v4,
+                },
+            ),
         ] {
             assert_eq!(l.parse(key.as_bytes()), Ok(want), "{key}");
         }
-        assert!(l.endpoint(&web(), v4, 80).starts_with(&l.endpoints_at(&web(), v4)));
-        assert!(l.endpoint(&web(), v4, 80).starts_with(&l.endpoints_of(&web())));
-        let web2 = ServiceKey { namespace: "prod".into(), name: "web2".into() };
-        assert!(!l.endpoint(&web2, v4, 80).starts_with(&l.endpoints_of(&web())));
+        assert!(
+            l.endpoint(&web(), v4, 80)
+                .starts_with(&l.endpoints_at(&web(), v4))
+        );
+        assert!(
+            l.endpoint(&web(), v4, 80)
+                .starts_with(&l.endpoints_of(&web()))
+        );
+        let web2 = ServiceKey {
+            namespace: "prod".into(),
+            name: "web2".into(),
+        };
+        assert!(
+            !l.endpoint(&web2, v4, 80)
+                .starts_with(&l.endpoints_of(&web()))
+        );
     }
 
     #[test]

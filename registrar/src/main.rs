@@ -8,7 +8,10 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("aether-registrar: cannot start the runtime: {e}");
@@ -21,8 +24,12 @@ fn main() -> ExitCode {
                 shared_proto::logging::init(&args.log_format);
                 aether_registrar::serve::serve(*args).await
             }
-            Command::Apply { client, file } => aether_registrar::client::apply(&client, &file).await,
-            Command::Delete { client, service } => aether_registrar::client::delete(&client, &service).await,
+            Command::Apply { client, file } => {
+                aether_registrar::client::apply(&client, &file).await
+            }
+            Command::Delete { client, service } => {
+                aether_registrar::client::delete(&client, &service).await
+            }
             Command::Dump { client } => aether_registrar::client::dump(&client).await,
         }
     });

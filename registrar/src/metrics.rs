@@ -11,7 +11,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
     /// WatchEndpoints, SetEndpointState, ApplyServices, DeleteService
@@ -46,18 +45,45 @@ impl Metrics {
     pub fn new(leasing: bool) -> Arc<Self> {
         let mut registry = Registry::with_prefix("aether_registrar");
         let calls = Family::<CallLabels, Counter>::default();
-        registry.register("calls", "Registry API calls by method and the status each returned", calls.clone());
+        registry.register(
+            "calls",
+            "Registry API calls by method and the status each returned",
+            calls.clone(),
+        );
         let watch_streams = Gauge::default();
-        registry.register("watch_streams", "Watch streams open now", watch_streams.clone());
+        registry.register(
+            "watch_streams",
+            "Watch streams open now",
+            watch_streams.clone(),
+        );
         let watch_ends = Family::<ResultLabel, Counter>::default();
-        registry.register("watch_ends", "Watch streams ended, by why: client_gone, replaced, shutdown, failed", watch_ends.clone());
+        registry.register(
+            "watch_ends",
+            "Watch streams ended, by why: client_gone, replaced, shutdown, failed",
+            watch_ends.clone(),
+        );
         let tls_handshakes = Family::<ResultLabel, Counter>::default();
-        registry.register("tls_handshakes", "TLS handshakes on the TCP listener: ok, failed, timeout, over_cap", tls_handshakes.clone());
+        registry.register(
+            "tls_handshakes",
+            "TLS handshakes on the TCP listener: ok, failed, timeout, over_cap",
+            tls_handshakes.clone(),
+        );
         let leader = Gauge::default();
         if leasing {
-            registry.register("leader", "1 while this replica holds the Lease and writes", leader.clone());
+            registry.register(
+                "leader",
+                "1 while this replica holds the Lease and writes",
+                leader.clone(),
+            );
         }
-        Arc::new(Metrics { registry, calls, watch_streams, watch_ends, tls_handshakes, leader })
+        Arc::new(Metrics {
+            registry,
+            calls,
+            watch_streams,
+            watch_ends,
+            tls_handshakes,
+            leader,
+        })
     }
 
     /// Counts a call of `method` that returned `result`.
@@ -66,11 +92,20 @@ impl Metrics {
             Ok(_) => tonic::Code::Ok,
             Err(s) => s.code(),
         };
-        self.calls.get_or_create(&CallLabels { method: method.into(), code: format!("{code:?}") }).inc();
+        self.calls
+            .get_or_create(&CallLabels {
+                method: method.into(),
+                code: format!("{code:?}"),
+            })
+            .inc();
     }
 
     pub fn count(family: &Family<ResultLabel, Counter>, result: &str) {
-        family.get_or_create(&ResultLabel { result: result.into() }).inc();
+        family
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
     }
 
     pub fn encode(&self) -> String {
@@ -87,8 +122,16 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
         let metrics = metrics.clone();
         async move {
             match (method, path.as_str()) {
-                (hyper::Method::GET, "/metrics") => (200, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
-                _ => (404, "text/plain; charset=utf-8", "try GET /metrics\n".to_owned()),
+                (hyper::Method::GET, "/metrics") => (
+                    200,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    metrics.encode(),
+                ),
+                _ => (
+                    404,
+                    "text/plain; charset=utf-8",
+                    "try GET /metrics\n".to_owned(),
+                ),
             }
         }
     })

@@ -13,10 +13,17 @@ use crate::values::{self, EndpointValue, MarkValue, ServiceValue, Source};
 /// One write of a transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
-    Put { key: String, value: Vec<u8> },
-    Delete { key: String },
+    Put {
+        key: String,
+        value: Vec<u8>,
+    },
+    Delete {
+        key: String,
+    },
     /// Every key starting with `prefix`.
-    DeletePrefix { prefix: String },
+    DeletePrefix {
+        prefix: String,
+    },
 }
 
 /// A write refused because another source owns the service.
@@ -28,14 +35,17 @@ pub struct Owned {
 /// The source of a service as stored; None when absent. A value that does not decode
 /// counts as a file's, so that either source may replace it.
 pub fn stored_source(current_service: Option<&[u8]>) -> Option<Source> {
-    current_service.map(|v| serde_json::from_slice::<ServiceValue>(v).map_or(Source::File, |s| s.source))
+    current_service
+        .map(|v| serde_json::from_slice::<ServiceValue>(v).map_or(Source::File, |s| s.source))
 }
 
 /// Whether `writer` may change or delete a service stored with `current`: Kubernetes
 /// wins. Discovery may take over a file's service; a file may not touch a discovered one.
 pub fn may_write(writer: Source, current_service: Option<&[u8]>) -> Result<(), Owned> {
     match (writer, stored_source(current_service)) {
-        (Source::File, Some(Source::Kubernetes)) => Err(Owned { by: Source::Kubernetes }),
+        (Source::File, Some(Source::Kubernetes)) => Err(Owned {
+            by: Source::Kubernetes,
+        }),
         _ => Ok(()),
     }
 }
@@ -55,15 +65,28 @@ pub fn apply_service(
     may_write(writer, current_service)?;
     let key = s.key();
     let mut ops = Vec::new();
-    let value = values::encode(&ServiceValue { ports: s.ports.clone(), vip: s.vip, source: writer });
+    let value = values::encode(&ServiceValue {
+        ports: s.ports.clone(),
+        vip: s.vip,
+        source: writer,
+    });
     if current_service != Some(value.as_slice()) {
-        ops.push(Op::Put { key: layout.service(&key), value });
+        ops.push(Op::Put {
+            key: layout.service(&key),
+            value,
+        });
     }
     let wanted: BTreeMap<String, Vec<u8>> = s
         .endpoints
         .iter()
         .map(|e| {
-            let v = EndpointValue { service_port: e.service_port, node: e.node.clone(), pod: e.pod.clone(), state: e.state, mtls: e.mtls };
+            let v = EndpointValue {
+                service_port: e.service_port,
+                node: e.node.clone(),
+                pod: e.pod.clone(),
+                state: e.state,
+                mtls: e.mtls,
+            };
             (layout.endpoint(&key, e.address, e.port), values::encode(&v))
         })
         .collect();
@@ -83,15 +106,26 @@ pub fn apply_service(
 /// The writes that remove a service with its endpoints and marks, by `writer`. Discovery
 /// removes only the services it wrote: a file's service of a name Kubernetes does not
 /// have stays.
-pub fn delete_service(layout: &Layout, key: &ServiceKey, writer: Source, current_service: Option<&[u8]>) -> Result<Vec<Op>, Owned> {
+pub fn delete_service(
+    layout: &Layout,
+    key: &ServiceKey,
+    writer: Source,
+    current_service: Option<&[u8]>,
+) -> Result<Vec<Op>, Owned> {
     may_write(writer, current_service)?;
     if writer == Source::Kubernetes && stored_source(current_service) == Some(Source::File) {
         return Ok(Vec::new());
     }
     Ok(vec![
-        Op::Delete { key: layout.service(key) },
-        Op::DeletePrefix { prefix: layout.endpoints_of(key) },
-        Op::DeletePrefix { prefix: layout.marks_of(key) },
+        Op::Delete {
+            key: layout.service(key),
+        },
+        Op::DeletePrefix {
+            prefix: layout.endpoints_of(key),
+        },
+        Op::DeletePrefix {
+            prefix: layout.marks_of(key),
+        },
     ])
 }
 
@@ -118,7 +152,10 @@ pub enum MarkRefusal {
     /// No endpoint at the address in the services asked about.
     NotFound,
     /// An endpoint at the address runs on another node than the caller's.
-    OtherNode { service: ServiceKey, endpoint_node: String },
+    OtherNode {
+        service: ServiceKey,
+        endpoint_node: String,
+    },
 }
 
 /// The writes that give every target the requested state, or why none may be made. All
@@ -126,13 +163,20 @@ pub enum MarkRefusal {
 /// absence of a mark; a mark already holding the state (and the caller's node) is not
 /// rewritten, so an owner and its successor setting the same state leave one mark and
 /// one change.
-pub fn set_marks(layout: &Layout, req: &MarkRequest<'_>, targets: &[MarkTarget]) -> Result<Vec<Op>, MarkRefusal> {
+pub fn set_marks(
+    layout: &Layout,
+    req: &MarkRequest<'_>,
+    targets: &[MarkTarget],
+) -> Result<Vec<Op>, MarkRefusal> {
     if targets.is_empty() {
         return Err(MarkRefusal::NotFound);
     }
     for t in targets {
         if let Some(other) = t.endpoint_nodes.iter().find(|n| n.as_str() != req.node) {
-            return Err(MarkRefusal::OtherNode { service: t.service.clone(), endpoint_node: other.clone() });
+            return Err(MarkRefusal::OtherNode {
+                service: t.service.clone(),
+                endpoint_node: other.clone(),
+            });
         }
     }
     let mut ops = Vec::new();
@@ -143,8 +187,15 @@ pub fn set_marks(layout: &Layout, req: &MarkRequest<'_>, targets: &[MarkTarget])
             (EndpointState::Healthy, Some(_)) => ops.push(Op::Delete { key }),
             (state, Some(m)) if m.state == state && m.node == req.node => {}
             (state, _) => {
-                let v = MarkValue { state, node: req.node.to_owned(), instance: req.instance.to_owned() };
-                ops.push(Op::Put { key, value: values::encode(&v) });
+                let v = MarkValue {
+                    state,
+                    node: req.node.to_owned(),
+                    instance: req.instance.to_owned(),
+                };
+                ops.push(Op::Put {
+                    key,
+                    value: values::encode(&v),
+                });
             }
         }
     }
@@ -158,7 +209,10 @@ mod tests {
     use aether_model::Endpoint;
 
     fn web() -> ServiceKey {
-        ServiceKey { namespace: "d".into(), name: "web".into() }
+        ServiceKey {
+            namespace: "d".into(),
+            name: "web".into(),
+        }
     }
 
     fn service(eps: &[(&str, u16)]) -> Service {
@@ -169,7 +223,15 @@ mod tests {
             vip: None,
             endpoints: eps
                 .iter()
-                .map(|(a, p)| Endpoint { address: a.parse().unwrap(), port: *p, service_port: 80, node: "n1".into(), pod: String::new(), state: EndpointState::Healthy, mtls: false })
+                .map(|(a, p)| Endpoint {
+                    address: a.parse().unwrap(),
+                    port: *p,
+                    service_port: 80,
+                    node: "n1".into(),
+                    pod: String::new(),
+                    state: EndpointState::Healthy,
+                    mtls: false,
+                })
                 .collect(),
         }
     }
@@ -179,7 +241,9 @@ mod tests {
             .map(|op| match op {
                 Op::Put { key, .. } => format!("put {}", key.trim_start_matches(DEFAULT_PREFIX)),
                 Op::Delete { key } => format!("delete {}", key.trim_start_matches(DEFAULT_PREFIX)),
-                Op::DeletePrefix { prefix } => format!("delete {}*", prefix.trim_start_matches(DEFAULT_PREFIX)),
+                Op::DeletePrefix { prefix } => {
+                    format!("delete {}*", prefix.trim_start_matches(DEFAULT_PREFIX))
+                }
             })
             .collect()
     }
@@ -203,65 +267,174 @@ mod tests {
     fn apply_writes_only_the_difference_and_removes_absent_endpoints() {
         let l = Layout::new(DEFAULT_PREFIX);
         let mut etcd = BTreeMap::new();
-        let first = apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), Source::File, None, &etcd).unwrap();
-        assert_eq!(show(&first), ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080", "put endpoints/d/web/10.0.0.2/8080"]);
+        let first = apply_service(
+            &l,
+            &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]),
+            Source::File,
+            None,
+            &etcd,
+        )
+        .unwrap();
+        assert_eq!(
+            show(&first),
+            [
+                "put services/d/web",
+                "put endpoints/d/web/10.0.0.1/8080",
+                "put endpoints/d/web/10.0.0.2/8080"
+            ]
+        );
         run(&first, &mut etcd);
-        let eps = |etcd: &BTreeMap<String, Vec<u8>>| etcd.iter().filter(|(k, _)| k.starts_with(&l.endpoints_of(&web()))).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let eps = |etcd: &BTreeMap<String, Vec<u8>>| {
+            etcd.iter()
+                .filter(|(k, _)| k.starts_with(&l.endpoints_of(&web())))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
         let svc = etcd.get(&l.service(&web())).cloned();
-        assert!(apply_service(&l, &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]), Source::File, svc.as_deref(), &eps(&etcd)).unwrap().is_empty(), "the same apply writes nothing");
+        assert!(
+            apply_service(
+                &l,
+                &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]),
+                Source::File,
+                svc.as_deref(),
+                &eps(&etcd)
+            )
+            .unwrap()
+            .is_empty(),
+            "the same apply writes nothing"
+        );
         let mark = l.mark(&web(), "10.0.0.1".parse().unwrap());
         etcd.insert(mark.clone(), b"{}".to_vec());
-        let second = apply_service(&l, &service(&[("10.0.0.2", 8080), ("10.0.0.3", 8080)]), Source::File, svc.as_deref(), &eps(&etcd)).unwrap();
-        assert_eq!(show(&second), ["delete endpoints/d/web/10.0.0.1/8080", "put endpoints/d/web/10.0.0.3/8080"]);
+        let second = apply_service(
+            &l,
+            &service(&[("10.0.0.2", 8080), ("10.0.0.3", 8080)]),
+            Source::File,
+            svc.as_deref(),
+            &eps(&etcd),
+        )
+        .unwrap();
+        assert_eq!(
+            show(&second),
+            [
+                "delete endpoints/d/web/10.0.0.1/8080",
+                "put endpoints/d/web/10.0.0.3/8080"
+            ]
+        );
         run(&second, &mut etcd);
         assert!(etcd.contains_key(&mark), "an apply keeps drain marks");
-        run(&delete_service(&l, &web(), Source::File, svc.as_deref()).unwrap(), &mut etcd);
+        run(
+            &delete_service(&l, &web(), Source::File, svc.as_deref()).unwrap(),
+            &mut etcd,
+        );
         assert!(etcd.is_empty(), "{etcd:?}");
     }
 
     #[test]
     fn apply_stores_the_mtls_mark_and_leaves_values_written_before_it_alone() {
         let l = Layout::new(DEFAULT_PREFIX);
-        let (k1, k2) = (l.endpoint(&web(), "10.0.0.1".parse().unwrap(), 8080), l.endpoint(&web(), "10.0.0.2".parse().unwrap(), 8080));
+        let (k1, k2) = (
+            l.endpoint(&web(), "10.0.0.1".parse().unwrap(), 8080),
+            l.endpoint(&web(), "10.0.0.2".parse().unwrap(), 8080),
+        );
         // etcd as a registrar without the field left it.
         let old = br#"{"service_port":80,"node":"n1","pod":"","state":"healthy"}"#.to_vec();
-        let current: BTreeMap<String, Vec<u8>> = [(k1.clone(), old.clone()), (k2.clone(), old.clone())].into();
-        let svc = values::encode(&ServiceValue { ports: vec![80], vip: None, source: Source::File });
+        let current: BTreeMap<String, Vec<u8>> =
+            [(k1.clone(), old.clone()), (k2.clone(), old.clone())].into();
+        let svc = values::encode(&ServiceValue {
+            ports: vec![80],
+            vip: None,
+            source: Source::File,
+        });
         let plain = service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]);
-        let apply_service = |l: &Layout, s: &Service, svc: Option<&Vec<u8>>, current: &BTreeMap<String, Vec<u8>>| {
+        let apply_service = |l: &Layout,
+                             s: &Service,
+                             svc: Option<&Vec<u8>>,
+                             current: &BTreeMap<String, Vec<u8>>| {
             apply_service(l, s, Source::File, svc.map(Vec::as_slice), current).unwrap()
         };
-        assert!(apply_service(&l, &plain, Some(&svc), &current).is_empty(), "unmarked endpoints are the bytes they were");
+        assert!(
+            apply_service(&l, &plain, Some(&svc), &current).is_empty(),
+            "unmarked endpoints are the bytes they were"
+        );
         let mut marked = plain.clone();
         marked.endpoints[1].mtls = true;
         let ops = apply_service(&l, &marked, Some(&svc), &current);
         assert_eq!(show(&ops), ["put endpoints/d/web/10.0.0.2/8080"]);
-        let Op::Put { value, .. } = &ops[0] else { unreachable!() };
-        assert_eq!(value.as_slice(), br#"{"service_port":80,"node":"n1","pod":"","state":"healthy","mtls":true}"#);
+        let Op::Put { value, .. } = &ops[0] else {
+            unreachable!()
+        };
+        assert_eq!(
+            value.as_slice(),
+            br#"{"service_port":80,"node":"n1","pod":"","state":"healthy","mtls":true}"#
+        );
         let after: BTreeMap<String, Vec<u8>> = [(k1, old), (k2, value.clone())].into();
-        assert!(apply_service(&l, &marked, Some(&svc), &after).is_empty(), "the same apply writes nothing");
-        assert_eq!(show(&apply_service(&l, &plain, Some(&svc), &after)), ["put endpoints/d/web/10.0.0.2/8080"], "unmarking rewrites it");
+        assert!(
+            apply_service(&l, &marked, Some(&svc), &after).is_empty(),
+            "the same apply writes nothing"
+        );
+        assert_eq!(
+            show(&apply_service(&l, &plain, Some(&svc), &after)),
+            ["put endpoints/d/web/10.0.0.2/8080"],
+            "unmarking rewrites it"
+        );
     }
 
     #[test]
     fn kubernetes_wins_over_a_file_and_discovery_removes_only_what_it_wrote() {
         let l = Layout::new(DEFAULT_PREFIX);
         let none = BTreeMap::new();
-        let file_value = values::encode(&ServiceValue { ports: vec![80], vip: None, source: Source::File });
-        let discovered = values::encode(&ServiceValue { ports: vec![80], vip: None, source: Source::Kubernetes });
+        let file_value = values::encode(&ServiceValue {
+            ports: vec![80],
+            vip: None,
+            source: Source::File,
+        });
+        let discovered = values::encode(&ServiceValue {
+            ports: vec![80],
+            vip: None,
+            source: Source::Kubernetes,
+        });
         let s = service(&[("10.0.0.1", 8080)]);
         // A file may not change or delete a discovered service.
-        assert_eq!(apply_service(&l, &s, Source::File, Some(&discovered), &none), Err(Owned { by: Source::Kubernetes }));
-        assert_eq!(delete_service(&l, &web(), Source::File, Some(&discovered)), Err(Owned { by: Source::Kubernetes }));
+        assert_eq!(
+            apply_service(&l, &s, Source::File, Some(&discovered), &none),
+            Err(Owned {
+                by: Source::Kubernetes
+            })
+        );
+        assert_eq!(
+            delete_service(&l, &web(), Source::File, Some(&discovered)),
+            Err(Owned {
+                by: Source::Kubernetes
+            })
+        );
         // Discovery takes over a file's service: the value is rewritten with its source.
         let ops = apply_service(&l, &s, Source::Kubernetes, Some(&file_value), &none).unwrap();
-        assert_eq!(show(&ops), ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080"]);
-        let Op::Put { value, .. } = &ops[0] else { unreachable!() };
+        assert_eq!(
+            show(&ops),
+            ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080"]
+        );
+        let Op::Put { value, .. } = &ops[0] else {
+            unreachable!()
+        };
         assert_eq!(value, &discovered);
         // Discovery deletes its own services, never a file's; a file deletes its own.
-        assert!(delete_service(&l, &web(), Source::Kubernetes, Some(&file_value)).unwrap().is_empty());
-        assert_eq!(delete_service(&l, &web(), Source::Kubernetes, Some(&discovered)).unwrap().len(), 3);
-        assert_eq!(delete_service(&l, &web(), Source::File, Some(&file_value)).unwrap().len(), 3);
+        assert!(
+            delete_service(&l, &web(), Source::Kubernetes, Some(&file_value))
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            delete_service(&l, &web(), Source::Kubernetes, Some(&discovered))
+                .unwrap()
+                .len(),
+            3
+        );
+        assert_eq!(
+            delete_service(&l, &web(), Source::File, Some(&file_value))
+                .unwrap()
+                .len(),
+            3
+        );
         // A value that does not decode is anybody's.
         assert_eq!(stored_source(Some(b"{oops")), Some(Source::File));
         assert!(apply_service(&l, &s, Source::File, Some(b"{oops"), &none).is_ok());
@@ -271,27 +444,65 @@ mod tests {
         MarkTarget {
             service: web(),
             endpoint_nodes: nodes.iter().map(|n| n.to_string()).collect(),
-            current: current.map(|(state, node)| MarkValue { state, node: node.into(), instance: "agent-a".into() }),
+            current: current.map(|(state, node)| MarkValue {
+                state,
+                node: node.into(),
+                instance: "agent-a".into(),
+            }),
         }
     }
 
     fn check(state: EndpointState, targets: &[MarkTarget], want: Result<&[&str], MarkRefusal>) {
         let l = Layout::new(DEFAULT_PREFIX);
-        let req = MarkRequest { address: "10.0.0.1".parse().unwrap(), state, node: "n1", instance: "agent-b" };
+        let req = MarkRequest {
+            address: "10.0.0.1".parse().unwrap(),
+            state,
+            node: "n1",
+            instance: "agent-b",
+        };
         let got = set_marks(&l, &req, targets).map(|ops| show(&ops));
-        assert_eq!(got, want.map(|w| w.iter().map(|s| s.to_string()).collect::<Vec<_>>()));
+        assert_eq!(
+            got,
+            want.map(|w| w.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        );
     }
 
     #[test]
     fn marks_are_states_checked_against_the_endpoints_node() {
         use EndpointState::*;
-        check(Draining, &[target(&["n1"], None)], Ok(&["put marks/d/web/10.0.0.1"]));
+        check(
+            Draining,
+            &[target(&["n1"], None)],
+            Ok(&["put marks/d/web/10.0.0.1"]),
+        );
         // The same state again, from another instance of the node's agent: no write.
-        check(Draining, &[target(&["n1"], Some((Draining, "n1")))], Ok(&[]));
-        check(Healthy, &[target(&["n1"], Some((Draining, "n1")))], Ok(&["delete marks/d/web/10.0.0.1"]));
+        check(
+            Draining,
+            &[target(&["n1"], Some((Draining, "n1")))],
+            Ok(&[]),
+        );
+        check(
+            Healthy,
+            &[target(&["n1"], Some((Draining, "n1")))],
+            Ok(&["delete marks/d/web/10.0.0.1"]),
+        );
         check(Healthy, &[target(&["n1"], None)], Ok(&[]));
         check(Draining, &[], Err(MarkRefusal::NotFound));
-        check(Draining, &[target(&["n1", "n2"], None)], Err(MarkRefusal::OtherNode { service: web(), endpoint_node: "n2".into() }));
-        check(Draining, &[target(&[""], None)], Err(MarkRefusal::OtherNode { service: web(), endpoint_node: "".into() }));
+        check(
+            Draining,
+            &[target(&["n1", "n2"], None)],
+            Err(MarkRefusal::OtherNode {
+                service: web(),
+                endpoint_node: "n2".into(),
+            }),
+        );
+        check(
+            Draining,
+            &[target(&[""], None)],
+            Err(MarkRefusal::OtherNode {
+                service: web(),
+                endpoint_node: "".into(),
+            }),
+        );
     }
 }

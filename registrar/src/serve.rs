@@ -42,10 +42,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         return Err(ListenError::InsecureTcp(a.clone()).into());
     }
     if args.token_review && !matches!(args.listen, ListenAddr::Tcp(_)) {
-        anyhow::bail!("--token-review is for a TCP --listen; a unix socket identifies callers by uid (--agent-uid, --operator-uid)");
+        anyhow::bail!(
+            "--token-review is for a TCP --listen; a unix socket identifies callers by uid (--agent-uid, --operator-uid)"
+        );
     }
     if args.tls_cert.is_some() && !matches!(args.listen, ListenAddr::Tcp(_)) {
-        anyhow::bail!("--tls-cert is for a TCP --listen; a unix socket is reached only on this host");
+        anyhow::bail!(
+            "--tls-cert is for a TCP --listen; a unix socket is reached only on this host"
+        );
     }
     // A bad certificate or key fails the start, naming the file, before anything binds.
     let tls = match (&args.tls_cert, &args.tls_key) {
@@ -67,7 +71,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let own_uid = nix::unistd::getuid().as_raw();
     let policy = Policy {
         agent_uids: args.agent_uids.clone(),
-        operator_uids: if args.operator_uids.is_empty() { vec![own_uid] } else { args.operator_uids.clone() },
+        operator_uids: if args.operator_uids.is_empty() {
+            vec![own_uid]
+        } else {
+            args.operator_uids.clone()
+        },
         agent_accounts: args.agent_accounts.clone(),
         operator_users: args.operator_users.clone(),
     };
@@ -81,23 +89,35 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         false => None,
     };
     let reviewer = match (args.token_review, &kube_client) {
-        (true, Some(c)) => Some(std::sync::Arc::new(Reviewer::new(c.clone(), args.token_audience.clone()))),
+        (true, Some(c)) => Some(std::sync::Arc::new(Reviewer::new(
+            c.clone(),
+            args.token_audience.clone(),
+        ))),
         _ => None,
     };
     let metrics = Metrics::new(kube_client.is_some() && (discovery || args.taint_guard));
     // Bound before the registry API, so a taken port fails the start with its address.
     if let Some(addr) = &args.metrics_addr {
-        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
         tracing::info!(addr = %addr, "serving metrics on GET /metrics");
         tokio::spawn(crate::metrics::serve(l, metrics.clone()));
     }
     let health = Health::new(store.clone());
     if let Some(addr) = &args.health_addr {
-        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--health-addr {addr}: cannot listen"))?;
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("--health-addr {addr}: cannot listen"))?;
         tracing::info!(addr = %addr, "serving the probes on GET /live and GET /ready");
         tokio::spawn(crate::health::serve(l, health.clone()));
     }
-    let bound = listen::bind(&args.listen, args.insecure_listen || args.token_review, args.socket_mode).await?;
+    let bound = listen::bind(
+        &args.listen,
+        args.insecure_listen || args.token_review,
+        args.socket_mode,
+    )
+    .await?;
     let transport = match (bound_kind(&bound), reviewer) {
         (false, _) => Transport::Unix,
         (true, Some(r)) => {
@@ -129,15 +149,36 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         });
         let taint_guard = args.taint_guard.then(|| GuardConfig {
             grace: Duration::from_secs(args.taint_grace),
-            agent_namespace: args.agent_namespace.clone().unwrap_or_else(|| args.lease_namespace.clone()),
+            agent_namespace: args
+                .agent_namespace
+                .clone()
+                .unwrap_or_else(|| args.lease_namespace.clone()),
             agent_selector: args.agent_selector.clone(),
             node_selector: args.guard_node_selector.clone(),
         });
         tracing::info!(lease = %format!("{}/{}", lease.namespace, lease.name), identity = %lease.identity, discovery, taint_guard = args.taint_guard,
             namespaces = ?args.discover_namespaces, ignored = ?args.ignore_namespaces, "Kubernetes controllers starting; the Lease holder writes");
-        kubernetes::spawn(&mut controllers, client.clone(), store.clone(), Controllers { lease, discovery: namespaces, taint_guard }, shutdown_rx.clone(), metrics.leader.clone());
+        kubernetes::spawn(
+            &mut controllers,
+            client.clone(),
+            store.clone(),
+            Controllers {
+                lease,
+                discovery: namespaces,
+                taint_guard,
+            },
+            shutdown_rx.clone(),
+            metrics.leader.clone(),
+        );
     }
-    let registrar = Registrar::new(store, policy.clone(), transport, args.cluster.clone(), shutdown_rx, metrics.clone());
+    let registrar = Registrar::new(
+        store,
+        policy.clone(),
+        transport,
+        args.cluster.clone(),
+        shutdown_rx,
+        metrics.clone(),
+    );
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let stopping = health.clone();
@@ -159,10 +200,25 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     health.set_serving();
     let serving = async {
         match bound {
-            Bound::Unix(l) => server.serve_with_incoming_shutdown(UnixListenerStream::new(l), stop).await,
+            Bound::Unix(l) => {
+                server
+                    .serve_with_incoming_shutdown(UnixListenerStream::new(l), stop)
+                    .await
+            }
             Bound::Tcp(l) => match tls {
-                Some(config) => server.serve_with_incoming_shutdown(tls::incoming(l, config, tls::MAX_HANDSHAKES, metrics.clone()), stop).await,
-                None => server.serve_with_incoming_shutdown(TcpListenerStream::new(l), stop).await,
+                Some(config) => {
+                    server
+                        .serve_with_incoming_shutdown(
+                            tls::incoming(l, config, tls::MAX_HANDSHAKES, metrics.clone()),
+                            stop,
+                        )
+                        .await
+                }
+                None => {
+                    server
+                        .serve_with_incoming_shutdown(TcpListenerStream::new(l), stop)
+                        .await
+                }
             },
         }
     };
@@ -179,13 +235,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     // The leader releases its Lease on the way out, so that another replica takes over
     // without waiting for it to expire.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async { while controllers.join_next().await.is_some() {} }).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while controllers.join_next().await.is_some() {}
+    })
+    .await;
     tracing::info!("stopped");
     Ok(())
 }
 
 /// The Lease identity when no --leader-id (POD_NAME) is given: host name and pid.
 fn default_identity() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "registrar".into());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "registrar".into());
     format!("{host}-{}", std::process::id())
 }

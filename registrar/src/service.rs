@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use aether_model::{EndpointState, ServiceKey};
 use etcd_client::EventType;
-use shared_proto::registry::{self as pb, registry_server::Registry, watch_endpoints_response::Kind as ResponseKind};
+use shared_proto::registry::{
+    self as pb, registry_server::Registry, watch_endpoints_response::Kind as ResponseKind,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::UdsConnectInfo;
@@ -26,8 +28,8 @@ use crate::store::{Guard, Store, StoreError};
 use crate::streams::{Registration, Replaced, StreamKey, Streams};
 use crate::validate;
 use crate::values::{self, EndpointValue, MarkValue, Source};
-use crate::writes::{self, WriteError};
 use crate::view::{self, Event, EventKind, Rejected};
+use crate::writes::{self, WriteError};
 
 /// A transaction whose guard keeps failing (the keys keep changing under it) is read and
 /// planned this many times before the caller is told to retry.
@@ -58,8 +60,23 @@ pub struct Registrar {
 
 impl Registrar {
     /// `shutdown` turning true ends every open stream with UNAVAILABLE.
-    pub fn new(store: Store, policy: Policy, transport: Transport, cluster: Option<String>, shutdown: watch::Receiver<bool>, metrics: Arc<Metrics>) -> Self {
-        Self { store, streams: Arc::new(Streams::default()), policy, transport, cluster, shutdown, metrics }
+    pub fn new(
+        store: Store,
+        policy: Policy,
+        transport: Transport,
+        cluster: Option<String>,
+        shutdown: watch::Receiver<bool>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            store,
+            streams: Arc::new(Streams::default()),
+            policy,
+            transport,
+            cluster,
+            shutdown,
+            metrics,
+        }
     }
 
     async fn peer<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
@@ -80,12 +97,18 @@ impl Registrar {
                     .filter(|t| !t.is_empty());
                 let Some(token) = token else {
                     tracing::warn!(method = ?method, "refused: no bearer token");
-                    return Err(Status::unauthenticated("no bearer token: send the pod's projected service-account token (audience aether-registrar) as `authorization: Bearer <token>`"));
+                    return Err(Status::unauthenticated(
+                        "no bearer token: send the pod's projected service-account token (audience aether-registrar) as `authorization: Bearer <token>`",
+                    ));
                 };
-                reviewer.review(token).await.map(Peer::Token).map_err(|why| {
-                    tracing::warn!(method = ?method, "refused: {why}");
-                    Status::unauthenticated(why)
-                })
+                reviewer
+                    .review(token)
+                    .await
+                    .map(Peer::Token)
+                    .map_err(|why| {
+                        tracing::warn!(method = ?method, "refused: {why}");
+                        Status::unauthenticated(why)
+                    })
             }
         }
     }
@@ -126,32 +149,45 @@ enum End {
     Failed(Status),
 }
 
-type WatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WatchEndpointsResponse, Status>> + Send>>;
+type WatchStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WatchEndpointsResponse, Status>> + Send>>;
 
 /// Each call, counted by method and status (`aether_registrar_calls`).
 #[tonic::async_trait]
 impl Registry for Registrar {
     type WatchEndpointsStream = WatchStream;
 
-    async fn watch_endpoints(&self, req: Request<pb::WatchEndpointsRequest>) -> Result<Response<WatchStream>, Status> {
+    async fn watch_endpoints(
+        &self,
+        req: Request<pb::WatchEndpointsRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
         let r = self.watch(req).await;
         self.metrics.call("WatchEndpoints", &r);
         r
     }
 
-    async fn set_endpoint_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
+    async fn set_endpoint_state(
+        &self,
+        req: Request<pb::SetEndpointStateRequest>,
+    ) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
         let r = self.set_state(req).await;
         self.metrics.call("SetEndpointState", &r);
         r
     }
 
-    async fn apply_services(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
+    async fn apply_services(
+        &self,
+        req: Request<pb::ApplyServicesRequest>,
+    ) -> Result<Response<pb::ApplyServicesResponse>, Status> {
         let r = self.apply(req).await;
         self.metrics.call("ApplyServices", &r);
         r
     }
 
-    async fn delete_service(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
+    async fn delete_service(
+        &self,
+        req: Request<pb::DeleteServiceRequest>,
+    ) -> Result<Response<pb::DeleteServiceResponse>, Status> {
         let r = self.delete(req).await;
         self.metrics.call("DeleteService", &r);
         r
@@ -159,11 +195,16 @@ impl Registry for Registrar {
 }
 
 impl Registrar {
-    async fn watch(&self, req: Request<pb::WatchEndpointsRequest>) -> Result<Response<WatchStream>, Status> {
+    async fn watch(
+        &self,
+        req: Request<pb::WatchEndpointsRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
         let peer = self.authorize(&req, Method::WatchEndpoints).await?;
         let req = req.into_inner();
         if req.node.is_empty() {
-            return Err(Status::invalid_argument("node: empty; a stream is keyed by cluster, node and instance"));
+            return Err(Status::invalid_argument(
+                "node: empty; a stream is keyed by cluster, node and instance",
+            ));
         }
         // Else a caller could replace another node's stream (same key, empty instance).
         Self::check_node(&peer, Method::WatchEndpoints, &req.node)?;
@@ -171,44 +212,88 @@ impl Registrar {
             && !req.cluster.is_empty()
             && req.cluster != *c
         {
-            return Err(Status::failed_precondition(format!("cluster: this registrar serves cluster {c:?}, not {:?}", req.cluster)));
+            return Err(Status::failed_precondition(format!(
+                "cluster: this registrar serves cluster {c:?}, not {:?}",
+                req.cluster
+            )));
         }
         if req.resume_revision < 0 {
-            return Err(Status::invalid_argument(format!("resume_revision: {}", req.resume_revision)));
+            return Err(Status::invalid_argument(format!(
+                "resume_revision: {}",
+                req.resume_revision
+            )));
         }
-        let key = StreamKey { cluster: req.cluster.clone(), node: req.node.clone(), instance: req.instance.clone() };
+        let key = StreamKey {
+            cluster: req.cluster.clone(),
+            node: req.node.clone(),
+            instance: req.instance.clone(),
+        };
         let (registration, replaced_rx, replaced) = self.streams.open(key.clone());
         if replaced {
             tracing::info!(stream = %key, "a newer stream replaces the open one of the same key");
         }
         tracing::info!(stream = %key, peer = %peer, resume_revision = req.resume_revision, "watch stream opened");
         let (tx, rx) = mpsc::channel(16);
-        let pump = Pump { store: self.store.clone(), tx, replaced: replaced_rx, shutdown: self.shutdown.clone(), key, metrics: self.metrics.clone() };
+        let pump = Pump {
+            store: self.store.clone(),
+            tx,
+            replaced: replaced_rx,
+            shutdown: self.shutdown.clone(),
+            key,
+            metrics: self.metrics.clone(),
+        };
         tokio::spawn(pump.run(req.resume_revision, registration));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    async fn set_state(&self, req: Request<pb::SetEndpointStateRequest>) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
+    async fn set_state(
+        &self,
+        req: Request<pb::SetEndpointStateRequest>,
+    ) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
         let peer = self.authorize(&req, Method::SetEndpointState).await?;
         let req = req.into_inner();
         let bad = |e: validate::Invalid| Status::invalid_argument(e.to_string());
         let address = validate::address("address", &req.address).map_err(bad)?;
-        let state = values::state_from_pb(req.state).ok_or_else(|| Status::invalid_argument(format!("state: {} is not a state", req.state)))?;
+        let state = values::state_from_pb(req.state).ok_or_else(|| {
+            Status::invalid_argument(format!("state: {} is not a state", req.state))
+        })?;
         if req.node.is_empty() {
-            return Err(Status::invalid_argument("node: empty; the caller's node is required"));
+            return Err(Status::invalid_argument(
+                "node: empty; the caller's node is required",
+            ));
         }
         Self::check_node(&peer, Method::SetEndpointState, &req.node)?;
-        let service = req.service.as_ref().map(|k| validate::service_key("service", Some(k))).transpose().map_err(bad)?;
-        let mark = MarkRequest { address, state, node: &req.node, instance: &req.instance };
+        let service = req
+            .service
+            .as_ref()
+            .map(|k| validate::service_key("service", Some(k)))
+            .transpose()
+            .map_err(bad)?;
+        let mark = MarkRequest {
+            address,
+            state,
+            node: &req.node,
+            instance: &req.instance,
+        };
         for _ in 0..ATTEMPTS {
-            let (revision, targets, guards) = self.mark_targets(service.as_ref(), address).await.map_err(unavailable)?;
+            let (revision, targets, guards) = self
+                .mark_targets(service.as_ref(), address)
+                .await
+                .map_err(unavailable)?;
             let ops = match plan::set_marks(&self.store.layout, &mark, &targets) {
                 Ok(ops) => ops,
                 Err(MarkRefusal::NotFound) => {
-                    let scope = service.as_ref().map_or("any service".to_owned(), |s| s.to_string());
-                    return Err(Status::not_found(format!("no endpoint at {address} in {scope}")));
+                    let scope = service
+                        .as_ref()
+                        .map_or("any service".to_owned(), |s| s.to_string());
+                    return Err(Status::not_found(format!(
+                        "no endpoint at {address} in {scope}"
+                    )));
                 }
-                Err(MarkRefusal::OtherNode { service, endpoint_node }) => {
+                Err(MarkRefusal::OtherNode {
+                    service,
+                    endpoint_node,
+                }) => {
                     tracing::warn!(
                         caller_node = %req.node, instance = %req.instance, address = %address, service = %service,
                         endpoint_node = %endpoint_node, peer = %peer,
@@ -222,23 +307,40 @@ impl Registrar {
             };
             let marked = u32::try_from(targets.len()).unwrap_or(u32::MAX);
             if ops.is_empty() {
-                return Ok(Response::new(pb::SetEndpointStateResponse { marked, revision }));
+                return Ok(Response::new(pb::SetEndpointStateResponse {
+                    marked,
+                    revision,
+                }));
             }
-            if let Some(revision) = self.store.commit(revision, &guards, &ops).await.map_err(unavailable)? {
+            if let Some(revision) = self
+                .store
+                .commit(revision, &guards, &ops)
+                .await
+                .map_err(unavailable)?
+            {
                 let services: Vec<String> = targets.iter().map(|t| t.service.to_string()).collect();
                 tracing::info!(
                     node = %req.node, instance = %req.instance, address = %address, state = ?state,
                     services = %services.join(","), revision, "drain mark {}", if state == EndpointState::Healthy { "removed" } else { "set" }
                 );
-                return Ok(Response::new(pb::SetEndpointStateResponse { marked, revision }));
+                return Ok(Response::new(pb::SetEndpointStateResponse {
+                    marked,
+                    revision,
+                }));
             }
         }
-        Err(Status::aborted(format!("the endpoints at {address} kept changing while being marked; retry")))
+        Err(Status::aborted(format!(
+            "the endpoints at {address} kept changing while being marked; retry"
+        )))
     }
 
-    async fn apply(&self, req: Request<pb::ApplyServicesRequest>) -> Result<Response<pb::ApplyServicesResponse>, Status> {
+    async fn apply(
+        &self,
+        req: Request<pb::ApplyServicesRequest>,
+    ) -> Result<Response<pb::ApplyServicesResponse>, Status> {
         let peer = self.authorize(&req, Method::ApplyServices).await?;
-        let services = validate::apply_request(req.get_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let services = validate::apply_request(req.get_ref())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut revision = 0;
         for s in &services {
             revision = revision.max(self.apply_one(s).await?);
@@ -247,12 +349,21 @@ impl Registrar {
         Ok(Response::new(pb::ApplyServicesResponse { revision }))
     }
 
-    async fn delete(&self, req: Request<pb::DeleteServiceRequest>) -> Result<Response<pb::DeleteServiceResponse>, Status> {
+    async fn delete(
+        &self,
+        req: Request<pb::DeleteServiceRequest>,
+    ) -> Result<Response<pb::DeleteServiceResponse>, Status> {
         let peer = self.authorize(&req, Method::DeleteService).await?;
-        let key = validate::service_key("service", req.get_ref().service.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let w = writes::delete(&self.store, &key, Source::File).await.map_err(write_status)?;
+        let key = validate::service_key("service", req.get_ref().service.as_ref())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let w = writes::delete(&self.store, &key, Source::File)
+            .await
+            .map_err(write_status)?;
         tracing::info!(peer = %peer, service = %key, deleted = w.existed, revision = w.revision, "service deleted");
-        Ok(Response::new(pb::DeleteServiceResponse { deleted: w.existed, revision: w.revision }))
+        Ok(Response::new(pb::DeleteServiceResponse {
+            deleted: w.existed,
+            revision: w.revision,
+        }))
     }
 }
 
@@ -260,7 +371,9 @@ impl Registrar {
 fn write_status(e: WriteError) -> Status {
     match e {
         WriteError::Store(e) => unavailable(e),
-        e @ (WriteError::Owned { .. } | WriteError::TooManyOps { .. }) => Status::failed_precondition(e.to_string()),
+        e @ (WriteError::Owned { .. } | WriteError::TooManyOps { .. }) => {
+            Status::failed_precondition(e.to_string())
+        }
         e @ WriteError::Contended { .. } => Status::aborted(e.to_string()),
     }
 }
@@ -269,7 +382,11 @@ impl Registrar {
     /// The services with endpoints at `address` (only `service`, when given), each with
     /// its endpoints' nodes and its current mark, at one revision; and the keys the plan
     /// depends on.
-    async fn mark_targets(&self, service: Option<&ServiceKey>, address: IpAddr) -> Result<(i64, Vec<MarkTarget>, Vec<Guard>), StoreError> {
+    async fn mark_targets(
+        &self,
+        service: Option<&ServiceKey>,
+        address: IpAddr,
+    ) -> Result<(i64, Vec<MarkTarget>, Vec<Guard>), StoreError> {
         let layout = &self.store.layout;
         // Without a service every endpoint is read: the layout has no index by address.
         let scan = match service {
@@ -280,11 +397,17 @@ impl Registrar {
         let mut nodes: BTreeMap<ServiceKey, Vec<String>> = BTreeMap::new();
         for (k, v) in &kvs {
             match layout.parse(k) {
-                Ok(Key::Endpoint { service, address: a, .. }) if a == address => {
+                Ok(Key::Endpoint {
+                    service,
+                    address: a,
+                    ..
+                }) if a == address => {
                     let text = String::from_utf8_lossy(k);
                     match values::decode::<EndpointValue>(&text, "endpoint", v) {
                         Ok(e) => nodes.entry(service).or_default().push(e.node),
-                        Err(e) => tracing::warn!(key = %text, error = %e, "corrupt registry entry in etcd skipped"),
+                        Err(e) => {
+                            tracing::warn!(key = %text, error = %e, "corrupt registry entry in etcd skipped")
+                        }
                     }
                 }
                 Ok(_) => {}
@@ -297,17 +420,24 @@ impl Registrar {
             let mark_key = layout.mark(&s, address);
             let (_, current) = self.store.read_key(&mark_key, Some(revision)).await?;
             // A corrupt mark is replaced as if absent.
-            let current = current.and_then(|v| values::decode::<MarkValue>(&mark_key, "drain mark", &v).ok());
+            let current =
+                current.and_then(|v| values::decode::<MarkValue>(&mark_key, "drain mark", &v).ok());
             guards.push(Guard::Prefix(layout.endpoints_at(&s, address)));
             guards.push(Guard::Key(mark_key));
-            targets.push(MarkTarget { service: s, endpoint_nodes, current });
+            targets.push(MarkTarget {
+                service: s,
+                endpoint_nodes,
+                current,
+            });
         }
         Ok((revision, targets, guards))
     }
 
     /// Makes etcd hold `s` exactly, in one transaction; the revision after it.
     async fn apply_one(&self, s: &aether_model::Service) -> Result<i64, Status> {
-        let w = writes::apply(&self.store, s, Source::File).await.map_err(write_status)?;
+        let w = writes::apply(&self.store, s, Source::File)
+            .await
+            .map_err(write_status)?;
         if w.writes > 0 {
             tracing::info!(service = %s.key(), writes = w.writes, endpoints = s.endpoints.len(), revision = w.revision, "service applied");
         }
@@ -345,9 +475,13 @@ impl Pump {
             }
             End::Replaced => {
                 tracing::info!(stream = %key, "watch stream ended: replaced by a newer stream for the same key");
-                Some(Status::aborted(format!("replaced by a newer stream for the same key ({key})")))
+                Some(Status::aborted(format!(
+                    "replaced by a newer stream for the same key ({key})"
+                )))
             }
-            End::Shutdown => Some(Status::unavailable("the registrar is shutting down; resume from your revision on another replica")),
+            End::Shutdown => Some(Status::unavailable(
+                "the registrar is shutting down; resume from your revision on another replica",
+            )),
             End::Failed(status) => {
                 tracing::warn!(stream = %key, error = %status.message(), "watch stream failed");
                 Some(status)
@@ -394,8 +528,16 @@ impl Pump {
         }
         loop {
             if last == 0 {
-                let (revision, kvs) = self.store.read_prefix(self.store.layout.prefix(), None).await.map_err(failed)?;
-                let (mut full, rejected) = view::full_view(&self.store.layout, revision, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+                let (revision, kvs) = self
+                    .store
+                    .read_prefix(self.store.layout.prefix(), None)
+                    .await
+                    .map_err(failed)?;
+                let (mut full, rejected) = view::full_view(
+                    &self.store.layout,
+                    revision,
+                    kvs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())),
+                );
                 log_rejected(&rejected);
                 if let Some(reason) = resync.take() {
                     tracing::info!(stream = %self.key, revision, reason = %reason, "sending a full view again");
@@ -406,7 +548,10 @@ impl Pump {
                 last = revision;
             }
             match self.follow(last).await? {
-                Follow::Compacted { compact_revision, at } => {
+                Follow::Compacted {
+                    compact_revision,
+                    at,
+                } => {
                     resync = Some(format!(
                         "cannot resume after revision {at}: etcd compacted its history up to revision {compact_revision}"
                     ));
@@ -446,17 +591,32 @@ impl Pump {
                         self.backoff(retries).await?;
                         continue 'watch;
                     }
-                    Ok(None) => return Err(End::Failed(Status::unavailable("etcd ended the watch"))),
-                    Err(e) => return Err(End::Failed(Status::unavailable(format!("etcd watch: {e}")))),
+                    Ok(None) => {
+                        return Err(End::Failed(Status::unavailable("etcd ended the watch")));
+                    }
+                    Err(e) => {
+                        return Err(End::Failed(Status::unavailable(format!("etcd watch: {e}"))));
+                    }
                 };
                 if resp.compact_revision() > 0 {
-                    return Ok(Follow::Compacted { compact_revision: resp.compact_revision(), at: last });
+                    return Ok(Follow::Compacted {
+                        compact_revision: resp.compact_revision(),
+                        at: last,
+                    });
                 }
                 if resp.canceled() {
-                    return Err(End::Failed(Status::unavailable(format!("etcd canceled the watch: {}", resp.cancel_reason()))));
+                    return Err(End::Failed(Status::unavailable(format!(
+                        "etcd canceled the watch: {}",
+                        resp.cancel_reason()
+                    ))));
                 }
                 let events = resp.events();
-                let Some(revision) = events.iter().filter_map(|e| e.kv()).map(|kv| kv.mod_revision()).max() else {
+                let Some(revision) = events
+                    .iter()
+                    .filter_map(|e| e.kv())
+                    .map(|kv| kv.mod_revision())
+                    .max()
+                else {
                     continue;
                 };
                 retries = 0;
@@ -473,7 +633,11 @@ impl Pump {
                             EventType::Put => EventKind::Put,
                             EventType::Delete => EventKind::Delete,
                         };
-                        Some(Event { kind, key: kv.key(), value: kv.value() })
+                        Some(Event {
+                            kind,
+                            key: kv.key(),
+                            value: kv.value(),
+                        })
                     }),
                 );
                 log_rejected(&rejected);

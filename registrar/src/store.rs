@@ -5,7 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Txn, TxnOp, WatchOptions, WatchStream};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Txn, TxnOp,
+    WatchOptions, WatchStream,
+};
 
 use crate::keys::Layout;
 use crate::plan::Op;
@@ -23,20 +26,34 @@ pub struct EtcdOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("cannot read {path}: {source}")]
-    ReadFile { path: PathBuf, source: std::io::Error },
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("--etcd-cert and --etcd-key go together; only {given} was given")]
     HalfIdentity { given: &'static str },
     #[error("etcd at {endpoints}: {what}: {source}")]
-    Etcd { endpoints: String, what: String, source: etcd_client::Error },
+    Etcd {
+        endpoints: String,
+        what: String,
+        source: etcd_client::Error,
+    },
     #[error("etcd at {endpoints}: {what}: no answer within {after:?}")]
-    Timeout { endpoints: String, what: String, after: Duration },
+    Timeout {
+        endpoints: String,
+        what: String,
+        after: Duration,
+    },
 }
 
 impl StoreError {
     /// The etcd error's gRPC status, if it came with one.
     pub fn status(&self) -> Option<&tonic::Status> {
         match self {
-            StoreError::Etcd { source: etcd_client::Error::GRpcStatus(s), .. } => Some(s),
+            StoreError::Etcd {
+                source: etcd_client::Error::GRpcStatus(s),
+                ..
+            } => Some(s),
             _ => None,
         }
     }
@@ -50,7 +67,8 @@ impl StoreError {
     fn retryable(&self) -> bool {
         self.status().is_some_and(|s| {
             s.code() == tonic::Code::Unavailable
-                || std::error::Error::source(s).is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
+                || std::error::Error::source(s)
+                    .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
         })
     }
 }
@@ -77,7 +95,9 @@ async fn retried<T, F: Future<Output = Result<T, StoreError>>>(
             }
         }
     };
-    tokio::time::timeout(after, attempts).await.unwrap_or_else(|_| Err(timeout()))
+    tokio::time::timeout(after, attempts)
+        .await
+        .unwrap_or_else(|_| Err(timeout()))
 }
 
 /// What a transaction's plan was read from: a key, or every key under a prefix.
@@ -120,7 +140,10 @@ pub struct Store {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, StoreError> {
-    std::fs::read(path).map_err(|source| StoreError::ReadFile { path: path.to_owned(), source })
+    std::fs::read(path).map_err(|source| StoreError::ReadFile {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// The first key after every key that starts with `prefix` (etcd's range end).
@@ -139,36 +162,74 @@ impl Store {
     /// Connects lazily (the client dials on first use) and checks that etcd answers.
     pub async fn connect(opts: &EtcdOptions, layout: Layout) -> Result<Store, StoreError> {
         let endpoints = opts.endpoints.join(",");
-        let mut connect = ConnectOptions::new().with_connect_timeout(opts.connect_timeout).with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        let mut connect = ConnectOptions::new()
+            .with_connect_timeout(opts.connect_timeout)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
         if opts.ca.is_some() || opts.cert.is_some() || opts.key.is_some() {
             let mut tls = etcd_client::TlsOptions::new();
             if let Some(ca) = &opts.ca {
                 tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
             }
             match (&opts.cert, &opts.key) {
-                (Some(c), Some(k)) => tls = tls.identity(etcd_client::Identity::from_pem(read(c)?, read(k)?)),
-                (Some(_), None) => return Err(StoreError::HalfIdentity { given: "--etcd-cert" }),
-                (None, Some(_)) => return Err(StoreError::HalfIdentity { given: "--etcd-key" }),
+                (Some(c), Some(k)) => {
+                    tls = tls.identity(etcd_client::Identity::from_pem(read(c)?, read(k)?))
+                }
+                (Some(_), None) => {
+                    return Err(StoreError::HalfIdentity {
+                        given: "--etcd-cert",
+                    });
+                }
+                (None, Some(_)) => {
+                    return Err(StoreError::HalfIdentity {
+                        given: "--etcd-key",
+                    });
+                }
                 (None, None) => {}
             }
             connect = connect.with_tls(tls);
         }
         let client = Client::connect(&opts.endpoints, Some(connect))
             .await
-            .map_err(|source| StoreError::Etcd { endpoints: endpoints.clone(), what: "connect".into(), source })?;
-        let store = Store { client, endpoints, layout };
+            .map_err(|source| StoreError::Etcd {
+                endpoints: endpoints.clone(),
+                what: "connect".into(),
+                source,
+            })?;
+        let store = Store {
+            client,
+            endpoints,
+            layout,
+        };
         store.revision_within(opts.connect_timeout).await?;
         Ok(store)
     }
 
     fn err(&self, what: impl Into<String>) -> impl FnOnce(etcd_client::Error) -> StoreError + '_ {
         let what = what.into();
-        move |source| StoreError::Etcd { endpoints: self.endpoints.clone(), what, source }
+        move |source| StoreError::Etcd {
+            endpoints: self.endpoints.clone(),
+            what,
+            source,
+        }
     }
 
     /// `request`, retried while etcd is unavailable ([`retried`]), within `after`.
-    async fn timed<T, F: Future<Output = Result<T, StoreError>>>(&self, what: &str, after: Duration, request: impl FnMut() -> F) -> Result<T, StoreError> {
-        retried(after, || StoreError::Timeout { endpoints: self.endpoints.clone(), what: what.into(), after }, request).await
+    async fn timed<T, F: Future<Output = Result<T, StoreError>>>(
+        &self,
+        what: &str,
+        after: Duration,
+        request: impl FnMut() -> F,
+    ) -> Result<T, StoreError> {
+        retried(
+            after,
+            || StoreError::Timeout {
+                endpoints: self.endpoints.clone(),
+                what: what.into(),
+                after,
+            },
+            request,
+        )
+        .await
     }
 
     /// The store's current revision.
@@ -182,7 +243,12 @@ impl Store {
         let what = &what;
         self.timed(what, after, || async move {
             let opts = GetOptions::new().with_prefix().with_count_only();
-            let resp = self.client.clone().get(self.layout.prefix(), Some(opts)).await.map_err(self.err(what.clone()))?;
+            let resp = self
+                .client
+                .clone()
+                .get(self.layout.prefix(), Some(opts))
+                .await
+                .map_err(self.err(what.clone()))?;
             Ok(resp.header().map_or(0, |h| h.revision()))
         })
         .await
@@ -190,7 +256,11 @@ impl Store {
 
     /// Every key under `prefix` and its value, read in pages at one revision (`at`, or
     /// the current one), which is returned with them.
-    pub async fn read_prefix(&self, prefix: &str, at: Option<i64>) -> Result<(i64, Vec<Kv>), StoreError> {
+    pub async fn read_prefix(
+        &self,
+        prefix: &str,
+        at: Option<i64>,
+    ) -> Result<(i64, Vec<Kv>), StoreError> {
         let what = format!("read {prefix}");
         let what = &what;
         self.timed(what, REQUEST_TIMEOUT, || async move {
@@ -203,7 +273,12 @@ impl Store {
                 if revision > 0 {
                     opts = opts.with_revision(revision);
                 }
-                let mut resp = self.client.clone().get(from.clone(), Some(opts)).await.map_err(self.err(what.clone()))?;
+                let mut resp = self
+                    .client
+                    .clone()
+                    .get(from.clone(), Some(opts))
+                    .await
+                    .map_err(self.err(what.clone()))?;
                 if revision == 0 {
                     revision = resp.header().map_or(0, |h| h.revision());
                 }
@@ -225,14 +300,29 @@ impl Store {
 
     /// One key's value, if any, and the revision it was read at (`at`, or the current
     /// one).
-    pub async fn read_key(&self, key: &str, at: Option<i64>) -> Result<(i64, Option<Vec<u8>>), StoreError> {
+    pub async fn read_key(
+        &self,
+        key: &str,
+        at: Option<i64>,
+    ) -> Result<(i64, Option<Vec<u8>>), StoreError> {
         let what = format!("read {key}");
         let what = &what;
         self.timed(what, REQUEST_TIMEOUT, || async move {
             let opts = at.map(|r| GetOptions::new().with_revision(r));
-            let mut resp = self.client.clone().get(key, opts).await.map_err(self.err(what.clone()))?;
+            let mut resp = self
+                .client
+                .clone()
+                .get(key, opts)
+                .await
+                .map_err(self.err(what.clone()))?;
             let revision = at.unwrap_or_else(|| resp.header().map_or(0, |h| h.revision()));
-            Ok((revision, resp.take_kvs().into_iter().next().map(|kv| kv.into_key_value().1)))
+            Ok((
+                revision,
+                resp.take_kvs()
+                    .into_iter()
+                    .next()
+                    .map(|kv| kv.into_key_value().1),
+            ))
         })
         .await
     }
@@ -240,18 +330,31 @@ impl Store {
     /// Performs `ops` in one transaction if no key in `guarded` changed after
     /// `read_revision` (a key created since counts; one deleted does not). The new
     /// revision, or None when a guard failed and the caller should read and plan again.
-    pub async fn commit(&self, read_revision: i64, guarded: &[Guard], ops: &[Op]) -> Result<Option<i64>, StoreError> {
-        let names: Vec<&str> = guarded.iter().map(|g| match g {
-            Guard::Key(k) | Guard::Prefix(k) => k.as_str(),
-        }).collect();
+    pub async fn commit(
+        &self,
+        read_revision: i64,
+        guarded: &[Guard],
+        ops: &[Op],
+    ) -> Result<Option<i64>, StoreError> {
+        let names: Vec<&str> = guarded
+            .iter()
+            .map(|g| match g {
+                Guard::Key(k) | Guard::Prefix(k) => k.as_str(),
+            })
+            .collect();
         let what = format!("transaction on {}", names.join(", "));
         let what = &what;
         self.timed(what, REQUEST_TIMEOUT, || async move {
             let compares: Vec<Compare> = guarded
                 .iter()
                 .map(|g| match g {
-                    Guard::Key(k) => Compare::mod_revision(k.as_str(), CompareOp::Less, read_revision + 1),
-                    Guard::Prefix(p) => Compare::mod_revision(p.as_str(), CompareOp::Less, read_revision + 1).with_prefix(),
+                    Guard::Key(k) => {
+                        Compare::mod_revision(k.as_str(), CompareOp::Less, read_revision + 1)
+                    }
+                    Guard::Prefix(p) => {
+                        Compare::mod_revision(p.as_str(), CompareOp::Less, read_revision + 1)
+                            .with_prefix()
+                    }
                 })
                 .collect();
             let txn_ops: Vec<TxnOp> = ops
@@ -259,23 +362,43 @@ impl Store {
                 .map(|op| match op {
                     Op::Put { key, value } => TxnOp::put(key.as_str(), value.clone(), None),
                     Op::Delete { key } => TxnOp::delete(key.as_str(), None),
-                    Op::DeletePrefix { prefix } => TxnOp::delete(prefix.as_str(), Some(DeleteOptions::new().with_prefix())),
+                    Op::DeletePrefix { prefix } => {
+                        TxnOp::delete(prefix.as_str(), Some(DeleteOptions::new().with_prefix()))
+                    }
                 })
                 .collect();
-            let resp = self.client.clone().txn(Txn::new().when(compares).and_then(txn_ops)).await.map_err(self.err(what.clone()))?;
-            Ok(resp.succeeded().then(|| resp.header().map_or(0, |h| h.revision())))
+            let resp = self
+                .client
+                .clone()
+                .txn(Txn::new().when(compares).and_then(txn_ops))
+                .await
+                .map_err(self.err(what.clone()))?;
+            Ok(resp
+                .succeeded()
+                .then(|| resp.header().map_or(0, |h| h.revision())))
         })
         .await
     }
 
     /// Watches every key under the prefix from `start_revision` on.
     pub async fn watch(&self, start_revision: i64) -> Result<WatchStream, StoreError> {
-        let what = format!("watch {} from revision {start_revision}", self.layout.prefix());
+        let what = format!(
+            "watch {} from revision {start_revision}",
+            self.layout.prefix()
+        );
         let what = &what;
         self.timed(what, REQUEST_TIMEOUT, || async move {
-            let opts = WatchOptions::new().with_prefix().with_start_revision(start_revision);
-            let mut client = self.client.watch_client().max_decoding_message_size(MAX_WATCH_MESSAGE);
-            client.watch(self.layout.prefix(), Some(opts)).await.map_err(self.err(what.clone()))
+            let opts = WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(start_revision);
+            let mut client = self
+                .client
+                .watch_client()
+                .max_decoding_message_size(MAX_WATCH_MESSAGE);
+            client
+                .watch(self.layout.prefix(), Some(opts))
+                .await
+                .map_err(self.err(what.clone()))
         })
         .await
     }
@@ -286,21 +409,37 @@ mod tests {
     use super::*;
 
     fn etcd(status: tonic::Status) -> StoreError {
-        StoreError::Etcd { endpoints: "http://m0,http://m1".into(), what: "read /k".into(), source: etcd_client::Error::GRpcStatus(status) }
+        StoreError::Etcd {
+            endpoints: "http://m0,http://m1".into(),
+            what: "read /k".into(),
+            source: etcd_client::Error::GRpcStatus(status),
+        }
     }
 
     fn timeout() -> StoreError {
-        StoreError::Timeout { endpoints: "http://m0,http://m1".into(), what: "read /k".into(), after: REQUEST_TIMEOUT }
+        StoreError::Timeout {
+            endpoints: "http://m0,http://m1".into(),
+            what: "read /k".into(),
+            after: REQUEST_TIMEOUT,
+        }
     }
 
     /// Runs `retried` over answers that fail `failures` times with `status` first; the
     /// result, the attempts made, and the (paused) time it took.
-    async fn check(failures: usize, status: fn() -> tonic::Status, after: Duration) -> (Result<u8, StoreError>, usize, Duration) {
+    async fn check(
+        failures: usize,
+        status: fn() -> tonic::Status,
+        after: Duration,
+    ) -> (Result<u8, StoreError>, usize, Duration) {
         let start = tokio::time::Instant::now();
         let mut attempts = 0;
         let result = retried(after, timeout, || {
             attempts += 1;
-            let answer = if attempts <= failures { Err(etcd(status())) } else { Ok(7) };
+            let answer = if attempts <= failures {
+                Err(etcd(status()))
+            } else {
+                Ok(7)
+            };
             async move { answer }
         })
         .await;
@@ -317,26 +456,46 @@ mod tests {
 
         // A connection that broke under the request (its member was killed): tonic says
         // Unknown, "transport error", with the transport error as the source.
-        let transport = tonic::transport::Endpoint::from_static("http://127.0.0.1:1").connect().await.expect_err("nothing listens on port 1");
+        let transport = tonic::transport::Endpoint::from_static("http://127.0.0.1:1")
+            .connect()
+            .await
+            .expect_err("nothing listens on port 1");
         let mut broken = tonic::Status::unknown("transport error");
         broken.set_source(std::sync::Arc::new(transport));
         assert!(etcd(broken).retryable());
         assert!(!etcd(tonic::Status::unknown("no transport error under it")).retryable());
 
         // etcd's own refusals are answers, not outages.
-        let (result, attempts, _) = check(1, || tonic::Status::failed_precondition("too many operations in txn request"), REQUEST_TIMEOUT).await;
+        let (result, attempts, _) = check(
+            1,
+            || tonic::Status::failed_precondition("too many operations in txn request"),
+            REQUEST_TIMEOUT,
+        )
+        .await;
         assert_eq!(attempts, 1);
-        assert!(matches!(result, Err(ref e) if e.status().is_some_and(|s| s.code() == tonic::Code::FailedPrecondition)), "{result:?}");
+        assert!(
+            matches!(result, Err(ref e) if e.status().is_some_and(|s| s.code() == tonic::Code::FailedPrecondition)),
+            "{result:?}"
+        );
 
         // An outage that lasts: the error, once the retries have had their time.
         let (result, attempts, took) = check(usize::MAX, unavailable, REQUEST_TIMEOUT).await;
-        assert!(result.as_ref().is_err_and(StoreError::retryable), "{result:?}");
-        assert!(took <= RETRY_UNAVAILABLE_FOR && took >= RETRY_UNAVAILABLE_FOR - RETRY_PAUSE_MAX, "{took:?}");
+        assert!(
+            result.as_ref().is_err_and(StoreError::retryable),
+            "{result:?}"
+        );
+        assert!(
+            took <= RETRY_UNAVAILABLE_FOR && took >= RETRY_UNAVAILABLE_FOR - RETRY_PAUSE_MAX,
+            "{took:?}"
+        );
         assert!(attempts > 10, "{attempts} attempts");
 
         // The request's own bound comes first when it is shorter.
         let (result, _, took) = check(usize::MAX, unavailable, Duration::from_millis(100)).await;
-        assert!(matches!(result, Err(StoreError::Timeout { .. })), "{result:?}");
+        assert!(
+            matches!(result, Err(StoreError::Timeout { .. })),
+            "{result:?}"
+        );
         assert_eq!(took, Duration::from_millis(100));
     }
 

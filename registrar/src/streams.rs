@@ -19,7 +19,11 @@ pub struct StreamKey {
 
 impl fmt::Display for StreamKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cluster {:?}, node {:?}, instance {:?}", self.cluster, self.node, self.instance)
+        write!(
+            f,
+            "cluster {:?}, node {:?}, instance {:?}",
+            self.cluster, self.node, self.instance
+        )
     }
 }
 
@@ -53,16 +57,30 @@ pub struct Registration {
 impl Streams {
     /// Registers a stream under `key`. The receiver fires when a newer stream takes the
     /// key; the second value says whether this one replaced an open stream.
-    pub fn open(self: &Arc<Self>, key: StreamKey) -> (Registration, oneshot::Receiver<Replaced>, bool) {
+    pub fn open(
+        self: &Arc<Self>,
+        key: StreamKey,
+    ) -> (Registration, oneshot::Receiver<Replaced>, bool) {
         let (tx, rx) = oneshot::channel();
         let mut open = self.open.lock().expect("streams lock");
         open.last_id += 1;
         let id = open.last_id;
-        let replaced = match open.by_key.insert(key.clone(), OpenStream { id, replace: tx }) {
+        let replaced = match open
+            .by_key
+            .insert(key.clone(), OpenStream { id, replace: tx })
+        {
             Some(old) => old.replace.send(Replaced).is_ok(),
             None => false,
         };
-        (Registration { streams: self.clone(), key, id }, rx, replaced)
+        (
+            Registration {
+                streams: self.clone(),
+                key,
+                id,
+            },
+            rx,
+            replaced,
+        )
     }
 
     pub fn len(&self) -> usize {
@@ -88,7 +106,11 @@ mod tests {
     use super::*;
 
     fn key(instance: &str) -> StreamKey {
-        StreamKey { cluster: "c".into(), node: "n1".into(), instance: instance.into() }
+        StreamKey {
+            cluster: "c".into(),
+            node: "n1".into(),
+            instance: instance.into(),
+        }
     }
 
     #[test]
@@ -103,7 +125,10 @@ mod tests {
         let (old, mut old_rx, _) = streams.open(key(""));
         let (new, _new_rx, replaced) = streams.open(key(""));
         assert!(replaced);
-        assert!(old_rx.try_recv().is_ok(), "the older stream of the key is told");
+        assert!(
+            old_rx.try_recv().is_ok(),
+            "the older stream of the key is told"
+        );
         // The replaced stream ending does not unregister its successor.
         drop(old);
         assert_eq!(streams.len(), 3);

@@ -27,14 +27,20 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Opti
         if let Some(v) = cond() {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
 
 /// A loopback port nothing listens on right now.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
 }
 
 /// A certificate authority made at run time, and the leaves it signs: for TLS to etcd
@@ -49,14 +55,25 @@ pub struct TestCa {
 impl TestCa {
     pub fn new(name: &str) -> Self {
         let key = rcgen::KeyPair::generate().expect("a CA key");
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        let mut params =
+            rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
         let cert = params.self_signed(&key).expect("a self-signed CA");
-        let dir = tempfile::Builder::new().prefix("aether-test-ca-").tempdir().expect("a temp dir for certificates");
+        let dir = tempfile::Builder::new()
+            .prefix("aether-test-ca-")
+            .tempdir()
+            .expect("a temp dir for certificates");
         let ca_file = dir.path().join("ca.crt");
         std::fs::write(&ca_file, cert.pem()).expect("write the CA certificate");
-        TestCa { cert, key, dir, ca_file }
+        TestCa {
+            cert,
+            key,
+            dir,
+            ca_file,
+        }
     }
 
     /// The CA certificate's PEM file (`<dir>/ca.crt`).
@@ -66,19 +83,38 @@ impl TestCa {
 
     /// A leaf for `sans` (DNS names or IP addresses) with one extended key usage: its
     /// certificate and key as PEM.
-    pub fn leaf_pem(&self, name: &str, sans: &[&str], usage: rcgen::ExtendedKeyUsagePurpose) -> (String, String) {
+    pub fn leaf_pem(
+        &self,
+        name: &str,
+        sans: &[&str],
+        usage: rcgen::ExtendedKeyUsagePurpose,
+    ) -> (String, String) {
         let key = rcgen::KeyPair::generate().expect("a leaf key");
-        let mut params = rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).expect("leaf parameters");
-        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let mut params =
+            rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .expect("leaf parameters");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
         params.extended_key_usages = vec![usage];
-        let cert = params.signed_by(&key, &self.cert, &self.key).expect("a signed leaf");
+        let cert = params
+            .signed_by(&key, &self.cert, &self.key)
+            .expect("a signed leaf");
         (cert.pem(), key.serialize_pem())
     }
 
     /// [`Self::leaf_pem`] written to `<dir>/<name>.crt` and `<dir>/<name>.key`.
-    pub fn leaf(&self, name: &str, sans: &[&str], usage: rcgen::ExtendedKeyUsagePurpose) -> (PathBuf, PathBuf) {
+    pub fn leaf(
+        &self,
+        name: &str,
+        sans: &[&str],
+        usage: rcgen::ExtendedKeyUsagePurpose,
+    ) -> (PathBuf, PathBuf) {
         let (cert, key) = self.leaf_pem(name, sans, usage);
-        let (c, k) = (self.dir.path().join(format!("{name}.crt")), self.dir.path().join(format!("{name}.key")));
+        let (c, k) = (
+            self.dir.path().join(format!("{name}.crt")),
+            self.dir.path().join(format!("{name}.key")),
+        );
         std::fs::write(&c, cert).expect("write the leaf");
         std::fs::write(&k, key).expect("write the leaf's key");
         (c, k)
@@ -136,7 +172,9 @@ impl Etcd {
     /// A cluster of `members`, or None with a loud message when etcd is not installed.
     pub fn cluster_or_skip(test: &str, members: usize) -> Option<Etcd> {
         if !Self::available() {
-            eprintln!("SKIPPED {test}: {ETCD_BIN} is not installed (Debian package etcd-server; scripts/test.sh installs it)");
+            eprintln!(
+                "SKIPPED {test}: {ETCD_BIN} is not installed (Debian package etcd-server; scripts/test.sh installs it)"
+            );
             return None;
         }
         Some(Self::cluster(members))
@@ -161,7 +199,9 @@ impl Etcd {
             match Self::try_cluster(members, tls.clone()) {
                 Ok(etcd) => return etcd,
                 Err(log) if attempt < 5 && log.contains("address already in use") => {
-                    eprintln!("etcd: a port was taken before etcd bound it; starting again on new ports (attempt {attempt})");
+                    eprintln!(
+                        "etcd: a port was taken before etcd bound it; starting again on new ports (attempt {attempt})"
+                    );
                     attempt += 1;
                 }
                 Err(log) => panic!("{log}"),
@@ -172,7 +212,10 @@ impl Etcd {
     fn try_cluster(members: usize, tls: Option<EtcdTls>) -> Result<Etcd, String> {
         assert!(members >= 1);
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let dir = tempfile::Builder::new().prefix("aether-etcd-").tempdir().expect("a temp dir for etcd");
+        let dir = tempfile::Builder::new()
+            .prefix("aether-etcd-")
+            .tempdir()
+            .expect("a temp dir for etcd");
         let members: Vec<Member> = (0..members)
             .map(|i| Member {
                 name: format!("m{i}"),
@@ -184,9 +227,19 @@ impl Etcd {
                 child: None,
             })
             .collect();
-        let initial_cluster = members.iter().map(|m| format!("{}={}", m.name, m.peer_url)).collect::<Vec<_>>().join(",");
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer_url))
+            .collect::<Vec<_>>()
+            .join(",");
         let token = format!("aether-test-{}", std::process::id());
-        let mut etcd = Etcd { members, initial_cluster, token, tls, dir };
+        let mut etcd = Etcd {
+            members,
+            initial_cluster,
+            token,
+            tls,
+            dir,
+        };
         for i in 0..etcd.members.len() {
             etcd.spawn(i, "new");
         }
@@ -198,11 +251,20 @@ impl Etcd {
 
     fn spawn(&mut self, i: usize, state: &str) {
         let m = &mut self.members[i];
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&m.log).expect("etcd log file");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&m.log)
+            .expect("etcd log file");
         let mut cmd = Command::new(ETCD_BIN);
         if let Some(tls) = &self.tls {
-            cmd.arg("--cert-file").arg(&tls.cert).arg("--key-file").arg(&tls.key);
-            cmd.arg("--trusted-ca-file").arg(&tls.client_ca).arg("--client-cert-auth");
+            cmd.arg("--cert-file")
+                .arg(&tls.cert)
+                .arg("--key-file")
+                .arg(&tls.key);
+            cmd.arg("--trusted-ca-file")
+                .arg(&tls.client_ca)
+                .arg("--client-cert-auth");
         }
         let child = cmd
             .args(["--name", &m.name, "--data-dir"])
@@ -232,7 +294,10 @@ impl Etcd {
     /// [`Self::wait_healthy`], or the member's log if it exited first.
     fn wait_started(&mut self, i: usize) -> Result<(), String> {
         let url = self.members[i].health_url.clone();
-        let what = format!("etcd member {} at {url} to be healthy", self.members[i].name);
+        let what = format!(
+            "etcd member {} at {url} to be healthy",
+            self.members[i].name
+        );
         wait_for(&what, Duration::from_secs(20), || {
             if let Some(c) = self.members[i].child.as_mut()
                 && let Ok(Some(status)) = c.try_wait()
@@ -291,10 +356,16 @@ impl Drop for Etcd {
 
 /// One GET /health on an etcd client URL (plain HTTP on loopback).
 fn health(url: &str) -> bool {
-    let Some(addr) = url.strip_prefix("http://") else { return false };
-    let Ok(mut s) = TcpStream::connect(addr) else { return false };
+    let Some(addr) = url.strip_prefix("http://") else {
+        return false;
+    };
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if s.write_all(format!("GET /health HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).is_err() {
+    if s.write_all(format!("GET /health HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .is_err()
+    {
         return false;
     }
     let mut body = String::new();
@@ -330,17 +401,37 @@ impl RegistrarProcess {
 
     /// Serves on `listen` (as `--listen` takes it); waits until it accepts.
     pub fn start(bin: &Path, etcd: &str, listen: &str, extra: &[&str]) -> Self {
-        let dir = tempfile::Builder::new().prefix("aether-registrar-").tempdir().expect("a temp dir for the registrar log");
-        let mut args: Vec<String> = vec!["serve".into(), "--etcd".into(), etcd.into(), "--listen".into(), listen.into()];
+        let dir = tempfile::Builder::new()
+            .prefix("aether-registrar-")
+            .tempdir()
+            .expect("a temp dir for the registrar log");
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--etcd".into(),
+            etcd.into(),
+            "--listen".into(),
+            listen.into(),
+        ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut r = RegistrarProcess { bin: bin.to_owned(), args, addr: listen.to_owned(), log: dir.path().join("registrar.log"), child: None, _dir: dir };
+        let mut r = RegistrarProcess {
+            bin: bin.to_owned(),
+            args,
+            addr: listen.to_owned(),
+            log: dir.path().join("registrar.log"),
+            child: None,
+            _dir: dir,
+        };
         r.spawn();
         r.wait_accepting();
         r
     }
 
     fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("registrar log file");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("registrar log file");
         let child = Command::new(&self.bin)
             .args(&self.args)
             .env("RUST_LOG", "info")
@@ -354,18 +445,22 @@ impl RegistrarProcess {
 
     fn wait_accepting(&mut self) {
         let addr = self.addr.clone();
-        wait_for(&format!("the registrar to accept on {addr}"), Duration::from_secs(20), || {
-            if let Some(c) = self.child.as_mut()
-                && let Ok(Some(status)) = c.try_wait()
-            {
-                panic!("the registrar exited with {status}: {}", self.log());
-            }
-            let up = match addr.strip_prefix("unix://") {
-                Some(path) => std::os::unix::net::UnixStream::connect(path).is_ok(),
-                None => TcpStream::connect(&addr).is_ok(),
-            };
-            up.then_some(())
-        });
+        wait_for(
+            &format!("the registrar to accept on {addr}"),
+            Duration::from_secs(20),
+            || {
+                if let Some(c) = self.child.as_mut()
+                    && let Ok(Some(status)) = c.try_wait()
+                {
+                    panic!("the registrar exited with {status}: {}", self.log());
+                }
+                let up = match addr.strip_prefix("unix://") {
+                    Some(path) => std::os::unix::net::UnixStream::connect(path).is_ok(),
+                    None => TcpStream::connect(&addr).is_ok(),
+                };
+                up.then_some(())
+            },
+        );
     }
 
     /// What clients take as `--registrar`.
@@ -384,10 +479,14 @@ impl RegistrarProcess {
 
     /// Waits until its log contains `needle`.
     pub fn wait_log(&self, needle: &str, timeout: Duration) -> String {
-        wait_for(&format!("{needle:?} in the registrar's log"), timeout, || {
-            let log = self.log();
-            log.contains(needle).then_some(log)
-        })
+        wait_for(
+            &format!("{needle:?} in the registrar's log"),
+            timeout,
+            || {
+                let log = self.log();
+                log.contains(needle).then_some(log)
+            },
+        )
     }
 
     /// SIGKILL, no goodbye to its streams.
@@ -401,8 +500,11 @@ impl RegistrarProcess {
     pub fn terminate(&mut self, timeout: Duration) -> ExitStatus {
         let mut child = self.child.take().expect("the registrar is running");
         let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid fits i32"));
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to the registrar");
-        wait_for("the registrar to exit after SIGTERM", timeout, || child.try_wait().expect("waitpid"))
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)
+            .expect("SIGTERM to the registrar");
+        wait_for("the registrar to exit after SIGTERM", timeout, || {
+            child.try_wait().expect("waitpid")
+        })
     }
 
     /// Starts it again with the same flags (after a kill, or killing it first) and waits

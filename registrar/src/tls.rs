@@ -42,11 +42,18 @@ pub enum CertError {
     #[error("{path}: holds no PEM certificate")]
     NoCertificate { path: PathBuf },
     #[error("{path}: holds no PEM private key: {source}")]
-    NoKey { path: PathBuf, source: rustls::pki_types::pem::Error },
+    NoKey {
+        path: PathBuf,
+        source: rustls::pki_types::pem::Error,
+    },
     #[error("--tls-cert {cert} or --tls-key {key} cannot be read")]
     Unreadable { cert: PathBuf, key: PathBuf },
     #[error("--tls-key {key} does not fit --tls-cert {cert}: {source}")]
-    Mismatch { cert: PathBuf, key: PathBuf, source: rustls::Error },
+    Mismatch {
+        cert: PathBuf,
+        key: PathBuf,
+        source: rustls::Error,
+    },
 }
 
 /// The serving certificate, loaded again when its files change.
@@ -67,26 +74,39 @@ impl Certs {
     pub fn load(cert: &Path, key: &Path, provider: Arc<CryptoProvider>) -> Result<Self, CertError> {
         let files = [read_pem(cert, MAX_PEM)?, read_pem(key, MAX_PEM)?];
         let loaded = parse_pair(cert, key, &files[0], &files[1], &provider)?;
-        Ok(Certs { cert: cert.to_owned(), key: key.to_owned(), provider, current: Mutex::new((files.map(Some), loaded)) })
+        Ok(Certs {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            provider,
+            current: Mutex::new((files.map(Some), loaded)),
+        })
     }
 
     /// The pair to serve: the files' again if their bytes changed and they load. Two
     /// small reads per handshake, which comes once per connection; comparing the bytes,
     /// not the mtimes, misses no rewrite within a clock tick.
     fn refresh(&self) -> Arc<CertifiedKey> {
-        let files = [read_pem(&self.cert, MAX_PEM).ok(), read_pem(&self.key, MAX_PEM).ok()];
+        let files = [
+            read_pem(&self.cert, MAX_PEM).ok(),
+            read_pem(&self.key, MAX_PEM).ok(),
+        ];
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         if current.0 != files {
             let loaded = match &files {
                 [Some(c), Some(k)] => parse_pair(&self.cert, &self.key, c, k, &self.provider),
-                _ => Err(CertError::Unreadable { cert: self.cert.clone(), key: self.key.clone() }),
+                _ => Err(CertError::Unreadable {
+                    cert: self.cert.clone(),
+                    key: self.key.clone(),
+                }),
             };
             match loaded {
                 Ok(pair) => {
                     tracing::info!(cert = %self.cert.display(), "serving certificate reloaded");
                     current.1 = pair;
                 }
-                Err(e) => tracing::warn!(error = %e, "serving certificate not reloaded; the last good one stays"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "serving certificate not reloaded; the last good one stays")
+                }
             }
             current.0 = files;
         }
@@ -100,17 +120,35 @@ impl ResolvesServerCert for Certs {
     }
 }
 
-fn parse_pair(cert: &Path, key: &Path, cert_pem: &[u8], key_pem: &[u8], provider: &CryptoProvider) -> Result<Arc<CertifiedKey>, CertError> {
+fn parse_pair(
+    cert: &Path,
+    key: &Path,
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    provider: &CryptoProvider,
+) -> Result<Arc<CertifiedKey>, CertError> {
     let chain = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|source| TlsError::Pem { path: cert.to_owned(), source })?;
+        .map_err(|source| TlsError::Pem {
+            path: cert.to_owned(),
+            source,
+        })?;
     if chain.is_empty() {
-        return Err(CertError::NoCertificate { path: cert.to_owned() });
+        return Err(CertError::NoCertificate {
+            path: cert.to_owned(),
+        });
     }
-    let secret = PrivateKeyDer::from_pem_slice(key_pem).map_err(|source| CertError::NoKey { path: key.to_owned(), source })?;
+    let secret = PrivateKeyDer::from_pem_slice(key_pem).map_err(|source| CertError::NoKey {
+        path: key.to_owned(),
+        source,
+    })?;
     CertifiedKey::from_der(chain, secret, provider)
         .map(Arc::new)
-        .map_err(|source| CertError::Mismatch { cert: cert.to_owned(), key: key.to_owned(), source })
+        .map_err(|source| CertError::Mismatch {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            source,
+        })
 }
 
 /// The server configuration: TLS 1.2 and 1.3 with ring, HTTP/2 by ALPN, no client
@@ -192,7 +230,10 @@ pub fn incoming(
 
 /// A client that sent no TLS record at all, most likely plain HTTP/2: which flag it lacks.
 fn plain_hint(e: &std::io::Error) -> &'static str {
-    match e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+    match e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
         Some(rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType)) => {
             ": the peer does not speak TLS (an agent without --registrar-ca, or a command without --ca?)"
         }
@@ -206,7 +247,10 @@ mod tests {
 
     fn pair(name: &str) -> (String, String) {
         let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec![name.to_owned()]).unwrap().self_signed(&key).unwrap();
+        let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
         (cert.pem(), key.serialize_pem())
     }
 
@@ -222,7 +266,12 @@ mod tests {
         let (c1, k1) = pair("one.example");
         std::fs::write(&cert, &c1).unwrap();
         std::fs::write(&key, &k1).unwrap();
-        let certs = Certs::load(&cert, &key, Arc::new(rustls::crypto::ring::default_provider())).unwrap();
+        let certs = Certs::load(
+            &cert,
+            &key,
+            Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .unwrap();
         assert!(serves(&certs, &c1));
 
         // A renewal half written (the new certificate, the old key) changes nothing.
@@ -245,21 +294,32 @@ mod tests {
         use tokio_stream::StreamExt;
         let dir = tempfile::tempdir().unwrap();
         let ca = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap().self_signed(&ca).unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .self_signed(&ca)
+            .unwrap();
         let (cert_file, key_file) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
         std::fs::write(&cert_file, cert.pem()).unwrap();
         std::fs::write(&key_file, ca.serialize_pem()).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Metrics::new(false);
-        let mut sessions = incoming(listener, server_config(&cert_file, &key_file).unwrap(), 1, metrics.clone());
+        let mut sessions = incoming(
+            listener,
+            server_config(&cert_file, &key_file).unwrap(),
+            1,
+            metrics.clone(),
+        );
 
         let silent = TcpStream::connect(addr).await.unwrap();
         // The silent client's handshake task holds the slot once it is accepted; a
         // connection closed at once reads end-of-file.
         let mut refused = TcpStream::connect(addr).await.unwrap();
         let mut buf = [0u8; 1];
-        let n = tokio::time::timeout(Duration::from_secs(5), refused.read(&mut buf)).await.expect("closed at once").unwrap_or(0);
+        let n = tokio::time::timeout(Duration::from_secs(5), refused.read(&mut buf))
+            .await
+            .expect("closed at once")
+            .unwrap_or(0);
         assert_eq!(n, 0, "the connection past the cap is closed");
 
         drop(silent);
@@ -277,11 +337,17 @@ mod tests {
         })
         .await
         .expect("a handshake once the slot is free");
-        let served = tokio::time::timeout(Duration::from_secs(5), sessions.next()).await.expect("a session").expect("the stream goes on");
+        let served = tokio::time::timeout(Duration::from_secs(5), sessions.next())
+            .await
+            .expect("a session")
+            .expect("the stream goes on");
         assert!(served.is_ok());
         drop(client);
         let text = metrics.encode();
-        for want in ["aether_registrar_tls_handshakes_total{result=\"over_cap\"}", "aether_registrar_tls_handshakes_total{result=\"ok\"} 1"] {
+        for want in [
+            "aether_registrar_tls_handshakes_total{result=\"over_cap\"}",
+            "aether_registrar_tls_handshakes_total{result=\"ok\"} 1",
+        ] {
             assert!(text.contains(want), "{want} in {text}");
         }
     }
@@ -292,17 +358,32 @@ mod tests {
         let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
         let provider = || Arc::new(rustls::crypto::ring::default_provider());
         let err = |c: &Path, k: &Path| Certs::load(c, k, provider()).unwrap_err().to_string();
-        assert!(err(&cert, &key).contains("tls.crt: No such file"), "{}", err(&cert, &key));
+        assert!(
+            err(&cert, &key).contains("tls.crt: No such file"),
+            "{}",
+            err(&cert, &key)
+        );
         let (c1, k1) = pair("one.example");
         let (_, k2) = pair("two.example");
         std::fs::write(&cert, "not pem\n").unwrap();
         std::fs::write(&key, &k1).unwrap();
-        assert!(err(&cert, &key).contains("tls.crt: holds no PEM certificate"), "{}", err(&cert, &key));
+        assert!(
+            err(&cert, &key).contains("tls.crt: holds no PEM certificate"),
+            "{}",
+            err(&cert, &key)
+        );
         std::fs::write(&cert, &c1).unwrap();
         std::fs::write(&key, "not pem\n").unwrap();
-        assert!(err(&cert, &key).contains("tls.key: holds no PEM private key"), "{}", err(&cert, &key));
+        assert!(
+            err(&cert, &key).contains("tls.key: holds no PEM private key"),
+            "{}",
+            err(&cert, &key)
+        );
         std::fs::write(&key, &k2).unwrap();
         let e = err(&cert, &key);
-        assert!(e.contains("does not fit --tls-cert") && e.contains("tls.key") && e.contains("tls.crt"), "{e}");
+        assert!(
+            e.contains("does not fit --tls-cert") && e.contains("tls.key") && e.contains("tls.crt"),
+            "{e}"
+        );
     }
 }

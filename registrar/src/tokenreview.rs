@@ -38,7 +38,12 @@ type Cached = (Result<TokenIdentity, String>, Instant);
 impl Reviewer {
     /// A reviewer using `client` (see [`crate::kubernetes::client`]).
     pub fn new(client: kube::Client, audience: String) -> Self {
-        Self { api: kube::Api::all(client), audience, hasher: Default::default(), cache: Mutex::new(HashMap::new()) }
+        Self {
+            api: kube::Api::all(client),
+            audience,
+            hasher: Default::default(),
+            cache: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Who `token` belongs to, or why it is refused.
@@ -55,7 +60,10 @@ impl Reviewer {
             }
         }
         let review = TokenReview {
-            spec: TokenReviewSpec { token: token.to_owned(), audiences: Some(vec![self.audience.clone()]) },
+            spec: TokenReviewSpec {
+                token: token.to_owned(),
+                audiences: Some(vec![self.audience.clone()]),
+            },
             ..Default::default()
         };
         let answer = match self.api.create(&PostParams::default(), &review).await {
@@ -65,7 +73,8 @@ impl Reviewer {
         };
         let mut cache = lock(&self.cache);
         if cache.len() >= CACHE_MAX {
-            let mut ages: Vec<(u64, Instant)> = cache.iter().map(|(k, (_, at))| (*k, *at)).collect();
+            let mut ages: Vec<(u64, Instant)> =
+                cache.iter().map(|(k, (_, at))| (*k, *at)).collect();
             ages.sort_by_key(|(_, at)| *at);
             for (k, _) in ages.iter().take(CACHE_MAX / 2) {
                 cache.remove(k);
@@ -78,16 +87,31 @@ impl Reviewer {
 
 /// The identity a TokenReview answer gives, or why there is none.
 pub fn identity(r: &TokenReview, audience: &str) -> Result<TokenIdentity, String> {
-    let Some(status) = &r.status else { return Err("TokenReview answered without a status".into()) };
+    let Some(status) = &r.status else {
+        return Err("TokenReview answered without a status".into());
+    };
     if status.authenticated != Some(true) {
-        return Err(format!("token not authenticated{}", status.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()));
+        return Err(format!(
+            "token not authenticated{}",
+            status
+                .error
+                .as_deref()
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default()
+        ));
     }
     if let Some(auds) = &status.audiences
         && !auds.iter().any(|a| a == audience)
     {
-        return Err(format!("token not minted for the audience {audience:?} (it is for {auds:?})"));
+        return Err(format!(
+            "token not minted for the audience {audience:?} (it is for {auds:?})"
+        ));
     }
-    let user = status.user.as_ref().and_then(|u| u.username.clone()).ok_or("TokenReview named no user")?;
+    let user = status
+        .user
+        .as_ref()
+        .and_then(|u| u.username.clone())
+        .ok_or("TokenReview named no user")?;
     let node = status
         .user
         .as_ref()
@@ -108,12 +132,17 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn answer(authenticated: bool, audiences: Option<&[&str]>, node: Option<&str>) -> TokenReview {
-        let extra = node.map(|n| BTreeMap::from([(NODE_NAME_EXTRA.to_string(), vec![n.to_string()])]));
+        let extra =
+            node.map(|n| BTreeMap::from([(NODE_NAME_EXTRA.to_string(), vec![n.to_string()])]));
         TokenReview {
             status: Some(TokenReviewStatus {
                 authenticated: Some(authenticated),
                 audiences: audiences.map(|a| a.iter().map(|s| s.to_string()).collect()),
-                user: Some(UserInfo { username: Some("system:serviceaccount:a:agent".into()), extra, ..Default::default() }),
+                user: Some(UserInfo {
+                    username: Some("system:serviceaccount:a:agent".into()),
+                    extra,
+                    ..Default::default()
+                }),
                 error: (!authenticated).then(|| "invalid bearer token".into()),
             }),
             ..Default::default()
@@ -122,13 +151,33 @@ mod tests {
 
     #[test]
     fn an_answer_gives_the_user_and_the_bound_node_or_says_why_not() {
-        let id = identity(&answer(true, Some(&["aether-registrar"]), Some("node-a")), "aether-registrar").unwrap();
-        assert_eq!((id.user.as_str(), id.node.as_deref()), ("system:serviceaccount:a:agent", Some("node-a")));
-        assert_eq!(identity(&answer(true, None, None), "aether-registrar").unwrap().node, None);
+        let id = identity(
+            &answer(true, Some(&["aether-registrar"]), Some("node-a")),
+            "aether-registrar",
+        )
+        .unwrap();
+        assert_eq!(
+            (id.user.as_str(), id.node.as_deref()),
+            ("system:serviceaccount:a:agent", Some("node-a"))
+        );
+        assert_eq!(
+            identity(&answer(true, None, None), "aether-registrar")
+                .unwrap()
+                .node,
+            None
+        );
         let e = identity(&answer(false, None, None), "aether-registrar").unwrap_err();
         assert!(e.contains("not authenticated: invalid bearer token"), "{e}");
-        let e = identity(&answer(true, Some(&["https://kubernetes.default.svc"]), Some("n")), "aether-registrar").unwrap_err();
+        let e = identity(
+            &answer(true, Some(&["https://kubernetes.default.svc"]), Some("n")),
+            "aether-registrar",
+        )
+        .unwrap_err();
         assert!(e.contains("audience"), "{e}");
-        assert!(identity(&TokenReview::default(), "x").unwrap_err().contains("without a status"));
+        assert!(
+            identity(&TokenReview::default(), "x")
+                .unwrap_err()
+                .contains("without a status")
+        );
     }
 }

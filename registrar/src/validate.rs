@@ -18,7 +18,10 @@ pub struct Invalid {
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> Invalid {
-    Invalid { field: field.into(), message: message.into() }
+    Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 /// A service key: namespace and name are DNS labels.
@@ -26,7 +29,10 @@ pub fn service_key(field: &str, k: Option<&pb::ServiceKey>) -> Result<ServiceKey
     let k = k.ok_or_else(|| invalid(field, "missing"))?;
     for (what, v) in [("namespace", &k.namespace), ("name", &k.name)] {
         if !is_dns_label(v) {
-            return Err(invalid(format!("{field}.{what}"), format!("{v:?} is not a DNS label")));
+            return Err(invalid(
+                format!("{field}.{what}"),
+                format!("{v:?} is not a DNS label"),
+            ));
         }
     }
     Ok(values::key_from_pb(k))
@@ -34,7 +40,8 @@ pub fn service_key(field: &str, k: Option<&pb::ServiceKey>) -> Result<ServiceKey
 
 /// An IP in any spelling; keys use its canonical one.
 pub fn address(field: &str, a: &str) -> Result<IpAddr, Invalid> {
-    a.parse().map_err(|_| invalid(field, format!("{a:?} is not an IP address")))
+    a.parse()
+        .map_err(|_| invalid(field, format!("{a:?} is not an IP address")))
 }
 
 fn port(field: &str, p: u32) -> Result<u16, Invalid> {
@@ -64,11 +71,18 @@ pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Inv
         for (k, p) in s.ports.iter().enumerate() {
             let p = port(&format!("{at}.ports[{k}]"), *p)?;
             if ports.contains(&p) {
-                return Err(invalid(format!("{at}.ports[{k}]"), format!("{p} is listed twice")));
+                return Err(invalid(
+                    format!("{at}.ports[{k}]"),
+                    format!("{p} is listed twice"),
+                ));
             }
             ports.push(p);
         }
-        let vip = if s.vip.is_empty() { None } else { Some(address(&format!("{at}.vip"), &s.vip)?) };
+        let vip = if s.vip.is_empty() {
+            None
+        } else {
+            Some(address(&format!("{at}.vip"), &s.vip)?)
+        };
         let mut endpoints = Vec::with_capacity(s.endpoints.len());
         let mut at_ports = HashSet::new();
         for (j, e) in s.endpoints.iter().enumerate() {
@@ -80,16 +94,45 @@ pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Inv
             }
             let service_port = match (e.service_port, ports.as_slice()) {
                 (0, [only]) => *only,
-                (0, _) => return Err(invalid(format!("{eat}.service_port"), "0, but the service has several ports")),
+                (0, _) => {
+                    return Err(invalid(
+                        format!("{eat}.service_port"),
+                        "0, but the service has several ports",
+                    ));
+                }
                 (sp, _) => match u16::try_from(sp) {
                     Ok(sp) if ports.contains(&sp) => sp,
-                    _ => return Err(invalid(format!("{eat}.service_port"), format!("{sp} is not a port of the service"))),
+                    _ => {
+                        return Err(invalid(
+                            format!("{eat}.service_port"),
+                            format!("{sp} is not a port of the service"),
+                        ));
+                    }
                 },
             };
-            let state = values::state_from_pb(e.state).ok_or_else(|| invalid(format!("{eat}.state"), format!("{} is not a state", e.state)))?;
-            endpoints.push(Endpoint { address: addr, port: p, service_port, node: e.node.clone(), pod: e.pod.clone(), state, mtls: e.mtls });
+            let state = values::state_from_pb(e.state).ok_or_else(|| {
+                invalid(
+                    format!("{eat}.state"),
+                    format!("{} is not a state", e.state),
+                )
+            })?;
+            endpoints.push(Endpoint {
+                address: addr,
+                port: p,
+                service_port,
+                node: e.node.clone(),
+                pod: e.pod.clone(),
+                state,
+                mtls: e.mtls,
+            });
         }
-        out.push(Service { name: key.name, namespace: key.namespace, ports, vip, endpoints });
+        out.push(Service {
+            name: key.name,
+            namespace: key.namespace,
+            ports,
+            vip,
+            endpoints,
+        });
     }
     Ok(out)
 }
@@ -100,7 +143,10 @@ mod tests {
 
     fn svc(ns: &str, name: &str, ports: &[u32], eps: Vec<pb::Endpoint>) -> pb::Service {
         pb::Service {
-            key: Some(pb::ServiceKey { namespace: ns.into(), name: name.into() }),
+            key: Some(pb::ServiceKey {
+                namespace: ns.into(),
+                name: name.into(),
+            }),
             ports: ports.to_vec(),
             vip: String::new(),
             endpoints: eps,
@@ -108,7 +154,15 @@ mod tests {
     }
 
     fn ep(address: &str, port: u32, service_port: u32) -> pb::Endpoint {
-        pb::Endpoint { address: address.into(), port, service_port, node: "n".into(), pod: String::new(), state: 0, mtls: false }
+        pb::Endpoint {
+            address: address.into(),
+            port,
+            service_port,
+            node: "n".into(),
+            pod: String::new(),
+            state: 0,
+            mtls: false,
+        }
     }
 
     fn check(services: Vec<pb::Service>, want: Result<&str, &str>) {
@@ -118,8 +172,18 @@ mod tests {
                 let text: Vec<String> = s
                     .iter()
                     .map(|s| {
-                        let eps: Vec<String> = s.endpoints.iter().map(|e| format!("{}:{}@{}", e.address, e.port, e.service_port)).collect();
-                        format!("{}/{} {:?} [{}]", s.namespace, s.name, s.ports, eps.join(" "))
+                        let eps: Vec<String> = s
+                            .endpoints
+                            .iter()
+                            .map(|e| format!("{}:{}@{}", e.address, e.port, e.service_port))
+                            .collect();
+                        format!(
+                            "{}/{} {:?} [{}]",
+                            s.namespace,
+                            s.name,
+                            s.ports,
+                            eps.join(" ")
+                        )
                     })
                     .collect();
                 assert_eq!(text.join("; "), w);
@@ -131,16 +195,45 @@ mod tests {
 
     #[test]
     fn good_services_pass_and_a_zero_service_port_means_the_only_port() {
-        check(vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 8080, 0), ep("fd00::1", 8080, 80)])], Ok("d/web [80] [10.0.0.1:8080@80 fd00::1:8080@80]"));
+        check(
+            vec![svc(
+                "d",
+                "web",
+                &[80],
+                vec![ep("10.0.0.1", 8080, 0), ep("fd00::1", 8080, 80)],
+            )],
+            Ok("d/web [80] [10.0.0.1:8080@80 fd00::1:8080@80]"),
+        );
         check(vec![], Ok(""));
     }
 
     #[test]
     fn the_mtls_mark_is_read_from_the_request() {
-        let marked = pb::Endpoint { mtls: true, ..ep("10.0.0.1", 8080, 80) };
-        let got = apply_request(&pb::ApplyServicesRequest { services: vec![svc("d", "web", &[80], vec![marked, ep("10.0.0.2", 8080, 80)])] }).unwrap();
-        let marks: Vec<(String, bool)> = got[0].endpoints.iter().map(|e| (e.address.to_string(), e.mtls)).collect();
-        assert_eq!(marks, [("10.0.0.1".to_owned(), true), ("10.0.0.2".to_owned(), false)]);
+        let marked = pb::Endpoint {
+            mtls: true,
+            ..ep("10.0.0.1", 8080, 80)
+        };
+        let got = apply_request(&pb::ApplyServicesRequest {
+            services: vec![svc(
+                "d",
+                "web",
+                &[80],
+                vec![marked, ep("10.0.0.2", 8080, 80)],
+            )],
+        })
+        .unwrap();
+        let marks: Vec<(String, bool)> = got[0]
+            .endpoints
+            .iter()
+            .map(|e| (e.address.to_string(), e.mtls))
+            .collect();
+        assert_eq!(
+            marks,
+            [
+                ("10.0.0.1".to_owned(), true),
+                ("10.0.0.2".to_owned(), false)
+            ]
+        );
     }
 
     #[test]
@@ -152,19 +245,67 @@ mod tests {
         let mut bad_state = ep("10.0.0.1", 1, 80);
         bad_state.state = 9;
         for (services, want) in [
-            (vec![svc("d", "a", &[80], vec![]), svc("d", "b", &[80], vec![]), svc("d", "c", &[80], vec![ep("10.0.0.1", 0, 80)])], "services[2].endpoints[0].port: 0"),
+            (
+                vec![
+                    svc("d", "a", &[80], vec![]),
+                    svc("d", "b", &[80], vec![]),
+                    svc("d", "c", &[80], vec![ep("10.0.0.1", 0, 80)]),
+                ],
+                "services[2].endpoints[0].port: 0",
+            ),
             (vec![no_key], "services[0].key: missing"),
-            (vec![svc("D", "web", &[80], vec![])], "services[0].key.namespace: \"D\" is not a DNS label"),
-            (vec![svc("d", "web", &[], vec![])], "services[0].ports: empty"),
-            (vec![svc("d", "web", &[80, 70000], vec![])], "services[0].ports[1]: 70000"),
-            (vec![svc("d", "web", &[80, 80], vec![])], "services[0].ports[1]: 80 is listed twice"),
-            (vec![bad_vip], "services[0].vip: \"10.96.0\" is not an IP address"),
-            (vec![svc("d", "web", &[80], vec![ep("10.0.0.x", 1, 80)])], "services[0].endpoints[0].address: \"10.0.0.x\" is not an IP address"),
-            (vec![svc("d", "web", &[80, 81], vec![ep("10.0.0.1", 1, 0)])], "services[0].endpoints[0].service_port: 0, but the service has several ports"),
-            (vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 1, 90)])], "services[0].endpoints[0].service_port: 90 is not a port of the service"),
-            (vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 1, 80), ep("10.0.0.1", 1, 80)])], "services[0].endpoints[1]: 10.0.0.1 port 1 is listed twice"),
-            (vec![svc("d", "web", &[80], vec![bad_state])], "services[0].endpoints[0].state: 9 is not a state"),
-            (vec![svc("d", "web", &[80], vec![]), svc("d", "web", &[81], vec![])], "services[1]: d/web is listed twice"),
+            (
+                vec![svc("D", "web", &[80], vec![])],
+                "services[0].key.namespace: \"D\" is not a DNS label",
+            ),
+            (
+                vec![svc("d", "web", &[], vec![])],
+                "services[0].ports: empty",
+            ),
+            (
+                vec![svc("d", "web", &[80, 70000], vec![])],
+                "services[0].ports[1]: 70000",
+            ),
+            (
+                vec![svc("d", "web", &[80, 80], vec![])],
+                "services[0].ports[1]: 80 is listed twice",
+            ),
+            (
+                vec![bad_vip],
+                "services[0].vip: \"10.96.0\" is not an IP address",
+            ),
+            (
+                vec![svc("d", "web", &[80], vec![ep("10.0.0.x", 1, 80)])],
+                "services[0].endpoints[0].address: \"10.0.0.x\" is not an IP address",
+            ),
+            (
+                vec![svc("d", "web", &[80, 81], vec![ep("10.0.0.1", 1, 0)])],
+                "services[0].endpoints[0].service_port: 0, but the service has several ports",
+            ),
+            (
+                vec![svc("d", "web", &[80], vec![ep("10.0.0.1", 1, 90)])],
+                "services[0].endpoints[0].service_port: 90 is not a port of the service",
+            ),
+            (
+                vec![svc(
+                    "d",
+                    "web",
+                    &[80],
+                    vec![ep("10.0.0.1", 1, 80), ep("10.0.0.1", 1, 80)],
+                )],
+                "services[0].endpoints[1]: 10.0.0.1 port 1 is listed twice",
+            ),
+            (
+                vec![svc("d", "web", &[80], vec![bad_state])],
+                "services[0].endpoints[0].state: 9 is not a state",
+            ),
+            (
+                vec![
+                    svc("d", "web", &[80], vec![]),
+                    svc("d", "web", &[81], vec![]),
+                ],
+                "services[1]: d/web is listed twice",
+            ),
         ] {
             check(services, Err(want));
         }

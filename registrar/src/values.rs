@@ -87,8 +87,16 @@ pub struct ValueError {
 }
 
 /// Decodes the value stored at `key`.
-pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, what: &'static str, value: &[u8]) -> Result<T, ValueError> {
-    serde_json::from_slice(value).map_err(|e| ValueError { key: key.to_owned(), what, message: e.to_string() })
+pub fn decode<T: for<'de> Deserialize<'de>>(
+    key: &str,
+    what: &'static str,
+    value: &[u8],
+) -> Result<T, ValueError> {
+    serde_json::from_slice(value).map_err(|e| ValueError {
+        key: key.to_owned(),
+        what,
+        message: e.to_string(),
+    })
 }
 
 /// The bytes stored for a value: compact JSON, so that equal values are equal bytes and
@@ -114,11 +122,17 @@ pub fn state_from_pb(s: i32) -> Option<EndpointState> {
 }
 
 pub fn key_to_pb(k: &ServiceKey) -> pb::ServiceKey {
-    pb::ServiceKey { namespace: k.namespace.clone(), name: k.name.clone() }
+    pb::ServiceKey {
+        namespace: k.namespace.clone(),
+        name: k.name.clone(),
+    }
 }
 
 pub fn key_from_pb(k: &pb::ServiceKey) -> ServiceKey {
-    ServiceKey { namespace: k.namespace.clone(), name: k.name.clone() }
+    ServiceKey {
+        namespace: k.namespace.clone(),
+        name: k.name.clone(),
+    }
 }
 
 /// A service's ports and VIP as the API carries them (endpoints apart).
@@ -144,7 +158,12 @@ pub fn endpoint_to_pb(address: IpAddr, port: u16, v: &EndpointValue) -> pb::Endp
 }
 
 pub fn mark_to_pb(service: &ServiceKey, address: IpAddr, v: &MarkValue) -> pb::DrainMark {
-    pb::DrainMark { service: Some(key_to_pb(service)), address: address.to_string(), state: state_to_pb(v.state), node: v.node.clone() }
+    pb::DrainMark {
+        service: Some(key_to_pb(service)),
+        address: address.to_string(),
+        state: state_to_pb(v.state),
+        node: v.node.clone(),
+    }
 }
 
 /// The model's service (as `aether-registrar apply` reads a registry file) in the API.
@@ -175,36 +194,111 @@ mod tests {
 
     #[test]
     fn values_are_the_documented_json() {
-        let s = ServiceValue { ports: vec![80], vip: Some("10.96.0.1".parse().unwrap()), source: Source::File };
-        assert_eq!(String::from_utf8(encode(&s)).unwrap(), r#"{"ports":[80],"vip":"10.96.0.1"}"#);
-        assert_eq!(String::from_utf8(encode(&ServiceValue { ports: vec![80, 81], vip: None, source: Source::File })).unwrap(), r#"{"ports":[80,81]}"#);
-        let discovered = ServiceValue { ports: vec![80], vip: None, source: Source::Kubernetes };
-        assert_eq!(String::from_utf8(encode(&discovered)).unwrap(), r#"{"ports":[80],"source":"kubernetes"}"#);
-        assert_eq!(decode::<ServiceValue>("k", "service", br#"{"ports":[80]}"#).unwrap().source, Source::File);
-        assert_eq!(decode::<ServiceValue>("k", "service", &encode(&discovered)).unwrap(), discovered);
-        let e = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Draining, mtls: false };
-        assert_eq!(String::from_utf8(encode(&e)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"draining"}"#);
-        let m = MarkValue { state: EndpointState::Draining, node: "n".into(), instance: "pod-x".into() };
-        assert_eq!(String::from_utf8(encode(&m)).unwrap(), r#"{"state":"draining","node":"n","instance":"pod-x"}"#);
+        let s = ServiceValue {
+            ports: vec![80],
+            vip: Some("10.96.0.1".parse().unwrap()),
+            source: Source::File,
+        };
+        assert_eq!(
+            String::from_utf8(encode(&s)).unwrap(),
+            r#"{"ports":[80],"vip":"10.96.0.1"}"#
+        );
+        assert_eq!(
+            String::from_utf8(encode(&ServiceValue {
+                ports: vec![80, 81],
+                vip: None,
+                source: Source::File
+            }))
+            .unwrap(),
+            r#"{"ports":[80,81]}"#
+        );
+        let discovered = ServiceValue {
+            ports: vec![80],
+            vip: None,
+            source: Source::Kubernetes,
+        };
+        assert_eq!(
+            String::from_utf8(encode(&discovered)).unwrap(),
+            r#"{"ports":[80],"source":"kubernetes"}"#
+        );
+        assert_eq!(
+            decode::<ServiceValue>("k", "service", br#"{"ports":[80]}"#)
+                .unwrap()
+                .source,
+            Source::File
+        );
+        assert_eq!(
+            decode::<ServiceValue>("k", "service", &encode(&discovered)).unwrap(),
+            discovered
+        );
+        let e = EndpointValue {
+            service_port: 80,
+            node: "n".into(),
+            pod: "p".into(),
+            state: EndpointState::Draining,
+            mtls: false,
+        };
+        assert_eq!(
+            String::from_utf8(encode(&e)).unwrap(),
+            r#"{"service_port":80,"node":"n","pod":"p","state":"draining"}"#
+        );
+        let m = MarkValue {
+            state: EndpointState::Draining,
+            node: "n".into(),
+            instance: "pod-x".into(),
+        };
+        assert_eq!(
+            String::from_utf8(encode(&m)).unwrap(),
+            r#"{"state":"draining","node":"n","instance":"pod-x"}"#
+        );
         // Optional fields may be absent and unknown ones are ignored.
-        let e: EndpointValue = decode("k", "endpoint", br#"{"service_port":80,"future":1}"#).unwrap();
+        let e: EndpointValue =
+            decode("k", "endpoint", br#"{"service_port":80,"future":1}"#).unwrap();
         assert_eq!(e.state, EndpointState::Healthy);
-        let err = decode::<MarkValue>("/p/marks/a/b/10.0.0.1", "drain mark", b"{oops").unwrap_err().to_string();
-        assert!(err.contains("/p/marks/a/b/10.0.0.1") && err.contains("drain mark"), "{err}");
+        let err = decode::<MarkValue>("/p/marks/a/b/10.0.0.1", "drain mark", b"{oops")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("/p/marks/a/b/10.0.0.1") && err.contains("drain mark"),
+            "{err}"
+        );
     }
 
     #[test]
     fn the_mtls_mark_round_trips_and_a_value_without_it_reads_false() {
-        let plain = EndpointValue { service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Healthy, mtls: false };
-        let marked = EndpointValue { mtls: true, ..plain.clone() };
+        let plain = EndpointValue {
+            service_port: 80,
+            node: "n".into(),
+            pod: "p".into(),
+            state: EndpointState::Healthy,
+            mtls: false,
+        };
+        let marked = EndpointValue {
+            mtls: true,
+            ..plain.clone()
+        };
         // Written only when set: an unmarked endpoint's value is the bytes it always was.
-        assert_eq!(String::from_utf8(encode(&plain)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"healthy"}"#);
-        assert_eq!(String::from_utf8(encode(&marked)).unwrap(), r#"{"service_port":80,"node":"n","pod":"p","state":"healthy","mtls":true}"#);
+        assert_eq!(
+            String::from_utf8(encode(&plain)).unwrap(),
+            r#"{"service_port":80,"node":"n","pod":"p","state":"healthy"}"#
+        );
+        assert_eq!(
+            String::from_utf8(encode(&marked)).unwrap(),
+            r#"{"service_port":80,"node":"n","pod":"p","state":"healthy","mtls":true}"#
+        );
         for v in [&plain, &marked] {
-            assert_eq!(&decode::<EndpointValue>("k", "endpoint", &encode(v)).unwrap(), v);
+            assert_eq!(
+                &decode::<EndpointValue>("k", "endpoint", &encode(v)).unwrap(),
+                v
+            );
         }
         // A value a registrar without the field wrote reads as not mTLS.
-        let old: EndpointValue = decode("k", "endpoint", br#"{"service_port":80,"node":"n","pod":"p","state":"healthy"}"#).unwrap();
+        let old: EndpointValue = decode(
+            "k",
+            "endpoint",
+            br#"{"service_port":80,"node":"n","pod":"p","state":"healthy"}"#,
+        )
+        .unwrap();
         assert_eq!(old, plain);
         // And the API carries it both ways.
         let ip: IpAddr = "10.0.0.1".parse().unwrap();
@@ -215,7 +309,15 @@ mod tests {
             namespace: "d".into(),
             ports: vec![80],
             vip: None,
-            endpoints: vec![aether_model::Endpoint { address: ip, port: 8080, service_port: 80, node: "n".into(), pod: "p".into(), state: EndpointState::Healthy, mtls }],
+            endpoints: vec![aether_model::Endpoint {
+                address: ip,
+                port: 8080,
+                service_port: 80,
+                node: "n".into(),
+                pod: "p".into(),
+                state: EndpointState::Healthy,
+                mtls,
+            }],
         };
         assert!(model_service_to_pb(&service(true)).endpoints[0].mtls);
         assert!(!model_service_to_pb(&service(false)).endpoints[0].mtls);

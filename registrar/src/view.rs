@@ -25,7 +25,10 @@ pub struct Rejected {
 
 impl Rejected {
     fn new(key: &[u8], error: impl std::fmt::Display) -> Self {
-        Self { key: String::from_utf8_lossy(key).into_owned(), error: error.to_string() }
+        Self {
+            key: String::from_utf8_lossy(key).into_owned(),
+            error: error.to_string(),
+        }
     }
 }
 
@@ -47,7 +50,11 @@ pub struct Event<'a> {
 /// that has no service key are left out (and reported), as a client that applies changes
 /// leaves them out; every write of the registrar puts or deletes a service together with
 /// its endpoints, so only a hand edit of etcd makes one.
-pub fn full_view<'a>(layout: &Layout, revision: i64, kvs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> (pb::FullView, Vec<Rejected>) {
+pub fn full_view<'a>(
+    layout: &Layout,
+    revision: i64,
+    kvs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+) -> (pb::FullView, Vec<Rejected>) {
     let mut rejected = Vec::new();
     type Endpoints = BTreeMap<(IpAddr, u16), EndpointValue>;
     let mut services: BTreeMap<ServiceKey, (ServiceValue, Endpoints)> = BTreeMap::new();
@@ -63,16 +70,22 @@ pub fn full_view<'a>(layout: &Layout, revision: i64, kvs: impl IntoIterator<Item
                 }
                 Err(e) => rejected.push(Rejected::new(key, e)),
             },
-            Ok(Key::Endpoint { service, address, port }) => match values::decode::<EndpointValue>(&text, "endpoint", value) {
+            Ok(Key::Endpoint {
+                service,
+                address,
+                port,
+            }) => match values::decode::<EndpointValue>(&text, "endpoint", value) {
                 Ok(v) => endpoints.push((service, address, port, v, key)),
                 Err(e) => rejected.push(Rejected::new(key, e)),
             },
-            Ok(Key::Mark { service, address }) => match values::decode::<MarkValue>(&text, "drain mark", value) {
-                Ok(v) => {
-                    marks.insert((service, address), v);
+            Ok(Key::Mark { service, address }) => {
+                match values::decode::<MarkValue>(&text, "drain mark", value) {
+                    Ok(v) => {
+                        marks.insert((service, address), v);
+                    }
+                    Err(e) => rejected.push(Rejected::new(key, e)),
                 }
-                Err(e) => rejected.push(Rejected::new(key, e)),
-            },
+            }
         }
     }
     for (service, address, port, v, key) in endpoints {
@@ -80,7 +93,10 @@ pub fn full_view<'a>(layout: &Layout, revision: i64, kvs: impl IntoIterator<Item
             Some((_, eps)) => {
                 eps.insert((address, port), v);
             }
-            None => rejected.push(Rejected::new(key, format!("endpoint of {service}, which has no service key"))),
+            None => rejected.push(Rejected::new(
+                key,
+                format!("endpoint of {service}, which has no service key"),
+            )),
         }
     }
     let view = pb::FullView {
@@ -89,11 +105,17 @@ pub fn full_view<'a>(layout: &Layout, revision: i64, kvs: impl IntoIterator<Item
             .iter()
             .map(|(k, (v, eps))| {
                 let mut s = values::service_to_pb(k, v);
-                s.endpoints = eps.iter().map(|((a, p), e)| values::endpoint_to_pb(*a, *p, e)).collect();
+                s.endpoints = eps
+                    .iter()
+                    .map(|((a, p), e)| values::endpoint_to_pb(*a, *p, e))
+                    .collect();
                 s
             })
             .collect(),
-        marks: marks.iter().map(|((s, a), m)| values::mark_to_pb(s, *a, m)).collect(),
+        marks: marks
+            .iter()
+            .map(|((s, a), m)| values::mark_to_pb(s, *a, m))
+            .collect(),
         resync: false,
         reason: String::new(),
     };
@@ -107,24 +129,41 @@ pub fn change(layout: &Layout, ev: &Event<'_>) -> Result<pb::Change, Rejected> {
     let text = String::from_utf8_lossy(ev.key);
     let kind = match (key, ev.kind) {
         (Key::Service(s), EventKind::Put) => {
-            let v = values::decode::<ServiceValue>(&text, "service", ev.value).map_err(|e| Rejected::new(ev.key, e))?;
+            let v = values::decode::<ServiceValue>(&text, "service", ev.value)
+                .map_err(|e| Rejected::new(ev.key, e))?;
             Kind::ServiceUpserted(values::service_to_pb(&s, &v))
         }
         (Key::Service(s), EventKind::Delete) => Kind::ServiceRemoved(values::key_to_pb(&s)),
-        (Key::Endpoint { service, address, port }, EventKind::Put) => {
-            let v = values::decode::<EndpointValue>(&text, "endpoint", ev.value).map_err(|e| Rejected::new(ev.key, e))?;
+        (
+            Key::Endpoint {
+                service,
+                address,
+                port,
+            },
+            EventKind::Put,
+        ) => {
+            let v = values::decode::<EndpointValue>(&text, "endpoint", ev.value)
+                .map_err(|e| Rejected::new(ev.key, e))?;
             Kind::EndpointUpserted(pb::EndpointUpsert {
                 service: Some(values::key_to_pb(&service)),
                 endpoint: Some(values::endpoint_to_pb(address, port, &v)),
             })
         }
-        (Key::Endpoint { service, address, port }, EventKind::Delete) => Kind::EndpointRemoved(pb::EndpointRemoval {
+        (
+            Key::Endpoint {
+                service,
+                address,
+                port,
+            },
+            EventKind::Delete,
+        ) => Kind::EndpointRemoved(pb::EndpointRemoval {
             service: Some(values::key_to_pb(&service)),
             address: address.to_string(),
             port: u32::from(port),
         }),
         (Key::Mark { service, address }, EventKind::Put) => {
-            let v = values::decode::<MarkValue>(&text, "drain mark", ev.value).map_err(|e| Rejected::new(ev.key, e))?;
+            let v = values::decode::<MarkValue>(&text, "drain mark", ev.value)
+                .map_err(|e| Rejected::new(ev.key, e))?;
             Kind::StateChanged(values::mark_to_pb(&service, address, &v))
         }
         // A removed mark reads as HEALTHY, set by no node.
@@ -139,7 +178,11 @@ pub fn change(layout: &Layout, ev: &Event<'_>) -> Result<pb::Change, Rejected> {
 }
 
 /// The changes of one watch response, which bring a view to `revision`.
-pub fn batch<'a>(layout: &Layout, revision: i64, events: impl IntoIterator<Item = Event<'a>>) -> (pb::ChangeBatch, Vec<Rejected>) {
+pub fn batch<'a>(
+    layout: &Layout,
+    revision: i64,
+    events: impl IntoIterator<Item = Event<'a>>,
+) -> (pb::ChangeBatch, Vec<Rejected>) {
     let mut rejected = Vec::new();
     let changes = events
         .into_iter()
@@ -170,11 +213,14 @@ struct ViewService {
 pub struct BadMessage(String);
 
 fn service_key(k: &Option<pb::ServiceKey>) -> Result<ServiceKey, BadMessage> {
-    k.as_ref().map(values::key_from_pb).ok_or_else(|| BadMessage("a service key is missing".into()))
+    k.as_ref()
+        .map(values::key_from_pb)
+        .ok_or_else(|| BadMessage("a service key is missing".into()))
 }
 
 fn ip(s: &str) -> Result<IpAddr, BadMessage> {
-    s.parse().map_err(|_| BadMessage(format!("address {s:?} is not an IP")))
+    s.parse()
+        .map_err(|_| BadMessage(format!("address {s:?} is not an IP")))
 }
 
 fn port(p: u32) -> Result<u16, BadMessage> {
@@ -188,7 +234,10 @@ fn state(s: i32) -> Result<EndpointState, BadMessage> {
 impl View {
     /// The view a full view describes.
     pub fn from_full(full: &pb::FullView) -> Result<Self, BadMessage> {
-        let mut view = View { revision: full.revision, ..Default::default() };
+        let mut view = View {
+            revision: full.revision,
+            ..Default::default()
+        };
         for s in &full.services {
             let key = service_key(&s.key)?;
             view.upsert_service(key.clone(), s)?;
@@ -212,7 +261,10 @@ impl View {
                     self.services.remove(&values::key_from_pb(k));
                 }
                 Some(Kind::EndpointUpserted(u)) => {
-                    let e = u.endpoint.as_ref().ok_or_else(|| BadMessage("an endpoint upsert has no endpoint".into()))?;
+                    let e = u
+                        .endpoint
+                        .as_ref()
+                        .ok_or_else(|| BadMessage("an endpoint upsert has no endpoint".into()))?;
                     self.upsert_endpoint(&service_key(&u.service)?, e)?;
                 }
                 Some(Kind::EndpointRemoved(r)) => {
@@ -229,9 +281,21 @@ impl View {
     }
 
     fn upsert_service(&mut self, key: ServiceKey, s: &pb::Service) -> Result<(), BadMessage> {
-        let ports = s.ports.iter().map(|p| port(*p)).collect::<Result<Vec<_>, _>>()?;
-        let vip = if s.vip.is_empty() { None } else { Some(ip(&s.vip)?) };
-        let entry = self.services.entry(key).or_insert_with(|| ViewService { ports: Vec::new(), vip: None, endpoints: BTreeMap::new() });
+        let ports = s
+            .ports
+            .iter()
+            .map(|p| port(*p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let vip = if s.vip.is_empty() {
+            None
+        } else {
+            Some(ip(&s.vip)?)
+        };
+        let entry = self.services.entry(key).or_insert_with(|| ViewService {
+            ports: Vec::new(),
+            vip: None,
+            endpoints: BTreeMap::new(),
+        });
         entry.ports = ports;
         entry.vip = vip;
         Ok(())
@@ -240,7 +304,13 @@ impl View {
     /// An endpoint of a service the view does not hold is dropped, as the full view
     /// drops it.
     fn upsert_endpoint(&mut self, key: &ServiceKey, e: &pb::Endpoint) -> Result<(), BadMessage> {
-        let v = EndpointValue { service_port: port(e.service_port)?, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state)?, mtls: e.mtls };
+        let v = EndpointValue {
+            service_port: port(e.service_port)?,
+            node: e.node.clone(),
+            pod: e.pod.clone(),
+            state: state(e.state)?,
+            mtls: e.mtls,
+        };
         let at = (ip(&e.address)?, port(e.port)?);
         if let Some(s) = self.services.get_mut(key) {
             s.endpoints.insert(at, v);
@@ -312,9 +382,24 @@ impl View {
                         .endpoints
                         .iter()
                         .map(|((address, port), e)| {
-                            let marked = matches!(self.marks.get(&(k.clone(), *address)), Some((EndpointState::Draining, _)));
-                            let state = if marked { EndpointState::Draining } else { e.state };
-                            DocEndpoint { address: *address, port: *port, service_port: e.service_port, node: &e.node, pod: &e.pod, state, mtls: e.mtls }
+                            let marked = matches!(
+                                self.marks.get(&(k.clone(), *address)),
+                                Some((EndpointState::Draining, _))
+                            );
+                            let state = if marked {
+                                EndpointState::Draining
+                            } else {
+                                e.state
+                            };
+                            DocEndpoint {
+                                address: *address,
+                                port: *port,
+                                service_port: e.service_port,
+                                node: &e.node,
+                                pod: &e.pod,
+                                state,
+                                mtls: e.mtls,
+                            }
                         })
                         .collect(),
                 })
@@ -322,7 +407,13 @@ impl View {
             marks: self
                 .marks
                 .iter()
-                .map(|((k, address), (state, node))| DocMark { namespace: &k.namespace, name: &k.name, address: *address, state: *state, node })
+                .map(|((k, address), (state, node))| DocMark {
+                    namespace: &k.namespace,
+                    name: &k.name,
+                    address: *address,
+                    state: *state,
+                    node,
+                })
                 .collect(),
         };
         let mut out = serde_json::to_string_pretty(&doc).expect("a view serializes");
@@ -347,7 +438,8 @@ mod tests {
     const WEB: &str = r#"{"ports":[80],"vip":"10.96.0.1"}"#;
     const EP: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy"}"#;
     /// An endpoint marked mTLS-capable, as the registrar stores it.
-    const EP_MTLS: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy","mtls":true}"#;
+    const EP_MTLS: &str =
+        r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy","mtls":true}"#;
     const MARK: &str = r#"{"state":"draining","node":"n1","instance":"agent-a"}"#;
 
     #[test]
@@ -362,11 +454,18 @@ mod tests {
             (k("services/d/bad"), r#"{"ports":"80"}"#),
             (k("stray"), "{}"),
         ];
-        let (view, rejected) = full_view(&layout(), 42, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let (view, rejected) = full_view(
+            &layout(),
+            42,
+            kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())),
+        );
         assert_eq!(view.revision, 42);
         assert_eq!(view.services.len(), 1);
         let web = &view.services[0];
-        assert_eq!((web.ports.as_slice(), web.vip.as_str()), ([80].as_slice(), "10.96.0.1"));
+        assert_eq!(
+            (web.ports.as_slice(), web.vip.as_str()),
+            ([80].as_slice(), "10.96.0.1")
+        );
         // Sorted by address as an IP, not as text.
         let eps: Vec<&str> = web.endpoints.iter().map(|e| e.address.as_str()).collect();
         assert_eq!(eps, ["10.0.0.2", "10.0.0.10"]);
@@ -388,7 +487,14 @@ mod tests {
     /// One check per mapping: the event, then the change as its debug text.
     fn check(kind: EventKind, key: &str, value: &str, want: &str) {
         let key = k(key);
-        let got = change(&layout(), &Event { kind, key: &key, value: value.as_bytes() });
+        let got = change(
+            &layout(),
+            &Event {
+                kind,
+                key: &key,
+                value: value.as_bytes(),
+            },
+        );
         let got = match got {
             Ok(c) => format!("{:?}", c.kind.unwrap()),
             Err(r) => format!("rejected {}: {}", r.key, r.error),
@@ -399,56 +505,165 @@ mod tests {
     #[test]
     fn watch_events_map_to_changes() {
         use EventKind::*;
-        check(Put, "services/d/web", WEB, r#"ServiceUpserted(Service { key: Some(ServiceKey { namespace: "d", name: "web" }), ports: [80], vip: "10.96.0.1", endpoints: [] })"#);
-        check(Delete, "services/d/web", "", r#"ServiceRemoved(ServiceKey { namespace: "d", name: "web" })"#);
-        check(Put, "endpoints/d/web/10.0.0.1/8080", EP, r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: false }) })"#);
-        check(Put, "endpoints/d/web/10.0.0.1/8080", EP_MTLS, r#"endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: true }) })"#);
-        check(Delete, "endpoints/d/web/10.0.0.1/8080", "", r#"EndpointRemoved(EndpointRemoval { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", port: 8080 })"#);
-        check(Put, "marks/d/web/10.0.0.1", MARK, r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Draining, node: "n1" })"#);
-        check(Delete, "marks/d/web/10.0.0.1", "", r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Healthy, node: "" })"#);
-        check(Put, "marks/d/web/10.0.0.1", "[]", "rejected /aether/registry/marks/d/web/10.0.0.1: value of");
-        check(Put, "services/d", WEB, "rejected /aether/registry/services/d: key");
+        check(
+            Put,
+            "services/d/web",
+            WEB,
+            r#"ServiceUpserted(Service { key: Some(ServiceKey { namespace: "d", name: "web" }), ports: [80], vip: "10.96.0.1", endpoints: [] })"#,
+        );
+        check(
+            Delete,
+            "services/d/web",
+            "",
+            r#"ServiceRemoved(ServiceKey { namespace: "d", name: "web" })"#,
+        );
+        check(
+            Put,
+            "endpoints/d/web/10.0.0.1/8080",
+            EP,
+            r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: false }) })"#,
+        );
+        check(
+            Put,
+            "endpoints/d/web/10.0.0.1/8080",
+            EP_MTLS,
+            r#"endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: true }) })"#,
+        );
+        check(
+            Delete,
+            "endpoints/d/web/10.0.0.1/8080",
+            "",
+            r#"EndpointRemoved(EndpointRemoval { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", port: 8080 })"#,
+        );
+        check(
+            Put,
+            "marks/d/web/10.0.0.1",
+            MARK,
+            r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Draining, node: "n1" })"#,
+        );
+        check(
+            Delete,
+            "marks/d/web/10.0.0.1",
+            "",
+            r#"StateChanged(DrainMark { service: Some(ServiceKey { namespace: "d", name: "web" }), address: "10.0.0.1", state: Healthy, node: "" })"#,
+        );
+        check(
+            Put,
+            "marks/d/web/10.0.0.1",
+            "[]",
+            "rejected /aether/registry/marks/d/web/10.0.0.1: value of",
+        );
+        check(
+            Put,
+            "services/d",
+            WEB,
+            "rejected /aether/registry/services/d: key",
+        );
     }
 
     #[test]
     fn a_client_view_from_changes_equals_the_full_view_read_after_them() {
         let l = layout();
-        let before: Vec<(Vec<u8>, &str)> = vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP)];
-        let (full, _) = full_view(&l, 5, before.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let before: Vec<(Vec<u8>, &str)> = vec![
+            (k("services/d/web"), WEB),
+            (k("endpoints/d/web/10.0.0.1/8080"), EP),
+        ];
+        let (full, _) = full_view(
+            &l,
+            5,
+            before.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())),
+        );
         let mut view = View::from_full(&full).unwrap();
 
-        let (k1, k2, k3, k4) = (k("endpoints/d/web/10.0.0.2/8080"), k("marks/d/web/10.0.0.1"), k("services/d/api"), k("endpoints/d/api/10.0.0.9/81"));
+        let (k1, k2, k3, k4) = (
+            k("endpoints/d/web/10.0.0.2/8080"),
+            k("marks/d/web/10.0.0.1"),
+            k("services/d/api"),
+            k("endpoints/d/api/10.0.0.9/81"),
+        );
         let ep_api = r#"{"service_port":81}"#;
         let events = [
-            Event { kind: EventKind::Put, key: &k1, value: EP.as_bytes() },
-            Event { kind: EventKind::Put, key: &k2, value: MARK.as_bytes() },
-            Event { kind: EventKind::Put, key: &k3, value: br#"{"ports":[81]}"# },
-            Event { kind: EventKind::Put, key: &k4, value: ep_api.as_bytes() },
+            Event {
+                kind: EventKind::Put,
+                key: &k1,
+                value: EP.as_bytes(),
+            },
+            Event {
+                kind: EventKind::Put,
+                key: &k2,
+                value: MARK.as_bytes(),
+            },
+            Event {
+                kind: EventKind::Put,
+                key: &k3,
+                value: br#"{"ports":[81]}"#,
+            },
+            Event {
+                kind: EventKind::Put,
+                key: &k4,
+                value: ep_api.as_bytes(),
+            },
         ];
         let (b, rejected) = batch(&l, 6, events);
         assert!(rejected.is_empty());
         view.apply(&b).unwrap();
         let k5 = k("services/d/api");
         let k6 = k("endpoints/d/api/10.0.0.9/81");
-        let (b, _) = batch(&l, 7, [Event { kind: EventKind::Delete, key: &k5, value: b"" }, Event { kind: EventKind::Delete, key: &k6, value: b"" }]);
+        let (b, _) = batch(
+            &l,
+            7,
+            [
+                Event {
+                    kind: EventKind::Delete,
+                    key: &k5,
+                    value: b"",
+                },
+                Event {
+                    kind: EventKind::Delete,
+                    key: &k6,
+                    value: b"",
+                },
+            ],
+        );
         view.apply(&b).unwrap();
         assert_eq!(view.revision, 7);
 
-        let after: Vec<(Vec<u8>, &str)> =
-            vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP), (k("endpoints/d/web/10.0.0.2/8080"), EP), (k("marks/d/web/10.0.0.1"), MARK)];
-        let (full, _) = full_view(&l, 7, after.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let after: Vec<(Vec<u8>, &str)> = vec![
+            (k("services/d/web"), WEB),
+            (k("endpoints/d/web/10.0.0.1/8080"), EP),
+            (k("endpoints/d/web/10.0.0.2/8080"), EP),
+            (k("marks/d/web/10.0.0.1"), MARK),
+        ];
+        let (full, _) = full_view(
+            &l,
+            7,
+            after.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())),
+        );
         let fresh = View::from_full(&full).unwrap();
         assert_eq!(view, fresh);
         let json = fresh.to_json();
         assert_eq!(json, view.to_json());
         // The mark makes 10.0.0.1 draining in the services; 10.0.0.2 stays healthy.
         let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
-        let states: Vec<&str> = doc["services"][0]["endpoints"].as_array().unwrap().iter().map(|e| e["state"].as_str().unwrap()).collect();
+        let states: Vec<&str> = doc["services"][0]["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["state"].as_str().unwrap())
+            .collect();
         assert_eq!(states, ["draining", "healthy"]);
         assert_eq!(doc["marks"][0]["node"], "n1");
 
         // A removed mark (HEALTHY, no node) leaves the view.
-        let (b, _) = batch(&l, 8, [Event { kind: EventKind::Delete, key: &k2, value: b"" }]);
+        let (b, _) = batch(
+            &l,
+            8,
+            [Event {
+                kind: EventKind::Delete,
+                key: &k2,
+                value: b"",
+            }],
+        );
         view.apply(&b).unwrap();
         assert!(view.to_json().contains("\"marks\": []"));
     }
@@ -456,46 +671,106 @@ mod tests {
     #[test]
     fn the_mtls_mark_reaches_the_full_view_the_changes_and_the_dump() {
         let l = layout();
-        let kvs: Vec<(Vec<u8>, &str)> = vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP), (k("endpoints/d/web/10.0.0.2/8080"), EP_MTLS)];
-        let (full, rejected) = full_view(&l, 3, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        let kvs: Vec<(Vec<u8>, &str)> = vec![
+            (k("services/d/web"), WEB),
+            (k("endpoints/d/web/10.0.0.1/8080"), EP),
+            (k("endpoints/d/web/10.0.0.2/8080"), EP_MTLS),
+        ];
+        let (full, rejected) =
+            full_view(&l, 3, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
         assert!(rejected.is_empty(), "{rejected:?}");
-        let marks: Vec<(&str, bool)> = full.services[0].endpoints.iter().map(|e| (e.address.as_str(), e.mtls)).collect();
+        let marks: Vec<(&str, bool)> = full.services[0]
+            .endpoints
+            .iter()
+            .map(|e| (e.address.as_str(), e.mtls))
+            .collect();
         assert_eq!(marks, [("10.0.0.1", false), ("10.0.0.2", true)]);
 
         // A client that follows the changes holds the mark, and loses it when it goes.
-        let mut view = View::from_full(&pb::FullView { revision: 1, services: vec![values::service_to_pb(&web_key(), &serde_json::from_str(WEB).unwrap())], ..Default::default() }).unwrap();
-        let (k1, k2) = (k("endpoints/d/web/10.0.0.1/8080"), k("endpoints/d/web/10.0.0.2/8080"));
-        let (b, _) = batch(&l, 3, [Event { kind: EventKind::Put, key: &k1, value: EP.as_bytes() }, Event { kind: EventKind::Put, key: &k2, value: EP_MTLS.as_bytes() }]);
+        let mut view = View::from_full(&pb::FullView {
+            revision: 1,
+            services: vec![values::service_to_pb(
+                &web_key(),
+                &serde_json::from_str(WEB).unwrap(),
+            )],
+            ..Default::default()
+        })
+        .unwrap();
+        let (k1, k2) = (
+            k("endpoints/d/web/10.0.0.1/8080"),
+            k("endpoints/d/web/10.0.0.2/8080"),
+        );
+        let (b, _) = batch(
+            &l,
+            3,
+            [
+                Event {
+                    kind: EventKind::Put,
+                    key: &k1,
+                    value: EP.as_bytes(),
+                },
+                Event {
+                    kind: EventKind::Put,
+                    key: &k2,
+                    value: EP_MTLS.as_bytes(),
+                },
+            ],
+        );
         view.apply(&b).unwrap();
         assert_eq!(view, View::from_full(&full).unwrap());
         let json = view.to_json();
         let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
         let eps = doc["services"][0]["endpoints"].as_array().unwrap();
         assert_eq!(eps[1]["mtls"], true, "{json}");
-        assert!(eps[0].get("mtls").is_none(), "false is the file's default and left out: {json}");
+        assert!(
+            eps[0].get("mtls").is_none(),
+            "false is the file's default and left out: {json}"
+        );
         // The dump reads back as a registry file with the mark.
         let file = serde_json::json!({ "services": doc["services"] }).to_string();
-        let parsed = aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes()).unwrap();
+        let parsed =
+            aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes())
+                .unwrap();
         let eps = &parsed.services.values().next().unwrap().endpoints;
-        assert_eq!(eps.iter().map(|e| e.mtls).collect::<Vec<_>>(), [false, true]);
+        assert_eq!(
+            eps.iter().map(|e| e.mtls).collect::<Vec<_>>(),
+            [false, true]
+        );
 
-        let (b, _) = batch(&l, 4, [Event { kind: EventKind::Put, key: &k2, value: EP.as_bytes() }]);
+        let (b, _) = batch(
+            &l,
+            4,
+            [Event {
+                kind: EventKind::Put,
+                key: &k2,
+                value: EP.as_bytes(),
+            }],
+        );
         view.apply(&b).unwrap();
         assert!(!view.to_json().contains("mtls"), "{}", view.to_json());
     }
 
     fn web_key() -> ServiceKey {
-        ServiceKey { namespace: "d".into(), name: "web".into() }
+        ServiceKey {
+            namespace: "d".into(),
+            name: "web".into(),
+        }
     }
 
     #[test]
     fn the_dump_services_are_a_registry_file() {
         let l = layout();
-        let kvs: Vec<(Vec<u8>, &str)> = vec![(k("services/d/web"), WEB), (k("endpoints/d/web/10.0.0.1/8080"), EP)];
+        let kvs: Vec<(Vec<u8>, &str)> = vec![
+            (k("services/d/web"), WEB),
+            (k("endpoints/d/web/10.0.0.1/8080"), EP),
+        ];
         let (full, _) = full_view(&l, 1, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
-        let doc: serde_json::Value = serde_json::from_str(&View::from_full(&full).unwrap().to_json()).unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_str(&View::from_full(&full).unwrap().to_json()).unwrap();
         let file = serde_json::json!({ "services": doc["services"] }).to_string();
-        let parsed = aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes()).unwrap();
+        let parsed =
+            aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes())
+                .unwrap();
         assert_eq!(parsed.services.len(), 1);
     }
 }

@@ -21,15 +21,24 @@ pub enum WriteError {
     Store(#[from] StoreError),
     #[error("{key} is discovered from Kubernetes (source {by}); change it there, not with a file")]
     Owned { key: ServiceKey, by: Source },
-    #[error("{key}: {ops} writes in one transaction are more than etcd's --max-txn-ops allows (128 by default); raise it: {source}")]
-    TooManyOps { key: ServiceKey, ops: usize, source: StoreError },
+    #[error(
+        "{key}: {ops} writes in one transaction are more than etcd's --max-txn-ops allows (128 by default); raise it: {source}"
+    )]
+    TooManyOps {
+        key: ServiceKey,
+        ops: usize,
+        source: StoreError,
+    },
     #[error("{key} kept changing while being written; retry")]
     Contended { key: ServiceKey },
 }
 
 impl WriteError {
     fn owned(key: &ServiceKey, o: Owned) -> WriteError {
-        WriteError::Owned { key: key.clone(), by: o.by }
+        WriteError::Owned {
+            key: key.clone(),
+            by: o.by,
+        }
     }
 }
 
@@ -54,19 +63,38 @@ pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written
     for _ in 0..ATTEMPTS {
         let (read, kvs) = store.read_prefix(&endpoints, None).await?;
         let (_, current) = store.read_key(&service_key, Some(read)).await?;
-        let current_endpoints: BTreeMap<String, Vec<u8>> = kvs.into_iter().map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v)).collect();
+        let current_endpoints: BTreeMap<String, Vec<u8>> = kvs
+            .into_iter()
+            .map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v))
+            .collect();
         let before = plan::stored_source(current.as_deref());
-        let ops = plan::apply_service(layout, s, writer, current.as_deref(), &current_endpoints).map_err(|o| WriteError::owned(&key, o))?;
-        let written = |revision| Written { revision, writes: ops.len(), took_over: before.is_some_and(|b| b != writer), existed: before.is_some() };
+        let ops = plan::apply_service(layout, s, writer, current.as_deref(), &current_endpoints)
+            .map_err(|o| WriteError::owned(&key, o))?;
+        let written = |revision| Written {
+            revision,
+            writes: ops.len(),
+            took_over: before.is_some_and(|b| b != writer),
+            existed: before.is_some(),
+        };
         if ops.is_empty() {
             return Ok(written(read));
         }
-        let guards = [Guard::Key(service_key.clone()), Guard::Prefix(endpoints.clone())];
+        let guards = [
+            Guard::Key(service_key.clone()),
+            Guard::Prefix(endpoints.clone()),
+        ];
         match store.commit(read, &guards, &ops).await {
             Ok(Some(revision)) => return Ok(written(revision)),
             Ok(None) => continue,
-            Err(e) if e.status().is_some_and(|st| st.message().contains("too many operations")) => {
-                return Err(WriteError::TooManyOps { key, ops: ops.len(), source: e });
+            Err(e)
+                if e.status()
+                    .is_some_and(|st| st.message().contains("too many operations")) =>
+            {
+                return Err(WriteError::TooManyOps {
+                    key,
+                    ops: ops.len(),
+                    source: e,
+                });
             }
             Err(e) => return Err(e.into()),
         }
@@ -76,16 +104,29 @@ pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written
 
 /// Removes a service with its endpoints and drain marks, as `writer`: a file may not
 /// remove a discovered service, and discovery leaves a file's service alone.
-pub async fn delete(store: &Store, key: &ServiceKey, writer: Source) -> Result<Written, WriteError> {
+pub async fn delete(
+    store: &Store,
+    key: &ServiceKey,
+    writer: Source,
+) -> Result<Written, WriteError> {
     let service_key = store.layout.service(key);
     for _ in 0..ATTEMPTS {
         let (read, current) = store.read_key(&service_key, None).await?;
-        let ops = plan::delete_service(&store.layout, key, writer, current.as_deref()).map_err(|o| WriteError::owned(key, o))?;
-        let written = |revision| Written { revision, writes: ops.len(), took_over: false, existed: current.is_some() };
+        let ops = plan::delete_service(&store.layout, key, writer, current.as_deref())
+            .map_err(|o| WriteError::owned(key, o))?;
+        let written = |revision| Written {
+            revision,
+            writes: ops.len(),
+            took_over: false,
+            existed: current.is_some(),
+        };
         if ops.is_empty() {
             return Ok(written(read));
         }
-        if let Some(revision) = store.commit(read, &[Guard::Key(service_key.clone())], &ops).await? {
+        if let Some(revision) = store
+            .commit(read, &[Guard::Key(service_key.clone())], &ops)
+            .await?
+        {
             return Ok(written(revision));
         }
     }

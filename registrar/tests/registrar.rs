@@ -37,7 +37,11 @@ async fn streams_are_keyed_by_cluster_node_and_instance() {
     let mut standby = watch(addr, "c", "n1", "agent-b", 0).await;
     assert_eq!(next_full(&mut owner).await.services.len(), 1);
     assert_eq!(next_full(&mut standby).await.services.len(), 1);
-    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    apply(
+        addr,
+        vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
+    )
+    .await;
     for s in [&mut owner, &mut standby] {
         assert_eq!(describe(&next_changes(s).await), ["endpoint 10.0.0.2:8080"]);
     }
@@ -49,12 +53,20 @@ async fn streams_are_keyed_by_cluster_node_and_instance() {
     next_full(&mut newer).await;
     let status = next(&mut older).await.expect_err("the older stream ends");
     assert_eq!(status.code(), Code::Aborted, "{status:?}");
-    assert!(status.message().contains("replaced by a newer stream for the same key"), "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("replaced by a newer stream for the same key"),
+        "{status:?}"
+    );
     reg.wait_log("replaced by a newer stream for the same key", WAIT);
 
     apply(addr, vec![web(&[("10.0.0.2", 8080, "n1")])]).await;
     for s in [&mut owner, &mut standby, &mut newer] {
-        assert_eq!(describe(&next_changes(s).await), ["endpoint removed 10.0.0.1:8080"]);
+        assert_eq!(
+            describe(&next_changes(s).await),
+            ["endpoint removed 10.0.0.1:8080"]
+        );
     }
 }
 
@@ -65,19 +77,37 @@ async fn metrics_count_calls_by_status_and_watch_streams_open_and_ended() {
     let etcd = etcd_or_skip!("metrics_count_calls_by_status_and_watch_streams_open_and_ended");
     let dir = tempfile::tempdir().unwrap();
     let metrics_addr = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
-    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--metrics-addr", &metrics_addr]);
+    let reg = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("r.sock"),
+        &["--metrics-addr", &metrics_addr],
+    );
     let addr = reg.addr();
     let get = move |path: &str| {
         use std::io::{Read, Write};
         let mut c = std::net::TcpStream::connect(&metrics_addr).expect("the metrics port answers");
-        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        write!(
+            c,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
         let mut out = String::new();
         c.read_to_string(&mut out).unwrap();
         out
     };
     apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
-    let bad = pb::Service { ports: vec![], ..web(&[("10.0.0.1", 8080, "n1")]) };
-    let e = client(addr).await.apply_services(pb::ApplyServicesRequest { services: vec![bad] }).await.unwrap_err();
+    let bad = pb::Service {
+        ports: vec![],
+        ..web(&[("10.0.0.1", 8080, "n1")])
+    };
+    let e = client(addr)
+        .await
+        .apply_services(pb::ApplyServicesRequest {
+            services: vec![bad],
+        })
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let mut s = watch(addr, "c", "n1", "a", 0).await;
     next_full(&mut s).await;
@@ -91,12 +121,17 @@ async fn metrics_count_calls_by_status_and_watch_streams_open_and_ended() {
     ] {
         assert!(text.contains(want), "{want} not in:\n{text}");
     }
-    assert!(!text.contains("aether_registrar_leader"), "a replica that runs for no Lease exports no leader gauge:\n{text}");
+    assert!(
+        !text.contains("aether_registrar_leader"),
+        "a replica that runs for no Lease exports no leader gauge:\n{text}"
+    );
     drop(s);
     tokio::task::spawn_blocking(move || {
         aether_registrar::testing::wait_for("the closed stream to be counted", WAIT, || {
             let text = get("/metrics");
-            (text.contains("aether_registrar_watch_streams 0") && text.contains("aether_registrar_watch_ends_total{result=\"client_gone\"} 1")).then_some(())
+            (text.contains("aether_registrar_watch_streams 0")
+                && text.contains("aether_registrar_watch_ends_total{result=\"client_gone\"} 1"))
+            .then_some(())
         });
         assert!(get("/").starts_with("HTTP/1.1 404"));
     })
@@ -109,33 +144,63 @@ async fn metrics_count_calls_by_status_and_watch_streams_open_and_ended() {
 /// replica staying live), and 200 again once etcd is back; anything else is 404.
 #[test]
 fn the_probes_say_live_and_ready_while_etcd_answers_and_not_ready_without_it() {
-    let mut etcd = etcd_or_skip!("the_probes_say_live_and_ready_while_etcd_answers_and_not_ready_without_it");
+    let mut etcd =
+        etcd_or_skip!("the_probes_say_live_and_ready_while_etcd_answers_and_not_ready_without_it");
     let dir = tempfile::tempdir().unwrap();
     let health = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
-    let _reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--health-addr", &health]);
+    let _reg = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("r.sock"),
+        &["--health-addr", &health],
+    );
     let get = |path: &str| -> (u16, String) {
         use std::io::{Read, Write};
         let mut c = std::net::TcpStream::connect(&health).expect("the probe port answers");
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        write!(
+            c,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
         let mut out = String::new();
         c.read_to_string(&mut out).unwrap();
-        let status = out.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-        (status, out.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned())
+        let status = out
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        (
+            status,
+            out.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned(),
+        )
     };
     assert_eq!(get("/live").0, 200);
     let (status, body) = get("/ready");
-    assert!(status == 200 && body.starts_with("ready: etcd at revision"), "{status} {body}");
+    assert!(
+        status == 200 && body.starts_with("ready: etcd at revision"),
+        "{status} {body}"
+    );
     assert_eq!(get("/metrics").0, 404);
     etcd.kill(0);
-    let body = aether_registrar::testing::wait_for("/ready to say etcd does not answer", WAIT, || {
-        let (status, body) = get("/ready");
-        (status == 503).then_some(body)
-    });
-    assert!(body.starts_with("not ready: etcd at ") && body.contains(&etcd.client_urls()[0]), "{body}");
-    assert_eq!(get("/live").0, 200, "a replica without etcd is not ready, but live");
+    let body =
+        aether_registrar::testing::wait_for("/ready to say etcd does not answer", WAIT, || {
+            let (status, body) = get("/ready");
+            (status == 503).then_some(body)
+        });
+    assert!(
+        body.starts_with("not ready: etcd at ") && body.contains(&etcd.client_urls()[0]),
+        "{body}"
+    );
+    assert_eq!(
+        get("/live").0,
+        200,
+        "a replica without etcd is not ready, but live"
+    );
     etcd.restart(0);
-    aether_registrar::testing::wait_for("/ready once etcd is back", WAIT, || (get("/ready").0 == 200).then_some(()));
+    aether_registrar::testing::wait_for("/ready once etcd is back", WAIT, || {
+        (get("/ready").0 == 200).then_some(())
+    });
 }
 
 #[tokio::test]
@@ -148,27 +213,43 @@ async fn a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped() {
     let mut s = watch(addr, "c", "n1", "a", 0).await;
     next_full(&mut s).await;
 
-    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None).await.unwrap();
+    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None)
+        .await
+        .unwrap();
     let bad = "/aether/registry/endpoints/prod/web/10.0.0.9/8080";
     kv.put(bad, "{not json", None).await.unwrap();
     let batch = next_changes(&mut s).await;
     assert!(batch.changes.is_empty(), "{batch:?}");
     reg.wait_log(bad, WAIT);
     // The stream goes on, and a new stream's full view leaves the value out too.
-    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    apply(
+        addr,
+        vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
+    )
+    .await;
     let batch = next_changes(&mut s).await;
     // The apply removes the corrupt endpoint, absent from the request, and adds one.
-    assert_eq!(describe(&batch), ["endpoint removed 10.0.0.9:8080", "endpoint 10.0.0.2:8080"]);
+    assert_eq!(
+        describe(&batch),
+        ["endpoint removed 10.0.0.9:8080", "endpoint 10.0.0.2:8080"]
+    );
     kv.put(bad, "[]", None).await.unwrap();
     next_changes(&mut s).await;
     let full = next_full(&mut watch(addr, "c", "n1", "b", 0).await).await;
-    let eps: Vec<&str> = full.services[0].endpoints.iter().map(|e| e.address.as_str()).collect();
+    let eps: Vec<&str> = full.services[0]
+        .endpoints
+        .iter()
+        .map(|e| e.address.as_str())
+        .collect();
     assert_eq!(eps, ["10.0.0.1", "10.0.0.2"]);
 }
 
 #[tokio::test]
-async fn a_client_resumes_from_its_revision_across_a_registrar_restart_and_after_compaction_gets_a_resync() {
-    let etcd = etcd_or_skip!("a_client_resumes_from_its_revision_across_a_registrar_restart_and_after_compaction_gets_a_resync");
+async fn a_client_resumes_from_its_revision_across_a_registrar_restart_and_after_compaction_gets_a_resync()
+ {
+    let etcd = etcd_or_skip!(
+        "a_client_resumes_from_its_revision_across_a_registrar_restart_and_after_compaction_gets_a_resync"
+    );
     let dir = tempfile::tempdir().unwrap();
     let mut reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr().to_owned();
@@ -176,7 +257,11 @@ async fn a_client_resumes_from_its_revision_across_a_registrar_restart_and_after
 
     let mut s = watch(&addr, "c", "n1", "a", 0).await;
     let full = next_full(&mut s).await;
-    apply(&addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    apply(
+        &addr,
+        vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
+    )
+    .await;
     let first = next_changes(&mut s).await;
     assert!(first.revision > full.revision);
     drop(s);
@@ -189,46 +274,97 @@ async fn a_client_resumes_from_its_revision_across_a_registrar_restart_and_after
 
     // The registrar restarts mid-stream: the stream breaks, the client resumes.
     reg.restart();
-    assert!(next(&mut s).await.is_err(), "the stream ends with its registrar");
-    let revision = apply(&addr, vec![web(&[("10.0.0.2", 8080, "n1"), ("10.0.0.3", 8080, "n1")])]).await;
+    assert!(
+        next(&mut s).await.is_err(),
+        "the stream ends with its registrar"
+    );
+    let revision = apply(
+        &addr,
+        vec![web(&[("10.0.0.2", 8080, "n1"), ("10.0.0.3", 8080, "n1")])],
+    )
+    .await;
     let mut s = watch(&addr, "c", "n1", "a", later.revision).await;
     let batch = next_changes(&mut s).await;
-    assert_eq!((describe(&batch), batch.revision), (vec!["endpoint 10.0.0.3:8080".to_owned()], revision));
+    assert_eq!(
+        (describe(&batch), batch.revision),
+        (vec!["endpoint 10.0.0.3:8080".to_owned()], revision)
+    );
     drop(s);
 
     // History compacted past the client's revision: a full view again, with the reason.
     let at = batch.revision;
-    apply(&addr, vec![web(&[("10.0.0.4", 8080, "n1")]), svc("prod", "api", &[81], &[("10.0.1.1", 9000, "n2")])]).await;
-    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None).await.unwrap();
-    let current = kv.get("/", Some(etcd_client::GetOptions::new().with_count_only())).await.unwrap().header().unwrap().revision();
-    kv.compact(current, Some(etcd_client::CompactionOptions::new().with_physical())).await.unwrap();
+    apply(
+        &addr,
+        vec![
+            web(&[("10.0.0.4", 8080, "n1")]),
+            svc("prod", "api", &[81], &[("10.0.1.1", 9000, "n2")]),
+        ],
+    )
+    .await;
+    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None)
+        .await
+        .unwrap();
+    let current = kv
+        .get("/", Some(etcd_client::GetOptions::new().with_count_only()))
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    kv.compact(
+        current,
+        Some(etcd_client::CompactionOptions::new().with_physical()),
+    )
+    .await
+    .unwrap();
     let mut s = watch(&addr, "c", "n1", "a", at).await;
     let full = next_full(&mut s).await;
     assert!(full.resync, "{full:?}");
-    assert!(full.reason.contains("compacted") && full.reason.contains(&current.to_string()) && full.reason.contains(&at.to_string()), "{}", full.reason);
+    assert!(
+        full.reason.contains("compacted")
+            && full.reason.contains(&current.to_string())
+            && full.reason.contains(&at.to_string()),
+        "{}",
+        full.reason
+    );
     assert_eq!(full.revision, current);
-    assert_eq!(render(&full), dump(&addr), "the resync's view is the registrar's state");
+    assert_eq!(
+        render(&full),
+        dump(&addr),
+        "the resync's view is the registrar's state"
+    );
     // And the stream goes on from the new revision.
     apply(&addr, vec![web(&[("10.0.0.5", 8080, "n1")])]).await;
-    assert_eq!(describe(&next_changes(&mut s).await), ["endpoint removed 10.0.0.4:8080", "endpoint 10.0.0.5:8080"]);
+    assert_eq!(
+        describe(&next_changes(&mut s).await),
+        ["endpoint removed 10.0.0.4:8080", "endpoint 10.0.0.5:8080"]
+    );
 
     // A revision the store has not reached (another etcd's) is a resync too.
     let mut s = watch(&addr, "c", "n1", "a", current + 1000).await;
     let full = next_full(&mut s).await;
-    assert!(full.resync && full.reason.contains("not the store the client read"), "{full:?}");
+    assert!(
+        full.resync && full.reason.contains("not the store the client read"),
+        "{full:?}"
+    );
 }
 
 #[tokio::test]
 async fn a_client_resumes_on_another_replica_without_a_resync() {
     let etcd = etcd_or_skip!("a_client_resumes_on_another_replica_without_a_resync");
     let dir = tempfile::tempdir().unwrap();
-    let mut first = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r1.sock"), &[]);
+    let mut first =
+        RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r1.sock"), &[]);
     let second = RegistrarProcess::tcp(bin(), &etcd.endpoints(), &[]);
     apply(second.addr(), vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
 
     let mut s = watch(first.addr(), "c", "n1", "a", 0).await;
     next_full(&mut s).await;
-    apply(second.addr(), vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
+    apply(
+        second.addr(),
+        vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
+    )
+    .await;
     let seen = next_changes(&mut s).await;
     first.kill();
     assert!(next(&mut s).await.is_err());
@@ -236,10 +372,23 @@ async fn a_client_resumes_on_another_replica_without_a_resync() {
     let revision = apply(second.addr(), vec![web(&[("10.0.0.2", 8080, "n1")])]).await;
     // The client's address list: the dead replica first, as an agent would hold it.
     let both = format!("{},{}", first.addr(), second.addr());
-    let req = pb::WatchEndpointsRequest { cluster: "c".into(), node: "n1".into(), instance: "a".into(), resume_revision: seen.revision };
-    let mut s = client(&both).await.watch_endpoints(req).await.unwrap().into_inner();
+    let req = pb::WatchEndpointsRequest {
+        cluster: "c".into(),
+        node: "n1".into(),
+        instance: "a".into(),
+        resume_revision: seen.revision,
+    };
+    let mut s = client(&both)
+        .await
+        .watch_endpoints(req)
+        .await
+        .unwrap()
+        .into_inner();
     let batch = next_changes(&mut s).await;
-    assert_eq!((describe(&batch), batch.revision), (vec!["endpoint removed 10.0.0.1:8080".to_owned()], revision));
+    assert_eq!(
+        (describe(&batch), batch.revision),
+        (vec!["endpoint removed 10.0.0.1:8080".to_owned()], revision)
+    );
 }
 
 #[tokio::test]
@@ -248,12 +397,26 @@ async fn drain_marks_are_states_set_only_by_the_endpoints_node() {
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr();
-    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")]), svc("prod", "api", &[81], &[("10.0.0.1", 9000, "n1")])]).await;
+    apply(
+        addr,
+        vec![
+            web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")]),
+            svc("prod", "api", &[81], &[("10.0.0.1", 9000, "n1")]),
+        ],
+    )
+    .await;
     let mut s = watch(addr, "c", "observer", "", 0).await;
     next_full(&mut s).await;
 
-    let mark = |state: pb::EndpointState, node: &str, instance: &str, address: &str, service: Option<&str>| pb::SetEndpointStateRequest {
-        service: service.map(|n| pb::ServiceKey { namespace: "prod".into(), name: n.into() }),
+    let mark = |state: pb::EndpointState,
+                node: &str,
+                instance: &str,
+                address: &str,
+                service: Option<&str>| pb::SetEndpointStateRequest {
+        service: service.map(|n| pb::ServiceKey {
+            namespace: "prod".into(),
+            name: n.into(),
+        }),
         address: address.into(),
         state: state as i32,
         node: node.into(),
@@ -261,34 +424,118 @@ async fn drain_marks_are_states_set_only_by_the_endpoints_node() {
     };
     let mut c = client(addr).await;
     // The owner marks its pod's address in one service, then its successor does the same.
-    let a = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.0.0.1", Some("web"))).await.unwrap().into_inner();
+    let a = c
+        .set_endpoint_state(mark(
+            pb::EndpointState::Draining,
+            "n1",
+            "agent-a",
+            "10.0.0.1",
+            Some("web"),
+        ))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(a.marked, 1);
-    let b = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-b", "10.0.0.1", Some("web"))).await.unwrap().into_inner();
-    assert_eq!((b.marked, b.revision), (1, a.revision), "the same state again writes nothing");
-    assert_eq!(describe(&next_changes(&mut s).await), ["mark 10.0.0.1 ENDPOINT_STATE_DRAINING \"n1\""]);
+    let b = c
+        .set_endpoint_state(mark(
+            pb::EndpointState::Draining,
+            "n1",
+            "agent-b",
+            "10.0.0.1",
+            Some("web"),
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (b.marked, b.revision),
+        (1, a.revision),
+        "the same state again writes nothing"
+    );
+    assert_eq!(
+        describe(&next_changes(&mut s).await),
+        ["mark 10.0.0.1 ENDPOINT_STATE_DRAINING \"n1\""]
+    );
     let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
     assert_eq!(doc["marks"].as_array().unwrap().len(), 1, "{doc}");
-    assert_eq!(doc["services"][1]["endpoints"][0]["state"], "draining", "{doc}");
+    assert_eq!(
+        doc["services"][1]["endpoints"][0]["state"], "draining",
+        "{doc}"
+    );
 
     // Another node's endpoint: refused, and logged with both nodes.
-    let e = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.0.0.2", None)).await.unwrap_err();
+    let e = c
+        .set_endpoint_state(mark(
+            pb::EndpointState::Draining,
+            "n1",
+            "agent-a",
+            "10.0.0.2",
+            None,
+        ))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     let log = reg.wait_log("endpoint runs on another node", WAIT);
-    let line = log.lines().find(|l| l.contains("endpoint runs on another node")).unwrap();
-    for needle in ["caller_node=n1", "instance=agent-a", "address=10.0.0.2", "endpoint_node=n2"] {
+    let line = log
+        .lines()
+        .find(|l| l.contains("endpoint runs on another node"))
+        .unwrap();
+    for needle in [
+        "caller_node=n1",
+        "instance=agent-a",
+        "address=10.0.0.2",
+        "endpoint_node=n2",
+    ] {
         assert!(line.contains(needle), "{needle} not in {line}");
     }
-    let e = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.9.9.9", None)).await.unwrap_err();
+    let e = c
+        .set_endpoint_state(mark(
+            pb::EndpointState::Draining,
+            "n1",
+            "agent-a",
+            "10.9.9.9",
+            None,
+        ))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
 
     // No service: every service with an endpoint at the address.
-    let all = c.set_endpoint_state(mark(pb::EndpointState::Draining, "n1", "agent-a", "10.0.0.1", None)).await.unwrap().into_inner();
+    let all = c
+        .set_endpoint_state(mark(
+            pb::EndpointState::Draining,
+            "n1",
+            "agent-a",
+            "10.0.0.1",
+            None,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(all.marked, 2);
-    assert_eq!(describe(&next_changes(&mut s).await), ["mark 10.0.0.1 ENDPOINT_STATE_DRAINING \"n1\""], "only api's mark is new");
+    assert_eq!(
+        describe(&next_changes(&mut s).await),
+        ["mark 10.0.0.1 ENDPOINT_STATE_DRAINING \"n1\""],
+        "only api's mark is new"
+    );
 
     // HEALTHY removes the marks: a HEALTHY change with no node each.
-    c.set_endpoint_state(mark(pb::EndpointState::Healthy, "n1", "agent-b", "10.0.0.1", None)).await.unwrap();
-    assert_eq!(describe(&next_changes(&mut s).await), ["mark 10.0.0.1 ENDPOINT_STATE_HEALTHY \"\"", "mark 10.0.0.1 ENDPOINT_STATE_HEALTHY \"\""]);
+    c.set_endpoint_state(mark(
+        pb::EndpointState::Healthy,
+        "n1",
+        "agent-b",
+        "10.0.0.1",
+        None,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        describe(&next_changes(&mut s).await),
+        [
+            "mark 10.0.0.1 ENDPOINT_STATE_HEALTHY \"\"",
+            "mark 10.0.0.1 ENDPOINT_STATE_HEALTHY \"\""
+        ]
+    );
     let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
     assert!(doc["marks"].as_array().unwrap().is_empty(), "{doc}");
 }
@@ -307,8 +554,18 @@ async fn apply_and_delete_from_the_command_line() {
       {"name": "api", "namespace": "prod", "ports": [81]}
     ]}"#;
     std::fs::write(&file, good).unwrap();
-    let out = cli(&["apply", "--registrar", addr, "--file", file.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&[
+        "apply",
+        "--registrar",
+        addr,
+        "--file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("applied 2 services"));
 
     // The dump's services are the file, as the agent's parser reads both.
@@ -324,10 +581,19 @@ async fn apply_and_delete_from_the_command_line() {
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, r#"{"services": [{"name": "web", "namespace": "prod", "ports": [80], "endpoints": [{"address": "10.0.0.1", "port": 0}]}]}"#).unwrap();
     let before = dump(addr);
-    let out = cli(&["apply", "--registrar", addr, "--file", bad.to_str().unwrap()]);
+    let out = cli(&[
+        "apply",
+        "--registrar",
+        addr,
+        "--file",
+        bad.to_str().unwrap(),
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("bad.json") && err.contains("services[0] (web.prod).endpoints[0]: port is 0"), "{err}");
+    assert!(
+        err.contains("bad.json") && err.contains("services[0] (web.prod).endpoints[0]: port is 0"),
+        "{err}"
+    );
     assert_eq!(dump(addr), before);
 
     // A re-apply keeps drain marks and removes the endpoints the file no longer lists.
@@ -348,24 +614,43 @@ async fn apply_and_delete_from_the_command_line() {
     );
     assert_ne!(fewer, good);
     std::fs::write(&file, &fewer).unwrap();
-    let out = cli(&["apply", "--registrar", addr, "--file", file.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&[
+        "apply",
+        "--registrar",
+        addr,
+        "--file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
     let web = &doc["services"][1];
     assert_eq!(web["name"], "web");
     assert_eq!(web["endpoints"].as_array().unwrap().len(), 1, "{doc}");
-    assert_eq!(web["endpoints"][0]["state"], "draining", "the mark stays: {doc}");
+    assert_eq!(
+        web["endpoints"][0]["state"], "draining",
+        "the mark stays: {doc}"
+    );
     assert_eq!(doc["marks"].as_array().unwrap().len(), 1, "{doc}");
 
     // Delete takes the service's endpoints and marks with it.
     let out = cli(&["delete", "--registrar", addr, "--service", "prod/web"]);
-    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("deleted prod/web"), "{out:?}");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("deleted prod/web"),
+        "{out:?}"
+    );
     let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
     assert_eq!(doc["services"].as_array().unwrap().len(), 1, "{doc}");
     assert!(doc["marks"].as_array().unwrap().is_empty(), "{doc}");
     let out = cli(&["delete", "--registrar", addr, "--service", "prod"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--service \"prod\" is not NAMESPACE/NAME"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--service \"prod\" is not NAMESPACE/NAME"),
+        "{out:?}"
+    );
 }
 
 /// A registry file's `"mtls": true` goes through `aether-registrar apply` and etcd to a
@@ -387,36 +672,72 @@ async fn the_mtls_mark_of_a_file_reaches_a_watching_client() {
     };
     let apply_file = |text: String| {
         std::fs::write(&file, text).unwrap();
-        let out = cli(&["apply", "--registrar", addr, "--file", file.to_str().unwrap()]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = cli(&[
+            "apply",
+            "--registrar",
+            addr,
+            "--file",
+            file.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     };
     let mut s = watch(addr, "c", "n1", "a", 0).await;
     assert!(next_full(&mut s).await.services.is_empty());
 
     apply_file(doc(true));
     let batch = next_changes(&mut s).await;
-    assert_eq!(describe(&batch), ["service web", "endpoint 10.0.0.1:8080", "endpoint 10.0.0.2:8080"]);
+    assert_eq!(
+        describe(&batch),
+        [
+            "service web",
+            "endpoint 10.0.0.1:8080",
+            "endpoint 10.0.0.2:8080"
+        ]
+    );
     let marks = |batch: &pb::ChangeBatch| -> Vec<(String, bool)> {
         batch
             .changes
             .iter()
             .filter_map(|c| match c.kind.as_ref()? {
-                pb::change::Kind::EndpointUpserted(u) => u.endpoint.as_ref().map(|e| (e.address.clone(), e.mtls)),
+                pb::change::Kind::EndpointUpserted(u) => {
+                    u.endpoint.as_ref().map(|e| (e.address.clone(), e.mtls))
+                }
                 _ => None,
             })
             .collect()
     };
-    assert_eq!(marks(&batch), [("10.0.0.1".to_owned(), false), ("10.0.0.2".to_owned(), true)]);
+    assert_eq!(
+        marks(&batch),
+        [
+            ("10.0.0.1".to_owned(), false),
+            ("10.0.0.2".to_owned(), true)
+        ]
+    );
 
     // A new client's full view and the dump carry it too; the dump reads back as the file.
     let full = next_full(&mut watch(addr, "c", "n1", "b", 0).await).await;
-    let eps: Vec<(&str, bool)> = full.services[0].endpoints.iter().map(|e| (e.address.as_str(), e.mtls)).collect();
+    let eps: Vec<(&str, bool)> = full.services[0]
+        .endpoints
+        .iter()
+        .map(|e| (e.address.as_str(), e.mtls))
+        .collect();
     assert_eq!(eps, [("10.0.0.1", false), ("10.0.0.2", true)]);
     let dumped: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
-    assert_eq!(dumped["services"][0]["endpoints"][1]["mtls"], true, "{dumped}");
+    assert_eq!(
+        dumped["services"][0]["endpoints"][1]["mtls"], true,
+        "{dumped}"
+    );
     let text = serde_json::json!({ "services": dumped["services"] }).to_string();
-    let back = aether_model::registry_file::parse(std::path::Path::new("dump"), text.as_bytes()).unwrap();
-    assert_eq!(back, aether_model::registry_file::parse(&file, doc(true).as_bytes()).unwrap());
+    let back =
+        aether_model::registry_file::parse(std::path::Path::new("dump"), text.as_bytes()).unwrap();
+    assert_eq!(
+        back,
+        aether_model::registry_file::parse(&file, doc(true).as_bytes()).unwrap()
+    );
 
     // Cleared by a re-apply: that endpoint alone changes.
     apply_file(doc(false));
@@ -431,23 +752,58 @@ async fn apply_names_the_invalid_field() {
     let etcd = etcd_or_skip!("apply_names_the_invalid_field");
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
-    let services = vec![web(&[]), svc("prod", "a", &[80], &[]), svc("prod", "b", &[80], &[("10.0.0.1", 0, "n1")])];
-    let e = client(reg.addr()).await.apply_services(pb::ApplyServicesRequest { services }).await.unwrap_err();
-    assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "services[2].endpoints[0].port: 0"));
-    assert!(dump(reg.addr()).contains("\"services\": []"), "nothing applied");
+    let services = vec![
+        web(&[]),
+        svc("prod", "a", &[80], &[]),
+        svc("prod", "b", &[80], &[("10.0.0.1", 0, "n1")]),
+    ];
+    let e = client(reg.addr())
+        .await
+        .apply_services(pb::ApplyServicesRequest { services })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::InvalidArgument, "services[2].endpoints[0].port: 0")
+    );
+    assert!(
+        dump(reg.addr()).contains("\"services\": []"),
+        "nothing applied"
+    );
 }
 
 #[test]
 fn plain_tcp_without_insecure_listen_refuses_to_start() {
     // Refused before etcd is dialled: no etcd needed.
-    let out = cli(&["serve", "--etcd", "http://127.0.0.1:1", "--listen", "127.0.0.1:7999"]);
+    let out = cli(&[
+        "serve",
+        "--etcd",
+        "http://127.0.0.1:1",
+        "--listen",
+        "127.0.0.1:7999",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("--listen 127.0.0.1:7999") && err.contains("--insecure-listen"), "{err}");
+    assert!(
+        err.contains("--listen 127.0.0.1:7999") && err.contains("--insecure-listen"),
+        "{err}"
+    );
 
     let help = String::from_utf8_lossy(&cli(&["serve", "--help"]).stdout).into_owned();
-    for needle in ["--insecure-listen", "every caller may then do everything", "--agent-uid", "--operator-uid", "unix:///path", "--tls-cert", "--tls-key", "without a restart"] {
-        assert!(help.contains(needle), "{needle} not in serve --help:\n{help}");
+    for needle in [
+        "--insecure-listen",
+        "every caller may then do everything",
+        "--agent-uid",
+        "--operator-uid",
+        "unix:///path",
+        "--tls-cert",
+        "--tls-key",
+        "without a restart",
+    ] {
+        assert!(
+            help.contains(needle),
+            "{needle} not in serve --help:\n{help}"
+        );
     }
 }
 
@@ -458,49 +814,107 @@ fn plain_tcp_without_insecure_listen_refuses_to_start() {
 #[test]
 fn over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed_certificate() {
     use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
-    let etcd = etcd_or_skip!("over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed_certificate");
+    let etcd = etcd_or_skip!(
+        "over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed_certificate"
+    );
     let (ca, other_ca) = (TestCa::new("registrar CA"), TestCa::new("another CA"));
     let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], ServerAuth);
     let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
-    let reg = RegistrarProcess::tcp(bin(), &etcd.endpoints(), &["--tls-cert", cert_s, "--tls-key", key_s]);
+    let reg = RegistrarProcess::tcp(
+        bin(),
+        &etcd.endpoints(),
+        &["--tls-cert", cert_s, "--tls-key", key_s],
+    );
     let (ca_file, other_file) = (ca.ca_file(), other_ca.ca_file());
     let dump_with = |ca: Option<&std::path::Path>| {
         let mut args = vec!["dump", "--registrar", reg.addr(), "--timeout", "3"];
-        args.extend(ca.map(|c| ["--ca", c.to_str().unwrap()]).into_iter().flatten());
+        args.extend(
+            ca.map(|c| ["--ca", c.to_str().unwrap()])
+                .into_iter()
+                .flatten(),
+        );
         cli(&args)
     };
     let out = dump_with(Some(&ca_file));
-    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"services\""), "{out:?}");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"services\""),
+        "{out:?}"
+    );
     let out = dump_with(None);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("pass --ca"), "plain HTTP/2 to the TLS port: {err}");
+    assert!(
+        !out.status.success() && err.contains("pass --ca"),
+        "plain HTTP/2 to the TLS port: {err}"
+    );
     reg.wait_log("does not speak TLS", WAIT);
     let out = dump_with(Some(&other_file));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("UnknownIssuer"), "another CA: {err}");
+    assert!(
+        !out.status.success() && err.contains("UnknownIssuer"),
+        "another CA: {err}"
+    );
 
     // Renewed by the other CA, key first: the half-written pair is not served meanwhile.
     let (new_cert, new_key) = other_ca.leaf_pem("registrar", &["127.0.0.1"], ServerAuth);
     std::fs::write(&key, new_key).unwrap();
-    assert!(dump_with(Some(&ca_file)).status.success(), "the last good pair stays while the key does not fit");
+    assert!(
+        dump_with(Some(&ca_file)).status.success(),
+        "the last good pair stays while the key does not fit"
+    );
     std::fs::write(&cert, new_cert).unwrap();
     let out = dump_with(Some(&other_file));
-    assert!(out.status.success(), "the renewed certificate is served without a restart: {out:?}");
+    assert!(
+        out.status.success(),
+        "the renewed certificate is served without a restart: {out:?}"
+    );
     let err = String::from_utf8_lossy(&dump_with(Some(&ca_file)).stderr).into_owned();
-    assert!(err.contains("UnknownIssuer"), "the old CA no longer fits: {err}");
+    assert!(
+        err.contains("UnknownIssuer"),
+        "the old CA no longer fits: {err}"
+    );
     let log = reg.wait_log("serving certificate reloaded", WAIT);
-    assert!(log.contains("serving certificate not reloaded"), "the mismatch was logged: {log}");
+    assert!(
+        log.contains("serving certificate not reloaded"),
+        "the mismatch was logged: {log}"
+    );
 
     // At start: a key that does not fit, and a unix socket, are refused with the reason.
     let (_, stray_key) = ca.leaf("stray", &["127.0.0.1"], ServerAuth);
     let listen = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
-    let out = cli(&["serve", "--etcd", &etcd.endpoints(), "--listen", &listen, "--insecure-listen", "--tls-cert", cert_s, "--tls-key", stray_key.to_str().unwrap()]);
+    let out = cli(&[
+        "serve",
+        "--etcd",
+        &etcd.endpoints(),
+        "--listen",
+        &listen,
+        "--insecure-listen",
+        "--tls-cert",
+        cert_s,
+        "--tls-key",
+        stray_key.to_str().unwrap(),
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("does not fit --tls-cert") && err.contains("stray.key"), "{err}");
-    let out = cli(&["serve", "--etcd", &etcd.endpoints(), "--listen", "unix:///tmp/aether-tls-test.sock", "--tls-cert", cert_s, "--tls-key", key_s]);
+    assert!(
+        err.contains("does not fit --tls-cert") && err.contains("stray.key"),
+        "{err}"
+    );
+    let out = cli(&[
+        "serve",
+        "--etcd",
+        &etcd.endpoints(),
+        "--listen",
+        "unix:///tmp/aether-tls-test.sock",
+        "--tls-cert",
+        cert_s,
+        "--tls-key",
+        key_s,
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--tls-cert is for a TCP --listen"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--tls-cert is for a TCP --listen"),
+        "{err}"
+    );
 }
 
 /// The unix socket's callers are their uids: an agent uid may watch but not apply, any
@@ -508,15 +922,26 @@ fn over_tls_the_registrar_serves_clients_that_trust_its_ca_and_reloads_a_renewed
 #[tokio::test]
 async fn unix_socket_callers_are_authorized_by_uid() {
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED unix_socket_callers_are_authorized_by_uid: needs root to run clients as other uids (setpriv); authz::tests covers the decision");
+        eprintln!(
+            "SKIPPED unix_socket_callers_are_authorized_by_uid: needs root to run clients as other uids (setpriv); authz::tests covers the decision"
+        );
         return;
     }
     let etcd = etcd_or_skip!("unix_socket_callers_are_authorized_by_uid");
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--agent-uid", "65534"]);
+    let reg = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("r.sock"),
+        &["--agent-uid", "65534"],
+    );
     let file = dir.path().join("registry.json");
-    std::fs::write(&file, r#"{"services": [{"name": "web", "namespace": "prod", "ports": [80]}]}"#).unwrap();
+    std::fs::write(
+        &file,
+        r#"{"services": [{"name": "web", "namespace": "prod", "ports": [80]}]}"#,
+    )
+    .unwrap();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let as_uid = |uid: &str, args: &[&str]| {
         std::process::Command::new("setpriv")
@@ -530,23 +955,44 @@ async fn unix_socket_callers_are_authorized_by_uid() {
     let f = file.to_str().unwrap();
 
     let out = as_uid("65534", &["dump", "--registrar", addr]);
-    assert!(out.status.success(), "an agent may watch: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "an agent may watch: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = as_uid("65534", &["apply", "--registrar", addr, "--file", f]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("PermissionDenied") && err.contains("uid 65534 may not call ApplyServices"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("PermissionDenied")
+            && err.contains("uid 65534 may not call ApplyServices"),
+        "{err}"
+    );
     let out = as_uid("65533", &["dump", "--registrar", addr]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("uid 65533 may not call WatchEndpoints: neither an agent"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("uid 65533 may not call WatchEndpoints: neither an agent"),
+        "{err}"
+    );
     reg.wait_log("refused", WAIT);
     // The registrar's own uid (root here) is the default operator.
     let out = cli(&["apply", "--registrar", addr, "--file", f]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A registrar on a three-member etcd cluster serves through a member's restart.
 #[tokio::test]
 async fn a_three_member_cluster_serves_through_a_member_restart() {
-    let Some(mut etcd) = Etcd::cluster_or_skip("a_three_member_cluster_serves_through_a_member_restart", 3) else { return };
+    let Some(mut etcd) =
+        Etcd::cluster_or_skip("a_three_member_cluster_serves_through_a_member_restart", 3)
+    else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr();
@@ -555,8 +1001,14 @@ async fn a_three_member_cluster_serves_through_a_member_restart() {
     next_full(&mut s).await;
     etcd.kill(2);
     etcd.restart(2);
-    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])]).await;
-    let batch = tokio::time::timeout(Duration::from_secs(15), next_changes(&mut s)).await.expect("a batch after the restart");
+    apply(
+        addr,
+        vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
+    )
+    .await;
+    let batch = tokio::time::timeout(Duration::from_secs(15), next_changes(&mut s))
+        .await
+        .expect("a batch after the restart");
     assert_eq!(describe(&batch), ["endpoint 10.0.0.2:8080"]);
 }
 
@@ -589,11 +1041,22 @@ async fn a_service_over_etcds_transaction_limit_is_refused_with_the_reason() {
     let etcd = etcd_or_skip!("a_service_over_etcds_transaction_limit_is_refused_with_the_reason");
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
-    let addrs: Vec<String> = (0..200).map(|i| format!("10.0.{}.{}", i / 250, i % 250 + 1)).collect();
+    let addrs: Vec<String> = (0..200)
+        .map(|i| format!("10.0.{}.{}", i / 250, i % 250 + 1))
+        .collect();
     let eps: Vec<(&str, u32, &str)> = addrs.iter().map(|a| (a.as_str(), 8080, "n1")).collect();
-    let e = client(reg.addr()).await.apply_services(pb::ApplyServicesRequest { services: vec![web(&eps)] }).await.unwrap_err();
+    let e = client(reg.addr())
+        .await
+        .apply_services(pb::ApplyServicesRequest {
+            services: vec![web(&eps)],
+        })
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
-    assert!(e.message().contains("prod/web: 201 writes") && e.message().contains("--max-txn-ops"), "{e:?}");
+    assert!(
+        e.message().contains("prod/web: 201 writes") && e.message().contains("--max-txn-ops"),
+        "{e:?}"
+    );
     apply(reg.addr(), vec![web(&eps[..100])]).await;
 }
 
@@ -602,20 +1065,38 @@ async fn a_service_over_etcds_transaction_limit_is_refused_with_the_reason() {
 #[tokio::test]
 async fn the_registrar_reaches_etcd_over_tls_with_a_client_certificate() {
     if !Etcd::available() {
-        eprintln!("SKIPPED the_registrar_reaches_etcd_over_tls_with_a_client_certificate: {} is not installed", aether_registrar::testing::ETCD_BIN);
+        eprintln!(
+            "SKIPPED the_registrar_reaches_etcd_over_tls_with_a_client_certificate: {} is not installed",
+            aether_registrar::testing::ETCD_BIN
+        );
         return;
     }
     use rcgen::ExtendedKeyUsagePurpose;
     let dir = tempfile::tempdir().unwrap();
     let test_ca = TestCa::new("aether test CA");
     let ca_file = test_ca.ca_file();
-    let (server_cert, server_key) = test_ca.leaf("etcd", &["127.0.0.1"], ExtendedKeyUsagePurpose::ServerAuth);
-    let (client_cert, client_key) = test_ca.leaf("registrar", &[], ExtendedKeyUsagePurpose::ClientAuth);
-    let etcd = Etcd::start_tls(aether_registrar::testing::EtcdTls { cert: server_cert, key: server_key, client_ca: ca_file.clone() });
+    let (server_cert, server_key) =
+        test_ca.leaf("etcd", &["127.0.0.1"], ExtendedKeyUsagePurpose::ServerAuth);
+    let (client_cert, client_key) =
+        test_ca.leaf("registrar", &[], ExtendedKeyUsagePurpose::ClientAuth);
+    let etcd = Etcd::start_tls(aether_registrar::testing::EtcdTls {
+        cert: server_cert,
+        key: server_key,
+        client_ca: ca_file.clone(),
+    });
     assert!(etcd.endpoints().starts_with("https://"));
 
-    let (ca, cert, key) = (ca_file.to_str().unwrap(), client_cert.to_str().unwrap(), client_key.to_str().unwrap());
-    let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &["--etcd-ca", ca, "--etcd-cert", cert, "--etcd-key", key]);
+    let (ca, cert, key) = (
+        ca_file.to_str().unwrap(),
+        client_cert.to_str().unwrap(),
+        client_key.to_str().unwrap(),
+    );
+    let reg = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("r.sock"),
+        &["--etcd-ca", ca, "--etcd-cert", cert, "--etcd-key", key],
+    );
     apply(reg.addr(), vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
     let full = next_full(&mut watch(reg.addr(), "c", "n1", "a", 0).await).await;
     assert_eq!(full.services.len(), 1);
@@ -623,8 +1104,19 @@ async fn the_registrar_reaches_etcd_over_tls_with_a_client_certificate() {
     // The CA alone: etcd refuses the handshake, and the start fails naming etcd.
     let sock = dir.path().join("r2.sock");
     let listen = format!("unix://{}", sock.display());
-    let out = cli(&["serve", "--etcd", &etcd.endpoints(), "--listen", &listen, "--etcd-ca", ca]);
+    let out = cli(&[
+        "serve",
+        "--etcd",
+        &etcd.endpoints(),
+        "--listen",
+        &listen,
+        "--etcd-ca",
+        ca,
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("etcd at {}", etcd.endpoints())), "{err}");
+    assert!(
+        err.contains(&format!("etcd at {}", etcd.endpoints())),
+        "{err}"
+    );
 }

@@ -20,7 +20,10 @@ use shared_proto::control::{Body, Takeover};
 use shared_proto::fdpass;
 
 fn monotonic_ns() -> u64 {
-    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes one timespec into `t`, which outlives the call.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
@@ -31,9 +34,17 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
 }
 
 fn main() {
-    let rounds: usize = std::env::var("FLOOR_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(500);
-    let (parent_end, child_end) =
-        socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair");
+    let rounds: usize = std::env::var("FLOOR_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(500);
+    let (parent_end, child_end) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .expect("socketpair");
     let (results_rx, results_tx) = pipe().expect("pipe");
 
     // SAFETY: the bench is single-threaded here; the child only uses async-signal-safe
@@ -73,9 +84,14 @@ fn main() {
                 seed ^= seed << 17;
                 std::thread::sleep(Duration::from_micros(1000 + seed % 7000));
                 // sent_at carries CLOCK_MONOTONIC nanoseconds here, not wall-clock µs.
-                let msg = Takeover { generation: i as u64, sent_at_us: monotonic_ns(), ..Default::default() };
+                let msg = Takeover {
+                    generation: i as u64,
+                    sent_at_us: monotonic_ns(),
+                    ..Default::default()
+                };
                 let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-                fdpass::send_control(parent_end.as_fd(), Body::Takeover(msg), &borrowed).expect("send");
+                fdpass::send_control(parent_end.as_fd(), Body::Takeover(msg), &borrowed)
+                    .expect("send");
                 let mut buf = [0u8; 8];
                 results.read_exact(&mut buf).expect("read result");
                 took.push(u64::from_le_bytes(buf) as f64 / 1e6);

@@ -8,9 +8,15 @@ use caps::{CapSet, Capability, CapsHashSet};
 /// and the effective and permitted sets become exactly what is kept. Capabilities are
 /// per thread: call it before any other thread exists.
 pub fn keep_only(keep: &[Capability]) -> Result<(), caps::errors::CapsError> {
-    let kept: CapsHashSet = caps::read(None, CapSet::Permitted)?.into_iter().filter(|c| keep.contains(c)).collect();
+    let kept: CapsHashSet = caps::read(None, CapSet::Permitted)?
+        .into_iter()
+        .filter(|c| keep.contains(c))
+        .collect();
     if caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP)? {
-        for cap in caps::read(None, CapSet::Bounding)?.into_iter().filter(|c| !kept.contains(c)) {
+        for cap in caps::read(None, CapSet::Bounding)?
+            .into_iter()
+            .filter(|c| !kept.contains(c))
+        {
             caps::drop(None, CapSet::Bounding, cap)?;
         }
     }

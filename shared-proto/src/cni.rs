@@ -25,7 +25,11 @@ pub enum NetnsProblem {
 
 /// The netns rule both the plugin and the worker enforce.
 pub fn check_netns(netns: &str) -> Result<(), NetnsProblem> {
-    if netns.is_empty() || netns.len() > MAX_NETNS || !netns.starts_with('/') || netns.contains('\0') {
+    if netns.is_empty()
+        || netns.len() > MAX_NETNS
+        || !netns.starts_with('/')
+        || netns.contains('\0')
+    {
         return Err(NetnsProblem::NotAbsolute);
     }
     if netns.split('/').any(|c| c == "..") {
@@ -43,6 +47,8 @@ pub const MAX_CONTAINER_ID: usize = 1024;
 pub fn valid_container_id(id: &str) -> bool {
     id.len() <= MAX_CONTAINER_ID
         && id.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
         && !id.contains("..")
 }

@@ -58,7 +58,11 @@ pub enum Outcome {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{what} {}: {source}", path.display())]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     #[error("{}: {reason}; left untouched", path.display())]
     Invalid { path: PathBuf, reason: String },
     #[error("{}: rewritten by another writer {} times while the entry went in; trying again at the next check", path.display(), ATTEMPTS)]
@@ -87,7 +91,9 @@ pub fn configurations(dir: &Path) -> Result<Vec<PathBuf>, Error> {
     for entry in entries {
         let entry = entry.map_err(io_err("reading the CNI conf folder", dir))?;
         let name = entry.file_name();
-        let ext_ok = [".conf", ".conflist", ".json"].iter().any(|x| name.as_bytes().ends_with(x.as_bytes()));
+        let ext_ok = [".conf", ".conflist", ".json"]
+            .iter()
+            .any(|x| name.as_bytes().ends_with(x.as_bytes()));
         if ext_ok && !entry.file_type().is_ok_and(|t| t.is_dir()) {
             names.push(name);
         }
@@ -108,7 +114,9 @@ pub fn entry(agent_socket: &Path) -> Value {
 
 /// Makes the node's first conflist chain `aether-cni`, appending `entry` when missing.
 pub fn reassert(dir: &Path, entry: &Value) -> Result<Outcome, Error> {
-    let Some(path) = primary(dir)? else { return Ok(Outcome::NoConflist) };
+    let Some(path) = primary(dir)? else {
+        return Ok(Outcome::NoConflist);
+    };
     let edit = |conf: &mut Value| {
         let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else {
             return Err(NOT_A_LIST.to_string());
@@ -119,7 +127,11 @@ pub fn reassert(dir: &Path, entry: &Value) -> Result<Outcome, Error> {
         plugins.push(entry.clone());
         Ok(true)
     };
-    Ok(if rewrite(dir, &path, &edit, &mut |_| {})? { Outcome::Repaired(path) } else { Outcome::Chained(path) })
+    Ok(if rewrite(dir, &path, &edit, &mut |_| {})? {
+        Outcome::Repaired(path)
+    } else {
+        Outcome::Chained(path)
+    })
 }
 
 fn is_ours(plugin: &Value) -> bool {
@@ -131,7 +143,10 @@ fn is_ours(plugin: &Value) -> bool {
 pub fn chained(path: &Path) -> Result<bool, Error> {
     let conf = parse(&read(path)?.bytes, path)?;
     let Some(plugins) = conf.get("plugins").and_then(Value::as_array) else {
-        return Err(Error::Invalid { path: path.to_owned(), reason: NOT_A_LIST.into() });
+        return Err(Error::Invalid {
+            path: path.to_owned(),
+            reason: NOT_A_LIST.into(),
+        });
     };
     Ok(plugins.iter().any(is_ours))
 }
@@ -144,7 +159,9 @@ pub fn chained(path: &Path) -> Result<bool, Error> {
 /// files rewritten.
 pub fn remove(dir: &Path) -> Result<Vec<PathBuf>, Error> {
     let edit = |conf: &mut Value| {
-        let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else { return Ok(false) };
+        let Some(plugins) = conf.get_mut("plugins").and_then(Value::as_array_mut) else {
+            return Ok(false);
+        };
         let before = plugins.len();
         plugins.retain(|p| !is_ours(p));
         Ok(plugins.len() != before)
@@ -173,7 +190,10 @@ struct Snapshot {
 /// open until a writer came), checks that it is a regular file, reads at most
 /// [`MAX_BYTES`].
 fn read(path: &Path) -> Result<Snapshot, Error> {
-    let invalid = |reason: &str| Error::Invalid { path: path.to_owned(), reason: reason.to_string() };
+    let invalid = |reason: &str| Error::Invalid {
+        path: path.to_owned(),
+        reason: reason.to_string(),
+    };
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -184,15 +204,24 @@ fn read(path: &Path) -> Result<Snapshot, Error> {
         return Err(invalid("not a regular file"));
     }
     let mut bytes = Vec::new();
-    file.take(MAX_BYTES + 1).read_to_end(&mut bytes).map_err(io_err("reading", path))?;
+    file.take(MAX_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err("reading", path))?;
     if bytes.len() as u64 > MAX_BYTES {
         return Err(invalid(&format!("larger than {MAX_BYTES} bytes")));
     }
-    Ok(Snapshot { id: (meta.dev(), meta.ino()), bytes, meta })
+    Ok(Snapshot {
+        id: (meta.dev(), meta.ino()),
+        bytes,
+        meta,
+    })
 }
 
 fn parse(bytes: &[u8], path: &Path) -> Result<Value, Error> {
-    serde_json::from_slice(bytes).map_err(|e| Error::Invalid { path: path.to_owned(), reason: format!("not JSON: {e}") })
+    serde_json::from_slice(bytes).map_err(|e| Error::Invalid {
+        path: path.to_owned(),
+        reason: format!("not JSON: {e}"),
+    })
 }
 
 /// Where [`rewrite`] lets a test change the file under it.
@@ -222,7 +251,10 @@ fn rewrite(
     edit: &dyn Fn(&mut Value) -> Result<bool, String>,
     hook: &mut dyn FnMut(Stage),
 ) -> Result<bool, Error> {
-    let name = Path::new(path.file_name().expect("a configuration's path ends in its name"));
+    let name = Path::new(
+        path.file_name()
+            .expect("a configuration's path ends in its name"),
+    );
     let tmp = dir.join(TEMP_NAME);
     let folder = File::open(dir).map_err(io_err("opening the folder", dir))?;
     // What is at `path` and must still be there when the new version goes in.
@@ -232,7 +264,10 @@ fn rewrite(
     for _ in 0..ATTEMPTS {
         let from = swapped_out.as_ref().unwrap_or(&expect);
         let mut conf = parse(&from.bytes, path)?;
-        let changed = edit(&mut conf).map_err(|reason| Error::Invalid { path: path.to_owned(), reason })?;
+        let changed = edit(&mut conf).map_err(|reason| Error::Invalid {
+            path: path.to_owned(),
+            reason,
+        })?;
         if !changed && swapped_out.is_none() {
             return Ok(false);
         }
@@ -252,11 +287,21 @@ fn rewrite(
             continue;
         }
         hook(Stage::Checked);
-        match renameat2(&folder, Path::new(TEMP_NAME), &folder, name, RenameFlags::RENAME_EXCHANGE) {
+        match renameat2(
+            &folder,
+            Path::new(TEMP_NAME),
+            &folder,
+            name,
+            RenameFlags::RENAME_EXCHANGE,
+        ) {
             Ok(()) => {}
             Err(Errno::EINVAL | Errno::ENOSYS) => {
-                fs::rename(&tmp, path).inspect_err(|_| drop(fs::remove_file(&tmp))).map_err(io_err("renaming over", path))?;
-                folder.sync_all().map_err(io_err("fsync of the folder", dir))?;
+                fs::rename(&tmp, path)
+                    .inspect_err(|_| drop(fs::remove_file(&tmp)))
+                    .map_err(io_err("renaming over", path))?;
+                folder
+                    .sync_all()
+                    .map_err(io_err("fsync of the folder", dir))?;
                 return Ok(true);
             }
             Err(e) => {
@@ -268,13 +313,21 @@ fn rewrite(
         fs::remove_file(&tmp).map_err(io_err("removing the replaced file", &tmp))?;
         let old = old?;
         if (old.id, &old.bytes) == (expect.id, &expect.bytes) {
-            folder.sync_all().map_err(io_err("fsync of the folder", dir))?;
+            folder
+                .sync_all()
+                .map_err(io_err("fsync of the folder", dir))?;
             return Ok(true);
         }
-        expect = Snapshot { id: ours, bytes, meta: old.meta.clone() };
+        expect = Snapshot {
+            id: ours,
+            bytes,
+            meta: old.meta.clone(),
+        };
         swapped_out = Some(old);
     }
-    Err(Error::Busy { path: path.to_owned() })
+    Err(Error::Busy {
+        path: path.to_owned(),
+    })
 }
 
 /// Reads `path`, which another writer may be rewriting in place: while it is neither
@@ -282,7 +335,9 @@ fn rewrite(
 fn settle(path: &Path, expect: &Snapshot) -> Result<Snapshot, Error> {
     for _ in 0..20 {
         let s = read(path)?;
-        if (s.id, &s.bytes) == (expect.id, &expect.bytes) || serde_json::from_slice::<Value>(&s.bytes).is_ok() {
+        if (s.id, &s.bytes) == (expect.id, &expect.bytes)
+            || serde_json::from_slice::<Value>(&s.bytes).is_ok()
+        {
             return Ok(s);
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
@@ -295,7 +350,9 @@ fn settle(path: &Path, expect: &Snapshot) -> Result<Snapshot, Error> {
 fn write_temp(tmp: &Path, bytes: &[u8], like: &fs::Metadata) -> Result<(u64, u64), Error> {
     // A leftover of a crash mid-write: ours by name. Unlinking a symlink removes the link.
     match fs::remove_file(tmp) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing the leftover", tmp)(e)),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(io_err("removing the leftover", tmp)(e));
+        }
         _ => {}
     }
     let result = (|| {
@@ -307,8 +364,10 @@ fn write_temp(tmp: &Path, bytes: &[u8], like: &fs::Metadata) -> Result<(u64, u64
             .open(tmp)
             .map_err(io_err("creating", tmp))?;
         f.write_all(bytes).map_err(io_err("writing", tmp))?;
-        std::os::unix::fs::fchown(&f, Some(like.uid()), Some(like.gid())).map_err(io_err("fchown", tmp))?;
-        f.set_permissions(fs::Permissions::from_mode(like.mode() & 0o7777)).map_err(io_err("fchmod", tmp))?;
+        std::os::unix::fs::fchown(&f, Some(like.uid()), Some(like.gid()))
+            .map_err(io_err("fchown", tmp))?;
+        f.set_permissions(fs::Permissions::from_mode(like.mode() & 0o7777))
+            .map_err(io_err("fchmod", tmp))?;
         f.sync_all().map_err(io_err("fsync", tmp))?;
         let m = f.metadata().map_err(io_err("fstat", tmp))?;
         Ok((m.dev(), m.ino()))
@@ -340,7 +399,12 @@ mod tests {
 
     fn plugin_types(path: &Path) -> Vec<String> {
         let v: Value = serde_json::from_slice(&fs::read(path).unwrap()).unwrap();
-        v["plugins"].as_array().unwrap().iter().map(|p| p["type"].as_str().unwrap().to_string()).collect()
+        v["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["type"].as_str().unwrap().to_string())
+            .collect()
     }
 
     #[test]
@@ -349,19 +413,29 @@ mod tests {
         let path = dir.path().join("10-ptp.conflist");
         fs::write(&path, PTP).unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
-        assert_eq!(reassert(dir.path(), &entry()).unwrap(), Outcome::Repaired(path.clone()));
+        assert_eq!(
+            reassert(dir.path(), &entry()).unwrap(),
+            Outcome::Repaired(path.clone())
+        );
         assert_eq!(plugin_types(&path), ["ptp", "portmap", "aether-cni"]);
         let v: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         let before: Value = serde_json::from_str(PTP).unwrap();
         assert_eq!(v["name"], before["name"]);
         assert_eq!(v["plugins"][0], before["plugins"][0]);
         assert_eq!(v["plugins"][2]["agentSocket"], "/run/aether/cni.sock");
-        assert_eq!(fs::metadata(&path).unwrap().mode() & 0o7777, 0o644, "mode kept");
+        assert_eq!(
+            fs::metadata(&path).unwrap().mode() & 0o7777,
+            0o644,
+            "mode kept"
+        );
         assert!(!dir.path().join(TEMP_NAME).exists());
 
         // Chained already: not rewritten (same inode).
         let ino = fs::metadata(&path).unwrap().ino();
-        assert_eq!(reassert(dir.path(), &entry()).unwrap(), Outcome::Chained(path.clone()));
+        assert_eq!(
+            reassert(dir.path(), &entry()).unwrap(),
+            Outcome::Chained(path.clone())
+        );
         assert_eq!(fs::metadata(&path).unwrap().ino(), ino);
     }
 
@@ -370,19 +444,44 @@ mod tests {
     fn the_runtimes_choice_is_libcnis() {
         let cases: &[(&[&str], &[&str], Option<&str>)] = &[
             (&[], &[], None),
-            (&["README", "10-a.conflist.bak", ".aether-cni-conflist.tmp", "10-a.yaml"], &[], None),
-            (&["20-b.conflist", "10-a.conflist"], &[], Some("10-a.conflist")),
+            (
+                &[
+                    "README",
+                    "10-a.conflist.bak",
+                    ".aether-cni-conflist.tmp",
+                    "10-a.yaml",
+                ],
+                &[],
+                None,
+            ),
+            (
+                &["20-b.conflist", "10-a.conflist"],
+                &[],
+                Some("10-a.conflist"),
+            ),
             // Dotfiles count: '.' sorts before the digits.
-            (&["10-a.conflist", ".hidden.conflist"], &[], Some(".hidden.conflist")),
+            (
+                &["10-a.conflist", ".hidden.conflist"],
+                &[],
+                Some(".hidden.conflist"),
+            ),
             (&["10-a.conflist", ".conf"], &[], Some(".conf")),
             // By bytes: "10" before "9", upper case before lower case, ".conf" before
             // ".conflist" of the same stem.
-            (&["9-a.conflist", "10-a.conflist"], &[], Some("10-a.conflist")),
+            (
+                &["9-a.conflist", "10-a.conflist"],
+                &[],
+                Some("10-a.conflist"),
+            ),
             (&["a.conflist", "B.conflist"], &[], Some("B.conflist")),
             (&["10-a.conflist", "10-a.conf"], &[], Some("10-a.conf")),
             (&["50.json", "60.conf"], &[], Some("50.json")),
             // Only the last extension counts; a folder never does.
-            (&["10-a.json.conflist", "20.conf"], &["00.conflist"], Some("10-a.json.conflist")),
+            (
+                &["10-a.json.conflist", "20.conf"],
+                &["00.conflist"],
+                Some("10-a.json.conflist"),
+            ),
             (&["10-a.conf.json"], &[], Some("10-a.conf.json")),
             (&["10-A.CONF", "20.conf"], &[], Some("20.conf")),
         ];
@@ -395,25 +494,47 @@ mod tests {
                 fs::create_dir(dir.path().join(d)).unwrap();
             }
             let got = primary(dir.path()).unwrap();
-            assert_eq!(got, want.map(|w| dir.path().join(w)), "{files:?} {folders:?}");
+            assert_eq!(
+                got,
+                want.map(|w| dir.path().join(w)),
+                "{files:?} {folders:?}"
+            );
         }
         // A symlink counts whatever it points to (then it is refused, below), and a name
         // that is not UTF-8 sorts by its bytes.
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join("sub")).unwrap();
-        std::os::unix::fs::symlink(dir.path().join("sub"), dir.path().join("05-link.conflist")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("sub"), dir.path().join("05-link.conflist"))
+            .unwrap();
         let odd = std::ffi::OsStr::from_bytes(b"\xff.conf");
         fs::write(dir.path().join(odd), PTP).unwrap();
         fs::write(dir.path().join("10-a.conflist"), PTP).unwrap();
-        let names: Vec<_> = configurations(dir.path()).unwrap().iter().map(|p| p.file_name().unwrap().to_owned()).collect();
-        assert_eq!(names, [std::ffi::OsStr::new("05-link.conflist"), std::ffi::OsStr::new("10-a.conflist"), odd]);
+        let names: Vec<_> = configurations(dir.path())
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                std::ffi::OsStr::new("05-link.conflist"),
+                std::ffi::OsStr::new("10-a.conflist"),
+                odd
+            ]
+        );
         assert!(primary(&dir.path().join("missing")).unwrap().is_none());
         // Only the first is rewritten.
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("20-b.conflist"), PTP).unwrap();
         fs::write(dir.path().join("10-a.conflist"), PTP).unwrap();
-        assert_eq!(reassert(dir.path(), &entry()).unwrap(), Outcome::Repaired(dir.path().join("10-a.conflist")));
-        assert_eq!(plugin_types(&dir.path().join("20-b.conflist")), ["ptp", "portmap"]);
+        assert_eq!(
+            reassert(dir.path(), &entry()).unwrap(),
+            Outcome::Repaired(dir.path().join("10-a.conflist"))
+        );
+        assert_eq!(
+            plugin_types(&dir.path().join("20-b.conflist")),
+            ["ptp", "portmap"]
+        );
     }
 
     #[test]
@@ -424,9 +545,14 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let d = dir.path().to_owned();
         std::thread::spawn(move || tx.send(reassert(&d, &entry()).map_err(|e| e.to_string())));
-        let got = rx.recv_timeout(std::time::Duration::from_secs(2)).expect("reassert blocked on a FIFO");
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(2))
+            .expect("reassert blocked on a FIFO");
         let err = got.unwrap_err();
-        assert!(err.contains("10-fifo.conflist") && err.contains("not a regular file"), "{err}");
+        assert!(
+            err.contains("10-fifo.conflist") && err.contains("not a regular file"),
+            "{err}"
+        );
         assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
     }
 
@@ -445,8 +571,13 @@ mod tests {
     }
 
     fn holds_both(path: &Path, n: usize) -> bool {
-        let Ok(v) = serde_json::from_slice::<Value>(&fs::read(path).unwrap_or_default()) else { return false };
-        v["name"] == format!("net-{n}") && v["plugins"].as_array().is_some_and(|p| p.iter().any(is_ours))
+        let Ok(v) = serde_json::from_slice::<Value>(&fs::read(path).unwrap_or_default()) else {
+            return false;
+        };
+        v["name"] == format!("net-{n}")
+            && v["plugins"]
+                .as_array()
+                .is_some_and(|p| p.iter().any(is_ours))
     }
 
     #[test]
@@ -474,7 +605,11 @@ mod tests {
                     Ok(missing)
                 };
                 assert!(rewrite(dir.path(), &path, &edit, &mut hook).unwrap());
-                assert!(holds_both(&path, 2), "{stage:?} in_place={in_place}: {}", fs::read_to_string(&path).unwrap());
+                assert!(
+                    holds_both(&path, 2),
+                    "{stage:?} in_place={in_place}: {}",
+                    fs::read_to_string(&path).unwrap()
+                );
                 assert!(!dir.path().join(TEMP_NAME).exists());
             }
         }
@@ -508,7 +643,11 @@ mod tests {
             }
             let done = Instant::now();
             while !holds_both(&path, rounds) {
-                assert!(done.elapsed() < Duration::from_millis(100), "not converged: {}", fs::read_to_string(&path).unwrap());
+                assert!(
+                    done.elapsed() < Duration::from_millis(100),
+                    "not converged: {}",
+                    fs::read_to_string(&path).unwrap()
+                );
                 std::thread::sleep(Duration::from_millis(1));
             }
             let took = done.elapsed();
@@ -525,7 +664,11 @@ mod tests {
     fn bad_files_are_reported_by_name_and_left_untouched() {
         let cases: Vec<(&str, &[u8], &str)> = vec![
             ("10-broken.conflist", b"{\"plugins\": [", "not JSON"),
-            ("10-single.conf", br#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#, "no \"plugins\" list"),
+            (
+                "10-single.conf",
+                br#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#,
+                "no \"plugins\" list",
+            ),
         ];
         for (name, body, want) in cases {
             let dir = tempfile::tempdir().unwrap();
@@ -538,7 +681,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("10-big.conflist");
         fs::write(&path, vec![b' '; (MAX_BYTES + 1) as usize]).unwrap();
-        assert!(reassert(dir.path(), &entry()).unwrap_err().to_string().contains("larger than"));
+        assert!(
+            reassert(dir.path(), &entry())
+                .unwrap_err()
+                .to_string()
+                .contains("larger than")
+        );
     }
 
     #[test]
@@ -549,7 +697,10 @@ mod tests {
         let conf = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(&target, conf.path().join("10-ptp.conflist")).unwrap();
         let err = reassert(conf.path(), &entry()).unwrap_err().to_string();
-        assert!(err.contains("10-ptp.conflist") && err.contains("symlinks are refused"), "{err}");
+        assert!(
+            err.contains("10-ptp.conflist") && err.contains("symlinks are refused"),
+            "{err}"
+        );
         assert_eq!(fs::read_to_string(&target).unwrap(), PTP);
     }
 
@@ -562,10 +713,17 @@ mod tests {
         let single = dir.path().join("40-single.conf");
         fs::write(&first, PTP).unwrap();
         fs::set_permissions(&first, fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(matches!(reassert(dir.path(), &entry()).unwrap(), Outcome::Repaired(_)));
+        assert!(matches!(
+            reassert(dir.path(), &entry()).unwrap(),
+            Outcome::Repaired(_)
+        ));
         fs::copy(&first, &second).unwrap();
         fs::write(&plain, PTP).unwrap();
-        fs::write(&single, r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#).unwrap();
+        fs::write(
+            &single,
+            r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#,
+        )
+        .unwrap();
         let plain_ino = fs::metadata(&plain).unwrap().ino();
 
         let mut got = remove(dir.path()).unwrap();
@@ -577,8 +735,16 @@ mod tests {
         let v: Value = serde_json::from_slice(&fs::read(&first).unwrap()).unwrap();
         let before: Value = serde_json::from_str(PTP).unwrap();
         assert_eq!(v, before, "everything else kept");
-        assert_eq!(fs::metadata(&first).unwrap().mode() & 0o7777, 0o644, "mode kept");
-        assert_eq!(fs::metadata(&plain).unwrap().ino(), plain_ino, "a file without the entry is not rewritten");
+        assert_eq!(
+            fs::metadata(&first).unwrap().mode() & 0o7777,
+            0o644,
+            "mode kept"
+        );
+        assert_eq!(
+            fs::metadata(&plain).unwrap().ino(),
+            plain_ino,
+            "a file without the entry is not rewritten"
+        );
         assert!(!dir.path().join(TEMP_NAME).exists());
         // Twice is a no-op, and a missing folder is nothing to remove.
         assert!(remove(dir.path()).unwrap().is_empty());
@@ -596,7 +762,10 @@ mod tests {
         fs::write(conf.path().join("20-broken.conflist"), "{\"plugins\": [").unwrap();
         assert!(remove(conf.path()).unwrap().is_empty());
         assert_eq!(fs::read_to_string(&target).unwrap(), chained);
-        assert_eq!(fs::read_to_string(conf.path().join("20-broken.conflist")).unwrap(), "{\"plugins\": [");
+        assert_eq!(
+            fs::read_to_string(conf.path().join("20-broken.conflist")).unwrap(),
+            "{\"plugins\": ["
+        );
     }
 
     #[test]
@@ -604,7 +773,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join(TEMP_NAME), "half a conflist").unwrap();
         fs::write(dir.path().join("10-ptp.conflist"), PTP).unwrap();
-        assert!(matches!(reassert(dir.path(), &entry()).unwrap(), Outcome::Repaired(_)));
+        assert!(matches!(
+            reassert(dir.path(), &entry()).unwrap(),
+            Outcome::Repaired(_)
+        ));
         assert!(!dir.path().join(TEMP_NAME).exists());
     }
 }

@@ -198,6 +198,7 @@ impl HandoffBody {
 /// Microseconds on `CLOCK_MONOTONIC`, which every process on the host (in one time
 /// namespace) reads alike: a stamp one process sends that another can subtract from.
 pub fn monotonic_us() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map_or(0, |t| t.tv_sec() as u64 * 1_000_000 + t.tv_nsec() as u64 / 1_000)
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000 + t.tv_nsec() as u64 / 1_000
+    })
 }

@@ -21,7 +21,14 @@ fn armed() -> &'static Mutex<Vec<String>> {
     static ARMED: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
     ARMED.get_or_init(|| {
         let steps = std::env::var(ENV).unwrap_or_default();
-        Mutex::new(steps.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect())
+        Mutex::new(
+            steps
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect(),
+        )
     })
 }
 
@@ -30,10 +37,17 @@ fn armed() -> &'static Mutex<Vec<String>> {
 pub fn reached(step: &str) {
     let hit = {
         let mut steps = armed().lock().unwrap_or_else(|e| e.into_inner());
-        steps.iter().position(|s| s == step).map(|i| steps.swap_remove(i)).is_some()
+        steps
+            .iter()
+            .position(|s| s == step)
+            .map(|i| steps.swap_remove(i))
+            .is_some()
     };
     if hit {
-        eprintln!("fault hook: stopping at {step} (pid {})", std::process::id());
+        eprintln!(
+            "fault hook: stopping at {step} (pid {})",
+            std::process::id()
+        );
         // Every thread stops with the process; SIGCONT resumes it here.
         if let Err(e) = raise(Signal::SIGSTOP) {
             eprintln!("fault hook: SIGSTOP at {step} failed: {e}");

@@ -4,21 +4,35 @@
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::Path;
 
-use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, UnixAddr, getsockname, getsockopt, sockopt};
+use nix::sys::socket::{
+    AddressFamily, SockType, SockaddrLike, UnixAddr, getsockname, getsockopt, sockopt,
+};
 use nix::sys::stat::{SFlag, fstat};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FdError {
     #[error("{what}: descriptor is not a {expected}")]
-    WrongType { what: &'static str, expected: &'static str },
+    WrongType {
+        what: &'static str,
+        expected: &'static str,
+    },
     #[error("{what}: socket is not listening")]
     NotListening { what: &'static str },
     #[error("{what}: socket is bound to {got:?}, expected {expected}")]
-    WrongPath { what: &'static str, got: Option<String>, expected: String },
-    #[error("{what}: the descriptor is not the file at {path} (another file, or one put in its place since it was opened)")]
+    WrongPath {
+        what: &'static str,
+        got: Option<String>,
+        expected: String,
+    },
+    #[error(
+        "{what}: the descriptor is not the file at {path} (another file, or one put in its place since it was opened)"
+    )]
     NotTheFile { what: &'static str, path: String },
     #[error("{what}: {source}")]
-    Sys { what: &'static str, source: nix::Error },
+    Sys {
+        what: &'static str,
+        source: nix::Error,
+    },
 }
 
 /// Checks that `fd` is a listening unix stream socket bound to `path`.
@@ -26,16 +40,24 @@ pub fn check_listener(what: &'static str, fd: impl AsFd, path: &Path) -> Result<
     let fd = fd.as_fd();
     let st = fstat(fd).map_err(|source| FdError::Sys { what, source })?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFSOCK {
-        return Err(FdError::WrongType { what, expected: "socket" });
+        return Err(FdError::WrongType {
+            what,
+            expected: "socket",
+        });
     }
-    let kind = getsockopt(&fd, sockopt::SockType).map_err(|source| FdError::Sys { what, source })?;
+    let kind =
+        getsockopt(&fd, sockopt::SockType).map_err(|source| FdError::Sys { what, source })?;
     if kind != SockType::Stream {
-        return Err(FdError::WrongType { what, expected: "stream socket" });
+        return Err(FdError::WrongType {
+            what,
+            expected: "stream socket",
+        });
     }
     if !getsockopt(&fd, sockopt::AcceptConn).map_err(|source| FdError::Sys { what, source })? {
         return Err(FdError::NotListening { what });
     }
-    let addr: UnixAddr = getsockname(fd.as_raw_fd()).map_err(|source| FdError::Sys { what, source })?;
+    let addr: UnixAddr =
+        getsockname(fd.as_raw_fd()).map_err(|source| FdError::Sys { what, source })?;
     let got = addr.path();
     if addr.family() != Some(AddressFamily::Unix) || got != Some(path) {
         return Err(FdError::WrongPath {
@@ -49,14 +71,24 @@ pub fn check_listener(what: &'static str, fd: impl AsFd, path: &Path) -> Result<
 
 /// Checks that `fd` is the regular file at `path` (the node lock: a lock taken on any
 /// other file would not keep a second agent from the node).
-pub fn check_regular_file_at(what: &'static str, fd: impl AsFd, path: &Path) -> Result<(), FdError> {
+pub fn check_regular_file_at(
+    what: &'static str,
+    fd: impl AsFd,
+    path: &Path,
+) -> Result<(), FdError> {
     let st = fstat(fd.as_fd()).map_err(|source| FdError::Sys { what, source })?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
-        return Err(FdError::WrongType { what, expected: "regular file" });
+        return Err(FdError::WrongType {
+            what,
+            expected: "regular file",
+        });
     }
     let at = nix::sys::stat::stat(path).map_err(|source| FdError::Sys { what, source })?;
     if (at.st_dev, at.st_ino) != (st.st_dev, st.st_ino) {
-        return Err(FdError::NotTheFile { what, path: path.display().to_string() });
+        return Err(FdError::NotTheFile {
+            what,
+            path: path.display().to_string(),
+        });
     }
     Ok(())
 }

@@ -46,7 +46,11 @@ pub enum Error {
     #[error("message has no body")]
     Empty,
     #[error("{message} carries {got} descriptors, expected {expected}")]
-    FdCount { message: &'static str, got: usize, expected: usize },
+    FdCount {
+        message: &'static str,
+        got: usize,
+        expected: usize,
+    },
     #[error("socket error: {0}")]
     Io(#[from] Errno),
 }
@@ -59,16 +63,29 @@ impl Error {
 }
 
 /// Sends one message with `fds` attached. Retries on `EINTR`.
-pub fn send<M: Message>(sock: BorrowedFd<'_>, msg: &M, fds: &[BorrowedFd<'_>]) -> Result<(), Error> {
+pub fn send<M: Message>(
+    sock: BorrowedFd<'_>,
+    msg: &M,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), Error> {
     let bytes = msg.encode_to_vec();
     if bytes.len() > MAX_MESSAGE {
         return Err(Error::TooLarge(bytes.len()));
     }
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-    let cmsgs: Vec<ControlMessage<'_>> =
-        if raw.is_empty() { Vec::new() } else { vec![ControlMessage::ScmRights(&raw)] };
+    let cmsgs: Vec<ControlMessage<'_>> = if raw.is_empty() {
+        Vec::new()
+    } else {
+        vec![ControlMessage::ScmRights(&raw)]
+    };
     loop {
-        match sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(&bytes)], &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+        match sendmsg::<()>(
+            sock.as_raw_fd(),
+            &[IoSlice::new(&bytes)],
+            &cmsgs,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
             Ok(_) => return Ok(()),
             Err(Errno::EINTR) => continue,
             Err(e) => return Err(e.into()),
@@ -178,26 +195,35 @@ pub fn discard(fds: Vec<OwnedFd>) {
     keep.sort_unstable();
     let (unshared_tx, unshared_rx) = std::sync::mpsc::sync_channel::<bool>(1);
     let (closed_tx, closed_rx) = std::sync::mpsc::sync_channel::<()>(1);
-    let spawned = std::thread::Builder::new().name("fd-discard".into()).spawn(move || {
-        // SAFETY: unshare takes no pointer; CLONE_FILES only gives this thread a private
-        // copy of the descriptor table.
-        let private = unsafe { libc::unshare(libc::CLONE_FILES) } == 0;
-        if unshared_tx.send(private).is_err() || !private || closed_rx.recv().is_err() {
-            return drop(fds);
-        }
-        // This table's copies of everything else: none is the last one.
-        let mut from = 0;
-        for &fd in keep.iter().chain([&RawFd::MAX]) {
-            if fd > from {
-                // SAFETY: close_range takes plain integers; it closes only this thread's
-                // private copies, which no Rust value here owns (`fds` is outside the ranges).
-                unsafe { libc::syscall(libc::SYS_close_range, from as libc::c_uint, (fd - 1) as libc::c_uint, 0) };
+    let spawned = std::thread::Builder::new()
+        .name("fd-discard".into())
+        .spawn(move || {
+            // SAFETY: unshare takes no pointer; CLONE_FILES only gives this thread a private
+            // copy of the descriptor table.
+            let private = unsafe { libc::unshare(libc::CLONE_FILES) } == 0;
+            if unshared_tx.send(private).is_err() || !private || closed_rx.recv().is_err() {
+                return drop(fds);
             }
-            from = fd.saturating_add(1);
-        }
-        // The last copies: a lingering close blocks here.
-        drop(fds);
-    });
+            // This table's copies of everything else: none is the last one.
+            let mut from = 0;
+            for &fd in keep.iter().chain([&RawFd::MAX]) {
+                if fd > from {
+                    // SAFETY: close_range takes plain integers; it closes only this thread's
+                    // private copies, which no Rust value here owns (`fds` is outside the ranges).
+                    unsafe {
+                        libc::syscall(
+                            libc::SYS_close_range,
+                            from as libc::c_uint,
+                            (fd - 1) as libc::c_uint,
+                            0,
+                        )
+                    };
+                }
+                from = fd.saturating_add(1);
+            }
+            // The last copies: a lingering close blocks here.
+            drop(fds);
+        });
     if spawned.is_ok() && unshared_rx.recv() == Ok(true) {
         for fd in shared {
             // SAFETY: each is the shared table's entry of a descriptor whose `OwnedFd` moved
@@ -210,19 +236,28 @@ pub fn discard(fds: Vec<OwnedFd>) {
 }
 
 /// Receives one supervisor/worker message and checks its descriptor count.
-pub fn recv_control(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(Body, Vec<OwnedFd>), Error> {
+pub fn recv_control(
+    sock: BorrowedFd<'_>,
+    nonblocking: bool,
+) -> Result<(Body, Vec<OwnedFd>), Error> {
     let (bytes, fds) = recv_raw(sock, nonblocking)?;
     let fds = Unwanted(fds);
-    let body = Envelope::decode(bytes.as_slice())?.body.ok_or(Error::Empty)?;
-    check_count(body.name(), body.expected_fds(), fds)
-        .map(|fds| (body, fds))
+    let body = Envelope::decode(bytes.as_slice())?
+        .body
+        .ok_or(Error::Empty)?;
+    check_count(body.name(), body.expected_fds(), fds).map(|fds| (body, fds))
 }
 
 /// Receives one handoff message and checks its descriptor count.
-pub fn recv_handoff(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(HandoffBody, Vec<OwnedFd>), Error> {
+pub fn recv_handoff(
+    sock: BorrowedFd<'_>,
+    nonblocking: bool,
+) -> Result<(HandoffBody, Vec<OwnedFd>), Error> {
     let (bytes, fds) = recv_raw(sock, nonblocking)?;
     let fds = Unwanted(fds);
-    let body = HandoffEnvelope::decode(bytes.as_slice())?.body.ok_or(Error::Empty)?;
+    let body = HandoffEnvelope::decode(bytes.as_slice())?
+        .body
+        .ok_or(Error::Empty)?;
     let name = match body {
         HandoffBody::Hello(_) => "HandoffHello",
         HandoffBody::Offer(_) => "HandoffOffer",
@@ -230,10 +265,18 @@ pub fn recv_handoff(sock: BorrowedFd<'_>, nonblocking: bool) -> Result<(HandoffB
     check_count(name, body.expected_fds(), fds).map(|fds| (body, fds))
 }
 
-fn check_count(message: &'static str, expected: usize, mut fds: Unwanted) -> Result<Vec<OwnedFd>, Error> {
+fn check_count(
+    message: &'static str,
+    expected: usize,
+    mut fds: Unwanted,
+) -> Result<Vec<OwnedFd>, Error> {
     if fds.0.len() != expected {
         // Dropping `fds` discards every one of them.
-        return Err(Error::FdCount { message, got: fds.0.len(), expected });
+        return Err(Error::FdCount {
+            message,
+            got: fds.0.len(),
+            expected,
+        });
     }
     Ok(std::mem::take(&mut fds.0))
 }
@@ -244,7 +287,11 @@ pub fn send_control(sock: BorrowedFd<'_>, body: Body, fds: &[BorrowedFd<'_>]) ->
 }
 
 /// Sends a handoff message.
-pub fn send_handoff(sock: BorrowedFd<'_>, body: HandoffBody, fds: &[BorrowedFd<'_>]) -> Result<(), Error> {
+pub fn send_handoff(
+    sock: BorrowedFd<'_>,
+    body: HandoffBody,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), Error> {
     send(sock, &HandoffEnvelope { body: Some(body) }, fds)
 }
 
@@ -273,6 +320,9 @@ pub fn take_inherited(fd: RawFd, kind: nix::sys::socket::SockType) -> Result<Own
     if nix::sys::socket::getsockopt(&owned, nix::sys::socket::sockopt::SockType)? != kind {
         return Err(Error::Io(Errno::ENOTSOCK));
     }
-    nix::fcntl::fcntl(&owned, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))?;
+    nix::fcntl::fcntl(
+        &owned,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    )?;
     Ok(owned)
 }

@@ -28,7 +28,12 @@ pub struct AgentFlags {
     /// with the address's host as its name: the worker then speaks TLS to the registrar
     /// (one serving with --tls-cert). Read again at each connect, so a rotated bundle is
     /// picked up. The worker's uid must be able to read it.
-    #[arg(long, env = "AETHER_REGISTRAR_CA", value_name = "FILE", requires = "registrar")]
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_CA",
+        value_name = "FILE",
+        requires = "registrar"
+    )]
     pub registrar_ca: Option<PathBuf>,
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
     #[arg(long, env = "AETHER_REGISTRY_FILE")]
@@ -55,14 +60,24 @@ pub struct AgentFlags {
     /// workload identity on: the worker fetches the agent's own SVID and the trust bundle
     /// there (the worker user must be able to connect) and serves them to the proxy over
     /// SDS. Needs --trust-domain. A standby is ready only once it holds its SVID.
-    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET", value_name = "unix:///PATH", requires = "trust_domain")]
+    #[arg(
+        long,
+        env = "SPIFFE_ENDPOINT_SOCKET",
+        value_name = "unix:///PATH",
+        requires = "trust_domain"
+    )]
     pub spiffe_endpoint: Option<String>,
     /// The SPIRE agent's admin socket, `unix:///path`, serving SPIRE's Delegated Identity
     /// API [default: none, pods get no SVID of their own]. The worker subscribes each
     /// local pod's SVID there (selectors k8s:ns, k8s:pod-name, k8s:pod-uid); the agent's
     /// SPIFFE ID must be among the SPIRE agent's authorized_delegates. Needs
     /// --spiffe-endpoint.
-    #[arg(long, env = "AETHER_SPIFFE_BROKER_ENDPOINT", value_name = "unix:///PATH", requires = "spiffe_endpoint")]
+    #[arg(
+        long,
+        env = "AETHER_SPIFFE_BROKER_ENDPOINT",
+        value_name = "unix:///PATH",
+        requires = "spiffe_endpoint"
+    )]
     pub spiffe_broker_endpoint: Option<String>,
     /// The mesh's SPIFFE trust domain, a bare name such as example.org. The agent's and
     /// the pods' SVIDs must be in it, and peers must present a SPIFFE ID in it. Required
@@ -93,7 +108,12 @@ pub struct AgentFlags {
     /// Set by the kubelet in every pod: the API server's address for in-cluster access.
     #[arg(long, env = "KUBERNETES_SERVICE_HOST", hide = true)]
     pub kubernetes_service_host: Option<String>,
-    #[arg(long, env = "KUBERNETES_SERVICE_PORT", hide = true, default_value_t = 443)]
+    #[arg(
+        long,
+        env = "KUBERNETES_SERVICE_PORT",
+        hide = true,
+        default_value_t = 443
+    )]
     pub kubernetes_service_port: u16,
     /// Log format of both processes: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
@@ -116,7 +136,11 @@ impl AgentFlags {
         match (&self.kubeconfig, &self.kubernetes_service_host) {
             (Some(k), _) => KubeAccess::Kubeconfig(k.clone()),
             (None, Some(h)) if !h.is_empty() => {
-                let host = if h.contains(':') && !h.starts_with('[') { format!("[{h}]") } else { h.clone() };
+                let host = if h.contains(':') && !h.starts_with('[') {
+                    format!("[{h}]")
+                } else {
+                    h.clone()
+                };
                 KubeAccess::InCluster(format!("{host}:{}", self.kubernetes_service_port))
             }
             (None, _) => KubeAccess::None,
@@ -129,7 +153,10 @@ impl AgentFlags {
         let mut a = vec![
             format!("--cluster={}", self.cluster),
             format!("--registry-max-bytes={}", self.registry_max_bytes),
-            format!("--stale-record-grace={}ms", self.stale_record_grace.as_millis()),
+            format!(
+                "--stale-record-grace={}ms",
+                self.stale_record_grace.as_millis()
+            ),
             format!("--mtls={}", self.mtls),
             format!("--metrics-addr={}", self.metrics_addr),
             format!("--log-format={}", self.log_format),
@@ -137,18 +164,31 @@ impl AgentFlags {
         ];
         let optional = [
             ("registrar", self.registrar.clone()),
-            ("registrar-token-file", self.registrar_token_file.as_ref().map(path)),
+            (
+                "registrar-token-file",
+                self.registrar_token_file.as_ref().map(path),
+            ),
             ("registrar-ca", self.registrar_ca.as_ref().map(path)),
             ("registry-file", self.registry_file.as_ref().map(path)),
             ("capture-file", self.capture_file.as_ref().map(path)),
             ("spiffe-endpoint", self.spiffe_endpoint.clone()),
-            ("spiffe-broker-endpoint", self.spiffe_broker_endpoint.clone()),
+            (
+                "spiffe-broker-endpoint",
+                self.spiffe_broker_endpoint.clone(),
+            ),
             ("trust-domain", self.trust_domain.clone()),
             ("cni-conf-dir", self.cni_conf_dir.as_ref().map(path)),
             ("kubeconfig", self.kubeconfig.as_ref().map(path)),
-            ("kubernetes-service-host", self.kubernetes_service_host.clone()),
+            (
+                "kubernetes-service-host",
+                self.kubernetes_service_host.clone(),
+            ),
         ];
-        a.extend(optional.into_iter().filter_map(|(flag, v)| v.map(|v| format!("--{flag}={v}"))));
+        a.extend(
+            optional
+                .into_iter()
+                .filter_map(|(flag, v)| v.map(|v| format!("--{flag}={v}"))),
+        );
         if self.on_demand_clusters {
             a.push("--on-demand-clusters".into());
         }
@@ -169,9 +209,13 @@ pub fn without_env(cmd: clap::Command) -> clap::Command {
 /// A duration as `<number><unit>`, the unit one of `ms`, `s`, `m`; the number may have
 /// a fraction.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
-    let n: f64 = number.parse().map_err(|_| format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s"))?;
+    let n: f64 = number.parse().map_err(|_| {
+        format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s")
+    })?;
     let seconds = match unit {
         "ms" => n / 1000.0,
         "s" => n,
@@ -197,7 +241,10 @@ impl std::fmt::Display for MetricsAddr {
 fn parse_metrics(s: &str) -> Result<MetricsAddr, String> {
     match s {
         "off" => Ok(MetricsAddr(None)),
-        _ => s.parse().map(|a| MetricsAddr(Some(a))).map_err(|e| format!("metrics address {s:?}: {e}")),
+        _ => s
+            .parse()
+            .map(|a| MetricsAddr(Some(a)))
+            .map_err(|e| format!("metrics address {s:?}: {e}")),
     }
 }
 
@@ -215,7 +262,9 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<AgentFlags, String> {
         let cmd = without_env(<Cli as clap::CommandFactory>::command());
-        let m = cmd.try_get_matches_from([&["agent"], args].concat()).map_err(|e| e.to_string())?;
+        let m = cmd
+            .try_get_matches_from([&["agent"], args].concat())
+            .map_err(|e| e.to_string())?;
         Ok(Cli::from_arg_matches(&m).map_err(|e| e.to_string())?.flags)
     }
 
@@ -242,13 +291,26 @@ mod tests {
             "--kubernetes-service-host=fd00::1",
             "--kubernetes-service-port=6443",
         ];
-        for args in [&all[..], &[], &["--registry-file=/reg.json", "--stale-record-grace=2m"]] {
+        for args in [
+            &all[..],
+            &[],
+            &["--registry-file=/reg.json", "--stale-record-grace=2m"],
+        ] {
             let given = parse(args).unwrap();
             let passed = given.worker_args();
             let back = parse(&passed.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-            assert_eq!(format!("{back:?}"), format!("{given:?}"), "{args:?} passed on as {passed:?}");
+            assert_eq!(
+                format!("{back:?}"),
+                format!("{given:?}"),
+                "{args:?} passed on as {passed:?}"
+            );
         }
-        assert_eq!(parse(&["--stale-record-grace=1.5s"]).unwrap().stale_record_grace, std::time::Duration::from_millis(1500));
+        assert_eq!(
+            parse(&["--stale-record-grace=1.5s"])
+                .unwrap()
+                .stale_record_grace,
+            std::time::Duration::from_millis(1500)
+        );
     }
 
     #[test]
@@ -258,27 +320,60 @@ mod tests {
             (&["--metrics-addr=nope"], "\"nope\""),
             (&["--mtls=STRICT"], "STRICT"),
             (&["--spiffe-endpoint=unix:///a.sock"], "--trust-domain"),
-            (&["--spiffe-broker-endpoint=unix:///b.sock", "--trust-domain=t"], "--spiffe-endpoint"),
+            (
+                &[
+                    "--spiffe-broker-endpoint=unix:///b.sock",
+                    "--trust-domain=t",
+                ],
+                "--spiffe-endpoint",
+            ),
             (&["--registrar-token-file=/t"], "--registrar"),
             (&["--registrar-ca=/ca.pem"], "--registrar"),
         ] {
             let e = parse(args).unwrap_err();
             assert!(e.contains(names), "{args:?}: {e}");
         }
-        for (text, want) in [("60s", 60_000), ("1500ms", 1500), ("2m", 120_000), ("0.5s", 500), ("0s", 0)] {
-            assert_eq!(parse_duration(text), Ok(std::time::Duration::from_millis(want)), "{text}");
+        for (text, want) in [
+            ("60s", 60_000),
+            ("1500ms", 1500),
+            ("2m", 120_000),
+            ("0.5s", 500),
+            ("0s", 0),
+        ] {
+            assert_eq!(
+                parse_duration(text),
+                Ok(std::time::Duration::from_millis(want)),
+                "{text}"
+            );
         }
         for bad in ["", "60", "s", "1h", "-1s", "1.2.3s"] {
-            assert!(parse_duration(bad).unwrap_err().contains(&format!("{bad:?}")), "{bad}");
+            assert!(
+                parse_duration(bad)
+                    .unwrap_err()
+                    .contains(&format!("{bad:?}")),
+                "{bad}"
+            );
         }
     }
 
     #[test]
     fn kube_access_prefers_a_kubeconfig_then_the_in_cluster_environment() {
         let access = |args: &[&str]| parse(args).unwrap().kube_access();
-        assert_eq!(access(&["--kubernetes-service-host=10.96.0.1", "--kubernetes-service-port=6443"]), KubeAccess::InCluster("10.96.0.1:6443".into()));
-        assert_eq!(access(&["--kubernetes-service-host=fd00::1"]), KubeAccess::InCluster("[fd00::1]:443".into()));
-        assert_eq!(access(&["--kubernetes-service-host=10.96.0.1", "--kubeconfig=/k"]), KubeAccess::Kubeconfig("/k".into()));
+        assert_eq!(
+            access(&[
+                "--kubernetes-service-host=10.96.0.1",
+                "--kubernetes-service-port=6443"
+            ]),
+            KubeAccess::InCluster("10.96.0.1:6443".into())
+        );
+        assert_eq!(
+            access(&["--kubernetes-service-host=fd00::1"]),
+            KubeAccess::InCluster("[fd00::1]:443".into())
+        );
+        assert_eq!(
+            access(&["--kubernetes-service-host=10.96.0.1", "--kubeconfig=/k"]),
+            KubeAccess::Kubeconfig("/k".into())
+        );
         assert_eq!(access(&["--kubernetes-service-host="]), KubeAccess::None);
         assert_eq!(access(&[]), KubeAccess::None);
     }
@@ -289,6 +384,10 @@ mod tests {
         let cmd = without_env(<Cli as clap::CommandFactory>::command());
         assert!(cmd.get_arguments().all(|a| a.get_env().is_none()));
         let with_env = <Cli as clap::CommandFactory>::command();
-        assert!(with_env.get_arguments().any(|a| a.get_env() == Some(std::ffi::OsStr::new("AETHER_REGISTRAR"))));
+        assert!(
+            with_env
+                .get_arguments()
+                .any(|a| a.get_env() == Some(std::ffi::OsStr::new("AETHER_REGISTRAR")))
+        );
     }
 }

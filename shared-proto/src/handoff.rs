@@ -25,7 +25,10 @@ use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, connect, getsockopt, listen, socket, sockopt};
+use nix::sys::socket::{
+    AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, connect, getsockopt,
+    listen, socket, sockopt,
+};
 
 use crate::control::{HANDOFF_VERSION, HandoffBody, HandoffHello, HandoffOffer};
 use crate::fdcheck::{FdError, check_listener};
@@ -43,10 +46,16 @@ pub const BACKLOG: i32 = 8;
 /// A socket file that could not be bound.
 #[derive(Debug, thiserror::Error)]
 pub enum BindError {
-    #[error("refusing to replace {path}: it is a {kind}, not a socket; remove it by hand if it is stale")]
+    #[error(
+        "refusing to replace {path}: it is a {kind}, not a socket; remove it by hand if it is stale"
+    )]
     NotASocket { path: PathBuf, kind: &'static str },
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
 }
 
 /// Which file a path named: its device and inode.
@@ -66,7 +75,11 @@ pub struct Bound {
 fn check_replaceable(path: &Path) -> Result<bool, BindError> {
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(source) => Err(BindError::Io { what: "lstat", path: path.to_owned(), source }),
+        Err(source) => Err(BindError::Io {
+            what: "lstat",
+            path: path.to_owned(),
+            source,
+        }),
         Ok(m) => {
             let t = m.file_type();
             if t.is_socket() {
@@ -81,7 +94,10 @@ fn check_replaceable(path: &Path) -> Result<bool, BindError> {
             } else {
                 "special file"
             };
-            Err(BindError::NotASocket { path: path.to_owned(), kind })
+            Err(BindError::NotASocket {
+                path: path.to_owned(),
+                kind,
+            })
         }
     }
 }
@@ -89,8 +105,17 @@ fn check_replaceable(path: &Path) -> Result<bool, BindError> {
 /// Binds a fresh listening socket at `path` with exactly `mode` and `owner`, replacing a
 /// stale socket file. `kind` is the socket type (stream for the node sockets, seqpacket
 /// for the handoff socket). The caller has checked that no live server answers there.
-pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> Result<Bound, BindError> {
-    let io_err = |what, source| BindError::Io { what, path: path.to_owned(), source };
+pub fn bind_fresh(
+    path: &Path,
+    kind: SockType,
+    mode: u32,
+    owner: (u32, u32),
+) -> Result<Bound, BindError> {
+    let io_err = |what, source| BindError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    };
     if check_replaceable(path)? {
         // Only a socket file reaches here; unlink does not follow symlinks anyway.
         std::fs::remove_file(path).map_err(|e| io_err("remove stale socket", e))?;
@@ -100,22 +125,42 @@ pub fn bind_fresh(path: &Path, kind: SockType, mode: u32, owner: (u32, u32)) -> 
     let addr = UnixAddr::new(path).map_err(|e| io_err("socket address", e.into()))?;
     bind(fd.as_raw_fd(), &addr).map_err(|e| io_err("bind", e.into()))?;
     std::os::unix::fs::chown(path, Some(owner.0), Some(owner.1)).map_err(|e| io_err("chown", e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| io_err("chmod", e))?;
-    listen(&fd, Backlog::new(BACKLOG).expect("backlog within SOMAXCONN range"))
-        .map_err(|e| io_err("listen", e.into()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| io_err("chmod", e))?;
+    listen(
+        &fd,
+        Backlog::new(BACKLOG).expect("backlog within SOMAXCONN range"),
+    )
+    .map_err(|e| io_err("listen", e.into()))?;
     let m = std::fs::symlink_metadata(path).map_err(|e| io_err("lstat", e))?;
-    Ok(Bound { fd, id: FileId { dev: m.dev(), ino: m.ino() } })
+    Ok(Bound {
+        fd,
+        id: FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+        },
+    })
 }
 
 /// A run dir whose path another user could change.
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     #[error(
         "{path} lies in {folder}, owned by uid {uid} with mode {mode:o}: its owner or others could move or replace what is in it and redirect the node sockets; every folder on the run dir's path must be root's or uid {me}'s and writable by nobody else, unless sticky"
     )]
-    UnsafeFolder { path: PathBuf, folder: PathBuf, me: u32, uid: u32, mode: u32 },
+    UnsafeFolder {
+        path: PathBuf,
+        folder: PathBuf,
+        me: u32,
+        uid: u32,
+        mode: u32,
+    },
 }
 
 /// The node sockets are bound, replaced and chowned by path, so every folder that
@@ -128,7 +173,11 @@ pub enum PathError {
 /// keeper both check their run dir with it.
 pub fn check_folders_on_path(dir: &Path) -> Result<(), PathError> {
     let me = nix::unistd::geteuid().as_raw();
-    let io = |what, path: &Path, source| PathError::Io { what, path: path.to_owned(), source };
+    let io = |what, path: &Path, source| PathError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    };
     let dir = std::path::absolute(dir).map_err(|e| io("resolve", dir, e))?;
     for holder in dir.ancestors().skip(1) {
         let real = match std::fs::canonicalize(holder) {
@@ -139,7 +188,13 @@ pub fn check_folders_on_path(dir: &Path) -> Result<(), PathError> {
             let st = std::fs::metadata(folder).map_err(|e| io("stat", folder, e))?;
             let (uid, mode) = (st.uid(), st.mode() & 0o7777);
             if (uid != 0 && uid != me) || (mode & 0o022 != 0 && mode & 0o1000 == 0) {
-                return Err(PathError::UnsafeFolder { path: dir.clone(), folder: folder.to_owned(), me, uid, mode });
+                return Err(PathError::UnsafeFolder {
+                    path: dir.clone(),
+                    folder: folder.to_owned(),
+                    me,
+                    uid,
+                    mode,
+                });
             }
         }
     }
@@ -212,7 +267,11 @@ fn check_peer_uid(fd: &OwnedFd) -> Result<(), HandoffError> {
     let cred = getsockopt(fd, sockopt::PeerCredentials).map_err(HandoffError::PeerCred)?;
     let me = nix::unistd::geteuid().as_raw();
     if cred.uid() != me {
-        return Err(HandoffError::PeerUid { pid: cred.pid(), uid: cred.uid(), me });
+        return Err(HandoffError::PeerUid {
+            pid: cred.pid(),
+            uid: cred.uid(),
+            me,
+        });
     }
     Ok(())
 }
@@ -261,13 +320,22 @@ impl Parked {
     /// Answers each parked connection whose peer has sent something or hung up, with
     /// `offer`, without waiting; the others stay parked. One result per answered peer:
     /// whether it said it is the node's socket keeper, or why it was refused.
-    pub fn answer_ready(&mut self, generation: u64, offer: &Listeners) -> Vec<Result<bool, HandoffError>> {
+    pub fn answer_ready(
+        &mut self,
+        generation: u64,
+        offer: &Listeners,
+    ) -> Vec<Result<bool, HandoffError>> {
         let ready: Vec<bool> = {
-            let mut fds: Vec<PollFd> = self.fds().map(|fd| PollFd::new(fd, PollFlags::POLLIN)).collect();
+            let mut fds: Vec<PollFd> = self
+                .fds()
+                .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+                .collect();
             if poll(&mut fds, PollTimeout::ZERO).is_err() {
                 return Vec::new();
             }
-            fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect()
+            fds.iter()
+                .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+                .collect()
         };
         let mut answers = Vec::new();
         for (conn, ready) in std::mem::take(&mut self.0).into_iter().zip(ready) {
@@ -284,13 +352,29 @@ impl Parked {
 fn answer(conn: OwnedFd, generation: u64, offer: &Listeners) -> Result<bool, HandoffError> {
     let keeper = match fdpass::recv_handoff(conn.as_fd(), true)? {
         (HandoffBody::Hello(h), _) if h.version == HANDOFF_VERSION => h.keeper,
-        (HandoffBody::Hello(h), _) => return Err(HandoffError::Version { got: h.version, ours: HANDOFF_VERSION }),
+        (HandoffBody::Hello(h), _) => {
+            return Err(HandoffError::Version {
+                got: h.version,
+                ours: HANDOFF_VERSION,
+            });
+        }
         (HandoffBody::Offer(_), _) => return Err(HandoffError::OfferFromStandby),
     };
     crate::fault_hook!("handoff-offer");
     let PathIds { xds, cni } = offer.paths;
-    let msg = HandoffOffer { version: HANDOFF_VERSION, generation, xds_dev: xds.dev, xds_ino: xds.ino, cni_dev: cni.dev, cni_ino: cni.ino };
-    fdpass::send_handoff(conn.as_fd(), HandoffBody::Offer(msg), &[offer.xds.as_fd(), offer.cni.as_fd()])?;
+    let msg = HandoffOffer {
+        version: HANDOFF_VERSION,
+        generation,
+        xds_dev: xds.dev,
+        xds_ino: xds.ino,
+        cni_dev: cni.dev,
+        cni_ino: cni.ino,
+    };
+    fdpass::send_handoff(
+        conn.as_fd(),
+        HandoffBody::Offer(msg),
+        &[offer.xds.as_fd(), offer.cni.as_fd()],
+    )?;
     Ok(keeper)
 }
 
@@ -302,9 +386,23 @@ pub fn accept(listener: &OwnedFd) -> Option<OwnedFd> {
 /// Standby side: fetches the owner's sockets (`keeper`: the caller is the node's socket
 /// keeper). `Ok(None)` when no owner listens (none yet, or a predecessor that knows no
 /// handoff).
-pub fn fetch(handoff: &Path, xds_path: &Path, cni_path: &Path, keeper: bool) -> Result<Option<Held>, HandoffError> {
-    let conn = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).map_err(HandoffError::Socket)?;
-    let connect_err = |source| HandoffError::Connect { path: handoff.to_owned(), source };
+pub fn fetch(
+    handoff: &Path,
+    xds_path: &Path,
+    cni_path: &Path,
+    keeper: bool,
+) -> Result<Option<Held>, HandoffError> {
+    let conn = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(HandoffError::Socket)?;
+    let connect_err = |source| HandoffError::Connect {
+        path: handoff.to_owned(),
+        source,
+    };
     let addr = UnixAddr::new(handoff).map_err(connect_err)?;
     match connect(conn.as_raw_fd(), &addr) {
         Ok(()) => {}
@@ -312,20 +410,43 @@ pub fn fetch(handoff: &Path, xds_path: &Path, cni_path: &Path, keeper: bool) -> 
         Err(e) => return Err(connect_err(e)),
     }
     check_peer_uid(&conn)?;
-    fdpass::send_handoff(conn.as_fd(), HandoffBody::Hello(HandoffHello { version: HANDOFF_VERSION, keeper }), &[])?;
+    fdpass::send_handoff(
+        conn.as_fd(),
+        HandoffBody::Hello(HandoffHello {
+            version: HANDOFF_VERSION,
+            keeper,
+        }),
+        &[],
+    )?;
     wait_readable(&conn, STEP_TIMEOUT)?;
     let (body, mut fds) = fdpass::recv_handoff(conn.as_fd(), true)?;
-    let HandoffBody::Offer(offer) = body else { return Err(HandoffError::HelloFromOwner) };
+    let HandoffBody::Offer(offer) = body else {
+        return Err(HandoffError::HelloFromOwner);
+    };
     if offer.version != HANDOFF_VERSION {
-        return Err(HandoffError::Version { got: offer.version, ours: HANDOFF_VERSION });
+        return Err(HandoffError::Version {
+            got: offer.version,
+            ours: HANDOFF_VERSION,
+        });
     }
     // recv_handoff checked there are exactly two.
-    let (Some(cni), Some(xds)) = (fds.pop(), fds.pop()) else { unreachable!("an offer carries two descriptors") };
+    let (Some(cni), Some(xds)) = (fds.pop(), fds.pop()) else {
+        unreachable!("an offer carries two descriptors")
+    };
     check_listener("handed-off xds.sock", &xds, xds_path)?;
     check_listener("handed-off cni.sock", &cni, cni_path)?;
     let paths = PathIds {
-        xds: FileId { dev: offer.xds_dev, ino: offer.xds_ino },
-        cni: FileId { dev: offer.cni_dev, ino: offer.cni_ino },
+        xds: FileId {
+            dev: offer.xds_dev,
+            ino: offer.xds_ino,
+        },
+        cni: FileId {
+            dev: offer.cni_dev,
+            ino: offer.cni_ino,
+        },
     };
-    Ok(Some(Held { generation: offer.generation, listeners: Listeners { xds, cni, paths } }))
+    Ok(Some(Held {
+        generation: offer.generation,
+        listeners: Listeners { xds, cni, paths },
+    }))
 }

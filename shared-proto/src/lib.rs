@@ -28,15 +28,17 @@
 //! message walk, where `nix` cannot hand back the descriptors of a truncated message, and
 //! in `seccomp`, in the SIGSYS handler and its installation.
 
-pub mod control;
-pub mod fdcheck;
-pub mod fdpass;
 #[cfg(feature = "caps")]
 pub mod caps;
 #[cfg(feature = "cni-api")]
 pub mod cni;
 #[cfg(feature = "conflist")]
 pub mod conflist;
+pub mod control;
+#[cfg(feature = "fault-hooks")]
+pub mod fault;
+pub mod fdcheck;
+pub mod fdpass;
 #[cfg(feature = "flags")]
 pub mod flags;
 #[cfg(feature = "handoff")]
@@ -49,8 +51,6 @@ pub mod registry;
 pub mod registry_tls;
 #[cfg(feature = "seccomp")]
 pub mod seccomp;
-#[cfg(feature = "fault-hooks")]
-pub mod fault;
 
 /// Without the `fault-hooks` feature: nothing, so that no step name is in the binary.
 #[cfg(not(feature = "fault-hooks"))]

@@ -18,7 +18,11 @@ use tracing_subscriber::util::SubscriberInitExt;
 pub fn filter(spec: Option<&str>) -> Result<Targets, String> {
     match spec.map(str::trim) {
         None | Some("") => Ok(Targets::new().with_default(tracing::Level::INFO)),
-        Some(s) => s.parse::<Targets>().map_err(|e| format!("RUST_LOG={s:?} is not a list of target=level directives ({e}); logging at info")),
+        Some(s) => s.parse::<Targets>().map_err(|e| {
+            format!(
+                "RUST_LOG={s:?} is not a list of target=level directives ({e}); logging at info"
+            )
+        }),
     }
 }
 
@@ -37,12 +41,20 @@ pub fn init(format: &str) {
 }
 
 /// Text or flattened JSON lines on `writer`, filtered by `targets` alone.
-fn subscriber<W>(targets: Targets, format: &str, ansi: bool, writer: W) -> Box<dyn tracing::Subscriber + Send + Sync>
+fn subscriber<W>(
+    targets: Targets,
+    format: &str,
+    ansi: bool,
+    writer: W,
+) -> Box<dyn tracing::Subscriber + Send + Sync>
 where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
     // The builder's own level (info by default) would hide what `targets` lets through.
-    let builder = tracing_subscriber::fmt().with_max_level(tracing::level_filters::LevelFilter::TRACE).with_writer(writer).with_ansi(ansi);
+    let builder = tracing_subscriber::fmt()
+        .with_max_level(tracing::level_filters::LevelFilter::TRACE)
+        .with_writer(writer)
+        .with_ansi(ansi);
     if format == "json" {
         Box::new(builder.json().flatten_event(true).finish().with(targets))
     } else {
@@ -59,14 +71,31 @@ mod tests {
     fn rust_log_directives_set_the_default_and_per_target_levels() {
         let t = filter(Some("info,aether_worker::xds::server=debug")).unwrap();
         assert!(t.would_enable("aether_worker::xds::server", &Level::DEBUG));
-        assert!(t.would_enable("aether_worker::xds::server::delta", &Level::DEBUG), "a target's children");
+        assert!(
+            t.would_enable("aether_worker::xds::server::delta", &Level::DEBUG),
+            "a target's children"
+        );
         assert!(!t.would_enable("aether_worker::cni", &Level::DEBUG));
         assert!(t.would_enable("aether_worker::cni", &Level::INFO));
         let default = filter(None).unwrap();
-        assert!(default.would_enable("anything", &Level::INFO) && !default.would_enable("anything", &Level::DEBUG));
-        assert_eq!(format!("{:?}", filter(Some(" ")).unwrap()), format!("{default:?}"));
-        assert!(filter(Some("warn")).unwrap().would_enable("x", &Level::WARN));
-        assert!(!filter(Some("warn")).unwrap().would_enable("x", &Level::INFO));
+        assert!(
+            default.would_enable("anything", &Level::INFO)
+                && !default.would_enable("anything", &Level::DEBUG)
+        );
+        assert_eq!(
+            format!("{:?}", filter(Some(" ")).unwrap()),
+            format!("{default:?}")
+        );
+        assert!(
+            filter(Some("warn"))
+                .unwrap()
+                .would_enable("x", &Level::WARN)
+        );
+        assert!(
+            !filter(Some("warn"))
+                .unwrap()
+                .would_enable("x", &Level::INFO)
+        );
     }
 
     /// What a subscriber wrote.
@@ -88,14 +117,22 @@ mod tests {
         for format in ["text", "json"] {
             let out = Captured::default();
             let writer = out.clone();
-            let sub = subscriber(filter(Some("info,aether_worker::xds::server=debug")).unwrap(), format, false, move || writer.clone());
+            let sub = subscriber(
+                filter(Some("info,aether_worker::xds::server=debug")).unwrap(),
+                format,
+                false,
+                move || writer.clone(),
+            );
             tracing::subscriber::with_default(sub, || {
                 tracing::debug!(target: "aether_worker::xds::server", "pushed");
                 tracing::debug!(target: "aether_worker::cni", "hidden");
                 tracing::info!(target: "aether_worker::cni", "served");
             });
             let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
-            assert!(text.contains("pushed") && text.contains("served"), "{format}: {text}");
+            assert!(
+                text.contains("pushed") && text.contains("served"),
+                "{format}: {text}"
+            );
             assert!(!text.contains("hidden"), "{format}: {text}");
         }
     }

@@ -8,4 +8,5 @@
 tonic::include_proto!("aether.registry.v1");
 
 /// The committed descriptor set of v1, the reference of the compatibility rule.
-pub const V1_DESCRIPTOR_SET: &[u8] = include_bytes!("../proto/aether/registry/v1/registry.v1.binpb");
+pub const V1_DESCRIPTOR_SET: &[u8] =
+    include_bytes!("../proto/aether/registry/v1/registry.v1.binpb");

@@ -28,7 +28,9 @@ use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use libc::c_long;
-use seccompiler::{SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule};
+use seccompiler::{
+    SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+};
 
 pub use seccompiler::{BpfProgram, sock_filter};
 
@@ -54,7 +56,12 @@ pub enum Error {
 /// The socket families the worker opens: unix sockets, IP, and AF_NETLINK, where glibc's
 /// resolver reads the host's addresses (NETLINK_ROUTE only) to order a name's addresses
 /// when it has more than one.
-const FAMILIES: [i32; 4] = [libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::AF_NETLINK];
+const FAMILIES: [i32; 4] = [
+    libc::AF_UNIX,
+    libc::AF_INET,
+    libc::AF_INET6,
+    libc::AF_NETLINK,
+];
 
 /// The ioctls the worker makes: `isatty` (TCGETS), tokio's FIONBIO, and FIONREAD in
 /// glibc's resolver.
@@ -187,24 +194,41 @@ const KILLED: &[(&str, c_long)] = &[
 ];
 
 /// The calls that kill the worker for some arguments only (see [`kill_filter`]).
-const KILLED_BY_ARGUMENT: &[(&str, c_long)] =
-    &[("socket", libc::SYS_socket), ("socketpair", libc::SYS_socketpair), ("clone", libc::SYS_clone), ("ioctl", libc::SYS_ioctl)];
+const KILLED_BY_ARGUMENT: &[(&str, c_long)] = &[
+    ("socket", libc::SYS_socket),
+    ("socketpair", libc::SYS_socketpair),
+    ("clone", libc::SYS_clone),
+    ("ioctl", libc::SYS_ioctl),
+];
 
 /// The calls the worker's own filter kills.
-const KILLED_ONCE_RUNNING: &[(&str, c_long)] = &[("execve", libc::SYS_execve), ("execveat", libc::SYS_execveat), ("rt_sigaction", libc::SYS_rt_sigaction)];
+const KILLED_ONCE_RUNNING: &[(&str, c_long)] = &[
+    ("execve", libc::SYS_execve),
+    ("execveat", libc::SYS_execveat),
+    ("rt_sigaction", libc::SYS_rt_sigaction),
+];
 
 fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, Error> {
     // Every argument compared here is an int or unsigned int (a family, a flag word whose
     // CLONE_* bits are all in its low half, an ioctl request, a signal): the kernel reads
     // only the low 32 bits, so the filter compares those.
-    Ok(SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)?)
+    Ok(SeccompCondition::new(
+        arg,
+        SeccompCmpArgLen::Dword,
+        op,
+        value,
+    )?)
 }
 
 fn rule(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, Error> {
     Ok(SeccompRule::new(conditions)?)
 }
 
-fn compile(rules: Vec<(c_long, Vec<SeccompRule>)>, otherwise: SeccompAction, on_match: SeccompAction) -> Result<BpfProgram, Error> {
+fn compile(
+    rules: Vec<(c_long, Vec<SeccompRule>)>,
+    otherwise: SeccompAction,
+    on_match: SeccompAction,
+) -> Result<BpfProgram, Error> {
     let arch: seccompiler::TargetArch = std::env::consts::ARCH.try_into()?;
     Ok(SeccompFilter::new(rules.into_iter().collect(), otherwise, on_match, arch)?.try_into()?)
 }
@@ -212,36 +236,92 @@ fn compile(rules: Vec<(c_long, Vec<SeccompRule>)>, otherwise: SeccompAction, on_
 /// The allow list: a match is allowed, anything else fails with [`REFUSED`].
 pub fn allow_filter() -> Result<BpfProgram, Error> {
     use SeccompCmpOp::{Eq, MaskedEq};
-    let mut rules: Vec<(c_long, Vec<SeccompRule>)> = ALLOWED.iter().chain(ALLOWED_ARCH).map(|&nr| (nr, vec![])).collect();
+    let mut rules: Vec<(c_long, Vec<SeccompRule>)> = ALLOWED
+        .iter()
+        .chain(ALLOWED_ARCH)
+        .map(|&nr| (nr, vec![]))
+        .collect();
     let family = |f: i32| rule(vec![cond(0, Eq, f as u64)?]);
-    let netlink_route = rule(vec![cond(0, Eq, libc::AF_NETLINK as u64)?, cond(2, Eq, libc::NETLINK_ROUTE as u64)?])?;
-    let mut sockets = [libc::AF_UNIX, libc::AF_INET, libc::AF_INET6].iter().map(|&f| family(f)).collect::<Result<Vec<_>, _>>()?;
+    let netlink_route = rule(vec![
+        cond(0, Eq, libc::AF_NETLINK as u64)?,
+        cond(2, Eq, libc::NETLINK_ROUTE as u64)?,
+    ])?;
+    let mut sockets = [libc::AF_UNIX, libc::AF_INET, libc::AF_INET6]
+        .iter()
+        .map(|&f| family(f))
+        .collect::<Result<Vec<_>, _>>()?;
     sockets.push(netlink_route);
     rules.push((libc::SYS_socket, sockets));
     rules.push((libc::SYS_socketpair, vec![family(libc::AF_UNIX)?]));
-    rules.push((libc::SYS_ioctl, IOCTLS.iter().map(|&r| rule(vec![cond(1, Eq, r)?])).collect::<Result<_, _>>()?));
+    rules.push((
+        libc::SYS_ioctl,
+        IOCTLS
+            .iter()
+            .map(|&r| rule(vec![cond(1, Eq, r)?]))
+            .collect::<Result<_, _>>()?,
+    ));
     // Threads only: CLONE_THREAD set and no namespace flag. No fork, so the worker has no
     // child process that would outlive it.
     let namespaces = CLONE_NAMESPACES.iter().fold(0, |all, &f| all | f as u64);
     let thread = libc::CLONE_THREAD as u64;
-    rules.push((libc::SYS_clone, vec![rule(vec![cond(0, MaskedEq(thread), thread)?, cond(0, MaskedEq(namespaces), 0)?])?]));
+    rules.push((
+        libc::SYS_clone,
+        vec![rule(vec![
+            cond(0, MaskedEq(thread), thread)?,
+            cond(0, MaskedEq(namespaces), 0)?,
+        ])?],
+    ));
     // Thread names, and what the worker needs to add its own filter.
     let prctls = [libc::PR_SET_NAME, libc::PR_SET_NO_NEW_PRIVS];
-    rules.push((libc::SYS_prctl, prctls.iter().map(|&o| rule(vec![cond(0, Eq, o as u64)?])).collect::<Result<_, _>>()?));
-    rules.push((libc::SYS_seccomp, vec![rule(vec![cond(0, Eq, u64::from(libc::SECCOMP_SET_MODE_FILTER))?])?]));
-    compile(rules, SeccompAction::Errno(REFUSED as u32), SeccompAction::Allow)
+    rules.push((
+        libc::SYS_prctl,
+        prctls
+            .iter()
+            .map(|&o| rule(vec![cond(0, Eq, o as u64)?]))
+            .collect::<Result<_, _>>()?,
+    ));
+    rules.push((
+        libc::SYS_seccomp,
+        vec![rule(vec![cond(
+            0,
+            Eq,
+            u64::from(libc::SECCOMP_SET_MODE_FILTER),
+        )?])?],
+    ));
+    compile(
+        rules,
+        SeccompAction::Errno(REFUSED as u32),
+        SeccompAction::Allow,
+    )
 }
 
 /// The kill set: a match raises SIGSYS, anything else is left to the allow list.
 pub fn kill_filter() -> Result<BpfProgram, Error> {
     use SeccompCmpOp::{Eq, MaskedEq, Ne};
-    let mut rules: Vec<(c_long, Vec<SeccompRule>)> = KILLED.iter().map(|&(_, nr)| (nr, vec![])).collect();
-    let other_family = || rule(FAMILIES.iter().map(|&f| cond(0, Ne, f as u64)).collect::<Result<_, _>>()?);
+    let mut rules: Vec<(c_long, Vec<SeccompRule>)> =
+        KILLED.iter().map(|&(_, nr)| (nr, vec![])).collect();
+    let other_family = || {
+        rule(
+            FAMILIES
+                .iter()
+                .map(|&f| cond(0, Ne, f as u64))
+                .collect::<Result<_, _>>()?,
+        )
+    };
     rules.push((libc::SYS_socket, vec![other_family()?]));
     rules.push((libc::SYS_socketpair, vec![other_family()?]));
     let namespace = |f: i32| rule(vec![cond(0, MaskedEq(f as u64), f as u64)?]);
-    rules.push((libc::SYS_clone, CLONE_NAMESPACES.iter().map(|&f| namespace(f)).collect::<Result<_, _>>()?));
-    rules.push((libc::SYS_ioctl, vec![rule(vec![cond(1, Eq, libc::TIOCSTI)?])?]));
+    rules.push((
+        libc::SYS_clone,
+        CLONE_NAMESPACES
+            .iter()
+            .map(|&f| namespace(f))
+            .collect::<Result<_, _>>()?,
+    ));
+    rules.push((
+        libc::SYS_ioctl,
+        vec![rule(vec![cond(1, Eq, libc::TIOCSTI)?])?],
+    ));
     compile(rules, SeccompAction::Allow, SeccompAction::Trap)
 }
 
@@ -254,13 +334,21 @@ pub fn exec_filter() -> Result<BpfProgram, Error> {
         // A query (no new action) is harmless. The action is a pointer: all 64 bits.
         SeccompCondition::new(1, SeccompCmpArgLen::Qword, Ne, 0)?,
     ])?;
-    let rules = vec![(libc::SYS_execve, vec![]), (libc::SYS_execveat, vec![]), (libc::SYS_rt_sigaction, vec![sigsys])];
+    let rules = vec![
+        (libc::SYS_execve, vec![]),
+        (libc::SYS_execveat, vec![]),
+        (libc::SYS_rt_sigaction, vec![sigsys]),
+    ];
     compile(rules, SeccompAction::Allow, SeccompAction::Trap)
 }
 
 /// The expected refusal: `clone3` fails with ENOSYS, anything else is left to the others.
 pub fn quiet_filter() -> Result<BpfProgram, Error> {
-    compile(vec![(libc::SYS_clone3, vec![])], SeccompAction::Allow, SeccompAction::Errno(REFUSED as u32))
+    compile(
+        vec![(libc::SYS_clone3, vec![])],
+        SeccompAction::Allow,
+        SeccompAction::Errno(REFUSED as u32),
+    )
 }
 
 /// A filter for the supervisor to install.
@@ -273,9 +361,18 @@ pub struct Filter {
 /// The filters the supervisor installs before the exec, in order.
 pub fn worker_filters() -> Result<[Filter; 3], Error> {
     Ok([
-        Filter { program: allow_filter()?, log: true },
-        Filter { program: quiet_filter()?, log: false },
-        Filter { program: kill_filter()?, log: true },
+        Filter {
+            program: allow_filter()?,
+            log: true,
+        },
+        Filter {
+            program: quiet_filter()?,
+            log: false,
+        },
+        Filter {
+            program: kill_filter()?,
+            log: true,
+        },
     ])
 }
 
@@ -290,7 +387,10 @@ impl Killed {
     pub fn decode(report: &[u8]) -> Option<Self> {
         let report: &[u8; REPORT_LEN] = report.get(..REPORT_LEN)?.try_into().ok()?;
         let word = |at: usize| u64::from_ne_bytes(report[at..at + 8].try_into().expect("8 bytes"));
-        Some(Self { nr: i32::from_ne_bytes(report[..4].try_into().expect("4 bytes")), args: [word(4), word(12)] })
+        Some(Self {
+            nr: i32::from_ne_bytes(report[..4].try_into().expect("4 bytes")),
+            args: [word(4), word(12)],
+        })
     }
 
     fn encode(&self) -> [u8; REPORT_LEN] {
@@ -303,7 +403,12 @@ impl Killed {
 
     /// The call's name, if it is one the policy kills.
     pub fn name(&self) -> Option<&'static str> {
-        KILLED.iter().chain(KILLED_BY_ARGUMENT).chain(KILLED_ONCE_RUNNING).find(|&&(_, nr)| nr == c_long::from(self.nr)).map(|&(name, _)| name)
+        KILLED
+            .iter()
+            .chain(KILLED_BY_ARGUMENT)
+            .chain(KILLED_ONCE_RUNNING)
+            .find(|&&(_, nr)| nr == c_long::from(self.nr))
+            .map(|&(name, _)| name)
     }
 }
 
@@ -331,15 +436,22 @@ pub fn take_report() -> Option<OwnedFd> {
     // F_GETFD fails with EBADF when nothing is open at the descriptor; only then could
     // owning it below alias nothing.
     // SAFETY: the borrow lives only for this call.
-    nix::fcntl::fcntl(unsafe { BorrowedFd::borrow_raw(REPORT_FD) }, nix::fcntl::FcntlArg::F_GETFD).ok()?;
+    let fd = unsafe { BorrowedFd::borrow_raw(REPORT_FD) };
+    nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFD).ok()?;
     // SAFETY: open (checked above), and handed to this process at exec for it to own;
     // nothing else in the process refers to it.
     let fd = unsafe { OwnedFd::from_raw_fd(REPORT_FD) };
     let st = nix::sys::stat::fstat(&fd).ok()?;
-    if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT != nix::sys::stat::SFlag::S_IFIFO {
+    if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
+        != nix::sys::stat::SFlag::S_IFIFO
+    {
         return None;
     }
-    nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC)).ok()?;
+    nix::fcntl::fcntl(
+        &fd,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    )
+    .ok()?;
     Some(fd)
 }
 
@@ -358,7 +470,8 @@ pub fn handle_sigsys(report: Option<OwnedFd>) -> Result<(), Error> {
     REPORT.store(report.map_or(-1, IntoRawFd::into_raw_fd), Ordering::SeqCst);
     // SA_RESETHAND: the handler runs once, then the default action (death) applies.
     // SA_NODEFER: SIGSYS stays unblocked in the handler, so its own signal is delivered.
-    let flags = SaFlags::SA_SIGINFO | SaFlags::SA_RESETHAND | SaFlags::SA_NODEFER | SaFlags::SA_ONSTACK;
+    let flags =
+        SaFlags::SA_SIGINFO | SaFlags::SA_RESETHAND | SaFlags::SA_NODEFER | SaFlags::SA_ONSTACK;
     let action = SigAction::new(SigHandler::SigAction(on_sigsys), flags, SigSet::empty());
     // SAFETY: `on_sigsys` is async-signal-safe (raw calls on a stack buffer and an
     // atomic), and nothing else in the process handles SIGSYS.
@@ -387,7 +500,10 @@ unsafe fn args_of(ctx: *const c_void) -> [u64; 2] {
     // SAFETY: the caller guarantees `ctx` points at a live ucontext_t.
     let mc = unsafe { &(*ctx.cast::<libc::ucontext_t>()).uc_mcontext };
     #[cfg(target_arch = "x86_64")]
-    return [mc.gregs[libc::REG_RDI as usize] as u64, mc.gregs[libc::REG_RSI as usize] as u64];
+    return [
+        mc.gregs[libc::REG_RDI as usize] as u64,
+        mc.gregs[libc::REG_RSI as usize] as u64,
+    ];
     #[cfg(target_arch = "aarch64")]
     return [mc.regs[0], mc.regs[1]];
 }
@@ -397,13 +513,22 @@ extern "C" fn on_sigsys(_signo: libc::c_int, info: *mut libc::siginfo_t, ctx: *m
     // seccomp SIGSYS fills `_sigsys`. Only raw async-signal-safe calls follow.
     unsafe {
         let nr = (*info.cast::<SigsysInfo>()).syscall;
-        let report = Killed { nr, args: args_of(ctx) }.encode();
+        let report = Killed {
+            nr,
+            args: args_of(ctx),
+        }
+        .encode();
         let fd = REPORT.load(Ordering::SeqCst);
         if fd >= 0 {
             libc::write(fd, report.as_ptr().cast(), report.len());
         }
         // SA_RESETHAND restored the default action, whose signal now ends the process.
-        libc::syscall(libc::SYS_tgkill, libc::getpid(), libc::syscall(libc::SYS_gettid), libc::SIGSYS);
+        libc::syscall(
+            libc::SYS_tgkill,
+            libc::getpid(),
+            libc::syscall(libc::SYS_gettid),
+            libc::SIGSYS,
+        );
         libc::_exit(128 + libc::SIGSYS)
     }
 }
@@ -428,17 +553,31 @@ mod tests {
     fn outcome(filters: &[BpfProgram], call: fn() -> c_long) -> Outcome {
         let (result_r, result_w) = nix::unistd::pipe().expect("pipe");
         let (report_r, report_w) = nix::unistd::pipe().expect("pipe");
-        let progs: Vec<libc::sock_fprog> = filters.iter().map(|p| libc::sock_fprog { len: p.len() as u16, filter: p.as_ptr() as *mut _ }).collect();
+        let progs: Vec<libc::sock_fprog> = filters
+            .iter()
+            .map(|p| libc::sock_fprog {
+                len: p.len() as u16,
+                filter: p.as_ptr() as *mut _,
+            })
+            .collect();
         // SAFETY: the child below makes raw calls only and leaves with _exit.
         match unsafe { libc::fork() } {
             // SAFETY: raw calls only (sigaction through nix builds its struct on the
             // stack); `progs` points into `filters`, alive in both processes.
             0 => unsafe {
-                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || handle_sigsys(Some(report_w)).is_err() {
+                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                    || handle_sigsys(Some(report_w)).is_err()
+                {
                     libc::_exit(100);
                 }
                 for p in &progs {
-                    if libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, p as *const libc::sock_fprog) != 0 {
+                    if libc::syscall(
+                        libc::SYS_seccomp,
+                        libc::SECCOMP_SET_MODE_FILTER,
+                        0,
+                        p as *const libc::sock_fprog,
+                    ) != 0
+                    {
                         libc::_exit(101);
                     }
                 }
@@ -455,9 +594,13 @@ mod tests {
                 let mut buf = [0u8; REPORT_LEN];
                 if libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS {
                     let n = nix::unistd::read(&report_r, &mut buf).expect("read the report");
-                    return K(Killed::decode(&buf[..n]).map_or_else(|| "no report".into(), |k| k.to_string()));
+                    return K(Killed::decode(&buf[..n])
+                        .map_or_else(|| "no report".into(), |k| k.to_string()));
                 }
-                assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+                assert!(
+                    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                    "child status {status:#x}"
+                );
                 let n = nix::unistd::read(&result_r, &mut buf).expect("read the result");
                 Returned(i32::from_ne_bytes(buf[..n].try_into().expect("4 bytes")))
             }
@@ -469,7 +612,12 @@ mod tests {
     type Case = (&'static str, fn() -> c_long, Outcome);
 
     fn check(cases: &[Case]) {
-        let filters = [allow_filter().unwrap(), quiet_filter().unwrap(), kill_filter().unwrap(), exec_filter().unwrap()];
+        let filters = [
+            allow_filter().unwrap(),
+            quiet_filter().unwrap(),
+            kill_filter().unwrap(),
+            exec_filter().unwrap(),
+        ];
         let wrong: Vec<String> = cases
             .iter()
             .filter_map(|(what, call, want)| {
@@ -492,25 +640,147 @@ mod tests {
         use libc::*;
         check(&[
             ("getpid", || raw(SYS_getpid, [0; 5]).min(0), Returned(0)),
-            ("a unix socket", || raw(SYS_socket, [AF_UNIX.into(), SOCK_STREAM.into(), 0, 0, 0]).min(0), Returned(0)),
-            ("a TCP socket", || raw(SYS_socket, [AF_INET6.into(), SOCK_STREAM.into(), IPPROTO_TCP.into(), 0, 0]).min(0), Returned(0)),
-            ("NETLINK_ROUTE", || raw(SYS_socket, [AF_NETLINK.into(), SOCK_RAW.into(), NETLINK_ROUTE.into(), 0, 0]).min(0), Returned(0)),
-            ("a unix socket pair", || raw(SYS_socketpair, [AF_UNIX.into(), SOCK_STREAM.into(), 0, [0i32; 2].as_mut_ptr() as c_long, 0]), Returned(0)),
+            (
+                "a unix socket",
+                || raw(SYS_socket, [AF_UNIX.into(), SOCK_STREAM.into(), 0, 0, 0]).min(0),
+                Returned(0),
+            ),
+            (
+                "a TCP socket",
+                || {
+                    raw(
+                        SYS_socket,
+                        [
+                            AF_INET6.into(),
+                            SOCK_STREAM.into(),
+                            IPPROTO_TCP.into(),
+                            0,
+                            0,
+                        ],
+                    )
+                    .min(0)
+                },
+                Returned(0),
+            ),
+            (
+                "NETLINK_ROUTE",
+                || {
+                    raw(
+                        SYS_socket,
+                        [
+                            AF_NETLINK.into(),
+                            SOCK_RAW.into(),
+                            NETLINK_ROUTE.into(),
+                            0,
+                            0,
+                        ],
+                    )
+                    .min(0)
+                },
+                Returned(0),
+            ),
+            (
+                "a unix socket pair",
+                || {
+                    raw(
+                        SYS_socketpair,
+                        [
+                            AF_UNIX.into(),
+                            SOCK_STREAM.into(),
+                            0,
+                            [0i32; 2].as_mut_ptr() as c_long,
+                            0,
+                        ],
+                    )
+                },
+                Returned(0),
+            ),
             // Allowed, so the kernel itself answers: no such descriptor.
-            ("isatty", || raw(SYS_ioctl, [-1, TCGETS as c_long, 0, 0, 0]), Returned(EBADF)),
-            ("FIONBIO", || raw(SYS_ioctl, [-1, FIONBIO as c_long, 0, 0, 0]), Returned(EBADF)),
-            ("PR_SET_NAME", || raw(SYS_prctl, [PR_SET_NAME.into(), c"t".as_ptr() as c_long, 0, 0, 0]), Returned(0)),
+            (
+                "isatty",
+                || raw(SYS_ioctl, [-1, TCGETS as c_long, 0, 0, 0]),
+                Returned(EBADF),
+            ),
+            (
+                "FIONBIO",
+                || raw(SYS_ioctl, [-1, FIONBIO as c_long, 0, 0, 0]),
+                Returned(EBADF),
+            ),
+            (
+                "PR_SET_NAME",
+                || {
+                    raw(
+                        SYS_prctl,
+                        [PR_SET_NAME.into(), c"t".as_ptr() as c_long, 0, 0, 0],
+                    )
+                },
+                Returned(0),
+            ),
             // Refused, not killed.
             ("kcmp", || raw(SYS_kcmp, [0; 5]), Returned(REFUSED)),
-            ("personality", || raw(SYS_personality, [0xffff_ffff, 0, 0, 0, 0]), Returned(REFUSED)),
-            ("NETLINK_SOCK_DIAG", || raw(SYS_socket, [AF_NETLINK.into(), SOCK_RAW.into(), NETLINK_SOCK_DIAG.into(), 0, 0]), Returned(REFUSED)),
+            (
+                "personality",
+                || raw(SYS_personality, [0xffff_ffff, 0, 0, 0, 0]),
+                Returned(REFUSED),
+            ),
+            (
+                "NETLINK_SOCK_DIAG",
+                || {
+                    raw(
+                        SYS_socket,
+                        [
+                            AF_NETLINK.into(),
+                            SOCK_RAW.into(),
+                            NETLINK_SOCK_DIAG.into(),
+                            0,
+                            0,
+                        ],
+                    )
+                },
+                Returned(REFUSED),
+            ),
             ("clone3", || raw(SYS_clone3, [0; 5]), Returned(REFUSED)),
-            ("fork", || raw(SYS_clone, [SIGCHLD.into(), 0, 0, 0, 0]), Returned(REFUSED)),
-            ("socketpair(AF_INET)", || raw(SYS_socketpair, [AF_INET.into(), SOCK_STREAM.into(), 0, 0, 0]), Returned(REFUSED)),
-            ("FIOCLEX", || raw(SYS_ioctl, [-1, FIOCLEX as c_long, 0, 0, 0]), Returned(REFUSED)),
-            ("a SIGSYS query", || { let mut old = [0u64; 4]; raw(SYS_rt_sigaction, [SIGSYS.into(), 0, old.as_mut_ptr() as c_long, 8, 0]) }, Returned(0)),
-            ("PR_SET_DUMPABLE", || raw(SYS_prctl, [PR_SET_DUMPABLE.into(), 1, 0, 0, 0]), Returned(REFUSED)),
-            ("seccomp(GET_ACTION_AVAIL)", || raw(SYS_seccomp, [2, 0, 0, 0, 0]), Returned(REFUSED)),
+            (
+                "fork",
+                || raw(SYS_clone, [SIGCHLD.into(), 0, 0, 0, 0]),
+                Returned(REFUSED),
+            ),
+            (
+                "socketpair(AF_INET)",
+                || {
+                    raw(
+                        SYS_socketpair,
+                        [AF_INET.into(), SOCK_STREAM.into(), 0, 0, 0],
+                    )
+                },
+                Returned(REFUSED),
+            ),
+            (
+                "FIOCLEX",
+                || raw(SYS_ioctl, [-1, FIOCLEX as c_long, 0, 0, 0]),
+                Returned(REFUSED),
+            ),
+            (
+                "a SIGSYS query",
+                || {
+                    let mut old = [0u64; 4];
+                    raw(
+                        SYS_rt_sigaction,
+                        [SIGSYS.into(), 0, old.as_mut_ptr() as c_long, 8, 0],
+                    )
+                },
+                Returned(0),
+            ),
+            (
+                "PR_SET_DUMPABLE",
+                || raw(SYS_prctl, [PR_SET_DUMPABLE.into(), 1, 0, 0, 0]),
+                Returned(REFUSED),
+            ),
+            (
+                "seccomp(GET_ACTION_AVAIL)",
+                || raw(SYS_seccomp, [2, 0, 0, 0, 0]),
+                Returned(REFUSED),
+            ),
         ]);
     }
 
@@ -519,34 +789,103 @@ mod tests {
         use libc::*;
         let k = |s: &str| K(s.into());
         check(&[
-            ("execve", || raw(SYS_execve, [c"/bin/true".as_ptr() as c_long, 0, 0, 0, 0]), k("execve")),
-            ("execveat", || raw(SYS_execveat, [0, c"".as_ptr() as c_long, 0, 0, AT_EMPTY_PATH.into()]), k("execveat")),
-            ("ptrace", || raw(SYS_ptrace, [PTRACE_TRACEME.into(), 0, 0, 0, 0]), k("ptrace(request 0)")),
-            ("unshare", || raw(SYS_unshare, [CLONE_NEWUSER.into(), 0, 0, 0, 0]), k("unshare(flags 0x10000000)")),
-            ("clone(CLONE_NEWNET)", || raw(SYS_clone, [(CLONE_NEWNET | SIGCHLD).into(), 0, 0, 0, 0]), k("clone(flags 0x40000011)")),
-            ("AF_VSOCK", || raw(SYS_socket, [AF_VSOCK.into(), SOCK_STREAM.into(), 0, 0, 0]), k("socket(family 40)")),
-            ("AF_ALG", || raw(SYS_socket, [AF_ALG.into(), SOCK_SEQPACKET.into(), 0, 0, 0]), k("socket(family 38)")),
-            ("AF_PACKET", || raw(SYS_socket, [AF_PACKET.into(), SOCK_RAW.into(), 0, 0, 0]), k("socket(family 17)")),
-            ("socketpair(AF_ALG)", || raw(SYS_socketpair, [AF_ALG.into(), SOCK_STREAM.into(), 0, 0, 0]), k("socketpair(family 38)")),
-            ("TIOCSTI", || raw(SYS_ioctl, [0, TIOCSTI as c_long, c"x".as_ptr() as c_long, 0, 0]), k("ioctl(request 0x5412, TIOCSTI)")),
+            (
+                "execve",
+                || raw(SYS_execve, [c"/bin/true".as_ptr() as c_long, 0, 0, 0, 0]),
+                k("execve"),
+            ),
+            (
+                "execveat",
+                || {
+                    raw(
+                        SYS_execveat,
+                        [0, c"".as_ptr() as c_long, 0, 0, AT_EMPTY_PATH.into()],
+                    )
+                },
+                k("execveat"),
+            ),
+            (
+                "ptrace",
+                || raw(SYS_ptrace, [PTRACE_TRACEME.into(), 0, 0, 0, 0]),
+                k("ptrace(request 0)"),
+            ),
+            (
+                "unshare",
+                || raw(SYS_unshare, [CLONE_NEWUSER.into(), 0, 0, 0, 0]),
+                k("unshare(flags 0x10000000)"),
+            ),
+            (
+                "clone(CLONE_NEWNET)",
+                || raw(SYS_clone, [(CLONE_NEWNET | SIGCHLD).into(), 0, 0, 0, 0]),
+                k("clone(flags 0x40000011)"),
+            ),
+            (
+                "AF_VSOCK",
+                || raw(SYS_socket, [AF_VSOCK.into(), SOCK_STREAM.into(), 0, 0, 0]),
+                k("socket(family 40)"),
+            ),
+            (
+                "AF_ALG",
+                || raw(SYS_socket, [AF_ALG.into(), SOCK_SEQPACKET.into(), 0, 0, 0]),
+                k("socket(family 38)"),
+            ),
+            (
+                "AF_PACKET",
+                || raw(SYS_socket, [AF_PACKET.into(), SOCK_RAW.into(), 0, 0, 0]),
+                k("socket(family 17)"),
+            ),
+            (
+                "socketpair(AF_ALG)",
+                || raw(SYS_socketpair, [AF_ALG.into(), SOCK_STREAM.into(), 0, 0, 0]),
+                k("socketpair(family 38)"),
+            ),
+            (
+                "TIOCSTI",
+                || {
+                    raw(
+                        SYS_ioctl,
+                        [0, TIOCSTI as c_long, c"x".as_ptr() as c_long, 0, 0],
+                    )
+                },
+                k("ioctl(request 0x5412, TIOCSTI)"),
+            ),
             ("mount", || raw(SYS_mount, [0; 5]), k("mount")),
             ("bpf", || raw(SYS_bpf, [0; 5]), k("bpf")),
             ("setns", || raw(SYS_setns, [0; 5]), k("setns")),
-            ("a new SIGSYS handler", || raw(SYS_rt_sigaction, [SIGSYS.into(), 1, 0, 8, 0]), k("rt_sigaction(signal 31)")),
+            (
+                "a new SIGSYS handler",
+                || raw(SYS_rt_sigaction, [SIGSYS.into(), 1, 0, 8, 0]),
+                k("rt_sigaction(signal 31)"),
+            ),
         ]);
     }
 
     #[test]
     fn a_report_round_trips_and_unknown_calls_are_numbered() {
-        let k = Killed { nr: libc::SYS_socket as i32, args: [40, 1] };
+        let k = Killed {
+            nr: libc::SYS_socket as i32,
+            args: [40, 1],
+        };
         assert_eq!(Killed::decode(&k.encode()), Some(k));
         assert_eq!(Killed::decode(&k.encode()[..REPORT_LEN - 1]), None);
-        assert_eq!(Killed { nr: 9999, args: [0, 0] }.to_string(), "system call 9999");
+        assert_eq!(
+            Killed {
+                nr: 9999,
+                args: [0, 0]
+            }
+            .to_string(),
+            "system call 9999"
+        );
     }
 
     #[test]
     fn the_filters_fit_in_a_bpf_program() {
-        for f in [allow_filter().unwrap(), quiet_filter().unwrap(), kill_filter().unwrap(), exec_filter().unwrap()] {
+        for f in [
+            allow_filter().unwrap(),
+            quiet_filter().unwrap(),
+            kill_filter().unwrap(),
+            exec_filter().unwrap(),
+        ] {
             assert!(f.len() < 4096, "{} instructions", f.len());
         }
     }

@@ -78,12 +78,20 @@ fn next() -> CniRequestNext {
 }
 
 fn fixture(name: &str, current: Vec<u8>) -> Vec<u8> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     if std::env::var_os("AETHER_REGENERATE_FIXTURES").is_some() {
         std::fs::write(&path, &current).unwrap();
     }
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("reading fixture {}: {e}", path.display()));
-    assert_eq!(bytes, current, "fixture {} no longer matches its hand-written layout", path.display());
+    let bytes =
+        std::fs::read(&path).unwrap_or_else(|e| panic!("reading fixture {}: {e}", path.display()));
+    assert_eq!(
+        bytes,
+        current,
+        "fixture {} no longer matches its hand-written layout",
+        path.display()
+    );
     bytes
 }
 
@@ -100,7 +108,10 @@ fn previous_layout_decodes_with_current_message() {
     assert_eq!(req.pod_uid, old.pod_uid);
     assert_eq!(req.ips, old.ips);
     assert_eq!(req.cni_args, old.cni_args);
-    assert!(req.prev_result.is_empty(), "a v0 plugin sends no prev_result");
+    assert!(
+        req.prev_result.is_empty(),
+        "a v0 plugin sends no prev_result"
+    );
 }
 
 #[test]
@@ -125,6 +136,9 @@ fn current_message_decodes_as_previous_layout() {
         ..Default::default()
     };
     let old = CniRequestV0::decode(current.encode_to_vec().as_slice()).expect("decodes as v0");
-    assert_eq!((old.container_id.as_str(), old.pod_uid.as_str()), ("c1", "u1"));
+    assert_eq!(
+        (old.container_id.as_str(), old.pod_uid.as_str()),
+        ("c1", "u1")
+    );
     assert_eq!(old.ips, vec!["10.0.0.1".to_string()]);
 }

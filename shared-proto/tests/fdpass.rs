@@ -12,19 +12,32 @@ use shared_proto::control::{Body, Drain, Envelope, Takeover};
 use shared_proto::fdpass::{self, Error, MAX_FDS, MAX_MESSAGE};
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").expect("read /proc/self/fd").count()
+    std::fs::read_dir("/proc/self/fd")
+        .expect("read /proc/self/fd")
+        .count()
 }
 
 fn pair() -> (OwnedFd, OwnedFd) {
-    socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).expect("socketpair")
+    socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .expect("socketpair")
 }
 
 fn files(n: usize) -> Vec<File> {
-    (0..n).map(|_| File::open("/dev/null").expect("open /dev/null")).collect()
+    (0..n)
+        .map(|_| File::open("/dev/null").expect("open /dev/null"))
+        .collect()
 }
 
 fn takeover() -> Body {
-    Body::Takeover(Takeover { generation: 7, ..Default::default() })
+    Body::Takeover(Takeover {
+        generation: 7,
+        ..Default::default()
+    })
 }
 
 /// Sends `body` with `nfds` descriptors attached and returns what the receiver made of it,
@@ -37,14 +50,20 @@ fn exchange(body: Body, nfds: usize) -> Result<(Body, usize), String> {
         let borrowed: Vec<BorrowedFd<'_>> = attach.iter().map(|f| f.as_fd()).collect();
         fdpass::send_control(a.as_fd(), body, &borrowed).map_err(|e| format!("send: {e}"))?;
         drop(attach);
-        fdpass::recv_control(b.as_fd(), false).map(|(body, fds)| (body, fds.len())).map_err(|e| e.to_string())
+        fdpass::recv_control(b.as_fd(), false)
+            .map(|(body, fds)| (body, fds.len()))
+            .map_err(|e| e.to_string())
     };
     // Rejected descriptors are closed on a thread of their own (`fdpass::discard`).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     while open_fds() != before && std::time::Instant::now() < deadline {
         std::thread::yield_now();
     }
-    assert_eq!(open_fds(), before, "descriptor leak after exchanging a message with {nfds} fds");
+    assert_eq!(
+        open_fds(),
+        before,
+        "descriptor leak after exchanging a message with {nfds} fds"
+    );
     result
 }
 
@@ -62,12 +81,19 @@ fn wrong_descriptor_counts_are_rejected_and_closed() {
         (takeover(), 2, "Takeover carries 2 descriptors, expected 3"),
         (takeover(), 0, "Takeover carries 0 descriptors, expected 3"),
         (takeover(), 4, "Takeover carries 4 descriptors, expected 3"),
-        (Body::Drain(Drain::default()), 1, "Drain carries 1 descriptors, expected 0"),
+        (
+            Body::Drain(Drain::default()),
+            1,
+            "Drain carries 1 descriptors, expected 0",
+        ),
         (takeover(), MAX_FDS + 3, "control data truncated"),
     ];
     for (body, nfds, want) in cases {
         let err = exchange(body, nfds).expect_err("must be rejected");
-        assert!(err.contains(want), "with {nfds} fds: got {err:?}, want {want:?}");
+        assert!(
+            err.contains(want),
+            "with {nfds} fds: got {err:?}, want {want:?}"
+        );
     }
 }
 
@@ -77,17 +103,31 @@ fn oversized_and_garbage_datagrams_are_rejected() {
     let (a, b) = pair();
     // Bypass `send`'s own size check to put a too-large datagram on the wire.
     let big = vec![0u8; MAX_MESSAGE + 100];
-    nix::sys::socket::send(a.as_fd().as_raw_fd_compat(), &big, nix::sys::socket::MsgFlags::empty()).expect("send");
+    nix::sys::socket::send(
+        a.as_fd().as_raw_fd_compat(),
+        &big,
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .expect("send");
     let err = fdpass::recv_control(b.as_fd(), false).expect_err("oversized");
     assert!(matches!(err, Error::Truncated), "{err}");
 
-    nix::sys::socket::send(a.as_fd().as_raw_fd_compat(), b"\xff\xff\xff", nix::sys::socket::MsgFlags::empty()).expect("send");
+    nix::sys::socket::send(
+        a.as_fd().as_raw_fd_compat(),
+        b"\xff\xff\xff",
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .expect("send");
     let err = fdpass::recv_control(b.as_fd(), false).expect_err("garbage");
     assert!(matches!(err, Error::Decode(_)), "{err}");
 
     // An envelope without a body is not a message either.
-    nix::sys::socket::send(a.as_fd().as_raw_fd_compat(), &Envelope { body: None }.encode_to_vec(), nix::sys::socket::MsgFlags::empty())
-        .expect("send");
+    nix::sys::socket::send(
+        a.as_fd().as_raw_fd_compat(),
+        &Envelope { body: None }.encode_to_vec(),
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .expect("send");
     let err = fdpass::recv_control(b.as_fd(), false).expect_err("empty");
     assert!(matches!(err, Error::Closed | Error::Empty), "{err}");
     drop((a, b));
@@ -155,7 +195,15 @@ fn an_unexpected_lingering_socket_does_not_block_the_receiver() {
     }
     assert!(queued > 0);
     client.set_nonblocking(false).unwrap();
-    nix::sys::socket::setsockopt(&client, nix::sys::socket::sockopt::Linger, &libc::linger { l_onoff: 1, l_linger: 5 }).unwrap();
+    nix::sys::socket::setsockopt(
+        &client,
+        nix::sys::socket::sockopt::Linger,
+        &libc::linger {
+            l_onoff: 1,
+            l_linger: 5,
+        },
+    )
+    .unwrap();
 
     let (a, b) = pair();
     // A Drain carries no descriptor: this one is unexpected.
@@ -163,12 +211,30 @@ fn an_unexpected_lingering_socket_does_not_block_the_receiver() {
     drop(client); // the receiver's copy is now the last one
     let before = open_fds();
     let start = Instant::now();
-    let err = fdpass::recv_control(b.as_fd(), false).expect_err("an unexpected descriptor is refused");
+    let err =
+        fdpass::recv_control(b.as_fd(), false).expect_err("an unexpected descriptor is refused");
     let took = start.elapsed();
     // Out of the table at once (a fork now would copy nothing), though its close lingers.
-    assert_eq!(open_fds(), before, "the refused socket is still in the descriptor table");
-    assert!(matches!(err, Error::FdCount { got: 1, expected: 0, .. }), "{err}");
-    assert!(took < Duration::from_millis(100), "the receive took {took:?}: the lingering close blocked it");
+    assert_eq!(
+        open_fds(),
+        before,
+        "the refused socket is still in the descriptor table"
+    );
+    assert!(
+        matches!(
+            err,
+            Error::FdCount {
+                got: 1,
+                expected: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        took < Duration::from_millis(100),
+        "the receive took {took:?}: the lingering close blocked it"
+    );
     drop(stalled);
 }
 
@@ -177,8 +243,8 @@ fn an_unexpected_lingering_socket_does_not_block_the_receiver() {
 /// nothing open there) is refused, and a refused descriptor is closed with nothing else.
 #[test]
 fn an_inherited_descriptor_is_taken_only_when_it_is_the_expected_socket() {
-    use std::os::fd::{AsRawFd, IntoRawFd};
     use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+    use std::os::fd::{AsRawFd, IntoRawFd};
 
     let dir = tempfile::tempdir().expect("tempdir");
     let listener = std::os::unix::net::UnixListener::bind(dir.path().join("s")).expect("bind");
@@ -187,21 +253,39 @@ fn an_inherited_descriptor_is_taken_only_when_it_is_the_expected_socket() {
     let taken = fdpass::take_inherited(raw, SockType::Stream).expect("a stream listener is taken");
     assert_eq!(taken.as_raw_fd(), raw);
     let flags = FdFlag::from_bits_truncate(fcntl(&taken, FcntlArg::F_GETFD).expect("F_GETFD"));
-    assert!(flags.contains(FdFlag::FD_CLOEXEC), "taken without close-on-exec");
+    assert!(
+        flags.contains(FdFlag::FD_CLOEXEC),
+        "taken without close-on-exec"
+    );
     drop(taken);
 
     let before = open_fds();
     let (a, b) = pair();
     let seqpacket = a.into_raw_fd();
-    assert!(matches!(fdpass::take_inherited(seqpacket, SockType::Stream), Err(Error::Io(nix::errno::Errno::ENOTSOCK))));
-    let file = File::open("/dev/null").expect("open /dev/null").into_raw_fd();
-    assert!(matches!(fdpass::take_inherited(file, SockType::Stream), Err(Error::Io(nix::errno::Errno::ENOTSOCK))));
+    assert!(matches!(
+        fdpass::take_inherited(seqpacket, SockType::Stream),
+        Err(Error::Io(nix::errno::Errno::ENOTSOCK))
+    ));
+    let file = File::open("/dev/null")
+        .expect("open /dev/null")
+        .into_raw_fd();
+    assert!(matches!(
+        fdpass::take_inherited(file, SockType::Stream),
+        Err(Error::Io(nix::errno::Errno::ENOTSOCK))
+    ));
     drop(b);
     assert_eq!(open_fds(), before, "a refused descriptor stayed open");
     // Nothing open at the number: refused before anything is owned.
     let unused = 4000;
     // SAFETY: borrowed for this one call, which only asks whether anything is open there.
-    assert_eq!(fcntl(unsafe { BorrowedFd::borrow_raw(unused) }, FcntlArg::F_GETFD), Err(nix::errno::Errno::EBADF));
-    assert!(matches!(fdpass::take_inherited(unused, SockType::Stream), Err(Error::Io(nix::errno::Errno::EBADF))));
+    let borrowed = unsafe { BorrowedFd::borrow_raw(unused) };
+    assert_eq!(
+        fcntl(borrowed, FcntlArg::F_GETFD),
+        Err(nix::errno::Errno::EBADF)
+    );
+    assert!(matches!(
+        fdpass::take_inherited(unused, SockType::Stream),
+        Err(Error::Io(nix::errno::Errno::EBADF))
+    ));
     assert_eq!(open_fds(), before);
 }

@@ -12,11 +12,17 @@ use std::collections::BTreeMap;
 use prost::Message;
 use prost_types::{DescriptorProto, FileDescriptorSet};
 
-const COMMITTED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/proto/aether/registry/v1/registry.v1.binpb");
+const COMMITTED: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/proto/aether/registry/v1/registry.v1.binpb"
+);
 
 fn current() -> FileDescriptorSet {
-    let fds = protox::compile(["aether/registry/v1/registry.proto"], [concat!(env!("CARGO_MANIFEST_DIR"), "/proto")])
-        .expect("registry.proto compiles");
+    let fds = protox::compile(
+        ["aether/registry/v1/registry.proto"],
+        [concat!(env!("CARGO_MANIFEST_DIR"), "/proto")],
+    )
+    .expect("registry.proto compiles");
     FileDescriptorSet::decode(fds.encode_to_vec().as_slice()).expect("a descriptor set decodes")
 }
 
@@ -49,21 +55,48 @@ fn incompatibilities(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<St
         };
         for of in &om.field {
             match nm.field.iter().find(|f| f.number() == of.number()) {
-                None => out.push(format!("{name}: field {} = {} removed", of.name(), of.number())),
+                None => out.push(format!(
+                    "{name}: field {} = {} removed",
+                    of.name(),
+                    of.number()
+                )),
                 Some(nf) => {
                     if nf.name() != of.name() {
-                        out.push(format!("{name}: field {} renamed {} (number {})", of.name(), nf.name(), of.number()));
+                        out.push(format!(
+                            "{name}: field {} renamed {} (number {})",
+                            of.name(),
+                            nf.name(),
+                            of.number()
+                        ));
                     }
-                    if (nf.r#type(), nf.type_name(), nf.label()) != (of.r#type(), of.type_name(), of.label()) {
-                        out.push(format!("{name}: field {} = {} changed type", of.name(), of.number()));
+                    if (nf.r#type(), nf.type_name(), nf.label())
+                        != (of.r#type(), of.type_name(), of.label())
+                    {
+                        out.push(format!(
+                            "{name}: field {} = {} changed type",
+                            of.name(),
+                            of.number()
+                        ));
                     }
                     if nf.oneof_index.is_some() != of.oneof_index.is_some() {
-                        out.push(format!("{name}: field {} moved in or out of a oneof", of.name()));
+                        out.push(format!(
+                            "{name}: field {} moved in or out of a oneof",
+                            of.name()
+                        ));
                     }
                 }
             }
-            if let Some(moved) = nm.field.iter().find(|f| f.name() == of.name() && f.number() != of.number()) {
-                out.push(format!("{name}: field {} renumbered {} -> {}", of.name(), of.number(), moved.number()));
+            if let Some(moved) = nm
+                .field
+                .iter()
+                .find(|f| f.name() == of.name() && f.number() != of.number())
+            {
+                out.push(format!(
+                    "{name}: field {} renumbered {} -> {}",
+                    of.name(),
+                    of.number(),
+                    moved.number()
+                ));
             }
         }
     }
@@ -71,7 +104,13 @@ fn incompatibilities(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<St
         let mut e = BTreeMap::new();
         for f in &set.file {
             for en in &f.enum_type {
-                e.insert(format!(".{}.{}", f.package(), en.name()), en.value.iter().map(|v| (v.number(), v.name().to_owned())).collect());
+                e.insert(
+                    format!(".{}.{}", f.package(), en.name()),
+                    en.value
+                        .iter()
+                        .map(|v| (v.number(), v.name().to_owned()))
+                        .collect(),
+                );
             }
         }
         e
@@ -80,23 +119,38 @@ fn incompatibilities(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<St
     for (name, values) in &old_e {
         for (number, value) in values {
             if new_e.get(name).and_then(|v| v.get(number)) != Some(value) {
-                out.push(format!("enum {name}: value {value} = {number} removed or renamed"));
+                out.push(format!(
+                    "enum {name}: value {value} = {number} removed or renamed"
+                ));
             }
         }
     }
     for of in &old.file {
         for os in &of.service {
-            let ns = new.file.iter().flat_map(|f| &f.service).find(|s| s.name() == os.name());
+            let ns = new
+                .file
+                .iter()
+                .flat_map(|f| &f.service)
+                .find(|s| s.name() == os.name());
             for om in &os.method {
                 let nm = ns.and_then(|s| s.method.iter().find(|m| m.name() == om.name()));
                 match nm {
                     None => out.push(format!("rpc {}.{} removed", os.name(), om.name())),
                     Some(nm) => {
                         let sig = |m: &prost_types::MethodDescriptorProto| {
-                            (m.input_type().to_owned(), m.output_type().to_owned(), m.client_streaming(), m.server_streaming())
+                            (
+                                m.input_type().to_owned(),
+                                m.output_type().to_owned(),
+                                m.client_streaming(),
+                                m.server_streaming(),
+                            )
                         };
                         if sig(nm) != sig(om) {
-                            out.push(format!("rpc {}.{} changed its signature", os.name(), om.name()));
+                            out.push(format!(
+                                "rpc {}.{} changed its signature",
+                                os.name(),
+                                om.name()
+                            ));
                         }
                     }
                 }
@@ -112,10 +166,18 @@ fn the_current_registry_api_keeps_everything_of_v1() {
     if std::env::var_os("AETHER_REGENERATE_FIXTURES").is_some() {
         std::fs::write(COMMITTED, now.encode_to_vec()).unwrap();
     }
-    let v1 = FileDescriptorSet::decode(shared_proto::registry::V1_DESCRIPTOR_SET).expect("the committed v1 set decodes");
-    assert!(messages(&v1).len() >= 10, "the committed v1 set holds the API's messages");
+    let v1 = FileDescriptorSet::decode(shared_proto::registry::V1_DESCRIPTOR_SET)
+        .expect("the committed v1 set decodes");
+    assert!(
+        messages(&v1).len() >= 10,
+        "the committed v1 set holds the API's messages"
+    );
     let broken = incompatibilities(&v1, &now);
-    assert!(broken.is_empty(), "registry.proto breaks v1:\n{}", broken.join("\n"));
+    assert!(
+        broken.is_empty(),
+        "registry.proto breaks v1:\n{}",
+        broken.join("\n")
+    );
 }
 
 #[test]
@@ -123,17 +185,51 @@ fn the_diff_catches_a_removed_a_renumbered_and_a_retyped_field() {
     let v1 = current();
     let edit = |f: &dyn Fn(&mut DescriptorProto)| {
         let mut next = v1.clone();
-        let file = next.file.iter_mut().find(|f| f.package() == "aether.registry.v1").unwrap();
-        f(file.message_type.iter_mut().find(|m| m.name() == "WatchEndpointsRequest").unwrap());
+        let file = next
+            .file
+            .iter_mut()
+            .find(|f| f.package() == "aether.registry.v1")
+            .unwrap();
+        f(file
+            .message_type
+            .iter_mut()
+            .find(|m| m.name() == "WatchEndpointsRequest")
+            .unwrap());
         incompatibilities(&v1, &next)
     };
     let removed = edit(&|m| m.field.retain(|f| f.name() != "instance"));
-    assert!(removed.iter().any(|e| e.contains("instance = 3 removed")), "{removed:?}");
-    let renumbered = edit(&|m| m.field.iter_mut().filter(|f| f.name() == "instance").for_each(|f| f.number = Some(9)));
-    assert!(renumbered.iter().any(|e| e.contains("renumbered 3 -> 9")), "{renumbered:?}");
-    let retyped = edit(&|m| {
-        m.field.iter_mut().filter(|f| f.name() == "resume_revision").for_each(|f| f.set_type(prost_types::field_descriptor_proto::Type::String))
+    assert!(
+        removed.iter().any(|e| e.contains("instance = 3 removed")),
+        "{removed:?}"
+    );
+    let renumbered = edit(&|m| {
+        m.field
+            .iter_mut()
+            .filter(|f| f.name() == "instance")
+            .for_each(|f| f.number = Some(9))
     });
-    assert!(retyped.iter().any(|e| e.contains("resume_revision = 4 changed type")), "{retyped:?}");
-    assert!(edit(&|m| m.field.push(prost_types::FieldDescriptorProto { name: Some("added".into()), number: Some(20), ..Default::default() })).is_empty());
+    assert!(
+        renumbered.iter().any(|e| e.contains("renumbered 3 -> 9")),
+        "{renumbered:?}"
+    );
+    let retyped = edit(&|m| {
+        m.field
+            .iter_mut()
+            .filter(|f| f.name() == "resume_revision")
+            .for_each(|f| f.set_type(prost_types::field_descriptor_proto::Type::String))
+    });
+    assert!(
+        retyped
+            .iter()
+            .any(|e| e.contains("resume_revision = 4 changed type")),
+        "{retyped:?}"
+    );
+    assert!(
+        edit(&|m| m.field.push(prost_types::FieldDescriptorProto {
+            name: Some("added".into()),
+            number: Some(20),
+            ..Default::default()
+        }))
+        .is_empty()
+    );
 }

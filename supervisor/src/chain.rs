@@ -34,8 +34,18 @@ pub struct Chain {
 }
 
 impl Chain {
-    pub fn open(exe: &Path, conf_dir: &Path, agent_socket: &Path, log_format: &str) -> std::io::Result<Self> {
-        let file = File::open(exe).map_err(|e| std::io::Error::new(e.kind(), format!("opening the conflist re-asserter {}: {e}", exe.display())))?;
+    pub fn open(
+        exe: &Path,
+        conf_dir: &Path,
+        agent_socket: &Path,
+        log_format: &str,
+    ) -> std::io::Result<Self> {
+        let file = File::open(exe).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("opening the conflist re-asserter {}: {e}", exe.display()),
+            )
+        })?;
         Ok(Self {
             exe: file,
             path: exe.to_owned(),
@@ -50,7 +60,10 @@ impl Chain {
     pub fn check(&mut self) {
         if let Some((pid, since, killed)) = &mut self.running {
             if !*killed && since.elapsed() >= CONFLIST_EVERY {
-                warn!(pid = pid.as_raw(), "the conflist check has run for {CONFLIST_EVERY:?}; killing it");
+                warn!(
+                    pid = pid.as_raw(),
+                    "the conflist check has run for {CONFLIST_EVERY:?}; killing it"
+                );
                 *killed = kill(*pid, Signal::SIGKILL).is_ok();
             }
             return;
@@ -71,13 +84,17 @@ impl Chain {
         match child {
             // Dropping the handle neither waits nor kills: SIGCHLD reaps it.
             Ok(c) => self.running = Some((Pid::from_raw(c.id() as i32), Instant::now(), false)),
-            Err(e) => error!(error = %e, exe = %self.path.display(), "cannot run the conflist check"),
+            Err(e) => {
+                error!(error = %e, exe = %self.path.display(), "cannot run the conflist check")
+            }
         }
     }
 
     /// Whether the child reaped with `status` was the check; logs how a failed one ended.
     pub fn reaped(&mut self, status: &WaitStatus) -> bool {
-        let ours = self.running.is_some_and(|(pid, ..)| status.pid() == Some(pid));
+        let ours = self
+            .running
+            .is_some_and(|(pid, ..)| status.pid() == Some(pid));
         if ours {
             self.running = None;
             if !matches!(status, WaitStatus::Exited(_, 0)) {

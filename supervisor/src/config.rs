@@ -59,14 +59,24 @@ pub struct Config {
 }
 
 fn parse_user(s: &str) -> Result<(u32, u32), String> {
-    let (u, g) = s.split_once(':').ok_or_else(|| format!("worker user {s:?} is not uid:gid"))?;
-    let uid = u.parse().map_err(|_| format!("worker user {s:?}: uid {u:?} is not a number"))?;
-    let gid = g.parse().map_err(|_| format!("worker user {s:?}: gid {g:?} is not a number"))?;
+    let (u, g) = s
+        .split_once(':')
+        .ok_or_else(|| format!("worker user {s:?} is not uid:gid"))?;
+    let uid = u
+        .parse()
+        .map_err(|_| format!("worker user {s:?}: uid {u:?} is not a number"))?;
+    let gid = g
+        .parse()
+        .map_err(|_| format!("worker user {s:?}: gid {g:?} is not a number"))?;
     if uid == 0 {
-        return Err(format!("worker user {s:?}: the worker must not run as uid 0"));
+        return Err(format!(
+            "worker user {s:?}: the worker must not run as uid 0"
+        ));
     }
     if gid == 0 {
-        return Err(format!("worker user {s:?}: the worker must not run as gid 0 (root's group owns files it must not write)"));
+        return Err(format!(
+            "worker user {s:?}: the worker must not run as gid 0 (root's group owns files it must not write)"
+        ));
     }
     Ok((uid, gid))
 }

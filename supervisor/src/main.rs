@@ -5,8 +5,8 @@
 //! with it. It never parses xDS, CNI or registry payloads. See SECURITY.md for the whole
 //! surface, and `sys/` for every raw syscall.
 
-mod config;
 mod chain;
+mod config;
 mod lifecycle;
 mod monitor;
 mod node;
@@ -33,22 +33,41 @@ fn main() {
     }
 }
 
-
 /// What the supervisor needs when it runs as root, and why: the chart grants exactly
 /// these (charts/aether-agent/templates/daemonset.yaml).
 const REQUIRED_CAPS: &[(caps::Capability, &str)] = &[
-    (caps::Capability::CAP_CHOWN, "chown(2) of the state and health folders and xds.sock's group"),
-    (caps::Capability::CAP_SETUID, "setresuid(2) to the worker user before exec"),
-    (caps::Capability::CAP_SETGID, "setgroups(2)/setresgid(2) to the worker group before exec"),
-    (caps::Capability::CAP_SETPCAP, "PR_CAPBSET_DROP to empty the worker's bounding set"),
-    (caps::Capability::CAP_KILL, "kill(2) of the worker, which runs under another uid"),
+    (
+        caps::Capability::CAP_CHOWN,
+        "chown(2) of the state and health folders and xds.sock's group",
+    ),
+    (
+        caps::Capability::CAP_SETUID,
+        "setresuid(2) to the worker user before exec",
+    ),
+    (
+        caps::Capability::CAP_SETGID,
+        "setgroups(2)/setresgid(2) to the worker group before exec",
+    ),
+    (
+        caps::Capability::CAP_SETPCAP,
+        "PR_CAPBSET_DROP to empty the worker's bounding set",
+    ),
+    (
+        caps::Capability::CAP_KILL,
+        "kill(2) of the worker, which runs under another uid",
+    ),
 ];
 
 fn run(cfg: Config) -> anyhow::Result<i32> {
     if cfg.keep_sockets {
         // The socket keeper is a program of its own, which needs no privilege.
         let exe = sys::spawn::beside_me("aether-keeper");
-        let err = std::process::Command::new(&exe).arg("--run-dir").arg(&cfg.run_dir).arg("--log-format").arg(&cfg.agent.log_format).exec();
+        let err = std::process::Command::new(&exe)
+            .arg("--run-dir")
+            .arg(&cfg.run_dir)
+            .arg("--log-format")
+            .arg(&cfg.agent.log_format)
+            .exec();
         anyhow::bail!("cannot run the socket keeper {}: {err}", exe.display());
     }
     // Before any descriptor is opened: what systemd passed sits at fd 3 and up.
@@ -82,9 +101,14 @@ fn run(cfg: Config) -> anyhow::Result<i32> {
 /// The worker's command line: everything it needs, nothing from the environment.
 fn worker_args(cfg: &Config) -> Vec<String> {
     let node = cfg.node_name.clone().unwrap_or_else(|| {
-        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".into())
     });
-    let pod = cfg.pod_name.clone().unwrap_or_else(|| format!("aether-agent-{}", std::process::id()));
+    let pod = cfg
+        .pod_name
+        .clone()
+        .unwrap_or_else(|| format!("aether-agent-{}", std::process::id()));
     let mut a = vec![
         "aether-worker".to_string(),
         "--control-fd=3".into(),

@@ -55,7 +55,10 @@ pub struct Monitor {
 
 impl Default for Monitor {
     fn default() -> Self {
-        Self { phase: WorkerPhase::AwaitHello, took_over: false }
+        Self {
+            phase: WorkerPhase::AwaitHello,
+            took_over: false,
+        }
     }
 }
 
@@ -73,7 +76,13 @@ impl Monitor {
                 self.phase = Building;
                 Ok(Notice::Hello)
             }
-            (AwaitHello, Body::Hello(h)) => deny(self.phase, format!("worker speaks version {}, supervisor {CONTROL_VERSION}", h.version)),
+            (AwaitHello, Body::Hello(h)) => deny(
+                self.phase,
+                format!(
+                    "worker speaks version {}, supervisor {CONTROL_VERSION}",
+                    h.version
+                ),
+            ),
             (AwaitHello, other) => deny(self.phase, format!("{} before Hello", other.name())),
             (_, Body::Hello(_)) => deny(self.phase, "second Hello".into()),
             (_, Body::Pong(p)) => Ok(Notice::Pong(p.seq)),
@@ -97,17 +106,25 @@ impl Monitor {
                     // A status sent before our Takeover or Drain reached the worker: the
                     // messages crossed. Accepted, and the phase stays where we moved it.
                     (TakeoverSent, Phase::StandbyComplete) => Ok(Notice::StandbyComplete),
-                    (Draining, Phase::StandbyComplete | Phase::Reconciling | Phase::Serving) => Ok(Notice::Crossed),
+                    (Draining, Phase::StandbyComplete | Phase::Reconciling | Phase::Serving) => {
+                        Ok(Notice::Crossed)
+                    }
                     (phase, to) => deny(phase, format!("status {to:?} not permitted")),
                 }
             }
-            (phase, other) => deny(phase, format!("{} is a supervisor-to-worker message", other.name())),
+            (phase, other) => deny(
+                phase,
+                format!("{} is a supervisor-to-worker message", other.name()),
+            ),
         }
     }
 
     /// Takeover may be sent once, after Hello, and not while draining.
     pub fn may_send_takeover(&self) -> bool {
-        matches!(self.phase, WorkerPhase::Building | WorkerPhase::StandbyComplete)
+        matches!(
+            self.phase,
+            WorkerPhase::Building | WorkerPhase::StandbyComplete
+        )
     }
 
     pub fn takeover_sent(&mut self) {
@@ -118,7 +135,10 @@ impl Monitor {
 
     /// Drain may be sent once the worker has said Hello.
     pub fn may_send_drain(&self) -> bool {
-        !matches!(self.phase, WorkerPhase::AwaitHello | WorkerPhase::Draining | WorkerPhase::Released)
+        !matches!(
+            self.phase,
+            WorkerPhase::AwaitHello | WorkerPhase::Draining | WorkerPhase::Released
+        )
     }
 
     pub fn drain_sent(&mut self) {
@@ -135,7 +155,9 @@ mod tests {
         Body::Status(Status { phase: p as i32 })
     }
     fn hello() -> Body {
-        Body::Hello(Hello { version: CONTROL_VERSION })
+        Body::Hello(Hello {
+            version: CONTROL_VERSION,
+        })
     }
 
     /// Runs `script` (message, or an action by the supervisor) and checks each verdict.
@@ -188,13 +210,21 @@ mod tests {
             ("complete", Some(status(Phase::StandbyComplete)), true),
             ("send_drain", None, true),
             ("draining", Some(status(Phase::Draining)), true),
-            ("released by a standby", Some(status(Phase::Released)), false),
+            (
+                "released by a standby",
+                Some(status(Phase::Released)),
+                false,
+            ),
         ]);
         check(&[
             ("hello", Some(hello()), true),
             ("send_takeover", None, true),
             ("serving", Some(status(Phase::Serving)), true),
-            ("released before the drain", Some(status(Phase::Released)), false),
+            (
+                "released before the drain",
+                Some(status(Phase::Released)),
+                false,
+            ),
         ]);
         check(&[
             ("hello", Some(hello()), true),
@@ -212,10 +242,18 @@ mod tests {
         check(&[
             ("hello", Some(hello()), true),
             ("send_takeover", None, true),
-            ("complete, sent before takeover arrived", Some(status(Phase::StandbyComplete)), true),
+            (
+                "complete, sent before takeover arrived",
+                Some(status(Phase::StandbyComplete)),
+                true,
+            ),
             ("serving", Some(status(Phase::Serving)), true),
             ("send_drain", None, true),
-            ("serving again, crossed the drain", Some(status(Phase::Serving)), true),
+            (
+                "serving again, crossed the drain",
+                Some(status(Phase::Serving)),
+                true,
+            ),
             ("draining", Some(status(Phase::Draining)), true),
             ("hello in drain", Some(hello()), false),
         ]);
@@ -223,20 +261,64 @@ mod tests {
 
     #[test]
     fn lone_agent_takeover_before_complete() {
-        check(&[("hello", Some(hello()), true), ("send_takeover", None, true), ("serving", Some(status(Phase::Serving)), true)]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("send_takeover", None, true),
+            ("serving", Some(status(Phase::Serving)), true),
+        ]);
     }
 
     #[test]
     fn out_of_phase_messages_are_violations() {
         check(&[("pong first", Some(Body::Pong(Ping { seq: 1 })), false)]);
-        check(&[("old hello", Some(Body::Hello(Hello { version: CONTROL_VERSION + 1 })), false)]);
-        check(&[("hello", Some(hello()), true), ("hello again", Some(hello()), false)]);
-        check(&[("hello", Some(hello()), true), ("serving without takeover", Some(status(Phase::Serving)), false)]);
-        check(&[("hello", Some(hello()), true), ("draining unasked", Some(status(Phase::Draining)), false)]);
-        check(&[("hello", Some(hello()), true), ("takeover from worker", Some(Body::Takeover(Takeover::default())), false)]);
-        check(&[("hello", Some(hello()), true), ("drain from worker", Some(Body::Drain(Drain::default())), false)]);
-        check(&[("hello", Some(hello()), true), ("unspecified", Some(status(Phase::Unspecified)), false)]);
+        check(&[(
+            "old hello",
+            Some(Body::Hello(Hello {
+                version: CONTROL_VERSION + 1,
+            })),
+            false,
+        )]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("hello again", Some(hello()), false),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            (
+                "serving without takeover",
+                Some(status(Phase::Serving)),
+                false,
+            ),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("draining unasked", Some(status(Phase::Draining)), false),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            (
+                "takeover from worker",
+                Some(Body::Takeover(Takeover::default())),
+                false,
+            ),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            (
+                "drain from worker",
+                Some(Body::Drain(Drain::default())),
+                false,
+            ),
+        ]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("unspecified", Some(status(Phase::Unspecified)), false),
+        ]);
         check(&[("send_drain before hello", None, false)]);
-        check(&[("hello", Some(hello()), true), ("send_drain", None, true), ("send_takeover", None, false)]);
+        check(&[
+            ("hello", Some(hello()), true),
+            ("send_drain", None, true),
+            ("send_takeover", None, false),
+        ]);
     }
 }

@@ -40,7 +40,11 @@ pub struct Node {
 impl Node {
     /// The descriptors a Takeover carries, in its order.
     pub fn takeover_fds(&self) -> [BorrowedFd<'_>; 3] {
-        [self.lock.as_fd(), self.listeners.xds.as_fd(), self.listeners.cni.as_fd()]
+        [
+            self.lock.as_fd(),
+            self.listeners.xds.as_fd(),
+            self.listeners.cni.as_fd(),
+        ]
     }
 
     /// Unlocks the node, so that the standby takes it over now while the drained
@@ -51,9 +55,13 @@ impl Node {
     /// fresh ones, which refuses connects meanwhile.
     pub fn release(&self) {
         match self.lock.unlock() {
-            Ok(()) => info!("node lock released; the worker keeps its proxy streams until the successor serves"),
+            Ok(()) => info!(
+                "node lock released; the worker keeps its proxy streams until the successor serves"
+            ),
             // Closing the descriptor releases it too, once the worker's copy is gone.
-            Err(e) => warn!(error = %e, "unlocking the node lock failed; it is released when the descriptor closes"),
+            Err(e) => {
+                warn!(error = %e, "unlocking the node lock failed; it is released when the descriptor closes")
+            }
         }
     }
 }
@@ -61,7 +69,10 @@ impl Node {
 pub enum Outcome {
     Taken(Node, Took),
     /// A server without the lock still answers on `path`.
-    Blocked { lock: lock::Held, path: PathBuf },
+    Blocked {
+        lock: lock::Held,
+        path: PathBuf,
+    },
 }
 
 /// What taking the node needs: paths, owners and the generation record.
@@ -78,7 +89,12 @@ pub struct Taker {
 }
 
 impl Taker {
-    pub fn new(cfg: &Config, owner: (u32, u32), worker: Option<(u32, u32)>, generation: lock::Generation) -> Self {
+    pub fn new(
+        cfg: &Config,
+        owner: (u32, u32),
+        worker: Option<(u32, u32)>,
+        generation: lock::Generation,
+    ) -> Self {
         Self {
             xds: cfg.xds_path(),
             cni: cfg.cni_path(),
@@ -90,18 +106,30 @@ impl Taker {
         }
     }
 
-    pub fn take(&self, lock: lock::Held, held: Option<Held>, ask_keeper: bool, since: Instant) -> Result<Outcome, NodeError> {
+    pub fn take(
+        &self,
+        lock: lock::Held,
+        held: Option<Held>,
+        ask_keeper: bool,
+        since: Instant,
+    ) -> Result<Outcome, NodeError> {
         // No owner handed its sockets over (a delete-then-create roll, a killed generation,
         // or this supervisor won the lock over a waiting standby while the previous owner
         // drains): that owner, still draining, the one it took them from (released, still
         // draining, at `handoff-released.sock`) or the node's socket keeper may hold them.
         // Each source, and whether it is the keeper (which goes on holding what it offers).
         let released = released_path(&self.handoff);
-        let sources = [(&self.handoff, "the draining owner", false), (&released, "the released owner", false), (&self.keeper, "the socket keeper", true)];
+        let sources = [
+            (&self.handoff, "the draining owner", false),
+            (&released, "the released owner", false),
+            (&self.keeper, "the socket keeper", true),
+        ];
         let (held, kept) = match held {
             Some(h) => (Some(h), false),
             None if ask_keeper => {
-                let offer = sources.iter().find_map(|&(path, from, kept)| Some((self.offer_from(path, from)?, kept)));
+                let offer = sources
+                    .iter()
+                    .find_map(|&(path, from, kept)| Some((self.offer_from(path, from)?, kept)));
                 offer.map_or((None, false), |(h, kept)| (Some(h), kept))
             }
             None => (None, false),
@@ -118,7 +146,9 @@ impl Taker {
             Some(h) => h.listeners,
             None => match self.bind_fresh() {
                 Ok(l) => l,
-                Err(ListenError::LiveServer { path }) => return Ok(Outcome::Blocked { lock, path }),
+                Err(ListenError::LiveServer { path }) => {
+                    return Ok(Outcome::Blocked { lock, path });
+                }
                 Err(e) => return Err(e.into()),
             },
         };
@@ -126,7 +156,10 @@ impl Taker {
         let generation = self.generation.bump(&lock.file)?;
         let handoff = match bind_handoff(&self.handoff, self.owner) {
             Ok(b) => {
-                let _ = nix::fcntl::fcntl(&b.fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK));
+                let _ = nix::fcntl::fcntl(
+                    &b.fd,
+                    nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+                );
                 Some(b.fd)
             }
             Err(e) => {
@@ -135,9 +168,29 @@ impl Taker {
                 None
             }
         };
-        info!(generation, handed_off, bind_us = micros(bind), "this agent owns the node");
-        let took = Took { generation, handed_off, kept: handed_off && kept, uncontended: lock.uncontended, lock_wait: lock.waited, bind };
-        Ok(Outcome::Taken(Node { lock: lock.file, listeners, handoff, generation }, took))
+        info!(
+            generation,
+            handed_off,
+            bind_us = micros(bind),
+            "this agent owns the node"
+        );
+        let took = Took {
+            generation,
+            handed_off,
+            kept: handed_off && kept,
+            uncontended: lock.uncontended,
+            lock_wait: lock.waited,
+            bind,
+        };
+        Ok(Outcome::Taken(
+            Node {
+                lock: lock.file,
+                listeners,
+                handoff,
+                generation,
+            },
+            took,
+        ))
     }
 
     fn verify(&self, l: &Listeners) -> Result<(), ListenError> {
@@ -149,7 +202,10 @@ impl Taker {
     fn offer_from(&self, path: &Path, from: &str) -> Option<Held> {
         match handoff::fetch(path, &self.xds, &self.cni, false) {
             Ok(Some(h)) => {
-                info!(generation = h.generation, "taking the node sockets from {from}");
+                info!(
+                    generation = h.generation,
+                    "taking the node sockets from {from}"
+                );
                 Some(h)
             }
             Ok(None) => None,
@@ -169,9 +225,21 @@ impl Taker {
         }
         // xds.sock: the proxy connects as a member of the worker's group (the chart gives
         // Envoy that supplementary group). cni.sock: only the runtime's CNI plugin, root.
-        let x = listen::bind_fresh(&self.xds, SockType::Stream, 0o660, (self.owner.0, self.xds_group))?;
+        let x = listen::bind_fresh(
+            &self.xds,
+            SockType::Stream,
+            0o660,
+            (self.owner.0, self.xds_group),
+        )?;
         let c = listen::bind_fresh(&self.cni, SockType::Stream, 0o600, self.owner)?;
-        Ok(Listeners { xds: x.fd, cni: c.fd, paths: PathIds { xds: x.id, cni: c.id } })
+        Ok(Listeners {
+            xds: x.fd,
+            cni: c.fd,
+            paths: PathIds {
+                xds: x.id,
+                cni: c.id,
+            },
+        })
     }
 }
 
@@ -180,16 +248,27 @@ impl Taker {
 /// kernel's record of its bind (`listen::listener_at`), as again at the takeover. Refused
 /// ones are also removed from the store: systemd's own copies would otherwise keep
 /// taking connects at the paths, and a fresh bind would wait for them forever.
-pub fn held_from_systemd(xds_path: &Path, cni_path: &Path, fds: (Option<OwnedFd>, Option<OwnedFd>)) -> Option<Held> {
+pub fn held_from_systemd(
+    xds_path: &Path,
+    cni_path: &Path,
+    fds: (Option<OwnedFd>, Option<OwnedFd>),
+) -> Option<Held> {
     let refused = match fds {
         (None, None) => return None,
         (Some(xds), Some(cni)) => {
-            let ids = listen::listener_at("xds.sock from systemd", &xds, xds_path)
-                .and_then(|x| Ok(PathIds { xds: x, cni: listen::listener_at("cni.sock from systemd", &cni, cni_path)? }));
+            let ids = listen::listener_at("xds.sock from systemd", &xds, xds_path).and_then(|x| {
+                Ok(PathIds {
+                    xds: x,
+                    cni: listen::listener_at("cni.sock from systemd", &cni, cni_path)?,
+                })
+            });
             match ids {
                 Ok(paths) => {
                     info!("holding the node sockets systemd kept in its fd store");
-                    return Some(Held { generation: 0, listeners: Listeners { xds, cni, paths } });
+                    return Some(Held {
+                        generation: 0,
+                        listeners: Listeners { xds, cni, paths },
+                    });
                 }
                 Err(e) => e.to_string(),
             }
@@ -215,7 +294,9 @@ pub fn released_path(handoff: &Path) -> PathBuf {
 /// there, instead of waiting for that owner to exit and binding fresh ones (which refuses
 /// the proxy's connects meanwhile).
 fn bind_handoff(path: &Path, owner: (u32, u32)) -> Result<listen::Bound, ListenError> {
-    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
+    if std::fs::symlink_metadata(path)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    {
         let released = released_path(path);
         if let Err(e) = std::fs::rename(path, &released) {
             // bind_fresh replaces it: a taker then finds the released owner's sockets no more.
@@ -237,7 +318,9 @@ pub fn forget_released(handoff: &Path) {
         }
         Ok(_) => warn!(path = %released.display(), "not a socket; left as it is"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => warn!(error = %e, path = %released.display(), "cannot look at the released owner's handoff socket"),
+        Err(e) => {
+            warn!(error = %e, path = %released.display(), "cannot look at the released owner's handoff socket")
+        }
     }
 }
 
@@ -250,13 +333,22 @@ mod tests {
     use super::*;
 
     fn dial(path: &Path) -> nix::Result<OwnedFd> {
-        let s = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)?;
+        let s = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )?;
         connect(s.as_raw_fd(), &UnixAddr::new(path)?)?;
         Ok(s)
     }
 
     fn nonblocking(fd: &OwnedFd) {
-        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).unwrap();
+        nix::fcntl::fcntl(
+            fd,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        )
+        .unwrap();
     }
 
     /// A new owner's `handoff.sock` moves the previous owner's aside, where it still
@@ -265,24 +357,48 @@ mod tests {
     fn binding_handoff_sock_keeps_the_previous_owners_listener_reachable() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("handoff.sock");
-        let me = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+        let me = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
         let old = bind_handoff(&path, me).unwrap();
-        assert!(!released_path(&path).exists(), "nothing to move aside at the first bind");
+        assert!(
+            !released_path(&path).exists(),
+            "nothing to move aside at the first bind"
+        );
         let new = bind_handoff(&path, me).unwrap();
         nonblocking(&old.fd);
         nonblocking(&new.fd);
         let _a = dial(&released_path(&path)).expect("the released listener answers");
-        assert!(handoff::accept(&old.fd).is_some(), "the dial at handoff-released.sock reached the old listener");
-        assert!(handoff::accept(&new.fd).is_none(), "the new listener got the dial meant for the old one");
+        assert!(
+            handoff::accept(&old.fd).is_some(),
+            "the dial at handoff-released.sock reached the old listener"
+        );
+        assert!(
+            handoff::accept(&new.fd).is_none(),
+            "the new listener got the dial meant for the old one"
+        );
         let _b = dial(&path).expect("the new listener answers");
-        assert!(handoff::accept(&new.fd).is_some(), "the dial at handoff.sock reached the new listener");
-        assert!(handoff::accept(&old.fd).is_none(), "the old listener still answers at handoff.sock");
+        assert!(
+            handoff::accept(&new.fd).is_some(),
+            "the dial at handoff.sock reached the new listener"
+        );
+        assert!(
+            handoff::accept(&old.fd).is_none(),
+            "the old listener still answers at handoff.sock"
+        );
         // Once the old owner is gone its file refuses: a taker goes on to the socket keeper.
         drop(old);
-        assert_eq!(dial(&released_path(&path)).err(), Some(nix::errno::Errno::ECONNREFUSED));
+        assert_eq!(
+            dial(&released_path(&path)).err(),
+            Some(nix::errno::Errno::ECONNREFUSED)
+        );
         // The new generation serves: the file goes, the new handoff.sock stays.
         forget_released(&path);
-        assert!(!released_path(&path).exists(), "handoff-released.sock left after the new owner serves");
+        assert!(
+            !released_path(&path).exists(),
+            "handoff-released.sock left after the new owner serves"
+        );
         assert!(dial(&path).is_ok(), "handoff.sock went with it");
     }
 
@@ -293,7 +409,10 @@ mod tests {
         let path = dir.path().join("handoff.sock");
         std::fs::write(released_path(&path), b"not a socket").unwrap();
         forget_released(&path);
-        assert!(released_path(&path).exists(), "a regular file at handoff-released.sock was removed");
+        assert!(
+            released_path(&path).exists(),
+            "a regular file at handoff-released.sock was removed"
+        );
         forget_released(&dir.path().join("missing/handoff.sock"));
     }
 }

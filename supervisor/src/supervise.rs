@@ -18,15 +18,15 @@ use shared_proto::control::Body;
 use shared_proto::fdpass;
 use tracing::{error, info, warn};
 
-use crate::config::Config;
 use crate::chain::Chain;
-use shared_proto::handoff::{self, Held};
+use crate::config::Config;
 use crate::lifecycle::{Action, Event, Lifecycle, Report, Resources};
 use crate::node::{self, Node, Outcome, Taker};
 use crate::report;
 use crate::sys::lock::{self, LockError};
-use crate::sys::{notify, seccomp};
 use crate::sys::spawn::{self, Image, Plan, SpawnError};
+use crate::sys::{notify, seccomp};
+use shared_proto::handoff::{self, Held};
 
 /// At most this many control messages are read per wake-up, so that a flooding worker
 /// cannot starve signals and the handoff listener.
@@ -89,20 +89,49 @@ impl Supervisor {
     ) -> Result<Self, StartError> {
         let held = node::held_from_systemd(&cfg.xds_path(), &cfg.cni_path(), from_systemd);
         let root = nix::unistd::geteuid().is_root();
-        let worker_path = cfg.worker_bin.clone().unwrap_or_else(|| spawn::beside_me("aether-worker"));
+        let worker_path = cfg
+            .worker_bin
+            .clone()
+            .unwrap_or_else(|| spawn::beside_me("aether-worker"));
         let image = Image::open(&worker_path)?;
         let plan = Plan::new(worker_args, env, root.then_some(cfg.worker_user))?;
-        let owner = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+        let owner = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
         let (lock_file, generation) = lock::open(&cfg.lock_path())?;
         let taker = Taker::new(&cfg, owner, plan.drop_to, generation);
         let (lock_wake, wake_w) = UnixStream::pair().map_err(StartError::Wake)?;
         lock_wake.set_nonblocking(true).map_err(StartError::Wake)?;
         let lock_rx = lock::spawn_waiter(lock_file, cfg.lock_path(), wake_w);
-        let exe = cfg.cni_plugin_bin.clone().unwrap_or_else(|| spawn::beside_me("aether-cni"));
-        let conflist = cfg.agent.cni_conf_dir.as_ref().map(|dir| Chain::open(&exe, dir, &cfg.cni_path(), &cfg.agent.log_format)).transpose().map_err(StartError::Chain)?;
+        let exe = cfg
+            .cni_plugin_bin
+            .clone()
+            .unwrap_or_else(|| spawn::beside_me("aether-cni"));
+        let conflist = cfg
+            .agent
+            .cni_conf_dir
+            .as_ref()
+            .map(|dir| Chain::open(&exe, dir, &cfg.cni_path(), &cfg.agent.log_format))
+            .transpose()
+            .map_err(StartError::Chain)?;
         let core = Lifecycle::new(Instant::now(), held, conflist.is_some());
         let watchdog = notify::watchdog_enabled();
-        Ok(Self { core, image, plan, taker, cfg, signals, lock_wake: Some(lock_wake), lock_rx, conflist, watchdog, sigsys: Vec::new(), released: None, parked: handoff::Parked::default() })
+        Ok(Self {
+            core,
+            image,
+            plan,
+            taker,
+            cfg,
+            signals,
+            lock_wake: Some(lock_wake),
+            lock_rx,
+            conflist,
+            watchdog,
+            sigsys: Vec::new(),
+            released: None,
+            parked: handoff::Parked::default(),
+        })
     }
 
     /// Runs until the lifecycle exits. Returns the exit code.
@@ -154,7 +183,11 @@ impl Supervisor {
             Action::SendTakeover(mut msg) => {
                 let (w, node) = (self.core.worker()?, self.core.node()?);
                 msg.sent_at_us = shared_proto::control::monotonic_us();
-                let sent = fdpass::send_control(w.control.as_fd(), Body::Takeover(msg), &node.takeover_fds());
+                let sent = fdpass::send_control(
+                    w.control.as_fd(),
+                    Body::Takeover(msg),
+                    &node.takeover_fds(),
+                );
                 sent.err().map(|e| Event::TakeoverNotSent(e.to_string()))
             }
             Action::Kill { pid, why } => {
@@ -162,14 +195,24 @@ impl Supervisor {
                 // A failed kill is retried at the next heartbeat deadline. ESRCH: already gone.
                 match kill(pid, Signal::SIGKILL) {
                     Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-                    Err(e) => error!(pid = pid.as_raw(), error = %e, "kill(SIGKILL) of the worker failed"),
+                    Err(e) => {
+                        error!(pid = pid.as_raw(), error = %e, "kill(SIGKILL) of the worker failed")
+                    }
                 }
                 None
             }
-            Action::TakeNode { lock, held, ask_keeper, since } => Some(match self.taker.take(lock, held, ask_keeper, since) {
+            Action::TakeNode {
+                lock,
+                held,
+                ask_keeper,
+                since,
+            } => Some(match self.taker.take(lock, held, ask_keeper, since) {
                 Ok(Outcome::Taken(node, took)) => {
                     shared_proto::fault_hook!("take-node");
-                    notify::status(false, &format!("owner: generation {}, taking over", took.generation));
+                    notify::status(
+                        false,
+                        &format!("owner: generation {}, taking over", took.generation),
+                    );
                     Event::Took(node, took)
                 }
                 Ok(Outcome::Blocked { lock, path }) => Event::Blocked { lock, path },
@@ -188,9 +231,13 @@ impl Supervisor {
             Action::StoreListeners => {
                 let l = &self.core.node()?.listeners;
                 match crate::sys::fdstore::store(l.xds.as_fd(), l.cni.as_fd()) {
-                    Ok(true) => info!("node sockets stored in systemd's fd store (kept across a restart)"),
+                    Ok(true) => {
+                        info!("node sockets stored in systemd's fd store (kept across a restart)")
+                    }
                     Ok(false) => {}
-                    Err(e) => warn!(error = %e, "cannot store the node sockets in systemd's fd store"),
+                    Err(e) => {
+                        warn!(error = %e, "cannot store the node sockets in systemd's fd store")
+                    }
                 }
                 None
             }
@@ -217,12 +264,20 @@ impl Supervisor {
     }
 
     fn fetch_handoff(&self) -> Event<Sys> {
-        match handoff::fetch(&self.cfg.handoff_path(), &self.cfg.xds_path(), &self.cfg.cni_path(), false) {
+        match handoff::fetch(
+            &self.cfg.handoff_path(),
+            &self.cfg.xds_path(),
+            &self.cfg.cni_path(),
+            false,
+        ) {
             Ok(Some(h)) => {
                 shared_proto::fault_hook!("handoff-held");
                 let known = self.core.held().map(|old| old.generation);
                 if known != Some(h.generation) {
-                    info!(generation = h.generation, "holding the owner's node sockets for the takeover");
+                    info!(
+                        generation = h.generation,
+                        "holding the owner's node sockets for the takeover"
+                    );
                 }
                 Event::Fetched(Some(h))
             }
@@ -236,8 +291,10 @@ impl Supervisor {
 
     fn wait_and_dispatch(&mut self) -> nix::Result<()> {
         let timeout = match self.core.timers().next() {
-            Some(d) => PollTimeout::try_from(d.saturating_duration_since(Instant::now()) + Duration::from_millis(1))
-                .unwrap_or(PollTimeout::MAX),
+            Some(d) => PollTimeout::try_from(
+                d.saturating_duration_since(Instant::now()) + Duration::from_millis(1),
+            )
+            .unwrap_or(PollTimeout::MAX),
             None => PollTimeout::NONE,
         };
         let (sig, wake, ctl, hand) = {
@@ -245,7 +302,11 @@ impl Supervisor {
             let optional = [
                 self.lock_wake.as_ref().map(|w| w.as_fd()),
                 self.core.control().map(|c| c.as_fd()),
-                self.core.node().or(self.released.as_ref()).and_then(|n| n.handoff.as_ref()).map(|h| h.as_fd()),
+                self.core
+                    .node()
+                    .or(self.released.as_ref())
+                    .and_then(|n| n.handoff.as_ref())
+                    .map(|h| h.as_fd()),
             ];
             let [wake_i, ctl_i, hand_i] = optional.map(|fd| {
                 fd.map(|fd| {
@@ -254,13 +315,22 @@ impl Supervisor {
                 })
             });
             let parked = fds.len();
-            fds.extend(self.parked.fds().map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+            fds.extend(
+                self.parked
+                    .fds()
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
             match poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(e),
             }
             let ready = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
-            (ready(0), wake_i.is_some_and(ready), ctl_i.is_some_and(ready), hand_i.is_some_and(ready) || (parked..fds.len()).any(ready))
+            (
+                ready(0),
+                wake_i.is_some_and(ready),
+                ctl_i.is_some_and(ready),
+                hand_i.is_some_and(ready) || (parked..fds.len()).any(ready),
+            )
         };
         if sig {
             self.on_signals();
@@ -297,7 +367,11 @@ impl Supervisor {
             if self.conflist.as_mut().is_some_and(|c| c.reaped(&status)) {
                 continue;
             }
-            let sigsys = self.sigsys.iter().position(|(p, _)| *p == pid).map(|i| self.sigsys.swap_remove(i).1);
+            let sigsys = self
+                .sigsys
+                .iter()
+                .position(|(p, _)| *p == pid)
+                .map(|i| self.sigsys.swap_remove(i).1);
             if let WaitStatus::Signaled(_, Signal::SIGSYS, _) = status {
                 report::sigsys(pid, sigsys.as_ref().and_then(seccomp::report));
             }
@@ -306,7 +380,11 @@ impl Supervisor {
                 WaitStatus::Signaled(_, s, _) => 128 + s as i32,
                 _ => 1,
             };
-            self.feed(Event::Exited { pid, code, status: format!("{status:?}") });
+            self.feed(Event::Exited {
+                pid,
+                code,
+                status: format!("{status:?}"),
+            });
         }
     }
 
@@ -317,7 +395,10 @@ impl Supervisor {
             // and there is nothing more to wait for.
             let gone = match (&*w).read(&mut buf) {
                 Ok(n) => n == 0,
-                Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted),
+                Err(e) => !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ),
             };
             if gone {
                 self.lock_wake = None;
@@ -325,7 +406,11 @@ impl Supervisor {
         }
         match self.lock_rx.try_recv() {
             Ok(Ok(held)) => {
-                info!(waited_ms = held.waited.as_millis() as u64, uncontended = held.uncontended, "node lock acquired");
+                info!(
+                    waited_ms = held.waited.as_millis() as u64,
+                    uncontended = held.uncontended,
+                    "node lock acquired"
+                );
                 self.feed(Event::LockAcquired(held));
             }
             Ok(Err(e)) => {
@@ -352,7 +437,10 @@ impl Supervisor {
             };
             let last = !matches!(event, Event::Message(_));
             self.feed(event);
-            if last || self.core.control().is_none() || self.core.worker().map(|w| w.pid) != Some(pid) {
+            if last
+                || self.core.control().is_none()
+                || self.core.worker().map(|w| w.pid) != Some(pid)
+            {
                 return;
             }
         }
@@ -371,7 +459,10 @@ impl Supervisor {
                 match answer {
                     Ok(keeper) => {
                         if keeper {
-                            tracing::debug!(generation, "offered the node sockets to the socket keeper");
+                            tracing::debug!(
+                                generation,
+                                "offered the node sockets to the socket keeper"
+                            );
                         } else {
                             info!(generation, "offered the node sockets to a standby");
                         }

@@ -73,7 +73,9 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Self { next: BACKOFF_FIRST }
+        Self {
+            next: BACKOFF_FIRST,
+        }
     }
 }
 
@@ -185,23 +187,31 @@ struct PeerBuckets {
 
 impl PeerBuckets {
     fn new(rate: PeerRate) -> Self {
-        Self { rate, peers: HashMap::new() }
+        Self {
+            rate,
+            peers: HashMap::new(),
+        }
     }
 
     fn refilled(rate: PeerRate, (tokens, at): (f64, Instant), now: Instant) -> f64 {
-        (tokens + now.duration_since(at).as_secs_f64() * f64::from(rate.per_second)).min(f64::from(rate.burst))
+        (tokens + now.duration_since(at).as_secs_f64() * f64::from(rate.per_second))
+            .min(f64::from(rate.burst))
     }
 
     /// Whether process `pid` may open one more connection at `now` (and takes a token).
     fn admit(&mut self, pid: i32, now: Instant) -> bool {
         let rate = self.rate;
         if self.peers.len() >= MAX_PEERS && !self.peers.contains_key(&pid) {
-            self.peers.retain(|_, b| Self::refilled(rate, *b, now) < f64::from(rate.burst));
+            self.peers
+                .retain(|_, b| Self::refilled(rate, *b, now) < f64::from(rate.burst));
             if self.peers.len() >= MAX_PEERS {
                 self.peers.clear();
             }
         }
-        let bucket = self.peers.entry(pid).or_insert((f64::from(rate.burst), now));
+        let bucket = self
+            .peers
+            .entry(pid)
+            .or_insert((f64::from(rate.burst), now));
         let tokens = Self::refilled(rate, *bucket, now);
         let admitted = tokens >= 1.0;
         *bucket = (if admitted { tokens - 1.0 } else { tokens }, now);
@@ -221,7 +231,10 @@ impl Throttled {
     /// Counts one event at `now`; the count since the last line when a line is due.
     fn count(&mut self, now: Instant) -> Option<u64> {
         self.since_logged += 1;
-        if self.logged.is_some_and(|at| now.duration_since(at) < LOG_EVERY) {
+        if self
+            .logged
+            .is_some_and(|at| now.duration_since(at) < LOG_EVERY)
+        {
             return None;
         }
         self.logged = Some(now);
@@ -250,8 +263,15 @@ pub struct Acceptor<L> {
 impl<L: Listen> Acceptor<L> {
     /// Accepts on `listener`, named `socket` in metrics and logs, holding at most
     /// `max_connections` open.
-    pub fn new(listener: L, socket: &'static str, max_connections: usize, metrics: Arc<Metrics>) -> Self {
-        let label = SocketLabel { socket: socket.into() };
+    pub fn new(
+        listener: L,
+        socket: &'static str,
+        max_connections: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let label = SocketLabel {
+            socket: socket.into(),
+        };
         let open = metrics.connections.get_or_create(&label).clone();
         let refused = metrics.connections_refused.get_or_create(&label).clone();
         Self {
@@ -270,7 +290,13 @@ impl<L: Listen> Acceptor<L> {
 
     /// Limits each peer process to `rate` (on sockets whose peer has a process id).
     pub fn with_peer_rate(mut self, rate: PeerRate) -> Self {
-        let counter = self.metrics.connections_rate_limited.get_or_create(&SocketLabel { socket: self.socket.into() }).clone();
+        let counter = self
+            .metrics
+            .connections_rate_limited
+            .get_or_create(&SocketLabel {
+                socket: self.socket.into(),
+            })
+            .clone();
         self.peer_rate = Some((PeerBuckets::new(rate), counter, Throttled::default()));
         self
     }
@@ -278,8 +304,12 @@ impl<L: Listen> Acceptor<L> {
     /// Whether `conn`'s peer is within its rate; if not, `conn` is closed and counted.
     /// A peer with no process id passes.
     fn within_rate(&mut self, conn: L::Conn) -> Option<L::Conn> {
-        let Some((buckets, counter, throttle)) = self.peer_rate.as_mut() else { return Some(conn) };
-        let Some(pid) = L::peer_pid(&conn) else { return Some(conn) };
+        let Some((buckets, counter, throttle)) = self.peer_rate.as_mut() else {
+            return Some(conn);
+        };
+        let Some(pid) = L::peer_pid(&conn) else {
+            return Some(conn);
+        };
         let now = Instant::now();
         if buckets.admit(pid, now) {
             return Some(conn);
@@ -288,8 +318,14 @@ impl<L: Listen> Acceptor<L> {
         counter.inc();
         if let Some(closed) = throttle.count(now) {
             let rate = buckets.rate;
-            tracing::warn!(socket = self.socket, pid, burst = rate.burst, per_second = rate.per_second, closed,
-                "a process is opening connections faster than its rate; closing them at once");
+            tracing::warn!(
+                socket = self.socket,
+                pid,
+                burst = rate.burst,
+                per_second = rate.per_second,
+                closed,
+                "a process is opening connections faster than its rate; closing them at once"
+            );
         }
         None
     }
@@ -304,14 +340,21 @@ impl<L: Listen> Acceptor<L> {
                     tracing::trace!(socket = self.socket, "accepted");
                     self.backoff.succeeded();
                     if let Some((since, errors, _)) = self.failing.take() {
-                        tracing::info!(socket = self.socket, errors, after_ms = since.elapsed().as_millis() as u64,
-                            "accepting again");
+                        tracing::info!(
+                            socket = self.socket,
+                            errors,
+                            after_ms = since.elapsed().as_millis() as u64,
+                            "accepting again"
+                        );
                     }
                     return conn;
                 }
                 Err(e) => {
                     let kind = ErrorKind::of(&e);
-                    let label = AcceptErrorLabel { socket: self.socket.into(), kind: kind.as_str().into() };
+                    let label = AcceptErrorLabel {
+                        socket: self.socket.into(),
+                        kind: kind.as_str().into(),
+                    };
                     self.metrics.accept_errors.get_or_create(&label).inc();
                     if !kind.backs_off() {
                         tracing::debug!(socket = self.socket, error = %e, "accept: the connection was gone; next");
@@ -339,14 +382,24 @@ impl<L: Listen> Acceptor<L> {
         match self.slots.clone().try_acquire_owned() {
             Ok(permit) => {
                 self.open.inc();
-                Some(Tracked { conn, _slot: Slot { _permit: permit, open: self.open.clone() } })
+                Some(Tracked {
+                    conn,
+                    _slot: Slot {
+                        _permit: permit,
+                        open: self.open.clone(),
+                    },
+                })
             }
             Err(_) => {
                 drop(conn);
                 self.refused.0.inc();
                 if let Some(refused) = self.refused.1.count(Instant::now()) {
-                    tracing::warn!(socket = self.socket, max = self.max_connections, refused,
-                        "connection cap reached; closing new connections at once");
+                    tracing::warn!(
+                        socket = self.socket,
+                        max = self.max_connections,
+                        refused,
+                        "connection cap reached; closing new connections at once"
+                    );
                 }
                 None
             }
@@ -393,7 +446,10 @@ impl<L: Listen> Acceptor<L> {
     /// The connections within their peer's rate and under the cap that `allow` lets
     /// through, as tonic's incoming stream. It never yields an error: failures are
     /// handled here, and tonic's own loop would retry a failed accept at once.
-    pub fn incoming<F>(self, allow: F) -> impl Stream<Item = io::Result<Tracked<L::Conn>>> + Send + 'static
+    pub fn incoming<F>(
+        self,
+        allow: F,
+    ) -> impl Stream<Item = io::Result<Tracked<L::Conn>>> + Send + 'static
     where
         F: FnMut(&L::Conn) -> bool + Send + 'static,
     {
@@ -428,17 +484,29 @@ impl Drop for Slot {
 }
 
 impl<C: AsyncRead + Unpin> AsyncRead for Tracked<C> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         Pin::new(&mut self.conn).poll_read(cx, buf)
     }
 }
 
 impl<C: AsyncWrite + Unpin> AsyncWrite for Tracked<C> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.conn).poll_write(cx, buf)
     }
 
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.conn).poll_write_vectored(cx, bufs)
     }
 
@@ -483,12 +551,26 @@ pub(crate) mod test_helpers {
             Ok(_) => {}
             Err(e) => panic!("reading the server's first frame: {e}"),
         }
-        conn.read_exact(&mut header[1..]).await.expect("frame header");
+        conn.read_exact(&mut header[1..])
+            .await
+            .expect("frame header");
         assert_eq!(header[3], 0x04, "the server's first frame is SETTINGS");
         let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
         let mut payload = vec![0u8; len];
-        conn.read_exact(&mut payload).await.expect("SETTINGS payload");
-        Some(payload.chunks(6).map(|c| (u16::from_be_bytes([c[0], c[1]]), u32::from_be_bytes([c[2], c[3], c[4], c[5]]))).collect())
+        conn.read_exact(&mut payload)
+            .await
+            .expect("SETTINGS payload");
+        Some(
+            payload
+                .chunks(6)
+                .map(|c| {
+                    (
+                        u16::from_be_bytes([c[0], c[1]]),
+                        u32::from_be_bytes([c[2], c[3], c[4], c[5]]),
+                    )
+                })
+                .collect(),
+        )
     }
 
     /// SETTINGS_MAX_CONCURRENT_STREAMS.
@@ -528,7 +610,11 @@ mod tests {
     fn error_kinds() {
         let check = |errno: i32, kind: &str, backs_off: bool| {
             let k = ErrorKind::of(&io::Error::from_raw_os_error(errno));
-            assert_eq!((k.as_str(), k.backs_off()), (kind, backs_off), "errno {errno}");
+            assert_eq!(
+                (k.as_str(), k.backs_off()),
+                (kind, backs_off),
+                "errno {errno}"
+            );
         };
         check(libc::EMFILE, "emfile", true);
         check(libc::ENFILE, "enfile", true);
@@ -537,7 +623,10 @@ mod tests {
         check(libc::ECONNABORTED, "connection", false);
         check(libc::EPROTO, "connection", false);
         check(libc::EINVAL, "other", true);
-        assert_eq!(ErrorKind::of(&io::Error::other("no errno")), ErrorKind::Other);
+        assert_eq!(
+            ErrorKind::of(&io::Error::other("no errno")),
+            ErrorKind::Other
+        );
     }
 
     /// A listener that answers each accept with the next scripted result, then never.
@@ -548,7 +637,10 @@ mod tests {
 
     impl Script {
         fn new(results: impl IntoIterator<Item = io::Result<u32>>) -> Self {
-            Self { results: Mutex::new(results.into_iter().collect()), attempts: Mutex::new(0) }
+            Self {
+                results: Mutex::new(results.into_iter().collect()),
+                attempts: Mutex::new(0),
+            }
         }
     }
 
@@ -569,20 +661,34 @@ mod tests {
 
     #[test]
     fn a_peer_gets_its_burst_then_its_rate_and_each_peer_has_its_own_bucket() {
-        let mut b = PeerBuckets::new(PeerRate { burst: 3, per_second: 10 });
+        let mut b = PeerBuckets::new(PeerRate {
+            burst: 3,
+            per_second: 10,
+        });
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
         let admitted = |b: &mut PeerBuckets, pid, at| (0..5).filter(|_| b.admit(pid, at)).count();
         assert_eq!(admitted(&mut b, 7, t0), 3, "the burst, then nothing");
-        assert_eq!(admitted(&mut b, 8, t0), 3, "another process has a bucket of its own");
+        assert_eq!(
+            admitted(&mut b, 8, t0),
+            3,
+            "another process has a bucket of its own"
+        );
         assert_eq!(admitted(&mut b, 7, ms(99)), 0, "0.99 tokens refilled");
         assert_eq!(admitted(&mut b, 7, ms(250)), 2, "2.5 tokens at 10 a second");
-        assert_eq!(admitted(&mut b, 7, ms(100_000)), 3, "refilled up to the burst, no more");
+        assert_eq!(
+            admitted(&mut b, 7, ms(100_000)),
+            3,
+            "refilled up to the burst, no more"
+        );
     }
 
     #[test]
     fn past_max_peers_full_buckets_are_forgotten_and_then_all_if_none_is_full() {
-        let mut b = PeerBuckets::new(PeerRate { burst: 2, per_second: 1 });
+        let mut b = PeerBuckets::new(PeerRate {
+            burst: 2,
+            per_second: 1,
+        });
         let t0 = Instant::now();
         for pid in 0..MAX_PEERS as i32 {
             assert!(b.admit(pid, t0), "peer {pid}'s first");
@@ -590,12 +696,21 @@ mod tests {
         assert!(b.admit(0, t0) && !b.admit(0, t0), "peer 0 spent its burst");
         // A second later every bucket but peer 0's is full again: those are forgotten.
         let t1 = t0 + Duration::from_secs(1);
-        assert!(b.admit(MAX_PEERS as i32, t1), "a new peer past the table's size");
+        assert!(
+            b.admit(MAX_PEERS as i32, t1),
+            "a new peer past the table's size"
+        );
         assert_eq!(b.peers.len(), 2, "peer 0 and the new one");
-        assert!(b.admit(0, t1) && !b.admit(0, t1), "peer 0 is remembered: one token refilled, not a fresh burst");
+        assert!(
+            b.admit(0, t1) && !b.admit(0, t1),
+            "peer 0 is remembered: one token refilled, not a fresh burst"
+        );
 
         // None full: all are forgotten.
-        let mut b = PeerBuckets::new(PeerRate { burst: 2, per_second: 1 });
+        let mut b = PeerBuckets::new(PeerRate {
+            burst: 2,
+            per_second: 1,
+        });
         for pid in 0..MAX_PEERS as i32 {
             assert!(b.admit(pid, t0));
         }
@@ -609,7 +724,11 @@ mod tests {
         assert_eq!(t.count(t0), Some(1));
         assert_eq!(t.count(t0 + Duration::from_secs(1)), None);
         assert_eq!(t.count(t0 + LOG_EVERY - Duration::from_millis(1)), None);
-        assert_eq!(t.count(t0 + LOG_EVERY), Some(3), "the two held back and this one");
+        assert_eq!(
+            t.count(t0 + LOG_EVERY),
+            Some(3),
+            "the two held back and this one"
+        );
         assert_eq!(t.count(t0 + LOG_EVERY), None);
     }
 
@@ -619,16 +738,26 @@ mod tests {
         // Process 1's first, 16 more past its rate, then process 2's.
         let mut script: Vec<io::Result<u32>> = (101..=117).map(Ok).collect();
         script.push(Ok(201));
-        let mut a = Acceptor::new(Arc::new(Script::new(script)), "test", 16, metrics).with_peer_rate(PeerRate { burst: 1, per_second: 0 });
+        let mut a = Acceptor::new(Arc::new(Script::new(script)), "test", 16, metrics)
+            .with_peer_rate(PeerRate {
+                burst: 1,
+                per_second: 0,
+            });
         let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let ran2 = ran.clone();
         tokio::spawn(async move { ran2.store(true, std::sync::atomic::Ordering::SeqCst) });
         // The scripted listener is always ready, so only the loop's own yield lets the
         // spawned task run on this one-thread runtime.
         assert_eq!(*a.next().await.get_ref(), 101);
-        assert!(!ran.load(std::sync::atomic::Ordering::SeqCst), "nothing yielded yet");
+        assert!(
+            !ran.load(std::sync::atomic::Ordering::SeqCst),
+            "nothing yielded yet"
+        );
         assert_eq!(*a.next().await.get_ref(), 201);
-        assert!(ran.load(std::sync::atomic::Ordering::SeqCst), "16 closed in a row: the loop yielded");
+        assert!(
+            ran.load(std::sync::atomic::Ordering::SeqCst),
+            "16 closed in a row: the loop yielded"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -639,14 +768,25 @@ mod tests {
             let mut script: Vec<io::Result<u32>> = (101..=101 + over).map(Ok).collect();
             script.push(Ok(201));
             let mut a = Acceptor::new(Arc::new(Script::new(script)), "test", 16, Metrics::new())
-                .with_peer_rate(PeerRate { burst: 1, per_second: 0 });
+                .with_peer_rate(PeerRate {
+                    burst: 1,
+                    per_second: 0,
+                });
             assert_eq!(*a.next().await.get_ref(), 101);
             let t0 = Instant::now();
             assert_eq!(*a.next().await.get_ref(), 201);
             t0.elapsed()
         };
-        assert_eq!(run(PAUSE_EVERY - 1).await, Duration::ZERO, "one short of a backlog: no pause");
-        assert_eq!(run(PAUSE_EVERY).await, RATE_PAUSE, "a backlog's worth in a row: one pause");
+        assert_eq!(
+            run(PAUSE_EVERY - 1).await,
+            Duration::ZERO,
+            "one short of a backlog: no pause"
+        );
+        assert_eq!(
+            run(PAUSE_EVERY).await,
+            RATE_PAUSE,
+            "a backlog's worth in a row: one pause"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -654,7 +794,10 @@ mod tests {
         let metrics = Metrics::new();
         // Process 1 opens three, process 2 one, and one from no known process.
         let script = Arc::new(Script::new([Ok(101), Ok(102), Ok(103), Ok(201), Ok(5)]));
-        let a = Acceptor::new(script, "test", 16, metrics.clone()).with_peer_rate(PeerRate { burst: 2, per_second: 1 });
+        let a = Acceptor::new(script, "test", 16, metrics.clone()).with_peer_rate(PeerRate {
+            burst: 2,
+            per_second: 1,
+        });
         let seen = Arc::new(Mutex::new(Vec::new()));
         let seen2 = seen.clone();
         let incoming = a.incoming(move |c| {
@@ -664,12 +807,31 @@ mod tests {
         let mut incoming = std::pin::pin!(incoming);
         let mut got = Vec::new();
         for _ in 0..4 {
-            got.push(*futures::StreamExt::next(&mut incoming).await.unwrap().unwrap().get_ref());
+            got.push(
+                *futures::StreamExt::next(&mut incoming)
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .get_ref(),
+            );
         }
-        assert_eq!(got, [101, 102, 201, 5], "103 is past process 1's burst of 2");
-        assert_eq!(*seen.lock().unwrap(), [101, 102, 201, 5], "allow never saw 103");
-        let label = SocketLabel { socket: "test".into() };
-        assert_eq!(metrics.connections_rate_limited.get_or_create(&label).get(), 1);
+        assert_eq!(
+            got,
+            [101, 102, 201, 5],
+            "103 is past process 1's burst of 2"
+        );
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [101, 102, 201, 5],
+            "allow never saw 103"
+        );
+        let label = SocketLabel {
+            socket: "test".into(),
+        };
+        assert_eq!(
+            metrics.connections_rate_limited.get_or_create(&label).get(),
+            1
+        );
         assert_eq!(metrics.connections_refused.get_or_create(&label).get(), 0);
     }
 
@@ -678,7 +840,12 @@ mod tests {
     }
 
     fn count(m: &Metrics, kind: &str) -> u64 {
-        m.accept_errors.get_or_create(&AcceptErrorLabel { socket: "test".into(), kind: kind.into() }).get()
+        m.accept_errors
+            .get_or_create(&AcceptErrorLabel {
+                socket: "test".into(),
+                kind: kind.into(),
+            })
+            .get()
     }
 
     #[tokio::test(start_paused = true)]
@@ -698,15 +865,28 @@ mod tests {
 
         let start = Instant::now();
         assert_eq!(a.accept().await, 2);
-        assert_eq!(start.elapsed(), Duration::from_millis(10), "the success reset the backoff; a lost connection waits nothing");
-        assert_eq!((count(&metrics, "emfile"), count(&metrics, "enfile"), count(&metrics, "connection")), (8, 1, 1));
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_millis(10),
+            "the success reset the backoff; a lost connection waits nothing"
+        );
+        assert_eq!(
+            (
+                count(&metrics, "emfile"),
+                count(&metrics, "enfile"),
+                count(&metrics, "connection")
+            ),
+            (8, 1, 1)
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn connections_past_the_cap_are_refused_and_counted_until_one_closes() {
         let metrics = Metrics::new();
         let mut a = Acceptor::new(Arc::new(Script::new([])), "test", 2, metrics.clone());
-        let label = SocketLabel { socket: "test".into() };
+        let label = SocketLabel {
+            socket: "test".into(),
+        };
         let open = || metrics.connections.get_or_create(&label).get();
         let refused = || metrics.connections_refused.get_or_create(&label).get();
 
@@ -730,11 +910,26 @@ mod tests {
         let script = Arc::new(Script::new([Ok(1), Ok(2), Ok(3), Ok(4)]));
         let a = Acceptor::new(script, "test", 1, metrics.clone());
         let mut incoming = std::pin::pin!(a.incoming(|c| *c != 1));
-        let got = futures::StreamExt::next(&mut incoming).await.unwrap().unwrap();
+        let got = futures::StreamExt::next(&mut incoming)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(*got.get_ref(), 2, "1 is not allowed");
         // 3 and 4 are past the cap while 2 is open; the stream waits for the next.
-        let next = tokio::time::timeout(Duration::from_secs(1), futures::StreamExt::next(&mut incoming)).await;
+        let next = tokio::time::timeout(
+            Duration::from_secs(1),
+            futures::StreamExt::next(&mut incoming),
+        )
+        .await;
         assert!(next.is_err(), "nothing under the cap");
-        assert_eq!(metrics.connections_refused.get_or_create(&SocketLabel { socket: "test".into() }).get(), 2);
+        assert_eq!(
+            metrics
+                .connections_refused
+                .get_or_create(&SocketLabel {
+                    socket: "test".into()
+                })
+                .get(),
+            2
+        );
     }
 }

@@ -16,7 +16,9 @@ pub struct Acks {
 
 impl Default for Acks {
     fn default() -> Self {
-        Self { acked: watch::Sender::new(None) }
+        Self {
+            acked: watch::Sender::new(None),
+        }
     }
 }
 
@@ -24,7 +26,12 @@ impl Acks {
     /// Waits until the proxy has ACKed a snapshot for which `holds` is true.
     /// Returns false on timeout.
     pub async fn wait_until(&self, holds: impl Fn(&Snapshot) -> bool, timeout: Duration) -> bool {
-        wait_for(self.acked.subscribe(), |s| s.as_deref().is_some_and(&holds), timeout).await
+        wait_for(
+            self.acked.subscribe(),
+            |s| s.as_deref().is_some_and(&holds),
+            timeout,
+        )
+        .await
     }
 
     /// The newest fully ACKed snapshot, if any.
@@ -51,7 +58,13 @@ impl Acks {
 
 /// Waits until `rx`'s value satisfies `cond`, for at most `timeout`. False on timeout or
 /// when the sender is gone.
-pub async fn wait_for<T>(mut rx: watch::Receiver<T>, cond: impl FnMut(&T) -> bool, timeout: Duration) -> bool {
-    matches!(tokio::time::timeout(timeout, rx.wait_for(cond)).await, Ok(Ok(_)))
+pub async fn wait_for<T>(
+    mut rx: watch::Receiver<T>,
+    cond: impl FnMut(&T) -> bool,
+    timeout: Duration,
+) -> bool {
+    matches!(
+        tokio::time::timeout(timeout, rx.wait_for(cond)).await,
+        Ok(Ok(_))
+    )
 }
-

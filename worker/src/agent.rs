@@ -56,7 +56,8 @@ struct Owned {
 
 pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let metrics = Metrics::new();
-    let storage = Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
+    let storage =
+        Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
     let identity_cfg = cfg.identity()?;
     let identity = Identity {
         trust_domain: identity_cfg.as_ref().map(|c| c.trust_domain.to_string()),
@@ -65,34 +66,71 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     };
     // With pods' SVIDs, a takeover waits (bounded) for those of the pods it adds.
     let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
-    let node = Node::new(Inputs { on_demand_clusters: cfg.agent.on_demand_clusters, identity, ..Inputs::default() });
+    let node = Node::new(Inputs {
+        on_demand_clusters: cfg.agent.on_demand_clusters,
+        identity,
+        ..Inputs::default()
+    });
     cni::load(&node, &storage);
     // A standby follows the owner's pod records until the node is handed to it.
     let followed = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
     let (stop_following, following) = watch::channel(false);
-    tokio::spawn(cni::follow(node.clone(), storage.clone(), followed.clone(), following));
+    tokio::spawn(cni::follow(
+        node.clone(),
+        storage.clone(),
+        followed.clone(),
+        following,
+    ));
     // Restored in a standby too; written by the owner alone (see `writers`).
     let observed = writers::Observed::restore(&cfg.state_dir);
     let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
-    let status = Arc::new(watch::Sender::new(health::Status::new(&cfg.node_name, &cfg.pod_name)));
+    let status = Arc::new(watch::Sender::new(health::Status::new(
+        &cfg.node_name,
+        &cfg.pod_name,
+    )));
     let problems = health::Reporter::new(status.clone());
     // Failed record writes show in /ready; deferred record removals are retried.
     let _storage_upkeep = storage.start_upkeep(problems.clone());
     let registrar = registrar_source(&cfg)?;
     let _registry = match &registrar {
-        Some((addrs, me)) => registrar::spawn(addrs.clone(), me.clone(), node.clone(), metrics.clone(), problems.clone()),
-        None => registry::spawn_embedded(cfg.agent.registry_file.clone(), cfg.agent.registry_max_bytes, node.clone(), metrics.clone()),
+        Some((addrs, me)) => registrar::spawn(
+            addrs.clone(),
+            me.clone(),
+            node.clone(),
+            metrics.clone(),
+            problems.clone(),
+        ),
+        None => registry::spawn_embedded(
+            cfg.agent.registry_file.clone(),
+            cfg.agent.registry_max_bytes,
+            node.clone(),
+            metrics.clone(),
+        ),
     };
-    let _capture = capture::spawn(cfg.agent.capture_file.clone(), node.clone(), metrics.clone());
+    let _capture = capture::spawn(
+        cfg.agent.capture_file.clone(),
+        node.clone(),
+        metrics.clone(),
+    );
     // A standby too: it holds the agent's and the stored pods' SVIDs before it takes over.
-    let _identity = identity_cfg.map(|c| identity::spawn(c, node.clone(), metrics.clone(), problems.clone()));
+    let _identity =
+        identity_cfg.map(|c| identity::spawn(c, node.clone(), metrics.clone(), problems.clone()));
     // Watches in a standby too; writes only once handed a writer at Serve.
     let kube = kube_source(&cfg, &metrics, &problems)?;
     // Standby and owner alike say whether the node's conflist chains aether-cni.
-    let _conflist = cfg.agent.cni_conf_dir.clone().map(|dir| crate::conflist::spawn(dir, problems.clone()));
+    let _conflist = cfg
+        .agent
+        .cni_conf_dir
+        .clone()
+        .map(|dir| crate::conflist::spawn(dir, problems.clone()));
 
-    let health_listener = health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
-    tokio::spawn(health::serve(health_listener, status.subscribe(), metrics.clone()));
+    let health_listener =
+        health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
+    tokio::spawn(health::serve(
+        health_listener,
+        status.subscribe(),
+        metrics.clone(),
+    ));
     // A standby names a holder of the node lock that is not an agent (see `lockwait`).
     let _lock_wait = crate::lockwait::spawn(&cfg.run_dir, status.subscribe(), problems.clone());
 
@@ -100,7 +138,11 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
     let acks = crate::acks::Acks::default();
     // Encoded from the first snapshot on, in a standby too: a takeover answers with copies.
     let encoded = Arc::new(xds::encoded::Encoded::default());
-    tokio::spawn(xds::encoded::keep_warm(node.subscribe(), encoded.clone(), metrics.clone()));
+    tokio::spawn(xds::encoded::keep_warm(
+        node.subscribe(),
+        encoded.clone(),
+        metrics.clone(),
+    ));
     let mut state = State::new(pod_svids);
     let mut gates = node.gates();
     let mut owned: Option<Owned> = None;
@@ -128,7 +170,11 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         info!(phase = phase.as_str(), owner = state.owner, "phase");
                     }
                     Action::ArmGateTimers => {
-                        for (gate, after) in [(Gate::Registry, REGISTRY_GATE), (Gate::Capture, CAPTURE_GATE), (Gate::Identity, IDENTITY_GATE)] {
+                        for (gate, after) in [
+                            (Gate::Registry, REGISTRY_GATE),
+                            (Gate::Capture, CAPTURE_GATE),
+                            (Gate::Identity, IDENTITY_GATE),
+                        ] {
                             let tx = timeout_tx.clone();
                             tokio::spawn(async move {
                                 tokio::time::sleep(after).await;
@@ -141,22 +187,37 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         // The pods the standby took from the owner during the overlap
                         // are waited for like those the reconcile adds.
                         let taken = followed.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                        svid_wait = SvidWait::new(node.with_inputs(identity::lacking_svids).difference(&taken).cloned().collect());
+                        svid_wait = SvidWait::new(
+                            node.with_inputs(identity::lacking_svids)
+                                .difference(&taken)
+                                .cloned()
+                                .collect(),
+                        );
                         // What the previous owner flushed before it released the node.
                         observed.reload();
-                        let (node, storage, tx) = (node.clone(), storage.clone(), reconciled_tx.clone());
+                        let (node, storage, tx) =
+                            (node.clone(), storage.clone(), reconciled_tx.clone());
                         tokio::spawn(async move {
                             let start = Instant::now();
                             match cni::reconcile(&node, &storage).await {
-                                Ok(n) => info!(changed = n, "takeover reconcile applied the storage diff"),
-                                Err(e) => error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start"),
+                                Ok(n) => info!(
+                                    changed = n,
+                                    "takeover reconcile applied the storage diff"
+                                ),
+                                Err(e) => {
+                                    error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start")
+                                }
                             }
                             shared_proto::fault_hook!("reconcile");
                             let _ = tx.send(start.elapsed()).await;
                         });
                     }
                     Action::AwaitSvids => {
-                        let (node, wait, tx) = (node.clone(), std::mem::take(&mut svid_wait), svids_tx.clone());
+                        let (node, wait, tx) = (
+                            node.clone(),
+                            std::mem::take(&mut svid_wait),
+                            svids_tx.clone(),
+                        );
                         tokio::spawn(async move {
                             let _ = tx.send(await_svids(&node, &wait, SVID_WAIT).await).await;
                         });
@@ -164,7 +225,18 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                     Action::Serve => {
                         shared_proto::fault_hook!("serve");
                         let o = owned.as_mut().expect("Serve follows a takeover");
-                        serving = Some(serve(&cfg, o, &node, &storage, &acks, &encoded, &observed, &metrics, kube.as_ref(), drained_tx.clone())?);
+                        serving = Some(serve(
+                            &cfg,
+                            o,
+                            &node,
+                            &storage,
+                            &acks,
+                            &encoded,
+                            &observed,
+                            &metrics,
+                            kube.as_ref(),
+                            drained_tx.clone(),
+                        )?);
                         // The owner alone writes the mesh-DNS snapshot and its heartbeat.
                         tokio::spawn(writers::mesh_dns::run_writer(mesh_dns.clone()));
                         // What `Storage::open` left in place, now that no one else writes;
@@ -193,11 +265,21 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
                         None => return Ok(0),
                     },
                     Action::Release => {
-                        serving.take().expect("Release follows a served drain").close_xds_listener().await;
+                        serving
+                            .take()
+                            .expect("Release follows a served drain")
+                            .close_xds_listener()
+                            .await;
                         // Before the lock passes: the successor reloads the file at takeover.
                         match observed.flush_final() {
-                            Ok(wrote) => info!(wrote, clusters = observed.names().len(), "observed upstreams flushed before release"),
-                            Err(e) => error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed"),
+                            Ok(wrote) => info!(
+                                wrote,
+                                clusters = observed.names().len(),
+                                "observed upstreams flushed before release"
+                            ),
+                            Err(e) => {
+                                error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed")
+                            }
                         }
                         mesh_dns.flush();
                         // The listeners went with the servers; the lock is the last
@@ -338,8 +420,12 @@ async fn await_svids(node: &Node, wait: &SvidWait, bound: Duration) -> (Duration
 }
 
 /// The registrar addresses and this agent's key, when `--registrar` is set.
-fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Address>, registrar::Identity)>> {
-    let Some(list) = &cfg.agent.registrar else { return Ok(None) };
+fn registrar_source(
+    cfg: &Config,
+) -> anyhow::Result<Option<(Vec<registrar::Address>, registrar::Identity)>> {
+    let Some(list) = &cfg.agent.registrar else {
+        return Ok(None);
+    };
     anyhow::ensure!(
         cfg.agent.registry_file.is_none(),
         "--registrar and --registry-file are both set; the registry comes from one source: the registrar in a cluster, the file on one machine"
@@ -360,18 +446,32 @@ fn registrar_source(cfg: &Config) -> anyhow::Result<Option<(Vec<registrar::Addre
 }
 
 /// The Kubernetes source, when the flags give API access.
-fn kube_source(cfg: &Config, metrics: &Arc<Metrics>, problems: &health::Reporter) -> anyhow::Result<Option<kube::Kube>> {
+fn kube_source(
+    cfg: &Config,
+    metrics: &Arc<Metrics>,
+    problems: &health::Reporter,
+) -> anyhow::Result<Option<kube::Kube>> {
     let access = match cfg.agent.kube_access() {
         KubeAccess::Kubeconfig(path) => kube::Access::Kubeconfig(path),
         KubeAccess::InCluster(addr) => kube::Access::in_cluster(&addr)?,
         KubeAccess::None => {
-            info!("no Kubernetes API access (neither --kubeconfig nor KUBERNETES_SERVICE_HOST): no pod or node watches, no startup taint removal");
+            info!(
+                "no Kubernetes API access (neither --kubeconfig nor KUBERNETES_SERVICE_HOST): no pod or node watches, no startup taint removal"
+            );
             return Ok(None);
         }
     };
     info!(access = %access, stale_record_grace_ms = cfg.agent.stale_record_grace.as_millis() as u64, "Kubernetes API access");
-    let options = kube::Options { node_name: cfg.node_name.clone(), stale_grace: cfg.agent.stale_record_grace };
-    Ok(Some(kube::Kube::spawn(access, options, metrics.clone(), problems.clone())))
+    let options = kube::Options {
+        node_name: cfg.node_name.clone(),
+        stale_grace: cfg.agent.stale_record_grace,
+    };
+    Ok(Some(kube::Kube::spawn(
+        access,
+        options,
+        metrics.clone(),
+        problems.clone(),
+    )))
 }
 
 /// An owner's servers, as the drain needs them.
@@ -401,8 +501,13 @@ impl Serving {
 /// Waits, for at most [`SUCCESSOR_BOUND`], until the successor answers on `xds.sock`.
 async fn await_successor(xds_path: &std::path::Path) {
     match xds::await_server(xds_path, SUCCESSOR_BOUND).await {
-        Ok(took) => info!(after_us = took.as_micros() as u64, "the successor serves on xds.sock; ending the proxy's streams"),
-        Err(e) => warn!(error = %e, "the successor did not answer; ending the proxy's streams anyway"),
+        Ok(took) => info!(
+            after_us = took.as_micros() as u64,
+            "the successor serves on xds.sock; ending the proxy's streams"
+        ),
+        Err(e) => {
+            warn!(error = %e, "the successor did not answer; ending the proxy's streams anyway")
+        }
     }
 }
 
@@ -445,11 +550,17 @@ fn serve(
     // The owner alone writes what the proxy showed it uses.
     tokio::spawn(writers::run_writer(observed.clone()));
     // The owner alone sets drain marks: a standby never reaches this point.
-    let marks = registrar_source(cfg)?.map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
+    let marks = registrar_source(cfg)?
+        .map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
     // The owner alone writes what the Kubernetes API shows (Terminating marks, stale
     // records, the startup taint), from now on.
     if let Some(k) = kube {
-        k.serve(kube::Writer::new(node.clone(), storage.clone(), marks.clone(), acks.clone()));
+        k.serve(kube::Writer::new(
+            node.clone(),
+            storage.clone(),
+            marks.clone(),
+            acks.clone(),
+        ));
     }
     let (drain_cni, drain) = oneshot::channel();
     let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
@@ -470,8 +581,18 @@ fn serve(
     o.times.total_us = now_us().saturating_sub(o.lock_acquired_us);
     metrics.observe_phase("reconcile", o.times.reconcile_us as f64 / 1e6);
     metrics.observe_phase("first_serve", first_serve.as_secs_f64());
-    info!(generation = o.generation, total_us = o.times.total_us, first_serve_us = o.times.first_serve_us, reconcile_us = o.times.reconcile_us, "serving the node");
-    Ok(Serving { drain_cni: Some(drain_cni), stop_xds, xds_accept })
+    info!(
+        generation = o.generation,
+        total_us = o.times.total_us,
+        first_serve_us = o.times.first_serve_us,
+        reconcile_us = o.times.reconcile_us,
+        "serving the node"
+    );
+    Ok(Serving {
+        drain_cni: Some(drain_cni),
+        stop_xds,
+        xds_accept,
+    })
 }
 
 /// Serves Prometheus metrics on `addr`. The previous owner may hold the port for a few
@@ -498,7 +619,8 @@ pub async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
             }
         }
     };
-    let mut acceptor = crate::accept::Acceptor::new(listener, "metrics", MAX_CONNECTIONS, metrics.clone());
+    let mut acceptor =
+        crate::accept::Acceptor::new(listener, "metrics", MAX_CONNECTIONS, metrics.clone());
     loop {
         let conn = acceptor.next().await;
         let metrics = metrics.clone();
@@ -508,7 +630,11 @@ pub async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) {
                 content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 body: metrics.encode_cached(CACHE_FOR),
             },
-            _ => httpmini::Response { status: 404, content_type: "text/plain", body: "try /metrics\n".into() },
+            _ => httpmini::Response {
+                status: 404,
+                content_type: "text/plain",
+                body: "try /metrics\n".into(),
+            },
         }));
     }
 }
@@ -533,15 +659,28 @@ mod tests {
     }
 
     fn svid(serial: &str) -> Svid {
-        Svid { spiffe_id: "spiffe://t/x".into(), chain_pem: "C".into(), key_pem: "K".into(), serial: serial.into(), not_before: 0, not_after: 10 }
+        Svid {
+            spiffe_id: "spiffe://t/x".into(),
+            chain_pem: "C".into(),
+            key_pem: "K".into(),
+            serial: serial.into(),
+            not_before: 0,
+            not_after: 10,
+        }
     }
 
     /// The takeover's SVID wait on the node: it ends when the added pod's SVID lands,
     /// however long the baseline pod waits, and gives up after its bound.
     #[tokio::test(start_paused = true)]
     async fn the_svid_wait_ends_with_the_added_pods_svid_or_its_bound() {
-        let identity = Identity { trust_domain: Some("t".into()), ..Identity::default() };
-        let node = Node::new(Inputs { identity, ..Inputs::default() });
+        let identity = Identity {
+            trust_domain: Some("t".into()),
+            ..Identity::default()
+        };
+        let node = Node::new(Inputs {
+            identity,
+            ..Inputs::default()
+        });
         node.apply([Change::UpsertPod(pod("held", "10.0.0.1"))]);
         // Noted before the reconcile; then the reconcile adds "added".
         let wait = SvidWait::new(node.with_inputs(identity::lacking_svids));
@@ -553,7 +692,10 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(!waiting.is_finished(), "ended before the added pod's SVID");
-        node.apply([Change::SetPodSvid { uid: "added".into(), svid: Some(svid("01")) }]);
+        node.apply([Change::SetPodSvid {
+            uid: "added".into(),
+            svid: Some(svid("01")),
+        }]);
         let (took, missed) = waiting.await.unwrap();
         assert_eq!(missed, 0);
         assert!(took < SVID_WAIT, "{took:?}");

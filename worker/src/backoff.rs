@@ -14,7 +14,12 @@ pub struct Backoff {
 
 impl Backoff {
     pub fn new(base: Duration, max: Duration, seed: u64) -> Self {
-        Self { base, max, next: base, seed: seed | 1 }
+        Self {
+            base,
+            max,
+            next: base,
+            seed: seed | 1,
+        }
     }
 
     pub fn reset(&mut self) {
@@ -34,7 +39,9 @@ impl Backoff {
 
 /// A seed that differs between processes and starts.
 pub fn seed() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
     t ^ u64::from(std::process::id()).rotate_left(32)
 }
 
@@ -47,7 +54,10 @@ mod tests {
         let (base, max) = (Duration::from_millis(100), Duration::from_secs(1));
         let mut b = Backoff::new(base, max, 42);
         let waits: Vec<_> = (0..8).map(|_| b.next_wait()).collect();
-        assert!(waits.iter().all(|w| *w >= base / 2 && *w <= max), "{waits:?}");
+        assert!(
+            waits.iter().all(|w| *w >= base / 2 && *w <= max),
+            "{waits:?}"
+        );
         assert!(waits[0] <= base && waits[7] >= max / 2, "{waits:?}");
         b.reset();
         assert!(b.next_wait() <= base);

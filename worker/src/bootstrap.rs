@@ -49,22 +49,38 @@ impl std::str::FromStr for AdsApi {
         match s {
             "sotw" | "GRPC" => Ok(AdsApi::Sotw),
             "delta" | "DELTA_GRPC" => Ok(AdsApi::Delta),
-            other => Err(format!("ADS variant {other:?}: expected sotw (GRPC) or delta (DELTA_GRPC)")),
+            other => Err(format!(
+                "ADS variant {other:?}: expected sotw (GRPC) or delta (DELTA_GRPC)"
+            )),
         }
     }
 }
 
 /// The template with every placeholder filled.
-pub fn render(run_dir: &Path, admin: &Admin, node_id: &str, backoff_base: Duration, backoff_max: Duration, api: AdsApi) -> String {
+pub fn render(
+    run_dir: &Path,
+    admin: &Admin,
+    node_id: &str,
+    backoff_base: Duration,
+    backoff_max: Duration,
+    api: AdsApi,
+) -> String {
     let admin = match admin {
         Admin::Pipe(p) => format!("{{ pipe: {{ path: {} }} }}", yaml_str(&p.to_string_lossy())),
         Admin::Tcp(a) => {
-            format!("{{ socket_address: {{ address: {}, port_value: {} }} }}", yaml_str(&a.ip().to_string()), a.port())
+            format!(
+                "{{ socket_address: {{ address: {}, port_value: {} }} }}",
+                yaml_str(&a.ip().to_string()),
+                a.port()
+            )
         }
     };
     // The template appends `/xds.sock` to the run dir unquoted: run dirs are plain paths.
     TEMPLATE
-        .replace("${AETHER_RUN_DIR}", run_dir.to_string_lossy().trim_end_matches('/'))
+        .replace(
+            "${AETHER_RUN_DIR}",
+            run_dir.to_string_lossy().trim_end_matches('/'),
+        )
         .replace("${ENVOY_ADMIN_ADDRESS}", &admin)
         .replace("${ENVOY_NODE_ID}", &yaml_str(node_id))
         .replace("${ADS_BACKOFF_BASE}", &seconds(backoff_base))
@@ -97,14 +113,25 @@ mod tests {
             Duration::from_millis(1500),
             AdsApi::Delta,
         );
-        let body: String = out.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n");
+        let body: String = out
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n");
         assert!(!body.contains("${"), "unfilled placeholder in:\n{body}");
         assert!(body.contains("pipe: { path: /run/aether/xds.sock }"));
         assert!(body.contains("address: { pipe: { path: \"/tmp/x/admin.sock\" } }"));
         assert!(body.contains("id: \"node-1\""));
         assert!(body.contains("base_interval: 0.1s") && body.contains("max_interval: 1.5s"));
         assert!(body.contains("api_type: DELTA_GRPC"));
-        let tcp = render(Path::new("/r"), &Admin::Tcp("127.0.0.1:15000".parse().unwrap()), "n", DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX, AdsApi::Sotw);
+        let tcp = render(
+            Path::new("/r"),
+            &Admin::Tcp("127.0.0.1:15000".parse().unwrap()),
+            "n",
+            DEFAULT_BACKOFF_BASE,
+            DEFAULT_BACKOFF_MAX,
+            AdsApi::Sotw,
+        );
         assert!(tcp.contains("socket_address: { address: \"127.0.0.1\", port_value: 15000 }"));
         assert!(tcp.contains("max_interval: 1s"));
         assert!(tcp.contains("api_type: GRPC"));

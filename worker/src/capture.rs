@@ -43,23 +43,33 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<CaptureProjection, FileError> 
         inbound_port: doc.inbound_port.unwrap_or(d.inbound_port),
         excluded_cidrs: doc.excluded_cidrs.unwrap_or_default(),
     };
-    let invalid = |message: String| FileError::Invalid { path: path.to_owned(), message };
+    let invalid = |message: String| FileError::Invalid {
+        path: path.to_owned(),
+        message,
+    };
     if p.outbound.port() == 0 || p.inbound_port == 0 {
         return Err(invalid("capture ports must not be 0".into()));
     }
     if p.outbound.port() == p.inbound_port {
-        return Err(invalid(format!("outbound and inbound capture share port {}", p.inbound_port)));
+        return Err(invalid(format!(
+            "outbound and inbound capture share port {}",
+            p.inbound_port
+        )));
     }
     for c in &p.excluded_cidrs {
         if !is_cidr(c) {
-            return Err(invalid(format!("excluded_cidrs: {c:?} is not an address/prefix")));
+            return Err(invalid(format!(
+                "excluded_cidrs: {c:?} is not an address/prefix"
+            )));
         }
     }
     Ok(p)
 }
 
 fn is_cidr(s: &str) -> bool {
-    let Some((addr, len)) = s.split_once('/') else { return false };
+    let Some((addr, len)) = s.split_once('/') else {
+        return false;
+    };
     match (addr.parse::<std::net::IpAddr>(), len.parse::<u8>()) {
         (Ok(std::net::IpAddr::V4(_)), Ok(l)) => l <= 32,
         (Ok(std::net::IpAddr::V6(_)), Ok(l)) => l <= 128,
@@ -78,10 +88,17 @@ pub fn spawn(path: Option<PathBuf>, node: Arc<Node>, metrics: Arc<Metrics>) -> J
             node.set_gate(|g| g.capture_landed = true);
             return;
         };
-        watch_file(watch, "capture", MAX_BYTES, &metrics, CaptureFile, |capture| {
-            node.apply([Change::SetCapture(capture)]);
-            node.set_gate(|g| g.capture_landed = true);
-        })
+        watch_file(
+            watch,
+            "capture",
+            MAX_BYTES,
+            &metrics,
+            CaptureFile,
+            |capture| {
+                node.apply([Change::SetCapture(capture)]);
+                node.set_gate(|g| g.capture_landed = true);
+            },
+        )
         .await
     })
 }
@@ -104,10 +121,18 @@ mod tests {
         let got = parse(Path::new("/etc/aether/capture.json"), json.as_bytes());
         match (got, expected) {
             (Ok(p), Ok((out, inb, cidrs))) => {
-                assert_eq!((p.outbound.to_string().as_str(), p.inbound_port), (out, inb));
-                assert_eq!(p.excluded_cidrs, cidrs.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+                assert_eq!(
+                    (p.outbound.to_string().as_str(), p.inbound_port),
+                    (out, inb)
+                );
+                assert_eq!(
+                    p.excluded_cidrs,
+                    cidrs.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+                );
             }
-            (Err(e), Err(want)) => assert!(e.to_string().contains(want), "error {e} lacks {want:?}"),
+            (Err(e), Err(want)) => {
+                assert!(e.to_string().contains(want), "error {e} lacks {want:?}")
+            }
             (got, want) => panic!("got {got:?}, want {want:?}"),
         }
     }
@@ -115,10 +140,15 @@ mod tests {
     #[test]
     fn parse_cases() {
         check("{}", Ok(("127.0.0.1:15001", 15006, &[])));
-        check(r#"{"outbound":"127.0.0.1:25001","inbound_port":25006,"excluded_cidrs":["10.0.0.0/8","fd00::/8"]}"#,
-              Ok(("127.0.0.1:25001", 25006, &["10.0.0.0/8", "fd00::/8"])));
+        check(
+            r#"{"outbound":"127.0.0.1:25001","inbound_port":25006,"excluded_cidrs":["10.0.0.0/8","fd00::/8"]}"#,
+            Ok(("127.0.0.1:25001", 25006, &["10.0.0.0/8", "fd00::/8"])),
+        );
         check(r#"{"inbound_port":15001}"#, Err("share port 15001"));
-        check(r#"{"excluded_cidrs":["10.0.0.0/33"]}"#, Err("\"10.0.0.0/33\" is not"));
+        check(
+            r#"{"excluded_cidrs":["10.0.0.0/33"]}"#,
+            Err("\"10.0.0.0/33\" is not"),
+        );
         check(r#"{"outbound":"nope"}"#, Err("/etc/aether/capture.json:1:"));
     }
 }

@@ -41,13 +41,24 @@ pub fn observe(dir: &Path) -> Observation {
         Ok(None) => {
             return Observation {
                 status: status(None, false),
-                problem: Some(format!("{}: no network configuration yet (the primary CNI has not written one)", dir.display())),
+                problem: Some(format!(
+                    "{}: no network configuration yet (the primary CNI has not written one)",
+                    dir.display()
+                )),
             };
         }
-        Err(e) => return Observation { status: status(None, false), problem: Some(e.to_string()) },
+        Err(e) => {
+            return Observation {
+                status: status(None, false),
+                problem: Some(e.to_string()),
+            };
+        }
     };
     match chained(&path) {
-        Ok(true) => Observation { status: status(Some(&path), true), problem: None },
+        Ok(true) => Observation {
+            status: status(Some(&path), true),
+            problem: None,
+        },
         Ok(false) => Observation {
             status: status(Some(&path), false),
             problem: Some(format!(
@@ -55,7 +66,10 @@ pub fn observe(dir: &Path) -> Observation {
                 path.display()
             )),
         },
-        Err(why) => Observation { status: status(Some(&path), false), problem: Some(why.to_string()) },
+        Err(why) => Observation {
+            status: status(Some(&path), false),
+            problem: Some(why.to_string()),
+        },
     }
 }
 
@@ -65,7 +79,9 @@ pub fn spawn(dir: PathBuf, reporter: Reporter) -> tokio::task::JoinHandle<()> {
         let mut last: Option<Observation> = None;
         loop {
             let d = dir.clone();
-            let now = tokio::task::spawn_blocking(move || observe(&d)).await.expect("the conflist look does not panic");
+            let now = tokio::task::spawn_blocking(move || observe(&d))
+                .await
+                .expect("the conflist look does not panic");
             if last.as_ref() != Some(&now) {
                 match &now.problem {
                     Some(p) => {
@@ -73,7 +89,10 @@ pub fn spawn(dir: PathBuf, reporter: Reporter) -> tokio::task::JoinHandle<()> {
                         reporter.set(PROBLEM, p.clone());
                     }
                     None => {
-                        tracing::info!(file = now.status.file.as_deref().unwrap_or(""), "aether-cni is chained in the node's conflist");
+                        tracing::info!(
+                            file = now.status.file.as_deref().unwrap_or(""),
+                            "aether-cni is chained in the node's conflist"
+                        );
                         reporter.clear(PROBLEM);
                     }
                 }
@@ -91,9 +110,9 @@ mod tests {
 
     use super::*;
 
-    const PTP: &str = r#"{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp"},{"type":"portmap"}]}"#;
-    const CHAINED: &str =
-        r#"{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp"},{"type":"aether-cni","agentSocket":"/run/aether/cni.sock"}]}"#;
+    const PTP: &str =
+        r#"{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp"},{"type":"portmap"}]}"#;
+    const CHAINED: &str = r#"{"cniVersion":"1.0.0","name":"pods","plugins":[{"type":"ptp"},{"type":"aether-cni","agentSocket":"/run/aether/cni.sock"}]}"#;
 
     /// One case: the files in the folder (name, body; a body starting with "->" is a
     /// symlink to that target), then the file and chained state `/ready` must show, and
@@ -106,47 +125,137 @@ mod tests {
                 None => fs::write(dir.path().join(name), body).unwrap(),
             }
         }
-        let before: Vec<_> = files.iter().map(|(n, _)| fs::symlink_metadata(dir.path().join(n)).unwrap().modified().unwrap()).collect();
+        let before: Vec<_> = files
+            .iter()
+            .map(|(n, _)| {
+                fs::symlink_metadata(dir.path().join(n))
+                    .unwrap()
+                    .modified()
+                    .unwrap()
+            })
+            .collect();
         let got = observe(dir.path());
         let want_file = file.map(|f| dir.path().join(f).display().to_string());
-        assert_eq!(got.status, CniStatus { conf_dir: dir.path().display().to_string(), file: want_file, chained }, "{files:?}");
+        assert_eq!(
+            got.status,
+            CniStatus {
+                conf_dir: dir.path().display().to_string(),
+                file: want_file,
+                chained
+            },
+            "{files:?}"
+        );
         match (problem, &got.problem) {
             (None, None) => {}
-            (Some(want), Some(p)) => assert!(p.contains(want), "{files:?}: problem {p:?} lacks {want:?}"),
+            (Some(want), Some(p)) => {
+                assert!(p.contains(want), "{files:?}: problem {p:?} lacks {want:?}")
+            }
             (want, got) => panic!("{files:?}: problem {got:?}, want one containing {want:?}"),
         }
-        let after: Vec<_> = files.iter().map(|(n, _)| fs::symlink_metadata(dir.path().join(n)).unwrap().modified().unwrap()).collect();
+        let after: Vec<_> = files
+            .iter()
+            .map(|(n, _)| {
+                fs::symlink_metadata(dir.path().join(n))
+                    .unwrap()
+                    .modified()
+                    .unwrap()
+            })
+            .collect();
         assert_eq!(before, after, "a look wrote a file");
     }
 
     #[test]
     fn the_runtimes_first_conflist_decides() {
         check(&[], None, false, Some("no network configuration yet"));
-        check(&[("10-ptp.conflist", CHAINED)], Some("10-ptp.conflist"), true, None);
-        check(&[("10-ptp.conflist", PTP)], Some("10-ptp.conflist"), false, Some("does not chain aether-cni"));
+        check(
+            &[("10-ptp.conflist", CHAINED)],
+            Some("10-ptp.conflist"),
+            true,
+            None,
+        );
+        check(
+            &[("10-ptp.conflist", PTP)],
+            Some("10-ptp.conflist"),
+            false,
+            Some("does not chain aether-cni"),
+        );
         // Only the first by name counts, as for the runtime and the supervisor.
-        check(&[("20-b.conflist", CHAINED), ("10-a.conflist", PTP)], Some("10-a.conflist"), false, Some("10-a.conflist does not chain"));
-        check(&[("20-b.conflist", PTP), ("10-a.json", CHAINED)], Some("10-a.json"), true, None);
+        check(
+            &[("20-b.conflist", CHAINED), ("10-a.conflist", PTP)],
+            Some("10-a.conflist"),
+            false,
+            Some("10-a.conflist does not chain"),
+        );
+        check(
+            &[("20-b.conflist", PTP), ("10-a.json", CHAINED)],
+            Some("10-a.json"),
+            true,
+            None,
+        );
         // Other suffixes and the supervisor's temp file do not count.
-        check(&[("README", "x"), (".aether-cni-conflist.tmp", PTP), ("99-z.conf", CHAINED)], Some("99-z.conf"), true, None);
+        check(
+            &[
+                ("README", "x"),
+                (".aether-cni-conflist.tmp", PTP),
+                ("99-z.conf", CHAINED),
+            ],
+            Some("99-z.conf"),
+            true,
+            None,
+        );
         // A dotfile does, as for libcni, and sorts before digits.
-        check(&[(".hidden.conflist", PTP), ("99-z.conf", CHAINED)], Some(".hidden.conflist"), false, Some("does not chain"));
+        check(
+            &[(".hidden.conflist", PTP), ("99-z.conf", CHAINED)],
+            Some(".hidden.conflist"),
+            false,
+            Some("does not chain"),
+        );
     }
 
     #[test]
     fn bad_files_are_named_and_never_chained() {
-        check(&[("10-broken.conflist", "{\"plugins\": [")], Some("10-broken.conflist"), false, Some("not JSON"));
-        check(&[("10-single.conf", r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#)], Some("10-single.conf"), false, Some("no \"plugins\" list"));
-        check(&[("elsewhere.txt", CHAINED), ("10-link.conflist", "->elsewhere.txt")], Some("10-link.conflist"), false, Some("symlinks are refused"));
+        check(
+            &[("10-broken.conflist", "{\"plugins\": [")],
+            Some("10-broken.conflist"),
+            false,
+            Some("not JSON"),
+        );
+        check(
+            &[(
+                "10-single.conf",
+                r#"{"cniVersion":"1.0.0","name":"n","type":"bridge"}"#,
+            )],
+            Some("10-single.conf"),
+            false,
+            Some("no \"plugins\" list"),
+        );
+        check(
+            &[
+                ("elsewhere.txt", CHAINED),
+                ("10-link.conflist", "->elsewhere.txt"),
+            ],
+            Some("10-link.conflist"),
+            false,
+            Some("symlinks are refused"),
+        );
         let big = " ".repeat((1 << 20) + 1);
-        check(&[("10-big.conflist", big.as_str())], Some("10-big.conflist"), false, Some("larger than"));
+        check(
+            &[("10-big.conflist", big.as_str())],
+            Some("10-big.conflist"),
+            false,
+            Some("larger than"),
+        );
     }
 
     #[test]
     fn a_missing_folder_is_a_problem_not_a_crash() {
         let got = observe(Path::new("/nonexistent/aether-test/net.d"));
         assert!(!got.status.chained && got.status.file.is_none());
-        assert!(got.problem.unwrap().contains("/nonexistent/aether-test/net.d"));
+        assert!(
+            got.problem
+                .unwrap()
+                .contains("/nonexistent/aether-test/net.d")
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -154,15 +263,32 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let conf = dir.path().join("10-ptp.conflist");
         fs::write(&conf, PTP).unwrap();
-        let status = std::sync::Arc::new(tokio::sync::watch::Sender::new(crate::health::Status::new("n", "p")));
+        let status = std::sync::Arc::new(tokio::sync::watch::Sender::new(
+            crate::health::Status::new("n", "p"),
+        ));
         let mut rx = status.subscribe();
         let task = spawn(dir.path().to_owned(), Reporter::new(status.clone()));
-        rx.wait_for(|s| s.cni.as_ref().is_some_and(|c| !c.chained)).await.unwrap();
-        assert_eq!(rx.borrow().problems.iter().filter(|p| p.source == PROBLEM).count(), 1);
+        rx.wait_for(|s| s.cni.as_ref().is_some_and(|c| !c.chained))
+            .await
+            .unwrap();
+        assert_eq!(
+            rx.borrow()
+                .problems
+                .iter()
+                .filter(|p| p.source == PROBLEM)
+                .count(),
+            1
+        );
         // The owner's supervisor appends the entry; the next look sees it.
         fs::write(&conf, CHAINED).unwrap();
-        rx.wait_for(|s| s.cni.as_ref().is_some_and(|c| c.chained)).await.unwrap();
-        assert!(rx.borrow().problems.iter().all(|p| p.source != PROBLEM), "{:?}", rx.borrow().problems);
+        rx.wait_for(|s| s.cni.as_ref().is_some_and(|c| c.chained))
+            .await
+            .unwrap();
+        assert!(
+            rx.borrow().problems.iter().all(|p| p.source != PROBLEM),
+            "{:?}",
+            rx.borrow().problems
+        );
         task.abort();
     }
 }

@@ -7,7 +7,9 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 
-use shared_proto::control::{Body, CONTROL_VERSION, Hello, Phase as WirePhase, Ping, Status, Takeover};
+use shared_proto::control::{
+    Body, CONTROL_VERSION, Hello, Phase as WirePhase, Ping, Status, Takeover,
+};
 use shared_proto::fdpass;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -18,7 +20,9 @@ use crate::takeover::Phase;
 pub enum Command {
     Takeover(Takeover, Vec<OwnedFd>),
     /// `successor`: a standby holds the node's sockets (see [`shared_proto::control::Drain`]).
-    Drain { successor: bool },
+    Drain {
+        successor: bool,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -40,13 +44,27 @@ pub struct Control {
 impl Control {
     /// Wraps the inherited socket and says Hello.
     pub fn new(fd: OwnedFd) -> Result<Self, ControlError> {
-        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)).map_err(fdpass::Error::from)?;
+        nix::fcntl::fcntl(
+            &fd,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        )
+        .map_err(fdpass::Error::from)?;
         // The deprecation concerns a borrowed descriptor closed behind tokio's back; this
         // AsyncFd owns the OwnedFd outright, and its safe replacement is `unsafe`.
         #[allow(deprecated)]
         let fd = AsyncFd::with_interest(fd, Interest::READABLE)?;
-        fdpass::send_control(fd.get_ref().as_fd(), Body::Hello(Hello { version: CONTROL_VERSION }), &[])?;
-        Ok(Self { fd, took_over: false, drained: false })
+        fdpass::send_control(
+            fd.get_ref().as_fd(),
+            Body::Hello(Hello {
+                version: CONTROL_VERSION,
+            }),
+            &[],
+        )?;
+        Ok(Self {
+            fd,
+            took_over: false,
+            drained: false,
+        })
     }
 
     pub fn report(&self, phase: Phase) -> Result<(), ControlError> {
@@ -58,7 +76,11 @@ impl Control {
             Phase::Draining => WirePhase::Draining,
             Phase::Released => WirePhase::Released,
         };
-        fdpass::send_control(self.fd.get_ref().as_fd(), Body::Status(Status { phase: wire as i32 }), &[])?;
+        fdpass::send_control(
+            self.fd.get_ref().as_fd(),
+            Body::Status(Status { phase: wire as i32 }),
+            &[],
+        )?;
         Ok(())
     }
 
@@ -85,7 +107,9 @@ impl Control {
                 }
                 Body::Drain(d) if !self.drained => {
                     self.drained = true;
-                    return Ok(Command::Drain { successor: d.successor });
+                    return Ok(Command::Drain {
+                        successor: d.successor,
+                    });
                 }
                 other => {
                     return Err(ControlError::Violation(format!(
@@ -113,7 +137,13 @@ mod tests {
     /// The worker's `Control` on one end of a fresh pair; the supervisor's end, after
     /// reading the worker's Hello.
     fn connected() -> (Control, OwnedFd) {
-        let (sup, worker) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
+        let (sup, worker) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
         let control = Control::new(worker).unwrap();
         match fdpass::recv_control(sup.as_fd(), false).unwrap() {
             (Body::Hello(h), fds) => assert_eq!((h.version, fds.len()), (CONTROL_VERSION, 0)),
@@ -129,7 +159,14 @@ mod tests {
     fn takeover(sup: &OwnedFd) {
         let files: Vec<File> = (0..3).map(|_| File::open("/dev/null").unwrap()).collect();
         let fds: Vec<BorrowedFd<'_>> = files.iter().map(|f| f.as_fd()).collect();
-        send(sup, Body::Takeover(Takeover { generation: 4, ..Default::default() }), &fds);
+        send(
+            sup,
+            Body::Takeover(Takeover {
+                generation: 4,
+                ..Default::default()
+            }),
+            &fds,
+        );
     }
 
     fn violation(r: Result<Command, ControlError>) -> String {
@@ -162,12 +199,21 @@ mod tests {
             other => panic!("reported {}", other.name()),
         }
         send(&sup, Body::Drain(Drain { successor: true }), &[]);
-        assert!(matches!(control.next().await.unwrap(), Command::Drain { successor: true }));
+        assert!(matches!(
+            control.next().await.unwrap(),
+            Command::Drain { successor: true }
+        ));
         // Heartbeats go on while draining.
         send(&sup, Body::Ping(Ping { seq: 10 }), &[]);
         send(&sup, Body::Drain(Drain { successor: false }), &[]);
-        assert!(violation(control.next().await).starts_with("Drain not permitted (took over: true, draining: true"));
-        assert!(matches!(fdpass::recv_control(sup.as_fd(), false).unwrap().0, Body::Pong(Ping { seq: 10 })));
+        assert!(
+            violation(control.next().await)
+                .starts_with("Drain not permitted (took over: true, draining: true")
+        );
+        assert!(matches!(
+            fdpass::recv_control(sup.as_fd(), false).unwrap().0,
+            Body::Pong(Ping { seq: 10 })
+        ));
     }
 
     /// Everything out of turn ends the conversation: a second Takeover, a Takeover after
@@ -176,20 +222,36 @@ mod tests {
     async fn out_of_turn_messages_are_violations() {
         let (mut control, sup) = connected();
         takeover(&sup);
-        assert!(matches!(control.next().await.unwrap(), Command::Takeover(..)));
+        assert!(matches!(
+            control.next().await.unwrap(),
+            Command::Takeover(..)
+        ));
         takeover(&sup);
-        assert!(violation(control.next().await).starts_with("Takeover not permitted (took over: true, draining: false"));
+        assert!(
+            violation(control.next().await)
+                .starts_with("Takeover not permitted (took over: true, draining: false")
+        );
 
         let (mut control, sup) = connected();
         send(&sup, Body::Drain(Drain { successor: false }), &[]);
-        assert!(matches!(control.next().await.unwrap(), Command::Drain { successor: false }));
+        assert!(matches!(
+            control.next().await.unwrap(),
+            Command::Drain { successor: false }
+        ));
         takeover(&sup);
-        assert!(violation(control.next().await).starts_with("Takeover not permitted (took over: false, draining: true"));
+        assert!(
+            violation(control.next().await)
+                .starts_with("Takeover not permitted (took over: false, draining: true")
+        );
 
         for body in [
-            Body::Hello(Hello { version: CONTROL_VERSION }),
+            Body::Hello(Hello {
+                version: CONTROL_VERSION,
+            }),
             Body::Pong(Ping { seq: 1 }),
-            Body::Status(Status { phase: WirePhase::Serving as i32 }),
+            Body::Status(Status {
+                phase: WirePhase::Serving as i32,
+            }),
         ] {
             let name = body.name();
             let (mut control, sup) = connected();
@@ -204,11 +266,30 @@ mod tests {
     async fn a_malformed_message_is_a_transport_error() {
         let (mut control, sup) = connected();
         let file = File::open("/dev/null").unwrap();
-        send(&sup, Body::Drain(Drain { successor: false }), &[file.as_fd()]);
-        assert!(matches!(control.next().await, Err(ControlError::Transport(fdpass::Error::FdCount { got: 1, expected: 0, .. }))));
+        send(
+            &sup,
+            Body::Drain(Drain { successor: false }),
+            &[file.as_fd()],
+        );
+        assert!(matches!(
+            control.next().await,
+            Err(ControlError::Transport(fdpass::Error::FdCount {
+                got: 1,
+                expected: 0,
+                ..
+            }))
+        ));
 
         let (mut control, sup) = connected();
-        nix::sys::socket::send(sup.as_raw_fd(), &[0xff, 0xff, 0xff], nix::sys::socket::MsgFlags::empty()).unwrap();
-        assert!(matches!(control.next().await, Err(ControlError::Transport(_))));
+        nix::sys::socket::send(
+            sup.as_raw_fd(),
+            &[0xff, 0xff, 0xff],
+            nix::sys::socket::MsgFlags::empty(),
+        )
+        .unwrap();
+        assert!(matches!(
+            control.next().await,
+            Err(ControlError::Transport(_))
+        ));
     }
 }

@@ -187,31 +187,48 @@ impl Reporter {
 
     /// Sets `source`'s problem; it keeps its `since` while the source stays in trouble.
     pub fn set(&self, source: &'static str, message: String) {
-        self.0.send_if_modified(|s| match s.problems.iter_mut().find(|p| p.source == source) {
-            Some(p) if p.message == message => false,
-            Some(p) => {
-                p.message = message;
-                true
-            }
-            None => {
-                let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-                s.problems.push(Problem { source, message, since });
-                true
-            }
-        });
+        self.0.send_if_modified(
+            |s| match s.problems.iter_mut().find(|p| p.source == source) {
+                Some(p) if p.message == message => false,
+                Some(p) => {
+                    p.message = message;
+                    true
+                }
+                None => {
+                    let since = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs());
+                    s.problems.push(Problem {
+                        source,
+                        message,
+                        since,
+                    });
+                    true
+                }
+            },
+        );
     }
 
     /// Sets `source`'s problems to `messages`, one problem each (for conditions listed one
     /// per pod); a message that stays keeps its `since`. An empty list clears them.
     pub fn set_each(&self, source: &'static str, messages: Vec<String>) {
         self.0.send_if_modified(|s| {
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
             let old: Vec<&Problem> = s.problems.iter().filter(|p| p.source == source).collect();
             let new: Vec<Problem> = messages
                 .into_iter()
                 .map(|message| {
-                    let since = old.iter().find(|p| p.message == message).map_or(now, |p| p.since);
-                    Problem { source, message, since }
+                    let since = old
+                        .iter()
+                        .find(|p| p.message == message)
+                        .map_or(now, |p| p.since);
+                    Problem {
+                        source,
+                        message,
+                        since,
+                    }
                 })
                 .collect();
             if old.len() == new.len() && old.iter().zip(&new).all(|(a, b)| *a == b) {
@@ -234,18 +251,28 @@ impl Reporter {
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    #[error("{path}: another agent's health server still answers there; each generation needs its own --health-dir")]
+    #[error(
+        "{path}: another agent's health server still answers there; each generation needs its own --health-dir"
+    )]
     Live { path: PathBuf },
     #[error("{path} exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Binds the health socket, replacing only a stale socket file.
 pub fn bind(dir: &Path) -> Result<UnixListener, HealthError> {
     let path = dir.join(SOCKET_NAME);
-    let io = |what, source| HealthError::Io { what, path: path.clone(), source };
+    let io = |what, source| HealthError::Io {
+        what,
+        path: path.clone(),
+        source,
+    };
     match std::fs::symlink_metadata(&path) {
         Ok(m) if m.file_type().is_socket() => {
             if std::os::unix::net::UnixStream::connect(&path).is_ok() {
@@ -258,16 +285,29 @@ pub fn bind(dir: &Path) -> Result<UnixListener, HealthError> {
         Err(e) => return Err(io("lstat", e)),
     }
     let l = UnixListener::bind(&path).map_err(|e| io("bind", e))?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|e| io("chmod", e))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| io("chmod", e))?;
     Ok(l)
 }
 
 pub fn respond(status: &Status, path: &str) -> Response {
     let body = (serde_json::to_string(status).unwrap_or_else(|_| "{}".into()) + "\n").into();
     match path {
-        "/ready" => Response { status: if status.ready { 200 } else { 503 }, content_type: "application/json", body },
-        "/live" => Response { status: 200, content_type: "application/json", body },
-        _ => Response { status: 404, content_type: "text/plain", body: format!("no such path {path:?}; try /ready or /live\n").into() },
+        "/ready" => Response {
+            status: if status.ready { 200 } else { 503 },
+            content_type: "application/json",
+            body,
+        },
+        "/live" => Response {
+            status: 200,
+            content_type: "application/json",
+            body,
+        },
+        _ => Response {
+            status: 404,
+            content_type: "text/plain",
+            body: format!("no such path {path:?}; try /ready or /live\n").into(),
+        },
     }
 }
 
@@ -275,11 +315,16 @@ pub fn respond(status: &Status, path: &str) -> Response {
 /// worker can start while its crashed predecessor, already dead to the supervisor, is
 /// still being torn down by the kernel and holds its listener for a few milliseconds more.
 /// A server still answering after `bound` is another agent's: the error says so.
-pub async fn bind_after_predecessor(dir: &Path, bound: Duration) -> Result<UnixListener, HealthError> {
+pub async fn bind_after_predecessor(
+    dir: &Path,
+    bound: Duration,
+) -> Result<UnixListener, HealthError> {
     let start = std::time::Instant::now();
     loop {
         match bind(dir) {
-            Err(HealthError::Live { .. }) if start.elapsed() < bound => tokio::time::sleep(Duration::from_millis(2)).await,
+            Err(HealthError::Live { .. }) if start.elapsed() < bound => {
+                tokio::time::sleep(Duration::from_millis(2)).await
+            }
             other => return other,
         }
     }
@@ -291,12 +336,18 @@ pub async fn bind_after_predecessor(dir: &Path, bound: Duration) -> Result<UnixL
 pub const MAX_CONNECTIONS: usize = 64;
 
 /// Answers health requests until the process exits.
-pub async fn serve(listener: UnixListener, status: watch::Receiver<Status>, metrics: std::sync::Arc<crate::metrics::Metrics>) {
+pub async fn serve(
+    listener: UnixListener,
+    status: watch::Receiver<Status>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) {
     let mut acceptor = crate::accept::Acceptor::new(listener, "health", MAX_CONNECTIONS, metrics);
     loop {
         let conn = acceptor.next().await;
         let snapshot = status.borrow().clone();
-        tokio::spawn(httpmini::serve_one(conn, move |path| respond(&snapshot, path)));
+        tokio::spawn(httpmini::serve_one(conn, move |path| {
+            respond(&snapshot, path)
+        }));
     }
 }
 
@@ -313,18 +364,41 @@ mod tests {
         r.set_each("pod-svid", vec!["a".into(), "b".into()]);
         rx.borrow_and_update();
         // A problem's since stays while it lasts: pretend "a" began long ago.
-        status.send_modify(|s| s.problems.iter_mut().filter(|p| p.message == "a").for_each(|p| p.since = 7));
+        status.send_modify(|s| {
+            s.problems
+                .iter_mut()
+                .filter(|p| p.message == "a")
+                .for_each(|p| p.since = 7)
+        });
         rx.borrow_and_update();
         r.set_each("pod-svid", vec!["a".into(), "b".into()]);
-        assert!(!rx.has_changed().unwrap(), "the same list again is no change");
+        assert!(
+            !rx.has_changed().unwrap(),
+            "the same list again is no change"
+        );
         r.set_each("pod-svid", vec!["a".into(), "c".into()]);
         assert!(rx.has_changed().unwrap());
-        let got: Vec<(&str, String, bool)> = status.borrow().problems.iter().map(|p| (p.source, p.message.clone(), p.since == 7)).collect();
-        assert_eq!(got, [("registrar", "away".into(), false), ("pod-svid", "a".into(), true), ("pod-svid", "c".into(), false)]);
+        let got: Vec<(&str, String, bool)> = status
+            .borrow()
+            .problems
+            .iter()
+            .map(|p| (p.source, p.message.clone(), p.since == 7))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("registrar", "away".into(), false),
+                ("pod-svid", "a".into(), true),
+                ("pod-svid", "c".into(), false)
+            ]
+        );
         r.set_each("pod-svid", vec![]);
         assert_eq!(status.borrow().problems.len(), 1);
         r.identity(|s| s.subscriptions = 3);
-        assert_eq!(status.borrow().identity.as_ref().map(|i| i.subscriptions), Some(3));
+        assert_eq!(
+            status.borrow().identity.as_ref().map(|i| i.subscriptions),
+            Some(3)
+        );
     }
 
     #[tokio::test]
@@ -332,9 +406,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let _other = std::os::unix::net::UnixListener::bind(dir.path().join(SOCKET_NAME)).unwrap();
         let start = std::time::Instant::now();
-        let err = bind_after_predecessor(dir.path(), Duration::from_millis(50)).await.expect_err("another agent answers");
+        let err = bind_after_predecessor(dir.path(), Duration::from_millis(50))
+            .await
+            .expect_err("another agent answers");
         assert!(matches!(err, HealthError::Live { .. }), "{err}");
-        assert!(start.elapsed() >= Duration::from_millis(50), "gave up after {:?}", start.elapsed());
+        assert!(
+            start.elapsed() >= Duration::from_millis(50),
+            "gave up after {:?}",
+            start.elapsed()
+        );
     }
 
     #[tokio::test]
@@ -347,10 +427,17 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             drop(predecessor);
         });
-        let listener = bind_after_predecessor(dir.path(), Duration::from_secs(5)).await.expect("bound once the predecessor is gone");
+        let listener = bind_after_predecessor(dir.path(), Duration::from_secs(5))
+            .await
+            .expect("bound once the predecessor is gone");
         gone.join().unwrap();
         // The path now leads to the new listener.
-        let _client = tokio::net::UnixStream::connect(&path).await.expect("connect");
-        tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.expect("accepted in time").expect("accept");
+        let _client = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("connect");
+        tokio::time::timeout(Duration::from_secs(5), listener.accept())
+            .await
+            .expect("accepted in time")
+            .expect("accept");
     }
 }

@@ -53,8 +53,16 @@ where
             let mut parts = line.split_whitespace();
             match (parts.next(), parts.next()) {
                 (Some("GET"), Some(path)) => handle(path),
-                (Some(_), Some(_)) => Response { status: 405, content_type: "text/plain", body: "only GET\n".into() },
-                _ => Response { status: 400, content_type: "text/plain", body: "bad request line\n".into() },
+                (Some(_), Some(_)) => Response {
+                    status: 405,
+                    content_type: "text/plain",
+                    body: "only GET\n".into(),
+                },
+                _ => Response {
+                    status: 400,
+                    content_type: "text/plain",
+                    body: "bad request line\n".into(),
+                },
             }
         }
         _ => return,

@@ -46,7 +46,12 @@ pub fn parse_locks(text: &str) -> Vec<Held> {
             let major = u32::from_str_radix(id.next()?, 16).ok()?;
             let minor = u32::from_str_radix(id.next()?, 16).ok()?;
             let inode = id.next()?.parse().ok()?;
-            Some(Held { pid, major, minor, inode })
+            Some(Held {
+                pid,
+                major,
+                minor,
+                inode,
+            })
         })
         .collect()
 }
@@ -57,7 +62,10 @@ fn holder(lock_file: &Path) -> std::io::Result<Option<u32>> {
     let meta = std::fs::metadata(lock_file)?;
     let (major, minor) = (libc::major(meta.dev()), libc::minor(meta.dev()));
     let locks = std::fs::read_to_string("/proc/locks")?;
-    Ok(parse_locks(&locks).into_iter().find(|h| (h.major, h.minor, h.inode) == (major, minor, meta.ino())).map(|h| h.pid))
+    Ok(parse_locks(&locks)
+        .into_iter()
+        .find(|h| (h.major, h.minor, h.inode) == (major, minor, meta.ino()))
+        .map(|h| h.pid))
 }
 
 /// The message for a holder that is not an agent's supervisor; `None` for one that is.
@@ -72,12 +80,19 @@ pub fn describe(lock_file: &Path, pid: u32, comm: Option<&str>) -> Option<String
             "the node lock {} is held by pid {pid} ({comm}), which is not an Aether agent; waiting for it to exit",
             lock_file.display()
         )),
-        (pid, None) => Some(format!("the node lock {} is held by pid {pid}; waiting for it to exit", lock_file.display())),
+        (pid, None) => Some(format!(
+            "the node lock {} is held by pid {pid}; waiting for it to exit",
+            lock_file.display()
+        )),
     }
 }
 
 /// Looks every [`EVERY`] while this worker is not the owner.
-pub fn spawn(run_dir: &Path, mut status: watch::Receiver<Status>, problems: Reporter) -> tokio::task::JoinHandle<()> {
+pub fn spawn(
+    run_dir: &Path,
+    mut status: watch::Receiver<Status>,
+    problems: Reporter,
+) -> tokio::task::JoinHandle<()> {
     let lock_file: PathBuf = run_dir.join("agent.lock");
     tokio::spawn(async move {
         let mut said: Option<String> = None;
@@ -94,7 +109,10 @@ pub fn spawn(run_dir: &Path, mut status: watch::Receiver<Status>, problems: Repo
                 // Free, or the file is not there yet: the supervisor is about to lock it.
                 Ok(None) => None,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) => Some(format!("cannot tell who holds the node lock {}: {e}", lock_file.display())),
+                Err(e) => Some(format!(
+                    "cannot tell who holds the node lock {}: {e}",
+                    lock_file.display()
+                )),
             };
             if now != said {
                 match &now {
@@ -129,7 +147,20 @@ garbage
 ";
         assert_eq!(
             parse_locks(text),
-            [Held { pid: 4242, major: 0, minor: 0x1a, inode: 1234567 }, Held { pid: 17, major: 0xfd, minor: 1, inode: 99 }]
+            [
+                Held {
+                    pid: 4242,
+                    major: 0,
+                    minor: 0x1a,
+                    inode: 1234567
+                },
+                Held {
+                    pid: 17,
+                    major: 0xfd,
+                    minor: 1,
+                    inode: 99
+                }
+            ]
         );
     }
 
@@ -138,8 +169,15 @@ garbage
         let lock = Path::new("/run/aether/agent.lock");
         assert_eq!(describe(lock, 10, Some("aether-supervis")), None);
         let other = describe(lock, 10, Some("flock")).expect("named");
-        assert!(other.contains("/run/aether/agent.lock") && other.contains("pid 10 (flock)"), "{other}");
-        assert!(describe(lock, 0, None).expect("named").contains("outside this pid namespace"));
+        assert!(
+            other.contains("/run/aether/agent.lock") && other.contains("pid 10 (flock)"),
+            "{other}"
+        );
+        assert!(
+            describe(lock, 0, None)
+                .expect("named")
+                .contains("outside this pid namespace")
+        );
     }
 
     #[test]

@@ -14,7 +14,8 @@ fn main() {
     // node. Numbered above the watchers, the control socket is released before them, so
     // the supervisor sees a crashed worker's end at once and respawns it instead of
     // waiting out the grace period for its SIGCHLD.
-    let inherited = shared_proto::fdpass::take_inherited(cfg.control_fd, nix::sys::socket::SockType::SeqPacket);
+    let inherited =
+        shared_proto::fdpass::take_inherited(cfg.control_fd, nix::sys::socket::SockType::SeqPacket);
     let control = match inherited.and_then(|fd| shared_proto::fdpass::dup_at_or_above(&fd, 64)) {
         Ok(fd) => fd,
         Err(e) => {
@@ -39,7 +40,10 @@ fn main() {
         tracing::error!(error = %e, "cannot install the worker's own seccomp filter");
         std::process::exit(2);
     }
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     let code = match runtime.block_on(aether_worker::agent::run(cfg, control)) {
         Ok(code) => code,
         Err(e) => {

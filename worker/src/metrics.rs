@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric,
+};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
@@ -167,12 +169,16 @@ pub struct Metrics {
 
 fn phase_histogram() -> Histogram {
     // 10 µs to ~10 s: the takeover steps are microseconds, the lock wait can be minutes.
-    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-5, 4.0, 11))
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1e-5, 4.0, 11,
+    ))
 }
 
 /// 1 ms to 10 s in 1-2.5-5 steps: an ADD is a record's fsync and the proxy's ACK (a few
 /// ms), at most its 2 s ACK wait, and one stuck behind a slow disk shows past that.
-const CNI_BUCKETS: [f64; 13] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+const CNI_BUCKETS: [f64; 13] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 fn cni_histogram() -> Histogram {
     Histogram::new(CNI_BUCKETS)
@@ -235,39 +241,79 @@ impl Metrics {
             encoded: std::sync::Mutex::new(None),
         };
         let r = &mut m.registry;
-        r.register("takeover_phase_seconds", "Duration of each takeover phase", m.takeover_phase_seconds.clone());
-        r.register("generation", "Node generation this agent owns (0 while standby)", m.generation.clone());
-        r.register("worker_respawns", "Times the supervisor respawned a worker of this generation", m.worker_respawns.clone());
+        r.register(
+            "takeover_phase_seconds",
+            "Duration of each takeover phase",
+            m.takeover_phase_seconds.clone(),
+        );
+        r.register(
+            "generation",
+            "Node generation this agent owns (0 while standby)",
+            m.generation.clone(),
+        );
+        r.register(
+            "worker_respawns",
+            "Times the supervisor respawned a worker of this generation",
+            m.worker_respawns.clone(),
+        );
         r.register(
             "build_info",
             "1, labelled with the version and the git revision (unknown when the build did not say) of the worker",
             m.build_info.clone(),
         );
-        r.register("xds_pushes", "xDS responses sent, by type", m.xds_pushes.clone());
+        r.register(
+            "xds_pushes",
+            "xDS responses sent, by type",
+            m.xds_pushes.clone(),
+        );
         r.register("xds_acks", "xDS ACKs received, by type", m.xds_acks.clone());
-        r.register("xds_nacks", "xDS NACKs received, by type", m.xds_nacks.clone());
+        r.register(
+            "xds_nacks",
+            "xDS NACKs received, by type",
+            m.xds_nacks.clone(),
+        );
         r.register(
             "xds_push_ack_seconds",
             "Time from an xDS response sent on a stream to the proxy's ACK of it, by type (cds, eds, lds, rds, sds)",
             m.xds_push_ack_seconds.clone(),
         );
         r.register("xds_streams", "Open ADS streams", m.xds_streams.clone());
-        r.register("xds_resources", "xDS resources sent, with delta removals, by type", m.xds_resources.clone());
+        r.register(
+            "xds_resources",
+            "xDS resources sent, with delta removals, by type",
+            m.xds_resources.clone(),
+        );
         r.register(
             "xds_initial_resources",
             "xDS resources in each stream's first response of a type (a reconnect to an identical snapshot over delta ADS sends none)",
             m.xds_initial_resources.clone(),
         );
-        r.register("snapshot_seq", "Snapshots this worker has built since it started (one per change step)", m.snapshot_seq.clone());
-        r.register("cni_requests", "CNI API calls, by operation and result", m.cni_requests.clone());
+        r.register(
+            "snapshot_seq",
+            "Snapshots this worker has built since it started (one per change step)",
+            m.snapshot_seq.clone(),
+        );
+        r.register(
+            "cni_requests",
+            "CNI API calls, by operation and result",
+            m.cni_requests.clone(),
+        );
         r.register(
             "cni_request_duration_seconds",
             "Time the worker took to answer a CNI API call, by operation (add, del, check) and result (ok, error)",
             m.cni_request_duration_seconds.clone(),
         );
-        r.register("cni_ack_timeouts", "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)", m.cni_ack_timeouts.clone());
+        r.register(
+            "cni_ack_timeouts",
+            "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)",
+            m.cni_ack_timeouts.clone(),
+        );
         r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());
-        r.register("storage_quarantined", "Pod records moved to quarantine", m.storage_quarantined.clone());
+        r.register(
+            "storage_quarantined",
+            "Pod records moved to quarantine",
+            m.storage_quarantined.clone(),
+        );
         r.register(
             "storage_write_errors",
             "Pod record writes and removals that failed, by op (write, remove; the log and /ready name the path and cause)",
@@ -278,23 +324,79 @@ impl Metrics {
             "Watched file loads rejected or unreadable, by file (registry, capture); the last good content is kept",
             m.registry_reload_errors.clone(),
         );
-        r.register("state_writes", "Owner-only state files written (atomically), by file", m.state_writes.clone());
-        r.register("state_write_errors", "Owner-only state file writes that failed, by file (the log names the path)", m.state_write_errors.clone());
-        r.register("registrar_connected", "1 while a registrar watch stream is open", m.registrar_connected.clone());
-        r.register("registrar_resyncs", "Full views the registrar sent again because a resume was not possible", m.registrar_resyncs.clone());
-        r.register("registrar_changes", "Single-key changes received from the registrar", m.registrar_changes.clone());
-        r.register("registry_revision", "The registrar revision this agent's registry view is at", m.registry_revision.clone());
-        r.register("registrar_drain_marks", "Drain marks sent by the owner, by result (set, not_found, refused, retry)", m.registrar_drain_marks.clone());
-        r.register("kube_connected", "1 while the Kubernetes watch of the resource is current", m.kube_connected.clone());
-        r.register("kube_watch_errors", "Kubernetes watch failures, by resource and reason", m.kube_watch_errors.clone());
-        r.register("kube_relists", "Complete lists of a Kubernetes resource after the first (an expired resource version)", m.kube_relists.clone());
-        r.register("kube_terminating_marks", "Pod records the owner rewrote as Terminating (the pod has a deletion timestamp)", m.kube_terminating_marks.clone());
+        r.register(
+            "state_writes",
+            "Owner-only state files written (atomically), by file",
+            m.state_writes.clone(),
+        );
+        r.register(
+            "state_write_errors",
+            "Owner-only state file writes that failed, by file (the log names the path)",
+            m.state_write_errors.clone(),
+        );
+        r.register(
+            "registrar_connected",
+            "1 while a registrar watch stream is open",
+            m.registrar_connected.clone(),
+        );
+        r.register(
+            "registrar_resyncs",
+            "Full views the registrar sent again because a resume was not possible",
+            m.registrar_resyncs.clone(),
+        );
+        r.register(
+            "registrar_changes",
+            "Single-key changes received from the registrar",
+            m.registrar_changes.clone(),
+        );
+        r.register(
+            "registry_revision",
+            "The registrar revision this agent's registry view is at",
+            m.registry_revision.clone(),
+        );
+        r.register(
+            "registrar_drain_marks",
+            "Drain marks sent by the owner, by result (set, not_found, refused, retry)",
+            m.registrar_drain_marks.clone(),
+        );
+        r.register(
+            "kube_connected",
+            "1 while the Kubernetes watch of the resource is current",
+            m.kube_connected.clone(),
+        );
+        r.register(
+            "kube_watch_errors",
+            "Kubernetes watch failures, by resource and reason",
+            m.kube_watch_errors.clone(),
+        );
+        r.register(
+            "kube_relists",
+            "Complete lists of a Kubernetes resource after the first (an expired resource version)",
+            m.kube_relists.clone(),
+        );
+        r.register(
+            "kube_terminating_marks",
+            "Pod records the owner rewrote as Terminating (the pod has a deletion timestamp)",
+            m.kube_terminating_marks.clone(),
+        );
         r.register("kube_taint_patches", "Node patches removing the startup taint, by result (removed, conflict, forbidden, error)", m.kube_taint_patches.clone());
         r.register("stale_records_removed", "Pod records removed because the API server no longer had their pod for the grace period", m.stale_records_removed.clone());
-        r.register("cni_evictions", "Older pod records a CNI ADD evicted because they held the new pod's IP", m.cni_evictions.clone());
+        r.register(
+            "cni_evictions",
+            "Older pod records a CNI ADD evicted because they held the new pod's IP",
+            m.cni_evictions.clone(),
+        );
         r.register("accept_errors", "Failed accepts, by listener and kind (each but connection backs off 10 ms doubling to 1 s)", m.accept_errors.clone());
-        r.register("connections", "Connections open on each listener", m.connections.clone());
-        r.register("connections_refused", "Connections closed at once because their listener was at its connection cap", m.connections_refused.clone());
+        r.register(
+            "connections",
+            "Connections open on each listener",
+            m.connections.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Connections closed at once because their listener was at its connection cap",
+            m.connections_refused.clone(),
+        );
         r.register(
             "connections_rate_limited",
             "Connections closed at once because their peer process opened connections faster than its rate",
@@ -305,44 +407,95 @@ impl Metrics {
             "ADS streams ended with RESOURCE_EXHAUSTED over a subscription limit, by type and limit (names, name_length)",
             m.xds_subscription_refusals.clone(),
         );
-        r.register("identity_svid_updates", "New SVIDs received, by source (agent: the Workload API; pod: the SPIFFE broker)", m.identity_svid_updates.clone());
-        r.register("identity_subscriptions", "Open SVID streams at the SPIFFE broker, one per local pod", m.identity_subscriptions.clone());
-        r.register("identity_workload_api_connected", "1 while the Workload API stream of the agent's own SVID is open", m.identity_workload_api_connected.clone());
-        r.register("pods_without_svid", "Local pods without an SVID (in strict mTLS mode they have no inbound listener)", m.pods_without_svid.clone());
-        r.register("svids_expiring", "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')", m.svids_expiring.clone());
-        m.build_info.get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").into(), revision: REVISION.into() }).set(1);
+        r.register(
+            "identity_svid_updates",
+            "New SVIDs received, by source (agent: the Workload API; pod: the SPIFFE broker)",
+            m.identity_svid_updates.clone(),
+        );
+        r.register(
+            "identity_subscriptions",
+            "Open SVID streams at the SPIFFE broker, one per local pod",
+            m.identity_subscriptions.clone(),
+        );
+        r.register(
+            "identity_workload_api_connected",
+            "1 while the Workload API stream of the agent's own SVID is open",
+            m.identity_workload_api_connected.clone(),
+        );
+        r.register(
+            "pods_without_svid",
+            "Local pods without an SVID (in strict mTLS mode they have no inbound listener)",
+            m.pods_without_svid.clone(),
+        );
+        r.register(
+            "svids_expiring",
+            "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')",
+            m.svids_expiring.clone(),
+        );
+        m.build_info
+            .get_or_create(&BuildLabel {
+                version: env!("CARGO_PKG_VERSION").into(),
+                revision: REVISION.into(),
+            })
+            .set(1);
         // Both files' series from the start, so that the first error is an increase.
         for file in ["registry", "capture"] {
-            let _ = m.registry_reload_errors.get_or_create(&FileLabel { file: file.into() });
+            let _ = m
+                .registry_reload_errors
+                .get_or_create(&FileLabel { file: file.into() });
         }
-        m.process.register_collector(Box::new(ProcessCollector { proc_self: PathBuf::from("/proc/self"), proc_stat: PathBuf::from("/proc/stat") }));
+        m.process.register_collector(Box::new(ProcessCollector {
+            proc_self: PathBuf::from("/proc/self"),
+            proc_stat: PathBuf::from("/proc/stat"),
+        }));
         Arc::new(m)
     }
 
     /// Counts a rejected or unreadable load of a watched file (`registry`, `capture`).
     pub fn reload_error(&self, file: &str) {
-        self.registry_reload_errors.get_or_create(&FileLabel { file: file.to_string() }).inc();
+        self.registry_reload_errors
+            .get_or_create(&FileLabel {
+                file: file.to_string(),
+            })
+            .inc();
     }
 
     /// Rejected or unreadable loads of `file` so far.
     pub fn reload_errors(&self, file: &str) -> u64 {
-        self.registry_reload_errors.get_or_create(&FileLabel { file: file.to_string() }).get()
+        self.registry_reload_errors
+            .get_or_create(&FileLabel {
+                file: file.to_string(),
+            })
+            .get()
     }
 
     /// How long a CNI call of `op` took the worker; `ok` when it answered without a gRPC
     /// error.
     pub fn observe_cni(&self, op: &str, ok: bool, took: std::time::Duration) {
-        let label = CniLabel { op: op.to_string(), result: if ok { "ok" } else { "error" }.to_string() };
-        self.cni_request_duration_seconds.get_or_create(&label).observe(took.as_secs_f64());
+        let label = CniLabel {
+            op: op.to_string(),
+            result: if ok { "ok" } else { "error" }.to_string(),
+        };
+        self.cni_request_duration_seconds
+            .get_or_create(&label)
+            .observe(took.as_secs_f64());
     }
 
     /// How long the proxy took to ACK a response of the type `short` names (`CDS`, any case).
     pub fn observe_push_ack(&self, short: &str, took: std::time::Duration) {
-        self.xds_push_ack_seconds.get_or_create(&XdsTypeLabel { r#type: short.to_ascii_lowercase() }).observe(took.as_secs_f64());
+        self.xds_push_ack_seconds
+            .get_or_create(&XdsTypeLabel {
+                r#type: short.to_ascii_lowercase(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     pub fn observe_phase(&self, phase: &str, seconds: f64) {
-        self.takeover_phase_seconds.get_or_create(&PhaseLabel { phase: phase.to_string() }).observe(seconds);
+        self.takeover_phase_seconds
+            .get_or_create(&PhaseLabel {
+                phase: phase.to_string(),
+            })
+            .observe(seconds);
     }
 
     /// The OpenMetrics text exposition.
@@ -403,15 +556,24 @@ const DEFAULT_CLK_TCK: u64 = 100;
 impl ProcessStats {
     fn read(proc_self: &Path, proc_stat: &Path) -> Self {
         let text = |name: &str| std::fs::read_to_string(proc_self.join(name)).ok();
-        let tck = std::fs::read(proc_self.join("auxv")).ok().and_then(|a| clock_ticks(&a)).unwrap_or(DEFAULT_CLK_TCK) as f64;
+        let tck = std::fs::read(proc_self.join("auxv"))
+            .ok()
+            .and_then(|a| clock_ticks(&a))
+            .unwrap_or(DEFAULT_CLK_TCK) as f64;
         let stat = text("stat").and_then(|s| parse_stat(&s));
-        let btime = std::fs::read_to_string(proc_stat).ok().and_then(|s| parse_btime(&s));
+        let btime = std::fs::read_to_string(proc_stat)
+            .ok()
+            .and_then(|s| parse_btime(&s));
         Self {
-            open_fds: std::fs::read_dir(proc_self.join("fd")).ok().map(|d| d.count() as u64),
+            open_fds: std::fs::read_dir(proc_self.join("fd"))
+                .ok()
+                .map(|d| d.count() as u64),
             max_fds: text("limits").and_then(|l| parse_max_open_files(&l)),
             resident_bytes: text("status").and_then(|s| parse_vm_rss(&s)),
             cpu_seconds: stat.map(|s| (s.utime + s.stime) as f64 / tck),
-            start_time_seconds: stat.zip(btime).map(|(s, b)| b as f64 + s.starttime as f64 / tck),
+            start_time_seconds: stat
+                .zip(btime)
+                .map(|(s, b)| b as f64 + s.starttime as f64 / tck),
         }
     }
 }
@@ -432,22 +594,42 @@ fn parse_stat(text: &str) -> Option<Stat> {
     let f: Vec<&str> = rest.split_whitespace().collect();
     // `rest` starts at field 3 (the state).
     let field = |n: usize| f.get(n - 3)?.parse().ok();
-    Some(Stat { utime: field(14)?, stime: field(15)?, starttime: field(22)? })
+    Some(Stat {
+        utime: field(14)?,
+        stime: field(15)?,
+        starttime: field(22)?,
+    })
 }
 
 /// The boot time in seconds since the epoch, from `/proc/stat`.
 fn parse_btime(text: &str) -> Option<u64> {
-    text.lines().find_map(|l| l.strip_prefix("btime "))?.trim().parse().ok()
+    text.lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// The soft limit on open files from `/proc/<pid>/limits`; None when unlimited.
 fn parse_max_open_files(text: &str) -> Option<u64> {
-    text.lines().find_map(|l| l.strip_prefix("Max open files"))?.split_whitespace().next()?.parse().ok()
+    text.lines()
+        .find_map(|l| l.strip_prefix("Max open files"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// `VmRSS` of `/proc/<pid>/status`, in bytes.
 fn parse_vm_rss(text: &str) -> Option<u64> {
-    let kib: u64 = text.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
     Some(kib * 1024)
 }
 
@@ -463,26 +645,56 @@ fn clock_ticks(auxv: &[u8]) -> Option<u64> {
 
 impl Collector for ProcessCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        fn gauge<N: EncodeGaugeValue>(e: &mut DescriptorEncoder, name: &str, help: &str, v: N) -> Result<(), std::fmt::Error> {
+        fn gauge<N: EncodeGaugeValue>(
+            e: &mut DescriptorEncoder,
+            name: &str,
+            help: &str,
+            v: N,
+        ) -> Result<(), std::fmt::Error> {
             let g = ConstGauge::new(v);
             g.encode(e.encode_descriptor(name, help, None, g.metric_type())?)
         }
         let s = ProcessStats::read(&self.proc_self, &self.proc_stat);
         if let Some(v) = s.open_fds {
-            gauge(&mut encoder, "process_open_fds", "Number of open file descriptors", v)?;
+            gauge(
+                &mut encoder,
+                "process_open_fds",
+                "Number of open file descriptors",
+                v,
+            )?;
         }
         if let Some(v) = s.max_fds {
-            gauge(&mut encoder, "process_max_fds", "Maximum number of open file descriptors (the soft limit)", v)?;
+            gauge(
+                &mut encoder,
+                "process_max_fds",
+                "Maximum number of open file descriptors (the soft limit)",
+                v,
+            )?;
         }
         if let Some(v) = s.resident_bytes {
-            gauge(&mut encoder, "process_resident_memory_bytes", "Resident memory size in bytes", v)?;
+            gauge(
+                &mut encoder,
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes",
+                v,
+            )?;
         }
         if let Some(v) = s.start_time_seconds {
-            gauge(&mut encoder, "process_start_time_seconds", "Start time of the process since the Unix epoch in seconds", v)?;
+            gauge(
+                &mut encoder,
+                "process_start_time_seconds",
+                "Start time of the process since the Unix epoch in seconds",
+                v,
+            )?;
         }
         if let Some(v) = s.cpu_seconds {
             let c = ConstCounter::new(v);
-            c.encode(encoder.encode_descriptor("process_cpu_seconds", "Total user and system CPU time spent in seconds", None, c.metric_type())?)?;
+            c.encode(encoder.encode_descriptor(
+                "process_cpu_seconds",
+                "Total user and system CPU time spent in seconds",
+                None,
+                c.metric_type(),
+            )?)?;
         }
         Ok(())
     }
@@ -497,14 +709,32 @@ mod tests {
     #[test]
     fn the_proc_files_parse_into_the_process_metrics() {
         let stat = "4242 (a (weird) name) S 1 4242 4242 0 -1 4194560 1000 0 0 0 250 50 0 0 20 0 9 0 123400 200000000 3000 18446744073709551615";
-        assert_eq!(parse_stat(stat), Some(Stat { utime: 250, stime: 50, starttime: 123400 }));
+        assert_eq!(
+            parse_stat(stat),
+            Some(Stat {
+                utime: 250,
+                stime: 50,
+                starttime: 123400
+            })
+        );
         assert_eq!(parse_stat("4242 (cut"), None);
-        assert_eq!(parse_btime("cpu  1 2 3\nbtime 1700000000\nprocesses 9\n"), Some(1_700_000_000));
+        assert_eq!(
+            parse_btime("cpu  1 2 3\nbtime 1700000000\nprocesses 9\n"),
+            Some(1_700_000_000)
+        );
         let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
                       Max open files            1024                 524288               files     \n";
         assert_eq!(parse_max_open_files(limits), Some(1024));
-        assert_eq!(parse_max_open_files("Max open files            unlimited            unlimited            files"), None);
-        assert_eq!(parse_vm_rss("Name:\tw\nVmRSS:\t   12345 kB\nVmHWM:\t 2 kB\n"), Some(12345 * 1024));
+        assert_eq!(
+            parse_max_open_files(
+                "Max open files            unlimited            unlimited            files"
+            ),
+            None
+        );
+        assert_eq!(
+            parse_vm_rss("Name:\tw\nVmRSS:\t   12345 kB\nVmHWM:\t 2 kB\n"),
+            Some(12345 * 1024)
+        );
         let mut auxv = Vec::new();
         for (k, v) in [(6u64, 4096u64), (AT_CLKTCK, 250), (0, 0)] {
             auxv.extend(k.to_ne_bytes());
@@ -518,11 +748,21 @@ mod tests {
     fn this_process_reads_as_a_live_one() {
         let s = ProcessStats::read(Path::new("/proc/self"), Path::new("/proc/stat"));
         assert!(s.open_fds.is_some_and(|n| n >= 3), "{s:?}");
-        assert!(s.max_fds.is_none_or(|n| n >= s.open_fds.unwrap_or(0)), "{s:?}");
+        assert!(
+            s.max_fds.is_none_or(|n| n >= s.open_fds.unwrap_or(0)),
+            "{s:?}"
+        );
         assert!(s.resident_bytes.is_some_and(|b| b > 1 << 20), "{s:?}");
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs_f64();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs_f64();
         // This test process started within the last day, and not in the future.
-        assert!(s.start_time_seconds.is_some_and(|t| t <= now + 1.0 && t > now - 86_400.0), "{s:?} now {now}");
+        assert!(
+            s.start_time_seconds
+                .is_some_and(|t| t <= now + 1.0 && t > now - 86_400.0),
+            "{s:?} now {now}"
+        );
         assert!(s.cpu_seconds.is_some_and(|c| c >= 0.0), "{s:?}");
     }
 
@@ -539,7 +779,10 @@ mod tests {
             "aether_worker_respawns_total 1\n",
             "aether_registry_reload_errors_total{file=\"capture\"} 1\n",
             "aether_registry_reload_errors_total{file=\"registry\"} 0\n",
-            &format!("aether_build_info{{version=\"{}\",revision=\"{REVISION}\"}} 1\n", env!("CARGO_PKG_VERSION")),
+            &format!(
+                "aether_build_info{{version=\"{}\",revision=\"{REVISION}\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            ),
             "aether_cni_request_duration_seconds_bucket{le=\"0.005\",op=\"add\",result=\"ok\"} 1\n",
             "aether_cni_request_duration_seconds_count{op=\"add\",result=\"ok\"} 1\n",
             "aether_cni_request_duration_seconds_bucket{le=\"10.0\",op=\"del\",result=\"error\"} 0\n",
@@ -554,10 +797,22 @@ mod tests {
             assert!(text.contains(want), "no {want:?} in\n{text}");
         }
         assert!(text.contains("\nprocess_cpu_seconds_total "), "{text}");
-        let fds = text.lines().find_map(|l| l.strip_prefix("process_open_fds ")).expect("process_open_fds");
-        assert!(fds.parse::<u64>().is_ok_and(|n| n >= 3), "a whole number of descriptors: {fds}");
-        assert!(text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1, "one EOF, at the end:\n{text}");
-        assert!(!text.contains("aether_process_"), "process metrics carry no prefix:\n{text}");
+        let fds = text
+            .lines()
+            .find_map(|l| l.strip_prefix("process_open_fds "))
+            .expect("process_open_fds");
+        assert!(
+            fds.parse::<u64>().is_ok_and(|n| n >= 3),
+            "a whole number of descriptors: {fds}"
+        );
+        assert!(
+            text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1,
+            "one EOF, at the end:\n{text}"
+        );
+        assert!(
+            !text.contains("aether_process_"),
+            "process metrics carry no prefix:\n{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -23,7 +23,10 @@ pub struct Node {
 impl Node {
     pub fn new(inputs: Inputs) -> Arc<Self> {
         // Without identity there is no SVID to wait for.
-        let gates = Gates { agent_svid: !inputs.identity.enabled(), ..Gates::default() };
+        let gates = Gates {
+            agent_svid: !inputs.identity.enabled(),
+            ..Gates::default()
+        };
         let builder = Builder::new(inputs);
         let first = builder.snapshot().clone();
         Arc::new(Self {

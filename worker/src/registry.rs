@@ -53,17 +53,29 @@ struct RawDoc<'a> {
 /// Runs the embedded registry: loads `path` into the node's inputs, marks the registry
 /// gate, and reloads on change until the task is aborted. `None`: an empty registry,
 /// loaded at once.
-pub fn spawn_embedded(path: Option<PathBuf>, max_bytes: u64, node: Arc<Node>, metrics: Arc<Metrics>) -> JoinHandle<()> {
+pub fn spawn_embedded(
+    path: Option<PathBuf>,
+    max_bytes: u64,
+    node: Arc<Node>,
+    metrics: Arc<Metrics>,
+) -> JoinHandle<()> {
     let watch = path.map(Watch::open);
     tokio::spawn(async move {
         let Some(watch) = watch else {
             node.set_gate(|g| g.registry_loaded = true);
             return;
         };
-        watch_file(watch, "registry", max_bytes, &metrics, RegistryFile::default(), |changes: Vec<Change>| {
-            node.apply(changes);
-            node.set_gate(|g| g.registry_loaded = true);
-        })
+        watch_file(
+            watch,
+            "registry",
+            max_bytes,
+            &metrics,
+            RegistryFile::default(),
+            |changes: Vec<Change>| {
+                node.apply(changes);
+                node.set_gate(|g| g.registry_loaded = true);
+            },
+        )
         .await
     })
 }
@@ -96,7 +108,8 @@ impl FileSource for RegistryFile {
                 Some(key) => key.clone(),
                 None => {
                     let offset = text.as_ptr() as usize - bytes.as_ptr() as usize;
-                    let fs: FileService = serde_json::from_str(text).map_err(|e| FileError::json_at(path, bytes, offset, &e))?;
+                    let fs: FileService = serde_json::from_str(text)
+                        .map_err(|e| FileError::json_at(path, bytes, offset, &e))?;
                     let service = validate(path, i, fs)?;
                     let key = service.key();
                     upserts.push(service);
@@ -109,8 +122,14 @@ impl FileSource for RegistryFile {
             texts.insert(id, key);
         }
         // Committed only now: a rejected file changes nothing.
-        let removed = self.texts.values().filter(|k| !keys.contains(*k)).map(|k| Change::RemoveService(k.clone()));
-        let changes = removed.chain(upserts.into_iter().map(Change::UpsertService)).collect();
+        let removed = self
+            .texts
+            .values()
+            .filter(|k| !keys.contains(*k))
+            .map(|k| Change::RemoveService(k.clone()));
+        let changes = removed
+            .chain(upserts.into_iter().map(Change::UpsertService))
+            .collect();
         self.texts = texts;
         Ok(changes)
     }
@@ -154,7 +173,13 @@ struct Stat {
 impl Stat {
     fn of(m: &std::fs::Metadata) -> Self {
         let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
-        Self { size: m.len(), mtime_ns: ns(m.mtime(), m.mtime_nsec()), ctime_ns: ns(m.ctime(), m.ctime_nsec()), inode: m.ino(), dev: m.dev() }
+        Self {
+            size: m.len(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+            inode: m.ino(),
+            dev: m.dev(),
+        }
     }
 }
 
@@ -199,7 +224,11 @@ pub(crate) async fn watch_file<S: FileSource>(
         };
         if moved {
             seen = stat.as_ref().ok().copied();
-            let (p, mut src, known) = (path.clone(), source.take().expect("source is back after each look"), hashes);
+            let (p, mut src, known) = (
+                path.clone(),
+                source.take().expect("source is back after each look"),
+                hashes,
+            );
             let looked = tokio::task::spawn_blocking(move || {
                 let look = look(&p, &stat, max_bytes, known, &mut src);
                 (look, src)
@@ -275,7 +304,10 @@ fn look<S: FileSource>(
     known: (Option<u64>, Option<u64>),
     source: &mut S,
 ) -> Look<S::Output> {
-    let read = |source: std::io::Error| FileError::Read { path: path.to_owned(), source };
+    let read = |source: std::io::Error| FileError::Read {
+        path: path.to_owned(),
+        source,
+    };
     match stat {
         Err(e) => return Look::Unreadable(read(std::io::Error::new(e.kind(), e.to_string()))),
         Ok(s) if s.size > max_bytes => {
@@ -283,7 +315,14 @@ fn look<S: FileSource>(
             if known.1 == Some(h) {
                 return Look::Same;
             }
-            return Look::Rejected(FileError::TooLarge { path: path.to_owned(), size: s.size, limit: max_bytes }, h);
+            return Look::Rejected(
+                FileError::TooLarge {
+                    path: path.to_owned(),
+                    size: s.size,
+                    limit: max_bytes,
+                },
+                h,
+            );
         }
         Ok(_) => {}
     }
@@ -293,7 +332,14 @@ fn look<S: FileSource>(
     };
     if bytes.len() as u64 > max_bytes {
         let size = bytes.len() as u64;
-        return Look::Rejected(FileError::TooLarge { path: path.to_owned(), size, limit: max_bytes }, file_hash(&bytes));
+        return Look::Rejected(
+            FileError::TooLarge {
+                path: path.to_owned(),
+                size,
+                limit: max_bytes,
+            },
+            file_hash(&bytes),
+        );
     }
     let h = file_hash(&bytes);
     if known.0 == Some(h) || known.1 == Some(h) {
@@ -328,15 +374,26 @@ impl DirEvents {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
-        Self::on(dir, Box::new(move |n| n == name || n.as_encoded_bytes().starts_with(b"..")))
+        Self::on(
+            dir,
+            Box::new(move |n| n == name || n.as_encoded_bytes().starts_with(b"..")),
+        )
     }
 
     /// Events in `dir` on the names `wanted` accepts.
-    pub(crate) fn on(dir: &Path, wanted: Box<dyn Fn(&std::ffi::OsStr) -> bool + Send + Sync>) -> Option<Self> {
+    pub(crate) fn on(
+        dir: &Path,
+        wanted: Box<dyn Fn(&std::ffi::OsStr) -> bool + Send + Sync>,
+    ) -> Option<Self> {
         use nix::sys::inotify::{AddWatchFlags as F, InitFlags, Inotify};
         let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).ok()?;
         // Not IN_MODIFY: a writer mid-write would make us read half a file.
-        let flags = F::IN_CLOSE_WRITE | F::IN_MOVED_TO | F::IN_MOVED_FROM | F::IN_CREATE | F::IN_DELETE | F::IN_ATTRIB;
+        let flags = F::IN_CLOSE_WRITE
+            | F::IN_MOVED_TO
+            | F::IN_MOVED_FROM
+            | F::IN_CREATE
+            | F::IN_DELETE
+            | F::IN_ATTRIB;
         ino.add_watch(dir, flags).ok()?;
         // `AsyncFd::new` is deprecated for `unsafe fn register`, whose safety condition
         // (the fd stays open and the same while registered) holds here: the `Inotify` owns
@@ -354,7 +411,9 @@ impl DirEvents {
         };
         let wait = async {
             loop {
-                let Ok(mut guard) = self.fd.readable().await else { return };
+                let Ok(mut guard) = self.fd.readable().await else {
+                    return;
+                };
                 let mut hit = false;
                 loop {
                     match guard.get_inner().0.read_events() {
@@ -390,26 +449,42 @@ mod tests {
         let metrics = Metrics::new();
         let task = spawn_embedded(Some(path.clone()), u64::MAX, node.clone(), metrics.clone());
         let mut gates = node.gates();
-        tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded)).await.unwrap().unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            gates.wait_for(|g| g.registry_loaded),
+        )
+        .await
+        .unwrap()
+        .unwrap();
         assert_eq!(node.inputs().registry.services.len(), 1);
 
         std::fs::write(&path, "{ nope").unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while metrics.reload_errors("registry") == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "malformed file not noticed");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "malformed file not noticed"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(node.inputs().registry.services.len(), 1, "last good view kept");
+        assert_eq!(
+            node.inputs().registry.services.len(),
+            1,
+            "last good view kept"
+        );
 
         let two = r#"{"services":[{"name":"web","namespace":"d","ports":[80]},{"name":"api","namespace":"d","ports":[80]}]}"#;
         let tmp = dir.path().join("registry.json.tmp");
         std::fs::write(&tmp, two).unwrap();
         std::fs::rename(&tmp, &path).unwrap();
         let mut snaps = node.subscribe();
-        tokio::time::timeout(Duration::from_secs(5), snaps.wait_for(|s| s.clusters.items.len() == 2))
-            .await
-            .expect("renamed file reloaded")
-            .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            snaps.wait_for(|s| s.clusters.items.len() == 2),
+        )
+        .await
+        .expect("renamed file reloaded")
+        .unwrap();
         task.abort();
     }
 
@@ -417,21 +492,40 @@ mod tests {
     async fn a_file_over_the_size_cap_is_rejected_unread_and_the_last_good_view_stays() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("registry.json");
-        std::fs::write(&path, r#"{"services":[{"name":"web","namespace":"d","ports":[80]}]}"#).unwrap();
+        std::fs::write(
+            &path,
+            r#"{"services":[{"name":"web","namespace":"d","ports":[80]}]}"#,
+        )
+        .unwrap();
         let node = Node::new(Default::default());
         let metrics = Metrics::new();
         let task = spawn_embedded(Some(path.clone()), 200, node.clone(), metrics.clone());
         let mut gates = node.gates();
-        tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded)).await.unwrap().unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            gates.wait_for(|g| g.registry_loaded),
+        )
+        .await
+        .unwrap()
+        .unwrap();
 
-        let big: Vec<String> = (0..20).map(|i| format!(r#"{{"name":"s{i}","namespace":"d","ports":[80]}}"#)).collect();
+        let big: Vec<String> = (0..20)
+            .map(|i| format!(r#"{{"name":"s{i}","namespace":"d","ports":[80]}}"#))
+            .collect();
         std::fs::write(&path, format!(r#"{{"services":[{}]}}"#, big.join(","))).unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while metrics.reload_errors("registry") == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "oversized file not noticed");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "oversized file not noticed"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(node.inputs().registry.services.len(), 1, "last good view kept");
+        assert_eq!(
+            node.inputs().registry.services.len(),
+            1,
+            "last good view kept"
+        );
         task.abort();
 
         let stat = std::fs::metadata(&path).map(|m| Stat::of(&m));
@@ -439,7 +533,11 @@ mod tests {
         match look(&path, &stat, 200, (None, None), &mut source) {
             Look::Rejected(e, _) => {
                 let msg = e.to_string();
-                assert!(msg.contains(&path.display().to_string()) && msg.contains("over the limit of 200 bytes"), "{msg}");
+                assert!(
+                    msg.contains(&path.display().to_string())
+                        && msg.contains("over the limit of 200 bytes"),
+                    "{msg}"
+                );
             }
             _ => panic!("an oversized file must be rejected"),
         }
@@ -453,7 +551,10 @@ mod tests {
         assert_eq!(source.parse(p, one.as_bytes()).unwrap().len(), 2);
         let two = r#"{"services":[{"name":"a","namespace":"d","ports":[80]},{"name":"b","namespace":"d","ports":[81]}]}"#;
         let changes = source.parse(p, two.as_bytes()).unwrap();
-        assert!(matches!(changes.as_slice(), [Change::UpsertService(s)] if s.name == "b"), "{changes:?}");
+        assert!(
+            matches!(changes.as_slice(), [Change::UpsertService(s)] if s.name == "b"),
+            "{changes:?}"
+        );
         assert!(source.parse(p, two.as_bytes()).unwrap().is_empty());
     }
 
@@ -463,18 +564,38 @@ mod tests {
     fn the_incremental_reload_agrees_with_a_whole_parse() {
         let p = Path::new("/etc/aether/registry.json");
         let svc = |n: &str, port: u16, ep: &str| {
-            format!(r#"{{"name":"{n}","namespace":"d","ports":[{port}],"endpoints":[{{"address":"{ep}","port":8080}}]}}"#)
+            format!(
+                r#"{{"name":"{n}","namespace":"d","ports":[{port}],"endpoints":[{{"address":"{ep}","port":8080}}]}}"#
+            )
         };
         let file = |svcs: &[String]| format!("{{\"services\": [\n{}\n]}}", svcs.join(",\n"));
         let steps = [
-            file(&[svc("a", 80, "10.0.0.1"), svc("b", 80, "10.0.0.2"), svc("c", 80, "10.0.0.3")]),
-            file(&[svc("a", 80, "10.0.0.1"), svc("b", 80, "10.0.0.9"), svc("c", 80, "10.0.0.3")]),
+            file(&[
+                svc("a", 80, "10.0.0.1"),
+                svc("b", 80, "10.0.0.2"),
+                svc("c", 80, "10.0.0.3"),
+            ]),
+            file(&[
+                svc("a", 80, "10.0.0.1"),
+                svc("b", 80, "10.0.0.9"),
+                svc("c", 80, "10.0.0.3"),
+            ]),
             // Reordered, one removed, one added.
-            file(&[svc("c", 80, "10.0.0.3"), svc("d", 81, "10.0.0.4"), svc("a", 80, "10.0.0.1")]),
+            file(&[
+                svc("c", 80, "10.0.0.3"),
+                svc("d", 81, "10.0.0.4"),
+                svc("a", 80, "10.0.0.1"),
+            ]),
             // Rejected: a duplicate of an unchanged text, then a bad field, then bad JSON.
             file(&[svc("c", 80, "10.0.0.3"), svc("c", 80, "10.0.0.3")]),
-            file(&[svc("c", 80, "10.0.0.3"), r#"{"name":"e","namespace":"d","ports":[0]}"#.into()]),
-            file(&[svc("c", 80, "10.0.0.3"), r#"{"name":"e","namespace":"d","ports":[80],"prots":1}"#.into()]),
+            file(&[
+                svc("c", 80, "10.0.0.3"),
+                r#"{"name":"e","namespace":"d","ports":[0]}"#.into(),
+            ]),
+            file(&[
+                svc("c", 80, "10.0.0.3"),
+                r#"{"name":"e","namespace":"d","ports":[80],"prots":1}"#.into(),
+            ]),
             "{\"services\": [\n  {\"name\": }".into(),
             // Back to a good file after the rejections.
             file(&[svc("a", 80, "10.0.0.1"), svc("c", 80, "10.0.0.7")]),
@@ -509,19 +630,32 @@ mod tests {
     #[tokio::test]
     async fn no_file_is_an_empty_loaded_registry_and_a_missing_file_is_not_loaded() {
         let node = Node::new(Default::default());
-        spawn_embedded(None, u64::MAX, node.clone(), Metrics::new()).await.unwrap();
+        spawn_embedded(None, u64::MAX, node.clone(), Metrics::new())
+            .await
+            .unwrap();
         assert!(node.gates().borrow().registry_loaded);
 
         let dir = tempfile::tempdir().unwrap();
         let node = Node::new(Default::default());
         let metrics = Metrics::new();
-        let task = spawn_embedded(Some(dir.path().join("absent.json")), u64::MAX, node.clone(), metrics.clone());
+        let task = spawn_embedded(
+            Some(dir.path().join("absent.json")),
+            u64::MAX,
+            node.clone(),
+            metrics.clone(),
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!node.gates().borrow().registry_loaded);
         assert_eq!(metrics.reload_errors("registry"), 1);
         std::fs::write(dir.path().join("absent.json"), "{}").unwrap();
         let mut gates = node.gates();
-        tokio::time::timeout(Duration::from_secs(5), gates.wait_for(|g| g.registry_loaded)).await.unwrap().unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            gates.wait_for(|g| g.registry_loaded),
+        )
+        .await
+        .unwrap()
+        .unwrap();
         task.abort();
     }
 }

@@ -82,7 +82,9 @@ pub const RETRY_MAX: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
-    #[error("pod uid {0:?} is not a safe file name (1-128 of [A-Za-z0-9_.-], no \"..\", not starting with '.')")]
+    #[error(
+        "pod uid {0:?} is not a safe file name (1-128 of [A-Za-z0-9_.-], no \"..\", not starting with '.')"
+    )]
     InvalidUid(String),
     #[error("{op} {path}: {source}")]
     Io {
@@ -119,7 +121,9 @@ struct Record {
 /// Whether `name` in the records folder is a pod's record (`<uid>.json`), not a temp
 /// file or anything else.
 pub fn is_record_name(name: &std::ffi::OsStr) -> bool {
-    name.to_str().and_then(|n| n.strip_suffix(".json")).is_some_and(valid_uid)
+    name.to_str()
+        .and_then(|n| n.strip_suffix(".json"))
+        .is_some_and(valid_uid)
 }
 
 /// Whether `uid` can be used as a file name: `[A-Za-z0-9_.-]`, 1 to 128 bytes, no `..`,
@@ -129,12 +133,18 @@ pub fn valid_uid(uid: &str) -> bool {
         && uid.len() <= MAX_UID_LEN
         && !uid.starts_with('.')
         && !uid.contains("..")
-        && uid.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        && uid
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
 /// Encodes a pod as its record file contents.
 pub fn encode_record(pod: &Pod) -> Vec<u8> {
-    let mut out = serde_json::to_vec_pretty(&RecordRef { schema: SCHEMA, pod }).unwrap_or_default();
+    let mut out = serde_json::to_vec_pretty(&RecordRef {
+        schema: SCHEMA,
+        pod,
+    })
+    .unwrap_or_default();
     out.push(b'\n');
     out
 }
@@ -153,7 +163,8 @@ pub fn decode_record(bytes: &[u8]) -> Result<Pod, RecordError> {
     if bytes.len() as u64 > MAX_RECORD_BYTES {
         return Err(RecordError::TooLarge(bytes.len() as u64));
     }
-    let record: Record = serde_json::from_slice(bytes).map_err(|e| RecordError::Json(e.to_string()))?;
+    let record: Record =
+        serde_json::from_slice(bytes).map_err(|e| RecordError::Json(e.to_string()))?;
     if record.schema == 0 {
         return Err(RecordError::Schema(0));
     }
@@ -245,7 +256,10 @@ enum Scan {
 
 impl Storage {
     /// Opens (creating) `<state_dir>/pods` and loads every valid record.
-    pub fn open(state_dir: &Path, metrics: std::sync::Arc<crate::metrics::Metrics>) -> anyhow::Result<Self> {
+    pub fn open(
+        state_dir: &Path,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+    ) -> anyhow::Result<Self> {
         let storage = Self {
             pods_dir: state_dir.join("pods"),
             quarantine_dir: state_dir.join("pods-quarantine"),
@@ -259,7 +273,11 @@ impl Storage {
             .recursive(true)
             .mode(0o700)
             .create(&storage.pods_dir)
-            .map_err(|source| StorageError::Io { op: "creating", path: storage.pods_dir.clone(), source })?;
+            .map_err(|source| StorageError::Io {
+                op: "creating",
+                path: storage.pods_dir.clone(),
+                source,
+            })?;
         let loaded = storage.scan(Scan::ReadOnly)?;
         let mut st = storage.lock();
         st.view = loaded;
@@ -298,13 +316,19 @@ impl Storage {
 
     fn shown(&self) -> Shown {
         let s = self.shown.lock().unwrap_or_else(|e| e.into_inner());
-        Shown { view: s.view.clone(), pending: s.pending.clone() }
+        Shown {
+            view: s.view.clone(),
+            pending: s.pending.clone(),
+        }
     }
 
     /// Shows the readers what `st` holds now. Called by every writer before it lets go of
     /// the state.
     fn show(&self, st: &State) {
-        let shown = Shown { view: Arc::new(st.view.clone()), pending: Arc::new(st.pending.keys().cloned().collect()) };
+        let shown = Shown {
+            view: Arc::new(st.view.clone()),
+            pending: Arc::new(st.pending.keys().cloned().collect()),
+        };
         *self.shown.lock().unwrap_or_else(|e| e.into_inner()) = shown;
     }
 
@@ -316,7 +340,9 @@ impl Storage {
     /// Writes the pod's record, unless the view already holds exactly this pod. Returns
     /// whether it wrote. [`Storage::put_all`] of one pod.
     pub fn put(&self, pod: &Pod) -> Result<bool, StorageError> {
-        self.put_all(std::slice::from_ref(pod)).pop().expect("put_all answers once per pod")
+        self.put_all(std::slice::from_ref(pod))
+            .pop()
+            .expect("put_all answers once per pod")
     }
 
     /// Writes the records of `pods` as one group commit, with one result per pod, in
@@ -327,13 +353,16 @@ impl Storage {
     /// side by side rather than one after another. A uid named twice is written in a
     /// second round, after the first, so the result is that of the puts in order.
     pub fn put_all(&self, pods: &[Pod]) -> Vec<Result<bool, StorageError>> {
-        let mut results: Vec<Option<Result<bool, StorageError>>> = pods.iter().map(|_| None).collect();
+        let mut results: Vec<Option<Result<bool, StorageError>>> =
+            pods.iter().map(|_| None).collect();
         let mut st = self.lock();
         // Each round takes the first of each uid still to write; a repeat waits for the next.
         let mut left: Vec<usize> = (0..pods.len()).collect();
         while !left.is_empty() {
             let mut seen = BTreeSet::new();
-            let (round, later): (Vec<usize>, Vec<usize>) = left.into_iter().partition(|&i| seen.insert(pods[i].uid.as_str()));
+            let (round, later): (Vec<usize>, Vec<usize>) = left
+                .into_iter()
+                .partition(|&i| seen.insert(pods[i].uid.as_str()));
             let answers = self.put_round(&mut st, round.iter().map(|&i| &pods[i]).collect());
             for (i, answer) in round.into_iter().zip(answers) {
                 results[i] = Some(answer);
@@ -341,7 +370,10 @@ impl Storage {
             left = later;
         }
         self.show(&st);
-        results.into_iter().map(|r| r.expect("every pod is in a round")).collect()
+        results
+            .into_iter()
+            .map(|r| r.expect("every pod is in a round"))
+            .collect()
     }
 
     /// One round of [`Storage::put_all`]: `pods` has no uid twice.
@@ -361,11 +393,21 @@ impl Storage {
         let todo: Vec<usize> = (0..pods.len()).filter(|&i| results[i].is_none()).collect();
         let jobs: Vec<(PathBuf, PathBuf, Vec<u8>)> = todo
             .iter()
-            .map(|&i| (self.temp_path(&pods[i].uid), self.record_path(&pods[i].uid), encode_record(pods[i])))
+            .map(|&i| {
+                (
+                    self.temp_path(&pods[i].uid),
+                    self.record_path(&pods[i].uid),
+                    encode_record(pods[i]),
+                )
+            })
             .collect();
         let written = write_all_synced(&jobs);
         // The renames are durable only once the folder is synced: one fsync for them all.
-        let synced = if written.iter().any(Result::is_ok) { sync_dir_io(&self.pods_dir) } else { Ok(()) };
+        let synced = if written.iter().any(Result::is_ok) {
+            sync_dir_io(&self.pods_dir)
+        } else {
+            Ok(())
+        };
         let mut any_ok = false;
         for ((i, (tmp, _, _)), w) in todo.into_iter().zip(&jobs).zip(written) {
             let pod = pods[i];
@@ -399,7 +441,10 @@ impl Storage {
         if any_ok {
             self.succeeded(st);
         }
-        results.into_iter().map(|r| r.expect("every pod has a result")).collect()
+        results
+            .into_iter()
+            .map(|r| r.expect("every pod has a result"))
+            .collect()
     }
 
     /// Removes the pod's record. Returns the removed value, or None when there was none.
@@ -434,11 +479,16 @@ impl Storage {
                 let pod = st.view.remove(uid);
                 self.succeeded(&mut st);
                 self.show(&st);
-                Ok(Removal { pod, deferred: None })
+                Ok(Removal {
+                    pod,
+                    deferred: None,
+                })
             }
             Err(e) => {
                 self.failed(&mut st, "remove", &e);
-                let Some(pod) = st.view.remove(uid) else { return Err(e) };
+                let Some(pod) = st.view.remove(uid) else {
+                    return Err(e);
+                };
                 tracing::warn!(
                     uid = %uid, path = %self.record_path(uid).display(), error = %e,
                     "pod record could not be removed; the pod is out of the view, the removal is retried"
@@ -447,7 +497,10 @@ impl Storage {
                 self.report(&st);
                 self.show(&st);
                 self.retry_wake.notify_one();
-                Ok(Removal { pod: Some(pod), deferred: Some(e) })
+                Ok(Removal {
+                    pod: Some(pod),
+                    deferred: Some(e),
+                })
             }
         }
     }
@@ -466,7 +519,11 @@ impl Storage {
         match fs::remove_file(&path) {
             Ok(()) => sync_dir(&self.pods_dir),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(StorageError::Io { op: "removing", path, source }),
+            Err(source) => Err(StorageError::Io {
+                op: "removing",
+                path,
+                source,
+            }),
         }
     }
 
@@ -491,7 +548,12 @@ impl Storage {
                     tracing::info!(uid = %uid, path = %path.display(), "removed the record of a deleted pod whose earlier removal failed");
                 }
                 Err(e) => {
-                    self.metrics.storage_write_errors.get_or_create(&OpLabel { op: "remove".into() }).inc();
+                    self.metrics
+                        .storage_write_errors
+                        .get_or_create(&OpLabel {
+                            op: "remove".into(),
+                        })
+                        .inc();
                     failed = Some(e.to_string());
                     st.pending.insert(uid, pod);
                 }
@@ -507,7 +569,10 @@ impl Storage {
 
     /// Counts a failed write and reports it until a write succeeds.
     fn failed(&self, st: &mut State, op: &str, e: &StorageError) {
-        self.metrics.storage_write_errors.get_or_create(&OpLabel { op: op.into() }).inc();
+        self.metrics
+            .storage_write_errors
+            .get_or_create(&OpLabel { op: op.into() })
+            .inc();
         st.last_error = Some(e.to_string());
         self.report(st);
     }
@@ -523,12 +588,22 @@ impl Storage {
     }
 
     fn report(&self, st: &State) {
-        let Some(reporter) = self.reporter.get() else { return };
+        let Some(reporter) = self.reporter.get() else {
+            return;
+        };
         let pending = (!st.pending.is_empty()).then(|| {
             let uids: Vec<&str> = st.pending.keys().map(String::as_str).collect();
-            format!("removal of the records of deleted pod uid(s) {} pending retry", uids.join(", "))
+            format!(
+                "removal of the records of deleted pod uid(s) {} pending retry",
+                uids.join(", ")
+            )
         });
-        let last = st.last_error.as_ref().map(|e| format!("pod records in {} cannot be written: {e}", self.pods_dir.display()));
+        let last = st.last_error.as_ref().map(|e| {
+            format!(
+                "pod records in {} cannot be written: {e}",
+                self.pods_dir.display()
+            )
+        });
         match (last, pending) {
             (None, None) => reporter.clear(PROBLEM),
             (Some(a), Some(b)) => reporter.set(PROBLEM, format!("{a}; {b}")),
@@ -547,7 +622,10 @@ impl Storage {
         let mut now = self.scan(Scan::Owner)?;
         // A deleted pod whose file is still there is not back.
         for (uid, pod) in &st.pending {
-            if now.get(uid).is_some_and(|p| p.container_id == pod.container_id) {
+            if now
+                .get(uid)
+                .is_some_and(|p| p.container_id == pod.container_id)
+            {
                 now.remove(uid);
             }
         }
@@ -570,7 +648,10 @@ impl Storage {
         for (uid, old) in st.view.iter() {
             match now.get(uid) {
                 None => diff.removed.push(old.clone()),
-                Some(new) if new != old => diff.updated.push(Updated { old: old.clone(), new: new.clone() }),
+                Some(new) if new != old => diff.updated.push(Updated {
+                    old: old.clone(),
+                    new: new.clone(),
+                }),
                 Some(_) => {}
             }
         }
@@ -605,13 +686,20 @@ impl Storage {
     fn temp_path(&self, uid: &str) -> PathBuf {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        self.pods_dir.join(format!(".{uid}.json{TEMP_MARKER}{}.{seq}", std::process::id()))
+        self.pods_dir.join(format!(
+            ".{uid}.json{TEMP_MARKER}{}.{seq}",
+            std::process::id()
+        ))
     }
 
     /// Reads every record in the folder; as the owner, quarantines bad ones and removes
     /// temp files.
     fn scan(&self, mode: Scan) -> Result<BTreeMap<String, Pod>, StorageError> {
-        let io = |op, source| StorageError::Io { op, path: self.pods_dir.clone(), source };
+        let io = |op, source| StorageError::Io {
+            op,
+            path: self.pods_dir.clone(),
+            source,
+        };
         let mut pods = BTreeMap::new();
         for entry in fs::read_dir(&self.pods_dir).map_err(|e| io("reading", e))? {
             let entry = entry.map_err(|e| io("reading", e))?;
@@ -640,14 +728,23 @@ impl Storage {
                 }
                 Err(ReadError::Vanished) => {}
                 Err(ReadError::Bad(why)) => self.bad_record(mode, &path, &name, &why, "is corrupt"),
-                Err(ReadError::Io(source)) => self.bad_record(mode, &path, &name, &source, "cannot be read"),
+                Err(ReadError::Io(source)) => {
+                    self.bad_record(mode, &path, &name, &source, "cannot be read")
+                }
             }
         }
         Ok(pods)
     }
 
     /// A bad record: quarantined by the owner, skipped (and left in place) otherwise.
-    fn bad_record(&self, mode: Scan, path: &Path, name: &str, why: &dyn std::fmt::Display, what: &str) {
+    fn bad_record(
+        &self,
+        mode: Scan,
+        path: &Path,
+        name: &str,
+        why: &dyn std::fmt::Display,
+        what: &str,
+    ) {
         match mode {
             Scan::Owner => self.quarantine(path, name, why, what),
             Scan::ReadOnly => tracing::warn!(
@@ -659,16 +756,23 @@ impl Storage {
 
     fn remove_temp(&self, path: &Path) {
         match fs::remove_file(path) {
-            Ok(()) => tracing::info!(path = %path.display(), "removed a temp file left by an interrupted record write"),
+            Ok(()) => {
+                tracing::info!(path = %path.display(), "removed a temp file left by an interrupted record write")
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(path = %path.display(), error = %e, "could not remove a leftover temp file"),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "could not remove a leftover temp file")
+            }
         }
     }
 
     /// Moves a record that is no pod (`what`: why, for the log) out of the folder.
     fn quarantine(&self, path: &Path, name: &str, why: &dyn std::fmt::Display, what: &str) {
         self.metrics.storage_quarantined.inc();
-        let stamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let stamp = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
         let target = self.quarantine_dir.join(format!("{name}.{stamp}"));
         let moved = fs::DirBuilder::new()
             .recursive(true)
@@ -724,20 +828,30 @@ fn read_record(path: &Path, uid: &str) -> Result<Pod, ReadError> {
     })?;
     let mut bytes = Vec::new();
     use std::io::Read;
-    file.take(MAX_RECORD_BYTES + 1).read_to_end(&mut bytes).map_err(ReadError::Io)?;
+    file.take(MAX_RECORD_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(ReadError::Io)?;
     if !valid_uid(uid) {
         return Err(ReadError::Bad(RecordError::InvalidUid(uid.to_string())));
     }
     let pod = decode_record(&bytes).map_err(ReadError::Bad)?;
     if pod.uid != uid {
-        return Err(ReadError::Bad(RecordError::UidMismatch { expected: uid.to_string(), found: pod.uid }));
+        return Err(ReadError::Bad(RecordError::UidMismatch {
+            expected: uid.to_string(),
+            found: pod.uid,
+        }));
     }
     Ok(pod)
 }
 
 /// Writes `bytes` to `path` through the new file `tmp` in the folder `dir`: fsynced, renamed
 /// into place, and the folder fsynced.
-pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8], dir: &Path) -> Result<(), StorageError> {
+pub(crate) fn write_atomically(
+    tmp: &Path,
+    path: &Path,
+    bytes: &[u8],
+    dir: &Path,
+) -> Result<(), StorageError> {
     write_synced(tmp, path, bytes)?;
     sync_dir(dir)
 }
@@ -750,20 +864,35 @@ pub const WRITERS: usize = 16;
 /// an equal run of the jobs (in this thread when there is one). One result per job, in
 /// order.
 fn write_all_synced(jobs: &[(PathBuf, PathBuf, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
-    let write = |chunk: &[(PathBuf, PathBuf, Vec<u8>)]| chunk.iter().map(|(tmp, path, bytes)| write_synced(tmp, path, bytes)).collect::<Vec<_>>();
+    let write = |chunk: &[(PathBuf, PathBuf, Vec<u8>)]| {
+        chunk
+            .iter()
+            .map(|(tmp, path, bytes)| write_synced(tmp, path, bytes))
+            .collect::<Vec<_>>()
+    };
     if jobs.len() <= 1 {
         return write(jobs);
     }
     std::thread::scope(|scope| {
-        let writers: Vec<_> = jobs.chunks(jobs.len().div_ceil(WRITERS)).map(|chunk| scope.spawn(move || write(chunk))).collect();
-        writers.into_iter().flat_map(|w| w.join().expect("a record writer panicked")).collect()
+        let writers: Vec<_> = jobs
+            .chunks(jobs.len().div_ceil(WRITERS))
+            .map(|chunk| scope.spawn(move || write(chunk)))
+            .collect();
+        writers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a record writer panicked"))
+            .collect()
     })
 }
 
 /// Writes `bytes` to the new file `tmp`, fsyncs it and renames it to `path`. The rename
 /// is durable once the folder is synced, which is the caller's.
 fn write_synced(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<(), StorageError> {
-    let io = |op, path: &Path, source| StorageError::Io { op, path: path.to_path_buf(), source };
+    let io = |op, path: &Path, source| StorageError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    };
     let mut file = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -777,7 +906,11 @@ fn write_synced(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<(), StorageErro
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StorageError> {
-    sync_dir_io(dir).map_err(|source| StorageError::Io { op: "syncing", path: dir.to_path_buf(), source })
+    sync_dir_io(dir).map_err(|source| StorageError::Io {
+        op: "syncing",
+        path: dir.to_path_buf(),
+        source,
+    })
 }
 
 fn sync_dir_io(dir: &Path) -> std::io::Result<()> {
@@ -814,7 +947,10 @@ mod tests {
 
     fn names(dir: &Path) -> Vec<String> {
         let mut v: Vec<_> = fs::read_dir(dir)
-            .map(|r| r.map(|e| e.unwrap().file_name().into_string().unwrap()).collect())
+            .map(|r| {
+                r.map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect()
+            })
             .unwrap_or_default();
         v.sort();
         v
@@ -825,14 +961,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (s, _) = open(dir.path());
         assert!(s.put(&pod("a", "10.0.0.1")).unwrap());
-        assert!(!s.put(&pod("a", "10.0.0.1")).unwrap(), "identical record is not rewritten");
+        assert!(
+            !s.put(&pod("a", "10.0.0.1")).unwrap(),
+            "identical record is not rewritten"
+        );
         let text = fs::read_to_string(dir.path().join("pods/a.json")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(json["schema"], SCHEMA);
         assert_eq!(json["uid"], "a");
         let (s2, _) = open(dir.path());
         assert_eq!(s2.pods(), vec![pod("a", "10.0.0.1")]);
-        assert_eq!(names(&dir.path().join("pods")), vec!["a.json"], "no temp file left");
+        assert_eq!(
+            names(&dir.path().join("pods")),
+            vec!["a.json"],
+            "no temp file left"
+        );
     }
 
     /// One table for reload: what the other generation did, and the diff expected.
@@ -849,11 +992,20 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let reader = s.clone();
         std::thread::spawn(move || {
-            let _ = tx.send((reader.get("a"), reader.pods().len(), reader.pending_removals()));
+            let _ = tx.send((
+                reader.get("a"),
+                reader.pods().len(),
+                reader.pending_removals(),
+            ));
         });
-        let (got, n, pending) = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("a reader waited for the writer");
+        let (got, n, pending) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a reader waited for the writer");
         drop(writing);
-        assert_eq!((got.map(|p| p.uid), n, pending), (Some("a".to_string()), 1, Vec::<String>::new()));
+        assert_eq!(
+            (got.map(|p| p.uid), n, pending),
+            (Some("a".to_string()), 1, Vec::<String>::new())
+        );
         // Each write shows its result: a put, a removal, and a reload.
         s.put(&pod("b", "10.0.0.2")).unwrap();
         assert_eq!(s.pods().len(), 2);
@@ -875,21 +1027,43 @@ mod tests {
         owner.put(&pod("a", "10.0.0.1")).unwrap();
         owner.put(&pod("b", "10.0.0.2")).unwrap();
         let d = standby.follow().unwrap();
-        assert_eq!(d.added.iter().map(|p| p.uid.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(
+            d.added.iter().map(|p| p.uid.as_str()).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
         owner.put(&pod("a", "10.0.0.9")).unwrap();
         owner.remove("b").unwrap();
         let d = standby.follow().unwrap();
-        assert_eq!((d.updated.len(), d.updated[0].new.ips[0].to_string(), d.removed.len(), d.removed[0].uid.as_str()), (1, "10.0.0.9".to_string(), 1, "b"));
+        assert_eq!(
+            (
+                d.updated.len(),
+                d.updated[0].new.ips[0].to_string(),
+                d.removed.len(),
+                d.removed[0].uid.as_str()
+            ),
+            (1, "10.0.0.9".to_string(), 1, "b")
+        );
         assert_eq!(standby.get("a").unwrap().ips, owner.get("a").unwrap().ips);
         // An owner's write in progress and a corrupt record: left alone, not pods.
         let temp = dir.path().join(format!("pods/.c.json{TEMP_MARKER}1.1"));
         fs::write(&temp, b"{").unwrap();
         fs::write(dir.path().join("pods/d.json"), b"not json").unwrap();
         assert!(standby.follow().unwrap().is_empty());
-        assert!(temp.exists() && dir.path().join("pods/d.json").exists(), "the standby changed the folder");
-        assert!(!dir.path().join("pods-quarantine").exists(), "the standby quarantined");
+        assert!(
+            temp.exists() && dir.path().join("pods/d.json").exists(),
+            "the standby changed the folder"
+        );
+        assert!(
+            !dir.path().join("pods-quarantine").exists(),
+            "the standby quarantined"
+        );
         // Which names wake it: records only.
-        for (name, record) in [("a.json", true), (".a.json.tmp.1.1", false), ("a.json.1", false), ("../x.json", false)] {
+        for (name, record) in [
+            ("a.json", true),
+            (".a.json.tmp.1.1", false),
+            ("a.json.1", false),
+            ("../x.json", false),
+        ] {
             assert_eq!(is_record_name(std::ffi::OsStr::new(name)), record, "{name}");
         }
     }
@@ -909,7 +1083,10 @@ mod tests {
                 change: |o| {
                     o.put(&pod("b", "10.0.0.2")).unwrap();
                 },
-                expected: Diff { added: vec![pod("b", "10.0.0.2")], ..Default::default() },
+                expected: Diff {
+                    added: vec![pod("b", "10.0.0.2")],
+                    ..Default::default()
+                },
             },
             Case {
                 name: "updated",
@@ -918,7 +1095,10 @@ mod tests {
                     o.put(&pod("a", "10.0.0.9")).unwrap();
                 },
                 expected: Diff {
-                    updated: vec![Updated { old: pod("a", "10.0.0.1"), new: pod("a", "10.0.0.9") }],
+                    updated: vec![Updated {
+                        old: pod("a", "10.0.0.1"),
+                        new: pod("a", "10.0.0.9"),
+                    }],
                     ..Default::default()
                 },
             },
@@ -928,7 +1108,10 @@ mod tests {
                 change: |o| {
                     o.remove("a").unwrap();
                 },
-                expected: Diff { removed: vec![pod("a", "10.0.0.1")], ..Default::default() },
+                expected: Diff {
+                    removed: vec![pod("a", "10.0.0.1")],
+                    ..Default::default()
+                },
             },
             Case {
                 name: "all three",
@@ -940,11 +1123,19 @@ mod tests {
                 },
                 expected: Diff {
                     added: vec![pod("c", "10.0.0.4")],
-                    updated: vec![Updated { old: pod("b", "10.0.0.2"), new: pod("b", "10.0.0.3") }],
+                    updated: vec![Updated {
+                        old: pod("b", "10.0.0.2"),
+                        new: pod("b", "10.0.0.3"),
+                    }],
                     removed: vec![pod("a", "10.0.0.1")],
                 },
             },
-            Case { name: "nothing", before: vec![pod("a", "10.0.0.1")], change: |_| {}, expected: Diff::default() },
+            Case {
+                name: "nothing",
+                before: vec![pod("a", "10.0.0.1")],
+                change: |_| {},
+                expected: Diff::default(),
+            },
         ];
         for case in cases {
             let dir = tempfile::tempdir().unwrap();
@@ -955,7 +1146,11 @@ mod tests {
             (case.change)(&other_writer(dir.path()));
             let diff = s.reload().unwrap();
             assert_eq!(diff, case.expected, "case {}", case.name);
-            assert!(s.reload().unwrap().is_empty(), "case {}: a second reload finds nothing new", case.name);
+            assert!(
+                s.reload().unwrap().is_empty(),
+                "case {}: a second reload finds nothing new",
+                case.name
+            );
         }
     }
 
@@ -968,7 +1163,11 @@ mod tests {
         let full = String::from_utf8(encode_record(&pod("trunc", "10.0.0.2"))).unwrap();
         fs::write(pods.join("trunc.json"), &full[..full.len() / 2]).unwrap();
         fs::write(pods.join("garbage.json"), b"\x00\xffnot json").unwrap();
-        fs::write(pods.join("mismatch.json"), encode_record(&pod("other", "10.0.0.3"))).unwrap();
+        fs::write(
+            pods.join("mismatch.json"),
+            encode_record(&pod("other", "10.0.0.3")),
+        )
+        .unwrap();
         fs::write(pods.join("noschema.json"), br#"{"uid":"noschema"}"#).unwrap();
 
         let diff = s.reload().unwrap();
@@ -977,8 +1176,16 @@ mod tests {
         assert_eq!(names(&pods), vec!["good.json"]);
         let quarantined = names(&dir.path().join("pods-quarantine"));
         assert_eq!(quarantined.len(), 4, "{quarantined:?}");
-        for name in ["garbage.json.", "mismatch.json.", "noschema.json.", "trunc.json."] {
-            assert!(quarantined.iter().any(|q| q.starts_with(name)), "{name} in {quarantined:?}");
+        for name in [
+            "garbage.json.",
+            "mismatch.json.",
+            "noschema.json.",
+            "trunc.json.",
+        ] {
+            assert!(
+                quarantined.iter().any(|q| q.starts_with(name)),
+                "{name} in {quarantined:?}"
+            );
         }
         assert_eq!(s.metrics.storage_quarantined.get(), 4);
 
@@ -987,7 +1194,11 @@ mod tests {
         fs::write(pods.join("late.json"), b"{").unwrap();
         let (s2, m2) = open(dir.path());
         assert_eq!(s2.pods(), vec![pod("good", "10.0.0.1")]);
-        assert_eq!(names(&pods), vec!["good.json", "late.json"], "open moved a file");
+        assert_eq!(
+            names(&pods),
+            vec!["good.json", "late.json"],
+            "open moved a file"
+        );
         assert_eq!(m2.storage_quarantined.get(), 0);
         assert!(s2.reload().unwrap().is_empty());
         assert_eq!(names(&pods), vec!["good.json"]);
@@ -1024,18 +1235,38 @@ mod tests {
         fs::write(&crashed, b"{").unwrap();
         assert!(s.reload().unwrap().is_empty());
         assert_eq!(names(&pods), vec!["a.json"]);
-        assert_eq!(s.metrics.storage_quarantined.get(), 0, "a temp file is not a corrupt record");
+        assert_eq!(
+            s.metrics.storage_quarantined.get(),
+            0,
+            "a temp file is not a corrupt record"
+        );
     }
 
     #[test]
     fn unsafe_uids_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let (s, _) = open(dir.path());
-        for uid in ["", "..", "../x", "a/b", ".hidden", "a..b", "a b", "é", &"x".repeat(129)] {
+        for uid in [
+            "",
+            "..",
+            "../x",
+            "a/b",
+            ".hidden",
+            "a..b",
+            "a b",
+            "é",
+            &"x".repeat(129),
+        ] {
             let mut p = pod("ok", "10.0.0.1");
             p.uid = uid.to_string();
-            assert!(matches!(s.put(&p), Err(StorageError::InvalidUid(_))), "{uid:?}");
-            assert!(matches!(s.remove(uid), Err(StorageError::InvalidUid(_))), "{uid:?}");
+            assert!(
+                matches!(s.put(&p), Err(StorageError::InvalidUid(_))),
+                "{uid:?}"
+            );
+            assert!(
+                matches!(s.remove(uid), Err(StorageError::InvalidUid(_))),
+                "{uid:?}"
+            );
         }
         for uid in ["6f1c2d3e-0000-4000-8000-000000000001", "a.b_c-D"] {
             assert!(valid_uid(uid), "{uid}");
@@ -1056,9 +1287,15 @@ mod tests {
     #[test]
     fn the_terminating_mark_round_trips_and_is_absent_from_records_without_it() {
         let plain = encode_record(&pod("a", "10.0.0.1"));
-        assert!(!String::from_utf8_lossy(&plain).contains("terminating"), "a record without the mark reads as before");
+        assert!(
+            !String::from_utf8_lossy(&plain).contains("terminating"),
+            "a record without the mark reads as before"
+        );
         assert_eq!(decode_record(&plain), Ok(pod("a", "10.0.0.1")));
-        let marked = Pod { terminating: true, ..pod("a", "10.0.0.1") };
+        let marked = Pod {
+            terminating: true,
+            ..pod("a", "10.0.0.1")
+        };
         let bytes = encode_record(&marked);
         let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(json["terminating"], true);
@@ -1069,21 +1306,41 @@ mod tests {
         let (s, _) = open(dir.path());
         s.put(&pod("a", "10.0.0.1")).unwrap();
         other_writer(dir.path()).put(&marked).unwrap();
-        assert_eq!(s.reload().unwrap().updated, vec![Updated { old: pod("a", "10.0.0.1"), new: marked }]);
+        assert_eq!(
+            s.reload().unwrap().updated,
+            vec![Updated {
+                old: pod("a", "10.0.0.1"),
+                new: marked
+            }]
+        );
     }
 
     /// A `/ready` status and the reporter storage reports to.
-    fn reporter() -> (Arc<tokio::sync::watch::Sender<crate::health::Status>>, Reporter) {
-        let status = Arc::new(tokio::sync::watch::Sender::new(crate::health::Status::new("n", "p")));
+    fn reporter() -> (
+        Arc<tokio::sync::watch::Sender<crate::health::Status>>,
+        Reporter,
+    ) {
+        let status = Arc::new(tokio::sync::watch::Sender::new(crate::health::Status::new(
+            "n", "p",
+        )));
         (status.clone(), Reporter::new(status))
     }
 
-    fn storage_problem(status: &tokio::sync::watch::Sender<crate::health::Status>) -> Option<String> {
-        status.borrow().problems.iter().find(|p| p.source == PROBLEM).map(|p| p.message.clone())
+    fn storage_problem(
+        status: &tokio::sync::watch::Sender<crate::health::Status>,
+    ) -> Option<String> {
+        status
+            .borrow()
+            .problems
+            .iter()
+            .find(|p| p.source == PROBLEM)
+            .map(|p| p.message.clone())
     }
 
     fn write_errors(m: &Metrics, op: &str) -> u64 {
-        m.storage_write_errors.get_or_create(&OpLabel { op: op.into() }).get()
+        m.storage_write_errors
+            .get_or_create(&OpLabel { op: op.into() })
+            .get()
     }
 
     /// The uid the agent runs its worker as when started as root.
@@ -1112,34 +1369,60 @@ mod tests {
         }
         // The folder is the worker uid's, as the supervisor leaves it; the record is
         // root's with mode 000, so the worker uid meets EACCES.
-        for p in [dir.path().to_path_buf(), dir.path().join("pods"), dir.path().join("pods/good.json")] {
+        for p in [
+            dir.path().to_path_buf(),
+            dir.path().join("pods"),
+            dir.path().join("pods/good.json"),
+        ] {
             std::os::unix::fs::chown(&p, Some(WORKER_UID), Some(WORKER_UID)).unwrap();
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["storage::tests::unreadable_record_is_quarantined_and_open_goes_on", "--exact", "--nocapture"])
+            .args([
+                "storage::tests::unreadable_record_is_quarantined_and_open_goes_on",
+                "--exact",
+                "--nocapture",
+            ])
             .env(CHILD_DIR, dir.path())
             .uid(WORKER_UID)
             .gid(WORKER_UID)
             .output()
             .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "the check as uid {WORKER_UID} failed: {text}");
-        assert!(text.contains("1 passed"), "the check as uid {WORKER_UID} ran no test: {text}");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "the check as uid {WORKER_UID} failed: {text}"
+        );
+        assert!(
+            text.contains("1 passed"),
+            "the check as uid {WORKER_UID} ran no test: {text}"
+        );
         assert!(!locked.exists());
         assert_eq!(names(&dir.path().join("pods-quarantine")).len(), 1);
     }
 
     fn check_unreadable_record_is_quarantined(dir: &Path) {
-        let err = fs::read(dir.join("pods/locked.json")).expect_err("the record must be unreadable here");
+        let err =
+            fs::read(dir.join("pods/locked.json")).expect_err("the record must be unreadable here");
         assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
         let (s, m) = open(dir);
         assert_eq!(s.pods(), vec![pod("good", "10.0.0.1")]);
-        assert_eq!(m.storage_quarantined.get(), 0, "open leaves the folder as it is");
+        assert_eq!(
+            m.storage_quarantined.get(),
+            0,
+            "open leaves the folder as it is"
+        );
         assert!(s.reload().unwrap().is_empty());
         assert_eq!(m.storage_quarantined.get(), 1);
         assert_eq!(names(&dir.join("pods")), vec!["good.json"]);
         let quarantined = names(&dir.join("pods-quarantine"));
-        assert!(quarantined.len() == 1 && quarantined[0].starts_with("locked.json."), "{quarantined:?}");
+        assert!(
+            quarantined.len() == 1 && quarantined[0].starts_with("locked.json."),
+            "{quarantined:?}"
+        );
     }
 
     /// Fault matrix row 9 (ENOSPC, read-only folder), issue 17: a write that fails leaves
@@ -1151,7 +1434,9 @@ mod tests {
     fn put_all_writes_every_record_once_and_skips_unchanged_ones() {
         let dir = tempfile::tempdir().unwrap();
         let (s, m) = open(dir.path());
-        let batch: Vec<Pod> = (0..40).map(|i| pod(&format!("p{i:02}"), &format!("10.0.1.{i}"))).collect();
+        let batch: Vec<Pod> = (0..40)
+            .map(|i| pod(&format!("p{i:02}"), &format!("10.0.1.{i}")))
+            .collect();
         let results = s.put_all(&batch);
         assert_eq!(results.len(), 40);
         assert!(results.iter().all(|r| matches!(r, Ok(true))), "{results:?}");
@@ -1160,15 +1445,28 @@ mod tests {
         want.sort();
         assert_eq!(names(&pods), want, "every record, no temp file");
         for p in &batch {
-            assert_eq!(decode_record(&fs::read(pods.join(format!("{}.json", p.uid))).unwrap()), Ok(p.clone()));
+            assert_eq!(
+                decode_record(&fs::read(pods.join(format!("{}.json", p.uid))).unwrap()),
+                Ok(p.clone())
+            );
         }
-        assert_eq!(open(dir.path()).0.pods(), batch, "a fresh open reads the batch back");
+        assert_eq!(
+            open(dir.path()).0.pods(),
+            batch,
+            "a fresh open reads the batch back"
+        );
 
         let mut again = batch.clone();
         again[7].ips = vec!["10.0.2.7".parse().unwrap()];
         let results = s.put_all(&again);
-        let wrote: Vec<usize> = (0..40).filter(|&i| matches!(results[i], Ok(true))).collect();
-        assert_eq!(wrote, vec![7], "only the changed record is written: {results:?}");
+        let wrote: Vec<usize> = (0..40)
+            .filter(|&i| matches!(results[i], Ok(true)))
+            .collect();
+        assert_eq!(
+            wrote,
+            vec![7],
+            "only the changed record is written: {results:?}"
+        );
         assert!(results.iter().all(Result::is_ok));
         assert_eq!(s.get(&again[7].uid), Some(again[7].clone()));
         assert_eq!(write_errors(&m, "write"), 0);
@@ -1189,16 +1487,40 @@ mod tests {
         ];
         let results = s.put_all(&batch);
         assert!(matches!(results[0], Ok(true)), "{results:?}");
-        let blocked = results[1].as_ref().expect_err("blocked.json is a directory").to_string();
-        assert!(blocked.contains(&pods.join("blocked.json").display().to_string()), "{blocked}");
-        assert!(matches!(results[2], Err(StorageError::InvalidUid(_))), "{results:?}");
+        let blocked = results[1]
+            .as_ref()
+            .expect_err("blocked.json is a directory")
+            .to_string();
+        assert!(
+            blocked.contains(&pods.join("blocked.json").display().to_string()),
+            "{blocked}"
+        );
+        assert!(
+            matches!(results[2], Err(StorageError::InvalidUid(_))),
+            "{results:?}"
+        );
         assert!(matches!(results[3], Ok(true)), "{results:?}");
-        assert!(matches!(results[4], Ok(true)), "the second `a` is written after the first: {results:?}");
-        assert_eq!(decode_record(&fs::read(pods.join("a.json")).unwrap()), Ok(pod("a", "10.0.0.5")), "the later `a` wins");
+        assert!(
+            matches!(results[4], Ok(true)),
+            "the second `a` is written after the first: {results:?}"
+        );
+        assert_eq!(
+            decode_record(&fs::read(pods.join("a.json")).unwrap()),
+            Ok(pod("a", "10.0.0.5")),
+            "the later `a` wins"
+        );
         assert_eq!(s.get("a"), Some(pod("a", "10.0.0.5")));
         assert_eq!(s.get("blocked"), None, "a failed write is not in the view");
-        assert_eq!(names(&pods), vec!["a.json", "b.json", "blocked.json"], "no temp file left");
-        assert_eq!(write_errors(&m, "write"), 1, "the one failed write counts; an invalid uid is refused before any write");
+        assert_eq!(
+            names(&pods),
+            vec!["a.json", "b.json", "blocked.json"],
+            "no temp file left"
+        );
+        assert_eq!(
+            write_errors(&m, "write"),
+            1,
+            "the one failed write counts; an invalid uid is refused before any write"
+        );
     }
 
     #[tokio::test]
@@ -1212,11 +1534,23 @@ mod tests {
         let pods = dir.path().join("pods");
         fs::create_dir_all(pods.join("b.json/in-the-way")).unwrap();
 
-        let err = s.put(&pod("b", "10.0.0.2")).expect_err("b.json is a directory").to_string();
-        assert!(err.contains(&pods.join("b.json").display().to_string()), "the error names the path: {err}");
-        assert!(err.contains("directory"), "the error names the cause: {err}");
+        let err = s
+            .put(&pod("b", "10.0.0.2"))
+            .expect_err("b.json is a directory")
+            .to_string();
+        assert!(
+            err.contains(&pods.join("b.json").display().to_string()),
+            "the error names the path: {err}"
+        );
+        assert!(
+            err.contains("directory"),
+            "the error names the cause: {err}"
+        );
         assert_eq!(names(&pods), vec!["a.json", "b.json"], "no temp file left");
-        assert_eq!(decode_record(&fs::read(pods.join("a.json")).unwrap()), Ok(pod("a", "10.0.0.1")));
+        assert_eq!(
+            decode_record(&fs::read(pods.join("a.json")).unwrap()),
+            Ok(pod("a", "10.0.0.1"))
+        );
         assert_eq!(s.get("b"), None, "a failed write is not in the view");
         assert_eq!(write_errors(&m, "write"), 1);
         let problem = storage_problem(&status).expect("reported");
@@ -1225,10 +1559,16 @@ mod tests {
         assert_eq!(write_errors(&m, "write"), 2, "each failure counts");
 
         fs::remove_dir_all(pods.join("b.json")).unwrap();
-        assert!(s.put(&pod("b", "10.0.0.2")).unwrap(), "the first write after the fault succeeds");
+        assert!(
+            s.put(&pod("b", "10.0.0.2")).unwrap(),
+            "the first write after the fault succeeds"
+        );
         assert_eq!(storage_problem(&status), None, "the report clears");
         assert_eq!(write_errors(&m, "write"), 2);
-        assert_eq!(open(dir.path()).0.pods(), vec![pod("a", "10.0.0.1"), pod("b", "10.0.0.2")]);
+        assert_eq!(
+            open(dir.path()).0.pods(),
+            vec![pod("a", "10.0.0.1"), pod("b", "10.0.0.2")]
+        );
     }
 
     /// Swaps the records folder for a file, so that every file operation in it fails
@@ -1269,20 +1609,32 @@ mod tests {
         let removal = s.remove_or_retry("a").unwrap();
         assert_eq!(removal.pod, Some(pod("a", "10.0.0.1")));
         let why = removal.deferred.expect("the removal failed").to_string();
-        assert!(why.contains(&pods.join("a.json").display().to_string()), "{why}");
+        assert!(
+            why.contains(&pods.join("a.json").display().to_string()),
+            "{why}"
+        );
         assert_eq!(s.get("a"), None, "the pod left the view");
         assert_eq!(s.pending_removals(), vec!["a"]);
         assert!(write_errors(&m, "remove") >= 1);
         let problem = storage_problem(&status).expect("reported");
-        assert!(problem.contains("deleted pod uid(s) a pending"), "{problem}");
+        assert!(
+            problem.contains("deleted pod uid(s) a pending"),
+            "{problem}"
+        );
         // The strict removal (an eviction) fails and keeps the pod.
         assert!(s.remove("keep").is_err());
         assert_eq!(s.get("keep"), Some(pod("keep", "10.0.0.2")));
         drop(broken);
 
-        assert!(pods.join("a.json").exists(), "still there while nothing retried");
+        assert!(
+            pods.join("a.json").exists(),
+            "still there while nothing retried"
+        );
         wait(RETRY_MAX * 3, || s.pending_removals().is_empty());
-        assert!(!pods.join("a.json").exists(), "the retry removed the record");
+        assert!(
+            !pods.join("a.json").exists(),
+            "the retry removed the record"
+        );
         assert_eq!(names(&pods), vec!["keep.json"]);
         assert_eq!(storage_problem(&status), None, "the report clears");
     }
@@ -1300,10 +1652,17 @@ mod tests {
         assert!(s.remove_or_retry("a").unwrap().deferred.is_some());
         assert!(s.remove_or_retry("b").unwrap().deferred.is_some());
         drop(broken);
-        let again = Pod { container_id: "c-b-new".into(), ..pod("b", "10.0.0.2") };
+        let again = Pod {
+            container_id: "c-b-new".into(),
+            ..pod("b", "10.0.0.2")
+        };
         assert!(s.put(&again).unwrap());
         assert_eq!(s.pending_removals(), Vec::<String>::new());
-        assert_eq!(names(&pods), vec!["b.json"], "a's record went with the write");
+        assert_eq!(
+            names(&pods),
+            vec!["b.json"],
+            "a's record went with the write"
+        );
         assert_eq!(open(dir.path()).0.pods(), vec![again]);
     }
 
@@ -1318,9 +1677,13 @@ mod tests {
 
     #[test]
     fn newer_schema_with_extra_fields_still_loads() {
-        let mut json: serde_json::Value = serde_json::from_slice(&encode_record(&pod("a", "10.0.0.1"))).unwrap();
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&encode_record(&pod("a", "10.0.0.1"))).unwrap();
         json["schema"] = 2.into();
         json["added_later"] = "x".into();
-        assert_eq!(decode_record(&serde_json::to_vec(&json).unwrap()), Ok(pod("a", "10.0.0.1")));
+        assert_eq!(
+            decode_record(&serde_json::to_vec(&json).unwrap()),
+            Ok(pod("a", "10.0.0.1"))
+        );
     }
 }

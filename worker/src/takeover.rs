@@ -56,7 +56,9 @@ pub enum Event {
     /// A lone owner's first-serve gate timed out (registry 15 s, capture 10 s, the
     /// agent's SVID 5 s).
     GateTimedOut(Gate),
-    Takeover { reconcile: bool },
+    Takeover {
+        reconcile: bool,
+    },
     ReconcileDone,
     /// The pods the reconcile added hold their SVIDs, or the bounded wait is over.
     SvidsReady,
@@ -123,12 +125,18 @@ impl State {
     /// The initial state; `pod_svids` when the node's pods get SVIDs (identity on, with a
     /// broker), so that a takeover waits for those of the pods it adds.
     pub fn new(pod_svids: bool) -> Self {
-        Self { pod_svids, ..Self::default() }
+        Self {
+            pod_svids,
+            ..Self::default()
+        }
     }
 
     /// Standby completeness: every gate really passed.
     pub fn complete(&self) -> bool {
-        self.gates.registry_loaded && self.gates.capture_landed && self.gates.storage_loaded && self.gates.agent_svid
+        self.gates.registry_loaded
+            && self.gates.capture_landed
+            && self.gates.storage_loaded
+            && self.gates.agent_svid
     }
 
     /// An owner's first serve: gates passed or, where allowed, timed out.
@@ -142,10 +150,15 @@ impl State {
     /// The gates not yet passed, as `/ready` names them.
     pub fn waiting_for(&self) -> Vec<&'static str> {
         let g = &self.gates;
-        [(g.storage_loaded, "storage"), (g.registry_loaded, "registry"), (g.capture_landed, "capture"), (g.agent_svid, "agent-svid")]
-            .into_iter()
-            .filter_map(|(passed, name)| (!passed).then_some(name))
-            .collect()
+        [
+            (g.storage_loaded, "storage"),
+            (g.registry_loaded, "registry"),
+            (g.capture_landed, "capture"),
+            (g.agent_svid, "agent-svid"),
+        ]
+        .into_iter()
+        .filter_map(|(passed, name)| (!passed).then_some(name))
+        .collect()
     }
 
     /// `GET /ready`: a complete standby, or an owner that serves.
@@ -247,8 +260,14 @@ impl SvidWait {
 
     /// Of the pods lacking an SVID now, those the wait is for; the wait is over when none
     /// is left (or its bound passed).
-    pub fn pending<'a>(&self, lacking_now: impl IntoIterator<Item = &'a String>) -> Vec<&'a String> {
-        lacking_now.into_iter().filter(|uid| !self.baseline.contains(*uid)).collect()
+    pub fn pending<'a>(
+        &self,
+        lacking_now: impl IntoIterator<Item = &'a String>,
+    ) -> Vec<&'a String> {
+        lacking_now
+            .into_iter()
+            .filter(|uid| !self.baseline.contains(*uid))
+            .collect()
     }
 }
 
@@ -257,7 +276,12 @@ mod tests {
     use super::*;
 
     fn all_gates() -> Gates {
-        Gates { registry_loaded: true, capture_landed: true, storage_loaded: true, agent_svid: true }
+        Gates {
+            registry_loaded: true,
+            capture_landed: true,
+            storage_loaded: true,
+            agent_svid: true,
+        }
     }
 
     /// Feeds `events` from the default state; checks the final phase and every action.
@@ -275,16 +299,36 @@ mod tests {
 
     #[test]
     fn standby_completes_only_when_every_gate_passed() {
-        let partial = Gates { registry_loaded: true, capture_landed: true, storage_loaded: false, agent_svid: true };
+        let partial = Gates {
+            registry_loaded: true,
+            capture_landed: true,
+            storage_loaded: false,
+            agent_svid: true,
+        };
         check(&[Event::Gates(partial)], Phase::Building, &[]);
-        check(&[Event::GateTimedOut(Gate::Registry), Event::GateTimedOut(Gate::Capture)], Phase::Building, &[]);
-        check(&[Event::Gates(all_gates())], Phase::StandbyComplete, &[Action::Report(Phase::StandbyComplete)]);
+        check(
+            &[
+                Event::GateTimedOut(Gate::Registry),
+                Event::GateTimedOut(Gate::Capture),
+            ],
+            Phase::Building,
+            &[],
+        );
+        check(
+            &[Event::Gates(all_gates())],
+            Phase::StandbyComplete,
+            &[Action::Report(Phase::StandbyComplete)],
+        );
     }
 
     #[test]
     fn complete_standby_takes_over_with_reconcile() {
         check(
-            &[Event::Gates(all_gates()), Event::Takeover { reconcile: true }, Event::ReconcileDone],
+            &[
+                Event::Gates(all_gates()),
+                Event::Takeover { reconcile: true },
+                Event::ReconcileDone,
+            ],
             Phase::Serving,
             &[
                 Action::Report(Phase::StandbyComplete),
@@ -300,41 +344,91 @@ mod tests {
     #[test]
     fn uncontended_start_runs_no_takeover_step() {
         check(
-            &[Event::Takeover { reconcile: false }, Event::Gates(all_gates())],
+            &[
+                Event::Takeover { reconcile: false },
+                Event::Gates(all_gates()),
+            ],
             Phase::Serving,
-            &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
+            &[
+                Action::ArmGateTimers,
+                Action::Serve,
+                Action::Report(Phase::Serving),
+            ],
         );
     }
 
     #[test]
     fn lone_owner_serves_after_gate_timeouts_but_not_before_storage() {
-        let storage_only = Gates { storage_loaded: true, agent_svid: true, ..Gates::default() };
+        let storage_only = Gates {
+            storage_loaded: true,
+            agent_svid: true,
+            ..Gates::default()
+        };
         check(
-            &[Event::Takeover { reconcile: false }, Event::Gates(storage_only), Event::GateTimedOut(Gate::Capture)],
+            &[
+                Event::Takeover { reconcile: false },
+                Event::Gates(storage_only),
+                Event::GateTimedOut(Gate::Capture),
+            ],
             Phase::Building,
             &[Action::ArmGateTimers],
         );
         check(
-            &[Event::Takeover { reconcile: false }, Event::Gates(storage_only), Event::GateTimedOut(Gate::Capture), Event::GateTimedOut(Gate::Registry)],
+            &[
+                Event::Takeover { reconcile: false },
+                Event::Gates(storage_only),
+                Event::GateTimedOut(Gate::Capture),
+                Event::GateTimedOut(Gate::Registry),
+            ],
             Phase::Serving,
-            &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
+            &[
+                Action::ArmGateTimers,
+                Action::Serve,
+                Action::Report(Phase::Serving),
+            ],
         );
     }
 
     #[test]
     fn the_agent_svid_gates_a_standby_and_times_out_only_for_a_lone_owner() {
-        let no_svid = Gates { agent_svid: false, ..all_gates() };
+        let no_svid = Gates {
+            agent_svid: false,
+            ..all_gates()
+        };
         // A standby without its SVID is not complete, however long it waits.
-        check(&[Event::Gates(no_svid), Event::GateTimedOut(Gate::Identity)], Phase::Building, &[]);
-        check(&[Event::Gates(no_svid), Event::Gates(all_gates())], Phase::StandbyComplete, &[Action::Report(Phase::StandbyComplete)]);
-        // A lone owner serves once the bounded wait is over.
-        check(&[Event::Takeover { reconcile: false }, Event::Gates(no_svid)], Phase::Building, &[Action::ArmGateTimers]);
         check(
-            &[Event::Takeover { reconcile: false }, Event::Gates(no_svid), Event::GateTimedOut(Gate::Identity)],
-            Phase::Serving,
-            &[Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)],
+            &[Event::Gates(no_svid), Event::GateTimedOut(Gate::Identity)],
+            Phase::Building,
+            &[],
         );
-        let s = State { gates: no_svid, ..State::default() };
+        check(
+            &[Event::Gates(no_svid), Event::Gates(all_gates())],
+            Phase::StandbyComplete,
+            &[Action::Report(Phase::StandbyComplete)],
+        );
+        // A lone owner serves once the bounded wait is over.
+        check(
+            &[Event::Takeover { reconcile: false }, Event::Gates(no_svid)],
+            Phase::Building,
+            &[Action::ArmGateTimers],
+        );
+        check(
+            &[
+                Event::Takeover { reconcile: false },
+                Event::Gates(no_svid),
+                Event::GateTimedOut(Gate::Identity),
+            ],
+            Phase::Serving,
+            &[
+                Action::ArmGateTimers,
+                Action::Serve,
+                Action::Report(Phase::Serving),
+            ],
+        );
+        let s = State {
+            gates: no_svid,
+            ..State::default()
+        };
         assert_eq!(s.waiting_for(), vec!["agent-svid"]);
     }
 
@@ -350,30 +444,67 @@ mod tests {
             }
             (s.phase, all)
         };
-        let takeover = [Event::Gates(all_gates()), Event::Takeover { reconcile: true }, Event::ReconcileDone];
+        let takeover = [
+            Event::Gates(all_gates()),
+            Event::Takeover { reconcile: true },
+            Event::ReconcileDone,
+        ];
         let (phase, actions) = run(&takeover);
-        assert_eq!(phase, Phase::Reconciling, "waits for the SVIDs before serving");
+        assert_eq!(
+            phase,
+            Phase::Reconciling,
+            "waits for the SVIDs before serving"
+        );
         assert_eq!(
             actions,
-            [Action::Report(Phase::StandbyComplete), Action::ArmGateTimers, Action::Report(Phase::Reconciling), Action::Reconcile, Action::AwaitSvids]
+            [
+                Action::Report(Phase::StandbyComplete),
+                Action::ArmGateTimers,
+                Action::Report(Phase::Reconciling),
+                Action::Reconcile,
+                Action::AwaitSvids
+            ]
         );
-        let (phase, actions) = run(&[&takeover[..], &[Event::SvidsReady, Event::SvidsReady, Event::ReconcileDone]].concat());
+        let (phase, actions) = run(&[
+            &takeover[..],
+            &[Event::SvidsReady, Event::SvidsReady, Event::ReconcileDone],
+        ]
+        .concat());
         assert_eq!(phase, Phase::Serving);
-        assert_eq!(actions[5..], [Action::Serve, Action::Report(Phase::Serving)], "served once");
+        assert_eq!(
+            actions[5..],
+            [Action::Serve, Action::Report(Phase::Serving)],
+            "served once"
+        );
         // A wait that ends after a drain serves nothing.
         let (phase, actions) = run(&[&takeover[..], &[Event::Drain, Event::SvidsReady]].concat());
         assert_eq!(phase, Phase::Draining);
         assert!(!actions.contains(&Action::Serve), "{actions:?}");
         // No reconcile (uncontended start, respawn): no wait either; an early SvidsReady is
         // ignored.
-        let (phase, actions) = run(&[Event::SvidsReady, Event::Takeover { reconcile: false }, Event::Gates(all_gates())]);
+        let (phase, actions) = run(&[
+            Event::SvidsReady,
+            Event::Takeover { reconcile: false },
+            Event::Gates(all_gates()),
+        ]);
         assert_eq!(phase, Phase::Serving);
-        assert_eq!(actions, [Action::ArmGateTimers, Action::Serve, Action::Report(Phase::Serving)]);
+        assert_eq!(
+            actions,
+            [
+                Action::ArmGateTimers,
+                Action::Serve,
+                Action::Report(Phase::Serving)
+            ]
+        );
     }
 
     #[test]
     fn the_svid_wait_is_for_the_pods_the_reconcile_added_only() {
-        let set = |uids: &[&str]| uids.iter().map(|u| u.to_string()).collect::<BTreeSet<String>>();
+        let set = |uids: &[&str]| {
+            uids.iter()
+                .map(|u| u.to_string())
+                .collect::<BTreeSet<String>>()
+        };
         // Before the reconcile: "held" has no SVID (its provider holds it back).
         let wait = SvidWait::new(set(&["held"]));
         let check = |lacking_now: &[&str], want: &[&str]| {
@@ -396,16 +527,33 @@ mod tests {
     #[test]
     fn drain_is_final_and_blocks_takeover() {
         check(
-            &[Event::Gates(all_gates()), Event::Drain, Event::Takeover { reconcile: true }, Event::Drain],
+            &[
+                Event::Gates(all_gates()),
+                Event::Drain,
+                Event::Takeover { reconcile: true },
+                Event::Drain,
+            ],
             Phase::Draining,
-            &[Action::Report(Phase::StandbyComplete), Action::Report(Phase::Draining), Action::Drain],
+            &[
+                Action::Report(Phase::StandbyComplete),
+                Action::Report(Phase::Draining),
+                Action::Drain,
+            ],
         );
     }
 
     #[test]
     fn a_drained_owner_releases_the_node_once_and_takes_nothing_back() {
         check(
-            &[Event::Gates(all_gates()), Event::Takeover { reconcile: false }, Event::Drain, Event::Drained, Event::Drained, Event::Drain, Event::Takeover { reconcile: false }],
+            &[
+                Event::Gates(all_gates()),
+                Event::Takeover { reconcile: false },
+                Event::Drain,
+                Event::Drained,
+                Event::Drained,
+                Event::Drain,
+                Event::Takeover { reconcile: false },
+            ],
             Phase::Released,
             &[
                 Action::Report(Phase::StandbyComplete),
@@ -422,7 +570,11 @@ mod tests {
         check(
             &[Event::Gates(all_gates()), Event::Drain, Event::Drained],
             Phase::Draining,
-            &[Action::Report(Phase::StandbyComplete), Action::Report(Phase::Draining), Action::Drain],
+            &[
+                Action::Report(Phase::StandbyComplete),
+                Action::Report(Phase::Draining),
+                Action::Drain,
+            ],
         );
     }
 

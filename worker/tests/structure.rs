@@ -10,7 +10,11 @@ use std::path::Path;
 fn module_of(rel: &Path) -> String {
     let s = rel.with_extension("").to_string_lossy().replace('/', "::");
     let s = s.strip_suffix("::mod").unwrap_or(&s).to_string();
-    if s == "lib" || s == "main" { String::new() } else { s }
+    if s == "lib" || s == "main" {
+        String::new()
+    } else {
+        s
+    }
 }
 
 fn files(dir: &Path, root: &Path, out: &mut Vec<(String, String)>) {
@@ -19,7 +23,10 @@ fn files(dir: &Path, root: &Path, out: &mut Vec<(String, String)>) {
         if p.is_dir() {
             files(&p, root, out);
         } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push((module_of(p.strip_prefix(root).unwrap()), std::fs::read_to_string(&p).unwrap()));
+            out.push((
+                module_of(p.strip_prefix(root).unwrap()),
+                std::fs::read_to_string(&p).unwrap(),
+            ));
         }
     }
 }
@@ -61,7 +68,11 @@ fn join(a: &str, b: &str) -> String {
 /// Every `crate::`/`super::`/`self::` path in `src`, and every `use` of a child module
 /// by its bare name (`pub use server::serve` in a `mod.rs`), as `self::` paths.
 fn paths(src: &str, children: &BTreeSet<String>) -> Vec<String> {
-    let code: String = src.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+    let code: String = src
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n");
     let mut out = Vec::new();
     // `use` items, braces and all.
     let mut rest = code.as_str();
@@ -72,7 +83,10 @@ fn paths(src: &str, children: &BTreeSet<String>) -> Vec<String> {
         if before.is_none_or(|c| c.is_whitespace() || c == '{' || c == ';') {
             let tree = after[..end].trim();
             let first = tree.split("::").next().unwrap_or("");
-            if tree.starts_with("crate::") || tree.starts_with("super::") || tree.starts_with("self::") {
+            if tree.starts_with("crate::")
+                || tree.starts_with("super::")
+                || tree.starts_with("self::")
+            {
                 expand("", tree, &mut out);
             } else if children.contains(first) {
                 expand("self", tree, &mut out);
@@ -87,7 +101,10 @@ fn paths(src: &str, children: &BTreeSet<String>) -> Vec<String> {
             let at = from + i;
             let prev = code[..at].chars().last();
             if prev.is_none_or(|c| !(c.is_alphanumeric() || c == '_' || c == ':')) {
-                let path: String = code[at..].chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect();
+                let path: String = code[at..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
                 out.push(path.trim_end_matches(':').to_string());
             }
             from = at + start.len();
@@ -100,7 +117,11 @@ fn paths(src: &str, children: &BTreeSet<String>) -> Vec<String> {
 /// a module of the crate.
 fn resolve(from: &str, path: &str, modules: &BTreeSet<String>) -> Option<String> {
     let mut segs: Vec<&str> = path.split("::").collect();
-    let mut base: Vec<&str> = if from.is_empty() { vec![] } else { from.split("::").collect() };
+    let mut base: Vec<&str> = if from.is_empty() {
+        vec![]
+    } else {
+        from.split("::").collect()
+    };
     match segs.first() {
         Some(&"crate") => {
             base.clear();
@@ -118,7 +139,10 @@ fn resolve(from: &str, path: &str, modules: &BTreeSet<String>) -> Option<String>
         _ => return None,
     }
     let full: Vec<&str> = base.into_iter().chain(segs).collect();
-    (0..=full.len()).rev().map(|n| full[..n].join("::")).find(|m| modules.contains(m))
+    (0..=full.len())
+        .rev()
+        .map(|n| full[..n].join("::"))
+        .find(|m| modules.contains(m))
 }
 
 /// The import cycles among `files` (module path, source), one line each.
@@ -128,7 +152,14 @@ fn cycles(all: &[(String, String)]) -> (BTreeMap<String, BTreeSet<String>>, Vec<
     for (m, src) in all {
         let children: BTreeSet<String> = modules
             .iter()
-            .filter_map(|c| c.strip_prefix(&if m.is_empty() { String::new() } else { format!("{m}::") }).map(String::from))
+            .filter_map(|c| {
+                c.strip_prefix(&if m.is_empty() {
+                    String::new()
+                } else {
+                    format!("{m}::")
+                })
+                .map(String::from)
+            })
             .filter(|c| !c.contains("::") && !c.is_empty())
             .collect();
         // An inline `mod tests` is a module of its own: its `super` is this file's module.
@@ -138,7 +169,11 @@ fn cycles(all: &[(String, String)]) -> (BTreeMap<String, BTreeSet<String>>, Vec<
         };
         let scanned = paths(body, &children).into_iter().map(|p| (m.clone(), p));
         let tests_mod = join(m, "tests");
-        let scanned = scanned.chain(paths(tests, &BTreeSet::new()).into_iter().map(|p| (tests_mod.clone(), p)));
+        let scanned = scanned.chain(
+            paths(tests, &BTreeSet::new())
+                .into_iter()
+                .map(|p| (tests_mod.clone(), p)),
+        );
         for (from, p) in scanned {
             if let Some(to) = resolve(&from, &p, &modules)
                 && to != *m
@@ -173,10 +208,19 @@ fn the_check_finds_a_cycle_through_a_parent_module() {
     let m = |name: &str, src: &str| (name.to_string(), src.to_string());
     let (_, found) = cycles(&[
         m("", "pub mod xds;"),
-        m("xds", "pub mod stream;\npub use stream::State;\npub trait Protocol {}"),
+        m(
+            "xds",
+            "pub mod stream;\npub use stream::State;\npub trait Protocol {}",
+        ),
         m("xds::stream", "use super::Protocol;\npub struct State;"),
     ]);
-    assert_eq!(found, ["xds -> xds::stream -> xds", "xds::stream -> xds -> xds::stream"]);
+    assert_eq!(
+        found,
+        [
+            "xds -> xds::stream -> xds",
+            "xds::stream -> xds -> xds::stream"
+        ]
+    );
     let (_, found) = cycles(&[
         m("a", "use crate::b::{self, c::{D, E}};"),
         m("b", "pub mod c;"),
@@ -191,6 +235,15 @@ fn no_module_of_the_worker_imports_one_that_imports_it_back() {
     let mut all = Vec::new();
     files(&root, &root, &mut all);
     let (edges, found) = cycles(&all);
-    assert!(edges.get("xds::server").is_some_and(|e| e.contains("xds::stream") && e.contains("acks")), "the parser sees imports: {edges:#?}");
-    assert!(found.is_empty(), "import cycles in worker/src:\n{}", found.join("\n"));
+    assert!(
+        edges
+            .get("xds::server")
+            .is_some_and(|e| e.contains("xds::stream") && e.contains("acks")),
+        "the parser sees imports: {edges:#?}"
+    );
+    assert!(
+        found.is_empty(),
+        "import cycles in worker/src:\n{}",
+        found.join("\n")
+    );
 }

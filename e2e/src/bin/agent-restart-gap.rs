@@ -14,6 +14,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let results: Vec<_> = cfg.modes.iter().map(|m| harness::run_mode(&cfg, *m)).collect();
-    if harness::finish(&cfg, &results) { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    let results: Vec<_> = cfg
+        .modes
+        .iter()
+        .map(|m| harness::run_mode(&cfg, *m))
+        .collect();
+    if harness::finish(&cfg, &results) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }

@@ -13,8 +13,8 @@ use std::net::Ipv4Addr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use aether_e2e::harness::churn::{self, Cni, Pods};
 use aether_e2e::envoy::{AdsApi, Envoy, EnvoyPods, envoy_bin};
+use aether_e2e::harness::churn::{self, Cni, Pods};
 use aether_e2e::testing::{LocalNode, bin};
 use serde_json::json;
 
@@ -23,11 +23,18 @@ const ENDPOINTS_PER_SERVICE: usize = 10;
 
 fn row(name: &str, pid: i32) {
     let (rss, hwm) = aether_e2e::testing::memory_kib(pid);
-    println!("{name:<22} {:>9.1} {:>9.1}", rss as f64 / 1024.0, hwm as f64 / 1024.0);
+    println!(
+        "{name:<22} {:>9.1} {:>9.1}",
+        rss as f64 / 1024.0,
+        hwm as f64 / 1024.0
+    );
 }
 
 fn main() {
-    let pods_wanted: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(110);
+    let pods_wanted: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(110);
     let api: AdsApi = match std::env::var("BENCH_XDS_API") {
         Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
         Err(_) => AdsApi::default(),
@@ -45,27 +52,44 @@ fn main() {
         })
         .collect();
     let registry = node.root.path().join("registry.json");
-    std::fs::write(&registry, json!({ "services": services }).to_string()).expect("write the registry file");
+    std::fs::write(&registry, json!({ "services": services }).to_string())
+        .expect("write the registry file");
     node.registry_file = Some(registry);
 
     let owner = node.start_agent();
     owner.wait_role("owner", t);
     let dir = node.root.path().join("envoy");
     std::fs::create_dir_all(&dir).expect("envoy dir");
-    let envoy = Envoy::start(&envoy_path, &dir, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), api)
-        .expect("start Envoy");
+    let envoy = Envoy::start(
+        &envoy_path,
+        &dir,
+        &node.run_dir,
+        Duration::from_millis(100),
+        Duration::from_secs(1),
+        api,
+    )
+    .expect("start Envoy");
     envoy.wait_connected(t);
 
-    let cni = Cni { bin: bin("aether-cni"), socket: node.cni_sock() };
+    let cni = Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    };
     let pods = Mutex::new(Pods::default());
     for i in 0..pods_wanted {
-        churn::add_one(&cni, &pods).unwrap_or_else(|| panic!("ADD {i} failed: {:?}", pods.lock().unwrap().errors));
+        churn::add_one(&cni, &pods)
+            .unwrap_or_else(|| panic!("ADD {i} failed: {:?}", pods.lock().unwrap().errors));
         if (i + 1) % 50 == 0 {
             eprintln!("bench-memory: {}/{pods_wanted} pods added", i + 1);
         }
     }
-    let live: Vec<(String, std::net::IpAddr)> =
-        pods.lock().unwrap().live.iter().map(|(p, ip): (_, &Ipv4Addr)| (p.uid.clone(), (*ip).into())).collect();
+    let live: Vec<(String, std::net::IpAddr)> = pods
+        .lock()
+        .unwrap()
+        .live
+        .iter()
+        .map(|(p, ip): (_, &Ipv4Addr)| (p.uid.clone(), (*ip).into()))
+        .collect();
     let want = EnvoyPods::expected(live.iter().map(|(u, ip)| (u, ip)));
     if let Err(seen) = EnvoyPods::wait_until(&envoy, &want, t) {
         panic!("Envoy does not hold every pod: {}", seen.diff(&want));

@@ -20,7 +20,10 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 fn main() {
-    let rolls: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(50);
+    let rolls: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50);
     let t = Duration::from_secs(10);
     let mut node = LocalNode::new();
     let mut owner = node.start_agent();
@@ -38,15 +41,29 @@ fn main() {
             owner.signal(Signal::SIGTERM);
         }
         let ready = aether_e2e::testing::wait_for("new owner", t, || {
-            next.ready().filter(|(s, v)| *s == 200 && v["role"] == "owner").filter(|_| accepts(&node.xds_sock()) && accepts(&node.cni_sock())).map(|(_, v)| v)
+            next.ready()
+                .filter(|(s, v)| *s == 200 && v["role"] == "owner")
+                .filter(|_| accepts(&node.xds_sock()) && accepts(&node.cni_sock()))
+                .map(|(_, v)| v)
         });
         let outside = start.elapsed().as_secs_f64() * 1e3;
-        if kill { outside_kill.push(outside) } else { outside_term.push(outside) }
+        if kill {
+            outside_kill.push(outside)
+        } else {
+            outside_term.push(outside)
+        }
         let tk = &ready["takeover"];
         total.push(tk["total_us"].as_f64().unwrap_or(f64::NAN) / 1e3);
         fdpass.push(tk["fd_passing_us"].as_f64().unwrap_or(f64::NAN) / 1e3);
         bind.push(tk["bind_us"].as_f64().unwrap_or(f64::NAN) / 1e3);
-        eprintln!("roll {:>3}/{rolls}: {} takeover {:.3} ms, outside {:.1} ms, handed_off={}", i + 1, if kill { "SIGKILL" } else { "SIGTERM" }, total[i], outside, tk["handed_off"]);
+        eprintln!(
+            "roll {:>3}/{rolls}: {} takeover {:.3} ms, outside {:.1} ms, handed_off={}",
+            i + 1,
+            if kill { "SIGKILL" } else { "SIGTERM" },
+            total[i],
+            outside,
+            tk["handed_off"]
+        );
         owner.wait_exit(t);
         owner = next;
     }
@@ -56,8 +73,14 @@ fn main() {
         ("agent-side takeover (lock -> serving)", &mut total),
         ("  of which bind or handoff check", &mut bind),
         ("  of which fd passing", &mut fdpass),
-        ("outside: SIGTERM -> owner, sockets accept", &mut outside_term),
-        ("outside: SIGKILL -> owner, sockets accept", &mut outside_kill),
+        (
+            "outside: SIGTERM -> owner, sockets accept",
+            &mut outside_term,
+        ),
+        (
+            "outside: SIGKILL -> owner, sockets accept",
+            &mut outside_kill,
+        ),
     ] {
         if !v.is_empty() {
             println!("{:<44} {:>9.3} {:>9.3}", name, pct(v, 50.0), pct(v, 99.0));

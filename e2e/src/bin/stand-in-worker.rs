@@ -43,19 +43,29 @@ fn main() {
     let state_dir: PathBuf = std::env::args()
         .find_map(|a| a.strip_prefix("--state-dir=").map(PathBuf::from))
         .expect("--state-dir");
-    let control = fdpass::take_inherited(3, SockType::SeqPacket).expect("the control socket at fd 3");
-    shared_proto::seccomp::confine(shared_proto::seccomp::take_report()).expect("the worker's own seccomp filter");
+    let control =
+        fdpass::take_inherited(3, SockType::SeqPacket).expect("the control socket at fd 3");
+    shared_proto::seccomp::confine(shared_proto::seccomp::take_report())
+        .expect("the worker's own seccomp filter");
     let send = |body: Body| fdpass::send_control(control.as_fd(), body, &[]).expect("send");
-    send(Body::Hello(Hello { version: CONTROL_VERSION }));
+    send(Body::Hello(Hello {
+        version: CONTROL_VERSION,
+    }));
     let done = state_dir.join("stand-in-done");
-    let mode = if done.exists() { String::new() } else { std::fs::read_to_string(state_dir.join("stand-in-mode")).unwrap_or_default() };
+    let mode = if done.exists() {
+        String::new()
+    } else {
+        std::fs::read_to_string(state_dir.join("stand-in-mode")).unwrap_or_default()
+    };
     if !mode.is_empty() {
         std::fs::write(&done, "").expect("write stand-in-done");
     }
     if let Some(call) = mode.strip_prefix("call ") {
         make(call.trim());
     }
-    let port = mode.strip_prefix("linger ").map(|p| p.trim().parse::<u16>().expect("a port"));
+    let port = mode
+        .strip_prefix("linger ")
+        .map(|p| p.trim().parse::<u16>().expect("a port"));
     loop {
         let (body, _fds) = match fdpass::recv_control(control.as_fd(), false) {
             Ok(m) => m,
@@ -66,7 +76,9 @@ fn main() {
             Body::Ping(p) => send(Body::Pong(Ping { seq: p.seq })),
             Body::Takeover(_) => match port {
                 Some(port) => pass_a_lingering_socket(&control, port, &state_dir),
-                None => send(Body::Status(Status { phase: Phase::Serving as i32 })),
+                None => send(Body::Status(Status {
+                    phase: Phase::Serving as i32,
+                })),
             },
             Body::Drain(_) => std::process::exit(0),
             _ => {}
@@ -80,43 +92,78 @@ fn make(name: &str) {
     // pieces that the supervisor's own lines (on the same pipe) can split.
     let say = |what: &str, result: &dyn std::fmt::Debug| {
         use std::io::Write;
-        let _ = std::io::stderr().write_all(format!("stand-in {}: {what}: {result:?}\n", std::process::id()).as_bytes());
+        let _ = std::io::stderr()
+            .write_all(format!("stand-in {}: {what}: {result:?}\n", std::process::id()).as_bytes());
     };
-    let socket = |family| nix::sys::socket::socket(family, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None);
+    let socket = |family| {
+        nix::sys::socket::socket(family, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
+    };
     match name {
-        "execve" => say("execve", &nix::unistd::execve(c"/bin/true", &[c"true"], &[] as &[&std::ffi::CStr])),
+        "execve" => say(
+            "execve",
+            &nix::unistd::execve(c"/bin/true", &[c"true"], &[] as &[&std::ffi::CStr]),
+        ),
         "vsock" => say("socket(AF_VSOCK)", &socket(AddressFamily::Vsock)),
         "alg" => say("socket(AF_ALG)", &socket(AddressFamily::Alg)),
-        "unshare" => say("unshare", &nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER)),
+        "unshare" => say(
+            "unshare",
+            &nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER),
+        ),
         "ptrace" => say("ptrace", &nix::sys::ptrace::traceme()),
         "tiocsti" => {
-            let tty = std::fs::OpenOptions::new().read(true).write(true).open("/dev/tty");
-            say("open /dev/tty", &tty.as_ref().map(|_| "opened").map_err(|e| e.raw_os_error()));
+            let tty = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/tty");
+            say(
+                "open /dev/tty",
+                &tty.as_ref().map(|_| "opened").map_err(|e| e.raw_os_error()),
+            );
             let fd = tty.as_ref().map_or(0, |t| t.as_raw_fd());
             // SAFETY: TIOCSTI reads one byte through its pointer, which points at a
             // static C string.
             let rc = unsafe { libc::ioctl(fd, libc::TIOCSTI, c"x".as_ptr()) };
-            say("TIOCSTI", &(rc, std::io::Error::last_os_error().raw_os_error()));
+            say(
+                "TIOCSTI",
+                &(rc, std::io::Error::last_os_error().raw_os_error()),
+            );
         }
-        "readlink" => say("readlink", &std::fs::read_link("/proc/self/exe").map_err(|e| e.raw_os_error())),
+        "readlink" => say(
+            "readlink",
+            &std::fs::read_link("/proc/self/exe").map_err(|e| e.raw_os_error()),
+        ),
         other => panic!("unknown call {other:?}"),
     }
 }
 
 fn pass_a_lingering_socket(control: &std::os::fd::OwnedFd, port: u16, state_dir: &Path) -> ! {
-    let mut client = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the stalled peer");
+    let mut client =
+        std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the stalled peer");
     client.set_nonblocking(true).expect("nonblocking");
     let chunk = vec![0u8; 64 * 1024];
     while client.write(&chunk).is_ok() {}
     client.set_nonblocking(false).expect("blocking");
-    let linger = libc::linger { l_onoff: 1, l_linger: 5 };
-    nix::sys::socket::setsockopt(&client, nix::sys::socket::sockopt::Linger, &linger).expect("SO_LINGER");
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 5,
+    };
+    nix::sys::socket::setsockopt(&client, nix::sys::socket::sockopt::Linger, &linger)
+        .expect("SO_LINGER");
     std::fs::write(state_dir.join("stand-in-armed"), "").expect("write stand-in-armed");
     // Opening a FIFO for reading returns once a writer has opened it: the test's go.
     drop(std::fs::File::open(state_dir.join("stand-in-go")).expect("open the stand-in-go FIFO"));
-    fdpass::send_control(control.as_fd(), Body::Pong(Ping { seq: 1 }), &[client.as_fd()]).expect("send the socket");
+    fdpass::send_control(
+        control.as_fd(),
+        Body::Pong(Ping { seq: 1 }),
+        &[client.as_fd()],
+    )
+    .expect("send the socket");
     drop(client);
-    std::fs::write(state_dir.join("stand-in-sent"), std::process::id().to_string()).expect("write stand-in-sent");
+    std::fs::write(
+        state_dir.join("stand-in-sent"),
+        std::process::id().to_string(),
+    )
+    .expect("write stand-in-sent");
     loop {
         std::thread::park();
     }

@@ -17,13 +17,25 @@ fn fail(what: &str) -> ! {
 
 fn main() {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    let Some((cmd, rest)) = args.split_first() else { fail("usage: without-close-range CMD [ARG...]") };
-    let arch = std::env::consts::ARCH.try_into().unwrap_or_else(|e| fail(&format!("no seccomp architecture: {e}")));
+    let Some((cmd, rest)) = args.split_first() else {
+        fail("usage: without-close-range CMD [ARG...]")
+    };
+    let arch = std::env::consts::ARCH
+        .try_into()
+        .unwrap_or_else(|e| fail(&format!("no seccomp architecture: {e}")));
     let rules = [(libc::SYS_close_range, vec![])].into_iter().collect();
-    let filter = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
+    let filter = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch,
+    )
+    .unwrap_or_else(|e| fail(&format!("the filter: {e}")));
+    let program: BpfProgram = filter
+        .try_into()
         .unwrap_or_else(|e| fail(&format!("the filter: {e}")));
-    let program: BpfProgram = filter.try_into().unwrap_or_else(|e| fail(&format!("the filter: {e}")));
-    seccompiler::apply_filter(&program).unwrap_or_else(|e| fail(&format!("installing the filter: {e}")));
+    seccompiler::apply_filter(&program)
+        .unwrap_or_else(|e| fail(&format!("installing the filter: {e}")));
     // The premise, checked: a close_range of descriptors that cannot be open.
     // SAFETY: the range holds no open descriptor, so the call closes nothing either way.
     let rc = unsafe { libc::syscall(libc::SYS_close_range, u32::MAX - 1, u32::MAX, 0) };

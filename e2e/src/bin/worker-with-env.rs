@@ -18,7 +18,10 @@ use nix::fcntl::AtFlags;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().find_map(|a| a.strip_prefix(name).map(str::to_string));
+    let flag = |name: &str| {
+        args.iter()
+            .find_map(|a| a.strip_prefix(name).map(str::to_string))
+    };
     let (Some(state_dir), Some(pod)) = (flag("--state-dir="), flag("--pod-name=")) else {
         eprintln!("worker-with-env: no --state-dir= or --pod-name= in {args:?}");
         return ExitCode::from(2);
@@ -43,14 +46,20 @@ fn main() -> ExitCode {
     let mut env: Vec<(String, String)> = std::env::vars().collect();
     for line in lines {
         let Some((name, value)) = line.split_once('=') else {
-            eprintln!("worker-with-env: {}: {line:?} is not NAME=value", path.display());
+            eprintln!(
+                "worker-with-env: {}: {line:?} is not NAME=value",
+                path.display()
+            );
             return ExitCode::from(2);
         };
         env.push((name.to_string(), value.to_string()));
     }
     let cstr = |s: String| CString::new(s).expect("no NUL in an argument or variable");
     let argv: Vec<CString> = args.into_iter().map(cstr).collect();
-    let envp: Vec<CString> = env.into_iter().map(|(k, v)| cstr(format!("{k}={v}"))).collect();
+    let envp: Vec<CString> = env
+        .into_iter()
+        .map(|(k, v)| cstr(format!("{k}={v}")))
+        .collect();
     // execveat of an opened file, as the supervisor starts its worker: the seccomp allow
     // list the supervisor installed has execveat, not execve.
     let image = match File::open(worker) {

@@ -32,7 +32,11 @@ pub fn rerun_with_agent_log() {
         return;
     }
     let exe = std::env::current_exe().expect("this bench's path");
-    let status = Command::new(exe).args(std::env::args_os().skip(1)).env("AETHER_E2E_AGENT_LOG", AGENT_LOG).status().expect("run the bench again");
+    let status = Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("AETHER_E2E_AGENT_LOG", AGENT_LOG)
+        .status()
+        .expect("run the bench again");
     std::process::exit(status.code().unwrap_or(1));
 }
 
@@ -56,7 +60,12 @@ pub struct AgentLog {
 
 impl AgentLog {
     pub fn new(path: &Path) -> Self {
-        let mut log = AgentLog { path: path.to_owned(), offset: 0, partial: String::new(), push: None };
+        let mut log = AgentLog {
+            path: path.to_owned(),
+            offset: 0,
+            partial: String::new(),
+            push: None,
+        };
         log.skip_to_end();
         log
     }
@@ -80,21 +89,31 @@ impl AgentLog {
         let lines: Vec<String> = self.partial[..complete].lines().map(String::from).collect();
         self.partial.drain(..complete);
         for line in lines {
-            if !line.contains(" DEBUG aether_worker::xds::server: ") || field(&line, "type_url") != Some(EDS) {
+            if !line.contains(" DEBUG aether_worker::xds::server: ")
+                || field(&line, "type_url") != Some(EDS)
+            {
                 continue;
             }
             let at = line.split(' ').next().and_then(parse_utc);
             let nonce = field(&line, "nonce");
             if line.contains(": push ") && self.push.is_none() {
-                let since = field(&line, "since_change_us").and_then(|v| v.parse().ok()).map(Duration::from_micros);
-                let (Some(at), Some(nonce), Some(since)) = (at, nonce, since) else { panic!("unreadable push line {line:?}") };
+                let since = field(&line, "since_change_us")
+                    .and_then(|v| v.parse().ok())
+                    .map(Duration::from_micros);
+                let (Some(at), Some(nonce), Some(since)) = (at, nonce, since) else {
+                    panic!("unreadable push line {line:?}")
+                };
                 self.push = Some((nonce.to_owned(), at, since));
             } else if line.contains(": ACK ")
                 && let Some((pushed_nonce, pushed, since)) = &self.push
                 && nonce == Some(pushed_nonce.as_str())
             {
                 let acked = at.unwrap_or_else(|| panic!("unreadable ACK line {line:?}"));
-                let ex = Exchange { snapshot: *pushed - *since, pushed: *pushed, acked };
+                let ex = Exchange {
+                    snapshot: *pushed - *since,
+                    pushed: *pushed,
+                    acked,
+                };
                 self.skip_to_end();
                 return Some(ex);
             }
@@ -105,7 +124,8 @@ impl AgentLog {
     /// Polls [`AgentLog::exchange`] until it has one; an error naming `what` after
     /// `timeout`.
     pub fn wait(&mut self, what: &str, timeout: Duration) -> anyhow::Result<Exchange> {
-        try_wait_for(what, timeout, || self.exchange()).map_err(|e| anyhow::anyhow!("{e} (the agents' log filter must hold {AGENT_LOG:?})"))
+        try_wait_for(what, timeout, || self.exchange())
+            .map_err(|e| anyhow::anyhow!("{e} (the agents' log filter must hold {AGENT_LOG:?})"))
     }
 }
 
@@ -148,20 +168,41 @@ pub fn ms(d: Duration) -> f64 {
 /// Prints one row of figures: count, median, p99 and max of `v`.
 pub fn summary(name: &str, v: &[Duration]) {
     let at = |p: f64| ms(percentile(v, p).expect("samples"));
-    println!("{name:<48} n={:<4} median {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms", v.len(), at(50.0), at(99.0), at(100.0));
+    println!(
+        "{name:<48} n={:<4} median {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms",
+        v.len(),
+        at(50.0),
+        at(99.0),
+        at(100.0)
+    );
 }
 
 /// The admin path that dumps only `cluster`'s load assignment.
 pub fn eds_query(cluster: &str) -> String {
-    let escaped: String = cluster.chars().flat_map(|c| if "\\.|()[]{}^$*+?".contains(c) { vec!['\\', c] } else { vec![c] }).collect();
-    format!("/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex={}", super::encode(&format!("^{escaped}$")))
+    let escaped: String = cluster
+        .chars()
+        .flat_map(|c| {
+            if "\\.|()[]{}^$*+?".contains(c) {
+                vec!['\\', c]
+            } else {
+                vec![c]
+            }
+        })
+        .collect();
+    format!(
+        "/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex={}",
+        super::encode(&format!("^{escaped}$"))
+    )
 }
 
 /// The endpoints of one load assignment in a filtered config dump, as
 /// [`super::endpoints`] writes them; None when the dump does not hold `cluster`.
 pub fn endpoints_of(dump: &Value, cluster: &str) -> Option<Vec<String>> {
     let configs = dump["configs"].as_array()?;
-    let config = configs.iter().map(|c| &c["endpoint_config"]).find(|c| c["cluster_name"] == cluster)?;
+    let config = configs
+        .iter()
+        .map(|c| &c["endpoint_config"])
+        .find(|c| c["cluster_name"] == cluster)?;
     Some(super::load_assignment_lines(config))
 }
 
@@ -176,18 +217,29 @@ pub enum Shown {
 
 /// Waits up to a second for Envoy's config dump, filtered to `cluster`, to show `want`
 /// (sorted, as [`endpoints_of`] writes them). Err: what it showed last, if anything.
-pub fn wait_endpoints(envoy: &Envoy, cluster: &str, want: &[String]) -> Result<Shown, Option<Vec<String>>> {
+pub fn wait_endpoints(
+    envoy: &Envoy,
+    cluster: &str,
+    want: &[String],
+) -> Result<Shown, Option<Vec<String>>> {
     let query = eds_query(cluster);
     let mut got = None;
     let mut shown = Shown::AtAck;
-    let done = try_wait_for(&format!("{cluster} in Envoy's config dump"), Duration::from_secs(1), || {
-        got = envoy.get(&query).ok().and_then(|(_, b)| endpoints_of(&serde_json::from_str(&b).ok()?, cluster));
-        if got.as_deref() == Some(want) {
-            return Some(());
-        }
-        shown = Shown::Later;
-        None
-    });
+    let done = try_wait_for(
+        &format!("{cluster} in Envoy's config dump"),
+        Duration::from_secs(1),
+        || {
+            got = envoy
+                .get(&query)
+                .ok()
+                .and_then(|(_, b)| endpoints_of(&serde_json::from_str(&b).ok()?, cluster));
+            if got.as_deref() == Some(want) {
+                return Some(());
+            }
+            shown = Shown::Later;
+            None
+        },
+    );
     done.map(|()| shown).map_err(|_| got)
 }
 
@@ -202,7 +254,10 @@ mod tests {
         assert_eq!(field(line, "type_url"), Some("t"));
         assert_eq!(field(line, "absent"), None);
         let at = parse_utc("2026-01-02T03:04:05.123456Z").unwrap();
-        assert_eq!(at.duration_since(UNIX_EPOCH).unwrap(), Duration::from_secs(1_767_323_045) + Duration::from_micros(123_456));
+        assert_eq!(
+            at.duration_since(UNIX_EPOCH).unwrap(),
+            Duration::from_secs(1_767_323_045) + Duration::from_micros(123_456)
+        );
         assert_eq!(parse_utc("1970-01-01T00:00:00Z"), Some(UNIX_EPOCH));
         assert_eq!(parse_utc("not a time"), None);
     }

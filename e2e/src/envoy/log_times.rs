@@ -34,7 +34,11 @@ impl Reconnect {
 fn time_of(line: &str) -> Option<f64> {
     let stamp = line.strip_prefix('[')?.split(']').next()?;
     let mut parts = stamp.split(':');
-    let (h, m, s) = (parts.next()?.parse::<f64>().ok()?, parts.next()?.parse::<f64>().ok()?, parts.next()?.parse::<f64>().ok()?);
+    let (h, m, s) = (
+        parts.next()?.parse::<f64>().ok()?,
+        parts.next()?.parse::<f64>().ok()?,
+        parts.next()?.parse::<f64>().ok()?,
+    );
     Some(h * 3600.0 + m * 60.0 + s)
 }
 
@@ -54,7 +58,11 @@ pub fn reconnects(log: &str) -> Vec<Reconnect> {
         let open = out.last_mut().filter(|r| r.served.is_none());
         if line.contains("gRPC config stream to xds_cluster closed") {
             if open.is_none() {
-                out.push(Reconnect { down: t, up: None, served: None });
+                out.push(Reconnect {
+                    down: t,
+                    up: None,
+                    served: None,
+                });
             }
         } else if line.contains("Establishing new gRPC bidi stream") {
             if let Some(r) = open {
@@ -63,7 +71,8 @@ pub fn reconnects(log: &str) -> Vec<Reconnect> {
         } else if let Some(r) = open
             && r.up.is_some()
             && line.contains(" accepted with ")
-            && (line.contains("envoy.config.cluster.v3.Cluster ") || line.contains("envoy.config.listener.v3.Listener "))
+            && (line.contains("envoy.config.cluster.v3.Cluster ")
+                || line.contains("envoy.config.listener.v3.Listener "))
         {
             r.served = Some(t);
         }
@@ -100,17 +109,33 @@ mod tests {
         let r = reconnects(LOG);
         assert_eq!(r.len(), 3, "{r:?}");
         // Across midnight; EDS's accept does not count, CDS's does.
-        assert!(close(r[0].gap(), 0.005) && close(r[0].served_after_up(), 0.0075), "{:?}", r[0]);
+        assert!(
+            close(r[0].gap(), 0.005) && close(r[0].served_after_up(), 0.0075),
+            "{:?}",
+            r[0]
+        );
         // A connect that failed: one reconnect, timed from its last start.
-        assert!(close(r[1].gap(), 0.030) && close(r[1].served_after_up(), 0.004), "{:?}", r[1]);
+        assert!(
+            close(r[1].gap(), 0.030) && close(r[1].served_after_up(), 0.004),
+            "{:?}",
+            r[1]
+        );
         // Not reconnected when the log ends.
         assert_eq!((r[2].up, r[2].served), (None, None));
     }
 
     #[test]
     fn a_log_without_the_debug_lines_times_nothing() {
-        let info: String = LOG.lines().filter(|l| !l.contains("][debug][")).map(|l| format!("{l}\n")).collect();
-        assert!(reconnects(&info).iter().all(|r| r.gap().is_none() && r.served_after_up().is_none()));
+        let info: String = LOG
+            .lines()
+            .filter(|l| !l.contains("][debug]["))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(
+            reconnects(&info)
+                .iter()
+                .all(|r| r.gap().is_none() && r.served_after_up().is_none())
+        );
         assert!(reconnects("no timestamps here\n").is_empty());
     }
 }

@@ -34,8 +34,13 @@ use crate::testing::{LocalNode, Netns, try_wait_for, wait_for, workspace_root};
 
 pub use aether_worker::bootstrap::AdsApi;
 pub use node_rig::NodeRig;
-pub use poller::{CONNECT_FAIL, CONNECTED, POLL_PERIOD, Poller, RollTimes, STREAM_FAILURES, Sample, UPDATE_TIMES, analyze, poll_queries};
-pub use worker_rig::{RigOptions, ServiceSpec, WorkerRig, captured_logs, init_logs, registry_json, same_versions};
+pub use poller::{
+    CONNECT_FAIL, CONNECTED, POLL_PERIOD, Poller, RollTimes, STREAM_FAILURES, Sample, UPDATE_TIMES,
+    analyze, poll_queries,
+};
+pub use worker_rig::{
+    RigOptions, ServiceSpec, WorkerRig, captured_logs, init_logs, registry_json, same_versions,
+};
 
 /// The Envoy binary: `ENVOY_BIN` (which must name a file), else the one
 /// `scripts/install-envoy.sh` installs into the project's `.venv`.
@@ -80,21 +85,50 @@ impl Envoy {
     /// Renders the bootstrap into `dir` (admin pipe, config and log file there) and starts
     /// Envoy against `run_dir`'s xds.sock. As deployed, Envoy keeps no stats for the
     /// mesh's clusters and virtual hosts (the template's `stats_config`).
-    pub fn start(bin: &Path, dir: &Path, run_dir: &Path, base: Duration, max: Duration, api: AdsApi) -> std::io::Result<Envoy> {
+    pub fn start(
+        bin: &Path,
+        dir: &Path,
+        run_dir: &Path,
+        base: Duration,
+        max: Duration,
+        api: AdsApi,
+    ) -> std::io::Result<Envoy> {
         let admin = dir.join("envoy-admin.sock");
-        let config = bootstrap::render(run_dir, &Admin::Pipe(admin.clone()), "test-node", base, max, api);
+        let config = bootstrap::render(
+            run_dir,
+            &Admin::Pipe(admin.clone()),
+            "test-node",
+            base,
+            max,
+            api,
+        );
         let config_path = dir.join("envoy.yaml");
         std::fs::write(&config_path, config)?;
         let log = dir.join("envoy.log");
         let out = std::fs::File::create(&log)?;
         let mut cmd = Command::new(bin);
-        cmd.arg("-c").arg(&config_path).args(["--disable-hot-restart", "--concurrency", "2", "--log-level", "info"]);
+        cmd.arg("-c").arg(&config_path).args([
+            "--disable-hot-restart",
+            "--concurrency",
+            "2",
+            "--log-level",
+            "info",
+        ]);
         // AETHER_E2E_ENVOY_LOG sets component log levels (e.g. `config:debug,http2:debug`),
         // logged with microsecond timestamps, to trace a roll inside Envoy.
         if let Ok(levels) = std::env::var("AETHER_E2E_ENVOY_LOG") {
-            cmd.args(["--component-log-level", &levels, "--log-format", "[%H:%M:%S.%f][%t][%l][%n] %v"]);
+            cmd.args([
+                "--component-log-level",
+                &levels,
+                "--log-format",
+                "[%H:%M:%S.%f][%t][%l][%n] %v",
+            ]);
         }
-        let child = cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).spawn()?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()?;
         Ok(Envoy { child, admin, log })
     }
 
@@ -110,9 +144,14 @@ impl Envoy {
             // `ip netns exec` execs Envoy in place (no fork), so the child's pid is Envoy's.
             Some(ns) => {
                 let wrapper = dir.join("envoy-in-netns");
-                let script = format!("#!/bin/sh\nexec ip netns exec '{}' '{}' \"$@\"\n", ns.name, envoy.display());
+                let script = format!(
+                    "#!/bin/sh\nexec ip netns exec '{}' '{}' \"$@\"\n",
+                    ns.name,
+                    envoy.display()
+                );
                 std::fs::write(&wrapper, script).expect("write the netns wrapper");
-                std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod wrapper");
+                std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))
+                    .expect("chmod wrapper");
                 wrapper
             }
             None => envoy,
@@ -147,13 +186,26 @@ impl Envoy {
     /// not answer 200.
     pub fn stats(&self, names: &[&str]) -> Option<BTreeMap<String, u64>> {
         let got = self.query_stats(names)?;
-        Some(names.iter().map(|n| (n.to_string(), got.iter().find(|(k, _)| k == n).map_or(0, |(_, v)| *v))).collect())
+        Some(
+            names
+                .iter()
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        got.iter().find(|(k, _)| k == n).map_or(0, |(_, v)| *v),
+                    )
+                })
+                .collect(),
+        )
     }
 
     /// One counter or gauge by exact name; None when Envoy has no such stat or its admin
     /// does not answer 200.
     pub fn stat(&self, name: &str) -> Option<u64> {
-        self.query_stats(&[name])?.into_iter().find(|(k, _)| k == name).map(|(_, v)| v)
+        self.query_stats(&[name])?
+            .into_iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v)
     }
 
     fn query_stats(&self, names: &[&str]) -> Option<Vec<(String, u64)>> {
@@ -165,9 +217,18 @@ impl Envoy {
 
     /// Waits until Envoy holds an ADS stream and has taken a listener update on it.
     pub fn wait_connected(&self, timeout: Duration) {
-        wait_for(&format!("Envoy connected to the agent (log {})", self.log.display()), timeout, || {
-            (self.stat(CONNECTED) == Some(1) && self.stat("listener_manager.lds.update_success").unwrap_or(0) >= 1).then_some(())
-        });
+        wait_for(
+            &format!("Envoy connected to the agent (log {})", self.log.display()),
+            timeout,
+            || {
+                (self.stat(CONNECTED) == Some(1)
+                    && self
+                        .stat("listener_manager.lds.update_success")
+                        .unwrap_or(0)
+                        >= 1)
+                    .then_some(())
+            },
+        );
     }
 
     /// Everything Envoy has logged so far.
@@ -188,24 +249,39 @@ impl Drop for Envoy {
 pub fn admin_get(sock: &Path, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = UnixStream::connect(sock)?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
+    )?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     let chunked = head.lines().any(|l| {
         let l = l.to_ascii_lowercase();
         l.starts_with("transfer-encoding:") && l.contains("chunked")
     });
-    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
+    Ok((
+        status,
+        if chunked {
+            dechunk(body)
+        } else {
+            body.to_string()
+        },
+    ))
 }
 
 /// The payload of an HTTP/1.1 chunked body.
 fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
     while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16) else { break };
+        let Ok(n) = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16) else {
+            break;
+        };
         if n == 0 || rest.len() < n {
             break;
         }
@@ -218,7 +294,13 @@ fn dechunk(mut body: &str) -> String {
 /// Percent-encodes a query value.
 pub fn encode(s: &str) -> String {
     s.bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
         .collect()
 }
 
@@ -226,9 +308,24 @@ pub fn encode(s: &str) -> String {
 /// the `|` of `cluster.outbound|80||web.default.update_success`).
 pub fn exact_names(names: &[&str]) -> String {
     let escape = |n: &str| -> String {
-        n.chars().flat_map(|c| if "\\.|()[]{}^$*+?".contains(c) { vec!['\\', c] } else { vec![c] }).collect()
+        n.chars()
+            .flat_map(|c| {
+                if "\\.|()[]{}^$*+?".contains(c) {
+                    vec!['\\', c]
+                } else {
+                    vec![c]
+                }
+            })
+            .collect()
     };
-    encode(&format!("^({})$", names.iter().map(|n| escape(n)).collect::<Vec<_>>().join("|")))
+    encode(&format!(
+        "^({})$",
+        names
+            .iter()
+            .map(|n| escape(n))
+            .collect::<Vec<_>>()
+            .join("|")
+    ))
 }
 
 /// Parses Envoy's text stats (`name: value` lines); histograms are left out.
@@ -242,37 +339,63 @@ pub fn parse_stats(text: &str) -> Vec<(String, u64)> {
 // ---- config_dump readers ----
 
 fn dump_of<'a>(dump: &'a Value, kind: &str) -> Option<&'a Value> {
-    dump["configs"].as_array()?.iter().find(|c| c["@type"].as_str().is_some_and(|t| t.rsplit('.').next() == Some(kind)))
+    dump["configs"].as_array()?.iter().find(|c| {
+        c["@type"]
+            .as_str()
+            .is_some_and(|t| t.rsplit('.').next() == Some(kind))
+    })
 }
 
 /// Names of the dynamic active clusters and the CDS version.
 pub fn clusters(dump: &Value) -> (Vec<String>, String) {
-    let Some(c) = dump_of(dump, "ClustersConfigDump") else { return (vec![], String::new()) };
+    let Some(c) = dump_of(dump, "ClustersConfigDump") else {
+        return (vec![], String::new());
+    };
     let names = c["dynamic_active_clusters"]
         .as_array()
-        .map(|a| a.iter().filter_map(|x| x["cluster"]["name"].as_str().map(String::from)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x["cluster"]["name"].as_str().map(String::from))
+                .collect()
+        })
         .unwrap_or_default();
-    (names, c["version_info"].as_str().unwrap_or_default().to_string())
+    (
+        names,
+        c["version_info"].as_str().unwrap_or_default().to_string(),
+    )
 }
 
 /// Active listeners by name, with the LDS version.
 pub fn listeners(dump: &Value) -> (Vec<(String, Value)>, String) {
-    let Some(c) = dump_of(dump, "ListenersConfigDump") else { return (vec![], String::new()) };
+    let Some(c) = dump_of(dump, "ListenersConfigDump") else {
+        return (vec![], String::new());
+    };
     let ls = c["dynamic_listeners"]
         .as_array()
         .map(|a| {
             a.iter()
-                .filter_map(|x| Some((x["name"].as_str()?.to_string(), x["active_state"]["listener"].clone())))
+                .filter_map(|x| {
+                    Some((
+                        x["name"].as_str()?.to_string(),
+                        x["active_state"]["listener"].clone(),
+                    ))
+                })
                 .collect()
         })
         .unwrap_or_default();
-    (ls, c["version_info"].as_str().unwrap_or_default().to_string())
+    (
+        ls,
+        c["version_info"].as_str().unwrap_or_default().to_string(),
+    )
 }
 
 /// The RDS route configuration `name`: (version, domains of every virtual host).
 pub fn route(dump: &Value, name: &str) -> Option<(String, Vec<String>)> {
     let c = dump_of(dump, "RoutesConfigDump")?;
-    let r = c["dynamic_route_configs"].as_array()?.iter().find(|r| r["route_config"]["name"] == name)?;
+    let r = c["dynamic_route_configs"]
+        .as_array()?
+        .iter()
+        .find(|r| r["route_config"]["name"] == name)?;
     let domains = r["route_config"]["virtual_hosts"]
         .as_array()
         .map(|vs| {
@@ -282,13 +405,19 @@ pub fn route(dump: &Value, name: &str) -> Option<(String, Vec<String>)> {
                 .collect()
         })
         .unwrap_or_default();
-    Some((r["version_info"].as_str().unwrap_or_default().to_string(), domains))
+    Some((
+        r["version_info"].as_str().unwrap_or_default().to_string(),
+        domains,
+    ))
 }
 
 /// The EDS endpoints of `cluster` as "addr:port HEALTH", sorted.
 pub fn endpoints(dump: &Value, cluster: &str) -> Option<Vec<String>> {
     let c = dump_of(dump, "EndpointsConfigDump")?;
-    let e = c["dynamic_endpoint_configs"].as_array()?.iter().find(|e| e["endpoint_config"]["cluster_name"] == cluster)?;
+    let e = c["dynamic_endpoint_configs"]
+        .as_array()?
+        .iter()
+        .find(|e| e["endpoint_config"]["cluster_name"] == cluster)?;
     Some(load_assignment_lines(&e["endpoint_config"]))
 }
 
@@ -339,24 +468,44 @@ impl EnvoyPods {
             for l in config["dynamic_listeners"].as_array().into_iter().flatten() {
                 // Each pod has its own virtual listener `inbound|<uid>` (the capture
                 // listener `inbound` only hands connections over).
-                if !l["name"].as_str().is_some_and(|n| n.starts_with("inbound|")) {
+                if !l["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("inbound|"))
+                {
                     continue;
                 }
-                for chain in l["active_state"]["listener"]["filter_chains"].as_array().into_iter().flatten() {
-                    let Some(name) = chain["name"].as_str() else { continue };
+                for chain in l["active_state"]["listener"]["filter_chains"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                {
+                    let Some(name) = chain["name"].as_str() else {
+                        continue;
+                    };
                     let prefixes = chain["filter_chain_match"]["prefix_ranges"]
                         .as_array()
                         .into_iter()
                         .flatten()
                         .filter_map(|r| {
-                            Some(format!("{}/{}", r["address_prefix"].as_str()?, r["prefix_len"].as_u64()?))
+                            Some(format!(
+                                "{}/{}",
+                                r["address_prefix"].as_str()?,
+                                r["prefix_len"].as_u64()?
+                            ))
                         })
                         .collect();
                     out.chains.insert(name.to_string(), prefixes);
                 }
             }
-            for c in config["dynamic_active_clusters"].as_array().into_iter().flatten() {
-                if let Some(name) = c["cluster"]["name"].as_str().filter(|n| n.starts_with("inbound|")) {
+            for c in config["dynamic_active_clusters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                if let Some(name) = c["cluster"]["name"]
+                    .as_str()
+                    .filter(|n| n.starts_with("inbound|"))
+                {
                     out.clusters.insert(name.to_string());
                 }
             }
@@ -409,7 +558,10 @@ mod tests {
 
     #[test]
     fn dechunk_joins_chunks_and_ignores_extensions() {
-        assert_eq!(dechunk("4\r\nWiki\r\n5;x=y\r\npedia\r\n0\r\n\r\n"), "Wikipedia");
+        assert_eq!(
+            dechunk("4\r\nWiki\r\n5;x=y\r\npedia\r\n0\r\n\r\n"),
+            "Wikipedia"
+        );
         assert_eq!(dechunk("zz\r\n"), "");
     }
 

@@ -50,15 +50,21 @@ impl NodeRig {
 
     /// [`Self::start_with`], the registry from the registrar at `registrar` (the rig's
     /// service applied to it) instead of a registry file.
-    pub fn start_from(envoy_bin: &Path, api: AdsApi, registrar: Option<&str>, agent_args: &[&str]) -> NodeRig {
+    pub fn start_from(
+        envoy_bin: &Path,
+        api: AdsApi,
+        registrar: Option<&str>,
+        agent_args: &[&str],
+    ) -> NodeRig {
         let service = Self::SERVICE;
         let mut node = LocalNode::new();
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
         node.root.disable_cleanup(true);
         let root = node.root.path().to_path_buf();
         eprintln!("node folder: {}", root.display());
-        let upstreams: Vec<Upstream> =
-            (0..2).map(|i| upstream::spawn(format!("{service}-{i}\n")).expect("upstream")).collect();
+        let upstreams: Vec<Upstream> = (0..2)
+            .map(|i| upstream::spawn(format!("{service}-{i}\n")).expect("upstream"))
+            .collect();
         let endpoints: Vec<_> = upstreams
             .iter()
             .enumerate()
@@ -82,18 +88,40 @@ impl NodeRig {
         let outbound = SocketAddr::from((ip, free_port(ip).expect("free port")));
         let capture = root.join("capture.json");
         let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("free port");
-        std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string())
-            .expect("capture file");
+        std::fs::write(
+            &capture,
+            json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string(),
+        )
+        .expect("capture file");
         extra.push(format!("--capture-file={}", capture.display()));
         extra.extend(agent_args.iter().map(|a| a.to_string()));
         eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
 
         let owner = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
-        wait_for(&format!("{} to serve as owner", owner.name), T_START, || owner.serving_owner());
-        let envoy = Envoy::start(envoy_bin, &root, &node.run_dir, Duration::from_millis(100), Duration::from_secs(1), api)
-            .expect("start Envoy");
+        wait_for(
+            &format!("{} to serve as owner", owner.name),
+            T_START,
+            || owner.serving_owner(),
+        );
+        let envoy = Envoy::start(
+            envoy_bin,
+            &root,
+            &node.run_dir,
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+            api,
+        )
+        .expect("start Envoy");
         let poller = Poller::start(envoy.admin.clone());
-        let rig = NodeRig { node, extra, owner, poller, envoy, outbound, upstreams };
+        let rig = NodeRig {
+            node,
+            extra,
+            owner,
+            poller,
+            envoy,
+            outbound,
+            upstreams,
+        };
         let warming = "listener_manager.total_listeners_warming";
         wait_for(
             &format!(
@@ -103,7 +131,8 @@ impl NodeRig {
             T_START,
             || {
                 let s = rig.envoy.stats(&[CONNECTED, warming])?;
-                (s[CONNECTED] == 1 && s[warming] == 0 && load::request(outbound, service).is_ok()).then_some(())
+                (s[CONNECTED] == 1 && s[warming] == 0 && load::request(outbound, service).is_ok())
+                    .then_some(())
             },
         );
         rig
@@ -117,13 +146,19 @@ impl NodeRig {
 
     /// The named Envoy stats (a missing one reads as 0: Envoy creates some lazily).
     pub fn stats(&self, names: &[&str]) -> BTreeMap<String, u64> {
-        self.envoy
-            .stats(names)
-            .unwrap_or_else(|| panic!("Envoy admin /stats did not answer 200\n{}", self.where_to_look()))
+        self.envoy.stats(names).unwrap_or_else(|| {
+            panic!(
+                "Envoy admin /stats did not answer 200\n{}",
+                self.where_to_look()
+            )
+        })
     }
 
     pub fn config_dump(&self) -> String {
-        let (status, body) = self.envoy.get("/config_dump").expect("Envoy admin /config_dump");
+        let (status, body) = self
+            .envoy
+            .get("/config_dump")
+            .expect("Envoy admin /config_dump");
         assert_eq!(status, 200, "Envoy /config_dump answered {status}");
         body
     }
@@ -152,7 +187,10 @@ impl NodeRig {
 
     /// Where the logs are, for a failure message.
     pub fn where_to_look(&self) -> String {
-        format!("node folder {} (gen*.log, envoy.log)", self.node.root.path().display())
+        format!(
+            "node folder {} (gen*.log, envoy.log)",
+            self.node.root.path().display()
+        )
     }
 
     /// The test passed: the node folder can go.
@@ -167,5 +205,10 @@ impl NodeRig {
 /// test would be answered, and reset at exit, by the other's Envoy.
 fn own_loopback() -> Ipv4Addr {
     let pid = std::process::id();
-    Ipv4Addr::new(127, 1 + (pid / 64_000 % 250) as u8, (pid / 250 % 256) as u8, 2 + (pid % 250) as u8)
+    Ipv4Addr::new(
+        127,
+        1 + (pid / 64_000 % 250) as u8,
+        (pid / 250 % 256) as u8,
+        2 + (pid % 250) as u8,
+    )
 }

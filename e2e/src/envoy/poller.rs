@@ -27,7 +27,10 @@ pub const CONNECT_FAIL: &str = "cluster.xds_cluster.upstream_cx_connect_fail";
 /// pushes and LDS the second, so the sum moves at the first response of a new stream.
 /// Being gauges, they come in the same read as `connected_state`, so the moment a roll
 /// is seen connected again and the moment it is seen served are read alike.
-pub const UPDATE_TIMES: [&str; 2] = ["cluster_manager.cds.update_time", "listener_manager.lds.update_time"];
+pub const UPDATE_TIMES: [&str; 2] = [
+    "cluster_manager.cds.update_time",
+    "listener_manager.lds.update_time",
+];
 /// Envoy counts a CDS `update_failure` each time the ADS stream ends or a connect attempt
 /// fails (a ConnectionFailure reported to every subscription). It marks a stream's end
 /// even when the disconnected stretch was shorter than a poll and `connected_state` was
@@ -50,8 +53,14 @@ pub const STREAM_FAILURES: &str = "cluster_manager.cds.update_failure";
 /// main thread's CPU time per query (`/proc/<envoy>/task/<envoy>/stat`).
 pub fn poll_queries() -> [String; 2] {
     [
-        format!("/stats?usedonly&type=Counters&filter={}", exact_names(&[CONNECT_FAIL, STREAM_FAILURES])),
-        format!("/stats?usedonly&type=Gauges&filter={}", exact_names(&[CONNECTED, UPDATE_TIMES[0], UPDATE_TIMES[1]])),
+        format!(
+            "/stats?usedonly&type=Counters&filter={}",
+            exact_names(&[CONNECT_FAIL, STREAM_FAILURES])
+        ),
+        format!(
+            "/stats?usedonly&type=Gauges&filter={}",
+            exact_names(&[CONNECTED, UPDATE_TIMES[0], UPDATE_TIMES[1]])
+        ),
     ]
 }
 
@@ -69,7 +78,12 @@ pub struct Sample {
 
 impl Sample {
     fn values(&self) -> (bool, u64, u64, u64) {
-        (self.connected, self.updates, self.failures, self.connect_fail)
+        (
+            self.connected,
+            self.updates,
+            self.failures,
+            self.connect_fail,
+        )
     }
 }
 
@@ -115,15 +129,23 @@ impl Poller {
                 let mut prev: Option<Instant> = None;
                 while !sp.load(Ordering::Relaxed) {
                     let t0 = Instant::now();
-                    let got = admin_get(&admin, &counters).and_then(|c| Ok((c, admin_get(&admin, &gauges)?)));
+                    let got = admin_get(&admin, &counters)
+                        .and_then(|c| Ok((c, admin_get(&admin, &gauges)?)));
                     let t1 = Instant::now();
                     let t = t0 + (t1 - t0) / 2;
                     let mut s = st.lock().unwrap();
                     s.durations.push(t1 - t0);
                     match got {
                         Ok(((200, c), (200, g))) => {
-                            let stats: Vec<_> = parse_stats(&c).into_iter().chain(parse_stats(&g)).collect();
-                            let get = |n: &str| stats.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap_or(0);
+                            let stats: Vec<_> =
+                                parse_stats(&c).into_iter().chain(parse_stats(&g)).collect();
+                            let get = |n: &str| {
+                                stats
+                                    .iter()
+                                    .find(|(k, _)| k == n)
+                                    .map(|(_, v)| *v)
+                                    .unwrap_or(0)
+                            };
                             let sample = Sample {
                                 t,
                                 prev_t: prev.unwrap_or(t),
@@ -149,11 +171,17 @@ impl Poller {
                     // About one poll per 2 ms; never back to back, so the poller does
                     // not itself keep Envoy's main thread busy.
                     let spent = t0.elapsed();
-                    std::thread::sleep(period.saturating_sub(spent).max(Duration::from_micros(200)));
+                    std::thread::sleep(
+                        period.saturating_sub(spent).max(Duration::from_micros(200)),
+                    );
                 }
             })
             .expect("spawn poller");
-        Poller { state, stop, thread: Some(thread) }
+        Poller {
+            state,
+            stop,
+            thread: Some(thread),
+        }
     }
 
     pub fn last(&self) -> Option<Sample> {
@@ -174,7 +202,10 @@ impl Poller {
     /// Median and worst time one poll took since the last reset.
     pub fn poll_cost(&self) -> (Duration, Duration) {
         let d = self.state.lock().unwrap().durations.clone();
-        (percentile(&d, 50.0).unwrap_or_default(), percentile(&d, 100.0).unwrap_or_default())
+        (
+            percentile(&d, 50.0).unwrap_or_default(),
+            percentile(&d, 100.0).unwrap_or_default(),
+        )
     }
 
     pub fn polls_and_errors(&self) -> (u64, u64) {
@@ -186,7 +217,10 @@ impl Poller {
     pub fn since(&self, since: Instant) -> (Option<Sample>, Vec<Sample>) {
         let s = self.state.lock().unwrap();
         let idx = s.changes.partition_point(|x| x.t < since);
-        (idx.checked_sub(1).map(|i| s.changes[i]), s.changes[idx..].to_vec())
+        (
+            idx.checked_sub(1).map(|i| s.changes[i]),
+            s.changes[idx..].to_vec(),
+        )
     }
 
     pub fn stop(&mut self) {
@@ -212,7 +246,10 @@ fn realtime_priority() {
     // `param`, a valid sched_param on the stack, during the call.
     let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
     if rc != 0 {
-        eprintln!("   (admin poller runs without SCHED_FIFO: {})", std::io::Error::last_os_error());
+        eprintln!(
+            "   (admin poller runs without SCHED_FIFO: {})",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -248,8 +285,16 @@ impl RollTimes {
     /// "gap X ms, served gap Y ms", saying when the gap fell between two polls.
     pub fn summary(&self) -> String {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let note = if self.observed { "" } else { " (between two polls)" };
-        format!("gap {:.1} ms{note}, served gap {:.1} ms", ms(self.gap()), ms(self.served_gap()))
+        let note = if self.observed {
+            ""
+        } else {
+            " (between two polls)"
+        };
+        format!(
+            "gap {:.1} ms{note}, served gap {:.1} ms",
+            ms(self.gap()),
+            ms(self.served_gap())
+        )
     }
 }
 
@@ -258,19 +303,33 @@ impl RollTimes {
 /// new one, and is connected now.
 pub fn analyze(before: Option<Sample>, changes: &[Sample]) -> Option<RollTimes> {
     let base = before.or_else(|| changes.first().copied())?;
-    let first_end = changes.iter().position(|s| !s.connected || s.failures > base.failures)?;
+    let first_end = changes
+        .iter()
+        .position(|s| !s.connected || s.failures > base.failures)?;
     let end = changes[first_end];
-    let prev = if first_end > 0 { changes[first_end - 1] } else { base };
+    let prev = if first_end > 0 {
+        changes[first_end - 1]
+    } else {
+        base
+    };
     // Updates seen together with the end came from the old stream when connected_state
     // shows 0 (nothing is applied without a stream); when it does not, the new stream is
     // already up in that sample and its updates count as served.
-    let (down, base_updates, observed) =
-        if end.connected { (end.prev_t, prev.updates, false) } else { (end.t, end.updates, true) };
+    let (down, base_updates, observed) = if end.connected {
+        (end.prev_t, prev.updates, false)
+    } else {
+        (end.t, end.updates, true)
+    };
     let up = match changes.iter().rposition(|s| !s.connected) {
-        Some(last_down) if last_down >= first_end => changes[last_down + 1..].iter().find(|s| s.connected)?.t,
+        Some(last_down) if last_down >= first_end => {
+            changes[last_down + 1..].iter().find(|s| s.connected)?.t
+        }
         _ => end.t,
     };
-    let served = changes[first_end..].iter().find(|s| s.updates > base_updates)?.t;
+    let served = changes[first_end..]
+        .iter()
+        .find(|s| s.updates > base_updates)?
+        .t;
     let last = changes.last()?;
     if !last.connected {
         return None;
@@ -306,7 +365,12 @@ mod tests {
 
     #[test]
     fn observed_gap_and_served_gap() {
-        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (150, true, 10, 1), (152, true, 12, 1)]);
+        let s = seq(&[
+            (0, true, 10, 0),
+            (100, false, 10, 1),
+            (150, true, 10, 1),
+            (152, true, 12, 1),
+        ]);
         let r = analyze(Some(s[0]), &s[1..]).unwrap();
         assert!(r.observed);
         assert_eq!((r.up - r.down).as_millis(), 50);
@@ -327,15 +391,30 @@ mod tests {
     fn incomplete_until_served_and_connected() {
         let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (150, true, 10, 1)]);
         assert!(analyze(Some(s[0]), &s[1..]).is_none());
-        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (150, true, 10, 1), (160, false, 10, 2)]);
+        let s = seq(&[
+            (0, true, 10, 0),
+            (100, false, 10, 1),
+            (150, true, 10, 1),
+            (160, false, 10, 2),
+        ]);
         assert!(analyze(Some(s[0]), &s[1..]).is_none());
         let s = seq(&[(0, true, 10, 0), (5, true, 11, 0)]);
-        assert!(analyze(Some(s[0]), &s[1..]).is_none(), "an update on the old stream is no roll");
+        assert!(
+            analyze(Some(s[0]), &s[1..]).is_none(),
+            "an update on the old stream is no roll"
+        );
     }
 
     #[test]
     fn failed_connects_end_at_the_last_disconnect() {
-        let s = seq(&[(0, true, 10, 0), (100, false, 10, 1), (140, true, 10, 1), (142, false, 10, 2), (300, true, 10, 2), (303, true, 12, 2)]);
+        let s = seq(&[
+            (0, true, 10, 0),
+            (100, false, 10, 1),
+            (140, true, 10, 1),
+            (142, false, 10, 2),
+            (300, true, 10, 2),
+            (303, true, 12, 2),
+        ]);
         let r = analyze(Some(s[0]), &s[1..]).unwrap();
         assert_eq!((r.up - r.down).as_millis(), 200);
         assert_eq!((r.served - r.down).as_millis(), 203);

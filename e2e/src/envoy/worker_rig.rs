@@ -115,12 +115,22 @@ struct Server {
 }
 
 impl Server {
-    fn start(sock: PathBuf, node: &Node, acks: Acks, metrics: Arc<Metrics>, observed: Option<Arc<Observed>>) -> Self {
+    fn start(
+        sock: PathBuf,
+        node: &Node,
+        acks: Acks,
+        metrics: Arc<Metrics>,
+        observed: Option<Arc<Observed>>,
+    ) -> Self {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready) = std::sync::mpsc::channel();
         let snapshots = node.subscribe();
         let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(async move {
                 // A stopped server leaves its socket file, as a dead process would.
                 let _ = std::fs::remove_file(&sock);
@@ -134,7 +144,10 @@ impl Server {
             rt.shutdown_background();
         });
         ready.recv().expect("ADS server bound");
-        Self { stop: Some(stop), thread: Some(thread) }
+        Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
     }
 }
 
@@ -150,7 +163,15 @@ impl WorkerRig {
     /// from the project template speaking `api`, and waits until Envoy has ACKed the first
     /// snapshot. Call it on a multi-threaded runtime: the admin reads block their thread.
     pub async fn start(envoy_bin: &Path, registry_json: &str, api: AdsApi) -> Self {
-        Self::start_with(envoy_bin, registry_json, RigOptions { api, ..RigOptions::default() }).await
+        Self::start_with(
+            envoy_bin,
+            registry_json,
+            RigOptions {
+                api,
+                ..RigOptions::default()
+            },
+        )
+        .await
     }
 
     /// [`Self::start`] with every option.
@@ -160,37 +181,68 @@ impl WorkerRig {
         let registry_file = dir.path().join("registry.json");
         std::fs::write(&registry_file, registry_json).unwrap();
         let outbound = SocketAddr::new(
-            options.outbound_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            options
+                .outbound_ip
+                .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
             free_port(Ipv4Addr::LOCALHOST).unwrap(),
         );
         let inbound_port = free_port(Ipv4Addr::LOCALHOST).unwrap();
         let capture_file = dir.path().join("capture.json");
-        std::fs::write(&capture_file, format!(r#"{{"outbound":"{outbound}","inbound_port":{inbound_port}}}"#)).unwrap();
+        std::fs::write(
+            &capture_file,
+            format!(r#"{{"outbound":"{outbound}","inbound_port":{inbound_port}}}"#),
+        )
+        .unwrap();
 
-        let node = Node::new(Inputs { on_demand_clusters: options.on_demand, identity: options.identity, ..Inputs::default() });
+        let node = Node::new(Inputs {
+            on_demand_clusters: options.on_demand,
+            identity: options.identity,
+            ..Inputs::default()
+        });
         let observed = options.on_demand.then(|| Observed::restore(dir.path()));
         let metrics = Metrics::new();
         let t0 = Instant::now();
         let acks = Acks::default();
         let tasks = vec![
-            registry::spawn_embedded(Some(registry_file.clone()), u64::MAX, node.clone(), metrics.clone()),
+            registry::spawn_embedded(
+                Some(registry_file.clone()),
+                u64::MAX,
+                node.clone(),
+                metrics.clone(),
+            ),
             capture::spawn(Some(capture_file), node.clone(), metrics.clone()),
         ];
         let mut gates = node.gates();
-        tokio::time::timeout(Duration::from_secs(30), gates.wait_for(|g| g.registry_loaded && g.capture_landed))
-            .await
-            .expect("registry and capture land")
-            .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            gates.wait_for(|g| g.registry_loaded && g.capture_landed),
+        )
+        .await
+        .expect("registry and capture land")
+        .unwrap();
         let loaded = t0.elapsed();
 
-        let server = Server::start(dir.path().join("xds.sock"), &node, acks.clone(), metrics.clone(), observed.clone());
+        let server = Server::start(
+            dir.path().join("xds.sock"),
+            &node,
+            acks.clone(),
+            metrics.clone(),
+            observed.clone(),
+        );
         let t1 = Instant::now();
         let bin = match &options.netns {
             Some(ns) => netns_wrapper(dir.path(), ns, envoy_bin),
             None => envoy_bin.to_path_buf(),
         };
-        let envoy =
-            Envoy::start(&bin, dir.path(), dir.path(), DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_MAX, api).expect("spawn envoy");
+        let envoy = Envoy::start(
+            &bin,
+            dir.path(),
+            dir.path(),
+            DEFAULT_BACKOFF_BASE,
+            DEFAULT_BACKOFF_MAX,
+            api,
+        )
+        .expect("spawn envoy");
 
         let mut h = Self {
             dir,
@@ -208,7 +260,10 @@ impl WorkerRig {
             server: Some(server),
         };
         if !h.wait_acked_current(Duration::from_secs(120)).await {
-            panic!("Envoy did not ACK the first snapshot within 120 s; its log:\n{}", h.envoy.log_text());
+            panic!(
+                "Envoy did not ACK the first snapshot within 120 s; its log:\n{}",
+                h.envoy.log_text()
+            );
         }
         h.envoy_synced = t1.elapsed();
         h
@@ -219,15 +274,22 @@ impl WorkerRig {
     pub fn restart_server(&mut self) -> Acks {
         self.server.take();
         self.acks = Acks::default();
-        self.server =
-            Some(Server::start(self.dir.path().join("xds.sock"), &self.node, self.acks.clone(), self.metrics.clone(), self.observed.clone()));
+        self.server = Some(Server::start(
+            self.dir.path().join("xds.sock"),
+            &self.node,
+            self.acks.clone(),
+            self.metrics.clone(),
+            self.observed.clone(),
+        ));
         self.acks.clone()
     }
 
     /// Waits until Envoy has ACKed the node's current snapshot (every type's version).
     pub async fn wait_acked_current(&self, timeout: Duration) -> bool {
         let want = self.node.snapshot();
-        self.acks.wait_until(|s| same_versions(s, &want), timeout).await
+        self.acks
+            .wait_until(|s| same_versions(s, &want), timeout)
+            .await
     }
 
     /// Replaces the registry file atomically, as a ConfigMap update would, and returns
@@ -266,23 +328,41 @@ impl WorkerRig {
     /// admin `/clusters`.
     pub fn eds_health(&self, cluster: &str, addr: &str) -> Option<String> {
         let v: Value = serde_json::from_str(&self.admin("/clusters?format=json")).ok()?;
-        let c = v["cluster_statuses"].as_array()?.iter().find(|c| c["name"] == cluster)?;
+        let c = v["cluster_statuses"]
+            .as_array()?
+            .iter()
+            .find(|c| c["name"] == cluster)?;
         let host = c["host_statuses"].as_array()?.iter().find(|h| {
             let sa = &h["address"]["socket_address"];
-            format!("{}:{}", sa["address"].as_str().unwrap_or(""), sa["port_value"].as_u64().unwrap_or(0)) == addr
+            format!(
+                "{}:{}",
+                sa["address"].as_str().unwrap_or(""),
+                sa["port_value"].as_u64().unwrap_or(0)
+            ) == addr
         })?;
-        Some(host["health_status"]["eds_health_status"].as_str().unwrap_or("HEALTHY").to_string())
+        Some(
+            host["health_status"]["eds_health_status"]
+                .as_str()
+                .unwrap_or("HEALTHY")
+                .to_string(),
+        )
     }
 
     /// The worker's xDS counter `family` (acks, nacks, pushes) for one type.
     pub fn worker_counter(&self, family: &str, type_url: &str) -> u64 {
-        let label = TypeLabel { type_url: type_url.to_string() };
+        let label = TypeLabel {
+            type_url: type_url.to_string(),
+        };
         match family {
             "acks" => self.metrics.xds_acks.get_or_create(&label).get(),
             "nacks" => self.metrics.xds_nacks.get_or_create(&label).get(),
             "pushes" => self.metrics.xds_pushes.get_or_create(&label).get(),
             "resources" => self.metrics.xds_resources.get_or_create(&label).get(),
-            "initial_resources" => self.metrics.xds_initial_resources.get_or_create(&label).get(),
+            "initial_resources" => self
+                .metrics
+                .xds_initial_resources
+                .get_or_create(&label)
+                .get(),
             _ => panic!("unknown family {family}"),
         }
     }
@@ -293,9 +373,13 @@ impl WorkerRig {
 /// Envoy.
 fn netns_wrapper(dir: &Path, ns: &str, envoy_bin: &Path) -> PathBuf {
     let wrapper = dir.join("envoy-in-netns");
-    let script = format!("#!/bin/sh\nexec ip netns exec '{ns}' '{}' \"$@\"\n", envoy_bin.display());
+    let script = format!(
+        "#!/bin/sh\nexec ip netns exec '{ns}' '{}' \"$@\"\n",
+        envoy_bin.display()
+    );
     std::fs::write(&wrapper, script).expect("write the netns wrapper");
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod the netns wrapper");
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))
+        .expect("chmod the netns wrapper");
     wrapper
 }
 

@@ -49,7 +49,10 @@ impl Cni {
             .env("CNI_PATH", self.bin.parent().unwrap_or(Path::new("/")))
             .env(
                 "CNI_ARGS",
-                format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=churn;K8S_POD_NAME={};K8S_POD_UID={}", pod.name, pod.uid),
+                format!(
+                    "IgnoreUnknown=1;K8S_POD_NAMESPACE=churn;K8S_POD_NAME={};K8S_POD_UID={}",
+                    pod.name, pod.uid
+                ),
             )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -57,7 +60,12 @@ impl Cni {
             .spawn()
             .map_err(|e| format!("spawn {}: {e}", self.bin.display()))?;
         let conf = self.config(ip);
-        child.stdin.take().expect("stdin").write_all(conf.as_bytes()).map_err(|e| format!("stdin: {e}"))?;
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(conf.as_bytes())
+            .map_err(|e| format!("stdin: {e}"))?;
         let out = child.wait_with_output().map_err(|e| format!("wait: {e}"))?;
         if out.status.success() {
             Ok(())
@@ -134,7 +142,13 @@ impl Pods {
         let n = self.next;
         // 10.<net>.0.0/16 minus .0.x: unique per pod, never the gateway.
         let ip = Ipv4Addr::new(10, self.net, (1 + n / 250) as u8, (1 + n % 250) as u8);
-        (PodId { uid: format!("{}pod-{n:05}-uid", self.prefix), name: format!("{}churn-{n}", self.prefix) }, ip)
+        (
+            PodId {
+                uid: format!("{}pod-{n:05}-uid", self.prefix),
+                name: format!("{}churn-{n}", self.prefix),
+            },
+            ip,
+        )
     }
 
     fn note_err(&mut self, e: String) {
@@ -233,7 +247,10 @@ impl Churn {
                         adds += 1;
                         mine.push(pod);
                     }
-                    if step.is_multiple_of(2) && !mine.is_empty() && del_one(&cni, &pods, mine.remove(0)) {
+                    if step.is_multiple_of(2)
+                        && !mine.is_empty()
+                        && del_one(&cni, &pods, mine.remove(0))
+                    {
                         dels += 1;
                     }
                     std::thread::sleep(Duration::from_millis(5));
@@ -241,12 +258,18 @@ impl Churn {
                 (adds, dels)
             })
             .expect("spawn churn");
-        Churn { stop, thread: Some(thread) }
+        Churn {
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Stops after the call in flight; (successful ADDs, successful DELs).
     pub fn stop(mut self) -> (u64, u64) {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.take().map(|t| t.join().unwrap_or((0, 0))).unwrap_or((0, 0))
+        self.thread
+            .take()
+            .map(|t| t.join().unwrap_or((0, 0)))
+            .unwrap_or((0, 0))
     }
 }

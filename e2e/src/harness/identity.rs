@@ -75,10 +75,13 @@ impl NodeIdentity {
     pub fn start(root: &Path, mtls: Mtls) -> Result<NodeIdentity> {
         let dir = root.join("identity");
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).with_context(|| format!("chmod {}", dir.display()))?;
-        let provider = IdentityProvider::start(&dir, TRUST_DOMAIN).context("start the test identity provider")?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("chmod {}", dir.display()))?;
+        let provider = IdentityProvider::start(&dir, TRUST_DOMAIN)
+            .context("start the test identity provider")?;
         for p in [provider.workload_socket(), provider.delegated_socket()] {
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).with_context(|| format!("chmod {}", p.display()))?;
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666))
+                .with_context(|| format!("chmod {}", p.display()))?;
         }
         Ok(NodeIdentity { provider, mtls })
     }
@@ -86,8 +89,14 @@ impl NodeIdentity {
     /// The agent's identity flags (the supervisor passes them on to its worker).
     pub fn agent_args(&self) -> Vec<String> {
         vec![
-            format!("--spiffe-endpoint=unix://{}", self.provider.workload_socket().display()),
-            format!("--spiffe-broker-endpoint=unix://{}", self.provider.delegated_socket().display()),
+            format!(
+                "--spiffe-endpoint=unix://{}",
+                self.provider.workload_socket().display()
+            ),
+            format!(
+                "--spiffe-broker-endpoint=unix://{}",
+                self.provider.delegated_socket().display()
+            ),
             format!("--trust-domain={}", self.provider.trust_domain()),
             format!("--mtls={}", self.mtls.name()),
         ]
@@ -101,7 +110,8 @@ pub fn envoy_serials(envoy: &Envoy) -> Result<BTreeSet<String>> {
     if status != 200 {
         bail!("Envoy /certs answered {status}");
     }
-    let v: Value = serde_json::from_str(&body).map_err(|e| anyhow!("Envoy /certs is not JSON: {e}"))?;
+    let v: Value =
+        serde_json::from_str(&body).map_err(|e| anyhow!("Envoy /certs is not JSON: {e}"))?;
     let mut out = BTreeSet::new();
     for c in v["certificates"].as_array().into_iter().flatten() {
         for chain in c["cert_chain"].as_array().into_iter().flatten() {
@@ -115,16 +125,25 @@ pub fn envoy_serials(envoy: &Envoy) -> Result<BTreeSet<String>> {
 
 /// The pods of `pods` whose current SVID is not in Envoy's `/certs` by `deadline` (read
 /// at least once), each named with why.
-pub fn missing_svids(envoy: &Envoy, provider: &IdentityProvider, pods: &[PodId], deadline: Instant) -> Result<Vec<String>> {
+pub fn missing_svids(
+    envoy: &Envoy,
+    provider: &IdentityProvider,
+    pods: &[PodId],
+    deadline: Instant,
+) -> Result<Vec<String>> {
     loop {
         let serials = envoy_serials(envoy)?;
         let missing: Vec<String> = pods
             .iter()
             .filter_map(|p| match provider.serial_of_pod(&p.uid) {
-                None => Some(format!("pod {} ({}): never subscribed at the identity provider", p.uid, p.name)),
-                Some(s) if !serials.contains(&s.to_lowercase()) => {
-                    Some(format!("pod {} ({}): its SVID (serial {s}) is not in Envoy's /certs", p.uid, p.name))
-                }
+                None => Some(format!(
+                    "pod {} ({}): never subscribed at the identity provider",
+                    p.uid, p.name
+                )),
+                Some(s) if !serials.contains(&s.to_lowercase()) => Some(format!(
+                    "pod {} ({}): its SVID (serial {s}) is not in Envoy's /certs",
+                    p.uid, p.name
+                )),
                 Some(_) => None,
             })
             .collect();
@@ -137,7 +156,12 @@ pub fn missing_svids(envoy: &Envoy, provider: &IdentityProvider, pods: &[PodId],
 
 /// When a `/certs` read first showed the pod's current SVID serial; None when none did by
 /// `deadline` (read at least once).
-pub fn wait_serial(envoy: &Envoy, provider: &IdentityProvider, uid: &str, deadline: Instant) -> Result<Option<Instant>> {
+pub fn wait_serial(
+    envoy: &Envoy,
+    provider: &IdentityProvider,
+    uid: &str,
+    deadline: Instant,
+) -> Result<Option<Instant>> {
     loop {
         if let Some(s) = provider.serial_of_pod(uid) {
             let serials = envoy_serials(envoy)?;

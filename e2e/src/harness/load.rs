@@ -67,7 +67,11 @@ impl Load {
                     .expect("spawn load thread")
             })
             .collect();
-        Load { counters, stop, threads }
+        Load {
+            counters,
+            stop,
+            threads,
+        }
     }
 
     pub fn requests(&self) -> u64 {
@@ -95,19 +99,28 @@ pub fn request(target: SocketAddr, host: &str) -> Result<(), String> {
     } else {
         let first = text.lines().next().unwrap_or("");
         let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-        Err(format!("status {status} ({first:?}, body {:?})", body.chars().take(120).collect::<String>()))
+        Err(format!(
+            "status {status} ({first:?}, body {:?})",
+            body.chars().take(120).collect::<String>()
+        ))
     }
 }
 
 /// One GET through the proxy: (status, body) of whatever it answered.
 pub fn get(target: SocketAddr, host: &str) -> Result<(u16, String), String> {
     let text = exchange(target, host)?;
-    Ok((status_of(&text), text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+    Ok((
+        status_of(&text),
+        text.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default(),
+    ))
 }
 
 /// Sends `GET /` with `Host: host` on a new connection and reads the answer to its end.
 fn exchange(target: SocketAddr, host: &str) -> Result<String, String> {
-    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).map_err(|e| format!("connect: {e}"))?;
+    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2))
+        .map_err(|e| format!("connect: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
     s.set_write_timeout(Some(Duration::from_secs(5))).ok();
     s.set_nodelay(true).ok();
@@ -119,5 +132,8 @@ fn exchange(target: SocketAddr, host: &str) -> Result<String, String> {
 }
 
 fn status_of(text: &str) -> u16 {
-    text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
 }

@@ -32,7 +32,9 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 use crate::envoy::{self, Envoy, Poller, RollTimes};
-use crate::testing::{Agent, Keeper, LocalNode, bin, free_port, percentile, try_wait_for, workspace_root};
+use crate::testing::{
+    Agent, Keeper, LocalNode, bin, free_port, percentile, try_wait_for, workspace_root,
+};
 use churn::{Churn, Cni, Pods};
 use two_node::{CrossDrain, PeerNode, SharedRegistry};
 
@@ -104,7 +106,10 @@ pub fn parse_duration(s: &str) -> Result<Duration> {
     } else {
         (s, 1.0)
     };
-    let v: f64 = num.trim().parse().map_err(|_| anyhow!("{s:?} is not a duration like 0.1s or 100ms"))?;
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| anyhow!("{s:?} is not a duration like 0.1s or 100ms"))?;
     if !(v.is_finite() && v > 0.0) {
         bail!("{s:?} must be a positive duration");
     }
@@ -115,7 +120,10 @@ impl Config {
     pub fn from_env() -> Result<Config> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         let rolls: u32 = match var("ARG_ROLLS") {
-            Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_ROLLS={v:?} is not a whole number"))?,
+            Some(v) => v
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("ARG_ROLLS={v:?} is not a whole number"))?,
             None => 20,
         };
         if rolls == 0 {
@@ -134,23 +142,37 @@ impl Config {
             None => None,
         };
         let rps: u32 = match var("ARG_LOAD_RPS") {
-            Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_LOAD_RPS={v:?} is not a whole number"))?,
+            Some(v) => v
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("ARG_LOAD_RPS={v:?} is not a whole number"))?,
             None => 200,
         };
-        let backoff_base = parse_duration(&var("ARG_BACKOFF_BASE").unwrap_or_else(|| "0.1s".into())).context("ARG_BACKOFF_BASE")?;
-        let backoff_max = parse_duration(&var("ARG_BACKOFF_MAX").unwrap_or_else(|| "1s".into())).context("ARG_BACKOFF_MAX")?;
+        let backoff_base =
+            parse_duration(&var("ARG_BACKOFF_BASE").unwrap_or_else(|| "0.1s".into()))
+                .context("ARG_BACKOFF_BASE")?;
+        let backoff_max = parse_duration(&var("ARG_BACKOFF_MAX").unwrap_or_else(|| "1s".into()))
+            .context("ARG_BACKOFF_MAX")?;
         if backoff_max < backoff_base {
             bail!("ARG_BACKOFF_MAX ({backoff_max:?}) is below ARG_BACKOFF_BASE ({backoff_base:?})");
         }
         let xds_api = match var("ARG_XDS_API") {
-            Some(v) => v.trim().parse().map_err(|e: String| anyhow!("ARG_XDS_API: {e}"))?,
+            Some(v) => v
+                .trim()
+                .parse()
+                .map_err(|e: String| anyhow!("ARG_XDS_API: {e}"))?,
             None => envoy::AdsApi::default(),
         };
-        let results_dir = var("ARG_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("e2e/results"));
+        let results_dir = var("ARG_RESULTS_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
         let mesh_services = match var("ARG_MESH_SERVICES") {
-            Some(v) => v.trim().parse().map_err(|_| anyhow!("ARG_MESH_SERVICES={v:?} is not a whole number"))?,
+            Some(v) => v
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("ARG_MESH_SERVICES={v:?} is not a whole number"))?,
             None => 0,
         };
         let nodes: u8 = match var("ARG_NODES").as_deref().map(str::trim) {
@@ -158,12 +180,29 @@ impl Config {
             Some("2") => 2,
             Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
         };
-        let identity = var("ARG_IDENTITY").map(|v| identity::Mtls::parse(&v)).transpose()?;
+        let identity = var("ARG_IDENTITY")
+            .map(|v| identity::Mtls::parse(&v))
+            .transpose()?;
         let poll_period = match var("ARG_POLL_PERIOD") {
             Some(v) => parse_duration(&v).context("ARG_POLL_PERIOD")?,
             None => envoy::POLL_PERIOD,
         };
-        Ok(Config { rolls, modes, all, bound, rps, backoff_base, backoff_max, xds_api, results_dir, envoy, mesh_services, nodes, identity, poll_period })
+        Ok(Config {
+            rolls,
+            modes,
+            all,
+            bound,
+            rps,
+            backoff_base,
+            backoff_max,
+            xds_api,
+            results_dir,
+            envoy,
+            mesh_services,
+            nodes,
+            identity,
+            poll_period,
+        })
     }
 
     pub fn bound(&self, mode: Mode) -> f64 {
@@ -289,15 +328,24 @@ impl ModeResult {
         let mut f: Vec<String> = self.errors.clone();
         let gaps = self.gaps();
         if (gaps.len() as u32) < want_rolls {
-            f.push(format!("{} of {want_rolls} rolls measured a gap", gaps.len()));
+            f.push(format!(
+                "{} of {want_rolls} rolls measured a gap",
+                gaps.len()
+            ));
         }
         if let Some(p99) = percentile(&gaps, 99.0)
             && p99 > self.bound
         {
-            f.push(format!("p99 gap {p99:.3} s exceeds ARG_BOUND {:.3} s", self.bound));
+            f.push(format!(
+                "p99 gap {p99:.3} s exceeds ARG_BOUND {:.3} s",
+                self.bound
+            ));
         }
         if self.failed_requests > 0 {
-            f.push(format!("{} of {} requests failed", self.failed_requests, self.requests));
+            f.push(format!(
+                "{} of {} requests failed",
+                self.failed_requests, self.requests
+            ));
         }
         if self.lost() > 0 {
             f.push(format!("{} acknowledged pod ADDs were lost", self.lost()));
@@ -305,9 +353,16 @@ impl ModeResult {
         // In every mode: in recreate the node's socket keeper holds the listener between
         // the generations.
         if self.refused() > 0 {
-            f.push(format!("Envoy had {} refused connects to xds.sock", self.refused()));
+            f.push(format!(
+                "Envoy had {} refused connects to xds.sock",
+                self.refused()
+            ));
         }
-        let reconnect: u64 = self.rolls.iter().filter_map(|r| r.reconnect_resources).sum();
+        let reconnect: u64 = self
+            .rolls
+            .iter()
+            .filter_map(|r| r.reconnect_resources)
+            .sum();
         if self.expect_empty_reconnects && reconnect > 0 {
             f.push(format!("the new owners sent {reconnect} resources on Envoy's reconnects, which held them already"));
         }
@@ -329,8 +384,11 @@ impl ModeResult {
     /// of its reconnects (from the old stream's end to the first update on the new one),
     /// and the rest, timed while node A's Envoy was served.
     pub fn drains_across_reconnects(&self) -> (Vec<f64>, Vec<f64>) {
-        let Some(d) = &self.cross_drain else { return (vec![], vec![]) };
-        let windows: Vec<(Instant, Instant)> = self.rolls.iter().filter_map(|r| r.unserved).collect();
+        let Some(d) = &self.cross_drain else {
+            return (vec![], vec![]);
+        };
+        let windows: Vec<(Instant, Instant)> =
+            self.rolls.iter().filter_map(|r| r.unserved).collect();
         let (mut across, mut served) = (Vec::new(), Vec::new());
         for (s, (from, to)) in d.samples.iter().zip(&d.spans) {
             let crossed = windows.iter().any(|(down, up)| from < up && to > down);
@@ -343,9 +401,17 @@ impl ModeResult {
         let mode = self.mode.expect("mode set");
         let g = report::summarize(&self.gaps());
         let s = report::summarize(&self.served_gaps());
-        let excess: Vec<f64> = self.rolls.iter().filter_map(|r| Some(r.served_gap? - r.gap?)).collect();
+        let excess: Vec<f64> = self
+            .rolls
+            .iter()
+            .filter_map(|r| Some(r.served_gap? - r.gap?))
+            .collect();
         let envoy_gap: Vec<f64> = self.rolls.iter().filter_map(|r| r.envoy_gap).collect();
-        let envoy_served: Vec<f64> = self.rolls.iter().filter_map(|r| r.envoy_served_after_up).collect();
+        let envoy_served: Vec<f64> = self
+            .rolls
+            .iter()
+            .filter_map(|r| r.envoy_served_after_up)
+            .collect();
         let warmups: Vec<f64> = self.rolls.iter().filter_map(|r| r.warmup).collect();
         let reconnect: Option<u64> = self.rolls.iter().map(|r| r.reconnect_resources).sum();
         let r = |x: f64| (x * 1e6).round() / 1e6;
@@ -394,7 +460,11 @@ impl ModeResult {
             "nodes": self.nodes,
         });
         if self.nodes == 2 {
-            let drains = self.cross_drain.as_ref().map(|d| d.samples.as_slice()).unwrap_or_default();
+            let drains = self
+                .cross_drain
+                .as_ref()
+                .map(|d| d.samples.as_slice())
+                .unwrap_or_default();
             let d = report::summarize(drains);
             let (across, served) = self.drains_across_reconnects();
             let extra = json!({
@@ -409,13 +479,19 @@ impl ModeResult {
                 "eds_equal_registrar": matches!(self.eds_equal_registrar, Some(Ok(()))),
                 "peer_node_dir": self.peer_dir.as_ref().map(|p| p.display().to_string()),
             });
-            v.as_object_mut().expect("an object").extend(extra.as_object().expect("an object").clone());
+            v.as_object_mut()
+                .expect("an object")
+                .extend(extra.as_object().expect("an object").clone());
         }
         if let Some(mtls) = self.identity {
             let w = report::summarize(&self.svid_waits());
             let o = report::summarize(&self.overlap_svids());
             let ms = |x: f64| (x * 1e6).round() / 1e3;
-            let overlap_rolls = self.rolls.iter().filter(|r| r.overlap_pod.is_some()).count();
+            let overlap_rolls = self
+                .rolls
+                .iter()
+                .filter(|r| r.overlap_pod.is_some())
+                .count();
             let extra = json!({
                 "identity": mtls.name(),
                 "trust_domain": identity::TRUST_DOMAIN,
@@ -432,7 +508,9 @@ impl ModeResult {
                 "overlap_pod_svid_max_ms": (o.n > 0).then(|| ms(o.max)),
                 "load_path": "plaintext to loopback upstreams (not pods)",
             });
-            v.as_object_mut().expect("an object").extend(extra.as_object().expect("an object").clone());
+            v.as_object_mut()
+                .expect("an object")
+                .extend(extra.as_object().expect("an object").clone());
         }
         v
     }
@@ -496,7 +574,9 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
                 json!({ "address": u.addr.ip().to_string(), "port": u.addr.port(), "pod": format!("{name}-{i}") })
             });
         }
-        services.push(json!({ "name": name, "namespace": "default", "ports": [80], "endpoints": endpoints }));
+        services.push(
+            json!({ "name": name, "namespace": "default", "ports": [80], "endpoints": endpoints }),
+        );
     }
     let registry = root.join("registry.json");
     let doc = if cfg.mesh_services > 0 {
@@ -522,9 +602,16 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         // One registrar for both nodes, holding what the file would; node B starts first,
         // as a node already in the mesh.
         let shared = SharedRegistry::start(&root)?;
-        shared.apply("registry.json", &doc).context("apply the services at the registrar")?;
-        eprintln!("   registrar {} (TLS) on etcd; node A {}", shared.addr(), root.display());
-        let peer = PeerNode::start(cfg, &shared.agent_flags(), SERVICES[0]).inspect_err(|_| shared.keep_log(&root))?;
+        shared
+            .apply("registry.json", &doc)
+            .context("apply the services at the registrar")?;
+        eprintln!(
+            "   registrar {} (TLS) on etcd; node A {}",
+            shared.addr(),
+            root.display()
+        );
+        let peer = PeerNode::start(cfg, &shared.agent_flags(), SERVICES[0])
+            .inspect_err(|_| shared.keep_log(&root))?;
         eprintln!("   node B {}", peer.dir().display());
         node.node_name = two_node::NODE_A.into();
         extra.extend(shared.agent_flags());
@@ -537,42 +624,77 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
 
     let cold = Instant::now();
     let first = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
-    try_wait_for("the first agent to own the node", T_START, || first.serving_owner())
-        .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
+    try_wait_for("the first agent to own the node", T_START, || {
+        first.serving_owner()
+    })
+    .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
     let cold_start = cold.elapsed();
     // As the chart runs it, outside the agent's pod; it fetches the owner's sockets.
     let keeper = node.start_keeper();
-    try_wait_for("the socket keeper to hold the owner's sockets", T_START, || {
-        keeper.log().contains("keeping the owner's node sockets").then_some(())
-    })
+    try_wait_for(
+        "the socket keeper to hold the owner's sockets",
+        T_START,
+        || {
+            keeper
+                .log()
+                .contains("keeping the owner's node sockets")
+                .then_some(())
+        },
+    )
     .with_context(|| format!("keeper log:\n{}", keeper.log()))?;
-    let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api)
-        .context("start Envoy")?;
-    try_wait_for("Envoy to connect and take its first config", T_START, || {
-        let stats = envoy.stats(&[envoy::CONNECTED, envoy::UPDATE_TIMES[1]])?;
-        (stats[envoy::CONNECTED] == 1 && stats[envoy::UPDATE_TIMES[1]] > 0).then_some(())
-    })
+    let envoy = Envoy::start(
+        &cfg.envoy,
+        &root,
+        &node.run_dir,
+        cfg.backoff_base,
+        cfg.backoff_max,
+        cfg.xds_api,
+    )
+    .context("start Envoy")?;
+    try_wait_for(
+        "Envoy to connect and take its first config",
+        T_START,
+        || {
+            let stats = envoy.stats(&[envoy::CONNECTED, envoy::UPDATE_TIMES[1]])?;
+            (stats[envoy::CONNECTED] == 1 && stats[envoy::UPDATE_TIMES[1]] > 0).then_some(())
+        },
+    )
     .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
     for s in SERVICES {
-        try_wait_for(&format!("service {s} to answer through Envoy's outbound listener {outbound}"), T_START, || {
-            load::request(outbound, s).ok()
-        })
+        try_wait_for(
+            &format!("service {s} to answer through Envoy's outbound listener {outbound}"),
+            T_START,
+            || load::request(outbound, s).ok(),
+        )
         .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
     }
-    let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
+    let cni = Arc::new(Cni {
+        bin: bin("aether-cni"),
+        socket: node.cni_sock(),
+    });
     let pods = Arc::new(Mutex::new(Pods::default()));
     // A few pods that live through every roll.
     for _ in 0..5 {
         if churn::add_one(&cni, &pods).is_none() {
-            bail!("ADD before the first roll failed: {:?}", pods.lock().unwrap().errors);
+            bail!(
+                "ADD before the first roll failed: {:?}",
+                pods.lock().unwrap().errors
+            );
         }
     }
     if let Some(id) = &node_identity {
         // Before the first roll, the first owner serves each of them with its SVID.
         let live: Vec<churn::PodId> = pods.lock().unwrap().live.keys().cloned().collect();
-        let missing = identity::missing_svids(&envoy, &id.provider, &live, Instant::now() + Duration::from_secs(10))?;
+        let missing = identity::missing_svids(
+            &envoy,
+            &id.provider,
+            &live,
+            Instant::now() + Duration::from_secs(10),
+        )?;
         if !missing.is_empty() {
-            let certs = identity::envoy_serials(&envoy).map(|s| s.len().to_string()).unwrap_or_else(|e| format!("? ({e})"));
+            let certs = identity::envoy_serials(&envoy)
+                .map(|s| s.len().to_string())
+                .unwrap_or_else(|e| format!("? ({e})"));
             bail!(
                 "before the first roll, 10 s after the ADDs: {} (Envoy's /certs lists {certs} certificates); logs: {}, {}",
                 missing.join("; "),
@@ -611,7 +733,8 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     let mut res = ModeResult {
         mode: Some(mode),
         bound: cfg.bound(mode),
-        expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some() && cfg.xds_api == envoy::AdsApi::Delta,
+        expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some()
+            && cfg.xds_api == envoy::AdsApi::Delta,
         nodes: cfg.nodes,
         identity: cfg.identity,
         ..Default::default()
@@ -623,8 +746,14 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     eprintln!(
         "== {}{}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
         mode.name(),
-        if cfg.nodes == 2 { ", two nodes (node A rolled, node B's pods draining)" } else { "" },
-        cfg.identity.map(|m| format!(", workload identity ({} mTLS)", m.name())).unwrap_or_default(),
+        if cfg.nodes == 2 {
+            ", two nodes (node A rolled, node B's pods draining)"
+        } else {
+            ""
+        },
+        cfg.identity
+            .map(|m| format!(", workload identity ({} mTLS)", m.name()))
+            .unwrap_or_default(),
         cfg.rolls,
         cfg.rps,
         cfg.backoff_base,
@@ -652,10 +781,16 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     std::thread::sleep(Duration::from_millis(50));
     poller.reset_interval();
     // Envoy's own timing of the rolls' reconnects starts from here in its log.
-    let log_from = std::fs::metadata(&bench.envoy.log).map(|m| m.len()).unwrap_or(0);
+    let log_from = std::fs::metadata(&bench.envoy.log)
+        .map(|m| m.len())
+        .unwrap_or(0);
     let hosts: Vec<String> = SERVICES.iter().map(|s| s.to_string()).collect();
     let load = load::Load::start(bench.outbound, hosts, cfg.rps);
-    let drain = bench.registry.as_ref().zip(bench.peer.as_ref()).map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone()));
+    let drain = bench
+        .registry
+        .as_ref()
+        .zip(bench.peer.as_ref())
+        .map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone()));
     std::thread::sleep(Duration::from_millis(300));
 
     for i in 1..=cfg.rolls {
@@ -663,13 +798,20 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         match roll(&mut bench, &poller, mode) {
             Ok(mut r) => {
                 r.failed_requests = load.failures() - failed_before;
-                let ms = |x: Option<f64>| x.map(|v| format!("{:.1} ms", v * 1000.0)).unwrap_or("-".into());
+                let ms = |x: Option<f64>| {
+                    x.map(|v| format!("{:.1} ms", v * 1000.0))
+                        .unwrap_or("-".into())
+                };
                 eprintln!(
                     "[{} {i}/{}] gap {}{} served_gap {} stream_failures {} refused {} failed_requests {} adds {} dels {} lost {} | after the {}: stream end {:.0} ms, old exit {}, new owner on /ready {:.0} ms",
                     mode.name(),
                     cfg.rolls,
                     ms(r.gap),
-                    if r.observed { "" } else { " (between two polls)" },
+                    if r.observed {
+                        ""
+                    } else {
+                        " (between two polls)"
+                    },
                     ms(r.served_gap),
                     r.stream_failures,
                     r.refused,
@@ -677,19 +819,36 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
                     r.adds,
                     r.dels,
                     r.lost,
-                    if mode == Mode::WorkerCrash { "SIGKILL" } else { "SIGTERM" },
+                    if mode == Mode::WorkerCrash {
+                        "SIGKILL"
+                    } else {
+                        "SIGTERM"
+                    },
                     r.stream_end_after_action * 1000.0,
-                    r.old_exit_after_action.map(|x| format!("{:.0} ms", x * 1000.0)).unwrap_or("-".into()),
+                    r.old_exit_after_action
+                        .map(|x| format!("{:.0} ms", x * 1000.0))
+                        .unwrap_or("-".into()),
                     r.takeover * 1000.0
                 );
                 if bench.identity.is_some() {
                     eprintln!(
                         "   identity: takeover svid_wait {} (pods still without one: {}); overlap pod {} SVID in Envoy {} after the new owner served; {} of {} present pods' SVIDs in Envoy",
-                        r.svid_wait.map(|s| format!("{:.3} ms", s * 1000.0)).unwrap_or("-".into()),
-                        r.svid_wait_missed.map(|n| n.to_string()).unwrap_or("-".into()),
+                        r.svid_wait
+                            .map(|s| format!("{:.3} ms", s * 1000.0))
+                            .unwrap_or("-".into()),
+                        r.svid_wait_missed
+                            .map(|n| n.to_string())
+                            .unwrap_or("-".into()),
                         r.overlap_pod.as_deref().unwrap_or("-"),
-                        r.overlap_svid.map(|s| format!("{:.1} ms", s * 1000.0)).unwrap_or("-".into()),
-                        (r.svid_checked as usize).saturating_sub(r.svid_misses.iter().filter(|m| !m.starts_with("overlap pod")).count()),
+                        r.overlap_svid
+                            .map(|s| format!("{:.1} ms", s * 1000.0))
+                            .unwrap_or("-".into()),
+                        (r.svid_checked as usize).saturating_sub(
+                            r.svid_misses
+                                .iter()
+                                .filter(|m| !m.starts_with("overlap pod"))
+                                .count()
+                        ),
                         r.svid_checked
                     );
                 }
@@ -702,7 +861,10 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
             }
         }
         if !bench.envoy.alive() {
-            res.errors.push(format!("Envoy exited; its log: {}", bench.envoy.log.display()));
+            res.errors.push(format!(
+                "Envoy exited; its log: {}",
+                bench.envoy.log.display()
+            ));
             break;
         }
         std::thread::sleep(Duration::from_millis(150));
@@ -725,7 +887,12 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         .unwrap()
         .iter()
         .take(10)
-        .map(|(t, h, w)| format!("+{:.3}s {h}: {w}", t0.map(|t0| (*t - t0).as_secs_f64()).unwrap_or(0.0)))
+        .map(|(t, h, w)| {
+            format!(
+                "+{:.3}s {h}: {w}",
+                t0.map(|t0| (*t - t0).as_secs_f64()).unwrap_or(0.0)
+            )
+        })
         .collect();
     res.stuck_dels = churn::settle(&bench.cni, &bench.pods, Duration::from_secs(5));
     res.cni_errors = bench.pods.lock().unwrap().errors.clone();
@@ -735,8 +902,15 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     }
     res.envoy_rss_mib = Some(crate::testing::memory_kib(bench.envoy.pid()).0 as f64 / 1024.0);
     if let (Some(registry), Some(peer)) = (&bench.registry, &bench.peer) {
-        let envoys = [("node A's Envoy", &bench.envoy), ("node B's Envoy", &peer.envoy)];
-        res.eds_equal_registrar = Some(two_node::eds_check(registry, &envoys, Duration::from_secs(10)));
+        let envoys = [
+            ("node A's Envoy", &bench.envoy),
+            ("node B's Envoy", &peer.envoy),
+        ];
+        res.eds_equal_registrar = Some(two_node::eds_check(
+            registry,
+            &envoys,
+            Duration::from_secs(10),
+        ));
     }
     if res.failures(cfg.rolls).is_empty() && std::env::var_os("ARG_KEEP_NODE").is_none() {
         bench.node.root.disable_cleanup(false);
@@ -757,13 +931,19 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
 /// Each roll's gap and served gap minus gap as Envoy's log times them, from `from` (a
 /// byte offset) on: one reconnect per roll, in order, when its config log is at debug.
 fn envoy_log_times(log: &Path, from: u64, rolls: &mut [Roll]) {
-    let text = std::fs::read(log).map(|b| String::from_utf8_lossy(b.get(from as usize..).unwrap_or_default()).into_owned()).unwrap_or_default();
+    let text = std::fs::read(log)
+        .map(|b| String::from_utf8_lossy(b.get(from as usize..).unwrap_or_default()).into_owned())
+        .unwrap_or_default();
     let seen = envoy::log_times::reconnects(&text);
     if seen.iter().all(|r| r.up.is_none()) {
         return;
     }
     if seen.len() != rolls.len() {
-        eprintln!("!! Envoy's log shows {} reconnects for {} rolls; its timing is left out", seen.len(), rolls.len());
+        eprintln!(
+            "!! Envoy's log shows {} reconnects for {} rolls; its timing is left out",
+            seen.len(),
+            rolls.len()
+        );
         return;
     }
     for (roll, r) in rolls.iter_mut().zip(seen) {
@@ -775,10 +955,14 @@ fn envoy_log_times(log: &Path, from: u64, rolls: &mut [Roll]) {
 /// Waits until Envoy has lost its stream, regained it and taken a config update on the
 /// new one; the stats timeline of the roll.
 fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<RollTimes> {
-    try_wait_for("Envoy to reconnect and take a config update from the new owner", timeout, || {
-        let (before, changes) = poller.since(since);
-        envoy::analyze(before, &changes)
-    })
+    try_wait_for(
+        "Envoy to reconnect and take a config update from the new owner",
+        timeout,
+        || {
+            let (before, changes) = poller.since(since);
+            envoy::analyze(before, &changes)
+        },
+    )
 }
 
 /// With `ARG_DEBUG_STATS` set, the xDS-related stats that a roll moved, on stderr: how
@@ -786,7 +970,10 @@ fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<Rol
 fn debug_stats(b: &Bench) -> Option<Vec<(String, u64)>> {
     std::env::var_os("ARG_DEBUG_STATS")?;
     let re = r"^(control_plane\.|cluster\.xds_cluster\.upstream_(cx|rq)_|cluster_manager\.cds\.|listener_manager\.lds\.)";
-    let (_, body) = b.envoy.get(&format!("/stats?filter={}", envoy::encode(re))).ok()?;
+    let (_, body) = b
+        .envoy
+        .get(&format!("/stats?filter={}", envoy::encode(re)))
+        .ok()?;
     Some(envoy::parse_stats(&body))
 }
 
@@ -797,7 +984,10 @@ fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         for (k, v) in &after {
             let old = before.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
             if old != Some(*v) {
-                eprintln!("   stat {k}: {} -> {v}", old.map(|o| o.to_string()).unwrap_or("-".into()));
+                eprintln!(
+                    "   stat {k}: {} -> {v}",
+                    old.map(|o| o.to_string()).unwrap_or("-".into())
+                );
             }
         }
     }
@@ -806,7 +996,11 @@ fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
 
 fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let start = Instant::now();
-    let churn = Churn::start(b.cni.clone(), b.pods.clone(), std::env::var_os("ARG_NO_CHURN").is_none());
+    let churn = Churn::start(
+        b.cni.clone(),
+        b.pods.clone(),
+        std::env::var_os("ARG_NO_CHURN").is_none(),
+    );
     let action;
     let mut old_exit = None;
     let mut warmup = None;
@@ -818,9 +1012,11 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         Mode::Surge => {
             let started = Instant::now();
             let next = b.start_agent();
-            let ready = try_wait_for(&format!("agent-ready to pass for standby {}", next.name), T_START, || {
-                agent_ready(&next.health_sock).then_some(())
-            });
+            let ready = try_wait_for(
+                &format!("agent-ready to pass for standby {}", next.name),
+                T_START,
+                || agent_ready(&next.health_sock).then_some(()),
+            );
             warmup = Some(started.elapsed().as_secs_f64());
             if let Err(e) = ready {
                 let _ = churn.stop();
@@ -839,7 +1035,11 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let old = std::mem::replace(&mut b.owner, next);
             exit_of(old)?;
             old_exit = Some(action.elapsed().as_secs_f64());
-            serving = try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
+            serving = try_wait_for(
+                &format!("{} to serve as owner", b.owner.name),
+                T_START,
+                || b.owner.serving_owner(),
+            )?;
         }
         Mode::Recreate => {
             action = Instant::now();
@@ -847,14 +1047,24 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let next = b.start_agent_after_exit()?;
             old_exit = Some(action.elapsed().as_secs_f64());
             b.owner = next;
-            serving = try_wait_for(&format!("{} to serve as owner", b.owner.name), T_START, || b.owner.serving_owner())?;
+            serving = try_wait_for(
+                &format!("{} to serve as owner", b.owner.name),
+                T_START,
+                || b.owner.serving_owner(),
+            )?;
         }
         Mode::WorkerCrash => {
-            let pid = b.owner.ready().and_then(|(_, v)| v["pid"].as_i64()).ok_or_else(|| anyhow!("no worker pid in /ready"))?;
+            let pid = b
+                .owner
+                .ready()
+                .and_then(|(_, v)| v["pid"].as_i64())
+                .ok_or_else(|| anyhow!("no worker pid in /ready"))?;
             action = Instant::now();
             kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
             serving = try_wait_for("the respawned worker to serve as owner", T_START, || {
-                b.owner.serving_owner().filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
+                b.owner
+                    .serving_owner()
+                    .filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
             })?;
         }
     }
@@ -873,7 +1083,14 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let mut svid_misses = Vec::new();
     if let (Some(id), Some((pod, ok))) = (&b.identity, &overlap) {
         if !ok {
-            let err = b.pods.lock().unwrap().errors.last().cloned().unwrap_or_default();
+            let err = b
+                .pods
+                .lock()
+                .unwrap()
+                .errors
+                .last()
+                .cloned()
+                .unwrap_or_default();
             svid_misses.push(format!("overlap pod {}: its ADD failed: {err}", pod.uid));
         } else {
             // Read only now, after Envoy's first update from the new owner: before it,
@@ -907,23 +1124,34 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         },
         old_exit_after_action: old_exit,
         warmup,
-        reconnect_resources: (mode != Mode::WorkerCrash).then(|| reconnect_resources(&b.owner.log())),
+        reconnect_resources: (mode != Mode::WorkerCrash)
+            .then(|| reconnect_resources(&b.owner.log())),
         unserved: Some((times.down, times.served)),
         ..Default::default()
     };
     r.lost = check_pods(b)?;
     if let Some(id) = &b.identity {
-        r.svid_wait = serving["takeover"]["svid_wait_us"].as_f64().map(|us| us / 1e6);
+        r.svid_wait = serving["takeover"]["svid_wait_us"]
+            .as_f64()
+            .map(|us| us / 1e6);
         r.svid_wait_missed = serving["takeover"]["svid_wait_missed"].as_u64();
         r.overlap_pod = overlap.map(|(pod, _)| pod.uid);
         r.overlap_svid = overlap_svid;
         r.svid_misses = svid_misses;
         let live: Vec<churn::PodId> = b.pods.lock().unwrap().live.keys().cloned().collect();
         r.svid_checked = live.len() as u64;
-        let misses = identity::missing_svids(&b.envoy, &id.provider, &live, served_from + identity::PODS_DEADLINE)?;
+        let misses = identity::missing_svids(
+            &b.envoy,
+            &id.provider,
+            &live,
+            served_from + identity::PODS_DEADLINE,
+        )?;
         for m in misses {
             eprintln!("   no SVID in Envoy: {m}");
-            r.svid_misses.push(format!("{m} {:?} after the new owner served", identity::PODS_DEADLINE));
+            r.svid_misses.push(format!(
+                "{m} {:?} after the new owner served",
+                identity::PODS_DEADLINE
+            ));
         }
     }
     Ok(r)
@@ -934,7 +1162,14 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
 fn reconnect_resources(log: &str) -> u64 {
     log.lines()
         .filter(|l| l.contains("first answer of the type on this stream"))
-        .filter_map(|l| l.split("resources=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
+        .filter_map(|l| {
+            l.split("resources=")
+                .nth(1)?
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
         .sum()
 }
 
@@ -942,7 +1177,11 @@ impl Bench {
     fn start_agent_after_exit(&mut self) -> Result<Agent> {
         let status = self.owner.wait_exit_timeout(Duration::from_secs(10))?;
         if !status.success() {
-            bail!("{} exited with {status} after SIGTERM; log:\n{}", self.owner.name, self.owner.log());
+            bail!(
+                "{} exited with {status} after SIGTERM; log:\n{}",
+                self.owner.name,
+                self.owner.log()
+            );
         }
         Ok(self.start_agent())
     }
@@ -951,7 +1190,11 @@ impl Bench {
 fn exit_of(mut old: Agent) -> Result<()> {
     let status = old.wait_exit_timeout(Duration::from_secs(10))?;
     if !status.success() {
-        bail!("{} exited with {status} after SIGTERM; log:\n{}", old.name, old.log());
+        bail!(
+            "{} exited with {status} after SIGTERM; log:\n{}",
+            old.name,
+            old.log()
+        );
     }
     Ok(())
 }
@@ -961,7 +1204,10 @@ fn exit_of(mut old: Agent) -> Result<()> {
 fn check_pods(b: &mut Bench) -> Result<u64> {
     let left = churn::settle(&b.cni, &b.pods, Duration::from_secs(10));
     if left > 0 {
-        eprintln!("   {left} DELs still failing after 10 s: {:?}", b.pods.lock().unwrap().errors.last());
+        eprintln!(
+            "   {left} DELs still failing after 10 s: {:?}",
+            b.pods.lock().unwrap().errors.last()
+        );
     }
     let live = b.pods.lock().unwrap().live.clone();
     let pods_dir = b.node.state_dir.join("pods");
@@ -971,7 +1217,10 @@ fn check_pods(b: &mut Bench) -> Result<u64> {
     let missing = loop {
         // Listeners only: a pod has one (`inbound|<uid>`); at mesh scale the whole dump is
         // tens of megabytes of clusters and load assignments.
-        let (status, dump) = b.envoy.get("/config_dump?resource=dynamic_listeners").context("Envoy /config_dump")?;
+        let (status, dump) = b
+            .envoy
+            .get("/config_dump?resource=dynamic_listeners")
+            .context("Envoy /config_dump")?;
         if status != 200 {
             bail!("Envoy /config_dump answered {status}");
         }
@@ -984,7 +1233,10 @@ fn check_pods(b: &mut Bench) -> Result<u64> {
                     (true, true) => None,
                     (false, true) => Some(format!("{} (not in storage)", p.uid)),
                     (true, false) => Some(format!("{} (not in Envoy's config)", p.uid)),
-                    (false, false) => Some(format!("{} (neither in storage nor in Envoy's config)", p.uid)),
+                    (false, false) => Some(format!(
+                        "{} (neither in storage nor in Envoy's config)",
+                        p.uid
+                    )),
                 }
             })
             .collect();
@@ -1009,9 +1261,18 @@ fn check_pods(b: &mut Bench) -> Result<u64> {
 /// returns whether everything passed.
 pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
     let _ = std::fs::create_dir_all(&cfg.results_dir);
-    let plot_name = if cfg.all { "all".to_string() } else { results[0].mode.expect("mode").name().to_string() };
-    let plot = cfg.results_dir.join(format!("agent-restart-gap-{plot_name}.svg"));
-    let series: Vec<(String, Vec<f64>)> = results.iter().map(|r| (r.mode.expect("mode").name().to_string(), r.gaps())).collect();
+    let plot_name = if cfg.all {
+        "all".to_string()
+    } else {
+        results[0].mode.expect("mode").name().to_string()
+    };
+    let plot = cfg
+        .results_dir
+        .join(format!("agent-restart-gap-{plot_name}.svg"));
+    let series: Vec<(String, Vec<f64>)> = results
+        .iter()
+        .map(|r| (r.mode.expect("mode").name().to_string(), r.gaps()))
+        .collect();
     let title = format!(
         "agent-restart-gap: Envoy without a control plane per roll (ADS backoff {}s/{}s, {} rps)",
         cfg.backoff_base.as_secs_f64(),
@@ -1029,40 +1290,132 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         cfg.backoff_base,
         cfg.backoff_max,
         cfg.rps,
-        cfg.identity.map(|m| format!(", workload identity on ({} mTLS)", m.name())).unwrap_or_default()
+        cfg.identity
+            .map(|m| format!(", workload identity on ({} mTLS)", m.name()))
+            .unwrap_or_default()
     );
     println!("{}", report::header());
     for r in results {
         let m = r.mode.expect("mode").name();
-        let count = |f: &dyn Fn(&Roll) -> u64| r.rolls.iter().map(|x| f(x) as f64).collect::<Vec<_>>();
+        let count =
+            |f: &dyn Fn(&Roll) -> u64| r.rolls.iter().map(|x| f(x) as f64).collect::<Vec<_>>();
         println!("{}", report::row(&format!("{m}: gap (s)"), &r.gaps(), 4));
-        println!("{}", report::row(&format!("{m}: served gap (s)"), &r.served_gaps(), 4));
-        let excess: Vec<f64> = r.rolls.iter().filter_map(|x| Some(x.served_gap? - x.gap?)).collect();
-        println!("{}", report::row(&format!("{m}: served gap minus gap (s)"), &excess, 4));
-        let envoy = |f: &dyn Fn(&Roll) -> Option<f64>| r.rolls.iter().filter_map(f).collect::<Vec<_>>();
-        println!("{}", report::row(&format!("{m}: Envoy's log: gap (s)"), &envoy(&|x| x.envoy_gap), 4));
-        println!("{}", report::row(&format!("{m}: Envoy's log: served minus gap (s)"), &envoy(&|x| x.envoy_served_after_up), 4));
-        println!("{}", report::row(&format!("{m}: takeover seen on /ready (s)"), &r.rolls.iter().map(|x| x.takeover).collect::<Vec<_>>(), 4));
-        println!("{}", report::row(&format!("{m}: refused connects per roll"), &count(&|x| x.refused), 0));
-        println!("{}", report::row(&format!("{m}: failed requests per roll"), &count(&|x| x.failed_requests), 0));
-        println!("{}", report::row(&format!("{m}: ADDs during overlap per roll"), &count(&|x| x.adds), 0));
-        println!("{}", report::row(&format!("{m}: lost adds per roll"), &count(&|x| x.lost), 0));
+        println!(
+            "{}",
+            report::row(&format!("{m}: served gap (s)"), &r.served_gaps(), 4)
+        );
+        let excess: Vec<f64> = r
+            .rolls
+            .iter()
+            .filter_map(|x| Some(x.served_gap? - x.gap?))
+            .collect();
+        println!(
+            "{}",
+            report::row(&format!("{m}: served gap minus gap (s)"), &excess, 4)
+        );
+        let envoy =
+            |f: &dyn Fn(&Roll) -> Option<f64>| r.rolls.iter().filter_map(f).collect::<Vec<_>>();
+        println!(
+            "{}",
+            report::row(
+                &format!("{m}: Envoy's log: gap (s)"),
+                &envoy(&|x| x.envoy_gap),
+                4
+            )
+        );
+        println!(
+            "{}",
+            report::row(
+                &format!("{m}: Envoy's log: served minus gap (s)"),
+                &envoy(&|x| x.envoy_served_after_up),
+                4
+            )
+        );
+        println!(
+            "{}",
+            report::row(
+                &format!("{m}: takeover seen on /ready (s)"),
+                &r.rolls.iter().map(|x| x.takeover).collect::<Vec<_>>(),
+                4
+            )
+        );
+        println!(
+            "{}",
+            report::row(
+                &format!("{m}: refused connects per roll"),
+                &count(&|x| x.refused),
+                0
+            )
+        );
+        println!(
+            "{}",
+            report::row(
+                &format!("{m}: failed requests per roll"),
+                &count(&|x| x.failed_requests),
+                0
+            )
+        );
+        println!(
+            "{}",
+            report::row(
+                &format!("{m}: ADDs during overlap per roll"),
+                &count(&|x| x.adds),
+                0
+            )
+        );
+        println!(
+            "{}",
+            report::row(&format!("{m}: lost adds per roll"), &count(&|x| x.lost), 0)
+        );
         if let Some(d) = &r.cross_drain {
-            println!("{}", report::row(&format!("{m}: cross-node drain (s)"), &d.samples, 4));
-            println!("{}", report::row(&format!("{m}: drain outside reconnects (s)"), &r.drains_across_reconnects().1, 4));
+            println!(
+                "{}",
+                report::row(&format!("{m}: cross-node drain (s)"), &d.samples, 4)
+            );
+            println!(
+                "{}",
+                report::row(
+                    &format!("{m}: drain outside reconnects (s)"),
+                    &r.drains_across_reconnects().1,
+                    4
+                )
+            );
         }
         if r.identity.is_some() {
             let ms = |v: Vec<f64>| v.into_iter().map(|s| s * 1000.0).collect::<Vec<_>>();
-            println!("{}", report::row(&format!("{m}: takeover svid_wait (ms)"), &ms(r.svid_waits()), 3));
+            println!(
+                "{}",
+                report::row(
+                    &format!("{m}: takeover svid_wait (ms)"),
+                    &ms(r.svid_waits()),
+                    3
+                )
+            );
             if r.rolls.iter().any(|x| x.overlap_pod.is_some()) {
-                println!("{}", report::row(&format!("{m}: overlap pod SVID after takeover (ms)"), &ms(r.overlap_svids()), 1));
+                println!(
+                    "{}",
+                    report::row(
+                        &format!("{m}: overlap pod SVID after takeover (ms)"),
+                        &ms(r.overlap_svids()),
+                        1
+                    )
+                );
             }
-            println!("{}", report::row(&format!("{m}: SVID misses per roll"), &count(&|x| x.svid_misses.len() as u64), 0));
+            println!(
+                "{}",
+                report::row(
+                    &format!("{m}: SVID misses per roll"),
+                    &count(&|x| x.svid_misses.len() as u64),
+                    0
+                )
+            );
         }
     }
     println!("context: {SEED_SURGE}; {SEED_RECREATE}.");
     if results.iter().any(|r| r.mode == Some(Mode::Recreate)) {
-        println!("recreate here is delete-then-create without the cluster's pod start cost (no scheduling, image pull or kubelet sync).");
+        println!(
+            "recreate here is delete-then-create without the cluster's pod start cost (no scheduling, image pull or kubelet sync)."
+        );
     }
     for r in results {
         let m = r.mode.expect("mode").name();
@@ -1106,7 +1459,10 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
             );
         }
         if let Some(eq) = &r.eds_equal_registrar {
-            println!("{m}: both Envoys' EDS equal the registrar's view: {}", eq.is_ok());
+            println!(
+                "{m}: both Envoys' EDS equal the registrar's view: {}",
+                eq.is_ok()
+            );
         }
         if let Some(mtls) = r.identity {
             let checks: u64 = r.rolls.iter().map(|x| x.svid_checked).sum();
@@ -1115,7 +1471,11 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                 "{m}: identity {} (trust domain {}, {}): after each roll every present pod's SVID serial must be in Envoy's /certs within {:?} of the new owner serving; {} pod checks over {} rolls, {} missed",
                 mtls.name(),
                 identity::TRUST_DOMAIN,
-                if cfg.nodes == 2 { "node A's agents" } else { "every agent" },
+                if cfg.nodes == 2 {
+                    "node A's agents"
+                } else {
+                    "every agent"
+                },
                 identity::PODS_DEADLINE,
                 checks,
                 r.rolls.len(),
@@ -1131,11 +1491,18 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
             }
             println!(
                 "{m}: identity: takeover svid_wait from the new owner's /ready; {} reconciled pods were still without an SVID when it ended (svid_wait_missed)",
-                r.rolls.iter().filter_map(|x| x.svid_wait_missed).sum::<u64>()
+                r.rolls
+                    .iter()
+                    .filter_map(|x| x.svid_wait_missed)
+                    .sum::<u64>()
             );
             println!(
                 "{m}: identity: the load is unchanged: plaintext through Envoy's outbound listener to loopback upstreams, which are not pods, so mTLS is not on its path{}",
-                if mtls == identity::Mtls::Permissive { " (permissive pods keep their plaintext chain as well)" } else { "" }
+                if mtls == identity::Mtls::Permissive {
+                    " (permissive pods keep their plaintext chain as well)"
+                } else {
+                    ""
+                }
             );
         }
         if let Some(d) = &r.node_dir {
@@ -1151,7 +1518,18 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
     let pass = results.iter().all(|r| r.failures(cfg.rolls).is_empty());
     if cfg.all {
         println!();
-        println!("{:<14} {:>6} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>6}", "mode", "rolls", "gap median", "gap p99", "served p50", "served p99", "failed", "refused", "lost");
+        println!(
+            "{:<14} {:>6} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>6}",
+            "mode",
+            "rolls",
+            "gap median",
+            "gap p99",
+            "served p50",
+            "served p99",
+            "failed",
+            "refused",
+            "lost"
+        );
         for (r, j) in results.iter().zip(&lines) {
             println!(
                 "{:<14} {:>6} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>9} {:>8} {:>6}",
@@ -1170,7 +1548,10 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         for j in &lines {
             println!("{j}");
         }
-        println!("{}", json!({ "mode": "all", "pass": pass, "plot": plot.display().to_string(), "modes": lines }));
+        println!(
+            "{}",
+            json!({ "mode": "all", "pass": pass, "plot": plot.display().to_string(), "modes": lines })
+        );
     } else {
         println!("{}", lines[0]);
     }

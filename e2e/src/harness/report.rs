@@ -33,14 +33,27 @@ pub fn summarize(v: &[f64]) -> Summary {
 pub fn row(label: &str, v: &[f64], decimals: usize) -> String {
     let s = summarize(v);
     if s.n == 0 {
-        return format!("{label:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}", 0, "-", "-", "-", "-");
+        return format!(
+            "{label:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}",
+            0, "-", "-", "-", "-"
+        );
     }
     let f = |x: f64| format!("{x:.decimals$}");
-    format!("{label:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}", s.n, f(s.median), f(s.p90), f(s.p99), f(s.max))
+    format!(
+        "{label:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}",
+        s.n,
+        f(s.median),
+        f(s.p90),
+        f(s.p99),
+        f(s.max)
+    )
 }
 
 pub fn header() -> String {
-    format!("{:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}", "figure", "n", "median", "p90", "p99", "max")
+    format!(
+        "{:<44} {:>4}  {:>9} {:>9} {:>9} {:>9}",
+        "figure", "n", "median", "p90", "p99", "max"
+    )
 }
 
 /// The seed's surge gap on kind (Proposal 041, 20 rolls under load), in seconds: the
@@ -57,7 +70,12 @@ pub const SEED_SURGE_P99_S: f64 = 0.242;
 /// at the retry policy's base and reset by every response received, so the first reconnect
 /// after a stream that served is uniform on [0, base): a mode whose curve lies on it spends
 /// its gap in Envoy's backoff, not waiting for the agent.
-pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)], backoff_base_s: f64) -> Result<(), String> {
+pub fn plot(
+    path: &Path,
+    title: &str,
+    series: &[(String, Vec<f64>)],
+    backoff_base_s: f64,
+) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
     let ms: Vec<(String, Vec<f64>)> = series
         .iter()
@@ -72,7 +90,11 @@ pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)], backoff_bas
     let all = ms.iter().flat_map(|(_, v)| v.iter().copied());
     let lo = all.clone().fold(f64::INFINITY, f64::min);
     let hi = all.fold(0.0f64, f64::max);
-    let (lo, hi) = if lo.is_finite() { (lo / 1.5, hi * 1.5) } else { (1.0, 1000.0) };
+    let (lo, hi) = if lo.is_finite() {
+        (lo / 1.5, hi * 1.5)
+    } else {
+        (1.0, 1000.0)
+    };
     // The references stay in view: the uniform curve reaching 1 at the base, and the seed's p99.
     let hi = hi.max(base_ms * 1.5).max(seed_p99_ms * 1.25);
     let (lo, hi) = (lo.max(0.05), hi.max(lo * 10.0));
@@ -85,7 +107,10 @@ pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)], backoff_bas
         .x_label_area_size(44)
         .y_label_area_size(56)
         .build_cartesian_2d(
-            (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)).with_light_points(log_grid(lo, hi)),
+            (lo..hi)
+                .log_scale()
+                .with_key_points(log_ticks(lo, hi))
+                .with_light_points(log_grid(lo, hi)),
             0.0f64..1.0f64,
         )
         .map_err(|e| err(&e))?;
@@ -99,32 +124,57 @@ pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)], backoff_bas
 
     let reference = RGBColor(40, 40, 40);
     chart
-        .draw_series(DashedLineSeries::new(uniform_cdf(base_ms, lo, hi, 64), 8, 5, reference.stroke_width(2)))
+        .draw_series(DashedLineSeries::new(
+            uniform_cdf(base_ms, lo, hi, 64),
+            8,
+            5,
+            reference.stroke_width(2),
+        ))
         .map_err(|e| err(&e))?
-        .label(format!("Envoy's first ADS reconnect delay: uniform on [0, {}) (backoff base)", fmt_ms(base_ms)))
-        .legend(move |(x, y)| DashedPathElement::new(vec![(x, y), (x + 20, y)], 5, 3, reference.stroke_width(2)));
+        .label(format!(
+            "Envoy's first ADS reconnect delay: uniform on [0, {}) (backoff base)",
+            fmt_ms(base_ms)
+        ))
+        .legend(move |(x, y)| {
+            DashedPathElement::new(vec![(x, y), (x + 20, y)], 5, 3, reference.stroke_width(2))
+        });
     let seed = RGBColor(120, 120, 120);
-    for (i, (x, name)) in [(seed_median_ms, "median"), (seed_p99_ms, "p99")].into_iter().enumerate() {
-        let line = chart.draw_series(LineSeries::new([(x, 0.0), (x, 1.0)], seed.stroke_width(1))).map_err(|e| err(&e))?;
+    for (i, (x, name)) in [(seed_median_ms, "median"), (seed_p99_ms, "p99")]
+        .into_iter()
+        .enumerate()
+    {
+        let line = chart
+            .draw_series(LineSeries::new([(x, 0.0), (x, 1.0)], seed.stroke_width(1)))
+            .map_err(|e| err(&e))?;
         if i == 0 {
             line.label(format!(
                 "seed surge on kind (Proposal 041): median {}, p99 {}",
                 fmt_ms(seed_median_ms),
                 fmt_ms(seed_p99_ms)
             ))
-            .legend(move |(x, y)| PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], seed.stroke_width(1)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], seed.stroke_width(1))
+            });
         }
         // Written up the line from its foot, where the CDFs (near 1 by then) leave room.
         let (px, py) = chart.backend_coord(&(x, 0.03));
         root.draw(&Text::new(
             format!("seed {name} {}", fmt_ms(x)),
             (px - 3, py),
-            ("sans-serif", 12).into_font().transform(FontTransform::Rotate270).color(&seed),
+            ("sans-serif", 12)
+                .into_font()
+                .transform(FontTransform::Rotate270)
+                .color(&seed),
         ))
         .map_err(|e| err(&e))?;
     }
 
-    let colors = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+    ];
     for (i, (name, v)) in ms.iter().enumerate() {
         if v.is_empty() {
             continue;
@@ -139,14 +189,25 @@ pub fn plot(path: &Path, title: &str, series: &[(String, Vec<f64>)], backoff_bas
         }
         pts.push((hi, 1.0));
         let s = summarize(&series[i].1);
-        let label = format!("{name}: n={} median {:.1} ms, p99 {:.1} ms", s.n, s.median * 1000.0, s.p99 * 1000.0);
+        let label = format!(
+            "{name}: n={} median {:.1} ms, p99 {:.1} ms",
+            s.n,
+            s.median * 1000.0,
+            s.p99 * 1000.0
+        );
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(2)))
             .map_err(|e| err(&e))?
             .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
         chart
-            .draw_series(v.iter().enumerate().map(|(k, x)| Circle::new((*x, (k + 1) as f64 / n), 3, color.filled())))
+            .draw_series(
+                v.iter()
+                    .enumerate()
+                    .map(|(k, x)| Circle::new((*x, (k + 1) as f64 / n), 3, color.filled())),
+            )
             .map_err(|e| err(&e))?;
     }
     // Upper left: a CDF's empty corner, clear of the seed's lines on the right.
@@ -169,7 +230,11 @@ pub fn uniform_cdf(base: f64, lo: f64, hi: f64, n: usize) -> Vec<(f64, f64)> {
         let top = base.min(hi);
         let step = (top / lo).ln() / n.max(1) as f64;
         pts.extend((0..=n.max(1)).map(|k| {
-            let x = if k == n.max(1) { top } else { lo * (step * k as f64).exp() };
+            let x = if k == n.max(1) {
+                top
+            } else {
+                lo * (step * k as f64).exp()
+            };
             (x, x / base)
         }));
     } else {
@@ -184,7 +249,11 @@ pub fn uniform_cdf(base: f64, lo: f64, hi: f64, n: usize) -> Vec<(f64, f64)> {
 /// The labelled ticks of a log axis over [`lo`, `hi`]: 1, 2 and 5 of each decade while the
 /// axis spans at most three decades, else the decades alone, so that labels never crowd.
 pub fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
-    let steps: &[f64] = if hi / lo <= 1000.0 { &[1.0, 2.0, 5.0] } else { &[1.0] };
+    let steps: &[f64] = if hi / lo <= 1000.0 {
+        &[1.0, 2.0, 5.0]
+    } else {
+        &[1.0]
+    };
     decade_multiples(lo, hi, steps)
 }
 
@@ -223,7 +292,11 @@ pub fn fmt_ms(ms: f64) -> String {
         let s = format!("{v:.3}");
         s.trim_end_matches('0').trim_end_matches('.').to_string()
     };
-    if ms >= 1000.0 { format!("{} s", trim(ms / 1000.0)) } else { format!("{} ms", trim(ms)) }
+    if ms >= 1000.0 {
+        format!("{} s", trim(ms / 1000.0))
+    } else {
+        format!("{} ms", trim(ms))
+    }
 }
 
 #[cfg(test)]
@@ -234,10 +307,17 @@ mod tests {
     fn uniform_cdf_is_x_over_base_up_to_base_then_one() {
         let pts = uniform_cdf(100.0, 1.0, 1000.0, 8);
         assert_eq!(pts.first(), Some(&(1.0, 0.01)));
-        assert_eq!(pts[pts.len() - 2], (100.0, 1.0), "the curve reaches 1 at the base: {pts:?}");
+        assert_eq!(
+            pts[pts.len() - 2],
+            (100.0, 1.0),
+            "the curve reaches 1 at the base: {pts:?}"
+        );
         assert_eq!(pts.last(), Some(&(1000.0, 1.0)));
         for w in pts.windows(2) {
-            assert!(w[0].0 < w[1].0 && w[0].1 <= w[1].1, "not increasing: {pts:?}");
+            assert!(
+                w[0].0 < w[1].0 && w[0].1 <= w[1].1,
+                "not increasing: {pts:?}"
+            );
         }
         for (x, y) in &pts[..pts.len() - 1] {
             assert!((y - x / 100.0).abs() < 1e-12, "({x}, {y}) is off x/base");
@@ -249,16 +329,32 @@ mod tests {
 
     #[test]
     fn uniform_cdf_of_a_base_outside_the_axis() {
-        assert_eq!(uniform_cdf(0.5, 1.0, 10.0, 8), vec![(1.0, 1.0), (10.0, 1.0)]);
+        assert_eq!(
+            uniform_cdf(0.5, 1.0, 10.0, 8),
+            vec![(1.0, 1.0), (10.0, 1.0)]
+        );
         let cut = uniform_cdf(100.0, 1.0, 50.0, 4);
-        assert_eq!(cut.last(), Some(&(50.0, 0.5)), "cut at the axis' end: {cut:?}");
+        assert_eq!(
+            cut.last(),
+            Some(&(50.0, 0.5)),
+            "cut at the axis' end: {cut:?}"
+        );
     }
 
     #[test]
     fn ticks_are_1_2_5_over_few_decades_and_decades_over_many() {
-        assert_eq!(log_ticks(3.0, 400.0), vec![5.0, 10.0, 20.0, 50.0, 100.0, 200.0]);
-        assert_eq!(log_ticks(0.07, 30.0), vec![0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0]);
-        assert_eq!(log_ticks(0.3, 20000.0), vec![1.0, 10.0, 100.0, 1000.0, 10000.0]);
+        assert_eq!(
+            log_ticks(3.0, 400.0),
+            vec![5.0, 10.0, 20.0, 50.0, 100.0, 200.0]
+        );
+        assert_eq!(
+            log_ticks(0.07, 30.0),
+            vec![0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
+        );
+        assert_eq!(
+            log_ticks(0.3, 20000.0),
+            vec![1.0, 10.0, 100.0, 1000.0, 10000.0]
+        );
         assert!(log_ticks(10.0, 10.0).is_empty());
     }
 
@@ -266,21 +362,35 @@ mod tests {
     /// a label's width on the plot's axis (about 800 px for the span).
     #[test]
     fn labelled_ticks_leave_room_for_their_labels() {
-        for (lo, hi) in [(20.0, 160.0), (3.0, 400.0), (0.5, 400.0), (0.07, 15000.0), (1.0, 1.0e6)] {
+        for (lo, hi) in [
+            (20.0, 160.0),
+            (3.0, 400.0),
+            (0.5, 400.0),
+            (0.07, 15000.0),
+            (1.0, 1.0e6),
+        ] {
             let t = log_ticks(lo, hi);
             assert!(t.len() >= 2, "{lo}..{hi}: {t:?}");
             let px = |x: f64| (x / lo).log10() / (hi / lo).log10() * 800.0;
             for w in t.windows(2) {
                 let gap = px(w[1]) - px(w[0]);
                 let width = 7.0 * fmt_ms(w[0]).len().max(fmt_ms(w[1]).len()) as f64;
-                assert!(gap > width, "{lo}..{hi}: {} and {} are {gap:.0} px apart", w[0], w[1]);
+                assert!(
+                    gap > width,
+                    "{lo}..{hi}: {} and {} are {gap:.0} px apart",
+                    w[0],
+                    w[1]
+                );
             }
         }
     }
 
     #[test]
     fn grid_has_every_integer_multiple_in_range() {
-        assert_eq!(log_grid(25.0, 110.0), vec![30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0]);
+        assert_eq!(
+            log_grid(25.0, 110.0),
+            vec![30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0]
+        );
         assert_eq!(log_grid(0.25, 0.45), vec![0.3, 0.4]);
     }
 
@@ -291,7 +401,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("gap.svg");
         // Under two decades from 5 ms: plotters' own ticks would be 10, 20, ... 90, 100 ms.
-        let spread = |from: f64, to: f64| (0..20).map(|k| from + (to - from) * k as f64 / 19.0).collect::<Vec<_>>();
+        let spread = |from: f64, to: f64| {
+            (0..20)
+                .map(|k| from + (to - from) * k as f64 / 19.0)
+                .collect::<Vec<_>>()
+        };
         let series = vec![
             ("surge".to_string(), spread(0.008, 0.099)),
             ("recreate".to_string(), spread(0.020, 0.120)),
@@ -299,15 +413,28 @@ mod tests {
         ];
         plot(&path, "gap", &series, 0.1).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
-        for want in ["uniform on [0, 100 ms) (backoff base)", "seed median 80 ms", "seed p99 242 ms", "median 80 ms, p99 242 ms"] {
+        for want in [
+            "uniform on [0, 100 ms) (backoff base)",
+            "seed median 80 ms",
+            "seed p99 242 ms",
+            "median 80 ms, p99 242 ms",
+        ] {
             assert!(svg.contains(want), "no {want:?} in {}", path.display());
         }
         let labels = x_labels(&svg);
         let texts: Vec<&str> = labels.iter().map(|(_, t)| t.as_str()).collect();
-        assert!(texts.contains(&"100 ms") && texts.contains(&"10 ms"), "x labels: {texts:?}");
+        assert!(
+            texts.contains(&"100 ms") && texts.contains(&"10 ms"),
+            "x labels: {texts:?}"
+        );
         for w in labels.windows(2) {
             let width = 7.0 * w[0].1.len().max(w[1].1.len()) as f64;
-            assert!(w[1].0 - w[0].0 > width, "x labels {:?} and {:?} overlap", w[0], w[1]);
+            assert!(
+                w[1].0 - w[0].0 > width,
+                "x labels {:?} and {:?} overlap",
+                w[0],
+                w[1]
+            );
         }
     }
 
@@ -338,7 +465,15 @@ mod tests {
 
     #[test]
     fn ms_labels() {
-        for (ms, want) in [(0.5, "0.5 ms"), (1.0, "1 ms"), (20.0, "20 ms"), (242.0, "242 ms"), (1000.0, "1 s"), (2500.0, "2.5 s"), (10000.0, "10 s")] {
+        for (ms, want) in [
+            (0.5, "0.5 ms"),
+            (1.0, "1 ms"),
+            (20.0, "20 ms"),
+            (242.0, "242 ms"),
+            (1000.0, "1 s"),
+            (2500.0, "2.5 s"),
+            (10000.0, "10 s"),
+        ] {
             assert_eq!(fmt_ms(ms), want);
         }
     }

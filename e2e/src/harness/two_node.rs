@@ -58,17 +58,44 @@ impl SharedRegistry {
     /// Starts etcd and the registrar; registry files and the CA certificate go to `dir`.
     pub fn start(dir: &Path) -> Result<SharedRegistry> {
         if !Etcd::available() {
-            bail!("ARG_NODES=2 needs etcd at {} (Debian package etcd-server; scripts/test.sh installs it)", aether_registrar::testing::ETCD_BIN);
+            bail!(
+                "ARG_NODES=2 needs etcd at {} (Debian package etcd-server; scripts/test.sh installs it)",
+                aether_registrar::testing::ETCD_BIN
+            );
         }
         let etcd = Etcd::cluster(1);
         let ca = TestCa::new("aether-registrar test CA");
-        let (cert, key) = ca.leaf("registrar", &["127.0.0.1"], rcgen::ExtendedKeyUsagePurpose::ServerAuth);
-        let tls = ["--tls-cert", &cert.display().to_string(), "--tls-key", &key.display().to_string()].map(str::to_owned);
-        let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &tls.iter().map(String::as_str).collect::<Vec<_>>());
+        let (cert, key) = ca.leaf(
+            "registrar",
+            &["127.0.0.1"],
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let tls = [
+            "--tls-cert",
+            &cert.display().to_string(),
+            "--tls-key",
+            &key.display().to_string(),
+        ]
+        .map(str::to_owned);
+        let registrar = RegistrarProcess::tcp(
+            &registrar_bin(),
+            &etcd.endpoints(),
+            &tls.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
         let ca_file = dir.join("registrar-ca.crt");
-        std::fs::copy(ca.ca_file(), &ca_file).with_context(|| format!("copy the registrar's CA to {}", ca_file.display()))?;
-        std::fs::set_permissions(&ca_file, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
-        Ok(SharedRegistry { registrar, _etcd: etcd, _ca: ca, ca_file, dir: dir.to_path_buf() })
+        std::fs::copy(ca.ca_file(), &ca_file)
+            .with_context(|| format!("copy the registrar's CA to {}", ca_file.display()))?;
+        std::fs::set_permissions(
+            &ca_file,
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )?;
+        Ok(SharedRegistry {
+            registrar,
+            _etcd: etcd,
+            _ca: ca,
+            ca_file,
+            dir: dir.to_path_buf(),
+        })
     }
 
     pub fn addr(&self) -> &str {
@@ -77,7 +104,10 @@ impl SharedRegistry {
 
     /// The flags an agent takes to watch this registrar over TLS.
     pub fn agent_flags(&self) -> Vec<String> {
-        vec![format!("--registrar={}", self.addr()), format!("--registrar-ca={}", self.ca_file.display())]
+        vec![
+            format!("--registrar={}", self.addr()),
+            format!("--registrar-ca={}", self.ca_file.display()),
+        ]
     }
 
     /// Upserts the services of `doc` (the `--registry-file` schema) from a file named
@@ -88,8 +118,14 @@ impl SharedRegistry {
 
     /// The registrar's view (`aether-registrar dump`).
     pub fn dump(&self) -> Result<Value> {
-        serde_json::from_str(&cli(&["dump", "--registrar", self.addr(), "--ca", &self.ca_file.display().to_string()])?)
-            .context("aether-registrar dump is not JSON")
+        serde_json::from_str(&cli(&[
+            "dump",
+            "--registrar",
+            self.addr(),
+            "--ca",
+            &self.ca_file.display().to_string(),
+        ])?)
+        .context("aether-registrar dump is not JSON")
     }
 
     /// Copies the registrar's log into `dir` (its own folder goes with it).
@@ -100,9 +136,16 @@ impl SharedRegistry {
 
 /// `aether-registrar <args>`: its stdout, or an error with its stderr.
 fn cli(args: &[&str]) -> Result<String> {
-    let out = Command::new(registrar_bin()).args(args).output().context("run aether-registrar")?;
+    let out = Command::new(registrar_bin())
+        .args(args)
+        .output()
+        .context("run aether-registrar")?;
     if !out.status.success() {
-        bail!("aether-registrar {args:?} exited {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "aether-registrar {args:?} exited {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -111,7 +154,15 @@ fn cli(args: &[&str]) -> Result<String> {
 /// revision it printed.
 fn apply(addr: &str, ca: &Path, file: &Path, doc: &str) -> Result<i64> {
     std::fs::write(file, doc).with_context(|| format!("write {}", file.display()))?;
-    let out = cli(&["apply", "--registrar", addr, "--ca", &ca.display().to_string(), "--file", &file.display().to_string()])?;
+    let out = cli(&[
+        "apply",
+        "--registrar",
+        addr,
+        "--ca",
+        &ca.display().to_string(),
+        "--file",
+        &file.display().to_string(),
+    ])?;
     out.rsplit_once("(revision ")
         .and_then(|(_, r)| r.trim_end().trim_end_matches(')').parse().ok())
         .ok_or_else(|| anyhow!("no revision in aether-registrar apply's output {out:?}"))
@@ -142,17 +193,50 @@ impl PeerNode {
         let mut flags = vec![format!("--capture-file={}", capture.display())];
         flags.extend_from_slice(registrar);
         let owner = node.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
-        try_wait_for(&format!("node B's agent {} to own its node", owner.name), T_START, || owner.serving_owner())
-            .with_context(|| format!("node B ({}) {} log:\n{}", root.display(), owner.name, owner.log()))?;
-        let envoy = Envoy::start(&cfg.envoy, &root, &node.run_dir, cfg.backoff_base, cfg.backoff_max, cfg.xds_api)
-            .context("start node B's Envoy")?;
-        try_wait_for(&format!("node B's Envoy to route {service} through {outbound}"), T_START, || {
-            (envoy.stat(envoy::CONNECTED) == Some(1) && super::load::request(outbound, service).is_ok()).then_some(())
-        })
+        try_wait_for(
+            &format!("node B's agent {} to own its node", owner.name),
+            T_START,
+            || owner.serving_owner(),
+        )
+        .with_context(|| {
+            format!(
+                "node B ({}) {} log:\n{}",
+                root.display(),
+                owner.name,
+                owner.log()
+            )
+        })?;
+        let envoy = Envoy::start(
+            &cfg.envoy,
+            &root,
+            &node.run_dir,
+            cfg.backoff_base,
+            cfg.backoff_max,
+            cfg.xds_api,
+        )
+        .context("start node B's Envoy")?;
+        try_wait_for(
+            &format!("node B's Envoy to route {service} through {outbound}"),
+            T_START,
+            || {
+                (envoy.stat(envoy::CONNECTED) == Some(1)
+                    && super::load::request(outbound, service).is_ok())
+                .then_some(())
+            },
+        )
         .with_context(|| format!("node B's Envoy log {}", envoy.log.display()))?;
-        let cni = Arc::new(Cni { bin: bin("aether-cni"), socket: node.cni_sock() });
+        let cni = Arc::new(Cni {
+            bin: bin("aether-cni"),
+            socket: node.cni_sock(),
+        });
         let pods = Arc::new(Mutex::new(Pods::on("b-", 89)));
-        Ok(PeerNode { envoy, owner, cni, pods, node })
+        Ok(PeerNode {
+            envoy,
+            owner,
+            cni,
+            pods,
+            node,
+        })
     }
 
     pub fn dir(&self) -> PathBuf {
@@ -197,7 +281,11 @@ impl DrainReport {
             ));
         }
         if !self.errors.is_empty() {
-            f.push(format!("{} cross-node drain steps failed (first: {})", self.errors.len(), self.errors[0]));
+            f.push(format!(
+                "{} cross-node drain steps failed (first: {})",
+                self.errors.len(),
+                self.errors[0]
+            ));
         }
         f
     }
@@ -242,14 +330,23 @@ impl CrossDrain {
             cluster: aether_model::outbound_cluster_name(80, POD_SERVICE, POD_NAMESPACE),
             stop: stop.clone(),
         };
-        let thread = std::thread::Builder::new().name("cross-drain".into()).spawn(move || ctx.run()).expect("spawn the cross-node drain thread");
-        CrossDrain { stop, thread: Some(thread) }
+        let thread = std::thread::Builder::new()
+            .name("cross-drain".into())
+            .spawn(move || ctx.run())
+            .expect("spawn the cross-node drain thread");
+        CrossDrain {
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Stops after the batch in flight (every pod of it is deleted and timed).
     pub fn stop(mut self) -> DrainReport {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.take().map(|t| t.join().unwrap_or_default()).unwrap_or_default()
+        self.thread
+            .take()
+            .map(|t| t.join().unwrap_or_default())
+            .unwrap_or_default()
     }
 }
 
@@ -274,20 +371,30 @@ impl DrainCtx {
                 if churn::add_pod(&self.cni, &self.pods, pod, *ip) {
                     added.push((pod.clone(), *ip));
                 } else {
-                    report.errors.push(format!("ADD {} on node B failed: {:?}", pod.uid, self.pods.lock().unwrap().errors.last()));
+                    report.errors.push(format!(
+                        "ADD {} on node B failed: {:?}",
+                        pod.uid,
+                        self.pods.lock().unwrap().errors.last()
+                    ));
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
             for (pod, ip) in added {
                 let addr = format!("{ip}:{POD_PORT}");
                 if !churn::del_one(&self.cni, &self.pods, pod.clone()) {
-                    report.errors.push(format!("DEL {} on node B failed: {:?}", pod.uid, self.pods.lock().unwrap().errors.last()));
+                    report.errors.push(format!(
+                        "DEL {} on node B failed: {:?}",
+                        pod.uid,
+                        self.pods.lock().unwrap().errors.last()
+                    ));
                     continue;
                 }
                 let deleted = Instant::now();
                 match self.wait_state(&addr, "DRAINING", &mut costs) {
                     Some(seen) => {
-                        report.samples.push(seen.saturating_duration_since(deleted).as_secs_f64());
+                        report
+                            .samples
+                            .push(seen.saturating_duration_since(deleted).as_secs_f64());
                         report.spans.push((deleted, seen));
                     }
                     None => report.timeouts.push(format!("{} ({addr})", pod.uid)),
@@ -296,20 +403,30 @@ impl DrainCtx {
             }
         }
         churn::settle(&self.cni, &self.pods, Duration::from_secs(5));
-        report.poll_cost = (percentile(&costs, 50.0).unwrap_or_default(), percentile(&costs, 100.0).unwrap_or_default());
+        report.poll_cost = (
+            percentile(&costs, 50.0).unwrap_or_default(),
+            percentile(&costs, 100.0).unwrap_or_default(),
+        );
         report
     }
 
     /// Registers `batch` as the endpoints of [`POD_SERVICE`] and waits until node A's
     /// Envoy holds them all HEALTHY.
     fn register(&self, batch: &[(PodId, Ipv4Addr)], costs: &mut Vec<Duration>) -> Result<()> {
-        let endpoints: Vec<Value> = batch.iter().map(|(p, ip)| endpoint(&ip.to_string(), POD_PORT, &p.name)).collect();
+        let endpoints: Vec<Value> = batch
+            .iter()
+            .map(|(p, ip)| endpoint(&ip.to_string(), POD_PORT, &p.name))
+            .collect();
         let doc = json!({ "services": [{ "name": POD_SERVICE, "namespace": POD_NAMESPACE, "ports": [80], "endpoints": endpoints }] });
-        apply(&self.registrar, &self.ca_file, &self.file, &doc.to_string()).context("register node B's pods at the registrar")?;
+        apply(&self.registrar, &self.ca_file, &self.file, &doc.to_string())
+            .context("register node B's pods at the registrar")?;
         for (_, ip) in batch {
             let addr = format!("{ip}:{POD_PORT}");
             if self.wait_state(&addr, "HEALTHY", costs).is_none() {
-                bail!("node A's Envoy did not show the new endpoint {addr} of {} within {DRAIN_TIMEOUT:?}", self.cluster);
+                bail!(
+                    "node A's Envoy did not show the new endpoint {addr} of {} within {DRAIN_TIMEOUT:?}",
+                    self.cluster
+                );
             }
         }
         Ok(())
@@ -324,7 +441,11 @@ impl DrainCtx {
             let got = eds_health(&self.admin, &self.cluster);
             let t1 = Instant::now();
             costs.push(t1 - t0);
-            if got.as_ref().and_then(|m| m.get(addr)).is_some_and(|s| s == state) {
+            if got
+                .as_ref()
+                .and_then(|m| m.get(addr))
+                .is_some_and(|s| s == state)
+            {
                 return Some(t0 + (t1 - t0) / 2);
             }
             if t1 >= deadline {
@@ -340,12 +461,22 @@ impl DrainCtx {
 /// does not answer or holds no such cluster. Filtered to that cluster: at 1,000 mesh
 /// services the whole answer is 8 MB and takes Envoy's main thread about 0.4 s.
 pub fn eds_health(admin: &Path, cluster: &str) -> Option<BTreeMap<String, String>> {
-    let (status, body) = admin_get(admin, &format!("/clusters?format=json&filter={}", envoy::exact_names(&[cluster]))).ok()?;
+    let (status, body) = admin_get(
+        admin,
+        &format!(
+            "/clusters?format=json&filter={}",
+            envoy::exact_names(&[cluster])
+        ),
+    )
+    .ok()?;
     if status != 200 {
         return None;
     }
     let v: Value = serde_json::from_str(&body).ok()?;
-    let c = v["cluster_statuses"].as_array()?.iter().find(|c| c["name"] == cluster)?;
+    let c = v["cluster_statuses"]
+        .as_array()?
+        .iter()
+        .find(|c| c["name"] == cluster)?;
     Some(hosts(c).into_iter().collect())
 }
 
@@ -355,17 +486,28 @@ pub fn eds_health(admin: &Path, cluster: &str) -> Option<BTreeMap<String, String
 /// Two readings of each Envoy must agree with the registrar: `/config_dump?include_eds`
 /// (what EDS delivered, [`envoy_eds`], which reads the dump's UNHEALTHY as the DRAINING the
 /// agent sent); and `/clusters` ([`clusters_eds`]), which keeps the EDS status itself.
-pub fn eds_check(registry: &SharedRegistry, envoys: &[(&str, &Envoy)], timeout: Duration) -> Result<(), String> {
-    let want = registry.dump().map(|d| expected_eds(&d)).map_err(|e| format!("{e:#}"))?;
+pub fn eds_check(
+    registry: &SharedRegistry,
+    envoys: &[(&str, &Envoy)],
+    timeout: Duration,
+) -> Result<(), String> {
+    let want = registry
+        .dump()
+        .map(|d| expected_eds(&d))
+        .map_err(|e| format!("{e:#}"))?;
     let mut wrong = Vec::new();
     for (name, envoy) in envoys {
         let (mut dumped, mut active) = (BTreeMap::new(), BTreeMap::new());
-        let equal = try_wait_for(&format!("{name}'s EDS to equal the registrar's view"), timeout, || {
-            let (status, body) = envoy.get("/config_dump?include_eds").ok()?;
-            dumped = envoy_eds(&serde_json::from_str(&body).ok().filter(|_| status == 200)?);
-            active = clusters_eds(&envoy.admin)?;
-            (dumped == want && active == want).then_some(())
-        });
+        let equal = try_wait_for(
+            &format!("{name}'s EDS to equal the registrar's view"),
+            timeout,
+            || {
+                let (status, body) = envoy.get("/config_dump?include_eds").ok()?;
+                dumped = envoy_eds(&serde_json::from_str(&body).ok().filter(|_| status == 200)?);
+                active = clusters_eds(&envoy.admin)?;
+                (dumped == want && active == want).then_some(())
+            },
+        );
         if equal.is_err() {
             if dumped != want {
                 wrong.push(format!("{name}, config_dump: {}", eds_diff(&want, &dumped)));
@@ -375,7 +517,11 @@ pub fn eds_check(registry: &SharedRegistry, envoys: &[(&str, &Envoy)], timeout: 
             }
         }
     }
-    if wrong.is_empty() { Ok(()) } else { Err(wrong.join("; ")) }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(wrong.join("; "))
+    }
 }
 
 /// Every outbound cluster's hosts in an Envoy's `/clusters?format=json`, as
@@ -392,8 +538,13 @@ pub fn clusters_eds(admin: &Path) -> Option<BTreeMap<String, Vec<String>>> {
             .as_array()?
             .iter()
             .filter_map(|c| {
-                let name = c["name"].as_str().filter(|n| aether_model::is_outbound_cluster(n))?;
-                let mut hosts: Vec<String> = hosts(c).into_iter().map(|(a, s)| format!("{a} {s}")).collect();
+                let name = c["name"]
+                    .as_str()
+                    .filter(|n| aether_model::is_outbound_cluster(n))?;
+                let mut hosts: Vec<String> = hosts(c)
+                    .into_iter()
+                    .map(|(a, s)| format!("{a} {s}"))
+                    .collect();
                 hosts.sort();
                 Some((name.to_string(), hosts))
             })
@@ -410,8 +561,15 @@ fn hosts(cluster: &Value) -> Vec<(String, String)> {
         .map(|h| {
             let sa = &h["address"]["socket_address"];
             (
-                format!("{}:{}", sa["address"].as_str().unwrap_or("?"), sa["port_value"].as_u64().unwrap_or(0)),
-                h["health_status"]["eds_health_status"].as_str().unwrap_or("HEALTHY").to_string(),
+                format!(
+                    "{}:{}",
+                    sa["address"].as_str().unwrap_or("?"),
+                    sa["port_value"].as_u64().unwrap_or(0)
+                ),
+                h["health_status"]["eds_health_status"]
+                    .as_str()
+                    .unwrap_or("HEALTHY")
+                    .to_string(),
             )
         })
         .collect()
@@ -437,7 +595,9 @@ mod tests {
     #[test]
     fn eds_diff_names_only_the_clusters_that_differ() {
         let m = |v: &[(&str, &[&str])]| -> BTreeMap<String, Vec<String>> {
-            v.iter().map(|(k, e)| (k.to_string(), e.iter().map(|s| s.to_string()).collect())).collect()
+            v.iter()
+                .map(|(k, e)| (k.to_string(), e.iter().map(|s| s.to_string()).collect()))
+                .collect()
         };
         let want = m(&[("a", &["1 HEALTHY"]), ("b", &["2 DRAINING"])]);
         let got = m(&[("a", &["1 HEALTHY"]), ("b", &["2 HEALTHY"]), ("c", &[])]);

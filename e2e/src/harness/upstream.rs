@@ -24,18 +24,24 @@ pub fn spawn(body: String) -> std::io::Result<Upstream> {
     let addr = listener.local_addr()?;
     let hits = Arc::new(AtomicU64::new(0));
     let h = hits.clone();
-    std::thread::Builder::new().name(format!("upstream-{}", addr.port())).spawn(move || {
-        for conn in listener.incoming().flatten() {
-            let (body, hits) = (body.clone(), h.clone());
-            let _ = std::thread::Builder::new().name("upstream-conn".into()).spawn(move || serve(conn, &body, &hits));
-        }
-    })?;
+    std::thread::Builder::new()
+        .name(format!("upstream-{}", addr.port()))
+        .spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let (body, hits) = (body.clone(), h.clone());
+                let _ = std::thread::Builder::new()
+                    .name("upstream-conn".into())
+                    .spawn(move || serve(conn, &body, &hits));
+            }
+        })?;
     Ok(Upstream { addr, hits })
 }
 
 fn serve(conn: TcpStream, body: &str, hits: &AtomicU64) {
     let _ = conn.set_nodelay(true);
-    let Ok(mut out) = conn.try_clone() else { return };
+    let Ok(mut out) = conn.try_clone() else {
+        return;
+    };
     let mut reader = BufReader::new(conn);
     loop {
         let mut content_length = 0u64;
@@ -64,7 +70,13 @@ fn serve(conn: TcpStream, body: &str, hits: &AtomicU64) {
                 }
             }
         }
-        if content_length > 0 && std::io::copy(&mut (&mut reader).take(content_length), &mut std::io::sink()).is_err() {
+        if content_length > 0
+            && std::io::copy(
+                &mut (&mut reader).take(content_length),
+                &mut std::io::sink(),
+            )
+            .is_err()
+        {
             return;
         }
         hits.fetch_add(1, Ordering::Relaxed);

@@ -19,8 +19,8 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, bail};
 use rcgen::{
-    BasicConstraints, Certificate, CertificateParams, CustomExtension, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
-    SerialNumber,
+    BasicConstraints, Certificate, CertificateParams, CustomExtension, DnType,
+    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 
 /// One trust domain's certificate authority.
@@ -53,15 +53,32 @@ impl Ca {
         check_trust_domain(trust_domain)?;
         let key = KeyPair::generate().context("generating the CA key")?;
         let mut params = CertificateParams::new(Vec::<String>::new()).context("CA parameters")?;
-        params.subject_alt_names = vec![SanType::URI(format!("spiffe://{trust_domain}").try_into().context("the trust domain's SPIFFE ID")?)];
+        params.subject_alt_names = vec![SanType::URI(
+            format!("spiffe://{trust_domain}")
+                .try_into()
+                .context("the trust domain's SPIFFE ID")?,
+        )];
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         params.distinguished_name.push(DnType::CountryName, "US");
-        params.distinguished_name.push(DnType::OrganizationName, "SPIFFE");
-        params.distinguished_name.push(DnType::CommonName, format!("aether test identity provider CA ({trust_domain})"));
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, "SPIFFE");
+        params.distinguished_name.push(
+            DnType::CommonName,
+            format!("aether test identity provider CA ({trust_domain})"),
+        );
         params.serial_number = Some(SerialNumber::from_slice(&next_serial()));
         let cert = params.self_signed(&key).context("self-signing the CA")?;
-        Ok(Ca { trust_domain: trust_domain.to_owned(), key, cert })
+        Ok(Ca {
+            trust_domain: trust_domain.to_owned(),
+            key,
+            cert,
+        })
     }
 
     pub fn trust_domain(&self) -> &str {
@@ -81,24 +98,44 @@ impl Ca {
     /// in this CA's trust domain, so that tests can make a mismatched one), valid from now
     /// for `lifetime`.
     pub fn mint(&self, spiffe_id: &str, lifetime: Duration) -> anyhow::Result<Svid> {
-        let Some(rest) = spiffe_id.strip_prefix("spiffe://") else { bail!("{spiffe_id:?} is not a SPIFFE ID (spiffe://...)") };
-        if !rest.split_once('/').is_some_and(|(td, path)| !td.is_empty() && !path.is_empty()) {
+        let Some(rest) = spiffe_id.strip_prefix("spiffe://") else {
+            bail!("{spiffe_id:?} is not a SPIFFE ID (spiffe://...)")
+        };
+        if !rest
+            .split_once('/')
+            .is_some_and(|(td, path)| !td.is_empty() && !path.is_empty())
+        {
             bail!("{spiffe_id:?} is not a SPIFFE ID with a trust domain and a path");
         }
         let key = KeyPair::generate().context("generating an SVID key")?;
         let mut params = CertificateParams::new(Vec::<String>::new()).context("SVID parameters")?;
-        params.subject_alt_names = vec![SanType::URI(spiffe_id.to_owned().try_into().context("the SPIFFE ID as a URI SAN")?)];
+        params.subject_alt_names = vec![SanType::URI(
+            spiffe_id
+                .to_owned()
+                .try_into()
+                .context("the SPIFFE ID as a URI SAN")?,
+        )];
         // CA:false as SPIRE (Go) writes it: a critical basicConstraints holding an empty
         // SEQUENCE. rcgen's ExplicitNoCa encodes `cA FALSE`, the DEFAULT, which DER forbids
         // and strict parsers (Python's cryptography) refuse.
         params.is_ca = IsCa::NoCa;
-        let mut basic_constraints = CustomExtension::from_oid_content(&[2, 5, 29, 19], vec![0x30, 0x00]);
+        let mut basic_constraints =
+            CustomExtension::from_oid_content(&[2, 5, 29, 19], vec![0x30, 0x00]);
         basic_constraints.set_criticality(true);
         params.custom_extensions = vec![basic_constraints];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment, KeyUsagePurpose::KeyAgreement];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+            KeyUsagePurpose::KeyAgreement,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
         params.distinguished_name.push(DnType::CountryName, "US");
-        params.distinguished_name.push(DnType::OrganizationName, "SPIRE");
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, "SPIRE");
         params.use_authority_key_identifier_extension = true;
         // Whole seconds, as the certificate holds them, so that notAfter - notBefore is the
         // lifetime exactly.
@@ -107,8 +144,14 @@ impl Ca {
         params.not_after = (now + lifetime).into();
         let serial = next_serial();
         params.serial_number = Some(SerialNumber::from_slice(&serial));
-        let cert = params.signed_by(&key, &self.cert, &self.key).context("signing an SVID")?;
-        let expires_at = i64::try_from((now + lifetime).duration_since(SystemTime::UNIX_EPOCH)?.as_secs())?;
+        let cert = params
+            .signed_by(&key, &self.cert, &self.key)
+            .context("signing an SVID")?;
+        let expires_at = i64::try_from(
+            (now + lifetime)
+                .duration_since(SystemTime::UNIX_EPOCH)?
+                .as_secs(),
+        )?;
         Ok(Svid {
             spiffe_id: spiffe_id.to_owned(),
             cert_der: cert.der().to_vec(),
@@ -123,14 +166,21 @@ impl Ca {
 
 /// A trust domain name as SPIFFE allows it: lowercase letters, digits, `.`, `-`, `_`.
 fn check_trust_domain(name: &str) -> anyhow::Result<()> {
-    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'_')) {
+    if name.is_empty()
+        || !name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'_')
+        })
+    {
         bail!("{name:?} is not a trust domain name (lowercase letters, digits, '.', '-', '_')");
     }
     Ok(())
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).expect("the clock is after 1970").as_secs()
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .expect("the clock is after 1970")
+        .as_secs()
 }
 
 /// 16 bytes: 8 random, then a process-wide counter, so no two certificates of one test
@@ -166,8 +216,15 @@ pub fn serial_hex(cert_der: &[u8]) -> Option<String> {
         _ => tbs,
     };
     let (serial, _) = der_element(after_version, 0x02)?;
-    let digits = hex(serial.iter().position(|b| *b != 0).map_or(&[][..], |first| &serial[first..]));
-    Some(if digits.is_empty() { "0".to_owned() } else { digits })
+    let digits = hex(serial
+        .iter()
+        .position(|b| *b != 0)
+        .map_or(&[][..], |first| &serial[first..]));
+    Some(if digits.is_empty() {
+        "0".to_owned()
+    } else {
+        digits
+    })
 }
 
 /// The contents of the DER element at the start of `input` if its tag is `tag`, and what
@@ -184,8 +241,12 @@ mod tests {
     #[test]
     fn serial_hex_reads_what_was_set() {
         let ca = Ca::new("example.org").unwrap();
-        let a = ca.mint("spiffe://example.org/a", Duration::from_secs(60)).unwrap();
-        let b = ca.mint("spiffe://example.org/a", Duration::from_secs(60)).unwrap();
+        let a = ca
+            .mint("spiffe://example.org/a", Duration::from_secs(60))
+            .unwrap();
+        let b = ca
+            .mint("spiffe://example.org/a", Duration::from_secs(60))
+            .unwrap();
         assert_eq!(serial_hex(&a.cert_der).as_deref(), Some(a.serial.as_str()));
         assert_eq!(a.serial.len(), 32);
         assert_ne!(a.serial, b.serial);
@@ -196,7 +257,12 @@ mod tests {
     fn rejects_what_is_not_a_spiffe_id_or_trust_domain() {
         assert!(Ca::new("Example.org").is_err());
         let ca = Ca::new("example.org").unwrap();
-        for bad in ["https://example.org/a", "spiffe://example.org", "spiffe://example.org/", "spiffe:///a"] {
+        for bad in [
+            "https://example.org/a",
+            "spiffe://example.org",
+            "spiffe://example.org/",
+            "spiffe:///a",
+        ] {
             assert!(ca.mint(bad, Duration::from_secs(60)).is_err(), "{bad}");
         }
     }

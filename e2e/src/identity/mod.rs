@@ -83,7 +83,11 @@ pub struct Options {
 
 impl Options {
     pub fn new(trust_domain: &str) -> Options {
-        Options { trust_domain: trust_domain.to_owned(), agent_path: "/aether/agent".to_owned(), svid_lifetime: Duration::from_secs(3600) }
+        Options {
+            trust_domain: trust_domain.to_owned(),
+            agent_path: "/aether/agent".to_owned(),
+            svid_lifetime: Duration::from_secs(3600),
+        }
     }
 }
 
@@ -106,7 +110,10 @@ impl IdentityProvider {
 
     pub fn start_with(dir: &Path, options: Options) -> anyhow::Result<IdentityProvider> {
         if !options.agent_path.starts_with('/') || options.agent_path.len() < 2 {
-            bail!("the agent path {:?} must start with '/' and name something", options.agent_path);
+            bail!(
+                "the agent path {:?} must start with '/' and name something",
+                options.agent_path
+            );
         }
         let ca = Ca::new(&options.trust_domain)?;
         let agent_id = format!("spiffe://{}{}", options.trust_domain, options.agent_path);
@@ -147,8 +154,18 @@ impl IdentityProvider {
                 })
                 .context("spawning the identity provider's thread")?
         };
-        started_rx.recv().context("the identity provider's thread ended")?.context("binding the identity provider's sockets")?;
-        let provider = IdentityProvider { shared, workload_socket, delegated_socket, down, stop: Some(stop), thread: Some(thread) };
+        started_rx
+            .recv()
+            .context("the identity provider's thread ended")?
+            .context("binding the identity provider's sockets")?;
+        let provider = IdentityProvider {
+            shared,
+            workload_socket,
+            delegated_socket,
+            down,
+            stop: Some(stop),
+            thread: Some(thread),
+        };
         provider.shared.wait_until("listening", |s| s.listening);
         Ok(provider)
     }
@@ -214,7 +231,10 @@ impl IdentityProvider {
     pub fn rotate_pod(&self, uid: &str) {
         let td = self.trust_domain();
         self.shared.update(|s| {
-            assert!(s.pods.contains_key(uid), "test identity provider: no pod with uid {uid} was ever subscribed");
+            assert!(
+                s.pods.contains_key(uid),
+                "test identity provider: no pod with uid {uid} was ever subscribed"
+            );
             rotate(&self.shared, s, uid, td);
         });
     }
@@ -244,10 +264,13 @@ impl IdentityProvider {
         if down {
             self.shared.update(|s| {
                 s.down = true;
-                s.close_all(&Status::unavailable("the test identity provider is going down"));
+                s.close_all(&Status::unavailable(
+                    "the test identity provider is going down",
+                ));
             });
             self.down.send_replace(true);
-            self.shared.wait_until("going down", |s| !s.listening && s.open_streams() == 0);
+            self.shared
+                .wait_until("going down", |s| !s.listening && s.open_streams() == 0);
         } else {
             self.shared.update(|s| s.down = false);
             self.down.send_replace(false);
@@ -258,7 +281,11 @@ impl IdentityProvider {
     /// The serial number of the pod's current SVID as Envoy's admin `/certs` prints it
     /// (lowercase hex); None if no subscription ever named the pod.
     pub fn serial_of_pod(&self, uid: &str) -> Option<String> {
-        self.shared.lock().pods.get(uid).map(|p| p.svid.serial.clone())
+        self.shared
+            .lock()
+            .pods
+            .get(uid)
+            .map(|p| p.svid.serial.clone())
     }
 
     /// The serial number of the agent's current SVID, as [`Self::serial_of_pod`].
@@ -269,7 +296,12 @@ impl IdentityProvider {
     /// Each pod ever subscribed (by uid, sorted) with its open SubscribeToX509SVIDs streams
     /// (0 once all closed).
     pub fn subscriptions(&self) -> Vec<(String, usize)> {
-        self.shared.lock().pods.iter().map(|(uid, p)| (uid.clone(), p.streams.len())).collect()
+        self.shared
+            .lock()
+            .pods
+            .iter()
+            .map(|(uid, p)| (uid.clone(), p.streams.len()))
+            .collect()
     }
 
     /// Open Workload API FetchX509SVID streams (the agent's own).
@@ -280,13 +312,19 @@ impl IdentityProvider {
     /// Blocks until the pod has exactly `n` open streams; panics after 10 s. See the module
     /// doc on calling it from async code.
     pub fn wait_for_streams(&self, uid: &str, n: usize) {
-        self.shared.wait_until(&format!("{n} open streams for pod {uid}"), |s| s.pods.get(uid).map_or(0, |p| p.streams.len()) == n);
+        self.shared
+            .wait_until(&format!("{n} open streams for pod {uid}"), |s| {
+                s.pods.get(uid).map_or(0, |p| p.streams.len()) == n
+            });
     }
 
     /// Blocks until the Workload API has exactly `n` open FetchX509SVID streams; panics
     /// after 10 s.
     pub fn wait_for_agent_streams(&self, n: usize) {
-        self.shared.wait_until(&format!("{n} open FetchX509SVID streams"), |s| s.agent_streams.len() == n);
+        self.shared
+            .wait_until(&format!("{n} open FetchX509SVID streams"), |s| {
+                s.agent_streams.len() == n
+            });
     }
 
     /// An SVID from this provider's CA for `spiffe_id` (a test client's): the certificate
@@ -303,7 +341,9 @@ impl IdentityProvider {
     /// the chain (the leaf alone) and the PKCS#8 key, both PEM; valid for 1 h.
     pub fn mint_foreign(trust_domain: &str, spiffe_id: &str) -> (String, String) {
         let ca = Ca::new(trust_domain).unwrap_or_else(|e| panic!("a CA for {trust_domain}: {e:#}"));
-        let svid = ca.mint(spiffe_id, Duration::from_secs(3600)).unwrap_or_else(|e| panic!("minting {spiffe_id}: {e:#}"));
+        let svid = ca
+            .mint(spiffe_id, Duration::from_secs(3600))
+            .unwrap_or_else(|e| panic!("minting {spiffe_id}: {e:#}"));
         (svid.cert_pem, svid.key_pem)
     }
 }

@@ -26,7 +26,12 @@ use super::workload::WorkloadApi;
 pub fn bind(path: &Path) -> io::Result<UnixListener> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
-        Ok(_) => return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("{} exists and is not a socket", path.display()))),
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
@@ -35,7 +40,12 @@ pub fn bind(path: &Path) -> io::Result<UnixListener> {
 
 /// Serves both APIs on `listeners` until `down` turns true, then again on fresh listeners
 /// at the same paths each time it turns false; runs until the runtime is dropped.
-pub async fn serve(shared: Arc<Shared>, paths: [&Path; 2], mut listeners: Option<[UnixListener; 2]>, mut down: watch::Receiver<bool>) {
+pub async fn serve(
+    shared: Arc<Shared>,
+    paths: [&Path; 2],
+    mut listeners: Option<[UnixListener; 2]>,
+    mut down: watch::Receiver<bool>,
+) {
     loop {
         let [workload, delegated] = match listeners.take() {
             Some(l) => l,
@@ -43,7 +53,11 @@ pub async fn serve(shared: Arc<Shared>, paths: [&Path; 2], mut listeners: Option
                 if down.wait_for(|d| !*d).await.is_err() {
                     return;
                 }
-                let bind_or_panic = |p: &Path| bind(p).unwrap_or_else(|e| panic!("test identity provider: binding {}: {e}", p.display()));
+                let bind_or_panic = |p: &Path| {
+                    bind(p).unwrap_or_else(|e| {
+                        panic!("test identity provider: binding {}: {e}", p.display())
+                    })
+                };
                 [bind_or_panic(paths[0]), bind_or_panic(paths[1])]
             }
         };
@@ -52,11 +66,21 @@ pub async fn serve(shared: Arc<Shared>, paths: [&Path; 2], mut listeners: Option
             let _ = rx.wait_for(|d| *d).await;
         };
         let workload_server = Server::builder()
-            .add_service(SpiffeWorkloadApiServer::new(WorkloadApi { shared: shared.clone() }))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(workload), until_down(down.clone()));
+            .add_service(SpiffeWorkloadApiServer::new(WorkloadApi {
+                shared: shared.clone(),
+            }))
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(workload),
+                until_down(down.clone()),
+            );
         let delegated_server = Server::builder()
-            .add_service(DelegatedIdentityServer::new(DelegatedApi { shared: shared.clone() }))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(delegated), until_down(down.clone()));
+            .add_service(DelegatedIdentityServer::new(DelegatedApi {
+                shared: shared.clone(),
+            }))
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(delegated),
+                until_down(down.clone()),
+            );
         let (a, b) = tokio::join!(workload_server, delegated_server);
         if let Err(e) = a.and(b) {
             panic!("test identity provider: serving: {e}");

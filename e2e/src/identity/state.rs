@@ -40,7 +40,13 @@ pub struct Pod {
     pub name: String,
     pub svid: Svid,
     /// Open streams, and the serial each was last sent (None: nothing yet, held).
-    pub streams: BTreeMap<u64, (Sender<delegated::SubscribeToX509sviDsResponse>, Option<String>)>,
+    pub streams: BTreeMap<
+        u64,
+        (
+            Sender<delegated::SubscribeToX509sviDsResponse>,
+            Option<String>,
+        ),
+    >,
 }
 
 pub struct State {
@@ -89,7 +95,11 @@ impl Shared {
             bundle_streams: BTreeMap::new(),
             delegated_bundle_streams: BTreeMap::new(),
         };
-        Ok(Shared { state: Mutex::new(state), changed: Condvar::new(), ca })
+        Ok(Shared {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            ca,
+        })
     }
 
     pub fn lock(&self) -> MutexGuard<'_, State> {
@@ -113,14 +123,22 @@ impl Shared {
         while !done(&state) {
             let left = deadline
                 .checked_duration_since(Instant::now())
-                .unwrap_or_else(|| panic!("test identity provider: {what} did not happen within {WAIT:?}"));
-            state = self.changed.wait_timeout(state, left).unwrap_or_else(|p| p.into_inner()).0;
+                .unwrap_or_else(|| {
+                    panic!("test identity provider: {what} did not happen within {WAIT:?}")
+                });
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
     /// Mints an SVID with the current lifetime.
     pub fn mint(&self, state: &State, spiffe_id: &str) -> Svid {
-        self.ca.mint(spiffe_id, state.lifetime).unwrap_or_else(|e| panic!("test identity provider: minting {spiffe_id}: {e:#}"))
+        self.ca
+            .mint(spiffe_id, state.lifetime)
+            .unwrap_or_else(|e| panic!("test identity provider: minting {spiffe_id}: {e:#}"))
     }
 }
 
@@ -180,7 +198,11 @@ pub struct Subscription<T> {
 }
 
 impl<T> Subscription<T> {
-    pub fn new(rx: UnboundedReceiver<Result<T, Status>>, key: StreamKey, shared: Arc<Shared>) -> Subscription<T> {
+    pub fn new(
+        rx: UnboundedReceiver<Result<T, Status>>,
+        key: StreamKey,
+        shared: Arc<Shared>,
+    ) -> Subscription<T> {
         Subscription { rx, key, shared }
     }
 }

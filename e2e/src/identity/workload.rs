@@ -16,8 +16,9 @@ use tonic::{Request, Response, Status};
 use super::ca::Svid;
 use super::pb::workload::spiffe_workload_api_server::SpiffeWorkloadApi;
 use super::pb::workload::{
-    JwtBundlesRequest, JwtBundlesResponse, JwtsvidRequest, JwtsvidResponse, ValidateJwtsvidRequest, ValidateJwtsvidResponse,
-    X509BundlesRequest, X509BundlesResponse, X509svid, X509svidRequest, X509svidResponse,
+    JwtBundlesRequest, JwtBundlesResponse, JwtsvidRequest, JwtsvidResponse, ValidateJwtsvidRequest,
+    ValidateJwtsvidResponse, X509BundlesRequest, X509BundlesResponse, X509svid, X509svidRequest,
+    X509svidResponse,
 };
 use super::state::{Shared, StreamKey, Subscription};
 
@@ -47,7 +48,9 @@ fn check_header<T>(request: &Request<T>) -> Result<(), Status> {
     match request.metadata().get(HEADER) {
         Some(v) if v == "true" => Ok(()),
         // SPIRE's words.
-        _ => Err(Status::invalid_argument("security header missing from request")),
+        _ => Err(Status::invalid_argument(
+            "security header missing from request",
+        )),
     }
 }
 
@@ -57,7 +60,10 @@ impl SpiffeWorkloadApi for WorkloadApi {
     type FetchX509BundlesStream = Subscription<X509BundlesResponse>;
     type FetchJWTBundlesStream = tokio_stream::Empty<Result<JwtBundlesResponse, Status>>;
 
-    async fn fetch_x509svid(&self, request: Request<X509svidRequest>) -> Result<Response<Self::FetchX509SVIDStream>, Status> {
+    async fn fetch_x509svid(
+        &self,
+        request: Request<X509svidRequest>,
+    ) -> Result<Response<Self::FetchX509SVIDStream>, Status> {
         check_header(&request)?;
         let shared = self.shared.clone();
         let (id, rx) = self.shared.update(|s| {
@@ -69,10 +75,17 @@ impl SpiffeWorkloadApi for WorkloadApi {
             s.agent_streams.insert(id, tx);
             Ok((id, rx))
         })?;
-        Ok(Response::new(Subscription::new(rx, StreamKey::Agent(id), shared)))
+        Ok(Response::new(Subscription::new(
+            rx,
+            StreamKey::Agent(id),
+            shared,
+        )))
     }
 
-    async fn fetch_x509_bundles(&self, request: Request<X509BundlesRequest>) -> Result<Response<Self::FetchX509BundlesStream>, Status> {
+    async fn fetch_x509_bundles(
+        &self,
+        request: Request<X509BundlesRequest>,
+    ) -> Result<Response<Self::FetchX509BundlesStream>, Status> {
         check_header(&request)?;
         let shared = self.shared.clone();
         let (id, rx) = self.shared.update(|s| {
@@ -80,26 +93,52 @@ impl SpiffeWorkloadApi for WorkloadApi {
                 return Err(Status::unavailable("the test identity provider is down"));
             }
             let (id, tx, rx) = s.open();
-            let bundles = [(format!("spiffe://{}", self.shared.ca.trust_domain()), self.shared.ca.der().to_vec())].into();
-            let _ = tx.send(Ok(X509BundlesResponse { crl: Vec::new(), bundles }));
+            let bundles = [(
+                format!("spiffe://{}", self.shared.ca.trust_domain()),
+                self.shared.ca.der().to_vec(),
+            )]
+            .into();
+            let _ = tx.send(Ok(X509BundlesResponse {
+                crl: Vec::new(),
+                bundles,
+            }));
             s.bundle_streams.insert(id, tx);
             Ok((id, rx))
         })?;
-        Ok(Response::new(Subscription::new(rx, StreamKey::Bundles(id), shared)))
+        Ok(Response::new(Subscription::new(
+            rx,
+            StreamKey::Bundles(id),
+            shared,
+        )))
     }
 
-    async fn fetch_jwtsvid(&self, request: Request<JwtsvidRequest>) -> Result<Response<JwtsvidResponse>, Status> {
+    async fn fetch_jwtsvid(
+        &self,
+        request: Request<JwtsvidRequest>,
+    ) -> Result<Response<JwtsvidResponse>, Status> {
         check_header(&request)?;
-        Err(Status::unimplemented("the test identity provider serves X.509-SVIDs only"))
+        Err(Status::unimplemented(
+            "the test identity provider serves X.509-SVIDs only",
+        ))
     }
 
-    async fn fetch_jwt_bundles(&self, request: Request<JwtBundlesRequest>) -> Result<Response<Self::FetchJWTBundlesStream>, Status> {
+    async fn fetch_jwt_bundles(
+        &self,
+        request: Request<JwtBundlesRequest>,
+    ) -> Result<Response<Self::FetchJWTBundlesStream>, Status> {
         check_header(&request)?;
-        Err(Status::unimplemented("the test identity provider serves X.509-SVIDs only"))
+        Err(Status::unimplemented(
+            "the test identity provider serves X.509-SVIDs only",
+        ))
     }
 
-    async fn validate_jwtsvid(&self, request: Request<ValidateJwtsvidRequest>) -> Result<Response<ValidateJwtsvidResponse>, Status> {
+    async fn validate_jwtsvid(
+        &self,
+        request: Request<ValidateJwtsvidRequest>,
+    ) -> Result<Response<ValidateJwtsvidResponse>, Status> {
         check_header(&request)?;
-        Err(Status::unimplemented("the test identity provider serves X.509-SVIDs only"))
+        Err(Status::unimplemented(
+            "the test identity provider serves X.509-SVIDs only",
+        ))
     }
 }

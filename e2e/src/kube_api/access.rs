@@ -25,14 +25,23 @@ pub struct Access {
 
 impl Access {
     pub fn new() -> Access {
-        Access { users: BTreeMap::new(), random: RandomState::new() }
+        Access {
+            users: BTreeMap::new(),
+            random: RandomState::new(),
+        }
     }
 
     /// The user, created with a fresh token if new.
     pub fn user(&mut self, name: &str) -> &mut User {
         if !self.users.contains_key(name) {
             let token = self.new_token(name);
-            self.users.insert(name.to_owned(), User { token, ..User::default() });
+            self.users.insert(
+                name.to_owned(),
+                User {
+                    token,
+                    ..User::default()
+                },
+            );
         }
         self.users.get_mut(name).expect("inserted above")
     }
@@ -43,7 +52,10 @@ impl Access {
 
     /// The name of the user holding `token`.
     pub fn authenticate(&self, token: &str) -> Option<String> {
-        self.users.iter().find(|(_, u)| u.token == token).map(|(n, _)| n.clone())
+        self.users
+            .iter()
+            .find(|(_, u)| u.token == token)
+            .map(|(n, _)| n.clone())
     }
 
     pub fn grant(&mut self, name: &str, resource: &str, verbs: &[&str]) {
@@ -53,7 +65,9 @@ impl Access {
 
     pub fn allowed(&self, name: &str, resource: &str, verb: &str) -> bool {
         self.users.get(name).is_some_and(|u| {
-            u.rules.iter().any(|(r, verbs)| r == resource && verbs.iter().any(|v| v == verb || v == "*"))
+            u.rules
+                .iter()
+                .any(|(r, verbs)| r == resource && verbs.iter().any(|v| v == verb || v == "*"))
         })
     }
 
@@ -101,8 +115,14 @@ mod tests {
 
     #[test]
     fn service_accounts_get_their_groups() {
-        assert_eq!(groups("system:serviceaccount:aether:agent"),
-                   ["system:serviceaccounts", "system:serviceaccounts:aether", "system:authenticated"]);
+        assert_eq!(
+            groups("system:serviceaccount:aether:agent"),
+            [
+                "system:serviceaccounts",
+                "system:serviceaccounts:aether",
+                "system:authenticated"
+            ]
+        );
         assert_eq!(groups("alice"), ["system:authenticated"]);
     }
 }

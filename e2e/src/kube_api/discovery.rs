@@ -28,9 +28,15 @@ pub fn core_versions(server_address: &str) -> Value {
 /// for a group the server does not serve.
 pub fn resources(group: &str) -> Option<Value> {
     let resources: Vec<Value> = if group == AUTHN {
-        vec![json!({"name": "tokenreviews", "singularName": "tokenreview", "namespaced": false, "kind": "TokenReview", "verbs": ["create"]})]
+        vec![
+            json!({"name": "tokenreviews", "singularName": "tokenreview", "namespaced": false, "kind": "TokenReview", "verbs": ["create"]}),
+        ]
     } else {
-        Resource::ALL.into_iter().filter(|r| r.group() == group).map(api_resource).collect()
+        Resource::ALL
+            .into_iter()
+            .filter(|r| r.group() == group)
+            .map(api_resource)
+            .collect()
     };
     if resources.is_empty() {
         return None;
@@ -38,7 +44,9 @@ pub fn resources(group: &str) -> Option<Value> {
     Some(match group {
         // The core group's list carries no apiVersion, as the real server's does not.
         "" => json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": resources}),
-        _ => json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": format!("{group}/v1"), "resources": resources}),
+        _ => {
+            json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": format!("{group}/v1"), "resources": resources})
+        }
     })
 }
 
@@ -92,8 +100,15 @@ pub fn group(name: &str) -> Option<Value> {
 pub fn openapi_index() -> Value {
     let mut paths = serde_json::Map::new();
     for group in openapi_groups() {
-        let path = if group.is_empty() { "api/v1".to_owned() } else { format!("apis/{group}/v1") };
-        paths.insert(path.clone(), json!({"serverRelativeURL": format!("/openapi/v3/{path}?hash=0")}));
+        let path = if group.is_empty() {
+            "api/v1".to_owned()
+        } else {
+            format!("apis/{group}/v1")
+        };
+        paths.insert(
+            path.clone(),
+            json!({"serverRelativeURL": format!("/openapi/v3/{path}?hash=0")}),
+        );
     }
     json!({"paths": paths})
 }
@@ -106,12 +121,23 @@ pub fn openapi_index() -> Value {
 pub fn openapi(group: &str) -> Option<Value> {
     let mut paths = serde_json::Map::new();
     for r in Resource::ALL.into_iter().filter(|r| r.group() == group) {
-        let root = if group.is_empty() { "/api/v1".to_owned() } else { format!("/apis/{group}/v1") };
-        let scope = if r.namespaced() { "/namespaces/{namespace}" } else { "" };
+        let root = if group.is_empty() {
+            "/api/v1".to_owned()
+        } else {
+            format!("/apis/{group}/v1")
+        };
+        let scope = if r.namespaced() {
+            "/namespaces/{namespace}"
+        } else {
+            ""
+        };
         let gvk = json!({"group": group, "version": "v1", "kind": r.kind()});
         let patch = json!({"x-kubernetes-group-version-kind": gvk, "x-kubernetes-action": "patch",
                            "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": true}}]});
-        paths.insert(format!("{root}{scope}/{}/{{name}}", r.plural()), json!({"patch": patch}));
+        paths.insert(
+            format!("{root}{scope}/{}/{{name}}", r.plural()),
+            json!({"patch": patch}),
+        );
     }
     (!paths.is_empty()).then(|| json!({"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": format!("v1.{MINOR}.0")}, "paths": paths}))
 }
@@ -128,17 +154,37 @@ mod tests {
 
     #[test]
     fn every_resource_is_discoverable_in_its_group() {
-        let listed: Vec<String> = groups()["groups"].as_array().unwrap().iter().map(|g| g["name"].as_str().unwrap().to_owned()).collect();
+        let listed: Vec<String> = groups()["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["name"].as_str().unwrap().to_owned())
+            .collect();
         assert_eq!(listed, [AUTHN, "discovery.k8s.io", "coordination.k8s.io"]);
         for r in Resource::ALL {
             let list = resources(r.group()).unwrap();
-            let entry = list["resources"].as_array().unwrap().iter().find(|e| e["name"] == r.plural()).unwrap_or_else(|| panic!("{r:?} in {list}"));
-            assert_eq!((entry["kind"].as_str(), entry["namespaced"].as_bool()), (Some(r.kind()), Some(r.namespaced())));
-            let expected_group_version = if r.group().is_empty() { "v1".to_owned() } else { format!("{}/v1", r.group()) };
+            let entry = list["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == r.plural())
+                .unwrap_or_else(|| panic!("{r:?} in {list}"));
+            assert_eq!(
+                (entry["kind"].as_str(), entry["namespaced"].as_bool()),
+                (Some(r.kind()), Some(r.namespaced()))
+            );
+            let expected_group_version = if r.group().is_empty() {
+                "v1".to_owned()
+            } else {
+                format!("{}/v1", r.group())
+            };
             assert_eq!(list["groupVersion"], expected_group_version);
         }
         assert_eq!(resources("").unwrap().get("apiVersion"), None);
-        assert_eq!(group("coordination.k8s.io").unwrap()["preferredVersion"]["groupVersion"], "coordination.k8s.io/v1");
+        assert_eq!(
+            group("coordination.k8s.io").unwrap()["preferredVersion"]["groupVersion"],
+            "coordination.k8s.io/v1"
+        );
         assert!(group("apps").is_none() && resources("apps").is_none());
     }
 
@@ -146,13 +192,31 @@ mod tests {
     fn openapi_lists_a_patch_with_field_validation_per_resource() {
         let index = openapi_index();
         let listed: Vec<&String> = index["paths"].as_object().unwrap().keys().collect();
-        assert_eq!(listed, ["api/v1", "apis/coordination.k8s.io/v1", "apis/discovery.k8s.io/v1"]);
-        assert_eq!(index["paths"]["apis/coordination.k8s.io/v1"]["serverRelativeURL"], "/openapi/v3/apis/coordination.k8s.io/v1?hash=0");
+        assert_eq!(
+            listed,
+            [
+                "api/v1",
+                "apis/coordination.k8s.io/v1",
+                "apis/discovery.k8s.io/v1"
+            ]
+        );
+        assert_eq!(
+            index["paths"]["apis/coordination.k8s.io/v1"]["serverRelativeURL"],
+            "/openapi/v3/apis/coordination.k8s.io/v1?hash=0"
+        );
         let leases = openapi("coordination.k8s.io").unwrap();
-        let patch = &leases["paths"]["/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"]["patch"];
-        assert_eq!(patch["x-kubernetes-group-version-kind"], json!({"group": "coordination.k8s.io", "version": "v1", "kind": "Lease"}));
+        let patch = &leases["paths"]["/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"]
+            ["patch"];
+        assert_eq!(
+            patch["x-kubernetes-group-version-kind"],
+            json!({"group": "coordination.k8s.io", "version": "v1", "kind": "Lease"})
+        );
         assert_eq!(patch["parameters"][0]["name"], "fieldValidation");
-        assert!(openapi("").unwrap()["paths"].get("/api/v1/nodes/{name}").is_some());
+        assert!(
+            openapi("").unwrap()["paths"]
+                .get("/api/v1/nodes/{name}")
+                .is_some()
+        );
         assert!(openapi(AUTHN).is_none());
     }
 }

@@ -70,20 +70,34 @@ impl KubeApi {
     pub fn start() -> KubeApi {
         let tls = tls::make();
         let acceptor = TlsAcceptor::from(tls.config.clone());
-        let dir = tempfile::Builder::new().prefix("kube-api").tempdir().expect("a temp dir for the test API server");
+        let dir = tempfile::Builder::new()
+            .prefix("kube-api")
+            .tempdir()
+            .expect("a temp dir for the test API server");
         let (down, down_rx) = watch::channel(false);
         let (stop, stop_rx) = oneshot::channel::<()>();
         let (started_tx, started_rx) = std::sync::mpsc::channel();
-        let uid_prefix = std::process::id() ^ SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let uid_prefix = std::process::id()
+            ^ SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
         let thread = std::thread::Builder::new()
             .name("kube-api".into())
             .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("the test API server's runtime");
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the test API server's runtime");
                 runtime.block_on(async move {
-                    let listener = server::bind(SocketAddr::from(([127, 0, 0, 1], 0))).expect("binding the test API server on 127.0.0.1");
-                    let address = listener.local_addr().expect("a bound listener has an address");
+                    let listener = server::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+                        .expect("binding the test API server on 127.0.0.1");
+                    let address = listener
+                        .local_addr()
+                        .expect("a bound listener has an address");
                     let shared = Arc::new(Shared::new(address, Store::new(uid_prefix)));
-                    started_tx.send(shared.clone()).expect("start() waits for this");
+                    started_tx
+                        .send(shared.clone())
+                        .expect("start() waits for this");
                     tokio::select! {
                         _ = server::serve(shared, listener, acceptor, down_rx) => {}
                         _ = stop_rx => {}
@@ -93,7 +107,14 @@ impl KubeApi {
             .expect("spawning the test API server's thread");
         let shared = started_rx.recv().expect("the test API server started");
         shared.wait_until("listening", |s| s.listening);
-        KubeApi { shared, ca_pem: tls.ca_pem, dir, down, stop: Some(stop), thread: Some(thread) }
+        KubeApi {
+            shared,
+            ca_pem: tls.ca_pem,
+            dir,
+            down,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
     }
 
     /// `https://127.0.0.1:PORT`.
@@ -119,9 +140,19 @@ impl KubeApi {
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": user, "namespace": "default"}}],
             "current-context": "test",
         });
-        let file: String = user.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect();
+        let file: String = user
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
         let path = self.dir.path().join(format!("kubeconfig-{file}"));
-        std::fs::write(&path, serde_json::to_vec_pretty(&config).expect("JSON")).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        std::fs::write(&path, serde_json::to_vec_pretty(&config).expect("JSON"))
+            .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
         path
     }
 
@@ -135,8 +166,13 @@ impl KubeApi {
     pub fn grant(&self, user: &str, rules: &[Rule]) {
         let mut s = self.shared.lock();
         for rule in rules {
-            let known = rule.resource == "tokenreviews" || Resource::from_plural(rule.resource).is_some();
-            assert!(known, "the test API server has no resource {:?}", rule.resource);
+            let known =
+                rule.resource == "tokenreviews" || Resource::from_plural(rule.resource).is_some();
+            assert!(
+                known,
+                "the test API server has no resource {:?}",
+                rule.resource
+            );
             s.access.grant(user, rule.resource, rule.verbs);
         }
     }
@@ -154,7 +190,11 @@ impl KubeApi {
     }
 
     pub fn node(&self, name: &str) -> Option<Value> {
-        self.shared.lock().store.get(Resource::Nodes, None, name).cloned()
+        self.shared
+            .lock()
+            .store
+            .get(Resource::Nodes, None, name)
+            .cloned()
     }
 
     /// Creates or replaces a pod (by `metadata.namespace`, "default" if unset, and
@@ -164,7 +204,11 @@ impl KubeApi {
     }
 
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
-        self.shared.lock().store.get(Resource::Pods, Some(namespace), name).cloned()
+        self.shared
+            .lock()
+            .store
+            .get(Resource::Pods, Some(namespace), name)
+            .cloned()
     }
 
     /// What a graceful delete does first: sets `metadata.deletionTimestamp` (now) and
@@ -172,11 +216,15 @@ impl KubeApi {
     /// 30): a MODIFIED event. Nothing happens to an absent pod or one already deleting.
     pub fn mark_pod_deleting(&self, namespace: &str, name: &str) {
         let mut s = self.shared.lock();
-        let Some(mut pod) = s.store.get(Resource::Pods, Some(namespace), name).cloned() else { return };
+        let Some(mut pod) = s.store.get(Resource::Pods, Some(namespace), name).cloned() else {
+            return;
+        };
         if !pod["metadata"]["deletionTimestamp"].is_null() {
             return;
         }
-        let grace = pod["spec"]["terminationGracePeriodSeconds"].as_i64().unwrap_or(30);
+        let grace = pod["spec"]["terminationGracePeriodSeconds"]
+            .as_i64()
+            .unwrap_or(30);
         pod["metadata"]["deletionTimestamp"] = json!(timestamps::rfc3339(SystemTime::now()));
         pod["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
         s.store.replace(Resource::Pods, Some(namespace), name, pod);
@@ -184,7 +232,10 @@ impl KubeApi {
 
     /// Removes a pod: a DELETED event. Nothing happens to an absent pod.
     pub fn delete_pod(&self, namespace: &str, name: &str) {
-        self.shared.lock().store.delete(Resource::Pods, Some(namespace), name);
+        self.shared
+            .lock()
+            .store
+            .delete(Resource::Pods, Some(namespace), name);
     }
 
     /// Creates or replaces a Service (by `metadata.namespace`, "default" if unset, and
@@ -200,7 +251,10 @@ impl KubeApi {
 
     /// Removes a Service: a DELETED event. Nothing happens to an absent one.
     pub fn delete_service(&self, namespace: &str, name: &str) {
-        self.shared.lock().store.delete(Resource::Services, Some(namespace), name);
+        self.shared
+            .lock()
+            .store
+            .delete(Resource::Services, Some(namespace), name);
     }
 
     /// Creates or replaces an EndpointSlice (`discovery.k8s.io/v1`; by namespace and
@@ -215,7 +269,10 @@ impl KubeApi {
 
     /// Removes an EndpointSlice: a DELETED event. Nothing happens to an absent one.
     pub fn delete_endpoint_slice(&self, namespace: &str, name: &str) {
-        self.shared.lock().store.delete(Resource::EndpointSlices, Some(namespace), name);
+        self.shared
+            .lock()
+            .store
+            .delete(Resource::EndpointSlices, Some(namespace), name);
     }
 
     /// Creates or replaces a Lease (`coordination.k8s.io/v1`; by namespace and name), for
@@ -224,7 +281,9 @@ impl KubeApi {
     /// (`2026-11-30T23:59:59.123456Z`), as a real server would hold them; they are stored
     /// as given (an offset is converted to UTC, as the real server stores it).
     pub fn put_lease(&self, lease: Value) {
-        let lease = write::canonical(Resource::Leases, lease).unwrap_or_else(|e| panic!("put_lease: a real API server would refuse this Lease: {e}"));
+        let lease = write::canonical(Resource::Leases, lease).unwrap_or_else(|e| {
+            panic!("put_lease: a real API server would refuse this Lease: {e}")
+        });
         self.plant(Resource::Leases, lease);
     }
 
@@ -234,33 +293,56 @@ impl KubeApi {
 
     /// Removes a Lease: a DELETED event. Nothing happens to an absent one.
     pub fn delete_lease(&self, namespace: &str, name: &str) {
-        self.shared.lock().store.delete(Resource::Leases, Some(namespace), name);
+        self.shared
+            .lock()
+            .store
+            .delete(Resource::Leases, Some(namespace), name);
     }
 
     /// Stores an object a test gives, after checking that it is of the resource's kind if
     /// it says one.
     fn plant(&self, resource: Resource, object: Value) {
-        for (field, expected) in [("kind", resource.kind()), ("apiVersion", resource.api_version())] {
+        for (field, expected) in [
+            ("kind", resource.kind()),
+            ("apiVersion", resource.api_version()),
+        ] {
             if let Some(given) = object[field].as_str() {
-                assert_eq!(given, expected, "a {} given with {field} {given:?}: {object}", resource.kind());
+                assert_eq!(
+                    given,
+                    expected,
+                    "a {} given with {field} {given:?}: {object}",
+                    resource.kind()
+                );
             }
         }
         self.shared.lock().store.put(resource, object);
     }
 
     fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
-        self.shared.lock().store.get(resource, Some(namespace), name).cloned()
+        self.shared
+            .lock()
+            .store
+            .get(resource, Some(namespace), name)
+            .cloned()
     }
 
     /// PATCH requests on nodes received from `user`, whatever their outcome.
     pub fn patches(&self, user: &str) -> usize {
-        self.shared.lock().access.get(user).map_or(0, |u| u.node_patches)
+        self.shared
+            .lock()
+            .access
+            .get(user)
+            .map_or(0, |u| u.node_patches)
     }
 
     /// `"METHOD /path?query"` for each request of `user`, in arrival order (unauthenticated
     /// requests belong to nobody).
     pub fn requests(&self, user: &str) -> Vec<String> {
-        self.shared.lock().access.get(user).map_or_else(Vec::new, |u| u.requests.clone())
+        self.shared
+            .lock()
+            .access
+            .get(user)
+            .map_or_else(Vec::new, |u| u.requests.clone())
     }
 
     /// Forgets the history of changes: a watch or list from a resourceVersion older than
@@ -275,7 +357,9 @@ impl KubeApi {
         self.down.send_replace(down);
         if down {
             self.shared.lock().store.close_watches();
-            self.shared.wait_until("going down", |s| !s.listening && s.connections == 0 && s.store.all_watchers() == 0);
+            self.shared.wait_until("going down", |s| {
+                !s.listening && s.connections == 0 && s.store.all_watchers() == 0
+            });
         } else {
             self.shared.wait_until("listening again", |s| s.listening);
         }
@@ -284,7 +368,9 @@ impl KubeApi {
     /// Watch streams open now on a resource, by its plural ("pods", "nodes", "services",
     /// "endpointslices", "leases").
     pub fn watchers(&self, resource: &str) -> usize {
-        let r = Resource::from_plural(resource).unwrap_or_else(|| panic!("the test API server has no watchable resource {resource:?}"));
+        let r = Resource::from_plural(resource).unwrap_or_else(|| {
+            panic!("the test API server has no watchable resource {resource:?}")
+        });
         self.shared.lock().store.watchers(r)
     }
 

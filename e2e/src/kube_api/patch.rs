@@ -17,16 +17,32 @@ pub enum PatchError {
 /// of `doc`. Messages follow the Go library the API server uses (evanphx/json-patch).
 pub fn json_patch(doc: &Value, patch: &Value) -> Result<Value, PatchError> {
     let Value::Array(ops) = patch else {
-        return Err(PatchError::Malformed("json: cannot unmarshal object into Go value of type jsonpatch.Patch".into()));
+        return Err(PatchError::Malformed(
+            "json: cannot unmarshal object into Go value of type jsonpatch.Patch".into(),
+        ));
     };
     let mut doc = doc.clone();
     for op in ops {
-        let name = op.get("op").and_then(Value::as_str).ok_or_else(|| malformed(op, "op"))?;
-        let path = op.get("path").and_then(Value::as_str).ok_or_else(|| malformed(op, "path"))?;
+        let name = op
+            .get("op")
+            .and_then(Value::as_str)
+            .ok_or_else(|| malformed(op, "op"))?;
+        let path = op
+            .get("path")
+            .and_then(Value::as_str)
+            .ok_or_else(|| malformed(op, "path"))?;
         let path = Pointer::parse(path)?;
-        let value = || op.get("value").cloned().ok_or_else(|| malformed(op, "value"));
+        let value = || {
+            op.get("value")
+                .cloned()
+                .ok_or_else(|| malformed(op, "value"))
+        };
         let from = || -> Result<Pointer, PatchError> {
-            Pointer::parse(op.get("from").and_then(Value::as_str).ok_or_else(|| malformed(op, "from"))?)
+            Pointer::parse(
+                op.get("from")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| malformed(op, "from"))?,
+            )
         };
         match name {
             "add" => add(&mut doc, &path, value()?)?,
@@ -34,14 +50,22 @@ pub fn json_patch(doc: &Value, patch: &Value) -> Result<Value, PatchError> {
                 remove(&mut doc, &path)?;
             }
             "replace" => {
-                let target = get_mut(&mut doc, &path.0)
-                    .ok_or_else(|| PatchError::NotApplied(format!("replace operation does not apply: doc is missing key: {}: missing value", path.text())))?;
+                let target = get_mut(&mut doc, &path.0).ok_or_else(|| {
+                    PatchError::NotApplied(format!(
+                        "replace operation does not apply: doc is missing key: {}: missing value",
+                        path.text()
+                    ))
+                })?;
                 *target = value()?;
             }
             "move" => {
                 let from = from()?;
                 if path.0.len() > from.0.len() && path.0.starts_with(&from.0) {
-                    return Err(PatchError::NotApplied(format!("move operation does not apply: from {} is a prefix of path {}", from.text(), path.text())));
+                    return Err(PatchError::NotApplied(format!(
+                        "move operation does not apply: from {} is a prefix of path {}",
+                        from.text(),
+                        path.text()
+                    )));
                 }
                 let v = remove(&mut doc, &from)?;
                 add(&mut doc, &path, v)?;
@@ -56,7 +80,10 @@ pub fn json_patch(doc: &Value, patch: &Value) -> Result<Value, PatchError> {
             "test" => {
                 let expected = value()?;
                 if get(&doc, &path.0) != Some(&expected) {
-                    return Err(PatchError::NotApplied(format!("testing value {} failed: test failed", path.text())));
+                    return Err(PatchError::NotApplied(format!(
+                        "testing value {} failed: test failed",
+                        path.text()
+                    )));
                 }
             }
             other => return Err(PatchError::Malformed(format!("Unexpected kind: {other}"))),
@@ -99,23 +126,37 @@ impl Pointer {
             return Ok(Pointer(Vec::new()));
         }
         let Some(rest) = text.strip_prefix('/') else {
-            return Err(PatchError::Malformed(format!("JSON pointer must be empty or start with a \"/\": {text:?}")));
+            return Err(PatchError::Malformed(format!(
+                "JSON pointer must be empty or start with a \"/\": {text:?}"
+            )));
         };
-        Ok(Pointer(rest.split('/').map(|t| t.replace("~1", "/").replace("~0", "~")).collect()))
+        Ok(Pointer(
+            rest.split('/')
+                .map(|t| t.replace("~1", "/").replace("~0", "~"))
+                .collect(),
+        ))
     }
 
     fn text(&self) -> String {
-        self.0.iter().map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1"))).collect()
+        self.0
+            .iter()
+            .map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1")))
+            .collect()
     }
 
     fn split_last(&self) -> Option<(&[String], &str)> {
-        self.0.split_last().map(|(last, parent)| (parent, last.as_str()))
+        self.0
+            .split_last()
+            .map(|(last, parent)| (parent, last.as_str()))
     }
 }
 
 /// An array index as RFC 6901 spells it: digits without a leading zero.
 fn index(token: &str) -> Option<usize> {
-    let well_formed = token == "0" || (!token.starts_with('0') && !token.is_empty() && token.bytes().all(|b| b.is_ascii_digit()));
+    let well_formed = token == "0"
+        || (!token.starts_with('0')
+            && !token.is_empty()
+            && token.bytes().all(|b| b.is_ascii_digit()));
     well_formed.then(|| token.parse().ok()).flatten()
 }
 
@@ -140,15 +181,27 @@ fn add(doc: &mut Value, path: &Pointer, value: Value) -> Result<(), PatchError> 
         *doc = value;
         return Ok(());
     };
-    let missing = || PatchError::NotApplied(format!("add operation does not apply: doc is missing path: {:?}: missing value", path.text()));
+    let missing = || {
+        PatchError::NotApplied(format!(
+            "add operation does not apply: doc is missing path: {:?}: missing value",
+            path.text()
+        ))
+    };
     match get_mut(doc, parent).ok_or_else(missing)? {
         Value::Object(m) => {
             m.insert(last.to_owned(), value);
         }
         Value::Array(a) => {
-            let i = if last == "-" { a.len() } else { index(last).ok_or_else(missing)? };
+            let i = if last == "-" {
+                a.len()
+            } else {
+                index(last).ok_or_else(missing)?
+            };
             if i > a.len() {
-                return Err(PatchError::NotApplied(format!("add operation does not apply: index {i} out of bounds: {}", path.text())));
+                return Err(PatchError::NotApplied(format!(
+                    "add operation does not apply: index {i} out of bounds: {}",
+                    path.text()
+                )));
             }
             a.insert(i, value);
         }
@@ -158,7 +211,12 @@ fn add(doc: &mut Value, path: &Pointer, value: Value) -> Result<(), PatchError> 
 }
 
 fn remove(doc: &mut Value, path: &Pointer) -> Result<Value, PatchError> {
-    let missing = || PatchError::NotApplied(format!("unable to remove nonexistent key: {}: missing value", path.text()));
+    let missing = || {
+        PatchError::NotApplied(format!(
+            "unable to remove nonexistent key: {}: missing value",
+            path.text()
+        ))
+    };
     let (parent, last) = path.split_last().ok_or_else(missing)?;
     match get_mut(doc, parent).ok_or_else(missing)? {
         Value::Object(m) => m.remove(last).ok_or_else(missing),
@@ -193,39 +251,113 @@ mod tests {
     #[test]
     fn json_patch_operations() {
         let mut one_taint = node();
-        one_taint["spec"]["taints"].as_array_mut().unwrap().remove(1);
-        check(json!([{"op": "test", "path": "/spec/taints/1", "value": {"key": "t", "effect": "NoSchedule"}},
-                     {"op": "remove", "path": "/spec/taints/1"}]), Ok(one_taint));
-        check(json!([{"op": "test", "path": "/spec/taints/0/key", "value": "t"}, {"op": "remove", "path": "/spec/taints/0"}]),
-              Err((422, "testing value /spec/taints/0/key failed: test failed")));
-        check(json!([{"op": "remove", "path": "/spec/taints/2"}]), Err((422, "unable to remove nonexistent key: /spec/taints/2: missing value")));
-        check(json!([{"op": "remove", "path": "/spec/nope"}]), Err((422, "unable to remove nonexistent key: /spec/nope: missing value")));
-        check(json!([{"op": "remove", "path": "/spec/taints/01"}]), Err((422, "unable to remove nonexistent key: /spec/taints/01: missing value")));
+        one_taint["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .remove(1);
+        check(
+            json!([{"op": "test", "path": "/spec/taints/1", "value": {"key": "t", "effect": "NoSchedule"}},
+                     {"op": "remove", "path": "/spec/taints/1"}]),
+            Ok(one_taint),
+        );
+        check(
+            json!([{"op": "test", "path": "/spec/taints/0/key", "value": "t"}, {"op": "remove", "path": "/spec/taints/0"}]),
+            Err((422, "testing value /spec/taints/0/key failed: test failed")),
+        );
+        check(
+            json!([{"op": "remove", "path": "/spec/taints/2"}]),
+            Err((
+                422,
+                "unable to remove nonexistent key: /spec/taints/2: missing value",
+            )),
+        );
+        check(
+            json!([{"op": "remove", "path": "/spec/nope"}]),
+            Err((
+                422,
+                "unable to remove nonexistent key: /spec/nope: missing value",
+            )),
+        );
+        check(
+            json!([{"op": "remove", "path": "/spec/taints/01"}]),
+            Err((
+                422,
+                "unable to remove nonexistent key: /spec/taints/01: missing value",
+            )),
+        );
 
         let mut escaped = node();
         escaped["metadata"]["annotations"] = json!({"a/b": "3", "m~n": "2"});
-        check(json!([{"op": "test", "path": "/metadata/annotations/m~0n", "value": "2"},
-                     {"op": "replace", "path": "/metadata/annotations/a~1b", "value": "3"}]), Ok(escaped));
+        check(
+            json!([{"op": "test", "path": "/metadata/annotations/m~0n", "value": "2"},
+                     {"op": "replace", "path": "/metadata/annotations/a~1b", "value": "3"}]),
+            Ok(escaped),
+        );
 
         let mut appended = node();
-        appended["spec"]["taints"].as_array_mut().unwrap().push(json!({"key": "y"}));
+        appended["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"key": "y"}));
         appended["spec"]["unschedulable"] = json!(true);
-        check(json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "y"}},
-                     {"op": "add", "path": "/spec/unschedulable", "value": true}]), Ok(appended));
-        check(json!([{"op": "add", "path": "/spec/taints/3", "value": {}}]), Err((422, "add operation does not apply: index 3 out of bounds: /spec/taints/3")));
-        check(json!([{"op": "add", "path": "/status/x", "value": 1}]), Err((422, "add operation does not apply: doc is missing path: \"/status/x\": missing value")));
+        check(
+            json!([{"op": "add", "path": "/spec/taints/-", "value": {"key": "y"}},
+                     {"op": "add", "path": "/spec/unschedulable", "value": true}]),
+            Ok(appended),
+        );
+        check(
+            json!([{"op": "add", "path": "/spec/taints/3", "value": {}}]),
+            Err((
+                422,
+                "add operation does not apply: index 3 out of bounds: /spec/taints/3",
+            )),
+        );
+        check(
+            json!([{"op": "add", "path": "/status/x", "value": 1}]),
+            Err((
+                422,
+                "add operation does not apply: doc is missing path: \"/status/x\": missing value",
+            )),
+        );
 
         let mut moved = node();
         let t = moved["spec"]["taints"].as_array_mut().unwrap().remove(0);
         moved["spec"]["first"] = t.clone();
-        check(json!([{"op": "move", "from": "/spec/taints/0", "path": "/spec/first"}]), Ok(moved));
+        check(
+            json!([{"op": "move", "from": "/spec/taints/0", "path": "/spec/first"}]),
+            Ok(moved),
+        );
         let mut copied = node();
         copied["spec"]["first"] = t;
-        check(json!([{"op": "copy", "from": "/spec/taints/0", "path": "/spec/first"}]), Ok(copied));
-        check(json!([{"op": "replace", "path": "/spec/nope", "value": 1}]), Err((422, "replace operation does not apply: doc is missing key: /spec/nope: missing value")));
-        check(json!([{"op": "frobnicate", "path": "/spec"}]), Err((400, "Unexpected kind: frobnicate")));
-        check(json!([{"op": "add", "path": "spec", "value": 1}]), Err((400, "JSON pointer must be empty or start with a \"/\": \"spec\"")));
-        check(json!({"op": "add"}), Err((400, "json: cannot unmarshal object into Go value of type jsonpatch.Patch")));
+        check(
+            json!([{"op": "copy", "from": "/spec/taints/0", "path": "/spec/first"}]),
+            Ok(copied),
+        );
+        check(
+            json!([{"op": "replace", "path": "/spec/nope", "value": 1}]),
+            Err((
+                422,
+                "replace operation does not apply: doc is missing key: /spec/nope: missing value",
+            )),
+        );
+        check(
+            json!([{"op": "frobnicate", "path": "/spec"}]),
+            Err((400, "Unexpected kind: frobnicate")),
+        );
+        check(
+            json!([{"op": "add", "path": "spec", "value": 1}]),
+            Err((
+                400,
+                "JSON pointer must be empty or start with a \"/\": \"spec\"",
+            )),
+        );
+        check(
+            json!({"op": "add"}),
+            Err((
+                400,
+                "json: cannot unmarshal object into Go value of type jsonpatch.Patch",
+            )),
+        );
     }
 
     #[test]
@@ -239,8 +371,13 @@ mod tests {
     #[test]
     fn merge_patches() {
         let doc = json!({"a": {"b": 1, "c": 2}, "l": [1, 2], "s": "x"});
-        assert_eq!(merge_patch(&doc, &json!({"a": {"b": null, "d": 3}, "l": [3], "n": {"x": 1}})),
-                   json!({"a": {"c": 2, "d": 3}, "l": [3], "s": "x", "n": {"x": 1}}));
+        assert_eq!(
+            merge_patch(
+                &doc,
+                &json!({"a": {"b": null, "d": 3}, "l": [3], "n": {"x": 1}})
+            ),
+            json!({"a": {"c": 2, "d": 3}, "l": [3], "s": "x", "n": {"x": 1}})
+        );
         assert_eq!(merge_patch(&doc, &json!([1])), json!([1]));
     }
 }

@@ -17,10 +17,18 @@ pub enum Resource {
 /// otherwise is not implemented (a pod's graceful deletion is [`super::KubeApi`]'s job).
 const READ_AND_PATCH: &[&str] = &["get", "list", "patch", "watch"];
 /// What the mesh registrar and the tests write.
-const READ_WRITE: &[&str] = &["create", "delete", "get", "list", "patch", "update", "watch"];
+const READ_WRITE: &[&str] = &[
+    "create", "delete", "get", "list", "patch", "update", "watch",
+];
 
 impl Resource {
-    pub const ALL: [Resource; 5] = [Resource::Pods, Resource::Nodes, Resource::Services, Resource::EndpointSlices, Resource::Leases];
+    pub const ALL: [Resource; 5] = [
+        Resource::Pods,
+        Resource::Nodes,
+        Resource::Services,
+        Resource::EndpointSlices,
+        Resource::Leases,
+    ];
 
     pub fn plural(self) -> &'static str {
         match self {
@@ -133,9 +141,19 @@ mod tests {
     fn names_as_the_api_spells_them() {
         assert_eq!(Resource::Leases.qualified(), "leases.coordination.k8s.io");
         assert_eq!(Resource::Services.qualified(), "services");
-        assert_eq!(Resource::EndpointSlices.qualified_kind(), "EndpointSlice.discovery.k8s.io");
-        assert_eq!(Resource::from_path("discovery.k8s.io", "endpointslices"), Some(Resource::EndpointSlices));
-        assert_eq!(Resource::from_path("", "endpointslices"), None, "not in the core group");
+        assert_eq!(
+            Resource::EndpointSlices.qualified_kind(),
+            "EndpointSlice.discovery.k8s.io"
+        );
+        assert_eq!(
+            Resource::from_path("discovery.k8s.io", "endpointslices"),
+            Some(Resource::EndpointSlices)
+        );
+        assert_eq!(
+            Resource::from_path("", "endpointslices"),
+            None,
+            "not in the core group"
+        );
         assert_eq!(Resource::from_path("coordination.k8s.io", "pods"), None);
         for r in Resource::ALL {
             assert_eq!(Resource::from_plural(r.plural()), Some(r));

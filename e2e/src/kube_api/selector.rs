@@ -70,13 +70,18 @@ impl Selector {
             } else if let Some((k, v)) = split_unescaped(term, "=") {
                 (k, Op::Equals(unescape(v)))
             } else {
-                return Err(format!("invalid selector: '{text}'; can't understand '{term}'"));
+                return Err(format!(
+                    "invalid selector: '{text}'; can't understand '{term}'"
+                ));
             };
             let key = key.trim();
             if !field_supported(resource, key) {
                 return Err(format!("field label not supported: {key}"));
             }
-            out.push(Requirement { key: key.to_owned(), op });
+            out.push(Requirement {
+                key: key.to_owned(),
+                op,
+            });
         }
         Ok(Selector(out))
     }
@@ -92,14 +97,26 @@ impl Selector {
             }
             let bad = || format!("unable to parse requirement: {term:?}");
             let req = if let Some(key) = term.strip_prefix('!') {
-                Requirement { key: key.trim().to_owned(), op: Op::DoesNotExist }
+                Requirement {
+                    key: key.trim().to_owned(),
+                    op: Op::DoesNotExist,
+                }
             } else if let Some((k, v)) = term.split_once("!=") {
-                Requirement { key: k.trim().to_owned(), op: Op::NotEquals(v.trim().to_owned()) }
+                Requirement {
+                    key: k.trim().to_owned(),
+                    op: Op::NotEquals(v.trim().to_owned()),
+                }
             } else if let Some((k, v)) = term.split_once("==").or_else(|| term.split_once('=')) {
-                Requirement { key: k.trim().to_owned(), op: Op::Equals(v.trim().to_owned()) }
+                Requirement {
+                    key: k.trim().to_owned(),
+                    op: Op::Equals(v.trim().to_owned()),
+                }
             } else if let Some(open) = term.find('(') {
                 let close = term.rfind(')').filter(|c| *c > open).ok_or_else(bad)?;
-                let values = term[open + 1..close].split(',').map(|v| v.trim().to_owned()).collect();
+                let values = term[open + 1..close]
+                    .split(',')
+                    .map(|v| v.trim().to_owned())
+                    .collect();
                 let mut head = term[..open].split_whitespace();
                 let (Some(key), Some(word), None) = (head.next(), head.next(), head.next()) else {
                     return Err(bad());
@@ -109,9 +126,15 @@ impl Selector {
                     "notin" => Op::NotIn(values),
                     _ => return Err(bad()),
                 };
-                Requirement { key: key.to_owned(), op }
+                Requirement {
+                    key: key.to_owned(),
+                    op,
+                }
             } else {
-                Requirement { key: term.to_owned(), op: Op::Exists }
+                Requirement {
+                    key: term.to_owned(),
+                    op: Op::Exists,
+                }
             };
             if req.key.is_empty() {
                 return Err(bad());
@@ -133,7 +156,9 @@ impl Selector {
     /// Whether the object's `metadata.labels` satisfy every requirement.
     pub fn matches_labels(&self, object: &Value) -> bool {
         let labels = &object["metadata"]["labels"];
-        self.0.iter().all(|r| r.op.matches(labels.get(&r.key).and_then(Value::as_str)))
+        self.0
+            .iter()
+            .all(|r| r.op.matches(labels.get(&r.key).and_then(Value::as_str)))
     }
 }
 
@@ -230,7 +255,9 @@ mod tests {
     }
 
     fn check_labels(selector: &str, expected: Result<bool, ()>) {
-        let got = Selector::labels(selector).map(|s| s.matches_labels(&pod())).map_err(|_| ());
+        let got = Selector::labels(selector)
+            .map(|s| s.matches_labels(&pod()))
+            .map_err(|_| ());
         assert_eq!(got, expected, "{selector}");
     }
 
@@ -244,12 +271,27 @@ mod tests {
         check_fields("status.podIP=", Ok(true));
         check_fields("spec.hostNetwork=true", Ok(true));
         check_fields("metadata.name=a\\,b", Ok(false));
-        check_fields("spec.containers=x", Err("field label not supported: spec.containers"));
-        check_fields("spec.nodeName", Err("invalid selector: 'spec.nodeName'; can't understand 'spec.nodeName'"));
+        check_fields(
+            "spec.containers=x",
+            Err("field label not supported: spec.containers"),
+        );
+        check_fields(
+            "spec.nodeName",
+            Err("invalid selector: 'spec.nodeName'; can't understand 'spec.nodeName'"),
+        );
         assert!(Selector::fields(Resource::Nodes, "metadata.name=n1").is_ok());
         assert!(Selector::fields(Resource::Nodes, "spec.nodeName=n1").is_err());
-        assert!(Selector::fields(Resource::Services, "spec.type=ClusterIP,metadata.namespace=ns").is_ok());
-        assert_eq!(Selector::fields(Resource::EndpointSlices, "addressType=IPv4"), Err("field label not supported: addressType".to_owned()));
+        assert!(
+            Selector::fields(
+                Resource::Services,
+                "spec.type=ClusterIP,metadata.namespace=ns"
+            )
+            .is_ok()
+        );
+        assert_eq!(
+            Selector::fields(Resource::EndpointSlices, "addressType=IPv4"),
+            Err("field label not supported: addressType".to_owned())
+        );
         assert!(Selector::fields(Resource::Leases, "metadata.name=registrar").is_ok());
     }
 
@@ -270,6 +312,8 @@ mod tests {
         let matches = |selector| Selector::labels(selector).unwrap().matches_labels(&slice);
         assert!(matches("kubernetes.io/service-name=web"));
         assert!(!matches("kubernetes.io/service-name=db"));
-        assert!(matches("kubernetes.io/service-name in (db,web),!kubernetes.io/headless"));
+        assert!(matches(
+            "kubernetes.io/service-name in (db,web),!kubernetes.io/headless"
+        ));
     }
 }

@@ -59,8 +59,17 @@ pub struct State {
 
 impl Shared {
     pub fn new(address: SocketAddr, store: Store) -> Shared {
-        let state = State { store, access: Access::new(), listening: false, connections: 0 };
-        Shared { state: Mutex::new(state), changed: Condvar::new(), address }
+        let state = State {
+            store,
+            access: Access::new(),
+            listening: false,
+            connections: 0,
+        };
+        Shared {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            address,
+        }
     }
 
     pub fn lock(&self) -> MutexGuard<'_, State> {
@@ -79,8 +88,14 @@ impl Shared {
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut state = self.lock();
         while !done(&state) {
-            let left = deadline.checked_duration_since(Instant::now()).unwrap_or_else(|| panic!("test API server: {what} did not happen within 10 s"));
-            state = self.changed.wait_timeout(state, left).unwrap_or_else(|p| p.into_inner()).0;
+            let left = deadline
+                .checked_duration_since(Instant::now())
+                .unwrap_or_else(|| panic!("test API server: {what} did not happen within 10 s"));
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -96,7 +111,12 @@ pub fn bind(address: SocketAddr) -> io::Result<TcpListener> {
 
 /// Serves until the task is dropped: accepts while up; while down, holds no listener (so
 /// connects are refused) and has closed every connection.
-pub async fn serve(shared: Arc<Shared>, listener: TcpListener, tls: TlsAcceptor, mut down: watch::Receiver<bool>) {
+pub async fn serve(
+    shared: Arc<Shared>,
+    listener: TcpListener,
+    tls: TlsAcceptor,
+    mut down: watch::Receiver<bool>,
+) {
     let mut listener = Some(listener);
     loop {
         let l = match listener.take() {
@@ -163,18 +183,29 @@ impl Drop for Open {
     }
 }
 
-async fn connection(shared: Arc<Shared>, tls: TlsAcceptor, stream: TcpStream, mut down: watch::Receiver<bool>, _open: Open) {
+async fn connection(
+    shared: Arc<Shared>,
+    tls: TlsAcceptor,
+    stream: TcpStream,
+    mut down: watch::Receiver<bool>,
+    _open: Open,
+) {
     // As Go's net/http does: a watch event is written whole and must not wait for the
     // client's delayed ACK (Nagle), which would add ~40 ms to an event past one segment.
     let _ = stream.set_nodelay(true);
     let serve = async {
-        let Ok(stream) = tls.accept(stream).await else { return };
+        let Ok(stream) = tls.accept(stream).await else {
+            return;
+        };
         let service = service_fn(|req| {
             let shared = shared.clone();
             async move { Ok::<_, Infallible>(handle(&shared, req).await) }
         });
         // Errors here are the client's (a reset, a malformed request): nothing to report.
-        let _ = http1::Builder::new().timer(TokioTimer::new()).serve_connection(TokioIo::new(stream), service).await;
+        let _ = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .serve_connection(TokioIo::new(stream), service)
+            .await;
     };
     tokio::select! {
         _ = serve => {}
@@ -187,7 +218,11 @@ type Body = BoxBody<Bytes, Infallible>;
 /// Where a path leads.
 enum Route {
     Document(Value),
-    Objects { resource: Resource, namespace: Option<String>, name: Option<String> },
+    Objects {
+        resource: Resource,
+        namespace: Option<String>,
+        name: Option<String>,
+    },
     TokenReviews,
     Unknown,
 }
@@ -225,19 +260,36 @@ fn objects_route(group: &str, rest: &[&str]) -> Route {
         [plural, name] => (*plural, Some(*name)),
         _ => return Route::Unknown,
     };
-    let Some(resource) = Resource::from_path(group, plural) else { return Route::Unknown };
+    let Some(resource) = Resource::from_path(group, plural) else {
+        return Route::Unknown;
+    };
     match (resource.namespaced(), namespace, name) {
         (true, None, Some(_)) | (false, Some(_), _) => Route::Unknown,
-        _ => Route::Objects { resource, namespace: namespace.map(str::to_owned), name: name.map(str::to_owned) },
+        _ => Route::Objects {
+            resource,
+            namespace: namespace.map(str::to_owned),
+            name: name.map(str::to_owned),
+        },
     }
 }
 
 async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     let (parts, body) = req.into_parts();
-    let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
     let query = Query::parse(parts.uri.query().unwrap_or(""));
     let route = route(parts.uri.path(), shared.address);
-    let node_patch = parts.method == Method::PATCH && matches!(&route, Route::Objects { resource: Resource::Nodes, name: Some(_), .. });
+    let node_patch = parts.method == Method::PATCH
+        && matches!(
+            &route,
+            Route::Objects {
+                resource: Resource::Nodes,
+                name: Some(_),
+                ..
+            }
+        );
 
     let user = {
         let mut s = shared.lock();
@@ -261,12 +313,27 @@ async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> 
             if parts.method != Method::POST {
                 return failure(Failure::method_not_allowed());
             }
-            if !shared.lock().access.allowed(&user, "tokenreviews", "create") {
-                return failure(Failure::forbidden(&user, "create", "tokenreviews", "authentication.k8s.io", None, None));
+            if !shared
+                .lock()
+                .access
+                .allowed(&user, "tokenreviews", "create")
+            {
+                return failure(Failure::forbidden(
+                    &user,
+                    "create",
+                    "tokenreviews",
+                    "authentication.k8s.io",
+                    None,
+                    None,
+                ));
             }
             token_review(shared, body).await.unwrap_or_else(failure)
         }
-        Route::Objects { resource, namespace, name } => {
+        Route::Objects {
+            resource,
+            namespace,
+            name,
+        } => {
             let watch = query.flag("watch");
             let verb = match (&parts.method, &name) {
                 (&Method::GET, _) if watch => "watch",
@@ -280,13 +347,28 @@ async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> 
                 _ => return failure(Failure::method_not_allowed()),
             };
             if !shared.lock().access.allowed(&user, resource.plural(), verb) {
-                return failure(Failure::forbidden(&user, verb, resource.plural(), resource.group(), namespace.as_deref(), name.as_deref()));
+                return failure(Failure::forbidden(
+                    &user,
+                    verb,
+                    resource.plural(),
+                    resource.group(),
+                    namespace.as_deref(),
+                    name.as_deref(),
+                ));
             }
             if !resource.verbs().contains(&verb) {
                 return failure(Failure::method_not_allowed());
             }
-            let request = ObjectRequest { resource, namespace: namespace.as_deref(), name: name.as_deref(), verb, query: &query };
-            objects(shared, request, &parts.headers, body).await.unwrap_or_else(failure)
+            let request = ObjectRequest {
+                resource,
+                namespace: namespace.as_deref(),
+                name: name.as_deref(),
+                verb,
+                query: &query,
+            };
+            objects(shared, request, &parts.headers, body)
+                .await
+                .unwrap_or_else(failure)
         }
     }
 }
@@ -300,10 +382,19 @@ struct ObjectRequest<'a> {
     query: &'a Query,
 }
 
-async fn objects(shared: &Arc<Shared>, r: ObjectRequest<'_>, headers: &HeaderMap, body: Incoming) -> Result<Response<Body>, Failure> {
+async fn objects(
+    shared: &Arc<Shared>,
+    r: ObjectRequest<'_>,
+    headers: &HeaderMap,
+    body: Incoming,
+) -> Result<Response<Body>, Failure> {
     let (resource, ns, query) = (r.resource, r.namespace, r.query);
-    if !matches!(r.verb, "get" | "list" | "watch") && query.get("dryRun").is_some_and(|d| !d.is_empty()) {
-        return Err(Failure::bad_request("dryRun is not implemented by the test API server"));
+    if !matches!(r.verb, "get" | "list" | "watch")
+        && query.get("dryRun").is_some_and(|d| !d.is_empty())
+    {
+        return Err(Failure::bad_request(
+            "dryRun is not implemented by the test API server",
+        ));
     }
     match (r.verb, r.name) {
         ("list", _) => list(shared, &scope(resource, ns, None, query)?, query),
@@ -317,18 +408,41 @@ async fn objects(shared: &Arc<Shared>, r: ObjectRequest<'_>, headers: &HeaderMap
         }
         ("update", Some(n)) => {
             let object = read_json(body).await?;
-            Ok(json_response(StatusCode::OK, &write::update(&mut shared.lock().store, resource, ns, n, object)?))
+            Ok(json_response(
+                StatusCode::OK,
+                &write::update(&mut shared.lock().store, resource, ns, n, object)?,
+            ))
         }
         ("patch", Some(n)) => {
-            let content_type = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+            let content_type = headers
+                .get(CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
             let patch_type = PatchType::from_content_type(content_type)?;
             let patch = read_json(body).await?;
-            Ok(json_response(StatusCode::OK, &write::patch(&mut shared.lock().store, resource, ns, n, patch_type, &patch)?))
+            Ok(json_response(
+                StatusCode::OK,
+                &write::patch(
+                    &mut shared.lock().store,
+                    resource,
+                    ns,
+                    n,
+                    patch_type,
+                    &patch,
+                )?,
+            ))
         }
         ("delete", Some(n)) => {
             let bytes = read_body(body).await?;
-            let options = if bytes.is_empty() { Value::Null } else { parse_json(&bytes)? };
-            Ok(json_response(StatusCode::OK, &write::delete(&mut shared.lock().store, resource, ns, n, &options)?))
+            let options = if bytes.is_empty() {
+                Value::Null
+            } else {
+                parse_json(&bytes)?
+            };
+            Ok(json_response(
+                StatusCode::OK,
+                &write::delete(&mut shared.lock().store, resource, ns, n, &options)?,
+            ))
         }
         _ => Err(Failure::method_not_allowed()),
     }
@@ -345,7 +459,8 @@ fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
     bytes.push(b'\n');
     let mut r = Response::new(Full::new(Bytes::from(bytes)).boxed());
     *r.status_mut() = code;
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
 }
 
@@ -356,7 +471,12 @@ fn failure(f: Failure) -> Response<Body> {
 
 /// The objects a list or watch sees: the path's namespace, the field and label
 /// selectors, and for a watch on a named object its name.
-fn scope(resource: Resource, namespace: Option<&str>, name: Option<&str>, query: &Query) -> Result<Scope, Failure> {
+fn scope(
+    resource: Resource,
+    namespace: Option<&str>,
+    name: Option<&str>,
+    query: &Query,
+) -> Result<Scope, Failure> {
     let mut fields = query.get("fieldSelector").unwrap_or("").to_owned();
     if let Some(n) = name {
         fields = format!("{fields},metadata.name={n}");
@@ -364,8 +484,10 @@ fn scope(resource: Resource, namespace: Option<&str>, name: Option<&str>, query:
     Ok(Scope {
         resource,
         namespace: namespace.map(str::to_owned),
-        fields: Selector::fields(resource, &fields).map_err(|e| Failure::bad_request(format!("unable to parse requirement: {e}")))?,
-        labels: Selector::labels(query.get("labelSelector").unwrap_or("")).map_err(Failure::bad_request)?,
+        fields: Selector::fields(resource, &fields)
+            .map_err(|e| Failure::bad_request(format!("unable to parse requirement: {e}")))?,
+        labels: Selector::labels(query.get("labelSelector").unwrap_or(""))
+            .map_err(Failure::bad_request)?,
     })
 }
 
@@ -374,7 +496,11 @@ fn scope(resource: Resource, namespace: Option<&str>, name: Option<&str>, query:
 fn resource_version(query: &Query) -> Result<Option<u64>, Failure> {
     match query.get("resourceVersion").filter(|v| !v.is_empty()) {
         None => Ok(None),
-        Some(v) => v.parse().map(Some).map_err(|_| Failure::bad_request(format!("resourceVersion: Invalid value: {v:?}: must be a number"))),
+        Some(v) => v.parse().map(Some).map_err(|_| {
+            Failure::bad_request(format!(
+                "resourceVersion: Invalid value: {v:?}: must be a number"
+            ))
+        }),
     }
 }
 
@@ -383,8 +509,13 @@ fn resource_version(query: &Query) -> Result<Option<u64>, Failure> {
 /// than the history is 410 Gone. A retained older version is served from now too: the
 /// store keeps no snapshots.
 fn list(shared: &Shared, scope: &Scope, query: &Query) -> Result<Response<Body>, Failure> {
-    let rv = resource_version(query)?.filter(|_| query.get("resourceVersionMatch") != Some("NotOlderThan"));
-    let (items, rv) = shared.lock().store.list(scope, rv).map_err(|e| Failure::expired(e.message()))?;
+    let rv = resource_version(query)?
+        .filter(|_| query.get("resourceVersionMatch") != Some("NotOlderThan"));
+    let (items, rv) = shared
+        .lock()
+        .store
+        .list(scope, rv)
+        .map_err(|e| Failure::expired(e.message()))?;
     // A list's items carry no kind or apiVersion: the list's own say it.
     let items: Vec<Value> = items
         .into_iter()
@@ -401,36 +532,65 @@ fn list(shared: &Shared, scope: &Scope, query: &Query) -> Result<Response<Body>,
     Ok(json_response(StatusCode::OK, &list))
 }
 
-fn get(shared: &Shared, resource: Resource, namespace: Option<&str>, name: &str) -> Result<Response<Body>, Failure> {
+fn get(
+    shared: &Shared,
+    resource: Resource,
+    namespace: Option<&str>,
+    name: &str,
+) -> Result<Response<Body>, Failure> {
     let s = shared.lock();
-    let object = s.store.get(resource, namespace, name).ok_or_else(|| Failure::not_found(resource, name))?;
+    let object = s
+        .store
+        .get(resource, namespace, name)
+        .ok_or_else(|| Failure::not_found(resource, name))?;
     Ok(json_response(StatusCode::OK, object))
 }
 
 /// A watch: 200 with a chunked body of one JSON event per line. A resourceVersion older
 /// than the history gets one ERROR event (a Status, code 410, reason Expired) and the end
 /// of the stream, which is what the real server sends.
-fn open_watch(shared: &Arc<Shared>, scope: Scope, query: &Query) -> Result<Response<Body>, Failure> {
+fn open_watch(
+    shared: &Arc<Shared>,
+    scope: Scope,
+    query: &Query,
+) -> Result<Response<Body>, Failure> {
     let from = resource_version(query)?;
     let initial = query.flag("sendInitialEvents");
     let bookmarks = query.flag("allowWatchBookmarks");
-    let timeout = query.get("timeoutSeconds").and_then(|t| t.parse().ok()).map_or(DEFAULT_WATCH_TIMEOUT, Duration::from_secs);
+    let timeout = query
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse().ok())
+        .map_or(DEFAULT_WATCH_TIMEOUT, Duration::from_secs);
     let resource = scope.resource;
     let (events_tx, events) = mpsc::unbounded_channel();
     let (out, body) = mpsc::channel(64);
     let opened = shared.lock().store.watch(scope, from, initial, events_tx);
     match opened {
         Ok((id, replay)) => {
-            let registered = Registered { shared: shared.clone(), id };
-            tokio::spawn(stream_watch(registered, resource, replay.into(), events, out, bookmarks, timeout));
+            let registered = Registered {
+                shared: shared.clone(),
+                id,
+            };
+            tokio::spawn(stream_watch(
+                registered,
+                resource,
+                replay.into(),
+                events,
+                out,
+                bookmarks,
+                timeout,
+            ));
         }
         Err(expired) => {
-            let error = json!({"type": "ERROR", "object": Failure::expired(expired.message()).to_json()});
-            out.try_send(line(&error)).expect("an empty channel has room");
+            let error =
+                json!({"type": "ERROR", "object": Failure::expired(expired.message()).to_json()});
+            out.try_send(line(&error))
+                .expect("an empty channel has room");
         }
     }
     let mut r = Response::new(ChannelBody(body).boxed());
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     Ok(r)
 }
 
@@ -462,7 +622,16 @@ async fn stream_watch(
     bookmarks: bool,
     timeout: Duration,
 ) {
-    forward(&registered.shared, resource, pending, events, &out, bookmarks, timeout).await;
+    forward(
+        &registered.shared,
+        resource,
+        pending,
+        events,
+        &out,
+        bookmarks,
+        timeout,
+    )
+    .await;
     // Unregistered before the stream ends, so that a client that saw the end sees no
     // open watch either.
     drop(registered);
@@ -480,7 +649,8 @@ async fn forward(
 ) {
     let deadline = tokio::time::sleep(timeout);
     tokio::pin!(deadline);
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + BOOKMARK_EVERY, BOOKMARK_EVERY);
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + BOOKMARK_EVERY, BOOKMARK_EVERY);
     loop {
         while let Some(event) = pending.pop_front() {
             tokio::select! {
@@ -518,17 +688,25 @@ impl hyper::body::Body for ChannelBody {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
     }
 }
 
 async fn read_body(body: Incoming) -> Result<Bytes, Failure> {
-    Ok(Limited::new(body, MAX_BODY).collect().await.map_err(|_| Failure::payload_too_large())?.to_bytes())
+    Ok(Limited::new(body, MAX_BODY)
+        .collect()
+        .await
+        .map_err(|_| Failure::payload_too_large())?
+        .to_bytes())
 }
 
 fn parse_json(bytes: &[u8]) -> Result<Value, Failure> {
-    serde_json::from_slice(bytes).map_err(|e| Failure::bad_request(format!("the request body is not JSON: {e}")))
+    serde_json::from_slice(bytes)
+        .map_err(|e| Failure::bad_request(format!("the request body is not JSON: {e}")))
 }
 
 async fn read_json(body: Incoming) -> Result<Value, Failure> {
@@ -539,7 +717,9 @@ async fn read_json(body: Incoming) -> Result<Value, Failure> {
 /// node-bound service-account token's `authentication.kubernetes.io/node-name`).
 async fn token_review(shared: &Shared, body: Incoming) -> Result<Response<Body>, Failure> {
     let review = read_json(body).await?;
-    let token = review["spec"]["token"].as_str().ok_or_else(|| Failure::bad_request("spec.token: Required value"))?;
+    let token = review["spec"]["token"]
+        .as_str()
+        .ok_or_else(|| Failure::bad_request("spec.token: Required value"))?;
     let audiences = match &review["spec"]["audiences"] {
         Value::Array(a) if !a.is_empty() => Value::Array(a.clone()),
         _ => json!(["https://kubernetes.default.svc.cluster.local"]),
@@ -578,7 +758,10 @@ impl Query {
     }
 
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     fn flag(&self, key: &str) -> bool {
@@ -611,7 +794,9 @@ mod tests {
 
     #[test]
     fn queries_decode_as_go_encodes_them() {
-        let q = Query::parse("fieldSelector=spec.nodeName%3Dn1&watch=1&labelSelector=a+in+%28b%29&x&bad=%zz%4");
+        let q = Query::parse(
+            "fieldSelector=spec.nodeName%3Dn1&watch=1&labelSelector=a+in+%28b%29&x&bad=%zz%4",
+        );
         assert_eq!(q.get("fieldSelector"), Some("spec.nodeName=n1"));
         assert!(q.flag("watch") && !q.flag("x"));
         assert_eq!(q.get("labelSelector"), Some("a in (b)"));
@@ -623,27 +808,76 @@ mod tests {
     fn paths_route_to_resources() {
         let at: SocketAddr = "127.0.0.1:1".parse().unwrap();
         let objects = |p| match route(p, at) {
-            Route::Objects { resource, namespace, name } => Some((resource, namespace, name)),
+            Route::Objects {
+                resource,
+                namespace,
+                name,
+            } => Some((resource, namespace, name)),
             _ => None,
         };
         assert_eq!(objects("/api/v1/pods"), Some((Resource::Pods, None, None)));
-        assert_eq!(objects("/api/v1/namespaces/ns/pods/a"), Some((Resource::Pods, Some("ns".into()), Some("a".into()))));
-        assert_eq!(objects("/api/v1/nodes/n1/"), Some((Resource::Nodes, None, Some("n1".into()))));
+        assert_eq!(
+            objects("/api/v1/namespaces/ns/pods/a"),
+            Some((Resource::Pods, Some("ns".into()), Some("a".into())))
+        );
+        assert_eq!(
+            objects("/api/v1/nodes/n1/"),
+            Some((Resource::Nodes, None, Some("n1".into())))
+        );
         assert_eq!(objects("/api/v1/nodes/n1/status"), None);
-        assert_eq!(objects("/api/v1/namespaces/ns/nodes/n1"), None, "nodes are cluster-scoped");
-        assert_eq!(objects("/api/v1/services/web"), None, "a service is named within its namespace");
-        assert_eq!(objects("/api/v1/services"), Some((Resource::Services, None, None)));
-        assert_eq!(objects("/api/v1/namespaces/ns/services/web"), Some((Resource::Services, Some("ns".into()), Some("web".into()))));
-        assert_eq!(objects("/apis/discovery.k8s.io/v1/endpointslices"), Some((Resource::EndpointSlices, None, None)));
-        assert_eq!(objects("/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/web-1"),
-                   Some((Resource::EndpointSlices, Some("ns".into()), Some("web-1".into()))));
-        assert_eq!(objects("/apis/coordination.k8s.io/v1/namespaces/ns/leases/l"), Some((Resource::Leases, Some("ns".into()), Some("l".into()))));
-        assert_eq!(objects("/apis/coordination.k8s.io/v1beta1/namespaces/ns/leases/l"), None);
-        assert_eq!(objects("/api/v1/namespaces/ns/leases/l"), None, "leases are not in the core group");
+        assert_eq!(
+            objects("/api/v1/namespaces/ns/nodes/n1"),
+            None,
+            "nodes are cluster-scoped"
+        );
+        assert_eq!(
+            objects("/api/v1/services/web"),
+            None,
+            "a service is named within its namespace"
+        );
+        assert_eq!(
+            objects("/api/v1/services"),
+            Some((Resource::Services, None, None))
+        );
+        assert_eq!(
+            objects("/api/v1/namespaces/ns/services/web"),
+            Some((Resource::Services, Some("ns".into()), Some("web".into())))
+        );
+        assert_eq!(
+            objects("/apis/discovery.k8s.io/v1/endpointslices"),
+            Some((Resource::EndpointSlices, None, None))
+        );
+        assert_eq!(
+            objects("/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/web-1"),
+            Some((
+                Resource::EndpointSlices,
+                Some("ns".into()),
+                Some("web-1".into())
+            ))
+        );
+        assert_eq!(
+            objects("/apis/coordination.k8s.io/v1/namespaces/ns/leases/l"),
+            Some((Resource::Leases, Some("ns".into()), Some("l".into())))
+        );
+        assert_eq!(
+            objects("/apis/coordination.k8s.io/v1beta1/namespaces/ns/leases/l"),
+            None
+        );
+        assert_eq!(
+            objects("/api/v1/namespaces/ns/leases/l"),
+            None,
+            "leases are not in the core group"
+        );
         assert_eq!(objects("/api/v1/namespaces/ns"), None);
-        assert!(matches!(route("/apis/coordination.k8s.io/v1", at), Route::Document(_)));
+        assert!(matches!(
+            route("/apis/coordination.k8s.io/v1", at),
+            Route::Document(_)
+        ));
         assert!(matches!(route("/apis/apps/v1", at), Route::Unknown));
-        assert!(matches!(route("/apis/authentication.k8s.io/v1/tokenreviews", at), Route::TokenReviews));
+        assert!(matches!(
+            route("/apis/authentication.k8s.io/v1/tokenreviews", at),
+            Route::TokenReviews
+        ));
         assert!(matches!(route("/openapi/v2", at), Route::Unknown));
     }
 }

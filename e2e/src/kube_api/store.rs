@@ -25,11 +25,18 @@ pub struct Scope {
 impl Scope {
     #[cfg(test)]
     pub fn all(resource: Resource) -> Scope {
-        Scope { resource, namespace: None, fields: Selector::default(), labels: Selector::default() }
+        Scope {
+            resource,
+            namespace: None,
+            fields: Selector::default(),
+            labels: Selector::default(),
+        }
     }
 
     fn matches(&self, object: &Value) -> bool {
-        self.namespace.as_deref().is_none_or(|ns| object["metadata"]["namespace"] == ns)
+        self.namespace
+            .as_deref()
+            .is_none_or(|ns| object["metadata"]["namespace"] == ns)
             && self.fields.matches_fields(object)
             && self.labels.matches_labels(object)
     }
@@ -46,7 +53,10 @@ pub struct Expired {
 impl Expired {
     /// The real server's message for it.
     pub fn message(&self) -> String {
-        format!("too old resource version: {} ({})", self.requested, self.oldest)
+        format!(
+            "too old resource version: {} ({})",
+            self.requested, self.oldest
+        )
     }
 }
 
@@ -112,7 +122,10 @@ impl Store {
     /// ends), `name` for a cluster-scoped one.
     pub fn key(resource: Resource, namespace: Option<&str>, name: &str) -> (Resource, String) {
         if resource.namespaced() {
-            (resource, format!("{}/{name}", namespace.unwrap_or("default")))
+            (
+                resource,
+                format!("{}/{name}", namespace.unwrap_or("default")),
+            )
         } else {
             (resource, name.to_owned())
         }
@@ -124,7 +137,10 @@ impl Store {
 
     /// Every stored object of a resource, in key order.
     pub fn objects(&self, resource: Resource) -> impl Iterator<Item = &Value> {
-        self.objects.range((resource, String::new())..).take_while(move |((r, _), _)| *r == resource).map(|(_, o)| o)
+        self.objects
+            .range((resource, String::new())..)
+            .take_while(move |((r, _), _)| *r == resource)
+            .map(|(_, o)| o)
     }
 
     /// Creates or replaces the object named by its metadata: fills in kind, apiVersion, the
@@ -133,9 +149,15 @@ impl Store {
     /// stored object.
     pub fn put(&mut self, resource: Resource, mut object: Value) -> Value {
         if !object.is_object() || !object["metadata"].is_object() {
-            panic!("a {} must be a JSON object with a metadata object: {object}", resource.kind());
+            panic!(
+                "a {} must be a JSON object with a metadata object: {object}",
+                resource.kind()
+            );
         }
-        let name = object["metadata"]["name"].as_str().unwrap_or_else(|| panic!("a {} needs metadata.name: {object}", resource.kind())).to_owned();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or_else(|| panic!("a {} needs metadata.name: {object}", resource.kind()))
+            .to_owned();
         object["kind"] = json!(resource.kind());
         object["apiVersion"] = json!(resource.api_version());
         if resource.namespaced() && object["metadata"]["namespace"].as_str().is_none() {
@@ -152,13 +174,23 @@ impl Store {
                 };
             }
         }
-        let kind = if previous.is_some() { ChangeType::Modified } else { ChangeType::Added };
+        let kind = if previous.is_some() {
+            ChangeType::Modified
+        } else {
+            ChangeType::Added
+        };
         self.commit(key, kind, object, previous)
     }
 
     /// Replaces an existing object with `object` (already checked by the caller), with
     /// the next resourceVersion, and sends MODIFIED. Returns the stored object.
-    pub fn replace(&mut self, resource: Resource, namespace: Option<&str>, name: &str, object: Value) -> Value {
+    pub fn replace(
+        &mut self,
+        resource: Resource,
+        namespace: Option<&str>,
+        name: &str,
+        object: Value,
+    ) -> Value {
         let key = Store::key(resource, namespace, name);
         let previous = self.objects.get(&key).cloned();
         assert!(previous.is_some(), "replace of an absent {key:?}");
@@ -167,23 +199,41 @@ impl Store {
 
     /// Removes the object and sends DELETED with its last state at the deletion's
     /// resourceVersion. Returns that state, or None if there was no such object.
-    pub fn delete(&mut self, resource: Resource, namespace: Option<&str>, name: &str) -> Option<Value> {
+    pub fn delete(
+        &mut self,
+        resource: Resource,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Option<Value> {
         let key = Store::key(resource, namespace, name);
         let object = self.objects.remove(&key)?;
         Some(self.commit(key, ChangeType::Deleted, object, None))
     }
 
-    fn commit(&mut self, key: (Resource, String), kind: ChangeType, mut object: Value, previous: Option<Value>) -> Value {
+    fn commit(
+        &mut self,
+        key: (Resource, String),
+        kind: ChangeType,
+        mut object: Value,
+        previous: Option<Value>,
+    ) -> Value {
         self.rv += 1;
         object["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         if kind != ChangeType::Deleted {
             self.objects.insert(key.clone(), object.clone());
         }
-        let change = Change { rv: self.rv, resource: key.0, kind, object: object.clone(), previous };
-        self.watchers.retain(|_, w| match event_for(&w.scope, &change) {
-            Some(event) => w.events.send(event).is_ok(),
-            None => !w.events.is_closed(),
-        });
+        let change = Change {
+            rv: self.rv,
+            resource: key.0,
+            kind,
+            object: object.clone(),
+            previous,
+        };
+        self.watchers
+            .retain(|_, w| match event_for(&w.scope, &change) {
+                Some(event) => w.events.send(event).is_ok(),
+                None => !w.events.is_closed(),
+            });
         self.history.push_back(change);
         while self.history.len() > MAX_HISTORY {
             let forgotten = self.history.pop_front().expect("history is not empty");
@@ -195,17 +245,28 @@ impl Store {
     /// The objects in scope, in key order, and the resourceVersion of the list. A
     /// `resourceVersion` of None or 0 means now; an older one than the history holds is
     /// Expired; any other is served from now too.
-    pub fn list(&self, scope: &Scope, resource_version: Option<u64>) -> Result<(Vec<Value>, u64), Expired> {
+    pub fn list(
+        &self,
+        scope: &Scope,
+        resource_version: Option<u64>,
+    ) -> Result<(Vec<Value>, u64), Expired> {
         if let Some(rv) = resource_version.filter(|rv| *rv != 0) {
             self.check_not_expired(rv)?;
         }
-        let items = self.objects(scope.resource).filter(|o| scope.matches(o)).cloned().collect();
+        let items = self
+            .objects(scope.resource)
+            .filter(|o| scope.matches(o))
+            .cloned()
+            .collect();
         Ok((items, self.rv))
     }
 
     fn check_not_expired(&self, rv: u64) -> Result<(), Expired> {
         if rv < self.oldest {
-            return Err(Expired { requested: rv, oldest: self.oldest });
+            return Err(Expired {
+                requested: rv,
+                oldest: self.oldest,
+            });
         }
         Ok(())
     }
@@ -215,19 +276,30 @@ impl Store {
     /// scope. From a resourceVersion: the retained changes after it, or Expired.
     /// `initial_events` (sendInitialEvents=true) sends the objects in scope as ADDED and
     /// then a bookmark annotated `k8s.io/initial-events-end`, whatever the start.
-    pub fn watch(&mut self, scope: Scope, from: Option<u64>, initial_events: bool, events: UnboundedSender<Value>) -> Result<(u64, Vec<Value>), Expired> {
+    pub fn watch(
+        &mut self,
+        scope: Scope,
+        from: Option<u64>,
+        initial_events: bool,
+        events: UnboundedSender<Value>,
+    ) -> Result<(u64, Vec<Value>), Expired> {
         let replay = match from.filter(|rv| *rv != 0) {
             _ if initial_events => {
                 let mut out = self.current_as_added(&scope);
                 let mut end = self.bookmark(scope.resource);
-                end["object"]["metadata"]["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+                end["object"]["metadata"]["annotations"] =
+                    json!({"k8s.io/initial-events-end": "true"});
                 out.push(end);
                 out
             }
             None => self.current_as_added(&scope),
             Some(rv) => {
                 self.check_not_expired(rv)?;
-                self.history.iter().filter(|c| c.rv > rv).filter_map(|c| event_for(&scope, c)).collect()
+                self.history
+                    .iter()
+                    .filter(|c| c.rv > rv)
+                    .filter_map(|c| event_for(&scope, c))
+                    .collect()
             }
         };
         let id = self.next_watcher;
@@ -237,8 +309,13 @@ impl Store {
     }
 
     fn current_as_added(&self, scope: &Scope) -> Vec<Value> {
-        let (items, _) = self.list(scope, None).expect("a list from now is never expired");
-        items.into_iter().map(|o| json!({"type": "ADDED", "object": o})).collect()
+        let (items, _) = self
+            .list(scope, None)
+            .expect("a list from now is never expired");
+        items
+            .into_iter()
+            .map(|o| json!({"type": "ADDED", "object": o}))
+            .collect()
     }
 
     pub fn unwatch(&mut self, id: u64) {
@@ -247,7 +324,10 @@ impl Store {
 
     /// Open watches of a resource.
     pub fn watchers(&self, resource: Resource) -> usize {
-        self.watchers.values().filter(|w| w.scope.resource == resource).count()
+        self.watchers
+            .values()
+            .filter(|w| w.scope.resource == resource)
+            .count()
     }
 
     /// Open watches of every resource.
@@ -276,7 +356,10 @@ impl Store {
 
     fn new_uid(&mut self) -> String {
         self.created += 1;
-        format!("{:08x}-0000-4000-8000-{:012x}", self.uid_prefix, self.created)
+        format!(
+            "{:08x}-0000-4000-8000-{:012x}",
+            self.uid_prefix, self.created
+        )
     }
 }
 
@@ -325,8 +408,17 @@ mod tests {
 
     /// Each event as "TYPE name rv".
     fn summary(events: &[Value]) -> Vec<String> {
-        events.iter().map(|e| format!("{} {} {}", e["type"].as_str().unwrap(), e["object"]["metadata"]["name"].as_str().unwrap_or("-"),
-                                      e["object"]["metadata"]["resourceVersion"].as_str().unwrap())).collect()
+        events
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} {} {}",
+                    e["type"].as_str().unwrap(),
+                    e["object"]["metadata"]["name"].as_str().unwrap_or("-"),
+                    e["object"]["metadata"]["resourceVersion"].as_str().unwrap()
+                )
+            })
+            .collect()
     }
 
     fn drain(rx: &mut UnboundedReceiver<Value>) -> Vec<Value> {
@@ -346,8 +438,14 @@ mod tests {
         s.put(Resource::Nodes, json!({"metadata": {"name": "n1"}}));
         s.delete(Resource::Pods, Some("ns"), "b");
         let events = drain(&mut rx);
-        assert_eq!(summary(&events), ["ADDED b 4", "DELETED a 5", "DELETED b 7"]);
-        assert_eq!(events[1]["object"]["spec"]["nodeName"], "n1", "the object as it was in scope");
+        assert_eq!(
+            summary(&events),
+            ["ADDED b 4", "DELETED a 5", "DELETED b 7"]
+        );
+        assert_eq!(
+            events[1]["object"]["spec"]["nodeName"], "n1",
+            "the object as it was in scope"
+        );
     }
 
     #[test]
@@ -362,25 +460,51 @@ mod tests {
         assert_eq!(s.watchers(Resource::Pods), 1);
         assert_eq!(s.watchers(Resource::Nodes), 0);
         s.expire_history();
-        assert_eq!(s.watch(on("n1"), Some(3), false, tx.clone()).unwrap_err(), Expired { requested: 3, oldest: 4 });
-        assert_eq!(s.list(&on("n1"), Some(3)).unwrap_err().message(), "too old resource version: 3 (4)");
-        assert!(s.watch(on("n1"), Some(4), false, tx.clone()).unwrap().1.is_empty());
+        assert_eq!(
+            s.watch(on("n1"), Some(3), false, tx.clone()).unwrap_err(),
+            Expired {
+                requested: 3,
+                oldest: 4
+            }
+        );
+        assert_eq!(
+            s.list(&on("n1"), Some(3)).unwrap_err().message(),
+            "too old resource version: 3 (4)"
+        );
+        assert!(
+            s.watch(on("n1"), Some(4), false, tx.clone())
+                .unwrap()
+                .1
+                .is_empty()
+        );
         let (items, rv) = s.list(&on("n1"), Some(0)).unwrap();
         assert_eq!((items.len(), rv), (2, 4));
         let (_, initial) = s.watch(on("n2"), Some(4), true, tx).unwrap();
         assert_eq!(summary(&initial), ["ADDED b 3", "BOOKMARK - 4"]);
-        assert_eq!(initial[1]["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"], "true");
+        assert_eq!(
+            initial[1]["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"],
+            "true"
+        );
     }
 
     #[test]
     fn a_replaced_object_keeps_its_uid_and_creation_time() {
         let mut s = Store::new(7);
         let first = s.put(Resource::Pods, pod("a", "n1"));
-        assert_eq!(first["metadata"]["uid"], "00000007-0000-4000-8000-000000000001");
-        assert_eq!((first["kind"].as_str(), first["apiVersion"].as_str()), (Some("Pod"), Some("v1")));
+        assert_eq!(
+            first["metadata"]["uid"],
+            "00000007-0000-4000-8000-000000000001"
+        );
+        assert_eq!(
+            (first["kind"].as_str(), first["apiVersion"].as_str()),
+            (Some("Pod"), Some("v1"))
+        );
         let second = s.put(Resource::Pods, pod("a", "n2"));
         assert_eq!(second["metadata"]["uid"], first["metadata"]["uid"]);
-        assert_eq!(second["metadata"]["creationTimestamp"], first["metadata"]["creationTimestamp"]);
+        assert_eq!(
+            second["metadata"]["creationTimestamp"],
+            first["metadata"]["creationTimestamp"]
+        );
         let defaulted = s.put(Resource::Pods, json!({"metadata": {"name": "x"}}));
         assert_eq!(defaulted["metadata"]["namespace"], "default");
     }
@@ -388,15 +512,42 @@ mod tests {
     #[test]
     fn objects_of_a_named_group_carry_its_api_version() {
         let mut s = Store::new(0);
-        let slice = s.put(Resource::EndpointSlices, json!({"metadata": {"name": "web-1", "labels": {"kubernetes.io/service-name": "web"}}}));
-        assert_eq!((slice["kind"].as_str(), slice["apiVersion"].as_str()), (Some("EndpointSlice"), Some("discovery.k8s.io/v1")));
+        let slice = s.put(
+            Resource::EndpointSlices,
+            json!({"metadata": {"name": "web-1", "labels": {"kubernetes.io/service-name": "web"}}}),
+        );
+        assert_eq!(
+            (slice["kind"].as_str(), slice["apiVersion"].as_str()),
+            (Some("EndpointSlice"), Some("discovery.k8s.io/v1"))
+        );
         assert_eq!(slice["metadata"]["namespace"], "default");
-        s.put(Resource::Leases, json!({"metadata": {"name": "web-1", "namespace": "default"}}));
-        assert_eq!(s.objects(Resource::EndpointSlices).count(), 1, "the same name in another resource is another object");
+        s.put(
+            Resource::Leases,
+            json!({"metadata": {"name": "web-1", "namespace": "default"}}),
+        );
+        assert_eq!(
+            s.objects(Resource::EndpointSlices).count(),
+            1,
+            "the same name in another resource is another object"
+        );
         let bookmark = s.bookmark(Resource::Leases);
-        assert_eq!((bookmark["object"]["kind"].as_str(), bookmark["object"]["apiVersion"].as_str()), (Some("Lease"), Some("coordination.k8s.io/v1")));
+        assert_eq!(
+            (
+                bookmark["object"]["kind"].as_str(),
+                bookmark["object"]["apiVersion"].as_str()
+            ),
+            (Some("Lease"), Some("coordination.k8s.io/v1"))
+        );
         let (tx, _rx) = unbounded_channel();
-        s.watch(Scope::all(Resource::Services), None, false, tx).unwrap();
-        assert_eq!((s.watchers(Resource::Services), s.watchers(Resource::Leases), s.all_watchers()), (1, 0, 1));
+        s.watch(Scope::all(Resource::Services), None, false, tx)
+            .unwrap();
+        assert_eq!(
+            (
+                s.watchers(Resource::Services),
+                s.watchers(Resource::Leases),
+                s.all_watchers()
+            ),
+            (1, 0, 1)
+        );
     }
 }

@@ -4,7 +4,13 @@ use std::net::IpAddr;
 use super::*;
 use crate::{Endpoint, KINDS, Pod, RegistryView, Svid};
 
-fn svc(name: &str, ns: &str, ports: &[u16], vip: Option<&str>, eps: &[(&str, u16, u16, bool)]) -> Service {
+fn svc(
+    name: &str,
+    ns: &str,
+    ports: &[u16],
+    vip: Option<&str>,
+    eps: &[(&str, u16, u16, bool)],
+) -> Service {
     Service {
         name: name.into(),
         namespace: ns.into(),
@@ -18,7 +24,11 @@ fn svc(name: &str, ns: &str, ports: &[u16], vip: Option<&str>, eps: &[(&str, u16
                 service_port: *sp,
                 node: "n1".into(),
                 pod: "p".into(),
-                state: if *draining { EndpointState::Draining } else { EndpointState::Healthy },
+                state: if *draining {
+                    EndpointState::Draining
+                } else {
+                    EndpointState::Healthy
+                },
                 mtls: false,
             })
             .collect(),
@@ -65,7 +75,13 @@ fn svid(id: &str, serial: &str) -> Svid {
 }
 
 fn identity(mode: MtlsMode) -> Identity {
-    Identity { trust_domain: Some("td".into()), mode, bundle: Some("CA".into()), agent: Some(svid("agent", "a1")), pods: Default::default() }
+    Identity {
+        trust_domain: Some("td".into()),
+        mode,
+        bundle: Some("CA".into()),
+        agent: Some(svid("agent", "a1")),
+        pods: Default::default(),
+    }
 }
 
 /// A compact, readable rendering of a snapshot: one line per resource fact.
@@ -73,29 +89,56 @@ fn render(s: &Snapshot) -> String {
     let mut out = Vec::new();
     for l in s.listeners.items.values() {
         match &l.kind {
-            ListenerKind::HttpOutbound { route_config, on_demand, source_certificates } => out.push(format!(
+            ListenerKind::HttpOutbound {
+                route_config,
+                on_demand,
+                source_certificates,
+            } => out.push(format!(
                 "L {} {} rds={route_config}{}{}",
                 l.name,
                 l.address,
                 if *on_demand { " on-demand" } else { "" },
-                if *source_certificates { " source-certificates" } else { "" }
+                if *source_certificates {
+                    " source-certificates"
+                } else {
+                    ""
+                }
             )),
             ListenerKind::InboundCapture => out.push(format!("L {} {} capture", l.name, l.address)),
             ListenerKind::InboundPod { chain: c } => {
                 let ips: Vec<_> = c.ips.iter().map(|i| i.to_string()).collect();
                 let tls = match &c.tls {
-                    Some(t) => format!(" mtls={}{}", t.certificate, if t.plaintext { "+plaintext" } else { "" }),
+                    Some(t) => format!(
+                        " mtls={}{}",
+                        t.certificate,
+                        if t.plaintext { "+plaintext" } else { "" }
+                    ),
                     None => String::new(),
                 };
-                out.push(format!("L {} {} chain {} [{}] -> {}{tls}", l.name, l.address, c.pod_uid, ips.join(","), c.cluster));
+                out.push(format!(
+                    "L {} {} chain {} [{}] -> {}{tls}",
+                    l.name,
+                    l.address,
+                    c.pod_uid,
+                    ips.join(","),
+                    c.cluster
+                ));
             }
         }
     }
     for r in s.routes.items.values() {
         for v in &r.virtual_hosts {
-            out.push(format!("R {} vh {} [{}]", r.name, v.name, v.domains.join(",")));
+            out.push(format!(
+                "R {} vh {} [{}]",
+                r.name,
+                v.name,
+                v.domains.join(",")
+            ));
             for rt in &v.routes {
-                out.push(format!("R {} vh {} {:?} -> {}", r.name, v.name, rt.authority_port, rt.cluster));
+                out.push(format!(
+                    "R {} vh {} {:?} -> {}",
+                    r.name, v.name, rt.authority_port, rt.cluster
+                ));
             }
         }
     }
@@ -105,13 +148,22 @@ fn render(s: &Snapshot) -> String {
                 "C {} eds{}",
                 c.name,
                 match &c.upstream_tls {
-                    Some(t) => format!(" mtls fallback={}", t.fallback.as_deref().unwrap_or("none")),
+                    Some(t) =>
+                        format!(" mtls fallback={}", t.fallback.as_deref().unwrap_or("none")),
                     None => String::new(),
                 }
             )),
-            ClusterKind::Static { endpoints, draining } => {
+            ClusterKind::Static {
+                endpoints,
+                draining,
+            } => {
                 let e: Vec<_> = endpoints.iter().map(|e| e.to_string()).collect();
-                out.push(format!("C {} static [{}]{}", c.name, e.join(","), if *draining { " DRAINING" } else { "" }))
+                out.push(format!(
+                    "C {} static [{}]{}",
+                    c.name,
+                    e.join(","),
+                    if *draining { " DRAINING" } else { "" }
+                ))
             }
         }
     }
@@ -119,7 +171,14 @@ fn render(s: &Snapshot) -> String {
         let e: Vec<_> = a
             .endpoints
             .iter()
-            .map(|e| format!("{}{}{}", e.address, if e.draining { " DRAINING" } else { "" }, if e.mtls { " mtls" } else { "" }))
+            .map(|e| {
+                format!(
+                    "{}{}{}",
+                    e.address,
+                    if e.draining { " DRAINING" } else { "" },
+                    if e.mtls { " mtls" } else { "" }
+                )
+            })
             .collect();
         out.push(format!("E {} [{}]", a.cluster, e.join(",")));
     }
@@ -134,13 +193,20 @@ fn render(s: &Snapshot) -> String {
 
 fn check(input: Inputs, expected: &str) {
     let got = render(&build(&input));
-    let want: Vec<&str> = expected.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let want: Vec<&str> = expected
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
     assert_eq!(got, want.join("\n"), "\n--- got ---\n{got}\n");
 }
 
 #[test]
 fn empty_inputs_give_only_the_outbound_listener_and_route() {
-    check(inputs(vec![], vec![]), "L outbound 127.0.0.1:15001 rds=outbound");
+    check(
+        inputs(vec![], vec![]),
+        "L outbound 127.0.0.1:15001 rds=outbound",
+    );
 }
 
 #[test]
@@ -170,7 +236,13 @@ fn one_service_two_ports_with_vip_and_a_draining_endpoint() {
 #[test]
 fn short_name_in_two_namespaces_is_dropped_from_both() {
     check(
-        inputs(vec![svc("api", "a", &[80], None, &[]), svc("api", "b", &[80], None, &[])], vec![]),
+        inputs(
+            vec![
+                svc("api", "a", &[80], None, &[]),
+                svc("api", "b", &[80], None, &[]),
+            ],
+            vec![],
+        ),
         "
         L outbound 127.0.0.1:15001 rds=outbound
         R outbound vh api.a [api.a,api.a.svc.cluster.local,api.a:80,api.a.svc.cluster.local:80]
@@ -188,7 +260,13 @@ fn short_name_in_two_namespaces_is_dropped_from_both() {
 #[test]
 fn local_pods_get_inbound_chains_and_static_clusters() {
     check(
-        inputs(vec![], vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6", "fd00::6"])]),
+        inputs(
+            vec![],
+            vec![
+                pod("u1", &["10.1.0.5"]),
+                pod("u2", &["10.1.0.6", "fd00::6"]),
+            ],
+        ),
         "
         L inbound 0.0.0.0:15006 capture
         L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5] -> inbound|u1
@@ -203,7 +281,13 @@ fn local_pods_get_inbound_chains_and_static_clusters() {
 #[test]
 fn a_terminating_pod_keeps_its_listener_and_its_endpoints_drain() {
     check(
-        inputs(vec![], vec![terminating(pod("u1", &["10.1.0.5", "fd00::5"])), pod("u2", &["10.1.0.6"])]),
+        inputs(
+            vec![],
+            vec![
+                terminating(pod("u1", &["10.1.0.5", "fd00::5"])),
+                pod("u2", &["10.1.0.6"]),
+            ],
+        ),
         "
         L inbound 0.0.0.0:15006 capture
         L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5,fd00::5] -> inbound|u1
@@ -217,25 +301,56 @@ fn a_terminating_pod_keeps_its_listener_and_its_endpoints_drain() {
 
 #[test]
 fn marking_a_pod_terminating_changes_its_cluster_only_and_keeps_other_hashes() {
-    let mut b = Builder::new(inputs(vec![], vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6"])]));
+    let mut b = Builder::new(inputs(
+        vec![],
+        vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6"])],
+    ));
     let before = b.snapshot().clone();
-    let s = b.apply([Change::UpsertPod(terminating(pod("u1", &["10.1.0.5"])))]).unwrap();
-    let names = |k| s.changed_since(&before, k).unwrap().into_iter().map(String::from).collect::<Vec<_>>();
+    let s = b
+        .apply([Change::UpsertPod(terminating(pod("u1", &["10.1.0.5"])))])
+        .unwrap();
+    let names = |k| {
+        s.changed_since(&before, k)
+            .unwrap()
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
     assert_eq!(names(Kind::Cluster), ["inbound|u1"]);
-    assert!(names(Kind::Listener).is_empty() && names(Kind::Endpoint).is_empty() && names(Kind::Route).is_empty());
-    assert_eq!(s.hashes(Kind::Cluster).get("inbound|u2"), before.hashes(Kind::Cluster).get("inbound|u2"));
-    assert!(s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]), "a terminating pod is still served");
+    assert!(
+        names(Kind::Listener).is_empty()
+            && names(Kind::Endpoint).is_empty()
+            && names(Kind::Route).is_empty()
+    );
+    assert_eq!(
+        s.hashes(Kind::Cluster).get("inbound|u2"),
+        before.hashes(Kind::Cluster).get("inbound|u2")
+    );
+    assert!(
+        s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]),
+        "a terminating pod is still served"
+    );
     // Pinned: FNV-1a of `{"name":"inbound|u2","kind":{"Static":{"endpoints":["10.1.0.6:80"]}}}`,
     // the serialization before the flag existed. While false the flag stays out of the
     // hash, so versions match an agent that predates it and a roll onto this version
     // pushes nothing for such pods.
-    assert_eq!(format!("{:016x}", before.hashes(Kind::Cluster)["inbound|u2"]), "f8bff699a9a6e002");
+    assert_eq!(
+        format!("{:016x}", before.hashes(Kind::Cluster)["inbound|u2"]),
+        "f8bff699a9a6e002"
+    );
 }
 
 #[test]
 fn a_pod_ip_claimed_twice_is_served_for_neither() {
     check(
-        inputs(vec![], vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.5", "10.1.0.7"]), pod("u3", &[])]),
+        inputs(
+            vec![],
+            vec![
+                pod("u1", &["10.1.0.5"]),
+                pod("u2", &["10.1.0.5", "10.1.0.7"]),
+                pod("u3", &[]),
+            ],
+        ),
         "
         L inbound 0.0.0.0:15006 capture
         L inbound|u2 10.1.0.7:80 chain u2 [10.1.0.7] -> inbound|u2
@@ -259,22 +374,50 @@ fn holds_pod_needs_chain_and_cluster_with_the_same_ips() {
 
 #[test]
 fn versions_are_deterministic_and_change_only_for_the_changed_type() {
-    let base = inputs(vec![svc("web", "default", &[80], None, &[("10.0.0.1", 80, 80, false)])], vec![]);
+    let base = inputs(
+        vec![svc(
+            "web",
+            "default",
+            &[80],
+            None,
+            &[("10.0.0.1", 80, 80, false)],
+        )],
+        vec![],
+    );
     let a = build(&base);
     assert_eq!(a, build(&base.clone()));
     // Pinned: a change here changes every version a running Envoy holds, so a rolled
     // agent would push a full update instead of a no-op. Change it deliberately.
     assert_eq!(
-        [&a.listeners.version, &a.routes.version, &a.clusters.version, &a.endpoints.version],
-        ["ceae1dc10e4237f9", "758b7ccd96e733cb", "9915176c055220ce", "b204847993d13fe4"]
+        [
+            &a.listeners.version,
+            &a.routes.version,
+            &a.clusters.version,
+            &a.endpoints.version
+        ],
+        [
+            "ceae1dc10e4237f9",
+            "758b7ccd96e733cb",
+            "9915176c055220ce",
+            "b204847993d13fe4"
+        ]
     );
 
-    let web = ServiceKey { namespace: "default".into(), name: "web".into() };
+    let web = ServiceKey {
+        namespace: "default".into(),
+        name: "web".into(),
+    };
     // Endpoint change: only EDS.
     let mut b_in = base.clone();
     b_in.registry.services.get_mut(&web).unwrap().endpoints[0].state = EndpointState::Draining;
     let b = build(&b_in);
-    assert_eq!((a.listeners.version == b.listeners.version, a.routes.version == b.routes.version), (true, true));
+    assert_eq!(
+        (
+            a.listeners.version == b.listeners.version,
+            a.routes.version == b.routes.version
+        ),
+        (true, true)
+    );
     assert_eq!(a.clusters.version, b.clusters.version);
     assert_ne!(a.endpoints.version, b.endpoints.version);
 
@@ -284,7 +427,11 @@ fn versions_are_deterministic_and_change_only_for_the_changed_type() {
     let c = build(&c_in);
     assert_ne!(a.routes.version, c.routes.version);
     assert_eq!(
-        (a.listeners.version.clone(), a.clusters.version.clone(), a.endpoints.version.clone()),
+        (
+            a.listeners.version.clone(),
+            a.clusters.version.clone(),
+            a.endpoints.version.clone()
+        ),
         (c.listeners.version, c.clusters.version, c.endpoints.version)
     );
 
@@ -294,7 +441,10 @@ fn versions_are_deterministic_and_change_only_for_the_changed_type() {
     let d = build(&d_in);
     assert_ne!(a.listeners.version, d.listeners.version);
     assert_ne!(a.clusters.version, d.clusters.version);
-    assert_eq!((a.routes.version.clone(), a.endpoints.version.clone()), (d.routes.version, d.endpoints.version));
+    assert_eq!(
+        (a.routes.version.clone(), a.endpoints.version.clone()),
+        (d.routes.version, d.endpoints.version)
+    );
 
     // Capture port: LDS only.
     let mut e_in = base.clone();
@@ -302,7 +452,11 @@ fn versions_are_deterministic_and_change_only_for_the_changed_type() {
     let e = build(&e_in);
     assert_ne!(a.listeners.version, e.listeners.version);
     assert_eq!(
-        (a.routes.version.clone(), a.clusters.version.clone(), a.endpoints.version.clone()),
+        (
+            a.routes.version.clone(),
+            a.clusters.version.clone(),
+            a.endpoints.version.clone()
+        ),
         (e.routes.version, e.clusters.version, e.endpoints.version)
     );
 }
@@ -310,22 +464,68 @@ fn versions_are_deterministic_and_change_only_for_the_changed_type() {
 #[test]
 fn an_endpoint_change_rebuilds_one_load_assignment_and_a_pod_its_listener_and_cluster() {
     let mut b = Builder::new(inputs(
-        (0..50).map(|i| svc(&format!("s{i}"), "d", &[80], None, &[("10.0.0.1", 80, 80, false)])).collect(),
+        (0..50)
+            .map(|i| {
+                svc(
+                    &format!("s{i}"),
+                    "d",
+                    &[80],
+                    None,
+                    &[("10.0.0.1", 80, 80, false)],
+                )
+            })
+            .collect(),
         vec![pod("u1", &["10.1.0.1"])],
     ));
     let before = b.snapshot().clone();
-    let s = b.apply([Change::UpsertService(svc("s7", "d", &[80], None, &[("10.0.0.1", 80, 80, true)]))]).unwrap();
-    let names = |k| s.changed_since(&before, k).unwrap().into_iter().map(String::from).collect::<Vec<_>>();
+    let s = b
+        .apply([Change::UpsertService(svc(
+            "s7",
+            "d",
+            &[80],
+            None,
+            &[("10.0.0.1", 80, 80, true)],
+        ))])
+        .unwrap();
+    let names = |k| {
+        s.changed_since(&before, k)
+            .unwrap()
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
     assert_eq!(names(Kind::Endpoint), ["outbound|80||s7.d"]);
-    assert!(names(Kind::Cluster).is_empty() && names(Kind::Route).is_empty() && names(Kind::Listener).is_empty());
+    assert!(
+        names(Kind::Cluster).is_empty()
+            && names(Kind::Route).is_empty()
+            && names(Kind::Listener).is_empty()
+    );
 
     let before = s;
-    let s = b.apply([Change::UpsertPod(pod("u2", &["10.1.0.2"]))]).unwrap();
-    let names = |k| s.changed_since(&before, k).unwrap().into_iter().map(String::from).collect::<Vec<_>>();
-    assert_eq!((names(Kind::Listener), names(Kind::Cluster)), (vec!["inbound|u2".to_string()], vec!["inbound|u2".to_string()]));
+    let s = b
+        .apply([Change::UpsertPod(pod("u2", &["10.1.0.2"]))])
+        .unwrap();
+    let names = |k| {
+        s.changed_since(&before, k)
+            .unwrap()
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        (names(Kind::Listener), names(Kind::Cluster)),
+        (
+            vec!["inbound|u2".to_string()],
+            vec!["inbound|u2".to_string()]
+        )
+    );
     assert!(names(Kind::Endpoint).is_empty() && names(Kind::Route).is_empty());
 
-    assert!(b.apply([Change::UpsertPod(pod("u2", &["10.1.0.2"]))]).is_none(), "the same pod again changes nothing");
+    assert!(
+        b.apply([Change::UpsertPod(pod("u2", &["10.1.0.2"]))])
+            .is_none(),
+        "the same pod again changes nothing"
+    );
     assert!(b.apply([Change::RemovePod("nobody".into())]).is_none());
 }
 
@@ -334,12 +534,24 @@ fn history_reaches_back_a_bounded_number_of_steps() {
     let mut b = Builder::new(Inputs::default());
     let first = b.snapshot().clone();
     for i in 0..crate::snapshot::HISTORY {
-        b.apply([Change::UpsertPod(pod(&format!("u{i}"), &[&format!("10.1.{}.{}", i / 200, i % 200 + 1)]))]).unwrap();
+        b.apply([Change::UpsertPod(pod(
+            &format!("u{i}"),
+            &[&format!("10.1.{}.{}", i / 200, i % 200 + 1)],
+        ))])
+        .unwrap();
     }
     assert!(b.snapshot().changed_since(&first, Kind::Listener).is_some());
     b.apply([Change::RemovePod("u0".into())]).unwrap();
-    assert!(b.snapshot().changed_since(&first, Kind::Listener).is_none(), "beyond the history: compare everything");
-    assert!(b.snapshot().changed_since(&build(&Inputs::default()), Kind::Listener).is_none(), "another lineage");
+    assert!(
+        b.snapshot().changed_since(&first, Kind::Listener).is_none(),
+        "beyond the history: compare everything"
+    );
+    assert!(
+        b.snapshot()
+            .changed_since(&build(&Inputs::default()), Kind::Listener)
+            .is_none(),
+        "another lineage"
+    );
 }
 
 /// A small deterministic generator (xorshift64*), so a failing seed reproduces.
@@ -367,8 +579,12 @@ fn random_change(r: &mut Rng) -> Change {
             uid: format!("u{}", r.below(5)),
             svid: (r.below(4) != 0).then(|| svid("pod", ["1", "2"][r.below(2) as usize])),
         },
-        11 => Change::SetAgentSvid((r.below(4) != 0).then(|| svid("agent", ["a1", "a2"][r.below(2) as usize]))),
-        12 => Change::SetBundle((r.below(4) != 0).then(|| ["CA", "CA2"][r.below(2) as usize].to_string())),
+        11 => Change::SetAgentSvid(
+            (r.below(4) != 0).then(|| svid("agent", ["a1", "a2"][r.below(2) as usize])),
+        ),
+        12 => Change::SetBundle(
+            (r.below(4) != 0).then(|| ["CA", "CA2"][r.below(2) as usize].to_string()),
+        ),
         0..=2 => {
             let n = r.below(3);
             let ips: Vec<String> = (0..n).map(|_| ip(r)).collect();
@@ -383,9 +599,19 @@ fn random_change(r: &mut Rng) -> Change {
             let ports: &[u16] = [&[80][..], &[80, 81][..], &[8080][..]][r.below(3) as usize];
             let vip = ["10.96.0.1", "10.96.0.2"].get(r.below(3) as usize).copied();
             let eps: Vec<(String, u16, u16, bool)> = (0..r.below(4))
-                .map(|_| (format!("10.0.0.{}", r.below(4) + 1), 8000 + r.below(2) as u16, ports[r.below(ports.len() as u64) as usize], r.below(2) == 0))
+                .map(|_| {
+                    (
+                        format!("10.0.0.{}", r.below(4) + 1),
+                        8000 + r.below(2) as u16,
+                        ports[r.below(ports.len() as u64) as usize],
+                        r.below(2) == 0,
+                    )
+                })
                 .collect();
-            let eps: Vec<(&str, u16, u16, bool)> = eps.iter().map(|(a, p, sp, d)| (a.as_str(), *p, *sp, *d)).collect();
+            let eps: Vec<(&str, u16, u16, bool)> = eps
+                .iter()
+                .map(|(a, p, sp, d)| (a.as_str(), *p, *sp, *d))
+                .collect();
             let mut s = svc(name, ns, ports, vip, &eps);
             for e in &mut s.endpoints {
                 e.mtls = r.below(2) == 0;
@@ -398,8 +624,14 @@ fn random_change(r: &mut Rng) -> Change {
         }),
         _ => {
             let inbound_port = [15006, 16006][r.below(2) as usize];
-            let outbound = ["127.0.0.1:15001", "127.0.0.1:16001"][r.below(2) as usize].parse().unwrap();
-            Change::SetCapture(CaptureProjection { inbound_port, outbound, ..Default::default() })
+            let outbound = ["127.0.0.1:15001", "127.0.0.1:16001"][r.below(2) as usize]
+                .parse()
+                .unwrap();
+            Change::SetCapture(CaptureProjection {
+                inbound_port,
+                outbound,
+                ..Default::default()
+            })
         }
     }
 }
@@ -414,29 +646,59 @@ fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
             1 => identity(MtlsMode::Permissive),
             _ => identity(MtlsMode::Strict),
         };
-        let mut b = Builder::new(Inputs { identity: id, ..Default::default() });
+        let mut b = Builder::new(Inputs {
+            identity: id,
+            ..Default::default()
+        });
         for step in 0..40 {
             let before = b.snapshot().clone();
             let batch: Vec<Change> = (0..=r.below(4)).map(|_| random_change(&mut r)).collect();
             let published = b.apply(batch.clone());
             let full = build(b.inputs());
             let now = b.snapshot();
-            assert_eq!(**now, full, "seed {seed} step {step}: incremental differs from a full rebuild after {batch:?}\n--- incremental ---\n{}\n--- full ---\n{}", render(now), render(&full));
+            assert_eq!(
+                **now,
+                full,
+                "seed {seed} step {step}: incremental differs from a full rebuild after {batch:?}\n--- incremental ---\n{}\n--- full ---\n{}",
+                render(now),
+                render(&full)
+            );
             for k in KINDS {
-                assert_eq!(now.version(k), full.version(k), "seed {seed} step {step}: {k:?} version");
+                assert_eq!(
+                    now.version(k),
+                    full.version(k),
+                    "seed {seed} step {step}: {k:?} version"
+                );
             }
-            let tls = |s: &Snapshot| s.clusters.items.values().filter(|c| c.upstream_tls.is_some()).count();
-            assert_eq!((now.clusters.tallied(), full.clusters.tallied()), (tls(now), tls(&full)), "seed {seed} step {step}: clusters with upstream TLS");
+            let tls = |s: &Snapshot| {
+                s.clusters
+                    .items
+                    .values()
+                    .filter(|c| c.upstream_tls.is_some())
+                    .count()
+            };
+            assert_eq!(
+                (now.clusters.tallied(), full.clusters.tallied()),
+                (tls(now), tls(&full)),
+                "seed {seed} step {step}: clusters with upstream TLS"
+            );
             match published {
-                None => assert_eq!(*before, **now, "seed {seed} step {step}: nothing published, nothing changed"),
+                None => assert_eq!(
+                    *before, **now,
+                    "seed {seed} step {step}: nothing published, nothing changed"
+                ),
                 Some(s) => {
                     // Every resource whose content differs is named by the history.
                     for k in KINDS {
-                        let named: BTreeSet<&str> = s.changed_since(&before, k).expect("one step back");
+                        let named: BTreeSet<&str> =
+                            s.changed_since(&before, k).expect("one step back");
                         let (old, new) = (before.hashes(k), s.hashes(k));
                         for n in old.keys().chain(new.keys()) {
                             if old.get(n) != new.get(n) {
-                                assert!(named.contains(n.as_str()), "seed {seed} step {step}: {k:?} {n} changed unnamed");
+                                assert!(
+                                    named.contains(n.as_str()),
+                                    "seed {seed} step {step}: {k:?} {n} changed unnamed"
+                                );
                             }
                         }
                     }
@@ -453,13 +715,30 @@ fn with_identity(mut i: Inputs, id: Identity) -> Inputs {
 
 #[test]
 fn identity_off_changes_no_resource_and_serves_no_secret() {
-    let i = inputs(vec![svc("web", "d", &[80], None, &[("10.0.0.1", 8080, 80, false)])], vec![pod("u1", &["10.1.0.5"])]);
+    let i = inputs(
+        vec![svc(
+            "web",
+            "d",
+            &[80],
+            None,
+            &[("10.0.0.1", 8080, 80, false)],
+        )],
+        vec![pod("u1", &["10.1.0.5"])],
+    );
     let mut marked = i.clone();
-    marked.registry.services.values_mut().for_each(|s| s.endpoints.iter_mut().for_each(|e| e.mtls = true));
+    marked
+        .registry
+        .services
+        .values_mut()
+        .for_each(|s| s.endpoints.iter_mut().for_each(|e| e.mtls = true));
     let (plain, off) = (build(&i), build(&marked));
     assert!(off.secrets.is_empty());
     for k in KINDS {
-        assert_eq!(plain.version(k), off.version(k), "{k:?}: an mTLS mark without identity changes nothing");
+        assert_eq!(
+            plain.version(k),
+            off.version(k),
+            "{k:?}: an mTLS mark without identity changes nothing"
+        );
     }
 }
 
@@ -468,14 +747,23 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
     let mut id = identity(MtlsMode::Permissive);
     id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
     let i = with_identity(
-        inputs(vec![svc("web", "d", &[80], None, &[("10.0.0.1", 8080, 80, false), ("10.0.0.2", 8080, 80, false)])], vec![
-            pod("u1", &["10.1.0.5"]),
-            pod("u2", &["10.1.0.6"]),
-        ]),
+        inputs(
+            vec![svc(
+                "web",
+                "d",
+                &[80],
+                None,
+                &[("10.0.0.1", 8080, 80, false), ("10.0.0.2", 8080, 80, false)],
+            )],
+            vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6"])],
+        ),
         id,
     );
     let mut i2 = i.clone();
-    i2.registry.services.values_mut().for_each(|s| s.endpoints[0].mtls = true);
+    i2.registry
+        .services
+        .values_mut()
+        .for_each(|s| s.endpoints[0].mtls = true);
     check(
         i2,
         "L inbound 0.0.0.0:15006 capture
@@ -503,20 +791,48 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
 
 #[test]
 fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
-    let i = with_identity(inputs(vec![], vec![pod("u1", &["10.1.0.5"])]), identity(MtlsMode::Strict));
+    let i = with_identity(
+        inputs(vec![], vec![pod("u1", &["10.1.0.5"])]),
+        identity(MtlsMode::Strict),
+    );
     let mut b = Builder::new(i);
     let s = b.snapshot().clone();
-    assert!(s.listeners.get("inbound|u1").is_none(), "fail closed: no listener without the SVID");
-    assert!(s.secrets.get("spiffe|pod|10.1.0.5").is_none(), "strict never presents the agent's SVID for a pod");
+    assert!(
+        s.listeners.get("inbound|u1").is_none(),
+        "fail closed: no listener without the SVID"
+    );
+    assert!(
+        s.secrets.get("spiffe|pod|10.1.0.5").is_none(),
+        "strict never presents the agent's SVID for a pod"
+    );
     // The pod is served as strict mode serves it until the SVID comes: its CNI ADD
     // succeeds (the provider attests a pod only once it runs).
     assert!(s.held_back.contains("u1"));
     assert!(s.holds_pod("u1", &["10.1.0.5".parse().unwrap()]));
-    assert!(!s.holds_pod("u1", &["10.1.0.6".parse().unwrap()]), "not at an IP it does not have");
+    assert!(
+        !s.holds_pod("u1", &["10.1.0.6".parse().unwrap()]),
+        "not at an IP it does not have"
+    );
 
-    let s = b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p1")) }]).unwrap();
-    match &s.listeners.get("inbound|u1").expect("the SVID opens the listener").kind {
-        ListenerKind::InboundPod { chain } => assert_eq!(chain.tls, Some(InboundTls { certificate: "spiffe|inbound|u1".into(), plaintext: false })),
+    let s = b
+        .apply([Change::SetPodSvid {
+            uid: "u1".into(),
+            svid: Some(svid("ns/d/pod/one", "p1")),
+        }])
+        .unwrap();
+    match &s
+        .listeners
+        .get("inbound|u1")
+        .expect("the SVID opens the listener")
+        .kind
+    {
+        ListenerKind::InboundPod { chain } => assert_eq!(
+            chain.tls,
+            Some(InboundTls {
+                certificate: "spiffe|inbound|u1".into(),
+                plaintext: false
+            })
+        ),
         other => panic!("{other:?}"),
     }
     assert!(s.held_back.is_empty());
@@ -527,23 +843,57 @@ fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
 fn a_rotation_changes_one_secret_and_no_listener_or_cluster() {
     let mut id = identity(MtlsMode::Strict);
     id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
-    let mut b = Builder::new(with_identity(inputs(vec![], vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6"])]), id));
+    let mut b = Builder::new(with_identity(
+        inputs(
+            vec![],
+            vec![pod("u1", &["10.1.0.5"]), pod("u2", &["10.1.0.6"])],
+        ),
+        id,
+    ));
     let before = b.snapshot().clone();
-    let after = b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p2")) }]).unwrap();
+    let after = b
+        .apply([Change::SetPodSvid {
+            uid: "u1".into(),
+            svid: Some(svid("ns/d/pod/one", "p2")),
+        }])
+        .unwrap();
     for k in [Kind::Listener, Kind::Cluster, Kind::Endpoint, Kind::Route] {
-        assert_eq!(before.version(k), after.version(k), "{k:?} unchanged by a rotation");
+        assert_eq!(
+            before.version(k),
+            after.version(k),
+            "{k:?} unchanged by a rotation"
+        );
     }
-    assert_eq!(after.changed_since(&before, Kind::Secret).unwrap(), BTreeSet::from(["spiffe|inbound|u1", "spiffe|pod|10.1.0.5"]));
-    assert!(b.apply([Change::SetPodSvid { uid: "u1".into(), svid: Some(svid("ns/d/pod/one", "p2")) }]).is_none(), "the same SVID again changes nothing");
+    assert_eq!(
+        after.changed_since(&before, Kind::Secret).unwrap(),
+        BTreeSet::from(["spiffe|inbound|u1", "spiffe|pod|10.1.0.5"])
+    );
+    assert!(
+        b.apply([Change::SetPodSvid {
+            uid: "u1".into(),
+            svid: Some(svid("ns/d/pod/one", "p2"))
+        }])
+        .is_none(),
+        "the same SVID again changes nothing"
+    );
 }
 
 #[test]
 fn removing_a_pod_removes_its_secrets() {
     let mut id = identity(MtlsMode::Permissive);
     id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
-    let mut b = Builder::new(with_identity(inputs(vec![], vec![pod("u1", &["10.1.0.5", "fd00::5"])]), id));
-    assert!(b.snapshot().secrets.get("spiffe|pod|fd00::5").is_some(), "one secret per IP of the pod's own");
+    let mut b = Builder::new(with_identity(
+        inputs(vec![], vec![pod("u1", &["10.1.0.5", "fd00::5"])]),
+        id,
+    ));
+    assert!(
+        b.snapshot().secrets.get("spiffe|pod|fd00::5").is_some(),
+        "one secret per IP of the pod's own"
+    );
     let s = b.apply([Change::RemovePod("u1".into())]).unwrap();
-    assert!(s.secrets.get("spiffe|pod|10.1.0.5").is_none() && s.secrets.get("spiffe|pod|fd00::5").is_none());
+    assert!(
+        s.secrets.get("spiffe|pod|10.1.0.5").is_none()
+            && s.secrets.get("spiffe|pod|fd00::5").is_none()
+    );
     assert!(s.secrets.get(AGENT_SECRET).is_some() && s.secrets.get(BUNDLE_SECRET).is_some());
 }

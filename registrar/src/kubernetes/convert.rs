@@ -42,7 +42,10 @@ pub enum Skipped {
 
 /// The registry key of a Kubernetes object's namespace and name.
 pub fn key(namespace: Option<&str>, name: Option<&str>) -> Option<ServiceKey> {
-    Some(ServiceKey { namespace: namespace?.to_owned(), name: name?.to_owned() })
+    Some(ServiceKey {
+        namespace: namespace?.to_owned(),
+        name: name?.to_owned(),
+    })
 }
 
 /// The Service an EndpointSlice belongs to (its namespace and service-name label).
@@ -68,8 +71,14 @@ pub fn state(c: Option<&EndpointConditions>) -> Option<EndpointState> {
 
 /// The registry service of `svc` with the endpoints of `slices` (those of other Services
 /// are ignored).
-pub fn service<'a>(svc: &KubeService, slices: impl IntoIterator<Item = &'a EndpointSlice>) -> Result<Service, Skipped> {
-    let (namespace, name) = (svc.metadata.namespace.clone().unwrap_or_default(), svc.metadata.name.clone().unwrap_or_default());
+pub fn service<'a>(
+    svc: &KubeService,
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+) -> Result<Service, Skipped> {
+    let (namespace, name) = (
+        svc.metadata.namespace.clone().unwrap_or_default(),
+        svc.metadata.name.clone().unwrap_or_default(),
+    );
     if !is_dns_label(&namespace) || !is_dns_label(&name) {
         return Err(Skipped::NotDnsLabel);
     }
@@ -81,7 +90,9 @@ pub fn service<'a>(svc: &KubeService, slices: impl IntoIterator<Item = &'a Endpo
     let mut by_name: BTreeMap<String, u16> = BTreeMap::new();
     let mut ports = Vec::new();
     for p in spec.ports.iter().flatten() {
-        let Ok(number) = u16::try_from(p.port) else { continue };
+        let Ok(number) = u16::try_from(p.port) else {
+            continue;
+        };
         if number == 0 || !is_tcp(p.protocol.as_deref()) || ports.contains(&number) {
             continue;
         }
@@ -91,22 +102,59 @@ pub fn service<'a>(svc: &KubeService, slices: impl IntoIterator<Item = &'a Endpo
     if ports.is_empty() {
         return Err(Skipped::NoTcpPort);
     }
-    let vip = spec.cluster_ip.as_deref().and_then(|ip| ip.parse::<IpAddr>().ok());
-    let mtls = svc.metadata.annotations.as_ref().and_then(|a| a.get(MTLS_ANNOTATION)).is_some_and(|v| v == "true");
+    let vip = spec
+        .cluster_ip
+        .as_deref()
+        .and_then(|ip| ip.parse::<IpAddr>().ok());
+    let mtls = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(MTLS_ANNOTATION))
+        .is_some_and(|v| v == "true");
     let own = ServiceKey { namespace, name };
     let mut endpoints: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
     for slice in slices {
-        if slice_service(slice).as_ref() != Some(&own) || !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+        if slice_service(slice).as_ref() != Some(&own)
+            || !matches!(slice.address_type.as_str(), "IPv4" | "IPv6")
+        {
             continue;
         }
         for sp in slice.ports.iter().flatten() {
-            let (Some(port), true) = (sp.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0), is_tcp(sp.protocol.as_deref())) else { continue };
-            let Some(&service_port) = by_name.get(sp.name.as_deref().unwrap_or("")) else { continue };
+            let (Some(port), true) = (
+                sp.port
+                    .and_then(|p| u16::try_from(p).ok())
+                    .filter(|p| *p != 0),
+                is_tcp(sp.protocol.as_deref()),
+            ) else {
+                continue;
+            };
+            let Some(&service_port) = by_name.get(sp.name.as_deref().unwrap_or("")) else {
+                continue;
+            };
             for e in slice.endpoints.iter().flatten() {
-                let Some(address) = e.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else { continue };
-                let Some(state) = state(e.conditions.as_ref()) else { continue };
-                let pod = e.target_ref.as_ref().filter(|r| r.kind.as_deref() == Some("Pod")).and_then(|r| r.name.clone()).unwrap_or_default();
-                let endpoint = Endpoint { address, port, service_port, node: e.node_name.clone().unwrap_or_default(), pod, state, mtls };
+                let Some(address) = e.addresses.first().and_then(|a| a.parse::<IpAddr>().ok())
+                else {
+                    continue;
+                };
+                let Some(state) = state(e.conditions.as_ref()) else {
+                    continue;
+                };
+                let pod = e
+                    .target_ref
+                    .as_ref()
+                    .filter(|r| r.kind.as_deref() == Some("Pod"))
+                    .and_then(|r| r.name.clone())
+                    .unwrap_or_default();
+                let endpoint = Endpoint {
+                    address,
+                    port,
+                    service_port,
+                    node: e.node_name.clone().unwrap_or_default(),
+                    pod,
+                    state,
+                    mtls,
+                };
                 match endpoints.get(&(address, port)) {
                     Some(kept) if kept.state == EndpointState::Healthy => {}
                     _ => {
@@ -116,7 +164,13 @@ pub fn service<'a>(svc: &KubeService, slices: impl IntoIterator<Item = &'a Endpo
             }
         }
     }
-    Ok(Service { name: own.name, namespace: own.namespace, ports, vip, endpoints: endpoints.into_values().collect() })
+    Ok(Service {
+        name: own.name,
+        namespace: own.namespace,
+        ports,
+        vip,
+        endpoints: endpoints.into_values().collect(),
+    })
 }
 
 #[cfg(test)]
@@ -157,15 +211,39 @@ mod tests {
     }
 
     fn show(s: &Service) -> Vec<String> {
-        s.endpoints.iter().map(|e| format!("{}:{}>{} {} {} {:?}", e.address, e.port, e.service_port, e.node, e.pod, e.state)).collect()
+        s.endpoints
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}:{}>{} {} {} {:?}",
+                    e.address, e.port, e.service_port, e.node, e.pod, e.state
+                )
+            })
+            .collect()
     }
 
     #[test]
     fn two_slices_make_one_service_with_named_target_ports_resolved() {
-        let a = web_slice("web-a", vec![endpoint("10.1.0.1", "n1", json!({"ready": true}))]);
+        let a = web_slice(
+            "web-a",
+            vec![endpoint("10.1.0.1", "n1", json!({"ready": true}))],
+        );
         let b = web_slice("web-b", vec![endpoint("10.1.0.2", "n2", json!({}))]);
         let s = service(&web(), [&a, &b]).unwrap();
-        assert_eq!((s.namespace.as_str(), s.name.as_str(), s.ports.clone(), s.vip), ("prod", "web", vec![80, 9090], Some("10.96.0.10".parse().unwrap())));
+        assert_eq!(
+            (
+                s.namespace.as_str(),
+                s.name.as_str(),
+                s.ports.clone(),
+                s.vip
+            ),
+            (
+                "prod",
+                "web",
+                vec![80, 9090],
+                Some("10.96.0.10".parse().unwrap())
+            )
+        );
         assert_eq!(
             show(&s),
             [
@@ -183,9 +261,18 @@ mod tests {
         use EndpointState::*;
         let cases = [
             (json!({}), Some(Healthy)),
-            (json!({"ready": true, "serving": true, "terminating": false}), Some(Healthy)),
-            (json!({"ready": false, "serving": true, "terminating": true}), Some(Draining)),
-            (json!({"ready": false, "serving": false, "terminating": true}), Some(Draining)),
+            (
+                json!({"ready": true, "serving": true, "terminating": false}),
+                Some(Healthy),
+            ),
+            (
+                json!({"ready": false, "serving": true, "terminating": true}),
+                Some(Draining),
+            ),
+            (
+                json!({"ready": false, "serving": false, "terminating": true}),
+                Some(Draining),
+            ),
             (json!({"ready": false, "serving": false}), None),
             (json!({"ready": false, "serving": true}), None),
         ];
@@ -202,32 +289,73 @@ mod tests {
         other.metadata.labels = Some([(SERVICE_NAME_LABEL.to_owned(), "api".to_owned())].into());
         let mut fqdn = web_slice("web-f", vec![endpoint("10.1.0.8", "n1", json!({}))]);
         fqdn.address_type = "FQDN".into();
-        assert!(service(&web(), [&other, &fqdn]).unwrap().endpoints.is_empty());
+        assert!(
+            service(&web(), [&other, &fqdn])
+                .unwrap()
+                .endpoints
+                .is_empty()
+        );
 
-        let headless = svc(json!({"metadata": {"namespace": "prod", "name": "web"}, "spec": {"clusterIP": "None", "ports": [{"port": 80}]}}));
-        let unnamed = slice(json!({"metadata": {"namespace": "prod", "name": "w", "labels": {SERVICE_NAME_LABEL: "web"}}, "addressType": "IPv6",
-            "ports": [{"port": 8080}], "endpoints": [{"addresses": ["fd00::1"]}]}));
+        let headless = svc(
+            json!({"metadata": {"namespace": "prod", "name": "web"}, "spec": {"clusterIP": "None", "ports": [{"port": 80}]}}),
+        );
+        let unnamed = slice(
+            json!({"metadata": {"namespace": "prod", "name": "w", "labels": {SERVICE_NAME_LABEL: "web"}}, "addressType": "IPv6",
+            "ports": [{"port": 8080}], "endpoints": [{"addresses": ["fd00::1"]}]}),
+        );
         let s = service(&headless, [&unnamed]).unwrap();
-        assert_eq!((s.vip, show(&s)), (None, vec!["fd00::1:8080>80   Healthy".to_owned()]));
+        assert_eq!(
+            (s.vip, show(&s)),
+            (None, vec!["fd00::1:8080>80   Healthy".to_owned()])
+        );
 
-        let external = svc(json!({"metadata": {"namespace": "prod", "name": "ext"}, "spec": {"type": "ExternalName", "externalName": "example.com"}}));
+        let external = svc(
+            json!({"metadata": {"namespace": "prod", "name": "ext"}, "spec": {"type": "ExternalName", "externalName": "example.com"}}),
+        );
         assert_eq!(service(&external, []), Err(Skipped::ExternalName));
-        let udp = svc(json!({"metadata": {"namespace": "prod", "name": "dns"}, "spec": {"ports": [{"port": 53, "protocol": "UDP"}]}}));
+        let udp = svc(
+            json!({"metadata": {"namespace": "prod", "name": "dns"}, "spec": {"ports": [{"port": 53, "protocol": "UDP"}]}}),
+        );
         assert_eq!(service(&udp, []), Err(Skipped::NoTcpPort));
-        let bad = svc(json!({"metadata": {"namespace": "Prod", "name": "web"}, "spec": {"ports": [{"port": 80}]}}));
+        let bad = svc(
+            json!({"metadata": {"namespace": "Prod", "name": "web"}, "spec": {"ports": [{"port": 80}]}}),
+        );
         assert_eq!(service(&bad, []), Err(Skipped::NotDnsLabel));
     }
 
     #[test]
     fn an_endpoint_in_two_slices_is_kept_once_and_healthy_wins_and_the_annotation_marks_mtls() {
-        let old = web_slice("web-a", vec![endpoint("10.1.0.1", "n1", json!({"ready": false, "terminating": true}))]);
-        let new = web_slice("web-b", vec![endpoint("10.1.0.1", "n1", json!({"ready": true}))]);
+        let old = web_slice(
+            "web-a",
+            vec![endpoint(
+                "10.1.0.1",
+                "n1",
+                json!({"ready": false, "terminating": true}),
+            )],
+        );
+        let new = web_slice(
+            "web-b",
+            vec![endpoint("10.1.0.1", "n1", json!({"ready": true}))],
+        );
         for order in [[&old, &new], [&new, &old]] {
             let s = service(&web(), order).unwrap();
-            assert_eq!(show(&s), ["10.1.0.1:8080>80 n1 web-10.1.0.1 Healthy", "10.1.0.1:9091>9090 n1 web-10.1.0.1 Healthy"]);
+            assert_eq!(
+                show(&s),
+                [
+                    "10.1.0.1:8080>80 n1 web-10.1.0.1 Healthy",
+                    "10.1.0.1:9091>9090 n1 web-10.1.0.1 Healthy"
+                ]
+            );
         }
         let mut marked = web();
-        marked.metadata.annotations = Some([(MTLS_ANNOTATION.to_owned(), "true".to_owned())].into());
-        assert!(service(&marked, [&new]).unwrap().endpoints.iter().all(|e| e.mtls));
+        marked.metadata.annotations =
+            Some([(MTLS_ANNOTATION.to_owned(), "true".to_owned())].into());
+        assert!(
+            service(&marked, [&new])
+                .unwrap()
+                .endpoints
+                .iter()
+                .all(|e| e.mtls)
+        );
     }
 }

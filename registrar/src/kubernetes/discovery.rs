@@ -19,8 +19,8 @@ use aether_model::ServiceKey;
 use futures::{FutureExt, Stream, StreamExt};
 use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
 use tokio::sync::watch;
 
 use super::convert::{self, Skipped};
@@ -54,7 +54,11 @@ pub(super) struct Objects<Id, K> {
 
 impl<Id, K> Default for Objects<Id, K> {
     fn default() -> Self {
-        Self { current: BTreeMap::new(), relisting: None, synced: false }
+        Self {
+            current: BTreeMap::new(),
+            relisting: None,
+            synced: false,
+        }
     }
 }
 
@@ -62,7 +66,12 @@ impl<Id: Ord + Clone, K: Clone + PartialEq> Objects<Id, K> {
     /// Applies a watcher event, calling `changed(id, (old, new))` for every object added,
     /// modified or removed; objects `id_of` gives no id are ignored. A relist reports, at
     /// its end, every object that differs between the old set and the new one.
-    pub fn apply(&mut self, event: Event<K>, id_of: impl Fn(&K) -> Option<Id>, mut changed: impl FnMut(&Id, (Option<&K>, Option<&K>))) {
+    pub fn apply(
+        &mut self,
+        event: Event<K>,
+        id_of: impl Fn(&K) -> Option<Id>,
+        mut changed: impl FnMut(&Id, (Option<&K>, Option<&K>)),
+    ) {
         match event {
             Event::Apply(o) => {
                 if let Some(k) = id_of(&o) {
@@ -126,7 +135,10 @@ fn object_key(meta: &kube::api::ObjectMeta) -> Option<ServiceKey> {
 
 impl Cache {
     pub fn new(namespaces: Namespaces) -> Self {
-        Self { namespaces, ..Default::default() }
+        Self {
+            namespaces,
+            ..Default::default()
+        }
     }
 
     /// Both kinds have been listed at least once: the cache is the API's state.
@@ -143,25 +155,42 @@ impl Cache {
     /// such Service).
     pub fn desired(&self, key: &ServiceKey) -> Option<Result<aether_model::Service, Skipped>> {
         let svc = self.services.current.get(key)?;
-        let slices = self.by_service.get(key).into_iter().flatten().filter_map(|k| self.slices.current.get(k));
+        let slices = self
+            .by_service
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.current.get(k));
         Some(convert::service(svc, slices))
     }
 
     pub fn on_service(&mut self, event: Event<KubeService>) -> Touched {
         let ns = self.namespaces.clone();
         let mut touched = Touched::default();
-        self.services.apply(event, |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)), |k, _| {
-            touched.services.insert(k.clone());
-        });
+        self.services.apply(
+            event,
+            |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)),
+            |k, _| {
+                touched.services.insert(k.clone());
+            },
+        );
         touched
     }
 
     pub fn on_slice(&mut self, event: Event<EndpointSlice>) -> Touched {
         let ns = self.namespaces.clone();
         let mut changed: Vec<(ServiceKey, Option<ServiceKey>, Option<ServiceKey>)> = Vec::new();
-        self.slices.apply(event, |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)), |k, (old, new)| {
-            changed.push((k.clone(), old.and_then(convert::slice_service), new.and_then(convert::slice_service)));
-        });
+        self.slices.apply(
+            event,
+            |s| object_key(&s.metadata).filter(|k| ns.covers(&k.namespace)),
+            |k, (old, new)| {
+                changed.push((
+                    k.clone(),
+                    old.and_then(convert::slice_service),
+                    new.and_then(convert::slice_service),
+                ));
+            },
+        );
         let mut touched = Touched::default();
         for (slice, old, new) in changed {
             if let Some(old) = old {
@@ -174,7 +203,10 @@ impl Cache {
                 touched.services.insert(old);
             }
             if let Some(new) = new {
-                self.by_service.entry(new.clone()).or_default().insert(slice);
+                self.by_service
+                    .entry(new.clone())
+                    .or_default()
+                    .insert(slice);
                 touched.services.insert(new);
             }
         }
@@ -195,14 +227,29 @@ const RETRY: Duration = Duration::from_secs(1);
 
 /// Watches Services and EndpointSlices and, while leading, writes them into etcd. Runs
 /// until `stop` is set.
-pub async fn run(client: kube::Client, store: Store, namespaces: Namespaces, mut leader: Leadership, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    client: kube::Client,
+    store: Store,
+    namespaces: Namespaces,
+    mut leader: Leadership,
+    mut stop: watch::Receiver<bool>,
+) {
     // One namespace: watch it alone (a namespaced Role then suffices); else every one.
     let (services, slices) = match namespaces.include.iter().collect::<Vec<_>>().as_slice() {
-        [ns] => (kube::Api::<KubeService>::namespaced(client.clone(), ns), kube::Api::<EndpointSlice>::namespaced(client, ns)),
+        [ns] => (
+            kube::Api::<KubeService>::namespaced(client.clone(), ns),
+            kube::Api::<EndpointSlice>::namespaced(client, ns),
+        ),
         _ => (kube::Api::all(client.clone()), kube::Api::all(client)),
     };
-    let mut services = watched("services", watcher::watcher(services, watcher::Config::default()));
-    let mut slices = watched("endpointslices", watcher::watcher(slices, watcher::Config::default()));
+    let mut services = watched(
+        "services",
+        watcher::watcher(services, watcher::Config::default()),
+    );
+    let mut slices = watched(
+        "endpointslices",
+        watcher::watcher(slices, watcher::Config::default()),
+    );
     let mut cache = Cache::new(namespaces);
     let mut dirty = Dirty::default();
     let mut was_leading = false;
@@ -230,8 +277,12 @@ pub async fn run(client: kube::Client, store: Store, namespaces: Namespaces, mut
             dirty.scan_etcd = true;
         }
         was_leading = leading;
-        if leading && cache.synced() && retry_at.is_none_or(|at| tokio::time::Instant::now() >= at) {
-            retry_at = write(&store, &cache, &mut dirty, &leader).await.err().map(|()| tokio::time::Instant::now() + RETRY);
+        if leading && cache.synced() && retry_at.is_none_or(|at| tokio::time::Instant::now() >= at)
+        {
+            retry_at = write(&store, &cache, &mut dirty, &leader)
+                .await
+                .err()
+                .map(|()| tokio::time::Instant::now() + RETRY);
         }
         let retry = async {
             match retry_at {
@@ -250,7 +301,10 @@ pub async fn run(client: kube::Client, store: Store, namespaces: Namespaces, mut
 }
 
 /// A watcher whose errors are logged and retried with kube-runtime's backoff.
-pub(super) fn watched<K: Send + 'static>(what: &'static str, s: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send + 'static) -> impl Stream<Item = Event<K>> + Send + Unpin {
+pub(super) fn watched<K: Send + 'static>(
+    what: &'static str,
+    s: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send + 'static,
+) -> impl Stream<Item = Event<K>> + Send + Unpin {
     Box::pin(s.default_backoff().filter_map(move |r| async move {
         match r {
             Ok(e) => Some(e),
@@ -264,11 +318,19 @@ pub(super) fn watched<K: Send + 'static>(what: &'static str, s: impl Stream<Item
 
 /// Writes the dirty services while leading. Err(()) when etcd failed: the keys not
 /// written stay dirty.
-async fn write(store: &Store, cache: &Cache, dirty: &mut Dirty, leader: &Leadership) -> Result<(), ()> {
+async fn write(
+    store: &Store,
+    cache: &Cache,
+    dirty: &mut Dirty,
+    leader: &Leadership,
+) -> Result<(), ()> {
     if dirty.scan_etcd {
         match writes::sources(store).await {
             Ok(sources) => {
-                let stale = sources.into_iter().filter(|(k, s)| *s == Source::Kubernetes && cache.desired(k).is_none()).map(|(k, _)| k);
+                let stale = sources
+                    .into_iter()
+                    .filter(|(k, s)| *s == Source::Kubernetes && cache.desired(k).is_none())
+                    .map(|(k, _)| k);
                 dirty.keys.extend(stale);
                 dirty.scan_etcd = false;
             }
@@ -283,12 +345,18 @@ async fn write(store: &Store, cache: &Cache, dirty: &mut Dirty, leader: &Leaders
             return Ok(());
         }
         let result = match cache.desired(&key) {
-            Some(Ok(service)) => writes::apply(store, &service, Source::Kubernetes).await.map(|w| (w, Some(service.endpoints.len()))),
+            Some(Ok(service)) => writes::apply(store, &service, Source::Kubernetes)
+                .await
+                .map(|w| (w, Some(service.endpoints.len()))),
             Some(Err(skipped)) => {
                 tracing::debug!(service = %key, reason = %skipped, "Service not in the mesh");
-                writes::delete(store, &key, Source::Kubernetes).await.map(|w| (w, None))
+                writes::delete(store, &key, Source::Kubernetes)
+                    .await
+                    .map(|w| (w, None))
             }
-            None => writes::delete(store, &key, Source::Kubernetes).await.map(|w| (w, None)),
+            None => writes::delete(store, &key, Source::Kubernetes)
+                .await
+                .map(|w| (w, None)),
         };
         match result {
             Ok((w, endpoints)) => {
@@ -298,8 +366,12 @@ async fn write(store: &Store, cache: &Cache, dirty: &mut Dirty, leader: &Leaders
                 }
                 match (w.writes, endpoints) {
                     (0, _) => {}
-                    (_, Some(endpoints)) => tracing::info!(service = %key, writes = w.writes, endpoints, revision = w.revision, "discovered service written"),
-                    (_, None) => tracing::info!(service = %key, revision = w.revision, "discovered service removed"),
+                    (_, Some(endpoints)) => {
+                        tracing::info!(service = %key, writes = w.writes, endpoints, revision = w.revision, "discovered service written")
+                    }
+                    (_, None) => {
+                        tracing::info!(service = %key, revision = w.revision, "discovered service removed")
+                    }
                 }
             }
             Err(WriteError::Store(e)) => {
@@ -322,11 +394,17 @@ mod tests {
     use serde_json::json;
 
     fn key(ns: &str, name: &str) -> ServiceKey {
-        ServiceKey { namespace: ns.into(), name: name.into() }
+        ServiceKey {
+            namespace: ns.into(),
+            name: name.into(),
+        }
     }
 
     fn svc(ns: &str, name: &str) -> KubeService {
-        serde_json::from_value(json!({"metadata": {"namespace": ns, "name": name}, "spec": {"ports": [{"port": 80}]}})).unwrap()
+        serde_json::from_value(
+            json!({"metadata": {"namespace": ns, "name": name}, "spec": {"ports": [{"port": 80}]}}),
+        )
+        .unwrap()
     }
 
     fn slice(ns: &str, name: &str, service: &str, ip: &str) -> EndpointSlice {
@@ -338,11 +416,20 @@ mod tests {
     }
 
     fn touched(keys: &[ServiceKey]) -> Touched {
-        Touched { services: keys.iter().cloned().collect() }
+        Touched {
+            services: keys.iter().cloned().collect(),
+        }
     }
 
     fn addresses(cache: &Cache, k: &ServiceKey) -> Vec<String> {
-        cache.desired(k).unwrap().unwrap().endpoints.iter().map(|e| e.address.to_string()).collect()
+        cache
+            .desired(k)
+            .unwrap()
+            .unwrap()
+            .endpoints
+            .iter()
+            .map(|e| e.address.to_string())
+            .collect()
     }
 
     #[test]
@@ -350,7 +437,11 @@ mod tests {
         let mut c = Cache::new(Namespaces::default());
         let web = key("prod", "web");
         assert!(!c.synced());
-        for e in [Event::Init, Event::InitApply(svc("prod", "web")), Event::InitDone] {
+        for e in [
+            Event::Init,
+            Event::InitApply(svc("prod", "web")),
+            Event::InitDone,
+        ] {
             let t = c.on_service(e);
             if t != Touched::default() {
                 assert_eq!(t, touched(std::slice::from_ref(&web)));
@@ -359,17 +450,32 @@ mod tests {
         assert_eq!(c.on_slice(Event::Init), Touched::default());
         assert_eq!(c.on_slice(Event::InitDone), Touched::default());
         assert!(c.synced());
-        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-a", "web", "10.0.0.1"))), touched(std::slice::from_ref(&web)));
-        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-b", "web", "10.0.0.2"))), touched(std::slice::from_ref(&web)));
+        assert_eq!(
+            c.on_slice(Event::Apply(slice("prod", "web-a", "web", "10.0.0.1"))),
+            touched(std::slice::from_ref(&web))
+        );
+        assert_eq!(
+            c.on_slice(Event::Apply(slice("prod", "web-b", "web", "10.0.0.2"))),
+            touched(std::slice::from_ref(&web))
+        );
         assert_eq!(addresses(&c, &web), ["10.0.0.1", "10.0.0.2"]);
         // A slice relabelled to another service touches both.
         let api = key("prod", "api");
-        assert_eq!(c.on_slice(Event::Apply(slice("prod", "web-b", "api", "10.0.0.2"))), touched(&[api.clone(), web.clone()]));
+        assert_eq!(
+            c.on_slice(Event::Apply(slice("prod", "web-b", "api", "10.0.0.2"))),
+            touched(&[api.clone(), web.clone()])
+        );
         assert_eq!(addresses(&c, &web), ["10.0.0.1"]);
         assert!(c.desired(&api).is_none(), "no Service api: absent");
-        assert_eq!(c.on_slice(Event::Delete(slice("prod", "web-a", "web", "10.0.0.1"))), touched(std::slice::from_ref(&web)));
+        assert_eq!(
+            c.on_slice(Event::Delete(slice("prod", "web-a", "web", "10.0.0.1"))),
+            touched(std::slice::from_ref(&web))
+        );
         assert!(addresses(&c, &web).is_empty());
-        assert_eq!(c.on_service(Event::Delete(svc("prod", "web"))), touched(std::slice::from_ref(&web)));
+        assert_eq!(
+            c.on_service(Event::Delete(svc("prod", "web"))),
+            touched(std::slice::from_ref(&web))
+        );
         assert!(c.desired(&web).is_none());
     }
 
@@ -377,26 +483,60 @@ mod tests {
     fn a_relist_touches_what_changed_while_the_watch_was_away() {
         let mut c = Cache::new(Namespaces::default());
         let (a, b, d) = (key("n", "a"), key("n", "b"), key("n", "d"));
-        for e in [Event::Init, Event::InitApply(svc("n", "a")), Event::InitApply(svc("n", "b")), Event::InitDone] {
+        for e in [
+            Event::Init,
+            Event::InitApply(svc("n", "a")),
+            Event::InitApply(svc("n", "b")),
+            Event::InitDone,
+        ] {
             c.on_service(e);
         }
         // After a 410: a is unchanged, b was deleted and d created meanwhile.
         assert_eq!(c.on_service(Event::Init), Touched::default());
-        assert_eq!(c.on_service(Event::InitApply(svc("n", "a"))), Touched::default());
-        assert_eq!(c.on_service(Event::InitApply(svc("n", "d"))), Touched::default());
-        assert!(c.desired(&b).is_some(), "the old view stands until the relist is done");
-        assert_eq!(c.on_service(Event::InitDone), touched(&[b.clone(), d.clone()]));
+        assert_eq!(
+            c.on_service(Event::InitApply(svc("n", "a"))),
+            Touched::default()
+        );
+        assert_eq!(
+            c.on_service(Event::InitApply(svc("n", "d"))),
+            Touched::default()
+        );
+        assert!(
+            c.desired(&b).is_some(),
+            "the old view stands until the relist is done"
+        );
+        assert_eq!(
+            c.on_service(Event::InitDone),
+            touched(&[b.clone(), d.clone()])
+        );
         assert!(c.desired(&b).is_none() && c.desired(&d).is_some() && c.desired(&a).is_some());
     }
 
     #[test]
     fn namespaces_are_included_or_excluded() {
-        let ns = Namespaces { include: ["prod".into(), "kube-system".into()].into(), exclude: ["kube-system".into()].into() };
+        let ns = Namespaces {
+            include: ["prod".into(), "kube-system".into()].into(),
+            exclude: ["kube-system".into()].into(),
+        };
         assert!(ns.covers("prod") && !ns.covers("kube-system") && !ns.covers("dev"));
         assert!(Namespaces::default().covers("anything"));
         let mut c = Cache::new(ns);
-        assert_eq!(c.on_service(Event::Apply(svc("dev", "web"))), Touched::default());
-        assert_eq!(c.on_slice(Event::Apply(slice("kube-system", "dns-a", "dns", "10.0.0.9"))), Touched::default());
-        assert_eq!(c.on_service(Event::Apply(svc("prod", "web"))), touched(&[key("prod", "web")]));
+        assert_eq!(
+            c.on_service(Event::Apply(svc("dev", "web"))),
+            Touched::default()
+        );
+        assert_eq!(
+            c.on_slice(Event::Apply(slice(
+                "kube-system",
+                "dns-a",
+                "dns",
+                "10.0.0.9"
+            ))),
+            Touched::default()
+        );
+        assert_eq!(
+            c.on_service(Event::Apply(svc("prod", "web"))),
+            touched(&[key("prod", "web")])
+        );
     }
 }

@@ -19,19 +19,23 @@ use crate::store::Store;
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let k = kube::config::Kubeconfig::read_from(path).map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
+            let k = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
             kube::Config::from_custom_kubeconfig(k, &kube::config::KubeConfigOptions::default())
                 .await
                 .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?
         }
-        None => kube::Config::incluster().map_err(|e| anyhow::anyhow!("no --kubeconfig and no service account mounted (in cluster): {e}"))?,
+        None => kube::Config::incluster().map_err(|e| {
+            anyhow::anyhow!("no --kubeconfig and no service account mounted (in cluster): {e}")
+        })?,
     };
     Ok(kube::Client::try_from(config)?)
 }
 
 /// Whether the process runs in a pod with a service account mounted.
 pub fn in_cluster() -> bool {
-    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() && Path::new("/var/run/secrets/kubernetes.io/serviceaccount/token").exists()
+    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+        && Path::new("/var/run/secrets/kubernetes.io/serviceaccount/token").exists()
 }
 
 /// What runs against the API besides TokenReview.
@@ -45,7 +49,14 @@ pub struct Controllers {
 /// Starts the Lease loop and the controllers on `set`; they stop when `stop` is set (the
 /// leader then releases the Lease).
 /// `leading` is set to 1 while this replica holds the Lease, 0 otherwise.
-pub fn spawn(set: &mut JoinSet<()>, client: kube::Client, store: Store, c: Controllers, stop: watch::Receiver<bool>, leading: prometheus_client::metrics::gauge::Gauge) {
+pub fn spawn(
+    set: &mut JoinSet<()>,
+    client: kube::Client,
+    store: Store,
+    c: Controllers,
+    stop: watch::Receiver<bool>,
+    leading: prometheus_client::metrics::gauge::Gauge,
+) {
     let (tx, leader) = watch::channel(None);
     let mut seen = leader.clone();
     set.spawn(async move {
@@ -56,7 +67,13 @@ pub fn spawn(set: &mut JoinSet<()>, client: kube::Client, store: Store, c: Contr
     let api = kube::Api::namespaced(client.clone(), &c.lease.namespace);
     set.spawn(lease::run(api, c.lease, tx, stop.clone()));
     if let Some(namespaces) = c.discovery {
-        set.spawn(discovery::run(client.clone(), store, namespaces, leader.clone(), stop.clone()));
+        set.spawn(discovery::run(
+            client.clone(),
+            store,
+            namespaces,
+            leader.clone(),
+            stop.clone(),
+        ));
     }
     if let Some(cfg) = c.taint_guard {
         set.spawn(taint_guard::run(client, cfg, leader, stop));

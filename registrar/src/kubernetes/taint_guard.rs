@@ -38,14 +38,27 @@ pub fn ready_on(pod: &Pod) -> Option<&str> {
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
-    let ready = pod.status.as_ref()?.conditions.as_ref()?.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+    let ready = pod
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
     ready.then_some(())?;
-    pod.spec.as_ref()?.node_name.as_deref().filter(|n| !n.is_empty())
+    pod.spec
+        .as_ref()?
+        .node_name
+        .as_deref()
+        .filter(|n| !n.is_empty())
 }
 
 /// Whether the node carries the startup taint.
 pub fn tainted(node: &Node) -> bool {
-    node.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|ts| ts.iter().any(|t| t.key == KEY && t.effect == EFFECT))
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == KEY && t.effect == EFFECT))
 }
 
 /// The JSON patch adding the taint to `node` as read: a `test` of its resourceVersion,
@@ -78,7 +91,10 @@ pub struct Guard {
 
 impl Guard {
     pub fn new(grace: Duration) -> Self {
-        Self { grace, unready_since: BTreeMap::new() }
+        Self {
+            grace,
+            unready_since: BTreeMap::new(),
+        }
     }
 
     /// Forgets every grace in progress (leadership lost: the next leader starts afresh).
@@ -87,8 +103,14 @@ impl Guard {
     }
 
     /// The nodes to taint given every node and the nodes with a Ready agent pod.
-    pub fn plan(&mut self, nodes: &BTreeMap<String, Node>, ready: &BTreeSet<String>, now: Instant) -> Plan {
-        self.unready_since.retain(|n, _| nodes.contains_key(n) && !ready.contains(n));
+    pub fn plan(
+        &mut self,
+        nodes: &BTreeMap<String, Node>,
+        ready: &BTreeSet<String>,
+        now: Instant,
+    ) -> Plan {
+        self.unready_since
+            .retain(|n, _| nodes.contains_key(n) && !ready.contains(n));
         let mut plan = Plan::default();
         for (name, node) in nodes {
             if ready.contains(name) {
@@ -120,12 +142,32 @@ pub struct GuardConfig {
 }
 
 /// Watches nodes and agent pods and, while leading, taints nodes without a Ready agent.
-pub async fn run(client: kube::Client, cfg: GuardConfig, mut leader: Leadership, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    client: kube::Client,
+    cfg: GuardConfig,
+    mut leader: Leadership,
+    mut stop: watch::Receiver<bool>,
+) {
     let nodes_api: Api<Node> = Api::all(client.clone());
     let pods_api: Api<Pod> = Api::namespaced(client, &cfg.agent_namespace);
-    let mut node_events = watched("nodes", watcher::watcher(nodes_api.clone(), watcher::Config::default().labels(&cfg.node_selector)));
-    let mut pod_events = watched("pods", watcher::watcher(pods_api, watcher::Config::default().labels(&cfg.agent_selector)));
-    let (mut nodes, mut pods) = (Objects::<String, Node>::default(), Objects::<String, Pod>::default());
+    let mut node_events = watched(
+        "nodes",
+        watcher::watcher(
+            nodes_api.clone(),
+            watcher::Config::default().labels(&cfg.node_selector),
+        ),
+    );
+    let mut pod_events = watched(
+        "pods",
+        watcher::watcher(
+            pods_api,
+            watcher::Config::default().labels(&cfg.agent_selector),
+        ),
+    );
+    let (mut nodes, mut pods) = (
+        Objects::<String, Node>::default(),
+        Objects::<String, Pod>::default(),
+    );
     let mut guard = Guard::new(cfg.grace);
     tracing::info!(grace = ?cfg.grace, agents = %format!("{} {}", cfg.agent_namespace, cfg.agent_selector), nodes = %cfg.node_selector, "taint guard watching");
     loop {
@@ -139,7 +181,12 @@ pub async fn run(client: kube::Client, cfg: GuardConfig, mut leader: Leadership,
         if !lease::leads(&leader) {
             guard.reset();
         } else if nodes.synced && pods.synced {
-            let ready: BTreeSet<String> = pods.current.values().filter_map(ready_on).map(str::to_owned).collect();
+            let ready: BTreeSet<String> = pods
+                .current
+                .values()
+                .filter_map(ready_on)
+                .map(str::to_owned)
+                .collect();
             let plan = guard.plan(&nodes.current, &ready, Instant::now());
             wake = plan.wake;
             for (node, patch) in plan.taint {
@@ -165,7 +212,13 @@ pub async fn run(client: kube::Client, cfg: GuardConfig, mut leader: Leadership,
     }
 }
 
-async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes: &mut Objects<String, Node>) {
+async fn taint(
+    api: &Api<Node>,
+    node: &str,
+    patch: Value,
+    grace: Duration,
+    nodes: &mut Objects<String, Node>,
+) {
     let p: json_patch::Patch = match serde_json::from_value(patch) {
         Ok(p) => p,
         Err(e) => {
@@ -173,7 +226,10 @@ async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes
             return;
         }
     };
-    match api.patch(node, &PatchParams::default(), &Patch::Json::<()>(p)).await {
+    match api
+        .patch(node, &PatchParams::default(), &Patch::Json::<()>(p))
+        .await
+    {
         Ok(n) => {
             tracing::warn!(node, taint = %format!("{KEY}:{EFFECT}"), grace = ?grace, "tainted a node with no Ready agent pod for the grace period");
             nodes.current.insert(node.to_owned(), n);
@@ -190,7 +246,9 @@ async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes
                 Err(e) => tracing::warn!(node, error = %e, "reading the node failed"),
             }
         }
-        Err(e) => tracing::warn!(node, error = %e, "tainting the node failed; trying again at the next change"),
+        Err(e) => {
+            tracing::warn!(node, error = %e, "tainting the node failed; trying again at the next change")
+        }
     }
 }
 
@@ -198,7 +256,11 @@ async fn taint(api: &Api<Node>, node: &str, patch: Value, grace: Duration, nodes
 fn id<K: kube::Resource>(o: &K) -> Option<String> {
     let m = o.meta();
     let name = m.name.as_deref()?;
-    Some(m.namespace.as_ref().map_or_else(|| name.to_owned(), |ns| format!("{ns}/{name}")))
+    Some(
+        m.namespace
+            .as_ref()
+            .map_or_else(|| name.to_owned(), |ns| format!("{ns}/{name}")),
+    )
 }
 
 #[cfg(test)]
@@ -226,7 +288,11 @@ mod tests {
     fn an_agent_pod_counts_only_ready_and_not_terminating() {
         assert_eq!(ready_on(&pod("n1", true, false)), Some("n1"));
         assert_eq!(ready_on(&pod("n1", false, false)), None);
-        assert_eq!(ready_on(&pod("n1", true, true)), None, "a terminating pod does not count, Ready or not");
+        assert_eq!(
+            ready_on(&pod("n1", true, true)),
+            None,
+            "a terminating pod does not count, Ready or not"
+        );
         assert_eq!(ready_on(&pod("", true, false)), None);
     }
 
@@ -236,12 +302,28 @@ mod tests {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let mut g = Guard::new(grace);
-        let nodes: BTreeMap<String, Node> = [("n1".into(), node("n1", None)), ("n2".into(), node("n2", Some(json!([{"key": "other", "effect": "NoExecute"}]))))].into();
+        let nodes: BTreeMap<String, Node> = [
+            ("n1".into(), node("n1", None)),
+            (
+                "n2".into(),
+                node("n2", Some(json!([{"key": "other", "effect": "NoExecute"}]))),
+            ),
+        ]
+        .into();
         let ready_n2: BTreeSet<String> = ["n2".into()].into();
         // n1 has no Ready agent from t0: it waits for the grace.
-        assert_eq!(g.plan(&nodes, &ready_n2, t0), Plan { taint: vec![], wake: Some(at(30)) });
+        assert_eq!(
+            g.plan(&nodes, &ready_n2, t0),
+            Plan {
+                taint: vec![],
+                wake: Some(at(30))
+            }
+        );
         assert_eq!(g.plan(&nodes, &ready_n2, at(29)).taint, vec![]);
-        assert_eq!(g.plan(&nodes, &ready_n2, at(30)).taint, vec![("n1".to_owned(), patch(&nodes["n1"]))]);
+        assert_eq!(
+            g.plan(&nodes, &ready_n2, at(30)).taint,
+            vec![("n1".to_owned(), patch(&nodes["n1"]))]
+        );
         // A Ready agent on n1 in between restarts its grace.
         let mut g = Guard::new(grace);
         g.plan(&nodes, &ready_n2, t0);
@@ -249,11 +331,27 @@ mod tests {
         assert_eq!(g.plan(&nodes, &both, at(20)), Plan::default());
         assert_eq!(g.plan(&nodes, &ready_n2, at(40)).wake, Some(at(70)));
         // An already tainted node is left alone; n2 loses its agent and waits its own grace.
-        let tainted_nodes: BTreeMap<String, Node> = [("n1".into(), node("n1", Some(json!([{"key": KEY, "effect": EFFECT}])))), ("n2".into(), nodes["n2"].clone())].into();
+        let tainted_nodes: BTreeMap<String, Node> = [
+            (
+                "n1".into(),
+                node("n1", Some(json!([{"key": KEY, "effect": EFFECT}]))),
+            ),
+            ("n2".into(), nodes["n2"].clone()),
+        ]
+        .into();
         let none = BTreeSet::new();
         let mut g = Guard::new(grace);
-        assert_eq!(g.plan(&tainted_nodes, &none, t0), Plan { taint: vec![], wake: Some(at(30)) });
-        assert_eq!(g.plan(&tainted_nodes, &none, at(30)).taint, vec![("n2".to_owned(), patch(&tainted_nodes["n2"]))]);
+        assert_eq!(
+            g.plan(&tainted_nodes, &none, t0),
+            Plan {
+                taint: vec![],
+                wake: Some(at(30))
+            }
+        );
+        assert_eq!(
+            g.plan(&tainted_nodes, &none, at(30)).taint,
+            vec![("n2".to_owned(), patch(&tainted_nodes["n2"]))]
+        );
         // reset(): a new leader starts every grace afresh.
         g.reset();
         assert_eq!(g.plan(&tainted_nodes, &none, at(31)).taint, vec![]);
@@ -265,12 +363,24 @@ mod tests {
             patch(&node("n1", None)),
             json!([{"op": "test", "path": "/metadata/resourceVersion", "value": "7"}, {"op": "add", "path": "/spec/taints", "value": [{"key": KEY, "effect": EFFECT}]}])
         );
-        assert_eq!(patch(&node("n1", Some(json!([])))).as_array().unwrap()[1], json!({"op": "add", "path": "/spec/taints/-", "value": {"key": KEY, "effect": EFFECT}}));
-        let mut doc = serde_json::to_value(node("n1", Some(json!([{"key": "other", "effect": "NoExecute"}])))).unwrap();
-        let p: json_patch::Patch = serde_json::from_value(patch(&node("n1", Some(json!([]))))).unwrap();
+        assert_eq!(
+            patch(&node("n1", Some(json!([])))).as_array().unwrap()[1],
+            json!({"op": "add", "path": "/spec/taints/-", "value": {"key": KEY, "effect": EFFECT}})
+        );
+        let mut doc = serde_json::to_value(node(
+            "n1",
+            Some(json!([{"key": "other", "effect": "NoExecute"}])),
+        ))
+        .unwrap();
+        let p: json_patch::Patch =
+            serde_json::from_value(patch(&node("n1", Some(json!([]))))).unwrap();
         json_patch::patch(&mut doc, &p).unwrap();
         let n: Node = serde_json::from_value(doc).unwrap();
         assert!(tainted(&n));
-        assert_eq!(n.spec.unwrap().taints.unwrap().len(), 2, "the other taint stays");
+        assert_eq!(
+            n.spec.unwrap().taints.unwrap().len(),
+            2,
+            "the other taint stays"
+        );
     }
 }

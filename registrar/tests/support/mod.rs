@@ -8,7 +8,9 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use aether_registrar::view::View;
-use shared_proto::registry::{self as pb, registry_client::RegistryClient, watch_endpoints_response::Kind};
+use shared_proto::registry::{
+    self as pb, registry_client::RegistryClient, watch_endpoints_response::Kind,
+};
 use tonic::Streaming;
 use tonic::transport::Channel;
 
@@ -22,12 +24,17 @@ pub fn bin() -> &'static Path {
 pub const WAIT: Duration = Duration::from_secs(10);
 
 pub async fn client(addr: &str) -> RegistryClient<Channel> {
-    aether_registrar::client::connect(addr, WAIT, None).await.expect("the registrar answers")
+    aether_registrar::client::connect(addr, WAIT, None)
+        .await
+        .expect("the registrar answers")
 }
 
 pub fn svc(ns: &str, name: &str, ports: &[u32], eps: &[(&str, u32, &str)]) -> pb::Service {
     pb::Service {
-        key: Some(pb::ServiceKey { namespace: ns.into(), name: name.into() }),
+        key: Some(pb::ServiceKey {
+            namespace: ns.into(),
+            name: name.into(),
+        }),
         ports: ports.to_vec(),
         vip: String::new(),
         endpoints: eps
@@ -46,18 +53,43 @@ pub fn svc(ns: &str, name: &str, ports: &[u32], eps: &[(&str, u32, &str)]) -> pb
 }
 
 pub async fn apply(addr: &str, services: Vec<pb::Service>) -> i64 {
-    client(addr).await.apply_services(pb::ApplyServicesRequest { services }).await.expect("ApplyServices").into_inner().revision
+    client(addr)
+        .await
+        .apply_services(pb::ApplyServicesRequest { services })
+        .await
+        .expect("ApplyServices")
+        .into_inner()
+        .revision
 }
 
-pub async fn watch(addr: &str, cluster: &str, node: &str, instance: &str, resume_revision: i64) -> Streaming<pb::WatchEndpointsResponse> {
-    let req = pb::WatchEndpointsRequest { cluster: cluster.into(), node: node.into(), instance: instance.into(), resume_revision };
-    client(addr).await.watch_endpoints(req).await.expect("WatchEndpoints").into_inner()
+pub async fn watch(
+    addr: &str,
+    cluster: &str,
+    node: &str,
+    instance: &str,
+    resume_revision: i64,
+) -> Streaming<pb::WatchEndpointsResponse> {
+    let req = pb::WatchEndpointsRequest {
+        cluster: cluster.into(),
+        node: node.into(),
+        instance: instance.into(),
+        resume_revision,
+    };
+    client(addr)
+        .await
+        .watch_endpoints(req)
+        .await
+        .expect("WatchEndpoints")
+        .into_inner()
 }
 
 /// The stream's next message, or its ending status; panics if none comes in time or
 /// the stream ends cleanly.
 pub async fn next(s: &mut Streaming<pb::WatchEndpointsResponse>) -> Result<Kind, tonic::Status> {
-    match tokio::time::timeout(WAIT, s.message()).await.expect("a message within the deadline") {
+    match tokio::time::timeout(WAIT, s.message())
+        .await
+        .expect("a message within the deadline")
+    {
         Ok(Some(m)) => Ok(m.kind.expect("a message has a kind")),
         Ok(None) => panic!("the stream ended without a status"),
         Err(status) => Err(status),
@@ -102,17 +134,26 @@ pub fn describe(batch: &pb::ChangeBatch) -> Vec<String> {
 
 /// The registrar binary with `args`, to its exit.
 pub fn cli(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("the registrar binary runs")
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("the registrar binary runs")
 }
 
 /// `aether-registrar dump` of the registrar at `addr`.
 pub fn dump(addr: &str) -> String {
     let out = cli(&["dump", "--registrar", addr]);
-    assert!(out.status.success(), "dump failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "dump failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).expect("dump prints UTF-8")
 }
 
 /// A full view rendered as `dump` renders it.
 pub fn render(full: &pb::FullView) -> String {
-    View::from_full(full).expect("a well-formed full view").to_json()
+    View::from_full(full)
+        .expect("a well-formed full view")
+        .to_json()
 }

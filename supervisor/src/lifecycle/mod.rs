@@ -12,9 +12,9 @@
 //! Phases: Standby → Taking → (Blocked ⇄ Taking) → Owning → Draining → Exiting; any phase
 //! may drain. The worker's own conversation is the [`Monitor`]'s.
 
-mod timers;
 #[cfg(test)]
 mod tests;
+mod timers;
 
 use std::fmt::Debug;
 use std::path::PathBuf;
@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use shared_proto::control::{Body, Drain, Ping, Takeover};
 
 use crate::monitor::{Monitor, Notice, Violation, WorkerPhase};
-pub use timers::{Backoff, Timers};
 use timers::fire;
+pub use timers::{Backoff, Timers};
 
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A worker that has not answered a heartbeat for this long is killed and replaced.
@@ -66,16 +66,26 @@ pub trait Resources: Debug {
 #[derive(Debug)]
 pub enum Phase<R: Resources> {
     /// Waiting for the node lock; the owner's listeners once fetched.
-    Standby { held: Option<R::Held> },
+    Standby {
+        held: Option<R::Held>,
+    },
     /// The lock is ours and [`Action::TakeNode`] is out: the driver answers at once with
     /// [`Event::Took`], [`Event::Blocked`] or [`Event::TakeFailed`]. `quiet`: a retry, whose
     /// block is not reported again.
-    Taking { since: Instant, quiet: bool },
+    Taking {
+        since: Instant,
+        quiet: bool,
+    },
     /// The lock is ours, but a server without it still answers on a socket path.
-    Blocked { lock: R::Lock, since: Instant },
+    Blocked {
+        lock: R::Lock,
+        since: Instant,
+    },
     Owning(Owned<R>),
     /// Drain requested; `node` until the worker released it.
-    Draining { node: Option<Owned<R>> },
+    Draining {
+        node: Option<Owned<R>>,
+    },
     Exiting(i32),
 }
 
@@ -130,7 +140,10 @@ pub enum Event<R: Resources> {
     Tick,
     /// SIGTERM or SIGINT.
     DrainRequested,
-    Spawned { pid: R::Pid, control: R::Control },
+    Spawned {
+        pid: R::Pid,
+        control: R::Control,
+    },
     SpawnFailed,
     /// One decoded message from the worker.
     Message(Body),
@@ -139,12 +152,19 @@ pub enum Event<R: Resources> {
     /// The worker sent something undecodable, or descriptors it must not send.
     ControlBroken(String),
     /// A child exited; `code` as the supervisor would exit with it.
-    Exited { pid: R::Pid, code: i32, status: String },
+    Exited {
+        pid: R::Pid,
+        code: i32,
+        status: String,
+    },
     LockAcquired(R::Lock),
     LockFailed,
     Took(R::Node, Took),
     /// A lock-less server answers on `path`; the lock comes back.
-    Blocked { lock: R::Lock, path: PathBuf },
+    Blocked {
+        lock: R::Lock,
+        path: PathBuf,
+    },
     TakeFailed,
     /// The owner's listeners, or none (no owner answered, or its offer was refused).
     Fetched(Option<R::Held>),
@@ -152,7 +172,9 @@ pub enum Event<R: Resources> {
     /// the node sockets.
     NoOwner,
     /// The owner's `handoff.sock` served a peer; `keeper`: the node's socket keeper.
-    Offered { keeper: bool },
+    Offered {
+        keeper: bool,
+    },
     TakeoverNotSent(String),
 }
 
@@ -163,11 +185,19 @@ pub enum Action<R: Resources> {
     Send(Body),
     /// Sends Takeover with the node's lock and listeners; the driver stamps `sent_at_us`.
     SendTakeover(Takeover),
-    Kill { pid: R::Pid, why: Kill },
+    Kill {
+        pid: R::Pid,
+        why: Kill,
+    },
     /// Gets the node's listeners: `held` if each is still bound at its path (asking the
     /// socket keeper first when `ask_keeper`), else fresh ones. Then records the
     /// generation and opens `handoff.sock`.
-    TakeNode { lock: R::Lock, held: Option<R::Held>, ask_keeper: bool, since: Instant },
+    TakeNode {
+        lock: R::Lock,
+        held: Option<R::Held>,
+        ask_keeper: bool,
+        since: Instant,
+    },
     FetchHandoff,
     ReassertConflist,
     /// Puts duplicates of the listeners in systemd's fd store, where there is one.
@@ -199,19 +229,36 @@ pub enum Kill {
 /// What the driver logs, and tells systemd.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Report<R: Resources> {
-    Respawning { pid: R::Pid, how: String, ran: Duration, delay: Duration, respawns: u64 },
+    Respawning {
+        pid: R::Pid,
+        how: String,
+        ran: Duration,
+        delay: Duration,
+        respawns: u64,
+    },
     /// SIGCHLD of a worker already replaced on its control socket's end.
-    ReplacedReaped { status: String },
+    ReplacedReaped {
+        status: String,
+    },
     StandbyComplete,
-    Serving { generation: u64 },
+    Serving {
+        generation: u64,
+    },
     WorkerDraining,
-    DrainRequested { owner: bool, successor: bool },
-    ExitedAfterDrain { status: String },
+    DrainRequested {
+        owner: bool,
+        successor: bool,
+    },
+    ExitedAfterDrain {
+        status: String,
+    },
     /// The released worker closed its control socket: the supervisor's job is done.
     ReleasedClosed,
     /// The lock came when this supervisor no longer takes the node.
     LockIgnored,
-    LiveServer { path: PathBuf },
+    LiveServer {
+        path: PathBuf,
+    },
     /// The held sockets' owner is gone, yet another process holds the lock: closed.
     HeldOrphaned,
 }
@@ -233,8 +280,20 @@ impl<R: Resources> Lifecycle<R> {
     /// A standby (holding `held` when systemd kept listeners) that starts its worker and
     /// asks for the owner's listeners at once.
     pub fn new(now: Instant, held: Option<R::Held>, conflist: bool) -> Self {
-        let timers = Timers { respawn: Some(now), fetch: Some(now), ..Timers::default() };
-        Self { phase: Phase::Standby { held }, worker: None, timers, backoff: Backoff::new(), respawns: 0, conflist, no_owner_since: None }
+        let timers = Timers {
+            respawn: Some(now),
+            fetch: Some(now),
+            ..Timers::default()
+        };
+        Self {
+            phase: Phase::Standby { held },
+            worker: None,
+            timers,
+            backoff: Backoff::new(),
+            respawns: 0,
+            conflist,
+            no_owner_since: None,
+        }
     }
 
     pub fn timers(&self) -> &Timers {
@@ -254,7 +313,10 @@ impl<R: Resources> Lifecycle<R> {
 
     /// The worker's control socket, while there is something to read on it.
     pub fn control(&self) -> Option<&R::Control> {
-        self.worker.as_ref().filter(|w| !w.closed).map(|w| &w.control)
+        self.worker
+            .as_ref()
+            .filter(|w| !w.closed)
+            .map(|w| &w.control)
     }
 
     /// The node, from takeover until the worker released it.
@@ -279,7 +341,15 @@ impl<R: Resources> Lifecycle<R> {
             Event::DrainRequested => self.drain(now, &mut out),
             Event::Spawned { pid, control } => {
                 let monitor = Monitor::default();
-                self.worker = Some(Worker { pid, control, monitor, started: now, pinged: 0, closed: false, killed: false });
+                self.worker = Some(Worker {
+                    pid,
+                    control,
+                    monitor,
+                    started: now,
+                    pinged: 0,
+                    closed: false,
+                    killed: false,
+                });
             }
             Event::SpawnFailed => self.timers.respawn = Some(now + self.backoff.take()),
             Event::Message(body) => self.on_message(&body, now, &mut out),
@@ -289,8 +359,16 @@ impl<R: Resources> Lifecycle<R> {
             Event::LockAcquired(lock) => match self.take_phase() {
                 Phase::Standby { held } => {
                     self.timers.fetch = None;
-                    self.phase = Phase::Taking { since: now, quiet: false };
-                    out.push(Action::TakeNode { lock, ask_keeper: held.is_none(), held, since: now });
+                    self.phase = Phase::Taking {
+                        since: now,
+                        quiet: false,
+                    };
+                    out.push(Action::TakeNode {
+                        lock,
+                        ask_keeper: held.is_none(),
+                        held,
+                        since: now,
+                    });
                 }
                 other => {
                     // The lock thread reports once; only a draining supervisor sees it
@@ -311,7 +389,13 @@ impl<R: Resources> Lifecycle<R> {
                     // wins the lock then can take the sockets from this one, unless the
                     // keeper holds them (a recreate roll's new agent takes them from it).
                     let shared_at = (took.handed_off && !took.kept).then_some(now);
-                    self.phase = Phase::Owning(Owned { node, took, offered_at: None, shared_at, taken_over: false });
+                    self.phase = Phase::Owning(Owned {
+                        node,
+                        took,
+                        offered_at: None,
+                        shared_at,
+                        taken_over: false,
+                    });
                     self.send_takeover(&mut out);
                     // After the Takeover is out: the file work is never on the takeover's path.
                     self.timers.conflist = self.conflist.then_some(now);
@@ -390,7 +474,12 @@ impl<R: Resources> Lifecycle<R> {
             match self.take_phase() {
                 Phase::Blocked { lock, since } => {
                     self.phase = Phase::Taking { since, quiet: true };
-                    out.push(Action::TakeNode { lock, held: None, ask_keeper: true, since });
+                    out.push(Action::TakeNode {
+                        lock,
+                        held: None,
+                        ask_keeper: true,
+                        since,
+                    });
                 }
                 other => self.phase = other,
             }
@@ -412,7 +501,10 @@ impl<R: Resources> Lifecycle<R> {
             // One kill a deadline: SIGCHLD or the socket's end follows.
             t.heartbeat = Some(now + HEARTBEAT_DEADLINE);
             w.killed = true;
-            out.push(Action::Kill { pid: w.pid, why: Kill::MissedHeartbeats });
+            out.push(Action::Kill {
+                pid: w.pid,
+                why: Kill::MissedHeartbeats,
+            });
         } else if fire(&mut t.ping, now) && !w.closed {
             t.ping = Some(now + HEARTBEAT_EVERY);
             w.pinged += 1;
@@ -431,10 +523,24 @@ impl<R: Resources> Lifecycle<R> {
             // stays with whoever else holds it.
             Phase::Standby { .. } | Phase::Taking { .. } | Phase::Blocked { .. } => None,
         };
-        let successor = node.as_ref().and_then(|o| o.offered_at.max(o.shared_at)).is_some_and(|t| now.duration_since(t) < SUCCESSOR_FRESH);
-        out.push(Action::Report(Report::DrainRequested { owner: node.is_some(), successor }));
-        self.timers = Timers { ping: self.timers.ping, heartbeat: self.timers.heartbeat, ..Timers::default() };
-        match self.worker.as_mut().map(|w| (w.monitor.may_send_drain(), &mut w.monitor)) {
+        let successor = node
+            .as_ref()
+            .and_then(|o| o.offered_at.max(o.shared_at))
+            .is_some_and(|t| now.duration_since(t) < SUCCESSOR_FRESH);
+        out.push(Action::Report(Report::DrainRequested {
+            owner: node.is_some(),
+            successor,
+        }));
+        self.timers = Timers {
+            ping: self.timers.ping,
+            heartbeat: self.timers.heartbeat,
+            ..Timers::default()
+        };
+        match self
+            .worker
+            .as_mut()
+            .map(|w| (w.monitor.may_send_drain(), &mut w.monitor))
+        {
             Some((true, monitor)) => {
                 monitor.drain_sent();
                 out.push(Action::Send(Body::Drain(Drain { successor })));
@@ -459,11 +565,16 @@ impl<R: Resources> Lifecycle<R> {
     }
 
     fn on_message(&mut self, body: &Body, now: Instant, out: &mut Vec<Action<R>>) {
-        let Some(w) = self.worker.as_mut().filter(|w| !w.killed) else { return };
+        let Some(w) = self.worker.as_mut().filter(|w| !w.killed) else {
+            return;
+        };
         let notice = match w.monitor.on_message(body) {
             Ok(Notice::Pong(seq)) if seq == 0 || seq > w.pinged => {
                 let detail = format!("Pong {seq} answers no Ping (the last was {})", w.pinged);
-                Err(Violation { phase: w.monitor.phase(), detail })
+                Err(Violation {
+                    phase: w.monitor.phase(),
+                    detail,
+                })
             }
             other => other,
         };
@@ -512,7 +623,9 @@ impl<R: Resources> Lifecycle<R> {
 
     /// Hands the node to a worker that said Hello and has not had it yet.
     fn send_takeover(&mut self, out: &mut Vec<Action<R>>) {
-        let (Phase::Owning(o), Some(w)) = (&mut self.phase, &mut self.worker) else { return };
+        let (Phase::Owning(o), Some(w)) = (&mut self.phase, &mut self.worker) else {
+            return;
+        };
         if w.killed || !w.monitor.may_send_takeover() {
             return;
         }
@@ -547,12 +660,22 @@ impl<R: Resources> Lifecycle<R> {
         // which can wait for a grace period (closing an inotify instance does). Make sure
         // it dies and respawn now; its SIGCHLD is reaped when it comes.
         if !w.killed {
-            out.push(Action::Kill { pid: w.pid, why: Kill::Dying });
+            out.push(Action::Kill {
+                pid: w.pid,
+                why: Kill::Dying,
+            });
         }
         self.respawn_after("closed its control socket".into(), now, out);
     }
 
-    fn on_exit(&mut self, pid: R::Pid, code: i32, status: String, now: Instant, out: &mut Vec<Action<R>>) {
+    fn on_exit(
+        &mut self,
+        pid: R::Pid,
+        code: i32,
+        status: String,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
         if self.worker.as_ref().is_none_or(|w| w.pid != pid) {
             out.push(Action::Report(Report::ReplacedReaped { status }));
             return;
@@ -576,7 +699,13 @@ impl<R: Resources> Lifecycle<R> {
         let delay = self.backoff.take();
         (self.timers.ping, self.timers.heartbeat) = (None, None);
         self.timers.respawn = Some(now + delay);
-        out.push(Action::Report(Report::Respawning { pid: w.pid, how, ran, delay, respawns: self.respawns }));
+        out.push(Action::Report(Report::Respawning {
+            pid: w.pid,
+            how,
+            ran,
+            delay,
+            respawns: self.respawns,
+        }));
     }
 }
 

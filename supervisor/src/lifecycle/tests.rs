@@ -22,7 +22,9 @@ impl Resources for Fake {
 type E = Event<Fake>;
 
 fn hello() -> E {
-    Event::Message(Body::Hello(Hello { version: CONTROL_VERSION }))
+    Event::Message(Body::Hello(Hello {
+        version: CONTROL_VERSION,
+    }))
 }
 fn status(p: WorkerStatus) -> E {
     Event::Message(Body::Status(Status { phase: p as i32 }))
@@ -31,18 +33,34 @@ fn pong(seq: u64) -> E {
     Event::Message(Body::Pong(Ping { seq }))
 }
 fn spawned(pid: u32) -> E {
-    Event::Spawned { pid, control: "ctl" }
+    Event::Spawned {
+        pid,
+        control: "ctl",
+    }
 }
 fn exited(pid: u32, code: i32) -> E {
-    Event::Exited { pid, code, status: format!("exit {code}") }
+    Event::Exited {
+        pid,
+        code,
+        status: format!("exit {code}"),
+    }
 }
 fn took(generation: u64, handed_off: bool) -> E {
-    let t = Took { generation, handed_off, kept: false, uncontended: false, lock_wait: Duration::from_millis(3), bind: Duration::from_millis(1) };
+    let t = Took {
+        generation,
+        handed_off,
+        kept: false,
+        uncontended: false,
+        lock_wait: Duration::from_millis(3),
+        bind: Duration::from_millis(1),
+    };
     Event::Took("node", t)
 }
 /// Handed off by the socket keeper.
 fn took_kept(generation: u64) -> E {
-    let Event::Took(node, t) = took(generation, true) else { unreachable!() };
+    let Event::Took(node, t) = took(generation, true) else {
+        unreachable!()
+    };
     Event::Took(node, Took { kept: true, ..t })
 }
 
@@ -55,7 +73,10 @@ struct Clock {
 impl Clock {
     fn new(held: Option<&'static str>, conflist: bool) -> Self {
         let t0 = Instant::now();
-        Self { lc: Lifecycle::new(t0, held, conflist), t0 }
+        Self {
+            lc: Lifecycle::new(t0, held, conflist),
+            t0,
+        }
     }
 
     /// A standby whose worker (pid 1) said Hello at 0 ms.
@@ -75,8 +96,19 @@ impl Clock {
         c.step(0, spawned(1), &[]);
         c.step(0, hello(), &[]);
         c.step(0, Event::Fetched(None), &[]);
-        c.step(0, Event::LockAcquired("lock"), &["take lock held=held keeper=false"]);
-        c.step(0, took(7, true), &["takeover gen=7 respawn=false handed_off=true respawns=0", "store listeners"]);
+        c.step(
+            0,
+            Event::LockAcquired("lock"),
+            &["take lock held=held keeper=false"],
+        );
+        c.step(
+            0,
+            took(7, true),
+            &[
+                "takeover gen=7 respawn=false handed_off=true respawns=0",
+                "store listeners",
+            ],
+        );
         c
     }
 
@@ -88,8 +120,19 @@ impl Clock {
         c.step(0, spawned(1), &[]);
         c.step(0, hello(), &[]);
         c.step(0, Event::Fetched(None), &[]);
-        c.step(0, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
-        c.step(0, took(7, false), &["takeover gen=7 respawn=false handed_off=false respawns=0", "store listeners"]);
+        c.step(
+            0,
+            Event::LockAcquired("lock"),
+            &["take lock held=none keeper=true"],
+        );
+        c.step(
+            0,
+            took(7, false),
+            &[
+                "takeover gen=7 respawn=false handed_off=false respawns=0",
+                "store listeners",
+            ],
+        );
         c
     }
 
@@ -99,7 +142,12 @@ impl Clock {
 
     fn step(&mut self, ms: u64, event: E, want: &[&str]) {
         let what = format!("{event:?}");
-        let got: Vec<String> = self.lc.step(event, self.ms(ms)).iter().map(|a| self.show(a)).collect();
+        let got: Vec<String> = self
+            .lc
+            .step(event, self.ms(ms))
+            .iter()
+            .map(|a| self.show(a))
+            .collect();
         assert_eq!(got, want, "at {ms} ms, {what}, in {}", self.phase());
         self.invariants();
     }
@@ -123,7 +171,10 @@ impl Clock {
     }
 
     fn next_ms(&self) -> Option<u64> {
-        self.lc.timers().next().map(|t| t.duration_since(self.t0).as_millis() as u64)
+        self.lc
+            .timers()
+            .next()
+            .map(|t| t.duration_since(self.t0).as_millis() as u64)
     }
 
     fn show(&self, a: &Action<Fake>) -> String {
@@ -133,16 +184,27 @@ impl Clock {
             Action::Send(Body::Drain(d)) => format!("drain successor={}", d.successor),
             Action::Send(b) => format!("send {}", b.name()),
             Action::SendTakeover(t) => {
-                format!("takeover gen={} respawn={} handed_off={} respawns={}", t.generation, t.respawn, t.handed_off, t.respawns)
+                format!(
+                    "takeover gen={} respawn={} handed_off={} respawns={}",
+                    t.generation, t.respawn, t.handed_off, t.respawns
+                )
             }
             Action::Kill { pid, why } => match why {
                 Kill::Violation(_) => format!("kill {pid} violation"),
                 Kill::Malformed(_) => format!("kill {pid} malformed"),
                 why => format!("kill {pid} {why:?}"),
             },
-            Action::TakeNode { lock, held, ask_keeper, since } => {
+            Action::TakeNode {
+                lock,
+                held,
+                ask_keeper,
+                since,
+            } => {
                 assert!(*since <= self.t0 + Duration::from_secs(3600));
-                format!("take {lock} held={} keeper={ask_keeper}", held.unwrap_or("none"))
+                format!(
+                    "take {lock} held={} keeper={ask_keeper}",
+                    held.unwrap_or("none")
+                )
             }
             Action::FetchHandoff => "fetch".into(),
             Action::ReassertConflist => "conflist".into(),
@@ -150,8 +212,17 @@ impl Clock {
             Action::Watchdog => "watchdog".into(),
             Action::Release(node) => format!("release {node}"),
             Action::Report(r) => match r {
-                Report::Respawning { pid, delay, respawns, how, .. } => {
-                    format!("respawning {pid} in {}ms #{respawns} ({how})", delay.as_millis())
+                Report::Respawning {
+                    pid,
+                    delay,
+                    respawns,
+                    how,
+                    ..
+                } => {
+                    format!(
+                        "respawning {pid} in {}ms #{respawns} ({how})",
+                        delay.as_millis()
+                    )
                 }
                 Report::LiveServer { path } => format!("live server {}", path.display()),
                 r => format!("{r:?}"),
@@ -165,16 +236,38 @@ impl Clock {
         let phase = self.phase();
         let draining = matches!(&lc.phase, Phase::Draining { .. });
         if t.respawn.is_some() {
-            assert!(lc.worker.is_none() && !draining, "respawn armed with a worker or draining: {phase}");
+            assert!(
+                lc.worker.is_none() && !draining,
+                "respawn armed with a worker or draining: {phase}"
+            );
         }
         if t.ping.is_some() || t.heartbeat.is_some() {
-            let w = lc.worker.as_ref().unwrap_or_else(|| panic!("heartbeat armed without a worker: {phase}"));
-            assert_ne!(w.monitor.phase(), WorkerPhase::AwaitHello, "heartbeat before Hello");
+            let w = lc
+                .worker
+                .as_ref()
+                .unwrap_or_else(|| panic!("heartbeat armed without a worker: {phase}"));
+            assert_ne!(
+                w.monitor.phase(),
+                WorkerPhase::AwaitHello,
+                "heartbeat before Hello"
+            );
         }
-        assert!(t.fetch.is_none() || matches!(&lc.phase, Phase::Standby { .. }), "fetch armed in {phase}");
-        assert!(t.retry.is_none() || matches!(&lc.phase, Phase::Blocked { .. }), "retry armed in {phase}");
-        assert!(t.conflist.is_none() || matches!(&lc.phase, Phase::Owning(_)), "conflist armed in {phase}");
-        assert!(t.drain.is_none() || draining, "drain deadline armed in {phase}");
+        assert!(
+            t.fetch.is_none() || matches!(&lc.phase, Phase::Standby { .. }),
+            "fetch armed in {phase}"
+        );
+        assert!(
+            t.retry.is_none() || matches!(&lc.phase, Phase::Blocked { .. }),
+            "retry armed in {phase}"
+        );
+        assert!(
+            t.conflist.is_none() || matches!(&lc.phase, Phase::Owning(_)),
+            "conflist armed in {phase}"
+        );
+        assert!(
+            t.drain.is_none() || draining,
+            "drain deadline armed in {phase}"
+        );
         if let Phase::Exiting(_) = &lc.phase {
             assert_eq!(*t, Timers::default(), "timers armed while exiting");
         }
@@ -221,7 +314,11 @@ fn a_standby_closes_held_sockets_once_no_owner_offers_them_for_a_second() {
     c.step(3400, Event::NoOwner, &["HeldOrphaned"]);
     assert_eq!(c.phase(), "standby held=None");
     // Then the lock: nothing held, so the keeper is asked and fresh sockets bound.
-    c.step(3500, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(
+        3500,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
 }
 
 #[test]
@@ -229,11 +326,19 @@ fn heartbeats_start_at_hello_ping_every_second_and_kill_after_five_silent_second
     let mut c = Clock::new(None, false);
     c.step(0, Event::Tick, &["spawn", "fetch"]);
     c.step(0, spawned(1), &[]);
-    c.step(0, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(
+        0,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
     c.step(0, took(1, false), &["store listeners"]);
     // Before Hello: no ping and no deadline, however long it takes.
     c.quiet(&[1000, 5000, 10_000]);
-    c.step(10_000, hello(), &["takeover gen=1 respawn=false handed_off=false respawns=0"]);
+    c.step(
+        10_000,
+        hello(),
+        &["takeover gen=1 respawn=false handed_off=false respawns=0"],
+    );
     c.quiet(&[10_999]);
     c.step(11_000, Event::Tick, &["ping 1"]);
     c.step(11_002, pong(1), &["watchdog"]);
@@ -252,7 +357,11 @@ fn heartbeats_start_at_hello_ping_every_second_and_kill_after_five_silent_second
     c.step(17_200, pong(7), &[]);
     c.step(18_000, Event::Tick, &["ping 8"]);
     c.step(22_100, Event::Tick, &["kill 1 MissedHeartbeats"]);
-    c.step(22_200, exited(1, 137), &["respawning 1 in 0ms #1 (exited: exit 137)"]);
+    c.step(
+        22_200,
+        exited(1, 137),
+        &["respawning 1 in 0ms #1 (exited: exit 137)"],
+    );
     assert_eq!(c.lc.timers().heartbeat, None);
 }
 
@@ -276,19 +385,38 @@ fn the_watchdog_is_told_only_while_the_worker_answers_heartbeats() {
     c.step(7001, Event::Tick, &["kill 1 MissedHeartbeats"]);
     // Killed: a late answer is no sign of life.
     c.step(7002, pong(7), &[]);
-    c.step(7003, exited(1, 137), &["respawning 1 in 0ms #1 (exited: exit 137)"]);
+    c.step(
+        7003,
+        exited(1, 137),
+        &["respawning 1 in 0ms #1 (exited: exit 137)"],
+    );
     // Respawns that die before they answer tell it nothing either.
     c.step(7003, Event::Tick, &["spawn"]);
     c.step(7003, spawned(2), &[]);
-    c.step(7010, exited(2, 1), &["respawning 2 in 100ms #2 (exited: exit 1)"]);
+    c.step(
+        7010,
+        exited(2, 1),
+        &["respawning 2 in 100ms #2 (exited: exit 1)"],
+    );
     c.step(7110, Event::Tick, &["spawn"]);
     c.step(7110, spawned(3), &[]);
-    c.step(7120, hello(), &["takeover gen=7 respawn=true handed_off=true respawns=2"]);
+    c.step(
+        7120,
+        hello(),
+        &["takeover gen=7 respawn=true handed_off=true respawns=2"],
+    );
     c.quiet(&[8119]);
     c.step(8120, Event::Tick, &["ping 1"]);
     c.step(8121, pong(1), &["watchdog"]);
     // A drained worker that still answers keeps it told until the supervisor exits.
-    c.step(8200, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(
+        8200,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "drain successor=false",
+        ],
+    );
     c.step(9120, Event::Tick, &["ping 2"]);
     c.step(9121, pong(2), &["watchdog"]);
 }
@@ -311,7 +439,10 @@ fn respawn_backoff_doubles_to_five_seconds_and_resets_after_a_healthy_run() {
     let mut pid = 0;
     // A worker that dies at once, before it says anything: e2e/tests/continuity.rs
     // expects these delays in the log.
-    for (n, delay) in [0, 100, 200, 400, 800, 1600, 3200, 5000, 5000].into_iter().enumerate() {
+    for (n, delay) in [0, 100, 200, 400, 800, 1600, 3200, 5000, 5000]
+        .into_iter()
+        .enumerate()
+    {
         pid += 1;
         c.step(now, spawned(pid), &[]);
         let want = format!("respawning {pid} in {delay}ms #{} (exited: exit 1)", n + 1);
@@ -328,18 +459,34 @@ fn respawn_backoff_doubles_to_five_seconds_and_resets_after_a_healthy_run() {
     pid += 1;
     c.step(now, spawned(pid), &[]);
     now += 60_000;
-    c.step(now, exited(pid, 1), &[&format!("respawning {pid} in 0ms #10 (exited: exit 1)")]);
+    c.step(
+        now,
+        exited(pid, 1),
+        &[&format!("respawning {pid} in 0ms #10 (exited: exit 1)")],
+    );
     c.step(now, Event::Tick, &["spawn"]);
     pid += 1;
     c.step(now, spawned(pid), &[]);
-    c.step(now + 1, exited(pid, 1), &[&format!("respawning {pid} in 100ms #11 (exited: exit 1)")]);
+    c.step(
+        now + 1,
+        exited(pid, 1),
+        &[&format!("respawning {pid} in 100ms #11 (exited: exit 1)")],
+    );
     // Nor is one that reached StandbyComplete (or Serving).
     c.step(now + 101, Event::Tick, &["spawn"]);
     pid += 1;
     c.step(now + 101, spawned(pid), &[]);
     c.step(now + 102, hello(), &[]);
-    c.step(now + 103, status(WorkerStatus::StandbyComplete), &["StandbyComplete"]);
-    c.step(now + 104, exited(pid, 1), &[&format!("respawning {pid} in 0ms #12 (exited: exit 1)")]);
+    c.step(
+        now + 103,
+        status(WorkerStatus::StandbyComplete),
+        &["StandbyComplete"],
+    );
+    c.step(
+        now + 104,
+        exited(pid, 1),
+        &[&format!("respawning {pid} in 0ms #12 (exited: exit 1)")],
+    );
     // A failed spawn waits the backoff too, and is not counted as a respawn.
     c.step(now + 104, Event::Tick, &["spawn"]);
     c.step(now + 104, Event::SpawnFailed, &[]);
@@ -349,13 +496,28 @@ fn respawn_backoff_doubles_to_five_seconds_and_resets_after_a_healthy_run() {
 #[test]
 fn a_worker_that_closes_its_control_socket_is_killed_respawned_at_once_and_reaped_later() {
     let mut c = Clock::owner(false);
-    c.step(10, Event::ControlClosed, &["kill 1 Dying", "respawning 1 in 0ms #1 (closed its control socket)"]);
+    c.step(
+        10,
+        Event::ControlClosed,
+        &[
+            "kill 1 Dying",
+            "respawning 1 in 0ms #1 (closed its control socket)",
+        ],
+    );
     c.step(10, Event::Tick, &["spawn"]);
     c.step(10, spawned(2), &[]);
     // The first worker's SIGCHLD comes after its replacement started.
-    c.step(30, exited(1, 137), &["ReplacedReaped { status: \"exit 137\" }"]);
+    c.step(
+        30,
+        exited(1, 137),
+        &["ReplacedReaped { status: \"exit 137\" }"],
+    );
     // The replacement gets the node, flagged as a respawn.
-    c.step(40, hello(), &["takeover gen=7 respawn=true handed_off=true respawns=1"]);
+    c.step(
+        40,
+        hello(),
+        &["takeover gen=7 respawn=true handed_off=true respawns=1"],
+    );
     assert_eq!(c.phase(), "owning");
 }
 
@@ -365,16 +527,28 @@ fn the_lock_takes_the_node_with_the_held_listeners_and_the_worker_gets_it_at_hel
     c.step(0, Event::Tick, &["spawn", "fetch"]);
     c.step(0, spawned(1), &[]);
     c.step(0, Event::Fetched(Some("held")), &[]);
-    c.step(50, Event::LockAcquired("lock"), &["take lock held=held keeper=false"]);
+    c.step(
+        50,
+        Event::LockAcquired("lock"),
+        &["take lock held=held keeper=false"],
+    );
     assert_eq!(c.phase(), "taking");
     // The worker has not said Hello: the Takeover waits for it. The conflist check
     // runs at once, after the Takeover would have gone.
     c.step(51, took(3, true), &["store listeners"]);
     assert_eq!(c.next_ms(), Some(51));
     c.step(51, Event::Tick, &["conflist"]);
-    c.step(60, hello(), &["takeover gen=3 respawn=false handed_off=true respawns=0"]);
+    c.step(
+        60,
+        hello(),
+        &["takeover gen=3 respawn=false handed_off=true respawns=0"],
+    );
     c.step(70, status(WorkerStatus::Reconciling), &[]);
-    c.step(80, status(WorkerStatus::Serving), &["Serving { generation: 3 }"]);
+    c.step(
+        80,
+        status(WorkerStatus::Serving),
+        &["Serving { generation: 3 }"],
+    );
     // Every 5 s while it owns the node.
     c.step(1060, Event::Tick, &["ping 1"]);
     c.step(1061, pong(1), &["watchdog"]);
@@ -387,45 +561,101 @@ fn the_lock_takes_the_node_with_the_held_listeners_and_the_worker_gets_it_at_hel
     c.step(5051, Event::Tick, &["conflist"]);
     c.step(5060, Event::Tick, &["ping 5"]);
     // A serving worker cannot go back to being a standby.
-    c.step(5061, status(WorkerStatus::StandbyComplete), &["kill 1 violation"]);
+    c.step(
+        5061,
+        status(WorkerStatus::StandbyComplete),
+        &["kill 1 violation"],
+    );
 }
 
 #[test]
 fn without_held_listeners_the_take_asks_the_socket_keeper() {
     let mut c = Clock::standby();
-    c.step(10, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
-    c.step(11, took(1, false), &["takeover gen=1 respawn=false handed_off=false respawns=0", "store listeners"]);
+    c.step(
+        10,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
+    c.step(
+        11,
+        took(1, false),
+        &[
+            "takeover gen=1 respawn=false handed_off=false respawns=0",
+            "store listeners",
+        ],
+    );
 }
 
 #[test]
 fn a_lockless_server_blocks_the_take_which_is_retried_every_20_ms_and_reported_once() {
     let mut c = Clock::standby();
-    c.step(10, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
-    c.step(10, Event::Blocked { lock: "lock", path: "/run/xds.sock".into() }, &["live server /run/xds.sock"]);
+    c.step(
+        10,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
+    c.step(
+        10,
+        Event::Blocked {
+            lock: "lock",
+            path: "/run/xds.sock".into(),
+        },
+        &["live server /run/xds.sock"],
+    );
     assert_eq!(c.phase(), "blocked");
     c.quiet(&[29]);
     c.step(30, Event::Tick, &["take lock held=none keeper=true"]);
-    c.step(30, Event::Blocked { lock: "lock", path: "/run/xds.sock".into() }, &[]);
+    c.step(
+        30,
+        Event::Blocked {
+            lock: "lock",
+            path: "/run/xds.sock".into(),
+        },
+        &[],
+    );
     c.step(50, Event::Tick, &["take lock held=none keeper=true"]);
-    c.step(50, took(2, false), &["takeover gen=2 respawn=false handed_off=false respawns=0", "store listeners"]);
+    c.step(
+        50,
+        took(2, false),
+        &[
+            "takeover gen=2 respawn=false handed_off=false respawns=0",
+            "store listeners",
+        ],
+    );
     // A failure other than a live server ends the supervisor.
     let mut c = Clock::standby();
-    c.step(10, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(
+        10,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
     c.step(10, Event::TakeFailed, &[]);
     assert_eq!(c.lc.exit_code(), Some(1));
 }
 
 #[test]
 fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_on_released() {
-    for (offered, keeper, successor) in [(Some(100), false, true), (Some(100), true, false), (None, false, false)] {
+    for (offered, keeper, successor) in [
+        (Some(100), false, true),
+        (Some(100), true, false),
+        (None, false, false),
+    ] {
         let mut c = Clock::fresh_owner(true);
         c.step(0, Event::Tick, &["conflist"]);
-        c.step(50, status(WorkerStatus::Serving), &["Serving { generation: 7 }"]);
+        c.step(
+            50,
+            status(WorkerStatus::Serving),
+            &["Serving { generation: 7 }"],
+        );
         if let Some(ms) = offered {
             c.step(ms, Event::Offered { keeper }, &[]);
         }
         let report = format!("DrainRequested {{ owner: true, successor: {successor} }}");
-        c.step(900, Event::DrainRequested, &[&report, &format!("drain successor={successor}")]);
+        c.step(
+            900,
+            Event::DrainRequested,
+            &[&report, &format!("drain successor={successor}")],
+        );
         assert_eq!(c.phase(), "draining node=true");
         // Heartbeats go on, conflist checks stop, and a second SIGTERM changes nothing.
         c.step(900, Event::DrainRequested, &[]);
@@ -443,7 +673,14 @@ fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_
     // A successor is fresh for 5 s.
     let mut c = Clock::owner(false);
     c.step(100, Event::Offered { keeper: false }, &[]);
-    c.step(5100, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(
+        5100,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "drain successor=false",
+        ],
+    );
 }
 
 /// Sockets handed over may be held by a standby of the previous owner as well, which
@@ -455,28 +692,81 @@ fn a_drained_owner_forwards_drain_with_the_successor_flag_and_releases_the_node_
 #[test]
 fn an_owner_that_took_handed_off_sockets_has_a_successor_for_5_s_unless_the_keeper_holds_them() {
     let mut c = Clock::owner(false);
-    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: true }", "drain successor=true"]);
+    c.step(
+        900,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: true }",
+            "drain successor=true",
+        ],
+    );
     let mut c = Clock::owner(false);
-    c.step(5000, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(
+        5000,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "drain successor=false",
+        ],
+    );
     // The keeper fetched them: no successor, but a standby's fetch still makes one.
     let mut c = Clock::owner(false);
     c.step(100, Event::Offered { keeper: true }, &[]);
-    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(
+        900,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "drain successor=false",
+        ],
+    );
     let mut c = Clock::owner(false);
     c.step(100, Event::Offered { keeper: true }, &[]);
     c.step(200, Event::Offered { keeper: false }, &[]);
-    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: true }", "drain successor=true"]);
+    c.step(
+        900,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: true }",
+            "drain successor=true",
+        ],
+    );
     // Taken from the keeper.
     let mut c = Clock::standby();
-    c.step(10, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
-    c.step(10, took_kept(8), &["takeover gen=8 respawn=false handed_off=true respawns=0", "store listeners"]);
-    c.step(900, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(
+        10,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
+    c.step(
+        10,
+        took_kept(8),
+        &[
+            "takeover gen=8 respawn=false handed_off=true respawns=0",
+            "store listeners",
+        ],
+    );
+    c.step(
+        900,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "drain successor=false",
+        ],
+    );
 }
 
 #[test]
 fn the_drain_deadline_kills_the_worker_and_the_supervisor_exits_with_its_status() {
     let mut c = Clock::fresh_owner(false);
-    c.step(100, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "drain successor=false"]);
+    c.step(
+        100,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "drain successor=false",
+        ],
+    );
     // Still answering heartbeats, but not finishing.
     for s in 1..=25 {
         c.step(s * 1000, Event::Tick, &[&format!("ping {s}")]);
@@ -487,7 +777,11 @@ fn the_drain_deadline_kills_the_worker_and_the_supervisor_exits_with_its_status(
     // A closed socket while draining is not a crash: nothing is respawned.
     c.step(25_101, Event::ControlClosed, &[]);
     assert!(c.lc.control().is_none());
-    c.step(25_102, exited(1, 137), &["ExitedAfterDrain { status: \"exit 137\" }"]);
+    c.step(
+        25_102,
+        exited(1, 137),
+        &["ExitedAfterDrain { status: \"exit 137\" }"],
+    );
     assert_eq!(c.lc.exit_code(), Some(137));
 }
 
@@ -496,14 +790,36 @@ fn a_drain_before_hello_kills_the_worker_and_one_without_a_worker_exits_at_once(
     let mut c = Clock::new(None, false);
     c.step(0, Event::Tick, &["spawn", "fetch"]);
     c.step(0, spawned(1), &[]);
-    c.step(5, Event::DrainRequested, &["DrainRequested { owner: false, successor: false }", "kill 1 NoHello"]);
-    c.step(6, exited(1, 137), &["ExitedAfterDrain { status: \"exit 137\" }"]);
+    c.step(
+        5,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: false, successor: false }",
+            "kill 1 NoHello",
+        ],
+    );
+    c.step(
+        6,
+        exited(1, 137),
+        &["ExitedAfterDrain { status: \"exit 137\" }"],
+    );
     assert_eq!(c.lc.exit_code(), Some(137));
 
     // Between a crash and its respawn: nothing to drain; an owner unlocks first.
     let mut c = Clock::fresh_owner(false);
-    c.step(1, exited(1, 1), &["respawning 1 in 0ms #1 (exited: exit 1)"]);
-    c.step(1, Event::DrainRequested, &["DrainRequested { owner: true, successor: false }", "release node"]);
+    c.step(
+        1,
+        exited(1, 1),
+        &["respawning 1 in 0ms #1 (exited: exit 1)"],
+    );
+    c.step(
+        1,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: true, successor: false }",
+            "release node",
+        ],
+    );
     assert_eq!(c.lc.exit_code(), Some(0));
 }
 
@@ -511,14 +827,25 @@ fn a_drain_before_hello_kills_the_worker_and_one_without_a_worker_exits_at_once(
 fn a_draining_standby_closes_what_it_held_and_never_takes_the_node() {
     let mut c = Clock::standby();
     c.step(10, Event::Fetched(Some("held")), &[]);
-    c.step(20, Event::DrainRequested, &["DrainRequested { owner: false, successor: false }", "drain successor=false"]);
+    c.step(
+        20,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: false, successor: false }",
+            "drain successor=false",
+        ],
+    );
     assert_eq!(c.phase(), "draining node=false");
     assert!(c.lc.held().is_none() && c.lc.node().is_none());
     c.step(30, Event::LockAcquired("lock"), &["LockIgnored"]);
     c.step(40, status(WorkerStatus::Draining), &["WorkerDraining"]);
     // A standby's worker never had the node: it may not release it.
     c.step(50, status(WorkerStatus::Released), &["kill 1 violation"]);
-    c.step(60, exited(1, 137), &["ExitedAfterDrain { status: \"exit 137\" }"]);
+    c.step(
+        60,
+        exited(1, 137),
+        &["ExitedAfterDrain { status: \"exit 137\" }"],
+    );
 }
 
 #[test]
@@ -526,14 +853,32 @@ fn lock_wake_ups_in_every_phase() {
     // Standby: take the node; Taking, Blocked and Owning cannot see a second one (the
     // lock thread reports once) and drop it; Draining ignores it.
     let mut c = Clock::standby();
-    c.step(1, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(
+        1,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
     c.step(2, Event::LockAcquired("again"), &["LockIgnored"]);
     assert_eq!(c.phase(), "taking");
-    c.step(3, Event::Blocked { lock: "lock", path: "/x".into() }, &["live server /x"]);
+    c.step(
+        3,
+        Event::Blocked {
+            lock: "lock",
+            path: "/x".into(),
+        },
+        &["live server /x"],
+    );
     c.step(4, Event::LockAcquired("again"), &["LockIgnored"]);
     assert_eq!(c.phase(), "blocked");
     c.step(23, Event::Tick, &["take lock held=none keeper=true"]);
-    c.step(23, took(1, false), &["takeover gen=1 respawn=false handed_off=false respawns=0", "store listeners"]);
+    c.step(
+        23,
+        took(1, false),
+        &[
+            "takeover gen=1 respawn=false handed_off=false respawns=0",
+            "store listeners",
+        ],
+    );
     c.step(24, Event::LockAcquired("again"), &["LockIgnored"]);
     assert_eq!(c.phase(), "owning");
     // A failed lock ends a standby, and nothing else.
@@ -543,13 +888,24 @@ fn lock_wake_ups_in_every_phase() {
     c.step(1, Event::LockFailed, &[]);
     assert_eq!(c.lc.exit_code(), Some(1));
     let mut c = Clock::standby();
-    c.step(1, Event::DrainRequested, &["DrainRequested { owner: false, successor: false }", "drain successor=false"]);
+    c.step(
+        1,
+        Event::DrainRequested,
+        &[
+            "DrainRequested { owner: false, successor: false }",
+            "drain successor=false",
+        ],
+    );
     c.step(2, Event::LockFailed, &[]);
     assert_eq!(c.phase(), "draining node=false");
     // A node taken while draining (not possible with a driver that answers at once) is
     // released, not kept.
     let mut c = Clock::standby();
-    c.step(1, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(
+        1,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
     c.lc.phase = Phase::Draining { node: None };
     c.step(2, took(1, false), &["release node"]);
 }
@@ -557,22 +913,46 @@ fn lock_wake_ups_in_every_phase() {
 #[test]
 fn a_broken_control_message_or_a_violation_kills_once_and_nothing_after_counts() {
     let mut c = Clock::standby();
-    c.step(1, Event::ControlBroken("HandoffHello carries 2 descriptors".into()), &["kill 1 malformed"]);
+    c.step(
+        1,
+        Event::ControlBroken("HandoffHello carries 2 descriptors".into()),
+        &["kill 1 malformed"],
+    );
     c.step(2, Event::ControlBroken("again".into()), &[]);
     c.step(3, status(WorkerStatus::StandbyComplete), &[]);
-    c.step(4, exited(1, 137), &["respawning 1 in 0ms #1 (exited: exit 137)"]);
+    c.step(
+        4,
+        exited(1, 137),
+        &["respawning 1 in 0ms #1 (exited: exit 137)"],
+    );
     let mut c = Clock::standby();
     c.step(1, hello(), &["kill 1 violation"]);
     // Its socket's end then is a respawn, with no second kill.
-    c.step(2, Event::ControlClosed, &["respawning 1 in 0ms #1 (closed its control socket)"]);
+    c.step(
+        2,
+        Event::ControlClosed,
+        &["respawning 1 in 0ms #1 (closed its control socket)"],
+    );
     // A Takeover that cannot be sent.
     let mut c = Clock::new(None, false);
     c.step(0, Event::Tick, &["spawn", "fetch"]);
     c.step(0, spawned(1), &[]);
-    c.step(0, Event::LockAcquired("lock"), &["take lock held=none keeper=true"]);
+    c.step(
+        0,
+        Event::LockAcquired("lock"),
+        &["take lock held=none keeper=true"],
+    );
     c.step(0, took(1, false), &["store listeners"]);
-    c.step(1, hello(), &["takeover gen=1 respawn=false handed_off=false respawns=0"]);
-    c.step(1, Event::TakeoverNotSent("EPIPE".into()), &["kill 1 TakeoverNotSent(\"EPIPE\")"]);
+    c.step(
+        1,
+        hello(),
+        &["takeover gen=1 respawn=false handed_off=false respawns=0"],
+    );
+    c.step(
+        1,
+        Event::TakeoverNotSent("EPIPE".into()),
+        &["kill 1 TakeoverNotSent(\"EPIPE\")"],
+    );
 }
 
 #[test]
@@ -583,7 +963,10 @@ fn the_earliest_timer_is_the_next_wake_up() {
     c.step(0, Event::Tick, &["conflist"]);
     assert_eq!(c.next_ms(), Some(1000));
     let t = c.lc.timers();
-    assert_eq!((t.heartbeat, t.conflist), (Some(c.ms(5000)), Some(c.ms(5000))));
+    assert_eq!(
+        (t.heartbeat, t.conflist),
+        (Some(c.ms(5000)), Some(c.ms(5000)))
+    );
     let mut b = Backoff::new();
     let got: Vec<u128> = (0..9).map(|_| b.take().as_millis()).collect();
     assert_eq!(got, [0, 100, 200, 400, 800, 1600, 3200, 5000, 5000]);

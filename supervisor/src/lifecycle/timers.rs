@@ -26,7 +26,18 @@ pub struct Timers {
 impl Timers {
     /// The earliest armed deadline.
     pub fn next(&self) -> Option<Instant> {
-        [self.respawn, self.ping, self.heartbeat, self.fetch, self.retry, self.conflist, self.drain].into_iter().flatten().min()
+        [
+            self.respawn,
+            self.ping,
+            self.heartbeat,
+            self.fetch,
+            self.retry,
+            self.conflist,
+            self.drain,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 }
 
@@ -52,7 +63,9 @@ impl Backoff {
     pub const MAX: Duration = Duration::from_secs(5);
 
     pub fn new() -> Self {
-        Self { next: Duration::ZERO }
+        Self {
+            next: Duration::ZERO,
+        }
     }
 
     /// The delay for this respawn; the next one doubles.

@@ -43,8 +43,22 @@ pub fn last_cap() -> u32 {
 /// Returns the raw syscall result (0 or -1 with errno set).
 pub fn set_only(only: Option<u32>) -> i32 {
     let bits = only.map_or(0, |c| 1u32 << c);
-    let header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
-    let data = [CapData { effective: bits, permitted: bits, inheritable: 0 }, CapData { effective: 0, permitted: 0, inheritable: 0 }];
+    let header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let data = [
+        CapData {
+            effective: bits,
+            permitted: bits,
+            inheritable: 0,
+        },
+        CapData {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        },
+    ];
     // SAFETY: capset(2) reads one header and two data structs (version 3); both live on
     // this stack frame for the duration of the call.
     unsafe { libc::syscall(libc::SYS_capset, &header as *const CapHeader, data.as_ptr()) as i32 }
@@ -64,8 +78,20 @@ pub fn drop_bounding(last_cap: u32) -> i32 {
 /// Clears the ambient set. A kernel without ambient capabilities (EINVAL) has none.
 pub fn clear_ambient() -> i32 {
     // SAFETY: prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL) takes integers only.
-    let r = unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0) };
-    if r != 0 && nix::errno::Errno::last() == nix::errno::Errno::EINVAL { 0 } else { r }
+    let r = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if r != 0 && nix::errno::Errno::last() == nix::errno::Errno::EINVAL {
+        0
+    } else {
+        r
+    }
 }
 
 /// CAP_SETPCAP from <linux/capability.h>.
@@ -83,7 +109,11 @@ pub enum CapsError {
 /// holds every one of `needed`.
 pub fn require(needed: &[(Capability, &str)]) -> Result<(), CapsError> {
     let effective = caps::read(None, CapSet::Effective).map_err(CapsError::Read)?;
-    let missing: Vec<String> = needed.iter().filter(|(c, _)| !effective.contains(c)).map(|(c, why)| format!("{c} ({why})")).collect();
+    let missing: Vec<String> = needed
+        .iter()
+        .filter(|(c, _)| !effective.contains(c))
+        .map(|(c, why)| format!("{c} ({why})"))
+        .collect();
     if !missing.is_empty() {
         return Err(CapsError::Missing(missing));
     }

@@ -34,13 +34,22 @@ const MAX_DEPTH: usize = 8;
 #[derive(Debug, thiserror::Error)]
 pub enum DirError {
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path} is not a directory (a symlink?); refusing to prepare it for the worker")]
     NotADirectory { path: PathBuf },
     #[error(
         "{path} must be owned by this supervisor (uid {me}) and writable by nobody else, but is owned by uid {uid} with mode {mode:o}; refusing to manage node sockets there"
     )]
-    NotOurs { path: PathBuf, me: u32, uid: u32, mode: u32 },
+    NotOurs {
+        path: PathBuf,
+        me: u32,
+        uid: u32,
+        mode: u32,
+    },
     #[error(transparent)]
     Path(#[from] PathError),
 }
@@ -72,8 +81,18 @@ pub fn prepare_run_dir(dir: &Path) -> Result<(), DirError> {
     Ok(check_folders_on_path(dir)?)
 }
 
-fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
-    std::fs::create_dir_all(dir).map_err(|source| DirError::Io { what: "create", path: dir.to_owned(), source })?;
+fn prepare(
+    dir: &Path,
+    owner: Option<(u32, u32)>,
+    mode: u32,
+    must_be_ours: bool,
+    inside: Inside,
+) -> Result<(), DirError> {
+    std::fs::create_dir_all(dir).map_err(|source| DirError::Io {
+        what: "create",
+        path: dir.to_owned(),
+        source,
+    })?;
     prepare_at(&open_folder(dir)?, dir, owner, mode, must_be_ours, inside)
 }
 
@@ -84,26 +103,65 @@ fn prepare(dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool,
 fn open_folder(dir: &Path) -> Result<OwnedFd, DirError> {
     let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     nix::fcntl::open(dir, flags, Mode::empty()).map_err(|e| match e {
-        nix::Error::ENOTDIR | nix::Error::ELOOP => DirError::NotADirectory { path: dir.to_owned() },
-        e => DirError::Io { what: "open", path: dir.to_owned(), source: e.into() },
+        nix::Error::ENOTDIR | nix::Error::ELOOP => DirError::NotADirectory {
+            path: dir.to_owned(),
+        },
+        e => DirError::Io {
+            what: "open",
+            path: dir.to_owned(),
+            source: e.into(),
+        },
     })
 }
 
-fn prepare_at(fd: &OwnedFd, dir: &Path, owner: Option<(u32, u32)>, mode: u32, must_be_ours: bool, inside: Inside) -> Result<(), DirError> {
-    let io = |what| move |source| DirError::Io { what, path: dir.to_owned(), source };
-    let nix_io = |what| move |e: nix::Error| DirError::Io { what, path: dir.to_owned(), source: e.into() };
+fn prepare_at(
+    fd: &OwnedFd,
+    dir: &Path,
+    owner: Option<(u32, u32)>,
+    mode: u32,
+    must_be_ours: bool,
+    inside: Inside,
+) -> Result<(), DirError> {
+    let io = |what| {
+        move |source| DirError::Io {
+            what,
+            path: dir.to_owned(),
+            source,
+        }
+    };
+    let nix_io = |what| {
+        move |e: nix::Error| DirError::Io {
+            what,
+            path: dir.to_owned(),
+            source: e.into(),
+        }
+    };
     let st = fstat(fd).map_err(nix_io("fstat"))?;
     let (uid, m) = (st.st_uid, st.st_mode & 0o7777);
     let me = (geteuid().as_raw(), getegid().as_raw());
     if must_be_ours && (uid != me.0 || m & 0o022 != 0) {
-        return Err(DirError::NotOurs { path: dir.to_owned(), me: me.0, uid, mode: m });
+        return Err(DirError::NotOurs {
+            path: dir.to_owned(),
+            me: me.0,
+            uid,
+            mode: m,
+        });
     }
     if m & 0o1002 == 0o1002 {
         // A shared sticky folder such as the host's /tmp: never chmod or give it away.
         // The worker can create its own socket there.
         return Ok(());
     }
-    let chown = |(u, g): (u32, u32)| fchownat(fd, "", Some(Uid::from_raw(u)), Some(Gid::from_raw(g)), AtFlags::AT_EMPTY_PATH).map_err(nix_io("chown"));
+    let chown = |(u, g): (u32, u32)| {
+        fchownat(
+            fd,
+            "",
+            Some(Uid::from_raw(u)),
+            Some(Gid::from_raw(g)),
+            AtFlags::AT_EMPTY_PATH,
+        )
+        .map_err(nix_io("chown"))
+    };
     // chmod of a file owned by another uid needs CAP_FOWNER, which the supervisor does
     // not hold: set the mode while the folder is ours, then give it away.
     if m != mode {
@@ -112,7 +170,8 @@ fn prepare_at(fd: &OwnedFd, dir: &Path, owner: Option<(u32, u32)>, mode: u32, mu
         }
         // O_PATH allows no fchmod; /proc/self/fd reaches the same inode.
         let by_fd = format!("/proc/self/fd/{}", fd.as_raw_fd());
-        std::fs::set_permissions(by_fd, std::fs::Permissions::from_mode(mode)).map_err(io("chmod"))?;
+        std::fs::set_permissions(by_fd, std::fs::Permissions::from_mode(mode))
+            .map_err(io("chmod"))?;
     }
     if let Some(to) = owner {
         // Found ours (or just made ours): the inside is readable now, and no longer once
@@ -128,11 +187,18 @@ fn prepare_at(fd: &OwnedFd, dir: &Path, owner: Option<(u32, u32)>, mode: u32, mu
 /// Marks an empty state folder as the worker's, or gives everything inside a marked one
 /// that `me` owns to `to`.
 fn reown_worker_tree(folder: &OwnedFd, dir: &Path, me: u32, to: (u32, u32)) -> nix::Result<()> {
-    let top = openat(folder, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
+    let top = openat(
+        folder,
+        ".",
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
     let names = entries(&top)?;
-    let marked = fstatat(&top, MARKER, AtFlags::AT_SYMLINK_NOFOLLOW).is_ok_and(|st| st.st_uid == me && kind(&st) == SFlag::S_IFREG);
+    let marked = fstatat(&top, MARKER, AtFlags::AT_SYMLINK_NOFOLLOW)
+        .is_ok_and(|st| st.st_uid == me && kind(&st) == SFlag::S_IFREG);
     if names.is_empty() {
-        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let flags =
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         return match openat(&top, MARKER, flags, Mode::S_IRUSR) {
             Ok(_) | Err(nix::Error::EEXIST) => Ok(()),
             Err(e) => Err(e),
@@ -161,18 +227,37 @@ fn kind(st: &nix::sys::stat::FileStat) -> SFlag {
 /// The names in `dir`, but for `.`, `..` and the marker.
 fn entries(dir: &OwnedFd) -> nix::Result<Vec<CString>> {
     let mut d = Dir::from_fd(nix::unistd::dup(dir)?)?;
-    let names = d.iter().filter_map(Result::ok).map(|e| e.file_name().to_owned());
-    Ok(names.filter(|n| ![&b"."[..], b"..", MARKER.as_bytes()].contains(&n.as_bytes())).collect())
+    let names = d
+        .iter()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_owned());
+    Ok(names
+        .filter(|n| ![&b"."[..], b"..", MARKER.as_bytes()].contains(&n.as_bytes()))
+        .collect())
 }
 
 /// Gives `me`'s entries under `dir` to `to`, children before their folder (the folder's
 /// new owner shuts this supervisor out of it).
-fn walk(dir: &OwnedFd, names: Vec<CString>, me: u32, to: (u32, u32), depth: usize, count: &mut usize) -> nix::Result<()> {
+fn walk(
+    dir: &OwnedFd,
+    names: Vec<CString>,
+    me: u32,
+    to: (u32, u32),
+    depth: usize,
+    count: &mut usize,
+) -> nix::Result<()> {
     let (uid, gid) = (Some(Uid::from_raw(to.0)), Some(Gid::from_raw(to.1)));
     for name in names {
-        let is_dir = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW).is_ok_and(|st| kind(&st) == SFlag::S_IFDIR);
+        let is_dir = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+            .is_ok_and(|st| kind(&st) == SFlag::S_IFDIR);
         // The descriptor fixes which file is checked and changed.
-        let how = OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | if is_dir { OFlag::O_DIRECTORY } else { OFlag::O_PATH };
+        let how = OFlag::O_NOFOLLOW
+            | OFlag::O_CLOEXEC
+            | if is_dir {
+                OFlag::O_DIRECTORY
+            } else {
+                OFlag::O_PATH
+            };
         let fd = match openat(dir, name.as_c_str(), how, Mode::empty()) {
             Ok(fd) => fd,
             Err(e) => {
@@ -189,7 +274,11 @@ fn walk(dir: &OwnedFd, names: Vec<CString>, me: u32, to: (u32, u32), depth: usiz
                 walk(&fd, entries(&fd)?, me, to, depth + 1, count)?;
                 fchown(&fd, uid, gid)?;
             }
-            k if k == SFlag::S_IFDIR || k == SFlag::S_IFBLK || k == SFlag::S_IFCHR || st.st_nlink != 1 => {
+            k if k == SFlag::S_IFDIR
+                || k == SFlag::S_IFBLK
+                || k == SFlag::S_IFCHR
+                || st.st_nlink != 1 =>
+            {
                 tracing::warn!(name = ?name, "a device, a hard-linked file or a folder nested too deep in the worker's state; left as it is");
                 continue;
             }
@@ -239,14 +328,23 @@ mod tests {
         folder(&target, 0o755);
         let link = tmp.path().join("link");
         symlink(&target, &link).unwrap();
-        let results = [prepare_run_dir(&link), prepare_state_dir(&link, None), prepare_dir(&link, None, 0o700)];
+        let results = [
+            prepare_run_dir(&link),
+            prepare_state_dir(&link, None),
+            prepare_dir(&link, None, 0o700),
+        ];
         for r in results {
             match r {
                 Err(DirError::NotADirectory { path }) => assert_eq!(path, link),
                 other => panic!("a symlinked folder was accepted: {other:?}"),
             }
         }
-        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert!(
+            std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
         assert_eq!(std::fs::metadata(&target).unwrap().mode() & 0o7777, 0o755);
         assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0);
     }
@@ -257,7 +355,11 @@ mod tests {
     #[test]
     fn a_symlink_swapped_in_after_the_open_is_not_followed() {
         let tmp = tempfile::tempdir().unwrap();
-        let (dir, moved, victim) = (tmp.path().join("health"), tmp.path().join("moved"), tmp.path().join("victim"));
+        let (dir, moved, victim) = (
+            tmp.path().join("health"),
+            tmp.path().join("moved"),
+            tmp.path().join("victim"),
+        );
         folder(&dir, 0o755);
         folder(&victim, 0o755);
         let fd = open_folder(&dir).unwrap();
@@ -297,7 +399,10 @@ mod tests {
         });
         prepared.unwrap();
         let m = std::fs::symlink_metadata(&health).unwrap();
-        assert_eq!((m.mode() & 0o7777, m.uid(), m.gid()), (0o700, WORKER.0, WORKER.1));
+        assert_eq!(
+            (m.mode() & 0o7777, m.uid(), m.gid()),
+            (0o700, WORKER.0, WORKER.1)
+        );
         // Already right: left as it is.
         prepare_dir(&health, Some(WORKER), 0o700).unwrap();
         assert_eq!(owner(&health), WORKER);
@@ -321,16 +426,30 @@ mod tests {
         symlink(at("theirs"), at("to-theirs")).unwrap();
         symlink(at("good"), at("theirs/to-good")).unwrap();
         symlink(at("good"), at("var-run")).unwrap();
-        for (run_dir, unsafe_folder) in [("theirs/run", "theirs"), ("open/run", "open"), ("to-theirs/run", "theirs"), ("theirs/to-good/run", "theirs")] {
+        for (run_dir, unsafe_folder) in [
+            ("theirs/run", "theirs"),
+            ("open/run", "open"),
+            ("to-theirs/run", "theirs"),
+            ("theirs/to-good/run", "theirs"),
+        ] {
             match prepare_run_dir(&at(run_dir)) {
                 Err(e @ DirError::Path(PathError::UnsafeFolder { .. })) => {
-                    let DirError::Path(PathError::UnsafeFolder { folder, .. }) = &e else { unreachable!() };
+                    let DirError::Path(PathError::UnsafeFolder { folder, .. }) = &e else {
+                        unreachable!()
+                    };
                     assert_eq!(folder, &at(unsafe_folder), "{run_dir}: {e}");
-                    assert!(e.to_string().contains(&at(unsafe_folder).display().to_string()), "{e}");
+                    assert!(
+                        e.to_string()
+                            .contains(&at(unsafe_folder).display().to_string()),
+                        "{e}"
+                    );
                 }
                 other => panic!("{run_dir} was accepted: {other:?}"),
             }
-            assert!(!at(run_dir).exists(), "{run_dir} was created before it was refused");
+            assert!(
+                !at(run_dir).exists(),
+                "{run_dir} was created before it was refused"
+            );
         }
         prepare_run_dir(&at("var-run/run")).unwrap();
         prepare_run_dir(&at("good/run")).unwrap();
@@ -349,7 +468,11 @@ mod tests {
         let state = tmp.path().join("state");
         prepare_state_dir(&state, Some(WORKER)).unwrap();
         assert_eq!(owner(&state), WORKER);
-        assert_eq!(owner(&state.join(MARKER)), (0, 0), "the marker is the supervisor's");
+        assert_eq!(
+            owner(&state.join(MARKER)),
+            (0, 0),
+            "the marker is the supervisor's"
+        );
         // What the worker writes, and what a compromised one could plant: a symlink and a
         // hard link to files outside, and a folder nested deeper than its layout.
         let outside = tmp.path().join("outside");
@@ -364,13 +487,33 @@ mod tests {
         // systemd's re-own at the next start, then the supervisor's preparation.
         chown_tree_to_root(&state);
         prepare_state_dir(&state, Some(WORKER)).unwrap();
-        for p in ["", "pods", "pods/a.json", "mesh-dns.json", "pods/link", "d", "d/0"] {
+        for p in [
+            "",
+            "pods",
+            "pods/a.json",
+            "mesh-dns.json",
+            "pods/link",
+            "d",
+            "d/0",
+        ] {
             assert_eq!(owner(&state.join(p)), WORKER, "{p:?}");
         }
-        assert_eq!(owner(&outside), (0, 0), "a link's target outside the tree stays root's");
-        assert_eq!(owner(&state.join("hard")), (0, 0), "a hard-linked file stays root's");
+        assert_eq!(
+            owner(&outside),
+            (0, 0),
+            "a link's target outside the tree stays root's"
+        );
+        assert_eq!(
+            owner(&state.join("hard")),
+            (0, 0),
+            "a hard-linked file stays root's"
+        );
         assert_eq!(owner(&state.join(MARKER)), (0, 0));
-        assert_eq!(owner(&deep), (0, 0), "deeper than the worker's layout is not walked");
+        assert_eq!(
+            owner(&deep),
+            (0, 0),
+            "deeper than the worker's layout is not walked"
+        );
         // A folder that was not made for the worker (no marker) keeps its inside.
         let other = tmp.path().join("other");
         std::fs::create_dir_all(other.join("pods")).unwrap();

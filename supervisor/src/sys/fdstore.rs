@@ -23,9 +23,16 @@ pub enum FdStoreError {
     #[error("LISTEN_FDS={0}: at most {MAX} expected (this agent stores two)")]
     TooMany(usize),
     #[error("descriptor {fd} ({name:?}) from systemd: {reason}")]
-    Inherited { fd: RawFd, name: String, reason: String },
+    Inherited {
+        fd: RawFd,
+        name: String,
+        reason: String,
+    },
     #[error("{name:?} in systemd's fd store: {source}")]
-    Store { name: &'static str, source: std::io::Error },
+    Store {
+        name: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// The names under which the owner stores its listeners.
@@ -45,13 +52,22 @@ pub fn take_listeners() -> Result<(Option<OwnedFd>, Option<OwnedFd>), FdStoreErr
     }
     let (mut xds, mut cni) = (None, None);
     for (fd, name) in fds {
-        let owned = shared_proto::fdpass::take_inherited(fd, SockType::Stream)
-            .map_err(|e| FdStoreError::Inherited { fd, name: name.clone(), reason: e.to_string() })?;
+        let owned = shared_proto::fdpass::take_inherited(fd, SockType::Stream).map_err(|e| {
+            FdStoreError::Inherited {
+                fd,
+                name: name.clone(),
+                reason: e.to_string(),
+            }
+        })?;
         match name.as_str() {
             XDS => xds = Some(owned),
             CNI => cni = Some(owned),
             // Not ours to keep: dropping closes it.
-            _ => tracing::warn!(fd, name, "systemd passed a descriptor this agent does not use; closed"),
+            _ => tracing::warn!(
+                fd,
+                name,
+                "systemd passed a descriptor this agent does not use; closed"
+            ),
         }
     }
     Ok((xds, cni))
@@ -60,7 +76,8 @@ pub fn take_listeners() -> Result<(Option<OwnedFd>, Option<OwnedFd>), FdStoreErr
 /// Removes whatever is stored under both names, closing systemd's copies.
 pub fn remove() -> Result<(), FdStoreError> {
     for name in [XDS, CNI] {
-        sd_notify::notify(&[NotifyState::FdStoreRemove, NotifyState::FdName(name)]).map_err(|source| FdStoreError::Store { name, source })?;
+        sd_notify::notify(&[NotifyState::FdStoreRemove, NotifyState::FdName(name)])
+            .map_err(|source| FdStoreError::Store { name, source })?;
     }
     Ok(())
 }
@@ -74,7 +91,8 @@ pub fn store(xds: BorrowedFd<'_>, cni: BorrowedFd<'_>) -> Result<bool, FdStoreEr
     for (name, fd) in [(XDS, xds), (CNI, cni)] {
         let err = |source| FdStoreError::Store { name, source };
         sd_notify::notify(&[NotifyState::FdStoreRemove, NotifyState::FdName(name)]).map_err(err)?;
-        sd_notify::notify_with_fds(&[NotifyState::FdStore, NotifyState::FdName(name)], &[fd]).map_err(err)?;
+        sd_notify::notify_with_fds(&[NotifyState::FdStore, NotifyState::FdName(name)], &[fd])
+            .map_err(err)?;
     }
     Ok(true)
 }

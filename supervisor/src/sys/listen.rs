@@ -24,7 +24,11 @@ pub enum ListenError {
     #[error("{path}: a live server still answers there (a predecessor that holds no lock?)")]
     LiveServer { path: PathBuf },
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     #[error(transparent)]
     Check(#[from] shared_proto::fdcheck::FdError),
     #[error("{path} is no longer a socket")]
@@ -32,9 +36,19 @@ pub enum ListenError {
     #[error("{path} was replaced since the handoff (inode {now} now, {then} then)")]
     Replaced { path: PathBuf, now: u64, then: u64 },
     #[error("{what}: the kernel cannot say which file it is bound to: {source}")]
-    Diag { what: &'static str, source: super::sockdiag::DiagError },
-    #[error("{what} is not bound to {path} any more: the kernel says inode {bound}, the path is inode {now}")]
-    NotBoundThere { what: &'static str, path: PathBuf, bound: u64, now: u64 },
+    Diag {
+        what: &'static str,
+        source: super::sockdiag::DiagError,
+    },
+    #[error(
+        "{what} is not bound to {path} any more: the kernel says inode {bound}, the path is inode {now}"
+    )]
+    NotBoundThere {
+        what: &'static str,
+        path: PathBuf,
+        bound: u64,
+        now: u64,
+    },
 }
 
 /// Whether a server accepts on `path`. A refused dial (a stale file of a dead server) or
@@ -42,8 +56,19 @@ pub enum ListenError {
 pub fn live_server(path: &Path) -> Result<bool, ListenError> {
     match UnixStream::connect(path) {
         Ok(_) => Ok(true),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED) | Some(libc::ENOENT)) => Ok(false),
-        Err(source) => Err(ListenError::Io { what: "dial", path: path.to_owned(), source }),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ECONNREFUSED) | Some(libc::ENOENT)
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(source) => Err(ListenError::Io {
+            what: "dial",
+            path: path.to_owned(),
+            source,
+        }),
     }
 }
 
@@ -52,16 +77,31 @@ pub fn live_server(path: &Path) -> Result<bool, ListenError> {
 /// socket (sock_diag) are the path's now. Returns that file's identity.
 pub fn listener_at(what: &'static str, fd: &OwnedFd, path: &Path) -> Result<FileId, ListenError> {
     shared_proto::fdcheck::check_listener(what, fd, path)?;
-    let bound = super::sockdiag::bound_file(fd.as_fd()).map_err(|source| ListenError::Diag { what, source })?;
-    let m = std::fs::symlink_metadata(path).map_err(|source| ListenError::Io { what: "lstat", path: path.to_owned(), source })?;
+    let bound = super::sockdiag::bound_file(fd.as_fd())
+        .map_err(|source| ListenError::Diag { what, source })?;
+    let m = std::fs::symlink_metadata(path).map_err(|source| ListenError::Io {
+        what: "lstat",
+        path: path.to_owned(),
+        source,
+    })?;
     if !m.file_type().is_socket() {
-        return Err(ListenError::Gone { path: path.to_owned() });
+        return Err(ListenError::Gone {
+            path: path.to_owned(),
+        });
     }
     // The kernel reports the low 32 bits of the inode.
     if bound.dev != m.dev() || bound.ino != u64::from(m.ino() as u32) {
-        return Err(ListenError::NotBoundThere { what, path: path.to_owned(), bound: bound.ino, now: m.ino() });
+        return Err(ListenError::NotBoundThere {
+            what,
+            path: path.to_owned(),
+            bound: bound.ino,
+            now: m.ino(),
+        });
     }
-    Ok(FileId { dev: m.dev(), ino: m.ino() })
+    Ok(FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+    })
 }
 
 /// Checks a listener handed over by the previous generation: [`listener_at`], and `path`
@@ -70,7 +110,11 @@ pub fn listener_at(what: &'static str, fd: &OwnedFd, path: &Path) -> Result<File
 pub fn verify_held(fd: &OwnedFd, path: &Path, then: FileId) -> Result<(), ListenError> {
     let now = listener_at("held listener", fd, path)?;
     if now != then {
-        return Err(ListenError::Replaced { path: path.to_owned(), now: now.ino, then: then.ino });
+        return Err(ListenError::Replaced {
+            path: path.to_owned(),
+            now: now.ino,
+            then: then.ino,
+        });
     }
     Ok(())
 }

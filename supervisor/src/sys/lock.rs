@@ -22,15 +22,28 @@ use std::time::{Duration, Instant};
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error("open lock file {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("lock file {path} was replaced while it was opened; refusing it")]
     Replaced { path: PathBuf },
     #[error("lock file {path} must be a regular file of uid {me}, but is {what}; refusing it")]
-    NotOurs { path: PathBuf, me: u32, what: String },
+    NotOurs {
+        path: PathBuf,
+        me: u32,
+        what: String,
+    },
     #[error("lock {path}: {source}")]
-    Lock { path: PathBuf, source: std::io::Error },
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("generation in {path}: {source}")]
-    Generation { path: PathBuf, source: std::io::Error },
+    Generation {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// The lock, once held.
@@ -57,29 +70,64 @@ pub struct Generation {
 /// the path from hanging the open. A mode that lets others open it (and hold the lock, or
 /// stall a takeover) is set back to 0600.
 pub fn open(path: &Path) -> Result<(File, Generation), LockError> {
-    let open_err = |source| LockError::Open { path: path.to_owned(), source };
+    let open_err = |source| LockError::Open {
+        path: path.to_owned(),
+        source,
+    };
     let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
-    let writer = OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).custom_flags(flags).open(path).map_err(open_err)?;
-    let reader = OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(open_err)?;
-    let (r, w) = (reader.metadata().map_err(open_err)?, writer.metadata().map_err(open_err)?);
+    let writer = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(open_err)?;
+    let reader = OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(open_err)?;
+    let (r, w) = (
+        reader.metadata().map_err(open_err)?,
+        writer.metadata().map_err(open_err)?,
+    );
     if (r.dev(), r.ino()) != (w.dev(), w.ino()) {
-        return Err(LockError::Replaced { path: path.to_owned() });
+        return Err(LockError::Replaced {
+            path: path.to_owned(),
+        });
     }
     let (me, mode) = (nix::unistd::geteuid().as_raw(), w.mode() & 0o7777);
     if !w.is_file() || w.uid() != me {
         let what = format!("{:?} of uid {} with mode {mode:o}", w.file_type(), w.uid());
-        return Err(LockError::NotOurs { path: path.to_owned(), me, what });
+        return Err(LockError::NotOurs {
+            path: path.to_owned(),
+            me,
+            what,
+        });
     }
     if mode != 0o600 {
         tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "the lock file's mode let others open it; set to 0600");
-        writer.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(open_err)?;
+        writer
+            .set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(open_err)?;
     }
-    Ok((reader, Generation { file: writer, path: path.to_owned() }))
+    Ok((
+        reader,
+        Generation {
+            file: writer,
+            path: path.to_owned(),
+        },
+    ))
 }
 
 /// Starts the thread that blocks on the lock. When it gets the lock it sends it on the
 /// returned channel and writes one byte to `wake`, which the event loop polls.
-pub fn spawn_waiter(file: File, path: PathBuf, wake: UnixStream) -> mpsc::Receiver<Result<Held, LockError>> {
+pub fn spawn_waiter(
+    file: File,
+    path: PathBuf,
+    wake: UnixStream,
+) -> mpsc::Receiver<Result<Held, LockError>> {
     let (tx, rx) = mpsc::channel();
     std::thread::Builder::new()
         .name("node-lock".into())
@@ -91,7 +139,11 @@ pub fn spawn_waiter(file: File, path: PathBuf, wake: UnixStream) -> mpsc::Receiv
                 Err(std::fs::TryLockError::Error(e)) => Err(e),
             };
             let held = result
-                .map(|uncontended| Held { file, waited: start.elapsed(), uncontended })
+                .map(|uncontended| Held {
+                    file,
+                    waited: start.elapsed(),
+                    uncontended,
+                })
                 .map_err(|source| LockError::Lock { path, source });
             // The receiver only goes away when the supervisor is exiting.
             let _ = tx.send(held);
@@ -105,12 +157,18 @@ impl Generation {
     /// Reads the previous owner's generation through the held lock and writes the next
     /// one. Returns the new one.
     pub fn bump(&self, lock: &File) -> Result<u64, LockError> {
-        let err = |source| LockError::Generation { path: self.path.clone(), source };
+        let err = |source| LockError::Generation {
+            path: self.path.clone(),
+            source,
+        };
         let mut buf = [0u8; 64];
         // A corrupt or empty record counts as generation 0: the lock, not the number, is
         // what fences owners, and the number is only for operators.
         let n = lock.read_at(&mut buf, 0).unwrap_or(0);
-        let previous: u64 = std::str::from_utf8(&buf[..n]).ok().and_then(|t| t.lines().next()?.trim().parse().ok()).unwrap_or(0);
+        let previous: u64 = std::str::from_utf8(&buf[..n])
+            .ok()
+            .and_then(|t| t.lines().next()?.trim().parse().ok())
+            .unwrap_or(0);
         // A forged u64::MAX must not overflow.
         let next = previous.saturating_add(1);
         // Write, then cut: killed in between, the record still starts with a number's line.
@@ -161,10 +219,16 @@ mod tests {
         // which conflicts; a duplicate of the descriptor (what the worker holds) is the
         // same one.
         let (other, _) = open(&path).unwrap();
-        assert!(matches!(other.try_lock(), Err(std::fs::TryLockError::WouldBlock)));
+        assert!(matches!(
+            other.try_lock(),
+            Err(std::fs::TryLockError::WouldBlock)
+        ));
         let shared = lock.try_clone().unwrap();
         drop(lock);
-        assert!(matches!(other.try_lock(), Err(std::fs::TryLockError::WouldBlock)), "the duplicate keeps the lock");
+        assert!(
+            matches!(other.try_lock(), Err(std::fs::TryLockError::WouldBlock)),
+            "the duplicate keeps the lock"
+        );
         assert_eq!(generation.bump(&shared).unwrap(), 1);
         drop(shared);
         other.try_lock().unwrap();
@@ -199,7 +263,10 @@ mod tests {
             std::fs::write(&theirs, "").unwrap();
             std::os::unix::fs::chown(&theirs, Some(1000), Some(1000)).unwrap();
             let err = open(&theirs).unwrap_err().to_string();
-            assert!(err.contains("theirs.lock") && err.contains("uid 1000"), "{err}");
+            assert!(
+                err.contains("theirs.lock") && err.contains("uid 1000"),
+                "{err}"
+            );
         }
     }
 }

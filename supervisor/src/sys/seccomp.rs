@@ -15,11 +15,25 @@ use shared_proto::seccomp::{Filter, Killed, REPORT_LEN, sock_filter};
 pub fn install(filter: &Filter) -> libc::c_long {
     let prog: &[sock_filter] = &filter.program;
     // seccompiler's `sock_filter` is the kernel's `struct sock_filter`, field for field.
-    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut libc::sock_filter };
-    let flags = if filter.log { libc::SECCOMP_FILTER_FLAG_LOG } else { 0 };
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
+    let flags = if filter.log {
+        libc::SECCOMP_FILTER_FLAG_LOG
+    } else {
+        0
+    };
     // SAFETY: `fprog` points at `prog.len()` instructions that outlive the call; the
     // kernel copies the program.
-    unsafe { libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, flags, &fprog) }
+    unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            flags,
+            &fprog,
+        )
+    }
 }
 
 /// What a worker's SIGSYS handler wrote to its report pipe before it died, if anything.

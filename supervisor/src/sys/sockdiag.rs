@@ -10,7 +10,9 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use nix::sys::socket::{AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, socket};
+use nix::sys::socket::{
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, socket,
+};
 
 use super::listen::FileId;
 
@@ -42,10 +44,23 @@ pub enum DiagError {
 /// The device and inode of the file `sock`, a unix socket, is bound to, as the kernel
 /// records them. The inode is the low 32 bits (`struct unix_diag_vfs` is that wide).
 pub fn bound_file(sock: BorrowedFd<'_>) -> Result<FileId, DiagError> {
-    let ino = nix::sys::stat::fstat(sock).map_err(DiagError::Netlink)?.st_ino as u32;
-    let nl = socket(AddressFamily::Netlink, SockType::Datagram, SockFlag::SOCK_CLOEXEC, SockProtocol::NetlinkSockDiag)
-        .map_err(DiagError::Netlink)?;
-    sendto(nl.as_raw_fd(), &request(ino), &NetlinkAddr::new(0, 0), MsgFlags::empty()).map_err(DiagError::Netlink)?;
+    let ino = nix::sys::stat::fstat(sock)
+        .map_err(DiagError::Netlink)?
+        .st_ino as u32;
+    let nl = socket(
+        AddressFamily::Netlink,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkSockDiag,
+    )
+    .map_err(DiagError::Netlink)?;
+    sendto(
+        nl.as_raw_fd(),
+        &request(ino),
+        &NetlinkAddr::new(0, 0),
+        MsgFlags::empty(),
+    )
+    .map_err(DiagError::Netlink)?;
     // The kernel answers within the send: never wait for it.
     let mut buf = [0u8; 1024];
     let n = recv(nl.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT).map_err(DiagError::Netlink)?;
@@ -78,7 +93,9 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 /// Reads the answer about socket `ino`: an error, or its `UNIX_DIAG_VFS` attribute.
 fn parse(b: &[u8], ino: u32) -> Result<FileId, DiagError> {
     let len = u32_at(b, 0).ok_or(DiagError::Malformed("short header"))? as usize;
-    let b = b.get(..len).ok_or(DiagError::Malformed("truncated message"))?;
+    let b = b
+        .get(..len)
+        .ok_or(DiagError::Malformed("truncated message"))?;
     match u16_at(b, 4) {
         Some(NLMSG_ERROR) => {
             let errno = u32_at(b, NLMSG_HDR).ok_or(DiagError::Malformed("short error"))? as i32;
@@ -98,10 +115,15 @@ fn parse(b: &[u8], ino: u32) -> Result<FileId, DiagError> {
         }
         if kind == UNIX_DIAG_VFS {
             let (vino, vdev) = (u32_at(b, at + 4), u32_at(b, at + 8));
-            let (vino, vdev) = vino.zip(vdev).ok_or(DiagError::Malformed("short UNIX_DIAG_VFS"))?;
+            let (vino, vdev) = vino
+                .zip(vdev)
+                .ok_or(DiagError::Malformed("short UNIX_DIAG_VFS"))?;
             // The kernel's internal dev_t: 12 bits of major above 20 bits of minor.
             let dev = nix::sys::stat::makedev(u64::from(vdev >> 20), u64::from(vdev & 0xfffff));
-            return Ok(FileId { dev, ino: u64::from(vino) });
+            return Ok(FileId {
+                dev,
+                ino: u64::from(vino),
+            });
         }
         at += alen.next_multiple_of(4);
     }
@@ -123,17 +145,30 @@ mod tests {
         let first = UnixListener::bind(&path).unwrap();
         let m = std::fs::symlink_metadata(&path).unwrap();
         let bound = bound_file(first.as_fd()).unwrap();
-        assert_eq!(bound, FileId { dev: m.dev(), ino: u64::from(m.ino() as u32) });
+        assert_eq!(
+            bound,
+            FileId {
+                dev: m.dev(),
+                ino: u64::from(m.ino() as u32)
+            }
+        );
         // Replaced at the same path: the first socket still says the first file.
         std::fs::remove_file(&path).unwrap();
         let second = UnixListener::bind(&path).unwrap();
         let m2 = std::fs::symlink_metadata(&path).unwrap();
         assert_ne!(m2.ino(), m.ino());
         assert_eq!(bound_file(first.as_fd()).unwrap(), bound);
-        assert_eq!(bound_file(second.as_fd()).unwrap().ino, u64::from(m2.ino() as u32));
+        assert_eq!(
+            bound_file(second.as_fd()).unwrap().ino,
+            u64::from(m2.ino() as u32)
+        );
         // A socket bound to no file has nothing to show.
         let (a, _b) = UnixDatagram::pair().unwrap();
-        assert!(matches!(bound_file(a.as_fd()), Err(DiagError::NotBound)), "{:?}", bound_file(a.as_fd()));
+        assert!(
+            matches!(bound_file(a.as_fd()), Err(DiagError::NotBound)),
+            "{:?}",
+            bound_file(a.as_fd())
+        );
     }
 
     #[test]
@@ -142,14 +177,20 @@ mod tests {
         err[0..4].copy_from_slice(&36u32.to_ne_bytes());
         err[4..6].copy_from_slice(&NLMSG_ERROR.to_ne_bytes());
         err[16..20].copy_from_slice(&(-libc::ENOENT).to_ne_bytes());
-        assert!(matches!(parse(&err, 7), Err(DiagError::Answer(nix::Error::ENOENT))));
+        assert!(matches!(
+            parse(&err, 7),
+            Err(DiagError::Answer(nix::Error::ENOENT))
+        ));
         let mut other = vec![0u8; 32];
         other[0..4].copy_from_slice(&32u32.to_ne_bytes());
         other[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
         other[20..24].copy_from_slice(&8u32.to_ne_bytes());
         assert!(matches!(parse(&other, 7), Err(DiagError::Malformed(_))));
         assert!(matches!(parse(&other, 8), Err(DiagError::NotBound)));
-        assert!(matches!(parse(&other[..20], 8), Err(DiagError::Malformed(_))));
+        assert!(matches!(
+            parse(&other[..20], 8),
+            Err(DiagError::Malformed(_))
+        ));
         let mut bad_attr = other.clone();
         bad_attr.extend_from_slice(&[2, 0, 1, 0]);
         bad_attr[0..4].copy_from_slice(&36u32.to_ne_bytes());

@@ -35,7 +35,10 @@ use super::{caps, seccomp};
 #[derive(Debug, thiserror::Error)]
 pub enum SpawnError {
     #[error("open worker executable {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("argument contains a NUL byte: {0:?}")]
     Nul(String),
     #[error("fork: {0}")]
@@ -75,8 +78,14 @@ pub struct Image {
 
 impl Image {
     pub fn open(path: &Path) -> Result<Self, SpawnError> {
-        let file = File::open(path).map_err(|source| SpawnError::Open { path: path.to_owned(), source })?;
-        Ok(Self { file, path: path.to_owned() })
+        let file = File::open(path).map_err(|source| SpawnError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(Self {
+            file,
+            path: path.to_owned(),
+        })
     }
 }
 
@@ -94,11 +103,18 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn new(argv: Vec<String>, env: Vec<(String, String)>, drop_to: Option<(u32, u32)>) -> Result<Self, SpawnError> {
+    pub fn new(
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+        drop_to: Option<(u32, u32)>,
+    ) -> Result<Self, SpawnError> {
         let cstr = |s: String| CString::new(s.clone()).map_err(|_| SpawnError::Nul(s));
         Ok(Self {
             argv: argv.into_iter().map(cstr).collect::<Result<_, _>>()?,
-            envp: env.into_iter().map(|(k, v)| cstr(format!("{k}={v}"))).collect::<Result<_, _>>()?,
+            envp: env
+                .into_iter()
+                .map(|(k, v)| cstr(format!("{k}={v}")))
+                .collect::<Result<_, _>>()?,
             drop_to,
             drop_bounding: caps::can_drop_bounding(),
             last_cap: caps::last_cap(),
@@ -114,25 +130,54 @@ impl Plan {
 pub fn start(image: &Image, plan: &Plan) -> Result<(Pid, OwnedFd, OwnedFd), SpawnError> {
     use nix::fcntl::OFlag;
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-    let (mine, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).map_err(SpawnError::Socket)?;
-    nix::fcntl::fcntl(&mine, nix::fcntl::FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(SpawnError::Socket)?;
-    let (sigsys_r, sigsys_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(SpawnError::Socket)?;
+    let (mine, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(SpawnError::Socket)?;
+    nix::fcntl::fcntl(&mine, nix::fcntl::FcntlArg::F_SETFL(OFlag::O_NONBLOCK))
+        .map_err(SpawnError::Socket)?;
+    let (sigsys_r, sigsys_w) =
+        nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(SpawnError::Socket)?;
     let pid = spawn(image, plan, &theirs, &sigsys_w)?;
     Ok((pid, mine, sigsys_r))
 }
 
 /// Forks and execs the worker with `control` as its fd 3 and `sigsys` as its fd 4.
 /// Returns its pid once the exec has succeeded.
-fn spawn(image: &Image, plan: &Plan, control: &OwnedFd, sigsys: &OwnedFd) -> Result<Pid, SpawnError> {
+fn spawn(
+    image: &Image,
+    plan: &Plan,
+    control: &OwnedFd,
+    sigsys: &OwnedFd,
+) -> Result<Pid, SpawnError> {
     // Without close_range (Linux before 5.11) the child marks each descriptor up to the
     // soft limit one by one: no descriptor at or past it can be open, unless the limit
     // was lowered after it was opened.
     let fd_limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-        .map_or(4096, |(soft, _)| i32::try_from(soft).unwrap_or(i32::MAX).max(4096));
-    let devnull = File::open("/dev/null").map_err(|source| SpawnError::Open { path: "/dev/null".into(), source })?;
-    let (report_r, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(SpawnError::Fork)?;
-    let argv: Vec<*const libc::c_char> = plan.argv.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
-    let envp: Vec<*const libc::c_char> = plan.envp.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
+        .map_or(4096, |(soft, _)| {
+            i32::try_from(soft).unwrap_or(i32::MAX).max(4096)
+        });
+    let devnull = File::open("/dev/null").map_err(|source| SpawnError::Open {
+        path: "/dev/null".into(),
+        source,
+    })?;
+    let (report_r, report_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(SpawnError::Fork)?;
+    let argv: Vec<*const libc::c_char> = plan
+        .argv
+        .iter()
+        .map(|s| s.as_ptr())
+        .chain([std::ptr::null()])
+        .collect();
+    let envp: Vec<*const libc::c_char> = plan
+        .envp
+        .iter()
+        .map(|s| s.as_ptr())
+        .chain([std::ptr::null()])
+        .collect();
     let parent = nix::unistd::getpid();
     // SAFETY: the child runs only `child_setup`, which makes raw async-signal-safe
     // syscalls on data prepared above and never returns (it execs or _exits).
@@ -141,23 +186,21 @@ fn spawn(image: &Image, plan: &Plan, control: &OwnedFd, sigsys: &OwnedFd) -> Res
             // SAFETY: see child_setup's contract; all pointers outlive the call because
             // the child never returns from it.
             unsafe {
-                child_setup(
-                    &ChildArgs {
-                        image: image.file.as_raw_fd(),
-                        control: control.as_raw_fd(),
-                        sigsys: sigsys.as_raw_fd(),
-                        devnull: devnull.as_raw_fd(),
-                        report: report_w.as_raw_fd(),
-                        argv: argv.as_ptr(),
-                        envp: envp.as_ptr(),
-                        drop_to: plan.drop_to,
-                        drop_bounding: plan.drop_bounding,
-                        last_cap: plan.last_cap,
-                        filters: &plan.filters,
-                        parent: parent.as_raw(),
-                        fd_limit,
-                    },
-                )
+                child_setup(&ChildArgs {
+                    image: image.file.as_raw_fd(),
+                    control: control.as_raw_fd(),
+                    sigsys: sigsys.as_raw_fd(),
+                    devnull: devnull.as_raw_fd(),
+                    report: report_w.as_raw_fd(),
+                    argv: argv.as_ptr(),
+                    envp: envp.as_ptr(),
+                    drop_to: plan.drop_to,
+                    drop_bounding: plan.drop_bounding,
+                    last_cap: plan.last_cap,
+                    filters: &plan.filters,
+                    parent: parent.as_raw(),
+                    fd_limit,
+                })
             }
         }
         ForkResult::Parent { child } => {
@@ -173,7 +216,10 @@ fn spawn(image: &Image, plan: &Plan, control: &OwnedFd, sigsys: &OwnedFd) -> Res
                 return Ok(child); // EOF: the exec closed the pipe.
             }
             let _ = nix::sys::wait::waitpid(child, None);
-            let step = STEPS.get(buf[0] as usize).copied().unwrap_or("unknown step");
+            let step = STEPS
+                .get(buf[0] as usize)
+                .copied()
+                .unwrap_or("unknown step");
             let errno = Errno::from_raw(i32::from_ne_bytes([buf[1], buf[2], buf[3], buf[4]]));
             Err(SpawnError::Child { step, errno })
         }
@@ -212,10 +258,19 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         let fail = |step: u8| -> ! {
             let e = (*libc::__errno_location()).to_ne_bytes();
             let msg = [step, e[0], e[1], e[2], e[3]];
-            libc::write(if report >= 0 { report } else { a.report }, msg.as_ptr().cast(), msg.len());
+            libc::write(
+                if report >= 0 { report } else { a.report },
+                msg.as_ptr().cast(),
+                msg.len(),
+            );
             libc::_exit(127)
         };
-        let (image, control, sigsys, devnull) = (high(a.image), high(a.control), high(a.sigsys), high(a.devnull));
+        let (image, control, sigsys, devnull) = (
+            high(a.image),
+            high(a.control),
+            high(a.sigsys),
+            high(a.devnull),
+        );
         if report < 0 || image < 0 || control < 0 || sigsys < 0 || devnull < 0 {
             fail(2);
         }
@@ -231,7 +286,13 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
         }
         // Nothing beyond fds 0-4 survives the exec, whatever the supervisor inherited
         // without close-on-exec from whoever started it.
-        if libc::syscall(libc::SYS_close_range, 5u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
+        if libc::syscall(
+            libc::SYS_close_range,
+            5u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        ) != 0
+        {
             for fd in 5..a.fd_limit {
                 libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             }
@@ -284,7 +345,14 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
                 fail(13);
             }
         }
-        libc::syscall(libc::SYS_execveat, image, c"".as_ptr(), a.argv, a.envp, libc::AT_EMPTY_PATH);
+        libc::syscall(
+            libc::SYS_execveat,
+            image,
+            c"".as_ptr(),
+            a.argv,
+            a.envp,
+            libc::AT_EMPTY_PATH,
+        );
         fail(12)
     }
 }
@@ -292,7 +360,10 @@ unsafe fn child_setup(a: &ChildArgs) -> ! {
 /// The default path of a sibling executable (`aether-worker`, `aether-cni`): beside the
 /// supervisor's own.
 pub fn beside_me(name: &str) -> PathBuf {
-    std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join(name))).unwrap_or_else(|| PathBuf::from(name))
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join(name)))
+        .unwrap_or_else(|| PathBuf::from(name))
 }
 
 /// Makes the process `cmd` starts die with the supervisor: a parent-death SIGKILL, set in

@@ -50,7 +50,10 @@ impl AckSource for PublishedAcks {
         ips: &'a [IpAddr],
         timeout: Duration,
     ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
-        Box::pin(crate::acks::wait_for(self.0.subscribe(), move |s| s.holds_pod(uid, ips), timeout))
+        Box::pin(crate::acks::wait_for(
+            self.0.subscribe(),
+            move |s| s.holds_pod(uid, ips),
+            timeout,
+        ))
     }
 }
-

@@ -63,7 +63,10 @@ pub const MAX_REQUEST: usize = 2 << 20;
 
 /// How fast one process may open connections on `cni.sock`: the whole cap at once,
 /// then 100 a second. The plugin is a new process for each call and opens one.
-pub const PEER_RATE: PeerRate = PeerRate { burst: MAX_CONNECTIONS as u32 + 64, per_second: 100 };
+pub const PEER_RATE: PeerRate = PeerRate {
+    burst: MAX_CONNECTIONS as u32 + 64,
+    per_second: 100,
+};
 
 /// The CNI server's limits; ARCHITECTURE.md ("Limits") lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,7 +147,12 @@ async fn serve_service(
     };
 
     let fence = service.clone();
-    let incoming = allowed_peers(listener, service.metrics().clone(), limits.max_connections, limits.peer_rate)?;
+    let incoming = allowed_peers(
+        listener,
+        service.metrics().clone(),
+        limits.max_connections,
+        limits.peer_rate,
+    )?;
     let server = tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_streams_per_connection)
         .add_service(CniServer::new(service).max_decoding_message_size(limits.max_request))
@@ -174,13 +182,21 @@ fn allowed_peers(
     metrics: Arc<Metrics>,
     max_connections: usize,
     peer_rate: PeerRate,
-) -> anyhow::Result<impl tokio_stream::Stream<Item = std::io::Result<Tracked<tokio::net::UnixStream>>>> {
+) -> anyhow::Result<
+    impl tokio_stream::Stream<Item = std::io::Result<Tracked<tokio::net::UnixStream>>>,
+> {
     use std::os::unix::fs::MetadataExt;
     let owner = {
-        let fd = std::os::fd::AsFd::as_fd(&listener).try_clone_to_owned().context("dup of the cni.sock listener")?;
-        std::fs::File::from(fd).metadata().context("fstat of the cni.sock listener")?.uid()
+        let fd = std::os::fd::AsFd::as_fd(&listener)
+            .try_clone_to_owned()
+            .context("dup of the cni.sock listener")?;
+        std::fs::File::from(fd)
+            .metadata()
+            .context("fstat of the cni.sock listener")?
+            .uid()
     };
-    let acceptor = Acceptor::new(listener, "cni", max_connections, metrics.clone()).with_peer_rate(peer_rate);
+    let acceptor =
+        Acceptor::new(listener, "cni", max_connections, metrics.clone()).with_peer_rate(peer_rate);
     Ok(acceptor.incoming(move |stream: &tokio::net::UnixStream| match stream.peer_cred() {
         Ok(c) if c.uid() == 0 || c.uid() == owner => true,
         Ok(c) => {
@@ -222,7 +238,9 @@ pub async fn reconcile(node: &Node, storage: &Storage) -> anyhow::Result<usize> 
         .await
         .context("waiting for pods to load from storage before the takeover reconcile")?;
     let _lifecycle = node.lifecycle().await;
-    let diff = storage.reload().context("reloading pod storage for the takeover reconcile")?;
+    let diff = storage
+        .reload()
+        .context("reloading pod storage for the takeover reconcile")?;
     if diff.is_empty() {
         return Ok(0);
     }
@@ -249,7 +267,8 @@ pub async fn follow(
     added: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut events = crate::registry::DirEvents::on(storage.dir(), Box::new(crate::storage::is_record_name));
+    let mut events =
+        crate::registry::DirEvents::on(storage.dir(), Box::new(crate::storage::is_record_name));
     if events.is_none() {
         tracing::warn!(dir = %storage.dir().display(), "no inotify on the pod records folder; the standby looks at it every {FOLLOW_POLL:?}");
     }
@@ -279,10 +298,15 @@ pub async fn follow(
             Ok(diff) if diff.is_empty() => {}
             Ok(diff) => {
                 log_diff(&diff, "standby");
-                added.lock().unwrap_or_else(|e| e.into_inner()).extend(diff.added.iter().map(|p| p.uid.clone()));
+                added
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend(diff.added.iter().map(|p| p.uid.clone()));
                 node.apply(changes(&diff));
             }
-            Err(e) => tracing::warn!(dir = %storage.dir().display(), error = %e, "the standby cannot read the owner's pod records; it takes them at the takeover"),
+            Err(e) => {
+                tracing::warn!(dir = %storage.dir().display(), error = %e, "the standby cannot read the owner's pod records; it takes them at the takeover")
+            }
         }
     }
     // Closing an inotify instance waits for an SRCU grace period, 10 to 20 ms on a busy
@@ -294,8 +318,15 @@ pub async fn follow(
 
 /// A storage diff as changes to the snapshot inputs.
 fn changes(diff: &Diff) -> Vec<Change> {
-    let removed = diff.removed.iter().map(|p| Change::RemovePod(p.uid.clone()));
-    let added = diff.added.iter().chain(diff.updated.iter().map(|u| &u.new)).map(|p| Change::UpsertPod(p.clone()));
+    let removed = diff
+        .removed
+        .iter()
+        .map(|p| Change::RemovePod(p.uid.clone()));
+    let added = diff
+        .added
+        .iter()
+        .chain(diff.updated.iter().map(|u| &u.new))
+        .map(|p| Change::UpsertPod(p.clone()));
     removed.chain(added).collect()
 }
 

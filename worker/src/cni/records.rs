@@ -21,7 +21,12 @@ use crate::storage::{Storage, StorageError};
 /// pod: it leaves the view and the node all the same, and storage retries the removal
 /// ([`Storage::remove_or_retry`]); the pod is gone from the data plane, which is what
 /// the caller asked.
-pub async fn remove_pod(node: &Node, storage: &Arc<Storage>, marks: Option<&Marks>, pod: &Pod) -> Result<(), StorageError> {
+pub async fn remove_pod(
+    node: &Node,
+    storage: &Arc<Storage>,
+    marks: Option<&Marks>,
+    pod: &Pod,
+) -> Result<(), StorageError> {
     let (s, uid) = (storage.clone(), pod.uid.clone());
     match tokio::task::spawn_blocking(move || s.remove_or_retry(&uid)).await {
         Ok(result) => {
@@ -30,13 +35,25 @@ pub async fn remove_pod(node: &Node, storage: &Arc<Storage>, marks: Option<&Mark
             }
         }
         Err(e) => {
-            return Err(StorageError::Io { op: "removing", path: storage.dir().join(&pod.uid), source: std::io::Error::other(e.to_string()) });
+            return Err(StorageError::Io {
+                op: "removing",
+                path: storage.dir().join(&pod.uid),
+                source: std::io::Error::other(e.to_string()),
+            });
         }
     };
     node.apply([Change::RemovePod(pod.uid.clone())]);
     if let Some(marks) = marks {
-        let held: BTreeSet<IpAddr> = node.with_inputs(|i| i.pods.values().flat_map(|p| p.ips.iter().copied()).collect());
-        pod.ips.iter().filter(|ip| !held.contains(ip)).for_each(|ip| marks.drain(*ip));
+        let held: BTreeSet<IpAddr> = node.with_inputs(|i| {
+            i.pods
+                .values()
+                .flat_map(|p| p.ips.iter().copied())
+                .collect()
+        });
+        pod.ips
+            .iter()
+            .filter(|ip| !held.contains(ip))
+            .for_each(|ip| marks.drain(*ip));
     }
     Ok(())
 }

@@ -8,14 +8,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use shared_proto::cni::cni_server::Cni;
-use shared_proto::cni::{AddResponse, CheckResponse, CniRequest, DelResponse, MAX_IPS, MAX_NETNS, NetnsProblem};
+use shared_proto::cni::{
+    AddResponse, CheckResponse, CniRequest, DelResponse, MAX_IPS, MAX_NETNS, NetnsProblem,
+};
 use tonic::{Request, Response, Status};
 
 use super::ack_source::{ACK_TIMEOUT, AckSource};
 use crate::metrics::{CniLabel, Metrics};
 use crate::node::Node;
-use aether_model::{Change, Pod};
 use crate::storage::{self, Storage};
+use aether_model::{Change, Pod};
 
 /// Longest pod namespace or name (a DNS subdomain).
 const MAX_NAME: usize = 253;
@@ -48,7 +50,12 @@ struct Inner {
 }
 
 impl CniService {
-    pub fn new(node: Arc<Node>, storage: Arc<Storage>, acks: Arc<dyn AckSource>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        node: Arc<Node>,
+        storage: Arc<Storage>,
+        acks: Arc<dyn AckSource>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self::build(node, storage, acks, metrics, ACK_TIMEOUT)
     }
 
@@ -102,14 +109,23 @@ impl CniService {
 
     /// Counts the call and observes how long it took since `started`.
     fn count<T>(&self, op: &str, r: &Result<T, Status>, started: tokio::time::Instant) {
-        self.inner.metrics.observe_cni(op, r.is_ok(), started.elapsed());
+        self.inner
+            .metrics
+            .observe_cni(op, r.is_ok(), started.elapsed());
         let result = match r {
             Ok(_) => "ok",
             Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
             Err(s) if s.code() == tonic::Code::Unavailable => "unavailable",
             Err(_) => "error",
         };
-        self.inner.metrics.cni_requests.get_or_create(&CniLabel { op: op.into(), result: result.into() }).inc();
+        self.inner
+            .metrics
+            .cni_requests
+            .get_or_create(&CniLabel {
+                op: op.into(),
+                result: result.into(),
+            })
+            .inc();
     }
 }
 
@@ -147,9 +163,14 @@ impl Inner {
             let pod = pod.clone();
             async move { this.apply_add(pod).await }
         });
-        change.await.map_err(|e| Status::internal(format!("ADD of pod uid {}: {e}", pod.uid)))??;
+        change
+            .await
+            .map_err(|e| Status::internal(format!("ADD of pod uid {}: {e}", pod.uid)))??;
 
-        let acked = self.acks.wait_for_pod(&pod.uid, &pod.ips, self.ack_timeout).await;
+        let acked = self
+            .acks
+            .wait_for_pod(&pod.uid, &pod.ips, self.ack_timeout)
+            .await;
         if !acked {
             self.metrics.cni_ack_timeouts.inc();
             tracing::warn!(
@@ -173,7 +194,9 @@ impl Inner {
         let (done, result) = tokio::sync::oneshot::channel();
         lock(&self.queue).push(Queued { pod, done });
         self.commit_queued().await;
-        result.await.map_err(|_| Status::internal("the ADD's batch ended without an answer"))?
+        result
+            .await
+            .map_err(|_| Status::internal("the ADD's batch ended without an answer"))?
     }
 
     /// Commits every queued ADD, under the lifecycle lock. A caller whose ADD an earlier
@@ -201,13 +224,21 @@ impl Inner {
         let (batch, mut answers, evicted) = self.evict_conflicts(batch).await;
         let before: Vec<Option<Pod>> = batch.iter().map(|q| self.node.pod(&q.pod.uid)).collect();
         let removals = evicted.iter().map(|p| Change::RemovePod(p.uid.clone()));
-        self.node.apply(removals.chain(batch.iter().map(|q| Change::UpsertPod(q.pod.clone()))));
+        self.node
+            .apply(removals.chain(batch.iter().map(|q| Change::UpsertPod(q.pod.clone()))));
         let records: Vec<Pod> = batch.iter().map(|q| q.pod.clone()).collect();
         let storage = self.storage.clone();
-        let written: Vec<Result<bool, String>> = match tokio::task::spawn_blocking(move || storage.put_all(&records)).await {
-            Ok(results) => results.into_iter().map(|r| r.map_err(|e| e.to_string())).collect(),
-            Err(e) => batch.iter().map(|_| Err(format!("the record writer failed: {e}"))).collect(),
-        };
+        let written: Vec<Result<bool, String>> =
+            match tokio::task::spawn_blocking(move || storage.put_all(&records)).await {
+                Ok(results) => results
+                    .into_iter()
+                    .map(|r| r.map_err(|e| e.to_string()))
+                    .collect(),
+                Err(e) => batch
+                    .iter()
+                    .map(|_| Err(format!("the record writer failed: {e}")))
+                    .collect(),
+            };
         let snapshot = self.node.snapshot();
         let mut rollback = Vec::new();
         for ((q, result), before) in batch.into_iter().zip(written).zip(before) {
@@ -220,13 +251,19 @@ impl Inner {
                 }
                 Ok(_) => {
                     // Its record is written; the rollback below restores what was before.
-                    let why = format!("the snapshot would serve pod uid {} for nobody: {:?}", pod.uid, snapshot.rejects);
+                    let why = format!(
+                        "the snapshot would serve pod uid {} for nobody: {:?}",
+                        pod.uid, snapshot.rejects
+                    );
                     if let Err(e) = self.storage_restore(before.as_ref(), &pod.uid) {
                         tracing::error!(uid = %pod.uid, error = %e, "could not restore the pod's record after a refused ADD");
                     }
                     Status::internal(why)
                 }
-                Err(error) => Status::internal(format!("writing the record of pod uid {}: {error}", pod.uid)),
+                Err(error) => Status::internal(format!(
+                    "writing the record of pod uid {}: {error}",
+                    pod.uid
+                )),
             };
             rollback.push(match before {
                 Some(old) => Change::UpsertPod(old),
@@ -246,7 +283,10 @@ impl Inner {
     /// leaves them whole and fails the new pod's ADD instead. Within one batch a later
     /// ADD for an IP wins over an earlier one, which fails. Returns the ADDs to commit,
     /// the answers already decided, and the pods evicted (to take out of the snapshot).
-    async fn evict_conflicts(&self, batch: Vec<Queued>) -> (Vec<Queued>, Vec<(Answer, Result<(), Status>)>, Vec<Pod>) {
+    async fn evict_conflicts(
+        &self,
+        batch: Vec<Queued>,
+    ) -> (Vec<Queued>, Vec<(Answer, Result<(), Status>)>, Vec<Pod>) {
         let mut holders: BTreeMap<IpAddr, BTreeSet<String>> = self.node.with_inputs(|i| {
             let mut m: BTreeMap<IpAddr, BTreeSet<String>> = BTreeMap::new();
             for p in i.pods.values() {
@@ -267,7 +307,10 @@ impl Inner {
         let mut keep: Vec<Option<Queued>> = Vec::with_capacity(batch.len());
         for (i, q) in batch.into_iter().enumerate() {
             if let Some(later) = q.pod.ips.iter().find(|ip| winner[*ip] != i) {
-                let why = Status::aborted(format!("pod uid {}: a later ADD in the same batch took IP {later}", q.pod.uid));
+                let why = Status::aborted(format!(
+                    "pod uid {}: a later ADD in the same batch took IP {later}",
+                    q.pod.uid
+                ));
                 answers.push((q.done, Err(why)));
                 keep.push(None);
             } else {
@@ -286,10 +329,15 @@ impl Inner {
                 .cloned()
                 .collect();
             for uid in stale {
-                let Some(old) = self.node.pod(&uid) else { continue };
+                let Some(old) = self.node.pod(&uid) else {
+                    continue;
+                };
                 let (storage, id) = (self.storage.clone(), uid.clone());
                 let removed = tokio::task::spawn_blocking(move || storage.remove(&id)).await;
-                match removed.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+                match removed
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string()))
+                {
                     Ok(_) => {
                         self.metrics.cni_evictions.inc();
                         tracing::warn!(
@@ -321,7 +369,11 @@ impl Inner {
     }
 
     /// Puts back the record `before` (or removes the pod's) after a refused ADD.
-    fn storage_restore(&self, before: Option<&Pod>, uid: &str) -> Result<(), crate::storage::StorageError> {
+    fn storage_restore(
+        &self,
+        before: Option<&Pod>,
+        uid: &str,
+    ) -> Result<(), crate::storage::StorageError> {
         match before {
             Some(old) => self.storage.put(old).map(|_| ()),
             None => self.storage.remove(uid).map(|_| ()),
@@ -331,13 +383,18 @@ impl Inner {
     async fn del(self: Arc<Self>, req: CniRequest) -> Result<DelResponse, Status> {
         check_container_id(&req.container_id)?;
         if !req.pod_uid.is_empty() && !storage::valid_uid(&req.pod_uid) {
-            return Err(Status::invalid_argument(format!("pod_uid {:?} is not a valid pod uid", req.pod_uid)));
+            return Err(Status::invalid_argument(format!(
+                "pod_uid {:?} is not a valid pod uid",
+                req.pod_uid
+            )));
         }
         let change = tokio::spawn({
             let this = self.clone();
             async move { this.apply_del(req).await }
         });
-        change.await.map_err(|e| Status::internal(format!("DEL: {e}")))?
+        change
+            .await
+            .map_err(|e| Status::internal(format!("DEL: {e}")))?
     }
 
     async fn apply_del(&self, req: CniRequest) -> Result<DelResponse, Status> {
@@ -346,9 +403,14 @@ impl Inner {
         let _lifecycle = self.node.lifecycle().await;
         self.check_not_drained()?;
         let known = if req.pod_uid.is_empty() {
-            self.storage.pods().into_iter().find(|p| p.container_id == req.container_id)
+            self.storage
+                .pods()
+                .into_iter()
+                .find(|p| p.container_id == req.container_id)
         } else {
-            self.storage.get(&req.pod_uid).or_else(|| self.node.pod(&req.pod_uid))
+            self.storage
+                .get(&req.pod_uid)
+                .or_else(|| self.node.pod(&req.pod_uid))
         };
         let Some(pod) = known else {
             tracing::info!(uid = %req.pod_uid, container_id = %req.container_id, "CNI DEL of a pod the agent does not know");
@@ -366,7 +428,9 @@ impl Inner {
         }
         super::records::remove_pod(&self.node, &self.storage, self.marks.as_ref(), &pod)
             .await
-            .map_err(|e| Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid)))?;
+            .map_err(|e| {
+                Status::internal(format!("removing the record of pod uid {}: {e}", pod.uid))
+            })?;
         tracing::info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), "CNI DEL");
         Ok(DelResponse { found: true })
     }
@@ -377,22 +441,38 @@ impl Inner {
         let ips = parse_ips(&req.ips)?;
         let snapshot = self.node.snapshot();
         if snapshot.holds_pod(&uid, &ips) {
-            return Ok(CheckResponse { holds: true, reason: String::new() });
+            return Ok(CheckResponse {
+                holds: true,
+                reason: String::new(),
+            });
         }
         let reason = match self.node.pod(&uid).as_ref() {
             None => format!("pod_uid {uid} is not known to the agent"),
             Some(p) if p.container_id != req.container_id => {
-                format!("pod_uid {uid} belongs to container_id {}, not {}", p.container_id, req.container_id)
+                format!(
+                    "pod_uid {uid} belongs to container_id {}, not {}",
+                    p.container_id, req.container_id
+                )
             }
-            Some(p) if !same_set(&p.ips, &ips) => format!("pod_uid {uid} holds ips {:?}, not {:?}", p.ips, ips),
-            Some(_) => format!("pod_uid {uid} is stored but the snapshot does not serve it: {:?}", snapshot.rejects),
+            Some(p) if !same_set(&p.ips, &ips) => {
+                format!("pod_uid {uid} holds ips {:?}, not {:?}", p.ips, ips)
+            }
+            Some(_) => format!(
+                "pod_uid {uid} is stored but the snapshot does not serve it: {:?}",
+                snapshot.rejects
+            ),
         };
-        Ok(CheckResponse { holds: false, reason })
+        Ok(CheckResponse {
+            holds: false,
+            reason,
+        })
     }
 
     fn check_not_drained(&self) -> Result<(), Status> {
         if self.drained.load(Ordering::SeqCst) {
-            return Err(Status::unavailable("agent is draining; retry against the next owner"));
+            return Err(Status::unavailable(
+                "agent is draining; retry against the next owner",
+            ));
         }
         Ok(())
     }
@@ -404,7 +484,11 @@ fn same_set(a: &[IpAddr], b: &[IpAddr]) -> bool {
 
 /// The pod's key: its Kubernetes uid, or the container id for a runtime that passes none.
 fn pod_uid(req: &CniRequest) -> Result<String, Status> {
-    let uid = if req.pod_uid.is_empty() { &req.container_id } else { &req.pod_uid };
+    let uid = if req.pod_uid.is_empty() {
+        &req.container_id
+    } else {
+        &req.pod_uid
+    };
     if !storage::valid_uid(uid) {
         return Err(Status::invalid_argument(format!(
             "pod_uid {:?} is not a valid pod uid (1-128 of [A-Za-z0-9_.-], no \"..\")",
@@ -418,7 +502,9 @@ fn check_container_id(id: &str) -> Result<(), Status> {
     if shared_proto::cni::valid_container_id(id) {
         Ok(())
     } else {
-        Err(Status::invalid_argument(format!("container_id {id:?} is not a valid container id")))
+        Err(Status::invalid_argument(format!(
+            "container_id {id:?} is not a valid container id"
+        )))
     }
 }
 
@@ -427,16 +513,22 @@ fn check_container_id(id: &str) -> Result<(), Status> {
 /// and compare.
 fn parse_ips(ips: &[String]) -> Result<Vec<IpAddr>, Status> {
     if ips.is_empty() {
-        return Err(Status::invalid_argument("ips is empty: the pod has no address"));
+        return Err(Status::invalid_argument(
+            "ips is empty: the pod has no address",
+        ));
     }
     if ips.len() > MAX_IPS {
-        return Err(Status::invalid_argument(format!("ips has {} entries, over the limit of {MAX_IPS}", ips.len())));
+        return Err(Status::invalid_argument(format!(
+            "ips has {} entries, over the limit of {MAX_IPS}",
+            ips.len()
+        )));
     }
     let mut seen = BTreeSet::new();
     let mut out = Vec::with_capacity(ips.len());
     for (i, ip) in ips.iter().enumerate() {
-        let ip: IpAddr =
-            ip.parse().map_err(|_| Status::invalid_argument(format!("ips[{i}] {ip:?} is not an IP address")))?;
+        let ip: IpAddr = ip.parse().map_err(|_| {
+            Status::invalid_argument(format!("ips[{i}] {ip:?} is not an IP address"))
+        })?;
         if seen.insert(ip) {
             out.push(ip);
         }
@@ -451,20 +543,38 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
     let ips = parse_ips(&req.ips)?;
     // The agent only stores the path, but whoever reads a record later must not be
     // walked out of the runtime's netns folder by it: no `..` component.
-    let netns = req.netns.char_indices().nth(128).map_or(req.netns.as_str(), |(end, _)| &req.netns[..end]);
+    let netns = req
+        .netns
+        .char_indices()
+        .nth(128)
+        .map_or(req.netns.as_str(), |(end, _)| &req.netns[..end]);
     match shared_proto::cni::check_netns(&req.netns) {
         Ok(()) => {}
         Err(NetnsProblem::NotAbsolute) => {
-            return Err(Status::invalid_argument(format!("netns {netns:?} is not an absolute path of at most {MAX_NETNS} bytes")));
+            return Err(Status::invalid_argument(format!(
+                "netns {netns:?} is not an absolute path of at most {MAX_NETNS} bytes"
+            )));
         }
-        Err(NetnsProblem::ParentComponent) => return Err(Status::invalid_argument(format!("netns {netns:?} has a \"..\" component"))),
+        Err(NetnsProblem::ParentComponent) => {
+            return Err(Status::invalid_argument(format!(
+                "netns {netns:?} has a \"..\" component"
+            )));
+        }
     }
     if req.ifname.is_empty() || req.ifname.len() > MAX_IFNAME || req.ifname.contains('/') {
-        return Err(Status::invalid_argument(format!("ifname {:?} is not a valid interface name", req.ifname)));
+        return Err(Status::invalid_argument(format!(
+            "ifname {:?} is not a valid interface name",
+            req.ifname
+        )));
     }
-    for (field, value) in [("pod_namespace", &req.pod_namespace), ("pod_name", &req.pod_name)] {
+    for (field, value) in [
+        ("pod_namespace", &req.pod_namespace),
+        ("pod_name", &req.pod_name),
+    ] {
         if value.len() > MAX_NAME || value.chars().any(|c| c.is_control()) {
-            return Err(Status::invalid_argument(format!("{field} {value:?} is not a valid Kubernetes name")));
+            return Err(Status::invalid_argument(format!(
+                "{field} {value:?} is not a valid Kubernetes name"
+            )));
         }
     }
     Ok(Pod {

@@ -30,10 +30,19 @@ fn fixture(acking: bool) -> Fixture {
     let storage = Arc::new(Storage::open(dir.path(), metrics.clone()).unwrap());
     let node = Node::new(Inputs::default());
     load(&node, &storage);
-    let acks: Arc<dyn AckSource> =
-        if acking { Arc::new(PublishedAcks(node.clone())) } else { Arc::new(Acks::default()) };
+    let acks: Arc<dyn AckSource> = if acking {
+        Arc::new(PublishedAcks(node.clone()))
+    } else {
+        Arc::new(Acks::default())
+    };
     let service = CniService::new(node.clone(), storage.clone(), acks, metrics.clone());
-    Fixture { _dir: dir, node, storage, metrics, service }
+    Fixture {
+        _dir: dir,
+        node,
+        storage,
+        metrics,
+        service,
+    }
 }
 
 fn req(uid: &str, container: &str, ips: &[&str]) -> CniRequest {
@@ -55,8 +64,10 @@ fn ips(v: &[&str]) -> Vec<IpAddr> {
 }
 
 fn stored(dir: &Path) -> Vec<String> {
-    let mut v: Vec<_> =
-        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     v.sort();
     v
 }
@@ -65,23 +76,43 @@ fn stored(dir: &Path) -> Vec<String> {
 async fn add_answers_success_after_the_ack_timeout_and_counts_it() {
     let f = fixture(false);
     let start = tokio::time::Instant::now();
-    let resp = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap().into_inner();
+    let resp = f
+        .service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!resp.acked);
-    assert!(start.elapsed() >= ACK_TIMEOUT, "waited {:?}", start.elapsed());
+    assert!(
+        start.elapsed() >= ACK_TIMEOUT,
+        "waited {:?}",
+        start.elapsed()
+    );
     assert_eq!(f.metrics.cni_ack_timeouts.get(), 1);
     assert_eq!(stored(f.storage.dir()), vec!["u1.json"]);
-    assert!(f.node.snapshot().holds_pod("u1", &ips(&["10.1.0.5"])), "the pod is served even without an ACK");
+    assert!(
+        f.node.snapshot().holds_pod("u1", &ips(&["10.1.0.5"])),
+        "the pod is served even without an ACK"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn add_acked_answers_at_once() {
     let f = fixture(true);
     let start = tokio::time::Instant::now();
-    let resp = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5", "fd00::5"]))).await.unwrap().into_inner();
+    let resp = f
+        .service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5", "fd00::5"])))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(resp.acked);
     assert!(start.elapsed() < Duration::from_millis(1));
     assert_eq!(f.metrics.cni_ack_timeouts.get(), 0);
-    assert_eq!(f.storage.get("u1").unwrap().ips, ips(&["10.1.0.5", "fd00::5"]));
+    assert_eq!(
+        f.storage.get("u1").unwrap().ips,
+        ips(&["10.1.0.5", "fd00::5"])
+    );
 }
 
 /// Makes the record's final rename fail: a non-empty folder where the file would go.
@@ -96,15 +127,28 @@ async fn a_failed_record_write_answers_an_error_and_leaves_the_snapshot_as_it_wa
     let f = fixture(true);
     // A new pod: not served after the failure.
     block_record_path(&f.storage, "u1");
-    let err = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.expect_err("write fails");
+    let err = f
+        .service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
+        .await
+        .expect_err("write fails");
     assert_eq!(err.code(), Code::Internal);
     assert!(err.message().contains("u1"), "{}", err.message());
-    assert!(!f.node.inputs().pods.contains_key("u1"), "a pod without a record is served");
+    assert!(
+        !f.node.inputs().pods.contains_key("u1"),
+        "a pod without a record is served"
+    );
 
     // A pod re-added with new IPs: the snapshot keeps the IPs its record holds.
-    f.service.add(Request::new(req("u2", "c2", &["10.1.0.6"]))).await.unwrap();
+    f.service
+        .add(Request::new(req("u2", "c2", &["10.1.0.6"])))
+        .await
+        .unwrap();
     block_record_path(&f.storage, "u2");
-    f.service.add(Request::new(req("u2", "c2", &["10.1.0.7"]))).await.expect_err("write fails");
+    f.service
+        .add(Request::new(req("u2", "c2", &["10.1.0.7"])))
+        .await
+        .expect_err("write fails");
     assert_eq!(f.node.inputs().pods["u2"].ips, ips(&["10.1.0.6"]));
     assert_eq!(f.storage.get("u2").unwrap().ips, ips(&["10.1.0.6"]));
 }
@@ -118,20 +162,57 @@ async fn invalid_adds_write_nothing() {
         (req("u1", "", &["10.0.0.1"]), "container_id"),
         (req("u1", "c1", &[]), "ips is empty"),
         (req("u1", "c1", &["10.0.0.1/24"]), "ips[0]"),
-        (CniRequest { netns: "rel".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "netns"),
         (
-            CniRequest { netns: "/var/run/netns/../../proc/1/ns/net".into(), ..req("u1", "c1", &["10.0.0.1"]) },
+            CniRequest {
+                netns: "rel".into(),
+                ..req("u1", "c1", &["10.0.0.1"])
+            },
+            "netns",
+        ),
+        (
+            CniRequest {
+                netns: "/var/run/netns/../../proc/1/ns/net".into(),
+                ..req("u1", "c1", &["10.0.0.1"])
+            },
             "netns \"/var/run/netns/../../proc/1/ns/net\" has a \"..\" component",
         ),
-        (CniRequest { netns: "/..".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "netns \"/..\" has a \"..\" component"),
-        (CniRequest { netns: format!("/{}", "n".repeat(5000)), ..req("u1", "c1", &["10.0.0.1"]) }, "at most 4096 bytes"),
-        (CniRequest { ips: (1..=17).map(|i| format!("10.0.0.{i}")).collect(), ..req("u1", "c1", &[]) }, "ips has 17 entries, over the limit of 16"),
-        (CniRequest { ifname: "0123456789abcdef".into(), ..req("u1", "c1", &["10.0.0.1"]) }, "ifname"),
+        (
+            CniRequest {
+                netns: "/..".into(),
+                ..req("u1", "c1", &["10.0.0.1"])
+            },
+            "netns \"/..\" has a \"..\" component",
+        ),
+        (
+            CniRequest {
+                netns: format!("/{}", "n".repeat(5000)),
+                ..req("u1", "c1", &["10.0.0.1"])
+            },
+            "at most 4096 bytes",
+        ),
+        (
+            CniRequest {
+                ips: (1..=17).map(|i| format!("10.0.0.{i}")).collect(),
+                ..req("u1", "c1", &[])
+            },
+            "ips has 17 entries, over the limit of 16",
+        ),
+        (
+            CniRequest {
+                ifname: "0123456789abcdef".into(),
+                ..req("u1", "c1", &["10.0.0.1"])
+            },
+            "ifname",
+        ),
     ];
     for (r, field) in cases {
         let err = f.service.add(Request::new(r)).await.expect_err(field);
         assert_eq!(err.code(), Code::InvalidArgument, "{field}");
-        assert!(err.message().contains(field), "{field:?} not in {:?}", err.message());
+        assert!(
+            err.message().contains(field),
+            "{field:?} not in {:?}",
+            err.message()
+        );
     }
     assert!(stored(f.storage.dir()).is_empty());
     assert!(f.node.inputs().pods.is_empty());
@@ -141,12 +222,21 @@ async fn invalid_adds_write_nothing() {
 async fn an_add_stores_each_ip_once_in_the_order_given_up_to_the_cap() {
     let f = fixture(true);
     let given = ["10.0.0.2", "fd00::1", "10.0.0.2", "10.0.0.1", "fd00::1"];
-    f.service.add(Request::new(req("u1", "c1", &given))).await.unwrap();
-    assert_eq!(f.storage.get("u1").unwrap().ips, ips(&["10.0.0.2", "fd00::1", "10.0.0.1"]));
+    f.service
+        .add(Request::new(req("u1", "c1", &given)))
+        .await
+        .unwrap();
+    assert_eq!(
+        f.storage.get("u1").unwrap().ips,
+        ips(&["10.0.0.2", "fd00::1", "10.0.0.1"])
+    );
     // The cap admits its figure; a netns with dots that are not a component passes.
     let sixteen: Vec<String> = (1..=16).map(|i| format!("10.0.1.{i}")).collect();
     let sixteen: Vec<&str> = sixteen.iter().map(String::as_str).collect();
-    let r = CniRequest { netns: "/var/run/netns/..cni..".into(), ..req("u2", "c2", &sixteen) };
+    let r = CniRequest {
+        netns: "/var/run/netns/..cni..".into(),
+        ..req("u2", "c2", &sixteen)
+    };
     f.service.add(Request::new(r)).await.unwrap();
     assert_eq!(f.storage.get("u2").unwrap().ips.len(), 16);
 }
@@ -154,25 +244,56 @@ async fn an_add_stores_each_ip_once_in_the_order_given_up_to_the_cap() {
 #[tokio::test(start_paused = true)]
 async fn del_removes_record_and_pod_and_tolerates_unknown_and_stale() {
     let f = fixture(true);
-    let unknown = f.service.del(Request::new(req("nobody", "c0", &[]))).await.unwrap().into_inner();
+    let unknown = f
+        .service
+        .del(Request::new(req("nobody", "c0", &[])))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!unknown.found);
 
-    f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap();
+    f.service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
+        .await
+        .unwrap();
     // The sandbox was replaced (new container id); a late DEL of the old one keeps the pod.
-    f.service.add(Request::new(req("u1", "c2", &["10.1.0.6"]))).await.unwrap();
-    let stale = f.service.del(Request::new(req("u1", "c1", &[]))).await.unwrap().into_inner();
+    f.service
+        .add(Request::new(req("u1", "c2", &["10.1.0.6"])))
+        .await
+        .unwrap();
+    let stale = f
+        .service
+        .del(Request::new(req("u1", "c1", &[])))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!stale.found);
     assert!(f.node.snapshot().holds_pod("u1", &ips(&["10.1.0.6"])));
 
-    let del = f.service.del(Request::new(req("u1", "c2", &[]))).await.unwrap().into_inner();
+    let del = f
+        .service
+        .del(Request::new(req("u1", "c2", &[])))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(del.found);
     assert!(stored(f.storage.dir()).is_empty());
     assert!(!f.node.inputs().pods.contains_key("u1"));
 
     // Without a uid (a runtime passing no K8S_POD_UID), the container id finds the pod.
-    f.service.add(Request::new(req("", "c3", &["10.1.0.7"]))).await.unwrap();
+    f.service
+        .add(Request::new(req("", "c3", &["10.1.0.7"])))
+        .await
+        .unwrap();
     assert!(f.storage.get("c3").is_some());
-    assert!(f.service.del(Request::new(req("", "c3", &[]))).await.unwrap().into_inner().found);
+    assert!(
+        f.service
+            .del(Request::new(req("", "c3", &[])))
+            .await
+            .unwrap()
+            .into_inner()
+            .found
+    );
     assert!(f.storage.pods().is_empty());
 }
 
@@ -180,13 +301,28 @@ async fn del_removes_record_and_pod_and_tolerates_unknown_and_stale() {
 async fn check_answers_whether_the_pod_is_held_with_those_ips() {
     let f = fixture(true);
     let check = |r| f.service.check(Request::new(r));
-    let unknown = check(req("u1", "c1", &["10.1.0.5"])).await.unwrap().into_inner();
+    let unknown = check(req("u1", "c1", &["10.1.0.5"]))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!unknown.holds);
     assert!(unknown.reason.contains("not known"), "{}", unknown.reason);
 
-    f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap();
-    assert!(check(req("u1", "c1", &["10.1.0.5"])).await.unwrap().into_inner().holds);
-    let other = check(req("u1", "c1", &["10.1.0.9"])).await.unwrap().into_inner();
+    f.service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
+        .await
+        .unwrap();
+    assert!(
+        check(req("u1", "c1", &["10.1.0.5"]))
+            .await
+            .unwrap()
+            .into_inner()
+            .holds
+    );
+    let other = check(req("u1", "c1", &["10.1.0.9"]))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!other.holds);
     assert!(other.reason.contains("holds ips"), "{}", other.reason);
 }
@@ -200,7 +336,10 @@ async fn the_lifecycle_lock_orders_adds() {
         async move { s.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await }
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(stored(f.storage.dir()).is_empty(), "nothing is written while the lock is held");
+    assert!(
+        stored(f.storage.dir()).is_empty(),
+        "nothing is written while the lock is held"
+    );
     drop(held);
     assert!(add.await.unwrap().unwrap().into_inner().acked);
     assert_eq!(stored(f.storage.dir()), vec!["u1.json"]);
@@ -210,7 +349,11 @@ async fn the_lifecycle_lock_orders_adds() {
 async fn after_the_fence_calls_change_nothing() {
     let f = fixture(true);
     f.service.fence().await;
-    let err = f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap_err();
+    let err = f
+        .service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert!(stored(f.storage.dir()).is_empty());
     assert!(f.node.inputs().pods.is_empty());
@@ -241,7 +384,12 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
     load(&node, &storage);
     let added = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let follower = tokio::spawn(follow(node.clone(), storage.clone(), added.clone(), stopped));
+    let follower = tokio::spawn(follow(
+        node.clone(),
+        storage.clone(),
+        added.clone(),
+        stopped,
+    ));
     // Each step within 0.9 s: inside the follower's 1 s poll, so inotify woke it.
     let wait = |what: &'static str, node: Arc<Node>, check: fn(&Node) -> bool| async move {
         tokio::time::timeout(Duration::from_millis(900), async {
@@ -259,13 +407,23 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
     owner.put(&pod("b", "10.0.0.2")).unwrap();
     wait("the ADD of b", node.clone(), |n| n.pod("b").is_some()).await;
     owner.put(&pod("a", "10.0.0.9")).unwrap();
-    wait("the rewrite of a", node.clone(), |n| n.pod("a").is_some_and(|p| p.ips == ips(&["10.0.0.9"]))).await;
+    wait("the rewrite of a", node.clone(), |n| {
+        n.pod("a").is_some_and(|p| p.ips == ips(&["10.0.0.9"]))
+    })
+    .await;
     owner.remove("b").unwrap();
     wait("the DEL of b", node.clone(), |n| n.pod("b").is_none()).await;
-    assert_eq!(added.lock().unwrap().iter().collect::<Vec<_>>(), ["b"], "the pods it added");
+    assert_eq!(
+        added.lock().unwrap().iter().collect::<Vec<_>>(),
+        ["b"],
+        "the pods it added"
+    );
 
     stop.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(5), follower).await.expect("the follower ends once stopped").unwrap();
+    tokio::time::timeout(Duration::from_secs(5), follower)
+        .await
+        .expect("the follower ends once stopped")
+        .unwrap();
     owner.put(&pod("c", "10.0.0.3")).unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(node.pod("c").is_none(), "a stopped follower read on");
@@ -282,13 +440,21 @@ async fn reconcile_applies_what_the_previous_owner_did() {
     // The standby builds from it, but has not opened the storage gate yet...
     let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
     let node = Node::new(Inputs::default());
-    node.apply(storage.pods().into_iter().map(aether_model::Change::UpsertPod));
+    node.apply(
+        storage
+            .pods()
+            .into_iter()
+            .map(aether_model::Change::UpsertPod),
+    );
     let pending = tokio::spawn({
         let (node, storage) = (node.clone(), storage.clone());
         async move { reconcile(&node, &storage).await }
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(!pending.is_finished(), "reconcile waits for the storage gate");
+    assert!(
+        !pending.is_finished(),
+        "reconcile waits for the storage gate"
+    );
 
     // ...while the old owner serves ADD, DEL and a rewrite during the overlap.
     old.remove("a").unwrap();
@@ -306,7 +472,10 @@ async fn reconcile_applies_what_the_previous_owner_did() {
 #[tokio::test(start_paused = true)]
 async fn reconcile_with_nothing_changed_is_zero() {
     let f = fixture(true);
-    f.service.add(Request::new(req("u1", "c1", &["10.1.0.5"]))).await.unwrap();
+    f.service
+        .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
+        .await
+        .unwrap();
     assert_eq!(reconcile(&f.node, &f.storage).await.unwrap(), 0);
     assert!(f.node.inputs().pods.contains_key("u1"));
 }
@@ -321,7 +490,15 @@ async fn a_burst_of_adds_is_committed_in_batches_and_every_add_succeeds() {
         .map(|i| {
             let service = f.service.clone();
             let ip = format!("10.1.{}.{}", i / 200, i % 200 + 1);
-            tokio::spawn(async move { service.add(Request::new(req(&format!("u{i}"), &format!("c{i}"), &[&ip]))).await })
+            tokio::spawn(async move {
+                service
+                    .add(Request::new(req(
+                        &format!("u{i}"),
+                        &format!("c{i}"),
+                        &[&ip],
+                    )))
+                    .await
+            })
         })
         .collect();
     let mut failed = Vec::new();
@@ -333,30 +510,56 @@ async fn a_burst_of_adds_is_committed_in_batches_and_every_add_succeeds() {
     }
     assert_eq!(failed, vec![(7, Code::Internal)]);
     let snapshots = f.node.snapshot().seq - before;
-    assert!(snapshots < 300, "{snapshots} snapshots for 300 concurrent ADDs: they were not batched");
+    assert!(
+        snapshots < 300,
+        "{snapshots} snapshots for 300 concurrent ADDs: they were not batched"
+    );
     let s = f.node.snapshot();
     for i in (0..300).filter(|i| *i != 7) {
-        assert!(s.holds_pod(&format!("u{i}"), &ips(&[&format!("10.1.{}.{}", i / 200, i % 200 + 1)])), "pod u{i}");
+        assert!(
+            s.holds_pod(
+                &format!("u{i}"),
+                &ips(&[&format!("10.1.{}.{}", i / 200, i % 200 + 1)])
+            ),
+            "pod u{i}"
+        );
         assert!(f.storage.get(&format!("u{i}")).is_some(), "record u{i}");
     }
-    assert!(!s.holds_pod("u7", &ips(&["10.1.0.8"])), "the pod whose record failed is taken back out");
+    assert!(
+        !s.holds_pod("u7", &ips(&["10.1.0.8"])),
+        "the pod whose record failed is taken back out"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_add_for_an_ip_an_older_record_holds_evicts_it_and_serves_the_new_pod() {
     let f = fixture(true);
-    f.service.add(Request::new(req("old", "c1", &["10.1.0.5", "fd00::5"]))).await.unwrap();
+    f.service
+        .add(Request::new(req("old", "c1", &["10.1.0.5", "fd00::5"])))
+        .await
+        .unwrap();
     // The old pod's DEL never came; its IP is given to a new pod.
-    let resp = f.service.add(Request::new(req("new", "c2", &["10.1.0.5"]))).await.unwrap().into_inner();
+    let resp = f
+        .service
+        .add(Request::new(req("new", "c2", &["10.1.0.5"])))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(resp.acked);
     let s = f.node.snapshot();
     assert!(s.holds_pod("new", &ips(&["10.1.0.5"])), "{:?}", s.rejects);
     assert!(s.rejects.is_empty(), "{:?}", s.rejects);
-    assert!(!f.node.inputs().pods.contains_key("old"), "the whole older pod is evicted, its other IPs too");
+    assert!(
+        !f.node.inputs().pods.contains_key("old"),
+        "the whole older pod is evicted, its other IPs too"
+    );
     assert_eq!(stored(f.storage.dir()), vec!["new.json"]);
     assert_eq!(f.metrics.cni_evictions.get(), 1);
     // The same pod added again evicts nothing.
-    f.service.add(Request::new(req("new", "c2", &["10.1.0.5"]))).await.unwrap();
+    f.service
+        .add(Request::new(req("new", "c2", &["10.1.0.5"])))
+        .await
+        .unwrap();
     assert_eq!(f.metrics.cni_evictions.get(), 1);
 }
 
@@ -370,10 +573,25 @@ async fn two_records_loaded_with_one_ip_are_both_evicted_by_the_next_add_for_it(
     load(&node, &storage);
     assert!(!node.snapshot().rejects.is_empty(), "served for neither");
     let metrics = Metrics::new();
-    let service = CniService::new(node.clone(), storage.clone(), Arc::new(PublishedAcks(node.clone())), metrics.clone());
-    service.add(Request::new(req("c", "c3", &["10.0.0.1"]))).await.unwrap();
+    let service = CniService::new(
+        node.clone(),
+        storage.clone(),
+        Arc::new(PublishedAcks(node.clone())),
+        metrics.clone(),
+    );
+    service
+        .add(Request::new(req("c", "c3", &["10.0.0.1"])))
+        .await
+        .unwrap();
     assert!(node.snapshot().holds_pod("c", &ips(&["10.0.0.1"])));
-    assert_eq!(storage.pods().into_iter().map(|p| p.uid).collect::<Vec<_>>(), ["c"]);
+    assert_eq!(
+        storage
+            .pods()
+            .into_iter()
+            .map(|p| p.uid)
+            .collect::<Vec<_>>(),
+        ["c"]
+    );
     assert_eq!(metrics.cni_evictions.get(), 2);
 }
 
@@ -395,7 +613,10 @@ async fn in_one_batch_the_later_add_for_an_ip_wins_and_the_earlier_fails() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     drop(held);
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
-    assert_eq!(first.expect_err("the earlier ADD loses").code(), Code::Aborted);
+    assert_eq!(
+        first.expect_err("the earlier ADD loses").code(),
+        Code::Aborted
+    );
     assert!(second.unwrap().into_inner().acked);
     assert!(f.node.snapshot().holds_pod("u2", &ips(&["10.1.0.5"])));
     assert_eq!(stored(f.storage.dir()), vec!["u2.json"]);
@@ -410,13 +631,23 @@ async fn reconcile_serves_a_record_the_previous_owner_marked_terminating_as_drai
     let node = Node::new(Inputs::default());
     load(&node, &storage);
     // The old owner's pod watch saw the deletion timestamp during the overlap.
-    old.put(&Pod { terminating: true, ..pod("a", "10.0.0.1") }).unwrap();
+    old.put(&Pod {
+        terminating: true,
+        ..pod("a", "10.0.0.1")
+    })
+    .unwrap();
     assert_eq!(reconcile(&node, &storage).await.unwrap(), 1);
     let s = node.snapshot();
-    assert!(s.holds_pod("a", &ips(&["10.0.0.1"])), "a terminating pod is still served");
+    assert!(
+        s.holds_pod("a", &ips(&["10.0.0.1"])),
+        "a terminating pod is still served"
+    );
     assert_eq!(
         s.clusters.get("inbound|a").map(|c| c.kind.clone()),
-        Some(aether_model::ClusterKind::Static { endpoints: vec!["10.0.0.1:80".parse().unwrap()], draining: true })
+        Some(aether_model::ClusterKind::Static {
+            endpoints: vec!["10.0.0.1:80".parse().unwrap()],
+            draining: true
+        })
     );
 }
 
@@ -425,23 +656,54 @@ async fn reconcile_serves_a_record_the_previous_owner_marked_terminating_as_drai
 #[tokio::test(start_paused = true)]
 async fn each_call_is_timed_by_op_and_result() {
     let f = fixture(false);
-    f.service.add(Request::new(req("u1", "c1", &["10.0.0.1"]))).await.expect("ADD after the ACK wait");
-    f.service.add(Request::new(req("../x", "c2", &["10.0.0.2"]))).await.expect_err("an invalid uid");
-    f.service.check(Request::new(req("u1", "c1", &["10.0.0.1"]))).await.expect("CHECK");
-    f.service.del(Request::new(req("u1", "c1", &[]))).await.expect("DEL");
+    f.service
+        .add(Request::new(req("u1", "c1", &["10.0.0.1"])))
+        .await
+        .expect("ADD after the ACK wait");
+    f.service
+        .add(Request::new(req("../x", "c2", &["10.0.0.2"])))
+        .await
+        .expect_err("an invalid uid");
+    f.service
+        .check(Request::new(req("u1", "c1", &["10.0.0.1"])))
+        .await
+        .expect("CHECK");
+    f.service
+        .del(Request::new(req("u1", "c1", &[])))
+        .await
+        .expect("DEL");
     let text = f.metrics.encode();
     let sample = |series: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or_else(|| panic!("no {series} in\n{text}"))
     };
-    let series = |kind: &str, labels: &str| sample(&format!("aether_cni_request_duration_seconds_{kind}{{{labels}}}"));
-    for (op, result) in [("add", "ok"), ("add", "error"), ("check", "ok"), ("del", "ok")] {
-        assert_eq!(series("count", &format!("op=\"{op}\",result=\"{result}\"")), 1.0, "{op} {result}");
+    let series = |kind: &str, labels: &str| {
+        sample(&format!(
+            "aether_cni_request_duration_seconds_{kind}{{{labels}}}"
+        ))
+    };
+    for (op, result) in [
+        ("add", "ok"),
+        ("add", "error"),
+        ("check", "ok"),
+        ("del", "ok"),
+    ] {
+        assert_eq!(
+            series("count", &format!("op=\"{op}\",result=\"{result}\"")),
+            1.0,
+            "{op} {result}"
+        );
     }
     let waited = series("sum", "op=\"add\",result=\"ok\"");
-    assert!((ACK_TIMEOUT.as_secs_f64()..ACK_TIMEOUT.as_secs_f64() + 0.1).contains(&waited), "the ADD took {waited} s");
+    assert!(
+        (ACK_TIMEOUT.as_secs_f64()..ACK_TIMEOUT.as_secs_f64() + 0.1).contains(&waited),
+        "the ADD took {waited} s"
+    );
     assert_eq!(series("bucket", "le=\"1.0\",op=\"add\",result=\"ok\""), 0.0);
     assert_eq!(series("bucket", "le=\"2.5\",op=\"add\",result=\"ok\""), 1.0);
-    assert!(series("sum", "op=\"add\",result=\"error\"") < 0.1, "an invalid ADD is answered at once");
+    assert!(
+        series("sum", "op=\"add\",result=\"error\"") < 0.1,
+        "an invalid ADD is answered at once"
+    );
 }

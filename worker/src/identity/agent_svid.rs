@@ -45,12 +45,28 @@ struct Held {
 }
 
 /// Follows the Workload API at `endpoint` until the task is aborted, feeding the node.
-pub fn spawn(endpoint: Endpoint, endpoint_text: String, trust_domain: TrustDomain, node: Arc<Node>, metrics: Arc<Metrics>, problems: Reporter) -> tokio::task::JoinHandle<()> {
+pub fn spawn(
+    endpoint: Endpoint,
+    endpoint_text: String,
+    trust_domain: TrustDomain,
+    node: Arc<Node>,
+    metrics: Arc<Metrics>,
+    problems: Reporter,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut held = Held::default();
         let mut backoff = link::backoff();
         loop {
-            let (progressed, why) = match watch_once(&endpoint, &trust_domain, &mut held, &node, &metrics, &problems).await {
+            let (progressed, why) = match watch_once(
+                &endpoint,
+                &trust_domain,
+                &mut held,
+                &node,
+                &metrics,
+                &problems,
+            )
+            .await
+            {
                 Ok(progressed) => (progressed, "stream ended".to_string()),
                 Err((progressed, e)) => (progressed, format!("{e:#}")),
             };
@@ -59,9 +75,16 @@ pub fn spawn(endpoint: Endpoint, endpoint_text: String, trust_domain: TrustDomai
             if progressed {
                 backoff.reset();
             }
-            let state = if held.svid.is_some() { "serving the last SVID" } else { "no SVID yet" };
+            let state = if held.svid.is_some() {
+                "serving the last SVID"
+            } else {
+                "no SVID yet"
+            };
             warn!(endpoint = %endpoint_text, error = %why, "Workload API unreachable; {state}; reconnecting");
-            problems.set(PROBLEM, format!("Workload API {endpoint_text}: {why} ({state}; reconnecting)"));
+            problems.set(
+                PROBLEM,
+                format!("Workload API {endpoint_text}: {why} ({state}; reconnecting)"),
+            );
             tokio::time::sleep(backoff.next_wait()).await;
         }
     })
@@ -77,9 +100,14 @@ async fn watch_once(
     metrics: &Metrics,
     problems: &Reporter,
 ) -> Result<bool, (bool, anyhow::Error)> {
-    let channel = link::channel(endpoint, false).await.map_err(|e| (false, e.context("connecting")))?;
+    let channel = link::channel(endpoint, false)
+        .await
+        .map_err(|e| (false, e.context("connecting")))?;
     let client = WorkloadApiClient::new_with_channel(endpoint.clone(), channel);
-    let mut stream = client.stream_x509_contexts().await.map_err(|e| (false, anyhow::Error::new(e).context("FetchX509SVID")))?;
+    let mut stream = client
+        .stream_x509_contexts()
+        .await
+        .map_err(|e| (false, anyhow::Error::new(e).context("FetchX509SVID")))?;
     metrics.identity_workload_api_connected.set(1);
     let mut progressed = false;
     while let Some(message) = stream.next().await {
@@ -95,7 +123,14 @@ async fn watch_once(
 }
 
 /// Hands the node what changed in `context`.
-fn apply(context: &X509Context, trust_domain: &TrustDomain, held: &mut Held, node: &Node, metrics: &Metrics, problems: &Reporter) {
+fn apply(
+    context: &X509Context,
+    trust_domain: &TrustDomain,
+    held: &mut Held,
+    node: &Node,
+    metrics: &Metrics,
+    problems: &Reporter,
+) {
     let mut changes = Vec::new();
     match context.bundle_set().get(trust_domain) {
         Some(bundle) => {
@@ -106,12 +141,18 @@ fn apply(context: &X509Context, trust_domain: &TrustDomain, held: &mut Held, nod
                 changes.push(Change::SetBundle(Some(pem)));
             }
         }
-        None => warn!(trust_domain = %trust_domain, "the Workload API sent no bundle for the trust domain; keeping the last one"),
+        None => {
+            warn!(trust_domain = %trust_domain, "the Workload API sent no bundle for the trust domain; keeping the last one")
+        }
     }
     // What is wrong with this message's SVID, if anything but its trust domain.
     let mut unusable = None;
     match context.default_svid() {
-        None => unusable = Some("the Workload API sent no SVID for the agent (keeping the last one)".to_string()),
+        None => {
+            unusable = Some(
+                "the Workload API sent no SVID for the agent (keeping the last one)".to_string(),
+            )
+        }
         Some(x) if x.spiffe_id().trust_domain() != trust_domain => {
             let id = x.spiffe_id().to_string();
             if held.refused.as_ref() != Some(&id) {
@@ -126,8 +167,17 @@ fn apply(context: &X509Context, trust_domain: &TrustDomain, held: &mut Held, nod
                 problems.clear(PROBLEM_TRUST_DOMAIN);
                 if held.svid.as_ref() != Some(&svid) {
                     info!(spiffe_id = %svid.spiffe_id, serial = %svid.serial, not_after = svid.not_after, "the agent's SVID from the Workload API");
-                    metrics.identity_svid_updates.get_or_create(&SvidSourceLabel { source: "agent".into() }).inc();
-                    let status = SvidStatus { spiffe_id: svid.spiffe_id.clone(), serial: svid.serial.clone(), not_after: svid.not_after };
+                    metrics
+                        .identity_svid_updates
+                        .get_or_create(&SvidSourceLabel {
+                            source: "agent".into(),
+                        })
+                        .inc();
+                    let status = SvidStatus {
+                        spiffe_id: svid.spiffe_id.clone(),
+                        serial: svid.serial.clone(),
+                        not_after: svid.not_after,
+                    };
                     problems.identity(|s| s.agent = Some(status));
                     held.svid = Some(svid.clone());
                     changes.push(Change::SetAgentSvid(Some(svid)));

@@ -26,7 +26,12 @@ const LISTED: usize = 20;
 
 /// The uids of the local pods without an SVID.
 pub fn lacking_svids(inputs: &Inputs) -> BTreeSet<String> {
-    inputs.pods.keys().filter(|uid| !inputs.identity.pods.contains_key(*uid)).cloned().collect()
+    inputs
+        .pods
+        .keys()
+        .filter(|uid| !inputs.identity.pods.contains_key(*uid))
+        .cloned()
+        .collect()
 }
 
 /// A pod as logs and `/ready` name it.
@@ -57,17 +62,28 @@ pub struct Findings {
 /// only the SVIDs the inputs hold count, so a renewal that came clears it.
 pub fn evaluate(inputs: &Inputs, now: u64) -> Findings {
     let mut f = Findings::default();
-    let expiring = |holder: String, s: &Svid| (now >= s.renew_by()).then_some(Expiring { holder, not_after: s.not_after, expired: now >= s.not_after });
+    let expiring = |holder: String, s: &Svid| {
+        (now >= s.renew_by()).then_some(Expiring {
+            holder,
+            not_after: s.not_after,
+            expired: now >= s.not_after,
+        })
+    };
     if let Some(agent) = &inputs.identity.agent {
-        f.expiring.extend(expiring(format!("the agent ({})", agent.spiffe_id), agent));
+        f.expiring
+            .extend(expiring(format!("the agent ({})", agent.spiffe_id), agent));
     }
     for (uid, pod) in &inputs.pods {
         match inputs.identity.pods.get(uid) {
             Some(s) => {
                 f.with_svid += 1;
-                f.expiring.extend(expiring(format!("pod {}/{}", pod.namespace, pod.name), s));
+                f.expiring
+                    .extend(expiring(format!("pod {}/{}", pod.namespace, pod.name), s));
             }
-            None => f.without_svid.push(PodName { uid: uid.clone(), name: format!("{}/{}", pod.namespace, pod.name) }),
+            None => f.without_svid.push(PodName {
+                uid: uid.clone(),
+                name: format!("{}/{}", pod.namespace, pod.name),
+            }),
         }
     }
     f
@@ -81,17 +97,29 @@ pub fn expiring_message(expiring: &[Expiring], now: u64) -> Option<String> {
     let mut parts: Vec<String> = expiring
         .iter()
         .take(LISTED)
-        .map(|e| if e.expired { format!("{} expired {} s ago", e.holder, now - e.not_after) } else { format!("{} expires in {} s", e.holder, e.not_after - now) })
+        .map(|e| {
+            if e.expired {
+                format!("{} expired {} s ago", e.holder, now - e.not_after)
+            } else {
+                format!("{} expires in {} s", e.holder, e.not_after - now)
+            }
+        })
         .collect();
     if expiring.len() > LISTED {
         parts.push(format!("and {} more", expiring.len() - LISTED));
     }
-    Some(format!("SVIDs past 80 % of their lifetime with no renewal from the identity provider: {}", parts.join("; ")))
+    Some(format!(
+        "SVIDs past 80 % of their lifetime with no renewal from the identity provider: {}",
+        parts.join("; ")
+    ))
 }
 
 /// The strict-mode problem of one pod.
 pub fn no_svid_message(pod: &PodName) -> String {
-    format!("pod {} has no SVID yet: strict mTLS holds its inbound listener back", pod.name)
+    format!(
+        "pod {} has no SVID yet: strict mTLS holds its inbound listener back",
+        pod.name
+    )
 }
 
 /// Looks at the node after each change and every [`EVERY`], until the task is aborted.
@@ -111,7 +139,11 @@ pub async fn run(node: Arc<Node>, mode: MtlsMode, metrics: Arc<Metrics>, problem
             s.svids_expiring = f.expiring.len();
         });
         if mode == MtlsMode::Strict {
-            let now_lacking: BTreeMap<String, String> = f.without_svid.iter().map(|p| (p.uid.clone(), p.name.clone())).collect();
+            let now_lacking: BTreeMap<String, String> = f
+                .without_svid
+                .iter()
+                .map(|p| (p.uid.clone(), p.name.clone()))
+                .collect();
             for p in &f.without_svid {
                 if !logged.contains_key(&p.uid) {
                     warn!(uid = %p.uid, pod = %p.name, "pod has no SVID yet: strict mTLS holds its inbound listener back until it comes");
@@ -123,7 +155,12 @@ pub async fn run(node: Arc<Node>, mode: MtlsMode, metrics: Arc<Metrics>, problem
                 }
             }
             logged = now_lacking;
-            let mut listed: Vec<String> = f.without_svid.iter().take(LISTED).map(no_svid_message).collect();
+            let mut listed: Vec<String> = f
+                .without_svid
+                .iter()
+                .take(LISTED)
+                .map(no_svid_message)
+                .collect();
             if f.without_svid.len() > LISTED {
                 listed.push(format!("and {} more pods have no SVID yet: strict mTLS holds their inbound listeners back", f.without_svid.len() - LISTED));
             }
@@ -131,7 +168,8 @@ pub async fn run(node: Arc<Node>, mode: MtlsMode, metrics: Arc<Metrics>, problem
         }
         match expiring_message(&f.expiring, now) {
             Some(message) => {
-                let holders: BTreeSet<String> = f.expiring.iter().map(|e| e.holder.clone()).collect();
+                let holders: BTreeSet<String> =
+                    f.expiring.iter().map(|e| e.holder.clone()).collect();
                 if holders != warned {
                     warn!(svids = %message, "SVIDs near expiry");
                 }
@@ -154,7 +192,9 @@ pub async fn run(node: Arc<Node>, mode: MtlsMode, metrics: Arc<Metrics>, problem
 }
 
 fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]
@@ -164,11 +204,25 @@ mod tests {
     use super::*;
 
     fn svid(id: &str, not_before: u64, not_after: u64) -> Svid {
-        Svid { spiffe_id: id.into(), chain_pem: String::new(), key_pem: String::new(), serial: "01".into(), not_before, not_after }
+        Svid {
+            spiffe_id: id.into(),
+            chain_pem: String::new(),
+            key_pem: String::new(),
+            serial: "01".into(),
+            not_before,
+            not_after,
+        }
     }
 
     fn inputs(pods: &[(&str, Option<Svid>)], agent: Option<Svid>) -> Inputs {
-        let mut i = Inputs { identity: Identity { trust_domain: Some("t".into()), agent, ..Identity::default() }, ..Inputs::default() };
+        let mut i = Inputs {
+            identity: Identity {
+                trust_domain: Some("t".into()),
+                agent,
+                ..Identity::default()
+            },
+            ..Inputs::default()
+        };
         for (uid, s) in pods {
             let pod = Pod {
                 uid: uid.to_string(),
@@ -190,22 +244,58 @@ mod tests {
 
     #[test]
     fn pods_without_an_svid_are_found_by_uid() {
-        let i = inputs(&[("a", Some(svid("x", 0, 100))), ("b", None), ("c", None)], None);
+        let i = inputs(
+            &[("a", Some(svid("x", 0, 100))), ("b", None), ("c", None)],
+            None,
+        );
         assert_eq!(lacking_svids(&i), ["b", "c"].map(String::from).into());
         let f = evaluate(&i, 0);
         assert_eq!(f.with_svid, 1);
-        assert_eq!(f.without_svid, vec![PodName { uid: "b".into(), name: "ns/p-b".into() }, PodName { uid: "c".into(), name: "ns/p-c".into() }]);
-        assert_eq!(no_svid_message(&f.without_svid[0]), "pod ns/p-b has no SVID yet: strict mTLS holds its inbound listener back");
+        assert_eq!(
+            f.without_svid,
+            vec![
+                PodName {
+                    uid: "b".into(),
+                    name: "ns/p-b".into()
+                },
+                PodName {
+                    uid: "c".into(),
+                    name: "ns/p-c".into()
+                }
+            ]
+        );
+        assert_eq!(
+            no_svid_message(&f.without_svid[0]),
+            "pod ns/p-b has no SVID yet: strict mTLS holds its inbound listener back"
+        );
     }
 
     /// The clock is passed in: an SVID valid 1000..2000 renews by 1800.
     #[test]
     fn svids_expire_from_eighty_percent_of_their_lifetime_until_renewed() {
         let agent = svid("spiffe://t/agent", 1000, 2000);
-        let i = inputs(&[("a", Some(svid("spiffe://t/a", 1000, 2000))), ("b", Some(svid("spiffe://t/b", 1500, 2500)))], Some(agent));
-        let holders = |now| evaluate(&i, now).expiring.into_iter().map(|e| (e.holder, e.expired)).collect::<Vec<_>>();
+        let i = inputs(
+            &[
+                ("a", Some(svid("spiffe://t/a", 1000, 2000))),
+                ("b", Some(svid("spiffe://t/b", 1500, 2500))),
+            ],
+            Some(agent),
+        );
+        let holders = |now| {
+            evaluate(&i, now)
+                .expiring
+                .into_iter()
+                .map(|e| (e.holder, e.expired))
+                .collect::<Vec<_>>()
+        };
         assert!(holders(1799).is_empty());
-        assert_eq!(holders(1800), [("the agent (spiffe://t/agent)".to_string(), false), ("pod ns/p-a".to_string(), false)]);
+        assert_eq!(
+            holders(1800),
+            [
+                ("the agent (spiffe://t/agent)".to_string(), false),
+                ("pod ns/p-a".to_string(), false)
+            ]
+        );
         assert_eq!(holders(2000).len(), 2, "b renews by 2300");
         assert!(holders(2000).iter().all(|(_, expired)| *expired));
         assert_eq!(holders(2300).len(), 3);
@@ -215,17 +305,36 @@ mod tests {
             "SVIDs past 80 % of their lifetime with no renewal from the identity provider: the agent (spiffe://t/agent) expires in 100 s; pod ns/p-a expires in 100 s"
         );
         let f = evaluate(&i, 2010);
-        assert!(expiring_message(&f.expiring, 2010).unwrap().contains("pod ns/p-a expired 10 s ago"));
+        assert!(
+            expiring_message(&f.expiring, 2010)
+                .unwrap()
+                .contains("pod ns/p-a expired 10 s ago")
+        );
         // A renewal clears it.
-        let renewed = inputs(&[("a", Some(svid("spiffe://t/a", 1900, 2900))), ("b", Some(svid("spiffe://t/b", 1500, 2500)))], Some(svid("spiffe://t/agent", 1900, 2900)));
+        let renewed = inputs(
+            &[
+                ("a", Some(svid("spiffe://t/a", 1900, 2900))),
+                ("b", Some(svid("spiffe://t/b", 1500, 2500))),
+            ],
+            Some(svid("spiffe://t/agent", 1900, 2900)),
+        );
         assert!(evaluate(&renewed, 1900).expiring.is_empty());
         assert_eq!(expiring_message(&[], 1900), None);
     }
 
     #[test]
     fn a_long_list_names_twenty_and_counts_the_rest() {
-        let e: Vec<Expiring> = (0..25).map(|n| Expiring { holder: format!("pod ns/p{n}"), not_after: 100, expired: false }).collect();
+        let e: Vec<Expiring> = (0..25)
+            .map(|n| Expiring {
+                holder: format!("pod ns/p{n}"),
+                not_after: 100,
+                expired: false,
+            })
+            .collect();
         let m = expiring_message(&e, 90).unwrap();
-        assert!(m.contains("pod ns/p19 ") && !m.contains("pod ns/p20 ") && m.ends_with("and 5 more"), "{m}");
+        assert!(
+            m.contains("pod ns/p19 ") && !m.contains("pod ns/p20 ") && m.ends_with("and 5 more"),
+            "{m}"
+        );
     }
 }

@@ -38,17 +38,33 @@ pub async fn channel(endpoint: &Endpoint, lazy: bool) -> anyhow::Result<Channel>
             let path = path.clone();
             let connector = tower::service_fn(move |_: Uri| {
                 let path = path.clone();
-                async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+                async move {
+                    tokio::net::UnixStream::connect(path)
+                        .await
+                        .map(TokioIo::new)
+                }
             });
             // The authority is not used on a unix socket; the Workload API's own clients
             // send `localhost`.
             let e = builder("http://localhost".into())?;
-            Ok(if lazy { e.connect_with_connector_lazy(connector) } else { e.connect_with_connector(connector).await? })
+            Ok(if lazy {
+                e.connect_with_connector_lazy(connector)
+            } else {
+                e.connect_with_connector(connector).await?
+            })
         }
         Endpoint::Tcp { host, port } => {
-            let host = if host.is_ipv6() { format!("[{host}]") } else { host.to_string() };
+            let host = if host.is_ipv6() {
+                format!("[{host}]")
+            } else {
+                host.to_string()
+            };
             let e = builder(format!("http://{host}:{port}"))?;
-            Ok(if lazy { e.connect_lazy() } else { e.connect().await? })
+            Ok(if lazy {
+                e.connect_lazy()
+            } else {
+                e.connect().await?
+            })
         }
         // `Endpoint` is non-exhaustive; parsing makes no other kind today.
         other => anyhow::bail!("{other:?}: an endpoint kind this agent cannot connect to"),

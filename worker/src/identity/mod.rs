@@ -42,7 +42,12 @@ impl Drop for Identity {
 
 /// Starts the identity clients and checks for `node`, whose inputs carry `cfg`'s trust
 /// domain and mode.
-pub fn spawn(cfg: IdentityConfig, node: Arc<Node>, metrics: Arc<Metrics>, problems: Reporter) -> Identity {
+pub fn spawn(
+    cfg: IdentityConfig,
+    node: Arc<Node>,
+    metrics: Arc<Metrics>,
+    problems: Reporter,
+) -> Identity {
     info!(
         workload_api = %cfg.workload_api_text,
         broker = cfg.broker.as_ref().map_or("none", |b| b.1.as_str()),
@@ -56,15 +61,38 @@ pub fn spawn(cfg: IdentityConfig, node: Arc<Node>, metrics: Arc<Metrics>, proble
         s.workload_api = "connecting";
     });
     let mut tasks = vec![
-        agent_svid::spawn(cfg.workload_api, cfg.workload_api_text, cfg.trust_domain.clone(), node.clone(), metrics.clone(), problems.clone()),
-        tokio::spawn(checks::run(node.clone(), cfg.mode, metrics.clone(), problems.clone())),
+        agent_svid::spawn(
+            cfg.workload_api,
+            cfg.workload_api_text,
+            cfg.trust_domain.clone(),
+            node.clone(),
+            metrics.clone(),
+            problems.clone(),
+        ),
+        tokio::spawn(checks::run(
+            node.clone(),
+            cfg.mode,
+            metrics.clone(),
+            problems.clone(),
+        )),
     ];
     match cfg.broker {
-        Some((endpoint, text)) => tasks.push(pods::spawn(endpoint, text, cfg.trust_domain, node, metrics, problems)),
+        Some((endpoint, text)) => tasks.push(pods::spawn(
+            endpoint,
+            text,
+            cfg.trust_domain,
+            node,
+            metrics,
+            problems,
+        )),
         None if cfg.mode == aether_model::MtlsMode::Strict => {
-            warn!("strict mTLS without --spiffe-broker-endpoint: no pod gets an SVID, so no pod has an inbound listener");
+            warn!(
+                "strict mTLS without --spiffe-broker-endpoint: no pod gets an SVID, so no pod has an inbound listener"
+            );
         }
-        None => info!("no --spiffe-broker-endpoint: pods get no SVID of their own (permissive mTLS presents the agent's)"),
+        None => info!(
+            "no --spiffe-broker-endpoint: pods get no SVID of their own (permissive mTLS presents the agent's)"
+        ),
     }
     Identity { tasks }
 }

@@ -37,8 +37,8 @@ use std::time::Duration;
 
 use aether_model::{Change, Svid};
 use futures::StreamExt;
-use spiffe::transport::Endpoint;
 use spiffe::TrustDomain;
+use spiffe::transport::Endpoint;
 use spire_api::selectors::Selector;
 use spire_api::{DelegateAttestationRequest, DelegatedIdentityClient};
 use tracing::{debug, error, info, warn};
@@ -90,19 +90,33 @@ pub fn plan(open: &BTreeMap<String, PodKey>, pods: &BTreeMap<String, PodKey>) ->
 /// The selectors that name the pod to SPIRE.
 fn request(uid: &str, pod: &PodKey) -> Result<DelegateAttestationRequest, String> {
     let k8s = |value: String| Selector::Generic(("k8s".into(), value));
-    DelegateAttestationRequest::for_selectors(vec![k8s(format!("ns:{}", pod.namespace)), k8s(format!("pod-name:{}", pod.name)), k8s(format!("pod-uid:{uid}"))])
-        .map_err(|e| e.to_string())
+    DelegateAttestationRequest::for_selectors(vec![
+        k8s(format!("ns:{}", pod.namespace)),
+        k8s(format!("pod-name:{}", pod.name)),
+        k8s(format!("pod-uid:{uid}")),
+    ])
+    .map_err(|e| e.to_string())
 }
 
 /// Subscribes the node's pods at the broker at `endpoint` until the task is aborted.
-pub fn spawn(endpoint: Endpoint, endpoint_text: String, trust_domain: TrustDomain, node: Arc<Node>, metrics: Arc<Metrics>, problems: Reporter) -> tokio::task::JoinHandle<()> {
+pub fn spawn(
+    endpoint: Endpoint,
+    endpoint_text: String,
+    trust_domain: TrustDomain,
+    node: Arc<Node>,
+    metrics: Arc<Metrics>,
+    problems: Reporter,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         // One connection for every stream, made at the first call and again after it breaks.
         let channel = match link::channel(&endpoint, true).await {
             Ok(c) => c,
             Err(e) => {
                 error!(endpoint = %endpoint_text, error = %format!("{e:#}"), "SPIFFE broker: no channel; pods get no SVID");
-                problems.set(PROBLEM, format!("SPIFFE broker {endpoint_text}: {e:#}; pods get no SVID"));
+                problems.set(
+                    PROBLEM,
+                    format!("SPIFFE broker {endpoint_text}: {e:#}; pods get no SVID"),
+                );
                 return;
             }
         };
@@ -168,16 +182,36 @@ async fn follow(client: DelegatedIdentityClient, shared: Arc<Shared>) {
     let mut subs: BTreeMap<String, Subscription> = BTreeMap::new();
     let mut next_id = 0u64;
     loop {
-        let pods: BTreeMap<String, PodKey> =
-            shared.node.with_inputs(|i| i.pods.iter().map(|(uid, p)| (uid.clone(), PodKey { namespace: p.namespace.clone(), name: p.name.clone() })).collect());
-        let open: BTreeMap<String, PodKey> = subs.iter().map(|(uid, s)| (uid.clone(), s.key.clone())).collect();
+        let pods: BTreeMap<String, PodKey> = shared.node.with_inputs(|i| {
+            i.pods
+                .iter()
+                .map(|(uid, p)| {
+                    (
+                        uid.clone(),
+                        PodKey {
+                            namespace: p.namespace.clone(),
+                            name: p.name.clone(),
+                        },
+                    )
+                })
+                .collect()
+        });
+        let open: BTreeMap<String, PodKey> = subs
+            .iter()
+            .map(|(uid, s)| (uid.clone(), s.key.clone()))
+            .collect();
         let plan = plan(&open, &pods);
         for uid in plan.unsubscribe {
-            let Some(sub) = subs.remove(&uid) else { continue };
+            let Some(sub) = subs.remove(&uid) else {
+                continue;
+            };
             {
                 let mut live = lock(&shared.live);
                 live.remove(&uid);
-                shared.node.apply([Change::SetPodSvid { uid: uid.clone(), svid: None }]);
+                shared.node.apply([Change::SetPodSvid {
+                    uid: uid.clone(),
+                    svid: None,
+                }]);
             }
             // Dropping the task ends its stream: the provider sees the subscription close.
             drop(sub);
@@ -189,8 +223,20 @@ async fn follow(client: DelegatedIdentityClient, shared: Arc<Shared>) {
             let key = pods[&uid].clone();
             lock(&shared.live).insert(uid.clone(), next_id);
             info!(uid = %uid, pod = %format!("{}/{}", key.namespace, key.name), "SVID subscription opened");
-            let task = tokio::spawn(subscription(uid.clone(), key.clone(), next_id, client.clone(), shared.clone()));
-            subs.insert(uid, Subscription { key, _task: Aborting(task) });
+            let task = tokio::spawn(subscription(
+                uid.clone(),
+                key.clone(),
+                next_id,
+                client.clone(),
+                shared.clone(),
+            ));
+            subs.insert(
+                uid,
+                Subscription {
+                    key,
+                    _task: Aborting(task),
+                },
+            );
         }
         tokio::select! {
             changed = snapshots.changed() => if changed.is_err() { return },
@@ -216,7 +262,13 @@ impl Drop for OpenStream {
 }
 
 /// One pod's SVID stream, reconnecting until its task is aborted (the pod left).
-async fn subscription(uid: String, pod: PodKey, id: u64, client: DelegatedIdentityClient, shared: Arc<Shared>) {
+async fn subscription(
+    uid: String,
+    pod: PodKey,
+    id: u64,
+    client: DelegatedIdentityClient,
+    shared: Arc<Shared>,
+) {
     let name = format!("{}/{}", pod.namespace, pod.name);
     let mut backoff = link::backoff();
     let mut held: Option<Svid> = None;
@@ -285,9 +337,20 @@ async fn bundles(client: DelegatedIdentityClient, shared: Arc<Shared>) {
 
 impl Shared {
     /// Hands the node a pod's new SVID, if the subscription is still the pod's.
-    fn receive(&self, uid: &str, name: &str, id: u64, x: &spiffe::X509Svid, held: &mut Option<Svid>) {
+    fn receive(
+        &self,
+        uid: &str,
+        name: &str,
+        id: u64,
+        x: &spiffe::X509Svid,
+        held: &mut Option<Svid>,
+    ) {
         if x.spiffe_id().trust_domain() != &self.trust_domain {
-            let why = format!("its SVID {} is not in --trust-domain {} and is not served", x.spiffe_id(), self.trust_domain);
+            let why = format!(
+                "its SVID {} is not in --trust-domain {} and is not served",
+                x.spiffe_id(),
+                self.trust_domain
+            );
             error!(uid = %uid, pod = %name, spiffe_id = %x.spiffe_id(), trust_domain = %self.trust_domain, "a pod's SVID is not in --trust-domain; it is not served");
             self.failed(uid, name, why);
             return;
@@ -309,8 +372,16 @@ impl Shared {
                 return;
             }
             // Counted before the node has it: whoever sees the SVID sees it counted.
-            self.metrics.identity_svid_updates.get_or_create(&SvidSourceLabel { source: "pod".into() }).inc();
-            self.node.apply([Change::SetPodSvid { uid: uid.to_string(), svid: Some(svid.clone()) }]);
+            self.metrics
+                .identity_svid_updates
+                .get_or_create(&SvidSourceLabel {
+                    source: "pod".into(),
+                })
+                .inc();
+            self.node.apply([Change::SetPodSvid {
+                uid: uid.to_string(),
+                svid: Some(svid.clone()),
+            }]);
         }
         let first = held.is_none();
         if first {
@@ -364,7 +435,10 @@ impl Shared {
             return;
         };
         let n = failing.len();
-        let message = format!("SPIFFE broker {}: {n} stream(s) failing, {name} first: {why} (SVIDs received before are kept; reconnecting)", self.endpoint_text);
+        let message = format!(
+            "SPIFFE broker {}: {n} stream(s) failing, {name} first: {why} (SVIDs received before are kept; reconnecting)",
+            self.endpoint_text
+        );
         // One warning while the broker is away, not one per pod and retry (those are debug).
         if !self.away.swap(true, Ordering::Relaxed) {
             warn!(endpoint = %self.endpoint_text, stream = %name, error = %why, "SPIFFE broker stream failing; reconnecting");
@@ -378,12 +452,30 @@ mod tests {
     use super::*;
 
     fn pods(list: &[(&str, &str)]) -> BTreeMap<String, PodKey> {
-        list.iter().map(|(uid, name)| (uid.to_string(), PodKey { namespace: "ns".into(), name: name.to_string() })).collect()
+        list.iter()
+            .map(|(uid, name)| {
+                (
+                    uid.to_string(),
+                    PodKey {
+                        namespace: "ns".into(),
+                        name: name.to_string(),
+                    },
+                )
+            })
+            .collect()
     }
 
-    fn check(open: &[(&str, &str)], now: &[(&str, &str)], unsubscribe: &[&str], subscribe: &[&str]) {
+    fn check(
+        open: &[(&str, &str)],
+        now: &[(&str, &str)],
+        unsubscribe: &[&str],
+        subscribe: &[&str],
+    ) {
         let got = plan(&pods(open), &pods(now));
-        let want = Plan { unsubscribe: unsubscribe.iter().map(|u| u.to_string()).collect(), subscribe: subscribe.iter().map(|u| u.to_string()).collect() };
+        let want = Plan {
+            unsubscribe: unsubscribe.iter().map(|u| u.to_string()).collect(),
+            subscribe: subscribe.iter().map(|u| u.to_string()).collect(),
+        };
         assert_eq!(got, want, "open {open:?}, pods {now:?}");
     }
 
@@ -394,7 +486,12 @@ mod tests {
         // ADD, DEL, and a reconcile doing both at once.
         check(&[("u1", "a")], &[("u1", "a"), ("u3", "c")], &[], &["u3"]);
         check(&[("u1", "a"), ("u3", "c")], &[("u1", "a")], &["u3"], &[]);
-        check(&[("u1", "a"), ("u2", "b")], &[("u2", "b"), ("u4", "d")], &["u1"], &["u4"]);
+        check(
+            &[("u1", "a"), ("u2", "b")],
+            &[("u2", "b"), ("u4", "d")],
+            &["u1"],
+            &["u4"],
+        );
         // Nothing changed (an SVID landed, a service changed): nothing to do.
         check(&[("u1", "a")], &[("u1", "a")], &[], &[]);
         // A uid now under another name is subscribed again under it.
@@ -403,12 +500,25 @@ mod tests {
 
     #[test]
     fn a_pod_is_named_by_three_k8s_selectors() {
-        let r = request("0a1b", &PodKey { namespace: "shop".into(), name: "web-1".into() }).unwrap();
-        let DelegateAttestationRequest::Selectors(s) = r else { panic!("{r:?}") };
+        let r = request(
+            "0a1b",
+            &PodKey {
+                namespace: "shop".into(),
+                name: "web-1".into(),
+            },
+        )
+        .unwrap();
+        let DelegateAttestationRequest::Selectors(s) = r else {
+            panic!("{r:?}")
+        };
         let got: Vec<String> = s.as_slice().iter().map(|s| format!("{s:?}")).collect();
         assert_eq!(got.len(), 3);
         for want in ["ns:shop", "pod-name:web-1", "pod-uid:0a1b"] {
-            assert!(got.iter().any(|g| g.contains("\"k8s\"") && g.contains(&format!("\"{want}\""))), "{want} in {got:?}");
+            assert!(
+                got.iter()
+                    .any(|g| g.contains("\"k8s\"") && g.contains(&format!("\"{want}\""))),
+                "{want} in {got:?}"
+            );
         }
     }
 }

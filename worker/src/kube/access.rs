@@ -16,12 +16,18 @@ pub enum Access {
     Kubeconfig(PathBuf),
     /// In a pod: `https://HOST:PORT` with the service account's token and CA from
     /// `dir` ([`SERVICE_ACCOUNT_DIR`] in production).
-    InCluster { host: String, port: u16, dir: PathBuf },
+    InCluster {
+        host: String,
+        port: u16,
+        dir: PathBuf,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum AccessError {
-    #[error("KUBERNETES_SERVICE_HOST and _PORT give {0:?}: expected HOST:PORT (an IPv6 host in brackets) with a port in 1..=65535")]
+    #[error(
+        "KUBERNETES_SERVICE_HOST and _PORT give {0:?}: expected HOST:PORT (an IPv6 host in brackets) with a port in 1..=65535"
+    )]
     BadAddress(String),
     #[error("kubeconfig {path}: {source}")]
     Kubeconfig {
@@ -29,8 +35,14 @@ pub enum AccessError {
         #[source]
         source: kube::config::KubeconfigError,
     },
-    #[error("kubeconfig {path}: user {user:?} uses an {what}; the worker runs no credential plugin, give it a token or a client certificate")]
-    Plugin { path: PathBuf, user: String, what: &'static str },
+    #[error(
+        "kubeconfig {path}: user {user:?} uses an {what}; the worker runs no credential plugin, give it a token or a client certificate"
+    )]
+    Plugin {
+        path: PathBuf,
+        user: String,
+        what: &'static str,
+    },
     #[error("in-cluster credentials in {dir}: {source}")]
     InCluster {
         dir: PathBuf,
@@ -44,8 +56,13 @@ pub enum AccessError {
 impl Access {
     /// The pod's service account, at the API server `HOST:PORT`.
     pub fn in_cluster(addr: &str) -> Result<Access, AccessError> {
-        let (host, port) = parse_host_port(addr).ok_or_else(|| AccessError::BadAddress(addr.to_string()))?;
-        Ok(Access::InCluster { host, port, dir: SERVICE_ACCOUNT_DIR.into() })
+        let (host, port) =
+            parse_host_port(addr).ok_or_else(|| AccessError::BadAddress(addr.to_string()))?;
+        Ok(Access::InCluster {
+            host,
+            port,
+            dir: SERVICE_ACCOUNT_DIR.into(),
+        })
     }
 
     /// Builds the client. Reads the credentials once; a service-account token file is
@@ -57,15 +74,25 @@ impl Access {
         let options = kube::config::KubeConfigOptions::default();
         let config = match self {
             Access::Kubeconfig(path) => {
-                let err = |source| AccessError::Kubeconfig { path: path.clone(), source };
+                let err = |source| AccessError::Kubeconfig {
+                    path: path.clone(),
+                    source,
+                };
                 let kc = kube::config::Kubeconfig::read_from(path).map_err(err)?;
                 refuse_plugins(path, &kc)?;
-                kube::Config::from_custom_kubeconfig(kc, &options).await.map_err(err)?
+                kube::Config::from_custom_kubeconfig(kc, &options)
+                    .await
+                    .map_err(err)?
             }
             Access::InCluster { host, port, dir } => {
-                let err = |source| AccessError::InCluster { dir: dir.clone(), source };
+                let err = |source| AccessError::InCluster {
+                    dir: dir.clone(),
+                    source,
+                };
                 let kc = in_cluster_kubeconfig(host, *port, dir);
-                let mut config = kube::Config::from_custom_kubeconfig(kc, &options).await.map_err(err)?;
+                let mut config = kube::Config::from_custom_kubeconfig(kc, &options)
+                    .await
+                    .map_err(err)?;
                 // Re-read as the CA rotates, as the client does for the token.
                 config.root_cert_file = Some(dir.join("ca.crt"));
                 config
@@ -79,19 +106,31 @@ impl std::fmt::Display for Access {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Access::Kubeconfig(p) => write!(f, "kubeconfig {}", p.display()),
-            Access::InCluster { host, port, dir } => write!(f, "in-cluster API server {}, service account {}", url(host, *port), dir.display()),
+            Access::InCluster { host, port, dir } => write!(
+                f,
+                "in-cluster API server {}, service account {}",
+                url(host, *port),
+                dir.display()
+            ),
         }
     }
 }
 
 fn url(host: &str, port: u16) -> String {
-    if host.contains(':') { format!("https://[{host}]:{port}") } else { format!("https://{host}:{port}") }
+    if host.contains(':') {
+        format!("https://[{host}]:{port}")
+    } else {
+        format!("https://{host}:{port}")
+    }
 }
 
 /// `HOST:PORT`, `[V6]:PORT`; the host without brackets.
 fn parse_host_port(s: &str) -> Option<(String, u16)> {
     let (host, port) = s.rsplit_once(':')?;
-    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     let port = port.parse::<u16>().ok().filter(|p| *p != 0)?;
     (!host.is_empty() && !host.contains(['/', ' ', '[', ']'])).then(|| (host.to_string(), port))
 }
@@ -113,9 +152,19 @@ fn in_cluster_kubeconfig(host: &str, port: u16, dir: &Path) -> kube::config::Kub
 /// The worker never runs a credential plugin: it would be a process started by the
 /// worker with whatever the kubeconfig names.
 fn refuse_plugins(path: &Path, kc: &kube::config::Kubeconfig) -> Result<(), AccessError> {
-    let context = kc.current_context.as_deref().and_then(|c| kc.contexts.iter().find(|n| n.name == c));
-    let user = context.and_then(|c| c.context.as_ref()).map(|c| c.user.clone()).unwrap_or_default();
-    for u in kc.auth_infos.iter().filter(|u| user.as_deref().is_none_or(|name| u.name == name)) {
+    let context = kc
+        .current_context
+        .as_deref()
+        .and_then(|c| kc.contexts.iter().find(|n| n.name == c));
+    let user = context
+        .and_then(|c| c.context.as_ref())
+        .map(|c| c.user.clone())
+        .unwrap_or_default();
+    for u in kc
+        .auth_infos
+        .iter()
+        .filter(|u| user.as_deref().is_none_or(|name| u.name == name))
+    {
         let Some(info) = &u.auth_info else { continue };
         let what = if info.exec.is_some() {
             "exec credential plugin"
@@ -124,7 +173,11 @@ fn refuse_plugins(path: &Path, kc: &kube::config::Kubeconfig) -> Result<(), Acce
         } else {
             continue;
         };
-        return Err(AccessError::Plugin { path: path.to_path_buf(), user: u.name.clone(), what });
+        return Err(AccessError::Plugin {
+            path: path.to_path_buf(),
+            user: u.name.clone(),
+            what,
+        });
     }
     Ok(())
 }
@@ -135,10 +188,25 @@ mod tests {
 
     #[test]
     fn the_in_cluster_address_parses_and_errors_name_the_value() {
-        let ic = |host: &str, port| Access::InCluster { host: host.into(), port, dir: SERVICE_ACCOUNT_DIR.into() };
-        assert_eq!(Access::in_cluster("10.96.0.1:443").unwrap(), ic("10.96.0.1", 443));
-        assert_eq!(Access::in_cluster("[fd00::1]:6443").unwrap(), ic("fd00::1", 6443));
-        assert_eq!(ic("fd00::1", 6443).to_string(), format!("in-cluster API server https://[fd00::1]:6443, service account {SERVICE_ACCOUNT_DIR}"));
+        let ic = |host: &str, port| Access::InCluster {
+            host: host.into(),
+            port,
+            dir: SERVICE_ACCOUNT_DIR.into(),
+        };
+        assert_eq!(
+            Access::in_cluster("10.96.0.1:443").unwrap(),
+            ic("10.96.0.1", 443)
+        );
+        assert_eq!(
+            Access::in_cluster("[fd00::1]:6443").unwrap(),
+            ic("fd00::1", 6443)
+        );
+        assert_eq!(
+            ic("fd00::1", 6443).to_string(),
+            format!(
+                "in-cluster API server https://[fd00::1]:6443, service account {SERVICE_ACCOUNT_DIR}"
+            )
+        );
         for bad in ["10.96.0.1", ":443", "h:0", "h:x", "a b:1"] {
             let e = Access::in_cluster(bad).unwrap_err().to_string();
             assert!(e.contains(&format!("{bad:?}")), "{e}");
@@ -153,16 +221,30 @@ mod tests {
              users: [{name: u, user: {exec: {apiVersion: client.authentication.k8s.io/v1, command: /bin/true}}}]\n",
         )
         .unwrap();
-        let e = refuse_plugins(Path::new("/k"), &kc).unwrap_err().to_string();
-        assert!(e.contains("/k") && e.contains("exec credential plugin") && e.contains("\"u\""), "{e}");
+        let e = refuse_plugins(Path::new("/k"), &kc)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/k") && e.contains("exec credential plugin") && e.contains("\"u\""),
+            "{e}"
+        );
     }
 
     #[tokio::test]
     async fn in_cluster_access_reads_the_service_account_files() {
         let dir = tempfile::tempdir().unwrap();
-        let access = Access::InCluster { host: "127.0.0.1".into(), port: 6443, dir: dir.path().into() };
-        let Err(e) = access.client().await else { panic!("a client without a CA") };
+        let access = Access::InCluster {
+            host: "127.0.0.1".into(),
+            port: 6443,
+            dir: dir.path().into(),
+        };
+        let Err(e) = access.client().await else {
+            panic!("a client without a CA")
+        };
         let e = e.to_string();
-        assert!(e.contains(&dir.path().display().to_string()), "a missing CA names the folder: {e}");
+        assert!(
+            e.contains(&dir.path().display().to_string()),
+            "a missing CA names the folder: {e}"
+        );
     }
 }

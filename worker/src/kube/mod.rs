@@ -58,9 +58,20 @@ pub struct Options {
 
 impl Kube {
     /// Starts the watches (in a standby too). Nothing is written until [`Kube::serve`].
-    pub fn spawn(access: Access, options: Options, metrics: Arc<Metrics>, problems: Reporter) -> Kube {
+    pub fn spawn(
+        access: Access,
+        options: Options,
+        metrics: Arc<Metrics>,
+        problems: Reporter,
+    ) -> Kube {
         let (owner, owner_rx) = tokio::sync::watch::channel(None);
-        let task = tokio::spawn(run(access, options, metrics, Trouble::new(problems), owner_rx));
+        let task = tokio::spawn(run(
+            access,
+            options,
+            metrics,
+            Trouble::new(problems),
+            owner_rx,
+        ));
         Kube { owner, _task: task }
     }
 
@@ -78,7 +89,13 @@ impl Kube {
     }
 }
 
-async fn run(access: Access, options: Options, metrics: Arc<Metrics>, trouble: Trouble, mut owner: tokio::sync::watch::Receiver<Option<Arc<Writer>>>) {
+async fn run(
+    access: Access,
+    options: Options,
+    metrics: Arc<Metrics>,
+    trouble: Trouble,
+    mut owner: tokio::sync::watch::Receiver<Option<Arc<Writer>>>,
+) {
     let mut backoff = Backoff::new(seed());
     let client = loop {
         match access.client().await {
@@ -95,32 +112,51 @@ async fn run(access: Access, options: Options, metrics: Arc<Metrics>, trouble: T
     info!(access = %access, node = %options.node_name, "Kubernetes API: watching this node's pods and node object");
 
     let pods_tx = tokio::sync::watch::Sender::new(PodView::default());
-    let node_tx: tokio::sync::watch::Sender<Option<Vec<Value>>> = tokio::sync::watch::Sender::new(None);
-    let pods = Watched { resource: "pods", selector: format!("spec.nodeName={}", options.node_name) };
-    let nodes = Watched { resource: "nodes", selector: format!("metadata.name={}", options.node_name) };
+    let node_tx: tokio::sync::watch::Sender<Option<Vec<Value>>> =
+        tokio::sync::watch::Sender::new(None);
+    let pods = Watched {
+        resource: "pods",
+        selector: format!("spec.nodeName={}", options.node_name),
+    };
+    let nodes = Watched {
+        resource: "nodes",
+        selector: format!("metadata.name={}", options.node_name),
+    };
     let pods_task = {
         let (tx, m, t) = (pods_tx.clone(), metrics.clone(), trouble.clone());
-        tokio::spawn(watch::run(Api::<KubePod>::all(client.clone()), pods, m, t, move |step| {
-            if let Some(e) = pod_event(step) {
-                let visible = !matches!(e, PodEvent::Init | PodEvent::Listed(..));
-                tx.send_if_modified(|v| {
-                    v.apply(e);
-                    visible
-                });
-            }
-        }))
+        tokio::spawn(watch::run(
+            Api::<KubePod>::all(client.clone()),
+            pods,
+            m,
+            t,
+            move |step| {
+                if let Some(e) = pod_event(step) {
+                    let visible = !matches!(e, PodEvent::Init | PodEvent::Listed(..));
+                    tx.send_if_modified(|v| {
+                        v.apply(e);
+                        visible
+                    });
+                }
+            },
+        ))
     };
     let node_task = {
         let (tx, m, t) = (node_tx.clone(), metrics.clone(), trouble.clone());
-        tokio::spawn(watch::run(Api::<KubeNode>::all(client.clone()), nodes, m, t, move |step| match step {
-            Step::Event(Event::Apply(n) | Event::InitApply(n)) => {
-                tx.send_replace(Some(owner::taints_of(&n)));
-            }
-            Step::Event(Event::Delete(_)) => {
-                tx.send_replace(None);
-            }
-            _ => {}
-        }))
+        tokio::spawn(watch::run(
+            Api::<KubeNode>::all(client.clone()),
+            nodes,
+            m,
+            t,
+            move |step| match step {
+                Step::Event(Event::Apply(n) | Event::InitApply(n)) => {
+                    tx.send_replace(Some(owner::taints_of(&n)));
+                }
+                Step::Event(Event::Delete(_)) => {
+                    tx.send_replace(None);
+                }
+                _ => {}
+            },
+        ))
     };
     let _tasks = (Abort(pods_task), Abort(node_task));
 
@@ -164,7 +200,14 @@ fn pod_event(step: Step<KubePod>) -> Option<PodEvent> {
     let convert = |p: &KubePod| -> Option<(String, ApiPod)> {
         let m = &p.metadata;
         let uid = m.uid.clone()?;
-        Some((uid, ApiPod { namespace: m.namespace.clone().unwrap_or_default(), name: m.name.clone().unwrap_or_default(), deleting: m.deletion_timestamp.is_some() }))
+        Some((
+            uid,
+            ApiPod {
+                namespace: m.namespace.clone().unwrap_or_default(),
+                name: m.name.clone().unwrap_or_default(),
+                deleting: m.deletion_timestamp.is_some(),
+            },
+        ))
     };
     Some(match step {
         Step::Event(Event::Init) => PodEvent::Init,

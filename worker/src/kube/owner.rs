@@ -42,7 +42,14 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(node: Arc<Node>, storage: Arc<Storage>, marks: Option<Marks>, acks: Acks) -> Self {
-        Self { node, storage, marks, acks, serving_since: Instant::now(), active: AtomicBool::new(true) }
+        Self {
+            node,
+            storage,
+            marks,
+            acks,
+            serving_since: Instant::now(),
+            active: AtomicBool::new(true),
+        }
     }
 
     fn active(&self) -> bool {
@@ -63,11 +70,21 @@ pub struct Context {
 
 /// Runs the owner's writes until the future is dropped (at drain).
 pub async fn run(w: Arc<Writer>, mut cx: Context) {
-    let taint = tokio::spawn(remove_taint(w.clone(), Api::all(cx.client.clone()), cx.node_name.clone(), cx.node.clone(), cx.metrics.clone(), cx.trouble.clone()));
+    let taint = tokio::spawn(remove_taint(
+        w.clone(),
+        Api::all(cx.client.clone()),
+        cx.node_name.clone(),
+        cx.node.clone(),
+        cx.metrics.clone(),
+        cx.trouble.clone(),
+    ));
     let _abort = AbortOnDrop(taint);
     let mut stale = Stale::new(cx.grace);
     let mut snapshots = w.node.subscribe();
-    info!(grace_ms = cx.grace.as_millis() as u64, "Kubernetes: the owner writes Terminating marks, collects stale records and removes the startup taint");
+    info!(
+        grace_ms = cx.grace.as_millis() as u64,
+        "Kubernetes: the owner writes Terminating marks, collects stale records and removes the startup taint"
+    );
     loop {
         mark_terminating(&w, &mut cx).await;
         collect_stale(&w, &mut cx, &mut stale).await;
@@ -94,8 +111,16 @@ impl Drop for AbortOnDrop {
 /// runs), then the record, then the registrar's drain marks. A record that fails to
 /// write is tried again at the next change.
 async fn mark_terminating(w: &Writer, cx: &mut Context) {
-    let deleting: Vec<String> = cx.pods.borrow_and_update().deleting().map(String::from).collect();
-    if !deleting.iter().any(|uid| w.storage.get(uid).is_some_and(|p| !p.terminating)) {
+    let deleting: Vec<String> = cx
+        .pods
+        .borrow_and_update()
+        .deleting()
+        .map(String::from)
+        .collect();
+    if !deleting
+        .iter()
+        .any(|uid| w.storage.get(uid).is_some_and(|p| !p.terminating))
+    {
         return;
     }
     let _lifecycle = w.node.lifecycle().await;
@@ -106,7 +131,10 @@ async fn mark_terminating(w: &Writer, cx: &mut Context) {
         .iter()
         .filter_map(|uid| w.storage.get(uid))
         .filter(|p| !p.terminating)
-        .map(|p| Pod { terminating: true, ..p })
+        .map(|p| Pod {
+            terminating: true,
+            ..p
+        })
         .collect();
     w.node.apply(marked.iter().cloned().map(Change::UpsertPod));
     let writes = marked.iter().map(|p| {
@@ -115,7 +143,10 @@ async fn mark_terminating(w: &Writer, cx: &mut Context) {
     });
     let written = futures::future::join_all(writes).await;
     for (pod, put) in marked.iter().zip(written) {
-        match put.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+        match put
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+        {
             Ok(_) => {
                 cx.metrics.kube_terminating_marks.inc();
                 if let Some(marks) = &w.marks {
@@ -123,7 +154,9 @@ async fn mark_terminating(w: &Writer, cx: &mut Context) {
                 }
                 info!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, "pod has a deletion timestamp; record marked Terminating, its endpoints drain");
             }
-            Err(e) => error!(uid = %pod.uid, dir = %w.storage.dir().display(), error = %e, "writing the Terminating mark of a pod record failed; the proxy drains it already, the record is retried at the next change"),
+            Err(e) => {
+                error!(uid = %pod.uid, dir = %w.storage.dir().display(), error = %e, "writing the Terminating mark of a pod record failed; the proxy drains it already, the record is retried at the next change")
+            }
         }
     }
 }
@@ -133,7 +166,11 @@ async fn mark_terminating(w: &Writer, cx: &mut Context) {
 async fn collect_stale(w: &Writer, cx: &mut Context, stale: &mut Stale) {
     let records = w.storage.pods();
     let now = Instant::now();
-    let due = stale.check(now, &cx.pods.borrow(), records.iter().map(|p| p.uid.as_str()));
+    let due = stale.check(
+        now,
+        &cx.pods.borrow(),
+        records.iter().map(|p| p.uid.as_str()),
+    );
     if due.is_empty() {
         return;
     }
@@ -150,7 +187,9 @@ async fn collect_stale(w: &Writer, cx: &mut Context, stale: &mut Stale) {
         if cx.pods.borrow().contains(&uid) {
             continue;
         }
-        let absent_ms = stale.absent_for(&uid, now).map_or(0, |d| d.as_millis() as u64);
+        let absent_ms = stale
+            .absent_for(&uid, now)
+            .map_or(0, |d| d.as_millis() as u64);
         match crate::cni::remove_pod(&w.node, &w.storage, w.marks.as_ref(), &pod).await {
             Ok(()) => {
                 stale.forget(&uid);
@@ -158,23 +197,43 @@ async fn collect_stale(w: &Writer, cx: &mut Context, stale: &mut Stale) {
                 warn!(uid = %uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, absent_ms,
                     "stale pod record removed: the API server has not listed its pod for the grace period and no CNI DEL came");
             }
-            Err(e) => error!(uid = %uid, error = %e, "removing a stale pod record failed; retried at the next change"),
+            Err(e) => {
+                error!(uid = %uid, error = %e, "removing a stale pod record failed; retried at the next change")
+            }
         }
     }
 }
 
 /// Removes the startup taint once the proxy has ACKed a snapshot, and again whenever it
 /// comes back while this worker owns the node.
-async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node: watch::Receiver<Option<Vec<Value>>>, metrics: Arc<Metrics>, trouble: Trouble) {
-    let what = Watched { resource: "nodes", selector: format!("metadata.name={name}") };
+async fn remove_taint(
+    w: Arc<Writer>,
+    api: Api<KubeNode>,
+    name: String,
+    mut node: watch::Receiver<Option<Vec<Value>>>,
+    metrics: Arc<Metrics>,
+    trouble: Trouble,
+) {
+    let what = Watched {
+        resource: "nodes",
+        selector: format!("metadata.name={name}"),
+    };
     let count = |result: &str| {
-        metrics.kube_taint_patches.get_or_create(&ResultLabel { result: result.into() }).inc();
+        metrics
+            .kube_taint_patches
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
     };
     let mut acked = w.acks.subscribe();
     if acked.wait_for(|s| s.is_some()).await.is_err() {
         return;
     }
-    info!(after_serving_ms = w.serving_since.elapsed().as_millis() as u64, "the proxy ACKed its first snapshot; the startup taint may go");
+    info!(
+        after_serving_ms = w.serving_since.elapsed().as_millis() as u64,
+        "the proxy ACKed its first snapshot; the startup taint may go"
+    );
     let mut backoff = Backoff::new(seed());
     let mut fresh: Option<Vec<Value>> = None;
     let mut said_absent = false;
@@ -183,7 +242,13 @@ async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node
     let mut conflicts = 0u32;
     loop {
         let taints = fresh.take().or_else(|| node.borrow_and_update().clone());
-        let patch = match taint::decide(taint::Owner { serving: w.active(), acked: true }, taints.as_deref()) {
+        let patch = match taint::decide(
+            taint::Owner {
+                serving: w.active(),
+                acked: true,
+            },
+            taints.as_deref(),
+        ) {
             Decision::Remove { index, patch } => (index, patch),
             Decision::Absent => {
                 if !said_absent {
@@ -213,7 +278,10 @@ async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node
                 return;
             }
         };
-        match api.patch(&name, &PatchParams::default(), &Patch::Json::<()>(patch)).await {
+        match api
+            .patch(&name, &PatchParams::default(), &Patch::Json::<()>(patch))
+            .await
+        {
             Ok(n) => {
                 conflicts = 0;
                 count("removed");
@@ -242,14 +310,31 @@ async fn remove_taint(w: Arc<Writer>, api: Api<KubeNode>, name: String, mut node
 }
 
 /// A failed node request: counted, logged, shown, then the backoff.
-async fn failed(e: &kube::Error, verb: &str, what: &Watched, trouble: &Trouble, backoff: &mut Backoff, count: &impl Fn(&str)) {
+async fn failed(
+    e: &kube::Error,
+    verb: &str,
+    what: &Watched,
+    trouble: &Trouble,
+    backoff: &mut Backoff,
+    count: &impl Fn(&str),
+) {
     let f = classify_client(verb, what, e);
-    count(if f.reason == "forbidden" { "forbidden" } else { "error" });
+    count(if f.reason == "forbidden" {
+        "forbidden"
+    } else {
+        "error"
+    });
     let wait = backoff.next_wait();
     if f.reason == "forbidden" {
-        error!(retry_in_ms = wait.as_millis() as u64, "Kubernetes API: {} (the startup taint stays)", f.message);
+        error!(
+            retry_in_ms = wait.as_millis() as u64,
+            "Kubernetes API: {} (the startup taint stays)", f.message
+        );
     } else {
-        warn!(retry_in_ms = wait.as_millis() as u64, "startup taint: {}", f.message);
+        warn!(
+            retry_in_ms = wait.as_millis() as u64,
+            "startup taint: {}", f.message
+        );
     }
     trouble.set("taint", f.message);
     tokio::time::sleep(wait).await;
@@ -258,5 +343,9 @@ async fn failed(e: &kube::Error, verb: &str, what: &Watched, trouble: &Trouble, 
 /// The node's taints as JSON, as [`taint::decide`] reads them.
 pub fn taints_of(n: &KubeNode) -> Vec<Value> {
     let taints = n.spec.as_ref().and_then(|s| s.taints.as_ref());
-    taints.into_iter().flatten().filter_map(|t| serde_json::to_value(t).ok()).collect()
+    taints
+        .into_iter()
+        .flatten()
+        .filter_map(|t| serde_json::to_value(t).ok())
+        .collect()
 }

@@ -23,22 +23,35 @@ pub struct Stale {
 
 impl Stale {
     pub fn new(grace: Duration) -> Self {
-        Self { grace, absent: BTreeMap::new() }
+        Self {
+            grace,
+            absent: BTreeMap::new(),
+        }
     }
 
     /// Notes which of `records` (stored pod uids) are absent from `view` at `now`, and
     /// returns those due for removal, oldest first.
-    pub fn check<'a>(&mut self, now: Instant, view: &PodView, records: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    pub fn check<'a>(
+        &mut self,
+        now: Instant,
+        view: &PodView,
+        records: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<String> {
         let records: BTreeSet<&str> = records.into_iter().collect();
-        self.absent.retain(|uid, _| records.contains(uid.as_str()) && !view.contains(uid));
+        self.absent
+            .retain(|uid, _| records.contains(uid.as_str()) && !view.contains(uid));
         if !view.synced() {
             return Vec::new();
         }
         for uid in records.iter().filter(|uid| !view.contains(uid)) {
             self.absent.entry(uid.to_string()).or_insert(now);
         }
-        let mut due: Vec<(Instant, String)> =
-            self.absent.iter().filter(|(_, since)| now.saturating_duration_since(**since) >= self.grace).map(|(u, s)| (*s, u.clone())).collect();
+        let mut due: Vec<(Instant, String)> = self
+            .absent
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= self.grace)
+            .map(|(u, s)| (*s, u.clone()))
+            .collect();
         due.sort();
         due.into_iter().map(|(_, uid)| uid).collect()
     }
@@ -50,7 +63,9 @@ impl Stale {
 
     /// How long `uid` has been absent at `now`.
     pub fn absent_for(&self, uid: &str, now: Instant) -> Option<Duration> {
-        self.absent.get(uid).map(|since| now.saturating_duration_since(*since))
+        self.absent
+            .get(uid)
+            .map(|since| now.saturating_duration_since(*since))
     }
 
     /// Stops tracking `uid` (its record is gone).
@@ -68,7 +83,14 @@ mod tests {
         let mut v = PodView::default();
         v.apply(PodEvent::Init);
         for u in uids {
-            v.apply(PodEvent::Listed(u.to_string(), ApiPod { namespace: "d".into(), name: u.to_string(), deleting: false }));
+            v.apply(PodEvent::Listed(
+                u.to_string(),
+                ApiPod {
+                    namespace: "d".into(),
+                    name: u.to_string(),
+                    deleting: false,
+                },
+            ));
         }
         v.apply(PodEvent::InitDone);
         v
@@ -110,7 +132,14 @@ mod tests {
         let mut v = listed(&[]);
         // The ADD wrote the record before the watch delivered the pod.
         assert!(s.check(t0, &v, ["p"]).is_empty());
-        v.apply(PodEvent::Applied("p".into(), ApiPod { namespace: "d".into(), name: "p".into(), deleting: false }));
+        v.apply(PodEvent::Applied(
+            "p".into(),
+            ApiPod {
+                namespace: "d".into(),
+                name: "p".into(),
+                deleting: false,
+            },
+        ));
         assert!(s.check(t0 + GRACE * 2, &v, ["p"]).is_empty());
         assert_eq!(s.next_due(), None);
     }

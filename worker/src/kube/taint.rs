@@ -38,7 +38,10 @@ pub enum Decision {
 
 /// The startup taint's index in the node's `spec.taints`, if it is there.
 pub fn find(taints: &[Value]) -> Option<usize> {
-    taints.iter().position(|t| t.get("key").and_then(Value::as_str) == Some(KEY) && t.get("effect").and_then(Value::as_str) == Some(EFFECT))
+    taints.iter().position(|t| {
+        t.get("key").and_then(Value::as_str) == Some(KEY)
+            && t.get("effect").and_then(Value::as_str) == Some(EFFECT)
+    })
 }
 
 /// Whether the owner removes the taint now, given the node's taints as last read
@@ -50,9 +53,14 @@ pub fn decide(owner: Owner, taints: Option<&[Value]>) -> Decision {
     if !owner.acked {
         return Decision::Wait("the proxy to ACK its first snapshot");
     }
-    let Some(taints) = taints else { return Decision::Wait("the node object") };
+    let Some(taints) = taints else {
+        return Decision::Wait("the node object");
+    };
     match find(taints) {
-        Some(index) => Decision::Remove { index, patch: removal(index) },
+        Some(index) => Decision::Remove {
+            index,
+            patch: removal(index),
+        },
         None => Decision::Absent,
     }
 }
@@ -80,18 +88,57 @@ mod tests {
     fn the_owner_removes_the_taint_only_once_it_serves_and_the_proxy_acked() {
         let ours = taint(KEY, EFFECT);
         let other = taint("node.kubernetes.io/not-ready", "NoSchedule");
-        let ready = Owner { serving: true, acked: true };
+        let ready = Owner {
+            serving: true,
+            acked: true,
+        };
         let cases: Vec<(Owner, Option<Vec<Value>>, Decision)> = vec![
-            (Owner { serving: false, acked: true }, Some(vec![ours.clone()]), Decision::Wait("the CNI API to serve")),
-            (Owner { serving: true, acked: false }, Some(vec![ours.clone()]), Decision::Wait("the proxy to ACK its first snapshot")),
+            (
+                Owner {
+                    serving: false,
+                    acked: true,
+                },
+                Some(vec![ours.clone()]),
+                Decision::Wait("the CNI API to serve"),
+            ),
+            (
+                Owner {
+                    serving: true,
+                    acked: false,
+                },
+                Some(vec![ours.clone()]),
+                Decision::Wait("the proxy to ACK its first snapshot"),
+            ),
             (ready, None, Decision::Wait("the node object")),
             (ready, Some(vec![]), Decision::Absent),
-            (ready, Some(vec![other.clone(), taint(KEY, "NoExecute")]), Decision::Absent),
-            (ready, Some(vec![ours.clone()]), Decision::Remove { index: 0, patch: removal(0) }),
-            (ready, Some(vec![other.clone(), ours.clone()]), Decision::Remove { index: 1, patch: removal(1) }),
+            (
+                ready,
+                Some(vec![other.clone(), taint(KEY, "NoExecute")]),
+                Decision::Absent,
+            ),
+            (
+                ready,
+                Some(vec![ours.clone()]),
+                Decision::Remove {
+                    index: 0,
+                    patch: removal(0),
+                },
+            ),
+            (
+                ready,
+                Some(vec![other.clone(), ours.clone()]),
+                Decision::Remove {
+                    index: 1,
+                    patch: removal(1),
+                },
+            ),
         ];
         for (owner, taints, want) in cases {
-            assert_eq!(decide(owner, taints.as_deref()), want, "{owner:?} {taints:?}");
+            assert_eq!(
+                decide(owner, taints.as_deref()),
+                want,
+                "{owner:?} {taints:?}"
+            );
         }
     }
 
@@ -108,11 +155,15 @@ mod tests {
         // It is a JSON patch as the client sends it.
         let _: json_patch::Patch = serde_json::from_value(removal(0)).unwrap();
         // Applied to a list the other writer changed, it fails as a whole.
-        let mut moved = json!({ "spec": { "taints": [taint("other", EFFECT), taint(KEY, EFFECT)] } });
+        let mut moved =
+            json!({ "spec": { "taints": [taint("other", EFFECT), taint(KEY, EFFECT)] } });
         let ops: json_patch::Patch = serde_json::from_value(removal(0)).unwrap();
         assert!(json_patch::patch(&mut moved, &ops).is_err());
         let ops: json_patch::Patch = serde_json::from_value(removal(1)).unwrap();
         json_patch::patch(&mut moved, &ops).unwrap();
-        assert_eq!(moved, json!({ "spec": { "taints": [taint("other", EFFECT)] } }));
+        assert_eq!(
+            moved,
+            json!({ "spec": { "taints": [taint("other", EFFECT)] } })
+        );
     }
 }

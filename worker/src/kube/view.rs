@@ -107,7 +107,10 @@ impl PodView {
 
     /// The uids of the pods with a deletion timestamp.
     pub fn deleting(&self) -> impl Iterator<Item = &str> {
-        self.pods.iter().filter(|(_, p)| p.deleting).map(|(uid, _)| uid.as_str())
+        self.pods
+            .iter()
+            .filter(|(_, p)| p.deleting)
+            .map(|(uid, _)| uid.as_str())
     }
 }
 
@@ -116,17 +119,28 @@ mod tests {
     use super::*;
 
     fn pod(name: &str, deleting: bool) -> ApiPod {
-        ApiPod { namespace: "default".into(), name: name.into(), deleting }
+        ApiPod {
+            namespace: "default".into(),
+            name: name.into(),
+            deleting,
+        }
     }
 
     #[test]
     fn a_relist_replaces_the_view_at_its_end_and_only_then() {
         let mut v = PodView::default();
         assert!(!v.synced(), "nothing listed yet");
-        for e in [PodEvent::Init, PodEvent::Listed("a".into(), pod("a", false)), PodEvent::Listed("b".into(), pod("b", false))] {
+        for e in [
+            PodEvent::Init,
+            PodEvent::Listed("a".into(), pod("a", false)),
+            PodEvent::Listed("b".into(), pod("b", false)),
+        ] {
             v.apply(e);
         }
-        assert!(!v.synced() && v.is_empty(), "a list half received is not the view");
+        assert!(
+            !v.synced() && v.is_empty(),
+            "a list half received is not the view"
+        );
         v.apply(PodEvent::InitDone);
         assert!(v.synced() && v.contains("a") && v.contains("b") && v.lists() == 1);
 
@@ -158,6 +172,9 @@ mod tests {
         assert!(v.synced());
         v.apply(PodEvent::Failed);
         v.apply(PodEvent::Applied("a".into(), pod("a", false)));
-        assert!(v.synced(), "an event after the failure shows the watch resumed");
+        assert!(
+            v.synced(),
+            "an event after the failure shows the watch resumed"
+        );
     }
 }

@@ -47,7 +47,10 @@ pub struct Trouble {
 
 impl Trouble {
     pub fn new(reporter: Reporter) -> Self {
-        Self { reporter, parts: Arc::default() }
+        Self {
+            reporter,
+            parts: Arc::default(),
+        }
     }
 
     pub fn set(&self, part: &'static str, message: String) {
@@ -68,7 +71,10 @@ impl Trouble {
             self.reporter.clear(PROBLEM);
         } else {
             let text: Vec<String> = parts.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-            self.reporter.set(PROBLEM, format!("{} (serving from what the agent has)", text.join("; ")));
+            self.reporter.set(
+                PROBLEM,
+                format!("{} (serving from what the agent has)", text.join("; ")),
+            );
         }
     }
 }
@@ -113,10 +119,18 @@ pub const NEEDS: &str = "the agent needs pods: get, list, watch and nodes: get, 
 pub fn classify_client(verb: &str, what: &Watched, e: &kube::Error) -> Failure {
     match e {
         kube::Error::Api(status) => classify_status(verb, what, status.code, &status.message),
-        kube::Error::HyperError(_) | kube::Error::Service(_) => {
-            Failure { reason: "unreachable", message: format!("cannot reach the API server to {verb} {}: {}", what.resource, chain(e)) }
-        }
-        other => Failure { reason: "other", message: format!("{verb} {}: {}", what.resource, chain(other)) },
+        kube::Error::HyperError(_) | kube::Error::Service(_) => Failure {
+            reason: "unreachable",
+            message: format!(
+                "cannot reach the API server to {verb} {}: {}",
+                what.resource,
+                chain(e)
+            ),
+        },
+        other => Failure {
+            reason: "other",
+            message: format!("{verb} {}: {}", what.resource, chain(other)),
+        },
     }
 }
 
@@ -130,10 +144,34 @@ pub fn classify_status(verb: &str, what: &Watched, code: u16, message: &str) -> 
                 what.resource, what.selector
             ),
         ),
-        401 => ("unauthorized", format!("401 Unauthorized: the API server does not accept this agent's credentials to {verb} {} ({message})", what.resource)),
-        410 => ("gone", format!("410 Gone: the {} watch's resource version has expired; relisting ({message})", what.resource)),
-        500..=599 => ("server", format!("{verb} {}: the API server answered {code} ({message})", what.resource)),
-        _ => ("api", format!("{verb} {}: the API server answered {code} ({message})", what.resource)),
+        401 => (
+            "unauthorized",
+            format!(
+                "401 Unauthorized: the API server does not accept this agent's credentials to {verb} {} ({message})",
+                what.resource
+            ),
+        ),
+        410 => (
+            "gone",
+            format!(
+                "410 Gone: the {} watch's resource version has expired; relisting ({message})",
+                what.resource
+            ),
+        ),
+        500..=599 => (
+            "server",
+            format!(
+                "{verb} {}: the API server answered {code} ({message})",
+                what.resource
+            ),
+        ),
+        _ => (
+            "api",
+            format!(
+                "{verb} {}: the API server answered {code} ({message})",
+                what.resource
+            ),
+        ),
     };
     Failure { reason, message }
 }
@@ -142,11 +180,16 @@ pub fn classify_status(verb: &str, what: &Watched, code: u16, message: &str) -> 
 pub fn classify(what: &Watched, e: &watcher::Error) -> Failure {
     match e {
         watcher::Error::InitialListFailed(c) => classify_client("list", what, c),
-        watcher::Error::WatchStartFailed(c) | watcher::Error::WatchFailed(c) => classify_client("watch", what, c),
-        watcher::Error::WatchError(status) => classify_status("watch", what, status.code, &status.message),
-        watcher::Error::NoResourceVersion => {
-            Failure { reason: "other", message: format!("the {} list carried no resourceVersion", what.resource) }
+        watcher::Error::WatchStartFailed(c) | watcher::Error::WatchFailed(c) => {
+            classify_client("watch", what, c)
         }
+        watcher::Error::WatchError(status) => {
+            classify_status("watch", what, status.code, &status.message)
+        }
+        watcher::Error::NoResourceVersion => Failure {
+            reason: "other",
+            message: format!("the {} list carried no resourceVersion", what.resource),
+        },
     }
 }
 
@@ -176,13 +219,23 @@ pub enum Step<K> {
 }
 
 /// Runs the watch of `what` until the task is dropped, handing every step to `on`.
-pub async fn run<K>(api: Api<K>, what: Watched, metrics: Arc<Metrics>, trouble: Trouble, mut on: impl FnMut(Step<K>))
-where
+pub async fn run<K>(
+    api: Api<K>,
+    what: Watched,
+    metrics: Arc<Metrics>,
+    trouble: Trouble,
+    mut on: impl FnMut(Step<K>),
+) where
     K: kube::Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    let label = ResourceLabel { resource: what.resource.to_string() };
+    let label = ResourceLabel {
+        resource: what.resource.to_string(),
+    };
     let connected = metrics.kube_connected.get_or_create(&label).clone();
-    let mut stream = std::pin::pin!(watcher(api.clone(), watcher::Config::default().fields(&what.selector)));
+    let mut stream = std::pin::pin!(watcher(
+        api.clone(),
+        watcher::Config::default().fields(&what.selector)
+    ));
     let mut backoff = Backoff::new(seed());
     let mut failing: Option<Failure> = None;
     let mut lists = 0u64;
@@ -228,15 +281,36 @@ where
             }
             Err(e) => {
                 let f = classify(&what, &e);
-                metrics.kube_watch_errors.get_or_create(&KubeErrorLabel { resource: what.resource.to_string(), reason: f.reason.to_string() }).inc();
+                metrics
+                    .kube_watch_errors
+                    .get_or_create(&KubeErrorLabel {
+                        resource: what.resource.to_string(),
+                        reason: f.reason.to_string(),
+                    })
+                    .inc();
                 let wait = backoff.next_wait();
                 match f.reason {
                     // An expired resource version: the watcher relists at once by design.
-                    "gone" => info!(resource = what.resource, "Kubernetes watch history expired (410 Gone); relisting"),
+                    "gone" => info!(
+                        resource = what.resource,
+                        "Kubernetes watch history expired (410 Gone); relisting"
+                    ),
                     "forbidden" | "unauthorized" => {
-                        error!(resource = what.resource, reason = f.reason, retry_in_ms = wait.as_millis() as u64, "Kubernetes API: {}", f.message)
+                        error!(
+                            resource = what.resource,
+                            reason = f.reason,
+                            retry_in_ms = wait.as_millis() as u64,
+                            "Kubernetes API: {}",
+                            f.message
+                        )
                     }
-                    _ => warn!(resource = what.resource, reason = f.reason, retry_in_ms = wait.as_millis() as u64, "Kubernetes watch failed: {}", f.message),
+                    _ => warn!(
+                        resource = what.resource,
+                        reason = f.reason,
+                        retry_in_ms = wait.as_millis() as u64,
+                        "Kubernetes watch failed: {}",
+                        f.message
+                    ),
                 }
                 connected.set(0);
                 if f.reason != "gone" {
@@ -250,7 +324,12 @@ where
     }
 }
 
-fn recovered(what: &Watched, failing: &mut Option<Failure>, connected: &prometheus_client::metrics::gauge::Gauge, trouble: &Trouble) {
+fn recovered(
+    what: &Watched,
+    failing: &mut Option<Failure>,
+    connected: &prometheus_client::metrics::gauge::Gauge,
+    trouble: &Trouble,
+) {
     if let Some(f) = failing.take() {
         info!(resource = what.resource, was = %f.message, "Kubernetes watch works again");
     }
@@ -263,47 +342,94 @@ mod tests {
     use super::*;
 
     fn pods() -> Watched {
-        Watched { resource: "pods", selector: "spec.nodeName=n1".into() }
+        Watched {
+            resource: "pods",
+            selector: "spec.nodeName=n1".into(),
+        }
     }
 
     #[test]
     fn failures_are_classified_and_a_403_names_the_verb_and_the_resource() {
         let cases = [
-            (403, "forbidden", "403 Forbidden: the API server denies `list pods` (fieldSelector spec.nodeName=n1)"),
+            (
+                403,
+                "forbidden",
+                "403 Forbidden: the API server denies `list pods` (fieldSelector spec.nodeName=n1)",
+            ),
             (401, "unauthorized", "401 Unauthorized"),
             (410, "gone", "410 Gone"),
             (503, "server", "answered 503"),
             (404, "api", "answered 404"),
         ];
         for (code, reason, text) in cases {
-            let f = classify_status("list", &pods(), code, "pods is forbidden: User \"x\" cannot list resource \"pods\"");
+            let f = classify_status(
+                "list",
+                &pods(),
+                code,
+                "pods is forbidden: User \"x\" cannot list resource \"pods\"",
+            );
             assert_eq!(f.reason, reason, "{code}");
             assert!(f.message.contains(text), "{code}: {}", f.message);
         }
         let f = classify_status("watch", &pods(), 403, "denied");
-        assert!(f.message.contains("`watch pods`") && f.message.contains("(denied)") && f.message.contains(NEEDS), "{}", f.message);
+        assert!(
+            f.message.contains("`watch pods`")
+                && f.message.contains("(denied)")
+                && f.message.contains(NEEDS),
+            "{}",
+            f.message
+        );
     }
 
     #[test]
     fn the_backoff_stays_between_a_twentieth_of_a_second_and_thirty_seconds_and_resets() {
         let mut b = Backoff::new(7);
         let waits: Vec<_> = (0..12).map(|_| b.next_wait()).collect();
-        assert!(waits.iter().all(|w| *w >= Backoff::BASE / 2 && *w <= Backoff::MAX), "{waits:?}");
-        assert!(waits[0] <= Backoff::BASE && waits[11] >= Backoff::MAX / 2, "{waits:?}");
+        assert!(
+            waits
+                .iter()
+                .all(|w| *w >= Backoff::BASE / 2 && *w <= Backoff::MAX),
+            "{waits:?}"
+        );
+        assert!(
+            waits[0] <= Backoff::BASE && waits[11] >= Backoff::MAX / 2,
+            "{waits:?}"
+        );
         b.reset();
         assert!(b.next_wait() <= Backoff::BASE);
     }
 
     #[test]
     fn trouble_joins_its_parts_into_one_problem_and_clears_with_the_last() {
-        let status = Arc::new(tokio::sync::watch::Sender::new(crate::health::Status::new("n", "p")));
+        let status = Arc::new(tokio::sync::watch::Sender::new(crate::health::Status::new(
+            "n", "p",
+        )));
         let t = Trouble::new(Reporter::new(status.clone()));
-        let problems = || status.borrow().problems.iter().map(|p| (p.source, p.message.clone())).collect::<Vec<_>>();
+        let problems = || {
+            status
+                .borrow()
+                .problems
+                .iter()
+                .map(|p| (p.source, p.message.clone()))
+                .collect::<Vec<_>>()
+        };
         t.set("pods", "a".into());
         t.set("nodes", "b".into());
-        assert_eq!(problems(), [(PROBLEM, "nodes: b; pods: a (serving from what the agent has)".to_string())]);
+        assert_eq!(
+            problems(),
+            [(
+                PROBLEM,
+                "nodes: b; pods: a (serving from what the agent has)".to_string()
+            )]
+        );
         t.clear("nodes");
-        assert_eq!(problems(), [(PROBLEM, "pods: a (serving from what the agent has)".to_string())]);
+        assert_eq!(
+            problems(),
+            [(
+                PROBLEM,
+                "pods: a (serving from what the agent has)".to_string()
+            )]
+        );
         t.clear("pods");
         assert!(problems().is_empty());
     }

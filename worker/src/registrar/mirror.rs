@@ -57,7 +57,10 @@ impl Mirror {
     /// upsert every other one (the builder drops an upsert equal to what it holds).
     pub fn apply_full(&mut self, full: pb::FullView) -> (Vec<Change>, Vec<Skipped>) {
         let mut skipped = Vec::new();
-        let mut next = Mirror { revision: full.revision, ..Mirror::default() };
+        let mut next = Mirror {
+            revision: full.revision,
+            ..Mirror::default()
+        };
         for s in full.services {
             let Some(key) = service_key(s.key.as_ref()) else {
                 skipped.push(Skipped("a service without a key".into()));
@@ -73,7 +76,10 @@ impl Mirror {
                     Ok(ep) => {
                         entry.endpoints.insert((ep.address, ep.port), ep);
                     }
-                    Err(msg) => skipped.push(Skipped(format!("service {key}: endpoint {}:{}: {msg}", e.address, e.port))),
+                    Err(msg) => skipped.push(Skipped(format!(
+                        "service {key}: endpoint {}:{}: {msg}",
+                        e.address, e.port
+                    ))),
                 }
             }
         }
@@ -83,10 +89,17 @@ impl Mirror {
         let mut changes: Vec<Change> = self
             .services
             .iter()
-            .filter(|(k, e)| e.meta.is_some() && next.services.get(*k).is_none_or(|n| n.meta.is_none()))
+            .filter(|(k, e)| {
+                e.meta.is_some() && next.services.get(*k).is_none_or(|n| n.meta.is_none())
+            })
             .map(|(k, _)| Change::RemoveService(k.clone()))
             .collect();
-        changes.extend(next.services.keys().filter_map(|k| next.effective(k)).map(Change::UpsertService));
+        changes.extend(
+            next.services
+                .keys()
+                .filter_map(|k| next.effective(k))
+                .map(Change::UpsertService),
+        );
         *self = next;
         (changes, skipped)
     }
@@ -121,22 +134,39 @@ impl Mirror {
                     }
                 }
                 Some(Kind::EndpointUpserted(u)) => {
-                    let (Some(key), Some(e)) = (service_key(u.service.as_ref()), u.endpoint.as_ref()) else {
-                        skipped.push(Skipped("an endpoint upsert without a service or endpoint".into()));
+                    let (Some(key), Some(e)) =
+                        (service_key(u.service.as_ref()), u.endpoint.as_ref())
+                    else {
+                        skipped.push(Skipped(
+                            "an endpoint upsert without a service or endpoint".into(),
+                        ));
                         continue;
                     };
                     match endpoint(e) {
                         Ok(ep) => {
-                            self.services.entry(key.clone()).or_default().endpoints.insert((ep.address, ep.port), ep);
+                            self.services
+                                .entry(key.clone())
+                                .or_default()
+                                .endpoints
+                                .insert((ep.address, ep.port), ep);
                             touched.insert(key);
                         }
-                        Err(msg) => skipped.push(Skipped(format!("service {key}: endpoint {}:{}: {msg}", e.address, e.port))),
+                        Err(msg) => skipped.push(Skipped(format!(
+                            "service {key}: endpoint {}:{}: {msg}",
+                            e.address, e.port
+                        ))),
                     }
                 }
                 Some(Kind::EndpointRemoved(r)) => {
-                    let Some(key) = service_key(r.service.as_ref()) else { continue };
-                    let (Ok(addr), Ok(port)) = (r.address.parse::<IpAddr>(), u16::try_from(r.port)) else {
-                        skipped.push(Skipped(format!("service {key}: endpoint removal {}:{}: not an address and port", r.address, r.port)));
+                    let Some(key) = service_key(r.service.as_ref()) else {
+                        continue;
+                    };
+                    let (Ok(addr), Ok(port)) = (r.address.parse::<IpAddr>(), u16::try_from(r.port))
+                    else {
+                        skipped.push(Skipped(format!(
+                            "service {key}: endpoint removal {}:{}: not an address and port",
+                            r.address, r.port
+                        )));
                         continue;
                     };
                     if let Some(e) = self.services.get_mut(&key) {
@@ -156,9 +186,15 @@ impl Mirror {
         let changes = touched
             .into_iter()
             .map(|k| {
-                let change = self.effective(&k).map_or_else(|| Change::RemoveService(k.clone()), Change::UpsertService);
+                let change = self
+                    .effective(&k)
+                    .map_or_else(|| Change::RemoveService(k.clone()), Change::UpsertService);
                 // Forget what no longer holds anything, so removals do not pile up.
-                if self.services.get(&k).is_some_and(|e| e.meta.is_none() && e.endpoints.is_empty()) {
+                if self
+                    .services
+                    .get(&k)
+                    .is_some_and(|e| e.meta.is_none() && e.endpoints.is_empty())
+                {
                     self.services.remove(&k);
                 }
                 change
@@ -170,11 +206,16 @@ impl Mirror {
     fn set_mark(&mut self, m: &pb::DrainMark, skipped: &mut Vec<Skipped>) -> Option<ServiceKey> {
         let key = service_key(m.service.as_ref())?;
         let Ok(addr) = m.address.parse::<IpAddr>() else {
-            skipped.push(Skipped(format!("service {key}: drain mark for {:?}: not an IP address", m.address)));
+            skipped.push(Skipped(format!(
+                "service {key}: drain mark for {:?}: not an IP address",
+                m.address
+            )));
             return None;
         };
         match state(m.state) {
-            EndpointState::Draining => self.marks.insert((key.clone(), addr), EndpointState::Draining),
+            EndpointState::Draining => self
+                .marks
+                .insert((key.clone(), addr), EndpointState::Draining),
             EndpointState::Healthy => self.marks.remove(&(key.clone(), addr)),
         };
         Some(key)
@@ -195,35 +236,78 @@ impl Mirror {
                 e
             })
             .collect();
-        Some(Service { name: key.name.clone(), namespace: key.namespace.clone(), ports: meta.ports.clone(), vip: meta.vip, endpoints })
+        Some(Service {
+            name: key.name.clone(),
+            namespace: key.namespace.clone(),
+            ports: meta.ports.clone(),
+            vip: meta.vip,
+            endpoints,
+        })
     }
 
     /// The addresses of endpoints on `node` in the view: what this node's drain marks
     /// may name.
     pub fn addresses_on(&self, node: &str) -> BTreeSet<IpAddr> {
-        self.services.values().flat_map(|e| e.endpoints.values()).filter(|e| e.node == node).map(|e| e.address).collect()
+        self.services
+            .values()
+            .flat_map(|e| e.endpoints.values())
+            .filter(|e| e.node == node)
+            .map(|e| e.address)
+            .collect()
     }
 }
 
 fn service_key(k: Option<&pb::ServiceKey>) -> Option<ServiceKey> {
     let k = k?;
-    (!k.name.is_empty() && !k.namespace.is_empty()).then(|| ServiceKey { namespace: k.namespace.clone(), name: k.name.clone() })
+    (!k.name.is_empty() && !k.namespace.is_empty()).then(|| ServiceKey {
+        namespace: k.namespace.clone(),
+        name: k.name.clone(),
+    })
 }
 
 fn meta(s: &pb::Service) -> Result<Meta, String> {
-    let ports = s.ports.iter().map(|p| u16::try_from(*p).ok().filter(|p| *p != 0).ok_or_else(|| format!("port {p} out of range"))).collect::<Result<Vec<_>, _>>()?;
+    let ports = s
+        .ports
+        .iter()
+        .map(|p| {
+            u16::try_from(*p)
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| format!("port {p} out of range"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let vip = match s.vip.as_str() {
         "" => None,
-        v => Some(v.parse::<IpAddr>().map_err(|_| format!("vip {v:?} is not an IP address"))?),
+        v => Some(
+            v.parse::<IpAddr>()
+                .map_err(|_| format!("vip {v:?} is not an IP address"))?,
+        ),
     };
     Ok(Meta { ports, vip })
 }
 
 fn endpoint(e: &pb::Endpoint) -> Result<Endpoint, String> {
-    let address = e.address.parse::<IpAddr>().map_err(|_| "not an IP address".to_string())?;
-    let port = u16::try_from(e.port).ok().filter(|p| *p != 0).ok_or("port out of range")?;
-    let service_port = u16::try_from(e.service_port).ok().filter(|p| *p != 0).ok_or("service_port out of range")?;
-    Ok(Endpoint { address, port, service_port, node: e.node.clone(), pod: e.pod.clone(), state: state(e.state), mtls: e.mtls })
+    let address = e
+        .address
+        .parse::<IpAddr>()
+        .map_err(|_| "not an IP address".to_string())?;
+    let port = u16::try_from(e.port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or("port out of range")?;
+    let service_port = u16::try_from(e.service_port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or("service_port out of range")?;
+    Ok(Endpoint {
+        address,
+        port,
+        service_port,
+        node: e.node.clone(),
+        pod: e.pod.clone(),
+        state: state(e.state),
+        mtls: e.mtls,
+    })
 }
 
 fn state(s: i32) -> EndpointState {
@@ -232,4 +316,3 @@ fn state(s: i32) -> EndpointState {
         _ => EndpointState::Healthy,
     }
 }
-

@@ -67,11 +67,19 @@ pub fn parse_addresses(list: &str) -> anyhow::Result<Vec<Address>> {
     let mut out = Vec::new();
     for a in list.split(',').map(str::trim).filter(|a| !a.is_empty()) {
         if let Some(path) = a.strip_prefix("unix://") {
-            anyhow::ensure!(path.starts_with('/'), "--registrar {a:?}: a unix address needs an absolute path (unix:///run/registrar.sock)");
+            anyhow::ensure!(
+                path.starts_with('/'),
+                "--registrar {a:?}: a unix address needs an absolute path (unix:///run/registrar.sock)"
+            );
             out.push(Address::Unix(path.into()));
         } else {
-            let (host, port) = a.rsplit_once(':').with_context(|| format!("--registrar {a:?}: expected host:port or unix:///path"))?;
-            anyhow::ensure!(!host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0), "--registrar {a:?}: expected host:port with a port in 1..=65535");
+            let (host, port) = a.rsplit_once(':').with_context(|| {
+                format!("--registrar {a:?}: expected host:port or unix:///path")
+            })?;
+            anyhow::ensure!(
+                !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0),
+                "--registrar {a:?}: expected host:port with a port in 1..=65535"
+            );
             out.push(Address::Tcp(a.to_owned()));
         }
     }
@@ -99,10 +107,14 @@ impl Identity {
     fn request<T>(&self, message: T) -> anyhow::Result<tonic::Request<T>> {
         let mut req = tonic::Request::new(message);
         if let Some(path) = &self.token_file {
-            let token = std::fs::read_to_string(path).with_context(|| format!("reading --registrar-token-file {}", path.display()))?;
-            let value = format!("Bearer {}", token.trim())
-                .parse()
-                .map_err(|_| anyhow::anyhow!("--registrar-token-file {}: not a valid header value", path.display()))?;
+            let token = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --registrar-token-file {}", path.display()))?;
+            let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
+                anyhow::anyhow!(
+                    "--registrar-token-file {}: not a valid header value",
+                    path.display()
+                )
+            })?;
             req.metadata_mut().insert("authorization", value);
         }
         Ok(req)
@@ -120,18 +132,33 @@ async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient
             .keep_alive_while_idle(true))
     };
     let channel = match (addr, &me.ca_file) {
-        (Address::Tcp(a), None) => tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect()).await??,
+        (Address::Tcp(a), None) => {
+            tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect())
+                .await??
+        }
         (Address::Tcp(a), Some(ca)) => {
             let config = registry_tls::client_config(ca).context("--registrar-ca")?;
-            tokio::time::timeout(CONNECT_TIMEOUT, registry_tls::channel(endpoint("http://registrar.invalid".into())?, a, config)).await??
+            tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                registry_tls::channel(endpoint("http://registrar.invalid".into())?, a, config),
+            )
+            .await??
         }
         (Address::Unix(path), _) => {
             let path = path.clone();
             let connector = tower::service_fn(move |_: Uri| {
                 let path = path.clone();
-                async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+                async move {
+                    tokio::net::UnixStream::connect(path)
+                        .await
+                        .map(TokioIo::new)
+                }
             });
-            tokio::time::timeout(CONNECT_TIMEOUT, endpoint("http://registrar.invalid".into())?.connect_with_connector(connector)).await??
+            tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                endpoint("http://registrar.invalid".into())?.connect_with_connector(connector),
+            )
+            .await??
         }
     };
     Ok(RegistryClient::new(channel).max_decoding_message_size(256 << 20))
@@ -143,26 +170,52 @@ fn backoff() -> Backoff {
 }
 
 /// Watches the registrar at `addrs` until the task is aborted, feeding the node.
-pub fn spawn(addrs: Vec<Address>, me: Identity, node: Arc<Node>, metrics: Arc<Metrics>, problems: Reporter) -> tokio::task::JoinHandle<()> {
+pub fn spawn(
+    addrs: Vec<Address>,
+    me: Identity,
+    node: Arc<Node>,
+    metrics: Arc<Metrics>,
+    problems: Reporter,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut mirror = Mirror::default();
         let mut full_views = 0u64;
         let mut backoff = backoff();
         for attempt in 0usize.. {
             let addr = &addrs[attempt % addrs.len()];
-            match watch_once(addr, &me, &mut mirror, &mut full_views, &node, &metrics, &problems).await {
+            match watch_once(
+                addr,
+                &me,
+                &mut mirror,
+                &mut full_views,
+                &node,
+                &metrics,
+                &problems,
+            )
+            .await
+            {
                 Ok(progressed) => {
                     if progressed {
                         backoff.reset();
                     }
                     warn!(registrar = %addr, revision = mirror.revision(), "registrar stream ended; reconnecting");
-                    problems.set(PROBLEM, format!("registrar {addr}: stream ended at revision {}; reconnecting", mirror.revision()));
+                    problems.set(
+                        PROBLEM,
+                        format!(
+                            "registrar {addr}: stream ended at revision {}; reconnecting",
+                            mirror.revision()
+                        ),
+                    );
                 }
                 Err((progressed, e)) => {
                     if progressed {
                         backoff.reset();
                     }
-                    let state = if mirror.loaded() { "serving the last view" } else { "registry not loaded" };
+                    let state = if mirror.loaded() {
+                        "serving the last view"
+                    } else {
+                        "registry not loaded"
+                    };
                     warn!(registrar = %addr, revision = mirror.revision(), error = %format!("{e:#}"), "registrar unreachable; {state}");
                     problems.set(PROBLEM, format!("registrar {addr}: {e:#} ({state})"));
                 }
@@ -184,7 +237,9 @@ async fn watch_once(
     metrics: &Metrics,
     problems: &Reporter,
 ) -> Result<bool, (bool, anyhow::Error)> {
-    let mut client = connect(addr, me).await.map_err(|e| (false, e.context("connecting")))?;
+    let mut client = connect(addr, me)
+        .await
+        .map_err(|e| (false, e.context("connecting")))?;
     let request = pb::WatchEndpointsRequest {
         cluster: me.cluster.clone(),
         node: me.node.clone(),
@@ -192,7 +247,11 @@ async fn watch_once(
         resume_revision: mirror.revision(),
     };
     let request = me.request(request).map_err(|e| (false, e))?;
-    let mut stream = client.watch_endpoints(request).await.map_err(|s| (false, watch_error(addr, me, s)))?.into_inner();
+    let mut stream = client
+        .watch_endpoints(request)
+        .await
+        .map_err(|s| (false, watch_error(addr, me, s)))?
+        .into_inner();
     metrics.registrar_connected.set(1);
     info!(registrar = %addr, resume_revision = mirror.revision(), instance = %me.instance, "registrar stream open");
     let mut progressed = false;
@@ -225,7 +284,11 @@ async fn watch_once(
         }
         node.apply(changes);
         metrics.registry_revision.set(mirror.revision());
-        problems.registrar(RegistrarStatus { revision: mirror.revision(), services: mirror.services(), full_views: *full_views });
+        problems.registrar(RegistrarStatus {
+            revision: mirror.revision(),
+            services: mirror.services(),
+            full_views: *full_views,
+        });
         if full {
             info!(registrar = %addr, revision = mirror.revision(), services = mirror.services(), "registry loaded from the registrar");
         }
@@ -243,9 +306,15 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
 /// The watch call's error; a registrar that serves TLS drops a plain HTTP/2 client at its
 /// preface, so that case says what probably happened.
 fn watch_error(addr: &Address, me: &Identity, s: tonic::Status) -> anyhow::Error {
-    let plain = matches!(addr, Address::Tcp(_)) && me.ca_file.is_none() && registry_tls::looks_like_plain_to_tls(&s);
+    let plain = matches!(addr, Address::Tcp(_))
+        && me.ca_file.is_none()
+        && registry_tls::looks_like_plain_to_tls(&s);
     let e = status_error(s);
-    if plain { e.context("a registrar serving TLS drops plain HTTP/2: set --registrar-ca to its CA") } else { e }
+    if plain {
+        e.context("a registrar serving TLS drops plain HTTP/2: set --registrar-ca to its CA")
+    } else {
+        e
+    }
 }
 
 /// The owner's drain marks: a deleted pod's IPs, set DRAINING at the registrar.
@@ -269,7 +338,12 @@ impl Marks {
     }
 }
 
-async fn mark_writer(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>, mut rx: mpsc::UnboundedReceiver<IpAddr>) {
+async fn mark_writer(
+    addrs: Vec<Address>,
+    me: Identity,
+    metrics: Arc<Metrics>,
+    mut rx: mpsc::UnboundedReceiver<IpAddr>,
+) {
     let mut pending = BTreeSet::new();
     let mut backoff = backoff();
     let mut attempt = 0usize;
@@ -329,14 +403,24 @@ async fn mark_writer(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>, m
             }
             Err(s) => {
                 warn!(registrar = %addr, address = %ip, error = %status_error(s), "drain mark failed; retrying");
-                metrics.registrar_drain_marks.get_or_create(&crate::metrics::ResultLabel { result: "retry".into() }).inc();
+                metrics
+                    .registrar_drain_marks
+                    .get_or_create(&crate::metrics::ResultLabel {
+                        result: "retry".into(),
+                    })
+                    .inc();
                 client = None;
                 attempt += 1;
                 tokio::time::sleep(backoff.next_wait()).await;
                 continue;
             }
         };
-        metrics.registrar_drain_marks.get_or_create(&crate::metrics::ResultLabel { result: result.into() }).inc();
+        metrics
+            .registrar_drain_marks
+            .get_or_create(&crate::metrics::ResultLabel {
+                result: result.into(),
+            })
+            .inc();
         pending.remove(&ip);
         backoff.reset();
     }
@@ -352,11 +436,17 @@ mod unit {
     #[test]
     fn addresses_parse_and_errors_name_the_value() {
         let a = parse_addresses("unix:///run/r.sock, 127.0.0.1:7000,registrar.mesh:7000").unwrap();
-        assert_eq!(a, vec![Address::Unix("/run/r.sock".into()), Address::Tcp("127.0.0.1:7000".into()), Address::Tcp("registrar.mesh:7000".into())]);
+        assert_eq!(
+            a,
+            vec![
+                Address::Unix("/run/r.sock".into()),
+                Address::Tcp("127.0.0.1:7000".into()),
+                Address::Tcp("registrar.mesh:7000".into())
+            ]
+        );
         for bad in ["unix://relative", "nohostport", "host:0", "host:99999", ""] {
             let e = parse_addresses(bad).unwrap_err().to_string();
             assert!(e.contains("--registrar"), "{bad}: {e}");
         }
     }
-
 }

@@ -11,15 +11,31 @@ use super::mirror::Mirror;
 use crate::test_rng::Rng;
 
 fn key(ns: &str, name: &str) -> pb::ServiceKey {
-    pb::ServiceKey { namespace: ns.into(), name: name.into() }
+    pb::ServiceKey {
+        namespace: ns.into(),
+        name: name.into(),
+    }
 }
 
 fn ep(addr: &str, port: u32, node: &str, state: pb::EndpointState) -> pb::Endpoint {
-    pb::Endpoint { address: addr.into(), port, service_port: 80, node: node.into(), pod: String::new(), state: state as i32, mtls: false }
+    pb::Endpoint {
+        address: addr.into(),
+        port,
+        service_port: 80,
+        node: node.into(),
+        pod: String::new(),
+        state: state as i32,
+        mtls: false,
+    }
 }
 
 fn service(name: &str, vip: &str, endpoints: Vec<pb::Endpoint>) -> pb::Service {
-    pb::Service { key: Some(key("default", name)), ports: vec![80], vip: vip.into(), endpoints }
+    pb::Service {
+        key: Some(key("default", name)),
+        ports: vec![80],
+        vip: vip.into(),
+        endpoints,
+    }
 }
 
 fn change(kind: pb::change::Kind) -> pb::Change {
@@ -27,7 +43,10 @@ fn change(kind: pb::change::Kind) -> pb::Change {
 }
 
 fn batch(revision: i64, changes: Vec<pb::change::Kind>) -> pb::ChangeBatch {
-    pb::ChangeBatch { revision, changes: changes.into_iter().map(change).collect() }
+    pb::ChangeBatch {
+        revision,
+        changes: changes.into_iter().map(change).collect(),
+    }
 }
 
 /// Applies `changes` to a map of services, as the node's builder would.
@@ -50,7 +69,14 @@ fn a_full_view_then_one_endpoint_upsert_touches_one_service() {
     let mut m = Mirror::default();
     let full = pb::FullView {
         revision: 7,
-        services: vec![service("a", "10.96.0.1", vec![ep("10.0.0.1", 8080, "n1", pb::EndpointState::Healthy)]), service("b", "", vec![])],
+        services: vec![
+            service(
+                "a",
+                "10.96.0.1",
+                vec![ep("10.0.0.1", 8080, "n1", pb::EndpointState::Healthy)],
+            ),
+            service("b", "", vec![]),
+        ],
         ..Default::default()
     };
     let (changes, skipped) = m.apply_full(full);
@@ -64,7 +90,9 @@ fn a_full_view_then_one_endpoint_upsert_touches_one_service() {
             endpoint: Some(ep("10.0.0.2", 8080, "n2", pb::EndpointState::Healthy)),
         })],
     ));
-    let [Change::UpsertService(b)] = changes.as_slice() else { panic!("one upsert: {changes:?}") };
+    let [Change::UpsertService(b)] = changes.as_slice() else {
+        panic!("one upsert: {changes:?}")
+    };
     assert_eq!((b.name.as_str(), b.endpoints.len()), ("b", 1));
     assert_eq!(m.revision(), 8);
 }
@@ -72,21 +100,52 @@ fn a_full_view_then_one_endpoint_upsert_touches_one_service() {
 #[test]
 fn the_mtls_mark_reaches_the_node_from_a_full_view_and_from_an_upsert() {
     let mut m = Mirror::default();
-    let marked = |addr: &str, mtls: bool| pb::Endpoint { mtls, ..ep(addr, 8080, "n1", pb::EndpointState::Healthy) };
-    let (changes, skipped) =
-        m.apply_full(pb::FullView { revision: 1, services: vec![service("a", "", vec![marked("10.0.0.1", true), marked("10.0.0.2", false)])], ..Default::default() });
+    let marked = |addr: &str, mtls: bool| pb::Endpoint {
+        mtls,
+        ..ep(addr, 8080, "n1", pb::EndpointState::Healthy)
+    };
+    let (changes, skipped) = m.apply_full(pb::FullView {
+        revision: 1,
+        services: vec![service(
+            "a",
+            "",
+            vec![marked("10.0.0.1", true), marked("10.0.0.2", false)],
+        )],
+        ..Default::default()
+    });
     assert!(skipped.is_empty(), "{skipped:?}");
-    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
-    let marks: Vec<(String, bool)> = a.endpoints.iter().map(|e| (e.address.to_string(), e.mtls)).collect();
-    assert_eq!(marks, [("10.0.0.1".to_owned(), true), ("10.0.0.2".to_owned(), false)]);
+    let [Change::UpsertService(a)] = changes.as_slice() else {
+        panic!("{changes:?}")
+    };
+    let marks: Vec<(String, bool)> = a
+        .endpoints
+        .iter()
+        .map(|e| (e.address.to_string(), e.mtls))
+        .collect();
+    assert_eq!(
+        marks,
+        [
+            ("10.0.0.1".to_owned(), true),
+            ("10.0.0.2".to_owned(), false)
+        ]
+    );
     // The mark set, then cleared, on one endpoint by single upserts.
     for (rev, mtls) in [(2, true), (3, false)] {
         let (changes, _) = m.apply_batch(batch(
             rev,
-            vec![pb::change::Kind::EndpointUpserted(pb::EndpointUpsert { service: Some(key("default", "a")), endpoint: Some(marked("10.0.0.2", mtls)) })],
+            vec![pb::change::Kind::EndpointUpserted(pb::EndpointUpsert {
+                service: Some(key("default", "a")),
+                endpoint: Some(marked("10.0.0.2", mtls)),
+            })],
         ));
-        let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
-        assert_eq!(a.endpoints.iter().map(|e| e.mtls).collect::<Vec<_>>(), [true, mtls], "revision {rev}");
+        let [Change::UpsertService(a)] = changes.as_slice() else {
+            panic!("{changes:?}")
+        };
+        assert_eq!(
+            a.endpoints.iter().map(|e| e.mtls).collect::<Vec<_>>(),
+            [true, mtls],
+            "revision {rev}"
+        );
     }
     // A drain mark keeps the mTLS mark.
     let (changes, _) = m.apply_batch(batch(
@@ -98,31 +157,68 @@ fn the_mtls_mark_reaches_the_node_from_a_full_view_and_from_an_upsert() {
             node: "n1".into(),
         })],
     ));
-    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
-    assert_eq!((a.endpoints[0].state, a.endpoints[0].mtls), (EndpointState::Draining, true));
+    let [Change::UpsertService(a)] = changes.as_slice() else {
+        panic!("{changes:?}")
+    };
+    assert_eq!(
+        (a.endpoints[0].state, a.endpoints[0].mtls),
+        (EndpointState::Draining, true)
+    );
 }
 
 #[test]
 fn a_drain_mark_turns_the_endpoint_draining_and_its_removal_turns_it_back() {
     let mut m = Mirror::default();
-    m.apply_full(pb::FullView { revision: 1, services: vec![service("a", "", vec![ep("10.0.0.1", 8080, "n1", pb::EndpointState::Healthy)])], ..Default::default() });
+    m.apply_full(pb::FullView {
+        revision: 1,
+        services: vec![service(
+            "a",
+            "",
+            vec![ep("10.0.0.1", 8080, "n1", pb::EndpointState::Healthy)],
+        )],
+        ..Default::default()
+    });
     let mark = |state: pb::EndpointState, node: &str| {
-        pb::change::Kind::StateChanged(pb::DrainMark { service: Some(key("default", "a")), address: "10.0.0.1".into(), state: state as i32, node: node.into() })
+        pb::change::Kind::StateChanged(pb::DrainMark {
+            service: Some(key("default", "a")),
+            address: "10.0.0.1".into(),
+            state: state as i32,
+            node: node.into(),
+        })
     };
     let (changes, _) = m.apply_batch(batch(2, vec![mark(pb::EndpointState::Draining, "n1")]));
-    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+    let [Change::UpsertService(a)] = changes.as_slice() else {
+        panic!("{changes:?}")
+    };
     assert_eq!(a.endpoints[0].state, EndpointState::Draining);
     let (changes, _) = m.apply_batch(batch(3, vec![mark(pb::EndpointState::Healthy, "")]));
-    let [Change::UpsertService(a)] = changes.as_slice() else { panic!("{changes:?}") };
+    let [Change::UpsertService(a)] = changes.as_slice() else {
+        panic!("{changes:?}")
+    };
     assert_eq!(a.endpoints[0].state, EndpointState::Healthy);
 }
 
 #[test]
 fn a_resync_removes_the_services_it_no_longer_holds() {
     let mut m = Mirror::default();
-    m.apply_full(pb::FullView { revision: 1, services: vec![service("a", "", vec![]), service("b", "", vec![])], ..Default::default() });
-    let (changes, _) = m.apply_full(pb::FullView { revision: 9, services: vec![service("b", "", vec![])], resync: true, ..Default::default() });
-    assert!(changes.contains(&Change::RemoveService(ServiceKey { namespace: "default".into(), name: "a".into() })), "{changes:?}");
+    m.apply_full(pb::FullView {
+        revision: 1,
+        services: vec![service("a", "", vec![]), service("b", "", vec![])],
+        ..Default::default()
+    });
+    let (changes, _) = m.apply_full(pb::FullView {
+        revision: 9,
+        services: vec![service("b", "", vec![])],
+        resync: true,
+        ..Default::default()
+    });
+    assert!(
+        changes.contains(&Change::RemoveService(ServiceKey {
+            namespace: "default".into(),
+            name: "a".into()
+        })),
+        "{changes:?}"
+    );
     assert_eq!(m.services(), 1);
 }
 
@@ -131,7 +227,14 @@ fn bad_entries_are_skipped_and_named_not_applied() {
     let mut m = Mirror::default();
     let (changes, skipped) = m.apply_full(pb::FullView {
         revision: 1,
-        services: vec![service("a", "not-an-ip", vec![]), service("b", "", vec![ep("10.0.0.300", 1, "n", pb::EndpointState::Healthy)])],
+        services: vec![
+            service("a", "not-an-ip", vec![]),
+            service(
+                "b",
+                "",
+                vec![ep("10.0.0.300", 1, "n", pb::EndpointState::Healthy)],
+            ),
+        ],
         ..Default::default()
     });
     assert_eq!(skipped.len(), 2, "{skipped:?}");
@@ -151,7 +254,15 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
         let mut marks: BTreeMap<(String, String), ()> = BTreeMap::new();
         let mut mirror = Mirror::default();
         let mut node = BTreeMap::new();
-        apply(&mut node, mirror.apply_full(pb::FullView { revision: 1, ..Default::default() }).0);
+        apply(
+            &mut node,
+            mirror
+                .apply_full(pb::FullView {
+                    revision: 1,
+                    ..Default::default()
+                })
+                .0,
+        );
         for rev in 2..200 {
             let name = format!("s{}", rng.below(6));
             let addr = format!("10.0.0.{}", rng.below(5));
@@ -166,14 +277,25 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
                     pb::change::Kind::ServiceRemoved(key("default", &name))
                 }
                 2 | 3 => {
-                    let state = if rng.below(2) == 0 { pb::EndpointState::Healthy } else { pb::EndpointState::Draining };
+                    let state = if rng.below(2) == 0 {
+                        pb::EndpointState::Healthy
+                    } else {
+                        pb::EndpointState::Draining
+                    };
                     let e = ep(&addr, 8080, "n1", state);
                     endpoints.insert((name.clone(), addr.clone()), e.clone());
-                    pb::change::Kind::EndpointUpserted(pb::EndpointUpsert { service: Some(key("default", &name)), endpoint: Some(e) })
+                    pb::change::Kind::EndpointUpserted(pb::EndpointUpsert {
+                        service: Some(key("default", &name)),
+                        endpoint: Some(e),
+                    })
                 }
                 4 => {
                     endpoints.remove(&(name.clone(), addr.clone()));
-                    pb::change::Kind::EndpointRemoved(pb::EndpointRemoval { service: Some(key("default", &name)), address: addr, port: 8080 })
+                    pb::change::Kind::EndpointRemoved(pb::EndpointRemoval {
+                        service: Some(key("default", &name)),
+                        address: addr,
+                        port: 8080,
+                    })
                 }
                 _ => {
                     let draining = rng.below(2) == 0;
@@ -182,7 +304,11 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
                     } else {
                         marks.remove(&(name.clone(), addr.clone()));
                     }
-                    let state = if draining { pb::EndpointState::Draining } else { pb::EndpointState::Healthy };
+                    let state = if draining {
+                        pb::EndpointState::Draining
+                    } else {
+                        pb::EndpointState::Healthy
+                    };
                     pb::change::Kind::StateChanged(pb::DrainMark {
                         service: Some(key("default", &name)),
                         address: addr,
@@ -197,17 +323,36 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
         let services = metas
             .iter()
             .map(|(name, vip)| {
-                let eps = endpoints.iter().filter(|((k, _), _)| k == name).map(|(_, e)| e.clone()).collect();
+                let eps = endpoints
+                    .iter()
+                    .filter(|((k, _), _)| k == name)
+                    .map(|(_, e)| e.clone())
+                    .collect();
                 service(name, vip, eps)
             })
             .collect();
         let full_marks = marks
             .keys()
-            .map(|(name, addr)| pb::DrainMark { service: Some(key("default", name)), address: addr.clone(), state: pb::EndpointState::Draining as i32, node: "n1".into() })
+            .map(|(name, addr)| pb::DrainMark {
+                service: Some(key("default", name)),
+                address: addr.clone(),
+                state: pb::EndpointState::Draining as i32,
+                node: "n1".into(),
+            })
             .collect();
         let mut fresh = Mirror::default();
         let mut expected = BTreeMap::new();
-        apply(&mut expected, fresh.apply_full(pb::FullView { revision: 200, services, marks: full_marks, ..Default::default() }).0);
+        apply(
+            &mut expected,
+            fresh
+                .apply_full(pb::FullView {
+                    revision: 200,
+                    services,
+                    marks: full_marks,
+                    ..Default::default()
+                })
+                .0,
+        );
         assert_eq!(node, expected, "seed {seed}");
         assert_eq!(mirror.revision(), 199);
     }

@@ -66,8 +66,15 @@ pub struct Doc {
 impl Doc {
     /// The names and VIPs of `registry`'s services that have a VIP.
     pub fn of(registry: &RegistryView) -> Doc {
-        let services = registry.services.values().filter_map(|s| Some((dns_name(&s.name, &s.namespace), s.vip?))).collect();
-        Doc { version: SCHEMA_VERSION, services }
+        let services = registry
+            .services
+            .values()
+            .filter_map(|s| Some((dns_name(&s.name, &s.namespace), s.vip?)))
+            .collect();
+        Doc {
+            version: SCHEMA_VERSION,
+            services,
+        }
     }
 
     /// The file's bytes: compact JSON and a newline.
@@ -84,7 +91,8 @@ impl Doc {
             version: u32,
         }
         // The version first, so that a future schema is reported as such, not as bad JSON.
-        let v: Version = serde_json::from_slice(bytes).map_err(|e| DecodeError::Json(e.to_string()))?;
+        let v: Version =
+            serde_json::from_slice(bytes).map_err(|e| DecodeError::Json(e.to_string()))?;
         if v.version != SCHEMA_VERSION {
             return Err(DecodeError::Version(v.version));
         }
@@ -116,7 +124,9 @@ enum Read {
 
 fn read(path: &Path) -> Read {
     let bytes = match std::fs::metadata(path) {
-        Ok(m) if m.len() > MAX_BYTES => return Read::Bad(format!("{} bytes, more than {MAX_BYTES}", m.len())),
+        Ok(m) if m.len() > MAX_BYTES => {
+            return Read::Bad(format!("{} bytes, more than {MAX_BYTES}", m.len()));
+        }
         Ok(_) => std::fs::read(path),
         Err(e) => Err(e),
     };
@@ -191,7 +201,11 @@ impl MeshDns {
             node,
             metrics,
             keys: std::hash::RandomState::new(),
-            written: Mutex::new(Written { doc: None, fingerprint: None, stopped: false }),
+            written: Mutex::new(Written {
+                doc: None,
+                fingerprint: None,
+                stopped: false,
+            }),
             stop: watch::Sender::new(false),
         });
         mesh.reload("restored");
@@ -272,7 +286,9 @@ impl MeshDns {
             let fp = fingerprint(&self.keys, &i.registry);
             (known != Some(fp)).then(|| (fp, Doc::of(&i.registry)))
         });
-        let Some((fp, doc)) = built else { return Outcome::Unchanged };
+        let Some((fp, doc)) = built else {
+            return Outcome::Unchanged;
+        };
         if w.doc.as_ref() == Some(&doc) {
             w.fingerprint = Some(fp);
             return Outcome::Unchanged;
@@ -289,14 +305,22 @@ impl MeshDns {
     }
 
     fn write_heartbeat(&self) -> bool {
-        let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        self.write(HEARTBEAT_FILE, format!("{ms}\n").as_bytes(), Durability::ReplaceOnly)
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        self.write(
+            HEARTBEAT_FILE,
+            format!("{ms}\n").as_bytes(),
+            Durability::ReplaceOnly,
+        )
     }
 
     /// One atomic write of `name` in the state folder, counted; a failure is logged with
     /// the path and counted.
     fn write(&self, name: &str, bytes: &[u8], durability: Durability) -> bool {
-        let label = FileLabel { file: name.to_string() };
+        let label = FileLabel {
+            file: name.to_string(),
+        };
         match write_atomically(&self.dir, name, bytes, durability) {
             Ok(()) => {
                 self.metrics.state_writes.get_or_create(&label).inc();
@@ -325,7 +349,12 @@ enum Durability {
 
 /// A temp file beside `name` (this process's own name for it), written whole and renamed
 /// over `name`; with [`Durability::Synced`], fsyncs of the file and the folder.
-fn write_atomically(dir: &Path, name: &str, bytes: &[u8], durability: Durability) -> Result<(), crate::storage::StorageError> {
+fn write_atomically(
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    durability: Durability,
+) -> Result<(), crate::storage::StorageError> {
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
     let path = dir.join(name);
     // Left by a write of this pid that failed halfway; creating the temp file needs it gone.
@@ -335,8 +364,17 @@ fn write_atomically(dir: &Path, name: &str, bytes: &[u8], durability: Durability
     }
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
-    let io = |op, path: &Path, source| crate::storage::StorageError::Io { op, path: path.to_path_buf(), source };
-    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp).map_err(|e| io("creating", &tmp, e))?;
+    let io = |op, path: &Path, source| crate::storage::StorageError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| io("creating", &tmp, e))?;
     file.write_all(bytes).map_err(|e| io("writing", &tmp, e))?;
     drop(file);
     std::fs::rename(&tmp, &path).map_err(|e| io("renaming into place", &path, e))
@@ -351,7 +389,10 @@ pub async fn run_writer(mesh: Arc<MeshDns>) {
     let mut stop = mesh.stop.subscribe();
     // The previous owner may have written since this process restored the file: its last
     // write landed before the lock passed.
-    if blocking(&mesh, |m| m.reload("read back as serving starts")).await.is_none() {
+    if blocking(&mesh, |m| m.reload("read back as serving starts"))
+        .await
+        .is_none()
+    {
         return;
     }
     let mut heartbeat = tokio::time::interval(HEARTBEAT);
@@ -389,7 +430,10 @@ pub async fn run_writer(mesh: Arc<MeshDns>) {
 }
 
 /// Runs `f` off the runtime thread: it takes the builder's lock and fsyncs.
-async fn blocking<T: Send + 'static>(mesh: &Arc<MeshDns>, f: impl FnOnce(&MeshDns) -> T + Send + 'static) -> Option<T> {
+async fn blocking<T: Send + 'static>(
+    mesh: &Arc<MeshDns>,
+    f: impl FnOnce(&MeshDns) -> T + Send + 'static,
+) -> Option<T> {
     let m = mesh.clone();
     match tokio::task::spawn_blocking(move || f(&m)).await {
         Ok(v) => Some(v),
@@ -431,17 +475,25 @@ mod tests {
     }
 
     fn node(services: Vec<Service>) -> Arc<Node> {
-        Node::new(Inputs { registry: RegistryView::new(services), ..Inputs::default() })
+        Node::new(Inputs {
+            registry: RegistryView::new(services),
+            ..Inputs::default()
+        })
     }
 
     fn writes(m: &Metrics, file: &str) -> u64 {
-        m.state_writes.get_or_create(&FileLabel { file: file.into() }).get()
+        m.state_writes
+            .get_or_create(&FileLabel { file: file.into() })
+            .get()
     }
 
     /// The file a registry gives, byte for byte.
     fn check(services: Vec<Service>, expected: &str) {
         let doc = Doc::of(&RegistryView::new(services));
-        assert_eq!(String::from_utf8(doc.encode()).unwrap(), format!("{expected}\n"));
+        assert_eq!(
+            String::from_utf8(doc.encode()).unwrap(),
+            format!("{expected}\n")
+        );
         assert_eq!(Doc::decode(&doc.encode()), Ok(doc), "round trip");
     }
 
@@ -462,11 +514,21 @@ mod tests {
     #[test]
     fn a_file_of_another_schema_or_no_schema_is_refused() {
         let bad = |text: &str| Doc::decode(text.as_bytes()).unwrap_err();
-        assert_eq!(bad(r#"{"version":2,"services":{}}"#), DecodeError::Version(2));
+        assert_eq!(
+            bad(r#"{"version":2,"services":{}}"#),
+            DecodeError::Version(2)
+        );
         assert!(matches!(bad("{ nope"), DecodeError::Json(_)));
-        assert!(matches!(bad(r#"{"services":{}}"#), DecodeError::Json(_)), "no version");
-        assert!(matches!(bad(r#"{"version":1,"services":{"a.b.svc":"not an ip"}}"#), DecodeError::Json(_)));
-        let extra = Doc::decode(br#"{"version":1,"services":{"a.b.svc":"10.0.0.1"},"later":true}"#).unwrap();
+        assert!(
+            matches!(bad(r#"{"services":{}}"#), DecodeError::Json(_)),
+            "no version"
+        );
+        assert!(matches!(
+            bad(r#"{"version":1,"services":{"a.b.svc":"not an ip"}}"#),
+            DecodeError::Json(_)
+        ));
+        let extra = Doc::decode(br#"{"version":1,"services":{"a.b.svc":"10.0.0.1"},"later":true}"#)
+            .unwrap();
         assert_eq!(extra.services.len(), 1, "an unknown field is ignored");
     }
 
@@ -476,11 +538,18 @@ mod tests {
         let n = node(vec![service("web", "default", Some("10.96.0.10"), 1)]);
         let restore = || MeshDns::restore(dir.path(), n.clone(), Metrics::new());
         assert_eq!(restore().on_disk(), None, "missing");
-        assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "a restore writes nothing");
+        assert!(
+            std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+            "a restore writes nothing"
+        );
         for bad in ["{ nope", r#"{"version":9,"services":{}}"#, ""] {
             std::fs::write(dir.path().join(FILE), bad).unwrap();
             assert_eq!(restore().on_disk(), None, "{bad:?}");
-            assert_eq!(std::fs::read_to_string(dir.path().join(FILE)).unwrap(), bad, "a bad file is left as it is");
+            assert_eq!(
+                std::fs::read_to_string(dir.path().join(FILE)).unwrap(),
+                bad,
+                "a bad file is left as it is"
+            );
         }
         let good = Doc::of(&n.with_inputs(|i| i.registry.clone()));
         std::fs::write(dir.path().join(FILE), good.encode()).unwrap();
@@ -491,25 +560,52 @@ mod tests {
     #[test]
     fn the_snapshot_is_written_only_when_names_or_vips_change() {
         let dir = tempfile::tempdir().unwrap();
-        let n = node(vec![service("web", "default", Some("10.96.0.10"), 1), service("db", "default", None, 1)]);
+        let n = node(vec![
+            service("web", "default", Some("10.96.0.10"), 1),
+            service("db", "default", None, 1),
+        ]);
         let m = Metrics::new();
         let mesh = MeshDns::restore(dir.path(), n.clone(), m.clone());
         let file = || std::fs::read_to_string(dir.path().join(FILE)).unwrap();
         assert!(mesh.check(), "first write");
-        assert_eq!(file(), "{\"version\":1,\"services\":{\"web.default.svc\":\"10.96.0.10\"}}\n");
+        assert_eq!(
+            file(),
+            "{\"version\":1,\"services\":{\"web.default.svc\":\"10.96.0.10\"}}\n"
+        );
         assert!(!mesh.check(), "nothing changed");
         // Endpoints, ports and services without a VIP are not in the file.
-        n.apply([Change::UpsertService(service("web", "default", Some("10.96.0.10"), 5))]);
+        n.apply([Change::UpsertService(service(
+            "web",
+            "default",
+            Some("10.96.0.10"),
+            5,
+        ))]);
         n.apply([Change::UpsertService(service("db", "default", None, 3))]);
         n.apply([Change::UpsertService(service("cache", "default", None, 0))]);
         assert!(!mesh.check(), "no name or VIP changed");
-        n.apply([Change::UpsertService(service("db", "default", Some("10.96.0.20"), 3))]);
+        n.apply([Change::UpsertService(service(
+            "db",
+            "default",
+            Some("10.96.0.20"),
+            3,
+        ))]);
         assert!(mesh.check(), "a VIP appeared");
-        n.apply([Change::UpsertService(service("web", "default", Some("10.96.0.11"), 5))]);
+        n.apply([Change::UpsertService(service(
+            "web",
+            "default",
+            Some("10.96.0.11"),
+            5,
+        ))]);
         assert!(mesh.check(), "a VIP changed");
-        n.apply([Change::RemoveService(aether_model::ServiceKey { namespace: "default".into(), name: "db".into() })]);
+        n.apply([Change::RemoveService(aether_model::ServiceKey {
+            namespace: "default".into(),
+            name: "db".into(),
+        })]);
         assert!(mesh.check(), "a service went");
-        assert_eq!(file(), "{\"version\":1,\"services\":{\"web.default.svc\":\"10.96.0.11\"}}\n");
+        assert_eq!(
+            file(),
+            "{\"version\":1,\"services\":{\"web.default.svc\":\"10.96.0.11\"}}\n"
+        );
         assert_eq!(writes(&m, FILE), 4);
         assert_eq!(writes(&m, HEARTBEAT_FILE), 0);
 
@@ -526,19 +622,47 @@ mod tests {
         let m = Metrics::new();
         let mesh = MeshDns::restore(dir.path(), n.clone(), m.clone());
         mesh.beat();
-        assert_eq!((writes(&m, FILE), writes(&m, HEARTBEAT_FILE)), (1, 1), "a heartbeat brings the snapshot up to date first");
-        n.apply([Change::UpsertService(service("web", "default", Some("10.96.0.12"), 1))]);
-        let before = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
+        assert_eq!(
+            (writes(&m, FILE), writes(&m, HEARTBEAT_FILE)),
+            (1, 1),
+            "a heartbeat brings the snapshot up to date first"
+        );
+        n.apply([Change::UpsertService(service(
+            "web",
+            "default",
+            Some("10.96.0.12"),
+            1,
+        ))]);
+        let before = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
         mesh.flush();
         assert_eq!((writes(&m, FILE), writes(&m, HEARTBEAT_FILE)), (2, 2));
-        let beat: u128 = std::fs::read_to_string(dir.path().join(HEARTBEAT_FILE)).unwrap().trim_end().parse().unwrap();
+        let beat: u128 = std::fs::read_to_string(dir.path().join(HEARTBEAT_FILE))
+            .unwrap()
+            .trim_end()
+            .parse()
+            .unwrap();
         assert!(beat >= before, "the heartbeat is the wall clock in ms");
-        assert_eq!(mesh.on_disk().unwrap().services["web.default.svc"].to_string(), "10.96.0.12");
-        n.apply([Change::UpsertService(service("web", "default", Some("10.96.0.13"), 1))]);
+        assert_eq!(
+            mesh.on_disk().unwrap().services["web.default.svc"].to_string(),
+            "10.96.0.12"
+        );
+        n.apply([Change::UpsertService(service(
+            "web",
+            "default",
+            Some("10.96.0.13"),
+            1,
+        ))]);
         assert!(!mesh.check());
         mesh.beat();
         mesh.flush();
-        assert_eq!((writes(&m, FILE), writes(&m, HEARTBEAT_FILE)), (2, 2), "nothing after the drain");
+        assert_eq!(
+            (writes(&m, FILE), writes(&m, HEARTBEAT_FILE)),
+            (2, 2),
+            "nothing after the drain"
+        );
         assert!(*mesh.stop.borrow(), "the writer is told to end");
     }
 
@@ -550,17 +674,35 @@ mod tests {
         // A folder in the snapshot's place: the rename over it fails.
         std::fs::create_dir_all(dir.path().join(FILE).join("in-the-way")).unwrap();
         let mesh = MeshDns::restore(dir.path(), n.clone(), m.clone());
-        let errors = |file: &str| m.state_write_errors.get_or_create(&FileLabel { file: file.into() }).get();
+        let errors = |file: &str| {
+            m.state_write_errors
+                .get_or_create(&FileLabel { file: file.into() })
+                .get()
+        };
         assert!(!mesh.check());
         assert_eq!(errors(FILE), 1);
         mesh.beat();
         assert_eq!(errors(FILE), 2, "retried at the heartbeat");
-        assert!(!dir.path().join(HEARTBEAT_FILE).exists(), "no heartbeat over a snapshot that is behind");
+        assert!(
+            !dir.path().join(HEARTBEAT_FILE).exists(),
+            "no heartbeat over a snapshot that is behind"
+        );
         std::fs::remove_dir_all(dir.path().join(FILE)).unwrap();
         mesh.beat();
-        assert_eq!((writes(&m, FILE), writes(&m, HEARTBEAT_FILE)), (1, 1), "the same view is written once the way is clear");
-        let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(leftovers.len(), 2, "no temp file left behind: {leftovers:?}");
+        assert_eq!(
+            (writes(&m, FILE), writes(&m, HEARTBEAT_FILE)),
+            (1, 1),
+            "the same view is written once the way is clear"
+        );
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            leftovers.len(),
+            2,
+            "no temp file left behind: {leftovers:?}"
+        );
     }
 
     /// Paused time: the writer's heartbeats and coalesced checks, tick by tick.
@@ -573,20 +715,41 @@ mod tests {
         let start = Instant::now();
         let writer = tokio::spawn(run_writer(mesh.clone()));
         tokio::time::sleep(Duration::from_millis(1)).await;
-        assert_eq!((writes(&m, FILE), writes(&m, HEARTBEAT_FILE)), (1, 1), "at start: the snapshot and a heartbeat");
+        assert_eq!(
+            (writes(&m, FILE), writes(&m, HEARTBEAT_FILE)),
+            (1, 1),
+            "at start: the snapshot and a heartbeat"
+        );
 
         // A VIP change every 10 ms for a second: at most one write per 100 ms.
         for i in 0..100u8 {
-            n.apply([Change::UpsertService(service("web", "default", Some(&format!("10.96.1.{i}")), 1))]);
+            n.apply([Change::UpsertService(service(
+                "web",
+                "default",
+                Some(&format!("10.96.1.{i}")),
+                1,
+            ))]);
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tokio::time::sleep(COALESCE * 2).await;
         let during = writes(&m, FILE) - 1;
-        assert!((8..=11).contains(&during), "{during} writes for 100 changes over 1 s");
-        assert_eq!(mesh.on_disk().unwrap().services["web.default.svc"].to_string(), "10.96.1.99", "the last change is written");
+        assert!(
+            (8..=11).contains(&during),
+            "{during} writes for 100 changes over 1 s"
+        );
+        assert_eq!(
+            mesh.on_disk().unwrap().services["web.default.svc"].to_string(),
+            "10.96.1.99",
+            "the last change is written"
+        );
         // An endpoint churn is checked but writes nothing.
         for e in 0..20 {
-            n.apply([Change::UpsertService(service("web", "default", Some("10.96.1.99"), e))]);
+            n.apply([Change::UpsertService(service(
+                "web",
+                "default",
+                Some("10.96.1.99"),
+                e,
+            ))]);
             tokio::time::sleep(Duration::from_millis(30)).await;
         }
         assert_eq!(writes(&m, FILE) - 1, during);
@@ -597,7 +760,10 @@ mod tests {
         assert_eq!(writes(&m, HEARTBEAT_FILE), 4, "and at 15 s");
 
         mesh.flush();
-        tokio::time::timeout(Duration::from_secs(1), writer).await.expect("the writer ends after the flush").unwrap();
+        tokio::time::timeout(Duration::from_secs(1), writer)
+            .await
+            .expect("the writer ends after the flush")
+            .unwrap();
         assert_eq!(writes(&m, HEARTBEAT_FILE), 5);
     }
 
@@ -605,8 +771,16 @@ mod tests {
     /// every check, the document only when the fingerprint moved.
     #[test]
     fn a_check_at_ten_thousand_services_is_cheap_when_no_vip_changed() {
-        let services: Vec<Service> =
-            (0..10_000u32).map(|s| service(&format!("svc-{s:05}"), "mesh", Some(&std::net::Ipv4Addr::from(0x0a60_0000 + s).to_string()), 0)).collect();
+        let services: Vec<Service> = (0..10_000u32)
+            .map(|s| {
+                service(
+                    &format!("svc-{s:05}"),
+                    "mesh",
+                    Some(&std::net::Ipv4Addr::from(0x0a60_0000 + s).to_string()),
+                    0,
+                )
+            })
+            .collect();
         let dir = tempfile::tempdir().unwrap();
         let n = node(services);
         let mesh = MeshDns::restore(dir.path(), n.clone(), Metrics::new());
@@ -618,7 +792,9 @@ mod tests {
             assert!(!mesh.check());
         }
         let unchanged = t.elapsed() / 10;
-        eprintln!("10,000 services: first check and write {first:?}, a check with no change {unchanged:?}");
+        eprintln!(
+            "10,000 services: first check and write {first:?}, a check with no change {unchanged:?}"
+        );
         assert_eq!(mesh.on_disk().unwrap().services.len(), 10_000);
     }
 }

@@ -129,12 +129,15 @@ impl Observed {
         if now == *written {
             return Ok(false);
         }
-        let doc = Doc { clusters: self.names() };
+        let doc = Doc {
+            clusters: self.names(),
+        };
         let bytes = serde_json::to_vec(&doc).map_err(std::io::Error::other)?;
         let dir = self.path.parent().unwrap_or(Path::new("."));
         let tmp = dir.join(format!(".{FILE}.tmp.{}", std::process::id()));
         let _ = std::fs::remove_file(&tmp);
-        crate::storage::write_atomically(&tmp, &self.path, &bytes, dir).map_err(std::io::Error::other)?;
+        crate::storage::write_atomically(&tmp, &self.path, &bytes, dir)
+            .map_err(std::io::Error::other)?;
         *written = now;
         self.flushed.send_replace(now);
         Ok(true)
@@ -178,7 +181,9 @@ pub async fn run_writer(observed: Arc<Observed>) {
         let o = observed.clone();
         match tokio::task::spawn_blocking(move || o.flush()).await {
             Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::error!(file = %observed.path().display(), error = %e, "observed upstreams: write failed; retried on the next change and at drain"),
+            Ok(Err(e)) => {
+                tracing::error!(file = %observed.path().display(), error = %e, "observed upstreams: write failed; retried on the next change and at drain")
+            }
             Err(e) => tracing::error!(error = %e, "observed upstreams: writer task failed"),
         }
     }
@@ -210,7 +215,11 @@ mod tests {
         std::fs::write(dir.path().join(FILE), "{ nope").unwrap();
         assert!(Observed::restore(dir.path()).names().is_empty());
         again.reload();
-        assert_eq!(again.names().len(), 1, "a bad file adds nothing and removes nothing");
+        assert_eq!(
+            again.names().len(),
+            1,
+            "a bad file adds nothing and removes nothing"
+        );
     }
 
     #[test]
@@ -220,9 +229,18 @@ mod tests {
         o.insert("outbound|80||web.default");
         assert!(o.flush_final().unwrap(), "the last change is written");
         let before = std::fs::read_to_string(dir.path().join(FILE)).unwrap();
-        assert!(o.insert("outbound|80||late.default"), "a stream still open adds a name");
-        assert!(!o.flush().unwrap() && !o.flush_final().unwrap(), "but it is not written");
-        assert_eq!(std::fs::read_to_string(dir.path().join(FILE)).unwrap(), before);
+        assert!(
+            o.insert("outbound|80||late.default"),
+            "a stream still open adds a name"
+        );
+        assert!(
+            !o.flush().unwrap() && !o.flush_final().unwrap(),
+            "but it is not written"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(FILE)).unwrap(),
+            before
+        );
     }
 
     #[tokio::test]
@@ -234,7 +252,10 @@ mod tests {
         for i in 0..10 {
             o.insert(&format!("outbound|80||s{i}.default"));
         }
-        tokio::time::timeout(Duration::from_secs(5), flushed.wait_for(|n| *n > 0)).await.expect("written").unwrap();
+        tokio::time::timeout(Duration::from_secs(5), flushed.wait_for(|n| *n > 0))
+            .await
+            .expect("written")
+            .unwrap();
         assert_eq!(*flushed.borrow(), 10, "one write covered the whole burst");
         assert_eq!(Observed::restore(dir.path()).names().len(), 10);
         writer.abort();

@@ -28,7 +28,9 @@ fn socket_address(a: SocketAddr) -> core::Address {
     core::Address {
         address: Some(core::address::Address::SocketAddress(core::SocketAddress {
             address: a.ip().to_string(),
-            port_specifier: Some(core::socket_address::PortSpecifier::PortValue(u32::from(a.port()))),
+            port_specifier: Some(core::socket_address::PortSpecifier::PortValue(u32::from(
+                a.port(),
+            ))),
             ..Default::default()
         })),
     }
@@ -37,22 +39,33 @@ fn socket_address(a: SocketAddr) -> core::Address {
 fn ads() -> core::ConfigSource {
     core::ConfigSource {
         resource_api_version: core::ApiVersion::V3 as i32,
-        config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(core::AggregatedConfigSource {})),
+        config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(
+            core::AggregatedConfigSource {},
+        )),
         ..Default::default()
     }
 }
 
 fn host_prefix(ip: IpAddr) -> core::CidrRange {
     let len = if ip.is_ipv4() { 32 } else { 128 };
-    core::CidrRange { address_prefix: ip.to_string(), prefix_len: Some(UInt32Value { value: len }) }
+    core::CidrRange {
+        address_prefix: ip.to_string(),
+        prefix_len: Some(UInt32Value { value: len }),
+    }
 }
 
 pub fn listener(l: &snapshot::Listener) -> Any {
     let (direction, filter_chains, listener_filters) = match &l.kind {
-        snapshot::ListenerKind::HttpOutbound { route_config, on_demand, source_certificates } => {
+        snapshot::ListenerKind::HttpOutbound {
+            route_config,
+            on_demand,
+            source_certificates,
+        } => {
             let router = hcm::HttpFilter {
                 name: "envoy.filters.http.router".into(),
-                config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(Router::default()))),
+                config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(
+                    Router::default(),
+                ))),
                 ..Default::default()
             };
             // A route to a cluster the proxy does not hold asks for it on the ADS stream
@@ -60,18 +73,29 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             // have arrived.
             let on_demand = on_demand.then(|| hcm::HttpFilter {
                 name: "envoy.filters.http.on_demand".into(),
-                config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(OnDemand {
-                    odcds: Some(OnDemandCds { source: Some(ads()), timeout: Some(Duration { seconds: 10, nanos: 0 }), ..Default::default() }),
-                }))),
+                config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(
+                    OnDemand {
+                        odcds: Some(OnDemandCds {
+                            source: Some(ads()),
+                            timeout: Some(Duration {
+                                seconds: 10,
+                                nanos: 0,
+                            }),
+                            ..Default::default()
+                        }),
+                    },
+                ))),
                 ..Default::default()
             });
             let manager = hcm::HttpConnectionManager {
                 stat_prefix: l.name.clone(),
                 codec_type: hcm::http_connection_manager::CodecType::Auto as i32,
-                route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(hcm::Rds {
-                    config_source: Some(ads()),
-                    route_config_name: route_config.clone(),
-                })),
+                route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
+                    hcm::Rds {
+                        config_source: Some(ads()),
+                        route_config_name: route_config.clone(),
+                    },
+                )),
                 http_filters: on_demand.into_iter().chain([router]).collect(),
                 ..Default::default()
             };
@@ -80,7 +104,11 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
             };
             let chain = listener::FilterChain {
-                filters: source_certificates.then(source_certificate_filter).into_iter().chain([hcm]).collect(),
+                filters: source_certificates
+                    .then(source_certificate_filter)
+                    .into_iter()
+                    .chain([hcm])
+                    .collect(),
                 ..Default::default()
             };
             (core::TrafficDirection::Outbound, vec![chain], vec![])
@@ -93,7 +121,9 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             // to this chain, whose cluster is never served: it is closed.
             let original_dst = listener::ListenerFilter {
                 name: "envoy.filters.listener.original_dst".into(),
-                config_type: Some(listener::listener_filter::ConfigType::TypedConfig(pack_any(OriginalDst::default()))),
+                config_type: Some(listener::listener_filter::ConfigType::TypedConfig(
+                    pack_any(OriginalDst::default()),
+                )),
                 ..Default::default()
             };
             let blackhole = listener::FilterChain {
@@ -101,41 +131,67 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 filters: vec![tcp_proxy(snapshot::INBOUND_BLACKHOLE)],
                 ..Default::default()
             };
-            (core::TrafficDirection::Inbound, vec![blackhole], vec![original_dst])
+            (
+                core::TrafficDirection::Inbound,
+                vec![blackhole],
+                vec![original_dst],
+            )
         }
         snapshot::ListenerKind::InboundPod { chain: c } => {
             // The prefixes repeat the listener's addresses: every connection the capture
             // listener hands over matches, and the pod's IPs read the same in config_dump
             // as on the filter chain they used to be.
-            let chain = |name: String, transport_protocol: &str, transport_socket: Option<core::TransportSocket>| listener::FilterChain {
-                name,
-                filter_chain_match: Some(listener::FilterChainMatch {
-                    prefix_ranges: c.ips.iter().map(|ip| host_prefix(*ip)).collect(),
-                    transport_protocol: transport_protocol.into(),
+            let chain = |name: String,
+                         transport_protocol: &str,
+                         transport_socket: Option<core::TransportSocket>| {
+                listener::FilterChain {
+                    name,
+                    filter_chain_match: Some(listener::FilterChainMatch {
+                        prefix_ranges: c.ips.iter().map(|ip| host_prefix(*ip)).collect(),
+                        transport_protocol: transport_protocol.into(),
+                        ..Default::default()
+                    }),
+                    filters: vec![tcp_proxy(&c.cluster)],
+                    transport_socket,
                     ..Default::default()
-                }),
-                filters: vec![tcp_proxy(&c.cluster)],
-                transport_socket,
-                ..Default::default()
+                }
             };
             match &c.tls {
-                None => (core::TrafficDirection::Inbound, vec![chain(c.pod_uid.clone(), "", None)], vec![]),
+                None => (
+                    core::TrafficDirection::Inbound,
+                    vec![chain(c.pod_uid.clone(), "", None)],
+                    vec![],
+                ),
                 // Strict: one chain, mTLS with the pod's SVID and peers checked against
                 // the trust bundle; no TLS inspector, since there is nothing to tell
                 // apart (a plaintext client fails the handshake).
-                Some(t) if !t.plaintext => {
-                    (core::TrafficDirection::Inbound, vec![chain(format!("{}|mtls", c.pod_uid), "", Some(downstream_mtls(&t.certificate)))], vec![])
-                }
+                Some(t) if !t.plaintext => (
+                    core::TrafficDirection::Inbound,
+                    vec![chain(
+                        format!("{}|mtls", c.pod_uid),
+                        "",
+                        Some(downstream_mtls(&t.certificate)),
+                    )],
+                    vec![],
+                ),
                 // Permissive: the TLS inspector on the pod's own listener (its listener
                 // filters run after the capture listener's hand-off, so pods without
                 // mTLS do not pay for it) sends TLS to the mTLS chain and everything else
                 // to the plaintext chain, which matches any transport protocol.
                 Some(t) => {
                     let chains = vec![
-                        chain(format!("{}|mtls", c.pod_uid), "tls", Some(downstream_mtls(&t.certificate))),
+                        chain(
+                            format!("{}|mtls", c.pod_uid),
+                            "tls",
+                            Some(downstream_mtls(&t.certificate)),
+                        ),
                         chain(format!("{}|plaintext", c.pod_uid), "", None),
                     ];
-                    (core::TrafficDirection::Inbound, chains, vec![tls_inspector()])
+                    (
+                        core::TrafficDirection::Inbound,
+                        chains,
+                        vec![tls_inspector()],
+                    )
                 }
             }
         }
@@ -162,14 +218,18 @@ pub fn listener(l: &snapshot::Listener) -> Any {
     // A server-first client (the server speaks first) sends the TLS inspector nothing:
     // after a second it goes to the plaintext chain instead of being closed at Envoy's
     // default of 15 s.
-    let inspects = !listener_filters.is_empty() && matches!(l.kind, snapshot::ListenerKind::InboundPod { .. });
+    let inspects =
+        !listener_filters.is_empty() && matches!(l.kind, snapshot::ListenerKind::InboundPod { .. });
     pack_any(listener::Listener {
         name: l.name.clone(),
         address: Some(socket_address(l.address)),
         additional_addresses,
         filter_chains,
         listener_filters,
-        listener_filters_timeout: inspects.then_some(Duration { seconds: 1, nanos: 0 }),
+        listener_filters_timeout: inspects.then_some(Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
         continue_on_listener_filters_timeout: inspects,
         use_original_dst,
         bind_to_port,
@@ -181,19 +241,26 @@ pub fn listener(l: &snapshot::Listener) -> Any {
 fn tls_inspector() -> listener::ListenerFilter {
     listener::ListenerFilter {
         name: "envoy.filters.listener.tls_inspector".into(),
-        config_type: Some(listener::listener_filter::ConfigType::TypedConfig(pack_any(TlsInspector::default()))),
+        config_type: Some(listener::listener_filter::ConfigType::TypedConfig(
+            pack_any(TlsInspector::default()),
+        )),
         ..Default::default()
     }
 }
 
 fn sds(name: &str) -> tls::SdsSecretConfig {
-    tls::SdsSecretConfig { name: name.into(), sds_config: Some(ads()) }
+    tls::SdsSecretConfig {
+        name: name.into(),
+        sds_config: Some(ads()),
+    }
 }
 
 /// The trust bundle, from SDS; the peer's URI SAN must be in the trust domain (the
 /// bundle secret carries the SPIFFE ID prefix).
 fn bundle_validation() -> tls::common_tls_context::ValidationContextType {
-    tls::common_tls_context::ValidationContextType::ValidationContextSdsSecretConfig(sds(snapshot::BUNDLE_SECRET))
+    tls::common_tls_context::ValidationContextType::ValidationContextSdsSecretConfig(sds(
+        snapshot::BUNDLE_SECRET,
+    ))
 }
 
 fn tls_socket(config: Any) -> core::TransportSocket {
@@ -251,27 +318,35 @@ const CERTIFICATE_MAPPER: &str = "envoy.tls.upstream_certificate_mappers.filter_
 /// change.
 fn source_certificate_filter() -> listener::Filter {
     let value = filter_state::FilterStateValue {
-        key: Some(filter_state::filter_state_value::Key::ObjectKey(CERTIFICATE_KEY.into())),
+        key: Some(filter_state::filter_state_value::Key::ObjectKey(
+            CERTIFICATE_KEY.into(),
+        )),
         factory_key: CERTIFICATE_FACTORY.into(),
-        value: Some(filter_state::filter_state_value::Value::FormatString(core::SubstitutionFormatString {
-            format: Some(core::substitution_format_string::Format::TextFormatSource(core::DataSource {
-                specifier: Some(core::data_source::Specifier::InlineString(format!(
-                    "{}%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%",
-                    snapshot::POD_SECRET_PREFIX
-                ))),
+        value: Some(filter_state::filter_state_value::Value::FormatString(
+            core::SubstitutionFormatString {
+                format: Some(core::substitution_format_string::Format::TextFormatSource(
+                    core::DataSource {
+                        specifier: Some(core::data_source::Specifier::InlineString(format!(
+                            "{}%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%",
+                            snapshot::POD_SECRET_PREFIX
+                        ))),
+                        ..Default::default()
+                    },
+                )),
                 ..Default::default()
-            })),
-            ..Default::default()
-        })),
+            },
+        )),
         shared_with_upstream: filter_state::filter_state_value::SharedWithUpstream::Once as i32,
         ..Default::default()
     };
     listener::Filter {
         name: "envoy.filters.network.set_filter_state".into(),
-        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(set_filter_state::Config {
-            on_new_connection: vec![value],
-            ..Default::default()
-        }))),
+        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(
+            set_filter_state::Config {
+                on_new_connection: vec![value],
+                ..Default::default()
+            },
+        ))),
     }
 }
 
@@ -282,7 +357,13 @@ const TLS_MODE_MTLS: &str = "mtls";
 
 fn mtls_match() -> Struct {
     Struct {
-        fields: [(TLS_MODE_KEY.to_string(), Value { kind: Some(value::Kind::StringValue(TLS_MODE_MTLS.into())) })].into(),
+        fields: [(
+            TLS_MODE_KEY.to_string(),
+            Value {
+                kind: Some(value::Kind::StringValue(TLS_MODE_MTLS.into())),
+            },
+        )]
+        .into(),
     }
 }
 
@@ -294,7 +375,12 @@ const NO_CERTIFICATE: &str = "spiffe|none";
 /// Upstream mTLS presenting the calling pod's certificate, fetched over SDS at the
 /// first handshake that names it; `fallback` when the connection names none.
 fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
-    let mapper = cert_mapper::Config { default_value: t.fallback.clone().unwrap_or_else(|| NO_CERTIFICATE.to_string()) };
+    let mapper = cert_mapper::Config {
+        default_value: t
+            .fallback
+            .clone()
+            .unwrap_or_else(|| NO_CERTIFICATE.to_string()),
+    };
     let selector = on_demand_secret::Config {
         config_source: Some(ads()),
         certificate_mapper: Some(core::TypedExtensionConfig {
@@ -328,37 +414,49 @@ pub fn secret(n: &snapshot::NamedSecret) -> Any {
         ..Default::default()
     };
     let kind = match &n.secret {
-        snapshot::Secret::Certificate { chain_pem, key_pem } => tls::secret::Type::TlsCertificate(tls::TlsCertificate {
-            certificate_chain: Some(inline(chain_pem)),
-            private_key: Some(inline(key_pem)),
-            ..Default::default()
-        }),
-        snapshot::Secret::Validation { ca_pem, spiffe_prefix } => {
-            tls::secret::Type::ValidationContext(tls::CertificateValidationContext {
-                trusted_ca: Some(inline(ca_pem)),
-                match_typed_subject_alt_names: vec![tls::SubjectAltNameMatcher {
-                    san_type: tls::subject_alt_name_matcher::SanType::Uri as i32,
-                    matcher: Some(matcher::StringMatcher {
-                        match_pattern: Some(matcher::string_matcher::MatchPattern::Prefix(spiffe_prefix.clone())),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }],
+        snapshot::Secret::Certificate { chain_pem, key_pem } => {
+            tls::secret::Type::TlsCertificate(tls::TlsCertificate {
+                certificate_chain: Some(inline(chain_pem)),
+                private_key: Some(inline(key_pem)),
                 ..Default::default()
             })
         }
+        snapshot::Secret::Validation {
+            ca_pem,
+            spiffe_prefix,
+        } => tls::secret::Type::ValidationContext(tls::CertificateValidationContext {
+            trusted_ca: Some(inline(ca_pem)),
+            match_typed_subject_alt_names: vec![tls::SubjectAltNameMatcher {
+                san_type: tls::subject_alt_name_matcher::SanType::Uri as i32,
+                matcher: Some(matcher::StringMatcher {
+                    match_pattern: Some(matcher::string_matcher::MatchPattern::Prefix(
+                        spiffe_prefix.clone(),
+                    )),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
     };
-    pack_any(tls::Secret { name: n.name.clone(), r#type: Some(kind) })
+    pack_any(tls::Secret {
+        name: n.name.clone(),
+        r#type: Some(kind),
+    })
 }
 
 fn tcp_proxy(cluster: &str) -> listener::Filter {
     listener::Filter {
         name: "envoy.filters.network.tcp_proxy".into(),
-        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(tcp::TcpProxy {
-            stat_prefix: cluster.to_string(),
-            cluster_specifier: Some(tcp::tcp_proxy::ClusterSpecifier::Cluster(cluster.to_string())),
-            ..Default::default()
-        }))),
+        config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(
+            tcp::TcpProxy {
+                stat_prefix: cluster.to_string(),
+                cluster_specifier: Some(tcp::tcp_proxy::ClusterSpecifier::Cluster(
+                    cluster.to_string(),
+                )),
+                ..Default::default()
+            },
+        ))),
     }
 }
 
@@ -379,12 +477,18 @@ pub fn route_config(r: &snapshot::RouteConfig) -> Any {
                             .authority_port
                             .map(|p| route::HeaderMatcher {
                                 name: ":authority".into(),
-                                header_match_specifier: Some(route::header_matcher::HeaderMatchSpecifier::StringMatch(
-                                    matcher::StringMatcher {
-                                        match_pattern: Some(matcher::string_matcher::MatchPattern::Suffix(format!(":{p}"))),
-                                        ..Default::default()
-                                    },
-                                )),
+                                header_match_specifier: Some(
+                                    route::header_matcher::HeaderMatchSpecifier::StringMatch(
+                                        matcher::StringMatcher {
+                                            match_pattern: Some(
+                                                matcher::string_matcher::MatchPattern::Suffix(
+                                                    format!(":{p}"),
+                                                ),
+                                            ),
+                                            ..Default::default()
+                                        },
+                                    ),
+                                ),
                                 ..Default::default()
                             })
                             .into_iter()
@@ -392,7 +496,9 @@ pub fn route_config(r: &snapshot::RouteConfig) -> Any {
                         ..Default::default()
                     }),
                     action: Some(route::route::Action::Route(route::RouteAction {
-                        cluster_specifier: Some(route::route_action::ClusterSpecifier::Cluster(rt.cluster.clone())),
+                        cluster_specifier: Some(route::route_action::ClusterSpecifier::Cluster(
+                            rt.cluster.clone(),
+                        )),
                         ..Default::default()
                     })),
                     ..Default::default()
@@ -401,21 +507,31 @@ pub fn route_config(r: &snapshot::RouteConfig) -> Any {
             ..Default::default()
         })
         .collect();
-    pack_any(route::RouteConfiguration { name: r.name.clone(), virtual_hosts, ..Default::default() })
+    pack_any(route::RouteConfiguration {
+        name: r.name.clone(),
+        virtual_hosts,
+        ..Default::default()
+    })
 }
 
 pub fn cluster(c: &snapshot::Cluster) -> Any {
     let mut out = cluster::Cluster {
         name: c.name.clone(),
-        connect_timeout: Some(Duration { seconds: 1, nanos: 0 }),
+        connect_timeout: Some(Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
         ..Default::default()
     };
     match &c.kind {
         snapshot::ClusterKind::Eds => {
-            out.cluster_discovery_type =
-                Some(cluster::cluster::ClusterDiscoveryType::Type(cluster::cluster::DiscoveryType::Eds as i32));
-            out.eds_cluster_config =
-                Some(cluster::cluster::EdsClusterConfig { eds_config: Some(ads()), service_name: c.name.clone() });
+            out.cluster_discovery_type = Some(cluster::cluster::ClusterDiscoveryType::Type(
+                cluster::cluster::DiscoveryType::Eds as i32,
+            ));
+            out.eds_cluster_config = Some(cluster::cluster::EdsClusterConfig {
+                eds_config: Some(ads()),
+                service_name: c.name.clone(),
+            });
             // Endpoints marked mTLS-capable get mTLS; the rest of the cluster stays
             // plaintext (the default transport socket).
             if let Some(t) = &c.upstream_tls {
@@ -426,14 +542,22 @@ pub fn cluster(c: &snapshot::Cluster) -> Any {
                 }];
             }
         }
-        snapshot::ClusterKind::Static { endpoints, draining } => {
-            out.cluster_discovery_type =
-                Some(cluster::cluster::ClusterDiscoveryType::Type(cluster::cluster::DiscoveryType::Static as i32));
+        snapshot::ClusterKind::Static {
+            endpoints,
+            draining,
+        } => {
+            out.cluster_discovery_type = Some(cluster::cluster::ClusterDiscoveryType::Type(
+                cluster::cluster::DiscoveryType::Static as i32,
+            ));
             // A terminating pod's endpoints are DRAINING in the cluster's own load
             // assignment, exactly as EDS would send them.
             out.load_assignment = Some(load_assignment_of(
                 &c.name,
-                endpoints.iter().map(|a| snapshot::LbEndpoint { address: *a, draining: *draining, mtls: false }),
+                endpoints.iter().map(|a| snapshot::LbEndpoint {
+                    address: *a,
+                    draining: *draining,
+                    mtls: false,
+                }),
             ));
         }
     }
@@ -444,16 +568,26 @@ pub fn load_assignment(a: &snapshot::LoadAssignment) -> Any {
     pack_any(load_assignment_of(&a.cluster, a.endpoints.iter().cloned()))
 }
 
-fn load_assignment_of(name: &str, eps: impl Iterator<Item = snapshot::LbEndpoint>) -> endpoint::ClusterLoadAssignment {
+fn load_assignment_of(
+    name: &str,
+    eps: impl Iterator<Item = snapshot::LbEndpoint>,
+) -> endpoint::ClusterLoadAssignment {
     let lb_endpoints = eps
         .map(|e| endpoint::LbEndpoint {
-            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(endpoint::Endpoint {
-                address: Some(socket_address(e.address)),
-                ..Default::default()
-            })),
-            health_status: if e.draining { core::HealthStatus::Draining } else { core::HealthStatus::Healthy } as i32,
+            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
+                endpoint::Endpoint {
+                    address: Some(socket_address(e.address)),
+                    ..Default::default()
+                },
+            )),
+            health_status: if e.draining {
+                core::HealthStatus::Draining
+            } else {
+                core::HealthStatus::Healthy
+            } as i32,
             metadata: e.mtls.then(|| core::Metadata {
-                filter_metadata: [("envoy.transport_socket_match".to_string(), mtls_match())].into(),
+                filter_metadata: [("envoy.transport_socket_match".to_string(), mtls_match())]
+                    .into(),
                 ..Default::default()
             }),
             ..Default::default()
@@ -464,7 +598,10 @@ fn load_assignment_of(name: &str, eps: impl Iterator<Item = snapshot::LbEndpoint
         endpoints: if lb_endpoints.is_empty() {
             vec![]
         } else {
-            vec![endpoint::LocalityLbEndpoints { lb_endpoints, ..Default::default() }]
+            vec![endpoint::LocalityLbEndpoints {
+                lb_endpoints,
+                ..Default::default()
+            }]
         },
         ..Default::default()
     }
@@ -525,16 +662,30 @@ mod tests {
         let l: listener::Listener = decode(&listener(s.listeners.get(snapshot::OUTBOUND).unwrap()));
         let f = &l.filter_chains[0].filters[0];
         assert_eq!(f.name, "envoy.filters.network.set_filter_state");
-        let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else { panic!("typed config") };
+        let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+            panic!("typed config")
+        };
         let c: set_filter_state::Config = decode(any);
         let v = &c.on_new_connection[0];
-        assert_eq!(v.key, Some(filter_state::filter_state_value::Key::ObjectKey("envoy.tls.certificate_mappers.on_demand_secret".into())));
+        assert_eq!(
+            v.key,
+            Some(filter_state::filter_state_value::Key::ObjectKey(
+                "envoy.tls.certificate_mappers.on_demand_secret".into()
+            ))
+        );
         assert_eq!(v.factory_key, "envoy.hashable_string");
-        let Some(filter_state::filter_state_value::Value::FormatString(fs)) = &v.value else { panic!("a format string") };
-        let Some(core::substitution_format_string::Format::TextFormatSource(src)) = &fs.format else { panic!("text") };
+        let Some(filter_state::filter_state_value::Value::FormatString(fs)) = &v.value else {
+            panic!("a format string")
+        };
+        let Some(core::substitution_format_string::Format::TextFormatSource(src)) = &fs.format
+        else {
+            panic!("text")
+        };
         assert_eq!(
             src.specifier,
-            Some(core::data_source::Specifier::InlineString("spiffe|pod|%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%".into()))
+            Some(core::data_source::Specifier::InlineString(
+                "spiffe|pod|%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%".into()
+            ))
         );
     }
 
@@ -542,20 +693,55 @@ mod tests {
     /// that continues, an mTLS chain for TLS and a plaintext chain for the rest.
     #[test]
     fn pod_listeners_inspect_only_in_permissive_mode() {
-        let strict: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Strict).listeners.get("inbound|u").unwrap()));
+        let strict: listener::Listener = decode(&listener(
+            snapshot_with_pod(MtlsMode::Strict)
+                .listeners
+                .get("inbound|u")
+                .unwrap(),
+        ));
         assert!(strict.listener_filters.is_empty());
         assert_eq!(strict.filter_chains.len(), 1);
         assert!(strict.filter_chains[0].transport_socket.is_some());
-        assert_eq!(strict.filter_chains[0].filter_chain_match.as_ref().unwrap().transport_protocol, "");
+        assert_eq!(
+            strict.filter_chains[0]
+                .filter_chain_match
+                .as_ref()
+                .unwrap()
+                .transport_protocol,
+            ""
+        );
 
-        let permissive: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Permissive).listeners.get("inbound|u").unwrap()));
-        assert_eq!(permissive.listener_filters[0].name, "envoy.filters.listener.tls_inspector");
-        assert_eq!(permissive.listener_filters_timeout, Some(Duration { seconds: 1, nanos: 0 }));
+        let permissive: listener::Listener = decode(&listener(
+            snapshot_with_pod(MtlsMode::Permissive)
+                .listeners
+                .get("inbound|u")
+                .unwrap(),
+        ));
+        assert_eq!(
+            permissive.listener_filters[0].name,
+            "envoy.filters.listener.tls_inspector"
+        );
+        assert_eq!(
+            permissive.listener_filters_timeout,
+            Some(Duration {
+                seconds: 1,
+                nanos: 0
+            })
+        );
         assert!(permissive.continue_on_listener_filters_timeout);
         let protocols: Vec<(&str, bool)> = permissive
             .filter_chains
             .iter()
-            .map(|c| (c.filter_chain_match.as_ref().unwrap().transport_protocol.as_str(), c.transport_socket.is_some()))
+            .map(|c| {
+                (
+                    c.filter_chain_match
+                        .as_ref()
+                        .unwrap()
+                        .transport_protocol
+                        .as_str(),
+                    c.transport_socket.is_some(),
+                )
+            })
             .collect();
         assert_eq!(protocols, vec![("tls", true), ("", false)]);
     }
@@ -564,16 +750,32 @@ mod tests {
     /// it), a name the outbound side's on-demand selector never uses.
     #[test]
     fn a_pods_server_certificate_is_its_inbound_secret_over_sds() {
-        let l: listener::Listener = decode(&listener(snapshot_with_pod(MtlsMode::Strict).listeners.get("inbound|u").unwrap()));
-        let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &l.filter_chains[0].transport_socket.as_ref().unwrap().config_type
+        let l: listener::Listener = decode(&listener(
+            snapshot_with_pod(MtlsMode::Strict)
+                .listeners
+                .get("inbound|u")
+                .unwrap(),
+        ));
+        let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &l.filter_chains[0]
+            .transport_socket
+            .as_ref()
+            .unwrap()
+            .config_type
         else {
             panic!("a typed transport socket")
         };
         let ctx: tls::DownstreamTlsContext = decode(any);
         let common = ctx.common_tls_context.as_ref().unwrap();
-        let names: Vec<&str> = common.tls_certificate_sds_secret_configs.iter().map(|c| c.name.as_str()).collect();
+        let names: Vec<&str> = common
+            .tls_certificate_sds_secret_configs
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
         assert_eq!(names, vec!["spiffe|inbound|u"]);
         assert!(common.custom_tls_certificate_selector.is_none());
-        assert_eq!(ctx.require_client_certificate, Some(BoolValue { value: true }));
+        assert_eq!(
+            ctx.require_client_certificate,
+            Some(BoolValue { value: true })
+        );
     }
 }

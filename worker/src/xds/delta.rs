@@ -44,7 +44,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use aether_model::{Snapshot, is_outbound_cluster};
-use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource,
+};
 use imbl::OrdMap;
 use imbl::ordmap::DiffItem;
 
@@ -72,7 +74,10 @@ pub struct SubscriptionLimits {
 
 impl Default for SubscriptionLimits {
     fn default() -> Self {
-        Self { max_names: MAX_SUBSCRIBED_NAMES, max_name_len: MAX_NAME_LEN }
+        Self {
+            max_names: MAX_SUBSCRIBED_NAMES,
+            max_name_len: MAX_NAME_LEN,
+        }
     }
 }
 
@@ -80,7 +85,11 @@ impl Default for SubscriptionLimits {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitError {
     #[error("{}: subscribing to {names} resource names is over the limit of {max} per type and stream", type_url(*kind))]
-    TooManyNames { kind: Kind, names: usize, max: usize },
+    TooManyNames {
+        kind: Kind,
+        names: usize,
+        max: usize,
+    },
     #[error("{}: resource name {name:?} is {len} bytes, over the limit of {max}", type_url(*kind))]
     NameTooLong {
         kind: Kind,
@@ -109,7 +118,11 @@ impl LimitError {
 
 impl SubscriptionLimits {
     /// Every name at most `max_name_len` bytes.
-    pub fn check_lengths<'a>(&self, kind: Kind, names: impl IntoIterator<Item = &'a str>) -> Result<(), LimitError> {
+    pub fn check_lengths<'a>(
+        &self,
+        kind: Kind,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Result<(), LimitError> {
         match names.into_iter().find(|n| n.len() > self.max_name_len) {
             None => Ok(()),
             Some(n) => {
@@ -117,7 +130,12 @@ impl SubscriptionLimits {
                 while !n.is_char_boundary(end) {
                     end -= 1;
                 }
-                Err(LimitError::NameTooLong { kind, name: n[..end].to_string(), len: n.len(), max: self.max_name_len })
+                Err(LimitError::NameTooLong {
+                    kind,
+                    name: n[..end].to_string(),
+                    len: n.len(),
+                    max: self.max_name_len,
+                })
             }
         }
     }
@@ -125,7 +143,11 @@ impl SubscriptionLimits {
     /// At most `max_names` names.
     pub fn check_count(&self, kind: Kind, names: usize) -> Result<(), LimitError> {
         if names > self.max_names {
-            return Err(LimitError::TooManyNames { kind, names, max: self.max_names });
+            return Err(LimitError::TooManyNames {
+                kind,
+                names,
+                max: self.max_names,
+            });
         }
         Ok(())
     }
@@ -173,14 +195,25 @@ impl TypeState {
 /// clusters it holds the node's own and the observed ones, a few dozen of 10,000) gets a
 /// map of its own instead: taking 10,000 names out of the shared one, one by one, cost
 /// about 9 ms on each of the CDS and EDS requests of a reconnect.
-fn held_versions(current: &OrdMap<String, u64>, initial: &HashMap<String, String>) -> OrdMap<String, u64> {
+fn held_versions(
+    current: &OrdMap<String, u64>,
+    initial: &HashMap<String, String>,
+) -> OrdMap<String, u64> {
     let parse = |v: &String| u64::from_str_radix(v, 16).ok();
     if initial.len() < current.len() / 2 {
-        return initial.iter().filter_map(|(name, v)| Some((name.clone(), parse(v)?))).collect();
+        return initial
+            .iter()
+            .filter_map(|(name, v)| Some((name.clone(), parse(v)?)))
+            .collect();
     }
-    let held_as_current = |name: &String, hash: &u64| initial.get(name).and_then(parse) == Some(*hash);
+    let held_as_current =
+        |name: &String, hash: &u64| initial.get(name).and_then(parse) == Some(*hash);
     // Not held, or at another version: out, before what is held goes in.
-    let differ: Vec<&String> = current.iter().filter(|(n, h)| !held_as_current(n, h)).map(|(n, _)| n).collect();
+    let differ: Vec<&String> = current
+        .iter()
+        .filter(|(n, h)| !held_as_current(n, h))
+        .map(|(n, _)| n)
+        .collect();
     let mut holds = current.clone();
     for name in &differ {
         holds.remove(*name);
@@ -201,7 +234,11 @@ fn held_versions(current: &OrdMap<String, u64>, initial: &HashMap<String, String
 /// (wanted, and not held at that version) and what to remove (held, but not wanted or
 /// not in the snapshot). Walks the two maps' difference, which skips the structure they
 /// share, plus, when some names are not wanted, what is held and unchanged.
-fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTreeSet<String>, Vec<String>) {
+fn compare_all(
+    t: &TypeState,
+    hashes: &OrdMap<String, u64>,
+    lazy: bool,
+) -> (BTreeSet<String>, Vec<String>) {
     if let Some(unnamed) = wanted_unnamed(t, hashes, lazy)
         && (t.names.len() + t.holds.len() + unnamed.len()) * 4 <= hashes.len()
     {
@@ -214,15 +251,25 @@ fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTre
                 to_send.insert(n.clone());
             }
             DiffItem::Add(..) => {}
-            DiffItem::Update { old: (n, _), .. } | DiffItem::Remove(n, _) => removed.push(n.clone()),
+            DiffItem::Update { old: (n, _), .. } | DiffItem::Remove(n, _) => {
+                removed.push(n.clone())
+            }
         }
     }
     // Held but not wanted (also when unchanged): only a type that is not a plain
     // wildcard can have those. `holds` and `names` are both sorted: one merged walk
     // instead of a lookup per name.
     if !t.wildcard || lazy {
-        let unnamed = sorted_filter(t.holds.keys().map(String::as_str), t.names.iter().map(String::as_str), false);
-        removed.extend(unnamed.filter(|n| !(t.wildcard && !(lazy && is_outbound_cluster(n)))).map(String::from));
+        let unnamed = sorted_filter(
+            t.holds.keys().map(String::as_str),
+            t.names.iter().map(String::as_str),
+            false,
+        );
+        removed.extend(
+            unnamed
+                .filter(|n| !(t.wildcard && !(lazy && is_outbound_cluster(n))))
+                .map(String::from),
+        );
         removed.sort();
         removed.dedup();
     }
@@ -233,14 +280,22 @@ fn compare_all(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool) -> (BTre
 /// had without a walk of the whole map: nothing for a named subscription; for CDS with
 /// on-demand clusters, whose wildcard leaves out the mesh's `outbound|` clusters, the keys
 /// on either side of their range. None for a plain wildcard, which wants everything.
-fn wanted_unnamed<'a>(t: &TypeState, hashes: &'a OrdMap<String, u64>, lazy: bool) -> Option<Vec<(&'a String, &'a u64)>> {
+fn wanted_unnamed<'a>(
+    t: &TypeState,
+    hashes: &'a OrdMap<String, u64>,
+    lazy: bool,
+) -> Option<Vec<(&'a String, &'a u64)>> {
     match (t.wildcard, lazy) {
         (false, _) => Some(Vec::new()),
         // Every key from "outbound|" up to "outbound}" ('}' follows '|') starts with "outbound|".
         (true, true) => {
             use std::ops::Bound::{Excluded, Included, Unbounded};
             let below = hashes.range::<_, str>((Unbounded, Excluded("outbound|")));
-            Some(below.chain(hashes.range::<_, str>((Included("outbound}"), Unbounded))).collect())
+            Some(
+                below
+                    .chain(hashes.range::<_, str>((Included("outbound}"), Unbounded)))
+                    .collect(),
+            )
         }
         (true, false) => None,
     }
@@ -250,9 +305,18 @@ fn wanted_unnamed<'a>(t: &TypeState, hashes: &'a OrdMap<String, u64>, lazy: bool
 /// from [`wanted_unnamed`], and its subscribed names), for when those are few beside the
 /// snapshot. After a reconnect with on-demand clusters at 10,000 services a walk of the
 /// whole map cost 2 to 3 ms on each of CDS and EDS, for a few dozen names.
-fn compare_few(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool, unnamed: Vec<(&String, &u64)>) -> (BTreeSet<String>, Vec<String>) {
+fn compare_few(
+    t: &TypeState,
+    hashes: &OrdMap<String, u64>,
+    lazy: bool,
+    unnamed: Vec<(&String, &u64)>,
+) -> (BTreeSet<String>, Vec<String>) {
     let changed = |n: &String, h: &u64| t.holds.get(n) != Some(h);
-    let mut to_send: BTreeSet<String> = unnamed.into_iter().filter(|(n, h)| changed(n, h)).map(|(n, _)| n.clone()).collect();
+    let mut to_send: BTreeSet<String> = unnamed
+        .into_iter()
+        .filter(|(n, h)| changed(n, h))
+        .map(|(n, _)| n.clone())
+        .collect();
     for n in &t.names {
         if let Some(h) = hashes.get(n)
             && changed(n, h)
@@ -260,12 +324,21 @@ fn compare_few(t: &TypeState, hashes: &OrdMap<String, u64>, lazy: bool, unnamed:
             to_send.insert(n.clone());
         }
     }
-    let removed = t.holds.keys().filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n))).cloned().collect();
+    let removed = t
+        .holds
+        .keys()
+        .filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n)))
+        .cloned()
+        .collect();
     (to_send, removed)
 }
 
 /// The names of sorted `a` that are (`in_b`) or are not in sorted `b`: one merged walk.
-fn sorted_filter<'a, 'b>(a: impl Iterator<Item = &'a str>, b: impl Iterator<Item = &'b str>, in_b: bool) -> impl Iterator<Item = &'a str> {
+fn sorted_filter<'a, 'b>(
+    a: impl Iterator<Item = &'a str>,
+    b: impl Iterator<Item = &'b str>,
+    in_b: bool,
+) -> impl Iterator<Item = &'a str> {
     let mut b = b.peekable();
     a.filter(move |x| {
         while b.next_if(|y| y < x).is_some() {}
@@ -302,12 +375,24 @@ impl DeltaState {
     /// versions a first request reports holding) no more than the limit. Checked before
     /// the request is applied, so a refused request changes nothing. A type not served
     /// is ignored by [`Protocol::on_request`] and holds nothing, so it is not checked.
-    pub fn check_limits(&self, req: &DeltaDiscoveryRequest, limits: &SubscriptionLimits) -> Result<(), LimitError> {
+    pub fn check_limits(
+        &self,
+        req: &DeltaDiscoveryRequest,
+        limits: &SubscriptionLimits,
+    ) -> Result<(), LimitError> {
         let Some(kind) = from_type_url(&req.type_url) else {
             return Ok(());
         };
-        let named = req.resource_names_subscribe.iter().chain(&req.resource_names_unsubscribe);
-        limits.check_lengths(kind, named.chain(req.initial_resource_versions.keys()).map(String::as_str))?;
+        let named = req
+            .resource_names_subscribe
+            .iter()
+            .chain(&req.resource_names_unsubscribe);
+        limits.check_lengths(
+            kind,
+            named
+                .chain(req.initial_resource_versions.keys())
+                .map(String::as_str),
+        )?;
         let t = &self.types[kind.index()];
         if !t.subscribed {
             limits.check_count(kind, req.initial_resource_versions.len())?;
@@ -315,8 +400,12 @@ impl DeltaState {
         if t.names.len() + req.resource_names_subscribe.len() <= limits.max_names {
             return Ok(());
         }
-        let new: BTreeSet<&str> =
-            req.resource_names_subscribe.iter().map(String::as_str).filter(|n| *n != "*" && !t.names.contains(*n)).collect();
+        let new: BTreeSet<&str> = req
+            .resource_names_subscribe
+            .iter()
+            .map(String::as_str)
+            .filter(|n| *n != "*" && !t.names.contains(*n))
+            .collect();
         limits.check_count(kind, t.names.len() + new.len())
     }
 
@@ -336,12 +425,17 @@ impl DeltaState {
             Kind::Listener | Kind::Cluster => {
                 let lazy = self.lazy(kind);
                 t.acked.keys().all(|n| current.contains_key(n))
-                    && current.keys().filter(|n| !lazy || t.wants(n, lazy)).all(|n| acked(n))
+                    && current
+                        .keys()
+                        .filter(|n| !lazy || t.wants(n, lazy))
+                        .all(|n| acked(n))
             }
             // With on-demand clusters the proxy holds a few of them: walk those.
-            Kind::Endpoint if self.observed.is_some() => {
-                self.types[Kind::Cluster.index()].acked.keys().filter(|c| s.needs_eds(c)).all(|c| acked(c))
-            }
+            Kind::Endpoint if self.observed.is_some() => self.types[Kind::Cluster.index()]
+                .acked
+                .keys()
+                .filter(|c| s.needs_eds(c))
+                .all(|c| acked(c)),
             Kind::Endpoint => s.eds_cluster_names().all(acked),
             Kind::Route => s.rds_names().all(acked),
             Kind::Secret => s.sds_names().into_iter().all(acked),
@@ -355,7 +449,14 @@ impl Protocol for DeltaState {
     const NAME: &'static str = "delta";
 
     fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self {
-        Self { current, synced: None, encoded, nonce: 0, types: Default::default(), observed: None }
+        Self {
+            current,
+            synced: None,
+            encoded,
+            nonce: 0,
+            types: Default::default(),
+            observed: None,
+        }
     }
 
     fn node_id(req: &DeltaDiscoveryRequest) -> Option<&str> {
@@ -363,7 +464,12 @@ impl Protocol for DeltaState {
     }
 
     fn describe(r: &DeltaDiscoveryResponse) -> (&str, &str, &str, usize) {
-        (&r.type_url, &r.system_version_info, &r.nonce, r.resources.len() + r.removed_resources.len())
+        (
+            &r.type_url,
+            &r.system_version_info,
+            &r.nonce,
+            r.resources.len() + r.removed_resources.len(),
+        )
     }
 
     fn on_demand(&mut self, observed: Arc<Observed>) {
@@ -380,7 +486,9 @@ impl Protocol for DeltaState {
 
     fn on_request(&mut self, req: &DeltaDiscoveryRequest) -> Event {
         let Some(kind) = from_type_url(&req.type_url) else {
-            return Event::UnknownType { type_url: req.type_url.clone() };
+            return Event::UnknownType {
+                type_url: req.type_url.clone(),
+            };
         };
         let current = self.current.clone();
         let lazy = self.lazy(kind);
@@ -395,7 +503,10 @@ impl Protocol for DeltaState {
             // A reconnect: the proxy keeps what it held on the old stream.
             t.holds = held_versions(current.hashes(kind), &req.initial_resource_versions);
             t.acked = t.holds.clone();
-            if lazy && t.wildcard && let Some(o) = &self.observed {
+            if lazy
+                && t.wildcard
+                && let Some(o) = &self.observed
+            {
                 // The proxy gets what the node's pods called before, up front.
                 t.names.extend(o.names());
             }
@@ -405,13 +516,22 @@ impl Protocol for DeltaState {
             // A fresh subscription names everything at once: one sorted build of the set
             // instead of an insert per name (10,000 EDS names on a reconnect at scale).
             t.wildcard |= req.resource_names_subscribe.iter().any(|n| n == "*");
-            t.names = req.resource_names_subscribe.iter().filter(|n| *n != "*").cloned().collect();
+            t.names = req
+                .resource_names_subscribe
+                .iter()
+                .filter(|n| *n != "*")
+                .cloned()
+                .collect();
         }
         for n in req.resource_names_subscribe.iter().filter(|_| !at_once) {
             if n == "*" {
                 t.wildcard = true;
                 t.full = true;
-            } else if lazy && is_outbound_cluster(n) && current.clusters.hashes.contains_key(n) && let Some(o) = &self.observed {
+            } else if lazy
+                && is_outbound_cluster(n)
+                && current.clusters.hashes.contains_key(n)
+                && let Some(o) = &self.observed
+            {
                 // A pod's first call to a service: on-demand CDS.
                 if o.insert(n) {
                     tracing::info!(cluster = %n, "observed upstream: the proxy asked for it on demand");
@@ -446,10 +566,16 @@ impl Protocol for DeltaState {
             }
         }
         if first || req.response_nonce.is_empty() {
-            return Event::Subscribe { kind, version: format!("{} held", req.initial_resource_versions.len()) };
+            return Event::Subscribe {
+                kind,
+                version: format!("{} held", req.initial_resource_versions.len()),
+            };
         }
         let Some((nonce, holds)) = t.sent.clone().filter(|(n, _)| *n == req.response_nonce) else {
-            return Event::Stale { kind, nonce: req.response_nonce.clone() };
+            return Event::Stale {
+                kind,
+                nonce: req.response_nonce.clone(),
+            };
         };
         match &req.error_detail {
             Some(status) => Event::Nack {
@@ -460,7 +586,11 @@ impl Protocol for DeltaState {
             },
             None => {
                 t.acked = holds;
-                Event::Ack { kind, version: current.version(kind).to_string(), nonce }
+                Event::Ack {
+                    kind,
+                    version: current.version(kind).to_string(),
+                    nonce,
+                }
             }
         }
     }
@@ -480,12 +610,22 @@ impl Protocol for DeltaState {
             }
             let hashes = current.hashes(kind);
             // The names to compare: what changed since the last look, or everything.
-            let changed = if t.full { None } else { synced.as_ref().and_then(|old| current.changed_since(old, kind)) };
+            let changed = if t.full {
+                None
+            } else {
+                synced
+                    .as_ref()
+                    .and_then(|old| current.changed_since(old, kind))
+            };
             let (to_send, removed): (BTreeSet<String>, Vec<String>) = match &changed {
                 Some(names) => {
                     let mut to_send = BTreeSet::new();
                     let mut removed = Vec::new();
-                    for n in names.iter().copied().chain(t.extra.iter().map(String::as_str)) {
+                    for n in names
+                        .iter()
+                        .copied()
+                        .chain(t.extra.iter().map(String::as_str))
+                    {
                         let now = hashes.get(n).filter(|_| t.wants(n, lazy));
                         match (now, t.holds.get(n)) {
                             (Some(h), held) if held != Some(h) => {
@@ -494,7 +634,11 @@ impl Protocol for DeltaState {
                             (None, Some(_)) => removed.push(n.to_string()),
                             // Named, newly, but not in the snapshot: say so at once, so
                             // that an on-demand request fails fast instead of timing out.
-                            (None, None) if t.extra.contains(n) && t.names.contains(n) && !hashes.contains_key(n) => {
+                            (None, None)
+                                if t.extra.contains(n)
+                                    && t.names.contains(n)
+                                    && !hashes.contains_key(n) =>
+                            {
                                 removed.push(n.to_string())
                             }
                             _ => {}
@@ -515,10 +659,19 @@ impl Protocol for DeltaState {
                 Kind::Cluster | Kind::Listener => None,
             };
             if let Some(by) = refer {
-                let referrers = if t.full { None } else { synced.as_ref().and_then(|old| current.changed_since(old, by)) };
+                let referrers = if t.full {
+                    None
+                } else {
+                    synced
+                        .as_ref()
+                        .and_then(|old| current.changed_since(old, by))
+                };
                 match (kind, referrers) {
                     (Kind::Endpoint, Some(changed)) => {
-                        for c in changed.into_iter().chain(cluster_moves.iter().map(String::as_str)) {
+                        for c in changed
+                            .into_iter()
+                            .chain(cluster_moves.iter().map(String::as_str))
+                        {
                             if needed(&current, kind, c, &clusters) && !t.names.contains(c) {
                                 t.unsubscribed_needed.insert(c.to_string());
                             } else {
@@ -531,12 +684,25 @@ impl Protocol for DeltaState {
                         // Sorted, all three: merged walks, not a lookup per cluster; but
                         // a proxy holding a few of the snapshot's clusters (on-demand
                         // clusters) gets a lookup for each of those instead.
-                        let held: Box<dyn Iterator<Item = &str>> = if clusters.len() * 4 < current.clusters.len() {
-                            Box::new(clusters.keys().map(String::as_str).filter(|c| current.needs_eds(c)))
-                        } else {
-                            Box::new(sorted_filter(current.eds_cluster_names(), clusters.keys().map(String::as_str), true))
-                        };
-                        let needed: BTreeSet<String> = sorted_filter(held, t.names.iter().map(String::as_str), false).map(String::from).collect();
+                        let held: Box<dyn Iterator<Item = &str>> =
+                            if clusters.len() * 4 < current.clusters.len() {
+                                Box::new(
+                                    clusters
+                                        .keys()
+                                        .map(String::as_str)
+                                        .filter(|c| current.needs_eds(c)),
+                                )
+                            } else {
+                                Box::new(sorted_filter(
+                                    current.eds_cluster_names(),
+                                    clusters.keys().map(String::as_str),
+                                    true,
+                                ))
+                            };
+                        let needed: BTreeSet<String> =
+                            sorted_filter(held, t.names.iter().map(String::as_str), false)
+                                .map(String::from)
+                                .collect();
                         t.unsubscribed_needed = needed;
                     }
                     _ => {
@@ -544,7 +710,11 @@ impl Protocol for DeltaState {
                             Kind::Secret => current.sds_names().into_iter().collect(),
                             _ => current.rds_names().collect(),
                         };
-                        t.unsubscribed_needed = all.into_iter().filter(|n| !t.names.contains(*n)).map(String::from).collect();
+                        t.unsubscribed_needed = all
+                            .into_iter()
+                            .filter(|n| !t.names.contains(*n))
+                            .map(String::from)
+                            .collect();
                     }
                 }
             }
@@ -601,7 +771,10 @@ impl Protocol for DeltaState {
     /// miss. At 10,000 services one full comparison took a millisecond or more, and a
     /// reconnect asks eight times.
     fn acked_current(&self) -> bool {
-        let in_sync = self.synced.as_ref().is_some_and(|x| Arc::ptr_eq(x, &self.current));
+        let in_sync = self
+            .synced
+            .as_ref()
+            .is_some_and(|x| Arc::ptr_eq(x, &self.current));
         let mut compare = [false; KIND_COUNT];
         for kind in KINDS {
             let t = &self.types[kind.index()];
@@ -620,14 +793,19 @@ impl Protocol for DeltaState {
                 return false;
             }
         }
-        KINDS.into_iter().filter(|k| compare[k.index()]).all(|kind| self.acked_in_full(kind))
+        KINDS
+            .into_iter()
+            .filter(|k| compare[k.index()])
+            .all(|kind| self.acked_in_full(kind))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aether_model::{Change, Endpoint, EndpointState, Inputs, Pod, RegistryView, Service, build};
+    use aether_model::{
+        Change, Endpoint, EndpointState, Inputs, Pod, RegistryView, Service, build,
+    };
     use envoy_types::pb::google::rpc::Status;
 
     use crate::test_rng::Rng;
@@ -644,20 +822,32 @@ mod tests {
                 mtls: false,
             })
             .collect();
-        let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
-        let mut i = Inputs { registry: RegistryView::new([svc]), ..Default::default() };
+        let svc = Service {
+            name: "web".into(),
+            namespace: "d".into(),
+            ports: vec![80],
+            vip: None,
+            endpoints: eps,
+        };
+        let mut i = Inputs {
+            registry: RegistryView::new([svc]),
+            ..Default::default()
+        };
         for p in 0..pods {
             let uid = format!("uid-{p}");
-            i.pods.insert(uid.clone(), Pod {
-                uid,
-                namespace: "d".into(),
-                name: format!("p{p}"),
-                container_id: format!("c{p}"),
-                netns: "/var/run/netns/x".into(),
-                ifname: "eth0".into(),
-                ips: vec![format!("10.244.0.{}", p + 1).parse().unwrap()],
-                terminating: false,
-            });
+            i.pods.insert(
+                uid.clone(),
+                Pod {
+                    uid,
+                    namespace: "d".into(),
+                    name: format!("p{p}"),
+                    container_id: format!("c{p}"),
+                    netns: "/var/run/netns/x".into(),
+                    ifname: "eth0".into(),
+                    ips: vec![format!("10.244.0.{}", p + 1).parse().unwrap()],
+                    terminating: false,
+                },
+            );
         }
         i
     }
@@ -668,12 +858,21 @@ mod tests {
 
     const CLA: &str = "outbound|80||web.d";
 
-    fn req(kind: Kind, nonce: &str, subscribe: &[&str], error: Option<&str>) -> DeltaDiscoveryRequest {
+    fn req(
+        kind: Kind,
+        nonce: &str,
+        subscribe: &[&str],
+        error: Option<&str>,
+    ) -> DeltaDiscoveryRequest {
         DeltaDiscoveryRequest {
             type_url: type_url(kind).into(),
             response_nonce: nonce.into(),
             resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
-            error_detail: error.map(|m| Status { code: 13, message: m.into(), details: vec![] }),
+            error_detail: error.map(|m| Status {
+                code: 13,
+                message: m.into(),
+                details: vec![],
+            }),
             ..Default::default()
         }
     }
@@ -684,7 +883,12 @@ mod tests {
             .into_iter()
             .map(|r| {
                 let names = r.resources.iter().map(|x| x.name.clone()).collect();
-                (from_type_url(&r.type_url).unwrap().short(), r.nonce, names, r.removed_resources)
+                (
+                    from_type_url(&r.type_url).unwrap().short(),
+                    r.nonce,
+                    names,
+                    r.removed_resources,
+                )
             })
             .collect()
     }
@@ -712,8 +916,22 @@ mod tests {
         st.set_snapshot(snap(2, 21));
         let out = sent(&mut st);
         assert_eq!(out.len(), 2, "{out:?}");
-        let new_cluster: Vec<_> = st.current().clusters.hashes.keys().filter(|n| !before.clusters.hashes.contains_key(*n)).cloned().collect();
-        let new_listener: Vec<_> = st.current().listeners.hashes.keys().filter(|n| !before.listeners.hashes.contains_key(*n)).cloned().collect();
+        let new_cluster: Vec<_> = st
+            .current()
+            .clusters
+            .hashes
+            .keys()
+            .filter(|n| !before.clusters.hashes.contains_key(*n))
+            .cloned()
+            .collect();
+        let new_listener: Vec<_> = st
+            .current()
+            .listeners
+            .hashes
+            .keys()
+            .filter(|n| !before.listeners.hashes.contains_key(*n))
+            .cloned()
+            .collect();
         assert_eq!(out[0].0, "CDS");
         assert_eq!(out[0].2, new_cluster);
         assert_eq!(out[1].0, "LDS");
@@ -725,11 +943,19 @@ mod tests {
 
         st.set_snapshot(snap(2, 20));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.len(), o.3.clone())).collect::<Vec<_>>(), vec![
-            ("CDS", 0, new_cluster.clone()),
-            ("LDS", 0, new_listener.clone())
-        ]);
-        assert!(!st.acked_current(), "a removal is not acked until the proxy says so");
+        assert_eq!(
+            out.iter()
+                .map(|o| (o.0, o.2.len(), o.3.clone()))
+                .collect::<Vec<_>>(),
+            vec![
+                ("CDS", 0, new_cluster.clone()),
+                ("LDS", 0, new_listener.clone())
+            ]
+        );
+        assert!(
+            !st.acked_current(),
+            "a removal is not acked until the proxy says so"
+        );
         st.on_request(&req(Kind::Cluster, &out[0].1, &[], None));
         st.on_request(&req(Kind::Listener, &out[1].1, &[], None));
         assert!(st.acked_current());
@@ -745,13 +971,26 @@ mod tests {
             if matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret) {
                 r.resource_names_subscribe = held.keys().cloned().collect();
             }
-            r.initial_resource_versions = held.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect();
+            r.initial_resource_versions = held
+                .iter()
+                .map(|(n, h)| (n.clone(), wire_version(*h)))
+                .collect();
             st.on_request(&r);
         }
         let out = sent(&mut st);
-        assert_eq!(out.len(), KINDS.len(), "each fresh subscription is answered");
-        assert!(out.iter().all(|o| o.2.is_empty() && o.3.is_empty()), "{out:?}");
-        assert!(st.acked_current(), "what the proxy held is the current snapshot");
+        assert_eq!(
+            out.len(),
+            KINDS.len(),
+            "each fresh subscription is answered"
+        );
+        assert!(
+            out.iter().all(|o| o.2.is_empty() && o.3.is_empty()),
+            "{out:?}"
+        );
+        assert!(
+            st.acked_current(),
+            "what the proxy held is the current snapshot"
+        );
     }
 
     #[test]
@@ -759,11 +998,19 @@ mod tests {
         let old = snap(3, 5);
         let mut st = DeltaState::new(snap(4, 4), Arc::default());
         let mut r = req(Kind::Cluster, "", &[], None);
-        r.initial_resource_versions = old.clusters.hashes.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect();
+        r.initial_resource_versions = old
+            .clusters
+            .hashes
+            .iter()
+            .map(|(n, h)| (n.clone(), wire_version(*h)))
+            .collect();
         st.on_request(&r);
         let out = sent(&mut st);
         assert_eq!(out.len(), 1);
-        assert!(out[0].2.is_empty(), "the clusters kept are unchanged (endpoints live in EDS): {out:?}");
+        assert!(
+            out[0].2.is_empty(),
+            "the clusters kept are unchanged (endpoints live in EDS): {out:?}"
+        );
         assert_eq!(out[0].3.len(), 1, "the removed pod's cluster: {out:?}");
     }
 
@@ -772,7 +1019,10 @@ mod tests {
         let mut st = subscribed(snap(2, 0));
         st.set_snapshot(snap(3, 0));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("EDS", vec![CLA.to_string()])]);
+        assert_eq!(
+            out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(),
+            vec![("EDS", vec![CLA.to_string()])]
+        );
         st.on_request(&req(Kind::Endpoint, &out[0].1, &[], None));
         let mut unsub = req(Kind::Endpoint, "", &[], None);
         unsub.resource_names_unsubscribe = vec![CLA.into()];
@@ -781,7 +1031,10 @@ mod tests {
         assert!(sent(&mut st).is_empty(), "an unsubscribed name is not sent");
         st.on_request(&req(Kind::Endpoint, "", &[CLA], None));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("EDS", vec![CLA.to_string()])]);
+        assert_eq!(
+            out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(),
+            vec![("EDS", vec![CLA.to_string()])]
+        );
     }
 
     #[test]
@@ -790,10 +1043,16 @@ mod tests {
         st.set_snapshot(snap(2, 2));
         let out = sent(&mut st);
         let ev = st.on_request(&req(Kind::Listener, &out[1].1, &[], Some("bad listener")));
-        assert!(matches!(ev, Event::Nack { kind: Kind::Listener, ref message, .. } if message == "bad listener"), "{ev:?}");
+        assert!(
+            matches!(ev, Event::Nack { kind: Kind::Listener, ref message, .. } if message == "bad listener"),
+            "{ev:?}"
+        );
         st.on_request(&req(Kind::Cluster, &out[0].1, &[], None));
         assert!(!st.acked_current());
-        assert!(sent(&mut st).is_empty(), "the rejected listener is not resent");
+        assert!(
+            sent(&mut st).is_empty(),
+            "the rejected listener is not resent"
+        );
         // The next change goes out, the rejected listener still not.
         st.set_snapshot(snap(3, 2));
         let out = sent(&mut st);
@@ -807,8 +1066,14 @@ mod tests {
         let first = sent(&mut st);
         st.set_snapshot(snap(2, 3));
         let second = sent(&mut st);
-        assert!(matches!(st.on_request(&req(Kind::Listener, &first[1].1, &[], None)), Event::Stale { .. }));
-        assert!(matches!(st.on_request(&req(Kind::Listener, &second[1].1, &[], None)), Event::Ack { .. }));
+        assert!(matches!(
+            st.on_request(&req(Kind::Listener, &first[1].1, &[], None)),
+            Event::Stale { .. }
+        ));
+        assert!(matches!(
+            st.on_request(&req(Kind::Listener, &second[1].1, &[], None)),
+            Event::Ack { .. }
+        ));
     }
 
     /// ACKs every response in `out`.
@@ -833,7 +1098,11 @@ mod tests {
                     service_port: 80,
                     node: String::new(),
                     pod: String::new(),
-                    state: if *draining { EndpointState::Draining } else { EndpointState::Healthy },
+                    state: if *draining {
+                        EndpointState::Draining
+                    } else {
+                        EndpointState::Healthy
+                    },
                     mtls: false,
                 })
                 .collect(),
@@ -842,8 +1111,13 @@ mod tests {
 
     #[test]
     fn pushes_from_the_snapshot_history_send_exactly_what_changed() {
-        let services: Vec<Service> = (0..200).map(|i| svc(&format!("s{i}"), &[("10.0.0.1", false)])).collect();
-        let mut b = aether_model::Builder::new(Inputs { registry: RegistryView::new(services), ..Default::default() });
+        let services: Vec<Service> = (0..200)
+            .map(|i| svc(&format!("s{i}"), &[("10.0.0.1", false)]))
+            .collect();
+        let mut b = aether_model::Builder::new(Inputs {
+            registry: RegistryView::new(services),
+            ..Default::default()
+        });
         let mut st = DeltaState::new(b.snapshot().clone(), Arc::default());
         st.on_request(&req(Kind::Cluster, "", &[], None));
         st.on_request(&req(Kind::Listener, "", &[], None));
@@ -852,39 +1126,78 @@ mod tests {
         st.on_request(&req(Kind::Endpoint, "", &eds, None));
         st.on_request(&req(Kind::Route, "", &["outbound"], None));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| o.2.len()).sum::<usize>(), 200 + 200 + 1 + 1, "the first answers carry everything");
+        assert_eq!(
+            out.iter().map(|o| o.2.len()).sum::<usize>(),
+            200 + 200 + 1 + 1,
+            "the first answers carry everything"
+        );
         ack_all(&mut st, &out);
         assert!(st.acked_current());
 
         // One endpoint turns draining: one load assignment, nothing else.
-        st.set_snapshot(b.apply([Change::UpsertService(svc("s42", &[("10.0.0.1", true)]))]).unwrap());
+        st.set_snapshot(
+            b.apply([Change::UpsertService(svc("s42", &[("10.0.0.1", true)]))])
+                .unwrap(),
+        );
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.clone(), o.3.clone())).collect::<Vec<_>>(), vec![("EDS", vec!["outbound|80||s42.d".to_string()], vec![])]);
+        assert_eq!(
+            out.iter()
+                .map(|o| (o.0, o.2.clone(), o.3.clone()))
+                .collect::<Vec<_>>(),
+            vec![("EDS", vec!["outbound|80||s42.d".to_string()], vec![])]
+        );
         assert!(!st.acked_current());
         ack_all(&mut st, &out);
         assert!(st.acked_current());
 
         // Several steps at once (the stream fell behind): their union, once.
-        st.set_snapshot(b.apply([Change::UpsertService(svc("s1", &[("10.0.0.2", false)]))]).unwrap());
-        st.set_snapshot(b.apply([Change::UpsertPod(aether_model::Pod {
-            uid: "u1".into(),
-            namespace: "d".into(),
-            name: "p".into(),
-            container_id: "c".into(),
-            netns: "/n".into(),
-            ifname: "eth0".into(),
-            ips: vec!["10.244.0.1".parse().unwrap()],
-            terminating: false,
-        })]).unwrap());
-        st.set_snapshot(b.apply([Change::RemoveService(svc("s7", &[]).key())]).unwrap());
+        st.set_snapshot(
+            b.apply([Change::UpsertService(svc("s1", &[("10.0.0.2", false)]))])
+                .unwrap(),
+        );
+        st.set_snapshot(
+            b.apply([Change::UpsertPod(aether_model::Pod {
+                uid: "u1".into(),
+                namespace: "d".into(),
+                name: "p".into(),
+                container_id: "c".into(),
+                netns: "/n".into(),
+                ifname: "eth0".into(),
+                ips: vec!["10.244.0.1".parse().unwrap()],
+                terminating: false,
+            })])
+            .unwrap(),
+        );
+        st.set_snapshot(
+            b.apply([Change::RemoveService(svc("s7", &[]).key())])
+                .unwrap(),
+        );
         let out = sent(&mut st);
-        let got: Vec<_> = out.iter().map(|o| (o.0, o.2.clone(), o.3.clone())).collect();
-        assert_eq!(got, vec![
-            ("CDS", vec!["inbound|u1".to_string()], vec!["outbound|80||s7.d".to_string()]),
-            ("EDS", vec!["outbound|80||s1.d".to_string()], vec!["outbound|80||s7.d".to_string()]),
-            ("LDS", vec!["inbound".to_string(), "inbound|u1".to_string()], vec![]),
-            ("RDS", vec!["outbound".to_string()], vec![]),
-        ]);
+        let got: Vec<_> = out
+            .iter()
+            .map(|o| (o.0, o.2.clone(), o.3.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "CDS",
+                    vec!["inbound|u1".to_string()],
+                    vec!["outbound|80||s7.d".to_string()]
+                ),
+                (
+                    "EDS",
+                    vec!["outbound|80||s1.d".to_string()],
+                    vec!["outbound|80||s7.d".to_string()]
+                ),
+                (
+                    "LDS",
+                    vec!["inbound".to_string(), "inbound|u1".to_string()],
+                    vec![]
+                ),
+                ("RDS", vec!["outbound".to_string()], vec![]),
+            ]
+        );
         ack_all(&mut st, &out);
         assert!(st.acked_current());
         // What the stream believes the proxy holds is exactly the snapshot.
@@ -897,7 +1210,10 @@ mod tests {
 
     #[test]
     fn requests_past_the_subscription_limits_are_refused_and_change_nothing() {
-        let limits = SubscriptionLimits { max_names: 3, max_name_len: 16 };
+        let limits = SubscriptionLimits {
+            max_names: 3,
+            max_name_len: 16,
+        };
         let mut st = DeltaState::new(snap(1, 0), Arc::default());
         let admit = |st: &mut DeltaState, r: DeltaDiscoveryRequest| {
             st.check_limits(&r, &limits)?;
@@ -906,15 +1222,31 @@ mod tests {
         };
         admit(&mut st, req(Kind::Endpoint, "", &["a", "b"], None)).unwrap();
         // Names already subscribed and "*" do not count again; a repeated name counts once.
-        admit(&mut st, req(Kind::Endpoint, "", &["a", "b", "c", "c", "*"], None)).unwrap();
-        let past = admit(&mut st, req(Kind::Endpoint, "", &["d", "a"], None)).expect_err("a fourth name");
-        assert_eq!(past, LimitError::TooManyNames { kind: Kind::Endpoint, names: 4, max: 3 });
+        admit(
+            &mut st,
+            req(Kind::Endpoint, "", &["a", "b", "c", "c", "*"], None),
+        )
+        .unwrap();
+        let past =
+            admit(&mut st, req(Kind::Endpoint, "", &["d", "a"], None)).expect_err("a fourth name");
+        assert_eq!(
+            past,
+            LimitError::TooManyNames {
+                kind: Kind::Endpoint,
+                names: 4,
+                max: 3
+            }
+        );
         assert_eq!(past.limit(), "names");
         assert_eq!(
             past.to_string(),
             "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment: subscribing to 4 resource names is over the limit of 3 per type and stream"
         );
-        assert_eq!(st.types[Kind::Endpoint.index()].names.len(), 3, "the refused request changed nothing");
+        assert_eq!(
+            st.types[Kind::Endpoint.index()].names.len(),
+            3,
+            "the refused request changed nothing"
+        );
         // Each type counts its own names.
         admit(&mut st, req(Kind::Route, "", &["d", "e", "f"], None)).unwrap();
         // An unsubscribe makes room.
@@ -926,7 +1258,15 @@ mod tests {
         // Every name of a request is checked for length, unsubscribes and held versions too.
         let long = "x".repeat(17);
         let err = admit(&mut st, req(Kind::Route, "", &[&long], None)).expect_err("a 17-byte name");
-        assert_eq!(err, LimitError::NameTooLong { kind: Kind::Route, name: long.clone(), len: 17, max: 16 });
+        assert_eq!(
+            err,
+            LimitError::NameTooLong {
+                kind: Kind::Route,
+                name: long.clone(),
+                len: 17,
+                max: 16
+            }
+        );
         assert_eq!(err.limit(), "name_length");
         let mut unsub = req(Kind::Route, "", &[], None);
         unsub.resource_names_unsubscribe = vec![long.clone()];
@@ -935,8 +1275,16 @@ mod tests {
         held.initial_resource_versions = [(long.clone(), "1".to_string())].into();
         assert!(st.check_limits(&held, &limits).is_err());
         // A first request reporting more held resources than the limit.
-        held.initial_resource_versions = (0..4).map(|i| (format!("c{i}"), "1".to_string())).collect();
-        assert_eq!(st.check_limits(&held, &limits), Err(LimitError::TooManyNames { kind: Kind::Cluster, names: 4, max: 3 }));
+        held.initial_resource_versions =
+            (0..4).map(|i| (format!("c{i}"), "1".to_string())).collect();
+        assert_eq!(
+            st.check_limits(&held, &limits),
+            Err(LimitError::TooManyNames {
+                kind: Kind::Cluster,
+                names: 4,
+                max: 3
+            })
+        );
         // A type the agent does not serve holds nothing and is not checked.
         let mut other = req(Kind::Route, "", &[&long], None);
         other.type_url = "type.googleapis.com/envoy.service.runtime.v3.Runtime".into();
@@ -946,7 +1294,9 @@ mod tests {
     #[test]
     fn the_default_name_limit_admits_its_figure_across_requests() {
         let limits = SubscriptionLimits::default();
-        let names: Vec<String> = (0..MAX_SUBSCRIBED_NAMES).map(|i| format!("outbound|80||service-{i}.namespace")).collect();
+        let names: Vec<String> = (0..MAX_SUBSCRIBED_NAMES)
+            .map(|i| format!("outbound|80||service-{i}.namespace"))
+            .collect();
         let (first, second) = names.split_at(MAX_SUBSCRIBED_NAMES / 2);
         let mut st = DeltaState::new(snap(1, 0), Arc::default());
         for half in [first, second] {
@@ -958,11 +1308,22 @@ mod tests {
             assert_eq!(st.check_limits(&r, &limits), Ok(()));
             st.on_request(&r);
         }
-        let one_more = req(Kind::Endpoint, "", &["outbound|80||one-more.namespace"], None);
-        assert!(matches!(st.check_limits(&one_more, &limits), Err(LimitError::TooManyNames { names: 100_001, .. })));
+        let one_more = req(
+            Kind::Endpoint,
+            "",
+            &["outbound|80||one-more.namespace"],
+            None,
+        );
+        assert!(matches!(
+            st.check_limits(&one_more, &limits),
+            Err(LimitError::TooManyNames { names: 100_001, .. })
+        ));
         // The longest name the model makes passes the length limit.
         let longest = format!("outbound|65535||{}.{}", "n".repeat(63), "s".repeat(63));
-        assert_eq!(limits.check_lengths(Kind::Cluster, [longest.as_str()]), Ok(()));
+        assert_eq!(
+            limits.check_lengths(Kind::Cluster, [longest.as_str()]),
+            Ok(())
+        );
     }
 
     #[test]
@@ -970,7 +1331,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let observed = crate::writers::Observed::restore(dir.path());
         observed.insert("outbound|80||s1.d");
-        let services: Vec<Service> = (0..5).map(|i| svc(&format!("s{i}"), &[("10.0.0.1", false)])).collect();
+        let services: Vec<Service> = (0..5)
+            .map(|i| svc(&format!("s{i}"), &[("10.0.0.1", false)]))
+            .collect();
         let mut i = inputs(0, 1);
         i.registry = RegistryView::new(services);
         i.on_demand_clusters = true;
@@ -982,30 +1345,48 @@ mod tests {
         st.on_request(&req(Kind::Route, "", &["outbound"], None));
         let out = sent(&mut st);
         assert_eq!(out[0].0, "CDS");
-        assert_eq!(out[0].2, vec!["inbound|uid-0".to_string(), "outbound|80||s1.d".to_string()], "the pod's cluster and the observed one");
+        assert_eq!(
+            out[0].2,
+            vec!["inbound|uid-0".to_string(), "outbound|80||s1.d".to_string()],
+            "the pod's cluster and the observed one"
+        );
         ack_all(&mut st, &out);
         st.on_request(&req(Kind::Endpoint, "", &["outbound|80||s1.d"], None));
         let out = sent(&mut st);
         ack_all(&mut st, &out);
-        assert!(st.acked_current(), "acked without the clusters the proxy never asked for");
+        assert!(
+            st.acked_current(),
+            "acked without the clusters the proxy never asked for"
+        );
 
         // A pod calls s3: the proxy names its cluster on the CDS stream.
         st.on_request(&req(Kind::Cluster, "", &["outbound|80||s3.d"], None));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("CDS", vec!["outbound|80||s3.d".to_string()])]);
+        assert_eq!(
+            out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(),
+            vec![("CDS", vec!["outbound|80||s3.d".to_string()])]
+        );
         assert!(observed.contains("outbound|80||s3.d"));
         ack_all(&mut st, &out);
         assert!(!st.acked_current(), "the new cluster's endpoints are owed");
         st.on_request(&req(Kind::Endpoint, "", &["outbound|80||s3.d"], None));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(), vec![("EDS", vec!["outbound|80||s3.d".to_string()])]);
+        assert_eq!(
+            out.iter().map(|o| (o.0, o.2.clone())).collect::<Vec<_>>(),
+            vec![("EDS", vec!["outbound|80||s3.d".to_string()])]
+        );
         ack_all(&mut st, &out);
         assert!(st.acked_current());
 
         // A cluster the mesh does not have: answered as removed at once, not recorded.
         st.on_request(&req(Kind::Cluster, "", &["outbound|80||nope.d"], None));
         let out = sent(&mut st);
-        assert_eq!(out.iter().map(|o| (o.0, o.2.len(), o.3.clone())).collect::<Vec<_>>(), vec![("CDS", 0, vec!["outbound|80||nope.d".to_string()])]);
+        assert_eq!(
+            out.iter()
+                .map(|o| (o.0, o.2.len(), o.3.clone()))
+                .collect::<Vec<_>>(),
+            vec![("CDS", 0, vec!["outbound|80||nope.d".to_string()])]
+        );
         assert!(!observed.contains("outbound|80||nope.d"));
     }
 
@@ -1013,7 +1394,10 @@ mod tests {
     /// turn, the snapshot's needs of a type collected in full before the comparison.
     fn acked_walking_every_type(st: &DeltaState) -> bool {
         let s = &*st.current;
-        let in_sync = st.synced.as_ref().is_some_and(|x| Arc::ptr_eq(x, &st.current));
+        let in_sync = st
+            .synced
+            .as_ref()
+            .is_some_and(|x| Arc::ptr_eq(x, &st.current));
         KINDS.into_iter().all(|kind| {
             let t = &st.types[kind.index()];
             if in_sync && t.subscribed && !t.full && t.extra.is_empty() && !t.answer {
@@ -1021,7 +1405,9 @@ mod tests {
                 return acked_all
                     && match kind {
                         Kind::Listener | Kind::Cluster => t.wildcard,
-                        Kind::Endpoint | Kind::Route | Kind::Secret => t.unsubscribed_needed.is_empty(),
+                        Kind::Endpoint | Kind::Route | Kind::Secret => {
+                            t.unsubscribed_needed.is_empty()
+                        }
                     };
             }
             let current = s.hashes(kind);
@@ -1032,13 +1418,22 @@ mod tests {
                     if t.acked.keys().any(|n| !current.contains_key(n)) {
                         return false;
                     }
-                    current.keys().map(String::as_str).filter(|n| !lazy || t.wants(n, lazy)).collect()
+                    current
+                        .keys()
+                        .map(String::as_str)
+                        .filter(|n| !lazy || t.wants(n, lazy))
+                        .collect()
                 }
-                Kind::Endpoint => s.eds_cluster_names().filter(|c| st.observed.is_none() || clusters.contains_key(*c)).collect(),
+                Kind::Endpoint => s
+                    .eds_cluster_names()
+                    .filter(|c| st.observed.is_none() || clusters.contains_key(*c))
+                    .collect(),
                 Kind::Route => s.rds_names().collect(),
                 Kind::Secret => s.sds_names().into_iter().collect(),
             };
-            needed.iter().all(|n| t.acked.get(*n).is_some_and(|h| current.get(*n) == Some(h)))
+            needed
+                .iter()
+                .all(|n| t.acked.get(*n).is_some_and(|h| current.get(*n) == Some(h)))
         })
     }
 
@@ -1069,14 +1464,19 @@ mod tests {
                         let names: Vec<&str> = match kind {
                             Kind::Cluster if rng.below(2) == 0 => vec![&named[0]],
                             Kind::Cluster | Kind::Listener => vec![],
-                            Kind::Endpoint => named.iter().take(1 + rng.below(2) as usize).map(String::as_str).collect(),
+                            Kind::Endpoint => named
+                                .iter()
+                                .take(1 + rng.below(2) as usize)
+                                .map(String::as_str)
+                                .collect(),
                             Kind::Route => vec!["outbound"],
                             Kind::Secret => vec!["bundle"],
                         };
                         st.on_request(&req(kind, "", &names, None));
                     }
                     2 | 3 if !unacked.is_empty() => {
-                        let (kind, nonce) = unacked.remove(rng.below(unacked.len() as u64) as usize);
+                        let (kind, nonce) =
+                            unacked.remove(rng.below(unacked.len() as u64) as usize);
                         let error = (rng.below(5) == 0).then_some("rejected");
                         st.on_request(&req(kind, &nonce, &[], error));
                     }
@@ -1084,7 +1484,10 @@ mod tests {
                         let n = rng.below(12);
                         let change = match rng.below(3) {
                             0 => Change::RemoveService(svc(&format!("s{n}"), &[]).key()),
-                            _ => Change::UpsertService(svc(&format!("s{n}"), &[("10.0.0.9", rng.below(2) == 0)])),
+                            _ => Change::UpsertService(svc(
+                                &format!("s{n}"),
+                                &[("10.0.0.9", rng.below(2) == 0)],
+                            )),
                         };
                         if let Some(s) = b.apply([change]) {
                             st.set_snapshot(s);
@@ -1096,10 +1499,17 @@ mod tests {
                     unacked.push((from_type_url(&r.type_url).unwrap(), r.nonce));
                 }
                 // What EDS owes: the proxy's clusters' endpoints that it has not named.
-                let (eds, held) = (&st.types[Kind::Endpoint.index()], &st.types[Kind::Cluster.index()].holds);
+                let (eds, held) = (
+                    &st.types[Kind::Endpoint.index()],
+                    &st.types[Kind::Cluster.index()].holds,
+                );
                 if eds.subscribed {
-                    let owed: BTreeSet<String> =
-                        st.current.eds_cluster_names().filter(|c| held.contains_key(*c) && !eds.names.contains(*c)).map(String::from).collect();
+                    let owed: BTreeSet<String> = st
+                        .current
+                        .eds_cluster_names()
+                        .filter(|c| held.contains_key(*c) && !eds.names.contains(*c))
+                        .map(String::from)
+                        .collect();
                     assert_eq!(eds.unsubscribed_needed, owed, "round {round} step {step}");
                 }
                 let full = acked_walking_every_type(&st);
@@ -1107,12 +1517,17 @@ mod tests {
                 agreed[usize::from(full)] += 1;
             }
         }
-        assert!(agreed[0] > 100 && agreed[1] > 100, "both answers come up often: {agreed:?}");
+        assert!(
+            agreed[0] > 100 && agreed[1] > 100,
+            "both answers come up often: {agreed:?}"
+        );
     }
 
     /// A random map of up to 60 names out of 80, with hashes out of 3.
     fn random_map(rng: &mut Rng) -> OrdMap<String, u64> {
-        (0..rng.below(60)).map(|_| (format!("n{:02}", rng.below(80)), rng.below(3))).collect()
+        (0..rng.below(60))
+            .map(|_| (format!("n{:02}", rng.below(80)), rng.below(3)))
+            .collect()
     }
 
     #[test]
@@ -1122,20 +1537,38 @@ mod tests {
             let current = random_map(&mut rng);
             let mut initial: HashMap<String, String> = match round % 3 {
                 // The usual reconnect: exactly the snapshot.
-                0 => current.iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
+                0 => current
+                    .iter()
+                    .map(|(n, h)| (n.clone(), wire_version(*h)))
+                    .collect(),
                 // A proxy holding a few of them (on-demand clusters): its own map.
-                1 => current.iter().step_by(4).map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
-                _ => random_map(&mut rng).iter().map(|(n, h)| (n.clone(), wire_version(*h))).collect(),
+                1 => current
+                    .iter()
+                    .step_by(4)
+                    .map(|(n, h)| (n.clone(), wire_version(*h)))
+                    .collect(),
+                _ => random_map(&mut rng)
+                    .iter()
+                    .map(|(n, h)| (n.clone(), wire_version(*h)))
+                    .collect(),
             };
             if round % 5 == 1 {
                 initial.insert("n99".into(), "not hex".into());
             }
-            let naive: OrdMap<String, u64> =
-                initial.iter().filter_map(|(n, v)| Some((n.clone(), u64::from_str_radix(v, 16).ok()?))).collect();
+            let naive: OrdMap<String, u64> = initial
+                .iter()
+                .filter_map(|(n, v)| Some((n.clone(), u64::from_str_radix(v, 16).ok()?)))
+                .collect();
             let got = held_versions(&current, &initial);
-            assert_eq!(got, naive, "round {round}: current {current:?}, initial {initial:?}");
+            assert_eq!(
+                got, naive,
+                "round {round}: current {current:?}, initial {initial:?}"
+            );
             if round % 3 == 0 && !current.is_empty() {
-                assert!(got.ptr_eq(&current), "round {round}: a reconnect to the same snapshot shares it");
+                assert!(
+                    got.ptr_eq(&current),
+                    "round {round}: a reconnect to the same snapshot shares it"
+                );
             }
         }
     }
@@ -1147,26 +1580,51 @@ mod tests {
             let hashes = random_map(&mut rng);
             let t = TypeState {
                 wildcard: rng.below(2) == 0,
-                names: (0..rng.below(40)).map(|_| format!("n{:02}", rng.below(80))).collect(),
+                names: (0..rng.below(40))
+                    .map(|_| format!("n{:02}", rng.below(80)))
+                    .collect(),
                 // Half the time sharing the snapshot's structure, as after a reconnect.
-                holds: if round % 2 == 0 { hashes.update(format!("n{:02}", rng.below(80)), rng.below(3)) } else { random_map(&mut rng) },
+                holds: if round % 2 == 0 {
+                    hashes.update(format!("n{:02}", rng.below(80)), rng.below(3))
+                } else {
+                    random_map(&mut rng)
+                },
                 ..Default::default()
             };
             for lazy in [false, true] {
                 // With on-demand clusters, keys on both sides of the `outbound|` range.
                 let hashes = if lazy {
-                    let outbound = hashes.iter().map(|(n, h)| (format!("outbound|80||{n}"), *h));
+                    let outbound = hashes
+                        .iter()
+                        .map(|(n, h)| (format!("outbound|80||{n}"), *h));
                     let after = hashes.iter().map(|(n, h)| (format!("p|{n}"), *h));
                     outbound.chain(after).chain(hashes.clone()).collect()
                 } else {
                     hashes.clone()
                 };
-                let to_send: BTreeSet<String> = hashes.iter().filter(|(n, h)| t.wants(n, lazy) && t.holds.get(*n) != Some(*h)).map(|(n, _)| n.clone()).collect();
-                let removed: Vec<String> = t.holds.keys().filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n))).cloned().collect();
-                assert_eq!(compare_all(&t, &hashes, lazy), (to_send.clone(), removed.clone()), "round {round}, lazy {lazy}: {t:?}");
+                let to_send: BTreeSet<String> = hashes
+                    .iter()
+                    .filter(|(n, h)| t.wants(n, lazy) && t.holds.get(*n) != Some(*h))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                let removed: Vec<String> = t
+                    .holds
+                    .keys()
+                    .filter(|n| !(t.wants(n, lazy) && hashes.contains_key(*n)))
+                    .cloned()
+                    .collect();
+                assert_eq!(
+                    compare_all(&t, &hashes, lazy),
+                    (to_send.clone(), removed.clone()),
+                    "round {round}, lazy {lazy}: {t:?}"
+                );
                 // The lookup per name, whatever the sizes, wherever it applies.
                 if let Some(unnamed) = wanted_unnamed(&t, &hashes, lazy) {
-                    assert_eq!(compare_few(&t, &hashes, lazy, unnamed), (to_send, removed), "round {round}, lazy {lazy}, by name: {t:?}");
+                    assert_eq!(
+                        compare_few(&t, &hashes, lazy, unnamed),
+                        (to_send, removed),
+                        "round {round}, lazy {lazy}, by name: {t:?}"
+                    );
                 }
             }
         }
@@ -1176,11 +1634,24 @@ mod tests {
     fn sorted_filter_is_membership_in_the_other_list() {
         let mut rng = Rng(0x1234_5678_9abc_def1);
         for _ in 0..300 {
-            let set = |rng: &mut Rng| (0..rng.below(30)).map(|_| format!("n{:02}", rng.below(50))).collect::<BTreeSet<String>>();
+            let set = |rng: &mut Rng| {
+                (0..rng.below(30))
+                    .map(|_| format!("n{:02}", rng.below(50)))
+                    .collect::<BTreeSet<String>>()
+            };
             let (a, b) = (set(&mut rng), set(&mut rng));
             for in_b in [true, false] {
-                let got: Vec<&str> = sorted_filter(a.iter().map(String::as_str), b.iter().map(String::as_str), in_b).collect();
-                let want: Vec<&str> = a.iter().filter(|x| b.contains(*x) == in_b).map(String::as_str).collect();
+                let got: Vec<&str> = sorted_filter(
+                    a.iter().map(String::as_str),
+                    b.iter().map(String::as_str),
+                    in_b,
+                )
+                .collect();
+                let want: Vec<&str> = a
+                    .iter()
+                    .filter(|x| b.contains(*x) == in_b)
+                    .map(String::as_str)
+                    .collect();
                 assert_eq!(got, want, "a {a:?}, b {b:?}, in_b {in_b}");
             }
         }

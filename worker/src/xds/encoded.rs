@@ -51,13 +51,16 @@ impl Encoded {
                 let mut types = self.types.lock().expect("encoded resources lock");
                 let cache = &mut types[kind.index()];
                 let mut missing = Vec::new();
-                let mut look = |cache: &mut HashMap<String, (u64, Any)>, name: &str| match current.get(name) {
-                    Some(hash) if cache.get(name).is_none_or(|(h, _)| h != hash) => missing.push((name.to_string(), *hash)),
-                    Some(_) => {}
-                    None => {
-                        cache.remove(name);
-                    }
-                };
+                let mut look =
+                    |cache: &mut HashMap<String, (u64, Any)>, name: &str| match current.get(name) {
+                        Some(hash) if cache.get(name).is_none_or(|(h, _)| h != hash) => {
+                            missing.push((name.to_string(), *hash))
+                        }
+                        Some(_) => {}
+                        None => {
+                            cache.remove(name);
+                        }
+                    };
                 match &changed {
                     Some(names) => names.iter().for_each(|n| look(cache, n)),
                     None => {
@@ -67,8 +70,11 @@ impl Encoded {
                 }
                 missing
             };
-            let encoded: Vec<(String, u64, Any)> =
-                missing.into_iter().filter_map(|(name, hash)| Some((convert_one(s, kind, &name)?, name, hash))).map(|(a, n, h)| (n, h, a)).collect();
+            let encoded: Vec<(String, u64, Any)> = missing
+                .into_iter()
+                .filter_map(|(name, hash)| Some((convert_one(s, kind, &name)?, name, hash)))
+                .map(|(a, n, h)| (n, h, a))
+                .collect();
             let mut types = self.types.lock().expect("encoded resources lock");
             let cache = &mut types[kind.index()];
             for (name, hash, any) in encoded {
@@ -86,7 +92,12 @@ impl Encoded {
     pub fn get(&self, s: &Snapshot, kind: Kind, names: &BTreeSet<&String>) -> Vec<Any> {
         let mut types = match self.types.try_lock() {
             Ok(types) => types,
-            Err(TryLockError::WouldBlock) => return names.iter().filter_map(|name| convert_one(s, kind, name)).collect(),
+            Err(TryLockError::WouldBlock) => {
+                return names
+                    .iter()
+                    .filter_map(|name| convert_one(s, kind, name))
+                    .collect();
+            }
             Err(TryLockError::Poisoned(e)) => panic!("encoded resources lock: {e}"),
         };
         let cache = &mut types[kind.index()];
@@ -110,13 +121,22 @@ impl Encoded {
     /// How many resources are cached.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.types.lock().expect("encoded resources lock").iter().map(HashMap::len).sum()
+        self.types
+            .lock()
+            .expect("encoded resources lock")
+            .iter()
+            .map(HashMap::len)
+            .sum()
     }
 }
 
 /// Encodes every snapshot the node publishes, until the node is gone.
 /// Also keeps the `snapshot_seq` gauge.
-pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: Arc<Encoded>, metrics: Arc<crate::metrics::Metrics>) {
+pub async fn keep_warm(
+    mut snapshots: watch::Receiver<Arc<Snapshot>>,
+    encoded: Arc<Encoded>,
+    metrics: Arc<crate::metrics::Metrics>,
+) {
     let mut last: Option<Arc<Snapshot>> = None;
     loop {
         let s = snapshots.borrow_and_update().clone();
@@ -124,7 +144,10 @@ pub async fn keep_warm(mut snapshots: watch::Receiver<Arc<Snapshot>>, encoded: A
         // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
         // resource (about 0.2 s for 10,000 services) and must not hold up its gates.
         let (e, next, prev) = (encoded.clone(), s.clone(), last.take());
-        if tokio::task::spawn_blocking(move || e.warm(&next, prev.as_deref())).await.is_err() {
+        if tokio::task::spawn_blocking(move || e.warm(&next, prev.as_deref()))
+            .await
+            .is_err()
+        {
             tracing::error!("encoding warm-up failed; streams encode on demand");
         }
         last = Some(s);
@@ -155,12 +178,18 @@ mod tests {
     }
 
     fn snapshot(pods: &[u8]) -> Snapshot {
-        build(&Inputs { pods: pods.iter().map(|n| (format!("uid-{n}"), pod(*n))).collect(), ..Inputs::default() })
+        build(&Inputs {
+            pods: pods.iter().map(|n| (format!("uid-{n}"), pod(*n))).collect(),
+            ..Inputs::default()
+        })
     }
 
     fn all(s: &Snapshot, kind: Kind) -> Vec<Any> {
         let names: Vec<&String> = s.hashes(kind).keys().collect();
-        names.iter().map(|n| convert_one(s, kind, n).unwrap()).collect()
+        names
+            .iter()
+            .map(|n| convert_one(s, kind, n).unwrap())
+            .collect()
     }
 
     #[test]
@@ -191,7 +220,9 @@ mod tests {
             let names: Vec<String> = s2.hashes(Kind::Listener).keys().cloned().collect();
             let _ = tx.send(e.get(&s2, Kind::Listener, &names.iter().collect()));
         });
-        let got = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the push waited for the lock");
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the push waited for the lock");
         assert_eq!(got, fresh);
         drop(held);
         assert_eq!(encoded.len(), 0, "nothing cached while the lock was held");
@@ -207,19 +238,36 @@ mod tests {
         assert!(one < three, "{one} entries after shrinking from {three}");
         let s = snapshot(&[1]);
         let names: BTreeSet<&String> = s.hashes(Kind::Listener).keys().collect();
-        assert_eq!(encoded.get(&s, Kind::Listener, &names), all(&s, Kind::Listener));
+        assert_eq!(
+            encoded.get(&s, Kind::Listener, &names),
+            all(&s, Kind::Listener)
+        );
         // A name that is not in the snapshot gives nothing.
         let ghost = "inbound|uid-9".to_string();
-        assert!(encoded.get(&s, Kind::Listener, &BTreeSet::from([&ghost])).is_empty());
+        assert!(
+            encoded
+                .get(&s, Kind::Listener, &BTreeSet::from([&ghost]))
+                .is_empty()
+        );
     }
 
     #[test]
     fn warming_from_a_snapshot_history_looks_only_at_what_changed_and_matches_a_full_warm() {
-        let mut b = Builder::new(Inputs { pods: [1, 2].iter().map(|n| (format!("uid-{n}"), pod(*n))).collect(), ..Inputs::default() });
+        let mut b = Builder::new(Inputs {
+            pods: [1, 2]
+                .iter()
+                .map(|n| (format!("uid-{n}"), pod(*n)))
+                .collect(),
+            ..Inputs::default()
+        });
         let (step, full) = (Encoded::default(), Encoded::default());
         let mut last = b.snapshot().clone();
         step.warm(&last, None);
-        for change in [Change::UpsertPod(pod(3)), Change::RemovePod("uid-1".into()), Change::UpsertPod(pod(4))] {
+        for change in [
+            Change::UpsertPod(pod(3)),
+            Change::RemovePod("uid-1".into()),
+            Change::UpsertPod(pod(4)),
+        ] {
             let s = b.apply([change]).unwrap();
             step.warm(&s, Some(&last));
             last = s;

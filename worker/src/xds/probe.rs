@@ -27,14 +27,25 @@ pub async fn await_server(path: &std::path::Path, timeout: Duration) -> std::io:
         if header[3] != 0x04 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("{} answered a frame of type {:#04x}, not HTTP/2 SETTINGS", path.display(), header[3]),
+                format!(
+                    "{} answered a frame of type {:#04x}, not HTTP/2 SETTINGS",
+                    path.display(),
+                    header[3]
+                ),
             ));
         }
         let _ = conn.write_all(H2_GOAWAY).await;
         Ok(start.elapsed())
     };
-    tokio::time::timeout(timeout, probe).await.unwrap_or_else(|_| {
-        Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no server answered on {} within {timeout:?}", path.display())))
-    })
+    tokio::time::timeout(timeout, probe)
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no server answered on {} within {timeout:?}",
+                    path.display()
+                ),
+            ))
+        })
 }
-

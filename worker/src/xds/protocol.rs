@@ -36,10 +36,27 @@ pub trait Protocol: Send + 'static {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// First request for a type on this stream; `version` is what the proxy holds.
-    Subscribe { kind: Kind, version: String },
-    Ack { kind: Kind, version: String, nonce: String },
-    Nack { kind: Kind, rejected_version: String, nonce: String, message: String },
+    Subscribe {
+        kind: Kind,
+        version: String,
+    },
+    Ack {
+        kind: Kind,
+        version: String,
+        nonce: String,
+    },
+    Nack {
+        kind: Kind,
+        rejected_version: String,
+        nonce: String,
+        message: String,
+    },
     /// A request answering an older response; superseded, ignored.
-    Stale { kind: Kind, nonce: String },
-    UnknownType { type_url: String },
+    Stale {
+        kind: Kind,
+        nonce: String,
+    },
+    UnknownType {
+        type_url: String,
+    },
 }

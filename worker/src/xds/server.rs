@@ -46,7 +46,11 @@ use crate::writers::Observed;
 pub(super) trait Served: Protocol {
     type Wire: prost::Message + Default + Into<Self::Request> + Send + 'static;
     /// Whether `req` keeps the stream within `limits`; checked before it is applied.
-    fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError>;
+    fn check_limits(
+        &self,
+        req: &Self::Request,
+        limits: &SubscriptionLimits,
+    ) -> Result<(), LimitError>;
     /// How many names `req` carries: what freeing it costs.
     fn names(req: &Self::Request) -> usize;
 }
@@ -60,12 +64,17 @@ impl Served for StreamState {
     type Wire = SotwRequestWire;
     /// A state-of-the-world request names the type's whole subscription, so its own
     /// names are what is checked.
-    fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError> {
+    fn check_limits(
+        &self,
+        req: &Self::Request,
+        limits: &SubscriptionLimits,
+    ) -> Result<(), LimitError> {
         let Some(kind) = kind::from_type_url(&req.type_url) else {
             return Ok(());
         };
         limits.check_lengths(kind, req.resource_names.iter().map(String::as_str))?;
-        let names: std::collections::BTreeSet<&str> = req.resource_names.iter().map(String::as_str).collect();
+        let names: std::collections::BTreeSet<&str> =
+            req.resource_names.iter().map(String::as_str).collect();
         limits.check_count(kind, names.len())
     }
 
@@ -76,12 +85,18 @@ impl Served for StreamState {
 
 impl Served for DeltaState {
     type Wire = DeltaRequestWire;
-    fn check_limits(&self, req: &Self::Request, limits: &SubscriptionLimits) -> Result<(), LimitError> {
+    fn check_limits(
+        &self,
+        req: &Self::Request,
+        limits: &SubscriptionLimits,
+    ) -> Result<(), LimitError> {
         DeltaState::check_limits(self, req, limits)
     }
 
     fn names(req: &Self::Request) -> usize {
-        req.resource_names_subscribe.len() + req.resource_names_unsubscribe.len() + req.initial_resource_versions.len()
+        req.resource_names_subscribe.len()
+            + req.resource_names_unsubscribe.len()
+            + req.initial_resource_versions.len()
     }
 }
 
@@ -94,7 +109,10 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 16;
 
 /// How fast one process may open connections on `xds.sock`: the whole cap at once, then
 /// 20 a second. The proxy holds one and opens another only to reconnect.
-pub const PEER_RATE: PeerRate = PeerRate { burst: MAX_CONNECTIONS as u32 + 64, per_second: 20 };
+pub const PEER_RATE: PeerRate = PeerRate {
+    burst: MAX_CONNECTIONS as u32 + 64,
+    per_second: 20,
+};
 
 /// The ADS server's limits; ARCHITECTURE.md ("Limits") lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,7 +149,16 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    serve_observed(listener, snapshots, encoded, acks, metrics, None, stop_accepting).await
+    serve_observed(
+        listener,
+        snapshots,
+        encoded,
+        acks,
+        metrics,
+        None,
+        stop_accepting,
+    )
+    .await
 }
 
 /// [`serve`], with on-demand clusters when `observed` is given (`--on-demand-clusters`):
@@ -147,7 +174,17 @@ pub async fn serve_observed(
     observed: Option<Arc<Observed>>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    serve_limited(listener, snapshots, encoded, acks, metrics, observed, stop_accepting, Limits::default()).await
+    serve_limited(
+        listener,
+        snapshots,
+        encoded,
+        acks,
+        metrics,
+        observed,
+        stop_accepting,
+        Limits::default(),
+    )
+    .await
 }
 
 /// [`serve_observed`] with the given limits.
@@ -165,7 +202,15 @@ pub async fn serve_limited(
     let incoming = Acceptor::new(listener, "xds", limits.max_connections, metrics.clone())
         .with_peer_rate(limits.peer_rate)
         .incoming(|_| true);
-    let ads = Arc::new(Ads { snapshots, encoded, acks, metrics, observed, limits, streams: AtomicU64::new(0) });
+    let ads = Arc::new(Ads {
+        snapshots,
+        encoded,
+        acks,
+        metrics,
+        observed,
+        limits,
+        streams: AtomicU64::new(0),
+    });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
     tonic::transport::Server::builder()
@@ -194,8 +239,14 @@ impl Ads {
         let (tx, rx) = mpsc::channel(16);
         let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
         let observed = self.observed.clone();
-        let (acks, metrics, limits) = (self.acks.clone(), self.metrics.clone(), self.limits.subscriptions);
-        tokio::spawn(run_stream::<P>(id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits));
+        let (acks, metrics, limits) = (
+            self.acks.clone(),
+            self.metrics.clone(),
+            self.limits.subscriptions,
+        );
+        tokio::spawn(run_stream::<P>(
+            id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits,
+        ));
         Box::pin(ReceiverStream::new(rx))
     }
 }
@@ -306,19 +357,34 @@ async fn run_stream<P: Served>(
         }
         for resp in st.pending() {
             let (type_url, version, nonce, resources) = P::describe(&resp);
-            tracing::debug!(stream = id, type_url, version, nonce, resources,
-                since_change_us = changed_at.elapsed().as_micros() as u64, "push");
-            let label = TypeLabel { type_url: type_url.to_string() };
+            tracing::debug!(
+                stream = id,
+                type_url,
+                version,
+                nonce,
+                resources,
+                since_change_us = changed_at.elapsed().as_micros() as u64,
+                "push"
+            );
+            let label = TypeLabel {
+                type_url: type_url.to_string(),
+            };
             if let Some(k) = kind::from_type_url(type_url) {
                 pushed_at[k.index()] = Some((nonce.to_string(), Instant::now()));
                 if !std::mem::replace(&mut answered[k.index()], true) {
-                    metrics.xds_initial_resources.get_or_create(&label).inc_by(resources as u64);
+                    metrics
+                        .xds_initial_resources
+                        .get_or_create(&label)
+                        .inc_by(resources as u64);
                     // A proxy reconnecting to a snapshot it holds gets none over delta ADS.
                     tracing::info!(stream = id, node = %node_id, type_url, resources, "first answer of the type on this stream");
                 }
             }
             metrics.xds_pushes.get_or_create(&label).inc();
-            metrics.xds_resources.get_or_create(&label).inc_by(resources as u64);
+            metrics
+                .xds_resources
+                .get_or_create(&label)
+                .inc_by(resources as u64);
             if tx.send(Ok(resp)).await.is_err() {
                 return;
             }
@@ -335,24 +401,44 @@ async fn end_with<T>(tx: &mpsc::Sender<Result<T, Status>>, status: Status) {
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), tx.send(Err(status))).await;
 }
 
-fn record(id: u64, node: &str, ev: Event, metrics: &Metrics, pushed_at: &[Option<(String, Instant)>; KIND_COUNT]) {
-    let label = |k: Kind| TypeLabel { type_url: kind::type_url(k).to_string() };
+fn record(
+    id: u64,
+    node: &str,
+    ev: Event,
+    metrics: &Metrics,
+    pushed_at: &[Option<(String, Instant)>; KIND_COUNT],
+) {
+    let label = |k: Kind| TypeLabel {
+        type_url: kind::type_url(k).to_string(),
+    };
     match ev {
         Event::Subscribe { kind, version } => {
             tracing::debug!(stream = id, node, type_url = kind::type_url(kind), held_version = %version, "subscribe")
         }
-        Event::Ack { kind, version, nonce } => {
+        Event::Ack {
+            kind,
+            version,
+            nonce,
+        } => {
             metrics.xds_acks.get_or_create(&label(kind)).inc();
             // Only the type's latest response on the stream is timed: an ACK of an earlier
             // one, overtaken by a newer push, is not observed.
-            let push_to_ack = pushed_at[kind.index()].as_ref().filter(|(n, _)| *n == nonce).map(|(_, t)| t.elapsed());
+            let push_to_ack = pushed_at[kind.index()]
+                .as_ref()
+                .filter(|(n, _)| *n == nonce)
+                .map(|(_, t)| t.elapsed());
             if let Some(took) = push_to_ack {
                 metrics.observe_push_ack(kind.short(), took);
             }
             let push_to_ack_us = push_to_ack.map(|d| d.as_micros() as u64);
             tracing::debug!(stream = id, node, type_url = kind::type_url(kind), %version, %nonce, ?push_to_ack_us, "ACK");
         }
-        Event::Nack { kind, rejected_version, nonce, message } => {
+        Event::Nack {
+            kind,
+            rejected_version,
+            nonce,
+            message,
+        } => {
             metrics.xds_nacks.get_or_create(&label(kind)).inc();
             tracing::warn!(stream = id, node, type_url = kind::type_url(kind), %nonce, %rejected_version,
                 error_detail = %message, "NACK: the proxy rejected {} and keeps its last good config", kind.short());
@@ -389,14 +475,17 @@ impl<P: Served> StreamingService<P::Wire> for Method<P> {
 }
 
 /// Serves one call of `P`'s method: requests decode into `P::Wire`.
-fn streaming<P: Served, B>(ads: Arc<Ads>, req: http::Request<B>) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
+fn streaming<P: Served, B>(
+    ads: Arc<Ads>,
+    req: http::Request<B>,
+) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
 where
     B: Body + Send + 'static,
     B::Error: Into<StdError> + Send + 'static,
 {
     Box::pin(async move {
-        let mut grpc =
-            Grpc::new(ProstCodec::<P::Response, P::Wire>::default()).apply_max_message_size_config(Some(ads.limits.max_request), None);
+        let mut grpc = Grpc::new(ProstCodec::<P::Response, P::Wire>::default())
+            .apply_max_message_size_config(Some(ads.limits.max_request), None);
         Ok(grpc.streaming(Method::<P>(ads, PhantomData), req).await)
     })
 }
@@ -417,19 +506,28 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let ads = self.0.clone();
         match req.uri().path() {
-            "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources" => streaming::<StreamState, B>(ads, req),
-            "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources" => streaming::<DeltaState, B>(ads, req),
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources" => {
+                streaming::<StreamState, B>(ads, req)
+            }
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources" => {
+                streaming::<DeltaState, B>(ads, req)
+            }
             _ => Box::pin(async move {
                 let mut response = http::Response::new(tonic::body::Body::default());
                 let headers = response.headers_mut();
-                headers.insert(Status::GRPC_STATUS, (tonic::Code::Unimplemented as i32).into());
-                headers.insert(http::header::CONTENT_TYPE, tonic::metadata::GRPC_CONTENT_TYPE);
+                headers.insert(
+                    Status::GRPC_STATUS,
+                    (tonic::Code::Unimplemented as i32).into(),
+                );
+                headers.insert(
+                    http::header::CONTENT_TYPE,
+                    tonic::metadata::GRPC_CONTENT_TYPE,
+                );
                 Ok(response)
             }),
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -442,12 +540,24 @@ mod tests {
 
     use crate::xds::probe::{H2_PREFACE, await_server};
 
-    fn start(listener: UnixListener) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    fn start(
+        listener: UnixListener,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<anyhow::Result<()>>,
+    ) {
         let (_tx, snapshots) = watch::channel(Arc::new(build(&Inputs::default())));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, snapshots, Arc::default(), Acks::default(), Metrics::new(), async move {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(serve(
+            listener,
+            snapshots,
+            Arc::default(),
+            Acks::default(),
+            Metrics::new(),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
         (stop, task)
     }
 
@@ -469,16 +579,22 @@ mod tests {
     async fn await_server_answers_only_once_someone_serves_the_socket() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("xds.sock");
-        let err = await_server(&path, Duration::from_millis(200)).await.expect_err("no socket file");
+        let err = await_server(&path, Duration::from_millis(200))
+            .await
+            .expect_err("no socket file");
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
 
         // Bound and listening, but nobody accepts: the connect queues and nothing answers.
         let listener = UnixListener::bind(&path).unwrap();
-        let err = await_server(&path, Duration::from_millis(200)).await.expect_err("nobody accepts");
+        let err = await_server(&path, Duration::from_millis(200))
+            .await
+            .expect_err("nobody accepts");
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
 
         let (_stop, _task) = start(listener);
-        await_server(&path, Duration::from_secs(5)).await.expect("the ADS server answers");
+        await_server(&path, Duration::from_secs(5))
+            .await
+            .expect("the ADS server answers");
     }
 
     #[tokio::test]
@@ -488,9 +604,13 @@ mod tests {
         let listener = UnixListener::bind(&path).unwrap();
         tokio::spawn(async move {
             let (mut conn, _) = listener.accept().await.unwrap();
-            conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await.unwrap();
+            conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                .await
+                .unwrap();
         });
-        let err = await_server(&path, Duration::from_secs(5)).await.expect_err("not HTTP/2");
+        let err = await_server(&path, Duration::from_secs(5))
+            .await
+            .expect_err("not HTTP/2");
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
     }
 
@@ -501,7 +621,14 @@ mod tests {
     use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 
     /// The ADS server with `limits` on a socket in `dir`; its metrics.
-    fn start_limited(dir: &std::path::Path, limits: Limits) -> (std::path::PathBuf, Arc<Metrics>, tokio::sync::oneshot::Sender<()>) {
+    fn start_limited(
+        dir: &std::path::Path,
+        limits: Limits,
+    ) -> (
+        std::path::PathBuf,
+        Arc<Metrics>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
         let path = dir.join("xds.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let (tx, snapshots) = watch::channel(Arc::new(build(&Inputs::default())));
@@ -510,27 +637,48 @@ mod tests {
         let m = metrics.clone();
         tokio::spawn(async move {
             let _keep = tx;
-            serve_limited(listener, snapshots, Arc::default(), Acks::default(), m, None, async move {
-                let _ = stopped.await;
-            }, limits)
+            serve_limited(
+                listener,
+                snapshots,
+                Arc::default(),
+                Acks::default(),
+                m,
+                None,
+                async move {
+                    let _ = stopped.await;
+                },
+                limits,
+            )
             .await
         });
         (path, metrics, stop)
     }
 
-    async fn client(path: &std::path::Path) -> AggregatedDiscoveryServiceClient<tonic::transport::Channel> {
+    async fn client(
+        path: &std::path::Path,
+    ) -> AggregatedDiscoveryServiceClient<tonic::transport::Channel> {
         let path = path.to_path_buf();
         let connector = tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
-            async move { UnixStream::connect(path).await.map(hyper_util::rt::TokioIo::new) }
+            async move {
+                UnixStream::connect(path)
+                    .await
+                    .map(hyper_util::rt::TokioIo::new)
+            }
         });
-        let channel = tonic::transport::Endpoint::from_static("http://xds.invalid").connect_with_connector(connector).await.unwrap();
+        let channel = tonic::transport::Endpoint::from_static("http://xds.invalid")
+            .connect_with_connector(connector)
+            .await
+            .unwrap();
         AggregatedDiscoveryServiceClient::new(channel)
     }
 
     fn eds(names: &[&str]) -> DeltaDiscoveryRequest {
         DeltaDiscoveryRequest {
-            node: Some(Node { id: "proxy-1".into(), ..Default::default() }),
+            node: Some(Node {
+                id: "proxy-1".into(),
+                ..Default::default()
+            }),
             type_url: kind::type_url(Kind::Endpoint).into(),
             resource_names_subscribe: names.iter().map(|n| n.to_string()).collect(),
             ..Default::default()
@@ -540,36 +688,73 @@ mod tests {
     #[tokio::test]
     async fn connections_past_the_cap_are_closed_at_once_and_counted() {
         let dir = tempfile::tempdir().unwrap();
-        let (path, metrics, _stop) = start_limited(dir.path(), Limits { max_connections: 2, ..Limits::default() });
-        let label = SocketLabel { socket: "xds".into() };
+        let (path, metrics, _stop) = start_limited(
+            dir.path(),
+            Limits {
+                max_connections: 2,
+                ..Limits::default()
+            },
+        );
+        let label = SocketLabel {
+            socket: "xds".into(),
+        };
         let mut first = UnixStream::connect(&path).await.unwrap();
         let mut second = UnixStream::connect(&path).await.unwrap();
         for conn in [&mut first, &mut second] {
             let settings = h2_settings(conn).await.expect("admitted under the cap");
-            assert!(settings.contains(&(MAX_CONCURRENT_STREAMS, MAX_STREAMS_PER_CONNECTION)), "{settings:?}");
+            assert!(
+                settings.contains(&(MAX_CONCURRENT_STREAMS, MAX_STREAMS_PER_CONNECTION)),
+                "{settings:?}"
+            );
         }
         let mut third = UnixStream::connect(&path).await.unwrap();
-        assert_eq!(h2_settings(&mut third).await, None, "past the cap: closed without a byte");
+        assert_eq!(
+            h2_settings(&mut third).await,
+            None,
+            "past the cap: closed without a byte"
+        );
         assert_eq!(metrics.connections_refused.get_or_create(&label).get(), 1);
         assert_eq!(metrics.connections.get_or_create(&label).get(), 2);
 
         drop(first);
-        until("the closed connection's slot is given back", || metrics.connections.get_or_create(&label).get() == 1).await;
+        until("the closed connection's slot is given back", || {
+            metrics.connections.get_or_create(&label).get() == 1
+        })
+        .await;
         let mut fourth = UnixStream::connect(&path).await.unwrap();
-        assert!(h2_settings(&mut fourth).await.is_some(), "a slot was free again");
+        assert!(
+            h2_settings(&mut fourth).await.is_some(),
+            "a slot was free again"
+        );
     }
 
     #[tokio::test]
     async fn a_delta_stream_past_a_subscription_limit_ends_with_resource_exhausted_naming_it() {
         let dir = tempfile::tempdir().unwrap();
-        let subscriptions = SubscriptionLimits { max_names: 3, max_name_len: 32 };
-        let (path, metrics, _stop) = start_limited(dir.path(), Limits { subscriptions, ..Limits::default() });
+        let subscriptions = SubscriptionLimits {
+            max_names: 3,
+            max_name_len: 32,
+        };
+        let (path, metrics, _stop) = start_limited(
+            dir.path(),
+            Limits {
+                subscriptions,
+                ..Limits::default()
+            },
+        );
         let mut ads = client(&path).await;
 
         let (tx, rx) = mpsc::channel(4);
         tx.send(eds(&["a", "b"])).await.unwrap();
-        let mut responses = ads.delta_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
-        assert!(responses.message().await.unwrap().is_some(), "a fresh subscription is answered");
+        let mut responses = ads
+            .delta_aggregated_resources(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            responses.message().await.unwrap().is_some(),
+            "a fresh subscription is answered"
+        );
         tx.send(eds(&["c", "d"])).await.unwrap();
         let err = responses.message().await.expect_err("a fourth name");
         assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
@@ -582,14 +767,28 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let long = "n".repeat(33);
         tx.send(eds(&[&long])).await.unwrap();
-        let mut responses = ads.delta_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let mut responses = ads
+            .delta_aggregated_resources(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
         let err = responses.message().await.expect_err("a 33-byte name");
         assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
-        assert!(err.message().contains("is 33 bytes, over the limit of 32"), "{}", err.message());
+        assert!(
+            err.message().contains("is 33 bytes, over the limit of 32"),
+            "{}",
+            err.message()
+        );
 
         let count = |limit: &str| {
-            let label = LimitLabel { type_url: kind::type_url(Kind::Endpoint).into(), limit: limit.into() };
-            metrics.xds_subscription_refusals.get_or_create(&label).get()
+            let label = LimitLabel {
+                type_url: kind::type_url(Kind::Endpoint).into(),
+                limit: limit.into(),
+            };
+            metrics
+                .xds_subscription_refusals
+                .get_or_create(&label)
+                .get()
         };
         assert_eq!((count("names"), count("name_length")), (1, 1));
     }
@@ -597,16 +796,30 @@ mod tests {
     #[tokio::test]
     async fn a_request_over_the_size_limit_ends_its_stream_with_out_of_range() {
         let dir = tempfile::tempdir().unwrap();
-        let (path, _metrics, _stop) = start_limited(dir.path(), Limits { max_request: 4096, ..Limits::default() });
+        let (path, _metrics, _stop) = start_limited(
+            dir.path(),
+            Limits {
+                max_request: 4096,
+                ..Limits::default()
+            },
+        );
         let mut ads = client(&path).await;
         let (tx, rx) = mpsc::channel(4);
         let mut big = eds(&["a"]);
         big.node.as_mut().unwrap().id = "n".repeat(5000);
         tx.send(big).await.unwrap();
-        let mut responses = ads.delta_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let mut responses = ads
+            .delta_aggregated_resources(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
         let err = responses.message().await.expect_err("over the size limit");
         assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
-        assert!(err.message().contains("the limit is: 4096 bytes"), "{}", err.message());
+        assert!(
+            err.message().contains("the limit is: 4096 bytes"),
+            "{}",
+            err.message()
+        );
     }
 
     #[tokio::test]
@@ -619,12 +832,27 @@ mod tests {
         read_until_frame(&mut open, 0x04, 0).await;
 
         stop.send(()).unwrap();
-        task.await.unwrap().expect("serve returns once it stops accepting");
-        let refused = UnixStream::connect(&path).await.expect_err("the listener is closed");
-        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}");
+        task.await
+            .unwrap()
+            .expect("serve returns once it stops accepting");
+        let refused = UnixStream::connect(&path)
+            .await
+            .expect_err("the listener is closed");
+        assert_eq!(
+            refused.kind(),
+            std::io::ErrorKind::ConnectionRefused,
+            "{refused}"
+        );
 
         // The connection accepted before still answers: PING, then its ACK.
-        open.write_all(b"\0\0\x08\x06\0\0\0\0\0aether!!").await.unwrap();
-        tokio::time::timeout(Duration::from_secs(5), read_until_frame(&mut open, 0x06, 0x01)).await.expect("PING ACK on the open connection");
+        open.write_all(b"\0\0\x08\x06\0\0\0\0\0aether!!")
+            .await
+            .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            read_until_frame(&mut open, 0x06, 0x01),
+        )
+        .await
+        .expect("PING ACK on the open connection");
     }
 }

@@ -62,11 +62,18 @@ impl Protocol for StreamState {
     const NAME: &'static str = "sotw";
 
     fn new(current: Arc<Snapshot>, encoded: Arc<Encoded>) -> Self {
-        Self { current, encoded, nonce: 0, types: Default::default() }
+        Self {
+            current,
+            encoded,
+            nonce: 0,
+            types: Default::default(),
+        }
     }
 
     fn on_demand(&mut self, _observed: Arc<crate::writers::Observed>) {
-        tracing::warn!("on-demand clusters need incremental ADS (DELTA_GRPC); this state-of-the-world stream gets every cluster");
+        tracing::warn!(
+            "on-demand clusters need incremental ADS (DELTA_GRPC); this state-of-the-world stream gets every cluster"
+        );
     }
 
     fn node_id(req: &DiscoveryRequest) -> Option<&str> {
@@ -87,7 +94,9 @@ impl Protocol for StreamState {
 
     fn on_request(&mut self, req: &DiscoveryRequest) -> Event {
         let Some(kind) = from_type_url(&req.type_url) else {
-            return Event::UnknownType { type_url: req.type_url.clone() };
+            return Event::UnknownType {
+                type_url: req.type_url.clone(),
+            };
         };
         let t = &mut self.types[kind.index()];
         let requested: BTreeSet<String> = req.resource_names.iter().cloned().collect();
@@ -95,10 +104,16 @@ impl Protocol for StreamState {
             t.subscribed = true;
             t.requested = requested;
             t.answer = true;
-            return Event::Subscribe { kind, version: req.version_info.clone() };
+            return Event::Subscribe {
+                kind,
+                version: req.version_info.clone(),
+            };
         }
         let Some(sent) = t.sent.clone().filter(|s| s.nonce == req.response_nonce) else {
-            return Event::Stale { kind, nonce: req.response_nonce.clone() };
+            return Event::Stale {
+                kind,
+                nonce: req.response_nonce.clone(),
+            };
         };
         t.subscribed = true;
         t.requested = requested;
@@ -111,7 +126,11 @@ impl Protocol for StreamState {
             },
             None => {
                 t.acked = Some(sent.clone());
-                Event::Ack { kind, version: sent.version, nonce: sent.nonce }
+                Event::Ack {
+                    kind,
+                    version: sent.version,
+                    nonce: sent.nonce,
+                }
             }
         }
     }
@@ -132,12 +151,18 @@ impl Protocol for StreamState {
                 }
                 (current.clone(), current.keys().collect())
             } else {
-                let holds: OrdMap<String, u64> =
-                    current.iter().filter(|(n, _)| t.requested.contains(*n)).map(|(n, h)| (n.clone(), *h)).collect();
+                let holds: OrdMap<String, u64> = current
+                    .iter()
+                    .filter(|(n, _)| t.requested.contains(*n))
+                    .map(|(n, h)| (n.clone(), *h))
+                    .collect();
                 let before = t.sent.as_ref().map(|s| &s.holds);
                 let to_send: BTreeSet<&String> = current
                     .iter()
-                    .filter(|(n, h)| t.requested.contains(*n) && (t.answer || before.and_then(|b| b.get(*n)) != Some(*h)))
+                    .filter(|(n, h)| {
+                        t.requested.contains(*n)
+                            && (t.answer || before.and_then(|b| b.get(*n)) != Some(*h))
+                    })
                     .map(|(n, _)| n)
                     .collect();
                 if to_send.is_empty() && !t.answer {
@@ -159,7 +184,11 @@ impl Protocol for StreamState {
                 nonce: nonce.clone(),
                 ..Default::default()
             });
-            t.sent = Some(Sent { nonce, version: v.to_string(), holds });
+            t.sent = Some(Sent {
+                nonce,
+                version: v.to_string(),
+                holds,
+            });
         }
         out
     }
@@ -171,10 +200,16 @@ impl Protocol for StreamState {
         KINDS.into_iter().all(|kind| {
             let acked = self.types[kind.index()].acked.as_ref();
             match kind {
-                Kind::Listener | Kind::Cluster => acked.is_some_and(|a| a.version == s.version(kind)),
+                Kind::Listener | Kind::Cluster => {
+                    acked.is_some_and(|a| a.version == s.version(kind))
+                }
                 Kind::Endpoint | Kind::Route | Kind::Secret => {
                     let current = s.hashes(kind);
-                    let held = |n: &str| acked.and_then(|a| a.holds.get(n)).is_some_and(|h| current.get(n) == Some(h));
+                    let held = |n: &str| {
+                        acked
+                            .and_then(|a| a.holds.get(n))
+                            .is_some_and(|h| current.get(n) == Some(h))
+                    };
                     match kind {
                         Kind::Endpoint => s.eds_cluster_names().all(held),
                         Kind::Secret => s.sds_names().into_iter().all(held),
@@ -204,19 +239,38 @@ mod tests {
                 mtls: false,
             })
             .collect();
-        let svc = Service { name: "web".into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: eps };
-        Arc::new(build(&Inputs { registry: RegistryView::new([svc]), ..Default::default() }))
+        let svc = Service {
+            name: "web".into(),
+            namespace: "d".into(),
+            ports: vec![80],
+            vip: None,
+            endpoints: eps,
+        };
+        Arc::new(build(&Inputs {
+            registry: RegistryView::new([svc]),
+            ..Default::default()
+        }))
     }
 
     const CLA: &str = "outbound|80||web.d";
 
-    fn req(kind: Kind, version: &str, nonce: &str, names: &[&str], error: Option<&str>) -> DiscoveryRequest {
+    fn req(
+        kind: Kind,
+        version: &str,
+        nonce: &str,
+        names: &[&str],
+        error: Option<&str>,
+    ) -> DiscoveryRequest {
         DiscoveryRequest {
             version_info: version.into(),
             type_url: type_url(kind).into(),
             response_nonce: nonce.into(),
             resource_names: names.iter().map(|s| s.to_string()).collect(),
-            error_detail: error.map(|m| Status { code: 13, message: m.into(), details: vec![] }),
+            error_detail: error.map(|m| Status {
+                code: 13,
+                message: m.into(),
+                details: vec![],
+            }),
             ..Default::default()
         }
     }
@@ -225,7 +279,14 @@ mod tests {
     fn sent(st: &mut StreamState) -> Vec<(&'static str, String, String, usize)> {
         st.pending()
             .into_iter()
-            .map(|r| (from_type_url(&r.type_url).unwrap().short(), r.version_info, r.nonce, r.resources.len()))
+            .map(|r| {
+                (
+                    from_type_url(&r.type_url).unwrap().short(),
+                    r.version_info,
+                    r.nonce,
+                    r.resources.len(),
+                )
+            })
             .collect()
     }
 
@@ -235,21 +296,45 @@ mod tests {
         let mut st = StreamState::new(s1.clone(), Arc::default());
         assert!(sent(&mut st).is_empty(), "nothing before a subscription");
 
-        assert!(matches!(st.on_request(&req(Kind::Cluster, "", "", &[], None)), Event::Subscribe { .. }));
-        assert!(matches!(st.on_request(&req(Kind::Listener, "", "", &[], None)), Event::Subscribe { .. }));
+        assert!(matches!(
+            st.on_request(&req(Kind::Cluster, "", "", &[], None)),
+            Event::Subscribe { .. }
+        ));
+        assert!(matches!(
+            st.on_request(&req(Kind::Listener, "", "", &[], None)),
+            Event::Subscribe { .. }
+        ));
         let cv1 = s1.clusters.version.clone();
         let lv1 = s1.listeners.version.clone();
-        assert_eq!(sent(&mut st), vec![("CDS", cv1.clone(), "1".into(), 1), ("LDS", lv1.clone(), "2".into(), 1)]);
+        assert_eq!(
+            sent(&mut st),
+            vec![
+                ("CDS", cv1.clone(), "1".into(), 1),
+                ("LDS", lv1.clone(), "2".into(), 1)
+            ]
+        );
         assert!(sent(&mut st).is_empty(), "nothing twice");
 
-        assert!(matches!(st.on_request(&req(Kind::Cluster, &cv1, "1", &[], None)), Event::Ack { .. }));
-        assert!(matches!(st.on_request(&req(Kind::Listener, &lv1, "2", &[], None)), Event::Ack { .. }));
+        assert!(matches!(
+            st.on_request(&req(Kind::Cluster, &cv1, "1", &[], None)),
+            Event::Ack { .. }
+        ));
+        assert!(matches!(
+            st.on_request(&req(Kind::Listener, &lv1, "2", &[], None)),
+            Event::Ack { .. }
+        ));
         assert!(!st.acked_current(), "EDS and RDS still owed");
         st.on_request(&req(Kind::Endpoint, "", "", &[CLA], None));
         st.on_request(&req(Kind::Route, "", "", &["outbound"], None));
         let ev1 = s1.endpoints.version.clone();
         let rv1 = s1.routes.version.clone();
-        assert_eq!(sent(&mut st), vec![("EDS", ev1.clone(), "3".into(), 1), ("RDS", rv1.clone(), "4".into(), 1)]);
+        assert_eq!(
+            sent(&mut st),
+            vec![
+                ("EDS", ev1.clone(), "3".into(), 1),
+                ("RDS", rv1.clone(), "4".into(), 1)
+            ]
+        );
         st.on_request(&req(Kind::Endpoint, &ev1, "3", &[CLA], None));
         assert!(!st.acked_current());
         st.on_request(&req(Kind::Route, &rv1, "4", &["outbound"], None));
@@ -261,17 +346,43 @@ mod tests {
         assert!(!st.acked_current());
         let ev2 = s2.endpoints.version.clone();
         assert_eq!(sent(&mut st), vec![("EDS", ev2.clone(), "5".into(), 1)]);
-        assert!(matches!(st.on_request(&req(Kind::Endpoint, &ev1, "3", &[CLA], None)), Event::Stale { .. }));
+        assert!(matches!(
+            st.on_request(&req(Kind::Endpoint, &ev1, "3", &[CLA], None)),
+            Event::Stale { .. }
+        ));
 
         // NACK: nothing resent, not acked; the next snapshot goes out.
-        let ev = st.on_request(&req(Kind::Endpoint, &ev1, "5", &[CLA], Some("bad endpoint")));
-        assert_eq!(ev, Event::Nack { kind: Kind::Endpoint, rejected_version: ev2, nonce: "5".into(), message: "bad endpoint".into() });
+        let ev = st.on_request(&req(
+            Kind::Endpoint,
+            &ev1,
+            "5",
+            &[CLA],
+            Some("bad endpoint"),
+        ));
+        assert_eq!(
+            ev,
+            Event::Nack {
+                kind: Kind::Endpoint,
+                rejected_version: ev2,
+                nonce: "5".into(),
+                message: "bad endpoint".into()
+            }
+        );
         assert!(sent(&mut st).is_empty());
         assert!(!st.acked_current());
         let s3 = snap(3);
         st.set_snapshot(s3.clone());
-        assert_eq!(sent(&mut st), vec![("EDS", s3.endpoints.version.clone(), "6".into(), 1)]);
-        st.on_request(&req(Kind::Endpoint, &s3.endpoints.version, "6", &[CLA], None));
+        assert_eq!(
+            sent(&mut st),
+            vec![("EDS", s3.endpoints.version.clone(), "6".into(), 1)]
+        );
+        st.on_request(&req(
+            Kind::Endpoint,
+            &s3.endpoints.version,
+            "6",
+            &[CLA],
+            None,
+        ));
         assert!(st.acked_current());
 
         // Back to an already-acked snapshot's versions: acked at once.
@@ -297,12 +408,28 @@ mod tests {
                 service_port: 80,
                 node: String::new(),
                 pod: String::new(),
-                state: if d { EndpointState::Draining } else { EndpointState::Healthy },
+                state: if d {
+                    EndpointState::Draining
+                } else {
+                    EndpointState::Healthy
+                },
                 mtls: false,
             };
-            let svc = |n: &str, e: Endpoint| Service { name: n.into(), namespace: "d".into(), ports: vec![80], vip: None, endpoints: vec![e] };
-            let registry = RegistryView::new([svc("a", ep("10.0.0.1", false)), svc("b", ep("10.0.0.2", draining))]);
-            Arc::new(build(&Inputs { registry, ..Default::default() }))
+            let svc = |n: &str, e: Endpoint| Service {
+                name: n.into(),
+                namespace: "d".into(),
+                ports: vec![80],
+                vip: None,
+                endpoints: vec![e],
+            };
+            let registry = RegistryView::new([
+                svc("a", ep("10.0.0.1", false)),
+                svc("b", ep("10.0.0.2", draining)),
+            ]);
+            Arc::new(build(&Inputs {
+                registry,
+                ..Default::default()
+            }))
         };
         let names = ["outbound|80||a.d", "outbound|80||b.d"];
         let s1 = two(false);
@@ -313,9 +440,19 @@ mod tests {
         st.on_request(&req(Kind::Endpoint, "", "", &names, None));
         st.on_request(&req(Kind::Route, "", "", &["outbound"], None));
         let first = sent(&mut st);
-        assert_eq!(first.iter().map(|r| (r.0, r.3)).collect::<Vec<_>>(), vec![("CDS", 2), ("EDS", 2), ("LDS", 1), ("RDS", 1)]);
-        for (k, (_, v, n, _)) in [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route].into_iter().zip(first) {
-            let names: &[&str] = match k { Kind::Endpoint => &names, Kind::Route => &["outbound"], _ => &[] };
+        assert_eq!(
+            first.iter().map(|r| (r.0, r.3)).collect::<Vec<_>>(),
+            vec![("CDS", 2), ("EDS", 2), ("LDS", 1), ("RDS", 1)]
+        );
+        for (k, (_, v, n, _)) in [Kind::Cluster, Kind::Endpoint, Kind::Listener, Kind::Route]
+            .into_iter()
+            .zip(first)
+        {
+            let names: &[&str] = match k {
+                Kind::Endpoint => &names,
+                Kind::Route => &["outbound"],
+                _ => &[],
+            };
             st.on_request(&req(k, &v, &n, names, None));
         }
         assert!(st.acked_current());
@@ -324,13 +461,28 @@ mod tests {
         let s2 = two(true);
         st.set_snapshot(s2.clone());
         let push = sent(&mut st);
-        assert_eq!(push, vec![("EDS", s2.endpoints.version.clone(), "5".into(), 1)]);
+        assert_eq!(
+            push,
+            vec![("EDS", s2.endpoints.version.clone(), "5".into(), 1)]
+        );
         assert!(!st.acked_current());
-        st.on_request(&req(Kind::Endpoint, &s2.endpoints.version, "5", &names, None));
+        st.on_request(&req(
+            Kind::Endpoint,
+            &s2.endpoints.version,
+            "5",
+            &names,
+            None,
+        ));
         assert!(st.acked_current());
 
         // A reconnect-style re-subscription is answered in full.
-        st.on_request(&req(Kind::Endpoint, &s2.endpoints.version, "", &names, None));
+        st.on_request(&req(
+            Kind::Endpoint,
+            &s2.endpoints.version,
+            "",
+            &names,
+            None,
+        ));
         assert_eq!(sent(&mut st)[0].3, 2);
     }
 
@@ -343,7 +495,10 @@ mod tests {
         assert_eq!(sent(&mut st)[0].3, 1);
         st.on_request(&req(Kind::Endpoint, "x", "2", &["nope", CLA], None));
         assert!(sent(&mut st).is_empty());
-        let unknown = DiscoveryRequest { type_url: "type.googleapis.com/bogus".into(), ..Default::default() };
+        let unknown = DiscoveryRequest {
+            type_url: "type.googleapis.com/bogus".into(),
+            ..Default::default()
+        };
         assert!(matches!(st.on_request(&unknown), Event::UnknownType { .. }));
     }
 }

@@ -27,7 +27,11 @@ pub struct NodeId {
 
 impl NodeId {
     fn into_node(self) -> Node {
-        Node { id: self.id, cluster: self.cluster, ..Node::default() }
+        Node {
+            id: self.id,
+            cluster: self.cluster,
+            ..Node::default()
+        }
     }
 }
 

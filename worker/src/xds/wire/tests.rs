@@ -7,9 +7,16 @@ fn node() -> Node {
     Node {
         id: "node-1".into(),
         cluster: "aether".into(),
-        locality: Some(Locality { zone: "z".into(), ..Locality::default() }),
+        locality: Some(Locality {
+            zone: "z".into(),
+            ..Locality::default()
+        }),
         extensions: (0..50)
-            .map(|i| Extension { name: format!("envoy.ext.{i}"), category: "c".into(), ..Extension::default() })
+            .map(|i| Extension {
+                name: format!("envoy.ext.{i}"),
+                category: "c".into(),
+                ..Extension::default()
+            })
             .collect(),
         ..Node::default()
     }
@@ -23,12 +30,22 @@ fn a_sotw_request_keeps_every_field_the_agent_reads_and_the_node_id_only() {
         resource_names: vec!["a".into(), "b".into()],
         type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(),
         response_nonce: "7".into(),
-        error_detail: Some(RpcStatus { code: 3, message: "bad".into(), details: vec![] }),
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "bad".into(),
+            details: vec![],
+        }),
         ..DiscoveryRequest::default()
     };
-    let lean: DiscoveryRequest = SotwRequestWire::decode(full.encode_to_vec().as_slice()).unwrap().into();
+    let lean: DiscoveryRequest = SotwRequestWire::decode(full.encode_to_vec().as_slice())
+        .unwrap()
+        .into();
     let want = DiscoveryRequest {
-        node: Some(Node { id: "node-1".into(), cluster: "aether".into(), ..Node::default() }),
+        node: Some(Node {
+            id: "node-1".into(),
+            cluster: "aether".into(),
+            ..Node::default()
+        }),
         ..full
     };
     assert_eq!(lean, want);
@@ -43,12 +60,22 @@ fn a_delta_request_keeps_every_field_the_agent_reads_and_the_node_id_only() {
         resource_names_unsubscribe: vec!["y".into()],
         initial_resource_versions: [("x".to_string(), "00ff".to_string())].into(),
         response_nonce: "3".into(),
-        error_detail: Some(RpcStatus { code: 3, message: "bad".into(), details: vec![] }),
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "bad".into(),
+            details: vec![],
+        }),
         ..DeltaDiscoveryRequest::default()
     };
-    let lean: DeltaDiscoveryRequest = DeltaRequestWire::decode(full.encode_to_vec().as_slice()).unwrap().into();
+    let lean: DeltaDiscoveryRequest = DeltaRequestWire::decode(full.encode_to_vec().as_slice())
+        .unwrap()
+        .into();
     let want = DeltaDiscoveryRequest {
-        node: Some(Node { id: "node-1".into(), cluster: "aether".into(), ..Node::default() }),
+        node: Some(Node {
+            id: "node-1".into(),
+            cluster: "aether".into(),
+            ..Node::default()
+        }),
         ..full
     };
     assert_eq!(lean, want);
