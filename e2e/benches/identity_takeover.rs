@@ -149,7 +149,8 @@ fn main() {
     // Every pod of the identity node holds its SVID before the first roll.
     try_wait_for("every pod's SVID on the identity node", T, || {
         let v = on.rig.owner.ready()?.1;
-        (v["identity"]["pods_with_svid"] == pods as u64 && v["identity"]["pods_without_svid"] == 0)
+        (v["identity"]["pods_with_svid"] == pods as u64
+            && v["identity"]["pods_without_svid_count"] == 0)
             .then_some(())
     })
     .expect("the pods' SVIDs");

@@ -669,9 +669,16 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         .flat_map(|g| g["rules"].as_array().into_iter().flatten())
         .filter_map(|r| r["name"].as_str())
         .collect();
+    // Every alert the rules file declares, and nothing else.
+    let declared = std::fs::read_to_string(chart().join("alerts/aether-agent.rules.yaml"))
+        .expect("the chart's alert rules")
+        .lines()
+        .filter(|l| l.trim_start().starts_with("- alert:"))
+        .count();
+    assert!(declared >= 10, "found {declared} alerts in the rules file");
     assert_eq!(
         loaded.len(),
-        9,
+        declared,
         "the chart's alert rules as Prometheus loaded them: {loaded:?}"
     );
 

@@ -308,7 +308,9 @@ fn wait_svid_counts(agent: &Agent, with: u64, without: u64, within: Duration) ->
         || {
             let v = agent.ready()?.1;
             let done = v["identity"]["pods_with_svid"] == with
-                && v["identity"]["pods_without_svid"] == without;
+                && v["identity"]["pods_without_svid_count"] == without
+                && v["identity"]["pods_without_svid"].as_array().map(Vec::len)
+                    == Some(without as usize);
             last = v;
             done.then(|| last.clone())
         },

@@ -177,10 +177,15 @@ async fn the_agent_svid_and_bundle_reach_the_node_open_the_gate_and_follow_a_rot
         flat(inputs.identity.bundle.as_deref().unwrap()),
         flat(&provider.ca_pem())
     );
+    // The bundle reaches Envoy; the agent's SVID never does: no pod may present it.
     let snapshot = a.node.snapshot();
+    assert!(snapshot.secrets.get(aether_model::BUNDLE_SECRET).is_some());
     assert!(
-        snapshot.secrets.get(aether_model::AGENT_SECRET).is_some()
-            && snapshot.secrets.get(aether_model::BUNDLE_SECRET).is_some()
+        !snapshot.secrets.items.values().any(|n| matches!(
+            &n.secret,
+            aether_model::Secret::Certificate { key_pem, .. } if *key_pem == svid.key_pem
+        )),
+        "a secret carries the agent's key"
     );
     a.until_status("/ready's identity", |s| {
         s.identity.as_ref().is_some_and(|i| {
@@ -196,13 +201,20 @@ async fn the_agent_svid_and_bundle_reach_the_node_open_the_gate_and_follow_a_rot
     provider.rotate_all();
     let second = provider.serial_of_agent();
     assert_ne!(first, second);
-    a.until("the rotated SVID", |i| {
+    // No snapshot resource carries the agent's SVID, so its rotation builds none: wait on
+    // /ready, then read the inputs.
+    a.until_status("the rotated SVID on /ready", |s| {
+        s.identity
+            .as_ref()
+            .is_some_and(|i| i.agent.as_ref().is_some_and(|x| x.serial == second))
+    })
+    .await;
+    assert!(a.node.with_inputs(|i| {
         i.identity
             .agent
             .as_ref()
             .is_some_and(|s| s.serial == second)
-    })
-    .await;
+    }));
     assert_eq!(a.updates("agent"), 2);
     assert!(
         a.problem("workload-api").is_none() && a.problem("trust-domain").is_none(),
@@ -367,9 +379,11 @@ async fn a_held_pod_delays_no_other_and_strict_mode_lists_it_until_its_svid_come
             .filter(|p| p.source == "pod-svid")
             .map(|p| p.message.as_str())
             .eq([listed])
-            && s.identity
-                .as_ref()
-                .is_some_and(|i| i.pods_without_svid == 1)
+            && s.identity.as_ref().is_some_and(|i| {
+                i.pods_without_svid_count == 1
+                    && i.pods_without_svid.len() == 1
+                    && i.pods_without_svid[0].pod == "shop/slow"
+            })
     })
     .await;
     assert_eq!(a.metrics.pods_without_svid.get(), 1);
@@ -384,6 +398,7 @@ async fn a_held_pod_delays_no_other_and_strict_mode_lists_it_until_its_svid_come
     })
     .await;
     assert_eq!(a.metrics.pods_without_svid.get(), 0);
+    assert_eq!(a.metrics.pod_svid_missing_oldest_seconds.get(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

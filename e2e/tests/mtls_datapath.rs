@@ -704,7 +704,10 @@ both_apis!(
 /// - `api` (10.88.0.3) has its SVID on node 2, whose Envoy terminates the mTLS (a
 ///   handshake counted on the pod's listener) and hands the pod plaintext.
 ///
-/// Then `other`'s own SVID arrives, and its inbound listener serves mTLS with it.
+/// `other` presents no certificate until its own arrives: its calls go plaintext, which
+/// `web` (mTLS only) refuses and `api`'s permissive listener takes; never the agent's
+/// certificate. Then `other`'s own SVID arrives: its next connection presents it, and its
+/// inbound listener serves mTLS with it.
 async fn outbound(api: AdsApi) {
     let what = format!("outbound_mtls_presents_the_calling_pods_svid over {api:?}");
     let Some(envoy_bin) = envoy_or_skip(&what) else {
@@ -834,29 +837,43 @@ async fn outbound(api: AdsApi) {
 
     // web: the peer the pod saw is the caller, call after call, interleaved on fresh
     // connections (each caller's upstream connections pool apart). `other` has no SVID of
-    // its own: as a permissive pod it presents the agent's meanwhile.
+    // its own: its calls go plaintext, which web, a TLS server that requires a client
+    // certificate, refuses; it never presents the agent's or another pod's.
     let web_served = dp2.pod("web").server.served();
     for round in 0..3 {
-        for (pod, id) in [
-            ("client", &client.svid.spiffe_id),
-            ("other", &agent.svid.spiffe_id),
-        ] {
-            let (status, body) = call(pod, "web.default", [10, 96, 0, 10]);
-            assert_eq!(
-                status,
-                200,
-                "round {round}, {pod} -> web: {body}{}",
-                context()
-            );
-            assert_eq!(
-                body,
-                format!("web peer={id}"),
-                "round {round}: web saw the wrong caller{}",
-                context()
-            );
-        }
+        let (status, body) = call("client", "web.default", [10, 96, 0, 10]);
+        assert_eq!(
+            (status, body.as_str()),
+            (200, format!("web peer={}", client.svid.spiffe_id).as_str()),
+            "round {round}, client -> web{}",
+            context()
+        );
+        let (status, body) = call("other", "web.default", [10, 96, 0, 10]);
+        assert_ne!(
+            status,
+            200,
+            "round {round}: other reached web without a certificate of its own: {body}{}",
+            context()
+        );
     }
-    assert_eq!(dp2.pod("web").server.served(), web_served + 6);
+    assert_eq!(dp2.pod("web").server.served(), web_served + 3);
+    // web's handshakes (client's calls may share a pooled connection): client's alone.
+    let peers = dp2.pod("web").server.peers();
+    assert!(
+        !peers.is_empty() && peers.iter().all(|p| *p == client.svid.spiffe_id),
+        "web's handshakes: {peers:?}"
+    );
+    // Node 1's Envoy holds no trace of the agent's SVID: no secret, cluster or listener.
+    let (_, dump) = node1
+        .envoy
+        .get("/config_dump?include_eds")
+        .expect("node 1's config dump");
+    let (_, certs) = node1.envoy.get("/certs").expect("node 1's /certs");
+    assert!(
+        !dump.contains("spiffe|agent") && !certs.contains(&agent.svid.spiffe_id),
+        "node 1's Envoy holds the agent's SVID{}",
+        context()
+    );
     let web_cx = node2
         .stat("cluster.inbound|uid-web.upstream_cx_total")
         .unwrap_or(0);
@@ -871,6 +888,7 @@ async fn outbound(api: AdsApi) {
             .stat("listener.10.88.0.3_80.ssl.handshake")
             .unwrap_or(0)
     };
+    // `other`'s call arrives in plaintext, which api's permissive listener takes.
     let before = handshakes();
     for pod in ["client", "other"] {
         let (status, body) = call(pod, "api.default", [10, 96, 0, 11]);
@@ -881,9 +899,9 @@ async fn outbound(api: AdsApi) {
         );
     }
     let counted = handshakes() - before;
-    assert!(
-        counted >= 2,
-        "node 2's api listener counted {counted} handshakes, expected one per calling pod"
+    assert_eq!(
+        counted, 1,
+        "node 2's api listener counted {counted} handshakes, expected client's alone"
     );
 
     // From its first address too, whose secret is also its inbound listener's server
@@ -901,14 +919,32 @@ async fn outbound(api: AdsApi) {
         );
     }
 
-    // `other`'s own SVID arrives after its certificate's name was fetched on demand for
-    // its outbound calls (holding the agent's certificate): its listener now terminates
-    // mTLS with the new certificate under that same name.
+    // `other`'s own SVID arrives: its next connection to web presents it (the time from
+    // the release to that call's answer is printed), and its listener now terminates
+    // mTLS with it.
     let other_svid = ca.mint("default", "other");
+    let released = std::time::Instant::now();
     node1.node.apply([Change::SetPodSvid {
         uid: "uid-other".into(),
         svid: Some(other_svid.svid.clone()),
     }]);
+    let want = format!("web peer={}", other_svid.svid.spiffe_id);
+    let mut seen = Vec::new();
+    try_wait_for("other's call presenting its own SVID", BOUND, || {
+        let (status, body) = call("other", "web.default", [10, 96, 0, 10]);
+        seen.push(format!("{status} {body}"));
+        (status == 200 && body == want).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: answers {seen:?}{}", context()));
+    eprintln!(
+        "other's SVID released to its first call presenting it: {:.0} ms ({} calls)",
+        released.elapsed().as_secs_f64() * 1e3,
+        seen.len()
+    );
+    assert!(
+        seen.iter().all(|a| !a.contains(&agent.svid.spiffe_id)),
+        "{seen:?}"
+    );
     assert!(
         node1.wait_acked_current(BOUND).await,
         "node 1's Envoy did not ACK other's SVID{}",

@@ -51,10 +51,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::snapshot::HISTORY;
 use crate::{
-    AGENT_SECRET, BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind,
-    EndpointState, INBOUND, INBOUND_TARGET_PORT, Identity, InboundChain, InboundTls, Inputs, Kind,
-    LbEndpoint, Listener, ListenerKind, LoadAssignment, MtlsMode, NamedSecret, OUTBOUND, Pod,
-    Resources, Route, RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
+    BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState,
+    INBOUND, INBOUND_TARGET_PORT, Identity, InboundChain, InboundTls, Inputs, Kind, LbEndpoint,
+    Listener, ListenerKind, LoadAssignment, MtlsMode, NamedSecret, OUTBOUND, Pod, Resources, Route,
+    RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
     inbound_cluster_name, inbound_listener_name, inbound_secret_name, outbound_cluster_name,
     pod_secret_name,
 };
@@ -85,6 +85,9 @@ pub struct Builder {
     served: BTreeSet<String>,
     /// The secret names each pod produced (one per IP of its own).
     pod_secrets: BTreeMap<String, Vec<String>>,
+    /// Permissive mTLS: the IPs of each pod without its own SVID, whose outbound
+    /// connections go plaintext (the outbound listener's `plaintext_sources`).
+    plaintext_sources: BTreeMap<String, Vec<IpAddr>>,
 }
 
 impl Builder {
@@ -104,16 +107,20 @@ impl Builder {
                 .insert(k.namespace.clone());
         }
 
-        let mut listeners = vec![outbound_listener(&inputs)];
+        let mut listeners = Vec::new();
         let mut clusters = Vec::new();
         let mut secrets = node_secrets(&inputs.identity);
         let mut served = BTreeSet::new();
         let mut pod_secrets = BTreeMap::new();
+        let mut plaintext_sources = BTreeMap::new();
         let mut held_back = imbl::OrdSet::new();
         for (uid, pod) in &inputs.pods {
             if let Some(r) = pod_resources(pod, &ip_claims, &inputs.identity) {
                 if r.held_back {
                     held_back.insert(uid.clone());
+                }
+                if !r.plaintext_sources.is_empty() {
+                    plaintext_sources.insert(uid.clone(), r.plaintext_sources);
                 }
                 listeners.extend(r.listener);
                 clusters.push(r.cluster);
@@ -128,6 +135,7 @@ impl Builder {
         if !served.is_empty() {
             listeners.push(inbound_listener(&inputs.capture));
         }
+        listeners.push(outbound_listener(&inputs, &plaintext_sources));
 
         let mut vhosts = BTreeMap::new();
         let mut service_clusters = BTreeMap::new();
@@ -165,6 +173,7 @@ impl Builder {
             service_clusters,
             served,
             pod_secrets,
+            plaintext_sources,
         }
     }
 
@@ -247,21 +256,8 @@ impl Builder {
                         node_identity = true;
                     }
                 }
-                Change::SetAgentSvid(a) => {
-                    if self.inputs.identity.agent != a {
-                        // Permissive pods without an SVID of their own present the agent's.
-                        let id = &self.inputs.identity;
-                        pods.extend(
-                            self.inputs
-                                .pods
-                                .keys()
-                                .filter(|u| !id.pods.contains_key(*u))
-                                .cloned(),
-                        );
-                        self.inputs.identity.agent = a;
-                        node_identity = true;
-                    }
-                }
+                // No resource carries the agent's SVID: nothing to rebuild.
+                Change::SetAgentSvid(a) => self.inputs.identity.agent = a,
                 Change::SetPodSvid { uid, svid } => {
                     let pods_svids = &mut self.inputs.identity.pods;
                     let changed = match svid {
@@ -287,14 +283,12 @@ impl Builder {
         }
         if node_identity {
             let now = node_secrets(&self.inputs.identity);
-            for name in [BUNDLE_SECRET, AGENT_SECRET] {
-                let changed_now = match now.iter().find(|n| n.name == name) {
-                    Some(n) => s.secrets.insert(name.to_string(), n.clone()),
-                    None => s.secrets.remove(name),
-                };
-                if changed_now {
-                    changed.note(Kind::Secret, name);
-                }
+            let changed_now = match now.iter().find(|n| n.name == BUNDLE_SECRET) {
+                Some(n) => s.secrets.insert(BUNDLE_SECRET.to_string(), n.clone()),
+                None => s.secrets.remove(BUNDLE_SECRET),
+            };
+            if changed_now {
+                changed.note(Kind::Secret, BUNDLE_SECRET);
             }
         }
         let any_served_before = !self.served.is_empty();
@@ -303,6 +297,7 @@ impl Builder {
         let mut stale_secrets = BTreeSet::new();
         let mut new_secrets = Vec::new();
         let mut held_changed = false;
+        let mut sources_changed = false;
         for uid in &pods {
             let name = inbound_listener_name(uid);
             let built = self
@@ -311,6 +306,17 @@ impl Builder {
                 .get(uid)
                 .and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
             stale_secrets.extend(self.pod_secrets.remove(uid).unwrap_or_default());
+            let plaintext = built
+                .as_ref()
+                .map(|r| r.plaintext_sources.clone())
+                .unwrap_or_default();
+            let before = match plaintext.is_empty() {
+                true => self.plaintext_sources.remove(uid),
+                false => self
+                    .plaintext_sources
+                    .insert(uid.clone(), plaintext.clone()),
+            };
+            sources_changed |= before.unwrap_or_default() != plaintext;
             let was_held = s.held_back.contains(uid);
             match built {
                 Some(r) => {
@@ -385,9 +391,11 @@ impl Builder {
         } else if !any_served && any_served_before && s.listeners.remove(INBOUND) {
             changed.note(Kind::Listener, INBOUND);
         }
-        if capture
-            && s.listeners
-                .insert(OUTBOUND.to_string(), outbound_listener(&self.inputs))
+        if (capture || sources_changed)
+            && s.listeners.insert(
+                OUTBOUND.to_string(),
+                outbound_listener(&self.inputs, &self.plaintext_sources),
+            )
         {
             changed.note(Kind::Listener, OUTBOUND);
         }
@@ -489,7 +497,10 @@ fn remove_service_cluster(s: &mut Snapshot, changed: &mut Changed, name: &str) {
     }
 }
 
-fn outbound_listener(inputs: &Inputs) -> Listener {
+/// The outbound listener; `plaintext` holds the IPs of the pods (by uid) whose
+/// connections go plaintext for want of their own SVID (permissive).
+fn outbound_listener(inputs: &Inputs, plaintext: &BTreeMap<String, Vec<IpAddr>>) -> Listener {
+    let sources: BTreeSet<IpAddr> = plaintext.values().flatten().copied().collect();
     Listener {
         name: OUTBOUND.to_string(),
         address: inputs.capture.outbound,
@@ -497,35 +508,24 @@ fn outbound_listener(inputs: &Inputs) -> Listener {
             route_config: OUTBOUND.to_string(),
             on_demand: inputs.on_demand_clusters,
             source_certificates: inputs.identity.enabled(),
+            plaintext_sources: sources.into_iter().collect(),
         },
     }
 }
 
-/// The node's own secrets: the trust bundle and the agent's SVID, once they arrived.
+/// The node's own secret: the trust bundle, once it arrived. The agent's SVID is never
+/// one: it is the agent's own, and no pod may present it.
 fn node_secrets(id: &Identity) -> Vec<NamedSecret> {
-    let Some(td) = &id.trust_domain else {
+    let (Some(td), Some(ca)) = (&id.trust_domain, &id.bundle) else {
         return vec![];
     };
-    let mut out = Vec::new();
-    if let Some(ca) = &id.bundle {
-        out.push(NamedSecret {
-            name: BUNDLE_SECRET.to_string(),
-            secret: Secret::Validation {
-                ca_pem: ca.clone(),
-                spiffe_prefix: format!("spiffe://{td}/"),
-            },
-        });
-    }
-    if let Some(a) = &id.agent {
-        out.push(NamedSecret {
-            name: AGENT_SECRET.to_string(),
-            secret: Secret::Certificate {
-                chain_pem: a.chain_pem.clone(),
-                key_pem: a.key_pem.clone(),
-            },
-        });
-    }
-    out
+    vec![NamedSecret {
+        name: BUNDLE_SECRET.to_string(),
+        secret: Secret::Validation {
+            ca_pem: ca.clone(),
+            spiffe_prefix: format!("spiffe://{td}/"),
+        },
+    }]
 }
 
 /// What one local pod contributes to the snapshot.
@@ -538,6 +538,9 @@ struct PodResources {
     /// The pod's certificate, once per IP of its own (the outbound side names it by the
     /// connection's source address).
     secrets: Vec<NamedSecret>,
+    /// Permissive, the pod's SVID not yet there: its IPs, whose outbound connections go
+    /// plaintext.
+    plaintext_sources: Vec<IpAddr>,
 }
 
 fn inbound_listener(c: &CaptureProjection) -> Listener {
@@ -555,8 +558,9 @@ fn inbound_listener(c: &CaptureProjection) -> Listener {
 /// With identity on, a pod whose SVID and the trust bundle are there terminates mTLS
 /// (and, permissive, also serves plaintext on the same port); one whose SVID is late
 /// keeps its plaintext path (permissive) or gets no listener (strict: fail closed). Its
-/// certificate secret is its own SVID; a permissive pod without one presents the
-/// agent's on its outbound connections meanwhile.
+/// certificate secrets are its own SVID and exist only with it: meanwhile a permissive
+/// pod's outbound connections go plaintext (its IPs are returned as plaintext sources),
+/// and a strict pod's fail their handshake. Never another identity.
 fn pod_resources(
     pod: &Pod,
     claims: &BTreeMap<IpAddr, BTreeSet<String>>,
@@ -585,10 +589,6 @@ fn pod_resources(
         upstream_tls: None,
     };
     let own = id.pods.get(uid).filter(|_| id.enabled());
-    let presented = own.or(id
-        .agent
-        .as_ref()
-        .filter(|_| id.enabled() && id.mode == MtlsMode::Permissive));
     let certificate = |name: String, svid: &crate::Svid| NamedSecret {
         name,
         secret: Secret::Certificate {
@@ -596,7 +596,7 @@ fn pod_resources(
             key_pem: svid.key_pem.clone(),
         },
     };
-    let mut secrets: Vec<NamedSecret> = match presented {
+    let mut secrets: Vec<NamedSecret> = match own {
         Some(svid) => ips
             .iter()
             .map(|ip| certificate(pod_secret_name(*ip), svid))
@@ -614,6 +614,10 @@ fn pod_resources(
         _ => None,
     };
     let fail_closed = id.enabled() && id.mode == MtlsMode::Strict && tls.is_none();
+    let plaintext_sources = match own {
+        None if id.enabled() && id.mode == MtlsMode::Permissive => ips.clone(),
+        _ => vec![],
+    };
     let listener = (!fail_closed).then(|| Listener {
         name: inbound_listener_name(uid),
         address: SocketAddr::new(first, INBOUND_TARGET_PORT),
@@ -631,6 +635,7 @@ fn pod_resources(
         held_back: fail_closed,
         cluster: c,
         secrets,
+        plaintext_sources,
     })
 }
 
@@ -703,7 +708,7 @@ fn service_resources(s: &Service, id: &Identity) -> Vec<(Cluster, LoadAssignment
                 })
                 .collect();
             let upstream_tls = endpoints.iter().any(|e| e.mtls).then(|| UpstreamTls {
-                fallback: (id.mode == MtlsMode::Permissive).then(|| AGENT_SECRET.to_string()),
+                plaintext_without_certificate: id.mode == MtlsMode::Permissive,
             });
             (
                 Cluster {

@@ -86,7 +86,8 @@ pub struct Identity {
     pub mode: MtlsMode,
     /// The trust domain's CA certificates (PEM), from the Workload API.
     pub bundle: Option<String>,
-    /// The agent's own SVID.
+    /// The agent's own SVID. It is the agent's alone: no snapshot resource carries it,
+    /// so no pod's connection can present it.
     pub agent: Option<Svid>,
     /// Local pods' SVIDs, by pod uid.
     pub pods: BTreeMap<String, Svid>,
@@ -107,7 +108,6 @@ impl Identity {
 /// connect timeout), and a listener warms on a plain SDS certificate, keeps session
 /// resumption, and lists it in the admin `/certs`.
 pub const BUNDLE_SECRET: &str = "spiffe|bundle";
-pub const AGENT_SECRET: &str = "spiffe|agent";
 
 pub fn pod_secret_name(ip: std::net::IpAddr) -> String {
     format!("spiffe|pod|{ip}")
@@ -161,12 +161,16 @@ pub struct InboundTls {
     pub plaintext: bool,
 }
 
-/// TLS origination on an outbound cluster, for its endpoints marked mTLS-capable.
+/// TLS origination on an outbound cluster, for its endpoints marked mTLS-capable. A
+/// connection presents its calling pod's own certificate, or none: no other certificate
+/// is ever named, and the agent's SVID is never a pod's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct UpstreamTls {
-    /// The certificate presented when the connection carries no calling pod (the agent's
-    /// in permissive mode; none in strict mode, where such a handshake fails).
-    pub fallback: Option<String>,
+    /// Permissive: a connection that names no certificate (it comes from a pod whose SVID
+    /// has not arrived, see [`crate::ListenerKind::HttpOutbound`]) goes plaintext, which a
+    /// permissive peer accepts and a strict one refuses. Strict (false): it names the
+    /// pod's certificate anyway, which is not served, so its handshake fails.
+    pub plaintext_without_certificate: bool,
 }
 
 #[cfg(test)]

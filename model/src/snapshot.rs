@@ -211,6 +211,11 @@ pub enum ListenerKind {
         /// content hash when false.
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         source_certificates: bool,
+        /// Permissive mTLS: the IPs of local pods whose own SVID has not arrived. Their
+        /// connections name no certificate, so they go plaintext; they never present
+        /// another's. Sorted; left out of the content hash when empty.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        plaintext_sources: Vec<IpAddr>,
     },
     /// The inbound capture listener: hands each redirected connection to the listener of
     /// its original destination; closes the rest.

@@ -123,9 +123,24 @@ pub struct IdentityStatus {
     /// Open SVID streams at the broker, one per local pod.
     pub subscriptions: usize,
     pub pods_with_svid: usize,
-    pub pods_without_svid: usize,
+    /// The local pods without their own SVID, the longest waiting first, at most
+    /// [`crate::identity::checks::READY_LISTED`]; `pods_without_svid_count` counts them all.
+    /// Such a pod presents no identity: permissive, its calls go plaintext; strict, it
+    /// has no inbound listener and its calls fail.
+    pub pods_without_svid: Vec<PodWait>,
+    pub pods_without_svid_count: usize,
     /// SVIDs past 80 % of their lifetime with no renewal, the agent's included.
     pub svids_expiring: usize,
+}
+
+/// A pod waiting for its SVID, as `/ready` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PodWait {
+    /// `namespace/name`.
+    pub pod: String,
+    /// Unix seconds: since when this agent has seen the pod without its SVID (its start,
+    /// for a pod it found in storage).
+    pub since: u64,
 }
 
 /// One SVID as `/ready` shows it: never the key.

@@ -162,6 +162,7 @@ pub struct Metrics {
     pub identity_subscriptions: Gauge,
     pub identity_workload_api_connected: Gauge,
     pub pods_without_svid: Gauge,
+    pub pod_svid_missing_oldest_seconds: Gauge,
     pub svids_expiring: Gauge,
     /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
     encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
@@ -237,6 +238,7 @@ impl Metrics {
             identity_subscriptions: Gauge::default(),
             identity_workload_api_connected: Gauge::default(),
             pods_without_svid: Gauge::default(),
+            pod_svid_missing_oldest_seconds: Gauge::default(),
             svids_expiring: Gauge::default(),
             encoded: std::sync::Mutex::new(None),
         };
@@ -426,6 +428,11 @@ impl Metrics {
             "pods_without_svid",
             "Local pods without an SVID (in strict mTLS mode they have no inbound listener)",
             m.pods_without_svid.clone(),
+        );
+        r.register(
+            "pod_svid_missing_oldest_seconds",
+            "How long the local pod waiting longest for its SVID has waited (0: none waits)",
+            m.pod_svid_missing_oldest_seconds.clone(),
         );
         r.register(
             "svids_expiring",

@@ -18,6 +18,7 @@ SET_FS = T + "envoy.extensions.filters.network.set_filter_state.v3.Config"
 ON_DEMAND = T + "envoy.extensions.transport_sockets.tls.cert_selectors.on_demand_secret.v3.Config"
 FS_MAPPER = T + "envoy.extensions.transport_sockets.tls.cert_mappers.filter_state_override.v3.Config"
 FS_INPUT = T + "envoy.extensions.matching.common_inputs.transport_socket.v3.FilterStateInput"
+META_INPUT = T + "envoy.extensions.matching.common_inputs.transport_socket.v3.EndpointMetadataInput"
 TS_NAME_ACTION = T + "envoy.extensions.matching.common_inputs.transport_socket.v3.TransportSocketNameAction"
 HTTP_OPTS = T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 RAW_BUFFER = T + "envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"
@@ -108,8 +109,20 @@ def remote_bootstrap(pki, work):
                                           "private_key": {"filename": web_key}}],
                     "validation_context": {"trusted_ca": {"filename": pki.ca_pem()}}}}},
             "filters": [hcm("web_tls", [direct_vhost("web over mTLS", "tls")], log, fmt)]}]}
+    # A permissive server, as a permissive pod's inbound is: TLS (a client certificate
+    # required) and plaintext on one port, told apart by the tls_inspector.
+    permissive_listener = {
+        "name": "web-permissive", "address": addr("127.0.0.12", 8443),
+        "listener_filters": [{"name": "envoy.filters.listener.tls_inspector",
+                              "typed_config": {"@type": TLS_INSPECTOR}}],
+        "filter_chains": [
+            {**tls_listener["filter_chains"][0],
+             "filter_chain_match": {"transport_protocol": "tls"}},
+            {"filters": [hcm("web_permissive_plain",
+                             [direct_vhost("web over plaintext", "plain")], log, fmt)]}]}
     return {"static_resources": {"listeners": [
         tls_listener,
+        permissive_listener,
         plain("web-plain", "127.0.0.11", 8080, "web over plaintext", "plain"),
         plain("pod-app", "127.0.0.20", 8080, "pod app", "app"),
         plain("capture-fallback", "127.0.0.21", 8080, "capture fallback", "fallback"),

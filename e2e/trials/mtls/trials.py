@@ -8,6 +8,9 @@ Question 1 (outbound, one shared listener, per-source-pod client certificate):
   c         per-source filter chains and per-source clusters
   d         an internal listener in front of (a)
   meta      endpoint-metadata transport_socket_matches combined with (a)
+  nosvid    permissive, a pod without its SVID: a chain without the filter state, and a
+            transport_socket_matcher that picks mTLS only with it (plaintext, never a
+            borrowed certificate)
   add, ip-reuse, scale   what a pod's arrival costs each shape, and what it leaves behind
 Question 2 (inbound, capture listener handing off to per-pod listeners):
   q2 *      tls_inspector placement, strict and permissive, rotation
@@ -33,6 +36,7 @@ from sds import SdsServer
 A, B, NEW = "127.0.0.2", "127.0.0.3", "127.0.0.44"
 WEB = ("127.0.0.10", 8443)
 PLAIN = ("127.0.0.11", 8080)
+PERMISSIVE = ("127.0.0.12", 8443)
 SVC = "web.default.svc"
 EXPECT = {A: POD_A, B: POD_B}
 # The socket's peer, never an address a filter restored (PROXY protocol, XFF): the
@@ -188,6 +192,38 @@ def a_chain_listener(w, pods):
     return C.outbound_listener("a-chain", 15014, {}, chains=chains)
 
 
+def nosvid_matcher():
+    """mTLS only when the endpoint is marked AND the connection carries the mapper's key."""
+    def single(input_name, type_url, fields, match):
+        return {"single_predicate": {
+            "input": {"name": input_name, "typed_config": {"@type": type_url, **fields}},
+            "value_match": match}}
+    return {"matcher_list": {"matchers": [{
+        "predicate": {"and_matcher": {"predicate": [
+            single("envoy.matching.inputs.endpoint_metadata", C.META_INPUT,
+                   {"filter": "envoy.transport_socket_match", "path": [{"key": "tls"}]},
+                   {"exact": "mtls"}),
+            single("envoy.matching.inputs.transport_socket_filter_state", C.FS_INPUT,
+                   {"key": C.MAPPER_KEY}, {"prefix": "svid|"}),
+        ]}},
+        "on_match": {"action": {"name": "envoy.matching.action.transport_socket.name",
+                                "typed_config": {"@type": C.TS_NAME_ACTION, "name": "mtls"}}}}]}}
+
+
+def nosvid_listener(w, cluster, without_svid):
+    """The default chain sets the mapper's key per source; the sources without an SVID
+    match a chain of their own that sets nothing."""
+    log = f"{w.work}/node-access.log"
+    hcm = C.hcm("nosvid", C.outbound_vhosts({SVC: cluster}), log, C.NODE_LOG_FMT)
+    chains = [{"name": "default", "filters": [fs(SRC_FMT), hcm]}]
+    if without_svid:
+        chains.append({"name": "without-svid", "filter_chain_match": {
+            "direct_source_prefix_ranges": [{"address_prefix": ip, "prefix_len": 32}
+                                            for ip in without_svid]},
+            "filters": [hcm]})
+    return C.outbound_listener("nosvid", 15021, {}, chains=chains)
+
+
 SCALE_CLUSTERS = 4
 
 
@@ -246,6 +282,19 @@ def q1_resources(w):
         transport_socket_matches=[{"name": "mtls", "match": {"tls": "mtls"},
                                    "transport_socket": C.tls_on_demand(pki)}]))
     listener("meta", 15008, name, [fs(SRC_FMT)])
+
+    # nosvid: B has no SVID. Its source matches a chain without set_filter_state, and the
+    # cluster picks mTLS only for a marked endpoint AND a connection carrying the filter
+    # state (the mapper's key): B goes plaintext, A presents its own certificate, and no
+    # connection can present any other (the mapper's default names a secret never served).
+    name = "nosvid|outbound|8443||web.default"
+    cluster(C.cluster(
+        name, [(*PERMISSIVE, {"tls": "mtls"})],
+        {"name": "envoy.transport_sockets.raw_buffer", "typed_config": {"@type": C.RAW_BUFFER}},
+        transport_socket_matches=[{"name": "mtls", "match": {"tls": "mtls"},
+                                   "transport_socket": C.tls_on_demand(pki, default="svid|none")}],
+        transport_socket_matcher=nosvid_matcher()))
+    L["nosvid"] = nosvid_listener(w, name, without_svid=[B])
 
     # (d) outbound HTTP -> internal listener (tcp_proxy) -> a cluster with the selector.
     cluster({
@@ -671,6 +720,7 @@ def q1(w):
     q1_a(w, 15007, "q1.c per-source filter chains + per-source clusters")
     q1_a(w, 15009, "q1.d internal listener in front of (a)")
     q1_meta(w)
+    q1_nosvid(w)
     q1_add_pod(w)
     q1_ip_reuse(w)
     q1_a(w, 15017, "q1.a over ADS (config_source: ads), envoy.hashable_string")
@@ -702,6 +752,35 @@ def q1_meta(w):
            f"{ {k: len(v) for k, v in conns.items()} }, plaintext conns per pod "
            f"{ {k: len(v) for k, v in plain_conns.items()} }, shared plaintext conns "
            f"{sorted(plain_shared) or 'none'} (the hashable object keys plaintext pools per pod too)")
+
+
+@trial
+def q1_nosvid(w):
+    def batch():
+        return [rig.http_get(src, "127.0.0.1", 15021, SVC) for src in (A, B) for _ in range(4)]
+    before = w.node.stat("listener_manager.listener_in_place_updated")
+    res = batch()
+    a = [r for r in res if r["src"] == A]
+    b = [r for r in res if r["src"] == B]
+    a_ok = all(r.get("status") == 200 and r.get("backend") == "tls" and r.get("peer") == POD_A
+               for r in a)
+    b_plain = all(r.get("status") == 200 and r.get("backend") == "plain" for r in b)
+    # B's SVID arrives: its chain goes (an in-place listener update), and its next
+    # connection presents its own certificate.
+    L = w.lds
+    L["nosvid"] = nosvid_listener(w, "nosvid|outbound|8443||web.default", without_svid=[])
+    w.push(lds=True)  # waits for Envoy's lds.update_success
+    in_place = w.node.stat("listener_manager.listener_in_place_updated") - before
+    after = [rig.http_get(B, "127.0.0.1", 15021, SVC) for _ in range(4)]
+    b_own = all(r.get("status") == 200 and r.get("backend") == "tls" and r.get("peer") == POD_B
+                for r in after)
+    peers = sorted({r.get("peer") or "none" for r in res + after})
+    report("q1.nosvid a pod without its SVID goes plaintext, never with another's certificate",
+           a_ok and b_plain and b_own and in_place == 1 and AGENT not in peers,
+           f"A over mTLS as its own ID: {a_ok}; B (no SVID) reached the permissive server in "
+           f"plaintext: {b_plain}; B's chain removed by {in_place} in-place listener update; B "
+           f"then over mTLS as its "
+           f"own ID: {b_own}; peers seen {peers}")
 
 
 # --- question 2 ------------------------------------------------------------------------------

@@ -93,8 +93,9 @@ fn render(s: &Snapshot) -> String {
                 route_config,
                 on_demand,
                 source_certificates,
+                plaintext_sources,
             } => out.push(format!(
-                "L {} {} rds={route_config}{}{}",
+                "L {} {} rds={route_config}{}{}{}",
                 l.name,
                 l.address,
                 if *on_demand { " on-demand" } else { "" },
@@ -102,6 +103,17 @@ fn render(s: &Snapshot) -> String {
                     " source-certificates"
                 } else {
                     ""
+                },
+                match plaintext_sources.is_empty() {
+                    true => String::new(),
+                    false => format!(
+                        " plaintext-from [{}]",
+                        plaintext_sources
+                            .iter()
+                            .map(|i| i.to_string())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
                 }
             )),
             ListenerKind::InboundCapture => out.push(format!("L {} {} capture", l.name, l.address)),
@@ -148,8 +160,10 @@ fn render(s: &Snapshot) -> String {
                 "C {} eds{}",
                 c.name,
                 match &c.upstream_tls {
-                    Some(t) =>
-                        format!(" mtls fallback={}", t.fallback.as_deref().unwrap_or("none")),
+                    Some(t) if t.plaintext_without_certificate => {
+                        " mtls, plaintext without a certificate".to_string()
+                    }
+                    Some(_) => " mtls".to_string(),
                     None => String::new(),
                 }
             )),
@@ -769,24 +783,71 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
         "L inbound 0.0.0.0:15006 capture
          L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5] -> inbound|u1 mtls=spiffe|inbound|u1+plaintext
          L inbound|u2 10.1.0.6:80 chain u2 [10.1.0.6] -> inbound|u2
-         L outbound 127.0.0.1:15001 rds=outbound source-certificates
+         L outbound 127.0.0.1:15001 rds=outbound source-certificates plaintext-from [10.1.0.6]
          R outbound vh web.d [web,web.d,web.d.svc.cluster.local,web:80,web.d:80,web.d.svc.cluster.local:80]
          R outbound vh web.d None -> outbound|80||web.d
          C inbound|u1 static [10.1.0.5:80]
          C inbound|u2 static [10.1.0.6:80]
-         C outbound|80||web.d eds mtls fallback=spiffe|agent
+         C outbound|80||web.d eds mtls, plaintext without a certificate
          E outbound|80||web.d [10.0.0.1:8080 mtls,10.0.0.2:8080]
-         S spiffe|agent Secret::Certificate(<redacted>)
          S spiffe|bundle Secret::Validation(spiffe://td/)
          S spiffe|inbound|u1 Secret::Certificate(<redacted>)
-         S spiffe|pod|10.1.0.5 Secret::Certificate(<redacted>)
-         S spiffe|pod|10.1.0.6 Secret::Certificate(<redacted>)",
+         S spiffe|pod|10.1.0.5 Secret::Certificate(<redacted>)",
     );
-    // u2 presents the agent's certificate until its own arrives.
-    let s = build(&i);
-    let content = |n: &str| s.secrets.get(n).map(|n| n.secret.clone());
-    assert_eq!(content("spiffe|pod|10.1.0.6"), content(AGENT_SECRET));
-    assert_ne!(content("spiffe|pod|10.1.0.5"), content(AGENT_SECRET));
+}
+
+/// A pod presents its own identity or none: until its SVID arrives its connections go
+/// plaintext (permissive); then its own certificate is served and its source leaves the
+/// plaintext chain, in one step. No secret ever holds the agent's SVID.
+#[test]
+fn a_pod_without_its_svid_goes_plaintext_and_never_presents_the_agents() {
+    let i = with_identity(
+        inputs(vec![], vec![pod("u2", &["10.1.0.6", "fd00::6"])]),
+        identity(MtlsMode::Permissive),
+    );
+    let agent = i.identity.agent.clone().expect("the agent's SVID");
+    let holds_agent = |s: &Snapshot| {
+        s.secrets.items.values().any(|n| {
+            matches!(&n.secret, Secret::Certificate { key_pem, .. } if *key_pem == agent.key_pem)
+        })
+    };
+    let plaintext = |s: &Snapshot| match &s.listeners.get(OUTBOUND).unwrap().kind {
+        ListenerKind::HttpOutbound {
+            plaintext_sources, ..
+        } => plaintext_sources.clone(),
+        _ => unreachable!(),
+    };
+    let mut b = Builder::new(i);
+    let s = b.snapshot().clone();
+    assert!(!holds_agent(&s), "no secret carries the agent's SVID");
+    assert_eq!(s.secrets.len(), 1, "only the bundle: {:?}", s.secrets);
+    assert_eq!(
+        plaintext(&s),
+        [
+            "10.1.0.6".parse::<IpAddr>().unwrap(),
+            "fd00::6".parse().unwrap()
+        ]
+    );
+    // The agent's SVID rotates: nothing a pod uses changes.
+    assert!(
+        b.apply([Change::SetAgentSvid(Some(svid("agent", "a2")))])
+            .is_none()
+    );
+    let s = b
+        .apply([Change::SetPodSvid {
+            uid: "u2".into(),
+            svid: Some(svid("ns/d/pod/two", "p2")),
+        }])
+        .expect("the SVID changes the snapshot");
+    assert!(plaintext(&s).is_empty(), "its own certificate from now on");
+    assert!(s.secrets.get("spiffe|pod|10.1.0.6").is_some());
+    assert!(!holds_agent(&s));
+    // Strict: no plaintext sources ever; the pod's connection fails instead.
+    let strict = build(&with_identity(
+        inputs(vec![], vec![pod("u2", &["10.1.0.6"])]),
+        identity(MtlsMode::Strict),
+    ));
+    assert!(plaintext(&strict).is_empty());
 }
 
 #[test]
@@ -803,7 +864,7 @@ fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
     );
     assert!(
         s.secrets.get("spiffe|pod|10.1.0.5").is_none(),
-        "strict never presents the agent's SVID for a pod"
+        "no certificate for a pod without its own SVID"
     );
     // The pod is served as strict mode serves it until the SVID comes: its CNI ADD
     // succeeds (the provider attests a pod only once it runs).
@@ -895,5 +956,5 @@ fn removing_a_pod_removes_its_secrets() {
         s.secrets.get("spiffe|pod|10.1.0.5").is_none()
             && s.secrets.get("spiffe|pod|fd00::5").is_none()
     );
-    assert!(s.secrets.get(AGENT_SECRET).is_some() && s.secrets.get(BUNDLE_SECRET).is_some());
+    assert!(s.secrets.get(BUNDLE_SECRET).is_some());
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use aether_model::{Inputs, MtlsMode, Svid};
 use tracing::{info, warn};
 
-use crate::health::Reporter;
+use crate::health::{PodWait, Reporter};
 use crate::metrics::Metrics;
 use crate::node::Node;
 
@@ -23,6 +23,8 @@ pub const PROBLEM_EXPIRING: &str = "svid-expiry";
 const EVERY: Duration = Duration::from_secs(10);
 /// How many pods a `/ready` problem list names before it counts the rest.
 const LISTED: usize = 20;
+/// How many pods `/ready`'s `identity.pods_without_svid` lists (the longest waiting).
+pub const READY_LISTED: usize = 50;
 
 /// The uids of the local pods without an SVID.
 pub fn lacking_svids(inputs: &Inputs) -> BTreeSet<String> {
@@ -89,6 +91,35 @@ pub fn evaluate(inputs: &Inputs, now: u64) -> Findings {
     f
 }
 
+/// Since when each pod of `without` has waited for its SVID (unix seconds): a pod already
+/// waiting in `before` keeps its time, a new one starts at `now`, and a pod no longer
+/// waiting is dropped. Bounded by the node's pods.
+pub fn waits(
+    before: &BTreeMap<String, u64>,
+    without: &[PodName],
+    now: u64,
+) -> BTreeMap<String, u64> {
+    without
+        .iter()
+        .map(|p| (p.uid.clone(), before.get(&p.uid).copied().unwrap_or(now)))
+        .collect()
+}
+
+/// `/ready`'s list of the pods waiting for their SVID: the longest waiting first (then by
+/// name), at most [`READY_LISTED`].
+pub fn waiting_list(without: &[PodName], since: &BTreeMap<String, u64>) -> Vec<PodWait> {
+    let mut list: Vec<PodWait> = without
+        .iter()
+        .map(|p| PodWait {
+            pod: p.name.clone(),
+            since: since.get(&p.uid).copied().unwrap_or_default(),
+        })
+        .collect();
+    list.sort_by(|a, b| (a.since, &a.pod).cmp(&(b.since, &b.pod)));
+    list.truncate(READY_LISTED);
+    list
+}
+
 /// The `/ready` message of the expiring SVIDs, None when there are none.
 pub fn expiring_message(expiring: &[Expiring], now: u64) -> Option<String> {
     if expiring.is_empty() {
@@ -128,14 +159,21 @@ pub async fn run(node: Arc<Node>, mode: MtlsMode, metrics: Arc<Metrics>, problem
     // Pods already logged as held back (strict), and the expiring holders already warned of.
     let mut logged: BTreeMap<String, String> = BTreeMap::new();
     let mut warned: BTreeSet<String> = BTreeSet::new();
+    // Since when each pod without its SVID has waited, by uid.
+    let mut since: BTreeMap<String, u64> = BTreeMap::new();
     loop {
         let now = unix_now();
         let f = node.with_inputs(|i| evaluate(i, now));
+        since = waits(&since, &f.without_svid, now);
+        let oldest = since.values().min().map_or(0, |s| now.saturating_sub(*s));
         metrics.pods_without_svid.set(f.without_svid.len() as i64);
+        metrics.pod_svid_missing_oldest_seconds.set(oldest as i64);
         metrics.svids_expiring.set(f.expiring.len() as i64);
+        let waiting = waiting_list(&f.without_svid, &since);
         problems.identity(|s| {
             s.pods_with_svid = f.with_svid;
-            s.pods_without_svid = f.without_svid.len();
+            s.pods_without_svid = waiting;
+            s.pods_without_svid_count = f.without_svid.len();
             s.svids_expiring = f.expiring.len();
         });
         if mode == MtlsMode::Strict {
@@ -320,6 +358,55 @@ mod tests {
         );
         assert!(evaluate(&renewed, 1900).expiring.is_empty());
         assert_eq!(expiring_message(&[], 1900), None);
+    }
+
+    fn named(uid: &str) -> PodName {
+        PodName {
+            uid: uid.into(),
+            name: format!("ns/{uid}"),
+        }
+    }
+
+    /// A pod keeps the time it started waiting while it waits; one whose SVID came
+    /// leaves, and comes back with a new time. `/ready` lists the longest waiting first,
+    /// at most fifty of them.
+    #[test]
+    fn waits_keep_their_start_and_ready_lists_the_longest_fifty() {
+        let first = waits(&BTreeMap::new(), &[named("a"), named("b")], 100);
+        assert_eq!(
+            first,
+            BTreeMap::from([("a".into(), 100), ("b".into(), 100)])
+        );
+        let later = waits(&first, &[named("b"), named("c")], 130);
+        assert_eq!(
+            later,
+            BTreeMap::from([("b".into(), 100), ("c".into(), 130)])
+        );
+        let back = waits(&later, &[named("a"), named("b")], 160);
+        assert_eq!(back["a"], 160, "a's SVID came and went: a new wait");
+        assert_eq!(
+            waiting_list(&[named("a"), named("b")], &back),
+            [
+                PodWait {
+                    pod: "ns/b".into(),
+                    since: 100
+                },
+                PodWait {
+                    pod: "ns/a".into(),
+                    since: 160
+                }
+            ]
+        );
+        let many: Vec<PodName> = (0..60).map(|n| named(&format!("p{n:02}"))).collect();
+        let since: BTreeMap<String, u64> = many
+            .iter()
+            .enumerate()
+            .map(|(n, p)| (p.uid.clone(), 1000 - n as u64))
+            .collect();
+        let list = waiting_list(&many, &since);
+        assert_eq!(list.len(), READY_LISTED);
+        assert_eq!(list[0].pod, "ns/p59", "the longest waiting first");
+        assert_eq!(list[49].pod, "ns/p10");
     }
 
     #[test]

@@ -18,7 +18,11 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::filter_state_override::v3 as cert_mapper;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_selectors::on_demand_secret::v3 as on_demand_secret;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tls;
+use envoy_types::pb::envoy::extensions::matching::common_inputs::transport_socket::v3 as socket_input;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
+use envoy_types::pb::xds::core::v3 as xds_core;
+use envoy_types::pb::xds::r#type::matcher::v3 as xds_matcher;
+use envoy_types::pb::xds::r#type::matcher::v3::string_matcher::MatchPattern;
 use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 
@@ -60,6 +64,7 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             route_config,
             on_demand,
             source_certificates,
+            plaintext_sources,
         } => {
             let router = hcm::HttpFilter {
                 name: "envoy.filters.http.router".into(),
@@ -107,11 +112,27 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 filters: source_certificates
                     .then(source_certificate_filter)
                     .into_iter()
-                    .chain([hcm])
+                    .chain([hcm.clone()])
                     .collect(),
                 ..Default::default()
             };
-            (core::TrafficDirection::Outbound, vec![chain], vec![])
+            // Pods without their own SVID (permissive): their connections match this
+            // chain by their direct source address, which sets no certificate name, so
+            // the clusters' matcher picks plaintext for them (`transport_socket_matcher`).
+            let without_svid = (!plaintext_sources.is_empty()).then(|| listener::FilterChain {
+                name: WITHOUT_SVID_CHAIN.into(),
+                filter_chain_match: Some(listener::FilterChainMatch {
+                    direct_source_prefix_ranges: plaintext_sources
+                        .iter()
+                        .map(|ip| host_prefix(*ip))
+                        .collect(),
+                    ..Default::default()
+                }),
+                filters: vec![hcm],
+                ..Default::default()
+            });
+            let chains = [chain].into_iter().chain(without_svid).collect();
+            (core::TrafficDirection::Outbound, chains, vec![])
         }
         snapshot::ListenerKind::InboundCapture => {
             // Redirected connections carry the pod's address as their original
@@ -367,19 +388,20 @@ fn mtls_match() -> Struct {
     }
 }
 
-/// The mapper's default without a fallback certificate: a name no snapshot serves, so a
-/// connection that names no calling pod fails its handshake (Envoy requires a non-empty
-/// default: "DefaultValue: value length must be at least 1 characters").
+/// The mapper's default: a name no snapshot serves, so a connection that names no
+/// calling pod and still reaches mTLS fails its handshake (Envoy requires a non-empty
+/// default: "DefaultValue: value length must be at least 1 characters"). No connection
+/// ever presents a certificate but its own pod's.
 const NO_CERTIFICATE: &str = "spiffe|none";
 
+/// The outbound listener's chain for the sources of pods without their own SVID.
+pub const WITHOUT_SVID_CHAIN: &str = "without-svid";
+
 /// Upstream mTLS presenting the calling pod's certificate, fetched over SDS at the
-/// first handshake that names it; `fallback` when the connection names none.
-fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
+/// first handshake that names it.
+fn upstream_mtls() -> core::TransportSocket {
     let mapper = cert_mapper::Config {
-        default_value: t
-            .fallback
-            .clone()
-            .unwrap_or_else(|| NO_CERTIFICATE.to_string()),
+        default_value: NO_CERTIFICATE.to_string(),
     };
     let selector = on_demand_secret::Config {
         config_source: Some(ads()),
@@ -406,6 +428,81 @@ fn upstream_mtls(t: &snapshot::UpstreamTls) -> core::TransportSocket {
         }),
         ..Default::default()
     }))
+}
+
+/// Permissive clusters: mTLS for an endpoint marked mTLS-capable AND a connection that
+/// names its calling pod's certificate; anything else takes the cluster's default,
+/// plaintext. A connection from a pod without its SVID names none (the outbound
+/// listener's [`WITHOUT_SVID_CHAIN`]), so it goes plaintext rather than borrow a
+/// certificate. It takes precedence over the metadata match of `transport_socket_matches`,
+/// whose entry it names. Chosen by trial `q1.nosvid` (e2e/trials/mtls/RESULTS.md).
+fn mtls_only_with_a_certificate() -> xds_matcher::Matcher {
+    use xds_matcher::matcher::matcher_list::{FieldMatcher, Predicate, predicate};
+    let single = |name: &str, input: Any, pattern: MatchPattern| Predicate {
+        match_type: Some(predicate::MatchType::SinglePredicate(
+            predicate::SinglePredicate {
+                input: Some(xds_core::TypedExtensionConfig {
+                    name: name.into(),
+                    typed_config: Some(input),
+                }),
+                matcher: Some(predicate::single_predicate::Matcher::ValueMatch(
+                    xds_matcher::StringMatcher {
+                        match_pattern: Some(pattern),
+                        ..Default::default()
+                    },
+                )),
+            },
+        )),
+    };
+    let marked = single(
+        "envoy.matching.inputs.endpoint_metadata",
+        pack_any(socket_input::EndpointMetadataInput {
+            filter: "envoy.transport_socket_match".into(),
+            path: vec![socket_input::endpoint_metadata_input::PathSegment {
+                segment: Some(
+                    socket_input::endpoint_metadata_input::path_segment::Segment::Key(
+                        TLS_MODE_KEY.into(),
+                    ),
+                ),
+            }],
+        }),
+        MatchPattern::Exact(TLS_MODE_MTLS.into()),
+    );
+    let named = single(
+        "envoy.matching.inputs.transport_socket_filter_state",
+        pack_any(socket_input::FilterStateInput {
+            key: CERTIFICATE_KEY.into(),
+        }),
+        MatchPattern::Prefix(snapshot::POD_SECRET_PREFIX.into()),
+    );
+    let mtls = xds_matcher::matcher::OnMatch {
+        on_match: Some(xds_matcher::matcher::on_match::OnMatch::Action(
+            xds_core::TypedExtensionConfig {
+                name: "envoy.matching.action.transport_socket.name".into(),
+                typed_config: Some(pack_any(socket_input::TransportSocketNameAction {
+                    name: TLS_MODE_MTLS.into(),
+                })),
+            },
+        )),
+        ..Default::default()
+    };
+    xds_matcher::Matcher {
+        matcher_type: Some(xds_matcher::matcher::MatcherType::MatcherList(
+            xds_matcher::matcher::MatcherList {
+                matchers: vec![FieldMatcher {
+                    predicate: Some(Predicate {
+                        match_type: Some(predicate::MatchType::AndMatcher(
+                            predicate::PredicateList {
+                                predicate: vec![marked, named],
+                            },
+                        )),
+                    }),
+                    on_match: Some(mtls),
+                }],
+            },
+        )),
+        ..Default::default()
+    }
 }
 
 pub fn secret(n: &snapshot::NamedSecret) -> Any {
@@ -538,8 +635,11 @@ pub fn cluster(c: &snapshot::Cluster) -> Any {
                 out.transport_socket_matches = vec![cluster::cluster::TransportSocketMatch {
                     name: TLS_MODE_MTLS.into(),
                     r#match: Some(mtls_match()),
-                    transport_socket: Some(upstream_mtls(t)),
+                    transport_socket: Some(upstream_mtls()),
                 }];
+                if t.plaintext_without_certificate {
+                    out.transport_socket_matcher = Some(mtls_only_with_a_certificate());
+                }
             }
         }
         snapshot::ClusterKind::Static {
@@ -650,6 +750,100 @@ mod tests {
             },
             ..Inputs::default()
         })
+    }
+
+    /// Permissive: a pod without its SVID gets the outbound chain without the certificate
+    /// name (matched by its direct source address), and an mTLS cluster picks mTLS only
+    /// for a marked endpoint and a named certificate; the mapper's default names nothing
+    /// served. Strict keeps the plain metadata match: no plaintext path exists there.
+    #[test]
+    fn a_pod_without_its_svid_gets_a_chain_without_a_certificate_and_plaintext_upstream() {
+        let outbound = |plaintext_sources: Vec<IpAddr>| {
+            let l = snapshot::Listener {
+                name: snapshot::OUTBOUND.into(),
+                address: "127.0.0.1:15001".parse().unwrap(),
+                kind: snapshot::ListenerKind::HttpOutbound {
+                    route_config: snapshot::OUTBOUND.into(),
+                    on_demand: false,
+                    source_certificates: true,
+                    plaintext_sources,
+                },
+            };
+            decode::<listener::Listener>(&listener(&l))
+        };
+        assert_eq!(outbound(vec![]).filter_chains.len(), 1);
+        let l = outbound(vec![
+            "10.0.0.2".parse().unwrap(),
+            "fd00::2".parse().unwrap(),
+        ]);
+        assert_eq!(l.filter_chains.len(), 2);
+        let chain = &l.filter_chains[1];
+        assert_eq!(chain.name, WITHOUT_SVID_CHAIN);
+        let m = chain.filter_chain_match.as_ref().unwrap();
+        assert_eq!(
+            m.direct_source_prefix_ranges,
+            [
+                host_prefix("10.0.0.2".parse().unwrap()),
+                host_prefix("fd00::2".parse().unwrap())
+            ]
+        );
+        assert!(m.source_prefix_ranges.is_empty(), "the direct address only");
+        let names = |c: &listener::FilterChain| {
+            c.filters.iter().map(|f| f.name.clone()).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(chain),
+            ["envoy.filters.network.http_connection_manager"],
+            "no certificate name on this chain"
+        );
+        assert_eq!(
+            names(&l.filter_chains[0])[0],
+            "envoy.filters.network.set_filter_state"
+        );
+        for (mode, matcher) in [(true, true), (false, false)] {
+            let c = snapshot::Cluster {
+                name: "outbound|80||web.d".into(),
+                kind: snapshot::ClusterKind::Eds,
+                upstream_tls: Some(snapshot::UpstreamTls {
+                    plaintext_without_certificate: mode,
+                }),
+            };
+            let c: cluster::Cluster = decode(&super::cluster(&c));
+            assert_eq!(c.transport_socket_matches.len(), 1);
+            assert_eq!(c.transport_socket_matcher.is_some(), matcher);
+            let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &c
+                .transport_socket_matches[0]
+                .transport_socket
+                .as_ref()
+                .unwrap()
+                .config_type
+            else {
+                panic!("typed config")
+            };
+            let tls: tls::UpstreamTlsContext = decode(any);
+            let selector = tls
+                .common_tls_context
+                .unwrap()
+                .custom_tls_certificate_selector
+                .unwrap();
+            let selector: on_demand_secret::Config = decode(&selector.typed_config.unwrap());
+            let mapper: cert_mapper::Config =
+                decode(&selector.certificate_mapper.unwrap().typed_config.unwrap());
+            assert_eq!(
+                mapper.default_value, NO_CERTIFICATE,
+                "never a borrowed identity"
+            );
+        }
+        let m = mtls_only_with_a_certificate();
+        let text = format!("{m:?}");
+        for needle in [
+            "envoy.matching.inputs.endpoint_metadata",
+            "envoy.matching.inputs.transport_socket_filter_state",
+            "AndMatcher",
+            "envoy.matching.action.transport_socket.name",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from {text}");
+        }
     }
 
     /// The outbound listener names each connection's certificate under Envoy's fixed key,
