@@ -248,6 +248,7 @@ def check_agent(docs, raw, args):
     else:
         check("no SPIFFE_ENDPOINT_SOCKET without identity.spiffe.socketDir", spiffe is None, f"got {spiffe!r}")
         check("no AETHER_TRUST_DOMAIN without identity", "AETHER_TRUST_DOMAIN" not in env, f"got {env.get('AETHER_TRUST_DOMAIN')}")
+        check("no AETHER_MTLS with identity.mtls off", "AETHER_MTLS" not in env, f"got {env.get('AETHER_MTLS')}")
     broker = (env.get("AETHER_SPIFFE_BROKER_ENDPOINT") or {}).get("value")
     if args.spire_admin_dir:
         check(f"env AETHER_SPIFFE_BROKER_ENDPOINT under unix://{args.spire_admin_dir}/",

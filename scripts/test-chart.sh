@@ -75,7 +75,7 @@ REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.e
 step "helm lint"
 lint_sets=(
   ""
-  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true,proxy.stats.enabled=true,dashboards.enabled=true,alerts.enabled=true"
+  "agent.updateStrategy.surge=true,proxy.enabled=true,identity.mtls=permissive,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true,proxy.stats.enabled=true,dashboards.enabled=true,alerts.enabled=true"
   "$REGISTRAR_SETS,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system}"
 )
 for sets in "${lint_sets[@]}"; do
@@ -93,10 +93,16 @@ if "$helm" lint --strict "$chart" --set-string agent.updateStrategy.surge=false 
 fi
 grep -q "surge" "$work/lint-bad.log" || { cat "$work/lint-bad.log"; fail "schema error does not name surge"; }
 pass "helm lint rejects agent.updateStrategy.surge given as a string"
-# Identity without a trust domain, a broker without the Workload API, and an unknown
-# mTLS mode are refused with an error that names the value.
-for bad in "identity.spiffe.socketDir=$SPIFFE_DIR|identity.trustDomain" \
-           "identity.trustDomain=td,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|identity.spiffe.socketDir" \
+# Identity renders only settings that can work: permissive or strict without a trust
+# domain (or an empty one), without the Workload API folder or without the SPIRE admin
+# folder (no pod would have an identity), socket folders with identity off, and an
+# unknown mTLS mode are each refused with an error that names the value.
+IDENTITY_DIRS="identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR"
+for bad in "identity.mtls=permissive,$IDENTITY_DIRS|identity.trustDomain" \
+           "identity.mtls=strict,identity.trustDomain=,$IDENTITY_DIRS|identity.trustDomain" \
+           "identity.mtls=permissive,identity.trustDomain=td,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|identity.spiffe.socketDir" \
+           "identity.mtls=permissive,identity.trustDomain=td,identity.spiffe.socketDir=$SPIFFE_DIR|identity.spiffe.adminSocketDir" \
+           "identity.trustDomain=td,$IDENTITY_DIRS|identity.mtls is off" \
            "identity.mtls=STRICT|mtls" \
            "registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|needs registrar.enabled"; do
   IFS='|' read -r sets want <<<"$bad"
@@ -124,13 +130,26 @@ for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
   pass "helm template refuses ${sets#"$REGISTRAR_SETS,"} (registrar on), naming $want"
 done
 
+# NOTES.txt says which identity mode the release runs in (off by default), and what holds a
+# surge roll's standby back: the registrar only where one is configured.
+for notes in "|Workload identity: off" \
+             "agent.updateStrategy.surge=true|No registrar is configured" \
+             "agent.updateStrategy.surge=true,agent.registrar=registrar.mesh:15012|A standby that cannot reach the registrar stays not-Ready" \
+             "identity.mtls=strict,identity.trustDomain=td,$IDENTITY_DIRS|Workload identity: strict mTLS in the trust domain td"; do
+  IFS='|' read -r sets want <<<"$notes"
+  "$helm" install aether "$chart" --dry-run=client --namespace aether-system ${sets:+--set "$sets"} >"$work/notes.log" 2>&1 \
+    || { cat "$work/notes.log"; fail "helm install --dry-run ${sets:-(defaults)}"; }
+  grep -qF "$want" "$work/notes.log" || { sed -n '/NOTES:/,$p' "$work/notes.log"; fail "NOTES.txt does not say \"$want\""; }
+  pass "NOTES.txt says \"$want\" (${sets:-defaults})"
+done
+
 # Cases: name | helm --set list | check_chart.py expectations.
 cases=(
   "surge-off||--surge false"
   "surge-on|agent.updateStrategy.surge=true|--surge true"
   "proxy|agent.updateStrategy.surge=true,proxy.enabled=true|--surge true --proxy true"
-  "spiffe|identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR|--surge false --spiffe-dir $SPIFFE_DIR --trust-domain cluster.local"
-  "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
+  "spiffe|identity.mtls=permissive,identity.trustDomain=cluster.local,$IDENTITY_DIRS|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain cluster.local"
+  "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,$IDENTITY_DIRS|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
   "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
   "registrar-tls|$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.etcd.tls.secretName=etcd-client,registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-tls true --registrar-metrics true --registrar-pod-monitor true"
@@ -145,7 +164,7 @@ cases=(
   "monitoring|agent.updateStrategy.surge=true,proxy.enabled=true,proxy.stats.enabled=true,proxy.stats.port=9102,dashboards.enabled=true,alerts.enabled=true|--surge true --proxy true --proxy-stats true --stats-port 9102 --dashboards true --alerts true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
-  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --trust-domain cluster.local --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC --metrics true --pod-monitor true"
+  "all-on|agent.updateStrategy.surge=true,proxy.enabled=true,identity.mtls=permissive,identity.trustDomain=cluster.local,$IDENTITY_DIRS,proxy.backoff.base=0.25s,proxy.backoff.max=2s,proxy.adsApiType=DELTA_GRPC,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge true --proxy true --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain cluster.local --backoff-base 0.25s --backoff-max 2s --ads-api-type DELTA_GRPC --metrics true --pod-monitor true"
 )
 
 render() { # render CHART OUT SETS
@@ -288,9 +307,9 @@ mutations=(
   'env-node-name|templates/daemonset.yaml|fieldPath: spec.nodeName|fieldPath: status.hostIP||--surge false|env NODE_NAME from fieldRef spec.nodeName'
   'env-pod-name|templates/daemonset.yaml|(- name: POD_NAME\n\s+valueFrom:\n\s+fieldRef:\n\s+fieldPath: )metadata.name(\n\s+- name: AETHER_RUN_DIR)|\g<1>metadata.uid\g<2>||--surge false|env POD_NAME from fieldRef metadata.name'
   'env-health-dir|templates/daemonset.yaml|value: "/tmp"|value: "/run/aether"||--surge false|env AETHER_HEALTH_DIR=/tmp'
-  'spiffe-env-missing|templates/daemonset.yaml|- name: SPIFFE_ENDPOINT_SOCKET|- name: SPIFFE_SOCKET|identity.trustDomain=td,identity.spiffe.socketDir='"$SPIFFE_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --trust-domain td|env SPIFFE_ENDPOINT_SOCKET'
-  'mtls-mode-ignored|templates/daemonset.yaml|\{\{ \.Values\.identity\.mtls |{{ "permissive" |identity.trustDomain=td,identity.mtls=strict,identity.spiffe.socketDir='"$SPIFFE_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --trust-domain td --mtls strict|env AETHER_MTLS=strict'
-  'spire-admin-writable|templates/daemonset.yaml|(mountPath: \{\{ \$adminDir \}\}\n\s+)readOnly: true|\g<1>readOnly: false|identity.trustDomain=td,identity.spiffe.socketDir='"$SPIFFE_DIR"',identity.spiffe.adminSocketDir='"$SPIRE_ADMIN_DIR"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --spire-admin-dir '"$SPIRE_ADMIN_DIR"' --trust-domain td|SPIRE admin socket folder mounted read-only'
+  'spiffe-env-missing|templates/daemonset.yaml|- name: SPIFFE_ENDPOINT_SOCKET|- name: SPIFFE_SOCKET|identity.mtls=permissive,identity.trustDomain=td,'"$IDENTITY_DIRS"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --spire-admin-dir '"$SPIRE_ADMIN_DIR"' --trust-domain td|env SPIFFE_ENDPOINT_SOCKET'
+  'mtls-mode-ignored|templates/daemonset.yaml|\{\{ \$mtls |{{ "permissive" |identity.trustDomain=td,identity.mtls=strict,'"$IDENTITY_DIRS"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --spire-admin-dir '"$SPIRE_ADMIN_DIR"' --trust-domain td --mtls strict|env AETHER_MTLS=strict'
+  'spire-admin-writable|templates/daemonset.yaml|(mountPath: \{\{ \$adminDir \}\}\n\s+)readOnly: true|\g<1>readOnly: false|identity.mtls=permissive,identity.trustDomain=td,'"$IDENTITY_DIRS"'|--surge false --spiffe-dir '"$SPIFFE_DIR"' --spire-admin-dir '"$SPIRE_ADMIN_DIR"' --trust-domain td|SPIRE admin socket folder mounted read-only'
   'ro-rootfs|templates/daemonset.yaml|readOnlyRootFilesystem: true|readOnlyRootFilesystem: false||--surge false|readOnlyRootFilesystem true'
   'agent-ro-rootfs|templates/daemonset.yaml|(- name: agent\n(?:.*\n)*?\s+)readOnlyRootFilesystem: true|\g<1>readOnlyRootFilesystem: false||--surge false|agent pod: agent readOnlyRootFilesystem true'
   'agent-seccomp|templates/daemonset.yaml|(- name: agent\n(?:.*\n)*?\s+type: )RuntimeDefault|\g<1>Unconfined||--surge false|agent pod: agent seccompProfile RuntimeDefault'

@@ -218,3 +218,11 @@ filter_chains:
       - name: envoy.filters.http.router
         typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
 {{- end -}}
+
+{{/*
+The identity mode: "off", permissive or strict. A bare YAML `off` arrives as false.
+*/}}
+{{- define "aether-agent.mtls" -}}
+{{- $m := .Values.identity.mtls -}}
+{{- if or (eq (toString $m) "false") (eq (toString $m) "off") -}}off{{- else -}}{{ $m }}{{- end -}}
+{{- end -}}
