@@ -18,6 +18,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3 as tcp;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_mappers::filter_state_override::v3 as cert_mapper;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::cert_selectors::on_demand_secret::v3 as on_demand_secret;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tls;
+use envoy_types::pb::envoy::extensions::upstreams::http::v3 as upstream_http;
 use envoy_types::pb::envoy::extensions::matching::common_inputs::transport_socket::v3 as socket_input;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
 use envoy_types::pb::xds::core::v3 as xds_core;
@@ -397,6 +398,42 @@ const NO_CERTIFICATE: &str = "spiffe|none";
 /// The outbound listener's chain for the sources of pods without their own SVID.
 pub const WITHOUT_SVID_CHAIN: &str = "without-svid";
 
+/// How long an idle pooled upstream connection of an mTLS cluster lives.
+pub const POOL_IDLE_TIMEOUT_S: i64 = 60;
+/// How long any upstream connection of an mTLS cluster lives, busy or not. A pooled
+/// connection keeps the certificate it was opened with: this bounds how long a rotated
+/// SVID, or a deleted pod's identity on a connection a new pod at its IP reuses, can
+/// still be presented (SECURITY.md, limitation 19).
+pub const POOL_MAX_CONNECTION_DURATION_S: i64 = 300;
+
+/// The HTTP/1.1 upstream (Envoy's default) with the pool bounds above.
+fn bounded_pool() -> upstream_http::HttpProtocolOptions {
+    use upstream_http::http_protocol_options::{
+        ExplicitHttpConfig, UpstreamProtocolOptions, explicit_http_config::ProtocolConfig,
+    };
+    upstream_http::HttpProtocolOptions {
+        common_http_protocol_options: Some(core::HttpProtocolOptions {
+            idle_timeout: Some(Duration {
+                seconds: POOL_IDLE_TIMEOUT_S,
+                nanos: 0,
+            }),
+            max_connection_duration: Some(Duration {
+                seconds: POOL_MAX_CONNECTION_DURATION_S,
+                nanos: 0,
+            }),
+            ..Default::default()
+        }),
+        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+            ExplicitHttpConfig {
+                protocol_config: Some(ProtocolConfig::HttpProtocolOptions(
+                    core::Http1ProtocolOptions::default(),
+                )),
+            },
+        )),
+        ..Default::default()
+    }
+}
+
 /// Upstream mTLS presenting the calling pod's certificate, fetched over SDS at the
 /// first handshake that names it.
 fn upstream_mtls() -> core::TransportSocket {
@@ -640,6 +677,11 @@ pub fn cluster(c: &snapshot::Cluster) -> Any {
                 if t.plaintext_without_certificate {
                     out.transport_socket_matcher = Some(mtls_only_with_a_certificate());
                 }
+                out.typed_extension_protocol_options = [(
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".to_string(),
+                    pack_any(bounded_pool()),
+                )]
+                .into();
             }
         }
         snapshot::ClusterKind::Static {
@@ -811,6 +853,18 @@ mod tests {
             let c: cluster::Cluster = decode(&super::cluster(&c));
             assert_eq!(c.transport_socket_matches.len(), 1);
             assert_eq!(c.transport_socket_matcher.is_some(), matcher);
+            let opts: upstream_http::HttpProtocolOptions = decode(
+                &c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"],
+            );
+            let common = opts.common_http_protocol_options.unwrap();
+            assert_eq!(
+                (
+                    common.idle_timeout.unwrap().seconds,
+                    common.max_connection_duration.unwrap().seconds
+                ),
+                (POOL_IDLE_TIMEOUT_S, POOL_MAX_CONNECTION_DURATION_S),
+                "an mTLS pool's connections are bounded"
+            );
             let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &c
                 .transport_socket_matches[0]
                 .transport_socket
