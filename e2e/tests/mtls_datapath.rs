@@ -984,3 +984,99 @@ async fn outbound(api: AdsApi) {
     drop(node1);
     drop(node2);
 }
+
+both_apis!(
+    a_deleted_pods_certificate_leaves_envoy_within_5s,
+    a_deleted_pods_certificate_leaves_envoy_within_5s_over_delta_ads,
+    deleted
+);
+
+/// A pod deleted while a client holds an mTLS connection to it: its listener drains (for
+/// Envoy's `--drain-time-s`, 600 s by default), and Envoy keeps a removed secret that a
+/// draining listener uses; state of the world cannot remove a secret at all. Within 5 s
+/// of the removal no certificate Envoy lists (`/certs`) and no secret of its config dump
+/// is the pod's: the agent overwrote them with its tombstone.
+async fn deleted(api: AdsApi) {
+    let Some(c) = Case::start(
+        "a_deleted_pods_certificate_leaves_envoy_within_5s",
+        api,
+        Some((MtlsMode::Strict, true)),
+    )
+    .await
+    else {
+        return;
+    };
+    c.wait_listener_active();
+    c.wait_served(Some(c.mtls()), "mTLS to the pod");
+    let mut held = Conn::open(&c.dp.client, c.web(), Some(c.mtls())).expect("an mTLS connection");
+    assert_eq!(held.ask("held").expect("an answer"), "web: held");
+    let id = "spiffe://aether.test/ns/default/pod/web";
+    let pods_certificate = |c: &Case| {
+        let certs = c.rig.admin("/certs");
+        let dump = c.rig.config_dump().to_string();
+        let chain = serde_json::to_string(&c.web.svid.chain_pem).expect("JSON");
+        let chain = chain.trim_matches('"');
+        (certs.contains(id), dump.contains(chain))
+    };
+    assert_eq!(
+        pods_certificate(&c),
+        (true, true),
+        "the control: Envoy lists the pod's certificate before the delete{}",
+        c.context()
+    );
+
+    let start = Instant::now();
+    c.apply([
+        Change::SetPodSvid {
+            uid: UID.into(),
+            svid: None,
+        },
+        Change::RemovePod(UID.into()),
+    ])
+    .await;
+    let mut last = (true, true);
+    try_wait_for(
+        "the pod's certificate out of Envoy",
+        Duration::from_secs(5),
+        || {
+            last = pods_certificate(&c);
+            (last == (false, false)).then_some(())
+        },
+    )
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: (in /certs, in the config dump) = {last:?}{}",
+            c.context()
+        )
+    });
+    let took = start.elapsed();
+    // The listener still drains with the held connection: the case the tombstone is for.
+    let dump = c.rig.config_dump();
+    let draining = dump["configs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|c| {
+            c["dynamic_listeners"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .any(|l| l["name"] == LISTENER && !l["draining_state"].is_null());
+    let tombstone_pem =
+        serde_json::to_string(aether_worker::xds::tombstone::CERT_PEM).expect("JSON");
+    let tombstone = dump.to_string().contains(tombstone_pem.trim_matches('"'));
+    eprintln!(
+        "{api:?}: the deleted pod's certificate left Envoy {} ms after the delete; its \
+         listener draining: {draining}, the tombstone in its config: {tombstone}",
+        took.as_millis()
+    );
+    assert!(
+        draining && tombstone,
+        "the pod's listener should still drain with the held connection, holding the \
+         tombstone (draining {draining}, tombstone {tombstone}){}",
+        c.context()
+    );
+    c.assert_no_nacks();
+    drop(held);
+}

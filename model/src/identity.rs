@@ -114,8 +114,11 @@ pub fn pod_secret_name(ip: std::net::IpAddr) -> String {
 }
 
 pub fn inbound_secret_name(uid: &str) -> String {
-    format!("spiffe|inbound|{uid}")
+    format!("{INBOUND_SECRET_PREFIX}{uid}")
 }
+
+/// The prefix of every pod's inbound secret (see [`inbound_secret_name`]).
+pub const INBOUND_SECRET_PREFIX: &str = "spiffe|inbound|";
 
 /// The prefix the outbound listener puts before the source address to name the secret
 /// of the calling pod (see [`pod_secret_name`]).

@@ -15,7 +15,12 @@
 //!   to every resource of the type. EDS and RDS follow the names subscribed and
 //!   unsubscribed.
 //! - A resource the proxy holds that is no longer in the snapshot (or no longer
-//!   subscribed to by name) is named in `removed_resources`.
+//!   subscribed to by name) is named in `removed_resources`. A pod's certificate is first
+//!   overwritten with its tombstone ([`super::tombstone`]) and named only once the proxy
+//!   has answered that: the proxy keeps a removed secret that a draining listener uses.
+//! - A certificate subscribed to that is neither held nor in the snapshot is named in
+//!   `removed_resources` at once, also in a first request, so that the proxy's on-demand
+//!   fetch fails fast instead of waiting out its timeout.
 //! - A fresh subscription is always answered, even by an empty response, so the proxy's
 //!   initial fetch completes and a reconnect shows as a config update.
 //! - A request whose nonce is not the last one sent for its type is stale and ignored. A
@@ -53,6 +58,7 @@ use imbl::ordmap::DiffItem;
 use super::encoded::Encoded;
 use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
 use super::protocol::{Event, Protocol};
+use super::tombstone;
 use crate::writers::Observed;
 
 /// The most resource names one stream may subscribe to (or report holding) per type. A
@@ -168,6 +174,9 @@ struct TypeState {
     full: bool,
     /// Names whose subscription changed since the last `pending`: compared then too.
     extra: BTreeSet<String>,
+    /// SDS: pod certificates sent as their tombstone ([`tombstone`]) and not answered
+    /// yet; once the proxy answers, they are compared again, and removed.
+    tombstoned: BTreeSet<String>,
     /// The last response: its nonce and `holds` after it.
     sent: Option<(String, OrdMap<String, u64>)>,
     /// `holds` as of the last ACKed response.
@@ -522,6 +531,14 @@ impl Protocol for DeltaState {
                 .filter(|n| *n != "*")
                 .cloned()
                 .collect();
+            if kind == Kind::Secret {
+                // Named, not held and not in the snapshot (a certificate asked for on
+                // demand after a reconnect, of a pod gone meanwhile): said so at once.
+                let unknown = t.names.iter().filter(|n| {
+                    !current.secrets.hashes.contains_key(*n) && !t.holds.contains_key(*n)
+                });
+                t.extra.extend(unknown.cloned());
+            }
         }
         for n in req.resource_names_subscribe.iter().filter(|_| !at_once) {
             if n == "*" {
@@ -577,6 +594,8 @@ impl Protocol for DeltaState {
                 nonce: req.response_nonce.clone(),
             };
         };
+        // The proxy has the tombstones of the last response: their names can go now.
+        t.extra.append(&mut t.tombstoned);
         match &req.error_detail {
             Some(status) => Event::Nack {
                 kind,
@@ -617,7 +636,7 @@ impl Protocol for DeltaState {
                     .as_ref()
                     .and_then(|old| current.changed_since(old, kind))
             };
-            let (to_send, removed): (BTreeSet<String>, Vec<String>) = match &changed {
+            let (to_send, mut removed): (BTreeSet<String>, Vec<String>) = match &changed {
                 Some(names) => {
                     let mut to_send = BTreeSet::new();
                     let mut removed = Vec::new();
@@ -648,8 +667,32 @@ impl Protocol for DeltaState {
                     removed.dedup();
                     (to_send, removed)
                 }
-                None => compare_all(t, hashes, lazy),
+                None => {
+                    let (to_send, mut removed) = compare_all(t, hashes, lazy);
+                    let unknown = t.extra.iter().filter(|n| {
+                        t.names.contains(*n)
+                            && !hashes.contains_key(*n)
+                            && !t.holds.contains_key(*n)
+                    });
+                    removed.extend(unknown.cloned());
+                    removed.sort();
+                    removed.dedup();
+                    (to_send, removed)
+                }
             };
+            // A pod certificate the proxy holds goes as its tombstone first, and only then
+            // by name: the proxy keeps a removed secret that something still uses.
+            let mut tombstones = Vec::new();
+            if kind == Kind::Secret {
+                removed.retain(|n| {
+                    let first = tombstone::applies_to(n)
+                        && t.holds.get(n).is_some_and(|h| *h != tombstone::HASH);
+                    if first {
+                        tombstones.push(n.clone());
+                    }
+                    !first
+                });
+            }
             // What the snapshot needs of EDS, RDS and SDS that the proxy has not asked for.
             // (Secrets are named by listeners and clusters both: always compared in full;
             // there are a few per local pod.)
@@ -720,7 +763,7 @@ impl Protocol for DeltaState {
             }
             t.full = false;
             t.extra.clear();
-            if to_send.is_empty() && removed.is_empty() && !t.answer {
+            if to_send.is_empty() && removed.is_empty() && tombstones.is_empty() && !t.answer {
                 continue;
             }
             t.answer = false;
@@ -733,6 +776,10 @@ impl Protocol for DeltaState {
             }
             for n in &removed {
                 t.holds.remove(n);
+            }
+            for n in &tombstones {
+                t.holds.insert(n.clone(), tombstone::HASH);
+                t.tombstoned.insert(n.clone());
             }
             self.nonce += 1;
             let nonce = self.nonce.to_string();
@@ -748,6 +795,12 @@ impl Protocol for DeltaState {
                     resource: Some(any),
                     ..Default::default()
                 })
+                .chain(tombstones.iter().map(|n| Resource {
+                    name: n.clone(),
+                    version: wire_version(tombstone::HASH),
+                    resource: Some(tombstone::encode(n)),
+                    ..Default::default()
+                }))
                 .collect();
             out.push(DeltaDiscoveryResponse {
                 system_version_info: current.version(kind).to_string(),
@@ -959,6 +1012,153 @@ mod tests {
         st.on_request(&req(Kind::Cluster, &out[0].1, &[], None));
         st.on_request(&req(Kind::Listener, &out[1].1, &[], None));
         assert!(st.acked_current());
+    }
+
+    /// `snap(1, pods)` with identity on (strict) and every pod's SVID: each pod has its
+    /// inbound certificate and one per IP.
+    fn snap_with_svids(pods: usize) -> Arc<Snapshot> {
+        let mut i = inputs(1, pods);
+        let svid = |p: &str| aether_model::Svid {
+            spiffe_id: format!("spiffe://t/ns/d/pod/{p}"),
+            chain_pem: format!("CHAIN {p}"),
+            key_pem: format!("KEY {p}"),
+            serial: "01".into(),
+            not_before: 0,
+            not_after: 1,
+        };
+        i.identity = aether_model::Identity {
+            trust_domain: Some("t".into()),
+            mode: aether_model::MtlsMode::Strict,
+            bundle: Some("CA".into()),
+            agent: None,
+            pods: i.pods.keys().map(|u| (u.clone(), svid(u))).collect(),
+        };
+        Arc::new(build(&i))
+    }
+
+    /// (type, names sent with the tombstone's version, names sent otherwise, removed).
+    fn sent_tombstones(
+        st: &mut DeltaState,
+    ) -> Vec<(String, Vec<String>, Vec<String>, Vec<String>)> {
+        st.pending()
+            .into_iter()
+            .map(|r| {
+                let (dead, live): (Vec<&Resource>, Vec<&Resource>) = r
+                    .resources
+                    .iter()
+                    .partition(|x| x.version == wire_version(tombstone::HASH));
+                let names = |v: Vec<&Resource>| v.iter().map(|x| x.name.clone()).collect();
+                (
+                    r.nonce.clone(),
+                    names(dead),
+                    names(live),
+                    r.removed_resources,
+                )
+            })
+            .collect()
+    }
+
+    /// A deleted pod's certificates are overwritten with the tombstone before they are
+    /// removed by name, and removed only once the proxy has answered the tombstone; the
+    /// trust bundle is removed as before. The same holds after a reconnect that reports
+    /// the pod's certificates as held.
+    #[test]
+    fn a_deleted_pods_certificates_go_as_tombstones_then_by_name() {
+        let with = snap_with_svids(2);
+        let without = snap_with_svids(1);
+        let gone: Vec<String> = with
+            .secrets
+            .hashes
+            .keys()
+            .filter(|n| !without.secrets.hashes.contains_key(*n))
+            .cloned()
+            .collect();
+        assert_eq!(
+            gone,
+            vec![
+                "spiffe|inbound|uid-1".to_string(),
+                "spiffe|pod|10.244.0.2".to_string()
+            ]
+        );
+        let names: Vec<&str> = with.secrets.hashes.keys().map(String::as_str).collect();
+
+        let mut st = DeltaState::new(with.clone(), Arc::default());
+        st.on_request(&req(Kind::Secret, "", &names, None));
+        let out = sent_tombstones(&mut st);
+        assert_eq!(out.len(), 1);
+        assert!(
+            out[0].1.is_empty(),
+            "no tombstone while the pods live: {out:?}"
+        );
+        st.on_request(&req(Kind::Secret, &out[0].0, &[], None));
+
+        st.set_snapshot(without.clone());
+        let out = sent_tombstones(&mut st);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].1, gone, "the tombstones");
+        assert!(out[0].2.is_empty() && out[0].3.is_empty(), "{out:?}");
+        assert!(
+            sent_tombstones(&mut st).is_empty(),
+            "nothing more before the proxy answers"
+        );
+        st.on_request(&req(Kind::Secret, &out[0].0, &[], None));
+        let out = sent_tombstones(&mut st);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert!(out[0].1.is_empty() && out[0].2.is_empty(), "{out:?}");
+        assert_eq!(out[0].3, gone, "then removed by name");
+        st.on_request(&req(Kind::Secret, &out[0].0, &[], None));
+        assert!(sent_tombstones(&mut st).is_empty());
+
+        // A reconnect to an agent that no longer has the pod: the proxy reports the
+        // pod's certificates at their old versions.
+        let mut st = DeltaState::new(without.clone(), Arc::default());
+        let mut r = req(Kind::Secret, "", &names, None);
+        r.initial_resource_versions = with
+            .secrets
+            .hashes
+            .iter()
+            .map(|(n, h)| (n.clone(), wire_version(*h)))
+            .collect();
+        st.on_request(&r);
+        let out = sent_tombstones(&mut st);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].1, gone, "tombstones first: {out:?}");
+        assert!(out[0].3.is_empty(), "{out:?}");
+        st.on_request(&req(Kind::Secret, &out[0].0, &[], None));
+        assert_eq!(sent_tombstones(&mut st)[0].3, gone);
+
+        // The same pod back before the tombstone is answered: its certificates again.
+        let mut st = DeltaState::new(with.clone(), Arc::default());
+        st.on_request(&req(Kind::Secret, "", &names, None));
+        let out = sent_tombstones(&mut st);
+        st.on_request(&req(Kind::Secret, &out[0].0, &[], None));
+        st.set_snapshot(without);
+        let out = sent_tombstones(&mut st);
+        st.set_snapshot(with);
+        let back = sent_tombstones(&mut st);
+        st.on_request(&req(Kind::Secret, &out[0].0, &[], None));
+        st.on_request(&req(Kind::Secret, &back[0].0, &[], None));
+        assert_eq!(back[0].2, gone, "the certificates sent again: {back:?}");
+        assert!(sent_tombstones(&mut st).is_empty(), "and not removed");
+    }
+
+    /// A certificate named in a first request that is neither held nor in the snapshot
+    /// (a pod gone while the proxy reconnected) is named removed at once.
+    #[test]
+    fn an_unknown_certificate_in_a_first_request_is_removed_at_once() {
+        let s = snap_with_svids(1);
+        let mut st = DeltaState::new(s.clone(), Arc::default());
+        let mut names: Vec<&str> = s.secrets.hashes.keys().map(String::as_str).collect();
+        names.push("spiffe|pod|10.244.0.9");
+        st.on_request(&req(Kind::Secret, "", &names, None));
+        let out = sent_tombstones(&mut st);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].3, vec!["spiffe|pod|10.244.0.9".to_string()]);
+        assert!(
+            out[0].1.is_empty(),
+            "nothing held, so no tombstone: {out:?}"
+        );
+        assert_eq!(out[0].2.len(), s.secrets.hashes.len());
     }
 
     #[test]

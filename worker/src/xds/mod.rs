@@ -16,6 +16,7 @@ pub mod probe;
 pub mod protocol;
 pub mod server;
 pub mod stream;
+pub mod tombstone;
 pub mod wire;
 
 pub use probe::await_server;

@@ -14,6 +14,8 @@
 //! - EDS and RDS (requested by name) carry only the requested resources whose content
 //!   changed, or that were newly requested: in SotW the proxy keeps a named resource that
 //!   a response omits. With 100 clusters, one endpoint change sends one load assignment.
+//! - SDS: a pod certificate the proxy asks for that the snapshot no longer has is sent as
+//!   its tombstone ([`super::tombstone`]), once: the proxy would keep the pod's key.
 //! - Order of a push: CDS, EDS, LDS, RDS, so clusters exist before the listeners and
 //!   routes that use them.
 
@@ -27,6 +29,7 @@ use imbl::OrdMap;
 use super::encoded::Encoded;
 use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wildcard};
 use super::protocol::{Event, Protocol};
+use super::tombstone;
 
 /// A response and the state the proxy holds once it applies it.
 #[derive(Debug, Clone)]
@@ -144,6 +147,9 @@ impl Protocol for StreamState {
             }
             let current = self.current.hashes(kind);
             let v = self.current.version(kind);
+            // Pod certificates the proxy asks for that the snapshot no longer has: it gets
+            // their tombstone, as it keeps whatever a response omits.
+            let mut tombstones: Vec<&String> = Vec::new();
             let (holds, to_send): (OrdMap<String, u64>, BTreeSet<&String>) = if wildcard(kind) {
                 let changed = t.sent.as_ref().is_none_or(|s| s.version != v);
                 if !(changed || t.answer) {
@@ -151,7 +157,7 @@ impl Protocol for StreamState {
                 }
                 (current.clone(), current.keys().collect())
             } else {
-                let holds: OrdMap<String, u64> = current
+                let mut holds: OrdMap<String, u64> = current
                     .iter()
                     .filter(|(n, _)| t.requested.contains(*n))
                     .map(|(n, h)| (n.clone(), *h))
@@ -165,7 +171,17 @@ impl Protocol for StreamState {
                     })
                     .map(|(n, _)| n)
                     .collect();
-                if to_send.is_empty() && !t.answer {
+                if kind == Kind::Secret {
+                    for n in &t.requested {
+                        if tombstone::applies_to(n) && !current.contains_key(n) {
+                            holds.insert(n.clone(), tombstone::HASH);
+                            if t.answer || before.and_then(|b| b.get(n)) != Some(&tombstone::HASH) {
+                                tombstones.push(n);
+                            }
+                        }
+                    }
+                }
+                if to_send.is_empty() && tombstones.is_empty() && !t.answer {
                     // Nothing the proxy asked for changed; forget what it stopped asking for.
                     if let Some(s) = t.sent.as_mut() {
                         s.holds = holds;
@@ -179,7 +195,12 @@ impl Protocol for StreamState {
             let nonce = self.nonce.to_string();
             out.push(DiscoveryResponse {
                 version_info: v.to_string(),
-                resources: self.encoded.get(&self.current, kind, &to_send),
+                resources: self
+                    .encoded
+                    .get(&self.current, kind, &to_send)
+                    .into_iter()
+                    .chain(tombstones.iter().map(|n| tombstone::encode(n)))
+                    .collect(),
                 type_url: type_url(kind).to_string(),
                 nonce: nonce.clone(),
                 ..Default::default()
@@ -288,6 +309,112 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    /// One pod with its SVID (strict), or none: the pod's certificates and the bundle.
+    fn snap_with_pod(pod: bool) -> Arc<Snapshot> {
+        let svid = aether_model::Svid {
+            spiffe_id: "spiffe://t/ns/d/pod/p".into(),
+            chain_pem: "CHAIN".into(),
+            key_pem: "KEY".into(),
+            serial: "01".into(),
+            not_before: 0,
+            not_after: 1,
+        };
+        let p = aether_model::Pod {
+            uid: "u".into(),
+            namespace: "d".into(),
+            name: "p".into(),
+            container_id: "c".into(),
+            netns: "/n".into(),
+            ifname: "eth0".into(),
+            ips: vec!["10.0.0.2".parse().unwrap()],
+            terminating: false,
+        };
+        Arc::new(build(&Inputs {
+            pods: pod.then(|| ("u".to_string(), p)).into_iter().collect(),
+            identity: aether_model::Identity {
+                trust_domain: Some("t".into()),
+                mode: aether_model::MtlsMode::Strict,
+                bundle: Some("CA".into()),
+                agent: None,
+                pods: [("u".to_string(), svid)].into(),
+            },
+            ..Default::default()
+        }))
+    }
+
+    /// The names of a response's resources, and which carry the tombstone's certificate.
+    fn secrets(r: &DiscoveryResponse) -> Vec<(String, bool)> {
+        use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3 as tls;
+        r.resources
+            .iter()
+            .map(|a| {
+                let s: tls::Secret = prost::Message::decode(a.value.as_slice()).unwrap();
+                use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
+                let dead = match s.r#type {
+                    Some(tls::secret::Type::TlsCertificate(c)) => {
+                        c.certificate_chain.is_some_and(|d| {
+                            d.specifier == Some(Specifier::InlineString(tombstone::CERT_PEM.into()))
+                        })
+                    }
+                    _ => false,
+                };
+                (s.name, dead)
+            })
+            .collect()
+    }
+
+    /// State of the world cannot remove a secret: a deleted pod's certificates that the
+    /// proxy still asks for are answered with the tombstone, once; the pod back gets its
+    /// own again; the trust bundle is untouched.
+    #[test]
+    fn a_deleted_pods_certificates_are_answered_with_the_tombstone() {
+        let names = ["spiffe|bundle", "spiffe|inbound|u", "spiffe|pod|10.0.0.2"];
+        let mut st = StreamState::new(snap_with_pod(true), Arc::default());
+        st.on_request(&req(Kind::Secret, "", "", &names, None));
+        let out = st.pending();
+        assert_eq!(
+            secrets(&out[0]),
+            names.map(|n| (n.to_string(), false)).to_vec()
+        );
+        st.on_request(&req(Kind::Secret, "v", &out[0].nonce, &names, None));
+
+        st.set_snapshot(snap_with_pod(false));
+        let out = st.pending();
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            secrets(&out[0]),
+            vec![
+                ("spiffe|inbound|u".to_string(), true),
+                ("spiffe|pod|10.0.0.2".to_string(), true)
+            ]
+        );
+        st.on_request(&req(Kind::Secret, "v", &out[0].nonce, &names, None));
+        assert!(st.pending().is_empty(), "the tombstone goes once");
+
+        // A reconnect asking for them again gets the tombstones (and the bundle).
+        let mut again = StreamState::new(snap_with_pod(false), Arc::default());
+        again.on_request(&req(Kind::Secret, "", "", &names, None));
+        let out = again.pending();
+        assert_eq!(
+            secrets(&out[0]),
+            vec![
+                ("spiffe|bundle".to_string(), false),
+                ("spiffe|inbound|u".to_string(), true),
+                ("spiffe|pod|10.0.0.2".to_string(), true)
+            ]
+        );
+
+        st.set_snapshot(snap_with_pod(true));
+        let out = st.pending();
+        assert_eq!(
+            secrets(&out[0]),
+            vec![
+                ("spiffe|inbound|u".to_string(), false),
+                ("spiffe|pod|10.0.0.2".to_string(), false)
+            ]
+        );
     }
 
     #[test]
