@@ -112,11 +112,20 @@ pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
         node.clone(),
         metrics.clone(),
     );
-    // A standby too: it holds the agent's and the stored pods' SVIDs before it takes over.
-    let _identity =
-        identity_cfg.map(|c| identity::spawn(c, node.clone(), metrics.clone(), problems.clone()));
     // Watches in a standby too; writes only once handed a writer at Serve.
     let kube = kube_source(&cfg, &metrics, &problems)?;
+    // A standby too: it holds the agent's and the stored pods' SVIDs before it takes over;
+    // with API access, only for the pods the API server places on this node.
+    let _identity = identity_cfg.map(|c| {
+        let placement = kube.as_ref().map(kube::Kube::pods);
+        identity::spawn(
+            c,
+            node.clone(),
+            metrics.clone(),
+            problems.clone(),
+            placement,
+        )
+    });
     // Standby and owner alike say whether the node's conflist chains aether-cni.
     let _conflist = cfg
         .agent

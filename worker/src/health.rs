@@ -129,8 +129,26 @@ pub struct IdentityStatus {
     /// has no inbound listener and its calls fail.
     pub pods_without_svid: Vec<PodWait>,
     pub pods_without_svid_count: usize,
+    /// With API access: the local pods whose SVID waits until the API server lists them on
+    /// this node, the longest waiting first, at most 50, with why; a count of them all.
+    pub pods_deferred: Vec<PodHeld>,
+    pub pods_deferred_count: usize,
+    /// With API access: the local pods the API server lists with another name or other
+    /// IPs than their ADD; they hold no SVID. At most 50, with why; a count of them all.
+    pub pods_refused: Vec<PodHeld>,
+    pub pods_refused_count: usize,
     /// SVIDs past 80 % of their lifetime with no renewal, the agent's included.
     pub svids_expiring: usize,
+}
+
+/// A pod whose SVID the API server cross-check holds back, as `/ready` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PodHeld {
+    /// `namespace/name`.
+    pub pod: String,
+    /// Unix seconds: since when.
+    pub since: u64,
+    pub why: String,
 }
 
 /// A pod waiting for its SVID, as `/ready` lists it.

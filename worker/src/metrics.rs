@@ -163,6 +163,9 @@ pub struct Metrics {
     pub identity_workload_api_connected: Gauge,
     pub pods_without_svid: Gauge,
     pub pod_svid_missing_oldest_seconds: Gauge,
+    pub pods_identity_deferred: Gauge,
+    pub pods_identity_refused: Gauge,
+    pub pod_identity_refusals: Counter,
     pub svids_expiring: Gauge,
     /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
     encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
@@ -239,6 +242,9 @@ impl Metrics {
             identity_workload_api_connected: Gauge::default(),
             pods_without_svid: Gauge::default(),
             pod_svid_missing_oldest_seconds: Gauge::default(),
+            pods_identity_deferred: Gauge::default(),
+            pods_identity_refused: Gauge::default(),
+            pod_identity_refusals: Counter::default(),
             svids_expiring: Gauge::default(),
             encoded: std::sync::Mutex::new(None),
         };
@@ -433,6 +439,21 @@ impl Metrics {
             "pod_svid_missing_oldest_seconds",
             "How long the local pod waiting longest for its SVID has waited (0: none waits)",
             m.pod_svid_missing_oldest_seconds.clone(),
+        );
+        r.register(
+            "pods_identity_deferred",
+            "Local pods whose SVID waits until the API server lists them on this node",
+            m.pods_identity_deferred.clone(),
+        );
+        r.register(
+            "pods_identity_refused",
+            "Local pods refused an SVID: the API server lists them with another name or other IPs than their ADD",
+            m.pods_identity_refused.clone(),
+        );
+        r.register(
+            "pod_identity_refusals",
+            "Times a local pod was refused an SVID by the API server cross-check",
+            m.pod_identity_refusals.clone(),
         );
         r.register(
             "svids_expiring",

@@ -229,7 +229,7 @@ pub async fn run(node: Arc<Node>, mode: MtlsMode, metrics: Arc<Metrics>, problem
     }
 }
 
-fn unix_now() -> u64 {
+pub fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())

@@ -14,6 +14,7 @@ pub mod agent_svid;
 pub mod checks;
 pub mod convert;
 mod link;
+pub mod placement;
 pub mod pods;
 
 use std::sync::Arc;
@@ -47,6 +48,7 @@ pub fn spawn(
     node: Arc<Node>,
     metrics: Arc<Metrics>,
     problems: Reporter,
+    placement: Option<pods::PodViews>,
 ) -> Identity {
     info!(
         workload_api = %cfg.workload_api_text,
@@ -84,6 +86,7 @@ pub fn spawn(
             node,
             metrics,
             problems,
+            placement,
         )),
         None if cfg.mode == aether_model::MtlsMode::Strict => {
             warn!(
@@ -91,7 +94,7 @@ pub fn spawn(
             );
         }
         None => info!(
-            "no --spiffe-broker-endpoint: pods get no SVID of their own (permissive mTLS presents the agent's)"
+            "no --spiffe-broker-endpoint: pods get no SVID of their own (permissive: their calls go plaintext; strict: they have no inbound listener)"
         ),
     }
     Identity { tasks }

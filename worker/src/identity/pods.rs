@@ -45,7 +45,8 @@ use tracing::{debug, error, info, warn};
 
 use super::convert;
 use super::link;
-use crate::health::Reporter;
+use super::placement::Verdict;
+use crate::health::{PodHeld, Reporter};
 use crate::metrics::{Metrics, SvidSourceLabel};
 use crate::node::Node;
 
@@ -98,7 +99,9 @@ fn request(uid: &str, pod: &PodKey) -> Result<DelegateAttestationRequest, String
     .map_err(|e| e.to_string())
 }
 
-/// Subscribes the node's pods at the broker at `endpoint` until the task is aborted.
+/// Subscribes the node's pods at the broker at `endpoint` until the task is aborted;
+/// with `placement` (API access), only the pods it places on this node
+/// ([`super::placement`]).
 pub fn spawn(
     endpoint: Endpoint,
     endpoint_text: String,
@@ -106,6 +109,7 @@ pub fn spawn(
     node: Arc<Node>,
     metrics: Arc<Metrics>,
     problems: Reporter,
+    placement: Option<PodViews>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         // One connection for every stream, made at the first call and again after it breaks.
@@ -134,7 +138,7 @@ pub fn spawn(
             away: AtomicBool::new(false),
         });
         let _bundles = Aborting(tokio::spawn(bundles(client.clone(), shared.clone())));
-        follow(client, shared).await;
+        follow(client, shared, placement).await;
     })
 }
 
@@ -176,26 +180,131 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Keeps one subscription per pod in the node's inputs, until the task is aborted.
-async fn follow(client: DelegatedIdentityClient, shared: Arc<Shared>) {
+/// This node's pods as the API server lists them (`crate::kube::Kube::pods`).
+pub type PodViews = tokio::sync::watch::Receiver<crate::kube::PodView>;
+
+/// The pods the cross-check holds back, by uid: since when (unix seconds), whether
+/// refused (else deferred), and why. Bounded by the node's pods.
+type HeldBack = BTreeMap<String, (u64, bool, String)>;
+
+/// The node's pods that may have their SVID: every one without `placement`, else those
+/// it places here. `held` is updated to the pods held back (logged and counted when they
+/// start to be).
+fn placed_pods(
+    shared: &Shared,
+    placement: Option<&PodViews>,
+    held: &mut HeldBack,
+) -> BTreeMap<String, PodKey> {
+    let now = super::checks::unix_now();
+    let key = |p: &aether_model::Pod| PodKey {
+        namespace: p.namespace.clone(),
+        name: p.name.clone(),
+    };
+    let Some(views) = placement else {
+        return shared.node.with_inputs(|i| {
+            i.pods
+                .iter()
+                .map(|(uid, p)| (uid.clone(), key(p)))
+                .collect()
+        });
+    };
+    let view = views.borrow();
+    let mut next = HeldBack::new();
+    let placed = shared.node.with_inputs(|i| {
+        let mut placed = BTreeMap::new();
+        for (uid, p) in &i.pods {
+            let (refused, why) = match super::placement::check(p, &view) {
+                Verdict::Placed => {
+                    placed.insert(uid.clone(), key(p));
+                    continue;
+                }
+                Verdict::Deferred(why) => (false, why),
+                Verdict::Refused(why) => (true, why),
+            };
+            let pod = format!("{}/{}", p.namespace, p.name);
+            let since = match held.get(uid) {
+                Some((since, was, _)) if *was == refused => *since,
+                _ => {
+                    if refused {
+                        shared.metrics.pod_identity_refusals.inc();
+                        warn!(uid = %uid, pod = %pod, why = %why, "SVID refused: the API server does not place this pod here as its ADD said");
+                    } else {
+                        info!(uid = %uid, pod = %pod, why = %why, "SVID deferred until the API server lists the pod on this node");
+                    }
+                    now
+                }
+            };
+            next.insert(uid.clone(), (since, refused, why));
+        }
+        placed
+    });
+    *held = next;
+    placed
+}
+
+/// `/ready`'s lists and the gauges of the pods held back.
+fn report_held(shared: &Shared, held: &HeldBack) {
+    let names: BTreeMap<String, String> = shared.node.with_inputs(|i| {
+        held.keys()
+            .filter_map(|uid| {
+                let p = i.pods.get(uid)?;
+                Some((uid.clone(), format!("{}/{}", p.namespace, p.name)))
+            })
+            .collect()
+    });
+    let list = |refused: bool| {
+        let mut l: Vec<PodHeld> = held
+            .iter()
+            .filter(|(_, (_, r, _))| *r == refused)
+            .map(|(uid, (since, _, why))| PodHeld {
+                pod: names.get(uid).cloned().unwrap_or_else(|| uid.clone()),
+                since: *since,
+                why: why.clone(),
+            })
+            .collect();
+        l.sort_by(|a, b| (a.since, &a.pod).cmp(&(b.since, &b.pod)));
+        let count = l.len();
+        l.truncate(super::checks::READY_LISTED);
+        (l, count)
+    };
+    let (deferred, deferred_count) = list(false);
+    let (refused, refused_count) = list(true);
+    shared
+        .metrics
+        .pods_identity_deferred
+        .set(deferred_count as i64);
+    shared
+        .metrics
+        .pods_identity_refused
+        .set(refused_count as i64);
+    shared.problems.identity(|s| {
+        s.pods_deferred = deferred;
+        s.pods_deferred_count = deferred_count;
+        s.pods_refused = refused;
+        s.pods_refused_count = refused_count;
+    });
+}
+
+/// Keeps one subscription per pod in the node's inputs (with `placement`, per pod it
+/// places here), until the task is aborted.
+async fn follow(
+    client: DelegatedIdentityClient,
+    shared: Arc<Shared>,
+    mut placement: Option<PodViews>,
+) {
+    if placement.is_none() {
+        info!(
+            "no Kubernetes API access: pods' identities are not cross-checked with the API server; an SVID is requested on the CNI ADD's word"
+        );
+    }
     let mut snapshots = shared.node.subscribe();
     let mut subs: BTreeMap<String, Subscription> = BTreeMap::new();
     let mut next_id = 0u64;
+    let mut held = HeldBack::new();
+    let mut view_open = true;
     loop {
-        let pods: BTreeMap<String, PodKey> = shared.node.with_inputs(|i| {
-            i.pods
-                .iter()
-                .map(|(uid, p)| {
-                    (
-                        uid.clone(),
-                        PodKey {
-                            namespace: p.namespace.clone(),
-                            name: p.name.clone(),
-                        },
-                    )
-                })
-                .collect()
-        });
+        let pods = placed_pods(&shared, placement.as_ref(), &mut held);
+        report_held(&shared, &held);
         let open: BTreeMap<String, PodKey> = subs
             .iter()
             .map(|(uid, s)| (uid.clone(), s.key.clone()))
@@ -216,7 +325,12 @@ async fn follow(client: DelegatedIdentityClient, shared: Arc<Shared>) {
             // Dropping the task ends its stream: the provider sees the subscription close.
             drop(sub);
             shared.worked(&uid);
-            info!(uid = %uid, pod = %format!("{}/{}", open[&uid].namespace, open[&uid].name), "SVID subscription closed: the pod left the node");
+            let why = match held.get(&uid) {
+                Some((_, true, _)) => "the API server does not place the pod here as its ADD said",
+                Some((_, false, _)) => "the API server no longer lists the pod on this node",
+                None => "the pod left the node",
+            };
+            info!(uid = %uid, pod = %format!("{}/{}", open[&uid].namespace, open[&uid].name), "SVID subscription closed: {why}");
         }
         for uid in plan.subscribe {
             next_id += 1;
@@ -238,10 +352,20 @@ async fn follow(client: DelegatedIdentityClient, shared: Arc<Shared>) {
                 },
             );
         }
-        tokio::select! {
-            changed = snapshots.changed() => if changed.is_err() { return },
-            () = tokio::time::sleep(RESYNC) => {}
-        }
+        // The view changed: a pod listed, its IPs written, or the watch (re)synced.
+        let view_changed = async {
+            match placement.as_mut().filter(|_| view_open) {
+                Some(v) => v.changed().await.is_ok(),
+                None => std::future::pending().await,
+            }
+        };
+        let view_alive = tokio::select! {
+            changed = snapshots.changed() => if changed.is_err() { return } else { true },
+            alive = view_changed => alive,
+            () = tokio::time::sleep(RESYNC) => true,
+        };
+        // The source is gone (the worker is ending): the last view stands.
+        view_open &= view_alive;
     }
 }
 

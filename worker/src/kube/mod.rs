@@ -47,6 +47,7 @@ use watch::{Backoff, Step, Trouble, Watched, seed};
 /// The running Kubernetes source: the driver tells it when this worker owns the node.
 pub struct Kube {
     owner: tokio::sync::watch::Sender<Option<Arc<Writer>>>,
+    pods: tokio::sync::watch::Sender<PodView>,
     _task: tokio::task::JoinHandle<()>,
 }
 
@@ -65,14 +66,25 @@ impl Kube {
         problems: Reporter,
     ) -> Kube {
         let (owner, owner_rx) = tokio::sync::watch::channel(None);
+        let pods = tokio::sync::watch::Sender::new(PodView::default());
         let task = tokio::spawn(run(
             access,
             options,
             metrics,
             Trouble::new(problems),
             owner_rx,
+            pods.clone(),
         ));
-        Kube { owner, _task: task }
+        Kube {
+            owner,
+            pods,
+            _task: task,
+        }
+    }
+
+    /// This node's pods as the API server lists them, as the watch keeps them.
+    pub fn pods(&self) -> tokio::sync::watch::Receiver<PodView> {
+        self.pods.subscribe()
     }
 
     /// This worker serves the node: from now on it writes.
@@ -95,6 +107,7 @@ async fn run(
     metrics: Arc<Metrics>,
     trouble: Trouble,
     mut owner: tokio::sync::watch::Receiver<Option<Arc<Writer>>>,
+    pods_tx: tokio::sync::watch::Sender<PodView>,
 ) {
     let mut backoff = Backoff::new(seed());
     let client = loop {
@@ -111,7 +124,6 @@ async fn run(
     trouble.clear("client");
     info!(access = %access, node = %options.node_name, "Kubernetes API: watching this node's pods and node object");
 
-    let pods_tx = tokio::sync::watch::Sender::new(PodView::default());
     let node_tx: tokio::sync::watch::Sender<Option<Vec<Value>>> =
         tokio::sync::watch::Sender::new(None);
     let pods = Watched {
@@ -206,6 +218,12 @@ fn pod_event(step: Step<KubePod>) -> Option<PodEvent> {
                 namespace: m.namespace.clone().unwrap_or_default(),
                 name: m.name.clone().unwrap_or_default(),
                 deleting: m.deletion_timestamp.is_some(),
+                ips: p
+                    .status
+                    .iter()
+                    .flat_map(|s| s.pod_ips.iter().flatten())
+                    .filter_map(|ip| ip.ip.parse().ok())
+                    .collect(),
             },
         ))
     };

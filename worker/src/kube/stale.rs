@@ -89,6 +89,7 @@ mod tests {
                     namespace: "d".into(),
                     name: u.to_string(),
                     deleting: false,
+                    ips: vec![],
                 },
             ));
         }
@@ -138,6 +139,7 @@ mod tests {
                 namespace: "d".into(),
                 name: "p".into(),
                 deleting: false,
+                ips: vec![],
             },
         ));
         assert!(s.check(t0 + GRACE * 2, &v, ["p"]).is_empty());

@@ -17,6 +17,9 @@ pub struct ApiPod {
     pub name: String,
     /// `metadata.deletionTimestamp` is set: the pod is terminating.
     pub deleting: bool,
+    /// `status.podIPs`, which the kubelet writes after the pod's CNI ADD returns: empty
+    /// until then (an entry that is no address is left out).
+    pub ips: Vec<std::net::IpAddr>,
 }
 
 /// A watcher event about this node's pods, keyed by pod uid.
@@ -82,6 +85,19 @@ impl PodView {
         self.pods.get(uid)
     }
 
+    pub fn get_key_value(&self, uid: &str) -> Option<(&str, &ApiPod)> {
+        self.pods.get_key_value(uid).map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The pod named `namespace/name`, with its uid (a walk: for records whose ADD named
+    /// no uid, which few runtimes send).
+    pub fn find(&self, namespace: &str, name: &str) -> Option<(&str, &ApiPod)> {
+        self.pods
+            .iter()
+            .find(|(_, p)| p.namespace == namespace && p.name == name)
+            .map(|(k, v)| (k.as_str(), v))
+    }
+
     pub fn contains(&self, uid: &str) -> bool {
         self.pods.contains_key(uid)
     }
@@ -123,6 +139,7 @@ mod tests {
             namespace: "default".into(),
             name: name.into(),
             deleting,
+            ips: vec![],
         }
     }
 
