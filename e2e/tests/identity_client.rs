@@ -67,6 +67,7 @@ fn agent(provider: &IdentityProvider, trust_domain: &str, mode: MtlsMode) -> Age
         node.clone(),
         metrics.clone(),
         Reporter::new(status.clone()),
+        None,
     );
     Agent {
         node,

@@ -18,7 +18,8 @@ use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::harness::two_node::eds_health;
 use aether_e2e::kube_api::{KubeApi, Rule};
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, free_port, metrics_wrapper, scrape_metrics, wait_for,
+    Agent, LocalNode, bin, free_port, identity_args, identity_provider_for_agents, metrics_wrapper,
+    scrape_metrics, try_wait_for, wait_for,
 };
 use serde_json::{Value, json};
 
@@ -819,4 +820,160 @@ fn a_403_is_a_clear_log_line_and_a_metric_and_no_crash_loop() {
         "nothing was patched"
     );
     node.root.disable_cleanup(false);
+}
+
+// ---- SVIDs only for pods the API server places here -----------------------------------
+
+/// The pods of `provider` with an open SVID stream.
+fn subscribed(provider: &aether_e2e::identity::IdentityProvider) -> Vec<String> {
+    provider
+        .subscriptions()
+        .into_iter()
+        .filter(|(_, streams)| *streams > 0)
+        .map(|(uid, _)| uid)
+        .collect()
+}
+
+/// The `namespace/name`s of one of `/ready`'s identity lists (`pods_deferred`,
+/// `pods_refused`).
+fn listed(agent: &Agent, list: &str) -> Vec<String> {
+    let Some((_, v)) = agent.ready() else {
+        return vec![];
+    };
+    let mut names: Vec<String> = v["identity"][list]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["pod"].as_str().map(String::from))
+        .collect();
+    names.sort();
+    names
+}
+
+/// One run with the test API server, whose pods follow the kubelet's order: the pod
+/// exists with its node at the ADD, and its podIP appears about a second after the ADD
+/// returns.
+/// - placed: listed here before its ADD, its podIP written 1 s after: gets its SVID (the
+///   positive control);
+/// - unlisted (no pod object anywhere) and elsewhere (listed on another node): their ADDs
+///   succeed, no SVID stream is ever opened, and `/ready` lists them as deferred;
+/// - wrong-ip: listed here, subscribed at its ADD, then its podIP is written as another
+///   address: its stream closes, its certificate leaves Envoy, `/ready` lists it refused;
+/// - late: its ADD comes before the API server lists it; once listed it gets its SVID,
+///   and keeps it when its podIP is written 2 s later.
+#[test]
+fn svids_go_only_to_pods_the_api_server_places_on_this_node() {
+    let Some(envoy) = envoy_or_skip("svids_go_only_to_pods_the_api_server_places_on_this_node")
+    else {
+        return;
+    };
+    let api = KubeApi::start();
+    let kc = Kubeconfigs::new();
+    let owner_kc = kc.flag(&api, "owner", true);
+    api.put_node(node_object("test-node", &[]));
+    let (_idp_dir, idp) = identity_provider_for_agents("example.org");
+    let mut args = identity_args(&idp, "permissive");
+    args.push(owner_kc);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut rig = NodeRig::start_from(&envoy, AdsApi::Delta, None, &args);
+    let cni = cni(&rig.node);
+    let ip = |n: u8| Ipv4Addr::new(10, 92, 0, n);
+    let (placed, unlisted, elsewhere, wrong_ip, late) =
+        (pod_id(11), pod_id(12), pod_id(13), pod_id(14), pod_id(15));
+
+    api.put_pod(pod_object(&placed, "test-node"));
+    api.put_pod(pod_object(&elsewhere, "other-node"));
+    api.put_pod(pod_object(&wrong_ip, "test-node"));
+    for (p, n) in [
+        (&placed, 11),
+        (&unlisted, 12),
+        (&elsewhere, 13),
+        (&wrong_ip, 14),
+        (&late, 15),
+    ] {
+        cni.call("ADD", p, Some(ip(n)))
+            .unwrap_or_else(|e| panic!("ADD of {}: {e}\n{}", p.name, rig.where_to_look()));
+    }
+    // The kubelet writes the podIPs after the ADDs return.
+    std::thread::sleep(Duration::from_secs(1));
+    api.set_pod_ips(NS, &placed.name, &[ip(11).into()]);
+    api.set_pod_ips(NS, &wrong_ip.name, &[ip(99).into()]);
+
+    let serial_in_envoy = |p: &PodId| {
+        let serial = idp.serial_of_pod(&p.uid)?;
+        let serials = aether_e2e::harness::identity::envoy_serials(&rig.envoy).ok()?;
+        Some(serials.contains(&serial))
+    };
+    wait_for("the placed pod's certificate in Envoy", T, || {
+        (serial_in_envoy(&placed) == Some(true)).then_some(())
+    });
+    let mut last = (vec![], vec![], vec![]);
+    try_wait_for("the cross-check's verdicts in /ready", T, || {
+        last = (
+            subscribed(&idp),
+            listed(&rig.owner, "pods_deferred"),
+            listed(&rig.owner, "pods_refused"),
+        );
+        let want = (
+            vec![placed.uid.clone()],
+            vec![
+                format!("{NS}/{}", unlisted.name),
+                format!("{NS}/{}", elsewhere.name),
+                format!("{NS}/{}", late.name),
+            ],
+            vec![format!("{NS}/{}", wrong_ip.name)],
+        );
+        (last == want).then_some(())
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: (subscribed, deferred, refused) = {last:?}\n{}",
+            rig.where_to_look()
+        )
+    });
+    let v = rig.owner.ready().expect("/ready").1;
+    assert_eq!(v["identity"]["pods_deferred_count"], 3, "{v:#}");
+    assert_eq!(v["identity"]["pods_refused_count"], 1, "{v:#}");
+    let why = v["identity"]["pods_refused"][0]["why"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        why.contains("10.92.0.99") && why.contains("10.92.0.14"),
+        "{why}"
+    );
+    for p in [&unlisted, &elsewhere, &late] {
+        assert_eq!(idp.serial_of_pod(&p.uid), None, "{}: subscribed", p.name);
+    }
+    // wrong-ip was subscribed at its ADD (listed, no podIP yet), and no longer is: its
+    // certificate is out of Envoy.
+    assert!(
+        idp.serial_of_pod(&wrong_ip.uid).is_some(),
+        "wrong-ip was never subscribed"
+    );
+    wait_for("wrong-ip's certificate out of Envoy", T, || {
+        (serial_in_envoy(&wrong_ip) == Some(false)).then_some(())
+    });
+    // The late pod: listed now, its SVID follows; its podIP 2 s later keeps it.
+    let listed_at = Instant::now();
+    api.put_pod(pod_object(&late, "test-node"));
+    wait_for("the late pod's certificate in Envoy", T, || {
+        (serial_in_envoy(&late) == Some(true)).then_some(())
+    });
+    eprintln!(
+        "late pod listed to its certificate in Envoy: {:?}",
+        listed_at.elapsed()
+    );
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(listed_at.elapsed()));
+    api.set_pod_ips(NS, &late.name, &[ip(15).into()]);
+    wait_for("the late pod no longer deferred", T, || {
+        (!listed(&rig.owner, "pods_deferred").contains(&format!("{NS}/{}", late.name)))
+            .then_some(())
+    });
+    assert!(subscribed(&idp).contains(&late.uid));
+    assert_eq!(serial_in_envoy(&late), Some(true));
+    assert_eq!(
+        listed(&rig.owner, "pods_refused"),
+        vec![format!("{NS}/{}", wrong_ip.name)]
+    );
+    rig.pass();
 }

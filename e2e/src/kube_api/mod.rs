@@ -203,6 +203,24 @@ impl KubeApi {
         self.plant(Resource::Pods, pod);
     }
 
+    /// What the kubelet does once the pod's CNI ADD has returned: writes
+    /// `status.podIP` and `status.podIPs` (the pod must exist).
+    pub fn set_pod_ips(&self, namespace: &str, name: &str, ips: &[std::net::IpAddr]) {
+        let mut pod = self
+            .pod(namespace, name)
+            .unwrap_or_else(|| panic!("no pod {namespace}/{name} to write the IPs of"));
+        let status = &mut pod["status"];
+        if !status.is_object() {
+            *status = serde_json::json!({});
+        }
+        status["podIP"] = ips.first().map(|ip| ip.to_string()).into();
+        status["podIPs"] = ips
+            .iter()
+            .map(|ip| serde_json::json!({ "ip": ip.to_string() }))
+            .collect();
+        self.put_pod(pod);
+    }
+
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
         self.shared
             .lock()

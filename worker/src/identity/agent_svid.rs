@@ -147,6 +147,9 @@ fn apply(
     }
     // What is wrong with this message's SVID, if anything but its trust domain.
     let mut unusable = None;
+    // Published on /ready only once the node has the SVID: whoever sees it there finds it
+    // in the node's inputs too.
+    let mut published = None;
     match context.default_svid() {
         None => {
             unusable = Some(
@@ -178,7 +181,7 @@ fn apply(
                         serial: svid.serial.clone(),
                         not_after: svid.not_after,
                     };
-                    problems.identity(|s| s.agent = Some(status));
+                    published = Some(status);
                     held.svid = Some(svid.clone());
                     changes.push(Change::SetAgentSvid(Some(svid)));
                 }
@@ -189,9 +192,14 @@ fn apply(
             }
         },
     }
-    let bundle = held.bundle.is_some();
-    problems.identity(|s| s.bundle = bundle);
     node.apply(changes);
+    let bundle = held.bundle.is_some();
+    problems.identity(|s| {
+        s.bundle = bundle;
+        if let Some(status) = published {
+            s.agent = Some(status);
+        }
+    });
     match unusable {
         Some(why) => problems.set(PROBLEM, why),
         None => problems.clear(PROBLEM),

@@ -1036,10 +1036,10 @@ mod tests {
         Arc::new(build(&i))
     }
 
-    /// (type, names sent with the tombstone's version, names sent otherwise, removed).
-    fn sent_tombstones(
-        st: &mut DeltaState,
-    ) -> Vec<(String, Vec<String>, Vec<String>, Vec<String>)> {
+    /// (nonce, names sent with the tombstone's version, names sent otherwise, removed).
+    type Sent = (String, Vec<String>, Vec<String>, Vec<String>);
+
+    fn sent_tombstones(st: &mut DeltaState) -> Vec<Sent> {
         st.pending()
             .into_iter()
             .map(|r| {
