@@ -572,3 +572,90 @@ fn a_takeover_waits_for_the_svids_of_pods_added_during_the_overlap_up_to_its_bou
     wait_svid_counts(&rig.owner, 3, 0, T);
     rig.pass();
 }
+
+// ---- 3. SPIRE's refusals ----------------------------------------------------------------
+
+/// Waits until the owner's `spiffe-broker` problem contains `needle`; returns `/ready`.
+fn wait_broker_problem(agent: &Agent, needle: &str) -> Value {
+    let mut last = Value::Null;
+    try_wait_for(
+        &format!("a spiffe-broker problem naming {needle:?}"),
+        T,
+        || {
+            let v = agent.ready()?.1;
+            let found = problem(&v, "spiffe-broker").is_some_and(|m| m.contains(needle));
+            last = v;
+            found.then(|| last.clone())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}: /ready {last:#}\n{}", agent.log()))
+}
+
+/// The identity provider refuses what SPIRE refuses: an agent that is not an authorized
+/// delegate gets no pod SVID and no bundle, and `/ready` names the setting that fixes it;
+/// once authorized, it gets them by itself. A pod that no registration entry matches gets
+/// SPIRE's empty answer: no SVID, on a stream the agent keeps open; an entry that comes
+/// brings the SVID on that stream, one that goes withdraws it from Envoy.
+#[test]
+fn spire_refusals_leave_pods_without_svids_say_why_and_end_without_a_restart() {
+    let (_dir, idp) = identity_provider_for_agents(TD);
+    idp.set_authorized_delegates(&["spiffe://example.org/someone-else"]);
+    idp.set_pod_namespaces(Some(&["elsewhere"]));
+    let Some(mut rig) = identity_rig(
+        "spire_refusals_leave_pods_without_svids_say_why_and_end_without_a_restart",
+        &idp,
+    ) else {
+        return;
+    };
+    let p = pod(21);
+    let uid = p.0.uid.clone();
+    add(&rig, &p);
+
+    // Not a delegate: nothing is subscribed, and /ready says what to configure.
+    let v = wait_broker_problem(&rig.owner, "authorized_delegates");
+    assert_eq!(idp.streams_opened(&uid), 0, "{v:#}");
+    wait_svid_counts(&rig.owner, 0, 1, T);
+    let only_plaintext: BTreeMap<String, Chains> = [(uid.clone(), plaintext_only(&uid))].into();
+    wait_chains(&rig, &only_plaintext, "the pod's listener, plaintext only");
+
+    // Authorized (the agent reconnects on its own), but no entry matches the pod: SPIRE's
+    // empty answer, on one stream that stays open.
+    idp.set_authorized_delegates(&[&idp.agent_spiffe_id()]);
+    let v = wait_broker_problem(&rig.owner, "no registration entry");
+    idp.wait_for_streams(&uid, 1);
+    assert_eq!(v["identity"]["pods_without_svid_count"], 1, "{v:#}");
+
+    // An entry comes: the SVID arrives on that stream and the problem clears.
+    idp.set_pod_namespaces(None);
+    let with_mtls: BTreeMap<String, Chains> = [(uid.clone(), mtls_and_plaintext(&uid))].into();
+    wait_chains(
+        &rig,
+        &with_mtls,
+        "the pod's listener with mTLS once an entry matches",
+    );
+    let v = wait_svid_counts(&rig.owner, 1, 0, T);
+    assert!(problem(&v, "spiffe-broker").is_none(), "{v:#}");
+
+    // The entry goes: the SVID is withdrawn from Envoy; it comes back with the entry.
+    idp.set_pod_namespaces(Some(&["elsewhere"]));
+    wait_chains(
+        &rig,
+        &only_plaintext,
+        "the pod's listener once its entry is gone",
+    );
+    wait_broker_problem(&rig.owner, "no registration entry");
+    wait_svid_counts(&rig.owner, 0, 1, T);
+    idp.set_pod_namespaces(None);
+    wait_chains(
+        &rig,
+        &with_mtls,
+        "the pod's listener once the entry is back",
+    );
+    assert_eq!(
+        idp.streams_opened(&uid),
+        1,
+        "the agent re-subscribed instead of keeping its stream\n{}",
+        rig.owner.log()
+    );
+    rig.pass();
+}

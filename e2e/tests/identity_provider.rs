@@ -363,24 +363,105 @@ async fn delegated_identity_api_streams_pod_svids() {
         idp.serial_of_pod("uid-web")
     );
 
-    // A pod not fully named is refused.
+    // A pod not fully named matches no entry: SPIRE's empty answer, no SVID.
     let partial = DelegateAttestationRequest::for_selectors(vec![Selector::Generic((
         "k8s".into(),
         "ns:default".into(),
     ))])
     .unwrap();
     match client.fetch_x509_svid(partial).await {
-        Err(spire_api::DelegatedIdentityError::Transport(
-            spiffe::transport::TransportError::Status(s),
-        )) => {
-            assert_eq!(
-                s.code(),
-                spiffe::transport::GrpcStatusCode::InvalidArgument,
-                "{s}"
-            )
-        }
+        Err(spire_api::DelegatedIdentityError::EmptyResponse) => {}
         other => panic!("selectors without pod-name and pod-uid: {other:?}"),
     }
+}
+
+/// The PERMISSION_DENIED status of a refused call, or a panic naming what came instead.
+fn permission_denied<T: std::fmt::Debug>(
+    got: Result<T, spire_api::DelegatedIdentityError>,
+) -> String {
+    match got {
+        Err(spire_api::DelegatedIdentityError::Transport(
+            spiffe::transport::TransportError::Status(s),
+        )) if s.code() == spiffe::transport::GrpcStatusCode::PermissionDenied => {
+            s.message().to_owned()
+        }
+        other => panic!("want PERMISSION_DENIED, got {other:?}"),
+    }
+}
+
+/// 2b. As SPIRE: only a caller whose attested SPIFFE ID is an authorized delegate is
+///     served, and selectors that match no registration entry get no SVID, on a stream
+///     that stays open for the SVID an entry brings later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegated_identity_api_serves_authorized_delegates_and_registered_pods_only() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let idp = start(dir.path());
+    let me = std::fs::metadata("/proc/self").expect("/proc/self").uid();
+    let client = DelegatedIdentityClient::connect_to(unix(&idp.delegated_socket()))
+        .await
+        .expect("connecting to the delegated socket");
+    let web = || pod_request("default", "web-1", "uid-web");
+
+    // A caller whose entry is not an authorized delegate; then one without an entry.
+    idp.set_authorized_delegates(&["spiffe://example.org/someone-else"]);
+    assert_eq!(
+        permission_denied(client.fetch_x509_svid(web()).await),
+        "caller not configured as an authorized delegate"
+    );
+    assert_eq!(
+        permission_denied(client.fetch_x509_bundles().await),
+        "caller not configured as an authorized delegate"
+    );
+    idp.set_authorized_delegates(&[&idp.agent_spiffe_id()]);
+    idp.set_caller_entry(me, None);
+    assert_eq!(
+        permission_denied(client.fetch_x509_svid(web()).await),
+        "no identity issued"
+    );
+    idp.set_caller_entry(me, Some(&idp.agent_spiffe_id()));
+    assert_eq!(
+        client
+            .fetch_x509_svid(web())
+            .await
+            .unwrap()
+            .spiffe_id()
+            .to_string(),
+        "spiffe://example.org/ns/default/pod/web-1"
+    );
+    idp.wait_for_streams("uid-web", 0);
+
+    // No entry for the pod's namespace: an empty answer, the stream open.
+    idp.set_pod_namespaces(Some(&["default"]));
+    let mut db = client
+        .stream_x509_svids(pod_request("data", "db-0", "uid-db"))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            next(&mut db, "db-0's first answer").await,
+            Some(Err(spire_api::DelegatedIdentityError::EmptyResponse))
+        ),
+        "want SPIRE's empty answer for a pod no entry matches"
+    );
+    idp.wait_for_streams("uid-db", 1);
+    // An entry comes: the SVID, on the same stream; it goes: the empty answer again.
+    idp.set_pod_namespaces(None);
+    let svid = next(&mut db, "db-0's SVID once an entry matches")
+        .await
+        .expect("an SVID")
+        .unwrap();
+    assert_eq!(
+        svid.spiffe_id().to_string(),
+        "spiffe://example.org/ns/data/pod/db-0"
+    );
+    assert_eq!(Some(leaf_serial(&svid)), idp.serial_of_pod("uid-db"));
+    idp.set_pod_namespaces(Some(&[]));
+    assert!(matches!(
+        next(&mut db, "db-0's answer once its entry is gone").await,
+        Some(Err(spire_api::DelegatedIdentityError::EmptyResponse))
+    ));
+    assert_eq!(idp.streams_opened("uid-db"), 1);
 }
 
 /// 3. Down ends every open stream with UNAVAILABLE and refuses connects; up serves again on
@@ -642,4 +723,201 @@ fn python_spiffe_fetches_the_agent_svid() {
         expected(idp.serial_of_agent()),
         "py-spiffe sees the rotated SVID"
     );
+}
+
+/// A Delegated Identity client in Python, on grpcio, its messages and method paths built
+/// at run time from a descriptor set that Debian's protoc compiles from the protos the
+/// `spire-api` crate publishes (not the provider's own copies, which protox compiles):
+/// `svid NS NAME UID` prints the pod's first answer, `bundles` the first bundle answer,
+/// each one JSON line; a refused call prints its status code and details.
+///
+/// As [`PY_FETCH`], the channel sends `:authority: localhost`.
+const PY_DELEGATED: &str = r#"
+import json, sys
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+descriptors, socket, mode, *args = sys.argv[1:]
+pool = descriptor_pool.DescriptorPool()
+for f in descriptor_pb2.FileDescriptorSet.FromString(open(descriptors, "rb").read()).file:
+    pool.Add(f)
+service = pool.FindServiceByName("spire.api.agent.delegatedidentity.v1.DelegatedIdentity")
+
+def call(method_name, request_fields):
+    method = service.methods_by_name[method_name]
+    request = message_factory.GetMessageClass(method.input_type)(**request_fields)
+    response = message_factory.GetMessageClass(method.output_type)
+    channel = grpc.insecure_channel("unix:" + socket, [("grpc.default_authority", "localhost")])
+    stream = channel.unary_stream(
+        "/%s/%s" % (service.full_name, method.name),
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=response.FromString,
+    )(request, timeout=10)
+    try:
+        return next(stream)
+    finally:
+        stream.cancel()
+        channel.close()
+
+def pem(der):
+    return x509.load_der_x509_certificate(der)
+
+try:
+    if mode == "bundles":
+        answer = call("SubscribeToX509Bundles", {})
+        print(json.dumps({"bundles": {k: pem(v).subject.rfc4514_string() for k, v in answer.ca_certificates.items()}}))
+    else:
+        namespace, name, uid = args
+        selector = message_factory.GetMessageClass(pool.FindMessageTypeByName("spire.api.types.Selector"))
+        selectors = [selector(type="k8s", value=v) for v in ("ns:" + namespace, "pod-name:" + name, "pod-uid:" + uid)]
+        answer = call("SubscribeToX509SVIDs", {"selectors": selectors})
+        bundles = call("SubscribeToX509Bundles", {}).ca_certificates
+        out = []
+        for s in answer.x509_svids:
+            leaf = pem(s.x509_svid.cert_chain[0])
+            sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            key = serialization.load_der_private_key(s.x509_svid_key, None)
+            raw = lambda k: k.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+            issued = []
+            for td, der in bundles.items():
+                try:
+                    leaf.verify_directly_issued_by(pem(der))
+                    issued.append(td)
+                except Exception:
+                    pass
+            out.append({
+                "id": "spiffe://%s%s" % (s.x509_svid.id.trust_domain, s.x509_svid.id.path),
+                "uri_sans": [str(u) for u in sans.get_values_for_type(x509.UniformResourceIdentifier)],
+                "key_matches": raw(key.public_key()) == raw(leaf.public_key()),
+                "issued_by": issued,
+                "serial": "%x" % leaf.serial_number,
+            })
+        print(json.dumps({"svids": out}))
+except grpc.RpcError as e:
+    print(json.dumps({"code": e.code().name, "details": e.details()}))
+"#;
+
+/// The `spire-api` crate's published protos (its `spire-api-sdk/proto`), found through
+/// `cargo metadata`, compiled by Debian's protoc into a descriptor set in `dir`.
+fn spire_api_descriptors(dir: &Path) -> std::path::PathBuf {
+    let root = aether_e2e::testing::workspace_root();
+    let out = std::process::Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--offline",
+            "--manifest-path",
+        ])
+        .arg(root.join("Cargo.toml"))
+        .output()
+        .expect("running cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("cargo metadata's JSON");
+    let manifest = meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "spire-api")
+        .and_then(|p| p["manifest_path"].as_str())
+        .expect("the spire-api package in cargo metadata");
+    let protos = Path::new(manifest)
+        .with_file_name("spire-api-sdk")
+        .join("proto");
+    let set = dir.join("spire-api.pb");
+    let out = std::process::Command::new("protoc")
+        .arg("--include_imports")
+        .arg(format!("--descriptor_set_out={}", set.display()))
+        .arg(format!("-I{}", protos.display()))
+        .arg("spire/api/agent/delegatedidentity/v1/delegatedidentity.proto")
+        .output()
+        .expect("running protoc (scripts/install-deps.sh installs it)");
+    assert!(
+        out.status.success(),
+        "protoc on {}: {}",
+        protos.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    set
+}
+
+/// 5. An independent client of the Delegated Identity side: Python's grpcio with messages
+///    from SPIRE's published protos. The pod's SVID (its ID in the answer and as the leaf's
+///    only URI SAN, its key, issued by the bundle's CA), the bundle keyed by the trust
+///    domain's SPIFFE ID, a pod no entry matches, and a caller that is not a delegate.
+#[test]
+fn a_python_client_from_spires_published_protos_checks_the_delegated_identity_api() {
+    let Some(python) = python_or_skip(
+        "a_python_client_from_spires_published_protos_checks_the_delegated_identity_api",
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let idp = start(dir.path());
+    let descriptors = spire_api_descriptors(dir.path());
+    let ask = |args: &[&str]| -> serde_json::Value {
+        let out = std::process::Command::new(&python)
+            .arg("-c")
+            .arg(PY_DELEGATED)
+            .arg(&descriptors)
+            .arg(idp.delegated_socket())
+            .args(args)
+            .output()
+            .expect("running python");
+        assert!(
+            out.status.success(),
+            "the Python client failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("one JSON line")
+    };
+
+    let got = ask(&["svid", "shop", "cart-0", "uid-cart"]);
+    let id = "spiffe://example.org/ns/shop/pod/cart-0";
+    let serial = idp.serial_of_pod("uid-cart").expect("the pod is known");
+    assert_eq!(
+        got,
+        serde_json::json!({"svids": [{
+            "id": id,
+            "uri_sans": [id],
+            "key_matches": true,
+            "issued_by": ["spiffe://example.org"],
+            "serial": serial.trim_start_matches('0'),
+        }]}),
+    );
+    let bundles = ask(&["bundles"]);
+    assert_eq!(
+        bundles["bundles"].as_object().map(|m| m.len()),
+        Some(1),
+        "{bundles}"
+    );
+    assert!(
+        bundles["bundles"]["spiffe://example.org"].is_string(),
+        "{bundles}"
+    );
+
+    idp.set_pod_namespaces(Some(&["elsewhere"]));
+    assert_eq!(
+        ask(&["svid", "shop", "cart-0", "uid-cart"]),
+        serde_json::json!({"svids": []})
+    );
+
+    idp.set_authorized_delegates(&["spiffe://example.org/someone-else"]);
+    for args in [&["svid", "shop", "cart-0", "uid-cart"][..], &["bundles"]] {
+        assert_eq!(
+            ask(args),
+            serde_json::json!({
+                "code": "PERMISSION_DENIED",
+                "details": "caller not configured as an authorized delegate",
+            }),
+            "{args:?}"
+        );
+    }
 }

@@ -1,13 +1,23 @@
 //! SPIRE's Delegated Identity API (`spire.api.agent.delegatedidentity.v1.DelegatedIdentity`)
-//! of the test identity provider, a test double of a SPIRE agent's admin socket: the
-//! caller is trusted as an authorized delegate (no caller attestation).
+//! of the test identity provider, a test double of a SPIRE agent's admin socket.
 //!
+//! - The caller is authorized as SPIRE authorizes it (`isCallerAuthorized` in SPIRE's
+//!   `pkg/agent/api/delegatedidentity/v1/service.go`): attested by the unix uid of its
+//!   connection, it must match an entry (else PERMISSION_DENIED "no identity issued") whose
+//!   SPIFFE ID is listed in `authorized_delegates` (else PERMISSION_DENIED "caller not
+//!   configured as an authorized delegate"). By default every uid attests to the agent's
+//!   SPIFFE ID, the one authorized delegate; [`crate::identity::IdentityProvider`] changes
+//!   both lists.
 //! - `SubscribeToX509SVIDs` by selectors: a pod is named by the Kubernetes selectors
 //!   `k8s:ns:<namespace>`, `k8s:pod-name:<name>` and `k8s:pod-uid:<uid>` (all three; other
-//!   selectors are ignored) and gets `spiffe://<trust-domain>/ns/<namespace>/pod/<name>`.
-//!   A stream: the pod's current SVID at once (unless the pod is held), then one response
-//!   per rotation. Subscribing by PID answers UNIMPLEMENTED; both PID and selectors, or
-//!   neither, INVALID_ARGUMENT, as SPIRE.
+//!   selectors are ignored) and gets `spiffe://<trust-domain>/ns/<namespace>/pod/<name>`,
+//!   where a registration entry matches it (by default every namespace has one). A stream:
+//!   the pod's current SVID at once (unless the pod is held), then one response per
+//!   rotation. Selectors that match no entry (a pod not fully named, or in a namespace
+//!   without an entry) get what SPIRE's cache sends then: a response with no SVID, at once,
+//!   on a stream that stays open; the SVID follows if an entry comes to match, and a
+//!   removed entry sends the empty response again. Subscribing by PID answers
+//!   UNIMPLEMENTED; both PID and selectors, or neither, INVALID_ARGUMENT, as SPIRE.
 //! - `SubscribeToX509Bundles`: a stream; the trust bundle at once, keyed by the trust
 //!   domain's SPIFFE ID (`spiffe://<trust-domain>`) as released SPIRE agents key it.
 //! - the JWT methods answer UNIMPLEMENTED.
@@ -17,6 +27,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 
 use super::ca::Svid;
@@ -87,15 +98,40 @@ pub fn svid_response(svid: &Svid, trust_domain: &str) -> SubscribeToX509sviDsRes
     }
 }
 
-/// Sends `pod`'s current SVID on each of its streams that has not had it yet.
-pub fn push(pod: &mut Pod, trust_domain: &str) {
-    let response = svid_response(&pod.svid, trust_domain);
+/// What SPIRE sends for selectors that match no entry: no SVID.
+pub fn no_svid() -> SubscribeToX509sviDsResponse {
+    SubscribeToX509sviDsResponse::default()
+}
+
+/// The mark of a stream that was last sent [`no_svid`] (a serial is never empty).
+const NO_SVID: &str = "";
+
+/// Brings each of `pod`'s streams to what it should have: with an entry, the current SVID
+/// unless the pod is held; without one, [`no_svid`]. Sends only what a stream lacks.
+pub fn push(pod: &mut Pod, trust_domain: &str, entry: bool, held: bool) {
+    let (mark, response) = match (entry, held) {
+        (false, _) => (NO_SVID, no_svid()),
+        (true, true) => return,
+        (true, false) => (
+            pod.svid.serial.as_str(),
+            svid_response(&pod.svid, trust_domain),
+        ),
+    };
     for (tx, sent) in pod.streams.values_mut() {
-        if sent.as_deref() != Some(pod.svid.serial.as_str()) {
+        if sent.as_deref() != Some(mark) {
             let _ = tx.send(Ok(response.clone()));
-            *sent = Some(pod.svid.serial.clone());
+            *sent = Some(mark.to_owned());
         }
     }
+}
+
+/// The unix uid of the request's caller, if its connection has one.
+fn caller_uid<T>(request: &Request<T>) -> Option<u32> {
+    request
+        .extensions()
+        .get::<UdsConnectInfo>()
+        .and_then(|i| i.peer_cred)
+        .map(|c| c.uid())
 }
 
 #[tonic::async_trait]
@@ -109,6 +145,8 @@ impl DelegatedIdentity for DelegatedApi {
         &self,
         request: Request<SubscribeToX509sviDsRequest>,
     ) -> Result<Response<Self::SubscribeToX509SVIDsStream>, Status> {
+        let caller = caller_uid(&request);
+        self.shared.lock().authorize_delegate(caller)?;
         let request = request.into_inner();
         match (request.pid, request.selectors.is_empty()) {
             (0, true) => {
@@ -128,9 +166,24 @@ impl DelegatedIdentity for DelegatedApi {
                 ));
             }
         }
-        let pod = pod_from_selectors(&request.selectors).map_err(Status::invalid_argument)?;
         let shared = self.shared.clone();
         let trust_domain = self.shared.ca.trust_domain();
+        let Ok(pod) = pod_from_selectors(&request.selectors) else {
+            let (id, rx) = self.shared.update(|s| {
+                if s.down {
+                    return Err(Status::unavailable("the test identity provider is down"));
+                }
+                let (id, tx, rx) = s.open();
+                let _ = tx.send(Ok(no_svid()));
+                s.unmatched_streams.insert(id, tx);
+                Ok((id, rx))
+            })?;
+            return Ok(Response::new(Subscription::new(
+                rx,
+                StreamKey::Unmatched(id),
+                shared,
+            )));
+        };
         let (id, rx) = self.shared.update(|s| {
             if s.down {
                 return Err(Status::unavailable("the test identity provider is down"));
@@ -147,12 +200,14 @@ impl DelegatedIdentity for DelegatedApi {
                     namespace: pod.namespace.clone(),
                     name: pod.name.clone(),
                     svid,
+                    opened: 0,
                     streams: BTreeMap::new(),
                 };
                 s.pods.insert(pod.uid.clone(), known);
             }
             let (id, tx, rx) = s.open();
             let held = s.held.contains(&pod.uid);
+            let entry = s.has_entry(&pod.namespace);
             let known = s.pods.get_mut(&pod.uid).expect("inserted above");
             if (known.namespace.as_str(), known.name.as_str())
                 != (pod.namespace.as_str(), pod.name.as_str())
@@ -163,9 +218,8 @@ impl DelegatedIdentity for DelegatedApi {
                 )));
             }
             known.streams.insert(id, (tx, None));
-            if !held {
-                push(known, trust_domain);
-            }
+            known.opened += 1;
+            push(known, trust_domain, entry, held);
             Ok((id, rx))
         })?;
         Ok(Response::new(Subscription::new(
@@ -177,8 +231,11 @@ impl DelegatedIdentity for DelegatedApi {
 
     async fn subscribe_to_x509_bundles(
         &self,
-        _request: Request<SubscribeToX509BundlesRequest>,
+        request: Request<SubscribeToX509BundlesRequest>,
     ) -> Result<Response<Self::SubscribeToX509BundlesStream>, Status> {
+        self.shared
+            .lock()
+            .authorize_delegate(caller_uid(&request))?;
         let shared = self.shared.clone();
         let (id, rx) = self.shared.update(|s| {
             if s.down {

@@ -9,7 +9,9 @@
 //! - SPIRE's Delegated Identity API (`spire.api.agent.delegatedidentity.v1`, [`delegated`])
 //!   on [`IdentityProvider::delegated_socket`]: a pod, named by the selectors
 //!   `k8s:ns:<namespace>`, `k8s:pod-name:<name>`, `k8s:pod-uid:<uid>`, gets
-//!   `spiffe://<trust-domain>/ns/<namespace>/pod/<name>`.
+//!   `spiffe://<trust-domain>/ns/<namespace>/pod/<name>`. As SPIRE, it serves only callers
+//!   whose attested SPIFFE ID is an authorized delegate, and sends no SVID for selectors
+//!   that match no registration entry.
 //!
 //! The SVIDs are real X.509-SVIDs from a CA made at start ([`ca`]). The test drives the
 //! provider: rotations pushed on the open streams, pods held back, the whole provider down
@@ -251,8 +253,36 @@ impl IdentityProvider {
         let td = self.trust_domain();
         self.shared.update(|s| {
             s.held.remove(uid);
-            if let Some(pod) = s.pods.get_mut(uid) {
-                delegated::push(pod, td);
+            sync(s, uid, td);
+        });
+    }
+
+    /// The SPIFFE IDs allowed to call the Delegated Identity API, as SPIRE's
+    /// `authorized_delegates` (the agent's alone at start). Checked on each new call.
+    pub fn set_authorized_delegates(&self, ids: &[&str]) {
+        self.shared.update(|s| {
+            s.authorized_delegates = ids.iter().map(|id| (*id).to_owned()).collect();
+        });
+    }
+
+    /// The SPIFFE ID that a Delegated Identity caller with unix uid `uid` attests to (None:
+    /// no entry matches it). A uid never set attests to the agent's SPIFFE ID.
+    pub fn set_caller_entry(&self, uid: u32, spiffe_id: Option<&str>) {
+        self.shared.update(|s| {
+            s.callers.insert(uid, spiffe_id.map(str::to_owned));
+        });
+    }
+
+    /// The namespaces whose pods a registration entry matches (None: every namespace, as at
+    /// start). Each open stream of a pod that gains or loses its entry gets its SVID, or a
+    /// response with none, as SPIRE's cache sends them.
+    pub fn set_pod_namespaces(&self, namespaces: Option<&[&str]>) {
+        let td = self.trust_domain();
+        self.shared.update(|s| {
+            s.pod_namespaces = namespaces.map(|n| n.iter().map(|x| (*x).to_owned()).collect());
+            let uids: Vec<String> = s.pods.keys().cloned().collect();
+            for uid in uids {
+                sync(s, &uid, td);
             }
         });
     }
@@ -304,6 +334,11 @@ impl IdentityProvider {
             .collect()
     }
 
+    /// How many SubscribeToX509SVIDs streams were ever opened for the pod (0 if none).
+    pub fn streams_opened(&self, uid: &str) -> u64 {
+        self.shared.lock().pods.get(uid).map_or(0, |p| p.opened)
+    }
+
     /// Open Workload API FetchX509SVID streams (the agent's own).
     pub fn agent_streams(&self) -> usize {
         self.shared.lock().agent_streams.len()
@@ -352,12 +387,18 @@ impl IdentityProvider {
 fn rotate(shared: &Shared, s: &mut state::State, uid: &str, trust_domain: &str) {
     let id = s.pods[uid].svid.spiffe_id.clone();
     let svid = shared.mint(s, &id);
+    s.pods.get_mut(uid).expect("checked by the caller").svid = svid;
+    sync(s, uid, trust_domain);
+}
+
+/// Brings pod `uid`'s open streams (if the pod is known) to what they should have.
+fn sync(s: &mut state::State, uid: &str, trust_domain: &str) {
     let held = s.held.contains(uid);
-    let pod = s.pods.get_mut(uid).expect("checked by the caller");
-    pod.svid = svid;
-    if !held {
-        delegated::push(pod, trust_domain);
-    }
+    let Some(entry) = s.pods.get(uid).map(|p| s.has_entry(&p.namespace)) else {
+        return;
+    };
+    let pod = s.pods.get_mut(uid).expect("found above");
+    delegated::push(pod, trust_domain, entry, held);
 }
 
 impl Drop for IdentityProvider {

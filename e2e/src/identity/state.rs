@@ -39,6 +39,8 @@ pub struct Pod {
     pub namespace: String,
     pub name: String,
     pub svid: Svid,
+    /// Streams ever opened for the pod.
+    pub opened: u64,
     /// Open streams, and the serial each was last sent (None: nothing yet, held).
     pub streams: BTreeMap<
         u64,
@@ -68,6 +70,16 @@ pub struct State {
     pub bundle_streams: BTreeMap<u64, Sender<workload::X509BundlesResponse>>,
     /// Delegated Identity API SubscribeToX509Bundles streams.
     pub delegated_bundle_streams: BTreeMap<u64, Sender<delegated::SubscribeToX509BundlesResponse>>,
+    /// SubscribeToX509SVIDs streams whose selectors name no pod: no entry can match them.
+    pub unmatched_streams: BTreeMap<u64, Sender<delegated::SubscribeToX509sviDsResponse>>,
+    /// The SPIFFE IDs allowed to call the Delegated Identity API (SPIRE's
+    /// `authorized_delegates`); the agent's at start.
+    pub authorized_delegates: BTreeSet<String>,
+    /// The SPIFFE ID a caller of the admin socket attests to, by its unix uid (SPIRE's
+    /// `unix:uid` selector); None: no entry matches that caller.
+    pub callers: BTreeMap<u32, Option<String>>,
+    /// The namespaces whose pods a registration entry matches; None: every namespace.
+    pub pod_namespaces: Option<BTreeSet<String>>,
 }
 
 /// Where an open stream is kept.
@@ -77,6 +89,7 @@ pub enum StreamKey {
     Bundles(u64),
     DelegatedBundles(u64),
     Pod(String, u64),
+    Unmatched(u64),
 }
 
 impl Shared {
@@ -84,6 +97,10 @@ impl Shared {
         let agent = ca.mint(&agent_id, lifetime)?;
         let state = State {
             agent,
+            authorized_delegates: BTreeSet::from([agent_id.clone()]),
+            callers: BTreeMap::new(),
+            pod_namespaces: None,
+            unmatched_streams: BTreeMap::new(),
             agent_id,
             lifetime,
             pods: BTreeMap::new(),
@@ -155,6 +172,7 @@ impl State {
             StreamKey::Agent(id) => drop(self.agent_streams.remove(id)),
             StreamKey::Bundles(id) => drop(self.bundle_streams.remove(id)),
             StreamKey::DelegatedBundles(id) => drop(self.delegated_bundle_streams.remove(id)),
+            StreamKey::Unmatched(id) => drop(self.unmatched_streams.remove(id)),
             StreamKey::Pod(uid, id) => {
                 if let Some(pod) = self.pods.get_mut(uid) {
                     pod.streams.remove(id);
@@ -174,10 +192,42 @@ impl State {
         for tx in std::mem::take(&mut self.delegated_bundle_streams).into_values() {
             let _ = tx.send(Err(status.clone()));
         }
+        for tx in std::mem::take(&mut self.unmatched_streams).into_values() {
+            let _ = tx.send(Err(status.clone()));
+        }
         for pod in self.pods.values_mut() {
             for (tx, _) in std::mem::take(&mut pod.streams).into_values() {
                 let _ = tx.send(Err(status.clone()));
             }
+        }
+    }
+
+    /// Whether a registration entry matches the pods of `namespace`.
+    pub fn has_entry(&self, namespace: &str) -> bool {
+        self.pod_namespaces
+            .as_ref()
+            .is_none_or(|n| n.contains(namespace))
+    }
+
+    /// SPIRE's check of a Delegated Identity caller: attested by its unix uid, it must
+    /// match an entry (else "no identity issued") whose SPIFFE ID is an authorized delegate
+    /// (else "caller not configured as an authorized delegate"); both PERMISSION_DENIED,
+    /// with SPIRE's messages. A uid without an entry of its own attests to the agent's ID.
+    pub fn authorize_delegate(&self, uid: Option<u32>) -> Result<(), Status> {
+        let Some(uid) = uid else {
+            return Err(Status::unavailable("workload attestation failed"));
+        };
+        match self
+            .callers
+            .get(&uid)
+            .cloned()
+            .unwrap_or(Some(self.agent_id.clone()))
+        {
+            None => Err(Status::permission_denied("no identity issued")),
+            Some(id) if self.authorized_delegates.contains(&id) => Ok(()),
+            Some(_) => Err(Status::permission_denied(
+                "caller not configured as an authorized delegate",
+            )),
         }
     }
 
@@ -186,6 +236,7 @@ impl State {
         self.agent_streams.len()
             + self.bundle_streams.len()
             + self.delegated_bundle_streams.len()
+            + self.unmatched_streams.len()
             + self.pods.values().map(|p| p.streams.len()).sum::<usize>()
     }
 }

@@ -38,9 +38,9 @@ use std::time::Duration;
 use aether_model::{Change, Svid};
 use futures::StreamExt;
 use spiffe::TrustDomain;
-use spiffe::transport::Endpoint;
+use spiffe::transport::{Endpoint, GrpcStatusCode, TransportError};
 use spire_api::selectors::Selector;
-use spire_api::{DelegateAttestationRequest, DelegatedIdentityClient};
+use spire_api::{DelegateAttestationRequest, DelegatedIdentityClient, DelegatedIdentityError};
 use tracing::{debug, error, info, warn};
 
 use super::convert;
@@ -400,7 +400,7 @@ async fn subscription(
         let why = match request(&uid, &pod) {
             Err(e) => e,
             Ok(req) => match client.stream_x509_svids(req).await {
-                Err(e) => e.to_string(),
+                Err(e) => why_failed(&e),
                 Ok(stream) => {
                     let _open = OpenStream::new(&shared);
                     shared.worked(&uid);
@@ -411,7 +411,14 @@ async fn subscription(
                                 backoff.reset();
                                 shared.receive(&uid, &name, id, &x, &mut held);
                             }
-                            Some(Err(e)) => break e.to_string(),
+                            // SPIRE's answer for selectors that match no registration
+                            // entry (none yet, or one deleted): no SVID, on a stream that
+                            // stays open and brings the SVID once an entry matches.
+                            Some(Err(DelegatedIdentityError::EmptyResponse)) => {
+                                backoff.reset();
+                                shared.unmatched(&uid, &name, id, &mut held);
+                            }
+                            Some(Err(e)) => break why_failed(&e),
                             None => break "stream ended".to_string(),
                         }
                     }
@@ -423,13 +430,28 @@ async fn subscription(
     }
 }
 
+/// Why a stream failed, as `/ready` and the log say it: a refusal of the agent as a delegate
+/// names the setting that fixes it.
+fn why_failed(e: &DelegatedIdentityError) -> String {
+    match e {
+        DelegatedIdentityError::Transport(TransportError::Status(s))
+            if s.code() == GrpcStatusCode::PermissionDenied =>
+        {
+            format!(
+                "{e}: the SPIFFE broker does not accept this agent as a delegate; list the agent's SPIFFE ID in the SPIRE agent's authorized_delegates, and register an entry for the agent"
+            )
+        }
+        _ => e.to_string(),
+    }
+}
+
 /// The trust bundle from the broker, reconnecting until the task is aborted.
 async fn bundles(client: DelegatedIdentityClient, shared: Arc<Shared>) {
     let mut backoff = link::backoff();
     let mut held: Option<String> = None;
     loop {
         let why = match client.stream_x509_bundles().await {
-            Err(e) => e.to_string(),
+            Err(e) => why_failed(&e),
             Ok(stream) => {
                 shared.worked(BUNDLES);
                 let mut stream = std::pin::pin!(stream);
@@ -516,6 +538,26 @@ impl Shared {
         *held = Some(svid);
     }
 
+    /// The broker has no registration entry for the pod: it has no SVID (one it had is
+    /// dropped, since its entry is gone), and `/ready` says so, until an entry matches.
+    fn unmatched(&self, uid: &str, name: &str, id: u64, held: &mut Option<Svid>) {
+        if held.take().is_some() {
+            let live = lock(&self.live);
+            if live.get(uid) == Some(&id) {
+                self.node.apply([Change::SetPodSvid {
+                    uid: uid.to_string(),
+                    svid: None,
+                }]);
+            }
+            warn!(uid = %uid, pod = %name, "the SPIFFE broker no longer has a registration entry for the pod: its SVID is withdrawn");
+        }
+        self.failed(
+            uid,
+            name,
+            "the SPIFFE broker has no registration entry matching the pod's selectors: no SVID until one matches (the stream stays open)".to_string(),
+        );
+    }
+
     fn count_open(&self, delta: isize) {
         // Published under the lock, so that two streams opening at once cannot leave the
         // older count last.
@@ -560,7 +602,7 @@ impl Shared {
         };
         let n = failing.len();
         let message = format!(
-            "SPIFFE broker {}: {n} stream(s) failing, {name} first: {why} (SVIDs received before are kept; reconnecting)",
+            "SPIFFE broker {}: {n} stream(s) failing, {name} first: {why} (a stream that failed reconnects, keeping the SVID it had)",
             self.endpoint_text
         );
         // One warning while the broker is away, not one per pod and retry (those are debug).
