@@ -178,7 +178,12 @@ fn main() {
         .build()
         .expect("a runtime for the registry client");
 
-    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    // The rig registers its loopback upstreams at the registrar.
+    let registrar = RegistrarProcess::tcp(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &["--allow-loopback-endpoints"],
+    );
     let mut client = rt
         .block_on(aether_registrar::client::connect(
             registrar.addr(),

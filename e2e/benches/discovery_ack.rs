@@ -219,6 +219,8 @@ fn main() {
         "15",
         "--leader-id",
         "r1",
+        // The rig registers its loopback upstreams at the registrar.
+        "--allow-loopback-endpoints",
     ];
     let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &flags);
     registrar.wait_log("leading", T_START);

@@ -76,7 +76,10 @@ impl Cluster {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Cond {
     Ready,
+    /// Terminating and still serving.
     Terminating,
+    /// Terminating and no longer serving.
+    TerminatingGone,
     NotReady,
 }
 
@@ -92,6 +95,7 @@ fn slice(ns: &str, name: &str, svc: &str, endpoints: &[(&str, &str, Cond)]) -> V
             let (ready, serving, terminating) = match c {
                 Cond::Ready => (true, true, false),
                 Cond::Terminating => (false, true, true),
+                Cond::TerminatingGone => (false, false, true),
                 Cond::NotReady => (false, false, false),
             };
             json!({"addresses": [ip], "nodeName": node, "targetRef": {"kind": "Pod", "namespace": ns, "name": format!("{svc}-{ip}")},
@@ -219,9 +223,10 @@ fn slices_reach_envoy_scale_and_termination_follow_a_drain_mark_holds_and_a_dele
     let Some(c) = Cluster::start(test) else {
         return;
     };
-    let r1 = c.replica("r1", &[]);
+    // The rig registers its loopback upstreams at a replica.
+    let r1 = c.replica("r1", &["--allow-loopback-endpoints"]);
     r1.wait_log("leading", T);
-    let r2 = c.replica("r2", &[]);
+    let r2 = c.replica("r2", &["--allow-loopback-endpoints"]);
     r2.wait_log("another replica holds the Lease", T);
     let dir = tempfile::tempdir().unwrap();
     // A file's service of a name Kubernetes does not have, applied before discovery runs.
@@ -401,6 +406,139 @@ fn slices_reach_envoy_scale_and_termination_follow_a_drain_mark_holds_and_a_dele
 }
 
 /// The state both sides of a failover test agree on: service `svc-<i>` has endpoints
+/// Node A's drain mark, for every service at `address`, as its agent sends it.
+fn mark_all(
+    rt: &tokio::runtime::Runtime,
+    registrar: &str,
+    address: &str,
+    node: &str,
+) -> Result<shared_proto::registry::SetEndpointStateResponse, tonic::Status> {
+    let mut client = rt
+        .block_on(aether_registrar::client::connect(
+            registrar,
+            Duration::from_secs(10),
+            None,
+        ))
+        .unwrap();
+    let mark = shared_proto::registry::SetEndpointStateRequest {
+        service: None,
+        address: address.into(),
+        state: shared_proto::registry::EndpointState::Draining as i32,
+        node: node.into(),
+        instance: format!("agent-{node}"),
+    };
+    rt.block_on(client.set_endpoint_state(mark))
+        .map(tonic::Response::into_inner)
+}
+
+/// EndpointSlice spoof: whoever may write EndpointSlices in a namespace lists a node-A
+/// pod's IP in a second Service's slice under node B. Node A's drain mark for that pod
+/// still lands on node A's service, and the answer names the one it skipped; the
+/// spoofed entry keeps its state. A slice endpoint at a link-local address is left out,
+/// logged and counted, the rest of its slice written; one terminating and no longer
+/// serving is left out, one terminating and still serving is draining.
+#[test]
+fn endpointslice_spoof_a_second_services_slice_cannot_block_node_as_drain_and_bad_endpoints_are_left_out()
+ {
+    let Some(c) = Cluster::start("endpointslice_spoof...") else {
+        return;
+    };
+    let metrics_addr = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let r1 = c.replica("r1", &["--metrics-addr", &metrics_addr]);
+    r1.wait_log("leading", T);
+    let pod = "10.5.0.7";
+    c.api.put_service(service("spoof", "shop"));
+    c.api.put_endpoint_slice(slice(
+        "spoof",
+        "shop-a",
+        "shop",
+        &[
+            (pod, "node-a", Cond::Ready),
+            ("10.5.0.8", "node-a", Cond::Ready),
+        ],
+    ));
+    c.api.put_service(service("spoof", "decoy"));
+    c.api.put_endpoint_slice(slice(
+        "spoof",
+        "decoy-a",
+        "decoy",
+        &[
+            (pod, "node-b", Cond::Ready),
+            ("169.254.169.254", "node-b", Cond::Ready),
+            ("10.5.0.20", "node-b", Cond::TerminatingGone),
+            ("10.5.0.21", "node-b", Cond::Terminating),
+        ],
+    ));
+    let mut want = BTreeMap::from([
+        (
+            "spoof/decoy".to_owned(),
+            eps(&[(pod, "healthy"), ("10.5.0.21", "draining")]),
+        ),
+        (
+            "spoof/shop".to_owned(),
+            eps(&[(pod, "healthy"), ("10.5.0.8", "healthy")]),
+        ),
+    ]);
+    wait_registry(r1.addr(), "both services, without the bad endpoints", &want);
+    r1.wait_log("169.254.169.254 is link-local", T);
+    let refused = aether_e2e::testing::scrape_metrics(&metrics_addr).and_then(|t| {
+        aether_e2e::testing::metric_sample(&t, "aether_registrar_discovery_endpoints_refused_total")
+    });
+    assert!(
+        refused.is_some_and(|n| n >= 1.0),
+        "aether_registrar_discovery_endpoints_refused_total: {refused:?}"
+    );
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let answer = mark_all(&rt, r1.addr(), pod, "node-a").expect("node A's drain mark lands");
+    assert_eq!(answer.marked, 1, "{answer:?}");
+    let skipped: Vec<(String, String)> = answer
+        .skipped
+        .iter()
+        .map(|s| {
+            let k = s.service.as_ref().unwrap();
+            (
+                format!("{}/{}", k.namespace, k.name),
+                s.endpoint_node.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        skipped,
+        [("spoof/decoy".to_owned(), "node-b".to_owned())],
+        "{answer:?}"
+    );
+    want.insert(
+        "spoof/shop".to_owned(),
+        eps(&[(pod, "draining"), ("10.5.0.8", "healthy")]),
+    );
+    wait_registry(
+        r1.addr(),
+        "node A's service drained, the decoy untouched",
+        &want,
+    );
+    let marks = dump(r1.addr())["marks"].clone();
+    assert_eq!(
+        marks.as_array().map(Vec::len),
+        Some(1),
+        "one mark, on node A's service: {marks}"
+    );
+    assert_eq!(
+        (&marks[0]["namespace"], &marks[0]["name"], &marks[0]["node"]),
+        (&json!("spoof"), &json!("shop"), &json!("node-a")),
+        "{marks}"
+    );
+    r1.wait_log("SetEndpointState skipped a service", T);
+
+    // Refused only where nothing at the address is on the caller's node.
+    let refused = mark_all(&rt, r1.addr(), "10.5.0.8", "node-b").unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("node-a"), "{refused:?}");
+}
+
 /// `10.3.<i>.1..=n`.
 fn numbered(i: usize, n: usize) -> Value {
     let ips: Vec<String> = (1..=n).map(|e| format!("10.3.{i}.{e}")).collect();

@@ -362,7 +362,12 @@ fn killing_the_etcd_leader_during_surge_rolls_fails_no_request_and_both_envoys_e
         return;
     };
     let started = Instant::now();
-    let registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    // The rig registers its loopback upstreams at the registrar.
+    let registrar = RegistrarProcess::tcp(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &["--allow-loopback-endpoints"],
+    );
     let churn = Churn::start(registrar.addr());
     let mut rig = NodeRig::start_from(&envoy_bin, AdsApi::Delta, Some(registrar.addr()), &[]);
     let mut peer = PeerNode::start(&envoy_bin, registrar.addr());

@@ -122,7 +122,12 @@ fn a_restarted_registrar_is_resumed_and_a_compacted_history_ends_in_a_full_view_
     let Some(etcd) = Etcd::start_or_skip("a_restarted_registrar_is_resumed...") else {
         return;
     };
-    let mut registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    // The rig registers its loopback upstreams at the registrar.
+    let mut registrar = RegistrarProcess::tcp(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &["--allow-loopback-endpoints"],
+    );
     let mut rig = NodeRig::start_from(&envoy, AdsApi::Delta, Some(registrar.addr()), &[]);
     let file = rig.node.root.path().join("more.json");
     let eds_equal = |rig: &NodeRig, addr: &str, what: &str| {

@@ -11,6 +11,7 @@
 mod builder;
 mod capture;
 mod change;
+pub mod check;
 pub mod hash;
 mod identity;
 mod inputs;

@@ -188,6 +188,15 @@ pub struct ServeArgs {
     #[arg(long, env = "AETHER_REGISTRAR_CLUSTER", value_name = "NAME")]
     pub cluster: Option<String>,
 
+    /// Accept loopback endpoint addresses and VIPs (127.0.0.0/8, ::1) from apply and
+    /// discovery. Off: they are refused (apply: INVALID_ARGUMENT naming the field;
+    /// discovery: the endpoint is left out, logged and counted), since an agent would
+    /// send traffic for them to its own node. For tests and single-host setups only.
+    /// Link-local (169.254.0.0/16, fe80::/10), multicast, broadcast and unspecified
+    /// addresses are refused either way
+    #[arg(long, env = "AETHER_REGISTRAR_ALLOW_LOOPBACK_ENDPOINTS")]
+    pub allow_loopback_endpoints: bool,
+
     /// Discover services from Kubernetes: watch Services and EndpointSlices
     /// (discovery.k8s.io/v1) and write them into etcd with the source `kubernetes`. auto:
     /// on when the registrar has Kubernetes API access (--kubeconfig, or a service account
@@ -334,6 +343,10 @@ mod tests {
         assert_eq!(s.agent_uids, [65532, 65533]);
         assert_eq!(s.socket_mode, 0o660);
         assert!(s.operator_uids.is_empty());
+        assert!(
+            !s.allow_loopback_endpoints,
+            "loopback is refused by default"
+        );
         assert_eq!(
             (
                 s.discovery.as_str(),

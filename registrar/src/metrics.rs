@@ -38,6 +38,10 @@ pub struct Metrics {
     /// only by a replica that takes part in the election, so that a sum of 0 over the
     /// replicas means that nobody writes.
     pub leader: Gauge,
+    /// Slice endpoints discovery left out of a service it wrote, for an address no
+    /// endpoint may have (link-local, multicast, unspecified, or loopback without
+    /// --allow-loopback-endpoints); counted at each write of the service.
+    pub discovery_endpoints_refused: Counter,
 }
 
 impl Metrics {
@@ -76,8 +80,17 @@ impl Metrics {
                 leader.clone(),
             );
         }
+        let discovery_endpoints_refused = Counter::default();
+        if leasing {
+            registry.register(
+                "discovery_endpoints_refused",
+                "EndpointSlice endpoints left out of a written service for an address no endpoint may have",
+                discovery_endpoints_refused.clone(),
+            );
+        }
         Arc::new(Metrics {
             registry,
+            discovery_endpoints_refused,
             calls,
             watch_streams,
             watch_ends,

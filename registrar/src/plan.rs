@@ -151,40 +151,65 @@ pub struct MarkRequest<'a> {
 pub enum MarkRefusal {
     /// No endpoint at the address in the services asked about.
     NotFound,
-    /// An endpoint at the address runs on another node than the caller's.
+    /// Every service with an endpoint at the address has one on another node than the
+    /// caller's; the first of them, for the log.
     OtherNode {
         service: ServiceKey,
         endpoint_node: String,
     },
 }
 
-/// The writes that give every target the requested state, or why none may be made. All
-/// or nothing: one endpoint on another node refuses the whole request. HEALTHY is the
-/// absence of a mark; a mark already holding the state (and the caller's node) is not
-/// rewritten, so an owner and its successor setting the same state leave one mark and
-/// one change.
+/// A service a mark leaves alone: an endpoint of it at the address runs on another node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedTarget {
+    pub service: ServiceKey,
+    /// The node of the first such endpoint.
+    pub endpoint_node: String,
+}
+
+/// What a mark writes, which services it marks, and which it leaves alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarkPlan {
+    pub ops: Vec<Op>,
+    pub marked: Vec<ServiceKey>,
+    pub skipped: Vec<SkippedTarget>,
+}
+
+/// The writes that give the targets on the caller's node the requested state, or why
+/// none may be made. A target with an endpoint at the address on another node is skipped
+/// and reported, never marked: a mark is keyed by service and address, so marking it
+/// would drain the other node's endpoint too. One such service (an EndpointSlice listing
+/// the pod's IP under another node, by mistake or on purpose) therefore cannot block the
+/// drain of the caller's own services; only a request where every target is elsewhere is
+/// refused. HEALTHY is the absence of a mark; a mark already holding the state (and the
+/// caller's node) is not rewritten, so an owner and its successor setting the same state
+/// leave one mark and one change.
 pub fn set_marks(
     layout: &Layout,
     req: &MarkRequest<'_>,
     targets: &[MarkTarget],
-) -> Result<Vec<Op>, MarkRefusal> {
+) -> Result<MarkPlan, MarkRefusal> {
     if targets.is_empty() {
         return Err(MarkRefusal::NotFound);
     }
+    let mut plan = MarkPlan {
+        ops: Vec::new(),
+        marked: Vec::new(),
+        skipped: Vec::new(),
+    };
     for t in targets {
         if let Some(other) = t.endpoint_nodes.iter().find(|n| n.as_str() != req.node) {
-            return Err(MarkRefusal::OtherNode {
+            plan.skipped.push(SkippedTarget {
                 service: t.service.clone(),
                 endpoint_node: other.clone(),
             });
+            continue;
         }
-    }
-    let mut ops = Vec::new();
-    for t in targets {
+        plan.marked.push(t.service.clone());
         let key = layout.mark(&t.service, req.address);
         match (req.state, &t.current) {
             (EndpointState::Healthy, None) => {}
-            (EndpointState::Healthy, Some(_)) => ops.push(Op::Delete { key }),
+            (EndpointState::Healthy, Some(_)) => plan.ops.push(Op::Delete { key }),
             (state, Some(m)) if m.state == state && m.node == req.node => {}
             (state, _) => {
                 let v = MarkValue {
@@ -192,14 +217,21 @@ pub fn set_marks(
                     node: req.node.to_owned(),
                     instance: req.instance.to_owned(),
                 };
-                ops.push(Op::Put {
+                plan.ops.push(Op::Put {
                     key,
                     value: values::encode(&v),
                 });
             }
         }
     }
-    Ok(ops)
+    if plan.marked.is_empty() {
+        let first = plan.skipped.swap_remove(0);
+        return Err(MarkRefusal::OtherNode {
+            service: first.service,
+            endpoint_node: first.endpoint_node,
+        });
+    }
+    Ok(plan)
 }
 
 #[cfg(test)]
@@ -440,9 +472,12 @@ mod tests {
         assert!(apply_service(&l, &s, Source::File, Some(b"{oops"), &none).is_ok());
     }
 
-    fn target(nodes: &[&str], current: Option<(EndpointState, &str)>) -> MarkTarget {
+    fn target(name: &str, nodes: &[&str], current: Option<(EndpointState, &str)>) -> MarkTarget {
         MarkTarget {
-            service: web(),
+            service: ServiceKey {
+                namespace: "d".into(),
+                name: name.into(),
+            },
             endpoint_nodes: nodes.iter().map(|n| n.to_string()).collect(),
             current: current.map(|(state, node)| MarkValue {
                 state,
@@ -452,6 +487,7 @@ mod tests {
         }
     }
 
+    /// The plan as text: its writes, then "skip <service> (<node>)" for each skipped.
     fn check(state: EndpointState, targets: &[MarkTarget], want: Result<&[&str], MarkRefusal>) {
         let l = Layout::new(DEFAULT_PREFIX);
         let req = MarkRequest {
@@ -460,7 +496,21 @@ mod tests {
             node: "n1",
             instance: "agent-b",
         };
-        let got = set_marks(&l, &req, targets).map(|ops| show(&ops));
+        let got = set_marks(&l, &req, targets).map(|plan| {
+            let marked: Vec<&ServiceKey> = targets
+                .iter()
+                .map(|t| &t.service)
+                .filter(|s| !plan.skipped.iter().any(|k| &k.service == *s))
+                .collect();
+            assert_eq!(plan.marked.iter().collect::<Vec<_>>(), marked);
+            let mut lines = show(&plan.ops);
+            lines.extend(
+                plan.skipped
+                    .iter()
+                    .map(|s| format!("skip {} ({})", s.service, s.endpoint_node)),
+            );
+            lines
+        });
         assert_eq!(
             got,
             want.map(|w| w.iter().map(|s| s.to_string()).collect::<Vec<_>>())
@@ -472,25 +522,25 @@ mod tests {
         use EndpointState::*;
         check(
             Draining,
-            &[target(&["n1"], None)],
+            &[target("web", &["n1"], None)],
             Ok(&["put marks/d/web/10.0.0.1"]),
         );
         // The same state again, from another instance of the node's agent: no write.
         check(
             Draining,
-            &[target(&["n1"], Some((Draining, "n1")))],
+            &[target("web", &["n1"], Some((Draining, "n1")))],
             Ok(&[]),
         );
         check(
             Healthy,
-            &[target(&["n1"], Some((Draining, "n1")))],
+            &[target("web", &["n1"], Some((Draining, "n1")))],
             Ok(&["delete marks/d/web/10.0.0.1"]),
         );
-        check(Healthy, &[target(&["n1"], None)], Ok(&[]));
+        check(Healthy, &[target("web", &["n1"], None)], Ok(&[]));
         check(Draining, &[], Err(MarkRefusal::NotFound));
         check(
             Draining,
-            &[target(&["n1", "n2"], None)],
+            &[target("web", &["n1", "n2"], None)],
             Err(MarkRefusal::OtherNode {
                 service: web(),
                 endpoint_node: "n2".into(),
@@ -498,10 +548,52 @@ mod tests {
         );
         check(
             Draining,
-            &[target(&[""], None)],
+            &[target("web", &[""], None)],
             Err(MarkRefusal::OtherNode {
                 service: web(),
                 endpoint_node: "".into(),
+            }),
+        );
+    }
+
+    #[test]
+    fn a_service_on_another_node_is_skipped_and_named_and_blocks_no_other() {
+        use EndpointState::*;
+        // A second service lists the address under n2: the caller's own service is still
+        // marked, the other is skipped, whatever the order.
+        check(
+            Draining,
+            &[target("spoof", &["n2"], None), target("web", &["n1"], None)],
+            Ok(&["put marks/d/web/10.0.0.1", "skip d/spoof (n2)"]),
+        );
+        check(
+            Draining,
+            &[
+                target("api", &["n1"], None),
+                target("spoof", &["n1", "n2"], None),
+                target("web", &["n1"], Some((Draining, "n1"))),
+            ],
+            Ok(&["put marks/d/api/10.0.0.1", "skip d/spoof (n2)"]),
+        );
+        // A skipped service's mark is left as it is, even when asked for HEALTHY.
+        check(
+            Healthy,
+            &[
+                target("spoof", &["n2"], Some((Draining, "n2"))),
+                target("web", &["n1"], Some((Draining, "n1"))),
+            ],
+            Ok(&["delete marks/d/web/10.0.0.1", "skip d/spoof (n2)"]),
+        );
+        // Nothing at the address on the caller's node: refused, naming the first.
+        check(
+            Draining,
+            &[target("api", &["n3"], None), target("web", &["n2"], None)],
+            Err(MarkRefusal::OtherNode {
+                service: ServiceKey {
+                    namespace: "d".into(),
+                    name: "api".into(),
+                },
+                endpoint_node: "n3".into(),
             }),
         );
     }

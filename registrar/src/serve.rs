@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use aether_model::check::Loopback;
 use anyhow::Context;
 use shared_proto::registry::registry_server::RegistryServer;
 use tokio::signal::unix::{SignalKind, signal};
@@ -16,7 +17,7 @@ use crate::authz::Policy;
 use crate::cli::ServeArgs;
 use crate::health::Health;
 use crate::keys::Layout;
-use crate::kubernetes::discovery::Namespaces;
+use crate::kubernetes::discovery::{self, Namespaces};
 use crate::kubernetes::lease::LeaseConfig;
 use crate::kubernetes::taint_guard::GuardConfig;
 use crate::kubernetes::{self, Controllers};
@@ -60,6 +61,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         anyhow::bail!("--etcd-prefix is empty; the registry needs a prefix of its own");
     }
     let layout = Layout::new(&args.etcd_prefix);
+    let loopback = if args.allow_loopback_endpoints {
+        tracing::warn!(
+            "--allow-loopback-endpoints: loopback endpoint addresses are accepted; agents send their traffic to their own node"
+        );
+        Loopback::Allow
+    } else {
+        Loopback::Refuse
+    };
     let opts = EtcdOptions {
         endpoints: args.etcd.clone(),
         ca: args.etcd_ca.clone(),
@@ -164,7 +173,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             store.clone(),
             Controllers {
                 lease,
-                discovery: namespaces,
+                discovery: namespaces.map(|namespaces| discovery::Config {
+                    namespaces,
+                    loopback,
+                    refused: metrics.discovery_endpoints_refused.clone(),
+                }),
                 taint_guard,
             },
             shutdown_rx.clone(),
@@ -178,6 +191,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.cluster.clone(),
         shutdown_rx,
         metrics.clone(),
+        loopback,
     );
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;

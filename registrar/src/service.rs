@@ -10,6 +10,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use aether_model::check::Loopback;
 use aether_model::{EndpointState, ServiceKey};
 use etcd_client::EventType;
 use shared_proto::registry::{
@@ -56,6 +57,8 @@ pub struct Registrar {
     cluster: Option<String>,
     shutdown: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
+    /// Whether ApplyServices accepts loopback endpoints (`--allow-loopback-endpoints`).
+    loopback: Loopback,
 }
 
 impl Registrar {
@@ -67,6 +70,7 @@ impl Registrar {
         cluster: Option<String>,
         shutdown: watch::Receiver<bool>,
         metrics: Arc<Metrics>,
+        loopback: Loopback,
     ) -> Self {
         Self {
             store,
@@ -76,6 +80,7 @@ impl Registrar {
             cluster,
             shutdown,
             metrics,
+            loopback,
         }
     }
 
@@ -280,8 +285,8 @@ impl Registrar {
                 .mark_targets(service.as_ref(), address)
                 .await
                 .map_err(unavailable)?;
-            let ops = match plan::set_marks(&self.store.layout, &mark, &targets) {
-                Ok(ops) => ops,
+            let plan = match plan::set_marks(&self.store.layout, &mark, &targets) {
+                Ok(plan) => plan,
                 Err(MarkRefusal::NotFound) => {
                     let scope = service
                         .as_ref()
@@ -305,29 +310,48 @@ impl Registrar {
                     )));
                 }
             };
-            let marked = u32::try_from(targets.len()).unwrap_or(u32::MAX);
-            if ops.is_empty() {
-                return Ok(Response::new(pb::SetEndpointStateResponse {
-                    marked,
-                    revision,
-                }));
-            }
-            if let Some(revision) = self
-                .store
-                .commit(revision, &guards, &ops)
-                .await
-                .map_err(unavailable)?
-            {
-                let services: Vec<String> = targets.iter().map(|t| t.service.to_string()).collect();
-                tracing::info!(
-                    node = %req.node, instance = %req.instance, address = %address, state = ?state,
-                    services = %services.join(","), revision, "drain mark {}", if state == EndpointState::Healthy { "removed" } else { "set" }
+            let skipped: Vec<pb::SkippedService> = plan
+                .skipped
+                .iter()
+                .map(|s| pb::SkippedService {
+                    service: Some(values::key_to_pb(&s.service)),
+                    endpoint_node: s.endpoint_node.clone(),
+                })
+                .collect();
+            let marked = u32::try_from(plan.marked.len()).unwrap_or(u32::MAX);
+            let revision = if plan.ops.is_empty() {
+                revision
+            } else {
+                match self
+                    .store
+                    .commit(revision, &guards, &plan.ops)
+                    .await
+                    .map_err(unavailable)?
+                {
+                    Some(revision) => {
+                        let services: Vec<String> =
+                            plan.marked.iter().map(ToString::to_string).collect();
+                        tracing::info!(
+                            node = %req.node, instance = %req.instance, address = %address, state = ?state,
+                            services = %services.join(","), revision, "drain mark {}", if state == EndpointState::Healthy { "removed" } else { "set" }
+                        );
+                        revision
+                    }
+                    None => continue,
+                }
+            };
+            for s in &plan.skipped {
+                tracing::warn!(
+                    caller_node = %req.node, instance = %req.instance, address = %address, service = %s.service,
+                    endpoint_node = %s.endpoint_node, peer = %peer,
+                    "SetEndpointState skipped a service: its endpoint at the address runs on another node than the caller's"
                 );
-                return Ok(Response::new(pb::SetEndpointStateResponse {
-                    marked,
-                    revision,
-                }));
             }
+            return Ok(Response::new(pb::SetEndpointStateResponse {
+                marked,
+                revision,
+                skipped,
+            }));
         }
         Err(Status::aborted(format!(
             "the endpoints at {address} kept changing while being marked; retry"
@@ -339,7 +363,7 @@ impl Registrar {
         req: Request<pb::ApplyServicesRequest>,
     ) -> Result<Response<pb::ApplyServicesResponse>, Status> {
         let peer = self.authorize(&req, Method::ApplyServices).await?;
-        let services = validate::apply_request(req.get_ref())
+        let services = validate::apply_request(req.get_ref(), self.loopback)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut revision = 0;
         for s in &services {

@@ -1,47 +1,42 @@
 //! Checks of the API's requests before anything is written, each error naming the field
 //! and value at fault (`services[2].endpoints[0].port: 0`), as INVALID_ARGUMENT says it.
+//! Addresses are checked by the model's [`check`], the same function the agents use on
+//! what they receive.
 
 use std::collections::HashSet;
 use std::net::IpAddr;
 
-use aether_model::registry_file::is_dns_label;
+use aether_model::check::{self, Loopback};
 use aether_model::{Endpoint, Service, ServiceKey};
 use shared_proto::registry as pb;
 
 use crate::values;
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct Invalid {
-    pub field: String,
-    pub message: String,
-}
+pub use aether_model::check::Invalid;
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> Invalid {
-    Invalid {
-        field: field.into(),
-        message: message.into(),
-    }
+    Invalid::new(field, message)
 }
 
 /// A service key: namespace and name are DNS labels.
 pub fn service_key(field: &str, k: Option<&pb::ServiceKey>) -> Result<ServiceKey, Invalid> {
-    let k = k.ok_or_else(|| invalid(field, "missing"))?;
-    for (what, v) in [("namespace", &k.namespace), ("name", &k.name)] {
-        if !is_dns_label(v) {
-            return Err(invalid(
-                format!("{field}.{what}"),
-                format!("{v:?} is not a DNS label"),
-            ));
-        }
-    }
-    Ok(values::key_from_pb(k))
+    let k = values::key_from_pb(k.ok_or_else(|| invalid(field, "missing"))?);
+    check::key(field, &k)?;
+    Ok(k)
 }
 
 /// An IP in any spelling; keys use its canonical one.
 pub fn address(field: &str, a: &str) -> Result<IpAddr, Invalid> {
     a.parse()
         .map_err(|_| invalid(field, format!("{a:?} is not an IP address")))
+}
+
+/// An IP that an endpoint or a VIP may have: not link-local, multicast, broadcast or
+/// unspecified, and loopback only when `loopback` allows it.
+pub fn usable_address(field: &str, a: &str, loopback: Loopback) -> Result<IpAddr, Invalid> {
+    let ip = address(field, a)?;
+    check::address(field, ip, loopback)?;
+    Ok(ip)
 }
 
 fn port(field: &str, p: u32) -> Result<u16, Invalid> {
@@ -54,8 +49,11 @@ fn port(field: &str, p: u32) -> Result<u16, Invalid> {
 /// The services of an ApplyServices request, checked as the registry file's are: DNS
 /// labels, ports 1..=65535 without repeats, a VIP that is an IP, endpoints whose
 /// `service_port` is a port of the service (0 means the only one), no endpoint twice,
-/// no service twice.
-pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Invalid> {
+/// no service twice; endpoint addresses and VIPs that [`usable_address`] accepts.
+pub fn apply_request(
+    req: &pb::ApplyServicesRequest,
+    loopback: Loopback,
+) -> Result<Vec<Service>, Invalid> {
     let mut seen = HashSet::new();
     let mut out = Vec::with_capacity(req.services.len());
     for (i, s) in req.services.iter().enumerate() {
@@ -81,13 +79,13 @@ pub fn apply_request(req: &pb::ApplyServicesRequest) -> Result<Vec<Service>, Inv
         let vip = if s.vip.is_empty() {
             None
         } else {
-            Some(address(&format!("{at}.vip"), &s.vip)?)
+            Some(usable_address(&format!("{at}.vip"), &s.vip, loopback)?)
         };
         let mut endpoints = Vec::with_capacity(s.endpoints.len());
         let mut at_ports = HashSet::new();
         for (j, e) in s.endpoints.iter().enumerate() {
             let eat = format!("{at}.endpoints[{j}]");
-            let addr = address(&format!("{eat}.address"), &e.address)?;
+            let addr = usable_address(&format!("{eat}.address"), &e.address, loopback)?;
             let p = port(&format!("{eat}.port"), e.port)?;
             if !at_ports.insert((addr, p)) {
                 return Err(invalid(&eat, format!("{addr} port {p} is listed twice")));
@@ -166,7 +164,7 @@ mod tests {
     }
 
     fn check(services: Vec<pb::Service>, want: Result<&str, &str>) {
-        let got = apply_request(&pb::ApplyServicesRequest { services });
+        let got = apply_request(&pb::ApplyServicesRequest { services }, Loopback::Refuse);
         match (got, want) {
             (Ok(s), Ok(w)) => {
                 let text: Vec<String> = s
@@ -213,14 +211,17 @@ mod tests {
             mtls: true,
             ..ep("10.0.0.1", 8080, 80)
         };
-        let got = apply_request(&pb::ApplyServicesRequest {
-            services: vec![svc(
-                "d",
-                "web",
-                &[80],
-                vec![marked, ep("10.0.0.2", 8080, 80)],
-            )],
-        })
+        let got = apply_request(
+            &pb::ApplyServicesRequest {
+                services: vec![svc(
+                    "d",
+                    "web",
+                    &[80],
+                    vec![marked, ep("10.0.0.2", 8080, 80)],
+                )],
+            },
+            Loopback::Refuse,
+        )
         .unwrap();
         let marks: Vec<(String, bool)> = got[0]
             .endpoints
@@ -309,5 +310,62 @@ mod tests {
         ] {
             check(services, Err(want));
         }
+    }
+
+    #[test]
+    fn unusable_addresses_are_refused_naming_the_field_and_loopback_only_when_allowed() {
+        let eps = |a: &[&str]| a.iter().map(|a| ep(a, 8080, 80)).collect::<Vec<_>>();
+        let mut vip = svc("d", "web", &[80], vec![]);
+        vip.vip = "169.254.169.254".into();
+        for (services, want) in [
+            (
+                vec![
+                    svc("d", "a", &[80], vec![]),
+                    svc("d", "b", &[80], vec![]),
+                    svc("d", "c", &[80], vec![]),
+                    svc("d", "web", &[80], eps(&["10.0.0.1", "169.254.169.254"])),
+                ],
+                "services[3].endpoints[1].address: 169.254.169.254 is link-local",
+            ),
+            (
+                vec![svc("d", "web", &[80], eps(&["fe80::1"]))],
+                "services[0].endpoints[0].address: fe80::1 is link-local",
+            ),
+            (
+                vec![svc("d", "web", &[80], eps(&["224.0.0.251"]))],
+                "services[0].endpoints[0].address: 224.0.0.251 is multicast",
+            ),
+            (
+                vec![svc("d", "web", &[80], eps(&["::"]))],
+                "services[0].endpoints[0].address: :: is unspecified",
+            ),
+            (
+                vec![svc("d", "web", &[80], eps(&["0.0.0.0"]))],
+                "services[0].endpoints[0].address: 0.0.0.0 is unspecified",
+            ),
+            (vec![vip], "services[0].vip: 169.254.169.254 is link-local"),
+            (
+                vec![svc("d", "web", &[80], eps(&["127.0.0.1"]))],
+                "services[0].endpoints[0].address: 127.0.0.1 is loopback (allowed only with --allow-loopback-endpoints)",
+            ),
+        ] {
+            check(services, Err(want));
+        }
+        let loopback = pb::ApplyServicesRequest {
+            services: vec![svc("d", "web", &[80], eps(&["127.0.0.1", "::1"]))],
+        };
+        assert_eq!(
+            apply_request(&loopback, Loopback::Allow).unwrap()[0]
+                .endpoints
+                .len(),
+            2
+        );
+        let link_local = pb::ApplyServicesRequest {
+            services: vec![svc("d", "web", &[80], eps(&["169.254.169.254"]))],
+        };
+        assert!(
+            apply_request(&link_local, Loopback::Allow).is_err(),
+            "the flag allows loopback only"
+        );
     }
 }

@@ -772,6 +772,97 @@ async fn apply_names_the_invalid_field() {
     );
 }
 
+/// Addresses no pod or service has are refused on apply, naming the field, and nothing
+/// of the request is written; loopback is refused too, unless the registrar runs with
+/// `--allow-loopback-endpoints`.
+#[tokio::test]
+async fn apply_refuses_link_local_multicast_unspecified_and_unless_allowed_loopback_addresses() {
+    let etcd = etcd_or_skip!(
+        "apply_refuses_link_local_multicast_unspecified_and_unless_allowed_loopback_addresses"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let strict = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("s.sock"), &[]);
+    let lenient = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("l.sock"),
+        &["--allow-loopback-endpoints"],
+    );
+    let try_apply = |addr: String, services: Vec<pb::Service>| async move {
+        client(&addr)
+            .await
+            .apply_services(pb::ApplyServicesRequest { services })
+            .await
+    };
+    let first = || {
+        vec![
+            svc("prod", "a", &[80], &[("10.0.0.1", 8080, "n1")]),
+            svc("prod", "b", &[80], &[]),
+            svc("prod", "c", &[80], &[]),
+        ]
+    };
+    for (addr, bad, want) in [
+        (
+            strict.addr(),
+            "169.254.169.254",
+            "services[3].endpoints[1].address: 169.254.169.254 is link-local",
+        ),
+        (
+            lenient.addr(),
+            "169.254.169.254",
+            "services[3].endpoints[1].address: 169.254.169.254 is link-local",
+        ),
+        (
+            lenient.addr(),
+            "fe80::1",
+            "services[3].endpoints[1].address: fe80::1 is link-local",
+        ),
+        (
+            strict.addr(),
+            "ff05::2",
+            "services[3].endpoints[1].address: ff05::2 is multicast",
+        ),
+        (
+            strict.addr(),
+            "0.0.0.0",
+            "services[3].endpoints[1].address: 0.0.0.0 is unspecified",
+        ),
+        (
+            strict.addr(),
+            "127.0.0.1",
+            "services[3].endpoints[1].address: 127.0.0.1 is loopback (allowed only with --allow-loopback-endpoints)",
+        ),
+    ] {
+        let mut services = first();
+        services.push(svc(
+            "prod",
+            "web",
+            &[80],
+            &[("10.0.0.2", 8080, "n1"), (bad, 8080, "n1")],
+        ));
+        let e = try_apply(addr.to_owned(), services).await.unwrap_err();
+        assert_eq!(
+            (e.code(), e.message()),
+            (Code::InvalidArgument, want),
+            "{bad} at {addr}"
+        );
+    }
+    assert!(
+        dump(strict.addr()).contains("\"services\": []"),
+        "nothing of a refused request is written"
+    );
+    let loopback = vec![svc(
+        "prod",
+        "web",
+        &[80],
+        &[("127.0.0.1", 8080, "n1"), ("::1", 8080, "n1")],
+    )];
+    try_apply(lenient.addr().to_owned(), loopback)
+        .await
+        .expect("loopback with --allow-loopback-endpoints");
+    assert!(dump(strict.addr()).contains("\"address\": \"::1\""));
+}
+
 #[test]
 fn plain_tcp_without_insecure_listen_refuses_to_start() {
     // Refused before etcd is dialled: no etcd needed.
@@ -793,6 +884,8 @@ fn plain_tcp_without_insecure_listen_refuses_to_start() {
     for needle in [
         "--insecure-listen",
         "every caller may then do everything",
+        "--allow-loopback-endpoints",
+        "169.254.0.0/16",
         "--agent-uid",
         "--operator-uid",
         "unix:///path",

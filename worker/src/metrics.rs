@@ -144,6 +144,7 @@ pub struct Metrics {
     pub registrar_connected: Gauge,
     pub registrar_resyncs: Counter,
     pub registrar_changes: Counter,
+    pub registrar_entries_dropped: Counter,
     pub registry_revision: Gauge,
     pub registrar_drain_marks: Family<ResultLabel, Counter>,
     pub kube_connected: Family<ResourceLabel, Gauge>,
@@ -223,6 +224,7 @@ impl Metrics {
             registrar_connected: Gauge::default(),
             registrar_resyncs: Counter::default(),
             registrar_changes: Counter::default(),
+            registrar_entries_dropped: Counter::default(),
             registry_revision: Gauge::default(),
             registrar_drain_marks: Family::default(),
             kube_connected: Family::default(),
@@ -356,6 +358,11 @@ impl Metrics {
             "registrar_changes",
             "Single-key changes received from the registrar",
             m.registrar_changes.clone(),
+        );
+        r.register(
+            "registrar_entries_dropped",
+            "Entries received from the registrar that failed validation and were not built into the proxy's configuration (each named in a warn line)",
+            m.registrar_entries_dropped.clone(),
         );
         r.register(
             "registry_revision",

@@ -49,7 +49,8 @@ impl NodeRig {
     }
 
     /// [`Self::start_with`], the registry from the registrar at `registrar` (the rig's
-    /// service applied to it) instead of a registry file.
+    /// service applied to it) instead of a registry file. Its upstreams are on loopback,
+    /// so that registrar must run with `--allow-loopback-endpoints`.
     pub fn start_from(
         envoy_bin: &Path,
         api: AdsApi,

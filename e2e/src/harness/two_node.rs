@@ -42,8 +42,9 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One etcd member and the registrar serving it on loopback TCP with TLS, as the chart
 /// runs it with `registrar.tls.secretName`: every agent checks its certificate against
-/// the test CA (`--registrar-ca`), and so do the harness's own commands (`--ca`). Dropped
-/// last: etcd after the registrar.
+/// the test CA (`--registrar-ca`), and so do the harness's own commands (`--ca`). It takes
+/// `--allow-loopback-endpoints`, as the upstreams are on loopback. Dropped last: etcd
+/// after the registrar.
 pub struct SharedRegistry {
     pub registrar: RegistrarProcess,
     _etcd: Etcd,
@@ -70,17 +71,19 @@ impl SharedRegistry {
             &["127.0.0.1"],
             rcgen::ExtendedKeyUsagePurpose::ServerAuth,
         );
-        let tls = [
+        // Node B's upstreams are loopback addresses, which a registrar refuses by default.
+        let flags = [
             "--tls-cert",
             &cert.display().to_string(),
             "--tls-key",
             &key.display().to_string(),
+            "--allow-loopback-endpoints",
         ]
         .map(str::to_owned);
         let registrar = RegistrarProcess::tcp(
             &registrar_bin(),
             &etcd.endpoints(),
-            &tls.iter().map(String::as_str).collect::<Vec<_>>(),
+            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
         );
         let ca_file = dir.join("registrar-ca.crt");
         std::fs::copy(ca.ca_file(), &ca_file)

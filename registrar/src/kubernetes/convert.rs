@@ -7,11 +7,15 @@
 //! - **VIP:** `spec.clusterIP`; none for a headless Service.
 //! - **Endpoints:** the first address of each slice endpoint (consumers use only the first,
 //!   as kube-proxy does), for each TCP port of the slice.
-//! - **Conditions:** `terminating` (nil means false) makes the endpoint draining, whether
-//!   it still serves or not; otherwise `ready` (nil means true) makes it healthy; an
-//!   endpoint neither ready nor terminating (starting, or failing its probe) is left out.
-//!   An agent's drain mark is a key of its own that discovery never writes, so it holds
-//!   even while the slice still says ready.
+//! - **Conditions,** as Kubernetes defines them: `ready` (nil means true) and not
+//!   `terminating` (nil means false) is healthy; `terminating` and `serving` (nil means
+//!   as `ready`) is draining, so the proxy lets its connections finish; terminating and
+//!   no longer serving, or not terminating and not ready (starting, or failing its
+//!   probe), is left out. An agent's drain mark is a key of its own that discovery never
+//!   writes, so it holds even while the slice still says ready.
+//! - **Addresses:** one no endpoint may have (link-local, multicast, unspecified, and
+//!   loopback unless allowed; `aether_model::check`) leaves its endpoint out, named in
+//!   [`Converted::refused`] for the writer to log and count; the rest of the slice stands.
 //! - **mTLS:** the Service annotation `aether.io/mtls: "true"` marks every endpoint.
 //!
 //! An endpoint listed by two slices (the controller moving it) is kept once; healthy wins.
@@ -19,6 +23,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use aether_model::check::{self, Invalid, Loopback};
 use aether_model::registry_file::is_dns_label;
 use aether_model::{Endpoint, EndpointState, Service, ServiceKey};
 use k8s_openapi::api::core::v1::Service as KubeService;
@@ -62,19 +67,31 @@ fn is_tcp(protocol: Option<&str>) -> bool {
 pub fn state(c: Option<&EndpointConditions>) -> Option<EndpointState> {
     let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
     let ready = c.and_then(|c| c.ready).unwrap_or(true);
-    match (terminating, ready) {
-        (true, _) => Some(EndpointState::Draining),
-        (false, true) => Some(EndpointState::Healthy),
-        (false, false) => None,
+    let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+    match (terminating, ready, serving) {
+        (false, true, _) => Some(EndpointState::Healthy),
+        (false, false, _) => None,
+        (true, _, true) => Some(EndpointState::Draining),
+        (true, _, false) => None,
     }
 }
 
+/// A registry service made of a Service and its slices, with the slice endpoints left out
+/// for their address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Converted {
+    pub service: Service,
+    /// `endpointslice <ns>/<name> endpoints[i].addresses[0]`: why.
+    pub refused: Vec<Invalid>,
+}
+
 /// The registry service of `svc` with the endpoints of `slices` (those of other Services
-/// are ignored).
+/// are ignored); loopback addresses pass only with `Loopback::Allow`.
 pub fn service<'a>(
     svc: &KubeService,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
-) -> Result<Service, Skipped> {
+    loopback: Loopback,
+) -> Result<Converted, Skipped> {
     let (namespace, name) = (
         svc.metadata.namespace.clone().unwrap_or_default(),
         svc.metadata.name.clone().unwrap_or_default(),
@@ -102,10 +119,17 @@ pub fn service<'a>(
     if ports.is_empty() {
         return Err(Skipped::NoTcpPort);
     }
+    let mut refused = Vec::new();
     let vip = spec
         .cluster_ip
         .as_deref()
-        .and_then(|ip| ip.parse::<IpAddr>().ok());
+        .and_then(|ip| ip.parse::<IpAddr>().ok())
+        .filter(|ip| {
+            let field = format!("service {namespace}/{name} spec.clusterIP");
+            check::address(&field, *ip, loopback)
+                .map_err(|e| refused.push(e))
+                .is_ok()
+        });
     let mtls = svc
         .metadata
         .annotations
@@ -120,6 +144,41 @@ pub fn service<'a>(
         {
             continue;
         }
+        // Each endpoint once, whatever the number of ports: (address, state, node, pod).
+        let mut usable = Vec::new();
+        for (i, e) in slice.endpoints.iter().flatten().enumerate() {
+            let Some(state) = state(e.conditions.as_ref()) else {
+                continue;
+            };
+            let Some(first) = e.addresses.first() else {
+                continue;
+            };
+            let field = || {
+                format!(
+                    "endpointslice {}/{} endpoints[{i}].addresses[0]",
+                    slice.metadata.namespace.as_deref().unwrap_or_default(),
+                    slice.metadata.name.as_deref().unwrap_or_default()
+                )
+            };
+            let Ok(address) = first.parse::<IpAddr>() else {
+                refused.push(Invalid::new(
+                    field(),
+                    format!("{first:?} is not an IP address"),
+                ));
+                continue;
+            };
+            if let Err(e) = check::address(&field(), address, loopback) {
+                refused.push(e);
+                continue;
+            }
+            let pod = e
+                .target_ref
+                .as_ref()
+                .filter(|r| r.kind.as_deref() == Some("Pod"))
+                .and_then(|r| r.name.clone())
+                .unwrap_or_default();
+            usable.push((address, state, e.node_name.clone().unwrap_or_default(), pod));
+        }
         for sp in slice.ports.iter().flatten() {
             let (Some(port), true) = (
                 sp.port
@@ -132,44 +191,34 @@ pub fn service<'a>(
             let Some(&service_port) = by_name.get(sp.name.as_deref().unwrap_or("")) else {
                 continue;
             };
-            for e in slice.endpoints.iter().flatten() {
-                let Some(address) = e.addresses.first().and_then(|a| a.parse::<IpAddr>().ok())
-                else {
-                    continue;
-                };
-                let Some(state) = state(e.conditions.as_ref()) else {
-                    continue;
-                };
-                let pod = e
-                    .target_ref
-                    .as_ref()
-                    .filter(|r| r.kind.as_deref() == Some("Pod"))
-                    .and_then(|r| r.name.clone())
-                    .unwrap_or_default();
+            for (address, state, node, pod) in &usable {
                 let endpoint = Endpoint {
-                    address,
+                    address: *address,
                     port,
                     service_port,
-                    node: e.node_name.clone().unwrap_or_default(),
-                    pod,
-                    state,
+                    node: node.clone(),
+                    pod: pod.clone(),
+                    state: *state,
                     mtls,
                 };
-                match endpoints.get(&(address, port)) {
+                match endpoints.get(&(*address, port)) {
                     Some(kept) if kept.state == EndpointState::Healthy => {}
                     _ => {
-                        endpoints.insert((address, port), endpoint);
+                        endpoints.insert((*address, port), endpoint);
                     }
                 }
             }
         }
     }
-    Ok(Service {
-        name: own.name,
-        namespace: own.namespace,
-        ports,
-        vip,
-        endpoints: endpoints.into_values().collect(),
+    Ok(Converted {
+        service: Service {
+            name: own.name,
+            namespace: own.namespace,
+            ports,
+            vip,
+            endpoints: endpoints.into_values().collect(),
+        },
+        refused,
     })
 }
 
@@ -229,7 +278,7 @@ mod tests {
             vec![endpoint("10.1.0.1", "n1", json!({"ready": true}))],
         );
         let b = web_slice("web-b", vec![endpoint("10.1.0.2", "n2", json!({}))]);
-        let s = service(&web(), [&a, &b]).unwrap();
+        let s = service(&web(), [&a, &b], Loopback::Refuse).unwrap().service;
         assert_eq!(
             (
                 s.namespace.as_str(),
@@ -265,14 +314,24 @@ mod tests {
                 json!({"ready": true, "serving": true, "terminating": false}),
                 Some(Healthy),
             ),
+            (json!({"ready": true}), Some(Healthy)),
+            // Terminating and still serving: draining, connections finish.
             (
                 json!({"ready": false, "serving": true, "terminating": true}),
                 Some(Draining),
             ),
+            // publishNotReadyAddresses: ready stays true while terminating; serving
+            // unset defers to it.
+            (json!({"ready": true, "terminating": true}), Some(Draining)),
+            (json!({"terminating": true}), Some(Draining)),
+            // Terminating and no longer serving: out.
             (
                 json!({"ready": false, "serving": false, "terminating": true}),
-                Some(Draining),
+                None,
             ),
+            (json!({"ready": false, "terminating": true}), None),
+            (json!({"serving": false, "terminating": true}), None),
+            // Not terminating: ready decides.
             (json!({"ready": false, "serving": false}), None),
             (json!({"ready": false, "serving": true}), None),
         ];
@@ -290,8 +349,9 @@ mod tests {
         let mut fqdn = web_slice("web-f", vec![endpoint("10.1.0.8", "n1", json!({}))]);
         fqdn.address_type = "FQDN".into();
         assert!(
-            service(&web(), [&other, &fqdn])
+            service(&web(), [&other, &fqdn], Loopback::Refuse)
                 .unwrap()
+                .service
                 .endpoints
                 .is_empty()
         );
@@ -303,7 +363,9 @@ mod tests {
             json!({"metadata": {"namespace": "prod", "name": "w", "labels": {SERVICE_NAME_LABEL: "web"}}, "addressType": "IPv6",
             "ports": [{"port": 8080}], "endpoints": [{"addresses": ["fd00::1"]}]}),
         );
-        let s = service(&headless, [&unnamed]).unwrap();
+        let s = service(&headless, [&unnamed], Loopback::Refuse)
+            .unwrap()
+            .service;
         assert_eq!(
             (s.vip, show(&s)),
             (None, vec!["fd00::1:8080>80   Healthy".to_owned()])
@@ -312,15 +374,21 @@ mod tests {
         let external = svc(
             json!({"metadata": {"namespace": "prod", "name": "ext"}, "spec": {"type": "ExternalName", "externalName": "example.com"}}),
         );
-        assert_eq!(service(&external, []), Err(Skipped::ExternalName));
+        assert_eq!(
+            service(&external, [], Loopback::Refuse),
+            Err(Skipped::ExternalName)
+        );
         let udp = svc(
             json!({"metadata": {"namespace": "prod", "name": "dns"}, "spec": {"ports": [{"port": 53, "protocol": "UDP"}]}}),
         );
-        assert_eq!(service(&udp, []), Err(Skipped::NoTcpPort));
+        assert_eq!(service(&udp, [], Loopback::Refuse), Err(Skipped::NoTcpPort));
         let bad = svc(
             json!({"metadata": {"namespace": "Prod", "name": "web"}, "spec": {"ports": [{"port": 80}]}}),
         );
-        assert_eq!(service(&bad, []), Err(Skipped::NotDnsLabel));
+        assert_eq!(
+            service(&bad, [], Loopback::Refuse),
+            Err(Skipped::NotDnsLabel)
+        );
     }
 
     #[test]
@@ -330,7 +398,7 @@ mod tests {
             vec![endpoint(
                 "10.1.0.1",
                 "n1",
-                json!({"ready": false, "terminating": true}),
+                json!({"ready": false, "serving": true, "terminating": true}),
             )],
         );
         let new = web_slice(
@@ -338,7 +406,7 @@ mod tests {
             vec![endpoint("10.1.0.1", "n1", json!({"ready": true}))],
         );
         for order in [[&old, &new], [&new, &old]] {
-            let s = service(&web(), order).unwrap();
+            let s = service(&web(), order, Loopback::Refuse).unwrap().service;
             assert_eq!(
                 show(&s),
                 [
@@ -351,11 +419,73 @@ mod tests {
         marked.metadata.annotations =
             Some([(MTLS_ANNOTATION.to_owned(), "true".to_owned())].into());
         assert!(
-            service(&marked, [&new])
+            service(&marked, [&new], Loopback::Refuse)
                 .unwrap()
+                .service
                 .endpoints
                 .iter()
                 .all(|e| e.mtls)
+        );
+    }
+
+    #[test]
+    fn endpoints_at_unusable_addresses_are_left_out_and_named_and_the_slice_stands() {
+        let a = web_slice(
+            "web-a",
+            vec![
+                endpoint("169.254.169.254", "n1", json!({})),
+                endpoint("10.1.0.1", "n1", json!({})),
+                endpoint("224.0.0.1", "n1", json!({})),
+                endpoint("127.0.0.1", "n1", json!({})),
+                endpoint("0.0.0.0", "n1", json!({})),
+                // Left out for its conditions first: not reported.
+                endpoint("169.254.0.9", "n1", json!({"ready": false})),
+            ],
+        );
+        let six = slice(json!({
+            "metadata": {"namespace": "prod", "name": "web-6", "labels": {SERVICE_NAME_LABEL: "web"}},
+            "addressType": "IPv6",
+            "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": ["fe80::1"]}, {"addresses": ["fd00::1"]}],
+        }));
+        let c = service(&web(), [&a, &six], Loopback::Refuse).unwrap();
+        assert_eq!(
+            show(&c.service),
+            [
+                "10.1.0.1:8080>80 n1 web-10.1.0.1 Healthy",
+                "10.1.0.1:9091>9090 n1 web-10.1.0.1 Healthy",
+                "fd00::1:8080>80   Healthy",
+            ]
+        );
+        let refused: Vec<String> = c.refused.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            refused,
+            [
+                "endpointslice prod/web-a endpoints[0].addresses[0]: 169.254.169.254 is link-local",
+                "endpointslice prod/web-a endpoints[2].addresses[0]: 224.0.0.1 is multicast",
+                "endpointslice prod/web-a endpoints[3].addresses[0]: 127.0.0.1 is loopback (allowed only with --allow-loopback-endpoints)",
+                "endpointslice prod/web-a endpoints[4].addresses[0]: 0.0.0.0 is unspecified",
+                "endpointslice prod/web-6 endpoints[0].addresses[0]: fe80::1 is link-local",
+            ],
+            "each once, though the slice has two TCP ports"
+        );
+        let allowed = service(&web(), [&a], Loopback::Allow).unwrap();
+        assert!(
+            allowed
+                .service
+                .endpoints
+                .iter()
+                .any(|e| e.address.is_loopback())
+        );
+        assert_eq!(allowed.refused.len(), 3);
+        // A VIP no service may have is dropped and named; the endpoints stand.
+        let mut odd = web();
+        odd.spec.as_mut().unwrap().cluster_ip = Some("169.254.1.1".into());
+        let c = service(&odd, [&a], Loopback::Refuse).unwrap();
+        assert_eq!(c.service.vip, None);
+        assert_eq!(
+            c.refused[0].to_string(),
+            "service prod/web spec.clusterIP: 169.254.1.1 is link-local"
         );
     }
 }

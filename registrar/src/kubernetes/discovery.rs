@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use aether_model::ServiceKey;
+use aether_model::check::Loopback;
 use futures::{FutureExt, Stream, StreamExt};
 use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -23,7 +24,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::watch;
 
-use super::convert::{self, Skipped};
+use super::convert::{self, Converted, Skipped};
 use super::lease::{self, Leadership};
 use crate::store::Store;
 use crate::values::Source;
@@ -42,6 +43,17 @@ impl Namespaces {
     pub fn covers(&self, ns: &str) -> bool {
         (self.include.is_empty() || self.include.contains(ns)) && !self.exclude.contains(ns)
     }
+}
+
+/// What discovery covers and accepts.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub namespaces: Namespaces,
+    /// Whether loopback endpoint addresses are written (`--allow-loopback-endpoints`).
+    pub loopback: Loopback,
+    /// Counts the slice endpoints left out for their address, at each write of their
+    /// service (`aether_registrar_discovery_endpoints_refused`).
+    pub refused: prometheus_client::metrics::counter::Counter,
 }
 
 /// One kind's objects by their id, and the buffer of a relist in progress.
@@ -113,7 +125,6 @@ impl<Id: Ord + Clone, K: Clone + PartialEq> Objects<Id, K> {
 }
 
 /// What the watches have delivered: Services and EndpointSlices of covered namespaces.
-#[derive(Default)]
 pub struct Cache {
     services: Objects<ServiceKey, KubeService>,
     /// Slices by their own namespace/name.
@@ -121,6 +132,7 @@ pub struct Cache {
     /// The slices of each service, by the slice's namespace/name.
     by_service: BTreeMap<ServiceKey, BTreeSet<ServiceKey>>,
     namespaces: Namespaces,
+    loopback: Loopback,
 }
 
 /// What an event asks of the writer.
@@ -134,10 +146,13 @@ fn object_key(meta: &kube::api::ObjectMeta) -> Option<ServiceKey> {
 }
 
 impl Cache {
-    pub fn new(namespaces: Namespaces) -> Self {
+    pub fn new(namespaces: Namespaces, loopback: Loopback) -> Self {
         Self {
+            services: Objects::default(),
+            slices: Objects::default(),
+            by_service: BTreeMap::new(),
             namespaces,
-            ..Default::default()
+            loopback,
         }
     }
 
@@ -151,9 +166,9 @@ impl Cache {
         self.services.current.keys()
     }
 
-    /// The registry service for `key` as the cache says, or why it is absent (None: no
-    /// such Service).
-    pub fn desired(&self, key: &ServiceKey) -> Option<Result<aether_model::Service, Skipped>> {
+    /// The registry service for `key` as the cache says, with the slice endpoints left out
+    /// for their address, or why it is absent (None: no such Service).
+    pub fn desired(&self, key: &ServiceKey) -> Option<Result<Converted, Skipped>> {
         let svc = self.services.current.get(key)?;
         let slices = self
             .by_service
@@ -161,7 +176,7 @@ impl Cache {
             .into_iter()
             .flatten()
             .filter_map(|k| self.slices.current.get(k));
-        Some(convert::service(svc, slices))
+        Some(convert::service(svc, slices, self.loopback))
     }
 
     pub fn on_service(&mut self, event: Event<KubeService>) -> Touched {
@@ -230,10 +245,15 @@ const RETRY: Duration = Duration::from_secs(1);
 pub async fn run(
     client: kube::Client,
     store: Store,
-    namespaces: Namespaces,
+    config: Config,
     mut leader: Leadership,
     mut stop: watch::Receiver<bool>,
 ) {
+    let Config {
+        namespaces,
+        loopback,
+        refused,
+    } = config;
     // One namespace: watch it alone (a namespaced Role then suffices); else every one.
     let (services, slices) = match namespaces.include.iter().collect::<Vec<_>>().as_slice() {
         [ns] => (
@@ -250,7 +270,7 @@ pub async fn run(
         "endpointslices",
         watcher::watcher(slices, watcher::Config::default()),
     );
-    let mut cache = Cache::new(namespaces);
+    let mut cache = Cache::new(namespaces, loopback);
     let mut dirty = Dirty::default();
     let mut was_leading = false;
     let mut retry_at: Option<tokio::time::Instant> = None;
@@ -279,7 +299,7 @@ pub async fn run(
         was_leading = leading;
         if leading && cache.synced() && retry_at.is_none_or(|at| tokio::time::Instant::now() >= at)
         {
-            retry_at = write(&store, &cache, &mut dirty, &leader)
+            retry_at = write(&store, &cache, &mut dirty, &leader, &refused)
                 .await
                 .err()
                 .map(|()| tokio::time::Instant::now() + RETRY);
@@ -323,6 +343,7 @@ async fn write(
     cache: &Cache,
     dirty: &mut Dirty,
     leader: &Leadership,
+    refused: &prometheus_client::metrics::counter::Counter,
 ) -> Result<(), ()> {
     if dirty.scan_etcd {
         match writes::sources(store).await {
@@ -345,9 +366,18 @@ async fn write(
             return Ok(());
         }
         let result = match cache.desired(&key) {
-            Some(Ok(service)) => writes::apply(store, &service, Source::Kubernetes)
-                .await
-                .map(|w| (w, Some(service.endpoints.len()))),
+            Some(Ok(Converted {
+                service,
+                refused: bad,
+            })) => {
+                for e in &bad {
+                    tracing::warn!(service = %key, field = %e.field, error = %e.message, "EndpointSlice endpoint left out: {e}");
+                }
+                refused.inc_by(bad.len() as u64);
+                writes::apply(store, &service, Source::Kubernetes)
+                    .await
+                    .map(|w| (w, Some(service.endpoints.len())))
+            }
             Some(Err(skipped)) => {
                 tracing::debug!(service = %key, reason = %skipped, "Service not in the mesh");
                 writes::delete(store, &key, Source::Kubernetes)
@@ -426,6 +456,7 @@ mod tests {
             .desired(k)
             .unwrap()
             .unwrap()
+            .service
             .endpoints
             .iter()
             .map(|e| e.address.to_string())
@@ -434,7 +465,7 @@ mod tests {
 
     #[test]
     fn events_touch_the_services_they_change_and_slices_find_their_service() {
-        let mut c = Cache::new(Namespaces::default());
+        let mut c = Cache::new(Namespaces::default(), Loopback::Refuse);
         let web = key("prod", "web");
         assert!(!c.synced());
         for e in [
@@ -481,7 +512,7 @@ mod tests {
 
     #[test]
     fn a_relist_touches_what_changed_while_the_watch_was_away() {
-        let mut c = Cache::new(Namespaces::default());
+        let mut c = Cache::new(Namespaces::default(), Loopback::Refuse);
         let (a, b, d) = (key("n", "a"), key("n", "b"), key("n", "d"));
         for e in [
             Event::Init,
@@ -520,7 +551,7 @@ mod tests {
         };
         assert!(ns.covers("prod") && !ns.covers("kube-system") && !ns.covers("dev"));
         assert!(Namespaces::default().covers("anything"));
-        let mut c = Cache::new(ns);
+        let mut c = Cache::new(ns, Loopback::Refuse);
         assert_eq!(
             c.on_service(Event::Apply(svc("dev", "web"))),
             Touched::default()

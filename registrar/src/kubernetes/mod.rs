@@ -41,8 +41,8 @@ pub fn in_cluster() -> bool {
 /// What runs against the API besides TokenReview.
 pub struct Controllers {
     pub lease: lease::LeaseConfig,
-    /// Discovery, with the namespaces it covers.
-    pub discovery: Option<discovery::Namespaces>,
+    /// Discovery, with the namespaces it covers and the addresses it accepts.
+    pub discovery: Option<discovery::Config>,
     pub taint_guard: Option<taint_guard::GuardConfig>,
 }
 
@@ -66,11 +66,11 @@ pub fn spawn(
     });
     let api = kube::Api::namespaced(client.clone(), &c.lease.namespace);
     set.spawn(lease::run(api, c.lease, tx, stop.clone()));
-    if let Some(namespaces) = c.discovery {
+    if let Some(config) = c.discovery {
         set.spawn(discovery::run(
             client.clone(),
             store,
-            namespaces,
+            config,
             leader.clone(),
             stop.clone(),
         ));

@@ -6,10 +6,17 @@
 //! stores them, and hands the node whole [`Service`]s for the keys a batch touched: the
 //! model's builder then rebuilds those services alone. An endpoint's state as the node
 //! sees it is DRAINING when either its applied state or a drain mark says so.
+//!
+//! What arrives is checked again as the registrar checks it (`aether_model::check`:
+//! service keys, ports, VIPs and endpoint addresses; loopback is accepted, as an agent's
+//! own registry file may hold it): an entry that fails is skipped and named, never built
+//! into the proxy's configuration, so a registrar with bad data in its etcd, or one that
+//! predates the checks, cannot point the proxy at link-local or multicast addresses.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
+use aether_model::check::{self, Loopback};
 use aether_model::{Change, Endpoint, EndpointState, Service, ServiceKey};
 use shared_proto::registry as pb;
 
@@ -62,9 +69,12 @@ impl Mirror {
             ..Mirror::default()
         };
         for s in full.services {
-            let Some(key) = service_key(s.key.as_ref()) else {
-                skipped.push(Skipped("a service without a key".into()));
-                continue;
+            let key = match service_key(s.key.as_ref()) {
+                Ok(key) => key,
+                Err(e) => {
+                    skipped.push(Skipped(format!("a service: {e}")));
+                    continue;
+                }
             };
             let entry = next.services.entry(key.clone()).or_default();
             match meta(&s) {
@@ -76,10 +86,7 @@ impl Mirror {
                     Ok(ep) => {
                         entry.endpoints.insert((ep.address, ep.port), ep);
                     }
-                    Err(msg) => skipped.push(Skipped(format!(
-                        "service {key}: endpoint {}:{}: {msg}",
-                        e.address, e.port
-                    ))),
+                    Err(msg) => skipped.push(Skipped(format!("service {key}: {msg}"))),
                 }
             }
         }
@@ -113,9 +120,12 @@ impl Mirror {
             use pb::change::Kind;
             match c.kind {
                 Some(Kind::ServiceUpserted(s)) => {
-                    let Some(key) = service_key(s.key.as_ref()) else {
-                        skipped.push(Skipped("a service upsert without a key".into()));
-                        continue;
+                    let key = match service_key(s.key.as_ref()) {
+                        Ok(key) => key,
+                        Err(e) => {
+                            skipped.push(Skipped(format!("a service upsert: {e}")));
+                            continue;
+                        }
                     };
                     match meta(&s) {
                         Ok(m) => {
@@ -126,7 +136,8 @@ impl Mirror {
                     }
                 }
                 Some(Kind::ServiceRemoved(k)) => {
-                    if let Some(key) = service_key(Some(&k)) {
+                    // A key that fails the checks was never taken in: nothing to remove.
+                    if let Ok(key) = service_key(Some(&k)) {
                         if let Some(e) = self.services.get_mut(&key) {
                             e.meta = None;
                         }
@@ -134,13 +145,18 @@ impl Mirror {
                     }
                 }
                 Some(Kind::EndpointUpserted(u)) => {
-                    let (Some(key), Some(e)) =
-                        (service_key(u.service.as_ref()), u.endpoint.as_ref())
-                    else {
-                        skipped.push(Skipped(
-                            "an endpoint upsert without a service or endpoint".into(),
-                        ));
-                        continue;
+                    let (key, e) = match (service_key(u.service.as_ref()), u.endpoint.as_ref()) {
+                        (Ok(key), Some(e)) => (key, e),
+                        (Err(why), _) => {
+                            skipped.push(Skipped(format!("an endpoint upsert: {why}")));
+                            continue;
+                        }
+                        (Ok(key), None) => {
+                            skipped.push(Skipped(format!(
+                                "service {key}: an endpoint upsert without an endpoint"
+                            )));
+                            continue;
+                        }
                     };
                     match endpoint(e) {
                         Ok(ep) => {
@@ -151,14 +167,11 @@ impl Mirror {
                                 .insert((ep.address, ep.port), ep);
                             touched.insert(key);
                         }
-                        Err(msg) => skipped.push(Skipped(format!(
-                            "service {key}: endpoint {}:{}: {msg}",
-                            e.address, e.port
-                        ))),
+                        Err(msg) => skipped.push(Skipped(format!("service {key}: {msg}"))),
                     }
                 }
                 Some(Kind::EndpointRemoved(r)) => {
-                    let Some(key) = service_key(r.service.as_ref()) else {
+                    let Ok(key) = service_key(r.service.as_ref()) else {
                         continue;
                     };
                     let (Ok(addr), Ok(port)) = (r.address.parse::<IpAddr>(), u16::try_from(r.port))
@@ -204,7 +217,7 @@ impl Mirror {
     }
 
     fn set_mark(&mut self, m: &pb::DrainMark, skipped: &mut Vec<Skipped>) -> Option<ServiceKey> {
-        let key = service_key(m.service.as_ref())?;
+        let key = service_key(m.service.as_ref()).ok()?;
         let Ok(addr) = m.address.parse::<IpAddr>() else {
             skipped.push(Skipped(format!(
                 "service {key}: drain mark for {:?}: not an IP address",
@@ -257,24 +270,22 @@ impl Mirror {
     }
 }
 
-fn service_key(k: Option<&pb::ServiceKey>) -> Option<ServiceKey> {
-    let k = k?;
-    (!k.name.is_empty() && !k.namespace.is_empty()).then(|| ServiceKey {
+/// A service key whose namespace and name are DNS labels.
+fn service_key(k: Option<&pb::ServiceKey>) -> Result<ServiceKey, String> {
+    let k = k.ok_or("no service key")?;
+    let key = ServiceKey {
         namespace: k.namespace.clone(),
         name: k.name.clone(),
-    })
+    };
+    check::key("key", &key).map_err(|e| e.to_string())?;
+    Ok(key)
 }
 
 fn meta(s: &pb::Service) -> Result<Meta, String> {
     let ports = s
         .ports
         .iter()
-        .map(|p| {
-            u16::try_from(*p)
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| format!("port {p} out of range"))
-        })
+        .map(|p| u16::try_from(*p).map_err(|_| format!("port {p} out of range")))
         .collect::<Result<Vec<_>, _>>()?;
     let vip = match s.vip.as_str() {
         "" => None,
@@ -283,23 +294,21 @@ fn meta(s: &pb::Service) -> Result<Meta, String> {
                 .map_err(|_| format!("vip {v:?} is not an IP address"))?,
         ),
     };
+    check::service_fields("service", &ports, vip, Loopback::Allow).map_err(|e| e.to_string())?;
     Ok(Meta { ports, vip })
 }
 
+/// One endpoint, or why it is skipped (naming it by address and port).
 fn endpoint(e: &pb::Endpoint) -> Result<Endpoint, String> {
+    let at = format!("endpoint {}:{}", e.address, e.port);
     let address = e
         .address
         .parse::<IpAddr>()
-        .map_err(|_| "not an IP address".to_string())?;
-    let port = u16::try_from(e.port)
-        .ok()
-        .filter(|p| *p != 0)
-        .ok_or("port out of range")?;
+        .map_err(|_| format!("{at}: not an IP address"))?;
+    let port = u16::try_from(e.port).map_err(|_| format!("{at}: port out of range"))?;
     let service_port = u16::try_from(e.service_port)
-        .ok()
-        .filter(|p| *p != 0)
-        .ok_or("service_port out of range")?;
-    Ok(Endpoint {
+        .map_err(|_| format!("{at}: service_port {} out of range", e.service_port))?;
+    let ep = Endpoint {
         address,
         port,
         service_port,
@@ -307,7 +316,9 @@ fn endpoint(e: &pb::Endpoint) -> Result<Endpoint, String> {
         pod: e.pod.clone(),
         state: state(e.state),
         mtls: e.mtls,
-    })
+    };
+    check::endpoint(&at, &ep, Loopback::Allow).map_err(|e| e.to_string())?;
+    Ok(ep)
 }
 
 fn state(s: i32) -> EndpointState {

@@ -244,6 +244,98 @@ fn bad_entries_are_skipped_and_named_not_applied() {
     assert_eq!(changes.len(), 1, "{changes:?}");
 }
 
+/// What the mirror hands the node for `services`, as "ns/name vip [addr:port ...]".
+fn built(changes: Vec<Change>) -> Vec<String> {
+    let mut node = BTreeMap::new();
+    apply(&mut node, changes);
+    node.values()
+        .map(|s| {
+            let eps: Vec<String> = s
+                .endpoints
+                .iter()
+                .map(|e| format!("{}:{}", e.address, e.port))
+                .collect();
+            format!("{} {:?} [{}]", s.key(), s.vip, eps.join(" "))
+        })
+        .collect()
+}
+
+#[test]
+fn entries_that_fail_the_registrars_checks_are_dropped_and_named_and_loopback_passes() {
+    let mut m = Mirror::default();
+    let mut bad_key = service("web", "", vec![]);
+    bad_key.key = Some(key("default", "Web_1"));
+    let mut bad_ports = service("ports", "", vec![]);
+    bad_ports.ports = vec![80, 0];
+    let (changes, skipped) = m.apply_full(pb::FullView {
+        revision: 1,
+        services: vec![
+            bad_key,
+            bad_ports,
+            service("meta", "169.254.169.254", vec![]),
+            service(
+                "ok",
+                "10.96.0.1",
+                vec![
+                    ep("10.0.0.1", 8080, "n", pb::EndpointState::Healthy),
+                    ep("127.0.0.1", 8080, "n", pb::EndpointState::Healthy),
+                    ep("::1", 8080, "n", pb::EndpointState::Healthy),
+                    ep("169.254.169.254", 80, "n", pb::EndpointState::Healthy),
+                    ep("fe80::1", 8080, "n", pb::EndpointState::Healthy),
+                    ep("224.0.0.1", 8080, "n", pb::EndpointState::Healthy),
+                    ep("0.0.0.0", 8080, "n", pb::EndpointState::Healthy),
+                    ep("10.0.0.2", 0, "n", pb::EndpointState::Healthy),
+                ],
+            ),
+        ],
+        ..Default::default()
+    });
+    let skipped: Vec<&str> = skipped.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(
+        skipped,
+        [
+            "a service: key.name: \"Web_1\" is not a DNS label",
+            "service default/ports: service.ports[1]: 0",
+            "service default/meta: service.vip: 169.254.169.254 is link-local",
+            "service default/ok: endpoint 169.254.169.254:80.address: 169.254.169.254 is link-local",
+            "service default/ok: endpoint fe80::1:8080.address: fe80::1 is link-local",
+            "service default/ok: endpoint 224.0.0.1:8080.address: 224.0.0.1 is multicast",
+            "service default/ok: endpoint 0.0.0.0:8080.address: 0.0.0.0 is unspecified",
+            "service default/ok: endpoint 10.0.0.2:0.port: 0",
+        ]
+    );
+    assert_eq!(
+        built(changes),
+        ["default/ok Some(10.96.0.1) [10.0.0.1:8080 127.0.0.1:8080 ::1:8080]"]
+    );
+    // In a batch: a bad endpoint upsert and a bad service upsert are dropped; the service
+    // keeps what it had.
+    let (changes, skipped) = m.apply_batch(batch(
+        2,
+        vec![
+            pb::change::Kind::EndpointUpserted(pb::EndpointUpsert {
+                service: Some(key("default", "ok")),
+                endpoint: Some(ep("ff02::1", 8080, "n", pb::EndpointState::Healthy)),
+            }),
+            pb::change::Kind::ServiceUpserted(service("ok", "224.0.0.5", vec![])),
+            pb::change::Kind::EndpointUpserted(pb::EndpointUpsert {
+                service: Some(key("default", "ok")),
+                endpoint: Some(ep("10.0.0.3", 8080, "n", pb::EndpointState::Healthy)),
+            }),
+        ],
+    ));
+    assert_eq!(skipped.len(), 2, "{skipped:?}");
+    assert!(skipped[0].0.contains("ff02::1 is multicast"), "{skipped:?}");
+    assert!(
+        skipped[1].0.contains("224.0.0.5 is multicast"),
+        "{skipped:?}"
+    );
+    assert_eq!(
+        built(changes),
+        ["default/ok Some(10.96.0.1) [10.0.0.1:8080 10.0.0.3:8080 127.0.0.1:8080 ::1:8080]"]
+    );
+}
+
 #[test]
 fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does() {
     for seed in 1..=40u64 {
