@@ -4,7 +4,11 @@
     check_chart.py --surge true|false [--proxy true|false] [--spiffe-dir DIR]
                    [--backoff-base 0.1s] [--backoff-max 1s] [--ads-api-type GRPC]
                    [--metrics true|false] [--pod-monitor true|false] [--max-unavailable N]
-                   [--registrar true|false] [--registrar-auth tokenReview|none] [--registrar-tls true|false]
+                   [--registrar true|false] [--registrar-auth tokenReview|none]
+                   [--registrar-tls secret|cert-manager|none] [--cert-manager-issuer NAME]
+                   [--cert-manager-kind KIND] [--registrar-etcd-tls true|false]
+                   [--registrar-network-policy true|false] [--node-cidr CIDR ...]
+                   [--operator-source PEER ...] [--metrics-source PEER ...]
                    [--registrar-metrics true|false] [--registrar-pod-monitor true|false]
                    [--discovery true|false] [--discover-namespace NS ...] [--ignore-namespace NS ...]
                    [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
@@ -55,6 +59,9 @@ TAINT_KEY = "aether.io/agent-not-ready"
 ENVOY_ADMIN_DIR = "/var/run/envoy-admin"
 METRICS_PORT = 15090
 MEMORY_LIMIT = "256Mi"
+# The registrar is held to a peak RSS of 150 MiB under a connection flood; its limit sits
+# above that bound.
+REGISTRAR_MEMORY_LIMIT = "256Mi"
 HOOK = "helm.sh/hook"
 COMPONENT = "app.kubernetes.io/component"
 # The registrar's RBAC, by feature: (API group, resource, resourceNames) -> verbs. Exactly
@@ -66,7 +73,7 @@ REGISTRAR_GUARD_CLUSTER = {("", "nodes", ()): ["get", "list", "watch", "patch"]}
 REGISTRAR_GUARD_NAMESPACED = {("", "pods", ()): ["get", "list", "watch"]}
 REGISTRAR_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
                    "PodDisruptionBudget", "Deployment", "Service", "ValidatingAdmissionPolicy",
-                   "ValidatingAdmissionPolicyBinding", "PodMonitor")
+                   "ValidatingAdmissionPolicyBinding", "PodMonitor", "Certificate", "NetworkPolicy")
 
 
 class CheckFailed(Exception):
@@ -804,6 +811,51 @@ PODMONITOR_SCHEMA = {
 }
 
 
+# A subset of cert-manager's Certificate CRD (cert-manager.io/v1, as in its
+# cert-manager.crds.yaml of v1.19): the fields the chart writes, and a few it may, with their
+# types and enums, closed to any other key so that a typo fails. kubernetes-validate has no
+# schema for custom resources and would only warn; test-chart.sh lets that warning through
+# for this kind alone, and this schema stands in for it.
+CERT_USAGES = ["signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+               "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+               "server auth", "client auth", "code signing", "email protection", "s/mime", "ipsec end system",
+               "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"]
+CERTIFICATE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Certificate"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object", "required": ["issuerRef", "secretName"], "additionalProperties": False,
+            "properties": {
+                "secretName": {"type": "string", "minLength": 1},
+                "commonName": {"type": "string"},
+                "dnsNames": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "ipAddresses": {"type": "array", "items": {"type": "string"}},
+                "duration": {"type": "string"},
+                "renewBefore": {"type": "string"},
+                "usages": {"type": "array", "items": {"enum": CERT_USAGES}},
+                "privateKey": {"type": "object", "additionalProperties": False, "properties": {
+                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                    "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                    "rotationPolicy": {"enum": ["Never", "Always"]},
+                    "size": {"type": "integer"}}},
+                "issuerRef": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "kind": {"type": "string"},
+                    "group": {"type": "string"}}},
+                "secretTemplate": {"type": "object", "additionalProperties": False, "properties": {
+                    "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+            },
+        },
+    },
+}
+
+
 def relabel(rules, labels):
     """Prometheus's relabeling of one target (keep, drop, replace), for the PodMonitor check."""
     labels = dict(labels)
@@ -990,7 +1042,9 @@ def check_registrar(docs, agent_ds, args):
         check("agent gets a projected token for the audience aether-registrar at AETHER_REGISTRAR_TOKEN_FILE",
               any(t.get("audience") == "aether-registrar" and token_file.endswith("/" + t.get("path", "")) for t in sources),
               f"file {token_file!r}, tokens {sources}")
-    check_registrar_tls(agent_ds, pod, argv, args)
+    check_registrar_tls(docs, agent_ds, pod, argv, args)
+    check_registrar_etcd(pod, argv, args)
+    check_registrar_network_policy(docs, d, argv, args)
     check_registrar_pod_monitor(docs, d, argv, args)
     metrics_addr = flag_values(argv, "--metrics-addr")
     annotations = d["spec"]["template"]["metadata"].get("annotations") or {}
@@ -1005,6 +1059,10 @@ def check_registrar(docs, agent_ds, args):
               not metrics_addr and "prometheus.io/scrape" not in annotations and "metrics" not in ports,
               f"--metrics-addr {metrics_addr}, annotations {annotations}, ports {ports}")
     check_registrar_probes(all_containers(pod)[0], argv)
+    resources = all_containers(pod)[0].get("resources") or {}
+    limit, request = (resources.get(k, {}).get("memory") for k in ("limits", "requests"))
+    check(f"registrar memory limit {REGISTRAR_MEMORY_LIMIT} (held to a peak RSS of 150 MiB under a flood) and a "
+          "memory request", limit == REGISTRAR_MEMORY_LIMIT and bool(request), f"got {resources}")
     check_secrets_readable("registrar pod", pod)
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
@@ -1059,14 +1117,31 @@ def check_secrets_readable(where, pod):
                   f"groups {sorted(groups)}")
 
 
-def check_registrar_tls(agent_ds, pod, argv, args):
-    """registrar.tls.secretName: the registrar serves TLS with the Secret's pair, and the
-    agents check it against the Secret's ca.crt, the only key in their pods."""
+def secret_at(pod, container, path):
+    """(secret name, key) of the Secret file `container` mounts at `path`; a volume without
+    items projects every key of its Secret under its own name. None when nothing is there."""
+    for mount_path, name, key, _ in secret_files(pod, container):
+        if mount_path == path:
+            return name, key
+        if key == "*" and mount_path == os.path.dirname(path) + "/*":
+            return name, os.path.basename(path)
+    return None
+
+
+def check_registrar_tls(docs, agent_ds, pod, argv, args):
+    """The registrar serves TLS from registrar.tls.secretName, or from the Secret its
+    cert-manager Certificate writes, and the agents check it against that Secret's ca.crt,
+    the only key in their pods. Plain TCP only where the values acknowledged it
+    (registrar.insecureTransport, --registrar-tls none)."""
     agent_pod = agent_ds["spec"]["template"]["spec"]
     agent = {c["name"]: c for c in agent_pod["containers"]}["agent"]
     ca = (env_map(agent).get("AETHER_REGISTRAR_CA") or {}).get("value")
-    if not args.registrar_tls:
-        check("registrar serves plain TCP and agents get no CA without registrar.tls.secretName",
+    certs = objects_of(docs, "Certificate", "registrar")
+    if args.registrar_tls != "cert-manager":
+        check("no registrar Certificate unless registrar.tls.certManager.issuerRef.name", not certs,
+              f"found {[c['metadata']['name'] for c in certs]}")
+    if args.registrar_tls == "none":
+        check("registrar serves plain TCP and agents get no CA with no TLS source (registrar.insecureTransport)",
               "--tls-cert" not in argv and ca is None, f"argv {argv}, AETHER_REGISTRAR_CA {ca!r}")
         return
     registrar = all_containers(pod)[0]
@@ -1083,6 +1158,103 @@ def check_registrar_tls(agent_ds, pod, argv, args):
           f"AETHER_REGISTRAR_CA {ca!r}, mounted {agent_files}")
     leaked = [p for p, (name, k, _) in agent_files.items() if name == secret and k != "ca.crt"]
     check("the agents mount no key of the registrar's TLS Secret but ca.crt", not leaked, f"mounted {leaked}")
+    if args.registrar_tls != "cert-manager":
+        return
+    check("registrar Certificate rendered once (registrar.tls.certManager)", len(certs) == 1, f"found {len(certs)}")
+    c = certs[0]
+    import jsonschema
+    errors = sorted(f"{'.'.join(str(p) for p in e.path)}: {e.message}"
+                    for e in jsonschema.Draft202012Validator(CERTIFICATE_SCHEMA).iter_errors(c))
+    check("registrar Certificate validates against the CRD's fields (cert-manager.io/v1)", not errors, "; ".join(errors))
+    spec = c["spec"]
+    check("registrar Certificate writes the Secret the registrar mounts and the agents take ca.crt from, in the "
+          "release namespace", spec.get("secretName") == secret
+          and c["metadata"].get("namespace") == agent_ds["metadata"]["namespace"],
+          f"secretName {spec.get('secretName')!r}, mounted {secret!r}, namespace {c['metadata'].get('namespace')!r}")
+    # The agents check the certificate against the host they dial, the Service's name.
+    dialed = [a.rsplit(":", 1)[0] for a in ((env_map(agent).get("AETHER_REGISTRAR") or {}).get("value") or "").split(",")]
+    names = spec.get("dnsNames") or []
+    check("registrar Certificate names every host the agents dial (the Service's <name>.<namespace>.svc)",
+          bool(dialed) and all(h in names for h in dialed) and all(h.endswith(".svc") for h in dialed),
+          f"dnsNames {names}, agents dial {dialed}")
+    ref = spec.get("issuerRef") or {}
+    want_ref = {"name": args.cert_manager_issuer, "kind": args.cert_manager_kind, "group": "cert-manager.io"}
+    check("registrar Certificate: for server auth, from the issuer the values name",
+          "server auth" in (spec.get("usages") or []) and ref == want_ref, f"usages {spec.get('usages')}, issuerRef {ref}")
+
+
+def check_registrar_etcd(pod, argv, args):
+    """TLS to etcd: https:// URLs only, with the etcd Secret's ca.crt, tls.crt and tls.key;
+    without it (registrar.insecureTransport) no TLS flag at all."""
+    registrar = all_containers(pod)[0]
+    urls = [u for v in flag_values(argv, "--etcd") for u in v.split(",")]
+    flags = {f: flag_values(argv, f) for f in ("--etcd-ca", "--etcd-cert", "--etcd-key")}
+    if not args.registrar_etcd_tls:
+        check("registrar: no etcd client TLS flags without registrar.etcd.tls.secretName",
+              not any(flags.values()), f"got {flags}")
+        return
+    got = {f: [secret_at(pod, registrar, v) for v in vals] for f, vals in flags.items()}
+    secrets = {s[0] for vals in got.values() for s in vals if s}
+    want_keys = {"--etcd-ca": "ca.crt", "--etcd-cert": "tls.crt", "--etcd-key": "tls.key"}
+    check("registrar reaches etcd over TLS: every --etcd URL https://, --etcd-ca/--etcd-cert/--etcd-key the etcd "
+          "Secret's ca.crt, tls.crt and tls.key",
+          bool(urls) and all(u.startswith("https://") for u in urls) and len(secrets) == 1
+          and all(len(got[f]) == 1 and got[f][0] and got[f][0][1] == k for f, k in want_keys.items()),
+          f"--etcd {urls}, flags {flags}, mounted {got}")
+
+
+def parse_peer(text):
+    """A NetworkPolicyPeer from the test's shorthand: `namespace:k=v,...`, `pod:k=v,...`,
+    `cidr:ADDR/LEN`, or several of them joined by `+` (one peer with each selector)."""
+    peer = {}
+    for part in text.split("+"):
+        kind, _, spec = part.partition(":")
+        if kind == "cidr":
+            peer["ipBlock"] = {"cidr": spec}
+        else:
+            labels = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+            peer[{"namespace": "namespaceSelector", "pod": "podSelector"}[kind]] = {"matchLabels": labels}
+    return peer
+
+
+def check_registrar_network_policy(docs, d, argv, args):
+    """registrar.networkPolicy: ingress to the registrar's pods on the gRPC port from the
+    node CIDRs and the operator sources, on the metrics port from the metrics sources, and
+    on no other port. Checked as rendered: whether it holds is the CNI's."""
+    policies = objects_of(docs, "NetworkPolicy", "registrar")
+    if not args.registrar_network_policy:
+        check("no registrar NetworkPolicy unless registrar.networkPolicy.enabled", not policies, f"found {len(policies)}")
+        return
+    check("registrar NetworkPolicy rendered once (networking.k8s.io/v1)",
+          len(policies) == 1 and policies[0].get("apiVersion") == "networking.k8s.io/v1",
+          f"found {[p.get('apiVersion') for p in policies]}")
+    spec = policies[0]["spec"]
+    selector = spec.get("podSelector") or {}
+    check("registrar NetworkPolicy selects the registrar's pods (the Deployment's selector), in their namespace",
+          selector == {"matchLabels": d["spec"]["selector"]["matchLabels"]}
+          and policies[0]["metadata"].get("namespace") == d["metadata"]["namespace"], f"podSelector {selector}")
+    check("registrar NetworkPolicy restricts ingress only", spec.get("policyTypes") == ["Ingress"],
+          f"policyTypes {spec.get('policyTypes')}")
+    rules = spec.get("ingress") or []
+    # A rule without ports admits every port, one without `from` every source.
+    check("every rule of the registrar NetworkPolicy names its ports and its sources",
+          bool(rules) and all(r.get("ports") and r.get("from") for r in rules), f"ingress {rules}")
+    admitted = {}
+    for r in rules:
+        for port in r["ports"]:
+            key = (port.get("protocol", "TCP"), port.get("port"), port.get("endPort"))
+            admitted.setdefault(key, []).extend(json.dumps(p, sort_keys=True) for p in r["from"])
+    grpc = int(flag_values(argv, "--listen")[0].rsplit(":", 1)[1])
+    want = {("TCP", grpc, None): [{"ipBlock": {"cidr": c}} for c in args.node_cidr]
+            + [parse_peer(p) for p in args.operator_source]}
+    if args.registrar_metrics:
+        metrics = int(flag_values(argv, "--metrics-addr")[0].rsplit(":", 1)[1])
+        want[("TCP", metrics, None)] = [parse_peer(p) for p in args.metrics_source]
+    want = {k: sorted(json.dumps(p, sort_keys=True) for p in v) for k, v in want.items()}
+    got = {k: sorted(v) for k, v in admitted.items()}
+    check("registrar NetworkPolicy admits the gRPC port (--listen) from exactly the node CIDRs and the operator "
+          "sources, the metrics port (--metrics-addr) from exactly the metrics sources, and no other port",
+          got == want, f"got {got}, want {want}")
 
 
 def check_registrar_kubernetes(docs, d, agent_ds, argv, args):
@@ -1473,7 +1645,22 @@ def main():
                         help="the rendering has registrar.enabled=true")
     parser.add_argument("--registrar-auth", default="tokenReview", choices=["tokenReview", "none"],
                         help="registrar.auth")
-    parser.add_argument("--registrar-tls", type=parse_bool, default=False, help="registrar.tls.secretName is set")
+    parser.add_argument("--registrar-tls", default="secret", choices=["secret", "cert-manager", "none"],
+                        help="the registrar's TLS source: registrar.tls.secretName, registrar.tls.certManager, or "
+                             "none (registrar.insecureTransport)")
+    parser.add_argument("--cert-manager-issuer", default="", help="registrar.tls.certManager.issuerRef.name")
+    parser.add_argument("--cert-manager-kind", default="Issuer", help="registrar.tls.certManager.issuerRef.kind")
+    parser.add_argument("--registrar-etcd-tls", type=parse_bool, default=True,
+                        help="registrar.etcd.tls.secretName is set (false: registrar.insecureTransport)")
+    parser.add_argument("--registrar-network-policy", type=parse_bool, default=False,
+                        help="registrar.networkPolicy.enabled")
+    parser.add_argument("--node-cidr", action="append", default=[],
+                        help="an entry of registrar.networkPolicy.nodeCIDRs (repeatable)")
+    parser.add_argument("--operator-source", action="append", default=[],
+                        help="an entry of registrar.networkPolicy.operatorSources, as namespace:k=v, pod:k=v or "
+                             "cidr:ADDR/LEN, joined by + (repeatable)")
+    parser.add_argument("--metrics-source", action="append", default=[],
+                        help="an entry of registrar.networkPolicy.metricsSources, as --operator-source")
     parser.add_argument("--registrar-metrics", type=parse_bool, default=False, help="registrar.metrics.enabled")
     parser.add_argument("--registrar-pod-monitor", type=parse_bool, default=False,
                         help="registrar.metrics.podMonitor.enabled")

@@ -7,10 +7,10 @@
 #      schema violation must fail the lint
 #   3. helm template for each case below, validated with kubernetes-validate --strict
 #      against the Kubernetes $K8S_VERSION schemas, then asserted on by check_chart.py
-#      (a PodMonitor, which it has no schema for, is checked by check_chart.py against the
-#      CRD's fields; any other kind without a schema fails); check_chart.py also evaluates
-#      the node policies' CEL (the agent's and the registrar's) on sample requests
-#      (cel-python, pinned below)
+#      (a PodMonitor or a cert-manager Certificate, which it has no schema for, is checked
+#      by check_chart.py against the CRD's fields; any other kind without a schema fails);
+#      check_chart.py also evaluates the node policies' CEL (the agent's and the
+#      registrar's) on sample requests (cel-python, pinned below)
 #   4. envoy --mode validate on the rendered proxy bootstrap, then that bootstrap run for
 #      real beside a real agent: the admin interface is only a unix socket, and the
 #      readiness listener answers GET /ready and nothing else, the stats listener (proxy.stats)
@@ -70,13 +70,33 @@ work="$(mktemp -d)"
 # Keep helm's cache/config/data out of $HOME.
 export HELM_CACHE_HOME="$work/helm/cache" HELM_CONFIG_HOME="$work/helm/config" HELM_DATA_HOME="$work/helm/data"
 
-REGISTRAR_SETS='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}'
+# The registrar is secure by default: TLS to etcd and on its listener, or the render fails.
+# REGISTRAR_SETS serves TLS from a Secret, CERT_MANAGER (after REGISTRAR_ETCD) from a
+# cert-manager Certificate; REGISTRAR_PLAIN acknowledges plaintext (registrar.insecureTransport).
+REGISTRAR_ETCD='registrar.enabled=true,registrar.etcd.endpoints={https://etcd-0.etcd:2379},registrar.etcd.tls.secretName=etcd-client'
+REGISTRAR_SETS="$REGISTRAR_ETCD,registrar.tls.secretName=registrar-tls"
+CERT_MANAGER='registrar.tls.certManager.issuerRef.name=aether-ca'
+REGISTRAR_PLAIN='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379},registrar.insecureTransport=true'
+# A NetworkPolicy with node CIDRs of both families, two operator sources (one a namespace,
+# one a pod in a namespace) and a metrics source; REGISTRAR_NP_EXPECT is the same for
+# check_chart.py.
+REGISTRAR_NP="$REGISTRAR_SETS,registrar.networkPolicy.enabled=true,registrar.networkPolicy.nodeCIDRs={10.0.0.0/16,fd00:10::/64}"
+REGISTRAR_NP+=",registrar.networkPolicy.operatorSources[0].namespaceSelector.matchLabels.team=ops"
+REGISTRAR_NP+=",registrar.networkPolicy.operatorSources[1].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=ci"
+REGISTRAR_NP+=",registrar.networkPolicy.operatorSources[1].podSelector.matchLabels.app=registry-sync"
+REGISTRAR_NP+=",registrar.metrics.enabled=true,registrar.networkPolicy.metricsSources[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring"
+REGISTRAR_NP_EXPECT="--registrar-network-policy true --node-cidr 10.0.0.0/16 --node-cidr fd00:10::/64 --operator-source namespace:team=ops"
+REGISTRAR_NP_EXPECT+=" --operator-source namespace:kubernetes.io/metadata.name=ci+pod:app=registry-sync"
+REGISTRAR_NP_EXPECT+=" --registrar-metrics true --metrics-source namespace:kubernetes.io/metadata.name=monitoring"
 
 step "helm lint"
 lint_sets=(
   ""
   "agent.updateStrategy.surge=true,proxy.enabled=true,identity.mtls=permissive,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR,agent.registrar=registrar.mesh:15012,agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true,proxy.stats.enabled=true,dashboards.enabled=true,alerts.enabled=true"
   "$REGISTRAR_SETS,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system}"
+  "$REGISTRAR_NP"
+  "$REGISTRAR_ETCD,$CERT_MANAGER"
+  "$REGISTRAR_PLAIN"
 )
 for sets in "${lint_sets[@]}"; do
   if "$helm" lint --strict "$chart" ${sets:+--set "$sets"}; then
@@ -121,6 +141,8 @@ for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
            "$REGISTRAR_SETS,registrar.leaderElection.leaseDuration=2|leaseDuration" \
            "$REGISTRAR_SETS,registrar.taintGuard.grace=0|grace" \
            "$REGISTRAR_SETS,agent.nodeSelector.gpu=true|nodeSelector" \
+           "$REGISTRAR_SETS,registrar.resources.limits=null|limits" \
+           "$REGISTRAR_SETS,registrar.networkPolicy.enabled=true,registrar.networkPolicy.nodeCIDRs={node-a}|nodeCIDRs" \
            "$REGISTRAR_SETS,registrar.metrics.podMonitor.enabled=true|needs registrar.metrics.enabled"; do
   IFS='|' read -r sets want <<<"$bad"
   if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
@@ -129,13 +151,40 @@ for bad in "$REGISTRAR_SETS,registrar.replicas=1|replicas" \
   grep -qF "$want" "$work/bad.log" || { cat "$work/bad.log"; fail "the error for $sets does not name $want"; }
   pass "helm template refuses ${sets#"$REGISTRAR_SETS,"} (registrar on), naming $want"
 done
+# Secure by default: a registrar with no TLS source, an http:// etcd endpoint and etcd
+# without client TLS each stop the render unless registrar.insecureTransport acknowledges
+# plaintext, and so do values that worked before TLS was the default (auth=none acknowledged
+# by insecureListen alone, which says nothing about encryption). Two TLS sources, and a
+# NetworkPolicy without node CIDRs (it would shut every agent out) or, with metrics on,
+# without metrics sources, are refused too. Each error names the value at fault (first)
+# and the acknowledgement or the value that fixes it (second).
+for bad in "$REGISTRAR_ETCD|registrar.tls has no source|registrar.insecureTransport=true" \
+           "registrar.enabled=true,registrar.etcd.endpoints={https://etcd-0.etcd:2379,http://etcd-1.etcd:2379},registrar.etcd.tls.secretName=etcd-client,registrar.tls.secretName=rt|registrar.etcd.endpoints has plaintext URLs (http://etcd-1.etcd:2379)|registrar.insecureTransport=true" \
+           "registrar.enabled=true,registrar.etcd.endpoints={https://etcd-0.etcd:2379},registrar.tls.secretName=rt|registrar.etcd.tls.secretName is empty|registrar.insecureTransport=true" \
+           "registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|registrar.tls has no source|registrar.insecureTransport=true" \
+           "$REGISTRAR_SETS,$CERT_MANAGER|registrar.tls.secretName (registrar-tls) and registrar.tls.certManager.issuerRef.name (aether-ca) are both set|one source" \
+           "$REGISTRAR_SETS,registrar.networkPolicy.enabled=true|registrar.networkPolicy.enabled needs registrar.networkPolicy.nodeCIDRs|shuts every agent out" \
+           "$REGISTRAR_SETS,registrar.networkPolicy.enabled=true,registrar.networkPolicy.nodeCIDRs={10.0.0.0/16},registrar.metrics.enabled=true|needs registrar.networkPolicy.metricsSources|metrics port" \
+           "registrar.networkPolicy.enabled=true|registrar.networkPolicy.enabled needs registrar.enabled|no registrar"; do
+  IFS='|' read -r sets fault fix <<<"$bad"
+  if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
+    fail "helm template accepted $sets"
+  fi
+  grep -qF "$fault" "$work/bad.log" && grep -qF "$fix" "$work/bad.log" \
+    || { cat "$work/bad.log"; fail "the error for $sets does not name '$fault' and '$fix'"; }
+  pass "helm template refuses ${sets#"$REGISTRAR_SETS,"} -> $(sed -n 's/.*execution error at ([^)]*): //p' "$work/bad.log" | cut -c1-150)"
+done
 
 # NOTES.txt says which identity mode the release runs in (off by default), and what holds a
 # surge roll's standby back: the registrar only where one is configured.
 for notes in "|Workload identity: off" \
              "agent.updateStrategy.surge=true|No registrar is configured" \
              "agent.updateStrategy.surge=true,agent.registrar=registrar.mesh:15012|A standby that cannot reach the registrar stays not-Ready" \
-             "identity.mtls=strict,identity.trustDomain=td,$IDENTITY_DIRS|Workload identity: strict mTLS in the trust domain td"; do
+             "identity.mtls=strict,identity.trustDomain=td,$IDENTITY_DIRS|Workload identity: strict mTLS in the trust domain td" \
+             "$REGISTRAR_SETS|TLS from the Secret registrar-tls" \
+             "$REGISTRAR_ETCD,$CERT_MANAGER|TLS from cert-manager: the Certificate aether-aether-agent-registrar (Issuer aether-ca)" \
+             "$REGISTRAR_PLAIN|No TLS (registrar.insecureTransport=true)" \
+             "$REGISTRAR_NP|A NetworkPolicy admits the registry API from 10.0.0.0/16, fd00:10::/64 and 2 operator source(s)"; do
   IFS='|' read -r sets want <<<"$notes"
   "$helm" install aether "$chart" --dry-run=client --namespace aether-system ${sets:+--set "$sets"} >"$work/notes.log" 2>&1 \
     || { cat "$work/notes.log"; fail "helm install --dry-run ${sets:-(defaults)}"; }
@@ -151,9 +200,12 @@ cases=(
   "spiffe|identity.mtls=permissive,identity.trustDomain=cluster.local,$IDENTITY_DIRS|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain cluster.local"
   "spiffe-strict-broker|identity.trustDomain=mesh.example,identity.mtls=strict,$IDENTITY_DIRS|--surge false --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain mesh.example --mtls strict"
   "keeper-off|keeper.enabled=false|--surge false --keeper false"
-  "registrar|registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379\,http://etcd-1.etcd:2379}|--surge false --registrar true"
-  "registrar-tls|$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.etcd.tls.secretName=etcd-client,registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-tls true --registrar-metrics true --registrar-pod-monitor true"
-  "registrar-auth-none|registrar.enabled=true,registrar.auth=none,registrar.insecureListen=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379}|--surge false --registrar true --registrar-auth none"
+  "registrar|registrar.enabled=true,registrar.etcd.endpoints={https://etcd-0.etcd:2379,https://etcd-1.etcd:2379},registrar.etcd.tls.secretName=etcd-client,$CERT_MANAGER|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer aether-ca"
+  "registrar-cluster-issuer|$REGISTRAR_ETCD,registrar.tls.certManager.issuerRef.name=mesh-ca,registrar.tls.certManager.issuerRef.kind=ClusterIssuer|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer mesh-ca --cert-manager-kind ClusterIssuer"
+  "registrar-tls|$REGISTRAR_SETS,registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-tls secret --registrar-metrics true --registrar-pod-monitor true"
+  "registrar-plaintext|$REGISTRAR_PLAIN|--surge false --registrar true --registrar-tls none --registrar-etcd-tls false"
+  "registrar-network-policy|$REGISTRAR_NP|--surge false --registrar true $REGISTRAR_NP_EXPECT"
+  "registrar-auth-none|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true|--surge false --registrar true --registrar-auth none"
   "registrar-discovery-only|$REGISTRAR_SETS,registrar.taintGuard.enabled=false,registrar.discovery.namespaces={shop,pay},registrar.discovery.ignoreNamespaces={kube-system},registrar.leaderElection.leaseDuration=20|--surge false --registrar true --taint-guard false --discover-namespace shop --discover-namespace pay --ignore-namespace kube-system --lease-duration 20"
   "registrar-guard-only|$REGISTRAR_SETS,registrar.discovery.enabled=false,registrar.taintGuard.grace=45|--surge false --registrar true --discovery false --taint-grace 45"
   "registrar-node-selector|$REGISTRAR_SETS,agent.nodeSelector.zone=b,agent.nodeSelector.aether\.io/pool=mesh|--surge false --registrar true"
@@ -178,12 +230,14 @@ for case in "${cases[@]}"; do
   render "$chart" "$out" "$sets" || fail "helm template ($name)"
   pass "helm template ($name${sets:+: $sets})"
   # kubernetes-validate only warns about a kind it has no schema for: that must be the
-  # PodMonitor or the PrometheusRule, which check_chart.py checks (the PodMonitor against
-  # the CRD's fields, the PrometheusRule against the chart's rules file).
+  # PodMonitor, the PrometheusRule or cert-manager's Certificate, which check_chart.py
+  # checks (the PodMonitor and the Certificate against their CRDs' fields, the
+  # PrometheusRule against the chart's rules file). Any other kind without a schema fails.
   if "$kv" --kubernetes-version "$K8S_VERSION" --strict --quiet "$out" >"$out.kv" 2>&1 \
     && ! grep -v -e "Couldn't find schema for kind PodMonitor with api version monitoring.coreos.com/v1" \
-      -e "Couldn't find schema for kind PrometheusRule with api version monitoring.coreos.com/v1" "$out.kv" | grep -q .; then
-    pass "kubernetes-validate --strict ($name)$(grep -q PodMonitor "$out.kv" && echo ', PodMonitor by check_chart.py')"
+      -e "Couldn't find schema for kind PrometheusRule with api version monitoring.coreos.com/v1" \
+      -e "Couldn't find schema for kind Certificate with api version cert-manager.io/v1" "$out.kv" | grep -q .; then
+    pass "kubernetes-validate --strict ($name)$(grep -q PodMonitor "$out.kv" && echo ', PodMonitor by check_chart.py')$(grep -q 'kind Certificate' "$out.kv" && echo ', Certificate by check_chart.py')"
   else
     cat "$out.kv"
     fail "kubernetes-validate --strict ($name)"
@@ -329,11 +383,26 @@ mutations=(
   'agent-automount|templates/daemonset.yaml|automountServiceAccountToken: false|automountServiceAccountToken: true||--surge false|agent pod: automountServiceAccountToken false'
   'token-in-init|templates/daemonset.yaml|(            - name: cni-bin\n              mountPath: \{\{ \$hostCniBin \}\}\n)|\g<1>            - name: kube-api-access\n              mountPath: /var/run/secrets/kubernetes.io/serviceaccount\n              readOnly: true\n||--surge false|token mounted in the agent container only'
   'token-no-fsgroup|templates/daemonset.yaml|fsGroup: \{\{ \$workerGid \}\}|fsGroup: 1000||--surge false|token readable by the worker'
-  'registrar-no-fsgroup|templates/registrar.yaml|        fsGroup: 65532\n||'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|readable by uid 65532'
-  'registrar-tls-ignored|templates/registrar.yaml|\{\{- if \.Values\.registrar\.tls\.secretName \}\}\n            # TLS on|{{- if false }}\n            # TLS on|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|registrar --tls-cert and --tls-key are the TLS Secret'
+  'registrar-no-fsgroup|templates/registrar.yaml|        fsGroup: 65532\n||'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls secret|readable by uid 65532'
+  'registrar-tls-ignored|templates/registrar.yaml|\{\{- if \$tlsSecret \}\}\n            # TLS on|{{- if false }}\n            # TLS on|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls secret|registrar --tls-cert and --tls-key are the TLS Secret'
   'registrar-metrics-port|templates/registrar.yaml|prometheus.io/port: \{\{ \.Values\.registrar\.metrics\.port \x7c quote \}\}|prometheus.io/port: "9090"|'"$REGISTRAR_SETS"',registrar.metrics.enabled=true|--surge false --registrar true --registrar-metrics true|registrar metrics: --metrics-addr on every address'
-  'registrar-ca-env-missing|templates/daemonset.yaml|- name: AETHER_REGISTRAR_CA|- name: AETHER_REGISTRAR_CA_FILE|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|AETHER_REGISTRAR_CA is the same Secret'
-  'registrar-key-to-agents|templates/daemonset.yaml|\n              - key: ca\.crt\n                path: ca\.crt\n|\n              - key: ca.crt\n                path: ca.crt\n              - key: tls.key\n                path: tls.key\n|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls true|the agents mount no key'
+  'registrar-ca-env-missing|templates/daemonset.yaml|- name: AETHER_REGISTRAR_CA|- name: AETHER_REGISTRAR_CA_FILE|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls secret|AETHER_REGISTRAR_CA is the same Secret'
+  'registrar-key-to-agents|templates/daemonset.yaml|\n              - key: ca\.crt\n                path: ca\.crt\n|\n              - key: ca.crt\n                path: ca.crt\n              - key: tls.key\n                path: tls.key\n|'"$REGISTRAR_SETS"',registrar.tls.secretName=rt|--surge false --registrar true --registrar-tls secret|the agents mount no key'
+  'registrar-etcd-tls-ignored|templates/registrar.yaml|\{\{- if \.Values\.registrar\.etcd\.tls\.secretName \}\}\n            - --etcd-ca|{{- if false }}\n            - --etcd-ca|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar reaches etcd over TLS'
+  'registrar-memory-limit|values.yaml|(limits:\n      memory: )256Mi(\n  tolerations: \[\])|\g<1>1Gi\g<2>|'"$REGISTRAR_SETS"'|--surge false --registrar true|registrar memory limit 256Mi'
+  'registrar-cert-secret|templates/registrar-certificate.yaml|secretName: \{\{ include "aether-agent\.registrarTLSSecret" \. \}\}|secretName: registrar-serving|'"$REGISTRAR_ETCD,$CERT_MANAGER"'|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer aether-ca|registrar Certificate writes the Secret the registrar mounts'
+  'registrar-cert-svc-name|templates/registrar-certificate.yaml|\n    - \{\{ printf "%s\.%s\.svc" \$name \.Release\.Namespace \}\}||'"$REGISTRAR_ETCD,$CERT_MANAGER"'|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer aether-ca|registrar Certificate names every host the agents dial'
+  'registrar-cert-client-auth|templates/registrar-certificate.yaml|- server auth|- client auth|'"$REGISTRAR_ETCD,$CERT_MANAGER"'|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer aether-ca|registrar Certificate: for server auth'
+  'registrar-cert-kind-ignored|templates/registrar-certificate.yaml|\$ref\.kind \x7c default "Issuer"|"Issuer"|'"$REGISTRAR_ETCD"',registrar.tls.certManager.issuerRef.name=mesh-ca,registrar.tls.certManager.issuerRef.kind=ClusterIssuer|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer mesh-ca --cert-manager-kind ClusterIssuer|registrar Certificate: for server auth, from the issuer the values name'
+  'registrar-cert-typo|templates/registrar-certificate.yaml|  dnsNames:|  dnsName:|'"$REGISTRAR_ETCD,$CERT_MANAGER"'|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer aether-ca|registrar Certificate validates against the CRD'
+  'registrar-cert-unguarded|templates/registrar-certificate.yaml|\{\{- if and \.Values\.registrar\.enabled \$issuer \(not \.Values\.registrar\.tls\.secretName\) \}\}|{{- if .Values.registrar.enabled }}|'"$REGISTRAR_SETS"'|--surge false --registrar true|no registrar Certificate unless registrar.tls.certManager.issuerRef.name'
+  'registrar-np-any-port|templates/registrar-networkpolicy.yaml|    - ports:\n        - port: \{\{ int \.Values\.registrar\.port \}\}\n          protocol: TCP\n      from:|    - from:|'"$REGISTRAR_NP"'|--surge false --registrar true '"$REGISTRAR_NP_EXPECT"'|every rule of the registrar NetworkPolicy names its ports and its sources'
+  'registrar-np-any-node|templates/registrar-networkpolicy.yaml|range \$np\.nodeCIDRs|range list "0.0.0.0/0"|'"$REGISTRAR_NP"'|--surge false --registrar true '"$REGISTRAR_NP_EXPECT"'|registrar NetworkPolicy admits the gRPC port'
+  'registrar-np-operators-ignored|templates/registrar-networkpolicy.yaml|\{\{- with \$np\.operatorSources \}\}|{{- with list }}|'"$REGISTRAR_NP"'|--surge false --registrar true '"$REGISTRAR_NP_EXPECT"'|registrar NetworkPolicy admits the gRPC port'
+  'registrar-np-metrics-open|templates/registrar-networkpolicy.yaml|\{\{- toYaml \$np\.metricsSources \x7c nindent 8 \}\}|- namespaceSelector: {}|'"$REGISTRAR_NP"'|--surge false --registrar true '"$REGISTRAR_NP_EXPECT"'|registrar NetworkPolicy admits the gRPC port'
+  'registrar-np-egress|templates/registrar-networkpolicy.yaml|    - Ingress\n|    - Ingress\n    - Egress\n|'"$REGISTRAR_NP"'|--surge false --registrar true '"$REGISTRAR_NP_EXPECT"'|registrar NetworkPolicy restricts ingress only'
+  'registrar-np-agents|templates/registrar-networkpolicy.yaml|"component" "registrar"|"component" "agent"|'"$REGISTRAR_NP"'|--surge false --registrar true '"$REGISTRAR_NP_EXPECT"'|registrar NetworkPolicy selects the registrar'"'"'s pods'
+  'registrar-np-by-default|values.yaml|(networkPolicy:\n    )enabled: false|\g<1>enabled: true|'"$REGISTRAR_SETS"',registrar.networkPolicy.nodeCIDRs={10.0.0.0/16}|--surge false --registrar true|no registrar NetworkPolicy unless registrar.networkPolicy.enabled'
   'token-audience|templates/daemonset.yaml|(                  path: token\n)|\g<1>                  audience: vault\n||--surge false|the API server'"'"'s audience'
   'vap-missing|templates/node-policy.yaml|apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\n|apiVersion: v1\nkind: ConfigMap\n||--surge false|node policy: one ValidatingAdmissionPolicy'
   'vap-other-sa|templates/node-policy.yaml|request.userInfo.username == '"'"'\{\{ include "aether-agent.serviceAccountUser" . \}\}'"'"'|request.userInfo.username == '"'"'system:serviceaccount:kube-system:default'"'"'||--surge false|bound to the agent'"'"'s service account'
@@ -641,7 +710,8 @@ else
   command -v openssl >/dev/null || fail "no openssl (scripts/install-deps.sh installs it)"
   [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-registrar --bins
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
-  render "$chart" "$work/registrar-run.yaml" "$REGISTRAR_SETS,registrar.tls.secretName=registrar-tls,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false"
+  # TLS on the listener from the Secret; plaintext to the test's etcd, acknowledged.
+  render "$chart" "$work/registrar-run.yaml" "$REGISTRAR_PLAIN,registrar.tls.secretName=registrar-tls,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false"
   eval "$("$py" "$check" --registrar-creds "$work/registrar-run.yaml")"
   reg="$work/registrar-run"
   mkdir -p "$reg/secret" && chmod 0755 "$reg"

@@ -47,6 +47,24 @@ pods only, never another release's agents.
 {{- end -}}
 {{- end -}}
 
+{{/*
+The Secret of the registrar's serving pair and CA: registrar.tls.secretName, else, with the
+chart's registrar and a cert-manager issuer, the Secret its Certificate writes
+(registrar-certificate.yaml); "" when the registrar has no TLS source.
+*/}}
+{{- define "aether-agent.registrarTLSSecret" -}}
+{{- if .Values.registrar.tls.secretName -}}
+{{- .Values.registrar.tls.secretName -}}
+{{- else if and .Values.registrar.enabled (include "aether-agent.registrarIssuer" .) -}}
+{{- printf "%s-tls" (include "aether-agent.registrarName" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* registrar.tls.certManager.issuerRef.name, "" when unset (or its parents are null). */}}
+{{- define "aether-agent.registrarIssuer" -}}
+{{- dig "certManager" "issuerRef" "name" "" (.Values.registrar.tls | default dict) -}}
+{{- end -}}
+
 {{- define "aether-agent.uninstallName" -}}
 {{- printf "%s-cni-uninstall" (include "aether-agent.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
