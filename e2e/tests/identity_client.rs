@@ -304,13 +304,7 @@ async fn pods_added_to_the_node_are_subscribed_and_a_removed_pods_subscription_c
         assert_eq!(svid.spiffe_id, provider.pod_spiffe_id("shop", name));
         assert_eq!(Some(svid.serial), provider.serial_of_pod(uid));
     }
-    assert!(
-        a.node
-            .snapshot()
-            .secrets
-            .get("spiffe|pod|10.1.0.5")
-            .is_some()
-    );
+    assert!(a.node.snapshot().secrets.get("spiffe|pod|u1").is_some());
     assert_eq!(
         provider.subscriptions(),
         [("u1".to_string(), 1), ("u2".to_string(), 1)]

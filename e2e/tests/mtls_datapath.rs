@@ -698,7 +698,7 @@ both_apis!(
 /// has the pods `client` (its SVID; addresses 10.77.0.2 and 10.77.0.4) and `other` (no
 /// SVID of its own; 10.77.0.3). Their calls to a service VIP are redirected to node 1's
 /// outbound listener, which originates mTLS to node 2's endpoints (marked mTLS-capable)
-/// with the certificate named after the connection's source address. On node 2:
+/// with the certificate of the pod whose IP the connection comes from, named by its uid. On node 2:
 /// - `web` (10.88.0.2) terminates the mTLS itself (node 2 holds no SVID for it, so its
 ///   permissive listener passes the bytes through) and answers with the peer's SPIFFE ID;
 /// - `api` (10.88.0.3) has its SVID on node 2, whose Envoy terminates the mTLS (a
@@ -707,7 +707,8 @@ both_apis!(
 /// `other` presents no certificate until its own arrives: its calls go plaintext, which
 /// `web` (mTLS only) refuses and `api`'s permissive listener takes; never the agent's
 /// certificate. Then `other`'s own SVID arrives: its next connection presents it, and its
-/// inbound listener serves mTLS with it.
+/// inbound listener serves mTLS with it. Last, `client` is deleted and a new pod takes
+/// its IPs: its calls present its own SVID, never client's.
 async fn outbound(api: AdsApi) {
     let what = format!("outbound_mtls_presents_the_calling_pods_svid over {api:?}");
     let Some(envoy_bin) = envoy_or_skip(&what) else {
@@ -969,6 +970,44 @@ async fn outbound(api: AdsApi) {
         leaf, other_svid.leaf_der,
         "other's listener presents its own SVID"
     );
+
+    // A reused IP: `client` is deleted and a new pod takes its addresses (its network
+    // namespace stands in for the new sandbox). Its certificate is named by its own uid,
+    // so its calls use new upstream connections and present its own SVID, never the one
+    // of `client`, whose pooled connection to web is still open.
+    let (status, _) = call("client", "web.default", [10, 96, 0, 10]);
+    assert_eq!(status, 200, "client's last call{}", context());
+    let newcomer = ca.mint("default", "newcomer");
+    let mut reused = pod_record(&dp1, "client");
+    reused.uid = "uid-newcomer".into();
+    reused.name = "newcomer".into();
+    node1.node.apply([
+        Change::RemovePod("uid-client".into()),
+        Change::SetPodSvid {
+            uid: "uid-client".into(),
+            svid: None,
+        },
+        Change::UpsertPod(reused),
+        Change::SetPodSvid {
+            uid: "uid-newcomer".into(),
+            svid: Some(newcomer.svid.clone()),
+        },
+    ]);
+    assert!(
+        node1.wait_acked_current(BOUND).await,
+        "node 1's Envoy did not ACK the new pod at the reused IP{}",
+        context()
+    );
+    let want = format!("web peer={}", newcomer.svid.spiffe_id);
+    for round in 0..3 {
+        let (status, body) = call("client", "web.default", [10, 96, 0, 10]);
+        assert_eq!(
+            (status, body.as_str()),
+            (200, want.as_str()),
+            "round {round}: the new pod at client's IP presented another identity{}",
+            context()
+        );
+    }
 
     for rig in [&node1, &node2] {
         for t in TYPES {

@@ -83,11 +83,14 @@ pub struct Builder {
     /// Pods with at least one IP of their own: each has a cluster, and a listener unless
     /// strict mTLS holds it back until the pod's SVID arrives.
     served: BTreeSet<String>,
-    /// The secret names each pod produced (one per IP of its own).
+    /// The secret names each pod produced (its outbound and inbound certificates).
     pod_secrets: BTreeMap<String, Vec<String>>,
     /// Permissive mTLS: the IPs of each pod without its own SVID, whose outbound
     /// connections go plaintext (the outbound listener's `plaintext_sources`).
     plaintext_sources: BTreeMap<String, Vec<IpAddr>>,
+    /// The IPs of each pod holding its own SVID, whose outbound connections name its
+    /// certificate (the outbound listener's `pod_certificates`).
+    certified_sources: BTreeMap<String, Vec<IpAddr>>,
 }
 
 impl Builder {
@@ -113,6 +116,7 @@ impl Builder {
         let mut served = BTreeSet::new();
         let mut pod_secrets = BTreeMap::new();
         let mut plaintext_sources = BTreeMap::new();
+        let mut certified_sources = BTreeMap::new();
         let mut held_back = imbl::OrdSet::new();
         for (uid, pod) in &inputs.pods {
             if let Some(r) = pod_resources(pod, &ip_claims, &inputs.identity) {
@@ -121,6 +125,9 @@ impl Builder {
                 }
                 if !r.plaintext_sources.is_empty() {
                     plaintext_sources.insert(uid.clone(), r.plaintext_sources);
+                }
+                if !r.certified_sources.is_empty() {
+                    certified_sources.insert(uid.clone(), r.certified_sources);
                 }
                 listeners.extend(r.listener);
                 clusters.push(r.cluster);
@@ -135,7 +142,11 @@ impl Builder {
         if !served.is_empty() {
             listeners.push(inbound_listener(&inputs.capture));
         }
-        listeners.push(outbound_listener(&inputs, &plaintext_sources));
+        listeners.push(outbound_listener(
+            &inputs,
+            &plaintext_sources,
+            &certified_sources,
+        ));
 
         let mut vhosts = BTreeMap::new();
         let mut service_clusters = BTreeMap::new();
@@ -174,6 +185,7 @@ impl Builder {
             served,
             pod_secrets,
             plaintext_sources,
+            certified_sources,
         }
     }
 
@@ -292,8 +304,8 @@ impl Builder {
             }
         }
         let any_served_before = !self.served.is_empty();
-        // A secret is named by an IP, and an IP can move between the pods of one step:
-        // every touched pod's old secrets go first, then the new ones are put.
+        // Every touched pod's old secrets go first, then the new ones are put: what a pod
+        // no longer has (its SVID, or the pod) leaves.
         let mut stale_secrets = BTreeSet::new();
         let mut new_secrets = Vec::new();
         let mut held_changed = false;
@@ -306,17 +318,12 @@ impl Builder {
                 .get(uid)
                 .and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
             stale_secrets.extend(self.pod_secrets.remove(uid).unwrap_or_default());
-            let plaintext = built
+            let (plaintext, certified) = built
                 .as_ref()
-                .map(|r| r.plaintext_sources.clone())
+                .map(|r| (r.plaintext_sources.clone(), r.certified_sources.clone()))
                 .unwrap_or_default();
-            let before = match plaintext.is_empty() {
-                true => self.plaintext_sources.remove(uid),
-                false => self
-                    .plaintext_sources
-                    .insert(uid.clone(), plaintext.clone()),
-            };
-            sources_changed |= before.unwrap_or_default() != plaintext;
+            sources_changed |= replace_sources(&mut self.plaintext_sources, uid, plaintext);
+            sources_changed |= replace_sources(&mut self.certified_sources, uid, certified);
             let was_held = s.held_back.contains(uid);
             match built {
                 Some(r) => {
@@ -394,7 +401,11 @@ impl Builder {
         if (capture || sources_changed)
             && s.listeners.insert(
                 OUTBOUND.to_string(),
-                outbound_listener(&self.inputs, &self.plaintext_sources),
+                outbound_listener(
+                    &self.inputs,
+                    &self.plaintext_sources,
+                    &self.certified_sources,
+                ),
             )
         {
             changed.note(Kind::Listener, OUTBOUND);
@@ -497,9 +508,23 @@ fn remove_service_cluster(s: &mut Snapshot, changed: &mut Changed, name: &str) {
     }
 }
 
+/// Sets pod `uid`'s entry of `map` to `ips` (none: no entry); says whether it changed.
+fn replace_sources(map: &mut BTreeMap<String, Vec<IpAddr>>, uid: &str, ips: Vec<IpAddr>) -> bool {
+    let before = match ips.is_empty() {
+        true => map.remove(uid),
+        false => map.insert(uid.to_string(), ips.clone()),
+    };
+    before.unwrap_or_default() != ips
+}
+
 /// The outbound listener; `plaintext` holds the IPs of the pods (by uid) whose
-/// connections go plaintext for want of their own SVID (permissive).
-fn outbound_listener(inputs: &Inputs, plaintext: &BTreeMap<String, Vec<IpAddr>>) -> Listener {
+/// connections go plaintext for want of their own SVID (permissive), `certified` those of
+/// the pods whose connections name their own certificate.
+fn outbound_listener(
+    inputs: &Inputs,
+    plaintext: &BTreeMap<String, Vec<IpAddr>>,
+    certified: &BTreeMap<String, Vec<IpAddr>>,
+) -> Listener {
     let sources: BTreeSet<IpAddr> = plaintext.values().flatten().copied().collect();
     Listener {
         name: OUTBOUND.to_string(),
@@ -508,6 +533,10 @@ fn outbound_listener(inputs: &Inputs, plaintext: &BTreeMap<String, Vec<IpAddr>>)
             route_config: OUTBOUND.to_string(),
             on_demand: inputs.on_demand_clusters,
             source_certificates: inputs.identity.enabled(),
+            pod_certificates: certified
+                .iter()
+                .map(|(uid, ips)| (uid.clone(), ips.clone()))
+                .collect(),
             plaintext_sources: sources.into_iter().collect(),
         },
     }
@@ -535,12 +564,13 @@ struct PodResources {
     /// The listener is held back for the SVID (strict).
     held_back: bool,
     cluster: Cluster,
-    /// The pod's certificate, once per IP of its own (the outbound side names it by the
-    /// connection's source address).
+    /// The pod's certificates: outbound and inbound, each named by its uid.
     secrets: Vec<NamedSecret>,
     /// Permissive, the pod's SVID not yet there: its IPs, whose outbound connections go
     /// plaintext.
     plaintext_sources: Vec<IpAddr>,
+    /// The pod's SVID there: its IPs, whose outbound connections name its certificate.
+    certified_sources: Vec<IpAddr>,
 }
 
 fn inbound_listener(c: &CaptureProjection) -> Listener {
@@ -597,10 +627,11 @@ fn pod_resources(
         },
     };
     let mut secrets: Vec<NamedSecret> = match own {
-        Some(svid) => ips
-            .iter()
-            .map(|ip| certificate(pod_secret_name(*ip), svid))
-            .collect(),
+        Some(svid) => vec![certificate(pod_secret_name(uid), svid)],
+        None => vec![],
+    };
+    let certified_sources = match own {
+        Some(_) => ips.clone(),
         None => vec![],
     };
     let tls = match own {
@@ -636,6 +667,7 @@ fn pod_resources(
         cluster: c,
         secrets,
         plaintext_sources,
+        certified_sources,
     })
 }
 

@@ -99,18 +99,22 @@ impl Identity {
     }
 }
 
-/// SDS resource names. A pod's outbound certificate is named by each of its IPs: the
-/// outbound side selects the client certificate by the connection's source address, and
-/// Envoy fetches it on demand. Its inbound certificate is a secret of its own, named by
-/// the pod's uid, which the pod's listener subscribes to at once: in Envoy 1.40 one name
-/// cannot serve both, because the listener's SDS subscription and the on-demand
-/// selector's do not share the answer (the selector's handshake then waits out its
-/// connect timeout), and a listener warms on a plain SDS certificate, keeps session
-/// resumption, and lists it in the admin `/certs`.
+/// SDS resource names. A pod's outbound certificate is named by its uid: the outbound
+/// listener has a filter chain per pod that holds its SVID, matched by the pod's IPs as the
+/// connection's direct source, which names that secret, and Envoy fetches it on demand. So
+/// a new pod at a reused IP names another secret, and its connections another upstream
+/// pool key: it never rides a connection made with the old pod's certificate. A source no
+/// pod chain matches names [`NO_SVID_SECRET_PREFIX`] and its address, never served. Its
+/// inbound certificate is a secret of its own, also named by the pod's uid, which the
+/// pod's listener subscribes to at once: in Envoy 1.40 one name cannot serve both,
+/// because the listener's SDS subscription and the on-demand selector's do not share the
+/// answer (the selector's handshake then waits out its connect timeout), and a listener
+/// warms on a plain SDS certificate, keeps session resumption, and lists it in the admin
+/// `/certs`.
 pub const BUNDLE_SECRET: &str = "spiffe|bundle";
 
-pub fn pod_secret_name(ip: std::net::IpAddr) -> String {
-    format!("spiffe|pod|{ip}")
+pub fn pod_secret_name(uid: &str) -> String {
+    format!("{POD_SECRET_PREFIX}{uid}")
 }
 
 pub fn inbound_secret_name(uid: &str) -> String {
@@ -120,9 +124,14 @@ pub fn inbound_secret_name(uid: &str) -> String {
 /// The prefix of every pod's inbound secret (see [`inbound_secret_name`]).
 pub const INBOUND_SECRET_PREFIX: &str = "spiffe|inbound|";
 
-/// The prefix the outbound listener puts before the source address to name the secret
-/// of the calling pod (see [`pod_secret_name`]).
+/// The prefix of every pod's outbound secret (see [`pod_secret_name`]).
 pub const POD_SECRET_PREFIX: &str = "spiffe|pod|";
+
+/// What a connection from a source that no pod chain matches names, before its address: a
+/// pod secret's prefix (so the clusters' matcher picks mTLS, and a strict pod without its
+/// SVID fails its handshake rather than going plaintext), then `|`, which no pod uid
+/// holds, so that no secret of that name is ever served.
+pub const NO_SVID_SECRET_PREFIX: &str = "spiffe|pod|no-svid|";
 
 /// An SDS secret.
 #[derive(Clone, PartialEq, Eq, Serialize)]

@@ -24,8 +24,9 @@ pub use builder::{Builder, build};
 pub use capture::CaptureProjection;
 pub use change::Change;
 pub use identity::{
-    BUNDLE_SECRET, INBOUND_SECRET_PREFIX, Identity, InboundTls, MtlsMode, NamedSecret,
-    POD_SECRET_PREFIX, Secret, Svid, UpstreamTls, inbound_secret_name, pod_secret_name,
+    BUNDLE_SECRET, INBOUND_SECRET_PREFIX, Identity, InboundTls, MtlsMode, NO_SVID_SECRET_PREFIX,
+    NamedSecret, POD_SECRET_PREFIX, Secret, Svid, UpstreamTls, inbound_secret_name,
+    pod_secret_name,
 };
 pub use inputs::{Gates, Inputs};
 pub use pod::Pod;

@@ -206,11 +206,17 @@ pub enum ListenerKind {
     HttpOutbound {
         route_config: String,
         on_demand: bool,
-        /// Identity is on: each connection names its calling pod's certificate (by its
-        /// source address) for the upstream TLS of mTLS-capable endpoints. Left out of the
-        /// content hash when false.
+        /// Identity is on: each connection names its calling pod's certificate for the
+        /// upstream TLS of mTLS-capable endpoints; one from a source no pod of
+        /// `pod_certificates` has names a secret never served. Left out of the content hash
+        /// when false.
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         source_certificates: bool,
+        /// The local pods holding their own SVID, by uid, with their IPs: a connection from
+        /// one of those IPs names that pod's certificate ([`crate::pod_secret_name`]).
+        /// Sorted by uid; left out of the content hash when empty.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        pod_certificates: Vec<(String, Vec<IpAddr>)>,
         /// Permissive mTLS: the IPs of local pods whose own SVID has not arrived. Their
         /// connections name no certificate, so they go plaintext; they never present
         /// another's. Sorted; left out of the content hash when empty.

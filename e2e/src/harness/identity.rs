@@ -3,7 +3,7 @@
 //! [`TRUST_DOMAIN`]) runs beside the node, and every agent generation gets the four
 //! identity flags (`--spiffe-endpoint`, `--spiffe-broker-endpoint`, `--trust-domain`,
 //! `--mtls`). The worker then serves each local pod's SVID to Envoy as the SDS secret
-//! `spiffe|pod|<ip>`, the certificate of the pod's inbound mTLS chain; Envoy's admin
+//! `spiffe|inbound|<uid>`, the certificate of the pod's inbound mTLS chain; Envoy's admin
 //! `/certs` lists it with its serial number, which is how the harness sees it served.
 //!
 //! Per roll the harness checks that every pod it knows present has its SVID in `/certs`

@@ -93,9 +93,10 @@ fn render(s: &Snapshot) -> String {
                 route_config,
                 on_demand,
                 source_certificates,
+                pod_certificates,
                 plaintext_sources,
             } => out.push(format!(
-                "L {} {} rds={route_config}{}{}{}",
+                "L {} {} rds={route_config}{}{}{}{}",
                 l.name,
                 l.address,
                 if *on_demand { " on-demand" } else { "" },
@@ -104,6 +105,13 @@ fn render(s: &Snapshot) -> String {
                 } else {
                     ""
                 },
+                pod_certificates
+                    .iter()
+                    .map(|(uid, ips)| {
+                        let ips: Vec<_> = ips.iter().map(|i| i.to_string()).collect();
+                        format!(" {uid}-from [{}]", ips.join(","))
+                    })
+                    .collect::<String>(),
                 match plaintext_sources.is_empty() {
                     true => String::new(),
                     false => format!(
@@ -783,7 +791,7 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
         "L inbound 0.0.0.0:15006 capture
          L inbound|u1 10.1.0.5:80 chain u1 [10.1.0.5] -> inbound|u1 mtls=spiffe|inbound|u1+plaintext
          L inbound|u2 10.1.0.6:80 chain u2 [10.1.0.6] -> inbound|u2
-         L outbound 127.0.0.1:15001 rds=outbound source-certificates plaintext-from [10.1.0.6]
+         L outbound 127.0.0.1:15001 rds=outbound source-certificates u1-from [10.1.0.5] plaintext-from [10.1.0.6]
          R outbound vh web.d [web,web.d,web.d.svc.cluster.local,web:80,web.d:80,web.d.svc.cluster.local:80]
          R outbound vh web.d None -> outbound|80||web.d
          C inbound|u1 static [10.1.0.5:80]
@@ -792,7 +800,7 @@ fn permissive_pods_terminate_mtls_once_their_svid_arrives_and_keep_plaintext() {
          E outbound|80||web.d [10.0.0.1:8080 mtls,10.0.0.2:8080]
          S spiffe|bundle Secret::Validation(spiffe://td/)
          S spiffe|inbound|u1 Secret::Certificate(<redacted>)
-         S spiffe|pod|10.1.0.5 Secret::Certificate(<redacted>)",
+         S spiffe|pod|u1 Secret::Certificate(<redacted>)",
     );
 }
 
@@ -840,7 +848,7 @@ fn a_pod_without_its_svid_goes_plaintext_and_never_presents_the_agents() {
         }])
         .expect("the SVID changes the snapshot");
     assert!(plaintext(&s).is_empty(), "its own certificate from now on");
-    assert!(s.secrets.get("spiffe|pod|10.1.0.6").is_some());
+    assert!(s.secrets.get("spiffe|pod|u2").is_some());
     assert!(!holds_agent(&s));
     // Strict: no plaintext sources ever; the pod's connection fails instead.
     let strict = build(&with_identity(
@@ -863,7 +871,7 @@ fn strict_mode_holds_a_pods_listener_back_until_its_svid_arrives() {
         "fail closed: no listener without the SVID"
     );
     assert!(
-        s.secrets.get("spiffe|pod|10.1.0.5").is_none(),
+        s.secrets.get("spiffe|pod|u1").is_none(),
         "no certificate for a pod without its own SVID"
     );
     // The pod is served as strict mode serves it until the SVID comes: its CNI ADD
@@ -927,7 +935,7 @@ fn a_rotation_changes_one_secret_and_no_listener_or_cluster() {
     }
     assert_eq!(
         after.changed_since(&before, Kind::Secret).unwrap(),
-        BTreeSet::from(["spiffe|inbound|u1", "spiffe|pod|10.1.0.5"])
+        BTreeSet::from(["spiffe|inbound|u1", "spiffe|pod|u1"])
     );
     assert!(
         b.apply([Change::SetPodSvid {
@@ -948,13 +956,63 @@ fn removing_a_pod_removes_its_secrets() {
         id,
     ));
     assert!(
-        b.snapshot().secrets.get("spiffe|pod|fd00::5").is_some(),
-        "one secret per IP of the pod's own"
+        b.snapshot().secrets.get("spiffe|pod|u1").is_some(),
+        "one outbound secret for the pod, named by its uid"
     );
     let s = b.apply([Change::RemovePod("u1".into())]).unwrap();
     assert!(
-        s.secrets.get("spiffe|pod|10.1.0.5").is_none()
-            && s.secrets.get("spiffe|pod|fd00::5").is_none()
+        s.secrets.get("spiffe|pod|u1").is_none() && s.secrets.get("spiffe|inbound|u1").is_none()
     );
     assert!(s.secrets.get(BUNDLE_SECRET).is_some());
+}
+
+/// A pod's outbound certificate is named by its uid, so a new pod at a reused IP names
+/// another secret (and Envoy another upstream pool key): the outbound listener's chain for
+/// that IP switches from the old pod's name to the new one's in one step, and the old
+/// pod's secret leaves.
+#[test]
+fn a_new_pod_at_a_reused_ip_names_its_own_certificate_not_the_old_pods() {
+    let mut id = identity(MtlsMode::Strict);
+    id.pods.insert("u1".into(), svid("ns/d/pod/one", "p1"));
+    let mut b = Builder::new(with_identity(
+        inputs(vec![], vec![pod("u1", &["10.1.0.5"])]),
+        id,
+    ));
+    let certified = |s: &Snapshot| match &s.listeners.get(OUTBOUND).unwrap().kind {
+        ListenerKind::HttpOutbound {
+            pod_certificates, ..
+        } => pod_certificates.clone(),
+        _ => unreachable!(),
+    };
+    let ip: IpAddr = "10.1.0.5".parse().unwrap();
+    assert_eq!(certified(b.snapshot()), [("u1".to_string(), vec![ip])]);
+    let s = b
+        .apply([
+            Change::RemovePod("u1".into()),
+            Change::SetPodSvid {
+                uid: "u1".into(),
+                svid: None,
+            },
+            Change::UpsertPod(pod("u3", &["10.1.0.5"])),
+        ])
+        .unwrap();
+    assert!(
+        certified(&s).is_empty(),
+        "no chain names a certificate before the new pod's SVID"
+    );
+    assert!(s.secrets.get("spiffe|pod|u1").is_none());
+    let s = b
+        .apply([Change::SetPodSvid {
+            uid: "u3".into(),
+            svid: Some(svid("ns/d/pod/three", "p3")),
+        }])
+        .unwrap();
+    assert_eq!(certified(&s), [("u3".to_string(), vec![ip])]);
+    assert!(s.secrets.get("spiffe|pod|u3").is_some());
+    assert!(s.secrets.get("spiffe|pod|u1").is_none());
+    assert_eq!(
+        **b.snapshot(),
+        build(b.inputs()),
+        "incremental equals a fresh build"
+    );
 }

@@ -65,6 +65,7 @@ pub fn listener(l: &snapshot::Listener) -> Any {
             route_config,
             on_demand,
             source_certificates,
+            pod_certificates,
             plaintext_sources,
         } => {
             let router = hcm::HttpFilter {
@@ -109,14 +110,37 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 name: "envoy.filters.network.http_connection_manager".into(),
                 config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
             };
+            // A source no other chain matches: with identity on, it names a certificate
+            // never served (a strict pod without its SVID fails its mTLS handshakes).
             let chain = listener::FilterChain {
                 filters: source_certificates
-                    .then(source_certificate_filter)
+                    .then(|| certificate_filter(&unknown_source_certificate()))
                     .into_iter()
                     .chain([hcm.clone()])
                     .collect(),
                 ..Default::default()
             };
+            // Each pod holding its SVID: its connections, matched by their direct source
+            // address, name its certificate, by uid. A new pod at a reused IP names
+            // another, and so gets another upstream pool key (trial "a-chain").
+            let certified = pod_certificates
+                .iter()
+                .map(|(uid, ips)| listener::FilterChain {
+                    name: format!("{POD_CHAIN_PREFIX}{uid}"),
+                    filter_chain_match: Some(listener::FilterChainMatch {
+                        direct_source_prefix_ranges: ips
+                            .iter()
+                            .map(|ip| host_prefix(*ip))
+                            .collect(),
+                        ..Default::default()
+                    }),
+                    filters: vec![
+                        certificate_filter(&snapshot::pod_secret_name(uid)),
+                        hcm.clone(),
+                    ],
+                    ..Default::default()
+                })
+                .collect::<Vec<_>>();
             // Pods without their own SVID (permissive): their connections match this
             // chain by their direct source address, which sets no certificate name, so
             // the clusters' matcher picks plaintext for them (`transport_socket_matcher`).
@@ -132,7 +156,11 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 filters: vec![hcm],
                 ..Default::default()
             });
-            let chains = [chain].into_iter().chain(without_svid).collect();
+            let chains = [chain]
+                .into_iter()
+                .chain(certified)
+                .chain(without_svid)
+                .collect();
             (core::TrafficDirection::Outbound, chains, vec![])
         }
         snapshot::ListenerKind::InboundCapture => {
@@ -334,11 +362,19 @@ const CERTIFICATE_FACTORY: &str = "envoy.hashable_string";
 /// The upstream certificate mapper that reads [`CERTIFICATE_KEY`].
 const CERTIFICATE_MAPPER: &str = "envoy.tls.upstream_certificate_mappers.filter_state_override";
 
-/// Names each outbound connection's client certificate after its source address, the
-/// calling pod's IP: the secret [`snapshot::pod_secret_name`] of that IP. The direct
-/// remote address: the peer of the TCP connection, which nothing the client sends can
-/// change.
-fn source_certificate_filter() -> listener::Filter {
+/// The certificate a connection from no known pod names:
+/// [`snapshot::NO_SVID_SECRET_PREFIX`] and its direct remote address, never served.
+fn unknown_source_certificate() -> String {
+    format!(
+        "{}%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%",
+        snapshot::NO_SVID_SECRET_PREFIX
+    )
+}
+
+/// Names each outbound connection's client certificate: `name`, a format string. The
+/// chain it is on was chosen by the direct remote address, the peer of the TCP
+/// connection, which nothing the client sends can change.
+fn certificate_filter(name: &str) -> listener::Filter {
     let value = filter_state::FilterStateValue {
         key: Some(filter_state::filter_state_value::Key::ObjectKey(
             CERTIFICATE_KEY.into(),
@@ -348,10 +384,9 @@ fn source_certificate_filter() -> listener::Filter {
             core::SubstitutionFormatString {
                 format: Some(core::substitution_format_string::Format::TextFormatSource(
                     core::DataSource {
-                        specifier: Some(core::data_source::Specifier::InlineString(format!(
-                            "{}%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%",
-                            snapshot::POD_SECRET_PREFIX
-                        ))),
+                        specifier: Some(core::data_source::Specifier::InlineString(
+                            name.to_string(),
+                        )),
                         ..Default::default()
                     },
                 )),
@@ -397,6 +432,8 @@ const NO_CERTIFICATE: &str = "spiffe|none";
 
 /// The outbound listener's chain for the sources of pods without their own SVID.
 pub const WITHOUT_SVID_CHAIN: &str = "without-svid";
+/// The outbound listener's chain of a pod holding its SVID: this prefix and its uid.
+pub const POD_CHAIN_PREFIX: &str = "pod|";
 
 /// How long an idle pooled upstream connection of an mTLS cluster lives.
 pub const POOL_IDLE_TIMEOUT_S: i64 = 60;
@@ -808,6 +845,7 @@ mod tests {
                     route_config: snapshot::OUTBOUND.into(),
                     on_demand: false,
                     source_certificates: true,
+                    pod_certificates: vec![],
                     plaintext_sources,
                 },
             };
@@ -901,40 +939,58 @@ mod tests {
     }
 
     /// The outbound listener names each connection's certificate under Envoy's fixed key,
-    /// with a hashable object (else pooled upstream connections are shared across pods),
-    /// from the direct remote address. Envoy takes a misspelt key or a non-hashable factory
-    /// without complaint and then presents the wrong certificate, so both are pinned here.
+    /// with a hashable object (else pooled upstream connections are shared across pods):
+    /// a pod holding its SVID by its uid, on a chain matched by the pod's IPs as the
+    /// direct source; any other source a name never served, with its direct address.
+    /// Envoy takes a misspelt key or a non-hashable factory without complaint and then
+    /// presents the wrong certificate, so both are pinned here.
     #[test]
-    fn the_source_certificate_is_keyed_hashable_and_from_the_direct_address() {
+    fn the_source_certificate_is_keyed_hashable_and_named_by_the_pods_uid() {
         let s = snapshot_with_pod(MtlsMode::Strict);
         let l: listener::Listener = decode(&listener(s.listeners.get(snapshot::OUTBOUND).unwrap()));
-        let f = &l.filter_chains[0].filters[0];
-        assert_eq!(f.name, "envoy.filters.network.set_filter_state");
-        let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
-            panic!("typed config")
+        let named = |chain: &listener::FilterChain| {
+            let f = &chain.filters[0];
+            assert_eq!(f.name, "envoy.filters.network.set_filter_state");
+            let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+                panic!("typed config")
+            };
+            let c: set_filter_state::Config = decode(any);
+            let v = &c.on_new_connection[0];
+            assert_eq!(
+                v.key,
+                Some(filter_state::filter_state_value::Key::ObjectKey(
+                    "envoy.tls.certificate_mappers.on_demand_secret".into()
+                ))
+            );
+            assert_eq!(v.factory_key, "envoy.hashable_string");
+            let Some(filter_state::filter_state_value::Value::FormatString(fs)) = &v.value else {
+                panic!("a format string")
+            };
+            let Some(core::substitution_format_string::Format::TextFormatSource(src)) = &fs.format
+            else {
+                panic!("text")
+            };
+            match &src.specifier {
+                Some(core::data_source::Specifier::InlineString(name)) => name.clone(),
+                other => panic!("{other:?}"),
+            }
         };
-        let c: set_filter_state::Config = decode(any);
-        let v = &c.on_new_connection[0];
+        assert_eq!(l.filter_chains.len(), 2);
+        assert!(l.filter_chains[0].filter_chain_match.is_none());
         assert_eq!(
-            v.key,
-            Some(filter_state::filter_state_value::Key::ObjectKey(
-                "envoy.tls.certificate_mappers.on_demand_secret".into()
-            ))
+            named(&l.filter_chains[0]),
+            "spiffe|pod|no-svid|%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%"
         );
-        assert_eq!(v.factory_key, "envoy.hashable_string");
-        let Some(filter_state::filter_state_value::Value::FormatString(fs)) = &v.value else {
-            panic!("a format string")
-        };
-        let Some(core::substitution_format_string::Format::TextFormatSource(src)) = &fs.format
-        else {
-            panic!("text")
-        };
+        let pod = &l.filter_chains[1];
+        assert_eq!(pod.name, "pod|u");
         assert_eq!(
-            src.specifier,
-            Some(core::data_source::Specifier::InlineString(
-                "spiffe|pod|%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%".into()
-            ))
+            pod.filter_chain_match
+                .as_ref()
+                .unwrap()
+                .direct_source_prefix_ranges,
+            [host_prefix("10.0.0.2".parse().unwrap())]
         );
+        assert_eq!(named(pod), "spiffe|pod|u");
     }
 
     /// Strict: one mTLS chain, no inspector. Permissive: the inspector with a 1 s timeout

@@ -1015,7 +1015,7 @@ mod tests {
     }
 
     /// `snap(1, pods)` with identity on (strict) and every pod's SVID: each pod has its
-    /// inbound certificate and one per IP.
+    /// inbound and its outbound certificate, both named by its uid.
     fn snap_with_svids(pods: usize) -> Arc<Snapshot> {
         let mut i = inputs(1, pods);
         let svid = |p: &str| aether_model::Svid {
@@ -1077,7 +1077,7 @@ mod tests {
             gone,
             vec![
                 "spiffe|inbound|uid-1".to_string(),
-                "spiffe|pod|10.244.0.2".to_string()
+                "spiffe|pod|uid-1".to_string()
             ]
         );
         let names: Vec<&str> = with.secrets.hashes.keys().map(String::as_str).collect();

@@ -370,7 +370,7 @@ mod tests {
     /// own again; the trust bundle is untouched.
     #[test]
     fn a_deleted_pods_certificates_are_answered_with_the_tombstone() {
-        let names = ["spiffe|bundle", "spiffe|inbound|u", "spiffe|pod|10.0.0.2"];
+        let names = ["spiffe|bundle", "spiffe|inbound|u", "spiffe|pod|u"];
         let mut st = StreamState::new(snap_with_pod(true), Arc::default());
         st.on_request(&req(Kind::Secret, "", "", &names, None));
         let out = st.pending();
@@ -387,7 +387,7 @@ mod tests {
             secrets(&out[0]),
             vec![
                 ("spiffe|inbound|u".to_string(), true),
-                ("spiffe|pod|10.0.0.2".to_string(), true)
+                ("spiffe|pod|u".to_string(), true)
             ]
         );
         st.on_request(&req(Kind::Secret, "v", &out[0].nonce, &names, None));
@@ -402,7 +402,7 @@ mod tests {
             vec![
                 ("spiffe|bundle".to_string(), false),
                 ("spiffe|inbound|u".to_string(), true),
-                ("spiffe|pod|10.0.0.2".to_string(), true)
+                ("spiffe|pod|u".to_string(), true)
             ]
         );
 
@@ -412,7 +412,7 @@ mod tests {
             secrets(&out[0]),
             vec![
                 ("spiffe|inbound|u".to_string(), false),
-                ("spiffe|pod|10.0.0.2".to_string(), false)
+                ("spiffe|pod|u".to_string(), false)
             ]
         );
     }

@@ -6,7 +6,7 @@
 //! - state of the world cannot remove an SDS resource at all: a response that omits a
 //!   name leaves the proxy with the last version it got.
 //!
-//! So a pod secret (`spiffe|pod|<ip>`, `spiffe|inbound|<uid>`) that the proxy holds or
+//! So a pod secret (`spiffe|pod|<uid>`, `spiffe|inbound|<uid>`) that the proxy holds or
 //! asks for, and that the snapshot no longer has, is first overwritten with this
 //! certificate: self-signed, no SPIFFE ID, trusted by no one, its key published here.
 //! Whatever still uses the name (a draining listener, the outbound certificate mapper, a
@@ -56,9 +56,7 @@ mod tests {
 
     #[test]
     fn only_pod_certificates_get_a_tombstone() {
-        assert!(applies_to(&snapshot::pod_secret_name(
-            "10.1.0.5".parse().unwrap()
-        )));
+        assert!(applies_to(&snapshot::pod_secret_name("u1")));
         assert!(applies_to(&snapshot::inbound_secret_name("u1")));
         assert!(!applies_to(snapshot::BUNDLE_SECRET));
         assert!(!applies_to("spiffe|none"));
