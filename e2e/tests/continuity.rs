@@ -34,6 +34,9 @@ fn surge_rolls_keep_the_socket_inodes() {
     for _ in 0..5 {
         let next = node.start_agent();
         next.wait_role("standby", T);
+        // The standby's supervisor fetches the owner's sockets on its own schedule; a
+        // standby with nothing to build can be Ready first.
+        next.wait_log("holding the owner's node sockets", T);
         owner.signal(Signal::SIGTERM);
         owner.wait_exit(T);
         let ready = next.wait_role("owner", T);
