@@ -57,8 +57,9 @@ fn holds(text: &str, symbol: &str) -> bool {
     text.match_indices(symbol).any(|(at, _)| {
         let before = text[..at].chars().next_back();
         let after = text[at + symbol.len()..].chars().next();
-        !(symbol.starts_with(word) && before.is_some_and(word))
-            && !(symbol.ends_with(word) && after.is_some_and(word))
+        let glued_before = symbol.starts_with(word) && before.is_some_and(word);
+        let glued_after = symbol.ends_with(word) && after.is_some_and(word);
+        !glued_before && !glued_after
     })
 }
 
