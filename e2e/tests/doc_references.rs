@@ -1,6 +1,10 @@
-//! The code references in the review documents still point at code: every
-//! `path.rs:LINE[-LINE]` names a file that exists and lines it has, and every
-//! `path.rs::name` (or `::name` after one) names a function defined in that file.
+//! The code references in the review documents still point at code. A reference is a
+//! backquoted `path:LINE::symbol` or `path:FIRST-LAST::symbol`: the file exists, has those
+//! lines, and `symbol` (a name, or any short text) appears among them, so that a reference
+//! left behind by an edit, pointing at an existing but unrelated line, fails. `:LINE::symbol`
+//! continues the last file named on its line. `path::name` (or `::name` after one) names a
+//! function defined in that file (`fn` in Rust, `def` in Python, `name()` in shell). Any
+//! source file is checked, not only Rust: `charts/…/values.yaml:…`, `scripts/….sh:…`.
 //! SECURITY.md's claims are only as good as these pointers. Every metric the worker
 //! registers is in ARCHITECTURE.md's table, and every row of RELIABILITY.md's fault matrix
 //! names tests that exist.
@@ -9,8 +13,22 @@ use std::collections::HashMap;
 
 use aether_e2e::testing::workspace_root as root;
 
+/// The kinds of file a reference may name, by how the name ends.
+const SOURCE_EXTENSIONS: &[&str] = &[
+    "rs", "py", "sh", "yaml", "yml", "toml", "tpl", "service", "proto", "json",
+];
+
+/// Whether `s` names a source file: a path with a folder and a known extension.
+fn is_source_path(s: &str) -> bool {
+    s.contains('/')
+        && !s.contains(char::is_whitespace)
+        && s.rsplit_once('.')
+            .is_some_and(|(_, ext)| SOURCE_EXTENSIONS.contains(&ext))
+}
+
 /// Each backquoted reference of `doc`: (line in the doc, file, what follows the file).
-/// A reference without a file (`:12`, `::name`) belongs to the last file named on its line.
+/// A reference without a file (`:12::name`, `::name`) belongs to the last file named on
+/// its line.
 fn references(doc: &str) -> Vec<(usize, String, String)> {
     let mut out = Vec::new();
     for (n, line) in doc.lines().enumerate() {
@@ -21,7 +39,7 @@ fn references(doc: &str) -> Vec<(usize, String, String)> {
                     Some(f) => (f.clone(), span.to_string()),
                     None => continue,
                 },
-                Some(i) if span[..i].ends_with(".rs") && span[..i].contains('/') => {
+                Some(i) if is_source_path(&span[..i]) => {
                     (span[..i].to_string(), span[i..].to_string())
                 }
                 _ => continue,
@@ -33,40 +51,109 @@ fn references(doc: &str) -> Vec<(usize, String, String)> {
     out
 }
 
-fn check(doc_name: &str) -> Vec<String> {
-    let root = root();
-    let doc =
-        std::fs::read_to_string(root.join(doc_name)).unwrap_or_else(|e| panic!("{doc_name}: {e}"));
+/// Whether `text` holds `symbol` as a whole: a name is not matched inside a longer name.
+fn holds(text: &str, symbol: &str) -> bool {
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    text.match_indices(symbol).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + symbol.len()..].chars().next();
+        let glued_before = symbol.starts_with(word) && before.is_some_and(word);
+        let glued_after = symbol.ends_with(word) && after.is_some_and(word);
+        !glued_before && !glued_after
+    })
+}
+
+/// Whether `text`, the file `file`, defines the function `name`.
+fn defines(file: &str, text: &str, name: &str) -> bool {
+    let forms = match file.rsplit_once('.').map(|(_, ext)| ext) {
+        Some("rs") => vec![format!("fn {name}("), format!("fn {name}<")],
+        Some("py") => vec![format!("def {name}(")],
+        Some("sh") => vec![format!("{name}()"), format!("function {name}")],
+        _ => vec![name.to_string()],
+    };
+    forms.iter().any(|d| text.contains(d.as_str()))
+}
+
+/// What is wrong with the reference `rest` (after the file) into `text`, the file `file`.
+fn problem(file: &str, text: &str, rest: &str) -> Option<String> {
+    if let Some(name) = rest.strip_prefix("::") {
+        return (!defines(file, text, name)).then(|| format!("no function {name} in {file}"));
+    }
+    let spec = rest.strip_prefix(':')?;
+    let (lines, symbol) = match spec.split_once("::") {
+        Some((lines, symbol)) if !symbol.is_empty() => (lines, symbol),
+        _ => {
+            return Some(format!(
+                "{file}{rest}: names no symbol (write `{file}{rest}::name`, a name the lines hold)"
+            ));
+        }
+    };
+    let all: Vec<&str> = text.lines().collect();
+    let bound = |l: &str| {
+        l.parse::<usize>()
+            .ok()
+            .filter(|l| (1..=all.len()).contains(l))
+    };
+    let (first, last) = match lines.split_once('-') {
+        Some((a, b)) => (bound(a), bound(b)),
+        None => (bound(lines), bound(lines)),
+    };
+    let (Some(first), Some(last)) = (first, last) else {
+        return Some(format!(
+            "{file}:{lines}: not lines of its {} lines",
+            all.len()
+        ));
+    };
+    if first > last {
+        return Some(format!("{file}:{lines}: the range runs backwards"));
+    }
+    if holds(&all[first - 1..last].join("\n"), symbol) {
+        return None;
+    }
+    let elsewhere: Vec<String> = (1..=all.len())
+        .filter(|&l| holds(all[l - 1], symbol))
+        .take(5)
+        .map(|l| l.to_string())
+        .collect();
+    Some(format!(
+        "{file}:{lines}: `{symbol}` is not in those lines ({})",
+        if elsewhere.is_empty() {
+            "nor anywhere in the file".to_string()
+        } else {
+            format!("it is on line {}", elsewhere.join(", "))
+        }
+    ))
+}
+
+/// The stale references of `doc`, the text of `doc_name`; `read` gives a file's text.
+fn check_text(
+    doc_name: &str,
+    doc: &str,
+    read: &mut dyn FnMut(&str) -> Option<String>,
+) -> Vec<String> {
     let mut files: HashMap<String, Option<String>> = HashMap::new();
     let mut bad = Vec::new();
-    for (n, file, rest) in references(&doc) {
-        let text = files
-            .entry(file.clone())
-            .or_insert_with(|| std::fs::read_to_string(root.join(&file)).ok());
-        let Some(text) = text else {
-            bad.push(format!("{doc_name}:{n}: {file} does not exist"));
-            continue;
-        };
-        if let Some(name) = rest.strip_prefix("::") {
-            let defined = [format!("fn {name}("), format!("fn {name}<")]
-                .iter()
-                .any(|d| text.contains(d.as_str()));
-            if !defined {
-                bad.push(format!("{doc_name}:{n}: no fn {name} in {file}"));
-            }
-        } else if let Some(lines) = rest.strip_prefix(':') {
-            let count = text.lines().count();
-            for l in lines.split('-') {
-                match l.parse::<usize>() {
-                    Ok(l) if (1..=count).contains(&l) => {}
-                    _ => bad.push(format!(
-                        "{doc_name}:{n}: {file}{rest}: line {l} is not in its {count} lines"
-                    )),
+    for (n, file, rest) in references(doc) {
+        let text = files.entry(file.clone()).or_insert_with(|| read(&file));
+        match text {
+            None => bad.push(format!("{doc_name}:{n}: {file} does not exist")),
+            Some(text) => {
+                if let Some(p) = problem(&file, text, &rest) {
+                    bad.push(format!("{doc_name}:{n}: {p}"));
                 }
             }
         }
     }
     bad
+}
+
+fn check(doc_name: &str) -> Vec<String> {
+    let root = root();
+    let doc =
+        std::fs::read_to_string(root.join(doc_name)).unwrap_or_else(|e| panic!("{doc_name}: {e}"));
+    check_text(doc_name, &doc, &mut |file| {
+        std::fs::read_to_string(root.join(file)).ok()
+    })
 }
 
 #[test]
@@ -85,16 +172,64 @@ fn every_code_reference_in_the_review_documents_points_at_code() {
 
 #[test]
 fn references_are_found_with_and_without_a_file() {
-    let refs =
-        references("a (`x/y.rs:3-4`, `:9`; `x/y.rs::t`, `::u`) and `not a ref` and `b/c.rs`");
+    let refs = references(
+        "a (`x/y.rs:3-4::f`, `:9::g`; `x/y.rs::t`, `::u`) and `not a ref` and `b/c.rs` \
+         and `c/v.yaml:7::key`, `127.0.0.1:15090`, `<run-dir>/x.sock`",
+    );
     let got: Vec<(String, String)> = refs.into_iter().map(|(_, f, r)| (f, r)).collect();
     let want = [
-        ("x/y.rs", ":3-4"),
-        ("x/y.rs", ":9"),
+        ("x/y.rs", ":3-4::f"),
+        ("x/y.rs", ":9::g"),
         ("x/y.rs", "::t"),
         ("x/y.rs", "::u"),
+        ("c/v.yaml", ":7::key"),
     ];
     assert_eq!(got, want.map(|(f, r)| (f.to_string(), r.to_string())));
+}
+
+/// A three-file tree for the checker: a Rust file, a chart's values and a script.
+fn sample(file: &str) -> Option<String> {
+    match file {
+        "a/lib.rs" => Some("// one\nfn probe() {\n    let timeout = 5;\n}\nfn other() {}\n".into()),
+        "c/values.yaml" => Some("proxy:\n  runAsUser: 101\n  supplementalGroups: [65532]\n".into()),
+        "s/run.py" => Some("def main():\n    pass\n".into()),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_reference_passes_only_when_its_symbol_is_in_the_cited_lines() {
+    let doc = "\
+ok `a/lib.rs:2-4::probe`, `:3::timeout`, `c/values.yaml:3::supplementalGroups`, `s/run.py::main`, `a/lib.rs::other`
+moved `a/lib.rs:5::probe`
+unrelated `c/values.yaml:2::supplementalGroups`
+inside a longer name `a/lib.rs:3::time`
+bare `a/lib.rs:2`
+past the end `a/lib.rs:4-9::probe`
+backwards `a/lib.rs:4-2::probe`
+gone `a/gone.rs:1::x`, no function `s/run.py::helper`
+";
+    let bad = check_text("D.md", doc, &mut |f| sample(f));
+    let want = [
+        "D.md:2: a/lib.rs:5: `probe` is not in those lines (it is on line 2)",
+        "D.md:3: c/values.yaml:2: `supplementalGroups` is not in those lines (it is on line 3)",
+        "D.md:4: a/lib.rs:3: `time` is not in those lines (nor anywhere in the file)",
+        "D.md:5: a/lib.rs:2: names no symbol (write `a/lib.rs:2::name`, a name the lines hold)",
+        "D.md:6: a/lib.rs:4-9: not lines of its 5 lines",
+        "D.md:7: a/lib.rs:4-2: the range runs backwards",
+        "D.md:8: a/gone.rs does not exist",
+        "D.md:8: no function helper in s/run.py",
+    ];
+    assert_eq!(bad, want);
+}
+
+#[test]
+fn a_symbol_is_matched_whole_and_may_be_any_text() {
+    assert!(holds("let fds = recv_control(sock)", "recv_control"));
+    assert!(!holds("let fds = recv_control2(sock)", "recv_control"));
+    assert!(!holds("fn my_probe()", "probe"));
+    assert!(holds("let mut buf = [0u8; 64];", "[0u8; 64]"));
+    assert!(holds("mountPath: {{ $runDir }}", "$runDir"));
 }
 
 #[test]
