@@ -16,6 +16,12 @@
 //! tcmalloc hands out; RSS would keep freed pages) after a warm-up, at the middle and at
 //! the end, with its slope per cycle. Fails on a wrong identity, a failed call, leftover
 //! certificates, or a second half that grows more than 1 KiB a cycle.
+//!
+//! Envoy holds a removed listener, and the filter chains an in-place update replaced, for
+//! `--drain-time-s` (600 s by default, as the chart runs it), and an idle upstream
+//! connection for the mTLS pools' 60 s idle timeout: memory is flat only once both windows
+//! have passed. `AETHER_E2E_ENVOY_DRAIN_S` sets Envoy's drain time for the run; with the
+//! default, the slope is what each churned pod costs until its drain ends.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -201,8 +207,10 @@ async fn main() {
     let left = pod_certificates(&rig);
 
     calls.sort();
+    let drain =
+        std::env::var("AETHER_E2E_ENVOY_DRAIN_S").unwrap_or_else(|_| "600 (default)".into());
     println!(
-        "identity-churn: {cycles} ADD/call/DEL cycles over {slots} reused IPs in {:.1} s, every call with the pod's own identity",
+        "identity-churn: {cycles} ADD/call/DEL cycles over {slots} reused IPs in {:.1} s, every call with the pod's own identity; Envoy --drain-time-s {drain}",
         started.elapsed().as_secs_f64()
     );
     println!(

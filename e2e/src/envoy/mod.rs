@@ -114,6 +114,12 @@ impl Envoy {
             "--log-level",
             "info",
         ]);
+        // AETHER_E2E_ENVOY_DRAIN_S sets `--drain-time-s` (Envoy's default, 600 s, as the
+        // chart runs it, holds a removed listener that long): for soaks that measure what
+        // Envoy keeps once drains end.
+        if let Ok(seconds) = std::env::var("AETHER_E2E_ENVOY_DRAIN_S") {
+            cmd.args(["--drain-time-s", &seconds]);
+        }
         // AETHER_E2E_ENVOY_LOG sets component log levels (e.g. `config:debug,http2:debug`),
         // logged with microsecond timestamps, to trace a roll inside Envoy.
         if let Ok(levels) = std::env::var("AETHER_E2E_ENVOY_LOG") {
