@@ -23,6 +23,7 @@ pub mod health;
 pub mod httpmini;
 pub mod identity;
 pub mod kube;
+pub mod lifecycle;
 pub mod lockwait;
 pub mod metrics;
 pub mod node;
