@@ -1,8 +1,8 @@
 //! The worker's lifecycle: the takeover phases of [`takeover::step`] and every decision
-//! the driver in [`crate::agent`] takes around them (what a Takeover records, the
-//! takeover's timings, whether a drain has calls to wait for, whether a released owner
-//! waits for its successor, what `/ready` shows). `Lifecycle::step(event)` returns the
-//! actions for the driver to perform, as the supervisor's lifecycle does.
+//! around them (what a Takeover records, the takeover's timings, whether a drain has
+//! calls to wait for, whether a released owner waits for its successor, what `/ready`
+//! shows). `Lifecycle::step(event)` returns the actions for the driver in
+//! [`crate::agent`] to perform, as the supervisor's lifecycle does.
 //!
 //! Pure: no clock, no socket, no log. The driver stamps the time into the events that
 //! need it, and the lines it logs and the metrics it counts come back as [`Note`]s, so
