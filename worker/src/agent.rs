@@ -1,27 +1,36 @@
-//! The driver: performs what the pure [`takeover`] state machine decides.
+//! The driver: performs what the pure [`lifecycle`](crate::lifecycle) decides.
 //!
-//! Start-up is the same for a standby and a lone agent: load storage, start the
-//! registry and capture feeds, answer health, say Hello to the supervisor. The node is
-//! touched only after a `Takeover`: its descriptors are checked, the storage diff is
-//! reconciled when the start was contended, and then both sockets are served.
+//! Three parts, after the supervisor's `supervise`: [`Agent::wire`] builds everything a
+//! standby and a lone agent start alike (storage, the node and its sources, health, the
+//! control channel, the encoding cache); [`run`] turns what the control channel, the
+//! gates and the driver's own tasks report into events; [`Agent::perform`] carries out
+//! the actions the lifecycle returns, at once and in order. Every decision is the
+//! lifecycle's. The node is touched only after a `Takeover`: its descriptors are checked,
+//! the storage diff is reconciled when the start was contended, and then both sockets
+//! are served.
 
+use std::collections::{BTreeSet, VecDeque};
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use aether_model::{Identity, Inputs};
+use aether_model::{Gates, Identity, Inputs};
 use anyhow::Context;
 use shared_proto::flags::KubeAccess;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
+use crate::acks::Acks;
 use crate::config::Config;
-use crate::control::{Command, Control};
-use crate::health::{self, TakeoverTimes};
+use crate::control::{Command, Control, ControlError};
+use crate::health::{self, Status};
+use crate::lifecycle::{Action, Event, Lifecycle, Note};
 use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::Storage;
-use crate::takeover::{self, Action, Event, Gate, Phase, State, SvidWait};
+use crate::takeover::{Gate, SvidWait};
+use crate::xds::encoded::Encoded;
 use crate::{capture, cni, fdcheck, httpmini, identity, kube, registrar, registry, writers, xds};
 
 const REGISTRY_GATE: Duration = Duration::from_secs(15);
@@ -40,372 +49,574 @@ fn now_us() -> u64 {
     shared_proto::control::monotonic_us()
 }
 
-/// Everything the owner needs once it serves.
-struct Owned {
+/// Runs the worker until the lifecycle exits; returns the exit code.
+pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
+    let mut agent = Agent::wire(cfg, control_fd).await?;
+    let mut event = Event::Gates(*agent.gates.borrow_and_update());
+    loop {
+        if let Some(code) = agent.feed(event).await? {
+            return Ok(code);
+        }
+        event = loop {
+            let wake = tokio::select! {
+                changed = agent.gates.changed() => match changed {
+                    Ok(()) => Wake::Gates(*agent.gates.borrow_and_update()),
+                    Err(_) => continue,
+                },
+                Some(ended) = agent.ended_rx.recv() => Wake::Ended(ended),
+                command = agent.control.next() => Wake::Command(command),
+            };
+            break agent.event(wake)?;
+        };
+    }
+}
+
+/// What woke the driver.
+enum Wake {
+    Gates(Gates),
+    Ended(Ended),
+    Command(Result<Command, ControlError>),
+}
+
+/// What a task the driver started reports when it ends.
+#[derive(Debug)]
+enum Ended {
+    GateTimer(Gate),
+    /// The takeover reconcile, and how long it took.
+    Reconciled(Duration),
+    /// The SVID wait: how long it took, and how many pods still had none.
+    SvidsAwaited(Duration, usize),
+    /// The CNI API finished its in-flight calls after a drain.
+    CniDrained,
+    /// The released owner is done with the proxy's streams.
+    StreamsDone,
+}
+
+/// What performing an action leads to.
+enum Then {
+    Next,
+    /// An answer for the lifecycle, stepped before the next action.
+    Answer(Event),
+    Exit(i32),
+}
+
+/// The node's descriptors, from the Takeover on.
+struct NodeFds {
     /// The node lock's descriptor: held until the node is released after a drain, so the
     /// node stays owned while this worker serves even if its supervisor is gone.
     lock: Option<OwnedFd>,
     /// The listeners until serving starts, which consumes them.
     listeners: Option<(OwnedFd, OwnedFd)>,
-    generation: u64,
-    received: Instant,
-    times: TakeoverTimes,
-    /// Wall clock at which the supervisor acquired the lock, in µs.
-    lock_acquired_us: u64,
 }
 
-pub async fn run(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<i32> {
-    let metrics = Metrics::new();
-    let storage =
-        Arc::new(Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?);
-    let identity_cfg = cfg.identity()?;
-    let identity = Identity {
-        trust_domain: identity_cfg.as_ref().map(|c| c.trust_domain.to_string()),
-        mode: identity_cfg.as_ref().map(|c| c.mode).unwrap_or_default(),
-        ..Identity::default()
-    };
-    // With pods' SVIDs, a takeover waits (bounded) for those of the pods it adds.
-    let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
-    let node = Node::new(Inputs {
-        on_demand_clusters: cfg.agent.on_demand_clusters,
-        identity,
-        ..Inputs::default()
-    });
-    cni::load(&node, &storage);
-    // A standby follows the owner's pod records until the node is handed to it.
-    let followed = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-    let (stop_following, following) = watch::channel(false);
-    tokio::spawn(cni::follow(
-        node.clone(),
-        storage.clone(),
-        followed.clone(),
-        following,
-    ));
-    // Restored in a standby too; written by the owner alone (see `writers`).
-    let observed = writers::Observed::restore(&cfg.state_dir);
-    let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
-    let status = Arc::new(watch::Sender::new(health::Status::new(
-        &cfg.node_name,
-        &cfg.pod_name,
-    )));
-    let problems = health::Reporter::new(status.clone());
-    // Failed record writes show in /ready; deferred record removals are retried.
-    let _storage_upkeep = storage.start_upkeep(problems.clone());
-    let registrar = registrar_source(&cfg)?;
-    let _registry = match &registrar {
-        Some((addrs, me)) => registrar::spawn(
-            addrs.clone(),
-            me.clone(),
-            node.clone(),
-            metrics.clone(),
-            problems.clone(),
-        ),
-        None => registry::spawn_embedded(
-            cfg.agent.registry_file.clone(),
-            cfg.agent.registry_max_bytes,
-            node.clone(),
-            metrics.clone(),
-        ),
-    };
-    let _capture = capture::spawn(
-        cfg.agent.capture_file.clone(),
-        node.clone(),
-        metrics.clone(),
-    );
-    // Watches in a standby too; writes only once handed a writer at Serve.
-    let kube = kube_source(&cfg, &metrics, &problems)?;
-    // A standby too: it holds the agent's and the stored pods' SVIDs before it takes over;
-    // with API access, only for the pods the API server places on this node.
-    let _identity = identity_cfg.map(|c| {
-        let placement = kube.as_ref().map(kube::Kube::pods);
-        identity::spawn(
-            c,
-            node.clone(),
-            metrics.clone(),
-            problems.clone(),
-            placement,
-        )
-    });
-    // Standby and owner alike say whether the node's conflist chains aether-cni.
-    let _conflist = cfg
-        .agent
-        .cni_conf_dir
-        .clone()
-        .map(|dir| crate::conflist::spawn(dir, problems.clone()));
+/// The tasks the wiring starts that run as long as the worker; their handles are kept
+/// with it.
+#[allow(dead_code)] // Held, never read.
+struct Sources {
+    storage_upkeep: JoinHandle<()>,
+    registry: JoinHandle<()>,
+    capture: JoinHandle<()>,
+    identity: Option<identity::Identity>,
+    conflist: Option<JoinHandle<()>>,
+    lock_wait: JoinHandle<()>,
+}
 
-    let health_listener =
-        health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
-    tokio::spawn(health::serve(
-        health_listener,
-        status.subscribe(),
-        metrics.clone(),
-    ));
-    // A standby names a holder of the node lock that is not an agent (see `lockwait`).
-    let _lock_wait = crate::lockwait::spawn(&cfg.run_dir, status.subscribe(), problems.clone());
+/// The worker: the lifecycle, what the wiring built, and what the driver holds between
+/// actions.
+struct Agent {
+    core: Lifecycle,
+    cfg: Config,
+    control: Control,
+    node: Arc<Node>,
+    gates: watch::Receiver<Gates>,
+    storage: Arc<Storage>,
+    metrics: Arc<Metrics>,
+    status: Arc<watch::Sender<Status>>,
+    /// The pods a standby took from the owner's records while following them.
+    followed: Arc<Mutex<BTreeSet<String>>>,
+    stop_following: watch::Sender<bool>,
+    observed: Arc<writers::Observed>,
+    mesh_dns: Arc<writers::MeshDns>,
+    kube: Option<kube::Kube>,
+    acks: Acks,
+    encoded: Arc<Encoded>,
+    _sources: Sources,
+    ended_tx: mpsc::Sender<Ended>,
+    ended_rx: mpsc::Receiver<Ended>,
+    node_fds: Option<NodeFds>,
+    /// The pods lacking an SVID just before the reconcile (see `SvidWait`).
+    svid_wait: SvidWait,
+    serving: Option<Serving>,
+}
 
-    let mut control = Control::new(control_fd)?;
-    let acks = crate::acks::Acks::default();
-    // Encoded from the first snapshot on, in a standby too: a takeover answers with copies.
-    let encoded = Arc::new(xds::encoded::Encoded::default());
-    tokio::spawn(xds::encoded::keep_warm(
-        node.subscribe(),
-        encoded.clone(),
-        metrics.clone(),
-    ));
-    let mut state = State::new(pod_svids);
-    let mut gates = node.gates();
-    let mut owned: Option<Owned> = None;
-    let (timeout_tx, mut timeout_rx) = tokio::sync::mpsc::channel::<Gate>(2);
-    let (reconciled_tx, mut reconciled_rx) = tokio::sync::mpsc::channel::<Duration>(1);
-    let (svids_tx, mut svids_rx) = tokio::sync::mpsc::channel::<(Duration, usize)>(1);
-    // The pods lacking an SVID just before the reconcile (see `SvidWait`).
-    let mut svid_wait = SvidWait::default();
-    let mut serving: Option<Serving> = None;
-    let (drained_tx, mut drained_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let mut successor = false;
-    // Whether the takeover ran a reconcile (its storage reload cleans up as `tidy` would).
-    let mut reconciled = false;
-    let mut pending = vec![Event::Gates(*gates.borrow_and_update())];
-
-    loop {
-        for event in pending.drain(..) {
-            let (next, actions) = takeover::step(state, event);
-            state = next;
-            for action in actions {
-                match action {
-                    Action::Report(phase) => {
-                        control.report(phase)?;
-                        info!(phase = phase.as_str(), owner = state.owner, "phase");
-                    }
-                    Action::ArmGateTimers => {
-                        for (gate, after) in [
-                            (Gate::Registry, REGISTRY_GATE),
-                            (Gate::Capture, CAPTURE_GATE),
-                            (Gate::Identity, IDENTITY_GATE),
-                        ] {
-                            let tx = timeout_tx.clone();
-                            tokio::spawn(async move {
-                                tokio::time::sleep(after).await;
-                                let _ = tx.send(gate).await;
-                            });
-                        }
-                    }
-                    Action::Reconcile => {
-                        reconciled = true;
-                        // The pods the standby took from the owner during the overlap
-                        // are waited for like those the reconcile adds.
-                        let taken = followed.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                        svid_wait = SvidWait::new(
-                            node.with_inputs(identity::lacking_svids)
-                                .difference(&taken)
-                                .cloned()
-                                .collect(),
-                        );
-                        // What the previous owner flushed before it released the node.
-                        observed.reload();
-                        let (node, storage, tx) =
-                            (node.clone(), storage.clone(), reconciled_tx.clone());
-                        tokio::spawn(async move {
-                            let start = Instant::now();
-                            match cni::reconcile(&node, &storage).await {
-                                Ok(n) => info!(
-                                    changed = n,
-                                    "takeover reconcile applied the storage diff"
-                                ),
-                                Err(e) => {
-                                    error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start")
-                                }
-                            }
-                            shared_proto::fault_hook!("reconcile");
-                            let _ = tx.send(start.elapsed()).await;
-                        });
-                    }
-                    Action::AwaitSvids => {
-                        let (node, wait, tx) = (
-                            node.clone(),
-                            std::mem::take(&mut svid_wait),
-                            svids_tx.clone(),
-                        );
-                        tokio::spawn(async move {
-                            let _ = tx.send(await_svids(&node, &wait, SVID_WAIT).await).await;
-                        });
-                    }
-                    Action::Serve => {
-                        shared_proto::fault_hook!("serve");
-                        let o = owned.as_mut().expect("Serve follows a takeover");
-                        serving = Some(serve(
-                            &cfg,
-                            o,
-                            &node,
-                            &storage,
-                            &acks,
-                            &encoded,
-                            &observed,
-                            &metrics,
-                            kube.as_ref(),
-                            drained_tx.clone(),
-                        )?);
-                        // The owner alone writes the mesh-DNS snapshot and its heartbeat.
-                        tokio::spawn(writers::mesh_dns::run_writer(mesh_dns.clone()));
-                        // What `Storage::open` left in place, now that no one else writes;
-                        // a reconcile's reload already did it.
-                        if !reconciled {
-                            let storage = storage.clone();
-                            tokio::task::spawn_blocking(move || {
-                                if let Err(e) = storage.tidy() {
-                                    warn!(error = %e, "tidying the pod records folder failed");
-                                }
-                            });
-                        }
-                    }
-                    Action::Drain => match serving.as_mut().and_then(|s| {
-                        // No Kubernetes write after this: a write in progress holds the
-                        // lifecycle lock, which the CNI API's fence waits for.
-                        if let Some(k) = &kube {
-                            k.stop();
-                        }
-                        s.drain_cni.take()
-                    }) {
-                        Some(tx) => {
-                            let _ = tx.send(());
-                        }
-                        // Nothing served: nothing in flight.
-                        None => return Ok(0),
-                    },
-                    Action::Release => {
-                        serving
-                            .take()
-                            .expect("Release follows a served drain")
-                            .close_xds_listener()
-                            .await;
-                        // Before the lock passes: the successor reloads the file at takeover.
-                        match observed.flush_final() {
-                            Ok(wrote) => info!(
-                                wrote,
-                                clusters = observed.names().len(),
-                                "observed upstreams flushed before release"
-                            ),
-                            Err(e) => {
-                                error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed")
-                            }
-                        }
-                        mesh_dns.flush();
-                        // The listeners went with the servers; the lock is the last
-                        // descriptor of the node this process holds besides the streams.
-                        if let Some(o) = &mut owned {
-                            o.lock = None;
-                        }
-                        let (tx, xds_path) = (exit_tx.clone(), cfg.run_dir.join("xds.sock"));
-                        tokio::spawn(async move {
-                            if successor {
-                                await_successor(&xds_path).await;
-                            }
-                            let _ = tx.send(()).await;
-                        });
-                    }
-                }
+impl Agent {
+    /// Builds what a standby and a lone agent start with alike: storage, the node and its
+    /// sources, health, the control channel and the encoding cache. The one place the
+    /// worker is wired.
+    async fn wire(cfg: Config, control_fd: OwnedFd) -> anyhow::Result<Self> {
+        let metrics = Metrics::new();
+        let storage = Arc::new(
+            Storage::open(&cfg.state_dir, metrics.clone()).context("opening pod storage")?,
+        );
+        let identity_cfg = cfg.identity()?;
+        let identity = Identity {
+            trust_domain: identity_cfg.as_ref().map(|c| c.trust_domain.to_string()),
+            mode: identity_cfg.as_ref().map(|c| c.mode).unwrap_or_default(),
+            ..Identity::default()
+        };
+        // With pods' SVIDs, a takeover waits (bounded) for those of the pods it adds.
+        let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
+        let node = Node::new(Inputs {
+            on_demand_clusters: cfg.agent.on_demand_clusters,
+            identity,
+            ..Inputs::default()
+        });
+        cni::load(&node, &storage);
+        // A standby follows the owner's pod records until the node is handed to it.
+        let followed = Arc::new(Mutex::new(BTreeSet::new()));
+        let (stop_following, following) = watch::channel(false);
+        tokio::spawn(cni::follow(
+            node.clone(),
+            storage.clone(),
+            followed.clone(),
+            following,
+        ));
+        // Restored in a standby too; written by the owner alone (see `writers`).
+        let observed = writers::Observed::restore(&cfg.state_dir);
+        let mesh_dns = writers::MeshDns::restore(&cfg.state_dir, node.clone(), metrics.clone());
+        let status = Arc::new(watch::Sender::new(Status::new(
+            &cfg.node_name,
+            &cfg.pod_name,
+        )));
+        let problems = health::Reporter::new(status.clone());
+        // Failed record writes show in /ready; deferred record removals are retried.
+        let storage_upkeep = storage.start_upkeep(problems.clone());
+        let registry = match registrar_source(&cfg)? {
+            Some((addrs, me)) => {
+                registrar::spawn(addrs, me, node.clone(), metrics.clone(), problems.clone())
             }
-            status.send_modify(|s| {
-                s.role = if state.owner { "owner" } else { "standby" };
-                s.phase = state.phase.as_str();
-                s.ready = state.ready();
-                s.waiting_for = state.waiting_for();
-                if let Some(o) = &owned {
-                    s.generation = o.generation;
-                    s.takeover = Some(o.times);
-                }
-            });
-        }
+            None => registry::spawn_embedded(
+                cfg.agent.registry_file.clone(),
+                cfg.agent.registry_max_bytes,
+                node.clone(),
+                metrics.clone(),
+            ),
+        };
+        let capture = capture::spawn(
+            cfg.agent.capture_file.clone(),
+            node.clone(),
+            metrics.clone(),
+        );
+        // Watches in a standby too; writes only once handed a writer at Serve.
+        let kube = kube_source(&cfg, &metrics, &problems)?;
+        // A standby too: it holds the agent's and the stored pods' SVIDs before it takes
+        // over; with API access, only for the pods the API server places on this node.
+        let identity = identity_cfg.map(|c| {
+            let placement = kube.as_ref().map(kube::Kube::pods);
+            identity::spawn(
+                c,
+                node.clone(),
+                metrics.clone(),
+                problems.clone(),
+                placement,
+            )
+        });
+        // Standby and owner alike say whether the node's conflist chains aether-cni.
+        let conflist = cfg
+            .agent
+            .cni_conf_dir
+            .clone()
+            .map(|dir| crate::conflist::spawn(dir, problems.clone()));
 
-        tokio::select! {
-            changed = gates.changed() => {
-                if changed.is_ok() {
-                    pending.push(Event::Gates(*gates.borrow_and_update()));
-                }
-            }
-            Some(gate) = timeout_rx.recv() => {
-                let g = *gates.borrow();
+        let health_listener =
+            health::bind_after_predecessor(&cfg.health_dir, Duration::from_secs(1)).await?;
+        tokio::spawn(health::serve(
+            health_listener,
+            status.subscribe(),
+            metrics.clone(),
+        ));
+        // A standby names a holder of the node lock that is not an agent (see `lockwait`).
+        let lock_wait = crate::lockwait::spawn(&cfg.run_dir, status.subscribe(), problems);
+
+        let control = Control::new(control_fd)?;
+        // Encoded from the first snapshot on, in a standby too: a takeover answers with
+        // copies.
+        let encoded = Arc::new(Encoded::default());
+        tokio::spawn(xds::encoded::keep_warm(
+            node.subscribe(),
+            encoded.clone(),
+            metrics.clone(),
+        ));
+        let (ended_tx, ended_rx) = mpsc::channel(8);
+        Ok(Self {
+            core: Lifecycle::new(pod_svids),
+            cfg,
+            control,
+            gates: node.gates(),
+            node,
+            storage,
+            metrics,
+            status,
+            followed,
+            stop_following,
+            observed,
+            mesh_dns,
+            kube,
+            acks: Acks::default(),
+            encoded,
+            _sources: Sources {
+                storage_upkeep,
+                registry,
+                capture,
+                identity,
+                conflist,
+                lock_wait,
+            },
+            ended_tx,
+            ended_rx,
+            node_fds: None,
+            svid_wait: SvidWait::default(),
+            serving: None,
+        })
+    }
+
+    /// Turns what woke the driver into the lifecycle's event, doing first what cannot
+    /// wait: a Takeover's descriptors are checked (and the standby stops following the
+    /// owner's records) before anything else.
+    fn event(&mut self, wake: Wake) -> anyhow::Result<Event> {
+        Ok(match wake {
+            Wake::Gates(g) => Event::Gates(g),
+            Wake::Ended(Ended::GateTimer(gate)) => {
+                let g = *self.gates.borrow();
                 let passed = match gate {
                     Gate::Registry => g.registry_loaded,
                     Gate::Capture => g.capture_landed,
                     Gate::Identity => g.agent_svid,
                 };
-                if !passed && state.phase != Phase::Serving {
-                    warn!(gate = ?gate, "first-serve gate timed out; a lone owner serves without it");
-                }
-                pending.push(Event::GateTimedOut(gate));
+                Event::GateTimedOut { gate, passed }
             }
-            Some(took) = reconciled_rx.recv() => {
-                if let Some(o) = &mut owned {
-                    o.times.reconcile_us = took.as_micros() as u64;
+            Wake::Ended(Ended::Reconciled(took)) => Event::ReconcileDone { took },
+            Wake::Ended(Ended::SvidsAwaited(took, missed)) => Event::SvidsAwaited { took, missed },
+            Wake::Ended(Ended::CniDrained) => Event::Drained,
+            Wake::Ended(Ended::StreamsDone) => Event::StreamsDone,
+            Wake::Command(Ok(Command::Drain { successor })) => Event::Drain { successor },
+            Wake::Command(Ok(Command::Takeover(msg, fds))) => {
+                // From here on this process writes the records: it stops reading them as
+                // the owner writes.
+                self.stop_following.send_replace(true);
+                shared_proto::fault_hook!("takeover");
+                let fds = fdcheck::check(&self.cfg.run_dir, fds)
+                    .context("checking the Takeover descriptors")?;
+                self.node_fds = Some(NodeFds {
+                    lock: Some(fds.lock),
+                    listeners: Some((fds.xds, fds.cni)),
+                });
+                Event::Takeover {
+                    msg,
+                    at: Instant::now(),
+                    now_us: now_us(),
                 }
-                pending.push(Event::ReconcileDone);
             }
-            Some((took, missed)) = svids_rx.recv() => {
-                if let Some(o) = &mut owned {
-                    o.times.svid_wait_us = took.as_micros() as u64;
-                    o.times.svid_wait_missed = missed;
+            Wake::Command(Err(e)) => {
+                error!(error = %e, "control channel to the supervisor ended");
+                Event::ControlEnded
+            }
+        })
+    }
+
+    /// Steps the lifecycle and performs its actions; an action's answer is stepped at
+    /// once, before the next action. Then `/ready` shows the new state. Returns the exit
+    /// code once the lifecycle exits.
+    async fn feed(&mut self, event: Event) -> anyhow::Result<Option<i32>> {
+        let mut actions = VecDeque::from(self.core.step(event));
+        while let Some(action) = actions.pop_front() {
+            match self.perform(action).await? {
+                Then::Next => {}
+                Then::Answer(answer) => {
+                    for a in self.core.step(answer).into_iter().rev() {
+                        actions.push_front(a);
+                    }
                 }
+                Then::Exit(code) => return Ok(Some(code)),
+            }
+        }
+        let core = &self.core;
+        self.status.send_modify(|s| core.show(s));
+        Ok(None)
+    }
+
+    async fn perform(&mut self, action: Action) -> anyhow::Result<Then> {
+        match action {
+            Action::Report(phase) => {
+                self.control.report(phase)?;
+                info!(phase = phase.as_str(), owner = self.core.owner(), "phase");
+            }
+            Action::ArmGateTimers => {
+                for (gate, after) in [
+                    (Gate::Registry, REGISTRY_GATE),
+                    (Gate::Capture, CAPTURE_GATE),
+                    (Gate::Identity, IDENTITY_GATE),
+                ] {
+                    let tx = self.ended_tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(after).await;
+                        let _ = tx.send(Ended::GateTimer(gate)).await;
+                    });
+                }
+            }
+            Action::Reconcile => {
+                // The pods the standby took from the owner during the overlap are waited
+                // for like those the reconcile adds.
+                let taken = self
+                    .followed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                self.svid_wait = SvidWait::new(
+                    self.node
+                        .with_inputs(identity::lacking_svids)
+                        .difference(&taken)
+                        .cloned()
+                        .collect(),
+                );
+                // What the previous owner flushed before it released the node.
+                self.observed.reload();
+                let (node, storage, tx) = (
+                    self.node.clone(),
+                    self.storage.clone(),
+                    self.ended_tx.clone(),
+                );
+                tokio::spawn(async move {
+                    let start = Instant::now();
+                    match cni::reconcile(&node, &storage).await {
+                        Ok(n) => info!(changed = n, "takeover reconcile applied the storage diff"),
+                        Err(e) => {
+                            error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start")
+                        }
+                    }
+                    shared_proto::fault_hook!("reconcile");
+                    let _ = tx.send(Ended::Reconciled(start.elapsed())).await;
+                });
+            }
+            Action::AwaitSvids => {
+                let (node, wait, tx) = (
+                    self.node.clone(),
+                    std::mem::take(&mut self.svid_wait),
+                    self.ended_tx.clone(),
+                );
+                tokio::spawn(async move {
+                    let (took, missed) = await_svids(&node, &wait, SVID_WAIT).await;
+                    let _ = tx.send(Ended::SvidsAwaited(took, missed)).await;
+                });
+            }
+            Action::Serve { tidy } => {
+                shared_proto::fault_hook!("serve");
+                self.serving = Some(self.serve()?);
+                let served = Event::Served {
+                    at: Instant::now(),
+                    now_us: now_us(),
+                };
+                // The owner alone writes the mesh-DNS snapshot and its heartbeat.
+                tokio::spawn(writers::mesh_dns::run_writer(self.mesh_dns.clone()));
+                // What `Storage::open` left in place, now that no one else writes; a
+                // reconcile's reload already did it.
+                if tidy {
+                    let storage = self.storage.clone();
+                    tokio::task::spawn_blocking(move || {
+                        if let Err(e) = storage.tidy() {
+                            warn!(error = %e, "tidying the pod records folder failed");
+                        }
+                    });
+                }
+                return Ok(Then::Answer(served));
+            }
+            Action::Drain => {
+                // No Kubernetes write after this: a write in progress holds the lifecycle
+                // lock, which the CNI API's fence waits for.
+                if let Some(k) = &self.kube {
+                    k.stop();
+                }
+                match self.serving.as_mut().and_then(|s| s.drain_cni.take()) {
+                    Some(tx) => {
+                        let _ = tx.send(());
+                    }
+                    // Nothing served: nothing in flight.
+                    None => return Ok(Then::Exit(0)),
+                }
+            }
+            Action::Release { await_successor } => {
+                self.serving
+                    .take()
+                    .expect("Release follows a served drain")
+                    .close_xds_listener()
+                    .await;
+                // Before the lock passes: the successor reloads the file at takeover.
+                match self.observed.flush_final() {
+                    Ok(wrote) => info!(
+                        wrote,
+                        clusters = self.observed.names().len(),
+                        "observed upstreams flushed before release"
+                    ),
+                    Err(e) => {
+                        error!(file = %self.observed.path().display(), error = %e, "observed upstreams: flush at drain failed")
+                    }
+                }
+                self.mesh_dns.flush();
+                // The listeners went with the servers; the lock is the last descriptor of
+                // the node this process holds besides the streams.
+                if let Some(fds) = &mut self.node_fds {
+                    fds.lock = None;
+                }
+                let (tx, xds_path) = (self.ended_tx.clone(), self.cfg.run_dir.join("xds.sock"));
+                tokio::spawn(async move {
+                    if await_successor {
+                        self::await_successor(&xds_path).await;
+                    }
+                    let _ = tx.send(Ended::StreamsDone).await;
+                });
+            }
+            Action::Exit(code) => return Ok(Then::Exit(code)),
+            Action::Note(note) => self.note(note),
+        }
+        Ok(Then::Next)
+    }
+
+    /// Logs, and counts, what the lifecycle notes.
+    fn note(&self, note: Note) {
+        let metrics = &self.metrics;
+        match note {
+            Note::GateTimedOut(gate) => {
+                warn!(gate = ?gate, "first-serve gate timed out; a lone owner serves without it")
+            }
+            Note::TakeoverReceived {
+                msg: t,
+                fd_passing_us,
+            } => {
+                info!(
+                    generation = t.generation,
+                    handed_off = t.handed_off,
+                    respawn = t.respawn,
+                    uncontended = t.uncontended,
+                    lock_wait_us = t.lock_wait_us,
+                    bind_us = t.bind_us,
+                    fd_passing_us,
+                    "takeover received"
+                );
+                metrics.generation.set(t.generation as i64);
+                // The supervisor's count: a new worker starts at 0 and catches up.
+                metrics
+                    .worker_respawns
+                    .inc_by(t.respawns.saturating_sub(metrics.worker_respawns.get()));
+                metrics.observe_phase("lock_wait", t.lock_wait_us as f64 / 1e6);
+                metrics.observe_phase("bind", t.bind_us as f64 / 1e6);
+                metrics.observe_phase("fd_passing", fd_passing_us as f64 / 1e6);
+            }
+            Note::SvidWait { took, missed } => {
                 metrics.observe_phase("svid_wait", took.as_secs_f64());
                 if missed > 0 {
-                    warn!(pods = missed, waited_ms = took.as_millis() as u64, "takeover: serving before every pod it added has its SVID");
+                    warn!(
+                        pods = missed,
+                        waited_ms = took.as_millis() as u64,
+                        "takeover: serving before every pod it added has its SVID"
+                    );
                 } else {
-                    info!(waited_us = took.as_micros() as u64, "takeover: the pods it added hold their SVIDs");
+                    info!(
+                        waited_us = took.as_micros() as u64,
+                        "takeover: the pods it added hold their SVIDs"
+                    );
                 }
-                pending.push(Event::SvidsReady);
             }
-            Some(()) = drained_rx.recv() => {
-                info!(successor, "in-flight CNI calls finished; releasing the node");
-                pending.push(Event::Drained);
+            Note::Serving { taken, first_serve } => {
+                metrics.observe_phase("reconcile", taken.times.reconcile_us as f64 / 1e6);
+                metrics.observe_phase("first_serve", first_serve.as_secs_f64());
+                info!(
+                    generation = taken.generation,
+                    total_us = taken.times.total_us,
+                    first_serve_us = taken.times.first_serve_us,
+                    reconcile_us = taken.times.reconcile_us,
+                    "serving the node"
+                );
             }
-            Some(()) = exit_rx.recv() => {
-                info!("exiting");
-                return Ok(0);
+            Note::Drained { successor } => {
+                info!(
+                    successor,
+                    "in-flight CNI calls finished; releasing the node"
+                )
             }
-            command = control.next() => match command {
-                Ok(Command::Drain { successor: s }) => {
-                    successor = s;
-                    pending.push(Event::Drain);
-                }
-                Ok(Command::Takeover(t, fds)) => {
-                    // From here on this process writes the records: it stops reading them
-                    // as the owner writes.
-                    stop_following.send_replace(true);
-                    shared_proto::fault_hook!("takeover");
-                    let fds = fdcheck::check(&cfg.run_dir, fds).context("checking the Takeover descriptors")?;
-                    let fd_passing_us = now_us().saturating_sub(t.sent_at_us);
-                    info!(generation = t.generation, handed_off = t.handed_off, respawn = t.respawn, uncontended = t.uncontended,
-                        lock_wait_us = t.lock_wait_us, bind_us = t.bind_us, fd_passing_us, "takeover received");
-                    metrics.generation.set(t.generation as i64);
-                    // The supervisor's count: a new worker starts at 0 and catches up.
-                    metrics.worker_respawns.inc_by(t.respawns.saturating_sub(metrics.worker_respawns.get()));
-                    metrics.observe_phase("lock_wait", t.lock_wait_us as f64 / 1e6);
-                    metrics.observe_phase("bind", t.bind_us as f64 / 1e6);
-                    metrics.observe_phase("fd_passing", fd_passing_us as f64 / 1e6);
-                    owned = Some(Owned {
-                        lock: Some(fds.lock),
-                        listeners: Some((fds.xds, fds.cni)),
-                        generation: t.generation,
-                        received: Instant::now(),
-                        times: TakeoverTimes {
-                            lock_wait_us: t.lock_wait_us,
-                            bind_us: t.bind_us,
-                            fd_passing_us,
-                            handed_off: t.handed_off,
-                            respawn: t.respawn,
-                            ..TakeoverTimes::default()
-                        },
-                        lock_acquired_us: t.sent_at_us.saturating_sub(t.bind_us),
-                    });
-                    pending.push(Event::Takeover { reconcile: !t.uncontended && !t.respawn });
-                }
-                Err(e) => {
-                    error!(error = %e, "control channel to the supervisor ended");
-                    return Ok(1);
-                }
-            },
+            Note::Exiting => info!("exiting"),
         }
+    }
+
+    /// Starts serving both sockets, the owner-only writers and the metrics listener.
+    fn serve(&mut self) -> anyhow::Result<Serving> {
+        let listener = |fd: OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
+            let std_l = std::os::unix::net::UnixListener::from(fd);
+            std_l.set_nonblocking(true)?;
+            Ok(tokio::net::UnixListener::from_std(std_l)?)
+        };
+        let (xds_fd, cni_fd) = self
+            .node_fds
+            .as_mut()
+            .and_then(|fds| fds.listeners.take())
+            .context("serving started twice")?;
+        let xds_l = listener(xds_fd)?;
+        let cni_l = listener(cni_fd)?;
+        let (cfg, metrics) = (&self.cfg, &self.metrics);
+        // The proxy keeps its stream until this process exits: a drain only stops
+        // accepting.
+        let (stop_xds, stop_rx) = oneshot::channel::<()>();
+        let on_demand = cfg.agent.on_demand_clusters.then(|| self.observed.clone());
+        let xds_accept = tokio::spawn(xds::server::serve_observed(
+            xds_l,
+            self.node.subscribe(),
+            self.encoded.clone(),
+            self.acks.clone(),
+            metrics.clone(),
+            on_demand,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        // The owner alone writes what the proxy showed it uses.
+        tokio::spawn(writers::run_writer(self.observed.clone()));
+        // The owner alone sets drain marks: a standby never reaches this point.
+        let marks = registrar_source(cfg)?
+            .map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
+        // The owner alone writes what the Kubernetes API shows (Terminating marks, stale
+        // records, the startup taint), from now on.
+        if let Some(k) = &self.kube {
+            k.serve(kube::Writer::new(
+                self.node.clone(),
+                self.storage.clone(),
+                marks.clone(),
+                self.acks.clone(),
+            ));
+        }
+        let (drain_cni, drain) = oneshot::channel();
+        let (node, storage, acks, m, done) = (
+            self.node.clone(),
+            self.storage.clone(),
+            self.acks.clone(),
+            metrics.clone(),
+            self.ended_tx.clone(),
+        );
+        tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = drain.await;
+            };
+            if let Err(e) = cni::serve(cni_l, node, storage, acks, m, marks, shutdown).await {
+                error!(error = %format!("{e:#}"), "CNI API stopped");
+            }
+            let _ = done.send(Ended::CniDrained).await;
+        });
+        if let Some(addr) = cfg.agent.metrics_addr.0 {
+            tokio::spawn(serve_metrics(addr, metrics.clone()));
+        }
+        Ok(Serving {
+            drain_cni: Some(drain_cni),
+            stop_xds,
+            xds_accept,
+        })
     }
 }
 
@@ -518,90 +729,6 @@ async fn await_successor(xds_path: &std::path::Path) {
             warn!(error = %e, "the successor did not answer; ending the proxy's streams anyway")
         }
     }
-}
-
-/// Starts serving both sockets and the metrics listener.
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    cfg: &Config,
-    o: &mut Owned,
-    node: &Arc<Node>,
-    storage: &Arc<Storage>,
-    acks: &crate::acks::Acks,
-    encoded: &Arc<xds::encoded::Encoded>,
-    observed: &Arc<writers::Observed>,
-    metrics: &Arc<Metrics>,
-    kube: Option<&kube::Kube>,
-    drained: tokio::sync::mpsc::Sender<()>,
-) -> anyhow::Result<Serving> {
-    let listener = |fd: OwnedFd| -> anyhow::Result<tokio::net::UnixListener> {
-        let std_l = std::os::unix::net::UnixListener::from(fd);
-        std_l.set_nonblocking(true)?;
-        Ok(tokio::net::UnixListener::from_std(std_l)?)
-    };
-    let (xds_fd, cni_fd) = o.listeners.take().context("serving started twice")?;
-    let xds_l = listener(xds_fd)?;
-    let cni_l = listener(cni_fd)?;
-    // The proxy keeps its stream until this process exits: a drain only stops accepting.
-    let (stop_xds, stop_rx) = oneshot::channel::<()>();
-    let on_demand = cfg.agent.on_demand_clusters.then(|| observed.clone());
-    let xds_accept = tokio::spawn(xds::server::serve_observed(
-        xds_l,
-        node.subscribe(),
-        encoded.clone(),
-        acks.clone(),
-        metrics.clone(),
-        on_demand,
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
-    // The owner alone writes what the proxy showed it uses.
-    tokio::spawn(writers::run_writer(observed.clone()));
-    // The owner alone sets drain marks: a standby never reaches this point.
-    let marks = registrar_source(cfg)?
-        .map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
-    // The owner alone writes what the Kubernetes API shows (Terminating marks, stale
-    // records, the startup taint), from now on.
-    if let Some(k) = kube {
-        k.serve(kube::Writer::new(
-            node.clone(),
-            storage.clone(),
-            marks.clone(),
-            acks.clone(),
-        ));
-    }
-    let (drain_cni, drain) = oneshot::channel();
-    let (node, storage, acks, m) = (node.clone(), storage.clone(), acks.clone(), metrics.clone());
-    tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = drain.await;
-        };
-        if let Err(e) = cni::serve(cni_l, node, storage, acks, m, marks, shutdown).await {
-            error!(error = %format!("{e:#}"), "CNI API stopped");
-        }
-        let _ = drained.send(()).await;
-    });
-    if let Some(addr) = cfg.agent.metrics_addr.0 {
-        tokio::spawn(serve_metrics(addr, metrics.clone()));
-    }
-    let first_serve = o.received.elapsed();
-    o.times.first_serve_us = first_serve.as_micros() as u64;
-    o.times.total_us = now_us().saturating_sub(o.lock_acquired_us);
-    metrics.observe_phase("reconcile", o.times.reconcile_us as f64 / 1e6);
-    metrics.observe_phase("first_serve", first_serve.as_secs_f64());
-    info!(
-        generation = o.generation,
-        total_us = o.times.total_us,
-        first_serve_us = o.times.first_serve_us,
-        reconcile_us = o.times.reconcile_us,
-        "serving the node"
-    );
-    Ok(Serving {
-        drain_cni: Some(drain_cni),
-        stop_xds,
-        xds_accept,
-    })
 }
 
 /// Serves Prometheus metrics on `addr`. The previous owner may hold the port for a few

@@ -48,7 +48,7 @@ pub struct Status {
     pub takeover: Option<TakeoverTimes>,
 }
 
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct TakeoverTimes {
     pub lock_wait_us: u64,
     pub bind_us: u64,

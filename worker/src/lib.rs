@@ -5,7 +5,8 @@
 //! and the incremental builder, and publishes each new snapshot on a watch channel;
 //! adapters ([`xds`], [`health`], [`cni`]) read from it. Only the
 //! xDS and CNI adapters know protobuf types. [`takeover`] is the pure role and phase
-//! state machine that the driver in [`agent`] runs.
+//! state machine; [`lifecycle`] wraps it with every other decision of the worker's life,
+//! also pure; [`agent`] wires the worker and performs what the lifecycle decides.
 #![forbid(unsafe_code)]
 
 pub mod accept;
@@ -23,6 +24,7 @@ pub mod health;
 pub mod httpmini;
 pub mod identity;
 pub mod kube;
+pub mod lifecycle;
 pub mod lockwait;
 pub mod metrics;
 pub mod node;

@@ -1,6 +1,6 @@
 //! The role and phase state machine of one worker. Pure: `step(state, event)` returns
-//! the next state and the actions the driver in [`crate::agent`] performs, so every
-//! rule here is tested without sockets, clocks or root.
+//! the next state and the actions that [`crate::lifecycle`] hands on to the driver in
+//! [`crate::agent`], so every rule here is tested without sockets, clocks or root.
 //!
 //! Phases: Building → StandbyComplete → Reconciling → Serving → Draining → Released.
 //! - A standby is complete only when its gates really passed (no timeouts).
