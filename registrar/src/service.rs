@@ -1,5 +1,6 @@
-//! The registry API served over etcd: the tonic service. Requests are checked
-//! (`authz`, `validate`), planned (`plan`) from what was read, and written in one etcd
+//! The registry API served over etcd: the tonic service. Callers are identified and
+//! authorized by the gate in front of it (`gate`), before their requests are decoded;
+//! requests are checked (`authz::check_node`, `validate`), planned (`plan`) from what was read, and written in one etcd
 //! transaction guarded by the read's revision, read and planned again if something
 //! changed in between. Watch streams are etcd watches from an etcd revision, so every
 //! replica serves the same stream and a client resumes on any of them.
@@ -18,10 +19,9 @@ use shared_proto::registry::{
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 
-use crate::authz::{self, Method, Peer, Policy};
+use crate::authz::{self, Method, Peer};
 use crate::keys::Key;
 use crate::metrics::Metrics;
 use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
@@ -40,20 +40,9 @@ const ATTEMPTS: usize = 8;
 /// the stream ends with UNAVAILABLE (the client then resumes, maybe on another replica).
 const WATCH_RETRIES: u32 = 3;
 
-/// How callers reach this registrar, which decides how they are identified.
-#[derive(Clone)]
-pub enum Transport {
-    Unix,
-    InsecureTcp,
-    /// TCP whose callers present a bearer token, checked with TokenReview.
-    TokenTcp(Arc<crate::tokenreview::Reviewer>),
-}
-
 pub struct Registrar {
     store: Store,
     streams: Arc<Streams>,
-    policy: Policy,
-    transport: Transport,
     cluster: Option<String>,
     shutdown: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
@@ -65,18 +54,15 @@ impl Registrar {
     /// `shutdown` turning true ends every open stream with UNAVAILABLE.
     pub fn new(
         store: Store,
-        policy: Policy,
-        transport: Transport,
         cluster: Option<String>,
+        streams_per_node: usize,
         shutdown: watch::Receiver<bool>,
         metrics: Arc<Metrics>,
         loopback: Loopback,
     ) -> Self {
         Self {
             store,
-            streams: Arc::new(Streams::default()),
-            policy,
-            transport,
+            streams: Arc::new(Streams::new(streams_per_node)),
             cluster,
             shutdown,
             metrics,
@@ -84,47 +70,13 @@ impl Registrar {
         }
     }
 
-    async fn peer<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
-        match &self.transport {
-            Transport::InsecureTcp => Ok(Peer::InsecureTcp),
-            Transport::Unix => Ok(req
-                .extensions()
-                .get::<UdsConnectInfo>()
-                .and_then(|i| i.peer_cred)
-                .map_or(Peer::UnixUnknown, |c| Peer::Unix { uid: c.uid() })),
-            Transport::TokenTcp(reviewer) => {
-                let token = req
-                    .metadata()
-                    .get("authorization")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-                    .map(str::trim)
-                    .filter(|t| !t.is_empty());
-                let Some(token) = token else {
-                    tracing::warn!(method = ?method, "refused: no bearer token");
-                    return Err(Status::unauthenticated(
-                        "no bearer token: send the pod's projected service-account token (audience aether-registrar) as `authorization: Bearer <token>`",
-                    ));
-                };
-                reviewer
-                    .review(token)
-                    .await
-                    .map(Peer::Token)
-                    .map_err(|why| {
-                        tracing::warn!(method = ?method, "refused: {why}");
-                        Status::unauthenticated(why)
-                    })
-            }
-        }
-    }
-
-    async fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
-        let peer = self.peer(req, method).await?;
-        authz::authorize(&self.policy, &peer, method).map_err(|e| {
-            tracing::warn!(peer = %peer, method = ?method, "refused: {e}");
-            Status::permission_denied(e.to_string())
-        })?;
-        Ok(peer)
+    /// The caller, as the gate (`crate::gate`) identified and authorized it before the
+    /// body was read.
+    fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
+        req.extensions().get::<Peer>().cloned().ok_or_else(|| {
+            tracing::error!(method = ?method, "a call reached the service without passing the gate");
+            Status::internal("the caller was not identified")
+        })
     }
 
     /// The request speaks for `node`: a caller bound to another node is refused.
@@ -204,7 +156,7 @@ impl Registrar {
         &self,
         req: Request<pb::WatchEndpointsRequest>,
     ) -> Result<Response<WatchStream>, Status> {
-        let peer = self.authorize(&req, Method::WatchEndpoints).await?;
+        let peer = self.authorize(&req, Method::WatchEndpoints)?;
         let req = req.into_inner();
         if req.node.is_empty() {
             return Err(Status::invalid_argument(
@@ -233,7 +185,12 @@ impl Registrar {
             node: req.node.clone(),
             instance: req.instance.clone(),
         };
-        let (registration, replaced_rx, replaced) = self.streams.open(key.clone());
+        let (registration, replaced_rx, replaced) =
+            self.streams.open(key.clone()).map_err(|e| {
+                tracing::warn!(stream = %key, peer = %peer, open = ?e.open, "watch stream refused: the node has its most streams open");
+                Metrics::count(&self.metrics.refusals, "watch_streams_per_node");
+                Status::resource_exhausted(e.to_string())
+            })?;
         if replaced {
             tracing::info!(stream = %key, "a newer stream replaces the open one of the same key");
         }
@@ -255,7 +212,7 @@ impl Registrar {
         &self,
         req: Request<pb::SetEndpointStateRequest>,
     ) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
-        let peer = self.authorize(&req, Method::SetEndpointState).await?;
+        let peer = self.authorize(&req, Method::SetEndpointState)?;
         let req = req.into_inner();
         let bad = |e: validate::Invalid| Status::invalid_argument(e.to_string());
         let address = validate::address("address", &req.address).map_err(bad)?;
@@ -362,7 +319,7 @@ impl Registrar {
         &self,
         req: Request<pb::ApplyServicesRequest>,
     ) -> Result<Response<pb::ApplyServicesResponse>, Status> {
-        let peer = self.authorize(&req, Method::ApplyServices).await?;
+        let peer = self.authorize(&req, Method::ApplyServices)?;
         let services = validate::apply_request(req.get_ref(), self.loopback)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut revision = 0;
@@ -377,7 +334,7 @@ impl Registrar {
         &self,
         req: Request<pb::DeleteServiceRequest>,
     ) -> Result<Response<pb::DeleteServiceResponse>, Status> {
-        let peer = self.authorize(&req, Method::DeleteService).await?;
+        let peer = self.authorize(&req, Method::DeleteService)?;
         let key = validate::service_key("service", req.get_ref().service.as_ref())
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let w = writes::delete(&self.store, &key, Source::File)
