@@ -472,7 +472,10 @@ mod tests {
             "one more after 1/rate"
         );
         assert!(!b.take(ip(1), t0 + Duration::from_millis(500)));
-        assert!(b.take(ip(2), t0 + Duration::from_millis(500)), "another source has its own bucket");
+        assert!(
+            b.take(ip(2), t0 + Duration::from_millis(500)),
+            "another source has its own bucket"
+        );
         // Full, with no idle bucket: a third source waits.
         assert!(!b.take(ip(3), t0 + Duration::from_millis(500)));
         assert_eq!(b.len(), 2);
