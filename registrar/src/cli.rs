@@ -329,6 +329,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
     pub token_reviews_in_flight: u64,
 
+    /// Drain marks (SetEndpointState calls) a second one node may make; past it and the
+    /// burst a call is RESOURCE_EXHAUSTED
+    #[arg(long, value_name = "RATE", default_value_t = 20.0)]
+    pub drain_marks_per_node: f64,
+
+    /// Drain marks one node may make at once above --drain-marks-per-node: a node whose
+    /// pods all go at once marks each of their addresses
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub drain_mark_burst: u32,
+
     /// Log format on stderr: text or json (RUST_LOG filters; default info)
     #[arg(long, env = "AETHER_REGISTRAR_LOG_FORMAT", value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,

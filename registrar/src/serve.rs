@@ -24,7 +24,7 @@ use crate::kubernetes::taint_guard::GuardConfig;
 use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::metrics::Metrics;
-use crate::service::Registrar;
+use crate::service::{MarkRate, Registrar};
 use crate::store::{EtcdOptions, Store};
 use crate::tls;
 use crate::tokenreview::{ReviewLimits, Reviewer};
@@ -36,9 +36,9 @@ fn bound_kind(b: &Bound) -> bool {
 /// How long open connections get to close after SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// The largest HTTP/2 header block a request may send (hyper's default, stated): a
-/// bearer token is about 1 KiB.
-const MAX_HEADER_LIST: u32 = 16 << 10;
+/// The largest HTTP/2 header block a request may send (8 KiB): a projected
+/// service-account token is about 1 KiB.
+const MAX_HEADER_LIST: u32 = 8 << 10;
 
 /// How long the start waits for etcd to answer.
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -199,6 +199,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         store,
         args.cluster.clone(),
         usize::try_from(args.max_watch_streams_per_node).unwrap_or(usize::MAX),
+        MarkRate {
+            per_second: args.drain_marks_per_node,
+            burst: f64::from(args.drain_mark_burst),
+        },
         shutdown_rx,
         metrics.clone(),
         loopback,

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use aether_model::check::Loopback;
 use aether_model::{EndpointState, ServiceKey};
@@ -27,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
 use crate::store::{Guard, Store, StoreError};
 use crate::streams::{Registration, Replaced, StreamKey, Streams};
+use crate::tokenreview::Buckets;
 use crate::validate;
 use crate::values::{self, EndpointValue, MarkValue, Source};
 use crate::view::{self, Event, EventKind, Rejected};
@@ -48,7 +49,19 @@ pub struct Registrar {
     metrics: Arc<Metrics>,
     /// Whether ApplyServices accepts loopback endpoints (`--allow-loopback-endpoints`).
     loopback: Loopback,
+    /// Drain marks a node may still set (`--drain-marks-per-node`, `--drain-mark-burst`).
+    marks: Mutex<Buckets<String>>,
 }
+
+/// How many drain marks a node may set: `per_second`, and `burst` at once.
+#[derive(Debug, Clone, Copy)]
+pub struct MarkRate {
+    pub per_second: f64,
+    pub burst: f64,
+}
+
+/// Nodes whose drain-mark budget is kept at most.
+const MARK_NODES_MAX: usize = 65_536;
 
 impl Registrar {
     /// `shutdown` turning true ends every open stream with UNAVAILABLE.
@@ -56,6 +69,7 @@ impl Registrar {
         store: Store,
         cluster: Option<String>,
         streams_per_node: usize,
+        mark_rate: MarkRate,
         shutdown: watch::Receiver<bool>,
         metrics: Arc<Metrics>,
         loopback: Loopback,
@@ -63,6 +77,11 @@ impl Registrar {
         Self {
             store,
             streams: Arc::new(Streams::new(streams_per_node)),
+            marks: Mutex::new(Buckets::new(
+                mark_rate.per_second,
+                mark_rate.burst,
+                MARK_NODES_MAX,
+            )),
             cluster,
             shutdown,
             metrics,
@@ -225,6 +244,19 @@ impl Registrar {
             ));
         }
         Self::check_node(&peer, Method::SetEndpointState, &req.node)?;
+        if !self
+            .marks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(&req.node, Instant::now())
+        {
+            tracing::warn!(node = %req.node, instance = %req.instance, peer = %peer, "SetEndpointState refused: the node is over its drain-mark rate");
+            Metrics::count(&self.metrics.refusals, "drain_mark_rate");
+            return Err(Status::resource_exhausted(format!(
+                "node {:?} is over its drain-mark rate; retry later",
+                req.node
+            )));
+        }
         let service = req
             .service
             .as_ref()

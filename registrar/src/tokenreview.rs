@@ -4,8 +4,8 @@
 //!
 //! A review is the last resort, in this order:
 //! 1. [`prefilter`]: a token that is not a JWT, whose unverified claims name no audience
-//!    or another one, or that expired, is refused without a review (the claims are read,
-//!    not trusted: whatever passes is still reviewed).
+//!    or another one, or that expired over an hour ago, is refused without a review (the
+//!    claims are read, not trusted: whatever passes is still reviewed).
 //! 2. The cache, keyed by a keyed hash of the token: an authenticated answer for a minute
 //!    (no longer than the token's `exp`), a refusal for five seconds, so that a reconnect
 //!    storm after a registrar restart costs one review per agent, not one per call.
@@ -46,7 +46,7 @@ const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest token reviewed: a projected service-account token is about 1 KiB.
 const TOKEN_MAX: usize = 8192;
 /// An `exp` this far in the past still passes the pre-filter (clock skew).
-const EXP_SKEW: u64 = 60;
+const EXP_SKEW: u64 = 3600;
 
 /// Why a token is not taken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,7 +78,7 @@ pub struct Reviewer {
     /// A random key, so that the cache's keys say nothing about the tokens.
     hasher: std::collections::hash_map::RandomState,
     cache: Mutex<HashMap<u64, Cached>>,
-    buckets: Mutex<Buckets>,
+    buckets: Mutex<Buckets<IpAddr>>,
     slots: Arc<tokio::sync::Semaphore>,
     metrics: Arc<Metrics>,
 }
@@ -132,7 +132,7 @@ impl Reviewer {
             return answer.clone().map_err(ReviewError::Refused);
         }
         if let Some(ip) = source
-            && !lock(&self.buckets).take(ip, Instant::now())
+            && !lock(&self.buckets).take(&ip, Instant::now())
         {
             count("rate_limited");
             return Err(ReviewError::RateLimited);
@@ -201,7 +201,8 @@ pub struct Claims {
 
 /// Refuses, without asking anyone, a token that cannot be one the registrar would take:
 /// not a JWT (three base64url parts, a JSON header and claims), no `aud` naming
-/// `audience`, or an `exp` more than a minute before `now_unix`.
+/// `audience`, or an `exp` more than an hour before `now_unix` (so a clock up to an hour
+/// fast refuses no token that is still valid; the API server judges expiry on its own).
 pub fn prefilter(token: &str, audience: &str, now_unix: u64) -> Result<Claims, String> {
     let not_jwt = |what: &str| Err(format!("the bearer token is not a JWT: {what}"));
     if token.len() > TOKEN_MAX {
@@ -246,23 +247,23 @@ pub fn prefilter(token: &str, audience: &str, now_unix: u64) -> Result<Claims, S
     Ok(Claims { exp })
 }
 
-/// A token bucket per source address, for at most `max` addresses. When the map is full,
-/// the addresses whose buckets have refilled are forgotten (they are as if new); if none
-/// has, a new address gets no review until one has.
-pub struct Buckets {
+/// A token bucket per key (a source address, a node), for at most `max` keys. When the
+/// map is full, the keys whose buckets have refilled are forgotten (they are as if new);
+/// if none has, a new key gets nothing until one has.
+pub struct Buckets<K = IpAddr> {
     rate: f64,
     burst: f64,
     max: usize,
-    by_source: HashMap<IpAddr, (f64, Instant)>,
+    by_key: HashMap<K, (f64, Instant)>,
 }
 
-impl Buckets {
+impl<K: std::hash::Hash + Eq + Clone> Buckets<K> {
     pub fn new(rate: f64, burst: f64, max: usize) -> Self {
         Buckets {
             rate,
             burst: burst.max(1.0),
             max,
-            by_source: HashMap::new(),
+            by_key: HashMap::new(),
         }
     }
 
@@ -270,41 +271,37 @@ impl Buckets {
         (tokens + now.saturating_duration_since(at).as_secs_f64() * self.rate).min(self.burst)
     }
 
-    /// Takes one review from `source`'s bucket; false if it is empty.
-    pub fn take(&mut self, source: IpAddr, now: Instant) -> bool {
-        if !self.by_source.contains_key(&source) && self.by_source.len() >= self.max {
-            let full: Vec<IpAddr> = self
-                .by_source
+    /// Takes one from `key`'s bucket; false if it is empty.
+    pub fn take(&mut self, key: &K, now: Instant) -> bool {
+        if !self.by_key.contains_key(key) && self.by_key.len() >= self.max {
+            let full: Vec<K> = self
+                .by_key
                 .iter()
                 .filter(|(_, b)| self.level(**b, now) >= self.burst)
-                .map(|(ip, _)| *ip)
+                .map(|(k, _)| k.clone())
                 .collect();
-            for ip in full {
-                self.by_source.remove(&ip);
+            for k in full {
+                self.by_key.remove(&k);
             }
-            if self.by_source.len() >= self.max {
+            if self.by_key.len() >= self.max {
                 return false;
             }
         }
-        let b = self
-            .by_source
-            .get(&source)
-            .copied()
-            .unwrap_or((self.burst, now));
+        let b = self.by_key.get(key).copied().unwrap_or((self.burst, now));
         let level = self.level(b, now);
         if level < 1.0 {
             return false;
         }
-        self.by_source.insert(source, (level - 1.0, now));
+        self.by_key.insert(key.clone(), (level - 1.0, now));
         true
     }
 
     pub fn len(&self) -> usize {
-        self.by_source.len()
+        self.by_key.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_source.is_empty()
+        self.by_key.is_empty()
     }
 }
 
@@ -448,7 +445,7 @@ mod tests {
             ),
             (jwt(serde_json::json!({"sub": "x"})), "audience"),
             (
-                jwt(serde_json::json!({"aud": "aether-registrar", "exp": now - 61})),
+                jwt(serde_json::json!({"aud": "aether-registrar", "exp": now - 3601})),
                 "expired",
             ),
         ] {
@@ -456,7 +453,7 @@ mod tests {
             assert!(e.contains(why), "{token}: {e}");
         }
         // Within the skew an expired token is still reviewed (the API server decides).
-        let skew = jwt(serde_json::json!({"aud": "aether-registrar", "exp": now - 60}));
+        let skew = jwt(serde_json::json!({"aud": "aether-registrar", "exp": now - 3600}));
         assert!(prefilter(&skew, "aether-registrar", now).is_ok());
     }
 
@@ -465,22 +462,22 @@ mod tests {
         let t0 = Instant::now();
         let ip = |n: u8| IpAddr::from([10, 0, 0, n]);
         let mut b = Buckets::new(2.0, 3.0, 2);
-        assert!((0..3).all(|_| b.take(ip(1), t0)));
-        assert!(!b.take(ip(1), t0), "the burst is spent");
+        assert!((0..3).all(|_| b.take(&ip(1), t0)));
+        assert!(!b.take(&ip(1), t0), "the burst is spent");
         assert!(
-            b.take(ip(1), t0 + Duration::from_millis(500)),
+            b.take(&ip(1), t0 + Duration::from_millis(500)),
             "one more after 1/rate"
         );
-        assert!(!b.take(ip(1), t0 + Duration::from_millis(500)));
+        assert!(!b.take(&ip(1), t0 + Duration::from_millis(500)));
         assert!(
-            b.take(ip(2), t0 + Duration::from_millis(500)),
+            b.take(&ip(2), t0 + Duration::from_millis(500)),
             "another source has its own bucket"
         );
         // Full, with no idle bucket: a third source waits.
-        assert!(!b.take(ip(3), t0 + Duration::from_millis(500)));
+        assert!(!b.take(&ip(3), t0 + Duration::from_millis(500)));
         assert_eq!(b.len(), 2);
         // Once a bucket has refilled, its source is forgotten to make room.
-        assert!(b.take(ip(3), t0 + Duration::from_secs(5)));
+        assert!(b.take(&ip(3), t0 + Duration::from_secs(5)));
         assert!(b.len() <= 2);
     }
 }

@@ -1262,7 +1262,8 @@ async fn h2_settings(addr: &str) -> std::collections::BTreeMap<u16, u32> {
 /// The limits of `serve`: HTTP/2 announces its stream cap, window and header-list size;
 /// a connection past the per-source cap is closed at once; a node's third instance of a
 /// watch stream is refused while an open instance still replaces its own; a watch
-/// request over `--max-request-bytes` ends with RESOURCE_EXHAUSTED. Each refusal is
+/// request over `--max-request-bytes` ends with RESOURCE_EXHAUSTED; a node past its
+/// drain-mark burst is RESOURCE_EXHAUSTED while another node is not. Each refusal is
 /// counted.
 #[tokio::test]
 async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counted() {
@@ -1283,6 +1284,11 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
             "70000",
             "--max-request-bytes",
             "1024",
+            // A burst of three drain marks per node and next to no refill in the test.
+            "--drain-mark-burst",
+            "3",
+            "--drain-marks-per-node",
+            "0.001",
         ],
     );
     let addr = reg.addr().to_owned();
@@ -1313,7 +1319,7 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
     );
     assert_eq!(
         settings.get(&6),
-        Some(&16384),
+        Some(&8192),
         "MAX_HEADER_LIST_SIZE: {settings:?}"
     );
     open_now(0).await.unwrap();
@@ -1394,11 +1400,41 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
     let eps: Vec<(&str, u32, &str)> = many.iter().map(|(a, p, n)| (a.as_str(), *p, *n)).collect();
     apply(&addr, vec![web(&eps)]).await;
 
+    // Drain marks: node n1's burst, then RESOURCE_EXHAUSTED; n2 has its own budget.
+    let mark = |node: &str, i: u32| pb::SetEndpointStateRequest {
+        service: None,
+        address: format!("10.0.1.{i}"),
+        state: pb::EndpointState::Draining as i32,
+        node: node.into(),
+        instance: "a".into(),
+    };
+    for i in 1..=3 {
+        c.clone().set_endpoint_state(mark("n1", i)).await.unwrap();
+    }
+    let e = c
+        .clone()
+        .set_endpoint_state(mark("n1", 4))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    reg.wait_log("the node is over its drain-mark rate", WAIT);
+    let e = c
+        .clone()
+        .set_endpoint_state(mark("n2", 5))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::PermissionDenied,
+        "n2 is not rate-limited: {e:?}"
+    );
+
     let text = metrics_text(&metrics_addr);
     for want in [
         "aether_registrar_connections_refused_total{result=\"per_source\"} 1",
         "aether_registrar_refusals_total{reason=\"watch_streams_per_node\"} 1",
         "aether_registrar_refusals_total{reason=\"too_large\"} 1",
+        "aether_registrar_refusals_total{reason=\"drain_mark_rate\"} 1",
         "aether_registrar_calls_total{method=\"WatchEndpoints\",code=\"ResourceExhausted\"} 2",
     ] {
         assert!(text.contains(want), "{want} not in:\n{text}");
