@@ -45,7 +45,7 @@ fn main() {
     let ca = TestCa::new("registrar-flood CA");
     let (etcd_cert, etcd_key) = ca.leaf("etcd", &["127.0.0.1"], ServerAuth);
     let (client_cert, client_key) = ca.leaf("registrar", &[], ClientAuth);
-    let (serve_cert, serve_key) = ca.leaf("registrar", &["127.0.0.1"], ServerAuth);
+    let (serve_cert, serve_key) = ca.leaf("registrar-serving", &["127.0.0.1"], ServerAuth);
     let etcd = Etcd::start_tls(aether_registrar::testing::EtcdTls {
         cert: etcd_cert,
         key: etcd_key,
@@ -213,7 +213,9 @@ fn token(n: u64) -> String {
         format!(
             "{}.{}.{salt:016x}",
             b64(serde_json::json!({"alg": "RS256"})),
-            b64(serde_json::json!({"aud": ["aether-registrar"], "sub": "flood", "exp": 4_000_000_000u64}))
+            b64(
+                serde_json::json!({"aud": ["aether-registrar"], "sub": "flood", "exp": 4_000_000_000u64})
+            )
         )
     }
 }
@@ -232,8 +234,7 @@ fn flooder() {
         .build()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(secs);
-    let counts: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>> =
-        Arc::default();
+    let counts: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>> = Arc::default();
     let (connected, refused, serial) = (
         Arc::new(AtomicU64::new(0)),
         Arc::new(AtomicU64::new(0)),
@@ -271,8 +272,12 @@ fn flooder() {
                     connected.fetch_add(1, Ordering::Relaxed);
                     let mut calls = tokio::task::JoinSet::new();
                     for _ in 0..streams {
-                        let (mut client, counts, request, serial) =
-                            (client.clone(), counts.clone(), request.clone(), serial.clone());
+                        let (mut client, counts, request, serial) = (
+                            client.clone(),
+                            counts.clone(),
+                            request.clone(),
+                            serial.clone(),
+                        );
                         calls.spawn(async move {
                             while Instant::now() < deadline {
                                 let n = serial.fetch_add(1, Ordering::Relaxed);
