@@ -207,7 +207,7 @@ fn token(n: u64) -> String {
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
     };
     let salt = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), n);
-    if n % 2 == 0 {
+    if n.is_multiple_of(2) {
         format!("flood-{salt:016x}")
     } else {
         format!(
