@@ -101,6 +101,13 @@ fn owner_and_standby_each_keep_their_own_watch_through_the_overlap() {
         registrar.log()
     );
 
+    // The owner and the standby go, so that their node's two streams (the most one node
+    // may have) are closed before the next two agents of the same node come.
+    drop((owner, standby));
+    wait_for("both streams to close at the registrar", T, || {
+        (count(&registrar.log(), "watch stream closed by the client") >= 2).then_some(())
+    });
+
     // Two agents with an empty instance share the old key (cluster, node): each new
     // stream replaces the other's, as before the instance field.
     let mut a = LocalNode::new();
@@ -110,7 +117,7 @@ fn owner_and_standby_each_keep_their_own_watch_through_the_overlap() {
     let old_b = b.start_agent_with(&[&flag, "--pod-name="]);
     wait_revision(&old_b, rev2);
     registrar.wait_log("replaced by a newer stream", T);
-    drop((old_a, old_b, owner, standby));
+    drop((old_a, old_b));
 }
 
 #[test]
