@@ -12,6 +12,7 @@
 //! [`serve`] the wiring, and [`client`] the operator's commands.
 #![forbid(unsafe_code)]
 
+pub mod addrs;
 pub mod authz;
 pub mod cli;
 pub mod client;

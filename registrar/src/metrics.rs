@@ -73,6 +73,9 @@ pub struct Metrics {
     /// Bearer tokens checked, by how: prefiltered, cached, rate_limited, busy,
     /// authenticated, refused, failed (the last three asked TokenReview).
     pub token_reviews: Family<ResultLabel, Counter>,
+    /// Drain marks naming no service that read every endpoint, the address index being
+    /// behind etcd.
+    pub drain_mark_scans: Counter,
     /// 1 while this replica holds the Lease (discovery and the taint guard write). Exported
     /// only by a replica that takes part in the election, so that a sum of 0 over the
     /// replicas means that nobody writes.
@@ -135,6 +138,12 @@ impl Metrics {
             "Bearer tokens checked, by how: prefiltered, cached, rate_limited, busy, authenticated, refused, failed",
             token_reviews.clone(),
         );
+        let drain_mark_scans = Counter::default();
+        registry.register(
+            "drain_mark_scans",
+            "Drain marks naming no service that read every endpoint, the address index being behind etcd",
+            drain_mark_scans.clone(),
+        );
         let leader = Gauge::default();
         if leasing {
             registry.register(
@@ -162,6 +171,7 @@ impl Metrics {
             connections_refused,
             refusals,
             token_reviews,
+            drain_mark_scans,
             leader,
         })
     }

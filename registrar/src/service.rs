@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::addrs::Addrs;
 use crate::authz::{self, Method, Peer};
 use crate::keys::Key;
 use crate::metrics::Metrics;
@@ -51,6 +52,8 @@ pub struct Registrar {
     loopback: Loopback,
     /// Drain marks a node may still set (`--drain-marks-per-node`, `--drain-mark-burst`).
     marks: Mutex<Buckets<String>>,
+    /// Which services have endpoints at an address, for drain marks naming no service.
+    addrs: Arc<Addrs>,
 }
 
 /// How many drain marks a node may set: `per_second`, and `burst` at once.
@@ -75,6 +78,7 @@ impl Registrar {
         loopback: Loopback,
     ) -> Self {
         Self {
+            addrs: Addrs::spawn(store.clone()),
             store,
             streams: Arc::new(Streams::new(streams_per_node)),
             marks: Mutex::new(Buckets::new(
@@ -401,12 +405,46 @@ impl Registrar {
         address: IpAddr,
     ) -> Result<(i64, Vec<MarkTarget>, Vec<Guard>), StoreError> {
         let layout = &self.store.layout;
-        // Without a service every endpoint is read: the layout has no index by address.
-        let scan = match service {
-            Some(s) => layout.endpoints_at(s, address),
-            None => layout.all_endpoints(),
+        // The services to read: the one named, or those the address index finds at the
+        // address as of etcd's current revision, read at that revision; without either,
+        // every endpoint.
+        let (candidates, at) = match service {
+            Some(s) => (Some(vec![s.clone()]), None),
+            None => {
+                let current = self.store.revision().await?;
+                match self.addrs.services_at(address, current).await {
+                    Some(found) => (Some(found), Some(current)),
+                    None => {
+                        tracing::warn!(address = %address, revision = current, "the address index is behind etcd; this drain mark reads every endpoint");
+                        self.metrics.drain_mark_scans.inc();
+                        (None, None)
+                    }
+                }
+            }
         };
-        let (revision, kvs) = self.store.read_prefix(&scan, None).await?;
+        let (revision, kvs) = match candidates {
+            None => {
+                self.store
+                    .read_prefix(&layout.all_endpoints(), None)
+                    .await?
+            }
+            Some(services) => {
+                let mut revision = at;
+                let mut kvs = Vec::new();
+                for s in &services {
+                    let (r, mut found) = self
+                        .store
+                        .read_prefix(&layout.endpoints_at(s, address), revision)
+                        .await?;
+                    revision = Some(r);
+                    kvs.append(&mut found);
+                }
+                match revision {
+                    Some(r) => (r, kvs),
+                    None => (self.store.revision().await?, kvs),
+                }
+            }
+        };
         let mut nodes: BTreeMap<ServiceKey, Vec<String>> = BTreeMap::new();
         for (k, v) in &kvs {
             match layout.parse(k) {

@@ -1403,7 +1403,11 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
     // Drain marks: node n1's burst, then RESOURCE_EXHAUSTED; n2 has its own budget.
     let mark = |node: &str, i: u32| pb::SetEndpointStateRequest {
         service: None,
-        address: format!("10.0.1.{i}"),
+        address: if i == 0 {
+            "10.0.2.1".into()
+        } else {
+            format!("10.0.1.{i}")
+        },
         state: pb::EndpointState::Draining as i32,
         node: node.into(),
         instance: "a".into(),
@@ -1428,6 +1432,20 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
         Code::PermissionDenied,
         "n2 is not rate-limited: {e:?}"
     );
+    // A mark that names no service right after an apply finds the new endpoint through
+    // the address index, which catches up with etcd first: no mark read every endpoint.
+    apply(
+        &addr,
+        vec![svc("prod", "fresh", &[90], &[("10.0.2.1", 9090, "n3")])],
+    )
+    .await;
+    let fresh = c
+        .clone()
+        .set_endpoint_state(mark("n3", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fresh.marked, 1, "{fresh:?}");
 
     let text = metrics_text(&metrics_addr);
     for want in [
@@ -1435,6 +1453,7 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
         "aether_registrar_refusals_total{reason=\"watch_streams_per_node\"} 1",
         "aether_registrar_refusals_total{reason=\"too_large\"} 1",
         "aether_registrar_refusals_total{reason=\"drain_mark_rate\"} 1",
+        "aether_registrar_drain_mark_scans_total 0",
         "aether_registrar_calls_total{method=\"WatchEndpoints\",code=\"ResourceExhausted\"} 2",
     ] {
         assert!(text.contains(want), "{want} not in:\n{text}");
