@@ -101,6 +101,13 @@ fn owner_and_standby_each_keep_their_own_watch_through_the_overlap() {
         registrar.log()
     );
 
+    // The owner and the standby go, so that their node's two streams (the most one node
+    // may have) are closed before the next two agents of the same node come.
+    drop((owner, standby));
+    wait_for("both streams to close at the registrar", T, || {
+        (count(&registrar.log(), "watch stream closed by the client") >= 2).then_some(())
+    });
+
     // Two agents with an empty instance share the old key (cluster, node): each new
     // stream replaces the other's, as before the instance field.
     let mut a = LocalNode::new();
@@ -110,7 +117,7 @@ fn owner_and_standby_each_keep_their_own_watch_through_the_overlap() {
     let old_b = b.start_agent_with(&[&flag, "--pod-name="]);
     wait_revision(&old_b, rev2);
     registrar.wait_log("replaced by a newer stream", T);
-    drop((old_a, old_b, owner, standby));
+    drop((old_a, old_b));
 }
 
 #[test]
@@ -714,4 +721,191 @@ fn over_tls_an_agent_trusting_the_registrars_ca_loads_the_registry_and_one_trust
     ];
     let broken = third.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
     broken.wait_log(&format!("--registrar-ca: {}", missing.display()), T);
+}
+
+/// A JWT-shaped token whose unverified claims name `aud`, signed by nobody.
+fn forged_jwt(aud: &str, n: u32) -> String {
+    use base64::Engine;
+    let b64 = |v: Value| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string());
+    format!(
+        "{}.{}.forged{n}",
+        b64(json!({"alg": "RS256"})),
+        b64(json!({"aud": [aud], "sub": "mallory", "exp": 4_000_000_000u64}))
+    )
+}
+
+/// `--token-review` under a flood of tokens from one address: tokens that are not JWTs,
+/// or whose claims name another audience, cost no TokenReview; an agent's token is
+/// reviewed once and then answered from the cache; a refused token asked again is
+/// answered from the cache; past the source's burst a new token is RESOURCE_EXHAUSTED
+/// without a review. A megabyte apply with a made-up token is refused UNAUTHENTICATED,
+/// its body never read. The API server counts the reviews; the registrar counts each
+/// outcome.
+#[test]
+fn token_reviews_are_spent_only_on_plausible_tokens_and_bounded_per_source() {
+    use aether_e2e::kube_api::{KubeApi, Rule};
+    use shared_proto::registry::{self as pb, registry_client::RegistryClient};
+    let Some(etcd) = Etcd::start_or_skip("token_reviews_are_spent_only_on_plausible_tokens...")
+    else {
+        return;
+    };
+    let api = KubeApi::start();
+    let (registrar_sa, agent_sa) = (
+        "system:serviceaccount:aether-system:aether-registrar",
+        "system:serviceaccount:aether-system:aether-agent",
+    );
+    api.grant(
+        registrar_sa,
+        &[Rule {
+            resource: "tokenreviews",
+            verbs: &["create"],
+        }],
+    );
+    api.bind_token_to_node(agent_sa, "test-node");
+    let listen = format!(
+        "127.0.0.1:{}",
+        aether_e2e::testing::free_port(Ipv4Addr::LOCALHOST).unwrap()
+    );
+    let metrics_addr = format!(
+        "127.0.0.1:{}",
+        aether_e2e::testing::free_port(Ipv4Addr::LOCALHOST).unwrap()
+    );
+    let kubeconfig = api.kubeconfig(registrar_sa).display().to_string();
+    let registrar = RegistrarProcess::start(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &listen,
+        &[
+            "--token-review",
+            "--kubeconfig",
+            &kubeconfig,
+            "--discovery",
+            "off",
+            "--agent-service-account",
+            "aether-system/aether-agent",
+            "--metrics-addr",
+            &metrics_addr,
+            // A burst of three and next to no refill within the test.
+            "--token-reviews-per-source",
+            "0.001",
+            "--token-review-burst",
+            "3",
+        ],
+    );
+    let reviews = || {
+        api.requests(registrar_sa)
+            .iter()
+            .filter(|r| r.starts_with("POST /apis/authentication.k8s.io/v1/tokenreviews"))
+            .count()
+    };
+    let agent_token = api.token(agent_sa);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let addr = format!("http://{}", registrar.addr());
+    let call = |token: &str| {
+        let (addr, token) = (addr.clone(), format!("Bearer {token}"));
+        rt.block_on(async move {
+            let channel = tonic::transport::Endpoint::from_shared(addr)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut c =
+                RegistryClient::with_interceptor(channel, move |mut req: tonic::Request<()>| {
+                    req.metadata_mut()
+                        .insert("authorization", token.parse().unwrap());
+                    Ok(req)
+                });
+            c.watch_endpoints(pb::WatchEndpointsRequest {
+                node: "test-node".into(),
+                instance: "i".into(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ())
+        })
+    };
+    let code = |r: Result<(), tonic::Status>| r.err().map_or(tonic::Code::Ok, |s| s.code());
+
+    // The agent's token: one review, then the cache.
+    for _ in 0..5 {
+        assert_eq!(code(call(&agent_token)), tonic::Code::Ok);
+    }
+    assert_eq!(reviews(), 1);
+    // Not JWTs, or for another audience: refused without a review.
+    for i in 0..20 {
+        let e = call(&format!("random-token-{i}")).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("not a JWT"), "{e:?}");
+    }
+    let e = call(&forged_jwt("https://kubernetes.default.svc", 0)).unwrap_err();
+    assert!(
+        e.code() == tonic::Code::Unauthenticated && e.message().contains("audience"),
+        "{e:?}"
+    );
+    assert_eq!(reviews(), 1);
+    // Plausible forgeries are reviewed and refused, up to the burst; asked again, the
+    // refusal comes from the cache; past the burst, no review at all.
+    for i in 1..=2 {
+        let e = call(&forged_jwt("aether-registrar", i)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    }
+    assert_eq!(reviews(), 3);
+    assert_eq!(
+        code(call(&forged_jwt("aether-registrar", 1))),
+        tonic::Code::Unauthenticated
+    );
+    assert_eq!(reviews(), 3);
+    let e = call(&forged_jwt("aether-registrar", 3)).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert_eq!(reviews(), 3);
+    registrar.wait_log("too many token reviews from this address", T);
+
+    // A megabyte apply under a made-up token: refused before its body is read.
+    let big = rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(addr.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut c = RegistryClient::with_interceptor(channel, |mut req: tonic::Request<()>| {
+            req.metadata_mut()
+                .insert("authorization", "Bearer made-up".parse().unwrap());
+            Ok(req)
+        });
+        let vip = "x".repeat(1 << 20);
+        c.apply_services(pb::ApplyServicesRequest {
+            services: vec![pb::Service {
+                vip,
+                ..Default::default()
+            }],
+        })
+        .await
+    });
+    assert_eq!(big.unwrap_err().code(), tonic::Code::Unauthenticated);
+    assert_eq!(reviews(), 3);
+
+    let text = {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&metrics_addr).unwrap();
+        write!(
+            c,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        out
+    };
+    for want in [
+        "aether_registrar_token_reviews_total{result=\"prefiltered\"} 22",
+        "aether_registrar_token_reviews_total{result=\"cached\"} 5",
+        "aether_registrar_token_reviews_total{result=\"authenticated\"} 1",
+        "aether_registrar_token_reviews_total{result=\"refused\"} 2",
+        "aether_registrar_token_reviews_total{result=\"rate_limited\"} 1",
+        "aether_registrar_refusals_total{reason=\"unauthenticated\"} 25",
+        "aether_registrar_refusals_total{reason=\"review_rate\"} 1",
+        "aether_registrar_calls_total{method=\"ApplyServices\",code=\"Unauthenticated\"} 1",
+    ] {
+        assert!(text.contains(want), "{want} not in:\n{text}");
+    }
 }

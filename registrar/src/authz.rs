@@ -21,6 +21,16 @@ pub enum Method {
 }
 
 impl Method {
+    /// The method's name in the API.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::WatchEndpoints => "WatchEndpoints",
+            Method::SetEndpointState => "SetEndpointState",
+            Method::ApplyServices => "ApplyServices",
+            Method::DeleteService => "DeleteService",
+        }
+    }
+
     fn for_agents(self) -> bool {
         matches!(self, Method::WatchEndpoints | Method::SetEndpointState)
     }

@@ -267,6 +267,78 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     pub lease_duration: u64,
 
+    /// HTTP/2 streams (calls) open at once on one connection; a stream past it is refused
+    /// by HTTP/2 itself (REFUSED_STREAM)
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_streams: u32,
+
+    /// Connections open at once on --listen; one past it is closed at once, before TLS
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+
+    /// Connections open at once from one source address (TCP); one past it is closed at
+    /// once, before TLS
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections_per_source: u64,
+
+    /// HTTP/2 receive window, per stream and per connection, in bytes: the most request
+    /// data a connection can have sent that the registrar has not read
+    #[arg(long, value_name = "BYTES", default_value_t = 65_535, value_parser = clap::value_parser!(u32).range(65_535..))]
+    pub http2_window: u32,
+
+    /// The largest request of a watch, a drain mark or a delete, in bytes (gRPC framing
+    /// included); a larger one ends with RESOURCE_EXHAUSTED
+    #[arg(long, value_name = "BYTES", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(64..))]
+    pub max_request_bytes: u64,
+
+    /// The largest ApplyServices request, in bytes (gRPC framing included); a larger one
+    /// ends with RESOURCE_EXHAUSTED
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20, value_parser = clap::value_parser!(u64).range(64..))]
+    pub max_apply_bytes: u64,
+
+    /// Seconds a call may take to answer (a watch: to open), authentication included;
+    /// past it the call ends with DEADLINE_EXCEEDED. A caller's shorter grpc-timeout wins
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub call_timeout: u64,
+
+    /// Seconds between HTTP/2 pings on an idle connection
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http2_keepalive_interval: u64,
+
+    /// Seconds a ping may go unanswered before the connection is closed
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http2_keepalive_timeout: u64,
+
+    /// Watch streams open at once for one node (cluster and node), of distinct instances:
+    /// an owner and its standby. A stream with the instance of an open one replaces it; a
+    /// new instance past the cap is refused with RESOURCE_EXHAUSTED
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_watch_streams_per_node: u64,
+
+    /// TokenReviews a second one source address may cause (--token-review); tokens the
+    /// pre-filter refuses and cached answers cost none. Past it a call is
+    /// RESOURCE_EXHAUSTED
+    #[arg(long, value_name = "RATE", default_value_t = 5.0)]
+    pub token_reviews_per_source: f64,
+
+    /// TokenReviews one source address may cause at once above --token-reviews-per-source
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub token_review_burst: u32,
+
+    /// TokenReviews in flight at once; a call waits up to 5 s for one, then is UNAVAILABLE
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    pub token_reviews_in_flight: u64,
+
+    /// Drain marks (SetEndpointState calls) a second one node may make; past it and the
+    /// burst a call is RESOURCE_EXHAUSTED
+    #[arg(long, value_name = "RATE", default_value_t = 20.0)]
+    pub drain_marks_per_node: f64,
+
+    /// Drain marks one node may make at once above --drain-marks-per-node: a node whose
+    /// pods all go at once marks each of their addresses
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub drain_mark_burst: u32,
+
     /// Log format on stderr: text or json (RUST_LOG filters; default info)
     #[arg(long, env = "AETHER_REGISTRAR_LOG_FORMAT", value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -355,6 +427,17 @@ mod tests {
                 s.lease_duration
             ),
             ("auto", false, 30, 15)
+        );
+        assert_eq!(
+            (
+                s.max_concurrent_streams,
+                s.max_connections,
+                s.max_connections_per_source,
+                s.max_request_bytes,
+                s.max_apply_bytes,
+                s.max_watch_streams_per_node
+            ),
+            (16, 1024, 16, 4096, 4 << 20, 2)
         );
         let e = Cli::try_parse_from([
             "aether-registrar",

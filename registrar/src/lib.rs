@@ -5,15 +5,19 @@
 //! stored under the keys and its conversion to the API's messages), [`view`] (full views
 //! and change batches from etcd reads and watch events, and a client's view of them),
 //! [`validate`], [`plan`] (the writes a request makes) and [`authz`] (who may call what)
-//! know no etcd client, socket or runtime. [`store`] is the etcd edge, [`service`] the
-//! tonic service, [`listen`] the sockets, [`tls`] the TLS on a TCP one, [`metrics`] the
+//! know no etcd client, socket or runtime. [`store`] is the etcd edge, [`gate`] the
+//! authentication and authorization in front of the tonic service [`service`], [`conns`]
+//! the connection caps, [`listen`] the sockets, [`tls`] the TLS on a TCP one, [`metrics`] the
 //! Prometheus endpoint, [`health`] the probes, [`http`] the server of those two ports,
 //! [`serve`] the wiring, and [`client`] the operator's commands.
 #![forbid(unsafe_code)]
 
+pub mod addrs;
 pub mod authz;
 pub mod cli;
 pub mod client;
+pub mod conns;
+pub mod gate;
 pub mod health;
 pub mod http;
 pub mod keys;

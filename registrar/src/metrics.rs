@@ -24,6 +24,34 @@ pub struct ResultLabel {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+/// A one-label set, made from its value.
+pub trait Label:
+    Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static
+{
+    fn new(value: &str) -> Self;
+}
+
+impl Label for ResultLabel {
+    fn new(value: &str) -> Self {
+        ResultLabel {
+            result: value.into(),
+        }
+    }
+}
+
+impl Label for ReasonLabel {
+    fn new(value: &str) -> Self {
+        ReasonLabel {
+            reason: value.into(),
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     /// Calls by method and the status they returned (a watch: its opening).
@@ -34,6 +62,20 @@ pub struct Metrics {
     pub watch_ends: Family<ResultLabel, Counter>,
     /// TLS handshakes on the TCP listener: ok, failed, timeout, over_cap.
     pub tls_handshakes: Family<ResultLabel, Counter>,
+    /// Connections to the registry API open now.
+    pub connections: Gauge,
+    /// Connections closed at once, by the cap they hit: total, per_source.
+    pub connections_refused: Family<ResultLabel, Counter>,
+    /// Calls refused before their handler, by reason: unauthenticated, permission_denied,
+    /// too_large, review_rate, reviews_busy, review_failed, watch_streams_per_node,
+    /// drain_mark_rate.
+    pub refusals: Family<ReasonLabel, Counter>,
+    /// Bearer tokens checked, by how: prefiltered, cached, rate_limited, busy,
+    /// authenticated, refused, failed (the last three asked TokenReview).
+    pub token_reviews: Family<ResultLabel, Counter>,
+    /// Drain marks naming no service that read every endpoint, the address index being
+    /// behind etcd.
+    pub drain_mark_scans: Counter,
     /// 1 while this replica holds the Lease (discovery and the taint guard write). Exported
     /// only by a replica that takes part in the election, so that a sum of 0 over the
     /// replicas means that nobody writes.
@@ -72,6 +114,36 @@ impl Metrics {
             "TLS handshakes on the TCP listener: ok, failed, timeout, over_cap",
             tls_handshakes.clone(),
         );
+        let connections = Gauge::default();
+        registry.register(
+            "connections",
+            "Connections to the registry API open now",
+            connections.clone(),
+        );
+        let connections_refused = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "connections_refused",
+            "Connections closed at once, by the cap they hit: total, per_source",
+            connections_refused.clone(),
+        );
+        let refusals = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "refusals",
+            "Calls refused before their handler ran or by a limit, by reason",
+            refusals.clone(),
+        );
+        let token_reviews = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "token_reviews",
+            "Bearer tokens checked, by how: prefiltered, cached, rate_limited, busy, authenticated, refused, failed",
+            token_reviews.clone(),
+        );
+        let drain_mark_scans = Counter::default();
+        registry.register(
+            "drain_mark_scans",
+            "Drain marks naming no service that read every endpoint, the address index being behind etcd",
+            drain_mark_scans.clone(),
+        );
         let leader = Gauge::default();
         if leasing {
             registry.register(
@@ -95,6 +167,11 @@ impl Metrics {
             watch_streams,
             watch_ends,
             tls_handshakes,
+            connections,
+            connections_refused,
+            refusals,
+            token_reviews,
+            drain_mark_scans,
             leader,
         })
     }
@@ -113,12 +190,8 @@ impl Metrics {
             .inc();
     }
 
-    pub fn count(family: &Family<ResultLabel, Counter>, result: &str) {
-        family
-            .get_or_create(&ResultLabel {
-                result: result.into(),
-            })
-            .inc();
+    pub fn count<L: Label>(family: &Family<L, Counter>, value: &str) {
+        family.get_or_create(&L::new(value)).inc();
     }
 
     pub fn encode(&self) -> String {

@@ -11,10 +11,11 @@ use aether_model::check::Loopback;
 use anyhow::Context;
 use shared_proto::registry::registry_server::RegistryServer;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 
 use crate::authz::Policy;
 use crate::cli::ServeArgs;
+use crate::conns::{self, ConnLimits, Conns};
+use crate::gate::{BodyLimits, Gate, GateLayer, Transport};
 use crate::health::Health;
 use crate::keys::Layout;
 use crate::kubernetes::discovery::{self, Namespaces};
@@ -23,10 +24,10 @@ use crate::kubernetes::taint_guard::GuardConfig;
 use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::metrics::Metrics;
-use crate::service::{Registrar, Transport};
+use crate::service::{MarkRate, Registrar};
 use crate::store::{EtcdOptions, Store};
 use crate::tls;
-use crate::tokenreview::Reviewer;
+use crate::tokenreview::{ReviewLimits, Reviewer};
 
 fn bound_kind(b: &Bound) -> bool {
     matches!(b, Bound::Tcp(_))
@@ -34,6 +35,10 @@ fn bound_kind(b: &Bound) -> bool {
 
 /// How long open connections get to close after SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// The largest HTTP/2 header block a request may send (8 KiB): a projected
+/// service-account token is about 1 KiB.
+const MAX_HEADER_LIST: u32 = 8 << 10;
 
 /// How long the start waits for etcd to answer.
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -97,14 +102,20 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         true => Some(kubernetes::client(args.kubeconfig.as_deref()).await?),
         false => None,
     };
+    let metrics = Metrics::new(kube_client.is_some() && (discovery || args.taint_guard));
     let reviewer = match (args.token_review, &kube_client) {
         (true, Some(c)) => Some(std::sync::Arc::new(Reviewer::new(
             c.clone(),
             args.token_audience.clone(),
+            ReviewLimits {
+                in_flight: usize::try_from(args.token_reviews_in_flight).unwrap_or(usize::MAX),
+                per_source: args.token_reviews_per_source,
+                burst: f64::from(args.token_review_burst),
+            },
+            metrics.clone(),
         ))),
         _ => None,
     };
-    let metrics = Metrics::new(kube_client.is_some() && (discovery || args.taint_guard));
     // Bound before the registry API, so a taken port fails the start with its address.
     if let Some(addr) = &args.metrics_addr {
         let l = tokio::net::TcpListener::bind(addr)
@@ -186,9 +197,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let registrar = Registrar::new(
         store,
-        policy.clone(),
-        transport,
         args.cluster.clone(),
+        usize::try_from(args.max_watch_streams_per_node).unwrap_or(usize::MAX),
+        MarkRate {
+            per_second: args.drain_marks_per_node,
+            burst: f64::from(args.drain_mark_burst),
+        },
         shutdown_rx,
         metrics.clone(),
         loopback,
@@ -209,28 +223,68 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         agent_uids = ?policy.agent_uids, operator_uids = ?policy.operator_uids, cluster = ?args.cluster,
         "serving the registry API"
     );
-    let server = tonic::transport::Server::builder().add_service(RegistryServer::new(registrar));
+    let limits = BodyLimits {
+        small: usize::try_from(args.max_request_bytes).unwrap_or(usize::MAX),
+        apply: usize::try_from(args.max_apply_bytes).unwrap_or(usize::MAX),
+    };
+    let gate = GateLayer(std::sync::Arc::new(Gate {
+        transport,
+        policy: policy.clone(),
+        limits,
+        metrics: metrics.clone(),
+    }));
+    let conns = Conns::new(
+        ConnLimits {
+            total: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            per_source: usize::try_from(args.max_connections_per_source).unwrap_or(usize::MAX),
+        },
+        metrics.clone(),
+    );
+    tracing::info!(
+        max_concurrent_streams = args.max_concurrent_streams,
+        max_connections = args.max_connections,
+        max_connections_per_source = args.max_connections_per_source,
+        http2_window = args.http2_window,
+        max_request_bytes = args.max_request_bytes,
+        max_apply_bytes = args.max_apply_bytes,
+        call_timeout_s = args.call_timeout,
+        "limits"
+    );
+    // The gate answers before the body is read; the service's own decoding limit is the
+    // larger of the two, the gate's cap per method the one that applies.
+    let service =
+        RegistryServer::new(registrar).max_decoding_message_size(limits.small.max(limits.apply));
+    let server = tonic::transport::Server::builder()
+        .max_concurrent_streams(args.max_concurrent_streams)
+        .initial_stream_window_size(args.http2_window)
+        .initial_connection_window_size(args.http2_window)
+        .http2_max_header_list_size(MAX_HEADER_LIST)
+        .http2_keepalive_interval(Some(Duration::from_secs(args.http2_keepalive_interval)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(args.http2_keepalive_timeout)))
+        .timeout(Duration::from_secs(args.call_timeout))
+        .layer(gate)
+        .add_service(service);
     // Bound above: connections queue in the backlog until the server takes them.
     health.set_serving();
     let serving = async {
         match bound {
             Bound::Unix(l) => {
                 server
-                    .serve_with_incoming_shutdown(UnixListenerStream::new(l), stop)
+                    .serve_with_incoming_shutdown(conns::unix(l, conns), stop)
                     .await
             }
             Bound::Tcp(l) => match tls {
                 Some(config) => {
                     server
                         .serve_with_incoming_shutdown(
-                            tls::incoming(l, config, tls::MAX_HANDSHAKES, metrics.clone()),
+                            tls::incoming(l, config, tls::MAX_HANDSHAKES, conns, metrics.clone()),
                             stop,
                         )
                         .await
                 }
                 None => {
                     server
-                        .serve_with_incoming_shutdown(TcpListenerStream::new(l), stop)
+                        .serve_with_incoming_shutdown(conns::tcp(l, conns), stop)
                         .await
                 }
             },

@@ -1,5 +1,6 @@
-//! The registry API served over etcd: the tonic service. Requests are checked
-//! (`authz`, `validate`), planned (`plan`) from what was read, and written in one etcd
+//! The registry API served over etcd: the tonic service. Callers are identified and
+//! authorized by the gate in front of it (`gate`), before their requests are decoded;
+//! requests are checked (`authz::check_node`, `validate`), planned (`plan`) from what was read, and written in one etcd
 //! transaction guarded by the read's revision, read and planned again if something
 //! changed in between. Watch streams are etcd watches from an etcd revision, so every
 //! replica serves the same stream and a client resumes on any of them.
@@ -7,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use aether_model::check::Loopback;
 use aether_model::{EndpointState, ServiceKey};
@@ -18,15 +19,16 @@ use shared_proto::registry::{
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 
-use crate::authz::{self, Method, Peer, Policy};
+use crate::addrs::Addrs;
+use crate::authz::{self, Method, Peer};
 use crate::keys::Key;
 use crate::metrics::Metrics;
 use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
 use crate::store::{Guard, Store, StoreError};
 use crate::streams::{Registration, Replaced, StreamKey, Streams};
+use crate::tokenreview::Buckets;
 use crate::validate;
 use crate::values::{self, EndpointValue, MarkValue, Source};
 use crate::view::{self, Event, EventKind, Rejected};
@@ -40,43 +42,50 @@ const ATTEMPTS: usize = 8;
 /// the stream ends with UNAVAILABLE (the client then resumes, maybe on another replica).
 const WATCH_RETRIES: u32 = 3;
 
-/// How callers reach this registrar, which decides how they are identified.
-#[derive(Clone)]
-pub enum Transport {
-    Unix,
-    InsecureTcp,
-    /// TCP whose callers present a bearer token, checked with TokenReview.
-    TokenTcp(Arc<crate::tokenreview::Reviewer>),
-}
-
 pub struct Registrar {
     store: Store,
     streams: Arc<Streams>,
-    policy: Policy,
-    transport: Transport,
     cluster: Option<String>,
     shutdown: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     /// Whether ApplyServices accepts loopback endpoints (`--allow-loopback-endpoints`).
     loopback: Loopback,
+    /// Drain marks a node may still set (`--drain-marks-per-node`, `--drain-mark-burst`).
+    marks: Mutex<Buckets<String>>,
+    /// Which services have endpoints at an address, for drain marks naming no service.
+    addrs: Arc<Addrs>,
 }
+
+/// How many drain marks a node may set: `per_second`, and `burst` at once.
+#[derive(Debug, Clone, Copy)]
+pub struct MarkRate {
+    pub per_second: f64,
+    pub burst: f64,
+}
+
+/// Nodes whose drain-mark budget is kept at most.
+const MARK_NODES_MAX: usize = 65_536;
 
 impl Registrar {
     /// `shutdown` turning true ends every open stream with UNAVAILABLE.
     pub fn new(
         store: Store,
-        policy: Policy,
-        transport: Transport,
         cluster: Option<String>,
+        streams_per_node: usize,
+        mark_rate: MarkRate,
         shutdown: watch::Receiver<bool>,
         metrics: Arc<Metrics>,
         loopback: Loopback,
     ) -> Self {
         Self {
+            addrs: Addrs::spawn(store.clone()),
             store,
-            streams: Arc::new(Streams::default()),
-            policy,
-            transport,
+            streams: Arc::new(Streams::new(streams_per_node)),
+            marks: Mutex::new(Buckets::new(
+                mark_rate.per_second,
+                mark_rate.burst,
+                MARK_NODES_MAX,
+            )),
             cluster,
             shutdown,
             metrics,
@@ -84,47 +93,13 @@ impl Registrar {
         }
     }
 
-    async fn peer<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
-        match &self.transport {
-            Transport::InsecureTcp => Ok(Peer::InsecureTcp),
-            Transport::Unix => Ok(req
-                .extensions()
-                .get::<UdsConnectInfo>()
-                .and_then(|i| i.peer_cred)
-                .map_or(Peer::UnixUnknown, |c| Peer::Unix { uid: c.uid() })),
-            Transport::TokenTcp(reviewer) => {
-                let token = req
-                    .metadata()
-                    .get("authorization")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-                    .map(str::trim)
-                    .filter(|t| !t.is_empty());
-                let Some(token) = token else {
-                    tracing::warn!(method = ?method, "refused: no bearer token");
-                    return Err(Status::unauthenticated(
-                        "no bearer token: send the pod's projected service-account token (audience aether-registrar) as `authorization: Bearer <token>`",
-                    ));
-                };
-                reviewer
-                    .review(token)
-                    .await
-                    .map(Peer::Token)
-                    .map_err(|why| {
-                        tracing::warn!(method = ?method, "refused: {why}");
-                        Status::unauthenticated(why)
-                    })
-            }
-        }
-    }
-
-    async fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
-        let peer = self.peer(req, method).await?;
-        authz::authorize(&self.policy, &peer, method).map_err(|e| {
-            tracing::warn!(peer = %peer, method = ?method, "refused: {e}");
-            Status::permission_denied(e.to_string())
-        })?;
-        Ok(peer)
+    /// The caller, as the gate (`crate::gate`) identified and authorized it before the
+    /// body was read.
+    fn authorize<T>(&self, req: &Request<T>, method: Method) -> Result<Peer, Status> {
+        req.extensions().get::<Peer>().cloned().ok_or_else(|| {
+            tracing::error!(method = ?method, "a call reached the service without passing the gate");
+            Status::internal("the caller was not identified")
+        })
     }
 
     /// The request speaks for `node`: a caller bound to another node is refused.
@@ -204,7 +179,7 @@ impl Registrar {
         &self,
         req: Request<pb::WatchEndpointsRequest>,
     ) -> Result<Response<WatchStream>, Status> {
-        let peer = self.authorize(&req, Method::WatchEndpoints).await?;
+        let peer = self.authorize(&req, Method::WatchEndpoints)?;
         let req = req.into_inner();
         if req.node.is_empty() {
             return Err(Status::invalid_argument(
@@ -233,7 +208,12 @@ impl Registrar {
             node: req.node.clone(),
             instance: req.instance.clone(),
         };
-        let (registration, replaced_rx, replaced) = self.streams.open(key.clone());
+        let (registration, replaced_rx, replaced) =
+            self.streams.open(key.clone()).map_err(|e| {
+                tracing::warn!(stream = %key, peer = %peer, open = ?e.open, "watch stream refused: the node has its most streams open");
+                Metrics::count(&self.metrics.refusals, "watch_streams_per_node");
+                Status::resource_exhausted(e.to_string())
+            })?;
         if replaced {
             tracing::info!(stream = %key, "a newer stream replaces the open one of the same key");
         }
@@ -255,7 +235,7 @@ impl Registrar {
         &self,
         req: Request<pb::SetEndpointStateRequest>,
     ) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
-        let peer = self.authorize(&req, Method::SetEndpointState).await?;
+        let peer = self.authorize(&req, Method::SetEndpointState)?;
         let req = req.into_inner();
         let bad = |e: validate::Invalid| Status::invalid_argument(e.to_string());
         let address = validate::address("address", &req.address).map_err(bad)?;
@@ -268,6 +248,19 @@ impl Registrar {
             ));
         }
         Self::check_node(&peer, Method::SetEndpointState, &req.node)?;
+        if !self
+            .marks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(&req.node, Instant::now())
+        {
+            tracing::warn!(node = %req.node, instance = %req.instance, peer = %peer, "SetEndpointState refused: the node is over its drain-mark rate");
+            Metrics::count(&self.metrics.refusals, "drain_mark_rate");
+            return Err(Status::resource_exhausted(format!(
+                "node {:?} is over its drain-mark rate; retry later",
+                req.node
+            )));
+        }
         let service = req
             .service
             .as_ref()
@@ -362,7 +355,7 @@ impl Registrar {
         &self,
         req: Request<pb::ApplyServicesRequest>,
     ) -> Result<Response<pb::ApplyServicesResponse>, Status> {
-        let peer = self.authorize(&req, Method::ApplyServices).await?;
+        let peer = self.authorize(&req, Method::ApplyServices)?;
         let services = validate::apply_request(req.get_ref(), self.loopback)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut revision = 0;
@@ -377,7 +370,7 @@ impl Registrar {
         &self,
         req: Request<pb::DeleteServiceRequest>,
     ) -> Result<Response<pb::DeleteServiceResponse>, Status> {
-        let peer = self.authorize(&req, Method::DeleteService).await?;
+        let peer = self.authorize(&req, Method::DeleteService)?;
         let key = validate::service_key("service", req.get_ref().service.as_ref())
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let w = writes::delete(&self.store, &key, Source::File)
@@ -412,12 +405,46 @@ impl Registrar {
         address: IpAddr,
     ) -> Result<(i64, Vec<MarkTarget>, Vec<Guard>), StoreError> {
         let layout = &self.store.layout;
-        // Without a service every endpoint is read: the layout has no index by address.
-        let scan = match service {
-            Some(s) => layout.endpoints_at(s, address),
-            None => layout.all_endpoints(),
+        // The services to read: the one named, or those the address index finds at the
+        // address as of etcd's current revision, read at that revision; without either,
+        // every endpoint.
+        let (candidates, at) = match service {
+            Some(s) => (Some(vec![s.clone()]), None),
+            None => {
+                let current = self.store.revision().await?;
+                match self.addrs.services_at(address, current).await {
+                    Some(found) => (Some(found), Some(current)),
+                    None => {
+                        tracing::warn!(address = %address, revision = current, "the address index is behind etcd; this drain mark reads every endpoint");
+                        self.metrics.drain_mark_scans.inc();
+                        (None, None)
+                    }
+                }
+            }
         };
-        let (revision, kvs) = self.store.read_prefix(&scan, None).await?;
+        let (revision, kvs) = match candidates {
+            None => {
+                self.store
+                    .read_prefix(&layout.all_endpoints(), None)
+                    .await?
+            }
+            Some(services) => {
+                let mut revision = at;
+                let mut kvs = Vec::new();
+                for s in &services {
+                    let (r, mut found) = self
+                        .store
+                        .read_prefix(&layout.endpoints_at(s, address), revision)
+                        .await?;
+                    revision = Some(r);
+                    kvs.append(&mut found);
+                }
+                match revision {
+                    Some(r) => (r, kvs),
+                    None => (self.store.revision().await?, kvs),
+                }
+            }
+        };
         let mut nodes: BTreeMap<ServiceKey, Vec<String>> = BTreeMap::new();
         for (k, v) in &kvs {
             match layout.parse(k) {

@@ -23,6 +23,7 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use shared_proto::registry_tls::{TlsError, read_pem};
 
+use crate::conns::{Admitted, Conns};
 use crate::metrics::Metrics;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::server::TlsStream;
@@ -169,13 +170,16 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig
 /// in a task of its own; one that fails or times out is logged with the peer's address
 /// and dropped. At most `max_handshakes` run at once: a connection past that is closed at
 /// once, so a flood of silent clients costs a bounded number of tasks and buffers, not
-/// one per connection for [`HANDSHAKE_TIMEOUT`]. Ends when the stream is dropped.
+/// one per connection for [`HANDSHAKE_TIMEOUT`]. Before its handshake a connection is
+/// admitted under the connection caps (`conns`), or closed. Ends when the stream is
+/// dropped.
 pub fn incoming(
     listener: TcpListener,
     config: Arc<rustls::ServerConfig>,
     max_handshakes: usize,
+    conns: Arc<Conns>,
     metrics: Arc<Metrics>,
-) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+) -> ReceiverStream<std::io::Result<TlsStream<Admitted<TcpStream>>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(max_handshakes));
@@ -197,12 +201,16 @@ pub fn incoming(
                 }
             };
             pause = Duration::from_millis(10);
+            let _ = tcp.set_nodelay(true);
+            let Some(admission) = conns.admit(Some(peer.ip())) else {
+                continue;
+            };
+            let tcp = Admitted::new(tcp, admission);
             let Ok(permit) = handshakes.clone().try_acquire_owned() else {
                 Metrics::count(&metrics.tls_handshakes, "over_cap");
                 tracing::warn!(%peer, max_handshakes, "too many TLS handshakes in progress; connection closed");
                 continue;
             };
-            let _ = tcp.set_nodelay(true);
             let (acceptor, tx, metrics) = (acceptor.clone(), tx.clone(), metrics.clone());
             tokio::spawn(async move {
                 let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
@@ -308,6 +316,13 @@ mod tests {
             listener,
             server_config(&cert_file, &key_file).unwrap(),
             1,
+            crate::conns::Conns::new(
+                crate::conns::ConnLimits {
+                    total: 16,
+                    per_source: 16,
+                },
+                metrics.clone(),
+            ),
             metrics.clone(),
         );
 

@@ -1213,3 +1213,249 @@ async fn the_registrar_reaches_etcd_over_tls_with_a_client_certificate() {
         "{err}"
     );
 }
+
+/// `GET /metrics` on `addr`, the body.
+fn metrics_text(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).expect("the metrics port answers");
+    write!(
+        c,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The SETTINGS the registrar's HTTP/2 server announces on a new connection, by id.
+async fn h2_settings(addr: &str) -> std::collections::BTreeMap<u16, u32> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    loop {
+        let mut head = [0u8; 9];
+        tokio::time::timeout(WAIT, c.read_exact(&mut head))
+            .await
+            .expect("a frame in time")
+            .unwrap();
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; len];
+        c.read_exact(&mut payload).await.unwrap();
+        // A SETTINGS frame (type 4) that is not an ACK (flag 1).
+        if head[3] == 4 && head[4] & 1 == 0 {
+            return payload
+                .chunks_exact(6)
+                .map(|s| {
+                    (
+                        u16::from_be_bytes([s[0], s[1]]),
+                        u32::from_be_bytes([s[2], s[3], s[4], s[5]]),
+                    )
+                })
+                .collect();
+        }
+    }
+}
+
+/// The limits of `serve`: HTTP/2 announces its stream cap, window and header-list size;
+/// a connection past the per-source cap is closed at once; a node's third instance of a
+/// watch stream is refused while an open instance still replaces its own; a watch
+/// request over `--max-request-bytes` ends with RESOURCE_EXHAUSTED; a node past its
+/// drain-mark burst is RESOURCE_EXHAUSTED while another node is not. Each refusal is
+/// counted.
+#[tokio::test]
+async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counted() {
+    let etcd =
+        etcd_or_skip!("connections_streams_and_bodies_past_their_limits_are_refused_and_counted");
+    let metrics_addr = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let reg = RegistrarProcess::tcp(
+        bin(),
+        &etcd.endpoints(),
+        &[
+            "--metrics-addr",
+            &metrics_addr,
+            "--max-connections-per-source",
+            "3",
+            "--max-concurrent-streams",
+            "4",
+            "--http2-window",
+            "70000",
+            "--max-request-bytes",
+            "1024",
+            // A burst of three drain marks per node and next to no refill in the test.
+            "--drain-mark-burst",
+            "3",
+            "--drain-marks-per-node",
+            "0.001",
+        ],
+    );
+    let addr = reg.addr().to_owned();
+    let m = metrics_addr.clone();
+    let open_now = move |n: usize| {
+        let m = m.clone();
+        tokio::task::spawn_blocking(move || {
+            aether_registrar::testing::wait_for("the open connections", WAIT, || {
+                metrics_text(&m)
+                    .contains(&format!("aether_registrar_connections {n}\n"))
+                    .then_some(())
+            })
+        })
+    };
+    // The start's probe connections have closed.
+    open_now(0).await.unwrap();
+
+    let settings = h2_settings(&addr).await;
+    assert_eq!(
+        settings.get(&3),
+        Some(&4),
+        "MAX_CONCURRENT_STREAMS: {settings:?}"
+    );
+    assert_eq!(
+        settings.get(&4),
+        Some(&70000),
+        "INITIAL_WINDOW_SIZE: {settings:?}"
+    );
+    assert_eq!(
+        settings.get(&6),
+        Some(&8192),
+        "MAX_HEADER_LIST_SIZE: {settings:?}"
+    );
+    open_now(0).await.unwrap();
+
+    // Three connections from 127.0.0.1 are held; the fourth is closed at once.
+    let held: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    open_now(3).await.unwrap();
+    let refused = std::net::TcpStream::connect(&addr).unwrap();
+    refused.set_read_timeout(Some(WAIT)).unwrap();
+    let mut buf = [0u8; 64];
+    let n = std::io::Read::read(&mut &refused, &mut buf).unwrap_or(0);
+    assert_eq!(
+        n, 0,
+        "the connection past the cap is closed before anything is said"
+    );
+    drop(held);
+    open_now(0).await.unwrap();
+
+    // One connection carries every stream below.
+    let c = client(&addr).await;
+    let req = |instance: &str| pb::WatchEndpointsRequest {
+        cluster: "c".into(),
+        node: "n1".into(),
+        instance: instance.into(),
+        resume_revision: 0,
+    };
+    let mut a = c
+        .clone()
+        .watch_endpoints(req("a"))
+        .await
+        .unwrap()
+        .into_inner();
+    next_full(&mut a).await;
+    let mut b = c
+        .clone()
+        .watch_endpoints(req("b"))
+        .await
+        .unwrap()
+        .into_inner();
+    next_full(&mut b).await;
+    let e = c.clone().watch_endpoints(req("c")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(
+        e.message().contains("already has 2 watch streams open"),
+        "{e:?}"
+    );
+    reg.wait_log(
+        "watch stream refused: the node has its most streams open",
+        WAIT,
+    );
+    // The owner reconnecting under its own instance replaces its stream at the cap.
+    let mut a2 = c
+        .clone()
+        .watch_endpoints(req("a"))
+        .await
+        .unwrap()
+        .into_inner();
+    next_full(&mut a2).await;
+    assert_eq!(next(&mut a).await.unwrap_err().code(), Code::Aborted);
+
+    // A watch request over 1024 bytes (of another node, under no stream cap).
+    let e = c
+        .clone()
+        .watch_endpoints(pb::WatchEndpointsRequest {
+            node: "n2".into(),
+            ..req(&"x".repeat(2000))
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("over 1024 bytes"), "{e:?}");
+    // An apply is not held to it.
+    let many: Vec<(String, u32, &str)> = (1..60)
+        .map(|i| (format!("10.0.1.{i}"), 8080, "n1"))
+        .collect();
+    let eps: Vec<(&str, u32, &str)> = many.iter().map(|(a, p, n)| (a.as_str(), *p, *n)).collect();
+    apply(&addr, vec![web(&eps)]).await;
+
+    // Drain marks: node n1's burst, then RESOURCE_EXHAUSTED; n2 has its own budget.
+    let mark = |node: &str, i: u32| pb::SetEndpointStateRequest {
+        service: None,
+        address: if i == 0 {
+            "10.0.2.1".into()
+        } else {
+            format!("10.0.1.{i}")
+        },
+        state: pb::EndpointState::Draining as i32,
+        node: node.into(),
+        instance: "a".into(),
+    };
+    for i in 1..=3 {
+        c.clone().set_endpoint_state(mark("n1", i)).await.unwrap();
+    }
+    let e = c
+        .clone()
+        .set_endpoint_state(mark("n1", 4))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    reg.wait_log("the node is over its drain-mark rate", WAIT);
+    let e = c
+        .clone()
+        .set_endpoint_state(mark("n2", 5))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::PermissionDenied,
+        "n2 is not rate-limited: {e:?}"
+    );
+    // A mark that names no service right after an apply finds the new endpoint through
+    // the address index, which catches up with etcd first: no mark read every endpoint.
+    apply(
+        &addr,
+        vec![svc("prod", "fresh", &[90], &[("10.0.2.1", 9090, "n3")])],
+    )
+    .await;
+    let fresh = c
+        .clone()
+        .set_endpoint_state(mark("n3", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fresh.marked, 1, "{fresh:?}");
+
+    let text = metrics_text(&metrics_addr);
+    for want in [
+        "aether_registrar_connections_refused_total{result=\"per_source\"} 1",
+        "aether_registrar_refusals_total{reason=\"watch_streams_per_node\"} 1",
+        "aether_registrar_refusals_total{reason=\"too_large\"} 1",
+        "aether_registrar_refusals_total{reason=\"drain_mark_rate\"} 1",
+        "aether_registrar_drain_mark_scans_total 0",
+        "aether_registrar_calls_total{method=\"WatchEndpoints\",code=\"ResourceExhausted\"} 2",
+    ] {
+        assert!(text.contains(want), "{want} not in:\n{text}");
+    }
+}

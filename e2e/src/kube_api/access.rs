@@ -71,11 +71,30 @@ impl Access {
         })
     }
 
-    /// 32 hex digits no other server or user will have; their only job is to be unguessable
-    /// within a test run and distinct.
+    /// Shaped as a projected service-account token, a JWT whose claims name the audiences
+    /// a registrar reviewing it asks for (`aether-registrar`) and the API server's, and
+    /// expire in an hour; its signature is 32 hex digits no other server or user will
+    /// have, unguessable within a test run. Only the whole token is ever compared.
     fn new_token(&self, name: &str) -> String {
+        use base64::Engine;
         let half = |salt: u8| self.random.hash_one((name, salt, self.users.len()));
-        format!("{:016x}{:016x}", half(0), half(1))
+        let b64 = |v: serde_json::Value| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let claims = serde_json::json!({
+            "aud": ["https://kubernetes.default.svc.cluster.local", "aether-registrar"],
+            "sub": name, "iat": now, "exp": now + 3600,
+        });
+        format!(
+            "{}.{}.{:016x}{:016x}",
+            b64(serde_json::json!({"alg": "RS256", "kid": "test"})),
+            b64(claims),
+            half(0),
+            half(1)
+        )
     }
 }
 
