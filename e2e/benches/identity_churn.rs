@@ -193,8 +193,8 @@ async fn main() {
     let live_pods = live.iter().flatten().count();
     // Every pod deleted: its certificates must leave.
     let mut last = Vec::new();
-    for s in 0..slots {
-        if let Some(old) = live[s].take() {
+    for slot in &mut live {
+        if let Some(old) = slot.take() {
             last.push(Change::RemovePod(old.clone()));
             last.push(Change::SetPodSvid {
                 uid: old,
