@@ -410,3 +410,44 @@ fn a_live_owner_serves_the_conventional_series_with_sane_values() {
         respawned["pid"]
     );
 }
+
+/// The seed's rule: only the owner serves metrics. A standby given its own metrics address
+/// binds nothing there while it waits for the lock; once it owns the node, it does.
+#[test]
+fn a_standby_binds_no_metrics_port_and_binds_it_once_it_owns_the_node() {
+    let mut node = LocalNode::new();
+    let (_, capture) = write_inputs(node.root.path());
+    let owner_addr = format!(
+        "127.0.0.1:{}",
+        free_port(Ipv4Addr::LOCALHOST).expect("free port")
+    );
+    let mut owner = start(&mut node, &owner_addr, &capture);
+    let standby_addr = format!(
+        "127.0.0.1:{}",
+        free_port(Ipv4Addr::LOCALHOST).expect("free port")
+    );
+    let wrapper = metrics_wrapper(&standby_addr);
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let capture_arg = format!("--capture-file={}", capture.display());
+    let standby = node.start_agent_wrapped(&wrapper, &[&capture_arg]);
+    let ready = standby.wait_role("standby", T);
+    assert_eq!(ready["phase"], "standby-complete", "{ready:#}");
+    standby.wait_log("holding the owner's node sockets", T);
+    assert!(
+        std::net::TcpStream::connect(&standby_addr).is_err(),
+        "a complete standby listens on its metrics address {standby_addr}\n{}",
+        standby.log()
+    );
+    assert!(
+        scrape_metrics(&owner_addr).is_some(),
+        "the owner serves metrics"
+    );
+
+    owner.signal(Signal::SIGTERM);
+    owner.wait_exit(T);
+    wait_for("the new owner to serve", T, || standby.serving_owner());
+    let text = wait_for("the new owner's metrics port", T, || {
+        scrape_metrics(&standby_addr)
+    });
+    assert!(build_info(&text).is_some(), "{text}");
+}
