@@ -137,7 +137,8 @@ fn main() {
     let reviews_during = reviews() - reviews_before;
     let after = agent_watch();
     let peak = vm(pid, "VmHWM:");
-    let metrics = http_get(&metrics_addr);
+    let metrics =
+        aether_e2e::testing::scrape_metrics(&metrics_addr).expect("the registrar's metrics");
     println!("registrar-flood: {flood_secs:.1} s of flood from one address (flooder at nice 19)");
     print!("{flooder_report}");
     println!(
@@ -167,19 +168,6 @@ fn vm(pid: u32, field: &str) -> u64 {
         .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
-}
-
-fn http_get(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let mut c = std::net::TcpStream::connect(addr).unwrap();
-    write!(
-        c,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    c.read_to_string(&mut out).unwrap();
-    out
 }
 
 async fn agent_call(addr: &str, ca: &str, token: &str) -> Result<(), tonic::Status> {

@@ -884,18 +884,7 @@ fn token_reviews_are_spent_only_on_plausible_tokens_and_bounded_per_source() {
     assert_eq!(big.unwrap_err().code(), tonic::Code::Unauthenticated);
     assert_eq!(reviews(), 3);
 
-    let text = {
-        use std::io::{Read, Write};
-        let mut c = std::net::TcpStream::connect(&metrics_addr).unwrap();
-        write!(
-            c,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        c.read_to_string(&mut out).unwrap();
-        out
-    };
+    let text = aether_e2e::testing::scrape_metrics(&metrics_addr).expect("the registrar's metrics");
     for want in [
         "aether_registrar_token_reviews_total{result=\"prefiltered\"} 22",
         "aether_registrar_token_reviews_total{result=\"cached\"} 5",

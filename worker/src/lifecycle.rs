@@ -261,15 +261,7 @@ impl Lifecycle {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn all_gates() -> Gates {
-        Gates {
-            registry_loaded: true,
-            capture_landed: true,
-            storage_loaded: true,
-            agent_svid: true,
-        }
-    }
+    use crate::takeover::tests::all_gates;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

@@ -272,10 +272,10 @@ impl SvidWait {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn all_gates() -> Gates {
+    pub(crate) fn all_gates() -> Gates {
         Gates {
             registry_loaded: true,
             capture_landed: true,
