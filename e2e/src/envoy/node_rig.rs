@@ -57,6 +57,18 @@ impl NodeRig {
         registrar: Option<&str>,
         agent_args: &[&str],
     ) -> NodeRig {
+        Self::start_at(envoy_bin, api, registrar.map(|r| (r, &[][..])), agent_args)
+    }
+
+    /// [`Self::start_from`], the rig's service applied with the operator command's
+    /// `apply_args` too (`--ca`, `--token-file` for a registrar with TLS and token
+    /// review); the agents' own registrar flags go in `agent_args`.
+    pub fn start_at(
+        envoy_bin: &Path,
+        api: AdsApi,
+        registrar: Option<(&str, &[&str])>,
+        agent_args: &[&str],
+    ) -> NodeRig {
         let service = Self::SERVICE;
         let mut node = LocalNode::new();
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
@@ -76,8 +88,8 @@ impl NodeRig {
         std::fs::write(&registry, doc.to_string()).expect("registry file");
         let mut extra = Vec::new();
         match registrar {
-            Some(addr) => {
-                crate::registrar::apply(addr, &registry);
+            Some((addr, apply_args)) => {
+                crate::registrar::apply_with(addr, &registry, apply_args);
                 extra.push(format!("--registrar={addr}"));
             }
             None => node.registry_file = Some(registry),
