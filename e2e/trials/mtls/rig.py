@@ -15,6 +15,8 @@ import threading
 import time
 import urllib.request
 
+import configs as C
+
 TD = "aether.test"
 
 
@@ -57,12 +59,13 @@ class Pki:
                   "-addext", f"subjectAltName=URI:spiffe://{domain}")
         return stem
 
-    def leaf(self, stem, uri, serial, ca=None):
-        """Issues <stem>.pem/<stem>.key; returns (cert_path, key_path)."""
+    def leaf(self, stem, uri, serial, ca=None, dns=None):
+        """Issues <stem>.pem/<stem>.key, with a DNS SAN too when `dns` is given; returns
+        (cert_path, key_path)."""
         ca = ca or self.ca
         ext = os.path.join(self.root, f"{stem}.ext")
         with open(ext, "w") as f:
-            f.write(f"subjectAltName=URI:{uri}\n"
+            f.write(f"subjectAltName=URI:{uri}{f',DNS:{dns}' if dns else ''}\n"
                     "basicConstraints=critical,CA:FALSE\n"
                     "keyUsage=critical,digitalSignature,keyAgreement\n"
                     "extendedKeyUsage=serverAuth,clientAuth\n")
@@ -87,12 +90,6 @@ class Pki:
 
 # --- processes ---------------------------------------------------------------------------
 
-def _die_with_parent():
-    """In the child: SIGKILL when the trial driver dies, whatever kills it."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class Procs:
     """Every process the trials start, killed by pid at the end (never by name)."""
 
@@ -101,8 +98,11 @@ class Procs:
 
     def start(self, argv, log_path):
         log = open(log_path, "wb")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=_die_with_parent)
+        # SIGKILL when the trial driver dies, whatever kills it: setpriv sets the parent-death
+        # signal and execs the command. No Python runs between fork and exec (a preexec_fn
+        # would, in a process whose gRPC threads make that unsafe).
+        p = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", *argv], stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs.append(p)
         return p
@@ -197,6 +197,30 @@ class Envoy:
 
     def certs(self):
         return json.loads(self.get("/certs"))
+
+
+def push_config(node, work, lds=None, cds=None):
+    """Writes the node's LDS and/or CDS file (atomically, `{name: resource}` each; None
+    leaves a file as it is) and, when the node runs, waits until it applied them and
+    nothing warms."""
+    counters = []
+    for kind, resources, type_url, stat in (
+            ("cds", cds, C.CLUSTER, "cluster_manager.cds.update_success"),
+            ("lds", lds, C.LISTENER, "listener_manager.lds.update_success")):
+        if resources is None:
+            continue
+        before = node.stat(stat) if node else 0
+        tmp = f"{work}/{kind}.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(C.discovery_response(type_url, list(resources.values())), f, indent=1)
+        os.rename(tmp, f"{work}/{kind}.json")
+        counters.append((stat, before))
+    if node:
+        for stat, before in counters:
+            poll(lambda: node.stat(stat) > before, what=stat)
+        poll(lambda: node.stat("cluster_manager.warming_clusters") == 0
+             and node.stat("listener_manager.total_listeners_warming") == 0,
+             what="no warming clusters or listeners")
 
 
 # --- clients -----------------------------------------------------------------------------

@@ -120,26 +120,8 @@ class World:
         self.sds.set_cert(name, *self.pem(which))
 
     def push(self, lds=False, cds=False):
-        """Writes the node's LDS and/or CDS file (atomically) and waits until applied."""
-        node = self.node
-        counters = []
-        for kind, on, resources, type_url, stat in (
-                ("cds", cds, self.cds, C.CLUSTER, "cluster_manager.cds.update_success"),
-                ("lds", lds, self.lds, C.LISTENER, "listener_manager.lds.update_success")):
-            if not on:
-                continue
-            before = node.stat(stat) if node else 0
-            tmp = f"{self.work}/{kind}.json.tmp"
-            with open(tmp, "w") as f:
-                json.dump(C.discovery_response(type_url, list(resources.values())), f, indent=1)
-            os.rename(tmp, f"{self.work}/{kind}.json")
-            counters.append((stat, before))
-        if node:
-            for stat, before in counters:
-                rig.poll(lambda: node.stat(stat) > before, what=stat)
-            rig.poll(lambda: node.stat("cluster_manager.warming_clusters") == 0
-                     and node.stat("listener_manager.total_listeners_warming") == 0,
-                     what="no warming clusters or listeners")
+        rig.push_config(self.node, self.work, self.lds if lds else None,
+                        self.cds if cds else None)
 
     def close(self):
         self.procs.stop_all()
