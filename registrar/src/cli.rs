@@ -412,6 +412,26 @@ pub struct ClientArgs {
     /// against the CA certificates in this PEM file and the address's host
     #[arg(long, env = "AETHER_REGISTRAR_CA", value_name = "FILE")]
     pub ca: Option<PathBuf>,
+
+    /// A client certificate chain (PEM, the leaf first) to present over TLS (--ca), with
+    /// --key: an operator's X.509-SVID, for a registrar with mutual TLS
+    /// (--operator-spiffe-id)
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_CLIENT_CERT",
+        value_name = "FILE",
+        requires_all = ["key", "ca"]
+    )]
+    pub cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --cert
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "cert"
+    )]
+    pub key: Option<PathBuf>,
 }
 
 fn parse_id_pattern(s: &str) -> Result<crate::authz::IdPattern, String> {

@@ -188,7 +188,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let bound = listen::bind(
         &args.listen,
-        args.insecure_listen || args.token_review,
+        args.insecure_listen || args.token_review || mutual,
         args.socket_mode,
     )
     .await?;

@@ -40,7 +40,10 @@ pub enum TlsError {
         source: rustls::Error,
     },
     #[error("the client certificate to present with {path}'s CAs is unusable: {source}")]
-    ClientCert { path: PathBuf, source: rustls::Error },
+    ClientCert {
+        path: PathBuf,
+        source: rustls::Error,
+    },
     #[error(
         "{addr:?}: {host:?} is neither a DNS name nor an IP address to check the registrar's certificate against"
     )]
@@ -108,14 +111,12 @@ pub fn client_config_with(
     .expect("ring supports rustls's default protocol versions")
     .with_root_certificates(roots);
     let mut config = match client {
-        Some((chain, key)) => {
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|source| TlsError::ClientCert {
-                    path: ca.to_owned(),
-                    source,
-                })?
-        }
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain, key)
+            .map_err(|source| TlsError::ClientCert {
+                path: ca.to_owned(),
+                source,
+            })?,
         None => builder.with_no_client_auth(),
     };
     config.alpn_protocols = vec![b"h2".to_vec()];

@@ -123,7 +123,8 @@ impl std::fmt::Debug for Credentials {
 
 impl Credentials {
     fn current(&self) -> (Option<aether_model::Svid>, Option<String>) {
-        self.0.with_inputs(|i| (i.identity.agent.clone(), i.identity.bundle.clone()))
+        self.0
+            .with_inputs(|i| (i.identity.agent.clone(), i.identity.bundle.clone()))
     }
 }
 
@@ -167,7 +168,8 @@ async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient
             let svid = svid.context(
                 "the agent's SVID has not come from the Workload API yet (--registrar-spiffe-id needs it)",
             )?;
-            let bundle = bundle.context("the trust bundle has not come from the Workload API yet")?;
+            let bundle =
+                bundle.context("the trust bundle has not come from the Workload API yet")?;
             let config = spiffe_tls::client_config(&svid, &bundle, want)?;
             debug!(registrar = %a, serial = %svid.serial, "connecting with the agent's SVID");
             tokio::time::timeout(
@@ -183,8 +185,7 @@ async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient
         (Address::Tcp(a), Some(ca)) => {
             // With workload identity, the SVID the node holds now is the client certificate.
             let client = svid.as_ref().map(spiffe_tls::client_cert).transpose()?;
-            let config =
-                registry_tls::client_config_with(ca, client).context("--registrar-ca")?;
+            let config = registry_tls::client_config_with(ca, client).context("--registrar-ca")?;
             tokio::time::timeout(
                 CONNECT_TIMEOUT,
                 registry_tls::channel(endpoint("http://registrar.invalid".into())?, a, config),

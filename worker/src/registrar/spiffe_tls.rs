@@ -69,9 +69,9 @@ impl ServerCertVerifier for RegistrarId {
             self.algs.all,
         )?;
         let other = |e: PeerIdError| {
-            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(
-                rustls::OtherError(Arc::new(e)),
-            ))
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
+                Arc::new(e),
+            )))
         };
         match uri_sans(end_entity).as_slice() {
             [id] if *id == self.expected => Ok(ServerCertVerified::assertion()),
