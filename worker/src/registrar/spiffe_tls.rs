@@ -148,3 +148,113 @@ pub fn client_config(
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
+
+    struct Ca {
+        key: KeyPair,
+        cert: rcgen::Certificate,
+    }
+
+    fn ca(name: &str) -> Ca {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, name.to_owned());
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let cert = p.self_signed(&key).unwrap();
+        Ca { key, cert }
+    }
+
+    type Leaf = (Svid, Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+    fn svid(ca: &Ca, uris: &[&str]) -> Leaf {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.subject_alt_names = uris
+            .iter()
+            .map(|u| SanType::URI((*u).to_owned().try_into().unwrap()))
+            .collect();
+        let cert = p.signed_by(&key, &ca.cert, &ca.key).unwrap();
+        let model = Svid {
+            spiffe_id: uris.first().map_or_else(String::new, |u| (*u).to_owned()),
+            chain_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            serial: "1".into(),
+            not_before: 0,
+            not_after: u64::MAX,
+        };
+        let der = PrivateKeyDer::from_pem_slice(key.serialize_pem().as_bytes()).unwrap();
+        (model, vec![cert.der().clone()], der)
+    }
+
+    /// One in-memory handshake; the first error either side meets.
+    fn handshake(
+        client: Arc<rustls::ClientConfig>,
+        server: Arc<rustls::ServerConfig>,
+    ) -> Result<(), rustls::Error> {
+        let mut c = rustls::ClientConnection::new(client, "registrar.invalid".try_into().unwrap())?;
+        let mut s = rustls::ServerConnection::new(server)?;
+        for _ in 0..10 {
+            let mut buf = Vec::new();
+            c.write_tls(&mut buf).unwrap();
+            s.read_tls(&mut buf.as_slice()).unwrap();
+            s.process_new_packets()?;
+            let mut buf = Vec::new();
+            s.write_tls(&mut buf).unwrap();
+            c.read_tls(&mut buf.as_slice()).unwrap();
+            c.process_new_packets()?;
+            if !c.is_handshaking() && !s.is_handshaking() {
+                return Ok(());
+            }
+        }
+        panic!("the handshake did not finish");
+    }
+
+    /// The agent accepts a registrar whose SVID chains to the bundle and names the
+    /// expected ID, presenting its own SVID; another ID, two URI SANs or another CA are
+    /// refused, naming what was wrong.
+    #[test]
+    fn the_registrar_must_present_the_expected_spiffe_id() {
+        let (bundle_ca, other_ca) = (ca("bundle"), ca("other"));
+        let want = "spiffe://td/registrar";
+        let (agent, _, _) = svid(&bundle_ca, &["spiffe://td/agent/n"]);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = |ca: &Ca, uris: &[&str]| {
+            let (_, chain, key) = svid(ca, uris);
+            let mut roots = RootCertStore::empty();
+            roots.add(bundle_ca.cert.der().clone()).unwrap();
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider.clone(),
+            )
+            .build()
+            .unwrap();
+            Arc::new(
+                rustls::ServerConfig::builder_with_provider(provider.clone())
+                    .with_safe_default_protocol_versions()
+                    .unwrap()
+                    .with_client_cert_verifier(verifier)
+                    .with_single_cert(chain, key)
+                    .unwrap(),
+            )
+        };
+        let client = client_config(&agent, &bundle_ca.cert.pem(), want).unwrap();
+        handshake(client.clone(), server(&bundle_ca, &[want])).expect("the expected registrar");
+        for (ca, uris, why) in [
+            (
+                &bundle_ca,
+                &["spiffe://td/other"][..],
+                "got: \"spiffe://td/other\"",
+            ),
+            (&bundle_ca, &[want, "spiffe://td/x"][..], "UriSans(2)"),
+            (&other_ca, &[want][..], "UnknownIssuer"),
+        ] {
+            let e = handshake(client.clone(), server(ca, uris)).unwrap_err();
+            assert!(format!("{e:?}").contains(why), "{uris:?}: {e:?}");
+        }
+    }
+}
