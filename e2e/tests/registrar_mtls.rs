@@ -627,3 +627,67 @@ fn an_agent_by_its_svid_watches_and_marks_and_a_rotation_costs_its_watch_no_full
         "0 new full views after the rotation (revision {after})"
     );
 }
+
+/// `--spiffe-endpoint`: the registrar's own SVID and the bundle come from the Workload
+/// API. An agent's SVID from the same provider is admitted; after a rotation the next
+/// handshake serves the registrar's new SVID without a restart.
+#[test]
+fn the_registrar_takes_its_svid_and_bundle_from_the_workload_api_and_follows_a_rotation() {
+    let Some(etcd) = Etcd::start_or_skip("the_registrar_takes_its_svid_and_bundle...") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = Options::new(TD);
+    options.agent_path = "/ns/aether-system/sa/aether-registrar".into();
+    let provider = IdentityProvider::start_with(dir.path(), options).unwrap();
+    assert_eq!(provider.agent_spiffe_id(), REGISTRAR_ID);
+    let listen = format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).unwrap());
+    let endpoint = format!("unix://{}", provider.workload_socket().display());
+    let registrar = RegistrarProcess::start(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &listen,
+        &[
+            "--spiffe-endpoint",
+            &endpoint,
+            "--trust-domain",
+            TD,
+            "--agent-spiffe-id",
+            NODE_AGENT_ID,
+        ],
+    );
+    let caller = Caller {
+        rt: tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+        addr: registrar.addr().to_owned(),
+        bundle: provider.ca_pem(),
+    };
+    let (a_cert, a_key) = provider.mint("spiffe://aether.test/aether-agent/node-a");
+    let node_a = Some((a_cert.as_str(), a_key.as_str()));
+    caller
+        .watch(node_a, None, "node-a")
+        .expect("node A's watch against the Workload API's bundle");
+    registrar.wait_log("serving the SVID from the Workload API", T);
+    refused_as(
+        caller.watch(None, None, "node-a"),
+        &[
+            tonic::Code::Unavailable,
+            tonic::Code::Unknown,
+            tonic::Code::Cancelled,
+        ],
+        "no certificate, without --token-review: refused at the handshake",
+    );
+    let count = |log: &str| {
+        log.matches("serving the SVID from the Workload API")
+            .count()
+    };
+    let before = count(&registrar.log());
+    provider.rotate_all();
+    // The source takes the rotation from its stream; each new handshake serves what it holds.
+    wait_for("the rotated SVID to be served", T, || {
+        caller.watch(node_a, None, "node-a").ok()?;
+        (count(&registrar.log()) > before).then_some(())
+    });
+}
