@@ -142,7 +142,7 @@ pub enum Peer {
     /// A TCP caller whose bearer token TokenReview authenticated.
     Token(TokenIdentity),
     /// A mutual-TLS caller and its SVID (and token, if it sent one).
-    Svid(SvidIdentity),
+    Svid(Box<SvidIdentity>),
 }
 
 impl Peer {
@@ -413,7 +413,7 @@ mod tests {
     }
 
     fn svid(id: &str, node: Option<&str>, token: Option<(&str, Option<&str>)>) -> Peer {
-        Peer::Svid(SvidIdentity {
+        Peer::Svid(Box::new(SvidIdentity {
             spiffe_id: id.into(),
             serial: "1".into(),
             not_after: u64::MAX,
@@ -422,7 +422,7 @@ mod tests {
                 user: user.into(),
                 node: node.map(String::from),
             }),
-        })
+        }))
     }
 
     #[test]

@@ -165,13 +165,13 @@ impl Gate {
                     ));
                 }
                 let node = self.policy.agent_id(&svid.spiffe_id).flatten();
-                Ok(Peer::Svid(SvidIdentity {
+                Ok(Peer::Svid(Box::new(SvidIdentity {
                     spiffe_id: svid.spiffe_id,
                     serial: svid.serial,
                     not_after: svid.not_after,
                     node,
                     token,
-                }))
+                })))
             }
         }
     }

@@ -213,6 +213,9 @@ impl Source {
     }
 }
 
+/// A CA store and the WebPKI verifier made from it.
+type Verifying = (Arc<RootCertStore>, Arc<dyn ClientCertVerifier>);
+
 /// Checks callers' certificates as X.509-SVIDs against the bundle as it is at each
 /// handshake. `mandatory`: a caller without a certificate fails the handshake (no other
 /// credential is accepted); otherwise it goes on to present a bearer token.
@@ -223,7 +226,7 @@ pub struct SvidVerifier {
     provider: Arc<CryptoProvider>,
     metrics: Arc<Metrics>,
     /// The last store seen and the WebPKI verifier made from it.
-    cache: Mutex<Option<(Arc<RootCertStore>, Arc<dyn ClientCertVerifier>)>>,
+    cache: Mutex<Option<Verifying>>,
 }
 
 impl std::fmt::Debug for SvidVerifier {
