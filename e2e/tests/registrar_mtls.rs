@@ -444,10 +444,11 @@ fn agents_by_svid_speak_for_their_own_node_and_bad_svids_are_refused() {
         let before = refusals(&metrics, reason);
         let why = refused_as(caller.watch(Some(id), None, "node-a"), &handshake, what);
         eprintln!("{what}: {why}");
-        assert_eq!(
-            refusals(&metrics, reason),
-            before + 1.0,
-            "{what} counted as {reason}"
+        // At least once: a channel may dial again after the server's alert.
+        let after = refusals(&metrics, reason);
+        assert!(
+            after >= before + 1.0,
+            "{what} counted as {reason}: {before} -> {after}"
         );
     }
     // No certificate, no token.
