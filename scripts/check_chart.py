@@ -1067,7 +1067,11 @@ def check_registrar(docs, agent_ds, args):
     check("registrar pod: not hostNetwork", not pod.get("hostNetwork"), f"got {pod.get('hostNetwork')!r}")
     check("registrar pod: runAsNonRoot", (pod.get("securityContext") or {}).get("runAsNonRoot") is True,
           f"got {pod.get('securityContext')}")
-    check("registrar pod: no hostPath", not host_paths(pod), f"got {host_paths(pod)}")
+    # The one host folder a registrar may mount: the SPIRE agent's Workload API socket
+    # folder, with SPIFFE as its TLS source (checked read-only in check_registrar_spiffe).
+    allowed = [args.spiffe_dir] if args.registrar_tls == "spiffe" else []
+    check("registrar pod: no hostPath but the Workload API folder with SPIFFE TLS",
+          host_paths(pod) == allowed, f"got {host_paths(pod)}, allowed {allowed}")
     containers = all_containers(pod)
     check("registrar pod: one container", len(containers) == 1, f"got {[c['name'] for c in containers]}")
     for c in containers:
@@ -1144,6 +1148,9 @@ def check_registrar_tls(docs, agent_ds, pod, argv, args):
         check("registrar serves plain TCP and agents get no CA with no TLS source (registrar.insecureTransport)",
               "--tls-cert" not in argv and ca is None, f"argv {argv}, AETHER_REGISTRAR_CA {ca!r}")
         return
+    if args.registrar_tls == "spiffe":
+        check_registrar_spiffe(agent, pod, argv, args, ca)
+        return
     registrar = all_containers(pod)[0]
     files = {path: (name, key) for path, name, key, _ in secret_files(pod, registrar)}
     cert, key = (flag_values(argv, f) for f in ("--tls-cert", "--tls-key"))
@@ -1181,6 +1188,31 @@ def check_registrar_tls(docs, agent_ds, pod, argv, args):
     want_ref = {"name": args.cert_manager_issuer, "kind": args.cert_manager_kind, "group": "cert-manager.io"}
     check("registrar Certificate: for server auth, from the issuer the values name",
           "server auth" in (spec.get("usages") or []) and ref == want_ref, f"usages {spec.get('usages')}, issuerRef {ref}")
+
+
+def check_registrar_spiffe(agent, pod, argv, args, ca):
+    """SPIFFE: the registrar's SVID and bundle from the Workload API socket of a read-only
+    hostPath folder, its callers' SVIDs checked by the agents' IDs; the agents present
+    theirs and check the registrar's SPIFFE ID, with no CA file and no --tls-cert."""
+    registrar = all_containers(pod)[0]
+    endpoint = flag_values(argv, "--spiffe-endpoint")
+    folder = endpoint[0].removeprefix("unix://").rsplit("/", 1)[0] if len(endpoint) == 1 else None
+    mounts = {m["mountPath"]: m for m in registrar.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    m = mounts.get(folder) or {}
+    host = (volumes.get(m.get("name"), {}).get("hostPath") or {}).get("path")
+    check("registrar --spiffe-endpoint is a socket in a read-only hostPath folder (the node's SPIRE agent)",
+          bool(folder) and m.get("readOnly") is True and host == folder,
+          f"--spiffe-endpoint {endpoint}, mounts {list(mounts)}, hostPath {host!r}")
+    check("registrar with SPIFFE: --trust-domain, no --tls-cert, no --insecure-listen",
+          len(flag_values(argv, "--trust-domain")) == 1 and "--tls-cert" not in argv and "--insecure-listen" not in argv,
+          f"argv {argv}")
+    check("registrar takes the agents' SPIFFE IDs (--agent-spiffe-id)",
+          flag_values(argv, "--agent-spiffe-id") == args.agent_spiffe_id,
+          f"got {flag_values(argv, '--agent-spiffe-id')}, want {args.agent_spiffe_id}")
+    got = (env_map(agent).get("AETHER_REGISTRAR_SPIFFE_ID") or {}).get("value")
+    check("agents check the registrar's SPIFFE ID (AETHER_REGISTRAR_SPIFFE_ID) and get no CA file",
+          got == args.registrar_spiffe_id and ca is None, f"AETHER_REGISTRAR_SPIFFE_ID {got!r}, CA {ca!r}")
 
 
 def check_registrar_etcd(pod, argv, args):
@@ -1645,7 +1677,11 @@ def main():
                         help="the rendering has registrar.enabled=true")
     parser.add_argument("--registrar-auth", default="tokenReview", choices=["tokenReview", "none"],
                         help="registrar.auth")
-    parser.add_argument("--registrar-tls", default="secret", choices=["secret", "cert-manager", "none"],
+    parser.add_argument("--registrar-spiffe-id", default="",
+                        help="with --registrar-tls spiffe: the SPIFFE ID the agents must check")
+    parser.add_argument("--agent-spiffe-id", action="append", default=[],
+                        help="with --registrar-tls spiffe: an --agent-spiffe-id the registrar must take")
+    parser.add_argument("--registrar-tls", default="secret", choices=["secret", "cert-manager", "none", "spiffe"],
                         help="the registrar's TLS source: registrar.tls.secretName, registrar.tls.certManager, or "
                              "none (registrar.insecureTransport)")
     parser.add_argument("--cert-manager-issuer", default="", help="registrar.tls.certManager.issuerRef.name")

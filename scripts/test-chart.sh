@@ -77,6 +77,9 @@ REGISTRAR_ETCD='registrar.enabled=true,registrar.etcd.endpoints={https://etcd-0.
 REGISTRAR_SETS="$REGISTRAR_ETCD,registrar.tls.secretName=registrar-tls"
 CERT_MANAGER='registrar.tls.certManager.issuerRef.name=aether-ca'
 REGISTRAR_PLAIN='registrar.enabled=true,registrar.etcd.endpoints={http://etcd-0.etcd:2379},registrar.insecureTransport=true'
+# SPIFFE as the registrar's TLS source: mutual TLS with SVIDs from the node's Workload API.
+REGISTRAR_SPIFFE_IDENTITY="identity.mtls=permissive,identity.trustDomain=cluster.local,identity.spiffe.socketDir=$SPIFFE_DIR,identity.spiffe.adminSocketDir=$SPIRE_ADMIN_DIR"
+REGISTRAR_SPIFFE="$REGISTRAR_ETCD,registrar.tls.spiffe.enabled=true,$REGISTRAR_SPIFFE_IDENTITY"
 # A NetworkPolicy with node CIDRs of both families, two operator sources (one a namespace,
 # one a pod in a namespace) and a metrics source; REGISTRAR_NP_EXPECT is the same for
 # check_chart.py.
@@ -165,7 +168,10 @@ for bad in "$REGISTRAR_ETCD|registrar.tls has no source|registrar.insecureTransp
            "$REGISTRAR_SETS,$CERT_MANAGER|registrar.tls.secretName (registrar-tls) and registrar.tls.certManager.issuerRef.name (aether-ca) are both set|one source" \
            "$REGISTRAR_SETS,registrar.networkPolicy.enabled=true|registrar.networkPolicy.enabled needs registrar.networkPolicy.nodeCIDRs|shuts every agent out" \
            "$REGISTRAR_SETS,registrar.networkPolicy.enabled=true,registrar.networkPolicy.nodeCIDRs={10.0.0.0/16},registrar.metrics.enabled=true|needs registrar.networkPolicy.metricsSources|metrics port" \
-           "registrar.networkPolicy.enabled=true|registrar.networkPolicy.enabled needs registrar.enabled|no registrar"; do
+           "registrar.networkPolicy.enabled=true|registrar.networkPolicy.enabled needs registrar.enabled|no registrar" \
+           "$REGISTRAR_SETS,registrar.tls.spiffe.enabled=true,$REGISTRAR_SPIFFE_IDENTITY|registrar.tls.spiffe.enabled and registrar.tls.secretName|one source" \
+           "$REGISTRAR_ETCD,registrar.tls.spiffe.enabled=true|registrar.tls.spiffe.enabled needs identity.mtls permissive or strict|agents present their own SVID" \
+           "$REGISTRAR_SPIFFE,registrar.auth=none,registrar.insecureListen=true|registrar.tls.spiffe.enabled with registrar.auth=none and no registrar.tls.spiffe.agentIds|{node}"; do
   IFS='|' read -r sets fault fix <<<"$bad"
   if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
     fail "helm template accepted $sets"
@@ -203,6 +209,8 @@ cases=(
   "registrar|registrar.enabled=true,registrar.etcd.endpoints={https://etcd-0.etcd:2379,https://etcd-1.etcd:2379},registrar.etcd.tls.secretName=etcd-client,$CERT_MANAGER|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer aether-ca"
   "registrar-cluster-issuer|$REGISTRAR_ETCD,registrar.tls.certManager.issuerRef.name=mesh-ca,registrar.tls.certManager.issuerRef.kind=ClusterIssuer|--surge false --registrar true --registrar-tls cert-manager --cert-manager-issuer mesh-ca --cert-manager-kind ClusterIssuer"
   "registrar-tls|$REGISTRAR_SETS,registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|--surge false --registrar true --registrar-tls secret --registrar-metrics true --registrar-pod-monitor true"
+  "registrar-spiffe|$REGISTRAR_SPIFFE|--surge false --registrar true --registrar-tls spiffe --registrar-spiffe-id spiffe://cluster.local/ns/aether-system/sa/aether-aether-agent-registrar --agent-spiffe-id spiffe://cluster.local/ns/aether-system/sa/aether-aether-agent --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain cluster.local"
+  "registrar-spiffe-node-ids|$REGISTRAR_SPIFFE,registrar.auth=none,registrar.insecureListen=true,registrar.tls.spiffe.agentIds[0]=spiffe://cluster.local/aether-agent/{node},registrar.tls.spiffe.id=spiffe://cluster.local/registrar|--surge false --registrar true --registrar-auth none --registrar-tls spiffe --registrar-spiffe-id spiffe://cluster.local/registrar --agent-spiffe-id spiffe://cluster.local/aether-agent/{node} --spiffe-dir $SPIFFE_DIR --spire-admin-dir $SPIRE_ADMIN_DIR --trust-domain cluster.local"
   "registrar-plaintext|$REGISTRAR_PLAIN|--surge false --registrar true --registrar-tls none --registrar-etcd-tls false"
   "registrar-network-policy|$REGISTRAR_NP|--surge false --registrar true $REGISTRAR_NP_EXPECT"
   "registrar-auth-none|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true|--surge false --registrar true --registrar-auth none"

@@ -749,6 +749,36 @@ pub fn tls_client(ca_pem: &str, identity: Option<&TestSvid>) -> Arc<ClientConfig
     })
 }
 
+/// [`tls_client`] with the client certificate given as PEM (chain, PKCS#8 key), speaking
+/// HTTP/2 (ALPN `h2`): a gRPC client of a registrar with mutual TLS.
+pub fn tls_client_pem(ca_pem: &str, identity: Option<(&str, &str)>) -> Arc<ClientConfig> {
+    let provider = provider();
+    let verifier = BundleVerifier {
+        roots: roots(ca_pem),
+        algs: provider.signature_verification_algorithms,
+    };
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("rustls protocol versions")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier));
+    let mut config = match identity {
+        Some((chain, key)) => {
+            let chain = pem_blocks(chain, "CERTIFICATE")
+                .into_iter()
+                .map(CertificateDer::from)
+                .collect();
+            let key = pem_blocks(key, "PRIVATE KEY").pop().expect("a PKCS#8 key");
+            builder
+                .with_client_auth_cert(chain, PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key)))
+                .expect("the client's certificate")
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Arc::new(config)
+}
+
 /// A TLS server presenting `identity` and requiring a client certificate that leads to
 /// `ca_pem`.
 pub fn mtls_server(ca_pem: &str, identity: &TestSvid) -> Arc<ServerConfig> {

@@ -703,13 +703,21 @@ pub fn quarantined(state_dir: &Path) -> Vec<String> {
 pub fn identity_provider_for_agents(
     trust_domain: &str,
 ) -> (tempfile::TempDir, crate::identity::IdentityProvider) {
+    identity_provider_for_agents_with(crate::identity::Options::new(trust_domain))
+}
+
+/// [`identity_provider_for_agents`] started with `options` (the agent's SPIFFE ID path,
+/// the SVIDs' lifetime).
+pub fn identity_provider_for_agents_with(
+    options: crate::identity::Options,
+) -> (tempfile::TempDir, crate::identity::IdentityProvider) {
     let dir = tempfile::Builder::new()
         .prefix("aether-idp-")
         .tempdir()
         .expect("tempdir for the identity provider");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
         .expect("chmod the identity provider's folder");
-    let provider = crate::identity::IdentityProvider::start(dir.path(), trust_domain)
+    let provider = crate::identity::IdentityProvider::start_with(dir.path(), options)
         .expect("starting the test identity provider");
     open_identity_sockets(&provider);
     (dir, provider)

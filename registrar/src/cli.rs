@@ -92,8 +92,8 @@ pub struct ServeArgs {
     pub etcd_key: Option<PathBuf>,
 
     /// Where to serve: unix:///path (callers identified by their uid, see --agent-uid and
-    /// --operator-uid) or host:port (TCP, with --token-review or --insecure-listen; TLS
-    /// with --tls-cert)
+    /// --operator-uid; unchanged by mutual TLS) or host:port (TCP, with mutual TLS,
+    /// --token-review or --insecure-listen; TLS with --tls-cert or --spiffe-endpoint)
     #[arg(long, env = "AETHER_REGISTRAR_LISTEN", value_name = "ADDR")]
     pub listen: ListenAddr,
 
@@ -118,6 +118,55 @@ pub struct ServeArgs {
         requires = "tls_cert"
     )]
     pub tls_key: Option<PathBuf>,
+
+    /// Mutual TLS: ask callers for a client certificate, an X.509-SVID whose chain leads to
+    /// a CA certificate in this PEM file (a SPIFFE trust bundle), with --tls-cert. Read
+    /// again at a handshake after the file changed. The SVID must carry exactly one URI
+    /// SAN, a SPIFFE ID (in --trust-domain when set); --agent-spiffe-id and
+    /// --operator-spiffe-id say what it may do. Without --token-review a caller without a
+    /// certificate fails the handshake; with it, such a caller must send a bearer token
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_CLIENT_CA_BUNDLE",
+        value_name = "FILE",
+        requires = "tls_cert",
+        conflicts_with = "spiffe_endpoint"
+    )]
+    pub client_ca_bundle: Option<PathBuf>,
+
+    /// Mutual TLS from a SPIFFE Workload API socket, unix:///PATH (a SPIRE agent's): the
+    /// registrar serves its own SVID from there and checks callers' X.509-SVIDs against
+    /// the trust bundle of --trust-domain from there, both rotated live (a rotated SVID is
+    /// served from the next handshake on). Instead of --tls-cert. The start fails if no
+    /// SVID comes within 30 s
+    #[arg(
+        long,
+        env = "SPIFFE_ENDPOINT_SOCKET",
+        value_name = "unix:///PATH",
+        requires = "trust_domain",
+        conflicts_with = "tls_cert"
+    )]
+    pub spiffe_endpoint: Option<String>,
+
+    /// The SPIFFE trust domain, a bare name such as example.org: callers' SVIDs must be in
+    /// it (mutual TLS), and with --spiffe-endpoint so must the registrar's own
+    #[arg(long, env = "AETHER_REGISTRAR_TRUST_DOMAIN", value_name = "NAME")]
+    pub trust_domain: Option<String>,
+
+    /// An agent's SPIFFE ID (mutual TLS); repeatable. Such a caller may watch and set drain
+    /// marks for one node: the node named where the ID holds `{node}` as a path segment
+    /// (per-node agent IDs, e.g. spiffe://example.org/aether-agent/{node}), else the node
+    /// its bearer token is bound to, which it must then send beside the SVID (e.g.
+    /// spiffe://example.org/ns/aether-system/sa/aether-agent with --token-review). A caller
+    /// that sends both an SVID and a token must pass with each, and where both name a node
+    /// they must name the same one
+    #[arg(long = "agent-spiffe-id", value_name = "ID", value_parser = parse_id_pattern)]
+    pub agent_spiffe_ids: Vec<crate::authz::IdPattern>,
+
+    /// A SPIFFE ID that may also apply and delete services (mutual TLS); repeatable. If it
+    /// also sends a bearer token, the token must allow the call too
+    #[arg(long = "operator-spiffe-id", value_name = "ID", value_parser = parse_spiffe_id)]
+    pub operator_spiffe_ids: Vec<String>,
 
     /// Serve Prometheus metrics on this address (`GET /metrics`), e.g. 0.0.0.0:9091: calls
     /// by method and status, open watch streams and why they ended, TLS handshakes, and
@@ -363,6 +412,39 @@ pub struct ClientArgs {
     /// against the CA certificates in this PEM file and the address's host
     #[arg(long, env = "AETHER_REGISTRAR_CA", value_name = "FILE")]
     pub ca: Option<PathBuf>,
+
+    /// A client certificate chain (PEM, the leaf first) to present over TLS (--ca), with
+    /// --key: an operator's X.509-SVID, for a registrar with mutual TLS
+    /// (--operator-spiffe-id)
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_CLIENT_CERT",
+        value_name = "FILE",
+        requires_all = ["key", "ca"]
+    )]
+    pub cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --cert
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "cert"
+    )]
+    pub key: Option<PathBuf>,
+}
+
+fn parse_id_pattern(s: &str) -> Result<crate::authz::IdPattern, String> {
+    crate::authz::IdPattern::parse(s)
+}
+
+fn parse_spiffe_id(s: &str) -> Result<String, String> {
+    match crate::mtls::trust_domain_of(s) {
+        Some(_) if !s.contains('{') => Ok(s.to_owned()),
+        _ => Err(format!(
+            "{s:?} is not a SPIFFE ID (spiffe://TRUST-DOMAIN/PATH)"
+        )),
+    }
 }
 
 fn parse_account(s: &str) -> Result<String, String> {

@@ -43,8 +43,19 @@ pub async fn connect(
     timeout: Duration,
     ca: Option<&Path>,
 ) -> anyhow::Result<RegistryClient<Channel>> {
+    connect_with(addrs, timeout, ca, None).await
+}
+
+/// [`connect`], presenting the client certificate `cert` (chain and key files) over TLS.
+pub async fn connect_with(
+    addrs: &str,
+    timeout: Duration,
+    ca: Option<&Path>,
+    cert: Option<(&Path, &Path)>,
+) -> anyhow::Result<RegistryClient<Channel>> {
+    let client = cert.map(client_cert).transpose()?;
     let tls = ca
-        .map(|ca| registry_tls::client_config(ca).context("--ca"))
+        .map(|ca| registry_tls::client_config_with(ca, client).context("--ca"))
         .transpose()?;
     let mut failures = Vec::new();
     for addr in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
@@ -64,6 +75,28 @@ pub async fn connect(
         anyhow::bail!("--registrar is empty");
     }
     anyhow::bail!("no registrar answers: {}", failures.join("; "))
+}
+
+/// The client certificate of `--cert` and `--key`; an error names the file.
+fn client_cert((cert, key): (&Path, &Path)) -> anyhow::Result<registry_tls::ClientCert> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+        .with_context(|| format!("--cert {}", cert.display()))?;
+    anyhow::ensure!(
+        !chain.is_empty(),
+        "--cert {}: holds no PEM certificate",
+        cert.display()
+    );
+    let key =
+        PrivateKeyDer::from_pem_file(key).with_context(|| format!("--key {}", key.display()))?;
+    Ok((chain, key))
+}
+
+/// The client certificate flags as a pair.
+fn cert_of(args: &ClientArgs) -> Option<(&Path, &Path)> {
+    args.cert.as_deref().zip(args.key.as_deref())
 }
 
 /// An error with its sources, which tonic's transport errors keep the cause in.
@@ -123,10 +156,11 @@ pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
         .map(values::model_service_to_pb)
         .collect();
     let n = services.len();
-    let mut client = connect(
+    let mut client = connect_with(
         &args.registrar,
         Duration::from_secs(args.timeout),
         args.ca.as_deref(),
+        cert_of(args),
     )
     .await?;
     let resp = client
@@ -150,10 +184,11 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
         namespace: namespace.into(),
         name: name.into(),
     };
-    let mut client = connect(
+    let mut client = connect_with(
         &args.registrar,
         Duration::from_secs(args.timeout),
         args.ca.as_deref(),
+        cert_of(args),
     )
     .await?;
     let resp = client
@@ -176,10 +211,11 @@ pub async fn delete(args: &ClientArgs, service: &str) -> anyhow::Result<()> {
 }
 
 pub async fn dump(args: &ClientArgs) -> anyhow::Result<()> {
-    let mut client = connect(
+    let mut client = connect_with(
         &args.registrar,
         Duration::from_secs(args.timeout),
         args.ca.as_deref(),
+        cert_of(args),
     )
     .await?;
     let mut stream = client

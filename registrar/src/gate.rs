@@ -22,8 +22,9 @@ use tonic::Status;
 use tonic::body::Body;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
 
-use crate::authz::{self, Method, Peer, Policy};
+use crate::authz::{self, Method, Peer, Policy, SvidIdentity, TokenIdentity};
 use crate::metrics::Metrics;
+use crate::mtls::ClientSvid;
 use crate::tokenreview::{ReviewError, Reviewer};
 
 /// The path prefix of the API's methods.
@@ -36,6 +37,10 @@ pub enum Transport {
     InsecureTcp,
     /// TCP whose callers present a bearer token, checked with TokenReview.
     TokenTcp(Arc<Reviewer>),
+    /// Mutual TLS: callers present an X.509-SVID, checked at the handshake
+    /// (`crate::mtls`); with a reviewer, a caller without one may present a bearer token
+    /// instead, and one that sends both must pass with each.
+    Mtls(Option<Arc<Reviewer>>),
 }
 
 /// The largest request body, gRPC framing included, per method.
@@ -65,6 +70,16 @@ pub fn method(path: &str) -> Option<Method> {
     }
 }
 
+/// The bearer token of the `authorization` header, if any.
+fn bearer(req: &http::request::Parts) -> Option<&str> {
+    req.headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
 /// The source address of a TCP connection, plain or TLS.
 pub fn source(ext: &http::Extensions) -> Option<IpAddr> {
     ext.get::<TcpConnectInfo>()
@@ -89,45 +104,99 @@ impl Gate {
                 .map_or(Peer::UnixUnknown, |c| Peer::Unix { uid: c.uid() })),
             Transport::TokenTcp(reviewer) => {
                 let source = source(&req.extensions);
-                let token = req
-                    .headers
-                    .get("authorization")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-                    .map(str::trim)
-                    .filter(|t| !t.is_empty());
-                let Some(token) = token else {
+                let Some(token) = bearer(req) else {
                     tracing::warn!(method = ?method, source = ?source, "refused: no bearer token");
                     Metrics::count(&self.metrics.refusals, "unauthenticated");
                     return Err(Status::unauthenticated(
                         "no bearer token: send the pod's projected service-account token (audience aether-registrar) as `authorization: Bearer <token>`",
                     ));
                 };
-                reviewer
-                    .review(token, source)
+                self.review(reviewer, token, source, method)
                     .await
                     .map(Peer::Token)
-                    .map_err(|e| {
-                        tracing::warn!(method = ?method, source = ?source, "refused: {e}");
-                        let (reason, status) = match e {
-                            ReviewError::Refused(why) => {
-                                ("unauthenticated", Status::unauthenticated(why))
-                            }
-                            e @ ReviewError::Failed(_) => {
-                                ("review_failed", Status::unavailable(e.to_string()))
-                            }
-                            e @ ReviewError::RateLimited => {
-                                ("review_rate", Status::resource_exhausted(e.to_string()))
-                            }
-                            e @ ReviewError::Busy => {
-                                ("reviews_busy", Status::unavailable(e.to_string()))
-                            }
-                        };
-                        Metrics::count(&self.metrics.refusals, reason);
-                        status
-                    })
+            }
+            Transport::Mtls(reviewer) => {
+                let source = source(&req.extensions);
+                let refused = |reason: &str, why: String| {
+                    tracing::warn!(method = ?method, source = ?source, "refused: {why}");
+                    Metrics::count(&self.metrics.refusals, reason);
+                    Status::unauthenticated(why)
+                };
+                let unauthenticated = |why: String| refused("unauthenticated", why);
+                let leaf = req
+                    .extensions
+                    .get::<TlsConnectInfo<TcpConnectInfo>>()
+                    .and_then(|i| i.peer_certs())
+                    .and_then(|c| c.first().cloned());
+                let token = bearer(req);
+                let token = match (token, reviewer) {
+                    (Some(t), Some(r)) => Some(self.review(r, t, source, method).await?),
+                    (Some(_), None) => {
+                        return Err(unauthenticated(
+                            "a bearer token was sent but this registrar checks none (no --token-review): both credentials must hold, so send the SVID alone".into(),
+                        ));
+                    }
+                    (None, _) => None,
+                };
+                let Some(leaf) = leaf else {
+                    return match (token, reviewer) {
+                        (Some(t), _) => Ok(Peer::Token(t)),
+                        (None, Some(_)) => Err(unauthenticated(
+                            "no client certificate and no bearer token: present the agent's X.509-SVID, or send the pod's projected service-account token".into(),
+                        )),
+                        (None, None) => Err(unauthenticated(
+                            "no client certificate: present an X.509-SVID from the trust bundle".into(),
+                        )),
+                    };
+                };
+                // Checked at the handshake; read again here for the ID and the expiry.
+                let svid = ClientSvid::parse(&leaf)
+                    .map_err(|e| unauthenticated(format!("the client certificate: {e}")))?;
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                if svid.not_after <= now {
+                    return Err(refused(
+                        "svid_expired",
+                        format!(
+                            "the client certificate of {} (serial {}) expired at {} (epoch seconds): reconnect with the rotated SVID",
+                            svid.spiffe_id, svid.serial, svid.not_after
+                        ),
+                    ));
+                }
+                let node = self.policy.agent_id(&svid.spiffe_id).flatten();
+                Ok(Peer::Svid(Box::new(SvidIdentity {
+                    spiffe_id: svid.spiffe_id,
+                    serial: svid.serial,
+                    not_after: svid.not_after,
+                    node,
+                    token,
+                })))
             }
         }
+    }
+
+    /// Reviews `token`; a refusal is counted and answered with its status.
+    async fn review(
+        &self,
+        reviewer: &Reviewer,
+        token: &str,
+        source: Option<IpAddr>,
+        method: Method,
+    ) -> Result<TokenIdentity, Status> {
+        reviewer.review(token, source).await.map_err(|e| {
+            tracing::warn!(method = ?method, source = ?source, "refused: {e}");
+            let (reason, status) = match e {
+                ReviewError::Refused(why) => ("unauthenticated", Status::unauthenticated(why)),
+                e @ ReviewError::Failed(_) => ("review_failed", Status::unavailable(e.to_string())),
+                e @ ReviewError::RateLimited => {
+                    ("review_rate", Status::resource_exhausted(e.to_string()))
+                }
+                e @ ReviewError::Busy => ("reviews_busy", Status::unavailable(e.to_string())),
+            };
+            Metrics::count(&self.metrics.refusals, reason);
+            status
+        })
     }
 
     /// The caller, authorized for the method the path names.

@@ -24,6 +24,7 @@ pub mod keys;
 pub mod kubernetes;
 pub mod listen;
 pub mod metrics;
+pub mod mtls;
 pub mod plan;
 pub mod serve;
 pub mod service;

@@ -32,7 +32,7 @@ pub enum ListenError {
     Malformed(String),
     #[error(
         "--listen {0}: plain TCP authenticates no caller, and every caller could apply and delete services; \
-         listen on a unix:///path socket, authenticate callers with --token-review, or pass --insecure-listen to accept that"
+         listen on a unix:///path socket, authenticate callers with --token-review or mutual TLS (--client-ca-bundle, --spiffe-endpoint), or pass --insecure-listen to accept that"
     )]
     InsecureTcp(String),
     #[error("{path} exists and is not a socket; not removed")]

@@ -58,7 +58,8 @@ pub struct Metrics {
     pub calls: Family<CallLabels, Counter>,
     /// Watch streams open now.
     pub watch_streams: Gauge,
-    /// Watch streams ended, by why: client_gone, replaced, shutdown, failed.
+    /// Watch streams ended, by why: client_gone, replaced, shutdown, failed, expired (the
+    /// caller's client certificate passed its notAfter).
     pub watch_ends: Family<ResultLabel, Counter>,
     /// TLS handshakes on the TCP listener: ok, failed, timeout, over_cap.
     pub tls_handshakes: Family<ResultLabel, Counter>,
@@ -68,7 +69,9 @@ pub struct Metrics {
     pub connections_refused: Family<ResultLabel, Counter>,
     /// Calls refused before their handler, by reason: unauthenticated, permission_denied,
     /// too_large, review_rate, reviews_busy, review_failed, watch_streams_per_node,
-    /// drain_mark_rate.
+    /// drain_mark_rate; with mutual TLS also the client certificates refused at the
+    /// handshake or at a call: svid_untrusted, svid_expired, svid_uri_sans,
+    /// svid_trust_domain, svid_malformed, svid_missing.
     pub refusals: Family<ReasonLabel, Counter>,
     /// Bearer tokens checked, by how: prefiltered, cached, rate_limited, busy,
     /// authenticated, refused, failed (the last three asked TokenReview).
@@ -105,7 +108,7 @@ impl Metrics {
         let watch_ends = Family::<ResultLabel, Counter>::default();
         registry.register(
             "watch_ends",
-            "Watch streams ended, by why: client_gone, replaced, shutdown, failed",
+            "Watch streams ended, by why: client_gone, replaced, shutdown, failed, expired",
             watch_ends.clone(),
         );
         let tls_handshakes = Family::<ResultLabel, Counter>::default();

@@ -5,6 +5,7 @@
 //! clients resume on another replica or after the restart). The socket file is left in
 //! place at exit; the next start replaces it once nothing answers on it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use aether_model::check::Loopback;
@@ -24,6 +25,7 @@ use crate::kubernetes::taint_guard::GuardConfig;
 use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::metrics::Metrics;
+use crate::mtls;
 use crate::service::{MarkRate, Registrar};
 use crate::store::{EtcdOptions, Store};
 use crate::tls;
@@ -44,9 +46,36 @@ const MAX_HEADER_LIST: u32 = 8 << 10;
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    if let (ListenAddr::Tcp(a), false) = (&args.listen, args.insecure_listen || args.token_review) {
+    let mutual = args.spiffe_endpoint.is_some() || args.client_ca_bundle.is_some();
+    if let (ListenAddr::Tcp(a), false) = (
+        &args.listen,
+        args.insecure_listen || args.token_review || mutual,
+    ) {
         return Err(ListenError::InsecureTcp(a.clone()).into());
     }
+    if mutual && !matches!(args.listen, ListenAddr::Tcp(_)) {
+        anyhow::bail!(
+            "--spiffe-endpoint and --client-ca-bundle are for a TCP --listen; a unix socket identifies callers by uid (--agent-uid, --operator-uid)"
+        );
+    }
+    if mutual && args.insecure_listen {
+        anyhow::bail!(
+            "--insecure-listen lets every caller do everything; with mutual TLS (--spiffe-endpoint or --client-ca-bundle) callers are authenticated by their SVIDs: drop it"
+        );
+    }
+    let trust_domain = match &args.trust_domain {
+        Some(name) => Some(
+            spiffe::TrustDomain::new(name)
+                .ok()
+                .filter(|td| td.as_str() == name && !name.contains(':'))
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--trust-domain {name:?}: expected a bare trust domain name such as example.org"
+                    )
+                })?,
+        ),
+        None => None,
+    };
     if args.token_review && !matches!(args.listen, ListenAddr::Tcp(_)) {
         anyhow::bail!(
             "--token-review is for a TCP --listen; a unix socket identifies callers by uid (--agent-uid, --operator-uid)"
@@ -57,11 +86,34 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "--tls-cert is for a TCP --listen; a unix socket is reached only on this host"
         );
     }
-    // A bad certificate or key fails the start, naming the file, before anything binds.
-    let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
-        _ => None,
-    };
+    // A bad certificate, key or bundle fails the start, naming the file, and so does a
+    // Workload API that sends no SVID, before anything binds.
+    let provider = tls::provider();
+    let serving: Option<Arc<dyn rustls::server::ResolvesServerCert>>;
+    let mut roots = None;
+    match (&args.tls_cert, &args.tls_key, &args.spiffe_endpoint) {
+        (Some(cert), Some(key), _) => {
+            serving = Some(Arc::new(tls::Certs::load(cert, key, provider.clone())?));
+            if let Some(bundle) = &args.client_ca_bundle {
+                roots = Some(mtls::Source::Files(mtls::BundleFile::load(bundle)?));
+            }
+        }
+        (_, _, Some(endpoint)) => {
+            let td = trust_domain
+                .clone()
+                .context("--spiffe-endpoint needs --trust-domain")?;
+            let source = mtls::workload_source(endpoint, &td).await?;
+            serving = Some(Arc::new(mtls::WorkloadCerts::new(
+                source.clone(),
+                provider.clone(),
+            )));
+            roots = Some(mtls::Source::Workload {
+                source,
+                trust_domain: td,
+            });
+        }
+        _ => serving = None,
+    }
     if args.etcd_prefix.is_empty() {
         anyhow::bail!("--etcd-prefix is empty; the registry needs a prefix of its own");
     }
@@ -92,6 +144,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         agent_accounts: args.agent_accounts.clone(),
         operator_users: args.operator_users.clone(),
+        agent_ids: args.agent_spiffe_ids.clone(),
+        operator_ids: args.operator_spiffe_ids.clone(),
     };
     let discovery = match args.discovery.as_str() {
         "on" => true,
@@ -134,12 +188,42 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let bound = listen::bind(
         &args.listen,
-        args.insecure_listen || args.token_review,
+        args.insecure_listen || args.token_review || mutual,
         args.socket_mode,
     )
     .await?;
+    let tls = serving.map(|certs| {
+        let verifier = roots.map(|source| {
+            Arc::new(mtls::SvidVerifier::new(
+                source,
+                args.trust_domain.clone(),
+                !args.token_review,
+                provider.clone(),
+                metrics.clone(),
+            )) as Arc<dyn rustls::server::danger::ClientCertVerifier>
+        });
+        tls::config_with(certs, verifier, provider.clone())
+    });
     let transport = match (bound_kind(&bound), reviewer) {
         (false, _) => Transport::Unix,
+        (true, reviewer) if mutual => {
+            tracing::info!(listen = %args.listen, trust_domain = ?args.trust_domain,
+                agents = ?args.agent_spiffe_ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                operators = ?args.operator_spiffe_ids, tokens = reviewer.is_some(),
+                "serving mutual TLS: callers present an X.509-SVID{}",
+                if reviewer.is_some() { ", a bearer token, or both (then both must hold)" } else { "" });
+            if args.agent_spiffe_ids.is_empty() && args.operator_spiffe_ids.is_empty() {
+                tracing::warn!(
+                    "mutual TLS without --agent-spiffe-id or --operator-spiffe-id: no SVID may call anything"
+                );
+            }
+            if reviewer.is_none() {
+                for p in args.agent_spiffe_ids.iter().filter(|p| !p.has_node()) {
+                    tracing::warn!(agent_spiffe_id = %p, "this agent ID names no node and, without --token-review, no token can: its callers are refused; use {{node}} or --token-review");
+                }
+            }
+            Transport::Mtls(reviewer)
+        }
         (true, Some(r)) => {
             tracing::info!(listen = %args.listen, tls = tls.is_some(), audience = %args.token_audience, agents = ?policy.agent_accounts, operators = ?policy.operator_users,
                 "serving TCP to callers with a bearer token, checked with TokenReview");

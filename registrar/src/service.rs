@@ -124,6 +124,8 @@ fn log_rejected(rejected: &[Rejected]) {
 /// Why a watch stream ended.
 enum End {
     ClientGone,
+    /// The caller's client certificate passed its notAfter.
+    Expired,
     Replaced,
     Shutdown,
     Failed(Status),
@@ -226,6 +228,7 @@ impl Registrar {
             shutdown: self.shutdown.clone(),
             key,
             metrics: self.metrics.clone(),
+            expires: peer.expires(),
         };
         tokio::spawn(pump.run(req.resume_revision, registration));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -504,15 +507,30 @@ struct Pump {
     shutdown: watch::Receiver<bool>,
     key: StreamKey,
     metrics: Arc<Metrics>,
+    /// The caller's certificate's notAfter, seconds since the epoch.
+    expires: Option<u64>,
 }
 
 impl Pump {
     async fn run(mut self, resume_revision: i64, registration: Registration) {
         self.metrics.watch_streams.inc();
-        let end = self.pump(resume_revision).await;
+        // A stream lives no longer than the client certificate it was opened under.
+        let expiry = self.expires.map(|at| {
+            let left = std::time::UNIX_EPOCH + Duration::from_secs(at);
+            left.duration_since(std::time::SystemTime::now())
+                .unwrap_or_default()
+        });
+        let end = match expiry {
+            Some(left) => tokio::select! {
+                end = self.pump(resume_revision) => end,
+                _ = tokio::time::sleep(left) => End::Expired,
+            },
+            None => self.pump(resume_revision).await,
+        };
         self.metrics.watch_streams.dec();
         let why = match &end {
             End::ClientGone => "client_gone",
+            End::Expired => "expired",
             End::Replaced => "replaced",
             End::Shutdown => "shutdown",
             End::Failed(_) => "failed",
@@ -523,6 +541,12 @@ impl Pump {
             End::ClientGone => {
                 tracing::info!(stream = %key, "watch stream closed by the client");
                 None
+            }
+            End::Expired => {
+                tracing::info!(stream = %key, "watch stream ended: the client certificate expired");
+                Some(Status::unauthenticated(
+                    "the client certificate expired: reconnect with the rotated SVID and resume from your revision",
+                ))
             }
             End::Replaced => {
                 tracing::info!(stream = %key, "watch stream ended: replaced by a newer stream for the same key");

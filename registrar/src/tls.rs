@@ -155,15 +155,33 @@ fn parse_pair(
 /// The server configuration: TLS 1.2 and 1.3 with ring, HTTP/2 by ALPN, no client
 /// certificate asked for.
 pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, CertError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = provider();
     let certs = Certs::load(cert, key, provider.clone())?;
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    Ok(config_with(Arc::new(certs), None, provider))
+}
+
+/// The crypto provider of every TLS session here: ring.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The server configuration serving `certs`, asking callers for a certificate checked by
+/// `clients` when given (mutual TLS, `crate::mtls`).
+pub fn config_with(
+    certs: Arc<dyn ResolvesServerCert>,
+    clients: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    provider: Arc<CryptoProvider>,
+) -> Arc<rustls::ServerConfig> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .expect("ring supports rustls's default protocol versions")
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(certs));
+        .expect("ring supports rustls's default protocol versions");
+    let mut config = match clients {
+        Some(v) => builder.with_client_cert_verifier(v),
+        None => builder.with_no_client_auth(),
+    }
+    .with_cert_resolver(certs);
     config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(Arc::new(config))
+    Arc::new(config)
 }
 
 /// The TLS sessions of `listener`'s connections, for tonic to serve. Each handshake runs
@@ -222,6 +240,9 @@ pub fn incoming(
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(%peer, error = %e, "TLS handshake failed{}", plain_hint(&e));
+                        if no_certificate(&e) {
+                            Metrics::count(&metrics.refusals, "svid_missing");
+                        }
                         "failed"
                     }
                     Err(_) => {
@@ -234,6 +255,15 @@ pub fn incoming(
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// A client that presented no certificate to a registrar that requires one.
+fn no_certificate(e: &std::io::Error) -> bool {
+    matches!(
+        e.get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>()),
+        Some(rustls::Error::NoCertificatesPresented)
+    )
 }
 
 /// A client that sent no TLS record at all, most likely plain HTTP/2: which flag it lacks.

@@ -27,7 +27,8 @@ pub struct AgentFlags {
     /// CA certificates (PEM) to check a TCP registrar's serving certificate against,
     /// with the address's host as its name: the worker then speaks TLS to the registrar
     /// (one serving with --tls-cert). Read again at each connect, so a rotated bundle is
-    /// picked up. The worker's uid must be able to read it.
+    /// picked up. With workload identity the worker also presents the agent's SVID, once
+    /// it has one, as its client certificate. The worker's uid must be able to read it.
     #[arg(
         long,
         env = "AETHER_REGISTRAR_CA",
@@ -35,6 +36,21 @@ pub struct AgentFlags {
         requires = "registrar"
     )]
     pub registrar_ca: Option<PathBuf>,
+    /// The registrar's SPIFFE ID, e.g. spiffe://example.org/ns/aether-system/sa/aether-registrar
+    /// [default: none]. With workload identity (--spiffe-endpoint) the worker then speaks
+    /// mutual TLS to a TCP registrar: it presents the agent's own SVID as its client
+    /// certificate (a new connection, after a rotation, presents the new one) and checks
+    /// that the registrar's certificate chains to the trust bundle from the Workload API
+    /// and carries exactly this SPIFFE ID (no host name is checked). Instead of
+    /// --registrar-ca; a --registrar-token-file token is still sent beside the SVID.
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_SPIFFE_ID",
+        value_name = "SPIFFE-ID",
+        requires_all = ["registrar", "spiffe_endpoint"],
+        conflicts_with = "registrar_ca"
+    )]
+    pub registrar_spiffe_id: Option<String>,
     /// Embedded registry: services and endpoints as JSON, reloaded on change.
     #[arg(long, env = "AETHER_REGISTRY_FILE")]
     pub registry_file: Option<PathBuf>,
@@ -169,6 +185,7 @@ impl AgentFlags {
                 self.registrar_token_file.as_ref().map(path),
             ),
             ("registrar-ca", self.registrar_ca.as_ref().map(path)),
+            ("registrar-spiffe-id", self.registrar_spiffe_id.clone()),
             ("registry-file", self.registry_file.as_ref().map(path)),
             ("capture-file", self.capture_file.as_ref().map(path)),
             ("spiffe-endpoint", self.spiffe_endpoint.clone()),
@@ -295,6 +312,12 @@ mod tests {
             &all[..],
             &[],
             &["--registry-file=/reg.json", "--stale-record-grace=2m"],
+            &[
+                "--registrar=10.0.0.1:7800",
+                "--registrar-spiffe-id=spiffe://example.org/registrar",
+                "--spiffe-endpoint=unix:///a.sock",
+                "--trust-domain=example.org",
+            ],
         ] {
             let given = parse(args).unwrap();
             let passed = given.worker_args();
@@ -329,6 +352,10 @@ mod tests {
             ),
             (&["--registrar-token-file=/t"], "--registrar"),
             (&["--registrar-ca=/ca.pem"], "--registrar"),
+            (
+                &["--registrar=a:1", "--registrar-spiffe-id=spiffe://t/r"],
+                "--spiffe-endpoint",
+            ),
         ] {
             let e = parse(args).unwrap_err();
             assert!(e.contains(names), "{args:?}: {e}");

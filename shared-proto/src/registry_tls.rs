@@ -2,14 +2,15 @@
 //! operator's commands (`aether-registrar apply|delete|dump --ca`) verify the registrar's
 //! serving certificate against a CA bundle in a PEM file, and speak HTTP/2 inside the
 //! session (ALPN `h2`). The file is read again at each connect, so a rotated bundle is
-//! picked up by the next reconnect. No client certificate is presented: callers
-//! authenticate with their bearer tokens, which TLS now keeps from the network.
+//! picked up by the next reconnect. A caller with an X.509-SVID (an agent with workload
+//! identity) presents it as its client certificate ([`client_config_with`]); callers
+//! without one authenticate with their bearer tokens, which TLS keeps from the network.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
@@ -36,6 +37,11 @@ pub enum TlsError {
     BadCa {
         path: PathBuf,
         index: usize,
+        source: rustls::Error,
+    },
+    #[error("the client certificate to present with {path}'s CAs is unusable: {source}")]
+    ClientCert {
+        path: PathBuf,
         source: rustls::Error,
     },
     #[error(
@@ -68,6 +74,18 @@ pub fn read_pem(path: &Path, max: u64) -> Result<Vec<u8>, TlsError> {
 
 /// The client configuration that trusts the CA certificates in `ca`, and only those.
 pub fn client_config(ca: &Path) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    client_config_with(ca, None)
+}
+
+/// A client certificate chain (leaf first) and its key.
+pub type ClientCert = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+/// [`client_config`], presenting `client` as the client certificate when given (an
+/// agent's X.509-SVID, to a registrar that asks for one).
+pub fn client_config_with(
+    ca: &Path,
+    client: Option<ClientCert>,
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let pem = read_pem(ca, MAX_BUNDLE)?;
     let mut roots = rustls::RootCertStore::empty();
     for (index, cert) in CertificateDer::pem_slice_iter(&pem).enumerate() {
@@ -86,13 +104,21 @@ pub fn client_config(ca: &Path) -> Result<Arc<rustls::ClientConfig>, TlsError> {
             path: ca.to_owned(),
         });
     }
-    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
     .with_safe_default_protocol_versions()
     .expect("ring supports rustls's default protocol versions")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    .with_root_certificates(roots);
+    let mut config = match client {
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain, key)
+            .map_err(|source| TlsError::ClientCert {
+                path: ca.to_owned(),
+                source,
+            })?,
+        None => builder.with_no_client_auth(),
+    };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
 }

@@ -191,7 +191,7 @@ impl Agent {
         let problems = health::Reporter::new(status.clone());
         // Failed record writes show in /ready; deferred record removals are retried.
         let storage_upkeep = storage.start_upkeep(problems.clone());
-        let registry = match registrar_source(&cfg)? {
+        let registry = match registrar_source(&cfg, &node)? {
             Some((addrs, me)) => {
                 registrar::spawn(addrs, me, node.clone(), metrics.clone(), problems.clone())
             }
@@ -580,7 +580,7 @@ impl Agent {
         // The owner alone writes what the proxy showed it uses.
         tokio::spawn(writers::run_writer(self.observed.clone()));
         // The owner alone sets drain marks: a standby never reaches this point.
-        let marks = registrar_source(cfg)?
+        let marks = registrar_source(cfg, &self.node)?
             .map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
         // The owner alone writes what the Kubernetes API shows (Terminating marks, stale
         // records, the startup taint), from now on.
@@ -642,6 +642,7 @@ async fn await_svids(node: &Node, wait: &SvidWait, bound: Duration) -> (Duration
 /// The registrar addresses and this agent's key, when `--registrar` is set.
 fn registrar_source(
     cfg: &Config,
+    node: &Arc<Node>,
 ) -> anyhow::Result<Option<(Vec<registrar::Address>, registrar::Identity)>> {
     let Some(list) = &cfg.agent.registrar else {
         return Ok(None);
@@ -656,7 +657,22 @@ fn registrar_source(
         instance: cfg.pod_name.clone(),
         token_file: cfg.agent.registrar_token_file.clone(),
         ca_file: cfg.agent.registrar_ca.clone(),
+        registrar_spiffe_id: cfg.agent.registrar_spiffe_id.clone(),
+        // With workload identity the agent's SVID is its client certificate.
+        credentials: cfg
+            .agent
+            .spiffe_endpoint
+            .is_some()
+            .then(|| registrar::Credentials(node.clone())),
     };
+    if let Some(id) = &me.registrar_spiffe_id {
+        anyhow::ensure!(
+            id.strip_prefix("spiffe://")
+                .and_then(|r| r.split_once('/'))
+                .is_some_and(|(td, path)| !td.is_empty() && !path.is_empty()),
+            "--registrar-spiffe-id {id:?}: expected a SPIFFE ID, spiffe://TRUST-DOMAIN/PATH"
+        );
+    }
     // A bundle that does not load stops the start, naming the file; it is read again at
     // each connect.
     if let Some(ca) = &me.ca_file {

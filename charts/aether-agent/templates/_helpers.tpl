@@ -244,3 +244,16 @@ The identity mode: "off", permissive or strict. A bare YAML `off` arrives as fal
 {{- $m := .Values.identity.mtls -}}
 {{- if or (eq (toString $m) "false") (eq (toString $m) "off") -}}off{{- else -}}{{ $m }}{{- end -}}
 {{- end -}}
+
+{{/* "true" when the registrar's TLS is SPIFFE (registrar.tls.spiffe.enabled), else "". */}}
+{{- define "aether-agent.registrarSpiffe" -}}
+{{- if dig "spiffe" "enabled" false (.Values.registrar.tls | default dict) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The registrar's SPIFFE ID: registrar.tls.spiffe.id, else the one of its service account. */}}
+{{- define "aether-agent.registrarSpiffeId" -}}
+{{- $id := dig "spiffe" "id" "" (.Values.registrar.tls | default dict) -}}
+{{- if $id -}}{{- $id -}}{{- else -}}
+{{- printf "spiffe://%s/ns/%s/sa/%s" .Values.identity.trustDomain .Release.Namespace (include "aether-agent.registrarName" .) -}}
+{{- end -}}
+{{- end -}}

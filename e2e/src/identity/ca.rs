@@ -98,6 +98,17 @@ impl Ca {
     /// in this CA's trust domain, so that tests can make a mismatched one), valid from now
     /// for `lifetime`.
     pub fn mint(&self, spiffe_id: &str, lifetime: Duration) -> anyhow::Result<Svid> {
+        self.mint_with_ips(spiffe_id, lifetime, &[])
+    }
+
+    /// [`Self::mint`] with IP address SANs beside the SPIFFE ID (a server's certificate that
+    /// clients checking a host name also accept).
+    pub fn mint_with_ips(
+        &self,
+        spiffe_id: &str,
+        lifetime: Duration,
+        ips: &[std::net::IpAddr],
+    ) -> anyhow::Result<Svid> {
         let Some(rest) = spiffe_id.strip_prefix("spiffe://") else {
             bail!("{spiffe_id:?} is not a SPIFFE ID (spiffe://...)")
         };
@@ -115,6 +126,9 @@ impl Ca {
                 .try_into()
                 .context("the SPIFFE ID as a URI SAN")?,
         )];
+        params
+            .subject_alt_names
+            .extend(ips.iter().map(|ip| SanType::IpAddress(*ip)));
         // CA:false as SPIRE (Go) writes it: a critical basicConstraints holding an empty
         // SEQUENCE. rcgen's ExplicitNoCa encodes `cA FALSE`, the DEFAULT, which DER forbids
         // and strict parsers (Python's cryptography) refuse.

@@ -372,6 +372,18 @@ impl IdentityProvider {
         (svid.cert_pem, svid.key_pem)
     }
 
+    /// [`Self::mint`] with IP address SANs too: a server certificate (the registrar's)
+    /// that clients checking the SPIFFE ID and clients checking the address both accept.
+    pub fn mint_server(&self, spiffe_id: &str, ips: &[std::net::IpAddr]) -> (String, String) {
+        let lifetime = self.shared.lock().lifetime;
+        let svid = self
+            .shared
+            .ca
+            .mint_with_ips(spiffe_id, lifetime, ips)
+            .unwrap_or_else(|e| panic!("minting {spiffe_id}: {e:#}"));
+        (svid.cert_pem, svid.key_pem)
+    }
+
     /// An SVID from a fresh CA of another trust domain (for tests that expect refusal):
     /// the chain (the leaf alone) and the PKCS#8 key, both PEM; valid for 1 h.
     pub fn mint_foreign(trust_domain: &str, spiffe_id: &str) -> (String, String) {

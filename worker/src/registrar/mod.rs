@@ -20,6 +20,7 @@
 //! endpoint at the address is on this node; the others it names in its answer, logged.
 
 mod mirror;
+pub mod spiffe_tls;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -101,6 +102,30 @@ pub struct Identity {
     /// with it, TCP addresses are spoken to over TLS. Read again at each connect, so a
     /// rotated bundle is picked up.
     pub ca_file: Option<PathBuf>,
+    /// The registrar's SPIFFE ID (`--registrar-spiffe-id`): with it, TCP addresses are
+    /// spoken to over mutual TLS with the agent's SVID, the registrar's certificate checked
+    /// against the trust bundle and this ID.
+    pub registrar_spiffe_id: Option<String>,
+    /// The agent's SVID and the trust bundle as the node holds them (workload identity on).
+    pub credentials: Option<Credentials>,
+}
+
+/// The agent's SVID and the trust bundle, read from the node at each connect: a
+/// connection made after a rotation presents the new SVID.
+#[derive(Clone)]
+pub struct Credentials(pub Arc<Node>);
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Credentials")
+    }
+}
+
+impl Credentials {
+    fn current(&self) -> (Option<aether_model::Svid>, Option<String>) {
+        self.0
+            .with_inputs(|i| (i.identity.agent.clone(), i.identity.bundle.clone()))
+    }
 }
 
 impl Identity {
@@ -123,7 +148,8 @@ impl Identity {
 }
 
 /// Connects to `addr`, with HTTP/2 keepalives so a registrar that stops answering ends
-/// the stream instead of holding it; over TLS to a TCP address when `me` has a CA file.
+/// the stream instead of holding it; over TLS to a TCP address when `me` has a CA file
+/// or the registrar's SPIFFE ID, presenting the agent's SVID where it has one.
 async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient<Channel>> {
     let endpoint = |uri: String| -> anyhow::Result<Endpoint> {
         Ok(Endpoint::from_shared(uri)?
@@ -132,13 +158,34 @@ async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient
             .keep_alive_timeout(Duration::from_secs(5))
             .keep_alive_while_idle(true))
     };
+    let (svid, bundle) = me
+        .credentials
+        .as_ref()
+        .map_or((None, None), Credentials::current);
     let channel = match (addr, &me.ca_file) {
+        (Address::Tcp(a), _) if me.registrar_spiffe_id.is_some() => {
+            let want = me.registrar_spiffe_id.as_deref().unwrap_or_default();
+            let svid = svid.context(
+                "the agent's SVID has not come from the Workload API yet (--registrar-spiffe-id needs it)",
+            )?;
+            let bundle =
+                bundle.context("the trust bundle has not come from the Workload API yet")?;
+            let config = spiffe_tls::client_config(&svid, &bundle, want)?;
+            debug!(registrar = %a, serial = %svid.serial, "connecting with the agent's SVID");
+            tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                registry_tls::channel(endpoint("http://registrar.invalid".into())?, a, config),
+            )
+            .await??
+        }
         (Address::Tcp(a), None) => {
             tokio::time::timeout(CONNECT_TIMEOUT, endpoint(format!("http://{a}"))?.connect())
                 .await??
         }
         (Address::Tcp(a), Some(ca)) => {
-            let config = registry_tls::client_config(ca).context("--registrar-ca")?;
+            // With workload identity, the SVID the node holds now is the client certificate.
+            let client = svid.as_ref().map(spiffe_tls::client_cert).transpose()?;
+            let config = registry_tls::client_config_with(ca, client).context("--registrar-ca")?;
             tokio::time::timeout(
                 CONNECT_TIMEOUT,
                 registry_tls::channel(endpoint("http://registrar.invalid".into())?, a, config),
@@ -313,6 +360,7 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
 fn watch_error(addr: &Address, me: &Identity, s: tonic::Status) -> anyhow::Error {
     let plain = matches!(addr, Address::Tcp(_))
         && me.ca_file.is_none()
+        && me.registrar_spiffe_id.is_none()
         && registry_tls::looks_like_plain_to_tls(&s);
     let e = status_error(s);
     if plain {
