@@ -6,17 +6,23 @@
 //! (`scripts/install-envoy.sh` or `ENVOY_BIN`). Env: `BENCH_CHANGES` (default 100, at
 //! least 50), `BENCH_XDS_API` (`delta`, the default, or `sotw`).
 //!
-//! One etcd member, one registrar, and node B: a [`NodeRig`] (the real agent and a real
-//! Envoy) watching the registrar. Every service's endpoints run on `node-a`, so none is
-//! node B's own. Each change is one registry API call made from this process, as node A's
-//! side would make it, rotating through:
+//! One etcd member and three registrars on it: a plain one that this process writes
+//! through, as node A's side would, and the two that node B's agents watch as deployed,
+//! over TLS: one authenticating agents by their node-bound tokens (`--token-review`, with
+//! the test Kubernetes API server), one by their X.509-SVIDs (mutual TLS,
+//! `--agent-spiffe-id spiffe://aether.test/aether-agent/{node}`, the agent's SVID from the
+//! test identity provider's Workload API). Node B is run twice, side by side: two
+//! [`NodeRig`]s (the real agent and a real Envoy each), one watching each registrar, so
+//! that every change is timed to both Envoys in the same run. Every service's endpoints
+//! run on `node-a`, so none is node B's own. Each change is one registry API call,
+//! rotating through:
 //! - a drain mark set or removed (`SetEndpointState` from node `node-a`, as node A's
 //!   agent marks a deleted pod draining);
 //! - an endpoint's applied state turned draining or healthy (`ApplyServices`);
 //! - an endpoint moved to another port (`ApplyServices`: one removal and one upsert).
 //!
-//! A change is timed from just before the call to the moment node B's agent receives
-//! Envoy's ACK of the load assignment it pushed for it. The agent logs each push and
+//! A change is timed from just before the call to the moment each node B agent receives
+//! its Envoy's ACK of the load assignment it pushed for it. The agent logs each push and
 //! each ACK at debug level with their nonces (`aether_worker::xds::server`), and the
 //! bench reads those lines' timestamps from the agent's log: Envoy applies a load
 //! assignment on its main thread before it ACKs, and nothing polls that thread while a
@@ -36,13 +42,22 @@
 //! show `registrar.revision` at the change's revision (not polled while timing, since
 //! every poll is work on the agent's one runtime thread).
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, ms, since, summary};
 use aether_e2e::envoy::{AdsApi, NodeRig};
-use aether_e2e::registrar::{RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
-use aether_e2e::testing::{env_usize, percentile, wait_for};
+use aether_e2e::identity::{IdentityProvider, Options};
+use aether_e2e::kube_api::{KubeApi, Rule};
+use aether_e2e::registrar::{
+    Etcd, RegistrarProcess, TestCa, dump, envoy_eds, expected_eds, registrar_bin,
+};
+use aether_e2e::testing::{
+    env_usize, free_port, identity_provider_for_agents_with, percentile, wait_for,
+};
+use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
 use shared_proto::registry as pb;
 
 const SERVICES: usize = 1_000;
@@ -59,6 +74,12 @@ const MOVED: std::ops::Range<usize> = 7..10;
 const WARMUP: usize = 3;
 /// How long one change may take to be ACKed.
 const T_CHANGE: Duration = Duration::from_secs(10);
+/// The trust domain of the mutual-TLS registrar and the agent's SVID.
+const TD: &str = "aether.test";
+const REGISTRAR_ID: &str = "spiffe://aether.test/ns/aether-system/sa/aether-registrar";
+const OPS_ID: &str = "spiffe://aether.test/ops";
+/// The operator user the token registrar's TokenReview names.
+const OPERATOR: &str = "ops@example";
 
 /// What the bench has put into the registry, to know what Envoy must show.
 struct Mesh {
@@ -205,32 +226,32 @@ fn main() {
     );
 
     let t = Instant::now();
-    let mut rig = NodeRig::start_from(&envoy_bin, api, Some(registrar.addr()), &[]);
-    // The rig's stats poller walks every stat Envoy has, 1,000 clusters' worth, on the
-    // thread that runs xDS, every 2 ms: it would delay what this measures.
-    rig.poller.stop();
+    let (_authenticated, mut watchers) = start_watchers(&envoy_bin, api, &etcd);
     let want = expected_eds(&dump(registrar.addr()));
-    wait_for(
-        "node B's Envoy to hold every service's endpoints",
-        Duration::from_secs(60),
-        || {
-            let (_, body) = rig.envoy.get("/config_dump?include_eds").ok()?;
-            (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
-        },
-    );
+    for w in &mut watchers {
+        // The rig's stats poller walks every stat Envoy has, 1,000 clusters' worth, on the
+        // thread that runs xDS, every 2 ms: it would delay what this measures.
+        w.rig.poller.stop();
+        wait_for(
+            &format!(
+                "node B's Envoy ({}) to hold every service's endpoints",
+                w.label
+            ),
+            Duration::from_secs(60),
+            || {
+                let (_, body) = w.rig.envoy.get("/config_dump?include_eds").ok()?;
+                (envoy_eds(&serde_json::from_str(&body).ok()?) == want).then_some(())
+            },
+        );
+    }
     println!(
-        "node B: agent and Envoy started, Envoy holds all {} clusters' endpoints after {:.0} ms",
+        "node B twice (token, mutual TLS): agents and Envoys started, each Envoy holds all {} clusters' endpoints after {:.0} ms",
         want.len(),
         ms(t.elapsed())
     );
 
-    let mut log = AgentLog::new(&rig.owner.log_path);
     let mut to_commit = Vec::new();
-    let mut to_snapshot = Vec::new();
-    let mut to_push = Vec::new();
-    let mut to_ack = Vec::new();
-    let mut total = Vec::new();
-    let mut by_kind: [Vec<Duration>; 3] = Default::default();
+    let mut by_kind: [[Vec<Duration>; 3]; 2] = Default::default();
     let mut late_in_dump = 0;
     for i in 0..WARMUP + changes {
         let kind = Kind::ALL[i % 3];
@@ -239,7 +260,9 @@ fn main() {
         let round = i / (3 * SERVICES);
         let pick =
             |r: std::ops::Range<usize>| s * ENDPOINTS_PER_SERVICE + r.start + round % r.len();
-        log.skip_to_end();
+        for w in &mut watchers {
+            w.log.skip_to_end();
+        }
         let (t0, wall0);
         let revision = match kind {
             Kind::Mark => {
@@ -282,76 +305,101 @@ fn main() {
             }
         };
         let committed = t0.elapsed();
-        let ex = log
-            .wait(
-                &format!("change {i}: node B's agent to log a load assignment push and its ACK"),
-                T_CHANGE,
-            )
-            .unwrap_or_else(|e| panic!("{e}\n{}", rig.where_to_look()));
+        let exchanges: Vec<_> = watchers
+            .iter_mut()
+            .map(|w| {
+                w.log
+                    .wait(
+                        &format!(
+                            "change {i}: node B's agent ({}) to log a load assignment push and its ACK",
+                            w.label
+                        ),
+                        T_CHANGE,
+                    )
+                    .unwrap_or_else(|e| panic!("{e}\n{}", w.rig.where_to_look()))
+            })
+            .collect();
 
-        // Outside the timing: Envoy holds what the change made, and the agent's view is
-        // at the change's revision.
+        // Outside the timing: each Envoy holds what the change made, and each agent's view
+        // is at the change's revision.
         let (cluster, want) = (Mesh::cluster(s), mesh.expected(s));
-        match ack_log::wait_endpoints(&rig.envoy, &cluster, &want) {
-            Ok(Shown::AtAck) => {}
-            Ok(Shown::Later) => late_in_dump += 1,
-            Err(got) => panic!(
-                "change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}",
-                rig.where_to_look()
-            ),
+        for w in &watchers {
+            match ack_log::wait_endpoints(&w.rig.envoy, &cluster, &want) {
+                Ok(Shown::AtAck) => {}
+                Ok(Shown::Later) => late_in_dump += 1,
+                Err(got) => panic!(
+                    "change {i} to {cluster} ACKed but not in Envoy ({}): it holds {got:?}, want {want:?}\n{}",
+                    w.label,
+                    w.rig.where_to_look()
+                ),
+            }
+            let view = w
+                .rig
+                .owner
+                .ready()
+                .and_then(|(_, v)| v["registrar"]["revision"].as_i64());
+            assert!(
+                view.is_some_and(|r| r >= revision),
+                "change {i}: the agent's /ready ({}) shows revision {view:?}, not {revision}",
+                w.label
+            );
         }
-        let view = rig
-            .owner
-            .ready()
-            .and_then(|(_, v)| v["registrar"]["revision"].as_i64());
-        assert!(
-            view.is_some_and(|r| r >= revision),
-            "change {i}: the agent's /ready shows revision {view:?}, not {revision}"
-        );
         if i < WARMUP {
             continue;
         }
         to_commit.push(committed);
-        to_snapshot.push(since(wall0, ex.snapshot));
-        to_push.push(since(ex.snapshot, ex.pushed));
-        to_ack.push(since(ex.pushed, ex.acked));
-        total.push(since(wall0, ex.acked));
-        by_kind[i % 3].push(since(wall0, ex.acked));
+        for (w, ex) in watchers.iter_mut().zip(&exchanges) {
+            w.to_snapshot.push(since(wall0, ex.snapshot));
+            w.to_push.push(since(ex.snapshot, ex.pushed));
+            w.to_ack.push(since(ex.pushed, ex.acked));
+            w.total.push(since(wall0, ex.acked));
+        }
+        for (k, ex) in exchanges.iter().enumerate() {
+            by_kind[k][i % 3].push(since(wall0, ex.acked));
+        }
     }
 
     summary("call -> the call returns (etcd committed)", &to_commit);
-    summary("call -> node B's agent holds the change", &to_snapshot);
-    summary("  snapshot -> push (agent)", &to_push);
-    summary("  push -> ACK (Envoy, at the agent)", &to_ack);
-    summary("call -> node B's Envoy ACKed it (total)", &total);
-    for k in Kind::ALL {
-        summary(k.label(), &by_kind[k as usize]);
+    for (k, w) in watchers.iter().enumerate() {
+        println!("node B watching the registrar {}:", w.label);
+        summary("  call -> node B's agent holds the change", &w.to_snapshot);
+        summary("    snapshot -> push (agent)", &w.to_push);
+        summary("    push -> ACK (Envoy, at the agent)", &w.to_ack);
+        summary("  call -> node B's Envoy ACKed it (total)", &w.total);
+        for kind in Kind::ALL {
+            summary(kind.label(), &by_kind[k][kind as usize]);
+        }
     }
-    let p99 = percentile(&total, 99.0).expect("samples");
+    let p99 = |w: &Watcher| percentile(&w.total, 99.0).expect("samples");
+    let met = watchers.iter().all(|w| p99(w) <= Duration::from_millis(25));
     println!(
-        "target p99 <= 25 ms: {} (p99 {:.2} ms over {} changes, after {WARMUP} unmeasured); changes not yet in Envoy's config dump at their ACK: {late_in_dump}",
-        if p99 <= Duration::from_millis(25) {
-            "met"
-        } else {
-            "MISSED"
-        },
-        ms(p99),
-        total.len()
+        "target p99 <= 25 ms: {} ({} over {} changes, after {WARMUP} unmeasured); changes not yet in Envoy's config dump at their ACK: {late_in_dump}",
+        if met { "met" } else { "MISSED" },
+        watchers
+            .iter()
+            .map(|w| format!("{}: p99 {:.2} ms", w.label, ms(p99(w))))
+            .collect::<Vec<_>>()
+            .join(", "),
+        to_commit.len()
     );
 
-    // In the end Envoy's whole EDS equals the registrar's view, and that is what the bench
-    // applied.
+    // In the end each Envoy's whole EDS equals the registrar's view, and that is what the
+    // bench applied.
     let want = expected_eds(&dump(registrar.addr()));
-    let (_, body) = rig
-        .envoy
-        .get("/config_dump?include_eds")
-        .expect("Envoy's config dump");
-    let got = envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON"));
-    assert!(
-        got == want,
-        "Envoy's EDS differs from the registrar's view at the end\n{}",
-        rig.where_to_look()
-    );
+    for w in &watchers {
+        let (_, body) = w
+            .rig
+            .envoy
+            .get("/config_dump?include_eds")
+            .expect("Envoy's config dump");
+        let got = envoy_eds(&serde_json::from_str(&body).expect("config dump is JSON"));
+        assert!(
+            got == want,
+            "Envoy's EDS ({}) differs from the registrar's view at the end\n{}",
+            w.label,
+            w.rig.where_to_look()
+        );
+    }
     for s in 0..SERVICES {
         let applied = want.get(&Mesh::cluster(s)).map(|eps| {
             eps.iter()
@@ -366,8 +414,187 @@ fn main() {
         );
     }
     println!(
-        "at the end node B's Envoy holds exactly the registrar's view ({} clusters)",
+        "at the end both node B Envoys hold exactly the registrar's view ({} clusters)",
         want.len()
     );
-    rig.pass();
+    for mut w in watchers {
+        w.rig.pass();
+    }
+}
+
+/// One node B: its rig, its agent's log, and its figures.
+struct Watcher {
+    label: &'static str,
+    rig: NodeRig,
+    log: AgentLog,
+    to_snapshot: Vec<Duration>,
+    to_push: Vec<Duration>,
+    to_ack: Vec<Duration>,
+    total: Vec<Duration>,
+}
+
+impl Watcher {
+    fn new(label: &'static str, rig: NodeRig) -> Watcher {
+        let log = AgentLog::new(&rig.owner.log_path);
+        Watcher {
+            label,
+            rig,
+            log,
+            to_snapshot: Vec::new(),
+            to_push: Vec::new(),
+            to_ack: Vec::new(),
+            total: Vec::new(),
+        }
+    }
+}
+
+/// What the two node B's watch through, held until the bench ends (each process is ended
+/// on drop).
+struct Authenticated {
+    _by_token: RegistrarProcess,
+    _by_svid: RegistrarProcess,
+    _kube: KubeApi,
+    _provider: IdentityProvider,
+    _idp_dir: tempfile::TempDir,
+    /// The files the workers read: their CA, token and bundle.
+    _files: tempfile::TempDir,
+}
+
+/// The two authenticated registrars on `etcd` and a node B watching each: by token
+/// (TLS, `--token-review`) and by SVID (mutual TLS).
+fn start_watchers(envoy_bin: &Path, api: AdsApi, etcd: &Etcd) -> (Authenticated, Vec<Watcher>) {
+    // Where the workers (uid 65532 under root) can read their CA and token.
+    let files = tempfile::Builder::new()
+        .prefix("aether-cross-node-")
+        .tempdir()
+        .expect("a temp dir");
+    std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let readable = |name: &str, bytes: &[u8]| -> String {
+        let path = files.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path.display().to_string()
+    };
+    let listen = || format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).unwrap());
+
+    // By token: TLS with a test CA, TokenReview with the test API server.
+    let ca = TestCa::new("cross-node CA");
+    let (serve_cert, serve_key) = ca.leaf("registrar-serving", &["127.0.0.1"], ServerAuth);
+    let kube = KubeApi::start();
+    let (registrar_sa, agent_sa) = (
+        "system:serviceaccount:aether-system:aether-registrar",
+        "system:serviceaccount:aether-system:aether-agent",
+    );
+    kube.grant(
+        registrar_sa,
+        &[Rule {
+            resource: "tokenreviews",
+            verbs: &["create"],
+        }],
+    );
+    kube.bind_token_to_node(agent_sa, "test-node");
+    let ca_file = readable("ca.crt", &std::fs::read(ca.ca_file()).unwrap());
+    let agent_token = readable("agent-token", kube.token(agent_sa).as_bytes());
+    let ops_token = readable("ops-token", kube.token(OPERATOR).as_bytes());
+    let kubeconfig = kube.kubeconfig(registrar_sa).display().to_string();
+    let token_addr = listen();
+    let by_token = RegistrarProcess::start(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &token_addr,
+        &[
+            "--tls-cert",
+            &serve_cert.display().to_string(),
+            "--tls-key",
+            &serve_key.display().to_string(),
+            "--token-review",
+            "--kubeconfig",
+            &kubeconfig,
+            "--discovery",
+            "off",
+            "--agent-service-account",
+            "aether-system/aether-agent",
+            "--operator-user",
+            OPERATOR,
+            "--allow-loopback-endpoints",
+        ],
+    );
+    let token_rig = NodeRig::start_at(
+        envoy_bin,
+        api,
+        Some((&token_addr, &["--ca", &ca_file, "--token-file", &ops_token])),
+        &[
+            format!("--registrar-ca={ca_file}").as_str(),
+            format!("--registrar-token-file={agent_token}").as_str(),
+        ],
+    );
+
+    // By SVID: the registrar's certificate and the operator's from the identity provider,
+    // whose Workload API gives the agent `spiffe://aether.test/aether-agent/test-node`.
+    let mut options = Options::new(TD);
+    options.agent_path = "/aether-agent/test-node".into();
+    let (idp_dir, provider) = identity_provider_for_agents_with(options);
+    let bundle = readable("bundle.pem", provider.ca_pem().as_bytes());
+    let (cert, key) = provider.mint_server(REGISTRAR_ID, &[IpAddr::V4(Ipv4Addr::LOCALHOST)]);
+    let (cert, key) = (
+        readable("tls.crt", cert.as_bytes()),
+        readable("tls.key", key.as_bytes()),
+    );
+    let (ops_cert, ops_key) = provider.mint(OPS_ID);
+    let (ops_cert, ops_key) = (
+        readable("ops.crt", ops_cert.as_bytes()),
+        readable("ops.key", ops_key.as_bytes()),
+    );
+    let mtls_addr = listen();
+    let by_svid = RegistrarProcess::start(
+        &registrar_bin(),
+        &etcd.endpoints(),
+        &mtls_addr,
+        &[
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--client-ca-bundle",
+            &bundle,
+            "--trust-domain",
+            TD,
+            "--agent-spiffe-id",
+            "spiffe://aether.test/aether-agent/{node}",
+            "--operator-spiffe-id",
+            OPS_ID,
+            "--allow-loopback-endpoints",
+        ],
+    );
+    let svid_rig = NodeRig::start_at(
+        envoy_bin,
+        api,
+        Some((
+            &mtls_addr,
+            &["--ca", &bundle, "--cert", &ops_cert, "--key", &ops_key],
+        )),
+        &[
+            format!("--registrar-spiffe-id={REGISTRAR_ID}").as_str(),
+            format!(
+                "--spiffe-endpoint=unix://{}",
+                provider.workload_socket().display()
+            )
+            .as_str(),
+            format!("--trust-domain={TD}").as_str(),
+        ],
+    );
+    (
+        Authenticated {
+            _by_token: by_token,
+            _by_svid: by_svid,
+            _kube: kube,
+            _provider: provider,
+            _idp_dir: idp_dir,
+            _files: files,
+        },
+        vec![
+            Watcher::new("by token (TLS)", token_rig),
+            Watcher::new("by SVID (mutual TLS)", svid_rig),
+        ],
+    )
 }
