@@ -32,6 +32,8 @@ declare -A budget=(
   ["chart tests"]=120
   ["the image as the chart runs it"]=420
 )
+# The whole run, installs and unbudgeted steps included.
+total_budget=1500
 steps=() times=()
 step_name="" step_start=$SECONDS
 end_step() {
@@ -46,7 +48,8 @@ step() {
 stage_times() {
   local rc=$?
   end_step
-  printf '\n=== stage times (total %d:%02d)\n' $((SECONDS / 60)) $((SECONDS % 60)) >&2
+  printf '\n=== stage times (total %d:%02d of a %d:%02d budget%s)\n' $((SECONDS / 60)) $((SECONDS % 60)) \
+    $((total_budget / 60)) $((total_budget % 60)) "$([[ $SECONDS -gt $total_budget ]] && echo ', OVER BUDGET')" >&2
   local i b
   for i in "${!steps[@]}"; do
     b="${budget[${steps[$i]}]:-}"
