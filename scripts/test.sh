@@ -68,11 +68,6 @@ rustfmt --check --edition 2024 --config-path rustfmt.toml fuzz/fuzz_targets/*.rs
 
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
-# Every build below gets the commit for aether_build_info{revision}, as build-image.sh
-# sets it: the image step then reuses the release build of the end-to-end runs instead of
-# rebuilding every crate that reports it.
-AETHER_REVISION="$(aether_revision)"
-export AETHER_REVISION
 
 step "install Debian packages (scripts/install-deps.sh)"
 scripts/install-deps.sh
@@ -97,7 +92,7 @@ scripts/install-tools.sh
 hooks=(--features aether-supervisor/fault-hooks,aether-worker/fault-hooks)
 
 step "build"
-cargo build --workspace --bins --tests "${hooks[@]}"
+aether_build_debug
 
 # Every crate and target with the workspace's lints ([workspace.lints] in Cargo.toml); a
 # warning fails the run. It shares the build's build-script outputs, not its artifacts.
