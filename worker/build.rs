@@ -46,5 +46,9 @@ fn from_git() -> Option<String> {
         .args(["diff", "--quiet", "HEAD"])
         .status()
         .is_ok_and(|s| s.success());
-    Some(if clean { commit } else { format!("{commit}-dirty") })
+    Some(if clean {
+        commit
+    } else {
+        format!("{commit}-dirty")
+    })
 }

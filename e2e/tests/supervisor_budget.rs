@@ -40,7 +40,10 @@ fn each_part_of_the_supervisor_is_within_its_budget_and_a_lowered_budget_fails()
     assert_eq!(names, ["lifecycle+driver", "sys", "rest"], "{stdout}");
     for (part, count, budget) in &found {
         assert!(count <= budget, "{part}: {count} lines over {budget}");
-        assert!(*count > 100, "{part}: {count} lines is too few; the count is broken");
+        assert!(
+            *count > 100,
+            "{part}: {count} lines is too few; the count is broken"
+        );
         let lowered = lines(&format!("{part}={}", count - 1));
         let err = String::from_utf8_lossy(&lowered.stderr);
         assert_eq!(lowered.status.code(), Some(1), "{part} lowered: {err}");
