@@ -95,10 +95,10 @@ fn write_with_state(
             .find(&format!("\"address\":\"{ip}\","))
             .expect("the endpoint is in the file");
         let state = at + json[at..].find("\"healthy\"").expect("its state");
-        f.write_all(json[..state].as_bytes()).unwrap();
+        let bytes = json.as_bytes();
+        f.write_all(&bytes[..state]).unwrap();
         f.write_all(b"\"draining\"").unwrap();
-        f.write_all(json[state + "\"healthy\"".len()..].as_bytes())
-            .unwrap();
+        f.write_all(&bytes[state + "\"healthy\"".len()..]).unwrap();
     } else {
         f.write_all(json.as_bytes()).unwrap();
     }
