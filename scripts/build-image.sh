@@ -61,13 +61,8 @@ archive="$img_dir/aether-agent-$version.oci.tar"
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
-# The commit the binaries are built from, for aether_build_info{revision} (read at compile
-# time: a new commit rebuilds the crates that report it). "-dirty" when the tree has changes.
-AETHER_REVISION="$(aether_revision)"
-export AETHER_REVISION
-
 t0="$(now)"
-(cd "$root" && cargo build --release --workspace --bins)
+aether_build_release
 "$root/scripts/build-cni-plugin.sh" >/dev/null
 t1="$(now)"
 
@@ -110,6 +105,10 @@ rootfs_bytes="$(du -sb "$context/rootfs" | cut -f1)"
 archive_bytes="$(stat -c %s "$archive")"
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 echo "libraries: ${libs[*]}"
+# Each binary as staged (README.md's image section names each, from AETHER_IMAGE_BINS).
+sizes=()
+for b in "${BINS[@]}"; do sizes+=("$b $(mib "$(stat -c %s "$context/rootfs/usr/local/bin/$b")")"); done
+echo "binaries: ${#BINS[@]} (scripts/lib.sh AETHER_IMAGE_BINS): $(IFS=,; echo "${sizes[*]}" | sed 's/,/, /g')"
 echo "image size: $(mib "$rootfs_bytes") unpacked ($(printf '%s ' "${BINS[@]}")and ${#libs[@]} libraries), $(mib "$archive_bytes") as the OCI archive"
 echo "build time: cargo build --release and the static plugin $(secs "$t0" "$t1") s, image (stage, buildah build, push) $(secs "$t1" "$t2") s, total $(secs "$t0" "$t2") s"
 echo "image: $image (id ${new_id:0:12}), archive $archive"

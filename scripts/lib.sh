@@ -15,8 +15,14 @@
 #                        the host): <target>/release/NAME, except aether-cni, which is
 #                        the static build of build-cni-plugin.sh, <target>/<host>/cni-plugin/
 # venv_pip_install ARGS  `pip install ARGS` into AETHER_VENV, one installer at a time
-# aether_revision        the commit the tree is at, "-dirty" when it has changes, "unknown"
-#                        outside git: AETHER_REVISION for aether_build_info{revision}
+# aether_build_debug     the one debug build of the scripts: every binary and test target
+#                        of the workspace with the test-only fault hooks, as scripts/test.sh
+#                        builds and tests them
+# aether_build_release   the one release build: every binary of the workspace, as it ships
+#                        (e2e/agent-restart-gap.sh builds the same)
+#
+# Every build goes through these two, so that no script builds a crate with another feature
+# set and a later build has nothing to redo.
 #
 # Several scripts (install-tools.sh, install-envoy.sh) install into the same .venv and may
 # run at the same time; both helpers serialise on an flock so that two `python3 -m venv`
@@ -30,14 +36,12 @@ AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-keeper aether-cni agen
 
 host_triple() { rustc -vV | sed -n 's/^host: //p'; }
 
-aether_revision() {
-  local revision
-  revision="$(git -C "$AETHER_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
-  if [[ $revision != unknown ]] && ! git -C "$AETHER_ROOT" diff --quiet HEAD 2>/dev/null; then
-    revision="$revision-dirty"
-  fi
-  echo "$revision"
+aether_build_debug() {
+  (cd "$AETHER_ROOT" && cargo build --workspace --bins --tests \
+    --features aether-supervisor/fault-hooks,aether-worker/fault-hooks "$@")
 }
+
+aether_build_release() { (cd "$AETHER_ROOT" && cargo build --release --workspace --bins "$@"); }
 
 image_bin_source() {
   local target="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}"

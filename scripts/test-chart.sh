@@ -286,7 +286,7 @@ EOF
   # monitoring case's, so its stats listener (proxy.stats, moved to the loopback here) must
   # answer GET /stats/prometheus with Envoy's stats and 404 to anything else.
   if [[ $(id -u) -eq 0 ]] && command -v setpriv >/dev/null; then
-    [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-supervisor -p aether-worker --bins
+    [[ -n "${AETHER_BIN_DIR:-}" ]] || aether_build_debug --quiet
     bin="${AETHER_BIN_DIR:-$root/target/debug}"
     chmod 0711 "$work"
     enode="$work/envoy-node"
@@ -578,7 +578,7 @@ step "the readiness probe as deployed: the chart's credentials against a real ag
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the probe stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
-  [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
+  [[ -n "${AETHER_BIN_DIR:-}" ]] || aether_build_debug --quiet
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   render "$chart" "$work/probe.yaml" ""
   eval "$("$py" "$check" --probe-creds "$work/probe.yaml")"
@@ -632,7 +632,7 @@ step "the uninstall hook as deployed: a surge roll keeps the entry, the uninstal
 if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
   echo "!!! SKIPPED the uninstall stage: it needs root and setpriv (CI runs as root and installs util-linux) !!!"
 else
-  [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-supervisor -p aether-worker -p agent-ready -p aether-cni --bins
+  [[ -n "${AETHER_BIN_DIR:-}" ]] || aether_build_debug --quiet
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   render "$chart" "$work/uninstall.yaml" ""
   eval "$("$py" "$check" --uninstall-creds "$work/uninstall.yaml")"
@@ -716,7 +716,7 @@ if [[ $(id -u) -ne 0 ]] || ! command -v setpriv >/dev/null; then
 else
   [[ -x /usr/bin/etcd ]] || fail "no /usr/bin/etcd (Debian etcd-server; scripts/install-deps.sh installs it)"
   command -v openssl >/dev/null || fail "no openssl (scripts/install-deps.sh installs it)"
-  [[ -n "${AETHER_BIN_DIR:-}" ]] || cargo build --quiet -p aether-registrar --bins
+  [[ -n "${AETHER_BIN_DIR:-}" ]] || aether_build_debug --quiet
   bin="${AETHER_BIN_DIR:-$root/target/debug}"
   # TLS on the listener from the Secret; plaintext to the test's etcd, acknowledged.
   render "$chart" "$work/registrar-run.yaml" "$REGISTRAR_PLAIN,registrar.tls.secretName=registrar-tls,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false"

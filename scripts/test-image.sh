@@ -354,7 +354,7 @@ pass "the installed plugin, in a root holding nothing but itself and the run fol
 metrics="$(curl -s --max-time 5 "http://127.0.0.1:$port/metrics" || true)"
 grep -q '^aether_' <<<"$metrics" || fail "no aether_ metric on 127.0.0.1:$port/metrics (hostNetwork)"
 pass "/metrics answers on the node's loopback ($(grep -c '^aether_' <<<"$metrics") aether_ samples)"
-# build-image.sh builds with AETHER_REVISION set to the commit.
+# worker/build.rs names the commit the binaries were built from.
 want_rev="$(git -C "$root" rev-parse HEAD)"
 build_info="$(grep '^aether_build_info' <<<"$metrics" || true)"
 [[ $build_info == *"revision=\"$want_rev"* ]] || fail "aether_build_info does not name the commit $want_rev: '$build_info'"

@@ -32,6 +32,8 @@ declare -A budget=(
   ["chart tests"]=120
   ["the image as the chart runs it"]=420
 )
+# The whole run, installs and unbudgeted steps included.
+total_budget=1500
 steps=() times=()
 step_name="" step_start=$SECONDS
 end_step() {
@@ -46,7 +48,8 @@ step() {
 stage_times() {
   local rc=$?
   end_step
-  printf '\n=== stage times (total %d:%02d)\n' $((SECONDS / 60)) $((SECONDS % 60)) >&2
+  printf '\n=== stage times (total %d:%02d of a %d:%02d budget%s)\n' $((SECONDS / 60)) $((SECONDS % 60)) \
+    $((total_budget / 60)) $((total_budget % 60)) "$([[ $SECONDS -gt $total_budget ]] && echo ', OVER BUDGET')" >&2
   local i b
   for i in "${!steps[@]}"; do
     b="${budget[${steps[$i]}]:-}"
@@ -65,11 +68,6 @@ rustfmt --check --edition 2024 --config-path rustfmt.toml fuzz/fuzz_targets/*.rs
 
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
-# Every build below gets the commit for aether_build_info{revision}, as build-image.sh
-# sets it: the image step then reuses the release build of the end-to-end runs instead of
-# rebuilding every crate that reports it.
-AETHER_REVISION="$(aether_revision)"
-export AETHER_REVISION
 
 step "install Debian packages (scripts/install-deps.sh)"
 scripts/install-deps.sh
@@ -94,7 +92,7 @@ scripts/install-tools.sh
 hooks=(--features aether-supervisor/fault-hooks,aether-worker/fault-hooks)
 
 step "build"
-cargo build --workspace --bins --tests "${hooks[@]}"
+aether_build_debug
 
 # Every crate and target with the workspace's lints ([workspace.lints] in Cargo.toml); a
 # warning fails the run. It shares the build's build-script outputs, not its artifacts.

@@ -8,6 +8,10 @@
 //! later). So is a full listen backlog (EAGAIN: a burst or flood of connects not yet
 //! accepted), after a connect that waits for room in the kernel. Every call is idempotent
 //! on the agent side, so retrying a whole call is safe.
+//!
+//! The call carries what is left of the plugin's deadline as `grpc-timeout`: an agent too
+//! busy to commit an ADD by then refuses it just before (RESOURCE_EXHAUSTED), and the
+//! runtime reads code 11 with the agent's reason rather than this plugin's timeout.
 
 use std::io;
 use std::path::Path;
@@ -27,10 +31,15 @@ pub async fn call(inv: &Invocation, timeouts: Timeouts) -> Result<(), CniError> 
     let socket = inv.config.agent_socket.as_path();
     let deadline = Instant::now() + timeouts.connect;
     loop {
+        let started = Instant::now();
         let attempt = async {
             let channel = connect(socket, deadline, timeouts).await?;
             let mut client = CniClient::new(channel);
-            let request = inv.request.clone();
+            // What is left of this attempt's deadline goes to the agent as `grpc-timeout`:
+            // an agent too busy to commit the call in time refuses it before then, and the
+            // runtime reads that refusal rather than this plugin's timeout.
+            let mut request = tonic::Request::new(inv.request.clone());
+            request.set_timeout(timeouts.call.saturating_sub(started.elapsed()));
             let answer = match inv.command {
                 Command::Add => client.add(request).await.map(|_| ()),
                 Command::Del => client.del(request).await.map(|_| ()),

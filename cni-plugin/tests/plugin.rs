@@ -449,6 +449,41 @@ async fn add_check_del_round_trip() {
     assert_eq!((del.code, del.stdout.as_str()), (Some(0), ""));
 }
 
+/// A busy node: a batch holds the node's lifecycle lock past the ADD's bound. The agent
+/// refuses the queued ADD at `cni::ADD_BOUND` (5 s, well inside the plugin's 10 s), the
+/// plugin answers CNI code 11 (try again later) naming the cause at once, and the pod
+/// never lands when the lock frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_add_on_a_busy_agent_is_try_again_later_within_the_bound() {
+    let agent = Agent::start(Proxy::Acking).await;
+    let held = agent.node.lifecycle().await;
+    let add = run(env("ADD"), conf(&agent.socket()).into()).await;
+    drop(held);
+    assert_eq!(add.code, Some(1), "{}", add.stdout);
+    assert_eq!(add.json()["code"], 11, "{}", add.stdout);
+    let msg = add.json()["msg"].as_str().unwrap_or_default().to_string();
+    assert!(msg.contains("the agent is busy"), "{msg}");
+    assert!(
+        add.elapsed >= cni::ADD_BOUND && add.elapsed < cni::ADD_BOUND + Duration::from_secs(2),
+        "answered after {:?}",
+        add.elapsed
+    );
+    // Another pod's ADD takes the lock after the refused ADD's commit task, and its batch
+    // holds only itself: the refused pod was taken out of the queue.
+    let other = "6f1c2d3e-0000-4000-8000-000000000002";
+    let env2 = set(
+        set(env("ADD"), "CNI_CONTAINERID", Some("fedcba9876543210")),
+        "CNI_ARGS",
+        Some(&format!(
+            "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-1;K8S_POD_UID={other}"
+        )),
+    );
+    let conf2 = conf(&agent.socket()).replace("10.1.0.5/24", "10.1.0.6/24");
+    let add2 = run(env2, conf2.into()).await;
+    assert_eq!(add2.code, Some(0), "{}", add2.stdout);
+    assert_eq!(agent.records(), vec![format!("{other}.json")]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_lists_supported_versions() {
     let r = run(

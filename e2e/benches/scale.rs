@@ -13,6 +13,8 @@
 //!   runtime thread, diffed), median and p99; each change must send Envoy exactly one
 //!   resource, the service's load assignment, and nothing else;
 //! - a pod's ADD: exactly one listener and one cluster;
+//! - this process's RSS (the worker's pieces run in it) before the registry-file changes
+//!   and after each hundred of them (`BENCH_CHANGES=300` for the figure after 300);
 //! - Envoy's RSS holding every cluster, and, over delta ADS, with on-demand clusters:
 //!   a second Envoy whose pods' first call to a service it does not hold succeeds.
 
@@ -69,6 +71,38 @@ fn pod(n: u8) -> Pod {
         ips: vec![std::net::Ipv4Addr::new(10, 244, 0, n).into()],
         terminating: false,
     }
+}
+
+/// This process's `VmRSS` in MiB: the in-process worker's, with the rig's.
+fn own_rss() -> f64 {
+    memory_kib(std::process::id() as i32).0 as f64 / 1024.0
+}
+
+/// Writes `json` (the mesh file with every endpoint healthy) to `path` with endpoint
+/// `(service, endpoint)` draining or, with `draining` false, as it is.
+fn write_with_state(
+    path: &std::path::Path,
+    json: &str,
+    (service, endpoint): (usize, usize),
+    endpoints: usize,
+    draining: bool,
+) {
+    use std::io::Write as _;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    if draining {
+        let ip = std::net::Ipv4Addr::from(0x0a40_0000u32 + (service * endpoints + endpoint) as u32);
+        let at = json
+            .find(&format!("\"address\":\"{ip}\","))
+            .expect("the endpoint is in the file");
+        let state = at + json[at..].find("\"healthy\"").expect("its state");
+        let bytes = json.as_bytes();
+        f.write_all(&bytes[..state]).unwrap();
+        f.write_all(b"\"draining\"").unwrap();
+        f.write_all(&bytes[state + "\"healthy\"".len()..]).unwrap();
+    } else {
+        f.write_all(json.as_bytes()).unwrap();
+    }
+    f.flush().unwrap();
 }
 
 /// Envoy's `VmRSS` in MiB.
@@ -148,17 +182,31 @@ async fn main() {
     // and the file and the node agree.
     let mut via_api = Vec::new();
     let mut via_file = Vec::new();
+    // This process's RSS (the worker's pieces run in it) before the file changes and
+    // after each hundred: what a reload leaves behind.
+    let mut rss_after: Vec<(usize, f64)> = Vec::new();
     let changes = changes + changes % 2;
     for through_file in [false, true] {
+        if through_file {
+            rss_after.push((0, own_rss()));
+        }
         for i in 0..changes {
             let touched = ((i / 2) * 7919 + usize::from(through_file) * 13) % services;
             let draining = (i % 2 == 0).then_some((touched, i % endpoints));
             let before = sent(&rig);
             let t0;
             if through_file {
-                let body = mesh_registry_json(services, endpoints, draining, "");
+                // The file with one endpoint's state changed, written from the first
+                // file's text without a copy of it: the bench's own allocations stay out
+                // of the RSS figures below.
                 let tmp = rig.dir.path().join(".registry.json.tmp");
-                std::fs::write(&tmp, body).unwrap();
+                write_with_state(
+                    &tmp,
+                    &json,
+                    draining.map_or((touched, 0), |d| d),
+                    endpoints,
+                    draining.is_some(),
+                );
                 let mut snapshots = rig.node.subscribe();
                 snapshots.borrow_and_update();
                 t0 = Instant::now();
@@ -184,7 +232,10 @@ async fn main() {
             );
             let took = t0.elapsed();
             if through_file {
-                via_file.push(took)
+                via_file.push(took);
+                if (i + 1) % 100 == 0 {
+                    rss_after.push((i + 1, own_rss()));
+                }
             } else {
                 via_api.push(took)
             }
@@ -198,6 +249,9 @@ async fn main() {
     }
     summary("endpoint change -> Envoy ACK, change API", &via_api);
     summary("endpoint change -> Envoy ACK, registry file", &via_file);
+    for (n, rss) in &rss_after {
+        println!("worker RSS after {n:>4} registry-file changes         {rss:>8.1} MiB");
+    }
     println!(
         "each of the {} changes sent Envoy exactly one resource (its load assignment)",
         changes * 2

@@ -7,7 +7,8 @@
 //! source file is checked, not only Rust: `charts/…/values.yaml:…`, `scripts/….sh:…`.
 //! SECURITY.md's claims are only as good as these pointers. Every metric the worker
 //! registers is in ARCHITECTURE.md's table, and every row of RELIABILITY.md's fault matrix
-//! names tests that exist.
+//! names tests that exist. README's image section names each binary of the image list
+//! (`scripts/lib.sh`'s `AETHER_IMAGE_BINS`) with its size, and no count in words.
 
 use std::collections::HashMap;
 
@@ -326,4 +327,71 @@ fn a_test_function_is_told_from_a_helper() {
     assert!(!is_test_fn(text, "b"));
     assert!(is_test_fn(text, "c"));
     assert!(!is_test_fn(text, "d"));
+}
+
+/// The binaries `scripts/lib.sh` lists in `AETHER_IMAGE_BINS`, in order.
+fn image_bins(lib: &str) -> Vec<String> {
+    let line = lib
+        .lines()
+        .find_map(|l| l.strip_prefix("AETHER_IMAGE_BINS=("))
+        .expect("AETHER_IMAGE_BINS=( in scripts/lib.sh");
+    let list = line.split(')').next().expect("the list closes on its line");
+    list.split_whitespace().map(str::to_string).collect()
+}
+
+/// What is wrong with README's image section (from `### The image` to the next heading)
+/// against `bins`: a binary not named as `` `name` `` followed by its size in MiB, or a
+/// count of binaries in words, which would go stale when the list grows.
+fn image_section_problems(readme: &str, bins: &[String]) -> Vec<String> {
+    let Some(start) = readme.find("### The image") else {
+        return vec!["README.md has no \"### The image\" section".into()];
+    };
+    let rest = &readme[start + 3..];
+    let section = &rest[..rest.find("\n#").unwrap_or(rest.len())];
+    let flat = section.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut bad: Vec<String> = bins
+        .iter()
+        .filter(|b| {
+            let named = format!("`{b}` ");
+            !flat.match_indices(&named).any(|(i, _)| {
+                let after = &flat[i + named.len()..];
+                after.starts_with(|c: char| c.is_ascii_digit())
+            })
+        })
+        .map(|b| format!("README.md's image section gives no size for `{b}`"))
+        .collect();
+    for word in ["three", "four", "five", "six", "seven", "eight", "nine"] {
+        if flat.contains(&format!("{word} binaries")) {
+            bad.push(format!(
+                "README.md's image section counts \"{word} binaries\" in prose; name the list"
+            ));
+        }
+    }
+    if !flat.contains("AETHER_IMAGE_BINS") {
+        bad.push("README.md's image section does not name AETHER_IMAGE_BINS".into());
+    }
+    bad
+}
+
+#[test]
+fn the_image_section_of_the_readme_names_every_binary_the_image_carries() {
+    let root = root();
+    let lib = std::fs::read_to_string(root.join("scripts/lib.sh")).expect("scripts/lib.sh");
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let bins = image_bins(&lib);
+    assert!(bins.len() >= 5, "AETHER_IMAGE_BINS: {bins:?}");
+    let bad = image_section_problems(&readme, &bins);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[test]
+fn the_image_section_check_catches_a_missing_binary_and_a_count_in_words() {
+    let bins: Vec<String> = image_bins("AETHER_IMAGE_BINS=(a-one b-two) # x\n");
+    assert_eq!(bins, ["a-one", "b-two"]);
+    let good = "### The image\n\nthe binaries of `AETHER_IMAGE_BINS` (`a-one` 2.5 MiB,\n`b-two` 1.0)\n## Next";
+    assert_eq!(image_section_problems(good, &bins), Vec::<String>::new());
+    let missing = good.replace("`b-two` 1.0", "b-two 1.0");
+    assert_eq!(image_section_problems(&missing, &bins).len(), 1);
+    let counted = good.replace("the binaries", "the five binaries");
+    assert_eq!(image_section_problems(&counted, &bins).len(), 1);
 }

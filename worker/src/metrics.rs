@@ -60,9 +60,7 @@ pub struct BuildLabel {
     pub revision: String,
 }
 
-/// The commit the binary was built from, when the build said (`AETHER_REVISION`); an env
-/// variable rather than a build script reading `.git`, so that a commit elsewhere in the
-/// tree does not rebuild the worker.
+/// The commit the binary was built from, as `build.rs` derived it (`unknown` outside git).
 pub const REVISION: &str = match option_env!("AETHER_REVISION") {
     Some(r) if !r.is_empty() => r,
     _ => "unknown",

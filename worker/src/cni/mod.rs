@@ -41,7 +41,7 @@ use crate::storage::{Diff, Storage};
 pub use ack_source::PublishedAcks;
 pub use ack_source::{ACK_TIMEOUT, AckSource};
 pub use records::remove_pod;
-pub use service::CniService;
+pub use service::{ADD_BOUND, ANSWER_MARGIN, CniService};
 
 /// How long a draining server lets in-flight calls run after shutdown: an Add's ACK wait
 /// plus its storage write, with room to spare.

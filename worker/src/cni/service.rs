@@ -19,6 +19,46 @@ use crate::node::Node;
 use crate::storage::{self, Storage};
 use aether_model::{Change, Pod};
 
+/// The longest an ADD takes to answer, from the moment the service reads it: committed
+/// and ACKed, committed without the proxy's ACK (the ACK wait is cut to what is left), or
+/// refused as busy (RESOURCE_EXHAUSTED, CNI code 11 at the plugin) when it is not
+/// committed by then, as when it queues behind a batch that holds the lifecycle lock on
+/// a starved node. A caller whose `grpc-timeout` ends sooner (the plugin sends what is
+/// left of its own 10 s deadline) is answered [`ANSWER_MARGIN`] before it, so that it
+/// reads the answer rather than its own timeout.
+pub const ADD_BOUND: Duration = Duration::from_secs(5);
+/// How long before the caller's `grpc-timeout` an ADD answers.
+pub const ANSWER_MARGIN: Duration = Duration::from_millis(250);
+
+/// How long an ADD may take: [`ADD_BOUND`], or less when the caller's `grpc-timeout`
+/// (as gRPC writes it: up to 8 digits and a unit of H, M, S, m, u or n) ends sooner.
+fn answer_within(metadata: &tonic::metadata::MetadataMap) -> Duration {
+    let caller = metadata
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+            let n: u64 = if digits.len() <= 8 {
+                digits.parse().ok()?
+            } else {
+                return None;
+            };
+            Some(match unit {
+                "H" => Duration::from_secs(n * 3600),
+                "M" => Duration::from_secs(n * 60),
+                "S" => Duration::from_secs(n),
+                "m" => Duration::from_millis(n),
+                "u" => Duration::from_micros(n),
+                "n" => Duration::from_nanos(n),
+                _ => return None,
+            })
+        });
+    match caller {
+        Some(t) => ADD_BOUND.min(t.saturating_sub(ANSWER_MARGIN)),
+        None => ADD_BOUND,
+    }
+}
+
 /// Longest pod namespace or name (a DNS subdomain).
 const MAX_NAME: usize = 253;
 const MAX_IFNAME: usize = 15;
@@ -36,7 +76,7 @@ impl CniService {
 
 struct Inner {
     /// ADDs waiting for the lifecycle lock; whoever takes it next commits them all.
-    queue: std::sync::Mutex<Vec<Queued>>,
+    queue: std::sync::Mutex<Queue>,
     node: Arc<Node>,
     storage: Arc<Storage>,
     acks: Arc<dyn AckSource>,
@@ -116,6 +156,7 @@ impl CniService {
             Ok(_) => "ok",
             Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
             Err(s) if s.code() == tonic::Code::Unavailable => "unavailable",
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => "busy",
             Err(_) => "error",
         };
         self.inner
@@ -133,7 +174,12 @@ impl CniService {
 impl Cni for CniService {
     async fn add(&self, request: Request<CniRequest>) -> Result<Response<AddResponse>, Status> {
         let started = tokio::time::Instant::now();
-        let r = self.inner.clone().add(request.into_inner()).await;
+        let answer_by = started + answer_within(request.metadata());
+        let r = self
+            .inner
+            .clone()
+            .add(request.into_inner(), answer_by)
+            .await;
         self.count("add", &r, started);
         r.map(Response::new)
     }
@@ -154,34 +200,89 @@ impl Cni for CniService {
 }
 
 impl Inner {
-    async fn add(self: Arc<Self>, req: CniRequest) -> Result<AddResponse, Status> {
+    /// Commits the pod with the ADDs queued beside it, then waits for the proxy's ACK,
+    /// answering by `answer_by` in every case (see [`ADD_BOUND`]).
+    async fn add(
+        self: Arc<Self>,
+        req: CniRequest,
+        answer_by: tokio::time::Instant,
+    ) -> Result<AddResponse, Status> {
         let pod = pod_from_add(&req)?;
-        // Its own task: a caller hanging up drops this handler, and must not cancel the
-        // change between the storage write and the snapshot update.
-        let change = tokio::spawn({
+        let (done, result) = tokio::sync::oneshot::channel();
+        let ticket = {
+            let mut queue = lock(&self.queue);
+            queue.next_ticket += 1;
+            let ticket = queue.next_ticket;
+            queue.adds.push(Queued {
+                pod: pod.clone(),
+                done,
+                ticket,
+                queued_at: tokio::time::Instant::now(),
+            });
+            ticket
+        };
+        // The commit runs in a task of its own: neither this ADD giving up at `answer_by`
+        // nor a caller hanging up (which drops this handler) may cancel a batch between
+        // its storage write and its snapshot update.
+        tokio::spawn({
             let this = self.clone();
-            let pod = pod.clone();
-            async move { this.apply_add(pod).await }
+            async move { this.commit_queued().await }
         });
-        change
-            .await
-            .map_err(|e| Status::internal(format!("ADD of pod uid {}: {e}", pod.uid)))??;
+        match tokio::time::timeout_at(answer_by, result).await {
+            Ok(Ok(committed)) => committed?,
+            Ok(Err(_)) => {
+                return Err(Status::internal(format!(
+                    "the batch of the ADD of pod uid {} ended without an answer",
+                    pod.uid
+                )));
+            }
+            Err(_) => return Err(self.refuse_late(&pod, ticket)),
+        }
 
-        let acked = self
-            .acks
-            .wait_for_pod(&pod.uid, &pod.ips, self.ack_timeout)
-            .await;
+        let wait = self
+            .ack_timeout
+            .min(answer_by.saturating_duration_since(tokio::time::Instant::now()));
+        let acked = self.acks.wait_for_pod(&pod.uid, &pod.ips, wait).await;
         if !acked {
             self.metrics.cni_ack_timeouts.inc();
             tracing::warn!(
-                uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, timeout = ?self.ack_timeout,
+                uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, timeout = ?wait,
                 "proxy did not ACK a snapshot holding the pod in time; answering ADD anyway"
             );
         }
         Ok(AddResponse { acked })
     }
 
-    /// Adds the pod to the snapshot and writes its record, both under the lifecycle lock,
+    /// The refusal of an ADD not committed by its answer time: a retryable
+    /// RESOURCE_EXHAUSTED, which the plugin turns into CNI code 11 (try again later) at
+    /// once. An ADD still queued is taken out, so it never lands after its caller has
+    /// given up. One whose batch is still committing may land after this answer; the
+    /// runtime's DEL of the failed sandbox takes it out again, and a retried ADD is
+    /// idempotent.
+    fn refuse_late(&self, pod: &Pod, ticket: u64) -> Status {
+        let waited = {
+            let mut queue = lock(&self.queue);
+            let at = queue.adds.iter().position(|q| q.ticket == ticket);
+            at.map(|i| (queue.adds.remove(i).queued_at.elapsed(), queue.adds.len()))
+        };
+        let why = match waited {
+            Some((waited, behind)) => format!(
+                "still queued after {waited:?} behind a batch that holds the node's lifecycle \
+                 lock ({behind} more ADDs queued); it was taken out of the queue"
+            ),
+            None => "its batch is still committing; the pod may land, and the runtime's DEL \
+                     of the failed sandbox takes it out"
+                .to_string(),
+        };
+        tracing::warn!(uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ips = ?pod.ips, "CNI ADD refused, not committed in time: {why}");
+        Status::resource_exhausted(format!(
+            "the agent is busy: the ADD of pod uid {} was not committed in time: {why}; try again",
+            pod.uid
+        ))
+    }
+
+    /// Commits every queued ADD: adds the pods to the snapshot and writes their records,
+    /// both under the lifecycle lock,
     /// together with every other ADD that queued meanwhile (group commit): a burst of
     /// ADDs publishes one snapshot per batch and writes the batch's records in one
     /// [`Storage::put_all`], side by side with one fsync of the folder. The proxy starts applying
@@ -190,17 +291,8 @@ impl Inner {
     /// before), so no answer ever claims a pod the storage does not hold. A crash in
     /// between leaves no record: the next owner's snapshot, built from storage, drops the
     /// pod, and the runtime retries the ADD it never saw succeed.
-    async fn apply_add(&self, pod: Pod) -> Result<(), Status> {
-        let (done, result) = tokio::sync::oneshot::channel();
-        lock(&self.queue).push(Queued { pod, done });
-        self.commit_queued().await;
-        result
-            .await
-            .map_err(|_| Status::internal("the ADD's batch ended without an answer"))?
-    }
-
-    /// Commits every queued ADD, under the lifecycle lock. A caller whose ADD an earlier
-    /// holder of the lock committed finds the queue empty.
+    ///
+    /// A caller whose ADD an earlier holder of the lock committed finds the queue empty.
     ///
     /// An older pod holding one of a new pod's IPs (its DEL never reached the agent, and
     /// the IP was given out again) is evicted first, record and snapshot, and logged: the
@@ -211,10 +303,12 @@ impl Inner {
     /// back out and its ADD fails.
     async fn commit_queued(&self) {
         let _lifecycle = self.node.lifecycle().await;
-        let batch = std::mem::take(&mut *lock(&self.queue));
+        let batch = std::mem::take(&mut lock(&self.queue).adds);
         if batch.is_empty() {
             return;
         }
+        let started = tokio::time::Instant::now();
+        let (size, oldest) = (batch.len(), batch[0].queued_at.elapsed());
         if let Err(refused) = self.check_not_drained() {
             for q in batch {
                 let _ = q.done.send(Err(refused.clone()));
@@ -277,6 +371,7 @@ impl Inner {
         for (done, answer) in answers {
             let _ = done.send(answer);
         }
+        tracing::debug!(size, queued = ?oldest, took = ?started.elapsed(), "CNI ADD batch committed");
     }
 
     /// Evicts the older pods holding a new pod's IP: their records first, so a failure
@@ -596,9 +691,19 @@ type Answer = tokio::sync::oneshot::Sender<Result<(), Status>>;
 struct Queued {
     pod: Pod,
     done: Answer,
+    /// Names the ADD in the queue, for taking it out when it is refused.
+    ticket: u64,
+    queued_at: tokio::time::Instant,
+}
+
+/// The ADDs waiting for the lifecycle lock, oldest first.
+#[derive(Default)]
+struct Queue {
+    adds: Vec<Queued>,
+    next_ticket: u64,
 }
 
 /// The queue holds plain data; a panic while it was locked loses nothing worth refusing.
-fn lock(m: &std::sync::Mutex<Vec<Queued>>) -> std::sync::MutexGuard<'_, Vec<Queued>> {
+fn lock(m: &std::sync::Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -707,3 +707,72 @@ async fn each_call_is_timed_by_op_and_result() {
         "an invalid ADD is answered at once"
     );
 }
+
+/// An ADD `timeout` header as the plugin sends it.
+fn with_timeout(r: CniRequest, timeout: &str) -> Request<CniRequest> {
+    let mut r = Request::new(r);
+    r.metadata_mut()
+        .insert("grpc-timeout", timeout.parse().unwrap());
+    r
+}
+
+/// The queued ADD on a starved node: a batch holds the lifecycle lock (here, forever). The
+/// ADD is refused as busy at [`service::ADD_BOUND`] (or its caller's `grpc-timeout` less
+/// the margin), counted, and taken out of the queue: it never lands once the lock frees.
+#[tokio::test(start_paused = true)]
+async fn a_queued_add_is_refused_as_busy_by_its_bound_and_never_lands() {
+    use service::{ADD_BOUND, ANSWER_MARGIN};
+    for (timeout, bound) in [
+        (None, ADD_BOUND),
+        (Some("30S"), ADD_BOUND),
+        (Some("1500m"), Duration::from_millis(1500) - ANSWER_MARGIN),
+        (Some("bad"), ADD_BOUND),
+    ] {
+        let f = fixture(true);
+        let held = f.node.lifecycle().await;
+        let start = tokio::time::Instant::now();
+        let request = req("u1", "c1", &["10.1.0.5"]);
+        let request = match timeout {
+            Some(t) => with_timeout(request, t),
+            None => Request::new(request),
+        };
+        let err = f.service.add(request).await.unwrap_err();
+        assert_eq!(err.code(), Code::ResourceExhausted, "{timeout:?}: {err:?}");
+        assert!(err.message().contains("still queued"), "{}", err.message());
+        assert_eq!(start.elapsed(), bound, "{timeout:?}");
+        drop(held);
+        // The ADD's commit task takes the lock now and must find nothing to commit.
+        f.service
+            .del(Request::new(req("u2", "c2", &[])))
+            .await
+            .unwrap();
+        assert!(stored(f.storage.dir()).is_empty(), "{timeout:?}");
+        assert!(f.node.inputs().pods.is_empty(), "{timeout:?}");
+        assert!(
+            f.metrics
+                .encode()
+                .contains("aether_cni_requests_total{op=\"add\",result=\"busy\"} 1"),
+            "{timeout:?}"
+        );
+    }
+}
+
+/// A committed ADD whose proxy does not ACK answers success by the caller's deadline: the
+/// ACK wait is cut to what is left of it.
+#[tokio::test(start_paused = true)]
+async fn the_ack_wait_is_cut_to_the_callers_deadline() {
+    let f = fixture(false);
+    let start = tokio::time::Instant::now();
+    let resp = f
+        .service
+        .add(with_timeout(req("u1", "c1", &["10.1.0.5"]), "1S"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!resp.acked);
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(1) - service::ANSWER_MARGIN
+    );
+    assert_eq!(stored(f.storage.dir()), vec!["u1.json"]);
+}
