@@ -175,6 +175,8 @@ fn apply(addr: &str, ca: &Path, file: &Path, doc: &str) -> Result<i64> {
 /// and its pods. Fields drop in order: Envoy, then the agent, then the folder.
 pub struct PeerNode {
     pub envoy: Envoy,
+    /// Every agent generation's flags (a roll starts the next with them).
+    pub flags: Vec<String>,
     pub owner: Agent,
     pub cni: Arc<Cni>,
     pub pods: Arc<Mutex<Pods>>,
@@ -184,17 +186,30 @@ pub struct PeerNode {
 impl PeerNode {
     /// Starts node B's agent against the registrar and its Envoy, and waits until that
     /// Envoy routes `service` (whose endpoints are node B's upstreams) through its own
-    /// outbound listener.
-    pub fn start(cfg: &Config, registrar: &[String], service: &str) -> Result<PeerNode> {
+    /// outbound listener. With `netns` (ARG_MTLS: the namespace and the agents' further
+    /// flags), Envoy runs in that namespace with the capture listeners inside it, and the
+    /// wait is for its first listeners instead.
+    pub fn start(
+        cfg: &Config,
+        registrar: &[String],
+        service: &str,
+        netns: Option<(&str, &[String])>,
+    ) -> Result<PeerNode> {
         let mut node = LocalNode::new();
         node.root.disable_cleanup(true);
         node.node_name = NODE_B.into();
         let root = node.root.path().to_path_buf();
         let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
         let capture = root.join("capture.json");
-        std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
+        match netns {
+            Some(_) => std::fs::write(&capture, super::mtls::capture_json())?,
+            None => std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?,
+        }
         let mut flags = vec![format!("--capture-file={}", capture.display())];
         flags.extend_from_slice(registrar);
+        if let Some((_, more)) = netns {
+            flags.extend_from_slice(more);
+        }
         let owner = node.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
         try_wait_for(
             &format!("node B's agent {} to own its node", owner.name),
@@ -209,8 +224,12 @@ impl PeerNode {
                 owner.log()
             )
         })?;
+        let envoy_bin = match netns {
+            Some((ns, _)) => super::mtls::envoy_in(&root, ns, &cfg.envoy)?,
+            None => cfg.envoy.clone(),
+        };
         let envoy = Envoy::start(
-            &cfg.envoy,
+            &envoy_bin,
             &root,
             &node.run_dir,
             cfg.backoff_base,
@@ -223,7 +242,12 @@ impl PeerNode {
             T_START,
             || {
                 (envoy.stat(envoy::CONNECTED) == Some(1)
-                    && super::load::request(outbound, service).is_ok())
+                    && match netns {
+                        Some(_) => envoy
+                            .stat("listener_manager.lds.update_success")
+                            .is_some_and(|n| n >= 1),
+                        None => super::load::request(outbound, service).is_ok(),
+                    })
                 .then_some(())
             },
         )
@@ -235,6 +259,7 @@ impl PeerNode {
         let pods = Arc::new(Mutex::new(Pods::on("b-", 89)));
         Ok(PeerNode {
             envoy,
+            flags,
             owner,
             cni,
             pods,
