@@ -101,22 +101,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let mut service = CniService::new(node, storage, Arc::new(acks), metrics);
-    if let Some(marks) = marks.clone() {
+    if let Some(marks) = marks {
         service = service.with_drain_marks(marks);
     }
-    let result = serve_service(listener, service, shutdown, DRAIN_BOUND, Limits::default()).await;
-    // The DELs this owner answered have their drain marks written before it hands the
-    // node on: the next owner never hears of a pod deleted before it took over.
-    if let Some(marks) = marks
-        && !marks.flushed(MARKS_FLUSH_BOUND).await
-    {
-        tracing::warn!(bound = ?MARKS_FLUSH_BOUND, "drain marks still unwritten at exit; the registrar is slow or unreachable");
-    }
-    result
+    serve_service(listener, service, shutdown, DRAIN_BOUND, Limits::default()).await
 }
-
-/// How long a draining owner waits for the drain marks of the DELs it answered.
-const MARKS_FLUSH_BOUND: Duration = Duration::from_secs(1);
 
 /// [`serve`] with any service configuration and drain bound, for tests.
 #[cfg(any(test, feature = "testing"))]

@@ -326,43 +326,20 @@ fn watch_error(addr: &Address, me: &Identity, s: tonic::Status) -> anyhow::Error
 #[derive(Clone)]
 pub struct Marks {
     tx: mpsc::UnboundedSender<IpAddr>,
-    /// Requests not yet written (or merged into one being written).
-    outstanding: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Marks {
     /// Asks for `ip`'s endpoints on this node to be marked draining.
     pub fn drain(&self, ip: IpAddr) {
-        self.outstanding
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if self.tx.send(ip).is_err() {
-            self.outstanding
-                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    /// Waits until every mark asked for so far is written (or answered not found or
-    /// refused), at most `bound`; whether all were.
-    pub async fn flushed(&self, bound: std::time::Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + bound;
-        loop {
-            if self.outstanding.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-                return true;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
+        let _ = self.tx.send(ip);
     }
 
     /// Starts the writer. Only the owner calls this (from serving): a standby has no
     /// handle and writes nothing.
     pub fn spawn(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        tokio::spawn(mark_writer(addrs, me, metrics, rx, outstanding.clone()));
-        Self { tx, outstanding }
+        tokio::spawn(mark_writer(addrs, me, metrics, rx));
+        Self { tx }
     }
 }
 
@@ -371,14 +348,7 @@ async fn mark_writer(
     me: Identity,
     metrics: Arc<Metrics>,
     mut rx: mpsc::UnboundedReceiver<IpAddr>,
-    outstanding: Arc<std::sync::atomic::AtomicUsize>,
 ) {
-    // A request for an address already pending is merged into it, and done with it.
-    let merged = |fresh: bool| {
-        if !fresh {
-            outstanding.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    };
     let mut pending = BTreeSet::new();
     let mut backoff = backoff();
     let mut attempt = 0usize;
@@ -386,12 +356,12 @@ async fn mark_writer(
     loop {
         if pending.is_empty() {
             match rx.recv().await {
-                Some(ip) => merged(pending.insert(ip)),
+                Some(ip) => pending.insert(ip),
                 None => return,
             };
         }
         while let Ok(ip) = rx.try_recv() {
-            merged(pending.insert(ip));
+            pending.insert(ip);
         }
         let addr = &addrs[attempt % addrs.len()];
         let c = match &mut client {
@@ -466,7 +436,6 @@ async fn mark_writer(
             })
             .inc();
         pending.remove(&ip);
-        outstanding.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         backoff.reset();
     }
 }
