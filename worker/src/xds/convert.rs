@@ -201,7 +201,11 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                         transport_protocol: transport_protocol.into(),
                         ..Default::default()
                     }),
-                    filters: vec![inbound_tcp_proxy(&c.cluster, c.access_log.as_deref())],
+                    filters: vec![inbound_tcp_proxy(
+                        &c.cluster,
+                        c.access_log.as_deref(),
+                        transport_socket.is_some(),
+                    )],
                     transport_socket,
                     ..Default::default()
                 }
@@ -617,7 +621,7 @@ pub fn secret(n: &snapshot::NamedSecret) -> Any {
 }
 
 fn tcp_proxy(cluster: &str) -> listener::Filter {
-    inbound_tcp_proxy(cluster, None)
+    inbound_tcp_proxy(cluster, None, false)
 }
 
 /// The fields of a pod's inbound access log line (`--inbound-access-log`), JSON keys to
@@ -637,9 +641,21 @@ pub const INBOUND_ACCESS_LOG_FIELDS: [(&str, &str); 8] = [
     ("bytes_received", "%BYTES_RECEIVED%"),
 ];
 
+/// How much a client of a pod's mTLS chain may send before the connection to the pod is
+/// made, buffered.
+const MTLS_EARLY_DATA_BYTES: u32 = 16 * 1024;
+
 /// A tcp_proxy to `cluster`; with `access_log`, each connection logged there as one JSON
-/// line once the upstream connection is made and one at its end.
-fn inbound_tcp_proxy(cluster: &str, access_log: Option<&str>) -> listener::Filter {
+/// line once the upstream connection is made and one at its end. `after_handshake` (a
+/// pod's mTLS chain): the connection to the pod is made only once the peer's TLS
+/// handshake has completed, so no unverified peer ever reaches the pod, and the
+/// on-connect log line knows the peer's SPIFFE ID (made at once, the connection to the
+/// pod and that line come before the handshake ends).
+fn inbound_tcp_proxy(
+    cluster: &str,
+    access_log: Option<&str>,
+    after_handshake: bool,
+) -> listener::Filter {
     use envoy_types::pb::envoy::config::accesslog::v3 as accesslog;
     use envoy_types::pb::envoy::extensions::access_loggers::file::v3 as file_log;
 
@@ -699,6 +715,14 @@ fn inbound_tcp_proxy(cluster: &str, access_log: Option<&str>) -> listener::Filte
                 )),
                 access_log,
                 access_log_options,
+                upstream_connect_mode: if after_handshake {
+                    tcp::UpstreamConnectMode::OnDownstreamTlsHandshake as i32
+                } else {
+                    tcp::UpstreamConnectMode::Immediate as i32
+                },
+                max_early_data_bytes: after_handshake.then_some(UInt32Value {
+                    value: MTLS_EARLY_DATA_BYTES,
+                }),
                 ..Default::default()
             },
         ))),
@@ -1155,6 +1179,16 @@ mod tests {
         );
         let with = proxies(&with);
         assert_eq!(with.len(), 2, "the mTLS and the plaintext chain");
+        assert_eq!(
+            with.iter()
+                .map(|p| p.upstream_connect_mode)
+                .collect::<Vec<_>>(),
+            vec![
+                tcp::UpstreamConnectMode::OnDownstreamTlsHandshake as i32,
+                tcp::UpstreamConnectMode::Immediate as i32
+            ],
+            "the mTLS chain reaches the pod only after the handshake"
+        );
         for p in with {
             assert_eq!(p.access_log.len(), 1);
             assert!(p.access_log_options.unwrap().flush_access_log_on_connected);
