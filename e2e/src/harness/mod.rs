@@ -930,7 +930,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         .registry
         .as_ref()
         .zip(bench.peer.as_ref())
-        .map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone()));
+        .map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone(), bench.gate.is_some()));
     // ARG_MTLS: node B rolls too, timed on its own Envoy.
     let mut peer_poller = bench
         .gate
@@ -1841,11 +1841,12 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if let Some(d) = &r.cross_drain {
             println!(
-                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen, {} steps failed, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
+                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen, {} steps failed, {} ADDs refused while node B's worker restarted, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
                 d.samples.len(),
                 r.drains_across_reconnects().0.len(),
                 d.timeouts.len(),
                 d.errors.len(),
+                d.refused_adds,
                 d.batches,
                 d.poll_cost.0.as_secs_f64() * 1000.0,
                 d.poll_cost.1.as_secs_f64() * 1000.0

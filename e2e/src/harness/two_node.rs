@@ -291,6 +291,9 @@ pub struct DrainReport {
     pub errors: Vec<String>,
     /// Registrar applies of new pod endpoints.
     pub batches: u64,
+    /// ARG_MTLS (node B rolled too): ADDs node B refused, as it does while its worker
+    /// restarts.
+    pub refused_adds: u64,
     /// Median and worst time one read of node A's `/clusters` took.
     pub poll_cost: (Duration, Duration),
 }
@@ -342,11 +345,18 @@ struct DrainCtx {
     admin: PathBuf,
     cluster: String,
     stop: Arc<AtomicBool>,
+    /// Node B's agent rolls too (ARG_MTLS).
+    node_b_rolls: bool,
 }
 
 impl CrossDrain {
     /// `admin`: node A's Envoy admin socket.
-    pub fn start(registry: &SharedRegistry, peer: &PeerNode, admin: PathBuf) -> CrossDrain {
+    pub fn start(
+        registry: &SharedRegistry,
+        peer: &PeerNode,
+        admin: PathBuf,
+        node_b_rolls: bool,
+    ) -> CrossDrain {
         let stop = Arc::new(AtomicBool::new(false));
         let ctx = DrainCtx {
             registrar: registry.addr().to_string(),
@@ -357,6 +367,7 @@ impl CrossDrain {
             admin,
             cluster: aether_model::outbound_cluster_name(80, POD_SERVICE, POD_NAMESPACE),
             stop: stop.clone(),
+            node_b_rolls,
         };
         let thread = std::thread::Builder::new()
             .name("cross-drain".into())
@@ -398,6 +409,11 @@ impl DrainCtx {
             for (pod, ip) in &batch {
                 if churn::add_pod(&self.cni, &self.pods, pod, *ip) {
                     added.push((pod.clone(), *ip));
+                } else if self.node_b_rolls {
+                    // ARG_MTLS rolls node B too: while its worker restarts after a crash
+                    // an ADD is refused (fail closed) and the runtime retries it; that
+                    // pod is left out of the drains, and its DEL retried.
+                    report.refused_adds += 1;
                 } else {
                     report.errors.push(format!(
                         "ADD {} on node B failed: {:?}",
