@@ -1891,7 +1891,12 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                     .sum::<u64>()
             );
             println!(
-                "{m}: identity: the load is unchanged: plaintext through Envoy's outbound listener to loopback upstreams, which are not pods, so mTLS is not on its path{}",
+                "{m}: identity: {}{}",
+                if r.mtls.is_some() {
+                    "the load is the pods' mTLS load below"
+                } else {
+                    "the load is unchanged: plaintext through Envoy's outbound listener to loopback upstreams, which are not pods, so mTLS is not on its path"
+                },
                 if mtls == identity::Mtls::Permissive {
                     " (permissive pods keep their plaintext chain as well)"
                 } else {
