@@ -540,6 +540,7 @@ impl ModeResult {
                 "cross_node_drain_across_reconnect": across.len(),
                 "cross_node_drain_served_p99_s": percentile(&served, 99.0).map(r),
                 "cross_node_drain_timeouts": self.cross_drain.as_ref().map_or(0, |d| d.timeouts.len()),
+                "cross_node_drain_lost_in_peer_rolls": self.cross_drain.as_ref().map_or(0, |d| d.lost_in_peer_rolls.len()),
                 "cross_node_drain_poll_cost_median_ms": self.cross_drain.as_ref().map(|d| r(d.poll_cost.0.as_secs_f64() * 1000.0)),
                 "eds_equal_registrar": matches!(self.eds_equal_registrar, Some(Ok(()))),
                 "peer_node_dir": self.peer_dir.as_ref().map(|p| p.display().to_string()),
@@ -965,6 +966,9 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
                     Ok(mut r) => {
                         r.failed_requests = failures() - failed_before;
                         log_roll(&label, i, of, m, &r, bench.identity.is_some());
+                        if let (Some(g), true) = (bench.gate.as_mut(), node_b) {
+                            g.report.peer_windows.extend(r.unserved);
+                        }
                         match bench.gate.as_mut() {
                             Some(g) if m == Mode::WorkerCrash => {
                                 g.report.crash_gaps.extend(r.gap);
@@ -1045,7 +1049,28 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     if let Some(p) = &mut peer_poller {
         p.stop();
     }
-    res.cross_drain = drain.map(CrossDrain::stop);
+    // ARG_MTLS: node B's rolls, for the drains lost across them.
+    let peer_windows: Vec<(Instant, Instant)> = bench
+        .gate
+        .as_ref()
+        .map(|g| g.report.peer_windows.clone())
+        .unwrap_or_default();
+    res.cross_drain = drain.map(CrossDrain::stop).map(|mut d| {
+        let margin = Duration::from_millis(100);
+        let lost: Vec<String> = d
+            .timeouts
+            .iter()
+            .zip(&d.timeout_dels)
+            .filter(|(_, at)| {
+                peer_windows
+                    .iter()
+                    .any(|(from, to)| **at + margin >= *from && **at <= *to + margin)
+            })
+            .map(|(t, _)| t.clone())
+            .collect();
+        d.lost_in_peer_rolls = lost;
+        d
+    });
     std::thread::sleep(Duration::from_millis(300));
     envoy_log_times(&bench.envoy.log, log_from, &mut res.rolls);
     res.poll_max_interval = poller.max_interval();
@@ -1841,10 +1866,11 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if let Some(d) = &r.cross_drain {
             println!(
-                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen, {} steps failed, {} ADDs refused while node B's worker restarted, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
+                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen ({} of them DELs answered within 100 ms of a node B roll: KNOWN OPEN, the old worker's queued drain mark is lost with it; not failed on), {} steps failed, {} ADDs refused while node B's worker restarted, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
                 d.samples.len(),
                 r.drains_across_reconnects().0.len(),
                 d.timeouts.len(),
+                d.lost_in_peer_rolls.len(),
                 d.errors.len(),
                 d.refused_adds,
                 d.batches,

@@ -877,6 +877,9 @@ pub struct Report {
     /// request that presented it (s).
     pub svid_to_first_mtls: Vec<f64>,
     pub peer_rolls: usize,
+    /// Node B's rolls: from its Envoy's stream end (about the SIGTERM or SIGKILL) to its
+    /// first update from the new owner.
+    pub peer_windows: Vec<(Instant, Instant)>,
     /// The worker crashes' gaps, node A's then node B's (s).
     pub crash_gaps: Vec<f64>,
     pub crash_bound: f64,
