@@ -42,6 +42,48 @@
 #                     _p99_ms, _max_ms (the new owners' /ready takeover.svid_wait_us),
 #                     svid_wait_missed_pods, overlap_pods, overlap_pod_svid_median_ms,
 #                     _max_ms, load_path
+#   ARG_MTLS          strict | permissive: pod-to-pod mTLS load across two nodes while both
+#                     roll. Needs ARG_NODES=2 (an error otherwise) and ARG_MODE=surge (the
+#                     default); turns identity on for both nodes (one test provider, one
+#                     trust domain, --mtls=<mode> on every agent; ARG_IDENTITY, if set, must
+#                     agree). Both Envoys run in network namespaces (root, ip and nft
+#                     needed): node A's 4 client pods, each in a namespace of its own, call 3
+#                     services (VIPs, nftables-redirected to node A's Envoy) whose endpoints
+#                     are 6 server pods on node B, mTLS-capable, so every call crosses both
+#                     Envoys over mTLS with the calling pod's SVID. Load: 13 keep-alive
+#                     connections per client pod (52), a request every 200 ms on each, and a
+#                     new connection per request every 250 ms per pod (16 a second); it
+#                     replaces the plaintext load (requests/failed_requests count it). Node
+#                     B's agents run with --inbound-access-log; each server pod answers with
+#                     the address its connection came from, and the harness joins every
+#                     answered request to node B's log line of that connection and checks
+#                     the peer SPIFFE ID there is the calling pod's own. The run: ARG_ROLLS
+#                     surge rolls of node A (pods churning as above), then ARG_ROLLS of node
+#                     B (node B's drain churn running throughout), then a worker crash on
+#                     each node; ARG_MTLS_ROTATIONS (3) rotations of every pod's SVID, each
+#                     checked in both Envoys' /certs within 5 s, and ARG_MTLS_IP_REUSES (1)
+#                     client pods deleted and replaced by a new pod at the same address (its
+#                     SVID held 0.5 s), spread between the rolls. Extra JSON fields:
+#                     mtls, mtls_requests, mtls_failed, mtls_wrong_identity (missing,
+#                     foreign, reused-IP, agent, or unjoined: no log line for the request's
+#                     connection; by kind in mtls_wrong_identity_kinds), mtls_plaintext,
+#                     mtls_plaintext_pods, mtls_plaintext_after_svid, mtls_rotations,
+#                     mtls_ip_reuses, mtls_joined, mtls_connections_opened,
+#                     mtls_keepalive_connections, mtls_rps, mtls_peer_rolls,
+#                     mtls_worker_crash_gaps_s, mtls_svid_to_first_mtls_samples, _p99_s,
+#                     _max_s (a reused address's new pod: its SVID's release to the first
+#                     answered request presenting it), mtls_rotation_in_envoys_max_s. The
+#                     gap fields cover both nodes' surge rolls (rolls = 2 x ARG_ROLLS); the
+#                     crashes are held to the worker-crash bound (0.25 s). A cross-node
+#                     drain whose DEL node B answered within 100 ms of one of its own rolls
+#                     and never showed is a known open loss (the old worker's queued drain
+#                     mark dies with it): counted in cross_node_drain_lost_in_peer_rolls,
+#                     printed KNOWN OPEN, not failed on; any other still fails. Fails on
+#                     mtls_failed > 0, mtls_wrong_identity > 0, in strict mode on
+#                     mtls_plaintext > 0, in permissive mode on plaintext sent on a
+#                     connection opened after the pod's SVID had arrived (its outbound chain
+#                     in node A's config, plus 100 ms for Envoy's workers), and when a
+#                     rotation or IP reuse did not complete
 #   ARG_BOUND         fail when the p99 gap exceeds it, e.g. 0.12 or 120ms (default per
 #                     mode: surge 0.12 s, worker-crash 0.25 s, recreate 15 s)
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)
@@ -74,7 +116,8 @@
 # only when the p99 gap is within ARG_BOUND and no request failed, no acknowledged pod
 # ADD was lost and Envoy never had a connect to xds.sock refused, in every mode; with two
 # nodes also only when every cross-node drain showed within 10 s and both Envoys' EDS
-# equal the registrar's view; with ARG_IDENTITY also only when no SVID check missed. The node
+# equal the registrar's view; with ARG_IDENTITY also only when no SVID check missed; with
+# ARG_MTLS also only when the mTLS checks above pass. The node
 # runs the socket keeper (aether-supervisor --keep-sockets, which execs aether-keeper) beside the agents, as the
 # chart does, so that in recreate the listener outlives the generations.
 set -euo pipefail

@@ -116,6 +116,12 @@ if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   ARG_NODES=2 ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
   step "end-to-end: surge with workload identity (permissive mTLS)"
   ARG_IDENTITY=permissive ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
+  # Pod-to-pod mTLS through both nodes' Envoys while both roll, each request's identity
+  # checked at node B's Envoy: the short form (4 rolls a node, a worker crash on each,
+  # 1 rotation, 1 IP reuse); README.md has the full one.
+  step "end-to-end: two-node mTLS gate, strict (short form)"
+  ARG_NODES=2 ARG_MTLS=strict ARG_ROLLS=4 ARG_MTLS_ROTATIONS=1 ARG_MTLS_IP_REUSES=1 ARG_BOUND=1 \
+    e2e/agent-restart-gap.sh
   # The runs above built the release binaries (cargo build --release --workspace --bins).
   step "release binaries carry no fault hook"
   scripts/check-release-hooks.sh

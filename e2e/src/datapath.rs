@@ -420,6 +420,10 @@ pub enum Serve {
     /// "none">`; with a config, over TLS it terminates itself (mTLS when the config asks
     /// for client certificates).
     Http(Option<Arc<ServerConfig>>),
+    /// Answers each HTTP/1.1 request 200 with `<pod> from=<the connection's peer
+    /// address>`, plaintext: behind the node's Envoy that address is the Envoy's end of
+    /// the connection it proxies, which its access log names (`upstream_local_address`).
+    HttpFrom,
 }
 
 /// A pod's server: an accept thread and a thread per connection; stopped when dropped.
@@ -456,6 +460,7 @@ impl PodServer {
                         let _ = match serve {
                             Serve::Lines => serve_lines(&name, s, &served),
                             Serve::Http(tls) => serve_http(&name, s, tls, &served, &peers),
+                            Serve::HttpFrom => serve_http_from(&name, s, &served),
                         };
                     });
                 }
@@ -567,6 +572,29 @@ fn serve_http(
             .as_bytes(),
         )?;
         io.flush()?;
+    }
+}
+
+fn serve_http_from(name: &str, mut s: TcpStream, served: &AtomicU64) -> io::Result<()> {
+    let body = format!("{name} from={}", s.peer_addr()?);
+    let mut buf = Vec::new();
+    loop {
+        loop {
+            let Some(line) = read_line(&mut s, &mut buf)? else {
+                return Ok(());
+            };
+            if line.trim_end_matches('\r').is_empty() {
+                break;
+            }
+        }
+        served.fetch_add(1, Ordering::SeqCst);
+        s.write_all(
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )?;
     }
 }
 

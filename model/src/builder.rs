@@ -119,7 +119,12 @@ impl Builder {
         let mut certified_sources = BTreeMap::new();
         let mut held_back = imbl::OrdSet::new();
         for (uid, pod) in &inputs.pods {
-            if let Some(r) = pod_resources(pod, &ip_claims, &inputs.identity) {
+            if let Some(r) = pod_resources(
+                pod,
+                &ip_claims,
+                &inputs.identity,
+                inputs.inbound_access_log.as_deref(),
+            ) {
                 if r.held_back {
                     held_back.insert(uid.clone());
                 }
@@ -312,11 +317,14 @@ impl Builder {
         let mut sources_changed = false;
         for uid in &pods {
             let name = inbound_listener_name(uid);
-            let built = self
-                .inputs
-                .pods
-                .get(uid)
-                .and_then(|p| pod_resources(p, &self.ip_claims, &self.inputs.identity));
+            let built = self.inputs.pods.get(uid).and_then(|p| {
+                pod_resources(
+                    p,
+                    &self.ip_claims,
+                    &self.inputs.identity,
+                    self.inputs.inbound_access_log.as_deref(),
+                )
+            });
             stale_secrets.extend(self.pod_secrets.remove(uid).unwrap_or_default());
             let (plaintext, certified) = built
                 .as_ref()
@@ -595,6 +603,7 @@ fn pod_resources(
     pod: &Pod,
     claims: &BTreeMap<IpAddr, BTreeSet<String>>,
     id: &Identity,
+    access_log: Option<&str>,
 ) -> Option<PodResources> {
     let uid = pod.uid.as_str();
     let ips: Vec<IpAddr> = pod
@@ -658,6 +667,7 @@ fn pod_resources(
                 ips,
                 cluster,
                 tls,
+                access_log: access_log.map(str::to_string),
             },
         },
     });

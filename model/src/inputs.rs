@@ -14,6 +14,9 @@ pub struct Inputs {
     /// The proxy fetches outbound clusters on demand (`--on-demand-clusters`): the
     /// outbound listener carries Envoy's on-demand filter. Fixed for a worker's life.
     pub on_demand_clusters: bool,
+    /// The file in the proxy's filesystem where each pod's inbound listener logs its
+    /// connections (`--inbound-access-log`); None: no access log. Fixed for a worker's life.
+    pub inbound_access_log: Option<String>,
     /// SVIDs, the trust bundle and the mTLS mode (the trust domain and the mode are fixed
     /// for a worker's life).
     pub identity: Identity,

@@ -244,6 +244,11 @@ pub struct InboundChain {
     /// `None`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<InboundTls>,
+    /// Where the proxy writes one access log line per connection to the pod
+    /// (`--inbound-access-log`); `None`: no access log. Left out of the content hash when
+    /// `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub access_log: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -65,6 +65,14 @@ pub struct AgentFlags {
     /// meshes: Envoy's memory then follows what the node uses, not the mesh's size.
     #[arg(long, env = "AETHER_ON_DEMAND_CLUSTERS")]
     pub on_demand_clusters: bool,
+    /// A file in the proxy's filesystem (an absolute path, or /dev/stdout) where every
+    /// pod's inbound listener logs each connection [default: none, no access log]: one
+    /// JSON line when the connection to the pod is made and one when it ends, with the
+    /// peer's SPIFFE ID (`peer_uri_san`, empty in plaintext), its TLS version, its address,
+    /// the upstream address the proxy used and the pod's address. An audit of who reached
+    /// each pod with which identity. The proxy opens it; the agent never does.
+    #[arg(long, env = "AETHER_INBOUND_ACCESS_LOG", value_name = "PATH", value_parser = parse_access_log)]
+    pub inbound_access_log: Option<String>,
     /// Capture projection override as JSON, reloaded on change.
     #[arg(long, env = "AETHER_CAPTURE_FILE")]
     pub capture_file: Option<PathBuf>,
@@ -188,6 +196,7 @@ impl AgentFlags {
             ("registrar-spiffe-id", self.registrar_spiffe_id.clone()),
             ("registry-file", self.registry_file.as_ref().map(path)),
             ("capture-file", self.capture_file.as_ref().map(path)),
+            ("inbound-access-log", self.inbound_access_log.clone()),
             ("spiffe-endpoint", self.spiffe_endpoint.clone()),
             (
                 "spiffe-broker-endpoint",
@@ -242,6 +251,22 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))
 }
 
+/// An access log path: absolute (the proxy resolves it in its own filesystem, not the
+/// agent's), with no control character.
+fn parse_access_log(s: &str) -> Result<String, String> {
+    if !s.starts_with('/') {
+        return Err(format!(
+            "inbound access log {s:?}: an absolute path in the proxy's filesystem, such as /dev/stdout"
+        ));
+    }
+    if s.chars().any(char::is_control) {
+        return Err(format!(
+            "inbound access log {s:?}: a control character in the path"
+        ));
+    }
+    Ok(s.to_string())
+}
+
 /// The metrics address, or none ("off").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetricsAddr(pub Option<std::net::SocketAddr>);
@@ -285,6 +310,22 @@ mod tests {
         Ok(Cli::from_arg_matches(&m).map_err(|e| e.to_string())?.flags)
     }
 
+    #[test]
+    fn an_inbound_access_log_must_be_an_absolute_path() {
+        let e = parse(&["--inbound-access-log=access.log"]).unwrap_err();
+        assert!(
+            e.contains("\"access.log\"") && e.contains("absolute path"),
+            "{e}"
+        );
+        assert_eq!(
+            parse(&["--inbound-access-log=/var/log/aether/in.log"])
+                .unwrap()
+                .inbound_access_log
+                .as_deref(),
+            Some("/var/log/aether/in.log")
+        );
+    }
+
     /// What the supervisor passes on, the worker parses back to the same settings.
     #[test]
     fn the_worker_reads_back_what_the_supervisor_passes_on() {
@@ -295,6 +336,7 @@ mod tests {
             "--registrar-ca=/ca.pem",
             "--registry-max-bytes=99",
             "--capture-file=/c.json",
+            "--inbound-access-log=/dev/stdout",
             "--on-demand-clusters",
             "--stale-record-grace=1.5s",
             "--spiffe-endpoint=unix:///a.sock",

@@ -168,6 +168,7 @@ impl Agent {
         let pod_svids = identity_cfg.as_ref().is_some_and(|c| c.broker.is_some());
         let node = Node::new(Inputs {
             on_demand_clusters: cfg.agent.on_demand_clusters,
+            inbound_access_log: cfg.agent.inbound_access_log.clone(),
             identity,
             ..Inputs::default()
         });

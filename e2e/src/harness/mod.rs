@@ -10,11 +10,16 @@
 //! With `ARG_IDENTITY` ([`identity`]) the rolled node runs with workload identity from a
 //! test identity provider, and each roll also checks that every pod's SVID is served.
 //!
+//! With `ARG_MTLS` ([`mtls`]) both nodes run with identity, both Envoys in network
+//! namespaces, and the load is node A's pods calling node B's over mTLS, each request's
+//! identity checked at node B's Envoy; both nodes roll, in turn.
+//!
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
 pub mod churn;
 pub mod identity;
 pub mod load;
+pub mod mtls;
 pub mod report;
 pub mod two_node;
 pub mod upstream;
@@ -90,10 +95,20 @@ pub struct Config {
     /// ARG_IDENTITY: workload identity on the rolled node, in this mTLS mode (see
     /// [`identity`]); None: off.
     pub identity: Option<identity::Mtls>,
+    /// ARG_MTLS: pod-to-pod mTLS load across the two nodes, both rolled (see [`mtls`]).
+    pub mtls: Option<mtls::Settings>,
     /// ARG_POLL_PERIOD: how often the admin stats are polled (2 ms). Each poll costs
     /// Envoy's main thread a walk of its stats; a longer period loads it less, and
     /// Envoy's own log times the reconnects without polling ([`envoy::log_times`]).
     pub poll_period: Duration,
+}
+
+fn mode_name(modes: &[Mode], all: bool) -> &'static str {
+    if all {
+        "all"
+    } else {
+        modes.first().map_or("?", |m| m.name())
+    }
 }
 
 /// "0.1s", "100ms", "1" (seconds).
@@ -180,9 +195,53 @@ impl Config {
             Some("2") => 2,
             Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
         };
-        let identity = var("ARG_IDENTITY")
+        let mut identity = var("ARG_IDENTITY")
             .map(|v| identity::Mtls::parse(&v))
             .transpose()?;
+        let count = |k: &str, default: u32| -> Result<u32> {
+            match var(k) {
+                Some(v) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| anyhow!("{k}={v:?} is not a whole number")),
+                None => Ok(default),
+            }
+        };
+        let mtls = match var("ARG_MTLS") {
+            None => None,
+            Some(v) => {
+                let mode = identity::Mtls::parse(&v)
+                    .map_err(|_| anyhow!("ARG_MTLS={:?}: strict or permissive", v.trim()))?;
+                if nodes != 2 {
+                    bail!(
+                        "ARG_MTLS={} needs ARG_NODES=2: node A's pods call node B's (ARG_NODES is {nodes})",
+                        mode.name()
+                    );
+                }
+                if modes != [Mode::Surge] {
+                    bail!(
+                        "ARG_MTLS runs surge rolls of each node and one worker crash on each; ARG_MODE={} is not supported with it",
+                        mode_name(&modes, all)
+                    );
+                }
+                if identity.is_some_and(|i| i != mode) {
+                    bail!(
+                        "ARG_MTLS={} and ARG_IDENTITY={} disagree: ARG_MTLS sets identity on both nodes",
+                        mode.name(),
+                        identity.map_or("", |i| i.name())
+                    );
+                }
+                if mesh_services > 0 {
+                    bail!("ARG_MTLS does not combine with ARG_MESH_SERVICES");
+                }
+                identity = Some(mode);
+                Some(mtls::Settings {
+                    mode,
+                    rotations: count("ARG_MTLS_ROTATIONS", 3)?,
+                    ip_reuses: count("ARG_MTLS_IP_REUSES", 1)?,
+                })
+            }
+        };
         let poll_period = match var("ARG_POLL_PERIOD") {
             Some(v) => parse_duration(&v).context("ARG_POLL_PERIOD")?,
             None => envoy::POLL_PERIOD,
@@ -201,6 +260,7 @@ impl Config {
             mesh_services,
             nodes,
             identity,
+            mtls,
             poll_period,
         })
     }
@@ -293,6 +353,8 @@ pub struct ModeResult {
     pub peer_dir: Option<PathBuf>,
     /// ARG_IDENTITY: the mTLS mode the rolled node ran with.
     pub identity: Option<identity::Mtls>,
+    /// ARG_MTLS: what the pod-to-pod mTLS load showed.
+    pub mtls: Option<mtls::Report>,
 }
 
 impl ModeResult {
@@ -376,6 +438,9 @@ impl ModeResult {
         }
         if let Some(Err(diff)) = &self.eds_equal_registrar {
             f.push(format!("EDS differs from the registrar's view: {diff}"));
+        }
+        if let Some(m) = &self.mtls {
+            f.extend(m.failures());
         }
         f
     }
@@ -475,6 +540,7 @@ impl ModeResult {
                 "cross_node_drain_across_reconnect": across.len(),
                 "cross_node_drain_served_p99_s": percentile(&served, 99.0).map(r),
                 "cross_node_drain_timeouts": self.cross_drain.as_ref().map_or(0, |d| d.timeouts.len()),
+                "cross_node_drain_lost_in_peer_rolls": self.cross_drain.as_ref().map_or(0, |d| d.lost_in_peer_rolls.len()),
                 "cross_node_drain_poll_cost_median_ms": self.cross_drain.as_ref().map(|d| r(d.poll_cost.0.as_secs_f64() * 1000.0)),
                 "eds_equal_registrar": matches!(self.eds_equal_registrar, Some(Ok(()))),
                 "peer_node_dir": self.peer_dir.as_ref().map(|p| p.display().to_string()),
@@ -511,6 +577,14 @@ impl ModeResult {
             v.as_object_mut()
                 .expect("an object")
                 .extend(extra.as_object().expect("an object").clone());
+        }
+        if let Some(m) = &self.mtls {
+            v.as_object_mut()
+                .expect("an object")
+                .extend(m.json().as_object().expect("an object").clone());
+            v["load_path"] = json!(
+                "pod to pod over mTLS: node A's client pods to node B's server pods through both Envoys"
+            );
         }
         v
     }
@@ -549,6 +623,8 @@ struct Bench {
     registry: Option<SharedRegistry>,
     /// ARG_IDENTITY: the identity provider beside the node (dropped after the agents).
     identity: Option<identity::NodeIdentity>,
+    /// ARG_MTLS: the namespaces (dropped after the Envoys), the client pods, the record.
+    gate: Option<mtls::Gate>,
 }
 
 impl Bench {
@@ -561,10 +637,12 @@ impl Bench {
 fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     let mut node = node;
     let root = node.root.path().to_path_buf();
+    // ARG_MTLS: node A's client pods and node B's server pods in namespaces of their own.
+    let net = cfg.mtls.map(|_| mtls::Net::create()).transpose()?;
     // Three services, each backed by two real HTTP servers on loopback (with two nodes,
-    // node B's endpoints).
-    let mut services = Vec::new();
-    for name in SERVICES {
+    // node B's endpoints); with ARG_MTLS node B's server pods instead.
+    let mut services = net.as_ref().map(mtls::Net::services).unwrap_or_default();
+    for name in SERVICES.iter().filter(|_| net.is_none()) {
         let mut endpoints = Vec::new();
         for i in 0..2 {
             let u = upstream::spawn(format!("{name}-{i}\n")).context("upstream server")?;
@@ -588,7 +666,10 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     // A capture file with free ports, so that runs in parallel do not clash on 15001.
     let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
     let capture = root.join("capture.json");
-    std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
+    match net {
+        Some(_) => std::fs::write(&capture, mtls::capture_json())?,
+        None => std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?,
+    }
     let mut extra = vec![format!("--capture-file={}", capture.display())];
     let node_identity = match cfg.identity {
         Some(mtls) => {
@@ -610,7 +691,22 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             shared.addr(),
             root.display()
         );
-        let peer = PeerNode::start(cfg, &shared.agent_flags(), SERVICES[0])
+        // ARG_MTLS: node B's agents with identity too, logging their pods' connections.
+        let peer_flags: Vec<String> = node_identity
+            .iter()
+            .filter(|_| net.is_some())
+            .flat_map(|id| id.agent_args())
+            .chain(net.iter().map(|_| {
+                format!(
+                    "--inbound-access-log={}",
+                    root.join("node-b-inbound-access.log").display()
+                )
+            }))
+            .collect();
+        let netns = net
+            .as_ref()
+            .map(|n| (n.b.node.name.as_str(), peer_flags.as_slice()));
+        let peer = PeerNode::start(cfg, &shared.agent_flags(), SERVICES[0], netns)
             .inspect_err(|_| shared.keep_log(&root))?;
         eprintln!("   node B {}", peer.dir().display());
         node.node_name = two_node::NODE_A.into();
@@ -642,8 +738,12 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         },
     )
     .with_context(|| format!("keeper log:\n{}", keeper.log()))?;
+    let envoy_bin = match &net {
+        Some(n) => mtls::envoy_in(&root, &n.a.node.name, &cfg.envoy)?,
+        None => cfg.envoy.clone(),
+    };
     let envoy = Envoy::start(
-        &cfg.envoy,
+        &envoy_bin,
         &root,
         &node.run_dir,
         cfg.backoff_base,
@@ -660,7 +760,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         },
     )
     .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
-    for s in SERVICES {
+    for s in SERVICES.iter().filter(|_| net.is_none()) {
         try_wait_for(
             &format!("service {s} to answer through Envoy's outbound listener {outbound}"),
             T_START,
@@ -682,6 +782,34 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             );
         }
     }
+    let gate = match (net, cfg.mtls, &node_identity, &peer) {
+        (Some(net), Some(settings), Some(id), Some(p)) => {
+            let gate = mtls::Gate::start(
+                settings,
+                net,
+                root.join("node-b-inbound-access.log"),
+                &id.provider,
+                (&cni, &pods, &envoy),
+                (&p.cni, &p.pods, &p.envoy),
+            )
+            .with_context(|| {
+                format!(
+                    "ARG_MTLS setup; node A's Envoy log {}, node B's {}",
+                    envoy.log.display(),
+                    p.envoy.log.display()
+                )
+            })?;
+            eprintln!(
+                "   mTLS ({}): {} client pods on node A calling {} server pods on node B through both Envoys; node B's access log {}",
+                settings.mode.name(),
+                gate.callers.len(),
+                gate.net.servers().len(),
+                gate.access_log.display()
+            );
+            Some(gate)
+        }
+        _ => None,
+    };
     if let Some(id) = &node_identity {
         // Before the first roll, the first owner serves each of them with its SVID.
         let live: Vec<churn::PodId> = pods.lock().unwrap().live.keys().cloned().collect();
@@ -724,6 +852,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         peer,
         registry,
         identity: node_identity,
+        gate,
     })
 }
 
@@ -785,115 +914,206 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         .map(|m| m.len())
         .unwrap_or(0);
     let hosts: Vec<String> = SERVICES.iter().map(|s| s.to_string()).collect();
-    let load = load::Load::start(bench.outbound, hosts, cfg.rps);
+    // ARG_MTLS: the pods' mTLS load instead of the plaintext load to loopback upstreams.
+    let load = bench
+        .gate
+        .is_none()
+        .then(|| load::Load::start(bench.outbound, hosts, cfg.rps));
+    let mtls_load = bench
+        .gate
+        .as_ref()
+        .map(|g| mtls::Load::start(g.net.a.clone(), &g.callers));
+    let failures = || {
+        load.as_ref().map_or(0, load::Load::failures)
+            + mtls_load.as_ref().map_or(0, mtls::Load::failures)
+    };
     let drain = bench
         .registry
         .as_ref()
         .zip(bench.peer.as_ref())
-        .map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone()));
+        .map(|(r, p)| CrossDrain::start(r, p, bench.envoy.admin.clone(), bench.gate.is_some()));
+    // ARG_MTLS: node B rolls too, timed on its own Envoy.
+    let mut peer_poller = bench
+        .gate
+        .as_ref()
+        .and(bench.peer.as_ref())
+        .map(|p| Poller::start_every(p.envoy.admin.clone(), cfg.poll_period));
     std::thread::sleep(Duration::from_millis(300));
 
-    for i in 1..=cfg.rolls {
-        let failed_before = load.failures();
-        match roll(&mut bench, &poller, mode) {
-            Ok(mut r) => {
-                r.failed_requests = load.failures() - failed_before;
-                let ms = |x: Option<f64>| {
-                    x.map(|v| format!("{:.1} ms", v * 1000.0))
-                        .unwrap_or("-".into())
-                };
-                eprintln!(
-                    "[{} {i}/{}] gap {}{} served_gap {} stream_failures {} refused {} failed_requests {} adds {} dels {} lost {} | after the {}: stream end {:.0} ms, old exit {}, new owner on /ready {:.0} ms",
-                    mode.name(),
-                    cfg.rolls,
-                    ms(r.gap),
-                    if r.observed {
+    for step in plan(cfg, mode) {
+        match step {
+            Step::Roll {
+                node_b,
+                mode: m,
+                i,
+                of,
+            } => {
+                let label = format!(
+                    "{}{}",
+                    if cfg.mtls.is_some() {
+                        if node_b { "node B " } else { "node A " }
+                    } else {
                         ""
-                    } else {
-                        " (between two polls)"
                     },
-                    ms(r.served_gap),
-                    r.stream_failures,
-                    r.refused,
-                    r.failed_requests,
-                    r.adds,
-                    r.dels,
-                    r.lost,
-                    if mode == Mode::WorkerCrash {
-                        "SIGKILL"
-                    } else {
-                        "SIGTERM"
-                    },
-                    r.stream_end_after_action * 1000.0,
-                    r.old_exit_after_action
-                        .map(|x| format!("{:.0} ms", x * 1000.0))
-                        .unwrap_or("-".into()),
-                    r.takeover * 1000.0
+                    m.name()
                 );
-                if bench.identity.is_some() {
-                    eprintln!(
-                        "   identity: takeover svid_wait {} (pods still without one: {}); overlap pod {} SVID in Envoy {} after the new owner served; {} of {} present pods' SVIDs in Envoy",
-                        r.svid_wait
-                            .map(|s| format!("{:.3} ms", s * 1000.0))
-                            .unwrap_or("-".into()),
-                        r.svid_wait_missed
-                            .map(|n| n.to_string())
-                            .unwrap_or("-".into()),
-                        r.overlap_pod.as_deref().unwrap_or("-"),
-                        r.overlap_svid
-                            .map(|s| format!("{:.1} ms", s * 1000.0))
-                            .unwrap_or("-".into()),
-                        (r.svid_checked as usize).saturating_sub(
-                            r.svid_misses
-                                .iter()
-                                .filter(|m| !m.starts_with("overlap pod"))
-                                .count()
-                        ),
-                        r.svid_checked
-                    );
+                let failed_before = failures();
+                let result = match (&peer_poller, node_b) {
+                    (Some(p), true) => peer_roll(&mut bench, p, m),
+                    _ => roll(&mut bench, &poller, m),
+                };
+                match result {
+                    Ok(mut r) => {
+                        r.failed_requests = failures() - failed_before;
+                        log_roll(&label, i, of, m, &r, bench.identity.is_some());
+                        if let (Some(g), true) = (bench.gate.as_mut(), node_b) {
+                            g.report.peer_windows.extend(r.unserved);
+                        }
+                        match bench.gate.as_mut() {
+                            Some(g) if m == Mode::WorkerCrash => {
+                                g.report.crash_gaps.extend(r.gap);
+                                g.report
+                                    .errors
+                                    .extend(r.svid_misses.iter().map(|x| format!("{label}: {x}")));
+                                if r.lost > 0 || r.refused > 0 {
+                                    g.report.errors.push(format!(
+                                        "{label}: {} lost adds, {} refused connects",
+                                        r.lost, r.refused
+                                    ));
+                                }
+                            }
+                            Some(g) if node_b => {
+                                g.report.peer_rolls += 1;
+                                res.rolls.push(r);
+                            }
+                            _ => res.rolls.push(r),
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("[{label} {i}/{of}] FAILED: {e:#}");
+                        res.errors.push(format!("{label} roll {i}: {e:#}"));
+                        break;
+                    }
                 }
-                res.rolls.push(r);
+                if !bench.envoy.alive() {
+                    res.errors.push(format!(
+                        "Envoy exited; its log: {}",
+                        bench.envoy.log.display()
+                    ));
+                    break;
+                }
+                if let Some(p) = bench.peer.as_mut().filter(|_| cfg.mtls.is_some())
+                    && !p.envoy.alive()
+                {
+                    res.errors.push(format!(
+                        "node B's Envoy exited; its log: {}",
+                        p.envoy.log.display()
+                    ));
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(150));
             }
-            Err(e) => {
-                eprintln!("[{} {i}/{}] FAILED: {e:#}", mode.name(), cfg.rolls);
-                res.errors.push(format!("roll {i}: {e:#}"));
-                break;
+            Step::Rotate => {
+                let (Some(g), Some(id), Some(p)) = (&mut bench.gate, &bench.identity, &bench.peer)
+                else {
+                    continue;
+                };
+                let (clients, servers) = g.pods();
+                match mtls::rotate(
+                    &id.provider,
+                    [(&bench.envoy, &clients), (&p.envoy, &servers)],
+                ) {
+                    Ok(took) => {
+                        g.report.rotations += 1;
+                        g.report.rotation_s.push(took.as_secs_f64());
+                        eprintln!(
+                            "   mTLS: rotation {}: every pod's new SVID in its Envoy within {:.0} ms",
+                            g.report.rotations,
+                            took.as_secs_f64() * 1000.0
+                        );
+                    }
+                    Err(e) => g.report.errors.push(format!("{e:#}")),
+                }
+            }
+            Step::Reuse => {
+                let (Some(g), Some(id)) = (&mut bench.gate, &bench.identity) else {
+                    continue;
+                };
+                if let Err(e) = g.reuse(&bench.cni, &bench.pods, &id.provider, &bench.envoy) {
+                    eprintln!("   mTLS: IP reuse FAILED: {e:#}");
+                    g.report.errors.push(format!("IP reuse: {e:#}"));
+                }
             }
         }
-        if !bench.envoy.alive() {
-            res.errors.push(format!(
-                "Envoy exited; its log: {}",
-                bench.envoy.log.display()
-            ));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(150));
     }
-    res.cross_drain = drain.map(CrossDrain::stop);
+    if let Some(p) = &mut peer_poller {
+        p.stop();
+    }
+    // ARG_MTLS: node B's rolls, for the drains lost across them.
+    let peer_windows: Vec<(Instant, Instant)> = bench
+        .gate
+        .as_ref()
+        .map(|g| g.report.peer_windows.clone())
+        .unwrap_or_default();
+    res.cross_drain = drain.map(CrossDrain::stop).map(|mut d| {
+        let margin = Duration::from_millis(100);
+        let lost: Vec<String> = d
+            .timeouts
+            .iter()
+            .zip(&d.timeout_dels)
+            .filter(|(_, at)| {
+                peer_windows
+                    .iter()
+                    .any(|(from, to)| **at + margin >= *from && **at <= *to + margin)
+            })
+            .map(|(t, _)| t.clone())
+            .collect();
+        d.lost_in_peer_rolls = lost;
+        d
+    });
     std::thread::sleep(Duration::from_millis(300));
     envoy_log_times(&bench.envoy.log, log_from, &mut res.rolls);
     res.poll_max_interval = poller.max_interval();
     res.poll_cost = poller.poll_cost();
     res.polls = poller.polls_and_errors().0;
-    let counters = load.stop();
     poller.stop();
-    res.requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
-    res.failed_requests = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
-    res.late_requests = counters.late.load(std::sync::atomic::Ordering::Relaxed);
-    let t0 = counters.failure_log.lock().unwrap().first().map(|f| f.0);
-    res.failure_samples = counters
-        .failure_log
-        .lock()
-        .unwrap()
-        .iter()
-        .take(10)
-        .map(|(t, h, w)| {
-            format!(
-                "+{:.3}s {h}: {w}",
-                t0.map(|t0| (*t - t0).as_secs_f64()).unwrap_or(0.0)
-            )
-        })
-        .collect();
+    if let Some(counters) = load.map(load::Load::stop) {
+        res.requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
+        res.failed_requests = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
+        res.late_requests = counters.late.load(std::sync::atomic::Ordering::Relaxed);
+        let t0 = counters.failure_log.lock().unwrap().first().map(|f| f.0);
+        res.failure_samples = counters
+            .failure_log
+            .lock()
+            .unwrap()
+            .iter()
+            .take(10)
+            .map(|(t, h, w)| {
+                format!(
+                    "+{:.3}s {h}: {w}",
+                    t0.map(|t0| (*t - t0).as_secs_f64()).unwrap_or(0.0)
+                )
+            })
+            .collect();
+    }
+    if let (Some(l), Some(g), Some(id)) = (mtls_load, &mut bench.gate, &bench.identity) {
+        let l = l.stop();
+        res.requests = l.requests;
+        res.failed_requests = l.failures;
+        res.failure_samples = l.failure_log.iter().take(10).cloned().collect();
+        g.report.crash_bound = Mode::WorkerCrash.default_bound();
+        mtls::finish(
+            &mut g.report,
+            l,
+            &g.access_log,
+            &g.net,
+            &id.provider.agent_spiffe_id(),
+            &g.arrivals,
+            &g.previous,
+            &g.released,
+        );
+        res.mtls = Some(g.report.clone());
+    }
     res.stuck_dels = churn::settle(&bench.cni, &bench.pods, Duration::from_secs(5));
     res.cni_errors = bench.pods.lock().unwrap().errors.clone();
     res.lost_pods = bench.lost_ever.iter().cloned().collect();
@@ -926,6 +1146,204 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     }
     drop(bench);
     res
+}
+
+/// What a mode's run does, in order.
+enum Step {
+    Roll {
+        /// ARG_MTLS: node B's agent rather than node A's.
+        node_b: bool,
+        mode: Mode,
+        i: u32,
+        of: u32,
+    },
+    /// ARG_MTLS: every pod's SVID rotated.
+    Rotate,
+    /// ARG_MTLS: a client pod's address taken by a new pod.
+    Reuse,
+}
+
+/// ARG_ROLLS rolls in `mode`; with ARG_MTLS, ARG_ROLLS surge rolls of node A, then as
+/// many of node B, then a worker crash on each, the rotations and IP reuses spread
+/// evenly between the rolls.
+fn plan(cfg: &Config, mode: Mode) -> Vec<Step> {
+    let n = cfg.rolls;
+    let Some(m) = cfg.mtls else {
+        return (1..=n)
+            .map(|i| Step::Roll {
+                node_b: false,
+                mode,
+                i,
+                of: n,
+            })
+            .collect();
+    };
+    let total = 2 * n;
+    let after = |count: u32, k: u32| (1..=count).filter(|q| q * total / (count + 1) == k).count();
+    let mut steps = Vec::new();
+    for k in 0..=total {
+        if k > 0 {
+            steps.push(Step::Roll {
+                node_b: k > n,
+                mode: Mode::Surge,
+                i: if k > n { k - n } else { k },
+                of: n,
+            });
+        }
+        steps.extend((0..after(m.rotations, k)).map(|_| Step::Rotate));
+        steps.extend((0..after(m.ip_reuses, k)).map(|_| Step::Reuse));
+    }
+    for node_b in [false, true] {
+        steps.push(Step::Roll {
+            node_b,
+            mode: Mode::WorkerCrash,
+            i: 1,
+            of: 1,
+        });
+    }
+    steps
+}
+
+/// One roll of node B's agent (surge or worker crash), timed on its Envoy with `poller`;
+/// its server pods' SVIDs must still be in its Envoy after it.
+fn peer_roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
+    let peer = b.peer.as_mut().ok_or_else(|| anyhow!("no node B"))?;
+    let start = Instant::now();
+    let action;
+    let mut old_exit = None;
+    let mut warmup = None;
+    match mode {
+        Mode::Surge => {
+            let flags: Vec<&str> = peer.flags.iter().map(String::as_str).collect();
+            let next = peer.node.start_agent_with(&flags);
+            try_wait_for(
+                &format!("agent-ready to pass for node B's standby {}", next.name),
+                T_START,
+                || agent_ready(&next.health_sock).then_some(()),
+            )
+            .with_context(|| format!("{} log:\n{}", next.name, next.log()))?;
+            warmup = Some(start.elapsed().as_secs_f64());
+            action = Instant::now();
+            peer.owner.signal(Signal::SIGTERM);
+            let old = std::mem::replace(&mut peer.owner, next);
+            exit_of(old)?;
+            old_exit = Some(action.elapsed().as_secs_f64());
+            try_wait_for(
+                &format!("node B's {} to serve as owner", peer.owner.name),
+                T_START,
+                || peer.owner.serving_owner(),
+            )?;
+        }
+        Mode::WorkerCrash => {
+            let pid = peer
+                .owner
+                .ready()
+                .and_then(|(_, v)| v["pid"].as_i64())
+                .ok_or_else(|| anyhow!("no worker pid in node B's /ready"))?;
+            action = Instant::now();
+            kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL node B's worker")?;
+            try_wait_for(
+                "node B's respawned worker to serve as owner",
+                T_START,
+                || {
+                    peer.owner
+                        .serving_owner()
+                        .filter(|v| v["pid"].as_i64().is_some_and(|p| p != pid))
+                },
+            )?;
+        }
+        Mode::Recreate => bail!("node B is rolled in surge or worker-crash only"),
+    }
+    let takeover = action.elapsed().as_secs_f64();
+    let times = wait_served(poller, start, T_START)?;
+    let mut r = Roll {
+        gap: Some(times.gap().as_secs_f64()),
+        served_gap: Some(times.served_gap().as_secs_f64()),
+        observed: times.observed,
+        stream_failures: times.stream_failures,
+        refused: times.connect_fail,
+        takeover,
+        stream_end_after_action: if times.down >= action {
+            (times.down - action).as_secs_f64()
+        } else {
+            -(action - times.down).as_secs_f64()
+        },
+        old_exit_after_action: old_exit,
+        warmup,
+        unserved: Some((times.down, times.served)),
+        ..Default::default()
+    };
+    if let (Some(g), Some(id)) = (&b.gate, &b.identity) {
+        let (_, servers) = g.pods();
+        r.svid_checked = servers.len() as u64;
+        for m in identity::missing_svids(
+            &peer.envoy,
+            &id.provider,
+            &servers,
+            times.up + identity::PODS_DEADLINE,
+        )? {
+            r.svid_misses.push(format!(
+                "node B: {m} {:?} after the new owner served",
+                identity::PODS_DEADLINE
+            ));
+        }
+    }
+    Ok(r)
+}
+
+fn log_roll(label: &str, i: u32, of: u32, mode: Mode, r: &Roll, identity: bool) {
+    let ms = |x: Option<f64>| {
+        x.map(|v| format!("{:.1} ms", v * 1000.0))
+            .unwrap_or("-".into())
+    };
+    eprintln!(
+        "[{label} {i}/{of}] gap {}{} served_gap {} stream_failures {} refused {} failed_requests {} adds {} dels {} lost {} | after the {}: stream end {:.0} ms, old exit {}, new owner on /ready {:.0} ms",
+        ms(r.gap),
+        if r.observed {
+            ""
+        } else {
+            " (between two polls)"
+        },
+        ms(r.served_gap),
+        r.stream_failures,
+        r.refused,
+        r.failed_requests,
+        r.adds,
+        r.dels,
+        r.lost,
+        if mode == Mode::WorkerCrash {
+            "SIGKILL"
+        } else {
+            "SIGTERM"
+        },
+        r.stream_end_after_action * 1000.0,
+        r.old_exit_after_action
+            .map(|x| format!("{:.0} ms", x * 1000.0))
+            .unwrap_or("-".into()),
+        r.takeover * 1000.0
+    );
+    if identity {
+        eprintln!(
+            "   identity: takeover svid_wait {} (pods still without one: {}); overlap pod {} SVID in Envoy {} after the new owner served; {} of {} present pods' SVIDs in Envoy",
+            r.svid_wait
+                .map(|s| format!("{:.3} ms", s * 1000.0))
+                .unwrap_or("-".into()),
+            r.svid_wait_missed
+                .map(|n| n.to_string())
+                .unwrap_or("-".into()),
+            r.overlap_pod.as_deref().unwrap_or("-"),
+            r.overlap_svid
+                .map(|s| format!("{:.1} ms", s * 1000.0))
+                .unwrap_or("-".into()),
+            (r.svid_checked as usize).saturating_sub(
+                r.svid_misses
+                    .iter()
+                    .filter(|m| !m.starts_with("overlap pod"))
+                    .count()
+            ),
+            r.svid_checked
+        );
+    }
 }
 
 /// Each roll's gap and served gap minus gap as Envoy's log times them, from `from` (a
@@ -1448,11 +1866,13 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if let Some(d) = &r.cross_drain {
             println!(
-                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen, {} steps failed, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
+                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen ({} of them DELs answered within 100 ms of a node B roll: KNOWN OPEN, the old worker's queued drain mark is lost with it; not failed on), {} steps failed, {} ADDs refused while node B's worker restarted, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
                 d.samples.len(),
                 r.drains_across_reconnects().0.len(),
                 d.timeouts.len(),
+                d.lost_in_peer_rolls.len(),
                 d.errors.len(),
+                d.refused_adds,
                 d.batches,
                 d.poll_cost.0.as_secs_f64() * 1000.0,
                 d.poll_cost.1.as_secs_f64() * 1000.0
@@ -1497,13 +1917,59 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                     .sum::<u64>()
             );
             println!(
-                "{m}: identity: the load is unchanged: plaintext through Envoy's outbound listener to loopback upstreams, which are not pods, so mTLS is not on its path{}",
+                "{m}: identity: {}{}",
+                if r.mtls.is_some() {
+                    "the load is the pods' mTLS load below"
+                } else {
+                    "the load is unchanged: plaintext through Envoy's outbound listener to loopback upstreams, which are not pods, so mTLS is not on its path"
+                },
                 if mtls == identity::Mtls::Permissive {
                     " (permissive pods keep their plaintext chain as well)"
                 } else {
                     ""
                 }
             );
+        }
+        if let Some(x) = &r.mtls {
+            let v = &x.verdict;
+            println!(
+                "{m}: mTLS {}: {} requests from {} client pods ({} keep-alive connections, {} connections opened, {:.0} rps), {} failed; {} joined to node B's access log: {} wrong identity {:?}, {} plaintext from {:?} ({} on connections opened after the pod's SVID arrived)",
+                x.mode.map_or("", identity::Mtls::name),
+                x.requests,
+                mtls::CLIENTS,
+                mtls::CLIENTS * mtls::KEEPALIVE,
+                x.conns,
+                if x.seconds > 0.0 {
+                    x.requests as f64 / x.seconds
+                } else {
+                    0.0
+                },
+                x.failed,
+                v.joined,
+                v.wrong,
+                v.wrong_kinds,
+                v.plaintext,
+                v.plaintext_pods,
+                v.plaintext_after_svid
+            );
+            println!(
+                "{m}: mTLS: {} node B surge rolls, worker crash gaps {:?} s (bound {:.2} s), {} of {} rotations (new SVIDs in both Envoys within {:?} s), {} of {} IP reuses, SVID released to the first request presenting it {:?} s",
+                x.peer_rolls,
+                x.crash_gaps,
+                x.crash_bound,
+                x.rotations,
+                x.rotations_wanted,
+                x.rotation_s,
+                x.ip_reuses,
+                x.ip_reuses_wanted,
+                x.svid_to_first_mtls
+            );
+            for w in &v.wrong_samples {
+                println!("{m}:   wrong identity {w}");
+            }
+            for f in x.failure_log.iter().take(5) {
+                println!("{m}:   failed mTLS request {f}");
+            }
         }
         if let Some(d) = &r.node_dir {
             println!("{m}: node folder kept for inspection: {}", d.display());

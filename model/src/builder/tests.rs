@@ -59,6 +59,7 @@ fn inputs(services: Vec<Service>, pods: Vec<Pod>) -> Inputs {
         registry: RegistryView::new(services),
         capture: CaptureProjection::default(),
         on_demand_clusters: false,
+        inbound_access_log: None,
         identity: Identity::default(),
     }
 }

@@ -201,7 +201,11 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                         transport_protocol: transport_protocol.into(),
                         ..Default::default()
                     }),
-                    filters: vec![tcp_proxy(&c.cluster)],
+                    filters: vec![inbound_tcp_proxy(
+                        &c.cluster,
+                        c.access_log.as_deref(),
+                        transport_socket.is_some(),
+                    )],
                     transport_socket,
                     ..Default::default()
                 }
@@ -617,6 +621,90 @@ pub fn secret(n: &snapshot::NamedSecret) -> Any {
 }
 
 fn tcp_proxy(cluster: &str) -> listener::Filter {
+    inbound_tcp_proxy(cluster, None, false)
+}
+
+/// The fields of a pod's inbound access log line (`--inbound-access-log`), JSON keys to
+/// Envoy's format operators. `type` tells the line written once the connection to the
+/// pod is made (`TcpUpstreamConnected`) from the one written when it ends
+/// (`TcpConnectionEnd`); `peer_uri_san` is the SPIFFE ID the peer presented, empty in
+/// plaintext (`tls_version` is then empty too). Each line also names the pod's cluster
+/// (`pod_cluster`, `inbound|<pod uid>`).
+pub const INBOUND_ACCESS_LOG_FIELDS: [(&str, &str); 8] = [
+    ("start_time", "%START_TIME(%s.%3f)%"),
+    ("type", "%ACCESS_LOG_TYPE%"),
+    ("downstream_remote_address", "%DOWNSTREAM_REMOTE_ADDRESS%"),
+    ("peer_uri_san", "%DOWNSTREAM_PEER_URI_SAN%"),
+    ("tls_version", "%DOWNSTREAM_TLS_VERSION%"),
+    ("upstream_local_address", "%UPSTREAM_LOCAL_ADDRESS%"),
+    ("upstream_host", "%UPSTREAM_HOST%"),
+    ("bytes_received", "%BYTES_RECEIVED%"),
+];
+
+/// How much a client of a pod's mTLS chain may send before the connection to the pod is
+/// made, buffered.
+const MTLS_EARLY_DATA_BYTES: u32 = 16 * 1024;
+
+/// A tcp_proxy to `cluster`; with `access_log`, each connection logged there as one JSON
+/// line once the upstream connection is made and one at its end. `after_handshake` (a
+/// pod's mTLS chain): the connection to the pod is made only once the peer's TLS
+/// handshake has completed, so no unverified peer ever reaches the pod, and the
+/// on-connect log line knows the peer's SPIFFE ID (made at once, the connection to the
+/// pod and that line come before the handshake ends).
+fn inbound_tcp_proxy(
+    cluster: &str,
+    access_log: Option<&str>,
+    after_handshake: bool,
+) -> listener::Filter {
+    use envoy_types::pb::envoy::config::accesslog::v3 as accesslog;
+    use envoy_types::pb::envoy::extensions::access_loggers::file::v3 as file_log;
+
+    let access_log = access_log
+        .map(|path| {
+            let format = core::SubstitutionFormatString {
+                format: Some(core::substitution_format_string::Format::JsonFormat(
+                    Struct {
+                        fields: INBOUND_ACCESS_LOG_FIELDS
+                            .iter()
+                            .map(|(k, v)| {
+                                (
+                                    k.to_string(),
+                                    Value {
+                                        kind: Some(value::Kind::StringValue(v.to_string())),
+                                    },
+                                )
+                            })
+                            .chain([(
+                                "pod_cluster".to_string(),
+                                Value {
+                                    kind: Some(value::Kind::StringValue(cluster.to_string())),
+                                },
+                            )])
+                            .collect(),
+                    },
+                )),
+                ..Default::default()
+            };
+            accesslog::AccessLog {
+                name: "envoy.access_loggers.file".into(),
+                config_type: Some(accesslog::access_log::ConfigType::TypedConfig(pack_any(
+                    file_log::FileAccessLog {
+                        path: path.to_string(),
+                        access_log_format: Some(
+                            file_log::file_access_log::AccessLogFormat::LogFormat(format),
+                        ),
+                    },
+                ))),
+                ..Default::default()
+            }
+        })
+        .into_iter()
+        .collect::<Vec<_>>();
+    let access_log_options =
+        (!access_log.is_empty()).then(|| tcp::tcp_proxy::TcpAccessLogOptions {
+            flush_access_log_on_connected: true,
+            ..Default::default()
+        });
     listener::Filter {
         name: "envoy.filters.network.tcp_proxy".into(),
         config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(
@@ -625,6 +713,16 @@ fn tcp_proxy(cluster: &str) -> listener::Filter {
                 cluster_specifier: Some(tcp::tcp_proxy::ClusterSpecifier::Cluster(
                     cluster.to_string(),
                 )),
+                access_log,
+                access_log_options,
+                upstream_connect_mode: if after_handshake {
+                    tcp::UpstreamConnectMode::OnDownstreamTlsHandshake as i32
+                } else {
+                    tcp::UpstreamConnectMode::Immediate as i32
+                },
+                max_early_data_bytes: after_handshake.then_some(UInt32Value {
+                    value: MTLS_EARLY_DATA_BYTES,
+                }),
                 ..Default::default()
             },
         ))),
@@ -1048,6 +1146,73 @@ mod tests {
             })
             .collect();
         assert_eq!(protocols, vec![("tls", true), ("", false)]);
+    }
+
+    /// `--inbound-access-log`: every chain of a pod's listener logs to the file, flushed
+    /// once the connection to the pod is made, with the peer's SPIFFE ID; without it, no
+    /// access log, and the listener is what it was (its content hash too).
+    #[test]
+    fn a_pods_inbound_access_log_is_opt_in_and_names_the_peer() {
+        let pod_listener = |log: Option<&str>| {
+            let s = snapshot_with_pod(MtlsMode::Permissive);
+            let mut l: snapshot::Listener = s.listeners.get("inbound|u").unwrap().clone();
+            if let snapshot::ListenerKind::InboundPod { chain } = &mut l.kind {
+                chain.access_log = log.map(str::to_string);
+            }
+            l
+        };
+        let without: listener::Listener = decode(&listener(&pod_listener(None)));
+        let with: listener::Listener = decode(&listener(&pod_listener(Some("/dev/stdout"))));
+        let proxies = |l: &listener::Listener| -> Vec<tcp::TcpProxy> {
+            l.filter_chains
+                .iter()
+                .map(|c| match &c.filters[0].config_type {
+                    Some(listener::filter::ConfigType::TypedConfig(any)) => decode(any),
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        assert!(
+            proxies(&without)
+                .iter()
+                .all(|p| p.access_log.is_empty() && p.access_log_options.is_none())
+        );
+        let with = proxies(&with);
+        assert_eq!(with.len(), 2, "the mTLS and the plaintext chain");
+        assert_eq!(
+            with.iter()
+                .map(|p| p.upstream_connect_mode)
+                .collect::<Vec<_>>(),
+            vec![
+                tcp::UpstreamConnectMode::OnDownstreamTlsHandshake as i32,
+                tcp::UpstreamConnectMode::Immediate as i32
+            ],
+            "the mTLS chain reaches the pod only after the handshake"
+        );
+        for p in with {
+            assert_eq!(p.access_log.len(), 1);
+            assert!(p.access_log_options.unwrap().flush_access_log_on_connected);
+            let Some(
+                envoy_types::pb::envoy::config::accesslog::v3::access_log::ConfigType::TypedConfig(
+                    any,
+                ),
+            ) = &p.access_log[0].config_type
+            else {
+                panic!("no typed config")
+            };
+            let file: envoy_types::pb::envoy::extensions::access_loggers::file::v3::FileAccessLog =
+                decode(any);
+            assert_eq!(file.path, "/dev/stdout");
+            let text = format!("{:?}", file.access_log_format);
+            for operator in [
+                "%DOWNSTREAM_PEER_URI_SAN%",
+                "%DOWNSTREAM_REMOTE_ADDRESS%",
+                "%UPSTREAM_LOCAL_ADDRESS%",
+                "inbound|u",
+            ] {
+                assert!(text.contains(operator), "{operator} missing from {text}");
+            }
+        }
     }
 
     /// The pod's server certificate is its inbound secret over SDS (the listener warms on
