@@ -643,14 +643,15 @@ fn owner_with_a_hung_check(node: &mut LocalNode) -> (aether_e2e::testing::Agent,
     ];
     let a = node.start_agent_with(&[flags[0].as_str(), flags[1].as_str()]);
     a.wait_role("owner", T);
-    a.wait_log("stand-in chain", T);
-    let log = a.log();
-    let pid = log
-        .split("stand-in chain ")
-        .nth(1)
-        .and_then(|r| r.split(':').next())
-        .and_then(|p| p.parse().ok());
-    (a, pid.expect("the check's pid in the log"))
+    // The line may be read while it is being written: wait until its pid is whole (the
+    // colon after it is there).
+    let pid = wait_for("the check's pid in the log", T, || {
+        a.log()
+            .split("stand-in chain ")
+            .skip(1)
+            .find_map(|r| r.split_once(':').and_then(|(p, _)| p.parse().ok()))
+    });
+    (a, pid)
 }
 
 /// The conflist check is a process of its own: one that never ends (the stand-in, as
