@@ -75,10 +75,9 @@
 #                     answered request presenting it), mtls_rotation_in_envoys_max_s. The
 #                     gap fields cover both nodes' surge rolls (rolls = 2 x ARG_ROLLS); the
 #                     crashes are held to the worker-crash bound (0.25 s). A cross-node
-#                     drain whose DEL node B answered within 100 ms of one of its own rolls
-#                     and never showed is a known open loss (the old worker's queued drain
-#                     mark dies with it): counted in cross_node_drain_lost_in_peer_rolls,
-#                     printed KNOWN OPEN, not failed on; any other still fails. Fails on
+#                     drain that never showed fails the run; those whose DEL node B
+#                     answered within 100 ms of one of its own rolls are also counted in
+#                     cross_node_drain_lost_in_peer_rolls. Fails on
 #                     mtls_failed > 0, mtls_wrong_identity > 0, in strict mode on
 #                     mtls_plaintext > 0, in permissive mode on plaintext sent on a
 #                     connection opened after the pod's SVID had arrived (its outbound chain

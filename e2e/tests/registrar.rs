@@ -444,6 +444,65 @@ fn drain_marks_from_an_owner_and_its_successor_leave_one_state_and_twenty_rolls_
     assert_ne!(before, view, "the mark is in the view the rolls kept");
 }
 
+/// A DEL's drain mark outlives the owner that answered the DEL: with the registrar down,
+/// the owner answers a pod's DEL, keeps the mark on disk (`<state-dir>/drain-marks/`) and
+/// dies by SIGKILL, worker and supervisor, before it could write it; the next owner writes
+/// it once the registrar is back, and forgets it then.
+#[test]
+fn a_drain_mark_outlives_the_owner_that_answered_the_del() {
+    let Some(etcd) = Etcd::start_or_skip("a_drain_mark_outlives_the_owner...") else {
+        return;
+    };
+    let mut registrar = RegistrarProcess::tcp(&registrar_bin(), &etcd.endpoints(), &[]);
+    let mut node = LocalNode::new();
+    let file = node.root.path().join("registry.json");
+    apply_doc(
+        registrar.addr(),
+        &file,
+        &registry(&[("web", &[("10.77.0.5", "test-node")])]),
+    );
+    let flag = format!("--registrar={}", registrar.addr());
+    let mut owner = node.start_agent_with(&[&flag]);
+    owner.wait_role("owner", T);
+    let pod = PodId {
+        uid: "kept-mark-uid".into(),
+        name: "kept-mark".into(),
+    };
+    let cni = cni(&node);
+    cni.call("ADD", &pod, Some(Ipv4Addr::new(10, 77, 0, 5)))
+        .expect("ADD");
+
+    registrar.kill();
+    cni.call("DEL", &pod, None)
+        .expect("DEL with the registrar down");
+    let kept = node.state_dir.join("drain-marks").join("10.77.0.5");
+    assert!(
+        kept.exists(),
+        "the DEL was answered with its mark on disk at {}",
+        kept.display()
+    );
+    owner.wait_log("drain mark", T);
+    owner.kill_generation();
+
+    registrar.restart();
+    assert!(
+        marks(registrar.addr()).is_empty(),
+        "nothing wrote the mark before the next owner"
+    );
+    let next = node.start_agent_with(&[&flag]);
+    next.wait_role("owner", T);
+    next.wait_log("the marks a previous owner answered DELs for", T);
+    let m = wait_for("the next owner to write the kept mark", T, || {
+        let m = marks(registrar.addr());
+        (m.len() == 1).then_some(m)
+    });
+    assert_eq!(m[0]["address"], "10.77.0.5", "{m:?}");
+    assert_eq!(m[0]["state"], "draining", "{m:?}");
+    wait_for("the written mark to leave the folder", T, || {
+        (!kept.exists()).then_some(())
+    });
+}
+
 #[test]
 fn an_agent_given_two_registrar_replicas_resumes_on_the_other_without_a_full_resync() {
     let Some(etcd) = Etcd::start_or_skip("an_agent_given_two_registrar_replicas...") else {

@@ -582,7 +582,7 @@ impl Agent {
         tokio::spawn(writers::run_writer(self.observed.clone()));
         // The owner alone sets drain marks: a standby never reaches this point.
         let marks = registrar_source(cfg, &self.node)?
-            .map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone()));
+            .map(|(addrs, me)| registrar::Marks::spawn(addrs, me, metrics.clone(), &cfg.state_dir));
         // The owner alone writes what the Kubernetes API shows (Terminating marks, stale
         // records, the startup taint), from now on.
         if let Some(k) = &self.kube {

@@ -1866,7 +1866,7 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if let Some(d) = &r.cross_drain {
             println!(
-                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen ({} of them DELs answered within 100 ms of a node B roll: KNOWN OPEN, the old worker's queued drain mark is lost with it; not failed on), {} steps failed, {} ADDs refused while node B's worker restarted, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
+                "{m}: two nodes: {} drains of node B's pods timed at node A's Envoy ({} of them across its reconnect in a roll, {} never seen ({} of them DELs answered within 100 ms of a node B roll), {} steps failed, {} ADDs refused while node B's worker restarted, {} registrar applies), a /clusters read took {:.2} ms median ({:.2} ms worst)",
                 d.samples.len(),
                 r.drains_across_reconnects().0.len(),
                 d.timeouts.len(),

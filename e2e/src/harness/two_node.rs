@@ -290,8 +290,9 @@ pub struct DrainReport {
     /// When each of those DELs was answered.
     pub timeout_dels: Vec<Instant>,
     /// ARG_MTLS: of those, the ones whose DEL was answered within 100 ms of one of node
-    /// B's own rolls (its old worker got its SIGTERM or SIGKILL with the drain mark still
-    /// queued in memory): a known open loss, reported apart and not failed on.
+    /// B's own rolls (its old worker got its SIGTERM or SIGKILL right after answering),
+    /// reported apart. Each still fails the run: the mark is on disk before the DEL is
+    /// answered, and the next owner writes it.
     pub lost_in_peer_rolls: Vec<String>,
     /// Anything else that kept a sample from being taken (an apply, an ADD or a DEL failed).
     pub errors: Vec<String>,
@@ -310,7 +311,7 @@ impl DrainReport {
         if self.samples.is_empty() {
             f.push("no cross-node drain was measured".to_string());
         }
-        if self.timeouts.len() > self.lost_in_peer_rolls.len() {
+        if !self.timeouts.is_empty() {
             f.push(format!(
                 "{} cross-node drains never showed at node A's Envoy within {DRAIN_TIMEOUT:?} (first: {})",
                 self.timeouts.len(),

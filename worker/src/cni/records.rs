@@ -12,10 +12,12 @@ use crate::node::Node;
 use crate::registrar::Marks;
 use crate::storage::{Storage, StorageError};
 
-/// Removes `pod`'s record, then takes it out of the node, then (with a registrar) asks
-/// for its IPs' registry endpoints to be marked draining. An IP that another local pod
-/// holds by now is not marked: the registry keys endpoints by IP, and the mark would land
-/// on that pod. The caller holds the node's lifecycle lock.
+/// With a registrar, first makes the marks of `pod`'s IPs durable (see
+/// [`crate::registrar::pending`]), so that they outlive this process even when it dies
+/// right after the DEL is answered; then removes `pod`'s record, takes it out of the node,
+/// and queues the marks. An IP that another local pod holds is not marked: the registry
+/// keys endpoints by IP, and the mark would land on that pod. The caller holds the node's
+/// lifecycle lock.
 ///
 /// A record file that cannot be removed (a read-only or failing folder) does not keep the
 /// pod: it leaves the view and the node all the same, and storage retries the removal
@@ -27,6 +29,26 @@ pub async fn remove_pod(
     marks: Option<&Marks>,
     pod: &Pod,
 ) -> Result<(), StorageError> {
+    let to_mark: Vec<IpAddr> = match marks {
+        Some(_) => {
+            let held: BTreeSet<IpAddr> = node.with_inputs(|i| {
+                i.pods
+                    .values()
+                    .filter(|p| p.uid != pod.uid)
+                    .flat_map(|p| p.ips.iter().copied())
+                    .collect()
+            });
+            pod.ips
+                .iter()
+                .filter(|ip| !held.contains(ip))
+                .copied()
+                .collect()
+        }
+        None => Vec::new(),
+    };
+    if let Some(marks) = marks {
+        marks.keep(&to_mark).await;
+    }
     let (s, uid) = (storage.clone(), pod.uid.clone());
     match tokio::task::spawn_blocking(move || s.remove_or_retry(&uid)).await {
         Ok(result) => {
@@ -44,16 +66,7 @@ pub async fn remove_pod(
     };
     node.apply([Change::RemovePod(pod.uid.clone())]);
     if let Some(marks) = marks {
-        let held: BTreeSet<IpAddr> = node.with_inputs(|i| {
-            i.pods
-                .values()
-                .flat_map(|p| p.ips.iter().copied())
-                .collect()
-        });
-        pod.ips
-            .iter()
-            .filter(|ip| !held.contains(ip))
-            .for_each(|ip| marks.drain(*ip));
+        to_mark.into_iter().for_each(|ip| marks.drain(ip));
     }
     Ok(())
 }

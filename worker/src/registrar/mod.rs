@@ -20,6 +20,7 @@
 //! endpoint at the address is on this node; the others it names in its answer, logged.
 
 mod mirror;
+pub mod pending;
 pub mod spiffe_tls;
 
 use std::collections::BTreeSet;
@@ -374,20 +375,57 @@ fn watch_error(addr: &Address, me: &Identity, s: tonic::Status) -> anyhow::Error
 #[derive(Clone)]
 pub struct Marks {
     tx: mpsc::UnboundedSender<IpAddr>,
+    pending: Arc<pending::Pending>,
 }
 
 impl Marks {
-    /// Asks for `ip`'s endpoints on this node to be marked draining.
+    /// Asks for `ip`'s endpoints on this node to be marked draining, from memory: a mark
+    /// that a later DEL asks for again durably (the Terminating marks of the Kubernetes
+    /// watch).
     pub fn drain(&self, ip: IpAddr) {
         let _ = self.tx.send(ip);
     }
 
-    /// Starts the writer. Only the owner calls this (from serving): a standby has no
-    /// handle and writes nothing.
-    pub fn spawn(addrs: Vec<Address>, me: Identity, metrics: Arc<Metrics>) -> Self {
+    /// Makes the marks of `ips` durable ([`pending`]) before they are asked for with
+    /// [`Self::drain`]: once this returns, they outlive this process. A failed write is
+    /// logged with the folder, and the marks are then kept in memory only.
+    pub async fn keep(&self, ips: &[IpAddr]) {
+        if ips.is_empty() {
+            return;
+        }
+        let (pending, list) = (self.pending.clone(), ips.to_vec());
+        match tokio::task::spawn_blocking(move || pending.add(&list)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                warn!(dir = %self.pending.dir().display(), addresses = ?ips, error = %e, "drain marks: cannot keep the marks on disk; they are kept in memory only")
+            }
+            Err(e) => {
+                warn!(addresses = ?ips, error = %e, "drain marks: the write of the pending marks did not finish; they are kept in memory only")
+            }
+        }
+    }
+
+    /// Starts the writer, with the marks a previous owner left in `<state_dir>`'s pending
+    /// folder. Only the owner calls this (from serving): a standby has no handle and
+    /// writes nothing.
+    pub fn spawn(
+        addrs: Vec<Address>,
+        me: Identity,
+        metrics: Arc<Metrics>,
+        state_dir: &std::path::Path,
+    ) -> Self {
+        let pending = Arc::new(pending::Pending::new(state_dir));
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(mark_writer(addrs, me, metrics, rx));
-        Self { tx }
+        let restored = pending.restore();
+        if !restored.is_empty() {
+            info!(dir = %pending.dir().display(), marks = restored.len(), addresses = ?restored,
+                "drain marks: writing the marks a previous owner answered DELs for and did not write");
+            restored.into_iter().for_each(|ip| {
+                let _ = tx.send(ip);
+            });
+        }
+        tokio::spawn(mark_writer(addrs, me, metrics, pending.clone(), rx));
+        Self { tx, pending }
     }
 }
 
@@ -395,6 +433,7 @@ async fn mark_writer(
     addrs: Vec<Address>,
     me: Identity,
     metrics: Arc<Metrics>,
+    on_disk: Arc<pending::Pending>,
     mut rx: mpsc::UnboundedReceiver<IpAddr>,
 ) {
     let mut pending = BTreeSet::new();
@@ -484,6 +523,7 @@ async fn mark_writer(
             })
             .inc();
         pending.remove(&ip);
+        on_disk.done(ip);
         backoff.reset();
     }
 }
