@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import threading
 import time
+import traceback
 import urllib.request
 
 import configs as C
@@ -30,6 +31,30 @@ POD_C = spiffe("ns/default/pod/c")
 POD_WEB = spiffe("ns/default/pod/web")
 AGENT = spiffe("aether/agent")
 FOREIGN = "spiffe://other.test/ns/default/pod/x"
+
+
+# --- results -----------------------------------------------------------------------------
+
+# (name, passed) of every trial reported, in order.
+RESULTS = []
+
+
+def report(name, ok, observation):
+    """One PASS or FAIL line with what was observed."""
+    RESULTS.append((name, ok))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {observation}", flush=True)
+
+
+def trial(fn):
+    """A trial that raises is a FAIL under its name; the rest go on."""
+    def run(*args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a broken trial is a FAIL, the rest go on
+            report(fn.__name__, False, f"error: {e!r}")
+            traceback.print_exc()
+    run.__name__ = fn.__name__
+    return run
 
 
 # --- certificates (openssl CLI) ----------------------------------------------------------

@@ -25,11 +25,11 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import configs as C
 import rig
+from rig import RESULTS, report, trial
 from rig import AGENT, FOREIGN, POD_A, POD_B, POD_C
 from sds import SdsServer
 
@@ -42,25 +42,6 @@ EXPECT = {A: POD_A, B: POD_B}
 # The socket's peer, never an address a filter restored (PROXY protocol, XFF): the
 # connection's own source is the pod.
 SRC_FMT = "svid|%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%"
-
-RESULTS = []
-
-
-def report(name, ok, observation):
-    RESULTS.append((name, ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}: {observation}", flush=True)
-
-
-def trial(fn):
-    def run(*args, **kwargs):
-        try:
-            fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a broken trial is a FAIL, the rest go on
-            report(fn.__name__, False, f"error: {e!r}")
-            traceback.print_exc()
-    run.__name__ = fn.__name__
-    return run
-
 
 def summarize(results, expected):
     """(mismatches, conns by source, shared conns) for an interleave run."""

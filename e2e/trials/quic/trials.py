@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "mtls"))
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "mtls"))
 import configs as C  # noqa: E402 - the mTLS trials' configuration helpers
 import h3  # noqa: E402
 import rig  # noqa: E402
+from rig import RESULTS, report, trial  # noqa: E402
 from rig import FOREIGN, POD_A, POD_B, POD_C  # noqa: E402
 from sds import SdsServer  # noqa: E402
 
@@ -45,25 +45,6 @@ SNI = {"a": "a.twin.aether", "b": "b.twin.aether", "c": "c.twin.aether"}
 POD = {"a": POD_A, "b": POD_B, "c": POD_C}
 SERIAL = {"a": "A1", "a2": "A2", "b": "B1", "c": "C1"}
 TRUST_PREFIX = "spiffe://aether.test/"
-
-RESULTS = []
-
-
-def report(name, ok, observation):
-    RESULTS.append((name, ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}: {observation}", flush=True)
-
-
-def trial(fn):
-    def run(*args, **kwargs):
-        try:
-            fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a broken trial is a FAIL, the rest go on
-            report(fn.__name__, False, f"error: {e!r}")
-            traceback.print_exc()
-    run.__name__ = fn.__name__
-    return run
-
 
 def short(r):
     """One request's outcome in a few words."""
