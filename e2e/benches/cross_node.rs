@@ -43,16 +43,16 @@
 //! every poll is work on the agent's one runtime thread).
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, ms, since, summary};
 use aether_e2e::envoy::{AdsApi, NodeRig};
 use aether_e2e::identity::{IdentityProvider, Options};
-use aether_e2e::kube_api::{KubeApi, Rule};
+use aether_e2e::kube_api::KubeApi;
 use aether_e2e::registrar::{
-    Etcd, RegistrarProcess, TestCa, dump, envoy_eds, expected_eds, registrar_bin,
+    AGENT_SA, Etcd, RegistrarProcess, TestCa, WorkerReadable, dump, envoy_eds, expected_eds,
+    registrar_bin, token_review_api,
 };
 use aether_e2e::testing::{
     env_usize, free_port, identity_provider_for_agents_with, percentile, wait_for,
@@ -457,46 +457,23 @@ struct Authenticated {
     _provider: IdentityProvider,
     _idp_dir: tempfile::TempDir,
     /// The files the workers read: their CA, token and bundle.
-    _files: tempfile::TempDir,
+    _files: WorkerReadable,
 }
 
 /// The two authenticated registrars on `etcd` and a node B watching each: by token
 /// (TLS, `--token-review`) and by SVID (mutual TLS).
 fn start_watchers(envoy_bin: &Path, api: AdsApi, etcd: &Etcd) -> (Authenticated, Vec<Watcher>) {
-    // Where the workers (uid 65532 under root) can read their CA and token.
-    let files = tempfile::Builder::new()
-        .prefix("aether-cross-node-")
-        .tempdir()
-        .expect("a temp dir");
-    std::fs::set_permissions(files.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let readable = |name: &str, bytes: &[u8]| -> String {
-        let path = files.path().join(name);
-        std::fs::write(&path, bytes).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        path.display().to_string()
-    };
+    // Where the workers can read their CA, token and bundle.
+    let files = WorkerReadable::new("aether-cross-node-");
     let listen = || format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST).unwrap());
 
     // By token: TLS with a test CA, TokenReview with the test API server.
     let ca = TestCa::new("cross-node CA");
     let (serve_cert, serve_key) = ca.leaf("registrar-serving", &["127.0.0.1"], ServerAuth);
-    let kube = KubeApi::start();
-    let (registrar_sa, agent_sa) = (
-        "system:serviceaccount:aether-system:aether-registrar",
-        "system:serviceaccount:aether-system:aether-agent",
-    );
-    kube.grant(
-        registrar_sa,
-        &[Rule {
-            resource: "tokenreviews",
-            verbs: &["create"],
-        }],
-    );
-    kube.bind_token_to_node(agent_sa, "test-node");
-    let ca_file = readable("ca.crt", &std::fs::read(ca.ca_file()).unwrap());
-    let agent_token = readable("agent-token", kube.token(agent_sa).as_bytes());
-    let ops_token = readable("ops-token", kube.token(OPERATOR).as_bytes());
-    let kubeconfig = kube.kubeconfig(registrar_sa).display().to_string();
+    let (kube, kubeconfig) = token_review_api("test-node");
+    let ca_file = files.put("ca.crt", &std::fs::read(ca.ca_file()).unwrap());
+    let agent_token = files.put("agent-token", kube.token(AGENT_SA).as_bytes());
+    let ops_token = files.put("ops-token", kube.token(OPERATOR).as_bytes());
     let token_addr = listen();
     let by_token = RegistrarProcess::start(
         &registrar_bin(),
@@ -534,16 +511,16 @@ fn start_watchers(envoy_bin: &Path, api: AdsApi, etcd: &Etcd) -> (Authenticated,
     let mut options = Options::new(TD);
     options.agent_path = "/aether-agent/test-node".into();
     let (idp_dir, provider) = identity_provider_for_agents_with(options);
-    let bundle = readable("bundle.pem", provider.ca_pem().as_bytes());
+    let bundle = files.put("bundle.pem", provider.ca_pem().as_bytes());
     let (cert, key) = provider.mint_server(REGISTRAR_ID, &[IpAddr::V4(Ipv4Addr::LOCALHOST)]);
     let (cert, key) = (
-        readable("tls.crt", cert.as_bytes()),
-        readable("tls.key", key.as_bytes()),
+        files.put("tls.crt", cert.as_bytes()),
+        files.put("tls.key", key.as_bytes()),
     );
     let (ops_cert, ops_key) = provider.mint(OPS_ID);
     let (ops_cert, ops_key) = (
-        readable("ops.crt", ops_cert.as_bytes()),
-        readable("ops.key", ops_key.as_bytes()),
+        files.put("ops.crt", ops_cert.as_bytes()),
+        files.put("ops.key", ops_key.as_bytes()),
     );
     let mtls_addr = listen();
     let by_svid = RegistrarProcess::start(

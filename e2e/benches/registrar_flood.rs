@@ -27,7 +27,6 @@
 //! half after.
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,8 +34,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use aether_e2e::envoy::ack_log::{self, AgentLog, ms, since, summary};
 use aether_e2e::envoy::{AdsApi, NodeRig};
-use aether_e2e::kube_api::{KubeApi, Rule};
-use aether_e2e::registrar::{Etcd, RegistrarProcess, TestCa, registrar_bin};
+use aether_e2e::registrar::{
+    AGENT_SA, Etcd, REGISTRAR_SA, RegistrarProcess, TestCa, WorkerReadable, registrar_bin,
+    token_review_api,
+};
 use aether_e2e::testing::{env_usize, percentile};
 use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
 use shared_proto::registry as pb;
@@ -87,41 +88,18 @@ fn main() {
         key: etcd_key,
         client_ca: ca.ca_file(),
     });
-    let api = KubeApi::start();
-    let (registrar_sa, agent_sa) = (
-        "system:serviceaccount:aether-system:aether-registrar",
-        "system:serviceaccount:aether-system:aether-agent",
-    );
-    api.grant(
-        registrar_sa,
-        &[Rule {
-            resource: "tokenreviews",
-            verbs: &["create"],
-        }],
-    );
     // The rig's agents run as `test-node`.
-    api.bind_token_to_node(agent_sa, "test-node");
+    let (api, kubeconfig) = token_review_api("test-node");
     let port = || aether_e2e::testing::free_port(Ipv4Addr::LOCALHOST).unwrap();
     let listen = format!("127.0.0.1:{}", port());
     let metrics_addr = format!("127.0.0.1:{}", port());
-    let kubeconfig = api.kubeconfig(registrar_sa).display().to_string();
-    // Where the worker (uid 65532 under root) can read the CA and its token.
-    let shared = tempfile::Builder::new()
-        .prefix("aether-registrar-flood-")
-        .tempdir()
-        .expect("a temp dir");
-    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let readable = |name: &str, bytes: &[u8]| -> String {
-        let path = shared.path().join(name);
-        std::fs::write(&path, bytes).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        path.display().to_string()
-    };
-    let ca_file = readable("ca.crt", &std::fs::read(ca.ca_file()).unwrap());
-    let agent_token = api.token(agent_sa);
-    let agent_token_file = readable("agent-token", agent_token.as_bytes());
+    // Where the worker can read the CA and its token.
+    let shared = WorkerReadable::new("aether-registrar-flood-");
+    let ca_file = shared.put("ca.crt", &std::fs::read(ca.ca_file()).unwrap());
+    let agent_token = api.token(AGENT_SA);
+    let agent_token_file = shared.put("agent-token", agent_token.as_bytes());
     let ops_token = api.token(OPERATOR);
-    let ops_token_file = readable("ops-token", ops_token.as_bytes());
+    let ops_token_file = shared.put("ops-token", ops_token.as_bytes());
     let p = |p: &Path| p.display().to_string();
     let (client_cert, client_key, serve_cert, serve_key) = (
         p(&client_cert),
@@ -161,7 +139,7 @@ fn main() {
     );
     let pid = registrar.pid().expect("the registrar runs");
     let reviews = || {
-        api.requests(registrar_sa)
+        api.requests(REGISTRAR_SA)
             .iter()
             .filter(|r| r.starts_with("POST /apis/authentication.k8s.io/v1/tokenreviews"))
             .count()

@@ -208,3 +208,52 @@ pub fn bench_start(name: &str) -> Option<(std::path::PathBuf, Etcd)> {
     };
     Some((envoy_bin, etcd))
 }
+
+/// The registrar's service account, as the chart names it.
+pub const REGISTRAR_SA: &str = "system:serviceaccount:aether-system:aether-registrar";
+/// The agents' service account, as the chart names it.
+pub const AGENT_SA: &str = "system:serviceaccount:aether-system:aether-agent";
+
+/// The test API server as a registrar with `--token-review` needs it: [`REGISTRAR_SA`] may
+/// create TokenReviews, and [`AGENT_SA`]'s token is bound to `node`. Returns it and the
+/// registrar's kubeconfig (`--kubeconfig`).
+pub fn token_review_api(node: &str) -> (crate::kube_api::KubeApi, String) {
+    let api = crate::kube_api::KubeApi::start();
+    api.grant(
+        REGISTRAR_SA,
+        &[crate::kube_api::Rule {
+            resource: "tokenreviews",
+            verbs: &["create"],
+        }],
+    );
+    api.bind_token_to_node(AGENT_SA, node);
+    let kubeconfig = api.kubeconfig(REGISTRAR_SA).display().to_string();
+    (api, kubeconfig)
+}
+
+/// A folder whose files a worker can read (uid 65532 when the tests run as root): the
+/// folder 0755, each file 0644. Removed on drop.
+pub struct WorkerReadable(tempfile::TempDir);
+
+impl WorkerReadable {
+    pub fn new(prefix: &str) -> WorkerReadable {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir()
+            .expect("a temp dir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod the temp dir");
+        WorkerReadable(dir)
+    }
+
+    /// Writes `bytes` to the file `name`; its path.
+    pub fn put(&self, name: &str, bytes: &[u8]) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.0.path().join(name);
+        std::fs::write(&path, bytes).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+            .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
+        path.display().to_string()
+    }
+}
