@@ -31,9 +31,13 @@
 //!   ]
 //! }
 //! ```
-//! (JSON has no comments; they are explanation here.) Unknown fields are rejected so a
-//! typo is an error, not a silently ignored setting. A service is keyed by namespace and
+//! (JSON has no comments; they are explanation here.) A service is keyed by namespace and
 //! name; the same key twice is an error.
+//!
+//! Unknown fields are ignored, and named: [`parse_noting`] and [`service_from_str`] return
+//! each one's path (`services[3].endpoints[0].quic`) for the caller to log. A newer file
+//! (a field a later release adds) must not stop an older agent during a roll, which holds
+//! both releases on one node; a typo is still said, as a warning naming the field.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -110,7 +114,6 @@ impl FileError {
 
 /// The whole file.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct FileDoc {
     #[serde(default)]
     pub services: Vec<FileService>,
@@ -118,7 +121,6 @@ pub struct FileDoc {
 
 /// One service as written in the file, before [`validate`].
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct FileService {
     pub name: String,
     pub namespace: String,
@@ -131,7 +133,6 @@ pub struct FileService {
 
 /// One endpoint as written in the file.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct FileEndpoint {
     pub address: IpAddr,
     pub port: u16,
@@ -148,9 +149,53 @@ pub struct FileEndpoint {
     pub mtls: bool,
 }
 
-/// Parses and validates a registry file's content.
+/// Parses and validates a registry file's content; unknown fields are ignored silently.
 pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
-    let doc: FileDoc = serde_json::from_slice(bytes).map_err(|e| FileError::json(path, &e))?;
+    parse_noting(path, bytes, &mut Ignored::default())
+}
+
+/// The fields a parse ignored, by path in the file, the first [`Ignored::KEPT`] of them.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Ignored {
+    /// Paths such as `services[3].endpoints[0].quic`.
+    pub paths: Vec<String>,
+    /// How many there were in all.
+    pub count: usize,
+}
+
+impl Ignored {
+    /// Paths kept for the message: a file written by a newer release may carry a new
+    /// field on each of 100,000 endpoints.
+    pub const KEPT: usize = 8;
+
+    fn note(&mut self, path: impl FnOnce() -> String) {
+        self.count += 1;
+        if self.paths.len() < Self::KEPT {
+            self.paths.push(path());
+        }
+    }
+}
+
+impl std::fmt::Display for Ignored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.paths.join(", "))?;
+        if self.count > self.paths.len() {
+            write!(f, " and {} more", self.count - self.paths.len())?;
+        }
+        Ok(())
+    }
+}
+
+/// [`parse`], noting the fields it ignored in `ignored`.
+pub fn parse_noting(
+    path: &Path,
+    bytes: &[u8],
+    ignored: &mut Ignored,
+) -> Result<RegistryView, FileError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let doc: FileDoc = serde_ignored::deserialize(&mut de, |p| ignored.note(|| field_path(&p)))
+        .and_then(|doc| de.end().map(|()| doc))
+        .map_err(|e| FileError::json(path, &e))?;
     let mut services = BTreeMap::new();
     for (i, s) in doc.services.into_iter().enumerate() {
         let service = validate(path, i, s)?;
@@ -164,6 +209,36 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<RegistryView, FileError> {
         }
     }
     Ok(RegistryView { services })
+}
+
+/// Parses the JSON text of `services[i]`, noting the fields it ignored.
+pub fn service_from_str(
+    text: &str,
+    i: usize,
+    ignored: &mut Ignored,
+) -> Result<FileService, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let service = serde_ignored::deserialize(&mut de, |p| {
+        ignored.note(|| format!("services[{i}].{}", field_path(&p)))
+    })?;
+    de.end()?;
+    Ok(service)
+}
+
+/// `endpoints[0].quic`: a path as the file's errors write one.
+fn field_path(p: &serde_ignored::Path) -> String {
+    use serde_ignored::Path;
+    match p {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", field_path(parent)),
+        Path::Map { parent, key } => match field_path(parent) {
+            up if up.is_empty() => key.clone(),
+            up => format!("{up}.{key}"),
+        },
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => field_path(parent),
+    }
 }
 
 /// The error for `services[i]`, a key an earlier service of the file already has.
@@ -306,14 +381,56 @@ mod tests {
     }
 
     #[test]
+    fn unknown_fields_are_ignored_and_named() {
+        // A field a later release adds, at each level, as a newer file carries it.
+        let newer = r#"{"version":2,"services":[
+            {"name":"web","namespace":"d","ports":[80],"prots":1,"endpoints":[
+              {"address":"10.0.0.1","port":8080},
+              {"address":"10.0.0.2","port":8080,"quic":"10.0.0.9:4443","quic_sni":"x"}]}]}"#;
+        let mut ignored = Ignored::default();
+        let view = parse_noting(Path::new("r.json"), newer.as_bytes(), &mut ignored).unwrap();
+        assert_eq!(view.services.len(), 1);
+        let web = view.services.values().next().unwrap();
+        assert_eq!(
+            web.endpoints.len(),
+            2,
+            "the endpoint with new fields is kept"
+        );
+        assert_eq!(
+            ignored.paths,
+            [
+                "version",
+                "services[0].prots",
+                "services[0].endpoints[1].quic",
+                "services[0].endpoints[1].quic_sni"
+            ]
+        );
+        assert_eq!(ignored.count, 4);
+
+        // One service's text, as the agent reloads it.
+        let mut ignored = Ignored::default();
+        let text = r#"{"name":"w","namespace":"d","ports":[80],"endpoints":[{"address":"10.0.0.1","port":1,"quic":"h:1"}]}"#;
+        let s = service_from_str(text, 7, &mut ignored).unwrap();
+        assert_eq!(s.endpoints.len(), 1);
+        assert_eq!(ignored.paths, ["services[7].endpoints[0].quic"]);
+
+        // The message is capped, with the rest counted.
+        let mut many = Ignored::default();
+        for k in 0..20 {
+            many.note(|| format!("f{k}"));
+        }
+        assert_eq!(many.paths.len(), Ignored::KEPT);
+        assert!(many.to_string().ends_with("f7 and 12 more"), "{many}");
+
+        // Trailing bytes after the document are still an error.
+        assert!(parse(Path::new("r.json"), b"{} x").is_err());
+    }
+
+    #[test]
     fn rejects_bad_input_with_location() {
         check(
             "{\"services\": [\n  {\"name\": }",
             Err("/etc/aether/registry.json:2:12"),
-        );
-        check(
-            r#"{"services":[{"name":"web","namespace":"d","ports":[80],"prots":1}]}"#,
-            Err("unknown field `prots`"),
         );
         check(
             r#"{"services":[{"name":"Web","namespace":"d","ports":[80]}]}"#,

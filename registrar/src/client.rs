@@ -149,7 +149,16 @@ pub async fn apply(args: &ClientArgs, file: &Path) -> anyhow::Result<()> {
             path: file.to_owned(),
             source,
         })?;
-    let view = aether_model::registry_file::parse(file, &bytes)?;
+    let mut ignored = aether_model::registry_file::Ignored::default();
+    let view = aether_model::registry_file::parse_noting(file, &bytes, &mut ignored)?;
+    if ignored.count > 0 {
+        // The registry's API has no field for them: said, not sent (a typo, or a newer
+        // release's file).
+        eprintln!(
+            "warning: {}: fields not known to this release, ignored: {ignored}",
+            file.display()
+        );
+    }
     let services: Vec<pb::Service> = view
         .services
         .values()

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_model::registry_file::{FileService, listed_twice, validate};
+use aether_model::registry_file::{Ignored, listed_twice, service_from_str, validate};
 use aether_model::{Change, ServiceKey};
 use serde::Deserialize;
 use tokio::task::JoinHandle;
@@ -42,9 +42,10 @@ pub use aether_model::registry_file::{FileError, parse};
 /// How often a watched file is re-read even without an inotify event.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(500);
 
-/// The file with each service left unparsed: a scan, no allocation per field.
+/// The file with each service left unparsed: a scan, no allocation per field. Fields
+/// it does not know are ignored (see `aether_model::registry_file`); those inside a
+/// service are named in a warning when the service is parsed.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawDoc<'a> {
     #[serde(borrow, default)]
     services: Vec<&'a serde_json::value::RawValue>,
@@ -101,6 +102,7 @@ impl FileSource for RegistryFile {
         let mut texts = HashMap::with_capacity(doc.services.len());
         let mut keys: HashSet<ServiceKey> = HashSet::with_capacity(doc.services.len());
         let mut upserts = Vec::new();
+        let mut ignored = Ignored::default();
         for (i, raw) in doc.services.iter().enumerate() {
             let text = raw.get();
             let id = (file_hash(text.as_bytes()), text.len());
@@ -108,7 +110,7 @@ impl FileSource for RegistryFile {
                 Some(key) => key.clone(),
                 None => {
                     let offset = text.as_ptr() as usize - bytes.as_ptr() as usize;
-                    let fs: FileService = serde_json::from_str(text)
+                    let fs = service_from_str(text, i, &mut ignored)
                         .map_err(|e| FileError::json_at(path, bytes, offset, &e))?;
                     let service = validate(path, i, fs)?;
                     let key = service.key();
@@ -120,6 +122,13 @@ impl FileSource for RegistryFile {
                 return Err(listed_twice(path, i, &key.name, &key.namespace));
             }
             texts.insert(id, key);
+        }
+        if ignored.count > 0 {
+            tracing::warn!(
+                file = %path.display(),
+                fields = %ignored,
+                "registry file: fields this agent does not know, ignored (a newer release's, or a typo)"
+            );
         }
         // Committed only now: a rejected file changes nothing.
         let removed = self
@@ -556,6 +565,23 @@ mod tests {
             "{changes:?}"
         );
         assert!(source.parse(p, two.as_bytes()).unwrap().is_empty());
+    }
+
+    /// A file a newer release writes (fields this agent does not know, at the top and in
+    /// an endpoint) loads: the endpoint is kept, the change applies. During a roll the
+    /// older agent beside the newer one reads the same file.
+    #[test]
+    fn a_newer_files_unknown_fields_are_ignored_and_its_changes_apply() {
+        let mut source = RegistryFile::default();
+        let p = Path::new("r.json");
+        let old = r#"{"services":[{"name":"a","namespace":"d","ports":[80],"endpoints":[{"address":"10.0.0.1","port":80}]}]}"#;
+        assert_eq!(source.parse(p, old.as_bytes()).unwrap().len(), 1);
+        let newer = r#"{"generation":3,"services":[{"name":"a","namespace":"d","ports":[80],"endpoints":[{"address":"10.0.0.1","port":80},{"address":"10.0.0.2","port":80,"quic":"10.0.0.2:4443","quic_sni":"a.d"}]}]}"#;
+        let changes = source.parse(p, newer.as_bytes()).unwrap();
+        assert!(
+            matches!(changes.as_slice(), [Change::UpsertService(s)] if s.endpoints.len() == 2),
+            "{changes:?}"
+        );
     }
 
     /// The incremental reload (a scan, then only new service texts parsed) ends at the
