@@ -21,6 +21,7 @@ pub mod conflist;
 pub mod control;
 pub mod fdcheck;
 pub mod health;
+pub mod heavy;
 pub mod httpmini;
 pub mod identity;
 pub mod kube;

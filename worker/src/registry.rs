@@ -238,7 +238,8 @@ pub(crate) async fn watch_file<S: FileSource>(
                 source.take().expect("source is back after each look"),
                 hashes,
             );
-            let looked = tokio::task::spawn_blocking(move || {
+            // On the heavy-work thread, not the blocking pool: see `crate::heavy`.
+            let looked = crate::heavy::run(move || {
                 let look = look(&p, &stat, max_bytes, known, &mut src);
                 (look, src)
             })

@@ -142,9 +142,10 @@ pub async fn keep_warm(
         let s = snapshots.borrow_and_update().clone();
         metrics.snapshot_seq.set(s.seq as i64);
         // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
-        // resource (about 0.2 s for 10,000 services) and must not hold up its gates.
+        // resource (about 0.2 s for 10,000 services) and must not hold up its gates. On
+        // the heavy-work thread, not the blocking pool: see `crate::heavy`.
         let (e, next, prev) = (encoded.clone(), s.clone(), last.take());
-        if tokio::task::spawn_blocking(move || e.warm(&next, prev.as_deref()))
+        if crate::heavy::run(move || e.warm(&next, prev.as_deref()))
             .await
             .is_err()
         {
