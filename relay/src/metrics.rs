@@ -1,0 +1,129 @@
+//! The relay's counters, in Prometheus' text format on `--metrics-addr`.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use crate::session::Counts;
+
+#[derive(Default)]
+pub struct Metrics {
+    pub envoy_streams: AtomicU64,
+    pub upstream_connected: AtomicU64,
+    pub upstream_streams: AtomicU64,
+    pub upstream_failures: AtomicU64,
+    pub switches: AtomicU64,
+    pub grace_ends: AtomicU64,
+    /// Microseconds without an agent stream, summed over every switch.
+    pub without_upstream_us: AtomicU64,
+    pub last_gap_us: AtomicU64,
+    pub resumes: AtomicU64,
+    pub absorbed: AtomicU64,
+    pub self_acked: AtomicU64,
+    pub nacks: AtomicU64,
+}
+
+impl Metrics {
+    pub fn note_gap(&self, gap: Duration) {
+        let us = gap.as_micros() as u64;
+        self.without_upstream_us.fetch_add(us, Relaxed);
+        self.last_gap_us.store(us, Relaxed);
+    }
+
+    /// Adds what a session's counts gained since `before`, and moves `before` up.
+    pub fn record(&self, now: &Counts, before: &mut Counts) {
+        self.resumes
+            .fetch_add(now.resumes - before.resumes, Relaxed);
+        self.absorbed
+            .fetch_add(now.absorbed - before.absorbed, Relaxed);
+        self.self_acked
+            .fetch_add(now.self_acked - before.self_acked, Relaxed);
+        self.nacks.fetch_add(now.nacks - before.nacks, Relaxed);
+        *before = *now;
+    }
+
+    pub fn render(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Relaxed);
+        let rows: [(&str, &str, &str, String); 12] = [
+            (
+                "aether_relay_envoy_streams",
+                "gauge",
+                "Envoy ADS streams open on the relay's socket.",
+                g(&self.envoy_streams).to_string(),
+            ),
+            (
+                "aether_relay_upstream_connected",
+                "gauge",
+                "1 while the relay has an open ADS stream to the agent.",
+                g(&self.upstream_connected).to_string(),
+            ),
+            (
+                "aether_relay_upstream_streams_total",
+                "counter",
+                "ADS streams opened to the agent.",
+                g(&self.upstream_streams).to_string(),
+            ),
+            (
+                "aether_relay_upstream_failures_total",
+                "counter",
+                "Agent ADS streams that failed to open.",
+                g(&self.upstream_failures).to_string(),
+            ),
+            (
+                "aether_relay_switches_total",
+                "counter",
+                "Agent streams that ended under an open Envoy stream (a roll, a worker crash).",
+                g(&self.switches).to_string(),
+            ),
+            (
+                "aether_relay_grace_ends_total",
+                "counter",
+                "Envoy streams ended after --upstream-grace without an agent.",
+                g(&self.grace_ends).to_string(),
+            ),
+            (
+                "aether_relay_without_upstream_seconds_total",
+                "counter",
+                "Time Envoy's streams spent without an agent stream.",
+                format!("{:.6}", g(&self.without_upstream_us) as f64 / 1e6),
+            ),
+            (
+                "aether_relay_last_upstream_gap_seconds",
+                "gauge",
+                "The last time from an agent stream's end (or the session's start) to the next one open.",
+                format!("{:.6}", g(&self.last_gap_us) as f64 / 1e6),
+            ),
+            (
+                "aether_relay_resumes_total",
+                "counter",
+                "Sessions re-stated on a new agent stream.",
+                g(&self.resumes).to_string(),
+            ),
+            (
+                "aether_relay_absorbed_total",
+                "counter",
+                "Envoy ACKs and NACKs of an earlier agent stream's answers, absorbed.",
+                g(&self.absorbed).to_string(),
+            ),
+            (
+                "aether_relay_self_acked_total",
+                "counter",
+                "Empty agent answers the relay ACKed without forwarding.",
+                g(&self.self_acked).to_string(),
+            ),
+            (
+                "aether_relay_nacks_total",
+                "counter",
+                "NACKs Envoy sent.",
+                g(&self.nacks).to_string(),
+            ),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, value) in rows {
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+            ));
+        }
+        out
+    }
+}

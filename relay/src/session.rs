@@ -1,0 +1,247 @@
+//! The session rules, pure: one Envoy stream and the succession of agent streams behind
+//! it. No I/O and no clock; the driver (`relay.rs`) feeds it what arrives and sends what
+//! it returns, in order.
+//!
+//! What it keeps, per type: what Envoy is subscribed to and the versions Envoy holds
+//! (from the answers Envoy ACKed), never the resources. Each answer forwarded to Envoy is
+//! remembered by nonce, with the names and versions it carried, until Envoy ACKs or NACKs
+//! it; that is how the held versions stay Envoy's own.
+//!
+//! The rules:
+//! - While an agent stream is up, Envoy's requests go to it as they came, and its answers
+//!   go to Envoy as they came.
+//! - When it ends, nothing is sent until the next is up; Envoy's subscription changes
+//!   meanwhile are folded into the state, not queued as messages.
+//! - On a new agent stream, one request per type Envoy uses re-states its subscriptions
+//!   with the versions it holds, the node on the first, in ADS order (clusters, endpoints,
+//!   listeners, routes, secrets, then the rest). The agent then sends only differences.
+//! - Envoy's ACK or NACK of an answer from an earlier agent stream is absorbed: its
+//!   versions count as held (an ACK), and nothing goes to the new stream, which never
+//!   sent that nonce. Subscription changes riding on it are still passed on.
+//! - An answer with no resources and no removals (a type unchanged across the switch) is
+//!   ACKed by the relay itself and not forwarded.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use bytes::Bytes;
+
+use crate::wire::{DeltaRequest, DeltaResponse, Framed};
+
+/// ADS order for the re-statement: a resource's dependencies first.
+const ORDER: [&str; 5] = [
+    "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+    "type.googleapis.com/envoy.config.listener.v3.Listener",
+    "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+];
+
+/// What the driver sends.
+#[derive(Debug, Clone)]
+pub enum Send {
+    /// To the agent, on the current stream.
+    Upstream(Framed<DeltaRequest>),
+    /// To Envoy.
+    Envoy(Framed<DeltaResponse>),
+}
+
+/// Counts the driver exports.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    /// Agent streams the session was re-stated on.
+    pub resumes: u64,
+    /// ACKs and NACKs of an earlier stream's answers, absorbed.
+    pub absorbed: u64,
+    /// Empty answers the relay ACKed itself.
+    pub self_acked: u64,
+    /// NACKs Envoy sent.
+    pub nacks: u64,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct TypeState {
+    /// Envoy asked for every resource of the type: by an empty first subscription (the
+    /// legacy form) or by `*`.
+    wildcard: bool,
+    /// The legacy form: re-stated as an empty subscription, as Envoy sent it.
+    legacy: bool,
+    names: BTreeSet<String>,
+    /// The versions Envoy holds, by name.
+    held: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone)]
+struct Sent {
+    stream: u64,
+    type_url: String,
+    resources: Vec<(String, String)>,
+    removed: Vec<String>,
+}
+
+/// One Envoy stream's session.
+#[derive(Debug, Default)]
+pub struct Session {
+    node: Bytes,
+    types: BTreeMap<String, TypeState>,
+    /// The current agent stream's number, counted from 1; 0 before the first.
+    stream: u64,
+    up: bool,
+    /// Answers forwarded and not yet ACKed or NACKed, by nonce.
+    sent: HashMap<String, Sent>,
+    pub counts: Counts,
+}
+
+impl Session {
+    /// A request from Envoy.
+    pub fn on_envoy(&mut self, req: Framed<DeltaRequest>) -> Vec<Send> {
+        let r = &req.view;
+        if self.node.is_empty() && !r.node.is_empty() {
+            self.node = r.node.clone();
+        }
+        let first = !self.types.contains_key(&r.type_url);
+        let t = self.types.entry(r.type_url.clone()).or_default();
+        if first {
+            t.legacy = r.resource_names_subscribe.is_empty();
+            t.wildcard = t.legacy;
+            // Envoy reconnecting to a restarted relay says what it holds.
+            t.held = r
+                .initial_resource_versions
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+        }
+        for n in &r.resource_names_subscribe {
+            if n == "*" {
+                t.wildcard = true;
+            } else {
+                t.names.insert(n.clone());
+            }
+        }
+        for n in &r.resource_names_unsubscribe {
+            if n == "*" {
+                t.wildcard = false;
+                t.legacy = false;
+            } else {
+                t.names.remove(n);
+            }
+        }
+        let mut from_earlier_stream = false;
+        if !r.response_nonce.is_empty() {
+            let nack = !r.error_detail.is_empty();
+            if nack {
+                self.counts.nacks += 1;
+            }
+            if let Some(s) = self.sent.remove(&r.response_nonce) {
+                if !nack {
+                    let t = self.types.entry(s.type_url.clone()).or_default();
+                    for n in &s.removed {
+                        t.held.remove(n);
+                    }
+                    for (n, v) in s.resources {
+                        t.held.insert(n, v);
+                    }
+                }
+                from_earlier_stream = s.stream != self.stream;
+            }
+        }
+        if !self.up {
+            return Vec::new();
+        }
+        if !from_earlier_stream {
+            return vec![Send::Upstream(req)];
+        }
+        self.counts.absorbed += 1;
+        if r.resource_names_subscribe.is_empty() && r.resource_names_unsubscribe.is_empty() {
+            return Vec::new();
+        }
+        // The subscription change, without the nonce the agent never sent.
+        vec![Send::Upstream(Framed::of(DeltaRequest {
+            type_url: r.type_url.clone(),
+            resource_names_subscribe: r.resource_names_subscribe.clone(),
+            resource_names_unsubscribe: r.resource_names_unsubscribe.clone(),
+            ..Default::default()
+        }))]
+    }
+
+    /// An answer from the agent.
+    pub fn on_agent(&mut self, resp: Framed<DeltaResponse>) -> Vec<Send> {
+        let r = &resp.view;
+        if r.resources.is_empty() && r.removed_resources.is_empty() {
+            self.counts.self_acked += 1;
+            return vec![Send::Upstream(Framed::of(DeltaRequest {
+                type_url: r.type_url.clone(),
+                response_nonce: r.nonce.clone(),
+                ..Default::default()
+            }))];
+        }
+        self.sent.insert(
+            r.nonce.clone(),
+            Sent {
+                stream: self.stream,
+                type_url: r.type_url.clone(),
+                resources: r
+                    .resources
+                    .iter()
+                    .map(|x| (x.name.clone(), x.version.clone()))
+                    .collect(),
+                removed: r.removed_resources.clone(),
+            },
+        );
+        vec![Send::Envoy(resp)]
+    }
+
+    /// A new agent stream is open: the re-statement of every type Envoy uses.
+    pub fn upstream_up(&mut self) -> Vec<Send> {
+        self.stream += 1;
+        self.up = true;
+        if self.types.is_empty() {
+            // Envoy has not asked yet: its first request goes as it came, node included.
+            return Vec::new();
+        }
+        self.counts.resumes += u64::from(self.stream > 1);
+        let rank = |t: &str| ORDER.iter().position(|o| *o == t).unwrap_or(ORDER.len());
+        let mut urls: Vec<&String> = self.types.keys().collect();
+        urls.sort_by_key(|u| (rank(u), (*u).clone()));
+        let mut out = Vec::with_capacity(urls.len());
+        for (i, url) in urls.into_iter().enumerate() {
+            let t = &self.types[url];
+            let mut subscribe: Vec<String> = t.names.iter().cloned().collect();
+            if t.wildcard && !(t.legacy && subscribe.is_empty()) {
+                subscribe.insert(0, "*".into());
+            }
+            out.push(Send::Upstream(Framed::of(DeltaRequest {
+                node: if i == 0 {
+                    self.node.clone()
+                } else {
+                    Bytes::new()
+                },
+                type_url: url.clone(),
+                resource_names_subscribe: subscribe,
+                initial_resource_versions: t
+                    .held
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                ..Default::default()
+            })));
+        }
+        out
+    }
+
+    /// The agent stream ended.
+    pub fn upstream_down(&mut self) {
+        self.up = false;
+    }
+
+    /// The versions Envoy holds of a type, as the session knows them.
+    #[cfg(test)]
+    pub fn held(&self, type_url: &str) -> BTreeMap<String, String> {
+        self.types
+            .get(type_url)
+            .map(|t| t.held.clone())
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests;

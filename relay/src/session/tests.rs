@@ -1,0 +1,481 @@
+//! The session rules, one test per rule, and a property test: any sequence of
+//! subscriptions, answers, ACKs, NACKs and switches leaves a model of Envoy holding
+//! exactly what a model of the last agent serves.
+
+use super::*;
+use crate::wire::Resource;
+
+const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+const SDS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+
+fn req(type_url: &str, subscribe: &[&str]) -> Framed<DeltaRequest> {
+    Framed::of(DeltaRequest {
+        type_url: type_url.into(),
+        resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    })
+}
+
+fn ack(type_url: &str, nonce: &str) -> Framed<DeltaRequest> {
+    Framed::of(DeltaRequest {
+        type_url: type_url.into(),
+        response_nonce: nonce.into(),
+        ..Default::default()
+    })
+}
+
+fn nack(type_url: &str, nonce: &str) -> Framed<DeltaRequest> {
+    Framed::of(DeltaRequest {
+        type_url: type_url.into(),
+        response_nonce: nonce.into(),
+        error_detail: Bytes::from_static(b"\x08\x03"),
+        ..Default::default()
+    })
+}
+
+fn resp(
+    type_url: &str,
+    nonce: &str,
+    res: &[(&str, &str)],
+    removed: &[&str],
+) -> Framed<DeltaResponse> {
+    Framed::of(DeltaResponse {
+        type_url: type_url.into(),
+        nonce: nonce.into(),
+        resources: res
+            .iter()
+            .map(|(n, v)| Resource {
+                name: n.to_string(),
+                version: v.to_string(),
+            })
+            .collect(),
+        removed_resources: removed.iter().map(|s| s.to_string()).collect(),
+    })
+}
+
+fn upstream(out: &[Send]) -> Vec<&DeltaRequest> {
+    out.iter()
+        .map(|s| match s {
+            Send::Upstream(r) => &r.view,
+            Send::Envoy(_) => panic!("expected requests to the agent only: {out:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn requests_and_answers_pass_through_as_they_came_while_up() {
+    let mut s = Session::default();
+    assert!(
+        s.upstream_up().is_empty(),
+        "nothing to re-state before Envoy asks"
+    );
+    let mut first = req(CDS, &[]);
+    first.view.node = Bytes::from_static(b"\x0a\x02id");
+    first = Framed::of(first.view);
+    let out = s.on_envoy(first.clone());
+    assert!(matches!(&out[..], [Send::Upstream(r)] if r.bytes == first.bytes));
+    let answer = resp(CDS, "n1", &[("a", "1")], &[]);
+    let out = s.on_agent(answer.clone());
+    assert!(matches!(&out[..], [Send::Envoy(r)] if r.bytes == answer.bytes));
+    let out = s.on_envoy(ack(CDS, "n1"));
+    assert_eq!(upstream(&out)[0].response_nonce, "n1");
+    assert_eq!(s.held(CDS), BTreeMap::from([("a".into(), "1".into())]));
+}
+
+#[test]
+fn a_new_stream_restates_subscriptions_with_the_versions_envoy_acked_in_ads_order() {
+    let mut s = Session::default();
+    s.upstream_up();
+    let mut first = req(LDS, &[]);
+    first.view.node = Bytes::from_static(b"node");
+    s.on_envoy(Framed::of(first.view));
+    s.on_envoy(req(SDS, &["svid|a"]));
+    s.on_envoy(req(CDS, &[]));
+    s.on_envoy(req(EDS, &["c1"]));
+    s.on_agent(resp(CDS, "c", &[("c1", "v1"), ("c2", "v1")], &[]));
+    s.on_agent(resp(EDS, "e", &[("c1", "v7")], &[]));
+    s.on_agent(resp(LDS, "l", &[("l1", "v3")], &[]));
+    s.on_envoy(ack(CDS, "c"));
+    s.on_envoy(ack(EDS, "e"));
+    // LDS's answer is not ACKed yet: Envoy does not hold it.
+    s.upstream_down();
+    let out = s.upstream_up();
+    let r = upstream(&out);
+    let urls: Vec<&str> = r.iter().map(|r| r.type_url.as_str()).collect();
+    assert_eq!(urls, [CDS, EDS, LDS, SDS]);
+    assert_eq!(
+        r[0].node,
+        Bytes::from_static(b"node"),
+        "the node on the first"
+    );
+    assert!(r[1..].iter().all(|r| r.node.is_empty()));
+    assert!(
+        r[0].resource_names_subscribe.is_empty(),
+        "legacy wildcard kept as sent"
+    );
+    assert_eq!(r[0].initial_resource_versions.len(), 2);
+    assert_eq!(r[1].resource_names_subscribe, ["c1"]);
+    assert_eq!(r[1].initial_resource_versions["c1"], "v7");
+    assert!(
+        r[2].initial_resource_versions.is_empty(),
+        "an unACKed answer is not held"
+    );
+    assert_eq!(r[3].resource_names_subscribe, ["svid|a"]);
+    assert_eq!(s.counts.resumes, 1);
+}
+
+#[test]
+fn an_ack_of_the_old_streams_nonce_is_absorbed_and_counted_as_held() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &[]));
+    s.on_agent(resp(CDS, "old", &[("a", "1")], &[]));
+    s.upstream_down();
+    s.upstream_up();
+    let out = s.on_envoy(ack(CDS, "old"));
+    assert!(
+        out.is_empty(),
+        "the new stream never sent that nonce: {out:?}"
+    );
+    assert_eq!(s.held(CDS)["a"], "1");
+    assert_eq!(s.counts.absorbed, 1);
+    // A NACK of an old nonce: absorbed, and nothing counted as held.
+    s.on_agent(resp(CDS, "n2", &[("b", "1")], &[]));
+    s.upstream_down();
+    s.upstream_up();
+    assert!(s.on_envoy(nack(CDS, "n2")).is_empty());
+    assert!(!s.held(CDS).contains_key("b"));
+    assert_eq!(s.counts.nacks, 1);
+}
+
+#[test]
+fn a_subscription_made_during_the_switch_is_restated() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &["*"]));
+    s.upstream_down();
+    assert!(
+        s.on_envoy(req(CDS, &["on-demand"])).is_empty(),
+        "nothing sent while down"
+    );
+    assert!(s.on_envoy(req(SDS, &["svid|new"])).is_empty());
+    let out = s.upstream_up();
+    let r = upstream(&out);
+    assert_eq!(r[0].resource_names_subscribe, ["*", "on-demand"]);
+    assert_eq!(r[1].type_url, SDS);
+    assert_eq!(r[1].resource_names_subscribe, ["svid|new"]);
+}
+
+#[test]
+fn a_subscription_riding_on_an_absorbed_ack_is_passed_on_without_the_nonce() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &["*"]));
+    s.on_agent(resp(CDS, "old", &[("a", "1")], &[]));
+    s.upstream_down();
+    s.upstream_up();
+    let mut both = ack(CDS, "old").view;
+    both.resource_names_subscribe = vec!["x".into()];
+    let out = s.on_envoy(Framed::of(both));
+    let r = upstream(&out);
+    assert_eq!(r.len(), 1);
+    assert!(r[0].response_nonce.is_empty());
+    assert_eq!(r[0].resource_names_subscribe, ["x"]);
+}
+
+#[test]
+fn an_unchanged_type_forwards_nothing_to_envoy_and_the_relay_acks_it() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &[]));
+    let out = s.on_agent(resp(CDS, "empty", &[], &[]));
+    let r = upstream(&out);
+    assert_eq!(
+        (r[0].response_nonce.as_str(), r[0].type_url.as_str()),
+        ("empty", CDS)
+    );
+    assert_eq!(s.counts.self_acked, 1);
+}
+
+#[test]
+fn a_removal_envoy_acked_is_no_longer_held() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(EDS, &["a", "b"]));
+    s.on_agent(resp(EDS, "1", &[("a", "1"), ("b", "1")], &[]));
+    s.on_envoy(ack(EDS, "1"));
+    s.on_agent(resp(EDS, "2", &[], &["a"]));
+    s.on_envoy(ack(EDS, "2"));
+    assert_eq!(s.held(EDS).keys().collect::<Vec<_>>(), ["b"]);
+}
+
+#[test]
+fn envoy_reconnecting_to_a_restarted_relay_keeps_what_it_says_it_holds() {
+    let mut s = Session::default();
+    let mut first = req(CDS, &[]).view;
+    first.initial_resource_versions = HashMap::from([("a".into(), "4".into())]);
+    assert!(
+        s.on_envoy(Framed::of(first)).is_empty(),
+        "no agent stream yet"
+    );
+    let out = s.upstream_up();
+    assert_eq!(upstream(&out)[0].initial_resource_versions["a"], "4");
+    assert_eq!(s.counts.resumes, 0, "the first stream is not a resume");
+}
+
+/// A small random generator, so the property test needs no crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A model of a delta xDS server: a snapshot (name → version per type) and, per stream,
+/// what it believes the client holds. It sends the differences between the two for the
+/// names the client subscribes to (every name for a wildcard).
+/// Per type: wildcard, the names subscribed, what the client holds.
+type Client = (bool, BTreeSet<String>, BTreeMap<String, String>);
+
+#[derive(Default)]
+struct Agent {
+    snapshot: BTreeMap<String, BTreeMap<String, String>>,
+    client: BTreeMap<String, Client>,
+    nonce: u64,
+}
+
+impl Agent {
+    fn handle(&mut self, r: &DeltaRequest) -> Vec<Framed<DeltaResponse>> {
+        if !r.response_nonce.is_empty() && r.resource_names_subscribe.is_empty() {
+            return Vec::new();
+        }
+        let fresh = !self.client.contains_key(&r.type_url);
+        let c = self.client.entry(r.type_url.clone()).or_default();
+        if fresh {
+            c.0 = r.resource_names_subscribe.is_empty();
+            c.2 = r
+                .initial_resource_versions
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+        }
+        for n in &r.resource_names_subscribe {
+            if n == "*" {
+                c.0 = true;
+            } else {
+                c.1.insert(n.clone());
+            }
+        }
+        for n in &r.resource_names_unsubscribe {
+            c.1.remove(n);
+            c.2.remove(n);
+        }
+        let url = r.type_url.clone();
+        self.diff(&url).into_iter().collect()
+    }
+
+    fn diff(&mut self, url: &str) -> Option<Framed<DeltaResponse>> {
+        let snap = self.snapshot.get(url).cloned().unwrap_or_default();
+        let c = self.client.get_mut(url)?;
+        let wanted = |n: &String| c.0 || c.1.contains(n);
+        let mut res = Vec::new();
+        for (n, v) in &snap {
+            if wanted(n) && c.2.get(n) != Some(v) {
+                res.push(Resource {
+                    name: n.clone(),
+                    version: v.clone(),
+                });
+            }
+        }
+        let removed: Vec<String> =
+            c.2.keys()
+                .filter(|n| !snap.contains_key(*n) && wanted(n))
+                .cloned()
+                .collect();
+        if res.is_empty() && removed.is_empty() {
+            return None;
+        }
+        for r in &res {
+            c.2.insert(r.name.clone(), r.version.clone());
+        }
+        for n in &removed {
+            c.2.remove(n);
+        }
+        self.nonce += 1;
+        Some(Framed::of(DeltaResponse {
+            type_url: url.into(),
+            nonce: format!("n{}", self.nonce),
+            resources: res,
+            removed_resources: removed,
+        }))
+    }
+}
+
+/// Envoy, as far as holding resources goes: applies each answer and ACKs it (or, now
+/// and then, NACKs it and keeps what it had); the ACK may be delayed.
+#[derive(Default)]
+struct Envoy {
+    held: BTreeMap<String, BTreeMap<String, String>>,
+    unanswered: Vec<(Framed<DeltaResponse>, bool)>,
+}
+
+#[test]
+fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
+    let urls = [CDS, EDS, SDS];
+    let names = ["a", "b", "c", "d"];
+    for seed in 1..=300u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut s = Session::default();
+        let mut envoy = Envoy::default();
+        let mut agent = Agent::default();
+        let mut version = 0u64;
+        let mut shuffle = |agent: &mut Agent, rng: &mut Rng| {
+            for u in urls {
+                let snap = agent.snapshot.entry(u.into()).or_default();
+                for n in names {
+                    match rng.next(4) {
+                        0 => {
+                            snap.remove(n);
+                        }
+                        1 => {
+                            version += 1;
+                            snap.insert(n.into(), format!("v{version}"));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        };
+        shuffle(&mut agent, &mut rng);
+        let mut to_agent: Vec<DeltaRequest> = Vec::new();
+        let mut to_envoy: Vec<Framed<DeltaResponse>> = Vec::new();
+        let route =
+            |out: Vec<Send>, a: &mut Vec<DeltaRequest>, e: &mut Vec<Framed<DeltaResponse>>| {
+                for o in out {
+                    match o {
+                        Send::Upstream(r) => a.push(r.view),
+                        Send::Envoy(r) => e.push(r),
+                    }
+                }
+            };
+        route(s.upstream_up(), &mut to_agent, &mut to_envoy);
+        for u in urls {
+            let sub: &[&str] = if u == CDS { &[] } else { &["*"] };
+            route(s.on_envoy(req(u, sub)), &mut to_agent, &mut to_envoy);
+        }
+        for _ in 0..60 {
+            // Deliver what is in flight, in order, with ACKs now or later.
+            for r in std::mem::take(&mut to_agent) {
+                for answer in agent.handle(&r) {
+                    route(s.on_agent(answer), &mut to_agent, &mut to_envoy);
+                }
+            }
+            for answer in std::mem::take(&mut to_envoy) {
+                let ok = rng.next(10) != 0;
+                if ok {
+                    let t = envoy.held.entry(answer.view.type_url.clone()).or_default();
+                    for n in &answer.view.removed_resources {
+                        t.remove(n);
+                    }
+                    for r in &answer.view.resources {
+                        t.insert(r.name.clone(), r.version.clone());
+                    }
+                }
+                envoy.unanswered.push((answer, ok));
+            }
+            if rng.next(2) == 0 {
+                for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+                    let v = &answer.view;
+                    let r = if ok {
+                        ack(&v.type_url, &v.nonce)
+                    } else {
+                        nack(&v.type_url, &v.nonce)
+                    };
+                    route(s.on_envoy(r), &mut to_agent, &mut to_envoy);
+                }
+            }
+            match rng.next(5) {
+                0 => {
+                    // A switch: a new agent with the snapshot moved on, and no memory of
+                    // this client.
+                    s.upstream_down();
+                    to_agent.clear();
+                    let snapshot = std::mem::take(&mut agent.snapshot);
+                    agent = Agent {
+                        snapshot,
+                        nonce: agent.nonce,
+                        ..Agent::default()
+                    };
+                    shuffle(&mut agent, &mut rng);
+                    route(s.upstream_up(), &mut to_agent, &mut to_envoy);
+                }
+                1 => {
+                    shuffle(&mut agent, &mut rng);
+                    for u in urls {
+                        if let Some(a) = agent.diff(u) {
+                            route(s.on_agent(a), &mut to_agent, &mut to_envoy);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Settle: the NACKed answers are re-sent by a last switch (as Envoy's own retry
+        // would ask), every answer delivered and ACKed.
+        s.upstream_down();
+        let snapshot = std::mem::take(&mut agent.snapshot);
+        agent = Agent {
+            snapshot,
+            nonce: agent.nonce,
+            ..Agent::default()
+        };
+        for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+            let v = &answer.view;
+            let r = if ok {
+                ack(&v.type_url, &v.nonce)
+            } else {
+                nack(&v.type_url, &v.nonce)
+            };
+            route(s.on_envoy(r), &mut to_agent, &mut to_envoy);
+        }
+        to_agent.clear();
+        route(s.upstream_up(), &mut to_agent, &mut to_envoy);
+        while !to_agent.is_empty() || !to_envoy.is_empty() {
+            for r in std::mem::take(&mut to_agent) {
+                for answer in agent.handle(&r) {
+                    route(s.on_agent(answer), &mut to_agent, &mut to_envoy);
+                }
+            }
+            for answer in std::mem::take(&mut to_envoy) {
+                let t = envoy.held.entry(answer.view.type_url.clone()).or_default();
+                for n in &answer.view.removed_resources {
+                    t.remove(n);
+                }
+                for r in &answer.view.resources {
+                    t.insert(r.name.clone(), r.version.clone());
+                }
+                let v = &answer.view;
+                route(
+                    s.on_envoy(ack(&v.type_url, &v.nonce)),
+                    &mut to_agent,
+                    &mut to_envoy,
+                );
+            }
+        }
+        for u in urls {
+            let want = agent.snapshot.get(u).cloned().unwrap_or_default();
+            let got = envoy.held.get(u).cloned().unwrap_or_default();
+            assert_eq!(
+                got, want,
+                "seed {seed}, {u}: Envoy holds the last agent's snapshot"
+            );
+            assert_eq!(s.held(u), want, "seed {seed}, {u}: the session knows it");
+        }
+    }
+}
