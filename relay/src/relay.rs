@@ -91,6 +91,7 @@ pub async fn session(relay: Arc<Relay>, mut envoy: Streaming<Framed<DeltaRequest
             failures = 0;
             m.upstream_streams.fetch_add(1, Relaxed);
             m.upstream_connected.store(1, Relaxed);
+            m.record(&s.counts, &mut recorded);
             let gap = down_since.elapsed();
             m.note_gap(gap);
             tracing::info!(

@@ -33,7 +33,7 @@ use serde_json::Value;
 use crate::testing::{LocalNode, Netns, try_wait_for, wait_for, workspace_root};
 
 pub use aether_worker::bootstrap::AdsApi;
-pub use node_rig::NodeRig;
+pub use node_rig::{NodeRig, Relay};
 pub use poller::{
     CONNECT_FAIL, CONNECTED, POLL_PERIOD, Poller, RollTimes, STREAM_FAILURES, Sample, UPDATE_TIMES,
     analyze, poll_queries,

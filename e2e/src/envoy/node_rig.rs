@@ -27,6 +27,8 @@ const T_START: Duration = Duration::from_secs(30);
 pub struct NodeRig {
     pub poller: Poller,
     pub envoy: Envoy,
+    /// The xDS relay between Envoy and the node, when the rig has one.
+    pub relay: Option<Relay>,
     pub owner: Agent,
     pub node: LocalNode,
     extra: Vec<String>,
@@ -60,6 +62,13 @@ impl NodeRig {
         Self::start_at(envoy_bin, api, registrar.map(|r| (r, &[][..])), agent_args)
     }
 
+    /// [`Self::start`], with `aether-xds-relay` between Envoy and the node: Envoy's ADS
+    /// cluster points at the relay's socket (`<node>/relay/xds.sock`), the relay at the
+    /// node's `xds.sock`, its metrics on a free loopback port.
+    pub fn start_relayed(envoy_bin: &Path, api: AdsApi) -> NodeRig {
+        Self::start_inner(envoy_bin, api, None, &[], true)
+    }
+
     /// [`Self::start_from`], the rig's service applied with the operator command's
     /// `apply_args` too (`--ca`, `--token-file` for a registrar with TLS and token
     /// review); the agents' own registrar flags go in `agent_args`.
@@ -68,6 +77,16 @@ impl NodeRig {
         api: AdsApi,
         registrar: Option<(&str, &[&str])>,
         agent_args: &[&str],
+    ) -> NodeRig {
+        Self::start_inner(envoy_bin, api, registrar, agent_args, false)
+    }
+
+    fn start_inner(
+        envoy_bin: &Path,
+        api: AdsApi,
+        registrar: Option<(&str, &[&str])>,
+        agent_args: &[&str],
+        relayed: bool,
     ) -> NodeRig {
         let service = Self::SERVICE;
         let mut node = LocalNode::new();
@@ -116,10 +135,11 @@ impl NodeRig {
             T_START,
             || owner.serving_owner(),
         );
+        let relay = relayed.then(|| Relay::start(&root.join("relay"), &node.run_dir));
         let envoy = Envoy::start(
             envoy_bin,
             &root,
-            &node.run_dir,
+            relay.as_ref().map_or(&node.run_dir, |r| &r.dir),
             Duration::from_millis(100),
             Duration::from_secs(1),
             api,
@@ -132,6 +152,7 @@ impl NodeRig {
             owner,
             poller,
             envoy,
+            relay,
             outbound,
             upstreams,
         };
@@ -209,6 +230,67 @@ impl NodeRig {
     /// The test passed: the node folder can go.
     pub fn pass(&mut self) {
         self.node.root.disable_cleanup(false);
+    }
+}
+
+/// `aether-xds-relay` serving `<dir>/xds.sock` in front of a node's run dir; ended by
+/// pid when dropped.
+pub struct Relay {
+    child: std::process::Child,
+    pub dir: std::path::PathBuf,
+    /// Its metrics, `HOST:PORT`.
+    pub metrics: String,
+    pub log: std::path::PathBuf,
+}
+
+impl Relay {
+    pub fn start(dir: &Path, run_dir: &Path) -> Relay {
+        std::fs::create_dir_all(dir).expect("relay dir");
+        let ip = own_loopback();
+        let metrics = SocketAddr::from((ip, free_port(ip).expect("free port"))).to_string();
+        let log = dir.join("relay.log");
+        let out = std::fs::File::create(&log).expect("relay log");
+        let listen = dir.join("xds.sock");
+        let child = std::process::Command::new(crate::testing::bin("aether-xds-relay"))
+            .arg(format!("--listen=unix://{}", listen.display()))
+            .arg(format!(
+                "--upstream=unix://{}",
+                run_dir.join("xds.sock").display()
+            ))
+            .arg(format!("--metrics-addr={metrics}"))
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone().expect("relay log"))
+            .stderr(out)
+            .spawn()
+            .expect("start aether-xds-relay (cargo build --workspace first)");
+        let relay = Relay {
+            child,
+            dir: dir.to_path_buf(),
+            metrics,
+            log,
+        };
+        wait_for("the relay to listen and serve its metrics", T, || {
+            (listen.exists() && relay.metric("aether_relay_envoy_streams").is_some()).then_some(())
+        });
+        relay
+    }
+
+    /// One of its metrics, by exact name.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let text = crate::testing::scrape_metrics(&self.metrics)?;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

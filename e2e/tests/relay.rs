@@ -1,0 +1,173 @@
+//! `aether-xds-relay` between a real Envoy and the real agent: surge rolls and worker
+//! crashes under load never end Envoy's ADS stream, a change made after each reaches
+//! Envoy through the new owner, and no request fails.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use aether_e2e::envoy::ack_log::wait_endpoints;
+use aether_e2e::envoy::{self, AdsApi, NodeRig, envoy_or_skip};
+use aether_e2e::harness::load::Load;
+use aether_e2e::testing::wait_for;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(10);
+const RPS: u32 = 100;
+const SERVICE: &str = NodeRig::SERVICE;
+/// Envoy's connections to its ADS cluster (the relay's socket): one, for the whole test.
+const ADS_CONNECTS: &str = "cluster.xds_cluster.upstream_cx_total";
+
+/// Rewrites the rig's registry file with the upstreams in `on` only.
+fn registry_with(rig: &NodeRig, on: &[usize]) -> Vec<String> {
+    let endpoints: Vec<_> = on
+        .iter()
+        .map(|i| {
+            let a = rig.upstreams[*i].addr;
+            json!({ "address": a.ip().to_string(), "port": a.port(), "pod": format!("{SERVICE}-{i}") })
+        })
+        .collect();
+    let doc = json!({ "services": [{ "name": SERVICE, "namespace": "default", "ports": [80], "endpoints": endpoints }] });
+    let path = rig
+        .node
+        .registry_file
+        .as_deref()
+        .expect("the rig's registry file");
+    write_atomically(path, &doc.to_string());
+    let mut want: Vec<String> = on
+        .iter()
+        .map(|i| format!("{} HEALTHY", rig.upstreams[*i].addr))
+        .collect();
+    want.sort();
+    want
+}
+
+fn write_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write registry");
+    std::fs::rename(&tmp, path).expect("rename registry");
+}
+
+#[test]
+fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
+    let test = "rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream";
+    let Some(envoy_bin) = envoy_or_skip(test) else {
+        return;
+    };
+    let mut rig = NodeRig::start_relayed(&envoy_bin, AdsApi::Delta);
+    let cluster = format!("outbound|80||{SERVICE}.default");
+    let base = rig.stats(&[ADS_CONNECTS, envoy::CONNECTED]);
+    assert_eq!(base[ADS_CONNECTS], 1, "Envoy connected to the relay once");
+    let relay = rig.relay.as_ref().expect("a relayed rig");
+    assert_eq!(
+        relay.metric("aether_relay_upstream_streams_total"),
+        Some(1.0)
+    );
+    let t0 = Instant::now();
+    let load = Load::start(rig.outbound, vec![SERVICE.to_string()], RPS);
+    let rolls = 3u32;
+    let crashes = 2u32;
+    for i in 1..=rolls + crashes {
+        if i <= rolls {
+            let next = rig.start_agent();
+            wait_for(&format!("roll {i}: a ready standby"), T, || {
+                next.ready()
+                    .filter(|(s, v)| *s == 200 && v["role"] == "standby")
+                    .map(|_| ())
+            });
+            rig.owner.signal(Signal::SIGTERM);
+            let mut old = std::mem::replace(&mut rig.owner, next);
+            let status = old.wait_exit_timeout(T).expect("the old owner exits");
+            assert!(status.success(), "roll {i}: {status}\n{}", old.log());
+            wait_for(&format!("roll {i}: the new owner serving"), T, || {
+                rig.owner.serving_owner()
+            });
+        } else {
+            let old = rig.owner.worker_pid();
+            kill(Pid::from_raw(old), Signal::SIGKILL).expect("SIGKILL the worker");
+            wait_for(&format!("crash {i}: a respawned worker serving"), T, || {
+                rig.owner
+                    .serving_owner()
+                    .filter(|v| v["pid"].as_i64().is_some_and(|p| p != i64::from(old)))
+            });
+        }
+        let relay = rig.relay.as_ref().expect("a relayed rig");
+        wait_for(
+            &format!("switch {i}: the relay on the new owner"),
+            T,
+            || {
+                (relay.metric("aether_relay_upstream_streams_total")? == f64::from(i + 1)
+                    && relay.metric("aether_relay_upstream_connected")? == 1.0)
+                    .then_some(())
+            },
+        );
+        // A change after the switch reaches Envoy through the new owner.
+        let on: &[usize] = if i % 2 == 1 { &[0] } else { &[0, 1] };
+        let want = registry_with(&rig, on);
+        wait_endpoints(&rig.envoy, &cluster, &want).unwrap_or_else(|got| {
+            panic!(
+                "switch {i}: Envoy shows {got:?}, not {want:?}\n{}",
+                rig.where_to_look()
+            )
+        });
+    }
+    registry_with(&rig, &[0, 1]);
+    let counters = load.stop();
+    let requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
+    let failures = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
+    let end = rig.stats(&[ADS_CONNECTS, envoy::CONNECTED]);
+    let (_, changes) = rig.poller.since(t0);
+    let drops = changes.iter().filter(|s| !s.connected).count();
+    let relay = rig.relay.as_ref().expect("a relayed rig");
+    let switches = relay.metric("aether_relay_switches_total");
+    let resumes = relay.metric("aether_relay_resumes_total");
+    let gap = relay.metric("aether_relay_last_upstream_gap_seconds");
+    eprintln!(
+        "{rolls} surge rolls and {crashes} worker crashes behind the relay: {requests} requests, {failures} failed; Envoy ADS connects {} -> {}, connected_state drops {drops}; relay switches {switches:?}, resumes {resumes:?}, last gap {gap:?} s",
+        base[ADS_CONNECTS], end[ADS_CONNECTS]
+    );
+    assert_eq!(
+        end[ADS_CONNECTS],
+        base[ADS_CONNECTS],
+        "Envoy reconnected to the relay: its stream ended\n{}",
+        rig.where_to_look()
+    );
+    assert_eq!(drops, 0, "Envoy's control_plane.connected_state went to 0");
+    assert_eq!(end[envoy::CONNECTED], 1);
+    assert_eq!(failures, 0, "requests failed\n{}", rig.where_to_look());
+    assert!(requests > 0);
+    assert_eq!(switches, Some(f64::from(rolls + crashes)));
+    assert_eq!(resumes, Some(f64::from(rolls + crashes)));
+    rig.pass();
+}
+
+/// The relay itself restarting: Envoy reconnects to it with its own backoff, as it does
+/// to the agent without a relay, and is served again.
+#[test]
+fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
+    let test = "envoy_reconnects_to_a_restarted_relay_and_is_served";
+    let Some(envoy_bin) = envoy_or_skip(test) else {
+        return;
+    };
+    let mut rig = NodeRig::start_relayed(&envoy_bin, AdsApi::Delta);
+    let cluster = format!("outbound|80||{SERVICE}.default");
+    let dir = rig.relay.as_ref().expect("a relayed rig").dir.clone();
+    let pid = rig.relay.as_ref().expect("a relayed rig").pid();
+    kill(Pid::from_raw(pid), Signal::SIGKILL).expect("SIGKILL the relay");
+    drop(rig.relay.take());
+    // The socket file is left behind by the kill: the new relay replaces it.
+    assert!(
+        dir.join("xds.sock").exists(),
+        "a killed relay leaves its socket file"
+    );
+    rig.relay = Some(aether_e2e::envoy::Relay::start(&dir, &rig.node.run_dir));
+    wait_for("Envoy to reconnect to the new relay", T, || {
+        let s = rig.envoy.stats(&[ADS_CONNECTS, envoy::CONNECTED])?;
+        (s[ADS_CONNECTS] == 2 && s[envoy::CONNECTED] == 1).then_some(())
+    });
+    let want = registry_with(&rig, &[1]);
+    wait_endpoints(&rig.envoy, &cluster, &want)
+        .unwrap_or_else(|got| panic!("Envoy shows {got:?}, not {want:?}\n{}", rig.where_to_look()));
+    rig.pass();
+}
