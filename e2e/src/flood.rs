@@ -33,8 +33,8 @@ use crate::envoy::ack_log::{self, AgentLog};
 use crate::envoy::{AdsApi, Envoy};
 use crate::harness::churn::{Cni, PodId};
 use crate::testing::{
-    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, metrics_wrapper_exec, percentile,
-    scrape_metrics, wait_for,
+    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, percentile, scrape_metrics,
+    wait_for,
 };
 
 /// Agent start, Envoy's first connect, a metrics sample.
@@ -288,13 +288,14 @@ impl Rig {
         let doc = json!({ "outbound": format!("{ip}:{}", free_port(ip).expect("free port")), "inbound_port": free_port(ip).expect("free port") });
         std::fs::write(&capture, doc.to_string()).expect("capture file");
         let metrics = format!("127.0.0.1:{}", free_port(ip).expect("free port"));
-        // The node's `--metrics-addr=off` becomes `metrics`, the log filter the ADS lines,
-        // and the descriptor limit the systemd unit's.
-        let wrapper = metrics_wrapper_exec(
-            &metrics,
-            &format!("env RUST_LOG='{AGENT_LOG}' prlimit --nofile={AGENT_NOFILE}:{AGENT_NOFILE}"),
+        // The agent's metrics on `metrics`, its log filter the ADS lines, and its descriptor
+        // limit the systemd unit's.
+        node.metrics = Some(metrics.parse().expect("a metrics address"));
+        let (log, nofile) = (
+            format!("RUST_LOG={AGENT_LOG}"),
+            format!("--nofile={AGENT_NOFILE}:{AGENT_NOFILE}"),
         );
-        let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+        let wrapper = ["env", &log, "prlimit", &nofile];
         let capture_arg = format!("--capture-file={}", capture.display());
         let agent = node.start_agent_wrapped(&wrapper, &[&capture_arg]);
         wait_for(&format!("{} to serve as owner", agent.name), T, || {

@@ -123,6 +123,8 @@ pub struct LocalNode {
     pub node_name: String,
     /// `--health-dir` of every generation; by default each has its own.
     pub health_dir: Option<PathBuf>,
+    /// `--metrics-addr` of the generations started from now on; None: `off`.
+    pub metrics: Option<std::net::SocketAddr>,
     next: usize,
 }
 
@@ -144,6 +146,7 @@ impl LocalNode {
             registry_file: None,
             node_name: "test-node".into(),
             health_dir: None,
+            metrics: None,
             next: 0,
             root,
         }
@@ -234,7 +237,10 @@ impl LocalNode {
             .arg(&self.state_dir)
             .arg("--health-dir")
             .arg(&health_dir)
-            .arg("--metrics-addr=off")
+            .arg(match self.metrics {
+                Some(addr) => format!("--metrics-addr={addr}"),
+                None => "--metrics-addr=off".into(),
+            })
             .arg(format!("--node-name={}", self.node_name))
             .args(extra)
             // AETHER_E2E_AGENT_LOG sets the agents' log filter (e.g. `info,aether_worker::xds=debug`).
@@ -851,21 +857,6 @@ pub fn flock_holders(path: &Path) -> Vec<i32> {
                 .flatten()
         })
         .collect()
-}
-
-/// A wrapper for [`LocalNode::start_agent_wrapped`] that replaces the node's
-/// `--metrics-addr=off` with `addr`, so that a test can scrape the owner.
-pub fn metrics_wrapper(addr: &str) -> Vec<String> {
-    metrics_wrapper_exec(addr, "")
-}
-
-/// [`metrics_wrapper`], with the agent started through `exec` (a command prefix such as
-/// `prlimit --nofile=64:64` or `env RUST_LOG=…`; empty: the agent itself).
-pub fn metrics_wrapper_exec(addr: &str, exec: &str) -> Vec<String> {
-    let script = format!(
-        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={addr}; else set -- "$@" "$a"; fi; done; exec {exec} "$@""#
-    );
-    vec!["sh".into(), "-c".into(), script, "sh".into()]
 }
 
 /// One `GET /metrics` at `addr`: the answer, or None if none came with status 200.

@@ -36,8 +36,8 @@ use aether_e2e::registrar::{
     apply_with, cli, registrar_bin,
 };
 use aether_e2e::testing::{
-    LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample, metrics_wrapper,
-    scrape_metrics, try_wait_for, wait_for, workspace_root,
+    LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample, scrape_metrics,
+    try_wait_for, wait_for, workspace_root,
 };
 use aether_worker::bootstrap::{self, Admin};
 use serde_json::Value;
@@ -482,12 +482,8 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         "127.0.0.1:{}",
         free_port(Ipv4Addr::LOCALHOST).expect("a free port")
     );
-    let wrapper = metrics_wrapper(&metrics);
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let agent = node.start_agent_wrapped(
-        &wrapper,
-        &[&format!("--capture-file={}", capture_file.display())],
-    );
+    node.metrics = Some(metrics.parse().expect("a metrics address"));
+    let agent = node.start_agent_with(&[&format!("--capture-file={}", capture_file.display())]);
     wait_for("the agent to serve as the owner", T, || {
         agent.serving_owner()
     });
