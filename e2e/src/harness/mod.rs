@@ -16,6 +16,7 @@
 //!
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
+pub mod args;
 pub mod churn;
 pub mod identity;
 pub mod load;
@@ -101,6 +102,12 @@ pub struct Config {
     /// Envoy's main thread a walk of its stats; a longer period loads it less, and
     /// Envoy's own log times the reconnects without polling ([`envoy::log_times`]).
     pub poll_period: Duration,
+    /// ARG_NO_CHURN: no pod ADD/DEL during the rolls.
+    pub no_churn: bool,
+    /// ARG_KEEP_NODE: keep the node folders when the run passes.
+    pub keep_node: bool,
+    /// ARG_DEBUG_STATS: the xDS-related stats each roll moved, on stderr.
+    pub debug_stats: bool,
 }
 
 fn mode_name(modes: &[Mode], all: bool) -> &'static str {
@@ -132,86 +139,27 @@ pub fn parse_duration(s: &str) -> Result<Duration> {
 }
 
 impl Config {
+    /// The gate's settings from its `ARG_*` variables ([`args`]), checked together.
     pub fn from_env() -> Result<Config> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let rolls: u32 = match var("ARG_ROLLS") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("ARG_ROLLS={v:?} is not a whole number"))?,
-            None => 20,
-        };
-        if rolls == 0 {
-            bail!("ARG_ROLLS must be at least 1");
-        }
-        let mode = var("ARG_MODE").unwrap_or_else(|| "surge".into());
-        let (modes, all) = match mode.trim() {
-            "surge" => (vec![Mode::Surge], false),
-            "recreate" => (vec![Mode::Recreate], false),
-            "worker-crash" => (vec![Mode::WorkerCrash], false),
-            "all" => (vec![Mode::Surge, Mode::Recreate, Mode::WorkerCrash], true),
-            other => bail!("ARG_MODE={other:?}: one of surge, recreate, worker-crash, all"),
-        };
-        let bound = match var("ARG_BOUND") {
-            Some(v) => Some(parse_duration(&v).context("ARG_BOUND")?.as_secs_f64()),
-            None => None,
-        };
-        let rps: u32 = match var("ARG_LOAD_RPS") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("ARG_LOAD_RPS={v:?} is not a whole number"))?,
-            None => 200,
-        };
-        let backoff_base =
-            parse_duration(&var("ARG_BACKOFF_BASE").unwrap_or_else(|| "0.1s".into()))
-                .context("ARG_BACKOFF_BASE")?;
-        let backoff_max = parse_duration(&var("ARG_BACKOFF_MAX").unwrap_or_else(|| "1s".into()))
-            .context("ARG_BACKOFF_MAX")?;
+        Self::from_args(args::Args::from_env()?)
+    }
+
+    pub fn from_args(a: args::Args) -> Result<Config> {
+        let args::Modes { modes, all } = a.mode;
+        let (backoff_base, backoff_max) = (a.backoff_base, a.backoff_max);
         if backoff_max < backoff_base {
             bail!("ARG_BACKOFF_MAX ({backoff_max:?}) is below ARG_BACKOFF_BASE ({backoff_base:?})");
         }
-        let xds_api = match var("ARG_XDS_API") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|e: String| anyhow!("ARG_XDS_API: {e}"))?,
-            None => envoy::AdsApi::default(),
-        };
-        let results_dir = var("ARG_RESULTS_DIR")
-            .map(PathBuf::from)
+        let results_dir = a
+            .results_dir
             .unwrap_or_else(|| workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
-        let mesh_services = match var("ARG_MESH_SERVICES") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("ARG_MESH_SERVICES={v:?} is not a whole number"))?,
-            None => 0,
-        };
-        let nodes: u8 = match var("ARG_NODES").as_deref().map(str::trim) {
-            None | Some("1") => 1,
-            Some("2") => 2,
-            Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
-        };
-        let mut identity = var("ARG_IDENTITY")
-            .map(|v| identity::Mtls::parse(&v))
-            .transpose()?;
-        let count = |k: &str, default: u32| -> Result<u32> {
-            match var(k) {
-                Some(v) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| anyhow!("{k}={v:?} is not a whole number")),
-                None => Ok(default),
-            }
-        };
-        let mtls = match var("ARG_MTLS") {
+        let (nodes, mesh_services) = (a.nodes, a.mesh_services);
+        let mut identity = a.identity;
+        let mtls = match a.mtls {
             None => None,
-            Some(v) => {
-                let mode = identity::Mtls::parse(&v)
-                    .map_err(|_| anyhow!("ARG_MTLS={:?}: strict or permissive", v.trim()))?;
+            Some(mode) => {
                 if nodes != 2 {
                     bail!(
                         "ARG_MTLS={} needs ARG_NODES=2: node A's pods call node B's (ARG_NODES is {nodes})",
@@ -237,31 +185,30 @@ impl Config {
                 identity = Some(mode);
                 Some(mtls::Settings {
                     mode,
-                    rotations: count("ARG_MTLS_ROTATIONS", 3)?,
-                    ip_reuses: count("ARG_MTLS_IP_REUSES", 1)?,
+                    rotations: a.mtls_rotations,
+                    ip_reuses: a.mtls_ip_reuses,
                 })
             }
         };
-        let poll_period = match var("ARG_POLL_PERIOD") {
-            Some(v) => parse_duration(&v).context("ARG_POLL_PERIOD")?,
-            None => envoy::POLL_PERIOD,
-        };
         Ok(Config {
-            rolls,
+            rolls: a.rolls,
             modes,
             all,
-            bound,
-            rps,
+            bound: a.bound.map(|b| b.as_secs_f64()),
+            rps: a.load_rps,
             backoff_base,
             backoff_max,
-            xds_api,
+            xds_api: a.xds_api,
             results_dir,
             envoy,
             mesh_services,
             nodes,
             identity,
             mtls,
-            poll_period,
+            poll_period: a.poll_period,
+            no_churn: a.no_churn.is_some(),
+            keep_node: a.keep_node.is_some(),
+            debug_stats: a.debug_stats.is_some(),
         })
     }
 
@@ -625,6 +572,9 @@ struct Bench {
     identity: Option<identity::NodeIdentity>,
     /// ARG_MTLS: the namespaces (dropped after the Envoys), the client pods, the record.
     gate: Option<mtls::Gate>,
+    /// ARG_NO_CHURN and ARG_DEBUG_STATS.
+    no_churn: bool,
+    debug_stats: bool,
 }
 
 impl Bench {
@@ -853,6 +803,8 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         registry,
         identity: node_identity,
         gate,
+        no_churn: cfg.no_churn,
+        debug_stats: cfg.debug_stats,
     })
 }
 
@@ -862,8 +814,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     let mut res = ModeResult {
         mode: Some(mode),
         bound: cfg.bound(mode),
-        expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some()
-            && cfg.xds_api == envoy::AdsApi::Delta,
+        expect_empty_reconnects: cfg.no_churn && cfg.xds_api == envoy::AdsApi::Delta,
         nodes: cfg.nodes,
         identity: cfg.identity,
         ..Default::default()
@@ -1132,7 +1083,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
             Duration::from_secs(10),
         ));
     }
-    if res.failures(cfg.rolls).is_empty() && std::env::var_os("ARG_KEEP_NODE").is_none() {
+    if res.failures(cfg.rolls).is_empty() && !cfg.keep_node {
         bench.node.root.disable_cleanup(false);
         if let Some(peer) = &mut bench.peer {
             peer.node.root.disable_cleanup(false);
@@ -1386,7 +1337,9 @@ fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<Rol
 /// With `ARG_DEBUG_STATS` set, the xDS-related stats that a roll moved, on stderr: how
 /// the choice of stats in [`envoy`] was checked.
 fn debug_stats(b: &Bench) -> Option<Vec<(String, u64)>> {
-    std::env::var_os("ARG_DEBUG_STATS")?;
+    if !b.debug_stats {
+        return None;
+    }
     let re = r"^(control_plane\.|cluster\.xds_cluster\.upstream_(cx|rq)_|cluster_manager\.cds\.|listener_manager\.lds\.)";
     let (_, body) = b
         .envoy
@@ -1414,11 +1367,7 @@ fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
 
 fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let start = Instant::now();
-    let churn = Churn::start(
-        b.cni.clone(),
-        b.pods.clone(),
-        std::env::var_os("ARG_NO_CHURN").is_none(),
-    );
+    let churn = Churn::start(b.cni.clone(), b.pods.clone(), !b.no_churn);
     let action;
     let mut old_exit = None;
     let mut warmup = None;
