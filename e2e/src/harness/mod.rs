@@ -26,7 +26,7 @@ pub mod two_node;
 pub mod upstream;
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -38,9 +38,7 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 use crate::envoy::{self, Envoy, Poller, RollTimes};
-use crate::testing::{
-    Agent, Keeper, LocalNode, bin, free_port, percentile, try_wait_for, workspace_root,
-};
+use crate::testing::{Agent, Keeper, LocalNode, bin, percentile, try_wait_for, workspace_root};
 use churn::{Churn, Cni, Pods};
 use two_node::{CrossDrain, PeerNode, SharedRegistry};
 
@@ -557,10 +555,10 @@ struct Bench {
     node: LocalNode,
     /// The node's socket keeper: across a recreate roll it holds the listeners.
     _keeper: Keeper,
-    extra: Vec<String>,
     owner: Agent,
     envoy: Envoy,
-    outbound: SocketAddr,
+    /// Envoy's outbound listener (none with ARG_MTLS: the pods carry the load).
+    outbound: Option<SocketAddr>,
     cni: Arc<Cni>,
     pods: Arc<Mutex<Pods>>,
     lost_ever: BTreeSet<String>,
@@ -579,8 +577,7 @@ struct Bench {
 
 impl Bench {
     fn start_agent(&mut self) -> Agent {
-        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.node.start_agent_with(&extra)
+        self.node.start_agent()
     }
 }
 
@@ -613,18 +610,19 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     } else {
         serde_json::to_string_pretty(&json!({ "services": services }))?
     };
-    // A capture file with free ports, so that runs in parallel do not clash on 15001.
-    let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
-    let capture = root.join("capture.json");
-    match net {
-        Some(_) => std::fs::write(&capture, mtls::capture_json())?,
-        None => std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?,
-    }
-    let mut extra = vec![format!("--capture-file={}", capture.display())];
+    // Free capture ports, so that runs in parallel do not clash on 15001 (ARG_MTLS: the
+    // listeners are in node A's namespace).
+    let outbound = match net {
+        Some(_) => {
+            node.capture_with(&mtls::capture_json())?;
+            None
+        }
+        None => Some(node.capture()?),
+    };
     let node_identity = match cfg.identity {
         Some(mtls) => {
             let id = identity::NodeIdentity::start(&root, mtls)?;
-            extra.extend(id.agent_args());
+            node.args.extend(id.agent_args());
             Some(id)
         }
         None => None,
@@ -660,7 +658,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             .inspect_err(|_| shared.keep_log(&root))?;
         eprintln!("   node B {}", peer.dir().display());
         node.node_name = two_node::NODE_A.into();
-        extra.extend(shared.agent_flags());
+        node.args.extend(shared.agent_flags());
         (Some(shared), Some(peer))
     } else {
         std::fs::write(&registry, doc)?;
@@ -669,11 +667,9 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     };
 
     let cold = Instant::now();
-    let first = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
-    try_wait_for("the first agent to own the node", T_START, || {
-        first.serving_owner()
-    })
-    .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
+    let first = node
+        .start_owner(T_START)
+        .context("the first agent to own the node")?;
     let cold_start = cold.elapsed();
     // As the chart runs it, outside the agent's pod; it fetches the owner's sockets.
     let keeper = node.start_keeper();
@@ -710,7 +706,8 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         },
     )
     .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
-    for s in SERVICES.iter().filter(|_| net.is_none()) {
+    for s in SERVICES.iter().filter(|_| outbound.is_some()) {
+        let outbound = outbound.expect("the capture listeners");
         try_wait_for(
             &format!("service {s} to answer through Envoy's outbound listener {outbound}"),
             T_START,
@@ -791,7 +788,6 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     Ok(Bench {
         node,
         _keeper: keeper,
-        extra,
         owner: first,
         envoy,
         outbound,
@@ -819,9 +815,11 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         identity: cfg.identity,
         ..Default::default()
     };
-    let mut node = LocalNode::new();
     // Kept unless the mode passes, so that a setup error or a panic leaves the logs.
-    node.root.disable_cleanup(true);
+    let node = LocalNode::builder()
+        .keep_folder()
+        .build()
+        .expect("the node folder");
     let root = node.root.path().to_path_buf();
     eprintln!(
         "== {}{}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
@@ -869,7 +867,9 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     let load = bench
         .gate
         .is_none()
-        .then(|| load::Load::start(bench.outbound, hosts, cfg.rps));
+        .then_some(bench.outbound)
+        .flatten()
+        .map(|outbound| load::Load::start(outbound, hosts, cfg.rps));
     let mtls_load = bench
         .gate
         .as_ref()
@@ -1084,9 +1084,9 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         ));
     }
     if res.failures(cfg.rolls).is_empty() && !cfg.keep_node {
-        bench.node.root.disable_cleanup(false);
+        bench.node.pass();
         if let Some(peer) = &mut bench.peer {
-            peer.node.root.disable_cleanup(false);
+            peer.node.pass();
         }
     } else {
         if let Some(registry) = &bench.registry {
@@ -1165,8 +1165,7 @@ fn peer_roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let mut warmup = None;
     match mode {
         Mode::Surge => {
-            let flags: Vec<&str> = peer.flags.iter().map(String::as_str).collect();
-            let next = peer.node.start_agent_with(&flags);
+            let next = peer.node.start_agent();
             try_wait_for(
                 &format!("agent-ready to pass for node B's standby {}", next.name),
                 T_START,
