@@ -19,7 +19,6 @@ mod poller;
 mod worker_rig;
 
 use std::collections::{BTreeMap, BTreeSet};
-
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
