@@ -3,7 +3,8 @@
 # and measures how long Envoy is without a control plane (see ../../shared/DESIGN.md,
 # "Contract", the harness in e2e/src/harness/ and its Envoy rig in e2e/src/envoy/).
 #
-# Env:
+# Env (`agent-restart-gap --help`, in target/release, lists the ARG_* settings with their
+# defaults; each is also a flag of the same meaning):
 #   ARG_ROLLS         rolls per mode (20)
 #   ARG_MODE          surge | recreate | worker-crash | all (surge); `all` runs the three
 #                     modes one after the other, each on its own local node, side by side

@@ -33,8 +33,7 @@ use crate::envoy::ack_log::{self, AgentLog};
 use crate::envoy::{AdsApi, Envoy};
 use crate::harness::churn::{Cni, PodId};
 use crate::testing::{
-    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, metrics_wrapper_exec, percentile,
-    scrape_metrics, wait_for,
+    Agent, LocalNode, bin, memory_kib, metric_sample, percentile, scrape_metrics, wait_for,
 };
 
 /// Agent start, Envoy's first connect, a metrics sample.
@@ -277,26 +276,25 @@ struct Rig {
 
 impl Rig {
     fn start(envoy_bin: &Path) -> Rig {
-        let mut node = LocalNode::new();
+        // Free ports for Envoy's capture listeners, so that runs in parallel do not clash,
+        // and for the agent's metrics.
+        let mut node = LocalNode::builder()
+            .capture()
+            .metrics()
+            .build()
+            .expect("node folder");
         let root = node.root.path().to_path_buf();
         let registry = root.join("registry.json");
         std::fs::write(&registry, registry_doc(false)).expect("registry file");
         node.registry_file = Some(registry.clone());
-        // Free ports for Envoy's capture listeners, so that runs in parallel do not clash.
-        let capture = root.join("capture.json");
-        let ip = Ipv4Addr::LOCALHOST;
-        let doc = json!({ "outbound": format!("{ip}:{}", free_port(ip).expect("free port")), "inbound_port": free_port(ip).expect("free port") });
-        std::fs::write(&capture, doc.to_string()).expect("capture file");
-        let metrics = format!("127.0.0.1:{}", free_port(ip).expect("free port"));
-        // The node's `--metrics-addr=off` becomes `metrics`, the log filter the ADS lines,
-        // and the descriptor limit the systemd unit's.
-        let wrapper = metrics_wrapper_exec(
-            &metrics,
-            &format!("env RUST_LOG='{AGENT_LOG}' prlimit --nofile={AGENT_NOFILE}:{AGENT_NOFILE}"),
+        let metrics = node.metrics.expect("a metrics address").to_string();
+        // Its log filter the ADS lines, and its descriptor limit the systemd unit's.
+        let (log, nofile) = (
+            format!("RUST_LOG={AGENT_LOG}"),
+            format!("--nofile={AGENT_NOFILE}:{AGENT_NOFILE}"),
         );
-        let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-        let capture_arg = format!("--capture-file={}", capture.display());
-        let agent = node.start_agent_wrapped(&wrapper, &[&capture_arg]);
+        let wrapper = ["env", &log, "prlimit", &nofile];
+        let agent = node.start_agent_wrapped(&wrapper, &[]);
         wait_for(&format!("{} to serve as owner", agent.name), T, || {
             agent.serving_owner()
         });

@@ -96,21 +96,189 @@ pub fn percentile<T: Copy + PartialOrd>(v: &[T], p: f64) -> Option<T> {
     s.get(rank.min(s.len()).checked_sub(1)?).copied()
 }
 
-/// One HTTP/1.0 GET over a unix socket: (status, body).
-pub fn http_get_unix(sock: &Path, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = UnixStream::connect(sock)?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
+/// Where a test's HTTP GET goes.
+#[derive(Clone, Copy, Debug)]
+pub enum HttpTarget<'a> {
+    Unix(&'a Path),
+    /// `host:port`.
+    Tcp(&'a str),
+}
+
+/// The tests' one HTTP client: a GET of `path` in HTTP/`version` (`1.0` for the agent's
+/// servers, and for Prometheus, which then does not chunk; `1.1` for Envoy's admin, which
+/// answers HTTP/1.0 with 426) with `Connection: close`, read to the end within `timeout`:
+/// (status, body), a chunked body decoded. Status 0: no status line.
+pub fn http_get(
+    to: HttpTarget,
+    version: &str,
+    path: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
+    fn exchange(mut s: impl Read + Write, request: &str) -> std::io::Result<Vec<u8>> {
+        s.write_all(request.as_bytes())?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw)?;
+        Ok(raw)
+    }
+    let host = match to {
+        HttpTarget::Unix(_) => "localhost",
+        HttpTarget::Tcp(addr) => addr,
+    };
+    let request = format!("GET {path} HTTP/{version}\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let raw = match to {
+        HttpTarget::Unix(sock) => {
+            let s = UnixStream::connect(sock)?;
+            s.set_read_timeout(Some(timeout))?;
+            exchange(s, &request)?
+        }
+        HttpTarget::Tcp(addr) => {
+            let s = std::net::TcpStream::connect(addr)?;
+            s.set_read_timeout(Some(timeout))?;
+            exchange(s, &request)?
+        }
+    };
+    let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    Ok((status, body.to_string()))
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    Ok((
+        status,
+        if chunked {
+            dechunk(body)
+        } else {
+            body.to_string()
+        },
+    ))
+}
+
+/// The payload of an HTTP/1.1 chunked body.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+/// One HTTP/1.0 GET over a unix socket (the agent's health socket): (status, body).
+pub fn http_get_unix(sock: &Path, path: &str) -> std::io::Result<(u16, String)> {
+    http_get(HttpTarget::Unix(sock), "1.0", path, Duration::from_secs(2))
+}
+
+/// This test process's own loopback address (all of 127/8 is loopback on Linux), where its
+/// nodes bind what they listen on in the machine's own network namespace: see
+/// [`NodeBuilder`]. From the pid, never in 127.0/16 (etcd, the registrars and the
+/// upstreams listen on 127.0.0.1).
+pub fn node_loopback() -> std::net::Ipv4Addr {
+    let pid = std::process::id();
+    std::net::Ipv4Addr::new(
+        127,
+        1 + (pid / 64_000 % 250) as u8,
+        (pid / 250 % 256) as u8,
+        2 + (pid % 250) as u8,
+    )
+}
+
+/// A port on `ip` that nothing listens on right now and that this process has not handed
+/// out before: the nodes of one process share [`node_loopback`], and a port handed to one
+/// node's Envoy is not bound until that Envoy starts.
+pub fn node_port(ip: impl Into<IpAddr>) -> std::io::Result<u16> {
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let ip = ip.into();
+    loop {
+        let port = free_port(ip)?;
+        let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        if !handed.contains(&port) {
+            handed.push(port);
+            return Ok(port);
+        }
+    }
+}
+
+/// How a [`LocalNode`] is set up: its agents' node name, whether its folder outlives it,
+/// whether its agents serve metrics, whether Envoy's capture listeners get free ports, and
+/// flags for every agent generation.
+///
+/// One loopback address scheme for every node: what a node listens on in the machine's own
+/// network namespace (Envoy's outbound capture listener, the agents' metrics port) is on
+/// [`node_loopback`], an address of the test process's own in 127/8, on a port from
+/// [`node_port`]. Envoy binds its listeners with SO_REUSEPORT, so two Envoys that picked the
+/// same address and port would silently share it, and one test's load would be answered,
+/// and reset at exit, by another's Envoy: tests run in parallel under nextest, one process
+/// each, so their addresses differ; the nodes of one process (the two-node gate, a test
+/// with a peer node) share the address and never a port. The inbound capture port is free
+/// on every address (Envoy binds it on 0.0.0.0).
+#[derive(Default)]
+pub struct NodeBuilder {
+    node_name: Option<String>,
+    keep: bool,
+    metrics: bool,
+    capture: bool,
+    args: Vec<String>,
+}
+
+impl NodeBuilder {
+    /// `--node-name` of its agents (else `test-node`).
+    pub fn node_name(mut self, name: &str) -> Self {
+        self.node_name = Some(name.into());
+        self
+    }
+
+    /// The node folder stays after the node goes, so that a failure's logs can be read,
+    /// unless [`LocalNode::pass`] says the test passed.
+    pub fn keep_folder(mut self) -> Self {
+        self.keep = true;
+        self
+    }
+
+    /// Its agents serve metrics on a free port ([`LocalNode::metrics`]).
+    pub fn metrics(mut self) -> Self {
+        self.metrics = true;
+        self
+    }
+
+    /// Envoy's capture listeners on free ports ([`LocalNode::capture`]).
+    pub fn capture(mut self) -> Self {
+        self.capture = true;
+        self
+    }
+
+    /// Flags for every agent generation.
+    pub fn args<S: ToString>(mut self, args: impl IntoIterator<Item = S>) -> Self {
+        self.args.extend(args.into_iter().map(|a| a.to_string()));
+        self
+    }
+
+    pub fn build(self) -> std::io::Result<LocalNode> {
+        let mut node = LocalNode::new();
+        node.root.disable_cleanup(self.keep);
+        if let Some(name) = self.node_name {
+            node.node_name = name;
+        }
+        node.args = self.args;
+        if self.metrics {
+            let ip = node_loopback();
+            node.metrics = Some((ip, node_port(ip)?).into());
+        }
+        if self.capture {
+            node.capture()?;
+        }
+        Ok(node)
+    }
 }
 
 /// A node: run and state dirs shared by the agent generations.
@@ -123,6 +291,12 @@ pub struct LocalNode {
     pub node_name: String,
     /// `--health-dir` of every generation; by default each has its own.
     pub health_dir: Option<PathBuf>,
+    /// `--metrics-addr` of the generations started from now on; None: `off`.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Flags of every generation (before those a start is given).
+    pub args: Vec<String>,
+    /// Envoy's outbound capture listener, once [`LocalNode::capture`] chose it.
+    pub outbound: Option<std::net::SocketAddr>,
     next: usize,
 }
 
@@ -144,9 +318,59 @@ impl LocalNode {
             registry_file: None,
             node_name: "test-node".into(),
             health_dir: None,
+            metrics: None,
+            args: Vec::new(),
+            outbound: None,
             next: 0,
             root,
         }
+    }
+
+    /// A node set up by a [`NodeBuilder`].
+    pub fn builder() -> NodeBuilder {
+        NodeBuilder::default()
+    }
+
+    /// Envoy's capture listeners on free ports ([`NodeBuilder`] says where), so that the
+    /// nodes of tests running in parallel do not clash on the default 15001 and 15006: a
+    /// capture file in the node folder, passed to every generation from now on. Returns the
+    /// outbound listener's address.
+    pub fn capture(&mut self) -> std::io::Result<std::net::SocketAddr> {
+        let ip = node_loopback();
+        let outbound = std::net::SocketAddr::from((ip, node_port(ip)?));
+        let inbound_port = node_port(std::net::Ipv4Addr::UNSPECIFIED)?;
+        self.capture_with(
+            &serde_json::json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port })
+                .to_string(),
+        )?;
+        self.outbound = Some(outbound);
+        Ok(outbound)
+    }
+
+    /// A capture file holding `doc`, passed to every generation from now on.
+    pub fn capture_with(&mut self, doc: &str) -> std::io::Result<()> {
+        let path = self.root.path().join("capture.json");
+        std::fs::write(&path, doc)?;
+        self.args.push(format!("--capture-file={}", path.display()));
+        Ok(())
+    }
+
+    /// Starts the next generation and waits until it serves as the owner; the error
+    /// carries its log.
+    pub fn start_owner(&mut self, timeout: Duration) -> anyhow::Result<Agent> {
+        let agent = self.start_agent();
+        try_wait_for(
+            &format!("{} to serve as owner", agent.name),
+            timeout,
+            || agent.serving_owner(),
+        )
+        .map_err(|e| anyhow::anyhow!("{e}; {} log:\n{}", agent.name, agent.log()))?;
+        Ok(agent)
+    }
+
+    /// The test passed: the node folder can go.
+    pub fn pass(&mut self) {
+        self.root.disable_cleanup(false);
     }
 
     pub fn xds_sock(&self) -> PathBuf {
@@ -234,8 +458,12 @@ impl LocalNode {
             .arg(&self.state_dir)
             .arg("--health-dir")
             .arg(&health_dir)
-            .arg("--metrics-addr=off")
+            .arg(match self.metrics {
+                Some(addr) => format!("--metrics-addr={addr}"),
+                None => "--metrics-addr=off".into(),
+            })
             .arg(format!("--node-name={}", self.node_name))
+            .args(&self.args)
             .args(extra)
             // AETHER_E2E_AGENT_LOG sets the agents' log filter (e.g. `info,aether_worker::xds=debug`).
             .env("RUST_LOG", std::env::var("AETHER_E2E_AGENT_LOG").unwrap_or_else(|_| "info".into()))
@@ -247,7 +475,12 @@ impl LocalNode {
             cmd.arg("--registry-file").arg(r);
         }
         // The instance key, unless `extra` sets one (an empty one is the pre-instance key).
-        if !extra.iter().any(|a| a.starts_with("--pod-name")) {
+        if !extra
+            .iter()
+            .copied()
+            .chain(self.args.iter().map(String::as_str))
+            .any(|a| a.starts_with("--pod-name"))
+        {
             cmd.arg(format!("--pod-name=agent-{name}"));
         }
         let child = cmd.spawn().expect("spawn aether-supervisor");
@@ -853,29 +1086,17 @@ pub fn flock_holders(path: &Path) -> Vec<i32> {
         .collect()
 }
 
-/// A wrapper for [`LocalNode::start_agent_wrapped`] that replaces the node's
-/// `--metrics-addr=off` with `addr`, so that a test can scrape the owner.
-pub fn metrics_wrapper(addr: &str) -> Vec<String> {
-    metrics_wrapper_exec(addr, "")
-}
-
-/// [`metrics_wrapper`], with the agent started through `exec` (a command prefix such as
-/// `prlimit --nofile=64:64` or `env RUST_LOG=…`; empty: the agent itself).
-pub fn metrics_wrapper_exec(addr: &str, exec: &str) -> Vec<String> {
-    let script = format!(
-        r#"for a do shift; if [ "$a" = --metrics-addr=off ]; then set -- "$@" --metrics-addr={addr}; else set -- "$@" "$a"; fi; done; exec {exec} "$@""#
-    );
-    vec!["sh".into(), "-c".into(), script, "sh".into()]
-}
-
-/// One `GET /metrics` at `addr`: the answer, or None if none came with status 200.
+/// One `GET /metrics` at `addr`: the exposition, or None if none came with status 200.
 pub fn scrape_metrics(addr: &str) -> Option<String> {
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.starts_with("HTTP/1.0 200").then_some(out)
+    match http_get(
+        HttpTarget::Tcp(addr),
+        "1.0",
+        "/metrics",
+        Duration::from_secs(2),
+    ) {
+        Ok((200, body)) => Some(body),
+        _ => None,
+    }
 }
 
 /// The value of the sample `series` (name and labels, as printed) in a scrape's `text`.
@@ -887,6 +1108,15 @@ pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dechunk_joins_chunks_and_ignores_extensions() {
+        assert_eq!(
+            dechunk("4\r\nWiki\r\n5;x=y\r\npedia\r\n0\r\n\r\n"),
+            "Wikipedia"
+        );
+        assert_eq!(dechunk("zz\r\n"), "");
+    }
 
     #[test]
     fn percentile_is_nearest_rank() {

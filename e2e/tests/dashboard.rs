@@ -19,15 +19,14 @@
 //! scripts/install-deps.sh, scripts/install-envoy.sh).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{
-    AdsApi, CONNECTED, admin_get, encode, envoy_or_skip, exact_names, parse_stats,
+    AdsApi, CONNECTED, Envoy, admin_get, encode, envoy_or_skip, exact_names, parse_stats,
 };
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::kube_api::KubeApi;
@@ -36,10 +35,10 @@ use aether_e2e::registrar::{
     apply_with, cli, registrar_bin,
 };
 use aether_e2e::testing::{
-    LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample, metrics_wrapper,
+    HttpTarget, LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample,
     scrape_metrics, try_wait_for, wait_for, workspace_root,
 };
-use aether_worker::bootstrap::{self, Admin};
+use aether_worker::bootstrap;
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(30);
@@ -181,24 +180,14 @@ fn check(
 }
 
 /// One GET on loopback in HTTP `version` (`1.0`, so that Prometheus does not chunk its
-/// answer; `1.1` with `Connection: close` for Envoy, which answers HTTP/1.0 with 426):
-/// (status, body).
+/// answer; `1.1` for Envoy, which answers HTTP/1.0 with 426): (status, body).
 fn http_get(version: &str, addr: &str, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    s.write_all(
-        format!("GET {path} HTTP/{version}\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
-            .as_bytes(),
-    )?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    Ok((status, body.to_string()))
+    aether_e2e::testing::http_get(
+        HttpTarget::Tcp(addr),
+        version,
+        path,
+        Duration::from_secs(10),
+    )
 }
 
 /// A Prometheus HTTP API call: its `data`, or its error.
@@ -288,38 +277,26 @@ fn stats_listener_yaml(port: u16, admin: &Path) -> String {
     out
 }
 
-fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Running, PathBuf) {
+/// Envoy on the node, with the chart's stats listener on `stats_port` merged into the
+/// bootstrap.
+fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Envoy, PathBuf) {
     let dir = node.root.path().join("envoy");
     std::fs::create_dir_all(&dir).expect("envoy dir");
     let admin = dir.join("envoy-admin.sock");
-    let config = bootstrap::render(
+    let stats = stats_listener_yaml(stats_port, &admin);
+    let envoy = Envoy::start_with_args(
+        envoy,
+        &dir,
         &node.run_dir,
-        &Admin::Pipe(admin.clone()),
-        "test-node",
-        bootstrap::DEFAULT_BACKOFF_BASE,
-        bootstrap::DEFAULT_BACKOFF_MAX,
+        (
+            bootstrap::DEFAULT_BACKOFF_BASE,
+            bootstrap::DEFAULT_BACKOFF_MAX,
+        ),
         AdsApi::default(),
-    );
-    std::fs::write(dir.join("envoy.yaml"), config).expect("write the bootstrap");
-    let log = std::fs::File::create(dir.join("envoy.log")).expect("envoy log");
-    let child = Command::new(envoy)
-        .arg("-c")
-        .arg(dir.join("envoy.yaml"))
-        .arg("--config-yaml")
-        .arg(stats_listener_yaml(stats_port, &admin))
-        .args([
-            "--disable-hot-restart",
-            "--concurrency",
-            "1",
-            "--log-level",
-            "warn",
-        ])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start Envoy");
-    (Running(child), admin)
+        &["--config-yaml".as_ref(), stats.as_ref()],
+    )
+    .expect("start Envoy");
+    (envoy, admin)
 }
 
 /// A registrar as the chart runs it with `registrar.tls.secretName` and
@@ -482,12 +459,8 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         "127.0.0.1:{}",
         free_port(Ipv4Addr::LOCALHOST).expect("a free port")
     );
-    let wrapper = metrics_wrapper(&metrics);
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let agent = node.start_agent_wrapped(
-        &wrapper,
-        &[&format!("--capture-file={}", capture_file.display())],
-    );
+    node.metrics = Some(metrics.parse().expect("a metrics address"));
+    let agent = node.start_agent_with(&[&format!("--capture-file={}", capture_file.display())]);
     wait_for("the agent to serve as the owner", T, || {
         agent.serving_owner()
     });

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use aether_e2e::envoy::{AdsApi, Envoy, NodeRig, envoy_or_skip};
 use aether_e2e::harness::load::{self, Load};
 use aether_e2e::registrar::{Etcd, RegistrarProcess, dump, envoy_eds, expected_eds, registrar_bin};
-use aether_e2e::testing::{Agent, LocalNode, free_port, try_wait_for, wait_for};
+use aether_e2e::testing::{Agent, LocalNode, try_wait_for, wait_for};
 use nix::sys::signal::Signal;
-use serde_json::{Value, json};
+use serde_json::Value;
 use shared_proto::registry as pb;
 
 const T: Duration = Duration::from_secs(10);
@@ -214,29 +214,18 @@ struct PeerNode {
 
 impl PeerNode {
     fn start(envoy_bin: &std::path::Path, registrar: &str) -> PeerNode {
-        let mut node = LocalNode::new();
-        node.root.disable_cleanup(true);
-        node.node_name = "node-b".into();
+        let mut node = LocalNode::builder()
+            .keep_folder()
+            .node_name("node-b")
+            .capture()
+            .args([format!("--registrar={registrar}")])
+            .build()
+            .expect("node B's folder");
         let root = node.root.path().to_path_buf();
-        // An address of its own in 127/8, apart from the rigs' (which take 127.1-250.x.x
-        // by pid), so that an Envoy of a test running in parallel never shares the port.
-        let pid = std::process::id();
-        let ip = Ipv4Addr::new(127, 252, (pid >> 8) as u8, pid as u8);
-        let outbound = SocketAddr::from((ip, free_port(ip).expect("a free port")));
-        let capture = root.join("capture.json");
-        let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("a free port");
-        std::fs::write(
-            &capture,
-            json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string(),
-        )
-        .expect("capture file");
-        let owner = node.start_agent_with(&[
-            &format!("--capture-file={}", capture.display()),
-            &format!("--registrar={registrar}"),
-        ]);
-        wait_for("node B's agent to serve as owner", T_START, || {
-            owner.serving_owner()
-        });
+        let outbound = node.outbound.expect("the capture listeners");
+        let owner = node
+            .start_owner(T_START)
+            .unwrap_or_else(|e| panic!("node B: {e}"));
         let envoy = Envoy::start(
             envoy_bin,
             &root,

@@ -14,8 +14,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_e2e::testing::{
-    LocalNode, free_port, http_get_unix, metric_sample, metrics_wrapper_exec, scrape_metrics,
-    wait_for,
+    LocalNode, free_port, http_get_unix, metric_sample, scrape_metrics, wait_for,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -23,11 +22,9 @@ const T: Duration = Duration::from_secs(30);
 fn start(node: &mut LocalNode, metrics: &str, nofile: Option<u32>) -> aether_e2e::testing::Agent {
     // With `nofile` the agent runs under that descriptor limit (soft and hard), which the
     // supervisor's worker inherits.
-    let limit = nofile
-        .map(|n| format!("prlimit --nofile={n}:{n}"))
-        .unwrap_or_default();
-    let wrapper = metrics_wrapper_exec(metrics, &limit);
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let limit = nofile.map(|n| format!("--nofile={n}:{n}"));
+    let wrapper: Vec<&str> = limit.iter().flat_map(|l| ["prlimit", l.as_str()]).collect();
+    node.metrics = Some(metrics.parse().expect("a metrics address"));
     let agent = node.start_agent_wrapped(&wrapper, &[]);
     agent.wait_role("owner", T);
     wait_for("the owner's metrics port", T, || scrape_metrics(metrics));

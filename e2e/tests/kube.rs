@@ -18,8 +18,8 @@ use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::harness::two_node::eds_health;
 use aether_e2e::kube_api::{KubeApi, Rule};
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, free_port, identity_args, identity_provider_for_agents, metrics_wrapper,
-    scrape_metrics, try_wait_for, wait_for,
+    Agent, LocalNode, bin, free_port, identity_args, identity_provider_for_agents, scrape_metrics,
+    try_wait_for, wait_for,
 };
 use serde_json::{Value, json};
 
@@ -761,11 +761,8 @@ fn a_403_is_a_clear_log_line_and_a_metric_and_no_crash_loop() {
         "127.0.0.1:{}",
         free_port(Ipv4Addr::LOCALHOST).expect("free port")
     );
-    let wrapper = metrics_wrapper(&metrics);
-    let owner = node.start_agent_wrapped(
-        &wrapper.iter().map(String::as_str).collect::<Vec<_>>(),
-        &[&denied_kc],
-    );
+    node.metrics = Some(metrics.parse().expect("a metrics address"));
+    let owner = node.start_agent_with(&[&denied_kc]);
     // The API server is not a gate: the owner serves.
     serving(&owner);
     let pid = owner.worker_pid();

@@ -15,8 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aether_e2e::envoy::{Envoy, envoy_or_skip};
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, metrics_wrapper, scrape_metrics,
-    wait_for,
+    Agent, LocalNode, bin, free_port, memory_kib, metric_sample, scrape_metrics, wait_for,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -113,10 +112,9 @@ fn write_inputs(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
 }
 
 fn start(node: &mut LocalNode, metrics: &str, capture: &Path) -> Agent {
-    let wrapper = metrics_wrapper(metrics);
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    node.metrics = Some(metrics.parse().expect("a metrics address"));
     let capture = format!("--capture-file={}", capture.display());
-    let agent = node.start_agent_wrapped(&wrapper, &[&capture]);
+    let agent = node.start_agent_with(&[&capture]);
     wait_for("the agent to serve as the owner", T, || {
         agent.serving_owner()
     });
@@ -426,10 +424,9 @@ fn a_standby_binds_no_metrics_port_and_binds_it_once_it_owns_the_node() {
         "127.0.0.1:{}",
         free_port(Ipv4Addr::LOCALHOST).expect("free port")
     );
-    let wrapper = metrics_wrapper(&standby_addr);
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    node.metrics = Some(standby_addr.parse().expect("a metrics address"));
     let capture_arg = format!("--capture-file={}", capture.display());
-    let standby = node.start_agent_wrapped(&wrapper, &[&capture_arg]);
+    let standby = node.start_agent_with(&[&capture_arg]);
     let ready = standby.wait_role("standby", T);
     assert_eq!(ready["phase"], "standby-complete", "{ready:#}");
     standby.wait_log("holding the owner's node sockets", T);

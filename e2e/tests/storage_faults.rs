@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::testing::{
-    Agent, LocalNode, bin, free_port, is_root, metric_sample, metrics_wrapper, pod_records,
-    quarantined, scrape_metrics, wait_for,
+    Agent, LocalNode, bin, free_port, is_root, metric_sample, pod_records, quarantined,
+    scrape_metrics, wait_for,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -121,9 +121,8 @@ impl Rig {
     }
 
     fn start(&self, node: &mut LocalNode) -> Agent {
-        let wrapper = metrics_wrapper(&self.metrics);
-        let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-        let agent = node.start_agent_wrapped(&wrapper, &[]);
+        node.metrics = Some(self.metrics.parse().expect("a metrics address"));
+        let agent = node.start_agent();
         wait_for("the agent to serve as the owner", T, || {
             agent.serving_owner()
         });

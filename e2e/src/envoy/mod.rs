@@ -19,10 +19,8 @@ mod poller;
 mod worker_rig;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -30,7 +28,9 @@ use std::time::Duration;
 use aether_worker::bootstrap::{self, Admin};
 use serde_json::Value;
 
-use crate::testing::{LocalNode, Netns, try_wait_for, wait_for, workspace_root};
+use crate::testing::{
+    HttpTarget, LocalNode, Netns, http_get, try_wait_for, wait_for, workspace_root,
+};
 
 pub use aether_worker::bootstrap::AdsApi;
 pub use node_rig::{NodeRig, Relay};
@@ -93,6 +93,19 @@ impl Envoy {
         max: Duration,
         api: AdsApi,
     ) -> std::io::Result<Envoy> {
+        Self::start_with_args(bin, dir, run_dir, (base, max), api, &[])
+    }
+
+    /// [`Envoy::start`] with `extra` arguments after the common ones (e.g. `--config-yaml`
+    /// to merge more into the bootstrap).
+    pub fn start_with_args(
+        bin: &Path,
+        dir: &Path,
+        run_dir: &Path,
+        (base, max): (Duration, Duration),
+        api: AdsApi,
+        extra: &[&std::ffi::OsStr],
+    ) -> std::io::Result<Envoy> {
         let admin = dir.join("envoy-admin.sock");
         let config = bootstrap::render(
             run_dir,
@@ -135,6 +148,7 @@ impl Envoy {
             ]);
         }
         let child = cmd
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
@@ -254,51 +268,10 @@ impl Drop for Envoy {
     }
 }
 
-/// GET from Envoy's admin over its pipe: (status, body). HTTP/1.1 with
-/// `Connection: close` (Envoy's admin answers HTTP/1.0 with 426).
+/// GET from Envoy's admin over its pipe: (status, body), through the tests' one client
+/// ([`crate::testing::http_get`]) in HTTP/1.1 (Envoy's admin answers HTTP/1.0 with 426).
 pub fn admin_get(sock: &Path, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = UnixStream::connect(sock)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let chunked = head.lines().any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    Ok((
-        status,
-        if chunked {
-            dechunk(body)
-        } else {
-            body.to_string()
-        },
-    ))
-}
-
-/// The payload of an HTTP/1.1 chunked body.
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
-    }
-    out
+    http_get(HttpTarget::Unix(sock), "1.1", path, Duration::from_secs(5))
 }
 
 /// Percent-encodes a query value.
@@ -565,15 +538,6 @@ impl EnvoyPods {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dechunk_joins_chunks_and_ignores_extensions() {
-        assert_eq!(
-            dechunk("4\r\nWiki\r\n5;x=y\r\npedia\r\n0\r\n\r\n"),
-            "Wikipedia"
-        );
-        assert_eq!(dechunk("zz\r\n"), "");
-    }
 
     #[test]
     fn exact_names_escape_regex_syntax() {

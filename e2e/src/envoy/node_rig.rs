@@ -2,7 +2,7 @@
 //! service to two loopback upstreams, and the stats poller on Envoy's admin.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,7 @@ use serde_json::json;
 use super::{AdsApi, CONNECTED, Envoy, Poller, RollTimes, analyze};
 use crate::harness::load;
 use crate::harness::upstream::{self, Upstream};
-use crate::testing::{Agent, LocalNode, free_port, wait_for};
+use crate::testing::{Agent, LocalNode, wait_for};
 
 /// How long a roll may take to show in Envoy's stats.
 const T: Duration = Duration::from_secs(10);
@@ -20,7 +20,8 @@ const T_START: Duration = Duration::from_secs(30);
 
 /// A local node with one owner, a registry service ([`NodeRig::SERVICE`]) backed by two
 /// loopback upstreams, and a real Envoy that has connected and routes to the service.
-/// Each rig has free capture ports, so that tests using one run in parallel.
+/// Each rig has free capture ports ([`crate::testing::NodeBuilder`]), so that tests using
+/// one run in parallel.
 ///
 /// Fields drop in order: the poller stops before Envoy goes, and the agents go before the
 /// node folder does.
@@ -31,7 +32,6 @@ pub struct NodeRig {
     pub relay: Option<Relay>,
     pub owner: Agent,
     pub node: LocalNode,
-    extra: Vec<String>,
     /// Envoy's outbound listener.
     pub outbound: SocketAddr,
     pub upstreams: Vec<Upstream>,
@@ -64,7 +64,7 @@ impl NodeRig {
 
     /// [`Self::start`], with `aether-xds-relay` between Envoy and the node: Envoy's ADS
     /// cluster points at the relay's socket (`<node>/relay/xds.sock`), the relay at the
-    /// node's `xds.sock`, its metrics on a free loopback port.
+    /// node's `xds.sock`, its metrics on a port of the node's loopback address.
     pub fn start_relayed(envoy_bin: &Path, api: AdsApi) -> NodeRig {
         Self::start_inner(envoy_bin, api, None, &[], true)
     }
@@ -89,9 +89,12 @@ impl NodeRig {
         relayed: bool,
     ) -> NodeRig {
         let service = Self::SERVICE;
-        let mut node = LocalNode::new();
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
-        node.root.disable_cleanup(true);
+        let mut node = LocalNode::builder()
+            .keep_folder()
+            .capture()
+            .build()
+            .expect("node folder");
         let root = node.root.path().to_path_buf();
         eprintln!("node folder: {}", root.display());
         let upstreams: Vec<Upstream> = (0..2)
@@ -105,36 +108,17 @@ impl NodeRig {
         let registry = root.join("registry.json");
         let doc = json!({ "services": [{ "name": service, "namespace": "default", "ports": [80], "endpoints": endpoints }] });
         std::fs::write(&registry, doc.to_string()).expect("registry file");
-        let mut extra = Vec::new();
         match registrar {
             Some((addr, apply_args)) => {
                 crate::registrar::apply_with(addr, &registry, apply_args);
-                extra.push(format!("--registrar={addr}"));
+                node.args.push(format!("--registrar={addr}"));
             }
             None => node.registry_file = Some(registry),
         }
-        // Free ports for both capture listeners, so that tests running in parallel do not
-        // clash on the default 15001 and 15006; the outbound one on this process's own
-        // loopback address, since only it carries the load.
-        let ip = own_loopback();
-        let outbound = SocketAddr::from((ip, free_port(ip).expect("free port")));
-        let capture = root.join("capture.json");
-        let inbound_port = free_port(Ipv4Addr::UNSPECIFIED).expect("free port");
-        std::fs::write(
-            &capture,
-            json!({ "outbound": outbound.to_string(), "inbound_port": inbound_port }).to_string(),
-        )
-        .expect("capture file");
-        extra.push(format!("--capture-file={}", capture.display()));
-        extra.extend(agent_args.iter().map(|a| a.to_string()));
-        eprintln!("outbound listener {outbound}, inbound port {inbound_port}");
-
-        let owner = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
-        wait_for(
-            &format!("{} to serve as owner", owner.name),
-            T_START,
-            || owner.serving_owner(),
-        );
+        node.args.extend(agent_args.iter().map(|a| a.to_string()));
+        let outbound = node.outbound.expect("the capture listeners");
+        eprintln!("outbound listener {outbound}");
+        let owner = node.start_owner(T_START).unwrap_or_else(|e| panic!("{e}"));
         let relay = relayed.then(|| Relay::start(&root.join("relay"), &node.run_dir));
         let envoy = Envoy::start(
             envoy_bin,
@@ -148,7 +132,6 @@ impl NodeRig {
         let poller = Poller::start(envoy.admin.clone());
         let rig = NodeRig {
             node,
-            extra,
             owner,
             poller,
             envoy,
@@ -172,10 +155,9 @@ impl NodeRig {
         rig
     }
 
-    /// Starts the node's next generation with the rig's capture file.
+    /// Starts the node's next generation with the rig's flags.
     pub fn start_agent(&mut self) -> Agent {
-        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.node.start_agent_with(&extra)
+        self.node.start_agent()
     }
 
     /// The named Envoy stats (a missing one reads as 0: Envoy creates some lazily).
@@ -229,7 +211,7 @@ impl NodeRig {
 
     /// The test passed: the node folder can go.
     pub fn pass(&mut self) {
-        self.node.root.disable_cleanup(false);
+        self.node.pass();
     }
 }
 
@@ -246,8 +228,9 @@ pub struct Relay {
 impl Relay {
     pub fn start(dir: &Path, run_dir: &Path) -> Relay {
         std::fs::create_dir_all(dir).expect("relay dir");
-        let ip = own_loopback();
-        let metrics = SocketAddr::from((ip, free_port(ip).expect("free port"))).to_string();
+        let ip = crate::testing::node_loopback();
+        let port = crate::testing::node_port(ip).expect("free port");
+        let metrics = SocketAddr::from((ip, port)).to_string();
         let log = dir.join("relay.log");
         let out = std::fs::File::create(&log).expect("relay log");
         let listen = dir.join("xds.sock");
@@ -292,18 +275,4 @@ impl Drop for Relay {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// A loopback address of this test process's own (all of 127/8 is loopback on Linux).
-/// Envoy binds its listeners with SO_REUSEPORT, so two Envoys of tests running in parallel
-/// that happened to pick the same free port would silently share it, and the load of one
-/// test would be answered, and reset at exit, by the other's Envoy.
-fn own_loopback() -> Ipv4Addr {
-    let pid = std::process::id();
-    Ipv4Addr::new(
-        127,
-        1 + (pid / 64_000 % 250) as u8,
-        (pid / 250 % 256) as u8,
-        2 + (pid % 250) as u8,
-    )
 }

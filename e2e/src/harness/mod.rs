@@ -16,6 +16,7 @@
 //!
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
+pub mod args;
 pub mod churn;
 pub mod identity;
 pub mod load;
@@ -25,7 +26,7 @@ pub mod two_node;
 pub mod upstream;
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -37,9 +38,7 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 use crate::envoy::{self, Envoy, Poller, RollTimes};
-use crate::testing::{
-    Agent, Keeper, LocalNode, bin, free_port, percentile, try_wait_for, workspace_root,
-};
+use crate::testing::{Agent, Keeper, LocalNode, bin, percentile, try_wait_for, workspace_root};
 use churn::{Churn, Cni, Pods};
 use two_node::{CrossDrain, PeerNode, SharedRegistry};
 
@@ -101,6 +100,12 @@ pub struct Config {
     /// Envoy's main thread a walk of its stats; a longer period loads it less, and
     /// Envoy's own log times the reconnects without polling ([`envoy::log_times`]).
     pub poll_period: Duration,
+    /// ARG_NO_CHURN: no pod ADD/DEL during the rolls.
+    pub no_churn: bool,
+    /// ARG_KEEP_NODE: keep the node folders when the run passes.
+    pub keep_node: bool,
+    /// ARG_DEBUG_STATS: the xDS-related stats each roll moved, on stderr.
+    pub debug_stats: bool,
 }
 
 fn mode_name(modes: &[Mode], all: bool) -> &'static str {
@@ -132,86 +137,27 @@ pub fn parse_duration(s: &str) -> Result<Duration> {
 }
 
 impl Config {
+    /// The gate's settings from its `ARG_*` variables ([`args`]), checked together.
     pub fn from_env() -> Result<Config> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let rolls: u32 = match var("ARG_ROLLS") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("ARG_ROLLS={v:?} is not a whole number"))?,
-            None => 20,
-        };
-        if rolls == 0 {
-            bail!("ARG_ROLLS must be at least 1");
-        }
-        let mode = var("ARG_MODE").unwrap_or_else(|| "surge".into());
-        let (modes, all) = match mode.trim() {
-            "surge" => (vec![Mode::Surge], false),
-            "recreate" => (vec![Mode::Recreate], false),
-            "worker-crash" => (vec![Mode::WorkerCrash], false),
-            "all" => (vec![Mode::Surge, Mode::Recreate, Mode::WorkerCrash], true),
-            other => bail!("ARG_MODE={other:?}: one of surge, recreate, worker-crash, all"),
-        };
-        let bound = match var("ARG_BOUND") {
-            Some(v) => Some(parse_duration(&v).context("ARG_BOUND")?.as_secs_f64()),
-            None => None,
-        };
-        let rps: u32 = match var("ARG_LOAD_RPS") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("ARG_LOAD_RPS={v:?} is not a whole number"))?,
-            None => 200,
-        };
-        let backoff_base =
-            parse_duration(&var("ARG_BACKOFF_BASE").unwrap_or_else(|| "0.1s".into()))
-                .context("ARG_BACKOFF_BASE")?;
-        let backoff_max = parse_duration(&var("ARG_BACKOFF_MAX").unwrap_or_else(|| "1s".into()))
-            .context("ARG_BACKOFF_MAX")?;
+        Self::from_args(args::Args::from_env()?)
+    }
+
+    pub fn from_args(a: args::Args) -> Result<Config> {
+        let args::Modes { modes, all } = a.mode;
+        let (backoff_base, backoff_max) = (a.backoff_base, a.backoff_max);
         if backoff_max < backoff_base {
             bail!("ARG_BACKOFF_MAX ({backoff_max:?}) is below ARG_BACKOFF_BASE ({backoff_base:?})");
         }
-        let xds_api = match var("ARG_XDS_API") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|e: String| anyhow!("ARG_XDS_API: {e}"))?,
-            None => envoy::AdsApi::default(),
-        };
-        let results_dir = var("ARG_RESULTS_DIR")
-            .map(PathBuf::from)
+        let results_dir = a
+            .results_dir
             .unwrap_or_else(|| workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
-        let mesh_services = match var("ARG_MESH_SERVICES") {
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("ARG_MESH_SERVICES={v:?} is not a whole number"))?,
-            None => 0,
-        };
-        let nodes: u8 = match var("ARG_NODES").as_deref().map(str::trim) {
-            None | Some("1") => 1,
-            Some("2") => 2,
-            Some(other) => bail!("ARG_NODES={other:?}: 1 or 2"),
-        };
-        let mut identity = var("ARG_IDENTITY")
-            .map(|v| identity::Mtls::parse(&v))
-            .transpose()?;
-        let count = |k: &str, default: u32| -> Result<u32> {
-            match var(k) {
-                Some(v) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| anyhow!("{k}={v:?} is not a whole number")),
-                None => Ok(default),
-            }
-        };
-        let mtls = match var("ARG_MTLS") {
+        let (nodes, mesh_services) = (a.nodes, a.mesh_services);
+        let mut identity = a.identity;
+        let mtls = match a.mtls {
             None => None,
-            Some(v) => {
-                let mode = identity::Mtls::parse(&v)
-                    .map_err(|_| anyhow!("ARG_MTLS={:?}: strict or permissive", v.trim()))?;
+            Some(mode) => {
                 if nodes != 2 {
                     bail!(
                         "ARG_MTLS={} needs ARG_NODES=2: node A's pods call node B's (ARG_NODES is {nodes})",
@@ -237,31 +183,30 @@ impl Config {
                 identity = Some(mode);
                 Some(mtls::Settings {
                     mode,
-                    rotations: count("ARG_MTLS_ROTATIONS", 3)?,
-                    ip_reuses: count("ARG_MTLS_IP_REUSES", 1)?,
+                    rotations: a.mtls_rotations,
+                    ip_reuses: a.mtls_ip_reuses,
                 })
             }
         };
-        let poll_period = match var("ARG_POLL_PERIOD") {
-            Some(v) => parse_duration(&v).context("ARG_POLL_PERIOD")?,
-            None => envoy::POLL_PERIOD,
-        };
         Ok(Config {
-            rolls,
+            rolls: a.rolls,
             modes,
             all,
-            bound,
-            rps,
+            bound: a.bound.map(|b| b.as_secs_f64()),
+            rps: a.load_rps,
             backoff_base,
             backoff_max,
-            xds_api,
+            xds_api: a.xds_api,
             results_dir,
             envoy,
             mesh_services,
             nodes,
             identity,
             mtls,
-            poll_period,
+            poll_period: a.poll_period,
+            no_churn: a.no_churn.is_some(),
+            keep_node: a.keep_node.is_some(),
+            debug_stats: a.debug_stats.is_some(),
         })
     }
 
@@ -610,10 +555,10 @@ struct Bench {
     node: LocalNode,
     /// The node's socket keeper: across a recreate roll it holds the listeners.
     _keeper: Keeper,
-    extra: Vec<String>,
     owner: Agent,
     envoy: Envoy,
-    outbound: SocketAddr,
+    /// Envoy's outbound listener (none with ARG_MTLS: the pods carry the load).
+    outbound: Option<SocketAddr>,
     cni: Arc<Cni>,
     pods: Arc<Mutex<Pods>>,
     lost_ever: BTreeSet<String>,
@@ -625,12 +570,14 @@ struct Bench {
     identity: Option<identity::NodeIdentity>,
     /// ARG_MTLS: the namespaces (dropped after the Envoys), the client pods, the record.
     gate: Option<mtls::Gate>,
+    /// ARG_NO_CHURN and ARG_DEBUG_STATS.
+    no_churn: bool,
+    debug_stats: bool,
 }
 
 impl Bench {
     fn start_agent(&mut self) -> Agent {
-        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.node.start_agent_with(&extra)
+        self.node.start_agent()
     }
 }
 
@@ -663,18 +610,19 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     } else {
         serde_json::to_string_pretty(&json!({ "services": services }))?
     };
-    // A capture file with free ports, so that runs in parallel do not clash on 15001.
-    let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
-    let capture = root.join("capture.json");
-    match net {
-        Some(_) => std::fs::write(&capture, mtls::capture_json())?,
-        None => std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?,
-    }
-    let mut extra = vec![format!("--capture-file={}", capture.display())];
+    // Free capture ports, so that runs in parallel do not clash on 15001 (ARG_MTLS: the
+    // listeners are in node A's namespace).
+    let outbound = match net {
+        Some(_) => {
+            node.capture_with(&mtls::capture_json())?;
+            None
+        }
+        None => Some(node.capture()?),
+    };
     let node_identity = match cfg.identity {
         Some(mtls) => {
             let id = identity::NodeIdentity::start(&root, mtls)?;
-            extra.extend(id.agent_args());
+            node.args.extend(id.agent_args());
             Some(id)
         }
         None => None,
@@ -710,7 +658,7 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
             .inspect_err(|_| shared.keep_log(&root))?;
         eprintln!("   node B {}", peer.dir().display());
         node.node_name = two_node::NODE_A.into();
-        extra.extend(shared.agent_flags());
+        node.args.extend(shared.agent_flags());
         (Some(shared), Some(peer))
     } else {
         std::fs::write(&registry, doc)?;
@@ -719,11 +667,9 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     };
 
     let cold = Instant::now();
-    let first = node.start_agent_with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
-    try_wait_for("the first agent to own the node", T_START, || {
-        first.serving_owner()
-    })
-    .with_context(|| format!("{} log:\n{}", first.name, first.log()))?;
+    let first = node
+        .start_owner(T_START)
+        .context("the first agent to own the node")?;
     let cold_start = cold.elapsed();
     // As the chart runs it, outside the agent's pod; it fetches the owner's sockets.
     let keeper = node.start_keeper();
@@ -760,7 +706,8 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         },
     )
     .with_context(|| format!("Envoy log {}", envoy.log.display()))?;
-    for s in SERVICES.iter().filter(|_| net.is_none()) {
+    for s in SERVICES.iter().filter(|_| outbound.is_some()) {
+        let outbound = outbound.expect("the capture listeners");
         try_wait_for(
             &format!("service {s} to answer through Envoy's outbound listener {outbound}"),
             T_START,
@@ -841,7 +788,6 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
     Ok(Bench {
         node,
         _keeper: keeper,
-        extra,
         owner: first,
         envoy,
         outbound,
@@ -853,6 +799,8 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         registry,
         identity: node_identity,
         gate,
+        no_churn: cfg.no_churn,
+        debug_stats: cfg.debug_stats,
     })
 }
 
@@ -862,15 +810,16 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     let mut res = ModeResult {
         mode: Some(mode),
         bound: cfg.bound(mode),
-        expect_empty_reconnects: std::env::var_os("ARG_NO_CHURN").is_some()
-            && cfg.xds_api == envoy::AdsApi::Delta,
+        expect_empty_reconnects: cfg.no_churn && cfg.xds_api == envoy::AdsApi::Delta,
         nodes: cfg.nodes,
         identity: cfg.identity,
         ..Default::default()
     };
-    let mut node = LocalNode::new();
     // Kept unless the mode passes, so that a setup error or a panic leaves the logs.
-    node.root.disable_cleanup(true);
+    let node = LocalNode::builder()
+        .keep_folder()
+        .build()
+        .expect("the node folder");
     let root = node.root.path().to_path_buf();
     eprintln!(
         "== {}{}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
@@ -918,7 +867,9 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     let load = bench
         .gate
         .is_none()
-        .then(|| load::Load::start(bench.outbound, hosts, cfg.rps));
+        .then_some(bench.outbound)
+        .flatten()
+        .map(|outbound| load::Load::start(outbound, hosts, cfg.rps));
     let mtls_load = bench
         .gate
         .as_ref()
@@ -1132,10 +1083,10 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
             Duration::from_secs(10),
         ));
     }
-    if res.failures(cfg.rolls).is_empty() && std::env::var_os("ARG_KEEP_NODE").is_none() {
-        bench.node.root.disable_cleanup(false);
+    if res.failures(cfg.rolls).is_empty() && !cfg.keep_node {
+        bench.node.pass();
         if let Some(peer) = &mut bench.peer {
-            peer.node.root.disable_cleanup(false);
+            peer.node.pass();
         }
     } else {
         if let Some(registry) = &bench.registry {
@@ -1214,8 +1165,7 @@ fn peer_roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let mut warmup = None;
     match mode {
         Mode::Surge => {
-            let flags: Vec<&str> = peer.flags.iter().map(String::as_str).collect();
-            let next = peer.node.start_agent_with(&flags);
+            let next = peer.node.start_agent();
             try_wait_for(
                 &format!("agent-ready to pass for node B's standby {}", next.name),
                 T_START,
@@ -1386,7 +1336,9 @@ fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<Rol
 /// With `ARG_DEBUG_STATS` set, the xDS-related stats that a roll moved, on stderr: how
 /// the choice of stats in [`envoy`] was checked.
 fn debug_stats(b: &Bench) -> Option<Vec<(String, u64)>> {
-    std::env::var_os("ARG_DEBUG_STATS")?;
+    if !b.debug_stats {
+        return None;
+    }
     let re = r"^(control_plane\.|cluster\.xds_cluster\.upstream_(cx|rq)_|cluster_manager\.cds\.|listener_manager\.lds\.)";
     let (_, body) = b
         .envoy
@@ -1414,11 +1366,7 @@ fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
 
 fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let start = Instant::now();
-    let churn = Churn::start(
-        b.cni.clone(),
-        b.pods.clone(),
-        std::env::var_os("ARG_NO_CHURN").is_none(),
-    );
+    let churn = Churn::start(b.cni.clone(), b.pods.clone(), !b.no_churn);
     let action;
     let mut old_exit = None;
     let mut warmup = None;

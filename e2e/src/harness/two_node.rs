@@ -7,7 +7,7 @@
 //! view ([`eds_check`]).
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,7 +22,7 @@ use super::churn::{self, Cni, PodId, Pods};
 use super::{Config, T_START};
 use crate::envoy::{self, Envoy, admin_get};
 use crate::registrar::{Etcd, RegistrarProcess, TestCa, envoy_eds, expected_eds, registrar_bin};
-use crate::testing::{Agent, LocalNode, bin, free_port, percentile, try_wait_for};
+use crate::testing::{Agent, LocalNode, bin, percentile, try_wait_for};
 
 /// The rolled node's `--node-name`.
 pub const NODE_A: &str = "node-a";
@@ -175,8 +175,6 @@ fn apply(addr: &str, ca: &Path, file: &Path, doc: &str) -> Result<i64> {
 /// and its pods. Fields drop in order: Envoy, then the agent, then the folder.
 pub struct PeerNode {
     pub envoy: Envoy,
-    /// Every agent generation's flags (a roll starts the next with them).
-    pub flags: Vec<String>,
     pub owner: Agent,
     pub cni: Arc<Cni>,
     pub pods: Arc<Mutex<Pods>>,
@@ -195,35 +193,24 @@ impl PeerNode {
         service: &str,
         netns: Option<(&str, &[String])>,
     ) -> Result<PeerNode> {
-        let mut node = LocalNode::new();
-        node.root.disable_cleanup(true);
-        node.node_name = NODE_B.into();
+        let mut node = LocalNode::builder()
+            .keep_folder()
+            .node_name(NODE_B)
+            .args(registrar)
+            .build()?;
         let root = node.root.path().to_path_buf();
-        let outbound = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port(Ipv4Addr::LOCALHOST)?));
-        let capture = root.join("capture.json");
-        match netns {
-            Some(_) => std::fs::write(&capture, super::mtls::capture_json())?,
-            None => std::fs::write(&capture, json!({ "outbound": outbound.to_string(), "inbound_port": free_port(Ipv4Addr::LOCALHOST)? }).to_string())?,
-        }
-        let mut flags = vec![format!("--capture-file={}", capture.display())];
-        flags.extend_from_slice(registrar);
-        if let Some((_, more)) = netns {
-            flags.extend_from_slice(more);
-        }
-        let owner = node.start_agent_with(&flags.iter().map(String::as_str).collect::<Vec<_>>());
-        try_wait_for(
-            &format!("node B's agent {} to own its node", owner.name),
-            T_START,
-            || owner.serving_owner(),
-        )
-        .with_context(|| {
-            format!(
-                "node B ({}) {} log:\n{}",
-                root.display(),
-                owner.name,
-                owner.log()
-            )
-        })?;
+        // ARG_MTLS: the capture listeners in node B's namespace.
+        let outbound = match netns {
+            Some((_, more)) => {
+                node.capture_with(&super::mtls::capture_json())?;
+                node.args.extend_from_slice(more);
+                None
+            }
+            None => Some(node.capture()?),
+        };
+        let owner = node
+            .start_owner(T_START)
+            .with_context(|| format!("node B ({})", root.display()))?;
         let envoy_bin = match netns {
             Some((ns, _)) => super::mtls::envoy_in(&root, ns, &cfg.envoy)?,
             None => cfg.envoy.clone(),
@@ -237,20 +224,20 @@ impl PeerNode {
             cfg.xds_api,
         )
         .context("start node B's Envoy")?;
-        try_wait_for(
-            &format!("node B's Envoy to route {service} through {outbound}"),
-            T_START,
-            || {
-                (envoy.stat(envoy::CONNECTED) == Some(1)
-                    && match netns {
-                        Some(_) => envoy
-                            .stat("listener_manager.lds.update_success")
-                            .is_some_and(|n| n >= 1),
-                        None => super::load::request(outbound, service).is_ok(),
-                    })
-                .then_some(())
-            },
-        )
+        let routes = match outbound {
+            Some(o) => format!("route {service} through {o}"),
+            None => "take its first listeners".into(),
+        };
+        try_wait_for(&format!("node B's Envoy to {routes}"), T_START, || {
+            (envoy.stat(envoy::CONNECTED) == Some(1)
+                && match outbound {
+                    None => envoy
+                        .stat("listener_manager.lds.update_success")
+                        .is_some_and(|n| n >= 1),
+                    Some(o) => super::load::request(o, service).is_ok(),
+                })
+            .then_some(())
+        })
         .with_context(|| format!("node B's Envoy log {}", envoy.log.display()))?;
         let cni = Arc::new(Cni {
             bin: bin("aether-cni"),
@@ -259,7 +246,6 @@ impl PeerNode {
         let pods = Arc::new(Mutex::new(Pods::on("b-", 89)));
         Ok(PeerNode {
             envoy,
-            flags,
             owner,
             cni,
             pods,
