@@ -1,5 +1,6 @@
 //! Messages shared by the Aether processes.
 //!
+//! - [`backoff`]: exponential backoff, exact or jittered, for every retry loop.
 //! - [`control`]: the closed protocol between the supervisor and its worker, and between
 //!   an owning supervisor and a standby supervisor (the generation handoff).
 //! - [`fdpass`]: one message per `SOCK_SEQPACKET` datagram with its file descriptors
@@ -28,6 +29,7 @@
 //! message walk, where `nix` cannot hand back the descriptors of a truncated message, and
 //! in `seccomp`, in the SIGSYS handler and its installation.
 
+pub mod backoff;
 #[cfg(feature = "caps")]
 pub mod caps;
 #[cfg(feature = "cni-api")]
