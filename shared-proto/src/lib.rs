@@ -3,6 +3,8 @@
 //! - [`backoff`]: exponential backoff, exact or jittered, for every retry loop.
 //! - [`control`]: the closed protocol between the supervisor and its worker, and between
 //!   an owning supervisor and a standby supervisor (the generation handoff).
+//! - [`duration`]: durations with a unit (`60s`, `100ms`, `2m`), or optionally bare seconds,
+//!   for the agent's flags and the test harness's settings.
 //! - [`fdpass`]: one message per `SOCK_SEQPACKET` datagram with its file descriptors
 //!   attached over `SCM_RIGHTS`, received with `MSG_CMSG_CLOEXEC`, truncation rejected.
 //! - `conflist` (feature `conflist`): the node's CNI conflist, as the runtime chooses it,
@@ -37,6 +39,7 @@ pub mod cni;
 #[cfg(feature = "conflist")]
 pub mod conflist;
 pub mod control;
+pub mod duration;
 #[cfg(feature = "fault-hooks")]
 pub mod fault;
 pub mod fdcheck;
