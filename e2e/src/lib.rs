@@ -7,6 +7,7 @@
 //! one place a real Envoy is started and read, for the tests, the benchmarks and the
 //! [`harness`].
 
+pub mod ack_loop;
 pub mod cni_burst;
 pub mod cnichain;
 pub mod datapath;
