@@ -27,7 +27,7 @@ import os, sys
 
 # The budgets, in lines of code by part: the counts of 2026-12-04. Growth needs a line in
 # SECURITY.md saying why, and a new budget here.
-BUDGETS = {"lifecycle+driver": 1053, "sys": 1107, "rest": 727}
+BUDGETS = {"lifecycle+driver": 1037, "sys": 1107, "rest": 727}
 # AETHER_SUPERVISOR_BUDGETS ("part=N,..."; the test lowers one to show the check fails).
 for item in filter(None, sys.argv[2].split(",")):
     part, n = item.rsplit("=", 1)

@@ -90,7 +90,7 @@ impl Agent {
             let _ = rx.await;
         };
         self.served = Some(tokio::spawn(async move {
-            cni::serve_with(listener, service, stop, cni::DRAIN_BOUND)
+            cni::serve(listener, service, stop, cni::Limits::default())
                 .await
                 .map_err(Into::into)
         }));

@@ -101,11 +101,11 @@ async fn bench_adds(bin: &Path, what: &str, target: Target, n: usize) {
     let stop_signal = async move {
         let _ = stopped.await;
     };
-    let server = tokio::spawn(cni::serve_with(
+    let server = tokio::spawn(cni::serve(
         listener,
         service,
         stop_signal,
-        cni::DRAIN_BOUND,
+        cni::Limits::default(),
     ));
 
     let mut adds = Vec::with_capacity(n);

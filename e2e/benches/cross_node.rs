@@ -46,7 +46,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, ms, since, summary};
+use aether_e2e::ack_loop::{Splits, check_applied};
+use aether_e2e::envoy::ack_log::{AgentLog, ms, since, summary};
 use aether_e2e::envoy::{AdsApi, NodeRig};
 use aether_e2e::identity::{IdentityProvider, Options};
 use aether_e2e::kube_api::KubeApi;
@@ -324,35 +325,15 @@ fn main() {
         // is at the change's revision.
         let (cluster, want) = (Mesh::cluster(s), mesh.expected(s));
         for w in &watchers {
-            match ack_log::wait_endpoints(&w.rig.envoy, &cluster, &want) {
-                Ok(Shown::AtAck) => {}
-                Ok(Shown::Later) => late_in_dump += 1,
-                Err(got) => panic!(
-                    "change {i} to {cluster} ACKed but not in Envoy ({}): it holds {got:?}, want {want:?}\n{}",
-                    w.label,
-                    w.rig.where_to_look()
-                ),
-            }
-            let view = w
-                .rig
-                .owner
-                .ready()
-                .and_then(|(_, v)| v["registrar"]["revision"].as_i64());
-            assert!(
-                view.is_some_and(|r| r >= revision),
-                "change {i}: the agent's /ready ({}) shows revision {view:?}, not {revision}",
-                w.label
-            );
+            let what = format!("change {i} at node B ({})", w.label);
+            late_in_dump += usize::from(check_applied(&w.rig, &what, &cluster, &want, revision));
         }
         if i < WARMUP {
             continue;
         }
         to_commit.push(committed);
         for (w, ex) in watchers.iter_mut().zip(&exchanges) {
-            w.to_snapshot.push(since(wall0, ex.snapshot));
-            w.to_push.push(since(ex.snapshot, ex.pushed));
-            w.to_ack.push(since(ex.pushed, ex.acked));
-            w.total.push(since(wall0, ex.acked));
+            w.splits.push(wall0, ex);
         }
         for (k, ex) in exchanges.iter().enumerate() {
             by_kind[k][i % 3].push(since(wall0, ex.acked));
@@ -362,15 +343,18 @@ fn main() {
     summary("call -> the call returns (etcd committed)", &to_commit);
     for (k, w) in watchers.iter().enumerate() {
         println!("node B watching the registrar {}:", w.label);
-        summary("  call -> node B's agent holds the change", &w.to_snapshot);
-        summary("    snapshot -> push (agent)", &w.to_push);
-        summary("    push -> ACK (Envoy, at the agent)", &w.to_ack);
-        summary("  call -> node B's Envoy ACKed it (total)", &w.total);
+        summary(
+            "  call -> node B's agent holds the change",
+            &w.splits.to_snapshot,
+        );
+        summary("    snapshot -> push (agent)", &w.splits.to_push);
+        summary("    push -> ACK (Envoy, at the agent)", &w.splits.to_ack);
+        summary("  call -> node B's Envoy ACKed it (total)", &w.splits.total);
         for kind in Kind::ALL {
             summary(kind.label(), &by_kind[k][kind as usize]);
         }
     }
-    let p99 = |w: &Watcher| percentile(&w.total, 99.0).expect("samples");
+    let p99 = |w: &Watcher| percentile(&w.splits.total, 99.0).expect("samples");
     let met = watchers.iter().all(|w| p99(w) <= Duration::from_millis(25));
     println!(
         "target p99 <= 25 ms: {} ({} over {} changes, after {WARMUP} unmeasured); changes not yet in Envoy's config dump at their ACK: {late_in_dump}",
@@ -427,10 +411,7 @@ struct Watcher {
     label: &'static str,
     rig: NodeRig,
     log: AgentLog,
-    to_snapshot: Vec<Duration>,
-    to_push: Vec<Duration>,
-    to_ack: Vec<Duration>,
-    total: Vec<Duration>,
+    splits: Splits,
 }
 
 impl Watcher {
@@ -440,10 +421,7 @@ impl Watcher {
             label,
             rig,
             log,
-            to_snapshot: Vec::new(),
-            to_push: Vec::new(),
-            to_ack: Vec::new(),
-            total: Vec::new(),
+            splits: Splits::default(),
         }
     }
 }

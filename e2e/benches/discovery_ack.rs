@@ -28,7 +28,8 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant, SystemTime};
 
-use aether_e2e::envoy::ack_log::{self, AgentLog, Shown, field, ms, parse_utc, since, summary};
+use aether_e2e::ack_loop::{Splits, check_applied};
+use aether_e2e::envoy::ack_log::{AgentLog, field, ms, parse_utc, since, summary};
 use aether_e2e::envoy::{AdsApi, NodeRig};
 use aether_e2e::kube_api::KubeApi;
 use aether_e2e::registrar::{
@@ -265,10 +266,7 @@ fn main() {
     let mut log = AgentLog::new(&rig.owner.log_path);
     let mut registrar_log = RegistrarLog { seen: 0 };
     let mut to_commit = Vec::new();
-    let mut to_snapshot = Vec::new();
-    let mut to_push = Vec::new();
-    let mut to_ack = Vec::new();
-    let mut total = Vec::new();
+    let mut splits = Splits::default();
     let mut by_kind: [Vec<Duration>; 4] = Default::default();
     let mut late_in_dump = 0;
     for i in 0..WARMUP + changes {
@@ -313,51 +311,37 @@ fn main() {
         )
         .unwrap_or_else(|e| panic!("{e}; registrar log:\n{}", registrar.log()));
         let (cluster, want) = (Mesh::cluster(s), mesh.expected(s));
-        match ack_log::wait_endpoints(&rig.envoy, &cluster, &want) {
-            Ok(Shown::AtAck) => {}
-            Ok(Shown::Later) => late_in_dump += 1,
-            Err(got) => panic!(
-                "change {i} to {cluster} ACKed but not in Envoy: it holds {got:?}, want {want:?}\n{}",
-                rig.where_to_look()
-            ),
-        }
-        let view = rig
-            .owner
-            .ready()
-            .and_then(|(_, v)| v["registrar"]["revision"].as_i64());
-        assert!(
-            view.is_some_and(|r| r >= revision),
-            "change {i}: the agent's /ready shows revision {view:?}, not {revision}"
-        );
+        let what = format!("change {i}");
+        late_in_dump += usize::from(check_applied(&rig, &what, &cluster, &want, revision));
         if i < WARMUP {
             continue;
         }
         to_commit.push(since(wall0, committed));
-        to_snapshot.push(since(wall0, ex.snapshot));
-        to_push.push(since(ex.snapshot, ex.pushed));
-        to_ack.push(since(ex.pushed, ex.acked));
-        total.push(since(wall0, ex.acked));
+        splits.push(wall0, &ex);
         by_kind[i % 4].push(since(wall0, ex.acked));
     }
 
     summary("API write -> registrar committed to etcd", &to_commit);
     summary(
         "API write -> the node's agent holds the change",
-        &to_snapshot,
+        &splits.to_snapshot,
     );
-    summary("  snapshot -> push (agent)", &to_push);
-    summary("  push -> ACK (Envoy, at the agent)", &to_ack);
-    summary("API write -> the node's Envoy ACKed it (total)", &total);
+    summary("  snapshot -> push (agent)", &splits.to_push);
+    summary("  push -> ACK (Envoy, at the agent)", &splits.to_ack);
+    summary(
+        "API write -> the node's Envoy ACKed it (total)",
+        &splits.total,
+    );
     for (k, v) in Kind::ALL.iter().zip(&by_kind) {
         summary(k.label(), v);
     }
-    let p99 = percentile(&total, 99.0).expect("samples");
+    let p99 = percentile(&splits.total, 99.0).expect("samples");
     println!(
         "target p99 <= {} ms: {} (p99 {:.2} ms over {} changes, after {WARMUP} unmeasured, {services} Services); changes not yet in Envoy's config dump at their ACK: {late_in_dump}",
         TARGET.as_millis(),
         if p99 <= TARGET { "met" } else { "MISSED" },
         ms(p99),
-        total.len()
+        splits.total.len()
     );
 
     // In the end Envoy's whole EDS equals the registrar's view, and that is what the API

@@ -148,13 +148,13 @@ fn worker_main() {
         rt.block_on(async move {
             let listener = tokio::net::UnixListener::bind(&sock).expect("binding the CNI socket");
             tokio::spawn(aether_worker::agent::serve_metrics(addr, m));
-            let _ = cni::serve_with(
+            let _ = cni::serve(
                 listener,
                 service,
                 async move {
                     let _ = stopped.await;
                 },
-                cni::DRAIN_BOUND,
+                cni::Limits::default(),
             )
             .await;
         });

@@ -102,16 +102,19 @@ pub async fn run(bin: &Path, rig: &WorkerRig, before: usize, burst: usize) -> Bu
     cni::load(&rig.node, &storage);
     let listener = tokio::net::UnixListener::bind(&socket).expect("binding the CNI socket");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(cni::serve(
-        listener,
+    let service = cni::CniService::new(
         rig.node.clone(),
         storage.clone(),
-        rig.acks.clone(),
+        Arc::new(rig.acks.clone()),
         rig.metrics.clone(),
-        None,
+    );
+    let server = tokio::spawn(cni::serve(
+        listener,
+        service,
         async move {
             let _ = stopped.await;
         },
+        cni::Limits::default(),
     ));
     for i in 0..before {
         let (env, conf) = add_input(i, &socket);

@@ -8,6 +8,7 @@
 //! with a bound, the one HTTP client, free ports, percentiles). [`envoy`] is the one place a
 //! real Envoy is started and read, for the tests, the benchmarks and the [`harness`].
 
+pub mod ack_loop;
 pub mod cni_burst;
 pub mod cnichain;
 pub mod datapath;

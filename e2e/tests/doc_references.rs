@@ -238,12 +238,17 @@ fn every_metric_the_worker_registers_is_documented() {
     let root = root();
     let code = std::fs::read_to_string(root.join("worker/src/metrics.rs")).expect("metrics.rs");
     let doc = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
-    // `r.register("name", ...)`, the name on the same line or the next (as formatted).
-    let names: Vec<&str> = code
-        .split("r.register(")
-        .skip(1)
-        .filter_map(|rest| rest.trim_start().strip_prefix('"'))
-        .map(|rest| rest.split('"').next().expect("a quoted name"))
+    // Each row of the `metrics!` table: `    name: Type,` and its help text on the next line.
+    let table = code
+        .split("\nmetrics! {\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n}\n").next())
+        .expect("the metrics! table in metrics.rs");
+    let names: Vec<&str> = table
+        .lines()
+        .filter_map(|l| l.strip_prefix("    ")?.split_once(": "))
+        .map(|(name, _)| name)
+        .filter(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
         .collect();
     assert!(names.len() >= 10, "found only {names:?} in metrics.rs");
     let missing: Vec<_> = names

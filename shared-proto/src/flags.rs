@@ -7,6 +7,8 @@
 
 use std::path::PathBuf;
 
+pub use crate::duration::parse_duration;
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentFlags {
     /// Registrar addresses, comma-separated, each `unix:///path` or `host:port` [default:
@@ -232,25 +234,6 @@ pub fn without_env(cmd: clap::Command) -> clap::Command {
     cmd.mut_args(|a| a.env(None::<&'static str>))
 }
 
-/// A duration as `<number><unit>`, the unit one of `ms`, `s`, `m`; the number may have
-/// a fraction.
-pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let n: f64 = number.parse().map_err(|_| {
-        format!("duration {s:?}: expected a number and a unit (ms, s, m), as in 60s")
-    })?;
-    let seconds = match unit {
-        "ms" => n / 1000.0,
-        "s" => n,
-        "m" => n * 60.0,
-        _ => return Err(format!("duration {s:?}: unit {unit:?} is none of ms, s, m")),
-    };
-    std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {s:?}: {e}"))
-}
-
 /// An access log path: absolute (the proxy resolves it in its own filesystem, not the
 /// agent's), with no control character.
 fn parse_access_log(s: &str) -> Result<String, String> {
@@ -401,27 +384,6 @@ mod tests {
         ] {
             let e = parse(args).unwrap_err();
             assert!(e.contains(names), "{args:?}: {e}");
-        }
-        for (text, want) in [
-            ("60s", 60_000),
-            ("1500ms", 1500),
-            ("2m", 120_000),
-            ("0.5s", 500),
-            ("0s", 0),
-        ] {
-            assert_eq!(
-                parse_duration(text),
-                Ok(std::time::Duration::from_millis(want)),
-                "{text}"
-            );
-        }
-        for bad in ["", "60", "s", "1h", "-1s", "1.2.3s"] {
-            assert!(
-                parse_duration(bad)
-                    .unwrap_err()
-                    .contains(&format!("{bad:?}")),
-                "{bad}"
-            );
         }
     }
 

@@ -1,7 +1,10 @@
 //! Messages shared by the Aether processes.
 //!
+//! - [`backoff`]: exponential backoff, exact or jittered, for every retry loop.
 //! - [`control`]: the closed protocol between the supervisor and its worker, and between
 //!   an owning supervisor and a standby supervisor (the generation handoff).
+//! - [`duration`]: durations with a unit (`60s`, `100ms`, `2m`), or optionally bare seconds,
+//!   for the agent's flags and the test harness's settings.
 //! - [`fdpass`]: one message per `SOCK_SEQPACKET` datagram with its file descriptors
 //!   attached over `SCM_RIGHTS`, received with `MSG_CMSG_CLOEXEC`, truncation rejected.
 //! - `conflist` (feature `conflist`): the node's CNI conflist, as the runtime chooses it,
@@ -28,6 +31,7 @@
 //! message walk, where `nix` cannot hand back the descriptors of a truncated message, and
 //! in `seccomp`, in the SIGSYS handler and its installation.
 
+pub mod backoff;
 #[cfg(feature = "caps")]
 pub mod caps;
 #[cfg(feature = "cni-api")]
@@ -35,6 +39,7 @@ pub mod cni;
 #[cfg(feature = "conflist")]
 pub mod conflist;
 pub mod control;
+pub mod duration;
 #[cfg(feature = "fault-hooks")]
 pub mod fault;
 pub mod fdcheck;

@@ -21,7 +21,7 @@ use aether_worker::accept::PeerRate;
 use aether_worker::acks::Acks;
 use aether_worker::metrics::Metrics;
 use aether_worker::xds::kind::{self, Kind};
-use aether_worker::xds::server::{Limits, serve_limited};
+use aether_worker::xds::server::{Limits, serve};
 use aether_worker::xds::wire::DeltaRequestWire;
 use envoy_types::pb::envoy::config::core::v3::{Extension, Node};
 use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
@@ -135,7 +135,7 @@ fn main() {
                 max_connections: 1 << 16,
                 ..Limits::default()
             };
-            serve_limited(
+            serve(
                 listener,
                 snapshots,
                 Arc::default(),

@@ -39,6 +39,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use crate::backoff::Backoff;
 use crate::metrics::{AcceptErrorLabel, Metrics, SocketLabel};
 
 /// Connections closed at once in a row after which an accept loop yields to the
@@ -66,31 +67,8 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// The delays between failed accepts: [`BACKOFF_FIRST`], doubling to [`BACKOFF_MAX`],
 /// back to the first after a success.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Backoff {
-    next: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self {
-            next: BACKOFF_FIRST,
-        }
-    }
-}
-
-impl Backoff {
-    /// An attempt failed: how long to wait before the next.
-    pub fn failed(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (delay * 2).min(BACKOFF_MAX);
-        delay
-    }
-
-    /// An attempt succeeded: the next failure waits the shortest delay again.
-    pub fn succeeded(&mut self) {
-        self.next = BACKOFF_FIRST;
-    }
+fn backoff() -> Backoff {
+    Backoff::new(BACKOFF_FIRST, BACKOFF_MAX)
 }
 
 /// Why an accept failed, as `aether_accept_errors_total` labels it.
@@ -277,7 +255,7 @@ impl<L: Listen> Acceptor<L> {
         Self {
             listener,
             socket,
-            backoff: Backoff::default(),
+            backoff: backoff(),
             failing: None,
             slots: Arc::new(Semaphore::new(max_connections)),
             max_connections,
@@ -338,7 +316,7 @@ impl<L: Listen> Acceptor<L> {
             match result {
                 Ok(conn) => {
                     tracing::trace!(socket = self.socket, "accepted");
-                    self.backoff.succeeded();
+                    self.backoff.reset();
                     if let Some((since, errors, _)) = self.failing.take() {
                         tracing::info!(
                             socket = self.socket,
@@ -360,7 +338,7 @@ impl<L: Listen> Acceptor<L> {
                         tracing::debug!(socket = self.socket, error = %e, "accept: the connection was gone; next");
                         continue;
                     }
-                    let delay = self.backoff.failed();
+                    let delay = self.backoff.next_wait();
                     let now = Instant::now();
                     let (since, errors, logged) = self.failing.get_or_insert((now, 0, now));
                     *errors += 1;
@@ -598,12 +576,12 @@ mod tests {
 
     #[test]
     fn backoff_doubles_to_the_maximum_and_a_success_resets_it() {
-        let mut b = Backoff::default();
+        let mut b = backoff();
         let ms = |d: Duration| d.as_millis() as u64;
-        let delays: Vec<u64> = (0..10).map(|_| ms(b.failed())).collect();
+        let delays: Vec<u64> = (0..10).map(|_| ms(b.next_wait())).collect();
         assert_eq!(delays, [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
-        b.succeeded();
-        assert_eq!(ms(b.failed()), 10);
+        b.reset();
+        assert_eq!(ms(b.next_wait()), 10);
     }
 
     #[test]

@@ -567,7 +567,7 @@ impl Agent {
         // accepting.
         let (stop_xds, stop_rx) = oneshot::channel::<()>();
         let on_demand = cfg.agent.on_demand_clusters.then(|| self.observed.clone());
-        let xds_accept = tokio::spawn(xds::server::serve_observed(
+        let xds_accept = tokio::spawn(xds::server::serve(
             xds_l,
             self.node.subscribe(),
             self.encoded.clone(),
@@ -577,6 +577,7 @@ impl Agent {
             async move {
                 let _ = stop_rx.await;
             },
+            xds::server::Limits::default(),
         ));
         // The owner alone writes what the proxy showed it uses.
         tokio::spawn(writers::run_writer(self.observed.clone()));
@@ -605,7 +606,11 @@ impl Agent {
             let shutdown = async move {
                 let _ = drain.await;
             };
-            if let Err(e) = cni::serve(cni_l, node, storage, acks, m, marks, shutdown).await {
+            let mut service = cni::CniService::new(node, storage, Arc::new(acks), m);
+            if let Some(marks) = marks {
+                service = service.with_drain_marks(marks);
+            }
+            if let Err(e) = cni::serve(cni_l, service, shutdown, cni::Limits::default()).await {
                 error!(error = %format!("{e:#}"), "CNI API stopped");
             }
             let _ = done.send(Ended::CniDrained).await;

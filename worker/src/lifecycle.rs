@@ -306,6 +306,14 @@ mod tests {
     }
 
     /// Feeds `events` to `l`; returns every action, in order.
+    /// A lifecycle (`svids` as [`Lifecycle::new`] takes it) with every gate open that has
+    /// received `takeover`.
+    fn open_and_taken(svids: bool, takeover: Event) -> Lifecycle {
+        let mut l = Lifecycle::new(svids);
+        run(&mut l, [Event::Gates(all_gates()), takeover]);
+        l
+    }
+
     fn run(l: &mut Lifecycle, events: impl IntoIterator<Item = Event>) -> Vec<Action> {
         events.into_iter().flat_map(|e| l.step(e)).collect()
     }
@@ -456,14 +464,7 @@ mod tests {
     #[test]
     fn the_reconcile_is_timed_and_its_reload_replaces_the_tidy() {
         let clock = Clock::new();
-        let mut l = Lifecycle::new(false);
-        run(
-            &mut l,
-            [
-                Event::Gates(all_gates()),
-                clock.received(takeover(false, false)),
-            ],
-        );
+        let mut l = open_and_taken(false, clock.received(takeover(false, false)));
         assert_eq!(
             l.step(Event::ReconcileDone { took: ms(3) }),
             [
@@ -510,14 +511,7 @@ mod tests {
     #[test]
     fn serving_completes_the_takeovers_times() {
         let clock = Clock::new();
-        let mut l = Lifecycle::new(false);
-        run(
-            &mut l,
-            [
-                Event::Gates(all_gates()),
-                clock.received(takeover(true, false)),
-            ],
-        );
+        let mut l = open_and_taken(false, clock.received(takeover(true, false)));
         let actions = l.step(clock.served_after(ms(2)));
         let t = *l.taken().unwrap();
         assert_eq!((t.times.first_serve_us, t.times.total_us), (2_000, 2_550));
@@ -557,15 +551,8 @@ mod tests {
     fn a_served_owner_drains_releases_and_waits_for_its_successor_only_when_it_has_one() {
         for successor in [true, false] {
             let clock = Clock::new();
-            let mut l = Lifecycle::new(false);
-            run(
-                &mut l,
-                [
-                    Event::Gates(all_gates()),
-                    clock.received(takeover(true, false)),
-                    clock.served_after(ms(1)),
-                ],
-            );
+            let mut l = open_and_taken(false, clock.received(takeover(true, false)));
+            run(&mut l, [clock.served_after(ms(1))]);
             assert_eq!(
                 l.step(Event::Drain { successor }),
                 [Action::Report(Phase::Draining), Action::Drain]
@@ -593,12 +580,10 @@ mod tests {
     #[test]
     fn the_last_drain_names_the_successor() {
         let clock = Clock::new();
-        let mut l = Lifecycle::new(false);
+        let mut l = open_and_taken(false, clock.received(takeover(true, false)));
         run(
             &mut l,
             [
-                Event::Gates(all_gates()),
-                clock.received(takeover(true, false)),
                 Event::Drain { successor: false },
                 Event::Drain { successor: true },
             ],

@@ -114,60 +114,139 @@ pub struct SvidSourceLabel {
     pub source: String,
 }
 
-pub struct Metrics {
-    pub registry: Registry,
-    pub takeover_phase_seconds: Family<PhaseLabel, Histogram>,
-    pub generation: Gauge,
-    pub worker_respawns: Counter,
-    pub xds_pushes: Family<TypeLabel, Counter>,
-    pub xds_acks: Family<TypeLabel, Counter>,
-    pub xds_nacks: Family<TypeLabel, Counter>,
-    pub xds_streams: Gauge,
-    pub xds_resources: Family<TypeLabel, Counter>,
-    pub xds_initial_resources: Family<TypeLabel, Counter>,
-    pub snapshot_seq: Gauge,
-    pub cni_requests: Family<CniLabel, Counter>,
-    pub cni_ack_timeouts: Counter,
-    pub cni_refused_peers: Counter,
-    pub storage_quarantined: Counter,
-    pub storage_write_errors: Family<OpLabel, Counter>,
-    pub registry_reload_errors: Family<FileLabel, Counter>,
-    pub cni_request_duration_seconds: Family<CniLabel, Histogram>,
-    pub xds_push_ack_seconds: Family<XdsTypeLabel, Histogram>,
-    pub build_info: Family<BuildLabel, Gauge>,
-    /// `process_*`, unprefixed: see [`ProcessCollector`].
-    pub process: Registry,
-    pub state_writes: Family<FileLabel, Counter>,
-    pub state_write_errors: Family<FileLabel, Counter>,
-    pub registrar_connected: Gauge,
-    pub registrar_resyncs: Counter,
-    pub registrar_changes: Counter,
-    pub registrar_entries_dropped: Counter,
-    pub registry_revision: Gauge,
-    pub registrar_drain_marks: Family<ResultLabel, Counter>,
-    pub kube_connected: Family<ResourceLabel, Gauge>,
-    pub kube_watch_errors: Family<KubeErrorLabel, Counter>,
-    pub kube_relists: Family<ResourceLabel, Counter>,
-    pub kube_terminating_marks: Counter,
-    pub kube_taint_patches: Family<ResultLabel, Counter>,
-    pub stale_records_removed: Counter,
-    pub cni_evictions: Counter,
-    pub accept_errors: Family<AcceptErrorLabel, Counter>,
-    pub connections: Family<SocketLabel, Gauge>,
-    pub connections_refused: Family<SocketLabel, Counter>,
-    pub connections_rate_limited: Family<SocketLabel, Counter>,
-    pub xds_subscription_refusals: Family<LimitLabel, Counter>,
-    pub identity_svid_updates: Family<SvidSourceLabel, Counter>,
-    pub identity_subscriptions: Gauge,
-    pub identity_workload_api_connected: Gauge,
-    pub pods_without_svid: Gauge,
-    pub pod_svid_missing_oldest_seconds: Gauge,
-    pub pods_identity_deferred: Gauge,
-    pub pods_identity_refused: Gauge,
-    pub pod_identity_refusals: Counter,
-    pub svids_expiring: Gauge,
-    /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
-    encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
+/// Declares the worker's metrics once: each line is a field of [`Metrics`], its type, an
+/// optional constructor (else `Default`), and its help text; the field's name is the
+/// metric's name under the `aether_` prefix, and the exposition lists them in this order.
+macro_rules! metrics {
+    (@init) => {
+        Default::default()
+    };
+    (@init $init:expr) => {
+        $init
+    };
+    ($($name:ident: $ty:ty $(= $init:expr)?, $help:expr;)*) => {
+        pub struct Metrics {
+            pub registry: Registry,
+            /// `process_*`, unprefixed: see [`ProcessCollector`].
+            pub process: Registry,
+            $(pub $name: $ty,)*
+            /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
+            encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
+        }
+
+        impl Metrics {
+            /// Every metric made, and registered under its name in the table's order.
+            fn declared() -> Self {
+                let mut m = Self {
+                    registry: Registry::with_prefix("aether"),
+                    process: Registry::default(),
+                    $($name: metrics!(@init $($init)?),)*
+                    encoded: std::sync::Mutex::new(None),
+                };
+                $(m.registry.register(stringify!($name), $help, m.$name.clone());)*
+                m
+            }
+        }
+    };
+}
+
+metrics! {
+    takeover_phase_seconds: Family<PhaseLabel, Histogram> = Family::new_with_constructor(phase_histogram),
+        "Duration of each takeover phase";
+    generation: Gauge,
+        "Node generation this agent owns (0 while standby)";
+    worker_respawns: Counter,
+        "Times the supervisor respawned a worker of this generation";
+    build_info: Family<BuildLabel, Gauge>,
+        "1, labelled with the version and the git revision (unknown when the build did not say) of the worker";
+    xds_pushes: Family<TypeLabel, Counter>,
+        "xDS responses sent, by type";
+    xds_acks: Family<TypeLabel, Counter>,
+        "xDS ACKs received, by type";
+    xds_nacks: Family<TypeLabel, Counter>,
+        "xDS NACKs received, by type";
+    xds_push_ack_seconds: Family<XdsTypeLabel, Histogram> = Family::new_with_constructor(push_ack_histogram),
+        "Time from an xDS response sent on a stream to the proxy's ACK of it, by type (cds, eds, lds, rds, sds)";
+    xds_streams: Gauge,
+        "Open ADS streams";
+    xds_resources: Family<TypeLabel, Counter>,
+        "xDS resources sent, with delta removals, by type";
+    xds_initial_resources: Family<TypeLabel, Counter>,
+        "xDS resources in each stream's first response of a type (a reconnect to an identical snapshot over delta ADS sends none)";
+    snapshot_seq: Gauge,
+        "Snapshots this worker has built since it started (one per change step)";
+    cni_requests: Family<CniLabel, Counter>,
+        "CNI API calls, by operation and result";
+    cni_request_duration_seconds: Family<CniLabel, Histogram> = Family::new_with_constructor(cni_histogram),
+        "Time the worker took to answer a CNI API call, by operation (add, del, check) and result (ok, error)";
+    cni_ack_timeouts: Counter,
+        "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)";
+    cni_refused_peers: Counter,
+        "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner";
+    storage_quarantined: Counter,
+        "Pod records moved to quarantine";
+    storage_write_errors: Family<OpLabel, Counter>,
+        "Pod record writes and removals that failed, by op (write, remove; the log and /ready name the path and cause)";
+    registry_reload_errors: Family<FileLabel, Counter>,
+        "Watched file loads rejected or unreadable, by file (registry, capture); the last good content is kept";
+    state_writes: Family<FileLabel, Counter>,
+        "Owner-only state files written (atomically), by file";
+    state_write_errors: Family<FileLabel, Counter>,
+        "Owner-only state file writes that failed, by file (the log names the path)";
+    registrar_connected: Gauge,
+        "1 while a registrar watch stream is open";
+    registrar_resyncs: Counter,
+        "Full views the registrar sent again because a resume was not possible";
+    registrar_changes: Counter,
+        "Single-key changes received from the registrar";
+    registrar_entries_dropped: Counter,
+        "Entries received from the registrar that failed validation and were not built into the proxy's configuration (each named in a warn line)";
+    registry_revision: Gauge,
+        "The registrar revision this agent's registry view is at";
+    registrar_drain_marks: Family<ResultLabel, Counter>,
+        "Drain marks sent by the owner, by result (set, not_found, refused, retry)";
+    kube_connected: Family<ResourceLabel, Gauge>,
+        "1 while the Kubernetes watch of the resource is current";
+    kube_watch_errors: Family<KubeErrorLabel, Counter>,
+        "Kubernetes watch failures, by resource and reason";
+    kube_relists: Family<ResourceLabel, Counter>,
+        "Complete lists of a Kubernetes resource after the first (an expired resource version)";
+    kube_terminating_marks: Counter,
+        "Pod records the owner rewrote as Terminating (the pod has a deletion timestamp)";
+    kube_taint_patches: Family<ResultLabel, Counter>,
+        "Node patches removing the startup taint, by result (removed, conflict, forbidden, error)";
+    stale_records_removed: Counter,
+        "Pod records removed because the API server no longer had their pod for the grace period";
+    cni_evictions: Counter,
+        "Older pod records a CNI ADD evicted because they held the new pod's IP";
+    accept_errors: Family<AcceptErrorLabel, Counter>,
+        "Failed accepts, by listener and kind (each but connection backs off 10 ms doubling to 1 s)";
+    connections: Family<SocketLabel, Gauge>,
+        "Connections open on each listener";
+    connections_refused: Family<SocketLabel, Counter>,
+        "Connections closed at once because their listener was at its connection cap";
+    connections_rate_limited: Family<SocketLabel, Counter>,
+        "Connections closed at once because their peer process opened connections faster than its rate";
+    xds_subscription_refusals: Family<LimitLabel, Counter>,
+        "ADS streams ended with RESOURCE_EXHAUSTED over a subscription limit, by type and limit (names, name_length)";
+    identity_svid_updates: Family<SvidSourceLabel, Counter>,
+        "New SVIDs received, by source (agent: the Workload API; pod: the SPIFFE broker)";
+    identity_subscriptions: Gauge,
+        "Open SVID streams at the SPIFFE broker, one per local pod";
+    identity_workload_api_connected: Gauge,
+        "1 while the Workload API stream of the agent's own SVID is open";
+    pods_without_svid: Gauge,
+        "Local pods without an SVID (in strict mTLS mode they have no inbound listener)";
+    pod_svid_missing_oldest_seconds: Gauge,
+        "How long the local pod waiting longest for its SVID has waited (0: none waits)";
+    pods_identity_deferred: Gauge,
+        "Local pods whose SVID waits until the API server lists them on this node";
+    pods_identity_refused: Gauge,
+        "Local pods refused an SVID: the API server lists them with another name or other IPs than their ADD";
+    pod_identity_refusals: Counter,
+        "Times a local pod was refused an SVID by the API server cross-check";
+    svids_expiring: Gauge,
+        "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')";
 }
 
 fn phase_histogram() -> Histogram {
@@ -195,276 +274,7 @@ fn push_ack_histogram() -> Histogram {
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
-        let mut m = Self {
-            registry: Registry::with_prefix("aether"),
-            takeover_phase_seconds: Family::new_with_constructor(phase_histogram),
-            generation: Gauge::default(),
-            worker_respawns: Counter::default(),
-            xds_pushes: Family::default(),
-            xds_acks: Family::default(),
-            xds_nacks: Family::default(),
-            xds_streams: Gauge::default(),
-            xds_resources: Family::default(),
-            xds_initial_resources: Family::default(),
-            snapshot_seq: Gauge::default(),
-            cni_requests: Family::default(),
-            cni_ack_timeouts: Counter::default(),
-            cni_refused_peers: Counter::default(),
-            storage_quarantined: Counter::default(),
-            storage_write_errors: Family::default(),
-            registry_reload_errors: Family::default(),
-            cni_request_duration_seconds: Family::new_with_constructor(cni_histogram),
-            xds_push_ack_seconds: Family::new_with_constructor(push_ack_histogram),
-            build_info: Family::default(),
-            process: Registry::default(),
-            state_writes: Family::default(),
-            state_write_errors: Family::default(),
-            registrar_connected: Gauge::default(),
-            registrar_resyncs: Counter::default(),
-            registrar_changes: Counter::default(),
-            registrar_entries_dropped: Counter::default(),
-            registry_revision: Gauge::default(),
-            registrar_drain_marks: Family::default(),
-            kube_connected: Family::default(),
-            kube_watch_errors: Family::default(),
-            kube_relists: Family::default(),
-            kube_terminating_marks: Counter::default(),
-            kube_taint_patches: Family::default(),
-            stale_records_removed: Counter::default(),
-            cni_evictions: Counter::default(),
-            accept_errors: Family::default(),
-            connections: Family::default(),
-            connections_refused: Family::default(),
-            connections_rate_limited: Family::default(),
-            xds_subscription_refusals: Family::default(),
-            identity_svid_updates: Family::default(),
-            identity_subscriptions: Gauge::default(),
-            identity_workload_api_connected: Gauge::default(),
-            pods_without_svid: Gauge::default(),
-            pod_svid_missing_oldest_seconds: Gauge::default(),
-            pods_identity_deferred: Gauge::default(),
-            pods_identity_refused: Gauge::default(),
-            pod_identity_refusals: Counter::default(),
-            svids_expiring: Gauge::default(),
-            encoded: std::sync::Mutex::new(None),
-        };
-        let r = &mut m.registry;
-        r.register(
-            "takeover_phase_seconds",
-            "Duration of each takeover phase",
-            m.takeover_phase_seconds.clone(),
-        );
-        r.register(
-            "generation",
-            "Node generation this agent owns (0 while standby)",
-            m.generation.clone(),
-        );
-        r.register(
-            "worker_respawns",
-            "Times the supervisor respawned a worker of this generation",
-            m.worker_respawns.clone(),
-        );
-        r.register(
-            "build_info",
-            "1, labelled with the version and the git revision (unknown when the build did not say) of the worker",
-            m.build_info.clone(),
-        );
-        r.register(
-            "xds_pushes",
-            "xDS responses sent, by type",
-            m.xds_pushes.clone(),
-        );
-        r.register("xds_acks", "xDS ACKs received, by type", m.xds_acks.clone());
-        r.register(
-            "xds_nacks",
-            "xDS NACKs received, by type",
-            m.xds_nacks.clone(),
-        );
-        r.register(
-            "xds_push_ack_seconds",
-            "Time from an xDS response sent on a stream to the proxy's ACK of it, by type (cds, eds, lds, rds, sds)",
-            m.xds_push_ack_seconds.clone(),
-        );
-        r.register("xds_streams", "Open ADS streams", m.xds_streams.clone());
-        r.register(
-            "xds_resources",
-            "xDS resources sent, with delta removals, by type",
-            m.xds_resources.clone(),
-        );
-        r.register(
-            "xds_initial_resources",
-            "xDS resources in each stream's first response of a type (a reconnect to an identical snapshot over delta ADS sends none)",
-            m.xds_initial_resources.clone(),
-        );
-        r.register(
-            "snapshot_seq",
-            "Snapshots this worker has built since it started (one per change step)",
-            m.snapshot_seq.clone(),
-        );
-        r.register(
-            "cni_requests",
-            "CNI API calls, by operation and result",
-            m.cni_requests.clone(),
-        );
-        r.register(
-            "cni_request_duration_seconds",
-            "Time the worker took to answer a CNI API call, by operation (add, del, check) and result (ok, error)",
-            m.cni_request_duration_seconds.clone(),
-        );
-        r.register(
-            "cni_ack_timeouts",
-            "CNI ADDs answered before the proxy ACKed (2 s best-effort wait)",
-            m.cni_ack_timeouts.clone(),
-        );
-        r.register("cni_refused_peers", "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner", m.cni_refused_peers.clone());
-        r.register(
-            "storage_quarantined",
-            "Pod records moved to quarantine",
-            m.storage_quarantined.clone(),
-        );
-        r.register(
-            "storage_write_errors",
-            "Pod record writes and removals that failed, by op (write, remove; the log and /ready name the path and cause)",
-            m.storage_write_errors.clone(),
-        );
-        r.register(
-            "registry_reload_errors",
-            "Watched file loads rejected or unreadable, by file (registry, capture); the last good content is kept",
-            m.registry_reload_errors.clone(),
-        );
-        r.register(
-            "state_writes",
-            "Owner-only state files written (atomically), by file",
-            m.state_writes.clone(),
-        );
-        r.register(
-            "state_write_errors",
-            "Owner-only state file writes that failed, by file (the log names the path)",
-            m.state_write_errors.clone(),
-        );
-        r.register(
-            "registrar_connected",
-            "1 while a registrar watch stream is open",
-            m.registrar_connected.clone(),
-        );
-        r.register(
-            "registrar_resyncs",
-            "Full views the registrar sent again because a resume was not possible",
-            m.registrar_resyncs.clone(),
-        );
-        r.register(
-            "registrar_changes",
-            "Single-key changes received from the registrar",
-            m.registrar_changes.clone(),
-        );
-        r.register(
-            "registrar_entries_dropped",
-            "Entries received from the registrar that failed validation and were not built into the proxy's configuration (each named in a warn line)",
-            m.registrar_entries_dropped.clone(),
-        );
-        r.register(
-            "registry_revision",
-            "The registrar revision this agent's registry view is at",
-            m.registry_revision.clone(),
-        );
-        r.register(
-            "registrar_drain_marks",
-            "Drain marks sent by the owner, by result (set, not_found, refused, retry)",
-            m.registrar_drain_marks.clone(),
-        );
-        r.register(
-            "kube_connected",
-            "1 while the Kubernetes watch of the resource is current",
-            m.kube_connected.clone(),
-        );
-        r.register(
-            "kube_watch_errors",
-            "Kubernetes watch failures, by resource and reason",
-            m.kube_watch_errors.clone(),
-        );
-        r.register(
-            "kube_relists",
-            "Complete lists of a Kubernetes resource after the first (an expired resource version)",
-            m.kube_relists.clone(),
-        );
-        r.register(
-            "kube_terminating_marks",
-            "Pod records the owner rewrote as Terminating (the pod has a deletion timestamp)",
-            m.kube_terminating_marks.clone(),
-        );
-        r.register("kube_taint_patches", "Node patches removing the startup taint, by result (removed, conflict, forbidden, error)", m.kube_taint_patches.clone());
-        r.register("stale_records_removed", "Pod records removed because the API server no longer had their pod for the grace period", m.stale_records_removed.clone());
-        r.register(
-            "cni_evictions",
-            "Older pod records a CNI ADD evicted because they held the new pod's IP",
-            m.cni_evictions.clone(),
-        );
-        r.register("accept_errors", "Failed accepts, by listener and kind (each but connection backs off 10 ms doubling to 1 s)", m.accept_errors.clone());
-        r.register(
-            "connections",
-            "Connections open on each listener",
-            m.connections.clone(),
-        );
-        r.register(
-            "connections_refused",
-            "Connections closed at once because their listener was at its connection cap",
-            m.connections_refused.clone(),
-        );
-        r.register(
-            "connections_rate_limited",
-            "Connections closed at once because their peer process opened connections faster than its rate",
-            m.connections_rate_limited.clone(),
-        );
-        r.register(
-            "xds_subscription_refusals",
-            "ADS streams ended with RESOURCE_EXHAUSTED over a subscription limit, by type and limit (names, name_length)",
-            m.xds_subscription_refusals.clone(),
-        );
-        r.register(
-            "identity_svid_updates",
-            "New SVIDs received, by source (agent: the Workload API; pod: the SPIFFE broker)",
-            m.identity_svid_updates.clone(),
-        );
-        r.register(
-            "identity_subscriptions",
-            "Open SVID streams at the SPIFFE broker, one per local pod",
-            m.identity_subscriptions.clone(),
-        );
-        r.register(
-            "identity_workload_api_connected",
-            "1 while the Workload API stream of the agent's own SVID is open",
-            m.identity_workload_api_connected.clone(),
-        );
-        r.register(
-            "pods_without_svid",
-            "Local pods without an SVID (in strict mTLS mode they have no inbound listener)",
-            m.pods_without_svid.clone(),
-        );
-        r.register(
-            "pod_svid_missing_oldest_seconds",
-            "How long the local pod waiting longest for its SVID has waited (0: none waits)",
-            m.pod_svid_missing_oldest_seconds.clone(),
-        );
-        r.register(
-            "pods_identity_deferred",
-            "Local pods whose SVID waits until the API server lists them on this node",
-            m.pods_identity_deferred.clone(),
-        );
-        r.register(
-            "pods_identity_refused",
-            "Local pods refused an SVID: the API server lists them with another name or other IPs than their ADD",
-            m.pods_identity_refused.clone(),
-        );
-        r.register(
-            "pod_identity_refusals",
-            "Times a local pod was refused an SVID by the API server cross-check",
-            m.pod_identity_refusals.clone(),
-        );
-        r.register(
-            "svids_expiring",
-            "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')",
-            m.svids_expiring.clone(),
-        );
+        let mut m = Self::declared();
         m.build_info
             .get_or_create(&BuildLabel {
                 version: env!("CARGO_PKG_VERSION").into(),
@@ -846,6 +656,29 @@ mod tests {
             !text.contains("aether_process_"),
             "process metrics carry no prefix:\n{text}"
         );
+    }
+
+    /// Every metric's name, type and help text, in the exposition's order, as
+    /// `metrics_exposition.txt` records them (the `# HELP` and `# TYPE` lines of a fresh
+    /// worker's exposition; `AETHER_WRITE_FIXTURE=1` writes the file anew).
+    #[test]
+    fn every_metric_keeps_its_name_type_and_help_text() {
+        let text = Metrics::new().encode();
+        let got: String = text
+            .lines()
+            .filter(|l| l.starts_with("# HELP ") || l.starts_with("# TYPE "))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/metrics_exposition.txt");
+        if std::env::var_os("AETHER_WRITE_FIXTURE").is_some() {
+            std::fs::write(&path, &got).unwrap();
+        }
+        let want = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            got, want,
+            "the exposition's names, types or help texts changed"
+        );
+        assert!(want.lines().count() > 40, "{want}");
     }
 
     #[tokio::test(start_paused = true)]

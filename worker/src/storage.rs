@@ -795,7 +795,8 @@ impl Storage {
 
 /// Retries pending removals until none is left, then sleeps until one is deferred again.
 async fn retry_pending_removals(storage: Weak<Storage>, wake: Arc<tokio::sync::Notify>) {
-    let mut backoff = crate::backoff::Backoff::new(RETRY_BASE, RETRY_MAX, crate::backoff::seed());
+    let mut backoff =
+        crate::backoff::Backoff::new(RETRY_BASE, RETRY_MAX).jittered(crate::backoff::seed());
     loop {
         let pending = storage.upgrade().map(|s| s.shown().pending.len());
         match pending {

@@ -116,24 +116,13 @@ fn mode_name(modes: &[Mode], all: bool) -> &'static str {
     }
 }
 
-/// "0.1s", "100ms", "1" (seconds).
+/// "0.1s", "100ms", "1" (seconds): shared-proto's durations with bare seconds, positive.
 pub fn parse_duration(s: &str) -> Result<Duration> {
-    let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1e-3)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| anyhow!("{s:?} is not a duration like 0.1s or 100ms"))?;
-    if !(v.is_finite() && v > 0.0) {
+    let d = shared_proto::duration::parse_duration_or_seconds(s).map_err(|e| anyhow!(e))?;
+    if d.is_zero() {
         bail!("{s:?} must be a positive duration");
     }
-    Ok(Duration::from_secs_f64(v * scale))
+    Ok(d)
 }
 
 impl Config {

@@ -20,11 +20,12 @@ use std::fmt::Debug;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use shared_proto::backoff::Backoff;
 use shared_proto::control::{Body, Drain, Ping, Takeover};
 
 use crate::monitor::{Monitor, Notice, Violation, WorkerPhase};
 use timers::fire;
-pub use timers::{Backoff, Timers};
+pub use timers::{Timers, respawn_backoff};
 
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A worker that has not answered a heartbeat for this long is killed and replaced.
@@ -289,7 +290,7 @@ impl<R: Resources> Lifecycle<R> {
             phase: Phase::Standby { held },
             worker: None,
             timers,
-            backoff: Backoff::new(),
+            backoff: respawn_backoff(),
             respawns: 0,
             conflist,
             no_owner_since: None,
@@ -351,7 +352,7 @@ impl<R: Resources> Lifecycle<R> {
                     killed: false,
                 });
             }
-            Event::SpawnFailed => self.timers.respawn = Some(now + self.backoff.take()),
+            Event::SpawnFailed => self.timers.respawn = Some(now + self.backoff.next_wait()),
             Event::Message(body) => self.on_message(&body, now, &mut out),
             Event::ControlClosed => self.on_closed(now, &mut out),
             Event::ControlBroken(detail) => self.kill(Kill::Malformed(detail), &mut out),
@@ -696,7 +697,7 @@ impl<R: Resources> Lifecycle<R> {
             self.backoff.reset();
         }
         self.respawns += 1;
-        let delay = self.backoff.take();
+        let delay = self.backoff.next_wait();
         (self.timers.ping, self.timers.heartbeat) = (None, None);
         self.timers.respawn = Some(now + delay);
         out.push(Action::Report(Report::Respawning {

@@ -967,9 +967,9 @@ fn the_earliest_timer_is_the_next_wake_up() {
         (t.heartbeat, t.conflist),
         (Some(c.ms(5000)), Some(c.ms(5000)))
     );
-    let mut b = Backoff::new();
-    let got: Vec<u128> = (0..9).map(|_| b.take().as_millis()).collect();
+    let mut b = respawn_backoff();
+    let got: Vec<u128> = (0..9).map(|_| b.next_wait().as_millis()).collect();
     assert_eq!(got, [0, 100, 200, 400, 800, 1600, 3200, 5000, 5000]);
     b.reset();
-    assert_eq!(b.take(), Duration::ZERO);
+    assert_eq!(b.next_wait(), Duration::ZERO);
 }

@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use shared_proto::backoff::Backoff;
+
 /// Each deadline, armed only in the phase named beside it (the lifecycle tests check
 /// that after every step). The poll loop sleeps until the earliest one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -53,30 +55,6 @@ pub fn fire(timer: &mut Option<Instant>, now: Instant) -> bool {
 /// Respawn delays: at once after a healthy run (the node's sockets keep queueing the
 /// proxy's reconnect meanwhile), then 0.1 s, 0.2 s, 0.4 s … up to 5 s while a worker keeps
 /// dying before it gets anywhere.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    pub const MIN: Duration = Duration::from_millis(100);
-    pub const MAX: Duration = Duration::from_secs(5);
-
-    pub fn new() -> Self {
-        Self {
-            next: Duration::ZERO,
-        }
-    }
-
-    /// The delay for this respawn; the next one doubles.
-    pub fn take(&mut self) -> Duration {
-        let now = self.next;
-        self.next = (now * 2).clamp(Self::MIN, Self::MAX);
-        now
-    }
-
-    /// A worker that got somewhere is not a crash loop: the next respawn is at once.
-    pub fn reset(&mut self) {
-        self.next = Duration::ZERO;
-    }
+pub fn respawn_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(5)).at_once_first()
 }

@@ -32,7 +32,6 @@ use anyhow::Context;
 use shared_proto::cni::cni_server::CniServer;
 
 use crate::accept::{Acceptor, PeerRate, Tracked};
-use crate::acks::Acks;
 use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::{Diff, Storage};
@@ -75,6 +74,8 @@ pub struct Limits {
     pub peer_rate: PeerRate,
     pub max_streams_per_connection: u32,
     pub max_request: usize,
+    /// How long in-flight calls may take to finish once `shutdown` resolves.
+    pub drain_bound: Duration,
 }
 
 impl Default for Limits {
@@ -84,58 +85,20 @@ impl Default for Limits {
             peer_rate: PEER_RATE,
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
             max_request: MAX_REQUEST,
+            drain_bound: DRAIN_BOUND,
         }
     }
 }
 
-/// Serves the CNI API on `listener` until `shutdown` resolves, then lets in-flight calls
-/// finish (bounded) before returning. With `marks`, a DEL also marks the pod's registry
-/// endpoints draining at the registrar.
+/// Serves the CNI API of `service` on `listener` until `shutdown` resolves, then lets
+/// in-flight calls finish (within `limits.drain_bound`) before returning.
 pub async fn serve(
     listener: tokio::net::UnixListener,
-    node: Arc<Node>,
-    storage: Arc<Storage>,
-    acks: Acks,
-    metrics: Arc<Metrics>,
-    marks: Option<crate::registrar::Marks>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let mut service = CniService::new(node, storage, Arc::new(acks), metrics);
-    if let Some(marks) = marks {
-        service = service.with_drain_marks(marks);
-    }
-    serve_service(listener, service, shutdown, DRAIN_BOUND, Limits::default()).await
-}
-
-/// [`serve`] with any service configuration and drain bound, for tests.
-#[cfg(any(test, feature = "testing"))]
-pub async fn serve_with(
-    listener: tokio::net::UnixListener,
-    service: CniService,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    drain_bound: Duration,
-) -> anyhow::Result<()> {
-    serve_service(listener, service, shutdown, drain_bound, Limits::default()).await
-}
-
-/// [`serve_with`] with the given limits, for tests.
-#[cfg(any(test, feature = "testing"))]
-pub async fn serve_limited(
-    listener: tokio::net::UnixListener,
     service: CniService,
     shutdown: impl Future<Output = ()> + Send + 'static,
     limits: Limits,
 ) -> anyhow::Result<()> {
-    serve_service(listener, service, shutdown, DRAIN_BOUND, limits).await
-}
-
-async fn serve_service(
-    listener: tokio::net::UnixListener,
-    service: CniService,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    drain_bound: Duration,
-    limits: Limits,
-) -> anyhow::Result<()> {
+    let drain_bound = limits.drain_bound;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;

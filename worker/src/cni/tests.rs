@@ -12,6 +12,7 @@ use shared_proto::cni::cni_server::Cni;
 use tonic::{Code, Request};
 
 use super::*;
+use crate::acks::Acks;
 use aether_model::{Inputs, Pod};
 
 struct Fixture {

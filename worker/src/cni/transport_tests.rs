@@ -37,7 +37,7 @@ fn start(limits: Limits) -> Server {
     let path = dir.path().join("cni.sock");
     let listener = tokio::net::UnixListener::bind(&path).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_limited(
+    tokio::spawn(serve(
         listener,
         service,
         async move {

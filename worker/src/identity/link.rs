@@ -17,7 +17,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// provider is on the node, so retrying often costs little, and a restarted SPIRE agent is
 /// picked up within 2 s.
 pub fn backoff() -> Backoff {
-    Backoff::new(Duration::from_millis(100), Duration::from_secs(2), seed())
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).jittered(seed())
 }
 
 /// A channel to `endpoint`, with HTTP/2 keepalives so that a provider that stops

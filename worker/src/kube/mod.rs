@@ -42,7 +42,7 @@ pub use watch::PROBLEM;
 
 use crate::health::Reporter;
 use crate::metrics::Metrics;
-use watch::{Backoff, Step, Trouble, Watched, seed};
+use watch::{Step, Trouble, Watched, backoff};
 
 /// The running Kubernetes source: the driver tells it when this worker owns the node.
 pub struct Kube {
@@ -109,7 +109,7 @@ async fn run(
     mut owner: tokio::sync::watch::Receiver<Option<Arc<Writer>>>,
     pods_tx: tokio::sync::watch::Sender<PodView>,
 ) {
-    let mut backoff = Backoff::new(seed());
+    let mut backoff = backoff();
     let client = loop {
         match access.client().await {
             Ok(c) => break c,

@@ -20,7 +20,7 @@ use tracing::{error, info, warn};
 use super::stale::Stale;
 use super::taint::{self, Decision};
 use super::view::PodView;
-use super::watch::{Backoff, Trouble, Watched, classify_client, seed};
+use super::watch::{Backoff, Trouble, Watched, backoff, classify_client};
 use crate::acks::Acks;
 use crate::metrics::{Metrics, ResultLabel};
 use crate::node::Node;
@@ -234,7 +234,7 @@ async fn remove_taint(
         after_serving_ms = w.serving_since.elapsed().as_millis() as u64,
         "the proxy ACKed its first snapshot; the startup taint may go"
     );
-    let mut backoff = Backoff::new(seed());
+    let mut backoff = backoff();
     let mut fresh: Option<Vec<Value>> = None;
     let mut said_absent = false;
     // Conflicts in a row: the first is retried at once, later ones after the backoff,

@@ -79,28 +79,17 @@ impl Trouble {
     }
 }
 
-pub use crate::backoff::seed;
+pub use crate::backoff::{Backoff, seed};
+
+/// The API clients' first wait after a failure.
+pub const BACKOFF_BASE: Duration = Duration::from_millis(100);
+/// The API clients' longest wait.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// The API clients' backoff: 0.1 s doubling to 30 s, jittered, so that the agents of
 /// many nodes do not retry in step against a recovering API server.
-#[derive(Debug)]
-pub struct Backoff(crate::backoff::Backoff);
-
-impl Backoff {
-    pub const BASE: Duration = Duration::from_millis(100);
-    pub const MAX: Duration = Duration::from_secs(30);
-
-    pub fn new(seed: u64) -> Self {
-        Self(crate::backoff::Backoff::new(Self::BASE, Self::MAX, seed))
-    }
-
-    pub fn reset(&mut self) {
-        self.0.reset();
-    }
-
-    pub fn next_wait(&mut self) -> Duration {
-        self.0.next_wait()
-    }
+pub fn backoff() -> Backoff {
+    Backoff::new(BACKOFF_BASE, BACKOFF_MAX).jittered(seed())
 }
 
 /// A failure, classified.
@@ -236,7 +225,7 @@ pub async fn run<K>(
         api.clone(),
         watcher::Config::default().fields(&what.selector)
     ));
-    let mut backoff = Backoff::new(seed());
+    let mut backoff = backoff();
     let mut failing: Option<Failure> = None;
     let mut lists = 0u64;
     loop {
@@ -383,20 +372,20 @@ mod tests {
 
     #[test]
     fn the_backoff_stays_between_a_twentieth_of_a_second_and_thirty_seconds_and_resets() {
-        let mut b = Backoff::new(7);
+        let mut b = Backoff::new(BACKOFF_BASE, BACKOFF_MAX).jittered(7);
         let waits: Vec<_> = (0..12).map(|_| b.next_wait()).collect();
         assert!(
             waits
                 .iter()
-                .all(|w| *w >= Backoff::BASE / 2 && *w <= Backoff::MAX),
+                .all(|w| *w >= BACKOFF_BASE / 2 && *w <= BACKOFF_MAX),
             "{waits:?}"
         );
         assert!(
-            waits[0] <= Backoff::BASE && waits[11] >= Backoff::MAX / 2,
+            waits[0] <= BACKOFF_BASE && waits[11] >= BACKOFF_MAX / 2,
             "{waits:?}"
         );
         b.reset();
-        assert!(b.next_wait() <= Backoff::BASE);
+        assert!(b.next_wait() <= BACKOFF_BASE);
     }
 
     #[test]

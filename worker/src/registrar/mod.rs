@@ -215,7 +215,7 @@ async fn connect(addr: &Address, me: &Identity) -> anyhow::Result<RegistryClient
 
 /// The registrar's reconnect backoff: 0.1 s doubling to 1 s, jittered.
 fn backoff() -> Backoff {
-    Backoff::new(Duration::from_millis(100), Duration::from_secs(1), seed())
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(1)).jittered(seed())
 }
 
 /// Watches the registrar at `addrs` until the task is aborted, feeding the node.

@@ -141,55 +141,12 @@ impl Default for Limits {
 /// and returns. Streams already open keep being served (each connection is its own task)
 /// until the proxy closes them or this process exits: a released owner keeps the proxy's
 /// stream while its successor starts serving (see [`super::probe::await_server`]).
+///
+/// With `observed` (`--on-demand-clusters`), an incremental stream's wildcard CDS
+/// subscription carries the node's own clusters and the observed upstreams, and the proxy
+/// asks for any other by name.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
-    listener: tokio::net::UnixListener,
-    snapshots: watch::Receiver<Arc<Snapshot>>,
-    encoded: Arc<Encoded>,
-    acks: Acks,
-    metrics: Arc<Metrics>,
-    stop_accepting: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    serve_observed(
-        listener,
-        snapshots,
-        encoded,
-        acks,
-        metrics,
-        None,
-        stop_accepting,
-    )
-    .await
-}
-
-/// [`serve`], with on-demand clusters when `observed` is given (`--on-demand-clusters`):
-/// an incremental stream's wildcard CDS subscription then carries the node's own
-/// clusters and the observed upstreams, and the proxy asks for any other by name.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve_observed(
-    listener: tokio::net::UnixListener,
-    snapshots: watch::Receiver<Arc<Snapshot>>,
-    encoded: Arc<Encoded>,
-    acks: Acks,
-    metrics: Arc<Metrics>,
-    observed: Option<Arc<Observed>>,
-    stop_accepting: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    serve_limited(
-        listener,
-        snapshots,
-        encoded,
-        acks,
-        metrics,
-        observed,
-        stop_accepting,
-        Limits::default(),
-    )
-    .await
-}
-
-/// [`serve_observed`] with the given limits.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve_limited(
     listener: tokio::net::UnixListener,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     encoded: Arc<Encoded>,
@@ -554,9 +511,11 @@ mod tests {
             Arc::default(),
             Acks::default(),
             Metrics::new(),
+            None,
             async move {
                 let _ = stopped.await;
             },
+            Limits::default(),
         ));
         (stop, task)
     }
@@ -637,7 +596,7 @@ mod tests {
         let m = metrics.clone();
         tokio::spawn(async move {
             let _keep = tx;
-            serve_limited(
+            serve(
                 listener,
                 snapshots,
                 Arc::default(),
