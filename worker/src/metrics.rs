@@ -166,6 +166,10 @@ pub struct Metrics {
     pub pods_identity_refused: Gauge,
     pub pod_identity_refusals: Counter,
     pub svids_expiring: Gauge,
+    pub quic_twins: Gauge,
+    pub quic_twins_refused: Gauge,
+    pub pod_certificate_gate: Family<ResultLabel, Counter>,
+    pub pod_certificate_gate_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// The last text exposition and when it was made (see [`Metrics::encode_cached`]).
     encoded: std::sync::Mutex<Option<(tokio::time::Instant, Arc<str>)>>,
 }
@@ -246,6 +250,10 @@ impl Metrics {
             pods_identity_refused: Gauge::default(),
             pod_identity_refusals: Counter::default(),
             svids_expiring: Gauge::default(),
+            quic_twins: Gauge::default(),
+            quic_twins_refused: Gauge::default(),
+            pod_certificate_gate: Family::default(),
+            pod_certificate_gate_seconds: Gauge::default(),
             encoded: std::sync::Mutex::new(None),
         };
         let r = &mut m.registry;
@@ -464,6 +472,26 @@ impl Metrics {
             "svids_expiring",
             "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')",
             m.svids_expiring.clone(),
+        );
+        r.register(
+            "quic_twins",
+            "Local pods with a QUIC twin in the snapshot (filter chains of the node's QUIC listener)",
+            m.quic_twins.clone(),
+        );
+        r.register(
+            "quic_twins_refused",
+            "Local pods that would have a QUIC twin but are past --quic-twin-max",
+            m.quic_twins_refused.clone(),
+        );
+        r.register(
+            "pod_certificate_gate",
+            "Outcomes of the lenient client-certificate gate (result: passed, timed_out)",
+            m.pod_certificate_gate.clone(),
+        );
+        r.register(
+            "pod_certificate_gate_seconds",
+            "How long the last client-certificate gate waited for the stored pods' SVIDs",
+            m.pod_certificate_gate_seconds.clone(),
         );
         m.build_info
             .get_or_create(&BuildLabel {

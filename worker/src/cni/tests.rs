@@ -369,6 +369,7 @@ fn pod(uid: &str, ip: &str) -> Pod {
         ifname: "eth0".into(),
         ips: ips(&[ip]),
         terminating: false,
+        no_quic_twin: false,
     }
 }
 
