@@ -87,7 +87,10 @@ fn h3(ns: &str, addr: SocketAddr, sni: &str, cert: Option<&Pem>, timeout_s: f64)
 }
 
 fn body(r: &Value) -> String {
-    r["responses"][0]["body"].as_str().unwrap_or_default().to_string()
+    r["responses"][0]["body"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// The twins' filter chains Envoy holds, by name (the pod uid), from its config dump.
@@ -123,14 +126,19 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
         return;
     }
     if !repo().join(".venv/bin/python").exists() {
-        eprintln!("\n!!! SKIPPED {what}: no .venv/bin/python with aioquic (scripts/dev-setup) !!!\n");
+        eprintln!(
+            "\n!!! SKIPPED {what}: no .venv/bin/python with aioquic (scripts/dev-setup) !!!\n"
+        );
         return;
     }
     envoy::init_logs("info");
     let mut dp = Datapath::create("q", [10, 77, 0]).expect("the data path's namespaces");
-    dp.add_pod("web", 2, Serve::Http(None)).expect("the pod web");
-    dp.add_pod("raw", 3, Serve::Http(None)).expect("the pod raw");
-    dp.add_pod("late", 4, Serve::Http(None)).expect("the pod late");
+    dp.add_pod("web", 2, Serve::Http(None))
+        .expect("the pod web");
+    dp.add_pod("raw", 3, Serve::Http(None))
+        .expect("the pod raw");
+    dp.add_pod("late", 4, Serve::Http(None))
+        .expect("the pod late");
     let ca = TestCa::new(TD);
     let (web, raw, late, agent, client) = (
         ca.mint("default", "web"),
@@ -237,7 +245,10 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
     assert!(body(&served).starts_with("late "), "late answers: {served}");
     // web's twin kept serving through the in-place update.
     let again = h3(&ns, twins, &twin_sni("uid-web"), Some(&client_pem), 3.0);
-    assert_eq!(again["ok"], true, "web's twin after late's was added: {again}");
+    assert_eq!(
+        again["ok"], true,
+        "web's twin after late's was added: {again}"
+    );
     eprintln!(
         "late SVID released -> twin ACKed by Envoy in {:.1} ms; first HTTP/3 answer {:.1} ms after release (a fresh Python client per attempt, ~0.2-0.4 s of it interpreter start)",
         acked.as_secs_f64() * 1e3,
