@@ -691,7 +691,7 @@ pub const QUIC_TWIN_ARG: &str = "AETHER_QUIC_TWIN";
 
 /// Whether the ADD's `CNI_ARGS` (`KEY=VALUE;...`) leave the pod its QUIC twin; a value
 /// other than `on` or `off` is refused, naming it.
-fn quic_twin_wanted(cni_args: &str) -> Result<bool, Status> {
+pub(super) fn quic_twin_wanted(cni_args: &str) -> Result<bool, Status> {
     let mut wanted = true;
     for entry in cni_args.split(';') {
         let Some((key, value)) = entry.split_once('=') else {
@@ -734,26 +734,4 @@ struct Queue {
 /// The queue holds plain data; a panic while it was locked loses nothing worth refusing.
 fn lock(m: &std::sync::Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-#[cfg(test)]
-mod quic_twin_arg_tests {
-    use super::*;
-
-    #[test]
-    fn a_pod_opts_out_of_its_quic_twin_by_cni_argument_and_a_bad_value_is_named() {
-        for (args, wanted) in [
-            ("", true),
-            ("IgnoreUnknown=1;K8S_POD_NAME=web", true),
-            ("K8S_POD_NAME=web;AETHER_QUIC_TWIN=off", false),
-            ("AETHER_QUIC_TWIN=on", true),
-        ] {
-            assert_eq!(quic_twin_wanted(args).unwrap(), wanted, "{args:?}");
-        }
-        let e = quic_twin_wanted("AETHER_QUIC_TWIN=no").unwrap_err();
-        assert!(
-            e.message().contains("AETHER_QUIC_TWIN") && e.message().contains("\"no\""),
-            "{e:?}"
-        );
-    }
 }
