@@ -155,6 +155,7 @@ async fn main() {
             ifname: "eth0".into(),
             ips: p.ips().into_iter().map(IpAddr::V4).collect(),
             terminating: false,
+            no_quic_twin: false,
         }));
         changes.push(Change::SetPodSvid {
             uid: uid.clone(),

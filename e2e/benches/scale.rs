@@ -70,6 +70,7 @@ fn pod(n: u8) -> Pod {
         ifname: "eth0".into(),
         ips: vec![std::net::Ipv4Addr::new(10, 244, 0, n).into()],
         terminating: false,
+        no_quic_twin: false,
     }
 }
 

@@ -32,6 +32,7 @@ fn pod(i: usize) -> Pod {
         ifname: "eth0".into(),
         ips: vec![IpAddr::from([10, 88, (i / 250) as u8, (i % 250 + 1) as u8])],
         terminating: false,
+        no_quic_twin: false,
     }
 }
 

@@ -87,6 +87,7 @@ fn pod(uid: &str, name: &str, ip: &str) -> Pod {
         ifname: "eth0".into(),
         ips: vec![ip.parse().expect("an IP")],
         terminating: false,
+        no_quic_twin: false,
     }
 }
 

@@ -685,6 +685,7 @@ fn pod_record(dp: &Datapath, name: &str) -> Pod {
         ifname: "eth0".into(),
         ips: p.ips().into_iter().map(IpAddr::V4).collect(),
         terminating: false,
+        no_quic_twin: false,
     }
 }
 

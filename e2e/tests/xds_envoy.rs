@@ -121,6 +121,7 @@ async fn envoy_connects_and_acks_lds_cds_eds_over(api: AdsApi) {
         ifname: "eth0".into(),
         ips: vec![ip],
         terminating: false,
+        no_quic_twin: false,
     };
     assert!(!h.acks.latest().unwrap().holds_pod("uid-7", &[ip]));
     h.node.apply([Change::UpsertPod(pod.clone())]);
@@ -447,6 +448,7 @@ async fn reconnect_to_an_identical_snapshot_changes_nothing_in_envoy_over(api: A
         ifname: "eth0".into(),
         ips: vec![ip],
         terminating: false,
+        no_quic_twin: false,
     })]);
     assert!(h.wait_acked_current(BOUND).await);
     const UNCHANGED: [&str; 5] = [
@@ -566,6 +568,7 @@ async fn at_mesh_scale_a_change_sends_envoy_only_what_changed() {
         ifname: "eth0".into(),
         ips: vec![format!("10.244.0.{n}").parse().unwrap()],
         terminating: false,
+        no_quic_twin: false,
     };
     h.node.apply([Change::UpsertPod(pod(1))]);
     assert!(h.wait_acked_current(BOUND).await);

@@ -53,10 +53,10 @@ use crate::snapshot::HISTORY;
 use crate::{
     BUNDLE_SECRET, CaptureProjection, Change, Changed, Cluster, ClusterKind, EndpointState,
     INBOUND, INBOUND_TARGET_PORT, Identity, InboundChain, InboundTls, Inputs, Kind, LbEndpoint,
-    Listener, ListenerKind, LoadAssignment, MtlsMode, NamedSecret, OUTBOUND, Pod, Resources, Route,
-    RouteConfig, Secret, Service, ServiceKey, Snapshot, UpstreamTls, VirtualHost,
-    inbound_cluster_name, inbound_listener_name, inbound_secret_name, outbound_cluster_name,
-    pod_secret_name,
+    Listener, ListenerKind, LoadAssignment, MtlsMode, NamedSecret, OUTBOUND, Pod, QUIC_TWINS,
+    Resources, Route, RouteConfig, Secret, Service, ServiceKey, Snapshot, Twin, UpstreamTls,
+    VirtualHost, inbound_cluster_name, inbound_listener_name, inbound_secret_name,
+    outbound_cluster_name, pod_secret_name, twin_sni,
 };
 
 /// Builds the snapshot of `inputs` from scratch. Pure: no I/O, no clock, no randomness.
@@ -147,6 +147,8 @@ impl Builder {
         if !served.is_empty() {
             listeners.push(inbound_listener(&inputs.capture));
         }
+        let (twins, twins_refused) = quic_twins(&inputs, &ip_claims);
+        listeners.extend(twins);
         listeners.push(outbound_listener(
             &inputs,
             &plaintext_sources,
@@ -176,6 +178,7 @@ impl Builder {
             secrets: Resources::new(secrets, |s| &s.name),
             rejects: rejects(&ip_claims),
             held_back,
+            twins_refused,
             lineage: LINEAGE.fetch_add(1, Ordering::Relaxed),
             seq: 0,
             history: Arc::default(),
@@ -405,6 +408,23 @@ impl Builder {
             }
         } else if !any_served && any_served_before && s.listeners.remove(INBOUND) {
             changed.note(Kind::Listener, INBOUND);
+        }
+        // The twins: one listener for all of them, rebuilt whole when a pod changed (at
+        // most `--quic-twin-max` chains). A rotated SVID leaves it as it was: a chain
+        // names the pod's certificate, not its content.
+        if !pods.is_empty() && self.inputs.quic_twins.is_some() {
+            let (twins, refused) = quic_twins(&self.inputs, &self.ip_claims);
+            let changed_now = match twins {
+                Some(l) => s.listeners.insert(QUIC_TWINS.to_string(), l),
+                None => s.listeners.remove(QUIC_TWINS),
+            };
+            if changed_now {
+                changed.note(Kind::Listener, QUIC_TWINS);
+            }
+            if refused != s.twins_refused {
+                s.twins_refused = refused;
+                held_changed = true;
+            }
         }
         if (capture || sources_changed)
             && s.listeners.insert(
@@ -679,6 +699,50 @@ fn pod_resources(
         plaintext_sources,
         certified_sources,
     })
+}
+
+/// The node's QUIC twins listener (`None` when no pod has a twin) and the pods past the
+/// bound. A pod has a twin when twins are on, it did not opt out, it is served on an IP of
+/// its own, and its inbound terminates mTLS: its own SVID and the trust bundle are there.
+/// Past `max` (in uid order) a pod gets none.
+fn quic_twins(
+    inputs: &Inputs,
+    claims: &BTreeMap<IpAddr, BTreeSet<String>>,
+) -> (Option<Listener>, Vec<String>) {
+    let Some(q) = inputs.quic_twins else {
+        return (None, vec![]);
+    };
+    let id = &inputs.identity;
+    if !id.enabled() || id.bundle.is_none() {
+        return (None, vec![]);
+    }
+    let eligible = inputs.pods.values().filter(|p| {
+        !p.no_quic_twin
+            && id.pods.contains_key(&p.uid)
+            && p.ips
+                .iter()
+                .any(|ip| claims.get(ip).is_some_and(|c| c.len() == 1))
+    });
+    let mut twins = Vec::new();
+    let mut refused = Vec::new();
+    for p in eligible {
+        if twins.len() < q.max {
+            twins.push(Twin {
+                pod_uid: p.uid.clone(),
+                sni: twin_sni(&p.uid),
+                certificate: inbound_secret_name(&p.uid),
+                cluster: inbound_cluster_name(&p.uid),
+            });
+        } else {
+            refused.push(p.uid.clone());
+        }
+    }
+    let listener = (!twins.is_empty()).then(|| Listener {
+        name: QUIC_TWINS.to_string(),
+        address: q.address,
+        kind: ListenerKind::QuicTwins { twins },
+    });
+    (listener, refused)
 }
 
 /// Short names are namespace-relative; on a node-wide listener one claimed by two

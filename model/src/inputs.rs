@@ -1,6 +1,7 @@
 //! Everything a snapshot is built from, and the gates the first serve waits for.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 
 use crate::{CaptureProjection, Identity, Pod, RegistryView};
 
@@ -20,6 +21,20 @@ pub struct Inputs {
     /// SVIDs, the trust bundle and the mTLS mode (the trust domain and the mode are fixed
     /// for a worker's life).
     pub identity: Identity,
+    /// The node's QUIC twins (`--quic-twin-addr`); `None`: no twin. Fixed for a worker's
+    /// life.
+    pub quic_twins: Option<QuicTwins>,
+}
+
+/// Where the node's QUIC twins listen and how many there may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuicTwins {
+    /// The one UDP address of every twin; the pod's chain is chosen by SNI
+    /// ([`crate::twin_sni`]).
+    pub address: SocketAddr,
+    /// At most this many twins; the eligible pods past it (in uid order) get none, and
+    /// the snapshot lists them in [`crate::Snapshot::twins_refused`].
+    pub max: usize,
 }
 
 /// What the first serve and standby completeness wait for.
@@ -33,4 +48,7 @@ pub struct Gates {
     pub storage_loaded: bool,
     /// The agent holds its own SVID, or runs without identity.
     pub agent_svid: bool,
+    /// Every local pod holds its own SVID, or pods get none (no broker). The lenient
+    /// client-certificate gate waits for it, bounded (`--pod-certificate-gate`).
+    pub pod_certificates: bool,
 }

@@ -28,12 +28,13 @@ pub use identity::{
     NamedSecret, POD_SECRET_PREFIX, Secret, Svid, UpstreamTls, inbound_secret_name,
     pod_secret_name,
 };
-pub use inputs::{Gates, Inputs};
+pub use inputs::{Gates, Inputs, QuicTwins};
 pub use pod::Pod;
 pub use registry::{Endpoint, EndpointState, RegistryView, Service, ServiceKey};
 pub use snapshot::{
     Changed, Cluster, ClusterKind, INBOUND, INBOUND_BLACKHOLE, INBOUND_TARGET_PORT, InboundChain,
     KIND_COUNT, KINDS, Kind, LbEndpoint, Listener, ListenerKind, LoadAssignment, OUTBOUND,
-    Resources, Route, RouteConfig, Snapshot, VirtualHost, inbound_cluster_name,
-    inbound_listener_name, is_outbound_cluster, outbound_cluster_name,
+    QUIC_TWINS, Resources, Route, RouteConfig, Snapshot, TWIN_SNI_SUFFIX, Twin, VirtualHost,
+    inbound_cluster_name, inbound_listener_name, is_outbound_cluster, outbound_cluster_name,
+    twin_sni,
 };

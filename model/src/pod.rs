@@ -20,4 +20,9 @@ pub struct Pod {
     /// records stay byte for byte what they were.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub terminating: bool,
+    /// The pod opted out of a QUIC twin (`AETHER_QUIC_TWIN=off` in its CNI arguments): its
+    /// inbound target does not speak HTTP, so an HTTP/3 twin could not serve it. Left out
+    /// of the record when false, like `terminating`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_quic_twin: bool,
 }

@@ -27,6 +27,17 @@ pub const INBOUND: &str = "inbound";
 /// The cluster the capture listener's catch-all chain names. No such cluster is ever
 /// served, so a redirected connection that no pod listener takes is closed.
 pub const INBOUND_BLACKHOLE: &str = "inbound|blackhole";
+/// The name of the node's one QUIC listener, whose filter chains are the pods' twins.
+pub const QUIC_TWINS: &str = "quic-twins";
+/// What every twin's server name ends with: a twin is chosen by `<pod uid>.twin.aether`.
+pub const TWIN_SNI_SUFFIX: &str = ".twin.aether";
+
+/// The server name (SNI) an HTTP/3 client sends to reach pod `uid`'s twin: the uid is
+/// unique on the node (the pod records are keyed by it) and a Kubernetes uid is a valid
+/// DNS label, so no two twins ever share a name and the name needs no escaping.
+pub fn twin_sni(uid: &str) -> String {
+    format!("{uid}{TWIN_SNI_SUFFIX}")
+}
 
 /// A resource type. The xDS adapter maps each to its type URL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -230,6 +241,24 @@ pub enum ListenerKind {
     /// on the pod's IPs and [`INBOUND_TARGET_PORT`]: `address` is the first IP, the
     /// chain holds them all.
     InboundPod { chain: InboundChain },
+    /// The node's QUIC listener (UDP, bound): one filter chain per twin, chosen by its
+    /// server name, terminating QUIC and HTTP/3 with the pod's SVID, a client SVID of the
+    /// trust domain required, and forwarding over HTTP to the pod's inbound cluster.
+    /// Sorted by pod uid; never empty (no twin: no listener).
+    QuicTwins { twins: Vec<Twin> },
+}
+
+/// One pod's QUIC twin: a filter chain of the [`QUIC_TWINS`] listener.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Twin {
+    pub pod_uid: String,
+    /// The server name that selects this chain ([`twin_sni`]).
+    pub sni: String,
+    /// The pod's certificate (SDS name): the TCP inbound's, so a rotation reaches new
+    /// handshakes as a secret update, never a listener one.
+    pub certificate: String,
+    /// The pod's inbound cluster: the TCP inbound's target.
+    pub cluster: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -363,6 +392,9 @@ pub struct Snapshot {
     /// Pods (by uid) whose inbound listener strict mTLS holds back until their SVID
     /// arrives: served otherwise (their cluster is there), listener-less by design.
     pub held_back: OrdSet<String>,
+    /// Pods (by uid) that would have a QUIC twin but are past the node's bound
+    /// (`--quic-twin-max`): they have none.
+    pub twins_refused: Vec<String>,
     /// Which builder made this snapshot (unique per [`crate::Builder`] in a process) and
     /// its position in that builder's sequence.
     pub lineage: u64,
@@ -381,6 +413,7 @@ impl PartialEq for Snapshot {
             && self.secrets == o.secrets
             && self.rejects == o.rejects
             && self.held_back == o.held_back
+            && self.twins_refused == o.twins_refused
     }
 }
 
@@ -485,12 +518,18 @@ impl Snapshot {
     pub fn sds_names(&self) -> BTreeSet<&str> {
         let mut out = BTreeSet::new();
         for l in self.listeners.items.values() {
-            if let ListenerKind::InboundPod {
-                chain: InboundChain { tls: Some(t), .. },
-            } = &l.kind
-            {
-                out.insert(t.certificate.as_str());
-                out.insert(crate::BUNDLE_SECRET);
+            match &l.kind {
+                ListenerKind::InboundPod {
+                    chain: InboundChain { tls: Some(t), .. },
+                } => {
+                    out.insert(t.certificate.as_str());
+                    out.insert(crate::BUNDLE_SECRET);
+                }
+                ListenerKind::QuicTwins { twins } => {
+                    out.extend(twins.iter().map(|t| t.certificate.as_str()));
+                    out.insert(crate::BUNDLE_SECRET);
+                }
+                _ => {}
             }
         }
         if self.clusters.tallied() > 0 {
@@ -503,7 +542,9 @@ impl Snapshot {
     pub fn rds_names(&self) -> impl Iterator<Item = &str> {
         self.listeners.items.values().filter_map(|l| match &l.kind {
             ListenerKind::HttpOutbound { route_config, .. } => Some(route_config.as_str()),
-            ListenerKind::InboundCapture | ListenerKind::InboundPod { .. } => None,
+            ListenerKind::InboundCapture
+            | ListenerKind::InboundPod { .. }
+            | ListenerKind::QuicTwins { .. } => None,
         })
     }
 }

@@ -115,6 +115,31 @@ pub struct AgentFlags {
     /// until the SVID comes).
     #[arg(long, env = "AETHER_MTLS", value_name = "MODE", default_value = "permissive", value_parser = ["permissive", "strict"])]
     pub mtls: String,
+    /// The node address where the pods' QUIC twins listen, `HOST:PORT` (UDP) [default:
+    /// none, no twin]. With pods' SVIDs (--spiffe-broker-endpoint) the proxy binds this one
+    /// UDP port, and every local pod holding its SVID gets a twin there: HTTP/3 with the
+    /// pod's SVID, chosen by the server name `<pod uid>.twin.aether`, a client SVID of the
+    /// trust domain required, forwarded over HTTP to the pod's inbound target. A pod opts
+    /// out with `AETHER_QUIC_TWIN=off` in its CNI arguments.
+    #[arg(
+        long,
+        env = "AETHER_QUIC_TWIN_ADDR",
+        value_name = "HOST:PORT",
+        requires = "spiffe_broker_endpoint",
+        value_parser = parse_twin_addr
+    )]
+    pub quic_twin_addr: Option<std::net::SocketAddr>,
+    /// At most this many QUIC twins on the node (about 57 KiB of proxy memory each); the
+    /// pods past it (in uid order) get none, counted in
+    /// aether_quic_twins_refused and named in the log.
+    #[arg(long, env = "AETHER_QUIC_TWIN_MAX", default_value_t = 256)]
+    pub quic_twin_max: usize,
+    /// The lenient client-certificate gate: with pods' SVIDs, a lone agent's first serve
+    /// and a standby's readiness wait at most this long for the SVIDs of the pods it holds
+    /// records for, then proceed; a pod still without one has no QUIC twin until it comes,
+    /// and `/ready` names it under `pod-certificates`. `0s` turns the wait off.
+    #[arg(long, env = "AETHER_POD_CERTIFICATE_GATE", default_value = "3s", value_parser = parse_duration)]
+    pub pod_certificate_gate: std::time::Duration,
     /// CNI conf folder whose conflist the owner re-asserts [default: none]: at takeover
     /// and every 5 s the supervisor runs `--cni-plugin-bin chain`, which appends the
     /// aether-cni entry to the runtime's conflist when it is missing. The worker only
@@ -187,6 +212,11 @@ impl AgentFlags {
             format!("--metrics-addr={}", self.metrics_addr),
             format!("--log-format={}", self.log_format),
             format!("--kubernetes-service-port={}", self.kubernetes_service_port),
+            format!("--quic-twin-max={}", self.quic_twin_max),
+            format!(
+                "--pod-certificate-gate={}ms",
+                self.pod_certificate_gate.as_millis()
+            ),
         ];
         let optional = [
             ("registrar", self.registrar.clone()),
@@ -205,6 +235,7 @@ impl AgentFlags {
                 self.spiffe_broker_endpoint.clone(),
             ),
             ("trust-domain", self.trust_domain.clone()),
+            ("quic-twin-addr", self.quic_twin_addr.map(|a| a.to_string())),
             ("cni-conf-dir", self.cni_conf_dir.as_ref().map(path)),
             ("kubeconfig", self.kubeconfig.as_ref().map(path)),
             (
@@ -248,6 +279,18 @@ fn parse_access_log(s: &str) -> Result<String, String> {
         ));
     }
     Ok(s.to_string())
+}
+
+/// The twins' address: an IP and a port other than 0 (the proxy binds it, and clients are
+/// told it).
+fn parse_twin_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+    let a: std::net::SocketAddr = s
+        .parse()
+        .map_err(|e| format!("QUIC twin address {s:?}: {e} (expected IP:PORT)"))?;
+    if a.port() == 0 {
+        return Err(format!("QUIC twin address {s:?}: port 0"));
+    }
+    Ok(a)
 }
 
 /// The metrics address, or none ("off").
@@ -332,6 +375,9 @@ mod tests {
             "--kubeconfig=/k",
             "--kubernetes-service-host=fd00::1",
             "--kubernetes-service-port=6443",
+            "--quic-twin-addr=10.0.0.5:15443",
+            "--quic-twin-max=7",
+            "--pod-certificate-gate=250ms",
         ];
         for args in [
             &all[..],
@@ -376,6 +422,20 @@ mod tests {
                 "--spiffe-endpoint",
             ),
             (&["--registrar-token-file=/t"], "--registrar"),
+            (
+                &["--quic-twin-addr=10.0.0.5:15443"],
+                "--spiffe-broker-endpoint",
+            ),
+            (
+                &[
+                    "--quic-twin-addr=10.0.0.5:0",
+                    "--spiffe-broker-endpoint=unix:///b.sock",
+                    "--spiffe-endpoint=unix:///a.sock",
+                    "--trust-domain=t",
+                ],
+                "\"10.0.0.5:0\"",
+            ),
+            (&["--pod-certificate-gate=3"], "\"3\""),
             (&["--registrar-ca=/ca.pem"], "--registrar"),
             (
                 &["--registrar=a:1", "--registrar-spiffe-id=spiffe://t/r"],

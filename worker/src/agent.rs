@@ -29,7 +29,7 @@ use crate::lifecycle::{Action, Event, Lifecycle, Note};
 use crate::metrics::Metrics;
 use crate::node::Node;
 use crate::storage::Storage;
-use crate::takeover::{Gate, SvidWait};
+use crate::takeover::{Gate, Phase, SvidWait};
 use crate::xds::encoded::Encoded;
 use crate::{capture, cni, fdcheck, httpmini, identity, kube, registrar, registry, writers, xds};
 
@@ -147,6 +147,9 @@ struct Agent {
     /// The pods lacking an SVID just before the reconcile (see `SvidWait`).
     svid_wait: SvidWait,
     serving: Option<Serving>,
+    problems: health::Reporter,
+    /// When the client-certificate gate started waiting (storage loaded).
+    cert_gate_armed: Instant,
 }
 
 impl Agent {
@@ -170,9 +173,24 @@ impl Agent {
             on_demand_clusters: cfg.agent.on_demand_clusters,
             inbound_access_log: cfg.agent.inbound_access_log.clone(),
             identity,
+            quic_twins: cfg
+                .agent
+                .quic_twin_addr
+                .filter(|_| pod_svids)
+                .map(|address| aether_model::QuicTwins {
+                    address,
+                    max: cfg.agent.quic_twin_max,
+                }),
             ..Inputs::default()
         });
         cni::load(&node, &storage);
+        // The client-certificate gate follows the stored pods' SVIDs (with pods' SVIDs and
+        // a bound); without, it has nothing to wait for.
+        let cert_gate = pod_svids && !cfg.agent.pod_certificate_gate.is_zero();
+        node.set_gate(|g| {
+            g.pod_certificates =
+                !cert_gate || node.with_inputs(|i| identity::lacking_svids(i).is_empty())
+        });
         // A standby follows the owner's pod records until the node is handed to it.
         let followed = Arc::new(Mutex::new(BTreeSet::new()));
         let (stop_following, following) = watch::channel(false);
@@ -190,6 +208,20 @@ impl Agent {
             &cfg.pod_name,
         )));
         let problems = health::Reporter::new(status.clone());
+        tokio::spawn(follow_twins_and_certificates(
+            node.clone(),
+            metrics.clone(),
+            cert_gate,
+        ));
+        if cert_gate {
+            status.send_modify(|s| {
+                s.pod_certificate_gate = Some(health::PodCertificateGate {
+                    state: "waiting",
+                    bound_ms: cfg.agent.pod_certificate_gate.as_millis() as u64,
+                    ..Default::default()
+                })
+            });
+        }
         // Failed record writes show in /ready; deferred record removals are retried.
         let storage_upkeep = storage.start_upkeep(problems.clone());
         let registry = match registrar_source(&cfg, &node)? {
@@ -237,7 +269,7 @@ impl Agent {
             metrics.clone(),
         ));
         // A standby names a holder of the node lock that is not an agent (see `lockwait`).
-        let lock_wait = crate::lockwait::spawn(&cfg.run_dir, status.subscribe(), problems);
+        let lock_wait = crate::lockwait::spawn(&cfg.run_dir, status.subscribe(), problems.clone());
 
         let control = Control::new(control_fd)?;
         // Encoded from the first snapshot on, in a standby too: a takeover answers with
@@ -278,6 +310,8 @@ impl Agent {
             node_fds: None,
             svid_wait: SvidWait::default(),
             serving: None,
+            problems,
+            cert_gate_armed: Instant::now(),
         })
     }
 
@@ -293,6 +327,7 @@ impl Agent {
                     Gate::Registry => g.registry_loaded,
                     Gate::Capture => g.capture_landed,
                     Gate::Identity => g.agent_svid,
+                    Gate::PodCertificates => g.storage_loaded && g.pod_certificates,
                 };
                 Event::GateTimedOut { gate, passed }
             }
@@ -350,6 +385,14 @@ impl Agent {
         match action {
             Action::Report(phase) => {
                 self.control.report(phase)?;
+                if matches!(phase, Phase::StandbyComplete | Phase::Serving) {
+                    let after = self.cert_gate_armed.elapsed().as_millis() as u64;
+                    self.status.send_modify(|s| {
+                        if let Some(g) = &mut s.pod_certificate_gate {
+                            g.ready_after_ms.get_or_insert(after);
+                        }
+                    });
+                }
                 info!(phase = phase.as_str(), owner = self.core.owner(), "phase");
             }
             Action::ArmGateTimers => {
@@ -364,6 +407,14 @@ impl Agent {
                         let _ = tx.send(Ended::GateTimer(gate)).await;
                     });
                 }
+            }
+            Action::ArmPodCertificateGate => {
+                self.cert_gate_armed = Instant::now();
+                let (tx, after) = (self.ended_tx.clone(), self.cfg.agent.pod_certificate_gate);
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    let _ = tx.send(Ended::GateTimer(Gate::PodCertificates)).await;
+                });
             }
             Action::Reconcile => {
                 // The pods the standby took from the owner during the overlap are waited
@@ -488,6 +539,43 @@ impl Agent {
         match note {
             Note::GateTimedOut(gate) => {
                 warn!(gate = ?gate, "first-serve gate timed out; a lone owner serves without it")
+            }
+            Note::PodCertificateGate { passed } => {
+                let waited = self.cert_gate_armed.elapsed();
+                let result = if passed { "passed" } else { "timed_out" };
+                metrics
+                    .pod_certificate_gate
+                    .get_or_create(&crate::metrics::ResultLabel {
+                        result: result.into(),
+                    })
+                    .inc();
+                metrics
+                    .pod_certificate_gate_seconds
+                    .set(waited.as_secs_f64());
+                self.status.send_modify(|s| {
+                    if let Some(g) = &mut s.pod_certificate_gate {
+                        g.state = if passed { "passed" } else { "timed-out" };
+                        g.waited_ms = waited.as_millis() as u64;
+                    }
+                });
+                if passed {
+                    info!(
+                        waited_ms = waited.as_millis() as u64,
+                        "client-certificate gate passed: every stored pod holds its SVID"
+                    );
+                } else {
+                    let lacking = self.node.with_inputs(identity::lacking_svids);
+                    warn!(
+                        waited_ms = waited.as_millis() as u64,
+                        pods = lacking.len(),
+                        "client-certificate gate timed out; proceeding: those pods have no QUIC twin until their SVID comes"
+                    );
+                    tokio::spawn(report_late_certificates(
+                        self.node.clone(),
+                        self.problems.clone(),
+                        lacking,
+                    ));
+                }
             }
             Note::TakeoverReceived {
                 msg: t,
@@ -623,6 +711,91 @@ impl Agent {
             stop_xds,
             xds_accept,
         })
+    }
+}
+
+/// How many pods the `pod-certificates` problem names.
+const CERTIFICATES_LISTED: usize = 10;
+
+/// After the client-certificate gate timed out: the `pod-certificates` problem names the
+/// pods that were still without their SVID (at most [`CERTIFICATES_LISTED`], then a
+/// count), updated as theirs come or they go, and cleared when none is left.
+async fn report_late_certificates(
+    node: Arc<Node>,
+    problems: health::Reporter,
+    mut late: BTreeSet<String>,
+) {
+    let mut snapshots = node.subscribe();
+    loop {
+        let names: Vec<String> = node.with_inputs(|i| {
+            late.retain(|uid| i.pods.contains_key(uid) && !i.identity.pods.contains_key(uid));
+            late.iter()
+                .take(CERTIFICATES_LISTED)
+                .map(|uid| match i.pods.get(uid) {
+                    Some(p) => format!("{}/{} ({uid})", p.namespace, p.name),
+                    None => uid.clone(),
+                })
+                .collect()
+        });
+        if late.is_empty() {
+            problems.clear("pod-certificates");
+            info!("every pod the client-certificate gate timed out on holds its SVID now");
+            return;
+        }
+        let more = late.len().saturating_sub(names.len());
+        problems.set(
+            "pod-certificates",
+            format!(
+                "{} stored pod(s) without their SVID when the client-certificate gate timed out; no QUIC twin until it comes: {}{}",
+                late.len(),
+                names.join(", "),
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            ),
+        );
+        if snapshots.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Follows the snapshots: the QUIC twins served and those past the bound (metrics, and a
+/// log line when the refused set changes), and, with the client-certificate gate on,
+/// whether every local pod holds its SVID (the gate's input).
+async fn follow_twins_and_certificates(node: Arc<Node>, metrics: Arc<Metrics>, cert_gate: bool) {
+    let mut snapshots = node.subscribe();
+    let mut refused_before: Vec<String> = Vec::new();
+    loop {
+        let snapshot = snapshots.borrow_and_update().clone();
+        let twins = match snapshot
+            .listeners
+            .get(aether_model::QUIC_TWINS)
+            .map(|l| &l.kind)
+        {
+            Some(aether_model::ListenerKind::QuicTwins { twins }) => twins.len(),
+            _ => 0,
+        };
+        metrics.quic_twins.set(twins as i64);
+        metrics
+            .quic_twins_refused
+            .set(snapshot.twins_refused.len() as i64);
+        if snapshot.twins_refused != refused_before {
+            if !snapshot.twins_refused.is_empty() {
+                warn!(
+                    refused = snapshot.twins_refused.len(),
+                    twins,
+                    pods = %snapshot.twins_refused.join(","),
+                    "QUIC twins at --quic-twin-max: these pods have none"
+                );
+            }
+            refused_before = snapshot.twins_refused.clone();
+        }
+        if cert_gate {
+            let all = node.with_inputs(|i| identity::lacking_svids(i).is_empty());
+            node.set_gate(|g| g.pod_certificates = all);
+        }
+        if snapshots.changed().await.is_err() {
+            return;
+        }
     }
 }
 
@@ -813,6 +986,7 @@ mod tests {
             ifname: "eth0".into(),
             ips: vec![ip.parse().unwrap()],
             terminating: false,
+            no_quic_twin: false,
         }
     }
 

@@ -46,6 +46,23 @@ pub struct Status {
     /// Takeover timings in microseconds, once this worker took the node over.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub takeover: Option<TakeoverTimes>,
+    /// The lenient client-certificate gate, when pods get SVIDs and the gate is on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_certificate_gate: Option<PodCertificateGate>,
+}
+
+/// Where the client-certificate gate stands (`--pod-certificate-gate`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PodCertificateGate {
+    /// `waiting`, `passed` (every stored pod held its SVID) or `timed-out`.
+    pub state: &'static str,
+    pub bound_ms: u64,
+    /// From the moment storage was loaded to the gate's outcome.
+    pub waited_ms: u64,
+    /// From the same moment to the first readiness (a complete standby, or an owner
+    /// serving); absent until then.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ready_after_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -80,6 +97,7 @@ impl Status {
             registrar: None,
             cni: None,
             identity: None,
+            pod_certificate_gate: None,
             takeover: None,
         }
     }

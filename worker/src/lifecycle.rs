@@ -53,6 +53,9 @@ pub enum Action {
     Report(Phase),
     /// Arm the lone owner's gate timers.
     ArmGateTimers,
+    /// Arm the client-certificate gate's timer (`--pod-certificate-gate`), answered by
+    /// [`Event::GateTimedOut`] for [`Gate::PodCertificates`].
+    ArmPodCertificateGate,
     /// Note which pods lack an SVID, then apply the storage diff to the node.
     Reconcile,
     /// Wait, bounded, for the SVIDs of the pods the reconcile added.
@@ -78,6 +81,11 @@ pub enum Action {
 pub enum Note {
     /// A gate timed out before it passed, while the worker did not serve yet.
     GateTimedOut(Gate),
+    /// The client-certificate gate is decided: `passed` (every stored pod holds its
+    /// SVID), or timed out (those pods have no twin until theirs comes).
+    PodCertificateGate {
+        passed: bool,
+    },
     TakeoverReceived {
         msg: Takeover,
         fd_passing_us: u64,
@@ -150,7 +158,7 @@ impl Lifecycle {
         let phase_event = match event {
             Event::Gates(g) => takeover::Event::Gates(g),
             Event::GateTimedOut { gate, passed } => {
-                if !passed && self.phases.phase != Phase::Serving {
+                if !passed && self.phases.phase != Phase::Serving && gate != Gate::PodCertificates {
                     actions.push(Action::Note(Note::GateTimedOut(gate)));
                 }
                 takeover::Event::GateTimedOut(gate)
@@ -219,6 +227,10 @@ impl Lifecycle {
             actions.push(match action {
                 takeover::Action::Report(phase) => Action::Report(phase),
                 takeover::Action::ArmGateTimers => Action::ArmGateTimers,
+                takeover::Action::ArmPodCertificateGate => Action::ArmPodCertificateGate,
+                takeover::Action::PodCertificateGate { passed } => {
+                    Action::Note(Note::PodCertificateGate { passed })
+                }
                 takeover::Action::Reconcile => {
                     self.reconciled = true;
                     Action::Reconcile
@@ -348,10 +360,16 @@ mod tests {
         assert_eq!(l.step(Event::Gates(partial)), []);
         l.show(&mut s);
         assert_eq!((s.role, s.phase, s.ready), ("standby", "building", false));
-        assert_eq!(s.waiting_for, ["storage", "capture", "agent-svid"]);
+        assert_eq!(
+            s.waiting_for,
+            ["storage", "capture", "agent-svid", "pod-certificates"]
+        );
         assert_eq!(
             l.step(Event::Gates(all_gates())),
-            [Action::Report(Phase::StandbyComplete)]
+            [
+                Action::Note(Note::PodCertificateGate { passed: true }),
+                Action::Report(Phase::StandbyComplete)
+            ]
         );
         l.show(&mut s);
         assert_eq!((s.phase, s.ready), ("standby-complete", true));
@@ -374,6 +392,7 @@ mod tests {
         let storage_only = Gates {
             storage_loaded: true,
             agent_svid: true,
+            pod_certificates: true,
             ..Gates::default()
         };
         let actions = run(
@@ -393,12 +412,125 @@ mod tests {
             ]
         );
         assert_eq!(
-            notes(&actions)[1..],
-            [Note::GateTimedOut(Gate::Registry)],
+            notes(&actions),
+            [
+                Note::PodCertificateGate { passed: true },
+                Note::TakeoverReceived {
+                    msg: takeover(true, false),
+                    fd_passing_us: 250
+                },
+                Note::GateTimedOut(Gate::Registry)
+            ],
             "{actions:?}"
         );
         // Once serving, a late timer says nothing.
         assert_eq!(l.step(timed_out(Gate::Identity, false)), []);
+    }
+
+    /// Storage loaded, every other gate passed, one stored pod without its SVID.
+    fn lacking_one() -> Gates {
+        Gates {
+            pod_certificates: false,
+            ..all_gates()
+        }
+    }
+
+    #[test]
+    fn the_certificate_gate_arms_at_storage_and_a_standby_is_ready_when_it_passes() {
+        let mut l = Lifecycle::new(true);
+        let mut s = Status::new("n", "p");
+        // Before storage is loaded no pod is known: nothing armed, nothing decided.
+        assert_eq!(
+            l.step(Event::Gates(Gates {
+                storage_loaded: false,
+                ..lacking_one()
+            })),
+            []
+        );
+        assert_eq!(
+            l.step(Event::Gates(lacking_one())),
+            [Action::ArmPodCertificateGate]
+        );
+        l.show(&mut s);
+        assert_eq!((s.phase, s.ready), ("building", false));
+        assert_eq!(s.waiting_for, ["pod-certificates"]);
+        // Armed once only.
+        assert_eq!(l.step(Event::Gates(lacking_one())), []);
+        assert_eq!(
+            l.step(Event::Gates(all_gates())),
+            [
+                Action::Note(Note::PodCertificateGate { passed: true }),
+                Action::Report(Phase::StandbyComplete)
+            ]
+        );
+        l.show(&mut s);
+        assert!(s.ready && s.waiting_for.is_empty());
+        // Latched: a pod added later without its SVID reopens nothing, and a late timer
+        // says nothing.
+        assert_eq!(l.step(Event::Gates(lacking_one())), []);
+        l.show(&mut s);
+        assert!(s.ready && s.waiting_for.is_empty());
+        assert_eq!(
+            l.step(Event::GateTimedOut {
+                gate: Gate::PodCertificates,
+                passed: false
+            }),
+            []
+        );
+    }
+
+    #[test]
+    fn the_certificate_gate_never_holds_a_standby_or_a_first_serve_past_its_bound() {
+        // A standby: the timeout makes it ready, and is noted once.
+        let mut l = Lifecycle::new(true);
+        l.step(Event::Gates(lacking_one()));
+        let timed_out = Event::GateTimedOut {
+            gate: Gate::PodCertificates,
+            passed: false,
+        };
+        assert_eq!(
+            l.step(timed_out.clone()),
+            [
+                Action::Note(Note::PodCertificateGate { passed: false }),
+                Action::Report(Phase::StandbyComplete)
+            ]
+        );
+        let mut s = Status::new("n", "p");
+        l.show(&mut s);
+        assert!(s.ready && s.waiting_for.is_empty(), "{:?}", s.waiting_for);
+        assert_eq!(l.step(timed_out.clone()), []);
+
+        // A lone owner: it waits for the gate, then serves at its timeout.
+        let clock = Clock::new();
+        let mut l = Lifecycle::new(true);
+        let actions = run(
+            &mut l,
+            [
+                Event::Gates(lacking_one()),
+                clock.received(takeover(true, false)),
+            ],
+        );
+        assert_eq!(
+            effects(&actions),
+            [Action::ArmPodCertificateGate, Action::ArmGateTimers]
+        );
+        assert_eq!(
+            effects(&l.step(timed_out)),
+            [Action::Serve { tidy: true }, Action::Report(Phase::Serving)]
+        );
+
+        // An owner whose stored pods all hold their SVIDs serves at once.
+        let mut l = Lifecycle::new(true);
+        l.step(Event::Gates(all_gates()));
+        let actions = l.step(clock.received(takeover(true, false)));
+        assert_eq!(
+            effects(&actions),
+            [
+                Action::ArmGateTimers,
+                Action::Serve { tidy: true },
+                Action::Report(Phase::Serving)
+            ]
+        );
     }
 
     #[test]

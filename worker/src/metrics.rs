@@ -247,6 +247,14 @@ metrics! {
         "Times a local pod was refused an SVID by the API server cross-check";
     svids_expiring: Gauge,
         "SVIDs held past 80 % of their lifetime with no renewal (the agent's and the pods')";
+    quic_twins: Gauge,
+        "Local pods with a QUIC twin in the snapshot (filter chains of the node's QUIC listener)";
+    quic_twins_refused: Gauge,
+        "Local pods that would have a QUIC twin but are past --quic-twin-max";
+    pod_certificate_gate: Family<ResultLabel, Counter>,
+        "Outcomes of the lenient client-certificate gate (result: passed, timed_out)";
+    pod_certificate_gate_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+        "How long the last client-certificate gate waited for the stored pods' SVIDs";
 }
 
 fn phase_histogram() -> Histogram {

@@ -933,6 +933,7 @@ mod tests {
             ifname: "eth0".into(),
             ips: vec![ip.parse::<IpAddr>().unwrap()],
             terminating: false,
+            no_quic_twin: false,
         }
     }
 

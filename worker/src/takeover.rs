@@ -9,6 +9,11 @@
 //!   proceeds. Storage has no timeout; it is local.
 //! - A takeover after a contended start reconciles with storage first; an uncontended
 //!   start or a respawn runs no takeover step.
+//! - The lenient client-certificate gate (pods' SVIDs on): a standby's readiness and an
+//!   owner's first serve wait for the SVIDs of the pods it holds records for, at most
+//!   `--pod-certificate-gate` from the moment storage is loaded, then proceed either way:
+//!   a timeout costs those pods their QUIC twins until the SVIDs come, never the node's
+//!   endpoints, so unlike the registry and capture gates it never holds a standby back.
 //! - With pods' SVIDs on, a reconcile is followed by a short wait for the SVIDs of the
 //!   pods it added ([`SvidWait`]); the driver bounds it (1 s) and then reports
 //!   [`Event::SvidsReady`] either way.
@@ -48,6 +53,8 @@ pub enum Gate {
     Capture,
     /// The agent's own SVID (identity on).
     Identity,
+    /// The stored pods' SVIDs: the lenient client-certificate gate.
+    PodCertificates,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +80,11 @@ pub enum Action {
     Report(Phase),
     /// Arm the lone owner's gate timers.
     ArmGateTimers,
+    /// Arm the client-certificate gate's timer (storage is loaded and a stored pod lacks
+    /// its SVID); in a standby and an owner alike.
+    ArmPodCertificateGate,
+    /// The client-certificate gate is decided, once: `passed`, or timed out.
+    PodCertificateGate { passed: bool },
     /// Apply the storage diff to the node (noting first which pods lack an SVID, for
     /// [`SvidWait`]).
     Reconcile,
@@ -97,6 +109,11 @@ pub struct State {
     registry_timed_out: bool,
     capture_timed_out: bool,
     identity_timed_out: bool,
+    /// The client-certificate gate: its timer armed, and how it ended (latched: a pod
+    /// added later without its SVID does not reopen it).
+    pod_certs_armed: bool,
+    pod_certs_passed: bool,
+    pod_certs_timed_out: bool,
     /// The takeover asked for a reconcile that has not run yet.
     reconcile: bool,
     /// Pods get SVIDs: a reconcile is followed by [`Action::AwaitSvids`].
@@ -114,6 +131,9 @@ impl Default for State {
             registry_timed_out: false,
             capture_timed_out: false,
             identity_timed_out: false,
+            pod_certs_armed: false,
+            pod_certs_passed: false,
+            pod_certs_timed_out: false,
             reconcile: false,
             pod_svids: false,
             awaiting_svids: false,
@@ -137,6 +157,12 @@ impl State {
             && self.gates.capture_landed
             && self.gates.storage_loaded
             && self.gates.agent_svid
+            && self.pod_certs_done()
+    }
+
+    /// The client-certificate gate passed or timed out.
+    fn pod_certs_done(&self) -> bool {
+        self.pod_certs_passed || self.pod_certs_timed_out
     }
 
     /// An owner's first serve: gates passed or, where allowed, timed out.
@@ -145,6 +171,7 @@ impl State {
             && (self.gates.registry_loaded || self.registry_timed_out)
             && (self.gates.capture_landed || self.capture_timed_out)
             && (self.gates.agent_svid || self.identity_timed_out)
+            && self.pod_certs_done()
     }
 
     /// The gates not yet passed, as `/ready` names them.
@@ -155,6 +182,7 @@ impl State {
             (g.registry_loaded, "registry"),
             (g.capture_landed, "capture"),
             (g.agent_svid, "agent-svid"),
+            (self.pod_certs_done(), "pod-certificates"),
         ]
         .into_iter()
         .filter_map(|(passed, name)| (!passed).then_some(name))
@@ -171,7 +199,26 @@ impl State {
 pub fn step(mut s: State, event: Event) -> (State, Vec<Action>) {
     let mut actions = Vec::new();
     match event {
-        Event::Gates(g) => s.gates = g,
+        Event::Gates(g) => {
+            s.gates = g;
+            // Storage loaded: the pods it holds records for are known. Before that no
+            // pod lacks anything, which proves nothing.
+            if g.storage_loaded && !s.pod_certs_done() {
+                if g.pod_certificates {
+                    s.pod_certs_passed = true;
+                    actions.push(Action::PodCertificateGate { passed: true });
+                } else if !s.pod_certs_armed {
+                    s.pod_certs_armed = true;
+                    actions.push(Action::ArmPodCertificateGate);
+                }
+            }
+        }
+        Event::GateTimedOut(Gate::PodCertificates) => {
+            if !s.pod_certs_done() {
+                s.pod_certs_timed_out = true;
+                actions.push(Action::PodCertificateGate { passed: false });
+            }
+        }
         Event::GateTimedOut(Gate::Registry) => s.registry_timed_out = true,
         Event::GateTimedOut(Gate::Capture) => s.capture_timed_out = true,
         Event::GateTimedOut(Gate::Identity) => s.identity_timed_out = true,
@@ -281,7 +328,43 @@ pub(crate) mod tests {
             capture_landed: true,
             storage_loaded: true,
             agent_svid: true,
+            pod_certificates: true,
         }
+    }
+
+    /// The client-certificate gate's own actions, which its tests check; the others leave
+    /// them out.
+    fn is_cert_gate(a: &Action) -> bool {
+        matches!(
+            a,
+            Action::PodCertificateGate { .. } | Action::ArmPodCertificateGate
+        )
+    }
+
+    #[test]
+    fn the_certificate_gate_waits_from_storage_and_is_decided_once() {
+        let lacking = Gates {
+            pod_certificates: false,
+            ..all_gates()
+        };
+        let mut s = State::new(true);
+        let (next, a) = step(s, Event::Gates(lacking));
+        s = next;
+        assert_eq!(a, [Action::ArmPodCertificateGate]);
+        assert!(!s.complete() && s.waiting_for() == ["pod-certificates"]);
+        let (next, a) = step(s, Event::GateTimedOut(Gate::PodCertificates));
+        s = next;
+        assert_eq!(
+            a,
+            [
+                Action::PodCertificateGate { passed: false },
+                Action::Report(Phase::StandbyComplete)
+            ]
+        );
+        assert!(s.complete() && s.waiting_for().is_empty());
+        // Decided: the SVIDs arriving later say nothing more.
+        let (_, a) = step(s, Event::Gates(all_gates()));
+        assert_eq!(a, []);
     }
 
     /// Feeds `events` from the default state; checks the final phase and every action.
@@ -291,7 +374,7 @@ pub(crate) mod tests {
         for e in events {
             let (next, a) = step(s, *e);
             s = next;
-            all.extend(a);
+            all.extend(a.into_iter().filter(|a| !is_cert_gate(a)));
         }
         assert_eq!(s.phase, phase, "events {events:?}");
         assert_eq!(all, actions, "events {events:?}");
@@ -304,6 +387,7 @@ pub(crate) mod tests {
             capture_landed: true,
             storage_loaded: false,
             agent_svid: true,
+            pod_certificates: true,
         };
         check(&[Event::Gates(partial)], Phase::Building, &[]);
         check(
@@ -362,6 +446,7 @@ pub(crate) mod tests {
         let storage_only = Gates {
             storage_loaded: true,
             agent_svid: true,
+            pod_certificates: true,
             ..Gates::default()
         };
         check(
@@ -427,6 +512,7 @@ pub(crate) mod tests {
         );
         let s = State {
             gates: no_svid,
+            pod_certs_passed: true,
             ..State::default()
         };
         assert_eq!(s.waiting_for(), vec!["agent-svid"]);
@@ -440,7 +526,7 @@ pub(crate) mod tests {
             for e in events {
                 let (next, a) = step(s, *e);
                 s = next;
-                all.extend(a);
+                all.extend(a.into_iter().filter(|a| !is_cert_gate(a)));
             }
             (s.phase, all)
         };

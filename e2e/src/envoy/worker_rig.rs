@@ -96,6 +96,8 @@ pub struct RigOptions {
     /// The node's initial identity inputs (trust domain, mode, bundle, SVIDs); off by
     /// default.
     pub identity: Identity,
+    /// The node's QUIC twins (`--quic-twin-addr`); none by default.
+    pub quic_twins: Option<aether_model::QuicTwins>,
 }
 
 impl Drop for WorkerRig {
@@ -197,6 +199,7 @@ impl WorkerRig {
         let node = Node::new(Inputs {
             on_demand_clusters: options.on_demand,
             identity: options.identity,
+            quic_twins: options.quic_twins,
             ..Inputs::default()
         });
         let observed = options.on_demand.then(|| Observed::restore(dir.path()));

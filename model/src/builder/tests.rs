@@ -2,7 +2,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use super::*;
-use crate::{Endpoint, KINDS, Pod, RegistryView, Svid};
+use crate::{Endpoint, KINDS, Pod, QuicTwins, RegistryView, Svid};
 
 fn svc(
     name: &str,
@@ -45,6 +45,7 @@ fn pod(uid: &str, ips: &[&str]) -> Pod {
         ifname: "eth0".into(),
         ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
         terminating: false,
+        no_quic_twin: false,
     }
 }
 
@@ -61,6 +62,7 @@ fn inputs(services: Vec<Service>, pods: Vec<Pod>) -> Inputs {
         on_demand_clusters: false,
         inbound_access_log: None,
         identity: Identity::default(),
+        quic_twins: None,
     }
 }
 
@@ -126,6 +128,14 @@ fn render(s: &Snapshot) -> String {
                 }
             )),
             ListenerKind::InboundCapture => out.push(format!("L {} {} capture", l.name, l.address)),
+            ListenerKind::QuicTwins { twins } => {
+                for t in twins {
+                    out.push(format!(
+                        "L {} {} twin {} sni={} mtls={} -> {}",
+                        l.name, l.address, t.pod_uid, t.sni, t.certificate, t.cluster
+                    ));
+                }
+            }
             ListenerKind::InboundPod { chain: c } => {
                 let ips: Vec<_> = c.ips.iter().map(|i| i.to_string()).collect();
                 let tls = match &c.tls {
@@ -612,7 +622,8 @@ fn random_change(r: &mut Rng) -> Change {
             let n = r.below(3);
             let ips: Vec<String> = (0..n).map(|_| ip(r)).collect();
             let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
-            let p = pod(&format!("u{}", r.below(5)), &refs);
+            let mut p = pod(&format!("u{}", r.below(5)), &refs);
+            p.no_quic_twin = r.below(4) == 0;
             Change::UpsertPod(if r.below(3) == 0 { terminating(p) } else { p })
         }
         3 => Change::RemovePod(format!("u{}", r.below(5))),
@@ -669,8 +680,14 @@ fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
             1 => identity(MtlsMode::Permissive),
             _ => identity(MtlsMode::Strict),
         };
+        // QUIC twins on every other seed, bounded at 2 so that the bound is reached.
+        let quic_twins = (seed % 2 == 0).then(|| QuicTwins {
+            address: "127.0.0.1:15443".parse().unwrap(),
+            max: 2,
+        });
         let mut b = Builder::new(Inputs {
             identity: id,
+            quic_twins,
             ..Default::default()
         });
         for step in 0..40 {
@@ -1016,4 +1033,107 @@ fn a_new_pod_at_a_reused_ip_names_its_own_certificate_not_the_old_pods() {
         build(b.inputs()),
         "incremental equals a fresh build"
     );
+}
+
+fn twins_on(i: Inputs, max: usize) -> Inputs {
+    Inputs {
+        quic_twins: Some(QuicTwins {
+            address: "10.9.0.1:15443".parse().unwrap(),
+            max,
+        }),
+        ..i
+    }
+}
+
+fn twin_uids(s: &Snapshot) -> Vec<String> {
+    match s.listeners.get(QUIC_TWINS).map(|l| &l.kind) {
+        Some(ListenerKind::QuicTwins { twins }) => {
+            twins.iter().map(|t| t.pod_uid.clone()).collect()
+        }
+        Some(other) => panic!("{QUIC_TWINS} is {other:?}"),
+        None => vec![],
+    }
+}
+
+#[test]
+fn a_pod_gets_a_quic_twin_with_its_svid_unless_it_opted_out_and_loses_it_with_its_del() {
+    let mut out = pod("u-out", &["10.1.0.3"]);
+    out.no_quic_twin = true;
+    let base = twins_on(
+        with_identity(
+            inputs(
+                vec![],
+                vec![pod("u1", &["10.1.0.1"]), pod("u2", &["10.1.0.2"]), out],
+            ),
+            identity(MtlsMode::Strict),
+        ),
+        10,
+    );
+    let mut b = Builder::new(base);
+    // No SVID yet: no twin, no listener.
+    assert_eq!(twin_uids(b.snapshot()), Vec::<String>::new());
+    assert!(b.snapshot().listeners.get(QUIC_TWINS).is_none());
+    let set = |uid: &str, serial: &str| Change::SetPodSvid {
+        uid: uid.into(),
+        svid: Some(svid(uid, serial)),
+    };
+    b.apply([set("u1", "1"), set("u-out", "1")]);
+    let s = b.snapshot().clone();
+    assert_eq!(twin_uids(&s), ["u1"], "the opted-out pod has none");
+    let l = s.listeners.get(QUIC_TWINS).unwrap();
+    assert_eq!(l.address, "10.9.0.1:15443".parse().unwrap());
+    assert_eq!(
+        l.kind,
+        ListenerKind::QuicTwins {
+            twins: vec![Twin {
+                pod_uid: "u1".into(),
+                sni: "u1.twin.aether".into(),
+                certificate: inbound_secret_name("u1"),
+                cluster: inbound_cluster_name("u1"),
+            }]
+        }
+    );
+    assert!(s.sds_names().contains(inbound_secret_name("u1").as_str()));
+    // A rotation is a secret update: the twins' listener keeps its hash.
+    let hash = s.hashes(Kind::Listener).get(QUIC_TWINS).copied();
+    b.apply([set("u1", "2")]);
+    assert_eq!(
+        b.snapshot().hashes(Kind::Listener).get(QUIC_TWINS).copied(),
+        hash
+    );
+    // The second pod's SVID adds its chain; its DEL takes it away; the last DEL the listener.
+    b.apply([set("u2", "1")]);
+    assert_eq!(twin_uids(b.snapshot()), ["u1", "u2"]);
+    b.apply([Change::RemovePod("u1".into())]);
+    assert_eq!(twin_uids(b.snapshot()), ["u2"]);
+    b.apply([Change::RemovePod("u2".into())]);
+    assert!(b.snapshot().listeners.get(QUIC_TWINS).is_none());
+    // Without the trust bundle no inbound terminates mTLS: no twin either.
+    b.apply([Change::UpsertPod(pod("u3", &["10.1.0.4"])), set("u3", "1")]);
+    assert_eq!(twin_uids(b.snapshot()), ["u3"]);
+    b.apply([Change::SetBundle(None)]);
+    assert_eq!(twin_uids(b.snapshot()), Vec::<String>::new());
+}
+
+#[test]
+fn twins_past_the_bound_are_refused_and_listed_and_twins_off_builds_none() {
+    let pods: Vec<Pod> = (1..=4)
+        .map(|i| pod(&format!("u{i}"), &[&format!("10.1.0.{i}")]))
+        .collect();
+    let mut id = identity(MtlsMode::Permissive);
+    for p in &pods {
+        id.pods.insert(p.uid.clone(), svid(&p.uid, "1"));
+    }
+    let plain = with_identity(inputs(vec![], pods), id);
+    let s = build(&twins_on(plain.clone(), 3));
+    assert_eq!(twin_uids(&s), ["u1", "u2", "u3"]);
+    assert_eq!(s.twins_refused, ["u4"]);
+    // Off: no listener, nothing refused, and every other resource as it was.
+    let off = build(&plain);
+    assert!(off.listeners.get(QUIC_TWINS).is_none() && off.twins_refused.is_empty());
+    let on = build(&twins_on(plain, 10));
+    assert_eq!(on.twins_refused, Vec::<String>::new());
+    assert_eq!(on.clusters, off.clusters);
+    assert_eq!(on.secrets, off.secrets);
+    assert_eq!(on.listeners.len(), off.listeners.len() + 1);
 }

@@ -681,7 +681,35 @@ fn pod_from_add(req: &CniRequest) -> Result<Pod, Status> {
         ifname: req.ifname.clone(),
         ips,
         terminating: false,
+        no_quic_twin: !quic_twin_wanted(&req.cni_args)?,
     })
+}
+
+/// The CNI argument by which a pod opts out of a QUIC twin (its target does not speak
+/// HTTP): `AETHER_QUIC_TWIN=off` in `CNI_ARGS`; `on`, or no such argument, keeps it.
+pub const QUIC_TWIN_ARG: &str = "AETHER_QUIC_TWIN";
+
+/// Whether the ADD's `CNI_ARGS` (`KEY=VALUE;...`) leave the pod its QUIC twin; a value
+/// other than `on` or `off` is refused, naming it.
+pub(super) fn quic_twin_wanted(cni_args: &str) -> Result<bool, Status> {
+    let mut wanted = true;
+    for entry in cni_args.split(';') {
+        let Some((key, value)) = entry.split_once('=') else {
+            continue;
+        };
+        if key == QUIC_TWIN_ARG {
+            wanted = match value {
+                "on" => true,
+                "off" => false,
+                other => {
+                    return Err(Status::invalid_argument(format!(
+                        "CNI_ARGS {QUIC_TWIN_ARG}={other:?}: expected on or off"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(wanted)
 }
 
 /// Where an ADD's answer goes.

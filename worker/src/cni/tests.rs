@@ -370,6 +370,7 @@ fn pod(uid: &str, ip: &str) -> Pod {
         ifname: "eth0".into(),
         ips: ips(&[ip]),
         terminating: false,
+        no_quic_twin: false,
     }
 }
 
@@ -776,4 +777,22 @@ async fn the_ack_wait_is_cut_to_the_callers_deadline() {
         Duration::from_secs(1) - service::ANSWER_MARGIN
     );
     assert_eq!(stored(f.storage.dir()), vec!["u1.json"]);
+}
+
+#[test]
+fn a_pod_opts_out_of_its_quic_twin_by_cni_argument_and_a_bad_value_is_named() {
+    use super::service::quic_twin_wanted;
+    for (args, wanted) in [
+        ("", true),
+        ("IgnoreUnknown=1;K8S_POD_NAME=web", true),
+        ("K8S_POD_NAME=web;AETHER_QUIC_TWIN=off", false),
+        ("AETHER_QUIC_TWIN=on", true),
+    ] {
+        assert_eq!(quic_twin_wanted(args).unwrap(), wanted, "{args:?}");
+    }
+    let e = quic_twin_wanted("AETHER_QUIC_TWIN=no").unwrap_err();
+    assert!(
+        e.message().contains("AETHER_QUIC_TWIN") && e.message().contains("\"no\""),
+        "{e:?}"
+    );
 }

@@ -271,6 +271,7 @@ mod tests {
                 ifname: "eth0".into(),
                 ips: vec![],
                 terminating: false,
+                no_quic_twin: false,
             };
             i.pods.insert(uid.to_string(), pod);
             if let Some(s) = s {

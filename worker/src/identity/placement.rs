@@ -98,6 +98,7 @@ mod tests {
             ifname: "eth0".into(),
             ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
             terminating: false,
+            no_quic_twin: false,
         }
     }
 

@@ -60,6 +60,9 @@ fn host_prefix(ip: IpAddr) -> core::CidrRange {
 }
 
 pub fn listener(l: &snapshot::Listener) -> Any {
+    if let snapshot::ListenerKind::QuicTwins { twins } = &l.kind {
+        return quic_twins_listener(l, twins);
+    }
     let (direction, filter_chains, listener_filters) = match &l.kind {
         snapshot::ListenerKind::HttpOutbound {
             route_config,
@@ -249,9 +252,12 @@ pub fn listener(l: &snapshot::Listener) -> Any {
                 }
             }
         }
+        snapshot::ListenerKind::QuicTwins { .. } => unreachable!("converted above"),
     };
     let (use_original_dst, bind_to_port, additional_addresses) = match &l.kind {
-        snapshot::ListenerKind::HttpOutbound { .. } => (None, None, vec![]),
+        snapshot::ListenerKind::HttpOutbound { .. } | snapshot::ListenerKind::QuicTwins { .. } => {
+            (None, None, vec![])
+        }
         snapshot::ListenerKind::InboundCapture => (Some(BoolValue { value: true }), None, vec![]),
         // Reached only by hand-off from the capture listener, never bound. The first IP
         // is the listener's address; the others (dual stack) are additional addresses.
@@ -288,6 +294,124 @@ pub fn listener(l: &snapshot::Listener) -> Any {
         use_original_dst,
         bind_to_port,
         traffic_direction: direction as i32,
+        ..Default::default()
+    })
+}
+
+/// The node's QUIC listener: one UDP socket, a filter chain per twin chosen by its server
+/// name (no default chain: a handshake naming no twin, or none, is refused). Each chain
+/// terminates QUIC with the pod's SVID (its inbound secret, by SDS: a rotation is a secret
+/// update), requires a client certificate that chains to the trust bundle and carries a
+/// URI SAN of the trust domain (the bundle secret holds both, as on the TCP inbound), and
+/// forwards each HTTP/3 request over HTTP/1.1 to the pod's inbound cluster, the TCP
+/// inbound's target, with the caller's SPIFFE ID in `x-forwarded-client-cert`. Client
+/// authentication over QUIC needs the runtime feature
+/// `envoy.reloadable_features.quic_mtls_server_enabled`, on by default in 1.40 and set
+/// explicitly by the bootstrap: without it Envoy rejects the listener rather than serve it
+/// unchecked (e2e/trials/quic/RESULTS.md).
+fn quic_twins_listener(l: &snapshot::Listener, twins: &[snapshot::Twin]) -> Any {
+    use envoy_types::pb::envoy::extensions::transport_sockets::quic::v3::QuicDownstreamTransport;
+    let chains = twins
+        .iter()
+        .map(|t| {
+            let tls = tls::DownstreamTlsContext {
+                common_tls_context: Some(tls::CommonTlsContext {
+                    alpn_protocols: vec!["h3".into()],
+                    tls_certificate_sds_secret_configs: vec![sds(&t.certificate)],
+                    validation_context_type: Some(bundle_validation()),
+                    ..Default::default()
+                }),
+                require_client_certificate: Some(BoolValue { value: true }),
+                ..Default::default()
+            };
+            let route = route::RouteConfiguration {
+                name: format!("twin|{}", t.pod_uid),
+                virtual_hosts: vec![route::VirtualHost {
+                    name: t.pod_uid.clone(),
+                    domains: vec!["*".into()],
+                    routes: vec![route::Route {
+                        r#match: Some(route::RouteMatch {
+                            path_specifier: Some(route::route_match::PathSpecifier::Prefix(
+                                "/".into(),
+                            )),
+                            ..Default::default()
+                        }),
+                        action: Some(route::route::Action::Route(route::RouteAction {
+                            cluster_specifier: Some(
+                                route::route_action::ClusterSpecifier::Cluster(t.cluster.clone()),
+                            ),
+                            ..Default::default()
+                        })),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            let manager = hcm::HttpConnectionManager {
+                stat_prefix: "twin".into(),
+                codec_type: hcm::http_connection_manager::CodecType::Http3 as i32,
+                http3_protocol_options: Some(core::Http3ProtocolOptions::default()),
+                route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::RouteConfig(
+                    route,
+                )),
+                forward_client_cert_details:
+                    hcm::http_connection_manager::ForwardClientCertDetails::SanitizeSet as i32,
+                set_current_client_cert_details: Some(
+                    hcm::http_connection_manager::SetCurrentClientCertDetails {
+                        uri: true,
+                        ..Default::default()
+                    },
+                ),
+                http_filters: vec![hcm::HttpFilter {
+                    name: "envoy.filters.http.router".into(),
+                    config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(
+                        Router::default(),
+                    ))),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            listener::FilterChain {
+                name: t.pod_uid.clone(),
+                filter_chain_match: Some(listener::FilterChainMatch {
+                    server_names: vec![t.sni.clone()],
+                    ..Default::default()
+                }),
+                filters: vec![listener::Filter {
+                    name: "envoy.filters.network.http_connection_manager".into(),
+                    config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
+                }],
+                transport_socket: Some(core::TransportSocket {
+                    name: "envoy.transport_sockets.quic".into(),
+                    config_type: Some(core::transport_socket::ConfigType::TypedConfig(pack_any(
+                        QuicDownstreamTransport {
+                            downstream_tls_context: Some(tls),
+                            ..Default::default()
+                        },
+                    ))),
+                }),
+                ..Default::default()
+            }
+        })
+        .collect();
+    let mut address = socket_address(l.address);
+    if let Some(core::address::Address::SocketAddress(a)) = &mut address.address {
+        a.protocol = core::socket_address::Protocol::Udp as i32;
+    }
+    pack_any(listener::Listener {
+        name: l.name.clone(),
+        address: Some(address),
+        filter_chains: chains,
+        udp_listener_config: Some(listener::UdpListenerConfig {
+            quic_options: Some(listener::QuicProtocolOptions::default()),
+            downstream_socket_config: Some(core::UdpSocketConfig {
+                prefer_gro: Some(BoolValue { value: true }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        traffic_direction: core::TrafficDirection::Inbound as i32,
         ..Default::default()
     })
 }
@@ -915,6 +1039,7 @@ mod tests {
             ifname: "eth0".into(),
             ips: vec!["10.0.0.2".parse().unwrap()],
             terminating: false,
+            no_quic_twin: false,
         };
         build(&Inputs {
             pods: BTreeMap::from([("u".to_string(), pod)]),

@@ -899,6 +899,7 @@ mod tests {
                     ifname: "eth0".into(),
                     ips: vec![format!("10.244.0.{}", p + 1).parse().unwrap()],
                     terminating: false,
+                    no_quic_twin: false,
                 },
             );
         }
@@ -1365,6 +1366,7 @@ mod tests {
                 ifname: "eth0".into(),
                 ips: vec!["10.244.0.1".parse().unwrap()],
                 terminating: false,
+                no_quic_twin: false,
             })])
             .unwrap(),
         );

@@ -175,6 +175,7 @@ mod tests {
             ifname: "eth0".into(),
             ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, n))],
             terminating: false,
+            no_quic_twin: false,
         }
     }
 

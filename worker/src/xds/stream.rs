@@ -330,6 +330,7 @@ mod tests {
             ifname: "eth0".into(),
             ips: vec!["10.0.0.2".parse().unwrap()],
             terminating: false,
+            no_quic_twin: false,
         };
         Arc::new(build(&Inputs {
             pods: pod.then(|| ("u".to_string(), p)).into_iter().collect(),
