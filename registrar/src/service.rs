@@ -975,8 +975,9 @@ impl Pump {
                 // A response of keys clients do not see (a node's QUIC pair set, whose
                 // endpoints come in their own transactions) sends nothing: a set that
                 // matches no endpoint yet wakes no node. A client resuming from the
-                // revision before it reads the same nothing again.
-                if !batch.changes.is_empty() {
+                // revision before it reads the same nothing again. One of corrupt
+                // entries only still sends its (empty) batch, as it always did.
+                if !batch.changes.is_empty() || !rejected.is_empty() {
                     self.send(ResponseKind::Changes(batch)).await?;
                 }
                 last = revision;
