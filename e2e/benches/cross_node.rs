@@ -136,6 +136,8 @@ impl Mesh {
                     pod: format!("{}-{e}", Self::name(s)),
                     state: state as i32,
                     mtls: false,
+                    quic: String::new(),
+                    quic_sni: String::new(),
                 }
             })
             .collect();

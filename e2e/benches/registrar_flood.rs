@@ -297,6 +297,8 @@ impl Operator {
                     pb::EndpointState::Healthy
                 } as i32,
                 mtls: false,
+                quic: String::new(),
+                quic_sni: String::new(),
             })
             .collect();
         let mut req = tonic::Request::new(pb::ApplyServicesRequest {

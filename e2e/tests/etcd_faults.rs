@@ -78,6 +78,8 @@ impl Churned {
                     pod: format!("churn-{s}-{e}"),
                     state: state as i32,
                     mtls: false,
+                    quic: String::new(),
+                    quic_sni: String::new(),
                 }
             })
             .collect();

@@ -209,6 +209,31 @@ impl Caller {
     }
 }
 
+impl Caller {
+    /// A QUIC pair set of one pair, speaking for `node`.
+    fn pairs(&self, id: Option<(&str, &str)>, token: Option<&str>, node: &str) -> Outcome {
+        let mut c = self.client(id)?;
+        let req = Caller::request(
+            pb::SetQuicPairsRequest {
+                node: node.into(),
+                pairs: vec![pb::QuicPair {
+                    tcp: "10.77.0.5:8080".into(),
+                    quic: format!("{node}.example:4443"),
+                    quic_sni: "web.prod.example".into(),
+                    pod: "prod/web-0".into(),
+                    since: 1,
+                }],
+                instance: "test".into(),
+            },
+            token,
+        );
+        self.rt
+            .block_on(c.set_quic_pairs(req))
+            .map(|_| ())
+            .map_err(|s| (s.code(), s.message().to_owned()))
+    }
+}
+
 fn refused_as(outcome: Outcome, codes: &[tonic::Code], what: &str) -> String {
     match outcome {
         Ok(()) => panic!("{what}: admitted"),
@@ -350,6 +375,16 @@ fn agents_by_svid_speak_for_their_own_node_and_bad_svids_are_refused() {
         &denied,
         "node B's mark by node A's ID",
     );
+    // QUIC pairs, the other agent write, are scoped the same way.
+    caller
+        .pairs(node_a, None, "node-a")
+        .expect("node A's QUIC pairs by its {node} ID");
+    let why = refused_as(
+        caller.pairs(node_a, None, "node-b"),
+        &denied,
+        "node B's QUIC pairs by node A's ID",
+    );
+    assert!(why.contains("SVID is bound to node \"node-a\""), "{why}");
 
     // By the token beside the one agent ID: the same, and the ID alone names no node.
     let (s_cert, s_key) = provider.mint(AGENT_ID);
@@ -366,6 +401,16 @@ fn agents_by_svid_speak_for_their_own_node_and_bad_svids_are_refused() {
         "node B's mark by node A's token",
     );
     assert!(why.contains("token is bound to node \"node-a\""), "{why}");
+    caller
+        .pairs(shared, Some(&token), "node-a")
+        .expect("node A's QUIC pairs by SVID and token");
+    let why = refused_as(
+        caller.pairs(shared, Some(&token), "node-b"),
+        &denied,
+        "node B's QUIC pairs by node A's token",
+    );
+    assert!(why.contains("token is bound to node \"node-a\""), "{why}");
+    assert_eq!(refusals(&metrics, "quic_pairs_other_node"), 2.0);
     let why = refused_as(
         caller.watch(shared, None, "node-a"),
         &denied,

@@ -1,16 +1,17 @@
 //! Who may call what.
 //!
 //! - Over a unix socket the caller is the uid the kernel reports for the connection
-//!   (SO_PEERCRED): agents (`--agent-uid`) may watch and set drain marks, operators
+//!   (SO_PEERCRED): agents (`--agent-uid`) may watch and set drain marks and QUIC pairs
+//!   (the agents' writes), operators
 //!   (`--operator-uid`, by default the registrar's own uid) may also apply and delete
 //!   services, and nobody else may call anything.
 //! - Over TCP with `--token-review`, the caller is who the Kubernetes TokenReview API says
 //!   its bearer token belongs to: the agents' service accounts
-//!   (`--agent-service-account`) may watch and set drain marks, and only for the node
-//!   their token is bound to; `--operator-user` names may do everything.
+//!   (`--agent-service-account`) may watch and make the agents' writes, and only for the
+//!   node their token is bound to; `--operator-user` names may do everything.
 //! - Over mutual TLS (`--spiffe-endpoint` or `--client-ca-bundle`), the caller is the
 //!   SPIFFE ID of its X.509-SVID: `--operator-spiffe-id` may do everything,
-//!   `--agent-spiffe-id` may watch and set drain marks for one node. The node comes from
+//!   `--agent-spiffe-id` may watch and make the agents' writes for one node. The node comes from
 //!   the ID itself, where the pattern holds `{node}` (per-node agent IDs), or else from
 //!   the node-bound token the agent sends beside it, which is then required. A caller that
 //!   sends both an SVID and a token must pass with each: the token is authorized as if it
@@ -23,6 +24,7 @@ use std::fmt;
 pub enum Method {
     WatchEndpoints,
     SetEndpointState,
+    SetQuicPairs,
     ApplyServices,
     DeleteService,
 }
@@ -33,13 +35,17 @@ impl Method {
         match self {
             Method::WatchEndpoints => "WatchEndpoints",
             Method::SetEndpointState => "SetEndpointState",
+            Method::SetQuicPairs => "SetQuicPairs",
             Method::ApplyServices => "ApplyServices",
             Method::DeleteService => "DeleteService",
         }
     }
 
     fn for_agents(self) -> bool {
-        matches!(self, Method::WatchEndpoints | Method::SetEndpointState)
+        matches!(
+            self,
+            Method::WatchEndpoints | Method::SetEndpointState | Method::SetQuicPairs
+        )
     }
 }
 
@@ -243,7 +249,7 @@ pub fn authorize(policy: &Policy, peer: &Peer, method: Method) -> Result<(), Den
             Ok(())
         } else {
             deny(&format!(
-                "agents ({role}) may only watch and set drain marks; this is for operators"
+                "agents ({role}) may only watch and set drain marks and QUIC pairs; this is for operators"
             ))
         }
     };
@@ -298,7 +304,8 @@ pub fn authorize(policy: &Policy, peer: &Peer, method: Method) -> Result<(), Den
     }
 }
 
-/// A request naming `node` (a watch's key, a drain mark's caller) from `peer`: a caller
+/// A request naming `node` (a watch's key, a drain mark's caller, a QUIC pair set's
+/// node) from `peer`: a caller
 /// whose token is bound to a node may speak for that node only.
 pub fn check_node(peer: &Peer, method: Method, node: &str) -> Result<(), Denied> {
     match peer.bound_node() {
@@ -323,9 +330,10 @@ mod tests {
     use super::*;
     use Method::*;
 
-    const ALL: [Method; 4] = [
+    const ALL: [Method; 5] = [
         WatchEndpoints,
         SetEndpointState,
+        SetQuicPairs,
         ApplyServices,
         DeleteService,
     ];
@@ -352,13 +360,13 @@ mod tests {
             (Peer::Unix { uid: 0 }, &ALL[..]),
             (
                 Peer::Unix { uid: 65532 },
-                &[WatchEndpoints, SetEndpointState][..],
+                &[WatchEndpoints, SetEndpointState, SetQuicPairs][..],
             ),
             (Peer::Unix { uid: 1000 }, &[][..]),
             (Peer::UnixUnknown, &[][..]),
             (
                 token(agent_sa, Some("node-a")),
-                &[WatchEndpoints, SetEndpointState][..],
+                &[WatchEndpoints, SetEndpointState, SetQuicPairs][..],
             ),
             (token(agent_sa, None), &[][..]),
             (
@@ -393,6 +401,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("bound to no node"), "{e}");
+    }
+
+    /// Node B's agent may not set node A's QUIC pairs, by its token or by its SVID (as
+    /// for drain marks); an operator, bound to no node, may (to clear a node that is gone).
+    #[test]
+    fn an_agent_sets_only_its_own_nodes_quic_pairs() {
+        let policy = Policy {
+            agent_accounts: vec!["sys/agent".into()],
+            operator_users: vec!["ops".into()],
+            agent_ids: vec![IdPattern::parse("spiffe://td/agent/{node}").unwrap()],
+            ..Default::default()
+        };
+        let sa = "system:serviceaccount:sys:agent";
+        for b in [
+            token(sa, Some("node-b")),
+            svid("spiffe://td/agent/node-b", Some("node-b"), None),
+        ] {
+            assert!(authorize(&policy, &b, SetQuicPairs).is_ok(), "{b}");
+            assert!(check_node(&b, SetQuicPairs, "node-b").is_ok(), "{b}");
+            let e = check_node(&b, SetQuicPairs, "node-a")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("may not call SetQuicPairs")
+                    && e.contains("names node \"node-a\"")
+                    && e.contains("bound to node \"node-b\""),
+                "{e}"
+            );
+        }
+        let ops = token("ops", None);
+        assert!(authorize(&policy, &ops, SetQuicPairs).is_ok());
+        assert!(check_node(&ops, SetQuicPairs, "node-a").is_ok());
     }
 
     #[test]
@@ -474,7 +514,7 @@ mod tests {
             ..Default::default()
         };
         let sa = "system:serviceaccount:sys:agent";
-        let agent_methods = &[WatchEndpoints, SetEndpointState][..];
+        let agent_methods = &[WatchEndpoints, SetEndpointState, SetQuicPairs][..];
         for (peer, allowed, why) in [
             (svid("spiffe://td/ops", None, None), &ALL[..], ""),
             (

@@ -11,9 +11,9 @@ use crate::listen::ListenAddr;
 #[command(
     name = "aether-registrar",
     version,
-    about = "The reference registrar of the Aether mesh: serves the registry API (aether.registry.v1) to node agents, storing services, endpoints and drain marks in etcd v3",
+    about = "The reference registrar of the Aether mesh: serves the registry API (aether.registry.v1) to node agents, storing services, endpoints, drain marks and QUIC pairs in etcd v3",
     long_about = "The reference registrar of the Aether mesh: serves the registry API (aether.registry.v1) to node \
-agents, storing services, endpoints and drain marks in etcd v3.\n\n\
+agents, storing services, endpoints, drain marks and QUIC pairs in etcd v3.\n\n\
 Watch streams follow etcd watches and carry etcd revisions, so any number of replicas can serve one etcd, and a \
 client resumes from its last revision on any of them.\n\n\
 Exits 0 on success, 1 on an error (its message names the flag, file, field or value at fault), 2 on bad usage."
@@ -45,8 +45,9 @@ pub enum Command {
         service: String,
     },
     /// Print the registry as sorted JSON: services in the registry file's schema, each
-    /// endpoint with its effective state (a drain mark overrides healthy), then the drain
-    /// marks. Two equal registries print the same bytes
+    /// endpoint with its effective state (a drain mark overrides healthy) and its QUIC
+    /// twin where it has one (quic, quic_sni), then the drain marks. Two equal registries
+    /// print the same bytes
     Dump {
         #[command(flatten)]
         client: ClientArgs,
@@ -387,6 +388,22 @@ pub struct ServeArgs {
     /// pods all go at once marks each of their addresses
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub drain_mark_burst: u32,
+
+    /// QUIC pairs one node may advertise (SetQuicPairs sets a node's whole set); a larger
+    /// set is RESOURCE_EXHAUSTED. Each pair takes at most 512 bytes, so this also bounds
+    /// the request (pairs x 520 bytes + 1 KiB) and the node's value in etcd
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=8192))]
+    pub quic_pairs_per_node: u32,
+
+    /// SetQuicPairs calls a second one node may make; past it and the burst a call is
+    /// RESOURCE_EXHAUSTED. A call states the node's whole set, so an agent coalesces
+    /// changes into its next call
+    #[arg(long, value_name = "RATE", default_value_t = 1.0)]
+    pub quic_pair_sets_per_node: f64,
+
+    /// SetQuicPairs calls one node may make at once above --quic-pair-sets-per-node
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub quic_pair_set_burst: u32,
 
     /// Log format on stderr: text or json (RUST_LOG filters; default info)
     #[arg(long, env = "AETHER_REGISTRAR_LOG_FORMAT", value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"])]

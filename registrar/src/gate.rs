@@ -50,6 +50,8 @@ pub struct BodyLimits {
     pub small: usize,
     /// ApplyServices.
     pub apply: usize,
+    /// SetQuicPairs: a node's whole set.
+    pub pairs: usize,
 }
 
 pub struct Gate {
@@ -64,6 +66,7 @@ pub fn method(path: &str) -> Option<Method> {
     match path.strip_prefix(SERVICE_PATH)? {
         "WatchEndpoints" => Some(Method::WatchEndpoints),
         "SetEndpointState" => Some(Method::SetEndpointState),
+        "SetQuicPairs" => Some(Method::SetQuicPairs),
         "ApplyServices" => Some(Method::ApplyServices),
         "DeleteService" => Some(Method::DeleteService),
         _ => None,
@@ -224,6 +227,7 @@ impl Gate {
     fn limit(&self, method: Method) -> usize {
         match method {
             Method::ApplyServices => self.limits.apply,
+            Method::SetQuicPairs => self.limits.pairs,
             _ => self.limits.small,
         }
     }
@@ -417,6 +421,7 @@ mod tests {
                 limits: BodyLimits {
                     small: 64,
                     apply: 1024,
+                    pairs: 1024,
                 },
                 metrics: metrics.clone(),
             }))
@@ -469,6 +474,7 @@ mod tests {
             limits: BodyLimits {
                 small: 64,
                 apply: 1024,
+                pairs: 1024,
             },
             metrics: metrics.clone(),
         }))

@@ -2,10 +2,11 @@
 //!
 //! - `services/<namespace>/<name>`: the service's ports and VIP;
 //! - `endpoints/<namespace>/<name>/<address>/<port>`: one endpoint;
-//! - `marks/<namespace>/<name>/<address>`: the drain mark of every endpoint at an address.
+//! - `marks/<namespace>/<name>/<address>`: the drain mark of every endpoint at an address;
+//! - `quic-pairs/<node>`: a node's QUIC pairs, one whole set (SetQuicPairs).
 //!
-//! Namespaces and names are DNS labels and addresses are IPs in their canonical text, so
-//! no segment holds a `/` and every key parses back into exactly one [`Key`]. Prefix scans
+//! Namespaces and names are DNS labels, nodes DNS subdomains, and addresses are IPs in
+//! their canonical text, so no segment holds a `/` and every key parses back into exactly one [`Key`]. Prefix scans
 //! end in `/` so that `web` never matches `web2`.
 
 use std::net::IpAddr;
@@ -35,6 +36,15 @@ pub enum Key {
         service: ServiceKey,
         address: IpAddr,
     },
+    QuicPairs {
+        node: String,
+    },
+}
+
+/// A DNS subdomain (RFC 1123, as Kubernetes names nodes): at most 253 characters, dot-
+/// separated DNS labels.
+pub fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,6 +82,11 @@ impl Layout {
 
     pub fn mark(&self, s: &ServiceKey, address: IpAddr) -> String {
         format!("{}marks/{}/{}/{address}", self.prefix, s.namespace, s.name)
+    }
+
+    /// A node's QUIC pairs.
+    pub fn quic_pairs(&self, node: &str) -> String {
+        format!("{}quic-pairs/{node}", self.prefix)
     }
 
     /// Every endpoint of a service.
@@ -145,8 +160,12 @@ impl Layout {
                 service: service(ns, name)?,
                 address: address(a)?,
             }),
+            ["quic-pairs", node] if is_dns_subdomain(node) => Ok(Key::QuicPairs {
+                node: (*node).to_owned(),
+            }),
+            ["quic-pairs", _] => Err(malformed("the node is not a DNS subdomain")),
             _ => Err(malformed(
-                "not services/<ns>/<name>, endpoints/<ns>/<name>/<address>/<port> or marks/<ns>/<name>/<address>",
+                "not services/<ns>/<name>, endpoints/<ns>/<name>/<address>/<port>, marks/<ns>/<name>/<address> or quic-pairs/<node>",
             )),
         }
     }
@@ -195,6 +214,12 @@ mod tests {
                     address: v4,
                 },
             ),
+            (
+                l.quic_pairs("node-a.example"),
+                Key::QuicPairs {
+                    node: "node-a.example".into(),
+                },
+            ),
         ] {
             assert_eq!(l.parse(key.as_bytes()), Ok(want), "{key}");
         }
@@ -228,6 +253,8 @@ mod tests {
             ("/aether/registry/endpoints/a/b/10.0.0.x/80", "not an IP"),
             ("/aether/registry/marks/a/b/fd00:0::1", "canonical"),
             ("/aether/registry/marks/a/b/10.0.0.1/extra", "not services/"),
+            ("/aether/registry/quic-pairs/Node_A", "not a DNS subdomain"),
+            ("/aether/registry/quic-pairs/a/b", "quic-pairs/<node>"),
         ] {
             let e = l.parse(key.as_bytes()).expect_err(key).to_string();
             assert!(e.contains(reason) && e.contains(key), "{key}: {e}");

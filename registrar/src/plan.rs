@@ -1,14 +1,16 @@
 //! The writes a request makes, decided from what was read: an apply's puts and deletes
-//! for one service, and a drain mark's put or delete with its node check. Pure; the
-//! store performs the plan in one etcd transaction guarded by the revision it read.
+//! for one service, a drain mark's put or delete with its node check, and the endpoint
+//! rewrites that make a node's endpoints carry its QUIC pairs. Pure; the store performs
+//! the plan in one etcd transaction guarded by the revision it read.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use aether_model::{EndpointState, Service, ServiceKey};
 
+use crate::keys::Key;
 use crate::keys::Layout;
-use crate::values::{self, EndpointValue, MarkValue, ServiceValue, Source};
+use crate::values::{self, EndpointValue, MarkValue, PairsValue, ServiceValue, Source};
 
 /// One write of a transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,8 +53,10 @@ pub fn may_write(writer: Source, current_service: Option<&[u8]>) -> Result<(), O
 }
 
 /// The writes that make etcd hold `s` exactly, written by `writer`: its service value,
-/// its endpoints, and no other endpoint of it. Values already equal are not rewritten, so
-/// a repeated apply writes nothing and wakes no watcher. Drain marks are left alone: a
+/// its endpoints, and no other endpoint of it. Each endpoint carries the QUIC twin its
+/// node's pairs (`pairs`, by node) name for its address and port, so a pair set before
+/// its endpoint existed applies when the endpoint appears. Values already equal are not
+/// rewritten, so a repeated apply writes nothing and wakes no watcher. Drain marks are left alone: a
 /// mark an agent set outlives every rewrite of its endpoint. The service comes first, so
 /// a client applying the changes in order knows the service before its endpoints.
 pub fn apply_service(
@@ -61,6 +65,7 @@ pub fn apply_service(
     writer: Source,
     current_service: Option<&[u8]>,
     current_endpoints: &BTreeMap<String, Vec<u8>>,
+    pairs: &BTreeMap<String, PairsValue>,
 ) -> Result<Vec<Op>, Owned> {
     may_write(writer, current_service)?;
     let key = s.key();
@@ -86,7 +91,10 @@ pub fn apply_service(
                 pod: e.pod.clone(),
                 state: e.state,
                 mtls: e.mtls,
-            };
+                quic: String::new(),
+                quic_sni: String::new(),
+            }
+            .with_twin(SocketAddr::new(e.address, e.port), pairs.get(&e.node));
             (layout.endpoint(&key, e.address, e.port), values::encode(&v))
         })
         .collect();
@@ -234,6 +242,56 @@ pub fn set_marks(
     Ok(plan)
 }
 
+/// The endpoint rewrites that make every endpoint on `node` among `endpoints` (keys and
+/// values as read) carry the twin `pairs` names for its address and port, and no twin
+/// where `pairs` names none; endpoints on other nodes are left alone (their own node's
+/// pairs apply). Also how many pairs matched no endpoint on the node. Values already
+/// right are not rewritten, so a restated set writes nothing.
+pub fn twins(
+    layout: &Layout,
+    node: &str,
+    pairs: &PairsValue,
+    endpoints: &[(Vec<u8>, Vec<u8>)],
+) -> TwinPlan {
+    let mut plan = TwinPlan::default();
+    let mut matched = std::collections::BTreeSet::new();
+    for (k, v) in endpoints {
+        let Ok(Key::Endpoint { address, port, .. }) = layout.parse(k) else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(k).into_owned();
+        // A corrupt endpoint is skipped here as everywhere; its next write replaces it.
+        let Ok(current) = values::decode::<EndpointValue>(&text, "endpoint", v) else {
+            continue;
+        };
+        if current.node != node {
+            continue;
+        }
+        let at = SocketAddr::new(address, port);
+        if pairs.twin(at).is_some() {
+            matched.insert(at);
+        }
+        let wanted = current.clone().with_twin(at, Some(pairs));
+        if wanted != current {
+            plan.ops.push(Op::Put {
+                key: text,
+                value: values::encode(&wanted),
+            });
+        }
+    }
+    plan.unmatched = pairs.pairs.len() - matched.len();
+    plan
+}
+
+/// What [`twins`] decided.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TwinPlan {
+    /// One put per endpoint whose twin changes.
+    pub ops: Vec<Op>,
+    /// Pairs whose `tcp` is no endpoint on the node (yet).
+    pub unmatched: usize,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,6 +363,7 @@ mod tests {
             Source::File,
             None,
             &etcd,
+            &BTreeMap::new(),
         )
         .unwrap();
         assert_eq!(
@@ -329,7 +388,8 @@ mod tests {
                 &service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]),
                 Source::File,
                 svc.as_deref(),
-                &eps(&etcd)
+                &eps(&etcd),
+                &BTreeMap::new(),
             )
             .unwrap()
             .is_empty(),
@@ -343,6 +403,7 @@ mod tests {
             Source::File,
             svc.as_deref(),
             &eps(&etcd),
+            &BTreeMap::new(),
         )
         .unwrap();
         assert_eq!(
@@ -382,7 +443,15 @@ mod tests {
                              s: &Service,
                              svc: Option<&Vec<u8>>,
                              current: &BTreeMap<String, Vec<u8>>| {
-            apply_service(l, s, Source::File, svc.map(Vec::as_slice), current).unwrap()
+            apply_service(
+                l,
+                s,
+                Source::File,
+                svc.map(Vec::as_slice),
+                current,
+                &BTreeMap::new(),
+            )
+            .unwrap()
         };
         assert!(
             apply_service(&l, &plain, Some(&svc), &current).is_empty(),
@@ -428,7 +497,14 @@ mod tests {
         let s = service(&[("10.0.0.1", 8080)]);
         // A file may not change or delete a discovered service.
         assert_eq!(
-            apply_service(&l, &s, Source::File, Some(&discovered), &none),
+            apply_service(
+                &l,
+                &s,
+                Source::File,
+                Some(&discovered),
+                &none,
+                &BTreeMap::new()
+            ),
             Err(Owned {
                 by: Source::Kubernetes
             })
@@ -440,7 +516,15 @@ mod tests {
             })
         );
         // Discovery takes over a file's service: the value is rewritten with its source.
-        let ops = apply_service(&l, &s, Source::Kubernetes, Some(&file_value), &none).unwrap();
+        let ops = apply_service(
+            &l,
+            &s,
+            Source::Kubernetes,
+            Some(&file_value),
+            &none,
+            &BTreeMap::new(),
+        )
+        .unwrap();
         assert_eq!(
             show(&ops),
             ["put services/d/web", "put endpoints/d/web/10.0.0.1/8080"]
@@ -469,7 +553,17 @@ mod tests {
         );
         // A value that does not decode is anybody's.
         assert_eq!(stored_source(Some(b"{oops")), Some(Source::File));
-        assert!(apply_service(&l, &s, Source::File, Some(b"{oops"), &none).is_ok());
+        assert!(
+            apply_service(
+                &l,
+                &s,
+                Source::File,
+                Some(b"{oops"),
+                &none,
+                &BTreeMap::new()
+            )
+            .is_ok()
+        );
     }
 
     fn target(name: &str, nodes: &[&str], current: Option<(EndpointState, &str)>) -> MarkTarget {
@@ -595,6 +689,144 @@ mod tests {
                 },
                 endpoint_node: "n3".into(),
             }),
+        );
+    }
+
+    fn pairs(list: &[(&str, &str, &str)]) -> PairsValue {
+        PairsValue::new(
+            list.iter()
+                .map(|(tcp, quic, sni)| values::PairValue {
+                    tcp: tcp.parse().unwrap(),
+                    quic: (*quic).into(),
+                    quic_sni: (*sni).into(),
+                    pod: "d/p".into(),
+                    since: 1,
+                })
+                .collect(),
+        )
+    }
+
+    /// The endpoint value stored for `node`, with a twin or without.
+    fn ep_value(node: &str, quic: &str, sni: &str) -> Vec<u8> {
+        values::encode(&EndpointValue {
+            service_port: 80,
+            node: node.into(),
+            pod: String::new(),
+            state: EndpointState::Healthy,
+            mtls: false,
+            quic: quic.into(),
+            quic_sni: sni.into(),
+        })
+    }
+
+    /// A node's pairs reach only its own endpoints at the pairs' address and port; a set
+    /// already carried writes nothing; a removed pair clears its endpoint's twin.
+    #[test]
+    fn twins_follow_the_nodes_pairs_and_a_restated_set_writes_nothing() {
+        let l = Layout::new(DEFAULT_PREFIX);
+        let ip = |a: &str| a.parse::<IpAddr>().unwrap();
+        let mut etcd: BTreeMap<String, Vec<u8>> = [
+            (
+                l.endpoint(&web(), ip("10.0.0.1"), 8080),
+                ep_value("n1", "", ""),
+            ),
+            (
+                l.endpoint(&web(), ip("10.0.0.1"), 9090),
+                ep_value("n1", "", ""),
+            ),
+            (
+                l.endpoint(&web(), ip("10.0.0.2"), 8080),
+                ep_value("n2", "", ""),
+            ),
+            (l.mark(&web(), ip("10.0.0.1")), b"{}".to_vec()),
+        ]
+        .into();
+        let kvs = |etcd: &BTreeMap<String, Vec<u8>>| -> Vec<(Vec<u8>, Vec<u8>)> {
+            etcd.iter()
+                .map(|(k, v)| (k.clone().into_bytes(), v.clone()))
+                .collect()
+        };
+        let set = pairs(&[
+            ("10.0.0.1:8080", "n1.example:4443", "web.d.example"),
+            ("10.0.0.2:8080", "n1.example:4443", ""),
+            ("10.0.0.3:8080", "n1.example:4443", ""),
+        ]);
+        let plan = twins(&l, "n1", &set, &kvs(&etcd));
+        // 10.0.0.2 runs on n2: n1's pair for it is not n1's to apply. 10.0.0.3 has no
+        // endpoint yet.
+        assert_eq!(show(&plan.ops), ["put endpoints/d/web/10.0.0.1/8080"]);
+        assert_eq!(plan.unmatched, 2);
+        let Op::Put { value, .. } = &plan.ops[0] else {
+            unreachable!()
+        };
+        assert_eq!(
+            value.as_slice(),
+            br#"{"service_port":80,"node":"n1","pod":"","state":"healthy","quic":"n1.example:4443","quic_sni":"web.d.example"}"#
+        );
+        run(&plan.ops, &mut etcd);
+        assert_eq!(
+            twins(&l, "n1", &set, &kvs(&etcd)),
+            TwinPlan {
+                ops: vec![],
+                unmatched: 2
+            }
+        );
+        // A changed SNI rewrites; a removed pair clears.
+        let sni = pairs(&[("10.0.0.1:8080", "n1.example:4443", "other.d.example")]);
+        assert_eq!(
+            show(&twins(&l, "n1", &sni, &kvs(&etcd)).ops),
+            ["put endpoints/d/web/10.0.0.1/8080"]
+        );
+        let cleared = twins(&l, "n1", &PairsValue::default(), &kvs(&etcd));
+        assert_eq!(show(&cleared.ops), ["put endpoints/d/web/10.0.0.1/8080"]);
+        run(&cleared.ops, &mut etcd);
+        assert_eq!(
+            etcd[&l.endpoint(&web(), ip("10.0.0.1"), 8080)],
+            ep_value("n1", "", "")
+        );
+    }
+
+    /// An apply gives each endpoint the twin its node's pairs name (a pair set before the
+    /// endpoint existed applies when it appears), and keeps it on a later apply.
+    #[test]
+    fn apply_gives_endpoints_their_nodes_twins() {
+        let l = Layout::new(DEFAULT_PREFIX);
+        let by_node: BTreeMap<String, PairsValue> = [
+            (
+                "n1".to_owned(),
+                pairs(&[("10.0.0.1:8080", "n1.example:4443", "s.example")]),
+            ),
+            (
+                "n2".to_owned(),
+                pairs(&[("10.0.0.2:8080", "n2.example:4443", "")]),
+            ),
+        ]
+        .into();
+        // Both endpoints are on n1 (`service` puts them there): n2's pair does not apply.
+        let s = service(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)]);
+        let ops = apply_service(&l, &s, Source::File, None, &BTreeMap::new(), &by_node).unwrap();
+        let mut etcd = BTreeMap::new();
+        run(&ops, &mut etcd);
+        let ip = |a: &str| a.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            etcd[&l.endpoint(&web(), ip("10.0.0.1"), 8080)],
+            ep_value("n1", "n1.example:4443", "s.example")
+        );
+        assert_eq!(
+            etcd[&l.endpoint(&web(), ip("10.0.0.2"), 8080)],
+            ep_value("n1", "", "")
+        );
+        let svc = etcd.get(&l.service(&web())).cloned();
+        let eps: BTreeMap<String, Vec<u8>> = etcd
+            .iter()
+            .filter(|(k, _)| k.starts_with(&l.endpoints_of(&web())))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert!(
+            apply_service(&l, &s, Source::File, svc.as_deref(), &eps, &by_node)
+                .unwrap()
+                .is_empty(),
+            "the same apply keeps the twin and writes nothing"
         );
     }
 }

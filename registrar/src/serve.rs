@@ -26,7 +26,7 @@ use crate::kubernetes::{self, Controllers};
 use crate::listen::{self, Bound, ListenAddr, ListenError};
 use crate::metrics::Metrics;
 use crate::mtls;
-use crate::service::{MarkRate, Registrar};
+use crate::service::{AgentWrites, MarkRate, PairLimits, Registrar};
 use crate::store::{EtcdOptions, Store};
 use crate::tls;
 use crate::tokenreview::{ReviewLimits, Reviewer};
@@ -283,9 +283,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         store,
         args.cluster.clone(),
         usize::try_from(args.max_watch_streams_per_node).unwrap_or(usize::MAX),
-        MarkRate {
-            per_second: args.drain_marks_per_node,
-            burst: f64::from(args.drain_mark_burst),
+        AgentWrites {
+            marks: MarkRate {
+                per_second: args.drain_marks_per_node,
+                burst: f64::from(args.drain_mark_burst),
+            },
+            pairs: PairLimits {
+                per_node: args.quic_pairs_per_node as usize,
+                rate: MarkRate {
+                    per_second: args.quic_pair_sets_per_node,
+                    burst: f64::from(args.quic_pair_set_burst),
+                },
+            },
         },
         shutdown_rx,
         metrics.clone(),
@@ -310,6 +319,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let limits = BodyLimits {
         small: usize::try_from(args.max_request_bytes).unwrap_or(usize::MAX),
         apply: usize::try_from(args.max_apply_bytes).unwrap_or(usize::MAX),
+        pairs: PairLimits::request_bytes(args.quic_pairs_per_node as usize),
     };
     let gate = GateLayer(std::sync::Arc::new(Gate {
         transport,
@@ -335,9 +345,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "limits"
     );
     // The gate answers before the body is read; the service's own decoding limit is the
-    // larger of the two, the gate's cap per method the one that applies.
-    let service =
-        RegistryServer::new(registrar).max_decoding_message_size(limits.small.max(limits.apply));
+    // largest of them, the gate's cap per method the one that applies.
+    let service = RegistryServer::new(registrar)
+        .max_decoding_message_size(limits.small.max(limits.apply).max(limits.pairs));
     let server = tonic::transport::Server::builder()
         .max_concurrent_streams(args.max_concurrent_streams)
         .initial_stream_window_size(args.http2_window)

@@ -5,7 +5,7 @@
 //! changed in between. Watch streams are etcd watches from an etcd revision, so every
 //! replica serves the same stream and a client resumes on any of them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -30,7 +30,7 @@ use crate::store::{Guard, Store, StoreError};
 use crate::streams::{Registration, Replaced, StreamKey, Streams};
 use crate::tokenreview::Buckets;
 use crate::validate;
-use crate::values::{self, EndpointValue, MarkValue, Source};
+use crate::values::{self, EndpointValue, MarkValue, PairsValue, Source};
 use crate::view::{self, Event, EventKind, Rejected};
 use crate::writes::{self, WriteError};
 
@@ -52,9 +52,42 @@ pub struct Registrar {
     loopback: Loopback,
     /// Drain marks a node may still set (`--drain-marks-per-node`, `--drain-mark-burst`).
     marks: Mutex<Buckets<String>>,
-    /// Which services have endpoints at an address, for drain marks naming no service.
+    /// Which services have endpoints at an address, for drain marks naming no service and
+    /// for the endpoints a node's QUIC pairs name.
     addrs: Arc<Addrs>,
+    /// QUIC pairs a node may advertise (`--quic-pairs-per-node`).
+    pairs_per_node: usize,
+    /// SetQuicPairs calls a node may still make (`--quic-pair-sets-per-node`,
+    /// `--quic-pair-set-burst`).
+    pair_sets: Mutex<Buckets<String>>,
 }
+
+/// The bounds of the agents' writes, per node.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentWrites {
+    pub marks: MarkRate,
+    pub pairs: PairLimits,
+}
+
+/// The bounds of SetQuicPairs: pairs per node, and calls per node.
+#[derive(Debug, Clone, Copy)]
+pub struct PairLimits {
+    pub per_node: usize,
+    pub rate: MarkRate,
+}
+
+impl PairLimits {
+    /// The largest SetQuicPairs request `per_node` pairs make, gRPC framing included: each
+    /// pair at most [`validate::QUIC_PAIR_BYTES_MAX`] bytes and its field tag and length,
+    /// plus the node and instance.
+    pub fn request_bytes(per_node: usize) -> usize {
+        per_node * (validate::QUIC_PAIR_BYTES_MAX + 8) + 1024
+    }
+}
+
+/// Endpoint rewrites per transaction when a node's pairs change: below etcd's default
+/// `--max-txn-ops` (128) with the guards' compares.
+const TWIN_OPS_PER_TXN: usize = 32;
 
 /// How many drain marks a node may set: `per_second`, and `burst` at once.
 #[derive(Debug, Clone, Copy)]
@@ -72,11 +105,15 @@ impl Registrar {
         store: Store,
         cluster: Option<String>,
         streams_per_node: usize,
-        mark_rate: MarkRate,
+        writes: AgentWrites,
         shutdown: watch::Receiver<bool>,
         metrics: Arc<Metrics>,
         loopback: Loopback,
     ) -> Self {
+        let AgentWrites {
+            marks: mark_rate,
+            pairs: pair_limits,
+        } = writes;
         Self {
             addrs: Addrs::spawn(store.clone()),
             store,
@@ -84,6 +121,12 @@ impl Registrar {
             marks: Mutex::new(Buckets::new(
                 mark_rate.per_second,
                 mark_rate.burst,
+                MARK_NODES_MAX,
+            )),
+            pairs_per_node: pair_limits.per_node,
+            pair_sets: Mutex::new(Buckets::new(
+                pair_limits.rate.per_second,
+                pair_limits.rate.burst,
                 MARK_NODES_MAX,
             )),
             cluster,
@@ -154,6 +197,15 @@ impl Registry for Registrar {
     ) -> Result<Response<pb::SetEndpointStateResponse>, Status> {
         let r = self.set_state(req).await;
         self.metrics.call("SetEndpointState", &r);
+        r
+    }
+
+    async fn set_quic_pairs(
+        &self,
+        req: Request<pb::SetQuicPairsRequest>,
+    ) -> Result<Response<pb::SetQuicPairsResponse>, Status> {
+        let r = self.set_pairs(req).await;
+        self.metrics.call("SetQuicPairs", &r);
         r
     }
 
@@ -384,6 +436,210 @@ impl Registrar {
             deleted: w.existed,
             revision: w.revision,
         }))
+    }
+}
+
+impl Registrar {
+    /// A refusal of SetQuicPairs: logged, counted by `reason`, and `status` for the caller.
+    fn refuse_pairs(
+        &self,
+        req: &pb::SetQuicPairsRequest,
+        peer: &Peer,
+        reason: &'static str,
+        status: Status,
+    ) -> Status {
+        tracing::warn!(
+            node = %req.node, instance = %req.instance, peer = %peer, reason,
+            error = %status.message(), "SetQuicPairs refused"
+        );
+        Metrics::count(&self.metrics.refusals, reason);
+        status
+    }
+
+    async fn set_pairs(
+        &self,
+        req: Request<pb::SetQuicPairsRequest>,
+    ) -> Result<Response<pb::SetQuicPairsResponse>, Status> {
+        let peer = self.authorize(&req, Method::SetQuicPairs)?;
+        let req = req.into_inner();
+        if let Err(e) = validate::node("node", &req.node) {
+            let status = Status::invalid_argument(e.to_string());
+            return Err(self.refuse_pairs(&req, &peer, "quic_pairs_invalid", status));
+        }
+        if let Err(e) = authz::check_node(&peer, Method::SetQuicPairs, &req.node) {
+            let status = Status::permission_denied(e.to_string());
+            return Err(self.refuse_pairs(&req, &peer, "quic_pairs_other_node", status));
+        }
+        let pairs = match validate::quic_pairs(&req.pairs, self.pairs_per_node, self.loopback) {
+            Ok(p) => p,
+            Err(e) => {
+                let status = match e {
+                    validate::PairsRefused::Invalid(_) => Status::invalid_argument(e.to_string()),
+                    _ => Status::resource_exhausted(e.to_string()),
+                };
+                return Err(self.refuse_pairs(&req, &peer, e.reason(), status));
+            }
+        };
+        if !self
+            .pair_sets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(&req.node, Instant::now())
+        {
+            let status = Status::resource_exhausted(format!(
+                "node {:?} is over its QUIC pair set rate (--quic-pair-sets-per-node); retry later with the whole set",
+                req.node
+            ));
+            return Err(self.refuse_pairs(&req, &peer, "quic_pairs_rate", status));
+        }
+        let key = self.store.layout.quic_pairs(&req.node);
+        let wanted = (!pairs.pairs.is_empty()).then(|| values::encode(&pairs));
+        // First the set itself, unless etcd holds it already.
+        let mut written = None;
+        for _ in 0..ATTEMPTS {
+            let (read, current) = self.store.read_key(&key, None).await.map_err(unavailable)?;
+            let before = current
+                .as_deref()
+                .and_then(|v| values::decode::<PairsValue>(&key, "QUIC pair set", v).ok())
+                .unwrap_or_default();
+            if current == wanted {
+                written = Some((false, before));
+                break;
+            }
+            let op = match &wanted {
+                Some(value) => plan::Op::Put {
+                    key: key.clone(),
+                    value: value.clone(),
+                },
+                None => plan::Op::Delete { key: key.clone() },
+            };
+            if let Some(revision) = self
+                .store
+                .commit(read, &[Guard::Key(key.clone())], &[op])
+                .await
+                .map_err(unavailable)?
+            {
+                tracing::info!(
+                    node = %req.node, instance = %req.instance, peer = %peer, pairs = pairs.pairs.len(),
+                    before = before.pairs.len(), revision, "QUIC pairs set"
+                );
+                written = Some((true, before));
+                break;
+            }
+        }
+        let Some((changed, before)) = written else {
+            return Err(Status::aborted(format!(
+                "the QUIC pairs of node {:?} kept changing while being set; retry",
+                req.node
+            )));
+        };
+        // Then the node's endpoints at the pairs' addresses, old and new, carry the set.
+        // Also when the set was unchanged: endpoints a writer left behind (a registrar
+        // stopped between the two steps, or one that predates the pairs) are put right,
+        // and ones already right are not rewritten.
+        let ips: BTreeSet<IpAddr> = before
+            .pairs
+            .iter()
+            .chain(&pairs.pairs)
+            .map(|p| p.tcp.ip())
+            .collect();
+        let (revision, updated, unmatched) = self.twins(&req.node, &key, &ips).await?;
+        if updated > 0 {
+            tracing::info!(
+                node = %req.node, instance = %req.instance, endpoints = updated, revision,
+                "endpoints carry the node's QUIC pairs"
+            );
+        }
+        Ok(Response::new(pb::SetQuicPairsResponse {
+            revision,
+            changed,
+            endpoints_updated: u32::try_from(updated).unwrap_or(u32::MAX),
+            unmatched: u32::try_from(unmatched).unwrap_or(u32::MAX),
+        }))
+    }
+
+    /// Makes the endpoints on `node` at `ips` carry the pairs stored at `pairs_key`, in
+    /// transactions of [`TWIN_OPS_PER_TXN`] rewrites, each guarded by the endpoints it
+    /// rewrites (still there, unchanged) and the set (unchanged: a newer set makes its own
+    /// call, which puts its endpoints right). The revision after, the endpoints rewritten
+    /// and the pairs that match no endpoint on the node.
+    async fn twins(
+        &self,
+        node: &str,
+        pairs_key: &str,
+        ips: &BTreeSet<IpAddr>,
+    ) -> Result<(i64, usize, usize), Status> {
+        let layout = &self.store.layout;
+        let mut updated = 0;
+        'read: for _ in 0..ATTEMPTS {
+            let current = self.store.revision().await.map_err(unavailable)?;
+            let (_, stored) = self
+                .store
+                .read_key(pairs_key, Some(current))
+                .await
+                .map_err(unavailable)?;
+            let pairs = stored
+                .as_deref()
+                .and_then(|v| values::decode::<PairsValue>(pairs_key, "QUIC pair set", v).ok())
+                .unwrap_or_default();
+            let mut kvs = Vec::new();
+            let mut scanned = false;
+            for ip in ips {
+                match self.addrs.services_at(*ip, current).await {
+                    Some(services) => {
+                        for s in services {
+                            let (_, mut found) = self
+                                .store
+                                .read_prefix(&layout.endpoints_at(&s, *ip), Some(current))
+                                .await
+                                .map_err(unavailable)?;
+                            kvs.append(&mut found);
+                        }
+                    }
+                    None => {
+                        tracing::warn!(address = %ip, revision = current, "the address index is behind etcd; these QUIC pairs read every endpoint");
+                        let (_, all) = self
+                            .store
+                            .read_prefix(&layout.all_endpoints(), Some(current))
+                            .await
+                            .map_err(unavailable)?;
+                        kvs = all;
+                        scanned = true;
+                        break;
+                    }
+                }
+            }
+            if scanned {
+                kvs.retain(|(k, _)| {
+                    matches!(layout.parse(k), Ok(Key::Endpoint { address, .. }) if ips.contains(&address))
+                });
+            }
+            let plan = plan::twins(layout, node, &pairs, &kvs);
+            let mut revision = current;
+            for chunk in plan.ops.chunks(TWIN_OPS_PER_TXN) {
+                let mut guards = vec![Guard::Key(pairs_key.to_owned())];
+                guards.extend(chunk.iter().filter_map(|op| match op {
+                    plan::Op::Put { key, .. } => Some(Guard::Present(key.clone())),
+                    _ => None,
+                }));
+                match self
+                    .store
+                    .commit(current, &guards, chunk)
+                    .await
+                    .map_err(unavailable)?
+                {
+                    Some(r) => {
+                        revision = r;
+                        updated += chunk.len();
+                    }
+                    None => continue 'read,
+                }
+            }
+            return Ok((revision, updated, plan.unmatched));
+        }
+        Err(Status::aborted(format!(
+            "the endpoints of node {node:?} kept changing while taking its QUIC pairs; retry"
+        )))
     }
 }
 
@@ -716,7 +972,14 @@ impl Pump {
                     }),
                 );
                 log_rejected(&rejected);
-                self.send(ResponseKind::Changes(batch)).await?;
+                // A response of keys clients do not see (a node's QUIC pair set, whose
+                // endpoints come in their own transactions) sends nothing: a set that
+                // matches no endpoint yet wakes no node. A client resuming from the
+                // revision before it reads the same nothing again. One of corrupt
+                // entries only still sends its (empty) batch, as it always did.
+                if !batch.changes.is_empty() || !rejected.is_empty() {
+                    self.send(ResponseKind::Changes(batch)).await?;
+                }
                 last = revision;
             }
         }

@@ -100,11 +100,14 @@ async fn retried<T, F: Future<Output = Result<T, StoreError>>>(
         .unwrap_or_else(|_| Err(timeout()))
 }
 
-/// What a transaction's plan was read from: a key, or every key under a prefix.
+/// What a transaction's plan was read from: a key, every key under a prefix, or a key
+/// that must also still exist (a rewrite of a value read must not bring back a key
+/// deleted since).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Guard {
     Key(String),
     Prefix(String),
+    Present(String),
 }
 
 /// A key and its value, as read.
@@ -339,7 +342,7 @@ impl Store {
         let names: Vec<&str> = guarded
             .iter()
             .map(|g| match g {
-                Guard::Key(k) | Guard::Prefix(k) => k.as_str(),
+                Guard::Key(k) | Guard::Prefix(k) | Guard::Present(k) => k.as_str(),
             })
             .collect();
         let what = format!("transaction on {}", names.join(", "));
@@ -347,14 +350,20 @@ impl Store {
         self.timed(what, REQUEST_TIMEOUT, || async move {
             let compares: Vec<Compare> = guarded
                 .iter()
-                .map(|g| match g {
-                    Guard::Key(k) => {
-                        Compare::mod_revision(k.as_str(), CompareOp::Less, read_revision + 1)
-                    }
-                    Guard::Prefix(p) => {
+                .flat_map(|g| match g {
+                    Guard::Key(k) => vec![Compare::mod_revision(
+                        k.as_str(),
+                        CompareOp::Less,
+                        read_revision + 1,
+                    )],
+                    Guard::Prefix(p) => vec![
                         Compare::mod_revision(p.as_str(), CompareOp::Less, read_revision + 1)
-                            .with_prefix()
-                    }
+                            .with_prefix(),
+                    ],
+                    Guard::Present(k) => vec![
+                        Compare::mod_revision(k.as_str(), CompareOp::Less, read_revision + 1),
+                        Compare::version(k.as_str(), CompareOp::Greater, 0),
+                    ],
                 })
                 .collect();
             let txn_ops: Vec<TxnOp> = ops

@@ -2,7 +2,7 @@
 //! the API's messages. Unknown fields are ignored on read, so a newer registrar's extra
 //! fields do not make an older one skip the value.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use aether_model::{EndpointState, ServiceKey};
 use serde::{Deserialize, Serialize};
@@ -66,6 +66,65 @@ pub struct EndpointValue {
     /// values written before the field are unchanged byte for byte and read as false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub mtls: bool,
+    /// Where an HTTP/3 client reaches the endpoint's QUIC twin, from its node's QUIC
+    /// pairs (written by the registrar, never by a source); stored only when set.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub quic: String,
+    /// The server name to send to the twin.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub quic_sni: String,
+}
+
+impl EndpointValue {
+    /// The value with the twin `pairs` name for `at` (none: no twin). Pairs belong to the
+    /// endpoint's node; the caller passes that node's.
+    pub fn with_twin(mut self, at: SocketAddr, pairs: Option<&PairsValue>) -> Self {
+        let (quic, sni) = pairs
+            .and_then(|p| p.twin(at))
+            .map_or((String::new(), String::new()), |p| {
+                (p.quic.clone(), p.quic_sni.clone())
+            });
+        self.quic = quic;
+        self.quic_sni = sni;
+        self
+    }
+}
+
+/// `quic-pairs/<node>`: the node's whole set of QUIC pairs (SetQuicPairs), sorted by
+/// `tcp`, no `tcp` twice. The set is a state: equal sets are equal bytes, so a restated
+/// set is never rewritten.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PairsValue {
+    pub pairs: Vec<PairValue>,
+}
+
+/// One pair: a pod's TCP endpoint and its QUIC twin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PairValue {
+    pub tcp: SocketAddr,
+    pub quic: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub quic_sni: String,
+    #[serde(default)]
+    pub pod: String,
+    #[serde(default)]
+    pub since: i64,
+}
+
+impl PairsValue {
+    /// Sorts by `tcp`; the caller has checked that no `tcp` repeats.
+    pub fn new(mut pairs: Vec<PairValue>) -> Self {
+        pairs.sort_by_key(|p| p.tcp);
+        Self { pairs }
+    }
+
+    /// The pair whose `tcp` is `at`.
+    pub fn twin(&self, at: SocketAddr) -> Option<&PairValue> {
+        self.pairs
+            .binary_search_by_key(&at, |p| p.tcp)
+            .ok()
+            .map(|i| &self.pairs[i])
+    }
 }
 
 /// `marks/<ns>/<name>/<address>`. `instance` is the setter's pod, kept for the log.
@@ -154,6 +213,8 @@ pub fn endpoint_to_pb(address: IpAddr, port: u16, v: &EndpointValue) -> pb::Endp
         pod: v.pod.clone(),
         state: state_to_pb(v.state),
         mtls: v.mtls,
+        quic: v.quic.clone(),
+        quic_sni: v.quic_sni.clone(),
     }
 }
 
@@ -183,6 +244,8 @@ pub fn model_service_to_pb(s: &aether_model::Service) -> pb::Service {
                 pod: e.pod.clone(),
                 state: state_to_pb(e.state),
                 mtls: e.mtls,
+                quic: String::new(),
+                quic_sni: String::new(),
             })
             .collect(),
     }
@@ -237,6 +300,8 @@ mod tests {
             pod: "p".into(),
             state: EndpointState::Draining,
             mtls: false,
+            quic: String::new(),
+            quic_sni: String::new(),
         };
         assert_eq!(
             String::from_utf8(encode(&e)).unwrap(),
@@ -272,6 +337,8 @@ mod tests {
             pod: "p".into(),
             state: EndpointState::Healthy,
             mtls: false,
+            quic: String::new(),
+            quic_sni: String::new(),
         };
         let marked = EndpointValue {
             mtls: true,

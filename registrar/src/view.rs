@@ -86,6 +86,9 @@ pub fn full_view<'a>(
                     Err(e) => rejected.push(Rejected::new(key, e)),
                 }
             }
+            // A node's pairs reach clients on its endpoints (`quic`, `quic_sni`), which
+            // the registrar writes from them; the set itself is not part of the view.
+            Ok(Key::QuicPairs { .. }) => {}
         }
     }
     for (service, address, port, v, key) in endpoints {
@@ -122,8 +125,9 @@ pub fn full_view<'a>(
     (view, rejected)
 }
 
-/// What one watch event means for a client.
-pub fn change(layout: &Layout, ev: &Event<'_>) -> Result<pb::Change, Rejected> {
+/// What one watch event means for a client; None for a key clients do not see (a node's
+/// QUIC pairs, which reach them as the endpoint upserts written with the set).
+pub fn change(layout: &Layout, ev: &Event<'_>) -> Result<Option<pb::Change>, Rejected> {
     use pb::change::Kind;
     let key = layout.parse(ev.key).map_err(|e| Rejected::new(ev.key, e))?;
     let text = String::from_utf8_lossy(ev.key);
@@ -173,11 +177,13 @@ pub fn change(layout: &Layout, ev: &Event<'_>) -> Result<pb::Change, Rejected> {
             state: values::state_to_pb(EndpointState::Healthy),
             node: String::new(),
         }),
+        (Key::QuicPairs { .. }, _) => return Ok(None),
     };
-    Ok(pb::Change { kind: Some(kind) })
+    Ok(Some(pb::Change { kind: Some(kind) }))
 }
 
-/// The changes of one watch response, which bring a view to `revision`.
+/// The changes of one watch response, which bring a view to `revision`. Empty when the
+/// response held only keys clients do not see.
 pub fn batch<'a>(
     layout: &Layout,
     revision: i64,
@@ -186,7 +192,7 @@ pub fn batch<'a>(
     let mut rejected = Vec::new();
     let changes = events
         .into_iter()
-        .filter_map(|ev| change(layout, &ev).map_err(|r| rejected.push(r)).ok())
+        .filter_map(|ev| change(layout, &ev).map_err(|r| rejected.push(r)).ok()?)
         .collect();
     (pb::ChangeBatch { revision, changes }, rejected)
 }
@@ -310,6 +316,8 @@ impl View {
             pod: e.pod.clone(),
             state: state(e.state)?,
             mtls: e.mtls,
+            quic: e.quic.clone(),
+            quic_sni: e.quic_sni.clone(),
         };
         let at = (ip(&e.address)?, port(e.port)?);
         if let Some(s) = self.services.get_mut(key) {
@@ -333,7 +341,8 @@ impl View {
     /// The view as pretty JSON, sorted: `services` in the registry file's schema, each
     /// endpoint with its effective state (a DRAINING mark on its address overrides
     /// HEALTHY) and `"mtls": true` when it is marked so (left out when false, the file's
-    /// default), then `marks`. The revision is left out, so that the views of two
+    /// default), `quic` and `quic_sni` where the endpoint has a QUIC twin (left out when
+    /// empty), then `marks`. The revision is left out, so that the views of two
     /// replicas, or of a client and the registrar, compare byte for byte.
     pub fn to_json(&self) -> String {
         #[derive(Serialize)]
@@ -360,6 +369,10 @@ impl View {
             state: EndpointState,
             #[serde(skip_serializing_if = "std::ops::Not::not")]
             mtls: bool,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            quic: &'a str,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            quic_sni: &'a str,
         }
         #[derive(Serialize)]
         struct DocMark<'a> {
@@ -399,6 +412,8 @@ impl View {
                                 pod: &e.pod,
                                 state,
                                 mtls: e.mtls,
+                                quic: &e.quic,
+                                quic_sni: &e.quic_sni,
                             }
                         })
                         .collect(),
@@ -440,6 +455,9 @@ mod tests {
     /// An endpoint marked mTLS-capable, as the registrar stores it.
     const EP_MTLS: &str =
         r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy","mtls":true}"#;
+    /// An endpoint with a QUIC twin, as the registrar writes it from its node's pairs.
+    const EP_QUIC: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy","quic":"n1.example:4443","quic_sni":"web-1.d.example"}"#;
+    const PAIRS: &str = r#"{"pairs":[{"tcp":"10.0.0.1:8080","quic":"n1.example:4443","quic_sni":"web-1.d.example","pod":"d/web-1","since":1}]}"#;
     const MARK: &str = r#"{"state":"draining","node":"n1","instance":"agent-a"}"#;
 
     #[test]
@@ -496,7 +514,8 @@ mod tests {
             },
         );
         let got = match got {
-            Ok(c) => format!("{:?}", c.kind.unwrap()),
+            Ok(Some(c)) => format!("{:?}", c.kind.unwrap()),
+            Ok(None) => "nothing".to_owned(),
             Err(r) => format!("rejected {}: {}", r.key, r.error),
         };
         assert!(got.contains(want), "{got}\n lacks {want}");
@@ -521,13 +540,13 @@ mod tests {
             Put,
             "endpoints/d/web/10.0.0.1/8080",
             EP,
-            r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: false }) })"#,
+            r#"EndpointUpserted(EndpointUpsert { service: Some(ServiceKey { namespace: "d", name: "web" }), endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: false, quic: "", quic_sni: "" }) })"#,
         );
         check(
             Put,
             "endpoints/d/web/10.0.0.1/8080",
             EP_MTLS,
-            r#"endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: true }) })"#,
+            r#"endpoint: Some(Endpoint { address: "10.0.0.1", port: 8080, service_port: 80, node: "n1", pod: "web-1", state: Healthy, mtls: true, quic: "", quic_sni: "" }) })"#,
         );
         check(
             Delete,
@@ -558,6 +577,15 @@ mod tests {
             "services/d",
             WEB,
             "rejected /aether/registry/services/d: key",
+        );
+        // A node's pairs are not sent as such: its endpoints carry them.
+        check(Put, "quic-pairs/n1", PAIRS, "nothing");
+        check(Delete, "quic-pairs/n1", "", "nothing");
+        check(
+            Put,
+            "endpoints/d/web/10.0.0.1/8080",
+            EP_QUIC,
+            r#"mtls: false, quic: "n1.example:4443", quic_sni: "web-1.d.example" }"#,
         );
     }
 
@@ -772,5 +800,66 @@ mod tests {
             aether_model::registry_file::parse(std::path::Path::new("dump"), file.as_bytes())
                 .unwrap();
         assert_eq!(parsed.services.len(), 1);
+    }
+
+    /// A node's pair set is in etcd beside the endpoints it names: the full view leaves it
+    /// out (without calling it corrupt), the endpoints carry their twins, and the dump
+    /// prints them where set.
+    #[test]
+    fn twins_reach_the_full_view_and_the_dump_and_the_pair_set_stays_out() {
+        let l = layout();
+        let kvs: Vec<(Vec<u8>, &str)> = vec![
+            (k("services/d/web"), WEB),
+            (k("endpoints/d/web/10.0.0.1/8080"), EP_QUIC),
+            (k("endpoints/d/web/10.0.0.2/8080"), EP),
+            (k("quic-pairs/n1"), PAIRS),
+        ];
+        let (full, rejected) =
+            full_view(&l, 3, kvs.iter().map(|(k, v)| (k.as_slice(), v.as_bytes())));
+        assert!(rejected.is_empty(), "{rejected:?}");
+        let twins: Vec<(&str, &str, &str)> = full.services[0]
+            .endpoints
+            .iter()
+            .map(|e| (e.address.as_str(), e.quic.as_str(), e.quic_sni.as_str()))
+            .collect();
+        assert_eq!(
+            twins,
+            [
+                ("10.0.0.1", "n1.example:4443", "web-1.d.example"),
+                ("10.0.0.2", "", "")
+            ]
+        );
+        // A pair set alone makes an empty batch, which the pump does not send.
+        let key = k("quic-pairs/n1");
+        let (b, rejected) = batch(
+            &l,
+            4,
+            [Event {
+                kind: EventKind::Put,
+                key: &key,
+                value: PAIRS.as_bytes(),
+            }],
+        );
+        assert!(b.changes.is_empty() && rejected.is_empty(), "{b:?}");
+        let view = View::from_full(&full).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&view.to_json()).unwrap();
+        let eps = doc["services"][0]["endpoints"].as_array().unwrap();
+        assert_eq!(eps[0]["quic"], "n1.example:4443");
+        assert_eq!(eps[0]["quic_sni"], "web-1.d.example");
+        assert!(eps[1].get("quic").is_none() && eps[1].get("quic_sni").is_none());
+        // A client following an upsert that clears the twin loses it.
+        let mut view = view;
+        let ep = k("endpoints/d/web/10.0.0.1/8080");
+        let (b, _) = batch(
+            &l,
+            5,
+            [Event {
+                kind: EventKind::Put,
+                key: &ep,
+                value: EP.as_bytes(),
+            }],
+        );
+        view.apply(&b).unwrap();
+        assert!(!view.to_json().contains("quic"), "{}", view.to_json());
     }
 }

@@ -10,7 +10,7 @@ use aether_model::{Service, ServiceKey};
 
 use crate::plan::{self, Owned};
 use crate::store::{Guard, Store, StoreError};
-use crate::values::Source;
+use crate::values::{self, PairsValue, Source};
 
 /// Plans read again after a guard failed, before giving up.
 const ATTEMPTS: usize = 16;
@@ -55,7 +55,10 @@ pub struct Written {
     pub existed: bool,
 }
 
-/// Makes etcd hold `s` exactly, as `writer` wrote it, in one transaction.
+/// Makes etcd hold `s` exactly, as `writer` wrote it, in one transaction. Its endpoints
+/// carry the QUIC twins their nodes' pairs name, read at the same revision; the
+/// transaction is guarded by those pairs too, so a set written meanwhile is read again and
+/// no endpoint is written with a replaced set's twin.
 pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written, WriteError> {
     let layout = &store.layout;
     let key = s.key();
@@ -67,9 +70,41 @@ pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written
             .into_iter()
             .map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v))
             .collect();
+        let nodes: std::collections::BTreeSet<&str> = s
+            .endpoints
+            .iter()
+            .map(|e| e.node.as_str())
+            .filter(|n| crate::keys::is_dns_subdomain(n))
+            .collect();
+        let mut pairs = BTreeMap::new();
+        let mut guards = vec![
+            Guard::Key(service_key.clone()),
+            Guard::Prefix(endpoints.clone()),
+        ];
+        for node in nodes {
+            let pairs_key = layout.quic_pairs(node);
+            if let (_, Some(v)) = store.read_key(&pairs_key, Some(read)).await? {
+                match values::decode::<PairsValue>(&pairs_key, "QUIC pair set", &v) {
+                    Ok(p) => {
+                        pairs.insert(node.to_owned(), p);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "corrupt registry entry in etcd skipped")
+                    }
+                }
+            }
+            guards.push(Guard::Key(pairs_key));
+        }
         let before = plan::stored_source(current.as_deref());
-        let ops = plan::apply_service(layout, s, writer, current.as_deref(), &current_endpoints)
-            .map_err(|o| WriteError::owned(&key, o))?;
+        let ops = plan::apply_service(
+            layout,
+            s,
+            writer,
+            current.as_deref(),
+            &current_endpoints,
+            &pairs,
+        )
+        .map_err(|o| WriteError::owned(&key, o))?;
         let written = |revision| Written {
             revision,
             writes: ops.len(),
@@ -79,10 +114,6 @@ pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written
         if ops.is_empty() {
             return Ok(written(read));
         }
-        let guards = [
-            Guard::Key(service_key.clone()),
-            Guard::Prefix(endpoints.clone()),
-        ];
         match store.commit(read, &guards, &ops).await {
             Ok(Some(revision)) => return Ok(written(revision)),
             Ok(None) => continue,

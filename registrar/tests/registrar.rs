@@ -1459,3 +1459,263 @@ async fn connections_streams_and_bodies_past_their_limits_are_refused_and_counte
         assert!(text.contains(want), "{want} not in:\n{text}");
     }
 }
+
+fn pair(tcp: &str, quic: &str, sni: &str, pod: &str) -> pb::QuicPair {
+    pb::QuicPair {
+        tcp: tcp.into(),
+        quic: quic.into(),
+        quic_sni: sni.into(),
+        pod: pod.into(),
+        since: 1_764_900_000,
+    }
+}
+
+fn set_pairs(node: &str, instance: &str, pairs: Vec<pb::QuicPair>) -> pb::SetQuicPairsRequest {
+    pb::SetQuicPairsRequest {
+        node: node.into(),
+        pairs,
+        instance: instance.into(),
+    }
+}
+
+/// The one endpoint upsert of a batch: its address:port, quic and quic_sni.
+fn twin_upsert(batch: &pb::ChangeBatch) -> (String, String, String) {
+    use pb::change::Kind as C;
+    assert_eq!(batch.changes.len(), 1, "{batch:?}");
+    match batch.changes[0].kind.as_ref().unwrap() {
+        C::EndpointUpserted(u) => {
+            let e = u.endpoint.as_ref().unwrap();
+            (
+                format!("{}:{}", e.address, e.port),
+                e.quic.clone(),
+                e.quic_sni.clone(),
+            )
+        }
+        other => panic!("expected an endpoint upsert, got {other:?}"),
+    }
+}
+
+/// SetQuicPairs: a node's pairs reach watchers on that node's endpoints at the pairs'
+/// addresses (as upserts, and in full views and the dump); the same set restated by a
+/// successor sends nothing; a pair with no endpoint yet applies when the endpoint
+/// appears; a removed pair sends its endpoint without a twin. Another node's pair for an
+/// address leaves the endpoint alone. Bad sets, too large ones and calls past the node's
+/// rate are refused and counted.
+#[tokio::test]
+async fn quic_pairs_reach_their_nodes_endpoints_and_a_restated_set_sends_nothing() {
+    let etcd =
+        etcd_or_skip!("quic_pairs_reach_their_nodes_endpoints_and_a_restated_set_sends_nothing");
+    let dir = tempfile::tempdir().unwrap();
+    let metrics_addr = format!("127.0.0.1:{}", aether_registrar::testing::free_port());
+    let reg = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("r.sock"),
+        &[
+            "--metrics-addr",
+            &metrics_addr,
+            "--quic-pairs-per-node",
+            "3",
+            "--quic-pair-sets-per-node",
+            "0.001",
+            "--quic-pair-set-burst",
+            "5",
+        ],
+    );
+    let addr = reg.addr();
+    apply(
+        addr,
+        vec![
+            web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")]),
+            svc("prod", "api", &[81], &[("10.0.0.1", 9000, "n1")]),
+        ],
+    )
+    .await;
+    let mut s = watch(addr, "c", "observer", "", 0).await;
+    next_full(&mut s).await;
+    let mut c = client(addr).await;
+
+    // The owner of n1 advertises two pairs; one names an endpoint not registered yet.
+    let owner_set = vec![
+        pair(
+            "10.0.0.1:8080",
+            "n1.example:4443",
+            "web-1.prod.example",
+            "prod/web-1",
+        ),
+        pair("10.0.0.9:8080", "n1.example:4443", "", "prod/web-9"),
+    ];
+    let a = c
+        .set_quic_pairs(set_pairs("n1", "agent-a", owner_set.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (a.changed, a.endpoints_updated, a.unmatched),
+        (true, 1, 1),
+        "{a:?}"
+    );
+    let b = next_changes(&mut s).await;
+    assert_eq!(
+        twin_upsert(&b),
+        (
+            "10.0.0.1:8080".into(),
+            "n1.example:4443".into(),
+            "web-1.prod.example".into()
+        )
+    );
+    assert_eq!(b.revision, a.revision);
+
+    // Its successor restates the same set: nothing is written or sent. The next batch
+    // the watcher gets is the apply below, nothing before it.
+    let again = c
+        .set_quic_pairs(set_pairs("n1", "agent-b", owner_set.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (again.changed, again.endpoints_updated, again.revision),
+        (false, 0, a.revision),
+        "{again:?}"
+    );
+    // Node n2 names n1's endpoint in its own set: n1's endpoint is not n2's to pair.
+    let other = c
+        .set_quic_pairs(set_pairs(
+            "n2",
+            "agent-x",
+            vec![pair("10.0.0.1:8080", "evil.example:4443", "", "prod/web-1")],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (other.endpoints_updated, other.unmatched),
+        (0, 1),
+        "{other:?}"
+    );
+    // The pair without an endpoint applies when the endpoint appears; the endpoint with a
+    // twin already is not rewritten by the apply.
+    apply(
+        addr,
+        vec![web(&[
+            ("10.0.0.1", 8080, "n1"),
+            ("10.0.0.2", 8080, "n2"),
+            ("10.0.0.9", 8080, "n1"),
+        ])],
+    )
+    .await;
+    assert_eq!(
+        twin_upsert(&next_changes(&mut s).await),
+        ("10.0.0.9:8080".into(), "n1.example:4443".into(), "".into())
+    );
+
+    // A new watcher's full view, and the dump, carry the twins where set.
+    let mut fresh = watch(addr, "c", "late", "", 0).await;
+    let full = next_full(&mut fresh).await;
+    let twins: Vec<(String, String, String)> = full
+        .services
+        .iter()
+        .flat_map(|s| {
+            let name = s.key.as_ref().unwrap().name.clone();
+            s.endpoints.iter().map(move |e| {
+                (
+                    format!("{name} {}:{}", e.address, e.port),
+                    e.quic.clone(),
+                    e.quic_sni.clone(),
+                )
+            })
+        })
+        .collect();
+    assert_eq!(
+        twins,
+        [
+            ("api 10.0.0.1:9000".into(), "".into(), "".into()),
+            (
+                "web 10.0.0.1:8080".into(),
+                "n1.example:4443".into(),
+                "web-1.prod.example".into()
+            ),
+            ("web 10.0.0.2:8080".into(), "".into(), "".into()),
+            (
+                "web 10.0.0.9:8080".into(),
+                "n1.example:4443".into(),
+                "".into()
+            ),
+        ]
+    );
+    let doc: serde_json::Value = serde_json::from_str(&dump(addr)).unwrap();
+    let web_eps = &doc["services"][1]["endpoints"];
+    assert_eq!(web_eps[0]["quic"], "n1.example:4443", "{doc}");
+    assert_eq!(web_eps[0]["quic_sni"], "web-1.prod.example", "{doc}");
+    assert!(web_eps[1].get("quic").is_none(), "{doc}");
+    assert_eq!(dump(addr), render(&full), "the dump is the full view");
+
+    // Removing a pair sends its endpoint without a twin.
+    let removed = c
+        .set_quic_pairs(set_pairs("n1", "agent-b", owner_set[1..].to_vec()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((removed.changed, removed.endpoints_updated), (true, 1));
+    assert_eq!(
+        twin_upsert(&next_changes(&mut s).await),
+        ("10.0.0.1:8080".into(), "".into(), "".into())
+    );
+
+    // Refusals, each naming the value at fault, counted by reason.
+    let bad = c
+        .set_quic_pairs(set_pairs(
+            "n1",
+            "agent-b",
+            vec![pair("10.0.0.1", "n1.example:4443", "", "prod/web-1")],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    assert!(
+        bad.message().contains("pairs[0].tcp") && bad.message().contains("\"10.0.0.1\""),
+        "{bad:?}"
+    );
+    let many = c
+        .set_quic_pairs(set_pairs(
+            "n1",
+            "agent-b",
+            (1..=4)
+                .map(|i| pair(&format!("10.0.1.{i}:80"), "n1.example:4443", "", "prod/p"))
+                .collect(),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(many.code(), Code::ResourceExhausted, "{many:?}");
+    assert!(many.message().contains("--quic-pairs-per-node"), "{many:?}");
+    // n1's fourth and fifth sets (the burst), then the rate.
+    let empty = c
+        .set_quic_pairs(set_pairs("n1", "agent-b", vec![]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((empty.changed, empty.endpoints_updated), (true, 1));
+    assert_eq!(
+        twin_upsert(&next_changes(&mut s).await),
+        ("10.0.0.9:8080".into(), "".into(), "".into())
+    );
+    c.set_quic_pairs(set_pairs("n1", "agent-b", vec![]))
+        .await
+        .unwrap();
+    let rate = c
+        .set_quic_pairs(set_pairs("n1", "agent-b", vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(rate.code(), Code::ResourceExhausted, "{rate:?}");
+    reg.wait_log("over its QUIC pair set rate", WAIT);
+
+    let text = metrics_text(&metrics_addr);
+    for want in [
+        "aether_registrar_refusals_total{reason=\"quic_pairs_invalid\"} 1",
+        "aether_registrar_refusals_total{reason=\"quic_pairs_per_node\"} 1",
+        "aether_registrar_refusals_total{reason=\"quic_pairs_rate\"} 1",
+        "aether_registrar_calls_total{method=\"SetQuicPairs\",code=\"Ok\"} 6",
+    ] {
+        assert!(text.contains(want), "{want} not in:\n{text}");
+    }
+}

@@ -233,3 +233,140 @@ fn the_diff_catches_a_removed_a_renumbered_and_a_retyped_field() {
         .is_empty()
     );
 }
+
+/// An agent of the previous version decodes what a newer registrar sends with the new
+/// fields (`Endpoint.quic`, `Endpoint.quic_sni`) set: they are unknown fields to it, kept
+/// aside and never read, and every field it knows reads as sent, in a full view and in a
+/// change batch. Two previous versions: the release just before the QUIC fields (its
+/// `registry.proto`, kept under `tests/fixtures/registry-before-quic/`), and v1 as first
+/// committed (`registry.v1.binpb`, before `mtls` too).
+#[test]
+fn an_agent_of_the_previous_version_ignores_the_new_fields() {
+    use prost_reflect::{DescriptorPool, DynamicMessage, Value};
+    use shared_proto::registry as pb;
+
+    let before_quic = protox::compile(
+        ["aether/registry/v1/registry.proto"],
+        [concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/registry-before-quic"
+        )],
+    )
+    .expect("the previous registry.proto compiles");
+    let versions = [
+        (
+            "before the QUIC fields",
+            DescriptorPool::decode(before_quic.encode_to_vec().as_slice()).unwrap(),
+            &[8, 9][..],
+        ),
+        (
+            "v1 as committed",
+            DescriptorPool::decode(shared_proto::registry::V1_DESCRIPTOR_SET).unwrap(),
+            &[7, 8, 9][..],
+        ),
+    ];
+
+    let endpoint = pb::Endpoint {
+        address: "10.0.0.1".into(),
+        port: 8080,
+        service_port: 80,
+        node: "n1".into(),
+        pod: "web-1".into(),
+        state: pb::EndpointState::Draining as i32,
+        mtls: true,
+        quic: "n1.example:4443".into(),
+        quic_sni: "web-1.prod.example".into(),
+    };
+    let key = pb::ServiceKey {
+        namespace: "prod".into(),
+        name: "web".into(),
+    };
+    let full = pb::WatchEndpointsResponse {
+        kind: Some(pb::watch_endpoints_response::Kind::Full(pb::FullView {
+            revision: 7,
+            services: vec![pb::Service {
+                key: Some(key.clone()),
+                ports: vec![80],
+                vip: "10.96.0.1".into(),
+                endpoints: vec![endpoint.clone()],
+            }],
+            ..Default::default()
+        })),
+    };
+    let batch = pb::WatchEndpointsResponse {
+        kind: Some(pb::watch_endpoints_response::Kind::Changes(
+            pb::ChangeBatch {
+                revision: 8,
+                changes: vec![pb::Change {
+                    kind: Some(pb::change::Kind::EndpointUpserted(pb::EndpointUpsert {
+                        service: Some(key),
+                        endpoint: Some(endpoint),
+                    })),
+                }],
+            },
+        )),
+    };
+
+    fn get(m: &DynamicMessage, name: &str) -> Option<Value> {
+        m.get_field_by_name(name).map(|v| v.into_owned())
+    }
+    fn message(v: Option<Value>) -> DynamicMessage {
+        match v {
+            Some(Value::Message(m)) => m,
+            other => panic!("not a message: {other:?}"),
+        }
+    }
+    fn first(v: Option<Value>) -> DynamicMessage {
+        match v {
+            Some(Value::List(mut l)) => message(Some(l.remove(0))),
+            other => panic!("not a list: {other:?}"),
+        }
+    }
+    /// The old agent's endpoint: every field it knows as sent, the new ones unknown.
+    fn check(version: &str, e: &DynamicMessage, unknown: &[u32]) {
+        let s = |v: &str| Some(Value::String(v.into()));
+        assert_eq!(get(e, "address"), s("10.0.0.1"), "{version}");
+        assert_eq!(get(e, "port"), Some(Value::U32(8080)), "{version}");
+        assert_eq!(get(e, "service_port"), Some(Value::U32(80)), "{version}");
+        assert_eq!(get(e, "node"), s("n1"), "{version}");
+        assert_eq!(get(e, "pod"), s("web-1"), "{version}");
+        assert_eq!(
+            get(e, "state"),
+            Some(Value::EnumNumber(pb::EndpointState::Draining as i32)),
+            "{version}"
+        );
+        if !unknown.contains(&7) {
+            assert_eq!(get(e, "mtls"), Some(Value::Bool(true)), "{version}");
+        }
+        assert_eq!(get(e, "quic"), None, "{version} has no quic field");
+        assert_eq!(get(e, "quic_sni"), None, "{version} has no quic_sni field");
+        let got: Vec<u32> = e.unknown_fields().map(|f| f.number()).collect();
+        assert_eq!(got, unknown, "{version}: the fields unknown to it");
+    }
+
+    for (version, pool, unknown) in &versions {
+        let response = pool
+            .get_message_by_name("aether.registry.v1.WatchEndpointsResponse")
+            .unwrap();
+        let old = DynamicMessage::decode(response.clone(), full.encode_to_vec().as_slice())
+            .unwrap_or_else(|e| panic!("{version} decodes a full view with the new fields: {e}"));
+        let view = message(get(&old, "full"));
+        assert_eq!(get(&view, "revision"), Some(Value::I64(7)), "{version}");
+        let service = first(get(&view, "services"));
+        assert_eq!(
+            get(&service, "vip"),
+            Some(Value::String("10.96.0.1".into())),
+            "{version}"
+        );
+        check(version, &first(get(&service, "endpoints")), unknown);
+
+        let old = DynamicMessage::decode(response, batch.encode_to_vec().as_slice())
+            .unwrap_or_else(|e| {
+                panic!("{version} decodes a change batch with the new fields: {e}")
+            });
+        let changes = message(get(&old, "changes"));
+        assert_eq!(get(&changes, "revision"), Some(Value::I64(8)), "{version}");
+        let upsert = message(get(&first(get(&changes, "changes")), "endpoint_upserted"));
+        check(version, &message(get(&upsert, "endpoint")), unknown);
+    }
+}

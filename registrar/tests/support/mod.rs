@@ -47,6 +47,8 @@ pub fn svc(ns: &str, name: &str, ports: &[u32], eps: &[(&str, u32, &str)]) -> pb
                 pod: format!("pod-{a}"),
                 state: pb::EndpointState::Healthy as i32,
                 mtls: false,
+                quic: String::new(),
+                quic_sni: String::new(),
             })
             .collect(),
     }

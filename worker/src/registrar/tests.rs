@@ -26,6 +26,8 @@ fn ep(addr: &str, port: u32, node: &str, state: pb::EndpointState) -> pb::Endpoi
         pod: String::new(),
         state: state as i32,
         mtls: false,
+        quic: String::new(),
+        quic_sni: String::new(),
     }
 }
 
