@@ -210,17 +210,14 @@ fn has_marker(path: &Path) -> bool {
     }
 }
 
-/// Starts the node's next agent with the rig's flags, and `hook` in its environment.
+/// Starts the node's next agent with the rig's flags (its capture file among them), and
+/// `hook` in its environment.
 fn start(rig: &mut NodeRig, hook: Option<&str>) -> Agent {
-    let capture = format!(
-        "--capture-file={}",
-        rig.node.root.path().join("capture.json").display()
-    );
     match hook {
         Some(step) => rig
             .node
-            .start_agent_wrapped(&["env", &format!("AETHER_FAULT_HOOK={step}")], &[&capture]),
-        None => rig.node.start_agent_with(&[&capture]),
+            .start_agent_wrapped(&["env", &format!("AETHER_FAULT_HOOK={step}")], &[]),
+        None => rig.node.start_agent_with(&[]),
     }
 }
 

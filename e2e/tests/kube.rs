@@ -265,12 +265,10 @@ fn a_deletion_during_a_surge_roll_is_served_draining_by_the_new_owner() {
     cni.call("ADD", &pod, Some(ip)).expect("ADD");
     wait_health(&rig.envoy, &pod, ip, "HEALTHY", T);
 
-    // The surge pod starts beside the owner: a standby with its own watches.
-    let capture = format!(
-        "--capture-file={}",
-        rig.node.root.path().join("capture.json").display()
-    );
-    let gen2 = rig.node.start_agent_with(&[&capture, &gen2_kc]);
+    // The surge pod starts beside the owner: a standby with its own watches, by its own
+    // kubeconfig in place of gen1's.
+    rig.node.args.retain(|a| *a != gen1_kc);
+    let gen2 = rig.node.start_agent_with(&[&gen2_kc]);
     gen2.wait_role("standby", T);
     wait_for("both generations to watch pods", T, || {
         (api.watchers("pods") >= 2).then_some(())

@@ -325,13 +325,13 @@ mod tests {
             ("ARG_MTLS", "off", "permissive or strict"),
             ("ARG_MTLS_ROTATIONS", "-1", "not a whole number"),
             ("ARG_MTLS_IP_REUSES", "one", "not a whole number"),
-            ("ARG_BOUND", "fast", "not a duration"),
+            ("ARG_BOUND", "fast", "expected a number of seconds"),
             ("ARG_LOAD_RPS", "1.5", "not a whole number"),
             ("ARG_BACKOFF_BASE", "0s", "positive"),
-            ("ARG_BACKOFF_MAX", "1m", "not a duration"),
+            ("ARG_BACKOFF_MAX", "1x", "expected a number of seconds"),
             ("ARG_XDS_API", "grpc", "expected sotw"),
             ("ARG_MESH_SERVICES", "many", "not a whole number"),
-            ("ARG_POLL_PERIOD", "-2ms", "positive"),
+            ("ARG_POLL_PERIOD", "-2ms", "negative"),
         ] {
             let e = format!("{:#}", parse(&[(name, value)]).unwrap_err());
             assert!(
