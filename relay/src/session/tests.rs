@@ -251,6 +251,16 @@ struct Agent {
 }
 
 impl Agent {
+    /// The next owner: the snapshot as it is, its nonces after this one's, no memory of
+    /// the client.
+    fn successor(self) -> Agent {
+        Agent {
+            snapshot: self.snapshot,
+            nonce: self.nonce,
+            ..Agent::default()
+        }
+    }
+
     fn handle(&mut self, r: &DeltaRequest) -> Vec<Framed<DeltaResponse>> {
         if !r.response_nonce.is_empty() && r.resource_names_subscribe.is_empty() {
             return Vec::new();
@@ -325,6 +335,28 @@ struct Envoy {
     unanswered: Vec<(Framed<DeltaResponse>, bool)>,
 }
 
+impl Envoy {
+    /// Takes an answer's resources and removals.
+    fn apply(&mut self, answer: &DeltaResponse) {
+        let t = self.held.entry(answer.type_url.clone()).or_default();
+        for n in &answer.removed_resources {
+            t.remove(n);
+        }
+        for r in &answer.resources {
+            t.insert(r.name.clone(), r.version.clone());
+        }
+    }
+}
+
+/// Envoy's ACK (or NACK) of `answer`.
+fn reply(answer: &DeltaResponse, ok: bool) -> Framed<DeltaRequest> {
+    if ok {
+        ack(&answer.type_url, &answer.nonce)
+    } else {
+        nack(&answer.type_url, &answer.nonce)
+    }
+}
+
 #[test]
 fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
     let urls = [CDS, EDS, SDS];
@@ -379,25 +411,17 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
             for answer in std::mem::take(&mut to_envoy) {
                 let ok = rng.next(10) != 0;
                 if ok {
-                    let t = envoy.held.entry(answer.view.type_url.clone()).or_default();
-                    for n in &answer.view.removed_resources {
-                        t.remove(n);
-                    }
-                    for r in &answer.view.resources {
-                        t.insert(r.name.clone(), r.version.clone());
-                    }
+                    envoy.apply(&answer.view);
                 }
                 envoy.unanswered.push((answer, ok));
             }
             if rng.next(2) == 0 {
                 for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
-                    let v = &answer.view;
-                    let r = if ok {
-                        ack(&v.type_url, &v.nonce)
-                    } else {
-                        nack(&v.type_url, &v.nonce)
-                    };
-                    route(s.on_envoy(r), &mut to_agent, &mut to_envoy);
+                    route(
+                        s.on_envoy(reply(&answer.view, ok)),
+                        &mut to_agent,
+                        &mut to_envoy,
+                    );
                 }
             }
             match rng.next(5) {
@@ -406,12 +430,7 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                     // this client.
                     s.upstream_down();
                     to_agent.clear();
-                    let snapshot = std::mem::take(&mut agent.snapshot);
-                    agent = Agent {
-                        snapshot,
-                        nonce: agent.nonce,
-                        ..Agent::default()
-                    };
+                    agent = agent.successor();
                     shuffle(&mut agent, &mut rng);
                     route(s.upstream_up(), &mut to_agent, &mut to_envoy);
                 }
@@ -429,20 +448,13 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
         // Settle: the NACKed answers are re-sent by a last switch (as Envoy's own retry
         // would ask), every answer delivered and ACKed.
         s.upstream_down();
-        let snapshot = std::mem::take(&mut agent.snapshot);
-        agent = Agent {
-            snapshot,
-            nonce: agent.nonce,
-            ..Agent::default()
-        };
+        agent = agent.successor();
         for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
-            let v = &answer.view;
-            let r = if ok {
-                ack(&v.type_url, &v.nonce)
-            } else {
-                nack(&v.type_url, &v.nonce)
-            };
-            route(s.on_envoy(r), &mut to_agent, &mut to_envoy);
+            route(
+                s.on_envoy(reply(&answer.view, ok)),
+                &mut to_agent,
+                &mut to_envoy,
+            );
         }
         to_agent.clear();
         route(s.upstream_up(), &mut to_agent, &mut to_envoy);
@@ -453,16 +465,9 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                 }
             }
             for answer in std::mem::take(&mut to_envoy) {
-                let t = envoy.held.entry(answer.view.type_url.clone()).or_default();
-                for n in &answer.view.removed_resources {
-                    t.remove(n);
-                }
-                for r in &answer.view.resources {
-                    t.insert(r.name.clone(), r.version.clone());
-                }
-                let v = &answer.view;
+                envoy.apply(&answer.view);
                 route(
-                    s.on_envoy(ack(&v.type_url, &v.nonce)),
+                    s.on_envoy(reply(&answer.view, true)),
                     &mut to_agent,
                     &mut to_envoy,
                 );
