@@ -17,5 +17,6 @@ pub mod flood;
 pub mod harness;
 pub mod identity;
 pub mod kube_api;
+pub mod quic;
 pub mod registrar;
 pub mod testing;

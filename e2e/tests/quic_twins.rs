@@ -9,109 +9,14 @@
 //! does not accept. Then a third pod's SVID is released late: its twin must serve within
 //! 1 s. Without root, `nft` or Envoy the test says so loudly and returns.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use aether_e2e::datapath::{self, Datapath, Serve, TestCa, TestSvid};
-use aether_e2e::envoy::{self, AdsApi, RigOptions, WorkerRig, envoy_or_skip, registry_json};
-use aether_model::{Change, Identity, MtlsMode, Pod, QuicTwins, twin_sni};
-use serde_json::Value;
+use aether_e2e::datapath::{self, Datapath, Serve, TestCa};
+use aether_e2e::envoy::{self, WorkerRig, envoy_or_skip, registry_json};
+use aether_e2e::quic::{self, TD, TWIN_PORT, body, h3, pem_files, pod_record, twin_chains};
+use aether_model::{Change, twin_sni};
 
-const TD: &str = "aether.test";
-const TWIN_PORT: u16 = 15443;
 const BOUND: Duration = Duration::from_secs(10);
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn pod_record(dp: &Datapath, name: &str, no_quic_twin: bool) -> Pod {
-    let p = dp.pod(name);
-    Pod {
-        uid: format!("uid-{name}"),
-        namespace: "default".into(),
-        name: name.into(),
-        container_id: format!("c-{name}"),
-        netns: p.ns.path().display().to_string(),
-        ifname: "eth0".into(),
-        ips: p.ips().into_iter().map(IpAddr::V4).collect(),
-        terminating: false,
-        no_quic_twin,
-    }
-}
-
-/// A client certificate as PEM files the Python client loads.
-struct Pem {
-    _dir: tempfile::TempDir,
-    cert: PathBuf,
-    key: PathBuf,
-}
-
-fn pem_files(s: &TestSvid) -> Pem {
-    let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
-    std::fs::write(&cert, &s.svid.chain_pem).unwrap();
-    std::fs::write(&key, &s.svid.key_pem).unwrap();
-    Pem {
-        _dir: dir,
-        cert,
-        key,
-    }
-}
-
-/// One HTTP/3 GET from `ns` to `addr` naming `sni`, with `cert` when given; the client's
-/// JSON outcome.
-fn h3(ns: &str, addr: SocketAddr, sni: &str, cert: Option<&Pem>, timeout_s: f64) -> Value {
-    let python = repo().join(".venv/bin/python");
-    let script = repo().join("e2e/quic/h3_client.py");
-    let mut cmd = std::process::Command::new("ip");
-    cmd.args(["netns", "exec", ns])
-        .arg(&python)
-        .arg(&script)
-        .arg(addr.ip().to_string())
-        .arg(addr.port().to_string())
-        .arg(sni);
-    if let Some(p) = cert {
-        cmd.arg(&p.cert).arg(&p.key);
-    }
-    cmd.arg(format!("--timeout={timeout_s}"));
-    let out = cmd.output().expect("running the HTTP/3 client");
-    let text = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(text.trim()).unwrap_or_else(|e| {
-        panic!(
-            "the HTTP/3 client printed no JSON ({e}): {text}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-fn body(r: &Value) -> String {
-    r["responses"][0]["body"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()
-}
-
-/// The twins' filter chains Envoy holds, by name (the pod uid), from its config dump.
-fn twin_chains(rig: &WorkerRig) -> Vec<String> {
-    let dump = rig.config_dump();
-    let mut out = Vec::new();
-    for c in dump["configs"].as_array().into_iter().flatten() {
-        for l in c["dynamic_listeners"].as_array().into_iter().flatten() {
-            if l["name"] == aether_model::QUIC_TWINS {
-                for ch in l["active_state"]["listener"]["filter_chains"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                {
-                    out.push(ch["name"].as_str().unwrap_or_default().to_string());
-                }
-            }
-        }
-    }
-    out
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_others_are_refused() {
@@ -125,7 +30,7 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
         );
         return;
     }
-    if !repo().join(".venv/bin/python").exists() {
+    if !quic::python().exists() {
         eprintln!(
             "\n!!! SKIPPED {what}: no .venv/bin/python with aioquic (scripts/dev-setup) !!!\n"
         );
@@ -147,23 +52,8 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
         ca.mint("aether-system", "agent"),
         ca.mint("default", "client"),
     );
-    let twins = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 250, 0, 1)), TWIN_PORT);
-    let options = RigOptions {
-        api: AdsApi::Delta,
-        netns: Some(dp.node.name.clone()),
-        identity: Identity {
-            trust_domain: Some(TD.into()),
-            mode: MtlsMode::Permissive,
-            bundle: Some(ca.pem()),
-            agent: Some(agent.svid.clone()),
-            ..Identity::default()
-        },
-        quic_twins: Some(QuicTwins {
-            address: twins,
-            max: 16,
-        }),
-        ..RigOptions::default()
-    };
+    let twins = quic::twin_address(TWIN_PORT);
+    let options = quic::twin_rig_options(&dp, &ca, &agent);
     let rig = WorkerRig::start_with(&envoy_bin, &registry_json(&[]), options).await;
     dp.redirect(rig.inbound_port, None)
         .expect("the capture redirect");
