@@ -7,9 +7,12 @@
 //! `web` answering HTTP/1.1 with its own SVID and a twin, and a client namespace holding a
 //! client SVID of the trust domain. Rounds alternate the two paths so that the machine's
 //! noise falls on both; each round is one Python client (`e2e/quic/latency.py`, the same
-//! interpreter and timer for both) on one connection, its warm-up untimed.
+//! interpreter and timer for both) on one connection, its warm-up untimed. A third line is
+//! the HTTP/3 client's own floor: the same client against an aioquic server in its process,
+//! without Envoy (pure-Python QUIC bounds the HTTP/3 figure, not the twin).
 //! `BENCH_ROUNDS` (default 10) and `BENCH_REQUESTS` (per round, default 200) set the size.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use aether_e2e::datapath::{self, Datapath, Serve, TestCa, pod_addr};
@@ -45,6 +48,15 @@ fn round(ns: &str, args: &[String], n: usize) -> Result<Vec<f64>, String> {
         .iter()
         .map(|x| x.as_f64().expect("a number"))
         .collect())
+}
+
+/// TLS handshakes the pod's inbound listener (`listener.IP_PORT.ssl.handshake`) completed.
+fn inbound_handshakes(rig: &WorkerRig, pod: SocketAddr) -> u64 {
+    let stat = format!("listener.{}_{}.ssl.handshake", pod.ip(), pod.port());
+    rig.admin(&format!("/stats?filter=^{}$", stat.replace('.', "\\.")))
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{stat}: "))?.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn line(name: &str, v: &[f64]) -> (f64, f64) {
@@ -126,6 +138,14 @@ async fn main() {
         cert,
         key,
     ];
+    let floor_args = [
+        "h3-floor".to_string(),
+        "-".to_string(),
+        "0".to_string(),
+        twin_sni("uid-web"),
+        tcp_args[4].clone(),
+        tcp_args[5].clone(),
+    ];
     let ns = dp.client.name.clone();
     // A listener Envoy has just taken reaches its worker threads a moment later: one short
     // round of each until both answer.
@@ -135,16 +155,30 @@ async fn main() {
             assert!(std::time::Instant::now() < deadline, "{e}");
         }
     }
-    let (mut h3, mut tcp) = (Vec::new(), Vec::new());
+    let handshakes_before = inbound_handshakes(&rig, pod);
+    let (mut h3, mut tcp, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..rounds {
         h3.extend(round(&ns, &h3_args, requests).unwrap_or_else(|e| panic!("{e}")));
         tcp.extend(round(&ns, &tcp_args, requests).unwrap_or_else(|e| panic!("{e}")));
+        floor.extend(round(&ns, &floor_args, requests).unwrap_or_else(|e| panic!("{e}")));
         eprintln!("round {}/{rounds} done", r + 1);
     }
+    // Each TCP round is one TLS connection Envoy's inbound terminated: the path measured
+    // is the proxy's, not a shortcut to the pod.
+    let handshakes = inbound_handshakes(&rig, pod) - handshakes_before;
+    assert!(
+        handshakes >= rounds as u64,
+        "Envoy's inbound terminated {handshakes} TLS connections for {rounds} TCP rounds"
+    );
     println!(
         "the same GET to pod web through one Envoy, {rounds} interleaved rounds of {requests}:"
     );
     let (hm, hp) = line("HTTP/3 through the twin (QUIC, mTLS)", &h3);
     let (tm, tp) = line("HTTP/1.1 over TCP mTLS (the inbound)", &tcp);
     println!("HTTP/3 / TCP: median {:.2}x, p99 {:.2}x", hm / tm, hp / tp);
+    let (fm, _) = line("HTTP/3 client floor (aioquic to aioquic)", &floor);
+    println!(
+        "the twin's path above the client's floor: median {:.3} ms (the floor also pays an aioquic server in the same process)",
+        (hm - fm) / 1e3
+    );
 }

@@ -3,6 +3,7 @@ mTLS through the pod's inbound, for the bench e2e/benches/quic_latency.rs.
 
     latency.py h3  HOST PORT SNI CERT KEY --n N --warmup W
     latency.py tcp HOST PORT -   CERT KEY --n N --warmup W
+    latency.py h3-floor - 0 SNI  CERT KEY --n N --warmup W
 
 Both open one connection, send W untimed GETs, then N timed ones back to back, and print
 {"ok", "micros": [...], "error"} as one JSON line. The two paths share this interpreter,
@@ -10,6 +11,11 @@ its event loop and its timer, so what differs between them is the path: QUIC + H
 terminated by Envoy and forwarded over HTTP/1.1 (the twin), against TLS over TCP
 terminated by Envoy and proxied at L4 (the inbound). The server's chain is not verified,
 as in h3_client.py; the tests check identities, this measures time.
+
+`h3-floor` measures the client's own stack: the same client against an aioquic HTTP/3
+server in this process on 127.0.0.1 (CERT/KEY serve as its certificate too), no Envoy and
+no pod. Client and server share one interpreter, so the floor is at least the client's
+cost; an HTTP/3 figure near it is the client's, not the path's.
 """
 
 import asyncio
@@ -19,7 +25,10 @@ import sys
 import time
 
 from aioquic.asyncio.client import connect
-from aioquic.h3.connection import H3_ALPN
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import serve
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -40,6 +49,33 @@ async def h3(host, port, sni, cert, key, n, warmup):
             if i >= warmup:
                 micros.append((time.perf_counter_ns() - t) / 1e3)
     return micros
+
+
+class _Server(QuicConnectionProtocol):
+    """Answers every HTTP/3 request 200 with a short body."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic)
+
+    def quic_event_received(self, event):
+        for ev in self.h3.handle_event(event):
+            if isinstance(ev, HeadersReceived) and ev.stream_ended:
+                self.h3.send_headers(ev.stream_id, [(b":status", b"200"),
+                                                    (b"content-length", b"6")])
+                self.h3.send_data(ev.stream_id, b"floor\n", end_stream=True)
+                self.transmit()
+
+
+async def h3_floor(sni, cert, key, n, warmup):
+    cfg = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+    cfg.load_cert_chain(cert, key)
+    server = await serve("127.0.0.1", 0, configuration=cfg, create_protocol=_Server)
+    try:
+        port = server._transport.get_extra_info("sockname")[1]
+        return await h3("127.0.0.1", port, sni, cert, key, n, warmup)
+    finally:
+        server.close()
 
 
 def read_response(f):
@@ -84,7 +120,7 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["h3", "tcp"])
+    p.add_argument("mode", choices=["h3", "tcp", "h3-floor"])
     p.add_argument("host")
     p.add_argument("port", type=int)
     p.add_argument("sni")
@@ -95,7 +131,9 @@ if __name__ == "__main__":
     a = p.parse_args()
     out = {"ok": False, "micros": [], "error": None}
     try:
-        if a.mode == "h3":
+        if a.mode == "h3-floor":
+            out["micros"] = asyncio.run(h3_floor(a.sni, a.cert, a.key, a.n, a.warmup))
+        elif a.mode == "h3":
             out["micros"] = asyncio.run(h3(a.host, a.port, a.sni, a.cert, a.key, a.n,
                                            a.warmup))
         else:

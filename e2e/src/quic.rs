@@ -119,20 +119,28 @@ pub fn body(r: &Value) -> String {
 
 /// The twins' filter chains Envoy holds, by name (the pod uid), from its config dump.
 pub fn twin_chains(rig: &WorkerRig) -> Vec<String> {
-    let dump = rig.config_dump();
-    let mut out = Vec::new();
+    listeners(&rig.config_dump()).0
+}
+
+/// Envoy's dynamic listeners in a config dump: (the twins' chain names, the other
+/// listeners' names).
+pub fn listeners(dump: &Value) -> (Vec<String>, Vec<String>) {
+    let (mut twins, mut others) = (Vec::new(), Vec::new());
     for c in dump["configs"].as_array().into_iter().flatten() {
         for l in c["dynamic_listeners"].as_array().into_iter().flatten() {
-            if l["name"] == aether_model::QUIC_TWINS {
+            let name = l["name"].as_str().unwrap_or_default().to_string();
+            if name == aether_model::QUIC_TWINS {
                 for ch in l["active_state"]["listener"]["filter_chains"]
                     .as_array()
                     .into_iter()
                     .flatten()
                 {
-                    out.push(ch["name"].as_str().unwrap_or_default().to_string());
+                    twins.push(ch["name"].as_str().unwrap_or_default().to_string());
                 }
+            } else {
+                others.push(name);
             }
         }
     }
-    out
+    (twins, others)
 }

@@ -64,25 +64,9 @@ fn problem<'a>(ready: &'a Value, source: &str) -> Option<&'a str> {
 
 /// Envoy's dynamic listeners: (the twins' chain names, the other listeners' names).
 fn listeners(rig: &NodeRig) -> (Vec<String>, Vec<String>) {
-    let dump: Value = serde_json::from_str(&rig.config_dump()).expect("config dump JSON");
-    let (mut twins, mut others) = (Vec::new(), Vec::new());
-    for c in dump["configs"].as_array().into_iter().flatten() {
-        for l in c["dynamic_listeners"].as_array().into_iter().flatten() {
-            let name = l["name"].as_str().unwrap_or_default().to_string();
-            if name == aether_model::QUIC_TWINS {
-                for ch in l["active_state"]["listener"]["filter_chains"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                {
-                    twins.push(ch["name"].as_str().unwrap_or_default().to_string());
-                }
-            } else {
-                others.push(name);
-            }
-        }
-    }
-    (twins, others)
+    aether_e2e::quic::listeners(
+        &serde_json::from_str(&rig.config_dump()).expect("config dump JSON"),
+    )
 }
 
 /// Checks the gate's outcome in `/ready`: timed out, Ready within the bound + 50 ms, the
