@@ -112,6 +112,34 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
         );
         eprintln!("{who}: refused ({})", r["error"]);
     }
+    // Envoy counts each refusal where the dashboard and alerts read it: the QUIC close
+    // code it sent, and the failed SAN check.
+    let stats = rig.admin("/stats");
+    let twin_stat = |name: &str| -> u64 {
+        let key = format!("listener.{}_{}.{name}: ", twins.ip(), twins.port());
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&key)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let close = "http3.downstream.tx.quic_connection_close_error_code_QUIC_TLS_CERTIFICATE";
+    for (what, stat) in [
+        ("no client certificate", format!("{close}_REQUIRED")),
+        ("an unknown CA", format!("{close}_UNKNOWN")),
+        (
+            "a SPIFFE ID outside the trust domain",
+            "ssl.fail_verify_san".into(),
+        ),
+    ] {
+        assert!(
+            twin_stat(&stat) >= 1,
+            "{what}: {stat} not counted:\n{stats}"
+        );
+    }
+    assert!(
+        stats.contains("http.twin.downstream_rq_http3_total: 1"),
+        "the HTTP/3 request is counted under the twins' stat prefix:\n{stats}"
+    );
     // The opted-out pod has no twin: its server name selects no chain.
     let r = h3(&ns, twins, &twin_sni("uid-raw"), Some(&client_pem), 2.0);
     assert_ne!(r["ok"], true, "raw opted out yet answered over HTTP/3: {r}");
