@@ -4,6 +4,10 @@ handshake with the client certificate), every PERIOD seconds; then one JSON line
 the counts and the first failures.
 
     h3_load.py HOST PORT CERT KEY STOP --twin SNI=PREFIX [--twin ...] [--period S]
+               [--progress FILE]
+
+With --progress, the number of requests answered or failed so far is written to FILE
+(replaced atomically) after each request, so that a test can pace itself on the load.
 
 A request counts as failed unless it is answered 200 with a body that starts with the
 twin's PREFIX (the pod's name: the pod behind that twin answered).
@@ -28,6 +32,7 @@ def main():
     p.add_argument("stop")
     p.add_argument("--twin", action="append", required=True)
     p.add_argument("--period", type=float, default=0.05)
+    p.add_argument("--progress")
     a = p.parse_args()
     twins = [t.split("=", 1) for t in a.twin]
     per = {sni: {"ok": 0, "failed": 0} for sni, _ in twins}
@@ -44,6 +49,11 @@ def main():
                 per[sni]["failed"] += 1
                 if len(failures) < 20:
                     failures.append({"at": t, "sni": sni, "error": r.get("error"), "body": body})
+            if a.progress:
+                done = sum(c["ok"] + c["failed"] for c in per.values())
+                with open(a.progress + ".tmp", "w") as f:
+                    f.write(str(done))
+                os.replace(a.progress + ".tmp", a.progress)
         time.sleep(a.period)
     ok = sum(c["ok"] for c in per.values())
     failed = sum(c["failed"] for c in per.values())

@@ -690,11 +690,13 @@ fn registrar_callers(log: &str) -> Vec<String> {
 struct Load {
     child: std::process::Child,
     stop: PathBuf,
+    progress: PathBuf,
 }
 
 impl Load {
     fn start(rig: &Rig, twins: &[&TestPod]) -> Load {
         let stop = rig.node.root.path().join("h3-load.stop");
+        let progress = rig.node.root.path().join("h3-load.progress");
         let mut cmd = std::process::Command::new("ip");
         cmd.args(["netns", "exec", &rig.dp.client.name])
             .arg(python())
@@ -703,7 +705,8 @@ impl Load {
             .arg(TWIN_PORT.to_string())
             .arg(&rig.client.0)
             .arg(&rig.client.1)
-            .arg(&stop);
+            .arg(&stop)
+            .arg(format!("--progress={}", progress.display()));
         for t in twins {
             cmd.arg(format!("--twin={}={} ", t.sni(), t.id.name));
         }
@@ -712,7 +715,27 @@ impl Load {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("start the HTTP/3 load");
-        Load { child, stop }
+        Load {
+            child,
+            stop,
+            progress,
+        }
+    }
+
+    /// Requests made so far (answered or failed).
+    fn done(&self) -> u64 {
+        std::fs::read_to_string(&self.progress)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Waits until `n` more requests have been made.
+    fn wait_more(&self, n: u64, what: &str) {
+        let from = self.done();
+        wait_for(&format!("{n} more HTTP/3 requests {what}"), T, || {
+            (self.done() >= from + n).then_some(())
+        });
     }
 
     fn finish(self) -> Value {
@@ -753,8 +776,7 @@ fn surge_rolls_under_http3_load_keep_every_twin_and_only_owners_write_pairs() {
     });
     let mut writers = Writers::watch(&rig.node.state_dir);
     let load = Load::start(&rig, &rig.pods.iter().collect::<Vec<_>>());
-    // The load is answered before the rolls start.
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_more(4, "before the rolls");
 
     let mut owner_names = vec![rig.owner.name.clone()];
     let mut changed_chains = 0usize;
@@ -807,6 +829,8 @@ fn surge_rolls_under_http3_load_keep_every_twin_and_only_owners_write_pairs() {
             next.name
         );
 
+        // Requests on new connections beside the standby, then across the handoff.
+        load.wait_more(4, &format!("beside roll {roll}'s standby"));
         // What the registry and the file hold as the node passes on.
         let (_, rev_before) = rig.etcd_pairs().expect("the pairs in etcd");
         let (etcd_before, file_before) = (rig.etcd_pods(), rig.pods_in_file());
@@ -916,6 +940,7 @@ fn surge_rolls_under_http3_load_keep_every_twin_and_only_owners_write_pairs() {
             &look,
         );
         file_writes.extend(names);
+        load.wait_more(4, &format!("after roll {roll}'s takeover"));
         drop(old);
     }
     // After the last owner's window, late is advertised, by that owner.
