@@ -720,6 +720,42 @@ mod tests {
         assert_eq!(next_change(&[], w, 100_000), Some(115_000));
     }
 
+    /// A bad file: a standby leaves it where it is and writes nothing; the owner moves it to
+    /// quarantine when it starts serving, and writes no file for an empty set.
+    #[test]
+    fn a_bad_file_is_left_by_a_standby_and_quarantined_by_the_owner() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE);
+        std::fs::write(&path, "{ not pairs").unwrap();
+        let node = Node::new(Inputs::default());
+        let status = Arc::new(watch::Sender::new(Status::new("n", "p")));
+        let pairs = QuicPairs::restore(dir.path(), W, node, Metrics::new(), status.clone());
+        assert_eq!(pairs.step(now_ms()), None, "a standby does not step");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            b"{ not pairs",
+            "the standby left it"
+        );
+        assert!(!dir.path().join(QUARANTINE_DIR).exists());
+        assert_eq!(
+            status.borrow().quic_pairs.as_ref().unwrap().window,
+            "standby"
+        );
+        pairs.start_serving();
+        assert!(!path.exists(), "the owner moved it");
+        let moved: Vec<_> = std::fs::read_dir(dir.path().join(QUARANTINE_DIR))
+            .unwrap()
+            .flatten()
+            .collect();
+        assert_eq!(moved.len(), 1);
+        let q = status.borrow().quic_pairs.clone().unwrap();
+        assert_eq!((q.window, q.restored, q.advertised), ("running", 0, 0));
+        assert!(q.window_started_unix_ms.is_some());
+        pairs.flush_final();
+        assert!(pairs.released());
+        assert!(!path.exists(), "an empty set as restored: nothing to write");
+    }
+
     #[test]
     fn the_file_round_trips_and_bad_files_are_named() {
         let dir = tempfile::tempdir().unwrap();
