@@ -805,6 +805,12 @@ fn surge_rolls_under_http3_load_keep_every_twin_and_only_owners_write_pairs() {
                     .contains_key(&late.id.uid)
                     .then_some(())
             });
+            wait_for("late's secret active in Envoy", T, || {
+                active_secrets(&rig.config_dump())
+                    .keys()
+                    .any(|n| n.contains(&late.id.uid))
+                    .then_some(())
+            });
             late_added = true;
         }
         let before = twins_state(&rig.config_dump());
@@ -914,7 +920,15 @@ fn surge_rolls_under_http3_load_keep_every_twin_and_only_owners_write_pairs() {
         // The secrets the proxy subscribed to (late's among them after roll 1) are served
         // by the new owner as the old one served them: none re-fetched, none missing.
         let secrets_after = active_secrets(&rig.config_dump());
-        for name in secrets_before.keys().filter(|n| n.contains(&late.id.uid)) {
+        let late_secrets: Vec<&String> = secrets_before
+            .keys()
+            .filter(|n| n.contains(&late.id.uid))
+            .collect();
+        assert!(
+            !late_secrets.is_empty(),
+            "roll {roll}: no secret of the overlap pod in Envoy before the takeover"
+        );
+        for name in late_secrets {
             assert_eq!(
                 secrets_after.get(name),
                 secrets_before.get(name),
