@@ -503,6 +503,12 @@ impl Registrar {
                 .and_then(|v| values::decode::<PairsValue>(&key, "QUIC pair set", v).ok())
                 .unwrap_or_default();
             if current == wanted {
+                // Logged too, with the caller: who states the node's set is on record
+                // whether or not it changed.
+                tracing::info!(
+                    node = %req.node, instance = %req.instance, peer = %peer, pairs = pairs.pairs.len(),
+                    "QUIC pairs restated, unchanged"
+                );
                 written = Some((false, before));
                 break;
             }

@@ -140,6 +140,16 @@ pub struct AgentFlags {
     /// and `/ready` names it under `pod-certificates`. `0s` turns the wait off.
     #[arg(long, env = "AETHER_POD_CERTIFICATE_GATE", default_value = "3s", value_parser = parse_duration)]
     pub pod_certificate_gate: std::time::Duration,
+    /// The QUIC pair fetch window: the owner advertises a pod's twin to the registry
+    /// (SetQuicPairs, and `<state-dir>/quic-pairs.json`) once the twin has been served
+    /// this long by this agent. It restarts at every takeover (it measures how long this
+    /// agent has served; a standby serves nothing), and the pairs the previous owner
+    /// advertised stay advertised while it runs. 15 s is Envoy's default
+    /// `initial_fetch_timeout`, the longest the proxy waits for a twin's SDS secret before
+    /// it gives up on it: a twin served that long has been taken by the proxy, not just
+    /// sent to it. `0s` advertises a twin as soon as it is served.
+    #[arg(long, env = "AETHER_QUIC_PAIR_WINDOW", default_value = "15s", value_parser = parse_duration)]
+    pub quic_pair_window: std::time::Duration,
     /// CNI conf folder whose conflist the owner re-asserts [default: none]: at takeover
     /// and every 5 s the supervisor runs `--cni-plugin-bin chain`, which appends the
     /// aether-cni entry to the runtime's conflist when it is missing. The worker only
@@ -217,6 +227,7 @@ impl AgentFlags {
                 "--pod-certificate-gate={}ms",
                 self.pod_certificate_gate.as_millis()
             ),
+            format!("--quic-pair-window={}ms", self.quic_pair_window.as_millis()),
         ];
         let optional = [
             ("registrar", self.registrar.clone()),
@@ -378,6 +389,7 @@ mod tests {
             "--quic-twin-addr=10.0.0.5:15443",
             "--quic-twin-max=7",
             "--pod-certificate-gate=250ms",
+            "--quic-pair-window=2500ms",
         ];
         for args in [
             &all[..],

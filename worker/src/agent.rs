@@ -137,6 +137,10 @@ struct Agent {
     stop_following: watch::Sender<bool>,
     observed: Arc<writers::Observed>,
     mesh_dns: Arc<writers::MeshDns>,
+    /// The node's QUIC pairs, when it has twins.
+    quic_pairs: Option<Arc<writers::QuicPairs>>,
+    /// The owner's writers of the pairs (file, registry), stopped at release.
+    pair_writers: Vec<JoinHandle<()>>,
     kube: Option<kube::Kube>,
     acks: Acks,
     encoded: Arc<Encoded>,
@@ -208,6 +212,16 @@ impl Agent {
             &cfg.pod_name,
         )));
         let problems = health::Reporter::new(status.clone());
+        // Restored in a standby too; written (file and registry) by the owner alone.
+        let quic_pairs = node.with_inputs(|i| i.quic_twins.is_some()).then(|| {
+            writers::QuicPairs::restore(
+                &cfg.state_dir,
+                cfg.agent.quic_pair_window,
+                node.clone(),
+                metrics.clone(),
+                status.clone(),
+            )
+        });
         tokio::spawn(follow_twins_and_certificates(
             node.clone(),
             metrics.clone(),
@@ -294,6 +308,8 @@ impl Agent {
             stop_following,
             observed,
             mesh_dns,
+            quic_pairs,
+            pair_writers: Vec::new(),
             kube,
             acks: Acks::default(),
             encoded,
@@ -470,6 +486,22 @@ impl Agent {
                 };
                 // The owner alone writes the mesh-DNS snapshot and its heartbeat.
                 tokio::spawn(writers::mesh_dns::run_writer(self.mesh_dns.clone()));
+                // And the QUIC pairs: the file, and the registry when there is one. The
+                // fetch window starts now.
+                if let Some(pairs) = &self.quic_pairs {
+                    pairs.start_serving();
+                    self.pair_writers
+                        .push(tokio::spawn(writers::quic_pairs::run_writer(pairs.clone())));
+                    if let Some((addrs, me)) = registrar_source(&self.cfg, &self.node)? {
+                        self.pair_writers.push(registrar::pairs::spawn(
+                            addrs,
+                            me,
+                            pairs.clone(),
+                            self.metrics.clone(),
+                            self.status.clone(),
+                        ));
+                    }
+                }
                 // What `Storage::open` left in place, now that no one else writes; a
                 // reconcile's reload already did it.
                 if tidy {
@@ -514,6 +546,14 @@ impl Agent {
                     }
                 }
                 self.mesh_dns.flush();
+                // The pairs' last write lands before the lock passes too; after it this
+                // process states no set to the registry.
+                if let Some(pairs) = &self.quic_pairs {
+                    pairs.flush_final();
+                }
+                for w in self.pair_writers.drain(..) {
+                    w.abort();
+                }
                 // The listeners went with the servers; the lock is the last descriptor of
                 // the node this process holds besides the streams.
                 if let Some(fds) = &mut self.node_fds {

@@ -49,6 +49,36 @@ pub struct Status {
     /// The lenient client-certificate gate, when pods get SVIDs and the gate is on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod_certificate_gate: Option<PodCertificateGate>,
+    /// The node's QUIC pairs and their fetch window, when the node has twins
+    /// (`--quic-twin-addr`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quic_pairs: Option<QuicPairsStatus>,
+}
+
+/// Where the QUIC pairs stand (`crate::writers::quic_pairs`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct QuicPairsStatus {
+    /// `--quic-pair-window`.
+    pub window_ms: u64,
+    /// `standby` (no window: this agent serves nothing), `running` or `passed`.
+    pub window: &'static str,
+    /// When this agent started serving, which starts the window (Unix ms); absent in a
+    /// standby.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window_started_unix_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window_ends_unix_ms: Option<u64>,
+    /// Pairs restored from the file (at start; again when serving started).
+    pub restored: usize,
+    /// Twins this owner serves.
+    pub live: usize,
+    /// Pairs advertised (and in the file).
+    pub advertised: usize,
+    /// The registry's answer to the last SetQuicPairs this agent made, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registry_revision: Option<i64>,
+    /// SetQuicPairs calls that failed since this agent started.
+    pub registry_failures: u64,
 }
 
 /// Where the client-certificate gate stands (`--pod-certificate-gate`).
@@ -98,6 +128,7 @@ impl Status {
             cni: None,
             identity: None,
             pod_certificate_gate: None,
+            quic_pairs: None,
             takeover: None,
         }
     }

@@ -255,6 +255,10 @@ metrics! {
         "Outcomes of the lenient client-certificate gate (result: passed, timed_out)";
     pod_certificate_gate_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
         "How long the last client-certificate gate waited for the stored pods' SVIDs";
+    quic_pairs_advertised: Gauge,
+        "QUIC pairs the owner advertises (in quic-pairs.json and its last SetQuicPairs set)";
+    quic_pair_sets: Family<ResultLabel, Counter>,
+        "SetQuicPairs calls the owner made, by result (changed, unchanged, failed)";
 }
 
 fn phase_histogram() -> Histogram {

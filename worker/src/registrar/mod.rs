@@ -12,6 +12,10 @@
 //! view marked `resync` when it cannot. Until the first full view the gate stays shut:
 //! a standby is not complete, and `/ready` names the problem.
 //!
+//! # QUIC pairs
+//! [`pairs`] states the owner's QUIC pair set with `SetQuicPairs`, started only when the
+//! owner serves.
+//!
 //! # Drain marks
 //! [`Marks`] is the owner's handle: the CNI API, which only the owner serves, sends it a
 //! deleted pod's IPs, and a task sets their endpoints DRAINING with `SetEndpointState`,
@@ -20,6 +24,7 @@
 //! endpoint at the address is on this node; the others it names in its answer, logged.
 
 mod mirror;
+pub mod pairs;
 pub mod pending;
 pub mod spiffe_tls;
 
