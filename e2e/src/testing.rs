@@ -1012,6 +1012,7 @@ pub fn build_agent_bins() {
         ("aether-worker", "aether-worker"),
         ("aether-keeper", "aether-keeper"),
         ("aether-cni", "aether-cni"),
+        ("aether-xds-relay", "aether-xds-relay"),
     ] {
         cmd.args(["-p", p, "--bin", b]);
     }

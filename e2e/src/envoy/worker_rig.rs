@@ -69,6 +69,8 @@ pub struct WorkerRig {
     pub outbound: SocketAddr,
     pub inbound_port: u16,
     pub envoy: Envoy,
+    /// The relay between Envoy and the server, with [`RigOptions::relay`].
+    pub relay: Option<super::Relay>,
     /// With on-demand clusters: the observed upstreams, kept in `dir`.
     pub observed: Option<Arc<Observed>>,
     /// How long the registry and capture files took to land, and Envoy from its start to
@@ -98,6 +100,9 @@ pub struct RigOptions {
     pub identity: Identity,
     /// The node's QUIC twins (`--quic-twin-addr`); none by default.
     pub quic_twins: Option<aether_model::QuicTwins>,
+    /// `aether-xds-relay` between Envoy and the ADS server (Envoy dials the relay's socket,
+    /// the relay the server's), as the proxy pod runs it with `proxy.relay.enabled`.
+    pub relay: bool,
 }
 
 impl Drop for WorkerRig {
@@ -237,10 +242,13 @@ impl WorkerRig {
             Some(ns) => netns_wrapper(dir.path(), ns, envoy_bin),
             None => envoy_bin.to_path_buf(),
         };
+        let relay = options
+            .relay
+            .then(|| super::Relay::start(&dir.path().join("relay"), dir.path()));
         let envoy = Envoy::start(
             &bin,
             dir.path(),
-            dir.path(),
+            relay.as_ref().map_or(dir.path(), |r| r.dir.as_path()),
             DEFAULT_BACKOFF_BASE,
             DEFAULT_BACKOFF_MAX,
             api,
@@ -256,6 +264,7 @@ impl WorkerRig {
             outbound,
             inbound_port,
             envoy,
+            relay,
             observed,
             loaded,
             envoy_synced: Duration::ZERO,
