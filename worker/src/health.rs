@@ -49,6 +49,33 @@ pub struct Status {
     /// The lenient client-certificate gate, when pods get SVIDs and the gate is on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod_certificate_gate: Option<PodCertificateGate>,
+    /// The versions of the latest snapshot, one content hash per resource type, as the
+    /// xDS server answers with them (`system_version_info`); absent before the first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xds_versions: Option<XdsVersions>,
+}
+
+/// The latest snapshot's version of each resource type.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct XdsVersions {
+    pub clusters: String,
+    pub endpoints: String,
+    pub listeners: String,
+    pub routes: String,
+    pub secrets: String,
+}
+
+impl XdsVersions {
+    pub fn of(s: &aether_model::Snapshot) -> Self {
+        use aether_model::Kind;
+        Self {
+            clusters: s.version(Kind::Cluster).into(),
+            endpoints: s.version(Kind::Endpoint).into(),
+            listeners: s.version(Kind::Listener).into(),
+            routes: s.version(Kind::Route).into(),
+            secrets: s.version(Kind::Secret).into(),
+        }
+    }
 }
 
 /// Where the client-certificate gate stands (`--pod-certificate-gate`).
@@ -99,6 +126,7 @@ impl Status {
             identity: None,
             pod_certificate_gate: None,
             takeover: None,
+            xds_versions: None,
         }
     }
 }
