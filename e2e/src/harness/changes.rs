@@ -94,12 +94,23 @@ impl Changes {
             .with_context(|| format!("write {}", self.staged.display()))
     }
 
-    /// Renames the staged state over the registry file: the change is made now.
+    /// Renames the staged state over the registry file: the change is made now. Timed
+    /// from just before the rename: a clock read after it can come late, when the harness
+    /// is descheduled right after the rename while the agent and Envoy go on, and would
+    /// make a change look faster than it was (even negative) on a busy machine.
     pub fn make(&mut self) -> Result<()> {
         let offset = std::fs::metadata(&self.envoy_log).map_or(0, |m| m.len());
+        let before = SystemTime::now();
         std::fs::rename(&self.staged, &self.path)
             .with_context(|| format!("rename over {}", self.path.display()))?;
-        let t0 = of_day(SystemTime::now());
+        let took = before.elapsed().unwrap_or_default();
+        if took > Duration::from_millis(1) {
+            eprintln!(
+                "   (the registry change's rename took {:.1} ms: its sample is long by up to that)",
+                took.as_secs_f64() * 1e3
+            );
+        }
+        let t0 = of_day(before);
         self.at = 1 - self.at;
         self.made = Some(Made { offset, t0 });
         Ok(())

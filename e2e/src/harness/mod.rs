@@ -1683,6 +1683,13 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     });
     let start = Instant::now();
     let churn = Churn::start(b.cni.clone(), b.pods.clone(), !b.no_churn);
+    // A poll is stamped with its request's midpoint: on a busy machine one that began
+    // before `start` and saw the action's effect could carry a time before `start`, and
+    // the roll's analysis would then wait for an end it already counted. One poll stamped
+    // after `start` before the action rules that out.
+    try_wait_for("a stats poll after the roll's start", T_START, || {
+        poller.last().filter(|s| s.t > start)
+    })?;
     let action;
     let mut old_exit = None;
     let mut warmup = None;
@@ -1999,7 +2006,10 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         .iter()
         .map(|r| report::Series {
             name: if r.relay {
-                format!("{}: relay without an agent stream", r.label())
+                format!(
+                    "{}: the relay without an agent stream",
+                    r.mode.expect("mode").name()
+                )
             } else {
                 r.label()
             },
