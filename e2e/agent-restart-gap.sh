@@ -84,6 +84,29 @@
 #                     connection opened after the pod's SVID had arrived (its outbound chain
 #                     in node A's config, plus 100 ms for Envoy's workers), and when a
 #                     rotation or IP reuse did not complete
+#   ARG_RELAY         1: Envoy through the xDS relay (aether-xds-relay; Envoy's ADS cluster on
+#                     the relay's socket, the relay on xds.sock, as in the proxy pod); both:
+#                     each mode without the relay, then with it, side by side (one plot, one
+#                     table). Set either way, every roll also makes a registry change (the
+#                     first service's second endpoint out of the registry file, then back) at
+#                     its action (the SIGTERM, or the worker's SIGKILL), timed to Envoy's ACK
+#                     of it from Envoy's own log (config:debug, set by the harness), and one
+#                     more after the roll with none under way (the baseline); and after each
+#                     roll Envoy's CDS and LDS versions (config dump) must equal the new
+#                     owner's snapshot versions (/ready xds_versions). Needs ARG_NODES=1 and
+#                     delta ADS. Extra JSON fields: relay, envoy_stream_ends (Envoy's ADS
+#                     streams that ended during the rolls: its xDS cluster's upstream_rq_total
+#                     read before and after), relay_upstream_streams (the relay's streams to
+#                     the agent, the first included), relay_upstream_gap_median_s, _p99_s,
+#                     _max_s (per roll, the relay's time without an agent stream),
+#                     change_during_roll_samples, _median_s, _p99_s, _max_s,
+#                     change_no_roll_samples, _median_s, _p99_s, nacks. Behind the relay a
+#                     roll's gap is Envoy's connected_state 0 as ever (0 when it never left
+#                     1), its served gap the relay's time without an agent stream, and its
+#                     refused connects include the relay's failed connects to xds.sock. Fails
+#                     also unless every roll timed its change, Envoy sent no NACK, and behind
+#                     the relay Envoy's stream never ended and the relay opened rolls + 1
+#                     streams
 #   ARG_BOUND         fail when the p99 gap exceeds it, e.g. 0.12 or 120ms (default per
 #                     mode: surge 0.12 s, worker-crash 0.25 s, recreate 15 s)
 #   ARG_LOAD_RPS      HTTP requests per second through Envoy (200)

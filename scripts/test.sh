@@ -112,6 +112,13 @@ if [[ "${AETHER_SKIP_E2E:-0}" != 1 ]]; then
   ARG_ROLLS=2 ARG_MODE=recreate ARG_BOUND=10 e2e/agent-restart-gap.sh
   step "end-to-end: worker-crash"
   ARG_ROLLS=2 ARG_MODE=worker-crash ARG_BOUND=1 e2e/agent-restart-gap.sh
+  # Envoy through the xDS relay: 3 rolls of each kind (surge, recreate with the socket
+  # keeper, worker crash) at 3 services. Bounds: Envoy's stream never ends, the relay opens
+  # one agent stream per roll (and the first), no failed request, NACK or lost ADD, a
+  # registry change at each roll's start reaches Envoy (timed to its ACK), and after each
+  # roll Envoy's CDS and LDS versions are the new owner's.
+  step "end-to-end: every mode behind the xDS relay (short form)"
+  ARG_RELAY=1 ARG_MODE=all ARG_ROLLS=3 ARG_BOUND=1 e2e/agent-restart-gap.sh
   step "end-to-end: two nodes on one registrar (surge)"
   ARG_NODES=2 ARG_ROLLS=3 ARG_MODE=surge ARG_BOUND=1 e2e/agent-restart-gap.sh
   step "end-to-end: surge with workload identity (permissive mTLS)"

@@ -222,6 +222,7 @@ impl Agent {
                 status.clone(),
             )
         });
+        tokio::spawn(show_versions(node.clone(), status.clone()));
         tokio::spawn(follow_twins_and_certificates(
             node.clone(),
             metrics.clone(),
@@ -792,6 +793,23 @@ async fn report_late_certificates(
                 if more > 0 { format!(" and {more} more") } else { String::new() }
             ),
         );
+        if snapshots.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Shows the latest snapshot's versions on `/ready` (`xds_versions`), so that a check can
+/// compare them with what the proxy holds.
+async fn show_versions(node: Arc<Node>, status: Arc<watch::Sender<Status>>) {
+    let mut snapshots = node.subscribe();
+    loop {
+        let versions = health::XdsVersions::of(&snapshots.borrow_and_update());
+        status.send_if_modified(|s| {
+            let changed = s.xds_versions.as_ref() != Some(&versions);
+            s.xds_versions = Some(versions);
+            changed
+        });
         if snapshots.changed().await.is_err() {
             return;
         }

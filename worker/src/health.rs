@@ -53,6 +53,10 @@ pub struct Status {
     /// (`--quic-twin-addr`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quic_pairs: Option<QuicPairsStatus>,
+    /// The versions of the latest snapshot, one content hash per resource type, as the
+    /// xDS server answers with them (`system_version_info`); absent before the first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xds_versions: Option<XdsVersions>,
 }
 
 /// Where the QUIC pairs stand (`crate::writers::quic_pairs`).
@@ -79,6 +83,29 @@ pub struct QuicPairsStatus {
     pub registry_revision: Option<i64>,
     /// SetQuicPairs calls that failed since this agent started.
     pub registry_failures: u64,
+}
+
+/// The latest snapshot's version of each resource type.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct XdsVersions {
+    pub clusters: String,
+    pub endpoints: String,
+    pub listeners: String,
+    pub routes: String,
+    pub secrets: String,
+}
+
+impl XdsVersions {
+    pub fn of(s: &aether_model::Snapshot) -> Self {
+        use aether_model::Kind;
+        Self {
+            clusters: s.version(Kind::Cluster).into(),
+            endpoints: s.version(Kind::Endpoint).into(),
+            listeners: s.version(Kind::Listener).into(),
+            routes: s.version(Kind::Route).into(),
+            secrets: s.version(Kind::Secret).into(),
+        }
+    }
 }
 
 /// Where the client-certificate gate stands (`--pod-certificate-gate`).
@@ -130,6 +157,7 @@ impl Status {
             pod_certificate_gate: None,
             quic_pairs: None,
             takeover: None,
+            xds_versions: None,
         }
     }
 }

@@ -14,10 +14,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // ARG_RELAY=both: each mode without the relay, then with it, back to back.
     let results: Vec<_> = cfg
         .modes
         .iter()
-        .map(|m| harness::run_mode(&cfg, *m))
+        .flat_map(|m| cfg.relay.runs().iter().map(move |r| (*m, *r)))
+        .map(|(m, relay)| harness::run_mode(&cfg, m, relay))
         .collect();
     if harness::finish(&cfg, &results) {
         ExitCode::SUCCESS

@@ -80,6 +80,33 @@ pub fn reconnects(log: &str) -> Vec<Reconnect> {
     out
 }
 
+/// The times (seconds since midnight, Envoy's clock) at which Envoy accepted a delta EDS
+/// response that added or removed a load assignment, in order. Envoy ACKs a response as
+/// it accepts it, so these are the ACKs of endpoint changes; answers that carried nothing
+/// (a new stream's first, over delta ADS) are left out.
+pub fn eds_changes(log: &str) -> Vec<f64> {
+    log.lines()
+        .filter(|l| {
+            l.contains("envoy.config.endpoint.v3.ClusterLoadAssignment accepted with ")
+                && !l.contains(" accepted with 0 resources added, 0 removed")
+        })
+        .filter_map(time_of)
+        .collect()
+}
+
+/// The seconds from `t0` to `t`, both seconds since midnight (a log's clock), across one
+/// midnight either way.
+pub fn after(t0: f64, t: f64) -> f64 {
+    let d = t - t0;
+    if d < -43_200.0 {
+        d + 86_400.0
+    } else if d > 43_200.0 {
+        d - 86_400.0
+    } else {
+        d
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +149,19 @@ mod tests {
         );
         // Not reconnected when the log ends.
         assert_eq!((r[2].up, r[2].served), (None, None));
+    }
+
+    #[test]
+    fn endpoint_changes_are_the_eds_accepts_that_carried_something() {
+        let log = format!(
+            "{LOG}[00:00:03.250000][1][debug][config] Delta config for type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment accepted with 1 resources added, 0 removed\n"
+        );
+        let t = eds_changes(&log);
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert!((t[0] - 3.25).abs() < 1e-9);
+        assert!((after(86_399.5, 0.25) - 0.75).abs() < 1e-9);
+        assert!((after(0.25, 86_399.5) + 0.75).abs() < 1e-9);
+        assert!((after(1.0, 1.5) - 0.5).abs() < 1e-9);
     }
 
     #[test]

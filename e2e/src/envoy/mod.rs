@@ -147,8 +147,10 @@ impl Envoy {
                 "[%H:%M:%S.%f][%t][%l][%n] %v",
             ]);
         }
+        // Its log's clock in UTC, as the harness reads it against the wall clock.
         let child = cmd
             .args(extra)
+            .env("TZ", "UTC")
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)

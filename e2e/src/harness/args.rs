@@ -16,7 +16,7 @@ use anyhow::{Result, anyhow};
 use clap::{CommandFactory, FromArgMatches, Parser};
 
 use super::identity::Mtls;
-use super::{Mode, parse_duration};
+use super::{Mode, RelayRuns, parse_duration};
 use crate::envoy::AdsApi;
 
 /// The variables that count as set whatever their value, the empty string included.
@@ -87,6 +87,11 @@ pub struct Args {
     /// Where the SVG plot goes [default: e2e/results in the workspace]
     #[arg(long, env = "ARG_RESULTS_DIR", value_name = "DIR")]
     pub results_dir: Option<PathBuf>,
+    /// Envoy through the xDS relay (aether-xds-relay): 1 (every mode behind the relay), or
+    /// both (each mode without the relay, then with it, side by side); a registry change
+    /// is then timed to Envoy's ACK at each roll's start and between rolls [default: off]
+    #[arg(long, env = "ARG_RELAY", value_name = "1|both", value_parser = relay, num_args = 0..=1, default_missing_value = "1")]
+    pub relay: Option<RelayRuns>,
     /// Set (to anything, even empty): no pod ADD/DEL during the rolls
     #[arg(long, env = "ARG_NO_CHURN", value_name = "ANY", num_args = 0..=1, default_missing_value = "")]
     pub no_churn: Option<String>,
@@ -189,6 +194,15 @@ fn modes(s: &str) -> Result<Modes, String> {
     }
 }
 
+fn relay(s: &str) -> Result<RelayRuns, String> {
+    match s.trim() {
+        "0" | "off" => Ok(RelayRuns::Off),
+        "1" | "on" => Ok(RelayRuns::On),
+        "both" => Ok(RelayRuns::Both),
+        _ => Err("1 (behind the relay), both (without and with it), or 0".into()),
+    }
+}
+
 fn nodes(s: &str) -> Result<u8, String> {
     match s.trim() {
         "1" => Ok(1),
@@ -262,6 +276,7 @@ mod tests {
         assert_eq!(a.poll_period, crate::envoy::POLL_PERIOD);
         assert_eq!(a.results_dir, None);
         assert_eq!((a.no_churn, a.keep_node, a.debug_stats), (None, None, None));
+        assert_eq!(a.relay, None);
     }
 
     #[test]
@@ -285,8 +300,21 @@ mod tests {
             ("ARG_NO_CHURN", ""),
             ("ARG_KEEP_NODE", "1"),
             ("ARG_DEBUG_STATS", "0"),
+            ("ARG_RELAY", "both"),
         ])
         .unwrap();
+        assert_eq!(a.relay, Some(RelayRuns::Both));
+        assert_eq!(
+            parse(&[("ARG_RELAY", "1")]).unwrap().relay,
+            Some(RelayRuns::On)
+        );
+        assert_eq!(
+            parse(&[("ARG_RELAY", "0")]).unwrap().relay,
+            Some(RelayRuns::Off)
+        );
+        // The bare flag is 1.
+        let bare = Args::parse_with(|_| true, ["agent-restart-gap", "--relay"]).unwrap();
+        assert_eq!(bare.relay, Some(RelayRuns::On));
         assert_eq!(a.rolls, 3);
         assert_eq!(
             a.mode.modes,
@@ -332,6 +360,7 @@ mod tests {
             ("ARG_XDS_API", "grpc", "expected sotw"),
             ("ARG_MESH_SERVICES", "many", "not a whole number"),
             ("ARG_POLL_PERIOD", "-2ms", "negative"),
+            ("ARG_RELAY", "yes", "both (without and with it)"),
         ] {
             let e = format!("{:#}", parse(&[(name, value)]).unwrap_err());
             assert!(
@@ -363,6 +392,7 @@ mod tests {
             ("ARG_NO_CHURN", None),
             ("ARG_KEEP_NODE", None),
             ("ARG_DEBUG_STATS", None),
+            ("ARG_RELAY", None),
         ] {
             let at = help
                 .find(&format!("[env: {name}="))

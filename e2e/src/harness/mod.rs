@@ -17,6 +17,7 @@
 //! See `e2e/agent-restart-gap.sh` for the environment it reads.
 
 pub mod args;
+pub mod changes;
 pub mod churn;
 pub mod identity;
 pub mod load;
@@ -37,7 +38,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 
-use crate::envoy::{self, Envoy, Poller, RollTimes};
+use crate::envoy::{self, Envoy, Poller, Relay, RollTimes};
 use crate::testing::{Agent, Keeper, LocalNode, bin, percentile, try_wait_for, workspace_root};
 use churn::{Churn, Cni, Pods};
 use two_node::{CrossDrain, PeerNode, SharedRegistry};
@@ -69,6 +70,37 @@ impl Mode {
             Mode::Surge => 0.12,
             Mode::WorkerCrash => 0.25,
             Mode::Recreate => 15.0,
+        }
+    }
+}
+
+/// `ARG_RELAY`: whether Envoy talks to the node through the xDS relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RelayRuns {
+    /// Envoy on the node's `xds.sock`, as before.
+    #[default]
+    Off,
+    /// Every mode with `aether-xds-relay` between Envoy and the node.
+    On,
+    /// Each mode twice, side by side: without the relay, then with it.
+    Both,
+}
+
+impl RelayRuns {
+    /// The runs of each mode: false without the relay, true with it.
+    pub fn runs(self) -> &'static [bool] {
+        match self {
+            RelayRuns::Off => &[false],
+            RelayRuns::On => &[true],
+            RelayRuns::Both => &[false, true],
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RelayRuns::Off => "off",
+            RelayRuns::On => "1",
+            RelayRuns::Both => "both",
         }
     }
 }
@@ -106,6 +138,9 @@ pub struct Config {
     pub keep_node: bool,
     /// ARG_DEBUG_STATS: the xDS-related stats each roll moved, on stderr.
     pub debug_stats: bool,
+    /// ARG_RELAY: Envoy through `aether-xds-relay`, on every run or side by side. Set at
+    /// all, every run also times a registry change to Envoy's ACK ([`changes`]).
+    pub relay: RelayRuns,
 }
 
 fn mode_name(modes: &[Mode], all: bool) -> &'static str {
@@ -177,6 +212,21 @@ impl Config {
                 })
             }
         };
+        let relay = a.relay.unwrap_or_default();
+        if relay != RelayRuns::Off {
+            if nodes != 1 || mtls.is_some() {
+                bail!(
+                    "ARG_RELAY={} runs one node (ARG_NODES=1, no ARG_MTLS): the registry change it times is the node's registry file",
+                    relay.name()
+                );
+            }
+            if a.xds_api != envoy::AdsApi::Delta {
+                bail!(
+                    "ARG_RELAY={} needs ARG_XDS_API=delta: the relay serves incremental ADS only",
+                    relay.name()
+                );
+            }
+        }
         Ok(Config {
             rolls: a.rolls,
             modes,
@@ -196,6 +246,7 @@ impl Config {
             no_churn: a.no_churn.is_some(),
             keep_node: a.keep_node.is_some(),
             debug_stats: a.debug_stats.is_some(),
+            relay,
         })
     }
 
@@ -248,6 +299,13 @@ pub struct Roll {
     /// misses, each naming the pod (the overlap pod's included).
     pub svid_checked: u64,
     pub svid_misses: Vec<String>,
+    /// ARG_RELAY, behind the relay: from the agent stream's end to the next one open
+    /// (`aether_relay_last_upstream_gap_seconds`).
+    pub relay_gap: Option<f64>,
+    /// ARG_RELAY: the registry change made at the roll's action, to Envoy's ACK of it; and
+    /// one made after the roll, with none under way (the baseline).
+    pub change_during_roll: Option<f64>,
+    pub change_no_roll: Option<f64>,
 }
 
 #[derive(Debug, Default)]
@@ -289,9 +347,42 @@ pub struct ModeResult {
     pub identity: Option<identity::Mtls>,
     /// ARG_MTLS: what the pod-to-pod mTLS load showed.
     pub mtls: Option<mtls::Report>,
+    /// ARG_RELAY set: the changes are timed, and this run is behind the relay or not.
+    pub changes_on: bool,
+    pub relay: bool,
+    /// ARG_RELAY: Envoy's ADS streams that ended during the rolls (its xDS cluster's
+    /// `upstream_rq_total`, each stream one request, read before and after: every stream
+    /// after the first follows one that ended).
+    pub envoy_stream_ends: Option<u64>,
+    /// Behind the relay: the streams it opened to the agent, the first included.
+    pub relay_upstream_streams: Option<u64>,
+    /// ARG_RELAY: the NACKs Envoy sent (the agents' logs; behind the relay, its count, which
+    /// includes those it absorbed, if higher).
+    pub nacks: Option<u64>,
 }
 
 impl ModeResult {
+    /// The mode's name, with ", relay" behind the relay.
+    pub fn label(&self) -> String {
+        let m = self.mode.map_or("?", Mode::name);
+        if self.relay {
+            format!("{m}, relay")
+        } else {
+            m.to_string()
+        }
+    }
+    fn changes(&self, f: impl Fn(&Roll) -> Option<f64>) -> Vec<f64> {
+        self.rolls.iter().filter_map(f).collect()
+    }
+    /// What the plot draws per roll: the gap; behind the relay, where Envoy's gap is 0,
+    /// the relay's own time without an agent stream.
+    pub fn plotted(&self) -> Vec<f64> {
+        if self.relay {
+            self.changes(|r| r.relay_gap)
+        } else {
+            self.gaps()
+        }
+    }
     pub fn gaps(&self) -> Vec<f64> {
         self.rolls.iter().filter_map(|r| r.gap).collect()
     }
@@ -375,6 +466,36 @@ impl ModeResult {
         }
         if let Some(m) = &self.mtls {
             f.extend(m.failures());
+        }
+        if self.changes_on {
+            let during = self.changes(|r| r.change_during_roll).len();
+            if during < self.rolls.len() {
+                f.push(format!(
+                    "{during} of {} rolls timed their registry change to Envoy's ACK",
+                    self.rolls.len()
+                ));
+            }
+            match self.nacks {
+                Some(0) => {}
+                Some(n) => f.push(format!("Envoy sent {n} NACKs")),
+                None => f.push("the NACKs were not counted".into()),
+            }
+        }
+        if self.relay {
+            match self.envoy_stream_ends {
+                Some(0) => {}
+                Some(n) => f.push(format!(
+                    "Envoy's ADS stream ended {n} times behind the relay"
+                )),
+                None => f.push("Envoy's stream ends were not read".into()),
+            }
+            let want = self.rolls.len() as u64 + 1;
+            if self.relay_upstream_streams != Some(want) {
+                f.push(format!(
+                    "the relay opened {:?} streams to the agent, not {want} (one per roll and the first)",
+                    self.relay_upstream_streams
+                ));
+            }
         }
         f
     }
@@ -512,6 +633,31 @@ impl ModeResult {
                 .expect("an object")
                 .extend(extra.as_object().expect("an object").clone());
         }
+        if self.changes_on {
+            let during = report::summarize(&self.changes(|r| r.change_during_roll));
+            let quiet = report::summarize(&self.changes(|r| r.change_no_roll));
+            let relay_gaps = report::summarize(&self.changes(|r| r.relay_gap));
+            let some = |s: &report::Summary, x: f64| (s.n > 0).then(|| r(x));
+            let extra = json!({
+                "relay": self.relay,
+                "envoy_stream_ends": self.envoy_stream_ends,
+                "relay_upstream_streams": self.relay_upstream_streams,
+                "relay_upstream_gap_median_s": some(&relay_gaps, relay_gaps.median),
+                "relay_upstream_gap_p99_s": some(&relay_gaps, relay_gaps.p99),
+                "relay_upstream_gap_max_s": some(&relay_gaps, relay_gaps.max),
+                "change_during_roll_samples": during.n,
+                "change_during_roll_median_s": some(&during, during.median),
+                "change_during_roll_p99_s": some(&during, during.p99),
+                "change_during_roll_max_s": some(&during, during.max),
+                "change_no_roll_samples": quiet.n,
+                "change_no_roll_median_s": some(&quiet, quiet.median),
+                "change_no_roll_p99_s": some(&quiet, quiet.p99),
+                "nacks": self.nacks,
+            });
+            v.as_object_mut()
+                .expect("an object")
+                .extend(extra.as_object().expect("an object").clone());
+        }
         if let Some(m) = &self.mtls {
             v.as_object_mut()
                 .expect("an object")
@@ -546,6 +692,10 @@ struct Bench {
     _keeper: Keeper,
     owner: Agent,
     envoy: Envoy,
+    /// ARG_RELAY: the relay between Envoy and the node (ended after Envoy).
+    relay: Option<Relay>,
+    /// ARG_RELAY: the registry change timed at each roll.
+    changes: Option<changes::Changes>,
     /// Envoy's outbound listener (none with ARG_MTLS: the pods carry the load).
     outbound: Option<SocketAddr>,
     cni: Arc<Cni>,
@@ -570,7 +720,7 @@ impl Bench {
     }
 }
 
-fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
+fn setup(node: LocalNode, cfg: &Config, relayed: bool) -> Result<Bench> {
     let mut node = node;
     let root = node.root.path().to_path_buf();
     // ARG_MTLS: node A's client pods and node B's server pods in namespaces of their own.
@@ -593,11 +743,42 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         );
     }
     let registry = root.join("registry.json");
-    let doc = if cfg.mesh_services > 0 {
-        let real: Vec<String> = services.iter().map(|s| s.to_string()).collect();
-        crate::testing::mesh_registry_json(cfg.mesh_services, 10, None, &real.join(","))
-    } else {
-        serde_json::to_string_pretty(&json!({ "services": services }))?
+    let render = |services: &[Value]| -> Result<String> {
+        Ok(if cfg.mesh_services > 0 {
+            let real: Vec<String> = services.iter().map(|s| s.to_string()).collect();
+            crate::testing::mesh_registry_json(cfg.mesh_services, 10, None, &real.join(","))
+        } else {
+            serde_json::to_string_pretty(&json!({ "services": services }))?
+        })
+    };
+    let doc = render(&services)?;
+    // ARG_RELAY: the change is the first service without its second endpoint, and back.
+    let change_docs = match cfg.relay {
+        RelayRuns::Off => None,
+        _ => {
+            let mut fewer = services.clone();
+            let endpoints = |s: &Value| -> Vec<String> {
+                let mut v: Vec<String> = s["endpoints"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|e| {
+                        format!(
+                            "{}:{} HEALTHY",
+                            e["address"].as_str().unwrap_or("?"),
+                            e["port"]
+                        )
+                    })
+                    .collect();
+                v.sort();
+                v
+            };
+            if let Some(eps) = fewer[0]["endpoints"].as_array_mut() {
+                eps.truncate(1);
+            }
+            let wants = [endpoints(&services[0]), endpoints(&fewer[0])];
+            Some(([doc.clone(), render(&fewer)?], wants))
+        }
     };
     // Free capture ports, so that runs in parallel do not clash on 15001 (ARG_MTLS: the
     // listeners are in node A's namespace).
@@ -677,15 +858,32 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         Some(n) => mtls::envoy_in(&root, &n.a.node.name, &cfg.envoy)?,
         None => cfg.envoy.clone(),
     };
-    let envoy = Envoy::start(
+    // ARG_RELAY: behind the relay, Envoy's ADS cluster points at the relay's socket.
+    let relay = relayed.then(|| Relay::start(&root.join("relay"), &node.run_dir));
+    let log_args = if change_docs.is_some() {
+        changes::envoy_log_args()
+    } else {
+        Vec::new()
+    };
+    let log_args: Vec<&std::ffi::OsStr> = log_args.iter().map(std::ffi::OsStr::new).collect();
+    let envoy = Envoy::start_with_args(
         &envoy_bin,
         &root,
-        &node.run_dir,
-        cfg.backoff_base,
-        cfg.backoff_max,
+        relay.as_ref().map_or(&node.run_dir, |r| &r.dir),
+        (cfg.backoff_base, cfg.backoff_max),
         cfg.xds_api,
+        &log_args,
     )
     .context("start Envoy")?;
+    let changes = change_docs.map(|(docs, wants)| {
+        changes::Changes::new(
+            &root.join("registry.json"),
+            docs,
+            wants,
+            format!("outbound|80||{}.default", SERVICES[0]),
+            &envoy.log,
+        )
+    });
     try_wait_for(
         "Envoy to connect and take its first config",
         T_START,
@@ -779,6 +977,8 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
         _keeper: keeper,
         owner: first,
         envoy,
+        relay,
+        changes,
         outbound,
         cni,
         pods,
@@ -795,9 +995,11 @@ fn setup(node: LocalNode, cfg: &Config) -> Result<Bench> {
 
 /// Runs one mode on a fresh local node. The node's folder is kept (and named in the
 /// result) when anything failed.
-pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
+pub fn run_mode(cfg: &Config, mode: Mode, relay: bool) -> ModeResult {
     let mut res = ModeResult {
         mode: Some(mode),
+        relay,
+        changes_on: cfg.relay != RelayRuns::Off,
         bound: cfg.bound(mode),
         expect_empty_reconnects: cfg.no_churn && cfg.xds_api == envoy::AdsApi::Delta,
         nodes: cfg.nodes,
@@ -811,8 +1013,13 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         .expect("the node folder");
     let root = node.root.path().to_path_buf();
     eprintln!(
-        "== {}{}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
+        "== {}{}{}{}: {} rolls, load {} rps, ADS backoff {:?}/{:?}, p99 gap bound {:.3} s, node {}",
         mode.name(),
+        if relay {
+            ", Envoy behind the xDS relay"
+        } else {
+            ""
+        },
         if cfg.nodes == 2 {
             ", two nodes (node A rolled, node B's pods draining)"
         } else {
@@ -834,7 +1041,7 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
              (no image pull, no scheduling, no kubelet sync); for context, {SEED_RECREATE}"
         );
     }
-    let mut bench = match setup(node, cfg) {
+    let mut bench = match setup(node, cfg, relay) {
         Ok(b) => b,
         Err(e) => {
             res.errors.push(format!("setup: {e:#}"));
@@ -879,6 +1086,12 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         .and(bench.peer.as_ref())
         .map(|p| Poller::start_every(p.envoy.admin.clone(), cfg.poll_period));
     std::thread::sleep(Duration::from_millis(300));
+    // ARG_RELAY: Envoy's ADS streams so far, read once before the rolls and once after
+    // (each read walks Envoy's stats on its main thread).
+    let streams_before = res
+        .changes_on
+        .then(|| bench.envoy.stat(ADS_STREAMS))
+        .flatten();
 
     for step in plan(cfg, mode) {
         match step {
@@ -1011,6 +1224,20 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
         d.lost_in_peer_rolls = lost;
         d
     });
+    if res.changes_on {
+        let after = bench.envoy.stat(ADS_STREAMS);
+        res.envoy_stream_ends = streams_before.zip(after).map(|(b, a)| a.saturating_sub(b));
+        let relay_metric = |name: &str| {
+            bench
+                .relay
+                .as_ref()
+                .and_then(|r| r.metric(name))
+                .map(|v| v as u64)
+        };
+        res.relay_upstream_streams = relay_metric("aether_relay_upstream_streams_total");
+        let logged = agent_nacks(&root);
+        res.nacks = Some(logged.max(relay_metric("aether_relay_nacks_total").unwrap_or(0)));
+    }
     std::thread::sleep(Duration::from_millis(300));
     envoy_log_times(&bench.envoy.log, log_from, &mut res.rolls);
     res.poll_max_interval = poller.max_interval();
@@ -1086,6 +1313,28 @@ pub fn run_mode(cfg: &Config, mode: Mode) -> ModeResult {
     }
     drop(bench);
     res
+}
+
+/// Envoy's ADS streams: each gRPC stream to the xDS cluster is one upstream request.
+const ADS_STREAMS: &str = "cluster.xds_cluster.upstream_rq_total";
+
+/// The NACKs the node's agents logged (each generation's log in the node folder).
+fn agent_nacks(root: &Path) -> u64 {
+    let Ok(dir) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    dir.flatten()
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("gen") && n.ends_with(".log")
+        })
+        .map(|e| {
+            std::fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .matches("NACK: the proxy rejected")
+                .count() as u64
+        })
+        .sum()
 }
 
 /// What a mode's run does, in order.
@@ -1261,6 +1510,19 @@ fn log_roll(label: &str, i: u32, of: u32, mode: Mode, r: &Roll, identity: bool) 
             .unwrap_or("-".into()),
         r.takeover * 1000.0
     );
+    if r.relay_gap.is_some() || r.change_during_roll.is_some() {
+        eprintln!(
+            "   relay without an agent stream {}; registry change to Envoy's ACK: made at the {} {}, with no roll {}",
+            ms(r.relay_gap),
+            if mode == Mode::WorkerCrash {
+                "SIGKILL"
+            } else {
+                "SIGTERM"
+            },
+            ms(r.change_during_roll),
+            ms(r.change_no_roll)
+        );
+    }
     if identity {
         eprintln!(
             "   identity: takeover svid_wait {} (pods still without one: {}); overlap pod {} SVID in Envoy {} after the new owner served; {} of {} present pods' SVIDs in Envoy",
@@ -1309,6 +1571,59 @@ fn envoy_log_times(log: &Path, from: u64, rolls: &mut [Roll]) {
     }
 }
 
+/// Behind the relay: waits for the relay's next agent stream (its stream count past
+/// `before.0` and connected); the roll's times, and the relay's time without an agent
+/// stream. Envoy's own stream should not have ended: then its gap is 0, and its served gap
+/// the relay's gap (from `action`); if it did end, the roll is timed as without the relay.
+/// The relay's failed connects to `xds.sock` count with Envoy's as refused connects.
+fn relay_switch(
+    relay: &Relay,
+    poller: &Poller,
+    since: Instant,
+    action: Instant,
+    before: (f64, f64),
+) -> Result<(RollTimes, Option<f64>)> {
+    try_wait_for(
+        "the relay to open its stream to the new owner",
+        T_START,
+        || {
+            (relay.metric("aether_relay_upstream_streams_total")? > before.0
+                && relay.metric("aether_relay_upstream_connected")? == 1.0)
+                .then_some(())
+        },
+    )
+    .with_context(|| format!("relay log {}", relay.log.display()))?;
+    let gap = relay.metric("aether_relay_last_upstream_gap_seconds");
+    let relay_failed = relay
+        .metric("aether_relay_upstream_failures_total")
+        .map_or(0, |f| (f - before.1).max(0.0) as u64);
+    let (base, changes) = poller.since(since);
+    let Some(base) = base.or_else(|| changes.first().copied()) else {
+        bail!("the admin poller has no sample of the roll");
+    };
+    if changes
+        .iter()
+        .any(|s| !s.connected || s.failures > base.failures)
+    {
+        let mut t = wait_served(poller, since, T_START)?;
+        t.connect_fail += relay_failed;
+        return Ok((t, gap));
+    }
+    let last = changes.last().copied().unwrap_or(base);
+    let served = action + Duration::from_secs_f64(gap.unwrap_or(0.0));
+    Ok((
+        RollTimes {
+            down: action,
+            up: action,
+            served,
+            observed: true,
+            stream_failures: 0,
+            connect_fail: last.connect_fail.saturating_sub(base.connect_fail) + relay_failed,
+        },
+        gap,
+    ))
+}
+
 /// Waits until Envoy has lost its stream, regained it and taken a config update on the
 /// new one; the stats timeline of the roll.
 fn wait_served(poller: &Poller, since: Instant, timeout: Duration) -> Result<RollTimes> {
@@ -1354,8 +1669,27 @@ fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
 }
 
 fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
+    // ARG_RELAY: the change is written beside the registry now and moved in at the action.
+    if let Some(c) = &b.changes {
+        c.stage()?;
+    }
+    let relay_before = b.relay.as_ref().map(|r| {
+        (
+            r.metric("aether_relay_upstream_streams_total")
+                .unwrap_or(0.0),
+            r.metric("aether_relay_upstream_failures_total")
+                .unwrap_or(0.0),
+        )
+    });
     let start = Instant::now();
     let churn = Churn::start(b.cni.clone(), b.pods.clone(), !b.no_churn);
+    // A poll is stamped with its request's midpoint: on a busy machine one that began
+    // before `start` and saw the action's effect could carry a time before `start`, and
+    // the roll's analysis would then wait for an end it already counted. One poll stamped
+    // after `start` before the action rules that out.
+    try_wait_for("a stats poll after the roll's start", T_START, || {
+        poller.last().filter(|s| s.t > start)
+    })?;
     let action;
     let mut old_exit = None;
     let mut warmup = None;
@@ -1387,6 +1721,9 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             }
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
+            if let Some(c) = b.changes.as_mut() {
+                c.make()?;
+            }
             let old = std::mem::replace(&mut b.owner, next);
             exit_of(old)?;
             old_exit = Some(action.elapsed().as_secs_f64());
@@ -1399,6 +1736,9 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         Mode::Recreate => {
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
+            if let Some(c) = b.changes.as_mut() {
+                c.make()?;
+            }
             let next = b.start_agent_after_exit()?;
             old_exit = Some(action.elapsed().as_secs_f64());
             b.owner = next;
@@ -1416,6 +1756,9 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
                 .ok_or_else(|| anyhow!("no worker pid in /ready"))?;
             action = Instant::now();
             kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
+            if let Some(c) = b.changes.as_mut() {
+                c.make()?;
+            }
             serving = try_wait_for("the respawned worker to serve as owner", T_START, || {
                 b.owner
                     .serving_owner()
@@ -1425,9 +1768,19 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     }
     let serving_seen = Instant::now();
     let takeover = action.elapsed().as_secs_f64();
-    let times = wait_served(poller, start, T_START);
+    let times = match (&b.relay, relay_before) {
+        (Some(relay), Some(before)) => relay_switch(relay, poller, start, action, before),
+        _ => wait_served(poller, start, T_START).map(|t| (t, None)),
+    };
     let (mut adds, dels) = churn.stop();
-    let times = times?;
+    let (times, relay_gap) = times?;
+    let change_during_roll = match b.changes.as_mut() {
+        Some(c) => Some(
+            c.acked(&b.envoy)
+                .context("the registry change made at the roll's action")?,
+        ),
+        None => None,
+    };
     if overlap.as_ref().is_some_and(|(_, ok)| *ok) {
         adds += 1;
     }
@@ -1482,9 +1835,26 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         reconnect_resources: (mode != Mode::WorkerCrash)
             .then(|| reconnect_resources(&b.owner.log())),
         unserved: Some((times.down, times.served)),
+        relay_gap,
+        change_during_roll,
         ..Default::default()
     };
     r.lost = check_pods(b)?;
+    if b.changes.is_some() {
+        // The new owner's snapshot is what Envoy holds, and a change with no roll under
+        // way, the baseline, reaches Envoy.
+        let owner = &b.owner;
+        changes::versions_agree(&b.envoy, || owner.ready().map(|(_, v)| v))
+            .with_context(|| format!("after the roll, {}", b.owner.name))?;
+        if let Some(c) = b.changes.as_mut() {
+            c.stage()?;
+            c.make()?;
+            r.change_no_roll = Some(
+                c.acked(&b.envoy)
+                    .context("the registry change made between rolls")?,
+            );
+        }
+    }
     if let Some(id) = &b.identity {
         r.svid_wait = serving["takeover"]["svid_wait_us"]
             .as_f64()
@@ -1616,17 +1986,36 @@ fn check_pods(b: &mut Bench) -> Result<u64> {
 /// returns whether everything passed.
 pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
     let _ = std::fs::create_dir_all(&cfg.results_dir);
-    let plot_name = if cfg.all {
-        "all".to_string()
-    } else {
-        results[0].mode.expect("mode").name().to_string()
-    };
+    let plot_name = format!(
+        "{}{}",
+        if cfg.all {
+            "all"
+        } else {
+            results[0].mode.expect("mode").name()
+        },
+        match cfg.relay {
+            RelayRuns::Off => "",
+            RelayRuns::On => "-relay",
+            RelayRuns::Both => "-with-relay",
+        }
+    );
     let plot = cfg
         .results_dir
         .join(format!("agent-restart-gap-{plot_name}.svg"));
-    let series: Vec<(String, Vec<f64>)> = results
+    let series: Vec<report::Series> = results
         .iter()
-        .map(|r| (r.mode.expect("mode").name().to_string(), r.gaps()))
+        .map(|r| report::Series {
+            name: if r.relay {
+                format!(
+                    "{}: the relay without an agent stream",
+                    r.mode.expect("mode").name()
+                )
+            } else {
+                r.label()
+            },
+            values: r.plotted(),
+            relayed: r.relay,
+        })
         .collect();
     let title = format!(
         "agent-restart-gap: Envoy without a control plane per roll (ADS backoff {}s/{}s, {} rps)",
@@ -1651,7 +2040,7 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
     );
     println!("{}", report::header());
     for r in results {
-        let m = r.mode.expect("mode").name();
+        let m = &r.label();
         let count =
             |f: &dyn Fn(&Roll) -> u64| r.rolls.iter().map(|x| f(x) as f64).collect::<Vec<_>>();
         println!("{}", report::row(&format!("{m}: gap (s)"), &r.gaps(), 4));
@@ -1722,6 +2111,26 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
             "{}",
             report::row(&format!("{m}: lost adds per roll"), &count(&|x| x.lost), 0)
         );
+        if r.changes_on {
+            for (what, v) in [
+                (
+                    "relay without an agent stream (s)",
+                    r.changes(|x| x.relay_gap),
+                ),
+                (
+                    "change at the roll to ACK (s)",
+                    r.changes(|x| x.change_during_roll),
+                ),
+                (
+                    "change with no roll to ACK (s)",
+                    r.changes(|x| x.change_no_roll),
+                ),
+            ] {
+                if !v.is_empty() || !r.relay {
+                    println!("{}", report::row(&format!("{m}: {what}"), &v, 4));
+                }
+            }
+        }
         if let Some(d) = &r.cross_drain {
             println!(
                 "{}",
@@ -1773,7 +2182,7 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         );
     }
     for r in results {
-        let m = r.mode.expect("mode").name();
+        let m = &r.label();
         println!(
             "{m}: {} requests ({} failed, {} started late), admin polled {} times, a poll took {:.2} ms median ({:.2} ms worst), worst poll interval {:.2} ms",
             r.requests,
@@ -1792,6 +2201,17 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         }
         if r.stuck_dels > 0 {
             println!("{m}:   {} DELs never succeeded", r.stuck_dels);
+        }
+        if r.changes_on {
+            println!(
+                "{m}: Envoy's ADS stream ended {} times during the rolls; {} NACKs{}",
+                r.envoy_stream_ends
+                    .map_or("?".to_string(), |n| n.to_string()),
+                r.nacks.map_or("?".to_string(), |n| n.to_string()),
+                r.relay_upstream_streams
+                    .map(|n| format!("; the relay opened {n} streams to the agent"))
+                    .unwrap_or_default()
+            );
         }
         for f in r.failures(cfg.rolls) {
             println!("{m}: FAIL {f}");
@@ -1919,10 +2339,10 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
 
     let lines: Vec<Value> = results.iter().map(|r| r.json(cfg, &plot)).collect();
     let pass = results.iter().all(|r| r.failures(cfg.rolls).is_empty());
-    if cfg.all {
+    if results.len() > 1 {
         println!();
         println!(
-            "{:<14} {:>6} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>6}",
+            "{:<22} {:>6} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>6}",
             "mode",
             "rolls",
             "gap median",
@@ -1935,8 +2355,8 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         );
         for (r, j) in results.iter().zip(&lines) {
             println!(
-                "{:<14} {:>6} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>9} {:>8} {:>6}",
-                r.mode.expect("mode").name(),
+                "{:<22} {:>6} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>9} {:>8} {:>6}",
+                r.label(),
                 r.rolls.len(),
                 j["gap_median_s"].as_f64().unwrap_or(0.0) * 1000.0,
                 j["gap_p99_s"].as_f64().unwrap_or(0.0) * 1000.0,
@@ -1947,14 +2367,50 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                 r.lost()
             );
         }
+        if cfg.relay != RelayRuns::Off {
+            println!();
+            println!(
+                "{:<22} {:>14} {:>14} {:>14} {:>12} {:>8} {:>6}",
+                "registry change",
+                "at roll p50",
+                "at roll p99",
+                "no roll p99",
+                "relay gap p99",
+                "ends",
+                "nacks"
+            );
+            let ms = |v: &Value| {
+                v.as_f64()
+                    .map_or("-".to_string(), |x| format!("{:.1}ms", x * 1000.0))
+            };
+            for (r, j) in results.iter().zip(&lines) {
+                println!(
+                    "{:<22} {:>14} {:>14} {:>14} {:>12} {:>8} {:>6}",
+                    r.label(),
+                    ms(&j["change_during_roll_median_s"]),
+                    ms(&j["change_during_roll_p99_s"]),
+                    ms(&j["change_no_roll_p99_s"]),
+                    ms(&j["relay_upstream_gap_p99_s"]),
+                    r.envoy_stream_ends
+                        .map_or("?".to_string(), |n| n.to_string()),
+                    r.nacks.map_or("?".to_string(), |n| n.to_string())
+                );
+            }
+        }
         println!("plot: {}", plot.display());
         for j in &lines {
             println!("{j}");
         }
-        println!(
-            "{}",
-            json!({ "mode": "all", "pass": pass, "plot": plot.display().to_string(), "modes": lines })
-        );
+        let mut all = json!({
+            "mode": if cfg.all { "all" } else { results[0].mode.expect("mode").name() },
+            "pass": pass,
+            "plot": plot.display().to_string(),
+            "modes": lines,
+        });
+        if cfg.relay != RelayRuns::Off {
+            all["relay"] = json!(cfg.relay.name());
+        }
+        println!("{all}");
     } else {
         println!("{}", lines[0]);
     }

@@ -61,6 +61,15 @@ pub fn header() -> String {
 pub const SEED_SURGE_MEDIAN_S: f64 = 0.080;
 pub const SEED_SURGE_P99_S: f64 = 0.242;
 
+/// One curve of the plot: a mode's gaps, or, behind the xDS relay (where Envoy's own gap
+/// is 0), the relay's time without an agent stream, drawn dashed in its mode's colour.
+#[derive(Debug, Clone)]
+pub struct Series {
+    pub name: String,
+    pub values: Vec<f64>,
+    pub relayed: bool,
+}
+
 /// The gap distribution of each mode as an empirical CDF on a log time axis (the modes
 /// differ by orders of magnitude), written as SVG, with its references: the distribution
 /// of Envoy's first ADS reconnect delay for `backoff_base_s` (dashed) and the seed's surge
@@ -73,16 +82,16 @@ pub const SEED_SURGE_P99_S: f64 = 0.242;
 pub fn plot(
     path: &Path,
     title: &str,
-    series: &[(String, Vec<f64>)],
+    series: &[Series],
     backoff_base_s: f64,
 ) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
     let ms: Vec<(String, Vec<f64>)> = series
         .iter()
-        .map(|(name, v)| {
-            let mut v: Vec<f64> = v.iter().map(|s| (s * 1000.0).max(0.1)).collect();
+        .map(|s| {
+            let mut v: Vec<f64> = s.values.iter().map(|s| (s * 1000.0).max(0.1)).collect();
             v.sort_by(|a, b| a.total_cmp(b));
-            (name.clone(), v)
+            (s.name.clone(), v)
         })
         .collect();
     let base_ms = backoff_base_s * 1000.0;
@@ -116,7 +125,11 @@ pub fn plot(
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
-        .x_desc("gap: Envoy control_plane.connected_state = 0 (log scale)")
+        .x_desc(if series.iter().any(|s| s.relayed) {
+            "gap: Envoy control_plane.connected_state = 0; dashed, behind the relay (Envoy's gap 0): the relay without an agent stream (log scale)"
+        } else {
+            "gap: Envoy control_plane.connected_state = 0 (log scale)"
+        })
         .y_desc("fraction of rolls with gap <= x")
         .x_label_formatter(&|x| fmt_ms(*x))
         .draw()
@@ -175,11 +188,22 @@ pub fn plot(
         RGBColor(44, 160, 44),
         RGBColor(148, 103, 189),
     ];
+    // A relayed curve takes the colour of the curve before it (its mode without the
+    // relay, side by side) or, alone, the next one.
+    let mut color_of: Vec<usize> = Vec::with_capacity(ms.len());
+    for (i, s) in series.iter().enumerate() {
+        let c = match (s.relayed, i.checked_sub(1)) {
+            (true, Some(p)) if !series[p].relayed => color_of[p],
+            _ => color_of.last().map_or(0, |c: &usize| c + 1),
+        };
+        color_of.push(c);
+    }
     for (i, (name, v)) in ms.iter().enumerate() {
         if v.is_empty() {
             continue;
         }
-        let color = colors[i % colors.len()];
+        let color = colors[color_of[i] % colors.len()];
+        let dashed = series[i].relayed;
         let n = v.len() as f64;
         // A step function: the fraction jumps at each sample.
         let mut pts = vec![(lo, 0.0)];
@@ -188,25 +212,41 @@ pub fn plot(
             pts.push((*x, (k + 1) as f64 / n));
         }
         pts.push((hi, 1.0));
-        let s = summarize(&series[i].1);
+        let s = summarize(&series[i].values);
         let label = format!(
             "{name}: n={} median {:.1} ms, p99 {:.1} ms",
             s.n,
             s.median * 1000.0,
             s.p99 * 1000.0
         );
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(label)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
+        if dashed {
+            chart
+                .draw_series(DashedLineSeries::new(pts, 6, 4, color.stroke_width(2)))
+                .map_err(|e| err(&e))?
+                .label(label)
+                .legend(move |(x, y)| {
+                    DashedPathElement::new(vec![(x, y), (x + 20, y)], 4, 3, color.stroke_width(2))
+                });
+        } else {
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(|e| err(&e))?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+        }
+        // Filled dots for the gaps, hollow ones behind the relay.
+        let dot = if dashed {
+            color.stroke_width(1)
+        } else {
+            color.filled()
+        };
         chart
             .draw_series(
                 v.iter()
                     .enumerate()
-                    .map(|(k, x)| Circle::new((*x, (k + 1) as f64 / n), 3, color.filled())),
+                    .map(|(k, x)| Circle::new((*x, (k + 1) as f64 / n), 3, dot)),
             )
             .map_err(|e| err(&e))?;
     }
@@ -406,10 +446,16 @@ mod tests {
                 .map(|k| from + (to - from) * k as f64 / 19.0)
                 .collect::<Vec<_>>()
         };
+        let one = |name: &str, values: Vec<f64>, relayed: bool| Series {
+            name: name.to_string(),
+            values,
+            relayed,
+        };
         let series = vec![
-            ("surge".to_string(), spread(0.008, 0.099)),
-            ("recreate".to_string(), spread(0.020, 0.120)),
-            ("worker-crash".to_string(), spread(0.012, 0.101)),
+            one("surge", spread(0.008, 0.099), false),
+            one("surge, relay", spread(0.0005, 0.002), true),
+            one("recreate", spread(0.020, 0.120), false),
+            one("worker-crash", spread(0.012, 0.101), false),
         ];
         plot(&path, "gap", &series, 0.1).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
@@ -418,6 +464,7 @@ mod tests {
             "seed median 80 ms",
             "seed p99 242 ms",
             "median 80 ms, p99 242 ms",
+            "surge, relay: n=20",
         ] {
             assert!(svg.contains(want), "no {want:?} in {}", path.display());
         }

@@ -1,0 +1,195 @@
+//! `ARG_RELAY`: a registry change timed to Envoy's ACK of it, at the moment a roll starts
+//! and again between rolls (the baseline), and the checks that go with the relay.
+//!
+//! The change flips the first service's second endpoint out of the registry file and back
+//! in, one flip per change: the file is written beside the registry first and renamed
+//! over it at the moment timed. Envoy's own log says when it accepted the load assignment
+//! (`config:debug`), which is when it sends the ACK, whichever agent answered and whether
+//! or not a relay stood between them; no admin query runs while a change is timed. Each
+//! change is then checked in Envoy's config dump, outside the timing.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::envoy::{Envoy, ack_log, log_times};
+use crate::testing::try_wait_for;
+
+/// How long a change may take to reach Envoy (a recreate roll without the relay waits out
+/// Envoy's reconnect backoff, up to its max).
+const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Envoy's log levels that time the changes, unless `AETHER_E2E_ENVOY_LOG` sets its own:
+/// `config:debug` logs each accepted response.
+pub fn envoy_log_args() -> Vec<String> {
+    if std::env::var_os("AETHER_E2E_ENVOY_LOG").is_some() {
+        return Vec::new();
+    }
+    [
+        "--component-log-level",
+        "config:debug",
+        "--log-format",
+        "[%H:%M:%S.%f][%t][%l][%n] %v",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The registry file's two states and where the next change stands.
+pub struct Changes {
+    path: PathBuf,
+    staged: PathBuf,
+    /// The registry with the first service whole, and without its second endpoint.
+    docs: [String; 2],
+    /// Envoy's endpoints of that service's cluster in each (sorted, as
+    /// [`crate::envoy::load_assignment_lines`] writes them).
+    wants: [Vec<String>; 2],
+    pub cluster: String,
+    envoy_log: PathBuf,
+    /// The state the file is in.
+    at: usize,
+    made: Option<Made>,
+}
+
+struct Made {
+    /// Envoy's log length when the change was made: its ACK comes after.
+    offset: u64,
+    /// Seconds since midnight (UTC, Envoy's log clock) when the file moved into place.
+    t0: f64,
+}
+
+/// Seconds since midnight, UTC, of `t`.
+fn of_day(t: SystemTime) -> f64 {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    (d.as_secs() % 86_400) as f64 + f64::from(d.subsec_nanos()) / 1e9
+}
+
+impl Changes {
+    /// `docs[0]` is the registry as written at the start, `docs[1]` the same without the
+    /// second endpoint of `cluster`'s service; `wants` are Envoy's endpoints in each.
+    pub fn new(
+        path: &Path,
+        docs: [String; 2],
+        wants: [Vec<String>; 2],
+        cluster: String,
+        envoy_log: &Path,
+    ) -> Changes {
+        Changes {
+            path: path.to_path_buf(),
+            staged: path.with_extension("next"),
+            docs,
+            wants,
+            cluster,
+            envoy_log: envoy_log.to_path_buf(),
+            at: 0,
+            made: None,
+        }
+    }
+
+    /// Writes the next state beside the registry file: [`Changes::make`] puts it in place.
+    pub fn stage(&self) -> Result<()> {
+        std::fs::write(&self.staged, &self.docs[1 - self.at])
+            .with_context(|| format!("write {}", self.staged.display()))
+    }
+
+    /// Renames the staged state over the registry file: the change is made now. Timed
+    /// from just before the rename: a clock read after it can come late, when the harness
+    /// is descheduled right after the rename while the agent and Envoy go on, and would
+    /// make a change look faster than it was (even negative) on a busy machine.
+    pub fn make(&mut self) -> Result<()> {
+        let offset = std::fs::metadata(&self.envoy_log).map_or(0, |m| m.len());
+        let before = SystemTime::now();
+        std::fs::rename(&self.staged, &self.path)
+            .with_context(|| format!("rename over {}", self.path.display()))?;
+        let took = before.elapsed().unwrap_or_default();
+        if took > Duration::from_millis(1) {
+            eprintln!(
+                "   (the registry change's rename took {:.1} ms: its sample is long by up to that)",
+                took.as_secs_f64() * 1e3
+            );
+        }
+        let t0 = of_day(before);
+        self.at = 1 - self.at;
+        self.made = Some(Made { offset, t0 });
+        Ok(())
+    }
+
+    /// Waits for Envoy's log to show it accepted (and so ACKed) the change made last, then
+    /// checks Envoy's config dump holds it; the seconds from the change to the ACK.
+    pub fn acked(&mut self, envoy: &Envoy) -> Result<f64> {
+        let Some(made) = self.made.take() else {
+            bail!("no change made");
+        };
+        let log = &self.envoy_log;
+        let t = try_wait_for(
+            "Envoy's log to show the registry change's load assignment accepted",
+            ACK_TIMEOUT,
+            || {
+                let text = std::fs::read(log).ok()?;
+                let text = String::from_utf8_lossy(text.get(made.offset as usize..)?);
+                log_times::eds_changes(&text).first().copied()
+            },
+        )
+        .with_context(|| {
+            format!(
+                "Envoy's log {} (config:debug needed; AETHER_E2E_ENVOY_LOG, when set, must include it)",
+                log.display()
+            )
+        })?;
+        let want = &self.wants[self.at];
+        if let Err(got) = ack_log::wait_endpoints(envoy, &self.cluster, want) {
+            bail!(
+                "Envoy ACKed a load assignment after the registry change, but {} holds {got:?}, not {want:?}",
+                self.cluster
+            );
+        }
+        Ok(log_times::after(made.t0, t))
+    }
+}
+
+/// Envoy's CDS and LDS versions (the config dump's `version_info` of each, the last
+/// `system_version_info` Envoy accepted) against the serving owner's snapshot versions on
+/// its `/ready` (`xds_versions`); waits up to 2 s for them to agree.
+pub fn versions_agree(envoy: &Envoy, ready: impl Fn() -> Option<Value>) -> Result<()> {
+    let mut last = (Value::Null, Value::Null);
+    let agreed = try_wait_for(
+        "Envoy's CDS and LDS versions to equal the owner's",
+        Duration::from_secs(2),
+        || {
+            let (status, body) = envoy.get("/config_dump?mask=version_info").ok()?;
+            let dump: Value = (status == 200)
+                .then(|| serde_json::from_str(&body).ok())
+                .flatten()?;
+            let version = |kind: &str| {
+                dump["configs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|c| c["@type"].as_str().is_some_and(|t| t.ends_with(kind)))
+                    .map(|c| c["version_info"].clone())
+                    .unwrap_or(Value::Null)
+            };
+            let envoy_v = serde_json::json!({
+                "clusters": version(".ClustersConfigDump"),
+                "listeners": version(".ListenersConfigDump"),
+            });
+            let owner = ready()?;
+            let owner_v = serde_json::json!({
+                "clusters": owner["xds_versions"]["clusters"],
+                "listeners": owner["xds_versions"]["listeners"],
+            });
+            let same = envoy_v == owner_v && owner_v["clusters"].is_string();
+            last = (envoy_v, owner_v);
+            same.then_some(())
+        },
+    );
+    agreed.map_err(|_| {
+        anyhow::anyhow!(
+            "Envoy's versions {} differ from the owner's snapshot {}",
+            last.0,
+            last.1
+        )
+    })
+}
