@@ -89,7 +89,8 @@ async fn size(envoy_bin: &std::path::Path, services: usize, changes: usize) -> V
     );
     let (mut d, mut r) = (Vec::new(), Vec::new());
     for i in 0..changes {
-        let touched = (i * 7919) % services;
+        // Pairs of changes: one endpoint of a service turns draining, then back.
+        let touched = ((i / 2) * 7919) % services;
         let draining = (i % 2 == 0).then_some(i % ENDPOINTS);
         if i % 2 == 0 {
             d.push(change(&direct, touched, draining).await);
