@@ -1,6 +1,7 @@
 //! `aether-xds-relay` between a real Envoy and the real agent: surge rolls and worker
 //! crashes under load never end Envoy's ADS stream, a change made after each reaches
-//! Envoy through the new owner, and no request fails.
+//! Envoy through the new owner, and no request fails; with incremental ADS and with state
+//! of the world.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -51,11 +52,26 @@ fn write_atomically(path: &Path, text: &str) {
 
 #[test]
 fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
-    let test = "rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream";
+    rolls_and_crashes(
+        "rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream",
+        AdsApi::Delta,
+    );
+}
+
+/// The same with a state-of-the-world bootstrap (`api_type: GRPC`).
+#[test]
+fn rolls_and_worker_crashes_behind_the_relay_never_end_a_sotw_envoys_stream() {
+    rolls_and_crashes(
+        "rolls_and_worker_crashes_behind_the_relay_never_end_a_sotw_envoys_stream",
+        AdsApi::Sotw,
+    );
+}
+
+fn rolls_and_crashes(test: &str, api: AdsApi) {
     let Some(envoy_bin) = envoy_or_skip(test) else {
         return;
     };
-    let mut rig = NodeRig::start_relayed(&envoy_bin, AdsApi::Delta);
+    let mut rig = NodeRig::start_relayed(&envoy_bin, api);
     let cluster = format!("outbound|80||{SERVICE}.default");
     let base = rig.stats(&[ADS_CONNECTS, envoy::CONNECTED]);
     assert_eq!(base[ADS_CONNECTS], 1, "Envoy connected to the relay once");
@@ -123,8 +139,9 @@ fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
     let switches = relay.metric("aether_relay_switches_total");
     let resumes = relay.metric("aether_relay_resumes_total");
     let gap = relay.metric("aether_relay_last_upstream_gap_seconds");
+    let self_acked = relay.metric("aether_relay_self_acked_total");
     eprintln!(
-        "{rolls} surge rolls and {crashes} worker crashes behind the relay: {requests} requests, {failures} failed; Envoy ADS connects {} -> {}, connected_state drops {drops}; relay switches {switches:?}, resumes {resumes:?}, last gap {gap:?} s",
+        "{api:?}: {rolls} surge rolls and {crashes} worker crashes behind the relay: {requests} requests, {failures} failed; Envoy ADS connects {} -> {}, connected_state drops {drops}; relay switches {switches:?}, resumes {resumes:?}, answers Envoy held ACKed by the relay {self_acked:?}, last gap {gap:?} s",
         base[ADS_CONNECTS], end[ADS_CONNECTS]
     );
     assert_eq!(
@@ -139,6 +156,22 @@ fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
     assert!(requests > 0);
     assert_eq!(switches, Some(f64::from(rolls + crashes)));
     assert_eq!(resumes, Some(f64::from(rolls + crashes)));
+    let variant = match api {
+        AdsApi::Delta => "delta",
+        AdsApi::Sotw => "sotw",
+    };
+    assert_eq!(
+        relay.metric(&format!(
+            "aether_relay_envoy_streams_total{{api=\"{variant}\"}}"
+        )),
+        Some(1.0),
+        "Envoy's one stream, of its bootstrap's variant"
+    );
+    // Each switch: the types Envoy already held were answered by the relay, not resent.
+    assert!(
+        self_acked.is_some_and(|n| n >= f64::from(rolls + crashes)),
+        "{self_acked:?}"
+    );
     rig.pass();
 }
 

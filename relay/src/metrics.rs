@@ -9,6 +9,9 @@ use crate::session::Counts;
 #[derive(Default)]
 pub struct Metrics {
     pub envoy_streams: AtomicU64,
+    /// Envoy streams opened, incremental and state of the world.
+    pub delta_streams: AtomicU64,
+    pub sotw_streams: AtomicU64,
     pub upstream_connected: AtomicU64,
     pub upstream_streams: AtomicU64,
     pub upstream_failures: AtomicU64,
@@ -124,6 +127,12 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
             ));
         }
+        let name = "aether_relay_envoy_streams_total";
+        out.push_str(&format!(
+            "# HELP {name} Envoy ADS streams opened, by variant: delta (incremental) or sotw (state of the world).\n# TYPE {name} counter\n{name}{{api=\"delta\"}} {}\n{name}{{api=\"sotw\"}} {}\n",
+            g(&self.delta_streams),
+            g(&self.sotw_streams)
+        ));
         out
     }
 }

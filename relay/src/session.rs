@@ -28,7 +28,7 @@ use bytes::Bytes;
 use crate::wire::{DeltaRequest, DeltaResponse, Framed};
 
 /// ADS order for the re-statement: a resource's dependencies first.
-const ORDER: [&str; 5] = [
+pub const ORDER: [&str; 5] = [
     "type.googleapis.com/envoy.config.cluster.v3.Cluster",
     "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
     "type.googleapis.com/envoy.config.listener.v3.Listener",
@@ -36,13 +36,53 @@ const ORDER: [&str; 5] = [
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
 ];
 
-/// What the driver sends.
+/// What the driver sends: requests of type `Q`, answers of type `A`.
 #[derive(Debug, Clone)]
-pub enum Send {
+pub enum Send<Q = DeltaRequest, A = DeltaResponse> {
     /// To the agent, on the current stream.
-    Upstream(Framed<DeltaRequest>),
+    Upstream(Framed<Q>),
     /// To Envoy.
-    Envoy(Framed<DeltaResponse>),
+    Envoy(Framed<A>),
+}
+
+/// What the driver needs of a session core, for either ADS variant: incremental
+/// ([`Session`]) or state of the world ([`crate::sotw::Session`]).
+pub trait Core: Default + std::marker::Send + 'static {
+    /// Envoy's requests.
+    type Req: prost::Message + Default + std::fmt::Debug + std::marker::Send + 'static;
+    /// The agent's answers.
+    type Resp: prost::Message + Default + std::fmt::Debug + std::marker::Send + 'static;
+    /// The gRPC method, on both sides.
+    const PATH: &'static str;
+    /// The variant, as metrics and logs name it: `delta` or `sotw`.
+    const API: &'static str;
+    fn on_envoy(&mut self, req: Framed<Self::Req>) -> Vec<Send<Self::Req, Self::Resp>>;
+    fn on_agent(&mut self, resp: Framed<Self::Resp>) -> Vec<Send<Self::Req, Self::Resp>>;
+    fn upstream_up(&mut self) -> Vec<Send<Self::Req, Self::Resp>>;
+    fn upstream_down(&mut self);
+    fn counts(&self) -> Counts;
+}
+
+impl Core for Session {
+    type Req = DeltaRequest;
+    type Resp = DeltaResponse;
+    const PATH: &'static str = crate::wire::DELTA_PATH;
+    const API: &'static str = "delta";
+    fn on_envoy(&mut self, req: Framed<DeltaRequest>) -> Vec<Send> {
+        Session::on_envoy(self, req)
+    }
+    fn on_agent(&mut self, resp: Framed<DeltaResponse>) -> Vec<Send> {
+        Session::on_agent(self, resp)
+    }
+    fn upstream_up(&mut self) -> Vec<Send> {
+        Session::upstream_up(self)
+    }
+    fn upstream_down(&mut self) {
+        Session::upstream_down(self)
+    }
+    fn counts(&self) -> Counts {
+        self.counts
+    }
 }
 
 /// Counts the driver exports.
@@ -52,7 +92,8 @@ pub struct Counts {
     pub resumes: u64,
     /// ACKs and NACKs of an earlier stream's answers, absorbed.
     pub absorbed: u64,
-    /// Empty answers the relay ACKed itself.
+    /// Answers the relay ACKed itself instead of forwarding: empty (delta), or what Envoy
+    /// already holds (state of the world).
     pub self_acked: u64,
     /// NACKs Envoy sent.
     pub nacks: u64,
