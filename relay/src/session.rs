@@ -21,7 +21,7 @@
 //! - An answer with no resources and no removals (a type unchanged across the switch) is
 //!   ACKed by the relay itself and not forwarded.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use bytes::Bytes;
 
@@ -127,8 +127,12 @@ pub struct Session {
     /// The current agent stream's number, counted from 1; 0 before the first.
     stream: u64,
     up: bool,
-    /// Answers forwarded and not yet ACKed or NACKed, by nonce.
-    sent: HashMap<String, Sent>,
+    /// Answers forwarded and not yet ACKed or NACKed, by nonce, in the order forwarded.
+    /// Agents count nonces from 1 on each stream, so an old agent's answer and a new
+    /// one's may share one; Envoy replies to each answer once (a request naming a nonce
+    /// is the reply to that answer), in the order received, so the oldest is the one
+    /// replied to.
+    sent: HashMap<String, VecDeque<Sent>>,
     pub counts: Counts,
 }
 
@@ -172,7 +176,7 @@ impl Session {
             if nack {
                 self.counts.nacks += 1;
             }
-            if let Some(s) = self.sent.remove(&r.response_nonce) {
+            if let Some(s) = pop(&mut self.sent, &r.response_nonce) {
                 if !nack {
                     let t = self.types.entry(s.type_url.clone()).or_default();
                     for n in &s.removed {
@@ -215,9 +219,10 @@ impl Session {
                 ..Default::default()
             }))];
         }
-        self.sent.insert(
-            r.nonce.clone(),
-            Sent {
+        self.sent
+            .entry(r.nonce.clone())
+            .or_default()
+            .push_back(Sent {
                 stream: self.stream,
                 type_url: r.type_url.clone(),
                 resources: r
@@ -226,8 +231,7 @@ impl Session {
                     .map(|x| (x.name.clone(), x.version.clone()))
                     .collect(),
                 removed: r.removed_resources.clone(),
-            },
-        );
+            });
         vec![Send::Envoy(resp)]
     }
 
@@ -282,6 +286,16 @@ impl Session {
             .map(|t| t.held.clone())
             .unwrap_or_default()
     }
+}
+
+/// The oldest answer forwarded under `nonce` and not answered yet.
+fn pop(sent: &mut HashMap<String, VecDeque<Sent>>, nonce: &str) -> Option<Sent> {
+    let queue = sent.get_mut(nonce)?;
+    let s = queue.pop_front();
+    if queue.is_empty() {
+        sent.remove(nonce);
+    }
+    s
 }
 
 #[cfg(test)]

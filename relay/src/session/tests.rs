@@ -212,6 +212,25 @@ fn a_removal_envoy_acked_is_no_longer_held() {
 }
 
 #[test]
+fn envoys_replies_to_two_answers_under_one_nonce_are_told_apart_by_their_order() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &[]));
+    s.on_agent(resp(CDS, "1", &[("a", "1")], &[]));
+    s.on_envoy(ack(CDS, "1"));
+    s.on_agent(resp(CDS, "2", &[("a", "2")], &[]));
+    s.upstream_down();
+    s.upstream_up();
+    // The new owner's nonce "2" before Envoy's ACK of the old "2".
+    s.on_agent(resp(CDS, "2", &[("a", "3")], &[]));
+    // The old answer's ACK first, absorbed; then the new one's, passed on.
+    assert!(s.on_envoy(ack(CDS, "2")).is_empty());
+    assert_eq!(s.held(CDS)["a"], "2");
+    assert_eq!(upstream(&s.on_envoy(ack(CDS, "2"))).len(), 1);
+    assert_eq!(s.held(CDS)["a"], "3");
+}
+
+#[test]
 fn envoy_reconnecting_to_a_restarted_relay_keeps_what_it_says_it_holds() {
     let mut s = Session::default();
     let mut first = req(CDS, &[]).view;
@@ -251,12 +270,11 @@ struct Agent {
 }
 
 impl Agent {
-    /// The next owner: the snapshot as it is, its nonces after this one's, no memory of
-    /// the client.
+    /// The next owner: the snapshot as it is, nonces from 1 again (as the agent counts
+    /// them per stream), no memory of the client.
     fn successor(self) -> Agent {
         Agent {
             snapshot: self.snapshot,
-            nonce: self.nonce,
             ..Agent::default()
         }
     }
