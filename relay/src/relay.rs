@@ -60,18 +60,23 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
     let mut failures = 0u32;
     let mut down_since = Instant::now();
     loop {
-        // Re-stated at once: the requests wait in the queue while the stream opens, and
-        // Envoy's requests meanwhile go behind them, in order.
+        // The stream opens with the digest offer in its request header; the agent's
+        // answer is in its response header, read before anything is sent. Envoy's
+        // requests meanwhile are folded into the session, and the re-statement that
+        // follows carries them.
         let (up_tx, up_rx) = mpsc::channel(UPSTREAM_QUEUE);
-        let mut ok = queue::<C>(&up_tx, s.upstream_up());
-        let connect = open::<C>(&relay, up_rx);
+        let connect = open::<C>(&relay, up_rx, s.offer());
         tokio::pin!(connect);
         let grace_end = tokio::time::Instant::from_std(down_since + relay.grace);
         let mut answers = loop {
             tokio::select! {
                 opened = &mut connect => match opened {
-                    Ok(a) if ok => break Some(a),
-                    Ok(_) => break None,
+                    Ok((a, matched)) => {
+                        if queue::<C>(&up_tx, s.upstream_up(matched.as_deref())) {
+                            break Some(a);
+                        }
+                        break None;
+                    }
                     Err(e) => {
                         failures += 1;
                         m.upstream_failures.fetch_add(1, Relaxed);
@@ -80,7 +85,10 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
                     }
                 },
                 req = envoy.message() => match req {
-                    Ok(Some(req)) => ok &= queue::<C>(&up_tx, s.on_envoy(req)),
+                    Ok(Some(req)) => {
+                        let folded = s.on_envoy(req);
+                        debug_assert!(folded.is_empty(), "nothing is sent while no agent stream is up");
+                    }
                     Ok(None) => return,
                     Err(e) => {
                         tracing::info!(error = %e, "relay: Envoy's stream ended");
@@ -186,7 +194,8 @@ fn queue<C: Core>(up: &Queue<C>, out: Vec<Send<C::Req, C::Resp>>) -> bool {
 async fn open<C: Core>(
     relay: &Relay,
     requests: mpsc::Receiver<Framed<C::Req>>,
-) -> anyhow::Result<Answers<C>> {
+    offer: Option<String>,
+) -> anyhow::Result<(Answers<C>, Option<String>)> {
     let path = relay.upstream.clone();
     let connector = tower::service_fn(move |_: http::Uri| {
         let path = path.clone();
@@ -201,14 +210,25 @@ async fn open<C: Core>(
         .await?;
     let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(relay.max_message);
     grpc.ready().await?;
+    let mut request = tonic::Request::new(ReceiverStream::new(requests));
+    if let Some(value) = offer.and_then(|o| o.parse().ok()) {
+        request
+            .metadata_mut()
+            .insert(shared_proto::resume::HEADER, value);
+    }
     let answers = grpc
         .streaming(
-            tonic::Request::new(ReceiverStream::new(requests)),
+            request,
             http::uri::PathAndQuery::from_static(C::PATH),
             RawCodec::<C::Req, C::Resp>::default(),
         )
         .await?;
-    Ok(answers.into_inner())
+    let matched = answers
+        .metadata()
+        .get(shared_proto::resume::HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    Ok((answers.into_inner(), matched))
 }
 
 /// Runs a closure when dropped.

@@ -314,7 +314,7 @@ impl Core for Session {
     fn on_agent(&mut self, resp: Framed<SotwResponse>) -> Vec<Out> {
         Session::on_agent(self, resp)
     }
-    fn upstream_up(&mut self) -> Vec<Out> {
+    fn upstream_up(&mut self, _matched: Option<&str>) -> Vec<Out> {
         Session::upstream_up(self)
     }
     fn upstream_down(&mut self) {
