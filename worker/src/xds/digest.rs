@@ -117,7 +117,7 @@ mod tests {
             .apply([
                 Change::UpsertService(svc("s3", "10.0.0.2")),
                 Change::UpsertService(svc("new", "10.0.0.3")),
-                Change::RemoveService(svc("s7", "").key()),
+                Change::RemoveService(svc("s7", "10.0.0.1").key()),
             ])
             .unwrap();
         let carried = digests.of(&next);
