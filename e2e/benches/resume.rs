@@ -16,7 +16,12 @@
 //! (`--on-demand-clusters`) with the first N services' clusters observed: the proxy holds
 //! and asks for those alone, as it does in that mode.
 //!
-//! Prints the median and p99 over the rounds of each step, per type, and the total.
+//! Prints the median and p99 over the rounds of each step, per type, and the total, for
+//! each kind of resume: `plain` (every version listed, as Envoy or a relay talking to an
+//! owner without the digest resume does), and `digest` (the xDS relay's digest resume,
+//! `shared_proto::resume`: the first requests carry no versions, and the worker answers
+//! the relay's offer, the "offer" step, from its snapshot's digests, carried from the
+//! last snapshot: `warm`, or computed from every resource: `cold`, a first snapshot).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,6 +30,7 @@ use aether_e2e::testing::mesh_service;
 use aether_model::{Inputs, RegistryView, Snapshot, build, is_outbound_cluster};
 use aether_worker::writers::Observed;
 use aether_worker::xds::delta::DeltaState;
+use aether_worker::xds::digest::Digests;
 use aether_worker::xds::encoded::Encoded;
 use aether_worker::xds::kind::{KINDS, Kind, type_url, wire_version};
 use aether_worker::xds::protocol::Protocol;
@@ -43,7 +49,12 @@ fn env(name: &str, default: usize) -> usize {
 
 /// The proxy's first request of `kind` on a new stream, holding all of `s` that it
 /// `holds`, encoded.
-fn resume_request(s: &Snapshot, kind: Kind, holds: impl Fn(Kind, &str) -> bool) -> Vec<u8> {
+fn resume_request(
+    s: &Snapshot,
+    kind: Kind,
+    holds: impl Fn(Kind, &str) -> bool,
+    with_versions: bool,
+) -> Vec<u8> {
     let versions: std::collections::BTreeMap<&String, &u64> = s
         .hashes(kind)
         .iter()
@@ -57,13 +68,34 @@ fn resume_request(s: &Snapshot, kind: Kind, holds: impl Fn(Kind, &str) -> bool) 
         } else {
             Vec::new()
         },
-        initial_resource_versions: versions
-            .iter()
-            .map(|(n, h)| ((*n).clone(), wire_version(**h)))
-            .collect(),
+        initial_resource_versions: if with_versions {
+            versions
+                .iter()
+                .map(|(n, h)| ((*n).clone(), wire_version(**h)))
+                .collect()
+        } else {
+            Default::default()
+        },
         ..Default::default()
     }
     .encode_to_vec()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Plain,
+    DigestWarm,
+    DigestCold,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Plain => "plain",
+            Mode::DigestWarm => "digest, warm",
+            Mode::DigestCold => "digest, cold",
+        }
+    }
 }
 
 fn ms(d: std::time::Duration) -> f64 {
@@ -108,10 +140,19 @@ fn main() {
         (Some(o), Kind::Cluster) => !is_outbound_cluster(name) || o.contains(name),
         (Some(o), Kind::Endpoint) => o.contains(name),
     };
-    let requests: Vec<(Kind, Vec<u8>)> = KINDS
-        .into_iter()
-        .map(|k| (k, resume_request(&snapshot, k, holds)))
-        .collect();
+    // The relay's offer: each type's digest of what the proxy holds.
+    let offer = shared_proto::resume::offer(KINDS.into_iter().map(|k| {
+        let held = snapshot.hashes(k).iter().filter(|(n, _)| holds(k, n));
+        let versions: Vec<(&String, String)> = held.map(|(n, h)| (n, wire_version(*h))).collect();
+        (
+            type_url(k),
+            shared_proto::resume::Digest::of(
+                versions.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+            ),
+        )
+    }));
+    let warm = Digests::default();
+    warm.of(&snapshot);
     println!(
         "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds{}",
         snapshot.hashes(Kind::Cluster).len(),
@@ -123,78 +164,123 @@ fn main() {
             None => String::new(),
         }
     );
-    // Per type: decode, apply, answer, free; and each round's total.
-    let mut steps: Vec<[Vec<f64>; 5]> = KINDS.iter().map(|_| Default::default()).collect();
-    let mut totals = Vec::new();
-    for _ in 0..rounds {
-        let start = Instant::now();
-        let mut st = DeltaState::new(snapshot.clone(), encoded.clone());
-        if let Some(o) = &observed {
-            st.on_demand(o.clone());
-        }
-        for (i, (_, bytes)) in requests.iter().enumerate() {
-            let t0 = Instant::now();
-            let req = Request::from(
-                DeltaRequestWire::decode(bytes.as_slice()).expect("the request decodes"),
-            );
-            let t1 = Instant::now();
-            st.on_request(&req);
-            let t2 = Instant::now();
-            let answers = st.pending();
-            let t3 = Instant::now();
-            // What follows, as the server and the proxy do it: after every request the
-            // server asks whether the proxy holds the snapshot (for the CNI ADDs waiting
-            // on an ACK), and the proxy ACKs each answer.
-            std::hint::black_box(st.acked_current());
-            for a in &answers {
-                st.on_request(&Request {
-                    type_url: a.type_url.clone(),
-                    response_nonce: a.nonce.clone(),
-                    ..Default::default()
-                });
+    let mut summary = Vec::new();
+    for mode in [Mode::Plain, Mode::DigestWarm, Mode::DigestCold] {
+        let requests: Vec<(Kind, Vec<u8>)> = KINDS
+            .into_iter()
+            .map(|k| (k, resume_request(&snapshot, k, holds, mode == Mode::Plain)))
+            .collect();
+        let bytes: usize = requests.iter().map(|(_, b)| b.len()).sum();
+        // Per type: decode, apply, answer, free; and each round's total.
+        let mut steps: Vec<[Vec<f64>; 5]> = KINDS.iter().map(|_| Default::default()).collect();
+        let mut offers = Vec::new();
+        let mut totals = Vec::new();
+        let mut matched_types = 0;
+        for _ in 0..rounds {
+            let start = Instant::now();
+            let mut st = DeltaState::new(snapshot.clone(), encoded.clone());
+            if let Some(o) = &observed {
+                st.on_demand(o.clone());
+            }
+            if mode != Mode::Plain {
+                // What the server does when the stream opens with the offer.
+                let cold = Digests::default();
+                let digests = if mode == Mode::DigestWarm {
+                    &warm
+                } else {
+                    &cold
+                };
+                let kinds = digests.matched(&snapshot, &offer);
+                matched_types = kinds.len();
+                for k in kinds {
+                    st.resume_held(k, snapshot.hashes(k).clone());
+                }
+                offers.push(ms(start.elapsed()));
+            }
+            for (i, (_, bytes)) in requests.iter().enumerate() {
+                let t0 = Instant::now();
+                let req = Request::from(
+                    DeltaRequestWire::decode(bytes.as_slice()).expect("the request decodes"),
+                );
+                let t1 = Instant::now();
+                st.on_request(&req);
+                let t2 = Instant::now();
+                let answers = st.pending();
+                let t3 = Instant::now();
+                // What follows, as the server and the proxy do it: after every request the
+                // server asks whether the proxy holds the snapshot (for the CNI ADDs waiting
+                // on an ACK), and the proxy ACKs each answer.
                 std::hint::black_box(st.acked_current());
+                for a in &answers {
+                    st.on_request(&Request {
+                        type_url: a.type_url.clone(),
+                        response_nonce: a.nonce.clone(),
+                        ..Default::default()
+                    });
+                    std::hint::black_box(st.acked_current());
+                }
+                let t4 = Instant::now();
+                drop(req);
+                let t5 = Instant::now();
+                assert!(
+                    answers
+                        .iter()
+                        .all(|a| a.resources.is_empty() && a.removed_resources.is_empty()),
+                    "a reconnect to the same snapshot is answered empty"
+                );
+                for (k, d) in [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]
+                    .into_iter()
+                    .enumerate()
+                {
+                    steps[i][k].push(ms(d));
+                }
             }
-            let t4 = Instant::now();
-            drop(req);
-            let t5 = Instant::now();
-            assert!(
-                answers
-                    .iter()
-                    .all(|a| a.resources.is_empty() && a.removed_resources.is_empty()),
-                "a reconnect to the same snapshot is answered empty"
-            );
-            for (k, d) in [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]
-                .into_iter()
-                .enumerate()
-            {
-                steps[i][k].push(ms(d));
-            }
+            totals.push(ms(start.elapsed()));
         }
-        totals.push(ms(start.elapsed()));
-    }
-    let fmt = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-        format!("{:6.2} / {:6.2}", at(0.5), at(0.99))
-    };
-    println!(
-        "{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}   (ms, median / p99)",
-        "type", "decode", "apply", "answer", "ACKs", "free"
-    );
-    for (i, kind) in KINDS.iter().enumerate() {
-        let [d, a, p, k, f] = &mut steps[i];
         println!(
-            "{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}",
-            kind.short(),
-            fmt(d),
-            fmt(a),
-            fmt(p),
-            fmt(k),
-            fmt(f)
+            "\n{}: first requests {:.1} MB{}",
+            mode.name(),
+            bytes as f64 / 1e6,
+            if mode == Mode::Plain {
+                String::new()
+            } else {
+                format!(
+                    "; offer answered in {} ms, {matched_types} of {} types matched",
+                    fmt(&mut offers),
+                    KINDS.len()
+                )
+            }
         );
+        println!(
+            "{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}   (ms, median / p99)",
+            "type", "decode", "apply", "answer", "ACKs", "free"
+        );
+        for (i, kind) in KINDS.iter().enumerate() {
+            let [d, a, p, k, f] = &mut steps[i];
+            println!(
+                "{:<5} {:>15} {:>15} {:>15} {:>15} {:>15}",
+                kind.short(),
+                fmt(d),
+                fmt(a),
+                fmt(p),
+                fmt(k),
+                fmt(f)
+            );
+        }
+        let total = fmt(&mut totals);
+        println!(
+            "total per reconnect, median / p99: {total} ms (the server frees requests of over 1,024 names off its thread)"
+        );
+        summary.push((mode.name(), total));
     }
-    println!(
-        "total per reconnect, median / p99: {} ms (the server frees requests of over 1,024 names off its thread)",
-        fmt(&mut totals)
-    );
+    println!("\nthe worker's cost of a resume, {services} services (ms, median / p99):");
+    for (name, total) in summary {
+        println!("  {name:<14} {total}");
+    }
+}
+
+fn fmt(v: &mut [f64]) -> String {
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    format!("{:6.2} / {:6.2}", at(0.5), at(0.99))
 }

@@ -1,6 +1,7 @@
 //! `aether-xds-relay` between a real Envoy and the real agent: surge rolls and worker
 //! crashes under load never end Envoy's ADS stream, a change made after each reaches
-//! Envoy through the new owner, and no request fails.
+//! Envoy through the new owner, and no request fails; with incremental ADS and with state
+//! of the world.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -51,11 +52,26 @@ fn write_atomically(path: &Path, text: &str) {
 
 #[test]
 fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
-    let test = "rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream";
+    rolls_and_crashes(
+        "rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream",
+        AdsApi::Delta,
+    );
+}
+
+/// The same with a state-of-the-world bootstrap (`api_type: GRPC`).
+#[test]
+fn rolls_and_worker_crashes_behind_the_relay_never_end_a_sotw_envoys_stream() {
+    rolls_and_crashes(
+        "rolls_and_worker_crashes_behind_the_relay_never_end_a_sotw_envoys_stream",
+        AdsApi::Sotw,
+    );
+}
+
+fn rolls_and_crashes(test: &str, api: AdsApi) {
     let Some(envoy_bin) = envoy_or_skip(test) else {
         return;
     };
-    let mut rig = NodeRig::start_relayed(&envoy_bin, AdsApi::Delta);
+    let mut rig = NodeRig::start_relayed(&envoy_bin, api);
     let cluster = format!("outbound|80||{SERVICE}.default");
     let base = rig.stats(&[ADS_CONNECTS, envoy::CONNECTED]);
     assert_eq!(base[ADS_CONNECTS], 1, "Envoy connected to the relay once");
@@ -121,10 +137,14 @@ fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
     let drops = changes.iter().filter(|s| !s.connected).count();
     let relay = rig.relay.as_ref().expect("a relayed rig");
     let switches = relay.metric("aether_relay_switches_total");
-    let resumes = relay.metric("aether_relay_resumes_total");
+    let resumes = ["digest", "plain"]
+        .iter()
+        .map(|k| relay.metric(&format!("aether_relay_resumes_total{{kind=\"{k}\"}}")))
+        .sum::<Option<f64>>();
     let gap = relay.metric("aether_relay_last_upstream_gap_seconds");
+    let self_acked = relay.metric("aether_relay_self_acked_total");
     eprintln!(
-        "{rolls} surge rolls and {crashes} worker crashes behind the relay: {requests} requests, {failures} failed; Envoy ADS connects {} -> {}, connected_state drops {drops}; relay switches {switches:?}, resumes {resumes:?}, last gap {gap:?} s",
+        "{api:?}: {rolls} surge rolls and {crashes} worker crashes behind the relay: {requests} requests, {failures} failed; Envoy ADS connects {} -> {}, connected_state drops {drops}; relay switches {switches:?}, resumes {resumes:?}, answers Envoy held ACKed by the relay {self_acked:?}, last gap {gap:?} s",
         base[ADS_CONNECTS], end[ADS_CONNECTS]
     );
     assert_eq!(
@@ -139,6 +159,31 @@ fn rolls_and_worker_crashes_behind_the_relay_never_end_envoys_stream() {
     assert!(requests > 0);
     assert_eq!(switches, Some(f64::from(rolls + crashes)));
     assert_eq!(resumes, Some(f64::from(rolls + crashes)));
+    let kind = |k: &str| relay.metric(&format!("aether_relay_resumes_total{{kind=\"{k}\"}}"));
+    let (by_digest, plain) = (kind("digest"), kind("plain"));
+    eprintln!("resumes by digest {by_digest:?}, plain {plain:?}");
+    match api {
+        // Every owner answers the relay's digest offer.
+        AdsApi::Delta => assert_eq!(by_digest, Some(f64::from(rolls + crashes))),
+        // State of the world has no digest: each of its resumes is plain.
+        AdsApi::Sotw => assert_eq!(plain, Some(f64::from(rolls + crashes))),
+    }
+    let variant = match api {
+        AdsApi::Delta => "delta",
+        AdsApi::Sotw => "sotw",
+    };
+    assert_eq!(
+        relay.metric(&format!(
+            "aether_relay_envoy_streams_total{{api=\"{variant}\"}}"
+        )),
+        Some(1.0),
+        "Envoy's one stream, of its bootstrap's variant"
+    );
+    // Each switch: the types Envoy already held were answered by the relay, not resent.
+    assert!(
+        self_acked.is_some_and(|n| n >= f64::from(rolls + crashes)),
+        "{self_acked:?}"
+    );
     rig.pass();
 }
 
@@ -170,4 +215,135 @@ fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
     wait_endpoints(&rig.envoy, &cluster, &want)
         .unwrap_or_else(|got| panic!("Envoy shows {got:?}, not {want:?}\n{}", rig.where_to_look()));
     rig.pass();
+}
+
+/// One roll to the owner's metrics: the new owner serving and the relay on it.
+fn roll(rig: &mut NodeRig, extra: &[&str], i: u32) {
+    let next = rig.node.start_agent_with(extra);
+    wait_for(&format!("roll {i}: a ready standby"), T, || {
+        next.ready()
+            .filter(|(s, v)| *s == 200 && v["role"] == "standby")
+            .map(|_| ())
+    });
+    rig.owner.signal(Signal::SIGTERM);
+    let mut old = std::mem::replace(&mut rig.owner, next);
+    let status = old.wait_exit_timeout(T).expect("the old owner exits");
+    assert!(status.success(), "roll {i}: {status}\n{}", old.log());
+    wait_for(&format!("roll {i}: the new owner serving"), T, || {
+        rig.owner.serving_owner()
+    });
+    let relay = rig.relay.as_ref().expect("a relayed rig");
+    wait_for(&format!("roll {i}: the relay on the new owner"), T, || {
+        (relay.metric("aether_relay_upstream_streams_total")? == f64::from(i + 1)
+            && relay.metric("aether_relay_upstream_connected")? == 1.0)
+            .then_some(())
+    });
+}
+
+/// The owner's metric `series` (name and labels, as printed), once it serves metrics.
+fn owner_metric(rig: &NodeRig, series: &str) -> Option<f64> {
+    let addr = rig
+        .node
+        .metrics
+        .expect("a relayed rig's agents serve metrics");
+    let text = aether_e2e::testing::scrape_metrics(&addr.to_string())?;
+    aether_e2e::testing::metric_sample(&text, series)
+}
+
+/// The digest resume across version skew: a roll to an owner without it (as an older
+/// agent, mid-roll) gets the plain resume, every version listed; the roll after, to an
+/// owner with it, resumes by digest alone: the new owner takes Envoy to hold its snapshot
+/// (its digest matched), sends nothing, and Envoy's config is what it was, then follows a
+/// change.
+#[test]
+fn a_roll_resumes_by_digest_and_one_to_an_owner_without_it_by_versions() {
+    let test = "a_roll_resumes_by_digest_and_one_to_an_owner_without_it_by_versions";
+    let Some(envoy_bin) = envoy_or_skip(test) else {
+        return;
+    };
+    let mut rig = NodeRig::start_relayed(&envoy_bin, AdsApi::Delta);
+    let cluster = format!("outbound|80||{SERVICE}.default");
+    let kind = |rig: &NodeRig, k: &str| {
+        let relay = rig.relay.as_ref().expect("a relayed rig");
+        relay
+            .metric(&format!("aether_relay_resumes_total{{kind=\"{k}\"}}"))
+            .unwrap_or(-1.0)
+    };
+    const CDS_DIGEST: &str = "aether_xds_digest_resumes_total{type_url=\"type.googleapis.com/envoy.config.cluster.v3.Cluster\"}";
+
+    roll(&mut rig, &["--xds-digest-resume=false"], 1);
+    assert_eq!((kind(&rig, "digest"), kind(&rig, "plain")), (0.0, 1.0));
+    wait_for("the owner's metrics", T, || {
+        owner_metric(&rig, "aether_xds_streams")
+    });
+    assert_eq!(
+        owner_metric(&rig, CDS_DIGEST),
+        None,
+        "an owner without the digest resume takes none"
+    );
+    let want = registry_with(&rig, &[0]);
+    wait_endpoints(&rig.envoy, &cluster, &want)
+        .unwrap_or_else(|got| panic!("after the plain resume Envoy shows {got:?}, not {want:?}"));
+
+    let before = dynamic_resources(&rig.config_dump());
+    roll(&mut rig, &[], 2);
+    assert_eq!((kind(&rig, "digest"), kind(&rig, "plain")), (1.0, 1.0));
+    let relay = rig.relay.as_ref().expect("a relayed rig");
+    let by_digest = relay.metric("aether_relay_resumed_types_total{kind=\"digest\"}");
+    assert!(
+        by_digest.is_some_and(|n| n >= 3.0),
+        "CDS, EDS and LDS at least, by digest: {by_digest:?}"
+    );
+    wait_for("the new owner's digest resumes", T, || {
+        owner_metric(&rig, CDS_DIGEST).filter(|n| *n == 1.0)
+    });
+    let sent = owner_metric(
+        &rig,
+        "aether_xds_initial_resources_total{type_url=\"type.googleapis.com/envoy.config.cluster.v3.Cluster\"}",
+    );
+    assert_eq!(sent, Some(0.0), "the new owner sent Envoy no cluster");
+    assert_eq!(
+        dynamic_resources(&rig.config_dump()),
+        before,
+        "Envoy's config is the new owner's snapshot: what it held, not updated"
+    );
+    let want = registry_with(&rig, &[0, 1]);
+    wait_endpoints(&rig.envoy, &cluster, &want)
+        .unwrap_or_else(|got| panic!("after the digest resume Envoy shows {got:?}, not {want:?}"));
+    eprintln!(
+        "plain resume, then a digest resume: relay types by digest {by_digest:?}; the owner's CDS digest resumes 1, clusters sent 0"
+    );
+    rig.pass();
+}
+
+/// Each dynamic cluster, listener and route configuration in Envoy's config dump, with
+/// its version and when it was last updated.
+fn dynamic_resources(dump: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(dump).expect("config dump JSON");
+    let mut out = Vec::new();
+    for c in v["configs"].as_array().expect("configs") {
+        let entries = [
+            "dynamic_active_clusters",
+            "dynamic_listeners",
+            "dynamic_route_configs",
+        ]
+        .iter()
+        .filter_map(|k| c[k].as_array())
+        .flatten();
+        for e in entries {
+            let e = if e["active_state"].is_object() {
+                &e["active_state"]
+            } else {
+                e
+            };
+            out.push(format!(
+                "{} {} {}",
+                e["version_info"],
+                e["last_updated"],
+                e.to_string().len()
+            ));
+        }
+    }
+    assert!(!out.is_empty(), "no dynamic resources in {dump}");
+    out
 }

@@ -5,6 +5,7 @@
 mod metrics;
 mod relay;
 mod session;
+mod sotw;
 mod wire;
 
 use std::os::unix::fs::PermissionsExt;
@@ -17,18 +18,20 @@ use clap::Parser;
 use crate::metrics::Metrics;
 use crate::relay::{AdsServer, Relay};
 
-/// Relays Envoy's incremental (delta) ADS stream to the node agent's `xds.sock`, and keeps
-/// it open across the agent's rolls.
+/// Relays Envoy's ADS stream, incremental (delta) or state of the world, to the node
+/// agent's `xds.sock`, and keeps it open across the agent's rolls.
 ///
 /// Session rules: the relay keeps, per resource type, what Envoy is subscribed to and the
-/// versions Envoy has ACKed, never the resources. When the agent's stream ends it opens
-/// the next at once (the connect waits in the socket's backlog until the new owner
-/// accepts; it backs off only after repeated failures) and re-states Envoy's
-/// subscriptions with the versions Envoy holds, in ADS order, so the new owner sends only
-/// what changed. Envoy's ACKs and NACKs of the old stream's answers are absorbed; its
-/// subscription changes during the switch are folded in and re-stated. Without any agent
-/// stream for --upstream-grace, it ends Envoy's stream, so that Envoy's own
-/// control-plane signals show the outage.
+/// versions Envoy has ACKed (state of the world: the version_info, and a hash of each
+/// resource Envoy holds), never the resources. When the agent's stream ends it opens the
+/// next at once (the connect waits in the socket's backlog until the new owner accepts;
+/// it backs off only after repeated failures) and re-states Envoy's subscriptions in ADS
+/// order: delta with the versions Envoy holds, so the new owner sends only what changed;
+/// state of the world with the version_info Envoy last ACKed, and an answer Envoy already
+/// holds, resource for resource, is ACKed by the relay and not forwarded. Envoy's ACKs and
+/// NACKs of the old stream's answers are absorbed; its subscription changes during the
+/// switch are folded in and re-stated. Without any agent stream for --upstream-grace, it
+/// ends Envoy's stream, so that Envoy's own control-plane signals show the outage.
 ///
 /// The relay carries every pod's private key (SDS): its socket is 0660, it is not
 /// dumpable, and it forwards each message as the bytes it received.

@@ -9,6 +9,9 @@ use crate::session::Counts;
 #[derive(Default)]
 pub struct Metrics {
     pub envoy_streams: AtomicU64,
+    /// Envoy streams opened, incremental and state of the world.
+    pub delta_streams: AtomicU64,
+    pub sotw_streams: AtomicU64,
     pub upstream_connected: AtomicU64,
     pub upstream_streams: AtomicU64,
     pub upstream_failures: AtomicU64,
@@ -18,6 +21,9 @@ pub struct Metrics {
     pub without_upstream_us: AtomicU64,
     pub last_gap_us: AtomicU64,
     pub resumes: AtomicU64,
+    pub digest_resumes: AtomicU64,
+    pub digest_types: AtomicU64,
+    pub version_types: AtomicU64,
     pub absorbed: AtomicU64,
     pub self_acked: AtomicU64,
     pub nacks: AtomicU64,
@@ -34,6 +40,12 @@ impl Metrics {
     pub fn record(&self, now: &Counts, before: &mut Counts) {
         self.resumes
             .fetch_add(now.resumes - before.resumes, Relaxed);
+        self.digest_resumes
+            .fetch_add(now.digest_resumes - before.digest_resumes, Relaxed);
+        self.digest_types
+            .fetch_add(now.digest_types - before.digest_types, Relaxed);
+        self.version_types
+            .fetch_add(now.version_types - before.version_types, Relaxed);
         self.absorbed
             .fetch_add(now.absorbed - before.absorbed, Relaxed);
         self.self_acked
@@ -44,7 +56,7 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let g = |a: &AtomicU64| a.load(Relaxed);
-        let rows: [(&str, &str, &str, String); 12] = [
+        let rows: [(&str, &str, &str, String); 11] = [
             (
                 "aether_relay_envoy_streams",
                 "gauge",
@@ -94,12 +106,6 @@ impl Metrics {
                 format!("{:.6}", g(&self.last_gap_us) as f64 / 1e6),
             ),
             (
-                "aether_relay_resumes_total",
-                "counter",
-                "Sessions re-stated on a new agent stream.",
-                g(&self.resumes).to_string(),
-            ),
-            (
                 "aether_relay_absorbed_total",
                 "counter",
                 "Envoy ACKs and NACKs of an earlier agent stream's answers, absorbed.",
@@ -124,6 +130,37 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
             ));
         }
+        let labelled = |out: &mut String, name: &str, help: &str, rows: &[(&str, u64)]| {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n"));
+            for (label, v) in rows {
+                out.push_str(&format!("{name}{{{label}}} {v}\n"));
+            }
+        };
+        let (resumes, digest) = (g(&self.resumes), g(&self.digest_resumes));
+        labelled(
+            &mut out,
+            "aether_relay_resumes_total",
+            "Sessions re-stated on a new agent stream, by kind: digest (the agent answered the digest offer) or plain (it did not: an owner without it, or state of the world).",
+            &[
+                ("kind=\"digest\"", digest),
+                ("kind=\"plain\"", resumes - digest),
+            ],
+        );
+        labelled(
+            &mut out,
+            "aether_relay_resumed_types_total",
+            "Types re-stated on a new agent stream, by kind: digest (by their digest alone) or versions (every version listed).",
+            &[
+                ("kind=\"digest\"", g(&self.digest_types)),
+                ("kind=\"versions\"", g(&self.version_types)),
+            ],
+        );
+        let name = "aether_relay_envoy_streams_total";
+        out.push_str(&format!(
+            "# HELP {name} Envoy ADS streams opened, by variant: delta (incremental) or sotw (state of the world).\n# TYPE {name} counter\n{name}{{api=\"delta\"}} {}\n{name}{{api=\"sotw\"}} {}\n",
+            g(&self.delta_streams),
+            g(&self.sotw_streams)
+        ));
         out
     }
 }

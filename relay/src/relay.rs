@@ -14,8 +14,8 @@ use tonic::codec::Streaming;
 use tonic::transport::Endpoint;
 
 use crate::metrics::Metrics;
-use crate::session::{Send, Session};
-use crate::wire::{DELTA_PATH, DeltaRequest, DeltaResponse, Framed, RawCodec};
+use crate::session::{Core, Send};
+use crate::wire::{DELTA_PATH, Framed, RawCodec, SOTW_PATH};
 
 /// Requests queued for an agent stream while it opens. Past it the stream is dropped
 /// and a new one re-states the session, which has folded every request in: nothing is
@@ -37,33 +37,46 @@ pub struct Relay {
     pub metrics: Arc<Metrics>,
 }
 
-type ToEnvoy = mpsc::Sender<Result<Framed<DeltaResponse>, Status>>;
+type ToEnvoy<C> = mpsc::Sender<Result<Framed<<C as Core>::Resp>, Status>>;
+type Requests<C> = Streaming<Framed<<C as Core>::Req>>;
+type Answers<C> = Streaming<Framed<<C as Core>::Resp>>;
+type Queue<C> = mpsc::Sender<Framed<<C as Core>::Req>>;
 
 /// Runs one Envoy stream's session until Envoy goes, or the grace without an agent ends
 /// it.
-pub async fn session(relay: Arc<Relay>, mut envoy: Streaming<Framed<DeltaRequest>>, tx: ToEnvoy) {
+pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToEnvoy<C>) {
     let m = &relay.metrics;
     m.envoy_streams.fetch_add(1, Relaxed);
+    match C::API {
+        "sotw" => &m.sotw_streams,
+        _ => &m.delta_streams,
+    }
+    .fetch_add(1, Relaxed);
     let _gone = Defer(|| {
         relay.metrics.envoy_streams.fetch_sub(1, Relaxed);
     });
-    let mut s = Session::default();
+    let mut s = C::default();
     let mut recorded = crate::session::Counts::default();
     let mut failures = 0u32;
     let mut down_since = Instant::now();
     loop {
-        // Re-stated at once: the requests wait in the queue while the stream opens, and
-        // Envoy's requests meanwhile go behind them, in order.
+        // The stream opens with the digest offer in its request header; the agent's
+        // answer is in its response header, read before anything is sent. Envoy's
+        // requests meanwhile are folded into the session, and the re-statement that
+        // follows carries them.
         let (up_tx, up_rx) = mpsc::channel(UPSTREAM_QUEUE);
-        let mut ok = queue(&up_tx, s.upstream_up());
-        let connect = open(&relay, up_rx);
+        let connect = open::<C>(&relay, up_rx, s.offer());
         tokio::pin!(connect);
         let grace_end = tokio::time::Instant::from_std(down_since + relay.grace);
         let mut answers = loop {
             tokio::select! {
                 opened = &mut connect => match opened {
-                    Ok(a) if ok => break Some(a),
-                    Ok(_) => break None,
+                    Ok((a, matched)) => {
+                        if queue::<C>(&up_tx, s.upstream_up(matched.as_deref())) {
+                            break Some(a);
+                        }
+                        break None;
+                    }
                     Err(e) => {
                         failures += 1;
                         m.upstream_failures.fetch_add(1, Relaxed);
@@ -72,7 +85,10 @@ pub async fn session(relay: Arc<Relay>, mut envoy: Streaming<Framed<DeltaRequest
                     }
                 },
                 req = envoy.message() => match req {
-                    Ok(Some(req)) => ok &= queue(&up_tx, s.on_envoy(req)),
+                    Ok(Some(req)) => {
+                        let folded = s.on_envoy(req);
+                        debug_assert!(folded.is_empty(), "nothing is sent while no agent stream is up");
+                    }
                     Ok(None) => return,
                     Err(e) => {
                         tracing::info!(error = %e, "relay: Envoy's stream ended");
@@ -91,17 +107,18 @@ pub async fn session(relay: Arc<Relay>, mut envoy: Streaming<Framed<DeltaRequest
             failures = 0;
             m.upstream_streams.fetch_add(1, Relaxed);
             m.upstream_connected.store(1, Relaxed);
-            m.record(&s.counts, &mut recorded);
+            m.record(&s.counts(), &mut recorded);
             let gap = down_since.elapsed();
             m.note_gap(gap);
             tracing::info!(
+                api = C::API,
                 gap_ms = gap.as_secs_f64() * 1e3,
-                resumes = s.counts.resumes,
+                resumes = s.counts().resumes,
                 "relay: agent stream open"
             );
-            let ended = pump(&mut s, &mut envoy, answers, &up_tx, &tx).await;
+            let ended = pump::<C>(&mut s, &mut envoy, answers, &up_tx, &tx).await;
             m.upstream_connected.store(0, Relaxed);
-            m.record(&s.counts, &mut recorded);
+            m.record(&s.counts(), &mut recorded);
             down_since = Instant::now();
             match ended {
                 Ended::Envoy => return,
@@ -127,12 +144,12 @@ enum Ended {
 }
 
 /// Relays both ways until one side ends.
-async fn pump(
-    s: &mut Session,
-    envoy: &mut Streaming<Framed<DeltaRequest>>,
-    mut answers: Streaming<Framed<DeltaResponse>>,
-    up: &mpsc::Sender<Framed<DeltaRequest>>,
-    tx: &ToEnvoy,
+async fn pump<C: Core>(
+    s: &mut C,
+    envoy: &mut Requests<C>,
+    mut answers: Answers<C>,
+    up: &Queue<C>,
+    tx: &ToEnvoy<C>,
 ) -> Ended {
     loop {
         let out = tokio::select! {
@@ -164,7 +181,7 @@ async fn pump(
 }
 
 /// Queues requests for the agent stream being opened; false when the queue is full.
-fn queue(up: &mpsc::Sender<Framed<DeltaRequest>>, out: Vec<Send>) -> bool {
+fn queue<C: Core>(up: &Queue<C>, out: Vec<Send<C::Req, C::Resp>>) -> bool {
     out.into_iter().all(|o| match o {
         Send::Upstream(r) => up.try_send(r).is_ok(),
         // The session answers Envoy only from the agent's answers.
@@ -174,10 +191,11 @@ fn queue(up: &mpsc::Sender<Framed<DeltaRequest>>, out: Vec<Send>) -> bool {
 
 /// Opens an agent stream over the node's socket. The connect waits in the socket's
 /// backlog until an owner accepts.
-async fn open(
+async fn open<C: Core>(
     relay: &Relay,
-    requests: mpsc::Receiver<Framed<DeltaRequest>>,
-) -> anyhow::Result<Streaming<Framed<DeltaResponse>>> {
+    requests: mpsc::Receiver<Framed<C::Req>>,
+    offer: Option<String>,
+) -> anyhow::Result<(Answers<C>, Option<String>)> {
     let path = relay.upstream.clone();
     let connector = tower::service_fn(move |_: http::Uri| {
         let path = path.clone();
@@ -192,14 +210,25 @@ async fn open(
         .await?;
     let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(relay.max_message);
     grpc.ready().await?;
+    let mut request = tonic::Request::new(ReceiverStream::new(requests));
+    if let Some(value) = offer.and_then(|o| o.parse().ok()) {
+        request
+            .metadata_mut()
+            .insert(shared_proto::resume::HEADER, value);
+    }
     let answers = grpc
         .streaming(
-            tonic::Request::new(ReceiverStream::new(requests)),
-            http::uri::PathAndQuery::from_static(DELTA_PATH),
-            RawCodec::<DeltaRequest, DeltaResponse>::default(),
+            request,
+            http::uri::PathAndQuery::from_static(C::PATH),
+            RawCodec::<C::Req, C::Resp>::default(),
         )
         .await?;
-    Ok(answers.into_inner())
+    let matched = answers
+        .metadata()
+        .get(shared_proto::resume::HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    Ok((answers.into_inner(), matched))
 }
 
 /// Runs a closure when dropped.
@@ -211,8 +240,8 @@ impl<F: FnMut()> Drop for Defer<F> {
     }
 }
 
-/// Envoy's side: the ADS service on the relay's socket. Only the incremental variant is
-/// served; state of the world is refused with UNIMPLEMENTED, which Envoy reports.
+/// Envoy's side: the ADS service on the relay's socket, both variants: incremental and
+/// state of the world, each relayed to the same method of the agent.
 #[derive(Clone)]
 pub struct AdsServer(pub Arc<Relay>);
 
@@ -244,28 +273,37 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let relay = self.0.clone();
-        if req.uri().path() != DELTA_PATH {
-            return Box::pin(async move {
-                Ok(
-                    Status::unimplemented("the relay serves incremental (delta) ADS only")
-                        .into_http(),
-                )
-            });
+        match req.uri().path() {
+            DELTA_PATH => Box::pin(serve::<crate::session::Session, B>(relay, req)),
+            SOTW_PATH => Box::pin(serve::<crate::sotw::Session, B>(relay, req)),
+            _ => Box::pin(async move {
+                Ok(Status::unimplemented("not an ADS method the relay serves").into_http())
+            }),
         }
-        Box::pin(async move {
-            let mut grpc =
-                tonic::server::Grpc::new(RawCodec::<DeltaResponse, DeltaRequest>::default())
-                    .max_decoding_message_size(relay.max_message);
-            Ok(grpc.streaming(Delta(relay), req).await)
-        })
     }
 }
 
-struct Delta(Arc<Relay>);
+async fn serve<C: Core, B>(
+    relay: Arc<Relay>,
+    req: http::Request<B>,
+) -> Result<http::Response<tonic::body::Body>, std::convert::Infallible>
+where
+    B: http_body::Body + std::marker::Send + 'static,
+    B::Error:
+        Into<Box<dyn std::error::Error + std::marker::Send + Sync>> + std::marker::Send + 'static,
+{
+    let mut grpc = tonic::server::Grpc::new(RawCodec::<C::Resp, C::Req>::default())
+        .max_decoding_message_size(relay.max_message);
+    Ok(grpc
+        .streaming(Stream::<C>(relay, std::marker::PhantomData), req)
+        .await)
+}
 
-impl tonic::server::StreamingService<Framed<DeltaRequest>> for Delta {
-    type Response = Framed<DeltaResponse>;
-    type ResponseStream = ReceiverStream<Result<Framed<DeltaResponse>, Status>>;
+struct Stream<C>(Arc<Relay>, std::marker::PhantomData<fn() -> C>);
+
+impl<C: Core> tonic::server::StreamingService<Framed<C::Req>> for Stream<C> {
+    type Response = Framed<C::Resp>;
+    type ResponseStream = ReceiverStream<Result<Framed<C::Resp>, Status>>;
     type Future = std::pin::Pin<
         Box<
             dyn std::future::Future<Output = Result<tonic::Response<Self::ResponseStream>, Status>>
@@ -273,11 +311,11 @@ impl tonic::server::StreamingService<Framed<DeltaRequest>> for Delta {
         >,
     >;
 
-    fn call(&mut self, request: tonic::Request<Streaming<Framed<DeltaRequest>>>) -> Self::Future {
+    fn call(&mut self, request: tonic::Request<Streaming<Framed<C::Req>>>) -> Self::Future {
         let relay = self.0.clone();
         Box::pin(async move {
             let (tx, rx) = mpsc::channel(ENVOY_QUEUE);
-            tokio::spawn(session(relay, request.into_inner(), tx));
+            tokio::spawn(session::<C>(relay, request.into_inner(), tx));
             Ok(tonic::Response::new(ReceiverStream::new(rx)))
         })
     }

@@ -21,14 +21,15 @@
 //! - An answer with no resources and no removals (a type unchanged across the switch) is
 //!   ACKed by the relay itself and not forwarded.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use bytes::Bytes;
+use shared_proto::resume::{self, Digest};
 
 use crate::wire::{DeltaRequest, DeltaResponse, Framed};
 
 /// ADS order for the re-statement: a resource's dependencies first.
-const ORDER: [&str; 5] = [
+pub const ORDER: [&str; 5] = [
     "type.googleapis.com/envoy.config.cluster.v3.Cluster",
     "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
     "type.googleapis.com/envoy.config.listener.v3.Listener",
@@ -36,13 +37,63 @@ const ORDER: [&str; 5] = [
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
 ];
 
-/// What the driver sends.
+/// What the driver sends: requests of type `Q`, answers of type `A`.
 #[derive(Debug, Clone)]
-pub enum Send {
+pub enum Send<Q = DeltaRequest, A = DeltaResponse> {
     /// To the agent, on the current stream.
-    Upstream(Framed<DeltaRequest>),
+    Upstream(Framed<Q>),
     /// To Envoy.
-    Envoy(Framed<DeltaResponse>),
+    Envoy(Framed<A>),
+}
+
+/// What the driver needs of a session core, for either ADS variant: incremental
+/// ([`Session`]) or state of the world ([`crate::sotw::Session`]).
+pub trait Core: Default + std::marker::Send + 'static {
+    /// Envoy's requests.
+    type Req: prost::Message + Default + std::fmt::Debug + std::marker::Send + 'static;
+    /// The agent's answers.
+    type Resp: prost::Message + Default + std::fmt::Debug + std::marker::Send + 'static;
+    /// The gRPC method, on both sides.
+    const PATH: &'static str;
+    /// The variant, as metrics and logs name it: `delta` or `sotw`.
+    const API: &'static str;
+    fn on_envoy(&mut self, req: Framed<Self::Req>) -> Vec<Send<Self::Req, Self::Resp>>;
+    fn on_agent(&mut self, resp: Framed<Self::Resp>) -> Vec<Send<Self::Req, Self::Resp>>;
+    /// The digest resume offered on the next agent stream (`shared_proto::resume`), if
+    /// any: the request header's value.
+    fn offer(&mut self) -> Option<String> {
+        None
+    }
+    /// The new agent stream is open; `matched` is its answer to the offer (None: the agent
+    /// sent no answer, it takes the plain resume).
+    fn upstream_up(&mut self, matched: Option<&str>) -> Vec<Send<Self::Req, Self::Resp>>;
+    fn upstream_down(&mut self);
+    fn counts(&self) -> Counts;
+}
+
+impl Core for Session {
+    type Req = DeltaRequest;
+    type Resp = DeltaResponse;
+    const PATH: &'static str = crate::wire::DELTA_PATH;
+    const API: &'static str = "delta";
+    fn on_envoy(&mut self, req: Framed<DeltaRequest>) -> Vec<Send> {
+        Session::on_envoy(self, req)
+    }
+    fn on_agent(&mut self, resp: Framed<DeltaResponse>) -> Vec<Send> {
+        Session::on_agent(self, resp)
+    }
+    fn offer(&mut self) -> Option<String> {
+        Some(Session::offer(self))
+    }
+    fn upstream_up(&mut self, matched: Option<&str>) -> Vec<Send> {
+        Session::upstream_up_matched(self, matched)
+    }
+    fn upstream_down(&mut self) {
+        Session::upstream_down(self)
+    }
+    fn counts(&self) -> Counts {
+        self.counts
+    }
 }
 
 /// Counts the driver exports.
@@ -50,9 +101,15 @@ pub enum Send {
 pub struct Counts {
     /// Agent streams the session was re-stated on.
     pub resumes: u64,
+    /// Of those, the ones whose agent answered the digest offer (delta).
+    pub digest_resumes: u64,
+    /// Types re-stated by their digest alone, and with their versions listed.
+    pub digest_types: u64,
+    pub version_types: u64,
     /// ACKs and NACKs of an earlier stream's answers, absorbed.
     pub absorbed: u64,
-    /// Empty answers the relay ACKed itself.
+    /// Answers the relay ACKed itself instead of forwarding: empty (delta), or what Envoy
+    /// already holds (state of the world).
     pub self_acked: u64,
     /// NACKs Envoy sent.
     pub nacks: u64,
@@ -68,6 +125,23 @@ struct TypeState {
     names: BTreeSet<String>,
     /// The versions Envoy holds, by name.
     held: BTreeMap<String, String>,
+    /// The digest of `held`, kept with it.
+    digest: Digest,
+}
+
+impl TypeState {
+    fn hold(&mut self, name: String, version: String) {
+        self.digest.add(&name, &version);
+        if let Some(old) = self.held.insert(name.clone(), version) {
+            self.digest.remove(&name, &old);
+        }
+    }
+
+    fn drop_held(&mut self, name: &str) {
+        if let Some(old) = self.held.remove(name) {
+            self.digest.remove(name, &old);
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -86,8 +160,14 @@ pub struct Session {
     /// The current agent stream's number, counted from 1; 0 before the first.
     stream: u64,
     up: bool,
-    /// Answers forwarded and not yet ACKed or NACKed, by nonce.
-    sent: HashMap<String, Sent>,
+    /// The digests offered to the agent stream being opened, by type.
+    offered: BTreeMap<String, Digest>,
+    /// Answers forwarded and not yet ACKed or NACKed, by nonce, in the order forwarded.
+    /// Agents count nonces from 1 on each stream, so an old agent's answer and a new
+    /// one's may share one; Envoy replies to each answer once (a request naming a nonce
+    /// is the reply to that answer), in the order received, so the oldest is the one
+    /// replied to.
+    sent: HashMap<String, VecDeque<Sent>>,
     pub counts: Counts,
 }
 
@@ -104,11 +184,9 @@ impl Session {
             t.legacy = r.resource_names_subscribe.is_empty();
             t.wildcard = t.legacy;
             // Envoy reconnecting to a restarted relay says what it holds.
-            t.held = r
-                .initial_resource_versions
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
+            for (k, v) in &r.initial_resource_versions {
+                t.hold(k.clone(), v.clone());
+            }
         }
         for n in &r.resource_names_subscribe {
             if n == "*" {
@@ -131,14 +209,14 @@ impl Session {
             if nack {
                 self.counts.nacks += 1;
             }
-            if let Some(s) = self.sent.remove(&r.response_nonce) {
+            if let Some(s) = pop(&mut self.sent, &r.response_nonce) {
                 if !nack {
                     let t = self.types.entry(s.type_url.clone()).or_default();
                     for n in &s.removed {
-                        t.held.remove(n);
+                        t.drop_held(n);
                     }
                     for (n, v) in s.resources {
-                        t.held.insert(n, v);
+                        t.hold(n, v);
                     }
                 }
                 from_earlier_stream = s.stream != self.stream;
@@ -174,9 +252,10 @@ impl Session {
                 ..Default::default()
             }))];
         }
-        self.sent.insert(
-            r.nonce.clone(),
-            Sent {
+        self.sent
+            .entry(r.nonce.clone())
+            .or_default()
+            .push_back(Sent {
                 stream: self.stream,
                 type_url: r.type_url.clone(),
                 resources: r
@@ -185,20 +264,47 @@ impl Session {
                     .map(|x| (x.name.clone(), x.version.clone()))
                     .collect(),
                 removed: r.removed_resources.clone(),
-            },
-        );
+            });
         vec![Send::Envoy(resp)]
     }
 
-    /// A new agent stream is open: the re-statement of every type Envoy uses.
+    /// The digest resume to offer the next agent stream: each type's digest of what
+    /// Envoy holds, remembered until the stream is up.
+    pub fn offer(&mut self) -> String {
+        self.offered = self
+            .types
+            .iter()
+            .map(|(url, t)| (url.clone(), t.digest))
+            .collect();
+        resume::offer(self.offered.iter().map(|(u, d)| (u.as_str(), *d)))
+    }
+
+    /// A new agent stream is open, without a digest resume: the re-statement of every
+    /// type Envoy uses with the versions it holds.
+    #[cfg(test)]
     pub fn upstream_up(&mut self) -> Vec<Send> {
+        self.upstream_up_matched(None)
+    }
+
+    /// A new agent stream is open: the re-statement of every type Envoy uses. A type the
+    /// agent `matched` by the digest offered (and whose digest has not moved since) goes
+    /// without its versions: the agent takes Envoy to hold its snapshot's.
+    pub fn upstream_up_matched(&mut self, matched: Option<&str>) -> Vec<Send> {
         self.stream += 1;
         self.up = true;
+        let offered = std::mem::take(&mut self.offered);
         if self.types.is_empty() {
             // Envoy has not asked yet: its first request goes as it came, node included.
             return Vec::new();
         }
-        self.counts.resumes += u64::from(self.stream > 1);
+        let resumed = self.stream > 1;
+        self.counts.resumes += u64::from(resumed);
+        self.counts.digest_resumes += u64::from(resumed && matched.is_some());
+        let matched: BTreeSet<&str> = matched
+            .map(resume::parse_matched)
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         let rank = |t: &str| ORDER.iter().position(|o| *o == t).unwrap_or(ORDER.len());
         let mut urls: Vec<&String> = self.types.keys().collect();
         urls.sort_by_key(|u| (rank(u), (*u).clone()));
@@ -209,6 +315,14 @@ impl Session {
             if t.wildcard && !(t.legacy && subscribe.is_empty()) {
                 subscribe.insert(0, "*".into());
             }
+            let by_digest = matched.contains(url.as_str()) && offered.get(url) == Some(&t.digest);
+            if resumed {
+                if by_digest {
+                    self.counts.digest_types += 1;
+                } else {
+                    self.counts.version_types += 1;
+                }
+            }
             out.push(Send::Upstream(Framed::of(DeltaRequest {
                 node: if i == 0 {
                     self.node.clone()
@@ -217,11 +331,11 @@ impl Session {
                 },
                 type_url: url.clone(),
                 resource_names_subscribe: subscribe,
-                initial_resource_versions: t
-                    .held
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
+                initial_resource_versions: if by_digest {
+                    HashMap::new()
+                } else {
+                    t.held.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+                },
                 ..Default::default()
             })));
         }
@@ -241,6 +355,16 @@ impl Session {
             .map(|t| t.held.clone())
             .unwrap_or_default()
     }
+}
+
+/// The oldest answer forwarded under `nonce` and not answered yet.
+fn pop(sent: &mut HashMap<String, VecDeque<Sent>>, nonce: &str) -> Option<Sent> {
+    let queue = sent.get_mut(nonce)?;
+    let s = queue.pop_front();
+    if queue.is_empty() {
+        sent.remove(nonce);
+    }
+    s
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! The fields of the incremental (delta) ADS messages that the session rules read, and a
-//! codec that keeps every message's bytes as they came.
+//! The fields of the ADS messages (incremental and state of the world) that the session
+//! rules read, and a codec that keeps every message's bytes as they came.
 //!
 //! The relay forwards what Envoy and the agent send as the bytes they sent: a field it
 //! does not model (a resource's body, Envoy's node description, a status) is never
@@ -17,6 +17,9 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 /// The incremental ADS method, on Envoy's side and on the agent's.
 pub const DELTA_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+/// The state-of-the-world ADS method.
+pub const SOTW_PATH: &str =
+    "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 pub const ADS_SERVICE: &str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
 
 /// `envoy.service.discovery.v3.DeltaDiscoveryRequest`, the fields the relay reads.
@@ -60,6 +63,85 @@ pub struct Resource {
     pub version: String,
     #[prost(string, tag = "3")]
     pub name: String,
+}
+
+/// `envoy.service.discovery.v3.DiscoveryRequest` (state of the world), the fields the
+/// relay reads.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SotwRequest {
+    #[prost(string, tag = "1")]
+    pub version_info: String,
+    /// `config.core.v3.Node`, as bytes.
+    #[prost(bytes = "bytes", tag = "2")]
+    pub node: Bytes,
+    #[prost(string, repeated, tag = "3")]
+    pub resource_names: Vec<String>,
+    #[prost(string, tag = "4")]
+    pub type_url: String,
+    #[prost(string, tag = "5")]
+    pub response_nonce: String,
+    /// `google.rpc.Status`, as bytes: set on a NACK.
+    #[prost(bytes = "bytes", tag = "6")]
+    pub error_detail: Bytes,
+}
+
+/// `envoy.service.discovery.v3.DiscoveryResponse`, the fields the relay reads.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SotwResponse {
+    #[prost(string, tag = "1")]
+    pub version_info: String,
+    #[prost(message, repeated, tag = "2")]
+    pub resources: Vec<AnyView>,
+    #[prost(string, tag = "4")]
+    pub type_url: String,
+    #[prost(string, tag = "5")]
+    pub nonce: String,
+}
+
+/// `google.protobuf.Any`: a resource as bytes. The relay reads only its name (field 1 of
+/// every type ADS serves: `Cluster.name`, `ClusterLoadAssignment.cluster_name`,
+/// `Listener.name`, `RouteConfiguration.name`, `Secret.name`) and hashes the rest as it
+/// is; nothing else of the body is decoded.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct AnyView {
+    #[prost(string, tag = "1")]
+    pub type_url: String,
+    #[prost(bytes = "bytes", tag = "2")]
+    pub value: Bytes,
+}
+
+/// Field 1 of a resource: its name. prost skips every other field by its length.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Named {
+    #[prost(string, tag = "1")]
+    name: String,
+}
+
+/// The `envoy.service.discovery.v3.Resource` wrapper: its name is field 3.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Wrapped {
+    #[prost(string, tag = "3")]
+    name: String,
+}
+
+impl AnyView {
+    /// The resource's name and a hash of its bytes (type URL and body), or None when the
+    /// name cannot be read.
+    pub fn name_and_hash(&self) -> Option<(String, u64)> {
+        use std::hash::{Hash, Hasher};
+        let name = if self
+            .type_url
+            .ends_with("envoy.service.discovery.v3.Resource")
+        {
+            Wrapped::decode(self.value.clone()).ok()?.name
+        } else {
+            Named::decode(self.value.clone()).ok()?.name
+        };
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.type_url.hash(&mut h);
+        self.value.hash(&mut h);
+        Some((name, h.finish()))
+    }
 }
 
 /// A message as it came, with the fields read from it.
@@ -134,6 +216,6 @@ impl<T: Message + Default> Decoder for RawDecoder<T> {
         let bytes = src.copy_to_bytes(src.remaining());
         Framed::decode(bytes)
             .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("not a delta xDS message: {e}")))
+            .map_err(|e| Status::invalid_argument(format!("not an xDS message: {e}")))
     }
 }

@@ -179,6 +179,16 @@ pub struct AgentFlags {
     /// Log format of both processes: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+    /// Whether the ADS server takes the xDS relay's digest resume (shared_proto::resume);
+    /// false answers the relay as an owner without it does (tests of version skew).
+    #[arg(
+        long,
+        env = "AETHER_XDS_DIGEST_RESUME",
+        hide = true,
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub xds_digest_resume: bool,
 }
 
 /// How the worker reaches the Kubernetes API.
@@ -261,6 +271,9 @@ impl AgentFlags {
         );
         if self.on_demand_clusters {
             a.push("--on-demand-clusters".into());
+        }
+        if !self.xds_digest_resume {
+            a.push("--xds-digest-resume=false".into());
         }
         a
     }

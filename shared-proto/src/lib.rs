@@ -54,6 +54,7 @@ pub mod logging;
 pub mod registry;
 #[cfg(feature = "registry-tls")]
 pub mod registry_tls;
+pub mod resume;
 #[cfg(feature = "seccomp")]
 pub mod seccomp;
 

@@ -144,6 +144,7 @@ fn main() {
                 None,
                 std::future::pending(),
                 limits,
+                Default::default(),
             )
             .await
             .expect("serve");

@@ -707,6 +707,11 @@ impl Agent {
                 let _ = stop_rx.await;
             },
             xds::server::Limits::default(),
+            if cfg.agent.xds_digest_resume {
+                xds::server::Resume::Digest
+            } else {
+                xds::server::Resume::Plain
+            },
         ));
         // The owner alone writes what the proxy showed it uses.
         tokio::spawn(writers::run_writer(self.observed.clone()));

@@ -90,11 +90,12 @@ impl NodeRig {
     ) -> NodeRig {
         let service = Self::SERVICE;
         // Kept when the test fails (a panic skips `pass`), so that the logs can be read.
-        let mut node = LocalNode::builder()
-            .keep_folder()
-            .capture()
-            .build()
-            .expect("node folder");
+        let mut builder = LocalNode::builder().keep_folder().capture();
+        if relayed {
+            // The agents' metrics show their side of each resume.
+            builder = builder.metrics();
+        }
+        let mut node = builder.build().expect("node folder");
         let root = node.root.path().to_path_buf();
         eprintln!("node folder: {}", root.display());
         let upstreams: Vec<Upstream> = (0..2)

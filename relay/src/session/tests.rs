@@ -212,6 +212,25 @@ fn a_removal_envoy_acked_is_no_longer_held() {
 }
 
 #[test]
+fn envoys_replies_to_two_answers_under_one_nonce_are_told_apart_by_their_order() {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &[]));
+    s.on_agent(resp(CDS, "1", &[("a", "1")], &[]));
+    s.on_envoy(ack(CDS, "1"));
+    s.on_agent(resp(CDS, "2", &[("a", "2")], &[]));
+    s.upstream_down();
+    s.upstream_up();
+    // The new owner's nonce "2" before Envoy's ACK of the old "2".
+    s.on_agent(resp(CDS, "2", &[("a", "3")], &[]));
+    // The old answer's ACK first, absorbed; then the new one's, passed on.
+    assert!(s.on_envoy(ack(CDS, "2")).is_empty());
+    assert_eq!(s.held(CDS)["a"], "2");
+    assert_eq!(upstream(&s.on_envoy(ack(CDS, "2"))).len(), 1);
+    assert_eq!(s.held(CDS)["a"], "3");
+}
+
+#[test]
 fn envoy_reconnecting_to_a_restarted_relay_keeps_what_it_says_it_holds() {
     let mut s = Session::default();
     let mut first = req(CDS, &[]).view;
@@ -223,6 +242,94 @@ fn envoy_reconnecting_to_a_restarted_relay_keeps_what_it_says_it_holds() {
     let out = s.upstream_up();
     assert_eq!(upstream(&out)[0].initial_resource_versions["a"], "4");
     assert_eq!(s.counts.resumes, 0, "the first stream is not a resume");
+}
+
+/// A session whose Envoy holds `a`, `b` of CDS and `c1` of EDS, on a first stream.
+fn holding() -> Session {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &[]));
+    s.on_envoy(req(EDS, &["c1"]));
+    s.on_agent(resp(CDS, "1", &[("a", "1"), ("b", "1")], &[]));
+    s.on_agent(resp(EDS, "2", &[("c1", "1")], &[]));
+    s.on_envoy(ack(CDS, "1"));
+    s.on_envoy(ack(EDS, "2"));
+    s.upstream_down();
+    s
+}
+
+#[test]
+fn a_type_the_agent_matched_by_digest_is_restated_without_its_versions() {
+    let mut s = holding();
+    let offer = s.offer();
+    let want = shared_proto::resume::offer([
+        (
+            CDS,
+            shared_proto::resume::Digest::of([("a", "1"), ("b", "1")]),
+        ),
+        (EDS, shared_proto::resume::Digest::of([("c1", "1")])),
+    ]);
+    assert_eq!(offer, want, "each type's digest of what Envoy holds");
+    let out = s.upstream_up_matched(Some(CDS));
+    let r = upstream(&out);
+    assert!(
+        r[0].initial_resource_versions.is_empty(),
+        "CDS: by its digest"
+    );
+    assert_eq!(r[1].initial_resource_versions.len(), 1, "EDS: not matched");
+    assert_eq!(
+        r[1].resource_names_subscribe,
+        ["c1"],
+        "subscriptions as ever"
+    );
+    assert_eq!(
+        (
+            s.counts.digest_resumes,
+            s.counts.digest_types,
+            s.counts.version_types
+        ),
+        (1, 1, 1)
+    );
+}
+
+#[test]
+fn a_digest_mismatch_or_an_agent_without_the_feature_gets_the_plain_resume() {
+    let plain = {
+        let mut s = holding();
+        let out = s.upstream_up();
+        upstream(&out).into_iter().cloned().collect::<Vec<_>>()
+    };
+    // The agent matched nothing: every type as on the plain path.
+    let mut s = holding();
+    s.offer();
+    assert_eq!(
+        upstream(&s.upstream_up_matched(Some("")))
+            .into_iter()
+            .cloned()
+            .collect::<Vec<_>>(),
+        plain
+    );
+    assert_eq!(s.counts.digest_resumes, 1, "the agent answered the offer");
+    // An agent that did not answer (an older owner): the plain resume.
+    let mut s = holding();
+    s.offer();
+    let got: Vec<_> = upstream(&s.upstream_up_matched(None))
+        .into_iter()
+        .cloned()
+        .collect();
+    assert_eq!(got, plain);
+    assert_eq!((s.counts.resumes, s.counts.digest_resumes), (1, 0));
+    // What Envoy holds moved after the offer (an ACK folded in while the stream
+    // opened): the matched digest is stale, so the versions go.
+    let mut s = holding();
+    s.on_envoy(req(CDS, &[]));
+    s.upstream_up();
+    s.on_agent(resp(CDS, "9", &[("z", "1")], &[]));
+    s.upstream_down();
+    s.offer();
+    s.on_envoy(ack(CDS, "9"));
+    let out = s.upstream_up_matched(Some(CDS));
+    assert_eq!(upstream(&out)[0].initial_resource_versions.len(), 3);
 }
 
 /// A small random generator, so the property test needs no crate.
@@ -248,15 +355,17 @@ struct Agent {
     snapshot: BTreeMap<String, BTreeMap<String, String>>,
     client: BTreeMap<String, Client>,
     nonce: u64,
+    /// Types the relay's digest offer matched: the client holds the snapshot's as of the
+    /// match (the snapshot may move on before the type's first request).
+    resumed: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 impl Agent {
-    /// The next owner: the snapshot as it is, its nonces after this one's, no memory of
-    /// the client.
+    /// The next owner: the snapshot as it is, nonces from 1 again (as the agent counts
+    /// them per stream), no memory of the client.
     fn successor(self) -> Agent {
         Agent {
             snapshot: self.snapshot,
-            nonce: self.nonce,
             ..Agent::default()
         }
     }
@@ -274,6 +383,11 @@ impl Agent {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
+            if let Some(held) = self.resumed.remove(&r.type_url)
+                && r.initial_resource_versions.is_empty()
+            {
+                c.2 = held;
+            }
         }
         for n in &r.resource_names_subscribe {
             if n == "*" {
@@ -288,6 +402,22 @@ impl Agent {
         }
         let url = r.type_url.clone();
         self.diff(&url).into_iter().collect()
+    }
+
+    /// Its answer to a digest offer: the types whose digest equals its snapshot's.
+    fn answer_offer(&mut self, offer: &str) -> String {
+        let mut matched = Vec::new();
+        for (url, digest) in shared_proto::resume::parse_offer(offer) {
+            let snap = self.snapshot.get(url).cloned().unwrap_or_default();
+            let ours = shared_proto::resume::Digest::of(
+                snap.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+            );
+            if ours.encode() == digest {
+                matched.push(url.to_string());
+                self.resumed.insert(url.to_string(), snap);
+            }
+        }
+        matched.join(",")
     }
 
     fn diff(&mut self, url: &str) -> Option<Framed<DeltaResponse>> {
@@ -361,6 +491,7 @@ fn reply(answer: &DeltaResponse, ok: bool) -> Framed<DeltaRequest> {
 fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
     let urls = [CDS, EDS, SDS];
     let names = ["a", "b", "c", "d"];
+    let mut digest_types = 0;
     for seed in 1..=300u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let mut s = Session::default();
@@ -431,8 +562,20 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                     s.upstream_down();
                     to_agent.clear();
                     agent = agent.successor();
-                    shuffle(&mut agent, &mut rng);
-                    route(s.upstream_up(), &mut to_agent, &mut to_envoy);
+                    let offer = s.offer();
+                    if rng.next(2) == 0 {
+                        shuffle(&mut agent, &mut rng);
+                    }
+                    // Mid-roll skew: an agent with the digest resume, or without.
+                    let matched = (rng.next(3) != 0).then(|| agent.answer_offer(&offer));
+                    digest_types += matched
+                        .as_ref()
+                        .map_or(0, |m| m.split(',').filter(|t| !t.is_empty()).count());
+                    route(
+                        s.upstream_up_matched(matched.as_deref()),
+                        &mut to_agent,
+                        &mut to_envoy,
+                    );
                 }
                 1 => {
                     shuffle(&mut agent, &mut rng);
@@ -483,4 +626,8 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
             assert_eq!(s.held(u), want, "seed {seed}, {u}: the session knows it");
         }
     }
+    assert!(
+        digest_types > 100,
+        "types resumed by digest: {digest_types}"
+    );
 }

@@ -376,6 +376,9 @@ pub struct DeltaState {
     types: [TypeState; KIND_COUNT],
     /// With on-demand clusters: the node's observed upstreams, which this stream adds to.
     observed: Option<Arc<Observed>>,
+    /// Types a relay's digest resumed (`super::digest`): what the proxy holds, taken at
+    /// the type's first request instead of its `initial_resource_versions`.
+    resumed: [Option<OrdMap<String, u64>>; KIND_COUNT],
 }
 
 impl DeltaState {
@@ -416,6 +419,12 @@ impl DeltaState {
             .filter(|n| *n != "*" && !t.names.contains(*n))
             .collect();
         limits.check_count(kind, t.names.len() + new.len())
+    }
+
+    /// The proxy holds `held` of `kind` (a snapshot's, by a relay's digest): taken at the
+    /// type's first request, unless that lists versions itself.
+    pub fn resume_held(&mut self, kind: Kind, held: OrdMap<String, u64>) {
+        self.resumed[kind.index()] = Some(held);
     }
 
     /// Whether the wildcard CDS subscription leaves the mesh's clusters out.
@@ -465,6 +474,7 @@ impl Protocol for DeltaState {
             nonce: 0,
             types: Default::default(),
             observed: None,
+            resumed: Default::default(),
         }
     }
 
@@ -502,6 +512,7 @@ impl Protocol for DeltaState {
         let current = self.current.clone();
         let lazy = self.lazy(kind);
         let clusters = self.types[Kind::Cluster.index()].holds.clone();
+        let resumed = self.resumed[kind.index()].take();
         let t = &mut self.types[kind.index()];
         let first = !t.subscribed;
         if first {
@@ -509,8 +520,12 @@ impl Protocol for DeltaState {
             t.answer = true;
             t.full = true;
             t.wildcard = wildcard(kind) && req.resource_names_subscribe.is_empty();
-            // A reconnect: the proxy keeps what it held on the old stream.
-            t.holds = held_versions(current.hashes(kind), &req.initial_resource_versions);
+            // A reconnect: the proxy keeps what it held on the old stream, as it lists
+            // it, or as the relay's digest said (the snapshot's, shared).
+            t.holds = match resumed {
+                Some(held) if req.initial_resource_versions.is_empty() => held,
+                _ => held_versions(current.hashes(kind), &req.initial_resource_versions),
+            };
             t.acked = t.holds.clone();
             if lazy
                 && t.wildcard

@@ -10,6 +10,7 @@
 
 pub mod convert;
 pub mod delta;
+pub mod digest;
 pub mod encoded;
 pub mod kind;
 pub mod probe;

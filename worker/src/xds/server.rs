@@ -30,7 +30,10 @@ use tonic::server::{Grpc, NamedService, StreamingService};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
+use shared_proto::resume;
+
 use super::delta::{DeltaState, LimitError, SubscriptionLimits};
+use super::digest::Digests;
 use super::encoded::Encoded;
 use super::kind::{self, Kind};
 use super::protocol::{Event, Protocol};
@@ -53,6 +56,10 @@ pub(super) trait Served: Protocol {
     ) -> Result<(), LimitError>;
     /// How many names `req` carries: what freeing it costs.
     fn names(req: &Self::Request) -> usize;
+    /// Whether the protocol takes a relay's digest resume (incremental only).
+    const DIGEST_RESUME: bool = false;
+    /// The proxy holds `held` of `kind`, by a relay's digest.
+    fn resume_held(&mut self, _kind: Kind, _held: imbl::OrdMap<String, u64>) {}
 }
 
 /// A request carrying more names than this is freed on a blocking thread, not before the
@@ -97,6 +104,11 @@ impl Served for DeltaState {
         req.resource_names_subscribe.len()
             + req.resource_names_unsubscribe.len()
             + req.initial_resource_versions.len()
+    }
+
+    const DIGEST_RESUME: bool = true;
+    fn resume_held(&mut self, kind: Kind, held: imbl::OrdMap<String, u64>) {
+        DeltaState::resume_held(self, kind, held)
     }
 }
 
@@ -155,6 +167,7 @@ pub async fn serve(
     observed: Option<Arc<Observed>>,
     stop_accepting: impl Future<Output = ()> + Send + 'static,
     limits: Limits,
+    resume: Resume,
 ) -> anyhow::Result<()> {
     let incoming = Acceptor::new(listener, "xds", limits.max_connections, metrics.clone())
         .with_peer_rate(limits.peer_rate)
@@ -167,6 +180,8 @@ pub async fn serve(
         observed,
         limits,
         streams: AtomicU64::new(0),
+        resume,
+        digests: Digests::default(),
     });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
@@ -186,13 +201,45 @@ struct Ads {
     observed: Option<Arc<Observed>>,
     limits: Limits,
     streams: AtomicU64,
+    resume: Resume,
+    digests: Digests,
+}
+
+/// Whether the server takes the xDS relay's digest resume (`shared_proto::resume`):
+/// `Digest` unless `--xds-digest-resume=false`, which answers as an owner without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Resume {
+    #[default]
+    Digest,
+    Plain,
 }
 
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 impl Ads {
-    fn open<P: Served>(&self, inbound: Streaming<P::Wire>) -> ResponseStream<P::Response> {
+    /// A new stream; with a relay's digest offer, also the response header's value (the
+    /// types it matched).
+    fn open<P: Served>(
+        &self,
+        inbound: Streaming<P::Wire>,
+        offer: Option<&str>,
+    ) -> (ResponseStream<P::Response>, Option<String>) {
         let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut resumed = Vec::new();
+        let mut answer = None;
+        if let Some(offer) = offer.filter(|_| P::DIGEST_RESUME && self.resume == Resume::Digest) {
+            let snapshot = self.snapshots.borrow().clone();
+            let kinds = self.digests.matched(&snapshot, offer);
+            answer = Some(super::digest::header(&kinds));
+            for kind in kinds {
+                let label = TypeLabel {
+                    type_url: kind::type_url(kind).to_string(),
+                };
+                self.metrics.xds_digest_resumes.get_or_create(&label).inc();
+                resumed.push((kind, snapshot.hashes(kind).clone()));
+            }
+            tracing::info!(stream = id, matched = ?answer, "ADS stream: the relay offered a digest resume");
+        }
         let (tx, rx) = mpsc::channel(16);
         let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
         let observed = self.observed.clone();
@@ -202,9 +249,9 @@ impl Ads {
             self.limits.subscriptions,
         );
         tokio::spawn(run_stream::<P>(
-            id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits,
+            id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits, resumed,
         ));
-        Box::pin(ReceiverStream::new(rx))
+        (Box::pin(ReceiverStream::new(rx)), answer)
     }
 }
 
@@ -228,10 +275,14 @@ async fn run_stream<P: Served>(
     acks: Acks,
     metrics: Arc<Metrics>,
     limits: SubscriptionLimits,
+    resumed: Vec<(Kind, imbl::OrdMap<String, u64>)>,
 ) {
     metrics.xds_streams.inc();
     let _gauge = StreamGauge(metrics.clone());
     let mut st = P::new(snapshots.borrow_and_update().clone(), encoded);
+    for (kind, held) in resumed {
+        st.resume_held(kind, held);
+    }
     if let Some(o) = observed {
         st.on_demand(o);
     }
@@ -427,7 +478,19 @@ impl<P: Served> StreamingService<P::Wire> for Method<P> {
 
     fn call(&mut self, request: Request<Streaming<P::Wire>>) -> Self::Future {
         let ads = self.0.clone();
-        Box::pin(async move { Ok(Response::new(ads.open::<P>(request.into_inner()))) })
+        let offer = request
+            .metadata()
+            .get(resume::HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from);
+        Box::pin(async move {
+            let (stream, answer) = ads.open::<P>(request.into_inner(), offer.as_deref());
+            let mut response = Response::new(stream);
+            if let Some(value) = answer.and_then(|a| a.parse().ok()) {
+                response.metadata_mut().insert(resume::HEADER, value);
+            }
+            Ok(response)
+        })
     }
 }
 
@@ -516,6 +579,7 @@ mod tests {
                 let _ = stopped.await;
             },
             Limits::default(),
+            Resume::default(),
         ));
         (stop, task)
     }
@@ -607,6 +671,7 @@ mod tests {
                     let _ = stopped.await;
                 },
                 limits,
+                Resume::default(),
             )
             .await
         });
