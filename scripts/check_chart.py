@@ -14,6 +14,7 @@
                    [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
                    RENDERED.yaml
     check_chart.py --unit deploy/systemd/aether-agent.service
+    check_chart.py --relay-unit deploy/systemd/aether-xds-relay.service
     check_chart.py --probe-creds RENDERED.yaml     (shell assignments for test-chart.sh)
     check_chart.py --uninstall-creds RENDERED.yaml (likewise, for the uninstall hook)
     check_chart.py --registrar-creds RENDERED.yaml (likewise, for the registrar)
@@ -1766,6 +1767,68 @@ def check_unit(path):
     check("unit grants no ambient capabilities", not ambient, f"got {ambient!r}")
 
 
+def unit_settings(path):
+    """A unit file's settings: (section, key) -> every value, in order."""
+    settings, section = {}, None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith(("#", ";")):
+                continue
+            if line.startswith("["):
+                section = line.strip("[]")
+                continue
+            key, _, value = line.partition("=")
+            settings.setdefault((section, key.strip()), []).append(value.strip())
+    return settings
+
+
+# The relay unit's sandbox: each setting as the unit must have it.
+RELAY_UNIT_SANDBOX = {
+    "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+    "PrivateDevices": "yes", "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes", "ProtectControlGroups": "yes", "ProtectClock": "yes", "ProtectHostname": "yes",
+    "RestrictNamespaces": "yes", "RestrictRealtime": "yes", "RestrictSUIDSGID": "yes", "LockPersonality": "yes",
+    "MemoryDenyWriteExecute": "yes", "SystemCallArchitectures": "native", "SystemCallFilter": "@system-service",
+    "RuntimeDirectory": "aether-relay", "RuntimeDirectoryMode": "0750", "RuntimeDirectoryPreserve": "yes",
+}
+
+
+def check_relay_unit(path):
+    """The xDS relay's systemd unit: its own user, the worker's group for xds.sock, no
+    capability, the sandbox of the agent's unit and more, and its socket in its runtime folder."""
+    settings = unit_settings(path)
+    print(f"== {path}")
+
+    def one(key, section="Service"):
+        values = settings.get((section, key), [])
+        return values[-1] if values else None
+
+    worker_uid, worker_gid = (int(x) for x in WORKER_USER.split(":"))
+    user, group = one("User") or "", one("Group") or ""
+    check(f"relay unit User= and Group= are its own: numeric, not root, not the worker's ({WORKER_USER})",
+          user.isdigit() and group.isdigit() and int(user) not in (0, worker_uid) and int(group) not in (0, worker_gid),
+          f"got User={user!r} Group={group!r}")
+    supplementary = (one("SupplementaryGroups") or "").split()
+    check(f"relay unit SupplementaryGroups= is the worker's group {worker_gid} only (xds.sock)",
+          supplementary == [str(worker_gid)], f"got {supplementary}")
+    for key in ("CapabilityBoundingSet", "AmbientCapabilities"):
+        values = settings.get(("Service", key))
+        check(f"relay unit {key}= is empty (no capability)", values is not None and values[-1] == "", f"got {values}")
+    for key, want in RELAY_UNIT_SANDBOX.items():
+        check(f"relay unit {key}={want}", one(key) == want, f"got {one(key)!r}")
+    families = sorted((one("RestrictAddressFamilies") or "").split())
+    check("relay unit RestrictAddressFamilies= is AF_UNIX AF_INET AF_INET6",
+          families == ["AF_INET", "AF_INET6", "AF_UNIX"], f"got {families}")
+    argv = (one("ExecStart") or "").split()
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    want = {"--listen": "unix:///run/aether-relay/xds.sock", "--upstream": f"unix://{RUN_DIR}/xds.sock"}
+    check(f"relay unit ExecStart runs /usr/local/bin/aether-xds-relay {want} (metrics off, the default)",
+          argv[:1] == ["/usr/local/bin/aether-xds-relay"] and flags == want and len(argv) == 5, f"got {argv}")
+    for key in ("LimitNOFILE", "TasksMax"):
+        check(f"relay unit sets {key}=", bool(one(key)), "missing")
+
+
 def main():
     global KUBE_VERSION  # noqa: PLW0603 - one run checks one version
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1837,6 +1900,7 @@ def main():
     parser.add_argument("--kubernetes-version", default="1.34.0",
                         help="the Kubernetes version whose NodeSpec the node policy must guard")
     parser.add_argument("--unit", help="check this systemd unit instead of a rendering")
+    parser.add_argument("--relay-unit", help="check this systemd unit of the xDS relay instead of a rendering")
     parser.add_argument("--uninstall-creds", action="store_true",
                         help="print the uninstall hook's init container (credentials, argv, host mounts) as "
                              "shell assignments instead of checking")
@@ -1850,6 +1914,13 @@ def main():
     args = parser.parse_args()
 
     KUBE_VERSION = args.kubernetes_version
+    if args.relay_unit:
+        try:
+            check_relay_unit(args.relay_unit)
+        except CheckFailed:
+            return 1
+        print("all checks passed")
+        return 0
     if args.unit:
         try:
             check_unit(args.unit)

@@ -18,11 +18,17 @@
 #      ENVOY_BIN, or .venv from scripts/install-envoy.sh; otherwise skipped, loudly)
 #   5. mutation stage: a copy of the chart is broken one way at a time, and check_chart.py
 #      must fail on the check meant to catch that break (so no check passes vacuously)
+#   4b. with proxy.relay.enabled, the relay as deployed: run by crun under its rendered
+#      credentials (uid, gid, groups, no capability, no_new_privs, read-only root,
+#      RuntimeDefault seccomp), the rendered relay bootstrap's Envoy under the proxy pod's
+#      credentials and a real agent: Envoy is configured through the relay, keeps its one
+#      ADS connection across a surge roll, and cannot connect without the relay's group
 #   6. as deployed, under the credentials the rendered chart declares (setpriv, as root):
 #      the readiness probe, and the uninstall hook's command: across a surge roll of two
 #      real agents the conflist keeps its entry, and the uninstall removes the entry and
 #      the plugin only once the node's last agent is gone
-#   7. the systemd unit: check_chart.py --unit, and systemd-analyze verify when available
+#   7. the systemd units (the agent's and the xDS relay's): check_chart.py --unit and
+#      --relay-unit with their mutations, and systemd-analyze verify when available
 #
 # Env: AETHER_BIN_DIR names built agent binaries for stages 4 and 6 (scripts/test.sh passes
 # the release build of its end-to-end runs: the binaries as they ship); unset, they are
@@ -1036,4 +1042,38 @@ if command -v systemd-analyze >/dev/null 2>&1; then
   pass "systemd-analyze verify reports a misspelt key"
 else
   echo "SKIP systemd-analyze verify: systemd-analyze is not installed"
+fi
+
+step "the xDS relay's systemd unit"
+relay_unit="$root/deploy/systemd/aether-xds-relay.service"
+"$py" "$check" --relay-unit "$relay_unit" || fail "check_chart.py --relay-unit"
+pass "check_chart.py --relay-unit"
+# Its checks can fail: a capability, the worker's uid, root, no worker group, a lost
+# sandbox setting and a socket folder others may enter.
+for m in 's/^CapabilityBoundingSet=$/CapabilityBoundingSet=CAP_NET_BIND_SERVICE/|CapabilityBoundingSet= is empty' \
+  's/^User=65533$/User=65532/|User= and Group= are its own' \
+  's/^User=65533$/User=0/|User= and Group= are its own' \
+  's/^SupplementaryGroups=65532$/SupplementaryGroups=/|SupplementaryGroups=' \
+  's/^ProtectSystem=strict$/ProtectSystem=full/|ProtectSystem=strict' \
+  's/^RuntimeDirectoryMode=0750$/RuntimeDirectoryMode=0755/|RuntimeDirectoryMode=0750' \
+  's#--upstream unix:///run/aether/xds.sock#--upstream unix:///run/aether/xds.sock --metrics-addr 127.0.0.1:15090#|ExecStart runs'; do
+  IFS='|' read -r expr want <<<"$m"
+  sed -E "$expr" "$relay_unit" >"$work/mut-relay.service"
+  cmp -s "$relay_unit" "$work/mut-relay.service" && fail "relay unit mutation '$expr' changed nothing"
+  if "$py" "$check" --relay-unit "$work/mut-relay.service" >"$work/mut-relay-unit.log" 2>&1 \
+    || ! grep '^FAIL ' "$work/mut-relay-unit.log" | grep -qF "$want"; then
+    cat "$work/mut-relay-unit.log"
+    fail "relay unit mutation '$expr' did not fail on '$want'"
+  fi
+  pass "relay unit mutation -> $(grep '^FAIL' "$work/mut-relay-unit.log" | cut -c1-100)"
+done
+if command -v systemd-analyze >/dev/null 2>&1; then
+  missing="aether-xds-relay.service: Command /usr/local/bin/aether-xds-relay is not executable: No such file or directory"
+  verify_out="$(systemd-analyze verify "$relay_unit" 2>&1 || true)"
+  rest="$(grep -vxF "$missing" <<<"$verify_out" || true)"
+  if [[ -n "$rest" ]]; then
+    echo "$verify_out"
+    fail "systemd-analyze verify (relay unit)"
+  fi
+  pass "systemd-analyze verify (relay unit)"
 fi
