@@ -47,6 +47,8 @@ SPIRE_ADMIN_DIR=/run/spire/admin-sockets
 passed=0
 finish() {
   local rc=$?
+  # The relay stage's processes, by pid, when it stopped half-way.
+  [[ -n "${relay_stage:-}" ]] && { rstop || true; }
   [[ -n "${work:-}" ]] && rm -rf "$work"
   if ((rc == 0)); then
     echo "chart-tests: $passed passed, 0 failed"
@@ -455,9 +457,14 @@ PY
       "$envoy_bin" --config-path "$rnode/envoy.yaml" --service-node node-1 --disable-hot-restart --log-level warn \
       >"$rnode/envoy.log" 2>&1 &
     repid=$!
-    rstop() { kill "$repid" "$ragent1" ${ragent2:-} 2>/dev/null; kill -TERM "$rpid" 2>/dev/null; wait "$rrun" "$repid" 2>/dev/null || true; }
+    rstop() {
+      kill "$repid" "$ragent1" ${ragent2:-} 2>/dev/null; kill -TERM "$rpid" 2>/dev/null
+      wait "$rrun" "$repid" "$ragent1" ${ragent2:-} 2>/dev/null || true
+      relay_stage=""
+    }
+    relay_stage=1
     estat() { # NAME: one of Envoy's stats, from its admin socket
-      curl -s --unix-socket "$2" "http://admin/stats?filter=^$1\$" | sed -n "s/^$1: //p"
+      { curl -s --unix-socket "$2" "http://admin/stats?filter=^$1\$" || true; } | sed -n "s/^$1: //p"
     }
     for _ in $(seq 1 200); do [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$eport/ready" || true)" == 200 ]] && break; sleep 0.1; done
     [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$eport/ready" || true)" == 200 ]] \
