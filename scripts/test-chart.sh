@@ -507,17 +507,20 @@ PY
       "$envoy_bin" --config-path "$rnode/envoy2.yaml" --service-node node-1 --disable-hot-restart --log-level warn \
       >"$rnode/envoy2.log" 2>&1 &
     repid=$!
-    fails=""
+    # Envoy turns connected_state 1 as it starts a stream, before the connect fails: a
+    # few failed connects, then connected_state 0 and no configuration.
+    fails="" connected="" updates=""
     for _ in $(seq 1 100); do
       fails="$(estat cluster.xds_cluster.upstream_cx_connect_fail "$rnode/admin2/admin.sock")"
-      [[ -n "$fails" && "$fails" -ge 1 ]] && break
+      connected="$(estat control_plane.connected_state "$rnode/admin2/admin.sock")"
+      [[ -n "$fails" && "$fails" -ge 3 && "$connected" == 0 ]] && break
       sleep 0.1
     done
-    connected="$(estat control_plane.connected_state "$rnode/admin2/admin.sock")"
+    updates="$(estat cluster_manager.cds.update_success "$rnode/admin2/admin.sock")"
     rstop
-    [[ -n "$fails" && "$fails" -ge 1 && "$connected" == 0 ]] \
-      || { cat "$rnode/envoy2.log"; fail "mutation envoy-without-relay-group: Envoy with groups '${narrowed}' connected (connect failures '$fails', connected_state '$connected')"; }
-    pass "mutation envoy-without-relay-group -> Envoy with groups '${narrowed}' cannot connect to the relay's socket ($fails failed connects, connected_state 0)"
+    [[ -n "$fails" && "$fails" -ge 3 && "$connected" == 0 && "$updates" == 0 ]] \
+      || { cat "$rnode/envoy2.log"; fail "mutation envoy-without-relay-group: Envoy with groups '${narrowed}': connect failures '$fails', connected_state '$connected', CDS updates '$updates'"; }
+    pass "mutation envoy-without-relay-group -> Envoy with groups '${narrowed}' cannot connect to the relay's socket ($fails failed connects, connected_state 0, no configuration)"
   else
     echo "!!! SKIPPED running the proxy bootstrap: it needs root and setpriv !!!"
   fi
@@ -532,7 +535,7 @@ mutations=(
   'surge-false-maxUnavailable|values.yaml|maxUnavailable: 1|maxUnavailable: 2||--surge false|update strategy for surge=false'
   'surge-ignored|templates/daemonset.yaml|if \.Values\.agent\.updateStrategy\.surge|if false|agent.updateStrategy.surge=true|--surge true|update strategy for surge=true'
   'ports-declared|templates/daemonset.yaml|(\n          resources:\n)|\n          ports:\n            - containerPort: 8082\g<1>||--surge false|no `ports`'
-  'proxy-ports|templates/proxy-daemonset.yaml|(\n          resources:\n)|\n          ports:\n            - containerPort: 15000\g<1>|proxy.enabled=true|--surge false --proxy true|no `ports`'
+  'proxy-ports|templates/proxy-daemonset.yaml|(\n          resources:\n            \{\{- toYaml \.Values\.proxy\.resources)|\n          ports:\n            - containerPort: 15000\g<1>|proxy.enabled=true|--surge false --proxy true|no `ports`'
   'readiness-not-agent-ready|templates/daemonset.yaml|(readinessProbe:[^\n]*\n(?:[^\n]*\n)*?\s+command:\n\s+)- agent-ready|\g<1>- /bin/true||--surge false|readinessProbe command[0] is agent-ready'
   'readiness-http|templates/daemonset.yaml|(readinessProbe:\n[^\n]*\n)( +)exec:|\g<1>\g<2>httpGet: {path: /ready, port: 8082}\n\g<2>exec:||--surge false|readinessProbe is an exec probe only'
   'readiness-period|values.yaml|periodSeconds: 2|periodSeconds: 5||--surge false|readinessProbe period 2s'
