@@ -1,8 +1,6 @@
-//! The systemd units as deployed (`deploy/systemd/aether-agent.service`): its folders
+//! The systemd unit as deployed (`deploy/systemd/aether-agent.service`): its folders
 //! against systemd's re-own of the folders it manages, run under the unit's own
-//! capabilities; its watchdog, fed only while the worker answers heartbeats; and the xDS
-//! relay's unit (`deploy/systemd/aether-xds-relay.service`), whose user reaches the
-//! agent's `xds.sock` through its supplementary group only, and serves a real Envoy.
+//! capabilities; and its watchdog, fed only while the worker answers heartbeats.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -11,26 +9,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use aether_e2e::envoy::{AdsApi, CONNECTED, Envoy, envoy_or_skip};
 use aether_e2e::harness::churn::{self, Cni, PodId, Pods};
 use aether_e2e::testing::{LocalNode, bin, is_root, wait_for};
 use nix::sys::signal::Signal;
 
 const T: Duration = Duration::from_secs(10);
 const UNIT: &str = include_str!("../../deploy/systemd/aether-agent.service");
-const RELAY_UNIT: &str = include_str!("../../deploy/systemd/aether-xds-relay.service");
 const WORKER: (u32, u32) = (65532, 65532);
 
-/// The `[Service]` settings of the agent's unit, the last value of each key.
+/// The `[Service]` settings of the unit, the last value of each key.
 fn service() -> BTreeMap<String, String> {
-    service_of(UNIT)
-}
-
-/// The `[Service]` settings of `unit`, the last value of each key.
-fn service_of(unit: &str) -> BTreeMap<String, String> {
     let mut section = "";
     let mut out = BTreeMap::new();
-    for line in unit.lines().map(str::trim) {
+    for line in UNIT.lines().map(str::trim) {
         if line.starts_with('[') {
             section = line;
         } else if section == "[Service]" && !line.starts_with('#') && !line.is_empty() {
@@ -342,169 +333,4 @@ fn the_watchdog_hears_from_the_supervisor_only_while_its_worker_answers() {
         "the worker was replaced too soon to tell"
     );
     assert!(a.log().contains("missed heartbeats"), "{}", a.log());
-}
-
-/// `setpriv` with the relay unit's credentials: its `User=`, `Group=` and
-/// `SupplementaryGroups=` (unless `groups` is false), an empty bounding and inheritable
-/// set (its `CapabilityBoundingSet=` is empty), no_new_privs.
-fn as_the_relay_unit(groups: bool) -> Vec<String> {
-    let s = service_of(RELAY_UNIT);
-    assert_eq!(s["NoNewPrivileges"], "yes");
-    assert_eq!(s["CapabilityBoundingSet"], "", "the relay unit grants a capability");
-    let supplementary = if groups {
-        format!("--groups={}", s["SupplementaryGroups"].replace(' ', ","))
-    } else {
-        "--clear-groups".into()
-    };
-    vec![
-        "setpriv".into(),
-        format!("--reuid={}", s["User"]),
-        format!("--regid={}", s["Group"]),
-        supplementary,
-        "--inh-caps=-all".into(),
-        "--bounding-set=-all".into(),
-        "--no-new-privs".into(),
-    ]
-}
-
-/// The relay unit's `ExecStart`, its socket folder and the node's run folder moved under
-/// `relay_dir` and `run_dir`, run with `wrapper`; its output in `log`.
-fn start_relay_as_the_unit(
-    wrapper: &[String],
-    relay_dir: &Path,
-    run_dir: &Path,
-    log: &Path,
-) -> std::process::Child {
-    let s = service_of(RELAY_UNIT);
-    let argv: Vec<String> = s["ExecStart"]
-        .split_whitespace()
-        .map(|a| {
-            a.replace("/run/aether-relay", &relay_dir.display().to_string())
-                .replace("/run/aether/", &format!("{}/", run_dir.display()))
-        })
-        .collect();
-    assert_eq!(argv[0], "/usr/local/bin/aether-xds-relay");
-    let out = std::fs::File::create(log).expect("relay log");
-    std::process::Command::new(&wrapper[0])
-        .args(&wrapper[1..])
-        .arg(bin("aether-xds-relay"))
-        .args(&argv[1..])
-        .stdout(out.try_clone().expect("log"))
-        .stderr(out)
-        .spawn()
-        .expect("start the relay")
-}
-
-/// Ends a child by pid and reaps it.
-fn end(mut c: std::process::Child) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), Signal::SIGTERM);
-    let _ = c.wait();
-}
-
-/// The relay unit's credentials as they run: its user reaches the agent's `xds.sock`
-/// (0660, the worker's group) through `SupplementaryGroups=` alone, binds its socket 0660
-/// as its own user and group, runs with no capability and no_new_privs, and a real Envoy
-/// gets its configuration through it. Without the supplementary group the same relay
-/// cannot open an agent stream: its log names the permission error, and Envoy gets nothing.
-#[test]
-fn the_relay_unit_reaches_xds_sock_through_its_group_only_and_serves_envoy() {
-    let test = "the_relay_unit_reaches_xds_sock_through_its_group_only_and_serves_envoy";
-    if !is_root() {
-        eprintln!(
-            "SKIPPED {test}: needs root to run the relay as the unit's user (CI runs as root)"
-        );
-        return;
-    }
-    let Some(envoy_bin) = envoy_or_skip(test) else {
-        return;
-    };
-    let s = service_of(RELAY_UNIT);
-    let (uid, gid): (u32, u32) = (
-        s["User"].parse().expect("a numeric User="),
-        s["Group"].parse().expect("a numeric Group="),
-    );
-    let mut node = LocalNode::builder()
-        .capture()
-        .build()
-        .expect("node folder");
-    let _owner = node.start_owner(T).unwrap_or_else(|e| panic!("{e}"));
-    // The unit's RuntimeDirectory=, as systemd makes it: the relay's, with its mode.
-    let relay_dir = node.root.path().join("aether-relay");
-    std::fs::create_dir_all(&relay_dir).expect("relay folder");
-    std::os::unix::fs::chown(&relay_dir, Some(uid), Some(gid)).expect("chown");
-    let mode = u32::from_str_radix(&s["RuntimeDirectoryMode"], 8).expect("an octal mode");
-    std::fs::set_permissions(&relay_dir, std::fs::Permissions::from_mode(mode)).expect("chmod");
-    let socket = relay_dir.join("xds.sock");
-    let log = node.root.path().join("relay.log");
-    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
-
-    // Without SupplementaryGroups=: no agent stream, the cause named, Envoy served nothing.
-    let without = start_relay_as_the_unit(&as_the_relay_unit(false), &relay_dir, &node.run_dir, &log);
-    wait_for("the relay's socket", T, || socket.exists().then_some(()));
-    let envoy_dir = node.root.path().join("envoy");
-    std::fs::create_dir_all(&envoy_dir).expect("envoy folder");
-    let envoy = Envoy::start(
-        &envoy_bin,
-        &envoy_dir,
-        &relay_dir,
-        Duration::from_millis(100),
-        Duration::from_secs(1),
-        AdsApi::default(),
-    )
-    .expect("start Envoy");
-    wait_for("the relay's permission error", T, || {
-        log_text().contains("Permission denied").then_some(())
-    });
-    assert_eq!(
-        envoy.stat("cluster_manager.cds.update_success").unwrap_or(0),
-        0,
-        "Envoy got a configuration through a relay that cannot reach xds.sock:\n{}",
-        log_text()
-    );
-    let denied = log_text()
-        .lines()
-        .find(|l| l.contains("Permission denied"))
-        .unwrap_or_default()
-        .to_string();
-    end(without);
-
-    // With the unit's credentials: Envoy reconnects to the new relay and is configured.
-    let relay = start_relay_as_the_unit(&as_the_relay_unit(true), &relay_dir, &node.run_dir, &log);
-    wait_for("Envoy configured through the relay", T, || {
-        (envoy.stat(CONNECTED) == Some(1)
-            && envoy.stat("cluster_manager.cds.update_success").unwrap_or(0) >= 1)
-            .then_some(())
-    });
-    let m = std::fs::metadata(&socket).expect("the relay's socket");
-    assert_eq!(
-        (m.mode() & 0o777, m.uid(), m.gid()),
-        (0o660, uid, gid),
-        "the relay's socket"
-    );
-    // setpriv execs the relay: the child's pid is the relay's.
-    let status = std::fs::read_to_string(format!("/proc/{}/status", relay.id()))
-        .expect("the relay's status");
-    let field = |k: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{k}:")))
-            .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
-            .unwrap_or_default()
-    };
-    assert_eq!(field("Uid"), format!("{uid} {uid} {uid} {uid}"), "{status}");
-    assert_eq!(field("Groups"), s["SupplementaryGroups"], "{status}");
-    for k in ["CapEff", "CapPrm", "CapBnd", "CapAmb"] {
-        assert_eq!(field(k), "0000000000000000", "{k}: {status}");
-    }
-    assert_eq!(field("NoNewPrivs"), "1", "{status}");
-    println!(
-        "relay as the unit: socket {:o} {}:{}, Groups {}, no capability; without its group: {}",
-        m.mode() & 0o777,
-        m.uid(),
-        m.gid(),
-        field("Groups"),
-        denied.trim()
-    );
-    drop(envoy);
-    end(relay);
 }
