@@ -281,7 +281,12 @@ fn stats_listener_yaml(port: u16, admin: &Path) -> String {
 
 /// Envoy on the node, its ADS cluster at `xds_dir`'s `xds.sock` (the relay's), with the
 /// chart's stats listener on `stats_port` merged into the bootstrap.
-fn start_envoy(envoy: &Path, node: &LocalNode, xds_dir: &Path, stats_port: u16) -> (Envoy, PathBuf) {
+fn start_envoy(
+    envoy: &Path,
+    node: &LocalNode,
+    xds_dir: &Path,
+    stats_port: u16,
+) -> (Envoy, PathBuf) {
     let dir = node.root.path().join("envoy");
     std::fs::create_dir_all(&dir).expect("envoy dir");
     let admin = dir.join("envoy-admin.sock");
