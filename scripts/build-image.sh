@@ -5,7 +5,7 @@
 #
 #   1. cargo build --release --workspace --bins (seconds when already built), and the
 #      CNI plugin as it ships, statically linked (scripts/build-cni-plugin.sh says why)
-#   2. stages target/image/context/rootfs: the five binaries the image carries, without
+#   2. stages target/image/context/rootfs: the binaries the image carries (AETHER_IMAGE_BINS), without
 #      their debug sections (objcopy --strip-debug), and the shared libraries `ldd` lists
 #      for them, at the paths the loader looks in (none for the static plugin)
 #   3. buildah build, then buildah push to an OCI archive,

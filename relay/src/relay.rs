@@ -80,7 +80,7 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
                     Err(e) => {
                         failures += 1;
                         m.upstream_failures.fetch_add(1, Relaxed);
-                        tracing::warn!(upstream = %relay.upstream.display(), error = %e, failures, "relay: the agent's ADS stream did not open");
+                        tracing::warn!(upstream = %relay.upstream.display(), error = %format!("{e:#}"), failures, "relay: the agent's ADS stream did not open");
                         break None;
                     }
                 },

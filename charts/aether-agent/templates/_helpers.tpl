@@ -105,6 +105,45 @@ only, the ones the agent runs on.
 {{/* Envoy's admin socket, in the proxy pod's own emptyDir. */}}
 {{- define "aether-agent.envoyAdminDir" -}}/var/run/envoy-admin{{- end -}}
 
+{{/*
+The xDS relay's folder (proxy.relay): an emptyDir of the proxy pod, shared by the relay and
+Envoy, holding the relay's listening socket xds.sock (0660, the relay's uid and group).
+*/}}
+{{- define "aether-agent.relayDir" -}}/var/run/aether-relay{{- end -}}
+
+{{/*
+The folder of the xds.sock Envoy dials: the relay's (proxy.relay.enabled), else the
+agent's run folder. The relay serves both ADS variants (proxy.adsApiType).
+*/}}
+{{- define "aether-agent.envoyXdsDir" -}}
+{{- if .Values.proxy.relay.enabled -}}
+{{- include "aether-agent.relayDir" . -}}
+{{- else -}}
+{{- include "aether-agent.runDir" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The relay's --metrics-addr: "off" unless proxy.relay.metrics.enabled; else HOST:PORT, the
+node's IP ($(HOST_IP), from the downward API) unless metrics.host names one. The pod is
+hostNetwork: a port the agent's metrics, Envoy's stats or its readiness listener use on the
+node fails the render.
+*/}}
+{{- define "aether-agent.relayMetricsAddr" -}}
+{{- $m := .Values.proxy.relay.metrics -}}
+{{- if not $m.enabled -}}off{{- else -}}
+{{- $port := int $m.port -}}
+{{- range $name, $taken := dict "agent.metrics.port" (int .Values.agent.metrics.port) "proxy.stats.port" (ternary (int .Values.proxy.stats.port) 0 .Values.proxy.stats.enabled) "proxy.readinessPort" (int .Values.proxy.readinessPort) -}}
+{{- if eq $port $taken -}}
+{{- fail (printf "proxy.relay.metrics.port %d is %s too: the proxy pod is hostNetwork, the two would collide on the node" $port $name) -}}
+{{- end -}}
+{{- end -}}
+{{- $host := $m.host | default "$(HOST_IP)" -}}
+{{- if and (contains ":" $host) (not (hasPrefix "[" $host)) -}}{{- $host = printf "[%s]" $host -}}{{- end -}}
+{{- printf "%s:%d" $host $port -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "aether-agent.serviceAccountName" -}}
 {{- default (include "aether-agent.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
@@ -156,7 +195,7 @@ Prometheus (files/envoy-stats-listener.yaml).
 {{- $adminSock := printf "%s/admin.sock" (include "aether-agent.envoyAdminDir" .) -}}
 {{- $admin := printf "{ pipe: { path: %s, mode: 384 } }" $adminSock -}}
 {{- $t = regexReplaceAll "(?m)^[ \t]*#.*\n" $t "" -}}
-{{- $t = $t | replace "${AETHER_RUN_DIR}" (include "aether-agent.runDir" .) -}}
+{{- $t = $t | replace "${AETHER_RUN_DIR}" (include "aether-agent.envoyXdsDir" .) -}}
 {{- $t = $t | replace "${ENVOY_ADMIN_ADDRESS}" $admin -}}
 {{- $t = $t | replace "${ENVOY_NODE_ID}" "set-by-service-node-flag" -}}
 {{- $t = $t | replace "${ADS_BACKOFF_BASE}" .Values.proxy.backoff.base -}}
