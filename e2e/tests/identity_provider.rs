@@ -800,17 +800,21 @@ except grpc.RpcError as e:
 "#;
 
 /// The `spire-api` crate's published protos (its `spire-api-sdk/proto`), found through
-/// `cargo metadata`, compiled by Debian's protoc into a descriptor set in `dir`.
+/// `cargo metadata`, compiled by Debian's protoc into a descriptor set in `dir`. Offline
+/// and for this host only: a fresh machine's build fetched no other platform's crates.
 fn spire_api_descriptors(dir: &Path) -> std::path::PathBuf {
     let root = aether_e2e::testing::workspace_root();
+    let rustc = std::process::Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .expect("running rustc -vV");
+    let host = String::from_utf8_lossy(&rustc.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_string))
+        .expect("rustc -vV names the host");
     let out = std::process::Command::new(env!("CARGO"))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--offline",
-            "--manifest-path",
-        ])
+        .args(["metadata", "--format-version", "1", "--offline"])
+        .args(["--filter-platform", &host, "--manifest-path"])
         .arg(root.join("Cargo.toml"))
         .output()
         .expect("running cargo metadata");
