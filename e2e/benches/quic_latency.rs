@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use aether_e2e::datapath::{self, Datapath, Serve, TestCa, pod_addr};
 use aether_e2e::envoy::{self, WorkerRig, envoy_or_skip, registry_json};
-use aether_e2e::quic::{self, TD, TWIN_PORT, pem_files, pod_record};
+use aether_e2e::quic::{self, TD, TWIN_PORT, pem_files};
 use aether_e2e::testing::{env_usize, percentile, workspace_root};
 use aether_model::{Change, twin_sni};
 
@@ -105,7 +105,7 @@ async fn main() {
     dp.redirect(rig.inbound_port, None)
         .expect("the capture redirect");
     rig.node.apply([
-        Change::UpsertPod(pod_record(&dp, "web", false)),
+        Change::UpsertPod(dp.pod_record("web", false)),
         Change::SetPodSvid {
             uid: "uid-web".into(),
             svid: Some(web.svid.clone()),

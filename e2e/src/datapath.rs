@@ -335,6 +335,23 @@ impl Datapath {
         )
     }
 
+    /// The agent's record of pod `name` (namespace `default`, uid `uid-NAME`, every address
+    /// it has here); `no_quic_twin` is its CNI opt-out.
+    pub fn pod_record(&self, name: &str, no_quic_twin: bool) -> aether_model::Pod {
+        let p = self.pod(name);
+        aether_model::Pod {
+            uid: format!("uid-{name}"),
+            namespace: "default".into(),
+            name: name.into(),
+            container_id: format!("c-{name}"),
+            netns: p.ns.path().display().to_string(),
+            ifname: "eth0".into(),
+            ips: p.ips().into_iter().map(IpAddr::V4).collect(),
+            terminating: false,
+            no_quic_twin,
+        }
+    }
+
     pub fn pod(&self, name: &str) -> &PodNet {
         self.pods
             .iter()

@@ -1,11 +1,10 @@
-//! The QUIC twins' test and bench tools: pod records for a data path's pods, SVIDs as PEM
-//! files for the Python clients, one HTTP/3 GET through the real client
+//! The QUIC twins' test and bench tools: SVIDs as PEM files for the Python clients, one HTTP/3 GET through the real client
 //! (`e2e/quic/h3_client.py`), and the twins Envoy holds.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
-use aether_model::{Identity, MtlsMode, Pod, QuicTwins};
+use aether_model::{Identity, MtlsMode, QuicTwins};
 use serde_json::Value;
 
 use crate::datapath::{Datapath, TestCa, TestSvid};
@@ -46,22 +45,6 @@ pub fn twin_rig_options(dp: &Datapath, ca: &TestCa, agent: &TestSvid) -> RigOpti
 /// The project virtualenv's Python, which has aioquic (`scripts/install-pytools.sh`).
 pub fn python() -> PathBuf {
     workspace_root().join(".venv/bin/python")
-}
-
-/// A pod record for the data path's pod `name` (namespace `default`, uid `uid-NAME`).
-pub fn pod_record(dp: &Datapath, name: &str, no_quic_twin: bool) -> Pod {
-    let p = dp.pod(name);
-    Pod {
-        uid: format!("uid-{name}"),
-        namespace: "default".into(),
-        name: name.into(),
-        container_id: format!("c-{name}"),
-        netns: p.ns.path().display().to_string(),
-        ifname: "eth0".into(),
-        ips: p.ips().into_iter().map(IpAddr::V4).collect(),
-        terminating: false,
-        no_quic_twin,
-    }
 }
 
 /// A client certificate as PEM files the Python client loads.

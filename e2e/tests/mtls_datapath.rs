@@ -22,7 +22,7 @@ use aether_e2e::datapath::{
 };
 use aether_e2e::envoy::{self, AdsApi, RigOptions, WorkerRig, envoy_or_skip, registry_json};
 use aether_e2e::testing::try_wait_for;
-use aether_model::{Change, Identity, MtlsMode, Pod};
+use aether_model::{Change, Identity, MtlsMode};
 use tokio_rustls::rustls::ClientConfig;
 
 const TD: &str = "aether.test";
@@ -96,7 +96,7 @@ impl Case {
         let rig = WorkerRig::start_with(&envoy_bin, &registry_json(&[]), options).await;
         dp.redirect(rig.inbound_port, None)
             .expect("the capture redirect");
-        let pod = pod_record(&dp, "web");
+        let pod = dp.pod_record("web", false);
         let case = Case {
             rig,
             dp,
@@ -673,22 +673,6 @@ async fn rotation(api: AdsApi) {
     c.assert_no_key_on_disk(&[&c.web, &rotated, &c.agent, &c.client]);
 }
 
-/// A pod record for the node, from its namespace in `dp`, with every address it has.
-fn pod_record(dp: &Datapath, name: &str) -> Pod {
-    let p = dp.pod(name);
-    Pod {
-        uid: format!("uid-{name}"),
-        namespace: "default".into(),
-        name: name.into(),
-        container_id: format!("c-{name}"),
-        netns: p.ns.path().display().to_string(),
-        ifname: "eth0".into(),
-        ips: p.ips().into_iter().map(IpAddr::V4).collect(),
-        terminating: false,
-        no_quic_twin: false,
-    }
-}
-
 both_apis!(
     outbound_mtls_presents_the_calling_pods_svid,
     outbound_mtls_presents_the_calling_pods_svid_over_delta_ads,
@@ -776,8 +760,8 @@ async fn outbound(api: AdsApi) {
     dp2.redirect(node2.inbound_port, None)
         .expect("node 2's capture redirect");
     node2.node.apply([
-        Change::UpsertPod(pod_record(&dp2, "web")),
-        Change::UpsertPod(pod_record(&dp2, "api")),
+        Change::UpsertPod(dp2.pod_record("web", false)),
+        Change::UpsertPod(dp2.pod_record("api", false)),
     ]);
     assert!(
         node2.wait_acked_current(BOUND).await,
@@ -802,8 +786,8 @@ async fn outbound(api: AdsApi) {
     )
     .expect("node 1's capture redirect");
     node1.node.apply([
-        Change::UpsertPod(pod_record(&dp1, "client")),
-        Change::UpsertPod(pod_record(&dp1, "other")),
+        Change::UpsertPod(dp1.pod_record("client", false)),
+        Change::UpsertPod(dp1.pod_record("other", false)),
     ]);
     assert!(
         node1.wait_acked_current(BOUND).await,
@@ -979,7 +963,7 @@ async fn outbound(api: AdsApi) {
     let (status, _) = call("client", "web.default", [10, 96, 0, 10]);
     assert_eq!(status, 200, "client's last call{}", context());
     let newcomer = ca.mint("default", "newcomer");
-    let mut reused = pod_record(&dp1, "client");
+    let mut reused = dp1.pod_record("client", false);
     reused.uid = "uid-newcomer".into();
     reused.name = "newcomer".into();
     node1.node.apply([

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use aether_e2e::datapath::{self, Datapath, Serve, TestCa};
 use aether_e2e::envoy::{self, WorkerRig, envoy_or_skip, registry_json};
-use aether_e2e::quic::{self, TD, TWIN_PORT, body, h3, pem_files, pod_record, twin_chains};
+use aether_e2e::quic::{self, TD, TWIN_PORT, body, h3, pem_files, twin_chains};
 use aether_model::{Change, twin_sni};
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -58,9 +58,9 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
     dp.redirect(rig.inbound_port, None)
         .expect("the capture redirect");
     rig.node.apply([
-        Change::UpsertPod(pod_record(&dp, "web", false)),
-        Change::UpsertPod(pod_record(&dp, "raw", true)),
-        Change::UpsertPod(pod_record(&dp, "late", false)),
+        Change::UpsertPod(dp.pod_record("web", false)),
+        Change::UpsertPod(dp.pod_record("raw", true)),
+        Change::UpsertPod(dp.pod_record("late", false)),
         Change::SetPodSvid {
             uid: "uid-web".into(),
             svid: Some(web.svid.clone()),
