@@ -593,6 +593,13 @@ impl Agent {
                 metrics
                     .pod_certificate_gate_seconds
                     .set(waited.as_secs_f64());
+                // The problem is in place before /ready shows the gate timed out.
+                let late = (!passed).then(|| {
+                    let mut lacking = self.node.with_inputs(identity::lacking_svids);
+                    let left =
+                        report_late_certificates_now(&self.node, &self.problems, &mut lacking);
+                    (lacking, left)
+                });
                 self.status.send_modify(|s| {
                     if let Some(g) = &mut s.pod_certificate_gate {
                         g.state = if passed { "passed" } else { "timed-out" };
@@ -604,18 +611,19 @@ impl Agent {
                         waited_ms = waited.as_millis() as u64,
                         "client-certificate gate passed: every stored pod holds its SVID"
                     );
-                } else {
-                    let lacking = self.node.with_inputs(identity::lacking_svids);
+                } else if let Some((lacking, left)) = late {
                     warn!(
                         waited_ms = waited.as_millis() as u64,
                         pods = lacking.len(),
                         "client-certificate gate timed out; proceeding: those pods have no QUIC twin until their SVID comes"
                     );
-                    tokio::spawn(report_late_certificates(
-                        self.node.clone(),
-                        self.problems.clone(),
-                        lacking,
-                    ));
+                    if left {
+                        tokio::spawn(report_late_certificates(
+                            self.node.clone(),
+                            self.problems.clone(),
+                            lacking,
+                        ));
+                    }
                 }
             }
             Note::TakeoverReceived {
@@ -765,43 +773,56 @@ const CERTIFICATES_LISTED: usize = 10;
 
 /// After the client-certificate gate timed out: the `pod-certificates` problem names the
 /// pods that were still without their SVID (at most [`CERTIFICATES_LISTED`], then a
-/// count), updated as theirs come or they go, and cleared when none is left.
+/// count), updated as theirs come or they go, and cleared when none is left. The caller
+/// has set it once already ([`report_late_certificates_now`]), before `/ready` shows the
+/// gate's outcome.
 async fn report_late_certificates(
     node: Arc<Node>,
     problems: health::Reporter,
     mut late: BTreeSet<String>,
 ) {
     let mut snapshots = node.subscribe();
-    loop {
-        let names: Vec<String> = node.with_inputs(|i| {
-            late.retain(|uid| i.pods.contains_key(uid) && !i.identity.pods.contains_key(uid));
-            late.iter()
-                .take(CERTIFICATES_LISTED)
-                .map(|uid| match i.pods.get(uid) {
-                    Some(p) => format!("{}/{} ({uid})", p.namespace, p.name),
-                    None => uid.clone(),
-                })
-                .collect()
-        });
-        if late.is_empty() {
-            problems.clear("pod-certificates");
-            info!("every pod the client-certificate gate timed out on holds its SVID now");
-            return;
-        }
-        let more = late.len().saturating_sub(names.len());
-        problems.set(
-            "pod-certificates",
-            format!(
-                "{} stored pod(s) without their SVID when the client-certificate gate timed out; no QUIC twin until it comes: {}{}",
-                late.len(),
-                names.join(", "),
-                if more > 0 { format!(" and {more} more") } else { String::new() }
-            ),
-        );
-        if snapshots.changed().await.is_err() {
+    snapshots.borrow_and_update();
+    while snapshots.changed().await.is_ok() {
+        if !report_late_certificates_now(&node, &problems, &mut late) {
             return;
         }
     }
+}
+
+/// Sets the `pod-certificates` problem from the pods of `late` still without their SVID
+/// (dropping those that have it or are gone), or clears it when none is left; false then.
+fn report_late_certificates_now(
+    node: &Node,
+    problems: &health::Reporter,
+    late: &mut BTreeSet<String>,
+) -> bool {
+    let names: Vec<String> = node.with_inputs(|i| {
+        late.retain(|uid| i.pods.contains_key(uid) && !i.identity.pods.contains_key(uid));
+        late.iter()
+            .take(CERTIFICATES_LISTED)
+            .map(|uid| match i.pods.get(uid) {
+                Some(p) => format!("{}/{} ({uid})", p.namespace, p.name),
+                None => uid.clone(),
+            })
+            .collect()
+    });
+    if late.is_empty() {
+        problems.clear("pod-certificates");
+        info!("every pod the client-certificate gate timed out on holds its SVID now");
+        return false;
+    }
+    let more = late.len().saturating_sub(names.len());
+    problems.set(
+        "pod-certificates",
+        format!(
+            "{} stored pod(s) without their SVID when the client-certificate gate timed out; no QUIC twin until it comes: {}{}",
+            late.len(),
+            names.join(", "),
+            if more > 0 { format!(" and {more} more") } else { String::new() }
+        ),
+    );
+    true
 }
 
 /// Shows the latest snapshot's versions on `/ready` (`xds_versions`), so that a check can
