@@ -55,26 +55,44 @@ pub struct Pem {
 }
 
 pub fn pem_files(s: &TestSvid) -> Pem {
-    let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
-    std::fs::write(&cert, &s.svid.chain_pem).unwrap();
-    std::fs::write(&key, &s.svid.key_pem).unwrap();
-    Pem {
-        _dir: dir,
-        cert,
-        key,
+    Pem::new(&s.svid.chain_pem, &s.svid.key_pem)
+}
+
+impl Pem {
+    /// The chain and key (PEM) in files of a fresh folder.
+    pub fn new(chain_pem: &str, key_pem: &str) -> Pem {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+        std::fs::write(&cert, chain_pem).unwrap();
+        std::fs::write(&key, key_pem).unwrap();
+        Pem {
+            _dir: dir,
+            cert,
+            key,
+        }
     }
 }
 
-/// One HTTP/3 GET from `ns` to `addr` naming `sni`, with `cert` when given; the client's
-/// JSON outcome.
-pub fn h3(ns: &str, addr: SocketAddr, sni: &str, cert: Option<&Pem>, timeout_s: f64) -> Value {
+/// One HTTP/3 GET from the network namespace `ns` (None: this process's) to `addr` naming
+/// `sni`, with `cert` when given; the client's JSON outcome.
+pub fn h3(
+    ns: Option<&str>,
+    addr: SocketAddr,
+    sni: &str,
+    cert: Option<&Pem>,
+    timeout_s: f64,
+) -> Value {
     let python = python();
     let script = workspace_root().join("e2e/quic/h3_client.py");
-    let mut cmd = std::process::Command::new("ip");
-    cmd.args(["netns", "exec", ns])
-        .arg(&python)
-        .arg(&script)
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(&python);
+            c
+        }
+        None => std::process::Command::new(&python),
+    };
+    cmd.arg(&script)
         .arg(addr.ip().to_string())
         .arg(addr.port().to_string())
         .arg(sni);

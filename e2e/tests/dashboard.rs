@@ -6,7 +6,9 @@
 //!   the xDS relay between them (`aether-xds-relay`, as `proxy.relay` deploys it: Envoy's ADS
 //!   through it) and a real registrar's metrics port (on etcd, over TLS, holding its Lease on the test
 //!   API server), and loads the chart's alert rules; after a CNI ADD and DEL, a registry
-//!   change and an operator's apply and dump through the registrar, every expression of
+//!   change, HTTP/3 through a pod's QUIC twin (one request answered, three handshakes
+//!   refused: the agent has workload identity from the test provider) and an operator's
+//!   apply and dump through the registrar, every expression of
 //!   `charts/aether-agent/dashboards/aether-agent.json` goes through Prometheus' query
 //!   API: each must parse and return data, except those over kube-state-metrics
 //!   (`kube_*`), which are only parsed;
@@ -21,7 +23,7 @@
 //! scripts/install-deps.sh, scripts/install-envoy.sh).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -31,19 +33,25 @@ use aether_e2e::envoy::{
     AdsApi, CONNECTED, Envoy, Relay, admin_get, encode, envoy_or_skip, exact_names, parse_stats,
 };
 use aether_e2e::harness::churn::{Cni, PodId};
+use aether_e2e::harness::upstream;
+use aether_e2e::identity::IdentityProvider;
 use aether_e2e::kube_api::KubeApi;
+use aether_e2e::quic::{self, Pem};
 use aether_e2e::registrar::{
     DISCOVERY_RULES, Etcd, LEASE_NAME, LEASE_NAMESPACE, REGISTRAR_USER, RegistrarProcess, TestCa,
     apply_with, cli, registrar_bin,
 };
 use aether_e2e::testing::{
-    HttpTarget, LocalNode, bin, free_port, is_root, mesh_registry_json, metric_sample,
-    scrape_metrics, try_wait_for, wait_for, workspace_root,
+    HttpTarget, LocalNode, bin, free_port, identity_args, identity_provider_for_agents, is_root,
+    mesh_registry_json, metric_sample, scrape_metrics, try_wait_for, wait_for, workspace_root,
 };
+use aether_model::{INBOUND_TARGET_PORT, twin_sni};
 use aether_worker::bootstrap;
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(30);
+/// The identity provider's trust domain.
+const TD: &str = "aether.test";
 
 /// What the test puts for Grafana's variables: a rate window that holds many 1 s scrapes,
 /// and the chart's agent DaemonSet name for a release named `aether-agent`.
@@ -97,12 +105,22 @@ fn substitute(expr: &str) -> Result<String, String> {
 }
 
 /// The metric names in `expr`: the words outside quotes with one of the prefixes the
-/// dashboard's sources use (the agent, Envoy, process metrics, kube-state-metrics).
+/// dashboard's sources use (the agent, Envoy, process metrics, kube-state-metrics), but
+/// not label names: those in a selector's braces or in the list after `by`, `without`,
+/// `on`, `ignoring` and `group_left`/`group_right` (Envoy's labels share its prefix).
 fn metric_names(expr: &str) -> BTreeSet<String> {
     const PREFIXES: &[&str] = &["aether_", "envoy_", "process_", "kube_"];
+    const LABEL_LISTS: &[&str] = &[
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+    ];
     let mut names = BTreeSet::new();
     let mut word = String::new();
-    let mut quoted = false;
+    let (mut quoted, mut braces, mut list_next, mut in_list) = (false, 0usize, false, false);
     for c in expr.chars().chain(std::iter::once(' ')) {
         if c == '"' {
             quoted = !quoted;
@@ -111,10 +129,23 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
             word.push(c);
             continue;
         }
-        if PREFIXES.iter().any(|p| word.starts_with(p)) {
-            names.insert(std::mem::take(&mut word));
+        if !word.is_empty() {
+            let label = braces > 0 || in_list;
+            if !label && PREFIXES.iter().any(|p| word.starts_with(p)) {
+                names.insert(word.clone());
+            }
+            list_next = !label && LABEL_LISTS.contains(&word.as_str());
+            word.clear();
         }
-        word.clear();
+        match c {
+            _ if quoted => {}
+            '{' => braces += 1,
+            '}' => braces = braces.saturating_sub(1),
+            '(' if list_next => (in_list, list_next) = (true, false),
+            ')' => in_list = false,
+            c if !c.is_whitespace() => list_next = false,
+            _ => {}
+        }
     }
     names
 }
@@ -397,6 +428,57 @@ scrape_configs:
     Running(child)
 }
 
+/// The QUIC twins' series: a pod with its own SVID on a loopback address, answering HTTP on
+/// the inbound target port, gets a twin; an HTTP/3 client with an SVID of the trust domain
+/// is answered through it, and three are refused in the handshake (no client certificate,
+/// another CA, an ID outside the trust domain). Returns once the owner advertises the pair.
+fn http3_through_a_twin(cni: &Cni, idp: &IdentityProvider, metrics: &str, twins: SocketAddr) {
+    let pod = PodId {
+        uid: "dash-h3-uid".into(),
+        name: "dash-h3".into(),
+    };
+    let ip = Ipv4Addr::new(127, 0, 91, 2);
+    let _server = upstream::spawn_on((ip, INBOUND_TARGET_PORT).into(), "dash-h3".into())
+        .unwrap_or_else(|e| panic!("an HTTP server on {ip}:{INBOUND_TARGET_PORT}: {e}"));
+    cni.call("ADD", &pod, Some(ip))
+        .unwrap_or_else(|e| panic!("ADD {}: {e}", pod.uid));
+    wait_for("the pod's twin in the owner's snapshot", T, || {
+        (metric_sample(&scrape_metrics(metrics)?, "aether_quic_twins")? >= 1.0).then_some(())
+    });
+    let sni = twin_sni(&pod.uid);
+    let (cert, key) = idp.mint(&format!("spiffe://{TD}/ns/default/sa/dashboard-client"));
+    let client = Pem::new(&cert, &key);
+    // Envoy takes the listener a moment after its ACK: poll.
+    let answered = try_wait_for("an HTTP/3 answer through the twin", T, || {
+        let r = quic::h3(None, twins, &sni, Some(&client), 3.0);
+        (r["ok"] == true).then_some(r)
+    })
+    .unwrap_or_else(|e| {
+        let r = quic::h3(None, twins, &sni, Some(&client), 3.0);
+        panic!("{e}; the last attempt: {r}")
+    });
+    assert!(
+        quic::body(&answered).starts_with("dash-h3"),
+        "the pod answers through its twin: {answered}"
+    );
+    let (cert, key) = IdentityProvider::mint_foreign("other.test", "spiffe://other.test/ns/x/sa/y");
+    let foreign = Pem::new(&cert, &key);
+    let (cert, key) = idp.mint("spiffe://evil.test/ns/default/sa/x");
+    let outside = Pem::new(&cert, &key);
+    for (who, cert) in [
+        ("no client certificate", None),
+        ("another CA's SVID", Some(&foreign)),
+        ("our CA naming another trust domain", Some(&outside)),
+    ] {
+        let r = quic::h3(None, twins, &sni, cert, 2.0);
+        assert_ne!(r["ok"], true, "{who}: served through the twin: {r}");
+    }
+    wait_for("the owner to advertise the pod's QUIC pair", T, || {
+        (metric_sample(&scrape_metrics(metrics)?, "aether_quic_pairs_advertised")? >= 1.0)
+            .then_some(())
+    });
+}
+
 fn tool_or_skip(name: &str, test: &str) -> Option<PathBuf> {
     let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .map(|d| d.join(name))
@@ -467,7 +549,19 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
         free_port(Ipv4Addr::LOCALHOST).expect("a free port")
     );
     node.metrics = Some(metrics.parse().expect("a metrics address"));
-    let agent = node.start_agent_with(&[&format!("--capture-file={}", capture_file.display())]);
+    // Workload identity from the test provider, and the QUIC twins on a free loopback UDP
+    // port, advertised as pairs after a short window.
+    let (_idp_dir, idp) = identity_provider_for_agents(TD);
+    let twins = std::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|s| s.local_addr())
+        .expect("a free UDP port");
+    let mut args = vec![
+        format!("--capture-file={}", capture_file.display()),
+        format!("--quic-twin-addr={twins}"),
+        "--quic-pair-window=1s".to_string(),
+    ];
+    args.extend(identity_args(&idp, "permissive"));
+    let agent = node.start_agent_with(&args.iter().map(String::as_str).collect::<Vec<_>>());
     wait_for("the agent to serve as the owner", T, || {
         agent.serving_owner()
     });
@@ -583,6 +677,7 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
             .then_some(())
     });
     std::fs::write(&capture_file, capture(&outbound, inbound)).expect("the capture file again");
+    http3_through_a_twin(&cni, &idp, &metrics, twins);
 
     // The registrar's row: services applied and dumped through a live registrar.
     let registrar_metrics = format!(
@@ -800,10 +895,11 @@ fn the_dashboard_check_fails_a_panel_that_names_a_metric_that_does_not_exist() {
     assert_eq!(failures.len(), 6, "{failures:#?}");
     assert_eq!(
         metric_names(
-            r#"sum by (le) (rate(aether_cni_request_duration_seconds_bucket{op="aether_x"}[30s])) * on (pod) kube_pod_info"#
+            r#"sum by (le, envoy_x) (rate(aether_cni_request_duration_seconds_bucket{op="aether_x", envoy_y="1"}[30s])) * on (pod) group_left (envoy_z) kube_pod_info or envoy_w"#
         ),
         [
             "aether_cni_request_duration_seconds_bucket",
+            "envoy_w",
             "kube_pod_info"
         ]
         .into_iter()

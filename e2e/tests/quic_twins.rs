@@ -82,7 +82,13 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
     // A listener Envoy has just taken reaches its workers a moment later: poll.
     let start = Instant::now();
     let ok = loop {
-        let r = h3(&ns, twins, &twin_sni("uid-web"), Some(&client_pem), 3.0);
+        let r = h3(
+            Some(&ns),
+            twins,
+            &twin_sni("uid-web"),
+            Some(&client_pem),
+            3.0,
+        );
         if r["ok"] == true || start.elapsed() > BOUND {
             break r;
         }
@@ -104,7 +110,7 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
         ("another trust domain's SVID", Some(&foreign)),
         ("our CA naming another trust domain", Some(&evil)),
     ] {
-        let r = h3(&ns, twins, &twin_sni("uid-web"), cert, 2.0);
+        let r = h3(Some(&ns), twins, &twin_sni("uid-web"), cert, 2.0);
         assert_ne!(r["ok"], true, "{who}: served: {r}");
         assert!(
             r["responses"].as_array().is_none_or(|a| a.is_empty()),
@@ -141,7 +147,13 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
         "the HTTP/3 request is counted under the twins' stat prefix:\n{stats}"
     );
     // The opted-out pod has no twin: its server name selects no chain.
-    let r = h3(&ns, twins, &twin_sni("uid-raw"), Some(&client_pem), 2.0);
+    let r = h3(
+        Some(&ns),
+        twins,
+        &twin_sni("uid-raw"),
+        Some(&client_pem),
+        2.0,
+    );
     assert_ne!(r["ok"], true, "raw opted out yet answered over HTTP/3: {r}");
 
     // The late pod's SVID arrives: its twin serves within 1 s.
@@ -153,7 +165,13 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
     assert!(rig.wait_acked_current(BOUND).await, "Envoy did not ACK");
     let acked = released.elapsed();
     let served = loop {
-        let r = h3(&ns, twins, &twin_sni("uid-late"), Some(&client_pem), 1.0);
+        let r = h3(
+            Some(&ns),
+            twins,
+            &twin_sni("uid-late"),
+            Some(&client_pem),
+            1.0,
+        );
         if r["ok"] == true || released.elapsed() > BOUND {
             break r;
         }
@@ -162,7 +180,13 @@ async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_other
     assert_eq!(served["ok"], true, "late's twin: {served}");
     assert!(body(&served).starts_with("late "), "late answers: {served}");
     // web's twin kept serving through the in-place update.
-    let again = h3(&ns, twins, &twin_sni("uid-web"), Some(&client_pem), 3.0);
+    let again = h3(
+        Some(&ns),
+        twins,
+        &twin_sni("uid-web"),
+        Some(&client_pem),
+        3.0,
+    );
     assert_eq!(
         again["ok"], true,
         "web's twin after late's was added: {again}"

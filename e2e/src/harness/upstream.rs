@@ -20,7 +20,12 @@ impl Upstream {
 /// Starts a server answering every request with 200 and `body`. Its threads live as long
 /// as the process (the harness is a short-lived binary).
 pub fn spawn(body: String) -> std::io::Result<Upstream> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    spawn_on(SocketAddr::from(([127, 0, 0, 1], 0)), body)
+}
+
+/// [`spawn`] on `addr` (port 0 for any free one).
+pub fn spawn_on(addr: SocketAddr, body: String) -> std::io::Result<Upstream> {
+    let listener = TcpListener::bind(addr)?;
     let addr = listener.local_addr()?;
     let hits = Arc::new(AtomicU64::new(0));
     let h = hits.clone();
