@@ -1012,4 +1012,31 @@ fn the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule() {
         "the unit tests failed, but not on the relay rule:\n{out}"
     );
     println!("relay rule on any dip: promtool test rules fails on AetherRelayWithoutAgent");
+
+    // The twins' handshake rule counting one close code only: clients with another CA's
+    // certificate would go uncounted.
+    let unknown_arm = r#"
+            or
+            label_replace(increase(envoy_listener_http3_downstream_tx_quic_connection_close_error_code_QUIC_TLS_CERTIFICATE_UNKNOWN[10m]), "code", "unknown", "", "")"#;
+    assert!(
+        rules.contains(unknown_arm),
+        "the QUIC handshake rule no longer reads `{unknown_arm}`"
+    );
+    std::fs::write(
+        broken.path().join("aether-agent.rules.yaml"),
+        rules.replace(unknown_arm, ""),
+    )
+    .expect("write the broken rules");
+    let (ok, out) = promtool(
+        &promtool_bin,
+        &["test", "rules", "aether-agent.rules.test.yaml"],
+        broken.path(),
+    );
+    assert!(
+        !ok && out.contains("AetherQuicHandshakesRefused"),
+        "the unit tests passed a QUIC handshake rule blind to unknown CAs:\n{out}"
+    );
+    println!(
+        "QUIC handshake rule without QUIC_TLS_CERTIFICATE_UNKNOWN: promtool test rules fails on AetherQuicHandshakesRefused"
+    );
 }
