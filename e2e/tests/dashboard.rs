@@ -954,89 +954,56 @@ fn the_alert_rules_pass_promtool_and_their_unit_tests_catch_a_broken_rule() {
     let broken = tempfile::tempdir().expect("tempdir");
     let rules =
         std::fs::read_to_string(alerts.join("aether-agent.rules.yaml")).expect("read the rules");
-    let threshold = "increase(aether_worker_respawns_total[15m]) > 3";
-    assert!(
-        rules.contains(threshold),
-        "the respawn rule no longer reads `{threshold}`"
-    );
-    let never = rules.replace(
-        threshold,
-        "increase(aether_worker_respawns_total[15m]) > 30",
-    );
-    std::fs::write(broken.path().join("aether-agent.rules.yaml"), never)
-        .expect("write the broken rules");
     std::fs::copy(
         alerts.join("aether-agent.rules.test.yaml"),
         broken.path().join("aether-agent.rules.test.yaml"),
     )
     .expect("copy the tests");
-    let (ok, out) = promtool(
-        &promtool_bin,
-        &["test", "rules", "aether-agent.rules.test.yaml"],
-        broken.path(),
-    );
-    assert!(
-        !ok,
-        "the unit tests passed a respawn rule that never fires:\n{out}"
-    );
-    assert!(
-        out.contains("AetherWorkerRespawnLoop"),
-        "the unit tests failed, but not on the respawn rule:\n{out}"
-    );
-    println!("broken respawn threshold: promtool test rules fails on AetherWorkerRespawnLoop");
-
-    // The relay's alert without an agent, made to fire on any scrape without an agent
-    // stream (a roll's switch caught by a scrape) instead of on 2 minutes without one.
-    let steady = "max_over_time(aether_relay_upstream_connected[2m]) == 0";
-    assert!(
-        rules.contains(steady),
-        "the relay rule no longer reads `{steady}`"
-    );
-    let jumpy = rules.replace(
-        steady,
-        "min_over_time(aether_relay_upstream_connected[2m]) == 0",
-    );
-    std::fs::write(broken.path().join("aether-agent.rules.yaml"), jumpy)
-        .expect("write the broken rules");
-    let (ok, out) = promtool(
-        &promtool_bin,
-        &["test", "rules", "aether-agent.rules.test.yaml"],
-        broken.path(),
-    );
-    assert!(
-        !ok,
-        "the unit tests passed a relay rule that fires on one scrape without an agent:\n{out}"
-    );
-    assert!(
-        out.contains("AetherRelayWithoutAgent"),
-        "the unit tests failed, but not on the relay rule:\n{out}"
-    );
-    println!("relay rule on any dip: promtool test rules fails on AetherRelayWithoutAgent");
-
-    // The twins' handshake rule counting one close code only: clients with another CA's
-    // certificate would go uncounted.
+    // Each break: the rule's text, what it becomes, the alert the unit tests must fail on,
+    // and what the broken rule would do.
     let unknown_arm = r#"
             or
             label_replace(increase(envoy_listener_http3_downstream_tx_quic_connection_close_error_code_QUIC_TLS_CERTIFICATE_UNKNOWN[10m]), "code", "unknown", "", "")"#;
-    assert!(
-        rules.contains(unknown_arm),
-        "the QUIC handshake rule no longer reads `{unknown_arm}`"
-    );
-    std::fs::write(
-        broken.path().join("aether-agent.rules.yaml"),
-        rules.replace(unknown_arm, ""),
-    )
-    .expect("write the broken rules");
-    let (ok, out) = promtool(
-        &promtool_bin,
-        &["test", "rules", "aether-agent.rules.test.yaml"],
-        broken.path(),
-    );
-    assert!(
-        !ok && out.contains("AetherQuicHandshakesRefused"),
-        "the unit tests passed a QUIC handshake rule blind to unknown CAs:\n{out}"
-    );
-    println!(
-        "QUIC handshake rule without QUIC_TLS_CERTIFICATE_UNKNOWN: promtool test rules fails on AetherQuicHandshakesRefused"
-    );
+    let breaks = [
+        (
+            "increase(aether_worker_respawns_total[15m]) > 3",
+            "increase(aether_worker_respawns_total[15m]) > 30",
+            "AetherWorkerRespawnLoop",
+            "a respawn rule that never fires",
+        ),
+        // The relay's alert without an agent, made to fire on any scrape without an agent
+        // stream (a roll's switch caught by a scrape) instead of on 2 minutes without one.
+        (
+            "max_over_time(aether_relay_upstream_connected[2m]) == 0",
+            "min_over_time(aether_relay_upstream_connected[2m]) == 0",
+            "AetherRelayWithoutAgent",
+            "a relay rule that fires on one scrape without an agent",
+        ),
+        // The twins' handshake rule counting one close code only.
+        (
+            unknown_arm,
+            "",
+            "AetherQuicHandshakesRefused",
+            "a QUIC handshake rule blind to clients of another CA",
+        ),
+    ];
+    for (from, to, alert, what) in breaks {
+        assert!(rules.contains(from), "{alert} no longer reads `{from}`");
+        std::fs::write(
+            broken.path().join("aether-agent.rules.yaml"),
+            rules.replace(from, to),
+        )
+        .expect("write the broken rules");
+        let (ok, out) = promtool(
+            &promtool_bin,
+            &["test", "rules", "aether-agent.rules.test.yaml"],
+            broken.path(),
+        );
+        assert!(!ok, "the unit tests passed {what}:\n{out}");
+        assert!(
+            out.contains(alert),
+            "the unit tests failed, but not on {alert}:\n{out}"
+        );
+        println!("{what}: promtool test rules fails on {alert}");
+    }
 }
