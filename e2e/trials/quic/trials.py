@@ -28,9 +28,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "mtls"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "quic"))
 
 import configs as C  # noqa: E402 - the mTLS trials' configuration helpers
-import h3  # noqa: E402
+import h3_client as h3  # noqa: E402 - the tests' HTTP/3 client (aioquic)
 import rig  # noqa: E402
 from rig import RESULTS, report, trial  # noqa: E402
 from rig import FOREIGN, POD_A, POD_B, POD_C  # noqa: E402
