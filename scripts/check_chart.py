@@ -1789,7 +1789,7 @@ RELAY_UNIT_SANDBOX = {
     "PrivateDevices": "yes", "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
     "ProtectKernelLogs": "yes", "ProtectControlGroups": "yes", "ProtectClock": "yes", "ProtectHostname": "yes",
     "RestrictNamespaces": "yes", "RestrictRealtime": "yes", "RestrictSUIDSGID": "yes", "LockPersonality": "yes",
-    "MemoryDenyWriteExecute": "yes", "SystemCallArchitectures": "native", "SystemCallFilter": "@system-service",
+    "MemoryDenyWriteExecute": "yes", "SystemCallArchitectures": "native", "SystemCallFilter": "@system-service seccomp",
     "RuntimeDirectory": "aether-relay", "RuntimeDirectoryMode": "0750", "RuntimeDirectoryPreserve": "yes",
 }
 

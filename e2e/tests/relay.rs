@@ -199,6 +199,27 @@ fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
     let cluster = format!("outbound|80||{SERVICE}.default");
     let dir = rig.relay.as_ref().expect("a relayed rig").dir.clone();
     let pid = rig.relay.as_ref().expect("a relayed rig").pid();
+    // The relay confines itself before its first thread: no_new_privs and the worker's four
+    // seccomp filters (an allow list), under which it has just served Envoy.
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the relay's status");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(
+        (
+            field("NoNewPrivs"),
+            field("Seccomp"),
+            field("Seccomp_filters")
+        ),
+        ("1".into(), "2".into(), "4".into()),
+        "the relay's confinement in /proc/{pid}/status:\n{status}"
+    );
     kill(Pid::from_raw(pid), Signal::SIGKILL).expect("SIGKILL the relay");
     drop(rig.relay.take());
     // The socket file is left behind by the kill: the new relay replaces it.

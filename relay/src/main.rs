@@ -123,11 +123,17 @@ async fn serve_metrics(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> any
     Ok(())
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
     shared_proto::logging::init(&args.log_format);
-    match run(args).await {
+    let outcome = confine().and_then(|()| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
+            .block_on(run(args))
+    });
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -137,10 +143,17 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
-    // Every pod's private key passes through: no core dump, no ptrace by the same uid.
+/// Before any thread starts, so that every thread inherits it all. Every pod's private key
+/// passes through: no core dump, no ptrace by the same uid. Then the worker's seccomp
+/// policy (an allow list; the relay's calls, measured under strace, are a subset of it).
+fn confine() -> anyhow::Result<()> {
     nix::sys::prctl::set_dumpable(false)
         .map_err(|e| anyhow::anyhow!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    shared_proto::seccomp::confine_alone()
+        .map_err(|e| anyhow::anyhow!("confining the relay with its seccomp filters: {e}"))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let listen = unix_path("listen", &args.listen)?;
     let upstream = unix_path("upstream", &args.upstream)?;
     let metrics = Arc::new(Metrics::default());

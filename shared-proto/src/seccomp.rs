@@ -51,6 +51,10 @@ pub enum Error {
     Install(#[from] seccompiler::Error),
     #[error("sigaction(SIGSYS): {0}")]
     Handler(nix::Error),
+    #[error("prctl(PR_SET_NO_NEW_PRIVS): {0}")]
+    NoNewPrivs(nix::Error),
+    #[error("seccomp(SECCOMP_SET_MODE_FILTER): {0}")]
+    Kernel(nix::Error),
 }
 
 /// The socket families the worker opens: unix sockets, IP, and AF_NETLINK, where glibc's
@@ -374,6 +378,55 @@ pub fn worker_filters() -> Result<[Filter; 3], Error> {
             log: true,
         },
     ])
+}
+
+/// Installs `filter` on the calling thread (and so on what it execs, and the threads it
+/// starts afterwards), with the kernel's log of every call it refuses or traps where the
+/// filter asks for it (`SECCOMP_FILTER_FLAG_LOG`: audit records of type SECCOMP, with the
+/// pid, the call's number and the action). Returns 0, or -1 with errno set. Needs
+/// `PR_SET_NO_NEW_PRIVS` first; a raw call, so it may run in a forked child.
+pub fn install(filter: &Filter) -> libc::c_long {
+    let prog: &[sock_filter] = &filter.program;
+    // seccompiler's `sock_filter` is the kernel's `struct sock_filter`, field for field.
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
+    let flags = if filter.log {
+        libc::SECCOMP_FILTER_FLAG_LOG
+    } else {
+        0
+    };
+    // SAFETY: `fprog` points at `prog.len()` instructions that outlive the call; the
+    // kernel copies the program.
+    unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            flags,
+            &fprog,
+        )
+    }
+}
+
+/// The whole policy for a process that no supervisor starts under [`worker_filters`] (the
+/// xDS relay): `no_new_privs`, the SIGSYS handler (reporting nowhere: the kernel's audit
+/// record names the call), the supervisor's three filters and [`exec_filter`], all on the
+/// calling thread. Call it before any other thread starts: threads inherit the filters.
+pub fn confine_alone() -> Result<(), Error> {
+    nix::sys::prctl::set_no_new_privs().map_err(Error::NoNewPrivs)?;
+    handle_sigsys(None)?;
+    let [allow, quiet, kill] = worker_filters()?;
+    let exec = Filter {
+        program: exec_filter()?,
+        log: true,
+    };
+    for filter in [allow, quiet, kill, exec] {
+        if install(&filter) != 0 {
+            return Err(Error::Kernel(nix::Error::last()));
+        }
+    }
+    Ok(())
 }
 
 /// A call that killed the worker, as its SIGSYS handler reported it.
