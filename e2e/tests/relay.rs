@@ -187,8 +187,10 @@ fn rolls_and_crashes(test: &str, api: AdsApi) {
     rig.pass();
 }
 
-/// The relay itself restarting: Envoy reconnects to it with its own backoff, as it does
-/// to the agent without a relay, and is served again.
+/// The relay itself killed under load and restarted: Envoy reconnects to it with its own
+/// backoff, as it does to the agent without a relay, and gets the registry change made
+/// while no relay ran; no request fails (the data path never waits on xDS). The relay
+/// confines itself with its seccomp filters, read in its `/proc` status.
 #[test]
 fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
     let test = "envoy_reconnects_to_a_restarted_relay_and_is_served";
@@ -220,6 +222,11 @@ fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
         ("1".into(), "2".into(), "4".into()),
         "the relay's confinement in /proc/{pid}/status:\n{status}"
     );
+    // Killed under load, with a registry change made while no relay runs.
+    let load = Load::start(rig.outbound, vec![SERVICE.to_string()], RPS);
+    wait_for("requests through Envoy", T, || {
+        (load.requests() > 0).then_some(())
+    });
     kill(Pid::from_raw(pid), Signal::SIGKILL).expect("SIGKILL the relay");
     drop(rig.relay.take());
     // The socket file is left behind by the kill: the new relay replaces it.
@@ -227,14 +234,24 @@ fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
         dir.join("xds.sock").exists(),
         "a killed relay leaves its socket file"
     );
+    let want = registry_with(&rig, &[1]);
     rig.relay = Some(aether_e2e::envoy::Relay::start(&dir, &rig.node.run_dir));
     wait_for("Envoy to reconnect to the new relay", T, || {
         let s = rig.envoy.stats(&[ADS_CONNECTS, envoy::CONNECTED])?;
         (s[ADS_CONNECTS] == 2 && s[envoy::CONNECTED] == 1).then_some(())
     });
-    let want = registry_with(&rig, &[1]);
     wait_endpoints(&rig.envoy, &cluster, &want)
         .unwrap_or_else(|got| panic!("Envoy shows {got:?}, not {want:?}\n{}", rig.where_to_look()));
+    // And the next change, through the new relay's stream.
+    let want = registry_with(&rig, &[0, 1]);
+    wait_endpoints(&rig.envoy, &cluster, &want)
+        .unwrap_or_else(|got| panic!("Envoy shows {got:?}, not {want:?}\n{}", rig.where_to_look()));
+    let counters = load.stop();
+    let requests = counters.requests.load(std::sync::atomic::Ordering::Relaxed);
+    let failures = counters.failures.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("the relay killed and restarted under load: {requests} requests, {failures} failed");
+    assert!(requests > 0);
+    assert_eq!(failures, 0, "requests failed\n{}", rig.where_to_look());
     rig.pass();
 }
 
