@@ -538,11 +538,11 @@ fn every_dashboard_expression_returns_data_from_a_live_owner_envoy_and_registrar
     let capture = |outbound: &str, inbound: u16| {
         format!(r#"{{"outbound": "{outbound}", "inbound_port": {inbound}}}"#)
     };
-    let outbound = format!(
-        "127.0.0.1:{}",
-        free_port(Ipv4Addr::LOCALHOST).expect("a free port")
-    );
+    // Two distinct ports: the first is held while the second is chosen.
+    let held = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("a free port");
+    let outbound = held.local_addr().expect("its address").to_string();
     let inbound = free_port(Ipv4Addr::LOCALHOST).expect("a free port");
+    drop(held);
     std::fs::write(&capture_file, capture(&outbound, inbound)).expect("capture file");
     let metrics = format!(
         "127.0.0.1:{}",

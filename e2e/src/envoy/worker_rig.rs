@@ -187,13 +187,17 @@ impl WorkerRig {
         let dir = tempfile::Builder::new().prefix("axds").tempdir().unwrap();
         let registry_file = dir.path().join("registry.json");
         std::fs::write(&registry_file, registry_json).unwrap();
+        // Two distinct ports: the first is held while the second is chosen (two calls of
+        // free_port may return the same one, which the capture file refuses).
+        let held = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
         let outbound = SocketAddr::new(
             options
                 .outbound_ip
                 .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-            free_port(Ipv4Addr::LOCALHOST).unwrap(),
+            held.local_addr().unwrap().port(),
         );
         let inbound_port = free_port(Ipv4Addr::LOCALHOST).unwrap();
+        drop(held);
         let capture_file = dir.path().join("capture.json");
         std::fs::write(
             &capture_file,
