@@ -93,7 +93,9 @@
 #                     of it from Envoy's own log (config:debug, set by the harness), and one
 #                     more after the roll with none under way (the baseline); and after each
 #                     roll Envoy's CDS and LDS versions (config dump) must equal the new
-#                     owner's snapshot versions (/ready xds_versions). Needs ARG_NODES=1 and
+#                     owner's snapshot versions (/ready xds_versions), and Envoy must hold
+#                     the registry file's current state (the change made at the roll)
+#                     within 2 s, before the baseline is made. Needs ARG_NODES=1 and
 #                     delta ADS. Extra JSON fields: relay, envoy_stream_ends (Envoy's ADS
 #                     streams that ended during the rolls: its xDS cluster's upstream_rq_total
 #                     read before and after), relay_upstream_streams (the relay's streams to

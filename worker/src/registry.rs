@@ -14,7 +14,8 @@
 //! Kubernetes ConfigMap symlink swaps are seen) and also polls every [`POLL_INTERVAL`].
 //! Each look is a `stat` first: the file is read again only when its size, mtime,
 //! ctime or inode moved, so an idle 7 MB registry costs a stat per poll. Reading,
-//! hashing and parsing run on a blocking thread, never on the runtime's, and parse only
+//! hashing and parsing run on the worker's heavy-work thread (`crate::heavy`), never on
+//! the runtime's, ahead of the encoding warm-up waiting there, and parse only
 //! the services whose text is new since the last load; the node gets those and the
 //! removals, and its builder rebuilds them alone. A file over `--registry-max-bytes` is rejected unread.
 //! A malformed, oversized or missing file keeps the last good view and logs an error
@@ -238,8 +239,9 @@ pub(crate) async fn watch_file<S: FileSource>(
                 source.take().expect("source is back after each look"),
                 hashes,
             );
-            // On the heavy-work thread, not the blocking pool: see `crate::heavy`.
-            let looked = crate::heavy::run(move || {
+            // On the heavy-work thread, not the blocking pool, and ahead of the encoding
+            // warm-up waiting there: see `crate::heavy`.
+            let looked = crate::heavy::run_first(move || {
                 let look = look(&p, &stat, max_bytes, known, &mut src);
                 (look, src)
             })

@@ -149,6 +149,40 @@ impl Changes {
     }
 }
 
+impl Changes {
+    /// After a roll, before the next change: Envoy's config dump shows the state the
+    /// registry file is in (the change made at the roll's action), now that the new owner
+    /// serves it; waits up to 2 s. [`Changes::acked`] times the first load assignment
+    /// Envoy accepted after the change, which in a surge is mostly the old owner's: a new
+    /// owner that had not read the change yet answered the proxy's resume with the file's
+    /// previous state, taking back what the old owner had sent (seen at 10,000 services),
+    /// and the next change, back to that state, then changed nothing Envoy did not hold.
+    pub fn holds_current(&self, envoy: &Envoy) -> Result<()> {
+        let want = &self.wants[self.at];
+        let query = ack_log::eds_query(&self.cluster);
+        let mut got = None;
+        try_wait_for(
+            "Envoy to hold the registry file's current state",
+            Duration::from_secs(2),
+            || {
+                got = envoy
+                    .get(&query)
+                    .ok()
+                    .and_then(|(_, b)| {
+                        ack_log::endpoints_of(&serde_json::from_str(&b).ok()?, &self.cluster)
+                    });
+                (got.as_deref() == Some(want)).then_some(())
+            },
+        )
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "Envoy holds {got:?} for {}, not the registry file's {want:?}: the new owner did not serve the change made at the roll",
+                self.cluster
+            )
+        })
+    }
+}
+
 /// Envoy's CDS and LDS versions (the config dump's `version_info` of each, the last
 /// `system_version_info` Envoy accepted) against the serving owner's snapshot versions on
 /// its `/ready` (`xds_versions`); waits up to 2 s for them to agree.

@@ -356,6 +356,9 @@ pub struct ModeResult {
     pub envoy_stream_ends: Option<u64>,
     /// Behind the relay: the streams it opened to the agent, the first included.
     pub relay_upstream_streams: Option<u64>,
+    /// A roll failed and ended the run: it is not in `rolls`, but it may have got as
+    /// far as the relay's switch to its new owner.
+    pub roll_failed: bool,
     /// ARG_RELAY: the NACKs Envoy sent (the agents' logs; behind the relay, its count, which
     /// includes those it absorbed, if higher).
     pub nacks: Option<u64>,
@@ -490,11 +493,17 @@ impl ModeResult {
                 None => f.push("Envoy's stream ends were not read".into()),
             }
             let want = self.rolls.len() as u64 + 1;
-            if self.relay_upstream_streams != Some(want) {
-                f.push(format!(
-                    "the relay opened {:?} streams to the agent, not {want} (one per roll and the first)",
-                    self.relay_upstream_streams
-                ));
+            // A failed roll (already a failure of its own) may have switched or not.
+            let failed_roll = u64::from(self.roll_failed);
+            match self.relay_upstream_streams {
+                Some(n) if (want..=want + failed_roll).contains(&n) => {}
+                n if self.roll_failed => f.push(format!(
+                    "the relay opened {n:?} streams to the agent, not {want} or {} (one per completed roll, the first, and perhaps the failed roll's)",
+                    want + 1
+                )),
+                n => f.push(format!(
+                    "the relay opened {n:?} streams to the agent, not {want} (one per roll and the first)"
+                )),
             }
         }
         f
@@ -1145,6 +1154,7 @@ pub fn run_mode(cfg: &Config, mode: Mode, relay: bool) -> ModeResult {
                     Err(e) => {
                         eprintln!("[{label} {i}/{of}] FAILED: {e:#}");
                         res.errors.push(format!("{label} roll {i}: {e:#}"));
+                        res.roll_failed = true;
                         break;
                     }
                 }
@@ -1847,6 +1857,8 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         changes::versions_agree(&b.envoy, || owner.ready().map(|(_, v)| v))
             .with_context(|| format!("after the roll, {}", b.owner.name))?;
         if let Some(c) = b.changes.as_mut() {
+            c.holds_current(&b.envoy)
+                .with_context(|| format!("after the roll, {}", b.owner.name))?;
             c.stage()?;
             c.make()?;
             r.change_no_roll = Some(
