@@ -176,7 +176,11 @@ fn the_probes_say_live_and_ready_while_etcd_answers_and_not_ready_without_it() {
         )
     };
     assert_eq!(get("/live").0, 200);
-    let (status, body) = get("/ready");
+    // The probe port opens before the registry API listens: until then /ready says so.
+    let (status, body) = aether_registrar::testing::wait_for("the registry API", WAIT, || {
+        let (status, body) = get("/ready");
+        (!body.contains("does not listen yet")).then_some((status, body))
+    });
     assert!(
         status == 200 && body.starts_with("ready: etcd at revision"),
         "{status} {body}"
