@@ -2,7 +2,7 @@
 //! (`e2e/quic/h3_client.py`), and the twins Envoy holds.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use aether_model::{Identity, MtlsMode, QuicTwins};
 use serde_json::Value;
@@ -82,6 +82,23 @@ pub fn h3(
     cert: Option<&Pem>,
     timeout_s: f64,
 ) -> Value {
+    h3_with(
+        ns,
+        addr,
+        sni,
+        cert.map(|p| (p.cert.as_path(), p.key.as_path())),
+        timeout_s,
+    )
+}
+
+/// [`h3`] with the client certificate and key as files (PEM) of the caller's.
+pub fn h3_with(
+    ns: Option<&str>,
+    addr: SocketAddr,
+    sni: &str,
+    cert: Option<(&Path, &Path)>,
+    timeout_s: f64,
+) -> Value {
     let python = python();
     let script = workspace_root().join("e2e/quic/h3_client.py");
     let mut cmd = match ns {
@@ -96,8 +113,8 @@ pub fn h3(
         .arg(addr.ip().to_string())
         .arg(addr.port().to_string())
         .arg(sni);
-    if let Some(p) = cert {
-        cmd.arg(&p.cert).arg(&p.key);
+    if let Some((cert, key)) = cert {
+        cmd.arg(cert).arg(key);
     }
     cmd.arg(format!("--timeout={timeout_s}"));
     let out = cmd.output().expect("running the HTTP/3 client");

@@ -34,6 +34,7 @@ use aether_e2e::datapath::{self, Datapath, Serve};
 use aether_e2e::envoy::{Envoy, envoy_or_skip};
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::identity::{IdentityProvider, Options};
+use aether_e2e::quic;
 use aether_e2e::registrar::{Etcd, RegistrarProcess, registrar_bin};
 use aether_e2e::testing::{
     Agent, LocalNode, bin, identity_args, identity_provider_for_agents_with, is_root, wait_for,
@@ -55,14 +56,6 @@ const TWIN_PORT: u16 = 15443;
 const PAIRS: &str = "quic-pairs.json";
 /// etcd key of the node's set (`registrar/src/keys.rs`, the default prefix).
 const PAIRS_KEY: &str = "/aether/registry/quic-pairs/test-node";
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> PathBuf {
-    repo().join(".venv/bin/python")
-}
 
 fn twin_addr() -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 250, 0, 1)), TWIN_PORT)
@@ -90,7 +83,7 @@ fn missing(test: &str) -> Option<(PathBuf, Etcd)> {
         eprintln!("\n!!! SKIPPED {test}: {why}. CI runs as root with nftables. !!!\n");
         return None;
     }
-    if !python().exists() {
+    if !quic::python().exists() {
         eprintln!(
             "\n!!! SKIPPED {test}: no .venv/bin/python with aioquic (scripts/dev-setup) !!!\n"
         );
@@ -342,25 +335,8 @@ impl Rig {
     /// One HTTP/3 GET from the client namespace to `quic` naming `sni`, with the client SVID.
     fn h3(&self, quic: &str, sni: &str) -> Value {
         let addr: SocketAddr = quic.parse().expect("quic is IP:PORT here");
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", &self.dp.client.name])
-            .arg(python())
-            .arg(repo().join("e2e/quic/h3_client.py"))
-            .arg(addr.ip().to_string())
-            .arg(addr.port().to_string())
-            .arg(sni)
-            .arg(&self.client.0)
-            .arg(&self.client.1)
-            .arg("--timeout=3")
-            .output()
-            .expect("running the HTTP/3 client");
-        let text = String::from_utf8_lossy(&out.stdout);
-        serde_json::from_str(text.trim()).unwrap_or_else(|e| {
-            panic!(
-                "the HTTP/3 client printed no JSON ({e}): {text}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
+        let cert = (Path::new(&self.client.0), Path::new(&self.client.1));
+        quic::h3_with(Some(&self.dp.client.name), addr, sni, Some(cert), 3.0)
     }
 
     fn where_to_look(&self) -> String {
@@ -699,8 +675,8 @@ impl Load {
         let progress = rig.node.root.path().join("h3-load.progress");
         let mut cmd = std::process::Command::new("ip");
         cmd.args(["netns", "exec", &rig.dp.client.name])
-            .arg(python())
-            .arg(repo().join("e2e/quic/h3_load.py"))
+            .arg(quic::python())
+            .arg(aether_e2e::testing::workspace_root().join("e2e/quic/h3_load.py"))
             .arg(twin_addr().ip().to_string())
             .arg(TWIN_PORT.to_string())
             .arg(&rig.client.0)
