@@ -91,6 +91,13 @@ const ALLOWED: &[c_long] = &[
     libc::SYS_munmap,
     libc::SYS_mprotect,
     libc::SYS_madvise,
+    // Seen refused (the kernel's audit log, 2026-12-05): glibc's realloc of a large
+    // (mmapped) buffer, as the encodings and messages at 10,000 services grow, which
+    // without it falls back to a new mapping and a copy of the whole buffer.
+    libc::SYS_mremap,
+    // Seen refused likewise: std's channel backs off with sched_yield (the heavy-work
+    // thread's queue, the relay's runtime).
+    libc::SYS_sched_yield,
     libc::SYS_set_tid_address,
     libc::SYS_set_robust_list,
     libc::SYS_rseq,
@@ -747,6 +754,13 @@ mod tests {
                     )
                 },
                 Returned(0),
+            ),
+            ("sched_yield", || raw(SYS_sched_yield, [0; 5]), Returned(0)),
+            // Allowed, so the kernel itself answers: an unaligned address.
+            (
+                "mremap",
+                || raw(SYS_mremap, [1, 4096, 8192, 0, 0]),
+                Returned(EINVAL),
             ),
             // Allowed, so the kernel itself answers: no such descriptor.
             (
