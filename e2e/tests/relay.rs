@@ -86,19 +86,7 @@ fn rolls_and_crashes(test: &str, api: AdsApi) {
     let crashes = 2u32;
     for i in 1..=rolls + crashes {
         if i <= rolls {
-            let next = rig.start_agent();
-            wait_for(&format!("roll {i}: a ready standby"), T, || {
-                next.ready()
-                    .filter(|(s, v)| *s == 200 && v["role"] == "standby")
-                    .map(|_| ())
-            });
-            rig.owner.signal(Signal::SIGTERM);
-            let mut old = std::mem::replace(&mut rig.owner, next);
-            let status = old.wait_exit_timeout(T).expect("the old owner exits");
-            assert!(status.success(), "roll {i}: {status}\n{}", old.log());
-            wait_for(&format!("roll {i}: the new owner serving"), T, || {
-                rig.owner.serving_owner()
-            });
+            surge_roll(&mut rig, &[], i);
         } else {
             let old = rig.owner.worker_pid();
             kill(Pid::from_raw(old), Signal::SIGKILL).expect("SIGKILL the worker");
@@ -108,16 +96,7 @@ fn rolls_and_crashes(test: &str, api: AdsApi) {
                     .filter(|v| v["pid"].as_i64().is_some_and(|p| p != i64::from(old)))
             });
         }
-        let relay = rig.relay.as_ref().expect("a relayed rig");
-        wait_for(
-            &format!("switch {i}: the relay on the new owner"),
-            T,
-            || {
-                (relay.metric("aether_relay_upstream_streams_total")? == f64::from(i + 1)
-                    && relay.metric("aether_relay_upstream_connected")? == 1.0)
-                    .then_some(())
-            },
-        );
+        relay_on_the_new_owner(&rig, &format!("switch {i}"), i + 1);
         // A change after the switch reaches Envoy through the new owner.
         let on: &[usize] = if i % 2 == 1 { &[0] } else { &[0, 1] };
         let want = registry_with(&rig, on);
@@ -255,8 +234,9 @@ fn envoy_reconnects_to_a_restarted_relay_and_is_served() {
     rig.pass();
 }
 
-/// One roll to the owner's metrics: the new owner serving and the relay on it.
-fn roll(rig: &mut NodeRig, extra: &[&str], i: u32) {
+/// One surge roll: a ready standby, the owner's SIGTERM and clean exit, the new owner
+/// serving.
+fn surge_roll(rig: &mut NodeRig, extra: &[&str], i: u32) {
     let next = rig.node.start_agent_with(extra);
     wait_for(&format!("roll {i}: a ready standby"), T, || {
         next.ready()
@@ -270,12 +250,22 @@ fn roll(rig: &mut NodeRig, extra: &[&str], i: u32) {
     wait_for(&format!("roll {i}: the new owner serving"), T, || {
         rig.owner.serving_owner()
     });
+}
+
+/// The relay on its `streams`th agent stream, connected: it has switched to the new owner.
+fn relay_on_the_new_owner(rig: &NodeRig, what: &str, streams: u32) {
     let relay = rig.relay.as_ref().expect("a relayed rig");
-    wait_for(&format!("roll {i}: the relay on the new owner"), T, || {
-        (relay.metric("aether_relay_upstream_streams_total")? == f64::from(i + 1)
+    wait_for(&format!("{what}: the relay on the new owner"), T, || {
+        (relay.metric("aether_relay_upstream_streams_total")? == f64::from(streams)
             && relay.metric("aether_relay_upstream_connected")? == 1.0)
             .then_some(())
     });
+}
+
+/// One roll to the owner's metrics: the new owner serving and the relay on it.
+fn roll(rig: &mut NodeRig, extra: &[&str], i: u32) {
+    surge_roll(rig, extra, i);
+    relay_on_the_new_owner(rig, &format!("roll {i}"), i + 1);
 }
 
 /// The owner's metric `series` (name and labels, as printed), once it serves metrics.
