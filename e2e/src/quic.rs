@@ -42,6 +42,24 @@ pub fn twin_rig_options(dp: &Datapath, ca: &TestCa, agent: &TestSvid) -> RigOpti
     }
 }
 
+/// Envoy's binary when this machine can run a QUIC test named `what`: Envoy, the data
+/// path (root, nftables) and the Python client. Otherwise says loudly why and returns
+/// None.
+pub fn envoy_or_skip(what: &str) -> Option<PathBuf> {
+    let envoy = crate::envoy::envoy_or_skip(what)?;
+    if let Some(why) = crate::datapath::missing() {
+        eprintln!("\n!!! SKIPPED {what}: {why}. CI runs as root with nftables. !!!\n");
+        return None;
+    }
+    if !python().exists() {
+        eprintln!(
+            "\n!!! SKIPPED {what}: no .venv/bin/python with aioquic (scripts/install-pytools.sh) !!!\n"
+        );
+        return None;
+    }
+    Some(envoy)
+}
+
 /// The project virtualenv's Python, which has aioquic (`scripts/install-pytools.sh`).
 pub fn python() -> PathBuf {
     workspace_root().join(".venv/bin/python")

@@ -30,8 +30,8 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use aether_e2e::datapath::{self, Datapath, Serve};
-use aether_e2e::envoy::{Envoy, envoy_or_skip};
+use aether_e2e::datapath::{Datapath, Serve};
+use aether_e2e::envoy::Envoy;
 use aether_e2e::harness::churn::{Cni, PodId};
 use aether_e2e::identity::{IdentityProvider, Options};
 use aether_e2e::quic;
@@ -78,17 +78,7 @@ fn unix_ms() -> u64 {
 
 /// Why this machine cannot run the tests, if it cannot.
 fn missing(test: &str) -> Option<(PathBuf, Etcd)> {
-    let envoy = envoy_or_skip(test)?;
-    if let Some(why) = datapath::missing() {
-        eprintln!("\n!!! SKIPPED {test}: {why}. CI runs as root with nftables. !!!\n");
-        return None;
-    }
-    if !quic::python().exists() {
-        eprintln!(
-            "\n!!! SKIPPED {test}: no .venv/bin/python with aioquic (scripts/dev-setup) !!!\n"
-        );
-        return None;
-    }
+    let envoy = quic::envoy_or_skip(test)?;
     let etcd = Etcd::start_or_skip(test)?;
     Some((envoy, etcd))
 }

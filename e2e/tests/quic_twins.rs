@@ -11,8 +11,8 @@
 
 use std::time::{Duration, Instant};
 
-use aether_e2e::datapath::{self, Datapath, Serve, TestCa};
-use aether_e2e::envoy::{self, WorkerRig, envoy_or_skip, registry_json};
+use aether_e2e::datapath::{Datapath, Serve, TestCa};
+use aether_e2e::envoy::{self, WorkerRig, registry_json};
 use aether_e2e::quic::{self, TD, TWIN_PORT, body, h3, pem_files, twin_chains};
 use aether_model::{Change, twin_sni};
 
@@ -21,21 +21,9 @@ const BOUND: Duration = Duration::from_secs(10);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http3_client_with_an_svid_reaches_the_pod_through_its_twin_and_others_are_refused() {
     let what = "QUIC twins";
-    let Some(envoy_bin) = envoy_or_skip(what) else {
+    let Some(envoy_bin) = quic::envoy_or_skip(what) else {
         return;
     };
-    if let Some(why) = datapath::missing() {
-        eprintln!(
-            "\n!!! SKIPPED {what}: {why}. CI runs as root with nftables, so there this test runs. !!!\n"
-        );
-        return;
-    }
-    if !quic::python().exists() {
-        eprintln!(
-            "\n!!! SKIPPED {what}: no .venv/bin/python with aioquic (scripts/dev-setup) !!!\n"
-        );
-        return;
-    }
     envoy::init_logs("info");
     let mut dp = Datapath::create("q", [10, 77, 0]).expect("the data path's namespaces");
     dp.add_pod("web", 2, Serve::Http(None))
