@@ -89,7 +89,8 @@ pub struct Args {
     pub results_dir: Option<PathBuf>,
     /// Envoy through the xDS relay (aether-xds-relay): 1 (every mode behind the relay), or
     /// both (each mode without the relay, then with it, side by side); a registry change
-    /// is then timed to Envoy's ACK at each roll's start and between rolls [default: off]
+    /// is then timed to Envoy's ACK at each roll's start and between rolls: through the
+    /// registry file, or with ARG_NODES=2 through the registrar [default: off]
     #[arg(long, env = "ARG_RELAY", value_name = "1|both", value_parser = relay, num_args = 0..=1, default_missing_value = "1")]
     pub relay: Option<RelayRuns>,
     /// Set (to anything, even empty): no pod ADD/DEL during the rolls

@@ -1,9 +1,17 @@
 //! `ARG_RELAY`: a registry change timed to Envoy's ACK of it, at the moment a roll starts
 //! and again between rolls (the baseline), and the checks that go with the relay.
 //!
-//! The change flips the first service's second endpoint out of the registry file and back
-//! in, one flip per change: the file is written beside the registry first and renamed
-//! over it at the moment timed. Envoy's own log says when it accepted the load assignment
+//! The change flips the first service's second endpoint out of the registry and back in,
+//! one flip per change, through one of two [`Target`]s:
+//! - one node (`ARG_NODES=1`): the registry file, written beside itself first and renamed
+//!   over it at the moment timed. The agent then re-reads and parses the whole file, which
+//!   at 10,000 services is 30 to 50 ms of the sample;
+//! - two nodes (`ARG_NODES=2`): the registrar both nodes watch, one `ApplyServices` of
+//!   that service alone on a connection opened beforehand, timed from just before the
+//!   call. The agent gets the one service on its watch: the cost is the change's, not
+//!   the mesh's.
+//!
+//! Envoy's own log says when it accepted the load assignment
 //! (`config:debug`), which is when it sends the ACK, whichever agent answered and whether
 //! or not a relay stood between them; no admin query runs while a change is timed. Each
 //! change is then checked in Envoy's config dump, outside the timing.
@@ -13,6 +21,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
+use shared_proto::registry::{self as pb, registry_client::RegistryClient};
+use tonic::transport::Channel;
 
 use crate::envoy::{Envoy, ack_log, log_times};
 use crate::testing::try_wait_for;
@@ -37,13 +47,70 @@ pub fn envoy_log_args() -> Vec<String> {
     .to_vec()
 }
 
-/// The registry file's two states and where the next change stands.
+/// Where a change is made.
+pub enum Target {
+    /// The node's registry file: the registry with the first service whole, and without
+    /// its second endpoint.
+    File {
+        path: PathBuf,
+        staged: PathBuf,
+        docs: [String; 2],
+    },
+    /// The registrar: the first service whole, and without its second endpoint.
+    Registrar(Box<Registrar>),
+}
+
+/// A connection to the registrar, opened before the first change is timed.
+pub struct Registrar {
+    runtime: tokio::runtime::Runtime,
+    client: RegistryClient<Channel>,
+    services: [pb::Service; 2],
+}
+
+impl Target {
+    /// The registry file at `path`, in `docs[0]` now; changes flip it to `docs[1]` and
+    /// back.
+    pub fn file(path: &Path, docs: [String; 2]) -> Target {
+        Target::File {
+            path: path.to_path_buf(),
+            staged: path.with_extension("next"),
+            docs,
+        }
+    }
+
+    /// The registrar at `addr` (TLS checked against `ca`), holding `docs[0]`'s one
+    /// service now (`--registry-file` schema); changes apply `docs[1]`'s and back.
+    pub fn registrar(addr: &str, ca: &Path, docs: [String; 2]) -> Result<Target> {
+        let service = |doc: &str| -> Result<pb::Service> {
+            let view = aether_model::registry_file::parse(Path::new("(change)"), doc.as_bytes())?;
+            let mut services = view.services.values();
+            match (services.next(), services.next()) {
+                (Some(s), None) => Ok(aether_registrar::values::model_service_to_pb(s)),
+                _ => bail!("a registrar change is one service: {doc}"),
+            }
+        };
+        let services = [service(&docs[0])?, service(&docs[1])?];
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("the registrar client's runtime")?;
+        let client = runtime.block_on(aether_registrar::client::connect(
+            addr,
+            Duration::from_secs(5),
+            Some(ca),
+        ))?;
+        Ok(Target::Registrar(Box::new(Registrar {
+            runtime,
+            client,
+            services,
+        })))
+    }
+}
+
+/// The registry's two states and where the next change stands.
 pub struct Changes {
-    path: PathBuf,
-    staged: PathBuf,
-    /// The registry with the first service whole, and without its second endpoint.
-    docs: [String; 2],
-    /// Envoy's endpoints of that service's cluster in each (sorted, as
+    target: Target,
+    /// Envoy's endpoints of the first service's cluster in each state (sorted, as
     /// [`crate::envoy::load_assignment_lines`] writes them).
     wants: [Vec<String>; 2],
     pub cluster: String,
@@ -67,19 +134,16 @@ fn of_day(t: SystemTime) -> f64 {
 }
 
 impl Changes {
-    /// `docs[0]` is the registry as written at the start, `docs[1]` the same without the
-    /// second endpoint of `cluster`'s service; `wants` are Envoy's endpoints in each.
+    /// `target` holds state 0 now, and state 1 is the same without the second endpoint of
+    /// `cluster`'s service; `wants` are Envoy's endpoints in each.
     pub fn new(
-        path: &Path,
-        docs: [String; 2],
+        target: Target,
         wants: [Vec<String>; 2],
         cluster: String,
         envoy_log: &Path,
     ) -> Changes {
         Changes {
-            path: path.to_path_buf(),
-            staged: path.with_extension("next"),
-            docs,
+            target,
             wants,
             cluster,
             envoy_log: envoy_log.to_path_buf(),
@@ -89,26 +153,45 @@ impl Changes {
     }
 
     /// Writes the next state beside the registry file: [`Changes::make`] puts it in place.
+    /// The registrar's needs nothing staged.
     pub fn stage(&self) -> Result<()> {
-        std::fs::write(&self.staged, &self.docs[1 - self.at])
-            .with_context(|| format!("write {}", self.staged.display()))
+        match &self.target {
+            Target::File { staged, docs, .. } => std::fs::write(staged, &docs[1 - self.at])
+                .with_context(|| format!("write {}", staged.display())),
+            Target::Registrar(_) => Ok(()),
+        }
     }
 
-    /// Renames the staged state over the registry file: the change is made now. Timed
-    /// from just before the rename: a clock read after it can come late, when the harness
-    /// is descheduled right after the rename while the agent and Envoy go on, and would
-    /// make a change look faster than it was (even negative) on a busy machine.
+    /// Makes the change now: renames the staged state over the registry file, or applies
+    /// the service at the registrar. Timed from just before: a clock read after can come
+    /// late, when the harness is descheduled right after the rename while the agent and
+    /// Envoy go on, and would make a change look faster than it was (even negative) on a
+    /// busy machine.
     pub fn make(&mut self) -> Result<()> {
         let offset = std::fs::metadata(&self.envoy_log).map_or(0, |m| m.len());
         let before = SystemTime::now();
-        std::fs::rename(&self.staged, &self.path)
-            .with_context(|| format!("rename over {}", self.path.display()))?;
-        let took = before.elapsed().unwrap_or_default();
-        if took > Duration::from_millis(1) {
-            eprintln!(
-                "   (the registry change's rename took {:.1} ms: its sample is long by up to that)",
-                took.as_secs_f64() * 1e3
-            );
+        match &mut self.target {
+            Target::File { path, staged, .. } => {
+                std::fs::rename(&*staged, &*path)
+                    .with_context(|| format!("rename over {}", path.display()))?;
+                let took = before.elapsed().unwrap_or_default();
+                if took > Duration::from_millis(1) {
+                    eprintln!(
+                        "   (the registry change's rename took {:.1} ms: its sample is long by up to that)",
+                        took.as_secs_f64() * 1e3
+                    );
+                }
+            }
+            // The call returns once etcd holds the change, which the agents' watches
+            // may already have brought them: its time is part of the sample.
+            Target::Registrar(r) => {
+                let req = pb::ApplyServicesRequest {
+                    services: vec![r.services[1 - self.at].clone()],
+                };
+                r.runtime
+                    .block_on(r.client.apply_services(req))
+                    .context("ApplyServices of the change at the registrar")?;
+            }
         }
         let t0 = of_day(before);
         self.at = 1 - self.at;
@@ -151,7 +234,7 @@ impl Changes {
 
 impl Changes {
     /// After a roll, before the next change: Envoy's config dump shows the state the
-    /// registry file is in (the change made at the roll's action), now that the new owner
+    /// registry is in (the change made at the roll's action), now that the new owner
     /// serves it; waits up to 2 s. [`Changes::acked`] times the first load assignment
     /// Envoy accepted after the change, which in a surge is mostly the old owner's: a new
     /// owner that had not read the change yet answered the proxy's resume with the file's
@@ -162,7 +245,7 @@ impl Changes {
         let query = ack_log::eds_query(&self.cluster);
         let mut got = None;
         try_wait_for(
-            "Envoy to hold the registry file's current state",
+            "Envoy to hold the registry's current state",
             Duration::from_secs(2),
             || {
                 got = envoy
@@ -176,7 +259,7 @@ impl Changes {
         )
         .map_err(|_| {
             anyhow::anyhow!(
-                "Envoy holds {got:?} for {}, not the registry file's {want:?}: the new owner did not serve the change made at the roll",
+                "Envoy holds {got:?} for {}, not the registry's {want:?}: the new owner did not serve the change made at the roll",
                 self.cluster
             )
         })

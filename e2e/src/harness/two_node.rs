@@ -35,8 +35,15 @@ pub const POD_NAMESPACE: &str = "churn";
 const POD_PORT: u16 = 8080;
 /// Node B's pods are registered this many at a time: one registrar apply per batch.
 const BATCH: usize = 10;
+/// The services in one registrar apply of a mesh ([`SharedRegistry::apply`]).
+const APPLY_CHUNK: usize = 1000;
 /// How often node A's Envoy admin is read while a drain is on its way.
 const DRAIN_POLL: Duration = Duration::from_millis(3);
+/// The same at mesh scale, where one read of the drained cluster walks 10,000 clusters
+/// on Envoy's main thread (25 to 40 ms at 10,000 services): read every few ms, it would
+/// hold that thread, which also takes the xDS answers that the gate times. A drain's
+/// sample is then late by up to this.
+const MESH_POLL: Duration = Duration::from_millis(250);
 /// A drain not seen by then is counted as lost.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -114,9 +121,30 @@ impl SharedRegistry {
     }
 
     /// Upserts the services of `doc` (the `--registry-file` schema) from a file named
-    /// `name`; the revision.
+    /// `name`; the revision. A mesh (`ARG_MESH_SERVICES`) goes in applies of
+    /// [`APPLY_CHUNK`] services: the registrar writes one etcd transaction per service,
+    /// and 10,000 of them take longer than one call may, in more bytes than one call
+    /// takes (`--max-apply-bytes`).
     pub fn apply(&self, name: &str, doc: &str) -> Result<i64> {
-        apply(self.addr(), &self.ca_file, &self.dir.join(name), doc)
+        let file = self.dir.join(name);
+        let parsed: Value = serde_json::from_str(doc).context("the registry to apply")?;
+        let services = parsed["services"].as_array().map_or(&[][..], Vec::as_slice);
+        if services.len() <= APPLY_CHUNK {
+            return apply(self.addr(), &self.ca_file, &file, doc);
+        }
+        let mut revision = 0;
+        for (i, chunk) in services.chunks(APPLY_CHUNK).enumerate() {
+            let part = json!({ "services": chunk }).to_string();
+            revision = apply(self.addr(), &self.ca_file, &file, &part)
+                .with_context(|| format!("services {} of {}", i * APPLY_CHUNK, services.len()))?;
+        }
+        Ok(revision)
+    }
+
+    /// The registry changes [`super::changes`] times, made at this registrar: `docs`
+    /// are the one service's two states, the first of them applied already.
+    pub fn change_target(&self, docs: [String; 2]) -> Result<super::changes::Target> {
+        super::changes::Target::registrar(self.addr(), &self.ca_file, docs)
     }
 
     /// The registrar's view (`aether-registrar dump`).
@@ -319,7 +347,8 @@ impl DrainReport {
 /// batch of new pods is registered at the registrar as endpoints of [`POD_SERVICE`] (node
 /// B, their addresses; the previous batch's endpoints go), and once node A's Envoy holds
 /// them all HEALTHY, each is ADDed on node B through the real `aether-cni`; then, one at
-/// a time, each is DELeted and node A's Envoy admin is read every [`DRAIN_POLL`] until
+/// a time, each is DELeted and node A's Envoy admin is read every [`DRAIN_POLL`] (at
+/// mesh scale, [`MESH_POLL`]) until
 /// that endpoint shows DRAINING. A drain mark stays on its address, so every pod gets a
 /// fresh one.
 pub struct CrossDrain {
@@ -340,15 +369,18 @@ struct DrainCtx {
     stop: Arc<AtomicBool>,
     /// Node B's agent rolls too (ARG_MTLS).
     node_b_rolls: bool,
+    /// How often node A's Envoy admin is read while a drain is on its way.
+    poll: Duration,
 }
 
 impl CrossDrain {
-    /// `admin`: node A's Envoy admin socket.
+    /// `admin`: node A's Envoy admin socket; `mesh`: `ARG_MESH_SERVICES` is set.
     pub fn start(
         registry: &SharedRegistry,
         peer: &PeerNode,
         admin: PathBuf,
         node_b_rolls: bool,
+        mesh: bool,
     ) -> CrossDrain {
         let stop = Arc::new(AtomicBool::new(false));
         let ctx = DrainCtx {
@@ -361,6 +393,7 @@ impl CrossDrain {
             cluster: aether_model::outbound_cluster_name(80, POD_SERVICE, POD_NAMESPACE),
             stop: stop.clone(),
             node_b_rolls,
+            poll: if mesh { MESH_POLL } else { DRAIN_POLL },
         };
         let thread = std::thread::Builder::new()
             .name("cross-drain".into())
@@ -491,7 +524,7 @@ impl DrainCtx {
             if t1 >= deadline {
                 return None;
             }
-            std::thread::sleep(DRAIN_POLL);
+            std::thread::sleep(self.poll);
         }
     }
 }
