@@ -21,7 +21,10 @@
 //! owner without the digest resume does), and `digest` (the xDS relay's digest resume,
 //! `shared_proto::resume`: the first requests carry no versions, and the worker answers
 //! the relay's offer, the "offer" step, from its snapshot's digests, carried from the
-//! last snapshot: `warm`, or computed from every resource: `cold`, a first snapshot).
+//! last snapshot: `warm`, or computed from every resource: `cold`, a first snapshot), and
+//! `buckets`: the proxy holds three services' clusters and load assignments at older
+//! versions (pods came and went during the roll), so those two types miss their whole
+//! digest and go by their bucket digests, the versions of the buckets that differ listed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -30,12 +33,13 @@ use aether_e2e::testing::mesh_service;
 use aether_model::{Inputs, RegistryView, Snapshot, build, is_outbound_cluster};
 use aether_worker::writers::Observed;
 use aether_worker::xds::delta::DeltaState;
-use aether_worker::xds::digest::Digests;
+use aether_worker::xds::digest::{Digests, Resumed};
 use aether_worker::xds::encoded::Encoded;
 use aether_worker::xds::kind::{KINDS, Kind, type_url, wire_version};
 use aether_worker::xds::protocol::Protocol;
 use aether_worker::xds::wire::DeltaRequestWire;
 use prost::Message;
+use shared_proto::resume::{self, Buckets, Digest};
 
 /// The request type the delta protocol applies.
 type Request = <DeltaState as Protocol>::Request;
@@ -48,12 +52,15 @@ fn env(name: &str, default: usize) -> usize {
 }
 
 /// The proxy's first request of `kind` on a new stream, holding all of `s` that it
-/// `holds`, encoded.
+/// `holds` at the versions `version` gives, encoded; the versions listed are those of
+/// the names `listed` (none: `relied` is the bucket resume's bitmap, else 0).
 fn resume_request(
     s: &Snapshot,
     kind: Kind,
     holds: impl Fn(Kind, &str) -> bool,
-    with_versions: bool,
+    version: impl Fn(Kind, &str, u64) -> String,
+    listed: impl Fn(&str) -> bool,
+    relied: u64,
 ) -> Vec<u8> {
     let versions: std::collections::BTreeMap<&String, &u64> = s
         .hashes(kind)
@@ -61,6 +68,14 @@ fn resume_request(
         .filter(|(n, _)| holds(kind, n))
         .collect();
     let named = matches!(kind, Kind::Endpoint | Kind::Route | Kind::Secret);
+    let mut initial: std::collections::HashMap<String, String> = versions
+        .iter()
+        .filter(|(n, _)| listed(n))
+        .map(|(n, h)| ((*n).clone(), version(kind, n, **h)))
+        .collect();
+    if relied != 0 {
+        initial.insert(resume::RELIED.into(), format!("{relied:x}"));
+    }
     DeltaRequestWire {
         type_url: type_url(kind).into(),
         resource_names_subscribe: if named {
@@ -68,14 +83,7 @@ fn resume_request(
         } else {
             Vec::new()
         },
-        initial_resource_versions: if with_versions {
-            versions
-                .iter()
-                .map(|(n, h)| ((*n).clone(), wire_version(**h)))
-                .collect()
-        } else {
-            Default::default()
-        },
+        initial_resource_versions: initial,
         ..Default::default()
     }
     .encode_to_vec()
@@ -86,6 +94,7 @@ enum Mode {
     Plain,
     DigestWarm,
     DigestCold,
+    Buckets,
 }
 
 impl Mode {
@@ -94,6 +103,7 @@ impl Mode {
             Mode::Plain => "plain",
             Mode::DigestWarm => "digest, warm",
             Mode::DigestCold => "digest, cold",
+            Mode::Buckets => "buckets, warm",
         }
     }
 }
@@ -140,17 +150,39 @@ fn main() {
         (Some(o), Kind::Cluster) => !is_outbound_cluster(name) || o.contains(name),
         (Some(o), Kind::Endpoint) => o.contains(name),
     };
-    // The relay's offer: each type's digest of what the proxy holds.
-    let offer = shared_proto::resume::offer(KINDS.into_iter().map(|k| {
-        let held = snapshot.hashes(k).iter().filter(|(n, _)| holds(k, n));
-        let versions: Vec<(&String, String)> = held.map(|(n, h)| (n, wire_version(*h))).collect();
-        (
-            type_url(k),
-            shared_proto::resume::Digest::of(
-                versions.iter().map(|(n, v)| (n.as_str(), v.as_str())),
-            ),
+    // Buckets: the three services' clusters and load assignments the proxy holds at an
+    // older version.
+    let stale: std::collections::BTreeSet<String> = snapshot
+        .hashes(Kind::Cluster)
+        .keys()
+        .filter(|c| is_outbound_cluster(c) && holds(Kind::Cluster, c))
+        .take(3)
+        .cloned()
+        .collect();
+    let stale_version = |kind: Kind, name: &str, h: u64| {
+        let older = matches!(kind, Kind::Cluster | Kind::Endpoint) && stale.contains(name);
+        wire_version(if older { h ^ 1 } else { h })
+    };
+    // The relay's offer of each type's digest of what the proxy holds, whole and in
+    // buckets: as the snapshot, or with the stale versions.
+    let offer_of = |version: &dyn Fn(Kind, &str, u64) -> String| {
+        let per_type: Vec<(Kind, Digest, Buckets)> = KINDS
+            .into_iter()
+            .map(|k| {
+                let held = snapshot.hashes(k).iter().filter(|(n, _)| holds(k, n));
+                let pairs: Vec<(&String, String)> =
+                    held.map(|(n, h)| (n, version(k, n, *h))).collect();
+                let pairs = || pairs.iter().map(|(n, v)| (n.as_str(), v.as_str()));
+                (k, Digest::of(pairs()), Buckets::of(pairs()))
+            })
+            .collect();
+        resume::offer_with_buckets(
+            per_type.iter().map(|(k, d, b)| (type_url(*k), *d, b)),
+            resume::BUCKETS_FROM,
         )
-    }));
+    };
+    let offer = offer_of(&|_, _, h| wire_version(h));
+    let stale_offer = offer_of(&stale_version);
     let warm = Digests::default();
     warm.of(&snapshot);
     println!(
@@ -165,10 +197,43 @@ fn main() {
         }
     );
     let mut summary = Vec::new();
-    for mode in [Mode::Plain, Mode::DigestWarm, Mode::DigestCold] {
+    // The buckets' answer, as the relay reads it: per type, the buckets relied on.
+    let bucket_answer = warm.matched(&snapshot, &stale_offer);
+    let relied = |k: Kind| {
+        bucket_answer
+            .buckets
+            .iter()
+            .find(|(kind, _)| *kind == k)
+            .map_or(0, |(_, m)| *m)
+    };
+    for mode in [
+        Mode::Plain,
+        Mode::DigestWarm,
+        Mode::DigestCold,
+        Mode::Buckets,
+    ] {
         let requests: Vec<(Kind, Vec<u8>)> = KINDS
             .into_iter()
-            .map(|k| (k, resume_request(&snapshot, k, holds, mode == Mode::Plain)))
+            .map(|k| {
+                let r = relied(k);
+                let request = match mode {
+                    Mode::Plain => {
+                        resume_request(&snapshot, k, holds, |_, _, h| wire_version(h), |_| true, 0)
+                    }
+                    Mode::DigestWarm | Mode::DigestCold => {
+                        resume_request(&snapshot, k, holds, |_, _, h| wire_version(h), |_| false, 0)
+                    }
+                    Mode::Buckets => resume_request(
+                        &snapshot,
+                        k,
+                        holds,
+                        stale_version,
+                        |n| r != 0 && !resume::in_bitmap(r, n),
+                        r,
+                    ),
+                };
+                (k, request)
+            })
             .collect();
         let bytes: usize = requests.iter().map(|(_, b)| b.len()).sum();
         // Per type: decode, apply, answer, free; and each round's total.
@@ -185,15 +250,23 @@ fn main() {
             if mode != Mode::Plain {
                 // What the server does when the stream opens with the offer.
                 let cold = Digests::default();
-                let digests = if mode == Mode::DigestWarm {
+                let digests = if mode != Mode::DigestCold {
                     &warm
                 } else {
                     &cold
                 };
-                let kinds = digests.matched(&snapshot, &offer);
-                matched_types = kinds.len();
-                for k in kinds {
-                    st.resume_held(k, snapshot.hashes(k).clone());
+                let answer = if mode == Mode::Buckets {
+                    digests.matched(&snapshot, &stale_offer)
+                } else {
+                    digests.matched(&snapshot, &offer)
+                };
+                matched_types = answer.whole.len() + answer.buckets.len();
+                for k in answer.whole {
+                    st.resume_held(k, Resumed::Whole(snapshot.hashes(k).clone()));
+                }
+                for (k, matched) in answer.buckets {
+                    let hashes = snapshot.hashes(k).clone();
+                    st.resume_held(k, Resumed::Buckets { hashes, matched });
                 }
                 offers.push(ms(start.elapsed()));
             }
@@ -222,11 +295,23 @@ fn main() {
                 let t4 = Instant::now();
                 drop(req);
                 let t5 = Instant::now();
-                assert!(
-                    answers
-                        .iter()
-                        .all(|a| a.resources.is_empty() && a.removed_resources.is_empty()),
-                    "a reconnect to the same snapshot is answered empty"
+                // A reconnect to the same snapshot is answered empty; with the stale
+                // versions, each of the two types with the three services' resources.
+                let sent: usize = answers.iter().map(|a| a.resources.len()).sum();
+                let removed: usize = answers.iter().map(|a| a.removed_resources.len()).sum();
+                let kind = KINDS[i];
+                let want =
+                    if mode == Mode::Buckets && matches!(kind, Kind::Cluster | Kind::Endpoint) {
+                        stale.len()
+                    } else {
+                        0
+                    };
+                assert_eq!(
+                    (sent, removed),
+                    (want, 0),
+                    "{} {}",
+                    mode.name(),
+                    kind.short()
                 );
                 for (k, d) in [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]
                     .into_iter()
@@ -245,9 +330,14 @@ fn main() {
                 String::new()
             } else {
                 format!(
-                    "; offer answered in {} ms, {matched_types} of {} types matched",
+                    "; offer answered in {} ms, {matched_types} of {} types matched{}",
                     fmt(&mut offers),
-                    KINDS.len()
+                    KINDS.len(),
+                    if mode == Mode::Buckets {
+                        " (CDS and EDS in buckets)"
+                    } else {
+                        ""
+                    }
                 )
             }
         );

@@ -23,6 +23,7 @@ pub struct Metrics {
     pub resumes: AtomicU64,
     pub digest_resumes: AtomicU64,
     pub digest_types: AtomicU64,
+    pub bucket_types: AtomicU64,
     pub version_types: AtomicU64,
     pub absorbed: AtomicU64,
     pub self_acked: AtomicU64,
@@ -44,6 +45,8 @@ impl Metrics {
             .fetch_add(now.digest_resumes - before.digest_resumes, Relaxed);
         self.digest_types
             .fetch_add(now.digest_types - before.digest_types, Relaxed);
+        self.bucket_types
+            .fetch_add(now.bucket_types - before.bucket_types, Relaxed);
         self.version_types
             .fetch_add(now.version_types - before.version_types, Relaxed);
         self.absorbed
@@ -149,9 +152,10 @@ impl Metrics {
         labelled(
             &mut out,
             "aether_relay_resumed_types_total",
-            "Types re-stated on a new agent stream, by kind: digest (by their digest alone) or versions (every version listed).",
+            "Types re-stated on a new agent stream, by kind: digest (by their digest alone), buckets (by the digests of the buckets matched, the others' versions listed) or versions (every version listed).",
             &[
                 ("kind=\"digest\"", g(&self.digest_types)),
+                ("kind=\"buckets\"", g(&self.bucket_types)),
                 ("kind=\"versions\"", g(&self.version_types)),
             ],
         );

@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use bytes::Bytes;
-use shared_proto::resume::{self, Digest};
+use shared_proto::resume::{self, Buckets, Digest};
 
 use crate::wire::{DeltaRequest, DeltaResponse, Framed};
 
@@ -103,8 +103,10 @@ pub struct Counts {
     pub resumes: u64,
     /// Of those, the ones whose agent answered the digest offer (delta).
     pub digest_resumes: u64,
-    /// Types re-stated by their digest alone, and with their versions listed.
+    /// Types re-stated by their digest alone, by their bucket digests (the versions of
+    /// the buckets not matched listed), and with all their versions listed.
     pub digest_types: u64,
+    pub bucket_types: u64,
     pub version_types: u64,
     /// ACKs and NACKs of an earlier stream's answers, absorbed.
     pub absorbed: u64,
@@ -125,22 +127,44 @@ struct TypeState {
     names: BTreeSet<String>,
     /// The versions Envoy holds, by name.
     held: BTreeMap<String, String>,
-    /// The digest of `held`, kept with it.
+    /// The digest of `held`, kept with it, whole and in buckets.
     digest: Digest,
+    buckets: Buckets,
 }
 
 impl TypeState {
     fn hold(&mut self, name: String, version: String) {
         self.digest.add(&name, &version);
+        self.buckets.add(&name, &version);
         if let Some(old) = self.held.insert(name.clone(), version) {
             self.digest.remove(&name, &old);
+            self.buckets.remove(&name, &old);
         }
     }
 
     fn drop_held(&mut self, name: &str) {
         if let Some(old) = self.held.remove(name) {
             self.digest.remove(name, &old);
+            self.buckets.remove(name, &old);
         }
+    }
+
+    /// The versions of a re-statement: none for a type matched whole, those outside
+    /// `relied` and the [`resume::RELIED`] entry for one matched in buckets, else all.
+    fn versions(&self, by_digest: bool, relied: u64) -> HashMap<String, String> {
+        if by_digest {
+            return HashMap::new();
+        }
+        let listed = self
+            .held
+            .iter()
+            .filter(|(n, _)| relied == 0 || !resume::in_bitmap(relied, n));
+        let mut out: HashMap<String, String> =
+            listed.map(|(k, v)| (k.clone(), v.clone())).collect();
+        if relied != 0 {
+            out.insert(resume::RELIED.to_string(), format!("{relied:x}"));
+        }
+        out
     }
 }
 
@@ -160,8 +184,9 @@ pub struct Session {
     /// The current agent stream's number, counted from 1; 0 before the first.
     stream: u64,
     up: bool,
-    /// The digests offered to the agent stream being opened, by type.
-    offered: BTreeMap<String, Digest>,
+    /// The digests offered to the agent stream being opened, by type: whole, and in
+    /// buckets.
+    offered: BTreeMap<String, (Digest, Buckets)>,
     /// Answers forwarded and not yet ACKed or NACKed, by nonce, in the order forwarded.
     /// Agents count nonces from 1 on each stream, so an old agent's answer and a new
     /// one's may share one; Envoy replies to each answer once (a request naming a nonce
@@ -269,14 +294,21 @@ impl Session {
     }
 
     /// The digest resume to offer the next agent stream: each type's digest of what
-    /// Envoy holds, remembered until the stream is up.
+    /// Envoy holds (in buckets too from [`resume::BUCKETS_FROM`] resources), remembered
+    /// until the stream is up.
     pub fn offer(&mut self) -> String {
+        self.offer_from(resume::BUCKETS_FROM)
+    }
+
+    /// [`Session::offer`], in buckets from `from` resources.
+    pub fn offer_from(&mut self, from: u64) -> String {
         self.offered = self
             .types
             .iter()
-            .map(|(url, t)| (url.clone(), t.digest))
+            .map(|(url, t)| (url.clone(), (t.digest, t.buckets)))
             .collect();
-        resume::offer(self.offered.iter().map(|(u, d)| (u.as_str(), *d)))
+        let types = self.offered.iter().map(|(u, (d, b))| (u.as_str(), *d, b));
+        resume::offer_with_buckets(types, from)
     }
 
     /// A new agent stream is open, without a digest resume: the re-statement of every
@@ -288,7 +320,9 @@ impl Session {
 
     /// A new agent stream is open: the re-statement of every type Envoy uses. A type the
     /// agent `matched` by the digest offered (and whose digest has not moved since) goes
-    /// without its versions: the agent takes Envoy to hold its snapshot's.
+    /// without its versions: the agent takes Envoy to hold its snapshot's. Of a type it
+    /// matched in buckets, the buckets whose digest has not moved either are relied on,
+    /// and only the other buckets' versions go.
     pub fn upstream_up_matched(&mut self, matched: Option<&str>) -> Vec<Send> {
         self.stream += 1;
         self.up = true;
@@ -300,6 +334,11 @@ impl Session {
         let resumed = self.stream > 1;
         self.counts.resumes += u64::from(resumed);
         self.counts.digest_resumes += u64::from(resumed && matched.is_some());
+        let buckets: BTreeMap<&str, u64> = matched
+            .map(resume::parse_matched_buckets)
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         let matched: BTreeSet<&str> = matched
             .map(resume::parse_matched)
             .unwrap_or_default()
@@ -315,10 +354,20 @@ impl Session {
             if t.wildcard && !(t.legacy && subscribe.is_empty()) {
                 subscribe.insert(0, "*".into());
             }
-            let by_digest = matched.contains(url.as_str()) && offered.get(url) == Some(&t.digest);
+            let was = offered.get(url);
+            let by_digest = matched.contains(url.as_str()) && was.map(|o| o.0) == Some(t.digest);
+            // The buckets matched whose digest has not moved since the offer.
+            let relied = match (buckets.get(url.as_str()), was) {
+                (Some(m), Some((_, b))) => (0..resume::BUCKETS)
+                    .filter(|i| m & (1 << i) != 0 && b.0[*i] == t.buckets.0[*i])
+                    .fold(0u64, |r, i| r | 1 << i),
+                _ => 0,
+            };
             if resumed {
                 if by_digest {
                     self.counts.digest_types += 1;
+                } else if relied != 0 {
+                    self.counts.bucket_types += 1;
                 } else {
                     self.counts.version_types += 1;
                 }
@@ -331,11 +380,7 @@ impl Session {
                 },
                 type_url: url.clone(),
                 resource_names_subscribe: subscribe,
-                initial_resource_versions: if by_digest {
-                    HashMap::new()
-                } else {
-                    t.held.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
-                },
+                initial_resource_versions: t.versions(by_digest, relied),
                 ..Default::default()
             })));
         }

@@ -15,6 +15,20 @@
 //!
 //! Envoy connected straight to the agent sends no such header and is served as ever.
 //!
+//! **Buckets.** A type whose digest differs (a pod's listener and cluster came or went
+//! during the roll) would list every version again, 10,000 at mesh scale. So a type of
+//! [`BUCKETS_FROM`] pairs or more is also offered in [`BUCKETS`] buckets, by a hash of
+//! the name ([`bucket`]), as the entry `TYPE_URL#buckets=COUNT:DIGEST.COUNT:DIGEST...`
+//! ([`Buckets::encode`]). For a type it did not match whole, the agent answers the entry
+//! `TYPE_URL#buckets=BITMAP` (hex) of the buckets whose digest equals its snapshot's.
+//! The relay then lists the versions of the other buckets only, with the reserved entry
+//! [`RELIED`] (an empty name, which no resource has) whose value is the bitmap of the
+//! buckets it relies on: those matched whose digest has not moved since the offer (an
+//! ACK folded in while the stream opened). The agent takes Envoy to hold its snapshot's
+//! resources of those buckets, as of the answer, and the listed versions besides. An
+//! agent or a relay without buckets skips the entries (no type is named `...#buckets`):
+//! the type then goes by its whole digest, or its versions.
+//!
 //! The digest of a set of (name, version) pairs is their count and the wrapping sum of a
 //! hash of each pair: independent of order, and kept up to date pair by pair.
 
@@ -28,11 +42,31 @@ pub struct Digest {
     pub sum: u64,
 }
 
+/// The buckets a large type is offered in, as well as whole.
+pub const BUCKETS: usize = 64;
+/// The pairs from which a type is offered in buckets too: below it, listing the versions
+/// costs about what the buckets would.
+pub const BUCKETS_FROM: u64 = 256;
+/// The suffix of a type URL that names its buckets, in an offer and in an answer.
+pub const BUCKETS_SUFFIX: &str = "#buckets";
+/// The `initial_resource_versions` key of a bucket resume: the bitmap (hex) of the
+/// buckets the relay relies on. No resource is named by the empty string.
+pub const RELIED: &str = "";
+
 /// A pair's hash: FNV-1a over the name, a separator and the version, then a 64-bit
 /// finaliser (so that the sum of many mixes every bit).
 pub fn pair_hash(name: &str, version: &str) -> u64 {
+    fnv_mixed(name.bytes().chain([0xff]).chain(version.bytes()))
+}
+
+/// The bucket of a resource name.
+pub fn bucket(name: &str) -> usize {
+    (fnv_mixed(name.bytes()) % BUCKETS as u64) as usize
+}
+
+fn fnv_mixed(bytes: impl Iterator<Item = u8>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes().chain([0xff]).chain(version.bytes()) {
+    for b in bytes {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
@@ -68,7 +102,61 @@ impl Digest {
     }
 }
 
-/// The relay's offer: `TYPE_URL=COUNT:DIGEST,...`.
+/// A type's pairs in [`BUCKETS`] buckets, a digest each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buckets(pub [Digest; BUCKETS]);
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Buckets([Digest::default(); BUCKETS])
+    }
+}
+
+impl Buckets {
+    pub fn add(&mut self, name: &str, version: &str) {
+        self.0[bucket(name)].add(name, version);
+    }
+
+    pub fn remove(&mut self, name: &str, version: &str) {
+        self.0[bucket(name)].remove(name, version);
+    }
+
+    /// `COUNT:DIGEST.COUNT:DIGEST...`, one per bucket in order.
+    pub fn encode(&self) -> String {
+        self.0
+            .iter()
+            .map(Digest::encode)
+            .collect::<Vec<_>>()
+            .join(".")
+    }
+
+    /// The bitmap of the buckets whose digest equals the offered one's (`encoded` as
+    /// [`Buckets::encode`] writes it; a malformed offer matches nothing).
+    pub fn matched(&self, encoded: &str) -> u64 {
+        let offered: Vec<&str> = encoded.split('.').collect();
+        if offered.len() != BUCKETS {
+            return 0;
+        }
+        (0..BUCKETS)
+            .filter(|b| self.0[*b].encode() == offered[*b])
+            .fold(0, |m, b| m | 1 << b)
+    }
+
+    pub fn of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Buckets {
+        let mut d = Buckets::default();
+        for (n, v) in pairs {
+            d.add(n, v);
+        }
+        d
+    }
+}
+
+/// Whether `name`'s bucket is in `bitmap`.
+pub fn in_bitmap(bitmap: u64, name: &str) -> bool {
+    bitmap & (1 << bucket(name)) != 0
+}
+
+/// The relay's offer: `TYPE_URL=COUNT:DIGEST,...` (see [`offer_with_buckets`]).
 pub fn offer<'a>(digests: impl IntoIterator<Item = (&'a str, Digest)>) -> String {
     digests
         .into_iter()
@@ -77,7 +165,24 @@ pub fn offer<'a>(digests: impl IntoIterator<Item = (&'a str, Digest)>) -> String
         .join(",")
 }
 
-/// An offer read back: (type URL, `COUNT:DIGEST`) pairs; a malformed entry is left out.
+/// The relay's offer with buckets: each type whole, and a type of [`BUCKETS_FROM`] pairs
+/// or more in buckets too.
+pub fn offer_with_buckets<'a>(
+    types: impl IntoIterator<Item = (&'a str, Digest, &'a Buckets)>,
+    from: u64,
+) -> String {
+    let mut entries = Vec::new();
+    for (t, d, b) in types {
+        entries.push(format!("{t}={}", d.encode()));
+        if d.count >= from {
+            entries.push(format!("{t}{BUCKETS_SUFFIX}={}", b.encode()));
+        }
+    }
+    entries.join(",")
+}
+
+/// An offer read back: (type URL, `COUNT:DIGEST`) pairs, bucket entries as (type URL
+/// with [`BUCKETS_SUFFIX`], buckets); a malformed entry is left out.
 pub fn parse_offer(header: &str) -> Vec<(&str, &str)> {
     header
         .split(',')
@@ -85,9 +190,28 @@ pub fn parse_offer(header: &str) -> Vec<(&str, &str)> {
         .collect()
 }
 
-/// The agent's answer read back: the type URLs it matched.
+/// The agent's answer read back: the type URLs it matched whole, and bucket entries
+/// as `TYPE_URL#buckets=BITMAP`.
 pub fn parse_matched(header: &str) -> Vec<&str> {
     header.split(',').filter(|t| !t.is_empty()).collect()
+}
+
+/// The bucket entries of an answer: (type URL, bitmap of the buckets matched).
+pub fn parse_matched_buckets(header: &str) -> Vec<(&str, u64)> {
+    parse_matched(header)
+        .into_iter()
+        .filter_map(|e| {
+            let (url, bitmap) = e.split_once('=')?;
+            let url = url.strip_suffix(BUCKETS_SUFFIX)?;
+            Some((url, u64::from_str_radix(bitmap, 16).ok()?))
+        })
+        .collect()
+}
+
+/// The bitmap a bucket resume relies on, from a re-statement's versions: the
+/// [`RELIED`] entry; None without one.
+pub fn relied(initial: &std::collections::HashMap<String, String>) -> Option<u64> {
+    u64::from_str_radix(initial.get(RELIED)?, 16).ok()
 }
 
 #[cfg(test)]
@@ -106,6 +230,45 @@ mod tests {
         assert_eq!(d, Digest::of([("c", "3"), ("a", "9")]));
         assert_ne!(d, Digest::of([("c", "3"), ("a", "1")]));
         assert_ne!(Digest::of([("ab", "c")]), Digest::of([("a", "bc")]));
+    }
+
+    #[test]
+    fn buckets_match_where_their_pairs_agree_and_an_offer_with_them_reads_back() {
+        let pairs: Vec<(String, String)> = (0..300)
+            .map(|i| (format!("outbound|80||svc-{i}.mesh"), format!("{i:x}")))
+            .collect();
+        let mut ours = Buckets::of(pairs.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+        let theirs = ours;
+        assert_eq!(ours.matched(&theirs.encode()), u64::MAX);
+        // One pair at another version, one more: two buckets (or one) differ.
+        ours.remove(&pairs[7].0, &pairs[7].1);
+        ours.add(&pairs[7].0, "other");
+        ours.add("new", "1");
+        let m = ours.matched(&theirs.encode());
+        let differ = [bucket(&pairs[7].0), bucket("new")];
+        for b in 0..BUCKETS {
+            assert_eq!(m & (1 << b) != 0, !differ.contains(&b), "bucket {b}");
+        }
+        assert_eq!(ours.matched("garbage"), 0);
+        let whole = Digest::of(pairs.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+        let small = Digest::of([("x", "1")]);
+        let o = offer_with_buckets(
+            [
+                ("t/big", whole, &theirs),
+                ("t/small", small, &Buckets::default()),
+            ],
+            BUCKETS_FROM,
+        );
+        let parsed = parse_offer(&o);
+        assert_eq!(parsed.len(), 3, "the small type is offered whole only: {o}");
+        assert_eq!(parsed[1].0, "t/big#buckets");
+        assert_eq!(theirs.matched(parsed[1].1), u64::MAX);
+        let answer = format!("t/small,t/big{BUCKETS_SUFFIX}={m:x}");
+        assert_eq!(parse_matched_buckets(&answer), [("t/big", m)]);
+        let mut initial = std::collections::HashMap::new();
+        assert_eq!(relied(&initial), None);
+        initial.insert(RELIED.to_string(), format!("{m:x}"));
+        assert_eq!(relied(&initial), Some(m));
     }
 
     #[test]

@@ -293,6 +293,54 @@ fn a_type_the_agent_matched_by_digest_is_restated_without_its_versions() {
 }
 
 #[test]
+fn a_type_matched_in_buckets_lists_only_the_versions_of_the_buckets_not_relied_on() {
+    let (ba, bb) = (resume::bucket("a"), resume::bucket("b"));
+    assert_ne!(ba, bb, "a and b in buckets of their own");
+    let mut s = holding();
+    assert!(
+        !s.offer().contains(resume::BUCKETS_SUFFIX),
+        "two resources: whole only"
+    );
+    let offer = s.offer_from(0);
+    assert!(offer.contains(&format!("{CDS}{}=", resume::BUCKETS_SUFFIX)));
+    // The agent matched every CDS bucket but a's: a's version goes, with the buckets
+    // relied on; EDS was not matched, its versions go.
+    let all_but_a = !(1u64 << ba);
+    let answer = format!("{CDS}{}={all_but_a:x}", resume::BUCKETS_SUFFIX);
+    let out = s.upstream_up_matched(Some(&answer));
+    let r = upstream(&out);
+    let want: HashMap<String, String> = [
+        ("a".to_string(), "1".to_string()),
+        (resume::RELIED.to_string(), format!("{all_but_a:x}")),
+    ]
+    .into();
+    assert_eq!(r[0].initial_resource_versions, want);
+    assert_eq!(r[1].initial_resource_versions.len(), 1, "EDS: not matched");
+    assert_eq!(
+        (
+            s.counts.digest_types,
+            s.counts.bucket_types,
+            s.counts.version_types
+        ),
+        (0, 1, 1)
+    );
+    // b's bucket moved after the offer (an ACK folded in): not relied on, b listed.
+    let mut s = holding();
+    s.on_envoy(req(CDS, &[]));
+    s.upstream_up();
+    s.on_agent(resp(CDS, "9", &[("b", "2")], &[]));
+    s.upstream_down();
+    s.offer_from(0);
+    s.on_envoy(ack(CDS, "9"));
+    let out = s.upstream_up_matched(Some(&answer));
+    let versions = &upstream(&out)[0].initial_resource_versions;
+    let relied = all_but_a & !(1u64 << bb);
+    assert_eq!(versions.get("b").map(String::as_str), Some("2"));
+    assert_eq!(versions.get("a").map(String::as_str), Some("1"));
+    assert_eq!(versions.get(resume::RELIED), Some(&format!("{relied:x}")));
+}
+
+#[test]
 fn a_digest_mismatch_or_an_agent_without_the_feature_gets_the_plain_resume() {
     let plain = {
         let mut s = holding();
@@ -356,8 +404,9 @@ struct Agent {
     client: BTreeMap<String, Client>,
     nonce: u64,
     /// Types the relay's digest offer matched: the client holds the snapshot's as of the
-    /// match (the snapshot may move on before the type's first request).
-    resumed: BTreeMap<String, BTreeMap<String, String>>,
+    /// match (the snapshot may move on before the type's first request), whole (None) or
+    /// in the buckets of the bitmap.
+    resumed: BTreeMap<String, (BTreeMap<String, String>, Option<u64>)>,
 }
 
 impl Agent {
@@ -383,10 +432,21 @@ impl Agent {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            if let Some(held) = self.resumed.remove(&r.type_url)
-                && r.initial_resource_versions.is_empty()
-            {
-                c.2 = held;
+            match self.resumed.remove(&r.type_url) {
+                Some((held, None)) if r.initial_resource_versions.is_empty() => c.2 = held,
+                Some((held, Some(matched))) => {
+                    // The buckets the relay relies on: the snapshot's, as of the answer;
+                    // the rest as listed.
+                    if let Some(relied) = resume::relied(&r.initial_resource_versions) {
+                        c.2.remove(resume::RELIED);
+                        let relied = relied & matched;
+                        c.2.extend(
+                            held.into_iter()
+                                .filter(|(n, _)| resume::in_bitmap(relied, n)),
+                        );
+                    }
+                }
+                _ => {}
             }
         }
         for n in &r.resource_names_subscribe {
@@ -404,17 +464,36 @@ impl Agent {
         self.diff(&url).into_iter().collect()
     }
 
-    /// Its answer to a digest offer: the types whose digest equals its snapshot's.
+    /// Its answer to a digest offer: the types whose digest equals its snapshot's, and
+    /// of the others offered in buckets, the buckets that do.
     fn answer_offer(&mut self, offer: &str) -> String {
         let mut matched = Vec::new();
-        for (url, digest) in shared_proto::resume::parse_offer(offer) {
-            let snap = self.snapshot.get(url).cloned().unwrap_or_default();
-            let ours = shared_proto::resume::Digest::of(
-                snap.iter().map(|(n, v)| (n.as_str(), v.as_str())),
-            );
-            if ours.encode() == digest {
+        let offered = resume::parse_offer(offer);
+        let pairs = |snap: &BTreeMap<String, String>| -> Vec<(String, String)> {
+            snap.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+        };
+        for (url, digest) in &offered {
+            let snap = self.snapshot.get(*url).cloned().unwrap_or_default();
+            let p = pairs(&snap);
+            let ours = Digest::of(p.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+            if ours.encode() == *digest {
                 matched.push(url.to_string());
-                self.resumed.insert(url.to_string(), snap);
+                self.resumed.insert(url.to_string(), (snap, None));
+            }
+        }
+        for (entry, encoded) in &offered {
+            let Some(url) = entry.strip_suffix(resume::BUCKETS_SUFFIX) else {
+                continue;
+            };
+            if self.resumed.contains_key(url) {
+                continue;
+            }
+            let snap = self.snapshot.get(url).cloned().unwrap_or_default();
+            let p = pairs(&snap);
+            let m = Buckets::of(p.iter().map(|(n, v)| (n.as_str(), v.as_str()))).matched(encoded);
+            if m != 0 {
+                matched.push(format!("{entry}={m:x}"));
+                self.resumed.insert(url.to_string(), (snap, Some(m)));
             }
         }
         matched.join(",")
@@ -492,6 +571,7 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
     let urls = [CDS, EDS, SDS];
     let names = ["a", "b", "c", "d"];
     let mut digest_types = 0;
+    let mut bucket_types = 0;
     for seed in 1..=300u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let mut s = Session::default();
@@ -562,15 +642,31 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                     s.upstream_down();
                     to_agent.clear();
                     agent = agent.successor();
-                    let offer = s.offer();
+                    // Offered in buckets too, or whole only (the real threshold).
+                    let offer = if rng.next(2) == 0 {
+                        s.offer_from(0)
+                    } else {
+                        s.offer()
+                    };
                     if rng.next(2) == 0 {
                         shuffle(&mut agent, &mut rng);
+                    }
+                    if rng.next(3) == 0 {
+                        // Envoy's replies to earlier answers fold in while the stream
+                        // opens: what it holds moves after the offer.
+                        for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+                            let sent = s.on_envoy(reply(&answer.view, ok));
+                            assert!(upstream(&sent).is_empty(), "nothing goes up while down");
+                        }
                     }
                     // Mid-roll skew: an agent with the digest resume, or without.
                     let matched = (rng.next(3) != 0).then(|| agent.answer_offer(&offer));
                     digest_types += matched
                         .as_ref()
                         .map_or(0, |m| m.split(',').filter(|t| !t.is_empty()).count());
+                    bucket_types += matched
+                        .as_ref()
+                        .map_or(0, |m| resume::parse_matched_buckets(m).len());
                     route(
                         s.upstream_up_matched(matched.as_deref()),
                         &mut to_agent,
@@ -629,5 +725,9 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
     assert!(
         digest_types > 100,
         "types resumed by digest: {digest_types}"
+    );
+    assert!(
+        bucket_types > 20,
+        "types resumed in buckets: {bucket_types}"
     );
 }

@@ -55,6 +55,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 use imbl::OrdMap;
 use imbl::ordmap::DiffItem;
 
+use super::digest::Resumed;
 use super::encoded::Encoded;
 use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
 use super::protocol::{Event, Protocol};
@@ -208,15 +209,20 @@ fn held_versions(
     current: &OrdMap<String, u64>,
     initial: &HashMap<String, String>,
 ) -> OrdMap<String, u64> {
-    let parse = |v: &String| u64::from_str_radix(v, 16).ok();
+    // A bucket resume's entry names no resource (`resume::RELIED`).
+    let parse = |name: &String, v: &String| {
+        u64::from_str_radix(v, 16)
+            .ok()
+            .filter(|_| name != shared_proto::resume::RELIED)
+    };
     if initial.len() < current.len() / 2 {
         return initial
             .iter()
-            .filter_map(|(name, v)| Some((name.clone(), parse(v)?)))
+            .filter_map(|(name, v)| Some((name.clone(), parse(name, v)?)))
             .collect();
     }
     let held_as_current =
-        |name: &String, hash: &u64| initial.get(name).and_then(parse) == Some(*hash);
+        |name: &String, hash: &u64| initial.get(name).and_then(|v| parse(name, v)) == Some(*hash);
     // Not held, or at another version: out, before what is held goes in.
     let differ: Vec<&String> = current
         .iter()
@@ -229,7 +235,7 @@ fn held_versions(
     }
     if current.len() - differ.len() < initial.len() {
         for (name, version) in initial {
-            if let Some(v) = parse(version)
+            if let Some(v) = parse(name, version)
                 && current.get(name) != Some(&v)
             {
                 holds.insert(name.clone(), v);
@@ -376,9 +382,9 @@ pub struct DeltaState {
     types: [TypeState; KIND_COUNT],
     /// With on-demand clusters: the node's observed upstreams, which this stream adds to.
     observed: Option<Arc<Observed>>,
-    /// Types a relay's digest resumed (`super::digest`): what the proxy holds, taken at
-    /// the type's first request instead of its `initial_resource_versions`.
-    resumed: [Option<OrdMap<String, u64>>; KIND_COUNT],
+    /// Types a relay's digest resumed (`super::digest`), whole or in buckets: what the
+    /// proxy holds, taken at the type's first request with its `initial_resource_versions`.
+    resumed: [Option<Resumed>; KIND_COUNT],
 }
 
 impl DeltaState {
@@ -422,8 +428,8 @@ impl DeltaState {
     }
 
     /// The proxy holds `held` of `kind` (a snapshot's, by a relay's digest): taken at the
-    /// type's first request, unless that lists versions itself.
-    pub fn resume_held(&mut self, kind: Kind, held: OrdMap<String, u64>) {
+    /// type's first request as [`Resumed::held`] says.
+    pub fn resume_held(&mut self, kind: Kind, held: Resumed) {
         self.resumed[kind.index()] = Some(held);
     }
 
@@ -522,9 +528,10 @@ impl Protocol for DeltaState {
             t.wildcard = wildcard(kind) && req.resource_names_subscribe.is_empty();
             // A reconnect: the proxy keeps what it held on the old stream, as it lists
             // it, or as the relay's digest said (the snapshot's, shared).
-            t.holds = match resumed {
-                Some(held) if req.initial_resource_versions.is_empty() => held,
-                _ => held_versions(current.hashes(kind), &req.initial_resource_versions),
+            let initial = &req.initial_resource_versions;
+            t.holds = match resumed.and_then(|r| r.held(initial)) {
+                Some(held) => held,
+                None => held_versions(current.hashes(kind), initial),
             };
             t.acked = t.holds.clone();
             if lazy

@@ -1,80 +1,158 @@
 //! The agent's side of the digest resume (`shared_proto::resume`): the digest of each
-//! type of the current snapshot, as (name, wire version) pairs, kept per snapshot and
-//! carried from one snapshot to the next by what changed, so that answering a relay's
-//! offer costs a comparison of five numbers.
+//! type of the current snapshot, whole and in buckets, as (name, wire version) pairs,
+//! kept per snapshot and carried from one snapshot to the next by what changed, so that
+//! answering a relay's offer costs a comparison of a few hundred numbers.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use aether_model::Snapshot;
-use shared_proto::resume::{self, Digest};
+use imbl::OrdMap;
+use shared_proto::resume::{self, Buckets, Digest};
 
 use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wire_version};
 
+/// Each type's digest, whole and in buckets.
+pub type Of = ([Digest; KIND_COUNT], [Buckets; KIND_COUNT]);
+
 /// The digests of the last snapshot asked about.
 #[derive(Default)]
-pub struct Digests(Mutex<Option<(Arc<Snapshot>, [Digest; KIND_COUNT])>>);
+pub struct Digests(Mutex<Option<(Arc<Snapshot>, Of)>>);
 
-fn full(s: &Snapshot, kind: Kind) -> Digest {
-    let mut d = Digest::default();
+fn full(s: &Snapshot, kind: Kind) -> (Digest, Buckets) {
+    let (mut d, mut b) = (Digest::default(), Buckets::default());
     for (n, h) in s.hashes(kind) {
-        d.add(n, &wire_version(*h));
+        let v = wire_version(*h);
+        d.add(n, &v);
+        b.add(n, &v);
     }
-    d
+    (d, b)
+}
+
+/// What a relay's offer matched: whole types, and of the others the buckets (a bitmap).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Answer {
+    pub whole: Vec<Kind>,
+    pub buckets: Vec<(Kind, u64)>,
+}
+
+/// What the proxy holds of a type a relay's offer matched, as of the answer.
+#[derive(Debug, Clone)]
+pub enum Resumed {
+    /// The whole type: the snapshot's resources.
+    Whole(OrdMap<String, u64>),
+    /// The snapshot's resources (all of them, as of the answer) in the `matched` buckets.
+    Buckets {
+        hashes: OrdMap<String, u64>,
+        matched: u64,
+    },
+}
+
+impl Resumed {
+    /// What the proxy holds, given the type's first request's `initial` versions: a whole
+    /// match stands when the relay listed nothing; a bucket match, when it named the
+    /// buckets it relies on (`resume::RELIED`, of those matched), holds the snapshot's
+    /// resources in them and the versions listed besides. None: the relay did not take
+    /// the match (what Envoy holds moved after the offer), and `initial` is complete.
+    pub fn held(self, initial: &HashMap<String, String>) -> Option<OrdMap<String, u64>> {
+        match self {
+            Resumed::Whole(held) => initial.is_empty().then_some(held),
+            Resumed::Buckets { hashes, matched } => {
+                let relied = resume::relied(initial)? & matched;
+                let mut held = hashes.clone();
+                for name in hashes.keys() {
+                    if !resume::in_bitmap(relied, name) {
+                        held.remove(name);
+                    }
+                }
+                for (name, version) in initial {
+                    if let Ok(v) = u64::from_str_radix(version, 16)
+                        && name != resume::RELIED
+                    {
+                        held.insert(name.clone(), v);
+                    }
+                }
+                Some(held)
+            }
+        }
+    }
 }
 
 impl Digests {
-    /// The digest of each type of `s`: from the last snapshot's and what changed since,
+    /// The digests of each type of `s`: from the last snapshot's and what changed since,
     /// or, without a history that reaches it, from every resource.
-    pub fn of(&self, s: &Arc<Snapshot>) -> [Digest; KIND_COUNT] {
+    pub fn of(&self, s: &Arc<Snapshot>) -> Of {
         let mut cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((last, d)) = cache.as_ref()
             && Arc::ptr_eq(last, s)
         {
             return *d;
         }
-        let mut out = [Digest::default(); KIND_COUNT];
+        let mut out: Of = Default::default();
         for kind in KINDS {
-            let carried = cache.as_ref().and_then(|(last, d)| {
+            let carried = cache.as_ref().and_then(|(last, (d, b))| {
                 let changed = s.changed_since(last, kind)?;
-                let mut d = d[kind.index()];
+                let (mut d, mut b) = (d[kind.index()], b[kind.index()]);
                 let (old, new) = (last.hashes(kind), s.hashes(kind));
                 for n in changed {
                     if let Some(h) = old.get(n) {
-                        d.remove(n, &wire_version(*h));
+                        let v = wire_version(*h);
+                        d.remove(n, &v);
+                        b.remove(n, &v);
                     }
                     if let Some(h) = new.get(n) {
-                        d.add(n, &wire_version(*h));
+                        let v = wire_version(*h);
+                        d.add(n, &v);
+                        b.add(n, &v);
                     }
                 }
-                Some(d)
+                Some((d, b))
             });
-            out[kind.index()] = carried.unwrap_or_else(|| full(s, kind));
+            let (d, b) = carried.unwrap_or_else(|| full(s, kind));
+            out.0[kind.index()] = d;
+            out.1[kind.index()] = b;
         }
         *cache = Some((s.clone(), out));
         out
     }
 
-    /// The answer to a relay's offer: the types whose digest equals `s`'s, as the
-    /// response header names them.
-    pub fn matched(&self, s: &Arc<Snapshot>, offer: &str) -> Vec<Kind> {
-        let ours = self.of(s);
-        resume::parse_offer(offer)
-            .into_iter()
-            .filter_map(|(url, digest)| {
-                let kind = from_type_url(url)?;
-                (ours[kind.index()].encode() == digest).then_some(kind)
-            })
-            .collect()
+    /// The answer to a relay's offer: the types whose digest equals `s`'s, and of the
+    /// others offered in buckets, the buckets that do (if any).
+    pub fn matched(&self, s: &Arc<Snapshot>, offer: &str) -> Answer {
+        let (whole, buckets) = self.of(s);
+        let mut answer = Answer::default();
+        let offered = resume::parse_offer(offer);
+        for (url, digest) in &offered {
+            if let Some(kind) = from_type_url(url)
+                && whole[kind.index()].encode() == *digest
+            {
+                answer.whole.push(kind);
+            }
+        }
+        for (url, encoded) in &offered {
+            if let Some(kind) = url
+                .strip_suffix(resume::BUCKETS_SUFFIX)
+                .and_then(from_type_url)
+                && !answer.whole.contains(&kind)
+            {
+                let m = buckets[kind.index()].matched(encoded);
+                if m != 0 {
+                    answer.buckets.push((kind, m));
+                }
+            }
+        }
+        answer
     }
 }
 
-/// The response header's value for `kinds`.
-pub fn header(kinds: &[Kind]) -> String {
-    kinds
+/// The response header's value for `answer`.
+pub fn header(answer: &Answer) -> String {
+    let whole = answer.whole.iter().map(|k| type_url(*k).to_string());
+    let buckets = answer
+        .buckets
         .iter()
-        .map(|k| type_url(*k))
-        .collect::<Vec<_>>()
-        .join(",")
+        .map(|(k, m)| format!("{}{}={m:x}", type_url(*k), resume::BUCKETS_SUFFIX));
+    whole.chain(buckets).collect::<Vec<_>>().join(",")
 }
 
 #[cfg(test)]
@@ -100,8 +178,13 @@ mod tests {
         }
     }
 
-    fn offer(ds: &[Digest; KIND_COUNT]) -> String {
-        resume::offer(KINDS.into_iter().map(|k| (type_url(k), ds[k.index()])))
+    fn offer((d, b): &Of) -> String {
+        resume::offer_with_buckets(
+            KINDS
+                .into_iter()
+                .map(|k| (type_url(k), d[k.index()], &b[k.index()])),
+            0,
+        )
     }
 
     #[test]
@@ -122,14 +205,73 @@ mod tests {
             .unwrap();
         let carried = digests.of(&next);
         for k in KINDS {
-            assert_eq!(carried[k.index()], full(&next, k), "{k:?}");
+            let (d, b) = full(&next, k);
+            assert_eq!(carried.0[k.index()], d, "{k:?}");
+            assert_eq!(carried.1[k.index()], b, "{k:?}");
         }
-        assert_ne!(carried, at_first);
+        assert_ne!(carried.0, at_first.0);
         // An offer of the first snapshot's digests, against the next: CDS and EDS
         // changed, the listeners and routes did not.
-        let matched = digests.matched(&next, &offer(&at_first));
+        let matched = digests.matched(&next, &offer(&at_first)).whole;
         assert!(!matched.contains(&Kind::Cluster) && !matched.contains(&Kind::Endpoint));
-        assert_eq!(digests.matched(&next, &offer(&carried)).len(), KIND_COUNT);
-        assert!(digests.matched(&next, "garbage").is_empty());
+        assert_eq!(
+            digests.matched(&next, &offer(&carried)).whole.len(),
+            KIND_COUNT
+        );
+        assert_eq!(digests.matched(&next, "garbage"), Answer::default());
+        // In buckets: each type not matched whole differs in the buckets of the names
+        // that changed, and matches in the others.
+        let answer = digests.matched(&next, &offer(&at_first));
+        let mut differing = Vec::new();
+        for k in KINDS {
+            let (old, new) = (first.hashes(k), next.hashes(k));
+            let differ = old
+                .keys()
+                .chain(new.keys())
+                .filter(|n| old.get(*n) != new.get(*n))
+                .fold(0u64, |m, n| m | 1 << resume::bucket(n));
+            if differ != 0 {
+                differing.push((k, !differ));
+            }
+        }
+        assert!(differing.iter().any(|(k, _)| *k == Kind::Endpoint));
+        assert_eq!(answer.buckets, differing);
+        let h = header(&answer);
+        assert_eq!(
+            resume::parse_matched_buckets(&h).len(),
+            differing.len(),
+            "{h}"
+        );
+    }
+
+    #[test]
+    fn a_bucket_resume_holds_the_snapshot_in_the_buckets_relied_on_and_what_is_listed() {
+        let hashes: OrdMap<String, u64> = (0..200u64).map(|i| (format!("c{i}"), i)).collect();
+        let in_b0: Vec<&String> = hashes.keys().filter(|n| resume::bucket(n) == 0).collect();
+        let in_b1: Vec<&String> = hashes.keys().filter(|n| resume::bucket(n) == 1).collect();
+        assert!(!in_b0.is_empty() && !in_b1.is_empty());
+        // Matched buckets 0 and 1; the relay relies on bucket 0 alone (1 moved) and lists
+        // what Envoy holds in every other bucket: here, one of bucket 1's at version 99.
+        let resumed = Resumed::Buckets {
+            hashes: hashes.clone(),
+            matched: 0b11,
+        };
+        let mut initial = HashMap::from([
+            (resume::RELIED.to_string(), "1".to_string()),
+            (in_b1[0].clone(), wire_version(99)),
+        ]);
+        let held = resumed.clone().held(&initial).unwrap();
+        let mut want: OrdMap<String, u64> =
+            in_b0.iter().map(|n| ((*n).clone(), hashes[*n])).collect();
+        want.insert(in_b1[0].clone(), 99);
+        assert_eq!(held, want);
+        // A relied bucket the agent did not match is not taken.
+        initial.insert(resume::RELIED.to_string(), "4".to_string());
+        assert_eq!(resumed.clone().held(&initial).unwrap().len(), 1);
+        // No relied entry: the versions listed are all there is.
+        assert!(resumed.held(&HashMap::new()).is_none());
+        let whole = Resumed::Whole(hashes.clone());
+        assert_eq!(whole.clone().held(&HashMap::new()), Some(hashes));
+        assert!(whole.held(&initial).is_none());
     }
 }

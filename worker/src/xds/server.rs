@@ -33,7 +33,7 @@ use tonic_prost::ProstCodec;
 use shared_proto::resume;
 
 use super::delta::{DeltaState, LimitError, SubscriptionLimits};
-use super::digest::Digests;
+use super::digest::{Digests, Resumed};
 use super::encoded::Encoded;
 use super::kind::{self, Kind};
 use super::protocol::{Event, Protocol};
@@ -59,7 +59,7 @@ pub(super) trait Served: Protocol {
     /// Whether the protocol takes a relay's digest resume (incremental only).
     const DIGEST_RESUME: bool = false;
     /// The proxy holds `held` of `kind`, by a relay's digest.
-    fn resume_held(&mut self, _kind: Kind, _held: imbl::OrdMap<String, u64>) {}
+    fn resume_held(&mut self, _kind: Kind, _held: Resumed) {}
 }
 
 /// A request carrying more names than this is freed on a blocking thread, not before the
@@ -107,7 +107,7 @@ impl Served for DeltaState {
     }
 
     const DIGEST_RESUME: bool = true;
-    fn resume_held(&mut self, kind: Kind, held: imbl::OrdMap<String, u64>) {
+    fn resume_held(&mut self, kind: Kind, held: Resumed) {
         DeltaState::resume_held(self, kind, held)
     }
 }
@@ -229,14 +229,22 @@ impl Ads {
         let mut answer = None;
         if let Some(offer) = offer.filter(|_| P::DIGEST_RESUME && self.resume == Resume::Digest) {
             let snapshot = self.snapshots.borrow().clone();
-            let kinds = self.digests.matched(&snapshot, offer);
-            answer = Some(super::digest::header(&kinds));
-            for kind in kinds {
+            let matched = self.digests.matched(&snapshot, offer);
+            answer = Some(super::digest::header(&matched));
+            for kind in &matched.whole {
+                let label = TypeLabel {
+                    type_url: kind::type_url(*kind).to_string(),
+                };
+                self.metrics.xds_digest_resumes.get_or_create(&label).inc();
+                resumed.push((*kind, Resumed::Whole(snapshot.hashes(*kind).clone())));
+            }
+            for (kind, m) in matched.buckets {
                 let label = TypeLabel {
                     type_url: kind::type_url(kind).to_string(),
                 };
-                self.metrics.xds_digest_resumes.get_or_create(&label).inc();
-                resumed.push((kind, snapshot.hashes(kind).clone()));
+                self.metrics.xds_bucket_resumes.get_or_create(&label).inc();
+                let hashes = snapshot.hashes(kind).clone();
+                resumed.push((kind, Resumed::Buckets { hashes, matched: m }));
             }
             tracing::info!(stream = id, matched = ?answer, "ADS stream: the relay offered a digest resume");
         }
@@ -275,7 +283,7 @@ async fn run_stream<P: Served>(
     acks: Acks,
     metrics: Arc<Metrics>,
     limits: SubscriptionLimits,
-    resumed: Vec<(Kind, imbl::OrdMap<String, u64>)>,
+    resumed: Vec<(Kind, Resumed)>,
 ) {
     metrics.xds_streams.inc();
     let _gauge = StreamGauge(metrics.clone());
