@@ -705,6 +705,8 @@ struct Bench {
     relay: Option<Relay>,
     /// ARG_RELAY: the registry change timed at each roll.
     changes: Option<changes::Changes>,
+    /// Two nodes: holds node B's drains while a change is timed.
+    drain_pause: Option<Arc<two_node::Pause>>,
     /// Envoy's outbound listener (none with ARG_MTLS: the pods carry the load).
     outbound: Option<SocketAddr>,
     cni: Arc<Cni>,
@@ -1004,6 +1006,7 @@ fn setup(node: LocalNode, cfg: &Config, relayed: bool) -> Result<Bench> {
         envoy,
         relay,
         changes,
+        drain_pause: None,
         outbound,
         cni,
         pods,
@@ -1117,6 +1120,9 @@ pub fn run_mode(cfg: &Config, mode: Mode, relay: bool) -> ModeResult {
             let admin = bench.envoy.admin.clone();
             CrossDrain::start(r, p, admin, bench.gate.is_some(), cfg.mesh_services > 0)
         });
+    if bench.changes.is_some() {
+        bench.drain_pause = drain.as_ref().map(CrossDrain::pause);
+    }
     // ARG_MTLS: node B rolls too, timed on its own Envoy.
     let mut peer_poller = bench
         .gate
@@ -1693,6 +1699,8 @@ fn debug_stats(b: &Bench) -> Option<Vec<(String, u64)>> {
 fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let before_stats = debug_stats(b);
     let r = roll_inner(b, poller, mode);
+    // Also when the roll failed between the hold and its release.
+    b.release_drains();
     if let (Some(before), Some(after)) = (before_stats, debug_stats(b)) {
         for (k, v) in &after {
             let old = before.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
@@ -1758,6 +1766,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
                 let ok = churn::add_pod(&b.cni, &b.pods, &pod, ip);
                 overlap = Some((pod, ok));
             }
+            b.hold_drains();
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
             if let Some(c) = b.changes.as_mut() {
@@ -1773,6 +1782,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             )?;
         }
         Mode::Recreate => {
+            b.hold_drains();
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
             if let Some(c) = b.changes.as_mut() {
@@ -1793,6 +1803,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
                 .ready()
                 .and_then(|(_, v)| v["pid"].as_i64())
                 .ok_or_else(|| anyhow!("no worker pid in /ready"))?;
+            b.hold_drains();
             action = Instant::now();
             kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
             if let Some(c) = b.changes.as_mut() {
@@ -1820,6 +1831,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         ),
         None => None,
     };
+    b.release_drains();
     if overlap.as_ref().is_some_and(|(_, ok)| *ok) {
         adds += 1;
     }
@@ -1889,11 +1901,15 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             c.holds_current(&b.envoy)
                 .with_context(|| format!("after the roll, {}", b.owner.name))?;
             c.stage()?;
+            if let Some(p) = &b.drain_pause {
+                p.hold();
+            }
             c.make()?;
-            r.change_no_roll = Some(
-                c.acked(&b.envoy)
-                    .context("the registry change made between rolls")?,
-            );
+            let acked = c.acked(&b.envoy);
+            if let Some(p) = &b.drain_pause {
+                p.release();
+            }
+            r.change_no_roll = Some(acked.context("the registry change made between rolls")?);
         }
     }
     if let Some(id) = &b.identity {
@@ -1940,6 +1956,20 @@ fn reconnect_resources(log: &str) -> u64 {
 }
 
 impl Bench {
+    /// Two nodes with `ARG_RELAY`: holds node B's drains until [`Bench::release_drains`],
+    /// so that Envoy's next load assignment is the timed change's.
+    fn hold_drains(&self) {
+        if let Some(p) = &self.drain_pause {
+            p.hold();
+        }
+    }
+
+    fn release_drains(&self) {
+        if let Some(p) = &self.drain_pause {
+            p.release();
+        }
+    }
+
     fn start_agent_after_exit(&mut self) -> Result<Agent> {
         let status = self.owner.wait_exit_timeout(Duration::from_secs(10))?;
         if !status.success() {

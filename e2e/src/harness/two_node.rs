@@ -353,7 +353,53 @@ impl DrainReport {
 /// fresh one.
 pub struct CrossDrain {
     stop: Arc<AtomicBool>,
+    pause: Arc<Pause>,
     thread: Option<JoinHandle<DrainReport>>,
+}
+
+/// Holds node B's drains while `ARG_RELAY`'s registry change is timed at node A's Envoy
+/// ([`super::changes`]): a drain, or a batch of new pod endpoints, changes that Envoy's
+/// load assignments too, and its log does not say whose it accepted.
+#[derive(Default)]
+pub struct Pause {
+    /// (held, a step in flight: from its registrar write or DEL until node A's Envoy
+    /// showed it, or gave up).
+    state: Mutex<(bool, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl Pause {
+    /// Holds the next step, and waits for the one in flight to show at node A's Envoy.
+    pub fn hold(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.0 = true;
+        let (_s, waited) = self
+            .changed
+            .wait_timeout_while(s, DRAIN_TIMEOUT, |s| s.1)
+            .unwrap();
+        if waited.timed_out() {
+            eprintln!(
+                "   (a cross-node drain step still in flight after {DRAIN_TIMEOUT:?}; the change is timed anyway)"
+            );
+        }
+    }
+
+    pub fn release(&self) {
+        self.state.lock().unwrap().0 = false;
+        self.changed.notify_all();
+    }
+
+    /// The drain thread, before a step: waits while held.
+    fn begin(&self) {
+        let s = self.state.lock().unwrap();
+        let mut s = self.changed.wait_while(s, |s| s.0).unwrap();
+        s.1 = true;
+    }
+
+    fn end(&self) {
+        self.state.lock().unwrap().1 = false;
+        self.changed.notify_all();
+    }
 }
 
 struct DrainCtx {
@@ -371,6 +417,7 @@ struct DrainCtx {
     node_b_rolls: bool,
     /// How often node A's Envoy admin is read while a drain is on its way.
     poll: Duration,
+    pause: Arc<Pause>,
 }
 
 impl CrossDrain {
@@ -383,6 +430,7 @@ impl CrossDrain {
         mesh: bool,
     ) -> CrossDrain {
         let stop = Arc::new(AtomicBool::new(false));
+        let pause = Arc::new(Pause::default());
         let ctx = DrainCtx {
             registrar: registry.addr().to_string(),
             ca_file: registry.ca_file.clone(),
@@ -394,6 +442,7 @@ impl CrossDrain {
             stop: stop.clone(),
             node_b_rolls,
             poll: if mesh { MESH_POLL } else { DRAIN_POLL },
+            pause: pause.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("cross-drain".into())
@@ -401,8 +450,14 @@ impl CrossDrain {
             .expect("spawn the cross-node drain thread");
         CrossDrain {
             stop,
+            pause,
             thread: Some(thread),
         }
+    }
+
+    /// What holds the drains while a change is timed.
+    pub fn pause(&self) -> Arc<Pause> {
+        self.pause.clone()
     }
 
     /// Stops after the batch in flight (every pod of it is deleted and timed).
@@ -424,7 +479,10 @@ impl DrainCtx {
                 let mut p = self.pods.lock().unwrap();
                 (0..BATCH).map(|_| p.new_pod()).collect()
             };
-            if let Err(e) = self.register(&batch, &mut costs) {
+            self.pause.begin();
+            let registered = self.register(&batch, &mut costs);
+            self.pause.end();
+            if let Err(e) = registered {
                 report.errors.push(format!("{e:#}"));
                 // The registrar or the proxy is in trouble; do not spin.
                 std::thread::sleep(Duration::from_millis(200));
@@ -451,6 +509,8 @@ impl DrainCtx {
             }
             for (pod, ip) in added {
                 let addr = format!("{ip}:{POD_PORT}");
+                self.pause.begin();
+                let step = Defer(|| self.pause.end());
                 if !churn::del_one(&self.cni, &self.pods, pod.clone()) {
                     report.errors.push(format!(
                         "DEL {} on node B failed: {:?}",
@@ -472,6 +532,7 @@ impl DrainCtx {
                         report.timeout_dels.push(deleted);
                     }
                 }
+                drop(step);
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
@@ -526,6 +587,15 @@ impl DrainCtx {
             }
             std::thread::sleep(self.poll);
         }
+    }
+}
+
+/// Runs a closure when dropped: a drain step ends on every path out of it.
+struct Defer<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        (self.0)();
     }
 }
 
