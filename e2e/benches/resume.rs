@@ -176,7 +176,7 @@ fn main() {
                 (k, Digest::of(pairs()), Buckets::of(pairs()))
             })
             .collect();
-        resume::offer_with_buckets(
+        resume::offer(
             per_type.iter().map(|(k, d, b)| (type_url(*k), *d, b)),
             resume::BUCKETS_FROM,
         )

@@ -308,7 +308,7 @@ impl Session {
             .map(|(url, t)| (url.clone(), (t.digest, t.buckets)))
             .collect();
         let types = self.offered.iter().map(|(u, (d, b))| (u.as_str(), *d, b));
-        resume::offer_with_buckets(types, from)
+        resume::offer(types, from)
     }
 
     /// A new agent stream is open, without a digest resume: the re-statement of every
@@ -358,9 +358,7 @@ impl Session {
             let by_digest = matched.contains(url.as_str()) && was.map(|o| o.0) == Some(t.digest);
             // The buckets matched whose digest has not moved since the offer.
             let relied = match (buckets.get(url.as_str()), was) {
-                (Some(m), Some((_, b))) => (0..resume::BUCKETS)
-                    .filter(|i| m & (1 << i) != 0 && b.0[*i] == t.buckets.0[*i])
-                    .fold(0u64, |r, i| r | 1 << i),
+                (Some(m), Some((_, b))) => m & b.agree(&t.buckets),
                 _ => 0,
             };
             if resumed {

@@ -142,6 +142,13 @@ impl Buckets {
             .fold(0, |m, b| m | 1 << b)
     }
 
+    /// The bitmap of the buckets whose digest equals `other`'s.
+    pub fn agree(&self, other: &Buckets) -> u64 {
+        (0..BUCKETS)
+            .filter(|b| self.0[*b] == other.0[*b])
+            .fold(0, |m, b| m | 1 << b)
+    }
+
     pub fn of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Buckets {
         let mut d = Buckets::default();
         for (n, v) in pairs {
@@ -156,18 +163,9 @@ pub fn in_bitmap(bitmap: u64, name: &str) -> bool {
     bitmap & (1 << bucket(name)) != 0
 }
 
-/// The relay's offer: `TYPE_URL=COUNT:DIGEST,...` (see [`offer_with_buckets`]).
-pub fn offer<'a>(digests: impl IntoIterator<Item = (&'a str, Digest)>) -> String {
-    digests
-        .into_iter()
-        .map(|(t, d)| format!("{t}={}", d.encode()))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// The relay's offer with buckets: each type whole, and a type of [`BUCKETS_FROM`] pairs
-/// or more in buckets too.
-pub fn offer_with_buckets<'a>(
+/// The relay's offer: `TYPE_URL=COUNT:DIGEST` for each type, and
+/// `TYPE_URL#buckets=...` too for a type of `from` pairs or more ([`BUCKETS_FROM`]).
+pub fn offer<'a>(
     types: impl IntoIterator<Item = (&'a str, Digest, &'a Buckets)>,
     from: u64,
 ) -> String {
@@ -252,7 +250,7 @@ mod tests {
         assert_eq!(ours.matched("garbage"), 0);
         let whole = Digest::of(pairs.iter().map(|(n, v)| (n.as_str(), v.as_str())));
         let small = Digest::of([("x", "1")]);
-        let o = offer_with_buckets(
+        let o = offer(
             [
                 ("t/big", whole, &theirs),
                 ("t/small", small, &Buckets::default()),
@@ -263,6 +261,7 @@ mod tests {
         assert_eq!(parsed.len(), 3, "the small type is offered whole only: {o}");
         assert_eq!(parsed[1].0, "t/big#buckets");
         assert_eq!(theirs.matched(parsed[1].1), u64::MAX);
+        assert_eq!(ours.agree(&theirs), m);
         let answer = format!("t/small,t/big{BUCKETS_SUFFIX}={m:x}");
         assert_eq!(parse_matched_buckets(&answer), [("t/big", m)]);
         let mut initial = std::collections::HashMap::new();
@@ -273,10 +272,14 @@ mod tests {
 
     #[test]
     fn an_offer_reads_back() {
-        let o = offer([
-            ("t/a", Digest::of([("x", "1")])),
-            ("t/b", Digest::default()),
-        ]);
+        let none = Buckets::default();
+        let o = offer(
+            [
+                ("t/a", Digest::of([("x", "1")]), &none),
+                ("t/b", Digest::default(), &none),
+            ],
+            BUCKETS_FROM,
+        );
         let parsed = parse_offer(&o);
         assert_eq!(parsed.len(), 2);
         assert_eq!(parsed[1], ("t/b", "0:0000000000000000"));

@@ -389,16 +389,16 @@ impl Pause {
         self.changed.notify_all();
     }
 
-    /// The drain thread, before a step: waits while held.
-    fn begin(&self) {
-        let s = self.state.lock().unwrap();
-        let mut s = self.changed.wait_while(s, |s| s.0).unwrap();
-        s.1 = true;
-    }
-
-    fn end(&self) {
+    /// The drain thread's step `f`: waits while held, and is in flight until it returns.
+    fn during<R>(&self, f: impl FnOnce() -> R) -> R {
+        {
+            let s = self.state.lock().unwrap();
+            self.changed.wait_while(s, |s| s.0).unwrap().1 = true;
+        }
+        let r = f();
         self.state.lock().unwrap().1 = false;
         self.changed.notify_all();
+        r
     }
 }
 
@@ -479,10 +479,7 @@ impl DrainCtx {
                 let mut p = self.pods.lock().unwrap();
                 (0..BATCH).map(|_| p.new_pod()).collect()
             };
-            self.pause.begin();
-            let registered = self.register(&batch, &mut costs);
-            self.pause.end();
-            if let Err(e) = registered {
+            if let Err(e) = self.pause.during(|| self.register(&batch, &mut costs)) {
                 report.errors.push(format!("{e:#}"));
                 // The registrar or the proxy is in trouble; do not spin.
                 std::thread::sleep(Duration::from_millis(200));
@@ -508,31 +505,8 @@ impl DrainCtx {
                 std::thread::sleep(Duration::from_millis(5));
             }
             for (pod, ip) in added {
-                let addr = format!("{ip}:{POD_PORT}");
-                self.pause.begin();
-                let step = Defer(|| self.pause.end());
-                if !churn::del_one(&self.cni, &self.pods, pod.clone()) {
-                    report.errors.push(format!(
-                        "DEL {} on node B failed: {:?}",
-                        pod.uid,
-                        self.pods.lock().unwrap().errors.last()
-                    ));
-                    continue;
-                }
-                let deleted = Instant::now();
-                match self.wait_state(&addr, "DRAINING", &mut costs) {
-                    Some(seen) => {
-                        report
-                            .samples
-                            .push(seen.saturating_duration_since(deleted).as_secs_f64());
-                        report.spans.push((deleted, seen));
-                    }
-                    None => {
-                        report.timeouts.push(format!("{} ({addr})", pod.uid));
-                        report.timeout_dels.push(deleted);
-                    }
-                }
-                drop(step);
+                self.pause
+                    .during(|| self.drain_one(&pod, ip, &mut report, &mut costs));
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
@@ -542,6 +516,38 @@ impl DrainCtx {
             percentile(&costs, 100.0).unwrap_or_default(),
         );
         report
+    }
+
+    /// DELetes `pod` on node B and times its endpoint to DRAINING at node A's Envoy.
+    fn drain_one(
+        &self,
+        pod: &PodId,
+        ip: Ipv4Addr,
+        report: &mut DrainReport,
+        costs: &mut Vec<Duration>,
+    ) {
+        let addr = format!("{ip}:{POD_PORT}");
+        if !churn::del_one(&self.cni, &self.pods, pod.clone()) {
+            report.errors.push(format!(
+                "DEL {} on node B failed: {:?}",
+                pod.uid,
+                self.pods.lock().unwrap().errors.last()
+            ));
+            return;
+        }
+        let deleted = Instant::now();
+        match self.wait_state(&addr, "DRAINING", costs) {
+            Some(seen) => {
+                report
+                    .samples
+                    .push(seen.saturating_duration_since(deleted).as_secs_f64());
+                report.spans.push((deleted, seen));
+            }
+            None => {
+                report.timeouts.push(format!("{} ({addr})", pod.uid));
+                report.timeout_dels.push(deleted);
+            }
+        }
     }
 
     /// Registers `batch` as the endpoints of [`POD_SERVICE`] and waits until node A's
@@ -587,15 +593,6 @@ impl DrainCtx {
             }
             std::thread::sleep(self.poll);
         }
-    }
-}
-
-/// Runs a closure when dropped: a drain step ends on every path out of it.
-struct Defer<F: FnMut()>(F);
-
-impl<F: FnMut()> Drop for Defer<F> {
-    fn drop(&mut self) {
-        (self.0)();
     }
 }
 

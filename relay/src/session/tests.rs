@@ -262,13 +262,14 @@ fn holding() -> Session {
 fn a_type_the_agent_matched_by_digest_is_restated_without_its_versions() {
     let mut s = holding();
     let offer = s.offer();
-    let want = shared_proto::resume::offer([
-        (
-            CDS,
-            shared_proto::resume::Digest::of([("a", "1"), ("b", "1")]),
-        ),
-        (EDS, shared_proto::resume::Digest::of([("c1", "1")])),
-    ]);
+    let none = Buckets::default();
+    let want = resume::offer(
+        [
+            (CDS, Digest::of([("a", "1"), ("b", "1")]), &none),
+            (EDS, Digest::of([("c1", "1")]), &none),
+        ],
+        resume::BUCKETS_FROM,
+    );
     assert_eq!(offer, want, "each type's digest of what Envoy holds");
     let out = s.upstream_up_matched(Some(CDS));
     let r = upstream(&out);

@@ -179,7 +179,7 @@ mod tests {
     }
 
     fn offer((d, b): &Of) -> String {
-        resume::offer_with_buckets(
+        resume::offer(
             KINDS
                 .into_iter()
                 .map(|k| (type_url(k), d[k.index()], &b[k.index()])),
