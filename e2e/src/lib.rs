@@ -17,6 +17,7 @@ pub mod flood;
 pub mod harness;
 pub mod identity;
 pub mod kube_api;
+pub mod pause;
 pub mod quic;
 pub mod registrar;
 pub mod testing;

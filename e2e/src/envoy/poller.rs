@@ -7,6 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{admin_get, exact_names, parse_stats};
+use crate::pause::Pause;
 use crate::testing::percentile;
 
 /// 1 while Envoy holds an ADS stream.
@@ -108,6 +109,7 @@ pub const POLL_PERIOD: Duration = Duration::from_millis(2);
 /// thread busy.
 pub struct Poller {
     state: Arc<Mutex<PollState>>,
+    pause: Arc<Pause>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -120,7 +122,8 @@ impl Poller {
     pub fn start_every(admin: PathBuf, period: Duration) -> Poller {
         let state = Arc::new(Mutex::new(PollState::default()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (state.clone(), stop.clone());
+        let pause = Arc::new(Pause::default());
+        let (st, sp, pp) = (state.clone(), stop.clone(), pause.clone());
         let [counters, gauges] = poll_queries();
         let thread = std::thread::Builder::new()
             .name("admin-poller".into())
@@ -128,10 +131,12 @@ impl Poller {
                 realtime_priority();
                 let mut prev: Option<Instant> = None;
                 while !sp.load(Ordering::Relaxed) {
-                    let t0 = Instant::now();
-                    let got = admin_get(&admin, &counters)
-                        .and_then(|c| Ok((c, admin_get(&admin, &gauges)?)));
-                    let t1 = Instant::now();
+                    let (t0, got, t1) = pp.during(|| {
+                        let t0 = Instant::now();
+                        let got = admin_get(&admin, &counters)
+                            .and_then(|c| Ok((c, admin_get(&admin, &gauges)?)));
+                        (t0, got, Instant::now())
+                    });
                     let t = t0 + (t1 - t0) / 2;
                     let mut s = st.lock().unwrap();
                     s.durations.push(t1 - t0);
@@ -179,9 +184,17 @@ impl Poller {
             .expect("spawn poller");
         Poller {
             state,
+            pause,
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// What holds the reads (from the next one on, after the one in flight): the
+    /// samples then miss that stretch, while a stream that ended in it still shows in the
+    /// cumulative counters of the next read.
+    pub fn pause(&self) -> Arc<Pause> {
+        self.pause.clone()
     }
 
     pub fn last(&self) -> Option<Sample> {
@@ -225,6 +238,7 @@ impl Poller {
 
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.pause.release();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -705,8 +705,8 @@ struct Bench {
     relay: Option<Relay>,
     /// ARG_RELAY: the registry change timed at each roll.
     changes: Option<changes::Changes>,
-    /// Two nodes: holds node B's drains while a change is timed.
-    drain_pause: Option<Arc<two_node::Pause>>,
+    /// ARG_RELAY: what is held while a change is timed.
+    quiet: Quiet,
     /// Envoy's outbound listener (none with ARG_MTLS: the pods carry the load).
     outbound: Option<SocketAddr>,
     cni: Arc<Cni>,
@@ -1006,7 +1006,7 @@ fn setup(node: LocalNode, cfg: &Config, relayed: bool) -> Result<Bench> {
         envoy,
         relay,
         changes,
-        drain_pause: None,
+        quiet: Quiet::default(),
         outbound,
         cni,
         pods,
@@ -1121,7 +1121,10 @@ pub fn run_mode(cfg: &Config, mode: Mode, relay: bool) -> ModeResult {
             CrossDrain::start(r, p, admin, bench.gate.is_some(), cfg.mesh_services > 0)
         });
     if bench.changes.is_some() {
-        bench.drain_pause = drain.as_ref().map(CrossDrain::pause);
+        bench.quiet = Quiet {
+            drains: drain.as_ref().map(CrossDrain::pause),
+            polls: bench.relay.is_some().then(|| poller.pause()),
+        };
     }
     // ARG_MTLS: node B rolls too, timed on its own Envoy.
     let mut peer_poller = bench
@@ -1700,7 +1703,7 @@ fn roll(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let before_stats = debug_stats(b);
     let r = roll_inner(b, poller, mode);
     // Also when the roll failed between the hold and its release.
-    b.release_drains();
+    b.quiet.release();
     if let (Some(before), Some(after)) = (before_stats, debug_stats(b)) {
         for (k, v) in &after {
             let old = before.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
@@ -1766,7 +1769,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
                 let ok = churn::add_pod(&b.cni, &b.pods, &pod, ip);
                 overlap = Some((pod, ok));
             }
-            b.hold_drains();
+            b.quiet.hold();
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
             if let Some(c) = b.changes.as_mut() {
@@ -1782,7 +1785,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             )?;
         }
         Mode::Recreate => {
-            b.hold_drains();
+            b.quiet.hold();
             action = Instant::now();
             b.owner.signal(Signal::SIGTERM);
             if let Some(c) = b.changes.as_mut() {
@@ -1803,7 +1806,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
                 .ready()
                 .and_then(|(_, v)| v["pid"].as_i64())
                 .ok_or_else(|| anyhow!("no worker pid in /ready"))?;
-            b.hold_drains();
+            b.quiet.hold();
             action = Instant::now();
             kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL the worker")?;
             if let Some(c) = b.changes.as_mut() {
@@ -1831,7 +1834,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         ),
         None => None,
     };
-    b.release_drains();
+    b.quiet.release();
     if overlap.as_ref().is_some_and(|(_, ok)| *ok) {
         adds += 1;
     }
@@ -1897,18 +1900,15 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         let owner = &b.owner;
         changes::versions_agree(&b.envoy, || owner.ready().map(|(_, v)| v))
             .with_context(|| format!("after the roll, {}", b.owner.name))?;
+        let quiet = b.quiet.clone();
         if let Some(c) = b.changes.as_mut() {
             c.holds_current(&b.envoy)
                 .with_context(|| format!("after the roll, {}", b.owner.name))?;
             c.stage()?;
-            if let Some(p) = &b.drain_pause {
-                p.hold();
-            }
+            quiet.hold();
             c.make()?;
             let acked = c.acked(&b.envoy);
-            if let Some(p) = &b.drain_pause {
-                p.release();
-            }
+            quiet.release();
             r.change_no_roll = Some(acked.context("the registry change made between rolls")?);
         }
     }
@@ -1955,21 +1955,38 @@ fn reconnect_resources(log: &str) -> u64 {
         .sum()
 }
 
-impl Bench {
-    /// Two nodes with `ARG_RELAY`: holds node B's drains until [`Bench::release_drains`],
-    /// so that Envoy's next load assignment is the timed change's.
-    fn hold_drains(&self) {
-        if let Some(p) = &self.drain_pause {
-            p.hold();
+/// Behind the relay, what is held while a change is timed ([`Quiet::hold`] until
+/// [`Quiet::release`]): node B's drains (two nodes), so that Envoy's next load assignment
+/// is the timed change's, and the admin poller's reads, each of which holds Envoy's main
+/// thread (50 ms and more at 10,000 services). The relay's own metrics time its rolls,
+/// and Envoy's stream ends are counted from its cumulative stats; a roll without the
+/// relay is timed by the poller, which reads on through it.
+#[derive(Clone, Default)]
+struct Quiet {
+    drains: Option<Arc<two_node::Pause>>,
+    polls: Option<Arc<crate::pause::Pause>>,
+}
+
+impl Quiet {
+    fn hold(&self) {
+        if let Some(p) = &self.drains {
+            two_node::hold(p);
+        }
+        if let Some(p) = &self.polls
+            && !p.hold(Duration::from_secs(2))
+        {
+            eprintln!("   (an admin read still in flight after 2 s; the change is timed anyway)");
         }
     }
 
-    fn release_drains(&self) {
-        if let Some(p) = &self.drain_pause {
+    fn release(&self) {
+        for p in [&self.drains, &self.polls].into_iter().flatten() {
             p.release();
         }
     }
+}
 
+impl Bench {
     fn start_agent_after_exit(&mut self) -> Result<Agent> {
         let status = self.owner.wait_exit_timeout(Duration::from_secs(10))?;
         if !status.success() {

@@ -359,46 +359,16 @@ pub struct CrossDrain {
 
 /// Holds node B's drains while `ARG_RELAY`'s registry change is timed at node A's Envoy
 /// ([`super::changes`]): a drain, or a batch of new pod endpoints, changes that Envoy's
-/// load assignments too, and its log does not say whose it accepted.
-#[derive(Default)]
-pub struct Pause {
-    /// (held, a step in flight: from its registrar write or DEL until node A's Envoy
-    /// showed it, or gave up).
-    state: Mutex<(bool, bool)>,
-    changed: std::sync::Condvar,
-}
+/// load assignments too. A step in flight runs from its registrar write or DEL until node
+/// A's Envoy showed it, or gave up.
+pub type Pause = crate::pause::Pause;
 
-impl Pause {
-    /// Holds the next step, and waits for the one in flight to show at node A's Envoy.
-    pub fn hold(&self) {
-        let mut s = self.state.lock().unwrap();
-        s.0 = true;
-        let (_s, waited) = self
-            .changed
-            .wait_timeout_while(s, DRAIN_TIMEOUT, |s| s.1)
-            .unwrap();
-        if waited.timed_out() {
-            eprintln!(
-                "   (a cross-node drain step still in flight after {DRAIN_TIMEOUT:?}; the change is timed anyway)"
-            );
-        }
-    }
-
-    pub fn release(&self) {
-        self.state.lock().unwrap().0 = false;
-        self.changed.notify_all();
-    }
-
-    /// The drain thread's step `f`: waits while held, and is in flight until it returns.
-    fn during<R>(&self, f: impl FnOnce() -> R) -> R {
-        {
-            let s = self.state.lock().unwrap();
-            self.changed.wait_while(s, |s| s.0).unwrap().1 = true;
-        }
-        let r = f();
-        self.state.lock().unwrap().1 = false;
-        self.changed.notify_all();
-        r
+/// Holds node B's drains, waiting for the step in flight to show at node A's Envoy.
+pub fn hold(pause: &Pause) {
+    if !pause.hold(DRAIN_TIMEOUT) {
+        eprintln!(
+            "   (a cross-node drain step still in flight after {DRAIN_TIMEOUT:?}; the change is timed anyway)"
+        );
     }
 }
 
