@@ -290,10 +290,16 @@ impl Agent {
         // Encoded from the first snapshot on, in a standby too: a takeover answers with
         // copies.
         let encoded = Arc::new(Encoded::default());
+        let acks = Acks::default();
         tokio::spawn(xds::encoded::keep_warm(
             node.subscribe(),
             encoded.clone(),
             metrics.clone(),
+            xds::encoded::WarmHold {
+                status: status.subscribe(),
+                acks: acks.subscribe(),
+                done: false,
+            },
         ));
         let (ended_tx, ended_rx) = mpsc::channel(8);
         Ok(Self {
@@ -312,7 +318,7 @@ impl Agent {
             quic_pairs,
             pair_writers: Vec::new(),
             kube,
-            acks: Acks::default(),
+            acks,
             encoded,
             _sources: Sources {
                 storage_upkeep,
