@@ -116,6 +116,12 @@ impl Digests {
         out
     }
 
+    /// Whether the digests of `s` are at hand.
+    pub fn holds(&self, s: &Arc<Snapshot>) -> bool {
+        let cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        cache.as_ref().is_some_and(|(last, _)| Arc::ptr_eq(last, s))
+    }
+
     /// The answer to a relay's offer: the types whose digest equals `s`'s, and of the
     /// others offered in buckets, the buckets that do (if any).
     pub fn matched(&self, s: &Arc<Snapshot>, offer: &str) -> Answer {

@@ -24,6 +24,11 @@ use super::kind::{KIND_COUNT, KINDS, Kind};
 pub struct Encoded {
     /// Per [`Kind::index`]: name to (content hash, encoding).
     types: Mutex<[HashMap<String, (u64, Any)>; KIND_COUNT]>,
+    /// The digests a relay's resume offer is answered from, kept by [`keep_warm`] for
+    /// each snapshot, in a standby too: a surge's new owner answers the offer with a
+    /// comparison instead of a digest of every resource (3 ms at 10,000 services idle,
+    /// 6 ms in a roll).
+    pub digests: super::digest::Digests,
 }
 
 /// Encodes one resource of `s`, if `s` has it.
@@ -193,9 +198,19 @@ pub async fn keep_warm(
 ) {
     let mut last: Option<Arc<Snapshot>> = None;
     loop {
-        metrics
-            .snapshot_seq
-            .set(snapshots.borrow_and_update().seq as i64);
+        let s = snapshots.borrow_and_update().clone();
+        metrics.snapshot_seq.set(s.seq as i64);
+        // Not held: an owner's first offer comes right after its first snapshot, and a
+        // digest already under way is waited for, not repeated (`Digests::of` locks).
+        let e = encoded.clone();
+        if crate::heavy::run(move || {
+            e.digests.of(&s);
+        })
+        .await
+        .is_err()
+        {
+            tracing::error!("resume digests failed; a relay's offer computes them");
+        }
         hold.wait().await;
         let s = snapshots.borrow_and_update().clone();
         metrics.snapshot_seq.set(s.seq as i64);
@@ -450,5 +465,47 @@ mod tests {
         let t = tokio::time::Instant::now();
         lone.wait().await;
         assert_eq!(t.elapsed(), FIRST_ACK_WAIT);
+    }
+
+    /// A standby keeps each snapshot's resume digests and encodings at hand: what a
+    /// surge's new owner answers the relay's offer and the proxy's reconnect from.
+    #[tokio::test]
+    async fn a_standby_keeps_each_snapshots_digests_and_encodings_at_hand() {
+        let first = Arc::new(snapshot(&[1, 2]));
+        let (tx, snapshots) = watch::channel(first.clone());
+        let encoded = Arc::new(Encoded::default());
+        let (_status_tx, status) = watch::channel(crate::health::Status::new("n", "p"));
+        let (_acks_tx, acks) = watch::channel(None);
+        let hold = WarmHold {
+            status,
+            acks,
+            done: false,
+        };
+        let task = tokio::spawn(keep_warm(
+            snapshots,
+            encoded.clone(),
+            crate::metrics::Metrics::new(),
+            hold,
+        ));
+        let at_hand =
+            |s: &Arc<Snapshot>| encoded.digests.holds(s) && encoded.plan(s, None).is_empty();
+        let wait = |s: Arc<Snapshot>| {
+            let at_hand = &at_hand;
+            async move {
+                tokio::time::timeout(std::time::Duration::from_secs(10), async {
+                    while !at_hand(&s) {
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    }
+                })
+                .await
+                .is_ok()
+            }
+        };
+        assert!(wait(first.clone()).await, "the first snapshot");
+        let next = Arc::new(snapshot(&[1, 2, 3]));
+        assert!(!at_hand(&next));
+        tx.send_replace(next.clone());
+        assert!(wait(next).await, "the next snapshot");
+        task.abort();
     }
 }

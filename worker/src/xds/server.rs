@@ -33,7 +33,7 @@ use tonic_prost::ProstCodec;
 use shared_proto::resume;
 
 use super::delta::{DeltaState, LimitError, SubscriptionLimits};
-use super::digest::{Digests, Resumed};
+use super::digest::Resumed;
 use super::encoded::Encoded;
 use super::kind::{self, Kind};
 use super::protocol::{Event, Protocol};
@@ -181,7 +181,6 @@ pub async fn serve(
         limits,
         streams: AtomicU64::new(0),
         resume,
-        digests: Digests::default(),
     });
     // Without a shutdown signal tonic neither waits for nor signals open connections when
     // the incoming stream ends; it drops the listener and returns.
@@ -202,7 +201,6 @@ struct Ads {
     limits: Limits,
     streams: AtomicU64,
     resume: Resume,
-    digests: Digests,
 }
 
 /// Whether the server takes the xDS relay's digest resume (`shared_proto::resume`):
@@ -229,7 +227,7 @@ impl Ads {
         let mut answer = None;
         if let Some(offer) = offer.filter(|_| P::DIGEST_RESUME && self.resume == Resume::Digest) {
             let snapshot = self.snapshots.borrow().clone();
-            let matched = self.digests.matched(&snapshot, offer);
+            let matched = self.encoded.digests.matched(&snapshot, offer);
             answer = Some(super::digest::header(&matched));
             for kind in &matched.whole {
                 let label = TypeLabel {
