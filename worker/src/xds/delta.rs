@@ -884,6 +884,7 @@ mod tests {
     use envoy_types::pb::google::rpc::Status;
 
     use crate::test_rng::Rng;
+    use std::collections::BTreeMap;
 
     fn inputs(endpoints: usize, pods: usize) -> Inputs {
         let eps = (0..endpoints)
@@ -1659,6 +1660,116 @@ mod tests {
                 .iter()
                 .all(|n| t.acked.get(*n).is_some_and(|h| current.get(*n) == Some(h)))
         })
+    }
+
+    /// A reconnect to a new owner (another builder, as a surge's standby is) with the
+    /// versions the proxy held of the old owner's snapshot, then pods coming and going
+    /// (several steps at once when the stream falls behind) and the proxy's ACKs coming
+    /// late: once every answer is ACKed, the proxy holds exactly the new owner's listeners
+    /// and clusters. (A 10,000-service surge once left a DEL'd pod's cluster in the proxy
+    /// while its listener went.)
+    #[test]
+    fn a_reconnect_then_pod_churn_leaves_the_proxy_holding_the_snapshot() {
+        let mut rng = Rng(0x3c6e_f372_fe94_f82b);
+        let pod = |n: u64| Pod {
+            uid: format!("pod-{n:05}-uid"),
+            namespace: "churn".into(),
+            name: format!("churn-{n}"),
+            container_id: format!("c{n}"),
+            netns: "/var/run/netns/x".into(),
+            ifname: "eth0".into(),
+            ips: vec![
+                format!("10.88.{}.{}", n / 200, n % 200 + 1)
+                    .parse()
+                    .unwrap(),
+            ],
+            terminating: false,
+            no_quic_twin: false,
+        };
+        let versions = |s: &Snapshot, kind: Kind| -> BTreeMap<String, String> {
+            s.hashes(kind)
+                .iter()
+                .map(|(n, h)| (n.clone(), wire_version(*h)))
+                .collect()
+        };
+        for round in 0..200 {
+            let (mut next_pod, mut live) = (0u64, Vec::new());
+            let mut churn = |rng: &mut Rng, live: &mut Vec<u64>| -> Change {
+                if live.len() > 3 && rng.below(2) == 0 {
+                    let uid = live.remove(rng.below(live.len() as u64) as usize);
+                    Change::RemovePod(pod(uid).uid)
+                } else {
+                    next_pod += 1;
+                    live.push(next_pod);
+                    Change::UpsertPod(pod(next_pod))
+                }
+            };
+            let mut old = aether_model::Builder::new(inputs(2, 0));
+            let mut new = aether_model::Builder::new(inputs(2, 0));
+            // Both owners see the same pods; the proxy holds the old owner's snapshot,
+            // a few steps behind the new owner's.
+            for _ in 0..10 + rng.below(10) {
+                let c = churn(&mut rng, &mut live);
+                old.apply([c.clone()]);
+                new.apply([c]);
+            }
+            let mut proxy = [Kind::Cluster, Kind::Listener].map(|k| versions(old.snapshot(), k));
+            for _ in 0..rng.below(4) {
+                new.apply([churn(&mut rng, &mut live)]);
+            }
+            let mut st = DeltaState::new(new.snapshot().clone(), Arc::default());
+            for (i, kind) in [Kind::Cluster, Kind::Listener].into_iter().enumerate() {
+                let mut r = req(kind, "", &[], None);
+                r.initial_resource_versions = proxy[i].clone().into_iter().collect();
+                st.on_request(&r);
+            }
+            let mut unacked: Vec<(Kind, String)> = Vec::new();
+            let take = |st: &mut DeltaState,
+                        proxy: &mut [BTreeMap<String, String>; 2],
+                        unacked: &mut Vec<(Kind, String)>| {
+                for r in st.pending() {
+                    let kind = from_type_url(&r.type_url).unwrap();
+                    let held = &mut proxy[usize::from(kind == Kind::Listener)];
+                    for res in &r.resources {
+                        held.insert(res.name.clone(), res.version.clone());
+                    }
+                    for gone in &r.removed_resources {
+                        held.remove(gone);
+                    }
+                    unacked.push((kind, r.nonce));
+                }
+            };
+            take(&mut st, &mut proxy, &mut unacked);
+            for _ in 0..30 {
+                match rng.below(3) {
+                    0 if !unacked.is_empty() => {
+                        let (kind, nonce) = unacked.remove(0);
+                        st.on_request(&req(kind, &nonce, &[], None));
+                    }
+                    _ => {
+                        let mut last = None;
+                        for _ in 0..1 + rng.below(3) {
+                            last = new.apply([churn(&mut rng, &mut live)]).or(last);
+                        }
+                        if let Some(s) = last {
+                            st.set_snapshot(s);
+                        }
+                    }
+                }
+                take(&mut st, &mut proxy, &mut unacked);
+            }
+            while let Some((kind, nonce)) = (!unacked.is_empty()).then(|| unacked.remove(0)) {
+                st.on_request(&req(kind, &nonce, &[], None));
+                take(&mut st, &mut proxy, &mut unacked);
+            }
+            for (i, kind) in [Kind::Cluster, Kind::Listener].into_iter().enumerate() {
+                assert_eq!(
+                    proxy[i],
+                    versions(st.current(), kind),
+                    "round {round}: {kind:?}"
+                );
+            }
+        }
     }
 
     /// `acked_current` settles the subscribed types by what they hold and compares only
