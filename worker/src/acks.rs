@@ -12,12 +12,16 @@ use tokio::sync::watch;
 pub struct Acks {
     /// The newest snapshot whose every resource type the proxy has ACKed.
     acked: watch::Sender<Option<Arc<Snapshot>>>,
+    /// Whether a proxy started a stream holding no cluster (a fresh proxy, not one
+    /// resuming).
+    fresh: watch::Sender<bool>,
 }
 
 impl Default for Acks {
     fn default() -> Self {
         Self {
             acked: watch::Sender::new(None),
+            fresh: watch::Sender::new(false),
         }
     }
 }
@@ -42,6 +46,15 @@ impl Acks {
     /// Every fully ACKed snapshot from now on.
     pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Snapshot>>> {
         self.acked.subscribe()
+    }
+
+    /// Whether a proxy has started a stream holding no cluster, from now on.
+    pub fn fresh(&self) -> watch::Receiver<bool> {
+        self.fresh.subscribe()
+    }
+
+    pub(crate) fn fresh_proxy(&self) {
+        self.fresh.send_if_modified(|f| !std::mem::replace(f, true));
     }
 
     pub(crate) fn publish(&self, s: &Arc<Snapshot>) {

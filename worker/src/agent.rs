@@ -298,6 +298,7 @@ impl Agent {
             xds::encoded::WarmHold {
                 status: status.subscribe(),
                 acks: acks.subscribe(),
+                fresh: acks.fresh(),
                 done: false,
             },
         ));

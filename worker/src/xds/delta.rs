@@ -608,6 +608,7 @@ impl Protocol for DeltaState {
             return Event::Subscribe {
                 kind,
                 version: format!("{} held", req.initial_resource_versions.len()),
+                holds_nothing: first && t.holds.is_empty(),
             };
         }
         let Some((nonce, holds)) = t.sent.clone().filter(|(n, _)| *n == req.response_nonce) else {
@@ -1183,6 +1184,36 @@ mod tests {
             "nothing held, so no tombstone: {out:?}"
         );
         assert_eq!(out[0].2.len(), s.secrets.hashes.len());
+    }
+
+    /// A first request says whether the proxy holds nothing of the type: a fresh proxy,
+    /// not one resuming by its versions or by a relay's digests (the node's encoding
+    /// warm-up waits for one or the other, `encoded::WarmHold`).
+    #[test]
+    fn a_first_request_says_whether_the_proxy_holds_nothing() {
+        let s = snap(1, 2);
+        let first = |st: &mut DeltaState, r: &DeltaDiscoveryRequest| match st.on_request(r) {
+            Event::Subscribe { holds_nothing, .. } => holds_nothing,
+            other => panic!("{other:?}"),
+        };
+        let cds = req(Kind::Cluster, "", &[], None);
+        assert!(first(&mut DeltaState::new(s.clone(), Arc::default()), &cds));
+        let mut resuming = cds.clone();
+        resuming.initial_resource_versions = s
+            .hashes(Kind::Cluster)
+            .iter()
+            .map(|(n, h)| (n.clone(), wire_version(*h)))
+            .collect();
+        assert!(!first(
+            &mut DeltaState::new(s.clone(), Arc::default()),
+            &resuming
+        ));
+        let mut relayed = DeltaState::new(s.clone(), Arc::default());
+        relayed.resume_held(
+            Kind::Cluster,
+            Resumed::Whole(s.hashes(Kind::Cluster).clone()),
+        );
+        assert!(!first(&mut relayed, &cds));
     }
 
     #[test]

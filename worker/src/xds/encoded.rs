@@ -159,8 +159,9 @@ pub const WARM_CHUNK: usize = 1000;
 /// How long an owner's first warm-up waits for the proxy's first ACK ([`WarmHold`]).
 pub const FIRST_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Holds an owner's first warm-up until the proxy has ACKed one of its snapshots (or
-/// [`FIRST_ACK_WAIT`] has passed). An owner that took the node cold (a respawned worker,
+/// Holds an owner's first warm-up until the proxy has ACKed one of its snapshots, or a
+/// proxy has started fresh (holding no cluster: it needs every resource), or
+/// [`FIRST_ACK_WAIT`] has passed. An owner that took the node cold (a respawned worker,
 /// a recreate's new agent) answers the proxy's reconnect, or the relay's resume, with
 /// the few resources that changed, which it encodes itself; its warm-up (every
 /// resource: at 10,000 services 0.2 s of a core idle, over 0.5 s busy) only competed for
@@ -170,6 +171,7 @@ pub const FIRST_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1
 pub struct WarmHold {
     pub status: watch::Receiver<crate::health::Status>,
     pub acks: watch::Receiver<Option<Arc<Snapshot>>>,
+    pub fresh: watch::Receiver<bool>,
     pub done: bool,
 }
 
@@ -178,10 +180,14 @@ impl WarmHold {
         if self.done || self.status.borrow().role != "owner" {
             return;
         }
-        if tokio::time::timeout(FIRST_ACK_WAIT, self.acks.wait_for(Option::is_some))
-            .await
-            .is_err()
-        {
+        let (acks, fresh) = (&mut self.acks, &mut self.fresh);
+        let either = async {
+            tokio::select! {
+                _ = acks.wait_for(Option::is_some) => {}
+                _ = fresh.wait_for(|f| *f) => {}
+            }
+        };
+        if tokio::time::timeout(FIRST_ACK_WAIT, either).await.is_err() {
             tracing::debug!(waited = ?FIRST_ACK_WAIT, "no proxy ACK yet: warming the encodings anyway");
         }
         self.done = true;
@@ -420,14 +426,16 @@ mod tests {
     }
 
     /// A standby warms at once; an owner's first warm-up waits for the proxy's first ACK
-    /// (or [`FIRST_ACK_WAIT`]), and later ones do not wait.
+    /// (or a fresh proxy, or [`FIRST_ACK_WAIT`]), and later ones do not wait.
     #[tokio::test(start_paused = true)]
     async fn an_owners_first_warm_up_waits_for_the_proxys_first_ack() {
         let (status_tx, status) = watch::channel(crate::health::Status::new("n", "p"));
         let (acks_tx, acks) = watch::channel(None);
+        let (_fresh_tx, fresh) = watch::channel(false);
         let mut hold = WarmHold {
             status,
             acks,
+            fresh,
             done: false,
         };
         let quick = std::time::Duration::from_millis(1);
@@ -457,14 +465,36 @@ mod tests {
         acks_tx.send_replace(None);
         assert!(tokio::time::timeout(quick, hold.wait()).await.is_ok());
         let (_acks_tx, acks) = watch::channel(None);
+        let (fresh_tx, fresh) = watch::channel(false);
         let mut lone = WarmHold {
             status: hold.status.clone(),
-            acks,
+            acks: acks.clone(),
+            fresh,
             done: false,
         };
         let t = tokio::time::Instant::now();
         lone.wait().await;
         assert_eq!(t.elapsed(), FIRST_ACK_WAIT);
+
+        // A proxy that starts fresh needs every resource: the warm-up goes ahead.
+        let mut fresh_start = WarmHold {
+            status: hold.status.clone(),
+            acks,
+            fresh: fresh_tx.subscribe(),
+            done: false,
+        };
+        assert!(
+            tokio::time::timeout(quick, fresh_start.wait())
+                .await
+                .is_err()
+        );
+        fresh_tx.send_replace(true);
+        assert!(
+            tokio::time::timeout(quick, fresh_start.wait())
+                .await
+                .is_ok()
+        );
+        assert!(fresh_start.done);
     }
 
     /// A standby keeps each snapshot's resume digests and encodings at hand: what a
@@ -476,9 +506,11 @@ mod tests {
         let encoded = Arc::new(Encoded::default());
         let (_status_tx, status) = watch::channel(crate::health::Status::new("n", "p"));
         let (_acks_tx, acks) = watch::channel(None);
+        let (_fresh_tx, fresh) = watch::channel(false);
         let hold = WarmHold {
             status,
             acks,
+            fresh,
             done: false,
         };
         let task = tokio::spawn(keep_warm(

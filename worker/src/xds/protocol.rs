@@ -35,10 +35,13 @@ pub trait Protocol: Send + 'static {
 /// What a request meant, for logs and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// First request for a type on this stream; `version` is what the proxy holds.
+    /// First request for a type on this stream; `version` is what the proxy holds, and
+    /// `holds_nothing` whether it holds nothing of the type (a proxy that starts fresh,
+    /// not one resuming: by its versions, or by a relay's digests).
     Subscribe {
         kind: Kind,
         version: String,
+        holds_nothing: bool,
     },
     Ack {
         kind: Kind,

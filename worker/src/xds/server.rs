@@ -321,7 +321,13 @@ async fn run_stream<P: Served>(
                         end_with(&tx, Status::resource_exhausted(format!("{} ADS stream refused: {e}", P::NAME))).await;
                         return;
                     }
-                    record(id, &node_id, st.on_request(&req), &metrics, &pushed_at);
+                    let ev = st.on_request(&req);
+                    // A proxy starting fresh needs every resource: the node's encoding
+                    // warm-up may go ahead (`encoded::WarmHold`).
+                    if matches!(ev, Event::Subscribe { kind: Kind::Cluster, holds_nothing: true, .. }) {
+                        acks.fresh_proxy();
+                    }
+                    record(id, &node_id, ev, &metrics, &pushed_at);
                     if P::names(&req) > FREE_OFF_THREAD {
                         tokio::task::spawn_blocking(move || drop(req));
                     }
@@ -436,7 +442,7 @@ fn record(
         type_url: kind::type_url(k).to_string(),
     };
     match ev {
-        Event::Subscribe { kind, version } => {
+        Event::Subscribe { kind, version, .. } => {
             tracing::debug!(stream = id, node, type_url = kind::type_url(kind), held_version = %version, "subscribe")
         }
         Event::Ack {

@@ -110,6 +110,7 @@ impl Protocol for StreamState {
             return Event::Subscribe {
                 kind,
                 version: req.version_info.clone(),
+                holds_nothing: req.version_info.is_empty(),
             };
         }
         let Some(sent) = t.sent.clone().filter(|s| s.nonce == req.response_nonce) else {
@@ -426,7 +427,10 @@ mod tests {
 
         assert!(matches!(
             st.on_request(&req(Kind::Cluster, "", "", &[], None)),
-            Event::Subscribe { .. }
+            Event::Subscribe {
+                holds_nothing: true,
+                ..
+            }
         ));
         assert!(matches!(
             st.on_request(&req(Kind::Listener, "", "", &[], None)),
@@ -522,7 +526,13 @@ mod tests {
         // A new stream (reconnect) that carries versions but no nonce: not an ACK, answered.
         let mut st = StreamState::new(s3.clone(), Arc::default());
         let ev = st.on_request(&req(Kind::Cluster, &s3.clusters.version, "", &[], None));
-        assert!(matches!(ev, Event::Subscribe { .. }));
+        assert!(matches!(
+            ev,
+            Event::Subscribe {
+                holds_nothing: false,
+                ..
+            }
+        ));
         assert!(!st.acked_current());
         assert_eq!(sent(&mut st).len(), 1);
     }
