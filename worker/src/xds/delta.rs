@@ -911,23 +911,29 @@ mod tests {
             ..Default::default()
         };
         for p in 0..pods {
-            let uid = format!("uid-{p}");
-            i.pods.insert(
-                uid.clone(),
-                Pod {
-                    uid,
-                    namespace: "d".into(),
-                    name: format!("p{p}"),
-                    container_id: format!("c{p}"),
-                    netns: "/var/run/netns/x".into(),
-                    ifname: "eth0".into(),
-                    ips: vec![format!("10.244.0.{}", p + 1).parse().unwrap()],
-                    terminating: false,
-                    no_quic_twin: false,
-                },
+            let pod = pod(
+                format!("uid-{p}"),
+                format!("p{p}"),
+                &format!("10.244.0.{}", p + 1),
             );
+            i.pods.insert(pod.uid.clone(), pod);
         }
         i
+    }
+
+    /// A running pod in namespace `d` with one address.
+    fn pod(uid: String, name: String, ip: &str) -> Pod {
+        Pod {
+            container_id: format!("c-{uid}"),
+            uid,
+            namespace: "d".into(),
+            name,
+            netns: "/var/run/netns/x".into(),
+            ifname: "eth0".into(),
+            ips: vec![ip.parse().unwrap()],
+            terminating: false,
+            no_quic_twin: false,
+        }
     }
 
     fn snap(endpoints: usize, pods: usize) -> Arc<Snapshot> {
@@ -1702,20 +1708,9 @@ mod tests {
     #[test]
     fn a_reconnect_then_pod_churn_leaves_the_proxy_holding_the_snapshot() {
         let mut rng = Rng(0x3c6e_f372_fe94_f82b);
-        let pod = |n: u64| Pod {
-            uid: format!("pod-{n:05}-uid"),
-            namespace: "churn".into(),
-            name: format!("churn-{n}"),
-            container_id: format!("c{n}"),
-            netns: "/var/run/netns/x".into(),
-            ifname: "eth0".into(),
-            ips: vec![
-                format!("10.88.{}.{}", n / 200, n % 200 + 1)
-                    .parse()
-                    .unwrap(),
-            ],
-            terminating: false,
-            no_quic_twin: false,
+        let pod = |n: u64| {
+            let ip = format!("10.88.{}.{}", n / 200, n % 200 + 1);
+            pod(format!("pod-{n:05}-uid"), format!("churn-{n}"), &ip)
         };
         let versions = |s: &Snapshot, kind: Kind| -> BTreeMap<String, String> {
             s.hashes(kind)

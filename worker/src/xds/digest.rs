@@ -117,7 +117,8 @@ impl Digests {
     }
 
     /// Whether the digests of `s` are at hand.
-    pub fn holds(&self, s: &Arc<Snapshot>) -> bool {
+    #[cfg(test)]
+    pub(crate) fn holds(&self, s: &Arc<Snapshot>) -> bool {
         let cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
         cache.as_ref().is_some_and(|(last, _)| Arc::ptr_eq(last, s))
     }

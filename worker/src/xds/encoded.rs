@@ -208,9 +208,9 @@ pub async fn keep_warm(
         metrics.snapshot_seq.set(s.seq as i64);
         // Not held: an owner's first offer comes right after its first snapshot, and a
         // digest already under way is waited for, not repeated (`Digests::of` locks).
-        let e = encoded.clone();
+        let (e, next) = (encoded.clone(), s.clone());
         if crate::heavy::run(move || {
-            e.digests.of(&s);
+            e.digests.of(&next);
         })
         .await
         .is_err()
@@ -218,8 +218,10 @@ pub async fn keep_warm(
             tracing::error!("resume digests failed; a relay's offer computes them");
         }
         hold.wait().await;
-        let s = snapshots.borrow_and_update().clone();
-        metrics.snapshot_seq.set(s.seq as i64);
+        // A snapshot published meanwhile: its digests first, then the warm-up of it.
+        if snapshots.has_changed().unwrap_or(false) {
+            continue;
+        }
         // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
         // resource and must not hold up its gates. On the heavy-work thread, not the
         // blocking pool, behind any file look waiting there, and a chunk at a time: see
