@@ -160,6 +160,9 @@ async fn pump<C: Core>(
             answer = answers.message() => match answer {
                 Ok(Some(a)) => s.on_agent(a),
                 Ok(None) => return Ended::Agent("closed"),
+                Err(e) if e.message() == shared_proto::resume::HANDED_OVER => {
+                    return Ended::Agent("handed over");
+                }
                 Err(_) => return Ended::Agent("reset"),
             },
         };
@@ -211,7 +214,9 @@ async fn open<C: Core>(
     let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(relay.max_message);
     grpc.ready().await?;
     let mut request = tonic::Request::new(ReceiverStream::new(requests));
-    if let Some(value) = offer.and_then(|o| o.parse().ok()) {
+    // The header marks the stream as a relay's even with nothing offered: the owner ends
+    // it at a handover ([`shared_proto::resume::HANDED_OVER`]).
+    if let Ok(value) = offer.unwrap_or_default().parse() {
         request
             .metadata_mut()
             .insert(shared_proto::resume::HEADER, value);

@@ -15,6 +15,10 @@
 //!
 //! Envoy connected straight to the agent sends no such header and is served as ever.
 //!
+//! **Handover.** The header also marks the stream as a relay's: a released owner ends
+//! it with [`HANDED_OVER`] as soon as its successor serves, instead of at its exit. A
+//! relay that offers nothing (state of the world) sends the header empty.
+//!
 //! **Buckets.** A type whose digest differs (a pod's listener and cluster came or went
 //! during the roll) would list every version again, 10,000 at mesh scale. So a type of
 //! [`BUCKETS_FROM`] pairs or more is also offered in [`BUCKETS`] buckets, by a hash of
@@ -52,6 +56,12 @@ pub const BUCKETS_SUFFIX: &str = "#buckets";
 /// The `initial_resource_versions` key of a bucket resume: the bitmap (hex) of the
 /// buckets the relay relies on. No resource is named by the empty string.
 pub const RELIED: &str = "";
+
+/// The message of the UNAVAILABLE status with which a released owner ends a relay's
+/// stream once its successor serves (a stream that opened with [`HEADER`], empty when
+/// nothing is offered): the relay re-states its session on its next stream, which it
+/// opens on a connection of its own, so that it reaches the successor.
+pub const HANDED_OVER: &str = "the node is handed over to the successor agent";
 
 /// A pair's hash: FNV-1a over the name, a separator and the version, then a 64-bit
 /// finaliser (so that the sum of many mixes every bit).

@@ -145,6 +145,7 @@ fn main() {
                 std::future::pending(),
                 limits,
                 Default::default(),
+                Default::default(),
             )
             .await
             .expect("serve");

@@ -537,11 +537,9 @@ impl Agent {
                 }
             }
             Action::Release { await_successor } => {
-                self.serving
-                    .take()
-                    .expect("Release follows a served drain")
-                    .close_xds_listener()
-                    .await;
+                let serving = self.serving.take().expect("Release follows a served drain");
+                let handover = serving.handover.clone();
+                serving.close_xds_listener().await;
                 // Before the lock passes: the successor reloads the file at takeover.
                 match self.observed.flush_final() {
                     Ok(wrote) => info!(
@@ -571,6 +569,16 @@ impl Agent {
                 tokio::spawn(async move {
                     if await_successor {
                         self::await_successor(&xds_path).await;
+                    }
+                    let started = Instant::now();
+                    let (relays, closed) = handover.end_relay_streams().await;
+                    if relays > 0 {
+                        info!(
+                            relays,
+                            closed,
+                            took_us = started.elapsed().as_micros() as u64,
+                            "ended the relays' streams: each re-states its session on the successor"
+                        );
                     }
                     let _ = tx.send(Ended::StreamsDone).await;
                 });
@@ -710,6 +718,7 @@ impl Agent {
         // The proxy keeps its stream until this process exits: a drain only stops
         // accepting.
         let (stop_xds, stop_rx) = oneshot::channel::<()>();
+        let handover = xds::server::Handover::default();
         let on_demand = cfg.agent.on_demand_clusters.then(|| self.observed.clone());
         let xds_accept = tokio::spawn(xds::server::serve(
             xds_l,
@@ -727,6 +736,7 @@ impl Agent {
             } else {
                 xds::server::Resume::Plain
             },
+            handover.clone(),
         ));
         // The owner alone writes what the proxy showed it uses.
         tokio::spawn(writers::run_writer(self.observed.clone()));
@@ -771,6 +781,7 @@ impl Agent {
             drain_cni: Some(drain_cni),
             stop_xds,
             xds_accept,
+            handover,
         })
     }
 }
@@ -989,6 +1000,8 @@ struct Serving {
     stop_xds: oneshot::Sender<()>,
     /// Ends once the ADS listener is closed.
     xds_accept: tokio::task::JoinHandle<anyhow::Result<()>>,
+    /// Ends the relays' streams once the node is handed over.
+    handover: xds::server::Handover,
 }
 
 impl Serving {

@@ -144,7 +144,7 @@ impl Server {
                 let listener = tokio::net::UnixListener::bind(&sock).unwrap();
                 ready_tx.send(()).unwrap();
                 tokio::select! {
-                    r = xds::server::serve(listener, snapshots, Default::default(), acks, metrics, observed, std::future::pending(), Default::default(), Default::default()) => r.expect("ADS server"),
+                    r = xds::server::serve(listener, snapshots, Default::default(), acks, metrics, observed, std::future::pending(), Default::default(), Default::default(), Default::default()) => r.expect("ADS server"),
                     _ = stopped => {}
                 }
             });
