@@ -25,6 +25,7 @@ pub struct Metrics {
     pub digest_types: AtomicU64,
     pub bucket_types: AtomicU64,
     pub version_types: AtomicU64,
+    pub names_types: AtomicU64,
     pub absorbed: AtomicU64,
     pub self_acked: AtomicU64,
     pub nacks: AtomicU64,
@@ -49,6 +50,8 @@ impl Metrics {
             .fetch_add(now.bucket_types - before.bucket_types, Relaxed);
         self.version_types
             .fetch_add(now.version_types - before.version_types, Relaxed);
+        self.names_types
+            .fetch_add(now.names_types - before.names_types, Relaxed);
         self.absorbed
             .fetch_add(now.absorbed - before.absorbed, Relaxed);
         self.self_acked
@@ -59,7 +62,7 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let g = |a: &AtomicU64| a.load(Relaxed);
-        let rows: [(&str, &str, &str, String); 11] = [
+        let rows: [(&str, &str, &str, String); 12] = [
             (
                 "aether_relay_envoy_streams",
                 "gauge",
@@ -107,6 +110,12 @@ impl Metrics {
                 "gauge",
                 "The last time from an agent stream's end (or the session's start) to the next one open.",
                 format!("{:.6}", g(&self.last_gap_us) as f64 / 1e6),
+            ),
+            (
+                "aether_relay_names_resumed_types_total",
+                "counter",
+                "Types whose subscription was re-stated on a new agent stream by the digest of its names instead of every name (EDS at mesh scale).",
+                g(&self.names_types).to_string(),
             ),
             (
                 "aether_relay_absorbed_total",

@@ -108,6 +108,9 @@ pub struct Counts {
     pub digest_types: u64,
     pub bucket_types: u64,
     pub version_types: u64,
+    /// Types whose subscription was re-stated by the digest of its names
+    /// ([`resume::RELIED`] in place of the names).
+    pub names_types: u64,
     /// ACKs and NACKs of an earlier stream's answers, absorbed.
     pub absorbed: u64,
     /// Answers the relay ACKed itself instead of forwarding: empty (delta), or what Envoy
@@ -125,6 +128,8 @@ struct TypeState {
     /// The legacy form: re-stated as an empty subscription, as Envoy sent it.
     legacy: bool,
     names: BTreeSet<String>,
+    /// The digest of `names`, kept with them.
+    names_digest: Digest,
     /// The versions Envoy holds, by name.
     held: BTreeMap<String, String>,
     /// The digest of `held`, kept with it, whole and in buckets.
@@ -133,6 +138,18 @@ struct TypeState {
 }
 
 impl TypeState {
+    fn subscribe(&mut self, name: &str) {
+        if self.names.insert(name.to_string()) {
+            self.names_digest.add(name, "");
+        }
+    }
+
+    fn unsubscribe(&mut self, name: &str) {
+        if self.names.remove(name) {
+            self.names_digest.remove(name, "");
+        }
+    }
+
     fn hold(&mut self, name: String, version: String) {
         self.digest.add(&name, &version);
         self.buckets.add(&name, &version);
@@ -184,9 +201,9 @@ pub struct Session {
     /// The current agent stream's number, counted from 1; 0 before the first.
     stream: u64,
     up: bool,
-    /// The digests offered to the agent stream being opened, by type: whole, and in
-    /// buckets.
-    offered: BTreeMap<String, (Digest, Buckets)>,
+    /// The digests offered to the agent stream being opened, by type: whole, in
+    /// buckets, and of the names subscribed.
+    offered: BTreeMap<String, (Digest, Buckets, Digest)>,
     /// Answers forwarded and not yet ACKed or NACKed, by nonce, in the order forwarded.
     /// Agents count nonces from 1 on each stream, so an old agent's answer and a new
     /// one's may share one; Envoy replies to each answer once (a request naming a nonce
@@ -217,7 +234,7 @@ impl Session {
             if n == "*" {
                 t.wildcard = true;
             } else {
-                t.names.insert(n.clone());
+                t.subscribe(n);
             }
         }
         for n in &r.resource_names_unsubscribe {
@@ -225,7 +242,7 @@ impl Session {
                 t.wildcard = false;
                 t.legacy = false;
             } else {
-                t.names.remove(n);
+                t.unsubscribe(n);
             }
         }
         let mut from_earlier_stream = false;
@@ -305,10 +322,21 @@ impl Session {
         self.offered = self
             .types
             .iter()
-            .map(|(url, t)| (url.clone(), (t.digest, t.buckets)))
+            .map(|(url, t)| (url.clone(), (t.digest, t.buckets, t.names_digest)))
             .collect();
-        let types = self.offered.iter().map(|(u, (d, b))| (u.as_str(), *d, b));
-        resume::offer(types, from)
+        let types = self
+            .offered
+            .iter()
+            .map(|(u, (d, b, _))| (u.as_str(), *d, b));
+        let mut offer = resume::offer(types, from);
+        // The names of a type subscribed by name, from as many as the buckets.
+        for (url, (_, _, names)) in &self.offered {
+            if names.count >= from.max(1) {
+                offer.push(',');
+                offer.push_str(&resume::names_entry(url, *names));
+            }
+        }
+        offer
     }
 
     /// A new agent stream is open, without a digest resume: the re-statement of every
@@ -339,6 +367,12 @@ impl Session {
             .unwrap_or_default()
             .into_iter()
             .collect();
+        let matched_names: Vec<String> = self
+            .types
+            .keys()
+            .filter(|u| matched.is_some_and(|m| resume::names_matched(m, u)))
+            .cloned()
+            .collect();
         let matched: BTreeSet<&str> = matched
             .map(resume::parse_matched)
             .unwrap_or_default()
@@ -350,18 +384,26 @@ impl Session {
         let mut out = Vec::with_capacity(urls.len());
         for (i, url) in urls.into_iter().enumerate() {
             let t = &self.types[url];
-            let mut subscribe: Vec<String> = t.names.iter().cloned().collect();
+            let was = offered.get(url);
+            // The names matched whose digest has not moved since the offer: relied on.
+            let by_names =
+                matched_names.iter().any(|u| u == url) && was.map(|o| o.2) == Some(t.names_digest);
+            let mut subscribe: Vec<String> = if by_names {
+                vec![resume::RELIED.to_string()]
+            } else {
+                t.names.iter().cloned().collect()
+            };
             if t.wildcard && !(t.legacy && subscribe.is_empty()) {
                 subscribe.insert(0, "*".into());
             }
-            let was = offered.get(url);
             let by_digest = matched.contains(url.as_str()) && was.map(|o| o.0) == Some(t.digest);
             // The buckets matched whose digest has not moved since the offer.
             let relied = match (buckets.get(url.as_str()), was) {
-                (Some(m), Some((_, b))) => m & b.agree(&t.buckets),
+                (Some(m), Some((_, b, _))) => m & b.agree(&t.buckets),
                 _ => 0,
             };
             if resumed {
+                self.counts.names_types += u64::from(by_names);
                 if by_digest {
                     self.counts.digest_types += 1;
                 } else if relied != 0 {

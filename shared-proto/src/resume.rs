@@ -33,6 +33,17 @@
 //! agent or a relay without buckets skips the entries (no type is named `...#buckets`):
 //! the type then goes by its whole digest, or its versions.
 //!
+//! **Names.** A type Envoy subscribes to by name would list every name again: EDS at mesh
+//! scale names each of 10,000 clusters, 0.3 MB to encode, send and read back on every
+//! resume. So a type of [`BUCKETS_FROM`] names or more is also offered by the digest of
+//! its names (each paired with the empty version), as `TYPE_URL#names=COUNT:DIGEST`
+//! ([`names_entry`]). An agent whose snapshot needs exactly those names (EDS: its EDS
+//! clusters) answers the entry `TYPE_URL#names`. If the names have not moved since the
+//! offer, the relay then re-states the subscription as the one name [`RELIED`] (with `*`
+//! if Envoy subscribed to it), and the agent takes the subscription to be its
+//! snapshot's names as of the answer. An agent without names skips the entry (no type
+//! is named `...#names`); a relay without them never sends [`RELIED`] as a name.
+//!
 //! The digest of a set of (name, version) pairs is their count and the wrapping sum of a
 //! hash of each pair: independent of order, and kept up to date pair by pair.
 
@@ -53,8 +64,12 @@ pub const BUCKETS: usize = 64;
 pub const BUCKETS_FROM: u64 = 256;
 /// The suffix of a type URL that names its buckets, in an offer and in an answer.
 pub const BUCKETS_SUFFIX: &str = "#buckets";
+/// The suffix of a type URL that names its subscribed names, in an offer and in an
+/// answer.
+pub const NAMES_SUFFIX: &str = "#names";
 /// The `initial_resource_versions` key of a bucket resume: the bitmap (hex) of the
-/// buckets the relay relies on. No resource is named by the empty string.
+/// buckets the relay relies on; and the one name of a subscription re-stated by its
+/// names' digest. No resource is named by the empty string.
 pub const RELIED: &str = "";
 
 /// The message of the UNAVAILABLE status with which a released owner ends a relay's
@@ -187,6 +202,23 @@ pub fn offer<'a>(
         }
     }
     entries.join(",")
+}
+
+/// The digest of a set of names: each paired with the empty version.
+pub fn names_digest<'a>(names: impl IntoIterator<Item = &'a str>) -> Digest {
+    Digest::of(names.into_iter().map(|n| (n, "")))
+}
+
+/// The offer's entry for the names of type `url`, whose digest is `digest`.
+pub fn names_entry(url: &str, digest: Digest) -> String {
+    format!("{url}{NAMES_SUFFIX}={}", digest.encode())
+}
+
+/// Whether the agent's `answer` matched the names of type `url`.
+pub fn names_matched(answer: &str, url: &str) -> bool {
+    parse_matched(answer)
+        .into_iter()
+        .any(|e| e.strip_suffix(NAMES_SUFFIX) == Some(url))
 }
 
 /// An offer read back: (type URL, `COUNT:DIGEST`) pairs, bucket entries as (type URL

@@ -177,6 +177,8 @@ metrics! {
         "Types of a new delta ADS stream resumed by the xDS relay's digest (the proxy holds the snapshot's resources of the type, without listing their versions), by type";
     xds_bucket_resumes: Family<TypeLabel, Counter>,
         "Types of a new delta ADS stream resumed in part by the xDS relay's bucket digests (the proxy holds the snapshot's resources in the buckets matched, and lists its versions of the others), by type";
+    xds_names_resumes: Family<TypeLabel, Counter>,
+        "Types of a new delta ADS stream whose subscription the xDS relay re-stated by the digest of its names (the proxy subscribes to the snapshot's names of the type, without listing them), by type";
     snapshot_seq: Gauge,
         "Snapshots this worker has built since it started (one per change step)";
     cni_requests: Family<CniLabel, Counter>,

@@ -294,6 +294,38 @@ fn a_type_the_agent_matched_by_digest_is_restated_without_its_versions() {
 }
 
 #[test]
+fn a_subscription_whose_names_the_agent_matched_is_restated_as_the_one_name_relied_on() {
+    let mut s = holding();
+    let offer = s.offer_from(1);
+    let entry = resume::names_entry(EDS, resume::names_digest(["c1"]));
+    assert!(offer.split(',').any(|e| e == entry), "{offer}");
+    assert!(
+        !s.offer().contains(resume::NAMES_SUFFIX),
+        "one name: below the threshold, listed"
+    );
+    s.offer_from(1);
+    let answer = format!("{EDS}{}", resume::NAMES_SUFFIX);
+    let out = s.upstream_up_matched(Some(&answer));
+    let r = upstream(&out);
+    assert_eq!(r[1].resource_names_subscribe, [resume::RELIED]);
+    assert_eq!(
+        r[0].resource_names_subscribe,
+        Vec::<String>::new(),
+        "CDS as ever"
+    );
+    assert_eq!(s.counts.names_types, 1);
+
+    // Envoy names another cluster while the next stream opens: the names moved since the
+    // offer, so they are listed, whatever the agent matched.
+    s.upstream_down();
+    s.offer_from(1);
+    s.on_envoy(req(EDS, &["c2"]));
+    let out = s.upstream_up_matched(Some(&answer));
+    assert_eq!(upstream(&out)[1].resource_names_subscribe, ["c1", "c2"]);
+    assert_eq!(s.counts.names_types, 1);
+}
+
+#[test]
 fn a_type_matched_in_buckets_lists_only_the_versions_of_the_buckets_not_relied_on() {
     let (ba, bb) = (resume::bucket("a"), resume::bucket("b"));
     assert_ne!(ba, bb, "a and b in buckets of their own");
@@ -408,6 +440,9 @@ struct Agent {
     /// match (the snapshot may move on before the type's first request), whole (None) or
     /// in the buckets of the bitmap.
     resumed: BTreeMap<String, (BTreeMap<String, String>, Option<u64>)>,
+    /// Types whose names the offer matched: the snapshot's names as of the match, which
+    /// a first request naming `RELIED` subscribes to.
+    names: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl Agent {
@@ -450,9 +485,16 @@ impl Agent {
                 _ => {}
             }
         }
+        let relied_names = self.names.remove(&r.type_url);
         for n in &r.resource_names_subscribe {
             if n == "*" {
                 c.0 = true;
+            } else if n == resume::RELIED && fresh {
+                c.1.extend(
+                    relied_names
+                        .clone()
+                        .expect("RELIED only after a names match"),
+                );
             } else {
                 c.1.insert(n.clone());
             }
@@ -495,6 +537,21 @@ impl Agent {
             if m != 0 {
                 matched.push(format!("{entry}={m:x}"));
                 self.resumed.insert(url.to_string(), (snap, Some(m)));
+            }
+        }
+        // The names: those of the snapshot's type.
+        for (entry, encoded) in &offered {
+            let Some(url) = entry.strip_suffix(resume::NAMES_SUFFIX) else {
+                continue;
+            };
+            let names: BTreeSet<String> = self
+                .snapshot
+                .get(url)
+                .map(|s| s.keys().cloned().collect())
+                .unwrap_or_default();
+            if resume::names_digest(names.iter().map(String::as_str)).encode() == *encoded {
+                matched.push(entry.to_string());
+                self.names.insert(url.to_string(), names);
             }
         }
         matched.join(",")
@@ -573,6 +630,7 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
     let names = ["a", "b", "c", "d"];
     let mut digest_types = 0;
     let mut bucket_types = 0;
+    let mut names_types = 0;
     for seed in 1..=300u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let mut s = Session::default();
@@ -610,7 +668,13 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
             };
         route(s.upstream_up(), &mut to_agent, &mut to_envoy);
         for u in urls {
-            let sub: &[&str] = if u == CDS { &[] } else { &["*"] };
+            // EDS by name, every name: re-stated by the names' digest when the
+            // snapshot has them all.
+            let sub: &[&str] = match u {
+                CDS => &[],
+                EDS => &names,
+                _ => &["*"],
+            };
             route(s.on_envoy(req(u, sub)), &mut to_agent, &mut to_envoy);
         }
         for _ in 0..60 {
@@ -662,9 +726,13 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                     }
                     // Mid-roll skew: an agent with the digest resume, or without.
                     let matched = (rng.next(3) != 0).then(|| agent.answer_offer(&offer));
-                    digest_types += matched
-                        .as_ref()
-                        .map_or(0, |m| m.split(',').filter(|t| !t.is_empty()).count());
+                    let entries = |m: &String, names: bool| {
+                        m.split(',')
+                            .filter(|t| !t.is_empty() && t.ends_with(resume::NAMES_SUFFIX) == names)
+                            .count()
+                    };
+                    digest_types += matched.as_ref().map_or(0, |m| entries(m, false));
+                    names_types += matched.as_ref().map_or(0, |m| entries(m, true));
                     bucket_types += matched
                         .as_ref()
                         .map_or(0, |m| resume::parse_matched_buckets(m).len());
@@ -731,4 +799,5 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
         bucket_types > 20,
         "types resumed in buckets: {bucket_types}"
     );
+    assert!(names_types > 20, "types resumed by names: {names_types}");
 }

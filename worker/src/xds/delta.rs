@@ -55,6 +55,8 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 use imbl::OrdMap;
 use imbl::ordmap::DiffItem;
 
+use shared_proto::resume;
+
 use super::digest::Resumed;
 use super::encoded::Encoded;
 use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wildcard, wire_version};
@@ -213,7 +215,7 @@ fn held_versions(
     let parse = |name: &String, v: &String| {
         u64::from_str_radix(v, 16)
             .ok()
-            .filter(|_| name != shared_proto::resume::RELIED)
+            .filter(|_| name != resume::RELIED)
     };
     if initial.len() < current.len() / 2 {
         return initial
@@ -385,6 +387,9 @@ pub struct DeltaState {
     /// Types a relay's digest resumed (`super::digest`), whole or in buckets: what the
     /// proxy holds, taken at the type's first request with its `initial_resource_versions`.
     resumed: [Option<Resumed>; KIND_COUNT],
+    /// Types whose names a relay's digest matched: the snapshot whose names the type's
+    /// first request stands for when it names [`shared_proto::resume::RELIED`].
+    names_from: [Option<Arc<Snapshot>>; KIND_COUNT],
 }
 
 impl DeltaState {
@@ -428,9 +433,13 @@ impl DeltaState {
     }
 
     /// The proxy holds `held` of `kind` (a snapshot's, by a relay's digest): taken at the
-    /// type's first request as [`Resumed::held`] says.
+    /// type's first request as [`Resumed::held`] says. [`Resumed::Names`] is the type's
+    /// subscription instead, taken when the first request relies on it.
     pub fn resume_held(&mut self, kind: Kind, held: Resumed) {
-        self.resumed[kind.index()] = Some(held);
+        match held {
+            Resumed::Names(s) => self.names_from[kind.index()] = Some(s),
+            held => self.resumed[kind.index()] = Some(held),
+        }
     }
 
     /// Whether the wildcard CDS subscription leaves the mesh's clusters out.
@@ -481,6 +490,7 @@ impl Protocol for DeltaState {
             types: Default::default(),
             observed: None,
             resumed: Default::default(),
+            names_from: Default::default(),
         }
     }
 
@@ -519,6 +529,7 @@ impl Protocol for DeltaState {
         let lazy = self.lazy(kind);
         let clusters = self.types[Kind::Cluster.index()].holds.clone();
         let resumed = self.resumed[kind.index()].take();
+        let names_from = self.names_from[kind.index()].take();
         let t = &mut self.types[kind.index()];
         let first = !t.subscribed;
         if first {
@@ -547,12 +558,28 @@ impl Protocol for DeltaState {
             // A fresh subscription names everything at once: one sorted build of the set
             // instead of an insert per name (10,000 EDS names on a reconnect at scale).
             t.wildcard |= req.resource_names_subscribe.iter().any(|n| n == "*");
-            t.names = req
+            let relied = resume::RELIED;
+            let mut listed: BTreeSet<String> = req
                 .resource_names_subscribe
                 .iter()
-                .filter(|n| *n != "*")
+                .filter(|n| *n != "*" && *n != relied)
                 .cloned()
                 .collect();
+            t.names = BTreeSet::new();
+            // A relay's re-statement by the names' digest: the snapshot's names, as
+            // matched (sorted: one build, not an insert per name).
+            if req.resource_names_subscribe.iter().any(|n| n == relied) {
+                match (&names_from, kind) {
+                    (Some(s), Kind::Endpoint) => {
+                        t.names = s.eds_cluster_names().map(String::from).collect();
+                    }
+                    _ => tracing::warn!(
+                        type_url = %req.type_url,
+                        "a re-statement relies on names no digest matched: taken as listed"
+                    ),
+                }
+            }
+            t.names.append(&mut listed);
             if kind == Kind::Secret {
                 // Named, not held and not in the snapshot (a certificate asked for on
                 // demand after a reconnect, of a pod gone meanwhile): said so at once.
@@ -1251,6 +1278,55 @@ mod tests {
         assert!(
             st.acked_current(),
             "what the proxy held is the current snapshot"
+        );
+    }
+
+    /// A relay's re-statement by the names' digest (EDS as the one name `RELIED`)
+    /// subscribes to the snapshot's EDS clusters: with what the proxy holds matched whole,
+    /// nothing goes and the snapshot counts as ACKed; a later endpoint change is pushed by
+    /// name. Without a names match, `RELIED` stands for nothing.
+    #[test]
+    fn a_restatement_by_the_names_digest_subscribes_to_the_snapshots_eds_names() {
+        let s = snap(3, 5);
+        let mut st = DeltaState::new(s.clone(), Arc::default());
+        for kind in KINDS {
+            st.resume_held(kind, Resumed::Whole(s.hashes(kind).clone()));
+        }
+        st.resume_held(Kind::Endpoint, Resumed::Names(s.clone()));
+        for kind in KINDS {
+            let mut r = req(kind, "", &[], None);
+            r.resource_names_subscribe = match kind {
+                Kind::Endpoint => vec![resume::RELIED.into()],
+                Kind::Route | Kind::Secret => s.hashes(kind).keys().cloned().collect(),
+                Kind::Cluster | Kind::Listener => vec![],
+            };
+            st.on_request(&r);
+        }
+        let names = &st.types[Kind::Endpoint.index()].names;
+        assert_eq!(names, &BTreeSet::from([CLA.to_string()]));
+        let out = sent(&mut st);
+        assert!(
+            out.iter().all(|o| o.2.is_empty() && o.3.is_empty()),
+            "{out:?}"
+        );
+        assert!(st.acked_current());
+        for (kind, nonce, ..) in out {
+            let k = KINDS.into_iter().find(|k| k.short() == kind).unwrap();
+            st.on_request(&req(k, &nonce, &[], None));
+        }
+        st.set_snapshot(snap(4, 5));
+        let out = sent(&mut st);
+        assert_eq!(
+            out.iter().find(|o| o.0 == "EDS").map(|o| o.2.clone()),
+            Some(vec![CLA.to_string()]),
+            "{out:?}"
+        );
+
+        let mut plain = DeltaState::new(s.clone(), Arc::default());
+        plain.on_request(&req(Kind::Endpoint, "", &[resume::RELIED, "x"], None));
+        assert_eq!(
+            plain.types[Kind::Endpoint.index()].names,
+            BTreeSet::from(["x".to_string()])
         );
     }
 

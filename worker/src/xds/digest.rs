@@ -12,8 +12,14 @@ use shared_proto::resume::{self, Buckets, Digest};
 
 use super::kind::{KIND_COUNT, KINDS, Kind, from_type_url, type_url, wire_version};
 
-/// Each type's digest, whole and in buckets.
-pub type Of = ([Digest; KIND_COUNT], [Buckets; KIND_COUNT]);
+/// Each type's digest, whole and in buckets, and the digest of the EDS names the
+/// snapshot needs the proxy to subscribe to (its EDS clusters).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Of {
+    pub whole: [Digest; KIND_COUNT],
+    pub buckets: [Buckets; KIND_COUNT],
+    pub eds_names: Digest,
+}
 
 /// The digests of the last snapshot asked about.
 #[derive(Default)]
@@ -29,11 +35,13 @@ fn full(s: &Snapshot, kind: Kind) -> (Digest, Buckets) {
     (d, b)
 }
 
-/// What a relay's offer matched: whole types, and of the others the buckets (a bitmap).
+/// What a relay's offer matched: whole types, of the others the buckets (a bitmap), and
+/// the types whose subscribed names are the snapshot's (EDS alone is offered so).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Answer {
     pub whole: Vec<Kind>,
     pub buckets: Vec<(Kind, u64)>,
+    pub names: Vec<Kind>,
 }
 
 /// What the proxy holds of a type a relay's offer matched, as of the answer.
@@ -46,6 +54,10 @@ pub enum Resumed {
         hashes: OrdMap<String, u64>,
         matched: u64,
     },
+    /// Not what the proxy holds but what it subscribes to: the snapshot's names of the
+    /// type (EDS: its EDS clusters), when the relay re-states the subscription as
+    /// [`resume::RELIED`].
+    Names(Arc<Snapshot>),
 }
 
 impl Resumed {
@@ -57,6 +69,7 @@ impl Resumed {
     pub fn held(self, initial: &HashMap<String, String>) -> Option<OrdMap<String, u64>> {
         match self {
             Resumed::Whole(held) => initial.is_empty().then_some(held),
+            Resumed::Names(_) => None,
             Resumed::Buckets { hashes, matched } => {
                 let relied = resume::relied(initial)? & matched;
                 let mut held = hashes.clone();
@@ -90,9 +103,9 @@ impl Digests {
         }
         let mut out: Of = Default::default();
         for kind in KINDS {
-            let carried = cache.as_ref().and_then(|(last, (d, b))| {
+            let carried = cache.as_ref().and_then(|(last, of)| {
                 let changed = s.changed_since(last, kind)?;
-                let (mut d, mut b) = (d[kind.index()], b[kind.index()]);
+                let (mut d, mut b) = (of.whole[kind.index()], of.buckets[kind.index()]);
                 let (old, new) = (last.hashes(kind), s.hashes(kind));
                 for n in changed {
                     if let Some(h) = old.get(n) {
@@ -109,9 +122,23 @@ impl Digests {
                 Some((d, b))
             });
             let (d, b) = carried.unwrap_or_else(|| full(s, kind));
-            out.0[kind.index()] = d;
-            out.1[kind.index()] = b;
+            out.whole[kind.index()] = d;
+            out.buckets[kind.index()] = b;
         }
+        // The EDS names follow the clusters that changed.
+        let carried = cache.as_ref().and_then(|(last, of)| {
+            let mut d = of.eds_names;
+            for n in s.changed_since(last, Kind::Cluster)? {
+                if last.needs_eds(n) {
+                    d.remove(n, "");
+                }
+                if s.needs_eds(n) {
+                    d.add(n, "");
+                }
+            }
+            Some(d)
+        });
+        out.eds_names = carried.unwrap_or_else(|| resume::names_digest(s.eds_cluster_names()));
         *cache = Some((s.clone(), out));
         out
     }
@@ -123,10 +150,15 @@ impl Digests {
         cache.as_ref().is_some_and(|(last, _)| Arc::ptr_eq(last, s))
     }
 
-    /// The answer to a relay's offer: the types whose digest equals `s`'s, and of the
-    /// others offered in buckets, the buckets that do (if any).
+    /// The answer to a relay's offer: the types whose digest equals `s`'s, of the others
+    /// offered in buckets the buckets that do (if any), and EDS if the names offered are
+    /// those of `s`'s EDS clusters.
     pub fn matched(&self, s: &Arc<Snapshot>, offer: &str) -> Answer {
-        let (whole, buckets) = self.of(s);
+        let Of {
+            whole,
+            buckets,
+            eds_names,
+        } = self.of(s);
         let mut answer = Answer::default();
         let offered = resume::parse_offer(offer);
         for (url, digest) in &offered {
@@ -147,6 +179,14 @@ impl Digests {
                     answer.buckets.push((kind, m));
                 }
             }
+            if url
+                .strip_suffix(resume::NAMES_SUFFIX)
+                .and_then(from_type_url)
+                == Some(Kind::Endpoint)
+                && eds_names.encode() == *encoded
+            {
+                answer.names.push(Kind::Endpoint);
+            }
         }
         answer
     }
@@ -159,7 +199,15 @@ pub fn header(answer: &Answer) -> String {
         .buckets
         .iter()
         .map(|(k, m)| format!("{}{}={m:x}", type_url(*k), resume::BUCKETS_SUFFIX));
-    whole.chain(buckets).collect::<Vec<_>>().join(",")
+    let names = answer
+        .names
+        .iter()
+        .map(|k| format!("{}{}", type_url(*k), resume::NAMES_SUFFIX));
+    whole
+        .chain(buckets)
+        .chain(names)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]
@@ -185,11 +233,11 @@ mod tests {
         }
     }
 
-    fn offer((d, b): &Of) -> String {
+    fn offer(of: &Of) -> String {
         resume::offer(
             KINDS
                 .into_iter()
-                .map(|k| (type_url(k), d[k.index()], &b[k.index()])),
+                .map(|k| (type_url(k), of.whole[k.index()], &of.buckets[k.index()])),
             0,
         )
     }
@@ -213,10 +261,33 @@ mod tests {
         let carried = digests.of(&next);
         for k in KINDS {
             let (d, b) = full(&next, k);
-            assert_eq!(carried.0[k.index()], d, "{k:?}");
-            assert_eq!(carried.1[k.index()], b, "{k:?}");
+            assert_eq!(carried.whole[k.index()], d, "{k:?}");
+            assert_eq!(carried.buckets[k.index()], b, "{k:?}");
         }
-        assert_ne!(carried.0, at_first.0);
+        assert_ne!(carried.whole, at_first.whole);
+        // The EDS names, carried by the clusters that changed (one service came, one went).
+        assert_eq!(
+            carried.eds_names,
+            resume::names_digest(next.eds_cluster_names())
+        );
+        assert_ne!(carried.eds_names, at_first.eds_names);
+        let eds = type_url(Kind::Endpoint);
+        let names_of = |of: &Of| resume::names_entry(eds, of.eds_names);
+        assert_eq!(
+            digests.matched(&next, &names_of(&carried)).names,
+            [Kind::Endpoint]
+        );
+        assert!(
+            digests
+                .matched(&next, &names_of(&at_first))
+                .names
+                .is_empty()
+        );
+        // Only EDS names are matched: the same digest offered for CDS is not.
+        let cds = resume::names_entry(type_url(Kind::Cluster), carried.eds_names);
+        assert!(digests.matched(&next, &cds).names.is_empty());
+        let h = header(&digests.matched(&next, &names_of(&carried)));
+        assert!(resume::names_matched(&h, eds), "{h}");
         // An offer of the first snapshot's digests, against the next: CDS and EDS
         // changed, the listeners and routes did not.
         let matched = digests.matched(&next, &offer(&at_first)).whole;

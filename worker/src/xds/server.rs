@@ -325,6 +325,13 @@ impl Ads {
                 let hashes = snapshot.hashes(kind).clone();
                 resumed.push((kind, Resumed::Buckets { hashes, matched: m }));
             }
+            for kind in matched.names {
+                let label = TypeLabel {
+                    type_url: kind::type_url(kind).to_string(),
+                };
+                self.metrics.xds_names_resumes.get_or_create(&label).inc();
+                resumed.push((kind, Resumed::Names(snapshot.clone())));
+            }
             tracing::info!(stream = id, matched = ?answer, "ADS stream: the relay offered a digest resume");
         }
         let (tx, rx) = mpsc::channel(16);
