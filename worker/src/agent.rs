@@ -540,25 +540,37 @@ impl Agent {
                 let serving = self.serving.take().expect("Release follows a served drain");
                 let handover = serving.handover.clone();
                 serving.close_xds_listener().await;
-                // Before the lock passes: the successor reloads the file at takeover.
-                match self.observed.flush_final() {
-                    Ok(wrote) => info!(
-                        wrote,
-                        clusters = self.observed.names().len(),
-                        "observed upstreams flushed before release"
-                    ),
-                    Err(e) => {
-                        error!(file = %self.observed.path().display(), error = %e, "observed upstreams: flush at drain failed")
-                    }
-                }
-                self.mesh_dns.flush();
-                // The pairs' last write lands before the lock passes too; after it this
-                // process states no set to the registry.
-                if let Some(pairs) = &self.quic_pairs {
-                    pairs.flush_final();
-                }
+                // Before the lock passes: the successor reloads the files at takeover. Off
+                // the runtime thread (writes and fsyncs, 4 ms and more on a busy node), so
+                // that the proxy's streams and the registry feed go on meanwhile: a change
+                // made as the roll starts reaches the proxy through this owner.
+                // The pairs' registry writers stop first: the final flush's state is the
+                // last this process states (the successor states it from the file).
                 for w in self.pair_writers.drain(..) {
                     w.abort();
+                }
+                let (observed, mesh_dns) = (self.observed.clone(), self.mesh_dns.clone());
+                let pairs = self.quic_pairs.clone();
+                let flushed = tokio::task::spawn_blocking(move || {
+                    match observed.flush_final() {
+                        Ok(wrote) => info!(
+                            wrote,
+                            clusters = observed.names().len(),
+                            "observed upstreams flushed before release"
+                        ),
+                        Err(e) => {
+                            error!(file = %observed.path().display(), error = %e, "observed upstreams: flush at drain failed")
+                        }
+                    }
+                    mesh_dns.flush();
+                    // The pairs' last write lands before the lock passes too; after it
+                    // this process states no set to the registry.
+                    if let Some(pairs) = pairs {
+                        pairs.flush_final();
+                    }
+                });
+                if let Err(e) = flushed.await {
+                    error!(error = %e, "the release's flushes failed");
                 }
                 // The listeners went with the servers; the lock is the last descriptor of
                 // the node this process holds besides the streams.
