@@ -161,7 +161,7 @@ pub const FIRST_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1
 
 /// Holds an owner's first warm-up until the proxy has ACKed one of its snapshots, or a
 /// proxy has started fresh (holding no cluster: it needs every resource), or
-/// [`FIRST_ACK_WAIT`] has passed. An owner that took the node cold (a respawned worker,
+/// [`FIRST_ACK_WAIT`] has passed since the owner began to serve. An owner that took the node cold (a respawned worker,
 /// a recreate's new agent) answers the proxy's reconnect, or the relay's resume, with
 /// the few resources that changed, which it encodes itself; its warm-up (every
 /// resource: at 10,000 services 0.2 s of a core idle, over 0.5 s busy) only competed for
@@ -180,15 +180,23 @@ impl WarmHold {
         if self.done || self.status.borrow().role != "owner" {
             return;
         }
-        let (acks, fresh) = (&mut self.acks, &mut self.fresh);
-        let either = async {
-            tokio::select! {
-                _ = acks.wait_for(Option::is_some) => {}
-                _ = fresh.wait_for(|f| *f) => {}
-            }
+        let (status, acks, fresh) = (&mut self.status, &mut self.acks, &mut self.fresh);
+        // The wait counts from when this owner serves: a respawned worker takes the node
+        // at once and then loads the mesh (1.1 s at 10,000 services through the
+        // registrar), and a wait counted from its start ran out just as it began to answer
+        // the relay's resume, which the warm-up then competed with.
+        let past_serving = async {
+            let _ = status
+                .wait_for(|s| !matches!(s.phase, "building" | "standby-complete" | "reconciling"))
+                .await;
+            tokio::time::sleep(FIRST_ACK_WAIT).await;
         };
-        if tokio::time::timeout(FIRST_ACK_WAIT, either).await.is_err() {
-            tracing::debug!(waited = ?FIRST_ACK_WAIT, "no proxy ACK yet: warming the encodings anyway");
+        tokio::select! {
+            _ = acks.wait_for(Option::is_some) => {}
+            _ = fresh.wait_for(|f| *f) => {}
+            () = past_serving => {
+                tracing::debug!(waited = ?FIRST_ACK_WAIT, "no proxy ACK yet: warming the encodings anyway");
+            }
         }
         self.done = true;
     }
@@ -428,7 +436,8 @@ mod tests {
     }
 
     /// A standby warms at once; an owner's first warm-up waits for the proxy's first ACK
-    /// (or a fresh proxy, or [`FIRST_ACK_WAIT`]), and later ones do not wait.
+    /// (or a fresh proxy, or [`FIRST_ACK_WAIT`] from when it serves), and later ones do
+    /// not wait.
     #[tokio::test(start_paused = true)]
     async fn an_owners_first_warm_up_waits_for_the_proxys_first_ack() {
         let (status_tx, status) = watch::channel(crate::health::Status::new("n", "p"));
@@ -474,9 +483,17 @@ mod tests {
             fresh,
             done: false,
         };
-        let t = tokio::time::Instant::now();
-        lone.wait().await;
-        assert_eq!(t.elapsed(), FIRST_ACK_WAIT);
+        // ... counted from when it began to serve: a respawned worker's load of the mesh
+        // does not use it up.
+        let lone = tokio::spawn(async move {
+            lone.wait().await;
+            tokio::time::Instant::now()
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        assert!(!lone.is_finished(), "not serving yet");
+        let serving_at = tokio::time::Instant::now();
+        status_tx.send_modify(|s| s.phase = "serving");
+        assert_eq!(lone.await.unwrap() - serving_at, FIRST_ACK_WAIT);
 
         // A proxy that starts fresh needs every resource: the warm-up goes ahead.
         let mut fresh_start = WarmHold {
