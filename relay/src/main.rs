@@ -30,7 +30,10 @@ use crate::relay::{AdsServer, Relay};
 /// state of the world with the version_info Envoy last ACKed, and an answer Envoy already
 /// holds, resource for resource, is ACKed by the relay and not forwarded. Envoy's ACKs and
 /// NACKs of the old stream's answers are absorbed; its subscription changes during the
-/// switch are folded in and re-stated. Without any agent stream for --upstream-grace, it
+/// switch are folded in and re-stated. Each agent stream has a connection of its own, so
+/// that one a released owner ends at its handover is re-stated on the successor. Over
+/// delta, the types and EDS names that match the new owner's snapshot go by their digests
+/// instead of every version and name. Without any agent stream for --upstream-grace, it
 /// ends Envoy's stream, so that Envoy's own control-plane signals show the outage.
 ///
 /// The relay carries every pod's private key (SDS): its socket is 0660, it is not
