@@ -955,7 +955,7 @@ mod tests {
         let handover = Handover::default();
         let (path, _metrics, _stop) =
             start_limited(dir.path(), Limits::default(), handover.clone());
-        let mut ads = client(&path).await;
+        let ads = client(&path).await;
         let open = |relay: bool| {
             let mut ads = ads.clone();
             async move {
@@ -967,17 +967,19 @@ mod tests {
                         .metadata_mut()
                         .insert(resume::HEADER, "".parse().unwrap());
                 }
-                let mut responses = ads
+                let responses = ads
                     .delta_aggregated_resources(request)
                     .await
                     .unwrap()
                     .into_inner();
-                assert!(responses.message().await.unwrap().is_some(), "answered");
                 (tx, responses)
             }
         };
         let (relay_tx, mut relay) = open(true).await;
         let (proxy_tx, mut proxy) = open(false).await;
+        for answers in [&mut relay, &mut proxy] {
+            assert!(answers.message().await.unwrap().is_some(), "answered");
+        }
 
         let ending = tokio::spawn({
             let handover = handover.clone();
@@ -1006,17 +1008,7 @@ mod tests {
             .expect("the proxy's stream answers");
         assert_eq!(answer.removed_resources, ["b"]);
         // A relay stream opened after the handover ends at once.
-        let (tx, rx) = mpsc::channel(4);
-        tx.send(eds(&["a"])).await.unwrap();
-        let mut request = tonic::Request::new(ReceiverStream::new(rx));
-        request
-            .metadata_mut()
-            .insert(resume::HEADER, "".parse().unwrap());
-        let mut late = ads
-            .delta_aggregated_resources(request)
-            .await
-            .unwrap()
-            .into_inner();
+        let (_tx, mut late) = open(true).await;
         let ended = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
                 if let Err(e) = late.message().await {
