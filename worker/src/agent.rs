@@ -727,8 +727,8 @@ impl Agent {
         let xds_l = listener(xds_fd)?;
         let cni_l = listener(cni_fd)?;
         let (cfg, metrics) = (&self.cfg, &self.metrics);
-        // The proxy keeps its stream until this process exits: a drain only stops
-        // accepting.
+        // The proxy keeps its stream until this process exits (a relay's ends at the
+        // handover, `Handover`): a drain only stops accepting.
         let (stop_xds, stop_rx) = oneshot::channel::<()>();
         let handover = xds::server::Handover::default();
         let on_demand = cfg.agent.on_demand_clusters.then(|| self.observed.clone());
