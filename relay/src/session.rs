@@ -354,6 +354,7 @@ impl Session {
     pub fn upstream_up_matched(&mut self, matched: Option<&str>) -> Vec<Send> {
         self.stream += 1;
         self.up = true;
+        let answer = matched;
         let offered = std::mem::take(&mut self.offered);
         if self.types.is_empty() {
             // Envoy has not asked yet: its first request goes as it came, node included.
@@ -366,12 +367,6 @@ impl Session {
             .map(resume::parse_matched_buckets)
             .unwrap_or_default()
             .into_iter()
-            .collect();
-        let matched_names: Vec<String> = self
-            .types
-            .keys()
-            .filter(|u| matched.is_some_and(|m| resume::names_matched(m, u)))
-            .cloned()
             .collect();
         let matched: BTreeSet<&str> = matched
             .map(resume::parse_matched)
@@ -386,8 +381,8 @@ impl Session {
             let t = &self.types[url];
             let was = offered.get(url);
             // The names matched whose digest has not moved since the offer: relied on.
-            let by_names =
-                matched_names.iter().any(|u| u == url) && was.map(|o| o.2) == Some(t.names_digest);
+            let by_names = answer.is_some_and(|a| resume::names_matched(a, url))
+                && was.map(|o| o.2) == Some(t.names_digest);
             let mut subscribe: Vec<String> = if by_names {
                 vec![resume::RELIED.to_string()]
             } else {
