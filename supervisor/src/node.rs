@@ -198,23 +198,25 @@ impl Taker {
         listen::verify_held(&l.cni, &self.cni, l.paths.cni)
     }
 
-    /// The listeners offered on `path` (`handoff.sock` or `keeper.sock`) by `from`.
+    /// The node sockets offered on `path` (`handoff.sock`, `handoff-released.sock` or
+    /// `keeper.sock`), checked against the node's socket paths: `Ok(None)` when nothing
+    /// there offers them. The one fetch of the supervisor, for a standby's warm hold and
+    /// for a takeover.
+    pub fn fetch(&self, path: &Path) -> Result<Option<Held>, handoff::HandoffError> {
+        handoff::fetch(path, &self.xds, &self.cni, false)
+    }
+
+    /// The listeners offered on `path` by `from`, for a takeover.
     fn offer_from(&self, path: &Path, from: &str) -> Option<Held> {
-        match handoff::fetch(path, &self.xds, &self.cni, false) {
-            Ok(Some(h)) => {
-                info!(
-                    generation = h.generation,
-                    "taking the node sockets from {from}"
-                );
-                Some(h)
-            }
-            Ok(None) => None,
-            // Also when the keeper holds nothing yet: it then closes the connection.
-            Err(e) => {
-                info!(error = %e, "no node sockets from {from}");
-                None
-            }
-        }
+        // An error also when the keeper holds nothing yet: it then closes the connection.
+        let offered = self.fetch(path);
+        let h = offered.inspect_err(|e| info!(error = %e, "no node sockets from {from}"));
+        let h = h.ok()??;
+        info!(
+            generation = h.generation,
+            "taking the node sockets from {from}"
+        );
+        Some(h)
     }
 
     fn bind_fresh(&self) -> Result<Listeners, ListenError> {

@@ -264,12 +264,7 @@ impl Supervisor {
     }
 
     fn fetch_handoff(&self) -> Event<Sys> {
-        match handoff::fetch(
-            &self.cfg.handoff_path(),
-            &self.cfg.xds_path(),
-            &self.cfg.cni_path(),
-            false,
-        ) {
+        match self.taker.fetch(&self.cfg.handoff_path()) {
             Ok(Some(h)) => {
                 shared_proto::fault_hook!("handoff-held");
                 let known = self.core.held().map(|old| old.generation);
