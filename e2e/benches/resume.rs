@@ -25,6 +25,10 @@
 //! `buckets`: the proxy holds three services' clusters and load assignments at older
 //! versions (pods came and went during the roll), so those two types miss their whole
 //! digest and go by their bucket digests, the versions of the buckets that differ listed.
+//! In the digest modes the relay also offers the EDS names by their digest, and the first
+//! EDS request re-states the subscription as the one name relied on (`resume::RELIED`);
+//! `buckets` takes the snapshot's names by bucket (`Digests::index`, built off the
+//! runtime thread before the roll).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,6 +65,7 @@ fn resume_request(
     version: impl Fn(Kind, &str, u64) -> String,
     listed: impl Fn(&str) -> bool,
     relied: u64,
+    names_relied: bool,
 ) -> Vec<u8> {
     let versions: std::collections::BTreeMap<&String, &u64> = s
         .hashes(kind)
@@ -78,7 +83,9 @@ fn resume_request(
     }
     DeltaRequestWire {
         type_url: type_url(kind).into(),
-        resource_names_subscribe: if named {
+        resource_names_subscribe: if named && names_relied {
+            vec![resume::RELIED.into()]
+        } else if named {
             versions.keys().map(|n| (*n).clone()).collect()
         } else {
             Vec::new()
@@ -176,15 +183,23 @@ fn main() {
                 (k, Digest::of(pairs()), Buckets::of(pairs()))
             })
             .collect();
-        resume::offer(
+        let mut offer = resume::offer(
             per_type.iter().map(|(k, d, b)| (type_url(*k), *d, b)),
             resume::BUCKETS_FROM,
-        )
+        );
+        // The EDS subscription by its names' digest, as the relay offers it.
+        let eds = snapshot.hashes(Kind::Endpoint).keys();
+        let names =
+            resume::names_digest(eds.filter(|n| holds(Kind::Endpoint, n)).map(String::as_str));
+        offer.push(',');
+        offer.push_str(&resume::names_entry(type_url(Kind::Endpoint), names));
+        offer
     };
     let offer = offer_of(&|_, _, h| wire_version(h));
     let stale_offer = offer_of(&stale_version);
     let warm = Digests::default();
     warm.of(&snapshot);
+    warm.index(&snapshot);
     println!(
         "resume over delta ADS: {services} services x 10 endpoints, {} clusters, {} load assignments; {rounds} rounds{}",
         snapshot.hashes(Kind::Cluster).len(),
@@ -206,6 +221,13 @@ fn main() {
             .find(|(kind, _)| *kind == k)
             .map_or(0, |(_, m)| *m)
     };
+    // The EDS names the relay offers by their digest are the snapshot's (not so with
+    // on-demand clusters, where the proxy names a few): then the first EDS request
+    // re-states them as the one name relied on.
+    let names_matched = warm
+        .matched(&snapshot, &offer)
+        .names
+        .contains(&Kind::Endpoint);
     for mode in [
         Mode::Plain,
         Mode::DigestWarm,
@@ -216,12 +238,12 @@ fn main() {
             .into_iter()
             .map(|k| {
                 let r = relied(k);
+                let by_names = names_matched && k == Kind::Endpoint;
+                let current = |_: Kind, _: &str, h: u64| wire_version(h);
                 let request = match mode {
-                    Mode::Plain => {
-                        resume_request(&snapshot, k, holds, |_, _, h| wire_version(h), |_| true, 0)
-                    }
+                    Mode::Plain => resume_request(&snapshot, k, holds, current, |_| true, 0, false),
                     Mode::DigestWarm | Mode::DigestCold => {
-                        resume_request(&snapshot, k, holds, |_, _, h| wire_version(h), |_| false, 0)
+                        resume_request(&snapshot, k, holds, current, |_| false, 0, by_names)
                     }
                     Mode::Buckets => resume_request(
                         &snapshot,
@@ -230,6 +252,7 @@ fn main() {
                         stale_version,
                         |n| r != 0 && !resume::in_bitmap(r, n),
                         r,
+                        by_names,
                     ),
                 };
                 (k, request)
@@ -266,7 +289,18 @@ fn main() {
                 }
                 for (k, matched) in answer.buckets {
                     let hashes = snapshot.hashes(k).clone();
-                    st.resume_held(k, Resumed::Buckets { hashes, matched });
+                    let by_bucket = digests.by_bucket(&snapshot, k);
+                    st.resume_held(
+                        k,
+                        Resumed::Buckets {
+                            hashes,
+                            matched,
+                            by_bucket,
+                        },
+                    );
+                }
+                for k in answer.names {
+                    st.resume_held(k, Resumed::Names(snapshot.clone()));
                 }
                 offers.push(ms(start.elapsed()));
             }
@@ -323,9 +357,14 @@ fn main() {
             totals.push(ms(start.elapsed()));
         }
         println!(
-            "\n{}: first requests {:.1} MB{}",
+            "\n{}: first requests {:.1} MB{}{}",
             mode.name(),
             bytes as f64 / 1e6,
+            if mode != Mode::Plain && names_matched {
+                ", EDS by its names' digest"
+            } else {
+                ""
+            },
             if mode == Mode::Plain {
                 String::new()
             } else {

@@ -504,6 +504,8 @@ impl Snapshot {
     }
 
     /// The names of the EDS clusters: what a proxy holding this snapshot asks EDS for.
+    /// They are the keys of the EDS map (`endpoints.hashes`): each service cluster comes
+    /// and goes with its load assignment.
     pub fn eds_cluster_names(&self) -> impl Iterator<Item = &str> {
         self.clusters
             .items

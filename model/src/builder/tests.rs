@@ -722,6 +722,15 @@ fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
                 (tls(now), tls(&full)),
                 "seed {seed} step {step}: clusters with upstream TLS"
             );
+            // The keys of the EDS map are the EDS clusters: the delta ADS adapter takes
+            // a subscription to every EDS cluster as that map.
+            assert!(
+                now.hashes(Kind::Endpoint)
+                    .keys()
+                    .map(String::as_str)
+                    .eq(now.eds_cluster_names()),
+                "seed {seed} step {step}: the load assignments are not the EDS clusters'"
+            );
             match published {
                 None => assert_eq!(
                     *before, **now,

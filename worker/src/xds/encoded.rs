@@ -230,6 +230,15 @@ pub async fn keep_warm(
         if snapshots.has_changed().unwrap_or(false) {
             continue;
         }
+        // The names by bucket, for a bucket resume: after the hold too, since a cold
+        // index at mesh scale costs milliseconds (a resume meanwhile walks the names).
+        let (e, next) = (encoded.clone(), s.clone());
+        if crate::heavy::run(move || e.digests.index(&next))
+            .await
+            .is_err()
+        {
+            tracing::error!("the resume index failed; a bucket resume walks every name");
+        }
         // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
         // resource and must not hold up its gates. On the heavy-work thread, not the
         // blocking pool, behind any file look waiting there, and a chunk at a time: see

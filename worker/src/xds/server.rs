@@ -323,7 +323,15 @@ impl Ads {
                 };
                 self.metrics.xds_bucket_resumes.get_or_create(&label).inc();
                 let hashes = snapshot.hashes(kind).clone();
-                resumed.push((kind, Resumed::Buckets { hashes, matched: m }));
+                let by_bucket = self.encoded.digests.by_bucket(&snapshot, kind);
+                resumed.push((
+                    kind,
+                    Resumed::Buckets {
+                        hashes,
+                        matched: m,
+                        by_bucket,
+                    },
+                ));
             }
             for kind in matched.names {
                 let label = TypeLabel {
