@@ -8,6 +8,13 @@
 //! from `/proc/<pid>/status`: `VmRSS` now and `VmHWM`, the peak. Envoy's own is printed
 //! for scale. Then a standby is started beside the owner and measured the same way: the
 //! surge roll's extra cost on the node.
+//!
+//! `target/release/bench-memory churn [CHANGES]` (default 300): the worker's memory under
+//! registry-file churn, as its own process. A release agent alone serves a registry file
+//! of 10,000 services of 10 endpoints (7 MB); the file is then rewritten atomically (a
+//! rename) CHANGES times, one endpoint's state each, at most every 0.2 s and each once
+//! the agent's `/ready` shows the new snapshot's EDS version. The worker's `VmRSS` is
+//! printed at start and after each hundred changes.
 
 use std::net::Ipv4Addr;
 use std::sync::Mutex;
@@ -30,11 +37,65 @@ fn row(name: &str, pid: i32) {
     );
 }
 
+/// The worker's `VmRSS` in MiB.
+fn worker_rss(agent: &aether_e2e::testing::Agent) -> f64 {
+    aether_e2e::testing::memory_kib(agent.worker_pid()).0 as f64 / 1024.0
+}
+
+/// `bench-memory churn [CHANGES]`: see the module's comment.
+fn churn(changes: usize) {
+    const MESH: usize = 10_000;
+    let t = Duration::from_secs(60);
+    let mut node = LocalNode::new();
+    let registry = node.root.path().join("registry.json");
+    let write = |draining: Option<(usize, usize)>| {
+        let next = registry.with_extension("json.next");
+        std::fs::write(
+            &next,
+            aether_e2e::testing::mesh_registry_json(MESH, 10, draining, ""),
+        )
+        .expect("write the registry file");
+        std::fs::rename(&next, &registry).expect("rename the registry file into place");
+    };
+    write(None);
+    node.registry_file = Some(registry.clone());
+    let agent = node.start_agent();
+    agent.wait_role("owner", t);
+    let eds = || -> Option<String> {
+        let (_, v) = agent.ready()?;
+        Some(v["xds_versions"]["endpoints"].as_str()?.to_string())
+    };
+    let mut version = aether_e2e::testing::wait_for("the first snapshot", t, eds);
+    println!("bench-memory churn: {MESH} services x 10 endpoints, {changes} registry-file changes");
+    println!("{:<22} {:>9}", "changes", "worker VmRSS (MiB)");
+    println!("{:<22} {:>9.1}", 0, worker_rss(&agent));
+    let mut last = std::time::Instant::now();
+    for c in 1..=changes {
+        // One endpoint drains, or stops draining: every change is a new EDS version.
+        let draining = (c % 2 == 1).then_some(((c * 7) % MESH, 0));
+        let wait = Duration::from_millis(200).saturating_sub(last.elapsed());
+        std::thread::sleep(wait);
+        last = std::time::Instant::now();
+        write(draining);
+        let before = version.clone();
+        version = aether_e2e::testing::wait_for(&format!("change {c} on /ready"), t, || {
+            eds().filter(|v| *v != before)
+        });
+        if c % 100 == 0 || c == changes {
+            println!("{c:<22} {:>9.1}", worker_rss(&agent));
+        }
+    }
+    let (_, hwm) = aether_e2e::testing::memory_kib(agent.worker_pid());
+    println!("worker VmHWM {:.1} MiB", hwm as f64 / 1024.0);
+}
+
 fn main() {
-    let pods_wanted: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(110);
+    let first = std::env::args().nth(1);
+    if first.as_deref() == Some("churn") {
+        let changes = std::env::args().nth(2).and_then(|s| s.parse().ok());
+        return churn(changes.unwrap_or(300));
+    }
+    let pods_wanted: usize = first.and_then(|s| s.parse().ok()).unwrap_or(110);
     let api: AdsApi = match std::env::var("BENCH_XDS_API") {
         Ok(v) => v.parse().unwrap_or_else(|e| panic!("BENCH_XDS_API: {e}")),
         Err(_) => AdsApi::default(),
