@@ -570,7 +570,13 @@ async fn down_ends_streams_and_refuses_until_up() {
         .subscribe_to_x509svi_ds(raw_pod_request("default", "web-1", "uid-web"))
         .await
         .expect_err("no stream while down");
-    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    // Unavailable once the channel has seen its connection go (the reconnect is refused);
+    // Cancelled when the call went out on the closing connection first ("connection
+    // closed", seen once in a fresh-clone CI run). Either way: no stream.
+    assert!(
+        matches!(refused.code(), Code::Unavailable | Code::Cancelled),
+        "{refused:?}"
+    );
 
     idp.set_down(false);
     let mut again = spire_pb::delegated_identity_client::DelegatedIdentityClient::new(
