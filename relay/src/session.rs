@@ -354,7 +354,6 @@ impl Session {
     pub fn upstream_up_matched(&mut self, matched: Option<&str>) -> Vec<Send> {
         self.stream += 1;
         self.up = true;
-        let answer = matched;
         let offered = std::mem::take(&mut self.offered);
         if self.types.is_empty() {
             // Envoy has not asked yet: its first request goes as it came, node included.
@@ -368,7 +367,7 @@ impl Session {
             .unwrap_or_default()
             .into_iter()
             .collect();
-        let matched: BTreeSet<&str> = matched
+        let whole: BTreeSet<&str> = matched
             .map(resume::parse_matched)
             .unwrap_or_default()
             .into_iter()
@@ -381,7 +380,7 @@ impl Session {
             let t = &self.types[url];
             let was = offered.get(url);
             // The names matched whose digest has not moved since the offer: relied on.
-            let by_names = answer.is_some_and(|a| resume::names_matched(a, url))
+            let by_names = matched.is_some_and(|a| resume::names_matched(a, url))
                 && was.map(|o| o.2) == Some(t.names_digest);
             let mut subscribe: Vec<String> = if by_names {
                 vec![resume::RELIED.to_string()]
@@ -391,7 +390,7 @@ impl Session {
             if t.wildcard && !(t.legacy && subscribe.is_empty()) {
                 subscribe.insert(0, "*".into());
             }
-            let by_digest = matched.contains(url.as_str()) && was.map(|o| o.0) == Some(t.digest);
+            let by_digest = whole.contains(url.as_str()) && was.map(|o| o.0) == Some(t.digest);
             // The buckets matched whose digest has not moved since the offer.
             let relied = match (buckets.get(url.as_str()), was) {
                 (Some(m), Some((_, b, _))) => m & b.agree(&t.buckets),

@@ -56,10 +56,12 @@ impl Index {
         for kind in KINDS {
             let sets = &mut index.0[kind.index()];
             for n in s.changed_since(last, kind)? {
-                match s.hashes(kind).contains_key(n) {
-                    true => sets[resume::bucket(n)].insert(n.to_string()),
-                    false => sets[resume::bucket(n)].remove(n),
-                };
+                let set = &mut sets[resume::bucket(n)];
+                if s.hashes(kind).contains_key(n) {
+                    set.insert(n.to_string());
+                } else {
+                    set.remove(n);
+                }
             }
         }
         Some(index)
