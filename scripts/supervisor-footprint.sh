@@ -27,9 +27,10 @@ import os, sys
 
 # The budgets, in lines of code by part: the counts of 2026-12-04 (sys: of 2026-12-05,
 # after the filters' raw install moved to shared_proto::seccomp; the lifecycle and the rest:
-# after the handoff fetch became one, Taker::fetch). Growth needs a line in
-# SECURITY.md saying why, and a new budget here.
-BUDGETS = {"lifecycle+driver": 1032, "sys": 1088, "rest": 724}
+# after the handoff fetch became one, Taker::fetch; the rest then grew 6 lines for the
+# worker's heap setting, GLIBC_TUNABLES). Growth needs a line in SECURITY.md saying why,
+# and a new budget here.
+BUDGETS = {"lifecycle+driver": 1032, "sys": 1088, "rest": 730}
 # AETHER_SUPERVISOR_BUDGETS ("part=N,..."; the test lowers one to show the check fails).
 for item in filter(None, sys.argv[2].split(",")):
     part, n = item.rsplit("=", 1)

@@ -148,6 +148,97 @@ fn a_symlink_or_regular_file_at_a_socket_path_is_refused_and_left_untouched() {
     }
 }
 
+/// The worker's environment, from `/proc/<pid>/environ`: the variables' names, sorted,
+/// and the raw bytes (glibc splits GLIBC_TUNABLES in place as it parses it).
+fn worker_environment(pid: i32) -> (Vec<String>, Vec<u8>) {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).expect("the worker's environ");
+    let mut names: Vec<String> = raw
+        .split(|b| *b == 0)
+        .filter_map(|v| {
+            let v = String::from_utf8_lossy(v);
+            Some(v.split_once('=')?.0.to_string())
+        })
+        .filter(|name| !name.starts_with("glibc."))
+        .collect();
+    names.sort();
+    (names, raw)
+}
+
+/// The worker's `AnonHugePages` in KiB.
+fn huge_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .expect("the worker's smaps_rollup")
+        .lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("AnonHugePages")
+}
+
+#[test]
+fn the_worker_gets_an_allow_listed_environment_and_a_huge_page_heap_unless_the_operator_sets_glibc_tunables()
+ {
+    // A heap of several MiB: 1,000 services.
+    let mut node = LocalNode::new();
+    let registry = node.root.path().join("registry.json");
+    std::fs::write(
+        &registry,
+        aether_e2e::testing::mesh_registry_json(1000, 10, None, ""),
+    )
+    .expect("write the registry file");
+    node.registry_file = Some(registry);
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    // Whatever else the supervisor's environment holds stays with it.
+    let mut a = node.start_agent_wrapped(
+        &["env", "-u", "GLIBC_TUNABLES", "AETHER_NOT_FOR_THE_WORKER=1"],
+        &[],
+    );
+    a.wait_role("owner", T);
+    let (names, raw) = worker_environment(a.worker_pid());
+    let mut expected: Vec<&str> = ["GLIBC_TUNABLES", "RUST_LOG"]
+        .into_iter()
+        .chain(
+            std::env::var("RUST_BACKTRACE")
+                .is_ok()
+                .then_some("RUST_BACKTRACE"),
+        )
+        .collect();
+    expected.sort();
+    assert_eq!(names, expected, "the worker's environment");
+    let tunables = b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1";
+    assert!(
+        raw.windows(tunables.len()).any(|w| w == tunables),
+        "{}",
+        String::from_utf8_lossy(&raw)
+    );
+    if !thp.contains("[never]") {
+        assert!(
+            huge_kib(a.worker_pid()) > 0,
+            "the worker's heap has no huge page (THP: {thp})"
+        );
+    }
+    a.signal(Signal::SIGTERM);
+    a.wait_exit(T);
+    // An operator's own setting is passed on as it is: here glibc's default heap.
+    let b = node.start_agent_wrapped(&["env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=0"], &[]);
+    b.wait_role("owner", T);
+    let (names, raw) = worker_environment(b.worker_pid());
+    let tunables = b"GLIBC_TUNABLES=glibc.malloc.hugetlb=0\0";
+    assert!(
+        raw.windows(tunables.len()).any(|w| w == tunables)
+            && names.iter().filter(|n| *n == "GLIBC_TUNABLES").count() == 1,
+        "the operator's GLIBC_TUNABLES, once: {}",
+        String::from_utf8_lossy(&raw)
+    );
+    if thp.contains("[madvise]") {
+        assert_eq!(
+            huge_kib(b.worker_pid()),
+            0,
+            "huge pages in a heap the operator set to glibc's default"
+        );
+    }
+}
+
 #[test]
 fn worker_runs_without_privileges() {
     if !is_root() {

@@ -15,6 +15,18 @@
 //! rename) CHANGES times, one endpoint's state each, at most every 0.2 s and each once
 //! the agent's `/ready` shows the new snapshot's EDS version. The worker's `VmRSS` is
 //! printed at start and after each hundred changes.
+//!
+//! `target/release/bench-memory kill [ROUNDS]` (default 20): how long a killed worker's
+//! streams outlive its SIGKILL. The kernel frees a process's memory before it closes its
+//! sockets, so the xDS relay and Envoy see a crashed worker's streams end only after
+//! that teardown. A release agent alone serves 10,000 services of 10 endpoints; each round
+//! opens an HTTP/2 connection to `xds.sock` that the worker has accepted (its SETTINGS
+//! frame read back), kills the worker with SIGKILL and times the connection's end, then
+//! waits for the respawned worker. Printed per round: the worker's `Rss` and
+//! `AnonHugePages` (`/proc/<pid>/smaps_rollup`) and the kill-to-end time. The supervisor
+//! puts the worker's heap on transparent huge pages (`GLIBC_TUNABLES`, which it passes on
+//! when set); `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` in the bench's environment gives
+//! glibc's default for a side-by-side run.
 
 use std::net::Ipv4Addr;
 use std::sync::Mutex;
@@ -89,8 +101,108 @@ fn churn(changes: usize) {
     println!("worker VmHWM {:.1} MiB", hwm as f64 / 1024.0);
 }
 
+/// `Rss` and `AnonHugePages` of `pid`, in MiB, from `/proc/<pid>/smaps_rollup`.
+fn rss_and_huge(pid: i32) -> (f64, f64) {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_else(|e| panic!("read /proc/{pid}/smaps_rollup: {e}"));
+    let mib = |key: &str| {
+        rollup
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/smaps_rollup"))
+            / 1024.0
+    };
+    (mib("Rss:"), mib("AnonHugePages:"))
+}
+
+/// `bench-memory kill [ROUNDS]`: see the module's comment.
+fn kill(rounds: usize) {
+    use std::io::{Read, Write};
+    const MESH: usize = 10_000;
+    let t = Duration::from_secs(60);
+    let mut node = LocalNode::new();
+    let registry = node.root.path().join("registry.json");
+    std::fs::write(
+        &registry,
+        aether_e2e::testing::mesh_registry_json(MESH, 10, None, ""),
+    )
+    .expect("write the registry file");
+    node.registry_file = Some(registry);
+    let agent = node.start_agent();
+    // A worker that serves the mesh, other than `old`: its pid.
+    let serving = |old: Option<i32>| {
+        aether_e2e::testing::wait_for("a worker serving the mesh", t, || {
+            let (status, v) = agent.ready()?;
+            let built = v["xds_versions"]["endpoints"]
+                .as_str()
+                .is_some_and(|e| !e.is_empty());
+            let pid = v["pid"].as_i64()? as i32;
+            (status == 200 && v["role"] == "owner" && built && Some(pid) != old).then_some(pid)
+        })
+    };
+    let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_else(|_| "(the supervisor's)".into());
+    println!(
+        "bench-memory kill: {MESH} services x 10 endpoints, {rounds} worker kills, GLIBC_TUNABLES {tunables}"
+    );
+    println!(
+        "{:<6} {:>9} {:>14} {:>16}",
+        "round", "Rss MiB", "huge pages MiB", "kill to end ms"
+    );
+    let mut pid = serving(None);
+    let mut ends = Vec::with_capacity(rounds);
+    for round in 1..=rounds {
+        let (rss, huge) = rss_and_huge(pid);
+        let mut conn = std::os::unix::net::UnixStream::connect(node.xds_sock())
+            .unwrap_or_else(|e| panic!("connect {}: {e}", node.xds_sock().display()));
+        conn.set_read_timeout(Some(t)).expect("read timeout");
+        // The client preface and an empty SETTINGS frame; the worker's SETTINGS frame
+        // back shows that the worker, not the listen backlog, holds the connection.
+        conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .expect("write the HTTP/2 preface");
+        let mut header = [0u8; 9];
+        conn.read_exact(&mut header)
+            .expect("the worker's SETTINGS frame");
+        assert_eq!(
+            header[3], 4,
+            "the worker's first frame is SETTINGS: {header:?}"
+        );
+        let start = std::time::Instant::now();
+        // SAFETY: kill(2) with a pid read from the worker's own /ready.
+        assert_eq!(
+            unsafe { libc::kill(pid, libc::SIGKILL) },
+            0,
+            "kill worker {pid}"
+        );
+        let mut buf = [0u8; 4096];
+        loop {
+            match conn.read(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+                Err(e) => panic!("waiting for the end of the killed worker's connection: {e}"),
+            }
+        }
+        let end = start.elapsed().as_secs_f64() * 1e3;
+        ends.push(end);
+        println!("{round:<6} {rss:>9.1} {huge:>14.1} {end:>16.2}");
+        pid = serving(Some(pid));
+    }
+    let q = |p| aether_e2e::testing::percentile(&ends, p).expect("samples");
+    println!(
+        "kill to end: median {:.2} ms, p90 {:.2} ms, max {:.2} ms ({rounds} kills)",
+        q(50.0),
+        q(90.0),
+        q(100.0)
+    );
+}
+
 fn main() {
     let first = std::env::args().nth(1);
+    if first.as_deref() == Some("kill") {
+        let rounds = std::env::args().nth(2).and_then(|s| s.parse().ok());
+        return kill(rounds.unwrap_or(20));
+    }
     if first.as_deref() == Some("churn") {
         let changes = std::env::args().nth(2).and_then(|s| s.parse().ok());
         return churn(changes.unwrap_or(300));
