@@ -23,7 +23,8 @@
 //! opens an HTTP/2 connection to `xds.sock` that the worker has accepted (its SETTINGS
 //! frame read back), kills the worker with SIGKILL and times the connection's end, then
 //! waits for the respawned worker. Printed per round: the worker's `Rss` and
-//! `AnonHugePages` (`/proc/<pid>/smaps_rollup`) and the kill-to-end time. The supervisor
+//! `AnonHugePages` (`/proc/<pid>/smaps_rollup`), the kill-to-end time, and the time from
+//! the kill until the respawned worker serves the mesh on `/ready` (its cold start). The supervisor
 //! puts the worker's heap on transparent huge pages (`GLIBC_TUNABLES`, which it passes on
 //! when set); `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` in the bench's environment gives
 //! glibc's default for a side-by-side run.
@@ -146,11 +147,11 @@ fn kill(rounds: usize) {
         "bench-memory kill: {MESH} services x 10 endpoints, {rounds} worker kills, GLIBC_TUNABLES {tunables}"
     );
     println!(
-        "{:<6} {:>9} {:>14} {:>16}",
-        "round", "Rss MiB", "huge pages MiB", "kill to end ms"
+        "{:<6} {:>9} {:>14} {:>16} {:>18}",
+        "round", "Rss MiB", "huge pages MiB", "kill to end ms", "kill to serving ms"
     );
     let mut pid = serving(None);
-    let mut ends = Vec::with_capacity(rounds);
+    let (mut ends, mut respawns) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
     for round in 1..=rounds {
         let (rss, huge) = rss_and_huge(pid);
         let mut conn = std::os::unix::net::UnixStream::connect(node.xds_sock())
@@ -184,17 +185,22 @@ fn kill(rounds: usize) {
             }
         }
         let end = start.elapsed().as_secs_f64() * 1e3;
-        ends.push(end);
-        println!("{round:<6} {rss:>9.1} {huge:>14.1} {end:>16.2}");
+        // The respawned worker's cold start: the registry read, the first snapshot.
         pid = serving(Some(pid));
+        let respawn = start.elapsed().as_secs_f64() * 1e3;
+        println!("{round:<6} {rss:>9.1} {huge:>14.1} {end:>16.2} {respawn:>18.1}");
+        ends.push(end);
+        respawns.push(respawn);
     }
-    let q = |p| aether_e2e::testing::percentile(&ends, p).expect("samples");
-    println!(
-        "kill to end: median {:.2} ms, p90 {:.2} ms, max {:.2} ms ({rounds} kills)",
-        q(50.0),
-        q(90.0),
-        q(100.0)
-    );
+    for (what, v) in [("kill to end", &ends), ("kill to serving", &respawns)] {
+        let q = |p| aether_e2e::testing::percentile(v, p).expect("samples");
+        println!(
+            "{what}: median {:.2} ms, p90 {:.2} ms, max {:.2} ms ({rounds} kills)",
+            q(50.0),
+            q(90.0),
+            q(100.0)
+        );
+    }
 }
 
 fn main() {
