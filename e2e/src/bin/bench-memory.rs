@@ -169,12 +169,11 @@ fn kill(rounds: usize) {
             "the worker's first frame is SETTINGS: {header:?}"
         );
         let start = std::time::Instant::now();
-        // SAFETY: kill(2) with a pid read from the worker's own /ready.
-        assert_eq!(
-            unsafe { libc::kill(pid, libc::SIGKILL) },
-            0,
-            "kill worker {pid}"
-        );
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap_or_else(|e| panic!("kill worker {pid}: {e}"));
         let mut buf = [0u8; 4096];
         loop {
             match conn.read(&mut buf) {
