@@ -659,18 +659,23 @@ pub fn accepts(path: &Path) -> bool {
     UnixStream::connect(path).is_ok()
 }
 
-/// A process's `VmRSS` and `VmHWM` (its peak) from `/proc/<pid>/status`, in KiB.
-pub fn memory_kib(pid: i32) -> (u64, u64) {
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
-    let kib = |key: &str| {
-        status
-            .lines()
+/// The kB fields `keys` (e.g. `"VmRSS:"`) of `/proc/<pid>/<file>` (`status`,
+/// `smaps_rollup`), in KiB, in the order asked.
+pub fn proc_kib<const N: usize>(pid: i32, file: &str, keys: [&str; N]) -> [u64; N] {
+    let path = format!("/proc/{pid}/{file}");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    keys.map(|key| {
+        text.lines()
             .find_map(|l| l.strip_prefix(key))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
-    };
-    (kib("VmRSS:"), kib("VmHWM:"))
+            .unwrap_or_else(|| panic!("no {key} in {path}"))
+    })
+}
+
+/// A process's `VmRSS` and `VmHWM` (its peak) from `/proc/<pid>/status`, in KiB.
+pub fn memory_kib(pid: i32) -> (u64, u64) {
+    let [rss, hwm] = proc_kib(pid, "status", ["VmRSS:", "VmHWM:"]);
+    (rss, hwm)
 }
 
 /// The model's service `s` of [`mesh_registry_json`], with endpoint `draining` marked: what

@@ -166,12 +166,8 @@ fn worker_environment(pid: i32) -> (Vec<String>, Vec<u8>) {
 
 /// The worker's `AnonHugePages` in KiB.
 fn huge_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .expect("the worker's smaps_rollup")
-        .lines()
-        .find_map(|l| l.strip_prefix("AnonHugePages:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("AnonHugePages")
+    let [huge] = aether_e2e::testing::proc_kib(pid, "smaps_rollup", ["AnonHugePages:"]);
+    huge
 }
 
 #[test]

@@ -104,17 +104,9 @@ fn churn(changes: usize) {
 
 /// `Rss` and `AnonHugePages` of `pid`, in MiB, from `/proc/<pid>/smaps_rollup`.
 fn rss_and_huge(pid: i32) -> (f64, f64) {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .unwrap_or_else(|e| panic!("read /proc/{pid}/smaps_rollup: {e}"));
-    let mib = |key: &str| {
-        rollup
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/smaps_rollup"))
-            / 1024.0
-    };
-    (mib("Rss:"), mib("AnonHugePages:"))
+    let [rss, huge] =
+        aether_e2e::testing::proc_kib(pid, "smaps_rollup", ["Rss:", "AnonHugePages:"]);
+    (rss as f64 / 1024.0, huge as f64 / 1024.0)
 }
 
 /// `bench-memory kill [ROUNDS]`: see the module's comment.
