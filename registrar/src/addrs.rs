@@ -1,29 +1,13 @@
-//! Which services have an endpoint at an address: an index this process keeps from an
-//! etcd watch of the endpoint keys, so that a drain mark that names no service reads the
+//! Which services have an endpoint at an address: an index this process keeps from its
+//! etcd watch ([`crate::kept`]), so that a drain mark that names no service reads the
 //! endpoints of the services at its address, not every endpoint of every service.
-//!
-//! The index knows the revision it is complete at (`synced`): the read it was built
-//! from, then each watch response's newest event, and each progress notification (which
-//! etcd sends only once the watch has caught up). A mark asks etcd for its current
-//! revision and waits, up to [`SYNC_WAIT`], for the index to reach it (asking the watch
-//! for its progress), so that it never misses an endpoint written before it was asked;
-//! an index that does not catch up in time, or not started yet, is not used: the mark
-//! reads every endpoint, as without the index, and says so in a warn line.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use aether_model::ServiceKey;
-use etcd_client::EventType;
-use tokio::sync::{Notify, watch};
 
 use crate::keys::{Key, Layout};
-use crate::store::Store;
-
-/// How long a drain mark waits for the index to reach etcd's revision.
-pub const SYNC_WAIT: Duration = Duration::from_secs(2);
 
 /// Endpoints by address: each service with the ports of its endpoints there.
 #[derive(Debug, Default)]
@@ -69,120 +53,6 @@ impl AddrIndex {
             .get(&address)
             .map(|s| s.keys().cloned().collect())
             .unwrap_or_default()
-    }
-}
-
-/// The index shared by the watch task and the drain marks.
-pub struct Addrs {
-    index: Mutex<AddrIndex>,
-    synced: watch::Sender<i64>,
-    progress: Notify,
-}
-
-impl Addrs {
-    /// Starts the watch task; the index is usable once it has read the endpoints.
-    pub fn spawn(store: Store) -> Arc<Addrs> {
-        let addrs = Arc::new(Addrs {
-            index: Mutex::default(),
-            synced: watch::channel(0).0,
-            progress: Notify::new(),
-        });
-        tokio::spawn(addrs.clone().run(store));
-        addrs
-    }
-
-    /// The services at `address` as of a revision at least `revision`, or None if the
-    /// index does not reach it within [`SYNC_WAIT`].
-    pub async fn services_at(&self, address: IpAddr, revision: i64) -> Option<Vec<ServiceKey>> {
-        let mut synced = self.synced.subscribe();
-        if *synced.borrow() < revision {
-            self.progress.notify_one();
-        }
-        tokio::time::timeout(SYNC_WAIT, synced.wait_for(|s| *s >= revision))
-            .await
-            .ok()?
-            .ok()?;
-        Some(
-            self.index
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .services_at(address),
-        )
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, AddrIndex> {
-        self.index.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    async fn run(self: Arc<Self>, store: Store) {
-        let layout = store.layout.clone();
-        let mut pause = Duration::from_millis(100);
-        loop {
-            match self.follow(&store, &layout).await {
-                Ok(()) => pause = Duration::from_millis(100),
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?pause, "the address index's etcd watch failed; drain marks read every endpoint until it is back");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
-            }
-        }
-    }
-
-    /// Reads every endpoint, then follows the watch until it breaks or is compacted.
-    async fn follow(&self, store: &Store, layout: &Layout) -> Result<(), String> {
-        let (revision, kvs) = store
-            .read_prefix(&layout.all_endpoints(), None)
-            .await
-            .map_err(|e| e.to_string())?;
-        {
-            let mut index = AddrIndex::default();
-            for (k, _) in &kvs {
-                index.apply(layout, k, true);
-            }
-            *self.lock() = index;
-        }
-        self.synced.send_replace(revision);
-        let mut stream = store.watch(revision + 1).await.map_err(|e| e.to_string())?;
-        loop {
-            let resp = tokio::select! {
-                m = stream.message() => m.map_err(|e| e.to_string())?,
-                _ = self.progress.notified() => {
-                    stream.request_progress().await.map_err(|e| e.to_string())?;
-                    continue;
-                }
-            };
-            let Some(resp) = resp else {
-                return Err("etcd ended the watch".into());
-            };
-            if resp.canceled() || resp.compact_revision() > 0 {
-                return Ok(());
-            }
-            let events = resp.events();
-            let newest = if events.is_empty() {
-                // A progress notification says the watch has caught up to the header's
-                // revision; the response that created the watch says nothing.
-                if resp.created() {
-                    continue;
-                }
-                resp.header().map_or(0, |h| h.revision())
-            } else {
-                let mut index = self.lock();
-                let mut newest = 0;
-                for e in events {
-                    if let Some(kv) = e.kv() {
-                        index.apply(layout, kv.key(), e.event_type() == EventType::Put);
-                        newest = newest.max(kv.mod_revision());
-                    }
-                }
-                newest
-            };
-            self.synced.send_if_modified(|s| {
-                let moved = newest > *s;
-                *s = (*s).max(newest);
-                moved
-            });
-        }
     }
 }
 

@@ -247,6 +247,14 @@ pub struct ServeArgs {
     #[arg(long, env = "AETHER_REGISTRAR_ALLOW_LOOPBACK_ENDPOINTS")]
     pub allow_loopback_endpoints: bool,
 
+    /// Read etcd for each full view instead of serving it from the view the registrar
+    /// keeps from its etcd watch. A full view goes to a watch stream that cannot resume
+    /// (an agent's first start or a respawned worker); from etcd it costs a read of every
+    /// key (110,000 at 10,000 services) per stream. Off: etcd is read once, at start and
+    /// after a broken watch, and the kept view costs the registrar its keys' memory
+    #[arg(long, env = "AETHER_REGISTRAR_FULL_VIEWS_FROM_ETCD")]
+    pub full_views_from_etcd: bool,
+
     /// Discover services from Kubernetes: watch Services and EndpointSlices
     /// (discovery.k8s.io/v1) and write them into etcd with the source `kubernetes`. auto:
     /// on when the registrar has Kubernetes API access (--kubeconfig, or a service account

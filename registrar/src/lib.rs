@@ -20,6 +20,7 @@ pub mod conns;
 pub mod gate;
 pub mod health;
 pub mod http;
+pub mod kept;
 pub mod keys;
 pub mod kubernetes;
 pub mod listen;

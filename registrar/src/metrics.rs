@@ -29,6 +29,11 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FromLabel {
+    pub from: String,
+}
+
 /// A one-label set, made from its value.
 pub trait Label:
     Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static
@@ -41,6 +46,12 @@ impl Label for ResultLabel {
         ResultLabel {
             result: value.into(),
         }
+    }
+}
+
+impl Label for FromLabel {
+    fn new(value: &str) -> Self {
+        FromLabel { from: value.into() }
     }
 }
 
@@ -58,6 +69,10 @@ pub struct Metrics {
     pub calls: Family<CallLabels, Counter>,
     /// Watch streams open now.
     pub watch_streams: Gauge,
+    /// Full views sent, by where they were built from: kept (the view this process keeps
+    /// from its etcd watch) or etcd (read for the stream: the kept view was not live, or
+    /// `--full-views-from-etcd`).
+    pub full_views: Family<FromLabel, Counter>,
     /// Watch streams ended, by why: client_gone, replaced, shutdown, failed, expired (the
     /// caller's client certificate passed its notAfter).
     pub watch_ends: Family<ResultLabel, Counter>,
@@ -104,6 +119,12 @@ impl Metrics {
             "watch_streams",
             "Watch streams open now",
             watch_streams.clone(),
+        );
+        let full_views = Family::<FromLabel, Counter>::default();
+        registry.register(
+            "full_views",
+            "Full views sent, by what they were built from: kept (the view kept from the registrar's etcd watch) or etcd (read for the stream)",
+            full_views.clone(),
         );
         let watch_ends = Family::<ResultLabel, Counter>::default();
         registry.register(
@@ -168,6 +189,7 @@ impl Metrics {
             discovery_endpoints_refused,
             calls,
             watch_streams,
+            full_views,
             watch_ends,
             tls_handshakes,
             connections,

@@ -299,6 +299,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         shutdown_rx,
         metrics.clone(),
         loopback,
+        args.full_views_from_etcd,
     );
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;

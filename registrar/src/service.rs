@@ -21,8 +21,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::addrs::Addrs;
 use crate::authz::{self, Method, Peer};
+use crate::kept::Kept;
 use crate::keys::Key;
 use crate::metrics::Metrics;
 use crate::plan::{self, MarkRefusal, MarkRequest, MarkTarget};
@@ -53,8 +53,8 @@ pub struct Registrar {
     /// Drain marks a node may still set (`--drain-marks-per-node`, `--drain-mark-burst`).
     marks: Mutex<Buckets<String>>,
     /// Which services have endpoints at an address, for drain marks naming no service and
-    /// for the endpoints a node's QUIC pairs name.
-    addrs: Arc<Addrs>,
+    /// for the endpoints a node's QUIC pairs name; and the kept view, for full views.
+    kept: Arc<Kept>,
     /// QUIC pairs a node may advertise (`--quic-pairs-per-node`).
     pairs_per_node: usize,
     /// SetQuicPairs calls a node may still make (`--quic-pair-sets-per-node`,
@@ -100,7 +100,9 @@ pub struct MarkRate {
 const MARK_NODES_MAX: usize = 65_536;
 
 impl Registrar {
-    /// `shutdown` turning true ends every open stream with UNAVAILABLE.
+    /// `shutdown` turning true ends every open stream with UNAVAILABLE. `full_views_from_etcd`:
+    /// keep no view, and read etcd for each full view.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         store: Store,
         cluster: Option<String>,
@@ -109,13 +111,14 @@ impl Registrar {
         shutdown: watch::Receiver<bool>,
         metrics: Arc<Metrics>,
         loopback: Loopback,
+        full_views_from_etcd: bool,
     ) -> Self {
         let AgentWrites {
             marks: mark_rate,
             pairs: pair_limits,
         } = writes;
         Self {
-            addrs: Addrs::spawn(store.clone()),
+            kept: Kept::spawn(store.clone(), !full_views_from_etcd),
             store,
             streams: Arc::new(Streams::new(streams_per_node)),
             marks: Mutex::new(Buckets::new(
@@ -275,6 +278,7 @@ impl Registrar {
         let (tx, rx) = mpsc::channel(16);
         let pump = Pump {
             store: self.store.clone(),
+            kept: self.kept.clone(),
             tx,
             replaced: replaced_rx,
             shutdown: self.shutdown.clone(),
@@ -591,7 +595,7 @@ impl Registrar {
             let mut kvs = Vec::new();
             let mut scanned = false;
             for ip in ips {
-                match self.addrs.services_at(*ip, current).await {
+                match self.kept.services_at(*ip, current).await {
                     Some(services) => {
                         for s in services {
                             let (_, mut found) = self
@@ -677,7 +681,7 @@ impl Registrar {
             Some(s) => (Some(vec![s.clone()]), None),
             None => {
                 let current = self.store.revision().await?;
-                match self.addrs.services_at(address, current).await {
+                match self.kept.services_at(address, current).await {
                     Some(found) => (Some(found), Some(current)),
                     None => {
                         tracing::warn!(address = %address, revision = current, "the address index is behind etcd; this drain mark reads every endpoint");
@@ -764,6 +768,7 @@ impl Registrar {
 /// One watch stream: a full view unless resuming, then a batch per etcd watch response.
 struct Pump {
     store: Store,
+    kept: Arc<Kept>,
     tx: mpsc::Sender<Result<pb::WatchEndpointsResponse, Status>>,
     replaced: oneshot::Receiver<Replaced>,
     shutdown: watch::Receiver<bool>,
@@ -853,6 +858,9 @@ impl Pump {
         // The revision the client's view is at; 0 until it has one.
         let mut last = 0;
         let mut resync = None;
+        // A full view after a compaction must be past it: the kept view may not have
+        // seen it yet.
+        let mut floor = 0;
         if resume_revision > 0 {
             let current = self.store.revision().await.map_err(failed)?;
             if resume_revision > current {
@@ -865,23 +873,49 @@ impl Pump {
         }
         loop {
             if last == 0 {
-                let (revision, kvs) = self
-                    .store
-                    .read_prefix(self.store.layout.prefix(), None)
-                    .await
-                    .map_err(failed)?;
-                let (mut full, rejected) = view::full_view(
-                    &self.store.layout,
-                    revision,
-                    kvs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())),
-                );
-                log_rejected(&rejected);
+                let t = Instant::now();
+                let (revision, kept, keys, read, built, mut full) =
+                    match self.kept.full_view(&self.store.layout, floor).await {
+                        Some(b) => {
+                            log_rejected(&b.rejected);
+                            let full = Arc::unwrap_or_clone(b.view);
+                            (full.revision, true, b.keys, Duration::ZERO, b.took, full)
+                        }
+                        None => {
+                            let (revision, kvs) = self
+                                .store
+                                .read_prefix(self.store.layout.prefix(), None)
+                                .await
+                                .map_err(failed)?;
+                            let read = t.elapsed();
+                            let (full, rejected) = view::full_view(
+                                &self.store.layout,
+                                revision,
+                                kvs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())),
+                            );
+                            log_rejected(&rejected);
+                            (revision, false, kvs.len(), read, t.elapsed() - read, full)
+                        }
+                    };
                 if let Some(reason) = resync.take() {
                     tracing::info!(stream = %self.key, revision, reason = %reason, "sending a full view again");
                     full.resync = true;
                     full.reason = reason;
                 }
+                let services = full.services.len();
                 self.send(ResponseKind::Full(full)).await?;
+                Metrics::count(&self.metrics.full_views, if kept { "kept" } else { "etcd" });
+                tracing::info!(
+                    stream = %self.key,
+                    revision,
+                    services,
+                    keys,
+                    from = if kept { "kept view" } else { "etcd" },
+                    read_ms = read.as_secs_f64() * 1e3,
+                    build_ms = built.as_secs_f64() * 1e3,
+                    total_ms = t.elapsed().as_secs_f64() * 1e3,
+                    "full view sent"
+                );
                 last = revision;
             }
             match self.follow(last).await? {
@@ -889,6 +923,7 @@ impl Pump {
                     compact_revision,
                     at,
                 } => {
+                    floor = compact_revision;
                     resync = Some(format!(
                         "cannot resume after revision {at}: etcd compacted its history up to revision {compact_revision}"
                     ));

@@ -395,6 +395,152 @@ async fn a_client_resumes_on_another_replica_without_a_resync() {
     );
 }
 
+/// A full view from the view the registrar keeps (the default) is the one a registrar
+/// reading etcd for each stream (`--full-views-from-etcd`) sends at the same revision,
+/// through applies, deletes, drain marks and keys written by hand (a corrupt value, an
+/// endpoint of no service, a node's QUIC pairs); a stream opened on it goes on from the
+/// revision after its view. Each registrar counts the full views by their source.
+#[tokio::test]
+async fn full_views_from_the_kept_view_equal_etcds_at_every_revision() {
+    let etcd = etcd_or_skip!("full_views_from_the_kept_view_equal_etcds_at_every_revision");
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = |n: u16| format!("127.0.0.1:{n}");
+    let (km, em) = (
+        metrics(aether_registrar::testing::free_port()),
+        metrics(aether_registrar::testing::free_port()),
+    );
+    let kept = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("k.sock"),
+        &["--metrics-addr", &km],
+    );
+    let from_etcd = RegistrarProcess::unix(
+        bin(),
+        &etcd.endpoints(),
+        &dir.path().join("e.sock"),
+        &["--metrics-addr", &em, "--full-views-from-etcd"],
+    );
+    let mut kv = etcd_client::Client::connect(etcd.client_urls(), None)
+        .await
+        .unwrap();
+    let db = |eps: &[(&str, u32, &str)]| svc("prod", "db", &[5432], eps);
+    let mut revisions = Vec::new();
+    revisions.push(
+        apply(
+            kept.addr(),
+            vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")])],
+        )
+        .await,
+    );
+    revisions.push(apply(kept.addr(), vec![db(&[("10.0.1.1", 5432, "n1")])]).await);
+    let marked = client(kept.addr())
+        .await
+        .set_endpoint_state(pb::SetEndpointStateRequest {
+            service: Some(pb::ServiceKey {
+                namespace: "prod".into(),
+                name: "web".into(),
+            }),
+            address: "10.0.0.2".into(),
+            state: pb::EndpointState::Draining as i32,
+            node: "n2".into(),
+            instance: "agent".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    revisions.push(marked.revision);
+    for (key, value) in [
+        (
+            "/aether/registry/endpoints/prod/web/10.0.0.9/8080",
+            "{not json",
+        ),
+        (
+            "/aether/registry/endpoints/prod/gone/10.0.2.1/80",
+            r#"{"service_port":80,"node":"n1","state":"healthy"}"#,
+        ),
+        ("/aether/registry/quic-pairs/n1", "{}"),
+    ] {
+        let put = kv.put(key, value, None).await.unwrap();
+        revisions.push(put.header().unwrap().revision());
+    }
+    revisions.push(
+        apply(
+            kept.addr(),
+            vec![web(&[("10.0.0.2", 8080, "n2"), ("10.0.0.3", 9090, "n3")])],
+        )
+        .await,
+    );
+    let deleted = client(kept.addr())
+        .await
+        .delete_service(pb::DeleteServiceRequest {
+            service: Some(pb::ServiceKey {
+                namespace: "prod".into(),
+                name: "db".into(),
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    revisions.push(deleted.revision);
+    assert!(revisions.windows(2).all(|w| w[0] < w[1]), "{revisions:?}");
+    let last = *revisions.last().unwrap();
+
+    // The kept view catches up with etcd; a view of it at `last` is etcd's at `last`.
+    let mut n = 0;
+    let (view, mut stream) = loop {
+        n += 1;
+        let mut s = watch(kept.addr(), "c", "n1", &format!("k{n}"), 0).await;
+        let full = next_full(&mut s).await;
+        assert!(full.revision <= last, "{} > {last}", full.revision);
+        if full.revision == last {
+            break (full, s);
+        }
+        assert!(
+            n < 100,
+            "the kept view stays at revision {} < {last}",
+            full.revision
+        );
+    };
+    let etcds = next_full(&mut watch(from_etcd.addr(), "c", "n1", "e", 0).await).await;
+    assert_eq!(etcds.revision, last);
+    assert_eq!(view, etcds, "the kept view's full view differs from etcd's");
+    assert_eq!(
+        view.services
+            .iter()
+            .map(|s| s.key.as_ref().unwrap().name.as_str())
+            .collect::<Vec<_>>(),
+        ["web"],
+        "db deleted, gone has no service key"
+    );
+    assert_eq!(view.marks.len(), 1, "{:?}", view.marks);
+    kept.wait_log("/aether/registry/endpoints/prod/gone/10.0.2.1/80", WAIT);
+
+    // The stream goes on from the revision after its view.
+    let next_revision = apply(kept.addr(), vec![web(&[("10.0.0.3", 9090, "n3")])]).await;
+    let batch = next_changes(&mut stream).await;
+    assert_eq!(
+        (describe(&batch), batch.revision),
+        (
+            vec!["endpoint removed 10.0.0.2:8080".to_owned()],
+            next_revision
+        )
+    );
+    let text = metrics_text(&km);
+    assert!(
+        text.contains(&format!(
+            "aether_registrar_full_views_total{{from=\"kept\"}} {n}"
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("from=\"etcd\""), "{text}");
+    let text = metrics_text(&em);
+    assert!(
+        text.contains("aether_registrar_full_views_total{from=\"etcd\"} 1"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn drain_marks_are_states_set_only_by_the_endpoints_node() {
     let etcd = etcd_or_skip!("drain_marks_are_states_set_only_by_the_endpoints_node");
