@@ -22,11 +22,15 @@
 //! an `imbl` map, shared until changed), and etcd is read once per process, not once per
 //! stream (110,000 keys at 10,000 services). The view may be a few events behind etcd;
 //! the stream's own watch sends them next. The message is built off the runtime
-//! threads, one build at a time, and the last one is kept: the streams that open at one
-//! revision (every node of a cluster after a registrar restarts) share it. While the
+//! threads, one build at a time, by service ([`Parts`]): the watch notes the services
+//! whose keys changed, and a build rebuilds only those (at 10,000 services a view after
+//! a few changes takes about 27 ms, against 120 to 400 from every key). The last one is
+//! kept: the streams that open at one revision (every node of a cluster after a
+//! registrar restarts) share it. While the
 //! watch is broken (or before the first read) there is no kept view, and a stream reads
 //! etcd as it did before.
 
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,14 +43,11 @@ use tokio::sync::{Notify, watch};
 use crate::addrs::AddrIndex;
 use crate::keys::Layout;
 use crate::store::Store;
-use crate::view::{self, Rejected};
+use crate::view::{self, Keys, Parts, Rejected};
 use shared_proto::registry as pb;
 
 /// How long a drain mark waits for the index to reach etcd's revision.
 pub const SYNC_WAIT: Duration = Duration::from_secs(2);
-
-/// Every key under the prefix and its value, in etcd's order.
-pub type Keys = imbl::OrdMap<Bytes, Bytes>;
 
 #[derive(Default)]
 struct State {
@@ -57,6 +58,16 @@ struct State {
     revision: i64,
     /// Whether the watch follows etcd now: a broken one's keys are not served.
     live: bool,
+    /// The services whose keys changed since the last full view was built; every
+    /// service after a read.
+    touched: Touched,
+}
+
+#[derive(Default)]
+enum Touched {
+    #[default]
+    All,
+    Some(BTreeSet<ServiceKey>),
 }
 
 /// A full view built from the kept view.
@@ -77,8 +88,9 @@ pub struct Kept {
     synced: watch::Sender<i64>,
     progress: Notify,
     keep_keys: bool,
-    /// The last full view built, held while one is built.
-    last: tokio::sync::Mutex<Option<Arc<pb::FullView>>>,
+    /// The full view by service, as last built, with the view it made; held while one
+    /// is built.
+    last: tokio::sync::Mutex<Option<(Parts, Arc<pb::FullView>)>>,
 }
 
 impl Kept {
@@ -113,24 +125,34 @@ impl Kept {
         Some(self.lock().addrs.services_at(address))
     }
 
-    /// The kept view and the revision it is the registry at, while the watch follows
-    /// etcd; None before the first read, while the watch is broken, or with
-    /// `--full-views-from-etcd`.
-    pub fn view(&self) -> Option<(i64, Keys)> {
-        let state = self.lock();
-        let keys = state.keys.as_ref().filter(|_| state.live)?;
-        Some((state.revision, keys.clone()))
-    }
-
-    /// A full view of the kept view at a revision of at least `floor`: the last one built
-    /// if the kept view has not moved since, else a new one. None as [`Kept::view`] is.
+    /// A full view of the kept view at a revision of at least `floor`, while the watch
+    /// follows etcd; None before the first read, while the watch is broken, or with
+    /// `--full-views-from-etcd`. The last one built if the kept view has not moved
+    /// since, else one built from the last by the services touched since.
     pub async fn full_view(&self, layout: &Layout, floor: i64) -> Option<Built> {
         let mut last = self.last.lock().await;
-        let (revision, keys) = self.view().filter(|(r, _)| *r >= floor)?;
+        let (revision, keys, touched) = {
+            let mut state = self.lock();
+            let keys = state.keys.clone().filter(|_| state.live)?;
+            if state.revision < floor {
+                return None;
+            }
+            (
+                state.revision,
+                keys,
+                std::mem::replace(&mut state.touched, Touched::Some(BTreeSet::new())),
+            )
+        };
         let n = keys.len();
-        if let Some(view) = last.as_ref().filter(|v| v.revision == revision) {
+        let parts = last.take().filter(|(p, _)| p.revision() <= revision);
+        if let (Some((p, view)), Touched::Some(t)) = (&parts, &touched)
+            && p.revision() == revision
+            && t.is_empty()
+        {
+            let view = view.clone();
+            *last = parts;
             return Some(Built {
-                view: view.clone(),
+                view,
                 keys: n,
                 took: Duration::ZERO,
                 rejected: Vec::new(),
@@ -138,17 +160,21 @@ impl Kept {
         }
         let layout = layout.clone();
         let t = Instant::now();
-        let (view, rejected) = tokio::task::spawn_blocking(move || {
-            view::full_view(
-                &layout,
-                revision,
-                keys.iter().map(|(k, v)| (k.as_ref(), v.as_ref())),
-            )
+        let built = tokio::task::spawn_blocking(move || match (parts, touched) {
+            (Some((mut parts, _)), Touched::Some(touched)) => {
+                let rejected = parts.update(&layout, revision, &keys, touched);
+                (parts, rejected)
+            }
+            _ => Parts::build(&layout, revision, &keys),
         })
-        .await
-        .ok()?;
-        let view = Arc::new(view);
-        *last = Some(view.clone());
+        .await;
+        let Ok((parts, rejected)) = built else {
+            // The parts went with the build: the next one starts from every key.
+            self.lock().touched = Touched::All;
+            return None;
+        };
+        let view = Arc::new(parts.view());
+        *last = Some((parts, view.clone()));
         Some(Built {
             view,
             keys: n,
@@ -195,6 +221,7 @@ impl Kept {
                 keys,
                 revision,
                 live: true,
+                touched: Touched::All,
             };
         }
         self.synced.send_replace(revision);
@@ -220,7 +247,12 @@ impl Kept {
             }
             let newest = {
                 let mut state = self.lock();
-                let State { addrs, keys, .. } = &mut *state;
+                let State {
+                    addrs,
+                    keys,
+                    touched,
+                    ..
+                } = &mut *state;
                 // A progress notification says the watch has caught up to the header's
                 // revision.
                 let mut newest = resp.header().map_or(0, |h| h.revision());
@@ -232,6 +264,11 @@ impl Kept {
                     let put = e.event_type() == EventType::Put;
                     addrs.apply(layout, kv.key(), put);
                     if let Some(keys) = keys {
+                        if let (Touched::Some(t), Some(s)) =
+                            (&mut *touched, view::owner(layout, kv.key()))
+                        {
+                            t.insert(s);
+                        }
                         let key = Bytes::copy_from_slice(kv.key());
                         if put {
                             keys.insert(key, Bytes::copy_from_slice(kv.value()));

@@ -150,7 +150,7 @@ fn read(path: &Path) -> Result<Vec<u8>, StoreError> {
 }
 
 /// The first key after every key that starts with `prefix` (etcd's range end).
-fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     let mut end = prefix.to_vec();
     while let Some(last) = end.pop() {
         if last < 0xff {

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use aether_model::{EndpointState, ServiceKey};
+use bytes::Bytes;
 use serde::Serialize;
 use shared_proto::registry as pb;
 
@@ -195,6 +196,129 @@ pub fn batch<'a>(
         .filter_map(|ev| change(layout, &ev).map_err(|r| rejected.push(r)).ok()?)
         .collect();
     (pb::ChangeBatch { revision, changes }, rejected)
+}
+
+/// Every key under the prefix and its value, in etcd's order: what the registrar keeps
+/// of etcd ([`crate::kept`]).
+pub type Keys = imbl::OrdMap<Bytes, Bytes>;
+
+/// One service's share of a full view: the service with its endpoints (None while it has
+/// no service key) and its drain marks.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Part {
+    service: Option<pb::Service>,
+    marks: Vec<pb::DrainMark>,
+}
+
+/// A full view kept by service, so that the view after a few changes rebuilds only the
+/// services they touched: [`full_view`] of one service's keys (its service key, its
+/// endpoints, its marks) is that service's share of the full view of every key, since
+/// [`full_view`] groups endpoints and marks by service and sorts services by key.
+#[derive(Debug, Default)]
+pub struct Parts {
+    revision: i64,
+    by_service: BTreeMap<ServiceKey, Part>,
+}
+
+impl Parts {
+    /// Every part, from every key at `revision`.
+    pub fn build(layout: &Layout, revision: i64, keys: &Keys) -> (Parts, Vec<Rejected>) {
+        let (full, rejected) = full_view(
+            layout,
+            revision,
+            keys.iter().map(|(k, v)| (k.as_ref(), v.as_ref())),
+        );
+        let mut by_service: BTreeMap<ServiceKey, Part> = BTreeMap::new();
+        for s in full.services {
+            let key = service_key(&s.key).expect("full_view names every service");
+            by_service.entry(key).or_default().service = Some(s);
+        }
+        for m in full.marks {
+            let key = service_key(&m.service).expect("full_view names every mark's service");
+            by_service.entry(key).or_default().marks.push(m);
+        }
+        (
+            Parts {
+                revision,
+                by_service,
+            },
+            rejected,
+        )
+    }
+
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    /// Rebuilds the parts of the services in `touched` from `keys` at `revision`; the
+    /// corrupt entries among their keys.
+    pub fn update(
+        &mut self,
+        layout: &Layout,
+        revision: i64,
+        keys: &Keys,
+        touched: impl IntoIterator<Item = ServiceKey>,
+    ) -> Vec<Rejected> {
+        use std::ops::Bound;
+        let mut rejected = Vec::new();
+        for s in touched {
+            let service = layout.service(&s);
+            let mut kvs: Vec<(&[u8], &[u8])> = Vec::new();
+            if let Some((k, v)) = keys.get_key_value(service.as_bytes()) {
+                kvs.push((k, v));
+            }
+            for prefix in [layout.endpoints_of(&s), layout.marks_of(&s)] {
+                let end = crate::store::prefix_end(prefix.as_bytes());
+                let range: (Bound<&[u8]>, Bound<&[u8]>) =
+                    (Bound::Included(prefix.as_bytes()), Bound::Excluded(&end));
+                kvs.extend(
+                    keys.range::<_, [u8]>(range)
+                        .map(|(k, v)| (k.as_ref(), v.as_ref())),
+                );
+            }
+            let (full, r) = full_view(layout, revision, kvs);
+            rejected.extend(r);
+            let part = Part {
+                service: full.services.into_iter().next(),
+                marks: full.marks,
+            };
+            if part.service.is_none() && part.marks.is_empty() {
+                self.by_service.remove(&s);
+            } else {
+                self.by_service.insert(s, part);
+            }
+        }
+        self.revision = revision;
+        rejected
+    }
+
+    /// The full view the parts make.
+    pub fn view(&self) -> pb::FullView {
+        pb::FullView {
+            revision: self.revision,
+            services: self
+                .by_service
+                .values()
+                .filter_map(|p| p.service.clone())
+                .collect(),
+            marks: self
+                .by_service
+                .values()
+                .flat_map(|p| p.marks.iter().cloned())
+                .collect(),
+            resync: false,
+            reason: String::new(),
+        }
+    }
+}
+
+/// The service a key belongs to, if it is a service's, an endpoint's or a mark's.
+pub fn owner(layout: &Layout, key: &[u8]) -> Option<ServiceKey> {
+    match layout.parse(key).ok()? {
+        Key::Service(s) => Some(s),
+        Key::Endpoint { service, .. } | Key::Mark { service, .. } => Some(service),
+        Key::QuicPairs { .. } => None,
+    }
 }
 
 /// A client's view of the registry: a full view with the change batches after it
@@ -459,6 +583,75 @@ mod tests {
     const EP_QUIC: &str = r#"{"service_port":80,"node":"n1","pod":"web-1","state":"healthy","quic":"n1.example:4443","quic_sni":"web-1.d.example"}"#;
     const PAIRS: &str = r#"{"pairs":[{"tcp":"10.0.0.1:8080","quic":"n1.example:4443","quic_sni":"web-1.d.example","pod":"d/web-1","since":1}]}"#;
     const MARK: &str = r#"{"state":"draining","node":"n1","instance":"agent-a"}"#;
+
+    /// A full view kept by service and rebuilt only for the services a batch touched is
+    /// the full view of every key, after every batch of random puts and deletes:
+    /// services, endpoints (some of a service with no service key), marks, corrupt
+    /// values, a node's QUIC pairs and a key of no layout, over names that share
+    /// prefixes (`web`, `web2`).
+    #[test]
+    fn parts_rebuilt_for_the_touched_services_make_the_full_view_of_every_key() {
+        let layout = layout();
+        let names = ["d/web", "d/web2", "d/db", "e/web"];
+        let mut next = {
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            move |n: usize| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % n as u64) as usize
+            }
+        };
+        let mut keys = Keys::new();
+        let (mut parts, _) = Parts::build(&layout, 0, &keys);
+        let mut rebuilt = 0;
+        for revision in 1..=400 {
+            let mut touched = std::collections::BTreeSet::new();
+            for _ in 0..1 + next(4) {
+                let name = names[next(names.len())];
+                let key = match next(5) {
+                    0 => k(&format!("services/{name}")),
+                    1 | 2 => k(&format!(
+                        "endpoints/{name}/10.0.0.{}/{}",
+                        1 + next(12),
+                        8080 + next(2)
+                    )),
+                    3 => k(&format!("marks/{name}/10.0.0.{}", 1 + next(12))),
+                    _ => k(["quic-pairs/n1", "stray/x"][next(2)]),
+                };
+                let value = match (next(12), key.windows(9).any(|w| w == b"services/")) {
+                    (0, _) => "{not json",
+                    (_, true) => WEB,
+                    _ if key.windows(6).any(|w| w == b"marks/") => MARK,
+                    _ if key.windows(10).any(|w| w == b"quic-pairs") => PAIRS,
+                    _ => [EP, EP_MTLS, EP_QUIC][next(3)],
+                };
+                if let Some(s) = owner(&layout, &key) {
+                    touched.insert(s);
+                }
+                let key = Bytes::from(key);
+                if next(3) == 0 {
+                    keys.remove(&key);
+                } else {
+                    keys.insert(key, Bytes::from_static(value.as_bytes()));
+                }
+            }
+            rebuilt += touched.len();
+            parts.update(&layout, revision, &keys, touched);
+            let (whole, _) = full_view(
+                &layout,
+                revision,
+                keys.iter().map(|(k, v)| (k.as_ref(), v.as_ref())),
+            );
+            assert_eq!(parts.view(), whole, "at revision {revision}");
+            assert_eq!(Parts::build(&layout, revision, &keys).0.view(), whole);
+        }
+        let whole = parts.view();
+        assert!(
+            !whole.services.is_empty() && !whole.marks.is_empty() && rebuilt < 400 * names.len(),
+            "the walk reached services and marks, rebuilding {rebuilt} parts"
+        );
+    }
 
     #[test]
     fn a_full_view_groups_endpoints_under_services_and_skips_what_is_corrupt() {
