@@ -298,39 +298,15 @@ fn main() {
             percentile(v, 100.0).unwrap_or(f64::NAN)
         )
     };
-    println!(
-        "| | {} |",
-        sides
-            .iter()
-            .map(|s| s.label)
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
+    let line = |label: &str, cell: &dyn Fn(&Side) -> String| {
+        let cells: Vec<String> = sides.iter().map(cell).collect();
+        println!("| {label} | {} |", cells.join(" | "));
+    };
+    line("", &|s| s.label.to_owned());
     println!("|---|---|---|");
-    println!(
-        "| one stream ({rounds} rounds) | {} |",
-        sides
-            .iter()
-            .map(|s| row(&s.alone))
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
-    println!(
-        "| {herd} streams at once | {} |",
-        sides
-            .iter()
-            .map(|s| row(&s.herd))
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
-    println!(
-        "| of them failed | {} |",
-        sides
-            .iter()
-            .map(|s| s.herd_failed.to_string())
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
+    line(&format!("one stream ({rounds} rounds)"), &|s| row(&s.alone));
+    line(&format!("{herd} streams at once"), &|s| row(&s.herd));
+    line("of them failed", &|s| s.herd_failed.to_string());
     println!(
         "| registrar RSS / peak, MiB, before the herds | {} |",
         before_herd.join(" | ")

@@ -19,14 +19,22 @@ impl AddrIndex {
     /// Applies an etcd key that was put (`put`) or deleted; keys other than endpoints'
     /// are ignored.
     pub fn apply(&mut self, layout: &Layout, key: &[u8], put: bool) {
-        let Ok(Key::Endpoint {
+        if let Ok(key) = layout.parse(key) {
+            self.apply_key(&key, put);
+        }
+    }
+
+    /// [`AddrIndex::apply`] of a key parsed already.
+    pub fn apply_key(&mut self, key: &Key, put: bool) {
+        let Key::Endpoint {
             service,
             address,
             port,
-        }) = layout.parse(key)
+        } = key
         else {
             return;
         };
+        let (service, address, port) = (service.clone(), *address, *port);
         if put {
             self.by_addr
                 .entry(address)

@@ -313,8 +313,8 @@ impl Parts {
 }
 
 /// The service a key belongs to, if it is a service's, an endpoint's or a mark's.
-pub fn owner(layout: &Layout, key: &[u8]) -> Option<ServiceKey> {
-    match layout.parse(key).ok()? {
+pub fn owner(key: &Key) -> Option<&ServiceKey> {
+    match key {
         Key::Service(s) => Some(s),
         Key::Endpoint { service, .. } | Key::Mark { service, .. } => Some(service),
         Key::QuicPairs { .. } => None,
@@ -626,8 +626,8 @@ mod tests {
                     _ if key.windows(10).any(|w| w == b"quic-pairs") => PAIRS,
                     _ => [EP, EP_MTLS, EP_QUIC][next(3)],
                 };
-                if let Some(s) = owner(&layout, &key) {
-                    touched.insert(s);
+                if let Some(s) = layout.parse(&key).ok().as_ref().and_then(owner) {
+                    touched.insert(s.clone());
                 }
                 let key = Bytes::from(key);
                 if next(3) == 0 {

@@ -425,6 +425,10 @@ async fn full_views_from_the_kept_view_equal_etcds_at_every_revision() {
         .await
         .unwrap();
     let db = |eps: &[(&str, u32, &str)]| svc("prod", "db", &[5432], eps);
+    let key = |name: &str| pb::ServiceKey {
+        namespace: "prod".into(),
+        name: name.into(),
+    };
     let mut revisions = Vec::new();
     revisions.push(
         apply(
@@ -437,10 +441,7 @@ async fn full_views_from_the_kept_view_equal_etcds_at_every_revision() {
     let marked = client(kept.addr())
         .await
         .set_endpoint_state(pb::SetEndpointStateRequest {
-            service: Some(pb::ServiceKey {
-                namespace: "prod".into(),
-                name: "web".into(),
-            }),
+            service: Some(key("web")),
             address: "10.0.0.2".into(),
             state: pb::EndpointState::Draining as i32,
             node: "n2".into(),
@@ -474,10 +475,7 @@ async fn full_views_from_the_kept_view_equal_etcds_at_every_revision() {
     let deleted = client(kept.addr())
         .await
         .delete_service(pb::DeleteServiceRequest {
-            service: Some(pb::ServiceKey {
-                namespace: "prod".into(),
-                name: "db".into(),
-            }),
+            service: Some(key("db")),
         })
         .await
         .unwrap()
