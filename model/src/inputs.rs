@@ -51,4 +51,7 @@ pub struct Gates {
     /// Every local pod holds its own SVID, or pods get none (no broker). The lenient
     /// client-certificate gate waits for it, bounded (`--pod-certificate-gate`).
     pub pod_certificates: bool,
+    /// The worker has made the resume digests and encodings of a snapshot of the loaded
+    /// inputs: a standby's readiness waits for it, an owner's first serve does not.
+    pub encodings_warm: bool,
 }

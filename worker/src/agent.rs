@@ -301,6 +301,14 @@ impl Agent {
                 fresh: acks.fresh(),
                 done: false,
             },
+            xds::encoded::WarmGate {
+                gates: node.gates(),
+                set: Box::new({
+                    let node = node.clone();
+                    move || node.set_gate(|g| g.encodings_warm = true)
+                }),
+                marked: false,
+            },
         ));
         let (ended_tx, ended_rx) = mpsc::channel(8);
         Ok(Self {

@@ -362,7 +362,13 @@ mod tests {
         assert_eq!((s.role, s.phase, s.ready), ("standby", "building", false));
         assert_eq!(
             s.waiting_for,
-            ["storage", "capture", "agent-svid", "pod-certificates"]
+            [
+                "storage",
+                "capture",
+                "agent-svid",
+                "pod-certificates",
+                "encodings"
+            ]
         );
         assert_eq!(
             l.step(Event::Gates(all_gates())),

@@ -151,13 +151,15 @@ impl State {
         }
     }
 
-    /// Standby completeness: every gate really passed.
+    /// Standby completeness: every gate really passed, and the encodings of the loaded
+    /// inputs are made, which a takeover answers the proxy with.
     pub fn complete(&self) -> bool {
         self.gates.registry_loaded
             && self.gates.capture_landed
             && self.gates.storage_loaded
             && self.gates.agent_svid
             && self.pod_certs_done()
+            && self.gates.encodings_warm
     }
 
     /// The client-certificate gate passed or timed out.
@@ -183,6 +185,8 @@ impl State {
             (g.capture_landed, "capture"),
             (g.agent_svid, "agent-svid"),
             (self.pod_certs_done(), "pod-certificates"),
+            // Only a standby waits for it.
+            (g.encodings_warm || self.owner, "encodings"),
         ]
         .into_iter()
         .filter_map(|(passed, name)| (!passed).then_some(name))
@@ -329,6 +333,7 @@ pub(crate) mod tests {
             storage_loaded: true,
             agent_svid: true,
             pod_certificates: true,
+            encodings_warm: true,
         }
     }
 
@@ -388,6 +393,7 @@ pub(crate) mod tests {
             storage_loaded: false,
             agent_svid: true,
             pod_certificates: true,
+            encodings_warm: true,
         };
         check(&[Event::Gates(partial)], Phase::Building, &[]);
         check(
@@ -403,6 +409,42 @@ pub(crate) mod tests {
             Phase::StandbyComplete,
             &[Action::Report(Phase::StandbyComplete)],
         );
+    }
+
+    #[test]
+    fn a_standby_is_complete_once_warm_but_an_owner_serves_cold() {
+        let cold = Gates {
+            encodings_warm: false,
+            ..all_gates()
+        };
+        let (s, a) = step(State::default(), Event::Gates(cold));
+        assert_eq!(s.phase, Phase::Building);
+        assert!(a.iter().all(is_cert_gate), "{a:?}");
+        assert!(!s.ready() && s.waiting_for() == ["encodings"]);
+        check(
+            &[Event::Gates(cold), Event::Gates(all_gates())],
+            Phase::StandbyComplete,
+            &[Action::Report(Phase::StandbyComplete)],
+        );
+        // Handed the node cold, it serves at once: a push encodes what it needs itself.
+        check(
+            &[
+                Event::Gates(cold),
+                Event::Takeover { reconcile: true },
+                Event::ReconcileDone,
+            ],
+            Phase::Serving,
+            &[
+                Action::ArmGateTimers,
+                Action::Report(Phase::Reconciling),
+                Action::Reconcile,
+                Action::Serve,
+                Action::Report(Phase::Serving),
+            ],
+        );
+        let (s, _) = step(State::default(), Event::Takeover { reconcile: false });
+        let (s, _) = step(s, Event::Gates(cold));
+        assert!(s.ready() && s.waiting_for().is_empty());
     }
 
     #[test]

@@ -167,7 +167,8 @@ pub const FIRST_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1
 /// resource: at 10,000 services 0.2 s of a core idle, over 0.5 s busy) only competed for
 /// the CPU with those answers. At 10,000 services behind the relay, a respawned worker's
 /// answer to the relay's EDS re-statement took 6 to 27 ms with the warm-up running and 3
-/// to 4 ms without. A standby warms at once: that is what its takeover answers from.
+/// to 4 ms without. A standby warms at once: that is what its takeover answers from, and
+/// once warm ([`WarmGate`]) it is not held after the takeover either.
 pub struct WarmHold {
     pub status: watch::Receiver<crate::health::Status>,
     pub acks: watch::Receiver<Option<Arc<Snapshot>>>,
@@ -203,15 +204,22 @@ impl WarmHold {
 }
 
 /// Encodes every snapshot the node publishes, until the node is gone, an owner's first
-/// after the proxy's first ACK ([`WarmHold`]). Also keeps the `snapshot_seq` gauge.
+/// after the proxy's first ACK ([`WarmHold`]); sets the warm gate after the first of
+/// loaded inputs ([`WarmGate`]). Also keeps the `snapshot_seq` gauge.
 pub async fn keep_warm(
     mut snapshots: watch::Receiver<Arc<Snapshot>>,
     encoded: Arc<Encoded>,
     metrics: Arc<crate::metrics::Metrics>,
     mut hold: WarmHold,
+    mut gate: WarmGate,
 ) {
     let mut last: Option<Arc<Snapshot>> = None;
     loop {
+        // Read before the snapshot: a gate is set after the change it stands for was
+        // published, so a snapshot taken after the gate reads loaded holds the loaded
+        // inputs.
+        let loaded = gate.loaded();
+        let started = std::time::Instant::now();
         let s = snapshots.borrow_and_update().clone();
         metrics.snapshot_seq.set(s.seq as i64);
         // Not held: an owner's first offer comes right after its first snapshot, and a
@@ -225,9 +233,16 @@ pub async fn keep_warm(
         {
             tracing::error!("resume digests failed; a relay's offer computes them");
         }
-        hold.wait().await;
-        // A snapshot published meanwhile: its digests first, then the warm-up of it.
-        if snapshots.has_changed().unwrap_or(false) {
+        // Only a cold owner's first warm-up is held: one that warmed as a standby (a
+        // surge's new owner) encodes what changed since, and its bucket index must be
+        // at hand for the relay's resume of the snapshot that changed during the roll.
+        if !gate.marked {
+            hold.wait().await;
+        }
+        // A snapshot published meanwhile: its digests first, then the warm-up of it. Not
+        // before the first warm-up of loaded inputs: a standby's readiness waits for that
+        // one, and under churn the next snapshot may always be on its way.
+        if gate.marked && snapshots.has_changed().unwrap_or(false) {
             continue;
         }
         // The names by bucket, for a bucket resume: after the hold too, since a cold
@@ -249,10 +264,49 @@ pub async fn keep_warm(
         {
             tracing::error!("encoding warm-up failed; streams encode on demand");
         }
+        if loaded && !gate.marked {
+            // Failed or not, once: a failed warm-up leaves the streams to encode on demand,
+            // which must not hold a standby back for good.
+            gate.mark(&s, started.elapsed());
+        }
         last = Some(s);
         if snapshots.changed().await.is_err() {
             return;
         }
+    }
+}
+
+/// A standby's readiness waits for its first warm-up of loaded inputs: the node's other
+/// gates are read here, and the warm gate set through `mark` once the resume digests,
+/// the bucket index and the encodings of a snapshot of loaded inputs are made. At 10,000
+/// services that warm-up encodes about 40,000 resources after the other gates pass (0.2 s
+/// idle, over 0.5 s busy); a surge's old owner, stopped at the standby's readiness, then
+/// handed the node over while its successor still encoded, on the same cores as the roll.
+/// An owner never waits for it (its first serve does not read the gate).
+pub struct WarmGate {
+    pub gates: watch::Receiver<aether_model::Gates>,
+    pub set: Box<dyn Fn() + Send>,
+    pub marked: bool,
+}
+
+impl WarmGate {
+    /// The inputs a snapshot must hold to be worth warming for a takeover: the registry,
+    /// the stored pods and the capture projection.
+    fn loaded(&self) -> bool {
+        let g = self.gates.borrow();
+        g.registry_loaded && g.storage_loaded && g.capture_landed
+    }
+
+    fn mark(&mut self, s: &Snapshot, took: std::time::Duration) {
+        self.marked = true;
+        (self.set)();
+        tracing::info!(
+            snapshot = s.seq,
+            clusters = s.clusters.len(),
+            load_assignments = s.endpoints.len(),
+            took_ms = took.as_secs_f64() * 1e3,
+            "encodings warm"
+        );
     }
 }
 
@@ -541,11 +595,21 @@ mod tests {
             fresh,
             done: false,
         };
+        // The other gates not passed yet: the first snapshot is warmed, not marked.
+        let (gates_tx, gates) = watch::channel(aether_model::Gates::default());
+        let (warm_tx, mut warm) = watch::channel(false);
         let task = tokio::spawn(keep_warm(
             snapshots,
             encoded.clone(),
             crate::metrics::Metrics::new(),
             hold,
+            WarmGate {
+                gates,
+                set: Box::new(move || {
+                    warm_tx.send_replace(true);
+                }),
+                marked: false,
+            },
         ));
         let at_hand =
             |s: &Arc<Snapshot>| encoded.digests.holds(s) && encoded.plan(s, None).is_empty();
@@ -562,10 +626,26 @@ mod tests {
             }
         };
         assert!(wait(first.clone()).await, "the first snapshot");
+        assert!(!*warm.borrow(), "warm before the inputs were loaded");
+        // Loaded: the gate is set after the change is published, as the node does; the
+        // warm gate follows that snapshot's warm-up.
         let next = Arc::new(snapshot(&[1, 2, 3]));
         assert!(!at_hand(&next));
         tx.send_replace(next.clone());
-        assert!(wait(next).await, "the next snapshot");
+        gates_tx.send_replace(aether_model::Gates {
+            registry_loaded: true,
+            storage_loaded: true,
+            capture_landed: true,
+            ..Default::default()
+        });
+        tokio::time::timeout(std::time::Duration::from_secs(10), warm.wait_for(|w| *w))
+            .await
+            .expect("the warm gate set")
+            .unwrap();
+        assert!(
+            at_hand(&next),
+            "warm before the loaded snapshot was at hand"
+        );
         task.abort();
     }
 }
