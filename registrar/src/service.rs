@@ -755,11 +755,17 @@ impl Registrar {
 
     /// Makes etcd hold `s` exactly, in one transaction; the revision after it.
     async fn apply_one(&self, s: &aether_model::Service) -> Result<i64, Status> {
+        let started = std::time::Instant::now();
         let w = writes::apply(&self.store, s, Source::File)
             .await
             .map_err(write_status)?;
         if w.writes > 0 {
-            tracing::info!(service = %s.key(), writes = w.writes, endpoints = s.endpoints.len(), revision = w.revision, "service applied");
+            tracing::info!(
+                service = %s.key(), writes = w.writes, endpoints = s.endpoints.len(), revision = w.revision,
+                attempts = w.attempts, took_ms = started.elapsed().as_secs_f64() * 1e3,
+                commit_ms = w.commit.as_secs_f64() * 1e3,
+                "service applied"
+            );
         }
         Ok(w.revision)
     }

@@ -53,6 +53,10 @@ pub struct Written {
     pub took_over: bool,
     /// The service was there before.
     pub existed: bool,
+    /// Read-plan-commit rounds taken (a commit refused by a concurrent write goes again).
+    pub attempts: usize,
+    /// Time in the last round's commit: etcd's transaction, its fsync included.
+    pub commit: std::time::Duration,
 }
 
 /// Makes etcd hold `s` exactly, as `writer` wrote it, in one transaction. Its endpoints
@@ -63,7 +67,7 @@ pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written
     let layout = &store.layout;
     let key = s.key();
     let (service_key, endpoints) = (layout.service(&key), layout.endpoints_of(&key));
-    for _ in 0..ATTEMPTS {
+    for attempt in 1..=ATTEMPTS {
         let (read, kvs) = store.read_prefix(&endpoints, None).await?;
         let (_, current) = store.read_key(&service_key, Some(read)).await?;
         let current_endpoints: BTreeMap<String, Vec<u8>> = kvs
@@ -105,17 +109,20 @@ pub async fn apply(store: &Store, s: &Service, writer: Source) -> Result<Written
             &pairs,
         )
         .map_err(|o| WriteError::owned(&key, o))?;
-        let written = |revision| Written {
+        let written = |revision, commit| Written {
             revision,
             writes: ops.len(),
             took_over: before.is_some_and(|b| b != writer),
             existed: before.is_some(),
+            attempts: attempt,
+            commit,
         };
         if ops.is_empty() {
-            return Ok(written(read));
+            return Ok(written(read, std::time::Duration::ZERO));
         }
+        let committing = std::time::Instant::now();
         match store.commit(read, &guards, &ops).await {
-            Ok(Some(revision)) => return Ok(written(revision)),
+            Ok(Some(revision)) => return Ok(written(revision, committing.elapsed())),
             Ok(None) => continue,
             Err(e)
                 if e.status()
@@ -141,24 +148,27 @@ pub async fn delete(
     writer: Source,
 ) -> Result<Written, WriteError> {
     let service_key = store.layout.service(key);
-    for _ in 0..ATTEMPTS {
+    for attempt in 1..=ATTEMPTS {
         let (read, current) = store.read_key(&service_key, None).await?;
         let ops = plan::delete_service(&store.layout, key, writer, current.as_deref())
             .map_err(|o| WriteError::owned(key, o))?;
-        let written = |revision| Written {
+        let written = |revision, commit| Written {
             revision,
             writes: ops.len(),
             took_over: false,
             existed: current.is_some(),
+            attempts: attempt,
+            commit,
         };
         if ops.is_empty() {
-            return Ok(written(read));
+            return Ok(written(read, std::time::Duration::ZERO));
         }
+        let committing = std::time::Instant::now();
         if let Some(revision) = store
             .commit(read, &[Guard::Key(service_key.clone())], &ops)
             .await?
         {
-            return Ok(written(revision));
+            return Ok(written(revision, committing.elapsed()));
         }
     }
     Err(WriteError::Contended { key: key.clone() })
