@@ -118,7 +118,8 @@
 #   ARG_MESH_SERVICES that many more services in the registry, 10 endpoints each, never
 #                     dialled (0): rolls at mesh scale, e.g. 10000; Envoy then keeps no
 #                     per-cluster or per-vhost stats, so that polling its admin stays cheap
-#   ARG_NO_CHURN      set: no pod ADD/DEL during the rolls (then, over delta ADS, the new
+#   ARG_NO_CHURN      set: no pod ADD/DEL during the rolls (then, over delta ADS and
+#                     with ARG_RELAY off, so with no registry change at the roll, the new
 #                     owners' answers to Envoy's reconnect must carry nothing:
 #                     reconnect_resources 0)
 #   ARG_RESULTS_DIR   where the SVG plot goes (e2e/results)

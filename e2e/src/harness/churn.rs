@@ -223,6 +223,8 @@ pub fn settle(cni: &Cni, pods: &Mutex<Pods>, timeout: Duration) -> usize {
 /// this churn added, pending DELs retried in between.
 pub struct Churn {
     stop: Arc<AtomicBool>,
+    /// CNI calls made so far, answered or not.
+    calls: Arc<std::sync::atomic::AtomicU64>,
     thread: Option<JoinHandle<(u64, u64)>>,
 }
 
@@ -231,6 +233,8 @@ impl Churn {
     pub fn start(cni: Arc<Cni>, pods: Arc<Mutex<Pods>>, enabled: bool) -> Churn {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
+        let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let made = calls.clone();
         let thread = std::thread::Builder::new()
             .name("churn".into())
             .spawn(move || {
@@ -247,6 +251,7 @@ impl Churn {
                         adds += 1;
                         mine.push(pod);
                     }
+                    made.fetch_add(1, Ordering::Relaxed);
                     if step.is_multiple_of(2)
                         && !mine.is_empty()
                         && del_one(&cni, &pods, mine.remove(0))
@@ -260,8 +265,14 @@ impl Churn {
             .expect("spawn churn");
         Churn {
             stop,
+            calls,
             thread: Some(thread),
         }
+    }
+
+    /// The ADDs made so far (a step's DEL follows its ADD), answered or not.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
     }
 
     /// Stops after the call in flight; (successful ADDs, successful DELs).

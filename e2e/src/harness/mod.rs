@@ -1029,7 +1029,11 @@ pub fn run_mode(cfg: &Config, mode: Mode, relay: bool) -> ModeResult {
         relay,
         changes_on: cfg.relay != RelayRuns::Off,
         bound: cfg.bound(mode),
-        expect_empty_reconnects: cfg.no_churn && cfg.xds_api == envoy::AdsApi::Delta,
+        // A registry change made at the roll reaches Envoy on the reconnect (its load
+        // assignment): only a roll without churn or changes sends nothing.
+        expect_empty_reconnects: cfg.no_churn
+            && cfg.xds_api == envoy::AdsApi::Delta
+            && cfg.relay == RelayRuns::Off,
         nodes: cfg.nodes,
         identity: cfg.identity,
         ..Default::default()
@@ -1905,12 +1909,27 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             c.holds_current(&b.envoy)
                 .with_context(|| format!("after the roll, {}", b.owner.name))?;
             c.stage()?;
+            // Under the same churn as the roll's, so that the two samples differ by the
+            // roll alone: the churn's CNI calls (plugin processes, record fsyncs) share
+            // the cores and the disk with etcd and the agent.
+            let churn = Churn::start(b.cni.clone(), b.pods.clone(), !b.no_churn);
+            if !b.no_churn {
+                try_wait_for(
+                    "the churn's first two ADDs before the change between rolls",
+                    T_START,
+                    || (churn.calls() >= 2).then_some(()),
+                )?;
+            }
             quiet.hold();
             c.make()?;
             let acked = c.acked(&b.envoy);
             quiet.release();
+            let (a, d) = churn.stop();
+            r.adds += a;
+            r.dels += d;
             r.change_no_roll = Some(acked.context("the registry change made between rolls")?);
         }
+        r.lost += check_pods(b)?;
     }
     if let Some(id) = &b.identity {
         r.svid_wait = serving["takeover"]["svid_wait_us"]
