@@ -309,12 +309,17 @@ async fn watch_once(
     metrics.registrar_connected.set(1);
     info!(registrar = %addr, resume_revision = mirror.revision(), instance = %me.instance, "registrar stream open");
     let mut progressed = false;
+    // Timed for the full view's log line: the wait for a message (its transfer and
+    // decoding included), the mirror's apply and the node's build.
+    let mut since = std::time::Instant::now();
     loop {
         let message = match stream.message().await {
             Ok(Some(m)) => m,
             Ok(None) => return Ok(progressed),
             Err(s) => return Err((progressed, status_error(s))),
         };
+        let arrived = std::time::Instant::now();
+        let wait = arrived - since;
         progressed = true;
         let (changes, skipped, full) = match message.kind {
             Some(pb::watch_endpoints_response::Kind::Full(full)) => {
@@ -340,7 +345,9 @@ async fn watch_once(
         for s in skipped {
             warn!(registrar = %addr, entry = %s.0, "registrar entry dropped: {}", s.0);
         }
+        let mirrored = arrived.elapsed();
         node.apply(changes);
+        let built = arrived.elapsed() - mirrored;
         metrics.registry_revision.set(mirror.revision());
         problems.registrar(RegistrarStatus {
             revision: mirror.revision(),
@@ -348,12 +355,18 @@ async fn watch_once(
             full_views: *full_views,
         });
         if full {
-            info!(registrar = %addr, revision = mirror.revision(), services = mirror.services(), "registry loaded from the registrar");
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            info!(
+                registrar = %addr, revision = mirror.revision(), services = mirror.services(),
+                wait_ms = ms(wait), mirror_ms = ms(mirrored), build_ms = ms(built),
+                "registry loaded from the registrar"
+            );
         }
         if mirror.loaded() {
             node.set_gate(|g| g.registry_loaded = true);
             problems.clear(PROBLEM);
         }
+        since = std::time::Instant::now();
     }
 }
 
