@@ -300,6 +300,7 @@ impl Agent {
                 acks: acks.subscribe(),
                 fresh: acks.fresh(),
                 done: false,
+                deadline: None,
             },
             xds::encoded::WarmGate {
                 gates: node.gates(),

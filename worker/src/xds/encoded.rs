@@ -174,6 +174,9 @@ pub struct WarmHold {
     pub acks: watch::Receiver<Option<Arc<Snapshot>>>,
     pub fresh: watch::Receiver<bool>,
     pub done: bool,
+    /// When the wait past serving ends, once the owner serves: kept across waits, since
+    /// [`keep_warm`] leaves a wait for each snapshot published meanwhile.
+    pub deadline: Option<tokio::time::Instant>,
 }
 
 impl WarmHold {
@@ -181,7 +184,12 @@ impl WarmHold {
         if self.done || self.status.borrow().role != "owner" {
             return;
         }
-        let (status, acks, fresh) = (&mut self.status, &mut self.acks, &mut self.fresh);
+        let (status, acks, fresh, deadline) = (
+            &mut self.status,
+            &mut self.acks,
+            &mut self.fresh,
+            &mut self.deadline,
+        );
         // The wait counts from when this owner serves: a respawned worker takes the node
         // at once and then loads the mesh (1.1 s at 10,000 services through the
         // registrar), and a wait counted from its start ran out just as it began to answer
@@ -190,7 +198,8 @@ impl WarmHold {
             let _ = status
                 .wait_for(|s| !matches!(s.phase, "building" | "standby-complete" | "reconciling"))
                 .await;
-            tokio::time::sleep(FIRST_ACK_WAIT).await;
+            let at = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + FIRST_ACK_WAIT);
+            tokio::time::sleep_until(at).await;
         };
         tokio::select! {
             _ = acks.wait_for(Option::is_some) => {}
@@ -233,27 +242,32 @@ pub async fn keep_warm(
         {
             tracing::error!("resume digests failed; a relay's offer computes them");
         }
-        // Only a cold owner's first warm-up is held: one that warmed as a standby (a
-        // surge's new owner) encodes what changed since, and its bucket index must be
-        // at hand for the relay's resume of the snapshot that changed during the roll.
-        if !gate.marked {
-            hold.wait().await;
-        }
-        // A snapshot published meanwhile: its digests first, then the warm-up of it. Not
-        // before the first warm-up of loaded inputs: a standby's readiness waits for that
-        // one, and under churn the next snapshot may always be on its way.
-        if gate.marked && snapshots.has_changed().unwrap_or(false) {
+        // Only a cold owner's first warm-up is held ([`WarmHold`]): one that warmed as a
+        // standby (a surge's new owner) encodes what changed since. The digests and the
+        // bucket index are not held, since a relay's resume answers from them: a cold
+        // owner indexes each snapshot published while it waits (a respawned worker
+        // publishes the mesh 200 to 300 ms after its start, and the relay's offer follows
+        // within milliseconds).
+        if !gate.marked && !hold.done {
+            index(&encoded, &s).await;
+            tokio::select! {
+                biased;
+                () = hold.wait() => {}
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        } else if gate.marked && snapshots.has_changed().unwrap_or(false) {
+            // A snapshot published meanwhile: its digests first, then the warm-up of it.
+            // Not before the first warm-up of loaded inputs: a standby's readiness waits
+            // for that one, and under churn the next snapshot may always be on its way.
             continue;
         }
-        // The names by bucket, for a bucket resume: after the hold too, since a cold
-        // index at mesh scale costs milliseconds (a resume meanwhile walks the names).
-        let (e, next) = (encoded.clone(), s.clone());
-        if crate::heavy::run(move || e.digests.index(&next))
-            .await
-            .is_err()
-        {
-            tracing::error!("the resume index failed; a bucket resume walks every name");
-        }
+        // The names by bucket, for a bucket resume (already made for `s` if it waited).
+        index(&encoded, &s).await;
         // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
         // resource and must not hold up its gates. On the heavy-work thread, not the
         // blocking pool, behind any file look waiting there, and a chunk at a time: see
@@ -307,6 +321,18 @@ impl WarmGate {
             took_ms = took.as_secs_f64() * 1e3,
             "encodings warm"
         );
+    }
+}
+
+/// Indexes `s`'s names by bucket on the heavy-work thread ([`super::digest::Digests::index`]:
+/// nothing to do if `s` is indexed).
+async fn index(encoded: &Arc<Encoded>, s: &Arc<Snapshot>) {
+    let (e, next) = (encoded.clone(), s.clone());
+    if crate::heavy::run(move || e.digests.index(&next))
+        .await
+        .is_err()
+    {
+        tracing::error!("the resume index failed; a bucket resume walks every name");
     }
 }
 
@@ -511,6 +537,7 @@ mod tests {
             acks,
             fresh,
             done: false,
+            deadline: None,
         };
         let quick = std::time::Duration::from_millis(1);
         assert!(
@@ -545,6 +572,7 @@ mod tests {
             acks: acks.clone(),
             fresh,
             done: false,
+            deadline: None,
         };
         // ... counted from when it began to serve: a respawned worker's load of the mesh
         // does not use it up.
@@ -558,12 +586,31 @@ mod tests {
         status_tx.send_modify(|s| s.phase = "serving");
         assert_eq!(lone.await.unwrap() - serving_at, FIRST_ACK_WAIT);
 
+        // A wait left for a snapshot published meanwhile and taken up again ends when the
+        // first would have: the deadline is kept.
+        let (_no_acks_tx, no_acks) = watch::channel(None);
+        let (_not_fresh_tx, not_fresh) = watch::channel(false);
+        let mut resumed = WarmHold {
+            status: hold.status.clone(),
+            acks: no_acks,
+            fresh: not_fresh,
+            done: false,
+            deadline: None,
+        };
+        let from = tokio::time::Instant::now();
+        let part = FIRST_ACK_WAIT / 3;
+        assert!(tokio::time::timeout(part, resumed.wait()).await.is_err());
+        assert!(tokio::time::timeout(part, resumed.wait()).await.is_err());
+        resumed.wait().await;
+        assert_eq!(tokio::time::Instant::now() - from, FIRST_ACK_WAIT);
+
         // A proxy that starts fresh needs every resource: the warm-up goes ahead.
         let mut fresh_start = WarmHold {
             status: hold.status.clone(),
             acks,
             fresh: fresh_tx.subscribe(),
             done: false,
+            deadline: None,
         };
         assert!(
             tokio::time::timeout(quick, fresh_start.wait())
@@ -594,6 +641,7 @@ mod tests {
             acks,
             fresh,
             done: false,
+            deadline: None,
         };
         // The other gates not passed yet: the first snapshot is warmed, not marked.
         let (gates_tx, gates) = watch::channel(aether_model::Gates::default());
@@ -646,6 +694,69 @@ mod tests {
             at_hand(&next),
             "warm before the loaded snapshot was at hand"
         );
+        task.abort();
+    }
+
+    /// A cold owner's warm-up waits for the proxy's first ACK, but each snapshot published
+    /// meanwhile gets its resume digests and bucket index at once: the relay's offer and
+    /// the EDS re-statement that follows answer from them.
+    #[tokio::test]
+    async fn a_cold_owner_indexes_each_snapshot_while_its_warm_up_waits() {
+        let first = Arc::new(snapshot(&[1, 2]));
+        let (tx, snapshots) = watch::channel(first.clone());
+        let encoded = Arc::new(Encoded::default());
+        let mut owner = crate::health::Status::new("n", "p");
+        owner.role = "owner";
+        owner.phase = "serving";
+        let (_status_tx, status) = watch::channel(owner);
+        let (acks_tx, acks) = watch::channel(None);
+        let (_fresh_tx, fresh) = watch::channel(false);
+        let (_gates_tx, gates) = watch::channel(aether_model::Gates::default());
+        let task = tokio::spawn(keep_warm(
+            snapshots,
+            encoded.clone(),
+            crate::metrics::Metrics::new(),
+            WarmHold {
+                status,
+                acks,
+                fresh,
+                done: false,
+                deadline: None,
+            },
+            WarmGate {
+                gates,
+                set: Box::new(|| {}),
+                marked: false,
+            },
+        ));
+        let indexed = |s: &Arc<Snapshot>| {
+            encoded.digests.holds(s) && encoded.digests.by_bucket(s, Kind::Cluster).is_some()
+        };
+        let until = |f: &dyn Fn() -> bool| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !f() {
+                assert!(std::time::Instant::now() < deadline, "timed out");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        let next = Arc::new(snapshot(&[1, 2, 3]));
+        tokio::task::yield_now().await;
+        tx.send_replace(next.clone());
+        let (e, n) = (encoded.clone(), next.clone());
+        tokio::task::spawn_blocking(move || {
+            until(&|| e.digests.holds(&n) && e.digests.by_bucket(&n, Kind::Cluster).is_some())
+        })
+        .await
+        .unwrap();
+        assert!(indexed(&next));
+        // Held: well within FIRST_ACK_WAIT, nothing of the snapshot is encoded.
+        assert!(!encoded.plan(&next, None).is_empty(), "warmed while held");
+        // The proxy's first ACK ends the hold: the warm-up follows.
+        acks_tx.send_replace(Some(next.clone()));
+        let (e, n) = (encoded.clone(), next.clone());
+        tokio::task::spawn_blocking(move || until(&|| e.plan(&n, None).is_empty()))
+            .await
+            .unwrap();
         task.abort();
     }
 }
