@@ -6,7 +6,7 @@ use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -223,8 +223,8 @@ pub fn settle(cni: &Cni, pods: &Mutex<Pods>, timeout: Duration) -> usize {
 /// this churn added, pending DELs retried in between.
 pub struct Churn {
     stop: Arc<AtomicBool>,
-    /// CNI calls made so far, answered or not.
-    calls: Arc<std::sync::atomic::AtomicU64>,
+    /// The steps' ADDs made so far, answered or not.
+    calls: Arc<AtomicU64>,
     thread: Option<JoinHandle<(u64, u64)>>,
 }
 
@@ -233,7 +233,7 @@ impl Churn {
     pub fn start(cni: Arc<Cni>, pods: Arc<Mutex<Pods>>, enabled: bool) -> Churn {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
-        let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let calls = Arc::new(AtomicU64::new(0));
         let made = calls.clone();
         let thread = std::thread::Builder::new()
             .name("churn".into())

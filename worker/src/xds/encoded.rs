@@ -242,6 +242,14 @@ pub async fn keep_warm(
         {
             tracing::error!("resume digests failed; a relay's offer computes them");
         }
+        // The names by bucket, for a bucket resume.
+        let (e, next) = (encoded.clone(), s.clone());
+        if crate::heavy::run(move || e.digests.index(&next))
+            .await
+            .is_err()
+        {
+            tracing::error!("the resume index failed; a bucket resume walks every name");
+        }
         // Only a cold owner's first warm-up is held ([`WarmHold`]): one that warmed as a
         // standby (a surge's new owner) encodes what changed since. The digests and the
         // bucket index are not held, since a relay's resume answers from them: a cold
@@ -249,7 +257,6 @@ pub async fn keep_warm(
         // publishes the mesh 200 to 300 ms after its start, and the relay's offer follows
         // within milliseconds).
         if !gate.marked && !hold.done {
-            index(&encoded, &s).await;
             tokio::select! {
                 biased;
                 () = hold.wait() => {}
@@ -266,8 +273,6 @@ pub async fn keep_warm(
             // for that one, and under churn the next snapshot may always be on its way.
             continue;
         }
-        // The names by bucket, for a bucket resume (already made for `s` if it waited).
-        index(&encoded, &s).await;
         // Off the runtime thread: a standby's first warm-up at mesh scale encodes every
         // resource and must not hold up its gates. On the heavy-work thread, not the
         // blocking pool, behind any file look waiting there, and a chunk at a time: see
@@ -321,18 +326,6 @@ impl WarmGate {
             took_ms = took.as_secs_f64() * 1e3,
             "encodings warm"
         );
-    }
-}
-
-/// Indexes `s`'s names by bucket on the heavy-work thread ([`super::digest::Digests::index`]:
-/// nothing to do if `s` is indexed).
-async fn index(encoded: &Arc<Encoded>, s: &Arc<Snapshot>) {
-    let (e, next) = (encoded.clone(), s.clone());
-    if crate::heavy::run(move || e.digests.index(&next))
-        .await
-        .is_err()
-    {
-        tracing::error!("the resume index failed; a bucket resume walks every name");
     }
 }
 
