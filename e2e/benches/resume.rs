@@ -27,8 +27,10 @@
 //! digest and go by their bucket digests, the versions of the buckets that differ listed.
 //! In the digest modes the relay also offers the EDS names by their digest, and the first
 //! EDS request re-states the subscription as the one name relied on (`resume::RELIED`);
-//! `buckets` takes the snapshot's names by bucket (`Digests::index`, built off the
-//! runtime thread before the roll).
+//! `buckets, warm` takes the snapshot's names by bucket (`Digests::index`, built off the
+//! runtime thread before the roll); `buckets, cold` answers the offer from a first
+//! snapshot's digests, as a respawned or recreated worker does, and takes the names by
+//! bucket the digests' walk indexed, if any.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -102,6 +104,7 @@ enum Mode {
     DigestWarm,
     DigestCold,
     Buckets,
+    BucketsCold,
 }
 
 impl Mode {
@@ -111,7 +114,16 @@ impl Mode {
             Mode::DigestWarm => "digest, warm",
             Mode::DigestCold => "digest, cold",
             Mode::Buckets => "buckets, warm",
+            Mode::BucketsCold => "buckets, cold",
         }
+    }
+
+    fn buckets(self) -> bool {
+        matches!(self, Mode::Buckets | Mode::BucketsCold)
+    }
+
+    fn cold(self) -> bool {
+        matches!(self, Mode::DigestCold | Mode::BucketsCold)
     }
 }
 
@@ -233,6 +245,7 @@ fn main() {
         Mode::DigestWarm,
         Mode::DigestCold,
         Mode::Buckets,
+        Mode::BucketsCold,
     ] {
         let requests: Vec<(Kind, Vec<u8>)> = KINDS
             .into_iter()
@@ -245,7 +258,7 @@ fn main() {
                     Mode::DigestWarm | Mode::DigestCold => {
                         resume_request(&snapshot, k, holds, current, |_| false, 0, by_names)
                     }
-                    Mode::Buckets => resume_request(
+                    Mode::Buckets | Mode::BucketsCold => resume_request(
                         &snapshot,
                         k,
                         holds,
@@ -273,12 +286,8 @@ fn main() {
             if mode != Mode::Plain {
                 // What the server does when the stream opens with the offer.
                 let cold = Digests::default();
-                let digests = if mode != Mode::DigestCold {
-                    &warm
-                } else {
-                    &cold
-                };
-                let answer = if mode == Mode::Buckets {
+                let digests = if mode.cold() { &cold } else { &warm };
+                let answer = if mode.buckets() {
                     digests.matched(&snapshot, &stale_offer)
                 } else {
                     digests.matched(&snapshot, &offer)
@@ -335,7 +344,7 @@ fn main() {
                 let removed: usize = answers.iter().map(|a| a.removed_resources.len()).sum();
                 let kind = KINDS[i];
                 let want =
-                    if mode == Mode::Buckets && matches!(kind, Kind::Cluster | Kind::Endpoint) {
+                    if mode.buckets() && matches!(kind, Kind::Cluster | Kind::Endpoint) {
                         stale.len()
                     } else {
                         0
@@ -372,7 +381,7 @@ fn main() {
                     "; offer answered in {} ms, {matched_types} of {} types matched{}",
                     fmt(&mut offers),
                     KINDS.len(),
-                    if mode == Mode::Buckets {
+                    if mode.buckets() {
                         " (CDS and EDS in buckets)"
                     } else {
                         ""

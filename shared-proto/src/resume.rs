@@ -104,8 +104,13 @@ fn fnv_mixed(bytes: impl Iterator<Item = u8>) -> u64 {
 
 impl Digest {
     pub fn add(&mut self, name: &str, version: &str) {
+        self.add_hash(pair_hash(name, version));
+    }
+
+    /// [`Digest::add`] of a pair whose [`pair_hash`] is at hand.
+    pub fn add_hash(&mut self, pair: u64) {
         self.count += 1;
-        self.sum = self.sum.wrapping_add(pair_hash(name, version));
+        self.sum = self.sum.wrapping_add(pair);
     }
 
     pub fn remove(&mut self, name: &str, version: &str) {
@@ -140,6 +145,11 @@ impl Default for Buckets {
 impl Buckets {
     pub fn add(&mut self, name: &str, version: &str) {
         self.0[bucket(name)].add(name, version);
+    }
+
+    /// [`Buckets::add`] of a pair whose [`bucket`] and [`pair_hash`] are at hand.
+    pub fn add_hash(&mut self, bucket: usize, pair: u64) {
+        self.0[bucket].add_hash(pair);
     }
 
     pub fn remove(&mut self, name: &str, version: &str) {
