@@ -343,12 +343,11 @@ fn main() {
                 let sent: usize = answers.iter().map(|a| a.resources.len()).sum();
                 let removed: usize = answers.iter().map(|a| a.removed_resources.len()).sum();
                 let kind = KINDS[i];
-                let want =
-                    if mode.buckets() && matches!(kind, Kind::Cluster | Kind::Endpoint) {
-                        stale.len()
-                    } else {
-                        0
-                    };
+                let want = if mode.buckets() && matches!(kind, Kind::Cluster | Kind::Endpoint) {
+                    stale.len()
+                } else {
+                    0
+                };
                 assert_eq!(
                     (sent, removed),
                     (want, 0),

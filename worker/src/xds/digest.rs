@@ -386,9 +386,21 @@ mod tests {
 
     #[test]
     fn a_pairs_hash_is_the_protocols_of_its_wire_version() {
-        for h in [0, 1, 0xa, 0xdead_beef, 1 << 63, u64::MAX, 0x0123_4567_89ab_cdef] {
+        for h in [
+            0,
+            1,
+            0xa,
+            0xdead_beef,
+            1 << 63,
+            u64::MAX,
+            0x0123_4567_89ab_cdef,
+        ] {
             for n in ["", "outbound|80|s.d", "inbound|pod-00824-uid"] {
-                assert_eq!(pair(n, h), resume::pair_hash(n, &wire_version(h)), "{n} {h:x}");
+                assert_eq!(
+                    pair(n, h),
+                    resume::pair_hash(n, &wire_version(h)),
+                    "{n} {h:x}"
+                );
             }
         }
     }
@@ -418,13 +430,21 @@ mod tests {
         // The names by bucket likewise. The first snapshot's, without a history, came
         // with its digests; the next is not at hand before it is indexed.
         for k in KINDS {
-            assert_eq!(digests.by_bucket(&first, k), Some(by_filter(&first, k)), "{k:?}");
+            assert_eq!(
+                digests.by_bucket(&first, k),
+                Some(by_filter(&first, k)),
+                "{k:?}"
+            );
         }
         digests.index(&first);
         assert!(digests.by_bucket(&next, Kind::Cluster).is_none());
         digests.index(&next);
         for k in KINDS {
-            assert_eq!(digests.by_bucket(&next, k), Some(by_filter(&next, k)), "{k:?}");
+            assert_eq!(
+                digests.by_bucket(&next, k),
+                Some(by_filter(&next, k)),
+                "{k:?}"
+            );
             assert_eq!(Index::full(&next).of_kind(k), by_filter(&next, k), "{k:?}");
         }
         for k in [Kind::Cluster, Kind::Endpoint] {
