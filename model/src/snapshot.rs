@@ -444,6 +444,28 @@ impl Snapshot {
     /// steps in between changed. `None` when `earlier` is not of this snapshot's
     /// lineage, is newer, or lies beyond the remembered history; compare everything then.
     pub fn changed_since(&self, earlier: &Snapshot, k: Kind) -> Option<BTreeSet<&str>> {
+        Some(
+            self.steps_since(earlier)?
+                .iter()
+                .flat_map(|c| c.kind(k).iter().map(String::as_str))
+                .collect(),
+        )
+    }
+
+    /// At most how many names of `kind` [`Snapshot::changed_since`] gives (a name changed
+    /// by two steps counts twice), without collecting them: whether carrying what is
+    /// known of `earlier` is worth it.
+    pub fn changes_since(&self, earlier: &Snapshot, k: Kind) -> Option<usize> {
+        Some(
+            self.steps_since(earlier)?
+                .iter()
+                .map(|c| c.kind(k).len())
+                .sum(),
+        )
+    }
+
+    /// The steps from `earlier` to this snapshot, if remembered.
+    fn steps_since(&self, earlier: &Snapshot) -> Option<&[Arc<Changed>]> {
         if earlier.lineage != self.lineage || earlier.seq > self.seq {
             return None;
         }
@@ -451,13 +473,7 @@ impl Snapshot {
         if steps > self.history.len() {
             return None;
         }
-        let from = self.history.len() - steps;
-        Some(
-            self.history[from..]
-                .iter()
-                .flat_map(|c| c.kind(k).iter().map(String::as_str))
-                .collect(),
-        )
+        Some(&self.history[self.history.len() - steps..])
     }
 
     /// Whether this snapshot serves the pod (its inbound listener and cluster; a pod whose
