@@ -564,14 +564,20 @@ mod tests {
             "the history reaches"
         );
         assert!(!worth_carrying(&first, &next));
+        // The digests of `s` are those of a walk of every resource.
+        let agree = |of: &Of, s: &Snapshot| {
+            for k in KINDS {
+                let (d, b, _) = full(s, k);
+                assert_eq!(
+                    (of.whole[k.index()], of.buckets[k.index()]),
+                    (d, b),
+                    "{k:?}"
+                );
+            }
+        };
         let of = digests.of(&next);
+        agree(&of, &next);
         for k in KINDS {
-            let (d, b, _) = full(&next, k);
-            assert_eq!(
-                (of.whole[k.index()], of.buckets[k.index()]),
-                (d, b),
-                "{k:?}"
-            );
             let pairs: Vec<(String, String)> = next
                 .hashes(k)
                 .iter()
@@ -595,13 +601,8 @@ mod tests {
         let of = digests.of(&after);
         assert!(digests.by_bucket(&after, Kind::Cluster).is_none());
         digests.index(&after);
+        agree(&of, &after);
         for k in KINDS {
-            let (d, b, _) = full(&after, k);
-            assert_eq!(
-                (of.whole[k.index()], of.buckets[k.index()]),
-                (d, b),
-                "{k:?}"
-            );
             assert_eq!(
                 digests.by_bucket(&after, k),
                 Some(by_filter(&after, k)),
