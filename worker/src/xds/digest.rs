@@ -83,9 +83,9 @@ impl Index {
 }
 
 /// [`resume::pair_hash`] of `name` at the wire version of `hash` ([`wire_version`]),
-/// its 16 hex digits written on the stack: a snapshot without a history (a cold
-/// owner's first) hashes every resource of the mesh, 20,000 at 10,000 services, while
-/// the relay's offer waits.
+/// its 16 hex digits written on the stack: a snapshot walked whole (a cold owner's first
+/// of the mesh) hashes every resource, 20,000 at 10,000 services, while the relay's offer
+/// waits.
 fn pair(name: &str, hash: u64) -> u64 {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut digits = [0u8; 16];
