@@ -213,9 +213,9 @@ async fn a_corrupt_value_in_etcd_is_logged_with_its_key_and_skipped() {
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr();
-    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let applied = apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
     let mut s = watch(addr, "c", "n1", "a", 0).await;
-    next_full(&mut s).await;
+    caught_up(&mut s, applied).await;
 
     let mut kv = etcd_client::Client::connect(etcd.client_urls(), None)
         .await
@@ -257,17 +257,17 @@ async fn a_client_resumes_from_its_revision_across_a_registrar_restart_and_after
     let dir = tempfile::tempdir().unwrap();
     let mut reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr().to_owned();
-    apply(&addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let applied = apply(&addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
 
     let mut s = watch(&addr, "c", "n1", "a", 0).await;
-    let full = next_full(&mut s).await;
+    let at = caught_up(&mut s, applied).await;
     apply(
         &addr,
         vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
     )
     .await;
     let first = next_changes(&mut s).await;
-    assert!(first.revision > full.revision);
+    assert!(first.revision > at);
     drop(s);
 
     // Reconnecting with the last revision: only what came after it.
@@ -360,10 +360,10 @@ async fn a_client_resumes_on_another_replica_without_a_resync() {
     let mut first =
         RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r1.sock"), &[]);
     let second = RegistrarProcess::tcp(bin(), &etcd.endpoints(), &[]);
-    apply(second.addr(), vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let applied = apply(second.addr(), vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
 
     let mut s = watch(first.addr(), "c", "n1", "a", 0).await;
-    next_full(&mut s).await;
+    caught_up(&mut s, applied).await;
     apply(
         second.addr(),
         vec![web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n1")])],
@@ -545,7 +545,7 @@ async fn drain_marks_are_states_set_only_by_the_endpoints_node() {
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr();
-    apply(
+    let applied = apply(
         addr,
         vec![
             web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")]),
@@ -554,7 +554,7 @@ async fn drain_marks_are_states_set_only_by_the_endpoints_node() {
     )
     .await;
     let mut s = watch(addr, "c", "observer", "", 0).await;
-    next_full(&mut s).await;
+    caught_up(&mut s, applied).await;
 
     let mark = |state: pb::EndpointState,
                 node: &str,
@@ -1237,9 +1237,9 @@ async fn a_three_member_cluster_serves_through_a_member_restart() {
     let dir = tempfile::tempdir().unwrap();
     let reg = RegistrarProcess::unix(bin(), &etcd.endpoints(), &dir.path().join("r.sock"), &[]);
     let addr = reg.addr();
-    apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
+    let applied = apply(addr, vec![web(&[("10.0.0.1", 8080, "n1")])]).await;
     let mut s = watch(addr, "c", "n1", "a", 0).await;
-    next_full(&mut s).await;
+    caught_up(&mut s, applied).await;
     etcd.kill(2);
     etcd.restart(2);
     apply(
@@ -1671,7 +1671,7 @@ async fn quic_pairs_reach_their_nodes_endpoints_and_a_restated_set_sends_nothing
         ],
     );
     let addr = reg.addr();
-    apply(
+    let applied = apply(
         addr,
         vec![
             web(&[("10.0.0.1", 8080, "n1"), ("10.0.0.2", 8080, "n2")]),
@@ -1680,7 +1680,7 @@ async fn quic_pairs_reach_their_nodes_endpoints_and_a_restated_set_sends_nothing
     )
     .await;
     let mut s = watch(addr, "c", "observer", "", 0).await;
-    next_full(&mut s).await;
+    caught_up(&mut s, applied).await;
     let mut c = client(addr).await;
 
     // The owner of n1 advertises two pairs; one names an endpoint not registered yet.

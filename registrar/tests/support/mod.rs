@@ -105,6 +105,19 @@ pub async fn next_full(s: &mut Streaming<pb::WatchEndpointsResponse>) -> pb::Ful
     }
 }
 
+/// A new stream's full view, then its change batches until the client's view is at
+/// `revision` at least (a write acknowledged before the stream opened); the revision it
+/// is then at. A full view comes from the registrar's kept view, which may be a few
+/// events behind etcd (`registrar/src/kept.rs`, "Full views"): the stream's own watch
+/// sends those events next.
+pub async fn caught_up(s: &mut Streaming<pb::WatchEndpointsResponse>, revision: i64) -> i64 {
+    let mut at = next_full(s).await.revision;
+    while at < revision {
+        at = next_changes(s).await.revision;
+    }
+    at
+}
+
 pub async fn next_changes(s: &mut Streaming<pb::WatchEndpointsResponse>) -> pb::ChangeBatch {
     match next(s).await {
         Ok(Kind::Changes(c)) => c,
