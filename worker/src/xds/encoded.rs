@@ -690,6 +690,11 @@ mod tests {
         task.abort();
     }
 
+    /// Whether `s`'s resume digests and bucket index are at hand.
+    fn indexed(e: &Encoded, s: &Arc<Snapshot>) -> bool {
+        e.digests.holds(s) && e.digests.by_bucket(s, Kind::Cluster).is_some()
+    }
+
     /// A cold owner's warm-up waits for the proxy's first ACK, but each snapshot published
     /// meanwhile gets its resume digests and bucket index at once: the relay's offer and
     /// the EDS re-statement that follows answer from them.
@@ -722,9 +727,6 @@ mod tests {
                 marked: false,
             },
         ));
-        let indexed = |s: &Arc<Snapshot>| {
-            encoded.digests.holds(s) && encoded.digests.by_bucket(s, Kind::Cluster).is_some()
-        };
         let until = |f: &dyn Fn() -> bool| {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             while !f() {
@@ -736,12 +738,10 @@ mod tests {
         tokio::task::yield_now().await;
         tx.send_replace(next.clone());
         let (e, n) = (encoded.clone(), next.clone());
-        tokio::task::spawn_blocking(move || {
-            until(&|| e.digests.holds(&n) && e.digests.by_bucket(&n, Kind::Cluster).is_some())
-        })
-        .await
-        .unwrap();
-        assert!(indexed(&next));
+        tokio::task::spawn_blocking(move || until(&|| indexed(&e, &n)))
+            .await
+            .unwrap();
+        assert!(indexed(&encoded, &next));
         // Held: well within FIRST_ACK_WAIT, nothing of the snapshot is encoded.
         assert!(!encoded.plan(&next, None).is_empty(), "warmed while held");
         // The proxy's first ACK ends the hold: the warm-up follows.
