@@ -30,13 +30,16 @@
 //! `buckets, warm` takes the snapshot's names by bucket (`Digests::index`, built off the
 //! runtime thread before the roll); `buckets, cold` answers the offer from a first
 //! snapshot's digests, as a respawned or recreated worker does, and takes the names by
-//! bucket the digests' walk indexed, if any.
+//! bucket the digests' walk indexed, if any; `buckets, cold, a pod since` is that owner
+//! once a pod has come since its first snapshot of the mesh, before the heavy-work thread
+//! indexed the next: the offer's digests and the names by bucket are carried from the
+//! snapshot before (`Digests::by_bucket`).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use aether_e2e::testing::mesh_service;
-use aether_model::{Inputs, RegistryView, Snapshot, build, is_outbound_cluster};
+use aether_model::{Builder, Change, Inputs, RegistryView, Snapshot, is_outbound_cluster};
 use aether_worker::writers::Observed;
 use aether_worker::xds::delta::DeltaState;
 use aether_worker::xds::digest::{Digests, Resumed};
@@ -105,6 +108,7 @@ enum Mode {
     DigestCold,
     Buckets,
     BucketsCold,
+    BucketsLagging,
 }
 
 impl Mode {
@@ -115,15 +119,22 @@ impl Mode {
             Mode::DigestCold => "digest, cold",
             Mode::Buckets => "buckets, warm",
             Mode::BucketsCold => "buckets, cold",
+            Mode::BucketsLagging => "buckets, cold, a pod since",
         }
     }
 
     fn buckets(self) -> bool {
-        matches!(self, Mode::Buckets | Mode::BucketsCold)
+        matches!(
+            self,
+            Mode::Buckets | Mode::BucketsCold | Mode::BucketsLagging
+        )
     }
 
     fn cold(self) -> bool {
-        matches!(self, Mode::DigestCold | Mode::BucketsCold)
+        matches!(
+            self,
+            Mode::DigestCold | Mode::BucketsCold | Mode::BucketsLagging
+        )
     }
 }
 
@@ -140,12 +151,17 @@ fn main() {
         v.parse::<usize>()
             .expect("AETHER_BENCH_OBSERVED is a count")
     });
-    let inputs = Inputs {
-        registry: RegistryView::new((0..services).map(|s| mesh_service(s, 10, None))),
+    // The mesh, its last service added in a step of its own, so that the snapshot's
+    // history reaches the one before (`buckets, cold, a pod since`).
+    let mut builder = Builder::new(Inputs {
+        registry: RegistryView::new((0..services - 1).map(|s| mesh_service(s, 10, None))),
         on_demand_clusters: on_demand.is_some(),
         ..Default::default()
-    };
-    let snapshot = Arc::new(build(&inputs));
+    });
+    let before = builder.snapshot().clone();
+    let snapshot = builder
+        .apply([Change::UpsertService(mesh_service(services - 1, 10, None))])
+        .expect("one more service changes the snapshot");
     let encoded = Arc::new(Encoded::default());
     encoded.warm(&snapshot, None);
     // With on-demand clusters: the first N services' clusters observed, in a state folder
@@ -246,6 +262,7 @@ fn main() {
         Mode::DigestCold,
         Mode::Buckets,
         Mode::BucketsCold,
+        Mode::BucketsLagging,
     ] {
         let requests: Vec<(Kind, Vec<u8>)> = KINDS
             .into_iter()
@@ -258,7 +275,7 @@ fn main() {
                     Mode::DigestWarm | Mode::DigestCold => {
                         resume_request(&snapshot, k, holds, current, |_| false, 0, by_names)
                     }
-                    Mode::Buckets | Mode::BucketsCold => resume_request(
+                    Mode::Buckets | Mode::BucketsCold | Mode::BucketsLagging => resume_request(
                         &snapshot,
                         k,
                         holds,
@@ -278,6 +295,12 @@ fn main() {
         let mut totals = Vec::new();
         let mut matched_types = 0;
         for _ in 0..rounds {
+            // A lagging cold owner: its digests and names by bucket are of the snapshot
+            // before, made as that one was published.
+            let cold = Digests::default();
+            if mode == Mode::BucketsLagging {
+                cold.of(&before);
+            }
             let start = Instant::now();
             let mut st = DeltaState::new(snapshot.clone(), encoded.clone());
             if let Some(o) = &observed {
@@ -285,7 +308,6 @@ fn main() {
             }
             if mode != Mode::Plain {
                 // What the server does when the stream opens with the offer.
-                let cold = Digests::default();
                 let digests = if mode.cold() { &cold } else { &warm };
                 let answer = if mode.buckets() {
                     digests.matched(&snapshot, &stale_offer)
