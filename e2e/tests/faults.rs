@@ -1024,6 +1024,14 @@ fn node_paths_under_umask(mask: &str) -> (BTreeMap<String, Entry>, String) {
     std::fs::write(&bad, b"{not json").expect("plant a corrupt record");
     let second = node.start_agent_wrapped(&wrapper, &[&conf_flag]);
     second.wait_role("owner", T);
+    // The first owner's handoff.sock, moved aside as the second bound its own, goes once
+    // the second's worker serves: walked before that, it may vanish under the walk.
+    let released = root.join("run").join("handoff-released.sock");
+    wait_for(
+        "handoff-released.sock removed once the new owner serves",
+        T,
+        || (!released.exists()).then_some(()),
+    );
     wait_for("the corrupt record quarantined", T, || {
         (!quarantined(&node.state_dir).is_empty()).then_some(())
     });
