@@ -175,6 +175,8 @@ metrics! {
         "xDS resources in each stream's first response of a type (a reconnect to an identical snapshot over delta ADS sends none)";
     xds_digest_resumes: Family<TypeLabel, Counter>,
         "Types of a new delta ADS stream resumed by the xDS relay's digest (the proxy holds the snapshot's resources of the type, without listing their versions), by type";
+    xds_offers_waiting: Gauge,
+        "xDS relay digest offers waiting for the snapshot's digests (a cold owner's first computes them from every resource, off the runtime thread)";
     xds_bucket_resumes: Family<TypeLabel, Counter>,
         "Types of a new delta ADS stream resumed in part by the xDS relay's bucket digests (the proxy holds the snapshot's resources in the buckets matched, and lists its versions of the others), by type";
     xds_names_resumes: Family<TypeLabel, Counter>,

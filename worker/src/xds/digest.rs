@@ -295,44 +295,68 @@ impl Digests {
 
     /// The answer to a relay's offer: the types whose digest equals `s`'s, of the others
     /// offered in buckets the buckets that do (if any), and EDS if the names offered are
-    /// those of `s`'s EDS clusters.
+    /// those of `s`'s EDS clusters. Computes `s`'s digests if they are not at hand, or
+    /// waits for the walk under way ([`Digests::of`]): off the runtime thread.
     pub fn matched(&self, s: &Arc<Snapshot>, offer: &str) -> Answer {
-        let Of {
-            whole,
-            buckets,
-            eds_names,
-        } = self.of(s);
-        let mut answer = Answer::default();
-        let offered = resume::parse_offer(offer);
-        for (url, digest) in &offered {
-            if let Some(kind) = from_type_url(url)
-                && whole[kind.index()].encode() == *digest
-            {
-                answer.whole.push(kind);
-            }
-        }
-        for (url, encoded) in &offered {
-            if let Some(kind) = url
-                .strip_suffix(resume::BUCKETS_SUFFIX)
-                .and_then(from_type_url)
-                && !answer.whole.contains(&kind)
-            {
-                let m = buckets[kind.index()].matched(encoded);
-                if m != 0 {
-                    answer.buckets.push((kind, m));
-                }
-            }
-            if url
-                .strip_suffix(resume::NAMES_SUFFIX)
-                .and_then(from_type_url)
-                == Some(Kind::Endpoint)
-                && eds_names.encode() == *encoded
-            {
-                answer.names.push(Kind::Endpoint);
-            }
-        }
-        answer
+        answer(self.of(s), offer)
     }
+
+    /// [`Digests::matched`] if `s`'s digests are at hand, without waiting: `None` while
+    /// they are being computed or when they are not (a cold owner's first snapshot).
+    pub fn matched_at_hand(&self, s: &Arc<Snapshot>, offer: &str) -> Option<Answer> {
+        let of = {
+            let cache = self.of.try_lock().ok()?;
+            let (last, of) = cache.as_ref()?;
+            Arc::ptr_eq(last, s).then_some(*of)?
+        };
+        Some(answer(of, offer))
+    }
+
+    /// Runs `f` while holding the digests' lock, as a walk of every resource does.
+    #[cfg(test)]
+    pub(crate) fn while_walking<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _walking = self.of.lock().unwrap_or_else(|e| e.into_inner());
+        f()
+    }
+}
+
+/// The answer to `offer` from a snapshot's digests (see [`Digests::matched`]).
+fn answer(of: Of, offer: &str) -> Answer {
+    let Of {
+        whole,
+        buckets,
+        eds_names,
+    } = of;
+    let mut answer = Answer::default();
+    let offered = resume::parse_offer(offer);
+    for (url, digest) in &offered {
+        if let Some(kind) = from_type_url(url)
+            && whole[kind.index()].encode() == *digest
+        {
+            answer.whole.push(kind);
+        }
+    }
+    for (url, encoded) in &offered {
+        if let Some(kind) = url
+            .strip_suffix(resume::BUCKETS_SUFFIX)
+            .and_then(from_type_url)
+            && !answer.whole.contains(&kind)
+        {
+            let m = buckets[kind.index()].matched(encoded);
+            if m != 0 {
+                answer.buckets.push((kind, m));
+            }
+        }
+        if url
+            .strip_suffix(resume::NAMES_SUFFIX)
+            .and_then(from_type_url)
+            == Some(Kind::Endpoint)
+            && eds_names.encode() == *encoded
+        {
+            answer.names.push(Kind::Endpoint);
+        }
+    }
+    answer
 }
 
 /// Whether what changed from `last` to `s` is few enough that carrying `last`'s digests

@@ -19,7 +19,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use aether_model::{KIND_COUNT, Snapshot};
 use futures::Stream;
@@ -33,7 +33,7 @@ use tonic_prost::ProstCodec;
 use shared_proto::resume;
 
 use super::delta::{DeltaState, LimitError, SubscriptionLimits};
-use super::digest::Resumed;
+use super::digest::{Answer, Resumed};
 use super::encoded::Encoded;
 use super::kind::{self, Kind};
 use super::protocol::{Event, Protocol};
@@ -298,7 +298,7 @@ type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 impl Ads {
     /// A new stream; with a relay's digest offer, also the response header's value (the
     /// types it matched).
-    fn open<P: Served>(
+    async fn open<P: Served>(
         &self,
         inbound: Streaming<P::Wire>,
         offer: Option<&str>,
@@ -308,7 +308,7 @@ impl Ads {
         let mut answer = None;
         if let Some(offer) = offer.filter(|_| P::DIGEST_RESUME && self.resume == Resume::Digest) {
             let snapshot = self.snapshots.borrow().clone();
-            let matched = self.encoded.digests.matched(&snapshot, offer);
+            let (matched, waited) = self.matched(&snapshot, offer).await;
             answer = Some(super::digest::header(&matched));
             for kind in &matched.whole {
                 let label = TypeLabel {
@@ -340,7 +340,7 @@ impl Ads {
                 self.metrics.xds_names_resumes.get_or_create(&label).inc();
                 resumed.push((kind, Resumed::Names(snapshot.clone())));
             }
-            tracing::info!(stream = id, matched = ?answer, "ADS stream: the relay offered a digest resume");
+            tracing::info!(stream = id, matched = ?answer, waited_us = waited.as_micros() as u64, "ADS stream: the relay offered a digest resume");
         }
         let (tx, rx) = mpsc::channel(16);
         let (snapshots, encoded) = (self.snapshots.clone(), self.encoded.clone());
@@ -356,6 +356,28 @@ impl Ads {
             id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits, resumed, relay,
         ));
         (Box::pin(ReceiverStream::new(rx)), answer)
+    }
+
+    /// The answer to a relay's offer, and how long it waited for the snapshot's digests.
+    /// A cold owner's first snapshot has none yet: the heavy-work thread walks every
+    /// resource (10 to 20 ms at 10,000 services), and the walk is waited for on the
+    /// blocking pool, so that this thread goes on serving the CNI calls and streams that
+    /// queued while no owner served.
+    async fn matched(&self, snapshot: &Arc<Snapshot>, offer: &str) -> (Answer, Duration) {
+        if let Some(answer) = self.encoded.digests.matched_at_hand(snapshot, offer) {
+            return (answer, Duration::ZERO);
+        }
+        let started = Instant::now();
+        self.metrics.xds_offers_waiting.inc();
+        let (encoded, s, o) = (self.encoded.clone(), snapshot.clone(), offer.to_string());
+        let matched = tokio::task::spawn_blocking(move || encoded.digests.matched(&s, &o)).await;
+        self.metrics.xds_offers_waiting.dec();
+        let answer = matched.unwrap_or_else(|e| {
+            // Nothing matched: the relay re-states every version it holds.
+            tracing::error!(error = %e, "the resume digests failed; answering the relay's offer with a plain resume");
+            Answer::default()
+        });
+        (answer, started.elapsed())
     }
 }
 
@@ -615,7 +637,7 @@ impl<P: Served> StreamingService<P::Wire> for Method<P> {
             .and_then(|v| v.to_str().ok())
             .map(String::from);
         Box::pin(async move {
-            let (stream, answer) = ads.open::<P>(request.into_inner(), offer.as_deref());
+            let (stream, answer) = ads.open::<P>(request.into_inner(), offer.as_deref()).await;
             let mut response = Response::new(stream);
             if let Some(value) = answer.and_then(|a| a.parse().ok()) {
                 response.metadata_mut().insert(resume::HEADER, value);
@@ -687,7 +709,6 @@ mod tests {
 
     use super::*;
     use aether_model::{Inputs, build};
-    use std::time::Duration;
 
     use crate::xds::probe::{H2_PREFACE, await_server};
 
@@ -842,6 +863,96 @@ mod tests {
             resource_names_subscribe: names.iter().map(|n| n.to_string()).collect(),
             ..Default::default()
         }
+    }
+
+    /// A cold owner's first offer waits for the snapshot's digests (the heavy-work
+    /// thread's walk of every resource) off the runtime thread: on the same
+    /// single-threaded runtime a proxy's stream is answered meanwhile, and the relay's
+    /// once the walk is done, with the answer the digests give.
+    #[tokio::test]
+    async fn an_offer_waits_for_the_digests_off_the_runtime_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("xds.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let snapshot = Arc::new(build(&Inputs::default()));
+        let (_keep, snapshots) = watch::channel(snapshot.clone());
+        let (encoded, metrics) = (Arc::<Encoded>::default(), Metrics::new());
+        tokio::spawn(serve(
+            listener,
+            snapshots,
+            encoded.clone(),
+            Acks::default(),
+            metrics.clone(),
+            None,
+            std::future::pending::<()>(),
+            Limits::default(),
+            Resume::Digest,
+            Handover::default(),
+        ));
+
+        // The walk: holds the digests' lock until released (or for 10 s, and says so).
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (walking_tx, walking) = tokio::sync::oneshot::channel();
+        let walk = std::thread::spawn({
+            let encoded = encoded.clone();
+            move || {
+                encoded.digests.while_walking(|| {
+                    walking_tx.send(()).unwrap();
+                    released.recv_timeout(Duration::from_secs(10)).is_ok()
+                })
+            }
+        });
+        walking.await.unwrap();
+
+        let ads = client(&path).await;
+        let open = |offer: Option<&'static str>| {
+            let mut ads = ads.clone();
+            async move {
+                let (tx, rx) = mpsc::channel(4);
+                tx.send(eds(&["a"])).await.unwrap();
+                let mut request = tonic::Request::new(ReceiverStream::new(rx));
+                if let Some(offer) = offer {
+                    request
+                        .metadata_mut()
+                        .insert(resume::HEADER, offer.parse().unwrap());
+                }
+                let response = ads.delta_aggregated_resources(request).await.unwrap();
+                let header = response.metadata().get(resume::HEADER).cloned();
+                (tx, header, response.into_inner())
+            }
+        };
+        let offer = "type.googleapis.com/envoy.config.cluster.v3.Cluster=0";
+        let relay = tokio::spawn(open(Some(offer)));
+        fn within<F: Future>(f: F) -> tokio::time::Timeout<F> {
+            tokio::time::timeout(Duration::from_secs(10), f)
+        }
+        within(async {
+            while metrics.xds_offers_waiting.get() == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the relay's offer waits for the digests");
+
+        let (_proxy_tx, header, mut proxy) =
+            within(open(None)).await.expect("the proxy's stream opens");
+        assert!(header.is_none(), "a proxy's stream has no resume header");
+        assert!(
+            within(proxy.message())
+                .await
+                .expect("answered")
+                .unwrap()
+                .is_some(),
+            "the proxy's stream is answered while the offer waits"
+        );
+        assert!(!relay.is_finished(), "the offer waits for the walk");
+
+        release.send(()).unwrap();
+        assert!(walk.join().unwrap(), "the walk was released, not timed out");
+        let (_relay_tx, header, _relay) = within(relay).await.expect("answered").unwrap();
+        let expected = super::super::digest::header(&encoded.digests.matched(&snapshot, offer));
+        assert_eq!(header.unwrap().to_str().unwrap(), expected);
+        assert_eq!(metrics.xds_offers_waiting.get(), 0);
     }
 
     #[tokio::test]
