@@ -85,18 +85,34 @@ fn rolls_and_crashes(test: &str, api: AdsApi) {
     let rolls = 3u32;
     let crashes = 2u32;
     for i in 1..=rolls + crashes {
+        let mut killed = None;
         if i <= rolls {
             surge_roll(&mut rig, &[], i);
         } else {
             let old = rig.owner.worker_pid();
+            let killed_at = unix_now();
             kill(Pid::from_raw(old), Signal::SIGKILL).expect("SIGKILL the worker");
             wait_for(&format!("crash {i}: a respawned worker serving"), T, || {
                 rig.owner
                     .serving_owner()
                     .filter(|v| v["pid"].as_i64().is_some_and(|p| p != i64::from(old)))
             });
+            killed = Some(killed_at);
         }
         relay_on_the_new_owner(&rig, &format!("switch {i}"), i + 1);
+        if let Some(killed_at) = killed {
+            // The relay saw the killed worker's stream end after the kill (once the
+            // kernel had torn down its memory), and says when.
+            let ended = rig
+                .relay
+                .as_ref()
+                .and_then(|r| r.metric("aether_relay_last_upstream_end_timestamp_seconds"))
+                .expect("the relay's last upstream end");
+            assert!(
+                (killed_at..=unix_now()).contains(&ended),
+                "crash {i}: the relay's stream ended at {ended}, not between the kill ({killed_at}) and now"
+            );
+        }
         // A change after the switch reaches Envoy through the new owner.
         let on: &[usize] = if i % 2 == 1 { &[0] } else { &[0, 1] };
         let want = registry_with(&rig, on);
@@ -380,4 +396,12 @@ fn dynamic_resources(dump: &str) -> Vec<String> {
     }
     assert!(!out.is_empty(), "no dynamic resources in {dump}");
     out
+}
+
+/// The wall clock, in seconds since the Unix epoch (the relay's timestamps are).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs_f64()
 }

@@ -20,6 +20,8 @@ pub struct Metrics {
     /// Microseconds without an agent stream, summed over every switch.
     pub without_upstream_us: AtomicU64,
     pub last_gap_us: AtomicU64,
+    /// When the last agent stream ended, in microseconds since the Unix epoch.
+    pub last_end_unix_us: AtomicU64,
     pub resumes: AtomicU64,
     pub digest_resumes: AtomicU64,
     pub digest_types: AtomicU64,
@@ -36,6 +38,15 @@ impl Metrics {
         let us = gap.as_micros() as u64;
         self.without_upstream_us.fetch_add(us, Relaxed);
         self.last_gap_us.store(us, Relaxed);
+    }
+
+    /// An agent stream ended now.
+    pub fn note_end(&self) {
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.last_end_unix_us
+            .store(since_epoch.as_micros() as u64, Relaxed);
     }
 
     /// Adds what a session's counts gained since `before`, and moves `before` up.
@@ -62,7 +73,7 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let g = |a: &AtomicU64| a.load(Relaxed);
-        let rows: [(&str, &str, &str, String); 12] = [
+        let rows: [(&str, &str, &str, String); 13] = [
             (
                 "aether_relay_envoy_streams",
                 "gauge",
@@ -110,6 +121,12 @@ impl Metrics {
                 "gauge",
                 "The last time from an agent stream's end (or the session's start) to the next one open.",
                 format!("{:.6}", g(&self.last_gap_us) as f64 / 1e6),
+            ),
+            (
+                "aether_relay_last_upstream_end_timestamp_seconds",
+                "gauge",
+                "When the last agent stream ended (Unix time; 0 before the first end): where a roll began, as the relay saw it.",
+                format!("{:.6}", g(&self.last_end_unix_us) as f64 / 1e6),
             ),
             (
                 "aether_relay_names_resumed_types_total",

@@ -120,6 +120,7 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
             m.upstream_connected.store(0, Relaxed);
             m.record(&s.counts(), &mut recorded);
             down_since = Instant::now();
+            m.note_end();
             match ended {
                 Ended::Envoy => return,
                 Ended::Agent(why) => {

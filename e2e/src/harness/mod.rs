@@ -302,10 +302,26 @@ pub struct Roll {
     /// ARG_RELAY, behind the relay: from the agent stream's end to the next one open
     /// (`aether_relay_last_upstream_gap_seconds`).
     pub relay_gap: Option<f64>,
+    /// ARG_RELAY, behind the relay: from the roll's action to the relay's sight of the
+    /// agent stream's end (`aether_relay_last_upstream_end_timestamp_seconds`): a killed
+    /// worker's memory torn down by the kernel, or the old owner's drain (its in-flight CNI
+    /// calls, which wait for Envoy's ACK, and its final writes).
+    pub relay_end_after_action: Option<f64>,
     /// ARG_RELAY: the registry change made at the roll's action, to Envoy's ACK of it; and
     /// one made after the roll, with none under way (the baseline).
     pub change_during_roll: Option<f64>,
     pub change_no_roll: Option<f64>,
+}
+
+impl Roll {
+    /// Behind the relay: the change at the roll's action, from the relay's next agent
+    /// stream to Envoy's ACK (the change's time less the roll's action to the relay's
+    /// sight of the old stream's end, and the relay's gap): the re-statement, the new
+    /// owner's answers and Envoy's apply. Negative when the old owner sent the change
+    /// before its stream ended.
+    pub fn change_after_relay_serves(&self) -> Option<f64> {
+        Some(self.change_during_roll? - self.relay_end_after_action? - self.relay_gap?)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -646,6 +662,8 @@ impl ModeResult {
             let during = report::summarize(&self.changes(|r| r.change_during_roll));
             let quiet = report::summarize(&self.changes(|r| r.change_no_roll));
             let relay_gaps = report::summarize(&self.changes(|r| r.relay_gap));
+            let ends = report::summarize(&self.changes(|r| r.relay_end_after_action));
+            let after = report::summarize(&self.changes(Roll::change_after_relay_serves));
             let some = |s: &report::Summary, x: f64| (s.n > 0).then(|| r(x));
             let extra = json!({
                 "relay": self.relay,
@@ -654,6 +672,12 @@ impl ModeResult {
                 "relay_upstream_gap_median_s": some(&relay_gaps, relay_gaps.median),
                 "relay_upstream_gap_p99_s": some(&relay_gaps, relay_gaps.p99),
                 "relay_upstream_gap_max_s": some(&relay_gaps, relay_gaps.max),
+                "relay_upstream_end_after_roll_median_s": some(&ends, ends.median),
+                "relay_upstream_end_after_roll_p99_s": some(&ends, ends.p99),
+                "relay_upstream_end_after_roll_max_s": some(&ends, ends.max),
+                "change_after_relay_serves_median_s": some(&after, after.median),
+                "change_after_relay_serves_p99_s": some(&after, after.p99),
+                "change_after_relay_serves_max_s": some(&after, after.max),
                 "change_during_roll_samples": during.n,
                 "change_during_roll_median_s": some(&during, during.median),
                 "change_during_roll_p99_s": some(&during, during.p99),
@@ -1564,15 +1588,17 @@ fn log_roll(label: &str, i: u32, of: u32, mode: Mode, r: &Roll, identity: bool) 
     );
     if r.relay_gap.is_some() || r.change_during_roll.is_some() {
         eprintln!(
-            "   relay without an agent stream {}; registry change to Envoy's ACK: made at the {} {}, with no roll {}",
+            "   relay without an agent stream {} (it saw the end {} after the {signal}); registry change to Envoy's ACK: made at the {signal} {} ({} after the relay's next stream), with no roll {}",
             ms(r.relay_gap),
-            if mode == Mode::WorkerCrash {
+            ms(r.relay_end_after_action),
+            ms(r.change_during_roll),
+            ms(r.change_after_relay_serves()),
+            ms(r.change_no_roll),
+            signal = if mode == Mode::WorkerCrash {
                 "SIGKILL"
             } else {
                 "SIGTERM"
             },
-            ms(r.change_during_roll),
-            ms(r.change_no_roll)
         );
     }
     if identity {
@@ -1634,7 +1660,7 @@ fn relay_switch(
     since: Instant,
     action: Instant,
     before: (f64, f64),
-) -> Result<(RollTimes, Option<f64>)> {
+) -> Result<(RollTimes, RelaySwitch)> {
     try_wait_for(
         "the relay to open its stream to the new owner",
         T_START,
@@ -1645,7 +1671,18 @@ fn relay_switch(
         },
     )
     .with_context(|| format!("relay log {}", relay.log.display()))?;
-    let gap = relay.metric("aether_relay_last_upstream_gap_seconds");
+    let action_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs_f64()
+        - action.elapsed().as_secs_f64();
+    let switch = RelaySwitch {
+        gap: relay.metric("aether_relay_last_upstream_gap_seconds"),
+        end_after_action: relay
+            .metric("aether_relay_last_upstream_end_timestamp_seconds")
+            .filter(|t| *t > 0.0)
+            .map(|t| t - action_unix),
+    };
+    let gap = switch.gap;
     let relay_failed = relay
         .metric("aether_relay_upstream_failures_total")
         .map_or(0, |f| (f - before.1).max(0.0) as u64);
@@ -1659,7 +1696,7 @@ fn relay_switch(
     {
         let mut t = wait_served(poller, since, T_START)?;
         t.connect_fail += relay_failed;
-        return Ok((t, gap));
+        return Ok((t, switch));
     }
     let last = changes.last().copied().unwrap_or(base);
     let served = action + Duration::from_secs_f64(gap.unwrap_or(0.0));
@@ -1672,8 +1709,17 @@ fn relay_switch(
             stream_failures: 0,
             connect_fail: last.connect_fail.saturating_sub(base.connect_fail) + relay_failed,
         },
-        gap,
+        switch,
     ))
+}
+
+/// A roll behind the relay, as the relay's metrics tell it.
+#[derive(Debug, Default, Clone, Copy)]
+struct RelaySwitch {
+    /// From the agent stream's end to the next one open.
+    gap: Option<f64>,
+    /// From the roll's action to the agent stream's end.
+    end_after_action: Option<f64>,
 }
 
 /// Waits until Envoy has lost its stream, regained it and taken a config update on the
@@ -1827,10 +1873,10 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
     let takeover = action.elapsed().as_secs_f64();
     let times = match (&b.relay, relay_before) {
         (Some(relay), Some(before)) => relay_switch(relay, poller, start, action, before),
-        _ => wait_served(poller, start, T_START).map(|t| (t, None)),
+        _ => wait_served(poller, start, T_START).map(|t| (t, RelaySwitch::default())),
     };
     let (mut adds, dels) = churn.stop();
-    let (times, relay_gap) = times?;
+    let (times, switch) = times?;
     let change_during_roll = match b.changes.as_mut() {
         Some(c) => Some(
             c.acked(&b.envoy)
@@ -1893,7 +1939,8 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         reconnect_resources: (mode != Mode::WorkerCrash)
             .then(|| reconnect_resources(&b.owner.log())),
         unserved: Some((times.down, times.served)),
-        relay_gap,
+        relay_gap: switch.gap,
+        relay_end_after_action: switch.end_after_action,
         change_during_roll,
         ..Default::default()
     };
@@ -2229,6 +2276,14 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                     r.changes(|x| x.change_during_roll),
                 ),
                 (
+                    "roll's action to the relay's sight of its end (s)",
+                    r.changes(|x| x.relay_end_after_action),
+                ),
+                (
+                    "change's ACK after the relay's next stream (s)",
+                    r.changes(Roll::change_after_relay_serves),
+                ),
+                (
                     "change with no roll to ACK (s)",
                     r.changes(|x| x.change_no_roll),
                 ),
@@ -2477,12 +2532,14 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
         if cfg.relay != RelayRuns::Off {
             println!();
             println!(
-                "{:<22} {:>14} {:>14} {:>14} {:>12} {:>8} {:>6}",
+                "{:<22} {:>14} {:>14} {:>14} {:>12} {:>12} {:>14} {:>8} {:>6}",
                 "registry change",
                 "at roll p50",
                 "at roll p99",
                 "no roll p99",
                 "relay gap p99",
+                "end seen p99",
+                "after next p99",
                 "ends",
                 "nacks"
             );
@@ -2492,12 +2549,14 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
             };
             for (r, j) in results.iter().zip(&lines) {
                 println!(
-                    "{:<22} {:>14} {:>14} {:>14} {:>12} {:>8} {:>6}",
+                    "{:<22} {:>14} {:>14} {:>14} {:>12} {:>12} {:>14} {:>8} {:>6}",
                     r.label(),
                     ms(&j["change_during_roll_median_s"]),
                     ms(&j["change_during_roll_p99_s"]),
                     ms(&j["change_no_roll_p99_s"]),
                     ms(&j["relay_upstream_gap_p99_s"]),
+                    ms(&j["relay_upstream_end_after_roll_p99_s"]),
+                    ms(&j["change_after_relay_serves_p99_s"]),
                     r.envoy_stream_ends
                         .map_or("?".to_string(), |n| n.to_string()),
                     r.nacks.map_or("?".to_string(), |n| n.to_string())
