@@ -301,13 +301,24 @@ impl Digests {
         answer(self.of(s), offer)
     }
 
-    /// [`Digests::matched`] if `s`'s digests are at hand, without waiting: `None` while
-    /// they are being computed or when they are not (a cold owner's first snapshot).
+    /// [`Digests::matched`] if `s`'s digests are at hand, or carried here from the last
+    /// snapshot's by at most [`CARRY_AT_HAND`] changed names (a pod came or went as the
+    /// relay's stream opened), without waiting: `None` while a walk holds them, or when
+    /// more changed (a cold owner's first snapshot of the mesh).
     pub fn matched_at_hand(&self, s: &Arc<Snapshot>, offer: &str) -> Option<Answer> {
         let of = {
-            let cache = self.of.try_lock().ok()?;
+            let mut cache = self.of.try_lock().ok()?;
             let (last, of) = cache.as_ref()?;
-            Arc::ptr_eq(last, s).then_some(*of)?
+            if Arc::ptr_eq(last, s) {
+                *of
+            } else {
+                if changed_names(last, s)? > CARRY_AT_HAND {
+                    return None;
+                }
+                let carried = carry(last, of, s)?;
+                *cache = Some((s.clone(), carried));
+                carried
+            }
         };
         Some(answer(of, offer))
     }
@@ -357,6 +368,17 @@ fn answer(of: Of, offer: &str) -> Answer {
         }
     }
     answer
+}
+
+/// How many changed names a relay's offer carries the digests over on the runtime thread
+/// ([`Digests::matched_at_hand`]): a few microseconds each, where the blocking pool's
+/// round trip costs more.
+pub const CARRY_AT_HAND: usize = 256;
+
+/// The names of every type changed from `last` to `s`; None when the history does not
+/// reach.
+fn changed_names(last: &Snapshot, s: &Snapshot) -> Option<usize> {
+    KINDS.into_iter().map(|k| s.changes_since(last, k)).sum()
 }
 
 /// Whether what changed from `last` to `s` is few enough that carrying `last`'s digests
@@ -495,6 +517,63 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// An offer's answer is at hand, without the blocking pool, for the snapshot digested
+    /// last and for one a few changes past it (carried on the spot, and kept); not for one
+    /// with no digested past, nor while a walk holds the digests. Each answer at hand is
+    /// the one [`Digests::matched`] gives.
+    #[test]
+    fn an_offers_answer_is_at_hand_for_the_last_digested_snapshot_and_one_a_few_changes_past() {
+        let mut b = Builder::new(Inputs {
+            registry: RegistryView::new((0..2000).map(|i| svc(&format!("s{i}"), "10.0.0.1"))),
+            ..Default::default()
+        });
+        let digests = Digests::default();
+        let first = b.snapshot().clone();
+        let o = offer(&digests.of(&first));
+        assert_eq!(
+            digests.matched_at_hand(&first, &o).as_ref(),
+            Some(&digests.matched(&first, &o))
+        );
+        let next = b
+            .apply([Change::UpsertService(svc("s3", "10.0.0.2"))])
+            .unwrap();
+        let at_hand = digests
+            .matched_at_hand(&next, &o)
+            .expect("carried on the spot");
+        assert!(digests.holds(&next), "the carried digests are kept");
+        let fresh = Digests::default();
+        assert_eq!(at_hand, fresh.matched(&next, &o), "as from every resource");
+        assert!(
+            at_hand.whole.len() < KINDS.len(),
+            "a changed service's types no longer match: {at_hand:?}"
+        );
+
+        let other = Builder::new(Inputs::default()).snapshot().clone();
+        assert_eq!(
+            digests.matched_at_hand(&other, &o),
+            None,
+            "no digested past"
+        );
+        digests.while_walking(|| {
+            assert_eq!(
+                digests.matched_at_hand(&next, &o),
+                None,
+                "a walk holds them"
+            );
+        });
+        let many = b
+            .apply(
+                (0..CARRY_AT_HAND)
+                    .map(|i| Change::UpsertService(svc(&format!("m{i}"), "10.0.0.4"))),
+            )
+            .unwrap();
+        assert_eq!(
+            digests.matched_at_hand(&many, &o),
+            None,
+            "more than {CARRY_AT_HAND} names changed: left to the blocking pool"
+        );
     }
 
     #[test]
