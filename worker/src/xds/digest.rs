@@ -25,7 +25,7 @@ pub struct Of {
 /// snapshot indexed (each under a lock of its own: an offer never waits for an index).
 #[derive(Default)]
 pub struct Digests {
-    of: Mutex<Option<(Arc<Snapshot>, Of)>>,
+    of: Mutex<Cached>,
     index: Mutex<Option<(Arc<Snapshot>, Index)>>,
 }
 
@@ -224,13 +224,10 @@ impl Digests {
     /// the same walk.
     pub fn of(&self, s: &Arc<Snapshot>) -> Of {
         let mut cache = self.of.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((last, d)) = cache.as_ref()
-            && Arc::ptr_eq(last, s)
-        {
-            return *d;
+        if let Some(of) = cached_or_carried(&mut cache, s, None) {
+            return of;
         }
-        let carried = cache.as_ref().and_then(|(last, of)| carry(last, of, s));
-        let out = carried.unwrap_or_else(|| {
+        let out = {
             let mut out = Of::default();
             let mut index = Index::default();
             for kind in KINDS {
@@ -248,7 +245,7 @@ impl Digests {
                 *at = Some((s.clone(), index));
             }
             out
-        });
+        };
         *cache = Some((s.clone(), out));
         out
     }
@@ -306,20 +303,7 @@ impl Digests {
     /// relay's stream opened), without waiting: `None` while a walk holds them, or when
     /// more changed (a cold owner's first snapshot of the mesh).
     pub fn matched_at_hand(&self, s: &Arc<Snapshot>, offer: &str) -> Option<Answer> {
-        let of = {
-            let mut cache = self.of.try_lock().ok()?;
-            let (last, of) = cache.as_ref()?;
-            if Arc::ptr_eq(last, s) {
-                *of
-            } else {
-                if changed_names(last, s)? > CARRY_AT_HAND {
-                    return None;
-                }
-                let carried = carry(last, of, s)?;
-                *cache = Some((s.clone(), carried));
-                carried
-            }
-        };
+        let of = cached_or_carried(&mut *self.of.try_lock().ok()?, s, Some(CARRY_AT_HAND))?;
         Some(answer(of, offer))
     }
 
@@ -374,6 +358,25 @@ fn answer(of: Of, offer: &str) -> Answer {
 /// ([`Digests::matched_at_hand`]): a few microseconds each, where the blocking pool's
 /// round trip costs more.
 pub const CARRY_AT_HAND: usize = 256;
+
+/// The last snapshot's digests, as [`Digests`] keeps them.
+type Cached = Option<(Arc<Snapshot>, Of)>;
+
+/// `s`'s digests from `cache`: the cached ones if they are `s`'s, else carried from them
+/// by what changed (by at most `within` names, when given) and kept in their place. None
+/// when there is nothing cached, or `s` is too far from it.
+fn cached_or_carried(cache: &mut Cached, s: &Arc<Snapshot>, within: Option<usize>) -> Option<Of> {
+    let (last, of) = cache.as_ref()?;
+    if Arc::ptr_eq(last, s) {
+        return Some(*of);
+    }
+    if within.is_some_and(|n| changed_names(last, s).is_none_or(|c| c > n)) {
+        return None;
+    }
+    let carried = carry(last, of, s)?;
+    *cache = Some((s.clone(), carried));
+    Some(carried)
+}
 
 /// The names of every type changed from `last` to `s`; None when the history does not
 /// reach.
@@ -519,16 +522,21 @@ mod tests {
         }
     }
 
+    /// A builder of `n` services `s0`.. on one endpoint each.
+    fn mesh(n: usize) -> Builder {
+        Builder::new(Inputs {
+            registry: RegistryView::new((0..n).map(|i| svc(&format!("s{i}"), "10.0.0.1"))),
+            ..Default::default()
+        })
+    }
+
     /// An offer's answer is at hand, without the blocking pool, for the snapshot digested
     /// last and for one a few changes past it (carried on the spot, and kept); not for one
     /// with no digested past, nor while a walk holds the digests. Each answer at hand is
     /// the one [`Digests::matched`] gives.
     #[test]
     fn an_offers_answer_is_at_hand_for_the_last_digested_snapshot_and_one_a_few_changes_past() {
-        let mut b = Builder::new(Inputs {
-            registry: RegistryView::new((0..2000).map(|i| svc(&format!("s{i}"), "10.0.0.1"))),
-            ..Default::default()
-        });
+        let mut b = mesh(2000);
         let digests = Digests::default();
         let first = b.snapshot().clone();
         let o = offer(&digests.of(&first));
@@ -578,10 +586,7 @@ mod tests {
 
     #[test]
     fn digests_carried_by_what_changed_equal_digests_from_scratch_and_answer_an_offer() {
-        let mut b = Builder::new(Inputs {
-            registry: RegistryView::new((0..20).map(|i| svc(&format!("s{i}"), "10.0.0.1"))),
-            ..Default::default()
-        });
+        let mut b = mesh(20);
         let digests = Digests::default();
         let first = b.snapshot().clone();
         let at_first = digests.of(&first);

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use aether_model::{KIND_COUNT, Snapshot};
 use futures::Stream;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{Body, BoxFuture, StdError, http};
@@ -368,10 +369,10 @@ impl Ads {
             return (answer, Duration::ZERO);
         }
         let started = Instant::now();
-        self.metrics.xds_offers_waiting.inc();
+        let waiting = Held::on(&self.metrics.xds_offers_waiting);
         let (encoded, s, o) = (self.encoded.clone(), snapshot.clone(), offer.to_string());
         let matched = tokio::task::spawn_blocking(move || encoded.digests.matched(&s, &o)).await;
-        self.metrics.xds_offers_waiting.dec();
+        drop(waiting);
         let answer = matched.unwrap_or_else(|e| {
             // Nothing matched: the relay re-states every version it holds.
             tracing::error!(error = %e, "the resume digests failed; answering the relay's offer with a plain resume");
@@ -381,12 +382,20 @@ impl Ads {
     }
 }
 
-/// Decrements the open-streams gauge however the stream task ends.
-struct StreamGauge(Arc<Metrics>);
+/// One up on a gauge while held: down again however the holder ends (a stream task, an
+/// offer's wait whose call is dropped).
+struct Held(Gauge);
 
-impl Drop for StreamGauge {
+impl Held {
+    fn on(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Held {
     fn drop(&mut self) {
-        self.0.xds_streams.dec();
+        self.0.dec();
     }
 }
 
@@ -404,8 +413,7 @@ async fn run_stream<P: Served>(
     resumed: Vec<(Kind, Resumed)>,
     mut relay: Option<RelayStream>,
 ) {
-    metrics.xds_streams.inc();
-    let _gauge = StreamGauge(metrics.clone());
+    let _open = Held::on(&metrics.xds_streams);
     let mut st = P::new(snapshots.borrow_and_update().clone(), encoded);
     for (kind, held) in resumed {
         st.resume_held(kind, held);
