@@ -25,6 +25,12 @@
 #                     cross_node_drain_across_reconnect (drains that waited through node
 #                     A's reconnect in a roll), cross_node_drain_served_p99_s (the others),
 #                     cross_node_drain_timeouts, eds_equal_registrar, peer_node_dir
+#   ARG_ETCD_DIR      with ARG_NODES=2: the folder etcd keeps its data in (default: the
+#                     temp dir, on the disk the agents write their pod records to). A
+#                     tmpfs (/dev/shm) or another disk takes etcd's WAL fsync out of the
+#                     agents' disk queue, as a control plane's etcd on its own disk is: the
+#                     registry change's write (JSON change_*_write_*) then waits on etcd
+#                     alone
 #   ARG_IDENTITY      permissive | strict: workload identity on the rolled node (unset: off).
 #                     A test identity provider (e2e/src/identity/, trust domain
 #                     aether.test) runs beside the node and every agent gets
@@ -102,7 +108,13 @@
 #                     the agent, the first included), relay_upstream_gap_median_s, _p99_s,
 #                     _max_s (per roll, the relay's time without an agent stream),
 #                     change_during_roll_samples, _median_s, _p99_s, _max_s,
-#                     change_no_roll_samples, _median_s, _p99_s, nacks. Behind the relay a
+#                     change_no_roll_samples, _median_s, _p99_s, nacks; each change's write
+#                     (the file's rename, or the registrar's ApplyServices call, which
+#                     returns once etcd committed it) and the rest, from the write's return
+#                     to the ACK: change_during_roll_write_median_s, _p99_s,
+#                     change_no_roll_write_median_s, _p99_s,
+#                     change_during_roll_after_write_median_s, _p99_s,
+#                     change_no_roll_after_write_median_s, _p99_s. Behind the relay a
 #                     roll's gap is Envoy's connected_state 0 as ever (0 when it never left
 #                     1), its served gap the relay's time without an agent stream, and its
 #                     refused connects include the relay's failed connects to xds.sock. Fails

@@ -182,21 +182,27 @@ impl Etcd {
 
     /// A cluster of `members` (1 or more), each healthy before this returns.
     pub fn cluster(members: usize) -> Etcd {
-        Self::cluster_with(members, None)
+        Self::cluster_with(members, None, None)
+    }
+
+    /// [`Etcd::cluster`] with the members' data in a new folder in `parent` (another disk,
+    /// a tmpfs), else in the temp dir.
+    pub fn cluster_in(members: usize, parent: Option<&Path>) -> Etcd {
+        Self::cluster_with(members, None, parent)
     }
 
     /// One member whose clients must use TLS with a client certificate.
     pub fn start_tls(tls: EtcdTls) -> Etcd {
-        Self::cluster_with(1, Some(tls))
+        Self::cluster_with(1, Some(tls), None)
     }
 
     /// Ports come from [`free_port`], which another test may take before etcd binds them:
     /// a member that exits on `address already in use` makes the cluster start again on
     /// new ports, a few times.
-    fn cluster_with(members: usize, tls: Option<EtcdTls>) -> Etcd {
+    fn cluster_with(members: usize, tls: Option<EtcdTls>, parent: Option<&Path>) -> Etcd {
         let mut attempt = 1;
         loop {
-            match Self::try_cluster(members, tls.clone()) {
+            match Self::try_cluster(members, tls.clone(), parent) {
                 Ok(etcd) => return etcd,
                 Err(log) if attempt < 5 && log.contains("address already in use") => {
                     eprintln!(
@@ -209,13 +215,20 @@ impl Etcd {
         }
     }
 
-    fn try_cluster(members: usize, tls: Option<EtcdTls>) -> Result<Etcd, String> {
+    fn try_cluster(
+        members: usize,
+        tls: Option<EtcdTls>,
+        parent: Option<&Path>,
+    ) -> Result<Etcd, String> {
         assert!(members >= 1);
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let dir = tempfile::Builder::new()
-            .prefix("aether-etcd-")
-            .tempdir()
-            .expect("a temp dir for etcd");
+        let mut builder = tempfile::Builder::new();
+        builder.prefix("aether-etcd-");
+        let dir = match parent {
+            Some(p) => builder.tempdir_in(p),
+            None => builder.tempdir(),
+        }
+        .unwrap_or_else(|e| panic!("a folder for etcd's data in {parent:?}: {e}"));
         let members: Vec<Member> = (0..members)
             .map(|i| Member {
                 name: format!("m{i}"),

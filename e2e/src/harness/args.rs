@@ -93,6 +93,12 @@ pub struct Args {
     /// registry file, or with ARG_NODES=2 through the registrar [default: off]
     #[arg(long, env = "ARG_RELAY", value_name = "1|both", value_parser = relay, num_args = 0..=1, default_missing_value = "1")]
     pub relay: Option<RelayRuns>,
+    /// With ARG_NODES=2: the folder etcd keeps its data in [default: a new folder in the
+    /// temp dir, on the disk the agents write to]. A folder on another disk, or on a tmpfs
+    /// (/dev/shm), takes etcd's WAL fsync out of the agents' disk queue, as a control
+    /// plane's etcd on a disk of its own is
+    #[arg(long, env = "ARG_ETCD_DIR", value_name = "DIR")]
+    pub etcd_dir: Option<PathBuf>,
     /// Set (to anything, even empty): no pod ADD/DEL during the rolls
     #[arg(long, env = "ARG_NO_CHURN", value_name = "ANY", num_args = 0..=1, default_missing_value = "")]
     pub no_churn: Option<String>,
@@ -302,6 +308,7 @@ mod tests {
             ("ARG_KEEP_NODE", "1"),
             ("ARG_DEBUG_STATS", "0"),
             ("ARG_RELAY", "both"),
+            ("ARG_ETCD_DIR", "/dev/shm"),
         ])
         .unwrap();
         assert_eq!(a.relay, Some(RelayRuns::Both));
@@ -323,6 +330,10 @@ mod tests {
         );
         assert!(a.mode.all);
         assert_eq!(a.nodes, 2);
+        assert_eq!(
+            a.etcd_dir.as_deref(),
+            Some(std::path::Path::new("/dev/shm"))
+        );
         assert_eq!(
             (a.identity, a.mtls),
             (Some(Mtls::Permissive), Some(Mtls::Strict))
@@ -408,5 +419,25 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn etcd_dir_needs_two_nodes_and_a_folder() {
+        let config = |vars: &[(&str, &str)]| {
+            super::super::Config::from_args(parse(vars).unwrap()).map(|_| ())
+        };
+        let one = config(&[("ARG_ETCD_DIR", "/dev/shm")]).unwrap_err();
+        assert!(
+            one.to_string()
+                .contains("ARG_ETCD_DIR=/dev/shm needs ARG_NODES=2"),
+            "{one}"
+        );
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let path = file.path().display().to_string();
+        let not_dir = config(&[("ARG_NODES", "2"), ("ARG_ETCD_DIR", &path)]).unwrap_err();
+        assert_eq!(
+            not_dir.to_string(),
+            format!("ARG_ETCD_DIR={path}: not a folder")
+        );
     }
 }

@@ -125,6 +125,27 @@ struct Made {
     offset: u64,
     /// Seconds since midnight (UTC, Envoy's log clock) when the file moved into place.
     t0: f64,
+    /// Seconds the write itself took.
+    write: f64,
+}
+
+/// A change timed to Envoy's ACK of it, and the write's share of that time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timed {
+    /// From just before the write to Envoy's ACK.
+    pub total: f64,
+    /// The write: the rename over the registry file, or the registrar's `ApplyServices`
+    /// call, which returns once etcd has committed the change (its WAL fsync included).
+    /// The agents' watches may bring them the change before the call returns, so the rest
+    /// (`total - write`) is a floor on the time from etcd to Envoy, not an exact split.
+    pub write: f64,
+}
+
+impl Timed {
+    /// The time from the write's return to Envoy's ACK.
+    pub fn after_write(&self) -> f64 {
+        self.total - self.write
+    }
 }
 
 /// Seconds since midnight, UTC, of `t`.
@@ -193,15 +214,17 @@ impl Changes {
                     .context("ApplyServices of the change at the registrar")?;
             }
         }
+        let write = before.elapsed().unwrap_or_default().as_secs_f64();
         let t0 = of_day(before);
         self.at = 1 - self.at;
-        self.made = Some(Made { offset, t0 });
+        self.made = Some(Made { offset, t0, write });
         Ok(())
     }
 
     /// Waits for Envoy's log to show it accepted (and so ACKed) the change made last, then
-    /// checks Envoy's config dump holds it; the seconds from the change to the ACK.
-    pub fn acked(&mut self, envoy: &Envoy) -> Result<f64> {
+    /// checks Envoy's config dump holds it; the seconds from the change to the ACK, and the
+    /// write's share.
+    pub fn acked(&mut self, envoy: &Envoy) -> Result<Timed> {
         let Some(made) = self.made.take() else {
             bail!("no change made");
         };
@@ -228,7 +251,10 @@ impl Changes {
                 self.cluster
             );
         }
-        Ok(log_times::after(made.t0, t))
+        Ok(Timed {
+            total: log_times::after(made.t0, t),
+            write: made.write,
+        })
     }
 }
 

@@ -123,6 +123,8 @@ pub struct Config {
     pub mesh_services: usize,
     /// ARG_NODES: 1, or 2 (two nodes sharing one registrar; see [`two_node`]).
     pub nodes: u8,
+    /// ARG_ETCD_DIR: where etcd keeps its data with two nodes; None: the temp dir.
+    pub etcd_dir: Option<PathBuf>,
     /// ARG_IDENTITY: workload identity on the rolled node, in this mTLS mode (see
     /// [`identity`]); None: off.
     pub identity: Option<identity::Mtls>,
@@ -172,12 +174,23 @@ impl Config {
         if backoff_max < backoff_base {
             bail!("ARG_BACKOFF_MAX ({backoff_max:?}) is below ARG_BACKOFF_BASE ({backoff_base:?})");
         }
+        let (nodes, mesh_services) = (a.nodes, a.mesh_services);
+        if let Some(dir) = &a.etcd_dir {
+            if nodes != 2 {
+                bail!(
+                    "ARG_ETCD_DIR={} needs ARG_NODES=2: one node has no etcd (ARG_NODES is {nodes})",
+                    dir.display()
+                );
+            }
+            if !dir.is_dir() {
+                bail!("ARG_ETCD_DIR={}: not a folder", dir.display());
+            }
+        }
         let results_dir = a
             .results_dir
             .unwrap_or_else(|| workspace_root().join("e2e/results"));
         let envoy = envoy::envoy_bin()
             .ok_or_else(|| anyhow!("no Envoy: run scripts/install-envoy.sh (e2e/agent-restart-gap.sh does) or set ENVOY_BIN"))?;
-        let (nodes, mesh_services) = (a.nodes, a.mesh_services);
         let mut identity = a.identity;
         let mtls = match a.mtls {
             None => None,
@@ -240,6 +253,7 @@ impl Config {
             envoy,
             mesh_services,
             nodes,
+            etcd_dir: a.etcd_dir,
             identity,
             mtls,
             poll_period: a.poll_period,
@@ -311,6 +325,10 @@ pub struct Roll {
     /// one made after the roll, with none under way (the baseline).
     pub change_during_roll: Option<f64>,
     pub change_no_roll: Option<f64>,
+    /// Each change's write (`changes::Timed::write`): through the registrar, until etcd
+    /// has committed it. What the roll cannot have delayed but by load on the machine.
+    pub change_during_roll_write: Option<f64>,
+    pub change_no_roll_write: Option<f64>,
 }
 
 impl Roll {
@@ -321,6 +339,16 @@ impl Roll {
     /// before its stream ended.
     pub fn change_after_relay_serves(&self) -> Option<f64> {
         Some(self.change_during_roll? - self.relay_end_after_action? - self.relay_gap?)
+    }
+
+    /// The change at the roll's action from its write's return to Envoy's ACK.
+    pub fn change_during_roll_after_write(&self) -> Option<f64> {
+        Some(self.change_during_roll? - self.change_during_roll_write?)
+    }
+
+    /// The change with no roll under way from its write's return to Envoy's ACK.
+    pub fn change_no_roll_after_write(&self) -> Option<f64> {
+        Some(self.change_no_roll? - self.change_no_roll_write?)
     }
 }
 
@@ -664,6 +692,10 @@ impl ModeResult {
             let relay_gaps = report::summarize(&self.changes(|r| r.relay_gap));
             let ends = report::summarize(&self.changes(|r| r.relay_end_after_action));
             let after = report::summarize(&self.changes(Roll::change_after_relay_serves));
+            let during_w = report::summarize(&self.changes(|r| r.change_during_roll_write));
+            let quiet_w = report::summarize(&self.changes(|r| r.change_no_roll_write));
+            let during_aw = report::summarize(&self.changes(Roll::change_during_roll_after_write));
+            let quiet_aw = report::summarize(&self.changes(Roll::change_no_roll_after_write));
             let some = |s: &report::Summary, x: f64| (s.n > 0).then(|| r(x));
             let extra = json!({
                 "relay": self.relay,
@@ -685,6 +717,14 @@ impl ModeResult {
                 "change_no_roll_samples": quiet.n,
                 "change_no_roll_median_s": some(&quiet, quiet.median),
                 "change_no_roll_p99_s": some(&quiet, quiet.p99),
+                "change_during_roll_write_median_s": some(&during_w, during_w.median),
+                "change_during_roll_write_p99_s": some(&during_w, during_w.p99),
+                "change_no_roll_write_median_s": some(&quiet_w, quiet_w.median),
+                "change_no_roll_write_p99_s": some(&quiet_w, quiet_w.p99),
+                "change_during_roll_after_write_median_s": some(&during_aw, during_aw.median),
+                "change_during_roll_after_write_p99_s": some(&during_aw, during_aw.p99),
+                "change_no_roll_after_write_median_s": some(&quiet_aw, quiet_aw.median),
+                "change_no_roll_after_write_p99_s": some(&quiet_aw, quiet_aw.p99),
                 "nacks": self.nacks,
             });
             v.as_object_mut()
@@ -845,7 +885,7 @@ fn setup(node: LocalNode, cfg: &Config, relayed: bool) -> Result<Bench> {
     let (registry, peer) = if cfg.nodes == 2 {
         // One registrar for both nodes, holding what the file would; node B starts first,
         // as a node already in the mesh.
-        let shared = SharedRegistry::start(&root)?;
+        let shared = SharedRegistry::start(&root, cfg.etcd_dir.as_deref())?;
         shared
             .apply("registry.json", &doc)
             .context("apply the services at the registrar")?;
@@ -1588,12 +1628,14 @@ fn log_roll(label: &str, i: u32, of: u32, mode: Mode, r: &Roll, identity: bool) 
     );
     if r.relay_gap.is_some() || r.change_during_roll.is_some() {
         eprintln!(
-            "   relay without an agent stream {} (it saw the end {} after the {signal}); registry change to Envoy's ACK: made at the {signal} {} ({} after the relay's next stream), with no roll {}",
+            "   relay without an agent stream {} (it saw the end {} after the {signal}); registry change to Envoy's ACK: made at the {signal} {} ({} after the relay's next stream; written in {}), with no roll {} (written in {})",
             ms(r.relay_gap),
             ms(r.relay_end_after_action),
             ms(r.change_during_roll),
             ms(r.change_after_relay_serves()),
+            ms(r.change_during_roll_write),
             ms(r.change_no_roll),
+            ms(r.change_no_roll_write),
             signal = if mode == Mode::WorkerCrash {
                 "SIGKILL"
             } else {
@@ -1884,6 +1926,10 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         ),
         None => None,
     };
+    let (change_during_roll, change_during_roll_write) = (
+        change_during_roll.map(|c| c.total),
+        change_during_roll.map(|c| c.write),
+    );
     b.quiet.release();
     if overlap.as_ref().is_some_and(|(_, ok)| *ok) {
         adds += 1;
@@ -1942,6 +1988,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         relay_gap: switch.gap,
         relay_end_after_action: switch.end_after_action,
         change_during_roll,
+        change_during_roll_write,
         ..Default::default()
     };
     r.lost = check_pods(b)?;
@@ -1974,7 +2021,9 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let (a, d) = churn.stop();
             r.adds += a;
             r.dels += d;
-            r.change_no_roll = Some(acked.context("the registry change made between rolls")?);
+            let acked = acked.context("the registry change made between rolls")?;
+            r.change_no_roll = Some(acked.total);
+            r.change_no_roll_write = Some(acked.write);
         }
         r.lost += check_pods(b)?;
     }
@@ -2286,6 +2335,22 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                 (
                     "change with no roll to ACK (s)",
                     r.changes(|x| x.change_no_roll),
+                ),
+                (
+                    "change at the roll: its write (s)",
+                    r.changes(|x| x.change_during_roll_write),
+                ),
+                (
+                    "change with no roll: its write (s)",
+                    r.changes(|x| x.change_no_roll_write),
+                ),
+                (
+                    "change at the roll: write to ACK (s)",
+                    r.changes(Roll::change_during_roll_after_write),
+                ),
+                (
+                    "change with no roll: write to ACK (s)",
+                    r.changes(Roll::change_no_roll_after_write),
                 ),
             ] {
                 if !v.is_empty() || !r.relay {

@@ -63,15 +63,16 @@ pub struct SharedRegistry {
 }
 
 impl SharedRegistry {
-    /// Starts etcd and the registrar; registry files and the CA certificate go to `dir`.
-    pub fn start(dir: &Path) -> Result<SharedRegistry> {
+    /// Starts etcd (its data in a new folder in `etcd_dir`, else the temp dir) and the
+    /// registrar; registry files and the CA certificate go to `dir`.
+    pub fn start(dir: &Path, etcd_dir: Option<&Path>) -> Result<SharedRegistry> {
         if !Etcd::available() {
             bail!(
                 "ARG_NODES=2 needs etcd at {} (Debian package etcd-server; scripts/test.sh installs it)",
                 aether_registrar::testing::ETCD_BIN
             );
         }
-        let etcd = Etcd::cluster(1);
+        let etcd = Etcd::cluster_in(1, etcd_dir);
         let ca = TestCa::new("aether-registrar test CA");
         let (cert, key) = ca.leaf(
             "registrar",
