@@ -193,6 +193,10 @@ metrics! {
         "Connections to cni.sock closed because the peer's uid is neither root nor the socket's owner";
     storage_quarantined: Counter,
         "Pod records moved to quarantine";
+    storage_records_read: Counter,
+        "Pod records a scan of the folder read and decoded (a standby's look at the owner's writes, the takeover's reload)";
+    storage_records_unread: Counter,
+        "Pod records a scan took without reading: the folder entry showed the file it had read before";
     storage_write_errors: Family<OpLabel, Counter>,
         "Pod record writes and removals that failed, by op (write, remove; the log and /ready name the path and cause)";
     registry_reload_errors: Family<FileLabel, Counter>,

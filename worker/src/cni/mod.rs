@@ -193,16 +193,20 @@ pub fn load(node: &Node, storage: &Storage) -> usize {
 /// Returns how many pods changed.
 ///
 /// It first waits for the `storage_loaded` gate ([`load`]): the diff is against the view
-/// the node was built from. It reads the folder inline: a takeover step runs before
-/// either socket is served, and the folder holds one small file per local pod.
-pub async fn reconcile(node: &Node, storage: &Storage) -> anyhow::Result<usize> {
+/// the node was built from. The takeover waits for it before either socket is served, but
+/// the runtime thread does not: the registry's changes go on into the snapshot meanwhile.
+pub async fn reconcile(node: &Node, storage: &Arc<Storage>) -> anyhow::Result<usize> {
     node.gates()
         .wait_for(|g| g.storage_loaded)
         .await
         .context("waiting for pods to load from storage before the takeover reconcile")?;
     let _lifecycle = node.lifecycle().await;
-    let diff = storage
-        .reload()
+    // Off the runtime thread, which meanwhile takes the registry's changes and the
+    // proxy's streams: a stat of every record, a read of each that changed.
+    let s = storage.clone();
+    let diff = tokio::task::spawn_blocking(move || s.reload())
+        .await
+        .context("the takeover reconcile's reload of pod storage panicked")?
         .context("reloading pod storage for the takeover reconcile")?;
     if diff.is_empty() {
         return Ok(0);
