@@ -678,7 +678,7 @@ impl Storage {
             }
         }
         let diff = self.adopt(&mut st, now);
-        // The retry set may have changed above, which `adopt` shows only with a diff.
+        // The retry set may have changed above, even with the view unchanged.
         self.show(&st);
         Ok(diff)
     }
@@ -688,12 +688,22 @@ impl Storage {
     /// since the last look, adopting the folder as the view. Writes nothing, so it may
     /// run while another generation owns the node; not once this process writes.
     pub fn follow(&self) -> Result<Diff, StorageError> {
-        let mut st = self.lock();
-        let now = self.scan(Scan::ReadOnly, &mut st.read)?;
-        Ok(self.adopt(&mut st, now))
+        self.follow_at(SystemTime::now())
     }
 
-    /// Makes `now` the view, and shows it when it changed; what changed from the old one.
+    /// [`Storage::follow`], its scan as if started at `at`.
+    fn follow_at(&self, at: SystemTime) -> Result<Diff, StorageError> {
+        let mut st = self.lock();
+        let now = self.scan_at(Scan::ReadOnly, &mut st.read, at)?;
+        let diff = self.adopt(&mut st, now);
+        // An unchanged view is shown already.
+        if !diff.is_empty() {
+            self.show(&st);
+        }
+        Ok(diff)
+    }
+
+    /// Makes `now` the view; what changed from the old one. The caller shows it.
     fn adopt(&self, st: &mut State, now: BTreeMap<String, Pod>) -> Diff {
         let mut diff = Diff::default();
         for (uid, old) in st.view.iter() {
@@ -712,10 +722,6 @@ impl Storage {
             }
         }
         st.view = now;
-        // An unchanged view is shown already.
-        if !diff.is_empty() {
-            self.show(st);
-        }
         diff
     }
 
@@ -1068,11 +1074,7 @@ mod tests {
         let (standby, m) = open(dir.path());
         let counts = || (m.storage_records_read.get(), m.storage_records_unread.get());
         assert_eq!(counts(), (5, 0));
-        let look = |at: SystemTime| {
-            let mut st = standby.lock();
-            let now = standby.scan_at(Scan::ReadOnly, &mut st.read, at).unwrap();
-            standby.adopt(&mut st, now)
-        };
+        let look = |at: SystemTime| standby.follow_at(at).unwrap();
         let now = SystemTime::now();
         let settled = now + 2 * SETTLE;
         // Just written: read again.

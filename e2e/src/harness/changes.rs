@@ -233,14 +233,14 @@ impl Changes {
         // Only what Envoy logged since the change, read as it comes: the whole log is tens
         // of MB at 10,000 services, and reading it every 2 ms took a core from the agents
         // and Envoy while they carried the change.
+        let mut f = std::fs::File::open(log)
+            .and_then(|mut f| f.seek(SeekFrom::Start(made.offset)).map(|_| f))
+            .with_context(|| format!("Envoy's log {}", log.display()))?;
         let mut since = Vec::new();
         let t = try_wait_for(
             "Envoy's log to show the registry change's load assignment accepted",
             ACK_TIMEOUT,
             || {
-                let mut f = std::fs::File::open(log).ok()?;
-                f.seek(SeekFrom::Start(made.offset + since.len() as u64))
-                    .ok()?;
                 f.read_to_end(&mut since).ok()?;
                 // Whole lines only: a line half written may not say yet what it accepted.
                 let whole = since.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);

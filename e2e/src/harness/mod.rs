@@ -323,12 +323,9 @@ pub struct Roll {
     pub relay_end_after_action: Option<f64>,
     /// ARG_RELAY: the registry change made at the roll's action, to Envoy's ACK of it; and
     /// one made after the roll, with none under way (the baseline).
-    pub change_during_roll: Option<f64>,
-    pub change_no_roll: Option<f64>,
-    /// Each change's write (`changes::Timed::write`): through the registrar, until etcd
-    /// has committed it. What the roll cannot have delayed but by load on the machine.
-    pub change_during_roll_write: Option<f64>,
-    pub change_no_roll_write: Option<f64>,
+    /// Each with its write's share ([`changes::Timed`]).
+    pub change_during_roll: Option<changes::Timed>,
+    pub change_no_roll: Option<changes::Timed>,
 }
 
 impl Roll {
@@ -338,17 +335,7 @@ impl Roll {
     /// owner's answers and Envoy's apply. Negative when the old owner sent the change
     /// before its stream ended.
     pub fn change_after_relay_serves(&self) -> Option<f64> {
-        Some(self.change_during_roll? - self.relay_end_after_action? - self.relay_gap?)
-    }
-
-    /// The change at the roll's action from its write's return to Envoy's ACK.
-    pub fn change_during_roll_after_write(&self) -> Option<f64> {
-        Some(self.change_during_roll? - self.change_during_roll_write?)
-    }
-
-    /// The change with no roll under way from its write's return to Envoy's ACK.
-    pub fn change_no_roll_after_write(&self) -> Option<f64> {
-        Some(self.change_no_roll? - self.change_no_roll_write?)
+        Some(self.change_during_roll?.total - self.relay_end_after_action? - self.relay_gap?)
     }
 }
 
@@ -515,7 +502,9 @@ impl ModeResult {
             f.extend(m.failures());
         }
         if self.changes_on {
-            let during = self.changes(|r| r.change_during_roll).len();
+            let during = self
+                .changes(|r| r.change_during_roll.map(|c| c.total))
+                .len();
             if during < self.rolls.len() {
                 f.push(format!(
                     "{during} of {} rolls timed their registry change to Envoy's ACK",
@@ -687,15 +676,19 @@ impl ModeResult {
                 .extend(extra.as_object().expect("an object").clone());
         }
         if self.changes_on {
-            let during = report::summarize(&self.changes(|r| r.change_during_roll));
-            let quiet = report::summarize(&self.changes(|r| r.change_no_roll));
+            let during =
+                report::summarize(&self.changes(|r| r.change_during_roll.map(|c| c.total)));
+            let quiet = report::summarize(&self.changes(|r| r.change_no_roll.map(|c| c.total)));
             let relay_gaps = report::summarize(&self.changes(|r| r.relay_gap));
             let ends = report::summarize(&self.changes(|r| r.relay_end_after_action));
             let after = report::summarize(&self.changes(Roll::change_after_relay_serves));
-            let during_w = report::summarize(&self.changes(|r| r.change_during_roll_write));
-            let quiet_w = report::summarize(&self.changes(|r| r.change_no_roll_write));
-            let during_aw = report::summarize(&self.changes(Roll::change_during_roll_after_write));
-            let quiet_aw = report::summarize(&self.changes(Roll::change_no_roll_after_write));
+            let during_w =
+                report::summarize(&self.changes(|r| r.change_during_roll.map(|c| c.write)));
+            let quiet_w = report::summarize(&self.changes(|r| r.change_no_roll.map(|c| c.write)));
+            let during_aw =
+                report::summarize(&self.changes(|r| r.change_during_roll.map(|c| c.after_write())));
+            let quiet_aw =
+                report::summarize(&self.changes(|r| r.change_no_roll.map(|c| c.after_write())));
             let some = |s: &report::Summary, x: f64| (s.n > 0).then(|| r(x));
             let extra = json!({
                 "relay": self.relay,
@@ -1631,11 +1624,11 @@ fn log_roll(label: &str, i: u32, of: u32, mode: Mode, r: &Roll, identity: bool) 
             "   relay without an agent stream {} (it saw the end {} after the {signal}); registry change to Envoy's ACK: made at the {signal} {} ({} after the relay's next stream; written in {}), with no roll {} (written in {})",
             ms(r.relay_gap),
             ms(r.relay_end_after_action),
-            ms(r.change_during_roll),
+            ms(r.change_during_roll.map(|c| c.total)),
             ms(r.change_after_relay_serves()),
-            ms(r.change_during_roll_write),
-            ms(r.change_no_roll),
-            ms(r.change_no_roll_write),
+            ms(r.change_during_roll.map(|c| c.write)),
+            ms(r.change_no_roll.map(|c| c.total)),
+            ms(r.change_no_roll.map(|c| c.write)),
             signal = if mode == Mode::WorkerCrash {
                 "SIGKILL"
             } else {
@@ -1926,10 +1919,6 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         ),
         None => None,
     };
-    let (change_during_roll, change_during_roll_write) = (
-        change_during_roll.map(|c| c.total),
-        change_during_roll.map(|c| c.write),
-    );
     b.quiet.release();
     if overlap.as_ref().is_some_and(|(_, ok)| *ok) {
         adds += 1;
@@ -1988,7 +1977,6 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
         relay_gap: switch.gap,
         relay_end_after_action: switch.end_after_action,
         change_during_roll,
-        change_during_roll_write,
         ..Default::default()
     };
     r.lost = check_pods(b)?;
@@ -2021,9 +2009,7 @@ fn roll_inner(b: &mut Bench, poller: &Poller, mode: Mode) -> Result<Roll> {
             let (a, d) = churn.stop();
             r.adds += a;
             r.dels += d;
-            let acked = acked.context("the registry change made between rolls")?;
-            r.change_no_roll = Some(acked.total);
-            r.change_no_roll_write = Some(acked.write);
+            r.change_no_roll = Some(acked.context("the registry change made between rolls")?);
         }
         r.lost += check_pods(b)?;
     }
@@ -2322,7 +2308,7 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                 ),
                 (
                     "change at the roll to ACK (s)",
-                    r.changes(|x| x.change_during_roll),
+                    r.changes(|x| x.change_during_roll.map(|c| c.total)),
                 ),
                 (
                     "roll's action to the relay's sight of its end (s)",
@@ -2334,23 +2320,23 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                 ),
                 (
                     "change with no roll to ACK (s)",
-                    r.changes(|x| x.change_no_roll),
+                    r.changes(|x| x.change_no_roll.map(|c| c.total)),
                 ),
                 (
                     "change at the roll: its write (s)",
-                    r.changes(|x| x.change_during_roll_write),
+                    r.changes(|x| x.change_during_roll.map(|c| c.write)),
                 ),
                 (
                     "change with no roll: its write (s)",
-                    r.changes(|x| x.change_no_roll_write),
+                    r.changes(|x| x.change_no_roll.map(|c| c.write)),
                 ),
                 (
                     "change at the roll: write to ACK (s)",
-                    r.changes(Roll::change_during_roll_after_write),
+                    r.changes(|x| x.change_during_roll.map(|c| c.after_write())),
                 ),
                 (
                     "change with no roll: write to ACK (s)",
-                    r.changes(Roll::change_no_roll_after_write),
+                    r.changes(|x| x.change_no_roll.map(|c| c.after_write())),
                 ),
             ] {
                 if !v.is_empty() || !r.relay {
