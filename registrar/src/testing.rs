@@ -322,6 +322,23 @@ impl Etcd {
         })
     }
 
+    /// Member `i`'s metric `name` (a counter or gauge without labels), read from its
+    /// plain-HTTP metrics URL; None if it does not answer or has no such line.
+    pub fn metric(&self, i: usize, name: &str) -> Option<f64> {
+        let url = &self.members[i].health_url;
+        let addr = url.strip_prefix("http://")?;
+        let mut s = TcpStream::connect(addr).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).ok()?;
+        body.lines().find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == name).then(|| v.trim().parse().ok())?
+        })
+    }
+
     /// The client URLs, comma-separated: what `--etcd` takes.
     pub fn endpoints(&self) -> String {
         self.client_urls().join(",")
