@@ -527,8 +527,8 @@ fn sigterm_during_an_adds_ack_wait_lets_it_finish_then_exits_within_the_drain_bo
 
 /// A standby follows the owner's pod records: a pod ADDed to the owner after the standby
 /// was complete, and one DELeted, are in the standby's snapshot before the roll, so the
-/// takeover's reconcile finds nothing left to apply. (No Envoy: each call waits out its
-/// ACK bound.)
+/// takeover's reconcile reads nothing: no event of a write its follow missed was queued.
+/// (No Envoy: each call waits out its ACK bound.)
 #[test]
 fn a_standby_takes_the_owners_adds_and_dels_before_the_takeover() {
     let mut node = LocalNode::new();
@@ -577,7 +577,12 @@ fn a_standby_takes_the_owners_adds_and_dels_before_the_takeover() {
     owner.signal(Signal::SIGTERM);
     assert!(owner.wait_exit(T).success(), "{}", plain(&owner.log()));
     standby.wait_role("owner", T);
-    standby.wait_log("takeover reconcile applied the storage diff changed=0", T);
+    // It followed both: the takeover reads nothing, and the owner's scan once serving
+    // finds the folder as followed.
+    standby.wait_log(
+        "takeover reconcile: the standby had followed every write to the pod records",
+        T,
+    );
     let records = pod_records(&node.state_dir);
     assert_eq!(
         records.keys().collect::<Vec<_>>(),

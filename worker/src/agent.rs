@@ -82,8 +82,9 @@ enum Wake {
 #[derive(Debug)]
 enum Ended {
     GateTimer(Gate),
-    /// The takeover reconcile, and how long it took.
-    Reconciled(Duration),
+    /// The takeover reconcile, and how long it took; whether it took the standby's
+    /// followed view without reading the folder.
+    Reconciled(Duration, bool),
     /// The SVID wait: how long it took, and how many pods still had none.
     SvidsAwaited(Duration, usize),
     /// The CNI API finished its in-flight calls after a drain.
@@ -135,6 +136,12 @@ struct Agent {
     /// The pods a standby took from the owner's records while following them.
     followed: Arc<Mutex<BTreeSet<String>>>,
     stop_following: watch::Sender<bool>,
+    /// The standby's follow of the owner's records, until the takeover's reconcile takes
+    /// what it leaves.
+    follower: Option<tokio::task::JoinHandle<cni::Followed>>,
+    /// The reconcile took the followed view unread: the owner's scan of the folder comes
+    /// once serving.
+    check_followed: bool,
     observed: Arc<writers::Observed>,
     mesh_dns: Arc<writers::MeshDns>,
     /// The node's QUIC pairs, when it has twins.
@@ -198,7 +205,7 @@ impl Agent {
         // A standby follows the owner's pod records until the node is handed to it.
         let followed = Arc::new(Mutex::new(BTreeSet::new()));
         let (stop_following, following) = watch::channel(false);
-        tokio::spawn(cni::follow(
+        let follower = tokio::spawn(cni::follow(
             node.clone(),
             storage.clone(),
             followed.clone(),
@@ -323,6 +330,8 @@ impl Agent {
             status,
             followed,
             stop_following,
+            follower: Some(follower),
+            check_followed: false,
             observed,
             mesh_dns,
             quic_pairs,
@@ -364,7 +373,10 @@ impl Agent {
                 };
                 Event::GateTimedOut { gate, passed }
             }
-            Wake::Ended(Ended::Reconciled(took)) => Event::ReconcileDone { took },
+            Wake::Ended(Ended::Reconciled(took, followed)) => {
+                self.check_followed = followed;
+                Event::ReconcileDone { took }
+            }
             Wake::Ended(Ended::SvidsAwaited(took, missed)) => Event::SvidsAwaited { took, missed },
             Wake::Ended(Ended::CniDrained) => Event::Drained,
             Wake::Ended(Ended::StreamsDone) => Event::StreamsDone,
@@ -466,21 +478,40 @@ impl Agent {
                 );
                 // What the previous owner flushed before it released the node.
                 self.observed.reload();
-                let (node, storage, tx) = (
+                let (node, storage, tx, follower) = (
                     self.node.clone(),
                     self.storage.clone(),
                     self.ended_tx.clone(),
+                    self.follower.take(),
                 );
                 tokio::spawn(async move {
                     let start = Instant::now();
-                    match cni::reconcile(&node, &storage).await {
-                        Ok(n) => info!(changed = n, "takeover reconcile applied the storage diff"),
+                    // Stopped at the takeover: it ends after any look under way.
+                    let followed = match follower {
+                        Some(f) => f.await.ok(),
+                        None => None,
+                    };
+                    let how = cni::reconcile(&node, &storage, followed).await;
+                    match &how {
+                        Ok(cni::Reconciled::Followed) => info!(
+                            changed = 0,
+                            read = false,
+                            "takeover reconcile: the standby had followed every write to the pod records; the owner's scan comes once serving"
+                        ),
+                        Ok(cni::Reconciled::Read(n)) => {
+                            info!(
+                                changed = n,
+                                read = true,
+                                "takeover reconcile applied the storage diff"
+                            )
+                        }
                         Err(e) => {
                             error!(error = %format!("{e:#}"), "takeover reconcile failed; serving what storage held at start")
                         }
                     }
                     shared_proto::fault_hook!("reconcile");
-                    let _ = tx.send(Ended::Reconciled(start.elapsed())).await;
+                    let followed = matches!(how, Ok(cni::Reconciled::Followed));
+                    let _ = tx.send(Ended::Reconciled(start.elapsed(), followed)).await;
                 });
             }
             Action::AwaitSvids => {
@@ -518,6 +549,15 @@ impl Agent {
                             self.status.clone(),
                         ));
                     }
+                }
+                // The owner's scan the reconcile left for after serving.
+                if std::mem::take(&mut self.check_followed) {
+                    let (node, storage) = (self.node.clone(), self.storage.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = cni::check_followed(&node, &storage).await {
+                            warn!(error = %format!("{e:#}"), "the owner's scan of the pod records folder failed");
+                        }
+                    });
                 }
                 // What `Storage::open` left in place, now that no one else writes; a
                 // reconcile's reload already did it.

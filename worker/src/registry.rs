@@ -283,7 +283,9 @@ pub(crate) async fn watch_file<S: FileSource>(
             }
         }
         match events.as_mut() {
-            Some(ev) => ev.next(POLL_INTERVAL).await,
+            Some(ev) => {
+                ev.next(POLL_INTERVAL).await;
+            }
             None => tokio::time::sleep(POLL_INTERVAL).await,
         }
     }
@@ -415,32 +417,53 @@ impl DirEvents {
         Some(Self { fd, wanted })
     }
 
-    /// Returns after the next relevant event, or after `max`.
-    pub(crate) async fn next(&mut self, max: Duration) {
-        use nix::sys::inotify::AddWatchFlags as F;
-        let relevant = |e: &nix::sys::inotify::InotifyEvent| {
-            e.mask.contains(F::IN_Q_OVERFLOW) || e.name.as_ref().is_none_or(|n| (self.wanted)(n))
-        };
+    /// Returns after the next relevant event (true), or after `max` (false).
+    pub(crate) async fn next(&mut self, max: Duration) -> bool {
         let wait = async {
             loop {
                 let Ok(mut guard) = self.fd.readable().await else {
-                    return;
+                    // The fd is gone: as if an event came, so that the caller looks.
+                    return true;
                 };
-                let mut hit = false;
-                loop {
-                    match guard.get_inner().0.read_events() {
-                        Ok(ev) if !ev.is_empty() => hit |= ev.iter().any(relevant),
-                        Ok(_) | Err(nix::errno::Errno::EAGAIN) => break,
-                        Err(_) => return,
-                    }
-                }
+                let hit = match drain(guard.get_inner(), &*self.wanted) {
+                    Ok(hit) => hit,
+                    Err(()) => return true,
+                };
                 guard.clear_ready();
                 if hit {
-                    return;
+                    return true;
                 }
             }
         };
-        let _ = tokio::time::timeout(max, wait).await;
+        tokio::time::timeout(max, wait).await.unwrap_or(false)
+    }
+
+    /// Whether a relevant event is queued now, without waiting: the events are read and
+    /// consumed. True also on a queue overflow (events were lost) and when the queue
+    /// cannot be read.
+    pub(crate) fn pending(&self) -> bool {
+        drain(self.fd.get_ref(), &*self.wanted).unwrap_or(true)
+    }
+}
+
+/// Reads every event queued on `fd`; whether one was relevant: on a name `wanted`
+/// accepts, or an overflow. Err when the queue cannot be read.
+fn drain(
+    fd: &InotifyFd,
+    wanted: &(dyn Fn(&std::ffi::OsStr) -> bool + Send + Sync),
+) -> Result<bool, ()> {
+    use nix::sys::inotify::AddWatchFlags as F;
+    let mut hit = false;
+    loop {
+        match fd.0.read_events() {
+            Ok(ev) if !ev.is_empty() => {
+                hit |= ev.iter().any(|e| {
+                    e.mask.contains(F::IN_Q_OVERFLOW) || e.name.as_ref().is_none_or(|n| wanted(n))
+                })
+            }
+            Ok(_) | Err(nix::errno::Errno::EAGAIN) => return Ok(hit),
+            Err(_) => return Err(()),
+        }
     }
 }
 

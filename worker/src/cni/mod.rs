@@ -188,19 +188,34 @@ pub fn load(node: &Node, storage: &Storage) -> usize {
     n
 }
 
-/// The takeover reconcile: applies the storage diff (what the previous owner added,
-/// rewrote or removed during the overlap) to the node, under the lifecycle lock.
-/// Returns how many pods changed.
-///
-/// It first waits for the `storage_loaded` gate ([`load`]): the diff is against the view
-/// the node was built from. The takeover waits for it before either socket is served, but
-/// the runtime thread does not: the registry's changes go on into the snapshot meanwhile.
-pub async fn reconcile(node: &Node, storage: &Arc<Storage>) -> anyhow::Result<usize> {
+/// What the takeover's reconcile did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reconciled {
+    /// The folder read again, and this many pods changed from the standby's view.
+    Read(usize),
+    /// Nothing read: the standby had followed every write ([`Followed`]). The owner's scan
+    /// (temp files, bad records, and a check of the view) comes after serving
+    /// ([`check_followed`]).
+    Followed,
+}
+
+/// The takeover's reconcile: the pods the previous owner added, changed or removed that
+/// this process's view lacks, applied to the node before it serves. When the standby
+/// followed every write (`followed` caught up), nothing is read.
+pub async fn reconcile(
+    node: &Node,
+    storage: &Arc<Storage>,
+    followed: Option<Followed>,
+) -> anyhow::Result<Reconciled> {
     node.gates()
         .wait_for(|g| g.storage_loaded)
         .await
         .context("waiting for pods to load from storage before the takeover reconcile")?;
     let _lifecycle = node.lifecycle().await;
+    if followed.as_ref().is_some_and(Followed::caught_up) {
+        return Ok(Reconciled::Followed);
+    }
+    drop(followed);
     // Off the runtime thread, which meanwhile takes the registry's changes and the
     // proxy's streams: a stat of every record, a read of each that changed.
     let s = storage.clone();
@@ -209,10 +224,29 @@ pub async fn reconcile(node: &Node, storage: &Arc<Storage>) -> anyhow::Result<us
         .context("the takeover reconcile's reload of pod storage panicked")?
         .context("reloading pod storage for the takeover reconcile")?;
     if diff.is_empty() {
-        return Ok(0);
+        return Ok(Reconciled::Read(0));
     }
     log_diff(&diff, "reconcile");
     node.apply(changes(&diff));
+    Ok(Reconciled::Read(diff.len()))
+}
+
+/// After a [`Reconciled::Followed`] takeover, once serving: the owner's scan of the
+/// records folder (temp files removed, bad records quarantined, as a reconcile's reload
+/// does), whose view must be the one followed. A difference is applied and logged as an
+/// error: the follow missed a write. The number of pods that differed.
+pub async fn check_followed(node: &Node, storage: &Arc<Storage>) -> anyhow::Result<usize> {
+    let _lifecycle = node.lifecycle().await;
+    let s = storage.clone();
+    let diff = tokio::task::spawn_blocking(move || s.reload())
+        .await
+        .context("the owner's scan of pod storage panicked")?
+        .context("the owner's scan of pod storage")?;
+    if !diff.is_empty() {
+        tracing::error!(pods = diff.len(), dir = %storage.dir().display(), "the standby's view of the pod records missed writes its follow should have read; applying them now");
+        log_diff(&diff, "owner's scan");
+        node.apply(changes(&diff));
+    }
     Ok(diff.len())
 }
 
@@ -227,40 +261,57 @@ const FOLLOW_POLL: Duration = Duration::from_secs(1);
 /// when the node is handed over, before this process writes; a look waiting for the
 /// lifecycle lock then reads nothing, and one under way is applied first. The uids it
 /// added go into `added`: the takeover waits for their SVIDs as it does for those its
-/// reconcile adds.
+/// reconcile adds. Returns, once stopped, what the takeover's reconcile needs to know
+/// whether the folder holds anything its looks have not read ([`Followed`]).
 pub async fn follow(
     node: Arc<Node>,
     storage: Arc<Storage>,
     added: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+) -> Followed {
     let mut events =
         crate::registry::DirEvents::on(storage.dir(), Box::new(crate::storage::is_record_name));
     if events.is_none() {
         tracing::warn!(dir = %storage.dir().display(), "no inotify on the pod records folder; the standby looks at it every {FOLLOW_POLL:?}");
     }
+    // Every relevant event read so far was followed by a complete look. False until the
+    // first look, which comes at once: a record written between `Storage::open` and the
+    // watch has no event.
+    let mut caught_up = false;
+    let mut first = true;
     while !*stop.borrow() {
-        let next = async {
-            match &mut events {
-                Some(e) => e.next(FOLLOW_POLL).await,
-                None => tokio::time::sleep(FOLLOW_POLL).await,
+        if !first {
+            let next = async {
+                match &mut events {
+                    Some(e) => e.next(FOLLOW_POLL).await,
+                    None => {
+                        tokio::time::sleep(FOLLOW_POLL).await;
+                        false
+                    }
+                }
+            };
+            tokio::select! {
+                biased;
+                _ = stop.changed() => break,
+                event = next => {
+                    if event {
+                        caught_up = false;
+                    }
+                }
             }
-        };
-        tokio::select! {
-            biased;
-            _ = stop.changed() => break,
-            () = next => {}
         }
+        first = false;
         // Under the lifecycle lock, which the takeover's reconcile takes too: a look that
         // began is applied before the reconcile reads the folder.
         let _lifecycle = node.lifecycle().await;
         if *stop.borrow() {
             break;
         }
-        // Off the runtime thread: the look reads every record.
+        // Off the runtime thread: the look stats every record.
         let s = storage.clone();
         let looked = tokio::task::spawn_blocking(move || s.follow()).await;
         let Ok(looked) = looked else { break };
+        caught_up = looked.is_ok();
         match looked {
             Ok(diff) if diff.is_empty() => {}
             Ok(diff) => {
@@ -276,10 +327,35 @@ pub async fn follow(
             }
         }
     }
-    // Closing an inotify instance waits for an SRCU grace period, 10 to 20 ms on a busy
-    // node: not on the runtime thread, in the middle of a takeover.
-    if let Some(e) = events {
-        tokio::task::spawn_blocking(move || drop(e));
+    Followed { events, caught_up }
+}
+
+/// What a stopped standby's [`follow`] leaves the takeover: its inotify watch on the
+/// records folder, and whether every event read on it was followed by a complete look
+/// (and one look came after the watch was made).
+pub struct Followed {
+    events: Option<crate::registry::DirEvents>,
+    caught_up: bool,
+}
+
+impl Followed {
+    /// Whether the standby's view is the folder's: its last look read the folder after
+    /// every write the watch reported, and no event is queued now. Called once the node
+    /// is handed over: the previous owner's writes all came before it released the node,
+    /// and the kernel queues a rename's event before the rename returns, so a write the
+    /// looks missed has its event here (or an overflow, which counts as one).
+    fn caught_up(&self) -> bool {
+        self.caught_up && self.events.as_ref().is_some_and(|e| !e.pending())
+    }
+}
+
+impl Drop for Followed {
+    fn drop(&mut self) {
+        // Closing an inotify instance waits for an SRCU grace period, 10 to 20 ms on a
+        // busy node: not on the runtime thread, in the middle of a takeover.
+        if let (Some(e), Ok(rt)) = (self.events.take(), tokio::runtime::Handle::try_current()) {
+            rt.spawn_blocking(move || drop(e));
+        }
     }
 }
 

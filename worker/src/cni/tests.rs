@@ -431,6 +431,69 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
     assert!(node.pod("c").is_none(), "a stopped follower read on");
 }
 
+/// A standby that followed every write of the owner's is handed the node without a read
+/// of the folder; a write its follow has not read (its event still queued at the
+/// takeover) makes the reconcile read the folder and apply it.
+#[tokio::test]
+async fn a_takeover_after_a_complete_follow_reads_nothing_and_one_after_a_missed_write_reads() {
+    for missed in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let owner = Storage::open(dir.path(), Metrics::new()).unwrap();
+        owner.put(&pod("a", "10.0.0.1")).unwrap();
+        let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+        let node = Node::new(Inputs::default());
+        load(&node, &storage);
+        let added = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let follower = tokio::spawn(follow(node.clone(), storage.clone(), added, stopped));
+        // The follower's first look, at once, then the owner's write, followed.
+        let mut snapshots = node.subscribe();
+        owner.put(&pod("b", "10.0.0.2")).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while node.pod("b").is_none() {
+                snapshots.changed().await.expect("the node lives");
+            }
+        })
+        .await
+        .expect("the standby follows the owner's write");
+        // The node is handed over: the follower stops, and then (or not) the previous
+        // owner's last write, whose event no look read.
+        stop.send_replace(true);
+        let followed = tokio::time::timeout(Duration::from_secs(5), follower)
+            .await
+            .expect("the follower ends once stopped")
+            .unwrap();
+        if missed {
+            owner.put(&pod("c", "10.0.0.3")).unwrap();
+        }
+        node.set_gate(|g| g.storage_loaded = true);
+        let got = reconcile(&node, &storage, Some(followed)).await.unwrap();
+        if missed {
+            assert_eq!(got, Reconciled::Read(1), "a queued event makes it read");
+            assert!(node.pod("c").is_some(), "the missed write is applied");
+        } else {
+            assert_eq!(got, Reconciled::Followed, "nothing to read");
+            // The owner's scan once serving finds the view it followed.
+            assert_eq!(check_followed(&node, &storage).await.unwrap(), 0);
+        }
+        assert!(node.pod("b").is_some());
+    }
+}
+
+/// The owner's scan after a followed takeover applies what the view lacks (a write the
+/// follow missed), and says how many pods differed.
+#[tokio::test]
+async fn the_owners_scan_after_a_followed_takeover_applies_what_the_view_lacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner = Storage::open(dir.path(), Metrics::new()).unwrap();
+    let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+    let node = Node::new(Inputs::default());
+    load(&node, &storage);
+    owner.put(&pod("a", "10.0.0.1")).unwrap();
+    assert_eq!(check_followed(&node, &storage).await.unwrap(), 1);
+    assert!(node.snapshot().holds_pod("a", &ips(&["10.0.0.1"])));
+}
+
 #[tokio::test(start_paused = true)]
 async fn reconcile_applies_what_the_previous_owner_did() {
     let dir = tempfile::tempdir().unwrap();
@@ -450,7 +513,7 @@ async fn reconcile_applies_what_the_previous_owner_did() {
     );
     let pending = tokio::spawn({
         let (node, storage) = (node.clone(), storage.clone());
-        async move { reconcile(&node, &storage).await }
+        async move { reconcile(&node, &storage, None).await }
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
@@ -464,7 +527,7 @@ async fn reconcile_applies_what_the_previous_owner_did() {
     old.put(&pod("c", "10.0.0.4")).unwrap();
 
     node.set_gate(|g| g.storage_loaded = true);
-    assert_eq!(pending.await.unwrap().unwrap(), 3);
+    assert_eq!(pending.await.unwrap().unwrap(), Reconciled::Read(3));
     let pods = node.inputs().pods;
     assert_eq!(pods.keys().collect::<Vec<_>>(), vec!["b", "c"]);
     assert_eq!(pods["b"], pod("b", "10.0.0.3"));
@@ -478,7 +541,10 @@ async fn reconcile_with_nothing_changed_is_zero() {
         .add(Request::new(req("u1", "c1", &["10.1.0.5"])))
         .await
         .unwrap();
-    assert_eq!(reconcile(&f.node, &f.storage).await.unwrap(), 0);
+    assert_eq!(
+        reconcile(&f.node, &f.storage, None).await.unwrap(),
+        Reconciled::Read(0)
+    );
     assert!(f.node.inputs().pods.contains_key("u1"));
 }
 
@@ -638,7 +704,10 @@ async fn reconcile_serves_a_record_the_previous_owner_marked_terminating_as_drai
         ..pod("a", "10.0.0.1")
     })
     .unwrap();
-    assert_eq!(reconcile(&node, &storage).await.unwrap(), 1);
+    assert_eq!(
+        reconcile(&node, &storage, None).await.unwrap(),
+        Reconciled::Read(1)
+    );
     let s = node.snapshot();
     assert!(
         s.holds_pod("a", &ips(&["10.0.0.1"])),
