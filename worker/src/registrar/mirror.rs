@@ -43,6 +43,9 @@ pub struct Mirror {
     /// The registrar revision the view is at; 0 before the first full view.
     revision: i64,
     services: BTreeMap<ServiceKey, Entry>,
+    /// The entries whose own key was seen (`meta` set): [`Mirror::services`], kept as
+    /// they change, since a count over the view on every batch walked the mesh.
+    with_meta: usize,
     marks: HashMap<(ServiceKey, IpAddr), EndpointState>,
 }
 
@@ -57,7 +60,7 @@ impl Mirror {
 
     /// How many services the view holds (with their own key seen).
     pub fn services(&self) -> usize {
-        self.services.values().filter(|e| e.meta.is_some()).count()
+        self.with_meta
     }
 
     /// Replaces the view with `full`. The changes remove the services that are gone and
@@ -78,7 +81,10 @@ impl Mirror {
             };
             let entry = next.services.entry(key.clone()).or_default();
             match meta(&s) {
-                Ok(m) => entry.meta = Some(m),
+                Ok(m) => {
+                    next.with_meta += usize::from(entry.meta.is_none());
+                    entry.meta = Some(m);
+                }
                 Err(e) => skipped.push(Skipped(format!("service {key}: {e}"))),
             }
             for e in &s.endpoints {
@@ -129,7 +135,9 @@ impl Mirror {
                     };
                     match meta(&s) {
                         Ok(m) => {
-                            self.services.entry(key.clone()).or_default().meta = Some(m);
+                            let entry = self.services.entry(key.clone()).or_default();
+                            self.with_meta += usize::from(entry.meta.is_none());
+                            entry.meta = Some(m);
                             touched.insert(key);
                         }
                         Err(e) => skipped.push(Skipped(format!("service {key}: {e}"))),
@@ -139,7 +147,7 @@ impl Mirror {
                     // A key that fails the checks was never taken in: nothing to remove.
                     if let Ok(key) = service_key(Some(&k)) {
                         if let Some(e) = self.services.get_mut(&key) {
-                            e.meta = None;
+                            self.with_meta -= usize::from(e.meta.take().is_some());
                         }
                         touched.insert(key);
                     }

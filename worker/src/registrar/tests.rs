@@ -412,6 +412,12 @@ fn single_key_changes_in_any_order_end_where_a_full_view_of_the_same_state_does(
                 }
             };
             apply(&mut node, mirror.apply_batch(batch(rev, vec![kind])).0);
+            // The services with their own key, counted as they change.
+            assert_eq!(
+                mirror.services(),
+                metas.len(),
+                "seed {seed}, revision {rev}"
+            );
         }
         // The same state as one full view, into a fresh mirror.
         let services = metas
