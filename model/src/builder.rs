@@ -91,6 +91,9 @@ pub struct Builder {
     /// The IPs of each pod holding its own SVID, whose outbound connections name its
     /// certificate (the outbound listener's `pod_certificates`).
     certified_sources: BTreeMap<String, Vec<IpAddr>>,
+    /// Moves on with every change to the registry's services: a reader of the registry
+    /// alone (the mesh-DNS snapshot) skips a walk of it when this has not moved.
+    registry_generation: u64,
 }
 
 impl Builder {
@@ -194,11 +197,19 @@ impl Builder {
             pod_secrets,
             plaintext_sources,
             certified_sources,
+            registry_generation: 0,
         }
     }
 
     pub fn inputs(&self) -> &Inputs {
         &self.inputs
+    }
+
+    /// A number that moves on with every change to the registry's services (from 0 at
+    /// [`Builder::new`]); equal numbers mean the same registry (a batch that changes a
+    /// service and changes it back moves it too).
+    pub fn registry_generation(&self) -> u64 {
+        self.registry_generation
     }
 
     pub fn snapshot(&self) -> &Arc<Snapshot> {
@@ -247,10 +258,12 @@ impl Builder {
                         .or_default()
                         .insert(k.namespace.clone());
                     self.inputs.registry.services.insert(k.clone(), s);
+                    self.registry_generation += 1;
                     services.insert(k);
                 }
                 Change::RemoveService(k) => {
                     if self.inputs.registry.services.remove(&k).is_some() {
+                        self.registry_generation += 1;
                         if let Some(ns) = self.short_claims.get_mut(&k.name) {
                             ns.remove(&k.namespace);
                             if ns.is_empty() {

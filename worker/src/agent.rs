@@ -550,10 +550,16 @@ impl Agent {
                         ));
                     }
                 }
-                // The owner's scan the reconcile left for after serving.
+                // The owner's scan the reconcile left for after serving; not while the
+                // proxy (or its relay) switches over to this owner, with which it would
+                // compete for the CPU: after the proxy's first ACK of this owner, or
+                // FIRST_ACK_WAIT without one.
                 if std::mem::take(&mut self.check_followed) {
                     let (node, storage) = (self.node.clone(), self.storage.clone());
+                    let mut acked = self.acks.subscribe();
                     tokio::spawn(async move {
+                        let first_ack = acked.wait_for(Option::is_some);
+                        let _ = tokio::time::timeout(xds::encoded::FIRST_ACK_WAIT, first_ack).await;
                         if let Err(e) = cni::check_followed(&node, &storage).await {
                             warn!(error = %format!("{e:#}"), "the owner's scan of the pod records folder failed");
                         }

@@ -71,6 +71,11 @@ impl Node {
         lock(&self.builder).inputs().clone()
     }
 
+    /// [`aether_model::Builder::registry_generation`]: equal numbers, the same registry.
+    pub fn registry_generation(&self) -> u64 {
+        lock(&self.builder).registry_generation()
+    }
+
     /// Runs `f` on the current inputs without copying them. `f` runs under the builder's
     /// lock, so every change waits for it: keep it short and never call back into the node.
     pub fn with_inputs<R>(&self, f: impl FnOnce(&Inputs) -> R) -> R {

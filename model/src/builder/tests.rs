@@ -692,8 +692,15 @@ fn incremental_snapshots_equal_a_full_rebuild_for_random_change_sequences() {
         });
         for step in 0..40 {
             let before = b.snapshot().clone();
+            let (registry, generation) = (b.inputs().registry.clone(), b.registry_generation());
             let batch: Vec<Change> = (0..=r.below(4)).map(|_| random_change(&mut r)).collect();
             let published = b.apply(batch.clone());
+            // The registry's generation moves whenever its services changed (and may
+            // move for a batch that changed them back).
+            assert!(
+                b.registry_generation() != generation || b.inputs().registry == registry,
+                "seed {seed} step {step}: the registry changed, its generation did not: {batch:?}"
+            );
             let full = build(b.inputs());
             let now = b.snapshot();
             assert_eq!(
