@@ -310,8 +310,8 @@ pub async fn follow(
         // Off the runtime thread: the look stats every record.
         let s = storage.clone();
         let looked = tokio::task::spawn_blocking(move || s.follow()).await;
+        caught_up = matches!(looked, Ok(Ok(_)));
         let Ok(looked) = looked else { break };
-        caught_up = looked.is_ok();
         match looked {
             Ok(diff) if diff.is_empty() => {}
             Ok(diff) => {

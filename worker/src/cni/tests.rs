@@ -374,14 +374,21 @@ fn pod(uid: &str, ip: &str) -> Pod {
     }
 }
 
-/// A standby follows the owner's records as they are written (inotify on the folder),
-/// into its node, and names the pods it added; once stopped it ends and reads no more.
-#[tokio::test]
-async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
-    let dir = tempfile::tempdir().unwrap();
-    let owner = Storage::open(dir.path(), Metrics::new()).unwrap();
+/// An owner's records in `dir` holding pod `a`, and a standby that loaded them and
+/// follows them from now on.
+struct Following {
+    owner: Storage,
+    storage: Arc<Storage>,
+    node: Arc<Node>,
+    added: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    follower: tokio::task::JoinHandle<Followed>,
+}
+
+fn following(dir: &Path) -> Following {
+    let owner = Storage::open(dir, Metrics::new()).unwrap();
     owner.put(&pod("a", "10.0.0.1")).unwrap();
-    let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
+    let storage = Arc::new(Storage::open(dir, Metrics::new()).unwrap());
     let node = Node::new(Inputs::default());
     load(&node, &storage);
     let added = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
@@ -392,6 +399,29 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
         added.clone(),
         stopped,
     ));
+    Following {
+        owner,
+        storage,
+        node,
+        added,
+        stop,
+        follower,
+    }
+}
+
+/// A standby follows the owner's records as they are written (inotify on the folder),
+/// into its node, and names the pods it added; once stopped it ends and reads no more.
+#[tokio::test]
+async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let Following {
+        owner,
+        node,
+        added,
+        stop,
+        follower,
+        ..
+    } = following(dir.path());
     // Each step within 0.9 s: inside the follower's 1 s poll, so inotify woke it.
     let wait = |what: &'static str, node: Arc<Node>, check: fn(&Node) -> bool| async move {
         tokio::time::timeout(Duration::from_millis(900), async {
@@ -438,14 +468,14 @@ async fn a_standby_follows_the_owners_records_until_it_is_stopped() {
 async fn a_takeover_after_a_complete_follow_reads_nothing_and_one_after_a_missed_write_reads() {
     for missed in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let owner = Storage::open(dir.path(), Metrics::new()).unwrap();
-        owner.put(&pod("a", "10.0.0.1")).unwrap();
-        let storage = Arc::new(Storage::open(dir.path(), Metrics::new()).unwrap());
-        let node = Node::new(Inputs::default());
-        load(&node, &storage);
-        let added = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let follower = tokio::spawn(follow(node.clone(), storage.clone(), added, stopped));
+        let Following {
+            owner,
+            storage,
+            node,
+            stop,
+            follower,
+            ..
+        } = following(dir.path());
         // The follower's first look, at once, then the owner's write, followed.
         let mut snapshots = node.subscribe();
         owner.put(&pod("b", "10.0.0.2")).unwrap();
