@@ -325,14 +325,11 @@ impl Etcd {
     /// Member `i`'s metric `name` (a counter or gauge without labels), read from its
     /// plain-HTTP metrics URL; None if it does not answer or has no such line.
     pub fn metric(&self, i: usize, name: &str) -> Option<f64> {
-        let url = &self.members[i].health_url;
-        let addr = url.strip_prefix("http://")?;
-        let mut s = TcpStream::connect(addr).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .ok()?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).ok()?;
+        let body = get(
+            &self.members[i].health_url,
+            "/metrics",
+            Duration::from_secs(5),
+        )?;
         body.lines().find_map(|l| {
             let (k, v) = l.split_once(' ')?;
             (k == name).then(|| v.trim().parse().ok())?
@@ -386,21 +383,21 @@ impl Drop for Etcd {
 
 /// One GET /health on an etcd client URL (plain HTTP on loopback).
 fn health(url: &str) -> bool {
-    let Some(addr) = url.strip_prefix("http://") else {
-        return false;
-    };
-    let Ok(mut s) = TcpStream::connect(addr) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if s.write_all(format!("GET /health HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .is_err()
-    {
-        return false;
-    }
+    get(url, "/health", Duration::from_secs(1)).is_some_and(|b| b.contains("\"health\":\"true\""))
+}
+
+/// One plain-HTTP GET of `path` at `url` (`http://host:port`): the whole answer, headers
+/// included, or None if it cannot be had within `timeout` per read.
+fn get(url: &str, path: &str, timeout: Duration) -> Option<String> {
+    let addr = url.strip_prefix("http://")?;
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(timeout)).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .ok()?;
     let mut body = String::new();
+    // What came before a timeout or a reset still counts, as before.
     let _ = s.read_to_string(&mut body);
-    body.contains("\"health\":\"true\"")
+    Some(body)
 }
 
 /// The `aether-registrar serve` binary as a process, its stderr in a log file. Killed on

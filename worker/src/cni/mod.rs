@@ -216,13 +216,9 @@ pub async fn reconcile(
         return Ok(Reconciled::Followed);
     }
     drop(followed);
-    // Off the runtime thread, which meanwhile takes the registry's changes and the
-    // proxy's streams: a stat of every record, a read of each that changed.
-    let s = storage.clone();
-    let diff = tokio::task::spawn_blocking(move || s.reload())
+    let diff = reload(storage)
         .await
-        .context("the takeover reconcile's reload of pod storage panicked")?
-        .context("reloading pod storage for the takeover reconcile")?;
+        .context("the takeover reconcile's reload of pod storage")?;
     if diff.is_empty() {
         return Ok(Reconciled::Read(0));
     }
@@ -231,16 +227,23 @@ pub async fn reconcile(
     Ok(Reconciled::Read(diff.len()))
 }
 
+/// [`Storage::reload`] off the runtime thread, which meanwhile takes the registry's
+/// changes and the proxy's streams: a stat of every record, a read of each that changed.
+async fn reload(storage: &Arc<Storage>) -> anyhow::Result<Diff> {
+    let s = storage.clone();
+    Ok(tokio::task::spawn_blocking(move || s.reload())
+        .await
+        .context("the reload panicked")??)
+}
+
 /// After a [`Reconciled::Followed`] takeover, once serving: the owner's scan of the
 /// records folder (temp files removed, bad records quarantined, as a reconcile's reload
 /// does), whose view must be the one followed. A difference is applied and logged as an
 /// error: the follow missed a write. The number of pods that differed.
 pub async fn check_followed(node: &Node, storage: &Arc<Storage>) -> anyhow::Result<usize> {
     let _lifecycle = node.lifecycle().await;
-    let s = storage.clone();
-    let diff = tokio::task::spawn_blocking(move || s.reload())
+    let diff = reload(storage)
         .await
-        .context("the owner's scan of pod storage panicked")?
         .context("the owner's scan of pod storage")?;
     if !diff.is_empty() {
         tracing::error!(pods = diff.len(), dir = %storage.dir().display(), "the standby's view of the pod records missed writes its follow should have read; applying them now");
@@ -278,32 +281,10 @@ pub async fn follow(
     // first look, which comes at once: a record written between `Storage::open` and the
     // watch has no event.
     let mut caught_up = false;
-    let mut first = true;
     while !*stop.borrow() {
-        if !first {
-            let next = async {
-                match &mut events {
-                    Some(e) => e.next(FOLLOW_POLL).await,
-                    None => {
-                        tokio::time::sleep(FOLLOW_POLL).await;
-                        false
-                    }
-                }
-            };
-            tokio::select! {
-                biased;
-                _ = stop.changed() => break,
-                event = next => {
-                    if event {
-                        caught_up = false;
-                    }
-                }
-            }
-        }
-        first = false;
         // Under the lifecycle lock, which the takeover's reconcile takes too: a look that
         // began is applied before the reconcile reads the folder.
-        let _lifecycle = node.lifecycle().await;
+        let lifecycle = node.lifecycle().await;
         if *stop.borrow() {
             break;
         }
@@ -324,6 +305,25 @@ pub async fn follow(
             }
             Err(e) => {
                 tracing::warn!(dir = %storage.dir().display(), error = %e, "the standby cannot read the owner's pod records; it takes them at the takeover")
+            }
+        }
+        drop(lifecycle);
+        let next = async {
+            match &mut events {
+                Some(e) => e.next(FOLLOW_POLL).await,
+                None => {
+                    tokio::time::sleep(FOLLOW_POLL).await;
+                    false
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = stop.changed() => break,
+            event = next => {
+                if event {
+                    caught_up = false;
+                }
             }
         }
     }
