@@ -230,6 +230,19 @@ fn record_uids(node: &LocalNode) -> Vec<String> {
         .collect()
 }
 
+/// Whether the supervisor has logged `pid`'s end as a process: reaped after its
+/// replacement (its control socket closed first, the usual order), or its exit as the
+/// cause of the respawn.
+fn reaped(log: &str, pid: i32) -> bool {
+    let (status, respawn) = (format!("Pid({pid})"), format!("pid={pid} "));
+    log.lines().any(|l| {
+        (l.contains("reaped a worker that was already replaced") && l.contains(&status))
+            || (l.contains("worker exited unexpectedly")
+                && l.contains(&respawn)
+                && l.contains("how=\"exited"))
+    })
+}
+
 /// SIGSTOPs the serving worker, jumps `clock` to `spec` one second into the heartbeat's
 /// wait when given, and returns how long the supervisor took to replace it.
 fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration {
@@ -260,9 +273,11 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
         },
     );
     let took = start.elapsed();
-    // The supervisor logs the Serving report just after the worker's /ready says so, and
-    // the worker's mesh-DNS writer logs its read-back just after it starts serving; waits
-    // for both, so that a log mark taken next follows every line of this respawn.
+    // The supervisor logs the Serving report just after the worker's /ready says so, the
+    // worker's mesh-DNS writer logs its read-back just after it starts serving, and the
+    // supervisor logs the old worker's reaping whenever its SIGCHLD comes, which can be
+    // after both; waits for all three, so that a log mark taken next follows every line of
+    // this respawn.
     wait_for(
         "the supervisor and the new worker to log the replacement serving",
         T,
@@ -272,8 +287,9 @@ fn hang_worker(owner: &Agent, clock: &Clock, jump_to: Option<&str>) -> Duration 
                 && log
                     .matches("mesh-DNS snapshot read back as serving starts")
                     .count()
-                    > read_back)
-                .then_some(())
+                    > read_back
+                && reaped(&log, old))
+            .then_some(())
         },
     );
     took
