@@ -16,6 +16,10 @@ pub struct Metrics {
     pub upstream_streams: AtomicU64,
     pub upstream_failures: AtomicU64,
     pub switches: AtomicU64,
+    /// Switches made while the old agent stream still carried (the overlap), and next
+    /// streams dropped because the old one carried after their re-statement.
+    pub overlap_switches: AtomicU64,
+    pub overlap_restarts: AtomicU64,
     pub grace_ends: AtomicU64,
     /// Microseconds without an agent stream, summed over every switch.
     pub without_upstream_us: AtomicU64,
@@ -73,7 +77,7 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let g = |a: &AtomicU64| a.load(Relaxed);
-        let rows: [(&str, &str, &str, String); 13] = [
+        let rows: [(&str, &str, &str, String); 15] = [
             (
                 "aether_relay_envoy_streams",
                 "gauge",
@@ -89,7 +93,7 @@ impl Metrics {
             (
                 "aether_relay_upstream_streams_total",
                 "counter",
-                "ADS streams opened to the agent.",
+                "ADS streams to the agent that the relay served Envoy from (a next stream dropped in an overlap is not counted).",
                 g(&self.upstream_streams).to_string(),
             ),
             (
@@ -103,6 +107,18 @@ impl Metrics {
                 "counter",
                 "Agent streams that ended under an open Envoy stream (a roll, a worker crash).",
                 g(&self.switches).to_string(),
+            ),
+            (
+                "aether_relay_overlap_switches_total",
+                "counter",
+                "Switches made while the old agent stream still carried changes (the overlapping handover): no time without an agent stream.",
+                g(&self.overlap_switches).to_string(),
+            ),
+            (
+                "aether_relay_overlap_restarts_total",
+                "counter",
+                "Next agent streams dropped in an overlap because the old stream carried a change after their re-statement; each is re-stated afresh.",
+                g(&self.overlap_restarts).to_string(),
             ),
             (
                 "aether_relay_grace_ends_total",

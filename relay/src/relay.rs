@@ -16,6 +16,7 @@ use tonic::transport::Endpoint;
 use crate::metrics::Metrics;
 use crate::session::{Core, Send};
 use crate::wire::{DELTA_PATH, Framed, RawCodec, SOTW_PATH};
+use shared_proto::resume;
 
 /// Requests queued for an agent stream while it opens. Past it the stream is dropped
 /// and a new one re-states the session, which has folded every request in: nothing is
@@ -59,51 +60,59 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
     let mut recorded = crate::session::Counts::default();
     let mut failures = 0u32;
     let mut down_since = Instant::now();
+    // The next agent stream, opened and re-stated while the old one still carried (an
+    // overlapping handover): no time without one.
+    let mut carried_over: Option<(Answers<C>, Queue<C>)> = None;
     loop {
-        // The stream opens with the digest offer in its request header; the agent's
-        // answer is in its response header, read before anything is sent. Envoy's
-        // requests meanwhile are folded into the session, and the re-statement that
-        // follows carries them.
-        let (up_tx, up_rx) = mpsc::channel(UPSTREAM_QUEUE);
-        let connect = open::<C>(&relay, up_rx, s.offer());
-        tokio::pin!(connect);
-        let grace_end = tokio::time::Instant::from_std(down_since + relay.grace);
-        let mut answers = loop {
-            tokio::select! {
-                opened = &mut connect => match opened {
-                    Ok((a, matched)) => {
-                        if queue::<C>(&up_tx, s.upstream_up(matched.as_deref())) {
-                            break Some(a);
+        let opened = match carried_over.take() {
+            Some(next) => Some(next),
+            None => {
+                // The stream opens with the digest offer in its request header; the
+                // agent's answer is in its response header, read before anything is
+                // sent. Envoy's requests meanwhile are folded into the session, and the
+                // re-statement that follows carries them.
+                let (up_tx, up_rx) = mpsc::channel(UPSTREAM_QUEUE);
+                let connect = open::<C>(&relay, up_rx, s.offer());
+                tokio::pin!(connect);
+                let grace_end = tokio::time::Instant::from_std(down_since + relay.grace);
+                loop {
+                    tokio::select! {
+                        opened = &mut connect => match opened {
+                            Ok(o) => {
+                                if queue::<C>(&up_tx, s.upstream_up(o.matched.as_deref())) {
+                                    break Some((o.answers, up_tx));
+                                }
+                                break None;
+                            }
+                            Err(e) => {
+                                failures += 1;
+                                m.upstream_failures.fetch_add(1, Relaxed);
+                                tracing::warn!(upstream = %relay.upstream.display(), error = %format!("{e:#}"), failures, "relay: the agent's ADS stream did not open");
+                                break None;
+                            }
+                        },
+                        req = envoy.message() => match req {
+                            Ok(Some(req)) => {
+                                let folded = s.on_envoy(req);
+                                debug_assert!(folded.is_empty(), "nothing is sent while no agent stream is up");
+                            }
+                            Ok(None) => return,
+                            Err(e) => {
+                                tracing::info!(error = %e, "relay: Envoy's stream ended");
+                                return;
+                            }
+                        },
+                        () = tokio::time::sleep_until(grace_end) => {
+                            m.grace_ends.fetch_add(1, Relaxed);
+                            tracing::error!(grace = ?relay.grace, upstream = %relay.upstream.display(), "relay: no agent answered within the grace; ending Envoy's stream so that its own signals show it");
+                            let _ = tx.send(Err(Status::unavailable(format!("no control plane at {} for {:?}", relay.upstream.display(), relay.grace)))).await;
+                            return;
                         }
-                        break None;
                     }
-                    Err(e) => {
-                        failures += 1;
-                        m.upstream_failures.fetch_add(1, Relaxed);
-                        tracing::warn!(upstream = %relay.upstream.display(), error = %format!("{e:#}"), failures, "relay: the agent's ADS stream did not open");
-                        break None;
-                    }
-                },
-                req = envoy.message() => match req {
-                    Ok(Some(req)) => {
-                        let folded = s.on_envoy(req);
-                        debug_assert!(folded.is_empty(), "nothing is sent while no agent stream is up");
-                    }
-                    Ok(None) => return,
-                    Err(e) => {
-                        tracing::info!(error = %e, "relay: Envoy's stream ended");
-                        return;
-                    }
-                },
-                () = tokio::time::sleep_until(grace_end) => {
-                    m.grace_ends.fetch_add(1, Relaxed);
-                    tracing::error!(grace = ?relay.grace, upstream = %relay.upstream.display(), "relay: no agent answered within the grace; ending Envoy's stream so that its own signals show it");
-                    let _ = tx.send(Err(Status::unavailable(format!("no control plane at {} for {:?}", relay.upstream.display(), relay.grace)))).await;
-                    return;
                 }
             }
         };
-        if let Some(answers) = answers.take() {
+        if let Some((mut answers, up_tx)) = opened {
             failures = 0;
             m.upstream_streams.fetch_add(1, Relaxed);
             m.upstream_connected.store(1, Relaxed);
@@ -116,18 +125,33 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
                 resumes = s.counts().resumes,
                 "relay: agent stream open"
             );
-            let ended = pump::<C>(&mut s, &mut envoy, answers, &up_tx, &tx).await;
-            m.upstream_connected.store(0, Relaxed);
+            let ended = pump::<C>(&mut s, &mut envoy, &mut answers, &up_tx, &tx).await;
             m.record(&s.counts(), &mut recorded);
+            let why = match ended {
+                Ended::Envoy => return,
+                Ended::Agent(why) => why,
+                Ended::HandedOver => {
+                    match overlap::<C>(&relay, &mut s, &mut envoy, &tx, &mut answers, &up_tx).await
+                    {
+                        Overlapped::Switched(next) => {
+                            // The old stream closes as its queue and answers drop here.
+                            m.switches.fetch_add(1, Relaxed);
+                            m.overlap_switches.fetch_add(1, Relaxed);
+                            m.note_end();
+                            down_since = Instant::now();
+                            carried_over = Some(*next);
+                            continue;
+                        }
+                        Overlapped::Envoy => return,
+                        Overlapped::Broken(why) => why,
+                    }
+                }
+            };
+            m.upstream_connected.store(0, Relaxed);
             down_since = Instant::now();
             m.note_end();
-            match ended {
-                Ended::Envoy => return,
-                Ended::Agent(why) => {
-                    m.switches.fetch_add(1, Relaxed);
-                    tracing::info!(why, "relay: the agent's stream ended; opening the next");
-                }
-            }
+            m.switches.fetch_add(1, Relaxed);
+            tracing::info!(why, "relay: the agent's stream ended; opening the next");
         }
         s.upstream_down();
         if failures > QUICK_RETRIES {
@@ -142,13 +166,16 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
 enum Ended {
     Envoy,
     Agent(&'static str),
+    /// The agent handed the node over in-band: its stream carries on while the next one
+    /// opens ([`overlap`]).
+    HandedOver,
 }
 
-/// Relays both ways until one side ends.
+/// Relays both ways until one side ends, or the agent hands over in-band.
 async fn pump<C: Core>(
     s: &mut C,
     envoy: &mut Requests<C>,
-    mut answers: Answers<C>,
+    answers: &mut Answers<C>,
     up: &Queue<C>,
     tx: &ToEnvoy<C>,
 ) -> Ended {
@@ -159,38 +186,237 @@ async fn pump<C: Core>(
                 _ => return Ended::Envoy,
             },
             answer = answers.message() => match answer {
+                Ok(Some(a)) if C::handover_nonce(&a.view) == Some(resume::HANDED_OVER_NONCE) => {
+                    return Ended::HandedOver;
+                }
                 Ok(Some(a)) => s.on_agent(a),
                 Ok(None) => return Ended::Agent("closed"),
-                Err(e) if e.message() == shared_proto::resume::HANDED_OVER => {
+                Err(e) if e.message() == resume::HANDED_OVER => {
                     return Ended::Agent("handed over");
                 }
                 Err(_) => return Ended::Agent("reset"),
             },
         };
-        for o in out {
-            match o {
-                Send::Upstream(r) => {
-                    if up.try_send(r).is_err() {
-                        return Ended::Agent("queue full");
-                    }
+        if let Err(e) = deliver::<C>(out, up, None, tx).await {
+            return e;
+        }
+    }
+}
+
+/// Sends what the session returned: requests to the current agent stream (and to the
+/// next one in an overlap), answers to Envoy.
+async fn deliver<C: Core>(
+    out: Vec<Send<C::Req, C::Resp>>,
+    up: &Queue<C>,
+    next: Option<&Queue<C>>,
+    tx: &ToEnvoy<C>,
+) -> Result<(), Ended> {
+    for o in out {
+        match o {
+            Send::Upstream(r) => {
+                if up.try_send(r).is_err() {
+                    return Err(Ended::Agent("queue full"));
                 }
-                Send::Envoy(a) => {
-                    if tx.send(Ok(a)).await.is_err() {
-                        return Ended::Envoy;
-                    }
+            }
+            Send::Next(r) => {
+                // Only an overlap's re-statement makes these, and its queue is open.
+                if let Some(next) = next {
+                    let _ = next.try_send(r);
+                }
+            }
+            Send::Envoy(a) => {
+                if tx.send(Ok(a)).await.is_err() {
+                    return Err(Ended::Envoy);
                 }
             }
         }
     }
+    Ok(())
+}
+
+/// Next streams re-stated afresh in one overlap before the relay gives it up and
+/// switches the plain way.
+const OVERLAP_ATTEMPTS: u32 = 4;
+/// Answers of the next stream held back until the switch; past it the overlap is given
+/// up (the session stays whole: the plain switch re-states everything).
+const HELD_BACK_MAX: usize = 4096;
+
+enum Overlapped<C: Core> {
+    /// The next stream serves; the old one is to be closed.
+    Switched(Box<(Answers<C>, Queue<C>)>),
+    Envoy,
+    /// No switch in overlap: the plain one follows, as after a stream's end.
+    Broken(&'static str),
+}
+
+/// The overlapping handover (`shared_proto::resume`, "Overlap"): the old agent stream
+/// `old` carries on (its answers to Envoy, Envoy's requests to it) while the next one
+/// opens, in the socket's backlog until the successor accepts. The next stream is
+/// re-stated once nothing forwarded to Envoy is unanswered; its answers are held back
+/// until its agent says it has answered the re-statement, and then forwarded at the
+/// switch. If the old stream carried a change to Envoy after the re-statement, the next
+/// stream is dropped and a fresh one re-stated.
+async fn overlap<C: Core>(
+    relay: &Relay,
+    s: &mut C,
+    envoy: &mut Requests<C>,
+    tx: &ToEnvoy<C>,
+    old: &mut Answers<C>,
+    old_up: &Queue<C>,
+) -> Overlapped<C> {
+    let m = &relay.metrics;
+    tracing::debug!(
+        "relay: the agent handed the node over; its stream carries on while the next opens"
+    );
+    for _ in 0..OVERLAP_ATTEMPTS {
+        let (next_tx, next_rx) = mpsc::channel(UPSTREAM_QUEUE);
+        let connect = open::<C>(relay, next_rx, s.offer());
+        tokio::pin!(connect);
+        let mut next: Option<(Answers<C>, Option<String>)> = None;
+        let mut restated = false;
+        let mut held_back: Vec<Framed<C::Resp>> = Vec::new();
+        loop {
+            tokio::select! {
+                opened = &mut connect, if next.is_none() => match opened {
+                    Ok(o) if o.overlap => next = Some((o.answers, o.matched)),
+                    Ok(o) => {
+                        // A successor without the overlap (mid-roll skew): the plain
+                        // switch, onto the stream already open.
+                        s.upstream_down();
+                        if !queue::<C>(&next_tx, s.upstream_up(o.matched.as_deref())) {
+                            return Overlapped::Broken("queue full");
+                        }
+                        return Overlapped::Switched(Box::new((o.answers, next_tx)));
+                    }
+                    Err(e) => {
+                        m.upstream_failures.fetch_add(1, Relaxed);
+                        tracing::warn!(upstream = %relay.upstream.display(), error = %format!("{e:#}"), "relay: the next agent stream did not open in the overlap");
+                        return Overlapped::Broken("the next stream did not open");
+                    }
+                },
+                req = envoy.message() => match req {
+                    Ok(Some(req)) => {
+                        let out = s.on_envoy(req);
+                        let next_q = restated.then_some(&next_tx);
+                        match deliver::<C>(out, old_up, next_q, tx).await {
+                            Ok(()) => {}
+                            Err(Ended::Envoy) => return Overlapped::Envoy,
+                            Err(_) => return Overlapped::Broken("queue full"),
+                        }
+                    }
+                    _ => return Overlapped::Envoy,
+                },
+                answer = old.message() => match answer {
+                    Ok(Some(a)) if C::handover_nonce(&a.view).is_some() => {}
+                    Ok(Some(a)) => {
+                        let out = s.on_agent(a);
+                        match deliver::<C>(out, old_up, None, tx).await {
+                            Ok(()) => {}
+                            Err(Ended::Envoy) => return Overlapped::Envoy,
+                            Err(_) => return Overlapped::Broken("queue full"),
+                        }
+                    }
+                    // The old owner ended its side first (its bound, or its exit).
+                    _ => {
+                        return match next.take() {
+                            Some((answers, _)) if restated && s.next_holds() => {
+                                switch::<C>(s, held_back, answers, next_tx, tx).await
+                            }
+                            Some((answers, matched)) if !restated => {
+                                s.upstream_down();
+                                if !queue::<C>(&next_tx, s.upstream_up(matched.as_deref())) {
+                                    return Overlapped::Broken("queue full");
+                                }
+                                Overlapped::Switched(Box::new((answers, next_tx)))
+                            }
+                            _ => Overlapped::Broken("the old stream ended in the overlap"),
+                        };
+                    }
+                },
+                answer = async { next.as_mut().expect("guarded").0.message().await }, if next.is_some() => match answer {
+                    Ok(Some(a)) if C::handover_nonce(&a.view) == Some(resume::RESTATED_NONCE) => {
+                        if s.next_holds() {
+                            let (answers, _) = next.take().expect("guarded");
+                            return switch::<C>(s, held_back, answers, next_tx, tx).await;
+                        }
+                        m.overlap_restarts.fetch_add(1, Relaxed);
+                        tracing::debug!("relay: the old stream carried a change after the next one's re-statement; re-stating on a fresh one");
+                        s.abandon_next();
+                        break;
+                    }
+                    Ok(Some(a)) => {
+                        held_back.push(a);
+                        if held_back.len() > HELD_BACK_MAX {
+                            return Overlapped::Broken("too many answers held back");
+                        }
+                    }
+                    _ => {
+                        tracing::debug!("relay: the next agent stream ended in the overlap; opening another");
+                        s.abandon_next();
+                        break;
+                    }
+                },
+            }
+            // The re-statement, once the next stream is open and Envoy has answered
+            // everything forwarded to it: then the session states what Envoy holds.
+            if !restated
+                && s.quiet()
+                && let Some((_, matched)) = &mut next
+            {
+                let matched = matched.take();
+                let mut out = s.restate_next(matched.as_deref());
+                out.push(Send::Next(C::restated_request()));
+                let all = out.into_iter().all(|o| match o {
+                    Send::Next(r) => next_tx.try_send(r).is_ok(),
+                    _ => true,
+                });
+                if !all {
+                    return Overlapped::Broken("queue full");
+                }
+                restated = true;
+            }
+        }
+    }
+    Overlapped::Broken("the overlap did not settle")
+}
+
+/// The overlap's switch: the next stream becomes the current one, and its answers held
+/// back go to Envoy in the order they came.
+async fn switch<C: Core>(
+    s: &mut C,
+    held_back: Vec<Framed<C::Resp>>,
+    answers: Answers<C>,
+    up: Queue<C>,
+    tx: &ToEnvoy<C>,
+) -> Overlapped<C> {
+    s.switch_next();
+    for a in held_back {
+        match deliver::<C>(s.on_agent(a), &up, None, tx).await {
+            Ok(()) => {}
+            Err(Ended::Envoy) => return Overlapped::Envoy,
+            Err(_) => return Overlapped::Broken("queue full"),
+        }
+    }
+    Overlapped::Switched(Box::new((answers, up)))
 }
 
 /// Queues requests for the agent stream being opened; false when the queue is full.
 fn queue<C: Core>(up: &Queue<C>, out: Vec<Send<C::Req, C::Resp>>) -> bool {
     out.into_iter().all(|o| match o {
         Send::Upstream(r) => up.try_send(r).is_ok(),
-        // The session answers Envoy only from the agent's answers.
-        Send::Envoy(_) => true,
+        // The session answers Envoy only from the agent's answers, and re-states a next
+        // stream only in an overlap.
+        Send::Envoy(_) | Send::Next(_) => true,
     })
+}
+
+/// An agent stream just opened.
+struct Opened<C: Core> {
+    answers: Answers<C>,
+    /// The agent's answer to the digest offer.
+    matched: Option<String>,
+    /// The agent takes the overlapping handover on this stream.
+    overlap: bool,
 }
 
 /// Opens an agent stream over the node's socket. The connect waits in the socket's
@@ -199,7 +425,7 @@ async fn open<C: Core>(
     relay: &Relay,
     requests: mpsc::Receiver<Framed<C::Req>>,
     offer: Option<String>,
-) -> anyhow::Result<(Answers<C>, Option<String>)> {
+) -> anyhow::Result<Opened<C>> {
     let path = relay.upstream.clone();
     let connector = tower::service_fn(move |_: http::Uri| {
         let path = path.clone();
@@ -216,11 +442,15 @@ async fn open<C: Core>(
     grpc.ready().await?;
     let mut request = tonic::Request::new(ReceiverStream::new(requests));
     // The header marks the stream as a relay's even with nothing offered: the owner ends
-    // it at a handover ([`shared_proto::resume::HANDED_OVER`]).
+    // it at a handover ([`resume::HANDED_OVER`]), or hands over in-band.
     if let Ok(value) = offer.unwrap_or_default().parse() {
-        request
-            .metadata_mut()
-            .insert(shared_proto::resume::HEADER, value);
+        request.metadata_mut().insert(resume::HEADER, value);
+    }
+    if C::OVERLAP {
+        request.metadata_mut().insert(
+            resume::HANDOVER_HEADER,
+            tonic::metadata::MetadataValue::from_static(resume::OVERLAP),
+        );
     }
     let answers = grpc
         .streaming(
@@ -229,12 +459,20 @@ async fn open<C: Core>(
             RawCodec::<C::Req, C::Resp>::default(),
         )
         .await?;
-    let matched = answers
-        .metadata()
-        .get(shared_proto::resume::HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(String::from);
-    Ok((answers.into_inner(), matched))
+    let header = |name: &str| {
+        answers
+            .metadata()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+    };
+    let matched = header(resume::HEADER);
+    let overlap = C::OVERLAP && header(resume::HANDOVER_HEADER).as_deref() == Some(resume::OVERLAP);
+    Ok(Opened {
+        answers: answers.into_inner(),
+        matched,
+        overlap,
+    })
 }
 
 /// Runs a closure when dropped.

@@ -20,6 +20,13 @@
 //!   sent that nonce. Subscription changes riding on it are still passed on.
 //! - An answer with no resources and no removals (a type unchanged across the switch) is
 //!   ACKed by the relay itself and not forwarded.
+//! - The overlap (`shared_proto::resume`, "Overlap"): the next agent stream may be
+//!   re-stated while the current one still carries ([`Session::restate_next`]), once
+//!   nothing forwarded to Envoy is unanswered ([`Session::quiet`]). Envoy's requests keep
+//!   going to the current stream; its subscription changes go to the next one too. The
+//!   switch ([`Session::switch_next`]) is sound only if nothing went to Envoy from the
+//!   current stream after the re-statement ([`Session::next_holds`]); else the driver
+//!   drops the next stream ([`Session::abandon_next`]) and re-states on a fresh one.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -42,6 +49,8 @@ pub const ORDER: [&str; 5] = [
 pub enum Send<Q = DeltaRequest, A = DeltaResponse> {
     /// To the agent, on the current stream.
     Upstream(Framed<Q>),
+    /// To the agent, on the next stream, re-stated while the current one still carries.
+    Next(Framed<Q>),
     /// To Envoy.
     Envoy(Framed<A>),
 }
@@ -69,6 +78,36 @@ pub trait Core: Default + std::marker::Send + 'static {
     fn upstream_up(&mut self, matched: Option<&str>) -> Vec<Send<Self::Req, Self::Resp>>;
     fn upstream_down(&mut self);
     fn counts(&self) -> Counts;
+
+    /// Whether the variant takes the overlapping handover; the methods below serve it.
+    const OVERLAP: bool = false;
+    /// The nonce of an in-band handover answer ([`resume::HANDOVER_TYPE`]), which is
+    /// never forwarded.
+    fn handover_nonce(_resp: &Self::Resp) -> Option<&str> {
+        None
+    }
+    /// The request that asks the next stream's agent to answer once it has answered the
+    /// re-statement ([`resume::RESTATED_NONCE`]).
+    fn restated_request() -> Framed<Self::Req> {
+        unreachable!("only a variant with the overlap sends it")
+    }
+    /// The re-statement for the next agent stream, taken while the current one carries.
+    fn restate_next(&mut self, _matched: Option<&str>) -> Vec<Send<Self::Req, Self::Resp>> {
+        unreachable!("only a variant with the overlap re-states the next stream")
+    }
+    /// Nothing forwarded to Envoy is unanswered: what the session knows Envoy holds is
+    /// what it holds.
+    fn quiet(&self) -> bool {
+        true
+    }
+    /// The next stream's re-statement still states what Envoy holds.
+    fn next_holds(&self) -> bool {
+        false
+    }
+    /// The next stream becomes the current one.
+    fn switch_next(&mut self) {}
+    /// The next stream is dropped.
+    fn abandon_next(&mut self) {}
 }
 
 impl Core for Session {
@@ -93,6 +132,31 @@ impl Core for Session {
     }
     fn counts(&self) -> Counts {
         self.counts
+    }
+    const OVERLAP: bool = true;
+    fn handover_nonce(resp: &DeltaResponse) -> Option<&str> {
+        (resp.type_url == resume::HANDOVER_TYPE).then_some(resp.nonce.as_str())
+    }
+    fn restated_request() -> Framed<DeltaRequest> {
+        Framed::of(DeltaRequest {
+            type_url: resume::HANDOVER_TYPE.to_string(),
+            ..Default::default()
+        })
+    }
+    fn restate_next(&mut self, matched: Option<&str>) -> Vec<Send> {
+        Session::restate_next(self, matched)
+    }
+    fn quiet(&self) -> bool {
+        Session::quiet(self)
+    }
+    fn next_holds(&self) -> bool {
+        Session::next_holds(self)
+    }
+    fn switch_next(&mut self) {
+        Session::switch_next(self)
+    }
+    fn abandon_next(&mut self) {
+        Session::abandon_next(self)
     }
 }
 
@@ -210,6 +274,11 @@ pub struct Session {
     /// is the reply to that answer), in the order received, so the oldest is the one
     /// replied to.
     sent: HashMap<String, VecDeque<Sent>>,
+    /// The next agent stream's number, once it is re-stated while the current one
+    /// carries (the overlap).
+    next: Option<u64>,
+    /// An answer went to Envoy from the current stream after the next one was re-stated.
+    carried: bool,
     pub counts: Counts,
 }
 
@@ -221,6 +290,8 @@ impl Session {
             self.node = r.node.clone();
         }
         let first = !self.types.contains_key(&r.type_url);
+        // A type first asked for after the next stream's re-statement is not in it.
+        self.carried |= first && self.next.is_some();
         let t = self.types.entry(r.type_url.clone()).or_default();
         if first {
             t.legacy = r.resource_names_subscribe.is_empty();
@@ -267,20 +338,34 @@ impl Session {
         if !self.up {
             return Vec::new();
         }
+        // The next stream, re-stated while this one carries, takes the subscription
+        // changes made since.
+        let next = (self.next.is_some()
+            && !(r.resource_names_subscribe.is_empty() && r.resource_names_unsubscribe.is_empty()))
+        .then(|| {
+            Send::Next(Framed::of(DeltaRequest {
+                type_url: r.type_url.clone(),
+                resource_names_subscribe: r.resource_names_subscribe.clone(),
+                resource_names_unsubscribe: r.resource_names_unsubscribe.clone(),
+                ..Default::default()
+            }))
+        });
         if !from_earlier_stream {
-            return vec![Send::Upstream(req)];
+            return std::iter::once(Send::Upstream(req)).chain(next).collect();
         }
         self.counts.absorbed += 1;
         if r.resource_names_subscribe.is_empty() && r.resource_names_unsubscribe.is_empty() {
             return Vec::new();
         }
         // The subscription change, without the nonce the agent never sent.
-        vec![Send::Upstream(Framed::of(DeltaRequest {
+        std::iter::once(Send::Upstream(Framed::of(DeltaRequest {
             type_url: r.type_url.clone(),
             resource_names_subscribe: r.resource_names_subscribe.clone(),
             resource_names_unsubscribe: r.resource_names_unsubscribe.clone(),
             ..Default::default()
-        }))]
+        })))
+        .chain(next)
+        .collect()
     }
 
     /// An answer from the agent.
@@ -294,6 +379,7 @@ impl Session {
                 ..Default::default()
             }))];
         }
+        self.carried |= self.next.is_some();
         self.sent
             .entry(r.nonce.clone())
             .or_default()
@@ -354,12 +440,59 @@ impl Session {
     pub fn upstream_up_matched(&mut self, matched: Option<&str>) -> Vec<Send> {
         self.stream += 1;
         self.up = true;
+        self.next = None;
+        self.restatement(matched, self.stream > 1)
+    }
+
+    /// The overlap: the re-statement for the next agent stream, sent on it
+    /// ([`Send::Next`]) while the current one still carries. Taken once [`Session::quiet`].
+    pub fn restate_next(&mut self, matched: Option<&str>) -> Vec<Send> {
+        self.next = Some(self.stream + 1);
+        self.carried = false;
+        self.restatement(matched, true)
+            .into_iter()
+            .map(|o| match o {
+                Send::Upstream(r) => Send::Next(r),
+                other => other,
+            })
+            .collect()
+    }
+
+    /// Nothing forwarded to Envoy is unanswered.
+    pub fn quiet(&self) -> bool {
+        self.sent.is_empty()
+    }
+
+    /// The next stream's re-statement still states what Envoy holds: nothing went to
+    /// Envoy from the current stream after it (and nothing was unanswered when it was
+    /// taken, [`Session::quiet`]).
+    pub fn next_holds(&self) -> bool {
+        self.next.is_some() && !self.carried
+    }
+
+    /// The next stream becomes the current one: what the current one sent is from an
+    /// earlier stream from now on.
+    pub fn switch_next(&mut self) {
+        if let Some(next) = self.next.take() {
+            self.stream = next;
+            self.up = true;
+        }
+    }
+
+    /// The next stream is dropped; a later one is re-stated afresh.
+    pub fn abandon_next(&mut self) {
+        self.next = None;
+        self.carried = false;
+    }
+
+    /// The re-statement of every type Envoy uses, for a stream opened after the offer
+    /// now taken; `resumed`: not the first agent stream.
+    fn restatement(&mut self, matched: Option<&str>, resumed: bool) -> Vec<Send> {
         let offered = std::mem::take(&mut self.offered);
         if self.types.is_empty() {
             // Envoy has not asked yet: its first request goes as it came, node included.
             return Vec::new();
         }
-        let resumed = self.stream > 1;
         self.counts.resumes += u64::from(resumed);
         self.counts.digest_resumes += u64::from(resumed && matched.is_some());
         let buckets: BTreeMap<&str, u64> = matched
@@ -421,9 +554,10 @@ impl Session {
         out
     }
 
-    /// The agent stream ended.
+    /// The agent stream ended (and with it any overlap).
     pub fn upstream_down(&mut self) {
         self.up = false;
+        self.abandon_next();
     }
 
     /// The versions Envoy holds of a type, as the session knows them.

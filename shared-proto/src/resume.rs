@@ -19,6 +19,27 @@
 //! it with [`HANDED_OVER`] as soon as its successor serves, instead of at its exit. A
 //! relay that offers nothing (state of the world) sends the header empty.
 //!
+//! **Overlap (make-before-break).** A relay may also ask, per stream, for a handover
+//! in which the old owner keeps carrying changes until the new owner has answered the
+//! relay's re-statement: the request header [`HANDOVER_HEADER`] with the value
+//! [`OVERLAP`]. An agent that does it answers with the same response header; one that
+//! does not (an older owner, or state of the world) sends none, and the stream is ended
+//! with [`HANDED_OVER`] as above. On a stream where both agreed:
+//! - the old owner, once released, sends an answer of the type [`HANDOVER_TYPE`] with
+//!   the nonce [`HANDED_OVER_NONCE`] (no resources; it is not forwarded to Envoy) and
+//!   goes on serving the stream, until the relay closes its side, or
+//!   [`HANDED_OVER`] after a bound;
+//! - the relay opens its next stream (which the successor accepts from the socket's
+//!   backlog) while the old one still carries, re-states the session on it once
+//!   nothing forwarded to Envoy is unanswered, and then sends a request of the type
+//!   [`HANDOVER_TYPE`]; the agent answers it with the nonce [`RESTATED_NONCE`] after
+//!   every answer it owed before it;
+//! - the relay switches at that answer: it forwards the new stream's answers, held back
+//!   until then, and closes the old stream. If the old stream carried anything to Envoy
+//!   after the re-statement was taken, the new owner's idea of what Envoy holds is stale:
+//!   the relay drops that stream and re-states on a fresh one, the old one still
+//!   carrying.
+//!
 //! **Buckets.** A type whose digest differs (a pod's listener and cluster came or went
 //! during the roll) would list every version again, 10,000 at mesh scale. So a type of
 //! [`BUCKETS_FROM`] pairs or more is also offered in [`BUCKETS`] buckets, by a hash of
@@ -77,6 +98,18 @@ pub const RELIED: &str = "";
 /// nothing is offered): the relay re-states its session on its next stream, which it
 /// opens on a connection of its own, so that it reaches the successor.
 pub const HANDED_OVER: &str = "the node is handed over to the successor agent";
+
+/// The request header with which a relay asks for the overlapping handover, and the
+/// response header with which an agent that does it agrees; its value is [`OVERLAP`].
+pub const HANDOVER_HEADER: &str = "aether-relay-handover";
+pub const OVERLAP: &str = "overlap";
+/// The type URL of the overlapping handover's in-band messages; no resource has it.
+pub const HANDOVER_TYPE: &str = "type.aether.dev/aether.relay.Handover";
+/// The nonce of the old owner's answer: the node is handed over, the stream carries on.
+pub const HANDED_OVER_NONCE: &str = "handed-over";
+/// The nonce of the new owner's answer to the relay's request: every answer owed to the
+/// re-statement went before it.
+pub const RESTATED_NONCE: &str = "restated";
 
 /// A pair's hash: FNV-1a over the name, a separator and the version, then a 64-bit
 /// finaliser (so that the sum of many mixes every bit).

@@ -595,6 +595,11 @@ impl Agent {
                 let serving = self.serving.take().expect("Release follows a served drain");
                 let handover = serving.handover.clone();
                 serving.close_xds_listener().await;
+                // A relay that takes the overlap is told now: its next stream waits in the
+                // socket's backlog for the successor while this owner's stream carries on.
+                if await_successor {
+                    handover.begin_overlap();
+                }
                 // Before the lock passes: the successor reloads the files at takeover. Off
                 // the runtime thread (writes and fsyncs, 4 ms and more on a busy node), so
                 // that the proxy's streams and the registry feed go on meanwhile: a change

@@ -59,7 +59,27 @@ fn upstream(out: &[Send]) -> Vec<&DeltaRequest> {
     out.iter()
         .map(|s| match s {
             Send::Upstream(r) => &r.view,
-            Send::Envoy(_) => panic!("expected requests to the agent only: {out:?}"),
+            _ => panic!("expected requests to the current agent stream only: {out:?}"),
+        })
+        .collect()
+}
+
+/// The requests to the next agent stream (the overlap's), in order.
+fn to_next(out: &[Send]) -> Vec<&DeltaRequest> {
+    out.iter()
+        .filter_map(|s| match s {
+            Send::Next(r) => Some(&r.view),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The requests to the current agent stream, in order.
+fn to_current(out: &[Send]) -> Vec<&DeltaRequest> {
+    out.iter()
+        .filter_map(|s| match s {
+            Send::Upstream(r) => Some(&r.view),
+            _ => None,
         })
         .collect()
 }
@@ -663,6 +683,7 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                     match o {
                         Send::Upstream(r) => a.push(r.view),
                         Send::Envoy(r) => e.push(r),
+                        Send::Next(_) => panic!("no overlap here"),
                     }
                 }
             };
@@ -800,4 +821,344 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
         "types resumed in buckets: {bucket_types}"
     );
     assert!(names_types > 20, "types resumed by names: {names_types}");
+}
+
+/// A session on its first agent stream holding CDS `a` at 1 (wildcard) and subscribed to
+/// EDS `x`, every answer ACKed.
+fn carrying() -> Session {
+    let mut s = Session::default();
+    s.upstream_up();
+    s.on_envoy(req(CDS, &[]));
+    s.on_envoy(req(EDS, &["x"]));
+    s.on_agent(resp(CDS, "1", &[("a", "1")], &[]));
+    assert!(!s.quiet(), "an answer is unanswered");
+    s.on_envoy(ack(CDS, "1"));
+    assert!(s.quiet());
+    s
+}
+
+#[test]
+fn the_next_stream_is_restated_while_the_current_one_carries_and_takes_later_subscriptions() {
+    let mut s = carrying();
+    s.offer();
+    let out = s.restate_next(None);
+    assert!(
+        to_current(&out).is_empty(),
+        "nothing to the current stream: {out:?}"
+    );
+    let next = to_next(&out);
+    assert_eq!(
+        next.iter().map(|r| r.type_url.as_str()).collect::<Vec<_>>(),
+        [CDS, EDS],
+        "every type, in ADS order"
+    );
+    assert_eq!(
+        next[0].initial_resource_versions,
+        HashMap::from([("a".to_string(), "1".to_string())])
+    );
+    assert_eq!(next[1].resource_names_subscribe, ["x"]);
+    assert!(s.next_holds());
+
+    // Envoy's requests still go to the current stream; a subscription change goes to the
+    // next one too, without the nonce.
+    let out = s.on_envoy(req(EDS, &["y"]));
+    assert_eq!(to_current(&out)[0].resource_names_subscribe, ["y"]);
+    let next = to_next(&out);
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].resource_names_subscribe, ["y"]);
+    assert!(next[0].response_nonce.is_empty());
+    let out = s.on_envoy(ack(EDS, "2"));
+    assert!(
+        to_next(&out).is_empty(),
+        "an ACK is the current stream's alone"
+    );
+    assert!(
+        s.next_holds(),
+        "nothing went to Envoy since the re-statement"
+    );
+
+    // An answer of the current stream forwarded after the re-statement makes it stale.
+    let out = s.on_agent(resp(EDS, "3", &[("y", "1")], &[]));
+    assert!(
+        matches!(out[..], [Send::Envoy(_)]),
+        "still forwarded: {out:?}"
+    );
+    assert!(!s.next_holds());
+    // An empty answer goes nowhere near Envoy, and would not have.
+    s.abandon_next();
+    s.on_envoy(ack(EDS, "3"));
+    s.offer();
+    s.restate_next(None);
+    s.on_agent(resp(CDS, "4", &[], &[]));
+    assert!(
+        s.next_holds(),
+        "an answer the relay ACKs itself changes nothing Envoy holds"
+    );
+}
+
+#[test]
+fn a_type_first_asked_for_after_the_restatement_makes_it_stale() {
+    let mut s = carrying();
+    s.offer();
+    s.restate_next(None);
+    s.on_envoy(req(SDS, &["cert"]));
+    assert!(!s.next_holds(), "the re-statement lacks the type");
+}
+
+#[test]
+fn after_an_overlap_switch_the_old_streams_nonces_are_earlier_and_the_next_ones_pass() {
+    let mut s = carrying();
+    // An answer forwarded before the re-statement, answered only after the switch (the
+    // driver waits for quiet; the rule holds either way).
+    s.on_agent(resp(CDS, "7", &[("b", "1")], &[]));
+    s.offer();
+    s.restate_next(None);
+    s.switch_next();
+    assert_eq!(s.counts.resumes, 1);
+    let out = s.on_envoy(ack(CDS, "7"));
+    assert!(out.is_empty(), "absorbed: {out:?}");
+    assert_eq!(s.counts.absorbed, 1);
+    assert_eq!(s.held(CDS).get("b").map(String::as_str), Some("1"));
+    // The new stream's answers pass both ways.
+    let out = s.on_agent(resp(CDS, "1", &[("c", "1")], &[]));
+    assert!(matches!(out[..], [Send::Envoy(_)]));
+    let out = s.on_envoy(ack(CDS, "1"));
+    assert_eq!(upstream(&out)[0].response_nonce, "1");
+    assert!(!s.next_holds(), "no next stream any more");
+}
+
+#[test]
+fn a_stream_end_in_the_overlap_drops_the_next_stream() {
+    let mut s = carrying();
+    s.offer();
+    s.restate_next(None);
+    s.upstream_down();
+    assert!(!s.next_holds());
+    let out = s.on_envoy(req(EDS, &["z"]));
+    assert!(out.is_empty(), "folded in while down: {out:?}");
+}
+
+/// The overlap, as a property: an old agent carrying changes while the next one is
+/// re-stated and its answers held back, switches when the re-statement holds and fresh
+/// re-statements when the old one carried after it, Envoy's ACKs at any point: once all
+/// is delivered and ACKed, Envoy holds exactly the last agent's snapshot, with no
+/// re-statement to settle it, and the session knows it.
+#[test]
+fn any_sequence_of_overlapping_switches_leaves_envoy_holding_the_last_agents_snapshot() {
+    let urls = [CDS, EDS, SDS];
+    let names = ["a", "b", "c", "d"];
+    let (mut switched, mut restarted) = (0, 0);
+    for seed in 1..=300u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut version = 0u64;
+        let mut shuffle = |agent: &mut Agent, rng: &mut Rng| {
+            for u in urls {
+                let snap = agent.snapshot.entry(u.into()).or_default();
+                for n in names {
+                    match rng.next(5) {
+                        0 => {
+                            snap.remove(n);
+                        }
+                        1 => {
+                            version += 1;
+                            snap.insert(n.into(), format!("v{version}"));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        };
+        let mut s = Session::default();
+        let mut envoy = Envoy::default();
+        let mut old = Agent::default();
+        shuffle(&mut old, &mut rng);
+        // Requests to the current agent, and answers to Envoy, in flight.
+        let mut to_old: Vec<DeltaRequest> = Vec::new();
+        let mut to_envoy: Vec<Framed<DeltaResponse>> = Vec::new();
+        let route = |out: Vec<Send>,
+                     a: &mut Vec<DeltaRequest>,
+                     n: &mut Vec<DeltaRequest>,
+                     e: &mut Vec<Framed<DeltaResponse>>| {
+            for o in out {
+                match o {
+                    Send::Upstream(r) => a.push(r.view),
+                    Send::Next(r) => n.push(r.view),
+                    Send::Envoy(r) => e.push(r),
+                }
+            }
+        };
+        let mut to_next: Vec<DeltaRequest> = Vec::new();
+        route(s.upstream_up(), &mut to_old, &mut to_next, &mut to_envoy);
+        for u in urls {
+            let sub: &[&str] = match u {
+                EDS => &names[..2],
+                SDS => &["*"],
+                _ => &[],
+            };
+            let out = s.on_envoy(req(u, sub));
+            route(out, &mut to_old, &mut to_next, &mut to_envoy);
+        }
+        // Envoy ACKs what it was sent, now or later (never a NACK here: a NACKed answer
+        // is re-sent only by a re-statement, which the plain property test covers).
+        let deliver = |envoy: &mut Envoy, to_envoy: &mut Vec<Framed<DeltaResponse>>| {
+            for answer in std::mem::take(to_envoy) {
+                envoy.apply(&answer.view);
+                envoy.unanswered.push((answer, true));
+            }
+        };
+        for _round in 0..4 {
+            // Steady traffic on the current agent.
+            for _ in 0..rng.next(6) {
+                for r in std::mem::take(&mut to_old) {
+                    for a in old.handle(&r) {
+                        let out = s.on_agent(a);
+                        route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                    }
+                }
+                deliver(&mut envoy, &mut to_envoy);
+                if rng.next(2) == 0 {
+                    for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+                        let out = s.on_envoy(reply(&answer.view, ok));
+                        route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                    }
+                }
+                if rng.next(3) == 0 {
+                    shuffle(&mut old, &mut rng);
+                    for u in urls {
+                        if let Some(a) = old.diff(u) {
+                            let out = s.on_agent(a);
+                            route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                        }
+                    }
+                }
+            }
+            // The handover: the next agent starts from the old one's snapshot and moves
+            // on its own (a roll's churn reaches only the new owner).
+            let mut next = Agent {
+                snapshot: old.snapshot.clone(),
+                ..Agent::default()
+            };
+            if rng.next(2) == 0 {
+                shuffle(&mut next, &mut rng);
+            }
+            let mut restated = false;
+            let mut held_back: Vec<Framed<DeltaResponse>> = Vec::new();
+            loop {
+                match rng.next(6) {
+                    // The old agent carries a change, answered to Envoy at once.
+                    0 => {
+                        shuffle(&mut old, &mut rng);
+                        for u in urls {
+                            if let Some(a) = old.diff(u) {
+                                let out = s.on_agent(a);
+                                route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                            }
+                        }
+                        deliver(&mut envoy, &mut to_envoy);
+                    }
+                    // Envoy's replies come in.
+                    1 | 2 => {
+                        for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+                            let out = s.on_envoy(reply(&answer.view, ok));
+                            route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                        }
+                        for r in std::mem::take(&mut to_old) {
+                            for a in old.handle(&r) {
+                                let out = s.on_agent(a);
+                                route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                            }
+                        }
+                        deliver(&mut envoy, &mut to_envoy);
+                    }
+                    // The next agent's own change, held back until the switch.
+                    3 if restated => {
+                        shuffle(&mut next, &mut rng);
+                        for u in urls {
+                            held_back.extend(next.diff(u));
+                        }
+                    }
+                    // The re-statement, once quiet; then the next agent's answer to the
+                    // relay's request: a switch if it holds, else a fresh stream.
+                    _ => {
+                        if !restated {
+                            if !s.quiet() {
+                                continue;
+                            }
+                            let offer = s.offer();
+                            let matched = (rng.next(3) != 0).then(|| next.answer_offer(&offer));
+                            let out = s.restate_next(matched.as_deref());
+                            route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                            restated = true;
+                        }
+                        for r in std::mem::take(&mut to_next) {
+                            held_back.extend(next.handle(&r));
+                        }
+                        if rng.next(2) == 0 {
+                            continue;
+                        }
+                        if s.next_holds() {
+                            s.switch_next();
+                            switched += 1;
+                            for a in std::mem::take(&mut held_back) {
+                                let out = s.on_agent(a);
+                                route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                            }
+                            deliver(&mut envoy, &mut to_envoy);
+                            break;
+                        }
+                        restarted += 1;
+                        s.abandon_next();
+                        next = next.successor();
+                        held_back.clear();
+                        to_next.clear();
+                        restated = false;
+                    }
+                }
+            }
+            old = next;
+            to_old.clear();
+        }
+        // Settle without a re-statement: every answer delivered and ACKed, the last
+        // agent's changes with them.
+        shuffle(&mut old, &mut rng);
+        for u in urls {
+            if let Some(a) = old.diff(u) {
+                let out = s.on_agent(a);
+                route(out, &mut to_old, &mut to_next, &mut to_envoy);
+            }
+        }
+        deliver(&mut envoy, &mut to_envoy);
+        while !envoy.unanswered.is_empty() || !to_old.is_empty() {
+            for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+                let out = s.on_envoy(reply(&answer.view, ok));
+                route(out, &mut to_old, &mut to_next, &mut to_envoy);
+            }
+            for r in std::mem::take(&mut to_old) {
+                for a in old.handle(&r) {
+                    let out = s.on_agent(a);
+                    route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                }
+            }
+            deliver(&mut envoy, &mut to_envoy);
+        }
+        for u in urls {
+            let c = old.client.get(u).cloned().unwrap_or_default();
+            let want: BTreeMap<String, String> = old
+                .snapshot
+                .get(u)
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|(n, _)| c.0 || c.1.contains(n))
+                .collect();
+            let got = envoy.held.get(u).cloned().unwrap_or_default();
+            assert_eq!(
+                got, want,
+                "seed {seed}, {u}: Envoy holds the last agent's snapshot"
+            );
+            assert_eq!(s.held(u), want, "seed {seed}, {u}: the session knows it");
+        }
+    }
+    assert!(switched > 600, "overlap switches: {switched}");
+    assert!(restarted > 50, "fresh re-statements: {restarted}");
 }

@@ -68,7 +68,7 @@ fn upstream(out: &[Out]) -> Vec<&SotwRequest> {
     out.iter()
         .map(|s| match s {
             Send::Upstream(r) => &r.view,
-            Send::Envoy(_) => panic!("expected requests to the agent only: {out:?}"),
+            _ => panic!("expected requests to the current agent stream only: {out:?}"),
         })
         .collect()
 }
@@ -527,6 +527,7 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
                 match o {
                     Send::Upstream(r) => a.push(r.view),
                     Send::Envoy(r) => e.push(r),
+                    Send::Next(_) => panic!("state of the world has no overlap"),
                 }
             }
         };

@@ -61,6 +61,15 @@ pub(super) trait Served: Protocol {
     const DIGEST_RESUME: bool = false;
     /// The proxy holds `held` of `kind`, by a relay's digest.
     fn resume_held(&mut self, _kind: Kind, _held: Resumed) {}
+    /// The in-band answer of the overlapping handover ([`resume::HANDOVER_TYPE`]) with
+    /// `nonce`; None for a protocol without it (state of the world).
+    fn handover_answer(_nonce: &str) -> Option<Self::Response> {
+        None
+    }
+    /// Whether `req` is a relay's in-band request of the overlapping handover.
+    fn is_handover(_req: &Self::Request) -> bool {
+        false
+    }
 }
 
 /// A request carrying more names than this is freed on a blocking thread, not before the
@@ -110,6 +119,20 @@ impl Served for DeltaState {
     const DIGEST_RESUME: bool = true;
     fn resume_held(&mut self, kind: Kind, held: Resumed) {
         DeltaState::resume_held(self, kind, held)
+    }
+
+    fn handover_answer(nonce: &str) -> Option<Self::Response> {
+        Some(
+            envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryResponse {
+                type_url: resume::HANDOVER_TYPE.to_string(),
+                nonce: nonce.to_string(),
+                ..Default::default()
+            },
+        )
+    }
+
+    fn is_handover(req: &Self::Request) -> bool {
+        req.type_url == resume::HANDOVER_TYPE
     }
 }
 
@@ -217,8 +240,13 @@ pub enum Resume {
     Plain,
 }
 
-/// How a released owner ends the relays' streams once its successor serves, so that
-/// each relay re-states its session there at once. Without it a relay sees the end only
+/// How a released owner hands the relays' streams over, so that each relay re-states its
+/// session on the successor at once. A relay that asked for the overlap
+/// ([`resume::HANDOVER_HEADER`]) is told in-band as soon as this owner is released
+/// ([`Handover::begin_overlap`]) and keeps its stream, which this owner goes on serving,
+/// until it has re-stated on the successor and closes it (at most [`OVERLAP_BOUND`]).
+/// Any other relay's stream is ended once the successor serves
+/// ([`Handover::end_relay_streams`]). Without it a relay sees the end only
 /// when this process's exit closes the socket, which the kernel does after it has torn
 /// down the process's memory: 5 to 12 ms for a 120 MiB worker at 10,000 services, in
 /// which no owner serves the relay.
@@ -231,6 +259,7 @@ pub enum Resume {
 #[derive(Clone)]
 pub struct Handover {
     ending: watch::Sender<bool>,
+    overlap: watch::Sender<bool>,
     /// The relays' streams still open.
     open: watch::Sender<usize>,
 }
@@ -239,6 +268,7 @@ impl Default for Handover {
     fn default() -> Self {
         Self {
             ending: watch::Sender::new(false),
+            overlap: watch::Sender::new(false),
             open: watch::Sender::new(0),
         }
     }
@@ -247,8 +277,17 @@ impl Default for Handover {
 /// How long a relay gets to close its side of an ended stream before this process goes
 /// on (a relay that does not read keeps nothing waiting longer).
 const HANDOVER_BOUND: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long a released owner goes on serving a relay's stream in an overlap: past it the
+/// stream ends with [`resume::HANDED_OVER`], as without the overlap.
+pub const OVERLAP_BOUND: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Handover {
+    /// This owner is released and a successor is coming: the relays that asked for the
+    /// overlap are told in-band, and their streams carry on.
+    pub fn begin_overlap(&self) {
+        self.overlap.send_replace(true);
+    }
+
     /// Ends every relay's stream with UNAVAILABLE ([`resume::HANDED_OVER`]) and waits,
     /// for at most [`HANDOVER_BOUND`], until each relay has closed its side: then each
     /// has the end, and this process may exit. Returns how many streams were open and
@@ -257,15 +296,18 @@ impl Handover {
         let open = *self.open.borrow();
         self.ending.send_replace(true);
         let mut left = self.open.subscribe();
-        let closed = tokio::time::timeout(HANDOVER_BOUND, left.wait_for(|n| *n == 0)).await;
+        let bound = OVERLAP_BOUND + HANDOVER_BOUND;
+        let closed = tokio::time::timeout(bound, left.wait_for(|n| *n == 0)).await;
         (open, matches!(closed, Ok(Ok(_))))
     }
 
-    /// A relay's stream opens: counted until the returned guard drops.
-    fn relay_stream(&self) -> RelayStream {
+    /// A relay's stream opens, taking the overlap or not: counted until the returned
+    /// guard drops.
+    fn relay_stream(&self, overlap: bool) -> RelayStream {
         self.open.send_modify(|n| *n += 1);
         RelayStream {
             ending: self.ending.subscribe(),
+            overlap: overlap.then(|| self.overlap.subscribe()),
             open: self.open.clone(),
         }
     }
@@ -274,7 +316,17 @@ impl Handover {
 /// A relay's stream, as its task holds it: told when the node is handed over.
 struct RelayStream {
     ending: watch::Receiver<bool>,
+    /// The relay takes the overlap.
+    overlap: Option<watch::Receiver<bool>>,
     open: watch::Sender<usize>,
+}
+
+/// How a relay's stream is handed over.
+enum HandedOver {
+    /// Told in-band; the stream carries on.
+    Overlap,
+    /// Ended with [`resume::HANDED_OVER`].
+    End,
 }
 
 impl Drop for RelayStream {
@@ -284,13 +336,31 @@ impl Drop for RelayStream {
 }
 
 /// Resolves once the node is handed over, for a relay's stream; never for another.
-async fn handed_over(relay: &mut Option<RelayStream>) {
+async fn handed_over(relay: &mut Option<RelayStream>) -> HandedOver {
     let Some(r) = relay else {
         return std::future::pending().await;
     };
-    if r.ending.wait_for(|e| *e).await.is_err() {
-        // The handover is gone with the server: nothing will end the stream.
-        std::future::pending::<()>().await;
+    let overlap = async {
+        let told = match &mut r.overlap {
+            Some(o) => o.wait_for(|e| *e).await.is_ok(),
+            None => false,
+        };
+        if !told {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        // An owner with a successor tells the relay in-band before it would end the
+        // stream: the overlap first when both are set.
+        biased;
+        () = overlap => HandedOver::Overlap,
+        ended = async { r.ending.wait_for(|e| *e).await.is_ok() } => {
+            if !ended {
+                // The handover is gone with the server: nothing will end the stream.
+                std::future::pending::<()>().await;
+            }
+            HandedOver::End
+        }
     }
 }
 
@@ -303,7 +373,8 @@ impl Ads {
         &self,
         inbound: Streaming<P::Wire>,
         offer: Option<&str>,
-    ) -> (ResponseStream<P::Response>, Option<String>) {
+        overlap: bool,
+    ) -> (ResponseStream<P::Response>, Option<String>, bool) {
         let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
         let mut resumed = Vec::new();
         let mut answer = None;
@@ -351,12 +422,14 @@ impl Ads {
             self.metrics.clone(),
             self.limits.subscriptions,
         );
-        // A relay's stream: ended by the handover.
-        let relay = offer.is_some().then(|| self.handover.relay_stream());
+        // A relay's stream: handed over in-band (the overlap, when it asks and the
+        // protocol has it) or ended at the handover.
+        let overlap = overlap && offer.is_some() && P::handover_answer("").is_some();
+        let relay = offer.is_some().then(|| self.handover.relay_stream(overlap));
         tokio::spawn(run_stream::<P>(
             id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits, resumed, relay,
         ));
-        (Box::pin(ReceiverStream::new(rx)), answer)
+        (Box::pin(ReceiverStream::new(rx)), answer, overlap)
     }
 
     /// The answer to a relay's offer, and how long it waited for the snapshot's digests.
@@ -429,6 +502,12 @@ async fn run_stream<P: Served>(
     let mut changed_at = Instant::now();
     let mut pushed_at: [Option<(String, Instant)>; KIND_COUNT] = Default::default();
     let mut answered = [false; KIND_COUNT];
+    // The overlap: the relay was told in-band that the node is handed over, and this
+    // stream carries on until it closes its side or the bound passes; and the relay asked
+    // to be told once its re-statement is answered.
+    let overlap = relay.as_ref().is_some_and(|r| r.overlap.is_some());
+    let mut handing: Option<tokio::time::Instant> = None;
+    let mut restated = false;
     // A stream is logged at info from its first request naming a node: a client that
     // opens streams by the thousand and never speaks (a flood) must not fill the log.
     tracing::debug!(stream = id, protocol = P::NAME, "ADS stream opened");
@@ -437,6 +516,10 @@ async fn run_stream<P: Served>(
             msg = inbound.message() => match msg {
                 Ok(Some(wire)) => {
                     let req: P::Request = wire.into();
+                    if overlap && P::is_handover(&req) {
+                        // Answered after what the requests before it are owed, below.
+                        restated = true;
+                    } else {
                     if let Some(node) = P::node_id(&req) {
                         if node_id.is_empty() {
                             tracing::info!(stream = id, node, protocol = P::NAME, "ADS stream opened");
@@ -459,6 +542,7 @@ async fn run_stream<P: Served>(
                     record(id, &node_id, ev, &metrics, &pushed_at);
                     if P::names(&req) > FREE_OFF_THREAD {
                         tokio::task::spawn_blocking(move || drop(req));
+                    }
                     }
                 }
                 Ok(None) => {
@@ -495,8 +579,28 @@ async fn run_stream<P: Served>(
                 // The node is gone; keep serving what the proxy has.
                 Err(_) => snapshots_open = false,
             },
-            () = handed_over(&mut relay) => {
-                tracing::info!(stream = id, node = %node_id, "ADS stream: the node is handed over; ending the relay's stream, which re-states its session on the successor");
+            how = handed_over(&mut relay), if handing.is_none() => match how {
+                HandedOver::Overlap => {
+                    tracing::info!(stream = id, node = %node_id, "ADS stream: the node is handed over; the relay's stream carries on until it has re-stated its session on the successor");
+                    let Some(told) = P::handover_answer(resume::HANDED_OVER_NONCE) else { return };
+                    if tx.send(Ok(told)).await.is_err() {
+                        return;
+                    }
+                    handing = Some(tokio::time::Instant::now() + OVERLAP_BOUND);
+                }
+                HandedOver::End => {
+                    tracing::info!(stream = id, node = %node_id, "ADS stream: the node is handed over; ending the relay's stream, which re-states its session on the successor");
+                    end_with(&tx, Status::unavailable(resume::HANDED_OVER)).await;
+                    // The relay closes its side once it has the end.
+                    let _ = tokio::time::timeout(HANDOVER_BOUND, async {
+                        while let Ok(Some(_)) = inbound.message().await {}
+                    })
+                    .await;
+                    return;
+                }
+            },
+            () = async { tokio::time::sleep_until(handing.expect("guarded")).await }, if handing.is_some() => {
+                tracing::warn!(stream = id, node = %node_id, bound = ?OVERLAP_BOUND, "ADS stream: the relay kept the handed-over stream past the bound; ending it");
                 end_with(&tx, Status::unavailable(resume::HANDED_OVER)).await;
                 // The relay closes its side once it has the end.
                 let _ = tokio::time::timeout(HANDOVER_BOUND, async {
@@ -547,6 +651,14 @@ async fn run_stream<P: Served>(
                 .get_or_create(&label)
                 .inc_by(resources as u64);
             if tx.send(Ok(resp)).await.is_err() {
+                return;
+            }
+        }
+        if std::mem::take(&mut restated) {
+            let Some(answer) = P::handover_answer(resume::RESTATED_NONCE) else {
+                return;
+            };
+            if tx.send(Ok(answer)).await.is_err() {
                 return;
             }
         }
@@ -639,16 +751,28 @@ impl<P: Served> StreamingService<P::Wire> for Method<P> {
 
     fn call(&mut self, request: Request<Streaming<P::Wire>>) -> Self::Future {
         let ads = self.0.clone();
-        let offer = request
-            .metadata()
-            .get(resume::HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(String::from);
+        let header = |name: &str| {
+            request
+                .metadata()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(String::from)
+        };
+        let offer = header(resume::HEADER);
+        let overlap = header(resume::HANDOVER_HEADER).as_deref() == Some(resume::OVERLAP);
         Box::pin(async move {
-            let (stream, answer) = ads.open::<P>(request.into_inner(), offer.as_deref()).await;
+            let (stream, answer, overlap) = ads
+                .open::<P>(request.into_inner(), offer.as_deref(), overlap)
+                .await;
             let mut response = Response::new(stream);
             if let Some(value) = answer.and_then(|a| a.parse().ok()) {
                 response.metadata_mut().insert(resume::HEADER, value);
+            }
+            if overlap {
+                response.metadata_mut().insert(
+                    resume::HANDOVER_HEADER,
+                    tonic::metadata::MetadataValue::from_static(resume::OVERLAP),
+                );
             }
             Ok(response)
         })
@@ -1145,6 +1269,100 @@ mod tests {
         });
         let ended = ended.await.expect("a late relay stream ends at once");
         assert_eq!(ended.message(), resume::HANDED_OVER);
+    }
+
+    #[tokio::test]
+    async fn a_relay_taking_the_overlap_is_told_in_band_and_served_until_it_closes_its_side() {
+        let dir = tempfile::tempdir().unwrap();
+        let handover = Handover::default();
+        let (path, _metrics, _stop) =
+            start_limited(dir.path(), Limits::default(), handover.clone());
+        let ads = client(&path).await;
+        let open = |overlap: bool| {
+            let mut ads = ads.clone();
+            async move {
+                let (tx, rx) = mpsc::channel(4);
+                tx.send(eds(&["a"])).await.unwrap();
+                let mut request = tonic::Request::new(ReceiverStream::new(rx));
+                request
+                    .metadata_mut()
+                    .insert(resume::HEADER, "".parse().unwrap());
+                if overlap {
+                    request
+                        .metadata_mut()
+                        .insert(resume::HANDOVER_HEADER, resume::OVERLAP.parse().unwrap());
+                }
+                let response = ads.delta_aggregated_resources(request).await.unwrap();
+                let agreed = response
+                    .metadata()
+                    .get(resume::HANDOVER_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(String::from);
+                (tx, response.into_inner(), agreed)
+            }
+        };
+        let (tx, mut relay, agreed) = open(true).await;
+        assert_eq!(agreed.as_deref(), Some(resume::OVERLAP), "the agent agrees");
+        let (_plain_tx, mut plain, agreed) = open(false).await;
+        assert_eq!(agreed, None, "only when asked");
+        for answers in [&mut relay, &mut plain] {
+            assert!(answers.message().await.unwrap().is_some(), "answered");
+        }
+        fn within<F: Future>(f: F) -> tokio::time::Timeout<F> {
+            tokio::time::timeout(Duration::from_secs(10), f)
+        }
+
+        handover.begin_overlap();
+        let told = within(relay.message())
+            .await
+            .expect("told in-band")
+            .unwrap()
+            .expect("an answer, not the end");
+        assert_eq!(
+            (
+                told.type_url.as_str(),
+                told.nonce.as_str(),
+                told.resources.len()
+            ),
+            (resume::HANDOVER_TYPE, resume::HANDED_OVER_NONCE, 0)
+        );
+        // The successor serves: the other relay's stream ends, this one carries on.
+        let ending = tokio::spawn({
+            let handover = handover.clone();
+            async move { handover.end_relay_streams().await }
+        });
+        let err = within(plain.message())
+            .await
+            .expect("the plain relay's stream ends")
+            .expect_err("with a status");
+        assert_eq!(err.message(), resume::HANDED_OVER);
+        drop(plain);
+        // Still served: a name the snapshot lacks is removed at once, and the relay's own
+        // request is answered after what the requests before it were owed.
+        tx.send(eds(&["b"])).await.unwrap();
+        tx.send(DeltaDiscoveryRequest {
+            type_url: resume::HANDOVER_TYPE.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let answer = within(relay.message()).await.unwrap().unwrap().unwrap();
+        assert_eq!(answer.removed_resources, ["b"]);
+        let restated = within(relay.message()).await.unwrap().unwrap().unwrap();
+        assert_eq!(
+            (restated.type_url.as_str(), restated.nonce.as_str()),
+            (resume::HANDOVER_TYPE, resume::RESTATED_NONCE)
+        );
+        assert!(
+            !ending.is_finished(),
+            "the owner waits for the relay to close its side"
+        );
+        drop((tx, relay));
+        assert_eq!(
+            ending.await.unwrap(),
+            (2, true),
+            "two relay streams, both closed"
+        );
     }
 
     #[tokio::test]
