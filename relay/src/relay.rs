@@ -64,6 +64,7 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
     // overlapping handover): no time without one.
     let mut carried_over: Option<(Answers<C>, Queue<C>)> = None;
     loop {
+        let overlapped = carried_over.is_some();
         let opened = match carried_over.take() {
             Some(next) => Some(next),
             None => {
@@ -117,7 +118,12 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
             m.upstream_streams.fetch_add(1, Relaxed);
             m.upstream_connected.store(1, Relaxed);
             m.record(&s.counts(), &mut recorded);
-            let gap = down_since.elapsed();
+            // An overlap's switch leaves no time without an agent stream.
+            let gap = if overlapped {
+                Duration::ZERO
+            } else {
+                down_since.elapsed()
+            };
             m.note_gap(gap);
             tracing::info!(
                 api = C::API,
@@ -138,7 +144,6 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
                             m.switches.fetch_add(1, Relaxed);
                             m.overlap_switches.fetch_add(1, Relaxed);
                             m.note_end();
-                            down_since = Instant::now();
                             carried_over = Some(*next);
                             continue;
                         }
@@ -390,6 +395,10 @@ async fn switch<C: Core>(
     tx: &ToEnvoy<C>,
 ) -> Overlapped<C> {
     s.switch_next();
+    tracing::info!(
+        held_back = held_back.len(),
+        "relay: switched to the next agent stream with the old one still carrying (overlap)"
+    );
     for a in held_back {
         match deliver::<C>(s.on_agent(a), &up, None, tx).await {
             Ok(()) => {}
