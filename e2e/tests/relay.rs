@@ -157,11 +157,27 @@ fn rolls_and_crashes(test: &str, api: AdsApi) {
     let kind = |k: &str| relay.metric(&format!("aether_relay_resumes_total{{kind=\"{k}\"}}"));
     let (by_digest, plain) = (kind("digest"), kind("plain"));
     eprintln!("resumes by digest {by_digest:?}, plain {plain:?}");
+    let overlaps = relay.metric("aether_relay_overlap_switches_total");
+    eprintln!(
+        "switches in overlap {overlaps:?}, fresh re-statements {:?}",
+        relay.metric("aether_relay_overlap_restarts_total")
+    );
     match api {
-        // Every owner answers the relay's digest offer.
-        AdsApi::Delta => assert_eq!(by_digest, Some(f64::from(rolls + crashes))),
-        // State of the world has no digest: each of its resumes is plain.
-        AdsApi::Sotw => assert_eq!(plain, Some(f64::from(rolls + crashes))),
+        // Every owner answers the relay's digest offer, and hands a surge roll over in
+        // overlap; a killed worker cannot.
+        AdsApi::Delta => {
+            assert_eq!(by_digest, Some(f64::from(rolls + crashes)));
+            assert_eq!(
+                overlaps,
+                Some(f64::from(rolls)),
+                "each surge roll in overlap"
+            );
+        }
+        // State of the world has no digest and no overlap: each of its resumes is plain.
+        AdsApi::Sotw => {
+            assert_eq!(plain, Some(f64::from(rolls + crashes)));
+            assert_eq!(overlaps, Some(0.0));
+        }
     }
     let variant = match api {
         AdsApi::Delta => "delta",
@@ -360,6 +376,13 @@ fn a_roll_resumes_by_digest_and_one_to_an_owner_without_it_by_versions() {
     let want = registry_with(&rig, &[0, 1]);
     wait_endpoints(&rig.envoy, &cluster, &want)
         .unwrap_or_else(|got| panic!("after the digest resume Envoy shows {got:?}, not {want:?}"));
+    // Neither roll had the overlap on both sides: to the older owner the relay switched
+    // the plain way onto the stream it had opened in the overlap; from it, at its end.
+    assert_eq!(
+        relay.metric("aether_relay_overlap_switches_total"),
+        Some(0.0),
+        "no switch in overlap across the skew"
+    );
     eprintln!(
         "plain resume, then a digest resume: relay types by digest {by_digest:?}; the owner's CDS digest resumes 1, clusters sent 0"
     );

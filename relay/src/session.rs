@@ -160,6 +160,31 @@ impl Core for Session {
     }
 }
 
+impl Counts {
+    /// What a re-statement added since `before` (its own counts only).
+    fn since(&self, before: &Counts) -> Counts {
+        Counts {
+            resumes: self.resumes - before.resumes,
+            digest_resumes: self.digest_resumes - before.digest_resumes,
+            digest_types: self.digest_types - before.digest_types,
+            bucket_types: self.bucket_types - before.bucket_types,
+            version_types: self.version_types - before.version_types,
+            names_types: self.names_types - before.names_types,
+            ..Counts::default()
+        }
+    }
+
+    /// Takes back a dropped re-statement's counts.
+    fn take_back(&mut self, r: &Counts) {
+        self.resumes -= r.resumes;
+        self.digest_resumes -= r.digest_resumes;
+        self.digest_types -= r.digest_types;
+        self.bucket_types -= r.bucket_types;
+        self.version_types -= r.version_types;
+        self.names_types -= r.names_types;
+    }
+}
+
 /// Counts the driver exports.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Counts {
@@ -279,6 +304,9 @@ pub struct Session {
     next: Option<u64>,
     /// An answer went to Envoy from the current stream after the next one was re-stated.
     carried: bool,
+    /// What the next stream's re-statement added to the counts: taken back if it is
+    /// dropped, so that they count the streams switched to.
+    next_counts: Counts,
     pub counts: Counts,
 }
 
@@ -449,8 +477,10 @@ impl Session {
     pub fn restate_next(&mut self, matched: Option<&str>) -> Vec<Send> {
         self.next = Some(self.stream + 1);
         self.carried = false;
-        self.restatement(matched, true)
-            .into_iter()
+        let before = self.counts;
+        let out = self.restatement(matched, true);
+        self.next_counts = self.counts.since(&before);
+        out.into_iter()
             .map(|o| match o {
                 Send::Upstream(r) => Send::Next(r),
                 other => other,
@@ -481,7 +511,10 @@ impl Session {
 
     /// The next stream is dropped; a later one is re-stated afresh.
     pub fn abandon_next(&mut self) {
-        self.next = None;
+        if self.next.take().is_some() {
+            self.counts
+                .take_back(&std::mem::take(&mut self.next_counts));
+        }
         self.carried = false;
     }
 

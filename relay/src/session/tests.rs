@@ -884,8 +884,14 @@ fn the_next_stream_is_restated_while_the_current_one_carries_and_takes_later_sub
         "still forwarded: {out:?}"
     );
     assert!(!s.next_holds());
-    // An empty answer goes nowhere near Envoy, and would not have.
+    assert_eq!(s.counts.resumes, 1);
     s.abandon_next();
+    assert_eq!(
+        (s.counts.resumes, s.counts.version_types),
+        (0, 0),
+        "a dropped re-statement is not counted"
+    );
+    // An empty answer goes nowhere near Envoy, and would not have.
     s.on_envoy(ack(EDS, "3"));
     s.offer();
     s.restate_next(None);

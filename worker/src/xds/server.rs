@@ -232,7 +232,8 @@ struct Ads {
 }
 
 /// Whether the server takes the xDS relay's digest resume (`shared_proto::resume`):
-/// `Digest` unless `--xds-digest-resume=false`, which answers as an owner without it.
+/// `Digest` unless `--xds-digest-resume=false`, which answers as an owner without it,
+/// and without the overlapping handover ([`Handover`]): an owner of the previous version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Resume {
     #[default]
@@ -424,7 +425,11 @@ impl Ads {
         );
         // A relay's stream: handed over in-band (the overlap, when it asks and the
         // protocol has it) or ended at the handover.
-        let overlap = overlap && offer.is_some() && P::handover_answer("").is_some();
+        // An owner without the digest resume answers as an older one: no overlap either.
+        let overlap = overlap
+            && offer.is_some()
+            && P::handover_answer("").is_some()
+            && self.resume == Resume::Digest;
         let relay = offer.is_some().then(|| self.handover.relay_stream(overlap));
         tokio::spawn(run_stream::<P>(
             id, inbound, tx, snapshots, encoded, observed, acks, metrics, limits, resumed, relay,
