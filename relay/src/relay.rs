@@ -139,10 +139,10 @@ pub async fn session<C: Core>(relay: Arc<Relay>, mut envoy: Requests<C>, tx: ToE
                 Ended::HandedOver => {
                     match overlap::<C>(&relay, &mut s, &mut envoy, &tx, &mut answers, &up_tx).await
                     {
-                        Overlapped::Switched(next) => {
+                        Overlapped::Switched { next, overlapped } => {
                             // The old stream closes as its queue and answers drop here.
                             m.switches.fetch_add(1, Relaxed);
-                            m.overlap_switches.fetch_add(1, Relaxed);
+                            m.overlap_switches.fetch_add(u64::from(overlapped), Relaxed);
                             m.note_end();
                             carried_over = Some(*next);
                             continue;
@@ -247,8 +247,14 @@ const OVERLAP_ATTEMPTS: u32 = 4;
 const HELD_BACK_MAX: usize = 4096;
 
 enum Overlapped<C: Core> {
-    /// The next stream serves; the old one is to be closed.
-    Switched(Box<(Answers<C>, Queue<C>)>),
+    /// The next stream serves; the old one is to be closed. `overlapped`: the next one
+    /// was re-stated while the old one carried (else the successor lacks the overlap, or
+    /// the old stream ended first, and the switch was the plain one, onto the stream
+    /// already open).
+    Switched {
+        next: Box<(Answers<C>, Queue<C>)>,
+        overlapped: bool,
+    },
     Envoy,
     /// No switch in overlap: the plain one follows, as after a stream's end.
     Broken(&'static str),
@@ -291,7 +297,10 @@ async fn overlap<C: Core>(
                         if !queue::<C>(&next_tx, s.upstream_up(o.matched.as_deref())) {
                             return Overlapped::Broken("queue full");
                         }
-                        return Overlapped::Switched(Box::new((o.answers, next_tx)));
+                        return Overlapped::Switched {
+                            next: Box::new((o.answers, next_tx)),
+                            overlapped: false,
+                        };
                     }
                     Err(e) => {
                         m.upstream_failures.fetch_add(1, Relaxed);
@@ -332,7 +341,10 @@ async fn overlap<C: Core>(
                                 if !queue::<C>(&next_tx, s.upstream_up(matched.as_deref())) {
                                     return Overlapped::Broken("queue full");
                                 }
-                                Overlapped::Switched(Box::new((answers, next_tx)))
+                                Overlapped::Switched {
+                                    next: Box::new((answers, next_tx)),
+                                    overlapped: false,
+                                }
                             }
                             _ => Overlapped::Broken("the old stream ended in the overlap"),
                         };
@@ -406,7 +418,10 @@ async fn switch<C: Core>(
             Err(_) => return Overlapped::Broken("queue full"),
         }
     }
-    Overlapped::Switched(Box::new((answers, up)))
+    Overlapped::Switched {
+        next: Box::new((answers, up)),
+        overlapped: true,
+    }
 }
 
 /// Queues requests for the agent stream being opened; false when the queue is full.
