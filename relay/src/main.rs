@@ -33,7 +33,11 @@ use crate::relay::{AdsServer, Relay};
 /// switch are folded in and re-stated. Each agent stream has a connection of its own, so
 /// that one a released owner ends at its handover is re-stated on the successor. Over
 /// delta, the types and EDS names that match the new owner's snapshot go by their digests
-/// instead of every version and name. Without any agent stream for --upstream-grace, it
+/// instead of every version and name, and a released owner that says so in-band keeps
+/// carrying changes while the relay opens and re-states the next stream (once Envoy has
+/// answered all it was sent); the relay switches when the successor has answered the
+/// re-statement, or re-states afresh if the old stream carried a change meanwhile.
+/// Without any agent stream for --upstream-grace, it
 /// ends Envoy's stream, so that Envoy's own control-plane signals show the outage.
 ///
 /// The relay carries every pod's private key (SDS): its socket is 0660, it is not
