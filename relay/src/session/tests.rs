@@ -614,6 +614,33 @@ impl Agent {
     }
 }
 
+/// Moves a model agent's snapshot on: each name of each type removed, or given a new
+/// version (counted in `version`), each with odds of 1 in `odds`.
+fn move_on(
+    agent: &mut Agent,
+    rng: &mut Rng,
+    version: &mut u64,
+    urls: &[&str],
+    names: &[&str],
+    odds: u64,
+) {
+    for u in urls {
+        let snap = agent.snapshot.entry((*u).into()).or_default();
+        for n in names {
+            match rng.next(odds) {
+                0 => {
+                    snap.remove(*n);
+                }
+                1 => {
+                    *version += 1;
+                    snap.insert((*n).into(), format!("v{version}"));
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
 /// Envoy, as far as holding resources goes: applies each answer and ACKs it (or, now
 /// and then, NACKs it and keeps what it had); the ACK may be delayed.
 #[derive(Default)]
@@ -657,23 +684,8 @@ fn any_sequence_of_switches_leaves_envoy_holding_the_last_agents_snapshot() {
         let mut envoy = Envoy::default();
         let mut agent = Agent::default();
         let mut version = 0u64;
-        let mut shuffle = |agent: &mut Agent, rng: &mut Rng| {
-            for u in urls {
-                let snap = agent.snapshot.entry(u.into()).or_default();
-                for n in names {
-                    match rng.next(4) {
-                        0 => {
-                            snap.remove(n);
-                        }
-                        1 => {
-                            version += 1;
-                            snap.insert(n.into(), format!("v{version}"));
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        };
+        let mut shuffle =
+            |agent: &mut Agent, rng: &mut Rng| move_on(agent, rng, &mut version, &urls, &names, 4);
         shuffle(&mut agent, &mut rng);
         let mut to_agent: Vec<DeltaRequest> = Vec::new();
         let mut to_envoy: Vec<Framed<DeltaResponse>> = Vec::new();
@@ -957,23 +969,8 @@ fn any_sequence_of_overlapping_switches_leaves_envoy_holding_the_last_agents_sna
     for seed in 1..=300u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let mut version = 0u64;
-        let mut shuffle = |agent: &mut Agent, rng: &mut Rng| {
-            for u in urls {
-                let snap = agent.snapshot.entry(u.into()).or_default();
-                for n in names {
-                    match rng.next(5) {
-                        0 => {
-                            snap.remove(n);
-                        }
-                        1 => {
-                            version += 1;
-                            snap.insert(n.into(), format!("v{version}"));
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        };
+        let mut shuffle =
+            |agent: &mut Agent, rng: &mut Rng| move_on(agent, rng, &mut version, &urls, &names, 5);
         let mut s = Session::default();
         let mut envoy = Envoy::default();
         let mut old = Agent::default();
