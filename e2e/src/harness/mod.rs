@@ -387,6 +387,11 @@ pub struct ModeResult {
     pub envoy_stream_ends: Option<u64>,
     /// Behind the relay: the streams it opened to the agent, the first included.
     pub relay_upstream_streams: Option<u64>,
+    /// Behind the relay: its switches made in overlap (the old owner still carrying), and
+    /// the next streams it dropped and re-stated afresh because the old one carried a
+    /// change after their re-statement.
+    pub relay_overlap_switches: Option<u64>,
+    pub relay_overlap_restarts: Option<u64>,
     /// A roll failed and ended the run: it is not in `rolls`, but it may have got as
     /// far as the relay's switch to its new owner.
     pub roll_failed: bool,
@@ -694,6 +699,8 @@ impl ModeResult {
                 "relay": self.relay,
                 "envoy_stream_ends": self.envoy_stream_ends,
                 "relay_upstream_streams": self.relay_upstream_streams,
+                "relay_overlap_switches": self.relay_overlap_switches,
+                "relay_overlap_restarts": self.relay_overlap_restarts,
                 "relay_upstream_gap_median_s": some(&relay_gaps, relay_gaps.median),
                 "relay_upstream_gap_p99_s": some(&relay_gaps, relay_gaps.p99),
                 "relay_upstream_gap_max_s": some(&relay_gaps, relay_gaps.max),
@@ -1344,6 +1351,8 @@ pub fn run_mode(cfg: &Config, mode: Mode, relay: bool) -> ModeResult {
                 .map(|v| v as u64)
         };
         res.relay_upstream_streams = relay_metric("aether_relay_upstream_streams_total");
+        res.relay_overlap_switches = relay_metric("aether_relay_overlap_switches_total");
+        res.relay_overlap_restarts = relay_metric("aether_relay_overlap_restarts_total");
         let logged = agent_nacks(&root);
         res.nacks = Some(logged.max(relay_metric("aether_relay_nacks_total").unwrap_or(0)));
     }
@@ -2422,7 +2431,11 @@ pub fn finish(cfg: &Config, results: &[ModeResult]) -> bool {
                     .map_or("?".to_string(), |n| n.to_string()),
                 r.nacks.map_or("?".to_string(), |n| n.to_string()),
                 r.relay_upstream_streams
-                    .map(|n| format!("; the relay opened {n} streams to the agent"))
+                    .map(|n| format!(
+                        "; the relay opened {n} streams to the agent ({} switches in overlap, {} fresh re-statements)",
+                        r.relay_overlap_switches.map_or("?".to_string(), |n| n.to_string()),
+                        r.relay_overlap_restarts.map_or("?".to_string(), |n| n.to_string())
+                    ))
                     .unwrap_or_default()
             );
         }
