@@ -66,19 +66,19 @@ fn upstream(out: &[Send]) -> Vec<&DeltaRequest> {
 
 /// The requests to the next agent stream (the overlap's), in order.
 fn to_next(out: &[Send]) -> Vec<&DeltaRequest> {
-    out.iter()
-        .filter_map(|s| match s {
-            Send::Next(r) => Some(&r.view),
-            _ => None,
-        })
-        .collect()
+    requests(out, true)
 }
 
 /// The requests to the current agent stream, in order.
 fn to_current(out: &[Send]) -> Vec<&DeltaRequest> {
+    requests(out, false)
+}
+
+fn requests(out: &[Send], next: bool) -> Vec<&DeltaRequest> {
     out.iter()
         .filter_map(|s| match s {
-            Send::Upstream(r) => Some(&r.view),
+            Send::Next(r) if next => Some(&r.view),
+            Send::Upstream(r) if !next => Some(&r.view),
             _ => None,
         })
         .collect()
