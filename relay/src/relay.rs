@@ -242,9 +242,11 @@ async fn deliver<C: Core>(
 /// Next streams re-stated afresh in one overlap before the relay gives it up and
 /// switches the plain way.
 const OVERLAP_ATTEMPTS: u32 = 4;
-/// Answers of the next stream held back until the switch; past it the overlap is given
-/// up (the session stays whole: the plain switch re-states everything).
+/// Answers of the next stream held back until the switch, and their bytes; past either
+/// the overlap is given up (the session stays whole: the plain switch re-states
+/// everything). The bytes are those of one answer of the largest size taken.
 const HELD_BACK_MAX: usize = 4096;
+const HELD_BACK_BYTES: usize = 256 << 20;
 
 enum Overlapped<C: Core> {
     /// The next stream serves; the old one is to be closed. `overlapped`: the next one
@@ -286,6 +288,7 @@ async fn overlap<C: Core>(
         let mut next: Option<(Answers<C>, Option<String>)> = None;
         let mut restated = false;
         let mut held_back: Vec<Framed<C::Resp>> = Vec::new();
+        let mut held_bytes = 0usize;
         loop {
             tokio::select! {
                 opened = &mut connect, if next.is_none() => match opened {
@@ -362,9 +365,10 @@ async fn overlap<C: Core>(
                         break;
                     }
                     Ok(Some(a)) => {
+                        held_bytes += a.bytes.len();
                         held_back.push(a);
-                        if held_back.len() > HELD_BACK_MAX {
-                            return Overlapped::Broken("too many answers held back");
+                        if held_back.len() > HELD_BACK_MAX || held_bytes > HELD_BACK_BYTES {
+                            return Overlapped::Broken("too much held back");
                         }
                     }
                     _ => {
