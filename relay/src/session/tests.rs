@@ -956,6 +956,61 @@ fn a_stream_end_in_the_overlap_drops_the_next_stream() {
     assert!(out.is_empty(), "folded in while down: {out:?}");
 }
 
+/// What is in flight in the overlap's property test: requests to the current and to the
+/// next agent, answers to Envoy.
+#[derive(Default)]
+struct InFlight {
+    current: Vec<DeltaRequest>,
+    next: Vec<DeltaRequest>,
+    envoy: Vec<Framed<DeltaResponse>>,
+}
+
+impl InFlight {
+    fn route(&mut self, out: Vec<Send>) {
+        for o in out {
+            match o {
+                Send::Upstream(r) => self.current.push(r.view),
+                Send::Next(r) => self.next.push(r.view),
+                Send::Envoy(r) => self.envoy.push(r),
+            }
+        }
+    }
+
+    /// Envoy applies what it was sent and will ACK it (never a NACK here: a NACKed
+    /// answer is re-sent only by a re-statement, which the plain property test covers).
+    fn deliver(&mut self, envoy: &mut Envoy) {
+        for answer in std::mem::take(&mut self.envoy) {
+            envoy.apply(&answer.view);
+            envoy.unanswered.push((answer, true));
+        }
+    }
+
+    /// Envoy's ACKs reach the session.
+    fn acks(&mut self, s: &mut Session, envoy: &mut Envoy) {
+        for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
+            self.route(s.on_envoy(reply(&answer.view, ok)));
+        }
+    }
+
+    /// The current agent answers the requests it was sent.
+    fn answers(&mut self, s: &mut Session, agent: &mut Agent) {
+        for r in std::mem::take(&mut self.current) {
+            for a in agent.handle(&r) {
+                self.route(s.on_agent(a));
+            }
+        }
+    }
+
+    /// The current agent sends what its snapshot's move changed.
+    fn changes(&mut self, s: &mut Session, agent: &mut Agent, urls: &[&str]) {
+        for u in urls {
+            if let Some(a) = agent.diff(u) {
+                self.route(s.on_agent(a));
+            }
+        }
+    }
+}
+
 /// The overlap, as a property: an old agent carrying changes while the next one is
 /// re-stated and its answers held back, switches when the re-statement holds and fresh
 /// re-statements when the old one carried after it, Envoy's ACKs at any point: once all
@@ -975,64 +1030,27 @@ fn any_sequence_of_overlapping_switches_leaves_envoy_holding_the_last_agents_sna
         let mut envoy = Envoy::default();
         let mut old = Agent::default();
         shuffle(&mut old, &mut rng);
-        // Requests to the current agent, and answers to Envoy, in flight.
-        let mut to_old: Vec<DeltaRequest> = Vec::new();
-        let mut to_envoy: Vec<Framed<DeltaResponse>> = Vec::new();
-        let route = |out: Vec<Send>,
-                     a: &mut Vec<DeltaRequest>,
-                     n: &mut Vec<DeltaRequest>,
-                     e: &mut Vec<Framed<DeltaResponse>>| {
-            for o in out {
-                match o {
-                    Send::Upstream(r) => a.push(r.view),
-                    Send::Next(r) => n.push(r.view),
-                    Send::Envoy(r) => e.push(r),
-                }
-            }
-        };
-        let mut to_next: Vec<DeltaRequest> = Vec::new();
-        route(s.upstream_up(), &mut to_old, &mut to_next, &mut to_envoy);
+        let mut w = InFlight::default();
+        w.route(s.upstream_up());
         for u in urls {
             let sub: &[&str] = match u {
                 EDS => &names[..2],
                 SDS => &["*"],
                 _ => &[],
             };
-            let out = s.on_envoy(req(u, sub));
-            route(out, &mut to_old, &mut to_next, &mut to_envoy);
+            w.route(s.on_envoy(req(u, sub)));
         }
-        // Envoy ACKs what it was sent, now or later (never a NACK here: a NACKed answer
-        // is re-sent only by a re-statement, which the plain property test covers).
-        let deliver = |envoy: &mut Envoy, to_envoy: &mut Vec<Framed<DeltaResponse>>| {
-            for answer in std::mem::take(to_envoy) {
-                envoy.apply(&answer.view);
-                envoy.unanswered.push((answer, true));
-            }
-        };
         for _round in 0..4 {
             // Steady traffic on the current agent.
             for _ in 0..rng.next(6) {
-                for r in std::mem::take(&mut to_old) {
-                    for a in old.handle(&r) {
-                        let out = s.on_agent(a);
-                        route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                    }
-                }
-                deliver(&mut envoy, &mut to_envoy);
+                w.answers(&mut s, &mut old);
+                w.deliver(&mut envoy);
                 if rng.next(2) == 0 {
-                    for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
-                        let out = s.on_envoy(reply(&answer.view, ok));
-                        route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                    }
+                    w.acks(&mut s, &mut envoy);
                 }
                 if rng.next(3) == 0 {
                     shuffle(&mut old, &mut rng);
-                    for u in urls {
-                        if let Some(a) = old.diff(u) {
-                            let out = s.on_agent(a);
-                            route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                        }
-                    }
+                    w.changes(&mut s, &mut old, &urls);
                 }
             }
             // The handover: the next agent starts from the old one's snapshot and moves
@@ -1051,27 +1069,14 @@ fn any_sequence_of_overlapping_switches_leaves_envoy_holding_the_last_agents_sna
                     // The old agent carries a change, answered to Envoy at once.
                     0 => {
                         shuffle(&mut old, &mut rng);
-                        for u in urls {
-                            if let Some(a) = old.diff(u) {
-                                let out = s.on_agent(a);
-                                route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                            }
-                        }
-                        deliver(&mut envoy, &mut to_envoy);
+                        w.changes(&mut s, &mut old, &urls);
+                        w.deliver(&mut envoy);
                     }
                     // Envoy's replies come in.
                     1 | 2 => {
-                        for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
-                            let out = s.on_envoy(reply(&answer.view, ok));
-                            route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                        }
-                        for r in std::mem::take(&mut to_old) {
-                            for a in old.handle(&r) {
-                                let out = s.on_agent(a);
-                                route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                            }
-                        }
-                        deliver(&mut envoy, &mut to_envoy);
+                        w.acks(&mut s, &mut envoy);
+                        w.answers(&mut s, &mut old);
+                        w.deliver(&mut envoy);
                     }
                     // The next agent's own change, held back until the switch.
                     3 if restated => {
@@ -1089,11 +1094,10 @@ fn any_sequence_of_overlapping_switches_leaves_envoy_holding_the_last_agents_sna
                             }
                             let offer = s.offer();
                             let matched = (rng.next(3) != 0).then(|| next.answer_offer(&offer));
-                            let out = s.restate_next(matched.as_deref());
-                            route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                            w.route(s.restate_next(matched.as_deref()));
                             restated = true;
                         }
-                        for r in std::mem::take(&mut to_next) {
+                        for r in std::mem::take(&mut w.next) {
                             held_back.extend(next.handle(&r));
                         }
                         if rng.next(2) == 0 {
@@ -1103,46 +1107,32 @@ fn any_sequence_of_overlapping_switches_leaves_envoy_holding_the_last_agents_sna
                             s.switch_next();
                             switched += 1;
                             for a in std::mem::take(&mut held_back) {
-                                let out = s.on_agent(a);
-                                route(out, &mut to_old, &mut to_next, &mut to_envoy);
+                                w.route(s.on_agent(a));
                             }
-                            deliver(&mut envoy, &mut to_envoy);
+                            w.deliver(&mut envoy);
                             break;
                         }
                         restarted += 1;
                         s.abandon_next();
                         next = next.successor();
                         held_back.clear();
-                        to_next.clear();
+                        w.next.clear();
                         restated = false;
                     }
                 }
             }
             old = next;
-            to_old.clear();
+            w.current.clear();
         }
         // Settle without a re-statement: every answer delivered and ACKed, the last
         // agent's changes with them.
         shuffle(&mut old, &mut rng);
-        for u in urls {
-            if let Some(a) = old.diff(u) {
-                let out = s.on_agent(a);
-                route(out, &mut to_old, &mut to_next, &mut to_envoy);
-            }
-        }
-        deliver(&mut envoy, &mut to_envoy);
-        while !envoy.unanswered.is_empty() || !to_old.is_empty() {
-            for (answer, ok) in std::mem::take(&mut envoy.unanswered) {
-                let out = s.on_envoy(reply(&answer.view, ok));
-                route(out, &mut to_old, &mut to_next, &mut to_envoy);
-            }
-            for r in std::mem::take(&mut to_old) {
-                for a in old.handle(&r) {
-                    let out = s.on_agent(a);
-                    route(out, &mut to_old, &mut to_next, &mut to_envoy);
-                }
-            }
-            deliver(&mut envoy, &mut to_envoy);
+        w.changes(&mut s, &mut old, &urls);
+        w.deliver(&mut envoy);
+        while !envoy.unanswered.is_empty() || !w.current.is_empty() {
+            w.acks(&mut s, &mut envoy);
+            w.answers(&mut s, &mut old);
+            w.deliver(&mut envoy);
         }
         for u in urls {
             let c = old.client.get(u).cloned().unwrap_or_default();
