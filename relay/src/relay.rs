@@ -262,6 +262,16 @@ enum Overlapped<C: Core> {
     Broken(&'static str),
 }
 
+impl<C: Core> From<Ended> for Overlapped<C> {
+    /// A delivery that failed: Envoy gone, or an agent stream's queue full.
+    fn from(e: Ended) -> Self {
+        match e {
+            Ended::Envoy => Overlapped::Envoy,
+            _ => Overlapped::Broken("queue full"),
+        }
+    }
+}
+
 /// The overlapping handover (`shared_proto::resume`, "Overlap"): the old agent stream
 /// `old` carries on (its answers to Envoy, Envoy's requests to it) while the next one
 /// opens, in the socket's backlog until the successor accepts. The next stream is
@@ -293,18 +303,8 @@ async fn overlap<C: Core>(
             tokio::select! {
                 opened = &mut connect, if next.is_none() => match opened {
                     Ok(o) if o.overlap => next = Some((o.answers, o.matched)),
-                    Ok(o) => {
-                        // A successor without the overlap (mid-roll skew): the plain
-                        // switch, onto the stream already open.
-                        s.upstream_down();
-                        if !queue::<C>(&next_tx, s.upstream_up(o.matched.as_deref())) {
-                            return Overlapped::Broken("queue full");
-                        }
-                        return Overlapped::Switched {
-                            next: Box::new((o.answers, next_tx)),
-                            overlapped: false,
-                        };
-                    }
+                    // A successor without the overlap (mid-roll skew).
+                    Ok(o) => return plain_switch::<C>(s, o.answers, o.matched, next_tx),
                     Err(e) => {
                         m.upstream_failures.fetch_add(1, Relaxed);
                         tracing::warn!(upstream = %relay.upstream.display(), error = %format!("{e:#}"), "relay: the next agent stream did not open in the overlap");
@@ -315,10 +315,8 @@ async fn overlap<C: Core>(
                     Ok(Some(req)) => {
                         let out = s.on_envoy(req);
                         let next_q = restated.then_some(&next_tx);
-                        match deliver::<C>(out, old_up, next_q, tx).await {
-                            Ok(()) => {}
-                            Err(Ended::Envoy) => return Overlapped::Envoy,
-                            Err(_) => return Overlapped::Broken("queue full"),
+                        if let Err(e) = deliver::<C>(out, old_up, next_q, tx).await {
+                            return e.into();
                         }
                     }
                     _ => return Overlapped::Envoy,
@@ -327,10 +325,8 @@ async fn overlap<C: Core>(
                     Ok(Some(a)) if C::handover_nonce(&a.view).is_some() => {}
                     Ok(Some(a)) => {
                         let out = s.on_agent(a);
-                        match deliver::<C>(out, old_up, None, tx).await {
-                            Ok(()) => {}
-                            Err(Ended::Envoy) => return Overlapped::Envoy,
-                            Err(_) => return Overlapped::Broken("queue full"),
+                        if let Err(e) = deliver::<C>(out, old_up, None, tx).await {
+                            return e.into();
                         }
                     }
                     // The old owner ended its side first (its bound, or its exit).
@@ -340,14 +336,7 @@ async fn overlap<C: Core>(
                                 switch::<C>(s, held_back, answers, next_tx, tx).await
                             }
                             Some((answers, matched)) if !restated => {
-                                s.upstream_down();
-                                if !queue::<C>(&next_tx, s.upstream_up(matched.as_deref())) {
-                                    return Overlapped::Broken("queue full");
-                                }
-                                Overlapped::Switched {
-                                    next: Box::new((answers, next_tx)),
-                                    overlapped: false,
-                                }
+                                plain_switch::<C>(s, answers, matched, next_tx)
                             }
                             _ => Overlapped::Broken("the old stream ended in the overlap"),
                         };
@@ -401,6 +390,24 @@ async fn overlap<C: Core>(
     Overlapped::Broken("the overlap did not settle")
 }
 
+/// The plain switch, onto the stream already opened in the overlap: the session
+/// re-stated on it as after a stream's end.
+fn plain_switch<C: Core>(
+    s: &mut C,
+    answers: Answers<C>,
+    matched: Option<String>,
+    up: Queue<C>,
+) -> Overlapped<C> {
+    s.upstream_down();
+    if !queue::<C>(&up, s.upstream_up(matched.as_deref())) {
+        return Overlapped::Broken("queue full");
+    }
+    Overlapped::Switched {
+        next: Box::new((answers, up)),
+        overlapped: false,
+    }
+}
+
 /// The overlap's switch: the next stream becomes the current one, and its answers held
 /// back go to Envoy in the order they came.
 async fn switch<C: Core>(
@@ -416,10 +423,8 @@ async fn switch<C: Core>(
         "relay: switched to the next agent stream with the old one still carrying (overlap)"
     );
     for a in held_back {
-        match deliver::<C>(s.on_agent(a), &up, None, tx).await {
-            Ok(()) => {}
-            Err(Ended::Envoy) => return Overlapped::Envoy,
-            Err(_) => return Overlapped::Broken("queue full"),
+        if let Err(e) = deliver::<C>(s.on_agent(a), &up, None, tx).await {
+            return e.into();
         }
     }
     Overlapped::Switched {
